@@ -1,0 +1,46 @@
+"""Input validation shared by the core functions.
+
+Every check raises ``ValueError`` naming the argument and the offending value, so a wrong
+input never turns into a silently wrong answer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def check_finite(name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """Raise if ``t`` (restricted to ``mask`` when given) holds NaN or +-inf."""
+    vals = t if mask is None else t[mask]
+    if vals.is_floating_point() and not torch.isfinite(vals).all():
+        bad = vals[~torch.isfinite(vals)]
+        raise ValueError(
+            f"{name} must be finite; found {bad.numel()} non-finite value(s), e.g. {bad[0].item()}"
+        )
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int], ref_name: str = "") -> None:
+    if tuple(t.shape) != tuple(shape):
+        ref = f" (the shape of {ref_name})" if ref_name else ""
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}{ref}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"tensors are on different devices: {devices}")
+
+
+def check_bool(name: str, t: torch.Tensor) -> None:
+    if t.dtype != torch.bool:
+        raise ValueError(f"{name} must be a bool tensor (True = counts), got dtype {t.dtype}")
+
+
+def check_fraction(name: str, value: float, *, allow_zero: bool = False) -> None:
+    """K-style fractions live in (0, 1] (or [0, 1] with ``allow_zero``)."""
+    lo_ok = value >= 0 if allow_zero else value > 0
+    if not (lo_ok and value <= 1) or value != value:
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
