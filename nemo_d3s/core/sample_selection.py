@@ -1,0 +1,492 @@
+"""Rollout-level down-sampling: which of the B rollouts of a batch get a gradient.
+
+What N means
+------------
+``n_keep`` (N) counts rollouts kept PER PROMPT (per group):
+
+- an ``int`` >= 1 is a count; a group with fewer rollouts than N is kept whole;
+- a ``float`` in (0, 1] is a fraction of the group size G, turned into a count by
+  :func:`resolve_n_keep` (round half up, at least 1, at most G).
+
+Per-group rules (``random``, ``max_reward``, ``pods``, ``d3s_intra``) keep
+``resolve_n_keep(N, G_g)`` rollouts of every group g. The cross-group rule ``d3s_cross``
+pools the whole batch and keeps ``sum_g resolve_n_keep(N, G_g)`` rollouts from the pool:
+exactly as many as the intra-group rule would keep, i.e. N x n_groups when every group has
+at least N rollouts, and never more than B. Kept rollouts of one prompt may then range from
+0 to G.
+
+Max-variance selection
+----------------------
+Choosing m of n values to maximise their variance is solved exactly by the lemma of PODS
+(arXiv 2504.13818): with the values sorted, some optimal subset is the k largest plus the
+m - k smallest for some k in 0..m. Scanning k with float64 prefix sums of v and v^2 costs
+O(n log n) (the sort). See :func:`max_variance_subset`.
+
+Determinism: the same inputs give the same indices (no atomics, stable sorts only). Ties are
+broken as documented on :func:`max_variance_mask`; everywhere else ties go to the lower index.
+
+This module is pure torch: no collectives. The distributed selector in
+``nemo_d3s.distributed`` gathers what it needs and calls these functions.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from nemo_d3s.core.advantages import (
+    _check_eps,
+    _check_group_ids,
+    _check_rewards,
+    _grouped_advantages,
+    group_buckets,
+    group_index,
+    group_sizes,
+)
+from nemo_d3s.core.checks import check_bool, check_finite, check_same_device, check_shape
+from nemo_d3s.core.registry import Registry
+
+__all__ = [
+    "SAMPLE_SELECTORS",
+    "SampleSelection",
+    "select_samples",
+    "max_variance_subset",
+    "max_variance_mask",
+    "resolve_n_keep",
+    "kept_advantage_variance",
+    "share_nonzero_advantage",
+    "PODS_EPS",
+]
+
+Count = Union[int, float]
+
+#: The PODS paper's std offset in its re-normalisation a = (r - mean_S) / (std_S + 1e-4).
+PODS_EPS = 1e-4
+
+# Relative tolerance for "this k ties the best variance"; see max_variance_mask.
+_VARIANCE_RTOL = 1e-10
+_F64_EPS = torch.finfo(torch.float64).eps
+
+SAMPLE_SELECTORS: Registry = Registry(
+    "sample selection rule",
+    "fn(rewards[B], advantages[B], group_ids[B], n_keep: int|float, *, generator: torch.Generator|None, "
+    "eps, unbiased) -> SampleSelection",
+)
+
+
+@dataclass
+class SampleSelection:
+    """sample_keep [B] bool (True = the rollout is trained on); advantages [B] f32, equal to
+    the input advantages except for ``pods``, which re-normalises the KEPT rows on the kept
+    subset (dropped rows keep their input value; they carry no gradient anyway)."""
+
+    sample_keep: torch.Tensor
+    advantages: torch.Tensor
+    n_kept: int
+
+    @property
+    def kept_rows(self) -> torch.Tensor:
+        """[n_kept] long, ascending."""
+        return self.sample_keep.nonzero().flatten()
+
+
+# ----------------------------------------------------------------------------------------
+# N
+# ----------------------------------------------------------------------------------------
+
+
+def _check_n_keep(n_keep: Count) -> None:
+    if isinstance(n_keep, bool) or not isinstance(n_keep, numbers.Real):
+        raise ValueError(f"n_keep must be an int >= 1 or a float fraction in (0, 1], got {n_keep!r}")
+    if isinstance(n_keep, numbers.Integral):
+        if n_keep < 1:
+            raise ValueError(f"n_keep must be >= 1 when given as an int count, got {n_keep!r}")
+    elif not (0.0 < float(n_keep) <= 1.0):  # also rejects NaN
+        raise ValueError(
+            f"n_keep must be in (0, 1] when given as a float fraction of the group size, got {n_keep!r} "
+            "(pass an int for an absolute count)"
+        )
+
+
+def resolve_n_keep(n_keep: Count, group_size: int) -> int:
+    """Rollouts to keep from a group of ``group_size``.
+
+    ``n_keep`` int >= 1: a count, capped at ``group_size`` (a small group is kept whole).
+    ``n_keep`` float in (0, 1]: a fraction of ``group_size``, rounded half up, at least 1.
+    """
+    _check_n_keep(n_keep)
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if isinstance(n_keep, numbers.Integral):
+        return int(min(int(n_keep), int(group_size)))
+    # Half up rather than Python's half-to-even: 0.5 x 5 = 2.5 -> 3 reads as "half" better.
+    return int(min(max(math.floor(float(n_keep) * group_size + 0.5), 1), group_size))
+
+
+def _n_keep_per_group(n_keep: Count, sizes: torch.Tensor) -> torch.Tensor:
+    """Vectorised :func:`resolve_n_keep`: sizes [n_groups] long -> counts [n_groups] long."""
+    _check_n_keep(n_keep)
+    if isinstance(n_keep, numbers.Integral):
+        return sizes.clamp(max=int(n_keep))
+    # float64 multiply + floor(x + 0.5) reproduces the Python float arithmetic exactly.
+    m = torch.floor(sizes.to(torch.float64) * float(n_keep) + 0.5).to(torch.long)
+    return torch.minimum(m.clamp(min=1), sizes)
+
+
+# ----------------------------------------------------------------------------------------
+# max-variance subset
+# ----------------------------------------------------------------------------------------
+
+
+def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
+    """Row-wise exact max-variance subsets: values [R, n] real, 1 <= m <= n -> keep [R, n] bool
+    with exactly m True per row, maximising the variance of each row's kept values.
+
+    Batched over rows (one sort and two cumsums for all R rows); O(R n log n) time, O(R n)
+    float64 memory. Unbiased or population variance does not matter: m is fixed, so both
+    rank subsets identically.
+
+    Method: with a row sorted ascending, candidate k (0..m) takes the k largest and the
+    m - k smallest values. With P1, P2 the prefix sums of v and v^2 the candidate's sum of
+    squared deviations is ``SS_k = sq_k - sum_k^2 / m``. Values are shifted by the row median
+    first (variance is shift-invariant) so the subtraction does not cancel catastrophically.
+
+    Tie-breaking (deterministic):
+
+    1. Among candidates k whose SS_k is within ``max(1e-10 * best, 4 n eps64 * total)`` of the
+       best (``total`` = sum of squared shifted values, the scale of the prefix-sum rounding
+       error) the SMALLEST k wins, i.e. the subset richest in LOW values. Mathematically tied
+       candidates (e.g. binary rewards) therefore do not flip on rounding noise.
+    2. Among equal values, the LOWER index is kept first, whether the value sits in the top
+       or the bottom part (or both, when a run of equal values straddles them).
+    """
+    if values.dim() != 2:
+        raise ValueError(f"values must be 2-D [R, n], got shape {tuple(values.shape)}")
+    n_rows, n = values.shape
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= n:
+        raise ValueError(f"m must be an int in [1, {n}] (the number of values per row), got {m!r}")
+    if values.is_complex():
+        raise ValueError(f"values must be real-valued, got dtype {values.dtype}")
+    check_finite("values", values)
+    device = values.device
+    if n_rows == 0:
+        return torch.zeros((0, n), dtype=torch.bool, device=device)
+    if m == n:
+        return torch.ones((n_rows, n), dtype=torch.bool, device=device)
+
+    v = values.to(torch.float64)
+    # Stable ascending sort: within a run of equal values, lower original index comes first.
+    sorted_v, perm = torch.sort(v, dim=1, stable=True)
+    shifted = sorted_v - sorted_v[:, n // 2 : n // 2 + 1]
+    zero = torch.zeros((n_rows, 1), dtype=torch.float64, device=device)
+    p1 = torch.cat([zero, torch.cumsum(shifted, dim=1)], dim=1)  # [R, n+1]
+    p2 = torch.cat([zero, torch.cumsum(shifted * shifted, dim=1)], dim=1)
+
+    k = torch.arange(m + 1, device=device)  # taken from the top
+    lo_end = (m - k).expand(n_rows, -1)  # bottom part: sorted positions [0, m-k)
+    hi_start = (n - k).expand(n_rows, -1)  # top part: sorted positions [n-k, n)
+    top1 = p1[:, n : n + 1] - p1.gather(1, hi_start)
+    top2 = p2[:, n : n + 1] - p2.gather(1, hi_start)
+    sum_k = p1.gather(1, lo_end) + top1
+    sq_k = p2.gather(1, lo_end) + top2
+    ss_k = sq_k - sum_k * sum_k / m  # [R, m+1]
+
+    best = ss_k.max(dim=1, keepdim=True).values
+    noise = 4.0 * n * _F64_EPS * p2[:, n : n + 1]
+    tol = torch.maximum(_VARIANCE_RTOL * best.abs(), noise)
+    near_best = ss_k >= best - tol
+    # argmax over a bool row returns the first True: the smallest qualifying k.
+    k_star = near_best.to(torch.uint8).argmax(dim=1, keepdim=True)  # [R, 1]
+
+    pos = torch.arange(n, device=device).expand(n_rows, -1)
+    chosen_sorted = (pos < (m - k_star)) | (pos >= (n - k_star))
+
+    # Re-assign picks inside each run of equal values to the run's lowest original indices:
+    # the top part would otherwise take the HIGHEST indices of a tied run (end of the
+    # ascending order). The multiset of kept values, hence the variance, is unchanged.
+    new_run = torch.ones((n_rows, n), dtype=torch.bool, device=device)
+    new_run[:, 1:] = sorted_v[:, 1:] != sorted_v[:, :-1]
+    run_start = torch.cummax(torch.where(new_run, pos, torch.zeros_like(pos)), dim=1).values
+    run_id = torch.cumsum(new_run.to(torch.long), dim=1) - 1
+    picks_per_run = torch.zeros((n_rows, n), dtype=torch.long, device=device)
+    picks_per_run.scatter_add_(1, run_id, chosen_sorted.to(torch.long))
+    chosen_sorted = (pos - run_start) < picks_per_run.gather(1, run_id)
+
+    keep = torch.zeros((n_rows, n), dtype=torch.bool, device=device)
+    keep.scatter_(1, perm, chosen_sorted)
+    return keep
+
+
+def max_variance_subset(values: torch.Tensor, m: int) -> torch.Tensor:
+    """Indices of the m values with the largest variance: values [n] real -> LongTensor [m],
+    ascending. Exact, O(n log n); tie-breaking as in :func:`max_variance_mask` (smallest
+    number of top values among equally good subsets; lower index among equal values)."""
+    if not isinstance(values, torch.Tensor):
+        raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() != 1:
+        raise ValueError(f"values must be 1-D [n], got shape {tuple(values.shape)}")
+    if values.numel() == 0:
+        raise ValueError(f"values is empty (shape {tuple(values.shape)}); need at least one value")
+    if values.is_complex():
+        raise ValueError(f"values must be real-valued, got dtype {values.dtype}")
+    check_finite("values", values)
+    n = values.numel()
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= n:
+        raise ValueError(f"m must be an int in [1, {n}] (the number of values), got {m!r}")
+    return max_variance_mask(values.unsqueeze(0), int(m))[0].nonzero().flatten()
+
+
+# ----------------------------------------------------------------------------------------
+# grouped helpers
+# ----------------------------------------------------------------------------------------
+
+
+def _rank_within_group(order: torch.Tensor, index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Position of every sample in its group when samples are visited in ``order``.
+
+    order [B] long (a permutation), index [B] long dense group index -> rank [B] long.
+    """
+    # A stable sort by group on top of ``order`` keeps ``order``'s ranking inside each group.
+    by_group = order[torch.sort(index[order], stable=True).indices]
+    sizes = group_sizes(index, n_groups)
+    starts = torch.cumsum(sizes, 0) - sizes
+    rank = torch.empty_like(index)
+    rank[by_group] = torch.arange(index.numel(), device=index.device) - starts[index[by_group]]
+    return rank
+
+
+def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
+    """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
+
+    Groups of equal size are stacked into one [R, G] matrix and solved by one batched
+    :func:`max_variance_mask` call (the usual case: every prompt has G rollouts). Unequal
+    sizes cost one call per DISTINCT size (:func:`group_buckets`), never one per group.
+    Layout columns are in ascending sample index, so the lower-index tie-break carries over.
+    """
+    keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    for g_size, _, layout in group_buckets(index, n_groups):
+        m = resolve_n_keep(n_keep, g_size)
+        if m >= g_size:
+            keep[layout.flatten()] = True  # a group of <= N rollouts is kept whole
+        else:
+            keep[layout[max_variance_mask(values[layout], m)]] = True
+    return keep
+
+
+def _grouped_top(score: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
+    """Keep the resolve_n_keep(N, G) highest ``score`` of every group; ties by lower index.
+    score [B] -> keep [B] bool."""
+    # Stable descending sort = highest first, lower index first among equal scores.
+    order = torch.sort(score, descending=True, stable=True).indices
+    rank = _rank_within_group(order, index, n_groups)
+    return rank < _n_keep_per_group(n_keep, group_sizes(index, n_groups))[index]
+
+
+# ----------------------------------------------------------------------------------------
+# validation shared by the rules
+# ----------------------------------------------------------------------------------------
+
+
+def _prepare(
+    rewards: torch.Tensor, advantages: torch.Tensor, group_ids: torch.Tensor, n_keep: Count
+) -> tuple[torch.Tensor, int]:
+    _check_rewards(rewards, "rewards")
+    _check_rewards(advantages, "advantages")
+    _check_group_ids(group_ids)
+    check_shape("advantages", advantages, rewards.shape, "rewards")
+    check_shape("group_ids", group_ids, rewards.shape, "rewards")
+    check_same_device(rewards=rewards, advantages=advantages, group_ids=group_ids)
+    _check_n_keep(n_keep)
+    return group_index(group_ids)
+
+
+def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
+    return SampleSelection(sample_keep=keep, advantages=advantages.to(torch.float32).clone(), n_kept=int(keep.sum()))
+
+
+# ----------------------------------------------------------------------------------------
+# registered rules
+# ----------------------------------------------------------------------------------------
+
+
+@SAMPLE_SELECTORS.register("all")
+def select_all(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count = 1.0,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """Plain GRPO: keep every rollout. [B] inputs -> SampleSelection; n_keep is validated but
+    has no effect."""
+    _prepare(rewards, advantages, group_ids, n_keep)
+    return _result(torch.ones_like(rewards, dtype=torch.bool), advantages)
+
+
+@SAMPLE_SELECTORS.register("random")
+def select_random(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """Uniformly random N of each group, without replacement (PODS's "random" = GRPO on m
+    rollouts). [B] inputs -> SampleSelection. Draws B uniforms from ``generator`` (on the
+    generator's device, then moved), so a seeded generator gives the same subset on any
+    device; ``None`` uses torch's global RNG."""
+    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    u = torch.rand(rewards.numel(), generator=generator, device=gen_device, dtype=torch.float64)
+    u = u.to(rewards.device)
+    # The N smallest uniforms of a group are a uniform N-subset of it.
+    keep = _grouped_top(-u, index, n_groups, n_keep)
+    return _result(keep, advantages)
+
+
+@SAMPLE_SELECTORS.register("max_reward")
+def select_max_reward(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """The N highest rewards of each group, ties by lower index (PODS's max-reward
+    baseline). [B] inputs -> SampleSelection."""
+    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
+    keep = _grouped_top(rewards.to(torch.float64), index, n_groups, n_keep)
+    return _result(keep, advantages)
+
+
+@SAMPLE_SELECTORS.register("pods")
+def select_pods(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """PODS max-variance down-sampling: per group, the N rollouts whose REWARDS have maximal
+    variance; then the kept rows' advantages are re-normalised on the kept subset,
+    a = (r - mean_S) / (std_S + eps), with ``eps`` defaulting to the paper's 1e-4
+    (:data:`PODS_EPS`) and the unbiased std (the official code's). An all-equal subset, or a
+    subset of one rollout, gets 0. [B] inputs -> SampleSelection."""
+    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
+    eps = PODS_EPS if eps is None else eps
+    _check_eps(eps)
+    keep = _grouped_max_variance(rewards, index, n_groups, n_keep)
+    kept = keep.nonzero().flatten()
+    # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
+    sub_adv, _ = _grouped_advantages(rewards[kept], index[kept], n_groups, "grpo", float(eps), bool(unbiased))
+    out = advantages.to(torch.float32).clone()
+    out[kept] = sub_adv.to(torch.float32)
+    return SampleSelection(sample_keep=keep, advantages=out, n_kept=int(kept.numel()))
+
+
+@SAMPLE_SELECTORS.register("d3s_intra")
+def select_d3s_intra(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """D3S-I: per group, the N rollouts whose (full-group) ADVANTAGES have maximal variance;
+    advantages are NOT re-normalised. [B] inputs -> SampleSelection."""
+    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
+    keep = _grouped_max_variance(advantages, index, n_groups, n_keep)
+    return _result(keep, advantages)
+
+
+@SAMPLE_SELECTORS.register("d3s_cross")
+def select_d3s_cross(
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    *,
+    generator: Optional[torch.Generator] = None,
+    eps: Optional[float] = None,
+    unbiased: bool = True,
+) -> SampleSelection:
+    """D3S (cross-group): pool the advantages of the whole batch and keep the
+    ``sum_g resolve_n_keep(N, G_g)`` (= N x n_groups for groups of >= N rollouts; <= B)
+    with maximal variance; advantages are NOT re-normalised. [B] inputs -> SampleSelection.
+    One sort of B values."""
+    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
+    m_total = int(_n_keep_per_group(n_keep, group_sizes(index, n_groups)).sum())
+    keep = max_variance_mask(advantages.unsqueeze(0), m_total)[0]
+    return _result(keep, advantages)
+
+
+def select_samples(
+    rule: str,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    n_keep: Count,
+    **kw,
+) -> SampleSelection:
+    """Apply the sample selection rule ``rule`` (a name in :data:`SAMPLE_SELECTORS`).
+
+    rewards [B] real, advantages [B] real (computed on the full groups), group_ids [B]
+    integer, n_keep = N per prompt (int count or float fraction of G). Keyword arguments
+    (``generator``, ``eps``, ``unbiased``) go to the rule. No collectives.
+    """
+    return SAMPLE_SELECTORS.get(rule)(rewards, advantages, group_ids, n_keep, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# metrics
+# ----------------------------------------------------------------------------------------
+
+
+def _check_kept(advantages: torch.Tensor, sample_keep: torch.Tensor, min_kept: int, why: str) -> torch.Tensor:
+    if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
+        shape = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages must be a 1-D tensor [B], got {shape}")
+    check_bool("sample_keep", sample_keep)
+    check_shape("sample_keep", sample_keep, advantages.shape, "advantages")
+    check_same_device(advantages=advantages, sample_keep=sample_keep)
+    kept = advantages[sample_keep]
+    check_finite("advantages", kept)
+    if kept.numel() < min_kept:
+        raise ValueError(f"sample_keep keeps {kept.numel()} sample(s); {why}")
+    return kept.to(torch.float64)
+
+
+def kept_advantage_variance(advantages: torch.Tensor, sample_keep: torch.Tensor, unbiased: bool = True) -> float:
+    """Variance of the kept advantages (the quantity D3S maximises; >= 1 for the paper's
+    bound). advantages [B], sample_keep [B] bool -> float (float64 arithmetic).
+    Needs >= 2 kept samples for the unbiased estimator, >= 1 for the population one."""
+    need = 2 if unbiased else 1
+    estimator = "unbiased" if unbiased else "population"
+    kept = _check_kept(advantages, sample_keep, need, f"the {estimator} variance needs at least {need}")
+    return float(kept.var(correction=1 if unbiased else 0))
+
+
+def share_nonzero_advantage(advantages: torch.Tensor, sample_keep: torch.Tensor) -> float:
+    """Fraction of kept samples whose advantage is non-zero (degenerate groups give exact
+    zeros). advantages [B], sample_keep [B] bool -> float in [0, 1]; needs >= 1 kept sample."""
+    kept = _check_kept(advantages, sample_keep, 1, "the share of non-zero advantages needs at least 1")
+    return float((kept != 0).to(torch.float64).mean())
