@@ -1,0 +1,398 @@
+"""One object that applies a whole D3S / PODS configuration to a batch of rollouts.
+
+Two stages, because entropy is only needed (and only computed) for the samples that
+survive sample selection:
+
+1. ``select_samples(rewards, group_ids, progress)``: group advantages on the FULL groups
+   (before any down-sampling), then a sample selection rule keeps N rollouts per prompt
+   (per-group rules) or N x prompts from the pooled batch (``d3s_cross``). Only the
+   ``pods`` rule re-normalises the kept rows' advantages on the kept subset; the D3S rules
+   never do (the kept set's Var(A) >= 1 is the point of D3S).
+2. ``select_tokens(stage, entropy, response_mask, progress)``: score the kept samples'
+   eligible tokens by |A| x H and keep the top K fraction, i.e. exactly
+   ``ceil(K x eligible)`` tokens for scope ``batch`` (per row for scope ``sample``).
+
+``apply(rewards, group_ids, entropy, response_mask, progress)`` runs both stages on a batch
+whose entropy is known for every row; it equals calling the two stages one after the other.
+
+N and K follow a :class:`DynamicSchedule` of training progress p in [0, 1].
+
+Presets (papers' names):
+
+=========  ============  ==========  ==========================================
+preset     sample rule   tokens      schedule
+=========  ============  ==========  ==========================================
+grpo       all           all         none: train on everything
+pods       pods          all         fixed N (re-normalises advantages on subset)
+d1s        d3s_intra     all         fixed N
+d1s_cross  d3s_cross     all         fixed N
+d2s        d3s_cross     batch       fixed N, fixed K
+d3s        d3s_cross     batch       linear N 1/8 -> 1/2 of G, K 5% -> 20%
+d3s_i      d3s_intra     batch       as d3s, intra-group selection
+=========  ============  ==========  ==========================================
+
+N is per prompt and expressed as a fraction of the group size G so the presets work at
+any G. The D3S paper reports N 8 -> 32 without stating G; 1/8 -> 1/2 reads it as
+G = 64 (our assumption). PODS reports n about 4 m, hence 1/4 for the fixed-N presets.
+Absolute counts are accepted too (``schedule.n_init=8``). With sample rule ``all`` N is 1
+(everything) whatever the schedule says; with token scope ``all`` K is 1.
+
+All-degenerate batches
+----------------------
+When every group's rewards are all equal, every advantage is exactly 0 and no kept sample
+carries a policy gradient. The selector still returns well-formed stages (selection is
+deterministic: ties go to the lower index), flags the batch with
+``SampleStage.all_degenerate`` and ``stage.metrics["all_degenerate"] = 1.0``, and the
+CALLER skips the update and counts the skip (the trainer reports ``skip_all_equal``). The
+selector does not short-cut the token stage itself, so a DP-global subclass still runs its
+collectives on every rank in the same order.
+
+Metrics (floats, this process's batch): stage 1 gives ``kept_sample_ratio``,
+``kept_adv_var`` (Var(A) of the kept set, unbiased when ``cfg.unbiased``),
+``share_nonzero_adv`` (share of kept samples with A != 0), group counts and
+``all_degenerate``; stage 2 gives ``kept_token_ratio``, ``mean_entropy_kept``,
+``samples_without_tokens`` (kept samples that had eligible tokens but got none) and counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+
+from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS, AdvantageResult, compute_advantages
+from nemo_d3s.core.checks import check_bool, check_same_device, check_shape
+from nemo_d3s.core.sample_selection import (
+    SAMPLE_SELECTORS,
+    kept_advantage_variance,
+    select_samples,
+    share_nonzero_advantage,
+)
+from nemo_d3s.core.schedules import DynamicSchedule
+from nemo_d3s.core.token_selection import TOKEN_SELECTORS, token_scores
+
+__all__ = ["D3SConfig", "PRESETS", "D3SSelector", "SampleStage", "TokenStage"]
+
+Count = Union[int, float]
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+
+
+@dataclass
+class D3SConfig:
+    """What the selector does. ``schedule`` gives N (per prompt: an int count or a
+    fraction of G) and K (fraction of eligible tokens) as functions of progress.
+
+    Works as a structured config (``OmegaConf.structured(D3SConfig)``, or as a field of a
+    larger Hydra schema); ``OmegaConf.to_object`` gives back a validated instance, and
+    :class:`D3SSelector` also accepts the DictConfig (any mapping) directly.
+    Names are checked against the registries at construction (unknown -> ValueError
+    listing the known names).
+    """
+
+    advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS
+    sample_rule: str = "all"  # SAMPLE_SELECTORS
+    token_scope: str = "all"  # TOKEN_SELECTORS
+    schedule: DynamicSchedule = field(default_factory=lambda: DynamicSchedule("constant", 1.0, 1.0, 1.0, 1.0))
+    eps: float = 1e-6  # advantage std offset (GRPO)
+    unbiased: bool = True
+    # Offset of the PODS re-normalisation on the kept subset; None = the rule's default
+    # (1e-4, the PODS paper's value).
+    renorm_eps: Optional[float] = None
+    seed: int = 0  # only the "random" rule draws; seeded per step for reproducibility
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schedule, Mapping):  # plain dict / DictConfig from a config file
+            try:
+                self.schedule = DynamicSchedule(**dict(self.schedule))
+            except TypeError as e:
+                raise ValueError(f"schedule: {e}") from None
+        if not isinstance(self.schedule, DynamicSchedule):
+            raise ValueError(f"schedule must be a DynamicSchedule or a mapping of its fields, got {self.schedule!r}")
+        ADVANTAGE_ESTIMATORS.get(self.advantage)
+        SAMPLE_SELECTORS.get(self.sample_rule)
+        TOKEN_SELECTORS.get(self.token_scope)
+        _check_nonneg("eps", self.eps)
+        if self.renorm_eps is not None:
+            _check_nonneg("renorm_eps", self.renorm_eps)
+        if not isinstance(self.unbiased, bool):
+            raise ValueError(f"unbiased must be a bool, got {self.unbiased!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "D3SConfig":
+        """A fresh copy of ``PRESETS[name]`` with ``overrides`` (field=value) applied."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown D3S preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return cls._replace(copy.deepcopy(PRESETS[name]), overrides)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "D3SConfig":
+        """From a dict / DictConfig with (a subset of) the fields; ``schedule`` may be a mapping."""
+        return cls._replace(cls(), dict(values))
+
+    @staticmethod
+    def _replace(cfg: "D3SConfig", overrides: Dict[str, Any]) -> "D3SConfig":
+        known = [f.name for f in dataclasses.fields(D3SConfig)]
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ValueError(f"unknown D3SConfig field(s) {unknown}; known: {', '.join(known)}")
+        return dataclasses.replace(cfg, **overrides)
+
+
+def _fixed(n: Count, k: float) -> DynamicSchedule:
+    return DynamicSchedule("constant", n, n, k, k)
+
+
+PRESETS: Dict[str, D3SConfig] = {
+    "grpo": D3SConfig(),
+    "pods": D3SConfig(sample_rule="pods", schedule=_fixed(0.25, 1.0)),
+    "d1s": D3SConfig(sample_rule="d3s_intra", schedule=_fixed(0.25, 1.0)),
+    "d1s_cross": D3SConfig(sample_rule="d3s_cross", schedule=_fixed(0.25, 1.0)),
+    "d2s": D3SConfig(sample_rule="d3s_cross", token_scope="batch", schedule=_fixed(0.25, 0.2)),
+    "d3s": D3SConfig(
+        sample_rule="d3s_cross",
+        token_scope="batch",
+        schedule=DynamicSchedule("linear", 0.125, 0.5, 0.05, 0.2),
+    ),
+    "d3s_i": D3SConfig(
+        sample_rule="d3s_intra",
+        token_scope="batch",
+        schedule=DynamicSchedule("linear", 0.125, 0.5, 0.05, 0.2),
+    ),
+}
+
+
+@dataclass
+class SampleStage:
+    """Result of stage 1. Row order of everything downstream is ``kept_rows``.
+
+    sample_keep [B] bool; kept_rows [B_kept] long (ascending); advantages [B] f32 (after
+    PODS re-normalisation when that rule is used; otherwise the full-group advantages).
+    n_keep: N per prompt as used (1.0 for the "all" rule).
+    """
+
+    sample_keep: torch.Tensor
+    kept_rows: torch.Tensor
+    advantages: torch.Tensor
+    advantage_result: AdvantageResult
+    n_keep: Count
+    progress: float
+    metrics: Dict[str, float]
+
+    @property
+    def kept_advantages(self) -> torch.Tensor:
+        """[B_kept] f32"""
+        return self.advantages[self.kept_rows]
+
+    @property
+    def all_degenerate(self) -> bool:
+        """Every group had equal rewards: no sample carries gradient; the caller skips the
+        update (see the module docstring)."""
+        r = self.advantage_result
+        return r.n_degenerate == r.n_groups
+
+
+@dataclass
+class TokenStage:
+    """token_keep [B_kept, S] bool, aligned with ``SampleStage.kept_rows``; k_frac = K used
+    (1.0 for token scope "all")."""
+
+    token_keep: torch.Tensor
+    k_frac: float
+    metrics: Dict[str, float]
+
+
+class D3SSelector:
+    """Single-process selector. ``nemo_d3s.distributed`` provides the DP-global variant
+    with the same methods; both delegate the math to the core functions.
+
+    ``cfg``: a :class:`D3SConfig`, or a mapping of its fields (e.g. an OmegaConf DictConfig).
+    No collectives; memory O(B x S) for the token stage.
+    """
+
+    def __init__(self, cfg: Union[D3SConfig, Mapping]) -> None:
+        if isinstance(cfg, Mapping):
+            cfg = D3SConfig.from_mapping(cfg)
+        if not isinstance(cfg, D3SConfig):
+            raise ValueError(f"cfg must be a D3SConfig or a mapping of its fields, got {type(cfg).__name__}")
+        self.cfg = cfg
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.cfg.token_scope != "all"
+
+    def n_keep_at(self, progress: float) -> Count:
+        """N per prompt at ``progress`` (validated, in [0, 1]); 1.0 (= all) for rule "all"."""
+        n_keep = self.cfg.schedule.at(progress)[0]
+        return 1.0 if self.cfg.sample_rule == "all" else n_keep
+
+    def k_frac_at(self, progress: float) -> float:
+        """K at ``progress`` (validated, in [0, 1]); 1.0 for token scope "all"."""
+        k = float(self.cfg.schedule.at(progress)[1])
+        return 1.0 if self.cfg.token_scope == "all" else k
+
+    def _generator(self, progress: float) -> torch.Generator:
+        # A per-progress seed keeps the "random" rule reproducible across resume.
+        g = torch.Generator()
+        g.manual_seed(self.cfg.seed * 1_000_003 + int(round(progress * 1e6)))
+        return g
+
+    def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
+        """rewards [B], group_ids [B] -> AdvantageResult over the FULL groups."""
+        return compute_advantages(
+            rewards, group_ids, self.cfg.advantage, eps=self.cfg.eps, unbiased=self.cfg.unbiased
+        )
+
+    def select_samples(self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float) -> SampleStage:
+        """rewards [B] f32, group_ids [B] long -> SampleStage. Advantages are computed on the
+        full groups first, then the rule selects (see the module docstring)."""
+        n_keep = self.n_keep_at(progress)  # validates progress first
+        adv = self.advantages(rewards, group_ids)
+        sel = select_samples(
+            self.cfg.sample_rule,
+            rewards,
+            adv.advantages,
+            group_ids,
+            n_keep,
+            generator=self._generator(progress),
+            eps=self.cfg.renorm_eps,
+            unbiased=self.cfg.unbiased,
+        )
+        return self._stage(sel.sample_keep, sel.advantages, adv, n_keep, progress)
+
+    def _stage(self, sample_keep, advantages, adv: AdvantageResult, n_keep, progress) -> SampleStage:
+        kept_rows = sample_keep.nonzero().flatten()
+        n = sample_keep.numel()
+        n_kept = kept_rows.numel()
+        metrics = {
+            "n_samples": float(n),
+            "n_kept_samples": float(n_kept),
+            "kept_sample_ratio": n_kept / max(n, 1),
+            "n_keep": float(n_keep),
+            "n_groups": float(adv.n_groups),
+            "n_degenerate_groups": float(adv.n_degenerate),
+            "n_informative_groups": float(adv.n_groups - adv.n_degenerate),
+            "all_degenerate": float(adv.n_degenerate == adv.n_groups),
+            "kept_adv_var": float(kept_advantage_variance(advantages, sample_keep, unbiased=self.cfg.unbiased))
+            if n_kept > 1
+            else 0.0,
+            "share_nonzero_adv": float(share_nonzero_advantage(advantages, sample_keep)) if n_kept > 0 else 0.0,
+        }
+        return SampleStage(sample_keep, kept_rows, advantages, adv, n_keep, progress, metrics)
+
+    def token_scores(self, stage: SampleStage, entropy: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+        """[B_kept, S] f32 = |A| x H on eligible tokens, 0 elsewhere."""
+        return token_scores(stage.kept_advantages, entropy, eligible)
+
+    def select_tokens(
+        self,
+        stage: SampleStage,
+        entropy: Optional[torch.Tensor],
+        response_mask: torch.Tensor,
+        progress: float,
+    ) -> TokenStage:
+        """entropy [B_kept, S] float (old policy, token-aligned; may be None when the scope is
+        "all"), response_mask [B_kept, S] bool (loss-eligible tokens of the kept rows, in
+        ``stage.kept_rows`` order) -> TokenStage.
+
+        A batch with no eligible token at all (e.g. only empty responses, or no kept row on
+        this process) gives an all-False mask, not an error: the caller sees
+        ``n_kept_tokens == 0`` and skips.
+        """
+        if not isinstance(response_mask, torch.Tensor):
+            raise ValueError(f"response_mask must be a torch.Tensor [B_kept, S], got {type(response_mask).__name__}")
+        check_bool("response_mask", response_mask)
+        if response_mask.dim() != 2:
+            raise ValueError(f"response_mask must be 2-D [B_kept, S], got shape {tuple(response_mask.shape)}")
+        b_kept = stage.kept_rows.numel()
+        if response_mask.shape[0] != b_kept:
+            raise ValueError(
+                f"response_mask has {response_mask.shape[0]} rows but {b_kept} samples were kept; "
+                "pass the rows of SampleStage.kept_rows"
+            )
+        k_frac = self.k_frac_at(progress)
+        if entropy is None and self.needs_entropy:
+            raise ValueError(
+                f"entropy is required for token_scope={self.cfg.token_scope!r} "
+                "(compute it for the kept rows with the old policy)"
+            )
+        if entropy is not None:
+            if not isinstance(entropy, torch.Tensor) or not entropy.is_floating_point():
+                got = entropy.dtype if isinstance(entropy, torch.Tensor) else type(entropy).__name__
+                raise ValueError(f"entropy must be a floating-point tensor [B_kept, S], got {got}")
+            check_shape("entropy", entropy, response_mask.shape, "response_mask")
+            check_same_device(entropy=entropy, response_mask=response_mask)
+        if not self.needs_entropy:
+            token_keep = response_mask.clone()
+        else:
+            scores = self.token_scores(stage, entropy, response_mask)
+            token_keep = self.top_k(scores, response_mask, k_frac)
+        return TokenStage(token_keep, k_frac, self._token_metrics(token_keep, response_mask, entropy))
+
+    def top_k(self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
+        """The token-selection step: scores, eligible [B_kept, S] -> token_keep [B_kept, S]
+        bool. The distributed selector overrides it with a DP-global threshold.
+
+        Calls the registered scope function directly: unlike ``select_tokens`` it returns an
+        all-False mask for an empty pool instead of raising (see :meth:`select_tokens`)."""
+        return TOKEN_SELECTORS.get(self.cfg.token_scope)(scores, eligible, k_frac)
+
+    @staticmethod
+    def _token_metrics(token_keep, response_mask, entropy) -> Dict[str, float]:
+        n_eligible = int(response_mask.sum())
+        n_kept = int(token_keep.sum())
+        has_eligible = response_mask.any(dim=1)
+        metrics = {
+            "n_eligible_tokens": float(n_eligible),
+            "n_kept_tokens": float(n_kept),
+            "kept_token_ratio": n_kept / max(n_eligible, 1),
+            "samples_without_tokens": float((has_eligible & ~token_keep.any(dim=1)).sum()),
+            "samples_without_eligible": float((~has_eligible).sum()),
+        }
+        if entropy is not None:
+            # float64 sums: the mean must not depend on the entropy tensor's dtype.
+            h = entropy.to(torch.float64)
+            metrics["mean_entropy_kept"] = float(h[token_keep].sum()) / n_kept if n_kept else 0.0
+            metrics["mean_entropy_eligible"] = float(h[response_mask].sum()) / n_eligible if n_eligible else 0.0
+        return metrics
+
+    def apply(
+        self,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor,
+        entropy: Optional[torch.Tensor],
+        response_mask: torch.Tensor,
+        progress: float,
+    ) -> Tuple[SampleStage, TokenStage]:
+        """Both stages on a batch whose per-token entropy is known for ALL rows:
+        rewards, group_ids [B]; entropy (or None when the scope is "all"), response_mask
+        [B, S]. Returns (SampleStage, TokenStage); the token masks cover the kept rows only,
+        in ``kept_rows`` order. Same result as select_samples then select_tokens."""
+        if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+            shape = tuple(response_mask.shape) if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__
+            raise ValueError(f"response_mask must be a 2-D tensor [B, S], got {shape}")
+        if isinstance(rewards, torch.Tensor) and response_mask.shape[0] != rewards.numel():
+            raise ValueError(
+                f"response_mask has {response_mask.shape[0]} rows, expected {rewards.numel()} (one per reward)"
+            )
+        if entropy is not None:
+            if not isinstance(entropy, torch.Tensor):
+                raise ValueError(f"entropy must be a torch.Tensor [B, S], got {type(entropy).__name__}")
+            check_shape("entropy", entropy, response_mask.shape, "response_mask")
+        stage = self.select_samples(rewards, group_ids, progress)
+        rows = stage.kept_rows
+        tok = self.select_tokens(
+            stage, None if entropy is None else entropy[rows], response_mask[rows], progress
+        )
+        return stage, tok

@@ -1,0 +1,202 @@
+"""Per-token entropy and log-probabilities from full-vocabulary logits.
+
+This is the single-process reference: ``nemo_d3s.distributed`` computes the same two
+quantities from vocab-sharded logits ``[B, S, V/TP]`` and is tested against this module.
+
+For the logits ``z`` (length V) of one position and its target token ``y``::
+
+    m   = max_v z_v
+    lse = m + log sum_v exp(z_v - m)              (log-partition, overflow-free)
+    log p(y) = z_y - lse
+    H   = lse - sum_v softmax(z)_v z_v
+        = log s - sum_v e_v (z_v - m) / s          with e_v = exp(z_v - m), s = sum_v e_v
+
+The second form of H is the first with m subtracted inside and outside the expectation;
+it avoids the cancellation of ``lse - E[z]`` when logits carry a large common offset.
+Logits of -inf (masked vocabulary entries) are allowed: they get probability 0 and add 0
+to the entropy. NaN, +inf, or a position whose logits are all -inf is an error.
+
+Memory: the work is done in chunks of ``chunk_size`` flattened tokens, each upcast to fp32
+on its own, so the extra memory is a few ``chunk_size x V`` fp32 buffers regardless of
+B x S (the logits themselves are never copied whole, even when they are a non-contiguous
+slice such as ``logits[:, :-1]``). The backward pass is written out (d log p(y)/dz =
+onehot(y) - softmax(z)) and recomputes the softmax per chunk from the saved ``lse`` [B, S],
+so no fp32 copy of the logits is kept for autograd; it allocates the gradient (the size
+and dtype of the logits) plus the same chunk workspace.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from nemo_d3s.core.checks import check_same_device, check_shape
+
+__all__ = ["entropy_and_logprobs", "align_to_tokens"]
+
+
+def _flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, S, V] -> [B*S, V] as a view when the strides allow it, else None (no copy)."""
+    B, S, V = logits.shape
+    try:
+        return logits.view(B * S, V)
+    except RuntimeError:  # e.g. logits[:, :-1] of a contiguous [B, S+1, V]
+        return None
+
+
+def _chunks(n_tokens: int, chunk_size: int) -> Iterator[Tuple[int, int]]:
+    for t0 in range(0, n_tokens, chunk_size):
+        yield t0, min(t0 + chunk_size, n_tokens)
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 logits; fp64 logits stay fp64 (exact gradient checks)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _chunk_upcast(logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int) -> torch.Tensor:
+    """Flattened tokens [t0, t1) of logits [B, S, V] as a [t1 - t0, V] tensor in the compute
+    dtype. Callers never modify it in place: for fp32 input it may alias the logits.
+    """
+    dtype = _compute_dtype(logits)
+    if flat is not None:
+        return flat[t0:t1].to(dtype)
+    S = logits.shape[1]
+    pieces = []
+    t = t0
+    while t < t1:
+        b, s = divmod(t, S)
+        s_end = min(S, s + (t1 - t))
+        pieces.append(logits[b, s:s_end])
+        t += s_end - s
+    return torch.cat(pieces).to(dtype)
+
+
+def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """z [n, V] (fp32 or fp64) -> (lse [n], entropy [n]) in z's dtype."""
+    m = z.amax(dim=1, keepdim=True)
+    u = z - m  # <= 0; -inf for masked vocabulary entries
+    e = torch.exp(u)
+    s = e.sum(dim=1)
+    # 0 x (-inf) would be NaN; a probability-0 entry contributes 0 to the entropy.
+    eu = torch.where(e > 0, e * u, torch.zeros((), dtype=z.dtype, device=z.device))
+    log_s = torch.log(s)
+    entropy = log_s - eu.sum(dim=1) / s
+    lse = m.squeeze(1) + log_s
+    return lse, entropy
+
+
+class _EntropyLogProb(torch.autograd.Function):
+    """(logits [B, S, V], target_ids [B, S] long, chunk_size) -> (logprobs [B, S],
+    entropy [B, S]) in the compute dtype. Gradient flows to logits through logprobs only."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int):
+        B, S, V = logits.shape
+        n = B * S
+        flat = _flat_view(logits)
+        targets = target_ids.reshape(n)
+        dtype = _compute_dtype(logits)
+        lse = torch.empty(n, dtype=dtype, device=logits.device)
+        entropy = torch.empty(n, dtype=dtype, device=logits.device)
+        logprobs = torch.empty(n, dtype=dtype, device=logits.device)
+        for t0, t1 in _chunks(n, chunk_size):
+            z = _chunk_upcast(logits, flat, t0, t1)
+            lse_c, ent_c = _lse_entropy(z)
+            lse[t0:t1] = lse_c
+            entropy[t0:t1] = ent_c
+            logprobs[t0:t1] = z.gather(1, targets[t0:t1].unsqueeze(1)).squeeze(1) - lse_c
+        # One host sync for the whole call rather than one per chunk.
+        if n and not bool(torch.isfinite(lse).all() & torch.isfinite(entropy).all()):
+            bad = (~(torch.isfinite(lse) & torch.isfinite(entropy))).nonzero()[0, 0].item()
+            raise ValueError(
+                "logits must be finite or -inf with at least one finite entry per position; "
+                f"position (b={bad // S}, s={bad % S}) has NaN, +inf or only -inf"
+            )
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk_size = chunk_size
+        logprobs, entropy = logprobs.view(B, S), entropy.view(B, S)
+        # Must mark the tensor objects actually returned (the views), not their bases.
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
+        logits, targets, lse = ctx.saved_tensors
+        if grad_logprobs is None or not ctx.needs_input_grad[0]:
+            return None, None, None
+        B, S, V = logits.shape
+        n = B * S
+        flat = _flat_view(logits)
+        g_out = grad_logprobs.reshape(n).to(lse.dtype)
+        grad = torch.empty((n, V), dtype=logits.dtype, device=logits.device)
+        for t0, t1 in _chunks(n, ctx.chunk_size):
+            z = _chunk_upcast(logits, flat, t0, t1)
+            g = g_out[t0:t1].unsqueeze(1)
+            # d log p(y) / dz = onehot(y) - softmax(z); softmax recomputed from the saved lse.
+            gz = torch.exp(z - lse[t0:t1].unsqueeze(1)) * (-g)
+            gz.scatter_add_(1, targets[t0:t1].unsqueeze(1), g)
+            grad[t0:t1] = gz.to(logits.dtype)
+        return grad.view(B, S, V), None, None
+
+
+def entropy_and_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, *, chunk_size: int = 1024
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entropy of softmax(logits) and log-probability of ``target_ids``, per position.
+
+    logits [B, S, V] (bf16, fp16, fp32 or fp64; any strides); target_ids [B, S] integer in
+    [0, V) -> (entropy [B, S] f32, never requires grad; logprobs [B, S] f32, differentiable
+    w.r.t. ``logits``). fp64 logits give fp64 outputs (used for exact gradient checks).
+    Position s is scored from the logits at s: the caller shifts (``logits[:, :-1]`` with
+    ``ids[:, 1:]``, then :func:`align_to_tokens`).
+
+    Accumulation is fp32 (each chunk is upcast before exp/sum), also for bf16 logits.
+    Memory: a few ``chunk_size x V`` fp32 buffers extra; backward allocates the logits'
+    gradient (same size and dtype) plus the same workspace. Saved for backward: ``lse``
+    [B, S] f32 and a reference to ``logits`` (do not modify them in place before backward).
+    No collectives.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a 3-D tensor [B, S, V], got {shape}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    B, S, V = logits.shape
+    if V == 0:
+        raise ValueError(f"logits has an empty vocabulary dimension: shape {tuple(logits.shape)}")
+    if (
+        not isinstance(target_ids, torch.Tensor)
+        or target_ids.is_floating_point()
+        or target_ids.is_complex()
+        or target_ids.dtype == torch.bool
+    ):
+        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
+        raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
+    check_shape("target_ids", target_ids, (B, S), "logits[..., 0]")
+    check_same_device(logits=logits, target_ids=target_ids)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    if target_ids.numel():
+        lo, hi = int(target_ids.min()), int(target_ids.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"target_ids must be in [0, {V}) (the vocabulary size V), found {bad}")
+    logprobs, entropy = _EntropyLogProb.apply(logits, target_ids.to(torch.long), int(chunk_size))
+    return entropy, logprobs
+
+
+def align_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Shift a logit-position quantity to token positions.
+
+    x [B, S-1] (entry s computed from the logits at s, i.e. about token s + 1) -> [B, S]
+    with a zero at position 0 and ``out[:, t] = x[:, t - 1]``. Same dtype and device;
+    differentiable.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D tensor [B, S-1], got {shape}")
+    return torch.nn.functional.pad(x, (1, 0))

@@ -1,0 +1,332 @@
+"""Token-level down-sampling (D3S stage 2): which response tokens of the kept rollouts get a
+gradient.
+
+Score
+-----
+Every loss-eligible token t of kept sample i is scored ``|A_i,t| x H_i,t`` (D3S, arXiv
+2509.22115), where H is the full-vocabulary entropy of the (old) policy's next-token
+distribution at that token (token-aligned, see ``core.entropy.align_to_tokens``). With
+outcome rewards ``A_i,t = A_i``, so ``|A|`` only changes the ranking when tokens of
+different samples compete (scope ``batch``).
+
+How many
+--------
+A fraction K in (0, 1] of the eligible tokens is kept: exactly ``ceil(K x n_eligible)``
+(:func:`n_tokens_to_keep`), so any K > 0 keeps at least one token of a non-empty pool.
+
+Scopes (``TOKEN_SELECTORS``)
+----------------------------
+``all``     every eligible token (K is validated but not used): plain GRPO/PODS.
+``batch``   one pool of everything passed in; top ``ceil(K x eligible.sum())``. This is the
+            paper's formula when the caller passes the whole batch. The DP-global variant
+            (one threshold over all ranks) lives in ``nemo_d3s.distributed``.
+``sample``  per row: top ``ceil(K x eligible_in_row)`` of each row. Every row with an eligible
+            token keeps at least one.
+
+Ties and determinism
+--------------------
+Higher score first; equal scores go to the lower flattened index (row-major ``b x S + s``;
+within a row that is the lower position). Implemented with a *stable* descending sort over
+the eligible scores listed in ascending index order (``torch.topk`` makes no stability
+promise). The same inputs give the same mask on every device and rank.
+
+Compaction
+----------
+Tokens outside ``token_keep`` carry no gradient, so the update can skip them:
+:func:`rows_with_kept_tokens` lists the rows worth running at all, and :func:`kept_lengths`
+gives where each row can be cut (nothing after its last kept token matters to a causal model).
+
+Pure torch, no collectives.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from nemo_d3s.core.checks import (
+    check_bool,
+    check_finite,
+    check_fraction,
+    check_same_device,
+    check_shape,
+)
+from nemo_d3s.core.registry import Registry
+
+__all__ = [
+    "TOKEN_SELECTORS",
+    "TokenSelection",
+    "token_scores",
+    "top_k_mask",
+    "n_tokens_to_keep",
+    "n_tokens_to_keep_per_row",
+    "select_tokens",
+    "rows_with_kept_tokens",
+    "kept_lengths",
+]
+
+TOKEN_SELECTORS: Registry = Registry(
+    "token selection scope",
+    "fn(scores[B,S], eligible[B,S], k_frac: float) -> token_keep [B,S] bool",
+)
+
+# K arrives as a binary float (0.1 is 0.1000000000000000055...), so K x n can land a hair
+# above an integer (0.1 x 30 = 3.0000000000000004) and a plain ceil would keep one token
+# too many. Shrinking the product by a relative 1e-12 removes that representation error
+# (which is ~1e-16 relative) while changing no honest count below ~10^12 tokens.
+_CEIL_RTOL = 1e-12
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _check_k_frac(k_frac) -> None:
+    if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
+        raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
+    check_fraction("k_frac", float(k_frac))
+
+
+def _check_mask_2d(name: str, mask: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_bool(name, mask)
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, S], got shape {tuple(mask.shape)}")
+
+
+def _check_scores(scores: torch.Tensor, eligible: torch.Tensor) -> None:
+    _check_mask_2d("eligible", eligible)
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores must be a floating-point tensor [B, S], got {got}")
+    check_shape("scores", scores, eligible.shape, "eligible")
+    check_same_device(scores=scores, eligible=eligible)
+    check_finite("scores (on eligible positions)", scores, eligible)
+
+
+# ---------------------------------------------------------------------------- counts
+
+
+def n_tokens_to_keep(n_eligible: int, k_frac: float) -> int:
+    """``ceil(k_frac x n_eligible)`` (0 when nothing is eligible). ``n_eligible``: an int
+    (or a one-element integer tensor, e.g. a count all-reduced over ranks).
+
+    Exact for the decimal K a user types: a product within a relative 1e-12 above an
+    integer is taken as that integer (``n_tokens_to_keep(30, 0.1) == 3``, not 4).
+    """
+    if (
+        isinstance(n_eligible, torch.Tensor)
+        and n_eligible.numel() == 1
+        and not n_eligible.is_floating_point()
+        and n_eligible.dtype != torch.bool
+    ):
+        n_eligible = int(n_eligible)  # e.g. an all-reduced count
+    if isinstance(n_eligible, bool) or not isinstance(n_eligible, numbers.Integral) or n_eligible < 0:
+        raise ValueError(f"n_eligible must be an int >= 0, got {n_eligible!r}")
+    _check_k_frac(k_frac)
+    n = int(n_eligible)
+    # Same float64 operations, in the same order, as n_tokens_to_keep_per_row.
+    k = math.ceil((float(k_frac) * float(n)) * (1.0 - _CEIL_RTOL))
+    return min(max(k, 0), n)
+
+
+def n_tokens_to_keep_per_row(n_eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
+    """Vectorised :func:`n_tokens_to_keep`: n_eligible [B] integer -> [B] long, same device.
+
+    Computed in float64 with the same operations as the scalar version, so the two agree
+    exactly (tested) for every count below 2^53.
+    """
+    _check_k_frac(k_frac)
+    if n_eligible.is_floating_point() or n_eligible.dtype == torch.bool:
+        raise ValueError(f"n_eligible must be an integer tensor, got dtype {n_eligible.dtype}")
+    if n_eligible.numel() and int(n_eligible.min()) < 0:
+        raise ValueError(f"n_eligible must be >= 0, got min {int(n_eligible.min())}")
+    x = (float(k_frac) * n_eligible.to(torch.float64)) * (1.0 - _CEIL_RTOL)
+    k = torch.ceil(x).to(torch.long)
+    return torch.minimum(k.clamp(min=0), n_eligible.to(torch.long))
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+def token_scores(advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """D3S token scores ``|A| x H``.
+
+    advantages [B] (broadcast over S) or [B, S]; entropy [B, S] (token-aligned); eligible
+    [B, S] bool -> scores [B, S] f32, exactly 0 where not eligible (whatever ``A`` or ``H``
+    hold there, NaN included: padding positions are never read).
+    Raises ValueError on NaN/inf in advantages or entropy at eligible positions.
+    """
+    _check_mask_2d("eligible", eligible)
+    for name, t in (("advantages", advantages), ("entropy", entropy)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a floating-point tensor, got {got}")
+    check_shape("entropy", entropy, eligible.shape, "eligible")
+    B, S = eligible.shape
+    if advantages.dim() == 1:
+        check_shape("advantages", advantages, (B,), "eligible's rows")
+        adv = advantages.unsqueeze(1).expand(B, S)
+    else:
+        check_shape("advantages", advantages, (B, S), "eligible")
+        adv = advantages
+    check_same_device(advantages=advantages, entropy=entropy, eligible=eligible)
+    check_finite("advantages (on eligible positions)", adv, eligible)
+    check_finite("entropy (on eligible positions)", entropy, eligible)
+    # float32 on every rank, so the ranking (hence the selection) cannot depend on which
+    # dtype a backend happened to return.
+    score = adv.to(torch.float32).abs() * entropy.to(torch.float32)
+    return torch.where(eligible, score, torch.zeros((), dtype=torch.float32, device=score.device))
+
+
+# ---------------------------------------------------------------------------- top-k
+
+
+def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``min(k, eligible.sum())`` highest-scoring eligible tokens of the whole tensor.
+
+    scores [B, S] float (finite where eligible); eligible [B, S] bool; k int >= 0
+    -> bool [B, S]. Ties: lower flattened index (b x S + s) first.
+    Memory/time: one stable sort over the eligible scores (O(n log n), n = eligible.sum()).
+    """
+    _check_scores(scores, eligible)
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    return _top_k_flat(scores, eligible, int(k))
+
+
+def _top_k_flat(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_k_mask` without the input checks (callers have validated)."""
+    keep = torch.zeros(eligible.numel(), dtype=torch.bool, device=eligible.device)
+    # nonzero() lists indices in ascending order; a stable sort then keeps the lower index
+    # first among equal scores.
+    idx = eligible.reshape(-1).nonzero().squeeze(1)
+    k = min(int(k), idx.numel())
+    if k > 0:
+        vals = scores.reshape(-1)[idx]
+        order = torch.sort(vals, descending=True, stable=True).indices[:k]
+        keep[idx[order]] = True
+    return keep.view(eligible.shape)
+
+
+def _top_k_per_row(scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Tensor) -> torch.Tensor:
+    """Top ``k_row[b]`` eligible tokens of each row b, no Python loop over rows.
+
+    scores [B, S], eligible [B, S] bool, k_row [B] long (<= eligible count of the row)
+    -> bool [B, S]. One stable descending sort per row; rank of each position compared
+    with the row's k. Ties: lower position first.
+    """
+    B, S = eligible.shape
+    if B == 0 or S == 0:
+        return torch.zeros_like(eligible)
+    # Non-eligible positions sink below every eligible (finite) score.
+    key = torch.where(eligible, scores, torch.full((), -math.inf, dtype=scores.dtype, device=scores.device))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, S]
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(S, device=order.device).expand(B, S))
+    return (rank < k_row.unsqueeze(1)) & eligible
+
+
+@TOKEN_SELECTORS.register("all")
+def keep_all_tokens(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
+    """Every eligible token (K ignored, but still validated). [B, S] -> [B, S] bool."""
+    _check_scores(scores, eligible)
+    _check_k_frac(k_frac)
+    return eligible.clone()
+
+
+@TOKEN_SELECTORS.register("batch")
+def top_k_batch(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
+    """Top ``ceil(K x eligible.sum())`` over all B x S tokens given. [B, S] -> [B, S] bool."""
+    _check_scores(scores, eligible)
+    _check_k_frac(k_frac)
+    return _top_k_flat(scores, eligible, n_tokens_to_keep(int(eligible.sum()), k_frac))
+
+
+@TOKEN_SELECTORS.register("sample")
+def top_k_per_sample(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
+    """Top ``ceil(K x eligible[b].sum())`` within each row b. [B, S] -> [B, S] bool."""
+    _check_scores(scores, eligible)
+    _check_k_frac(k_frac)
+    k_row = n_tokens_to_keep_per_row(eligible.sum(dim=1), k_frac)
+    return _top_k_per_row(scores, eligible, k_row)
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class TokenSelection:
+    """Result of :func:`select_tokens`.
+
+    token_keep [B, S] bool (subset of ``eligible``); n_eligible = eligible.sum();
+    n_kept = token_keep.sum();
+    samples_without_tokens: rows that HAD at least one eligible token but kept none (only
+        possible with scope ``batch``: its budget went to other rows). Rows with no eligible
+        token at all are not counted here but in
+    samples_without_eligible: rows with no eligible token (e.g. an empty response).
+    """
+
+    token_keep: torch.Tensor
+    n_eligible: int
+    n_kept: int
+    samples_without_tokens: int
+    samples_without_eligible: int = 0
+
+
+def select_tokens(
+    scores: torch.Tensor, eligible: torch.Tensor, k_frac: float, scope: str = "batch"
+) -> TokenSelection:
+    """Apply the token selection scope ``scope`` (a ``TOKEN_SELECTORS`` name).
+
+    scores [B, S] float (finite on eligible positions, e.g. from :func:`token_scores`);
+    eligible [B, S] bool (loss-eligible tokens of the kept samples); k_frac in (0, 1].
+
+    Raises ValueError when ``eligible`` selects no token at all: there is nothing to train
+    on, and the caller must skip the batch explicitly rather than run an update whose loss
+    denominator is 0. (The registered scope functions themselves return an all-False mask
+    in that case, so shard-local callers can use them.)
+    """
+    selector = TOKEN_SELECTORS.get(scope)
+    _check_scores(scores, eligible)
+    _check_k_frac(k_frac)
+    has_eligible = eligible.any(dim=1)
+    n_eligible = int(eligible.sum())
+    if n_eligible == 0:
+        raise ValueError(
+            f"eligible selects no token (shape {tuple(eligible.shape)}, 0 True); "
+            "skip this batch instead of selecting tokens from it"
+        )
+    token_keep = selector(scores, eligible, k_frac)
+    return TokenSelection(
+        token_keep=token_keep,
+        n_eligible=n_eligible,
+        n_kept=int(token_keep.sum()),
+        samples_without_tokens=int((has_eligible & ~token_keep.any(dim=1)).sum()),
+        samples_without_eligible=int((~has_eligible).sum()),
+    )
+
+
+# ---------------------------------------------------------------------------- compaction
+
+
+def rows_with_kept_tokens(token_keep: torch.Tensor) -> torch.Tensor:
+    """token_keep [B, S] bool -> LongTensor [U] of the rows with at least one kept token,
+    ascending. Rows not listed contribute nothing to the loss and can be dropped."""
+    _check_mask_2d("token_keep", token_keep)
+    return token_keep.any(dim=1).nonzero().squeeze(1)
+
+
+def kept_lengths(token_keep: torch.Tensor) -> torch.Tensor:
+    """token_keep [B, S] bool -> [B] long: 1 + position of the row's last kept token, 0 for a
+    row with none. A causal model's log-prob at position t depends only on positions <= t,
+    so cutting each row to this length changes no kept token's loss or gradient."""
+    _check_mask_2d("token_keep", token_keep)
+    B, S = token_keep.shape
+    if S == 0:
+        return torch.zeros(B, dtype=torch.long, device=token_keep.device)
+    positions = torch.arange(1, S + 1, device=token_keep.device)
+    return (token_keep.to(torch.long) * positions).amax(dim=1)
