@@ -1,0 +1,239 @@
+"""Pipeline parallelism: per-token results are born on the last stage and needed elsewhere.
+
+Only the last pipeline stage has logits, so entropy and old log-probs are computed there,
+inside the loss function Megatron's schedule calls on that stage. Everything that decides
+what is trained (token selection, compaction of sequences, loss denominators) must then be
+known to every stage of the pipeline: the first stage cuts its inputs to the kept rows and
+lengths, the last stage needs the masks and the global denominator for the loss. The flow:
+
+1. old-policy pass (forward only), per micro-batch: :func:`logprob_loss_func` on the last
+   stage runs the vocab-parallel entropy / log-prob (no vocabulary gather) and stores
+   ``[B_i, S_i]`` results in a :class:`PerTokenStore`;
+2. :func:`broadcast_per_token` sends all micro-batches' results from the last stage to
+   every stage of the PP group in ONE broadcast (shapes are known to all ranks from the
+   data, so nothing but the values travels);
+3. every stage now holds identical [B, S] entropy / old log-probs, so each runs the same
+   deterministic selection (``distributed.topk``, ``distributed.normalizers``) on its own
+   DP group and gets the same token masks and denominator as the last stage, with no
+   further PP traffic (the DP group of stage p holds the same data replicas as the DP
+   group of the last stage). :func:`broadcast_from_last_stage` covers anything else a
+   caller prefers to compute on the last stage only (bool masks travel as uint8);
+4. training pass, per micro-batch: :func:`policy_loss_func` on the last stage computes the
+   differentiable vocab-parallel log-probs and the core policy loss, scaled by the step's
+   :class:`~nemo_d3s.distributed.normalizers.StepNormalizer` so that Megatron's
+   micro-batch averaging and DDP's gradient averaging give the full-batch gradient.
+
+Nothing here imports Megatron: groups come in as arguments, and the loss function follows
+the schedule's contract (called with the stage output, returns ``(loss, logs)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.core.entropy import align_to_tokens
+from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.distributed._comm import collective_device, global_rank_of, group_rank, group_size, is_single
+from nemo_d3s.distributed.normalizers import StepNormalizer
+from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
+
+__all__ = [
+    "is_last_stage",
+    "last_stage_rank",
+    "broadcast_from_last_stage",
+    "PerTokenStore",
+    "logprob_loss_func",
+    "policy_loss_func",
+    "broadcast_per_token",
+]
+
+_WIRE_DTYPE = {torch.bool: torch.uint8}  # gloo and NCCL broadcast bytes, not bools
+
+
+def is_last_stage(pp_group: Optional[dist.ProcessGroup]) -> bool:
+    return group_rank(pp_group) == group_size(pp_group) - 1
+
+
+def last_stage_rank(pp_group: dist.ProcessGroup) -> int:
+    """Global rank of the last stage of ``pp_group`` (torch's broadcast ``src``)."""
+    return global_rank_of(pp_group, group_size(pp_group) - 1)
+
+
+def broadcast_from_last_stage(
+    tensor: Optional[torch.Tensor],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    pp_group: Optional[dist.ProcessGroup],
+    device: Optional[torch.device] = None,
+) -> torch.Tensor:
+    """The last stage's ``tensor`` on every stage.
+
+    On the last stage ``tensor`` must have ``shape`` and ``dtype``; elsewhere it is ignored
+    (pass None) and a buffer is allocated on ``device`` (default: the current CUDA device
+    for NCCL, CPU for gloo). One broadcast of prod(shape) elements on
+    ``pp_group``. ``pp_group=None`` or one stage: returns ``tensor``.
+    """
+    if is_single(pp_group):
+        return tensor
+    wire = _WIRE_DTYPE.get(dtype, dtype)
+    if is_last_stage(pp_group):
+        if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+            raise ValueError(
+                f"the last stage must pass a tensor of shape {tuple(shape)} and dtype {dtype}, got {got}"
+            )
+        buf = tensor.to(wire).contiguous()
+    else:
+        buf = torch.empty(tuple(shape), dtype=wire, device=device or collective_device(pp_group))
+    dist.broadcast(buf, src=last_stage_rank(pp_group), group=pp_group)
+    return buf.to(dtype) if wire != dtype else buf
+
+
+@dataclass
+class PerTokenStore:
+    """Per-micro-batch results of the last stage: a list of {name: [B_i, S_i] f32}."""
+
+    names: Tuple[str, ...] = ("entropy", "logprobs")
+    micro_batches: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.micro_batches.clear()
+
+
+def _token_logprobs(logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size):
+    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked."""
+    if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
+        logits = logits.transpose(0, 1)
+    if token_aligned:  # token t is scored by the logits at t - 1; position 0 gets 0
+        entropy, logprobs = vocab_parallel_entropy_and_logprobs(
+            logits[:, :-1], ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+        )
+        return align_to_tokens(entropy), align_to_tokens(logprobs)
+    return vocab_parallel_entropy_and_logprobs(logits, ids, tp_group, vocab_size=vocab_size, chunk_size=chunk_size)
+
+
+def logprob_loss_func(
+    store: PerTokenStore,
+    target_ids: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup],
+    *,
+    token_aligned: bool = False,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 1024,
+    seq_first: bool = False,
+) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
+    """A loss function for Megatron's forward-only old-policy pass (one per micro-batch).
+
+    ``forward_step_func`` returns ``(output, logprob_loss_func(store, ids, tp_group))``;
+    the schedule calls it on the last stage with the logits ``[B, S, V/TP]`` (or
+    ``[S, B, V/TP]`` with ``seq_first``). target_ids [B, S]: with ``token_aligned=False``
+    position s is scored from the logits at s (the caller shifted); with
+    ``token_aligned=True`` they are the input ids and the results follow the package's
+    token alignment (position t from logits at t - 1, position 0 holds 0). Appends
+    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss.
+    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``.
+    """
+
+    def loss_func(logits: torch.Tensor):
+        with torch.no_grad():
+            entropy, logprobs = _token_logprobs(
+                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size
+            )
+        store.micro_batches.append({"entropy": entropy.float(), "logprobs": logprobs.float()})
+        return logits.new_zeros((), dtype=torch.float32), {}
+
+    return loss_func
+
+
+def policy_loss_func(
+    input_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    normalizer: StepNormalizer,
+    tp_group: Optional[dist.ProcessGroup],
+    *,
+    loss_name: str = "grpo",
+    cfg: Optional[LossConfig] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    norm_mask: Optional[torch.Tensor] = None,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 1024,
+    seq_first: bool = False,
+) -> Callable[[torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]]:
+    """The training-pass loss function for one micro-batch on the last stage.
+
+    input_ids [B, S]; old_logprobs, loss_mask (e.g. D3S ``token_keep``), ref_logprobs,
+    norm_mask [B, S] token-aligned; advantages [B] or [B, S]; normalizer: the step's
+    :class:`StepNormalizer` (global denominator, counted before the micro-batch loop).
+    The returned function takes the logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]),
+    computes differentiable vocab-parallel log-probs and the core policy loss with
+    ``denominator = normalizer.micro_batch_denominator``, and returns ``(loss, metrics)``
+    as Megatron's schedule expects (2-tuple form: it divides by num_microbatches, which
+    the normalizer compensates). Collectives: the vocab-parallel forward on ``tp_group``.
+    """
+    from nemo_d3s.core.losses import policy_loss
+
+    def loss_func(logits: torch.Tensor):
+        _, logprobs = _token_logprobs(logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size)
+        out = policy_loss(
+            loss_name,
+            logprobs,
+            old_logprobs,
+            advantages,
+            loss_mask,
+            cfg=cfg,
+            denominator=normalizer.micro_batch_denominator,
+            ref_logprobs=ref_logprobs,
+            norm_mask=norm_mask,
+        )
+        return out.loss, out.metrics
+
+    return loss_func
+
+
+def broadcast_per_token(
+    store: Optional[PerTokenStore],
+    shapes: Sequence[Tuple[int, int]],
+    pp_group: Optional[dist.ProcessGroup],
+    *,
+    names: Sequence[str] = ("entropy", "logprobs"),
+    device: Optional[torch.device] = None,
+) -> List[Dict[str, torch.Tensor]]:
+    """Every micro-batch's per-token results, from the last stage to all stages.
+
+    store: the last stage's :class:`PerTokenStore` (ignored elsewhere, may be None);
+    shapes: [(B_i, S_i)] of the micro-batches, known to every rank from the data.
+    -> one dict {name: [B_i, S_i] f32} per micro-batch, identical on every stage.
+    Collectives: ONE broadcast of ``len(names) x sum_i B_i S_i`` floats on ``pp_group``.
+    Memory: that flat buffer plus the returned views into it.
+    """
+    sizes = [int(b) * int(s) for b, s in shapes]
+    total = sum(sizes) * len(names)
+    last = is_last_stage(pp_group)
+    flat = None
+    if last:
+        if store is None or len(store.micro_batches) != len(shapes):
+            n = None if store is None else len(store.micro_batches)
+            raise ValueError(f"the last stage holds {n} micro-batch results, shapes lists {len(shapes)}")
+        parts = []
+        for mb, shape in zip(store.micro_batches, shapes):
+            for name in names:
+                if tuple(mb[name].shape) != tuple(shape):
+                    raise ValueError(f"{name} has shape {tuple(mb[name].shape)}, shapes says {tuple(shape)}")
+                parts.append(mb[name].reshape(-1).float())
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        device = flat.device
+    flat = broadcast_from_last_stage(flat, (total,), torch.float32, pp_group, device)
+    out, pos = [], 0
+    for (b, s), n in zip(shapes, sizes):
+        mb = {}
+        for name in names:
+            mb[name] = flat[pos : pos + n].view(int(b), int(s))
+            pos += n
+        out.append(mb)
+    return out

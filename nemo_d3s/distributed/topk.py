@@ -1,0 +1,316 @@
+"""Token top-K% over data-parallel ranks: exact global threshold, and the two scopes peers use.
+
+The D3S token rule keeps the top K% of the |A| x H scores of the whole optimizer-step batch,
+which is spread over the DP ranks. Three scopes, selected by ``scope``:
+
+``global_exact``     Exactly ``k = ceil(K x N_eligible_global)`` tokens over all ranks, the
+                     same set a single process would keep on the concatenated batch (rank
+                     order, then row-major index). Only counts travel, never the scores:
+                     a radix selection on the float bits (below).
+``local``            Top ``ceil(K x N_eligible_local)`` of what this call is given, no
+                     collective: what ms-swift does (per rank and micro-batch). Keeps a
+                     different set than ``global_exact`` whenever the ranks' score
+                     distributions differ.
+``gather_quantile``  What TRL's ``get_high_entropy_mask`` does: all-gather every eligible
+                     score, threshold ``t = quantile(scores, 1 - K)`` (linear
+                     interpolation), keep ``score >= t``. The count is only approximately
+                     K x N (interpolation, ties), and it moves every score to every rank.
+                     ``torch.quantile`` refuses more than 2^24 elements; above that the
+                     same linearly interpolated quantile is computed from two ``kthvalue``
+                     order statistics (positions in float64), see :func:`quantile_linear`.
+
+Radix selection (``global_exact``)
+----------------------------------
+Scores are cast to float32 (-0.0 folded into +0.0) and mapped to uint32-valued int64 keys
+whose integer order is the float order: ``key = bits + 2^31`` for non-negative floats,
+``key = ~bits`` (the bitwise complement of the sign-extended int32) for negative ones.
+The k-th largest key is then found digit by digit, most significant first
+(``bits_per_round`` = 8: 4 rounds of 256 buckets; 16: 2 rounds of 65536): every rank
+histograms the digit of its still-matching eligible keys, one all-reduce SUM makes the
+histogram global, and every rank picks the same bucket holding the k-th largest. After the
+last round the threshold key T is exact. Everything strictly above T is kept; of the keys
+equal to T, the first ``k - #(> T)`` in global order (group rank, then flattened index)
+are kept, using an exclusive prefix over an all-gather of the per-rank tie counts. If a
+round's chosen bucket holds exactly the keys still needed, the selection stops early
+(no tie step). All ranks derive every decision from the same reduced counts, so a rank
+with no eligible token takes part in every collective and cannot hang the others.
+
+Collectives (global_exact): <= 32 / bits_per_round all-reduces of 2^bits_per_round + 1
+int64 (the extra slot reports a non-finite score anywhere, so every rank raises the same
+error), plus at most one all-gather of one int64. Memory: O(local eligible tokens) int64
+keys; no score leaves its rank.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.core.checks import check_bool, check_same_device, check_shape
+from nemo_d3s.core.registry import Registry
+from nemo_d3s.core.token_selection import n_tokens_to_keep, top_k_batch, top_k_mask
+from nemo_d3s.distributed._comm import (
+    all_gather_counts,
+    all_gather_varlen,
+    exclusive_prefix,
+    group_rank,
+    is_single,
+)
+
+__all__ = [
+    "DISTRIBUTED_TOKEN_SCOPES",
+    "GlobalTokenSelection",
+    "float_order_keys",
+    "global_top_k_mask",
+    "quantile_linear",
+    "select_tokens_global",
+    "TORCH_QUANTILE_MAX",
+]
+
+#: torch.quantile raises for inputs with more elements than this.
+TORCH_QUANTILE_MAX = 1 << 24
+
+
+@dataclass
+class GlobalTokenSelection:
+    """token_keep [B, S] bool (this rank's part); local counts n_eligible / n_kept; global
+    counts over the group (None for scope ``local``, which runs no collective);
+    threshold: the score threshold when the scope has one (``gather_quantile``)."""
+
+    token_keep: torch.Tensor
+    n_eligible: int
+    n_kept: int
+    n_eligible_global: Optional[int]
+    n_kept_global: Optional[int]
+    threshold: Optional[float] = None
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _check(scores: torch.Tensor, eligible: torch.Tensor) -> None:
+    if not isinstance(eligible, torch.Tensor) or eligible.dim() != 2:
+        shape = tuple(eligible.shape) if isinstance(eligible, torch.Tensor) else type(eligible).__name__
+        raise ValueError(f"eligible must be a 2-D bool tensor [B, S], got {shape}")
+    check_bool("eligible", eligible)
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise ValueError(f"scores must be a floating-point tensor [B, S], got {got}")
+    check_shape("scores", scores, eligible.shape, "eligible")
+    check_same_device(scores=scores, eligible=eligible)
+
+
+def _check_k(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def float_order_keys(x: torch.Tensor) -> torch.Tensor:
+    """Order-preserving integer keys of float scores: x [...] float -> int64 [...] in
+    [0, 2^32), with ``a < b`` (as float32) iff ``key(a) < key(b)`` and -0.0 == +0.0.
+    NaN gets a key too (above +inf or below -inf by its sign bit); callers exclude it."""
+    # float32 is the dtype of token scores; + 0.0 turns -0.0 into +0.0 (IEEE round-to-nearest).
+    bits = (x.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits + (1 << 31), torch.bitwise_not(bits))
+
+
+def _radix_select(
+    keys: torch.Tensor, k_or_frac, group, bits_per_round: int, bad_input: bool
+) -> Tuple[int, int, int, int, int]:
+    """Find the k-th largest of all ranks' ``keys`` (1-D int64, eligible only).
+
+    ``k_or_frac``: an int k, or ("frac", K) to resolve k = ceil(K x N_global) from the first
+    histogram. Returns (k, n_global, prefix, shift, remaining): the kept set is every key
+    whose bits above ``shift`` exceed ``prefix >> shift``, plus ``remaining`` keys whose
+    bits above ``shift`` equal it (the tie step; 0 when selection stopped early).
+    """
+    n_buckets = 1 << bits_per_round
+    device = keys.device
+    cand = keys
+    prefix = 0
+    remaining = 0
+    k = n_global = 0
+    for rnd in range(32 // bits_per_round):
+        shift = 32 - bits_per_round * (rnd + 1)
+        digits = (cand >> shift) & (n_buckets - 1)
+        hist = torch.zeros(n_buckets + 1, dtype=torch.long, device=device)
+        hist[:n_buckets] = torch.bincount(digits, minlength=n_buckets)
+        hist[n_buckets] = int(bad_input)  # rides along: any rank's bad input fails all ranks
+        dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=group)
+        if rnd == 0:
+            if int(hist[n_buckets]):
+                raise ValueError(
+                    f"scores must be finite on eligible positions; {int(hist[n_buckets])} rank(s) of the group "
+                    "hold NaN or +-inf there"
+                )
+            n_global = int(hist[:n_buckets].sum())
+            if isinstance(k_or_frac, tuple):
+                k = n_tokens_to_keep(n_global, float(k_or_frac[1]))
+            else:
+                k = min(int(k_or_frac), n_global)
+            if k == 0:
+                return 0, n_global, 0, 32, 0
+            remaining = k
+        hist = hist[:n_buckets]
+        at_or_above = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))  # [d] = #digit >= d
+        d_star = int((at_or_above >= remaining).nonzero().max())
+        remaining -= int(at_or_above[d_star] - hist[d_star])
+        prefix |= d_star << shift
+        if int(hist[d_star]) == remaining:  # the whole bucket is kept: no threshold ties left
+            return k, n_global, prefix, shift, 0
+        cand = cand[digits == d_star]
+    return k, n_global, prefix, 0, remaining
+
+
+def _global_top_k(scores, eligible, k_or_frac, group, bits_per_round) -> Tuple[torch.Tensor, int, int]:
+    """Radix top-k over ``group``; returns (token_keep [B, S], k, n_eligible_global)."""
+    if bits_per_round not in (4, 8, 16):
+        raise ValueError(f"bits_per_round must be 4, 8 or 16, got {bits_per_round!r}")
+    flat_elig = eligible.reshape(-1)
+    vals = scores.reshape(-1)[flat_elig]
+    bad = bool((~torch.isfinite(vals)).any()) if vals.numel() else False
+    keys = float_order_keys(vals)
+    k, n_global, prefix, shift, remaining = _radix_select(keys, k_or_frac, group, bits_per_round, bad)
+    keep_vals = torch.zeros_like(keys, dtype=torch.bool)
+    if k > 0:
+        top = keys >> shift
+        keep_vals = top > (prefix >> shift)
+        if remaining == 0:
+            keep_vals |= top == (prefix >> shift)
+        else:
+            ties = keys == prefix
+            # Earlier ranks' ties come first; within a rank, lower flattened index first.
+            counts = all_gather_counts(int(ties.sum()), group, keys.device)
+            quota = remaining - int(exclusive_prefix(counts)[group_rank(group)])
+            keep_vals |= ties & (torch.cumsum(ties.to(torch.long), 0) <= quota)
+    keep = torch.zeros_like(flat_elig)
+    keep[flat_elig] = keep_vals
+    return keep.view(eligible.shape), k, n_global
+
+
+def global_top_k_mask(
+    scores: torch.Tensor,
+    eligible: torch.Tensor,
+    k: int,
+    group: Optional[dist.ProcessGroup],
+    *,
+    bits_per_round: int = 8,
+) -> torch.Tensor:
+    """Exactly ``min(k, total eligible)`` True over all ranks of ``group``, only where
+    eligible, highest score first, ties by (group rank, flattened index b x S + s).
+
+    scores [B, S] float (compared as float32; finite where eligible); eligible [B, S] bool;
+    k: the same int >= 0 on every rank -> bool [B, S] (this rank's part). B and S may differ
+    between ranks, and a rank may have no eligible token (it still joins every collective).
+    Collectives and memory: see the module docstring (radix selection, counts only).
+    ``group=None`` or one rank: :func:`nemo_d3s.core.token_selection.top_k_mask`.
+    """
+    _check(scores, eligible)
+    _check_k(k)
+    if is_single(group):
+        return top_k_mask(scores, eligible, int(k))
+    return _global_top_k(scores, eligible, int(k), group, bits_per_round)[0]
+
+
+# ---------------------------------------------------------------------------- quantile scope
+
+
+def quantile_linear(values: torch.Tensor, q: float) -> torch.Tensor:
+    """The q-quantile of a 1-D tensor with linear interpolation (``torch.quantile``'s
+    default), for any size: ``torch.quantile`` up to 2^24 elements (its limit), above that
+    two ``kthvalue`` order statistics (O(n) each, no full sort) at positions computed in
+    float64. Returns a 0-d tensor in ``values``' dtype."""
+    n = values.numel()
+    if n <= TORCH_QUANTILE_MAX:
+        return torch.quantile(values, q)
+    pos = float(q) * (n - 1)
+    lo = int(pos)
+    hi = min(lo + 1, n - 1)
+    v_lo = torch.kthvalue(values, lo + 1).values
+    v_hi = torch.kthvalue(values, hi + 1).values if hi != lo else v_lo
+    return torch.lerp(v_lo, v_hi, torch.tensor(pos - lo, dtype=values.dtype, device=values.device))
+
+
+def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
+    local = scores[eligible].to(torch.float32)
+    bad = not bool(torch.isfinite(local).all())
+    # A bad rank announces itself in the size gather (count -1), so every rank raises
+    # instead of the others waiting in the data gather.
+    counts = all_gather_counts(-1 if bad else local.numel(), group, local.device)
+    if bool((counts < 0).any()):
+        raise ValueError("scores must be finite on eligible positions (NaN or +-inf on some rank of the group)")
+    everything, _ = all_gather_varlen(local, group, counts)
+    n_global = everything.numel()
+    if n_global == 0:
+        keep = torch.zeros_like(eligible)
+        return GlobalTokenSelection(keep, 0, 0, 0, 0, None)
+    threshold = quantile_linear(everything, 1.0 - float(k_frac))
+    keep = eligible & (scores.to(torch.float32) >= threshold)
+    n_kept_global = int((everything >= threshold).sum())
+    return GlobalTokenSelection(
+        keep, int(eligible.sum()), int(keep.sum()), n_global, n_kept_global, float(threshold)
+    )
+
+
+# ---------------------------------------------------------------------------- entry point
+
+DISTRIBUTED_TOKEN_SCOPES: Registry = Registry(
+    "distributed token selection scope",
+    "fn(scores[B,S], eligible[B,S], k_frac: float, group, *, bits_per_round) -> GlobalTokenSelection",
+)
+
+
+@DISTRIBUTED_TOKEN_SCOPES.register("global_exact")
+def _scope_global_exact(scores, eligible, k_frac, group, *, bits_per_round=8) -> GlobalTokenSelection:
+    if is_single(group):
+        n = int(eligible.sum())
+        k = n_tokens_to_keep(n, float(k_frac))
+        keep = top_k_mask(scores, eligible, k)
+        return GlobalTokenSelection(keep, n, k, n, k)
+    keep, k, n_global = _global_top_k(scores, eligible, ("frac", float(k_frac)), group, bits_per_round)
+    return GlobalTokenSelection(keep, int(eligible.sum()), int(keep.sum()), n_global, k)
+
+
+@DISTRIBUTED_TOKEN_SCOPES.register("local")
+def _scope_local(scores, eligible, k_frac, group, *, bits_per_round=8) -> GlobalTokenSelection:
+    keep = top_k_batch(scores, eligible, float(k_frac))
+    return GlobalTokenSelection(keep, int(eligible.sum()), int(keep.sum()), None, None)
+
+
+@DISTRIBUTED_TOKEN_SCOPES.register("gather_quantile")
+def _scope_gather_quantile(scores, eligible, k_frac, group, *, bits_per_round=8) -> GlobalTokenSelection:
+    return _gather_quantile(scores, eligible, k_frac, None if is_single(group) else group)
+
+
+def select_tokens_global(
+    scores: torch.Tensor,
+    eligible: torch.Tensor,
+    k_frac: float,
+    group: Optional[dist.ProcessGroup],
+    *,
+    scope: str = "global_exact",
+    bits_per_round: int = 8,
+) -> GlobalTokenSelection:
+    """Keep the top ``k_frac`` of the eligible tokens, with the pool defined by ``scope``
+    (``global_exact`` | ``local`` | ``gather_quantile``; see the module docstring).
+
+    scores [B, S] float, e.g. ``core.token_selection.token_scores``; eligible [B, S] bool;
+    k_frac in (0, 1], the same on every rank -> GlobalTokenSelection (token_keep [B, S]).
+    Every rank of ``group`` must call it with the same scope (``local`` runs no collective).
+    No eligible token anywhere gives an all-False mask (the caller skips the update).
+    """
+    from nemo_d3s.core.checks import check_fraction
+
+    _check(scores, eligible)
+    if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
+        raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
+    check_fraction("k_frac", float(k_frac))
+    fn = DISTRIBUTED_TOKEN_SCOPES.get(scope)
+    return fn(scores, eligible, float(k_frac), group, bits_per_round=bits_per_round)

@@ -1,0 +1,250 @@
+"""Per-token entropy and target log-probability from vocab-sharded logits.
+
+Tensor parallelism (Megatron's output ``ColumnParallelLinear``) leaves every TP rank with a
+contiguous slice of the vocabulary: logits ``[B, S, V_r]`` for global ids
+``[start_r, start_r + V_r)``, ranks in TP order, ``sum_r V_r = V_padded``. For one position
+with logits z (over the whole vocabulary) and target y::
+
+    M     = max_v z_v                                   all-reduce MAX
+    s     = sum_v exp(z_v - M)                          all-reduce SUM  \
+    t     = sum_v exp(z_v - M) (z_v - M)                all-reduce SUM   } one [3, N] SUM
+    u_y   = z_y - M   (only the owner of y adds it)     all-reduce SUM  /
+    log p(y) = u_y - log s
+    H        = log s - t / s        (= lse - E_p[z]; M cancels, so no large-offset cancellation)
+
+so the vocabulary is never gathered: the collectives carry O(N) floats, N = B x S.
+
+Gradient: d log p(y) / d z_v = 1[v = y] - softmax(z)_v. Each rank's slice of that needs only
+its own logits and the GLOBAL log-partition lse = M + log s, which is saved from the
+forward, so the backward runs no collective at all.
+
+Padded vocabularies (Megatron pads V to a multiple of ``make_vocab_size_divisible_by x TP``):
+pass ``vocab_size`` = the real V and the columns with global id >= V are left out of the
+softmax (their logits are whatever the padded weight rows produce) and get zero gradient.
+Shards may have different widths (uneven split, or a shard made only of padding).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.core.checks import check_same_device, check_shape
+from nemo_d3s.distributed._comm import all_gather_counts, group_rank, is_single
+
+__all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
+
+# exp(u) underflows to exactly 0 in fp32 (and fp64) long before u = -1e4, so flooring the
+# shifted logits there changes no sum, and it turns -inf logits (masked vocabulary entries)
+# into finite ones, so that e * u is 0 instead of 0 x (-inf) = NaN.
+_SHIFT_FLOOR = -1.0e4
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 logits, fp64 for fp64 (as the core reference does)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def _flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
+    B, S, V = logits.shape
+    try:
+        return logits.view(B * S, V)
+    except RuntimeError:  # strides do not allow it, e.g. a transposed [S, B, V] buffer
+        return None
+
+
+def _chunks(n: int, chunk_size: int) -> Iterator[Tuple[int, int]]:
+    for t0 in range(0, n, chunk_size):
+        yield t0, min(t0 + chunk_size, n)
+
+
+def _token_block(logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int, width: int) -> torch.Tensor:
+    """Flattened tokens [t0, t1), columns [0, width), as a [t1 - t0, width] tensor in the
+    logits' dtype. A view when ``flat`` exists; otherwise a copy of this block only."""
+    if flat is not None:
+        return flat[t0:t1, :width]
+    S = logits.shape[1]
+    pieces, t = [], t0
+    while t < t1:
+        b, s = divmod(t, S)
+        s_end = min(S, s + (t1 - t))
+        pieces.append(logits[b, s:s_end, :width])
+        t += s_end - s
+    return torch.cat(pieces)
+
+
+def vocab_shard_range(local_width: int, tp_group: Optional[dist.ProcessGroup], device=None) -> Tuple[int, int, int]:
+    """(start, width, total) of this rank's vocabulary slice, from every rank's width.
+
+    One all-gather of one int64 on ``tp_group``. Works for uneven shards.
+    """
+    widths = all_gather_counts(local_width, tp_group, torch.device("cpu") if device is None else device)
+    r = group_rank(tp_group)
+    return int(widths[:r].sum()), int(local_width), int(widths.sum())
+
+
+class _VocabParallelEntropyLogProb(torch.autograd.Function):
+    """(logits [B, S, V_r], target_ids [B, S] long, group, start, n_valid, chunk) ->
+    (logprobs [B, S], entropy [B, S]); gradient to the local logits through logprobs only."""
+
+    @staticmethod
+    def forward(ctx, logits, target_ids, tp_group, vocab_start, n_valid, chunk_size):
+        B, S, _ = logits.shape
+        n = B * S
+        dtype = _compute_dtype(logits)
+        device = logits.device
+        flat = _flat_view(logits)
+
+        local = target_ids.reshape(n) - vocab_start
+        owned = (local >= 0) & (local < n_valid)
+        local_idx = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
+
+        # Pass 1: local max per token; a shard with no valid column contributes -inf.
+        m = torch.full((n,), float("-inf"), dtype=dtype, device=device)
+        if n_valid > 0:
+            for t0, t1 in _chunks(n, chunk_size):
+                m[t0:t1] = _token_block(logits, flat, t0, t1, n_valid).amax(dim=1).to(dtype)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+
+        # Pass 2: the three partial sums against the global max, one SUM for all of them.
+        stats = torch.zeros((3, n), dtype=dtype, device=device)
+        if n_valid > 0:
+            for t0, t1 in _chunks(n, chunk_size):
+                z = _token_block(logits, flat, t0, t1, n_valid).to(dtype)  # may alias fp32 logits
+                u = z - m[t0:t1].unsqueeze(1)
+                u_target = u.gather(1, local_idx[t0:t1]).squeeze(1)  # before the floor: exact
+                u.clamp_(min=_SHIFT_FLOOR)
+                e = torch.exp(u)
+                stats[0, t0:t1] = e.sum(dim=1)
+                stats[1, t0:t1] = torch.linalg.vecdot(e, u)
+                stats[2, t0:t1] = torch.where(owned[t0:t1], u_target, torch.zeros_like(u_target))
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=tp_group)
+
+        log_s = torch.log(stats[0])
+        entropy = log_s - stats[1] / stats[0]
+        logprobs = stats[2] - log_s
+        lse = m + log_s
+        # The reduced values are identical on all TP ranks, so all of them raise together.
+        if n and not bool((torch.isfinite(lse) & torch.isfinite(entropy)).all()):
+            bad = int((~(torch.isfinite(lse) & torch.isfinite(entropy))).nonzero()[0, 0])
+            raise ValueError(
+                "logits must be finite or -inf with at least one finite entry per position; "
+                f"position (b={bad // S}, s={bad % S}) has NaN, +inf or only -inf"
+            )
+        ctx.save_for_backward(logits, local_idx, owned, lse)
+        ctx.n_valid = n_valid
+        ctx.chunk_size = chunk_size
+        logprobs, entropy = logprobs.view(B, S), entropy.view(B, S)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local_idx, owned, lse = ctx.saved_tensors
+        if grad_logprobs is None or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None, None
+        B, S, V_r = logits.shape
+        n = B * S
+        n_valid = ctx.n_valid
+        flat = _flat_view(logits)
+        g_out = grad_logprobs.reshape(n).to(lse.dtype)
+        g_target = torch.where(owned, g_out, torch.zeros_like(g_out)).unsqueeze(1)
+        # Padding columns are outside the softmax: their gradient is exactly zero.
+        alloc = torch.empty if n_valid == V_r else torch.zeros
+        grad = alloc((n, V_r), dtype=logits.dtype, device=logits.device)
+        if n_valid > 0:
+            for t0, t1 in _chunks(n, ctx.chunk_size):
+                z = _token_block(logits, flat, t0, t1, n_valid).to(lse.dtype)
+                # onehot(y) - softmax(z), with softmax from the saved GLOBAL log-partition.
+                gz = (z - lse[t0:t1].unsqueeze(1)).exp_().mul_(-g_out[t0:t1].unsqueeze(1))
+                gz.scatter_add_(1, local_idx[t0:t1], g_target[t0:t1])
+                grad[t0:t1, :n_valid] = gz.to(logits.dtype)
+        return grad.view(B, S, V_r), None, None, None, None, None
+
+
+def _check_inputs(logits, target_ids, chunk_size) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a 3-D tensor [B, S, V/TP], got {shape}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    if (
+        not isinstance(target_ids, torch.Tensor)
+        or target_ids.is_floating_point()
+        or target_ids.is_complex()
+        or target_ids.dtype == torch.bool
+    ):
+        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
+        raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
+    check_shape("target_ids", target_ids, logits.shape[:2], "logits[..., 0]")
+    check_same_device(logits=logits, target_ids=target_ids)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def vocab_parallel_entropy_and_logprobs(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    tp_group: Optional[dist.ProcessGroup],
+    *,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 1024,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Entropy of the full-vocabulary softmax and log-prob of ``target_ids``, per position,
+    from this TP rank's vocabulary shard.
+
+    logits [B, S, V/TP] (bf16, fp16, fp32 or fp64; any strides): this rank's contiguous
+    vocabulary slice, slices in TP-rank order (widths may differ between ranks);
+    target_ids [B, S] integer global vocabulary ids in [0, vocab_size), identical on all TP
+    ranks; vocab_size: the real vocabulary size when the sharded vocabulary is padded
+    (default: the sum of the shard widths, i.e. no padding).
+    -> (entropy [B, S] f32, never requires grad; logprobs [B, S] f32, differentiable w.r.t.
+    ``logits``; fp64 logits give fp64). Position s is scored from the logits at s (the
+    caller shifts, see ``core.entropy.align_to_tokens``). Identical results on every TP rank.
+
+    Collectives on ``tp_group`` (forward): one all-gather of one int64 (shard widths), one
+    all-reduce MAX of N floats, one all-reduce SUM of 3 x N floats (N = B x S), independent
+    of ``chunk_size``. Backward: none.
+
+    Memory: tokens are processed ``chunk_size`` at a time, so beyond the O(N) per-token
+    vectors the extra memory is a few ``chunk_size x V/TP`` fp32 buffers; the logits are
+    never copied whole nor gathered. Saved for backward: a reference to ``logits`` (do not
+    modify them in place before backward) and ``lse``/targets [N]. Backward allocates the
+    logits' gradient (same shape and dtype) plus the same chunk workspace.
+
+    ``tp_group=None`` or a group of one rank falls back to
+    :func:`nemo_d3s.core.entropy.entropy_and_logprobs` on ``logits[..., :vocab_size]``.
+    """
+    _check_inputs(logits, target_ids, chunk_size)
+    if vocab_size is not None and (
+        isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1
+    ):
+        raise ValueError(f"vocab_size must be an int >= 1 (the unpadded vocabulary size), got {vocab_size!r}")
+    if is_single(tp_group):
+        from nemo_d3s.core.entropy import entropy_and_logprobs
+
+        V = logits.shape[2]
+        if vocab_size is not None and vocab_size > V:
+            raise ValueError(f"vocab_size ({vocab_size}) exceeds the logits' vocabulary dimension ({V})")
+        real = V if vocab_size is None else vocab_size
+        return entropy_and_logprobs(logits[..., :real], target_ids, chunk_size=chunk_size)
+
+    start, width, total = vocab_shard_range(logits.shape[2], tp_group, logits.device)
+    if vocab_size is None:
+        vocab_size = total
+    elif vocab_size > total:
+        raise ValueError(f"vocab_size ({vocab_size}) exceeds the sum of the shard widths ({total})")
+    if target_ids.numel():
+        lo, hi = int(target_ids.min()), int(target_ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"target_ids must be in [0, {vocab_size}) (the vocabulary size), found {bad}")
+    n_valid = max(0, min(width, vocab_size - start))
+    logprobs, entropy = _VocabParallelEntropyLogProb.apply(
+        logits, target_ids.to(torch.long), tp_group, start, n_valid, int(chunk_size)
+    )
+    return entropy, logprobs
