@@ -1,0 +1,70 @@
+"""Typed configuration of the Hugging Face backend (a Hydra structured-config node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+
+@dataclass
+class TinyModelSpec:
+    """Shape of the random Llama built for ``model="tiny-random"`` (CI and smoke tests).
+
+    ``tokenizer``: "bytes" builds an in-memory byte-level tokenizer (259 ids, no files);
+    "smollm2" reuses the SmolLM2 tokenizer (converted from the embedded GGUF on first use).
+    """
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 128
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+    tokenizer: str = "bytes"
+
+
+@dataclass
+class HFBackendConfig:
+    """Everything :class:`HFBackend` needs to build a policy, its optimizer and reference.
+
+    model: "tiny-random" (random Llama from ``tiny``), "smollm2-135m-instruct" (the embedded
+        default, converted from GGUF once and cached), or a local Hugging Face folder.
+    dtype: parameter dtype: "float32", "bfloat16", "float16" or "auto" (= float32). AdamW
+        keeps its moments in the parameter dtype, so bfloat16 parameters trade update
+        precision (and log-prob ratio precision) for memory.
+    autocast: "bfloat16" runs forwards under torch.autocast while parameters and optimizer
+        stay in ``dtype`` (mixed precision); "auto" = bfloat16 on CUDA, off on CPU; None = off.
+    scheduler: "constant", "linear" or "cosine" decay after ``warmup_steps`` of linear warm-up;
+        the decaying ones need ``total_steps``.
+    grad_clip: max global grad norm; <= 0 disables clipping (the norm is still reported).
+    generation_batch_size: rows per ``model.generate`` call (None = all rows at once).
+    stop_tokens: extra tokens that end a response like EOS, when the tokenizer has them as
+        single tokens. ChatML models (SmolLM2) sometimes close a turn by opening the next
+        one ("<|im_start|>") instead of "<|im_end|>"; without this the sample runs on into
+        an invented dialogue.
+    use_chat_template: wrap each prompt as one user turn with the tokenizer's chat template
+        (when it has one); False feeds the raw prompt text.
+    """
+
+    model: str = "tiny-random"
+    tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
+    dtype: str = "auto"
+    autocast: Optional[str] = "auto"
+    device: str = "auto"
+    seed: int = 0
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: Tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    scheduler: str = "constant"
+    total_steps: Optional[int] = None
+    min_lr_ratio: float = 0.0
+    use_reference: bool = False
+    gradient_checkpointing: bool = False
+    attn_implementation: Optional[str] = "sdpa"
+    generation_batch_size: Optional[int] = None
+    stop_tokens: Tuple[str, ...] = ("<|im_start|>", "<|endoftext|>")
+    use_chat_template: bool = True

@@ -1,0 +1,169 @@
+"""Building a policy model and tokenizer from local files only (never the Hub).
+
+``resolve_model_path`` maps a model name to a folder; ``load_model_and_tokenizer`` builds
+the (model, tokenizer) pair from a config, including the random "tiny-random" Llama used
+by CI, whose byte-level tokenizer is built in memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME, ensure_default_model
+
+TINY_RANDOM = "tiny-random"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# ChatML, the format SmolLM2 uses too, so prompts look alike on both models.
+_CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def set_offline() -> None:
+    """Forbid Hub access for this process: every model comes from local files."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """"smollm2-135m-instruct" -> the converted cache folder (converted on first use);
+    an existing directory -> itself; anything else -> FileNotFoundError naming the path."""
+    if name_or_path == DEFAULT_MODEL_NAME:
+        return ensure_default_model()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(
+        f"model {name_or_path!r}: no such directory ({path.resolve()}); give a local Hugging Face "
+        f"folder, {DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r} (the Hub is never contacted)"
+    )
+
+
+def resolve_autocast(autocast: Optional[str], device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype for forwards, or None for none."""
+    if autocast == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    if autocast is None or autocast == "none":
+        return None
+    # float16 would need loss scaling, which train_step does not do.
+    if autocast != "bfloat16":
+        raise ValueError(f"autocast must be auto, bfloat16 or None; got {autocast!r}")
+    return torch.bfloat16
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype == "auto":
+        # float32 master weights; speed on GPU comes from autocast (see HFBackendConfig).
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def byte_level_tokenizer():
+    """A 259-id tokenizer built in memory: the 256 byte symbols plus <|pad|>, <|im_start|>,
+    <|im_end|> (EOS), with a ChatML chat template. Any text round-trips exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {sym: i for i, sym in enumerate(alphabet)}
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+    for tok in specials:
+        vocab[tok] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<|pad|>",
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = _CHATML
+    return tokenizer
+
+
+def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if spec.tokenizer == "bytes":
+        tokenizer = byte_level_tokenizer()
+    elif spec.tokenizer == "smollm2":
+        tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()), local_files_only=True)
+    else:
+        raise ValueError(f"tiny.tokenizer must be 'bytes' or 'smollm2', got {spec.tokenizer!r}")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # Seeded init inside fork_rng: the same seed gives the same weights without moving
+    # the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(dtype)
+    return model, tokenizer
+
+
+def _zero_dropout_config(config) -> None:
+    # RL ratios compare two forwards of the same weights; dropout would make them differ.
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+
+
+def load_model_and_tokenizer(
+    cfg: HFBackendConfig, device: Optional[torch.device] = None
+) -> Tuple[torch.nn.Module, object]:
+    """(model in eval mode on ``device``, tokenizer with a pad token), from local files only.
+
+    Raises FileNotFoundError naming the path when ``cfg.model`` is neither a known name nor
+    an existing directory.
+    """
+    set_offline()
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = device or resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype)
+    if cfg.model == TINY_RANDOM:
+        model, tokenizer = _tiny_model_and_tokenizer(cfg.tiny, cfg.seed, dtype)
+    else:
+        path = str(resolve_model_path(cfg.model))
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        _zero_dropout_config(config)
+        kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, local_files_only=True, **kwargs
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        # Padding positions are always masked out, so reusing EOS as pad is harmless.
+        tokenizer.pad_token = tokenizer.eos_token
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,155 @@
+"""GSM8K / MATH-style datasets from local JSONL, JSON or Parquet files (GPU runs).
+
+Each row needs a question and a reference answer (field names configurable). Reference
+answers are parsed by ``answer_format``:
+
+- ``"gsm8k"``: the text after the last "####" (GSM8K's "...reasoning... #### 1,234");
+- ``"boxed"``: the last ``\\boxed{...}`` (MATH's worked "solution" field);
+- ``"plain"``: the field as written;
+- ``"auto"`` (default): gsm8k if "####" occurs, else boxed if ``\\boxed`` occurs, else plain.
+
+Rewards: the response's answer (boxed / "Answer:" / last number) checked with
+``verify_math`` (numeric, then math-verify symbolic equality).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from nemo_d3s.tasks.answers import extract_answer, extract_boxed
+from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
+from nemo_d3s.tasks.verifier import verify_math
+
+BOXED_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
+ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "plain")
+
+
+def read_rows(path: str) -> List[Dict[str, Any]]:
+    """Rows of a .jsonl/.json/.parquet file as dicts. Bad JSON -> ValueError with the line."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ImportError(f"reading {p} needs pyarrow: pip install pyarrow") from exc
+        return pq.read_table(str(p)).to_pylist()
+    if suffix == ".json":
+        rows = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(rows, list):
+            raise ValueError(f"{p}: a .json dataset must hold a list of objects")
+        return rows
+    rows = []
+    with p.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
+    return rows
+
+
+def parse_reference(raw: Any, answer_format: str = "auto") -> Optional[str]:
+    """The reference answer inside a dataset field, or None when there is none."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    if raw is None:
+        return None
+    text = str(raw).strip()
+    fmt = answer_format
+    if fmt == "auto":
+        fmt = "gsm8k" if "####" in text else "boxed" if "\\boxed" in text else "plain"
+    if fmt == "gsm8k":
+        if "####" not in text:
+            return None
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    elif fmt == "boxed":
+        text = extract_boxed(text) or ""
+    return text or None
+
+
+def load_problems(path: str, question_field: str = "question", answer_field: str = "answer",
+                  answer_format: str = "auto", prompt_suffix: str = BOXED_SUFFIX) -> List[Problem]:
+    """Every row of ``path`` as a Problem. A row with no question or no parseable answer
+    -> ValueError naming the file and the (1-based) row number."""
+    problems = []
+    for i, row in enumerate(read_rows(path), start=1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected an object")
+        question = row.get(question_field)
+        if question is None or not str(question).strip():
+            raise ValueError(f"{path}: row {i} has no question in field {question_field!r}")
+        answer = parse_reference(row.get(answer_field), answer_format)
+        if answer is None:
+            raise ValueError(
+                f"{path}: row {i} has no answer in field {answer_field!r} (answer_format={answer_format!r})"
+            )
+        meta = {"row": i, "source": str(path), "raw_answer": row.get(answer_field)}
+        problems.append(Problem(prompt=str(question).strip() + prompt_suffix, answer=answer, meta=meta))
+    if not problems:
+        raise ValueError(f"{path}: no rows")
+    return problems
+
+
+class MathDatasetTask(Task):
+    """Problems from files; the eval set is ``eval_path`` (first ``n_eval`` rows, all when
+    None), or, without one, ``n_eval`` (default 500) rows held out of ``train_path`` by a
+    fixed ``seed`` shuffle and never used for training."""
+
+    def __init__(self, train_path: str, eval_path: Optional[str] = None, *, question_field: str = "question",
+                 answer_field: str = "answer", answer_format: str = "auto", prompt_suffix: str = BOXED_SUFFIX,
+                 n_eval: Optional[int] = None, seed: int = 0, name: str = "math_file") -> None:
+        self.name = name
+        read = dict(question_field=question_field, answer_field=answer_field,
+                    answer_format=answer_format, prompt_suffix=prompt_suffix)
+        train = load_problems(train_path, **read)
+        if eval_path is not None:
+            evals = load_problems(eval_path, **read)
+            self._eval = evals if n_eval is None else evals[:n_eval]
+            self._train = train
+        else:
+            n_eval = 500 if n_eval is None else n_eval
+            check_count("n_eval", n_eval)
+            if n_eval >= len(train):
+                raise ValueError(f"n_eval={n_eval} leaves no training rows in {train_path} ({len(train)} rows)")
+            order = list(range(len(train)))
+            random.Random(seed).shuffle(order)
+            held = sorted(order[:n_eval])
+            held_set = set(held)
+            self._eval = [train[i] for i in held]
+            self._train = [p for i, p in enumerate(train) if i not in held_set]
+
+    def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
+        """``n`` distinct rows (rows repeat only when n exceeds the training set)."""
+        check_count("n", n)
+        rng = as_rng(rng)
+        idx: List[int] = []
+        while len(idx) < n:
+            idx += rng.sample(range(len(self._train)), min(n - len(idx), len(self._train)))
+        return [self._train[i] for i in idx]
+
+    def eval_set(self) -> List[Problem]:
+        return list(self._eval)
+
+    def reward(self, problem: Problem, response_text: str) -> float:
+        return 1.0 if verify_math(extract_answer(response_text, "math"), problem.answer) else 0.0
+
+
+@TASKS.register("math_file")
+def math_file_task(train_path: str, **options) -> MathDatasetTask:
+    """Any GSM8K/MATH-style file: ``make_task("math_file", train_path=..., answer_field="solution")``."""
+    return MathDatasetTask(train_path, **options)
+
+
+@TASKS.register("gsm8k")
+def gsm8k_task(train_path: str, eval_path: Optional[str] = None, **options) -> MathDatasetTask:
+    """GSM8K JSONL (fields question / answer with "#### n" answers)."""
+    options.setdefault("answer_format", "gsm8k")
+    return MathDatasetTask(train_path, eval_path, name="gsm8k", **options)

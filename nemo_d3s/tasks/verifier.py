@@ -1,0 +1,72 @@
+"""Math answer equivalence: numbers compared numerically, everything else through the
+``math-verify`` package (LaTeX/sympy parsing, numeric and symbolic equality)."""
+
+from __future__ import annotations
+
+import threading
+from fractions import Fraction
+from typing import Optional
+
+from nemo_d3s.tasks.answers import clean_segment, last_number, normalize_number
+
+_REL_TOL = 1e-6
+
+
+def _as_fraction(s: str) -> Optional[Fraction]:
+    """A plain number ("1,000", "-2.5", "3/4", "50%") as an exact Fraction, else None.
+
+    A trailing % is dropped, not divided by 100: datasets write the answer to "what
+    percent..." as 50, and models write 50%; math-verify reads it the same way.
+    """
+    t = s.strip().replace(",", "").replace(" ", "").removesuffix("%").removesuffix("\\%")
+    try:
+        return Fraction(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def numbers_equal(a: str, b: str) -> Optional[bool]:
+    """True/False when both are plain numbers (relative tolerance 1e-6), else None."""
+    fa, fb = _as_fraction(a), _as_fraction(b)
+    if fa is None or fb is None:
+        return None
+    return abs(fa - fb) <= _REL_TOL * max(1, abs(fa), abs(fb))
+
+
+def _math_verify(pred: str, gold: str) -> Optional[bool]:
+    """math-verify's verdict, or None when either side does not parse."""
+    from math_verify import parse, verify
+
+    # math-verify's timeouts use signal.alarm, which only works on the main thread; off it
+    # they would raise, so there we run without a timeout.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+
+    def parsed(s: str):
+        # Bare expressions like "x+1" only parse as LaTeX inside math delimiters.
+        wrapped = s if ("$" in s or "\\boxed" in s) else f"${s}$"
+        return parse(wrapped, parsing_timeout=timeout) or parse(s, parsing_timeout=timeout)
+
+    gold_p, pred_p = parsed(gold), parsed(pred)
+    if not gold_p or not pred_p:
+        return None
+    return bool(verify(gold_p, pred_p, timeout_seconds=timeout))
+
+
+def verify_math(pred: Optional[str], gold: str) -> bool:
+    """Is the extracted answer ``pred`` equal to the reference ``gold``?
+
+    Order: exact plain-number comparison (fast, no sympy); then math-verify (fractions,
+    LaTeX, symbolic equality); then, if math-verify cannot parse a side, the last numbers
+    of both compared numerically.
+    """
+    if pred is None or not str(pred).strip():
+        return False
+    pred, gold = clean_segment(str(pred)), clean_segment(str(gold))
+    quick = numbers_equal(pred, gold)
+    if quick is not None:
+        return quick
+    verdict = _math_verify(pred, gold)
+    if verdict is not None:
+        return verdict
+    pn, gn = normalize_number(last_number(pred)), normalize_number(last_number(gold))
+    return pn is not None and gn is not None and numbers_equal(pn, gn) is True
