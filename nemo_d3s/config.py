@@ -1,0 +1,327 @@
+"""Typed configuration schema of a training run.
+
+The dataclasses below are registered in Hydra's ConfigStore (``register_configs``) and are
+the first entry of ``conf/config.yaml``'s defaults list, so every YAML file and every
+command-line override is merged INTO them: an unknown key fails at start-up with a message
+naming it (``Key 'foo' not in 'TrainerConfig'``), and a value of the wrong type fails
+likewise. Range checks that a type cannot express live in :func:`validate`, which raises
+:class:`ConfigError` naming the dotted key and the offending value.
+
+The same dataclasses are used without Hydra (tests, notebooks):
+``cfg = OmegaConf.structured(TrainConfig)``; ``validate(cfg)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+__all__ = [
+    "AlgorithmConfig",
+    "ConfigError",
+    "D3SSection",
+    "LoggingConfig",
+    "ModelConfig",
+    "ScheduleConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "TrainerConfig",
+    "register_configs",
+    "validate",
+]
+
+Count = Union[int, float]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the dotted key."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The policy objective (``conf/algorithm/{grpo,gspo}.yaml``)."""
+
+    loss: str = "grpo"  # core.losses.POLICY_LOSSES: grpo | gspo | gspo_token
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
+
+
+@dataclass
+class ScheduleConfig:
+    """(N, K) as a function of progress p in [0, 1]: N per prompt (int count or fraction of
+    G in (0, 1]), K = fraction of eligible tokens kept, in (0, 1]."""
+
+    kind: str = "constant"  # core.schedules.SCHEDULES: linear | cosine | constant | step
+    n_init: Count = 1.0
+    n_final: Count = 1.0
+    k_init: float = 1.0
+    k_final: float = 1.0
+    milestones: List[float] = field(default_factory=list)  # only for kind=step
+
+
+@dataclass
+class D3SSection:
+    """Sample/token down-sampling (``conf/d3s/<preset>.yaml``). Each preset file spells out
+    every field, so ``--cfg job`` shows exactly what runs; tests check that the files agree
+    with ``core.d3s.PRESETS``."""
+
+    preset: str = "d3s"
+    sample_rule: str = "d3s_cross"
+    token_scope: str = "batch"
+    schedule: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig("linear", 0.125, 0.5, 0.05, 0.2)
+    )
+    eps: float = 1e-6
+    unbiased: bool = True
+    # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
+    # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
+    dp_batch_scope: str = "global_exact"
+
+
+@dataclass
+class ModelConfig:
+    """The policy (``conf/model/*.yaml``). ``name`` is resolved by the backend: a registered
+    short name (e.g. ``smollm2-135m-instruct``), a local Hugging Face folder or a GGUF file."""
+
+    name: str = "smollm2-135m-instruct"
+    backend: str = "hf"  # trainer.backend_registry: hf | megatron | "pkg.module:Class"
+    dtype: str = "float32"
+    device: str = "cpu"
+    gradient_checkpointing: bool = False
+    params: Dict[str, Any] = field(default_factory=dict)  # backend-specific extras
+
+
+@dataclass
+class TaskConfig:
+    """Prompts and verifiable reward (``conf/task/*.yaml``); ``params`` go to the task's
+    constructor, which rejects keys it does not know."""
+
+    name: str = "basic_arithmetic"
+    params: Dict[str, Any] = field(default_factory=dict)
+    eval_size: int = 32  # the first eval_size problems of the task's fixed held-out set
+
+
+@dataclass
+class TrainerConfig:
+    """Loop sizes, optimisation, evaluation and checkpoint cadence (``conf/trainer/``)."""
+
+    steps: int = 30
+    prompts_per_step: int = 8  # global, over all data-parallel ranks
+    num_generations: int = 8  # G rollouts per prompt
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # One generate call per prompt (seeded per prompt: a prompt gets the same samples on any
+    # rank layout). false = one batched call per rank and step: several times faster on CPU
+    # with a backend that takes no per-prompt seeds, but a 2-rank run no longer equals a
+    # 1-rank run. Irrelevant for a backend with supports_prompt_seeds (always batched).
+    generate_per_prompt: bool = True
+    # optimisation
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay over the run, after warm-up)
+    grad_clip: Optional[float] = 1.0
+    num_mini_batches: int = 1  # optimizer steps per rollout batch
+    micro_batch_size: int = 8
+    logprob_micro_batch_size: int = 16
+    # evaluation (greedy decoding on task.eval_size held-out problems)
+    eval_every: int = 10  # 0 = only at the end
+    eval_at_start: bool = True
+    eval_max_new_tokens: Optional[int] = None  # None = max_new_tokens
+    eval_batch_size: int = 32
+    # checkpoints
+    save_every: int = 10  # 0 = only at the end
+    keep_last: int = 2
+    export_hf: bool = True  # DIR/hf_export at the end
+
+
+@dataclass
+class LoggingConfig:
+    progress_bar: bool = True
+    tensorboard: bool = True  # used when the tensorboard package is importable
+    level: str = "INFO"
+    log_samples: int = 1  # completions printed at each evaluation (rank 0)
+
+
+@dataclass
+class TrainConfig:
+    """Root of the resolved config (``conf/config.yaml``)."""
+
+    output_dir: str = "outputs/run"  # conf/config.yaml: outputs/<date>_<time>
+    resume: bool = False
+    seed: int = 0
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    d3s: D3SSection = field(default_factory=D3SSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def register_configs() -> None:
+    """Register the schema (``train_schema``) in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------
+# range validation
+# ---------------------------------------------------------------------------------------
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def _require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_count(cfg: Any, key: str, group_size: int) -> None:
+    """N: an int count in [1, G] or a float fraction of G in (0, 1]."""
+    v = _get(cfg, key)
+    _require(_number(v), key, v, "must be a number (an int count or a fraction of G in (0, 1])")
+    if isinstance(v, int):
+        _require(v >= 1, key, v, "rollouts kept per prompt must be >= 1")
+        _require(
+            v <= group_size, key, v,
+            f"cannot keep more rollouts per prompt than are generated (trainer.num_generations={group_size})",
+        )
+    else:
+        _require(0 < v <= 1, key, v, "a float N is a fraction of G and must be in (0, 1]; use an int for a count")
+
+
+def _known(key: str, value: str, registry_path: str, attr: str) -> None:
+    """Check ``value`` against a core registry when that module is importable."""
+    try:
+        module = __import__(registry_path, fromlist=[attr])
+        registry = getattr(module, attr)
+    except ImportError:
+        return
+    if value not in registry:
+        raise ConfigError(f"{key}={value!r}: unknown; known: {', '.join(registry.names())}")
+
+
+def check_schema(cfg: Any) -> None:
+    """Unknown keys and wrong types fail even when added with Hydra's ``+key=value``
+    (which bypasses the struct flag): re-merge into a fresh schema."""
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not isinstance(cfg, DictConfig):
+        return
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=False)
+        plain.pop("hydra", None)
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), plain)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}" if key else str(e)) from None
+
+
+def _check_schedule(cfg: Any) -> None:
+    """Let the core schedule object judge the combination (e.g. an int n_init with a float n_final)."""
+    try:
+        from nemo_d3s.core.schedules import DynamicSchedule
+    except ImportError:
+        return
+    s = _get(cfg, "d3s.schedule")
+    kw = {"milestones": list(s.milestones)} if s.kind == "step" and len(s.milestones) else {}
+    try:
+        DynamicSchedule(s.kind, s.n_init, s.n_final, s.k_init, s.k_final, kw)
+    except ValueError as e:
+        raise ConfigError(f"d3s.schedule: {e}") from None
+
+
+def validate(cfg: Any, world_size: int = 1) -> None:
+    """Schema and range checks on a (resolved or structured) :class:`TrainConfig`. Raises
+    :class:`ConfigError` naming the first offending key. ``world_size`` = data-parallel ranks."""
+    check_schema(cfg)
+    t = "trainer"
+    g = _get(cfg, f"{t}.num_generations")
+    _require(
+        isinstance(g, int) and g >= 2, f"{t}.num_generations", g,
+        "group advantages need >= 2 rollouts per prompt (G >= 2)",
+    )
+    for key in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size",
+                "logprob_micro_batch_size", "num_mini_batches", "eval_batch_size", "keep_last"):
+        v = _get(cfg, f"{t}.{key}")
+        _require(isinstance(v, int) and v >= 1, f"{t}.{key}", v, "must be an integer >= 1")
+    for key in ("eval_every", "save_every", "warmup_steps", "top_k"):
+        v = _get(cfg, f"{t}.{key}")
+        _require(isinstance(v, int) and v >= 0, f"{t}.{key}", v, "must be an integer >= 0")
+    lr = _get(cfg, f"{t}.lr")
+    _require(_number(lr) and lr > 0, f"{t}.lr", lr, "learning rate must be > 0")
+    wd = _get(cfg, f"{t}.weight_decay")
+    _require(_number(wd) and wd >= 0, f"{t}.weight_decay", wd, "must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        v = _get(cfg, f"{t}.{key}")
+        _require(_number(v) and 0 <= v < 1, f"{t}.{key}", v, "must be in [0, 1)")
+    sched = _get(cfg, f"{t}.lr_schedule")
+    _require(sched in ("constant", "linear", "cosine"), f"{t}.lr_schedule", sched, "known: constant, linear, cosine")
+    temp = _get(cfg, f"{t}.temperature")
+    _require(_number(temp) and temp > 0, f"{t}.temperature", temp, "must be > 0 (sampling needs it)")
+    top_p = _get(cfg, f"{t}.top_p")
+    _require(_number(top_p) and 0 < top_p <= 1, f"{t}.top_p", top_p, "must be in (0, 1]")
+    clip = _get(cfg, f"{t}.grad_clip")
+    _require(clip is None or (_number(clip) and clip > 0), f"{t}.grad_clip", clip, "must be > 0 or null")
+    emt = _get(cfg, f"{t}.eval_max_new_tokens")
+    _require(emt is None or (isinstance(emt, int) and emt >= 1), f"{t}.eval_max_new_tokens", emt,
+             "must be an integer >= 1 or null")
+    ppp = _get(cfg, f"{t}.prompts_per_step")
+    nmb = _get(cfg, f"{t}.num_mini_batches")
+    _require(nmb <= ppp, f"{t}.num_mini_batches", nmb,
+             f"cannot exceed {t}.prompts_per_step={ppp} (mini-batches are made of whole prompts)")
+    _require(ppp % world_size == 0, f"{t}.prompts_per_step", ppp,
+             f"must be divisible by the number of data-parallel ranks ({world_size})")
+
+    d = "d3s.schedule"
+    for key in ("k_init", "k_final"):
+        v = _get(cfg, f"{d}.{key}")
+        _require(_number(v) and 0 < v <= 1, f"{d}.{key}", v, "K is a fraction of tokens and must be in (0, 1]")
+    for key in ("n_init", "n_final"):
+        _check_count(cfg, f"{d}.{key}", g)
+    ms = list(_get(cfg, f"{d}.milestones"))
+    _require(all(_number(m) and 0 <= m <= 1 for m in ms), f"{d}.milestones", ms, "progress values in [0, 1]")
+    eps = _get(cfg, "d3s.eps")
+    _require(_number(eps) and eps >= 0, "d3s.eps", eps, "must be >= 0")
+    _known("d3s.sample_rule", _get(cfg, "d3s.sample_rule"), "nemo_d3s.core.sample_selection", "SAMPLE_SELECTORS")
+    _known("d3s.token_scope", _get(cfg, "d3s.token_scope"), "nemo_d3s.core.token_selection", "TOKEN_SELECTORS")
+    _known(f"{d}.kind", _get(cfg, f"{d}.kind"), "nemo_d3s.core.schedules", "SCHEDULES")
+    _check_schedule(cfg)
+    _known("d3s.dp_batch_scope", _get(cfg, "d3s.dp_batch_scope"), "nemo_d3s.distributed.topk", "DISTRIBUTED_TOKEN_SCOPES")
+
+    a = "algorithm"
+    _known(f"{a}.loss", _get(cfg, f"{a}.loss"), "nemo_d3s.core.losses", "POLICY_LOSSES")
+    _known(f"{a}.advantage", _get(cfg, f"{a}.advantage"), "nemo_d3s.core.advantages", "ADVANTAGE_ESTIMATORS")
+    for key in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+        v = _get(cfg, f"{a}.{key}")
+        _require(_number(v) and v >= 0, f"{a}.{key}", v, "must be >= 0")
+    dc = _get(cfg, f"{a}.dual_clip_c")
+    _require(dc is None or (_number(dc) and dc > 1), f"{a}.dual_clip_c", dc, "must be > 1 or null")
+    agg = _get(cfg, f"{a}.aggregation")
+    aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+    _require(agg in aggs, f"{a}.aggregation", agg, f"known: {', '.join(aggs)}")
+
+    es = _get(cfg, "task.eval_size")
+    _require(isinstance(es, int) and es >= 1, "task.eval_size", es, "must be an integer >= 1")
+    _require(bool(_get(cfg, "model.name")), "model.name", _get(cfg, "model.name"), "must name a model")
+    _require(bool(_get(cfg, "output_dir")), "output_dir", _get(cfg, "output_dir"), "must be a directory path")

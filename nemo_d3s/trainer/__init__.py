@@ -1,0 +1,27 @@
+"""The GRPO / D3S training loop, backend-agnostic.
+
+Modules: ``step`` (one training step, on one screen), ``update`` (compaction, loss closure,
+mini-batches), ``loop`` (the run: evaluation, checkpoints, signals, export), ``data``
+(prompts and per-prompt seeds), ``checkpoint``, ``metrics``, ``stats``, ``evaluate``,
+``build`` (config -> objects), ``backend_registry``, ``dist`` (data-parallel helpers),
+``plot`` (the ``nemo-d3s-plot`` command).
+
+``from nemo_d3s.trainer import Trainer, train`` (imported lazily: the plot command should
+not pay for torch.distributed / transformers imports).
+"""
+
+from __future__ import annotations
+
+__all__ = ["Trainer", "train", "run_step"]
+
+
+def __getattr__(name: str):
+    if name in ("Trainer", "train"):
+        from nemo_d3s.trainer import loop
+
+        return getattr(loop, name)
+    if name == "run_step":
+        from nemo_d3s.trainer.step import run_step
+
+        return run_step
+    raise AttributeError(name)

@@ -1,0 +1,99 @@
+"""One GRPO/D3S training step, backend-agnostic.
+
+    rollout -> reward -> group advantages -> sample selection -> old log-probs + entropy
+    (one pass, kept samples only) -> token selection -> compaction -> (reference log-probs)
+    -> policy update -> metrics
+
+Every quantity that decides what is trained (degenerate batch, kept tokens, loss
+denominators) is agreed on by all data-parallel ranks, so either all ranks update or all
+skip, and a 2-rank run takes the same decisions as a 1-rank run on the same global batch.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator
+
+from nemo_d3s.backends.base import GenerationConfig, PolicyBackend
+from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.trainer.data import PromptSource, generate_groups
+from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.trainer.stats import rollout_metrics, selection_metrics, token_metrics, update_metrics
+from nemo_d3s.trainer.tasks_adapter import TaskAdapter
+from nemo_d3s.trainer.update import compact, update_policy
+
+__all__ = ["StepContext", "run_step"]
+
+
+@dataclass
+class StepContext:
+    """Everything a step needs; built once by the loop."""
+
+    backend: PolicyBackend
+    selector: Any  # D3SSelector or DistributedD3SSelector (same methods)
+    task: TaskAdapter
+    prompts: PromptSource
+    gen: GenerationConfig
+    num_generations: int
+    loss_name: str
+    loss_cfg: LossConfig
+    num_mini_batches: int
+    micro_batch_size: int
+    logprob_micro_batch_size: int
+    dp: DPInfo
+    generate_per_prompt: bool = True
+    timings: Dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.timings[f"time_{name}"] = time.perf_counter() - t0
+
+
+def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
+    """Train on the prompts of ``step`` (0-based) at schedule position ``progress`` in [0, 1].
+    Returns global (all-rank) metrics; ``skipped`` = 1 when no update was possible."""
+    ctx.timings = {}
+    G = ctx.num_generations
+    prompts = ctx.prompts.for_step(step)
+    with ctx.timed("rollout"):
+        ro = generate_groups(ctx.backend, prompts, G, ctx.gen, ctx.generate_per_prompt)
+    with ctx.timed("reward"):
+        rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
+    group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
+    m = rollout_metrics(ctx.dp, rewards, group_ids, ro, n_errors)
+
+    stage = ctx.selector.select_samples(rewards, group_ids, progress)
+    m.update(selection_metrics(ctx.dp, stage))
+    if m["n_informative_groups"] == 0:  # every group all-equal: nothing to learn from
+        return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
+
+    kept = ro.batch.select(stage.kept_rows)
+    old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
+    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1:
+        with ctx.timed("logprob"):
+            old_lp, entropy = ctx.backend.compute_logprobs(
+                kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size
+            )
+    tok = ctx.selector.select_tokens(stage, entropy, kept.response_mask, progress)
+    minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
+    upd = compact(kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch)
+    m.update(token_metrics(ctx.dp, tok, kept, entropy, scored=old_lp is not None))
+    if ctx.dp.sum({"n": float(upd.token_keep.sum())})["n"] == 0:
+        return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
+    if ctx.loss_cfg.kl_coef > 0:
+        with ctx.timed("reference"):
+            upd.ref_logprobs, _ = ctx.backend.compute_logprobs(
+                upd.batch, with_entropy=False, reference=True, micro_batch_size=ctx.logprob_micro_batch_size
+            )
+    with ctx.timed("update"):
+        report = update_policy(
+            ctx.backend, upd, loss_name=ctx.loss_name, loss_cfg=ctx.loss_cfg,
+            num_mini_batches=ctx.num_mini_batches, micro_batch_size=ctx.micro_batch_size,
+            dp=ctx.dp, fallback=ro.batch,
+        )
+    m.update(update_metrics(ctx.dp, upd, report))
+    return {**m, "skipped": 0.0, **ctx.timings}

@@ -1,0 +1,94 @@
+"""Bad input gives a clear error or a counted, logged skip: never a silent wrong update."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nemo_d3s.config import ConfigError
+from nemo_d3s.tasks.base import TASKS
+from nemo_d3s.tasks.tiny import TinyCharTask
+from nemo_d3s.trainer.loop import Trainer
+
+from .conftest import FAST, cli, compose, run_inprocess
+
+
+class _ConstantTask(TinyCharTask):
+    """Every response gets the same reward: every group is degenerate."""
+
+    def reward(self, problem, response_text):
+        return 1.0
+
+
+class _FlakyTask(TinyCharTask):
+    """The reward raises for some responses and is NaN for others (by first character)."""
+
+    def reward(self, problem, response_text):
+        code = ord(response_text[0]) if response_text else 0
+        if code % 3 == 0:
+            raise RuntimeError("verifier exploded")
+        if code % 3 == 1:
+            return float("nan")
+        return super().reward(problem, response_text)
+
+
+for _name, _cls in (("test_constant", _ConstantTask), ("test_flaky", _FlakyTask)):
+    if _name not in TASKS:
+        TASKS.register(_name)(_cls)
+
+
+def test_all_equal_batch_skips_the_update_but_advances(tmp_path):
+    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_constant", "trainer.save_every=1"])
+    assert state.step == 2 and state.skipped_steps == 2
+    for r in rows:
+        assert r["skipped"] == 1 and r["skip_all_equal"] == 1
+        assert r["n_degenerate_groups"] == r["n_prompts"]
+        assert "update_tokens" not in r and "loss" not in r  # no update happened
+    assert [r["progress"] for r in rows] == [0.0, 1.0]  # the schedule still advances
+    assert rows[-1]["skipped_steps_total"] == 2
+    assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+
+
+def test_failing_reward_is_counted_and_does_not_poison_the_batch(tmp_path):
+    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_flaky", "trainer.max_new_tokens=4"])
+    assert state.step == 2
+    assert sum(r["reward_errors"] for r in rows) > 0
+    assert state.reward_errors_total == sum(r["reward_errors"] for r in rows)
+    for r in rows:
+        assert math.isfinite(r["reward_mean"])
+        assert r["skipped"] == 1 or math.isfinite(r["loss"])
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.name=/no/such/model"])
+    with pytest.raises(FileNotFoundError, match="/no/such/model"):
+        Trainer(cfg)
+
+
+def test_missing_model_directory_cli_message(tmp_path):
+    r = cli(["experiment=smoke", f"output_dir={tmp_path}", "model.name=/no/such/model"])
+    assert r.returncode == 2
+    assert "/no/such/model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps({"question": "2+2?"}) + "\n")
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", "task=jsonl_math",
+                   f"task.params.train_path={data}", "task.eval_size=1"])
+    with pytest.raises(ConfigError, match="row 2 has no answer"):
+        Trainer(cfg)
+
+
+def test_unknown_backend_option_names_the_key(tmp_path):
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "+model.params.bogus=1"])
+    with pytest.raises(ConfigError, match="model.params.bogus"):
+        Trainer(cfg)
+
+
+def test_reserved_megatron_backend_says_so(tmp_path):
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron"])
+    with pytest.raises(ConfigError, match="megatron"):
+        Trainer(cfg)

@@ -1,0 +1,103 @@
+"""Config schema, range validation, presets, and the CLI's config printing."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_d3s.config import ConfigError, TrainConfig, validate
+from nemo_d3s.core.d3s import PRESETS
+from nemo_d3s.trainer.build import d3s_config
+
+from .conftest import cli, compose
+
+
+def _error(overrides, world_size=1) -> str:
+    cfg = compose([*overrides, "output_dir=/tmp/unused"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size)
+    return str(e.value)
+
+
+def test_default_and_smoke_configs_validate():
+    validate(compose(["output_dir=x"]))
+    validate(compose(["experiment=smoke", "output_dir=x"]))
+    validate(OmegaConf.structured(TrainConfig))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.num_generations=1", "trainer.num_generations"),
+        ("d3s.schedule.k_init=0", "d3s.schedule.k_init"),
+        ("d3s.schedule.k_final=1.5", "d3s.schedule.k_final"),
+        ("d3s.schedule.n_final=0.0", "d3s.schedule.n_final"),
+        ("trainer.lr=0", "trainer.lr"),
+        ("trainer.lr=-1e-5", "trainer.lr"),
+        ("trainer.steps=0", "trainer.steps"),
+        ("trainer.prompts_per_step=0", "trainer.prompts_per_step"),
+        ("trainer.temperature=0", "trainer.temperature"),
+        ("trainer.top_p=0", "trainer.top_p"),
+        ("trainer.num_mini_batches=9", "trainer.num_mini_batches"),
+        ("algorithm.loss=ppo", "algorithm.loss"),
+        ("algorithm.aggregation=mean", "algorithm.aggregation"),
+        ("d3s.sample_rule=best", "d3s.sample_rule"),
+        ("d3s.token_scope=global", "d3s.token_scope"),
+        ("d3s.schedule.kind=exp", "d3s.schedule.kind"),
+        ("d3s.dp_batch_scope=approx", "d3s.dp_batch_scope"),
+    ],
+)
+def test_out_of_range_values_name_the_key(override, key):
+    assert key in _error([override])
+
+
+def test_g_equal_one_explains_why():
+    msg = _error(["trainer.num_generations=1"])
+    assert ">= 2 rollouts" in msg
+
+
+def test_n_larger_than_g():
+    msg = _error(["trainer.num_generations=4", "d3s.schedule.n_init=8", "d3s.schedule.n_final=8"])
+    assert "d3s.schedule.n_init=8" in msg and "num_generations=4" in msg
+
+
+def test_mixed_int_float_n_is_rejected():
+    assert "d3s.schedule" in _error(["d3s.schedule.n_final=2"])
+
+
+def test_prompts_must_shard_evenly_over_ranks():
+    assert "trainer.prompts_per_step" in _error(["trainer.prompts_per_step=3"], world_size=2)
+
+
+def test_unknown_key_fails_naming_it():
+    # Plain override: Hydra refuses it against the schema.
+    with pytest.raises(Exception, match="foo"):
+        compose(["trainer.foo=1", "output_dir=x"])
+    # "+key" bypasses Hydra's struct flag; validate() still catches it.
+    assert "trainer.foo" in _error(["+trainer.foo=1"])
+    assert "bogus" in _error(["+bogus=1"])
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_yaml_matches_core_presets(preset):
+    cfg = compose([f"d3s={preset}", "output_dir=x"])
+    ours, core = d3s_config(cfg), PRESETS[preset]
+    assert cfg.d3s.preset == preset
+    for field in ("sample_rule", "token_scope", "advantage", "eps", "unbiased"):
+        assert getattr(ours, field) == getattr(core, field), field
+    for p in (0.0, 0.3, 1.0):
+        assert ours.schedule.at(p) == core.schedule.at(p)
+
+
+def test_cli_prints_resolved_config():
+    r = cli(["--cfg", "job", "d3s=pods", "algorithm=gspo"])
+    assert r.returncode == 0, r.stderr
+    job = OmegaConf.create(r.stdout)
+    assert job.d3s.preset == "pods" and job.algorithm.loss == "gspo"
+    assert job.model.name == "smollm2-135m-instruct"
+
+
+def test_cli_reports_config_error_without_traceback(tmp_path):
+    r = cli(["experiment=smoke", f"output_dir={tmp_path}", "trainer.num_generations=1"])
+    assert r.returncode == 2
+    assert "trainer.num_generations=1" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,159 @@
+"""Checkpoints: atomic layout and pruning, resume after SIGKILL equals an uninterrupted run,
+SIGTERM writes a checkpoint and exits cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, latest_checkpoint
+from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.trainer.metrics import read_jsonl
+
+from nemo_d3s.config import ConfigError
+from nemo_d3s.tasks.base import TASKS
+from nemo_d3s.tasks.tiny import TinyCharTask
+
+from .conftest import REPO, cli, cli_env, run_inprocess, without_timing
+
+RUN = [
+    "experiment=smoke",
+    "trainer.steps=8",
+    "trainer.save_every=2",
+    "trainer.eval_every=4",
+    "trainer.max_new_tokens=16",
+    "trainer.keep_last=2",
+]
+
+
+class _StateBackend:
+    def __init__(self):
+        self.w = torch.zeros(3)
+
+    def state_dict(self):
+        return {"w": self.w.clone()}
+
+    def load_state_dict(self, s):
+        self.w = s["w"].clone()
+
+
+def test_checkpoint_manager_atomic_prune_and_restore(tmp_path):
+    be = _StateBackend()
+    mgr = CheckpointManager(str(tmp_path), DPInfo(), keep_last=2)
+    for step in (1, 2, 3):
+        be.w += 1
+        mgr.save(be, TrainerState(step=step, update_tokens_total=10.0 * step))
+    # a half-written checkpoint of a later step (killed mid-save) is ignored
+    (tmp_path / "checkpoints" / ".tmp_step_000004").mkdir()
+    (tmp_path / "checkpoints" / "step_000005").mkdir()  # no trainer_state.json: incomplete
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert "step_000001" not in names and {"step_000002", "step_000003"} <= set(names)
+    latest = latest_checkpoint(tmp_path / "checkpoints")
+    assert latest.name == "step_000003"
+    torch.manual_seed(123)
+    expected = torch.rand(2)
+    fresh = _StateBackend()
+    state = mgr.load(latest, fresh)  # restores the RNG captured at save time, too
+    assert state.step == 3 and state.update_tokens_total == 30.0
+    assert torch.equal(fresh.w, torch.full((3,), 3.0))
+    assert not torch.equal(torch.rand(2), expected)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc={proc.returncode}) before {path} appeared:\n{proc.stderr.read()}")
+        if time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"timed out waiting for {path}")
+        time.sleep(0.005)
+
+
+def _popen(args, log: Path):
+    # stdout (Hydra's console log) to a file: a full pipe would block the child.
+    return subprocess.Popen([sys.executable, "-m", "nemo_d3s.train", *args], cwd=REPO, env=cli_env(),
+                            stdout=log.open("w"), stderr=subprocess.PIPE, text=True)
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref_dir, RUN[1:])  # the uninterrupted reference (same arithmetic: 1 thread)
+
+    proc = _popen([*RUN, f"output_dir={run_dir}"], tmp_path / "killed.log")
+    _wait_for(run_dir / "checkpoints" / "step_000002" / "trainer_state.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "checkpoints" / "step_000008").exists(), "killed too late to test anything"
+    killed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
+
+    r = cli([*RUN, f"output_dir={run_dir}", "resume=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref_rows, rows = read_jsonl(ref_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 8, f"killed after {killed_at} rows"
+    assert without_timing(rows) == without_timing(ref_rows)
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
+    assert (run_dir / "hf_export" / "config.json").is_file()
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _popen([*RUN, "trainer.steps=40", "trainer.save_every=100", f"output_dir={run_dir}"], tmp_path / "out.log")
+    _wait_for(run_dir / "metrics.jsonl", proc)
+    while not read_jsonl(run_dir / "metrics.jsonl"):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    assert latest is not None, err[-3000:]
+    state = json.loads((latest / "trainer_state.json").read_text())
+    assert 0 < state["step"] < 40
+    assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == state["step"]
+    assert "received SIGTERM" in (tmp_path / "out.log").read_text()
+
+
+def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
+    args = ["trainer.steps=1", "trainer.eval_at_start=false", "trainer.export_hf=false"]
+    run_inprocess(tmp_path, args)
+    with pytest.raises(ConfigError, match="resume=true"):
+        run_inprocess(tmp_path, args)
+    state, rows = run_inprocess(tmp_path, [*args, "trainer.steps=2", "resume=true"])
+    assert state.step == 2 and [r["step"] for r in rows] == [1, 2]
+
+
+class _SignalOnFirstReward(TinyCharTask):
+    """Sends SIGUSR1 to this very process from inside the first step."""
+
+    sent = False
+
+    def reward(self, problem, response_text):
+        if not _SignalOnFirstReward.sent:
+            _SignalOnFirstReward.sent = True
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return super().reward(problem, response_text)
+
+
+if "test_sigusr1" not in TASKS:
+    TASKS.register("test_sigusr1")(_SignalOnFirstReward)
+
+
+def test_sigusr1_checkpoints_after_the_current_step_in_process(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    state, rows = run_inprocess(tmp_path, ["task.name=test_sigusr1", "trainer.steps=5", "trainer.save_every=0",
+                                           "trainer.eval_at_start=false"])
+    assert state.extra.get("interrupted") and state.step == 1 and len(rows) == 1
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_000001"
+    assert not (tmp_path / "hf_export").exists()  # no export for an unfinished run
+    assert signal.getsignal(signal.SIGUSR1) == before  # handlers restored
+    state, rows = run_inprocess(tmp_path, ["task.name=tiny", "trainer.steps=5", "trainer.save_every=0",
+                                           "trainer.eval_at_start=false", "resume=true"])
+    assert state.step == 5 and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
