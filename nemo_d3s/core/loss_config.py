@@ -1,0 +1,139 @@
+"""Loss configuration, the global denominator and metric reduction, shared by every
+policy loss in :mod:`nemo_d3s.core.losses` (whose docstring defines the aggregations).
+
+Pure torch, no collectives: callers sum :func:`loss_denominator` shares and metric sums
+over micro-batches and ranks themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional
+
+import torch
+
+from nemo_d3s.core.checks import check_bool, check_shape
+
+__all__ = [
+    "AGGREGATIONS",
+    "LossConfig",
+    "LossOutput",
+    "METRIC_NORMALISERS",
+    "finalize_metrics",
+    "loss_denominator",
+]
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+#: ``finalize_metrics`` maps each ``<name>_sum`` to ``<name> = sum / metrics[count]``.
+METRIC_NORMALISERS: Dict[str, str] = {
+    "clip_frac_low_sum": "token_count",
+    "clip_frac_high_sum": "token_count",
+    "dual_clip_frac_sum": "token_count",
+    "ratio_sum": "token_count",
+    "approx_kl_sum": "token_count",
+    "ref_kl_sum": "token_count",
+}
+
+
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+@dataclass
+class LossConfig:
+    """Clip ranges, dual clip, KL weight and aggregation (see the module docstring).
+
+    clip_eps_low, clip_eps_high >= 0: ratio clipped to [1 - eps_low, 1 + eps_high].
+    dual_clip_c: None (off) or c > 1, applied to tokens/sequences with A < 0.
+    kl_coef >= 0: weight of the k3 KL to the reference (needs ref_logprobs when > 0).
+    aggregation: one of ``AGGREGATIONS``.
+    """
+
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    kl_coef: float = 0.0
+    aggregation: str = "token_mean"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
+            v = getattr(self, name)
+            if not _is_real(v) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        c = self.dual_clip_c
+        if c is not None and (not _is_real(c) or math.isnan(c) or c <= 1):
+            raise ValueError(f"dual_clip_c must be > 1 or None, got {c!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
+
+
+@dataclass
+class LossOutput:
+    """loss: scalar tensor (differentiable w.r.t. logprobs); metrics: additive floats (see
+    the module docstring; reduce by summing, then :func:`finalize_metrics`)."""
+
+    loss: torch.Tensor
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+
+
+def _check_mask(name: str, mask: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_bool(name, mask)
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, S], got shape {tuple(mask.shape)}")
+
+
+def loss_denominator(
+    loss_mask: torch.Tensor, aggregation: str, *, norm_mask: Optional[torch.Tensor] = None
+) -> float:
+    """This micro-batch's share of the loss denominator (the caller sums it over all
+    micro-batches of the optimizer step and all DP ranks).
+
+    loss_mask [B, S] bool -> float: the number of masked tokens for ``token_mean``; the
+    number of rows with at least one masked token for ``seq_mean_*``. With ``norm_mask``
+    [B, S] bool the same counts are taken on ``norm_mask`` instead ("normalise by all
+    response tokens"). No collectives.
+    """
+    _check_mask("loss_mask", loss_mask)
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+    mask = loss_mask
+    if norm_mask is not None:
+        _check_mask("norm_mask", norm_mask)
+        check_shape("norm_mask", norm_mask, loss_mask.shape, "loss_mask")
+        mask = norm_mask
+    if aggregation == "token_mean":
+        return float(mask.sum())
+    return float(mask.any(dim=1).sum())
+
+
+
+def finalize_metrics(metrics: Mapping[str, float]) -> Dict[str, float]:
+    """Turn summed metrics (over micro-batches / ranks) into means.
+
+    Each ``<name>_sum`` listed in ``METRIC_NORMALISERS`` becomes ``<name>`` = sum / count
+    (0.0 when the count is 0); every other entry (counts, pg_loss, kl_loss, ...) is passed
+    through. E.g. ``clip_frac_low_sum`` -> ``clip_frac_low``, ``approx_kl_sum`` -> ``approx_kl``.
+    """
+    out: Dict[str, float] = {}
+    for key, value in metrics.items():
+        count_key = METRIC_NORMALISERS.get(key)
+        if count_key is None:
+            out[key] = float(value)
+            continue
+        if count_key not in metrics:
+            raise ValueError(f"metrics has {key!r} but not its count {count_key!r}")
+        count = float(metrics[count_key])
+        out[key[: -len("_sum")]] = float(value) / count if count > 0 else 0.0
+    return out
