@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -82,12 +82,22 @@ class PolicyBackend(abc.ABC):
     """What the trainer needs from a model framework."""
 
     tokenizer: object  # a Hugging Face tokenizer (Megatron runs use one too)
+    # True when ``generate`` takes one seed per prompt with per-prompt independence (see
+    # ``generate``); a class attribute or a property.
+    supports_prompt_seeds: bool = False
 
     @abc.abstractmethod
     def generate(
-        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: int
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: Union[int, Sequence[int]]
     ) -> Rollouts:
-        """Sample ``n_samples`` completions for each chat-formatted prompt text."""
+        """Sample ``n_samples`` completions for each chat-formatted prompt text.
+
+        ``seed``: an int for the whole call, or (only when the backend class sets
+        ``supports_prompt_seeds`` is True) a sequence of one int per prompt; such a backend
+        guarantees that prompt i's samples depend only on prompt i, seeds[i] and the model,
+        not on the other prompts of the call (so any batching or rank layout gives the same
+        samples). A backend without it is called once per prompt to get that guarantee.
+        """
 
     @abc.abstractmethod
     def compute_logprobs(

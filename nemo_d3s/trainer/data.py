@@ -116,7 +116,7 @@ def generate_groups(
 ) -> Rollouts:
     """G completions per prompt, each prompt sampled from its own seed.
 
-    A backend whose class sets ``supports_prompt_seeds = True`` takes the list of
+    A backend whose ``supports_prompt_seeds`` is True takes the list of
     per-prompt seeds in ONE batched ``generate`` call (and guarantees that prompt i's
     samples depend only on prompt i and seeds[i]); otherwise each prompt gets its own call
     with its seed. Batching matters on CPU, where a decode step of 8 or 64 rows costs

@@ -121,12 +121,17 @@ def test_compute_logprobs_matches_naive_forward(backend):
     lp, ent = backend.compute_logprobs(r.batch, with_entropy=True, micro_batch_size=4)
     ref_lp, ref_ent = naive_logprobs_entropy(backend.model, r.batch)
     assert lp.shape == ent.shape == r.batch.input_ids.shape and lp.dtype == torch.float32
-    assert torch.allclose(lp.double(), ref_lp, atol=1e-4)
-    assert torch.allclose(ent.double(), ref_ent, atol=1e-4)
+    resp = r.batch.response_mask
+    assert resp.sum() > 10
+    assert torch.allclose(lp.double()[resp], ref_lp[resp], atol=1e-4)
+    assert torch.allclose(ent.double()[resp], ref_ent[resp], atol=1e-4)
     assert (lp[:, 0] == 0).all() and (ent[:, 0] == 0).all()
     assert (lp[~r.batch.attention_mask] == 0).all() and (ent[~r.batch.attention_mask] == 0).all()
+    # Prompt positions before the micro-batch's first response token are not scored.
+    first = int(resp.any(0).int().argmax())
+    assert first > 1 and (lp[:, :first] == 0).all() and (ent[:, :first] == 0).all()
     lp1, none = backend.compute_logprobs(r.batch, with_entropy=False, micro_batch_size=1)
-    assert none is None and torch.allclose(lp1, lp, atol=1e-5)
+    assert none is None and torch.allclose(lp1[resp], lp[resp], atol=1e-5)
 
 
 def test_reference_model_is_a_frozen_copy():
@@ -175,8 +180,10 @@ def test_microbatch_size_does_not_change_gradients_or_update():
     m4 = b4.train_step(batch, loss_fn, micro_batch_size=3)
     assert m1["grad_norm"] == pytest.approx(m4["grad_norm"], rel=1e-5) and m1["grad_norm"] > 0
     assert m1["n_micro_batches"] == 4 and m4["n_micro_batches"] == 2
+    # Adam's first step moves each weight by about lr * g / (|g| + eps): for gradients near
+    # eps, float-noise differences between micro-batchings reach a few 1e-3 of lr.
     for p1, p4 in zip(b1.params, b4.params):
-        assert torch.allclose(p1, p4, atol=1e-6)
+        assert torch.allclose(p1, p4, atol=1e-5)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients():
@@ -261,7 +268,8 @@ def test_save_pretrained_round_trip(tmp_path, backend):
     batch = fixed_batch(backend)
     ref_lp, _ = naive_logprobs_entropy(model, batch)
     lp, _ = backend.compute_logprobs(batch, with_entropy=False)
-    assert torch.allclose(lp.double(), ref_lp, atol=1e-4)
+    resp = batch.response_mask
+    assert torch.allclose(lp.double()[resp], ref_lp[resp], atol=1e-4)
     reloaded = make_backend(model=str(out))
     lp2, _ = reloaded.compute_logprobs(batch, with_entropy=False)
     assert torch.allclose(lp2, lp, atol=1e-5)

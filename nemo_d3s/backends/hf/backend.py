@@ -18,7 +18,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +26,9 @@ import torch.nn.functional as F
 from nemo_d3s.backends.base import GenerationConfig, LossFn, PolicyBackend, Rollouts, TokenBatch
 from nemo_d3s.backends.hf.config import HFBackendConfig
 from nemo_d3s.backends.hf.loading import load_model_and_tokenizer, resolve_autocast, resolve_device
-from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, left_pad, real_length, right_padded_batch
-from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
+from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, right_padded_batch
+from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
+from nemo_d3s.core.entropy import entropy_and_logprobs
 
 
 def _lr_lambda(cfg: HFBackendConfig):
@@ -60,6 +61,8 @@ class HFBackend(PolicyBackend):
     """
 
     def __init__(self, cfg: HFBackendConfig, dp_group=None) -> None:
+        if cfg.sampler not in ("seeded", "hf_generate"):
+            raise ValueError(f"sampler must be 'seeded' or 'hf_generate', got {cfg.sampler!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
@@ -100,69 +103,96 @@ class HFBackend(PolicyBackend):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _rng_fork(self):
-        devices = [self.device] if self.device.type == "cuda" else []
-        return torch.random.fork_rng(devices=devices)
-
     def _dp_world(self) -> int:
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return 1
         return torch.distributed.get_world_size(self.dp_group)
 
-    def _token_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, with_entropy: bool):
-        """Forward one micro-batch. ids, attn [b, L] on device -> (logprobs [b, L] f32,
+    def _token_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool):
+        """Forward one micro-batch. ids, attn, resp [b, L] on device -> (logprobs [b, L] f32,
         entropy [b, L] f32 or None), token-aligned, zero where attn is False.
 
-        Memory: the [b, L, V] logits (plus the softmax workspace of entropy_and_logprobs).
+        Only positions from the micro-batch's first response token on are scored (earlier
+        ones hold 0): the LM head and the softmax run on ``logits_to_keep`` positions, not
+        on the prompt, which is most of the sequence in short-answer RL.
+        Memory: the [b, L - first + 1, V] logits (plus the softmax workspace).
         """
+        L = ids.shape[1]
+        has_resp = resp.any(dim=0)
+        first = max(int(has_resp.int().argmax()), 1) if bool(has_resp.any()) else 1
         with self._autocast():
-            logits = model(input_ids=ids, attention_mask=attn.long(), use_cache=False).logits
-        ent, lp = entropy_and_logprobs(logits[:, :-1], ids[:, 1:])
-        lp = align_to_tokens(lp) * attn
-        ent = align_to_tokens(ent) * attn if with_entropy else None
+            logits = model(
+                input_ids=ids, attention_mask=attn.long(), use_cache=False, logits_to_keep=L - first + 1
+            ).logits
+        ent, lp = entropy_and_logprobs(logits[:, :-1], ids[:, first:])
+        pad = (first, 0)
+        lp = F.pad(lp.float(), pad) * attn
+        ent = F.pad(ent.float(), pad) * attn if with_entropy else None
         return lp, ent
 
     # ------------------------------------------------------------------ generation
+    @property
+    def supports_prompt_seeds(self) -> bool:
+        """True with the seeded sampler: ``generate`` takes one seed per prompt and a
+        prompt's samples do not depend on the rest of the batch, so the trainer samples all
+        prompts in one batched call and any rank layout gives the same samples."""
+        return self.cfg.sampler == "seeded"
+
     @torch.no_grad()
-    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: int) -> Rollouts:
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: Union[int, Sequence[int]]
+    ) -> Rollouts:
         """``n_samples`` completions of each prompt (a plain user message; the chat template
         is applied here). Rows are prompt-major: rows [i*n, (i+1)*n) answer prompts[i].
 
-        Returns a right-padded TokenBatch [B = len(prompts) * n_samples, S] on the CPU whose
-        response_mask covers the response up to and including the first EOS. Sampling is
-        seeded by ``seed`` inside a forked RNG, so the global RNG state is untouched.
-        """
-        from transformers import GenerationConfig as HFGenerationConfig
+        ``seed``: with ``sampler="seeded"``, one int per prompt, or an int s meaning seeds
+        [s, s+1, ...]; sample j of prompt i comes from a private generator seeded from
+        (seed_i, j), so prompt i's samples depend only on its text, its seed and the model,
+        not on the other prompts, the padding or ``generation_batch_size`` (up to float
+        noise of padded matmuls, which flips a sample only when a uniform lands within
+        ~1e-6 of a cdf boundary). With ``sampler="hf_generate"``, one int for the call.
+        The global RNG state is untouched either way.
 
+        Returns a right-padded TokenBatch [B = len(prompts) * n_samples, S] on the CPU whose
+        response_mask covers the response up to and including the first stop token.
+        """
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         if not prompts:
             raise ValueError("prompts must be non-empty")
-        prompt_ids = [ids for ids in encode_prompts(self.tokenizer, prompts, self.use_chat_template) for _ in range(n_samples)]
-        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.do_sample else {}
-        gen_cfg = HFGenerationConfig(
-            max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id, use_cache=True, **sampling,
-        )
+        if cfg.do_sample and not cfg.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {cfg.temperature}")
+        if not 0.0 < cfg.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+        if cfg.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
+        if self.supports_prompt_seeds:
+            seeds = prompt_seeds(seed, len(prompts))
+        elif isinstance(seed, int):
+            seeds = [seed]
+        else:
+            raise ValueError("sampler='hf_generate' takes one int seed per call, not one per prompt")
+        encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
+        prompt_ids = [ids for ids in encoded for _ in range(n_samples)]
         chunk = self.cfg.generation_batch_size or len(prompt_ids)
+        common = dict(cfg=cfg, pad_id=self.pad_id, eos_ids=self.eos_ids, device=self.device, autocast=self._autocast)
         responses, finished = [], []
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
-        with self._rng_fork():
-            torch.manual_seed(seed)
+        try:
             for lo in range(0, len(prompt_ids), chunk):
-                ids, mask = left_pad(prompt_ids[lo: lo + chunk], self.pad_id)
-                with self._autocast():
-                    out = self.model.generate(
-                        input_ids=ids.to(self.device), attention_mask=mask.to(self.device), generation_config=gen_cfg
-                    )
-                for row in out[:, ids.shape[1]:].tolist():
-                    resp, done = cut_at_eos(row, self.eos_ids)
-                    responses.append(resp)
-                    finished.append(done)
+                rows = prompt_ids[lo: lo + chunk]
+                if self.supports_prompt_seeds:
+                    row_seeds = [row_seed(seeds[r // n_samples], r % n_samples) for r in range(lo, lo + len(rows))]
+                    r, f = decode_seeded(self.model, rows, row_seeds, **common)
+                else:
+                    r, f = decode_hf_generate(self.model, rows, seeds[0] + lo, **common)
+                responses += r
+                finished += f
+        finally:
+            self.model.train(was_training)
         seconds = time.perf_counter() - start
-        self.model.train(was_training)
         batch = right_padded_batch(prompt_ids, responses, self.pad_id)
         n_tokens = sum(len(r) for r in responses)
         texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
@@ -180,7 +210,9 @@ class HFBackend(PolicyBackend):
     @torch.no_grad()
     def compute_logprobs(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8):
         """(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
-        (position t scores token t from logits at t-1; position 0 and padding hold 0).
+        (position t scores token t from logits at t-1). Scored: every real position from the
+        first response token of the row's micro-batch on (so every response token); the
+        prompt before it, position 0 and padding hold 0.
 
         No grad; micro-batches of ``micro_batch_size`` rows, each cut to its longest row.
         ``reference=True`` scores with the frozen reference model and returns no entropy.
@@ -202,7 +234,7 @@ class HFBackend(PolicyBackend):
             if L < 2:
                 continue  # nothing to score: position 0 is 0 by contract
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
-            lp, ent = self._token_logprobs(model, ids, attn, with_entropy)
+            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L].to(self.device), with_entropy)
             logprobs[lo: lo + len(mb), :L] = lp.float().cpu()
             if with_entropy:
                 entropy[lo: lo + len(mb), :L] = ent.float().cpu()
@@ -228,7 +260,8 @@ class HFBackend(PolicyBackend):
             mb = batch.select(rows)
             L = max(real_length(mb.attention_mask), 1)
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
-            lp, _ = self._token_logprobs(self.model, ids, attn, with_entropy=False)
+            resp = mb.response_mask[:, :L].to(self.device)
+            lp, _ = self._token_logprobs(self.model, ids, attn, resp, with_entropy=False)
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
             lp = F.pad(lp.float(), (0, S - L))
             loss = loss_fn(lp, rows)

@@ -38,7 +38,11 @@ class HFBackendConfig:
     scheduler: "constant", "linear" or "cosine" decay after ``warmup_steps`` of linear warm-up;
         the decaying ones need ``total_steps``.
     grad_clip: max global grad norm; <= 0 disables clipping (the norm is still reported).
-    generation_batch_size: rows per ``model.generate`` call (None = all rows at once).
+    generation_batch_size: rows decoded together (None = all rows of the call at once).
+    sampler: "seeded" (default): the backend's own KV-cache sampling loop, each (prompt,
+        sample) drawing from a private seed, so samples do not depend on the batch layout
+        (a data-parallel run samples what a one-process run samples); "hf_generate":
+        ``model.generate`` seeded once per call (transformers' sampling, layout-dependent).
     stop_tokens: extra tokens that end a response like EOS, when the tokenizer has them as
         single tokens. ChatML models (SmolLM2) sometimes close a turn by opening the next
         one ("<|im_start|>") instead of "<|im_end|>"; without this the sample runs on into
@@ -66,5 +70,6 @@ class HFBackendConfig:
     gradient_checkpointing: bool = False
     attn_implementation: Optional[str] = "sdpa"
     generation_batch_size: Optional[int] = None
+    sampler: str = "seeded"
     stop_tokens: Tuple[str, ...] = ("<|im_start|>", "<|endoftext|>")
     use_chat_template: bool = True

@@ -1,0 +1,161 @@
+"""Decoding loops of the HF backend: a seeded KV-cache sampler and ``model.generate``.
+
+``decode_seeded`` (the default, ``HFBackendConfig.sampler="seeded"``) draws every row from
+a private generator seeded by (prompt seed, sample index), so a prompt's samples do not
+depend on which other prompts share the batch. That is what lets a data-parallel run
+sample the same completions as a one-process run with the same global batch.
+``decode_hf_generate`` (``sampler="hf_generate"``) calls ``model.generate`` under one
+seed for the whole call: transformers' own sampling (and its logits processors), but the
+samples then depend on the batch layout.
+
+Both take left-padded prompt rows and return ``(responses, finished)``: each row's
+response token ids up to and including the first stop token, and whether one was hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, List, Sequence, Tuple, Union
+
+import torch
+
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.hf.rollout import cut_at_eos, left_pad
+
+_MASK63 = (1 << 63) - 1
+
+
+def row_seed(prompt_seed: int, sample: int) -> int:
+    """One 63-bit generator seed from (prompt seed, sample index).
+
+    The odd 64-bit multipliers (golden-ratio and splitmix constants) spread nearby prompt
+    seeds and sample indices apart, so (s, j) and (s + 1, j - 1) do not collide.
+    """
+    return ((int(prompt_seed) * 0x9E3779B97F4A7C15) ^ (int(sample) * 0xBF58476D1CE4E5B9 + 1)) & _MASK63
+
+
+def prompt_seeds(seed: Union[int, Sequence[int]], n_prompts: int) -> List[int]:
+    """An int s means seeds [s, s+1, ...]; a sequence must have one seed per prompt."""
+    if isinstance(seed, int) or (isinstance(seed, torch.Tensor) and seed.dim() == 0):
+        return [int(seed) + i for i in range(n_prompts)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != n_prompts:
+        raise ValueError(f"seed has {len(seeds)} entries but there are {n_prompts} prompts")
+    return seeds
+
+
+def sample_next(logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """logits [b, V] (last position), uniforms [b] in [0, 1) -> next ids [b] long.
+
+    Inverse-CDF sampling with one uniform per row, so a row's token depends only on its own
+    logits and its own uniform, never on the other rows. Temperature, then top-k, then
+    top-p (the smallest prefix of the sorted distribution whose mass reaches top_p).
+    """
+    if not cfg.do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / cfg.temperature
+    order = None
+    if cfg.top_k > 0 or cfg.top_p < 1.0:
+        # Stable sort: equal logits keep vocabulary order, so ties break by the lower id.
+        logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        if 0 < cfg.top_k < logits.shape[-1]:
+            logits[:, cfg.top_k:] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        # Mass strictly before each entry < top_p keeps it; the first entry always stays.
+        probs = probs * ((probs.cumsum(dim=-1) - probs) < cfg.top_p)
+    cdf = probs.cumsum(dim=-1)
+    target = (uniforms.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    # right=True: the first index whose cumulative mass exceeds the target, which always has
+    # non-zero probability (zero-mass entries do not raise the cdf).
+    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    if order is not None:
+        idx = order.gather(-1, idx)
+    return idx.squeeze(-1)
+
+
+@torch.no_grad()
+def decode_seeded(
+    model,
+    prompt_rows: List[List[int]],
+    seeds: List[int],
+    cfg: GenerationConfig,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    device: torch.device,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Tuple[List[List[int]], List[bool]]:
+    """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``.
+
+    Prompts are left-padded and position ids count only real tokens, so a row sees the same
+    positions as it would alone. Rows that stopped are fed pad (masked out of nothing that
+    matters: their outputs are discarded) until every row stops or ``max_new_tokens``.
+    Memory: the KV cache [layers, b, kv_heads, P + T, head_dim] and one [b, V] logits row.
+    """
+    T, b = cfg.max_new_tokens, len(prompt_rows)
+    if T > 0:
+        uniforms = torch.stack(
+            [torch.rand(T, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+        )
+    else:
+        uniforms = torch.zeros(b, 0, dtype=torch.float64)
+    ids, mask = left_pad(prompt_rows, pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    eos = torch.tensor(list(eos_ids), device=device)
+    out = torch.full((b, T), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    past, step_ids = None, ids
+    for t in range(T):
+        position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1]:]
+        with autocast():
+            res = model(
+                input_ids=step_ids, attention_mask=mask, position_ids=position_ids,
+                past_key_values=past, use_cache=True, logits_to_keep=1,
+            )
+        past = res.past_key_values
+        nxt = sample_next(res.logits[:, -1, :], uniforms[:, t], cfg)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        out[:, t] = nxt
+        lengths += (~done).long()
+        done = done | torch.isin(nxt, eos)
+        if bool(done.all()):
+            break
+        step_ids = nxt.unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
+    out, n, finished = out.cpu(), lengths.cpu().tolist(), done.cpu().tolist()
+    return [out[i, : n[i]].tolist() for i in range(b)], finished
+
+
+@torch.no_grad()
+def decode_hf_generate(
+    model,
+    prompt_rows: List[List[int]],
+    seed: int,
+    cfg: GenerationConfig,
+    pad_id: int,
+    eos_ids: Sequence[int],
+    device: torch.device,
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+) -> Tuple[List[List[int]], List[bool]]:
+    """``model.generate`` on the left-padded rows under ``torch.manual_seed(seed)`` inside a
+    forked RNG (the caller's global RNG state is untouched)."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.do_sample else {}
+    gen_cfg = HFGenerationConfig(
+        max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, eos_token_id=list(eos_ids),
+        pad_token_id=pad_id, use_cache=True, **sampling,
+    )
+    ids, mask = left_pad(prompt_rows, pad_id)
+    fork_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(int(seed))
+        with autocast():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+    responses, finished = [], []
+    for row in out[:, ids.shape[1]:].tolist():
+        resp, done = cut_at_eos(row, eos_ids)
+        responses.append(resp)
+        finished.append(done)
+    return responses, finished
