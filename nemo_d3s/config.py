@@ -48,6 +48,10 @@ class AlgorithmConfig:
     dual_clip_c: Optional[float] = None
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
     aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    # What the loss is normalised by once tokens are selected (an open choice of D3S):
+    # "kept" = the selected tokens (gradient scale independent of K), "eligible" = all
+    # response tokens of the sample-selected rollouts (unselected tokens count as zeros).
+    normalize_by: str = "kept"
     advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
 
 
@@ -117,10 +121,11 @@ class TrainerConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    # One generate call per prompt (seeded per prompt: a prompt gets the same samples on any
-    # rank layout). false = one batched call per rank and step: several times faster on CPU
-    # with a backend that takes no per-prompt seeds, but a 2-rank run no longer equals a
-    # 1-rank run. Irrelevant for a backend with supports_prompt_seeds (always batched).
+    # Only for a backend WITHOUT per-prompt seeds (e.g. hf with model.params.sampler=
+    # hf_generate): true = one generate call per prompt, seeded per prompt, so a prompt gets
+    # the same samples on any rank layout; false = one batched call per rank and step,
+    # several times faster on CPU, but a 2-rank run no longer equals a 1-rank run. A backend
+    # with supports_prompt_seeds (the hf default) always samples in one batched call.
     generate_per_prompt: bool = True
     # optimisation
     lr: float = 1e-5
@@ -320,6 +325,8 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     agg = _get(cfg, f"{a}.aggregation")
     aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
     _require(agg in aggs, f"{a}.aggregation", agg, f"known: {', '.join(aggs)}")
+    nb = _get(cfg, f"{a}.normalize_by")
+    _require(nb in ("kept", "eligible"), f"{a}.normalize_by", nb, "known: kept, eligible")
 
     es = _get(cfg, "task.eval_size")
     _require(isinstance(es, int) and es >= 1, "task.eval_size", es, "must be an integer >= 1")

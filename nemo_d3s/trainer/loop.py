@@ -85,6 +85,7 @@ class Trainer:
             logprob_micro_batch_size=int(self.t.logprob_micro_batch_size),
             dp=self.dp,
             generate_per_prompt=bool(self.t.generate_per_prompt),
+            normalize_by=str(cfg.algorithm.normalize_by),
         )
 
     # ------------------------------------------------------------------ set-up helpers

@@ -44,6 +44,7 @@ class StepContext:
     logprob_micro_batch_size: int
     dp: DPInfo
     generate_per_prompt: bool = True
+    normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     timings: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager
@@ -80,7 +81,10 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             )
     tok = ctx.selector.select_tokens(stage, entropy, kept.response_mask, progress)
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
-    upd = compact(kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch)
+    upd = compact(
+        kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch, num_mini_batches=ctx.num_mini_batches,
+        aggregation=ctx.loss_cfg.aggregation, normalize_by=ctx.normalize_by,
+    )
     m.update(token_metrics(ctx.dp, tok, kept, entropy, scored=old_lp is not None))
     if ctx.dp.sum({"n": float(upd.token_keep.sum())})["n"] == 0:
         return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}

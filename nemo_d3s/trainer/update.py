@@ -24,7 +24,7 @@ from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
 from nemo_d3s.trainer.dist import DPInfo
 
-__all__ = ["UpdateBatch", "compact", "make_loss_fn", "update_policy"]
+__all__ = ["UpdateBatch", "compact", "make_loss_fn", "minibatch_denominators", "update_policy"]
 
 
 @dataclass
@@ -39,6 +39,10 @@ class UpdateBatch:
     token_keep    [U, S_u] bool (the loss mask)
     minibatch     [U] long: mini-batch id of each row
     ref_logprobs  [U, S_u] f32 or None (KL to the frozen reference)
+    denominators  [num_mini_batches] f32: this rank's share of each mini-batch's loss
+                  denominator, counted BEFORE compaction (see ``minibatch_denominators``)
+    norm_mask     [U, S_u] bool or None: the tokens seq_mean_token_mean normalises each row
+                  by when that is not the kept tokens (``normalize_by=eligible``)
     """
 
     batch: TokenBatch
@@ -47,9 +51,33 @@ class UpdateBatch:
     token_keep: torch.Tensor
     minibatch: torch.Tensor
     ref_logprobs: Optional[torch.Tensor] = None
+    denominators: Optional[torch.Tensor] = None
+    norm_mask: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.batch)
+
+
+def minibatch_denominators(
+    token_keep: torch.Tensor,
+    minibatch: torch.Tensor,
+    num_mini_batches: int,
+    aggregation: str,
+    norm_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """[num_mini_batches] f64: this rank's share of each mini-batch's loss denominator.
+
+    token_keep, norm_mask [B_kept, S] bool, minibatch [B_kept] long, on the sample-selected
+    rows before compaction, so ``norm_mask`` (e.g. the response mask) still counts the rows
+    and tail tokens that compaction drops. The caller all-reduces the shares over DP.
+    """
+    out = torch.zeros(num_mini_batches, dtype=torch.float64)
+    for mb in range(num_mini_batches):
+        rows = (minibatch == mb).nonzero().flatten()
+        if rows.numel():
+            nm = None if norm_mask is None else norm_mask[rows]
+            out[mb] = loss_denominator(token_keep[rows], aggregation, norm_mask=nm)
+    return out
 
 
 def compact(
@@ -58,15 +86,34 @@ def compact(
     old_logprobs: Optional[torch.Tensor],
     advantages: torch.Tensor,
     minibatch: torch.Tensor,
+    *,
+    num_mini_batches: int = 1,
+    aggregation: str = "token_mean",
+    normalize_by: str = "kept",
 ) -> UpdateBatch:
     """Inputs aligned on the B_kept sample-selected rows ([B_kept, S] / [B_kept]) -> U <= B_kept
-    rows that hold at least one kept token, each cut after its last kept token."""
+    rows that hold at least one kept token, each cut after its last kept token.
+
+    ``normalize_by="eligible"`` counts the denominators on every response token of the
+    B_kept rows; with ``seq_mean_token_mean`` each row's own normaliser is its response
+    length too, so rows are then not cut (their tail is part of the normaliser) and
+    ``norm_mask`` carries the response mask.
+    """
+    if normalize_by not in ("kept", "eligible"):
+        raise ValueError(f"normalize_by must be 'kept' or 'eligible', got {normalize_by!r}")
+    eligible = normalize_by == "eligible"
+    denominators = minibatch_denominators(
+        token_keep, minibatch, num_mini_batches, aggregation, norm_mask=batch.response_mask if eligible else None
+    )
+    row_norm = eligible and aggregation == "seq_mean_token_mean"
     rows = rows_with_kept_tokens(token_keep)
     keep = token_keep[rows]
-    lengths = kept_lengths(keep)  # [U] = 1 + index of the last kept token
+    sub = batch.select(rows)
+    # [U] = 1 + index of the last kept token (or of the last response token for row_norm)
+    lengths = kept_lengths(sub.response_mask if row_norm else keep)
     width = int(lengths.max()) if rows.numel() else 0
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [U, width]
-    sub = batch.select(rows).truncate(width)
+    sub = sub.truncate(width)
     cut = TokenBatch(sub.input_ids, sub.attention_mask & within, sub.response_mask & within)
     return UpdateBatch(
         batch=cut,
@@ -74,6 +121,8 @@ def compact(
         advantages=advantages[rows],
         token_keep=keep[:, :width],
         minibatch=minibatch[rows],
+        denominators=denominators,
+        norm_mask=cut.response_mask if row_norm else None,
     )
 
 
@@ -105,6 +154,7 @@ def make_loss_fn(
             cfg=loss_cfg,
             denominator=denominator,
             ref_logprobs=ref,
+            norm_mask=None if upd.norm_mask is None else upd.norm_mask[r, :s].to(logprobs.device),
         )
         sink.append({"loss": float(out.loss.detach()), **{k: float(v) for k, v in out.metrics.items()}})
         return out.loss
@@ -153,10 +203,11 @@ def update_policy(
     tokens, stubs = 0.0, 0
     for mb in range(num_mini_batches):
         rows = (upd.minibatch == mb).nonzero().flatten()
-        local = {
-            "denominator": loss_denominator(upd.token_keep[rows], loss_cfg.aggregation) if rows.numel() else 0.0,
-            "rows": float(rows.numel()),
-        }
+        if upd.denominators is not None:
+            share = float(upd.denominators[mb])
+        else:
+            share = loss_denominator(upd.token_keep[rows], loss_cfg.aggregation) if rows.numel() else 0.0
+        local = {"denominator": share, "rows": float(rows.numel())}
         glob = dp.sum(local)
         if glob["rows"] == 0 or glob["denominator"] == 0:
             continue  # nothing kept in this mini-batch on any rank: no optimizer step

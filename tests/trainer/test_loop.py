@@ -91,3 +91,14 @@ def test_batched_generation_is_reproducible(tmp_path):
     b = run_inprocess(tmp_path / "b", [*FAST, "trainer.generate_per_prompt=false"])[1]
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "wall_"))} for r in rows]
     assert strip(a) == strip(b) and len(a) == 2
+
+
+def test_normalize_by_eligible_rescales_the_first_loss_by_the_kept_token_share(tmp_path):
+    # Step 1 sees the same rollouts and selection either way; with token_mean the loss is
+    # sum/kept tokens vs sum/eligible tokens, so the ratio is exactly the kept-token share.
+    _, kept = run_inprocess(tmp_path / "kept", [*FAST, "d3s=d3s", "trainer.steps=1"])
+    _, elig = run_inprocess(tmp_path / "elig", [*FAST, "d3s=d3s", "trainer.steps=1", "algorithm.normalize_by=eligible"])
+    k, e = kept[0], elig[0]
+    assert k["n_kept_tokens"] == e["n_kept_tokens"] < e["n_eligible_tokens"]
+    assert k["loss"] != 0
+    assert e["loss"] == pytest.approx(k["loss"] * e["n_kept_tokens"] / e["n_eligible_tokens"], rel=1e-4)

@@ -140,3 +140,63 @@ def test_without_old_logprobs_the_current_policy_is_the_baseline():
                       dp=DPInfo(), fallback=upd.batch)
         grads.append(be.param.grad)
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("loss_name", ["grpo", "gspo_token"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("normalize_by", ["kept", "eligible"])
+def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(loss_name, aggregation, normalize_by):
+    """Dropping rows without kept tokens and cutting tails must not change the loss or the
+    gradient, for either normaliser: the 'eligible' one still counts the dropped rows and
+    tails (reference: the core loss on the whole batch with norm_mask = response mask)."""
+    torch.manual_seed(2)
+    B, S = 6, 8
+    ids = (torch.arange(B) * 100).unsqueeze(1).expand(B, S).clone()
+    attn = torch.ones(B, S, dtype=torch.bool)
+    attn[4, 6:] = False
+    resp = torch.zeros(B, S, dtype=torch.bool)
+    resp[:, 2:] = True
+    resp &= attn
+    keep = (torch.rand(B, S) < 0.3) & resp
+    keep[:, 3] = True
+    keep[1] = False  # a sample-selected row left with no kept token
+    keep[2, 7] = False
+    old, adv, table = -torch.rand(B, S), torch.randn(B), -torch.rand(B, S)
+    mb = torch.zeros(B, dtype=torch.long)
+    cfg = LossConfig(aggregation=aggregation)
+    norm = resp if normalize_by == "eligible" else None
+    ref_param = table.clone().requires_grad_(True)
+    ref = POLICY_LOSSES.get(loss_name)(
+        ref_param, old, adv, keep, cfg=cfg, denominator=loss_denominator(keep, aggregation, norm_mask=norm),
+        norm_mask=norm,
+    )
+    ref.loss.backward()
+    upd = compact(TokenBatch(ids, attn, resp), keep, old, adv, mb, aggregation=aggregation, normalize_by=normalize_by)
+    assert len(upd) == B - 1
+    be = _FakeBackend(table)
+    update_policy(be, upd, loss_name=loss_name, loss_cfg=cfg, num_mini_batches=1, micro_batch_size=2,
+                  dp=DPInfo(), fallback=upd.batch)
+    assert be.losses[0] == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
+    if normalize_by == "eligible" and aggregation != "token_mean":
+        assert upd.denominators.item() == B  # every sample-selected row counts, kept tokens or not
+
+
+def test_eligible_normaliser_gives_smaller_steps_than_kept():
+    # Hand-worked: 1 row, 4 response tokens, 1 kept, A=1, ratio 1: grpo token loss = -1 per
+    # kept token. kept: -1/1; eligible: -1/4.
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    attn = torch.ones(1, 5, dtype=torch.bool)
+    resp = attn.clone()
+    resp[0, 0] = False
+    keep = torch.zeros(1, 5, dtype=torch.bool)
+    keep[0, 2] = True
+    for normalize_by, expected in (("kept", -1.0), ("eligible", -0.25)):
+        upd = compact(TokenBatch(ids, attn, resp), keep, torch.zeros(1, 5), torch.ones(1), torch.zeros(1, dtype=torch.long),
+                      normalize_by=normalize_by)
+        be = _FakeBackend(torch.zeros(1, 5))
+        update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=1, micro_batch_size=1,
+                      dp=DPInfo(), fallback=upd.batch)
+        assert be.losses[0] == pytest.approx(expected)
+    with pytest.raises(ValueError, match="normalize_by"):
+        compact(TokenBatch(ids, attn, resp), keep, None, torch.ones(1), torch.zeros(1, dtype=torch.long), normalize_by="all")
