@@ -83,7 +83,7 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(self.dir / "tensorboard"))
-            except Exception:  # tensorboard is an optional extra
+            except ImportError:  # tensorboard is an optional extra
                 log.info("tensorboard not installed; writing JSONL only")
         if progress_bar:
             from tqdm.auto import tqdm
