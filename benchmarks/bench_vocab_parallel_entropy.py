@@ -60,13 +60,13 @@ def analytic_bytes(method: str, mode: str, n: int, v: int, tp: int, dsize: int, 
     vr = v // tp
     bf16 = dsize == 2
     if method == "fused" and tp > 1:
-        # fwd chunk: u, e, the e*u inside linalg.vecdot (+ the fp32 upcast z for bf16);
+        # fwd chunk: u, e (e*u is taken in place) (+ the fp32 upcast z for bf16);
         # bwd: grad shard + gz (+ z and the bf16 cast of gz for bf16 logits).
-        fwd = (4 if bf16 else 3) * c * vr * 4
+        fwd = (3 if bf16 else 2) * c * vr * 4
         bwd = n * vr * dsize + c * vr * ((4 + 4 + 2) if bf16 else 4)
         return fwd if mode == "fwd" else max(fwd, bwd)
-    # core on [n, V]: z (bf16 upcast), u, e, e*u, where(...) + a bool mask per chunk.
-    core_fwd = c * v * ((5 if bf16 else 4) * 4 + 1)
+    # core on [n, V]: z (bf16 upcast), u, e per chunk (e*u is taken in place).
+    core_fwd = c * v * (3 if bf16 else 2) * 4
     # core bwd: grad [n, V] + (z upcast for bf16) + exp(z - lse) and its product with -g
     # alive together (+ the bf16 cast of that product).
     core_bwd = n * v * dsize + c * v * ((4 + 4 + 4 + 2) if bf16 else 2 * 4)

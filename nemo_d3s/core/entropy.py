@@ -75,15 +75,20 @@ def _chunk_upcast(logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t
 
 
 def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """z [n, V] (fp32 or fp64) -> (lse [n], entropy [n]) in z's dtype."""
+    """z [n, V] (fp32 or fp64) -> (lse [n], entropy [n]) in z's dtype.
+
+    Memory: two [n, V] buffers (u and e, both reused in place) besides z.
+    """
     m = z.amax(dim=1, keepdim=True)
     u = z - m  # <= 0; -inf for masked vocabulary entries
     e = torch.exp(u)
     s = e.sum(dim=1)
-    # 0 x (-inf) would be NaN; a probability-0 entry contributes 0 to the entropy.
-    eu = torch.where(e > 0, e * u, torch.zeros((), dtype=z.dtype, device=z.device))
+    # A probability-0 entry contributes 0 to the entropy, but 0 x (-inf) is NaN: make u
+    # finite first (e is exactly 0 wherever u was -inf, so the product stays 0).
+    u.clamp_(min=torch.finfo(u.dtype).min)
+    eu_sum = e.mul_(u).sum(dim=1)
     log_s = torch.log(s)
-    entropy = log_s - eu.sum(dim=1) / s
+    entropy = log_s - eu_sum / s
     lse = m.squeeze(1) + log_s
     return lse, entropy
 
