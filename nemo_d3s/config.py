@@ -107,7 +107,7 @@ class TaskConfig:
 
     name: str = "basic_arithmetic"
     params: Dict[str, Any] = field(default_factory=dict)
-    eval_size: int = 32  # the first eval_size problems of the task's fixed held-out set
+    eval_size: int = 64  # the first eval_size problems of the task's fixed held-out set
 
 
 @dataclass
@@ -142,7 +142,7 @@ class TrainerConfig:
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
     eval_max_new_tokens: Optional[int] = None  # None = max_new_tokens
-    eval_batch_size: int = 32
+    eval_batch_size: int = 64
     # checkpoints
     save_every: int = 10  # 0 = only at the end
     keep_last: int = 2
