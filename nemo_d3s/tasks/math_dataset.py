@@ -37,7 +37,7 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise ImportError(f"reading {p} needs pyarrow: pip install pyarrow") from exc
+            raise ImportError(f"reading {p} needs pyarrow: pip install pyarrow (or the [data] extra)") from exc
         return pq.read_table(str(p)).to_pylist()
     if suffix == ".json":
         rows = json.loads(p.read_text(encoding="utf-8"))

@@ -80,3 +80,16 @@ def test_held_out_eval_is_fixed_and_disjoint(tmp_path):
     assert len(train) == len(GSM_ROWS) - 8 and not train & {p.prompt for p in a.eval_set()}
     with pytest.raises(ValueError, match="n_eval"):
         make_task("gsm8k", train_path=path, n_eval=len(GSM_ROWS))
+
+
+def test_parquet_file_gives_the_same_problems_as_jsonl(tmp_path):
+    # pyarrow is in the test extra, so this runs in CI.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(GSM_ROWS), str(tmp_path / "train.parquet"))
+    from_parquet = make_task("gsm8k", train_path=str(tmp_path / "train.parquet"), n_eval=10)
+    from_jsonl = make_task("gsm8k", train_path=write_jsonl(tmp_path / "train.jsonl", GSM_ROWS), n_eval=10)
+    a, b = from_parquet.eval_set(), from_jsonl.eval_set()
+    assert [p.prompt for p in a] == [p.prompt for p in b] and [p.answer for p in a] == [p.answer for p in b]
+    assert len(a) == 10
