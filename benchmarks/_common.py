@@ -30,22 +30,17 @@ from __future__ import annotations
 
 import ctypes
 import datetime as _dt
-import importlib.util
 import json
 import multiprocessing
 import os
-import pickle
 import platform
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -375,46 +370,21 @@ def rotate(items: Sequence[Any], r: int) -> List[Any]:
 # ---------------------------------------------------------------------------- rank launcher
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _load_fn(path: str, name: str) -> Callable:
-    spec = importlib.util.spec_from_file_location(f"_bench_rank_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return getattr(module, name)
-
-
-def _rank_main(rank, path, name, world, port, threads, megatron_sizes, out_dir, timeout, args) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _bench_rank_setup(rank: int, megatron_sizes: Optional[tuple]):
+    """Per-rank set-up: glibc returns freed blocks (for the RSS probe); Megatron's groups
+    when asked. Returns the teardown."""
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     limit_malloc_caching()
-    import torch
-    import torch.distributed as dist
+    if megatron_sizes is None:
+        return None
+    from megatron.core import parallel_state as ps
 
-    torch.set_num_threads(int(threads))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-    ps = None
-    try:
-        if megatron_sizes is not None:
-            from megatron.core import parallel_state as ps
-
-            tp, pp, cp = megatron_sizes
-            ps.initialize_model_parallel(
-                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
-            )
-        result = _load_fn(path, name)(rank, *args)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        if ps is not None:
-            ps.destroy_model_parallel()
-        dist.destroy_process_group()
+    tp, pp, cp = megatron_sizes
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
+    return ps.destroy_model_parallel
 
 
 def run_ranks(
@@ -429,34 +399,13 @@ def run_ranks(
     threads; return every rank's (picklable) result, rank order. ``fn`` must be a
     module-level function; it is loaded in the ranks from its file. ``megatron_sizes`` =
     (tp, pp, cp) initialises Megatron's parallel state first. A failing rank fails the call
-    (its traceback is re-raised) and the other ranks are killed."""
-    import inspect
+    (its traceback is re-raised) and the other ranks are killed
+    (``nemo_d3s.distributed.run_on_gloo_ranks``)."""
+    from nemo_d3s.distributed.launch import run_on_gloo_ranks
 
-    import torch.multiprocessing as tmp
-
-    with tempfile.TemporaryDirectory(prefix="nemo_d3s_bench_") as out_dir:
-        ctx = tmp.start_processes(
-            _rank_main,
-            args=(inspect.getfile(fn), fn.__name__, world, _free_port(), threads, megatron_sizes, out_dir, timeout, args),
-            nprocs=world,
-            join=False,
-            start_method="forkserver",
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{fn.__name__} on {world} ranks took over {timeout} s")
-        except BaseException:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise
-        out = []
-        for r in range(world):
-            with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-        return out
+    return run_on_gloo_ranks(
+        fn, world, *args, rank_setup=_bench_rank_setup, setup_args=(megatron_sizes,), threads=threads, timeout=timeout
+    )
 
 
 def set_preload(modules: Sequence[str]) -> None:

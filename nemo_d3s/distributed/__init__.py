@@ -5,6 +5,7 @@ Every function takes its process group(s) as arguments (callers get them from
 single-process function. Nothing here imports Megatron.
 """
 
+from nemo_d3s.distributed.launch import run_on_gloo_ranks
 from nemo_d3s.distributed.normalizers import StepNormalizer, global_loss_denominator, step_normalizer
 from nemo_d3s.distributed.pipeline import (
     PerTokenStore,
@@ -31,6 +32,7 @@ from nemo_d3s.distributed.topk import (
 from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs, vocab_shard_range
 
 __all__ = [
+    "run_on_gloo_ranks",
     # vocab-parallel entropy / log-probs
     "vocab_parallel_entropy_and_logprobs",
     "vocab_shard_range",

@@ -1,15 +1,11 @@
 """Data-parallel gradient reduction of HFBackend: 2 gloo ranks on CPU."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.hf import HFBackend, HFBackendConfig
+from nemo_d3s.distributed.launch import run_on_gloo_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -36,35 +32,25 @@ def _loss_fn(batch, rows_of_rank):
     return fn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, world, port, splits, expected, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for k, split in enumerate(splits):
-            b = _backend()
-            batch = _batch(b)
-            rows = torch.tensor(split[rank], dtype=torch.long)
-            b.accumulate_gradients(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1)
-            ok = all(torch.allclose(p.grad, e, atol=1e-6, rtol=1e-4) for p, e in zip(b.params, expected))
-            # Then a full step: every rank must end with identical parameters.
-            b.optimizer.zero_grad()
-            metrics = b.train_step(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2)
-            out = {"ok": ok, "grad_norm": metrics["grad_norm"], "params": [p.detach() for p in b.params]}
-            torch.save(out, os.path.join(result_dir, f"split{k}_rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank, splits, expected):
+    out = []
+    for split in splits:
+        b = _backend()
+        batch = _batch(b)
+        rows = torch.tensor(split[rank], dtype=torch.long)
+        b.accumulate_gradients(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1)
+        ok = all(torch.allclose(p.grad, e, atol=1e-6, rtol=1e-4) for p, e in zip(b.params, expected))
+        # Then a full step: every rank must end with identical parameters.
+        b.optimizer.zero_grad()
+        metrics = b.train_step(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2)
+        out.append({"ok": ok, "grad_norm": metrics["grad_norm"], "params": [p.detach() for p in b.params]})
+    return out
 
 
 SPLITS = {"halves": [[0, 1], [2, 3]], "one_rank_empty": [[0, 3, 1, 2], []]}
 
 
-def test_dp_gradients_equal_single_process_full_batch(tmp_path):
+def test_dp_gradients_equal_single_process_full_batch():
     ref = _backend()
     batch = _batch(ref)
     all_rows = torch.arange(len(batch))
@@ -73,11 +59,10 @@ def test_dp_gradients_equal_single_process_full_batch(tmp_path):
     ref.optimizer.zero_grad()
     ref_norm = ref.train_step(batch, _loss_fn(batch, all_rows), micro_batch_size=4)["grad_norm"]
 
-    # One spawn runs every split (starting ranks dominates the test's time).
-    splits = list(SPLITS.values())
-    mp.spawn(_rank, args=(2, _free_port(), splits, expected, str(tmp_path)), nprocs=2, join=True)
+    # One launch runs every split (starting ranks dominates the test's time).
+    per_rank = run_on_gloo_ranks(_rank, 2, list(SPLITS.values()), expected, timeout=300)
     for k, name in enumerate(SPLITS):
-        results = [torch.load(tmp_path / f"split{k}_rank{r}.pt", weights_only=True) for r in range(2)]
+        results = [per_rank[r][k] for r in range(2)]
         assert all(r["ok"] for r in results), f"{name}: DP-reduced gradients differ from the full batch's"
         for r in results:
             assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), name

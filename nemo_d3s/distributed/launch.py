@@ -1,0 +1,127 @@
+"""Run a function on N gloo ranks on one machine's CPU and bring the results back.
+
+For trying the distributed pieces on a laptop, for tests that compare N ranks with one
+process, and for benchmarks:
+
+    results = run_on_gloo_ranks(fn, 4, x)       # [fn(0, x), fn(1, x), fn(2, x), fn(3, x)]
+
+Each rank joins a gloo process group (TCP store on a free localhost port), runs
+``rank_setup(rank, *setup_args)`` when given (e.g. Megatron's
+``initialize_model_parallel``; it may return a teardown callable), calls ``fn(rank, *args)``
+and pickles the result to a temporary file the parent reads back. An exception in any rank
+is re-raised in the parent with the child's traceback and the other ranks are killed, so a
+rank stuck in a collective cannot hang the caller; so is a timeout.
+
+``fn`` and ``rank_setup`` must be module-level functions; a rank loads them from their
+defining file (not by module name), which works for scripts, test files under any pytest
+import mode, and installed modules alike. Start method: "forkserver" by default; preload
+heavy imports into the fork server with ``multiprocessing.set_forkserver_preload`` so
+each rank forks with them loaded instead of importing them again.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import pickle
+import socket
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable, List, Optional, Sequence
+
+__all__ = ["free_port", "run_on_gloo_ranks"]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ref(fn: Optional[Callable]) -> Optional[tuple]:
+    if fn is None:
+        return None
+    if fn.__name__ == "<lambda>" or "<locals>" in fn.__qualname__:
+        raise ValueError(f"{fn.__qualname__} must be a module-level function (ranks load it from its file)")
+    return inspect.getfile(fn), fn.__name__
+
+
+def _load(ref: tuple) -> Callable:
+    path, name = ref
+    spec = importlib.util.spec_from_file_location(f"_nemo_d3s_rank_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def _child(rank, fn_ref, setup_ref, setup_args, world_size, port, threads, out_dir, timeout, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(int(threads))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    teardown = None
+    try:
+        if setup_ref is not None:
+            teardown = _load(setup_ref)(rank, *setup_args)
+        result = _load(fn_ref)(rank, *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        if callable(teardown):
+            teardown()
+        dist.destroy_process_group()
+
+
+def run_on_gloo_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    rank_setup: Optional[Callable] = None,
+    setup_args: Sequence[Any] = (),
+    threads: int = 1,
+    timeout: float = 90.0,
+    start_method: str = "forkserver",
+) -> List[Any]:
+    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; return every rank's result in
+    rank order. Results must be picklable (move tensors to the CPU).
+
+    threads: torch threads per rank (ranks share the machine's cores).
+    timeout: seconds for the whole run, also the process group's collective timeout.
+    """
+    import torch.multiprocessing as tmp
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    fn_ref, setup_ref = _ref(fn), _ref(rank_setup)
+    with tempfile.TemporaryDirectory(prefix="nemo_d3s_ranks_") as out_dir:
+        ctx = tmp.start_processes(
+            _child,
+            args=(fn_ref, setup_ref, tuple(setup_args), world_size, free_port(), threads, out_dir, timeout, args),
+            nprocs=world_size,
+            join=False,
+            start_method=start_method,
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{fn.__name__} on {world_size} ranks took over {timeout} s")
+        except BaseException:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            raise
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} exited without a result")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        return results

@@ -1,0 +1,66 @@
+"""The gloo rank launcher itself: results in rank order, a failing rank's error reaches
+the caller, a hanging rank is killed at the timeout, set-up runs before the function."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.distributed.launch import run_on_gloo_ranks
+
+
+def _sum_of_ranks(rank, scale):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": dist.get_world_size(), "sum": float(t) * scale}
+
+
+def _fail_on_rank_1(rank):
+    if rank == 1:
+        raise ArithmeticError("rank 1 fails on purpose")
+    return rank
+
+
+def _hang_on_rank_0(rank):
+    if rank == 0:
+        import time
+
+        time.sleep(60)
+    return rank
+
+
+def _setup(rank, tag):
+    import os
+
+    os.environ["NEMO_D3S_TEST_SETUP"] = f"{tag}{rank}"
+
+
+def _read_setup(rank):
+    import os
+
+    return os.environ.get("NEMO_D3S_TEST_SETUP")
+
+
+def test_results_come_back_in_rank_order():
+    out = run_on_gloo_ranks(_sum_of_ranks, 3, 2.0, start_method="spawn")
+    assert out == [{"rank": r, "world": 3, "sum": 6.0} for r in range(3)]  # (0 + 1 + 2) x 2
+
+
+def test_rank_setup_runs_before_the_function():
+    assert run_on_gloo_ranks(_read_setup, 2, rank_setup=_setup, setup_args=("r",), start_method="spawn") == ["r0", "r1"]
+
+
+def test_a_failing_rank_raises_in_the_caller():
+    with pytest.raises(Exception, match="rank 1 fails on purpose"):
+        run_on_gloo_ranks(_fail_on_rank_1, 2, start_method="spawn")
+
+
+def test_a_hanging_rank_times_out():
+    with pytest.raises(TimeoutError, match="took over"):
+        run_on_gloo_ranks(_hang_on_rank_0, 2, timeout=8, start_method="spawn")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="module-level"):
+        run_on_gloo_ranks(lambda r: r, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        run_on_gloo_ranks(_read_setup, 0)
