@@ -37,41 +37,73 @@ from nemo_d3s.core.checks import check_same_device, check_shape
 __all__ = ["entropy_and_logprobs", "align_to_tokens"]
 
 
-def _flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
-    """[B, S, V] -> [B*S, V] as a view when the strides allow it, else None (no copy)."""
+def flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, S, V] -> [B*S, V] as a view when the strides allow it, else None (no copy).
+    Shared with ``nemo_d3s.distributed.vocab_parallel``."""
     B, S, V = logits.shape
     try:
         return logits.view(B * S, V)
-    except RuntimeError:  # e.g. logits[:, :-1] of a contiguous [B, S+1, V]
+    except RuntimeError:  # e.g. logits[:, :-1] of a contiguous [B, S+1, V], or a transposed buffer
         return None
 
 
-def _chunks(n_tokens: int, chunk_size: int) -> Iterator[Tuple[int, int]]:
+def token_chunks(n_tokens: int, chunk_size: int) -> Iterator[Tuple[int, int]]:
+    """[t0, t1) ranges of at most ``chunk_size`` flattened tokens covering [0, n_tokens)."""
     for t0 in range(0, n_tokens, chunk_size):
         yield t0, min(t0 + chunk_size, n_tokens)
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 logits; fp64 logits stay fp64 (exact gradient checks)."""
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-def _chunk_upcast(logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int) -> torch.Tensor:
-    """Flattened tokens [t0, t1) of logits [B, S, V] as a [t1 - t0, V] tensor in the compute
-    dtype. Callers never modify it in place: for fp32 input it may alias the logits.
-    """
-    dtype = _compute_dtype(logits)
+def token_block(
+    logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int, width: Optional[int] = None
+) -> torch.Tensor:
+    """Flattened tokens [t0, t1) of logits [B, S, V], vocabulary columns [0, width) (all
+    when None), as a [t1 - t0, width] tensor in the logits' dtype: a view when ``flat``
+    (from :func:`flat_view`) exists, otherwise a copy of this block only. Callers never
+    modify it in place."""
+    cols = slice(None) if width is None else slice(0, width)
     if flat is not None:
-        return flat[t0:t1].to(dtype)
+        return flat[t0:t1, cols]
     S = logits.shape[1]
-    pieces = []
-    t = t0
+    pieces, t = [], t0
     while t < t1:
         b, s = divmod(t, S)
         s_end = min(S, s + (t1 - t))
-        pieces.append(logits[b, s:s_end])
+        pieces.append(logits[b, s:s_end, cols])
         t += s_end - s
-    return torch.cat(pieces).to(dtype)
+    return torch.cat(pieces)
+
+
+def check_logits_and_targets(
+    logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int, *, vocab: str = "V", allow_empty_vocab: bool = False
+) -> None:
+    """ValueError naming the argument unless logits is a floating-point [B, S, <vocab>]
+    tensor (a non-empty last dimension unless ``allow_empty_vocab``), target_ids an integer
+    [B, S] tensor on the same device and chunk_size an int >= 1. Ranges of target ids are
+    the caller's to check (only it knows the vocabulary)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a 3-D tensor [B, S, {vocab}], got {shape}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    if not allow_empty_vocab and logits.shape[2] == 0:
+        raise ValueError(f"logits has an empty vocabulary dimension: shape {tuple(logits.shape)}")
+    if (
+        not isinstance(target_ids, torch.Tensor)
+        or target_ids.is_floating_point()
+        or target_ids.is_complex()
+        or target_ids.dtype == torch.bool
+    ):
+        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
+        raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
+    check_shape("target_ids", target_ids, logits.shape[:2], "logits[..., 0]")
+    check_same_device(logits=logits, target_ids=target_ids)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
 def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +133,14 @@ class _EntropyLogProb(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int):
         B, S, V = logits.shape
         n = B * S
-        flat = _flat_view(logits)
+        flat = flat_view(logits)
         targets = target_ids.reshape(n)
-        dtype = _compute_dtype(logits)
+        dtype = compute_dtype(logits)
         lse = torch.empty(n, dtype=dtype, device=logits.device)
         entropy = torch.empty(n, dtype=dtype, device=logits.device)
         logprobs = torch.empty(n, dtype=dtype, device=logits.device)
-        for t0, t1 in _chunks(n, chunk_size):
-            z = _chunk_upcast(logits, flat, t0, t1)
+        for t0, t1 in token_chunks(n, chunk_size):
+            z = token_block(logits, flat, t0, t1).to(dtype)  # may alias fp32 logits: no in-place ops
             lse_c, ent_c = _lse_entropy(z)
             lse[t0:t1] = lse_c
             entropy[t0:t1] = ent_c
@@ -135,11 +167,11 @@ class _EntropyLogProb(torch.autograd.Function):
             return None, None, None
         B, S, V = logits.shape
         n = B * S
-        flat = _flat_view(logits)
+        flat = flat_view(logits)
         g_out = grad_logprobs.reshape(n).to(lse.dtype)
         grad = torch.empty((n, V), dtype=logits.dtype, device=logits.device)
-        for t0, t1 in _chunks(n, ctx.chunk_size):
-            z = _chunk_upcast(logits, flat, t0, t1)
+        for t0, t1 in token_chunks(n, ctx.chunk_size):
+            z = token_block(logits, flat, t0, t1).to(lse.dtype)
             g = g_out[t0:t1].unsqueeze(1)
             # d log p(y) / dz = onehot(y) - softmax(z); softmax recomputed from the saved lse.
             gz = torch.exp(z - lse[t0:t1].unsqueeze(1)) * (-g)
@@ -165,26 +197,8 @@ def entropy_and_logprobs(
     [B, S] f32 and a reference to ``logits`` (do not modify them in place before backward).
     No collectives.
     """
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a 3-D tensor [B, S, V], got {shape}")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
+    check_logits_and_targets(logits, target_ids, chunk_size)
     B, S, V = logits.shape
-    if V == 0:
-        raise ValueError(f"logits has an empty vocabulary dimension: shape {tuple(logits.shape)}")
-    if (
-        not isinstance(target_ids, torch.Tensor)
-        or target_ids.is_floating_point()
-        or target_ids.is_complex()
-        or target_ids.dtype == torch.bool
-    ):
-        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
-        raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
-    check_shape("target_ids", target_ids, (B, S), "logits[..., 0]")
-    check_same_device(logits=logits, target_ids=target_ids)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if target_ids.numel():
         lo, hi = int(target_ids.min()), int(target_ids.max())
         if lo < 0 or hi >= V:

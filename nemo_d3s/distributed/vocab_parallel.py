@@ -27,12 +27,12 @@ Shards may have different widths (uneven split, or a shard made only of padding)
 from __future__ import annotations
 
 import numbers
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.core.checks import check_same_device, check_shape
+from nemo_d3s.core.entropy import check_logits_and_targets, compute_dtype, flat_view, token_block, token_chunks
 from nemo_d3s.distributed._comm import all_gather_counts, group_rank, is_single
 
 __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
@@ -41,39 +41,6 @@ __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
 # shifted logits there changes no sum, and it turns -inf logits (masked vocabulary entries)
 # into finite ones, so that e * u is 0 instead of 0 x (-inf) = NaN.
 _SHIFT_FLOOR = -1.0e4
-
-
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    """fp32 for bf16/fp16/fp32 logits, fp64 for fp64 (as the core reference does)."""
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
-def _flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
-    B, S, V = logits.shape
-    try:
-        return logits.view(B * S, V)
-    except RuntimeError:  # strides do not allow it, e.g. a transposed [S, B, V] buffer
-        return None
-
-
-def _chunks(n: int, chunk_size: int) -> Iterator[Tuple[int, int]]:
-    for t0 in range(0, n, chunk_size):
-        yield t0, min(t0 + chunk_size, n)
-
-
-def _token_block(logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int, width: int) -> torch.Tensor:
-    """Flattened tokens [t0, t1), columns [0, width), as a [t1 - t0, width] tensor in the
-    logits' dtype. A view when ``flat`` exists; otherwise a copy of this block only."""
-    if flat is not None:
-        return flat[t0:t1, :width]
-    S = logits.shape[1]
-    pieces, t = [], t0
-    while t < t1:
-        b, s = divmod(t, S)
-        s_end = min(S, s + (t1 - t))
-        pieces.append(logits[b, s:s_end, :width])
-        t += s_end - s
-    return torch.cat(pieces)
 
 
 def vocab_shard_range(local_width: int, tp_group: Optional[dist.ProcessGroup], device=None) -> Tuple[int, int, int]:
@@ -94,9 +61,9 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
     def forward(ctx, logits, target_ids, tp_group, vocab_start, n_valid, chunk_size):
         B, S, _ = logits.shape
         n = B * S
-        dtype = _compute_dtype(logits)
+        dtype = compute_dtype(logits)
         device = logits.device
-        flat = _flat_view(logits)
+        flat = flat_view(logits)
 
         local = target_ids.reshape(n) - vocab_start
         owned = (local >= 0) & (local < n_valid)
@@ -105,15 +72,15 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
         # Pass 1: local max per token; a shard with no valid column contributes -inf.
         m = torch.full((n,), float("-inf"), dtype=dtype, device=device)
         if n_valid > 0:
-            for t0, t1 in _chunks(n, chunk_size):
-                m[t0:t1] = _token_block(logits, flat, t0, t1, n_valid).amax(dim=1).to(dtype)
+            for t0, t1 in token_chunks(n, chunk_size):
+                m[t0:t1] = token_block(logits, flat, t0, t1, n_valid).amax(dim=1).to(dtype)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
 
         # Pass 2: the three partial sums against the global max, one SUM for all of them.
         stats = torch.zeros((3, n), dtype=dtype, device=device)
         if n_valid > 0:
-            for t0, t1 in _chunks(n, chunk_size):
-                z = _token_block(logits, flat, t0, t1, n_valid).to(dtype)  # may alias fp32 logits
+            for t0, t1 in token_chunks(n, chunk_size):
+                z = token_block(logits, flat, t0, t1, n_valid).to(dtype)  # may alias fp32 logits
                 u = z - m[t0:t1].unsqueeze(1)
                 u_target = u.gather(1, local_idx[t0:t1]).squeeze(1)  # before the floor: exact
                 u.clamp_(min=_SHIFT_FLOOR)
@@ -150,40 +117,20 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
         B, S, V_r = logits.shape
         n = B * S
         n_valid = ctx.n_valid
-        flat = _flat_view(logits)
+        flat = flat_view(logits)
         g_out = grad_logprobs.reshape(n).to(lse.dtype)
         g_target = torch.where(owned, g_out, torch.zeros_like(g_out)).unsqueeze(1)
         # Padding columns are outside the softmax: their gradient is exactly zero.
         alloc = torch.empty if n_valid == V_r else torch.zeros
         grad = alloc((n, V_r), dtype=logits.dtype, device=logits.device)
         if n_valid > 0:
-            for t0, t1 in _chunks(n, ctx.chunk_size):
-                z = _token_block(logits, flat, t0, t1, n_valid).to(lse.dtype)
+            for t0, t1 in token_chunks(n, ctx.chunk_size):
+                z = token_block(logits, flat, t0, t1, n_valid).to(lse.dtype)
                 # onehot(y) - softmax(z), with softmax from the saved GLOBAL log-partition.
                 gz = (z - lse[t0:t1].unsqueeze(1)).exp_().mul_(-g_out[t0:t1].unsqueeze(1))
                 gz.scatter_add_(1, local_idx[t0:t1], g_target[t0:t1])
                 grad[t0:t1, :n_valid] = gz.to(logits.dtype)
         return grad.view(B, S, V_r), None, None, None, None, None
-
-
-def _check_inputs(logits, target_ids, chunk_size) -> None:
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a 3-D tensor [B, S, V/TP], got {shape}")
-    if not logits.is_floating_point():
-        raise ValueError(f"logits must be floating point, got dtype {logits.dtype}")
-    if (
-        not isinstance(target_ids, torch.Tensor)
-        or target_ids.is_floating_point()
-        or target_ids.is_complex()
-        or target_ids.dtype == torch.bool
-    ):
-        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
-        raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
-    check_shape("target_ids", target_ids, logits.shape[:2], "logits[..., 0]")
-    check_same_device(logits=logits, target_ids=target_ids)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
 def vocab_parallel_entropy_and_logprobs(
@@ -219,7 +166,8 @@ def vocab_parallel_entropy_and_logprobs(
     ``tp_group=None`` or a group of one rank falls back to
     :func:`nemo_d3s.core.entropy.entropy_and_logprobs` on ``logits[..., :vocab_size]``.
     """
-    _check_inputs(logits, target_ids, chunk_size)
+    # An empty local shard is legal (padded or uneven vocab splits).
+    check_logits_and_targets(logits, target_ids, chunk_size, vocab="V/TP", allow_empty_vocab=True)
     if vocab_size is not None and (
         isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1
     ):
