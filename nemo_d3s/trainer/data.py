@@ -125,13 +125,9 @@ def generate_groups(
     samples then depend on the batch layout (a 2-rank run no longer equals a 1-rank run).
     Returns [P_local * G] rows, prompt-major.
     """
-    if not per_prompt and not getattr(backend, "supports_prompt_seeds", False):
-        out = backend.generate(batch.prompts, n_samples, gen, batch.seeds[0])
-        if len(out.batch) != len(batch) * n_samples:
-            raise RuntimeError(f"backend.generate returned {len(out.batch)} rows, expected {len(batch) * n_samples}")
-        return out
-    if getattr(backend, "supports_prompt_seeds", False):
-        out = backend.generate(batch.prompts, n_samples, gen, list(batch.seeds))
+    prompt_seeds = bool(getattr(backend, "supports_prompt_seeds", False))
+    if prompt_seeds or not per_prompt:
+        out = backend.generate(batch.prompts, n_samples, gen, list(batch.seeds) if prompt_seeds else batch.seeds[0])
         if len(out.batch) != len(batch) * n_samples:
             raise RuntimeError(f"backend.generate returned {len(out.batch)} rows, expected {len(batch) * n_samples}")
         return out

@@ -201,13 +201,12 @@ def update_policy(
     totals: Dict[str, float] = {"optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0}
     sink: List[Dict[str, float]] = []
     tokens, stubs = 0.0, 0
+    shares = upd.denominators
+    if shares is None:  # built by hand, not by compact(): count on the rows as they are
+        shares = minibatch_denominators(upd.token_keep, upd.minibatch, num_mini_batches, loss_cfg.aggregation)
     for mb in range(num_mini_batches):
         rows = (upd.minibatch == mb).nonzero().flatten()
-        if upd.denominators is not None:
-            share = float(upd.denominators[mb])
-        else:
-            share = loss_denominator(upd.token_keep[rows], loss_cfg.aggregation) if rows.numel() else 0.0
-        local = {"denominator": share, "rows": float(rows.numel())}
+        local = {"denominator": float(shares[mb]), "rows": float(rows.numel())}
         glob = dp.sum(local)
         if glob["rows"] == 0 or glob["denominator"] == 0:
             continue  # nothing kept in this mini-batch on any rank: no optimizer step
