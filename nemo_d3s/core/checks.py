@@ -38,6 +38,15 @@ def check_bool(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a bool tensor (True = counts), got dtype {t.dtype}")
 
 
+def check_mask_2d(name: str, mask: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless ``mask`` is a 2-D [B, S] bool tensor."""
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_bool(name, mask)
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [B, S], got shape {tuple(mask.shape)}")
+
+
 def check_fraction(name: str, value: float, *, allow_zero: bool = False) -> None:
     """K-style fractions live in (0, 1] (or [0, 1] with ``allow_zero``)."""
     lo_ok = value >= 0 if allow_zero else value > 0

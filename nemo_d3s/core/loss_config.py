@@ -14,7 +14,7 @@ from typing import Dict, Mapping, Optional
 
 import torch
 
-from nemo_d3s.core.checks import check_bool, check_shape
+from nemo_d3s.core.checks import check_mask_2d, check_shape
 
 __all__ = [
     "AGGREGATIONS",
@@ -86,14 +86,6 @@ class LossOutput:
 
 
 
-def _check_mask(name: str, mask: torch.Tensor) -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    check_bool(name, mask)
-    if mask.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [B, S], got shape {tuple(mask.shape)}")
-
-
 def loss_denominator(
     loss_mask: torch.Tensor, aggregation: str, *, norm_mask: Optional[torch.Tensor] = None
 ) -> float:
@@ -105,12 +97,12 @@ def loss_denominator(
     [B, S] bool the same counts are taken on ``norm_mask`` instead ("normalise by all
     response tokens"). No collectives.
     """
-    _check_mask("loss_mask", loss_mask)
+    check_mask_2d("loss_mask", loss_mask)
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
     mask = loss_mask
     if norm_mask is not None:
-        _check_mask("norm_mask", norm_mask)
+        check_mask_2d("norm_mask", norm_mask)
         check_shape("norm_mask", norm_mask, loss_mask.shape, "loss_mask")
         mask = norm_mask
     if aggregation == "token_mean":

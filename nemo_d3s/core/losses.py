@@ -87,13 +87,12 @@ from typing import Optional
 
 import torch
 
-from nemo_d3s.core.checks import check_finite, check_same_device, check_shape
+from nemo_d3s.core.checks import check_finite, check_mask_2d, check_same_device, check_shape
 from nemo_d3s.core.loss_config import (
     AGGREGATIONS,
     METRIC_NORMALISERS,
     LossConfig,
     LossOutput,
-    _check_mask,
     _is_real,
     finalize_metrics,
     loss_denominator,
@@ -167,7 +166,7 @@ def _prepare(
     if not isinstance(cfg, LossConfig):
         raise ValueError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
     cfg.validate()
-    _check_mask("loss_mask", loss_mask)
+    check_mask_2d("loss_mask", loss_mask)
     B, S = loss_mask.shape
     _check_float("logprobs", logprobs, (B, S))
     _check_float("old_logprobs", old_logprobs, (B, S))
@@ -185,7 +184,7 @@ def _prepare(
     elif cfg.kl_coef > 0:
         raise ValueError(f"ref_logprobs is required when kl_coef > 0 (kl_coef={cfg.kl_coef})")
     if norm_mask is not None:
-        _check_mask("norm_mask", norm_mask)
+        check_mask_2d("norm_mask", norm_mask)
         check_shape("norm_mask", norm_mask, (B, S), "loss_mask")
     check_same_device(
         logprobs=logprobs,

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import torch
 
 from nemo_d3s.core.checks import (
-    check_bool,
     check_finite,
     check_fraction,
+    check_mask_2d,
     check_same_device,
     check_shape,
 )
@@ -89,22 +89,18 @@ def _check_k_frac(k_frac) -> None:
     check_fraction("k_frac", float(k_frac))
 
 
-def _check_mask_2d(name: str, mask: torch.Tensor) -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    check_bool(name, mask)
-    if mask.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [B, S], got shape {tuple(mask.shape)}")
-
-
-def _check_scores(scores: torch.Tensor, eligible: torch.Tensor) -> None:
-    _check_mask_2d("eligible", eligible)
+def check_scores(scores: torch.Tensor, eligible: torch.Tensor, *, finite: bool = True) -> None:
+    """ValueError naming the argument unless eligible is a [B, S] bool mask and scores a
+    floating-point [B, S] tensor on its device, finite on eligible positions (``finite=False``
+    leaves that to the caller, e.g. a distributed selector that must fail on all ranks alike)."""
+    check_mask_2d("eligible", eligible)
     if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
         got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
         raise ValueError(f"scores must be a floating-point tensor [B, S], got {got}")
     check_shape("scores", scores, eligible.shape, "eligible")
     check_same_device(scores=scores, eligible=eligible)
-    check_finite("scores (on eligible positions)", scores, eligible)
+    if finite:
+        check_finite("scores (on eligible positions)", scores, eligible)
 
 
 # ---------------------------------------------------------------------------- counts
@@ -160,7 +156,7 @@ def token_scores(advantages: torch.Tensor, entropy: torch.Tensor, eligible: torc
     hold there, NaN included: padding positions are never read).
     Raises ValueError on NaN/inf in advantages or entropy at eligible positions.
     """
-    _check_mask_2d("eligible", eligible)
+    check_mask_2d("eligible", eligible)
     for name, t in (("advantages", advantages), ("entropy", entropy)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -192,7 +188,7 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Te
     -> bool [B, S]. Ties: lower flattened index (b x S + s) first.
     Memory/time: one stable sort over the eligible scores (O(n log n), n = eligible.sum()).
     """
-    _check_scores(scores, eligible)
+    check_scores(scores, eligible)
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
         raise ValueError(f"k must be an int >= 0, got {k!r}")
     return _top_k_flat(scores, eligible, int(k))
@@ -233,7 +229,7 @@ def _top_k_per_row(scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Te
 @TOKEN_SELECTORS.register("all")
 def keep_all_tokens(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
     """Every eligible token (K ignored, but still validated). [B, S] -> [B, S] bool."""
-    _check_scores(scores, eligible)
+    check_scores(scores, eligible)
     _check_k_frac(k_frac)
     return eligible.clone()
 
@@ -241,7 +237,7 @@ def keep_all_tokens(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float)
 @TOKEN_SELECTORS.register("batch")
 def top_k_batch(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
     """Top ``ceil(K x eligible.sum())`` over all B x S tokens given. [B, S] -> [B, S] bool."""
-    _check_scores(scores, eligible)
+    check_scores(scores, eligible)
     _check_k_frac(k_frac)
     return _top_k_flat(scores, eligible, n_tokens_to_keep(int(eligible.sum()), k_frac))
 
@@ -249,7 +245,7 @@ def top_k_batch(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> 
 @TOKEN_SELECTORS.register("sample")
 def top_k_per_sample(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
     """Top ``ceil(K x eligible[b].sum())`` within each row b. [B, S] -> [B, S] bool."""
-    _check_scores(scores, eligible)
+    check_scores(scores, eligible)
     _check_k_frac(k_frac)
     k_row = n_tokens_to_keep_per_row(eligible.sum(dim=1), k_frac)
     return _top_k_per_row(scores, eligible, k_row)
@@ -291,7 +287,7 @@ def select_tokens(
     in that case, so shard-local callers can use them.)
     """
     selector = TOKEN_SELECTORS.get(scope)
-    _check_scores(scores, eligible)
+    check_scores(scores, eligible)
     _check_k_frac(k_frac)
     has_eligible = eligible.any(dim=1)
     n_eligible = int(eligible.sum())
@@ -316,7 +312,7 @@ def select_tokens(
 def rows_with_kept_tokens(token_keep: torch.Tensor) -> torch.Tensor:
     """token_keep [B, S] bool -> LongTensor [U] of the rows with at least one kept token,
     ascending. Rows not listed contribute nothing to the loss and can be dropped."""
-    _check_mask_2d("token_keep", token_keep)
+    check_mask_2d("token_keep", token_keep)
     return token_keep.any(dim=1).nonzero().squeeze(1)
 
 
@@ -324,7 +320,7 @@ def kept_lengths(token_keep: torch.Tensor) -> torch.Tensor:
     """token_keep [B, S] bool -> [B] long: 1 + position of the row's last kept token, 0 for a
     row with none. A causal model's log-prob at position t depends only on positions <= t,
     so cutting each row to this length changes no kept token's loss or gradient."""
-    _check_mask_2d("token_keep", token_keep)
+    check_mask_2d("token_keep", token_keep)
     B, S = token_keep.shape
     if S == 0:
         return torch.zeros(B, dtype=torch.long, device=token_keep.device)

@@ -50,7 +50,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.core.checks import check_bool, check_same_device, check_shape
+from nemo_d3s.core.token_selection import check_scores
 from nemo_d3s.core.registry import Registry
 from nemo_d3s.core.token_selection import n_tokens_to_keep, top_k_batch, top_k_mask
 from nemo_d3s.distributed._comm import (
@@ -90,18 +90,6 @@ class GlobalTokenSelection:
 
 
 # ---------------------------------------------------------------------------- validation
-
-
-def _check(scores: torch.Tensor, eligible: torch.Tensor) -> None:
-    if not isinstance(eligible, torch.Tensor) or eligible.dim() != 2:
-        shape = tuple(eligible.shape) if isinstance(eligible, torch.Tensor) else type(eligible).__name__
-        raise ValueError(f"eligible must be a 2-D bool tensor [B, S], got {shape}")
-    check_bool("eligible", eligible)
-    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
-        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
-        raise ValueError(f"scores must be a floating-point tensor [B, S], got {got}")
-    check_shape("scores", scores, eligible.shape, "eligible")
-    check_same_device(scores=scores, eligible=eligible)
 
 
 def _check_k(k) -> None:
@@ -212,7 +200,8 @@ def global_top_k_mask(
     Collectives and memory: see the module docstring (radix selection, counts only).
     ``group=None`` or one rank: :func:`nemo_d3s.core.token_selection.top_k_mask`.
     """
-    _check(scores, eligible)
+    # Non-finite scores are reported through the collective so every rank raises alike.
+    check_scores(scores, eligible, finite=False)
     _check_k(k)
     if is_single(group):
         return top_k_mask(scores, eligible, int(k))
@@ -308,7 +297,8 @@ def select_tokens_global(
     """
     from nemo_d3s.core.checks import check_fraction
 
-    _check(scores, eligible)
+    # Non-finite scores are reported through the collective so every rank raises alike.
+    check_scores(scores, eligible, finite=False)
     if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
         raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
     check_fraction("k_frac", float(k_frac))
