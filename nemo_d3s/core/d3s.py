@@ -49,7 +49,8 @@ collectives on every rank in the same order.
 
 Metrics (floats, this process's batch): stage 1 gives ``kept_sample_ratio``,
 ``kept_adv_var`` (Var(A) of the kept set, unbiased when ``cfg.unbiased``),
-``share_nonzero_adv`` (share of kept samples with A != 0), group counts and
+``share_nonzero_adv`` (share of kept samples with A != 0), ``kept_adv_abs_mean``, the
+batch's ``reward_mean`` / ``reward_std`` (unbiased) / ``reward_max``, group counts and
 ``all_degenerate``; stage 2 gives ``kept_token_ratio``, ``mean_entropy_kept``,
 ``samples_without_tokens`` (kept samples that had eligible tokens but got none) and counts.
 """
@@ -230,17 +231,28 @@ class D3SSelector:
 
     @property
     def needs_entropy(self) -> bool:
-        return self.cfg.token_scope != "all"
+        """The token scope scores tokens by |A| x H (registry property ``needs_entropy``)."""
+        return bool(TOKEN_SELECTORS.prop(self.cfg.token_scope, "needs_entropy"))
+
+    @property
+    def needs_global_pool(self) -> bool:
+        """A rank's selection depends on the other ranks' rollouts: a pooled sample rule
+        (cross-group, random) or a token scope spanning the batch (registry properties)."""
+        return bool(
+            SAMPLE_SELECTORS.prop(self.cfg.sample_rule, "pooled")
+            or TOKEN_SELECTORS.prop(self.cfg.token_scope, "spans_batch")
+        )
 
     def n_keep_at(self, progress: float) -> Count:
-        """N per prompt at ``progress`` (validated, in [0, 1]); 1.0 (= all) for rule "all"."""
+        """N per prompt at ``progress`` (validated, in [0, 1]); 1.0 (= all) for a rule that
+        keeps every rollout."""
         n_keep = self.cfg.schedule.at(progress)[0]
-        return 1.0 if self.cfg.sample_rule == "all" else n_keep
+        return 1.0 if SAMPLE_SELECTORS.prop(self.cfg.sample_rule, "keeps_all") else n_keep
 
     def k_frac_at(self, progress: float) -> float:
-        """K at ``progress`` (validated, in [0, 1]); 1.0 for token scope "all"."""
+        """K at ``progress`` (validated, in [0, 1]); 1.0 for a scope that keeps every token."""
         k = float(self.cfg.schedule.at(progress)[1])
-        return 1.0 if self.cfg.token_scope == "all" else k
+        return k if self.needs_entropy else 1.0
 
     def _generator(self, progress: float) -> torch.Generator:
         # A per-progress seed keeps the "random" rule reproducible across resume.
@@ -269,13 +281,19 @@ class D3SSelector:
             eps=self.cfg.renorm_eps,
             unbiased=self.cfg.unbiased,
         )
-        return self._stage(sel.sample_keep, sel.advantages, adv, n_keep, progress)
+        return self._stage(rewards, sel.sample_keep, sel.advantages, adv, n_keep, progress)
 
-    def _stage(self, sample_keep, advantages, adv: AdvantageResult, n_keep, progress) -> SampleStage:
+    def _stage(self, rewards, sample_keep, advantages, adv: AdvantageResult, n_keep, progress) -> SampleStage:
         kept_rows = sample_keep.nonzero().flatten()
         n = sample_keep.numel()
         n_kept = kept_rows.numel()
+        r = rewards.detach().to(torch.float64)
+        kept_adv = advantages.detach()[kept_rows].to(torch.float64)
         metrics = {
+            "reward_mean": float(r.mean()) if n else 0.0,
+            "reward_std": float(r.std()) if n > 1 else 0.0,
+            "reward_max": float(r.max()) if n else 0.0,
+            "kept_adv_abs_mean": float(kept_adv.abs().mean()) if n_kept else 0.0,
             "n_samples": float(n),
             "n_kept_samples": float(n_kept),
             "kept_sample_ratio": n_kept / max(n, 1),
@@ -348,24 +366,35 @@ class D3SSelector:
         all-False mask for an empty pool instead of raising (see :meth:`select_tokens`)."""
         return TOKEN_SELECTORS.get(self.cfg.token_scope)(scores, eligible, k_frac)
 
-    @staticmethod
-    def _token_metrics(token_keep, response_mask, entropy) -> Dict[str, float]:
-        n_eligible = int(response_mask.sum())
-        n_kept = int(token_keep.sum())
+    def _token_metrics(self, token_keep, response_mask, entropy) -> Dict[str, float]:
+        """Counts and entropy means of the token stage. The sums are one float64 vector so
+        the DP-global selector reduces them with one all-reduce (:meth:`_reduce_sums`)."""
         has_eligible = response_mask.any(dim=1)
-        metrics = {
-            "n_eligible_tokens": float(n_eligible),
-            "n_kept_tokens": float(n_kept),
-            "kept_token_ratio": n_kept / max(n_eligible, 1),
-            "samples_without_tokens": float((has_eligible & ~token_keep.any(dim=1)).sum()),
-            "samples_without_eligible": float((~has_eligible).sum()),
-        }
+        keys = ["n_eligible_tokens", "n_kept_tokens", "samples_without_tokens", "samples_without_eligible"]
+        parts = [
+            response_mask.sum(),
+            token_keep.sum(),
+            (has_eligible & ~token_keep.any(dim=1)).sum(),
+            (~has_eligible).sum(),
+        ]
         if entropy is not None:
             # float64 sums: the mean must not depend on the entropy tensor's dtype.
             h = entropy.to(torch.float64)
-            metrics["mean_entropy_kept"] = float(h[token_keep].sum()) / n_kept if n_kept else 0.0
-            metrics["mean_entropy_eligible"] = float(h[response_mask].sum()) / n_eligible if n_eligible else 0.0
+            keys += ["entropy_kept_sum", "entropy_eligible_sum"]
+            parts += [h[token_keep].sum(), h[response_mask].sum()]
+        sums = dict(zip(keys, self._reduce_sums(torch.stack([p.to(torch.float64) for p in parts])).tolist()))
+        n_eligible, n_kept = sums["n_eligible_tokens"], sums["n_kept_tokens"]
+        metrics = {k: sums[k] for k in keys[:4]}
+        metrics["kept_token_ratio"] = n_kept / max(n_eligible, 1.0)
+        if entropy is not None:
+            metrics["mean_entropy_kept"] = sums["entropy_kept_sum"] / n_kept if n_kept else 0.0
+            metrics["mean_entropy_eligible"] = sums["entropy_eligible_sum"] / n_eligible if n_eligible else 0.0
         return metrics
+
+    def _reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """[n] float64 sums of this process's batch -> the batch's sums (identity here; the
+        DP-global selector sums them over its data-parallel group)."""
+        return sums
 
     def apply(
         self,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -52,6 +52,10 @@ class LossConfig:
     dual_clip_c: None (off) or c > 1, applied to tokens/sequences with A < 0.
     kl_coef >= 0: weight of the k3 KL to the reference (needs ref_logprobs when > 0).
     aggregation: one of ``AGGREGATIONS``.
+    check_inputs: run the data-dependent input checks (finite log-probs/advantages on the
+        mask, ``norm_mask`` covering ``loss_mask``). Each costs a device-to-host sync, so a
+        trainer that validated its step's tensors once turns them off for the micro-batch
+        loop; shape, dtype and device checks always run (they need no sync).
     """
 
     clip_eps_low: float = 0.2
@@ -59,6 +63,7 @@ class LossConfig:
     dual_clip_c: Optional[float] = None
     kl_coef: float = 0.0
     aggregation: str = "token_mean"
+    check_inputs: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,13 +80,45 @@ class LossConfig:
             raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
 
 
-@dataclass
 class LossOutput:
-    """loss: scalar tensor (differentiable w.r.t. logprobs); metrics: additive floats (see
-    the module docstring; reduce by summing, then :func:`finalize_metrics`)."""
+    """loss: scalar tensor (differentiable w.r.t. logprobs); metric_tensors: additive 0-d
+    float64 tensors, detached, on the loss's device (see the module docstring; reduce by
+    summing, then :func:`finalize_metrics`); ``metrics``: the same as floats.
 
-    loss: torch.Tensor
-    metrics: Dict[str, float] = field(default_factory=dict)
+    ``metrics`` copies every value to the host in ONE transfer the first time it is read;
+    a training loop sums ``metric_tensors`` over its micro-batches instead and reads them
+    once per optimizer step, so the micro-batch loop never waits for the device.
+    """
+
+    __slots__ = ("loss", "metric_tensors", "_floats")
+
+    def __init__(
+        self,
+        loss: torch.Tensor,
+        metrics: Optional[Mapping[str, float]] = None,
+        *,
+        metric_tensors: Optional[Mapping[str, torch.Tensor]] = None,
+    ) -> None:
+        self.loss = loss
+        self.metric_tensors: Dict[str, torch.Tensor] = dict(metric_tensors or {})
+        self._floats: Optional[Dict[str, float]] = None
+        if metrics is not None:
+            self._floats = {k: float(v) for k, v in metrics.items()}
+            if not self.metric_tensors:
+                self.metric_tensors = {
+                    k: torch.tensor(v, dtype=torch.float64) for k, v in self._floats.items()
+                }
+
+    @property
+    def metrics(self) -> Dict[str, float]:
+        if self._floats is None:
+            keys = list(self.metric_tensors)
+            values = torch.stack([self.metric_tensors[k].to(torch.float64) for k in keys]).tolist() if keys else []
+            self._floats = dict(zip(keys, values))
+        return self._floats
+
+    def __repr__(self) -> str:
+        return f"LossOutput(loss={self.loss!r}, metrics={self.metrics!r})"
 
 
 

@@ -195,11 +195,12 @@ def _prepare(
         norm_mask=norm_mask,
     )
     denom = _check_denominator(denominator)
-    check_finite("logprobs (on loss_mask positions)", logprobs, loss_mask)
-    check_finite("old_logprobs (on loss_mask positions)", old_logprobs, loss_mask)
-    check_finite("advantages (on loss_mask positions)", adv, loss_mask)
-    if ref_logprobs is not None:
-        check_finite("ref_logprobs (on loss_mask positions)", ref_logprobs, loss_mask)
+    if cfg.check_inputs:  # each check is a host sync: see LossConfig.check_inputs
+        check_finite("logprobs (on loss_mask positions)", logprobs, loss_mask)
+        check_finite("old_logprobs (on loss_mask positions)", old_logprobs, loss_mask)
+        check_finite("advantages (on loss_mask positions)", adv, loss_mask)
+        if ref_logprobs is not None:
+            check_finite("ref_logprobs (on loss_mask positions)", ref_logprobs, loss_mask)
 
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logprobs.device)
@@ -212,7 +213,7 @@ def _prepare(
     if cfg.aggregation == "seq_mean_token_mean":
         counted = loss_mask
         if norm_mask is not None:
-            if bool((loss_mask & ~norm_mask).any()):
+            if cfg.check_inputs and bool((loss_mask & ~norm_mask).any()):
                 raise ValueError("norm_mask must cover loss_mask: a loss token is outside norm_mask")
             counted = norm_mask
         n_row = counted.sum(dim=1).clamp(min=1).to(dtype)
@@ -288,9 +289,8 @@ def _finish(
         }
         if ref_kl_sum is not None:
             values["ref_kl_sum"] = ref_kl_sum
-        # One device-to-host copy for all metrics.
-        floats = torch.stack([v.to(torch.float64) for v in values.values()]).tolist()
-    return LossOutput(loss=loss, metrics=dict(zip(values.keys(), floats)))
+    # No host copy here: LossOutput.metrics makes one when (and if) it is read.
+    return LossOutput(loss, metric_tensors={k: v.to(torch.float64) for k, v in values.items()})
 
 
 # ---------------------------------------------------------------------------- losses

@@ -7,7 +7,8 @@ message rather than deep inside a training step.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Generic, Iterator, TypeVar
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Generic, Iterator, Mapping, TypeVar
 
 T = TypeVar("T", bound=Callable)
 
@@ -17,23 +18,46 @@ class Registry(Generic[T]):
 
     ``kind`` names the extension point in error messages (e.g. "sample selection rule").
     ``signature`` documents the call signature every entry must follow.
+    ``defaults`` are the properties every entry has (e.g. ``needs_entropy=True``); an entry
+    overrides them at registration, and callers ask ``prop(name, key)`` instead of comparing
+    names, so a new entry says what it needs in one place.
     """
 
-    def __init__(self, kind: str, signature: str = "") -> None:
+    def __init__(self, kind: str, signature: str = "", **defaults: Any) -> None:
         self.kind = kind
         self.signature = signature
+        self.defaults: Dict[str, Any] = dict(defaults)
         self._entries: Dict[str, T] = {}
+        self._props: Dict[str, Dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: ``@REGISTRY.register("name")``. Registering a name twice is an error."""
+    def register(self, name: str, **props: Any) -> Callable[[T], T]:
+        """Decorator: ``@REGISTRY.register("name", prop=value)``. Registering a name twice,
+        or a property the registry does not declare, is an error."""
+        unknown = sorted(set(props) - set(self.defaults))
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r}: unknown properties {unknown}; known: {sorted(self.defaults)}"
+            )
 
         def deco(fn: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._entries[name] = fn
+            self._props[name] = {**self.defaults, **props}
             return fn
 
         return deco
+
+    def properties(self, name: str) -> Mapping[str, Any]:
+        """The entry's properties (registry defaults overridden at registration); read-only."""
+        self.get(name)  # unknown name -> the listing error
+        return MappingProxyType(self._props[name])
+
+    def prop(self, name: str, key: str) -> Any:
+        props = self.properties(name)
+        if key not in props:
+            raise KeyError(f"{self.kind} registry has no property {key!r}; known: {sorted(props)}")
+        return props[key]
 
     def get(self, name: str) -> T:
         try:

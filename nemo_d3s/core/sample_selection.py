@@ -73,6 +73,11 @@ SAMPLE_SELECTORS: Registry = Registry(
     "sample selection rule",
     "fn(rewards[B], advantages[B], group_ids[B], n_keep: int|float, *, generator: torch.Generator|None, "
     "eps, unbiased) -> SampleSelection",
+    # keeps_all: the rule keeps every rollout (N is ignored: reported as 1.0).
+    # pooled: the rule's choice for one group depends on the other groups of the batch (or
+    # on positions in it), so under data parallelism it must see the whole DP batch.
+    keeps_all=False,
+    pooled=False,
 )
 
 
@@ -208,7 +213,7 @@ def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
 # ----------------------------------------------------------------------------------------
 
 
-@SAMPLE_SELECTORS.register("all")
+@SAMPLE_SELECTORS.register("all", keeps_all=True)
 def select_all(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
@@ -225,7 +230,7 @@ def select_all(
     return _result(torch.ones_like(rewards, dtype=torch.bool), advantages)
 
 
-@SAMPLE_SELECTORS.register("random")
+@SAMPLE_SELECTORS.register("random", pooled=True)
 def select_random(
     rewards: torch.Tensor,
     advantages: torch.Tensor,
@@ -313,7 +318,7 @@ def select_d3s_intra(
     return _result(keep, advantages)
 
 
-@SAMPLE_SELECTORS.register("d3s_cross")
+@SAMPLE_SELECTORS.register("d3s_cross", pooled=True)
 def select_d3s_cross(
     rewards: torch.Tensor,
     advantages: torch.Tensor,

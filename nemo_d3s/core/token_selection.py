@@ -71,6 +71,12 @@ __all__ = [
 TOKEN_SELECTORS: Registry = Registry(
     "token selection scope",
     "fn(scores[B,S], eligible[B,S], k_frac: float) -> token_keep [B,S] bool",
+    # needs_entropy: scores are |A| x H, so the old-policy entropy pass must run (False only
+    # for a scope that keeps every eligible token, where K is reported as 1.0).
+    # spans_batch: K is a fraction of the whole optimizer-step batch (all DP ranks), not of
+    # one row, so the threshold needs a DP-global collective.
+    needs_entropy=True,
+    spans_batch=False,
 )
 
 # K arrives as a binary float (0.1 is 0.1000000000000000055...), so K x n can land a hair
@@ -226,7 +232,7 @@ def _top_k_per_row(scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Te
     return (rank < k_row.unsqueeze(1)) & eligible
 
 
-@TOKEN_SELECTORS.register("all")
+@TOKEN_SELECTORS.register("all", needs_entropy=False)
 def keep_all_tokens(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
     """Every eligible token (K ignored, but still validated). [B, S] -> [B, S] bool."""
     check_scores(scores, eligible)
@@ -234,7 +240,7 @@ def keep_all_tokens(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float)
     return eligible.clone()
 
 
-@TOKEN_SELECTORS.register("batch")
+@TOKEN_SELECTORS.register("batch", spans_batch=True)
 def top_k_batch(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
     """Top ``ceil(K x eligible.sum())`` over all B x S tokens given. [B, S] -> [B, S] bool."""
     check_scores(scores, eligible)

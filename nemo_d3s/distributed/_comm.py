@@ -19,6 +19,7 @@ __all__ = [
     "is_single",
     "global_rank_of",
     "collective_device",
+    "device_for_backend",
     "all_gather_counts",
     "all_gather_varlen",
     "exclusive_prefix",
@@ -41,12 +42,30 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
     return 1 if is_single(group) else dist.get_world_size(group)
 
 
-def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where a buffer for ``group``'s collectives must live when no input tensor says so:
-    the current CUDA device for NCCL, CPU otherwise."""
-    if not is_single(group) and dist.get_backend(group) == "nccl":
+def device_for_backend(backend: str) -> torch.device:
+    """Where a small collective tensor must live for a group of backend ``backend``.
+
+    ``"gloo"`` -> CPU; ``"nccl"`` -> the current CUDA device; a device-mapped backend such as
+    ``"cpu:gloo,cuda:nccl"`` -> CPU, because it carries CPU tensors itself and counters need
+    no host-device copy. Anything else (mpi, ucc) -> CPU.
+    """
+    name = str(backend).lower()
+    if ":" in name:
+        mapped = dict(part.split(":", 1) for part in name.split(","))
+        if "cpu" in mapped:
+            return torch.device("cpu")
+        name = mapped.get("cuda", name)
+    if name == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a buffer for ``group``'s collectives must live when no input tensor says so
+    (see :func:`device_for_backend`); CPU for no group."""
+    if is_single(group):
+        return torch.device("cpu")
+    return device_for_backend(dist.get_backend(group))
 
 
 def global_rank_of(group: dist.ProcessGroup, rank_in_group: int) -> int:

@@ -1,9 +1,10 @@
 """DistributedD3SSelector on 2 ranks == core D3SSelector on the concatenated batch.
 
 Each rank holds whole prompt groups with global prompt ids (as the trainer builds them);
-the d3s preset (cross-group sample selection, batch token scope) is applied at one
-progress value. Sample masks, advantages and token masks must equal the single-process
-selector's, split by rank (exact: same deterministic core functions on the same values).
+every preset is applied at one progress value. Sample masks, advantages (PODS's
+re-normalised ones included) and token masks must equal the single-process selector's,
+split by rank, and the stages' metrics must be the whole batch's (exact: same
+deterministic core functions on the same values).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ def _batch(rank):
     return rewards, gids, entropy, response_mask
 
 
-def _cfg():
+PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i"]
+
+
+def _cfg(preset="d3s"):
     from nemo_d3s.core.d3s import D3SConfig
 
-    return D3SConfig.from_preset("d3s")
+    return D3SConfig.from_preset(preset)
 
 
 def _rank_selector(rank):
@@ -40,29 +44,41 @@ def _rank_selector(rank):
     from nemo_d3s.distributed import DistributedD3SSelector
 
     rewards, gids, entropy, response_mask = _batch(rank)
-    sel = DistributedD3SSelector(_cfg(), dist.group.WORLD)
-    stage = sel.select_samples(rewards, gids, PROGRESS)
-    rows = stage.kept_rows
-    tok = sel.select_tokens(stage, entropy[rows], response_mask[rows], PROGRESS)
-    return stage.sample_keep, stage.advantages, tok.token_keep
+    out = {}
+    for preset in PRESETS:
+        sel = DistributedD3SSelector(_cfg(preset), dist.group.WORLD)
+        stage = sel.select_samples(rewards, gids, PROGRESS)
+        rows = stage.kept_rows
+        tok = sel.select_tokens(stage, entropy[rows], response_mask[rows], PROGRESS)
+        out[preset] = (stage.sample_keep, stage.advantages, tok.token_keep, stage.metrics, tok.metrics)
+    return out
 
 
-def test_matches_single_process_selector():
+def test_matches_single_process_selector_for_every_preset():
     from nemo_d3s.core.d3s import D3SSelector
 
     results = run_ranks(_rank_selector, 2, megatron=False)
     parts = [_batch(r) for r in range(2)]
     rewards, gids, entropy, response_mask = (torch.cat(x) for x in zip(*parts))
-    ref = D3SSelector(_cfg())
-    stage = ref.select_samples(rewards, gids, PROGRESS)
-    tok = ref.select_tokens(stage, entropy[stage.kept_rows], response_mask[stage.kept_rows], PROGRESS)
     counts = [p[0].numel() for p in parts]
-    kept_counts = [int(k.sum()) for k in stage.sample_keep.split(counts)]
-    for r, (keep, adv, token_keep) in enumerate(results):
-        assert torch.equal(keep, stage.sample_keep.split(counts)[r])
-        assert torch.equal(adv, stage.advantages.split(counts)[r])
-        assert torch.equal(token_keep, tok.token_keep.split(kept_counts)[r])
-    assert 0 < int(tok.token_keep.sum()) < int(response_mask[stage.kept_rows].sum())
+    for preset in PRESETS:
+        ref = D3SSelector(_cfg(preset))
+        stage = ref.select_samples(rewards, gids, PROGRESS)
+        tok = ref.select_tokens(stage, entropy[stage.kept_rows], response_mask[stage.kept_rows], PROGRESS)
+        kept_counts = [int(k.sum()) for k in stage.sample_keep.split(counts)]
+        for r in range(2):
+            keep, adv, token_keep, stage_metrics, tok_metrics = results[r][preset]
+            assert torch.equal(keep, stage.sample_keep.split(counts)[r]), preset
+            assert torch.equal(adv, stage.advantages.split(counts)[r]), preset
+            assert torch.equal(token_keep, tok.token_keep.split(kept_counts)[r]), preset
+            assert stage_metrics == stage.metrics, preset
+            assert tok_metrics.keys() == tok.metrics.keys(), preset
+            for k, v in tok.metrics.items():  # entropy sums add in another order across ranks
+                assert tok_metrics[k] == pytest.approx(v, rel=1e-12), (preset, k)
+        if preset == "d3s":
+            assert 0 < int(tok.token_keep.sum()) < int(response_mask[stage.kept_rows].sum())
+        if preset == "pods":  # the kept subset is re-normalised: advantages differ from the groups'
+            assert not torch.equal(stage.advantages, stage.advantage_result.advantages)
 
 
 def test_unknown_batch_scope_fails_at_construction():

@@ -1,0 +1,175 @@
+"""The parallel layout a run trains in, and the small collectives the trainer needs.
+
+:class:`ParallelGroups` is a frozen record of the process groups (data, tensor, pipeline,
+context parallel) and of the device that small collective tensors must live on. The policy
+builds it (the HF backend from the torchrun world; a Megatron backend from
+``megatron.core.parallel_state`` after ``initialize_model_parallel``) and the trainer only
+reads it: prompts are sharded, selections pooled and metrics reduced over ``dp``.
+
+Small collectives (counters, per-sample rewards) are methods of the record, so every one of
+them puts its tensor on ``device`` (CPU for gloo, the current CUDA device for NCCL, which
+rejects CPU tensors) and hands back CPU values. Gradient reduction belongs to the policy.
+
+``None`` for a group means "one member" (as everywhere in ``nemo_d3s.distributed``): the
+record of a one-process run has every group None and every reduction is the identity.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.distributed._comm import device_for_backend, group_rank, group_size, is_single
+
+__all__ = ["ParallelGroups", "device_for_backend", "init_world", "shard_range"]
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This process's place in the parallel layout (in the spirit of Megatron's process-group
+    collection and torchtitan's ParallelDims).
+
+    dp: the data-parallel group (ranks holding different samples; Megatron's excludes the
+        TP/PP/CP peers, which hold the same samples); tp / pp / cp: model-parallel groups,
+        None when that dimension is 1; device: where small collective tensors live;
+        global_rank: rank in the world (only global rank 0 writes files);
+        owns_world: this record's builder initialised torch.distributed and destroys it in
+        :meth:`shutdown`.
+    """
+
+    dp: Optional[dist.ProcessGroup] = None
+    tp: Optional[dist.ProcessGroup] = None
+    pp: Optional[dist.ProcessGroup] = None
+    cp: Optional[dist.ProcessGroup] = None
+    device: torch.device = torch.device("cpu")
+    global_rank: int = 0
+    owns_world: bool = False
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.dp)
+
+    @property
+    def dp_size(self) -> int:
+        return group_size(self.dp)
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp)
+
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.cp)
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the process that writes files and speaks for the job."""
+        return self.global_rank == 0
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.dp_size > 1
+
+    # ------------------------------------------------------------------ small collectives
+    def sum(self, values: Dict[str, float]) -> Dict[str, float]:
+        """Sum a dict of scalars over ``dp``: one float64 all-reduce of [len(values)] on
+        ``device``. Every rank passes the same keys (packed in sorted-key order)."""
+        if not self.data_parallel or not values:
+            return {k: float(v) for k, v in values.items()}
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp)
+        return dict(zip(keys, t.cpu().tolist()))
+
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce SUM of a small tensor over ``dp``; returns a CPU copy (the input is
+        not modified)."""
+        if not self.data_parallel:
+            return t.detach().cpu().clone()
+        buf = t.detach().to(self.device, copy=True)
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.dp)
+        return buf.cpu()
+
+    def max(self, value: float) -> float:
+        """Max of one float over ``dp`` (e.g. "did any rank receive a stop signal")."""
+        if not self.data_parallel:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp)
+        return float(t.item())
+
+    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] on every rank (same n) -> CPU [dp_size * n, ...] in rank order."""
+        if not self.data_parallel:
+            return x
+        src = x.contiguous().to(self.device)
+        parts: List[torch.Tensor] = [torch.empty_like(src) for _ in range(self.dp_size)]
+        dist.all_gather(parts, src, group=self.dp)
+        return torch.cat(parts).cpu()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """A picklable object from dp rank ``src`` to every dp rank (in-memory only; nothing
+        read from disk goes through pickle)."""
+        if not self.data_parallel:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp, src), group=self.dp)
+        return box[0]
+
+    def barrier(self) -> None:
+        """All processes of the job (not only ``dp``): file-system hand-overs."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.owns_world and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_world(device: str = "cpu", timeout_minutes: Optional[float] = None) -> ParallelGroups:
+    """Join the default process group when launched by torchrun (``WORLD_SIZE > 1``) and
+    return the record of a pure data-parallel layout over the whole world.
+
+    gloo when the model lives on the CPU, NCCL on CUDA (after ``torch.cuda.set_device``
+    from ``LOCAL_RANK``). ``timeout_minutes``: how long a collective waits for a stopped
+    peer before failing (torch's default is 30 minutes). One process: every group None.
+    A process group that already exists (a test harness, a notebook) is reused, not owned.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = str(device).startswith("cuda")
+    if world <= 1 and not (dist.is_available() and dist.is_initialized()):
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return ParallelGroups(device=dev)
+    owns = False
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        kwargs = {}
+        if timeout_minutes:
+            kwargs["timeout"] = datetime.timedelta(minutes=float(timeout_minutes))
+        dist.init_process_group(backend=backend, **kwargs)
+        owns = True
+    world_group = dist.group.WORLD
+    dp = None if is_single(world_group) else world_group
+    dev = device_for_backend(dist.get_backend(world_group))
+    return ParallelGroups(dp=dp, device=dev, global_rank=dist.get_rank(), owns_world=owns)
+
+
+def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Contiguous slice [lo, hi) of ``n`` items for ``rank``; requires n % world_size == 0
+    so that every rank holds the same number of prompt groups."""
+    if n % world_size:
+        raise ValueError(f"cannot shard {n} prompts evenly over {world_size} ranks")
+    per = n // world_size
+    return rank * per, (rank + 1) * per
