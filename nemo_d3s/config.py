@@ -29,6 +29,7 @@ __all__ = [
     "TrainerConfig",
     "register_configs",
     "validate",
+    "validate_layout",
 ]
 
 Count = Union[int, float]
@@ -121,12 +122,15 @@ class TrainerConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    # Only for a backend WITHOUT per-prompt seeds (e.g. hf with model.params.sampler=
+    # Only for a rollout engine WITHOUT per-prompt seeds (e.g. hf with model.params.sampler=
     # hf_generate): true = one generate call per prompt, seeded per prompt, so a prompt gets
     # the same samples on any rank layout; false = one batched call per rank and step,
-    # several times faster on CPU, but a 2-rank run no longer equals a 1-rank run. A backend
-    # with supports_prompt_seeds (the hf default) always samples in one batched call.
+    # several times faster on CPU, but a 2-rank run no longer equals a 1-rank run. An engine
+    # with per-prompt seeds (the hf default) always samples in one batched call.
     generate_per_prompt: bool = True
+    # Under data parallelism, move kept rollouts between ranks before each update so every
+    # rank trains on about as many tokens (longest-first packing; the gradient is unchanged).
+    dp_rebalance: bool = True
     # optimisation
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -256,9 +260,19 @@ def _check_schedule(cfg: Any) -> None:
         raise ConfigError(f"d3s.schedule: {e}") from None
 
 
+def validate_layout(cfg: Any, dp_size: int) -> None:
+    """The checks that need the parallel layout the policy built (``dp_size`` data-parallel
+    ranks): prompts are sharded in whole groups over the DP ranks."""
+    ppp = _get(cfg, "trainer.prompts_per_step")
+    _require(ppp % dp_size == 0, "trainer.prompts_per_step", ppp,
+             f"must be divisible by the number of data-parallel ranks ({dp_size})")
+
+
 def validate(cfg: Any, world_size: int = 1) -> None:
     """Schema and range checks on a (resolved or structured) :class:`TrainConfig`. Raises
-    :class:`ConfigError` naming the first offending key. ``world_size`` = data-parallel ranks."""
+    :class:`ConfigError` naming the first offending key. ``world_size``: data-parallel ranks
+    when already known (the trainer validates before building the policy and calls
+    :func:`validate_layout` with the real DP size after)."""
     check_schema(cfg)
     t = "trainer"
     g = _get(cfg, f"{t}.num_generations")
@@ -295,8 +309,7 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     nmb = _get(cfg, f"{t}.num_mini_batches")
     _require(nmb <= ppp, f"{t}.num_mini_batches", nmb,
              f"cannot exceed {t}.prompts_per_step={ppp} (mini-batches are made of whole prompts)")
-    _require(ppp % world_size == 0, f"{t}.prompts_per_step", ppp,
-             f"must be divisible by the number of data-parallel ranks ({world_size})")
+    validate_layout(cfg, world_size)
 
     d = "d3s.schedule"
     for key in ("k_init", "k_final"):

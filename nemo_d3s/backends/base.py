@@ -1,29 +1,35 @@
-"""The interface between the backend-agnostic trainer and a model framework.
+"""The seam between the backend-agnostic trainer and a model framework.
 
-A backend owns the policy model, its optimizer and (optionally) a frozen reference model,
-and the parallel layout they live in. The trainer owns the algorithm: rewards, advantages,
-selections, the loss function and its global denominator.
+- :class:`ParallelGroups` (``nemo_d3s.distributed.groups``): frozen record of the dp / tp /
+  pp / cp process groups and the device small collectives use. The POLICY builds it (HF:
+  the torchrun world is the DP group; Megatron: ``initialize_model_parallel``); the trainer
+  validates the config against ``groups.dp_size`` and shards prompts over ``groups.dp``.
+- :class:`Policy`: the model being trained. ``score`` = one no-grad pass giving named
+  log-probs + entropy [B, S]; ``train_step`` = one optimizer step over micro-batches,
+  collective over all ranks (an empty local batch still joins); checkpoint state; HF export.
+- :class:`RolloutEngine`: samples completions, one seed per prompt, and ``sync_weights(policy)``
+  after every optimizer step (a no-op when it shares the policy's weights, a refit for vLLM).
+  The policy holds it (``policy.rollout_engine``); the trainer never asks how it batches.
+- Loss contract: ``loss_fn(logprobs, rows)`` returns a :class:`LossOutput` whose ``loss`` is
+  the micro-batch's loss SUM and whose ``metric_tensors`` are detached sums; the policy
+  multiplies by the step normaliser (``distributed.StepNormalizer``: global denominator D,
+  DP averaging, a schedule's 1/num_microbatches) and reads the metrics once per step.
 
-Two implementations are planned and the interface is shaped for both:
-
-- ``backends/hf``: transformers model on CPU or one GPU; data parallel over a torch
-  process group (gradients all-reduced by hand).
-- ``backends/megatron``: megatron-core GPTModel under TP/PP/DP; ``train_step`` drives
-  Megatron's pipeline schedule over micro-batches, and the loss callback receives
-  per-token log-probs computed from vocab-sharded logits on the last pipeline stage.
-  Generation there is delegated to a separate engine (vLLM or Megatron inference).
-
-All per-token tensors follow the alignment contract of ``nemo_d3s.core``: position t
-holds the quantity of token t computed from logits at t-1; position 0 holds 0.
+Per-token tensors follow ``nemo_d3s.core``'s alignment contract: position t holds the
+quantity of token t computed from logits at t-1; position 0 holds 0. Every tensor a policy
+or engine returns lives on the CPU.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+
+from nemo_d3s.core.loss_config import LossOutput
+from nemo_d3s.distributed.groups import ParallelGroups
 
 
 @dataclass
@@ -70,57 +76,96 @@ class Rollouts:
     response_texts: List[str]
     finished: torch.Tensor  # [B] bool: stopped on EOS rather than on max_new_tokens
     stats: Dict[str, float] = field(default_factory=dict)
+    # [B, S] f32: the engine's log-prob of each sampled response token (token-aligned, 0
+    # elsewhere), when the engine reports it (vLLM does; compared with the trainer's old
+    # log-probs to measure the rollout/train mismatch). None when not reported.
+    sampling_logprobs: Optional[torch.Tensor] = None
 
 
-# loss_fn(logprobs [b, s] f32 with grad, micro-batch rows [b] long into the step's batch)
-#   -> scalar loss already divided by the GLOBAL denominator (so micro-batch and DP-rank
-#      contributions add up to the full-batch loss).
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+@dataclass
+class Scores:
+    """What ``Policy.score`` returns, token-aligned, on the CPU.
+
+    logprobs [B, S] f32: log pi(token t | prefix); entropy [B, S] f32 or None: full-vocabulary
+    entropy of the next-token distribution at t-1 (computed without gathering a sharded
+    vocabulary). Positions that were not scored (prompt, padding, position 0) hold 0.
+    """
+
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
 
 
-class PolicyBackend(abc.ABC):
-    """What the trainer needs from a model framework."""
+# loss_fn(logprobs [b, s] f32 with grad on the model device, rows [b] long (CPU) into the
+#   step's batch) -> LossOutput: ``loss`` = the micro-batch's loss SUM (no denominator),
+#   ``metric_tensors`` = detached additive sums. The policy applies the step normaliser.
+LossFn = Callable[[torch.Tensor, torch.Tensor], LossOutput]
 
-    tokenizer: object  # a Hugging Face tokenizer (Megatron runs use one too)
-    # True when ``generate`` takes one seed per prompt with per-prompt independence (see
-    # ``generate``); a class attribute or a property.
-    supports_prompt_seeds: bool = False
+
+class RolloutEngine(abc.ABC):
+    """Samples completions for the trainer.
+
+    ``prompt_seeds`` True: ``generate`` honours one seed per prompt and prompt i's samples
+    depend only on prompt i, seeds[i] and the weights (not on the rest of the call), so any
+    batching and any rank layout give the same samples. An engine without it is wrapped at
+    build time (``trainer.build.rollout_engine``), never special-cased in the loop.
+    """
+
+    tokenizer: Any
+    prompt_seeds: bool = True
 
     @abc.abstractmethod
     def generate(
-        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: Union[int, Sequence[int]]
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
     ) -> Rollouts:
-        """Sample ``n_samples`` completions for each chat-formatted prompt text.
-
-        ``seed``: an int for the whole call, or (only when the backend class sets
-        ``supports_prompt_seeds`` is True) a sequence of one int per prompt; such a backend
-        guarantees that prompt i's samples depend only on prompt i, seeds[i] and the model,
-        not on the other prompts of the call (so any batching or rank layout gives the same
-        samples). A backend without it is called once per prompt to get that guarantee.
-        """
+        """``n_samples`` completions of each prompt (one user message; the chat template is
+        the engine's business); rows prompt-major: [i * n, (i + 1) * n) answer prompts[i].
+        ``seeds``: one int per prompt. Returns a right-padded TokenBatch [B, S] on the CPU."""
 
     @abc.abstractmethod
-    def compute_logprobs(
+    def sync_weights(self, policy: "Policy") -> None:
+        """Make the next ``generate`` sample from ``policy``'s current weights. Called by
+        the trainer after every optimizer step (on every rank: a sharded policy gathers)."""
+
+
+class Policy(abc.ABC):
+    """The trained model, its optimizer and (optionally) a frozen reference model.
+
+    groups: the parallel layout it lives in (built by the policy); tokenizer: a Hugging Face
+    tokenizer; rollout_engine: the engine the trainer samples with; collective_export: True
+    when ``save_pretrained`` must be called on every rank (it gathers shards).
+    """
+
+    groups: ParallelGroups
+    tokenizer: Any
+    rollout_engine: RolloutEngine
+    collective_export: bool = False
+
+    @abc.abstractmethod
+    def score(
         self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """One no-grad pass: (logprobs [B, S] f32, entropy [B, S] f32 or None), token-aligned.
-
-        Entropy is the full-vocabulary entropy of the next-token distribution; a
-        vocab-parallel backend computes it without gathering the vocabulary. With
-        ``reference=True`` the frozen reference model is used (no entropy).
-        """
+    ) -> Scores:
+        """One no-grad pass over ``batch`` [B, S]: log-probs (+ entropy) of every response
+        token, identical on every rank of a model-parallel group. ``reference=True`` scores
+        with the frozen reference model (no entropy)."""
 
     @abc.abstractmethod
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int) -> Dict[str, float]:
-        """Forward + backward over micro-batches of ``batch`` (data-parallel gradient
-        reduction included), gradient clipping and one optimizer step.
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, *, micro_batch_size: int, denominator: float
+    ) -> Dict[str, float]:
+        """One optimizer step: forward + backward of ``batch`` (this rank's rows; may be
+        EMPTY, the rank still joins every collective) in micro-batches, each ``loss_fn`` sum
+        scaled by the step normaliser of the GLOBAL ``denominator``, gradient reduction over
+        ``groups.dp``, global-norm clipping, the update.
 
-        Returns at least {"grad_norm": float, "lr": float}.
+        Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum"} plus the sums of
+        ``loss_fn``'s ``metric_tensors`` over this rank's micro-batches (host-copied once).
         """
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Model + optimizer (+ scheduler) state for a checkpoint."""
+        """Model + optimizer (+ LR scheduler) state for a checkpoint: tensors and plain
+        containers only (loaded back with ``torch.load(weights_only=True)``)."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
@@ -128,3 +173,8 @@ class PolicyBackend(abc.ABC):
     @abc.abstractmethod
     def save_pretrained(self, path: str) -> None:
         """Export the policy as a Hugging Face folder (safetensors + config + tokenizer)."""
+
+
+# The trainer's name for a policy before the seam was named; kept so third-party backends
+# written against it keep importing.
+PolicyBackend = Policy

@@ -2,18 +2,21 @@
 imported lazily.
 
 Lazy so that the HF backend's transformers import (and later Megatron's) happens only for
-the backend a run uses. A Megatron backend is added by creating its package (a class
-``MegatronBackend(cfg, dp_group=...)`` and its config dataclass) and filling in its entry
-here; the training loop does not change.
+the backend a run uses. A backend is a :class:`~nemo_d3s.backends.base.Policy` class
+built as ``cls(config)``: it creates its own parallel layout (``policy.groups``; Megatron
+runs ``initialize_model_parallel`` there), so the trainer validates the config against the
+real data-parallel size only after building it. The training loop does not change.
 
 Building: the trainer hands over the COMMON settings below (derived from the run config)
-plus ``model.params`` (backend-specific). Common settings the backend's config dataclass
-does not declare are dropped; a ``model.params`` key it does not declare is an error that
+plus ``model.params`` (backend-specific). A common setting the backend's config dataclass
+does not declare is not used by that backend: it is logged as a notice naming the setting
+(never dropped silently); a ``model.params`` key it does not declare is an error that
 names the key. Values are merged into the dataclass with OmegaConf, so nested dataclasses
 (e.g. the HF backend's ``tiny`` model shape) and types are checked too.
 
 Common settings: model, dtype, device, seed, lr, weight_decay, adam_betas, grad_clip,
-warmup_steps, scheduler, total_steps, use_reference, gradient_checkpointing.
+warmup_steps, scheduler, total_steps, use_reference, gradient_checkpointing,
+dist_timeout_minutes.
 
 A backend may also be named in the config as ``model.backend=pkg.module:Class``; such a
 class declares its config dataclass as the class attribute ``config_class``.
@@ -23,9 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 from typing import Any, Dict, Mapping, Tuple
 
-from nemo_d3s.backends.base import PolicyBackend
+from nemo_d3s.backends.base import Policy
+
+log = logging.getLogger("nemo_d3s.trainer")
 
 __all__ = ["BACKENDS", "build_backend", "resolve_backend"]
 
@@ -83,6 +89,10 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
             raise ValueError(
                 f"model.params.{key}: not a setting of {cfg_cls.__name__}; known: {', '.join(sorted(fields))}"
             )
+    unused = sorted(k for k, v in common.items() if k not in fields and v not in (None, False))
+    if unused:
+        log.info("%s does not use the run settings %s", cfg_cls.__name__, ", ".join(
+            f"{k}={common[k]!r}" for k in unused))
     values = {k: v for k, v in common.items() if k in fields}
     values.update(params)
     try:
@@ -92,12 +102,10 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
     return OmegaConf.to_object(merged)
 
 
-def build_backend(name: str, common: Mapping[str, Any], params: Mapping[str, Any], dp_group: Any = None) -> PolicyBackend:
-    """Construct the backend ``name``. ``dp_group``: data-parallel process group (None for
-    one process); the backend SUM-reduces gradients over it because the trainer's loss is
-    already divided by a global (all-ranks) denominator."""
+def build_backend(name: str, common: Mapping[str, Any], params: Mapping[str, Any]) -> Policy:
+    """Construct the policy ``name``; it builds its parallel layout (``policy.groups``)."""
     cls, cfg_cls = resolve_backend(name)
-    backend = cls(backend_config(cfg_cls, common, params), dp_group=dp_group)
-    if not isinstance(backend, PolicyBackend):
-        raise TypeError(f"backend {name!r} built a {type(backend).__name__}, not a PolicyBackend")
-    return backend
+    policy = cls(backend_config(cfg_cls, common, params))
+    if not isinstance(policy, Policy):
+        raise TypeError(f"backend {name!r} built a {type(policy).__name__}, not a nemo_d3s.backends.base.Policy")
+    return policy

@@ -1,23 +1,29 @@
-"""Config -> objects: the selector, the loss config, the backend, the generation config.
+"""Config -> objects: the policy (which builds the parallel layout), its rollout engine,
+the selector, the loss config, the generation config.
 
-Kept apart from the loop so a notebook can build the same pieces (``build_selector(cfg)``)
-without running anything. ``cfg`` is a resolved :class:`nemo_d3s.config.TrainConfig`
-(DictConfig or dataclass).
+Kept apart from the loop so a notebook can build the same pieces (``build_selector(cfg,
+groups)``) without running anything. ``cfg`` is a resolved
+:class:`nemo_d3s.config.TrainConfig` (DictConfig or dataclass).
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict
 
-from nemo_d3s.backends.base import GenerationConfig, PolicyBackend
+from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
+from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
 from nemo_d3s.config import ConfigError
-from nemo_d3s.core.d3s import D3SConfig, D3SSelector
+from nemo_d3s.core.d3s import D3SConfig
 from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.core.schedules import DynamicSchedule
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.backend_registry import build_backend
-from nemo_d3s.trainer.dist import DPInfo
 
-__all__ = ["plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_from_config"]
+__all__ = [
+    "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_from_config",
+    "rollout_engine",
+]
 
 
 def plain(x: Any) -> Any:
@@ -53,30 +59,11 @@ def d3s_config(cfg: Any) -> D3SConfig:
     )
 
 
-def needs_global_selection(d3s: D3SConfig) -> bool:
-    """Whether the selection of one rank depends on the other ranks' rollouts: the pooled
-    cross-group rule, the token top-K over the whole batch, and "random" (its draws depend
-    on positions in the global batch). Per-group and per-row rules are exact locally."""
-    return d3s.sample_rule in ("d3s_cross", "random") or d3s.token_scope == "batch"
-
-
-def build_selector(cfg: Any, dp: DPInfo) -> Any:
-    """D3SSelector for one process; under torchrun the DP-global DistributedD3SSelector, so
-    cross-group selection and the token top-K threshold span all ranks (a 2-rank run then
-    selects what a 1-rank run selects on the same global batch)."""
-    d3s = d3s_config(cfg)
-    if not dp.distributed:
-        return D3SSelector(d3s)
-    try:
-        from nemo_d3s.distributed.selector import DistributedD3SSelector
-    except ImportError:
-        if needs_global_selection(d3s):
-            raise ConfigError(
-                f"d3s.sample_rule={d3s.sample_rule!r} / d3s.token_scope={d3s.token_scope!r} need the "
-                "DP-global selector (nemo_d3s.distributed.DistributedD3SSelector), which is not available"
-            ) from None
-        return D3SSelector(d3s)  # per-group / per-row rules: the local result is the global one
-    return DistributedD3SSelector(d3s, dp.group, batch_scope=cfg.d3s.dp_batch_scope)
+def build_selector(cfg: Any, groups: ParallelGroups) -> DistributedD3SSelector:
+    """The DP-global selector over ``groups.dp`` (with one process its collectives are the
+    identity), so cross-group selection and the token top-K threshold span all ranks and a
+    2-rank run selects what a 1-rank run selects on the same global batch."""
+    return DistributedD3SSelector(d3s_config(cfg), groups.dp, batch_scope=cfg.d3s.dp_batch_scope, device=groups.device)
 
 
 def loss_config(cfg: Any) -> LossConfig:
@@ -87,6 +74,9 @@ def loss_config(cfg: Any) -> LossConfig:
         dual_clip_c=None if a.dual_clip_c is None else float(a.dual_clip_c),
         kl_coef=float(a.kl_coef),
         aggregation=a.aggregation,
+        # The trainer checks the step's tensors once (trainer.step) instead of in every
+        # micro-batch, where each check would wait for the device.
+        check_inputs=False,
     )
 
 
@@ -98,9 +88,9 @@ def generation_config(cfg: Any) -> GenerationConfig:
     )
 
 
-def backend_from_config(cfg: Any, dp: DPInfo) -> PolicyBackend:
-    """The policy backend named by ``model.backend``; common settings come from the run
-    config, backend-specific ones from ``model.params``."""
+def backend_from_config(cfg: Any) -> Policy:
+    """The policy named by ``model.backend``; it builds the parallel layout (``policy.groups``).
+    Common settings come from the run config, backend-specific ones from ``model.params``."""
     t = cfg.trainer
     common = {
         "model": cfg.model.name,
@@ -116,8 +106,23 @@ def backend_from_config(cfg: Any, dp: DPInfo) -> PolicyBackend:
         "total_steps": int(t.steps) * int(t.num_mini_batches),
         "use_reference": float(cfg.algorithm.kl_coef) > 0,
         "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
+        "dist_timeout_minutes": _optional_float(getattr(t, "dist_timeout_minutes", None)),
     }
     try:
-        return build_backend(cfg.model.backend, common, plain(cfg.model.params) or {}, dp.group)
+        return build_backend(cfg.model.backend, common, plain(cfg.model.params) or {})
     except ValueError as e:  # unknown backend / model.params key / bad backend option
         raise ConfigError(f"model: {e}") from None
+
+
+def _optional_float(v: Any):
+    return None if v is None else float(v)
+
+
+def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
+    """The policy's engine, wrapped once when it cannot take one seed per prompt:
+    ``trainer.generate_per_prompt`` picks one call per prompt (layout-independent samples)
+    or one batched call per rank (faster; see ``backends.wrappers``)."""
+    engine = policy.rollout_engine
+    if engine.prompt_seeds:
+        return engine
+    return PerPromptCalls(engine) if bool(cfg.trainer.generate_per_prompt) else OneSeedPerCall(engine)

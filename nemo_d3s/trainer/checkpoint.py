@@ -32,8 +32,8 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from nemo_d3s.backends.base import PolicyBackend
-from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.backends.base import Policy as PolicyBackend
+from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["TrainerState", "CheckpointManager", "latest_checkpoint", "capture_rng", "restore_rng"]
 
@@ -92,7 +92,7 @@ def latest_checkpoint(ckpt_root: str | os.PathLike) -> Optional[Path]:
 
 
 class CheckpointManager:
-    def __init__(self, output_dir: str, dp: DPInfo, keep_last: int) -> None:
+    def __init__(self, output_dir: str, dp: ParallelGroups, keep_last: int) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.dp = dp
         self.keep_last = keep_last

@@ -10,18 +10,18 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List
 
-from nemo_d3s.backends.base import GenerationConfig, PolicyBackend
-from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.backends.base import GenerationConfig, RolloutEngine
+from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter
 
 __all__ = ["evaluate"]
 
 
 def evaluate(
-    backend: PolicyBackend,
+    engine: RolloutEngine,
     task: TaskAdapter,
     problems: List[Any],
-    dp: DPInfo,
+    groups: ParallelGroups,
     *,
     max_new_tokens: int,
     batch_size: int,
@@ -31,13 +31,13 @@ def evaluate(
     time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward)."""
     t0 = time.perf_counter()
     n = len(problems)
-    lo, hi = dp.rank * n // dp.world_size, (dp.rank + 1) * n // dp.world_size
+    lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size
     mine = problems[lo:hi]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     total, errors, length, shown = 0.0, 0, 0.0, []
     for start in range(0, len(mine), batch_size):
         chunk = mine[start : start + batch_size]
-        ro = backend.generate([task.prompt_text(p) for p in chunk], 1, gen, seed=0)
+        ro = engine.generate([task.prompt_text(p) for p in chunk], 1, gen, [0] * len(chunk))
         length += float(ro.batch.response_mask.sum())
         for p, text in zip(chunk, ro.response_texts):
             r, failed = task.reward_one(p, text)
@@ -45,7 +45,7 @@ def evaluate(
             errors += failed
             if len(shown) < n_show:
                 shown.append({"prompt": task.prompt_text(p), "completion": text, "reward": r})
-    s = dp.sum({"reward": total, "errors": float(errors), "length": length, "n": float(len(mine))})
+    s = groups.sum({"reward": total, "errors": float(errors), "length": length, "n": float(len(mine))})
     return {
         "eval_reward_mean": s["reward"] / max(s["n"], 1.0),
         "eval_n": int(s["n"]),

@@ -30,11 +30,17 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from nemo_d3s.config import ConfigError, validate
-from nemo_d3s.trainer.build import backend_from_config, build_selector, generation_config, loss_config, plain
+from nemo_d3s.config import ConfigError, validate, validate_layout
+from nemo_d3s.trainer.build import (
+    backend_from_config,
+    build_selector,
+    generation_config,
+    loss_config,
+    plain,
+    rollout_engine,
+)
 from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, latest_checkpoint
 from nemo_d3s.trainer.data import PromptSource
-from nemo_d3s.trainer.dist import DPInfo, init_distributed
 from nemo_d3s.trainer.evaluate import evaluate
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.step import StepContext, run_step
@@ -51,31 +57,27 @@ class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
     :class:`nemo_d3s.config.TrainConfig`."""
 
-    def __init__(self, cfg: Any, dp: Optional[DPInfo] = None) -> None:
-        self.dp = dp or init_distributed(cfg.model.device)
-        validate(cfg, self.dp.world_size)
+    def __init__(self, cfg: Any) -> None:
+        validate(cfg)  # everything that does not need the parallel layout, before any model load
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)
         self._stop_signal: Optional[str] = None
-        # Rank 0 speaks for the job; other ranks only report problems.
-        logging.getLogger("nemo_d3s").setLevel(cfg.logging.level if self.dp.is_main else "WARNING")
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed % 2**32)
-        torch.manual_seed(cfg.seed)
-
+        # The policy builds the parallel layout (HF: the torchrun world; Megatron: its
+        # model-parallel groups); the config is then checked against the real DP size.
+        self.policy = backend_from_config(cfg)
+        self.groups = self.policy.groups
+        validate_layout(cfg, self.groups.dp_size)
         self.task = TaskAdapter(build_task(cfg.task.name, plain(cfg.task.params) or {}))
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
-        self.backend = backend_from_config(cfg, self.dp)
-        # A model-parallel backend (Megatron) owns the parallel layout: its DP group, not the
-        # world, decides which prompts a rank gets and what the selections reduce over.
-        self.dp = self.dp.with_group(getattr(self.backend, "data_parallel_group", None))
-        self.ckpt = CheckpointManager(str(self.out), self.dp, int(self.t.keep_last))
+        self.engine = rollout_engine(self.policy, cfg)
+        self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
         self.ctx = StepContext(
-            backend=self.backend,
-            selector=build_selector(cfg, self.dp),
+            policy=self.policy,
+            engine=self.engine,
+            selector=build_selector(cfg, self.groups),
             task=self.task,
-            prompts=PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.dp),
+            prompts=PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups),
             gen=generation_config(cfg),
             num_generations=int(self.t.num_generations),
             loss_name=cfg.algorithm.loss,
@@ -83,9 +85,9 @@ class Trainer:
             num_mini_batches=int(self.t.num_mini_batches),
             micro_batch_size=int(self.t.micro_batch_size),
             logprob_micro_batch_size=int(self.t.logprob_micro_batch_size),
-            dp=self.dp,
-            generate_per_prompt=bool(self.t.generate_per_prompt),
+            groups=self.groups,
             normalize_by=str(cfg.algorithm.normalize_by),
+            rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -102,15 +104,15 @@ class Trainer:
         if latest is None:
             log.info("resume=true but no checkpoint in %s; starting from step 0", self.out / "checkpoints")
             return self._start_state_fresh()
-        state = self.ckpt.load(latest, self.backend)
-        if self.dp.is_main:
+        state = self.ckpt.load(latest, self.policy)
+        if self.groups.is_main:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, state.step)
         log.info("resumed from %s (step %d)", latest, state.step)
         return state
 
     def _start_state_fresh(self) -> TrainerState:
-        if self.dp.is_main:
+        if self.groups.is_main:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, -1)
         return TrainerState()
@@ -139,7 +141,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def _evaluate(self, state: TrainerState) -> Dict[str, Any]:
         res = evaluate(
-            self.backend, self.task, self.eval_problems, self.dp,
+            self.engine, self.task, self.eval_problems, self.groups,
             max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
             batch_size=int(self.t.eval_batch_size), n_show=int(self.cfg.logging.log_samples),
         )
@@ -164,12 +166,12 @@ class Trainer:
     def run(self) -> TrainerState:
         self.out.mkdir(parents=True, exist_ok=True)
         state = self._start_state()  # first: it refuses to overwrite another run's directory
-        if self.dp.is_main:
+        if self.groups.is_main:
             self._write_config()
-        self.dp.barrier()
+        self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
-            str(self.out), enabled=self.dp.is_main, tensorboard=bool(self.cfg.logging.tensorboard),
+            str(self.out), enabled=self.groups.is_main, tensorboard=bool(self.cfg.logging.tensorboard),
             progress_bar=bool(self.cfg.logging.progress_bar), total_steps=T, start_step=state.step,
         )
         previous_handlers = self._install_signal_handlers()
@@ -193,9 +195,9 @@ class Trainer:
                 done = state.step == T
                 if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
                     self._evaluate(state)
-                stop = self.dp.max(1.0 if self._stop_signal else 0.0) > 0
+                stop = self.groups.max(1.0 if self._stop_signal else 0.0) > 0
                 if done or stop or (self.t.save_every and state.step % self.t.save_every == 0):
-                    path = self.ckpt.save(self.backend, state)
+                    path = self.ckpt.save(self.policy, state)
                     if stop and not done:
                         self.logger.write(
                             f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
@@ -229,13 +231,13 @@ class Trainer:
         }
 
     def _export(self) -> None:
-        # A sharded backend sets collective_export = True and gathers inside save_pretrained.
-        if self.dp.is_main or getattr(self.backend, "collective_export", False):
-            self.backend.save_pretrained(str(self.out / "hf_export"))
-        self.dp.barrier()
+        # A sharded policy sets collective_export = True and gathers inside save_pretrained.
+        if self.groups.is_main or self.policy.collective_export:
+            self.policy.save_pretrained(str(self.out / "hf_export"))
+        self.groups.barrier()
 
     def _summary(self, state: TrainerState) -> None:
-        if not self.dp.is_main:
+        if not self.groups.is_main:
             return
         from nemo_d3s.trainer.metrics import read_jsonl
 
@@ -261,10 +263,22 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def seed_everything(seed: int) -> None:
+    """Python, numpy and torch global RNGs (a tiny random model's initial weights come from
+    torch's). Process-wide state: set by :func:`train`, not by the Trainer constructor."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def train(cfg: Any) -> TrainerState:
-    """Run training for a resolved config; tears down the process group it created."""
+    """Run training for a resolved config: seed the process, build the Trainer, run it, and
+    tear down the process group the policy created. Rank 0 speaks for the job; other ranks
+    log warnings only."""
+    seed_everything(int(cfg.seed))
     trainer = Trainer(cfg)
+    logging.getLogger("nemo_d3s").setLevel(cfg.logging.level if trainer.groups.is_main else "WARNING")
     try:
         return trainer.run()
     finally:
-        trainer.dp.shutdown()
+        trainer.groups.shutdown()

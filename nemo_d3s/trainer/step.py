@@ -16,10 +16,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator
 
-from nemo_d3s.backends.base import GenerationConfig, PolicyBackend
+from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
+from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource, generate_groups
-from nemo_d3s.trainer.dist import DPInfo
 from nemo_d3s.trainer.stats import rollout_metrics, selection_metrics, token_metrics, update_metrics
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
@@ -31,8 +33,9 @@ __all__ = ["StepContext", "run_step"]
 class StepContext:
     """Everything a step needs; built once by the loop."""
 
-    backend: PolicyBackend
-    selector: Any  # D3SSelector or DistributedD3SSelector (same methods)
+    policy: Policy
+    engine: RolloutEngine
+    selector: DistributedD3SSelector
     task: TaskAdapter
     prompts: PromptSource
     gen: GenerationConfig
@@ -42,9 +45,9 @@ class StepContext:
     num_mini_batches: int
     micro_batch_size: int
     logprob_micro_batch_size: int
-    dp: DPInfo
-    generate_per_prompt: bool = True
+    groups: ParallelGroups
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
+    rebalance: bool = False  # trainer.dp_rebalance
     timings: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager
@@ -54,6 +57,16 @@ class StepContext:
         self.timings[f"time_{name}"] = time.perf_counter() - t0
 
 
+def _check_step_inputs(upd) -> None:
+    """The loss's data checks, once per step on the CPU (the loss itself runs with
+    ``LossConfig.check_inputs=False``, so its micro-batch loop never syncs the device)."""
+    check_finite("advantages (of the kept samples)", upd.advantages)
+    for name in ("old_logprobs", "ref_logprobs"):
+        t = getattr(upd, name)
+        if t is not None:
+            check_finite(f"{name} (on the selected tokens)", t, upd.token_keep)
+
+
 def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     """Train on the prompts of ``step`` (0-based) at schedule position ``progress`` in [0, 1].
     Returns global (all-rank) metrics; ``skipped`` = 1 when no update was possible."""
@@ -61,43 +74,47 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     G = ctx.num_generations
     prompts = ctx.prompts.for_step(step)
     with ctx.timed("rollout"):
-        ro = generate_groups(ctx.backend, prompts, G, ctx.gen, ctx.generate_per_prompt)
+        ro = generate_groups(ctx.engine, prompts, G, ctx.gen)
     with ctx.timed("reward"):
         rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
-    m = rollout_metrics(ctx.dp, rewards, group_ids, ro, n_errors)
 
     stage = ctx.selector.select_samples(rewards, group_ids, progress)
-    m.update(selection_metrics(ctx.dp, stage))
-    if m["n_informative_groups"] == 0:  # every group all-equal: nothing to learn from
+    m = rollout_metrics(ctx.groups, stage, ro, n_errors)
+    m.update(selection_metrics(stage))
+    if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
 
     kept = ro.batch.select(stage.kept_rows)
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
     if ctx.selector.needs_entropy or ctx.num_mini_batches > 1:
         with ctx.timed("logprob"):
-            old_lp, entropy = ctx.backend.compute_logprobs(
+            scores = ctx.policy.score(
                 kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size
             )
+        old_lp, entropy = scores.logprobs, scores.entropy
     tok = ctx.selector.select_tokens(stage, entropy, kept.response_mask, progress)
+    m.update(token_metrics(ctx.groups, tok, kept, scored=old_lp is not None))
+    if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
+        return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
     upd = compact(
         kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch, num_mini_batches=ctx.num_mini_batches,
         aggregation=ctx.loss_cfg.aggregation, normalize_by=ctx.normalize_by,
     )
-    m.update(token_metrics(ctx.dp, tok, kept, entropy, scored=old_lp is not None))
-    if ctx.dp.sum({"n": float(upd.token_keep.sum())})["n"] == 0:
-        return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):
-            upd.ref_logprobs, _ = ctx.backend.compute_logprobs(
+            upd.ref_logprobs = ctx.policy.score(
                 upd.batch, with_entropy=False, reference=True, micro_batch_size=ctx.logprob_micro_batch_size
-            )
+            ).logprobs
+    _check_step_inputs(upd)
     with ctx.timed("update"):
         report = update_policy(
-            ctx.backend, upd, loss_name=ctx.loss_name, loss_cfg=ctx.loss_cfg,
+            ctx.policy, upd, loss_name=ctx.loss_name, loss_cfg=ctx.loss_cfg,
             num_mini_batches=ctx.num_mini_batches, micro_batch_size=ctx.micro_batch_size,
-            dp=ctx.dp, fallback=ro.batch,
+            groups=ctx.groups, rebalance=ctx.rebalance,
         )
-    m.update(update_metrics(ctx.dp, upd, report))
+    with ctx.timed("weight_sync"):
+        ctx.engine.sync_weights(ctx.policy)
+    m.update(update_metrics(ctx.groups, upd, report))
     return {**m, "skipped": 0.0, **ctx.timings}

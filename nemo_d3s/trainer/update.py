@@ -6,10 +6,19 @@ beyond it is switched off and the batch is truncated to the longest remaining ro
 the backward pass processes only what can carry a gradient. ``update_tokens`` is the sum
 of the attention mask over the compacted batch: the tokens the update actually runs.
 
-Normalisation (why): each loss is a SUM divided by a denominator counted once per
-optimizer step over the whole mini-batch on ALL data-parallel ranks (``loss_denominator``
-+ all-reduce). Micro-batch and rank contributions then add up to the full-batch loss, so
-the gradient does not depend on micro-batch size or on the number of ranks.
+Normalisation (why): the loss callback returns SUMS; the denominator D of a mini-batch is
+counted once per optimizer step over ALL data-parallel ranks (each rank's share, counted
+before compaction, summed with one all-reduce) and handed to ``policy.train_step``, which
+applies the step normaliser (``distributed.StepNormalizer``). Micro-batch and rank
+contributions then add up to the full-batch loss, so the gradient does not depend on
+micro-batch size or on the number of ranks.
+
+Load balance (why): cross-group selection can leave one rank with most of the kept rows
+and another with none, and the step waits for the most loaded rank. With ``rebalance``
+(on by default under data parallelism) each mini-batch's rows are redistributed over the
+DP ranks by longest-first bin packing on their token counts (``distributed.rebalance``)
+before the update; a rank left without a row gets a zero-weight copy. A row's loss does not
+depend on the rank that computes it, so the step is the same up to summation order.
 """
 
 from __future__ import annotations
@@ -19,12 +28,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from nemo_d3s.backends.base import PolicyBackend, TokenBatch
+from nemo_d3s.backends.base import Policy, TokenBatch
+from nemo_d3s.core.loss_config import LossOutput
 from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
-from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.distributed.rebalance import apply_rebalance, plan_rebalance
 
-__all__ = ["UpdateBatch", "compact", "make_loss_fn", "minibatch_denominators", "update_policy"]
+__all__ = ["UpdateBatch", "compact", "make_loss_fn", "minibatch_denominators", "rebalance_rows", "update_policy"]
 
 
 @dataclass
@@ -39,8 +50,9 @@ class UpdateBatch:
     token_keep    [U, S_u] bool (the loss mask)
     minibatch     [U] long: mini-batch id of each row
     ref_logprobs  [U, S_u] f32 or None (KL to the frozen reference)
-    denominators  [num_mini_batches] f32: this rank's share of each mini-batch's loss
-                  denominator, counted BEFORE compaction (see ``minibatch_denominators``)
+    denominators  [num_mini_batches] f64: this rank's share of each mini-batch's loss
+                  denominator, counted BEFORE compaction (see ``minibatch_denominators``);
+                  ``compact`` fills it, and ``update_policy`` requires it
     norm_mask     [U, S_u] bool or None: the tokens seq_mean_token_mean normalises each row
                   by when that is not the kept tokens (``normalize_by=eligible``)
     """
@@ -56,6 +68,22 @@ class UpdateBatch:
 
     def __len__(self) -> int:
         return len(self.batch)
+
+    def select(self, rows: torch.Tensor) -> "UpdateBatch":
+        """The rows ``rows`` [m] long, cut to their longest attended row (``denominators``
+        stay those of the whole batch)."""
+        sub = self.batch.select(rows)
+        width = int(sub.attention_mask.any(0).nonzero().max()) + 1 if rows.numel() else 0
+        return UpdateBatch(
+            batch=sub.truncate(width),
+            old_logprobs=None if self.old_logprobs is None else self.old_logprobs[rows, :width],
+            advantages=self.advantages[rows],
+            token_keep=self.token_keep[rows, :width],
+            minibatch=self.minibatch[rows],
+            ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows, :width],
+            denominators=self.denominators,
+            norm_mask=None if self.norm_mask is None else self.norm_mask[rows, :width],
+        )
 
 
 def minibatch_denominators(
@@ -126,108 +154,131 @@ def compact(
     )
 
 
-def make_loss_fn(
-    loss_name: str,
-    loss_cfg: LossConfig,
-    upd: UpdateBatch,
-    rows: torch.Tensor,
-    denominator: float,
-    sink: List[Dict[str, float]],
-):
-    """The ``LossFn`` handed to ``backend.train_step`` for one mini-batch.
+def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
+    """The ``LossFn`` handed to ``policy.train_step`` for one mini-batch ``upd``.
 
-    ``rows`` [M] maps the mini-batch's rows to ``upd``; the backend calls the closure with
-    (logprobs [b, s] with grad, idx [b] into the mini-batch). Loss metrics (sums) go to ``sink``.
+    The policy calls it with (logprobs [b, s] with grad, idx [b] into ``upd``'s rows) and
+    gets the LossOutput of the core loss with ``denominator=1``: the micro-batch's loss SUM
+    and its detached metric sums (no host sync; the policy applies the step normaliser).
     """
     loss = POLICY_LOSSES.get(loss_name)
 
-    def loss_fn(logprobs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        r = rows[idx.to(rows.device)]
+    def loss_fn(logprobs: torch.Tensor, idx: torch.Tensor) -> LossOutput:
+        r = idx.to(upd.advantages.device)
         s = logprobs.shape[1]
-        ref = None if upd.ref_logprobs is None else upd.ref_logprobs[r, :s].to(logprobs.device)
-        old = logprobs.detach() if upd.old_logprobs is None else upd.old_logprobs[r, :s].to(logprobs.device)
-        out = loss(
+        dev = logprobs.device
+        ref = None if upd.ref_logprobs is None else upd.ref_logprobs[r, :s].to(dev)
+        old = logprobs.detach() if upd.old_logprobs is None else upd.old_logprobs[r, :s].to(dev)
+        return loss(
             logprobs,
             old,
-            upd.advantages[r].to(logprobs.device),
-            upd.token_keep[r, :s].to(logprobs.device),
+            upd.advantages[r].to(dev),
+            upd.token_keep[r, :s].to(dev),
             cfg=loss_cfg,
-            denominator=denominator,
+            denominator=1.0,
             ref_logprobs=ref,
-            norm_mask=None if upd.norm_mask is None else upd.norm_mask[r, :s].to(logprobs.device),
+            norm_mask=None if upd.norm_mask is None else upd.norm_mask[r, :s].to(dev),
         )
-        sink.append({"loss": float(out.loss.detach()), **{k: float(v) for k, v in out.metrics.items()}})
-        return out.loss
 
     return loss_fn
 
 
-def _stub(like: TokenBatch, with_ref: bool) -> UpdateBatch:
-    """A one-row, two-token stand-in with nothing to learn, for a rank whose share of a
-    mini-batch is empty while other ranks' is not: the backend's gradient all-reduce is a
-    collective, so every rank must run ``train_step``. Its loss mask is all False, so it
-    adds exactly zero to the loss and the gradient."""
-    b = like.select(torch.tensor([0])).truncate(min(2, like.input_ids.shape[1]))
-    none = torch.zeros_like(b.response_mask)
-    return UpdateBatch(
-        batch=TokenBatch(b.input_ids, b.attention_mask, none),
-        old_logprobs=torch.zeros(none.shape),
-        advantages=torch.zeros(1),
-        token_keep=none,
-        minibatch=torch.zeros(1, dtype=torch.long),
-        ref_logprobs=torch.zeros(none.shape) if with_ref else None,
+def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch.Tensor]:
+    if t is None or t.shape[1] == width:
+        return t
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+
+def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatch, Dict[str, float]]:
+    """Redistribute ``upd``'s rows (one mini-batch on this rank) over ``groups.dp`` so every
+    rank runs about the same number of attended tokens. Returns this rank's new rows and
+    {"dp_imbalance_before", "dp_imbalance_after"} (max/mean tokens per rank, identical on all
+    ranks). A rank that would be empty while others are not gets a zero-weight copy of one
+    row (its loss mask zeroed), so it contributes exactly nothing.
+
+    Collectives on ``groups.dp``: one all-reduce (the common width), the plan's two
+    all-gathers, one all-gather of the tensors' metadata and one all_to_all of the rows.
+    """
+    width = int(groups.max(float(upd.batch.input_ids.shape[1])))
+    dev = groups.device
+    tokens = upd.batch.attention_mask.sum(1).long()
+    plan = plan_rebalance(tokens.to(dev), None, groups.dp)
+    stats = {"dp_imbalance_before": plan.imbalance_before, "dp_imbalance_after": plan.imbalance_after}
+    tensors = {
+        "input_ids": _pad_width(upd.batch.input_ids, width),
+        "attention_mask": _pad_width(upd.batch.attention_mask, width, False),
+        "response_mask": _pad_width(upd.batch.response_mask, width, False),
+        "token_keep": _pad_width(upd.token_keep, width, False),
+        "advantages": upd.advantages.to(torch.float32),
+        "minibatch": upd.minibatch,
+    }
+    for name in ("old_logprobs", "ref_logprobs", "norm_mask"):
+        t = getattr(upd, name)
+        if t is not None:
+            tensors[name] = _pad_width(t, width, False if t.dtype == torch.bool else 0)
+    moved = apply_rebalance(plan, {k: v.to(dev) for k, v in tensors.items()}, groups.dp, zero_on_pad=["token_keep"])
+    t = {k: v.cpu() for k, v in moved.tensors.items()}
+    out = UpdateBatch(
+        batch=TokenBatch(t["input_ids"], t["attention_mask"], t["response_mask"]),
+        old_logprobs=t.get("old_logprobs"),
+        advantages=t["advantages"].to(upd.advantages.dtype),
+        token_keep=t["token_keep"],
+        minibatch=t["minibatch"],
+        ref_logprobs=t.get("ref_logprobs"),
+        denominators=upd.denominators,
+        norm_mask=t.get("norm_mask"),
     )
+    return (out.select(torch.arange(len(out))) if len(out) else out), stats
 
 
 def update_policy(
-    backend: PolicyBackend,
+    policy: Policy,
     upd: UpdateBatch,
     *,
     loss_name: str,
     loss_cfg: LossConfig,
     num_mini_batches: int,
     micro_batch_size: int,
-    dp: DPInfo,
-    fallback: TokenBatch,
+    groups: ParallelGroups,
+    rebalance: bool = False,
 ) -> Dict[str, float]:
-    """One optimizer step per non-empty mini-batch (globally). Returns this rank's summed
-    loss metrics, the sum of the backend's ``grad_norm`` reports (identical on all ranks),
-    the last ``lr``, ``update_tokens_local`` (attention sum of this rank's compacted rows)
-    and ``dp_stub_rows`` (stand-in rows run to keep the gradient collective in step).
+    """One optimizer step per mini-batch that holds a kept token on some rank.
 
-    ``fallback`` is any real batch row source for the empty-rank stand-in.
-    Collectives: 2 small all-reduces per mini-batch (+ the backend's gradient reduction).
+    Returns this rank's summed loss metrics (``loss``, ``pg_loss``, ``kl_loss`` already
+    divided by their mini-batch's global denominator, so their sum over ranks is the loss
+    of the step), the sum of the policy's ``grad_norm`` reports (identical on all ranks), the
+    last ``lr``, ``update_tokens_local`` (attention sum of the rows this rank ran) and, with
+    ``rebalance``, the mean ``dp_imbalance_before/after`` over the mini-batches.
+    Collectives: one small all-reduce per mini-batch (+ rebalancing + the policy's own).
     """
-    totals: Dict[str, float] = {"optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0}
-    sink: List[Dict[str, float]] = []
-    tokens, stubs = 0.0, 0
-    shares = upd.denominators
-    if shares is None:  # built by hand, not by compact(): count on the rows as they are
-        shares = minibatch_denominators(upd.token_keep, upd.minibatch, num_mini_batches, loss_cfg.aggregation)
+    if upd.denominators is None:
+        raise ValueError("UpdateBatch.denominators is missing: build the batch with compact()")
+    totals: Dict[str, float] = {"optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0, "update_tokens_local": 0.0}
+    imbalance: Dict[str, float] = {}
     for mb in range(num_mini_batches):
         rows = (upd.minibatch == mb).nonzero().flatten()
-        local = {"denominator": float(shares[mb]), "rows": float(rows.numel())}
-        glob = dp.sum(local)
-        if glob["rows"] == 0 or glob["denominator"] == 0:
+        denominator = groups.sum({"d": float(upd.denominators[mb])})["d"]
+        if denominator == 0:
             continue  # nothing kept in this mini-batch on any rank: no optimizer step
-        if rows.numel():
-            sub = upd.batch.select(rows)
-            sub = sub.truncate(int(sub.attention_mask.any(0).nonzero().max()) + 1)
-            loss_fn = make_loss_fn(loss_name, loss_cfg, upd, rows, glob["denominator"], sink)
-            tokens += float(sub.attention_mask.sum())
-        else:
-            stub = _stub(fallback, with_ref=upd.ref_logprobs is not None)
-            sub = stub.batch
-            # Its (all-zero) metrics go to the sink too, so every rank reports the same keys.
-            loss_fn = make_loss_fn(loss_name, loss_cfg, stub, torch.tensor([0]), glob["denominator"], sink)
-            stubs += 1  # not counted in update_tokens: it only keeps the collective in step
-        report = backend.train_step(sub, loss_fn, micro_batch_size)
+        sub = upd.select(rows)
+        if rebalance:
+            sub, stats = rebalance_rows(sub, groups)
+            for k, v in stats.items():
+                imbalance[k] = imbalance.get(k, 0.0) + v
+        report = policy.train_step(
+            sub.batch, make_loss_fn(loss_name, loss_cfg, sub), micro_batch_size, denominator=denominator
+        )
         totals["optimizer_steps"] += 1
         totals["grad_norm"] += float(report.get("grad_norm", 0.0))
         totals["lr"] = float(report.get("lr", 0.0))
-    for m in sink:
-        for k, v in m.items():
-            totals[k] = totals.get(k, 0.0) + v
-    totals["update_tokens_local"] = tokens
-    totals["dp_stub_rows"] = float(stubs)
+        totals["update_tokens_local"] += float(sub.batch.attention_mask[sub.token_keep.any(1)].sum()) if len(sub) else 0.0
+        for k, v in report.items():
+            if k not in ("grad_norm", "lr", "skipped", "n_micro_batches"):
+                name = "loss" if k == "loss_sum" else k
+                # loss and its two parts are divided by this mini-batch's global denominator
+                scale = 1.0 / denominator if name in ("loss", "pg_loss", "kl_loss") else 1.0
+                totals[name] = totals.get(name, 0.0) + v * scale
+    steps = max(totals["optimizer_steps"], 1.0)
+    for k, v in imbalance.items():
+        totals[k] = v / steps
     return totals

@@ -140,7 +140,7 @@ def test_reference_model_is_a_frozen_copy():
     before, _ = b.compute_logprobs(r.batch, with_entropy=False)
     ref, ref_ent = b.compute_logprobs(r.batch, with_entropy=True, reference=True)
     assert ref_ent is None and torch.equal(ref, before)
-    b.train_step(r.batch, lambda lp, rows: -lp.sum() / 100, micro_batch_size=4)
+    b.train_step(r.batch, lambda lp, rows: -lp.sum(), micro_batch_size=4, denominator=100.0)
     after, _ = b.compute_logprobs(r.batch, with_entropy=False)
     ref_after, _ = b.compute_logprobs(r.batch, with_entropy=False, reference=True)
     assert not torch.allclose(after, before) and torch.equal(ref_after, ref)
@@ -153,14 +153,19 @@ def fixed_batch(b: HFBackend, n=4, seed=0) -> TokenBatch:
 
 
 def grpo_like_loss(batch: TokenBatch, advantages: torch.Tensor):
-    """Sum of -A * logprob over response tokens / the GLOBAL token count (as the trainer does)."""
-    denom = float(batch.response_mask.sum())
+    """Sum of -A * logprob over response tokens (the loss contract: a SUM; the backend
+    divides by the step's global denominator, here ``D(batch)``)."""
 
     def loss_fn(lp, rows):
         mask = batch.response_mask[rows].to(lp.device)
-        return -(advantages[rows, None] * lp * mask).sum() / denom
+        return -(advantages[rows, None] * lp * mask).sum()
 
     return loss_fn
+
+
+def D(batch: TokenBatch) -> float:
+    """The global token count of a one-process step (the trainer's token_mean denominator)."""
+    return float(batch.response_mask.sum())
 
 
 def grads(b: HFBackend):
@@ -171,13 +176,13 @@ def test_microbatch_size_does_not_change_gradients_or_update():
     b1, b4 = make_backend(), make_backend()
     batch = fixed_batch(b1)
     loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -0.5, 2.0, -1.5]))
-    b1.accumulate_gradients(batch, loss_fn, micro_batch_size=1)
-    b4.accumulate_gradients(batch, loss_fn, micro_batch_size=4)
+    b1.accumulate_gradients(batch, loss_fn, micro_batch_size=1, denominator=D(batch))
+    b4.accumulate_gradients(batch, loss_fn, micro_batch_size=4, denominator=D(batch))
     for g1, g4 in zip(grads(b1), grads(b4)):
         assert torch.allclose(g1, g4, atol=1e-6, rtol=1e-4)
     b1.optimizer.zero_grad(), b4.optimizer.zero_grad()
-    m1 = b1.train_step(batch, loss_fn, micro_batch_size=1)
-    m4 = b4.train_step(batch, loss_fn, micro_batch_size=3)
+    m1 = b1.train_step(batch, loss_fn, micro_batch_size=1, denominator=D(batch))
+    m4 = b4.train_step(batch, loss_fn, micro_batch_size=3, denominator=D(batch))
     assert m1["grad_norm"] == pytest.approx(m4["grad_norm"], rel=1e-5) and m1["grad_norm"] > 0
     assert m1["n_micro_batches"] == 4 and m4["n_micro_batches"] == 2
     # Adam's first step moves each weight by about lr * g / (|g| + eps): for gradients near
@@ -192,8 +197,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert getattr(ckpt.model, flag) and not getattr(plain.model, flag)
     batch = fixed_batch(plain)
     loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -1.0, 0.5, 0.0]))
-    plain.accumulate_gradients(batch, loss_fn, 2)
-    ckpt.accumulate_gradients(batch, loss_fn, 2)
+    plain.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch))
+    ckpt.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch))
     for a, c in zip(grads(plain), grads(ckpt)):
         assert torch.allclose(a, c, atol=1e-6, rtol=1e-4)
 
@@ -204,18 +209,18 @@ def test_train_step_raises_logprob_of_rewarded_response():
     loss_fn = grpo_like_loss(batch, torch.ones(4))
     before, _ = b.compute_logprobs(batch, with_entropy=False)
     for _ in range(3):
-        m = b.train_step(batch, loss_fn, micro_batch_size=2)
+        m = b.train_step(batch, loss_fn, micro_batch_size=2, denominator=D(batch))
     after, _ = b.compute_logprobs(batch, with_entropy=False)
     mask = batch.response_mask
     assert after[mask].sum() > before[mask].sum()
-    assert set(m) >= {"grad_norm", "lr", "loss"} and m["lr"] == pytest.approx(1e-2)
+    assert set(m) >= {"grad_norm", "lr", "loss_sum"} and m["lr"] == pytest.approx(1e-2)
 
 
 def test_train_step_with_zero_rows_still_steps_cleanly():
     b = make_backend()
     empty = fixed_batch(b).select(torch.arange(0))
     assert len(empty) == 0
-    m = b.train_step(empty, lambda lp, rows: lp.sum(), micro_batch_size=2)
+    m = b.train_step(empty, lambda lp, rows: lp.sum(), micro_batch_size=2, denominator=1.0)
     assert m["grad_norm"] == 0.0 and m["n_micro_batches"] == 0 and m["skipped"] == 0.0
 
 
@@ -223,7 +228,7 @@ def test_non_finite_gradient_skips_the_update():
     b = make_backend()
     batch = fixed_batch(b)
     before = [p.clone() for p in b.params]
-    m = b.train_step(batch, lambda lp, rows: lp.sum() * float("nan"), micro_batch_size=4)
+    m = b.train_step(batch, lambda lp, rows: lp.sum() * float("nan"), micro_batch_size=4, denominator=1.0)
     assert m["skipped"] == 1.0
     assert all(torch.equal(p, q) for p, q in zip(before, b.params))
 
@@ -231,7 +236,7 @@ def test_non_finite_gradient_skips_the_update():
 def test_warmup_and_cosine_schedule():
     b = make_backend(lr=1.0, warmup_steps=2, scheduler="cosine", total_steps=6, min_lr_ratio=0.1)
     batch = fixed_batch(b).select(torch.arange(1))
-    lrs = [b.train_step(batch, lambda lp, rows: 0 * lp.sum(), 1)["lr"] for _ in range(7)]
+    lrs = [b.train_step(batch, lambda lp, rows: 0 * lp.sum(), 1, denominator=1.0)["lr"] for _ in range(7)]
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
     assert lrs[-1] == pytest.approx(0.1) and all(x >= y for x, y in zip(lrs[2:], lrs[3:]))
     with pytest.raises(ValueError, match="total_steps"):
@@ -242,14 +247,14 @@ def test_state_dict_round_trip_continues_identically():
     a, c = make_backend(), make_backend(seed=1)
     batch = fixed_batch(a)
     loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -1.0, 0.5, 0.0]))
-    a.train_step(batch, loss_fn, 2)
+    a.train_step(batch, loss_fn, 2, denominator=D(batch))
     # Through bytes, as a checkpoint file would be (in memory, torch's optimizer
     # load_state_dict would share a's moment tensors with c).
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
     c.load_state_dict(torch.load(buf, weights_only=True))
-    ma, mc = a.train_step(batch, loss_fn, 2), c.train_step(batch, loss_fn, 2)
+    ma, mc = (x.train_step(batch, loss_fn, 2, denominator=D(batch)) for x in (a, c))
     assert ma["grad_norm"] == pytest.approx(mc["grad_norm"])
     assert all(torch.equal(p, q) for p, q in zip(a.params, c.params))
 
@@ -283,8 +288,15 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
         make_backend(model=str(missing))
 
 
-def test_loader_forces_offline_mode(backend):
-    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["TRANSFORMERS_OFFLINE"] == "1"
+def test_loading_leaves_the_environment_alone(monkeypatch, tmp_path):
+    """Offline by argument (local_files_only=True), not by rewriting the process environment."""
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    before = dict(os.environ)
+    b = make_backend()
+    b.save_pretrained(str(tmp_path / "m"))
+    make_backend(model=str(tmp_path / "m"))  # a local folder goes through from_pretrained
+    assert dict(os.environ) == before
 
 
 def test_bad_arguments_raise_value_error(backend):

@@ -21,15 +21,18 @@ def _batch(b):
 
 
 def _loss_fn(batch, rows_of_rank):
-    # The denominator is the GLOBAL token count, so rank losses add up to the full loss.
-    denom = float(batch.response_mask.sum())
-
+    # A SUM over this rank's rows; the backend divides by the GLOBAL token count (_D), so
+    # rank contributions add up to the full-batch loss.
     def fn(lp, rows):
         global_rows = rows_of_rank[rows]
         mask = batch.response_mask[global_rows]
-        return -(ADVANTAGES[global_rows, None] * lp * mask).sum() / denom
+        return -(ADVANTAGES[global_rows, None] * lp * mask).sum()
 
     return fn
+
+
+def _D(batch):
+    return float(batch.response_mask.sum())
 
 
 def _rank(rank, splits, expected):
@@ -38,11 +41,11 @@ def _rank(rank, splits, expected):
         b = _backend()
         batch = _batch(b)
         rows = torch.tensor(split[rank], dtype=torch.long)
-        b.accumulate_gradients(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1)
+        b.accumulate_gradients(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1, denominator=_D(batch))
         ok = all(torch.allclose(p.grad, e, atol=1e-6, rtol=1e-4) for p, e in zip(b.params, expected))
         # Then a full step: every rank must end with identical parameters.
         b.optimizer.zero_grad()
-        metrics = b.train_step(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2)
+        metrics = b.train_step(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2, denominator=_D(batch))
         out.append({"ok": ok, "grad_norm": metrics["grad_norm"], "params": [p.detach() for p in b.params]})
     return out
 
@@ -54,10 +57,10 @@ def test_dp_gradients_equal_single_process_full_batch():
     ref = _backend()
     batch = _batch(ref)
     all_rows = torch.arange(len(batch))
-    ref.accumulate_gradients(batch, _loss_fn(batch, all_rows), micro_batch_size=4)
+    ref.accumulate_gradients(batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch))
     expected = [p.grad.clone() for p in ref.params]
     ref.optimizer.zero_grad()
-    ref_norm = ref.train_step(batch, _loss_fn(batch, all_rows), micro_batch_size=4)["grad_norm"]
+    ref_norm = ref.train_step(batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch))["grad_norm"]
 
     # One launch runs every split (starting ranks dominates the test's time).
     per_rank = run_on_gloo_ranks(_rank, 2, list(SPLITS.values()), expected, timeout=300)

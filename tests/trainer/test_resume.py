@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, latest_checkpoint
-from nemo_d3s.trainer.dist import DPInfo
+from nemo_d3s.distributed.groups import ParallelGroups as DPInfo
 from nemo_d3s.trainer.metrics import read_jsonl
 
 from nemo_d3s.config import ConfigError

@@ -10,8 +10,16 @@ import torch
 
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
-from nemo_d3s.trainer.dist import DPInfo
-from nemo_d3s.trainer.update import UpdateBatch, compact, update_policy
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.trainer.update import UpdateBatch, compact, minibatch_denominators, update_policy
+
+ONE = ParallelGroups()  # one process
+
+
+def _upd(batch, old, adv, keep, minibatch, n_mb=1, aggregation="token_mean") -> UpdateBatch:
+    """An UpdateBatch built by hand, with its denominators counted as compact() counts them."""
+    return UpdateBatch(batch, old, adv, keep, minibatch,
+                       denominators=minibatch_denominators(keep, minibatch, n_mb, aggregation))
 
 
 def _batch(B=4, S=6) -> TokenBatch:
@@ -54,20 +62,21 @@ def test_compact_of_nothing_is_empty():
 
 class _FakeBackend:
     """Calls loss_fn over micro-batches of a fixed 'policy' log-prob table (a parameter) and
-    records the summed loss and gradient, like a real backend would accumulate them."""
+    records the loss and gradient, applying the global denominator as a policy does (one
+    process: the step normaliser's scale is 1 / denominator)."""
 
     def __init__(self, table: torch.Tensor) -> None:
         self.param = table.clone().requires_grad_(True)
         self.losses = []
 
-    def train_step(self, batch: TokenBatch, loss_fn, micro_batch_size: int) -> Dict[str, float]:
+    def train_step(self, batch: TokenBatch, loss_fn, micro_batch_size: int, *, denominator: float) -> Dict[str, float]:
         # The row of the table for a sequence is identified by its first input id.
         total = 0.0
         for lo in range(0, len(batch), micro_batch_size):
             rows = torch.arange(lo, min(len(batch), lo + micro_batch_size))
             idx = batch.input_ids[rows, 0] // 100
             lp = self.param[idx, : batch.input_ids.shape[1]]
-            loss = loss_fn(lp, rows)
+            loss = loss_fn(lp, rows).loss / denominator
             loss.backward()
             total += float(loss.detach())
         self.losses.append(total)
@@ -83,13 +92,8 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
     keep = torch.rand(U, S) < 0.5
     keep[:, 0] = False
     keep[:, 1] = True  # every row has a kept token
-    upd = UpdateBatch(
-        batch=TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()),
-        old_logprobs=-torch.rand(U, S),
-        advantages=torch.randn(U),
-        token_keep=keep,
-        minibatch=torch.zeros(U, dtype=torch.long),
-    )
+    upd = _upd(TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()), -torch.rand(U, S),
+               torch.randn(U), keep, torch.zeros(U, dtype=torch.long), aggregation=aggregation)
     table = -torch.rand(U, S)
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, aggregation=aggregation)
     # Slow reference: one full-batch loss with the full-batch denominator.
@@ -102,7 +106,7 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
     for mbs in (1, 2, U):
         be = _FakeBackend(table)
         report = update_policy(be, upd, loss_name=loss_name, loss_cfg=cfg, num_mini_batches=1,
-                               micro_batch_size=mbs, dp=DPInfo(), fallback=upd.batch)
+                               micro_batch_size=mbs, groups=ONE)
         assert report["optimizer_steps"] == 1
         assert be.losses[0] == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6)
         torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
@@ -113,11 +117,11 @@ def test_mini_batches_each_get_their_own_optimizer_step():
     U, S = 4, 3
     ids = (torch.arange(U) * 100).unsqueeze(1).expand(U, S).clone()
     keep = torch.ones(U, S, dtype=torch.bool)
-    upd = UpdateBatch(TokenBatch(ids, keep.clone(), keep.clone()), torch.zeros(U, S), torch.ones(U), keep,
-                      torch.tensor([0, 1, 0, 2]))
+    upd = _upd(TokenBatch(ids, keep.clone(), keep.clone()), torch.zeros(U, S), torch.ones(U), keep,
+               torch.tensor([0, 1, 0, 2]), n_mb=4)
     be = _FakeBackend(torch.zeros(U, S))
     report = update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=4,
-                           micro_batch_size=8, dp=DPInfo(), fallback=upd.batch)
+                           micro_batch_size=8, groups=ONE)
     assert report["optimizer_steps"] == 3  # mini-batch 3 is empty everywhere: no step
     assert len(be.losses) == 3
 
@@ -133,11 +137,11 @@ def test_without_old_logprobs_the_current_policy_is_the_baseline():
     adv = torch.randn(U)
     grads = []
     for old in (None, table.clone()):
-        upd = UpdateBatch(TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()), old, adv, keep,
-                          torch.zeros(U, dtype=torch.long))
+        upd = _upd(TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()), old, adv, keep,
+                   torch.zeros(U, dtype=torch.long))
         be = _FakeBackend(table)
         update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=1, micro_batch_size=2,
-                      dp=DPInfo(), fallback=upd.batch)
+                      groups=ONE)
         grads.append(be.param.grad)
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -175,7 +179,7 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(loss_name
     assert len(upd) == B - 1
     be = _FakeBackend(table)
     update_policy(be, upd, loss_name=loss_name, loss_cfg=cfg, num_mini_batches=1, micro_batch_size=2,
-                  dp=DPInfo(), fallback=upd.batch)
+                  groups=ONE)
     assert be.losses[0] == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
     if normalize_by == "eligible" and aggregation != "token_mean":
@@ -196,7 +200,7 @@ def test_eligible_normaliser_gives_smaller_steps_than_kept():
                       normalize_by=normalize_by)
         be = _FakeBackend(torch.zeros(1, 5))
         update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=1, micro_batch_size=1,
-                      dp=DPInfo(), fallback=upd.batch)
+                      groups=ONE)
         assert be.losses[0] == pytest.approx(expected)
     with pytest.raises(ValueError, match="normalize_by"):
         compact(TokenBatch(ids, attn, resp), keep, None, torch.ones(1), torch.zeros(1, dtype=torch.long), normalize_by="all")

@@ -23,12 +23,14 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from nemo_d3s.backends.base import GenerationConfig, LossFn, PolicyBackend, Rollouts, TokenBatch
+from nemo_d3s.backends.base import GenerationConfig, LossFn, Policy, Rollouts, Scores, TokenBatch
 from nemo_d3s.backends.hf.config import HFBackendConfig
+from nemo_d3s.backends.hf.engine import HFRolloutEngine
 from nemo_d3s.backends.hf.loading import load_model_and_tokenizer, resolve_autocast, resolve_device
-from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, right_padded_batch
-from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
+from nemo_d3s.backends.hf.rollout import real_length
 from nemo_d3s.core.entropy import entropy_and_logprobs
+from nemo_d3s.distributed.groups import ParallelGroups, init_world
+from nemo_d3s.distributed.normalizers import StepNormalizer
 
 
 def _lr_lambda(cfg: HFBackendConfig):
@@ -51,19 +53,22 @@ def _lr_lambda(cfg: HFBackendConfig):
     return fn
 
 
-class HFBackend(PolicyBackend):
-    """Policy (+ frozen reference) transformers model with AdamW.
+class HFBackend(Policy):
+    """Policy (+ frozen reference) transformers model with AdamW, data parallel over the
+    torchrun world (every rank holds the whole model).
 
-    dp_group: the data-parallel process group whose ranks each hold a different part of the
-    step's batch; gradients are SUM-all-reduced over it (the loss is already divided by the
-    global denominator). None = the default group when torch.distributed is initialised
-    with world size > 1, else no reduction.
+    groups: the parallel layout; None = build it (``init_world``: join torchrun's process
+    group when ``WORLD_SIZE > 1``, gloo on CPU / NCCL on CUDA, or reuse one that exists).
+    Only ``groups.dp`` may be set: this backend does not shard the model.
     """
 
-    def __init__(self, cfg: HFBackendConfig, dp_group=None) -> None:
+    def __init__(self, cfg: HFBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         if cfg.sampler not in ("seeded", "hf_generate"):
             raise ValueError(f"sampler must be 'seeded' or 'hf_generate', got {cfg.sampler!r}")
         self.cfg = cfg
+        self.groups = groups if groups is not None else init_world(cfg.device, cfg.dist_timeout_minutes)
+        if self.groups.tp_size * self.groups.pp_size * self.groups.cp_size > 1:
+            raise ValueError("the hf backend is data parallel only; use model.backend=megatron for TP/PP/CP")
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
         self.model, self.tokenizer = load_model_and_tokenizer(cfg, self.device)
@@ -83,10 +88,10 @@ class HFBackend(PolicyBackend):
             self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
-        self.dp_group = dp_group
         self.eos_ids = self._eos_ids()
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.use_chat_template = cfg.use_chat_template
+        self.rollout_engine = HFRolloutEngine(self)
 
     # ------------------------------------------------------------------ helpers
     def _eos_ids(self) -> List[int]:
@@ -102,11 +107,6 @@ class HFBackend(PolicyBackend):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
-
-    def _dp_world(self) -> int:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return 1
-        return torch.distributed.get_world_size(self.dp_group)
 
     def _token_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool):
         """Forward one micro-batch. ids, attn, resp [b, L] on device -> (logprobs [b, L] f32,
@@ -133,83 +133,25 @@ class HFBackend(PolicyBackend):
     # ------------------------------------------------------------------ generation
     @property
     def supports_prompt_seeds(self) -> bool:
-        """True with the seeded sampler: ``generate`` takes one seed per prompt and a
-        prompt's samples do not depend on the rest of the batch, so the trainer samples all
-        prompts in one batched call and any rank layout gives the same samples."""
-        return self.cfg.sampler == "seeded"
+        return self.rollout_engine.prompt_seeds
 
-    @torch.no_grad()
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: Union[int, Sequence[int]]
     ) -> Rollouts:
-        """``n_samples`` completions of each prompt (a plain user message; the chat template
-        is applied here). Rows are prompt-major: rows [i*n, (i+1)*n) answer prompts[i].
-
-        ``seed``: with ``sampler="seeded"``, one int per prompt, or an int s meaning seeds
-        [s, s+1, ...]; sample j of prompt i comes from a private generator seeded from
-        (seed_i, j), so prompt i's samples depend only on its text, its seed and the model,
-        not on the other prompts, the padding or ``generation_batch_size`` (up to float
-        noise of padded matmuls, which flips a sample only when a uniform lands within
-        ~1e-6 of a cdf boundary). With ``sampler="hf_generate"``, one int for the call.
-        The global RNG state is untouched either way.
-
-        Returns a right-padded TokenBatch [B = len(prompts) * n_samples, S] on the CPU whose
-        response_mask covers the response up to and including the first stop token.
-        """
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-        if not prompts:
-            raise ValueError("prompts must be non-empty")
-        if cfg.do_sample and not cfg.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {cfg.temperature}")
-        if not 0.0 < cfg.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
-        if cfg.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
-        if self.supports_prompt_seeds:
-            seeds = prompt_seeds(seed, len(prompts))
-        elif isinstance(seed, int):
-            seeds = [seed]
-        else:
-            raise ValueError("sampler='hf_generate' takes one int seed per call, not one per prompt")
-        encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
-        prompt_ids = [ids for ids in encoded for _ in range(n_samples)]
-        chunk = self.cfg.generation_batch_size or len(prompt_ids)
-        common = dict(cfg=cfg, pad_id=self.pad_id, eos_ids=self.eos_ids, device=self.device, autocast=self._autocast)
-        responses, finished = [], []
-        was_training = self.model.training
-        self.model.eval()
-        start = time.perf_counter()
-        try:
-            for lo in range(0, len(prompt_ids), chunk):
-                rows = prompt_ids[lo: lo + chunk]
-                if self.supports_prompt_seeds:
-                    row_seeds = [row_seed(seeds[r // n_samples], r % n_samples) for r in range(lo, lo + len(rows))]
-                    r, f = decode_seeded(self.model, rows, row_seeds, **common)
-                else:
-                    r, f = decode_hf_generate(self.model, rows, seeds[0] + lo, **common)
-                responses += r
-                finished += f
-        finally:
-            self.model.train(was_training)
-        seconds = time.perf_counter() - start
-        batch = right_padded_batch(prompt_ids, responses, self.pad_id)
-        n_tokens = sum(len(r) for r in responses)
-        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
-        stats = {
-            "gen_seconds": seconds,
-            "gen_tokens": float(n_tokens),
-            "gen_tokens_per_s": n_tokens / max(seconds, 1e-9),
-            "response_len_mean": n_tokens / len(responses),
-            "finished_frac": sum(finished) / len(finished),
-        }
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
-        return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats)
+        """Convenience for scripts and tests: ``self.rollout_engine.generate`` (see
+        :class:`~nemo_d3s.backends.hf.engine.HFRolloutEngine`); an int seed s means per-prompt
+        seeds [s, s+1, ...] with the seeded sampler."""
+        return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
 
     # ------------------------------------------------------------------ scoring
-    @torch.no_grad()
     def compute_logprobs(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8):
-        """(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
+        """``score`` as a (logprobs, entropy) tuple, for scripts written before ``Scores``."""
+        out = self.score(batch, with_entropy=with_entropy, reference=reference, micro_batch_size=micro_batch_size)
+        return out.logprobs, out.entropy
+
+    @torch.no_grad()
+    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8) -> Scores:
+        """Scores(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
         (position t scores token t from logits at t-1). Scored: every real position from the
         first response token of the row's micro-batch on (so every response token); the
         prompt before it, position 0 and padding hold 0.
@@ -239,22 +181,32 @@ class HFBackend(PolicyBackend):
             if with_entropy:
                 entropy[lo: lo + len(mb), :L] = ent.float().cpu()
         model.train(was_training)
-        return logprobs, entropy
+        return Scores(logprobs, entropy)
 
     # ------------------------------------------------------------------ training
-    def accumulate_gradients(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int) -> Dict[str, float]:
-        """Forward + backward of every micro-batch, then the DP gradient all-reduce; leaves
-        the summed gradient in ``.grad`` of every parameter (zeros when this rank had no
-        rows, so every rank joins the collective). ``train_step`` = this + clip + step.
+    def accumulate_gradients(
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float = 1.0
+    ) -> Dict[str, torch.Tensor]:
+        """Forward + backward of every micro-batch, then the DP gradient reduction; leaves
+        grad(sum over all ranks' loss sums / ``denominator``) in ``.grad`` of every parameter
+        (zeros when no rank had rows; a rank without rows still joins the collective).
+        ``train_step`` = this + clip + step.
 
-        Collectives: one all_reduce(SUM) per gradient dtype over ``dp_group`` when the DP
-        world size > 1. Memory: one flat copy of the gradients during the all-reduce.
+        Each micro-batch's loss sum is multiplied by the step normaliser's scale
+        ``dp_size / denominator`` and the gradients are then AVERAGED over ``groups.dp``
+        (what Megatron's DDP does), which gives the gradient of the global mean whatever
+        the micro-batch size or the number of ranks. Returns this rank's sums as 0-d
+        tensors on the model device (``loss_sum`` + the ``metric_tensors`` of ``loss_fn``),
+        with no host sync. Collectives: one all_reduce per gradient dtype over ``groups.dp``.
+        Memory: one flat copy of the gradients during the all-reduce.
         """
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.model.train()
         B, S = batch.input_ids.shape
-        total_loss, n_mb = 0.0, 0
+        n_mb = -(-B // micro_batch_size)
+        scale = StepNormalizer(float(denominator), self.groups.dp_size, max(n_mb, 1), megatron_schedule=False).loss_scale
+        sums: Dict[str, torch.Tensor] = {}
         for lo in range(0, B, micro_batch_size):
             rows = torch.arange(lo, min(B, lo + micro_batch_size))
             mb = batch.select(rows)
@@ -264,42 +216,55 @@ class HFBackend(PolicyBackend):
             lp, _ = self._token_logprobs(self.model, ids, attn, resp, with_entropy=False)
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
             lp = F.pad(lp.float(), (0, S - L))
-            loss = loss_fn(lp, rows)
-            loss.backward()
-            total_loss += float(loss.detach())
-            n_mb += 1
+            out = loss_fn(lp, rows)
+            loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+            (loss * scale).backward()
+            for k, v in (("loss_sum", loss.detach()), *metrics.items()):
+                v = v.detach().to(torch.float64)
+                sums[k] = sums[k] + v if k in sums else v
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self._dp_world() > 1:
-            self._all_reduce_grads()
-        return {"loss": total_loss, "n_micro_batches": float(n_mb)}
+        if self.groups.data_parallel:
+            self._average_grads()
+        sums["n_micro_batches"] = torch.tensor(float(n_mb), dtype=torch.float64)
+        return sums
 
-    def _all_reduce_grads(self) -> None:
+    def _average_grads(self) -> None:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for p in self.params:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
             # One flat bucket: a single collective instead of one per parameter tensor.
             flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self.dp_group)
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self.groups.dp)
+            flat /= self.groups.dp_size
             offset = 0
             for g in grads:
                 g.copy_(flat[offset: offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int) -> Dict[str, float]:
-        """Micro-batched forward/backward of ``batch`` (this rank's rows; may be empty),
-        DP gradient SUM all-reduce, global-norm clipping, one AdamW step.
+    def train_step(
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float
+    ) -> Dict[str, float]:
+        """Micro-batched forward/backward of ``batch`` (this rank's rows; may be empty), the
+        DP gradient average, global-norm clipping, one AdamW step (see ``Policy.train_step``
+        and :meth:`accumulate_gradients`).
 
-        ``loss_fn(logprobs [b, S] f32 on the model device, rows [b] long on CPU)`` must return
-        the micro-batch loss already divided by the global denominator. A non-finite
+        ``loss_fn(logprobs [b, S] f32 on the model device, rows [b] long on CPU)`` returns a
+        LossOutput whose ``loss`` is the micro-batch's loss SUM (a bare tensor is accepted as
+        a sum without metrics); ``denominator``: the step's GLOBAL denominator. A non-finite
         gradient norm skips the update (identically on all ranks: the norm is post-reduce).
-        Returns {"grad_norm", "lr", "loss" (this rank's sum), "n_micro_batches", "skipped"}.
+        Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum", <metric sums>}
+        with one host copy for all of them.
         """
-        metrics = self.accumulate_gradients(batch, loss_fn, micro_batch_size)
+        sums = self.accumulate_gradients(batch, loss_fn, micro_batch_size, denominator=denominator)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        keys = list(sums)
+        values = torch.stack([sums[k].cpu() for k in keys] + [grad_norm.detach().cpu().to(torch.float64)]).tolist()
+        metrics = dict(zip(keys, values[:-1]))
+        grad_norm = values[-1]
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not math.isfinite(grad_norm)
         if not skipped:

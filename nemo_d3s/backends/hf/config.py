@@ -49,6 +49,9 @@ class HFBackendConfig:
         an invented dialogue.
     use_chat_template: wrap each prompt as one user turn with the tokenizer's chat template
         (when it has one); False feeds the raw prompt text.
+    dist_timeout_minutes: how long a collective waits for a peer rank before the process
+        group fails (None = torch's default, 30 minutes); used when this backend creates
+        the process group under torchrun.
     """
 
     model: str = "tiny-random"
@@ -73,3 +76,4 @@ class HFBackendConfig:
     sampler: str = "seeded"
     stop_tokens: Tuple[str, ...] = ("<|im_start|>", "<|endoftext|>")
     use_chat_template: bool = True
+    dist_timeout_minutes: Optional[float] = None

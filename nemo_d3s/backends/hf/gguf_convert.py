@@ -66,9 +66,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     Memory: the float32 model (about 0.55 GB for 135M parameters) plus the GGUF mmap.
     Returns ``out_dir``. If another process finished first, its folder is kept.
     """
-    from nemo_d3s.backends.hf.loading import set_offline
-
-    set_offline()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -7,7 +7,6 @@ by CI, whose byte-level tokenizer is built in memory.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -23,12 +22,6 @@ _CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def set_offline() -> None:
-    """Forbid Hub access for this process: every model comes from local files."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 
 def resolve_model_path(name_or_path: str) -> Path:
@@ -142,7 +135,8 @@ def load_model_and_tokenizer(
     Raises FileNotFoundError naming the path when ``cfg.model`` is neither a known name nor
     an existing directory.
     """
-    set_offline()
+    # Every from_pretrained here passes local_files_only=True: the Hub is never contacted,
+    # and the process environment (HF_HUB_OFFLINE) is left as the user set it.
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = device or resolve_device(cfg.device)

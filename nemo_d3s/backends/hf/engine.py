@@ -1,0 +1,108 @@
+"""The HF backend's rollout engine: samples from the policy's own transformers model.
+
+It shares the policy's weights (no copy), so ``sync_weights`` has nothing to move; it
+checks that it is still looking at the policy's model. A vLLM engine (a separate process
+or library with its own copy of the weights) implements the same interface with a real
+refit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, List, Sequence, Union
+
+import torch
+
+from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch
+from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nemo_d3s.backends.hf.backend import HFBackend
+
+__all__ = ["HFRolloutEngine"]
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Generation with the policy's model: the seeded KV-cache sampler (default; one seed per
+    prompt, layout-independent) or ``model.generate`` (``sampler="hf_generate"``, one seed per
+    call; the trainer wraps it, see ``trainer.build.rollout_engine``)."""
+
+    def __init__(self, policy: "HFBackend") -> None:
+        self.policy = policy
+        self.tokenizer = policy.tokenizer
+        self.prompt_seeds = policy.cfg.sampler == "seeded"
+
+    def sync_weights(self, policy: Policy) -> None:
+        """Nothing to copy: the engine samples from ``policy.model`` itself."""
+        if policy is not self.policy:
+            raise ValueError("HFRolloutEngine samples from the policy it was built with; got another policy")
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Union[int, Sequence[int]]
+    ) -> Rollouts:
+        """``n_samples`` completions of each prompt (a plain user message; the chat template
+        is applied here). Rows are prompt-major: rows [i*n, (i+1)*n) answer prompts[i].
+
+        ``seeds``: with the seeded sampler, one int per prompt, or an int s meaning seeds
+        [s, s+1, ...]; sample j of prompt i comes from a private generator seeded from
+        (seed_i, j), so prompt i's samples depend only on its text, its seed and the model,
+        not on the other prompts, the padding or ``generation_batch_size`` (up to float
+        noise of padded matmuls, which flips a sample only when a uniform lands within
+        ~1e-6 of a cdf boundary). With ``sampler="hf_generate"``, one int for the call.
+        The global RNG state is untouched either way.
+
+        Returns a right-padded TokenBatch [B = len(prompts) * n_samples, S] on the CPU whose
+        response_mask covers the response up to and including the first stop token.
+        """
+        p = self.policy
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        if not prompts:
+            raise ValueError("prompts must be non-empty")
+        if cfg.do_sample and not cfg.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {cfg.temperature}")
+        if not 0.0 < cfg.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
+        if cfg.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
+        if self.prompt_seeds:
+            per_prompt = prompt_seeds(seeds, len(prompts))
+        elif isinstance(seeds, int):
+            per_prompt = [seeds]
+        else:
+            raise ValueError("sampler='hf_generate' takes one int seed per call, not one per prompt")
+        encoded = encode_prompts(self.tokenizer, prompts, p.use_chat_template)
+        prompt_ids = [ids for ids in encoded for _ in range(n_samples)]
+        chunk = p.cfg.generation_batch_size or len(prompt_ids)
+        common = dict(cfg=cfg, pad_id=p.pad_id, eos_ids=p.eos_ids, device=p.device, autocast=p._autocast)
+        responses, finished = [], []
+        was_training = p.model.training
+        p.model.eval()
+        start = time.perf_counter()
+        try:
+            for lo in range(0, len(prompt_ids), chunk):
+                rows = prompt_ids[lo : lo + chunk]
+                if self.prompt_seeds:
+                    row_seeds = [row_seed(per_prompt[r // n_samples], r % n_samples) for r in range(lo, lo + len(rows))]
+                    r, f = decode_seeded(p.model, rows, row_seeds, **common)
+                else:
+                    r, f = decode_hf_generate(p.model, rows, per_prompt[0] + lo, **common)
+                responses += r
+                finished += f
+        finally:
+            p.model.train(was_training)
+        seconds = time.perf_counter() - start
+        batch = right_padded_batch(prompt_ids, responses, p.pad_id)
+        n_tokens = sum(len(r) for r in responses)
+        texts = [self.tokenizer.decode(r, skip_special_tokens=True) for r in responses]
+        stats = {
+            "gen_seconds": seconds,
+            "gen_tokens": float(n_tokens),
+            "gen_tokens_per_s": n_tokens / max(seconds, 1e-9),
+            "response_len_mean": n_tokens / len(responses),
+            "finished_frac": sum(finished) / len(finished),
+        }
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
+        return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats)
