@@ -219,12 +219,9 @@ def _check_count(cfg: Any, key: str, group_size: int) -> None:
 
 
 def _known(key: str, value: str, registry_path: str, attr: str) -> None:
-    """Check ``value`` against a core registry when that module is importable."""
-    try:
-        module = __import__(registry_path, fromlist=[attr])
-        registry = getattr(module, attr)
-    except ImportError:
-        return
+    """Check ``value`` against a core registry (imported here, not at module load, so the
+    schema module stays importable without torch)."""
+    registry = getattr(__import__(registry_path, fromlist=[attr]), attr)
     if value not in registry:
         raise ConfigError(f"{key}={value!r}: unknown; known: {', '.join(registry.names())}")
 
@@ -248,10 +245,8 @@ def check_schema(cfg: Any) -> None:
 
 def _check_schedule(cfg: Any) -> None:
     """Let the core schedule object judge the combination (e.g. an int n_init with a float n_final)."""
-    try:
-        from nemo_d3s.core.schedules import DynamicSchedule
-    except ImportError:
-        return
+    from nemo_d3s.core.schedules import DynamicSchedule
+
     s = _get(cfg, "d3s.schedule")
     kw = {"milestones": list(s.milestones)} if s.kind == "step" and len(s.milestones) else {}
     try:

@@ -173,8 +173,3 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def save_pretrained(self, path: str) -> None:
         """Export the policy as a Hugging Face folder (safetensors + config + tokenizer)."""
-
-
-# The trainer's name for a policy before the seam was named; kept so third-party backends
-# written against it keep importing.
-PolicyBackend = Policy

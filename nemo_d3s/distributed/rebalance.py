@@ -166,6 +166,10 @@ class RebalancedBatch:
 def _row_bytes(x: torch.Tensor) -> torch.Tensor:
     """[B, ...] any dtype -> [B, bytes per row] uint8 view (a copy only if non-contiguous)."""
     row = int(torch.tensor(x.shape[1:]).prod()) if x.dim() > 1 else 1
+    if x.shape[0] == 0 or row == 0:
+        # An empty view has stride 0, which a dtype view rejects: a rank with no rows (the
+        # very case rebalancing exists for) sends nothing.
+        return torch.zeros((x.shape[0], row * x.element_size()), dtype=torch.uint8, device=x.device)
     return x.contiguous().reshape(x.shape[0], row).view(torch.uint8)
 
 

@@ -28,13 +28,10 @@ __all__ = [
 
 def plain(x: Any) -> Any:
     """A resolved plain-Python copy of an OmegaConf node (anything else unchanged)."""
-    try:
-        from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # a core dependency: a failing import is a real error
 
-        if OmegaConf.is_config(x):
-            return OmegaConf.to_container(x, resolve=True)
-    except ImportError:
-        pass
+    if OmegaConf.is_config(x):
+        return OmegaConf.to_container(x, resolve=True)
     return x
 
 

@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from nemo_d3s.backends.base import Policy as PolicyBackend
+from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["TrainerState", "CheckpointManager", "latest_checkpoint", "capture_rng", "restore_rng"]
@@ -97,7 +97,7 @@ class CheckpointManager:
         self.dp = dp
         self.keep_last = keep_last
 
-    def save(self, backend: PolicyBackend, state: TrainerState) -> Path:
+    def save(self, backend: Policy, state: TrainerState) -> Path:
         """Collective: every rank calls it. Returns the final directory."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
@@ -130,7 +130,7 @@ class CheckpointManager:
         for _, p in steps[: max(0, len(steps) - self.keep_last)]:
             shutil.rmtree(p, ignore_errors=True)
 
-    def load(self, path: Path, backend: PolicyBackend) -> TrainerState:
+    def load(self, path: Path, backend: Policy) -> TrainerState:
         """Restore backend, this rank's RNG streams and the trainer counters from ``path``."""
         own = getattr(backend, "load_checkpoint", None)
         if callable(own):
