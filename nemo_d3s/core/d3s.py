@@ -48,7 +48,8 @@ selector does not short-cut the token stage itself, so a DP-global subclass stil
 collectives on every rank in the same order.
 
 Metrics (floats, this process's batch): stage 1 gives ``kept_sample_ratio``,
-``kept_adv_var`` (Var(A) of the kept set, unbiased when ``cfg.unbiased``),
+``kept_adv_var`` (Var(A) of the kept set, unbiased when ``cfg.unbiased``) and
+``adv_var_all`` (the same over the whole batch, before selection),
 ``share_nonzero_adv`` (share of kept samples with A != 0), ``kept_adv_abs_mean``, the
 batch's ``reward_mean`` / ``reward_std`` (unbiased) / ``reward_max``, group counts and
 ``all_degenerate``; stage 2 gives ``kept_token_ratio``, ``mean_entropy_kept``,
@@ -302,6 +303,11 @@ class D3SSelector:
             "n_degenerate_groups": float(adv.n_degenerate),
             "n_informative_groups": float(adv.n_groups - adv.n_degenerate),
             "all_degenerate": float(adv.n_degenerate == adv.n_groups),
+            # Var(A) over the whole batch (full-group advantages): the baseline kept_adv_var is
+            # compared with (D3S keeps the subset that maximises it).
+            "adv_var_all": float(adv.advantages.detach().to(torch.float64).var(correction=1 if self.cfg.unbiased else 0))
+            if n > 1
+            else 0.0,
             "kept_adv_var": float(kept_advantage_variance(advantages, sample_keep, unbiased=self.cfg.unbiased))
             if n_kept > 1
             else 0.0,

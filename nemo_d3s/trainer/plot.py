@@ -19,7 +19,7 @@ __all__ = ["main", "plot_runs"]
 
 _AXES = (
     ("step", "step"),
-    ("update_tokens_total", "update tokens processed (cumulative)"),
+    ("update_tokens_total", "loss-carrying update tokens (cumulative)"),
     ("wall_time", "wall time (s)"),
 )
 

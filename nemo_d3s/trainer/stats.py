@@ -43,7 +43,8 @@ def rollout_metrics(groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: 
 
 def selection_metrics(stage: Any) -> Dict[str, float]:
     """How many rollouts survived and how spread their advantages are (no collective)."""
-    keys = ("n_kept_samples", "kept_sample_ratio", "kept_adv_var", "kept_adv_abs_mean", "share_nonzero_adv", "n_keep")
+    keys = ("n_kept_samples", "kept_sample_ratio", "kept_adv_var", "adv_var_all", "kept_adv_abs_mean",
+            "share_nonzero_adv", "n_keep")
     return {k: float(stage.metrics[k]) for k in keys}
 
 
@@ -74,7 +75,10 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     local["update_rows"] = float(len(upd))
     t = groups.sum(local)
     out = {
+        # the papers' count: response tokens that carry loss; and the compute: every token
+        # the update's forward/backward attended (prompts and the kept rows' prefixes too)
         "update_tokens": t.pop("update_tokens_local"),
+        "update_compute_tokens": t.pop("update_compute_tokens_local"),
         "update_rows": t.pop("update_rows"),
         "optimizer_steps": report.get("optimizer_steps", 0.0),
         "grad_norm": report.get("grad_norm", 0.0) / steps,

@@ -247,13 +247,16 @@ def update_policy(
     Returns this rank's summed loss metrics (``loss``, ``pg_loss``, ``kl_loss`` already
     divided by their mini-batch's global denominator, so their sum over ranks is the loss
     of the step), the sum of the policy's ``grad_norm`` reports (identical on all ranks), the
-    last ``lr``, ``update_tokens_local`` (attention sum of the rows this rank ran) and, with
+    last ``lr``, ``update_tokens_local`` (loss-carrying tokens this rank ran: the papers'
+    count), ``update_compute_tokens_local`` (their rows' attended tokens: the compute) and, with
     ``rebalance``, the mean ``dp_imbalance_before/after`` over the mini-batches.
     Collectives: one small all-reduce per mini-batch (+ rebalancing + the policy's own).
     """
     if upd.denominators is None:
         raise ValueError("UpdateBatch.denominators is missing: build the batch with compact()")
-    totals: Dict[str, float] = {"optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0, "update_tokens_local": 0.0}
+    totals: Dict[str, float] = {
+        "optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0, "update_tokens_local": 0.0, "update_compute_tokens_local": 0.0,
+    }
     imbalance: Dict[str, float] = {}
     for mb in range(num_mini_batches):
         rows = (upd.minibatch == mb).nonzero().flatten()
@@ -271,7 +274,10 @@ def update_policy(
         totals["optimizer_steps"] += 1
         totals["grad_norm"] += float(report.get("grad_norm", 0.0))
         totals["lr"] = float(report.get("lr", 0.0))
-        totals["update_tokens_local"] += float(sub.batch.attention_mask[sub.token_keep.any(1)].sum()) if len(sub) else 0.0
+        if len(sub):
+            real = sub.token_keep.any(1)  # not a zero-weight pad copy
+            totals["update_tokens_local"] += float(sub.token_keep.sum())
+            totals["update_compute_tokens_local"] += float(sub.batch.attention_mask[real].sum())
         for k, v in report.items():
             if k not in ("grad_norm", "lr", "skipped", "n_micro_batches"):
                 name = "loss" if k == "loss_sum" else k

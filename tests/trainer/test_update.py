@@ -110,7 +110,8 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
         assert report["optimizer_steps"] == 1
         assert be.losses[0] == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6)
         torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
-        assert report["update_tokens_local"] == U * S
+        assert report["update_tokens_local"] == int(keep.sum())  # loss-carrying tokens (the papers' count)
+        assert report["update_compute_tokens_local"] == U * S  # attended tokens (the compute)
 
 
 def test_mini_batches_each_get_their_own_optimizer_step():
