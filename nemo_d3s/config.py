@@ -23,6 +23,7 @@ __all__ = [
     "D3SSection",
     "LoggingConfig",
     "ModelConfig",
+    "RolloutConfig",
     "ScheduleConfig",
     "TaskConfig",
     "TrainConfig",
@@ -54,6 +55,9 @@ class AlgorithmConfig:
     # response tokens of the sample-selected rollouts (unselected tokens count as zeros).
     normalize_by: str = "kept"
     advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
+    # Truncated importance sampling against the rollout engine's own log-probs (vLLM): each
+    # token's loss is weighted by min(pi_train_old / pi_engine, tis_cap). null = off.
+    tis_cap: Optional[float] = None
 
 
 @dataclass
@@ -99,6 +103,23 @@ class ModelConfig:
     device: str = "cpu"
     gradient_checkpointing: bool = False
     params: Dict[str, Any] = field(default_factory=dict)  # backend-specific extras
+
+
+@dataclass
+class RolloutConfig:
+    """Which engine samples the rollouts (``conf/rollout/{hf,vllm}.yaml``) and its settings.
+    ``engine``: a name in ``backends.engines.ROLLOUT_ENGINES`` (hf = the policy's own model;
+    vllm = vLLM in-process, refitted after every step). The other keys are vLLM's
+    (``backends.vllm.VLLMEngineConfig``); the hf engine has none."""
+
+    engine: str = "hf"
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    sleep: bool = True
+    max_model_len: Optional[int] = None
+    cpu_kv_cache_gb: int = 2
 
 
 @dataclass
@@ -171,6 +192,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     d3s: D3SSection = field(default_factory=D3SSection)
     model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -336,6 +358,15 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     nb = _get(cfg, f"{a}.normalize_by")
     _require(nb in ("kept", "eligible"), f"{a}.normalize_by", nb, "known: kept, eligible")
 
+    tis = _get(cfg, f"{a}.tis_cap")
+    _require(tis is None or (_number(tis) and tis >= 1), f"{a}.tis_cap", tis,
+             "the importance-weight cap must be >= 1 (or null for off)")
+    r = "rollout"
+    _known(f"{r}.engine", _get(cfg, f"{r}.engine"), "nemo_d3s.backends.engines", "ROLLOUT_ENGINES")
+    gmu = _get(cfg, f"{r}.gpu_memory_utilization")
+    _require(_number(gmu) and 0 < gmu <= 1, f"{r}.gpu_memory_utilization", gmu, "must be in (0, 1]")
+    vtp = _get(cfg, f"{r}.tensor_parallel_size")
+    _require(isinstance(vtp, int) and vtp >= 1, f"{r}.tensor_parallel_size", vtp, "must be an integer >= 1")
     es = _get(cfg, "task.eval_size")
     _require(isinstance(es, int) and es >= 1, "task.eval_size", es, "must be an integer >= 1")
     _require(bool(_get(cfg, "model.name")), "model.name", _get(cfg, "model.name"), "must name a model")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,6 +113,11 @@ class RolloutEngine(abc.ABC):
 
     tokenizer: Any
     prompt_seeds: bool = True
+    # True when the engine samples with the policy's own forward (same weights, same
+    # numerics): a single on-policy update may then skip the old-log-prob pass (ratio 1).
+    # An engine with its own copy and kernels (vLLM) sets False: the trainer then always
+    # recomputes old log-probs and can compare them with ``Rollouts.sampling_logprobs``.
+    on_policy: bool = True
 
     @abc.abstractmethod
     def generate(
@@ -173,3 +178,14 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def save_pretrained(self, path: str) -> None:
         """Export the policy as a Hugging Face folder (safetensors + config + tokenizer)."""
+
+    @abc.abstractmethod
+    def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The current weights under Hugging Face names, one (name, full tensor) at a time,
+        for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
+        holds the whole model twice). Collective on a sharded policy."""
+
+    def hf_source_dir(self) -> Optional[str]:
+        """A folder holding the model's config.json and tokenizer (an engine builds its own
+        copy from it), or None when the policy was built in memory."""
+        return None

@@ -117,6 +117,9 @@ POLICY_LOSSES: Registry = Registry(
     "policy loss",
     "fn(logprobs[B,S], old_logprobs[B,S], advantages[B] or [B,S], loss_mask[B,S] bool, *, "
     "cfg: LossConfig, denominator: float, ref_logprobs=None, norm_mask=None) -> LossOutput",
+    # per_sequence_advantage: the loss takes one advantage per sequence ([B], or [B, S]
+    # constant on each row's masked tokens), so per-token reweighting must be per row.
+    per_sequence_advantage=False,
 )
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -352,7 +355,7 @@ def _sequence_advantages(x: _Inputs, advantages: torch.Tensor) -> torch.Tensor:
     return torch.where(has, seq_adv, torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device))
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", per_sequence_advantage=True)
 def gspo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

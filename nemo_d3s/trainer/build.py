@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
+from nemo_d3s.backends.engines import build_rollout_engine
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
 from nemo_d3s.config import ConfigError
 from nemo_d3s.core.d3s import D3SConfig
@@ -116,10 +117,11 @@ def _optional_float(v: Any):
 
 
 def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
-    """The policy's engine, wrapped once when it cannot take one seed per prompt:
+    """The engine ``rollout.engine`` names (hf: the policy's own), wrapped once when it
+    cannot take one seed per prompt:
     ``trainer.generate_per_prompt`` picks one call per prompt (layout-independent samples)
     or one batched call per rank (faster; see ``backends.wrappers``)."""
-    engine = policy.rollout_engine
+    engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
     if engine.prompt_seeds:
         return engine
     return PerPromptCalls(engine) if bool(cfg.trainer.generate_per_prompt) else OneSeedPerCall(engine)

@@ -88,6 +88,7 @@ class Trainer:
             groups=self.groups,
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
+            tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -105,6 +106,7 @@ class Trainer:
             log.info("resume=true but no checkpoint in %s; starting from step 0", self.out / "checkpoints")
             return self._start_state_fresh()
         state = self.ckpt.load(latest, self.policy)
+        self.engine.sync_weights(self.policy)  # an engine with its own copy samples from the loaded weights
         if self.groups.is_main:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, state.step)

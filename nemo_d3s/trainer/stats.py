@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+import torch
+
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["rollout_metrics", "selection_metrics", "token_metrics", "update_metrics"]
+__all__ = [
+    "mismatch_metrics", "rollout_metrics", "selection_metrics", "token_metrics", "truncated_is_weights",
+    "update_metrics",
+]
 
 
 def rollout_metrics(groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int) -> Dict[str, float]:
@@ -94,3 +99,34 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
             t[key] = t[key] / steps
     out.update(finalize_metrics(t))
     return out
+
+
+def mismatch_metrics(
+    groups: ParallelGroups, old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, response_mask: torch.Tensor
+) -> Dict[str, float]:
+    """How far the rollout engine's numerics are from the trainer's, on the response tokens.
+
+    old_logprobs (trainer, before the update), sampling_logprobs (engine), response_mask:
+    [B_kept, S]. With d = old - sampling per token (the log of pi_train / pi_engine for a
+    token the engine sampled): ``rollout_logprob_mismatch_kl`` = mean k3 = exp(d) - d - 1, an
+    unbiased estimate of KL(pi_engine || pi_train); ``..._abs`` = mean |d|; ``..._max_ratio``
+    = max exp(d) (the largest importance weight before truncation). Whole DP batch.
+    """
+    d = (old_logprobs - sampling_logprobs).to(torch.float64)[response_mask]
+    t = groups.sum({"kl": float((torch.exp(d) - d - 1).sum()), "abs": float(d.abs().sum()), "n": float(d.numel())})
+    top = groups.max(float(d.max()) if d.numel() else float("-inf"))
+    n = max(t["n"], 1.0)
+    return {
+        "rollout_logprob_mismatch_kl": t["kl"] / n,
+        "rollout_logprob_mismatch_abs": t["abs"] / n,
+        "rollout_logprob_mismatch_max_ratio": float(torch.exp(torch.tensor(top))) if t["n"] else 1.0,
+    }
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, response_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """[B, S] f32: min(pi_train_old / pi_engine, cap) on response tokens, 1 elsewhere
+    (truncated importance sampling for the engine/trainer mismatch, as verl's TIS)."""
+    w = torch.exp((old_logprobs - sampling_logprobs).float()).clamp(max=float(cap))
+    return torch.where(response_mask, w, torch.ones_like(w))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.core.checks import check_finite
@@ -22,7 +22,14 @@ from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource, generate_groups
-from nemo_d3s.trainer.stats import rollout_metrics, selection_metrics, token_metrics, update_metrics
+from nemo_d3s.trainer.stats import (
+    mismatch_metrics,
+    rollout_metrics,
+    selection_metrics,
+    token_metrics,
+    truncated_is_weights,
+    update_metrics,
+)
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
@@ -48,6 +55,7 @@ class StepContext:
     groups: ParallelGroups
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     rebalance: bool = False  # trainer.dp_rebalance
+    tis_cap: Optional[float] = None  # algorithm.tis_cap
     timings: Dict[str, float] = field(default_factory=dict)
 
     @contextmanager
@@ -87,7 +95,9 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
 
     kept = ro.batch.select(stage.kept_rows)
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
-    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1:
+    # The old-policy pass is skipped only for one on-policy update without token scores,
+    # where the current log-probs (ratio 1) are the old ones.
+    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.engine.on_policy:
         with ctx.timed("logprob"):
             scores = ctx.policy.score(
                 kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size
@@ -98,9 +108,15 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
         return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
+    is_weight = None
+    if ro.sampling_logprobs is not None and old_lp is not None:
+        sampling = ro.sampling_logprobs[stage.kept_rows]
+        m.update(mismatch_metrics(ctx.groups, old_lp, sampling, kept.response_mask))
+        if ctx.tis_cap is not None:
+            is_weight = truncated_is_weights(old_lp, sampling, kept.response_mask, ctx.tis_cap)
     upd = compact(
         kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch, num_mini_batches=ctx.num_mini_batches,
-        aggregation=ctx.loss_cfg.aggregation, normalize_by=ctx.normalize_by,
+        aggregation=ctx.loss_cfg.aggregation, normalize_by=ctx.normalize_by, is_weight=is_weight,
     )
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):

@@ -55,6 +55,9 @@ class UpdateBatch:
                   ``compact`` fills it, and ``update_policy`` requires it
     norm_mask     [U, S_u] bool or None: the tokens seq_mean_token_mean normalises each row
                   by when that is not the kept tokens (``normalize_by=eligible``)
+    is_weight     [U, S_u] f32 or None: truncated importance weights min(pi_old / pi_engine,
+                  cap) of each token (``algorithm.tis_cap`` with a vLLM engine); they scale
+                  the advantage, per token, or per row for a per-sequence loss (GSPO)
     """
 
     batch: TokenBatch
@@ -65,6 +68,7 @@ class UpdateBatch:
     ref_logprobs: Optional[torch.Tensor] = None
     denominators: Optional[torch.Tensor] = None
     norm_mask: Optional[torch.Tensor] = None
+    is_weight: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -83,6 +87,7 @@ class UpdateBatch:
             ref_logprobs=None if self.ref_logprobs is None else self.ref_logprobs[rows, :width],
             denominators=self.denominators,
             norm_mask=None if self.norm_mask is None else self.norm_mask[rows, :width],
+            is_weight=None if self.is_weight is None else self.is_weight[rows, :width],
         )
 
 
@@ -118,6 +123,7 @@ def compact(
     num_mini_batches: int = 1,
     aggregation: str = "token_mean",
     normalize_by: str = "kept",
+    is_weight: Optional[torch.Tensor] = None,
 ) -> UpdateBatch:
     """Inputs aligned on the B_kept sample-selected rows ([B_kept, S] / [B_kept]) -> U <= B_kept
     rows that hold at least one kept token, each cut after its last kept token.
@@ -151,6 +157,7 @@ def compact(
         minibatch=minibatch[rows],
         denominators=denominators,
         norm_mask=cut.response_mask if row_norm else None,
+        is_weight=None if is_weight is None else is_weight[rows, :width],
     )
 
 
@@ -162,6 +169,7 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
     and its detached metric sums (no host sync; the policy applies the step normaliser).
     """
     loss = POLICY_LOSSES.get(loss_name)
+    per_sequence = bool(POLICY_LOSSES.prop(loss_name, "per_sequence_advantage"))
 
     def loss_fn(logprobs: torch.Tensor, idx: torch.Tensor) -> LossOutput:
         r = idx.to(upd.advantages.device)
@@ -169,10 +177,17 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
         dev = logprobs.device
         ref = None if upd.ref_logprobs is None else upd.ref_logprobs[r, :s].to(dev)
         old = logprobs.detach() if upd.old_logprobs is None else upd.old_logprobs[r, :s].to(dev)
+        adv = upd.advantages[r]
+        if upd.is_weight is not None:
+            w, keep = upd.is_weight[r, :s], upd.token_keep[r, :s]
+            if per_sequence:  # one weight per row: the mean over its kept tokens
+                adv = adv * (w * keep).sum(1) / keep.sum(1).clamp(min=1)
+            else:
+                adv = adv.unsqueeze(1) * w
         return loss(
             logprobs,
             old,
-            upd.advantages[r].to(dev),
+            adv.to(dev),
             upd.token_keep[r, :s].to(dev),
             cfg=loss_cfg,
             denominator=1.0,
@@ -212,7 +227,7 @@ def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatc
         "advantages": upd.advantages.to(torch.float32),
         "minibatch": upd.minibatch,
     }
-    for name in ("old_logprobs", "ref_logprobs", "norm_mask"):
+    for name in ("old_logprobs", "ref_logprobs", "norm_mask", "is_weight"):
         t = getattr(upd, name)
         if t is not None:
             tensors[name] = _pad_width(t, width, False if t.dtype == torch.bool else 0)
@@ -227,6 +242,7 @@ def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatc
         ref_logprobs=t.get("ref_logprobs"),
         denominators=upd.denominators,
         norm_mask=t.get("norm_mask"),
+        is_weight=t.get("is_weight"),
     )
     return (out.select(torch.arange(len(out))) if len(out) else out), stats
 

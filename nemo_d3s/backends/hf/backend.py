@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from nemo_d3s.backends.base import GenerationConfig, LossFn, Policy, Rollouts, Scores, TokenBatch
 from nemo_d3s.backends.hf.config import HFBackendConfig
 from nemo_d3s.backends.hf.engine import HFRolloutEngine
-from nemo_d3s.backends.hf.loading import load_model_and_tokenizer, resolve_autocast, resolve_device
+from nemo_d3s.backends.hf.loading import (
+    TINY_RANDOM,
+    load_model_and_tokenizer,
+    resolve_autocast,
+    resolve_device,
+    resolve_model_path,
+)
 from nemo_d3s.backends.hf.rollout import real_length
 from nemo_d3s.core.entropy import entropy_and_logprobs
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
@@ -287,6 +293,14 @@ class HFBackend(Policy):
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+
+    def hf_weights(self):
+        """(name, tensor) of the policy's state dict: already Hugging Face names and layout
+        (tied embeddings appear under both names, as transformers' state_dict has them)."""
+        yield from self.model.state_dict().items()
+
+    def hf_source_dir(self) -> Optional[str]:
+        return None if self.cfg.model == TINY_RANDOM else str(resolve_model_path(self.cfg.model))
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a Hugging Face folder (safetensors, config, generation config,
