@@ -16,11 +16,11 @@ Importing this package imports torch and these modules only (tested).
 
 from nemo_d3s.core import (
     advantages,
-    checks,
+    checks,  # noqa: F401  (a public submodule)
     d3s,
     entropy,
     losses,
-    registry,
+    registry,  # noqa: F401  (a public submodule)
     sample_selection,
     schedules,
     token_selection,

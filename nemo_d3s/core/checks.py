@@ -53,3 +53,13 @@ def check_fraction(name: str, value: float, *, allow_zero: bool = False) -> None
     if not (lo_ok and value <= 1) or value != value:
         interval = "[0, 1]" if allow_zero else "(0, 1]"
         raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def broadcast_per_row(name: str, advantages: torch.Tensor, B: int, S: int, ref_name: str) -> torch.Tensor:
+    """[B] (one value per row) or [B, S] -> [B, S] (a view for [B]); the shape error names
+    ``ref_name``'s rows (``[B]``) or ``ref_name`` itself (``[B, S]``)."""
+    if advantages.dim() == 1:
+        check_shape(name, advantages, (B,), f"{ref_name}'s rows")
+        return advantages.unsqueeze(1).expand(B, S)
+    check_shape(name, advantages, (B, S), ref_name)
+    return advantages

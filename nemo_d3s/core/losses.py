@@ -87,7 +87,7 @@ from typing import Optional
 
 import torch
 
-from nemo_d3s.core.checks import check_finite, check_mask_2d, check_same_device, check_shape
+from nemo_d3s.core.checks import broadcast_per_row, check_finite, check_mask_2d, check_same_device, check_shape
 from nemo_d3s.core.loss_config import (
     AGGREGATIONS,
     METRIC_NORMALISERS,
@@ -176,12 +176,7 @@ def _prepare(
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
         got = advantages.dtype if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise ValueError(f"advantages must be a floating-point tensor [B] or [B, S], got {got}")
-    if advantages.dim() == 1:
-        check_shape("advantages", advantages, (B,), "loss_mask's rows")
-        adv = advantages.unsqueeze(1).expand(B, S)
-    else:
-        check_shape("advantages", advantages, (B, S), "loss_mask")
-        adv = advantages
+    adv = broadcast_per_row("advantages", advantages, B, S, "loss_mask")
     if ref_logprobs is not None:
         _check_float("ref_logprobs", ref_logprobs, (B, S))
     elif cfg.kl_coef > 0:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_d3s.core.checks import (
+    broadcast_per_row,
     check_finite,
     check_fraction,
     check_mask_2d,
@@ -169,12 +170,7 @@ def token_scores(advantages: torch.Tensor, entropy: torch.Tensor, eligible: torc
             raise ValueError(f"{name} must be a floating-point tensor, got {got}")
     check_shape("entropy", entropy, eligible.shape, "eligible")
     B, S = eligible.shape
-    if advantages.dim() == 1:
-        check_shape("advantages", advantages, (B,), "eligible's rows")
-        adv = advantages.unsqueeze(1).expand(B, S)
-    else:
-        check_shape("advantages", advantages, (B, S), "eligible")
-        adv = advantages
+    adv = broadcast_per_row("advantages", advantages, B, S, "eligible")
     check_same_device(advantages=advantages, entropy=entropy, eligible=eligible)
     check_finite("advantages (on eligible positions)", adv, eligible)
     check_finite("entropy (on eligible positions)", entropy, eligible)

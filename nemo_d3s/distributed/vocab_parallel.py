@@ -32,7 +32,14 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.core.entropy import check_logits_and_targets, compute_dtype, flat_view, token_block, token_chunks
+from nemo_d3s.core.entropy import (
+    check_logits_and_targets,
+    check_reduced_finite,
+    compute_dtype,
+    flat_view,
+    token_block,
+    token_chunks,
+)
 from nemo_d3s.distributed._comm import all_gather_counts, group_rank, is_single
 
 __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
@@ -94,13 +101,7 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
         entropy = log_s - stats[1] / stats[0]
         logprobs = stats[2] - log_s
         lse = m + log_s
-        # The reduced values are identical on all TP ranks, so all of them raise together.
-        if n and not bool((torch.isfinite(lse) & torch.isfinite(entropy)).all()):
-            bad = int((~(torch.isfinite(lse) & torch.isfinite(entropy))).nonzero()[0, 0])
-            raise ValueError(
-                "logits must be finite or -inf with at least one finite entry per position; "
-                f"position (b={bad // S}, s={bad % S}) has NaN, +inf or only -inf"
-            )
+        check_reduced_finite(lse, entropy, S)
         ctx.save_for_backward(logits, local_idx, owned, lse)
         ctx.n_valid = n_valid
         ctx.chunk_size = chunk_size

@@ -24,7 +24,7 @@ depend on the rank that computes it, so the step is the same up to summation ord
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 

@@ -77,10 +77,14 @@ def _rank_vocab(rank):
         if transposed:  # Megatron's [S, B, V/TP] buffer seen as [B, S, V/TP]: not viewable as [B*S, V]
             shard = shard.transpose(0, 1).contiguous().transpose(0, 1)
         shard = shard.detach().requires_grad_(True)
+        before = shard.detach().clone()
         ent, lp = vocab_parallel_entropy_and_logprobs(shard, targets, group, vocab_size=vocab, chunk_size=4)
+        # The kernel works in place on its own buffers only: the caller's shard is untouched.
+        assert torch.equal(shard.detach(), before), name
         assert not ent.requires_grad and lp.requires_grad
         assert ent.dtype == lp.dtype == torch.float32 and ent.shape == lp.shape == (B, S)
         (lp.double() * w).sum().backward()
+        assert torch.equal(shard.detach(), before), name
         out[name] = (dp_rank, tp_rank, ent.detach(), lp.detach(), shard.grad.float())
 
     # Hand-worked case on the TP2 groups: z = [0, 0 | ln 2], V = 3 split 2 + 1, target 2.

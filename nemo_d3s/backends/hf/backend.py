@@ -15,7 +15,6 @@ import copy
 import math
 import os
 import shutil
-import time
 import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
