@@ -39,7 +39,6 @@ import subprocess
 import sys
 import time
 import traceback
-import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -373,18 +372,12 @@ def rotate(items: Sequence[Any], r: int) -> List[Any]:
 def _bench_rank_setup(rank: int, megatron_sizes: Optional[tuple]):
     """Per-rank set-up: glibc returns freed blocks (for the RSS probe); Megatron's groups
     when asked. Returns the teardown."""
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     limit_malloc_caching()
     if megatron_sizes is None:
         return None
-    from megatron.core import parallel_state as ps
+    from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups
 
-    tp, pp, cp = megatron_sizes
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
-    )
-    return ps.destroy_model_parallel
+    return initialize_megatron_groups(rank, *megatron_sizes)
 
 
 def run_ranks(

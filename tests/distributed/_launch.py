@@ -21,9 +21,7 @@ is needed for them. Only the pipeline schedules allocate on "cuda"; see
 from __future__ import annotations
 
 import multiprocessing
-import os
 import traceback
-import warnings
 from typing import Any, Callable, List
 
 from nemo_d3s.distributed.launch import free_port, run_on_gloo_ranks
@@ -41,16 +39,10 @@ _PRELOAD = [
 
 
 def megatron_setup(rank: int, tp: int, pp: int, cp: int):
-    """Rank setup: Megatron's process groups; returns their teardown."""
-    # Megatron warns about this GPU-only setting on every linear layer.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    from megatron.core import parallel_state as ps
+    """Rank setup: Megatron's process groups (the backend's own set-up); returns the teardown."""
+    from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups
 
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
-    )
-    return ps.destroy_model_parallel
+    return initialize_megatron_groups(rank, tp, pp, cp)
 
 
 def run_ranks(
