@@ -81,11 +81,20 @@ class ParallelGroups:
         return self.dp_size > 1
 
     # ------------------------------------------------------------------ small collectives
-    def sum(self, values: Dict[str, float]) -> Dict[str, float]:
+    def sum(self, values: Dict[str, float], *, keys_may_differ: bool = False) -> Dict[str, float]:
         """Sum a dict of scalars over ``dp``: one float64 all-reduce of [len(values)] on
-        ``device``. Every rank passes the same keys (packed in sorted-key order)."""
-        if not self.data_parallel or not values:
+        ``device``. Every rank passes the same keys (packed in sorted-key order), unless
+        ``keys_may_differ``: then the union of the ranks' keys is gathered first (one small
+        object all-gather) and a missing key counts as 0 (e.g. loss metrics of a rank that
+        trained on no rows)."""
+        if not self.data_parallel:
             return {k: float(v) for k, v in values.items()}
+        if keys_may_differ:
+            everyone: List[Any] = [None] * self.dp_size
+            dist.all_gather_object(everyone, sorted(values), group=self.dp)
+            values = {k: values.get(k, 0.0) for k in sorted(set().union(*everyone))}
+        if not values:
+            return {}
         keys = sorted(values)
         t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp)

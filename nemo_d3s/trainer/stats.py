@@ -78,7 +78,7 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     same_everywhere = {"optimizer_steps", "grad_norm", "lr", "dp_imbalance_before", "dp_imbalance_after"}
     local = {k: v for k, v in report.items() if k not in same_everywhere}
     local["update_rows"] = float(len(upd))
-    t = groups.sum(local)
+    t = groups.sum(local, keys_may_differ=True)  # a rank that trained on no rows has no loss metrics
     out = {
         # the papers' count: response tokens that carry loss; and the compute: every token
         # the update's forward/backward attended (prompts and the kept rows' prefixes too)

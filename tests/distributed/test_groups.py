@@ -74,3 +74,15 @@ def test_reductions_on_two_ranks():
             assert r["sum_tensor"] == [2.0, 1.0]
             assert r["obj"] == {"from": 0}
             assert r["dp"] == (rank, 2)
+
+
+def _uneven_keys(rank):
+    import torch.distributed as dist
+
+    g = ParallelGroups(dp=dist.group.WORLD, global_rank=rank)
+    return g.sum({"a": 1.0, "b": 2.0} if rank == 0 else {"a": 3.0}, keys_may_differ=True)
+
+
+@pytest.mark.distributed
+def test_sum_with_keys_that_differ_between_ranks():
+    assert run_ranks(_uneven_keys, 2, megatron=False) == [{"a": 4.0, "b": 2.0}] * 2
