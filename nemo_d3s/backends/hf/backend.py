@@ -114,8 +114,9 @@ class HFBackend(Policy):
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
     def _token_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool):
-        """Forward one micro-batch. ids, attn, resp [b, L] on device -> (logprobs [b, L] f32,
-        entropy [b, L] f32 or None), token-aligned, zero where attn is False.
+        """Forward one micro-batch. ids, attn [b, L] on device, resp [b, L] on the CPU (where
+        the first response column is read without waiting for the device) -> (logprobs
+        [b, L] f32, entropy [b, L] f32 or None), token-aligned, zero where attn is False.
 
         Only positions from the micro-batch's first response token on are scored (earlier
         ones hold 0): the LM head and the softmax run on ``logits_to_keep`` positions, not
@@ -181,7 +182,7 @@ class HFBackend(Policy):
             if L < 2:
                 continue  # nothing to score: position 0 is 0 by contract
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
-            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L].to(self.device), with_entropy)
+            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
             logprobs[lo: lo + len(mb), :L] = lp.float().cpu()
             if with_entropy:
                 entropy[lo: lo + len(mb), :L] = ent.float().cpu()
@@ -217,8 +218,7 @@ class HFBackend(Policy):
             mb = batch.select(rows)
             L = max(real_length(mb.attention_mask), 1)
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
-            resp = mb.response_mask[:, :L].to(self.device)
-            lp, _ = self._token_logprobs(self.model, ids, attn, resp, with_entropy=False)
+            lp, _ = self._token_logprobs(self.model, ids, attn, mb.response_mask[:, :L], with_entropy=False)
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
             lp = F.pad(lp.float(), (0, S - L))
             out = loss_fn(lp, rows)
