@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+
 __all__ = [
     "AlgorithmConfig",
     "ConfigError",
@@ -106,20 +108,13 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(VLLMEngineConfig):
     """Which engine samples the rollouts (``conf/rollout/{hf,vllm}.yaml``) and its settings.
     ``engine``: a name in ``backends.engines.ROLLOUT_ENGINES`` (hf = the policy's own model;
     vllm = vLLM in-process, refitted after every step). The other keys are vLLM's
-    (``backends.vllm.VLLMEngineConfig``); the hf engine has none."""
+    (:class:`~nemo_d3s.backends.vllm.config.VLLMEngineConfig`); the hf engine has none."""
 
     engine: str = "hf"
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    enforce_eager: bool = True
-    sleep: bool = True
-    max_model_len: Optional[int] = None
-    cpu_kv_cache_gb: int = 2
 
 
 @dataclass

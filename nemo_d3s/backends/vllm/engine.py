@@ -23,38 +23,17 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
+from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
 log = logging.getLogger("nemo_d3s.vllm")
-
-
-@dataclass
-class VLLMEngineConfig:
-    """Settings of the vLLM engine (``rollout=vllm``; each key ``rollout.<key>``).
-
-    gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache) while
-        awake; ignored on CPU. tensor_parallel_size: vLLM's own TP (GPUs per engine).
-    dtype: "auto" (the policy's), "float32", "bfloat16", "float16". enforce_eager: no CUDA
-        graphs (faster start, slower decode). sleep: on GPU, free the engine's memory while the
-        policy trains (``enable_sleep_mode``). max_model_len: prompt + response limit (None =
-        the model's). cpu_kv_cache_gb: the CPU build's KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
-    """
-
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
-    dtype: str = "auto"
-    enforce_eager: bool = True
-    sleep: bool = True
-    max_model_len: Optional[int] = None
-    cpu_kv_cache_gb: int = 2
 
 
 def import_vllm():
