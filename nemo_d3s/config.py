@@ -125,6 +125,15 @@ class TaskConfig:
     name: str = "basic_arithmetic"
     params: Dict[str, Any] = field(default_factory=dict)
     eval_size: int = 64  # the first eval_size problems of the task's fixed held-out set
+    # Upper bound on eval_size (each evaluation generates eval_size greedy completions): a
+    # typo like eval_size=100000 fails at start instead of building 100k problems.
+    max_eval_size: int = 10000
+    # Prompts longer than the model can take (checked when the task loads): the limit is
+    # max_prompt_tokens, or (null) the model's context length minus the new tokens of a
+    # rollout/evaluation. long_prompts: "error" (stop, naming the problem) | "skip" (drop
+    # them from training and evaluation, with a count).
+    max_prompt_tokens: Optional[int] = None
+    long_prompts: str = "error"
 
 
 @dataclass
@@ -167,6 +176,16 @@ class TrainerConfig:
     save_every: int = 10  # 0 = only at the end
     keep_last: int = 2
     export_hf: bool = True  # DIR/hf_export at the end
+    # resume=true refuses a config that changes the experiment (seed, model, algorithm,
+    # d3s, task, rollout sampling, batch sizes, ...) unless this is true; the original
+    # config.yaml is kept either way and the resumed one is written beside it.
+    allow_config_change: bool = False
+    # Stop with an error after this many consecutive steps in which every reward call
+    # failed (a broken verifier); 0 = never stop.
+    max_failed_reward_steps: int = 3
+    # How long a collective waits for a stopped or dead peer rank before this rank exits
+    # with an error (torch's default would be 30 minutes).
+    dist_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -366,3 +385,30 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(isinstance(es, int) and es >= 1, "task.eval_size", es, "must be an integer >= 1")
     _require(bool(_get(cfg, "model.name")), "model.name", _get(cfg, "model.name"), "must name a model")
     _require(bool(_get(cfg, "output_dir")), "output_dir", _get(cfg, "output_dir"), "must be a directory path")
+    _validate_faults(cfg)
+
+
+def _validate_faults(cfg: Any) -> None:
+    """Settings of the fault handling (issue 9): timeouts, limits, required keys."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not str(k).startswith("hydra"))
+        if missing:
+            raise ConfigError(f"{missing[0]}: required, but no value was given (set it with {missing[0]}=...)")
+    t = "trainer"
+    v = _get(cfg, f"{t}.dist_timeout_minutes")
+    _require(_number(v) and v > 0, f"{t}.dist_timeout_minutes", v, "must be > 0 (minutes)")
+    v = _get(cfg, f"{t}.max_failed_reward_steps")
+    _require(isinstance(v, int) and v >= 0, f"{t}.max_failed_reward_steps", v, "must be an integer >= 0 (0 = never stop)")
+    mes = _get(cfg, "task.max_eval_size")
+    _require(isinstance(mes, int) and mes >= 1, "task.max_eval_size", mes, "must be an integer >= 1")
+    es = _get(cfg, "task.eval_size")
+    _require(es <= mes, "task.eval_size", es,
+             f"exceeds task.max_eval_size={mes} (every evaluation generates eval_size completions); "
+             "raise task.max_eval_size if you mean it")
+    mpt = _get(cfg, "task.max_prompt_tokens")
+    _require(mpt is None or (isinstance(mpt, int) and mpt >= 1), "task.max_prompt_tokens", mpt,
+             "must be an integer >= 1 or null (the model's context length)")
+    lp = _get(cfg, "task.long_prompts")
+    _require(lp in ("error", "skip"), "task.long_prompts", lp, "known: error, skip")

@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "conf_dir"]
+__all__ = ["main", "conf_dir", "run_cli"]
 
 log = logging.getLogger("nemo_d3s.train")
 
@@ -67,24 +67,80 @@ def _job_output_dir(cfg) -> str:
     return str(cfg.output_dir)
 
 
-def _run(cfg) -> None:
-    from omegaconf import OmegaConf, open_dict
+# errno values that mean "the machine or the path", not a bug: reported as one error line.
+_ENV_ERRNOS = {"ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EISDIR", "EEXIST", "ENAMETOOLONG"}
+
+
+def _is_collective_timeout(e: BaseException) -> bool:
+    msg = str(e).lower()
+    return ("timed out" in msg or "timeout" in msg) and any(w in msg for w in ("gloo", "nccl", "collective", "recv", "send", "barrier", "allreduce", "all_reduce"))
+
+
+def run_cli(cfg) -> int:
+    """Train on a resolved config; a user-facing fault becomes one ``error:`` line on stderr
+    and the exit code (2 for bad input or a bad run directory/disk; 3 when a peer rank
+    stopped answering). Returns 0 on success (also after a stop signal)."""
+    import errno
 
     from nemo_d3s.config import ConfigError
+    from nemo_d3s.trainer.faults import RunError, first_line
     from nemo_d3s.trainer.loop import train
+
+    try:
+        state = train(cfg)
+    except (ConfigError, RunError, FileNotFoundError) as e:
+        # A user mistake or a fault of the surroundings, not a bug: one clear line, no traceback.
+        print(f"error: {first_line(e) if isinstance(e, FileNotFoundError) else e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if errno.errorcode.get(e.errno or -1) not in _ENV_ERRNOS:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if not _is_collective_timeout(e):
+            raise
+        t = getattr(getattr(cfg, "trainer", None), "dist_timeout_minutes", None)
+        print(f"error: a collective timed out after {t} minutes (trainer.dist_timeout_minutes): another rank is "
+              f"stopped, dead or far behind; resume=true continues from the last checkpoint ({first_line(e)})",
+              file=sys.stderr)
+        return 3
+    if state.extra.get("interrupted"):
+        log.info("stopped early at step %d; resume with resume=true", state.step)
+    return 0
+
+
+def _run(cfg) -> None:
+    from omegaconf import OmegaConf, open_dict
 
     out = _job_output_dir(cfg)
     with open_dict(cfg):
         cfg.output_dir = out
     OmegaConf.resolve(cfg)
-    try:
-        state = train(cfg)
-    except (ConfigError, FileNotFoundError) as e:
-        # A user mistake, not a bug: one clear line, no traceback.
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if state.extra.get("interrupted"):
-        log.info("stopped early at step %d; resume with resume=true", state.step)
+    code = run_cli(cfg)
+    if code:
+        sys.exit(code)
+
+
+def _precheck_argv(argv) -> None:
+    """Hydra creates ``output_dir`` (and writes ``.hydra/`` into it, or into the current
+    folder for an empty path) before any of our code runs: check an ``output_dir=``
+    given on the command line first, so a bad one is one error line and nothing is written."""
+    from nemo_d3s.config import ConfigError
+    from nemo_d3s.trainer.faults import RunError
+    from nemo_d3s.trainer.rundir import check_output_dir
+
+    if any(a in ("-m", "--multirun") or a.startswith(("--cfg", "-c", "--help", "-h", "--info")) for a in argv):
+        return
+    for a in argv:
+        key, eq, value = a.partition("=")
+        if eq and key.lstrip("+~") == "output_dir" and "${" not in value:
+            try:
+                check_output_dir(value.strip("'\""), create=False)
+            except (ConfigError, RunError) as e:
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(2)
 
 
 def main() -> None:
@@ -93,6 +149,7 @@ def main() -> None:
     from nemo_d3s.config import register_configs
 
     register_configs()
+    _precheck_argv(sys.argv[1:])
     # hydra.main parses sys.argv itself (--cfg job, -m, overrides).
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_run)()
 

@@ -10,9 +10,12 @@ import abc
 import math
 import random
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple, Union
+import logging
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 from nemo_d3s.core.registry import Registry
+
+log = logging.getLogger("nemo_d3s.tasks")
 
 
 @dataclass
@@ -33,6 +36,9 @@ class Task(abc.ABC):
     """
 
     name: str = "task"
+    # The range every reward of this task lies in (its contract); rewards outside it are
+    # counted and warned about once (see :func:`safe_reward`).
+    reward_range: Tuple[float, float] = (0.0, 1.0)
 
     @abc.abstractmethod
     def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
@@ -45,6 +51,17 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def reward(self, problem: Problem, response_text: str) -> float:
         """Score of one response in [0, 1] (1 = verified correct)."""
+
+    def finite_problems(self) -> Optional[Dict[str, List[Problem]]]:
+        """Every problem of a task backed by a finite dataset, by split ("train", "eval"),
+        so they can be checked when the task loads (prompt lengths); None for a task that
+        generates its problems (only its eval set and a sample can be checked)."""
+        return None
+
+    def drop_problems(self, drop: Callable[[Problem], bool]) -> Dict[str, int]:
+        """Remove the problems for which ``drop`` is true from every split; returns how many
+        were removed per split. Only tasks with :meth:`finite_problems` support it."""
+        raise NotImplementedError(f"task {self.name!r} cannot drop problems")
 
 
 TASKS: Registry = Registry("task", "factory(**options) -> Task")
@@ -73,11 +90,30 @@ def check_count(name: str, n: int) -> None:
 
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
     """``task.reward`` that never raises: an exception or a non-finite value gives reward 0
-    and a one-line error description (the trainer counts them); else (reward, None)."""
+    and a one-line error description (the trainer counts them); else (reward, None).
+
+    A finite reward outside ``task.reward_range`` is kept as it is (the task decides what
+    it means) but counted in ``out_of_range_rewards(task)``; the first one is logged as a
+    warning with the value and the declared range."""
     try:
         value = float(task.reward(problem, text))
     except Exception as exc:  # a verifier bug must not kill a multi-hour run
         return 0.0, f"{type(exc).__name__}: {exc}"
     if not math.isfinite(value):
         return 0.0, f"non-finite reward {value!r}"
+    lo, hi = getattr(task, "reward_range", (0.0, 1.0))
+    if not lo <= value <= hi:
+        n = out_of_range_rewards(task) + 1
+        try:
+            task._n_out_of_range = n
+        except AttributeError:  # a task with __slots__: still warn, but only once per process
+            pass
+        if n == 1:
+            log.warning("task %s: reward %r is outside the task's declared range [%s, %s]; further ones are "
+                        "counted (reward_out_of_range_total in summary.json)", getattr(task, "name", task), value, lo, hi)
     return value, None
+
+
+def out_of_range_rewards(task: Task) -> int:
+    """How many rewards of ``task`` so far fell outside its ``reward_range``."""
+    return int(getattr(task, "_n_out_of_range", 0))

@@ -28,25 +28,48 @@ ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "plain")
 
 
 def read_rows(path: str) -> List[Dict[str, Any]]:
-    """Rows of a .jsonl/.json/.parquet file as dicts. Bad JSON -> ValueError with the line."""
+    """Rows of a .jsonl/.json/.parquet file as dicts. A missing path, a folder, bytes that
+    are not UTF-8 or bad JSON -> FileNotFoundError / ValueError naming the file (and line)."""
+    if path is None or str(path).strip() in ("", "???"):
+        raise ValueError("no dataset file given")
     p = Path(path).expanduser()
-    if not p.is_file():
+    if p.is_dir():
+        raise ValueError(f"dataset path {str(p)!r} is a directory; it must name a .jsonl, .json or .parquet file")
+    if not p.exists():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
+    if not p.is_file():
+        raise ValueError(f"dataset path {str(p)!r} is not a regular file")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise ImportError(f"reading {p} needs pyarrow: pip install pyarrow (or the [data] extra)") from exc
-        return pq.read_table(str(p)).to_pylist()
+        try:
+            return pq.read_table(str(p)).to_pylist()
+        except Exception as exc:  # pyarrow's own error types
+            raise ValueError(f"{p}: not a readable parquet file ({str(exc).splitlines()[0] if str(exc) else exc})") from None
     if suffix == ".json":
-        rows = json.loads(p.read_text(encoding="utf-8"))
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise ValueError(f"{p}: line {line} is not UTF-8 text (byte offset {exc.start})") from None
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}: line {exc.lineno} is not valid JSON ({exc.msg})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{p}: a .json dataset must hold a list of objects")
         return rows
     rows = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with p.open("rb") as fh:
+        for lineno, raw_line in enumerate(fh, start=1):
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{p}: line {lineno} is not UTF-8 text (byte {exc.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -109,9 +132,12 @@ class MathDatasetTask(Task):
         self.name = name
         read = dict(question_field=question_field, answer_field=answer_field,
                     answer_format=answer_format, prompt_suffix=prompt_suffix)
-        train = load_problems(train_path, **read)
+        if train_path is None or str(train_path).strip() in ("", "???"):
+            raise ValueError("task.params.train_path is required: the .jsonl/.json/.parquet file to train on "
+                             "(task.params.train_path=/data/train.jsonl)")
+        train = _load_named("task.params.train_path", train_path, read)
         if eval_path is not None:
-            evals = load_problems(eval_path, **read)
+            evals = _load_named("task.params.eval_path", eval_path, read)
             self._eval = evals if n_eval is None else evals[:n_eval]
             self._train = train
         else:
@@ -125,6 +151,17 @@ class MathDatasetTask(Task):
             held_set = set(held)
             self._eval = [train[i] for i in held]
             self._train = [p for i, p in enumerate(train) if i not in held_set]
+
+    def finite_problems(self) -> Dict[str, List[Problem]]:
+        return {"train": list(self._train), "eval": list(self._eval)}
+
+    def drop_problems(self, drop) -> Dict[str, int]:
+        before = {"train": len(self._train), "eval": len(self._eval)}
+        self._train = [p for p in self._train if not drop(p)]
+        self._eval = [p for p in self._eval if not drop(p)]
+        if not self._train:
+            raise ValueError(f"task {self.name!r}: no training rows left after dropping the ones that are too long")
+        return {"train": before["train"] - len(self._train), "eval": before["eval"] - len(self._eval)}
 
     def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
         """``n`` distinct rows (rows repeat only when n exceeds the training set)."""
@@ -140,6 +177,17 @@ class MathDatasetTask(Task):
 
     def reward(self, problem: Problem, response_text: str) -> float:
         return 1.0 if verify_math(extract_answer(response_text, "math"), problem.answer) else 0.0
+
+
+def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:
+    """load_problems with the config key in the message of a missing or unreadable file."""
+    try:
+        return load_problems(path, **read)
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{key}: {exc}") from None
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg if key in msg else f"{key}: {msg}") from None
 
 
 @TASKS.register("math_file")

@@ -1,17 +1,27 @@
-"""Atomic checkpoints of the whole run state, the last N kept.
+"""Atomic, checksummed checkpoints of the whole run state, the last N kept.
 
 Layout of ``DIR/checkpoints/step_XXXXXX/`` (XXXXXX = optimizer-loop steps completed)::
 
     backend.pt          model + optimizer (+ LR scheduler) from ``backend.state_dict()``
                         (rank 0; a backend with ``save_checkpoint(dir)`` writes its own files
                         from every rank instead, e.g. sharded Megatron state)
+    rng_rank{r}.pt      python ``random``, numpy, torch (+ CUDA) generator states of global
+                        rank r, as tensors and plain numbers (no pickled objects)
     trainer_state.json  step, cumulative counters
-    rng_rank{r}.pt      python ``random``, numpy, torch (+ CUDA) generator states of global rank r
+    checksums.json      size + SHA-256 of every other file (written last)
+
+Everything read back is untrusted input: tensors are loaded with
+``torch.load(weights_only=True)`` (a pickled object other than tensors and plain
+containers is refused, never run), and every file must match ``checksums.json``.
+:meth:`CheckpointManager.load_latest` takes the newest checkpoint that verifies; a
+corrupt, truncated, empty or incomplete newer one is skipped with a warning that says what
+was wrong, and no usable checkpoint at all is a :class:`~nemo_d3s.trainer.faults.RunError`.
 
 Atomicity (why): a run killed mid-save must never leave a directory that looks complete.
 Everything is written into ``.tmp_step_XXXXXX`` and renamed into place by rank 0 after a
-barrier; ``latest_checkpoint`` ignores temp directories. Older ``step_*`` beyond
-``keep_last`` are deleted after the rename.
+barrier; only ``step_*`` directories are considered. Older ``step_*`` beyond ``keep_last``
+are deleted after the rename. A write that fails (a full disk) removes the temporary
+directory and raises a RunError; the earlier checkpoints are untouched.
 
 Data order needs no saved state: prompts and generation seeds are pure functions of
 (seed, step) (see ``trainer.data``), and so is the (N, K) schedule position.
@@ -27,19 +37,33 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.files import sha256_file
+from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
-__all__ = ["TrainerState", "CheckpointManager", "latest_checkpoint", "capture_rng", "restore_rng"]
+__all__ = [
+    "CHECKSUMS",
+    "TrainerState",
+    "CheckpointManager",
+    "latest_checkpoint",
+    "checkpoint_dirs",
+    "verify_checkpoint",
+    "safe_load",
+    "capture_rng",
+    "restore_rng",
+]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+CHECKSUMS = "checksums.json"
+_RNG_FORMAT = 2
 
 
 @dataclass
@@ -55,40 +79,155 @@ class TrainerState:
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
+# ------------------------------------------------------------------ RNG streams, pickle-free
 def capture_rng() -> Dict[str, Any]:
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+    """This process's generator states as tensors and plain numbers (loadable with
+    ``torch.load(weights_only=True)``)."""
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
+    state: Dict[str, Any] = {
+        "format": _RNG_FORMAT,
+        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
+                   "gauss_next": None if py_gauss is None else float(py_gauss)},
+        "numpy": {"name": str(np_name), "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
     return state
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    if not isinstance(state, dict) or state.get("format") != _RNG_FORMAT:
+        raise ValueError("RNG state in an unknown format (written by another version?)")
+    py = state["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    npy = state["numpy"]
+    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), int(npy["pos"]),
+                         int(npy["has_gauss"]), float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def safe_load(path: Path) -> Any:
+    """``torch.load`` of an untrusted file: tensors and plain containers only. Anything else
+    (a pickled object, a code payload) is refused with a RunError naming the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, a truncated zip, ...
+        raise RunError(f"refusing to load {str(path)!r}: not a plain tensor file ({first_line(e)})") from None
+
+
+# ------------------------------------------------------------------ finding and verifying
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def latest_checkpoint(ckpt_root: str | os.PathLike) -> Optional[Path]:
-    """The complete checkpoint with the highest step, or None."""
+def checkpoint_dirs(ckpt_root: str | os.PathLike) -> List[Path]:
+    """Every ``step_*`` directory under ``ckpt_root``, newest (highest step) first."""
     root = Path(ckpt_root)
     if not root.is_dir():
-        return None
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / "trainer_state.json").is_file():
-            found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def latest_checkpoint(ckpt_root: str | os.PathLike) -> Optional[Path]:
+    """The checkpoint with the highest step that has its ``trainer_state.json``, or None
+    (not verified: see :func:`verify_checkpoint`)."""
+    for p in checkpoint_dirs(ckpt_root):
+        if (p / "trainer_state.json").is_file():
+            return p
+    return None
+
+
+def _read_state(path: Path) -> TrainerState:
+    raw = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise ValueError("not a JSON object")
+    state = TrainerState(**raw)
+    if not isinstance(state.step, int) or state.step < 0:
+        raise ValueError(f"step={state.step!r}")
+    return state
+
+
+def verify_checkpoint(path: Path) -> Optional[str]:
+    """None when ``path`` is a complete checkpoint whose files match ``checksums.json``;
+    else what is wrong, in a few words."""
+    if not (path / "trainer_state.json").is_file():
+        return "no trainer_state.json (empty or incomplete)"
+    try:
+        _read_state(path)
+    except Exception as e:
+        return f"trainer_state.json is garbled ({first_line(e)})"
+    if not (path / CHECKSUMS).is_file():
+        return f"no {CHECKSUMS} (incomplete, or written by a version without checksums)"
+    try:
+        files = json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
+        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+    except Exception as e:
+        return f"{CHECKSUMS} is garbled ({first_line(e)})"
+    if "trainer_state.json" not in files:
+        return f"{CHECKSUMS} does not cover trainer_state.json"
+    root = path.resolve()
+    for rel, size, digest in items:
+        f = (path / rel).resolve()
+        if root not in f.parents:
+            return f"{CHECKSUMS} names {rel!r}, outside the checkpoint"
+        if not f.is_file():
+            return f"{rel} is missing"
+        actual = f.stat().st_size
+        if actual != size:
+            return f"{rel} has {actual} bytes, {size} were written (truncated or overwritten)"
+        if sha256_file(f) != digest:
+            return f"{rel} does not match its SHA-256 checksum (corrupt)"
+    return None
+
+
+def _write_checksums(path: Path) -> None:
+    files = {}
+    for f in sorted(path.rglob("*")):
+        if f.is_file() and f.name != CHECKSUMS:
+            rel = f.relative_to(path).as_posix()
+            files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+    (path / CHECKSUMS).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
+    """Paths where both state trees hold a tensor and the shapes differ."""
+    if isinstance(current, torch.Tensor) and isinstance(loaded, torch.Tensor):
+        if current.shape != loaded.shape:
+            return [f"{prefix}: checkpoint {list(loaded.shape)} vs model {list(current.shape)}"]
+        return []
+    out: List[str] = []
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        for k in current:
+            if k in loaded:
+                out += _shape_mismatches(current[k], loaded[k], f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(current, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(current) == len(loaded):
+        for i, (a, b) in enumerate(zip(current, loaded)):
+            out += _shape_mismatches(a, b, f"{prefix}[{i}]")
+    return out
+
+
+def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({free}); "
+                    "earlier checkpoints are untouched, resume=true continues from the last one")
+
+
+def _looks_like_write_failure(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
+    )
 
 
 class CheckpointManager:
@@ -101,46 +240,96 @@ class CheckpointManager:
         """Collective: every rank calls it. Returns the final directory."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
-        if self.dp.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)  # left over from a run killed while saving
-            tmp.mkdir(parents=True)
-        self.dp.barrier()
-        own = getattr(backend, "save_checkpoint", None)
-        if callable(own):
-            own(str(tmp))
-        elif self.dp.is_main:
-            torch.save(backend.state_dict(), tmp / "backend.pt")
-        torch.save(capture_rng(), tmp / f"rng_rank{self.dp.global_rank}.pt")
-        self.dp.barrier()
-        if self.dp.is_main:
-            # trainer_state.json is what marks a directory complete; written last.
-            (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._prune()
+        try:
+            if self.dp.is_main:
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # left over from a run killed while saving
+                tmp.mkdir(parents=True)
+            self.dp.barrier()
+            fault_point("checkpoint.tmp_created")
+            own = getattr(backend, "save_checkpoint", None)
+            if callable(own):
+                own(str(tmp))
+            elif self.dp.is_main:
+                torch.save(backend.state_dict(), tmp / "backend.pt")
+            fault_point("checkpoint.backend_written")
+            torch.save(capture_rng(), tmp / f"rng_rank{self.dp.global_rank}.pt")
+            self.dp.barrier()
+            if self.dp.is_main:
+                (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+                _write_checksums(tmp)  # last: covers every file above
+                fault_point("checkpoint.before_rename")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                fault_point("checkpoint.renamed")
+                self._prune()
+        except Exception as e:
+            if not _looks_like_write_failure(e):
+                raise
+            if self.dp.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_failure(f"checkpoint {final.name}", self.root, e) from None
         self.dp.barrier()
         return final
 
     def _prune(self) -> None:
-        steps = sorted(
-            (int(m.group(1)), p) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-        )
-        for _, p in steps[: max(0, len(steps) - self.keep_last)]:
+        for p in checkpoint_dirs(self.root)[self.keep_last:]:
             shutil.rmtree(p, ignore_errors=True)
 
+    def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:
+        """Restore the newest checkpoint that verifies (see the module docstring); None when
+        there is no ``step_*`` directory at all. Collective: rank 0 verifies (it sees every
+        rank's files) and every rank loads the checkpoint it chose."""
+
+        def choose() -> Tuple[Optional[str], List[str]]:
+            problems = []
+            for p in checkpoint_dirs(self.root):
+                why = verify_checkpoint(p)
+                if why is None:
+                    return str(p), problems
+                problems.append(f"{p.name}: {why}")
+                log.warning("checkpoint %s is unusable: %s; trying the next older one", p, why)
+            return None, problems
+
+        chosen, problems = _broadcast_world(choose() if self.dp.is_main else None)
+        if chosen is None:
+            if not problems:
+                return None
+            raise RunError(f"no usable checkpoint in {str(self.root)!r}: " + "; ".join(problems)
+                           + ". Remove the bad ones (or the folder) to start over")
+        if problems and self.dp.is_main:
+            log.warning("resuming from %s instead of the newest checkpoint (%s)", Path(chosen).name, "; ".join(problems))
+        path = Path(chosen)
+        return path, self.load(path, backend)
+
     def load(self, path: Path, backend: Policy) -> TrainerState:
-        """Restore backend, this rank's RNG streams and the trainer counters from ``path``."""
+        """Restore backend, this rank's RNG streams and the trainer counters from ``path``
+        (checked by :func:`verify_checkpoint` first by :meth:`load_latest`)."""
+        state = _read_state(path)
         own = getattr(backend, "load_checkpoint", None)
-        if callable(own):
-            own(str(path))
-        else:
-            backend.load_state_dict(torch.load(path / "backend.pt", map_location="cpu", weights_only=False))
+        try:
+            if callable(own):
+                own(str(path))
+            else:
+                loaded = safe_load(path / "backend.pt")
+                bad = _shape_mismatches(backend.state_dict(), loaded)
+                if bad:
+                    raise RunError(
+                        f"checkpoint {str(path)!r} was written for a different model: {len(bad)} tensors differ "
+                        f"in shape (first: {bad[0]}); resume with the model settings of that run"
+                    )
+                backend.load_state_dict(loaded)
+        except RunError:
+            raise
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise RunError(f"checkpoint {str(path)!r} does not fit this model/optimizer: {first_line(e)}") from None
         rng_file = path / f"rng_rank{self.dp.global_rank}.pt"
         if rng_file.is_file():
-            restore_rng(torch.load(rng_file, weights_only=False))
+            try:
+                restore_rng(safe_load(rng_file))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise RunError(f"{str(rng_file)!r}: {first_line(e)}") from None
         else:
             log.warning("%s missing (different number of ranks?); RNG streams not restored", rng_file.name)
-        raw = json.loads((path / "trainer_state.json").read_text())
-        return TrainerState(**raw)
+        return state

@@ -8,7 +8,7 @@ sums are all-reduced, so the result does not depend on the number of ranks.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from nemo_d3s.backends.base import GenerationConfig, RolloutEngine
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -26,17 +26,27 @@ def evaluate(
     max_new_tokens: int,
     batch_size: int,
     n_show: int = 0,
+    should_stop: Optional[Callable[[], bool]] = None,
 ) -> Dict[str, Any]:
     """Returns eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors,
-    time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward)."""
+    time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward).
+
+    ``should_stop``: asked before every batch (the answer is agreed over the DP ranks, which
+    all run the same number of batches); when it says yes the evaluation is abandoned and
+    ``{"stopped": True}`` is returned, so a stop signal is honoured within one batch."""
     t0 = time.perf_counter()
     n = len(problems)
     lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size
     mine = problems[lo:hi]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     total, errors, length, shown = 0.0, 0, 0.0, []
-    for start in range(0, len(mine), batch_size):
+    largest = -(-n // groups.dp_size)  # the biggest rank slice: every rank runs as many batches
+    for start in range(0, largest, batch_size):
+        if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
+            return {"stopped": True}
         chunk = mine[start : start + batch_size]
+        if not chunk:
+            continue
         ro = engine.generate([task.prompt_text(p) for p in chunk], 1, gen, [0] * len(chunk))
         length += float(ro.batch.response_mask.sum())
         for p, text in zip(chunk, ro.response_texts):

@@ -9,8 +9,9 @@ Run directory layout (the same for every run)::
     DIR/hf_export/                   the final policy as a Hugging Face folder
     DIR/tensorboard/                 when tensorboard is installed
 
-Preemption: SIGTERM or SIGUSR1 set a flag; the current step finishes, a checkpoint is
-written and the run returns normally (exit code 0). ``resume=true`` continues from the
+Preemption: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current step (or
+evaluation batch) finishes, a checkpoint is written and the run returns normally (exit
+code 0); a second signal stops at once. ``resume=true`` continues from the
 latest checkpoint with the same model, optimizer, RNG streams, schedule position and data
 order, so an interrupted + resumed run logs the same metrics as an uninterrupted one.
 """
@@ -39,18 +40,37 @@ from nemo_d3s.trainer.build import (
     plain,
     rollout_engine,
 )
-from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, latest_checkpoint
+from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, checkpoint_dirs
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
+from nemo_d3s.trainer.faults import RunError, agree_on_main, first_line
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
+from nemo_d3s.trainer.prompt_check import check_prompt_lengths
+from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir, move_aside, records
 from nemo_d3s.trainer.step import StepContext, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
+from nemo_d3s.tasks.base import out_of_range_rewards
 
 __all__ = ["Trainer", "train"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
-_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+_STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+# Keys a resumed run may change without becoming a different experiment (resources,
+# cadence, logging); any other change needs trainer.allow_config_change=true.
+_RESUME_SAFE = (
+    "resume", "output_dir", "logging.", "trainer.steps", "trainer.eval_every", "trainer.eval_at_start",
+    "trainer.eval_batch_size", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
+    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.allow_config_change",
+    "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "task.max_eval_size",
+    "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
+    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
+)
+
+
+def _resume_safe(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in _RESUME_SAFE)
 
 
 class Trainer:
@@ -93,42 +113,103 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up helpers
     def _start_state(self) -> TrainerState:
-        """Fresh state, or the latest checkpoint's when ``resume=true`` (files cut back to it)."""
-        latest = latest_checkpoint(self.out / "checkpoints")
+        """Fresh state, or the newest usable checkpoint's when ``resume=true`` (files cut back
+        to it). Never overwrites another run's records: a fresh run refuses a directory with
+        checkpoints or records; ``resume=true`` without a checkpoint moves old records into
+        ``previous-<n>/``; a resumed run must keep the experiment's config."""
+        self._resumed_from = None
+        ckpts = checkpoint_dirs(self.out / "checkpoints")
         if not self.cfg.resume:
-            if latest is not None:
+            if ckpts:
                 raise ConfigError(
-                    f"output_dir={str(self.out)!r} already holds checkpoints ({latest.name}); "
+                    f"output_dir={str(self.out)!r} already holds checkpoints ({ckpts[0].name}); "
                     "pass resume=true to continue that run or choose another output_dir"
                 )
+            agree_on_main(self.groups, self._refuse_records)
             return self._start_state_fresh()
-        if latest is None:
+        if not ckpts:
+            agree_on_main(self.groups, self._move_records_aside)
             log.info("resume=true but no checkpoint in %s; starting from step 0", self.out / "checkpoints")
             return self._start_state_fresh()
-        state = self.ckpt.load(latest, self.policy)
+        agree_on_main(self.groups, self._check_resume_config)  # before anything is changed
+        latest, state = self.ckpt.load_latest(self.policy)
         self.engine.sync_weights(self.policy)  # an engine with its own copy samples from the loaded weights
         if self.groups.is_main:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, state.step)
         log.info("resumed from %s (step %d)", latest, state.step)
+        self._resumed_from = latest
         return state
 
     def _start_state_fresh(self) -> TrainerState:
-        if self.groups.is_main:
+        if self.groups.is_main:  # empty files only: records were refused or moved aside above
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, -1)
         return TrainerState()
+
+    def _refuse_records(self) -> None:
+        found = records(self.out)
+        if found:
+            raise ConfigError(
+                f"output_dir={str(self.out)!r} holds an earlier run's records ({', '.join(found)}) and no "
+                "checkpoint; choose another output_dir, or pass resume=true to move them into previous-<n>/ "
+                "and start from step 0"
+            )
+
+    def _move_records_aside(self) -> None:
+        found = records(self.out)
+        if found:
+            dest = move_aside(self.out, found)
+            log.warning("resume=true found no checkpoint but an earlier run's %s; moved them to %s and "
+                        "starting from step 0", ", ".join(found), dest)
+
+    def _check_resume_config(self) -> None:
+        """Rank 0, before anything is changed: the resumed config must be the same experiment
+        as the original ``config.yaml`` (see ``_RESUME_SAFE``)."""
+        path = self.out / "config.yaml"
+        allow = bool(self.t.allow_config_change)
+        if not path.is_file():
+            log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
+            return
+        try:
+            old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+            if not isinstance(old, dict):
+                raise ValueError("not a mapping")
+        except Exception as e:
+            if allow:
+                log.warning("%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, first_line(e))
+                return
+            raise ConfigError(f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
+                              "restore it, or pass trainer.allow_config_change=true to resume without the check") from None
+        new = OmegaConf.to_container(self.cfg, resolve=True)
+        diffs = [(k, a, b) for k, a, b, had in _diff_values(old, new) if had]
+        changed = [(k, a, b) for k, a, b in diffs if not _resume_safe(k)]
+        listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (" ..." if len(changed) > 8 else "")
+        if changed and not allow:
+            raise ConfigError(
+                f"resume=true with a config that changes the experiment ({listing}); resume with the original "
+                f"values (see {path}), or pass trainer.allow_config_change=true to continue anyway"
+            )
+        if changed:
+            log.warning("resuming with a changed experiment (trainer.allow_config_change=true): %s", listing)
+        if any(k == "trainer.steps" for k, _, _ in diffs):
+            log.warning("trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
+                        "steps from here on differ from a run started with the new value")
 
     def _install_signal_handlers(self) -> Dict[int, Any]:
         """SIGTERM/SIGUSR1 -> stop after the current step (a second one stops at once).
         Returns the previous handlers, restored when the run ends."""
 
         def handler(signum, _frame):
+            name = signal.Signals(signum).name
             if self._stop_signal is not None:
-                print(f"second {signal.Signals(signum).name}: stopping now, without a checkpoint "
+                print(f"second {name}: stopping now, without a checkpoint "
                       "(resume=true continues from the last one)", file=sys.stderr, flush=True)
                 raise SystemExit(128 + signum)
-            self._stop_signal = signal.Signals(signum).name
+            self._stop_signal = name
+            if signum == getattr(signal, "SIGINT", None):
+                print("SIGINT: finishing the current step, then writing a checkpoint "
+                      "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
 
         previous: Dict[int, Any] = {}
         for name in _STOP_SIGNALS:
@@ -141,12 +222,16 @@ class Trainer:
         return previous
 
     # ------------------------------------------------------------------ the run
-    def _evaluate(self, state: TrainerState) -> Dict[str, Any]:
+    def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
+        """The eval row, or None when a stop signal interrupted the evaluation."""
         res = evaluate(
             self.engine, self.task, self.eval_problems, self.groups,
             max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
             batch_size=int(self.t.eval_batch_size), n_show=int(self.cfg.logging.log_samples),
+            should_stop=lambda: self._stop_signal is not None,
         )
+        if res.get("stopped"):
+            return None
         samples = res.pop("samples")
         row = {"step": state.step, **res}
         self.logger.log_eval(row)
@@ -155,18 +240,44 @@ class Trainer:
         return row
 
     def _write_config(self) -> None:
-        """DIR/config.yaml; on resume, warn about keys that differ from the original run."""
+        """DIR/config.yaml. A resumed run keeps the original and, when its config differs
+        (only in keys allowed to differ, or with trainer.allow_config_change=true), writes
+        ``config.resumed-<n>.yaml`` beside it."""
         path = self.out / "config.yaml"
         new = OmegaConf.to_container(self.cfg, resolve=True)
-        if self.cfg.resume and path.is_file():
-            old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-            changed = [k for k in _diff_keys(old, new) if k not in ("resume", "output_dir")]
-            if changed:
-                log.warning("resuming with a different config; changed keys: %s", ", ".join(changed))
-        path.write_text(OmegaConf.to_yaml(OmegaConf.create(new)))
+        text = OmegaConf.to_yaml(OmegaConf.create(new))
+        if self._resumed_from is not None and path.is_file():
+            try:
+                same = OmegaConf.to_container(OmegaConf.load(path), resolve=True) == new
+            except Exception:
+                same = False
+            if same:
+                return
+            n = 1
+            while (self.out / f"config.resumed-{n}.yaml").exists():
+                n += 1
+            (self.out / f"config.resumed-{n}.yaml").write_text(text)
+            log.info("kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n)
+            return
+        path.write_text(text)
 
     def run(self) -> TrainerState:
-        self.out.mkdir(parents=True, exist_ok=True)
+        # Checks that write nothing come first: prompt lengths against the model's context.
+        if check_prompt_lengths(self.cfg, self.policy, self.task.task):
+            self.eval_problems = self.task.eval_set(int(self.cfg.task.eval_size))
+        self._lock: Optional[RunDirLock] = None
+        agree_on_main(self.groups, self._take_run_dir)  # one run per directory, for the whole run
+        try:
+            return self._run_locked()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _take_run_dir(self) -> None:
+        check_output_dir(str(self.out))
+        self._lock = RunDirLock(self.out).acquire()
+
+    def _run_locked(self) -> TrainerState:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
             self._write_config()
@@ -176,11 +287,19 @@ class Trainer:
             str(self.out), enabled=self.groups.is_main, tensorboard=bool(self.cfg.logging.tensorboard),
             progress_bar=bool(self.cfg.logging.progress_bar), total_steps=T, start_step=state.step,
         )
+        self.logger.write(f"run directory: {self.out.resolve()}")
         previous_handlers = self._install_signal_handlers()
         t_start, wall_before = time.perf_counter(), state.wall_time_total
+        n_rollouts = int(self.t.prompts_per_step) * int(self.t.num_generations)
+        max_failed = int(self.t.max_failed_reward_steps)
         try:
+            pending = state.extra.pop("pending_eval", None)
             if state.step == 0 and self.t.eval_at_start:
-                self._evaluate(state)
+                pending = 0
+            if pending is not None and pending == state.step:
+                if self._evaluate(state) is None:
+                    return self._interrupted(state, pending_eval=True)
+                self.logger.restart_clock()  # the ETA counts training steps, not this evaluation
             while state.step < T:
                 progress = state.step / max(1, T - 1)
                 t0 = time.perf_counter()
@@ -194,19 +313,16 @@ class Trainer:
                 if m.get("skipped"):
                     why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
                     self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
+                self._check_reward_failures(state, m, n_rollouts, max_failed)
                 done = state.step == T
+                eval_stopped = False
                 if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
-                    self._evaluate(state)
+                    eval_stopped = self._evaluate(state) is None
                 stop = self.groups.max(1.0 if self._stop_signal else 0.0) > 0
-                if done or stop or (self.t.save_every and state.step % self.t.save_every == 0):
-                    path = self.ckpt.save(self.policy, state)
-                    if stop and not done:
-                        self.logger.write(
-                            f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
-                            f"{path} written at step {state.step}; continue with resume=true"
-                        )
-                        state.extra["interrupted"] = True
-                        return state
+                if stop and (eval_stopped or not done):
+                    return self._interrupted(state, pending_eval=eval_stopped)
+                if done or (self.t.save_every and state.step % self.t.save_every == 0):
+                    self.ckpt.save(self.policy, state)
             if self.t.export_hf:
                 self._export()
             self._summary(state)
@@ -215,6 +331,33 @@ class Trainer:
             for sig, h in previous_handlers.items():
                 signal.signal(sig, h)
             self.logger.close()
+
+    def _interrupted(self, state: TrainerState, *, pending_eval: bool) -> TrainerState:
+        """A stop signal: checkpoint now (with the evaluation it cut short still to do) and
+        return; ``resume=true`` continues exactly here."""
+        if pending_eval:
+            state.extra["pending_eval"] = state.step
+        path = self.ckpt.save(self.policy, state)
+        state.extra.pop("pending_eval", None)
+        self.logger.write(
+            f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
+            f"{path} written at step {state.step}; continue with resume=true"
+        )
+        state.extra["interrupted"] = True
+        return state
+
+    def _check_reward_failures(self, state: TrainerState, m: Dict[str, float], n_rollouts: int, limit: int) -> None:
+        """Stop when the reward function failed on every call for ``limit`` consecutive steps
+        (a broken verifier would otherwise let the run "finish" with every step skipped)."""
+        all_failed = float(m.get("reward_errors", 0.0)) >= n_rollouts
+        run = int(state.extra.get("failed_reward_steps", 0)) + 1 if all_failed else 0
+        state.extra["failed_reward_steps"] = run
+        if limit and run >= limit:
+            raise RunError(
+                f"the reward function of task {self.task.name!r} failed on every call in {run} consecutive steps "
+                f"(steps {state.step - run + 1}-{state.step}; its errors are in the warnings above). Fix the "
+                f"verifier; trainer.max_failed_reward_steps={limit} sets how many such steps stop a run"
+            )
 
     @staticmethod
     def _accumulate(state: TrainerState, m: Dict[str, float]) -> None:
@@ -249,10 +392,22 @@ class Trainer:
             "eval_reward_first": evals[0]["eval_reward_mean"] if evals else None,
             "eval_reward_last": evals[-1]["eval_reward_mean"] if evals else None,
             **self._totals(state),
+            "reward_out_of_range_total": out_of_range_rewards(self.task.task),
             "wall_time": state.wall_time_total,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.logger.write("done: " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        self.logger.write("done: " + ", ".join(f"{k}={v}" for k, v in summary.items())
+                          + f"; run directory: {self.out.resolve()}")
+
+
+def _diff_values(a: Any, b: Any, prefix: str = "", had: bool = True) -> list:
+    """(dotted key, old, new, the old config had the key) for every differing leaf."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _diff_values(a.get(k), b.get(k), f"{prefix}{k}.", had and k in a)
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b, had)]
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list:
@@ -278,6 +433,7 @@ def train(cfg: Any) -> TrainerState:
     tear down the process group the policy created. Rank 0 speaks for the job; other ranks
     log warnings only."""
     seed_everything(int(cfg.seed))
+    check_output_dir(str(cfg.output_dir), create=False)  # before the model load: a bad path fails fast
     trainer = Trainer(cfg)
     logging.getLogger("nemo_d3s").setLevel(cfg.logging.level if trainer.groups.is_main else "WARNING")
     try:

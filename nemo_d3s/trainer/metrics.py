@@ -6,6 +6,12 @@ a pure function of the config and seed (the resume test compares those).
 
 On resume the files are cut back to the checkpoint's step, so rows of steps that were run
 after the last checkpoint (and will be run again) do not appear twice.
+
+Every record is written whole or not at all: one ``write`` of the complete line on an
+``O_APPEND`` descriptor; a failed write (a full disk) is cut back to the last whole line
+and raised as a RunError. A line that is not valid JSON (a torn write from an older
+version, a hand edit) never hides the rows after it: readers skip it with a warning that
+names the line, and rewriting a file keeps it in ``<name>.garbled``.
 """
 
 from __future__ import annotations
@@ -15,46 +21,138 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["MetricsLogger", "read_jsonl", "truncate_jsonl", "is_timing_key"]
+from nemo_d3s.trainer.faults import RunError, fault_point
+
+__all__ = ["MetricsLogger", "read_jsonl", "truncate_jsonl", "is_timing_key", "JsonlAppender"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
 TIMING_PREFIXES = ("time_", "wall_")
+_write = os.write  # one indirection, so a test can fill the disk
 
 
 def is_timing_key(key: str) -> bool:
     return key.startswith(TIMING_PREFIXES)
 
 
-def read_jsonl(path: str | os.PathLike) -> List[Dict[str, Any]]:
+def _parse_jsonl(p: Path) -> Tuple[List[Dict[str, Any]], List[Tuple[int, str]]]:
+    """(rows, [(line number, raw line)] of lines that are not a JSON object)."""
+    rows: List[Dict[str, Any]] = []
+    bad: List[Tuple[int, str]] = []
+    with p.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad.append((lineno, line))
+    return rows, bad
+
+
+def read_jsonl(path: str | os.PathLike, *, warn: bool = True) -> List[Dict[str, Any]]:
+    """Every JSON-object line of ``path`` ([] when it does not exist). Other lines are
+    skipped, with a warning naming their line numbers."""
     p = Path(path)
     if not p.is_file():
         return []
-    rows = []
-    with p.open() as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line cut by a kill: everything before it is good
+    rows, bad = _parse_jsonl(p)
+    if bad and warn:
+        log.warning("%s: skipped %d line(s) that are not valid JSON: line %s", p, len(bad),
+                    ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else ""))
     return rows
 
 
 def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
-    """Keep rows with ``step <= max_step`` (rewritten atomically)."""
+    """Keep rows with ``step <= max_step`` (rewritten atomically). Garbled lines are
+    appended to ``<name>.garbled`` (with their line numbers), never silently lost."""
     p = Path(path)
     if not p.is_file():
         return
-    rows = [r for r in read_jsonl(p) if int(r.get("step", 0)) <= max_step]
+    rows, bad = _parse_jsonl(p)
+    if bad:
+        with (p.parent / (p.name + ".garbled")).open("a", encoding="utf-8") as g:
+            for n, line in bad:
+                g.write(f"{n}\t{line}\n")
+        log.warning("%s: %d line(s) are not valid JSON (line %s); kept the %d good rows, moved those lines to %s",
+                    p, len(bad), ", ".join(str(n) for n, _ in bad[:10]), len(rows), p.name + ".garbled")
+    rows = [r for r in rows if _step_of(r) <= max_step]
     tmp = p.with_suffix(p.suffix + ".tmp")
     with tmp.open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     os.replace(tmp, p)
+
+
+def _step_of(row: Dict[str, Any]) -> int:
+    try:
+        return int(row.get("step", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+class JsonlAppender:
+    """Appends whole lines to a JSONL file: one ``os.write`` per record on an O_APPEND
+    descriptor; a failed or short write is cut back to the previous end of file and raised
+    as a RunError naming the file. A partial last line left by an older writer is moved to
+    ``<name>.garbled`` when the file is opened."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        _repair_tail(self.path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+
+    def write(self, line: str) -> None:
+        data = (line.rstrip("\n") + "\n").encode("utf-8")
+        end = os.fstat(self.fd).st_size
+        try:
+            fault_point("metrics.write")
+            n = _write(self.fd, data)
+            if n != len(data):  # a short write: the disk filled up part-way
+                raise OSError(28, f"short write ({n} of {len(data)} bytes)")
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, end)
+            except OSError:
+                pass
+            raise RunError(f"could not write {str(self.path)!r}: {e.strerror or e}; the file keeps its whole "
+                           "lines, resume=true continues from the last checkpoint") from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _repair_tail(p: Path) -> None:
+    """Cut a last line that has no newline (a write interrupted by a crash) into
+    ``<name>.garbled``; the file then ends with a whole line again."""
+    if not p.is_file():
+        return
+    size = p.stat().st_size
+    if size == 0:
+        return
+    with p.open("rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        chunk = min(size, 1 << 20)
+        f.seek(size - chunk)
+        tail = f.read(chunk)
+        cut = size - chunk + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+        f.seek(cut)
+        partial = f.read()
+        with (p.parent / (p.name + ".garbled")).open("ab") as g:
+            g.write(b"(partial last line)\t" + partial + b"\n")
+        f.truncate(cut)
+    log.warning("%s ended in a partial line (an interrupted write); moved it to %s", p, p.name + ".garbled")
 
 
 def _clean(v: Any) -> Any:
@@ -76,8 +174,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = (self.dir / "metrics.jsonl").open("a")
-        self._eval = (self.dir / "eval.jsonl").open("a")
+        self._metrics = JsonlAppender(self.dir / "metrics.jsonl")
+        self._eval = JsonlAppender(self.dir / "eval.jsonl")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -93,8 +191,7 @@ class MetricsLogger:
     def log_step(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._metrics.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._metrics.flush()
+        self._metrics.write(json.dumps({k: _clean(v) for k, v in row.items()}))
         self._scalars("train", row)
         if self.bar is not None:
             self.bar.update(1)
@@ -108,8 +205,7 @@ class MetricsLogger:
     def log_eval(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._eval.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self._eval.flush()
+        self._eval.write(json.dumps({k: _clean(v) for k, v in row.items()}))
         self._scalars("eval", row)
         msg = f"eval step {row['step']}: reward {row['eval_reward_mean']:.4f} over {row['eval_n']} problems"
         if self.bar is not None:
@@ -124,6 +220,14 @@ class MetricsLogger:
         for k, v in row.items():
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)
+
+    def restart_clock(self) -> None:
+        """Start the progress bar's rate and ETA from now (called after the initial
+        evaluation, so the first ETA is about training steps only)."""
+        if self.bar is not None:
+            self.bar.reset(total=self.bar.total)
+            self.bar.n = self.bar.last_print_n = self.bar.initial
+            self.bar.refresh()
 
     def write(self, msg: str) -> None:
         """A line that does not break the progress bar."""

@@ -155,5 +155,6 @@ def test_sigusr1_checkpoints_after_the_current_step_in_process(tmp_path):
     assert not (tmp_path / "hf_export").exists()  # no export for an unfinished run
     assert signal.getsignal(signal.SIGUSR1) == before  # handlers restored
     state, rows = run_inprocess(tmp_path, ["task.name=tiny", "trainer.steps=5", "trainer.save_every=0",
-                                           "trainer.eval_at_start=false", "resume=true"])
+                                           "trainer.eval_at_start=false", "resume=true",
+                                           "trainer.allow_config_change=true"])  # the signalling task is gone
     assert state.step == 5 and [r["step"] for r in rows] == [1, 2, 3, 4, 5]

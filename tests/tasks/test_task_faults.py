@@ -1,0 +1,65 @@
+"""Tasks as untrusted input (issue 9): dataset files that are folders, missing or not UTF-8
+are named in one message; rewards outside a task's declared range are counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from nemo_d3s.tasks.base import Problem, out_of_range_rewards, safe_reward
+from nemo_d3s.tasks.math_dataset import MathDatasetTask, read_rows
+from nemo_d3s.tasks.tiny import TinyCharTask
+
+
+def test_read_rows_names_a_folder_a_missing_file_and_non_utf8_lines(tmp_path):
+    with pytest.raises(ValueError, match="is a directory"):
+        read_rows(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "a", "answer": "1"}\n\n{"question": "\xff\xfe", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 3 is not UTF-8"):
+        read_rows(str(bad))
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_bytes(b'[\n{"question": "a", "answer": "1"},\n{"question": "\xff"}]')
+    with pytest.raises(ValueError, match=r"bad.json: line 3 is not UTF-8"):
+        read_rows(str(bad_json))
+
+
+def test_math_task_names_the_config_key_of_a_bad_path(tmp_path):
+    with pytest.raises(ValueError, match="task.params.train_path is required"):
+        MathDatasetTask("???")
+    with pytest.raises(ValueError, match="task.params.train_path: dataset path .* is a directory"):
+        MathDatasetTask(str(tmp_path))
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    with pytest.raises(FileNotFoundError, match="task.params.eval_path"):
+        MathDatasetTask(str(data), str(tmp_path / "missing.jsonl"))
+
+
+def test_math_task_drops_problems_from_both_splits(tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    task = MathDatasetTask(str(data), n_eval=3)
+    dropped = task.drop_problems(lambda p: p.meta["row"] % 2 == 0)
+    assert dropped["train"] + dropped["eval"] == 5
+    rows = {p.meta["row"] for split in task.finite_problems().values() for p in split}
+    assert rows == {1, 3, 5, 7, 9}
+
+
+def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(caplog):
+    class Loud(TinyCharTask):
+        def reward(self, problem, response_text):
+            return 1e30
+
+    task, p = Loud(), Problem("q", "a")
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        for _ in range(3):
+            assert safe_reward(task, p, "x") == (1e30, None)
+    assert out_of_range_rewards(task) == 3
+    assert caplog.text.count("outside the task's declared range [0.0, 1.0]") == 1
+    plain = TinyCharTask()
+    safe_reward(plain, p, "a")
+    assert out_of_range_rewards(plain) == 0
