@@ -7,10 +7,12 @@ command line prints it as one ``error:`` line and exits with code 2, like a
 
 Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
 ``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
-(SIGKILL itself, the default), ``enospc`` (raise ``OSError(ENOSPC)``), ``sleep<seconds>``.
-Several specs are separated by commas. Points are named where they are placed, e.g.
+(SIGKILL itself, the default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is
+appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``enospc`` (raise ``OSError(ENOSPC)``),
+``sleep<seconds>``. Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>``
+limits them to the process whose ``RANK`` is r. Points are named where they are placed, e.g.
 ``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
-``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``. Unset (every
+``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``loop.step_done``. Unset (every
 real run), a point costs one dictionary lookup.
 """
 
@@ -50,6 +52,9 @@ def fault_point(name: str) -> None:
     spec = _specs().get(name)
     if spec is None:
         return
+    only = os.environ.get("NEMO_D3S_FAULT_RANK")
+    if only is not None and os.environ.get("RANK", "0") != only:
+        return
     _hits[name] = _hits.get(name, 0) + 1
     nth, action = spec
     if _hits[name] != nth:
@@ -57,6 +62,12 @@ def fault_point(name: str) -> None:
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)  # SIGKILL is delivered asynchronously
+    elif action == "stop":
+        pidfile = os.environ.get("NEMO_D3S_FAULT_PIDFILE")
+        if pidfile:
+            with open(pidfile, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif action.startswith("sleep"):

@@ -43,7 +43,7 @@ from nemo_d3s.trainer.build import (
 from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, checkpoint_dirs
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
-from nemo_d3s.trainer.faults import RunError, agree_on_main, first_line
+from nemo_d3s.trainer.faults import RunError, agree_on_main, fault_point, first_line
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir, move_aside, records
@@ -314,6 +314,7 @@ class Trainer:
                     why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
                     self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
                 self._check_reward_failures(state, m, n_rollouts, max_failed)
+                fault_point("loop.step_done")
                 done = state.step == T
                 eval_stopped = False
                 if done or (self.t.eval_every and state.step % self.t.eval_every == 0):

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shutil
 import socket
@@ -27,7 +29,10 @@ from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", "move_aside"]
 
+log = logging.getLogger("nemo_d3s.trainer")
+
 LOCK_NAME = ".nemo_d3s.lock"
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 # What a run writes that is worth keeping (config.yaml is written again at every start).
 RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
 
@@ -95,6 +100,11 @@ class RunDirLock:
                 "to end, or choose another output_dir"
             ) from None
         except OSError as e:
+            if e.errno in _NO_LOCKS:  # e.g. Lustre mounted without -o flock: run, but say so
+                log.warning("cannot lock %s (%s): this filesystem has no file locks, so a second run in the "
+                            "same output_dir would not be stopped", self.path, e.strerror or e)
+                self.fd = fd
+                return self
             os.close(fd)
             raise RunError(f"cannot lock {str(self.path)!r}: {e.strerror or e}") from None
         fault_point("lock.acquired")

@@ -503,3 +503,44 @@ def test_eta_clock_restarts_after_the_initial_evaluation(tmp_path):
     logger.restart_clock()
     assert logger.bar.format_dict["elapsed"] < 0.2 and logger.bar.n == 0
     logger.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
+    """2 ranks; rank 1 SIGSTOPs itself after step 2 (stopped, not dead). Rank 0 must leave
+    its collective after trainer.dist_timeout_minutes (here 6 s) with one error line and
+    exit code 3, instead of waiting torch's default 30 minutes."""
+    import time
+
+    env = cli_env()
+    env.update(NEMO_D3S_FAULT="loop.step_done@2=stop", NEMO_D3S_FAULT_RANK="1",
+               NEMO_D3S_FAULT_PIDFILE=str(tmp_path / "stopped.pids"))
+    t0 = time.time()
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+             "nemo_d3s.train", "experiment=smoke", "trainer.steps=20", "trainer.dist_timeout_minutes=0.1",
+             f"output_dir={tmp_path / 'run'}"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    finally:  # never leave a stopped process behind
+        for pid in (tmp_path / "stopped.pids").read_text().split() if (tmp_path / "stopped.pids").exists() else []:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    out = r.stdout + r.stderr
+    assert "error: a collective timed out after 0.1 minutes (trainer.dist_timeout_minutes)" in out, out[-3000:]
+    assert "exitcode  : 3" in out and time.time() - t0 < 150
+
+
+def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, _ = run_inprocess(tmp_path, FAST)
+    assert state.step == 2 and "has no file locks" in caplog.text
