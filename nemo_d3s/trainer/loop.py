@@ -292,6 +292,7 @@ class Trainer:
         t_start, wall_before = time.perf_counter(), state.wall_time_total
         n_rollouts = int(self.t.prompts_per_step) * int(self.t.num_generations)
         max_failed = int(self.t.max_failed_reward_steps)
+        oor_before = int(state.extra.get("reward_out_of_range", 0))  # summed over resumed segments
         try:
             pending = state.extra.pop("pending_eval", None)
             if state.step == 0 and self.t.eval_at_start:
@@ -314,6 +315,7 @@ class Trainer:
                     why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
                     self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
                 self._check_reward_failures(state, m, n_rollouts, max_failed)
+                state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(self.task.task)
                 fault_point("loop.step_done")
                 done = state.step == T
                 eval_stopped = False
@@ -393,7 +395,7 @@ class Trainer:
             "eval_reward_first": evals[0]["eval_reward_mean"] if evals else None,
             "eval_reward_last": evals[-1]["eval_reward_mean"] if evals else None,
             **self._totals(state),
-            "reward_out_of_range_total": out_of_range_rewards(self.task.task),
+            "reward_out_of_range_total": int(state.extra.get("reward_out_of_range", 0)),
             "wall_time": state.wall_time_total,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
