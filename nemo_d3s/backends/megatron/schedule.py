@@ -1,0 +1,590 @@
+"""Scoring and training steps of the Megatron backend, through megatron-core's own schedules.
+
+Both passes run ``megatron.core.pipeline_parallel.get_forward_backward_func()`` over
+micro-batches: no pipelining for PP = 1, 1F1B (``forward_backward_pipelining_without_
+interleaving``) for PP > 1. Only the last pipeline stage has logits; the loss function the
+schedule calls there computes token log-probs (and entropy) from this TP rank's vocabulary
+shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
+vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded
+vocabulary columns (global id >= the real ``vocab_size``) are left out of the softmax,
+which is the same as masking them to -inf before it, and get zero gradient.
+
+Shapes (DESIGN.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
+is [b, L] with L <= S its longest attended row (PP = 1) or the step's longest row (PP > 1:
+1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a call must
+have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
+dropped). The model returns [b, L, V/TP] logits on the last stage. Per-token results are
+token-aligned: position t holds the quantity of token t computed from the logits at t - 1;
+position 0, padding and positions past L hold 0.
+
+Precondition (the seam's contract): every rank of one model-parallel group (its TP x PP
+peers) calls these functions with the SAME batch; DP ranks hold different batches (possibly
+empty).
+
+- :func:`score`: forward-only pass -> ``Scores`` [B, S] f32 on the CPU, identical on every
+  rank of the model-parallel group (one broadcast from the last stage over PP).
+- :func:`train_step`: forward + backward of every micro-batch, the trainer's ``LossFn``
+  (a SUM) scaled by :class:`~nemo_d3s.distributed.StepNormalizer` so that the schedule's
+  1/num_microbatches and the DP gradient averaging are undone exactly; the DP gradient
+  reduction; global-norm clipping over TP x PP x DP; one optimizer step.
+- :func:`build_optimizer`: the optimizer :func:`train_step` expects: on CPU plain
+  ``torch.optim.AdamW`` over this rank's shards (gradients averaged over DP by
+  :func:`train_step` with one explicit all-reduce per dtype); on CUDA Megatron's
+  ``DistributedDataParallel`` + distributed optimizer (UNTESTED here: no GPU was available
+  when this was written).
+
+Collectives per call are listed in each docstring. Nothing here knows about D3S: selection,
+denominators and loss closures come from the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
+from nemo_d3s.core.entropy import align_to_tokens
+from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.distributed.normalizers import StepNormalizer
+from nemo_d3s.distributed.pipeline import PerTokenStore, broadcast_per_token, is_last_stage, logprob_loss_func
+from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
+
+__all__ = [
+    "MicroBatch",
+    "plan_micro_batches",
+    "score",
+    "train_step",
+    "build_optimizer",
+    "finalize_grads",
+    "global_grad_norm",
+    "clip_grads_",
+]
+
+Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+
+
+# ---------------------------------------------------------------------------- micro-batches
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the schedule sees it.
+
+    rows [n] long (CPU): the batch rows it carries (n <= b; n = 0 for the zero-weight
+    micro-batch of an empty batch); b: rows fed to the model (n real + b - n dummy rows);
+    width L: positions fed to the model (the real rows cut or zero-padded to L).
+    """
+
+    rows: torch.Tensor
+    b: int
+    width: int
+
+
+def _check_right_padded(mask: torch.Tensor) -> None:
+    # The model sees only a causal mask, so every row's real tokens must form a prefix.
+    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be right-padded (each row's real tokens a prefix of the row)")
+
+
+def _real_length(mask: torch.Tensor) -> int:
+    cols = mask.any(dim=0).nonzero()
+    return int(cols[-1]) + 1 if cols.numel() else 0
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def plan_micro_batches(
+    attention_mask: torch.Tensor, micro_batch_size: int, *, uniform: bool, multiple_of: int = 1
+) -> List[MicroBatch]:
+    """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
+    consecutive rows.
+
+    uniform=False (PP = 1): each micro-batch is cut to its longest attended row.
+    uniform=True (PP > 1): every micro-batch has ``micro_batch_size`` rows (dummy rows fill
+    the last one) and the width of the batch's longest row, as 1F1B needs one shape per call.
+    Widths are at least 2 (one scored position) and rounded up to ``multiple_of`` (TP when
+    sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
+    dummy row, so a rank without data still runs every collective of the step.
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+    B = attention_mask.shape[0]
+    if B == 0:
+        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, _round_up(2, multiple_of))]
+    _check_right_padded(attention_mask)
+    chunks = list(torch.arange(B).split(micro_batch_size))
+    if uniform:
+        width = _round_up(max(_real_length(attention_mask), 2), multiple_of)
+        return [MicroBatch(r, micro_batch_size, width) for r in chunks]
+    return [
+        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of)) for r in chunks
+    ]
+
+
+def _fit_width(x: torch.Tensor, width: int, value=0) -> torch.Tensor:
+    """[n, S] -> [n, width]: cut, or pad on the right with ``value``."""
+    S = x.shape[1]
+    if width <= S:
+        return x[:, :width]
+    return F.pad(x, (0, width - S), value=value)
+
+
+def _model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
+    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
+    on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
+    mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
+    attention kernels build it); right padding needs nothing more."""
+    ids = _fit_width(batch.input_ids[mb.rows], mb.width)
+    if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
+        ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
+    attended = _fit_width(batch.attention_mask[mb.rows].bool(), mb.width, value=False)
+    pos = torch.arange(mb.width).unsqueeze(0).expand(mb.b, -1)
+    mask = None
+    if device.type != "cuda":
+        mask = torch.ones(mb.width, mb.width, dtype=torch.bool, device=device).triu_(1).view(1, 1, mb.width, mb.width)
+    return ids.to(device), pos.to(device), mask, attended.to(device)
+
+
+# ---------------------------------------------------------------------------- model plumbing
+def _chunks(model: Model) -> List[torch.nn.Module]:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise ValueError(
+            f"got {len(chunks)} model chunks; virtual pipeline parallelism (interleaved 1F1B) is not supported"
+        )
+    return chunks
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module") and not hasattr(module, "decoder"):
+        module = module.module
+    return module
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _check_layout(groups: ParallelGroups, config) -> None:
+    if groups.cp_size > 1:
+        raise ValueError(f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})")
+    if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
+        raise ValueError("pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)")
+
+
+def _schedule(
+    chunks: List[torch.nn.Module],
+    micro_batches: List[MicroBatch],
+    inputs: Callable[[int], Tuple[Any, ...]],
+    loss_for: Callable[[int, Tuple[Any, ...]], Callable],
+    *,
+    forward_only: bool,
+) -> None:
+    """One call of Megatron's forward/backward function over ``micro_batches``.
+
+    ``inputs(i)`` -> (ids, pos, mask, ...) of micro-batch i; ``loss_for(i, inputs)`` -> the
+    loss function the schedule applies to micro-batch i's output on the last stage.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator: Iterator[int], model: torch.nn.Module):
+        i = next(data_iterator)
+        x = inputs(i)
+        out = model(x[0], x[1], x[2])
+        return out, loss_for(i, x)
+
+    first = micro_batches[0]
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(range(len(micro_batches))),
+        model=chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=first.width,  # read by 1F1B only, where every micro-batch has this shape
+        micro_batch_size=first.b,
+        forward_only=forward_only,
+    )
+
+
+# ---------------------------------------------------------------------------- scoring
+@torch.no_grad()
+def score(
+    model: Model,
+    batch: TokenBatch,
+    groups: ParallelGroups,
+    *,
+    micro_batch_size: int,
+    with_entropy: bool = True,
+    vocab_size: Optional[int] = None,
+    chunk_size: int = 1024,
+) -> Scores:
+    """No-grad log-probs (+ entropy) of ``batch`` through Megatron's forward-only schedule.
+
+    model: this rank's GPTModel stage (or a one-element list of it; DDP-wrapped is fine);
+    batch: [B, S] right-padded, the SAME on every rank of the model-parallel group (B may be
+    0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
+    model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
+    rows (see :func:`plan_micro_batches`).
+
+    -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
+    (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
+    ``attention_mask`` is False; identical on every rank of the TP x PP group.
+
+    On the last stage, per micro-batch: logits [b, L, V/TP] -> the vocab-parallel kernel
+    (collectives on ``groups.tp``: one all-gather of one int64, one all-reduce MAX of b L
+    floats, one all-reduce SUM of 3 b L floats) -> [b, L] entropy and log-probs kept in a
+    :class:`PerTokenStore`. Then ONE broadcast of 2 x sum_i b_i L_i floats over ``groups.pp``
+    (PP > 1). 1F1B sends [L, b, hidden] activations between stages (p2p on the PP group).
+
+    Memory on the last stage: Megatron's [b, L, V/TP] logits of one micro-batch (plus the
+    kernel's chunk_size x V/TP workspace), and the [B, L] results; never V on one rank.
+    """
+    chunks = _chunks(model)
+    inner = _unwrap(chunks[0])
+    B, S = batch.input_ids.shape
+    logprobs = torch.zeros((B, S), dtype=torch.float32)
+    entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
+    if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
+        return Scores(logprobs, entropy)
+    _check_layout(groups, inner.config)
+    device = _device_of(chunks[0])
+    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
+    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
+    store = PerTokenStore()
+
+    def inputs(i: int):
+        return _model_inputs(batch, mbs[i], device)
+
+    def loss_for(i: int, x):
+        return logprob_loss_func(
+            store, x[0], groups.tp, token_aligned=True, vocab_size=vocab_size, chunk_size=chunk_size
+        )
+
+    was_training = [c.training for c in chunks]
+    for c in chunks:
+        c.eval()
+    try:
+        _schedule(chunks, mbs, inputs, loss_for, forward_only=True)
+    finally:
+        for c, t in zip(chunks, was_training):
+            c.train(t)
+    last = is_last_stage(groups.pp)
+    results = broadcast_per_token(
+        store if last else None, [(m.b, m.width) for m in mbs], groups.pp, device=device
+    )
+    for mb, res in zip(mbs, results):
+        n, w = len(mb.rows), min(mb.width, S)
+        keep = batch.attention_mask[mb.rows, :w].float()
+        logprobs[mb.rows, :w] = res["logprobs"][:n, :w].float().cpu() * keep
+        if with_entropy:
+            entropy[mb.rows, :w] = res["entropy"][:n, :w].float().cpu() * keep
+    return Scores(logprobs, entropy)
+
+
+# ---------------------------------------------------------------------------- gradients
+def _local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
+    return [p for c in chunks for p in c.parameters() if p.requires_grad]
+
+
+def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
+    """What Megatron's ``finalize_model_grads`` does for its DDP, for plain ``.grad`` tensors
+    (the CPU path): missing gradients become zeros; gradients are AVERAGED over ``groups.dp``
+    (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does when the loss
+    is not per-token); with PP > 1 and tied embeddings, the word-embedding gradient of the
+    first stage and the output-layer gradient of the last stage (the two copies of one
+    weight) are summed over Megatron's embedding group, so both copies take the same update.
+    No sequence parallelism (its layer-norm all-reduce is not done here).
+
+    Memory: one flat copy of the gradients of one dtype during the all-reduce.
+    """
+    chunks = _chunks(chunks)
+    params = _local_params(chunks)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if groups.data_parallel:
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
+            flat /= groups.dp_size
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+    inner = _unwrap(chunks[0])
+    if groups.pp_size > 1 and getattr(inner, "share_embeddings_and_output_weights", False):
+        from megatron.core import parallel_state as ps
+
+        if ps.is_rank_in_embedding_group():
+            weight = inner.shared_embedding_or_output_weight()
+            dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
+
+
+def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
+    """Megatron's rule: a parameter's gradient counts once in the global norm. TP-duplicated
+    parameters (layer norms, row-parallel biases) count on TP rank 0 only; the last stage's
+    copy of tied embeddings (``shared``) does not count (the first stage's does)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    if not param_is_not_shared(p):
+        return False
+    if is_single(groups.tp):
+        return True
+    return param_is_not_tensor_parallel_duplicate(p, groups.tp)
+
+
+def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
+    """L2 norm of the whole model's gradient (0-d f64 tensor on ``groups.device``), identical
+    on every rank. Expects gradients already reduced over DP (:func:`finalize_grads`), so DP
+    replicas hold the same values and only the model-parallel shards are summed: squared
+    norms (fp32 per tensor, summed in fp64) are all-reduced over ``groups.tp`` then
+    ``groups.pp`` (= the TP x PP grid). No host sync."""
+    chunks = _chunks(chunks)
+    grads = [p.grad for p in _local_params(chunks) if p.grad is not None and _counts_for_norm(p, groups)]
+    if grads:
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double().pow(2).sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float64)
+    sq = sq.to(groups.device).reshape(1)
+    for g in (groups.tp, groups.pp):
+        if not is_single(g):
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=g)
+    return sq.sqrt()[0]
+
+
+def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
+    """Scale every local gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's and
+    Megatron's formula); returns the factor. ``max_norm`` <= 0 or None: no clipping."""
+    if not max_norm or max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    coeff = float(max_norm) / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in _local_params(_chunks(chunks)):
+            if p.grad is not None:
+                p.grad.mul_(coeff)
+    return min(coeff, 1.0)
+
+
+# ---------------------------------------------------------------------------- training
+def _is_megatron_optimizer(optimizer) -> bool:
+    try:
+        from megatron.core.optimizer import MegatronOptimizer
+    except ImportError:  # pragma: no cover - megatron-core is a dependency of this backend
+        return False
+    return isinstance(optimizer, MegatronOptimizer)
+
+
+def _broadcast_metrics(sums: Optional[Dict[str, float]], groups: ParallelGroups) -> Dict[str, float]:
+    """The last stage's metric sums on every stage: one object broadcast over ``groups.pp``."""
+    if is_single(groups.pp):
+        return dict(sums or {})
+    box = [sums if is_last_stage(groups.pp) else None]
+    dist.broadcast_object_list(box, src=global_rank_of(groups.pp, group_size(groups.pp) - 1), group=groups.pp)
+    return dict(box[0])
+
+
+def train_step(
+    model: Model,
+    optimizer,
+    batch: TokenBatch,
+    loss_fn: LossFn,
+    groups: ParallelGroups,
+    *,
+    micro_batch_size: int,
+    denominator: float,
+    grad_clip: Optional[float] = None,
+    vocab_size: Optional[int] = None,
+    lr_scheduler=None,
+    chunk_size: int = 1024,
+) -> Dict[str, float]:
+    """One optimizer step over ``batch`` (this rank's rows, [B, S]; B may be 0) through
+    Megatron's forward/backward function; collective over every rank of the job.
+
+    loss_fn(logprobs [n, S] f32 with grad on the model device, token-aligned and 0 where not
+    attended; rows [n] long CPU into ``batch``) -> ``LossOutput`` (or a bare tensor): the
+    micro-batch's loss SUM and detached metric sums. It runs on the LAST pipeline stage only.
+    denominator: the step's GLOBAL denominator D (> 0). Each micro-batch returns
+    ``loss_sum x StepNormalizer(D, dp_size, num_microbatches, megatron_schedule=True).
+    loss_scale`` to the schedule, which divides it by num_microbatches; gradients are then
+    averaged over DP, so the result is exactly grad(sum over all ranks' sums / D) whatever
+    the micro-batch size and the TP/PP/DP layout. An empty batch runs one zero-weight
+    micro-batch (a dummy row, loss x 0) so the rank joins every collective.
+
+    After the schedule, CPU path (``optimizer`` a torch optimizer over this rank's shards):
+    :func:`finalize_grads` (DP average, tied-embedding sum across stages),
+    :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
+    ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
+    on all ranks), ``lr_scheduler.step()``. CUDA path (``optimizer`` a Megatron optimizer
+    from :func:`build_optimizer`; UNTESTED): the schedule's ``finalize_model_grads_func``
+    reduces the grads in Megatron's DDP buffers and ``optimizer.step()`` clips with its own
+    ``clip_grad`` and steps.
+
+    Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
+    "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>} as floats,
+    identical on the ranks of one model-parallel group; the metric sums are this rank's
+    (the caller sums them over DP). Host syncs: one for the norm and one copy of the metric
+    sums on the last stage, then one small object broadcast over PP.
+
+    Collectives: the vocab-parallel kernel on ``groups.tp`` per micro-batch (forward only;
+    its backward has none) plus Megatron's TP layers; p2p activations/gradients on the PP
+    group (1F1B); one all-reduce per gradient dtype over ``groups.dp``; with PP > 1 and tied
+    embeddings one over the embedding group; two scalar all-reduces (TP, PP) for the norm.
+    Memory: Megatron's activations of the in-flight micro-batches (PP: up to PP of them on
+    the first stage), the [b, L, V/TP] logits and their gradient on the last stage.
+    """
+    chunks = _chunks(model)
+    inner = _unwrap(chunks[0])
+    _check_layout(groups, inner.config)
+    device = _device_of(chunks[0])
+    B, S = batch.input_ids.shape
+    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
+    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
+    n_real = sum(1 for m in mbs if len(m.rows))
+    normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
+    scale = normalizer.loss_scale
+    megatron_opt = _is_megatron_optimizer(optimizer)
+
+    sums: Dict[str, torch.Tensor] = {}
+
+    def add(name: str, value: torch.Tensor) -> None:
+        v = value.detach().to(torch.float64)
+        sums[name] = sums[name] + v if name in sums else v
+
+    def inputs(i: int):
+        return _model_inputs(batch, mbs[i], device)
+
+    def loss_for(i: int, x):
+        mb = mbs[i]
+        ids, attended = x[0], x[3]
+
+        def loss_func(logits: torch.Tensor):
+            _, lp = vocab_parallel_entropy_and_logprobs(
+                logits[:, :-1], ids[:, 1:], groups.tp, vocab_size=vocab_size, chunk_size=chunk_size
+            )
+            n = len(mb.rows)
+            if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
+                loss = lp.sum() * 0.0
+                add("loss_sum", loss)
+                return loss, {}
+            lp = align_to_tokens(lp)[:n].float() * attended
+            out = loss_fn(_fit_width(lp, S), mb.rows)
+            loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+            add("loss_sum", loss)
+            for k, v in metrics.items():
+                add(k, v)
+            # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
+            return loss * scale, {}
+
+        return loss_func
+
+    for c in chunks:
+        c.train()
+    if megatron_opt:  # UNTESTED (needs CUDA): Megatron's DDP keeps grads in its own buffers
+        for c in chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+    else:
+        for p in _local_params(chunks):
+            p.grad = None
+
+    _schedule(chunks, mbs, inputs, loss_for, forward_only=False)
+
+    lr = float(optimizer.param_groups[0]["lr"])
+    last = is_last_stage(groups.pp)
+    local = None
+    if last:
+        keys = sorted(sums)
+        values = torch.stack([sums[k].cpu() for k in keys]).tolist() if keys else []
+        local = dict(zip(keys, values))
+    metrics = _broadcast_metrics(local, groups)
+
+    if megatron_opt:  # UNTESTED (needs CUDA)
+        ok, norm, _ = optimizer.step()
+        if norm is None:
+            norm = optimizer.get_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        skipped = not ok
+    else:
+        finalize_grads(chunks, groups)
+        grad_norm = float(global_grad_norm(chunks, groups))
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            clip_grads_(chunks, grad_clip, grad_norm)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if not skipped and lr_scheduler is not None:
+        lr_scheduler.step()
+    metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), n_micro_batches=float(n_real))
+    return metrics
+
+
+# ---------------------------------------------------------------------------- optimizer
+def build_optimizer(
+    model: Model,
+    *,
+    lr: float,
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    grad_clip: float = 0.0,
+) -> Tuple[List[torch.nn.Module], Any]:
+    """(model chunks, optimizer) for :func:`train_step`, by the device the model lives on.
+
+    CPU: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
+    same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
+    two copies of tied embeddings get identical gradients, so they stay identical).
+    Weight decay applies to every parameter, as in the HF backend.
+
+    CUDA (UNTESTED: no GPU was available when this was written): every chunk wrapped in
+    Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, distributed optimizer)
+    and ``get_megatron_optimizer`` (Adam with decoupled weight decay, ``clip_grad`` =
+    ``grad_clip``, bf16/fp16 from the model config, fp32 main params and state); the model
+    config gets ``finalize_model_grads_func`` (DP reduce-scatter, tied-embedding all-reduce)
+    and ``no_sync_func`` so the schedule drives the gradient reduction. Megatron's optimizer
+    exempts biases and norms from weight decay (the HF backend does not).
+    """
+    chunks = list(_chunks(model))
+    device = _device_of(chunks[0])
+    if device.type != "cuda":
+        params = _local_params(chunks)
+        return chunks, torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    # ---- CUDA: Megatron DDP + distributed optimizer (UNTESTED here) ----
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = _unwrap(chunks[0]).config
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
+    wrapped = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        for i, c in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = wrapped[0].no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_eps=eps,
+        bf16=bool(getattr(config, "bf16", False)),
+        fp16=bool(getattr(config, "fp16", False)),
+        params_dtype=getattr(config, "params_dtype", torch.float32),
+        clip_grad=float(grad_clip or 0.0),
+        use_distributed_optimizer=True,
+    )
+    return wrapped, get_megatron_optimizer(opt_config, wrapped)

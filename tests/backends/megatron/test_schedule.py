@@ -1,0 +1,387 @@
+"""The Megatron backend's score / train_step (``nemo_d3s.backends.megatron.schedule``) at
+TP x PP x DP layouts equal one process on the full weights.
+
+A tiny megatron-core ``GPTModel`` (local layer spec: RMSNorm, GQA 4 heads / 2 kv heads,
+q/k/v bias, SwiGLU, RoPE; vocabulary 37 padded to 40, tied or untied embeddings) is built on
+every rank for its TP/PP position, and every parameter is overwritten with its slice of ONE
+set of full weights (drawn per full-model name from a fixed seed; padded vocabulary rows get
+random values too, so a leak into the softmax would show). The reference is the same model
+at TP1/PP1 in one process: a plain forward of the whole batch, log-probs and entropy from
+``core.entropy`` on the first 37 logits, the loss closure of the trainer
+(``trainer.update.make_loss_fn``) on all rows divided by the global denominator, torch's
+``clip_grad_norm_`` and one optimizer step. Nothing of the code under test runs in it.
+
+Checked per layout: ``score`` log-probs and entropy (max abs error <= 1e-4, identical on
+every rank); one ``train_step`` for ``token_mean`` and ``seq_mean_token_mean`` with token
+masks where a micro-batch has no kept token: the grad norm (rel 1e-4), the updated full
+weights with SGD (lr 1: the step IS the clipped gradient, so every gradient entry is
+compared) and with AdamW (the optimizer the backend uses), metrics; at DP2 with unequal
+micro-batch counts (4 + 2 rows) and with one DP rank holding no rows at all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed"))
+from _launch import run_ranks  # noqa: E402
+
+V_REAL, V_PAD = 37, 40
+HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 48, 4, 2, 4
+B, S, MBS = 6, 10, 2
+LENGTHS = [10, 7, 9, 4, 8, 10]
+PROMPT = [3, 2, 4, 2, 3, 5]
+AGGS = ["token_mean", "seq_mean_token_mean"]
+GRAD_CLIP = 0.5  # below the gradient norms here, so clipping is active
+# SGD with lr 1: the update IS the clipped gradient, compared entry by entry. AdamW's first
+# step is about lr g / (|g| + eps): eps 1e-3 keeps it from amplifying the fp32 summation
+# noise (~1e-8) of near-zero gradient entries into lr-sized differences.
+OPTIMIZERS = {"sgd": dict(lr=1.0), "adamw": dict(lr=1e-2, eps=1e-3, weight_decay=0.01)}
+WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-5}
+
+
+# ---------------------------------------------------------------------------- CPU shims
+def _fallback_cpu_shims():  # pragma: no cover - only until backends.megatron.cpu_compat exists
+    """Test-only: megatron-core 0.16 hard-codes CUDA in the RoPE cache, the RNG tracker,
+    the tied-embedding copy between stages and the schedules' token counter."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from _megatron_cpu import patch_schedules_for_cpu
+
+    torch.cuda.current_device = lambda: "cpu"
+    if not torch.cuda.is_available():
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        torch.cuda.synchronize = lambda *a, **k: None
+
+    @contextlib.contextmanager
+    def fork(self, name=None):
+        yield
+
+    mrandom.CudaRNGStatesTracker.fork = fork
+    patch_schedules_for_cpu()
+
+
+def _cpu_compat():
+    try:
+        from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
+    except ImportError:
+        _fallback_cpu_shims()
+    else:
+        apply_cpu_compat()
+
+
+# ---------------------------------------------------------------------------- model + weights
+def _build(tied: bool):
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    _cpu_compat()
+    cfg = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS,
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        bias_activation_fusion=False,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=V_PAD,
+        max_sequence_length=64,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=tied,
+        position_embedding_type="rope",
+    )
+    _load_full_weights(model, tied)
+    return model
+
+
+def _full_name(name: str, tied: bool) -> str:
+    """Local parameter name -> its name in the TP1/PP1 model."""
+    from megatron.core import parallel_state as ps
+
+    if tied and name == "output_layer.weight":  # the last stage's copy of the embedding
+        return "embedding.word_embeddings.weight"
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        per_stage = LAYERS // ps.get_pipeline_model_parallel_world_size()
+        parts[2] = str(int(parts[2]) + ps.get_pipeline_model_parallel_rank() * per_stage)
+    return ".".join(parts)
+
+
+def _tp_layout(name: str, p):
+    """(partition dim, number of interleaved blocks) of a parameter: the gated fc1 holds
+    [gate; up] on every rank, i.e. two blocks each split over TP."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None, 1
+    return p.partition_dim, 2 if name.endswith("mlp.linear_fc1.weight") else 1
+
+
+def _full_tensor(full_name: str, shape) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(full_name.encode()))
+    if "layernorm" in full_name:
+        return 1.0 + 0.1 * torch.randn(shape, generator=g)
+    if full_name.endswith("bias"):
+        return 0.1 * torch.randn(shape, generator=g)
+    return 0.3 * torch.randn(shape, generator=g)
+
+
+def _load_full_weights(model, tied: bool) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            dim, blocks = _tp_layout(name, p)
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] *= tp
+            full = _full_tensor(_full_name(name, tied), shape)
+            if dim is not None:
+                parts = full.chunk(blocks, dim=dim)
+                full = torch.cat([b.chunk(tp, dim=dim)[r] for b in parts], dim=dim)
+            p.copy_(full)
+
+
+def _gather_full_weights(model, tied: bool) -> dict:
+    """{full name: full tensor} of this rank's stage (TP shards gathered), on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, p in model.named_parameters():
+        dim, blocks = _tp_layout(name, p)
+        t = p.detach().clone()
+        if dim is not None and tp > 1:
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            per_block = [s.chunk(blocks, dim=dim) for s in shards]
+            t = torch.cat([torch.cat([pb[k] for pb in per_block], dim=dim) for k in range(blocks)], dim=dim)
+        key = _full_name(name, tied)
+        out[key + (".last_stage_copy" if key in out or (tied and name == "output_layer.weight") else "")] = t
+    return out
+
+
+# ---------------------------------------------------------------------------- data
+def _data():
+    """The global batch: TokenBatch [B, S], advantages [B], old-log-prob noise [B, S], and
+    token_keep [B, S] where rows 2 and 3 (micro-batch 1 at MBS 2) have no kept token."""
+    from nemo_d3s.backends.base import TokenBatch
+
+    g = torch.Generator().manual_seed(11)
+    pos = torch.arange(S)
+    attn = pos < torch.tensor(LENGTHS).unsqueeze(1)
+    resp = attn & (pos >= torch.tensor(PROMPT).unsqueeze(1))
+    ids = torch.randint(0, V_REAL, (B, S), generator=g) * attn
+    adv = torch.randn(B, generator=g)
+    noise = 0.2 * torch.randn(B, S, generator=g)
+    keep = resp & (torch.rand(B, S, generator=g) < 0.6)
+    keep[2:4] = False
+    keep[0, PROMPT[0]] = keep[5, PROMPT[5]] = True
+    return TokenBatch(ids, attn, resp), adv, noise, keep
+
+
+def _denominator(keep, agg) -> float:
+    from nemo_d3s.core.losses import loss_denominator
+
+    return float(loss_denominator(keep, agg))
+
+
+def _loss_fn(batch, old_lp, adv, keep, agg):
+    from nemo_d3s.core.losses import LossConfig
+    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+
+    upd = UpdateBatch(
+        batch=batch, old_logprobs=old_lp, advantages=adv, token_keep=keep, minibatch=torch.zeros(len(batch), dtype=torch.long)
+    )
+    return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
+
+
+def _optimizer(kind, params):
+    kw = OPTIMIZERS[kind]
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=kw["lr"])
+    return torch.optim.AdamW(params, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"])
+
+
+# ---------------------------------------------------------------------------- rank bodies
+def _groups():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.distributed.groups import ParallelGroups
+
+    def g(group, size):
+        return group if size > 1 else None
+
+    return ParallelGroups(
+        dp=g(ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
+        tp=g(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()),
+        pp=g(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()),
+        device=torch.device("cpu"),
+        global_rank=dist.get_rank(),
+    )
+
+
+def _rank_layout(rank, tied, dp_rows):
+    """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.backends.megatron.schedule import score, train_step
+
+    groups = _groups()
+    batch, adv, noise, keep = _data()
+    rows = torch.tensor(dp_rows[ps.get_data_parallel_rank()], dtype=torch.long)
+    local = batch.select(rows)
+    model = _build(tied)
+    out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
+    sc = score(model, local, groups, micro_batch_size=MBS, with_entropy=True, vocab_size=V_REAL)
+    out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
+    old_lp = sc.logprobs + noise[rows]
+    for agg in AGGS:
+        denom = _denominator(keep, agg)  # the GLOBAL denominator (the trainer all-reduces it)
+        for kind in OPTIMIZERS:
+            _load_full_weights(model, tied)
+            opt = _optimizer(kind, [p for p in model.parameters()])
+            loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
+            metrics = train_step(
+                model, opt, local, loss_fn, groups,
+                micro_batch_size=MBS, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
+            )
+            out[agg, kind] = (metrics, _gather_full_weights(model, tied))
+    return out
+
+
+def _rank_reference(rank, tied):
+    """One process, TP1/PP1, plain torch on the whole batch."""
+    from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
+
+    batch, adv, noise, keep = _data()
+    model = _build(tied)
+    pos = torch.arange(S).expand(B, -1)
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1).view(1, 1, S, S)
+    attn = batch.attention_mask.float()
+
+    def lp_ent():
+        logits = model(batch.input_ids, pos, mask)[..., :V_REAL]
+        ent, lp = entropy_and_logprobs(logits[:, :-1], batch.input_ids[:, 1:])
+        return align_to_tokens(lp) * attn, align_to_tokens(ent) * attn
+
+    with torch.no_grad():
+        lp, ent = lp_ent()
+    out = {"logprobs": lp, "entropy": ent}
+    old_lp = lp + noise
+    for agg in AGGS:
+        for kind in OPTIMIZERS:
+            _load_full_weights(model, tied)
+            params = list(model.parameters())
+            for p in params:
+                p.grad = None
+            opt = _optimizer(kind, params)
+            res = _loss_fn(batch, old_lp, adv, keep, agg)(lp_ent()[0], torch.arange(B))
+            (res.loss / _denominator(keep, agg)).backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP))
+            opt.step()
+            metrics = {"grad_norm": norm, "loss_sum": float(res.loss.detach()), **res.metrics}
+            out[agg, kind] = (metrics, {k: v.detach().clone() for k, v in model.named_parameters()})
+    return out
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def reference():
+    return {tied: run_ranks(_rank_reference, 1, tied, timeout=120)[0] for tied in (True, False)}
+
+
+def _initial_full_weights(ref_weights):
+    return {k: _full_tensor(k, v.shape) for k, v in ref_weights.items()}
+
+
+ALL_ROWS = [list(range(B))]
+LAYOUTS = {
+    # id: (tp, pp, world, tied, rows of each DP rank)
+    "tp1pp1": (1, 1, 1, True, ALL_ROWS),
+    "tp2pp1": (2, 1, 2, True, ALL_ROWS),
+    "tp1pp2": (1, 2, 2, True, ALL_ROWS),
+    "tp2pp2": (2, 2, 4, True, ALL_ROWS),
+    "tp2pp2_untied": (2, 2, 4, False, ALL_ROWS),
+    "dp2": (1, 1, 2, True, [[0, 1, 2, 3], [4, 5]]),
+    "dp2_empty_rank": (1, 1, 2, True, [list(range(B)), []]),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_one_process(layout, reference):
+    tp, pp, world, tied, dp_rows = LAYOUTS[layout]
+    results = run_ranks(_rank_layout, world, tied, dp_rows, tp=tp, pp=pp, timeout=120)
+    ref = reference[tied]
+    for res in results:
+        rows = res["rows"]
+        # (a) score: every rank of the model-parallel group holds the reference values
+        for key in ("logprobs", "entropy"):
+            err = (res[key] - ref[key][rows]).abs().max() if len(rows) else torch.tensor(0.0)
+            assert err <= 1e-4, (layout, key, float(err))
+        # (b) train_step: grad norm, metrics summed over DP, updated weights
+        for agg in AGGS:
+            for kind in OPTIMIZERS:
+                metrics, weights = res[agg, kind]
+                ref_metrics, ref_weights = ref[agg, kind]
+                assert metrics["skipped"] == 0.0
+                assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (layout, agg, kind)
+                for name, w in weights.items():
+                    base = name.replace(".last_stage_copy", "")
+                    torch.testing.assert_close(w, ref_weights[base], rtol=0, atol=WEIGHT_ATOL[kind], msg=lambda m: f"{layout} {agg} {kind} {name}: {m}")
+    # the DP ranks' loss sums add up to the reference's (metrics are per-rank sums)
+    for agg in AGGS:
+        by_dp = {}
+        for res in results:
+            by_dp[res["dp_rank"]] = res[agg, "sgd"][0]
+        total = sum(m["loss_sum"] for m in by_dp.values())
+        assert total == pytest.approx(ref[agg, "sgd"][0]["loss_sum"], rel=1e-4, abs=1e-6)
+        for key, value in ref[agg, "sgd"][0].items():
+            if key.endswith("_sum") or key == "token_count":
+                assert sum(m.get(key, 0.0) for m in by_dp.values()) == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    # every stage's weights were compared: the union covers the whole model
+    covered = set()
+    for res in results:
+        covered |= {k.replace(".last_stage_copy", "") for k in res[AGGS[0], "sgd"][1]}
+    assert covered == set(ref[AGGS[0], "sgd"][1])
+
+
+def test_reference_is_nontrivial(reference):
+    """The reference step moves every weight that should move and clipping is active, so the
+    layout comparison above is not vacuous."""
+    for tied, ref in reference.items():
+        for agg in AGGS:
+            metrics, weights = ref[agg, "sgd"]
+            assert metrics["grad_norm"] > GRAD_CLIP
+            init = _initial_full_weights(weights)
+            moved = {k for k in weights if not torch.equal(weights[k], init[k])}
+            assert moved == set(weights), set(weights) - moved
