@@ -249,8 +249,9 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows):
-    """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch."""
+def _rank_layout(rank, tied, dp_rows, mbs):
+    """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
+    micro-batches of ``mbs`` rows."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.schedule import score, train_step
@@ -261,7 +262,7 @@ def _rank_layout(rank, tied, dp_rows):
     local = batch.select(rows)
     model = _build(tied)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
-    sc = score(model, local, groups, micro_batch_size=MBS, with_entropy=True, vocab_size=V_REAL)
+    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL)
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
     old_lp = sc.logprobs + noise[rows]
     for agg in AGGS:
@@ -272,7 +273,7 @@ def _rank_layout(rank, tied, dp_rows):
             loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
             metrics = train_step(
                 model, opt, local, loss_fn, groups,
-                micro_batch_size=MBS, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
+                micro_batch_size=mbs, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
     return out
@@ -325,23 +326,38 @@ def _initial_full_weights(ref_weights):
 
 ALL_ROWS = [list(range(B))]
 LAYOUTS = {
-    # id: (tp, pp, world, tied, rows of each DP rank)
-    "tp1pp1": (1, 1, 1, True, ALL_ROWS),
-    "tp2pp1": (2, 1, 2, True, ALL_ROWS),
-    "tp1pp2": (1, 2, 2, True, ALL_ROWS),
-    "tp2pp2": (2, 2, 4, True, ALL_ROWS),
-    "tp2pp2_untied": (2, 2, 4, False, ALL_ROWS),
-    "dp2": (1, 1, 2, True, [[0, 1, 2, 3], [4, 5]]),
-    "dp2_empty_rank": (1, 1, 2, True, [list(range(B)), []]),
+    # id: (tp, pp, world, tied, rows of each DP rank, micro-batch size)
+    "tp1pp1": (1, 1, 1, True, ALL_ROWS, MBS),
+    "tp2pp1": (2, 1, 2, True, ALL_ROWS, MBS),
+    "tp1pp2": (1, 2, 2, True, ALL_ROWS, MBS),
+    "tp2pp2": (2, 2, 4, True, ALL_ROWS, MBS),
+    "tp2pp2_untied": (2, 2, 4, False, ALL_ROWS, MBS),
+    # 6 rows in micro-batches of 4: the last one is short (1F1B fills it with dummy rows)
+    "tp1pp2_mbs4": (1, 2, 2, True, ALL_ROWS, 4),
+    # DP ranks with different numbers of micro-batches (2 and 1)
+    "dp2": (1, 1, 2, True, [[0, 1, 2, 3], [4, 5]], MBS),
+    "tp2dp2": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS),
+    # one DP rank without rows: a zero-weight micro-batch keeps it in every collective
+    "dp2_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS),
+    "pp2dp2_empty_rank": (1, 2, 4, True, [[], list(range(B))], MBS),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, reference):
-    tp, pp, world, tied, dp_rows = LAYOUTS[layout]
-    results = run_ranks(_rank_layout, world, tied, dp_rows, tp=tp, pp=pp, timeout=120)
+    tp, pp, world, tied, dp_rows, mbs = LAYOUTS[layout]
+    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, tp=tp, pp=pp, timeout=120)
     ref = reference[tied]
+    # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
+    by_replica = {}
+    for res in results:
+        first = by_replica.setdefault(res["dp_rank"], res)
+        for key in ("logprobs", "entropy"):
+            assert torch.equal(res[key], first[key]), (layout, key)
+        for agg in AGGS:
+            for kind in OPTIMIZERS:
+                assert res[agg, kind][0] == first[agg, kind][0], (layout, agg, kind)
     for res in results:
         rows = res["rows"]
         # (a) score: every rank of the model-parallel group holds the reference values
@@ -385,3 +401,66 @@ def test_reference_is_nontrivial(reference):
             init = _initial_full_weights(weights)
             moved = {k for k in weights if not torch.equal(weights[k], init[k])}
             assert moved == set(weights), set(weights) - moved
+
+
+# ---------------------------------------------------------------------------- micro-batch plans
+def _mask(lengths, width):
+    return torch.arange(width) < torch.tensor(lengths).unsqueeze(1)
+
+
+def test_plan_cuts_each_micro_batch_to_its_longest_row():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    plan = plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False)
+    assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
+    assert [(m.b, m.width) for m in plan] == [(2, 5), (2, 2), (1, 9)]
+    # sequence parallelism: widths rounded up to a multiple of TP
+    assert [m.width for m in plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, multiple_of=4)] == [8, 4, 12]
+
+
+def test_plan_for_pipelines_has_one_shape():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    plan = plan_micro_batches(_mask([3, 5, 2, 1, 7], 10), 2, uniform=True)
+    assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
+    assert {(m.b, m.width) for m in plan} == {(2, 7)}  # the short last one gets a dummy row
+
+
+def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    for uniform in (False, True):
+        (mb,) = plan_micro_batches(torch.zeros(0, 10, dtype=torch.bool), 4, uniform=uniform)
+        assert mb.rows.numel() == 0 and mb.b == 1 and mb.width == 2
+
+
+def test_plan_rejects_bad_input():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    left_padded = torch.tensor([[False, True, True], [True, True, False]])
+    with pytest.raises(ValueError, match="right-padded"):
+        plan_micro_batches(left_padded, 2, uniform=False)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="micro_batch_size"):
+            plan_micro_batches(_mask([2], 3), bad, uniform=False)
+
+
+def test_score_of_an_empty_batch_needs_no_collective():
+    from nemo_d3s.backends.base import TokenBatch
+    from nemo_d3s.backends.megatron.schedule import score
+    from nemo_d3s.distributed.groups import ParallelGroups
+
+    empty = torch.zeros(0, 7, dtype=torch.bool)
+    out = score(torch.nn.Linear(1, 1), TokenBatch(empty.long(), empty, empty), ParallelGroups(), micro_batch_size=2)
+    assert out.logprobs.shape == out.entropy.shape == (0, 7)
+    assert score(torch.nn.Linear(1, 1), TokenBatch(empty.long(), empty, empty), ParallelGroups(), micro_batch_size=2, with_entropy=False).entropy is None
+
+
+def test_virtual_pipeline_chunks_are_rejected():
+    from nemo_d3s.backends.base import TokenBatch
+    from nemo_d3s.backends.megatron.schedule import score
+    from nemo_d3s.distributed.groups import ParallelGroups
+
+    m = _mask([2], 3)
+    with pytest.raises(ValueError, match="virtual pipeline"):
+        score([torch.nn.Linear(1, 1)] * 2, TokenBatch(m.long(), m, m), ParallelGroups(), micro_batch_size=2)
