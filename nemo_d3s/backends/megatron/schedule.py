@@ -506,7 +506,7 @@ def train_step(
     local = None
     if last:
         keys = sorted(sums)
-        values = torch.stack([sums[k].cpu() for k in keys]).tolist() if keys else []
+        values = torch.stack([sums[k] for k in keys]).cpu().tolist() if keys else []  # one copy
         local = dict(zip(keys, values))
     metrics = _broadcast_metrics(local, groups)
 
@@ -553,7 +553,9 @@ def build_optimizer(
     ``grad_clip``, bf16/fp16 from the model config, fp32 main params and state); the model
     config gets ``finalize_model_grads_func`` (DP reduce-scatter, tied-embedding all-reduce)
     and ``no_sync_func`` so the schedule drives the gradient reduction. Megatron's optimizer
-    exempts biases and norms from weight decay (the HF backend does not).
+    exempts biases and norms from weight decay (the HF backend does not). For bf16/fp16 the
+    chunks must already be in their training dtype (``Float16Module``-wrapped, as Megatron's
+    ``get_model`` does); that is the model builder's job.
     """
     chunks = list(_chunks(model))
     device = _device_of(chunks[0])

@@ -254,7 +254,7 @@ def _rank_layout(rank, tied, dp_rows, mbs):
     micro-batches of ``mbs`` rows."""
     from megatron.core import parallel_state as ps
 
-    from nemo_d3s.backends.megatron.schedule import score, train_step
+    from nemo_d3s.backends.megatron.schedule import build_optimizer, score, train_step
 
     groups = _groups()
     batch, adv, noise, keep = _data()
@@ -269,7 +269,11 @@ def _rank_layout(rank, tied, dp_rows, mbs):
         denom = _denominator(keep, agg)  # the GLOBAL denominator (the trainer all-reduces it)
         for kind in OPTIMIZERS:
             _load_full_weights(model, tied)
-            opt = _optimizer(kind, [p for p in model.parameters()])
+            if kind == "adamw":  # the backend's own CPU optimizer: AdamW over this rank's shards
+                kw = OPTIMIZERS[kind]
+                _, opt = build_optimizer(model, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"])
+            else:
+                opt = _optimizer(kind, list(model.parameters()))
             loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
             metrics = train_step(
                 model, opt, local, loss_fn, groups,
