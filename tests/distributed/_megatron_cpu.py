@@ -1,14 +1,9 @@
-"""The one CPU shim the Megatron-based tests need (megatron-core 0.16.1).
+"""What the Megatron-based distributed tests need on CPU (megatron-core 0.16.1).
 
-``initialize_model_parallel``, ``ModelParallelConfig`` and the tensor-parallel layers
-(``VocabParallelEmbedding``, ``ColumnParallelLinear``, ``RowParallelLinear`` with
-``use_cpu_initialization=True`` and no sequence parallelism) run on gloo/CPU unchanged.
-``forward_backward_no_pipelining`` however allocates its token counter with
-``torch.zeros([], dtype=torch.int, device="cuda")``, which fails on a CPU-only build. We
-want the real schedule in the gradient test (its per-micro-batch loss scaling is exactly
-what the normaliser must compensate), so inside the test ranks only, the schedules
-module's ``torch`` is replaced by a proxy whose ``zeros`` maps device "cuda" to "cpu";
-everything else is torch itself. Nothing in ``nemo_d3s`` imports Megatron or this shim.
+``patch_schedules_for_cpu`` is the backend's own
+``nemo_d3s.backends.megatron.cpu_compat.apply_cpu_compat`` (it replaces the pipeline
+schedules' ``device="cuda"`` token counter, among the other CUDA hard-coding of the GPT
+path); the name stays for the tests that call it.
 
 The schedule also reads two fields that only ``TransformerConfig`` defines
 (``calculate_per_token_loss``, ``fine_grained_activation_offloading``); a bare
@@ -18,26 +13,9 @@ The schedule also reads two fields that only ``TransformerConfig`` defines
 
 from __future__ import annotations
 
-import torch
+from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat as patch_schedules_for_cpu
 
-
-class _CpuTorch:
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        if device is not None and torch.device(device).type == "cuda":
-            device = "cpu"
-        return torch.zeros(*args, device=device, **kwargs)
-
-
-def patch_schedules_for_cpu() -> None:
-    """Make ``megatron.core.pipeline_parallel.schedules`` allocate on CPU (idempotent)."""
-    from megatron.core.pipeline_parallel import schedules
-
-    if not isinstance(schedules.torch, _CpuTorch):
-        schedules.torch = _CpuTorch()
+__all__ = ["patch_schedules_for_cpu", "schedule_config"]
 
 
 def schedule_config(cfg):

@@ -45,47 +45,16 @@ OPTIMIZERS = {"sgd": dict(lr=1.0), "adamw": dict(lr=1e-2, eps=1e-3, weight_decay
 WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-5}
 
 
-# ---------------------------------------------------------------------------- CPU shims
-def _fallback_cpu_shims():  # pragma: no cover - only until backends.megatron.cpu_compat exists
-    """Test-only: megatron-core 0.16 hard-codes CUDA in the RoPE cache, the RNG tracker,
-    the tied-embedding copy between stages and the schedules' token counter."""
-    import contextlib
-
-    from megatron.core.tensor_parallel import random as mrandom
-
-    from _megatron_cpu import patch_schedules_for_cpu
-
-    torch.cuda.current_device = lambda: "cpu"
-    if not torch.cuda.is_available():
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        torch.cuda.synchronize = lambda *a, **k: None
-
-    @contextlib.contextmanager
-    def fork(self, name=None):
-        yield
-
-    mrandom.CudaRNGStatesTracker.fork = fork
-    patch_schedules_for_cpu()
-
-
-def _cpu_compat():
-    try:
-        from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
-    except ImportError:
-        _fallback_cpu_shims()
-    else:
-        apply_cpu_compat()
-
-
 # ---------------------------------------------------------------------------- model + weights
-def _build(tied: bool):
+def tiny_gpt(tied: bool, dropout: float = 0.0):
+    """The test model for this rank's TP/PP position, Megatron's own initialisation (needs
+    ``apply_cpu_compat`` first). Also used by test_cpu_compat.py."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    _cpu_compat()
     cfg = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -104,10 +73,10 @@ def _build(tied: bool):
         bias_activation_fusion=False,
         add_bias_linear=False,
         add_qkv_bias=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=dropout,
+        attention_dropout=dropout,
     )
-    model = GPTModel(
+    return GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
         vocab_size=V_PAD,
@@ -117,6 +86,14 @@ def _build(tied: bool):
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
     )
+
+
+def _build(tied: bool):
+    """The test model holding its slice of the full weights."""
+    from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    model = tiny_gpt(tied)
     _load_full_weights(model, tied)
     return model
 

@@ -1,0 +1,241 @@
+"""Running megatron-core 0.16 on CPU / gloo ranks: the backend's one set of patches.
+
+megatron-core assumes CUDA in a few places on the GPTModel forward/backward path (local
+layer spec, ``use_cpu_initialization=True``, no sequence parallelism), at any TP x PP on
+gloo. :func:`apply_cpu_compat` redirects exactly those places to the CPU; everything else
+(``initialize_model_parallel``, the tensor-parallel layers, the vocab-parallel embedding and
+output layer, the schedules' control flow) runs on gloo/CPU unchanged.
+
+WHEN TO CALL IT: only in a process whose Megatron model lives on the CPU; the backend calls
+it when its device is "cpu". NEVER apply it in a process that runs (or will run) Megatron on
+CUDA, i.e. never on a CUDA training job: the patches are process-wide for megatron-core and
+send its "cuda" allocations, its RNG tracker and its p2p synchronisation to the CPU. No
+patch touches ``torch`` itself (only the megatron modules' view of it, megatron's RNG
+helpers and one method of ``LanguageModule``), so a CPU-only process on a
+machine that has GPUs (a gloo test rank) may use it too; the CUDA path of the backend is
+untouched as long as this is not called.
+
+The patches (each one's WHY is at its code):
+
+1. The module-level ``torch`` of the megatron modules listed in :data:`_TORCH_PROXIED` is
+   replaced by a proxy: ``torch.cuda.current_device()`` returns ``"cpu"``,
+   ``torch.cuda.synchronize()`` does nothing, and ``zeros/ones/empty/tensor`` map
+   ``device="cuda"`` to the CPU; every other name is torch's own object.
+2. ``LanguageModule.setup_embeddings_and_output_layer`` runs with ``Tensor.cuda`` as the
+   identity (for the length of that call only).
+3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep and swap CPU generator states, and
+   ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation
+   recompute) save and restore nothing.
+
+Not patched, because the backend does not take those paths on CPU (documented so nobody
+relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
+schedule passes an explicit causal mask on CPU), sequence parallelism
+(``tensor_parallel.mappings`` gathers into ``torch.cuda.current_device()`` buffers),
+``distribute_saved_activations``, ``use_cpu_initialization=False`` (GPU init under the RNG
+tracker), inference KV caches and CUDA graphs, ``config.enable_autocast``
+(``torch.autocast("cuda")``), and Transformer Engine specs.
+
+Seeding: :func:`seed_model_parallel` (CPU after :func:`apply_cpu_compat`, or CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["apply_cpu_compat", "is_applied", "seed_model_parallel"]
+
+# megatron-core modules whose module-level ``torch`` becomes a :class:`_CpuTorch` proxy.
+# module -> the functions that hard-code CUDA there (all on the GPT path at TP x PP on gloo).
+# Narrow on purpose: a global ``torch.cuda.current_device = lambda: "cpu"`` would also reach
+# every other caller in the process (nemo_d3s.distributed picks its device with it) and
+# cannot be undone per module; the proxies change megatron's view only.
+_TORCH_PROXIED = {
+    # RotaryEmbedding.get_emb moves ``inv_freq`` to ``torch.cuda.current_device()`` at the
+    # first forward (and __init__ allocates there without use_cpu_initialization).
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.__init__/get_emb",
+    # forward_backward_no_pipelining and both 1F1B schedules allocate the token counter with
+    # ``torch.zeros([], dtype=torch.int, device="cuda")``.
+    "megatron.core.pipeline_parallel.schedules": "forward_backward_* total_num_tokens",
+    # P2PCommunicator allocates receive buffers (and shape tensors for variable sequence
+    # lengths) on ``torch.cuda.current_device()`` and calls ``torch.cuda.synchronize()``
+    # after batch_isend_irecv (config.batch_p2p_sync, True by default) at PP > 1.
+    "megatron.core.pipeline_parallel.p2p_communication": "P2PCommunicator._communicate(_shapes)",
+    # GlobalMemoryBuffer.get_tensor allocates on ``torch.cuda.current_device()``: the
+    # baddbmm input buffer of DotProductAttention.forward (local spec) comes from it.
+    "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
+}
+
+_APPLIED = False
+
+
+class _CpuCuda:
+    """``torch.cuda`` as the proxied megatron modules see it."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        return None  # CPU ops and gloo's wait() are synchronous: nothing to wait for
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+def _on_cpu(factory):
+    @functools.wraps(factory)
+    def wrapper(*args: Any, device: Any = None, **kwargs: Any):
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return factory(*args, device=device, **kwargs)
+
+    return wrapper
+
+
+class _CpuTorch:
+    """``torch`` as the proxied megatron modules see it: CUDA-placed factories and
+    ``torch.cuda.current_device/synchronize`` go to the CPU; all else is torch itself."""
+
+    cuda = _CpuCuda()
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    ones = staticmethod(_on_cpu(torch.ones))
+    empty = staticmethod(_on_cpu(torch.empty))
+    tensor = staticmethod(_on_cpu(torch.tensor))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+_CPU_TORCH = _CpuTorch()
+
+
+def _proxy_torch() -> None:
+    import importlib
+
+    for name in _TORCH_PROXIED:
+        module = importlib.import_module(name)
+        if module.torch is torch:
+            module.torch = _CPU_TORCH
+
+
+def _patch_tied_embedding_copy() -> None:
+    """LanguageModule.setup_embeddings_and_output_layer (tied embeddings at PP > 1) does
+    ``weight.data = weight.data.cuda()`` before all-reducing the first and last stage's
+    copies: on CPU that raises (no CUDA build) or moves the copy off the CPU model. The
+    ``.cuda()`` is a Tensor method, so no module proxy reaches it: ``Tensor.cuda`` is the
+    identity while this one method runs, and only then."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_nemo_d3s_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def setup_embeddings_and_output_layer(self) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *a, **k: tensor
+        try:
+            original(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setup_embeddings_and_output_layer._nemo_d3s_cpu = True
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+def _patch_rng() -> None:
+    """Megatron's RNG bookkeeping (``tensor_parallel.random``) is CUDA-only:
+
+    - ``CudaRNGStatesTracker.add`` / ``.fork`` save and restore CUDA generator states
+      (``torch.cuda.get_rng_state``, ``_set_cuda_rng_state``); ``fork`` wraps the attention
+      dropout of DotProductAttention.forward (local spec) on every forward. The CPU versions
+      keep one CPU generator state per name and swap torch's default CPU generator inside
+      ``fork``, so dropout in tensor-parallel regions draws from the per-TP-rank stream, as
+      on GPU. A ``fork`` of a name never added (no :func:`seed_model_parallel`) runs on the
+      current CPU stream instead of raising: with use_cpu_initialization nothing else needs
+      the tracker.
+    - ``CheckpointFunction`` (full activation recompute, the backend's
+      gradient_checkpointing) saves the CUDA generator with ``_get_cuda_rng_state``
+      (``torch.cuda.random.get_rng_state``) next to the CPU one and the tracker's states, and
+      restores all three before recomputing. A CPU model draws from no CUDA generator, so
+      the module's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` save an empty state and
+      restore nothing; the CPU state and the tracker states (CPU, above) still make the
+      recomputed dropout masks equal the first ones.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.CudaRNGStatesTracker
+    if getattr(tracker.fork, "_nemo_d3s_cpu", False):
+        return
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            yield
+            return
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()  # a new tensor: saved copies stay valid
+            torch.set_rng_state(outer)
+
+    def get_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    add._nemo_d3s_cpu = fork._nemo_d3s_cpu = True
+    tracker.add, tracker.fork = add, fork
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_cuda_rng_state, set_cuda_rng_state
+
+
+def apply_cpu_compat() -> None:
+    """Make megatron-core 0.16 run on CPU / gloo in this process (idempotent).
+
+    Call it only when the Megatron model lives on the CPU, before building the model, and
+    never in a process that runs Megatron on CUDA (see the module docstring)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    _proxy_torch()
+    _patch_tied_embedding_copy()
+    _patch_rng()
+    _APPLIED = True
+
+
+def is_applied() -> bool:
+    """Whether :func:`apply_cpu_compat` ran in this process."""
+    return _APPLIED
+
+
+def seed_model_parallel(seed: int) -> None:
+    """Seed torch and Megatron's RNG tracker the way Megatron's training loop does:
+    ``torch.manual_seed(seed)`` then ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``
+    (the data-parallel state ``seed``, the tensor-parallel state ``seed + 2718 + tp_rank``,
+    the expert state). Call it after the model-parallel groups exist and before building
+    the model. On CUDA this is Megatron's own recipe. On CPU it needs
+    :func:`apply_cpu_compat` first: the tracker then holds CPU generator states (the
+    ``torch.cuda.manual_seed`` inside is a no-op on a CPU-only build)."""
+    if not torch.cuda.is_available() and not _APPLIED:
+        raise RuntimeError("seed_model_parallel on a CPU-only build needs apply_cpu_compat() first")
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
