@@ -185,6 +185,28 @@ class Policy(abc.ABC):
         for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
         holds the whole model twice). Collective on a sharded policy."""
 
+    def save_checkpoint(self, folder: str) -> bool:
+        """Collective. A policy whose state is sharded writes its own files into ``folder``
+        (every rank its part) and returns True; the default returns False and the trainer
+        saves ``state_dict()`` from rank 0 (replicated state, e.g. the HF backend)."""
+        return False
+
+    def load_checkpoint(self, folder: str) -> bool:
+        """Collective. The counterpart of :meth:`save_checkpoint`: True when the policy
+        restored itself from ``folder``; False lets the trainer load ``state_dict()``."""
+        return False
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """Longest sequence (prompt + response) the model takes; None = unknown, and the
+        trainer then does not check prompt lengths."""
+        return None
+
+    def prompt_token_counts(self, texts: Sequence[str]) -> Optional[List[int]]:
+        """Tokens of each prompt as the rollout engine will feed it (chat template included);
+        None = cannot tell."""
+        return None
+
     def hf_source_dir(self) -> Optional[str]:
         """A folder holding the model's config.json and tokenizer (an engine builds its own
         copy from it), or None when the policy was built in memory."""

@@ -110,11 +110,15 @@ class ParallelGroups:
         return buf.cpu()
 
     def max(self, value: float) -> float:
-        """Max of one float over ``dp`` (e.g. "did any rank receive a stop signal")."""
-        if not self.data_parallel:
+        """Max of one float over every rank of the layout (dp, then tp, pp, cp: e.g. "did
+        any rank receive a stop signal"; a stop must be agreed by a rank's model-parallel
+        peers too, or the ones that go on wait for it in their next collective)."""
+        groups = [g for g in (self.dp, self.tp, self.pp, self.cp) if g is not None]
+        if not groups:
             return float(value)
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dp)
+        for g in groups:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
         return float(t.item())
 
     def gather_cat(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Layout of ``DIR/checkpoints/step_XXXXXX/`` (XXXXXX = optimizer-loop steps completed)::
 
     backend.pt          model + optimizer (+ LR scheduler) from ``backend.state_dict()``
-                        (rank 0; a backend with ``save_checkpoint(dir)`` writes its own files
-                        from every rank instead, e.g. sharded Megatron state)
+                        (rank 0), unless ``backend.save_checkpoint(dir)`` wrote its own
+                        files from every rank (sharded Megatron state: ``megatron/``)
     rng_rank{r}.pt      python ``random``, numpy, torch (+ CUDA) generator states of global
                         rank r, as tensors and plain numbers (no pickled objects)
     trainer_state.json  step, cumulative counters
@@ -247,10 +247,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self.dp.barrier()
             fault_point("checkpoint.tmp_created")
-            own = getattr(backend, "save_checkpoint", None)
-            if callable(own):
-                own(str(tmp))
-            elif self.dp.is_main:
+            if not backend.save_checkpoint(str(tmp)) and self.dp.is_main:
                 torch.save(backend.state_dict(), tmp / "backend.pt")
             fault_point("checkpoint.backend_written")
             torch.save(capture_rng(), tmp / f"rng_rank{self.dp.global_rank}.pt")
@@ -307,11 +304,8 @@ class CheckpointManager:
         """Restore backend, this rank's RNG streams and the trainer counters from ``path``
         (checked by :func:`verify_checkpoint` first by :meth:`load_latest`)."""
         state = _read_state(path)
-        own = getattr(backend, "load_checkpoint", None)
         try:
-            if callable(own):
-                own(str(path))
-            else:
+            if not backend.load_checkpoint(str(path)):
                 loaded = safe_load(path / "backend.pt")
                 bad = _shape_mismatches(backend.state_dict(), loaded)
                 if bad:

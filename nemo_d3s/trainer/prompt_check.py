@@ -6,9 +6,8 @@ task backed by a finite dataset (``Task.finite_problems``), else the eval set an
 first training draw. ``task.long_prompts=error`` (default) stops with an error naming the
 split and row; ``skip`` drops them (file-backed tasks) and logs the count.
 
-The policy provides the numbers: ``context_length`` and ``prompt_token_counts(texts)`` when
-it has them (the seam's optional methods), else the Hugging Face duck-types (``tokenizer``,
-``model.config.max_position_embeddings``). A policy with neither is not checked (logged).
+The policy provides the numbers (``Policy.context_length``, ``Policy.prompt_token_counts``);
+a policy that reports neither (the base class defaults) is not checked (logged).
 """
 
 from __future__ import annotations
@@ -29,28 +28,15 @@ _MAX_CHARS_PER_TOKEN = 64
 
 
 def context_length(policy: Any) -> Optional[int]:
-    n = getattr(policy, "context_length", None)
-    if isinstance(n, int):
-        return n
-    config = getattr(getattr(policy, "model", None), "config", None)
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        v = getattr(config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
+    n = policy.context_length
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def prompt_counter(policy: Any) -> Optional[Callable[[Sequence[str]], List[int]]]:
-    fn = getattr(policy, "prompt_token_counts", None)
-    if callable(fn):
-        return fn
-    tok = getattr(policy, "tokenizer", None)
-    if tok is None:
+    """``policy.prompt_token_counts`` when the policy can count (a test probes it once)."""
+    if policy.prompt_token_counts([]) is None:
         return None
-    from nemo_d3s.backends.hf.rollout import encode_prompts
-
-    use_template = bool(getattr(policy, "use_chat_template", True))
-    return lambda texts: [len(ids) for ids in encode_prompts(tok, list(texts), use_template)]
+    return policy.prompt_token_counts
 
 
 def check_prompt_lengths(cfg: Any, policy: Any, task: Any) -> Dict[str, int]:

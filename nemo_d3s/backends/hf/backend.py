@@ -32,7 +32,8 @@ from nemo_d3s.backends.hf.loading import (
     resolve_device,
     resolve_model_path,
 )
-from nemo_d3s.backends.hf.rollout import real_length
+from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, stop_token_ids
+from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.core.entropy import entropy_and_logprobs
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.distributed.normalizers import StepNormalizer
@@ -40,22 +41,7 @@ from nemo_d3s.distributed.normalizers import StepNormalizer
 
 def _lr_lambda(cfg: HFBackendConfig):
     """LR multiplier of optimizer step ``step``: linear warm-up, then constant/linear/cosine."""
-    if cfg.scheduler not in ("constant", "linear", "cosine"):
-        raise ValueError(f"scheduler must be constant, linear or cosine; got {cfg.scheduler!r}")
-    if cfg.scheduler != "constant" and not cfg.total_steps:
-        raise ValueError(f"scheduler={cfg.scheduler!r} needs total_steps > 0, got {cfg.total_steps!r}")
-    warm, total, floor = cfg.warmup_steps, cfg.total_steps or 1, cfg.min_lr_ratio
-
-    def fn(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        if cfg.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
-        shape = 1.0 - progress if cfg.scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return floor + (1.0 - floor) * shape
-
-    return fn
+    return lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
 
 
 class HFBackend(Policy):
@@ -100,13 +86,7 @@ class HFBackend(Policy):
 
     # ------------------------------------------------------------------ helpers
     def _eos_ids(self) -> List[int]:
-        ids = {int(self.tokenizer.eos_token_id)}
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if gen_eos is not None:
-            ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
-        vocab = self.tokenizer.get_vocab()
-        ids.update(vocab[tok] for tok in self.cfg.stop_tokens if tok in vocab)
-        return sorted(ids)
+        return stop_token_ids(self.tokenizer, self.model.generation_config, self.cfg.stop_tokens)
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -297,6 +277,14 @@ class HFBackend(Policy):
         """(name, tensor) of the policy's state dict: already Hugging Face names and layout
         (tied embeddings appear under both names, as transformers' state_dict has them)."""
         yield from self.model.state_dict().items()
+
+    @property
+    def context_length(self) -> Optional[int]:
+        n = getattr(self.model.config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def prompt_token_counts(self, texts: Sequence[str]) -> List[int]:
+        return [len(ids) for ids in encode_prompts(self.tokenizer, list(texts), self.use_chat_template)]
 
     def hf_source_dir(self) -> Optional[str]:
         return None if self.cfg.model == TINY_RANDOM else str(resolve_model_path(self.cfg.model))

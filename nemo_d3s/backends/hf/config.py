@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional
+
+from nemo_d3s.backends.settings import PolicySettings
 
 
 @dataclass
@@ -25,7 +27,7 @@ class TinyModelSpec:
 
 
 @dataclass
-class HFBackendConfig:
+class HFBackendConfig(PolicySettings):
     """Everything :class:`HFBackend` needs to build a policy, its optimizer and reference.
 
     model: "tiny-random" (random Llama from ``tiny``), "smollm2-135m-instruct" (the embedded
@@ -56,24 +58,5 @@ class HFBackendConfig:
 
     model: str = "tiny-random"
     tiny: TinyModelSpec = field(default_factory=TinyModelSpec)
-    dtype: str = "auto"
     autocast: Optional[str] = "auto"
-    device: str = "auto"
-    seed: int = 0
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    adam_betas: Tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    scheduler: str = "constant"
-    total_steps: Optional[int] = None
-    min_lr_ratio: float = 0.0
-    use_reference: bool = False
-    gradient_checkpointing: bool = False
     attn_implementation: Optional[str] = "sdpa"
-    generation_batch_size: Optional[int] = None
-    sampler: str = "seeded"
-    stop_tokens: Tuple[str, ...] = ("<|im_start|>", "<|endoftext|>")
-    use_chat_template: bool = True
-    dist_timeout_minutes: Optional[float] = None

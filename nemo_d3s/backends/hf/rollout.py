@@ -86,3 +86,15 @@ def real_length(attention_mask: torch.Tensor) -> int:
     (0 when empty): columns after it only carry padding and can be skipped."""
     cols = attention_mask.any(dim=0).nonzero()
     return int(cols[-1].item()) + 1 if cols.numel() else 0
+
+
+def stop_token_ids(tokenizer, generation_config, stop_tokens: Iterable[str]) -> List[int]:
+    """Token ids that end a response: the tokenizer's EOS, the generation config's EOS
+    id(s) and each of ``stop_tokens`` that the tokenizer has as one token."""
+    ids = {int(tokenizer.eos_token_id)}
+    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    if gen_eos is not None:
+        ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[tok] for tok in stop_tokens if tok in vocab)
+    return sorted(ids)
