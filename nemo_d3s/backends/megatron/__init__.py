@@ -1,2 +1,19 @@
-"""The Megatron-core backend (in progress: see issue "The Megatron-core backend"). Only this
-package imports megatron; importing it does not."""
+"""Megatron-core backend (``model.backend=megatron``): a ``GPTModel`` sharded over tensor,
+pipeline and data parallelism, trained through Megatron's own schedules.
+
+The only package besides ``backends.hf`` / ``backends.vllm`` that imports a model framework;
+nothing outside ``nemo_d3s/backends/megatron/`` imports megatron-core. Modules:
+``hf_config`` (config.json -> ModelSpec), ``weights`` (the one HF <-> Megatron name/shape
+table), ``model`` (build, load, gather), ``schedule`` (score / train_step), ``engine``
+(rollouts per model-parallel group), ``checkpoint`` (sharded, reshardable), ``cpu_compat``
+(megatron-core on gloo/CPU), ``backend`` (the Policy).
+"""
+
+
+def __getattr__(name):
+    # Importing megatron-core takes seconds; only a run that uses this backend pays for it.
+    if name == "MegatronBackend":
+        from nemo_d3s.backends.megatron.backend import MegatronBackend
+
+        return MegatronBackend
+    raise AttributeError(name)

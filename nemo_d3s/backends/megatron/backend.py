@@ -1,0 +1,366 @@
+"""``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
+
+Built from a local HF folder (Llama / Mistral / Qwen2): ``hf_config.ModelSpec`` ->
+``TransformerConfig`` -> this rank's stage, loaded straight from safetensors rows
+(``weights.py``). Scoring and training run through Megatron's schedules
+(``schedule.score`` / ``schedule.train_step``: no pipelining at PP 1, 1F1B at PP > 1, the
+fused vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums
+scaled by the step normaliser). Rollouts come from one engine per model-parallel group
+(``engine.py``). Checkpoints are sharded safetensors, reshardable (``checkpoint.py``).
+
+Set-up order (why): every check that can fail on bad input (options, config.json, the
+layout's divisibility, the safetensors headers) runs before the first collective, so every
+rank raises the same clear error instead of some ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
+from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
+from nemo_d3s.backends.lr import lr_multiplier
+from nemo_d3s.backends.megatron import checkpoint as ckpt
+from nemo_d3s.backends.megatron import schedule
+from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
+from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
+from nemo_d3s.backends.megatron.model import (
+    build_stage,
+    iter_hf_weights,
+    load_stage_from_hf,
+    te_available,
+    transformer_config,
+    write_hf_folder,
+)
+from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
+from nemo_d3s.distributed.groups import ParallelGroups, init_world
+
+__all__ = ["MegatronBackend"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class _LRSchedule:
+    """LR = base x ``lr_multiplier`` of the step, set on the optimizer's param groups; works
+    for torch optimizers and Megatron's (which torch's LRScheduler does not accept)."""
+
+    def __init__(self, optimizer, base_lr: float, fn) -> None:
+        self.optimizer, self.base_lr, self.fn, self.step_count = optimizer, base_lr, fn, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = self.base_lr * self.fn(self.step_count)
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def set_step(self, n: int) -> None:
+        self.step_count = int(n)
+        self._apply()
+
+
+def _check_options(cfg: MegatronBackendConfig) -> None:
+    """Megatron options this backend accepts by name but cannot run yet: refuse them."""
+    if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
+                         f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
+    if cfg.context_parallel_size != 1:
+        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: context parallelism "
+                         "is not supported; use 1")
+    if cfg.sequence_parallel:
+        raise ValueError("model.params.sequence_parallel=true is not supported yet (its layer-norm gradient "
+                         "all-reduce is not in the RL step); use false")
+    if cfg.dtype not in ("auto", *_DTYPES):
+        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
+    if cfg.sampler != "seeded":
+        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
+                         "the seeded sampler only")
+    if cfg.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")
+
+
+def _world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class MegatronBackend(Policy):
+    """Policy on megatron-core's GPTModel; see the module docstring. ``groups`` is always
+    built here (Megatron's ``initialize_model_parallel`` on the job's process group; an
+    existing Megatron layout of the same TP/PP is reused, e.g. by a test harness)."""
+
+    collective_export = True
+
+    def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
+        _check_options(cfg)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        cuda = self.device.type == "cuda"
+        if cfg.dtype == "auto":
+            self.dtype = torch.bfloat16 if cuda else torch.float32
+        else:
+            self.dtype = _DTYPES[cfg.dtype]
+        if not cuda:
+            from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
+
+            apply_cpu_compat()
+        self.path = str(resolve_model_path(cfg.model))
+        self.spec = ModelSpec.from_folder(self.path)
+        tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
+        check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
+        reader = SafetensorsReader(self.path, self.spec)
+        reader.check()  # before any collective: every rank fails alike on a bad folder
+
+        self.groups = groups if groups is not None else self._init_groups(tp, pp)
+        from megatron.core import parallel_state as ps
+
+        # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
+        # forks the tracker even at dropout 0, so it must be seeded before the first forward.
+        if cuda:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
+        else:
+            from nemo_d3s.backends.megatron.cpu_compat import seed_model_parallel
+
+            seed_model_parallel(cfg.seed)
+
+        self.layout = Layout(
+            tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+            padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
+            te=cuda and te_available(),
+        )
+        config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
+                                    recompute=cfg.gradient_checkpointing)
+        self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
+                                 post_process=ps.is_pipeline_last_stage(), device=self.device)
+        load_stage_from_hf(self.model, self.spec, self.layout, reader)
+        reader.close()
+        self.ref_model = None
+        if cfg.use_reference:
+            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model.requires_grad_(False)
+        chunks, self.optimizer = schedule.build_optimizer(
+            self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+        )
+        self.chunks = chunks
+        self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
+                                     lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
+
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
+        self.rollout_engine = self._build_engine()
+        self.rollout_engine.sync_weights(self)  # collective: the replica starts from these weights
+
+    # ------------------------------------------------------------------ set-up
+    def _init_groups(self, tp: int, pp: int) -> ParallelGroups:
+        from megatron.core import parallel_state as ps
+
+        if _world_size() <= 1 and not dist.is_initialized():
+            # Megatron's groups need a process group even for one process: a private
+            # one-rank group on an in-memory store (no port, no rendezvous).
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            world = ParallelGroups(device=self.device if self.device.type == "cuda" else torch.device("cpu"),
+                                   owns_world=True)
+        else:
+            world = init_world(str(self.device), self.cfg.dist_timeout_minutes)
+        if ps.model_parallel_is_initialized() and world.owns_world:
+            ps.destroy_model_parallel()  # left from an earlier process group of this process
+        if ps.model_parallel_is_initialized():
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+            if have != (tp, pp):
+                raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
+        else:
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
+        return ParallelGroups(
+            dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
+            pp=single(ps.get_pipeline_model_parallel_group()), device=world.device,
+            global_rank=world.global_rank, owns_world=world.owns_world,
+        )
+
+    def _build_engine(self) -> ModelParallelRollouts:
+        from megatron.core import parallel_state as ps
+
+        mp = ps.get_model_parallel_group()
+        src = dist.get_global_rank(mp, 0)
+        inner = None
+        if dist.get_rank() == src:
+            replica = make_replica(self.path, self.tokenizer, dtype=self.dtype, device=self.device, cfg=self.cfg,
+                                   eos_ids_fn=lambda m: stop_token_ids(self.tokenizer, m.generation_config,
+                                                                       self.cfg.stop_tokens))
+            inner = ReplicaEngine(replica)
+        return ModelParallelRollouts(inner, self.tokenizer, None if dist.get_world_size(mp) == 1 else mp, src,
+                                     prompt_seeds=True)
+
+    # ------------------------------------------------------------------ Policy
+    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
+              micro_batch_size: int = 8) -> Scores:
+        if reference and self.ref_model is None:
+            raise ValueError("reference=True but the backend was built with use_reference=False")
+        model = self.ref_model if reference else self.model
+        return schedule.score(model, batch, self.groups, micro_batch_size=micro_batch_size,
+                              with_entropy=with_entropy and not reference, vocab_size=self.spec.vocab_size,
+                              chunk_size=self.cfg.entropy_chunk_size)
+
+    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *,
+                   denominator: float) -> Dict[str, float]:
+        return schedule.train_step(self.chunks, self.optimizer, batch, loss_fn, self.groups,
+                                   micro_batch_size=micro_batch_size, denominator=denominator,
+                                   grad_clip=self.cfg.grad_clip, vocab_size=self.spec.vocab_size,
+                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size)
+
+    def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups)
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return self.spec.max_position_embeddings
+
+    def prompt_token_counts(self, texts: Sequence[str]) -> List[int]:
+        return [len(ids) for ids in encode_prompts(self.tokenizer, list(texts), self.cfg.use_chat_template)]
+
+    def hf_source_dir(self) -> Optional[str]:
+        return self.path
+
+    def save_pretrained(self, path: str) -> None:
+        """Collective (every rank calls it; DP replicas other than the first skip the
+        gathers): the whole model streamed to global rank 0 tensor by tensor and written as
+        safetensors shards (vocabulary padding removed) + the source config.json,
+        generation config and tokenizer, into a temporary sibling renamed into place."""
+        if self.groups.dp_rank != 0:
+            return
+        writer = dist.get_rank() == 0 if dist.is_initialized() else True
+        dest = Path(path)
+        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        weights = self.hf_weights()
+        if not writer:
+            for _ in weights:  # serve the collectives
+                pass
+            return
+        try:
+            tmp.mkdir(parents=True)
+            write_hf_folder(weights, str(tmp))
+            cfg = json.loads(Path(self.path, "config.json").read_text())
+            cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            if Path(self.path, "generation_config.json").is_file():
+                shutil.copyfile(Path(self.path, "generation_config.json"), tmp / "generation_config.json")
+            self.tokenizer.save_pretrained(str(tmp))
+            from nemo_d3s.files import apply_umask
+
+            apply_umask(tmp)
+            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+            if dest.exists():
+                os.rename(dest, old)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's shard (model, AdamW moments, reference) under local names."""
+        out: Dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            out[name] = p.detach()
+            st = self.optimizer.state.get(p, {}) if not schedule._is_megatron_optimizer(self.optimizer) else {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out[f"optim.{k}.{name}"] = st[k]
+        if self.ref_model is not None:
+            for name, p in self.ref_model.named_parameters():
+                out[f"ref.{name}"] = p.detach()
+        return out
+
+    def _optimizer_step(self) -> int:
+        for st in self.optimizer.state.values():
+            if "step" in st:
+                return int(st["step"])
+        return 0
+
+    def save_checkpoint(self, folder: str) -> bool:
+        """Collective. DP rank 0 of each (TP, PP) position writes its shard file; global rank
+        0 writes layout.json. The trainer adds atomicity and checksums."""
+        if schedule._is_megatron_optimizer(self.optimizer):  # pragma: no cover - CUDA only
+            raise NotImplementedError("checkpointing Megatron's distributed optimizer state is not implemented yet")
+        root = Path(folder) / ckpt.SUBDIR
+        if self.groups.is_main:
+            root.mkdir(parents=True, exist_ok=True)
+            ckpt.write_layout(root, self.spec, self.layout)
+        self.groups.barrier()
+        if self.groups.dp_rank == 0:
+            meta = {"optimizer_step": str(self._optimizer_step()), "scheduler_step": str(self.scheduler.step_count)}
+            ckpt.save_shard(root, self.layout, self.state_dict(), meta)
+        return True
+
+    @torch.no_grad()
+    def load_checkpoint(self, folder: str) -> bool:
+        """Load a checkpoint written at any TP x PP layout (same model): parameters, AdamW
+        moments and step, LR-scheduler step, reference. Every tensor is read and checked
+        before the first one is copied in, so a bad checkpoint changes nothing."""
+        root = Path(folder) / ckpt.SUBDIR
+        saved = ckpt.read_layout(root, self.spec)
+        meta = ckpt.shard_metadata(root, saved.at(0, 0)) or {}
+        try:
+            opt_step, sched_step = int(meta["optimizer_step"]), int(meta["scheduler_step"])
+        except (KeyError, ValueError):
+            raise ValueError(f"{str(root / ckpt.shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") \
+                from None
+        staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        moments: List[Tuple[torch.nn.Parameter, Dict[str, torch.Tensor]]] = []
+        readers = {prefix: ckpt.ShardedReader(root, self.spec, saved, prefix)
+                   for prefix in ("", "optim.exp_avg.", "optim.exp_avg_sq.", "ref.")}
+
+        def read(prefix: str, name: str, like: torch.Tensor) -> torch.Tensor:
+            t = ckpt.read_local_from_checkpoint(name, self.spec, self.layout, readers[prefix], like.dtype)
+            if t.shape != like.shape:
+                raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
+            return t
+
+        for name, p in self.model.named_parameters():
+            staged.append((p, read("", name, p)))
+            if opt_step > 0:
+                moments.append((p, {k: read(f"optim.{k}.", name, p) for k in ("exp_avg", "exp_avg_sq")}))
+        if self.ref_model is not None:
+            for name, p in self.ref_model.named_parameters():
+                staged.append((p, read("ref.", name, p)))
+        for p, t in staged:
+            p.copy_(t.to(p.device))
+        for p, st in moments:
+            self.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
+                                       **{k: v.to(p.device) for k, v in st.items()}}
+        self.scheduler.set_step(sched_step)
+        self.rollout_engine.sync_weights(self)
+        return True
+
+    def load_state_dict(self, state: dict) -> None:  # the trainer uses load_checkpoint
+        raise NotImplementedError("MegatronBackend restores with load_checkpoint(folder) (sharded files)")
+
+    def shutdown(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()

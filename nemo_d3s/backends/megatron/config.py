@@ -1,0 +1,49 @@
+"""Typed configuration of the Megatron backend (``model.backend=megatron``; backend-specific
+keys go in ``model.params`` under Megatron's own names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from nemo_d3s.backends.settings import PolicySettings
+
+
+@dataclass
+class MegatronBackendConfig(PolicySettings):
+    """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
+
+    model: a local Hugging Face folder (Llama / Mistral / Qwen2 config.json + safetensors)
+        or the embedded "smollm2-135m-instruct".
+    dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
+        "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
+        with fp32 main weights and optimizer state; on CPU the optimizer is AdamW over the
+        parameters in their own dtype.
+    device: "auto" (CUDA when available), "cpu" or "cuda".
+    tensor_model_parallel_size / pipeline_model_parallel_size: Megatron's TP and PP; DP =
+        world size / (TP x PP). TP must divide the attention heads, the key/value heads and
+        the FFN width; PP must divide the layers.
+    virtual_pipeline_model_parallel_size, context_parallel_size, sequence_parallel:
+        Megatron's names, accepted so a recipe can state them; only None / 1 / False run
+        (interleaved 1F1B, context parallelism and sequence parallelism are not wired into
+        the RL step yet) and anything else is refused at start-up by name.
+    make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP
+        (Megatron's rule); padded rows are never scored, sampled or exported.
+    entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
+        entropy/log-prob kernel handles at once (bounds its workspace).
+    The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
+        optimizer and LR schedule as the HF backend, clipping on the global norm across
+        TP x PP x DP; gradient_checkpointing = Megatron's full recompute, one layer at a
+        time; the HF engine's sampling settings (``rollout.engine=hf``: it samples from a
+        full copy of the weights on the first rank of each model-parallel group and sends
+        the rollouts to the group's other ranks; seeded sampler only).
+    """
+
+    model: str = "smollm2-135m-instruct"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    make_vocab_size_divisible_by: int = 128
+    entropy_chunk_size: int = 1024

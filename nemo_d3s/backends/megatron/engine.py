@@ -1,0 +1,137 @@
+"""Rollouts for a sharded policy: one engine per model-parallel group.
+
+Every rank of one TP x PP group must train on the same rollouts. The engine lives on the
+group's first rank (TP rank 0, PP stage 0) only; the other ranks receive its rollouts with
+one object broadcast over the model-parallel group (:class:`ModelParallelRollouts`), so the
+group generates once. Refits are collective (``policy.hf_weights()`` gathers over TP and
+PP), so every rank of the group runs the weight iterator and only the engine's rank keeps
+the tensors.
+
+:class:`ReplicaEngine` is the CPU/test engine: the HF backend's seeded, layout-independent
+sampler on a transformers copy of the policy (built from the same HF folder, then refitted
+from the Megatron weights), so a Megatron run and an HF run with the same seed sample the
+same rollouts. vLLM slots in as the inner engine in place of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
+from nemo_d3s.distributed._comm import is_single
+
+__all__ = ["ModelParallelRollouts", "ReplicaEngine"]
+
+
+@dataclass
+class _Replica:
+    """What the HF engine reads from its policy: model, tokenizer and sampling settings."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    cfg: Any  # .sampler, .generation_batch_size
+    pad_id: int
+    eos_ids: List[int]
+    device: torch.device
+    use_chat_template: bool
+
+    def _autocast(self):
+        return contextlib.nullcontext()
+
+
+class ReplicaEngine(RolloutEngine):
+    """The HF backend's sampler (``backends.hf.engine.HFRolloutEngine``) on a full
+    transformers copy of the policy. ``sync_weights`` copies ``policy.hf_weights()`` into it
+    name by name (tensor by tensor: never a second full copy in flight)."""
+
+    def __init__(self, replica: _Replica) -> None:
+        from nemo_d3s.backends.hf.engine import HFRolloutEngine
+
+        self.replica = replica
+        self.tokenizer = replica.tokenizer
+        self._inner = HFRolloutEngine(replica)  # type: ignore[arg-type]
+        self.prompt_seeds = self._inner.prompt_seeds
+
+    @torch.no_grad()
+    def sync_weights(self, policy: Policy) -> None:
+        own = self.replica.model.state_dict()
+        seen = set()
+        for name, t in policy.hf_weights():
+            if name not in own:
+                raise KeyError(f"the rollout replica has no weight {name!r}")
+            own[name].copy_(t)
+            seen.add(name)
+        missing = [n for n in own if n not in seen and not _tied_copy(n, own, seen)]
+        if missing:
+            raise KeyError(f"weights not refitted in the rollout replica: {missing[:3]}")
+
+    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+        return self._inner.generate(prompts, n_samples, cfg, seeds)
+
+
+def _tied_copy(name: str, own, seen) -> bool:
+    # transformers lists a tied lm_head under its own name; it IS the embedding.
+    return name == "lm_head.weight" and "model.embed_tokens.weight" in seen and \
+        own[name].data_ptr() == own["model.embed_tokens.weight"].data_ptr()
+
+
+class ModelParallelRollouts(RolloutEngine):
+    """One engine per model-parallel group: ``inner`` exists on the group's first rank
+    (``src``, a global rank) and is None elsewhere.
+
+    generate: ``src`` samples; one ``broadcast_object_list`` of the Rollouts (tensors on the
+    CPU) over ``mp_group`` (in-memory objects between the job's own ranks, never a file).
+    sync_weights: every rank iterates ``policy.hf_weights()`` (it is collective); ``src``
+    hands the iterator to ``inner``. ``make_inner`` builds the engine lazily on ``src``.
+    """
+
+    def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, mp_group, src: int, *,
+                 prompt_seeds: bool, on_policy: bool = True) -> None:
+        self.inner, self.tokenizer, self.mp_group, self.src = inner, tokenizer, mp_group, src
+        self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
+
+    @property
+    def is_src(self) -> bool:
+        return is_single(self.mp_group) or dist.get_rank() == self.src
+
+    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+        if is_single(self.mp_group):
+            return self.inner.generate(prompts, n_samples, cfg, seeds)
+        box = [self.inner.generate(prompts, n_samples, cfg, seeds) if self.is_src else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.mp_group)
+        return box[0]
+
+    def sync_weights(self, policy: Policy) -> None:
+        if self.is_src:
+            self.inner.sync_weights(policy)
+        else:
+            for _ in policy.hf_weights():  # serve the gathers; the tensors are not needed here
+                pass
+
+
+def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch.device, cfg: Any,
+                 eos_ids_fn: Callable[[Any], List[int]]) -> _Replica:
+    """A transformers model of the HF folder ``path`` (local files only), dropout off, in
+    eval mode, for :class:`ReplicaEngine` (its weights are overwritten by the first refit)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and "dropout" in key:
+            setattr(config, key, 0.0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    try:  # EOS ids as the HF backend sees them (generation_config.json may list several)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        pass  # no generation_config.json: the one derived from config.json stands
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return _Replica(model, tokenizer, cfg, int(tokenizer.pad_token_id), eos_ids_fn(model), device,
+                    bool(cfg.use_chat_template))

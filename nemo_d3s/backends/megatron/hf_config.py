@@ -1,0 +1,235 @@
+"""A Hugging Face ``config.json`` -> the shape of a megatron-core ``GPTModel``.
+
+:class:`ModelSpec` is the one description of the model every part of the Megatron backend
+uses: the model builder (``TransformerConfig`` + ``GPTModel`` arguments), the weight table
+(``weights.py``: names and shapes, vocabulary padding) and the layout checks. It is read
+from ``config.json`` only (JSON, never code: ``trust_remote_code`` models are refused), so
+a folder that holds just a config is enough to plan a layout (the dry run of the Slurm
+recipes).
+
+Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM2), ``MistralForCausalLM`` (GQA, no
+sliding window) and ``Qwen2ForCausalLM`` (q/k/v bias; Qwen2.5 and Qwen2.5-Math). Anything
+the mapping would get silently wrong (another architecture, a sliding window, MLP biases,
+an activation other than SiLU, a RoPE scaling Megatron does not implement) is a
+:class:`~nemo_d3s.config.ConfigError` naming the field, raised at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from nemo_d3s.config import ConfigError
+
+__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "check_layout", "padded_vocab_size", "read_hf_config"]
+
+# architecture -> whether q/k/v carry a bias by construction (Qwen2 always does).
+SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
+    "LlamaForCausalLM": False,
+    "MistralForCausalLM": False,
+    "Qwen2ForCausalLM": True,
+}
+
+# Megatron implements Llama 3.x RoPE scaling with these fixed constants
+# (RotaryEmbedding._apply_scaling); only the factor is a GPTModel argument.
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a decoder-only HF model is, in the terms the Megatron backend needs.
+
+    vocab_size: the REAL vocabulary (the embedding is padded beyond it, see
+    :func:`padded_vocab_size`); kv_heads: key/value heads (GQA query groups); head_dim:
+    per-head width (Megatron's ``kv_channels``); qkv_bias: q/k/v projections carry a bias;
+    rope_scaling_factor: Llama 3.x frequency scaling (None = none); torch_dtype: the dtype
+    the checkpoint was saved in (export writes the training dtype).
+    """
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling_factor: Optional[float]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    torch_dtype: str = "float32"
+
+    @classmethod
+    def from_hf_dict(cls, cfg: Dict[str, Any], source: str = "config.json") -> "ModelSpec":
+        """Validate an HF config dict (``source`` names it in errors) and map it."""
+
+        def need(key: str, kind=int):
+            if key not in cfg:
+                raise ConfigError(f"{source}: missing {key!r}")
+            v = cfg[key]
+            if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{source}: {key}={v!r} must be a positive integer")
+            if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+                raise ConfigError(f"{source}: {key}={v!r} must be a positive number")
+            return v
+
+        archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{source}: architectures={archs!r} is not supported by the Megatron backend; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = archs[0]
+        if cfg.get("auto_map"):
+            raise ConfigError(f"{source}: auto_map (remote code) is not supported; the mapping covers {arch} only")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+        if cfg.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        sliding = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM":
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+        if sliding is not None:
+            raise ConfigError(f"{source}: sliding_window={sliding!r} is not supported (full causal attention only)")
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        kv = cfg.get("num_key_value_heads", heads)
+        if kv is None:
+            kv = heads
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
+            raise ConfigError(f"{source}: num_key_value_heads={kv!r} must divide num_attention_heads={heads}")
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if not isinstance(head_dim, int) or head_dim < 1 or head_dim % 2:
+            raise ConfigError(f"{source}: head_dim={head_dim!r} must be a positive even integer")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+        qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False))
+        theta, factor = _rope(cfg, source)
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{source}: torch_dtype={dtype!r} is not one of float32, bfloat16, float16")
+        return cls(
+            architecture=arch,
+            model_type=str(cfg.get("model_type", "")),
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            ffn_hidden_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=heads,
+            kv_heads=kv,
+            head_dim=head_dim,
+            norm_eps=float(need("rms_norm_eps", float)),
+            rope_theta=theta,
+            rope_scaling_factor=factor,
+            max_position_embeddings=need("max_position_embeddings"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            torch_dtype=dtype,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelSpec":
+        return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the HF model (real vocabulary; tied embeddings counted once)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads + 2 * self.kv_heads) + self.num_heads * d * h
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.kv_heads)
+        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h
+
+
+def _rope(cfg: Dict[str, Any], source: str):
+    """(rope_theta, llama3 scaling factor or None) from either transformers' 5.x
+    ``rope_parameters`` or the older top-level ``rope_theta`` / ``rope_scaling``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta, scaling, where = params.get("rope_theta"), params, "rope_parameters"
+    else:
+        theta, scaling, where = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), "rope_scaling"
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ConfigError(f"{source}: rope_theta={theta!r} must be a positive number")
+    if not scaling:
+        return float(theta), None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{source}: {where}={scaling!r} must be an object")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ConfigError(f"{source}: {where}.rope_type={kind!r} is not supported (default or llama3)")
+    for key, want in _LLAMA3_FIXED.items():
+        if float(scaling.get(key, want)) != want:
+            raise ConfigError(
+                f"{source}: {where}.{key}={scaling.get(key)!r}: megatron-core's llama3 RoPE scaling fixes it to {want}"
+            )
+    factor = scaling.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ConfigError(f"{source}: {where}.factor={factor!r} must be a positive number")
+    return float(theta), float(factor)
+
+
+def read_hf_config(folder: str | Path) -> Dict[str, Any]:
+    """``folder/config.json`` as a dict; clear errors for a missing or garbled file."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{str(path)!r} not found: model.name must be a Hugging Face model folder")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{str(path)!r} must hold a JSON object")
+    return cfg
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: the embedding rows rounded up to a multiple of
+    ``divisible_by x TP`` so every TP rank holds an equal, aligned vocabulary shard. The rows
+    past ``vocab_size`` are never sampled, scored or exported (the vocab-parallel kernel
+    leaves them out of the softmax)."""
+    m = divisible_by * tp
+    return -(-vocab_size // m) * m
+
+
+def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) -> int:
+    """Every divisibility rule of a TP x PP (x CP) layout for ``spec`` on ``world`` ranks;
+    returns DP. ConfigError with the numbers otherwise. Pure arithmetic, so every rank
+    raises the same error before any collective."""
+    for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                    ("context_parallel_size", cp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"model.params.{name}={v!r} must be an integer >= 1")
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            f"world size {world} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size"
+            f"{' x context_parallel_size' if cp > 1 else ''} = {tp * pp * cp}"
+        )
+    if spec.num_heads % tp:
+        raise ConfigError(
+            f"num_attention_heads={spec.num_heads} is not divisible by tensor_model_parallel_size={tp}"
+        )
+    if spec.kv_heads % tp:
+        raise ConfigError(
+            f"num_key_value_heads={spec.kv_heads} is not divisible by tensor_model_parallel_size={tp} "
+            "(replicating key/value heads across TP ranks is not supported)"
+        )
+    if spec.ffn_hidden_size % tp:
+        raise ConfigError(f"intermediate_size={spec.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}")
+    if spec.num_layers % pp:
+        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
+    return world // (tp * pp * cp)

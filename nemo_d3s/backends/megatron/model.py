@@ -1,0 +1,249 @@
+"""Build this rank's ``GPTModel`` stage from a :class:`ModelSpec`, load it from HF
+safetensors, and stream the whole model back out under HF names.
+
+- :func:`transformer_config` / :func:`build_stage`: the megatron-core model of this rank's
+  (TP, PP) position; the transformer-engine layer spec when TE is importable and the model
+  lives on CUDA, megatron-core's local spec otherwise (CPU, tests).
+- :func:`load_stage_from_hf`: every local parameter read from its HF rows
+  (``weights.local_parts``), nothing else from disk.
+- :func:`iter_hf_weights`: collective generator of (HF name, full tensor) for export and
+  rollout-engine refits: one local parameter at a time is all-gathered over TP on its stage
+  and broadcast over PP, so no rank holds more than one full tensor group at once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.backends.megatron.hf_config import ModelSpec
+from nemo_d3s.backends.megatron.weights import (
+    Layout,
+    SafetensorsReader,
+    assemble_hf,
+    hf_shape,
+    iter_stage_hf,
+    local_names,
+    local_parts,
+    local_shape,
+    read_local,
+)
+from nemo_d3s.distributed._comm import global_rank_of, is_single
+from nemo_d3s.distributed.groups import ParallelGroups
+
+__all__ = ["te_available", "transformer_config", "build_stage", "load_stage_from_hf", "iter_hf_weights"]
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a TE wheel that fails to load its CUDA library
+        return False
+    return True
+
+
+def transformer_config(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    sequence_parallel: bool = False,
+    recompute: bool = False,
+):
+    """The ``TransformerConfig`` of ``spec`` at TP x PP (dropout 0: RL log-prob ratios
+    need the same function in the scoring and the training pass)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    cuda = device.type == "cuda"
+    kwargs = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Every weight is overwritten by the loader: skip Megatron's random init (minutes
+        # for a 70B stage) and allocate on the CPU first only where there is no GPU.
+        perform_initialization=False,
+        use_cpu_initialization=not cuda,
+        attention_softmax_in_fp32=True,
+    )
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return TransformerConfig(**kwargs)
+
+
+def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, post_process: bool,
+                device: torch.device, max_sequence_length: Optional[int] = None):
+    """This rank's GPTModel stage (uninitialised weights: load them next)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if layout.te
+                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=layout.padded_vocab,
+        max_sequence_length=max_sequence_length or spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rope_scaling=spec.rope_scaling_factor is not None,
+        rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+    )
+    model.to(device)
+    _mark_tensor_parallel(model, spec, layout)
+    names = [n for n, _ in model.named_parameters()]
+    want = local_names(spec, layout)
+    if sorted(names) != sorted(want):
+        raise RuntimeError(
+            f"megatron-core built parameters {sorted(set(names) ^ set(want))} that the weight table does not "
+            "expect (a megatron-core version with other names?)"
+        )
+    return model
+
+
+def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layout) -> None:
+    """Megatron sets ``tensor_model_parallel`` / ``partition_dim`` on its sharded weights
+    only inside its random init, which ``perform_initialization=False`` skips; the gradient
+    norm (TP duplicates counted once) and Megatron's optimizer read them. Set them from the
+    weight table: every parameter split over TP (embedding, output layer, QKV, proj, fc1,
+    fc2, QKV bias) is parallel, norms are duplicates."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, p in model.named_parameters():
+        dim, parts = local_parts(name, spec, layout)
+        full = hf_shape(parts[0].hf_name, spec)[dim] if parts[0].hf_name else None
+        replicated = len(parts) == 1 and parts[0].lo == 0 and parts[0].rows == full and not (
+            name.endswith("word_embeddings.weight") or name == "output_layer.weight")
+        if replicated:
+            continue
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                delattr(p, attr)
+        set_tensor_model_parallel_attributes(p, True, dim, 1)
+
+
+@torch.no_grad()
+def load_stage_from_hf(model: torch.nn.Module, spec: ModelSpec, layout: Layout, reader: SafetensorsReader) -> None:
+    """Copy this stage's rows of the HF tensors into ``model`` (its shapes are checked
+    against the table first, so a mismatch fails before any weight is written)."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if tuple(p.shape) != local_shape(name, spec, layout):
+            raise RuntimeError(f"{name}: GPTModel shape {tuple(p.shape)} != table {local_shape(name, spec, layout)}")
+    for name, p in params.items():
+        p.copy_(read_local(name, spec, layout, reader, p.dtype).to(p.device))
+
+
+def _stage_src(groups: ParallelGroups, stage: int) -> int:
+    """Global rank of pipeline stage ``stage`` in this rank's PP group."""
+    return global_rank_of(groups.pp, stage)
+
+
+@torch.no_grad()
+def iter_hf_weights(
+    model: torch.nn.Module, spec: ModelSpec, layout: Layout, groups: ParallelGroups, *, to_cpu: bool = True
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every tensor of the HF model, in stage order, on EVERY
+    rank of this rank's TP x PP group (collective over it; DP replicas run their own copy).
+
+    Per local parameter of stage s: all-gather of its [local shape] over ``groups.tp`` on
+    stage s (TP > 1), reassembly (``weights.assemble_hf``: q/k/v, gate/up, vocabulary
+    padding dropped), then one broadcast per HF tensor over ``groups.pp`` from stage s
+    (PP > 1). Tied embeddings come once, from the first stage. Memory: one local
+    parameter's TP shards + its HF tensors at a time.
+    """
+    params: Dict[str, torch.nn.Parameter] = dict(model.named_parameters())
+    device = next(iter(params.values())).device
+    dtype = next(iter(params.values())).dtype
+    for stage in range(layout.pp):
+        st = layout.at(layout.tp_rank, stage)
+        for local, produced in iter_stage_hf(local_names(spec, st), spec, st):
+            if local == "output_layer.weight" and spec.tie_word_embeddings:
+                continue  # the last stage's copy of the tied embedding
+            full: Optional[Dict[str, torch.Tensor]] = None
+            if stage == layout.pp_rank:
+                t = params[local].detach().contiguous()
+                if layout.tp > 1:
+                    shards = [torch.empty_like(t) for _ in range(layout.tp)]
+                    dist.all_gather(shards, t, group=groups.tp)
+                else:
+                    shards = [t]
+                full = assemble_hf(local, shards, spec, st)
+            for h in produced:
+                x = full[h] if full is not None else torch.empty(hf_shape(h, spec), dtype=dtype, device=device)
+                if not is_single(groups.pp):
+                    dist.broadcast(x, src=_stage_src(groups, stage), group=groups.pp)
+                yield h, (x.cpu() if to_cpu else x)
+
+
+def write_hf_folder(tensors: Iterator[Tuple[str, torch.Tensor]], out_dir: str, *, shard_bytes: int = 5 * 2**30,
+                    dtype: Optional[torch.dtype] = None) -> Dict[str, str]:
+    """Write (name, tensor) pairs as safetensors shards + index into ``out_dir`` (which
+    exists), holding at most ``shard_bytes`` of tensors at once. One file ->
+    ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` and
+    ``model.safetensors.index.json``. Returns {tensor name: file name}."""
+    import json
+
+    from safetensors.torch import save_file
+
+    files, buf, size, weight_map = [], {}, 0, {}
+
+    def flush():
+        nonlocal buf, size
+        if buf:
+            name = f"part-{len(files):05d}.safetensors"
+            save_file(buf, os.path.join(out_dir, name), metadata={"format": "pt"})
+            files.append((name, list(buf)))
+            buf, size = {}, 0
+
+    for name, t in tensors:
+        t = t.to(dtype) if dtype is not None else t
+        nbytes = t.numel() * t.element_size()
+        if buf and size + nbytes > shard_bytes:
+            flush()
+        buf[name] = t.contiguous()
+        size += nbytes
+    flush()
+    n = len(files)
+    for i, (tmp, names) in enumerate(files):
+        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
+        weight_map.update({k: final for k in names})
+    if n > 1:
+        total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in set(weight_map.values()))
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return weight_map

@@ -1,0 +1,333 @@
+"""The one table of names and shapes between Hugging Face Llama/Qwen2 weights and the
+TP x PP shards of a megatron-core ``GPTModel``.
+
+Training (load), export (``save_pretrained``), the rollout engine's refit and the
+checkpoint resharding all go through :func:`local_parts`: a local parameter of the rank at
+(tp_rank, pp_rank) is the concatenation, along one dimension, of row ranges of HF tensors
+(and of zero rows for the padded vocabulary). Reading it forwards loads a shard straight
+from safetensors (only this rank's rows are read from disk); reading it backwards puts TP
+shards back into whole HF tensors.
+
+Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, q = heads/G):
+
+- ``self_attention.linear_qkv.weight`` [(q + 2) d G / TP, H]: per query group g, the q
+  query heads of g, then k_g, then v_g; TP rank r holds groups [r G/TP, (r+1) G/TP).
+  (Same for the bias [(q + 2) d G / TP].)
+- ``self_attention.linear_proj.weight`` [H, q d G / TP]: o_proj's columns, split over TP.
+- ``mlp.linear_fc1.weight`` [2 F / TP, H]: [gate rows of rank r; up rows of rank r].
+- ``mlp.linear_fc2.weight`` [H, F / TP]: down_proj's columns.
+- layer norms: replicated on every TP rank; with the transformer-engine layer spec they are
+  fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
+- ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [Vp / TP, H]: vocabulary rows
+  [r Vp/TP, (r+1) Vp/TP) of the PADDED vocabulary Vp; rows >= the real V are zeros, never
+  exported. Tied embeddings: the first stage's embedding is THE weight; with PP > 1 the last
+  stage holds a copy as ``output_layer.weight`` (kept equal by the tied-gradient sum).
+
+Layers are numbered per stage in Megatron (0 .. L/PP - 1) and globally in HF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from nemo_d3s.backends.megatron.hf_config import ModelSpec
+from nemo_d3s.config import ConfigError
+
+__all__ = [
+    "Part",
+    "Layout",
+    "local_names",
+    "local_parts",
+    "local_shape",
+    "hf_names",
+    "hf_shape",
+    "SafetensorsReader",
+    "assemble_hf",
+]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank sits: TP/PP sizes and ranks, the padded vocabulary, the layer spec."""
+
+    tp: int = 1
+    pp: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    padded_vocab: int = 0
+    te: bool = False  # transformer-engine spec: norms fused into the following linear
+
+    def at(self, tp_rank: int, pp_rank: Optional[int] = None) -> "Layout":
+        return Layout(self.tp, self.pp, tp_rank, self.pp_rank if pp_rank is None else pp_rank, self.padded_vocab, self.te)
+
+
+@dataclass(frozen=True)
+class Part:
+    """Rows [lo, hi) along the local tensor's concatenation dim taken from HF tensor
+    ``hf_name`` (rows [lo, hi) of it along the same dim); ``hf_name`` None: hi - lo zero rows
+    (vocabulary padding)."""
+
+    hf_name: Optional[str]
+    lo: int
+    hi: int
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+def _layers_of_stage(spec: ModelSpec, layout: Layout) -> range:
+    per = spec.num_layers // layout.pp
+    return range(layout.pp_rank * per, (layout.pp_rank + 1) * per)
+
+
+def _has_output_layer(spec: ModelSpec, layout: Layout) -> bool:
+    last = layout.pp_rank == layout.pp - 1
+    return last and (not spec.tie_word_embeddings or layout.pp > 1)
+
+
+def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
+    """The parameter names of this stage's GPTModel, in ``named_parameters`` order."""
+    names: List[str] = []
+    if layout.pp_rank == 0:
+        names.append("embedding.word_embeddings.weight")
+    for j, _ in enumerate(_layers_of_stage(spec, layout)):
+        p = f"decoder.layers.{j}."
+        if layout.te:
+            names += [p + "self_attention.linear_proj.weight", p + "self_attention.linear_qkv.layer_norm_weight",
+                      p + "self_attention.linear_qkv.weight"]
+            if spec.qkv_bias:
+                names.append(p + "self_attention.linear_qkv.bias")
+            names += [p + "mlp.linear_fc1.layer_norm_weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        else:
+            names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
+                      p + "self_attention.linear_qkv.weight"]
+            if spec.qkv_bias:
+                names.append(p + "self_attention.linear_qkv.bias")
+            names += [p + "pre_mlp_layernorm.weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    if layout.pp_rank == layout.pp - 1:
+        names.append("decoder.final_layernorm.weight")
+        if _has_output_layer(spec, layout):
+            names.append("output_layer.weight")
+    return names
+
+
+def _vocab_parts(hf_name: str, spec: ModelSpec, layout: Layout) -> List[Part]:
+    per = layout.padded_vocab // layout.tp
+    lo, hi = layout.tp_rank * per, (layout.tp_rank + 1) * per
+    real_hi = min(hi, spec.vocab_size)
+    parts = [Part(hf_name, lo, real_hi)] if real_hi > lo else []
+    if hi > max(lo, spec.vocab_size):
+        parts.append(Part(None, max(lo, spec.vocab_size), hi))
+    return parts
+
+
+def local_parts(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, List[Part]]:
+    """(concatenation dim, parts) of local parameter ``name`` at ``layout`` (see the module
+    docstring); a replicated parameter is one part covering the whole HF tensor."""
+    tp, r = layout.tp, layout.tp_rank
+    d, G, H, F = spec.head_dim, spec.kv_heads, spec.hidden_size, spec.ffn_hidden_size
+    q = spec.num_heads // G
+    if name == "embedding.word_embeddings.weight":
+        return 0, _vocab_parts("model.embed_tokens.weight", spec, layout)
+    if name == "output_layer.weight":
+        src = "model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"
+        return 0, _vocab_parts(src, spec, layout)
+    if name == "decoder.final_layernorm.weight":
+        return 0, [Part("model.norm.weight", 0, H)]
+    parts = name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        raise KeyError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
+    i = _layers_of_stage(spec, layout)[int(parts[2])]
+    hf, rest = f"model.layers.{i}.", ".".join(parts[3:])
+    if rest in ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"):
+        return 0, [Part(hf + "input_layernorm.weight", 0, H)]
+    if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
+        return 0, [Part(hf + "post_attention_layernorm.weight", 0, H)]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        out: List[Part] = []
+        for g in range(r * G // tp, (r + 1) * G // tp):
+            out += [
+                Part(hf + f"self_attn.q_proj.{kind}", g * q * d, (g + 1) * q * d),
+                Part(hf + f"self_attn.k_proj.{kind}", g * d, (g + 1) * d),
+                Part(hf + f"self_attn.v_proj.{kind}", g * d, (g + 1) * d),
+            ]
+        return 0, out
+    if rest == "self_attention.linear_proj.weight":
+        w = q * d * G // tp
+        return 1, [Part(hf + "self_attn.o_proj.weight", r * w, (r + 1) * w)]
+    if rest == "mlp.linear_fc1.weight":
+        f = F // tp
+        return 0, [Part(hf + "mlp.gate_proj.weight", r * f, (r + 1) * f), Part(hf + "mlp.up_proj.weight", r * f, (r + 1) * f)]
+    if rest == "mlp.linear_fc2.weight":
+        f = F // tp
+        return 1, [Part(hf + "mlp.down_proj.weight", r * f, (r + 1) * f)]
+    raise KeyError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
+
+
+def hf_shape(hf_name: str, spec: ModelSpec) -> Tuple[int, ...]:
+    """The full shape of an HF tensor of ``spec``."""
+    H, d, F, V = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.vocab_size
+    last = hf_name.rsplit(".", 2)
+    key = ".".join(last[-2:])
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (V, H)
+    if hf_name == "model.norm.weight" or key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return (H,)
+    table = {
+        "q_proj.weight": (spec.num_heads * d, H), "k_proj.weight": (spec.kv_heads * d, H),
+        "v_proj.weight": (spec.kv_heads * d, H), "q_proj.bias": (spec.num_heads * d,),
+        "k_proj.bias": (spec.kv_heads * d,), "v_proj.bias": (spec.kv_heads * d,),
+        "o_proj.weight": (H, spec.num_heads * d), "gate_proj.weight": (F, H), "up_proj.weight": (F, H),
+        "down_proj.weight": (H, F),
+    }
+    if key not in table:
+        raise KeyError(f"{hf_name!r} is not a tensor of a {spec.architecture}")
+    return table[key]
+
+
+def local_shape(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, ...]:
+    dim, parts = local_parts(name, spec, layout)
+    ref = parts[0].hf_name or "model.embed_tokens.weight"
+    shape = list(hf_shape(ref, spec))
+    shape[dim] = sum(p.rows for p in parts)
+    return tuple(shape)
+
+
+def hf_names(spec: ModelSpec) -> List[str]:
+    """Every tensor of the HF checkpoint, in transformers' order (tied: no lm_head)."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        if spec.qkv_bias:
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    names.append("model.norm.weight")
+    if not spec.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+# ---------------------------------------------------------------------------- reading HF files
+class SafetensorsReader:
+    """Row ranges of the tensors of an HF folder (``model.safetensors`` or an indexed set of
+    shards), read lazily: only the requested rows come off disk, so a rank loads its shard
+    of a 70B model without holding the whole model.
+
+    Every file is untrusted input: safetensors only (no pickle), the index is plain JSON, a
+    tensor that is missing or has another shape than ``spec`` says is a ConfigError naming
+    the tensor and the file ("a checkpoint from another model"), raised before any weight
+    is written.
+    """
+
+    def __init__(self, folder: str | os.PathLike, spec: ModelSpec) -> None:
+        self.folder, self.spec = Path(folder), spec
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{str(index)!r}: not a safetensors index ({e})") from None
+            self.files = {str(k): self.folder / str(v) for k, v in weight_map.items()}
+            for f in set(self.files.values()):
+                if f.resolve().parent != self.folder.resolve():
+                    raise ConfigError(f"{str(index)!r} points outside the model folder: {str(f)!r}")
+        elif (self.folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            single = self.folder / "model.safetensors"
+            with safe_open(str(single), framework="pt") as f:
+                self.files = {k: single for k in f.keys()}
+        else:
+            raise ConfigError(
+                f"{str(self.folder)!r} holds no model.safetensors (or index): the Megatron backend loads "
+                "safetensors weights only (convert .bin/.pt checkpoints with transformers first)"
+            )
+        self._open: Dict[Path, object] = {}
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            from safetensors import safe_open
+
+            if not path.is_file():
+                raise ConfigError(f"{str(path)!r} (named by the safetensors index) is missing")
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path]
+
+    def check(self) -> None:
+        """Every tensor ``spec`` needs exists with the right shape (header reads only)."""
+        for name in hf_names(self.spec):
+            if name not in self.files:
+                raise ConfigError(f"{str(self.folder)!r}: tensor {name!r} is missing (not a {self.spec.architecture} "
+                                  "with this config.json?)")
+            got = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
+            want = hf_shape(name, self.spec)
+            if got != want:
+                raise ConfigError(f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, config.json "
+                                  f"says {list(want)} (a checkpoint from another model?)")
+
+    def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
+        sl = self._handle(self.files[name]).get_slice(name)
+        return sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def read_local(name: str, spec: ModelSpec, layout: Layout, reader: SafetensorsReader, dtype: torch.dtype) -> torch.Tensor:
+    """Local parameter ``name`` at ``layout`` built from the HF files (zero padding rows)."""
+    dim, parts = local_parts(name, spec, layout)
+    pieces = []
+    for p in parts:
+        if p.hf_name is None:
+            shape = list(hf_shape("model.embed_tokens.weight", spec))
+            shape[dim] = p.rows
+            pieces.append(torch.zeros(shape, dtype=dtype))
+        else:
+            pieces.append(reader.rows(p.hf_name, dim, p.lo, p.hi).to(dtype))
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def assemble_hf(
+    name: str, shards: Sequence[torch.Tensor], spec: ModelSpec, layout: Layout
+) -> Dict[str, torch.Tensor]:
+    """The inverse of :func:`local_parts` for one local parameter: its TP shards (index =
+    TP rank, all of stage ``layout.pp_rank``) -> {HF name: full tensor}. Replicated
+    parameters take TP rank 0's copy; padding rows are dropped."""
+    out: Dict[str, torch.Tensor] = {}
+    for r, shard in enumerate(shards):
+        dim, parts = local_parts(name, spec, layout.at(r))
+        if r > 0 and len(parts) == 1 and parts[0].lo == 0 and parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]:
+            continue  # replicated over TP: rank 0's copy is the weight
+        offset = 0
+        for p in parts:
+            if p.hf_name is not None:
+                if p.hf_name not in out:
+                    out[p.hf_name] = shard.new_empty(hf_shape(p.hf_name, spec))
+                piece = shard.narrow(dim, offset, p.rows)
+                out[p.hf_name].narrow(dim, p.lo, p.rows).copy_(piece)
+            offset += p.rows
+    return out
+
+
+def iter_stage_hf(names: Sequence[str], spec: ModelSpec, layout: Layout) -> Iterator[Tuple[str, List[str]]]:
+    """(local name, HF names it produces) for the given local names, in order."""
+    for n in names:
+        _, parts = local_parts(n, spec, layout)
+        seen: List[str] = []
+        for r in range(layout.tp):
+            for p in local_parts(n, spec, layout.at(r))[1]:
+                if p.hf_name is not None and p.hf_name not in seen:
+                    seen.append(p.hf_name)
+        yield n, seen

@@ -1,0 +1,41 @@
+"""Tiny Hugging Face model folders for the Megatron backend tests: random Llama (GQA,
+untied) and Qwen2 (q/k/v bias, tied) with a vocabulary (300) that the Megatron layout must
+pad, saved with transformers' own ``save_pretrained`` plus the in-memory byte-level
+tokenizer (259 ids), so both backends load the same files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def make_tiny_hf(folder, arch: str = "llama", *, tied: bool = False, vocab: int = 300, hidden: int = 32,
+                 ffn: int = 48, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from nemo_d3s.backends.hf.loading import byte_level_tokenizer
+
+    folder = Path(folder)
+    tok = byte_level_tokenizer()
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.2,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    if arch == "llama":
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # norms away from 1 and non-zero biases, so a mapping slip shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder

@@ -1,0 +1,335 @@
+"""``MegatronBackend`` (model.backend=megatron) against plain transformers and the HF
+backend, on gloo ranks.
+
+Tiny HF folders (``_tiny_hf.py``): a Llama with GQA (4 heads / 2 kv heads, untied) and a
+Qwen2 (q/k/v bias, tied), vocabulary 300 padded to 384 / 512 by the layout. Checked:
+
+- scores: log-probs and entropy at TP1/PP1, TP2/PP1, TP1/PP2, TP2/PP2 equal a plain
+  transformers forward with ``core.entropy`` (max abs error <= 1e-4), identical on every
+  rank of a model-parallel group;
+- one ``train_step`` at those layouts and at DP2 gives the HF backend's grad norm (rel
+  1e-4) and its updated weights (AdamW, atol 1e-5) for token_mean and
+  seq_mean_token_mean with token masks where a micro-batch keeps no token;
+- rollouts: the Megatron backend's engine samples what the HF backend samples;
+- export: a freshly loaded model exports the input tensors bit for bit;
+- checkpoints: resume in the same layout is bit-exact; a TP2 x PP2 checkpoint resumes at
+  TP1 x PP1 (model + AdamW moments + LR step) to optimizer tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
+from _launch import run_ranks  # noqa: E402
+from _tiny_hf import make_tiny_hf  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+AGGS = ["token_mean", "seq_mean_token_mean"]
+OPT = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.01, grad_clip=0.5)
+MBS = 2
+B, S = 6, 12
+LENGTHS = [12, 7, 9, 4, 8, 11]
+PROMPT = [3, 2, 4, 2, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {
+        "llama": str(make_tiny_hf(root / "llama", "llama", tied=False)),
+        "qwen2": str(make_tiny_hf(root / "qwen2", "qwen2", tied=True)),
+    }
+
+
+def _data():
+    from nemo_d3s.backends.base import TokenBatch
+
+    g = torch.Generator().manual_seed(5)
+    pos = torch.arange(S)
+    attn = pos < torch.tensor(LENGTHS).unsqueeze(1)
+    resp = attn & (pos >= torch.tensor(PROMPT).unsqueeze(1))
+    # Byte tokens only (< 256): transformers builds the embedding with padding_idx = the pad
+    # token (256), whose input row then never gets a gradient; Megatron's embedding has no
+    # such exception. Rollouts hold the pad id only where nothing is attended.
+    ids = torch.randint(0, 256, (B, S), generator=g) * attn
+    adv = torch.randn(B, generator=g)
+    noise = 0.2 * torch.randn(B, S, generator=g)
+    keep = resp & (torch.rand(B, S, generator=g) < 0.6)
+    keep[2:4] = False  # micro-batch 1 (MBS 2) keeps no token
+    keep[0, PROMPT[0]] = keep[5, PROMPT[5]] = True
+    return TokenBatch(ids, attn, resp), adv, noise, keep
+
+
+def _loss_fn(batch, old_lp, adv, keep, agg):
+    from nemo_d3s.core.losses import LossConfig
+    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+
+    upd = UpdateBatch(batch=batch, old_logprobs=old_lp, advantages=adv, token_keep=keep,
+                      minibatch=torch.zeros(len(batch), dtype=torch.long))
+    return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
+
+
+def _denominator(keep, agg) -> float:
+    from nemo_d3s.core.losses import loss_denominator
+
+    return float(loss_denominator(keep, agg))
+
+
+def _megatron(folder, tp=1, pp=1, **kw):
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    cfg = MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
+                                pipeline_model_parallel_size=pp, **{**OPT, **kw})
+    return MegatronBackend(cfg)
+
+
+def _old_logprobs(scores_lp, noise):
+    return scores_lp + noise
+
+
+# ---------------------------------------------------------------------------- references
+def _reference(folder):
+    """Plain transformers forward (scores) and the HF backend's train_step (training)."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_d3s.backends.hf.backend import HFBackend
+    from nemo_d3s.backends.hf.config import HFBackendConfig
+    from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
+
+    batch, adv, noise, keep = _data()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits
+        ent, lp = entropy_and_logprobs(logits[:, :-1], batch.input_ids[:, 1:])
+    attn = batch.attention_mask.float()
+    out = {"logprobs": align_to_tokens(lp) * attn, "entropy": align_to_tokens(ent) * attn}
+    old_lp = _old_logprobs(out["logprobs"], noise)
+    for agg in AGGS:
+        hf = HFBackend(HFBackendConfig(model=folder, device="cpu", autocast=None, **OPT))
+        metrics = hf.train_step(batch, _loss_fn(batch, old_lp, adv, keep, agg), MBS,
+                                denominator=_denominator(keep, agg))
+        out[agg] = (metrics, {k: v.detach().clone() for k, v in hf.hf_weights()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(folders):
+    return {arch: _reference(folder) for arch, folder in folders.items()}
+
+
+# ---------------------------------------------------------------------------- rank bodies
+def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp):
+    batch, adv, noise, keep = _data()
+    from megatron.core import parallel_state as ps
+
+    pol = _megatron(folder, tp, pp)
+    dp = ps.get_data_parallel_rank()
+    rows = torch.tensor(dp_rows[dp], dtype=torch.long)
+    local = batch.select(rows)
+    sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
+    out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy}
+    # old log-probs from the reference's values (the same on every layout)
+    old_lp = _old_logprobs(ref_lp, noise)
+    for i, agg in enumerate(AGGS):
+        if i:
+            pol = _megatron(folder, tp, pp)
+        metrics = pol.train_step(local, _loss_fn(local, old_lp[rows], adv[rows], keep[rows], agg), MBS,
+                                 denominator=_denominator(keep, agg))
+        out[agg] = (metrics, dict(pol.hf_weights()))
+    return out
+
+
+ALL = [list(range(B))]
+LAYOUTS = {
+    "tp1pp1": (1, 1, 1, ALL),
+    "tp2pp1": (2, 1, 2, ALL),
+    "tp1pp2": (1, 2, 2, ALL),
+    "tp2pp2": (2, 2, 4, ALL),
+    "dp2": (1, 1, 2, [[0, 1, 2, 3], [4, 5]]),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, reference):
+    tp, pp, world, dp_rows = LAYOUTS[layout]
+    ref = reference[arch]
+    results = run_ranks(_rank_layout, world, folders[arch], tp, pp, dp_rows, ref["logprobs"],
+                        tp=tp, pp=pp, timeout=240)
+    first = {}
+    for res in results:
+        f = first.setdefault(res["dp"], res)
+        assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(res["entropy"], f["entropy"])
+        rows = res["rows"]
+        for key in ("logprobs", "entropy"):
+            err = (res[key] - ref[key][rows]).abs().max()
+            assert err <= 1e-4, (layout, key, float(err))
+        for agg in AGGS:
+            metrics, weights = res[agg]
+            ref_metrics, ref_weights = ref[agg]
+            assert metrics["skipped"] == 0.0
+            assert metrics["grad_norm"] > OPT["grad_clip"]  # clipping is active
+            assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (layout, agg)
+            names = set(ref_weights) - ({"lm_head.weight"} if arch == "qwen2" else set())
+            assert set(weights) == names
+            for name in names:
+                torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=1e-5,
+                                           msg=lambda m: f"{layout} {agg} {name}: {m}")
+    # the DP ranks' loss sums add up to the one-process sum
+    for agg in AGGS:
+        total = sum(first[d][agg][0]["loss_sum"] for d in first)
+        assert total == pytest.approx(ref[agg][0]["loss_sum"], rel=1e-4, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- rollouts, export
+def test_rollouts_and_export_match_the_hf_backend(folders, tmp_path):
+    from safetensors.torch import load_file
+
+    from nemo_d3s.backends.base import GenerationConfig
+    from nemo_d3s.backends.hf.backend import HFBackend
+    from nemo_d3s.backends.hf.config import HFBackendConfig
+
+    folder = folders["qwen2"]
+    gen = GenerationConfig(max_new_tokens=8)
+    hf = HFBackend(HFBackendConfig(model=folder, device="cpu"))
+    want = hf.rollout_engine.generate(["hi there", "abc"], 3, gen, [1, 2])
+    got = run_ranks(_rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=240)
+    for res in got:  # both pipeline stages hold the same rollouts
+        assert torch.equal(res.batch.input_ids, want.batch.input_ids)
+        assert res.response_texts == want.response_texts
+    src = load_file(os.path.join(folder, "model.safetensors"))
+    out = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert sorted(out) == sorted(src)
+    for k in src:
+        assert torch.equal(out[k], src[k]), k  # bit for bit, padding removed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    AutoTokenizer.from_pretrained(str(tmp_path / "export"))
+
+
+def _rank_rollouts_export(rank, folder, export):
+    from nemo_d3s.backends.base import GenerationConfig
+
+    pol = _megatron(folder, 1, 2)
+    r = pol.rollout_engine.generate(["hi there", "abc"], 3, GenerationConfig(max_new_tokens=8), [1, 2])
+    pol.save_pretrained(export)
+    return r
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _steps(pol, n):
+    batch, adv, noise, keep = _data()
+    for _ in range(n):
+        lp = pol.score(batch, with_entropy=False, micro_batch_size=MBS).logprobs
+        pol.train_step(batch, _loss_fn(batch, lp + noise, adv, keep, "token_mean"), MBS,
+                       denominator=_denominator(keep, "token_mean"))
+
+
+def _rank_save(rank, folder, ckpt, tp, pp):
+    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1)
+    _steps(pol, 1)
+    pol.save_checkpoint(ckpt)
+    _steps(pol, 1)
+    return dict(pol.hf_weights()), pol.optimizer.param_groups[0]["lr"]
+
+
+def _rank_resume(rank, folder, ckpt, tp, pp):
+    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1)
+    pol.load_checkpoint(ckpt)
+    _steps(pol, 1)
+    return dict(pol.hf_weights()), pol.optimizer.param_groups[0]["lr"]
+
+
+def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path):
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    saved = run_ranks(_rank_save, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
+    want, lr = saved[0]
+    assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
+        "layout.json", "tp00_pp00.safetensors", "tp00_pp01.safetensors", "tp01_pp00.safetensors",
+        "tp01_pp01.safetensors"]
+    same = run_ranks(_rank_resume, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
+    for got, got_lr in same:
+        assert got_lr == lr
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    (other, other_lr), = run_ranks(_rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=240)
+    assert other_lr == lr
+    fresh, _ = run_ranks(_rank_fresh_two_steps, 1, folder, tp=1, pp=1, timeout=240)[0]
+    moved = 0
+    for k in want:
+        torch.testing.assert_close(other[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        moved += int(not torch.equal(want[k], fresh[k]))
+    assert moved  # the comparison would catch a reset optimizer: a fresh second step differs
+
+
+def _rank_fresh_two_steps(rank, folder):
+    # step 2 with the optimizer state and LR of a fresh model instead of the checkpoint's
+    pol = _megatron(folder, 1, 1, scheduler="linear", total_steps=10, warmup_steps=1)
+    _steps(pol, 1)
+    pol2 = _megatron(folder, 1, 1, scheduler="linear", total_steps=10, warmup_steps=1)
+    with torch.no_grad():
+        for p2, p in zip(pol2.model.parameters(), pol.model.parameters()):
+            p2.copy_(p)
+    _steps(pol2, 1)
+    return dict(pol2.hf_weights()), 0.0
+
+
+def test_checkpoint_of_another_model_is_refused_before_loading(folders, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_ranks(_rank_save_only, 1, folders["llama"], ckpt, tp=1, pp=1, timeout=240)
+    err = run_ranks(_rank_load_other, 1, folders["qwen2"], ckpt, tp=1, pp=1, timeout=240)[0]
+    assert "checkpoint of another model" in err
+
+
+def _rank_save_only(rank, folder, ckpt):
+    _megatron(folder).save_checkpoint(ckpt)
+
+
+def _rank_load_other(rank, folder, ckpt):
+    from nemo_d3s.config import ConfigError
+
+    pol = _megatron(folder)
+    before = {k: v.clone() for k, v in pol.model.state_dict().items() if torch.is_tensor(v)}
+    try:
+        pol.load_checkpoint(ckpt)
+    except ConfigError as e:
+        after = pol.model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        return str(e)
+    return "loaded"
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_folders_fail_at_start_up(folders, tmp_path, monkeypatch):
+    import shutil
+
+    from nemo_d3s.config import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(folders["llama"], no_weights)
+    os.remove(no_weights / "model.safetensors")
+    with pytest.raises(ConfigError, match="no model.safetensors"):
+        _megatron(str(no_weights))
+    with pytest.raises(ConfigError, match="world size 1 is not divisible"):
+        _megatron(folders["llama"], tp=2)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        _megatron(folders["llama"], sequence_parallel=True)
+    with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size"):
+        _megatron(folders["llama"], virtual_pipeline_model_parallel_size=2)
+    other = tmp_path / "other"
+    shutil.copytree(folders["llama"], other)
+    cfg = (other / "config.json").read_text().replace('"intermediate_size": 48', '"intermediate_size": 64')
+    (other / "config.json").write_text(cfg)
+    with pytest.raises(ConfigError, match="has shape .* another model"):
+        _megatron(str(other))
