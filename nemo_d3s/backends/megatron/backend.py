@@ -122,8 +122,15 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
-        reader = SafetensorsReader(self.path, self.spec)
-        reader.check()  # before any collective: every rank fails alike on a bad folder
+        # Weights: an HF folder (safetensors), or a Megatron checkpoint folder written by
+        # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
+        # TP/PP layout). Checked before any collective: every rank fails alike.
+        sharded_root = Path(self.path) / ckpt.SUBDIR
+        if (sharded_root / "layout.json").is_file():
+            reader = ckpt.ShardedReader(sharded_root, self.spec, ckpt.read_layout(sharded_root, self.spec))
+        else:
+            reader = SafetensorsReader(self.path, self.spec)
+            reader.check()
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
         from megatron.core import parallel_state as ps
@@ -148,8 +155,13 @@ class MegatronBackend(Policy):
                                     recompute=cfg.gradient_checkpointing)
         self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
                                  post_process=ps.is_pipeline_last_stage(), device=self.device)
-        load_stage_from_hf(self.model, self.spec, self.layout, reader)
-        reader.close()
+        if isinstance(reader, ckpt.ShardedReader):
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    p.copy_(ckpt.read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
+        else:
+            load_stage_from_hf(self.model, self.spec, self.layout, reader)
+            reader.close()
         self.ref_model = None
         if cfg.use_reference:
             self.ref_model = copy.deepcopy(self.model).eval()
