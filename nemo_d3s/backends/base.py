@@ -185,6 +185,18 @@ class Policy(abc.ABC):
         for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
         holds the whole model twice). Collective on a sharded policy."""
 
+    @property
+    def weights_dtype(self) -> Optional[torch.dtype]:
+        """The dtype ``hf_weights`` yields (None: ask the first tensor)."""
+        return None
+
+    def place_rollout_engine(self, build: Callable[[], RolloutEngine]) -> RolloutEngine:
+        """Build an engine other than the policy's own (``rollout.engine=vllm``) where it
+        belongs: by default on every rank (each DP replica samples its own prompts). A
+        sharded policy builds it once per model-parallel group and hands the group's other
+        ranks its rollouts (``backends.megatron.engine.ModelParallelRollouts``)."""
+        return build()
+
     def save_checkpoint(self, folder: str) -> bool:
         """Collective. A policy whose state is sharded writes its own files into ``folder``
         (every rank its part) and returns True; the default returns False and the trainer

@@ -179,8 +179,19 @@ class MegatronBackend(Policy):
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
-        self.rollout_engine = self._build_engine()
-        self.rollout_engine.sync_weights(self)  # collective: the replica starts from these weights
+        self.use_chat_template = cfg.use_chat_template
+        self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
+        self._own_engine: Optional[ModelParallelRollouts] = None
+
+    @property
+    def rollout_engine(self) -> ModelParallelRollouts:
+        """The seeded HF sampler on a transformers replica, built on first use (collective:
+        every rank of the job asks at the same point, as the trainer's build does), so a run
+        with ``rollout.engine=vllm`` never holds the replica."""
+        if self._own_engine is None:
+            self._own_engine = self._build_engine()
+            self._own_engine.sync_weights(self)  # the replica starts from these weights
+        return self._own_engine
 
     # ------------------------------------------------------------------ set-up
     def _init_groups(self, tp: int, pp: int) -> ParallelGroups:
@@ -211,19 +222,39 @@ class MegatronBackend(Policy):
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
 
-    def _build_engine(self) -> ModelParallelRollouts:
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def place_rollout_engine(self, build) -> ModelParallelRollouts:
+        """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
+        TP x PP group, not per rank); the group's other ranks receive its rollouts."""
+        mp, src = self._mp_group()
+        inner = build() if dist.get_rank() == src else None
+        flags = [(inner.prompt_seeds, inner.on_policy) if inner is not None else None]
+        if mp is not None:
+            dist.broadcast_object_list(flags, src=src, group=mp)
+        prompt_seeds, on_policy = flags[0]
+        return ModelParallelRollouts(inner, self.tokenizer, mp, src, prompt_seeds=prompt_seeds, on_policy=on_policy)
+
+    def _mp_group(self):
+        """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
         from megatron.core import parallel_state as ps
 
         mp = ps.get_model_parallel_group()
-        src = dist.get_global_rank(mp, 0)
-        inner = None
-        if dist.get_rank() == src:
+        return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+    def _build_engine(self) -> ModelParallelRollouts:
+        """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
+
+        def build():
             replica = make_replica(self.path, self.tokenizer, dtype=self.dtype, device=self.device, cfg=self.cfg,
                                    eos_ids_fn=lambda m: stop_token_ids(self.tokenizer, m.generation_config,
                                                                        self.cfg.stop_tokens))
-            inner = ReplicaEngine(replica)
-        return ModelParallelRollouts(inner, self.tokenizer, None if dist.get_world_size(mp) == 1 else mp, src,
-                                     prompt_seeds=True)
+            self.eos_ids = replica.eos_ids
+            return ReplicaEngine(replica)
+
+        return self.place_rollout_engine(build)
 
     # ------------------------------------------------------------------ Policy
     def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
@@ -365,7 +396,8 @@ class MegatronBackend(Policy):
             self.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
                                        **{k: v.to(p.device) for k, v in st.items()}}
         self.scheduler.set_step(sched_step)
-        self.rollout_engine.sync_weights(self)
+        if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
+            self._own_engine.sync_weights(self)
         return True
 
     def load_state_dict(self, state: dict) -> None:  # the trainer uses load_checkpoint

@@ -108,8 +108,11 @@ class VLLMEngine(RolloutEngine):
     def _dtype(self) -> str:
         if self.cfg.dtype != "auto":
             return self.cfg.dtype
-        _, p = next(iter(self.policy.hf_weights()))
-        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(p.dtype, "auto")
+        dtype = self.policy.weights_dtype
+        if dtype is None:  # a policy with replicated weights: peeking is not collective
+            _, p = next(iter(self.policy.hf_weights()))
+            dtype = p.dtype
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
 
     # ------------------------------------------------------------------ memory (GPU)
     def _sleep(self) -> None:
