@@ -1,0 +1,121 @@
+"""``nemo-d3s-convert`` (also ``python -m nemo_d3s.convert``): HF <-> Megatron checkpoints.
+
+Exit codes: 0 done (verify: the logits match), 1 an error (one line on stderr naming the
+file or tensor) or, for verify, a mismatch, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+from nemo_d3s.convert.core import DEFAULT_SHARD_BYTES, DTYPES
+
+_EPILOG = {
+    "hf-to-megatron": """example:
+  nemo-d3s-convert hf-to-megatron --hf ./Qwen2.5-7B-Instruct --out ./qwen7b-tp4 --tp 4 --pp 1
+  # then train from it: model.backend=megatron model.name=./qwen7b-tp4 (any TP x PP)""",
+    "megatron-to-hf": """examples:
+  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 \\
+      --hf-config ./Qwen2.5-7B-Instruct --out ./qwen7b-d3s --dtype bfloat16
+  nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back""",
+    "verify": """example:
+  nemo-d3s-convert verify --hf ./qwen7b-d3s --ckpt runs/qwen/checkpoints/step_000200
+  # prints OK/MISMATCH with the max abs logit error; exit code 0 when it matches""",
+}
+
+
+def _size(text: str) -> int:
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GiB or 500MB") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="nemo-d3s-convert",
+        description="Convert checkpoints between Hugging Face folders and the Megatron backend's sharded checkpoints "
+                    "(the weight table of nemo_d3s.backends.megatron.weights). Output is written to a temporary "
+                    "sibling folder and renamed into place at the end.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(f"{k}: {v}" for k, v in _EPILOG.items()),
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=_EPILOG[name],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = add("hf-to-megatron", "a Hugging Face folder -> a Megatron checkpoint folder (config.json, tokenizer, "
+                              "megatron/ shards; no optimizer state) that model.name can point at")
+    p.add_argument("--hf", required=True, help="Hugging Face model folder (safetensors), or smollm2-135m-instruct")
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the shards (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="vocabulary padding, as model.params.make_vocab_size_divisible_by (default 128)")
+
+    p = add("megatron-to-hf", "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) -> a "
+                              "Hugging Face folder that transformers loads")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder)")
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
+    p.add_argument("--hf-config", default=None,
+                   help="folder with config.json + tokenizer files (the model the run started from); needed for a "
+                        "training checkpoint, which holds neither")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)")
+    p.add_argument("--max-shard-size", type=_size, default=DEFAULT_SHARD_BYTES,
+                   help="largest safetensors file (default 5GiB)")
+
+    p = add("verify", "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
+                      "memory; exit code 0 when they match")
+    p.add_argument("--hf", required=True, help="Hugging Face model folder")
+    p.add_argument("--ckpt", required=True, help="Megatron checkpoint folder")
+    p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint (default: --hf)")
+    p.add_argument("--atol", type=float, default=1e-4, help="largest accepted abs logit error (default 1e-4)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+
+    for p in sub.choices.values():
+        if p.prog.endswith("verify"):
+            continue
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from nemo_d3s.config import ConfigError
+    from nemo_d3s.convert import core
+
+    try:
+        if args.command == "hf-to-megatron":
+            out = core.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                      overwrite=args.overwrite, progress=not args.quiet)
+            print(f"wrote {out} (TP{args.tp} x PP{args.pp})")
+        elif args.command == "megatron-to-hf":
+            out = core.megatron_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
+                                      max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                      progress=not args.quiet)
+            print(f"wrote {out}")
+        else:
+            res = core.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype)
+            print(res.verdict())
+            return 0 if res.ok else 1
+    except (ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: no output folder was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
