@@ -98,8 +98,9 @@ class StreamingSafetensors:
     planned offset when it arrives, so the writer never holds more than the tensor it is
     given. The file is what ``safetensors.torch.save_file`` writes (8-byte header length,
     JSON header padded to 8 bytes, contiguous data; larger element types first so every
-    tensor is aligned) and loads with ``safe_open``/transformers. :meth:`close` raises when
-    a planned tensor never arrived (the caller then discards the file)."""
+    tensor is aligned) and loads with ``safe_open``/transformers. Used as a context manager:
+    leaving it normally checks that every planned tensor arrived (else RuntimeError); leaving
+    it with an error just closes the file, which the caller discards."""
 
     def __init__(self, path: Path, entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
                  metadata: Optional[Dict[str, str]] = None) -> None:
@@ -130,6 +131,15 @@ class StreamingSafetensors:
         if t.numel():
             self._f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         self._pending.discard(name)
+
+    def __enter__(self) -> "StreamingSafetensors":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the caller's error stands; the file is discarded with the temporary folder
+            self._f.close()
 
     def close(self) -> None:
         self._f.seek(0, os.SEEK_END)
@@ -296,16 +306,13 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
             root.mkdir()
             with _progress(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
                 for lay, entries in plan:
-                    w = StreamingSafetensors(root / ckpt.shard_file(lay.tp_rank, lay.pp_rank), entries,
-                                             {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"})
-                    try:
+                    with StreamingSafetensors(root / ckpt.shard_file(lay.tp_rank, lay.pp_rank), entries,
+                                              {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"}) as w:
                         for name, _, dt in entries:
                             t = read_local(name, spec, lay, reader, dt)
                             w.write(name, t)
                             bar.update(_nbytes(t.shape, dt))
                             del t
-                    finally:
-                        w.close()
             ckpt.write_layout(root, spec, layout)
             _copy_side_files(src, tmp, tokenizer, dtype=want)
     finally:
@@ -470,8 +477,7 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
         weight_map: Dict[str, str] = {}
         with _progress(total, f"megatron-to-hf TP{src.saved.tp} x PP{src.saved.pp}", progress) as bar:
             for fname, names in files:
-                w = StreamingSafetensors(tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names])
-                try:
+                with StreamingSafetensors(tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names]) as w:
                     for n in names:
                         got, t = next(tensors)
                         assert got == n, (got, n)
@@ -479,8 +485,6 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
                         bar.update(_nbytes(t.shape, want))
                         weight_map[n] = fname
                         del t
-                finally:
-                    w.close()
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
