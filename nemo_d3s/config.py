@@ -186,6 +186,10 @@ class TrainerConfig:
     # How long a collective waits for a stopped or dead peer rank before this rank exits
     # with an error (torch's default would be 30 minutes).
     dist_timeout_minutes: float = 10.0
+    # Plan instead of train (nemo_d3s.dry_run): check the Megatron layout and print per-GPU
+    # memory against gpu_memory_gb (decimal GB of one GPU); no weights, no process group.
+    dry_run: bool = False
+    gpu_memory_gb: float = 80.0
 
 
 @dataclass

@@ -87,6 +87,10 @@ def run_cli(cfg) -> int:
     from nemo_d3s.trainer.loop import train
 
     try:
+        if getattr(cfg.trainer, "dry_run", False):  # plan the layout instead of training: 0 fits, 1 does not
+            from nemo_d3s.dry_run import dry_run
+
+            return dry_run(cfg)
         state = train(cfg)
     except (ConfigError, RunError, FileNotFoundError) as e:
         # A user mistake or a fault of the surroundings, not a bug: one clear line, no traceback.
