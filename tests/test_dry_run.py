@@ -190,12 +190,15 @@ def test_job_shape_from_the_environment():
 
 
 # ----------------------------------------------------------------------------- formulas by hand
-def _tiny(tied=False, bias=False):
+def _tiny_config(tied=False, bias=False):
     """h 64, 4 heads of 16, 2 KV heads, FFN 96, 4 layers, vocabulary 300."""
-    return ModelSpec.from_hf_dict({
-        "architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"], "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": tied})
+    return {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"], "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": tied}
+
+
+def _tiny(tied=False, bias=False):
+    return ModelSpec.from_hf_dict(_tiny_config(tied, bias))
 
 
 def test_parameters_by_hand():
@@ -265,10 +268,7 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     spec = _tiny()
     folder = tmp_path / "tiny"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5}))
+    (folder / "config.json").write_text(json.dumps(_tiny_config()))
     cfg = _compose(["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
                     "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
                     "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",

@@ -6,9 +6,13 @@
   is that check passing.
 - examples/megatron_hooks.py runs under torchrun with 2 gloo ranks and checks itself
   against the single-process reference (``distributed``).
-- slurm/*.sbatch pass ``bash -n`` (and shellcheck when it is installed); the slow test
-  runs train_dp.sbatch end to end on this machine with stand-in srun/scontrol/scancel:
-  SIGUSR1 -> checkpoint -> requeue request -> a second start resumes to the last step.
+- slurm/*.sbatch pass ``bash -n`` (and shellcheck when it is installed); the slow tests
+  run train_dp.sbatch and train_megatron.sbatch (Megatron backend, TP 2 on gloo) end to end
+  on this machine with stand-in srun/scontrol/scancel: SIGUSR1 -> checkpoint -> requeue
+  request -> a second start resumes to the last step; convert_to_hf.sbatch then exports
+  the Megatron checkpoint. train_megatron.sbatch's bad inputs (a layout the nodes cannot
+  hold, a model folder without weights, an interpreter without megatron-core) stop it
+  before torchrun.
 """
 
 from __future__ import annotations
@@ -141,9 +145,10 @@ def test_slurm_script_shellcheck(script):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_slurm_refuses_to_run_outside_slurm():
+@pytest.mark.parametrize("script", ["train_dp.sbatch", "train_megatron.sbatch", "convert_to_hf.sbatch"])
+def test_slurm_refuses_to_run_outside_slurm(script):
     env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
-    r = subprocess.run(["bash", str(SLURM / "train_dp.sbatch")], cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run(["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "sbatch" in r.stderr
 
 
@@ -189,59 +194,187 @@ def _metric_steps(path: Path):
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_slurm_dp_script_requeue_and_resume(tmp_path):
-    """train_dp.sbatch on 1 "node" x 2 CPU ranks: SIGUSR1 to the batch script mid-run ->
-    every rank checkpoints once and exits 0 -> `scontrol requeue` -> the restarted job
-    (same id, SLURM_RESTART_COUNT=1) resumes and finishes all steps exactly once."""
-    if shutil.which("ps") is None:
-        pytest.skip("needs ps (procps) for the scancel stand-in")
+def _fake_slurm(tmp_path: Path, job_id: str, gpus_per_node: int = 2, **extra) -> dict:
+    """The stand-in srun/scancel/scontrol on PATH and the environment Slurm would give the
+    batch script of job ``job_id`` on one "node" of ``gpus_per_node`` CPU ranks."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", _FAKE_SRUN), ("scancel", _FAKE_SCANCEL), ("scontrol", _FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    out_dir, log = tmp_path / "run", tmp_path / "slurm_calls.log"
-    env = _env()
+    env = {k: v for k, v in _env().items() if not k.startswith("SLURM_") and k != "NNODES"}
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
-        FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_LOG=str(log),
-        SLURM_JOB_ID="4242", SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="localhost",
-        SLURM_JOB_NUM_NODES="1", GPUS_PER_NODE="2", DEVICE="cpu", OUTPUT_DIR=str(out_dir),
+        FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_LOG=str(tmp_path / "slurm_calls.log"),
+        SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1", GPUS_PER_NODE=str(gpus_per_node), DEVICE="cpu", OUTPUT_DIR=str(tmp_path / "run"),
         PYTHON=sys.executable,
     )
-    env.pop("SLURM_RESTART_COUNT", None)
-    cmd = ["bash", str(SLURM / "train_dp.sbatch"), *_SMOKE]
+    env.update(extra)
+    return env
 
-    # First start: signal once two steps are logged (the run takes 60).
+
+def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, steps: int) -> Path:
+    """Run ``script`` like Slurm would: SIGUSR1 to the batch script once two steps are
+    logged -> every rank checkpoints once and exits 0 -> `scontrol requeue` -> the restarted
+    job (same id, SLURM_RESTART_COUNT=1) resumes and finishes all ``steps`` exactly once.
+    Returns the run directory."""
+    if shutil.which("ps") is None:
+        pytest.skip("needs ps (procps) for the scancel stand-in")
+    env = _fake_slurm(tmp_path, job_id)
+    out_dir, log = tmp_path / "run", tmp_path / "slurm_calls.log"
+    cmd = ["bash", str(SLURM / script), *overrides]
+
+    # First start: signal once two steps are logged.
     job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 240
         while len(_metric_steps(out_dir / "metrics.jsonl")) < 2:
             assert job.poll() is None, job.stdout.read()
-            assert time.monotonic() < deadline, "no training step within 180 s"
+            assert time.monotonic() < deadline, "no training step within 240 s"
             time.sleep(0.2)
         job.send_signal(signal.SIGUSR1)
-        first, _ = job.communicate(timeout=180)
+        first, _ = job.communicate(timeout=240)
     finally:
         if job.poll() is None:
             job.kill()
     assert job.returncode == 0, first[-3000:]
     calls = log.read_text()
-    assert "scancel --signal=USR1 4242" in calls and "scontrol requeue 4242" in calls, calls
+    assert f"scancel --signal=USR1 {job_id}" in calls and f"scontrol requeue {job_id}" in calls, calls
     ckpts = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
     assert len(ckpts) == 1, ckpts
     stopped_at = int(ckpts[0].split("_")[1])
-    assert 2 <= stopped_at < 60
+    assert 2 <= stopped_at < steps
     assert f"checkpoint {out_dir}/checkpoints/{ckpts[0]} written at step {stopped_at}" in first
     assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, stopped_at + 1))
 
     # The requeued start: same job id and directory, resume=true picks the checkpoint up.
     log.write_text("")
     env["SLURM_RESTART_COUNT"] = "1"
-    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert f"resumed from {out_dir}/checkpoints/{ckpts[0]} (step {stopped_at})" in second.stdout + second.stderr
     assert "requeue" not in log.read_text()
-    assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, 61))
+    assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, steps + 1))
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_dp_script_requeue_and_resume(tmp_path):
+    """train_dp.sbatch on 1 "node" x 2 CPU ranks (see _requeue_and_resume)."""
+    _requeue_and_resume(tmp_path, "train_dp.sbatch", _SMOKE, "4242", 60)
+
+
+def _tiny_megatron(tmp_path: Path, tp: int = 2, pp: int = 1):
+    sys.path.insert(0, str(REPO / "tests" / "backends" / "megatron"))
+    from _tiny_hf import make_tiny_hf
+
+    folder = make_tiny_hf(tmp_path / "tiny_llama", "llama", tied=False)
+    return folder, [*_SMOKE, "model.backend=megatron", "~model.params.tiny", f"model.name={folder}",
+                    f"+model.params.tensor_model_parallel_size={tp}", f"+model.params.pipeline_model_parallel_size={pp}"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
+    """train_megatron.sbatch with the Megatron backend at TP 2 on 2 gloo ranks: the dry run
+    and the node checks pass, SIGUSR1 mid-run -> a sharded checkpoint -> requeue -> resume to
+    the last step; per-rank logs under the run directory; then convert_to_hf.sbatch turns
+    the final checkpoint into a Hugging Face folder that transformers loads."""
+    folder, overrides = _tiny_megatron(tmp_path)
+    out = _requeue_and_resume(tmp_path, "train_megatron.sbatch", [*overrides, "trainer.save_every=0"], "4343", 60)
+    plan = json.loads((out / "dry_run.json").read_text())
+    assert plan["fits"] and plan["layout"]["tp"] == 2 and plan["layout"]["dp"] == 1
+    assert (out / "dry_run.layout").read_text().split()[:4] == ["2", "1", "2", "hf"]
+    for restart in (0, 1):  # every rank's stdout/stderr, per start of the job
+        logs = sorted((out / "logs" / f"restart{restart}" / "node0").glob("*/attempt_0/*/stderr.log"))
+        assert [p.parent.name for p in logs] == ["0", "1"], logs
+    ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert sorted(os.listdir(ckpt / "megatron")) == ["layout.json", "tp00_pp00.safetensors", "tp01_pp00.safetensors"]
+
+    env = _fake_slurm(tmp_path, "4344", RUN_DIR=str(out))
+    r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    hf = out / f"hf-{ckpt.name}"
+    assert f"converting {ckpt} (config + tokenizer from {folder}) -> {hf}" in r.stdout
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf))
+    assert sum(p.numel() for p in model.parameters()) == plan["total_params"]
+
+
+def _config_only(tmp_path: Path, tp: int = 2) -> list:
+    """Overrides for a Megatron run of a folder that holds only a tiny Llama's config.json
+    (what the recipes ship): the dry run plans it, training could not load it."""
+    folder = tmp_path / "config_only"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5}))
+    return [*_SMOKE, "model.backend=megatron", "~model.params.tiny", f"model.name={folder}",
+            f"+model.params.tensor_model_parallel_size={tp}"]
+
+
+def _megatron_script(tmp_path: Path, overrides, **env_extra) -> tuple:
+    env = _fake_slurm(tmp_path, "4545", **env_extra)
+    r = subprocess.run(["bash", str(SLURM / "train_megatron.sbatch"), *overrides], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    log = tmp_path / "slurm_calls.log"
+    return r, (log.read_text() if log.exists() else "")
+
+
+@pytest.mark.distributed
+def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
+    """3 ranks per node cannot hold TP 2: the dry run names the rule, no other step runs."""
+    r, calls = _megatron_script(tmp_path, _config_only(tmp_path), GPUS_PER_NODE="3")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert ("error: world size 3 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 2 "
+            "(world = NNODES=1 x GPUS_PER_NODE=3") in r.stderr
+    assert "the dry run failed (above): this layout cannot run on 1 x 3 GPUs; nothing was started" in r.stderr
+    assert calls.count("srun --kill-on-bad-exit") == 1  # the dry run's step only: no node check, no torchrun
+
+
+@pytest.mark.distributed
+def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_path):
+    """A config-only folder (like the recipes' default model.name) passes the dry run; every
+    node's check then refuses it, naming the node and the folder."""
+    r, calls = _megatron_script(tmp_path, _config_only(tmp_path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "verdict: FITS" in r.stdout
+    folder = tmp_path / "config_only"
+    assert "holds no weights (model.safetensors[.index.json] or megatron/layout.json): a config-only recipe folder?" \
+        in r.stderr and str(folder) in r.stderr
+    assert "a node failed its check (above); nothing was started" in r.stderr
+    assert "training:" not in r.stdout and calls.count("srun --kill-on-bad-exit") == 2  # dry run + node check
+
+
+@pytest.mark.distributed
+def test_slurm_megatron_script_vllm_run_without_vllm_stops_before_torchrun(tmp_path):
+    """rollout=vllm (the recipes): every node must import vllm too."""
+    shadow = tmp_path / "shadow" / "vllm"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named vllm (stand-in)')\n")
+    r, calls = _megatron_script(tmp_path, [*_config_only(tmp_path), "rollout=vllm", "rollout.tensor_parallel_size=2"],
+                                PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "verdict: FITS" in r.stdout
+    assert "cannot import nemo_d3s, megatron.core, vllm (ImportError: No module named vllm (stand-in))" in r.stderr
+    assert "a node failed its check (above); nothing was started" in r.stderr
+    assert calls.count("srun --kill-on-bad-exit") == 2
+
+
+@pytest.mark.distributed
+def test_slurm_megatron_script_environment_without_megatron_stops_before_the_dry_run(tmp_path):
+    """An interpreter that cannot import megatron.core (a container without nemo_d3s's
+    dependencies): the first step says so by node and nothing else runs."""
+    shadow = tmp_path / "shadow" / "megatron"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named megatron.core (stand-in)')\n")
+    r, calls = _megatron_script(tmp_path, _config_only(tmp_path), PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot import nemo_d3s and megatron.core (ImportError: No module named megatron.core (stand-in))" \
+        in r.stderr
+    assert not (tmp_path / "run" / "dry_run.json").exists() and calls.count("srun --kill-on-bad-exit") == 1
