@@ -40,7 +40,8 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   (3 buffers of ``entropy_chunk_size x V_pad / TP``).
 - reference: d P when ``algorithm.kl_coef > 0`` (a frozen copy of the stage).
 - hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
-  sampler's full copy of the model, d N, plus its KV cache for the rows it generates.
+  sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
+  generates at once (all of its group's rollouts, or ``generation_batch_size``).
 - runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
 - vllm (``rollout.engine=vllm``, colocated): the engine takes ``gpu_memory_utilization`` x
   the GPU while it generates (its weights d N / vLLM-TP, its profiled activations and the
@@ -52,8 +53,9 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold
   one ``max_model_len`` sequence.
 
-Peaks: training = resident + activations + logits + runtime (+ vLLM when it does not
-sleep); generation = resident + runtime + shards x utilization x GPU. The verdict compares
+Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
+= resident + activations + logits (+ vLLM when it does not sleep); generation = resident +
+hf_kv_cache or shards x utilization x GPU. The verdict compares
 the larger with ``trainer.gpu_memory_gb`` (decimal GB).
 
 Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
@@ -93,6 +95,10 @@ __all__ = [
 ]
 
 GB = 10**9
+# Which memory terms are held when: all the time, while the policy trains, while the engine generates.
+_RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica")
+_TRAINING = ("activations", "logits")
+_GENERATION = ("hf_kv_cache", "vllm")
 RUNTIME_BYTES = 2 * GB  # CUDA context + NCCL communicators + allocator slack (an assumption)
 VLLM_PROFILE_TOKENS = 8192  # vLLM profiles one forward of this many batched tokens at start
 _CHUNK_BUFFERS = 3  # fp32 [chunk, V/TP] buffers the vocab-parallel kernel holds at once
@@ -495,8 +501,9 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         tokens = max(0, int(kv // per_tok))
         vllm_terms = {"utilization": gmu, "tensor_parallel_size": vllm_tp, "reserved_bytes": gmu * gpu,
                       "weights_bytes": weights, "activation_bytes": act, "kv_cache_bytes": kv,
-                      "kv_bytes_per_token": per_tok, "kv_tokens": tokens, "max_model_len": w.gen_len,
-                      "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
+                      "kv_bytes_per_token": per_tok, "kv_tokens": tokens,
+                      "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
+                      "longest_rollout": w.gen_len, "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
                       "sleep": bool(cfg.rollout.sleep), **(placement or {})}
 
     problems: List[str] = []
@@ -505,9 +512,10 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
             problems.append(f"vLLM: rollout.gpu_memory_utilization={vllm_terms['utilization']} x {gpu / GB:g} GB "
                             f"does not hold its weights ({vllm_terms['weights_bytes'] / GB:.1f} GB at vLLM TP "
                             f"{vllm_tp}) and activations: no KV cache")
-        elif vllm_terms["kv_tokens"] < w.gen_len:
+        elif vllm_terms["kv_tokens"] < vllm_terms["max_model_len"]:
             problems.append(f"vLLM: a KV cache of {vllm_terms['kv_tokens']} tokens cannot hold one sequence of "
-                            f"max_model_len={w.gen_len}")
+                            f"max_model_len={vllm_terms['max_model_len']} (vLLM refuses to start; set "
+                            "rollout.max_model_len to the longest rollout)")
 
     positions = []
     for t, p in _positions(tp, pp):
@@ -520,28 +528,25 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         }
         if kl:
             terms["reference"] = d * n
-        resident = sum(terms.values())
+        if engine == "hf" and t == 0 and p == 0:
+            terms["hf_replica"] = d * spec.num_params
         act, in_flight = activation_bytes(spec, w, tp=tp, pp=pp, stage=p)
         terms["activations"] = act
         logit_note = None
         if p == pp - 1:
             terms["logits"], logit_note = logits_bytes(vocab, w, tp=tp)
-        if engine == "hf" and t == 0 and p == 0:
+        if "hf_replica" in terms:
             rows = w.rows_per_engine if mcfg.generation_batch_size is None else min(
                 w.rows_per_engine, int(mcfg.generation_batch_size))
-            terms["hf_replica"] = d * spec.num_params + rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
-            resident += terms["hf_replica"]
-        terms["runtime"] = RUNTIME_BYTES
-        train_peak = sum(terms.values())
-        gen_peak = resident + RUNTIME_BYTES
+            terms["hf_kv_cache"] = rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
         if engine == "vllm":
-            reserved = vllm_terms["shards_per_gpu"] * vllm_terms["reserved_bytes"]
-            terms["vllm"] = reserved
-            gen_peak += reserved
-            if not vllm_terms["sleep"]:
-                train_peak += reserved
-        else:
-            train_peak = sum(v for k, v in terms.items())
+            terms["vllm"] = vllm_terms["shards_per_gpu"] * vllm_terms["reserved_bytes"]
+        terms["runtime"] = RUNTIME_BYTES
+        resident = sum(v for k, v in terms.items() if k in _RESIDENT) + RUNTIME_BYTES
+        train_peak = resident + sum(v for k, v in terms.items() if k in _TRAINING)
+        gen_peak = resident + sum(v for k, v in terms.items() if k in _GENERATION)
+        if engine == "vllm" and not vllm_terms["sleep"]:
+            train_peak += terms["vllm"]  # an engine that does not sleep keeps its memory while the policy trains
         peak = max(train_peak, gen_peak)
         phase = "training" if train_peak >= gen_peak else "generation"
         counted = {k: v for k, v in terms.items() if k != "runtime"}
@@ -568,7 +573,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
 
     worst = max(positions, key=lambda x: x["peak_bytes"])
     fits = all(x["fits"] for x in positions) and not problems
-    state_keys = ("weights", "grads", "optimizer", "reference")
+    state_keys = ("weights", "grads", "optimizer", "reference")  # the training state, without rollouts
     heaviest = max(positions, key=lambda x: sum(x["terms_bytes"].get(k, 0) for k in state_keys))
     state = {k: heaviest["terms_bytes"][k] for k in state_keys if k in heaviest["terms_bytes"]}
     if sum(state.values()) > gpu:
@@ -623,7 +628,8 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- output
-_COLUMNS = ("weights", "grads", "optimizer", "reference", "activations", "logits", "hf_replica", "runtime", "vllm")
+_COLUMNS = ("weights", "grads", "optimizer", "reference", "activations", "logits", "hf_replica", "hf_kv_cache",
+            "runtime", "vllm")
 
 
 def _count(n: int) -> str:
@@ -669,7 +675,7 @@ def render(report: Dict[str, Any]) -> str:
                      f"busiest GPU; each GPU of an engine: {v['reserved_bytes'] / GB:.1f} GB reserved = "
                      f"{v['weights_bytes'] / GB:.1f} weights + {v['activation_bytes'] / GB:.1f} activations + "
                      f"{v['kv_cache_bytes'] / GB:.1f} KV cache ({v['kv_tokens']} tokens, {v['full_sequences']} "
-                     f"sequences of {v['max_model_len']}; {v['rows_per_engine_step']} rollouts per engine per step)")
+                     f"sequences of {v['longest_rollout']}; {v['rows_per_engine_step']} rollouts per engine per step)")
     meta = report["checks"]["meta_build"]
     if "counts" in meta:
         built = ", ".join("(TP {}, PP {})".format(*k.split(",")) for k in meta["built"])

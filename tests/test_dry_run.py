@@ -108,7 +108,7 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
         assert x["peak_bytes"] <= 80 * GB and x["largest_term"] in x["terms_bytes"]
         assert x["terms_bytes"]["runtime"] == RUNTIME_BYTES
     v = report["vllm"]
-    assert v["shards_per_gpu"] == 1 and v["kv_tokens"] >= v["max_model_len"]
+    assert v["shards_per_gpu"] == 1 and v["kv_tokens"] >= v["max_model_len"] >= v["longest_rollout"]
     # Megatron-LM's 6 + 12/DP bytes per parameter on its most loaded shard: the same
     # within the TP-replicated norms it divides by TP (and q/k/v biases it leaves out).
     ref = report["checks"]["megatron_lm_reference"]
@@ -171,6 +171,9 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     (["rollout.max_model_len=2048"], "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
                                      "rollout.max_model_len (2048)"),
     (["+model.params.sequence_parallel=true"], "sequence_parallel=true is not supported"),
+    (["model.params.tensor_model_parallel_size=16", "model.params.pipeline_model_parallel_size=1"],
+     "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16"),
+    (["rollout.tensor_parallel_size=16"], "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node"),
     (["model.backend=hf"], "trainer.dry_run plans Megatron layouts"),
     (["trainer.gpu_memory_gb=0"], "trainer.gpu_memory_gb=0"),
 ])
@@ -283,12 +286,14 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     # 16 rows per step / DP 2 = 8 per rank -> 4 micro-batches of 2; s = 4 + 6 = 10.
     assert report["workload"]["micro_batches"] == 4 and report["workload"]["seq_len"] == 10
     assert t["activations"] == 2 * 2 * 19840
-    # rollout=hf: the HF sampler's full replica (2 x 161856 bytes) + its KV cache for the 8 rows
-    # of its DP replica x 10 tokens x (2 x 4 layers x 2 KV heads x 16 x 2 bytes = 512).
-    assert t["hf_replica"] == 2 * spec.num_params + 8 * 10 * 512
+    # rollout=hf: the HF sampler's full replica (2 x 161856 bytes), and while it generates its
+    # KV cache: the 8 rows of its DP replica x 10 tokens x (2 x 4 layers x 2 KV heads x 16 x 2 bytes).
+    assert t["hf_replica"] == 2 * spec.num_params and t["hf_kv_cache"] == 8 * 10 * 512
     assert "logits" not in t and "logits" in next(p for p in report["positions"] if p["pp_rank"] == 1)["terms_bytes"]
-    assert x["train_peak_bytes"] == sum(t.values())
-    assert x["generation_peak_bytes"] == t["weights"] + t["grads"] + t["optimizer"] + t["hf_replica"] + RUNTIME_BYTES
+    resident = t["weights"] + t["grads"] + t["optimizer"] + t["hf_replica"] + RUNTIME_BYTES
+    assert x["train_peak_bytes"] == resident + t["activations"]
+    assert x["generation_peak_bytes"] == resident + t["hf_kv_cache"]
+    assert "hf_replica" not in next(p for p in report["positions"] if p["tp_rank"] == 1)["terms_bytes"]
 
 
 def test_megatron_lm_reference_equals_this_model_at_tp1():
@@ -305,3 +310,16 @@ def test_megatron_lm_reference_equals_this_model_at_tp1():
     mine = 2 * (4 * 8192 + 2 * 128 * (64 + 8) + 3 * 28672)
     assert layer_activation_bytes(8192, 64, 8, 128, 28672, b=1, s=1, tp=1) == mine
     assert (theirs, mine) == (278528, 274432)  # 1.5% apart for Llama-70B at TP 1
+
+
+def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
+    """vLLM refuses to start when its KV cache cannot hold one max_model_len sequence; the
+    model's own 131072 positions apply when rollout.max_model_len is unset."""
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null"])
+    report = plan(cfg, JobShape(8, 8, "test"))
+    v = report["vllm"]
+    assert v["max_model_len"] == 131072 and v["kv_tokens"] >= 131072 and report["fits"]  # 334137 tokens
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.gpu_memory_utilization=0.23"])
+    report = plan(cfg, JobShape(8, 8, "test"))
+    assert not report["fits"] and report["vllm"]["kv_tokens"] < 3072
+    assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), report["problems"]
