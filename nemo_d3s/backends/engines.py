@@ -38,4 +38,6 @@ def build_rollout_engine(name: str, policy: Policy, settings: Mapping[str, Any])
     factory = ROLLOUT_ENGINES.get(name)
     if ROLLOUT_ENGINES.prop(name, "policy_own"):
         return factory(policy, settings)
-    return policy.place_rollout_engine(lambda: factory(policy, settings))
+    engine = policy.place_rollout_engine(lambda: factory(policy, settings))
+    engine.sync_weights(policy)  # collective: it may have loaded other weights than the policy's
+    return engine

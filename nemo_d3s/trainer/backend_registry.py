@@ -35,7 +35,7 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 __all__ = ["BACKENDS", "build_backend", "resolve_backend"]
 
-# name -> ("module:BackendClass", "module:ConfigDataclass"). "megatron" is reserved.
+# name -> ("module:BackendClass", "module:ConfigDataclass").
 BACKENDS: Dict[str, Tuple[str, str]] = {
     "hf": ("nemo_d3s.backends.hf:HFBackend", "nemo_d3s.backends.hf.config:HFBackendConfig"),
     "megatron": (
@@ -58,14 +58,7 @@ def resolve_backend(name: str) -> Tuple[type, type]:
     """(backend class, config dataclass) for ``name`` (a key of BACKENDS or module:Class)."""
     if name in BACKENDS:
         cls_path, cfg_path = BACKENDS[name]
-        try:
-            return _import(cls_path), _import(cfg_path)
-        except ModuleNotFoundError as e:
-            if name == "megatron" and (e.name or "").startswith("nemo_d3s.backends.megatron"):
-                raise ValueError(
-                    "model.backend='megatron' is reserved but not implemented yet; use model.backend=hf"
-                ) from e
-            raise
+        return _import(cls_path), _import(cfg_path)
     if ":" not in name:
         raise ValueError(
             f"model.backend={name!r}: unknown backend; known: {', '.join(sorted(BACKENDS))}, "

@@ -88,7 +88,11 @@ def test_unknown_backend_option_names_the_key(tmp_path):
         Trainer(cfg)
 
 
-def test_reserved_megatron_backend_says_so(tmp_path):
+def test_megatron_backend_names_what_it_cannot_use(tmp_path):
+    # the smoke experiment's HF-only model shape, then its in-memory model: clear errors
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron"])
-    with pytest.raises(ConfigError, match="megatron"):
+    with pytest.raises(ConfigError, match="model.params.tiny: not a setting of MegatronBackendConfig"):
+        Trainer(cfg)
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron", "~model.params.tiny"])
+    with pytest.raises(ConfigError, match="'tiny-random'.*Megatron backend builds from a Hugging Face folder"):
         Trainer(cfg)

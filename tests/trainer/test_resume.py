@@ -44,6 +44,12 @@ class _StateBackend:
     def load_state_dict(self, s):
         self.w = s["w"].clone()
 
+    def save_checkpoint(self, folder):  # the Policy defaults: replicated state, saved by the trainer
+        return False
+
+    def load_checkpoint(self, folder):
+        return False
+
 
 def test_checkpoint_manager_atomic_prune_and_restore(tmp_path):
     be = _StateBackend()

@@ -44,6 +44,7 @@ from nemo_d3s.backends.megatron.model import (
     write_hf_folder,
 )
 from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
+from nemo_d3s.config import ConfigError
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 
 __all__ = ["MegatronBackend"]
@@ -118,7 +119,11 @@ class MegatronBackend(Policy):
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
             apply_cpu_compat()
-        self.path = str(resolve_model_path(cfg.model))
+        try:
+            self.path = str(resolve_model_path(cfg.model))
+        except FileNotFoundError as e:
+            raise ConfigError(f"{e} (the Megatron backend builds from a Hugging Face folder or "
+                              "'smollm2-135m-instruct')") from None
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())

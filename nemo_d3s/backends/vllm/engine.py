@@ -19,6 +19,7 @@ correction ``algorithm.tis_cap``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -30,6 +31,7 @@ import torch
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+from nemo_d3s.backends.vllm.worker_ext import encode_weights
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -52,6 +54,41 @@ def import_vllm():
             f"(import failed: {e})"
         ) from None
     return vllm
+
+
+# torchrun's rendezvous variables; vLLM's workers read them to join a process group.
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def _in_multi_rank_job() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _outside_torchrun():
+    """Inside a multi-rank job, let vLLM start as if alone: vLLM's in-process engine calls
+    ``torch.distributed.new_group`` on the job's process group (collective over ranks that
+    never build an engine: a hang), and its workers read torchrun's rendezvous variables.
+    So the engine runs in its own process (V1 multiprocessing) with those variables hidden
+    while it starts. Weight refits then cross a process boundary (slower, still no file).
+    One process: nothing changes (the in-process engine, fastest refits)."""
+    if not _in_multi_rank_job():
+        yield
+        return
+    hidden = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 class VLLMEngine(RolloutEngine):
@@ -90,19 +127,23 @@ class VLLMEngine(RolloutEngine):
             enforce_eager=bool(cfg.enforce_eager),
             tensor_parallel_size=int(cfg.tensor_parallel_size),
             seed=0,
+            worker_extension_cls="nemo_d3s.backends.vllm.worker_ext.WeightLoaderExtension",
         )
         if cfg.max_model_len:
             kwargs["max_model_len"] = int(cfg.max_model_len)
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
+        self._separate_process = _in_multi_rank_job()
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _outside_torchrun():
+                self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
             raise RuntimeError(f"vLLM could not load the model from {source} with {kwargs}: {e}") from e
         self._SamplingParams = vllm.SamplingParams
         self._asleep = False
-        self.sync_weights(policy)  # the exported folder may hold other weights than the policy's
+        # No refit here: ``build_rollout_engine`` refits every engine right after placing it
+        # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self._sleep()
 
     def _dtype(self) -> str:
@@ -133,7 +174,12 @@ class VLLMEngine(RolloutEngine):
         weights = list(policy.hf_weights())
         self._wake()
         try:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if self._separate_process:
+                # Tensors do not survive vLLM's RPC encoding (they arrive as lists): raw bytes
+                # + dtype + shape, rebuilt by our worker extension (no pickle either way).
+                self.llm.collective_rpc("load_encoded_weights", kwargs={"payload": encode_weights(weights)})
+            else:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
         except Exception as e:
             names = ", ".join(n for n, _ in weights[:3])
