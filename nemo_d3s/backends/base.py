@@ -102,6 +102,11 @@ class Scores:
 LossFn = Callable[[torch.Tensor, torch.Tensor], LossOutput]
 
 
+class GenerationInterrupted(Exception):
+    """Raised by ``RolloutEngine.generate`` when its ``should_stop`` hook said yes mid-way
+    (a stop signal): the partial rollouts are dropped, the step is redone on resume."""
+
+
 class RolloutEngine(abc.ABC):
     """Samples completions for the trainer.
 
@@ -118,6 +123,15 @@ class RolloutEngine(abc.ABC):
     # An engine with its own copy and kernels (vLLM) sets False: the trainer then always
     # recomputes old log-probs and can compare them with ``Rollouts.sampling_logprobs``.
     on_policy: bool = True
+    # Asked between decode steps by engines that decode token by token (the HF samplers);
+    # True -> raise GenerationInterrupted. Set by the trainer to its stop-signal flag, so a
+    # SIGTERM is honoured within one token, not one step. An engine that cannot stop inside
+    # a call (vLLM) checks it only before starting.
+    should_stop: Optional[Callable[[], bool]] = None
+
+    def check_stop(self) -> None:
+        if self.should_stop is not None and self.should_stop():
+            raise GenerationInterrupted("stop requested during generation")
 
     @abc.abstractmethod
     def generate(

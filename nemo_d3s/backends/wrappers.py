@@ -70,6 +70,14 @@ class _Wrapper(RolloutEngine):
         self.inner = inner
         self.tokenizer = inner.tokenizer
 
+    @property
+    def should_stop(self):
+        return self.inner.should_stop
+
+    @should_stop.setter
+    def should_stop(self, fn) -> None:
+        self.inner.should_stop = fn
+
     def sync_weights(self, policy: Policy) -> None:
         self.inner.sync_weights(policy)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from nemo_d3s.backends.base import GenerationConfig, RolloutEngine
+from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, RolloutEngine
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter
 
@@ -47,7 +47,14 @@ def evaluate(
         chunk = mine[start : start + batch_size]
         if not chunk:
             continue
-        ro = engine.generate([task.prompt_text(p) for p in chunk], 1, gen, [0] * len(chunk))
+        try:
+            ro = engine.generate([task.prompt_text(p) for p in chunk], 1, gen, [0] * len(chunk))
+        except GenerationInterrupted:
+            if should_stop is None:
+                raise
+            # the stop flag is set on this rank: the next agreement (top of the loop or
+            # after it) stops every rank at the same collective
+            continue
         length += float(ro.batch.response_mask.sum())
         for p, text in zip(chunk, ro.response_texts):
             r, failed = task.reward_one(p, text)
@@ -55,6 +62,8 @@ def evaluate(
             errors += failed
             if len(shown) < n_show:
                 shown.append({"prompt": task.prompt_text(p), "completion": text, "reward": r})
+    if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
+        return {"stopped": True}
     s = groups.sum({"reward": total, "errors": float(errors), "length": length, "n": float(len(mine))})
     return {
         "eval_reward_mean": s["reward"] / max(s["n"], 1.0),

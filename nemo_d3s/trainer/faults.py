@@ -8,11 +8,13 @@ command line prints it as one ``error:`` line and exits with code 2, like a
 Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
 ``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
 (SIGKILL itself, the default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is
-appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``enospc`` (raise ``OSError(ENOSPC)``),
+appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the
+trainer's stop-signal path), ``enospc`` (raise ``OSError(ENOSPC)``),
 ``sleep<seconds>``. Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>``
 limits them to the process whose ``RANK`` is r. Points are named where they are placed, e.g.
 ``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
-``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``loop.step_done``. Unset (every
+``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``loop.step_done``,
+``engine.decode`` (asked before every decoded token and chunk of generation). Unset (every
 real run), a point costs one dictionary lookup.
 """
 
@@ -68,6 +70,8 @@ def fault_point(name: str) -> None:
             with open(pidfile, "a") as f:
                 f.write(f"{os.getpid()}\n")
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "term":
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the next bytecode
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif action.startswith("sleep"):

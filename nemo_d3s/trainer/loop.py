@@ -47,7 +47,7 @@ from nemo_d3s.trainer.faults import RunError, agree_on_main, fault_point, first_
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir, move_aside, records
-from nemo_d3s.trainer.step import StepContext, run_step
+from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
 
@@ -92,6 +92,7 @@ class Trainer:
         self.task = TaskAdapter(build_task(cfg.task.name, plain(cfg.task.params) or {}))
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
+        self.engine.should_stop = self._generation_should_stop
         self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
         self.ctx = StepContext(
             policy=self.policy,
@@ -196,6 +197,11 @@ class Trainer:
         if any(k == "trainer.steps" for k, _, _ in diffs):
             log.warning("trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
                         "steps from here on differ from a run started with the new value")
+
+    def _generation_should_stop(self) -> bool:
+        """The engine asks between decode steps: a stop signal is honoured within a token."""
+        fault_point("engine.decode")
+        return self._stop_signal is not None
 
     def _install_signal_handlers(self) -> Dict[int, Any]:
         """SIGTERM/SIGUSR1 -> stop after the current step (a second one stops at once).
@@ -305,7 +311,10 @@ class Trainer:
             while state.step < T:
                 progress = state.step / max(1, T - 1)
                 t0 = time.perf_counter()
-                m = run_step(self.ctx, state.step, progress)
+                try:
+                    m = run_step(self.ctx, state.step, progress)
+                except StepInterrupted:
+                    return self._interrupted(state, pending_eval=False)
                 state.step += 1
                 self._accumulate(state, m)
                 state.wall_time_total = wall_before + time.perf_counter() - t_start

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional
 
-from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
+from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -33,7 +33,13 @@ from nemo_d3s.trainer.stats import (
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
-__all__ = ["StepContext", "run_step"]
+__all__ = ["StepContext", "StepInterrupted", "run_step"]
+
+
+class StepInterrupted(Exception):
+    """A stop signal cut a step's generation short (on some rank): nothing of the step was
+    applied, so the loop checkpoints the state before it and ``resume=true`` redoes it
+    (its prompts and seeds are functions of (seed, step), so it generates the same rollouts)."""
 
 
 @dataclass
@@ -82,7 +88,14 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     G = ctx.num_generations
     prompts = ctx.prompts.for_step(step)
     with ctx.timed("rollout"):
-        ro = generate_groups(ctx.engine, prompts, G, ctx.gen)
+        try:
+            ro, interrupted = generate_groups(ctx.engine, prompts, G, ctx.gen), 0.0
+        except GenerationInterrupted:
+            ro, interrupted = None, 1.0
+        # Every rank learns whether any rank's generation was cut short by a stop signal
+        # (one scalar all-reduce), before the step's first collective over the rollouts.
+        if ctx.groups.max(interrupted) > 0:
+            raise StepInterrupted(step)
     with ctx.timed("reward"):
         rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id

@@ -544,3 +544,34 @@ def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path, monkeypatch, c
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
         state, _ = run_inprocess(tmp_path, FAST)
     assert state.step == 2 and "has no file locks" in caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tmp_path):
+    """2 ranks; only rank 1 gets SIGTERM, in the middle of decoding (fault point
+    engine.decode). Both ranks agree right after generation, checkpoint the same step and
+    exit 0 (no hang in the selector's collectives); resume=true ends with the metrics of an
+    uninterrupted 2-rank run."""
+    base = ["experiment=smoke", "trainer.steps=6", "trainer.save_every=3", "trainer.eval_every=0",
+            "trainer.eval_at_start=false", "trainer.max_new_tokens=12"]
+
+    def torchrun(args, env):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "nemo_d3s.train", *base, *args], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    ref = torchrun([f"output_dir={tmp_path / 'ref'}"], cli_env())
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
+    env = cli_env()
+    env.update(NEMO_D3S_FAULT="engine.decode@20=term", NEMO_D3S_FAULT_RANK="1")
+    cut = torchrun([f"output_dir={tmp_path / 'run'}"], env)
+    out = cut.stdout + cut.stderr
+    assert cut.returncode == 0, out[-3000:]
+    assert "received a stop signal on another rank" in out or "received SIGTERM" in out, out[-3000:]
+    stopped_at = len(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
+    assert stopped_at < 6
+    again = torchrun([f"output_dir={tmp_path / 'run'}", "resume=true"], cli_env())
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == \
+        without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))

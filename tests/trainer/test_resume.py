@@ -127,6 +127,30 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert "received SIGTERM" in (tmp_path / "out.log").read_text()
 
 
+def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_path):
+    """SIGTERM arrives while step 3's rollouts are being decoded (fault point engine.decode,
+    passed before every token): the run drops the partial rollouts, checkpoints the state
+    after step 2 and exits 0; resume=true redoes step 3 and ends with the uninterrupted
+    run's metrics and evaluations."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref_dir, RUN[1:])
+    env = cli_env()
+    # a check before every chunk and every token (<= 16 per call): the 40th falls in the
+    # first steps' generation (or the evaluation at start; both must resume exactly)
+    env["NEMO_D3S_FAULT"] = "engine.decode@40=term"
+    r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert state["step"] < 8 and (not rows or rows[-1]["step"] == state["step"]), (state, len(rows))
+    assert "received SIGTERM" in r.stdout + r.stderr
+    r = cli([*RUN, f"output_dir={run_dir}", "resume=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
+
+
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     args = ["trainer.steps=1", "trainer.eval_at_start=false", "trainer.export_hf=false"]
     run_inprocess(tmp_path, args)

@@ -84,9 +84,10 @@ class HFRolloutEngine(RolloutEngine):
         try:
             for lo in range(0, len(prompt_ids), chunk):
                 rows = prompt_ids[lo : lo + chunk]
+                self.check_stop()
                 if self.prompt_seeds:
                     row_seeds = [row_seed(per_prompt[r // n_samples], r % n_samples) for r in range(lo, lo + len(rows))]
-                    r, f = decode_seeded(p.model, rows, row_seeds, **common)
+                    r, f = decode_seeded(p.model, rows, row_seeds, check_stop=self.check_stop, **common)
                 else:
                     r, f = decode_hf_generate(p.model, rows, per_prompt[0] + lo, **common)
                 responses += r

@@ -84,8 +84,10 @@ def decode_seeded(
     eos_ids: Sequence[int],
     device: torch.device,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    check_stop: Callable[[], None] = lambda: None,
 ) -> Tuple[List[List[int]], List[bool]]:
     """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``.
+    ``check_stop()`` runs before every token (it raises to abandon the call).
 
     Prompts are left-padded and position ids count only real tokens, so a row sees the same
     positions as it would alone. Rows that stopped are fed pad (masked out of nothing that
@@ -107,6 +109,7 @@ def decode_seeded(
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     past, step_ids = None, ids
     for t in range(T):
+        check_stop()
         position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1]:]
         with autocast():
             res = model(

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine, Rollouts
 from nemo_d3s.distributed._comm import is_single
 
 __all__ = ["ModelParallelRollouts", "ReplicaEngine"]
@@ -71,6 +71,7 @@ class ReplicaEngine(RolloutEngine):
             raise KeyError(f"weights not refitted in the rollout replica: {missing[:3]}")
 
     def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+        self._inner.should_stop = self.should_stop
         return self._inner.generate(prompts, n_samples, cfg, seeds)
 
 
@@ -93,6 +94,7 @@ class ModelParallelRollouts(RolloutEngine):
     def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, mp_group, src: int, *,
                  prompt_seeds: bool, on_policy: bool = True) -> None:
         self.inner, self.tokenizer, self.mp_group, self.src = inner, tokenizer, mp_group, src
+        self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
 
     @property
@@ -102,9 +104,26 @@ class ModelParallelRollouts(RolloutEngine):
     def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
         if is_single(self.mp_group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        box = [self.inner.generate(prompts, n_samples, cfg, seeds) if self.is_src else None]
+        box: List[Any] = [None]
+        if self.is_src:
+            try:
+                box[0] = self.inner.generate(prompts, n_samples, cfg, seeds)
+            except GenerationInterrupted:
+                box[0] = "interrupted"  # the group's other ranks stop with it
         dist.broadcast_object_list(box, src=self.src, group=self.mp_group)
+        if isinstance(box[0], str):
+            raise GenerationInterrupted("stop requested during generation (on the engine's rank)")
         return box[0]
+
+    @property
+    def should_stop(self):
+        return self.inner.should_stop if self.inner is not None else self._should_stop
+
+    @should_stop.setter
+    def should_stop(self, fn) -> None:
+        self._should_stop = fn
+        if self.inner is not None:
+            self.inner.should_stop = fn
 
     def sync_weights(self, policy: Policy) -> None:
         if self.is_src:

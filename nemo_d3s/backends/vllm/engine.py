@@ -207,6 +207,7 @@ class VLLMEngine(RolloutEngine):
     ) -> Rollouts:
         """Prompt-major rows, right-padded TokenBatch on the CPU; ``sampling_logprobs`` [B, S]
         holds the engine's log-prob of each response token (0 elsewhere)."""
+        self.check_stop()
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         if cfg.do_sample and not cfg.temperature > 0:
