@@ -7,7 +7,9 @@ file or tensor) or, for verify, a mismatch, 2 a usage error.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from typing import List, Optional
 
 from nemo_d3s.convert.core import DEFAULT_SHARD_BYTES, DTYPES
@@ -20,6 +22,10 @@ _EPILOG = {
   nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 \\
       --hf-config ./Qwen2.5-7B-Instruct --out ./qwen7b-d3s --dtype bfloat16
   nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back""",
+    "megatron-to-nemo": """example:
+  nemo-d3s-convert megatron-to-nemo --ckpt runs/qwen/checkpoints/step_000200 \\
+      --hf-config ./qwen-sft-hf --nemo-context ./qwen-sft-nemo --out ./qwen-d3s-nemo
+  # --nemo-context: the NeMo 2 checkpoint the run started from (its context/ is copied)""",
     "verify": """example:
   nemo-d3s-convert verify --hf ./qwen7b-d3s --ckpt runs/qwen/checkpoints/step_000200
   # prints OK/MISMATCH with the max abs logit error; exit code 0 when it matches""",
@@ -51,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=help, epilog=_EPILOG[name],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    p = add("hf-to-megatron", "a Hugging Face folder -> a Megatron checkpoint folder (config.json, tokenizer, "
-                              "megatron/ shards; no optimizer state) that model.name can point at")
-    p.add_argument("--hf", required=True, help="Hugging Face model folder (safetensors), or smollm2-135m-instruct")
+    p = add("hf-to-megatron", "a Hugging Face folder (or a NeMo 2 checkpoint) -> a Megatron checkpoint folder "
+                              "(config.json, tokenizer, megatron/ shards; no optimizer state) that model.name can "
+                              "point at")
+    p.add_argument("--hf", required=True, help="Hugging Face model folder (safetensors), a NeMo 2 checkpoint "
+                                               "(weights/ + context/), or smollm2-135m-instruct")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the shards (default 1)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)")
@@ -61,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="vocabulary padding, as model.params.make_vocab_size_divisible_by (default 128)")
 
-    p = add("megatron-to-hf", "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) -> a "
-                              "Hugging Face folder that transformers loads")
-    p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder)")
+    p = add("megatron-to-hf", "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) or a "
+                              "NeMo 2 checkpoint -> a Hugging Face folder that transformers loads")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder), or a NeMo 2 "
+                                                 "checkpoint")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--hf-config", default=None,
                    help="folder with config.json + tokenizer files (the model the run started from); needed for a "
@@ -72,10 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_size, default=DEFAULT_SHARD_BYTES,
                    help="largest safetensors file (default 5GiB)")
 
+    p = add("megatron-to-nemo", "a Megatron checkpoint (any TP x PP) -> a NeMo 2 checkpoint (weights/ written with "
+                                "megatron-core's dist_checkpointing under NeMo's names, context/ copied)")
+    p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder)")
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
+    p.add_argument("--nemo-context", required=True,
+                   help="a NeMo 2 checkpoint of the same model (e.g. the run's start); its context/ is copied")
+    p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype written (default: the context's params_dtype)")
+
     p = add("verify", "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
                       "memory; exit code 0 when they match")
     p.add_argument("--hf", required=True, help="Hugging Face model folder")
-    p.add_argument("--ckpt", required=True, help="Megatron checkpoint folder")
+    p.add_argument("--ckpt", required=True, help="Megatron or NeMo 2 checkpoint folder")
     p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint (default: --hf)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest accepted abs logit error (default 1e-4)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
@@ -90,6 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM (a scheduler's kill) unwinds like Ctrl-C: the temporary output is removed.
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        return _run(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _run(args: argparse.Namespace) -> int:
     from nemo_d3s.config import ConfigError
     from nemo_d3s.convert import core
 
@@ -103,6 +137,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             out = core.megatron_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
                                       max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
                                       progress=not args.quiet)
+            print(f"wrote {out}")
+        elif args.command == "megatron-to-nemo":
+            out = core.megatron_to_nemo(args.ckpt, args.out, nemo_context=args.nemo_context,
+                                        hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
+                                        progress=not args.quiet)
             print(f"wrote {out}")
         else:
             res = core.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype)

@@ -7,6 +7,8 @@ checkpoints, on the backend's one weight table (``backends.megatron.weights``).
 - :func:`megatron_to_hf`: a training checkpoint (``output_dir/checkpoints/step_XXXXXX``, any
   saved layout) or a converted one -> an HF folder (safetensors shards + index, config.json
   with its dtype, generation config, tokenizer) that transformers loads.
+- :func:`megatron_to_nemo`: any checkpoint -> a NeMo 2 checkpoint (``nemo2.py``); NeMo 2
+  checkpoints are also read as a source by every command.
 - :func:`verify`: logits of a few fixed prompts, transformers on the HF folder vs the
   checkpoint converted in memory; a one-line verdict.
 
@@ -61,6 +63,7 @@ __all__ = [
     "VerifyResult",
     "hf_to_megatron",
     "megatron_to_hf",
+    "megatron_to_nemo",
     "open_checkpoint",
     "verify",
 ]
@@ -207,6 +210,32 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 # ============================================================================ side files
+@dataclass
+class SideFiles:
+    """What goes with the weights: the HF config (``config_file`` is copied byte for byte
+    when the dtype stays), the generation config and the tokenizer files."""
+
+    config: Dict[str, Any]
+    config_file: Optional[Path]
+    generation: Optional[Path]
+    tokenizer: List[Path]
+
+    def write(self, dst: Path, dtype: Optional[torch.dtype]) -> None:
+        cfg = dict(self.config)
+        key = "torch_dtype" if "torch_dtype" in cfg else "dtype"
+        want = None if dtype is None else str(dtype).replace("torch.", "")
+        if self.config_file is not None and (want is None or cfg.get(key) == want):
+            shutil.copyfile(self.config_file, dst / "config.json")
+        else:
+            if want is not None:
+                cfg[key] = want
+            (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if self.generation is not None:
+            shutil.copyfile(self.generation, dst / GENERATION_CONFIG)
+        for p in self.tokenizer:
+            shutil.copyfile(p, dst / p.name)
+
+
 def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
     """The tokenizer files of ``folder``; ConfigError naming what is missing."""
     have = [folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()]
@@ -230,111 +259,62 @@ def _read_json(path: Path) -> Any:
         raise ConfigError(f"{str(path)!r} is not valid JSON: {e}") from None
 
 
-def _copy_side_files(src: Path, dst: Path, tokenizer: Sequence[Path], *, dtype: Optional[torch.dtype]) -> None:
-    """config.json (its dtype set to ``dtype`` when that differs; else copied byte for byte),
-    generation_config.json when present, and the tokenizer files."""
-    cfg_path = src / "config.json"
-    cfg = read_hf_config(src)
-    key = "torch_dtype" if "torch_dtype" in cfg else "dtype"
-    want = None if dtype is None else str(dtype).replace("torch.", "")
-    if want is None or cfg.get(key) == want:
-        shutil.copyfile(cfg_path, dst / "config.json")
-    else:
-        cfg[key] = want
-        (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    gen = src / GENERATION_CONFIG
-    if gen.is_file():
-        if not isinstance(_read_json(gen), dict):
-            raise ConfigError(f"{str(gen)!r} must hold a JSON object")
-        shutil.copyfile(gen, dst / GENERATION_CONFIG)
-    for p in tokenizer:
-        shutil.copyfile(p, dst / p.name)
+def _generation_file(path: Path) -> Optional[Path]:
+    if not path.is_file():
+        return None
+    if not isinstance(_read_json(path), dict):
+        raise ConfigError(f"{str(path)!r} must hold a JSON object")
+    return path
 
 
-# ============================================================================ HF -> Megatron
-def _source_dtype(reader: SafetensorsReader, name: str, spec: ModelSpec, layout: Layout) -> torch.dtype:
-    """The stored dtype of the first HF tensor local parameter ``name`` is made of."""
-    from safetensors import safe_open
-
-    for part in local_parts(name, spec, layout)[1]:
-        if part.hf_name is not None:
-            with safe_open(str(reader.files[part.hf_name]), framework="pt") as f:
-                got = f.get_slice(part.hf_name).get_dtype()
-            if got not in _ST_DTYPE:
-                raise ConfigError(f"{str(reader.files[part.hf_name])!r}: tensor {part.hf_name!r} is {got}; "
-                                  "expected F32, BF16 or F16")
-            return _ST_DTYPE[got]
-    return torch.float32
+def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
+    """Side files of an HF model folder (or a converted checkpoint folder)."""
+    return SideFiles(read_hf_config(folder), folder / "config.json", _generation_file(folder / GENERATION_CONFIG),
+                     _tokenizer_files(folder, role=role))
 
 
-def _resolve_hf(hf: str | os.PathLike) -> Path:
-    from nemo_d3s.backends.hf.loading import resolve_model_path
+def _nemo_side_files(folder: Path) -> SideFiles:
+    """Side files of a NeMo 2 checkpoint: config from context/model.yaml, tokenizer from
+    context/nemo_tokenizer/, generation config from context/artifacts/."""
+    from nemo_d3s.convert import nemo2
 
-    try:
-        return Path(resolve_model_path(str(hf)))
-    except FileNotFoundError as e:
-        raise ConfigError(str(e)) from None
-
-
-def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                   dtype: Optional[str] = None, make_vocab_size_divisible_by: int = 128, overwrite: bool = False,
-                   progress: bool = True) -> Path:
-    """Convert the HF folder ``hf`` into a Megatron checkpoint folder ``out`` with TP x PP
-    shard files (see the module docstring). ``dtype`` None keeps every tensor's stored
-    dtype. Returns ``out``."""
-    src = _resolve_hf(hf)
-    spec = ModelSpec.from_folder(src)
-    for name, v in (("tp", tp), ("pp", pp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
-    check_layout(spec, tp=tp, pp=pp, world=tp * pp)
-    want = _dtype(dtype)
-    reader = SafetensorsReader(src, spec)
-    reader.check()
-    tokenizer = _tokenizer_files(src, role="--hf")
-    layout = Layout(tp=tp, pp=pp, padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by))
-    plan = []  # (layout of the file, [(local name, shape, dtype)])
-    for p in range(pp):
-        for t in range(tp):
-            lay = layout.at(t, p)
-            plan.append((lay, [(n, local_shape(n, spec, lay), want or _source_dtype(reader, n, spec, lay))
-                               for n in local_names(spec, lay)]))
-    total = sum(_nbytes(s, d) for _, entries in plan for _, s, d in entries)
-    try:
-        with _staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
-            root = tmp / ckpt.SUBDIR
-            root.mkdir()
-            with _progress(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
-                for lay, entries in plan:
-                    with StreamingSafetensors(root / ckpt.shard_file(lay.tp_rank, lay.pp_rank), entries,
-                                              {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"}) as w:
-                        for name, _, dt in entries:
-                            t = read_local(name, spec, lay, reader, dt)
-                            w.write(name, t)
-                            bar.update(_nbytes(t.shape, dt))
-                            del t
-            ckpt.write_layout(root, spec, layout)
-            _copy_side_files(src, tmp, tokenizer, dtype=want)
-    finally:
-        reader.close()
-    return Path(out)
+    return SideFiles(nemo2.hf_config_from_nemo(folder), None,
+                     _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
+                     _tokenizer_files(folder / "context" / "nemo_tokenizer", role="NeMo 2 context"))
 
 
-# ============================================================================ Megatron -> HF
+# ============================================================================ sources
 @dataclass
 class CheckpointSource:
-    """A Megatron checkpoint opened for reading: its ``megatron/`` folder, the config folder
-    (config.json + tokenizer), the model, the saved layout and the stored dtype."""
+    """A checkpoint opened for reading and checked: a Megatron checkpoint (``kind``
+    "megatron": training or converted, any saved TP x PP) or a NeMo 2 checkpoint ("nemo2").
+    ``reader()`` gives HF-named rows (``weights.read_local``'s reader protocol) through the
+    weight table; ``side`` is config.json / generation config / tokenizer (None until
+    :func:`_with_side_files` is asked for them)."""
 
+    kind: str
     folder: Path
-    root: Path
-    config_dir: Path
     spec: ModelSpec
-    saved: Layout
+    layout: str
     dtype: Optional[torch.dtype]  # None: the parameters are stored in several dtypes
+    _reader: Any
+    config_source: Optional[Path] = None  # a separate folder the config came from (--hf-config)
+    side: Optional[SideFiles] = None
 
-    def reader(self) -> ckpt.ShardedReader:
-        return ckpt.ShardedReader(self.root, self.spec, self.saved)
+    def reader(self):
+        return self._reader()
+
+    def hf_config(self) -> Dict[str, Any]:
+        """The HF config dict of the model (no tokenizer needed)."""
+        if self.side is not None:
+            return dict(self.side.config)
+        if self.config_source is not None:
+            return read_hf_config(self.config_source)
+        if self.kind == "nemo2":
+            from nemo_d3s.convert.nemo2 import hf_config_from_nemo
+
+            return hf_config_from_nemo(self.folder)
+        return read_hf_config(self.folder)
 
     def iter_hf(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
         """(HF name, full tensor) in transformers' order, one parameter group in memory."""
@@ -358,7 +338,8 @@ def _find_root(path: Path) -> Tuple[Path, Path]:
     if (path / "config.json").is_file() and ((path / "model.safetensors").is_file()
                                              or (path / "model.safetensors.index.json").is_file()):
         hint = " It is a Hugging Face model folder (use hf-to-megatron to convert it)."
-    raise ConfigError(f"{str(path)!r} is not a Megatron checkpoint: no {ckpt.SUBDIR}/layout.json.{hint}")
+    raise ConfigError(f"{str(path)!r} is not a Megatron checkpoint: no {ckpt.SUBDIR}/layout.json (nor a NeMo 2 "
+                      f"checkpoint: no weights/metadata.json + context/).{hint}")
 
 
 def _check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.dtype]:
@@ -396,12 +377,40 @@ def _check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.
     return dtypes.pop() if len(dtypes) == 1 else None
 
 
+def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike]) -> CheckpointSource:
+    from nemo_d3s.convert import nemo2
+
+    cfg = nemo2.hf_config_from_nemo(folder)
+    spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
+    config_source = None
+    if hf_config is not None:  # its config must describe the same model
+        config_source = _resolve_hf(hf_config)
+        other = ModelSpec.from_folder(config_source)
+        _same_model(other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml"))
+    _, dtype = nemo2.open_nemo2_weights(folder, spec)
+    return CheckpointSource("nemo2", folder, spec, "NeMo 2", dtype,
+                            lambda: nemo2.open_nemo2_weights(folder, spec)[0], config_source)
+
+
+def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
+    da, db = a.to_dict(), b.to_dict()
+    diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
+    if diff:
+        raise ConfigError(f"{where_a} and {where_b} are different models: {diff[0]}={da[diff[0]]!r} vs "
+                          f"{db[diff[0]]!r}")
+
+
 def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLike] = None) -> CheckpointSource:
-    """Open and check a Megatron checkpoint (a training ``step_XXXXXX`` folder, a converted
-    folder, or its ``megatron/``). config.json and the tokenizer come from ``hf_config``
-    when given, else from the checkpoint folder. A training checkpoint's files are checked
-    against its checksums.json first."""
-    folder, root = _find_root(Path(path).expanduser())
+    """Open and check a checkpoint: a Megatron one (a training ``step_XXXXXX`` folder, a
+    converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
+    from the checkpoint folder; a training checkpoint's files are checked against its
+    checksums.json first) or a NeMo 2 one (config from ``context/model.yaml``)."""
+    from nemo_d3s.convert.nemo2 import is_nemo2
+
+    p = Path(path).expanduser()
+    if is_nemo2(p):
+        return _open_nemo2(p, hf_config)
+    folder, root = _find_root(p)
     if (folder / "checksums.json").is_file():
         from nemo_d3s.trainer.checkpoint import verify_checkpoint
 
@@ -427,7 +436,19 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
     except ConfigError as e:
         raise ConfigError(f"{str(root / 'layout.json')!r}: {e}") from None
     dtype = _check_shards(root, spec, saved)
-    return CheckpointSource(folder, root, config_dir, spec, saved, dtype)
+    return CheckpointSource("megatron", folder, spec, f"TP{saved.tp} x PP{saved.pp}", dtype,
+                            lambda: ckpt.ShardedReader(root, spec, saved), config_dir)
+
+
+def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
+    """``src`` with its side files found and checked (tokenizer files are required)."""
+    if src.config_source is not None:
+        src.side = _folder_side_files(src.config_source, role=role)
+    elif src.kind == "nemo2":
+        src.side = _nemo_side_files(src.folder)
+    else:
+        src.side = _folder_side_files(src.folder, role="--ckpt")
+    return src
 
 
 def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
@@ -438,6 +459,85 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
+def _resolve_hf(hf: str | os.PathLike) -> Path:
+    from nemo_d3s.backends.hf.loading import resolve_model_path
+
+    try:
+        return Path(resolve_model_path(str(hf)))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ============================================================================ HF -> Megatron
+def _source_dtype(reader: SafetensorsReader, name: str, spec: ModelSpec, layout: Layout) -> torch.dtype:
+    """The stored dtype of the first HF tensor local parameter ``name`` is made of."""
+    from safetensors import safe_open
+
+    for part in local_parts(name, spec, layout)[1]:
+        if part.hf_name is not None:
+            with safe_open(str(reader.files[part.hf_name]), framework="pt") as f:
+                got = f.get_slice(part.hf_name).get_dtype()
+            if got not in _ST_DTYPE:
+                raise ConfigError(f"{str(reader.files[part.hf_name])!r}: tensor {part.hf_name!r} is {got}; "
+                                  "expected F32, BF16 or F16")
+            return _ST_DTYPE[got]
+    return torch.float32
+
+
+def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+                   dtype: Optional[str] = None, make_vocab_size_divisible_by: int = 128, overwrite: bool = False,
+                   progress: bool = True) -> Path:
+    """Convert the HF folder ``hf`` (or a NeMo 2 checkpoint: a training start from NeMo)
+    into a Megatron checkpoint folder ``out`` with TP x PP shard files (see the module
+    docstring). ``dtype`` None keeps every tensor's stored dtype. Returns ``out``."""
+    from nemo_d3s.convert.nemo2 import is_nemo2
+
+    for name, v in (("tp", tp), ("pp", pp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
+    want = _dtype(dtype)
+    if is_nemo2(Path(hf).expanduser()):
+        nemo = _with_side_files(_open_nemo2(Path(hf).expanduser(), None), role="NeMo 2 context")
+        src, spec, side, reader = nemo.folder, nemo.spec, nemo.side, nemo.reader()
+        dtype_of = lambda name, lay: want or nemo.dtype  # noqa: E731
+        close = lambda: None  # noqa: E731
+    else:
+        src = _resolve_hf(hf)
+        spec = ModelSpec.from_folder(src)
+        reader = SafetensorsReader(src, spec)
+        reader.check()
+        side = _folder_side_files(src, role="--hf")
+        dtype_of = lambda name, lay: want or _source_dtype(reader, name, spec, lay)  # noqa: E731
+        close = reader.close
+    try:
+        check_layout(spec, tp=tp, pp=pp, world=tp * pp)
+        layout = Layout(tp=tp, pp=pp, padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by))
+        plan = []  # (layout of the file, [(local name, shape, dtype)])
+        for p in range(pp):
+            for t in range(tp):
+                lay = layout.at(t, p)
+                plan.append((lay, [(n, local_shape(n, spec, lay), dtype_of(n, lay)) for n in local_names(spec, lay)]))
+        total = sum(_nbytes(s, d) for _, entries in plan for _, s, d in entries)
+        with _staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
+            root = tmp / ckpt.SUBDIR
+            root.mkdir()
+            with _progress(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
+                for lay, entries in plan:
+                    with StreamingSafetensors(root / ckpt.shard_file(lay.tp_rank, lay.pp_rank), entries,
+                                              {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"}) as w:
+                        for name, _, dt in entries:
+                            t = read_local(name, spec, lay, reader, dt)
+                            w.write(name, t)
+                            bar.update(_nbytes(t.shape, dt))
+                            del t
+            ckpt.write_layout(root, spec, layout)
+            side.write(tmp, want)
+    finally:
+        close()
+    return Path(out)
+
+
+# ============================================================================ Megatron -> HF
 def _plan_hf_files(spec: ModelSpec, dtype: torch.dtype, shard_bytes: int) -> List[Tuple[str, List[str]]]:
     """HF tensor names split into files of at most ``shard_bytes`` (a larger tensor gets a
     file of its own), named as transformers names them."""
@@ -456,26 +556,28 @@ def _plan_hf_files(spec: ModelSpec, dtype: torch.dtype, shard_bytes: int) -> Lis
     return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
+def _sources(src: CheckpointSource) -> List[Path]:
+    return [src.folder] + ([src.config_source] if src.config_source is not None else [])
+
+
 def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
                    hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
                    progress: bool = True) -> Path:
-    """Convert a Megatron checkpoint (any saved TP x PP) into the HF folder ``out``.
-    ``dtype`` None keeps the stored dtype; config.json says the dtype written."""
-    src = open_checkpoint(ckpt_path, hf_config)
+    """Convert a Megatron checkpoint (any saved TP x PP) or a NeMo 2 checkpoint into the HF
+    folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written."""
+    src = _with_side_files(open_checkpoint(ckpt_path, hf_config), role="--hf-config")
     want = _dtype(dtype) or src.dtype
     if want is None:
-        raise ConfigError(f"{str(src.root)!r} stores parameters in several dtypes; pass --dtype")
-    tokenizer = _tokenizer_files(src.config_dir, role="--hf-config" if hf_config is not None else "--ckpt")
+        raise ConfigError(f"{str(src.folder)!r} stores parameters in several dtypes; pass --dtype")
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes} must be >= 1 byte")
     files = _plan_hf_files(src.spec, want, max_shard_bytes)
     total = sum(_nbytes(hf_shape(n, src.spec), want) for n in hf_names(src.spec))
-    sources = [src.folder] + ([src.config_dir] if hf_config is not None else [])
-    with _staged_output(out, overwrite=overwrite, sources=sources) as tmp:
+    with _staged_output(out, overwrite=overwrite, sources=_sources(src)) as tmp:
         tensors = src.iter_hf(want)
         weight_map: Dict[str, str] = {}
-        with _progress(total, f"megatron-to-hf TP{src.saved.tp} x PP{src.saved.pp}", progress) as bar:
+        with _progress(total, f"megatron-to-hf {src.layout}", progress) as bar:
             for fname, names in files:
                 with StreamingSafetensors(tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names]) as w:
                     for n in names:
@@ -488,7 +590,41 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
         if len(files) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        _copy_side_files(src.config_dir, tmp, tokenizer, dtype=want)
+        src.side.write(tmp, want)
+    return Path(out)
+
+
+# ============================================================================ -> NeMo 2
+def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, nemo_context: str | os.PathLike,
+                     hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
+                     overwrite: bool = False, progress: bool = True) -> Path:
+    """Write a checkpoint (Megatron, any layout, or NeMo 2) as a NeMo 2 checkpoint ``out``:
+    ``weights/`` by megatron-core's dist_checkpointing under NeMo's names, ``context/``
+    copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
+    run started from; NeMo rebuilds the model from it). ``dtype`` None: the context's
+    params_dtype, which is what NeMo builds the model in."""
+    from nemo_d3s.convert import nemo2
+
+    src = open_checkpoint(ckpt_path, hf_config)
+    ctx = Path(nemo_context).expanduser()
+    if ctx.name == "context" and (ctx / "model.yaml").is_file():
+        ctx = ctx.parent
+    if not (ctx / "context" / "model.yaml").is_file():
+        raise ConfigError(f"--nemo-context {str(ctx)!r} is not a NeMo 2 checkpoint (no context/model.yaml)")
+    cfg = nemo2.hf_config_from_nemo(ctx)
+    _same_model(src.spec, ModelSpec.from_hf_dict(cfg), f"{str(src.folder)!r}", f"{str(ctx / 'context')!r}")
+    want = _dtype(dtype) or DTYPES[cfg["torch_dtype"]]
+    padded = padded_vocab_size(src.spec.vocab_size, 1, nemo2.nemo_make_vocab_size_divisible_by(ctx))
+    total = sum(_nbytes(hf_shape(n, src.spec), want) for n in hf_names(src.spec))
+    with _staged_output(out, overwrite=overwrite, sources=_sources(src) + [ctx]) as tmp:
+        with _progress(total, f"to NeMo 2 from {src.layout}", progress) as bar:
+            def counted():
+                for name, t in src.iter_hf(want):
+                    bar.update(_nbytes(t.shape, want))
+                    yield name, t
+
+            nemo2.write_nemo2(counted(), src.spec, tmp, padded_vocab=padded)
+        shutil.copytree(ctx / "context", tmp / "context", symlinks=False)
     return Path(out)
 
 
@@ -522,7 +658,8 @@ def _hf_model_from_checkpoint(src: CheckpointSource, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    config = AutoConfig.from_pretrained(str(src.config_dir), local_files_only=True)
+    cfg = src.hf_config()
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -550,16 +687,17 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     ``hf``), both computed in ``dtype``. One model is in memory at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nemo_d3s.convert.nemo2 import is_nemo2
+
     hf_dir = _resolve_hf(hf)
     spec = ModelSpec.from_folder(hf_dir)
-    ck_folder, _ = _find_root(Path(ckpt_path).expanduser())
-    cfg_dir = hf_config if hf_config is not None else (ck_folder if (ck_folder / "config.json").is_file() else hf_dir)
-    src = open_checkpoint(ckpt_path, cfg_dir)
-    mine, theirs = spec.to_dict(), src.spec.to_dict()
-    diff = [k for k in mine if k != "torch_dtype" and mine[k] != theirs[k]]
-    if diff:
-        raise ConfigError(f"{str(hf_dir)!r} and {str(src.folder)!r} are different models: "
-                          f"{diff[0]}={mine[diff[0]]!r} vs {theirs[diff[0]]!r}")
+    path = Path(ckpt_path).expanduser()
+    cfg_dir = hf_config
+    if cfg_dir is None and not is_nemo2(path):  # a training checkpoint: the HF folder's config
+        folder, _ = _find_root(path)
+        cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
+    src = open_checkpoint(path, cfg_dir)
+    _same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")
     compute = _dtype(dtype) or torch.float32
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     ids = []
@@ -577,4 +715,4 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     err = max(float((a - b).abs().max()) for a, b in zip(got, want))
     ok = math.isfinite(err) and err <= atol
     return VerifyResult(ok=ok, max_abs_err=err, atol=atol, prompts=len(ids), tokens=sum(len(x) for x in ids),
-                        layout=f"TP{src.saved.tp} x PP{src.saved.pp}")
+                        layout=src.layout)

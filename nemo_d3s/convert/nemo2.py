@@ -1,0 +1,445 @@
+"""NeMo 2 checkpoints: ``DIR/weights/`` (a megatron-core ``dist_checkpointing`` checkpoint in
+the ``torch_dist`` format) + ``DIR/context/`` (``model.yaml``: the model config as NeMo's
+fiddle YAML; ``nemo_tokenizer/``: the HF tokenizer files; ``artifacts/``: the generation
+config). What NeMo users have after SFT (``llm.import_ckpt`` writes the same layout).
+
+Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkpoint:
+
+- ``context/model.yaml`` is read with ``yaml.safe_load`` and mapped to an HF config dict
+  (:func:`hf_config_from_nemo`; Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2).
+- ``weights/.metadata`` (torch DCP's index, a pickle) is read with an unpickler that builds
+  only the DCP/megatron metadata classes, torch.Size and dtypes (:class:`_MetadataUnpickler`);
+  anything else is refused. Tensors are ``torch.load(weights_only=True)`` of their byte
+  ranges in ``__*.distcp``, as torch's own reader does; ``common.pt`` is never read.
+- The tensors are the global (TP1) Megatron tensors under NeMo's names
+  (``module.decoder.layers.self_attention.linear_qkv.weight`` ...), every per-layer tensor
+  stacked on a leading layer axis and stored one chunk per layer (per TP shard). They go
+  through the weight table as a TP1 x PP1 transformer-engine layout, so
+  :class:`Nemo2Reader` is a ``checkpoint.ShardedReader`` whose shard tensors come from the
+  DCP chunks of one layer at a time.
+
+Writing (:func:`write_nemo2`) uses megatron-core's own ``dist_checkpointing.save`` with
+NeMo's key names (one ShardedTensor per layer, the ``_extra_state`` objects NeMo's modules
+expect) and copies ``context/`` from a NeMo checkpoint of the same model, which is what NeMo
+reads the model back with. It holds the whole model in memory (megatron-core's saver takes
+the full state dict), unlike the HF export.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from nemo_d3s.backends.megatron import checkpoint as ckpt
+from nemo_d3s.backends.megatron.hf_config import ModelSpec
+from nemo_d3s.backends.megatron.weights import Layout, local_names, local_shape
+from nemo_d3s.config import ConfigError
+
+__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_nemo2", "NEMO_PREFIX"]
+
+NEMO_PREFIX = "module."
+_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def is_nemo2(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return (p / "weights" / "metadata.json").is_file() and (p / "context").is_dir()
+
+
+# ============================================================================ context -> HF config
+def _yaml(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    if not path.is_file():
+        raise ConfigError(f"{str(path)!r} is missing: not a NeMo 2 checkpoint context")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+        raise ConfigError(f"{str(path)!r} holds no model config (a 'config:' mapping)")
+    return data
+
+
+def _target(node: Any) -> str:
+    return str(node.get("_target_", "")) if isinstance(node, dict) else str(node)
+
+
+def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
+    """The HF ``config.json`` dict of the model in ``folder/context/model.yaml``; a
+    ConfigError naming the file and field for a model the weight table does not cover."""
+    path = Path(folder) / "context" / "model.yaml"
+    c = _yaml(path)["config"]
+    where = f"{str(path)!r}"
+    target = _target(c)
+    module, _, cls = target.rpartition(".")
+    kinds = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
+             "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+    kind = kinds.get(module.rsplit(".", 1)[-1])
+    if kind is None or "Llama4" in cls or c.get("num_moe_experts"):
+        raise ConfigError(f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral and Qwen2 "
+                          "configs are")
+    checks = {"normalization": "RMSNorm", "gated_linear_unit": True, "position_embedding_type": "rope",
+              "add_bias_linear": False, "qk_layernorm": False}
+    for key, want in checks.items():
+        if key in c and c[key] != want:
+            raise ConfigError(f"{where}: config.{key}={c[key]!r} is not supported (the weight table needs {want!r})")
+    act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
+    if act != "torch.nn.functional.silu":
+        raise ConfigError(f"{where}: config.activation_func={act!r} is not supported (SwiGLU with silu only)")
+
+    def need(key: str) -> Any:
+        if c.get(key) is None:
+            raise ConfigError(f"{where}: config.{key} is not set")
+        return c[key]
+
+    heads, hidden = need("num_attention_heads"), need("hidden_size")
+    dtype = _target(c.get("params_dtype", "torch.float32")).replace("torch.", "")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        dtype = "bfloat16" if c.get("bf16") else "float32"
+    arch, model_type = kind
+    cfg: Dict[str, Any] = {
+        "architectures": [arch], "model_type": model_type, "vocab_size": need("vocab_size"),
+        "hidden_size": hidden, "intermediate_size": need("ffn_hidden_size"), "num_hidden_layers": need("num_layers"),
+        "num_attention_heads": heads, "num_key_value_heads": c.get("num_query_groups") or heads,
+        "head_dim": c.get("kv_channels") or hidden // heads, "rms_norm_eps": float(need("layernorm_epsilon")),
+        "rope_theta": float(c.get("rotary_base", 10000.0)), "max_position_embeddings": need("seq_length"),
+        "tie_word_embeddings": bool(c.get("share_embeddings_and_output_weights", False)), "hidden_act": "silu",
+        "torch_dtype": dtype, "initializer_range": float(c.get("init_method_std", 0.02)),
+    }
+    if model_type == "qwen2":
+        if c.get("add_qkv_bias") is False:
+            raise ConfigError(f"{where}: config.add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported")
+        cfg["use_sliding_window"] = False
+    else:
+        cfg["attention_bias"] = bool(c.get("add_qkv_bias", False))
+        cfg["mlp_bias"] = False
+    if c.get("scale_factor") is not None:  # Llama31Config and its children: llama3 RoPE scaling
+        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": float(c.get("scale_factor", 8.0)),
+                               "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
+                               "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
+                               "original_max_position_embeddings": int(c.get("old_context_len", 8192))}
+    gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
+    if gen.is_file():
+        try:
+            g = json.loads(gen.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{str(gen)!r} is not valid JSON: {e}") from None
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(g, dict) and g.get(key) is not None:
+                cfg[key] = g[key]
+    ModelSpec.from_hf_dict(cfg, str(path))  # the table's own checks, naming model.yaml
+    return cfg
+
+
+def nemo_make_vocab_size_divisible_by(folder: str | os.PathLike) -> int:
+    v = _yaml(Path(folder) / "context" / "model.yaml")["config"].get("make_vocab_size_divisible_by", 128)
+    return int(v) if isinstance(v, int) and v > 0 else 128
+
+
+# ============================================================================ weights/.metadata
+class _Record:
+    """Stand-in for a pickled metadata class: keeps the attributes, runs no code."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+class _TensorProperties(_Record):
+    """DCP pickles TensorProperties as (dtype, layout, requires_grad, memory_format, pin_memory)."""
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            self.dtype = state[0]
+        else:
+            super().__setstate__(state)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP ``.metadata`` without running pickled code: torch.Size, dtypes, layouts and the
+    DCP / megatron metadata dataclasses (rebuilt as :class:`_Record`); anything else is
+    refused."""
+
+    _RECORDS = {
+        "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                                  "StorageMeta"},
+        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+        "torch.distributed.checkpoint.planner": {"TensorWriteData", "WriteItem", "SavePlan"},
+        "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
+    }
+
+    def __init__(self, f, path: Path) -> None:
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _TensorProperties
+        if name in self._RECORDS.get(module, ()):
+            return type(name, (_Record,), {})
+        if module == "torch" and name == "Size":
+            return torch.Size
+        if module == "torch" and name in _DTYPE_NAMES:
+            return getattr(torch, name)
+        if (module, name) in (("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                              ("torch.distributed.checkpoint.planner", "WriteItemType")):
+            return lambda *a, **k: a[0] if a else None
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return lambda n: getattr(torch, str(n).replace("torch.", ""), None)
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+class _DcpIndex:
+    """Global shape, dtype and per-chunk byte ranges of every tensor of a DCP folder."""
+
+    def __init__(self, weights: Path) -> None:
+        self.weights = weights
+        meta = weights / "metadata.json"
+        try:
+            backend = json.loads(meta.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{str(meta)!r} is not valid JSON: {e}") from None
+        if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
+            raise ConfigError(f"{str(meta)!r}: sharded_backend={backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}"
+                              "; only torch_dist NeMo 2 checkpoints are read")
+        path = weights / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                md = _MetadataUnpickler(f, path).load()
+            sd_meta, storage = md.state_dict_metadata, md.storage_data
+            self.tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+            for fqn, m in sd_meta.items():
+                props = getattr(m, "properties", None)
+                if props is not None and hasattr(m, "size"):
+                    self.tensors[str(fqn)] = (tuple(int(x) for x in m.size), props.dtype)
+            self.chunks: Dict[str, List[Tuple[Tuple[int, ...], str, int, int]]] = {}
+            for idx, info in storage.items():
+                fqn = str(idx.fqn)
+                if fqn in self.tensors:
+                    if getattr(info, "transform_descriptors", None):
+                        raise ValueError(f"{fqn}: transformed (compressed) storage is not supported")
+                    rel = str(info.relative_path)
+                    if "/" in rel or rel.startswith(".."):
+                        raise ValueError(f"{fqn}: storage path {rel!r} points outside weights/")
+                    offsets = tuple(int(x) for x in (idx.offset or ()))
+                    self.chunks.setdefault(fqn, []).append((offsets, rel, int(info.offset), int(info.length)))
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as e:
+            raise ConfigError(f"{str(path)!r}: not a readable NeMo 2 / torch_dist index ({e})") from None
+
+    def read(self, fqn: str, layer: Optional[int] = None) -> torch.Tensor:
+        """The global tensor ``fqn`` (``layer``: only that index of the leading layer axis),
+        assembled from its chunks; each chunk is checked against the index."""
+        shape, dtype = self.tensors[fqn]
+        want = shape[1:] if layer is not None else shape
+        out = torch.empty(want, dtype=dtype)
+        filled = 0
+        for offsets, rel, start, length in self.chunks.get(fqn, []):
+            if layer is not None and offsets[0] != layer:
+                continue
+            path = self.weights / rel
+            try:
+                with open(path, "rb") as f:
+                    f.seek(start)
+                    raw = f.read(length)
+                t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ConfigError(f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} is unreadable ({e})") from None
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(shape) or any(
+                    o + s > g for o, s, g in zip(offsets, t.shape, shape)):
+                raise ConfigError(f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit {list(shape)} "
+                                  f"{dtype}")
+            if layer is not None:
+                t, offsets = t[0], offsets[1:]
+            region = out
+            for d, (o, s) in enumerate(zip(offsets, t.shape)):
+                region = region.narrow(d, o, s)
+            region.copy_(t)
+            filled += t.numel()
+        if filled != math.prod(want):
+            raise ConfigError(f"{str(self.weights)!r}: the chunks of {fqn!r}{'' if layer is None else f' layer {layer}'}"
+                              f" cover {filled} of {math.prod(want)} elements")
+        return out
+
+
+def _nemo_key(local: str) -> Tuple[str, Optional[int]]:
+    """A TP1 (transformer-engine names) local parameter -> (NeMo fqn, layer index or None)."""
+    parts = local.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        return NEMO_PREFIX + "decoder.layers." + ".".join(parts[3:]), int(parts[2])
+    return NEMO_PREFIX + local, None
+
+
+_LOCAL_SPEC_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+
+
+class Nemo2Reader(ckpt.ShardedReader):
+    """``ShardedReader`` over a NeMo 2 checkpoint: a TP1 x PP1 transformer-engine layout
+    whose local tensors are read from the DCP chunks of one layer."""
+
+    def __init__(self, folder: Path, spec: ModelSpec, index: _DcpIndex, padded_vocab: int) -> None:
+        self.index = index
+        super().__init__(folder, spec, Layout(1, 1, 0, 0, padded_vocab, te=True))
+
+    def fqn(self, local: str) -> Tuple[str, Optional[int]]:
+        fqn, layer = _nemo_key(local)
+        if fqn not in self.index.tensors:  # a checkpoint saved with the local spec's own names
+            for te, plain in _LOCAL_SPEC_NAMES.items():
+                alt = fqn.replace(te, plain)
+                if alt in self.index.tensors:
+                    return alt, layer
+        return fqn, layer
+
+    def check(self) -> torch.dtype:
+        """Every tensor the table needs is indexed with the shape config says; returns the
+        stored dtype."""
+        dtypes = set()
+        for local in local_names(self.spec, self.saved):
+            fqn, layer = self.fqn(local)
+            if fqn not in self.index.tensors:
+                raise ConfigError(f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r} (not a "
+                                  f"{self.spec.architecture} checkpoint?)")
+            shape, dtype = self.index.tensors[fqn]
+            want = local_shape(local, self.spec, self.saved)
+            if layer is not None:
+                want = (self.spec.num_layers,) + want
+            if shape != want:
+                raise ConfigError(f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape {list(shape)}, "
+                                  f"context/model.yaml gives {list(want)}")
+            if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ConfigError(f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} is {dtype}")
+            dtypes.add(dtype)
+        if len(dtypes) != 1:
+            raise ConfigError(f"{str(self.index.weights)!r} stores parameters in several dtypes {sorted(map(str, dtypes))}")
+        return dtypes.pop()
+
+    def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
+        fqn, layer = self.fqn(key)
+        if fqn not in self.index.tensors:
+            raise ConfigError(f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r}")
+        return self.index.read(fqn, layer)
+
+
+def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torch.dtype]:
+    index = _DcpIndex(folder / "weights")
+    emb = NEMO_PREFIX + "embedding.word_embeddings.weight"
+    if emb not in index.tensors:
+        raise ConfigError(f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT checkpoint?)")
+    padded = index.tensors[emb][0][0]
+    if padded < spec.vocab_size:
+        raise ConfigError(f"{str(folder / 'weights')!r}: {emb!r} has {padded} rows, fewer than vocab_size="
+                          f"{spec.vocab_size} in context/model.yaml")
+    reader = Nemo2Reader(folder, spec, index, padded)
+    return reader, reader.check()
+
+
+# ============================================================================ writing
+class _TorchOnCpu:
+    """megatron-core's dist_checkpointing hard-codes CUDA (a failure flag on
+    ``torch.cuda.current_device()``, ``device='cuda'`` flags, a CUDA sync): for the length of
+    a save on a CPU-only process, those modules see the backend's CPU view of torch
+    (``cpu_compat``'s proxy); torch itself is untouched and the modules are restored.
+    Without psutil, its memory logging in the writer processes reads 0 instead of failing
+    (a failed writer process would leave megatron-core's saver waiting forever)."""
+
+    MODULES = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
+               "megatron.core.dist_checkpointing.strategies.filesystem_async",
+               "megatron.core.dist_checkpointing.strategies.async_utils")
+
+    def __enter__(self):
+        import importlib
+        import importlib.util
+
+        from nemo_d3s.backends.megatron.cpu_compat import _CpuTorch
+
+        self.saved = []
+        fs = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+        if importlib.util.find_spec("psutil") is None:  # only for its memory log lines
+            self.saved.append((fs, "_process_memory", fs._process_memory))
+            fs._process_memory = lambda: 0
+        if torch.cuda.is_available():
+            return self
+        for name in self.MODULES:
+            mod = importlib.import_module(name)
+            if isinstance(getattr(mod, "torch", None), type(torch)):
+                self.saved.append((mod, "torch", mod.torch))
+                mod.torch = _CpuTorch()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mod, name, real in self.saved:
+            setattr(mod, name, real)
+
+
+def _one_process_group():
+    """A private one-rank gloo group when none exists (torch.distributed is needed by
+    megatron-core's saver); returns a teardown."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return lambda: None
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.destroy_process_group
+
+
+def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, out: Path, *,
+                padded_vocab: int) -> None:
+    """Write the HF-named ``tensors`` of ``spec`` as ``out/weights`` (NeMo's names, TP1
+    global tensors, per-layer ShardedTensors, ``_extra_state`` objects) with megatron-core's
+    ``dist_checkpointing.save``. The caller copies ``context/``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    from nemo_d3s.backends.megatron.weights import read_local
+
+    full = dict(tensors)
+
+    class _Dict:
+        def rows(self, name, dim, lo, hi):
+            return full[name].narrow(dim, lo, hi - lo)
+
+    layout = Layout(1, 1, 0, 0, padded_vocab, te=True)
+    L = spec.num_layers
+    sharded: Dict[str, Any] = {}
+    dtype = full["model.embed_tokens.weight"].dtype
+    for local in local_names(spec, layout):
+        t = read_local(local, spec, layout, _Dict(), dtype)
+        fqn, layer = _nemo_key(local)
+        if layer is None:
+            sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
+        else:
+            sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(fqn, t, (0, layer, L), replica_id=0,
+                                                                        prepend_axis_num=1)
+    for layer in range(L):
+        for mod in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"):
+            key = f"{NEMO_PREFIX}decoder.layers.{mod}._extra_state"
+            sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
+    weights = out / "weights"
+    weights.mkdir(parents=True)
+    teardown = _one_process_group()
+    try:
+        with _TorchOnCpu():
+            dist_checkpointing.save(sharded, str(weights), content_metadata={
+                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "distrib_optim_sharding_type": "dp_reshardable"})
+    finally:
+        teardown()

@@ -1,0 +1,169 @@
+"""The NeMo 2 layout without nemo-toolkit: checkpoints written by megatron-core's
+``dist_checkpointing`` (the library NeMo saves with) under NeMo's key names, with a
+``context/`` as NeMo's importer writes it (``_models.nemo_context``). The same code is
+checked against nemo-toolkit itself in ``test_nemo_toolkit.py`` where NeMo is installed.
+
+- Megatron (TP2 x PP2 / TP1) -> NeMo 2 -> HF is bit-exact (Llama fp32, Qwen2 bf16 tied);
+  the weights are NeMo's names, layer-stacked, one chunk per layer, with the
+  ``_extra_state`` objects NeMo's modules load; ``verify`` agrees;
+- NeMo 2 as a training start: ``hf_to_megatron`` from it gives the shards it gives from the
+  HF folder, and the Megatron backend starting there scores as transformers does;
+- bad input: a pickle in ``.metadata`` that would run code is refused (and not run), an
+  unsupported model, shapes that disagree with ``model.yaml``, no tokenizer, a context of
+  another model; nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _models import assert_same_tensors, hf_tensors, nemo_context, tiny  # noqa: E402
+from _launch import run_ranks  # noqa: E402
+
+from nemo_d3s.config import ConfigError  # noqa: E402
+from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
+from nemo_d3s.convert.nemo2 import _DcpIndex  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """{arch: (HF source, NeMo 2 checkpoint written by nemo_d3s)}."""
+    root = tmp_path_factory.mktemp("nemo2")
+    out = {}
+    for arch, dtype, (tp, pp) in (("llama", "float32", (2, 2)), ("qwen2", "bfloat16", (1, 1))):
+        src = tiny(root / f"{arch}_hf", arch, dtype)
+        ck = hf_to_megatron(src, root / f"{arch}_ck", tp=tp, pp=pp, progress=False)
+        ctx = nemo_context(src, root / f"{arch}_ctx")
+        out[arch] = (src, megatron_to_nemo(ck, root / f"{arch}_nemo", nemo_context=ctx, progress=False))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
+    src, nemo = written[arch]
+    assert sorted(os.listdir(nemo)) == ["context", "weights"]
+    assert json.loads((nemo / "weights" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    index = _DcpIndex(nemo / "weights")
+    L, names = 4, set(index.tensors)
+    qkv = "module.decoder.layers.self_attention.linear_qkv.weight"
+    assert index.tensors[qkv][0] == (L, (4 + 2 * 2) * 8, 32)  # layers stacked, fused q/k/v
+    assert len(index.chunks[qkv]) == L  # one chunk per layer
+    assert "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names  # NeMo's (TE) names
+    assert ("module.output_layer.weight" in names) == (arch == "llama")
+    assert index.tensors["module.embedding.word_embeddings.weight"][0] == (300, 32)  # NeMo's divisor 4
+    raw = (nemo / "weights" / ".metadata").read_bytes()
+    assert b"module.decoder.layers.mlp.linear_fc2._extra_state/shard_3_4" in raw
+    back = megatron_to_hf(nemo, tmp_path / "back", progress=False)
+    assert_same_tensors(src, back)
+    cfg, want = json.loads((back / "config.json").read_text()), json.loads((src / "config.json").read_text())
+    for key in ("architectures", "vocab_size", "hidden_size", "num_key_value_heads", "tie_word_embeddings"):
+        assert cfg[key] == want[key], key
+    assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(back))
+    res = verify(src, nemo)
+    assert res.ok and res.max_abs_err == 0.0 and res.layout == "NeMo 2"
+
+
+def _rank_scores(rank, folder):
+    from nemo_d3s.backends.base import TokenBatch
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu"))
+    ids = torch.tensor([[5, 70, 71, 72, 101, 33, 9, 250]])
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    return pol.score(TokenBatch(ids, attn, attn), with_entropy=False).logprobs, ids
+
+
+def test_nemo2_as_a_training_start(written, tmp_path):
+    from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
+
+    src, nemo = written["qwen2"]
+    from_nemo = hf_to_megatron(nemo, tmp_path / "from_nemo", tp=2, progress=False)
+    from_hf = hf_to_megatron(src, tmp_path / "from_hf", tp=2, progress=False)
+    for f in sorted(os.listdir(from_hf / "megatron")):
+        if f.endswith(".safetensors"):
+            assert_same_tensors_file(from_hf / "megatron" / f, from_nemo / "megatron" / f)
+    lp, ids = run_ranks(_rank_scores, 1, str(from_nemo), tp=1, pp=1, timeout=240)[0]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    want = align_to_tokens(entropy_and_logprobs(logits[:, :-1], ids[:, 1:])[1])
+    assert float((lp - want).abs().max()) <= 1e-4
+
+
+def assert_same_tensors_file(a, b):
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a)), load_file(str(b))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), (a.name, k)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch " + os.environ["NEMO_D3S_PWNED"],))
+
+
+def _refused(parent, match, fn, *args, **kw):
+    before = sorted(os.listdir(parent))
+    with pytest.raises(ConfigError, match=match):
+        fn(*args, **kw)
+    assert sorted(os.listdir(parent)) == before
+
+
+def test_bad_nemo2_input(written, tmp_path, monkeypatch):
+    import yaml
+
+    src, nemo = written["llama"]
+    # a .metadata that would run a command when unpickled
+    evil = shutil.copytree(nemo, tmp_path / "evil")
+    flag = tmp_path / "pwned"
+    monkeypatch.setenv("NEMO_D3S_PWNED", str(flag))
+    (evil / "weights" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    _refused(tmp_path, r"\.metadata.*refusing to unpickle (posix|os)\.system", megatron_to_hf, evil,
+             tmp_path / "out", progress=False)
+    assert not flag.exists()
+    # a model the table does not know
+    moe = shutil.copytree(nemo, tmp_path / "moe")
+    doc = yaml.safe_load((moe / "context" / "model.yaml").read_text())
+    doc["config"]["_target_"] = "nemo.collections.llm.gpt.model.mixtral.MixtralConfig8x7B"
+    (moe / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
+    _refused(tmp_path, "model.yaml.*MixtralConfig8x7B' is not supported", megatron_to_hf, moe, tmp_path / "out",
+             progress=False)
+    # shapes that disagree with model.yaml
+    wide = shutil.copytree(nemo, tmp_path / "wide")
+    doc = yaml.safe_load((wide / "context" / "model.yaml").read_text())
+    doc["config"]["ffn_hidden_size"] = 64
+    (wide / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
+    _refused(tmp_path, r"\.metadata.*'module.decoder.layers.mlp.linear_fc1.weight' has shape \[4, 96, 32\], "
+             r"context/model.yaml gives \[4, 128, 32\]", megatron_to_hf, wide, tmp_path / "out", progress=False)
+    # no tokenizer in the context
+    notok = shutil.copytree(nemo, tmp_path / "notok")
+    shutil.rmtree(notok / "context" / "nemo_tokenizer")
+    _refused(tmp_path, "nemo_tokenizer.*has no tokenizer", megatron_to_hf, notok, tmp_path / "out", progress=False)
+    # a context of another model for the NeMo output
+    qwen_src, qwen_nemo = written["qwen2"]
+    _refused(tmp_path, "are different models: architecture=", megatron_to_nemo, nemo, tmp_path / "out",
+             nemo_context=qwen_nemo, progress=False)
+    _refused(tmp_path, "not a NeMo 2 checkpoint .no context/model.yaml", megatron_to_nemo, nemo, tmp_path / "out",
+             nemo_context=src, progress=False)
+    # weights whose chunks are gone
+    cut = shutil.copytree(nemo, tmp_path / "cut")
+    for f in (cut / "weights").glob("*.distcp"):
+        f.write_bytes(b"")
+    _refused(tmp_path, "distcp.*chunk of .* is unreadable", megatron_to_hf, cut, tmp_path / "out", progress=False)
+    assert hf_tensors(src)  # the source is untouched
