@@ -18,11 +18,12 @@ sys.path.insert(0, os.path.join(HERE, "..", "distributed"))
 from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
-def tiny(folder, arch: str, dtype: str = "float32", seed: int = 0) -> Path:
-    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" tied) stored in ``dtype``."""
+def tiny(folder, arch: str, dtype: str = "float32", seed: int = 0, tied=None) -> Path:
+    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" tied unless ``tied`` says
+    otherwise) stored in ``dtype``."""
     from safetensors.torch import load_file, save_file
 
-    folder = make_tiny_hf(folder, arch, tied=arch == "qwen2", seed=seed)
+    folder = make_tiny_hf(folder, arch, tied=arch == "qwen2" if tied is None else tied, seed=seed)
     if dtype != "float32":
         path = folder / "model.safetensors"
         tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(str(path)).items()}
