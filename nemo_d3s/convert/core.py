@@ -530,6 +530,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
                             w.write(name, t)
                             bar.update(_nbytes(t.shape, dt))
                             del t
+                            close()  # unmap the source files: their read pages would stay resident
             ckpt.write_layout(root, spec, layout)
             side.write(tmp, want)
     finally:
@@ -656,7 +657,11 @@ def _hf_model_from_checkpoint(src: CheckpointSource, dtype: torch.dtype):
     """The transformers model of ``src``'s config with the checkpoint's weights, filled in
     tensor by tensor (no second copy of the model, no file written)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
 
     cfg = src.hf_config()
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
