@@ -171,19 +171,27 @@ class VLLMEngine(RolloutEngine):
         """Push ``policy.hf_weights()`` into the engine (no file), then drop the prefix cache
         (its KV entries were computed with the old weights). vLLM's loader raises on a name or
         shape the model does not have; that error is re-raised naming the sync."""
-        weights = list(policy.hf_weights())
+        seen: List[str] = []
+
+        def stream():
+            # One tensor at a time from the policy (a sharded policy gathers it just then), so
+            # the trainer process never holds a second full copy next to the engine's.
+            for name, t in policy.hf_weights():
+                seen.append(name)
+                yield name, t
+
         self._wake()
         try:
             if self._separate_process:
                 # Tensors do not survive vLLM's RPC encoding (they arrive as lists): raw bytes
-                # + dtype + shape, rebuilt by our worker extension (no pickle either way).
-                self.llm.collective_rpc("load_encoded_weights", kwargs={"payload": encode_weights(weights)})
+                # + dtype + shape, rebuilt by our worker extension (no pickle either way). This
+                # path holds one encoded copy of the weights while the call is in flight.
+                self.llm.collective_rpc("load_encoded_weights", kwargs={"payload": encode_weights(list(stream()))})
             else:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
             self.llm.reset_prefix_cache()
         except Exception as e:
-            names = ", ".join(n for n, _ in weights[:3])
-            raise RuntimeError(f"vLLM weight sync failed ({len(weights)} tensors: {names}, ...): {e}") from e
+            raise RuntimeError(f"vLLM weight sync failed after {len(seen)} tensors (last: {seen[-1:]}): {e}") from e
 
     # ------------------------------------------------------------------ sampling
     def _params(self, cfg: GenerationConfig, n: int, seed: int):
