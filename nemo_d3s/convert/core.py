@@ -244,8 +244,10 @@ def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
     if not any(n in names for n in _TOKENIZER_MODEL):
         missing.append(" or ".join(_TOKENIZER_MODEL))
     if missing:
+        hint = ("a model folder must hold its tokenizer" if role == "--hf" else
+                "pass --hf-config DIR, the model folder the checkpoint was trained from")
         raise ConfigError(f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the converted "
-                          "model needs its tokenizer files (give the model folder the checkpoint was trained from)")
+                          f"model needs its tokenizer files ({hint})")
     for p in have:
         if p.suffix == ".json":
             _read_json(p)
@@ -437,7 +439,7 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
         raise ConfigError(f"{str(root / 'layout.json')!r}: {e}") from None
     dtype = _check_shards(root, spec, saved)
     return CheckpointSource("megatron", folder, spec, f"TP{saved.tp} x PP{saved.pp}", dtype,
-                            lambda: ckpt.ShardedReader(root, spec, saved), config_dir)
+                            lambda: ckpt.ShardedReader(root, spec, saved), config_dir if config_dir != folder else None)
 
 
 def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
