@@ -130,7 +130,7 @@ def read_local_from_checkpoint(name: str, spec: ModelSpec, layout: Layout, reade
     """Local tensor ``name`` of ``layout`` from the checkpoint: the saved shard itself when
     the layouts agree (bit-exact, padding rows included), else rebuilt through the table."""
     s = reader.saved
-    if (s.tp, s.pp, s.padded_vocab) == (layout.tp, layout.pp, layout.padded_vocab):
+    if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
         return reader.same_layout_tensor(layout, reader.prefix + name).to(dtype)
     return read_local(name, spec, layout, reader, dtype)
 
