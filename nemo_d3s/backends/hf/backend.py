@@ -289,6 +289,22 @@ class HFBackend(Policy):
     def hf_source_dir(self) -> Optional[str]:
         return None if self.cfg.model == TINY_RANDOM else str(resolve_model_path(self.cfg.model))
 
+    def _write_model_files(self, folder: Path) -> None:
+        """model.safetensors + config.json + generation_config.json. Not the model's own
+        ``save_pretrained``: under torch.distributed transformers writes on rank 0 only, and
+        a vLLM engine per DP rank exports the policy on every rank."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        state = self.model.state_dict()
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # the embedding; transformers re-ties it on load
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.model.config.save_pretrained(str(folder))
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(str(folder))
+
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a Hugging Face folder (safetensors, config, generation config,
         tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads back.
@@ -302,7 +318,7 @@ class HFBackend(Policy):
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp, old = dest.parent / f".{dest.name}.tmp-{tag}", dest.parent / f".{dest.name}.old-{tag}"
         try:
-            self.model.save_pretrained(str(tmp))
+            self._write_model_files(tmp)
             self.tokenizer.save_pretrained(str(tmp))
             from nemo_d3s.files import apply_umask
 
