@@ -174,6 +174,7 @@ class MegatronBackend(Policy):
         chunks, self.optimizer = schedule.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
+            distributed_optimizer=cfg.distributed_optimizer,
         )
         self.chunks = chunks
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
@@ -353,7 +354,9 @@ class MegatronBackend(Policy):
         """Collective. DP rank 0 of each (TP, PP) position writes its shard file; global rank
         0 writes layout.json. The trainer adds atomicity and checksums."""
         if schedule._is_megatron_optimizer(self.optimizer):  # pragma: no cover - CUDA only
-            raise NotImplementedError("checkpointing Megatron's distributed optimizer state is not implemented yet")
+            raise NotImplementedError(
+                "checkpointing Megatron's distributed optimizer state is not implemented yet; on GPUs set "
+                "model.params.distributed_optimizer=false (plain AdamW over each rank's shards) to checkpoint")
         root = Path(folder) / ckpt.SUBDIR
         if self.groups.is_main:
             root.mkdir(parents=True, exist_ok=True)

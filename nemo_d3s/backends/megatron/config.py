@@ -29,6 +29,11 @@ class MegatronBackendConfig(PolicySettings):
         the RL step yet) and anything else is refused at start-up by name.
     make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP
         (Megatron's rule); padded rows are never scored, sampled or exported.
+    distributed_optimizer: on CUDA, Megatron's DistributedDataParallel + distributed optimizer
+        (fp32 main params and Adam state sharded over DP; its checkpointing is not implemented
+        yet). False: plain AdamW over each rank's shards with an explicit DP gradient
+        all-reduce (the CPU path; checkpoints work; optimizer state not sharded over DP).
+        Ignored on CPU.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -47,3 +52,4 @@ class MegatronBackendConfig(PolicySettings):
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
+    distributed_optimizer: bool = True

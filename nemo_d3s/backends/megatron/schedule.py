@@ -539,8 +539,11 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
+    distributed_optimizer: bool = True,
 ) -> Tuple[List[torch.nn.Module], Any]:
-    """(model chunks, optimizer) for :func:`train_step`, by the device the model lives on.
+    """(model chunks, optimizer) for :func:`train_step`, by the device the model lives on
+    (``distributed_optimizer=False`` takes the CPU path on CUDA too: plain AdamW over this
+    rank's shards, gradients all-reduced over DP by :func:`train_step`).
 
     CPU: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
     same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
@@ -559,7 +562,7 @@ def build_optimizer(
     """
     chunks = list(_chunks(model))
     device = _device_of(chunks[0])
-    if device.type != "cuda":
+    if device.type != "cuda" or not distributed_optimizer:
         params = _local_params(chunks)
         return chunks, torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     # ---- CUDA: Megatron DDP + distributed optimizer (UNTESTED here) ----
