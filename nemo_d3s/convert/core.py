@@ -42,6 +42,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_d3s.backends.hf.loading import copy_hf_weights
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size, read_hf_config
 from nemo_d3s.backends.megatron.weights import (
@@ -669,21 +670,10 @@ def _hf_model_from_checkpoint(src: CheckpointSource, dtype: torch.dtype):
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    with torch.no_grad():
-        seen = set()
-        for name, t in src.iter_hf():
-            if name not in params:
-                raise ConfigError(f"transformers' {type(model).__name__} has no parameter {name!r}")
-            params[name].copy_(t)
-            seen.add(name)
-        if src.spec.tie_word_embeddings and "lm_head.weight" in params:
-            if params["lm_head.weight"].data_ptr() != params["model.embed_tokens.weight"].data_ptr():
-                params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
-            seen.add("lm_head.weight")
-        missing = sorted(set(params) - seen)
-        if missing:
-            raise ConfigError(f"the checkpoint has no weights for {missing[:3]}")
+    try:
+        copy_hf_weights(model, src.iter_hf(), tie_word_embeddings=src.spec.tie_word_embeddings)
+    except KeyError as e:
+        raise ConfigError(f"the checkpoint does not fit transformers' model: {e.args[0]}") from None
     return model.eval()
 
 

@@ -120,7 +120,7 @@ def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype
     return model, tokenizer
 
 
-def _zero_dropout_config(config) -> None:
+def zero_dropout_config(config) -> None:
     # RL ratios compare two forwards of the same weights; dropout would make them differ.
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
@@ -146,7 +146,7 @@ def load_model_and_tokenizer(
     else:
         path = str(resolve_model_path(cfg.model))
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        _zero_dropout_config(config)
+        zero_dropout_config(config)
         kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, local_files_only=True, **kwargs
@@ -161,3 +161,25 @@ def load_model_and_tokenizer(
     model.to(device)
     model.eval()
     return model, tokenizer
+
+
+@torch.no_grad()
+def copy_hf_weights(model: torch.nn.Module, weights, *, tie_word_embeddings: bool) -> None:
+    """Copy (Hugging Face name, tensor) pairs into ``model``'s parameters one tensor at a
+    time (no second copy of the model). A tied ``lm_head`` is filled by the embedding.
+    KeyError naming the first name the model does not have, or the parameters that no
+    tensor filled."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    seen = set()
+    for name, t in weights:
+        if name not in params:
+            raise KeyError(f"{type(model).__name__} has no parameter {name!r}")
+        params[name].copy_(t)
+        seen.add(name)
+    if tie_word_embeddings and "lm_head.weight" in params and "model.embed_tokens.weight" in seen:
+        if params["lm_head.weight"].data_ptr() != params["model.embed_tokens.weight"].data_ptr():
+            params["lm_head.weight"].copy_(params["model.embed_tokens.weight"])
+        seen.add("lm_head.weight")
+    missing = sorted(set(params) - seen)
+    if missing:
+        raise KeyError(f"no weights for {missing[:3]}")

@@ -57,28 +57,18 @@ class ReplicaEngine(RolloutEngine):
         self._inner = HFRolloutEngine(replica)  # type: ignore[arg-type]
         self.prompt_seeds = self._inner.prompt_seeds
 
-    @torch.no_grad()
     def sync_weights(self, policy: Policy) -> None:
-        own = self.replica.model.state_dict()
-        seen = set()
-        for name, t in policy.hf_weights():
-            if name not in own:
-                raise KeyError(f"the rollout replica has no weight {name!r}")
-            own[name].copy_(t)
-            seen.add(name)
-        missing = [n for n in own if n not in seen and not _tied_copy(n, own, seen)]
-        if missing:
-            raise KeyError(f"weights not refitted in the rollout replica: {missing[:3]}")
+        from nemo_d3s.backends.hf.loading import copy_hf_weights
+
+        model = self.replica.model
+        try:
+            copy_hf_weights(model, policy.hf_weights(), tie_word_embeddings=bool(model.config.tie_word_embeddings))
+        except KeyError as e:
+            raise KeyError(f"rollout replica refit: {e.args[0]}") from None
 
     def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
         self._inner.should_stop = self.should_stop
         return self._inner.generate(prompts, n_samples, cfg, seeds)
-
-
-def _tied_copy(name: str, own, seen) -> bool:
-    # transformers lists a tied lm_head under its own name; it IS the embedding.
-    return name == "lm_head.weight" and "model.embed_tokens.weight" in seen and \
-        own[name].data_ptr() == own["model.embed_tokens.weight"].data_ptr()
 
 
 class ModelParallelRollouts(RolloutEngine):
@@ -139,10 +129,10 @@ def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch
     eval mode, for :class:`ReplicaEngine` (its weights are overwritten by the first refit)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from nemo_d3s.backends.hf.loading import zero_dropout_config
+
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    for key, value in list(vars(config).items()):
-        if isinstance(value, float) and "dropout" in key:
-            setattr(config, key, 0.0)
+    zero_dropout_config(config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     try:  # EOS ids as the HF backend sees them (generation_config.json may list several)
         from transformers import GenerationConfig
