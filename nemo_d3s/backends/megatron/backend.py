@@ -219,8 +219,9 @@ class MegatronBackend(Policy):
             if have != (tp, pp):
                 raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
         else:
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups
+
+            initialize_megatron_groups(world.global_rank, tp, pp)
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
             dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
