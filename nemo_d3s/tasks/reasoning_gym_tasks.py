@@ -75,7 +75,10 @@ class ReasoningGymTask(Task):
                 seen.add(problem.meta["question"])
                 out.append(problem)
         if len(out) < n_eval:
-            raise ValueError(f"task {self.name!r}: n_eval={n_eval} exceeds the number of distinct questions")
+            raise ValueError(
+                f"task {self.name!r}: n_eval={n_eval} exceeds the {len(out)} distinct questions this difficulty "
+                "allows; lower task.eval_size or widen the task with task.params.config"
+            )
         return out
 
     def _problem(self, ds, idx: int, split: str) -> Problem:

@@ -91,4 +91,5 @@ def build_task(name: str, params: dict) -> Any:
     except TypeError as e:
         raise ConfigError(f"task.params for task {name!r}: {e}") from None
     except ValueError as e:  # bad options or bad data rows: the task's message names them
-        raise ConfigError(f"task {name!r}: {e}") from None
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(f"task {name!r}") else f"task {name!r}: {msg}") from None

@@ -1,6 +1,7 @@
 """Task registry, reasoning-gym presets, the tiny task, and safe_reward."""
 
 import math
+import re
 import random
 
 import pytest
@@ -116,3 +117,15 @@ def test_safe_reward_catches_errors_and_nan():
     assert r == 0.0 and "non-finite" in err
     r, err = safe_reward(_Broken(math.inf), p, "x")
     assert r == 0.0 and err
+
+
+def test_too_large_eval_set_names_the_task_once_and_the_fix():
+    from nemo_d3s.config import ConfigError
+    from nemo_d3s.trainer.tasks_adapter import build_task
+
+    # two single-digit terms with + and -: 10 x 10 x 2 sums, a few phrasings each: a few hundred at most
+    with pytest.raises(ConfigError) as err:
+        build_task("basic_arithmetic", {"n_eval": 1000})
+    msg = str(err.value)
+    found = int(re.search(r"exceeds the (\d+) distinct questions", msg).group(1))
+    assert msg.count("basic_arithmetic") == 1 and 0 < found < 1000 and "task.eval_size" in msg
