@@ -101,3 +101,17 @@ def test_cli_reports_config_error_without_traceback(tmp_path):
     r = cli(["experiment=smoke", f"output_dir={tmp_path}", "trainer.num_generations=1"])
     assert r.returncode == 2
     assert "trainer.num_generations=1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_evidence_task_has_two_digit_terms_and_a_large_eval_set():
+    from nemo_d3s.trainer.tasks_adapter import build_task
+
+    cfg = compose(["task=basic_arithmetic_2d", "output_dir=x"])
+    validate(cfg)
+    params = OmegaConf.to_container(cfg.task.params, resolve=True)
+    task = build_task(cfg.task.name, params)
+    problems = task.eval_set()
+    assert len(problems) == 256 == len({p.prompt for p in problems})
+    # the default's eval problems use single digits only; here some term has two
+    assert any(any(len(tok) == 2 for tok in p.meta["question"].replace(".", " ").split() if tok.isdigit())
+               for p in problems)
