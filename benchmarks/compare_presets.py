@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+nan = float("nan")
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Two-sided 97.5% Student t quantiles for 1..30 degrees of freedom (then the normal's 1.96).
@@ -127,24 +129,33 @@ def launch(run_dir: Path, overrides: List[str], threads: int, log_dir: Path) -> 
 
 def load_run(run_dir: Path) -> dict:
     """Per-eval curve joined with the step metrics: step, eval reward, cumulative loss-carrying
-    update tokens and wall time at that step; plus per-step selection means."""
+    update tokens and training wall time at that step; plus per-step selection and timing means.
+
+    ``wall`` leaves out the time spent in evaluations: the trainer's ``wall_time`` at step s
+    includes every evaluation before s (the one at s runs after the row is written), and a
+    variant must not look slower or faster for how long its greedy answers take to decode.
+    """
     metrics = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    evals = read_jsonl(run_dir / "eval.jsonl")
     curve = []
-    for e in read_jsonl(run_dir / "eval.jsonl"):
+    for e in evals:
         m = metrics.get(e["step"], {})
+        eval_before = sum(float(x.get("time_eval", 0.0)) for x in evals if x["step"] < e["step"])
         curve.append({
             "step": e["step"],
             "eval": e["eval_reward_mean"],
             "tokens": m.get("update_tokens_total", 0.0),
-            "wall": m.get("wall_time", 0.0),
+            "wall": max(0.0, m.get("wall_time", 0.0) - eval_before) if m else 0.0,
         })
     steps = [m for m in metrics.values() if not m.get("skipped")]
+    every = list(metrics.values())
 
-    def avg(key):
-        vals = [m[key] for m in steps if key in m]
+    def avg(key, rows=steps):
+        vals = [m[key] for m in rows if key in m]
         return sum(vals) / len(vals) if vals else float("nan")
 
     last = metrics[max(metrics)] if metrics else {}
+    step_time = avg("time_step", every)
     return {
         "curve": curve,
         "kept_sample_ratio": avg("kept_sample_ratio"),
@@ -154,7 +165,11 @@ def load_run(run_dir: Path) -> dict:
         "share_nonzero_adv": avg("share_nonzero_adv"),
         "grad_norm": avg("grad_norm"),
         "update_tokens_total": last.get("update_tokens_total", float("nan")),
-        "wall_time": last.get("wall_time", float("nan")),
+        "wall_time": curve[-1]["wall"] if curve else last.get("wall_time", float("nan")),
+        # where a step's time goes: generation is the part no selection can shrink
+        "step_time": step_time,
+        "generation_share": avg("time_rollout", every) / step_time if step_time == step_time and step_time else float("nan"),
+        "reward_mean": avg("reward_mean", every),
     }
 
 
@@ -182,8 +197,8 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
         row["eval_final"] = mean_ci([r["curve"][-1]["eval"] for r in rs if r["curve"]])
         row["eval_best"] = mean_ci([max(p["eval"] for p in r["curve"]) for r in rs if r["curve"]])
         for key in ("kept_sample_ratio", "kept_token_ratio", "kept_adv_var", "adv_var_all", "share_nonzero_adv",
-                    "update_tokens_total", "wall_time", "grad_norm"):
-            row[key] = mean_ci([r[key] for r in rs])
+                    "update_tokens_total", "wall_time", "grad_norm", "step_time", "generation_share", "reward_mean"):
+            row[key] = mean_ci([r.get(key, float("nan")) for r in rs])
         row["grad_norm_vs_reference"] = row["grad_norm"][0] / ref_grad if ref_grad and ref_grad == ref_grad else None
         if threshold is not None:
             for key, label in (("wall", "time_to_threshold"), ("tokens", "tokens_to_threshold")):
@@ -216,11 +231,12 @@ def table_md(summary: dict) -> str:
         f"Mean ± 95% interval over seeds. Threshold: 99% of {ref}'s best mean eval reward"
         + (f" = {th:.3f}." if th is not None else " (no reference runs)."),
         f"Speed-up = {ref}'s mean / the variant's mean, seed bootstrap 95% interval; "
-        "reached = seeds that got there.",
+        "reached = seeds that got there. Wall times leave out evaluation.",
         "",
         "| variant | seeds | eval final | eval best | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
-        f"| grad norm / {ref} | update tokens | wall s | time to thr. (reached) | tokens to thr. (reached) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| grad norm / {ref} | update tokens | train wall s | s / step | generation share "
+        "| time to thr. (reached) | tokens to thr. (reached) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["variants"].items():
         tt, tk = r.get("time_to_threshold"), r.get("tokens_to_threshold")
@@ -229,7 +245,8 @@ def table_md(summary: dict) -> str:
             f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_fmt(r['eval_best'])} | {_fmt(r['kept_sample_ratio'], 2)} "
             f"| {_fmt(r['kept_token_ratio'], 2)} | {_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} "
             f"| {_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} "
-            f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} "
+            f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | {_fmt(r.get('step_time', (nan, nan)), 1)} "
+            f"| {_fmt(r.get('generation_share', (nan, nan)), 2)} "
             f"| {_ratio(tt)} ({tt['reached'] if tt else 0}/{r['seeds']}) | {_ratio(tk)} ({tk['reached'] if tk else 0}/{r['seeds']}) |"
         )
     return "\n".join(lines) + "\n"
@@ -247,7 +264,7 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> None:
         if not steps:
             continue
         for ax, key, label in zip(axes, ("step", "tokens", "wall"),
-                                  ("step", "loss-carrying update tokens", "wall time (s)")):
+                                  ("step", "loss-carrying update tokens", "training wall time (s, evaluation left out)")):
             xs, ms, hs = [], [], []
             for s in steps:
                 pts = [p for r in rs for p in r["curve"] if p["step"] == s]

@@ -89,3 +89,16 @@ def test_harness_on_the_smoke_experiment(tmp_path):
     assert "resume=true" in (out / "logs" / "grpo_s0.log").read_text()
     assert len(cp.read_jsonl(out / "runs" / "grpo_s0" / "metrics.jsonl")) == 2
     assert done.read_text() == first
+
+
+def test_load_run_leaves_evaluation_out_of_wall_time(tmp_path):
+    # Evals at steps 0, 2 and 4 take 5 s each and run after the step's row is written, so the
+    # trainer's wall_time at step 4 (31 s) holds the evals at 0 and 2: 31 - 10 = 21 s of training.
+    rows = [{"step": s, "wall_time": w, "update_tokens_total": 10.0 * s, "time_step": 5.0, "time_rollout": 4.0,
+             "reward_mean": 0.5, "grad_norm": 1.0} for s, w in ((1, 10.0), (2, 15.0), (3, 25.0), (4, 31.0))]
+    evals = [{"step": s, "eval_reward_mean": r, "time_eval": 5.0} for s, r in ((0, 0.1), (2, 0.3), (4, 0.6))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals))
+    run = cp.load_run(tmp_path)
+    assert [(p["step"], p["wall"], p["tokens"]) for p in run["curve"]] == [(0, 0.0, 0.0), (2, 10.0, 20.0), (4, 21.0, 40.0)]
+    assert run["wall_time"] == 21.0 and run["generation_share"] == pytest.approx(0.8) and run["step_time"] == 5.0
