@@ -8,7 +8,9 @@ process, and for benchmarks:
 Each rank joins a gloo process group (TCP store on a free localhost port), runs
 ``rank_setup(rank, *setup_args)`` when given (e.g. Megatron's
 ``initialize_model_parallel``; it may return a teardown callable), calls ``fn(rank, *args)``
-and pickles the result to a temporary file the parent reads back. An exception in any rank
+and saves the result with ``torch.save`` to a private temporary directory; the parent reads it
+back with ``torch.load(weights_only=True)``, whose restricted unpickler accepts only tensors,
+numbers, strings and their lists/tuples/dicts (no code runs on load). An exception in any rank
 is re-raised in the parent with the child's traceback and the other ranks are killed, so a
 rank stuck in a collective cannot hang the caller; so is a timeout.
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-import pickle
 import socket
 import tempfile
 import time
@@ -70,8 +71,7 @@ def _child(rank, fn_ref, setup_ref, setup_args, world_size, port, threads, out_d
         if setup_ref is not None:
             teardown = _load(setup_ref)(rank, *setup_args)
         result = _load(fn_ref)(rank, *args)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if callable(teardown):
             teardown()
@@ -89,11 +89,13 @@ def run_on_gloo_ranks(
     start_method: str = "forkserver",
 ) -> List[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; return every rank's result in
-    rank order. Results must be picklable (move tensors to the CPU).
+    rank order. Results are tensors (on the CPU), numbers, strings, None, and lists, tuples
+    and dicts of them: what ``torch.load(weights_only=True)`` reads back.
 
     threads: torch threads per rank (ranks share the machine's cores).
     timeout: seconds for the whole run, also the process group's collective timeout.
     """
+    import torch
     import torch.multiprocessing as tmp
 
     if not isinstance(world_size, int) or world_size < 1:
@@ -119,9 +121,15 @@ def run_on_gloo_ranks(
             raise
         results = []
         for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
+            path = os.path.join(out_dir, f"rank{r}.pt")
             if not os.path.exists(path):
                 raise RuntimeError(f"rank {r} exited without a result")
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
+            try:
+                results.append(torch.load(path, weights_only=True))
+            except Exception as e:
+                why = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
+                raise TypeError(
+                    f"{fn.__name__}: rank {r}'s result is not plain data (tensors, numbers, strings, None and "
+                    f"lists/tuples/dicts of them){': ' + why[0] if why else ''}"
+                ) from None
         return results

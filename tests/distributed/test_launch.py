@@ -64,3 +64,23 @@ def test_bad_arguments():
         run_on_gloo_ranks(lambda r: r, 2)
     with pytest.raises(ValueError, match="world_size"):
         run_on_gloo_ranks(_read_setup, 0)
+
+
+def _return_opaque(rank):
+    import fractions
+
+    # picklable, but not plain data: loading it would make the unpickler import and call a class
+    return {"rank": rank, "obj": fractions.Fraction(1, 3)}
+
+
+def _return_nested(rank):
+    return {"rank": rank, "t": torch.full((2,), float(rank)), "meta": [("a", 1.5, None, True)]}
+
+
+def test_results_are_read_back_without_running_code():
+    # plain data (tensors, numbers, strings, None, containers) comes back as it was
+    out = run_on_gloo_ranks(_return_nested, 2)
+    assert out[1]["meta"] == [("a", 1.5, None, True)] and torch.equal(out[1]["t"], torch.ones(2))
+    # anything else is refused by torch.load(weights_only=True), naming the function and the rank
+    with pytest.raises(TypeError, match=r"_return_opaque: rank 0.s result is not plain data.*Fraction"):
+        run_on_gloo_ranks(_return_opaque, 2)

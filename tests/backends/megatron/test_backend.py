@@ -204,8 +204,8 @@ def test_rollouts_and_export_match_the_hf_backend(folders, tmp_path):
     want = hf.rollout_engine.generate(["hi there", "abc"], 3, gen, [1, 2])
     got = run_ranks(_rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=240)
     for res in got:  # both pipeline stages hold the same rollouts
-        assert torch.equal(res.batch.input_ids, want.batch.input_ids)
-        assert res.response_texts == want.response_texts
+        assert torch.equal(res["input_ids"], want.batch.input_ids)
+        assert res["response_texts"] == want.response_texts
     src = load_file(os.path.join(folder, "model.safetensors"))
     out = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert sorted(out) == sorted(src)
@@ -223,7 +223,7 @@ def _rank_rollouts_export(rank, folder, export):
     pol = _megatron(folder, 1, 2)
     r = pol.rollout_engine.generate(["hi there", "abc"], 3, GenerationConfig(max_new_tokens=8), [1, 2])
     pol.save_pretrained(export)
-    return r
+    return {"input_ids": r.batch.input_ids, "response_texts": r.response_texts}
 
 
 # ---------------------------------------------------------------------------- checkpoints
