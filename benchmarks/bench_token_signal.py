@@ -21,6 +21,7 @@ plays no part. A cosine near 1 means the subset points where the whole batch poi
 says how much direction the update keeps, not how good that direction is for the task.
 
     python benchmarks/bench_token_signal.py [--batches 2] [--quick]
+    python benchmarks/bench_token_signal.py --seed 1 --append   # more batches, one summary
 
 Writes results/bench_token_signal.json and .png (``--quick``: results/quick/, 1 batch of 4
 prompts). One process; set OMP_NUM_THREADS to the cores it may use.
@@ -167,6 +168,7 @@ def run(args) -> dict:
                 row["pipeline_tokens"][name][str(prog)] = int(keep.sum())
                 row["pipeline_cos"][name][str(prog)] = _cosine(_gradient(policy, batch, a, keep), g_full) if keep.any() else 0.0
         row["seconds"] = time.perf_counter() - t0
+        row["seed"] = args.seed
         out["batches"].append(row)
         print(f"batch {b}: reward {row['reward_mean']:.2f}, {row['response_tokens']} response tokens "
               f"({row['informative_tokens']} with A != 0), {row['seconds']:.0f} s")
@@ -229,11 +231,24 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch (x 8 rollouts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-draws", type=int, default=2)
+    p.add_argument("--append", action="store_true",
+                   help="add this run's batches to the existing results JSON (use another --seed)")
     p.add_argument("--quick", action="store_true", help="1 batch of 4 prompts, results/quick/")
     args = p.parse_args()
     if args.quick:
         args.batches, args.prompts = 1, 4
+    previous = []
+    path = os.path.join(C.results_dir(args.quick), f"{NAME}.json")
+    if args.append and os.path.isfile(path):
+        import json
+
+        with open(path) as f:
+            old = json.load(f)
+        if any(b.get("seed") == args.seed for b in old.get("batches", [])):
+            raise SystemExit(f"{path} already holds batches of seed {args.seed}; pass another --seed")
+        previous = old.get("batches", [])
     out = run(args)
+    out["batches"] = previous + out["batches"]
     out["summary"] = summarize(out)
     out["machine"] = C.machine_info()
     C.write_json(NAME, out, quick=args.quick)

@@ -17,7 +17,9 @@ share of kept samples with a non-zero advantage, the gradient norm relative to G
 loss-carrying update tokens and wall time; and the PODS papers' time-to-threshold: wall time
 and update tokens until the eval reward first reaches 99% of the reference variant's
 (``--reference``, default grpo) best mean eval reward, as a ratio reference / variant
-(> 1 = sooner) with a seed-bootstrap 95% interval.
+(> 1 = sooner) with a seed-bootstrap 95% interval; and every variant's eval reward after the
+training time of the shortest run (equal compute: the runs train the same number of steps,
+so a method with cheaper steps finishes sooner). Wall times leave out evaluation.
 """
 
 from __future__ import annotations
@@ -180,6 +182,17 @@ def time_to(curve: List[dict], threshold: float, key: str) -> Optional[float]:
     return None
 
 
+def value_at(curve: List[dict], x: float, key: str = "wall") -> Optional[float]:
+    """Eval reward at ``x`` on the ``key`` axis, linear between eval points; None past the end."""
+    pts = sorted((p[key], p["eval"]) for p in curve)
+    if not pts or x > pts[-1][0] or x < pts[0][0]:
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[0][1]
+
+
 def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
     """runs: variant -> [load_run(...) per seed] -> the table (see the module docstring)."""
     out: Dict[str, dict] = {"reference": reference, "variants": {}}
@@ -192,6 +205,11 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
             threshold = 0.99 * max(means)
     out["threshold"] = threshold
     ref_grad = mean_ci([r["grad_norm"] for r in ref_runs])[0] if ref_runs else float("nan")
+    # Equal compute: every run's eval reward at the training time of the shortest run (the
+    # runs train for the same steps, so a cheaper method has less time; this asks what each
+    # had reached after the same seconds).
+    ends = [r["curve"][-1]["wall"] for rs in runs.values() for r in rs if r["curve"]]
+    out["equal_time"] = min(ends) if ends else None
     for name, rs in runs.items():
         row = {"seeds": len(rs)}
         row["eval_final"] = mean_ci([r["curve"][-1]["eval"] for r in rs if r["curve"]])
@@ -199,6 +217,8 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
         for key in ("kept_sample_ratio", "kept_token_ratio", "kept_adv_var", "adv_var_all", "share_nonzero_adv",
                     "update_tokens_total", "wall_time", "grad_norm", "step_time", "generation_share", "reward_mean"):
             row[key] = mean_ci([r.get(key, float("nan")) for r in rs])
+        if out["equal_time"] is not None:
+            row["eval_at_equal_time"] = mean_ci([value_at(r["curve"], out["equal_time"]) for r in rs if r["curve"]])
         row["grad_norm_vs_reference"] = row["grad_norm"][0] / ref_grad if ref_grad and ref_grad == ref_grad else None
         if threshold is not None:
             for key, label in (("wall", "time_to_threshold"), ("tokens", "tokens_to_threshold")):
@@ -231,18 +251,21 @@ def table_md(summary: dict) -> str:
         f"Mean ± 95% interval over seeds. Threshold: 99% of {ref}'s best mean eval reward"
         + (f" = {th:.3f}." if th is not None else " (no reference runs)."),
         f"Speed-up = {ref}'s mean / the variant's mean, seed bootstrap 95% interval; "
-        "reached = seeds that got there. Wall times leave out evaluation.",
+        "reached = seeds that got there. Wall times leave out evaluation. "
+        + (f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the training time of the "
+           "shortest run (linear between evaluations)." if summary.get("equal_time") else ""),
         "",
-        "| variant | seeds | eval final | eval best | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
+        "| variant | seeds | eval final | eval best | eval @ equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
         f"| grad norm / {ref} | update tokens | train wall s | s / step | generation share "
         "| time to thr. (reached) | tokens to thr. (reached) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["variants"].items():
         tt, tk = r.get("time_to_threshold"), r.get("tokens_to_threshold")
         gn = r["grad_norm_vs_reference"]
         lines.append(
-            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_fmt(r['eval_best'])} | {_fmt(r['kept_sample_ratio'], 2)} "
+            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_fmt(r['eval_best'])} "
+            f"| {_fmt(r.get('eval_at_equal_time', (nan, nan)))} | {_fmt(r['kept_sample_ratio'], 2)} "
             f"| {_fmt(r['kept_token_ratio'], 2)} | {_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} "
             f"| {_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} "
             f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | {_fmt(r.get('step_time', (nan, nan)), 1)} "

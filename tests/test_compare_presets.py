@@ -61,6 +61,12 @@ def test_summarize_time_to_threshold():
     assert d["tokens_to_threshold"]["speedup_vs_reference"]["ratio"] == pytest.approx(6.0)
     assert d["grad_norm_vs_reference"] == pytest.approx(0.5)
     assert s["variants"]["never"]["time_to_threshold"]["reached"] == 0
+    # equal compute: the shortest run trained 10 s; grpo had reached 0.4 + 0.2 x 10/15 by then
+    assert s["equal_time"] == 10.0
+    assert s["variants"]["grpo"]["eval_at_equal_time"][0] == pytest.approx(0.4 + 0.2 * 10 / 15)
+    assert s["variants"]["d3s"]["eval_at_equal_time"][0] == pytest.approx(0.8)
+    assert s["variants"]["never"]["eval_at_equal_time"][0] == pytest.approx(0.6)
+    assert cp.value_at([{"wall": 0, "eval": 0.1}, {"wall": 4, "eval": 0.5}], 5.0) is None  # past the end
     md = cp.table_md(s)
     assert "| d3s | 2 |" in md and "3.00x [3.00, 3.00] (2/2)" in md and "— (0/1)" in md
 
