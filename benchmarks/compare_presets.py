@@ -282,6 +282,8 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    lows: List[float] = []
+    highs: List[float] = []
     for name, rs in runs.items():
         steps = sorted({p["step"] for r in rs for p in r["curve"]})
         if not steps:
@@ -296,9 +298,15 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> None:
                 ms.append(m)
                 hs.append(0.0 if h != h else h)
             line = ax.plot(xs, ms, marker="o", label=f"{name} ({len(rs)} seeds)")[0]
-            ax.fill_between(xs, [m - h for m, h in zip(ms, hs)], [m + h for m, h in zip(ms, hs)],
-                            color=line.get_color(), alpha=0.15)
+            # rewards live in [0, 1]: a two-seed t interval can reach far outside it
+            ax.fill_between(xs, [max(0.0, m - h) for m, h in zip(ms, hs)], [min(1.0, m + h) for m, h in zip(ms, hs)],
+                            color=line.get_color(), alpha=0.12)
+            lows.extend(ms)
+            highs.extend(ms)
             ax.set_xlabel(label)
+    if lows:  # frame the means; the bands may run off the plot
+        for ax in axes:
+            ax.set_ylim(max(0.0, min(lows) - 0.1), min(1.0, max(highs) + 0.1))
     axes[0].set_ylabel("eval reward (greedy), mean ± 95% CI")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
