@@ -268,8 +268,8 @@ def table_md(summary: dict) -> str:
             f"| {_fmt(r.get('eval_at_equal_time', (nan, nan)))} | {_fmt(r['kept_sample_ratio'], 2)} "
             f"| {_fmt(r['kept_token_ratio'], 2)} | {_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} "
             f"| {_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} "
-            f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | {_fmt(r.get('step_time', (nan, nan)), 1)} "
-            f"| {_fmt(r.get('generation_share', (nan, nan)), 2)} "
+            f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | {_fmt(r['step_time'], 1)} "
+            f"| {_fmt(r['generation_share'], 2)} "
             f"| {_ratio(tt)} ({tt['reached'] if tt else 0}/{r['seeds']}) | {_ratio(tk)} ({tk['reached'] if tk else 0}/{r['seeds']}) |"
         )
     return "\n".join(lines) + "\n"
