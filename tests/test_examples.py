@@ -281,9 +281,11 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
     """train_megatron.sbatch with the Megatron backend at TP 2 on 2 gloo ranks: the dry run
     and the node checks pass, SIGUSR1 mid-run -> a sharded checkpoint -> requeue -> resume to
     the last step; per-rank logs under the run directory; then convert_to_hf.sbatch turns
-    the final checkpoint into a Hugging Face folder that transformers loads."""
+    the final checkpoint into a Hugging Face folder that transformers loads. With Megatron's
+    DDP + distributed optimizer, as a GPU job has by default (here on gloo)."""
     folder, overrides = _tiny_megatron(tmp_path)
-    out = _requeue_and_resume(tmp_path, "train_megatron.sbatch", [*overrides, "trainer.save_every=0"], "4343", 60)
+    overrides = [*overrides, "+model.params.distributed_optimizer=true", "trainer.save_every=0"]
+    out = _requeue_and_resume(tmp_path, "train_megatron.sbatch", overrides, "4343", 60)
     plan = json.loads((out / "dry_run.json").read_text())
     assert plan["fits"] and plan["layout"]["tp"] == 2 and plan["layout"]["dp"] == 1
     assert (out / "dry_run.layout").read_text().split()[:4] == ["2", "1", "2", "hf"]

@@ -1,5 +1,6 @@
 """The whole trainer on the Megatron backend: ``torchrun --nproc_per_node=4`` at TP2 x PP2
-and ``--nproc_per_node=2`` at TP1 x DP2 on a tiny Llama folder log the same run as the HF
+and ``--nproc_per_node=2`` at TP1 x DP2 (plain AdamW and Megatron's distributed optimizer)
+on a tiny Llama folder log the same run as the HF
 backend in one process with the same seed (rewards, kept counts, selections exactly;
 losses, grad norms and exported weights to float tolerance); a run killed with SIGKILL and
 resumed ends with the metrics of an uninterrupted one.
@@ -74,10 +75,15 @@ def hf_run(folder, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("tp,pp,nproc", [(2, 2, 4), (1, 1, 2)], ids=["tp2pp2", "tp1dp2"])
-def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, pp, nproc):
+@pytest.mark.parametrize("tp,pp,nproc,dopt", [(2, 2, 4, False), (1, 1, 2, False), (1, 1, 2, True)],
+                         ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer"])
+def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, pp, nproc, dopt):
+    """(the CPU default is the plain AdamW path; ``distributed_optimizer=true`` runs Megatron's
+    DDP + distributed optimizer, the CUDA default, on gloo)"""
     out = tmp_path / "megatron"
-    _finish(_torchrun(nproc, [*RUN, f"model.name={folder}", *_megatron(tp, pp), f"output_dir={out}"]))
+    extra = ["+model.params.distributed_optimizer=true"] if dopt else []
+    log = _finish(_torchrun(nproc, [*RUN, f"model.name={folder}", *_megatron(tp, pp), *extra, f"output_dir={out}"]))
+    assert ("distributed optimizer (fp32 main weights" in log) == dopt, log[-3000:]
     _assert_same_run(read_jsonl(hf_run / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl"), f"tp{tp}pp{pp}")
     _assert_same_weights(hf_run, out, f"tp{tp}pp{pp}")
     ckpt = sorted((out / "checkpoints").iterdir())[-1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -31,7 +32,7 @@ from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron import schedule
+from nemo_d3s.backends.megatron import optimizer_state, schedule
 from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
@@ -48,6 +49,8 @@ from nemo_d3s.config import ConfigError
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 
 __all__ = ["MegatronBackend"]
+
+log = logging.getLogger("nemo_d3s.megatron")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -177,6 +180,10 @@ class MegatronBackend(Policy):
             distributed_optimizer=cfg.distributed_optimizer,
         )
         self.chunks = chunks
+        if self.groups.is_main:
+            log.info("optimizer: %s", "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
+                     f"sharded over DP={self.groups.dp_size})" if self._megatron_optimizer
+                     else "AdamW over each rank's shards (model.params.distributed_optimizer=false)")
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
 
@@ -331,13 +338,19 @@ class MegatronBackend(Policy):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def _megatron_optimizer(self) -> bool:
+        return schedule._is_megatron_optimizer(self.optimizer)
+
     def state_dict(self) -> dict:
-        """This rank's shard (model, AdamW moments, reference) under local names."""
+        """This rank's shard (model, plain-AdamW moments, reference) under local names. The
+        distributed optimizer's state is not here: it is sharded over DP and gathered by
+        :meth:`save_checkpoint` (collective)."""
         out: Dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
             out[name] = p.detach()
-            st = self.optimizer.state.get(p, {}) if not schedule._is_megatron_optimizer(self.optimizer) else {}
-            for k in ("exp_avg", "exp_avg_sq"):
+            st = {} if self._megatron_optimizer else self.optimizer.state.get(p, {})
+            for k in optimizer_state.MOMENTS:
                 if k in st:
                     out[f"optim.{k}.{name}"] = st[k]
         if self.ref_model is not None:
@@ -346,26 +359,32 @@ class MegatronBackend(Policy):
         return out
 
     def _optimizer_step(self) -> int:
+        if self._megatron_optimizer:
+            return optimizer_state.optimizer_step(self.optimizer)
         for st in self.optimizer.state.values():
             if "step" in st:
                 return int(st["step"])
         return 0
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective. DP rank 0 of each (TP, PP) position writes its shard file; global rank
-        0 writes layout.json. The trainer adds atomicity and checksums."""
-        if schedule._is_megatron_optimizer(self.optimizer):  # pragma: no cover - CUDA only
-            raise NotImplementedError(
-                "checkpointing Megatron's distributed optimizer state is not implemented yet; on GPUs set "
-                "model.params.distributed_optimizer=false (plain AdamW over each rank's shards) to checkpoint")
+        """Collective. DP rank 0 of each (TP, PP) position writes its shard file (with
+        Megatron's distributed optimizer, after gathering the optimizer state's DP ranges
+        to it over DP); global rank 0 writes layout.json. The trainer adds atomicity and
+        checksums."""
         root = Path(folder) / ckpt.SUBDIR
         if self.groups.is_main:
             root.mkdir(parents=True, exist_ok=True)
             ckpt.write_layout(root, self.spec, self.layout)
         self.groups.barrier()
+        tensors: Dict[str, torch.Tensor] = {}
+        with_main = self._megatron_optimizer and self.dtype != torch.float32
+        if self._megatron_optimizer:  # fp32 main weights are the parameters themselves
+            tensors = optimizer_state.gather_states(self.optimizer, self.model.named_parameters(), self.groups.dp,
+                                                    with_main=with_main)
         if self.groups.dp_rank == 0:
-            meta = {"optimizer_step": str(self._optimizer_step()), "scheduler_step": str(self.scheduler.step_count)}
-            ckpt.save_shard(root, self.layout, self.state_dict(), meta)
+            meta = {"optimizer_step": str(self._optimizer_step()), "scheduler_step": str(self.scheduler.step_count),
+                    "main_params": str(int(bool(tensors) and with_main))}
+            ckpt.save_shard(root, self.layout, {**self.state_dict(), **tensors}, meta)
         return True
 
     @torch.no_grad()
@@ -381,29 +400,42 @@ class MegatronBackend(Policy):
         except (KeyError, ValueError):
             raise ValueError(f"{str(root / ckpt.shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") \
                 from None
+        megatron_opt = self._megatron_optimizer
+        with_main = megatron_opt and meta.get("main_params") == "1"
         staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        moments: List[Tuple[torch.nn.Parameter, Dict[str, torch.Tensor]]] = []
-        readers = {prefix: ckpt.ShardedReader(root, self.spec, saved, prefix)
-                   for prefix in ("", "optim.exp_avg.", "optim.exp_avg_sq.", "ref.")}
+        moments: Dict[str, Dict[str, torch.Tensor]] = {}
+        families = ["", *(f"optim.{k}." for k in optimizer_state.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
+        readers = {prefix: ckpt.ShardedReader(root, self.spec, saved, prefix) for prefix in families}
 
-        def read(prefix: str, name: str, like: torch.Tensor) -> torch.Tensor:
-            t = ckpt.read_local_from_checkpoint(name, self.spec, self.layout, readers[prefix], like.dtype)
+        def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+            t = ckpt.read_local_from_checkpoint(name, self.spec, self.layout, readers[prefix], dtype or like.dtype)
             if t.shape != like.shape:
                 raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
             return t
 
+        # Megatron's distributed optimizer keeps fp32 moments (and main weights) whatever
+        # the model's dtype; the plain AdamW keeps them in the parameter's dtype.
+        state_dtype = torch.float32 if megatron_opt else None
         for name, p in self.model.named_parameters():
             staged.append((p, read("", name, p)))
             if opt_step > 0:
-                moments.append((p, {k: read(f"optim.{k}.", name, p) for k in ("exp_avg", "exp_avg_sq")}))
+                moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optimizer_state.MOMENTS}
+                if with_main:
+                    moments[name]["main"] = read("optim.main.", name, p, torch.float32)
         if self.ref_model is not None:
             for name, p in self.ref_model.named_parameters():
                 staged.append((p, read("ref.", name, p)))
         for p, t in staged:
             p.copy_(t.to(p.device))
-        for p, st in moments:
-            self.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
-                                       **{k: v.to(p.device) for k, v in st.items()}}
+        if megatron_opt:
+            optimizer_state.scatter_states(self.optimizer, self.model.named_parameters(),
+                                           {n: {k: v.to(self.device) for k, v in m.items()} for n, m in moments.items()},
+                                           opt_step)
+        else:
+            for name, p in self.model.named_parameters():
+                if name in moments:
+                    self.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
+                                               **{k: v.to(p.device) for k, v in moments[name].items()}}
         self.scheduler.set_step(sched_step)
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
             self._own_engine.sync_weights(self)

@@ -29,11 +29,13 @@ class MegatronBackendConfig(PolicySettings):
         the RL step yet) and anything else is refused at start-up by name.
     make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP
         (Megatron's rule); padded rows are never scored, sampled or exported.
-    distributed_optimizer: on CUDA, Megatron's DistributedDataParallel + distributed optimizer
-        (fp32 main params and Adam state sharded over DP; its checkpointing is not implemented
-        yet). False: plain AdamW over each rank's shards with an explicit DP gradient
-        all-reduce (the CPU path; checkpoints work; optimizer state not sharded over DP).
-        Ignored on CPU.
+    distributed_optimizer: true: Megatron's DistributedDataParallel + distributed optimizer
+        (fp32 main params and Adam state sharded over DP). false: plain AdamW over each
+        rank's shards with an explicit DP gradient all-reduce (optimizer state not sharded
+        over DP). Both take the HF backend's update math (AdamW, decay on every parameter,
+        clipping on the global norm). null (default): true on CUDA, false on CPU; true on
+        CPU runs Megatron's classes on gloo through ``cpu_compat`` (how the tests check that
+        path). A checkpoint written with either resumes with either, at any layout.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -52,4 +54,4 @@ class MegatronBackendConfig(PolicySettings):
     sequence_parallel: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
-    distributed_optimizer: bool = True
+    distributed_optimizer: Optional[bool] = None

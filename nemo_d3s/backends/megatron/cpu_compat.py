@@ -26,6 +26,11 @@ The patches (each one's WHY is at its code):
 3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep and swap CPU generator states, and
    ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation
    recompute) save and restore nothing.
+4. Megatron's DistributedDataParallel and distributed optimizer (the GPU path, run on gloo
+   by ``model.params.distributed_optimizer=true``): their buffers and flags go through the
+   proxy of 1, and ``Tensor.type()`` names CPU tensors as CUDA ones during
+   ``DistributedOptimizer.__init__`` and the clipping call only (its dtype grouping and an
+   assertion compare those names).
 
 Not patched, because the backend does not take those paths on CPU (documented so nobody
 relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
@@ -67,6 +72,18 @@ _TORCH_PROXIED = {
     # GlobalMemoryBuffer.get_tensor allocates on ``torch.cuda.current_device()``: the
     # baddbmm input buffer of DotProductAttention.forward (local spec) comes from it.
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
+    # Megatron's DistributedDataParallel + distributed optimizer (model.params.
+    # distributed_optimizer=true on CPU, how the tests run the GPU path's logic on gloo):
+    # _ParamAndGradBuffer.__init__ allocates the contiguous param and grad buffers on
+    # ``torch.cuda.current_device()``;
+    "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer.__init__",
+    # MixedPrecisionOptimizer.__init__ puts found_inf / _dummy_overflow_buf / _scale_one on
+    # device="cuda" and get_loss_scale falls back to ``torch.cuda.current_device()``;
+    "megatron.core.optimizer.optimizer": "MixedPrecisionOptimizer.__init__/get_loss_scale",
+    # the global-norm and clipping helpers all-reduce a device="cuda" norm tensor;
+    "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32/clip_grad_by_total_norm_fp32",
+    # the optimizer-state load path allocates its shards on ``torch.cuda.current_device()``.
+    "megatron.core.optimizer.distrib_optimizer": "DistributedOptimizer.load_parameter_state_from_dp_zero",
 }
 
 _APPLIED = False
@@ -206,6 +223,51 @@ def _patch_rng() -> None:
     mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_cuda_rng_state, set_cuda_rng_state
 
 
+@contextlib.contextmanager
+def _cuda_type_names():
+    """``Tensor.type()`` (no arguments) names a CPU tensor as its CUDA twin
+    ("torch.cuda.FloatTensor") while the block runs. The distributed optimizer sorts
+    parameters into fp32 / fp16 / bf16 groups by those names and raises on anything else,
+    and the clipping helper asserts them; both are string tests on a Tensor method, which no
+    module proxy reaches. ``Tensor.type(dtype)`` (a cast) is untouched."""
+    original = torch.Tensor.type
+
+    def type_(tensor, *args: Any, **kwargs: Any):
+        if args or kwargs:
+            return original(tensor, *args, **kwargs)
+        name = original(tensor)
+        return name.replace("torch.", "torch.cuda.", 1) if tensor.device.type == "cpu" else name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _patch_distributed_optimizer() -> None:
+    """DistributedOptimizer.__init__ and the clipping function the optimizers call
+    (``optimizer.clip_grad_by_total_norm_fp32``) run inside :func:`_cuda_type_names`, for
+    the length of those calls only."""
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls.__init__, "_nemo_d3s_cpu", False):
+        return
+
+    def scoped(fn):
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any):
+            with _cuda_type_names():
+                return fn(*args, **kwargs)
+
+        wrapper._nemo_d3s_cpu = True
+        return wrapper
+
+    cls.__init__ = scoped(cls.__init__)
+    optimizer.clip_grad_by_total_norm_fp32 = scoped(optimizer.clip_grad_by_total_norm_fp32)
+
+
 def apply_cpu_compat() -> None:
     """Make megatron-core 0.16 run on CPU / gloo in this process (idempotent).
 
@@ -217,6 +279,7 @@ def apply_cpu_compat() -> None:
     _proxy_torch()
     _patch_tied_embedding_copy()
     _patch_rng()
+    _patch_distributed_optimizer()
     _APPLIED = True
 
 

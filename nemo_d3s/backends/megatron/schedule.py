@@ -27,11 +27,11 @@ empty).
   (a SUM) scaled by :class:`~nemo_d3s.distributed.StepNormalizer` so that the schedule's
   1/num_microbatches and the DP gradient averaging are undone exactly; the DP gradient
   reduction; global-norm clipping over TP x PP x DP; one optimizer step.
-- :func:`build_optimizer`: the optimizer :func:`train_step` expects: on CPU plain
+- :func:`build_optimizer`: the optimizer :func:`train_step` expects: plain
   ``torch.optim.AdamW`` over this rank's shards (gradients averaged over DP by
-  :func:`train_step` with one explicit all-reduce per dtype); on CUDA Megatron's
-  ``DistributedDataParallel`` + distributed optimizer (UNTESTED here: no GPU was available
-  when this was written).
+  :func:`train_step` with one explicit all-reduce per dtype; the CPU default), or Megatron's
+  ``DistributedDataParallel`` + distributed optimizer (the CUDA default; the tests run it on
+  gloo through ``cpu_compat``, no GPU has run it yet).
 
 Collectives per call are listed in each docstring. Nothing here knows about D3S: selection,
 denominators and loss closures come from the trainer.
@@ -426,8 +426,8 @@ def train_step(
     :func:`finalize_grads` (DP average, tied-embedding sum across stages),
     :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
     ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
-    on all ranks), ``lr_scheduler.step()``. CUDA path (``optimizer`` a Megatron optimizer
-    from :func:`build_optimizer`; UNTESTED): the schedule's ``finalize_model_grads_func``
+    on all ranks), ``lr_scheduler.step()``. Megatron path (``optimizer`` a Megatron optimizer
+    from :func:`build_optimizer`): the schedule's ``finalize_model_grads_func``
     reduces the grads in Megatron's DDP buffers and ``optimizer.step()`` clips with its own
     ``clip_grad`` and steps.
 
@@ -491,7 +491,7 @@ def train_step(
 
     for c in chunks:
         c.train()
-    if megatron_opt:  # UNTESTED (needs CUDA): Megatron's DDP keeps grads in its own buffers
+    if megatron_opt:  # Megatron's DDP keeps grads in its own buffers
         for c in chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()
@@ -510,7 +510,7 @@ def train_step(
         local = dict(zip(keys, values))
     metrics = _broadcast_metrics(local, groups)
 
-    if megatron_opt:  # UNTESTED (needs CUDA)
+    if megatron_opt:
         ok, norm, _ = optimizer.step()
         if norm is None:
             norm = optimizer.get_grad_norm()
@@ -539,33 +539,44 @@ def build_optimizer(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
-    distributed_optimizer: bool = True,
+    distributed_optimizer: Optional[bool] = None,
 ) -> Tuple[List[torch.nn.Module], Any]:
-    """(model chunks, optimizer) for :func:`train_step`, by the device the model lives on
-    (``distributed_optimizer=False`` takes the CPU path on CUDA too: plain AdamW over this
-    rank's shards, gradients all-reduced over DP by :func:`train_step`).
+    """(model chunks, optimizer) for :func:`train_step`. ``distributed_optimizer``: None
+    picks by the device the model lives on (CUDA: Megatron's; CPU: plain AdamW); False
+    takes the plain path on CUDA too; True takes Megatron's on CPU too (gloo, with
+    ``cpu_compat`` applied: how the tests run the GPU path's logic).
 
-    CPU: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
+    Plain: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
     same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
-    two copies of tied embeddings get identical gradients, so they stay identical).
-    Weight decay applies to every parameter, as in the HF backend.
+    two copies of tied embeddings get identical gradients, so they stay identical);
+    :func:`train_step` all-reduces the gradients over DP. Weight decay applies to every
+    parameter, as in the HF backend.
 
-    CUDA (UNTESTED: no GPU was available when this was written): every chunk wrapped in
+    Megatron's (run on gloo/CPU by the tests; not yet on a GPU): every chunk wrapped in
     Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, distributed optimizer)
     and ``get_megatron_optimizer`` (Adam with decoupled weight decay, ``clip_grad`` =
     ``grad_clip``, bf16/fp16 from the model config, fp32 main params and state); the model
     config gets ``finalize_model_grads_func`` (DP reduce-scatter, tied-embedding all-reduce)
-    and ``no_sync_func`` so the schedule drives the gradient reduction. Megatron's optimizer
-    exempts biases and norms from weight decay (the HF backend does not). For bf16/fp16 the
+    and ``no_sync_func`` so the schedule drives the gradient reduction. Weight decay applies
+    to every parameter here too: megatron-core 0.16 marks biases and norms ``wd_mult=0``, but
+    only its ``OptimizerParamScheduler`` applies that, and the backend's LR schedule sets the
+    learning rate only (the HF backend's update math). For bf16/fp16 the
     chunks must already be in their training dtype (``Float16Module``-wrapped, as Megatron's
     ``get_model`` does); that is the model builder's job.
     """
     chunks = list(_chunks(model))
     device = _device_of(chunks[0])
-    if device.type != "cuda" or not distributed_optimizer:
+    if distributed_optimizer is None:
+        distributed_optimizer = device.type == "cuda"
+    if not distributed_optimizer:
         params = _local_params(chunks)
         return chunks, torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    # ---- CUDA: Megatron DDP + distributed optimizer (UNTESTED here) ----
+    if device.type != "cuda":
+        from nemo_d3s.backends.megatron.cpu_compat import is_applied
+
+        if not is_applied():
+            raise RuntimeError("Megatron's distributed optimizer on CPU needs cpu_compat.apply_cpu_compat() first")
+    # ---- Megatron DDP + distributed optimizer ----
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 

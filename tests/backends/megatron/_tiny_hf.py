@@ -1,7 +1,8 @@
 """Tiny Hugging Face model folders for the Megatron backend tests: random Llama (GQA,
 untied) and Qwen2 (q/k/v bias, tied) with a vocabulary (300) that the Megatron layout must
 pad, saved with transformers' own ``save_pretrained`` plus the in-memory byte-level
-tokenizer (259 ids), so both backends load the same files."""
+tokenizer (259 ids), so both backends load the same files; and the GRPO batch the backend
+tests train on (:func:`tiny_batch`)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,34 @@ def make_tiny_hf(folder, arch: str = "llama", *, tied: bool = False, vocab: int 
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+# The backend tests' batch: 6 rows x 12 tokens of unequal lengths, prompts of 2-5 tokens.
+B, S = 6, 12
+LENGTHS = [12, 7, 9, 4, 8, 11]
+PROMPT = [3, 2, 4, 2, 3, 5]
+
+
+def tiny_batch(lengths=LENGTHS, prompt=PROMPT, width: int = S, vocab: int = 256, seed: int = 5):
+    """(TokenBatch [B, width], advantages [B], old-log-prob noise [B, width], token_keep
+    [B, width]) for rows of ``lengths`` tokens with ``prompt``-token prompts; rows 2 and 3
+    (micro-batch 1 at micro-batch size 2) keep no token.
+
+    Token ids below ``vocab``; the default 256 = byte tokens only: transformers builds the
+    embedding with padding_idx = the pad token (256), whose input row then never gets a
+    gradient; Megatron's embedding has no such exception. Rollouts hold the pad id only where
+    nothing is attended."""
+    from nemo_d3s.backends.base import TokenBatch
+
+    rows = len(lengths)
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(width)
+    attn = pos < torch.tensor(lengths).unsqueeze(1)
+    resp = attn & (pos >= torch.tensor(prompt).unsqueeze(1))
+    ids = torch.randint(0, vocab, (rows, width), generator=g) * attn
+    adv = torch.randn(rows, generator=g)
+    noise = 0.2 * torch.randn(rows, width, generator=g)
+    keep = resp & (torch.rand(rows, width, generator=g) < 0.6)
+    keep[2:4] = False
+    keep[0, prompt[0]] = keep[5, prompt[5]] = True
+    return TokenBatch(ids, attn, resp), adv, noise, keep

@@ -28,44 +28,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
-from _tiny_hf import make_tiny_hf  # noqa: E402
+from _tiny_hf import B, tiny_batch  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 AGGS = ["token_mean", "seq_mean_token_mean"]
 OPT = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.01, grad_clip=0.5)
 MBS = 2
-B, S = 6, 12
-LENGTHS = [12, 7, 9, 4, 8, 11]
-PROMPT = [3, 2, 4, 2, 3, 5]
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_hf")
-    return {
-        "llama": str(make_tiny_hf(root / "llama", "llama", tied=False)),
-        "qwen2": str(make_tiny_hf(root / "qwen2", "qwen2", tied=True)),
-    }
-
-
-def _data():
-    from nemo_d3s.backends.base import TokenBatch
-
-    g = torch.Generator().manual_seed(5)
-    pos = torch.arange(S)
-    attn = pos < torch.tensor(LENGTHS).unsqueeze(1)
-    resp = attn & (pos >= torch.tensor(PROMPT).unsqueeze(1))
-    # Byte tokens only (< 256): transformers builds the embedding with padding_idx = the pad
-    # token (256), whose input row then never gets a gradient; Megatron's embedding has no
-    # such exception. Rollouts hold the pad id only where nothing is attended.
-    ids = torch.randint(0, 256, (B, S), generator=g) * attn
-    adv = torch.randn(B, generator=g)
-    noise = 0.2 * torch.randn(B, S, generator=g)
-    keep = resp & (torch.rand(B, S, generator=g) < 0.6)
-    keep[2:4] = False  # micro-batch 1 (MBS 2) keeps no token
-    keep[0, PROMPT[0]] = keep[5, PROMPT[5]] = True
-    return TokenBatch(ids, attn, resp), adv, noise, keep
+_data = tiny_batch
 
 
 def _loss_fn(batch, old_lp, adv, keep, agg):

@@ -31,6 +31,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _tiny_hf import tiny_batch  # noqa: E402
+
 V_REAL, V_PAD = 37, 40
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 48, 4, 2, 4
 B, S, MBS = 6, 10, 2
@@ -169,19 +172,7 @@ def _gather_full_weights(model, tied: bool) -> dict:
 def _data():
     """The global batch: TokenBatch [B, S], advantages [B], old-log-prob noise [B, S], and
     token_keep [B, S] where rows 2 and 3 (micro-batch 1 at MBS 2) have no kept token."""
-    from nemo_d3s.backends.base import TokenBatch
-
-    g = torch.Generator().manual_seed(11)
-    pos = torch.arange(S)
-    attn = pos < torch.tensor(LENGTHS).unsqueeze(1)
-    resp = attn & (pos >= torch.tensor(PROMPT).unsqueeze(1))
-    ids = torch.randint(0, V_REAL, (B, S), generator=g) * attn
-    adv = torch.randn(B, generator=g)
-    noise = 0.2 * torch.randn(B, S, generator=g)
-    keep = resp & (torch.rand(B, S, generator=g) < 0.6)
-    keep[2:4] = False
-    keep[0, PROMPT[0]] = keep[5, PROMPT[5]] = True
-    return TokenBatch(ids, attn, resp), adv, noise, keep
+    return tiny_batch(LENGTHS, PROMPT, width=S, vocab=V_REAL, seed=11)
 
 
 def _denominator(keep, agg) -> float:

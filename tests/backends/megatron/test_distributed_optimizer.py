@@ -1,0 +1,177 @@
+"""Megatron's DistributedDataParallel + distributed optimizer (the backend's CUDA default,
+``model.params.distributed_optimizer=true``) on gloo ranks, through ``cpu_compat``.
+
+The folders (conftest.py) and the batch (``_tiny_hf.tiny_batch``) are test_backend.py's.
+The reference is the backend's plain path (``distributed_optimizer=false``: AdamW over each
+rank's shards, the path test_backend.py checks against the HF backend) on the same rows,
+weights and LR schedule. Checked:
+
+- two ``train_step`` s at DP2 (untied Llama) and TP1 x PP2 x DP2 (tied Qwen2: the
+  embedding's two copies reduced across stages by Megatron's ``finalize_model_grads``) give
+  the plain path's grad norms (rel 1e-5) and weights (atol 1e-6, fp32);
+- the Adam moments a checkpoint holds (gathered from the DP ranges to DP rank 0) equal the
+  plain AdamW's full moments (atol 1e-7: fp32 summation order only);
+- resume in the same layout is bit-exact, fp32 and bf16 (bf16 needs the fp32 main weights,
+  saved as ``optim.main.*``: resuming from the bf16 parameters instead would differ);
+- a plain checkpoint resumes with the distributed optimizer and a distributed-optimizer
+  checkpoint resumes with plain AdamW on one process (optimizer tolerance), and a resume that
+  lost the optimizer state would be caught (a fresh second step differs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
+from _launch import run_ranks  # noqa: E402
+from _tiny_hf import B, tiny_batch  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+MBS = 2
+OPT = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.01, grad_clip=0.5, scheduler="linear", total_steps=10,
+           warmup_steps=1)
+DP_ROWS = [[0, 1, 2, 3], [4, 5]]  # unequal micro-batch counts on the two DP ranks
+
+
+def _backend(folder, tp, pp, dopt, dtype):
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    return MegatronBackend(MegatronBackendConfig(
+        model=folder, device="cpu", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        distributed_optimizer=dopt, dtype=dtype, **OPT))
+
+
+def _steps(pol, n):
+    """``n`` GRPO steps on this DP rank's rows; the grad norms."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.core.losses import LossConfig, loss_denominator
+    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+
+    batch, adv, noise, keep = tiny_batch()
+    dp = ps.get_data_parallel_world_size()
+    rows = torch.tensor(DP_ROWS[ps.get_data_parallel_rank()] if dp == 2 else list(range(B)))
+    local = batch.select(rows)
+    norms = []
+    for _ in range(n):
+        lp = pol.score(local, with_entropy=False, micro_batch_size=MBS).logprobs
+        upd = UpdateBatch(batch=local, old_logprobs=lp + noise[rows], advantages=adv[rows], token_keep=keep[rows],
+                          minibatch=torch.zeros(len(rows), dtype=torch.long))
+        loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
+        m = pol.train_step(local, loss_fn, MBS, denominator=float(loss_denominator(keep, "token_mean")))
+        norms.append(m["grad_norm"])
+    return norms
+
+
+def _rank_run(rank, folder, tp, pp, dopt, dtype, save, load, n_before, n_after):
+    """[load ``load``], ``n_before`` steps, [save to ``save``], ``n_after`` steps; returns the
+    optimizer's class, grad norms, the HF-named weights and the LR."""
+    pol = _backend(folder, tp, pp, dopt, dtype)
+    if load:
+        pol.load_checkpoint(load)
+    norms = _steps(pol, n_before)
+    if save:
+        pol.save_checkpoint(save)
+    norms += _steps(pol, n_after)
+    weights = {k: v.detach().float().clone() for k, v in pol.hf_weights()}
+    return type(pol.optimizer).__name__, norms, weights, pol.optimizer.param_groups[0]["lr"]
+
+
+def _moments(ckpt):
+    """{key: tensor} of every optim.* tensor in a checkpoint's shard files."""
+    from safetensors.torch import load_file
+
+    root = os.path.join(ckpt, "megatron")
+    out = {}
+    for f in sorted(os.listdir(root)):
+        if f.endswith(".safetensors"):
+            out.update({f"{f}:{k}": v for k, v in load_file(os.path.join(root, f)).items() if k.startswith("optim.")})
+    return out
+
+
+def _metadata(ckpt, shard="tp00_pp00.safetensors"):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(ckpt, "megatron", shard), framework="pt") as f:
+        return f.metadata()
+
+
+LAYOUTS = {"dp2": ("llama", 1, 1, 2), "pp2dp2": ("qwen2", 1, 2, 4)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
+    arch, tp, pp, world = LAYOUTS[layout]
+    runs = {}
+    for dopt in (True, False):
+        ckpt = str(tmp_path / f"ckpt_{dopt}")
+        runs[dopt] = (ckpt, run_ranks(_rank_run, world, folders[arch], tp, pp, dopt, "float32", ckpt, None, 2, 0,
+                                      tp=tp, pp=pp, timeout=240))
+    (_, dist_res), (_, plain_res) = runs[True], runs[False]
+    assert {r[0] for r in dist_res} == {"ChainedOptimizer"} and {r[0] for r in plain_res} == {"AdamW"}
+    for d, p in zip(dist_res, plain_res):
+        assert d[1] == pytest.approx(p[1], rel=1e-5) and min(p[1]) > 0
+        assert d[3] == p[3]
+        for k in p[2]:
+            torch.testing.assert_close(d[2][k], p[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{layout} {k}: {m}")
+    got, want = _moments(runs[True][0]), _moments(runs[False][0])
+    assert sorted(got) == sorted(want) and len(want) > 0
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout} {k}: {m}")
+    assert _metadata(runs[True][0])["optimizer_step"] == "2"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_is_bit_exact(dtype, folders, tmp_path):
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    want = run_ranks(_rank_run, 2, folder, 1, 1, True, dtype, ckpt, None, 1, 1, timeout=240)
+    assert _metadata(ckpt)["main_params"] == ("1" if dtype == "bfloat16" else "0")
+    if dtype == "bfloat16":  # the fp32 main weights are not the bf16 parameters
+        from safetensors.torch import load_file
+
+        shard = load_file(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"))
+        mains = [k for k in shard if k.startswith("optim.main.")]
+        assert mains and any(not torch.equal(shard[k].bfloat16().float(), shard[k]) for k in mains)
+    got = run_ranks(_rank_run, 2, folder, 1, 1, True, dtype, None, ckpt, 1, 0, timeout=240)
+    for w, g in zip(want, got):
+        assert g[1][-1] == w[1][-1] and g[3] == w[3]
+        for k in w[2]:
+            assert torch.equal(g[2][k], w[2][k]), (dtype, k)
+
+
+def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
+    folder = folders["llama"]
+    plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")
+    plain = run_ranks(_rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=240)[0]
+    dist = run_ranks(_rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=240)[0]
+    # plain checkpoint -> distributed optimizer, same layout
+    resumed = run_ranks(_rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=240)[0]
+    # distributed-optimizer checkpoint -> plain AdamW in one process (DP1: all rows)
+    (one,) = run_ranks(_rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=240)
+    # the same second step from the checkpoint's weights but a fresh optimizer: must differ
+    (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=240)
+    moved = 0
+    for k in plain[2]:
+        torch.testing.assert_close(resumed[2][k], plain[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(one[2][k], dist[2][k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        moved += int((fresh[k] - dist[2][k]).abs().max() > 1e-4)
+    assert moved
+    assert resumed[3] == plain[3] and one[3] == dist[3]
+
+
+def _rank_fresh_optimizer(rank, folder, ckpt):
+    """The checkpoint's weights (loaded into a plain backend whose moments are then dropped)
+    and one step with a fresh AdamW at the checkpoint's LR step."""
+    pol = _backend(folder, 1, 1, False, "float32")
+    pol.load_checkpoint(ckpt)
+    pol.optimizer.state.clear()
+    _steps(pol, 1)
+    return {k: v.detach().float().clone() for k, v in pol.hf_weights()}
