@@ -11,7 +11,7 @@ checkpoints on the Megatron backend's weight table. See :mod:`nemo_d3s.convert.c
 
 NeMo 2 checkpoints (``weights/`` + ``context/``) are read wherever a checkpoint is
 (``megatron_to_hf``, ``verify``, and ``hf_to_megatron`` as a training start); see
-:mod:`nemo_d3s.convert.nemo2`.
+:mod:`nemo_d3s.backends.megatron.nemo2` (the backend reads them as a training start too).
 """
 
 from nemo_d3s.convert.core import (

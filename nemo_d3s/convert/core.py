@@ -279,7 +279,7 @@ def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
 def _nemo_side_files(folder: Path) -> SideFiles:
     """Side files of a NeMo 2 checkpoint: config from context/model.yaml, tokenizer from
     context/nemo_tokenizer/, generation config from context/artifacts/."""
-    from nemo_d3s.convert import nemo2
+    from nemo_d3s.backends.megatron import nemo2
 
     return SideFiles(nemo2.hf_config_from_nemo(folder), None,
                      _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
@@ -314,7 +314,7 @@ class CheckpointSource:
         if self.config_source is not None:
             return read_hf_config(self.config_source)
         if self.kind == "nemo2":
-            from nemo_d3s.convert.nemo2 import hf_config_from_nemo
+            from nemo_d3s.backends.megatron.nemo2 import hf_config_from_nemo
 
             return hf_config_from_nemo(self.folder)
         return read_hf_config(self.folder)
@@ -381,7 +381,7 @@ def _check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.
 
 
 def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike]) -> CheckpointSource:
-    from nemo_d3s.convert import nemo2
+    from nemo_d3s.backends.megatron import nemo2
 
     cfg = nemo2.hf_config_from_nemo(folder)
     spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
@@ -408,7 +408,7 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
     converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
     from the checkpoint folder; a training checkpoint's files are checked against its
     checksums.json first) or a NeMo 2 one (config from ``context/model.yaml``)."""
-    from nemo_d3s.convert.nemo2 import is_nemo2
+    from nemo_d3s.backends.megatron.nemo2 import is_nemo2
 
     p = Path(path).expanduser()
     if is_nemo2(p):
@@ -493,7 +493,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
     """Convert the HF folder ``hf`` (or a NeMo 2 checkpoint: a training start from NeMo)
     into a Megatron checkpoint folder ``out`` with TP x PP shard files (see the module
     docstring). ``dtype`` None keeps every tensor's stored dtype. Returns ``out``."""
-    from nemo_d3s.convert.nemo2 import is_nemo2
+    from nemo_d3s.backends.megatron.nemo2 import is_nemo2
 
     for name, v in (("tp", tp), ("pp", pp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -607,7 +607,7 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
     copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
     run started from; NeMo rebuilds the model from it). ``dtype`` None: the context's
     params_dtype, which is what NeMo builds the model in."""
-    from nemo_d3s.convert import nemo2
+    from nemo_d3s.backends.megatron import nemo2
 
     src = open_checkpoint(ckpt_path, hf_config)
     ctx = Path(nemo_context).expanduser()
@@ -684,7 +684,7 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     ``hf``), both computed in ``dtype``. One model is in memory at a time."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_d3s.convert.nemo2 import is_nemo2
+    from nemo_d3s.backends.megatron.nemo2 import is_nemo2
 
     hf_dir = _resolve_hf(hf)
     spec = ModelSpec.from_folder(hf_dir)

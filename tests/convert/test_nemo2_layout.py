@@ -7,7 +7,9 @@ checked against nemo-toolkit itself in ``test_nemo_toolkit.py`` where NeMo is in
   the weights are NeMo's names, layer-stacked, one chunk per layer, with the
   ``_extra_state`` objects NeMo's modules load; ``verify`` agrees;
 - NeMo 2 as a training start: ``hf_to_megatron`` from it gives the shards it gives from the
-  HF folder, and the Megatron backend starting there scores as transformers does;
+  HF folder, and the Megatron backend starting there, or from the NeMo 2 folder itself
+  (``model.name=<NeMo 2 folder>``, TP2), scores as transformers does; the latter's HF export
+  holds the source tensors;
 - bad input: a pickle in ``.metadata`` that would run code is refused (and not run), an
   unsupported model, shapes that disagree with ``model.yaml``, no tokenizer, a context of
   another model; nothing is written.
@@ -30,7 +32,7 @@ from _launch import run_ranks  # noqa: E402
 
 from nemo_d3s.config import ConfigError  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
-from nemo_d3s.convert.nemo2 import _DcpIndex  # noqa: E402
+from nemo_d3s.backends.megatron.nemo2 import _DcpIndex  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,44 @@ def test_nemo2_as_a_training_start(written, tmp_path):
         logits = model(input_ids=ids).logits
     want = align_to_tokens(entropy_and_logprobs(logits[:, :-1], ids[:, 1:])[1])
     assert float((lp - want).abs().max()) <= 1e-4
+    # the model a NeMo 2 folder describes (what the dry run and the backend plan with)
+    from nemo_d3s.backends.megatron.hf_config import ModelSpec
+
+    spec_nemo, spec_hf = ModelSpec.from_folder(nemo).to_dict(), ModelSpec.from_folder(src).to_dict()
+    assert {k: v for k, v in spec_nemo.items() if k != "torch_dtype"} == \
+        {k: v for k, v in spec_hf.items() if k != "torch_dtype"}
+    # model.name=<the NeMo 2 folder> itself, at TP2 on 2 ranks: the same scores; its HF
+    # export holds the source tensors and loads in transformers
+    direct = run_ranks(_rank_scores_and_export, 2, str(nemo), str(tmp_path / "export"), tp=2, pp=1, timeout=240)
+    for lp2, side_removed in direct:
+        assert float((lp2 - want).abs().max()) <= 1e-4
+        assert side_removed
+    exported, source = hf_tensors(tmp_path / "export"), hf_tensors(src)
+    assert sorted(exported) == sorted(source)
+    for k, t in source.items():
+        assert torch.equal(exported[k], t.float()), k
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).config.hidden_size == 32
+
+
+def _rank_scores_and_export(rank, folder, export):
+    """Scores of a backend started from ``folder`` at TP2, its HF export, and whether its
+    private config/tokenizer folder is gone once the backend is."""
+    import gc
+
+    from nemo_d3s.backends.base import TokenBatch
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=2))
+    side = pol.hf_source_dir()
+    assert side != folder and os.path.isfile(os.path.join(side, "tokenizer_config.json"))
+    ids = torch.tensor([[5, 70, 71, 72, 101, 33, 9, 250]])
+    attn = torch.ones_like(ids, dtype=torch.bool)
+    lp = pol.score(TokenBatch(ids, attn, attn), with_entropy=False).logprobs
+    pol.save_pretrained(export)
+    del pol
+    gc.collect()
+    return lp, not os.path.exists(side)
 
 
 def assert_same_tensors_file(a, b):

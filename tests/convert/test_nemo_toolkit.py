@@ -3,8 +3,9 @@ exists, see conftest.py; tried with nemo-toolkit 2.7.3 + megatron-core 0.15.3 on
 
 (a) NeMo's own HF importer (``llm.import_ckpt``) makes a NeMo 2 checkpoint of a tiny HF
     model; nemo_d3s reads it back bit for bit and ``verify`` agrees;
-(b) the Megatron backend starts from it (through ``hf_to_megatron``) and scores as
-    transformers does on the HF model (max abs err <= 1e-4);
+(b) the Megatron backend at TP2 starts from it (``model.name=<NeMo folder>`` directly, and
+    through ``hf_to_megatron``) and scores as transformers does on the HF model (max abs
+    err <= 1e-4);
 (c) NeMo loads a NeMo 2 checkpoint that nemo_d3s wrote (``megatron_to_nemo``) and exports
     it to HF (``llm.export_ckpt``): the same tensors. NeMo's exporter cuts the vocabulary
     to its tokenizer's length (259 of 300 rows here), so those rows are compared.
@@ -79,14 +80,16 @@ def test_nemo_toolkit_imports_loads_and_exports(arch, tmp_path):
     assert_same_tensors(src, back)
     res = verify(src, nemo)
     assert res.ok and res.max_abs_err == 0.0, res.verdict()
-    # (b) the Megatron backend (TP2 on 2 ranks) starts from it and matches transformers
+    # (b) the Megatron backend (TP2 on 2 ranks) starts from it, directly (model.name=<NeMo
+    # folder>) and after hf_to_megatron, and matches transformers
     start = hf_to_megatron(nemo, tmp_path / "start", progress=False)
     ids = torch.tensor([[5, 70, 71, 72, 101, 33, 9, 250, 7, 64]])
-    lp = run_ranks(_rank_scores, 2, str(start), ids, tp=2, pp=1, timeout=300)[0]
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     with torch.no_grad():
         want = align_to_tokens(entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1])
-    assert float((lp - want).abs().max()) <= 1e-4
+    for folder in (nemo, start):
+        lp = run_ranks(_rank_scores, 2, str(folder), ids, tp=2, pp=1, timeout=300)[0]
+        assert float((lp - want).abs().max()) <= 1e-4, folder
     # (c) nemo_d3s writes a NeMo 2 checkpoint (from a TP2 x PP2 Megatron one); NeMo loads it
     ck = hf_to_megatron(src, tmp_path / "ck", tp=2, pp=2, progress=False)
     ours = megatron_to_nemo(ck, tmp_path / "ours", nemo_context=nemo, progress=False)

@@ -1,8 +1,8 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2): ``hf_config.ModelSpec`` ->
-``TransformerConfig`` -> this rank's stage, loaded straight from safetensors rows
-(``weights.py``). Scoring and training run through Megatron's schedules
+Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
+NeMo 2 checkpoint (``nemo2.py``): ``hf_config.ModelSpec`` -> ``TransformerConfig`` -> this
+rank's stage, loaded straight from safetensors rows or checkpoint shards (``weights.py``). Scoring and training run through Megatron's schedules
 (``schedule.score`` / ``schedule.train_step``: no pipelining at PP 1, 1F1B at PP > 1, the
 fused vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums
 scaled by the step normaliser). Rollouts come from one engine per model-parallel group
@@ -20,7 +20,9 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import uuid
+import weakref
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -32,7 +34,7 @@ from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron import optimizer_state, schedule
+from nemo_d3s.backends.megatron import nemo2, optimizer_state, schedule
 from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
@@ -125,16 +127,25 @@ class MegatronBackend(Policy):
         try:
             self.path = str(resolve_model_path(cfg.model))
         except FileNotFoundError as e:
-            raise ConfigError(f"{e} (the Megatron backend builds from a Hugging Face folder or "
-                              "'smollm2-135m-instruct')") from None
+            raise ConfigError(f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
+                              "checkpoint or 'smollm2-135m-instruct')") from None
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
-        # Weights: an HF folder (safetensors), or a Megatron checkpoint folder written by
+        # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
-        # TP/PP layout). Checked before any collective: every rank fails alike.
+        # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
+        # collective: every rank fails alike.
         sharded_root = Path(self.path) / ckpt.SUBDIR
-        if (sharded_root / "layout.json").is_file():
+        if nemo2.is_nemo2(self.path):
+            reader, _ = nemo2.open_nemo2_weights(Path(self.path), self.spec)
+            # Its config and tokenizer as an HF-style folder (this process's own, removed
+            # with the backend): it stands in for the HF folder everywhere else (tokenizer,
+            # rollout replica, vLLM, the export's config.json).
+            side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
+            weakref.finalize(self, shutil.rmtree, side, True)
+            self.path = str(nemo2.write_side_folder(Path(self.path), Path(side)))
+        elif (sharded_root / "layout.json").is_file():
             reader = ckpt.ShardedReader(sharded_root, self.spec, ckpt.read_layout(sharded_root, self.spec))
         else:
             reader = SafetensorsReader(self.path, self.spec)
@@ -183,7 +194,7 @@ class MegatronBackend(Policy):
         if self.groups.is_main:
             log.info("optimizer: %s", "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
                      f"sharded over DP={self.groups.dp_size})" if self._megatron_optimizer
-                     else "AdamW over each rank's shards (model.params.distributed_optimizer=false)")
+                     else "plain AdamW over each rank's shards, gradients all-reduced over DP")
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
 

@@ -136,6 +136,11 @@ class ModelSpec:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
+        """From ``folder/config.json``, or a NeMo 2 checkpoint's ``context/model.yaml``."""
+        from nemo_d3s.backends.megatron.nemo2 import hf_config_from_nemo, is_nemo2
+
+        if is_nemo2(folder):
+            return cls.from_hf_dict(hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml"))
         return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
 
     def to_dict(self) -> Dict[str, Any]:

@@ -3,6 +3,10 @@ the ``torch_dist`` format) + ``DIR/context/`` (``model.yaml``: the model config 
 fiddle YAML; ``nemo_tokenizer/``: the HF tokenizer files; ``artifacts/``: the generation
 config). What NeMo users have after SFT (``llm.import_ckpt`` writes the same layout).
 
+The Megatron backend starts training from such a folder (``model.name=<NeMo 2 folder>``:
+:func:`open_nemo2_weights` for the weights, :func:`write_side_folder` for config and
+tokenizer); ``nemo-d3s-convert`` reads and writes them.
+
 Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkpoint:
 
 - ``context/model.yaml`` is read with ``yaml.safe_load`` and mapped to an HF config dict
@@ -32,6 +36,7 @@ import json
 import math
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -42,7 +47,8 @@ from nemo_d3s.backends.megatron.hf_config import ModelSpec
 from nemo_d3s.backends.megatron.weights import Layout, local_names, local_shape
 from nemo_d3s.config import ConfigError
 
-__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_nemo2", "NEMO_PREFIX"]
+__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_nemo2", "write_side_folder",
+           "NEMO_PREFIX"]
 
 NEMO_PREFIX = "module."
 _DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -350,6 +356,27 @@ def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torc
                           f"{spec.vocab_size} in context/model.yaml")
     reader = Nemo2Reader(folder, spec, index, padded)
     return reader, reader.check()
+
+
+def write_side_folder(folder: Path, dst: Path) -> Path:
+    """What the Megatron backend reads besides the weights, for a NeMo 2 training start, as
+    an HF-style folder ``dst``: config.json (from context/model.yaml), the tokenizer files of
+    context/nemo_tokenizer/ and context/artifacts/generation_config.json when present."""
+    folder = Path(folder)
+    cfg = hf_config_from_nemo(folder)
+    tok = folder / "context" / "nemo_tokenizer"
+    files = sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
+    if not any(p.name == "tokenizer_config.json" for p in files):
+        raise ConfigError(f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF tokenizer "
+                          "(convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first)")
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for p in files:
+        shutil.copyfile(p, dst / p.name)
+    gen = folder / "context" / "artifacts" / "generation_config.json"
+    if gen.is_file():
+        shutil.copyfile(gen, dst / gen.name)
+    return dst
 
 
 # ============================================================================ writing
