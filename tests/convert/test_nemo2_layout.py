@@ -6,6 +6,8 @@ checked against nemo-toolkit itself in ``test_nemo_toolkit.py`` where NeMo is in
 - Megatron (TP2 x PP2 / TP1) -> NeMo 2 -> HF is bit-exact (Llama fp32, Qwen2 bf16 tied);
   the weights are NeMo's names, layer-stacked, one chunk per layer, with the
   ``_extra_state`` objects NeMo's modules load; ``verify`` agrees;
+- a NeMo 2 checkpoint written at TP2 x PP2 by megatron-core's own ``sharded_state_dict`` +
+  ``dist_checkpointing.save`` on 4 ranks (what NeMo does at that layout) reads back bit-exactly;
 - NeMo 2 as a training start: ``hf_to_megatron`` from it gives the shards it gives from the
   HF folder, and the Megatron backend starting there, or from the NeMo 2 folder itself
   (``model.name=<NeMo 2 folder>``, TP2), scores as transformers does; the latter's HF export
@@ -142,6 +144,50 @@ def _rank_scores_and_export(rank, folder, export):
     del pol
     gc.collect()
     return lp, not os.path.exists(side)
+
+
+def _rank_save_sharded_state_dict(rank, folder, weights):
+    """What NeMo's strategy does when it saves a model trained at TP x PP: megatron-core's own
+    ``sharded_state_dict`` of every stage (prefix "module.", layers stacked by global index,
+    the gated fc1 stored by its swiglu factory as [gate; up] chunks per TP rank) through
+    ``dist_checkpointing.save`` on all ranks."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+    from nemo_d3s.backends.megatron.nemo2 import _TorchOnCpu
+
+    pol = MegatronBackend(MegatronBackendConfig(
+        model=folder, device="cpu", tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size()))
+    with _TorchOnCpu():
+        dist_checkpointing.save(pol.model.sharded_state_dict(prefix="module."), weights)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
+    """A NeMo 2 checkpoint whose weights megatron-core wrote from 4 TP2 x PP2 ranks (what a
+    NeMo run at that layout writes; NeMo's HF importer only writes TP1) reads back bit-exactly
+    and starts the backend at TP1, scoring as transformers does."""
+    from transformers import AutoModelForCausalLM
+
+    from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
+
+    src = tiny(tmp_path / "hf", arch, "float32")
+    nemo = tmp_path / "nemo"
+    (nemo / "weights").mkdir(parents=True)
+    run_ranks(_rank_save_sharded_state_dict, 4, str(src), str(nemo / "weights"), tp=2, pp=2, timeout=300)
+    shutil.copytree(nemo_context(src, tmp_path / "ctx") / "context", nemo / "context")
+    index = _DcpIndex(nemo / "weights")
+    fc1 = "module.decoder.layers.mlp.linear_fc1.weight"
+    assert len(index.chunks[fc1]) == 4 * 2 * 2  # per layer: gate and up halves of both TP ranks
+    assert_same_tensors(src, megatron_to_hf(nemo, tmp_path / "back", progress=False))
+    lp, ids = run_ranks(_rank_scores, 1, str(nemo), tp=1, pp=1, timeout=240)[0]
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    with torch.no_grad():
+        want = align_to_tokens(entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1])
+    assert float((lp - want).abs().max()) <= 1e-4
 
 
 def assert_same_tensors_file(a, b):
