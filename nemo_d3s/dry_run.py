@@ -79,6 +79,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
+from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, global_rank_of, rank_order
 from nemo_d3s.config import ConfigError
 
 __all__ = [
@@ -287,7 +288,7 @@ def real_param_count(spec, layout) -> int:
 
 
 @contextlib.contextmanager
-def _fake_world(rank: int, world: int, tp: int, pp: int) -> Iterator[Any]:
+def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator[Any]:
     """Megatron's parallel state of global ``rank`` in a ``world``-rank job, in this one
     process: torch's fake process-group backend (collectives are no-ops) under megatron's
     ``initialize_model_parallel`` (no gloo side groups). Torn down on exit."""
@@ -298,7 +299,7 @@ def _fake_world(rank: int, world: int, tp: int, pp: int) -> Iterator[Any]:
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False)
+                                     create_gloo_process_groups=False, order=order)
         try:
             yield ps
         finally:
@@ -307,13 +308,8 @@ def _fake_world(rank: int, world: int, tp: int, pp: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def engine_source_ranks(tp: int, dp: int) -> List[int]:
-    """Global ranks where the rollout engines start: the first rank of each TP x PP group
-    (TP rank 0, stage 0, DP replica k) in Megatron's default order tp-cp-ep-dp-pp."""
-    return [tp * k for k in range(dp)]
-
-
-def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int) -> Dict[str, Any]:
+def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
+                      order: str = DEFAULT_ORDER) -> Dict[str, Any]:
     """Build each distinct position's GPTModel stage on the meta device under a fake
     process group of ``world`` ranks and count its parameters. Returns {"counts":
     {"tp_rank,pp_rank": n}, "engine_sources": [...]} or {"skipped": reason}."""
@@ -342,12 +338,12 @@ def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for t, p in wanted:
-            rank = t + tp * dp * p  # DP replica 0 in the order tp-cp-ep-dp-pp
-            with _fake_world(rank, world, tp, pp) as ps:
+            rank = global_rank_of(t, p, 0, tp=tp, pp=pp, dp=dp, order=order)  # DP replica 0
+            with _fake_world(rank, world, tp, pp, order) as ps:
                 got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
                 if got != (t, p):
                     raise RuntimeError(f"megatron placed global rank {rank} at (TP, PP) = {got}, expected {(t, p)}: "
-                                       "its rank order is not tp-cp-ep-dp-pp")
+                                       f"its rank order is not {order}")
                 layout = Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False)
                 config = transformer_config(spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta)
                 # Tied embeddings at PP > 1: megatron moves the last stage's copy with
@@ -362,12 +358,12 @@ def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int) 
                 counts[f"{t},{p}"] = sum(x.numel() for x in model.parameters())
                 del model
         # Where the rollout engines start: the first rank of the last DP replica's TP x PP group.
-        last = engine_source_ranks(tp, dp)[-1]
-        with _fake_world(last, world, tp, pp) as ps:
+        last = first_ranks_of_model_copies(tp, pp, dp, order)[-1]
+        with _fake_world(last, world, tp, pp, order) as ps:
             first = dist.get_global_rank(ps.get_model_parallel_group(), 0)
             if first != last:
                 raise RuntimeError(f"the TP x PP group of rank {last} starts at rank {first}: megatron's rank order "
-                                   "is not tp-cp-ep-dp-pp")
+                                   f"is not {order}")
     return {"counts": counts, "built": sorted(counts)}
 
 
@@ -435,12 +431,12 @@ def _workload(cfg, spec, *, dp: int, engines: int, mcfg) -> Workload:
     )
 
 
-def _vllm_placement(shape: JobShape, *, tp: int, dp: int, vllm_tp: int) -> Dict[str, Any]:
+def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str) -> Dict[str, Any]:
     """Engines per node (one per TP x PP group, on its first rank's node) and the shards
     the busiest GPU carries when each node spreads its engines' vLLM-TP workers over its
     GPUs as evenly as it can."""
     per_node: Dict[int, int] = {}
-    for r in engine_source_ranks(tp, dp):
+    for r in first_ranks_of_model_copies(tp, pp, dp, order):
         per_node[r // shape.gpus_per_node] = per_node.get(r // shape.gpus_per_node, 0) + 1
     shards = max(-(-n * vllm_tp // shape.gpus_per_node) for n in per_node.values())
     return {"engines": dp, "engines_per_node": {str(k): v for k, v in sorted(per_node.items())},
@@ -467,6 +463,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     folder = model_folder(str(cfg.model.name))
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
+    order = rank_order(bool(mcfg.use_tp_pp_dp_mapping))
     try:
         dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
     except ConfigError as e:
@@ -484,7 +481,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         if vllm_tp > shape.gpus_per_node:
             raise ConfigError(f"rollout.tensor_parallel_size={vllm_tp}: exceeds the {shape.gpus_per_node} GPUs of "
                               "a node (the in-process engine spans one node)")
-        placement = _vllm_placement(shape, tp=tp, dp=dp, vllm_tp=vllm_tp)
+        placement = _vllm_placement(shape, tp=tp, pp=pp, dp=dp, vllm_tp=vllm_tp, order=order)
     w = _workload(cfg, spec, dp=dp, engines=dp, mcfg=mcfg)
     d = w.dtype_bytes
     opt_per_param = (12 if d < 4 else 8) / dp
@@ -563,7 +560,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     shards_sum = sum(x["real_params"] for x in positions)
     if shards_sum != spec.num_params:
         raise RuntimeError(f"the per-position shards sum to {shards_sum} parameters, the model has {spec.num_params}")
-    meta = meta_param_counts(spec, tp=tp, pp=pp, world=shape.world, padded_vocab=vocab)
+    meta = meta_param_counts(spec, tp=tp, pp=pp, world=shape.world, padded_vocab=vocab, order=order)
     for key, n in meta.get("counts", {}).items():
         t, p = (int(x) for x in key.split(","))
         want = next(x["params"] for x in positions if (x["tp_rank"], x["pp_rank"]) == (t, p))
@@ -603,7 +600,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         "problems": problems,
         "gpu_memory_gb": gpu / GB,
         "layout": {"nodes": shape.nodes, "gpus_per_node": shape.gpus_per_node, "world": shape.world,
-                   "world_from": shape.source, "tp": tp, "pp": pp, "dp": dp, "rollout_engine": engine,
+                   "world_from": shape.source, "tp": tp, "pp": pp, "dp": dp, "rank_order": order, "rollout_engine": engine,
                    "vllm_tp": vllm_tp if engine == "vllm" else None, "dtype_bytes": d,
                    "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // dp},
         "workload": dict(w.__dict__),
@@ -644,7 +641,9 @@ def render(report: Dict[str, Any]) -> str:
     lines = [
         f"dry run: {m['architecture']} {_count(m['total_params'])} params ({m['folder']})",
         f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} ({lay['world_from']}); "
-        f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}; rollout={lay['rollout_engine']}"
+        f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}"
+        f"{'' if lay.get('rank_order', DEFAULT_ORDER) == DEFAULT_ORDER else ' (ranks ' + lay['rank_order'] + ')'}"
+        f"; rollout={lay['rollout_engine']}"
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
     w = report["workload"]

@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = {
     "llama3_8b": (1, 8_030_261_248, "8.03B", (2, 1, 4)),
     "qwen25_math_7b": (1, 7_615_616_512, "7.62B", (2, 1, 4)),
-    "llama3_70b": (8, 70_553_706_496, "70.6B", (8, 2, 4)),
+    "llama3_70b": (8, 70_553_706_496, "70.6B", (4, 4, 4)),
     "qwen25_72b": (8, 72_706_203_648, "72.7B", (8, 2, 4)),
 }
 
@@ -103,7 +103,8 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
     for key, n in meta["counts"].items():
         t, p = map(int, key.split(","))
         assert n == next(x["params"] for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (t, p))
-    assert {k.split(",")[1] for k in meta["counts"]} == {str(p) for p in range(pp)}
+    # each kind of stage once: the first, a middle one (PP > 2: all middles are alike), the last
+    assert {k.split(",")[1] for k in meta["counts"]} == {str(p) for p in {0, min(1, pp - 1), pp - 1}}
     for x in report["positions"]:
         assert x["peak_bytes"] <= 80 * GB and x["largest_term"] in x["terms_bytes"]
         assert x["terms_bytes"]["runtime"] == RUNTIME_BYTES
@@ -116,15 +117,40 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
     assert abs(mine - ref["weight_and_optimizer_bytes"]) / mine < 2e-3
 
 
-def test_70b_at_the_public_recipes_tp4_pp4_does_not_fit_here(tmp_path):
-    """What the 70B recipe's comment says: at TP 4 x PP 4 the engines of the four TP x PP
-    groups start two per node on nodes 0-1, so two TP-8 vLLM engines share every GPU there."""
-    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "model.params.tensor_model_parallel_size=4",
-                    "model.params.pipeline_model_parallel_size=4"])
-    report = plan(cfg, JobShape(8, 8, "test"))
-    assert not report["fits"]
-    assert report["vllm"]["engines_per_node"] == {"0": 2, "1": 2} and report["vllm"]["shards_per_gpu"] == 2
-    assert report["worst"]["largest_term"] == "vllm" and report["worst"]["phase"] == "generation"
+def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
+    """What the 70B recipe's comment says: at TP 4 x PP 4 in Megatron's default rank order the
+    engines of the four TP x PP copies start two per node on nodes 0-1 (two TP-8 vLLM engines
+    on every GPU there: does not fit); in tp-pp-dp order one per even node (fits)."""
+    report = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    assert report["fits"] and report["layout"]["rank_order"] == "tp-cp-ep-pp-dp"
+    assert report["vllm"]["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
+    assert report["vllm"]["shards_per_gpu"] == 1
+    default = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}",
+                             "model.params.use_tp_pp_dp_mapping=false"]), JobShape(8, 8, "test"))
+    assert not default["fits"] and default["layout"]["rank_order"] == "tp-cp-ep-dp-pp"
+    assert default["vllm"]["engines_per_node"] == {"0": 2, "1": 2} and default["vllm"]["shards_per_gpu"] == 2
+    assert default["worst"]["largest_term"] == "vllm" and default["worst"]["phase"] == "generation"
+
+
+def test_first_ranks_of_model_copies_hand_worked():
+    from nemo_d3s.backends.megatron.parallel import (
+        DEFAULT_ORDER,
+        TP_PP_DP_ORDER,
+        first_ranks_of_model_copies,
+        global_rank_of,
+    )
+
+    # TP4 x PP4 x DP4 on 64 ranks: default rank = t + 4 (d + 4 p); tp-pp-dp rank = t + 4 (p + 4 d)
+    assert first_ranks_of_model_copies(4, 4, 4, DEFAULT_ORDER) == [0, 4, 8, 12]
+    assert first_ranks_of_model_copies(4, 4, 4, TP_PP_DP_ORDER) == [0, 16, 32, 48]
+    assert global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=DEFAULT_ORDER) == 3 + 4 * (1 + 4 * 2) == 39
+    assert global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=TP_PP_DP_ORDER) == 3 + 4 * (2 + 4 * 1) == 27
+    for order in (DEFAULT_ORDER, TP_PP_DP_ORDER):  # a bijection onto 0..63
+        ranks = {global_rank_of(t, p, d, tp=4, pp=4, dp=4, order=order) for t in range(4) for p in range(4)
+                 for d in range(4)}
+        assert ranks == set(range(64))
+    with pytest.raises(ValueError, match="rank order"):
+        first_ranks_of_model_copies(2, 2, 2, "tp-dp-pp-cp")
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -133,7 +159,7 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
              GPUS_PER_NODE="8")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verdict: FITS in 80 GB per GPU" in r.stdout
-    assert "TP 8 x PP 2 x DP 4" in r.stdout
+    assert "TP 4 x PP 4 x DP 4 (ranks tp-cp-ep-pp-dp)" in r.stdout
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert report["total_params"] == 70_553_706_496 and report["fits"] is True
     assert report["layout"]["world"] == 64 and report["layout"]["vllm_tp"] == 8
@@ -224,11 +250,14 @@ def test_parameters_by_hand():
 
 
 @pytest.mark.parametrize("tied,bias", [(False, False), (True, True)], ids=["llama-untied", "qwen2-tied-bias"])
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (2, 1), (1, 4)])
-def test_table_equals_megatron_modules_and_shards_sum(tied, bias, tp, pp):
+@pytest.mark.parametrize("tp,pp,order", [(1, 1, "tp-cp-ep-dp-pp"), (2, 2, "tp-cp-ep-dp-pp"), (2, 1, "tp-cp-ep-dp-pp"),
+                                         (1, 4, "tp-cp-ep-dp-pp"), (2, 2, "tp-cp-ep-pp-dp")])
+def test_table_equals_megatron_modules_and_shards_sum(tied, bias, tp, pp, order):
+    """(meta_param_counts also checks that megatron-core puts each built position, and the
+    last copy's first rank, where ``parallel.global_rank_of`` says for that rank order)"""
     spec = _tiny(tied, bias)
     vp = padded_vocab_size(spec.vocab_size, tp)
-    meta = meta_param_counts(spec, tp=tp, pp=pp, world=tp * pp * 2, padded_vocab=vp)
+    meta = meta_param_counts(spec, tp=tp, pp=pp, world=tp * pp * 2, padded_vocab=vp, order=order)
     assert "counts" in meta, meta
     for key, n in meta["counts"].items():
         t, p = map(int, key.split(","))

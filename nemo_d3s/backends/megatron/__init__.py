@@ -6,7 +6,9 @@ nothing outside ``nemo_d3s/backends/megatron/`` imports megatron-core. Modules:
 ``hf_config`` (config.json -> ModelSpec), ``weights`` (the one HF <-> Megatron name/shape
 table), ``model`` (build, load, gather), ``schedule`` (score / train_step), ``engine``
 (rollouts per model-parallel group), ``checkpoint`` (sharded, reshardable), ``cpu_compat``
-(megatron-core on gloo/CPU), ``backend`` (the Policy).
+(megatron-core on gloo/CPU), ``parallel`` (process groups, rank order), ``optimizer_state``
+(the distributed optimizer's checkpoint state), ``nemo2`` (NeMo 2 checkpoints), ``backend``
+(the Policy).
 """
 
 

@@ -237,9 +237,9 @@ class MegatronBackend(Policy):
             if have != (tp, pp):
                 raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
         else:
-            from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups
+            from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
 
-            initialize_megatron_groups(world.global_rank, tp, pp)
+            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping))
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
             dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),

@@ -28,6 +28,13 @@ class MegatronBackendConfig(PolicySettings):
         Megatron's names, accepted so a recipe can state them; only None / 1 / False run
         (interleaved 1F1B, context parallelism and sequence parallelism are not wired into
         the RL step yet) and anything else is refused at start-up by name.
+    use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
+        tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
+        copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
+        per node). The rollout engine of each copy starts on the copy's first rank: at TP4 x
+        PP4 on 8-GPU nodes each copy then holds two whole nodes and the engines start one per
+        even node, instead of two per node on the first two nodes (the 70B recipe uses it).
+        The math is the same in either order; only the groups' members change.
     make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP
         (Megatron's rule); padded rows are never scored, sampled or exported.
     distributed_optimizer: true: Megatron's DistributedDataParallel + distributed optimizer
@@ -53,6 +60,7 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    use_tp_pp_dp_mapping: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None

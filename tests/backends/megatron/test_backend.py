@@ -97,21 +97,23 @@ def reference(folders):
 
 
 # ---------------------------------------------------------------------------- rank bodies
-def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp):
+def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
     batch, adv, noise, keep = _data()
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    pol = _megatron(folder, tp, pp)
+    pol = _megatron(folder, tp, pp, **kw)
     dp = ps.get_data_parallel_rank()
     rows = torch.tensor(dp_rows[dp], dtype=torch.long)
     local = batch.select(rows)
     sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
-    out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy}
+    out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy, "rank": dist.get_rank(),
+           "position": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), dp)}
     # old log-probs from the reference's values (the same on every layout)
     old_lp = _old_logprobs(ref_lp, noise)
     for i, agg in enumerate(AGGS):
         if i:
-            pol = _megatron(folder, tp, pp)
+            pol = _megatron(folder, tp, pp, **kw)
         metrics = pol.train_step(local, _loss_fn(local, old_lp[rows], adv[rows], keep[rows], agg), MBS,
                                  denominator=_denominator(keep, agg))
         out[agg] = (metrics, dict(pol.hf_weights()))
@@ -125,16 +127,25 @@ LAYOUTS = {
     "tp1pp2": (1, 2, 2, ALL),
     "tp2pp2": (2, 2, 4, ALL),
     "dp2": (1, 1, 2, [[0, 1, 2, 3], [4, 5]]),
+    # Megatron-LM's tp-pp-dp rank order (the 70B recipe's): the backend builds the groups
+    "tp1pp2dp2_tp_pp_dp": (1, 2, 4, [[0, 1, 2, 3], [4, 5]], {"use_tp_pp_dp_mapping": True}),
 }
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, reference):
-    tp, pp, world, dp_rows = LAYOUTS[layout]
+    from nemo_d3s.backends.megatron.parallel import global_rank_of, rank_order
+
+    tp, pp, world, dp_rows, *kw = LAYOUTS[layout]
+    kw = kw[0] if kw else {}
     ref = reference[arch]
-    results = run_ranks(_rank_layout, world, folders[arch], tp, pp, dp_rows, ref["logprobs"],
-                        tp=tp, pp=pp, timeout=240)
+    # With options the backend builds Megatron's groups itself; else the harness does.
+    results = run_ranks(_rank_layout, world, folders[arch], tp, pp, dp_rows, ref["logprobs"], kw,
+                        tp=tp, pp=pp, megatron=not kw, timeout=240)
+    order = rank_order(kw.get("use_tp_pp_dp_mapping", False))
+    assert [global_rank_of(*r["position"], tp=tp, pp=pp, dp=len(dp_rows), order=order) for r in results] == \
+        [r["rank"] for r in results] == list(range(world))
     first = {}
     for res in results:
         f = first.setdefault(res["dp"], res)
