@@ -4,11 +4,11 @@ pipeline and data parallelism, trained through Megatron's own schedules.
 The only package besides ``backends.hf`` / ``backends.vllm`` that imports a model framework;
 nothing outside ``nemo_d3s/backends/megatron/`` imports megatron-core. Modules:
 ``hf_config`` (config.json -> ModelSpec), ``weights`` (the one HF <-> Megatron name/shape
-table), ``model`` (build, load, gather), ``schedule`` (score / train_step), ``engine``
-(rollouts per model-parallel group), ``checkpoint`` (sharded, reshardable), ``cpu_compat``
-(megatron-core on gloo/CPU), ``parallel`` (process groups, rank order), ``optimizer_state``
-(the distributed optimizer's checkpoint state), ``nemo2`` (NeMo 2 checkpoints), ``backend``
-(the Policy).
+table), ``model`` (build, load, gather), ``schedule`` (score / train_step), ``optimizer``
+(both optimizers, the plain one's gradient steps, the distributed optimizer's checkpoint
+state), ``engine`` (rollouts per model-parallel group), ``checkpoint`` (sharded,
+reshardable), ``nemo2`` (NeMo 2 checkpoints), ``parallel`` (process groups, rank order),
+``cpu_compat`` (megatron-core on gloo/CPU), ``backend`` (the Policy).
 """
 
 

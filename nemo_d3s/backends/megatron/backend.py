@@ -34,7 +34,8 @@ from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron import nemo2, optimizer_state, schedule
+from nemo_d3s.backends.megatron import nemo2, schedule
+from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
@@ -185,7 +186,7 @@ class MegatronBackend(Policy):
         if cfg.use_reference:
             self.ref_model = copy.deepcopy(self.model).eval()
             self.ref_model.requires_grad_(False)
-        chunks, self.optimizer = schedule.build_optimizer(
+        chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
             distributed_optimizer=cfg.distributed_optimizer,
@@ -351,7 +352,7 @@ class MegatronBackend(Policy):
     # ------------------------------------------------------------------ checkpoints
     @property
     def _megatron_optimizer(self) -> bool:
-        return schedule._is_megatron_optimizer(self.optimizer)
+        return optim.is_megatron_optimizer(self.optimizer)
 
     def state_dict(self) -> dict:
         """This rank's shard (model, plain-AdamW moments, reference) under local names. The
@@ -361,7 +362,7 @@ class MegatronBackend(Policy):
         for name, p in self.model.named_parameters():
             out[name] = p.detach()
             st = {} if self._megatron_optimizer else self.optimizer.state.get(p, {})
-            for k in optimizer_state.MOMENTS:
+            for k in optim.MOMENTS:
                 if k in st:
                     out[f"optim.{k}.{name}"] = st[k]
         if self.ref_model is not None:
@@ -371,7 +372,7 @@ class MegatronBackend(Policy):
 
     def _optimizer_step(self) -> int:
         if self._megatron_optimizer:
-            return optimizer_state.optimizer_step(self.optimizer)
+            return optim.optimizer_step(self.optimizer)
         for st in self.optimizer.state.values():
             if "step" in st:
                 return int(st["step"])
@@ -390,7 +391,7 @@ class MegatronBackend(Policy):
         tensors: Dict[str, torch.Tensor] = {}
         with_main = self._megatron_optimizer and self.dtype != torch.float32
         if self._megatron_optimizer:  # fp32 main weights are the parameters themselves
-            tensors = optimizer_state.gather_states(self.optimizer, self.model.named_parameters(), self.groups.dp,
+            tensors = optim.gather_states(self.optimizer, self.model.named_parameters(), self.groups.dp,
                                                     with_main=with_main)
         if self.groups.dp_rank == 0:
             meta = {"optimizer_step": str(self._optimizer_step()), "scheduler_step": str(self.scheduler.step_count),
@@ -415,7 +416,7 @@ class MegatronBackend(Policy):
         with_main = megatron_opt and meta.get("main_params") == "1"
         staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
         moments: Dict[str, Dict[str, torch.Tensor]] = {}
-        families = ["", *(f"optim.{k}." for k in optimizer_state.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
+        families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
         readers = {prefix: ckpt.ShardedReader(root, self.spec, saved, prefix) for prefix in families}
 
         def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -430,7 +431,7 @@ class MegatronBackend(Policy):
         for name, p in self.model.named_parameters():
             staged.append((p, read("", name, p)))
             if opt_step > 0:
-                moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optimizer_state.MOMENTS}
+                moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optim.MOMENTS}
                 if with_main:
                     moments[name]["main"] = read("optim.main.", name, p, torch.float32)
         if self.ref_model is not None:
@@ -439,7 +440,7 @@ class MegatronBackend(Policy):
         for p, t in staged:
             p.copy_(t.to(p.device))
         if megatron_opt:
-            optimizer_state.scatter_states(self.optimizer, self.model.named_parameters(),
+            optim.scatter_states(self.optimizer, self.model.named_parameters(),
                                            {n: {k: v.to(self.device) for k, v in m.items()} for n, m in moments.items()},
                                            opt_step)
         else:

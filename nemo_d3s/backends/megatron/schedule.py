@@ -27,11 +27,9 @@ empty).
   (a SUM) scaled by :class:`~nemo_d3s.distributed.StepNormalizer` so that the schedule's
   1/num_microbatches and the DP gradient averaging are undone exactly; the DP gradient
   reduction; global-norm clipping over TP x PP x DP; one optimizer step.
-- :func:`build_optimizer`: the optimizer :func:`train_step` expects: plain
-  ``torch.optim.AdamW`` over this rank's shards (gradients averaged over DP by
-  :func:`train_step` with one explicit all-reduce per dtype; the CPU default), or Megatron's
-  ``DistributedDataParallel`` + distributed optimizer (the CUDA default; the tests run it on
-  gloo through ``cpu_compat``, no GPU has run it yet).
+- The optimizer :func:`train_step` expects comes from ``optimizer.build_optimizer``: plain
+  AdamW over this rank's shards (gradients averaged over DP here, through
+  ``optimizer.finalize_grads``), or Megatron's DDP + distributed optimizer.
 
 Collectives per call are listed in each docstring. Nothing here knows about D3S: selection,
 denominators and loss closures come from the trainer.
@@ -41,13 +39,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
+from nemo_d3s.backends.megatron.optimizer import (
+    Model,
+    clip_grads_,
+    device_of,
+    finalize_grads,
+    global_grad_norm,
+    is_megatron_optimizer,
+    local_params,
+    model_chunks,
+    unwrap_model,
+)
 from nemo_d3s.core.entropy import align_to_tokens
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -55,18 +64,7 @@ from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.distributed.pipeline import PerTokenStore, broadcast_per_token, is_last_stage, logprob_loss_func
 from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
 
-__all__ = [
-    "MicroBatch",
-    "plan_micro_batches",
-    "score",
-    "train_step",
-    "build_optimizer",
-    "finalize_grads",
-    "global_grad_norm",
-    "clip_grads_",
-]
-
-Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+__all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 
 
 # ---------------------------------------------------------------------------- micro-batches
@@ -152,28 +150,6 @@ def _model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
 
 
 # ---------------------------------------------------------------------------- model plumbing
-def _chunks(model: Model) -> List[torch.nn.Module]:
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise ValueError(
-            f"got {len(chunks)} model chunks; virtual pipeline parallelism (interleaved 1F1B) is not supported"
-        )
-    return chunks
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(module, "module") and not hasattr(module, "decoder"):
-        module = module.module
-    return module
-
-
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for p in module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _check_layout(groups: ParallelGroups, config) -> None:
     if groups.cp_size > 1:
         raise ValueError(f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})")
@@ -247,15 +223,15 @@ def score(
     Memory on the last stage: Megatron's [b, L, V/TP] logits of one micro-batch (plus the
     kernel's chunk_size x V/TP workspace), and the [B, L] results; never V on one rank.
     """
-    chunks = _chunks(model)
-    inner = _unwrap(chunks[0])
+    chunks = model_chunks(model)
+    inner = unwrap_model(chunks[0])
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
     _check_layout(groups, inner.config)
-    device = _device_of(chunks[0])
+    device = device_of(chunks[0])
     multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
     mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
     store = PerTokenStore()
@@ -289,103 +265,7 @@ def score(
     return Scores(logprobs, entropy)
 
 
-# ---------------------------------------------------------------------------- gradients
-def _local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
-    return [p for c in chunks for p in c.parameters() if p.requires_grad]
-
-
-def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
-    """What Megatron's ``finalize_model_grads`` does for its DDP, for plain ``.grad`` tensors
-    (the CPU path): missing gradients become zeros; gradients are AVERAGED over ``groups.dp``
-    (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does when the loss
-    is not per-token); with PP > 1 and tied embeddings, the word-embedding gradient of the
-    first stage and the output-layer gradient of the last stage (the two copies of one
-    weight) are summed over Megatron's embedding group, so both copies take the same update.
-    No sequence parallelism (its layer-norm all-reduce is not done here).
-
-    Memory: one flat copy of the gradients of one dtype during the all-reduce.
-    """
-    chunks = _chunks(chunks)
-    params = _local_params(chunks)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if groups.data_parallel:
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
-            flat /= groups.dp_size
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-    inner = _unwrap(chunks[0])
-    if groups.pp_size > 1 and getattr(inner, "share_embeddings_and_output_weights", False):
-        from megatron.core import parallel_state as ps
-
-        if ps.is_rank_in_embedding_group():
-            weight = inner.shared_embedding_or_output_weight()
-            dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
-
-
-def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
-    """Megatron's rule: a parameter's gradient counts once in the global norm. TP-duplicated
-    parameters (layer norms, row-parallel biases) count on TP rank 0 only; the last stage's
-    copy of tied embeddings (``shared``) does not count (the first stage's does)."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-    from megatron.core.transformer.module import param_is_not_shared
-
-    if not param_is_not_shared(p):
-        return False
-    if is_single(groups.tp):
-        return True
-    return param_is_not_tensor_parallel_duplicate(p, groups.tp)
-
-
-def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (0-d f64 tensor on ``groups.device``), identical
-    on every rank. Expects gradients already reduced over DP (:func:`finalize_grads`), so DP
-    replicas hold the same values and only the model-parallel shards are summed: squared
-    norms (fp32 per tensor, summed in fp64) are all-reduced over ``groups.tp`` then
-    ``groups.pp`` (= the TP x PP grid). No host sync."""
-    chunks = _chunks(chunks)
-    grads = [p.grad for p in _local_params(chunks) if p.grad is not None and _counts_for_norm(p, groups)]
-    if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double().pow(2).sum()
-    else:
-        sq = torch.zeros((), dtype=torch.float64)
-    sq = sq.to(groups.device).reshape(1)
-    for g in (groups.tp, groups.pp):
-        if not is_single(g):
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=g)
-    return sq.sqrt()[0]
-
-
-def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
-    """Scale every local gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's and
-    Megatron's formula); returns the factor. ``max_norm`` <= 0 or None: no clipping."""
-    if not max_norm or max_norm <= 0 or not math.isfinite(total_norm):
-        return 1.0
-    coeff = float(max_norm) / (total_norm + 1.0e-6)
-    if coeff < 1.0:
-        for p in _local_params(_chunks(chunks)):
-            if p.grad is not None:
-                p.grad.mul_(coeff)
-    return min(coeff, 1.0)
-
-
 # ---------------------------------------------------------------------------- training
-def _is_megatron_optimizer(optimizer) -> bool:
-    try:
-        from megatron.core.optimizer import MegatronOptimizer
-    except ImportError:  # pragma: no cover - megatron-core is a dependency of this backend
-        return False
-    return isinstance(optimizer, MegatronOptimizer)
-
-
 def _broadcast_metrics(sums: Optional[Dict[str, float]], groups: ParallelGroups) -> Dict[str, float]:
     """The last stage's metric sums on every stage: one object broadcast over ``groups.pp``."""
     if is_single(groups.pp):
@@ -444,17 +324,17 @@ def train_step(
     Memory: Megatron's activations of the in-flight micro-batches (PP: up to PP of them on
     the first stage), the [b, L, V/TP] logits and their gradient on the last stage.
     """
-    chunks = _chunks(model)
-    inner = _unwrap(chunks[0])
+    chunks = model_chunks(model)
+    inner = unwrap_model(chunks[0])
     _check_layout(groups, inner.config)
-    device = _device_of(chunks[0])
+    device = device_of(chunks[0])
     B, S = batch.input_ids.shape
     multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
     mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
     scale = normalizer.loss_scale
-    megatron_opt = _is_megatron_optimizer(optimizer)
+    megatron_opt = is_megatron_optimizer(optimizer)
 
     sums: Dict[str, torch.Tensor] = {}
 
@@ -496,7 +376,7 @@ def train_step(
             c.zero_grad_buffer()
         optimizer.zero_grad()
     else:
-        for p in _local_params(chunks):
+        for p in local_params(chunks):
             p.grad = None
 
     _schedule(chunks, mbs, inputs, loss_for, forward_only=False)
@@ -528,79 +408,3 @@ def train_step(
         lr_scheduler.step()
     metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), n_micro_batches=float(n_real))
     return metrics
-
-
-# ---------------------------------------------------------------------------- optimizer
-def build_optimizer(
-    model: Model,
-    *,
-    lr: float,
-    betas: Tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    grad_clip: float = 0.0,
-    distributed_optimizer: Optional[bool] = None,
-) -> Tuple[List[torch.nn.Module], Any]:
-    """(model chunks, optimizer) for :func:`train_step`. ``distributed_optimizer``: None
-    picks by the device the model lives on (CUDA: Megatron's; CPU: plain AdamW); False
-    takes the plain path on CUDA too; True takes Megatron's on CPU too (gloo, with
-    ``cpu_compat`` applied: how the tests run the GPU path's logic).
-
-    Plain: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
-    same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
-    two copies of tied embeddings get identical gradients, so they stay identical);
-    :func:`train_step` all-reduces the gradients over DP. Weight decay applies to every
-    parameter, as in the HF backend.
-
-    Megatron's (run on gloo/CPU by the tests; not yet on a GPU): every chunk wrapped in
-    Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, distributed optimizer)
-    and ``get_megatron_optimizer`` (Adam with decoupled weight decay, ``clip_grad`` =
-    ``grad_clip``, bf16/fp16 from the model config, fp32 main params and state); the model
-    config gets ``finalize_model_grads_func`` (DP reduce-scatter, tied-embedding all-reduce)
-    and ``no_sync_func`` so the schedule drives the gradient reduction. Weight decay applies
-    to every parameter here too: megatron-core 0.16 marks biases and norms ``wd_mult=0``, but
-    only its ``OptimizerParamScheduler`` applies that, and the backend's LR schedule sets the
-    learning rate only (the HF backend's update math). For bf16/fp16 the
-    chunks must already be in their training dtype (``Float16Module``-wrapped, as Megatron's
-    ``get_model`` does); that is the model builder's job.
-    """
-    chunks = list(_chunks(model))
-    device = _device_of(chunks[0])
-    if distributed_optimizer is None:
-        distributed_optimizer = device.type == "cuda"
-    if not distributed_optimizer:
-        params = _local_params(chunks)
-        return chunks, torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-    if device.type != "cuda":
-        from nemo_d3s.backends.megatron.cpu_compat import is_applied
-
-        if not is_applied():
-            raise RuntimeError("Megatron's distributed optimizer on CPU needs cpu_compat.apply_cpu_compat() first")
-    # ---- Megatron DDP + distributed optimizer ----
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    config = _unwrap(chunks[0]).config
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
-    )
-    wrapped = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-        for i, c in enumerate(chunks)
-    ]
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = wrapped[0].no_sync
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        weight_decay=weight_decay,
-        adam_beta1=float(betas[0]),
-        adam_beta2=float(betas[1]),
-        adam_eps=eps,
-        bf16=bool(getattr(config, "bf16", False)),
-        fp16=bool(getattr(config, "fp16", False)),
-        params_dtype=getattr(config, "params_dtype", torch.float32),
-        clip_grad=float(grad_clip or 0.0),
-        use_distributed_optimizer=True,
-    )
-    return wrapped, get_megatron_optimizer(opt_config, wrapped)

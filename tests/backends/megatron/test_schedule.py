@@ -222,7 +222,8 @@ def _rank_layout(rank, tied, dp_rows, mbs):
     micro-batches of ``mbs`` rows."""
     from megatron.core import parallel_state as ps
 
-    from nemo_d3s.backends.megatron.schedule import build_optimizer, score, train_step
+    from nemo_d3s.backends.megatron.optimizer import build_optimizer
+    from nemo_d3s.backends.megatron.schedule import score, train_step
 
     groups = _groups()
     batch, adv, noise, keep = _data()
