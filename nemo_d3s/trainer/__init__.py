@@ -1,7 +1,8 @@
 """The GRPO / D3S training loop, backend-agnostic.
 
 Modules: ``step`` (one training step, on one screen), ``update`` (compaction, loss closure,
-mini-batches), ``loop`` (the run: evaluation, checkpoints, signals, export), ``data``
+mini-batches), ``loop`` (the run: evaluation, checkpoints, signals, export), ``resume``
+(what a fresh or resumed run checks in its directory; config.yaml), ``rundir``, ``data``
 (prompts and per-prompt seeds), ``checkpoint``, ``metrics``, ``stats``, ``evaluate``,
 ``build`` (config -> objects), ``backend_registry``, ``dist`` (data-parallel helpers),
 ``plot`` (the ``nemo-d3s-plot`` command).

@@ -29,7 +29,6 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from nemo_d3s.config import ConfigError, validate, validate_layout
 from nemo_d3s.trainer.build import (
@@ -43,10 +42,11 @@ from nemo_d3s.trainer.build import (
 from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, checkpoint_dirs
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
-from nemo_d3s.trainer.faults import RunError, agree_on_main, fault_point, first_line
+from nemo_d3s.trainer.faults import RunError, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
-from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir, move_aside, records
+from nemo_d3s.trainer.resume import check_resume_config, move_records_aside, refuse_records, write_config
+from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
@@ -56,23 +56,6 @@ __all__ = ["Trainer", "train"]
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-
-# Keys a resumed run may change without becoming a different experiment (resources,
-# cadence, logging); any other change needs trainer.allow_config_change=true.
-_RESUME_SAFE = (
-    "resume", "output_dir", "logging.", "trainer.steps", "trainer.eval_every", "trainer.eval_at_start",
-    "trainer.eval_batch_size", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
-    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.allow_config_change",
-    "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "trainer.dry_run", "trainer.gpu_memory_gb",
-    "task.max_eval_size",
-    "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
-    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
-)
-
-
-def _resume_safe(key: str) -> bool:
-    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in _RESUME_SAFE)
-
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
@@ -127,13 +110,13 @@ class Trainer:
                     f"output_dir={str(self.out)!r} already holds checkpoints ({ckpts[0].name}); "
                     "pass resume=true to continue that run or choose another output_dir"
                 )
-            agree_on_main(self.groups, self._refuse_records)
+            agree_on_main(self.groups, lambda: refuse_records(self.out))
             return self._start_state_fresh()
         if not ckpts:
-            agree_on_main(self.groups, self._move_records_aside)
+            agree_on_main(self.groups, lambda: move_records_aside(self.out))
             log.info("resume=true but no checkpoint in %s; starting from step 0", self.out / "checkpoints")
             return self._start_state_fresh()
-        agree_on_main(self.groups, self._check_resume_config)  # before anything is changed
+        agree_on_main(self.groups, lambda: check_resume_config(self.cfg, self.out))  # before anything is changed
         latest, state = self.ckpt.load_latest(self.policy)
         self.engine.sync_weights(self.policy)  # an engine with its own copy samples from the loaded weights
         if self.groups.is_main:
@@ -148,55 +131,6 @@ class Trainer:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, -1)
         return TrainerState()
-
-    def _refuse_records(self) -> None:
-        found = records(self.out)
-        if found:
-            raise ConfigError(
-                f"output_dir={str(self.out)!r} holds an earlier run's records ({', '.join(found)}) and no "
-                "checkpoint; choose another output_dir, or pass resume=true to move them into previous-<n>/ "
-                "and start from step 0"
-            )
-
-    def _move_records_aside(self) -> None:
-        found = records(self.out)
-        if found:
-            dest = move_aside(self.out, found)
-            log.warning("resume=true found no checkpoint but an earlier run's %s; moved them to %s and "
-                        "starting from step 0", ", ".join(found), dest)
-
-    def _check_resume_config(self) -> None:
-        """Rank 0, before anything is changed: the resumed config must be the same experiment
-        as the original ``config.yaml`` (see ``_RESUME_SAFE``)."""
-        path = self.out / "config.yaml"
-        allow = bool(self.t.allow_config_change)
-        if not path.is_file():
-            log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
-            return
-        try:
-            old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-            if not isinstance(old, dict):
-                raise ValueError("not a mapping")
-        except Exception as e:
-            if allow:
-                log.warning("%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, first_line(e))
-                return
-            raise ConfigError(f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
-                              "restore it, or pass trainer.allow_config_change=true to resume without the check") from None
-        new = OmegaConf.to_container(self.cfg, resolve=True)
-        diffs = [(k, a, b) for k, a, b, had in _diff_values(old, new) if had]
-        changed = [(k, a, b) for k, a, b in diffs if not _resume_safe(k)]
-        listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (" ..." if len(changed) > 8 else "")
-        if changed and not allow:
-            raise ConfigError(
-                f"resume=true with a config that changes the experiment ({listing}); resume with the original "
-                f"values (see {path}), or pass trainer.allow_config_change=true to continue anyway"
-            )
-        if changed:
-            log.warning("resuming with a changed experiment (trainer.allow_config_change=true): %s", listing)
-        if any(k == "trainer.steps" for k, _, _ in diffs):
-            log.warning("trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
-                        "steps from here on differ from a run started with the new value")
 
     def _generation_should_stop(self) -> bool:
         """The engine asks between decode steps: a stop signal is honoured within a token."""
@@ -246,28 +180,6 @@ class Trainer:
             self.logger.write(f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> {s['completion'][:200]!r}")
         return row
 
-    def _write_config(self) -> None:
-        """DIR/config.yaml. A resumed run keeps the original and, when its config differs
-        (only in keys allowed to differ, or with trainer.allow_config_change=true), writes
-        ``config.resumed-<n>.yaml`` beside it."""
-        path = self.out / "config.yaml"
-        new = OmegaConf.to_container(self.cfg, resolve=True)
-        text = OmegaConf.to_yaml(OmegaConf.create(new))
-        if self._resumed_from is not None and path.is_file():
-            try:
-                same = OmegaConf.to_container(OmegaConf.load(path), resolve=True) == new
-            except Exception:
-                same = False
-            if same:
-                return
-            n = 1
-            while (self.out / f"config.resumed-{n}.yaml").exists():
-                n += 1
-            (self.out / f"config.resumed-{n}.yaml").write_text(text)
-            log.info("kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n)
-            return
-        path.write_text(text)
-
     def run(self) -> TrainerState:
         # Checks that write nothing come first: prompt lengths against the model's context.
         if check_prompt_lengths(self.cfg, self.policy, self.task.task):
@@ -287,7 +199,7 @@ class Trainer:
     def _run_locked(self) -> TrainerState:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
-            self._write_config()
+            write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
         self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
@@ -411,26 +323,6 @@ class Trainer:
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         self.logger.write("done: " + ", ".join(f"{k}={v}" for k, v in summary.items())
                           + f"; run directory: {self.out.resolve()}")
-
-
-def _diff_values(a: Any, b: Any, prefix: str = "", had: bool = True) -> list:
-    """(dotted key, old, new, the old config had the key) for every differing leaf."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            out += _diff_values(a.get(k), b.get(k), f"{prefix}{k}.", had and k in a)
-        return out
-    return [] if a == b else [(prefix.rstrip("."), a, b, had)]
-
-
-def _diff_keys(a: Any, b: Any, prefix: str = "") -> list:
-    """Dotted keys whose values differ between two plain nested dicts."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            out += _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
-    return [] if a == b else [prefix.rstrip(".")]
 
 
 def seed_everything(seed: int) -> None:

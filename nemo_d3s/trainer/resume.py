@@ -1,0 +1,123 @@
+"""Starting a run in a directory: what a fresh run refuses, what ``resume=true`` moves aside
+or checks (the resumed config must be the same experiment), and ``config.yaml`` itself.
+Rank 0 runs these (``faults.agree_on_main`` spreads its verdict to the other ranks)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from nemo_d3s.config import ConfigError
+from nemo_d3s.trainer.faults import first_line
+from nemo_d3s.trainer.rundir import move_aside, records
+
+__all__ = ["RESUME_SAFE", "check_resume_config", "diff_values", "move_records_aside", "refuse_records", "resume_safe",
+           "write_config"]
+
+log = logging.getLogger("nemo_d3s.trainer")
+
+# Keys a resumed run may change without becoming a different experiment (resources,
+# cadence, logging); any other change needs trainer.allow_config_change=true.
+RESUME_SAFE = (
+    "resume", "output_dir", "logging.", "trainer.steps", "trainer.eval_every", "trainer.eval_at_start",
+    "trainer.eval_batch_size", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
+    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.allow_config_change",
+    "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "trainer.dry_run", "trainer.gpu_memory_gb",
+    "task.max_eval_size",
+    "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
+    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
+)
+
+
+def resume_safe(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE)
+
+
+def refuse_records(out: Path) -> None:
+    """A fresh run never takes over another run's records (ConfigError)."""
+    found = records(out)
+    if found:
+        raise ConfigError(
+            f"output_dir={str(out)!r} holds an earlier run's records ({', '.join(found)}) and no "
+            "checkpoint; choose another output_dir, or pass resume=true to move them into previous-<n>/ "
+            "and start from step 0"
+        )
+
+
+def move_records_aside(out: Path) -> None:
+    """``resume=true`` without a checkpoint: earlier records go to ``previous-<n>/``."""
+    found = records(out)
+    if found:
+        dest = move_aside(out, found)
+        log.warning("resume=true found no checkpoint but an earlier run's %s; moved them to %s and "
+                    "starting from step 0", ", ".join(found), dest)
+
+
+def check_resume_config(cfg: Any, out: Path) -> None:
+    """Rank 0, before anything is changed: the resumed config must be the same experiment
+    as the original ``config.yaml`` (see ``RESUME_SAFE``)."""
+    path = out / "config.yaml"
+    allow = bool(cfg.trainer.allow_config_change)
+    if not path.is_file():
+        log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
+        return
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        if not isinstance(old, dict):
+            raise ValueError("not a mapping")
+    except Exception as e:
+        if allow:
+            log.warning("%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, first_line(e))
+            return
+        raise ConfigError(f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
+                          "restore it, or pass trainer.allow_config_change=true to resume without the check") from None
+    new = OmegaConf.to_container(cfg, resolve=True)
+    diffs = [(k, a, b) for k, a, b, had in diff_values(old, new) if had]
+    changed = [(k, a, b) for k, a, b in diffs if not resume_safe(k)]
+    listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (" ..." if len(changed) > 8 else "")
+    if changed and not allow:
+        raise ConfigError(
+            f"resume=true with a config that changes the experiment ({listing}); resume with the original "
+            f"values (see {path}), or pass trainer.allow_config_change=true to continue anyway"
+        )
+    if changed:
+        log.warning("resuming with a changed experiment (trainer.allow_config_change=true): %s", listing)
+    if any(k == "trainer.steps" for k, _, _ in diffs):
+        log.warning("trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
+                    "steps from here on differ from a run started with the new value")
+
+
+def write_config(cfg: Any, out: Path, *, resumed: bool) -> None:
+    """DIR/config.yaml. A resumed run keeps the original and, when its config differs
+    (only in keys allowed to differ, or with trainer.allow_config_change=true), writes
+    ``config.resumed-<n>.yaml`` beside it."""
+    path = out / "config.yaml"
+    new = OmegaConf.to_container(cfg, resolve=True)
+    text = OmegaConf.to_yaml(OmegaConf.create(new))
+    if resumed and path.is_file():
+        try:
+            same = OmegaConf.to_container(OmegaConf.load(path), resolve=True) == new
+        except Exception:
+            same = False
+        if same:
+            return
+        n = 1
+        while (out / f"config.resumed-{n}.yaml").exists():
+            n += 1
+        (out / f"config.resumed-{n}.yaml").write_text(text)
+        log.info("kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n)
+        return
+    path.write_text(text)
+
+
+def diff_values(a: Any, b: Any, prefix: str = "", had: bool = True) -> list:
+    """(dotted key, old, new, the old config had the key) for every differing leaf."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += diff_values(a.get(k), b.get(k), f"{prefix}{k}.", had and k in a)
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b, had)]
