@@ -45,14 +45,9 @@ K_FRACS = (0.05, 0.1, 0.2, 0.5)
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
+    from nemo_d3s.train import compose_config
 
-    from nemo_d3s.config import register_configs
-    from nemo_d3s.train import conf_dir
-
-    register_configs()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def _top_n(scores, eligible, n, generator=None):

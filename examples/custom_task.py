@@ -10,11 +10,8 @@ import random
 import sys
 from typing import List
 
-from hydra import compose, initialize_config_dir
-
-from nemo_d3s.config import register_configs
 from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
-from nemo_d3s.train import conf_dir
+from nemo_d3s.train import compose_config
 from nemo_d3s.trainer.loop import train
 
 
@@ -45,12 +42,10 @@ class ParityTask(Task):
 
 
 def main(out_dir: str) -> None:
-    register_configs()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=[
-            "experiment=smoke",  # tiny random model: swap for model=smollm2 to learn for real
-            "task.name=parity", "task.eval_size=8", "trainer.steps=6", f"output_dir={out_dir}",
-        ])
+    cfg = compose_config([
+        "experiment=smoke",  # tiny random model: swap for model=smollm2 to learn for real
+        "task.name=parity", "task.eval_size=8", "trainer.steps=6", f"output_dir={out_dir}",
+    ])
     cfg.task.params = {"n_eval": 8}  # replace (not merge with) the tiny task's options
     state = train(cfg)
     print(f"trained {state.step} steps; metrics in {out_dir}/metrics.jsonl")

@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "conf_dir", "run_cli"]
+__all__ = ["main", "compose_config", "conf_dir", "run_cli"]
 
 log = logging.getLogger("nemo_d3s.train")
 
@@ -48,6 +48,18 @@ def conf_dir() -> Path:
         + ", ".join(str(c) for c in candidates)
         + ". Install from a source checkout (pip install -e .) or set NEMO_D3S_CONF_DIR."
     )
+
+
+def compose_config(overrides=()):
+    """The config ``python -m nemo_d3s.train <overrides>`` would run, as a DictConfig, without
+    Hydra's run directory or logging set-up (for scripts, notebooks and tests)."""
+    from hydra import compose, initialize_config_dir
+
+    from nemo_d3s.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
 
 
 def _job_output_dir(cfg) -> str:

@@ -52,14 +52,9 @@ RECIPES = {
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
+    from nemo_d3s.train import compose_config
 
-    from nemo_d3s.config import register_configs
-    from nemo_d3s.train import conf_dir
-
-    register_configs()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def _env(**extra):

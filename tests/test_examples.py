@@ -347,8 +347,8 @@ def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_p
     assert r.returncode == 2, r.stdout + r.stderr
     assert "verdict: FITS" in r.stdout
     folder = tmp_path / "config_only"
-    assert "holds no weights (model.safetensors[.index.json] or megatron/layout.json): a config-only recipe folder?" \
-        in r.stderr and str(folder) in r.stderr
+    assert ("holds no weights (model.safetensors[.index.json], megatron/layout.json or a NeMo 2 weights/): a "
+            "config-only recipe folder?") in r.stderr and str(folder) in r.stderr
     assert "a node failed its check (above); nothing was started" in r.stderr
     assert "training:" not in r.stdout and calls.count("srun --kill-on-bad-exit") == 2  # dry run + node check
 

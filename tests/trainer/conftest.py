@@ -25,15 +25,9 @@ FAST = [
 
 def compose(overrides: Sequence[str]):
     """The config `python -m nemo_d3s.train <overrides>` would run (no Hydra run dir)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from nemo_d3s.train import compose_config
 
-    from nemo_d3s.config import register_configs
-    from nemo_d3s.train import conf_dir
-
-    register_configs()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        return hydra_compose("config", overrides=list(overrides))
+    return compose_config(overrides)
 
 
 def run_inprocess(out_dir: Path, overrides: Sequence[str] = ()):
