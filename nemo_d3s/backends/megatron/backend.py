@@ -194,7 +194,7 @@ class MegatronBackend(Policy):
         self.chunks = chunks
         if self.groups.is_main:
             log.info("optimizer: %s", "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
-                     f"sharded over DP={self.groups.dp_size})" if self._megatron_optimizer
+                     f"sharded over DP={self.groups.dp_size})" if optim.is_megatron_optimizer(self.optimizer)
                      else "plain AdamW over each rank's shards, gradients all-reduced over DP")
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
@@ -350,105 +350,20 @@ class MegatronBackend(Policy):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def _megatron_optimizer(self) -> bool:
-        return optim.is_megatron_optimizer(self.optimizer)
-
     def state_dict(self) -> dict:
-        """This rank's shard (model, plain-AdamW moments, reference) under local names. The
-        distributed optimizer's state is not here: it is sharded over DP and gathered by
-        :meth:`save_checkpoint` (collective)."""
-        out: Dict[str, torch.Tensor] = {}
-        for name, p in self.model.named_parameters():
-            out[name] = p.detach()
-            st = {} if self._megatron_optimizer else self.optimizer.state.get(p, {})
-            for k in optim.MOMENTS:
-                if k in st:
-                    out[f"optim.{k}.{name}"] = st[k]
-        if self.ref_model is not None:
-            for name, p in self.ref_model.named_parameters():
-                out[f"ref.{name}"] = p.detach()
-        return out
-
-    def _optimizer_step(self) -> int:
-        if self._megatron_optimizer:
-            return optim.optimizer_step(self.optimizer)
-        for st in self.optimizer.state.values():
-            if "step" in st:
-                return int(st["step"])
-        return 0
+        """This rank's shard (model, plain-AdamW moments, reference) under local names; the
+        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead."""
+        return ckpt.policy_tensors(self)
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective. DP rank 0 of each (TP, PP) position writes its shard file (with
-        Megatron's distributed optimizer, after gathering the optimizer state's DP ranges
-        to it over DP); global rank 0 writes layout.json. The trainer adds atomicity and
-        checksums."""
-        root = Path(folder) / ckpt.SUBDIR
-        if self.groups.is_main:
-            root.mkdir(parents=True, exist_ok=True)
-            ckpt.write_layout(root, self.spec, self.layout)
-        self.groups.barrier()
-        tensors: Dict[str, torch.Tensor] = {}
-        with_main = self._megatron_optimizer and self.dtype != torch.float32
-        if self._megatron_optimizer:  # fp32 main weights are the parameters themselves
-            tensors = optim.gather_states(self.optimizer, self.model.named_parameters(), self.groups.dp,
-                                                    with_main=with_main)
-        if self.groups.dp_rank == 0:
-            meta = {"optimizer_step": str(self._optimizer_step()), "scheduler_step": str(self.scheduler.step_count),
-                    "main_params": str(int(bool(tensors) and with_main))}
-            ckpt.save_shard(root, self.layout, {**self.state_dict(), **tensors}, meta)
+        """Collective; see ``checkpoint.save_policy``."""
+        ckpt.save_policy(self, folder)
         return True
 
-    @torch.no_grad()
     def load_checkpoint(self, folder: str) -> bool:
-        """Load a checkpoint written at any TP x PP layout (same model): parameters, AdamW
-        moments and step, LR-scheduler step, reference. Every tensor is read and checked
-        before the first one is copied in, so a bad checkpoint changes nothing."""
-        root = Path(folder) / ckpt.SUBDIR
-        saved = ckpt.read_layout(root, self.spec)
-        meta = ckpt.shard_metadata(root, saved.at(0, 0)) or {}
-        try:
-            opt_step, sched_step = int(meta["optimizer_step"]), int(meta["scheduler_step"])
-        except (KeyError, ValueError):
-            raise ValueError(f"{str(root / ckpt.shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") \
-                from None
-        megatron_opt = self._megatron_optimizer
-        with_main = megatron_opt and meta.get("main_params") == "1"
-        staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        moments: Dict[str, Dict[str, torch.Tensor]] = {}
-        families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
-        readers = {prefix: ckpt.ShardedReader(root, self.spec, saved, prefix) for prefix in families}
-
-        def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-            t = ckpt.read_local_from_checkpoint(name, self.spec, self.layout, readers[prefix], dtype or like.dtype)
-            if t.shape != like.shape:
-                raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
-            return t
-
-        # Megatron's distributed optimizer keeps fp32 moments (and main weights) whatever
-        # the model's dtype; the plain AdamW keeps them in the parameter's dtype.
-        state_dtype = torch.float32 if megatron_opt else None
-        for name, p in self.model.named_parameters():
-            staged.append((p, read("", name, p)))
-            if opt_step > 0:
-                moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optim.MOMENTS}
-                if with_main:
-                    moments[name]["main"] = read("optim.main.", name, p, torch.float32)
-        if self.ref_model is not None:
-            for name, p in self.ref_model.named_parameters():
-                staged.append((p, read("ref.", name, p)))
-        for p, t in staged:
-            p.copy_(t.to(p.device))
-        if megatron_opt:
-            optim.scatter_states(self.optimizer, self.model.named_parameters(),
-                                           {n: {k: v.to(self.device) for k, v in m.items()} for n, m in moments.items()},
-                                           opt_step)
-        else:
-            for name, p in self.model.named_parameters():
-                if name in moments:
-                    self.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
-                                               **{k: v.to(p.device) for k, v in moments[name].items()}}
-        self.scheduler.set_step(sched_step)
+        """A checkpoint written at any TP x PP layout, with either optimizer; see
+        ``checkpoint.load_policy``."""
+        ckpt.load_policy(self, folder)
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
             self._own_engine.sync_weights(self)
         return True

@@ -5,10 +5,12 @@ Layout of ``<step dir>/megatron/``::
 
     layout.json                  {"format": 1, "tp", "pp", "padded_vocab", "te", "spec": ModelSpec}
     tp{t:02d}_pp{p:02d}.safetensors   written by DP rank 0 of that position: the stage's
-                                 parameters under Megatron's local names, the AdamW moments
-                                 as "optim.exp_avg.<name>" / "optim.exp_avg_sq.<name>", the
+                                 parameters under Megatron's local names, the Adam moments
+                                 as "optim.exp_avg.<name>" / "optim.exp_avg_sq.<name>" (Megatron's
+                                 distributed optimizer: gathered over DP, fp32, plus its fp32
+                                 main weights "optim.main.<name>" for bf16 models), the
                                  frozen reference as "ref.<name>"; metadata: optimizer step,
-                                 LR-scheduler step (plain strings)
+                                 LR-scheduler step, main_params (plain strings)
 
 Why not ``megatron.core.dist_checkpointing``: its formats are read back with pickle (the
 torch_dist ``.metadata`` file and ``common.pt``), and every file a run reads back here is
@@ -19,7 +21,8 @@ Resharding: a rank of another layout rebuilds each of its local tensors from the
 rows it covers (``weights.local_parts``), reading the saved TP shards of the stage that
 holds them and reassembling the HF tensor (``weights.assemble_hf``). AdamW's moments have
 their parameter's shape, so they reshard the same way: a checkpoint written at TP2 x PP2
-resumes at TP1 x PP1 with model AND optimizer state (the CPU AdamW path).
+resumes at TP1 x PP1 with model AND optimizer state, with either optimizer (plain AdamW or
+Megatron's distributed optimizer, whose DP ranges are cut out of the full tensors).
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.hf_config import ModelSpec
 from nemo_d3s.backends.megatron.weights import Layout, assemble_hf, local_names, local_parts, read_local
 from nemo_d3s.config import ConfigError
 
-__all__ = ["FORMAT", "shard_file", "write_layout", "read_layout", "ShardedReader", "save_shard"]
+__all__ = ["FORMAT", "shard_file", "write_layout", "read_layout", "ShardedReader", "save_shard", "load_policy",
+           "policy_tensors", "save_policy"]
 
 FORMAT = 1
 SUBDIR = "megatron"
@@ -143,3 +148,102 @@ def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
         return None
     with safe_open(str(path), framework="pt") as f:
         return f.metadata() or {}
+
+
+# ---------------------------------------------------------------------------- the backend's state
+def _optimizer_step(optimizer: Any) -> int:
+    if optim.is_megatron_optimizer(optimizer):
+        return optim.optimizer_step(optimizer)
+    for st in optimizer.state.values():
+        if "step" in st:
+            return int(st["step"])
+    return 0
+
+
+def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
+    """The backend's (``MegatronBackend``) shard on this rank: parameters, plain-AdamW
+    moments, reference, under local names. Megatron's distributed optimizer keeps its state
+    sharded over DP: :func:`save_policy` gathers it."""
+    out: Dict[str, torch.Tensor] = {}
+    plain = not optim.is_megatron_optimizer(pol.optimizer)
+    for name, p in pol.model.named_parameters():
+        out[name] = p.detach()
+        st = pol.optimizer.state.get(p, {}) if plain else {}
+        for k in optim.MOMENTS:
+            if k in st:
+                out[f"optim.{k}.{name}"] = st[k]
+    if pol.ref_model is not None:
+        for name, p in pol.ref_model.named_parameters():
+            out[f"ref.{name}"] = p.detach()
+    return out
+
+
+def save_policy(pol: Any, folder: str) -> None:
+    """Collective. DP rank 0 of each (TP, PP) position writes its shard file (with Megatron's
+    distributed optimizer, after gathering the optimizer state's DP ranges to it over DP);
+    global rank 0 writes layout.json. The trainer adds atomicity and checksums."""
+    root = Path(folder) / SUBDIR
+    if pol.groups.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        write_layout(root, pol.spec, pol.layout)
+    pol.groups.barrier()
+    megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
+    with_main = megatron_opt and pol.dtype != torch.float32  # fp32 main weights ARE the parameters
+    gathered: Dict[str, torch.Tensor] = {}
+    if megatron_opt:
+        gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp, with_main=with_main)
+    if pol.groups.dp_rank == 0:
+        meta = {"optimizer_step": str(_optimizer_step(pol.optimizer)), "scheduler_step": str(pol.scheduler.step_count),
+                "main_params": str(int(bool(gathered) and with_main))}
+        save_shard(root, pol.layout, {**policy_tensors(pol), **gathered}, meta)
+
+
+@torch.no_grad()
+def load_policy(pol: Any, folder: str) -> None:
+    """Load a checkpoint written at any TP x PP layout (same model) with either optimizer:
+    parameters, Adam moments (and the distributed optimizer's fp32 main weights) and step,
+    LR-scheduler step, reference. Every tensor is read and checked before the first one is
+    copied in, so a bad checkpoint changes nothing."""
+    root = Path(folder) / SUBDIR
+    saved = read_layout(root, pol.spec)
+    meta = shard_metadata(root, saved.at(0, 0)) or {}
+    try:
+        opt_step, sched_step = int(meta["optimizer_step"]), int(meta["scheduler_step"])
+    except (KeyError, ValueError):
+        raise ValueError(f"{str(root / shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") from None
+    megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
+    with_main = megatron_opt and meta.get("main_params") == "1"
+    families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
+    readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
+
+    def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        t = read_local_from_checkpoint(name, pol.spec, pol.layout, readers[prefix], dtype or like.dtype)
+        if t.shape != like.shape:
+            raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
+        return t
+
+    # Megatron's distributed optimizer keeps fp32 moments (and main weights) whatever the
+    # model's dtype; the plain AdamW keeps them in the parameter's dtype.
+    state_dtype = torch.float32 if megatron_opt else None
+    staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    moments: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, p in pol.model.named_parameters():
+        staged.append((p, read("", name, p)))
+        if opt_step > 0:
+            moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optim.MOMENTS}
+            if with_main:
+                moments[name]["main"] = read("optim.main.", name, p, torch.float32)
+    if pol.ref_model is not None:
+        for name, p in pol.ref_model.named_parameters():
+            staged.append((p, read("ref.", name, p)))
+    for p, t in staged:
+        p.copy_(t.to(p.device))
+    if megatron_opt:
+        optim.scatter_states(pol.optimizer, pol.model.named_parameters(),
+                             {n: {k: v.to(pol.device) for k, v in m.items()} for n, m in moments.items()}, opt_step)
+    else:
+        for name, p in pol.model.named_parameters():
+            if name in moments:
+                pol.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
+                                          **{k: v.to(p.device) for k, v in moments[name].items()}}
+    pol.scheduler.set_step(sched_step)
