@@ -4,7 +4,7 @@ at any other TP x PP layout through the weight table.
 Layout of ``<step dir>/megatron/``::
 
     layout.json                  {"format": 1, "tp", "pp", "padded_vocab", "te", "spec": ModelSpec}
-    tp{t:02d}_pp{p:02d}.safetensors   written by DP rank 0 of that position: the stage's
+    tp{t:02d}_pp{p:02d}.safetensors   written by one DP rank of that position: the stage's
                                  parameters under Megatron's local names, the Adam moments
                                  as "optim.exp_avg.<name>" / "optim.exp_avg_sq.<name>" (Megatron's
                                  distributed optimizer: gathered over DP, fp32, plus its fp32
@@ -40,7 +40,7 @@ from nemo_d3s.backends.megatron.weights import Layout, assemble_hf, local_names,
 from nemo_d3s.config import ConfigError
 
 __all__ = ["FORMAT", "shard_file", "write_layout", "read_layout", "ShardedReader", "save_shard", "load_policy",
-           "policy_tensors", "save_policy"]
+           "policy_tensors", "save_policy", "writer_dp_rank"]
 
 FORMAT = 1
 SUBDIR = "megatron"
@@ -178,22 +178,35 @@ def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
     return out
 
 
+def writer_dp_rank(layout: Layout, dp_size: int) -> int:
+    """The DP rank that writes the shard of ``layout``'s (TP, PP) position: rotated over the
+    positions so the writers (which hold the stage's gathered optimizer state in host
+    memory) spread over the DP replicas' nodes instead of all sitting in replica 0."""
+    return (layout.tp_rank + layout.tp * layout.pp_rank) % dp_size
+
+
 def save_policy(pol: Any, folder: str) -> None:
-    """Collective. DP rank 0 of each (TP, PP) position writes its shard file (with Megatron's
-    distributed optimizer, after gathering the optimizer state's DP ranges to it over DP);
-    global rank 0 writes layout.json. The trainer adds atomicity and checksums."""
+    """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`) writes its
+    shard file (with Megatron's distributed optimizer, after gathering the optimizer state's
+    DP ranges to it); global rank 0 writes layout.json. The trainer adds atomicity and
+    checksums."""
     root = Path(folder) / SUBDIR
     if pol.groups.is_main:
         root.mkdir(parents=True, exist_ok=True)
         write_layout(root, pol.spec, pol.layout)
     pol.groups.barrier()
+    writer = writer_dp_rank(pol.layout, pol.groups.dp_size)
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     with_main = megatron_opt and pol.dtype != torch.float32  # fp32 main weights ARE the parameters
     gathered: Dict[str, torch.Tensor] = {}
     if megatron_opt:
-        gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp, with_main=with_main)
-    if pol.groups.dp_rank == 0:
-        meta = {"optimizer_step": str(_optimizer_step(pol.optimizer)), "scheduler_step": str(pol.scheduler.step_count),
+        step = optim.agreed_step(pol.optimizer, pol.groups.dp)
+        gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp,
+                                       with_main=with_main, step=step, dst=writer)
+    else:
+        step = _optimizer_step(pol.optimizer)
+    if pol.groups.dp_rank == writer:
+        meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
                 "main_params": str(int(bool(gathered) and with_main))}
         save_shard(root, pol.layout, {**policy_tensors(pol), **gathered}, meta)
 
@@ -222,25 +235,32 @@ def load_policy(pol: Any, folder: str) -> None:
             raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
         return t
 
-    # Megatron's distributed optimizer keeps fp32 moments (and main weights) whatever the
-    # model's dtype; the plain AdamW keeps them in the parameter's dtype.
-    state_dtype = torch.float32 if megatron_opt else None
+    # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
+    # model's dtype, and only this DP rank's range of each (local_ranges): only that range is
+    # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
+    # The plain AdamW keeps full moments in the parameter's dtype.
+    ranges = optim.local_ranges(pol.optimizer) if megatron_opt else {}
     staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
     moments: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, p in pol.model.named_parameters():
-        staged.append((p, read("", name, p)))
-        if opt_step > 0:
-            moments[name] = {k: read(f"optim.{k}.", name, p, state_dtype) for k in optim.MOMENTS}
-            if with_main:
-                moments[name]["main"] = read("optim.main.", name, p, torch.float32)
+        t = read("", name, p)
+        staged.append((p, t))
+        if megatron_opt:
+            if p not in ranges:
+                continue
+            a, b = ranges[p]
+            cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+            cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+            moments[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+        elif opt_step > 0:
+            moments[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
     if pol.ref_model is not None:
         for name, p in pol.ref_model.named_parameters():
             staged.append((p, read("ref.", name, p)))
     for p, t in staged:
         p.copy_(t.to(p.device))
     if megatron_opt:
-        optim.scatter_states(pol.optimizer, pol.model.named_parameters(),
-                             {n: {k: v.to(pol.device) for k, v in m.items()} for n, m in moments.items()}, opt_step)
+        optim.scatter_states(pol.optimizer, pol.model.named_parameters(), moments, opt_step)
     else:
         for name, p in pol.model.named_parameters():
             if name in moments:

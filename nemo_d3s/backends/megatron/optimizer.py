@@ -45,9 +45,9 @@ import torch.distributed as dist
 from nemo_d3s.distributed._comm import is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["MOMENTS", "Model", "build_optimizer", "clip_grads_", "device_of", "distributed_optimizers", "finalize_grads",
-           "gather_states", "global_grad_norm", "is_megatron_optimizer", "local_params", "model_chunks",
-           "optimizer_step", "scatter_states", "unwrap_model"]
+__all__ = ["MOMENTS", "Model", "agreed_step", "build_optimizer", "clip_grads_", "device_of", "distributed_optimizers",
+           "finalize_grads", "gather_states", "global_grad_norm", "is_megatron_optimizer", "local_params", "local_ranges",
+           "model_chunks", "optimizer_step", "scatter_states", "unwrap_model"]
 
 Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -268,34 +268,67 @@ def _owners(optimizer: Any) -> Dict[torch.nn.Parameter, Any]:
 
 
 def optimizer_step(optimizer: Any) -> int:
-    """Adam's step count (the same on every rank and parameter; 0 before the first step)."""
+    """Adam's step count on this rank (0 before the first step): torch's Adam keeps it per
+    parameter, Transformer Engine's FusedAdam (Megatron's choice on GPU) per param group."""
     for dopt in distributed_optimizers(optimizer):
         for st in dopt.optimizer.state.values():
             if "step" in st:
                 return int(st["step"])
+        for g in dopt.optimizer.param_groups:
+            if g.get("params") and "step" in g:
+                return int(g["step"])
     return 0
+
+
+def agreed_step(optimizer: Any, dp_group: Optional[dist.ProcessGroup]) -> int:
+    """:func:`optimizer_step`, the same on every DP rank (a rank whose buffer range holds only
+    padding has no state to read it from). One all-reduce (MAX) over ``dp_group``."""
+    step = optimizer_step(optimizer)
+    if dp_group is None or dist.get_world_size(dp_group) == 1:
+        return step
+    t = torch.tensor([step], dtype=torch.int64, device=_group_device(dp_group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp_group)
+    return int(t.item())
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
+    """model parameter -> [start, end) of ``p.view(-1)`` whose main weights and moments THIS
+    DP rank holds (parameters it holds nothing of are absent)."""
+    out = {}
+    for p, dopt in _owners(optimizer).items():
+        r = dopt._get_model_param_range_map(p)["param"]
+        out[p] = (int(r.start), int(r.end))
+    return out
 
 
 @torch.no_grad()
 def gather_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
-                  dp_group: Optional[dist.ProcessGroup], *, with_main: bool) -> Dict[str, torch.Tensor]:
+                  dp_group: Optional[dist.ProcessGroup], *, with_main: bool, step: int,
+                  dst: int = 0) -> Dict[str, torch.Tensor]:
     """Collective over ``dp_group`` (every DP rank calls it with the same parameters in the
-    same order). Returns, on DP rank 0, ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>``
+    same order and the same ``step``, e.g. :func:`agreed_step`). Returns, on the DP rank
+    ``dst`` (a rank of ``dp_group``), ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>``
     (and ``optim.main.<name>`` with ``with_main``) as fp32 CPU tensors of ``p``'s shape; {}
-    on the other DP ranks and before the first step (no moments exist yet).
+    on the other DP ranks and when ``step`` is 0 (no moments exist yet).
 
-    Collectives: ``len(params) x (2 or 3)`` reduces of ``p.numel()`` fp32 elements over DP."""
-    if optimizer_step(optimizer) == 0:
+    Collectives: ``len(params) x (2 or 3)`` reduces of ``p.numel()`` fp32 elements over DP.
+    Memory on ``dst``: the stage's gathered tensors (the checkpoint writer needs them all)."""
+    if step <= 0:
         return {}
     owners = _owners(optimizer)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    root = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
-    is_root = dp_group is None or dist.get_rank(dp_group) == 0
+    root = dist.get_global_rank(dp_group, dst) if dp_group is not None else 0
+    is_root = dp_group is None or dist.get_rank(dp_group) == dst
     keys = (*MOMENTS, "main") if with_main else MOMENTS
     out: Dict[str, torch.Tensor] = {}
     for name, p in named_params:
         dopt = owners.get(p)
-        mine: Dict[str, torch.Tensor] = {}
+        mine: Dict[str, Any] = {}
         if dopt is not None:
             r = dopt._get_model_param_range_map(p)["param"]
             states = dopt._get_main_param_and_optimizer_states(p)
@@ -314,37 +347,45 @@ def gather_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Par
 
 @torch.no_grad()
 def scatter_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
-                   full: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
-    """Set this rank's ranges of the main weights and Adam moments from full local tensors
-    (``full[name] = {"main": ..., "exp_avg": ..., "exp_avg_sq": ...}``, each ``p``'s shape;
-    ``main`` defaults to the parameter's current value) and Adam's step to ``step``. Call it
-    AFTER the model parameters hold the checkpoint's values. No collective.
+                   ranged: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+    """Set this rank's main weights and (``step`` > 0) Adam moments and step count.
+    ``ranged[name]`` holds, for each parameter this rank has a range of (:func:`local_ranges`),
+    that range of the flattened ``"exp_avg"`` / ``"exp_avg_sq"`` and optionally ``"main"``
+    (fp32 main weights; default: the parameter's own values, so call this AFTER the model
+    parameters hold the checkpoint's). No collective.
 
-    Before the first step the inner optimizer has no state to copy into: it is created
-    first (Megatron's dummy-value step), which also touches the main weights; they are
-    overwritten right after."""
-    if step <= 0:
-        return
-    dopts = distributed_optimizers(optimizer)
-    for dopt in dopts:
-        if not dopt.optimizer.state:
-            saved = {p: p.detach().clone() for p in dopt.model_param_group_index_map}
-            dopt._init_optimizer_states_with_dummy_values()
-            for p, value in saved.items():  # the dummy step's weight decay moved them
-                p.copy_(value)
+    The main weights are always set: a bf16 model's fp32 copies would otherwise keep the
+    weights the model was built with, and the next step would copy them back over the
+    loaded ones. Before the first step the inner optimizer has no state to copy into: it is
+    created by Megatron's dummy-value step first, which moves the main weights (weight
+    decay); they are overwritten right after."""
     owners = _owners(optimizer)
+    plan = []  # read everything (main weights from the parameters too) before the dummy step
     for name, p in named_params:
         dopt = owners.get(p)
         if dopt is None:
             continue
         r = dopt._get_model_param_range_map(p)["param"]
-        states = dopt._get_main_param_and_optimizer_states(p)
-        src = full[name]
+        src = ranged.get(name, {})
         main = src.get("main")
         if main is None:
-            main = p.detach()
-        for key, value in (("param", main), *((k, src[k]) for k in MOMENTS)):
-            dst = states[key]
-            dst.copy_(value.reshape(-1)[r.start:r.end].to(dst.dtype).view_as(dst))
-        if "step" in states:
-            states["step"].fill_(float(step))
+            main = p.detach().reshape(-1)[r.start:r.end].clone()
+        plan.append((name, p, dopt, {"param": main, **({k: src[k] for k in MOMENTS} if step > 0 else {})}))
+    if step > 0:
+        for dopt in distributed_optimizers(optimizer):
+            if not dopt.optimizer.state:
+                dopt._init_optimizer_states_with_dummy_values()
+    for name, p, dopt, values in plan:
+        current = dopt._get_main_param_and_optimizer_states(p)
+        if step > 0 and "step" in current:
+            values["step"] = torch.tensor(float(step))
+        missing = set(current) - set(values)
+        if missing:
+            raise RuntimeError(f"{name}: the optimizer keeps {sorted(missing)} that the checkpoint does not restore")
+        dopt._set_main_param_and_optimizer_states(
+            p, {k: values[k].to(current[k].device, current[k].dtype).view_as(current[k]) for k in current})
+    if step > 0:
+        for dopt in distributed_optimizers(optimizer):
+            for g in dopt.optimizer.param_groups:
+                if "step" in g:  # Transformer Engine's FusedAdam counts per group
+                    g["step"] = step

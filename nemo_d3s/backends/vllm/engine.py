@@ -24,6 +24,7 @@ import logging
 import os
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -91,6 +92,12 @@ def _outside_torchrun():
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
+def _holds_hf_weights(folder: str | os.PathLike) -> bool:
+    """Whether vLLM's default loader finds weights in ``folder`` (safetensors or .bin files)."""
+    p = Path(folder)
+    return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
+
+
 class VLLMEngine(RolloutEngine):
     """Samples with vLLM from a copy of ``policy``'s weights; ``sync_weights(policy)`` pushes
     the policy's current tensors (HF names) into the engine after every optimizer step.
@@ -129,6 +136,11 @@ class VLLMEngine(RolloutEngine):
             seed=0,
             worker_extension_cls="nemo_d3s.backends.vllm.worker_ext.WeightLoaderExtension",
         )
+        if not _holds_hf_weights(source):
+            # A converted Megatron folder or a NeMo 2 start has config + tokenizer but no HF
+            # weight files: vLLM starts on random weights, and the refit that follows the
+            # engine's placement replaces every one of them.
+            kwargs["load_format"] = "dummy"
         if cfg.max_model_len:
             kwargs["max_model_len"] = int(cfg.max_model_len)
         if self.on_gpu:

