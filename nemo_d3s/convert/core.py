@@ -607,7 +607,7 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
     copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
     run started from; NeMo rebuilds the model from it). ``dtype`` None: the context's
     params_dtype, which is what NeMo builds the model in."""
-    from nemo_d3s.backends.megatron import nemo2
+    from nemo_d3s.backends.megatron import nemo2, nemo2_writer
 
     src = open_checkpoint(ckpt_path, hf_config)
     ctx = Path(nemo_context).expanduser()
@@ -627,7 +627,7 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
                     bar.update(_nbytes(t.shape, want))
                     yield name, t
 
-            nemo2.write_nemo2(counted(), src.spec, tmp, padded_vocab=padded)
+            nemo2_writer.write_nemo2(counted(), src.spec, tmp, padded_vocab=padded)
         shutil.copytree(ctx / "context", tmp / "context", symlinks=False)
     return Path(out)
 

@@ -156,7 +156,7 @@ def _rank_save_sharded_state_dict(rank, folder, weights):
 
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
-    from nemo_d3s.backends.megatron.nemo2 import _TorchOnCpu
+    from nemo_d3s.backends.megatron.nemo2_writer import _TorchOnCpu
 
     pol = MegatronBackend(MegatronBackendConfig(
         model=folder, device="cpu", tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),

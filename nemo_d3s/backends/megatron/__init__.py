@@ -7,7 +7,7 @@ nothing outside ``nemo_d3s/backends/megatron/`` imports megatron-core. Modules:
 table), ``model`` (build, load, gather), ``schedule`` (score / train_step), ``optimizer``
 (both optimizers, the plain one's gradient steps, the distributed optimizer's checkpoint
 state), ``engine`` (rollouts per model-parallel group), ``checkpoint`` (sharded,
-reshardable), ``nemo2`` (NeMo 2 checkpoints), ``parallel`` (process groups, rank order),
+reshardable), ``nemo2`` / ``nemo2_writer`` (NeMo 2 checkpoints), ``parallel`` (process groups, rank order),
 ``cpu_compat`` (megatron-core on gloo/CPU), ``backend`` (the Policy).
 """
 

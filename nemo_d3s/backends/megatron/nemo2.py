@@ -22,7 +22,7 @@ Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkp
   :class:`Nemo2Reader` is a ``checkpoint.ShardedReader`` whose shard tensors come from the
   DCP chunks of one layer at a time.
 
-Writing (:func:`write_nemo2`) uses megatron-core's own ``dist_checkpointing.save`` with
+Writing (``nemo2_writer.write_nemo2``) uses megatron-core's own ``dist_checkpointing.save`` with
 NeMo's key names (one ShardedTensor per layer, the ``_extra_state`` objects NeMo's modules
 expect) and copies ``context/`` from a NeMo checkpoint of the same model, which is what NeMo
 reads the model back with. It holds the whole model in memory (megatron-core's saver takes
@@ -38,7 +38,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,8 +47,7 @@ from nemo_d3s.backends.megatron.hf_config import ModelSpec
 from nemo_d3s.backends.megatron.weights import Layout, local_names, local_shape
 from nemo_d3s.config import ConfigError
 
-__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_nemo2", "write_side_folder",
-           "NEMO_PREFIX"]
+__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
 
 NEMO_PREFIX = "module."
 _DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
@@ -377,96 +376,3 @@ def write_side_folder(folder: Path, dst: Path) -> Path:
     if gen.is_file():
         shutil.copyfile(gen, dst / gen.name)
     return dst
-
-
-# ============================================================================ writing
-class _TorchOnCpu:
-    """megatron-core's dist_checkpointing hard-codes CUDA (a failure flag on
-    ``torch.cuda.current_device()``, ``device='cuda'`` flags, a CUDA sync): for the length of
-    a save on a CPU-only process, those modules see the backend's CPU view of torch
-    (``cpu_compat``'s proxy); torch itself is untouched and the modules are restored.
-    Without psutil, its memory logging in the writer processes reads 0 instead of failing
-    (a failed writer process would leave megatron-core's saver waiting forever)."""
-
-    MODULES = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
-               "megatron.core.dist_checkpointing.strategies.filesystem_async",
-               "megatron.core.dist_checkpointing.strategies.async_utils")
-
-    def __enter__(self):
-        import importlib
-        import importlib.util
-
-        from nemo_d3s.backends.megatron.cpu_compat import _CpuTorch
-
-        self.saved = []
-        fs = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
-        if importlib.util.find_spec("psutil") is None:  # only for its memory log lines
-            self.saved.append((fs, "_process_memory", fs._process_memory))
-            fs._process_memory = lambda: 0
-        if torch.cuda.is_available():
-            return self
-        for name in self.MODULES:
-            mod = importlib.import_module(name)
-            if isinstance(getattr(mod, "torch", None), type(torch)):
-                self.saved.append((mod, "torch", mod.torch))
-                mod.torch = _CpuTorch()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mod, name, real in self.saved:
-            setattr(mod, name, real)
-
-
-def _one_process_group():
-    """A private one-rank gloo group when none exists (torch.distributed is needed by
-    megatron-core's saver); returns a teardown."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return lambda: None
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return dist.destroy_process_group
-
-
-def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, out: Path, *,
-                padded_vocab: int) -> None:
-    """Write the HF-named ``tensors`` of ``spec`` as ``out/weights`` (NeMo's names, TP1
-    global tensors, per-layer ShardedTensors, ``_extra_state`` objects) with megatron-core's
-    ``dist_checkpointing.save``. The caller copies ``context/``."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    from nemo_d3s.backends.megatron.weights import read_local
-
-    full = dict(tensors)
-
-    class _Dict:
-        def rows(self, name, dim, lo, hi):
-            return full[name].narrow(dim, lo, hi - lo)
-
-    layout = Layout(1, 1, 0, 0, padded_vocab, te=True)
-    L = spec.num_layers
-    sharded: Dict[str, Any] = {}
-    dtype = full["model.embed_tokens.weight"].dtype
-    for local in local_names(spec, layout):
-        t = read_local(local, spec, layout, _Dict(), dtype)
-        fqn, layer = _nemo_key(local)
-        if layer is None:
-            sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
-        else:
-            sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(fqn, t, (0, layer, L), replica_id=0,
-                                                                        prepend_axis_num=1)
-    for layer in range(L):
-        for mod in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"):
-            key = f"{NEMO_PREFIX}decoder.layers.{mod}._extra_state"
-            sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
-    weights = out / "weights"
-    weights.mkdir(parents=True)
-    teardown = _one_process_group()
-    try:
-        with _TorchOnCpu():
-            dist_checkpointing.save(sharded, str(weights), content_metadata={
-                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                "distrib_optim_sharding_type": "dp_reshardable"})
-    finally:
-        teardown()
