@@ -21,6 +21,8 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
 - optimizer: Megatron's distributed optimizer shards fp32 main weights + Adam's two moments
   over DP: 12 P / DP (8 P / DP for fp32 weights, which are their own main copy). Together
   with the two lines above this is megatron-core's ``6 + 12/DP`` bytes per parameter.
+  With ``model.params.distributed_optimizer=false`` (plain AdamW over each rank's shards):
+  grads d P and both moments 2 d P, not sharded over DP.
 - activations (flash attention, no sequence parallelism, no dropout: what the backend
   builds), per layer and micro-batch of b rows x s tokens, stored for the backward:
   ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (h hidden, a heads, g KV heads, d_h head
@@ -484,7 +486,12 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         placement = _vllm_placement(shape, tp=tp, pp=pp, dp=dp, vllm_tp=vllm_tp, order=order)
     w = _workload(cfg, spec, dp=dp, engines=dp, mcfg=mcfg)
     d = w.dtype_bytes
-    opt_per_param = (12 if d < 4 else 8) / dp
+    # The plan is for CUDA, where distributed_optimizer=null means Megatron's.
+    distributed_opt = mcfg.distributed_optimizer is not False
+    if distributed_opt:  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
+        grad_per_param, opt_per_param = 4, (12 if d < 4 else 8) / dp
+    else:  # plain AdamW over each rank's shards: grads and both moments in the parameter dtype
+        grad_per_param, opt_per_param = d, 2 * d
     kl = float(cfg.algorithm.kl_coef) > 0
 
     vllm_terms: Dict[str, float] = {}
@@ -520,7 +527,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         n = local_param_count(spec, layout)
         terms: Dict[str, float] = {
             "weights": d * n,
-            "grads": 4 * n,
+            "grads": grad_per_param * n,
             "optimizer": opt_per_param * n,
         }
         if kl:
@@ -600,7 +607,8 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         "problems": problems,
         "gpu_memory_gb": gpu / GB,
         "layout": {"nodes": shape.nodes, "gpus_per_node": shape.gpus_per_node, "world": shape.world,
-                   "world_from": shape.source, "tp": tp, "pp": pp, "dp": dp, "rank_order": order, "rollout_engine": engine,
+                   "world_from": shape.source, "tp": tp, "pp": pp, "dp": dp, "rank_order": order,
+                   "optimizer": "distributed" if distributed_opt else "plain AdamW", "rollout_engine": engine,
                    "vllm_tp": vllm_tp if engine == "vllm" else None, "dtype_bytes": d,
                    "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // dp},
         "workload": dict(w.__dict__),
