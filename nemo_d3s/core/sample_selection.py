@@ -159,6 +159,9 @@ def _rank_within_group(order: torch.Tensor, index: torch.Tensor, n_groups: int) 
     return rank
 
 
+_M1_TIE_RTOL = 1e-6  # relative: far above float32 advantages' rounding of the group mean
+
+
 def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
     """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
 
@@ -166,12 +169,27 @@ def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: i
     :func:`max_variance_mask` call (the usual case: every prompt has G rollouts). Unequal
     sizes cost one call per DISTINCT size (:func:`group_buckets`), never one per group.
     Layout columns are in ascending sample index, so the lower-index tie-break carries over.
+
+    N = 1 (D3S-I's schedule starts at G/8 = 1 of 8): one value has no variance, so every
+    choice ties and :func:`max_variance_mask`'s tie-break would keep each group's LOWEST
+    value, i.e. train on negative advantages only (a D3S-I run collapsed that way: greedy
+    eval 0.31 -> 0.00 in 5 steps). The project's reading: keep the value farthest from its
+    group's mean (the largest |advantage|; lower index on ties), the single rollout whose
+    advantage is largest in size, of either sign.
     """
     keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
     for g_size, _, layout in group_buckets(index, n_groups):
         m = resolve_n_keep(n_keep, g_size)
         if m >= g_size:
             keep[layout.flatten()] = True  # a group of <= N rollouts is kept whole
+        elif m == 1:
+            vals = values[layout].to(torch.float64)
+            dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
+            # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is
+            # 0 only up to rounding) tie, and the lower index wins.
+            near = dev >= dev.amax(dim=1, keepdim=True) * (1 - _M1_TIE_RTOL)
+            farthest = near.to(torch.int8).argmax(dim=1)  # the first True
+            keep[layout.gather(1, farthest.unsqueeze(1)).flatten()] = True
         else:
             keep[layout[max_variance_mask(values[layout], m)]] = True
     return keep

@@ -332,11 +332,13 @@ def test_hand_worked_d3s_two_groups_of_four():
     assert tok.metrics["mean_entropy_eligible"] == pytest.approx((0.2 + 0.8 + 0.4 + 0.6 + 0.45) / 5)
     assert tok.metrics["samples_without_tokens"] == 0
 
-    # Intra-group with N = 1: every single rollout has variance 0, so the documented
-    # tie-break (fewest top values -> the group minimum, lower index first) picks rows 1 and 6.
+    # Intra-group with N = 1: every single rollout has variance 0; the rule keeps the one
+    # farthest from its group's mean: group A's 1.5 (row 0), group B's +-0.866 tie -> row 4
+    # (lower index). (The max-variance tie-break alone would keep the minima, rows 1 and 6:
+    # negative advantages only.)
     intra = D3SSelector(D3SConfig(sample_rule="d3s_intra", eps=0.0,
                                   schedule=DynamicSchedule("constant", 1, 1, 1.0, 1.0)))
-    assert intra.select_samples(rewards, group_ids, 0.0).kept_rows.tolist() == [1, 6]
+    assert intra.select_samples(rewards, group_ids, 0.0).kept_rows.tolist() == [0, 4]
 
 
 # ----------------------------------------------------------------------------- edge cases

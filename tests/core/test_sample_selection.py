@@ -180,6 +180,11 @@ def _ref_max_variance_keep(values, g, n_keep):
     keep = [False] * len(values)
     for idx in _groups(g):
         m = resolve_n_keep(n_keep, len(idx))
+        if m == 1 and len(idx) > 1:  # one value has no variance: the farthest from the mean, first on ties
+            vals = [values[i] for i in idx]
+            dev = [abs(v - sum(vals) / len(vals)) for v in vals]
+            keep[idx[next(j for j, d in enumerate(dev) if d >= max(dev) * (1 - 1e-6))]] = True
+            continue
         sub = max_variance_subset(_t([values[i] for i in idx]), m).tolist()
         for j in sub:
             keep[idx[j]] = True
@@ -318,6 +323,29 @@ def test_pods_hand_worked_renormalisation():
     # a kept subset of one rollout has no spread -> 0
     one = select_samples("pods", r, adv, g, 1)
     assert one.n_kept == 1 and one.advantages[one.sample_keep].item() == 0.0
+
+
+def test_one_per_group_keeps_the_largest_advantage_of_either_sign():
+    """N = 1: a single value has no variance (every choice ties); the intra-group rules keep
+    the rollout farthest from its group's mean, not the tie-break's lowest one, so a D3S-I
+    step at N = 1 sees positive advantages too. Hand-worked: group 0 has one success of 4
+    (keep it, A > 0), group 1 one failure of 4 (keep it, A < 0), group 2 is all equal (the
+    lower index)."""
+    r = _t([0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    g = torch.arange(12) // 4
+    adv = compute_advantages(r, g).advantages
+    sel = select_samples("d3s_intra", r, adv, g, 1)
+    assert sel.kept_rows.tolist() == [1, 6, 8]
+    assert sel.advantages[1] > 0 and sel.advantages[6] < 0 and sel.advantages[8] == 0
+    # the slow reference: per group, argmax |a - mean(a)|, first index on ties
+    for grp in range(3):
+        a = adv[g == grp].tolist()
+        mean = sum(a) / len(a)
+        dev = [abs(x - mean) for x in a]
+        assert sel.kept_rows[grp].item() == 4 * grp + dev.index(max(dev))
+    # PODS at N = 1 keeps the same rollout; its re-normalised advantage is 0 (no spread)
+    pods = select_samples("pods", r, adv, g, 1)
+    assert pods.kept_rows.tolist() == [1, 6, 8] and (pods.advantages[pods.sample_keep] == 0).all()
 
 
 def test_small_groups_kept_whole():
