@@ -20,22 +20,21 @@ def rank_order(use_tp_pp_dp_mapping: bool) -> str:
     return TP_PP_DP_ORDER if use_tp_pp_dp_mapping else DEFAULT_ORDER
 
 
-def first_ranks_of_model_copies(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> List[int]:
-    """Global rank of (TP rank 0, stage 0) of each DP replica's TP x PP copy, replica order
-    (where the rollout engines start): tp-cp-ep-dp-pp interleaves the replicas' first stages
-    (stride TP), tp-cp-ep-pp-dp keeps each copy on consecutive ranks (stride TP x PP)."""
-    if order not in (DEFAULT_ORDER, TP_PP_DP_ORDER):
-        raise ValueError(f"rank order {order!r}: only {DEFAULT_ORDER} and {TP_PP_DP_ORDER}")
-    stride = tp if order == DEFAULT_ORDER else tp * pp
-    return [stride * k for k in range(dp)]
-
-
 def global_rank_of(tp_rank: int, pp_rank: int, dp_rank: int, *, tp: int, pp: int, dp: int,
                    order: str = DEFAULT_ORDER) -> int:
     """The global rank Megatron gives a (TP, PP, DP) position (no CP / EP)."""
     if order == DEFAULT_ORDER:
         return tp_rank + tp * (dp_rank + dp * pp_rank)
-    return tp_rank + tp * (pp_rank + pp * dp_rank)
+    if order == TP_PP_DP_ORDER:
+        return tp_rank + tp * (pp_rank + pp * dp_rank)
+    raise ValueError(f"rank order {order!r}: only {DEFAULT_ORDER} and {TP_PP_DP_ORDER}")
+
+
+def first_ranks_of_model_copies(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> List[int]:
+    """Global rank of (TP rank 0, stage 0) of each DP replica's TP x PP copy, replica order
+    (where the rollout engines start): tp-cp-ep-dp-pp interleaves the replicas' first stages
+    (stride TP), tp-cp-ep-pp-dp keeps each copy on consecutive ranks (stride TP x PP)."""
+    return [global_rank_of(0, 0, k, tp=tp, pp=pp, dp=dp, order=order) for k in range(dp)]
 
 
 def initialize_megatron_groups(rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
