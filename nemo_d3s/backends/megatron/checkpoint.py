@@ -151,15 +151,6 @@ def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------- the backend's state
-def _optimizer_step(optimizer: Any) -> int:
-    if optim.is_megatron_optimizer(optimizer):
-        return optim.optimizer_step(optimizer)
-    for st in optimizer.state.values():
-        if "step" in st:
-            return int(st["step"])
-    return 0
-
-
 def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
     """The backend's (``MegatronBackend``) shard on this rank: parameters, plain-AdamW
     moments, reference, under local names. Megatron's distributed optimizer keeps its state
@@ -204,7 +195,7 @@ def save_policy(pol: Any, folder: str) -> None:
         gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp,
                                        with_main=with_main, step=step, dst=writer)
     else:
-        step = _optimizer_step(pol.optimizer)
+        step = optim.optimizer_step(pol.optimizer)
     if pol.groups.dp_rank == writer:
         meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
                 "main_params": str(int(bool(gathered) and with_main))}

@@ -268,13 +268,15 @@ def _owners(optimizer: Any) -> Dict[torch.nn.Parameter, Any]:
 
 
 def optimizer_step(optimizer: Any) -> int:
-    """Adam's step count on this rank (0 before the first step): torch's Adam keeps it per
-    parameter, Transformer Engine's FusedAdam (Megatron's choice on GPU) per param group."""
-    for dopt in distributed_optimizers(optimizer):
-        for st in dopt.optimizer.state.values():
+    """Adam's step count on this rank (0 before the first step), for the plain AdamW or
+    Megatron's optimizer: torch's Adam keeps it per parameter, Transformer Engine's FusedAdam
+    (Megatron's choice on GPU) per param group."""
+    for opt in distributed_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", opt)  # a Megatron optimizer wraps a torch-style one
+        for st in inner.state.values():
             if "step" in st:
                 return int(st["step"])
-        for g in dopt.optimizer.param_groups:
+        for g in inner.param_groups:
             if g.get("params") and "step" in g:
                 return int(g["step"])
     return 0
