@@ -89,6 +89,9 @@ class D3SSection:
     )
     eps: float = 1e-6
     unbiased: bool = True
+    # At least this many tokens per optimizer step (K raised to M / eligible tokens when
+    # K x eligible is smaller); 0 = no floor. core.d3s.D3SConfig.min_kept_tokens.
+    min_kept_tokens: int = 0
     # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
     # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
     dp_batch_scope: str = "global_exact"
@@ -356,6 +359,9 @@ def validate(cfg: Any, world_size: int = 1) -> None:
     _require(all(_number(m) and 0 <= m <= 1 for m in ms), f"{d}.milestones", ms, "progress values in [0, 1]")
     eps = _get(cfg, "d3s.eps")
     _require(_number(eps) and eps >= 0, "d3s.eps", eps, "must be >= 0")
+    mkt = _get(cfg, "d3s.min_kept_tokens")
+    _require(isinstance(mkt, int) and not isinstance(mkt, bool) and mkt >= 0, "d3s.min_kept_tokens", mkt,
+             "must be an integer >= 0 (0 = no floor)")
     _known("d3s.sample_rule", _get(cfg, "d3s.sample_rule"), "nemo_d3s.core.sample_selection", "SAMPLE_SELECTORS")
     _known("d3s.token_scope", _get(cfg, "d3s.token_scope"), "nemo_d3s.core.token_selection", "TOKEN_SELECTORS")
     _known(f"{d}.kind", _get(cfg, f"{d}.kind"), "nemo_d3s.core.schedules", "SCHEDULES")

@@ -77,7 +77,7 @@ from nemo_d3s.core.sample_selection import (
     share_nonzero_advantage,
 )
 from nemo_d3s.core.schedules import DynamicSchedule
-from nemo_d3s.core.token_selection import TOKEN_SELECTORS, token_scores
+from nemo_d3s.core.token_selection import TOKEN_SELECTORS, k_frac_with_floor, token_scores
 
 __all__ = ["D3SConfig", "PRESETS", "D3SSelector", "SampleStage", "TokenStage"]
 
@@ -111,6 +111,11 @@ class D3SConfig:
     # (1e-4, the PODS paper's value).
     renorm_eps: Optional[float] = None
     seed: int = 0  # only the "random" rule draws; seeded per step for reproducibility
+    # Floor on the tokens a step keeps (token scopes that score tokens only): K is raised to
+    # max(K, M / eligible tokens of the whole step), so a small batch is not cut to a
+    # handful of tokens. 0 = off (the papers' rule). Inert once K x eligible >= M, e.g. at
+    # the papers' batch sizes; see ``token_selection.k_frac_with_floor``.
+    min_kept_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Mapping):  # plain dict / DictConfig from a config file
@@ -130,6 +135,9 @@ class D3SConfig:
             raise ValueError(f"unbiased must be a bool, got {self.unbiased!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        m = self.min_kept_tokens
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise ValueError(f"min_kept_tokens must be an int >= 0 (0 = no floor), got {m!r}")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "D3SConfig":
@@ -208,7 +216,8 @@ class SampleStage:
 @dataclass
 class TokenStage:
     """token_keep [B_kept, S] bool, aligned with ``SampleStage.kept_rows``; k_frac = K used
-    (1.0 for token scope "all")."""
+    (1.0 for token scope "all"; raised above the schedule's ``metrics["k_frac_schedule"]``
+    by ``D3SConfig.min_kept_tokens``)."""
 
     token_keep: torch.Tensor
     k_frac: float
@@ -357,12 +366,20 @@ class D3SSelector:
                 raise ValueError(f"entropy must be a floating-point tensor [B_kept, S], got {got}")
             check_shape("entropy", entropy, response_mask.shape, "response_mask")
             check_same_device(entropy=entropy, response_mask=response_mask)
+        k_schedule = k_frac
         if not self.needs_entropy:
             token_keep = response_mask.clone()
         else:
+            if self.cfg.min_kept_tokens:
+                # The floor is per optimizer step: count the eligible tokens of every rank
+                # (the same K on all of them), whatever pool the scope then draws from.
+                n_step = int(self._reduce_sums(response_mask.sum().to(torch.float64).reshape(1))[0])
+                k_frac = k_frac_with_floor(k_frac, n_step, int(self.cfg.min_kept_tokens))
             scores = self.token_scores(stage, entropy, response_mask)
             token_keep = self.top_k(scores, response_mask, k_frac)
-        return TokenStage(token_keep, k_frac, self._token_metrics(token_keep, response_mask, entropy))
+        metrics = self._token_metrics(token_keep, response_mask, entropy)
+        metrics["k_frac_schedule"] = float(k_schedule)
+        return TokenStage(token_keep, k_frac, metrics)
 
     def top_k(self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
         """The token-selection step: scores, eligible [B_kept, S] -> token_keep [B_kept, S]

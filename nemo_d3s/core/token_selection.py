@@ -14,6 +14,11 @@ How many
 A fraction K in (0, 1] of the eligible tokens is kept: exactly ``ceil(K x n_eligible)``
 (:func:`n_tokens_to_keep`), so any K > 0 keeps at least one token of a non-empty pool.
 
+A floor of M tokens per optimizer step (``D3SConfig.min_kept_tokens``) raises K to
+:func:`k_frac_with_floor` ``= max(K, min(1, M / n_eligible))`` before any scope applies it,
+with ``n_eligible`` the whole step's count (all DP ranks). The scopes keep their one
+signature, and ``batch`` keeps exactly ``max(ceil(K x n), min(M, n))`` tokens.
+
 Scopes (``TOKEN_SELECTORS``)
 ----------------------------
 ``all``     every eligible token (K is validated but not used): plain GRPO/PODS.
@@ -64,6 +69,7 @@ __all__ = [
     "top_k_mask",
     "n_tokens_to_keep",
     "n_tokens_to_keep_per_row",
+    "k_frac_with_floor",
     "select_tokens",
     "rows_with_kept_tokens",
     "kept_lengths",
@@ -134,6 +140,26 @@ def n_tokens_to_keep(n_eligible: int, k_frac: float) -> int:
     # Same float64 operations, in the same order, as n_tokens_to_keep_per_row.
     k = math.ceil((float(k_frac) * float(n)) * (1.0 - _CEIL_RTOL))
     return min(max(k, 0), n)
+
+
+def k_frac_with_floor(k_frac: float, n_eligible: int, min_tokens: int) -> float:
+    """K raised so that a pool of ``n_eligible`` tokens keeps at least ``min_tokens`` of them
+    (all of them when it holds fewer): ``max(K, min(1, min_tokens / n_eligible))``.
+
+    ``n_eligible`` is the count of the whole pool the scope draws from (for ``batch`` under
+    data parallelism: all ranks' count, so every rank gets the same K). ``min_tokens = 0``
+    or an empty pool returns K unchanged. Exact for scope ``batch``:
+    ``n_tokens_to_keep(n, k_frac_with_floor(K, n, M)) == max(ceil(K x n), min(M, n))``
+    (tested for every n, M <= 2000), because :func:`n_tokens_to_keep` absorbs the rounding of
+    ``(M / n) x n``.
+    """
+    _check_k_frac(k_frac)
+    for name, v in (("n_eligible", n_eligible), ("min_tokens", min_tokens)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    if min_tokens == 0 or n_eligible == 0:
+        return float(k_frac)
+    return max(float(k_frac), min(1.0, int(min_tokens) / int(n_eligible)))
 
 
 def n_tokens_to_keep_per_row(n_eligible: torch.Tensor, k_frac: float) -> torch.Tensor:

@@ -53,6 +53,7 @@ def d3s_config(cfg: Any) -> D3SConfig:
         schedule=schedule,
         eps=float(cfg.d3s.eps),
         unbiased=bool(cfg.d3s.unbiased),
+        min_kept_tokens=int(cfg.d3s.min_kept_tokens),
         seed=int(cfg.seed),
     )
 

@@ -65,7 +65,7 @@ def token_metrics(groups: ParallelGroups, tok: Any, kept: Any, scored: bool) -> 
         "kept_token_ratio": m["kept_token_ratio"],
         "samples_without_tokens": m["samples_without_tokens"],
     }
-    for k in ("mean_entropy_kept", "mean_entropy_eligible"):
+    for k in ("mean_entropy_kept", "mean_entropy_eligible", "k_frac_schedule"):
         if k in m:
             out[k] = m[k]
     return out

@@ -3,6 +3,7 @@ structured-config use, and the nemo_d3s.core package exports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -332,6 +333,16 @@ def test_hand_worked_d3s_two_groups_of_four():
     assert tok.metrics["mean_entropy_eligible"] == pytest.approx((0.2 + 0.8 + 0.4 + 0.6 + 0.45) / 5)
     assert tok.metrics["samples_without_tokens"] == 0
 
+    # A floor of 4 tokens per step raises K from 0.5 to 4/5: the next-best token (0,1) (0.3)
+    # loses to (6,2) (0.3897), so the four are 1.2, 0.6, 0.5196, 0.3897.
+    floored = D3SSelector(dataclasses.replace(cfg, min_kept_tokens=4))
+    _, tok4 = floored.apply(rewards, group_ids, entropy, mask, 0.0)
+    assert tok4.token_keep.tolist() == [[False, False, True, True], [False, True, True, False]]
+    assert tok4.k_frac == pytest.approx(0.8) and tok4.metrics["k_frac_schedule"] == 0.5
+    # A floor below K x eligible (3 tokens) changes nothing.
+    _, tok2 = D3SSelector(dataclasses.replace(cfg, min_kept_tokens=2)).apply(rewards, group_ids, entropy, mask, 0.0)
+    assert torch.equal(tok2.token_keep, tok.token_keep) and tok2.k_frac == 0.5
+
     # Intra-group with N = 1: every single rollout has variance 0; the rule keeps the one
     # farthest from its group's mean: group A's 1.5 (row 0), group B's +-0.866 tie -> row 4
     # (lower index). (The max-variance tie-break alone would keep the minima, rows 1 and 6:
@@ -406,6 +417,9 @@ def test_bad_config_values():
         D3SConfig.from_preset("d3s", n_keep=4)
     with pytest.raises(ValueError, match="k_init"):
         D3SConfig(schedule={"kind": "linear", "k_init": 0.0})
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="min_kept_tokens"):
+            D3SConfig(min_kept_tokens=bad)
 
 
 def test_from_preset_returns_an_independent_copy():

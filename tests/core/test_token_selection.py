@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from nemo_d3s.core.token_selection import (
     TOKEN_SELECTORS,
+    k_frac_with_floor,
     kept_lengths,
     n_tokens_to_keep,
     n_tokens_to_keep_per_row,
@@ -85,6 +86,41 @@ def test_n_tokens_to_keep_vector_matches_scalar():
         # and it is the true ceil except for float noise in K itself
         for i in (7, 123, 4999):
             assert vec[i] in (math.ceil(k * i), math.ceil(k * i) - 1)
+
+
+@pytest.mark.parametrize(
+    "k, n, m, expected_k, expected_count",
+    [
+        (0.05, 200, 0, 0.05, 10),  # no floor
+        (0.05, 200, 64, 0.32, 64),  # 10 < 64: K raised to 64 / 200
+        (0.05, 1600, 64, 0.05, 80),  # 80 >= 64: inert
+        (0.05, 40, 64, 1.0, 40),  # fewer eligible than the floor: all of them
+        (0.2, 0, 64, 0.2, 0),  # empty pool: K unchanged
+    ],
+)
+def test_k_frac_with_floor_hand_cases(k, n, m, expected_k, expected_count):
+    got = k_frac_with_floor(k, n, m)
+    assert got == pytest.approx(expected_k, rel=1e-15)
+    assert n_tokens_to_keep(n, got) == expected_count
+
+
+def test_k_frac_with_floor_keeps_exactly_max_of_k_and_floor():
+    """Every pool size n and floor m <= 600 (and K values whose products sit on or near
+    integers): the batch scope keeps max(ceil(K n), min(m, n)) tokens, never one more."""
+    for k in (0.05, 0.1, 0.2, 1 / 3, 0.7):
+        for n in range(1, 601):
+            base = n_tokens_to_keep(n, k)
+            for m in range(0, 601, 7):
+                assert n_tokens_to_keep(n, k_frac_with_floor(k, n, m)) == max(base, min(m, n)), (k, n, m)
+
+
+def test_k_frac_with_floor_validates():
+    with pytest.raises(ValueError, match="min_tokens"):
+        k_frac_with_floor(0.1, 10, -1)
+    with pytest.raises(ValueError, match="n_eligible"):
+        k_frac_with_floor(0.1, 2.5, 3)
+    with pytest.raises(ValueError, match="k_frac"):
+        k_frac_with_floor(0.0, 10, 3)
 
 
 # ---------------------------------------------------------------------------- scores

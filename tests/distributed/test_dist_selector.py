@@ -1,7 +1,8 @@
 """DistributedD3SSelector on 2 ranks == core D3SSelector on the concatenated batch.
 
 Each rank holds whole prompt groups with global prompt ids (as the trainer builds them);
-every preset is applied at one progress value. Sample masks, advantages (PODS's
+every preset is applied at one progress value (and D3S with a token floor that binds, whose
+K comes from the whole batch's eligible count). Sample masks, advantages (PODS's
 re-normalised ones included) and token masks must equal the single-process selector's,
 split by rank, and the stages' metrics must be the whole batch's (exact: same
 deterministic core functions on the same values).
@@ -29,12 +30,19 @@ def _batch(rank):
     return rewards, gids, entropy, response_mask
 
 
-PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i"]
+PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "d3s_floor", "d3s_floor_sample"]
+# The floor binds here (K x eligible is ~5 tokens of ~45) and differs from what rank 1's own
+# count (~18 eligible) would give, so a rank that used its local count would select otherwise.
+FLOOR = 20
 
 
 def _cfg(preset="d3s"):
     from nemo_d3s.core.d3s import D3SConfig
 
+    if preset == "d3s_floor":
+        return D3SConfig.from_preset("d3s", min_kept_tokens=FLOOR)
+    if preset == "d3s_floor_sample":
+        return D3SConfig.from_preset("d3s", min_kept_tokens=FLOOR, token_scope="sample")
     return D3SConfig.from_preset(preset)
 
 
@@ -75,8 +83,13 @@ def test_matches_single_process_selector_for_every_preset():
             assert tok_metrics.keys() == tok.metrics.keys(), preset
             for k, v in tok.metrics.items():  # entropy sums add in another order across ranks
                 assert tok_metrics[k] == pytest.approx(v, rel=1e-12), (preset, k)
+        n_eligible = int(response_mask[stage.kept_rows].sum())
         if preset == "d3s":
-            assert 0 < int(tok.token_keep.sum()) < int(response_mask[stage.kept_rows].sum())
+            assert 0 < int(tok.token_keep.sum()) < FLOOR < n_eligible
+        if preset == "d3s_floor":  # exactly the floor, from the whole batch's count
+            assert int(tok.token_keep.sum()) == FLOOR and tok.k_frac == FLOOR / n_eligible
+        if preset == "d3s_floor_sample":  # per-row ceilings: at least the floor in all
+            assert int(tok.token_keep.sum()) >= FLOOR
         if preset == "pods":  # the kept subset is re-normalised: advantages differ from the groups'
             assert not torch.equal(stage.advantages, stage.advantage_result.advantages)
 

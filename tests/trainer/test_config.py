@@ -44,6 +44,7 @@ def test_default_and_smoke_configs_validate():
         ("d3s.sample_rule=best", "d3s.sample_rule"),
         ("d3s.token_scope=global", "d3s.token_scope"),
         ("d3s.schedule.kind=exp", "d3s.schedule.kind"),
+        ("d3s.min_kept_tokens=-1", "d3s.min_kept_tokens"),
         ("d3s.dp_batch_scope=approx", "d3s.dp_batch_scope"),
     ],
 )
@@ -83,7 +84,7 @@ def test_preset_yaml_matches_core_presets(preset):
     cfg = compose([f"d3s={preset}", "output_dir=x"])
     ours, core = d3s_config(cfg), PRESETS[preset]
     assert cfg.d3s.preset == preset
-    for field in ("sample_rule", "token_scope", "advantage", "eps", "unbiased"):
+    for field in ("sample_rule", "token_scope", "advantage", "eps", "unbiased", "min_kept_tokens"):
         assert getattr(ours, field) == getattr(core, field), field
     for p in (0.0, 0.3, 1.0):
         assert ours.schedule.at(p) == core.schedule.at(p)
