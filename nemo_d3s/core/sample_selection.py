@@ -162,6 +162,17 @@ def _rank_within_group(order: torch.Tensor, index: torch.Tensor, n_groups: int) 
 _M1_TIE_RTOL = 1e-6  # relative: far above float32 advantages' rounding of the group mean
 
 
+def _farthest_from_mean(values: torch.Tensor) -> torch.Tensor:
+    """values [R, n] -> [R] long: per row, the column farthest from the row's mean (lower
+    column on ties). The pick for N = 1, where every single value has variance 0."""
+    vals = values.to(torch.float64)
+    dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
+    # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is 0 only
+    # up to rounding) tie, and the lower index wins.
+    near = dev >= dev.amax(dim=1, keepdim=True) * (1 - _M1_TIE_RTOL)
+    return near.to(torch.int8).argmax(dim=1)  # the first True
+
+
 def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
     """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
 
@@ -183,13 +194,7 @@ def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: i
         if m >= g_size:
             keep[layout.flatten()] = True  # a group of <= N rollouts is kept whole
         elif m == 1:
-            vals = values[layout].to(torch.float64)
-            dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
-            # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is
-            # 0 only up to rounding) tie, and the lower index wins.
-            near = dev >= dev.amax(dim=1, keepdim=True) * (1 - _M1_TIE_RTOL)
-            farthest = near.to(torch.int8).argmax(dim=1)  # the first True
-            keep[layout.gather(1, farthest.unsqueeze(1)).flatten()] = True
+            keep[layout.gather(1, _farthest_from_mean(values[layout]).unsqueeze(1)).flatten()] = True
         else:
             keep[layout[max_variance_mask(values[layout], m)]] = True
     return keep
@@ -350,10 +355,18 @@ def select_d3s_cross(
     """D3S (cross-group): pool the advantages of the whole batch and keep the
     ``sum_g resolve_n_keep(N, G_g)`` (= N x n_groups for groups of >= N rollouts; <= B)
     with maximal variance; advantages are NOT re-normalised. [B] inputs -> SampleSelection.
-    One sort of B values."""
+    One sort of B values.
+
+    A pool that keeps one rollout in all (one prompt, N = 1) has no variance to maximise
+    either; as for the per-group rules, the rollout farthest from the pool's mean (the
+    largest |A|) is kept, not the tie-break's minimum."""
     index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
     m_total = int(_n_keep_per_group(n_keep, group_sizes(index, n_groups)).sum())
-    keep = max_variance_mask(advantages.unsqueeze(0), m_total)[0]
+    if m_total == 1 and advantages.numel() > 1:
+        keep = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
+        keep[_farthest_from_mean(advantages.unsqueeze(0))[0]] = True
+    else:
+        keep = max_variance_mask(advantages.unsqueeze(0), m_total)[0]
     return _result(keep, advantages)
 
 

@@ -248,9 +248,9 @@ def test_grouped_rules_match_per_group_loop(data, n_keep):
     cross = select_samples("d3s_cross", rewards, adv, gids, n_keep)
     m_total = sum(resolve_n_keep(n_keep, len(idx)) for idx in _groups(g))
     assert cross.n_kept == m_total <= len(r)
-    expected = torch.zeros(len(r), dtype=torch.bool)
-    expected[max_variance_subset(adv, m_total)] = True
-    assert torch.equal(cross.sample_keep, expected)
+    # the pooled rule is the per-group rule on one group holding the whole batch (N = 1 in
+    # all included: the farthest from the pool's mean)
+    assert cross.sample_keep.tolist() == _ref_max_variance_keep(adv.tolist(), [0] * len(r), m_total)
 
     for sel in (intra, pods, mr):
         assert sel.n_kept == m_total == int(sel.sample_keep.sum())
@@ -346,6 +346,17 @@ def test_one_per_group_keeps_the_largest_advantage_of_either_sign():
     # PODS at N = 1 keeps the same rollout; its re-normalised advantage is 0 (no spread)
     pods = select_samples("pods", r, adv, g, 1)
     assert pods.kept_rows.tolist() == [1, 6, 8] and (pods.advantages[pods.sample_keep] == 0).all()
+
+
+def test_pooled_rule_keeping_one_rollout_keeps_the_largest_advantage():
+    """One prompt, N = 1, pooled: again no variance to maximise. Hand-worked: rewards
+    0 0 0 1 -> A = -0.5 -0.5 -0.5 1.5 (mean 0): keep the success (row 3), not the
+    tie-break's first minimum (row 0); 1 1 1 0 -> keep the failure (row 3, A = -1.5)."""
+    g = torch.zeros(4, dtype=torch.long)
+    for r, row in ((_t([0.0, 0.0, 0.0, 1.0]), 3), (_t([1.0, 1.0, 1.0, 0.0]), 3), (_t([1.0, 0.0, 1.0, 0.0]), 0)):
+        adv = compute_advantages(r, g).advantages
+        assert select_samples("d3s_cross", r, adv, g, 1).kept_rows.tolist() == [row]
+        assert select_samples("d3s_cross", r, adv, g, 0.25).kept_rows.tolist() == [row]
 
 
 def test_small_groups_kept_whole():
