@@ -17,9 +17,12 @@ share of kept samples with a non-zero advantage, the gradient norm relative to G
 loss-carrying update tokens and wall time; and the PODS papers' time-to-threshold: wall time
 and update tokens until the eval reward first reaches 99% of the reference variant's
 (``--reference``, default grpo) best mean eval reward, as a ratio reference / variant
-(> 1 = sooner) with a seed-bootstrap 95% interval; and every variant's eval reward after the
+(> 1 = sooner) with a seed-bootstrap 95% interval; every variant's eval reward after the
 training time of the shortest run (equal compute: the runs train the same number of steps,
-so a method with cheaper steps finishes sooner). Wall times leave out evaluation.
+so a method with cheaper steps finishes sooner); and the final eval reward minus the
+reference's, paired by seed (a seed fixes the prompts of every step and the eval set is
+fixed, so the pairs share their data) with a 95% t interval over the pairs. Wall times leave
+out evaluation.
 """
 
 from __future__ import annotations
@@ -175,6 +178,17 @@ def load_run(run_dir: Path) -> dict:
     }
 
 
+def paired_difference(runs: List[dict], ref_runs: List[dict]) -> dict:
+    """Final eval reward of each run minus the reference run of the same ``seed``: mean and
+    95% t half-width over the pairs, and how many pairs there were. Runs without a seed or
+    without a reference partner are left out."""
+    ref = {r["seed"]: r["curve"][-1]["eval"] for r in ref_runs if r.get("seed") is not None and r["curve"]}
+    diffs = [r["curve"][-1]["eval"] - ref[r["seed"]] for r in runs
+             if r.get("seed") in ref and r["curve"]]
+    m, h = mean_ci(diffs)
+    return {"mean": m, "half_width": h, "pairs": len(diffs)}
+
+
 def time_to(curve: List[dict], threshold: float, key: str) -> Optional[float]:
     for point in curve:
         if point["eval"] >= threshold:
@@ -220,6 +234,7 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
         if out["equal_time"] is not None:
             row["eval_at_equal_time"] = mean_ci([value_at(r["curve"], out["equal_time"]) for r in rs if r["curve"]])
         row["grad_norm_vs_reference"] = row["grad_norm"][0] / ref_grad if ref_grad and ref_grad == ref_grad else None
+        row["eval_final_minus_reference"] = paired_difference(rs, ref_runs)
         if threshold is not None:
             for key, label in (("wall", "time_to_threshold"), ("tokens", "tokens_to_threshold")):
                 mine = [time_to(r["curve"], threshold, key) for r in rs]
@@ -244,6 +259,14 @@ def _ratio(d: Optional[dict]) -> str:
     return f"{r['ratio']:.2f}x [{r['lo']:.2f}, {r['hi']:.2f}]"
 
 
+def _paired(d: Optional[dict]) -> str:
+    if not d or not d["pairs"] or d["mean"] != d["mean"]:
+        return "—"
+    if d["half_width"] != d["half_width"]:
+        return f"{d['mean']:+.3f} (1 pair)"
+    return f"{d['mean']:+.3f} ± {d['half_width']:.3f} ({d['pairs']})"
+
+
 def table_md(summary: dict) -> str:
     ref = summary["reference"]
     th = summary["threshold"]
@@ -253,18 +276,20 @@ def table_md(summary: dict) -> str:
         f"Speed-up = {ref}'s mean / the variant's mean, seed bootstrap 95% interval; "
         "reached = seeds that got there. Wall times leave out evaluation. "
         + (f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the training time of the "
-           "shortest run (linear between evaluations)." if summary.get("equal_time") else ""),
+           "shortest run (linear between evaluations). " if summary.get("equal_time") else "")
+        + f"Final - {ref} = final eval reward minus {ref}'s of the same seed, mean ± 95% interval (pairs).",
         "",
-        "| variant | seeds | eval final | eval best | eval @ equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
+        f"| variant | seeds | eval final | final - {ref} (paired) | eval best | eval @ equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
         f"| grad norm / {ref} | update tokens | train wall s | s / step | generation share "
         "| time to thr. (reached) | tokens to thr. (reached) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["variants"].items():
         tt, tk = r.get("time_to_threshold"), r.get("tokens_to_threshold")
         gn = r["grad_norm_vs_reference"]
         lines.append(
-            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_fmt(r['eval_best'])} "
+            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_paired(r.get('eval_final_minus_reference'))} "
+            f"| {_fmt(r['eval_best'])} "
             f"| {_fmt(r.get('eval_at_equal_time', (nan, nan)))} | {_fmt(r['kept_sample_ratio'], 2)} "
             f"| {_fmt(r['kept_token_ratio'], 2)} | {_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} "
             f"| {_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} "
@@ -369,7 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             codes = list(pool.map(one, todo))
         if any(codes):
             print("some runs failed; rerun the same command to retry them", file=sys.stderr)
-    loaded = {n: [load_run(runs_dir / f"{n}_s{s}") for s in range(args.seeds)
+    loaded = {n: [{**load_run(runs_dir / f"{n}_s{s}"), "seed": s} for s in range(args.seeds)
                   if run_state(runs_dir / f"{n}_s{s}") == "done"] for n in variants}
     loaded = {n: rs for n, rs in loaded.items() if rs}
     summary = summarize(loaded, args.reference)

@@ -69,6 +69,24 @@ def test_summarize_time_to_threshold():
     assert cp.value_at([{"wall": 0, "eval": 0.1}, {"wall": 4, "eval": 0.5}], 5.0) is None  # past the end
     md = cp.table_md(s)
     assert "| d3s | 2 |" in md and "3.00x [3.00, 3.00] (2/2)" in md and "— (0/1)" in md
+    # no seeds recorded: no pairs
+    assert s["variants"]["d3s"]["eval_final_minus_reference"]["pairs"] == 0
+
+
+def test_paired_difference_hand_worked():
+    """Seeds pair runs: differences (0.5 - 0.4, 0.7 - 0.5, 0.6 - 0.6) = (0.1, 0.2, 0.0): mean 0.1,
+    sd 0.1, half-width 4.303 x 0.1 / sqrt(3). Seed 3 has no reference partner and is left out."""
+    def run(seed, final):
+        return {**_run([0.3, final], [0, 10], [0, 5]), "seed": seed}
+
+    ref = [run(0, 0.4), run(1, 0.5), run(2, 0.6)]
+    other = [run(0, 0.5), run(1, 0.7), run(2, 0.6), run(3, 0.9)]
+    d = cp.paired_difference(other, ref)
+    assert d["pairs"] == 3 and d["mean"] == pytest.approx(0.1)
+    assert d["half_width"] == pytest.approx(4.303 * 0.1 / math.sqrt(3))
+    md = cp.table_md(cp.summarize({"grpo": ref, "d3s": other}, "grpo"))
+    assert "| d3s | 4 | 0.675 ± " in md and f"| +0.100 ± {4.303 * 0.1 / math.sqrt(3):.3f} (3) |" in md
+    assert "| grpo | 3 | 0.500 ± " in md and "| +0.000 ± 0.000 (3) |" in md
 
 
 @pytest.mark.slow
