@@ -349,14 +349,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--presets", default="grpo,pods,d3s", help="comma-separated d3s presets (each = variant d3s=P)")
     p.add_argument("--variant", action="append", default=[], metavar='NAME="OVERRIDES"',
                    help="an extra variant: a name and the Hydra overrides that define it (repeatable)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (from --first-seed)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first..first+N-1: e.g. only the runs that shared the machine in one session")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--jobs", type=int, default=1, help="runs at once (threads per run = cores / jobs)")
     p.add_argument("--reference", default="grpo", help="the variant time-to-threshold is measured against")
     p.add_argument("--report-only", action="store_true", help="write the table from the runs there, run nothing")
     args = p.parse_args(argv)
-    if args.seeds < 1 or args.jobs < 1:
-        p.error("--seeds and --jobs must be >= 1")
+    if args.seeds < 1 or args.jobs < 1 or args.first_seed < 0:
+        p.error("--seeds and --jobs must be >= 1, --first-seed >= 0")
     return args, extra
 
 
@@ -376,7 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parse_args(argv)
     variants = variants_of(args)
     runs_dir, logs = args.out / "runs", args.out / "logs"
-    jobs = [(name, seed) for seed in range(args.seeds) for name in variants]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(name, seed) for seed in seeds for name in variants]
     if not args.report_only:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         todo = [(n, s) for n, s in jobs if run_state(runs_dir / f"{n}_s{s}") != "done"]
@@ -394,7 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             codes = list(pool.map(one, todo))
         if any(codes):
             print("some runs failed; rerun the same command to retry them", file=sys.stderr)
-    loaded = {n: [{**load_run(runs_dir / f"{n}_s{s}"), "seed": s} for s in range(args.seeds)
+    loaded = {n: [{**load_run(runs_dir / f"{n}_s{s}"), "seed": s} for s in seeds
                   if run_state(runs_dir / f"{n}_s{s}") == "done"] for n in variants}
     loaded = {n: rs for n, rs in loaded.items() if rs}
     summary = summarize(loaded, args.reference)

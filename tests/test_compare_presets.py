@@ -126,3 +126,18 @@ def test_load_run_leaves_evaluation_out_of_wall_time(tmp_path):
     run = cp.load_run(tmp_path)
     assert [(p["step"], p["wall"], p["tokens"]) for p in run["curve"]] == [(0, 0.0, 0.0), (2, 10.0, 20.0), (4, 21.0, 40.0)]
     assert run["wall_time"] == 21.0 and run["generation_share"] == pytest.approx(0.8) and run["step_time"] == 5.0
+
+
+def test_report_only_reads_the_seed_range(tmp_path):
+    """--first-seed 1 --seeds 2 reports seeds 1 and 2 only (e.g. the runs of one session)."""
+    for seed, final in ((0, 0.9), (1, 0.5), (2, 0.7)):
+        d = tmp_path / "runs" / f"grpo_s{seed}"
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 2, "wall_time": 4.0, "time_step": 2.0,
+                                                     "time_rollout": 1.0, "update_tokens_total": 8.0}) + "\n")
+        (d / "eval.jsonl").write_text("".join(json.dumps({"step": s, "eval_reward_mean": r, "time_eval": 0.0}) + "\n"
+                                              for s, r in ((0, 0.3), (2, final))))
+        (d / "summary.json").write_text("{}")
+    assert cp.main(["--report-only", "--presets", "grpo", "--first-seed", "1", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "table.json").read_text())["variants"]["grpo"]
+    assert row["seeds"] == 2 and row["eval_final"][0] == pytest.approx(0.6)
