@@ -22,7 +22,10 @@ seconds::
     python examples/select_batch.py --prompts 8 --group-size 16 --progress 1.0
 
 ``--progress`` is the training progress p in [0, 1]; only the presets with a dynamic
-schedule (d3s, d3s_i) change with it (N and K grow linearly from p = 0 to p = 1).
+schedule (d3s, d3s_i) change with it (N and K grow linearly from p = 0 to p = 1). The K
+column is the K used: d3s and d3s_i keep at least 256 tokens a step (``min_kept_tokens``),
+which on a batch this small raises K above the schedule's; ``--min-kept-tokens 0`` shows the
+papers' rule (K from the schedule alone).
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=48, help="longest response, tokens")
     ap.add_argument("--progress", type=float, default=0.0, help="training progress p in [0, 1]")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-kept-tokens", type=int, default=None,
+                    help="floor on kept tokens for every preset (default: each preset's own; 0 = none)")
     args = ap.parse_args()
 
     rewards, group_ids, response_mask, entropy = synthetic_batch(
@@ -90,7 +95,8 @@ def main() -> None:
     one_per_prompt = []
     for name in PRESETS:
         # from_preset returns a copy: the shared PRESETS entries are never modified.
-        cfg = D3SConfig.from_preset(name)
+        floor = {} if args.min_kept_tokens is None else {"min_kept_tokens": args.min_kept_tokens}
+        cfg = D3SConfig.from_preset(name, **floor)
         selector = D3SSelector(cfg)
         # apply() = select_samples() then select_tokens() on the kept rows. A trainer calls
         # the two stages separately so that entropy is only computed for the kept rows.
@@ -113,8 +119,8 @@ def main() -> None:
         # The preset's N is a fraction of G (1/8 at p = 0); with a small G that rounds to one
         # rollout per prompt, where a per-prompt max-variance rule has no choice to make.
         print(f"note: {', '.join(one_per_prompt)} keep(s) 1 rollout per prompt here: a single value has "
-              "no variance, so every choice ties and the rule keeps each prompt's lowest advantage; "
-              "use a larger G or --progress.")
+              "no variance, so every choice ties and the rule keeps the rollout farthest from its "
+              "prompt's mean (the largest |A|); use a larger G or --progress.")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ class D3SSection:
     unbiased: bool = True
     # At least this many tokens per optimizer step (K raised to M / eligible tokens when
     # K x eligible is smaller); 0 = no floor. core.d3s.D3SConfig.min_kept_tokens.
-    min_kept_tokens: int = 0
+    min_kept_tokens: int = 256
     # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
     # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
     dp_batch_scope: str = "global_exact"
@@ -174,7 +174,7 @@ class TrainerConfig:
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
     eval_max_new_tokens: Optional[int] = None  # None = max_new_tokens
-    eval_batch_size: int = 64
+    eval_batch_size: int = 128
     # checkpoints
     save_every: int = 10  # 0 = only at the end
     keep_last: int = 2

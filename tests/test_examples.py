@@ -77,7 +77,13 @@ def test_select_batch_options():
                     "--prompts", "3", "--group-size", "16", "--progress", "1"]))
     assert "batch: 3 prompts x G=16 = 48 rollouts" in out
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
-    assert d3s[3] == "8" and d3s[4] == "0.20"  # N = 1/2 of G, K = 20% at p = 1
+    # N = 1/2 of G; 20% of the 24 kept rollouts' tokens is under the preset's floor of 256,
+    # so K is raised to 256 / eligible and exactly 256 tokens are kept.
+    assert d3s[3] == "8" and float(d3s[4]) > 0.20 and d3s[6].startswith("256/"), d3s
+    out = _ok(_run([sys.executable, str(EXAMPLES / "select_batch.py"), "--prompts", "3",
+                    "--group-size", "16", "--progress", "1", "--min-kept-tokens", "0"]))
+    d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
+    assert d3s[3] == "8" and d3s[4] == "0.20", d3s  # the papers' rule: the schedule's K at p = 1
 
 
 @pytest.mark.parametrize(

@@ -95,9 +95,10 @@ def ref_top_tokens(adv_kept, entropy, mask, k):
     return keep.view(mask.shape)
 
 
-def expected_tokens(k_frac: float, n_eligible: int) -> int:
-    # The decimal K as typed (0.05, 0.125, 0.2), exactly: ceil(K x n).
-    return math.ceil(Fraction(repr(k_frac)) * n_eligible)
+def expected_tokens(k_frac: float, n_eligible: int, floor: int = 0) -> int:
+    # The decimal K as typed (0.05, 0.125, 0.2), exactly: ceil(K x n), raised to the floor
+    # (all of the pool when it holds fewer).
+    return max(math.ceil(Fraction(repr(k_frac)) * n_eligible), min(floor, n_eligible))
 
 
 def selector(name: str, **overrides) -> D3SSelector:
@@ -202,13 +203,14 @@ def test_cross_group_presets_select_from_the_pool(batch, name, progress):
 
 @pytest.mark.parametrize("name", ("d2s", "d3s", "d3s_i"))
 @pytest.mark.parametrize("progress", PROGRESS)
-def test_batch_scope_token_count_and_ranking(batch, name, progress):
+@pytest.mark.parametrize("floor", (None, 0, 20))  # the preset's own (256 binds on this small batch), none, one in between
+def test_batch_scope_token_count_and_ranking(batch, name, progress, floor):
     rewards, group_ids, entropy, mask = batch
-    sel = selector(name)
+    sel = selector(name) if floor is None else selector(name, min_kept_tokens=floor)
     stage, tok = sel.apply(rewards, group_ids, entropy, mask, progress)
     kept_mask = mask[stage.kept_rows]
     n_eligible = int(kept_mask.sum())
-    k = expected_tokens(sel.k_frac_at(progress), n_eligible)
+    k = expected_tokens(sel.k_frac_at(progress), n_eligible, sel.cfg.min_kept_tokens)
     assert int(tok.token_keep.sum()) == k
     ref = ref_top_tokens(stage.kept_advantages, entropy[stage.kept_rows], kept_mask, k)
     assert torch.equal(tok.token_keep, ref)
@@ -216,7 +218,7 @@ def test_batch_scope_token_count_and_ranking(batch, name, progress):
 
 def test_d3s_follows_the_schedule_endpoints(batch):
     rewards, group_ids, entropy, mask = batch
-    sel = selector("d3s")
+    sel = selector("d3s", min_kept_tokens=0)  # the schedule's K itself (the floor: test above)
     cases = {0.0: (0.125, 1, 0.05), 0.5: (0.3125, 3, 0.125), 1.0: (0.5, 4, 0.2)}
     for p, (n_frac, per_prompt, k) in cases.items():
         assert sel.n_keep_at(p) == pytest.approx(n_frac)
@@ -225,7 +227,7 @@ def test_d3s_follows_the_schedule_endpoints(batch):
         assert stage.n_keep == pytest.approx(n_frac) and tok.k_frac == pytest.approx(k)
         assert stage.kept_rows.numel() == per_prompt * N_GROUPS
         n_eligible = int(mask[stage.kept_rows].sum())
-        assert int(tok.token_keep.sum()) == expected_tokens(k, n_eligible)
+        assert int(tok.token_keep.sum()) == expected_tokens(k, n_eligible, sel.cfg.min_kept_tokens)
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES + ("random",))
@@ -252,7 +254,7 @@ def test_apply_equals_two_stage_path(batch, name, progress):
 
 def test_metrics_match_references(batch):
     rewards, group_ids, entropy, mask = batch
-    stage, tok = selector("d3s").apply(rewards, group_ids, entropy, mask, 0.5)
+    stage, tok = selector("d3s", min_kept_tokens=0).apply(rewards, group_ids, entropy, mask, 0.5)
     b = rewards.numel()
     kept_adv = stage.advantages[stage.kept_rows].double()
     m = stage.metrics
@@ -269,7 +271,7 @@ def test_metrics_match_references(batch):
     assert t["mean_entropy_eligible"] == pytest.approx(float(h[km].mean()))
     assert t["mean_entropy_kept"] < 100.0  # no padding position was scored
     assert t["samples_without_tokens"] == int((km.any(1) & ~keep.any(1)).sum())
-    assert t["samples_without_tokens"] > 0  # K = 12.5% leaves whole samples out here
+    assert t["samples_without_tokens"] > 0  # K = 12.5% (no floor) leaves whole samples out here
     assert t["samples_without_eligible"] == int((~km.any(1)).sum())
 
 
@@ -369,7 +371,7 @@ def test_all_degenerate_batch_is_flagged_not_an_error():
     assert (stage.advantages == 0).all()
     # Still a well-formed, deterministic selection (the caller skips the update).
     assert stage.kept_rows.numel() == 2 * 3
-    assert int(tok.token_keep.sum()) == expected_tokens(0.2, int(mask[stage.kept_rows].sum()))
+    assert int(tok.token_keep.sum()) == expected_tokens(0.2, int(mask[stage.kept_rows].sum()), 256)
 
 
 def test_no_eligible_token_gives_an_empty_mask():

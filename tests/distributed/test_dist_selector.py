@@ -30,7 +30,7 @@ def _batch(rank):
     return rewards, gids, entropy, response_mask
 
 
-PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "d3s_floor", "d3s_floor_sample"]
+PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "d3s_m0", "d3s_floor", "d3s_floor_sample"]
 # The floor binds here (K x eligible is ~5 tokens of ~45) and differs from what rank 1's own
 # count (~18 eligible) would give, so a rank that used its local count would select otherwise.
 FLOOR = 20
@@ -39,6 +39,8 @@ FLOOR = 20
 def _cfg(preset="d3s"):
     from nemo_d3s.core.d3s import D3SConfig
 
+    if preset == "d3s_m0":  # the papers' rule: K alone
+        return D3SConfig.from_preset("d3s", min_kept_tokens=0)
     if preset == "d3s_floor":
         return D3SConfig.from_preset("d3s", min_kept_tokens=FLOOR)
     if preset == "d3s_floor_sample":
@@ -84,7 +86,7 @@ def test_matches_single_process_selector_for_every_preset():
             for k, v in tok.metrics.items():  # entropy sums add in another order across ranks
                 assert tok_metrics[k] == pytest.approx(v, rel=1e-12), (preset, k)
         n_eligible = int(response_mask[stage.kept_rows].sum())
-        if preset == "d3s":
+        if preset == "d3s_m0":
             assert 0 < int(tok.token_keep.sum()) < FLOOR < n_eligible
         if preset == "d3s_floor":  # exactly the floor, from the whole batch's count
             assert int(tok.token_keep.sum()) == FLOOR and tok.k_frac == FLOOR / n_eligible
