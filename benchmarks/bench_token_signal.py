@@ -13,7 +13,7 @@ and four ways of choosing the same number of tokens:
 
 Then whole selections as the trainer makes them (samples, then tokens; PODS re-normalises its
 advantages), at the start, middle and end of their schedules: ``d3s`` (N G/8 -> G/2 per
-prompt, K 5% -> 20%), ``d3s_paper`` (N G/4 -> G), ``d2s`` (N G/4, K 20%), ``pods`` (N G/4,
+prompt, K 5% -> 20%, no floor on kept tokens: the papers' rule), ``d3s_paper`` (N G/4 -> G), ``d2s`` (N G/4, K 20%), ``pods`` (N G/4,
 all tokens), ``d1s_cross`` (pooled N G/4, all tokens), each against the same full gradient.
 
 The gradient is the on-policy one (ratio 1): d/dtheta of -sum A_i log pi(token), so clipping
@@ -89,9 +89,11 @@ def _cosine(a, b) -> float:
     return float(a @ b / (a.norm() * b.norm()))
 
 
+# d3s and d3s_paper without the preset's floor of 256 kept tokens (the papers' K alone): what
+# the recorded results measure, and the case where the token count is smallest.
 PIPELINES = {
-    "d3s": ["d3s=d3s"],
-    "d3s_paper": ["d3s=d3s", "d3s.schedule.n_init=0.25", "d3s.schedule.n_final=1.0"],
+    "d3s": ["d3s=d3s", "d3s.min_kept_tokens=0"],
+    "d3s_paper": ["d3s=d3s", "d3s.schedule.n_init=0.25", "d3s.schedule.n_final=1.0", "d3s.min_kept_tokens=0"],
     "d2s": ["d3s=d2s"],
     "pods": ["d3s=pods"],
     "d1s_cross": ["d3s=d1s_cross"],
