@@ -9,6 +9,9 @@ stopped: finished runs (``summary.json``) are skipped, interrupted ones resume f
 checkpoints (``resume=true``), and a run that died before its first checkpoint is moved
 aside (``.failed-N``) and started again. ``--jobs`` runs that many at once, each with
 ``OMP_NUM_THREADS = cores / jobs``, so timings compare runs that shared the machine alike.
+Every run keeps what a training run keeps (``trainer.keep_last`` checkpoints and, by default,
+a Hugging Face export): for many runs pass ``trainer.keep_last=1 trainer.export_hf=false``
+after ``--``; the tables read only the records.
 
 Writes ``OUT/table.md``, ``OUT/table.json`` and ``OUT/curves.png``: per variant the mean and
 95% interval over seeds (Student t) of the final and best eval reward, the papers' selection
