@@ -79,15 +79,24 @@ def test_unknown_key_fails_naming_it():
     assert "bogus" in _error(["+bogus=1"])
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_preset_yaml_matches_core_presets(preset):
-    cfg = compose([f"d3s={preset}", "output_dir=x"])
+def _assert_selects_as(cfg, preset):
     ours, core = d3s_config(cfg), PRESETS[preset]
-    assert cfg.d3s.preset == preset
     for field in ("sample_rule", "token_scope", "advantage", "eps", "unbiased", "min_kept_tokens"):
         assert getattr(ours, field) == getattr(core, field), field
     for p in (0.0, 0.3, 1.0):
         assert ours.schedule.at(p) == core.schedule.at(p)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_yaml_matches_core_presets(preset):
+    cfg = compose([f"d3s={preset}", "output_dir=x"])
+    assert cfg.d3s.preset == preset
+    _assert_selects_as(cfg, preset)
+
+
+def test_schema_defaults_are_the_d3s_preset():
+    # config.D3SSection repeats the d3s preset's values (floor, schedule) as the schema's defaults
+    _assert_selects_as(OmegaConf.structured(TrainConfig), "d3s")
 
 
 def test_cli_prints_resolved_config():
