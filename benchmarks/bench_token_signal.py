@@ -13,8 +13,9 @@ and four ways of choosing the same number of tokens:
 
 Then whole selections as the trainer makes them (samples, then tokens; PODS re-normalises its
 advantages), at the start, middle and end of their schedules: ``d3s`` (N G/8 -> G/2 per
-prompt, K 5% -> 20%, no floor on kept tokens: the papers' rule), ``d3s_paper`` (N G/4 -> G), ``d2s`` (N G/4, K 20%), ``pods`` (N G/4,
-all tokens), ``d1s_cross`` (pooled N G/4, all tokens), each against the same full gradient.
+prompt, K 5% -> 20%, no floor on kept tokens: the papers' rule), ``d3s_paper`` (N G/4 -> G),
+``d2s`` (N G/4, K 20%), ``pods`` (N G/4, all tokens), ``d1s_cross`` (pooled N G/4, all
+tokens), each against the same full gradient.
 
 The gradient is the on-policy one (ratio 1): d/dtheta of -sum A_i log pi(token), so clipping
 plays no part. A cosine near 1 means the subset points where the whole batch points; it
