@@ -62,8 +62,9 @@ the larger with ``trainer.gpu_memory_gb`` (decimal GB).
 
 Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
 the weight table (``weights.local_shape``); each distinct position is also BUILT with
-megatron-core on the meta device (a fake process group of the job's world size, so
-Megatron's parallel state is that of the position) and its parameter count compared;
+megatron-core on the meta device (``backends/megatron/param_counts.py``: a fake process
+group of the job's world size, so Megatron's parallel state is that of the position) and its
+parameter count compared;
 the positions' real (unpadded, tied embedding once, TP-replicated norms once) parameters
 sum to the HF model's count; and megatron-core's theoretical memory formula (Megatron-LM
 ``theoretical_memory_usage``: ``6 + 12/DP`` bytes per parameter on the most loaded shard,
@@ -72,16 +73,15 @@ sum to the HF model's count; and megatron-core's theoretical memory formula (Meg
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, global_rank_of, rank_order
+from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
+from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
 from nemo_d3s.config import ConfigError
 
 __all__ = [
@@ -256,119 +256,6 @@ def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int,
     return {"params_most_loaded_shard": most, "weight_and_optimizer_bytes": weight_opt, "activation_bytes": act}
 
 
-# ----------------------------------------------------------------------------- parameters
-def _positions(tp: int, pp: int) -> List[Tuple[int, int]]:
-    return [(t, p) for p in range(pp) for t in range(tp)]
-
-
-def local_param_count(spec, layout) -> int:
-    """Parameters of one position's stage (vocabulary padding included), from the table."""
-    from nemo_d3s.backends.megatron.weights import local_names, local_shape
-
-    return sum(math.prod(local_shape(n, spec, layout)) for n in local_names(spec, layout))
-
-
-def real_param_count(spec, layout) -> int:
-    """This position's share of the HF model: padding rows dropped, the tied output layer
-    (the last stage's copy of the embedding) and TP-replicated tensors (norms) on TP ranks
-    > 0 not counted; summed over all positions this is ``spec.num_params``."""
-    from nemo_d3s.backends.megatron.weights import hf_shape, local_names, local_parts, local_shape
-
-    total = 0
-    for name in local_names(spec, layout):
-        if name == "output_layer.weight" and spec.tie_word_embeddings:
-            continue
-        dim, parts = local_parts(name, spec, layout)
-        whole = len(parts) == 1 and parts[0].hf_name and parts[0].lo == 0 and \
-            parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]
-        if whole and layout.tp_rank > 0 and not name.endswith(("word_embeddings.weight", "output_layer.weight")):
-            continue
-        shape = list(local_shape(name, spec, layout))
-        shape[dim] = sum(p.rows for p in parts if p.hf_name is not None)
-        total += math.prod(shape)
-    return total
-
-
-@contextlib.contextmanager
-def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator[Any]:
-    """Megatron's parallel state of global ``rank`` in a ``world``-rank job, in this one
-    process: torch's fake process-group backend (collectives are no-ops) under megatron's
-    ``initialize_model_parallel`` (no gloo side groups). Torn down on exit."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False, order=order)
-        try:
-            yield ps
-        finally:
-            ps.destroy_model_parallel()
-    finally:
-        dist.destroy_process_group()
-
-
-def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
-                      order: str = DEFAULT_ORDER) -> Dict[str, Any]:
-    """Build each distinct position's GPTModel stage on the meta device under a fake
-    process group of ``world`` ranks and count its parameters. Returns {"counts":
-    {"tp_rank,pp_rank": n}, "engine_sources": [...]} or {"skipped": reason}."""
-    import warnings
-
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return {"skipped": "a process group already exists in this process"}
-    try:
-        from torch.testing._internal.distributed import fake_pg  # noqa: F401
-    except Exception as e:  # an internal torch module: absent from some builds
-        return {"skipped": f"torch's fake process group is not available ({type(e).__name__}: {e})"}
-    from nemo_d3s.backends.megatron.model import build_stage, transformer_config
-    from nemo_d3s.backends.megatron.weights import Layout
-
-    dp = world // (tp * pp)
-    kinds = {}
-    for p in range(pp):
-        kinds.setdefault((p == 0, p == pp - 1), p)
-    wanted = [(0, p) for p in kinds.values()] + ([(tp - 1, 0)] if tp > 1 else [])
-    counts: Dict[str, int] = {}
-    meta = torch.device("meta")
-    cuda = torch.Tensor.cuda
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for t, p in wanted:
-            rank = global_rank_of(t, p, 0, tp=tp, pp=pp, dp=dp, order=order)  # DP replica 0
-            with _fake_world(rank, world, tp, pp, order) as ps:
-                got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
-                if got != (t, p):
-                    raise RuntimeError(f"megatron placed global rank {rank} at (TP, PP) = {got}, expected {(t, p)}: "
-                                       f"its rank order is not {order}")
-                layout = Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False)
-                config = transformer_config(spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta)
-                # Tied embeddings at PP > 1: megatron moves the last stage's copy with
-                # Tensor.cuda() before its all-reduce; on meta tensors that is the identity.
-                torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-                try:
-                    with meta:
-                        model = build_stage(spec, config, layout, pre_process=ps.is_pipeline_first_stage(),
-                                            post_process=ps.is_pipeline_last_stage(), device=meta)
-                finally:
-                    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
-                counts[f"{t},{p}"] = sum(x.numel() for x in model.parameters())
-                del model
-        # Where the rollout engines start: the first rank of the last DP replica's TP x PP group.
-        last = first_ranks_of_model_copies(tp, pp, dp, order)[-1]
-        with _fake_world(last, world, tp, pp, order) as ps:
-            first = dist.get_global_rank(ps.get_model_parallel_group(), 0)
-            if first != last:
-                raise RuntimeError(f"the TP x PP group of rank {last} starts at rank {first}: megatron's rank order "
-                                   f"is not {order}")
-    return {"counts": counts, "built": sorted(counts)}
-
-
 # ----------------------------------------------------------------------------- the plan
 def _backend_config(cfg):
     """The Megatron backend's typed config from the run config (unknown ``model.params``
@@ -522,7 +409,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
                             "rollout.max_model_len to the longest rollout)")
 
     positions = []
-    for t, p in _positions(tp, pp):
+    for t, p in stage_positions(tp, pp):
         layout = Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vocab, te=False)
         n = local_param_count(spec, layout)
         terms: Dict[str, float] = {

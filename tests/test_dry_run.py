@@ -21,6 +21,7 @@ import pytest
 
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, padded_vocab_size
 from nemo_d3s.backends.megatron.weights import Layout
+from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run import (
     GB,
@@ -31,12 +32,9 @@ from nemo_d3s.dry_run import (
     job_shape,
     kv_bytes_per_token,
     layer_activation_bytes,
-    local_param_count,
     logits_bytes,
     megatron_lm_reference,
-    meta_param_counts,
     plan,
-    real_param_count,
     render,
 )
 
