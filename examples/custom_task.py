@@ -43,7 +43,7 @@ class ParityTask(Task):
 
 def main(out_dir: str) -> None:
     cfg = compose_config([
-        "experiment=smoke",  # tiny random model: swap for model=smollm2 to learn for real
+        "experiment=smoke",  # tiny random model: add model.name=smollm2-135m-instruct to learn for real
         "task.name=parity", "task.eval_size=8", "trainer.steps=6", f"output_dir={out_dir}",
     ])
     cfg.task.params = {"n_eval": 8}  # replace (not merge with) the tiny task's options

@@ -125,3 +125,20 @@ def test_evidence_task_has_two_digit_terms_and_a_large_eval_set():
     # the default's eval problems use single digits only; here some term has two
     assert any(any(len(tok) == 2 for tok in p.meta["question"].replace(".", " ").split() if tok.isdigit())
                for p in problems)
+
+
+@pytest.mark.parametrize("extra", [["model=megatron"], [], ["model=smollm2"]])
+def test_smoke_experiment_keeps_the_tiny_model_whatever_model_is_picked(extra):
+    """`model=megatron experiment=smoke` once trained SmolLM2 (GBs of checkpoints): the smoke
+    experiment pins the tiny random model on every backend."""
+    cfg = compose([*extra, "experiment=smoke", "output_dir=x"])
+    assert cfg.model.name == "tiny-random"
+    if extra == ["model=megatron"]:
+        assert cfg.model.backend == "megatron"
+
+
+def test_megatron_smoke_experiment_is_tiny_tp2_and_keeps_one_checkpoint():
+    cfg = compose(["experiment=megatron_smoke", "output_dir=x"])
+    assert (cfg.model.backend, cfg.model.name) == ("megatron", "tiny-random")
+    assert cfg.model.params.tensor_model_parallel_size == 2 and cfg.trainer.keep_last == 1
+    validate(cfg, world_size=2)

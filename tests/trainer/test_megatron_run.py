@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from nemo_d3s.trainer.metrics import read_jsonl
 
@@ -114,3 +115,31 @@ def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
     s2 = json.loads((cut / "summary.json").read_text())
     for k in ("eval_reward_last", "update_tokens_total", "rollout_tokens_total"):
         assert s1[k] == s2[k], k
+
+
+def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
+    """The laptop Megatron experiment as the README runs it: TP 2 under torchrun on the tiny
+    random model, a checkpoint of two TP shards that stays small, and the next command
+    (``nemo-d3s-convert megatron-to-hf`` with the run's export as --hf-config) gives the
+    run's own exported weights back bit for bit."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "msmoke"
+    log = _finish(_torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"]), timeout=600)
+    ckpts = sorted((out / "checkpoints").iterdir())
+    assert [c.name for c in ckpts] == ["step_000004"], ckpts  # keep_last=1
+    assert sorted(os.listdir(ckpts[0] / "megatron")) == ["layout.json", "tp00_pp00.safetensors",
+                                                         "tp01_pp00.safetensors"]
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    assert size < 20e6, f"the smoke run wrote {size / 1e6:.1f} MB"
+    # Megatron-core's start-up notices are filtered; the trainer's own lines remain.
+    assert "Transformer Engine and Apex are not installed" not in log and "done: steps=4" in log
+    hf = tmp_path / "hf"
+    r = subprocess.run([sys.executable, "-m", "nemo_d3s.convert", "megatron-to-hf", "--ckpt", str(ckpts[0]),
+                        "--hf-config", str(out / "hf_export"), "--out", str(hf)],
+                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    exported, converted = load_file(out / "hf_export" / "model.safetensors"), load_file(hf / "model.safetensors")
+    assert exported.keys() == converted.keys()
+    for k in exported:
+        assert torch.equal(exported[k], converted[k]), k

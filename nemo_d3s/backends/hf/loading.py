@@ -120,6 +120,46 @@ def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype
     return model, tokenizer
 
 
+def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = None) -> Path:
+    """The "tiny-random" model written once as a Hugging Face folder (safetensors, config,
+    tokenizer) under ``$NEMO_D3S_CACHE/tiny-random/<spec and seed>``, for the backends that
+    build from files (Megatron) and for a smoke run's checkpoint conversion. About 0.1 MB
+    at the default shape. The same spec and seed give the same weights, so every rank of a
+    torchrun job may write it: each writes a private temporary folder and renames it into
+    place; a rank that loses the rename keeps the winner's identical folder."""
+    import dataclasses
+    import hashlib
+    import json
+    import os
+    import shutil
+    import uuid
+
+    from nemo_d3s.backends.hf.gguf_convert import cache_root
+    from nemo_d3s.files import apply_umask
+
+    key = json.dumps({"spec": dataclasses.asdict(spec), "seed": int(seed)}, sort_keys=True)
+    out = (cache or cache_root()) / TINY_RANDOM / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        model, tokenizer = _tiny_model_and_tokenizer(spec, seed, torch.float32)
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "nemo_d3s_tiny_random.json").write_text(key)
+        apply_umask(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def zero_dropout_config(config) -> None:
     # RL ratios compare two forwards of the same weights; dropout would make them differ.
     for key, value in list(vars(config).items()):

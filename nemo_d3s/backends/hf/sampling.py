@@ -15,6 +15,7 @@ response token ids up to and including the first stop token, and whether one was
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, ContextManager, List, Sequence, Tuple, Union
 
 import torch
@@ -74,6 +75,14 @@ def sample_next(logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationCon
     return idx.squeeze(-1)
 
 
+def kv_cache_name(model) -> str:
+    """The forward keyword (and output field) that carries the KV cache: transformers 5
+    renamed ``past_key_values`` to ``cache`` and warns on every use of the old name
+    (transformers/utils/generic.py, ``_BCCacheNameMeta`` and the ``past_key_values``
+    property); transformers 4.x (the ``nemo`` extra pins 4.57) knows only the old one."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def decode_seeded(
     model,
@@ -108,15 +117,16 @@ def decode_seeded(
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     past, step_ids = None, ids
+    cache_kw = kv_cache_name(model)
     for t in range(T):
         check_stop()
         position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1]:]
         with autocast():
             res = model(
                 input_ids=step_ids, attention_mask=mask, position_ids=position_ids,
-                past_key_values=past, use_cache=True, logits_to_keep=1,
+                use_cache=True, logits_to_keep=1, **{cache_kw: past},
             )
-        past = res.past_key_values
+        past = getattr(res, cache_kw)
         nxt = sample_next(res.logits[:, -1, :], uniforms[:, t], cfg)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, t] = nxt

@@ -11,6 +11,21 @@ reshardable), ``nemo2`` / ``nemo2_writer`` (NeMo 2 checkpoints), ``parallel`` (p
 ``cpu_compat`` (megatron-core on gloo/CPU), ``backend`` (the Policy).
 """
 
+import logging as _logging
+import warnings as _warnings
+
+# Start-up notices of megatron-core that a user cannot act on, silenced here because every
+# submodule that imports megatron-core is imported through this package: the optional CUDA
+# extensions (Transformer Engine, Apex) being absent (on CPU they cannot be used; on CUDA the
+# backend refuses to run without Transformer Engine unless asked), the deprecation of
+# megatron-core's own default cuda_graph_scope="full" (transformer_config.py, warned on every
+# TransformerConfig), and Megatron-FSDP's INFO lines at import (this backend does not use
+# FSDP). Each filter matches one message from megatron.core's modules; other warnings show.
+for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
+                 r"full scope is deprecated"):
+    _warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.core")
+_logging.getLogger("megatron.core.distributed.fsdp").setLevel(_logging.WARNING)
+
 
 def __getattr__(name):
     # Importing megatron-core takes seconds; only a run that uses this backend pays for it.

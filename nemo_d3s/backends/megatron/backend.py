@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
-from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.config import TinyModelSpec
+from nemo_d3s.backends.hf.loading import TINY_RANDOM, ensure_tiny_folder, resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
@@ -126,10 +127,13 @@ class MegatronBackend(Policy):
 
             apply_cpu_compat()
         try:
-            self.path = str(resolve_model_path(cfg.model))
+            # "tiny-random" (the smoke experiments): the HF backend's random Llama at its
+            # default shape, written once to the cache so Megatron can load it like any folder.
+            tiny = cfg.model == TINY_RANDOM
+            self.path = str(ensure_tiny_folder(TinyModelSpec(), cfg.seed) if tiny else resolve_model_path(cfg.model))
         except FileNotFoundError as e:
             raise ConfigError(f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
-                              "checkpoint or 'smollm2-135m-instruct')") from None
+                              "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')") from None
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
