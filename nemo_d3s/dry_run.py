@@ -1,7 +1,7 @@
 """``trainer.dry_run=true``: prove a Megatron layout on a laptop before queueing for it.
 
-``python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true`` (with ``NNODES`` and
-``GPUS_PER_NODE`` set to the job's shape) resolves the config, checks every divisibility
+``python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true`` (the recipe states its
+cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every divisibility
 rule of the layout, builds this model's stage for each distinct (TP, PP) position on the
 meta device (no memory, no weights: ``model.name`` may be a folder holding only
 ``config.json``), and prints, per GPU, the memory the run will need against
@@ -12,7 +12,8 @@ Nothing is trained, no process group is created, no weight is read. The plan is 
 (``model.dtype=auto`` is bf16 there), wherever the dry run itself runs.
 
 The job's shape: ``NNODES`` x ``GPUS_PER_NODE`` (what ``slurm/train_megatron.sbatch`` exports),
-else ``SLURM_JOB_NUM_NODES`` x ``SLURM_GPUS_ON_NODE``, else 1 x 8.
+else ``SLURM_JOB_NUM_NODES`` x ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` x
+``trainer.gpus_per_node``, else 1 x 8.
 
 Memory model, per GPU at (TP rank, PP stage), bytes (P = this position's parameters incl.
 vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel size):
@@ -119,12 +120,16 @@ class JobShape:
         return self.nodes * self.gpus_per_node
 
 
-def job_shape(env: Optional[Mapping[str, str]] = None) -> JobShape:
+def job_shape(env: Optional[Mapping[str, str]] = None, nodes: Optional[int] = None,
+              gpus_per_node: Optional[int] = None) -> JobShape:
     """Nodes x GPUs per node: ``NNODES`` / ``GPUS_PER_NODE``, else Slurm's
-    ``SLURM_JOB_NUM_NODES`` / ``SLURM_GPUS_ON_NODE``, else 1 x 8."""
+    ``SLURM_JOB_NUM_NODES`` / ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` /
+    ``trainer.gpus_per_node`` (passed as ``nodes`` / ``gpus_per_node``), else 1 x 8."""
     env = os.environ if env is None else env
 
     def pick(*names: str, default: int) -> Tuple[int, str]:
+        key = {"NNODES": ("trainer.nodes", nodes), "GPUS_PER_NODE": ("trainer.gpus_per_node", gpus_per_node)}
+        recipe_key, recipe = key[names[0]]
         for n in names:
             v = env.get(n)
             if v not in (None, ""):
@@ -135,6 +140,10 @@ def job_shape(env: Optional[Mapping[str, str]] = None) -> JobShape:
                 if x < 1:
                     raise ConfigError(f"{n}={v!r}: must be a positive integer")
                 return x, f"{n}={x}"
+        if recipe is not None:
+            if isinstance(recipe, bool) or not isinstance(recipe, int) or recipe < 1:
+                raise ConfigError(f"{recipe_key}={recipe!r}: must be a positive integer")
+            return recipe, f"{recipe_key}={recipe}"
         return default, f"{names[0]}={default} (default)"
 
     nodes, a = pick("NNODES", "SLURM_JOB_NUM_NODES", default=1)
@@ -347,7 +356,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     if isinstance(gpu_gb, bool) or not isinstance(gpu_gb, (int, float)) or not gpu_gb > 0:
         raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
     gpu = float(gpu_gb) * GB
-    shape = shape or job_shape()
+    shape = shape or job_shape(nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.gpus_per_node)
     mcfg = _backend_config(cfg)
     folder = model_folder(str(cfg.model.name))
     spec = ModelSpec.from_folder(folder)
@@ -356,7 +365,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     try:
         dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
     except ConfigError as e:
-        raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE to the job's shape)") from None
+        raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)") from None
     validate_layout(cfg, dp)
     vocab = padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by))
 

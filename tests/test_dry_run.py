@@ -162,9 +162,10 @@ def test_first_ranks_of_model_copies_hand_worked():
 
 # ----------------------------------------------------------------------------- the CLI
 def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
-    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="8",
-             GPUS_PER_NODE="8")
+    """No NNODES / GPUS_PER_NODE: the recipe's own trainer.nodes x trainer.gpus_per_node."""
+    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"])
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "trainer.nodes=8 x trainer.gpus_per_node=8" in r.stdout
     assert "verdict: FITS in 80 GB per GPU" in r.stdout
     assert "TP 4 x PP 4 x DP 4 (ranks tp-cp-ep-pp-dp)" in r.stdout
     report = json.loads((tmp_path / "dry_run.json").read_text())
@@ -191,10 +192,11 @@ def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
 
 
 def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
-    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"])  # 1 node x 8 GPUs
+    # NNODES overrides the recipe's 8 nodes: 1 node x the recipe's 8 GPUs.
+    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="1")
     assert r.returncode == 2, r.stdout + r.stderr
     assert ("error: world size 8 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 16 "
-            "(world = NNODES=1 (default) x GPUS_PER_NODE=8 (default)") in r.stderr
+            "(world = NNODES=1 x trainer.gpus_per_node=8") in r.stderr
     assert not (tmp_path / "dry_run.json").exists()
 
 
@@ -223,6 +225,20 @@ def test_job_shape_from_the_environment():
     assert job_shape({"NNODES": "3", "SLURM_JOB_NUM_NODES": "2"}).nodes == 3
     with pytest.raises(ConfigError, match="NNODES='x'"):
         job_shape({"NNODES": "x"})
+    # A recipe's shape fills in what the environment does not set; the environment wins.
+    assert job_shape({}, nodes=8, gpus_per_node=4) == JobShape(8, 4, "trainer.nodes=8 x trainer.gpus_per_node=4")
+    assert job_shape({"SLURM_JOB_NUM_NODES": "2"}, nodes=8, gpus_per_node=4).world == 8
+    assert job_shape({"GPUS_PER_NODE": "2"}, nodes=8).world == 16
+    with pytest.raises(ConfigError, match="trainer.nodes=0"):
+        job_shape({}, nodes=0)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
+    cfg = _compose([f"experiment={name}", "output_dir=x"])
+    assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (RECIPES[name][0], 8)
+    tp, pp, dp = RECIPES[name][3]
+    assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
 
 
 # ----------------------------------------------------------------------------- formulas by hand
