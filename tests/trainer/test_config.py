@@ -107,6 +107,17 @@ def test_cli_prints_resolved_config():
     assert job.model.name == "smollm2-135m-instruct"
 
 
+def test_cli_cfg_job_resolve_prints_the_output_path():
+    """README: `--cfg job` shows output_dir as its ${now:...} pattern; `--resolve` fills it in."""
+    import re
+
+    plain = cli(["--cfg", "job"])
+    assert "output_dir: outputs/${now:%Y-%m-%d_%H-%M-%S}" in plain.stdout, plain.stdout[:300]
+    r = cli(["--cfg", "job", "--resolve"])
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^output_dir: outputs/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d$", r.stdout, re.M), r.stdout[:300]
+
+
 def test_cli_reports_config_error_without_traceback(tmp_path):
     r = cli(["experiment=smoke", f"output_dir={tmp_path}", "trainer.num_generations=1"])
     assert r.returncode == 2
