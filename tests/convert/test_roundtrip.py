@@ -17,8 +17,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import assert_same_tensors, hf_tensors, tiny  # noqa: E402
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec  # noqa: E402
-from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader, local_names, read_local  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 
 
@@ -44,26 +42,77 @@ def test_round_trip_is_bit_exact(tmp_path, arch, dtype, tp, pp):
     assert model.dtype == getattr(torch, dtype)
 
 
-def test_shards_hold_what_the_table_says(tmp_path):
-    """Every shard file tensor equals weights.read_local at its position, padding rows
-    included (zeros), and the tensors keep the stored dtype."""
+def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
+    """{(tp rank, pp stage): {name: tensor}} for a Llama / Qwen2 HF state dict, written from
+    megatron-core's GPTModel conventions (local layer spec) without the weight table:
+    layers numbered per stage; q/k/v fused per query group ([q of the group's heads; k; v]
+    for each KV head) and the groups split over TP; o_proj and down_proj split by columns;
+    gate and up each split by rows, then [gate shard; up shard]; the vocabulary padded with
+    zero rows to ``padded_vocab`` and split by rows; the output layer on the last stage,
+    except when tied at PP 1 (the embedding itself serves; at PP > 1 the last stage holds
+    its own copy)."""
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, per_stage, vocab = h // heads, cfg["num_hidden_layers"] // pp, cfg["vocab_size"]
+
+    def padded(w):
+        out = torch.zeros(padded_vocab, h, dtype=w.dtype)
+        out[:vocab] = w
+        return out
+
+    def qkv(kind):
+        q = hf[f"{pre}self_attn.q_proj.{kind}"].reshape(kv, heads // kv * d, -1)
+        k = hf[f"{pre}self_attn.k_proj.{kind}"].reshape(kv, d, -1)
+        v = hf[f"{pre}self_attn.v_proj.{kind}"].reshape(kv, d, -1)
+        fused = torch.cat([q, k, v], dim=1).chunk(tp, dim=0)[t]
+        return fused.reshape(-1, h) if kind == "weight" else fused.reshape(-1)
+
+    emb = padded(hf["model.embed_tokens.weight"])
+    tied = "lm_head.weight" not in hf
+    out_w = emb if tied else padded(hf["lm_head.weight"])
+    shards = {}
+    for p in range(pp):
+        for t in range(tp):
+            s = {}
+            if p == 0:
+                s["embedding.word_embeddings.weight"] = emb.chunk(tp, 0)[t]
+            for j in range(per_stage):
+                pre, me = f"model.layers.{p * per_stage + j}.", f"decoder.layers.{j}."
+                s[me + "input_layernorm.weight"] = hf[pre + "input_layernorm.weight"]
+                s[me + "self_attention.linear_qkv.weight"] = qkv("weight")
+                if pre + "self_attn.q_proj.bias" in hf:
+                    s[me + "self_attention.linear_qkv.bias"] = qkv("bias")
+                s[me + "self_attention.linear_proj.weight"] = hf[pre + "self_attn.o_proj.weight"].chunk(tp, 1)[t]
+                s[me + "pre_mlp_layernorm.weight"] = hf[pre + "post_attention_layernorm.weight"]
+                s[me + "mlp.linear_fc1.weight"] = torch.cat([hf[pre + "mlp.gate_proj.weight"].chunk(tp, 0)[t],
+                                                             hf[pre + "mlp.up_proj.weight"].chunk(tp, 0)[t]])
+                s[me + "mlp.linear_fc2.weight"] = hf[pre + "mlp.down_proj.weight"].chunk(tp, 1)[t]
+            if p == pp - 1:
+                s["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+                if not (tied and pp == 1):
+                    s["output_layer.weight"] = out_w.chunk(tp, 0)[t]
+            shards[(t, p)] = s
+    return shards
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (2, 1)])
+def test_shards_hold_megatrons_layout_built_by_hand(tmp_path, arch, tp, pp):
+    """Every shard file equals an independent construction of Megatron's layout from the HF
+    tensors (names, shapes, values, padding rows zero, the stored dtype), so a slip in the
+    shared weight table (which also loads and exports) cannot hide behind itself."""
     from safetensors.torch import load_file
 
-    src = tiny(tmp_path / "src", "qwen2", "bfloat16")
-    ck = hf_to_megatron(src, tmp_path / "ck", tp=2, pp=2, progress=False)
-    spec = ModelSpec.from_folder(src)
-    reader = SafetensorsReader(src, spec)
-    layout = Layout(2, 2, padded_vocab=512)
-    for p in range(2):
-        for t in range(2):
-            lay = layout.at(t, p)
-            got = load_file(str(ck / "megatron" / f"tp{t:02d}_pp{p:02d}.safetensors"))
-            assert sorted(got) == sorted(local_names(spec, lay))
-            for name, tensor in got.items():
-                assert tensor.dtype == torch.bfloat16
-                assert torch.equal(tensor, read_local(name, spec, lay, reader, torch.bfloat16)), name
-    emb = load_file(str(ck / "megatron" / "tp01_pp00.safetensors"))["embedding.word_embeddings.weight"]
-    assert emb.shape == (256, 32) and not emb[300 - 256:].any()  # rows past the real vocabulary
+    src = tiny(tmp_path / "src", arch, "bfloat16")
+    ck = hf_to_megatron(src, tmp_path / "ck", tp=tp, pp=pp, progress=False)
+    cfg = json.loads((src / "config.json").read_text())
+    padded_vocab = 128 * tp * -(-cfg["vocab_size"] // (128 * tp))
+    expected = megatron_shards_by_hand(hf_tensors(src), cfg, tp, pp, padded_vocab)
+    for (t, p), want in expected.items():
+        got = load_file(str(ck / "megatron" / f"tp{t:02d}_pp{p:02d}.safetensors"))
+        assert sorted(got) == sorted(want), (t, p)
+        for name, tensor in got.items():
+            assert tensor.dtype == torch.bfloat16, name
+            assert torch.equal(tensor, want[name]), (t, p, name)
 
 
 def test_dtype_cast_and_sharded_output(tmp_path):

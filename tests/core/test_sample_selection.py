@@ -92,6 +92,44 @@ def test_ties_prefer_lower_indices(values, m_frac):
                 assert i in kept, (values, m, sorted(kept))
 
 
+def _two_valued_reference(values, m):
+    """Independent of the lemma: every m-subset's sum of squared deviations in exact
+    rational arithmetic (Fraction of each float), the best ones, and among them the
+    documented tie rule for two-valued rows: the most LOW values, then the lowest indices
+    of each value."""
+    from fractions import Fraction
+
+    exact = [Fraction(v) for v in values]
+
+    def ss(c):
+        mean = sum(exact[i] for i in c) / m
+        return sum((exact[i] - mean) ** 2 for i in c)
+
+    combos = list(itertools.combinations(range(len(values)), m))
+    best = max(ss(c) for c in combos)
+    low = min(values)
+    lows = max(sum(values[i] == low for i in c) for c in combos if ss(c) == best)
+    low_idx = [i for i, v in enumerate(values) if v == low][:lows]
+    high_idx = [i for i, v in enumerate(values) if v != low][: m - lows]
+    return sorted(low_idx + high_idx)
+
+
+@pytest.mark.parametrize("rewards, m", [
+    ([1, 0, 0, 1, 0, 1], 5), ([1, 1, 1, 0, 0, 0, 0, 1], 5), ([1, 0, 1, 0, 0, 0, 1, 1], 7),
+])
+@pytest.mark.parametrize("scale", ["shifted", "normalised"])
+def test_tied_subsets_keep_the_low_values_through_rounding(rewards, m, scale):
+    """Binary rewards, half of each, m odd: taking (m+1)/2 lows or (m+1)/2 highs is an exact
+    tie, but with values like 0.1 + 0.3 r or group-normalised advantages the float64 prefix
+    sums put the highs' candidate ahead by an ulp or so. The rounding tolerance keeps the
+    documented rule (the subset richest in low values); comparing with ``>= best`` alone
+    keeps the highs and fails here."""
+    r = _t(rewards)
+    values = (0.1 + 0.3 * r) if scale == "shifted" else (r - r.mean()) / r.std()
+    values = values.tolist()
+    assert max_variance_subset(_t(values), m).tolist() == _two_valued_reference(values, m)
+
+
 def test_float32_and_int_inputs():
     assert max_variance_subset(torch.tensor([0.0, 1.0, 0.0, 1.0]), 2).tolist() == [0, 1]
     assert max_variance_subset(torch.tensor([3, 9, 1, 5]), 2).tolist() == [1, 2]
