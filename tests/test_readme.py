@@ -1,15 +1,25 @@
 """The README's two set-up commands stay in step with CI and with the package."""
 
 import re
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _setup_commands():
+def _section(title: str) -> str:
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Set-up", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```bash\n(.+?)\n```", section)
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(title: str):
+    return re.findall(r"```bash\n(.+?)\n```", _section(title), re.S)
+
+
+def _setup_commands():
+    # The two commands are the blocks that end in a python command (the third installs torch's CPU build).
+    return [b for b in _blocks("Set-up") if "python -m" in b]
 
 
 def _steps(cmd: str):
@@ -29,3 +39,65 @@ def test_readme_has_the_main_and_the_test_command_and_ci_runs_the_test_command()
     ci_lines = [l for l in (ROOT / ".ci/run").read_text().splitlines() if "pytest" in l and "&&" in l]
     assert len(ci_lines) == 1, "one line of .ci/run must hold the README's test command"
     assert _steps(ci_lines[0]) == _steps(tests)
+
+
+def test_install_note_names_the_cpu_build_and_its_index():
+    section = _section("Set-up")
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in section
+    assert "CUDA build" in section
+
+
+def _train_lines(title: str):
+    lines = []
+    for block in _blocks(title):
+        for cmd in block.replace("\\\n", " ").splitlines():
+            if cmd.startswith("python -m nemo_d3s.train"):
+                lines.append(cmd.split()[3:])
+    return lines
+
+
+@pytest.mark.slow
+def test_own_model_data_and_reward_commands_run_as_written(tmp_path):
+    """Each `python -m nemo_d3s.train` line of "Use your own model, data and reward", run from
+    the repository root with its arguments as written; the model folder (and, to stay fast,
+    the model of the data and reward lines) is the tiny random Llama, with one tiny step."""
+    import os
+    import subprocess
+    import sys
+
+    from nemo_d3s.backends.hf.config import TinyModelSpec
+    from nemo_d3s.backends.hf.loading import ensure_tiny_folder
+
+    folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
+    lines = _train_lines("Use your own model, data and reward")
+    assert len(lines) == 3 and any("task.params.reward_fn=examples/reward_last_number.py:score" in a for a in lines)
+    fast = ["trainer.steps=1", "trainer.prompts_per_step=2", "trainer.num_generations=2", "trainer.max_new_tokens=4",
+            "trainer.eval_at_start=false", "trainer.eval_every=0", "trainer.save_every=0", "trainer.export_hf=false",
+            "logging.progress_bar=false", "task.eval_size=2", "trainer.eval_batch_size=2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for i, args in enumerate(lines):
+        args = [a.replace("./qwen-0.5b", folder) for a in args]
+        if not any(a.startswith("model.name=") for a in args):
+            args.append(f"model.name={folder}")
+        out = tmp_path / f"run{i}"
+        r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *args, *fast, f"output_dir={out}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (args, r.stderr[-3000:])
+        assert (out / "metrics.jsonl").is_file()
+
+
+def test_scaling_up_commands_are_the_tested_ones():
+    """The Megatron smoke + conversion lines are what tests/trainer/test_megatron_run.py
+    runs (slow); the dry run line is tests/test_dry_run.py's (no environment variables)."""
+    text = " ".join(_section("Scaling up").split())
+    assert ("torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke output_dir=runs/msmoke") in text
+    assert ("nemo-d3s-convert megatron-to-hf --ckpt runs/msmoke/checkpoints/step_000004 "
+            "--hf-config runs/msmoke/hf_export --out runs/msmoke-hf") in text
+    assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section("Scaling up")
+    assert "--tp 3" in text and "--tp 2" not in text  # SmolLM2: 9 heads, 3 KV heads
+
+
+def test_no_empty_sections():
+    text = (ROOT / "README.md").read_text()
+    heads = re.findall(r"^## .*\n+(?=## |\Z)", text, re.M)
+    assert not heads, heads

@@ -9,7 +9,11 @@ answers are parsed by ``answer_format``:
 - ``"auto"`` (default): gsm8k if "####" occurs, else boxed if ``\\boxed`` occurs, else plain.
 
 Rewards: the response's answer (boxed / "Answer:" / last number) checked with
-``verify_math`` (numeric, then math-verify symbolic equality).
+``verify_math`` (numeric, then math-verify symbolic equality), or your own function:
+``reward_fn="my_rewards.py:score"`` (a file, relative to the working directory) or
+``"my_package.rewards:score"`` (a module on the Python path), called as
+``score(response: str, answer: str) -> float`` with the reference answer parsed as above
+(``answer_format="plain"``: the field as written).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from nemo_d3s.tasks.answers import extract_answer, extract_boxed
 from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
@@ -128,8 +132,10 @@ class MathDatasetTask(Task):
 
     def __init__(self, train_path: str, eval_path: Optional[str] = None, *, question_field: str = "question",
                  answer_field: str = "answer", answer_format: str = "auto", prompt_suffix: str = BOXED_SUFFIX,
-                 n_eval: Optional[int] = None, seed: int = 0, name: str = "math_file") -> None:
+                 n_eval: Optional[int] = None, seed: int = 0, name: str = "math_file",
+                 reward_fn: Optional[str] = None) -> None:
         self.name = name
+        self._reward_fn = load_reward_fn(reward_fn) if reward_fn else None
         read = dict(question_field=question_field, answer_field=answer_field,
                     answer_format=answer_format, prompt_suffix=prompt_suffix)
         if train_path is None or str(train_path).strip() in ("", "???"):
@@ -176,7 +182,39 @@ class MathDatasetTask(Task):
         return list(self._eval)
 
     def reward(self, problem: Problem, response_text: str) -> float:
+        if self._reward_fn is not None:
+            return float(self._reward_fn(response_text, problem.answer))
         return 1.0 if verify_math(extract_answer(response_text, "math"), problem.answer) else 0.0
+
+
+def load_reward_fn(spec: str) -> Callable[[str, str], float]:
+    """``"file.py:name"`` (a path, relative to the working directory) or ``"module:name"``
+    (imported from the Python path; ``python -m`` puts the working directory on it) -> the
+    callable. Errors name ``task.params.reward_fn``."""
+    import importlib
+    import importlib.util
+
+    where, sep, attr = str(spec).rpartition(":")
+    key = f"task.params.reward_fn={spec!r}"
+    if not sep or not where or not attr:
+        raise ValueError(f"{key}: expected 'file.py:function' or 'module:function'")
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"{key}: no such file {str(path.resolve())!r}")
+        module_spec = importlib.util.spec_from_file_location(f"nemo_d3s_user_reward_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise ValueError(f"{key}: cannot import {where!r} ({exc}); give a .py file or put its folder on "
+                             "PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{key}: {where!r} has no function {attr!r}")
+    return fn
 
 
 def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:

@@ -93,3 +93,35 @@ def test_parquet_file_gives_the_same_problems_as_jsonl(tmp_path):
     a, b = from_parquet.eval_set(), from_jsonl.eval_set()
     assert [p.prompt for p in a] == [p.prompt for p in b] and [p.answer for p in a] == [p.answer for p in b]
     assert len(a) == 10
+
+
+REPO_EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_reward_fn_from_a_file_replaces_the_math_verifier(monkeypatch):
+    """The README's example: examples/reward_last_number.py:score on examples/data/sums.jsonl."""
+    monkeypatch.chdir(REPO_EXAMPLES.parent)
+    task = make_task("math_file", train_path="examples/data/sums.jsonl", answer_format="plain", n_eval=8,
+                     reward_fn="examples/reward_last_number.py:score")
+    p = task.eval_set()[0]
+    assert task.reward(p, f"so it is {p.answer}") == 1.0
+    assert task.reward(p, f"{p.answer}, or maybe 1234567") == 0.2  # the partial credit only this function gives
+    assert task.reward(p, "no idea") == 0.0
+    default = make_task("math_file", train_path="examples/data/sums.jsonl", answer_format="plain", n_eval=8)
+    assert default.reward(p, f"{p.answer}, or maybe 1234567") == 0.0
+
+
+def test_reward_fn_from_a_module_and_its_errors(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text("def exact(response, answer):\n    return float(response.strip() == answer)\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = make_task("math_file", train_path=str(data), answer_format="plain", n_eval=1, reward_fn="my_rewards:exact")
+    p = task.eval_set()[0]
+    assert task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer + "0") == 0.0
+    for spec, message in [("my_rewards.exact", "expected 'file.py:function'"), ("my_rewards:nope", "no function 'nope'"),
+                          ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'")]:
+        with pytest.raises(ValueError, match=message):
+            make_task("math_file", train_path=str(data), n_eval=1, reward_fn=spec)
+    with pytest.raises(FileNotFoundError, match="task.params.reward_fn"):
+        make_task("math_file", train_path=str(data), n_eval=1, reward_fn=str(tmp_path / "missing.py") + ":f")
