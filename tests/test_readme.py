@@ -95,9 +95,3 @@ def test_scaling_up_commands_are_the_tested_ones():
             "--hf-config runs/msmoke/hf_export --out runs/msmoke-hf") in text
     assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section("Scaling up")
     assert "--tp 3" in text and "--tp 2" not in text  # SmolLM2: 9 heads, 3 KV heads
-
-
-def test_no_empty_sections():
-    text = (ROOT / "README.md").read_text()
-    heads = re.findall(r"^## .*\n+(?=## |\Z)", text, re.M)
-    assert not heads, heads

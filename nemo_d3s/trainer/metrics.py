@@ -201,6 +201,10 @@ class MetricsLogger:
                 tok=f"{row.get('kept_token_ratio', float('nan')):.2f}",
                 refresh=False,
             )
+        else:  # a log file (Slurm): the bar's fields and the step's time, one line per step
+            log.info("step %s: reward=%.3f smp=%.2f tok=%.2f time=%.1f s", row.get("step"),
+                     row.get("reward_mean", float("nan")), row.get("kept_sample_ratio", float("nan")),
+                     row.get("kept_token_ratio", float("nan")), row.get("time_step", float("nan")))
 
     def log_eval(self, row: Dict[str, Any]) -> None:
         if not self.enabled:

@@ -33,3 +33,16 @@ def test_disabled_tensorboard_writes_no_events(tmp_path):
     logger.close()
     assert logger.tb is None and not (tmp_path / "tensorboard").exists()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_without_a_progress_bar_each_step_is_one_log_line(tmp_path, caplog):
+    """Slurm logs have no progress bar: the bar's fields and the step's seconds, one line a step."""
+    import logging
+
+    logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=False, progress_bar=False,
+                           total_steps=1, start_step=0)
+    with caplog.at_level(logging.INFO, logger="nemo_d3s.trainer"):
+        logger.log_step({"step": 7, "reward_mean": 0.5, "kept_sample_ratio": 0.25, "kept_token_ratio": 0.7,
+                         "time_step": 95.26})
+    logger.close()
+    assert "step 7: reward=0.500 smp=0.25 tok=0.70 time=95.3 s" in caplog.text
