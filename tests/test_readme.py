@@ -95,3 +95,19 @@ def test_scaling_up_commands_are_the_tested_ones():
             "--hf-config runs/msmoke/hf_export --out runs/msmoke-hf") in text
     assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section("Scaling up")
     assert "--tp 3" in text and "--tp 2" not in text  # SmolLM2: 9 heads, 3 KV heads
+
+
+@pytest.mark.slow
+def test_conversion_commands_run_as_written_on_the_default_model(tmp_path):
+    """The README's conversion block, in bash, in an empty folder: SmolLM2 (9 heads) to TP 3,
+    back to Hugging Face, and verify's logit check passes (exit 0)."""
+    import os
+    import subprocess
+
+    block = next(b for b in _blocks("Scaling up") if "SMOL=$(" in b)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "OK: max abs logit error" in r.stdout and "TP3 x PP1" in r.stdout
+    assert (tmp_path / "smol-back" / "config.json").is_file()
