@@ -82,7 +82,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = [
     "JobShape",

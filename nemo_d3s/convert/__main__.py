@@ -124,7 +124,7 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nemo_d3s.config import ConfigError
+    from nemo_d3s.errors import ConfigError
     from nemo_d3s.convert import core
 
     try:

@@ -55,7 +55,7 @@ from nemo_d3s.backends.megatron.weights import (
     local_shape,
     read_local,
 )
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = [
     "DTYPES",

@@ -13,7 +13,7 @@ from typing import Any, Dict
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.backends.engines import build_rollout_engine
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.core.d3s import D3SConfig
 from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.core.schedules import DynamicSchedule

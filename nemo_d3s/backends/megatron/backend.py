@@ -48,7 +48,7 @@ from nemo_d3s.backends.megatron.model import (
     write_hf_folder,
 )
 from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 
 __all__ = ["MegatronBackend"]

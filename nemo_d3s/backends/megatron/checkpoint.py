@@ -37,7 +37,7 @@ import torch
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.hf_config import ModelSpec
 from nemo_d3s.backends.megatron.weights import Layout, assemble_hf, local_names, local_parts, read_local
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = ["FORMAT", "shard_file", "write_layout", "read_layout", "ShardedReader", "save_shard", "load_policy",
            "policy_tensors", "save_policy", "writer_dp_rank"]

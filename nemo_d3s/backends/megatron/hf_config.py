@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "check_layout", "padded_vocab_size", "read_hf_config"]
 

@@ -45,7 +45,7 @@ import torch
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron.hf_config import ModelSpec
 from nemo_d3s.backends.megatron.weights import Layout, local_names, local_shape
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
 

@@ -37,7 +37,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = [
     "Part",
