@@ -334,8 +334,8 @@ def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int,
 
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     """The dry run's report (a JSON-able dict); ConfigError when the layout cannot run."""
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
-    from nemo_d3s.backends.megatron.weights import Layout
+    from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
+    from nemo_d3s.formats.weights import Layout
     from nemo_d3s.config import validate, validate_layout
 
     validate(cfg)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, padded_vocab_size
-from nemo_d3s.backends.megatron.weights import Layout
+from nemo_d3s.formats.spec import ModelSpec, padded_vocab_size
+from nemo_d3s.formats.weights import Layout
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run import (

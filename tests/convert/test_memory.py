@@ -33,8 +33,8 @@ def peak_rss(cmd) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 1), (3, 2)])
 def test_megatron_to_hf_peak_rss_is_a_fraction_of_the_model(tmp_path, tp, pp):
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec
-    from nemo_d3s.backends.megatron.weights import hf_names, hf_shape
+    from nemo_d3s.formats.spec import ModelSpec
+    from nemo_d3s.formats.weights import hf_names, hf_shape
     from nemo_d3s.convert import hf_to_megatron
 
     ck = hf_to_megatron("smollm2-135m-instruct", tmp_path / "ck", tp=tp, pp=pp, progress=False)

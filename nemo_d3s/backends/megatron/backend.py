@@ -1,12 +1,15 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
 Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (``nemo2.py``): ``hf_config.ModelSpec`` -> ``TransformerConfig`` -> this
-rank's stage, loaded straight from safetensors rows or checkpoint shards (``weights.py``). Scoring and training run through Megatron's schedules
-(``schedule.score`` / ``schedule.train_step``: no pipelining at PP 1, 1F1B at PP > 1, the
-fused vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums
-scaled by the step normaliser). Rollouts come from one engine per model-parallel group
-(``engine.py``). Checkpoints are sharded safetensors, reshardable (``checkpoint.py``).
+NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+``TransformerConfig`` -> this rank's stage, loaded straight from safetensors rows or
+checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
+run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
+pipelining at PP 1, 1F1B at PP > 1, the fused vocab-parallel log-prob/entropy kernel on the
+last stage, the trainer's loss sums scaled by the step normaliser). Rollouts come from one
+engine per model-parallel group (``engine.py``). Checkpoints are sharded safetensors,
+reshardable (``formats/shards.py``; the optimizer state and who writes what:
+``checkpoint.py``).
 
 Set-up order (why): every check that can fail on bad input (options, config.json, the
 layout's divisibility, the safetensors headers) runs before the first collective, so every
@@ -34,11 +37,10 @@ from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron import nemo2, schedule
+from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
@@ -47,8 +49,12 @@ from nemo_d3s.backends.megatron.model import (
     transformer_config,
     write_hf_folder,
 )
-from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
+from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
+from nemo_d3s.formats.shards import ShardedReader, read_layout, read_local_from_checkpoint
+from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
+from nemo_d3s.formats.weights import Layout, SafetensorsReader
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 
 __all__ = ["MegatronBackend"]
@@ -137,17 +143,17 @@ class MegatronBackend(Policy):
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
         # collective: every rank fails alike.
-        sharded_root = Path(self.path) / ckpt.SUBDIR
-        if nemo2.is_nemo2(self.path):
-            reader, _ = nemo2.open_nemo2_weights(Path(self.path), self.spec)
+        fmt = detect_format(self.path)
+        if fmt.kind == NEMO2:
+            reader, _ = open_nemo2_weights(Path(self.path), self.spec)
             # Its config and tokenizer as an HF-style folder (this process's own, removed
             # with the backend): it stands in for the HF folder everywhere else (tokenizer,
             # rollout replica, vLLM, the export's config.json).
             side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
             weakref.finalize(self, shutil.rmtree, side, True)
-            self.path = str(nemo2.write_side_folder(Path(self.path), Path(side)))
-        elif (sharded_root / "layout.json").is_file():
-            reader = ckpt.ShardedReader(sharded_root, self.spec, ckpt.read_layout(sharded_root, self.spec))
+            self.path = str(write_side_folder(Path(self.path), Path(side)))
+        elif fmt.kind == MEGATRON:
+            reader = ShardedReader(fmt.shards, self.spec, read_layout(fmt.shards, self.spec))
         else:
             reader = SafetensorsReader(self.path, self.spec)
             reader.check()
@@ -175,10 +181,10 @@ class MegatronBackend(Policy):
                                     recompute=cfg.gradient_checkpointing)
         self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
                                  post_process=ps.is_pipeline_last_stage(), device=self.device)
-        if isinstance(reader, ckpt.ShardedReader):
+        if isinstance(reader, ShardedReader):
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
-                    p.copy_(ckpt.read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
+                    p.copy_(read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
         else:
             load_stage_from_hf(self.model, self.spec, self.layout, reader)
             reader.close()

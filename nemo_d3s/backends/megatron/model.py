@@ -19,8 +19,8 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.backends.megatron.weights import (
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.weights import (
     Layout,
     SafetensorsReader,
     assemble_hf,

@@ -8,9 +8,9 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.backends.megatron.nemo2 import NEMO_PREFIX, _nemo_key
-from nemo_d3s.backends.megatron.weights import Layout, local_names
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.nemo2 import NEMO_PREFIX, _nemo_key
+from nemo_d3s.formats.weights import Layout, local_names
 
 __all__ = ["write_nemo2"]
 
@@ -71,7 +71,7 @@ def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, ou
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from nemo_d3s.backends.megatron.weights import read_local
+    from nemo_d3s.formats.weights import read_local
 
     full = dict(tensors)
 

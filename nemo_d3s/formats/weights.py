@@ -1,8 +1,10 @@
 """The one table of names and shapes between Hugging Face Llama/Qwen2 weights and the
-TP x PP shards of a megatron-core ``GPTModel``.
+TP x PP shards of a megatron-core ``GPTModel`` (torch + safetensors only: no process group,
+no Megatron import; the adapter between the two namings, as torchtitan's state-dict
+adapter is, kept apart from the training code).
 
-Training (load), export (``save_pretrained``), the rollout engine's refit and the
-checkpoint resharding all go through :func:`local_parts`: a local parameter of the rank at
+The Megatron backend's load, export (``save_pretrained``) and rollout-engine refit, the
+checkpoint resharding and the converter all go through :func:`local_parts`: a local parameter of the rank at
 (tp_rank, pp_rank) is the concatenation, along one dimension, of row ranges of HF tensors
 (and of zero rows for the padded vocabulary). Reading it forwards loads a shard straight
 from safetensors (only this rank's rows are read from disk); reading it backwards puts TP
@@ -36,7 +38,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
+from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.errors import ConfigError
 
 __all__ = [
