@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 import weakref
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -50,6 +49,7 @@ from nemo_d3s.backends.megatron.model import (
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
 from nemo_d3s.formats.shards import ShardedReader, read_layout, read_local_from_checkpoint
@@ -323,19 +323,17 @@ class MegatronBackend(Policy):
         """Collective (every rank calls it; DP replicas other than the first skip the
         gathers): the whole model streamed to global rank 0 tensor by tensor and written as
         safetensors shards (vocabulary padding removed) + the source config.json,
-        generation config and tokenizer, into a temporary sibling renamed into place."""
+        generation config and tokenizer, through ``files.atomic_folder`` (a hidden sibling
+        renamed into place)."""
         if self.groups.dp_rank != 0:
             return
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
-        dest = Path(path)
-        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         weights = self.hf_weights()
         if not writer:
             for _ in weights:  # serve the collectives
                 pass
             return
-        try:
-            tmp.mkdir(parents=True)
+        with atomic_folder(path) as tmp:
             write_hf_folder(weights, str(tmp))
             cfg = json.loads(Path(self.path, "config.json").read_text())
             cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
@@ -343,17 +341,6 @@ class MegatronBackend(Policy):
             if Path(self.path, "generation_config.json").is_file():
                 shutil.copyfile(Path(self.path, "generation_config.json"), tmp / "generation_config.json")
             self.tokenizer.save_pretrained(str(tmp))
-            from nemo_d3s.files import apply_umask
-
-            apply_umask(tmp)
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            if dest.exists():
-                os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
