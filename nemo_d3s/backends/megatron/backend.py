@@ -38,7 +38,7 @@ from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
 from nemo_d3s.backends.megatron.model import (
     build_stage,
@@ -61,7 +61,7 @@ __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("nemo_d3s.megatron")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES -> torch dtype
 
 
 class _LRSchedule:
@@ -85,26 +85,6 @@ class _LRSchedule:
         self._apply()
 
 
-def _check_options(cfg: MegatronBackendConfig) -> None:
-    """Megatron options this backend accepts by name but cannot run yet: refuse them."""
-    if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
-                         f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
-    if cfg.context_parallel_size != 1:
-        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: context parallelism "
-                         "is not supported; use 1")
-    if cfg.sequence_parallel:
-        raise ValueError("model.params.sequence_parallel=true is not supported yet (its layer-norm gradient "
-                         "all-reduce is not in the RL step); use false")
-    if cfg.dtype not in ("auto", *_DTYPES):
-        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
-    if cfg.sampler != "seeded":
-        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
-                         "the seeded sampler only")
-    if cfg.make_vocab_size_divisible_by < 1:
-        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")
-
-
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -117,9 +97,12 @@ class MegatronBackend(Policy):
     existing Megatron layout of the same TP/PP is reused, e.g. by a test harness)."""
 
     collective_export = True
+    # The options this backend refuses, checked before anything is built; build_backend and
+    # the dry run call it through the backend registry.
+    check_config = staticmethod(check_options)
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
-        _check_options(cfg)
+        check_options(cfg)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
