@@ -117,7 +117,7 @@ def _nemo_side_files(folder: Path) -> SideFiles:
 class CheckpointSource:
     """A checkpoint opened for reading and checked: a Megatron checkpoint (``kind``
     "megatron": training or converted, any saved TP x PP) or a NeMo 2 checkpoint ("nemo2").
-    ``reader()`` gives HF-named rows (``weights.read_local``'s reader protocol) through the
+    ``reader()`` gives HF-named rows (``formats.weights.read_local``'s reader protocol) through the
     weight table; ``side`` is config.json / generation config / tokenizer (None until
     :func:`_with_side_files` is asked for them)."""
 

@@ -10,7 +10,7 @@ of a GPU), :func:`_vllm` (the colocated engines), :func:`_position` (the memory 
 :func:`_verdict` (fits or not, and why).
 
 Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
-the weight table (``weights.local_shape``); each distinct position is also BUILT with
+the weight table (``formats.weights.local_shape``); each distinct position is also BUILT with
 megatron-core on the meta device (``backends/megatron/param_counts.py``: a fake process
 group of the job's world size, so Megatron's parallel state is that of the position) and its
 parameter count compared;

@@ -26,7 +26,7 @@ holds them and reassembling the HF tensor (``weights.assemble_hf``). AdamW's mom
 their parameter's shape, so they reshard the same way: a checkpoint written at TP2 x PP2
 resumes at TP1 x PP1 with model AND optimizer state, with either optimizer (plain AdamW or
 Megatron's distributed optimizer, whose DP ranges are cut out of the full tensors: the
-backend's ``checkpoint.load_policy``).
+backend's ``backends/megatron/checkpoint.load_policy``).
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ class MegatronBackend(Policy):
         return ckpt.policy_tensors(self)
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective; see ``checkpoint.save_policy``."""
+        """Collective; see ``backends/megatron/checkpoint.save_policy``."""
         ckpt.save_policy(self, folder)
         return True
 

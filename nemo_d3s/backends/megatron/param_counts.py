@@ -1,5 +1,5 @@
 """Parameter counts of one Megatron (TP rank, PP stage) position, for the dry run
-(``nemo_d3s/dry_run.py``): from the weight table (``weights.local_shape``), as this position's
+(``nemo_d3s/dry_run/plan.py``): from the weight table (``formats.weights.local_shape``), as this position's
 share of the HF model, and by building the stage with megatron-core on the meta device under a
 fake process group of the job's world size (no memory, no weights, no collectives)."""
 
