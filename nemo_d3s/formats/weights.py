@@ -4,11 +4,14 @@ no Megatron import; the adapter between the two namings, as torchtitan's state-d
 adapter is, kept apart from the training code).
 
 The Megatron backend's load, export (``save_pretrained``) and rollout-engine refit, the
-checkpoint resharding and the converter all go through :func:`local_parts`: a local parameter of the rank at
-(tp_rank, pp_rank) is the concatenation, along one dimension, of row ranges of HF tensors
-(and of zero rows for the padded vocabulary). Reading it forwards loads a shard straight
-from safetensors (only this rank's rows are read from disk); reading it backwards puts TP
-shards back into whole HF tensors.
+checkpoint resharding and the converter all go through :func:`local_parts`: a local
+parameter of the rank at (tp_rank, pp_rank) is the concatenation, along one dimension, of
+row ranges of HF tensors (and of zero rows for the padded vocabulary). Reading it forwards
+loads a shard straight from safetensors (only this rank's rows are read from disk);
+reading it backwards puts TP shards back into whole HF tensors. In the adapter's terms:
+from-HF is :func:`read_local` (one local tensor from any reader of HF-named rows: HF files,
+a saved checkpoint of another layout, a NeMo 2 checkpoint), to-HF is :func:`assemble_hf`
+(one local parameter's TP shards -> its HF tensors).
 
 Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, q = heads/G):
 
