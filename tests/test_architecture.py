@@ -164,3 +164,11 @@ def test_no_backend_imports_the_layers_above():
 def test_no_module_is_too_long():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_the_errors_have_one_home_and_their_old_names_still_work():
+    from nemo_d3s import config, errors
+    from nemo_d3s.trainer import faults
+
+    assert config.ConfigError is errors.ConfigError and faults.RunError is errors.RunError
+    assert GRAPH["nemo_d3s.errors"] == set()
