@@ -125,38 +125,28 @@ def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = N
     tokenizer) under ``$NEMO_D3S_CACHE/tiny-random/<spec and seed>``, for the backends that
     build from files (Megatron) and for a smoke run's checkpoint conversion. About 0.1 MB
     at the default shape. The same spec and seed give the same weights, so every rank of a
-    torchrun job may write it: each writes a private temporary folder and renames it into
-    place; a rank that loses the rename keeps the winner's identical folder."""
+    torchrun job may write it: :func:`~nemo_d3s.files.atomic_folder` stages each copy and
+    keeps the first finished one."""
     import dataclasses
     import hashlib
     import json
-    import os
-    import shutil
-    import uuid
 
     from nemo_d3s.backends.hf.gguf_convert import cache_root
-    from nemo_d3s.files import apply_umask
+    from nemo_d3s.files import atomic_folder
 
     key = json.dumps({"spec": dataclasses.asdict(spec), "seed": int(seed)}, sort_keys=True)
     out = (cache or cache_root()) / TINY_RANDOM / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (out / "config.json").is_file():
+
+    def done(folder: Path) -> bool:
+        return (folder / "nemo_d3s_tiny_random.json").is_file()
+
+    if done(out):
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    with atomic_folder(out, replace=False, peer_done=done) as tmp:
         model, tokenizer = _tiny_model_and_tokenizer(spec, seed, torch.float32)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        (tmp / "nemo_d3s_tiny_random.json").write_text(key)
-        apply_umask(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "nemo_d3s_tiny_random.json").write_text(key)  # written last: the folder is complete
     return out
 
 
