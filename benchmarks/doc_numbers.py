@@ -126,8 +126,11 @@ def claims() -> List[Tuple[str, str]]:
         (README, "{:.0%} rollout generation, {:.0%} update, {:.0%} the log-prob/entropy pass".format(
             main["step_time_share"]["rollout"], main["step_time_share"]["update"], main["step_time_share"]["logprob"])),
         (README, f"peak memory (RSS) **{mem['peak_rss_bytes'] / 2**30:.1f} GiB**"),
-        (README, f"a checkpoint is {mem['disk_bytes']['one_checkpoint'] / 1e9:.1f} GB"),
+        (README, f"checkpoint is {mem['disk_bytes']['one_checkpoint'] / 1e9:.1f} GB"),
         (README, f"the Hugging Face export {mem['disk_bytes']['hf_export'] / 1e9:.1f} GB"),
+        (README, "export, about {:.1f} GB".format(
+            (2 * mem["disk_bytes"]["one_checkpoint"] + mem["disk_bytes"]["hf_export"]) / 1e9)),
+        (README, f"it took {mem['s_per_step']['min']:.0f}-{mem['s_per_step']['max']:.0f} s per step"),
         (README, f"{main['update_tokens_total'] / 1000:.1f}k loss-carrying tokens against "
                  f"{main['rollout_tokens_total'] / 1000:.0f}k generated"),
     ]
