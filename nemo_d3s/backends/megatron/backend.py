@@ -15,7 +15,6 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -184,8 +183,7 @@ class MegatronBackend(Policy):
             reader.close()
         self.ref_model = None
         if cfg.use_reference:
-            self.ref_model = copy.deepcopy(self.model).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._build_reference(config)
         chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
@@ -247,6 +245,21 @@ class MegatronBackend(Policy):
             pp=single(ps.get_pipeline_model_parallel_group()), device=world.device,
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
+
+    def _build_reference(self, config) -> torch.nn.Module:
+        """The frozen initial policy for the KL term: a second stage of the same layout with
+        the policy's current parameters copied in. Not ``copy.deepcopy(self.model)``:
+        megatron-core modules hold ProcessGroup handles (its TP linears, the embedding),
+        which cannot be copied. Memory: one more copy of this rank's stage, no gradients."""
+        from megatron.core import parallel_state as ps
+
+        ref = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage(), device=self.device)
+        with torch.no_grad():
+            mine = dict(self.model.named_parameters())
+            for name, q in ref.named_parameters():
+                q.copy_(mine[name])
+        return ref.eval().requires_grad_(False)
 
     @property
     def weights_dtype(self) -> torch.dtype:
