@@ -18,8 +18,9 @@ class MegatronBackendConfig(PolicySettings):
         (``weights/`` + ``context/``), or the embedded "smollm2-135m-instruct".
     dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
         "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
-        with fp32 main weights and optimizer state; on CPU the optimizer is AdamW over the
-        parameters in their own dtype.
+        with fp32 main weights and optimizer state; the plain path (``distributed_optimizer
+        =false``) keeps fp32 main weights and moments too (``main_weights.MainWeightsAdamW``),
+        unsharded; fp32 parameters are their own main weights.
     device: "auto" (CUDA when available), "cpu" or "cuda".
     tensor_model_parallel_size / pipeline_model_parallel_size: Megatron's TP and PP; DP =
         world size / (TP x PP). TP must divide the attention heads, the key/value heads and
