@@ -42,8 +42,8 @@ from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
     load_stage_from_hf,
-    te_available,
     transformer_config,
+    use_transformer_engine,
     write_hf_folder,
 )
 from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
@@ -113,6 +113,9 @@ class MegatronBackend(Policy):
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         _check_options(cfg)
+        from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+        set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -120,6 +123,9 @@ class MegatronBackend(Policy):
             self.dtype = torch.bfloat16 if cuda else torch.float32
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        # On CUDA a Transformer Engine that does not import is an error unless
+        # transformer_impl=local: decided here, before any collective, alike on every rank.
+        self.te = use_transformer_engine(cfg.transformer_impl, self.device)
         if not cuda:
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -168,7 +174,7 @@ class MegatronBackend(Policy):
         self.layout = Layout(
             tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
-            te=cuda and te_available(),
+            te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
                                     recompute=cfg.gradient_checkpointing)

@@ -45,6 +45,10 @@ class MegatronBackendConfig(PolicySettings):
         clipping on the global norm). null (default): true on CUDA, false on CPU; true on
         CPU runs Megatron's classes on gloo through ``cpu_compat`` (how the tests check that
         path). A checkpoint written with either resumes with either, at any layout.
+    transformer_impl: Megatron-LM's ``--transformer-impl``: "transformer_engine" (default)
+        builds the Transformer Engine layer spec on CUDA, and a TE that does not import is
+        a start-up error naming the import error; "local" asks for megatron-core's own
+        modules by name (unfused attention). The CPU always takes the local spec.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -65,3 +69,4 @@ class MegatronBackendConfig(PolicySettings):
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
+    transformer_impl: str = "transformer_engine"
