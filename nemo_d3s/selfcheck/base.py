@@ -121,7 +121,14 @@ def megatron_backend(ctx: Context, **params) -> Iterator[Any]:
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
     params.setdefault("device", "cuda" if ctx.cuda else "cpu")
-    pol = MegatronBackend(MegatronBackendConfig(model=str(ctx.model_dir), **params))
+    try:
+        pol = MegatronBackend(MegatronBackendConfig(model=str(ctx.model_dir), **params))
+    except BaseException:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():  # else the next check's layout is refused
+            ps.destroy_model_parallel()
+        raise
     try:
         yield pol
     finally:
