@@ -142,3 +142,73 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert checks["gpt.local_spec"]["measured"]["logprob_err"] <= 1e-4
     assert checks["checkpoint.roundtrip"]["measured"]["loaded_at_tp"] == [2, 1]
     assert "6 passed, 0 failed" in proc.stdout
+
+
+# ---------------------------------------------------------------------------- the CUDA checks' logic on the CPU
+def _ctx(tmp_path, **cache):
+    import torch
+
+    from nemo_d3s.selfcheck.base import Context
+
+    return Context(rank=0, world=2, local_rank=0, cuda=True, device=torch.device("cpu"), model_dir=tmp_path / "m",
+                   tiny=True, work_dir=tmp_path, cache=dict(cache))
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from nemo_d3s.selfcheck.base import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("selfcheck") / "m")
+
+
+def test_peak_memory_is_compared_with_the_dry_runs_plan(tmp_path, tiny_dir):
+    """gpu.peak_memory: the dry run's plan for the self-check's own RL config (built here on
+    the meta device), against a measured peak: below it passes with the ratio, above fails."""
+    from nemo_d3s.selfcheck.gpu_checks import check_peak_memory
+    from nemo_d3s.selfcheck.rl_checks import rl_overrides
+    from nemo_d3s.train import compose_config
+
+    ctx = _ctx(tmp_path)
+    ctx.model_dir = tiny_dir
+    cfg = compose_config(rl_overrides(ctx, str(tmp_path / "rl")))
+    ctx.cache["rl"] = {"cfg": cfg, "peak_reserved_bytes": 2**29}
+    out = check_peak_memory(ctx)
+    assert 0 < out["ratio"] < 1 and out["predicted_gib"] > out["measured_gib"] == 0.5
+    ctx.cache["rl"]["peak_reserved_bytes"] = 2**40
+    with pytest.raises(CheckFailed, match="ratio="):
+        check_peak_memory(ctx)
+
+
+def test_cuda_checks_that_need_the_rl_run_say_why_they_did_not_run(tmp_path):
+    from nemo_d3s.selfcheck.gpu_checks import check_peak_memory, check_step_time
+
+    for fn in (check_peak_memory, check_step_time):
+        with pytest.raises(NotRun, match="rl.megatron_step did not complete"):
+            fn(_ctx(tmp_path))
+    assert check_step_time(_ctx(tmp_path, rl={"last": {"time_step": 2.5}}))["time_step_s"] == 2.5
+
+
+def test_vllm_check_bounds_the_logprob_gap(tmp_path, monkeypatch):
+    import importlib.util
+
+    from nemo_d3s.selfcheck import gpu_checks
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+    rows = {"last": {"optimizer_steps": 2, "rollout_logprob_mismatch_abs": 0.01}, "rows": 2}
+    monkeypatch.setattr(gpu_checks, "run_rl", lambda ctx, name, extra: rows)
+    assert gpu_checks.check_vllm(_ctx(tmp_path))["logprob_mismatch_abs"] == 0.01
+    rows["last"]["rollout_logprob_mismatch_abs"] = 0.5
+    with pytest.raises(CheckFailed, match="logprob_mismatch_abs=0.5 > 0.05"):
+        gpu_checks.check_vllm(_ctx(tmp_path))
+    rows["last"]["optimizer_steps"] = 1
+    with pytest.raises(CheckFailed, match="two optimizer steps"):
+        gpu_checks.check_vllm(_ctx(tmp_path))
+
+
+def test_te_check_fails_naming_a_broken_transformer_engine(tmp_path, monkeypatch):
+    from nemo_d3s.selfcheck.model_checks import check_te_spec
+
+    monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
+    with pytest.raises(CheckFailed, match="Transformer Engine: import transformer_engine.pytorch failed"):
+        check_te_spec(_ctx(tmp_path))
