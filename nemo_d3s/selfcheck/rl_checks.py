@@ -29,7 +29,8 @@ __all__ = ["CHECKS", "rl_overrides", "run_rl"]
 def rl_overrides(ctx: Context, out_dir: str, *, steps: int = 2, extra: List[str] = ()) -> List[str]:
     """The trainer overrides of the self-check's RL run (Hydra syntax)."""
     return ["experiment=smoke", "model.backend=megatron", "~model.params.tiny", f"model.name={ctx.model_dir}",
-            f"+model.params.tensor_model_parallel_size={ctx.tp}", "model.device=auto", "model.dtype=auto",
+            f"+model.params.tensor_model_parallel_size={ctx.tp}", f"model.device={'cuda' if ctx.cuda else 'cpu'}",
+            "model.dtype=auto",
             f"trainer.steps={steps}", "trainer.eval_at_start=false", "trainer.eval_every=0", "trainer.save_every=0",
             "trainer.export_hf=false", "task.eval_size=4", "logging.level=WARNING", f"output_dir={out_dir}", *extra]
 
