@@ -7,8 +7,10 @@ one optimizer step, at TP1 and at TP2 over the world, compared with each other.
   step within 1e-5 (fp32; the tests' tolerances for the same comparison).
 - ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
   optimizer (the CUDA defaults) at TP2 (TP1 on one GPU) against the fp32 local spec at TP1:
-  mean |log-prob difference| within 2e-2 and max within 0.25 (bf16 forward), grad norm within
-  rel 5e-2, and every weight tensor moved by the step.
+  mean |log-prob difference| within 0.05 and max within 0.5, grad norm within rel 0.1, and
+  every weight tensor moved by the step. The bounds are bf16's (the tiny model's logits reach
+  ~10, bf16 keeps 8 bits): they catch a wrong weight mapping or kernel (errors of nats), not
+  rounding.
 
 The batch: 4 rows of 16 byte tokens (prompts of 3-6 tokens), the same on every rank, one
 GRPO step with every response token kept; the denominator counts the tokens over DP, so
@@ -102,9 +104,9 @@ def check_te_spec(ctx: Context) -> Dict[str, Any]:
                                  distributed_optimizer=True)
     out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed"}
     diff = (lp - lp_ref).abs()
-    within("logprob_mean_err", float(diff.mean()), 2e-2, out)
-    within("logprob_max_err", float(diff.max()), 0.25, out)
-    within("grad_norm_rel_err", abs(m["grad_norm"] - m_ref["grad_norm"]) / max(m_ref["grad_norm"], 1e-12), 5e-2, out)
+    within("logprob_mean_err", float(diff.mean()), 0.05, out)
+    within("logprob_max_err", float(diff.max()), 0.5, out)
+    within("grad_norm_rel_err", abs(m["grad_norm"] - m_ref["grad_norm"]) / max(m_ref["grad_norm"], 1e-12), 0.1, out)
     still = [k for k in w if torch.equal(w[k], before[k])]
     out["tensors_unchanged"] = len(still)
     if still:
