@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import fnmatch
+import gc
 import os
 import shutil
 import sys
@@ -73,6 +74,9 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
     for check in _selected(opts.get("only")):
         r = run_check(check.name, check.needs_cuda, lambda c=check: c.fn(ctx), cuda=cuda, rank=rank)
         records.append(asdict(r))
+        gc.collect()  # the check's models are gone: give their memory back before the next one
+        if cuda:
+            torch.cuda.empty_cache()
     ctx.barrier()
     if rank == 0 and not opts.get("keep_work"):
         shutil.rmtree(work, ignore_errors=True)
