@@ -138,7 +138,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert all(checks[n]["status"] == PASSED for n in cpu), {n: checks[n]["reason"] for n in cpu}
     assert all((c["status"], c["reason"]) == (NOT_RUN, NO_CUDA) for c in checks.values() if c["needs_cuda"])
     assert len(checks) - len(cpu) >= 7
-    assert checks["gpt.local_spec"]["measured"]["tp"] == 2
+    assert checks["gpt.local_spec"]["measured"]["layouts"] == ["tp2pp1", "tp1pp2"]
     assert checks["gpt.local_spec"]["measured"]["logprob_err"] <= 1e-4
     assert checks["checkpoint.roundtrip"]["measured"]["loaded_at_tp"] == [2, 1]
     assert "6 passed, 0 failed" in proc.stdout

@@ -1,10 +1,11 @@
 """A small GPT through the Megatron backend: forward (log-probs and entropy), backward and
-one optimizer step, at TP1 and at TP2 over the world, compared with each other.
+one optimizer step, at TP1 x PP1 and at the parallel layouts the world allows, compared.
 
 - ``gpt.local_spec``: megatron-core's local spec, fp32, on this machine's device (gloo on
-  the CPU, NCCL on CUDA), plain AdamW. TP1 (DP = world) vs TP2 (DP = world / 2) on the same
-  rows on every rank: log-probs within 1e-4, grad norms within rel 1e-4, weights after the
-  step within 1e-5 (fp32; the tests' tolerances for the same comparison).
+  the CPU, NCCL on CUDA), plain AdamW. TP1 x PP1 (DP = world) against TP2, PP2 (1F1B, the
+  stages' point-to-point sends) and TP2 x PP2 as the world allows (:func:`layouts`), the
+  same rows on every rank: log-probs within 1e-4, grad norms within rel 1e-4, weights after
+  the step within 1e-5 (fp32; the tests' tolerances for the same comparison).
 - ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
   optimizer (the CUDA defaults) at TP2 (TP1 on one GPU) against the fp32 local spec at TP1:
   mean |log-prob difference| within 0.05 and max within 0.5, grad norm within rel 0.1, and
@@ -19,7 +20,8 @@ every layout takes the same gradient.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import json
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -63,8 +65,11 @@ def one_step(pol) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float], Dict[st
     return sc.logprobs.detach().cpu(), sc.entropy.detach().cpu(), metrics, weights
 
 
-def _run(ctx: Context, tp: int, **params):
-    with megatron_backend(ctx, tensor_model_parallel_size=tp, lr=LR, grad_clip=0.0, **params) as pol:
+def _run(ctx: Context, tp: int, pp: int = 1, **params):
+    # adam_eps 1e-3: Adam's first step is lr g / (|g| + eps), which blows float noise in tiny
+    # gradient entries up to +-lr at eps 1e-8 (the tests' setting for the same comparison).
+    with megatron_backend(ctx, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=LR,
+                          adam_eps=1e-3, grad_clip=0.0, **params) as pol:
         before = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
         return before, one_step(pol)
 
@@ -75,21 +80,42 @@ def _weights_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
     return max(max_abs_diff(a[k], b[k]) for k in a)
 
 
+def layouts(ctx: Context) -> List[Tuple[int, int]]:
+    """The (TP, PP) layouts compared with TP1 x PP1 on this world: TP2 and PP2 on an even
+    world, TP2 x PP2 on a multiple of 4 (PP only when it divides the model's layers)."""
+    layers = int(json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1))
+    out = []
+    if ctx.world % 2 == 0:
+        out.append((2, 1))
+        if layers % 2 == 0:
+            out.append((1, 2))
+            if ctx.world % 4 == 0:
+                out.append((2, 2))
+    return out
+
+
 def check_local_spec(ctx: Context) -> Dict[str, Any]:
-    _, (lp1, ent1, m1, w1) = _run(ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False)
-    out: Dict[str, Any] = {"tp": ctx.tp, "ranks": ctx.world, "grad_norm_tp1": m1["grad_norm"]}
-    if ctx.tp == 1:
-        out["note"] = "one rank: TP1 only (forward, backward, step ran)"
+    kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
+    _, (lp1, ent1, m1, w1) = _run(ctx, 1, 1, **kw)
+    out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_tp1pp1": m1["grad_norm"]}
+    others = layouts(ctx)
+    if not others:
+        out["note"] = "one rank: TP1 x PP1 only (forward, backward, step ran)"
         if not torch.isfinite(lp1).all() or not m1["grad_norm"] > 0:
             raise CheckFailed("non-finite log-probs or zero gradient", out)
         return out
-    _, (lp2, ent2, m2, w2) = _run(ctx, ctx.tp, dtype="float32", transformer_impl="local",
-                                  distributed_optimizer=False)
-    out["grad_norm_tp2"] = m2["grad_norm"]
-    within("logprob_err", max_abs_diff(lp1, lp2), 1e-4, out)
-    within("entropy_err", max_abs_diff(ent1, ent2), 1e-4, out)
-    within("grad_norm_rel_err", abs(m1["grad_norm"] - m2["grad_norm"]) / max(m1["grad_norm"], 1e-12), 1e-4, out)
-    within("weights_err", _weights_err(w1, w2), 1e-5, out)
+    out["layouts"] = [f"tp{tp}pp{pp}" for tp, pp in others]
+    err = dict.fromkeys(("logprob_err", "entropy_err", "grad_norm_rel_err", "weights_err"), 0.0)
+    for tp, pp in others:
+        _, (lp, ent, m, w) = _run(ctx, tp, pp, **kw)
+        err["logprob_err"] = max(err["logprob_err"], max_abs_diff(lp1, lp))
+        err["entropy_err"] = max(err["entropy_err"], max_abs_diff(ent1, ent))
+        err["grad_norm_rel_err"] = max(err["grad_norm_rel_err"],
+                                       abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12))
+        err["weights_err"] = max(err["weights_err"], _weights_err(w1, w))
+    for name, bound in (("logprob_err", 1e-4), ("entropy_err", 1e-4), ("grad_norm_rel_err", 1e-4),
+                        ("weights_err", 1e-5)):
+        within(name, err[name], bound, out)
     return out
 
 
