@@ -44,9 +44,9 @@ def test_the_local_spec_takes_torch_norms_even_with_apex(monkeypatch, tmp_path):
     import megatron.core.transformer.transformer_block as tb
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec
+    from nemo_d3s.formats.spec import ModelSpec
     from nemo_d3s.backends.megatron.model import build_stage, transformer_config
-    from nemo_d3s.backends.megatron.weights import Layout
+    from nemo_d3s.formats.weights import Layout
 
     class ApexOnly(WrappedTorchNorm):  # stands in for FusedLayerNorm, which refuses RMSNorm
         def __new__(cls, config, *a, **k):
