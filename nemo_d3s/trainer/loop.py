@@ -7,11 +7,14 @@ Run directory layout (the same for every run)::
     DIR/eval.jsonl                   one JSON object per evaluation
     DIR/checkpoints/step_XXXXXX/     the last ``trainer.keep_last`` checkpoints
     DIR/hf_export/                   the final policy as a Hugging Face folder
+    DIR/interrupted.json             only after a stop signal: where the run stopped
     DIR/tensorboard/                 when tensorboard is installed
 
 Preemption: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current step (or
-evaluation batch) finishes, a checkpoint is written and the run returns normally (exit
-code 0); a second signal stops at once. ``resume=true`` continues from the
+evaluation batch) finishes, a checkpoint is written, rank 0 writes ``DIR/interrupted.json``
+(step, signal, checkpoint; removed when the next run starts) and the run returns with
+``state.extra["interrupted"]`` (the command line then exits 75, ``train.EXIT_INTERRUPTED``);
+a second signal stops at once (exit 128 + signal). ``resume=true`` continues from the
 latest checkpoint with the same model, optimizer, RNG streams, schedule position and data
 order, so an interrupted + resumed run logs the same metrics as an uninterrupted one.
 """
@@ -56,6 +59,9 @@ __all__ = ["Trainer", "train"]
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# Written by rank 0 when a stop signal ended the run at a checkpoint; the sbatch scripts
+# requeue when they find it (torchrun hides the ranks' exit codes).
+INTERRUPTED_MARKER = "interrupted.json"
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
@@ -200,6 +206,7 @@ class Trainer:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
             write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
+            (self.out / INTERRUPTED_MARKER).unlink(missing_ok=True)  # an earlier segment's
         self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
@@ -264,6 +271,11 @@ class Trainer:
             state.extra["pending_eval"] = state.step
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
+        if self.groups.is_main:
+            marker = {"step": state.step, "signal": self._stop_signal or "another rank's", "checkpoint": str(path)}
+            tmp = self.out / (INTERRUPTED_MARKER + ".tmp")
+            tmp.write_text(json.dumps(marker) + "\n")
+            tmp.replace(self.out / INTERRUPTED_MARKER)
         self.logger.write(
             f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
             f"{path} written at step {state.step}; continue with resume=true"
