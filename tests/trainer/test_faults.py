@@ -356,6 +356,23 @@ def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(t
     assert _snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("cut", ["emptied", "cut_short"])
+def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(tmp_path, capsys, caplog, cut):
+    """Only the keys the old file still holds used to be compared: a changed seed went through."""
+    run_dir = tmp_path / "run"
+    run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
+    text = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text("" if cut == "emptied" else text[: text.index("\nseed:")] + "\n")
+    before = _snapshot(run_dir)
+    code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"])
+    assert code == 2 and "config.yaml' lacks" in err and "emptied, cut short" in err, err
+    assert "seed" in err or "..." in err
+    assert _snapshot(run_dir) == before
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, _ = run_inprocess(run_dir, [*FAST, "resume=true", "trainer.steps=2", "trainer.allow_config_change=true"])
+    assert state.step == 2 and "lacks" in caplog.text
+
+
 @pytest.mark.parametrize("case", ["folder", "missing", "not_utf8"])
 def test_bad_dataset_path_is_one_error_line_naming_it(tmp_path, capsys, case):
     data = tmp_path / "train.jsonl"
