@@ -36,6 +36,7 @@ import torch
 from nemo_d3s.config import ConfigError, validate, validate_layout
 from nemo_d3s.trainer.build import (
     backend_from_config,
+    check_runtime,
     build_selector,
     generation_config,
     loss_config,
@@ -69,6 +70,7 @@ class Trainer:
 
     def __init__(self, cfg: Any) -> None:
         validate(cfg)  # everything that does not need the parallel layout, before any model load
+        check_runtime(cfg)  # and what this machine must provide (vLLM, a GPU)
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
 import pytest
+import torch
 
 from nemo_d3s.config import ConfigError
 from nemo_d3s.tasks.base import TASKS
@@ -96,3 +98,38 @@ def test_megatron_backend_names_what_it_cannot_use(tmp_path):
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron", "~model.params.tiny"])
     with pytest.raises(ConfigError, match="'tiny-random'.*Megatron backend builds from a Hugging Face folder"):
         Trainer(cfg)
+
+
+def _no_model_load(monkeypatch):
+    """Fail the test if a backend is built: these checks must come before any model loads."""
+    import nemo_d3s.trainer.loop as loop
+
+    def refuse(cfg):
+        raise AssertionError("a model was built before the check")
+
+    monkeypatch.setattr(loop, "backend_from_config", refuse)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': vLLM is not installed in this Python; .*pip install"):
+        Trainer(cfg)
+    r = cli(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
+    assert r.returncode == 2 and "rollout.engine='vllm'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cuda_device_without_a_gpu_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.device=cuda"])
+    why = "is a CPU-only build" if torch.version.cuda is None else "torch sees no GPU here"
+    with pytest.raises(ConfigError, match=f"model.device='cuda': .*{why}"):
+        Trainer(cfg)
+
+
+def test_the_largest_accepted_seed_trains(tmp_path):
+    # the bound validate() puts on `seed` is one every seeded RNG of a run accepts
+    state, _ = run_inprocess(tmp_path, [*FAST, f"seed={2**32 - 1}"])
+    assert state.step == 2
