@@ -169,7 +169,7 @@ class D3SSection(Section):
     def to_core(self, advantage: str = "grpo", seed: int = 0) -> D3SConfig:
         """The core :class:`D3SConfig` (+ the run's advantage estimator and seed)."""
         return D3SConfig(advantage=advantage, sample_rule=self.sample_rule, token_scope=self.token_scope,
-                         schedule=self.schedule.to_core(), eps=float(self.eps), unbiased=bool(self.unbiased),
+                         schedule=self.schedule.to_core(), eps=self.eps, unbiased=self.unbiased,
                          min_kept_tokens=self.min_kept_tokens, seed=seed)
 
     def validate(self) -> None:
@@ -179,9 +179,7 @@ class D3SSection(Section):
                "DISTRIBUTED_TOKEN_SCOPES")
         if not isinstance(self.schedule, ScheduleConfig):  # a plain mapping, built in Python
             self.schedule = ScheduleConfig(**dict(self.schedule))
-        self._check(is_number(self.eps) and self.eps >= 0, "eps", "must be >= 0")
-        self._check(is_count(self.min_kept_tokens, 0), "min_kept_tokens", "must be an integer >= 0 (0 = no floor)")
-        self._built(self.to_core)
+        self._built(self.to_core)  # eps, min_kept_tokens, the schedule: D3SConfig's own checks
 
 
 @dataclass
