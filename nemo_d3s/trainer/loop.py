@@ -63,6 +63,8 @@ _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 # Written by rank 0 when a stop signal ended the run at a checkpoint; the sbatch scripts
 # requeue when they find it (torchrun hides the ranks' exit codes).
 INTERRUPTED_MARKER = "interrupted.json"
+# Steps in a row with one reward for every rollout before the run warns (once) about it.
+CONSTANT_REWARD_STEPS = 5
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
@@ -246,6 +248,7 @@ class Trainer:
                     why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
                     self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
                 self._check_reward_failures(state, m, n_rollouts, max_failed)
+                self._check_constant_reward(state, m)
                 state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(self.task.task)
                 fault_point("loop.step_done")
                 done = state.step == T
@@ -298,6 +301,20 @@ class Trainer:
                 f"verifier; trainer.max_failed_reward_steps={limit} sets how many such steps stop a run"
             )
 
+    def _check_constant_reward(self, state: TrainerState, m: Dict[str, float]) -> None:
+        """Warn once when every rollout of every group got the same reward for
+        ``CONSTANT_REWARD_STEPS`` steps in a row: nothing is learned, and a reward that never
+        moves usually means the verifier cannot read the references or the answers."""
+        same = m.get("reward_std", 1.0) == 0.0 and m.get("reward_max") == m.get("reward_mean")
+        run = int(state.extra.get("constant_reward_steps", 0)) + 1 if same else 0
+        state.extra["constant_reward_steps"] = run
+        if run == CONSTANT_REWARD_STEPS and self.groups.is_main:
+            log.warning(
+                "every rollout of the last %d steps (steps %d-%d) got reward %s: with no difference inside any group "
+                "every advantage is 0 and nothing is learned (each update is skipped). Check the task's verifier "
+                "against its references (task.params.answer_field / answer_format) and the evaluation samples",
+                run, state.step - run + 1, state.step, m.get("reward_mean"))
+
     @staticmethod
     def _accumulate(state: TrainerState, m: Dict[str, float]) -> None:
         state.update_tokens_total += float(m.get("update_tokens", 0.0))
@@ -332,6 +349,8 @@ class Trainer:
             "eval_reward_last": evals[-1]["eval_reward_mean"] if evals else None,
             **self._totals(state),
             "reward_out_of_range_total": int(state.extra.get("reward_out_of_range", 0)),
+            # dataset rows whose reference the verifier cannot check (reward 0 whatever the answer)
+            "unusable_references": int(getattr(self.task.task, "unusable_references", 0)),
             "wall_time": state.wall_time_total,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))

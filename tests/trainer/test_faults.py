@@ -50,6 +50,13 @@ class _BrokenVerifier(TinyCharTask):
         raise RuntimeError("verifier service unreachable")
 
 
+class _ZeroReward(TinyCharTask):
+    """A verifier that never matches (as with references it cannot read): reward 0 always."""
+
+    def reward(self, problem, response_text):
+        return 0.0
+
+
 class _SignalDuringEval(TinyCharTask):
     """Sends ``signum`` to this process at the first reward of the first evaluation."""
 
@@ -79,6 +86,7 @@ class _SigintTwice(_SigintOnce):
 
 
 for _name, _cls in (("fault_huge_reward", _HugeReward), ("fault_broken_verifier", _BrokenVerifier),
+                    ("fault_zero_reward", _ZeroReward),
                     ("fault_signal_eval", _SignalDuringEval), ("fault_sigint_once", _SigintOnce),
                     ("fault_sigint_twice", _SigintTwice)):
     if _name not in TASKS:
@@ -440,6 +448,26 @@ def test_rewards_outside_the_task_range_are_warned_once_and_counted(tmp_path, ca
     assert caplog.text.count("outside the task's declared range") == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["reward_out_of_range_total"] > 1
+
+
+def test_the_same_reward_for_every_rollout_for_many_steps_is_warned_once(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, rows = run_inprocess(tmp_path, [*FAST, "trainer.steps=7", "task.name=fault_zero_reward",
+                                               "trainer.max_new_tokens=4"])
+    assert state.step == 7 and all(r["skipped"] == 1 for r in rows)
+    assert caplog.text.count("every rollout of the last") == 1
+    assert "last 5 steps (steps 1-5) got reward 0.0" in caplog.text and "nothing is learned" in caplog.text
+
+
+def test_dataset_rows_the_verifier_cannot_check_are_counted_in_the_summary(tmp_path, caplog):
+    data = tmp_path / "train.jsonl"
+    answers = ["3", "seventy-two", "5", "yes", "7", "8", "9", "10"]
+    data.write_text("".join(json.dumps({"question": f"What is {i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        run_inprocess(tmp_path / "run", [*FAST, "trainer.steps=1", "task=jsonl_math", f"task.params.train_path={data}",
+                                         "task.eval_size=2", "trainer.prompts_per_step=2", "trainer.max_new_tokens=4"])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["unusable_references"] == 2
+    assert "2 of 8 reference answers" in caplog.text
 
 
 def test_verifier_failing_on_every_call_stops_the_run(tmp_path, capsys):
