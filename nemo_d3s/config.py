@@ -149,7 +149,7 @@ class D3SSection(Section):
     preset: str = DEFAULT_PRESET
     sample_rule: str = _DEFAULT["sample_rule"]
     token_scope: str = _DEFAULT["token_scope"]
-    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(**vars(_DEFAULT["schedule"])))
+    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig.of(PRESETS[DEFAULT_PRESET].schedule))
     eps: float = _DEFAULT["eps"]
     unbiased: bool = _DEFAULT["unbiased"]
     # At least this many tokens per optimizer step (K raised to M / eligible tokens when
@@ -381,13 +381,10 @@ class TrainConfig(Section):
         require(is_count(self.seed, 0) and self.seed <= SEED_MAX, "seed", self.seed, f"must be an integer in [0, {SEED_MAX}]")
         require(bool(self.output_dir), "output_dir", self.output_dir, "must be a directory path")
         g = self.trainer.num_generations
-        for name in ("n_init", "n_final"):
-            n, key = getattr(self.d3s.schedule, name), f"d3s.schedule.{name}"
-            if isinstance(n, int) and not isinstance(n, bool):
-                require(n <= g, key, n, "cannot keep more rollouts per prompt than are generated "
-                         f"(trainer.num_generations={g})")
-            else:
-                require(0 < n <= 1, key, n, "a float N is a fraction of G and must be in (0, 1]; use an int for a count")
+        for name in ("n_init", "n_final"):  # an int N is a count of the G rollouts (fractions: the schedule's check)
+            n = getattr(self.d3s.schedule, name)
+            require(not is_count(n, 0) or n <= g, f"d3s.schedule.{name}", n,
+                    f"cannot keep more rollouts per prompt than are generated (trainer.num_generations={g})")
         validate_layout(self, world_size)
 
 
