@@ -37,9 +37,10 @@ from typing import Any, ClassVar, Dict, List, Optional, Union
 
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+from nemo_d3s.config_section import Section, is_count, is_number, known, require
 from nemo_d3s.core.d3s import PRESETS, D3SConfig
 from nemo_d3s.core.schedules import DynamicSchedule
-from nemo_d3s.config_section import ConfigError, Section, is_count, is_number, known, require
+from nemo_d3s.errors import ConfigError  # re-exported: its home before errors.py
 
 __all__ = [
     "AlgorithmConfig",

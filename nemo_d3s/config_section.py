@@ -10,11 +10,9 @@ import re
 from dataclasses import fields
 from typing import Any, ClassVar
 
-__all__ = ["ConfigError", "Section", "is_count", "is_number", "known", "require"]
+from nemo_d3s.errors import ConfigError
 
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the dotted key."""
+__all__ = ["Section", "is_count", "is_number", "known", "require"]
 
 
 def require(ok: bool, key: str, value: Any, why: str) -> None:

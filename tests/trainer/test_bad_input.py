@@ -137,7 +137,7 @@ def test_the_largest_accepted_seed_trains(tmp_path):
 
 def test_tiny_random_export_names_its_architecture(tmp_path):
     """The converter and the Megatron backend refuse a config.json without `architectures`."""
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec
+    from nemo_d3s.formats.spec import ModelSpec
 
     run_inprocess(tmp_path, [*FAST, "trainer.steps=1", "trainer.export_hf=true"])
     cfg = json.loads((tmp_path / "hf_export" / "config.json").read_text())
