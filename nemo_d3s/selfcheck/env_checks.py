@@ -48,6 +48,7 @@ def versions() -> Dict[str, Any]:
                            "cuda_build": torch.version.cuda or "none"}
     if torch.cuda.is_available():
         try:
+            # (major, minor, patch[, suffix]): torch 2.13 torch/cuda/nccl.py:35-53
             out["nccl"] = ".".join(str(x) for x in torch.cuda.nccl.version())
         except Exception as e:  # a build without NCCL
             out["nccl"] = f"unavailable ({type(e).__name__})"

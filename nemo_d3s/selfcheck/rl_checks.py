@@ -51,6 +51,8 @@ def run_rl(ctx: Context, name: str, extra: List[str] = ()) -> Dict[str, Any]:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
     train(cfg)
+    # reserved, not allocated: what the caching allocator holds is what the GPU cannot give
+    # vLLM (torch 2.13 torch/cuda/memory.py:380 reset_peak_memory_stats, :586 max_memory_reserved)
     peak = torch.cuda.max_memory_reserved(ctx.device) if ctx.cuda else None
     ctx.barrier()
     rows = read_jsonl(out / "metrics.jsonl")
