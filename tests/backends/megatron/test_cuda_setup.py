@@ -108,3 +108,12 @@ def test_cuda_connections_is_set_before_cuda_can_start(monkeypatch, folders):
     with pytest.raises(Stop):
         backend.MegatronBackend(MegatronBackendConfig(model=folders["llama"], device="cpu"))
     assert seen == ["1", "4"]
+
+
+def test_check_options_refuses_an_unknown_transformer_impl():
+    """The backend's option check (also the dry run's, through the backend registry)."""
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
+
+    check_options(MegatronBackendConfig(transformer_impl="local"))
+    with pytest.raises(ValueError, match="model.params.transformer_impl='te': expected one of transformer_engine, local"):
+        check_options(MegatronBackendConfig(transformer_impl="te"))
