@@ -36,29 +36,33 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   ``model.gradient_checkpointing=true`` (Megatron full recompute, one layer at a time) only
   each layer's input ``2 s b h`` is kept, plus one layer's full set while it is recomputed.
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
-  kept for the backward, plus their gradient (2 d bytes per element: with bf16 the size of
-  one fp32 copy), or the scoring pass's ``logprob_micro_batch_size`` rows (d bytes per
-  element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
+  kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
+  element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes
+  per element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
   (3 buffers of ``entropy_chunk_size x V_pad / TP``).
 - reference: d P when ``algorithm.kl_coef > 0`` (a frozen copy of the stage).
 - hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
   sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
   generates at once (all of its group's rollouts, or ``generation_batch_size``).
 - runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
-- vllm (``rollout.engine=vllm``, colocated): the engine takes ``gpu_memory_utilization`` x
-  the GPU while it generates (its weights d N / vLLM-TP, its profiled activations and the
-  KV cache); it sleeps while the policy trains (``rollout.sleep``). One engine per TP x PP
-  group, started on that group's first rank (Megatron's rank order puts those ranks on the
-  first nodes), its vLLM-TP workers on that node: ``vllm_shards_per_gpu`` engines share the
-  busiest GPU. The training state (weights, grads, optimizer, reference) stays resident
-  while vLLM generates. KV budget per GPU = utilization x GPU - vLLM weights - vLLM
-  activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold
-  one ``max_model_len`` sequence.
+- vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
+  ``memory.py``): one engine per TP x PP copy, started on the copy's first rank, on that
+  rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would
+  share a GPU is an error). Only the positions whose GPU carries an engine worker get these
+  terms: vllm = ``gpu_memory_utilization`` x the GPU while it generates (its weights d N /
+  vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps while the
+  policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of vllm when
+  ``rollout.sleep=false``); refit = the trainer's staging bucket and the gathered full tensor
+  while the engine's weights are awake for a refit. KV budget per GPU = utilization x GPU -
+  vLLM weights - vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start
+  when it cannot hold one ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
-= resident + activations + logits (+ vLLM when it does not sleep); generation = resident +
-hf_kv_cache or shards x utilization x GPU. The verdict compares
-the larger with ``trainer.gpu_memory_gb`` (decimal GB).
+= resident + activations + logits + vllm_asleep; generation = resident + hf_kv_cache or vllm
+(every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
+the last update's activations are not still reserved); refit = resident + vllm_asleep +
+refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
+(decimal GB).
 
 Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
 the weight table (``weights.local_shape``); each distinct position is also BUILT with
@@ -82,6 +86,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.vllm.memory import engine_plan, engine_positions, refit_bytes, sleeping_engine_bytes
 from nemo_d3s.config import ConfigError
 
 __all__ = [
@@ -200,10 +205,13 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
 
 def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str]:
     """(bytes, which pass) of the last stage's logits: training (logits + gradient) or
-    scoring (logits only), whichever is larger, plus the kernel's chunk workspace."""
+    scoring (logits only), whichever is larger, each plus the copy GPTModel makes when it
+    returns them batch-first (``logits.transpose(0, 1).contiguous()``, megatron-core 0.16.1
+    ``models/gpt/gpt_model.py:712``: both layouts exist at once, and again for the gradient),
+    plus the kernel's chunk workspace."""
     v = padded_vocab / tp
-    train = 2 * w.dtype_bytes * w.micro_batch * w.seq_len * v
-    score = w.dtype_bytes * w.logprob_micro_batch * w.seq_len * v
+    train = 3 * w.dtype_bytes * w.micro_batch * w.seq_len * v
+    score = 2 * w.dtype_bytes * w.logprob_micro_batch * w.seq_len * v
     work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.micro_batch, w.logprob_micro_batch) * w.seq_len) * v
     if train >= score:
         return train + work, f"training micro-batch {w.micro_batch} x {w.seq_len}"
@@ -321,15 +329,14 @@ def _workload(cfg, spec, *, dp: int, engines: int, mcfg) -> Workload:
 
 
 def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str) -> Dict[str, Any]:
-    """Engines per node (one per TP x PP group, on its first rank's node) and the shards
-    the busiest GPU carries when each node spreads its engines' vLLM-TP workers over its
-    GPUs as evenly as it can."""
-    per_node: Dict[int, int] = {}
-    for r in first_ranks_of_model_copies(tp, pp, dp, order):
-        per_node[r // shape.gpus_per_node] = per_node.get(r // shape.gpus_per_node, 0) + 1
-    shards = max(-(-n * vllm_tp // shape.gpus_per_node) for n in per_node.values())
-    return {"engines": dp, "engines_per_node": {str(k): v for k, v in sorted(per_node.items())},
-            "shards_per_gpu": shards}
+    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
+    engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
+    its node); ConfigError when two engines would share a GPU."""
+    try:
+        return engine_plan(first_ranks_of_model_copies(tp, pp, dp, order), nodes=shape.nodes,
+                           gpus_per_node=shape.gpus_per_node, tensor_parallel_size=vllm_tp)
+    except ValueError as e:
+        raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
 
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
@@ -396,6 +403,14 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
                       "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
                       "longest_rollout": w.gen_len, "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
                       "sleep": bool(cfg.rollout.sleep), **(placement or {})}
+        graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
+        largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+        vllm_terms.update(
+            cuda_graphs=graphs, asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+            refit_bytes=refit_bytes(engine_weight_bytes=weights, tp=tp, largest_tensor_bytes=largest,
+                                    bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20)),
+            engine_positions=[list(x) for x in engine_positions(
+                tp, pp, vllm_tp, stage_stride_ranks=tp if order != DEFAULT_ORDER else tp * dp)])
 
     problems: List[str] = []
     if engine == "vllm":
@@ -430,23 +445,32 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
             rows = w.rows_per_engine if mcfg.generation_batch_size is None else min(
                 w.rows_per_engine, int(mcfg.generation_batch_size))
             terms["hf_kv_cache"] = rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
-        if engine == "vllm":
-            terms["vllm"] = vllm_terms["shards_per_gpu"] * vllm_terms["reserved_bytes"]
+        on_engine_gpu = engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
+        if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
+            terms["vllm"] = vllm_terms["reserved_bytes"]
+            terms["vllm_asleep"] = vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
+            terms["refit"] = sum(vllm_terms["refit_bytes"].values()) - vllm_terms["refit_bytes"]["engine_weights"]
         terms["runtime"] = RUNTIME_BYTES
         resident = sum(v for k, v in terms.items() if k in _RESIDENT) + RUNTIME_BYTES
-        train_peak = resident + sum(v for k, v in terms.items() if k in _TRAINING)
+        # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
+        train_peak = resident + sum(v for k, v in terms.items() if k in _TRAINING) + terms.get("vllm_asleep", 0)
         gen_peak = resident + sum(v for k, v in terms.items() if k in _GENERATION)
-        if engine == "vllm" and not vllm_terms["sleep"]:
-            train_peak += terms["vllm"]  # an engine that does not sleep keeps its memory while the policy trains
-        peak = max(train_peak, gen_peak)
-        phase = "training" if train_peak >= gen_peak else "generation"
+        refit_peak = 0.0
+        if on_engine_gpu:
+            refit_peak = resident + terms["vllm_asleep"] + terms["refit"] + vllm_terms["refit_bytes"]["engine_weights"]
+        peak = max(train_peak, gen_peak, refit_peak)
+        phase = "training" if peak == train_peak else "generation" if peak == gen_peak else "refit"
         counted = {k: v for k, v in terms.items() if k != "runtime"}
         largest = max(counted, key=lambda k: counted[k])
         positions.append({
             "tp_rank": t, "pp_rank": p, "params": n, "real_params": real_param_count(spec, layout),
             "layers": spec.num_layers // pp, "in_flight_micro_batches": in_flight,
             "terms_bytes": {k: int(v) for k, v in terms.items()},
-            "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak), "peak_bytes": int(peak),
+            "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak),
+            "refit_peak_bytes": int(refit_peak), "peak_bytes": int(peak),
+            # what generation would need if the trainer kept its cached blocks (not what runs)
+            **({"generation_peak_if_cache_kept_bytes": int(train_peak - terms["vllm_asleep"] + terms["vllm"])}
+               if on_engine_gpu else {}),
             "peak_phase": phase, "largest_term": largest, "fits": peak <= gpu,
             **({"logits_from": logit_note} if logit_note else {}),
         })
@@ -521,7 +545,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
 
 # ----------------------------------------------------------------------------- output
 _COLUMNS = ("weights", "grads", "optimizer", "reference", "activations", "logits", "hf_replica", "hf_kv_cache",
-            "runtime", "vllm")
+            "runtime", "vllm", "vllm_asleep", "refit")
 
 
 def _count(n: int) -> str:
