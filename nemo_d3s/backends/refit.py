@@ -12,9 +12,13 @@ between). Three parties:
 - :class:`WeightRefit`: cuts the stream into buckets of at most ``bucket_bytes`` (a tensor
   larger than that is a bucket of its own) and moves each bucket with one of two transports:
 
+  ``direct``: the engine runs in this process (vLLM's single-process executor calls the
+  worker's method with the objects themselves, vllm 0.33 ``v1/executor/uniproc_executor.py:
+  90-106``): the bucket's tensors are handed over as they are, no copy.
+
   ``host``: ``src`` packs the bucket into one bytes object (name, dtype, shape, offset per
-  tensor + the raw bytes; no pickle) and hands it to the sink: the CPU build (and any engine
-  in another process without CUDA). Peak: one bucket.
+  tensor + the raw bytes; no pickle) and hands it to the sink: the CPU build with the engine
+  in another process. Peak: one bucket.
 
   ``cuda_ipc``: every rank whose GPU carries an engine worker copies the bucket into its own
   staging buffer (GPU memory, ``bucket_bytes``), exports it once as a CUDA IPC handle
@@ -150,6 +154,8 @@ class WeightSink(Protocol):
     def begin_refit(self) -> None:
         """Get ready to receive (wake the engine's weight memory)."""
 
+    def load_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> None: ...
+
     def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None: ...
 
     def load_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
@@ -173,7 +179,8 @@ class RefitStats:
 class WeightRefit:
     """Moves weights from a (possibly sharded) policy into one engine; see the module docstring.
 
-    sink: the engine on ``src`` (None elsewhere); transport: ``"host"`` or ``"cuda_ipc"``;
+    sink: the engine on ``src`` (None elsewhere); transport: ``"direct"``, ``"host"`` or
+    ``"cuda_ipc"``;
     group: a gloo group of the ranks that run the source together (None: one rank);
     src: global rank of the sink's rank; hosts_engine_gpu: this rank's GPU carries an engine
     worker (it stages buckets for ``cuda_ipc``); dtype: the engine's weight dtype (the stream
@@ -185,8 +192,8 @@ class WeightRefit:
                  src: int = 0, hosts_engine_gpu: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
                  stage: Optional[Callable[["WeightRefit", Bucket], Optional[Tuple[str, tuple]]]] = None) -> None:
-        if transport not in ("host", "cuda_ipc"):
-            raise ValueError(f"refit transport must be 'host' or 'cuda_ipc', got {transport!r}")
+        if transport not in ("direct", "host", "cuda_ipc"):
+            raise ValueError(f"refit transport must be 'direct', 'host' or 'cuda_ipc', got {transport!r}")
         self.sink, self.transport, self.group, self.src = sink, transport, group, int(src)
         self.hosts_engine_gpu, self.bucket_bytes, self.dtype = bool(hosts_engine_gpu), int(bucket_bytes), dtype
         self.device = device
@@ -237,8 +244,10 @@ class WeightRefit:
         return stats
 
     def _move(self, bucket: Bucket, stats: RefitStats) -> None:
-        if self.transport == "host":
-            if self.is_src:  # other ranks only served the source's collectives
+        if self.transport != "cuda_ipc":
+            if self.is_src and self.transport == "direct":
+                self.sink.load_tensors(bucket.meta, bucket.tensors)
+            elif self.is_src:  # other ranks only served the source's collectives
                 self.sink.load_host_bucket(bucket.meta, pack_host(bucket))
             return
         handle = self._stage(self, bucket) if self.hosts_engine_gpu else None

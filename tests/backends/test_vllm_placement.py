@@ -95,3 +95,40 @@ def test_the_engine_starts_with_its_own_gpus_and_the_trainer_keeps_its_view(monk
     assert seen["inside"] == "2,3" and "CUDA_VISIBLE_DEVICES" not in os.environ
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3,5,7,9,11,13,15")
     assert vengine.own_gpus(2) == "5,7"
+
+
+def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
+    """``engines.check_gpu_placement`` before any engine starts, on every rank alike: a
+    replicated policy on 16 ranks (8 per node) builds 16 engines; TP 2 would overlap."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_d3s.backends.base import Policy
+    from nemo_d3s.backends.engines import check_gpu_placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+
+    class Replicated:
+        rollout_engine_ranks = Policy.rollout_engine_ranks
+
+    check_gpu_placement(Replicated(), {"tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="engines of ranks 0 and 1 would share GPU 1 of node 0"):
+        check_gpu_placement(Replicated(), {"tensor_parallel_size": 2})
+
+    import types
+
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+
+    class Megatron:  # TP 2 x PP 1 copies: engines at 0, 2, 4, ...: a TP-2 engine each fits
+        layout = types.SimpleNamespace(tp=2, pp=1)
+        cfg = types.SimpleNamespace(use_tp_pp_dp_mapping=False)
+        rollout_engine_ranks = MegatronBackend.rollout_engine_ranks
+
+    assert Megatron().rollout_engine_ranks(16) == list(range(0, 16, 2))
+    check_gpu_placement(Megatron(), {"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="would share GPU"):
+        check_gpu_placement(Megatron(), {"tensor_parallel_size": 4})

@@ -177,7 +177,7 @@ class VLLMEngine(RolloutEngine):
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
-        self.transport = "cuda_ipc" if self.on_gpu else "host"
+        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "host"
         self.bucket_bytes = int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
         self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
         try:
@@ -193,6 +193,13 @@ class VLLMEngine(RolloutEngine):
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self._sleep()
+
+    def _in_process(self) -> bool:
+        """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
+        ``import_vllm``) and one GPU (TP > 1 starts worker processes). Decided before vLLM
+        starts, from what ``_engine_env`` will set."""
+        return (not _in_multi_rank_job() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                and int(self.cfg.tensor_parallel_size) == 1)
 
     def _weights_dtype(self) -> torch.dtype:
         """The engine's weight dtype: ``rollout.dtype``, else the policy's, except that an
@@ -235,6 +242,10 @@ class VLLMEngine(RolloutEngine):
         self._wake(["weights"])  # weights only: the KV cache wakes when it is needed
         self._sent: List[str] = []
         self._rpc("refit_begin")
+
+    def load_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> None:
+        self._sent += [m[0] for m in meta]
+        self._rpc("refit_tensors", meta=meta, tensors=tensors)
 
     def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None:
         self._sent += [m[0] for m in meta]

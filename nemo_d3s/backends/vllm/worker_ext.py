@@ -24,6 +24,16 @@ from nemo_d3s.backends.refit import TensorMeta, decode_host, rebuild_ipc_tensor,
 __all__ = ["WeightLoaderExtension"]
 
 
+def _device_index_of(uuid: str) -> int:
+    """This process's index of the GPU with ``uuid`` (RuntimeError when it does not see it)."""
+    from nemo_d3s.backends.refit import gpu_uuid
+
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(torch.device("cuda", i)) == uuid:
+            return i
+    raise RuntimeError(f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see")
+
+
 class WeightLoaderExtension:
     """Mixed into vLLM's worker: ``self`` is the worker (``self.model_runner``,
     ``self.vllm_config``, ``self.device``)."""
@@ -49,6 +59,11 @@ class WeightLoaderExtension:
             self.model_runner.get_model().load_weights(weights=weights)
         self._refit_loaded += [n for n, _ in weights]
 
+    def refit_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> int:
+        """One bucket as tensors: only from the trainer's own process (the in-process engine)."""
+        self._refit_load([(m[0], t) for m, t in zip(meta, tensors)])
+        return len(meta)
+
     def refit_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> int:
         """One bucket as bytes (``refit.pack_host``); returns the tensors loaded."""
         weights = [(n, t.to(self.device)) for n, t in decode_host(meta, raw)]
@@ -61,13 +76,19 @@ class WeightLoaderExtension:
         from nemo_d3s.backends.refit import gpu_uuid
 
         uuid = gpu_uuid(self.device)
-        if uuid not in handles:
+        if uuid in handles:  # the trainer rank on this GPU staged the bucket here
+            plain, where = handles[uuid], self.device.index
+        elif len(handles) == 1:
+            # One trainer process for a multi-GPU engine (one process, TP > 1): the bucket is
+            # on the trainer's GPU, one of this engine's; read it from there (peer access).
+            (other, plain), = handles.items()
+            where = _device_index_of(other)
+        else:
             raise RuntimeError(f"refit: no staging buffer for this worker's GPU {uuid} (have {sorted(handles)}): "
                                "the engine's GPUs are not those of the trainer ranks that stage the weights")
-        plain = handles[uuid]
         key = tuple(tuple(x) if isinstance(x, list) else x for x in plain)
         if self._refit_ipc is None or self._refit_ipc[0] != key:
-            self._refit_ipc = (key, rebuild_ipc_tensor(plain, self.device.index))
+            self._refit_ipc = (key, rebuild_ipc_tensor(plain, where))
         self._refit_load(tensors_from_buffer(meta, self._refit_ipc[1]))
         torch.cuda.synchronize(self.device)  # done reading before the trainer refills its buffer
         return len(meta)
