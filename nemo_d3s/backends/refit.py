@@ -82,10 +82,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def iter_buckets(weights: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-                 dtype: Optional[torch.dtype] = None) -> Iterator[Bucket]:
+                 dtype: Optional[torch.dtype] = None, *, cast: bool = True) -> Iterator[Bucket]:
     """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``
-    (a larger tensor alone), each tensor cast to ``dtype`` when given (one tensor's copy at
-    a time, on its device). Holds one bucket's tensors at once."""
+    (a larger tensor alone), floating tensors sized (and, with ``cast``, cast: one tensor's
+    copy at a time, on its device) as ``dtype`` when given. The boundaries depend on the
+    names, shapes and ``dtype`` only, so every rank of a group cuts the same buckets; a rank
+    that moves nothing passes ``cast=False``. Holds one bucket's tensors at once."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     meta: List[TensorMeta] = []
@@ -93,13 +95,14 @@ def iter_buckets(weights: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
     size = 0
     for name, t in weights:
         t = t.detach()
-        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-            t = t.to(dtype)
-        n = _nbytes(t)
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if cast and t.dtype != target:
+            t = t.to(target)
+        n = t.numel() * target.itemsize
         if tensors and size + n > bucket_bytes:
             yield Bucket(meta, tensors, size)
             meta, tensors, size = [], [], 0
-        meta.append((str(name), _dtype_name(t.dtype), [int(s) for s in t.shape], size))
+        meta.append((str(name), _dtype_name(target), [int(s) for s in t.shape], size))
         tensors.append(t)
         size += n
     if tensors:
@@ -229,7 +232,8 @@ class WeightRefit:
         if self.is_src:
             self.sink.begin_refit()
         try:
-            for bucket in iter_buckets(weights, self.bucket_bytes, self.dtype):
+            moves = self.is_src or (self.transport == "cuda_ipc" and self.hosts_engine_gpu)
+            for bucket in iter_buckets(weights, self.bucket_bytes, self.dtype, cast=moves):
                 self._move(bucket, stats)
                 stats.tensors += len(bucket.meta)
                 stats.buckets += 1

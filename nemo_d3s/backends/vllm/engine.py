@@ -256,26 +256,21 @@ class VLLMEngine(RolloutEngine):
         self._rpc("refit_ipc_bucket", meta=meta, handles=handles)
 
     def end_refit(self) -> None:
-        loaded = self._rpc("refit_end")
-        self.llm.reset_prefix_cache()  # its KV entries were computed with the old weights
+        # vLLM's loader has raised on a name or shape its model lacks (load_weights); this
+        # finishes the layer-wise reload and drops the prefix cache (KV of the old weights)
+        self._rpc("refit_end")
+        self.llm.reset_prefix_cache()
         self.stale = False
-        for names in loaded:
-            if names is not None and sorted(names) != sorted(self._sent):
-                missing = sorted(set(self._sent) - set(names))[:3]
-                raise RuntimeError(f"a vLLM worker loaded {len(names)} of {len(self._sent)} tensors (not: {missing})")
-
-    def make_refit(self, **kwargs) -> WeightRefit:
-        """The refit object for this engine (``kwargs``: group, src, hosts_engine_gpu, device
-        of a sharded policy's group; ``ModelParallelRollouts`` passes them)."""
-        return WeightRefit(self, transport=self.transport, bucket_bytes=self.bucket_bytes, dtype=self.weights_dtype,
-                           **kwargs)
 
     def sync_weights(self, policy: Policy) -> None:
         """Refit from ``policy.refit_weights()`` on this rank alone (a replicated policy; a
         sharded one goes through ``ModelParallelRollouts``, which runs the refit on every rank
-        of its group). RuntimeError naming the sync when the engine refuses a tensor."""
+        of its group with the transport, bucket size and dtype this engine announced).
+        RuntimeError naming the sync when the engine refuses a tensor."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
-        self.run_refit(self.make_refit(device=device), policy.refit_weights())
+        refit = WeightRefit(self, transport=self.transport, bucket_bytes=self.bucket_bytes, dtype=self.weights_dtype,
+                            device=device)
+        self.run_refit(refit, policy.refit_weights())
 
     def run_refit(self, refit: WeightRefit, weights: Iterable) -> None:
         """``refit.push(weights)``, with vLLM's errors named (every rank calls it; only the

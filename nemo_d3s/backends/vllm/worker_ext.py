@@ -46,7 +46,6 @@ class WeightLoaderExtension:
     def refit_begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._refit_loaded: List[str] = []
         # One mapping per exported staging buffer, reused by every bucket of the refit: each
         # open of torch's IPC handle releases one producer reference, so opening the same
         # export once per bucket would release it too often (vLLM packed_tensor.py:385-418).
@@ -57,7 +56,6 @@ class WeightLoaderExtension:
     def _refit_load(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
         with self._refit_context():
             self.model_runner.get_model().load_weights(weights=weights)
-        self._refit_loaded += [n for n, _ in weights]
 
     def refit_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> int:
         """One bucket as tensors: only from the trainer's own process (the in-process engine)."""
@@ -93,8 +91,9 @@ class WeightLoaderExtension:
         torch.cuda.synchronize(self.device)  # done reading before the trainer refills its buffer
         return len(meta)
 
-    def refit_end(self) -> List[str]:
-        """Finish the layer-wise reload; returns the names loaded (the trainer checks them)."""
+    def refit_end(self) -> None:
+        """Finish the layer-wise reload (layers whose tensors all arrived are processed as
+        they complete; this places the rest) and let go of the staging buffer's mapping."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with self._refit_context():
@@ -103,5 +102,3 @@ class WeightLoaderExtension:
         gc.collect()
         if torch.cuda.is_available() and self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()
-        loaded, self._refit_loaded = self._refit_loaded, []
-        return loaded
