@@ -16,8 +16,8 @@ The code this models (``engine.py``, ``backends/refit.py``):
   lives outside the sleep allocator (``CUDA_GRAPH_BYTES``). These three are assumptions
   (typical sizes on an 80 GB Hopper GPU), stated here and recorded in the plan.
 - refitting: the engine's weights are awake (``wake_up(tags=["weights"])``), the trainer
-  rank on that GPU holds one staging bucket (``rollout.refit_bucket_mb``) and the full
-  tensor being gathered (the largest HF tensor, plus its TP shards during the all-gather).
+  rank on that GPU holds its staging buffer (``rollout.refit_bucket_mb``), the gathered
+  tensors of the bucket being staged, and the TP shards of the next all-gather.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
 
 def refit_bytes(*, engine_weight_bytes: float, bucket_bytes: int, largest_tensor_bytes: int, tp: int) -> Dict[str, float]:
     """Memory of a refit on an engine GPU beyond the training state and the sleeping engine:
-    the engine's awake weights, the trainer's staging bucket (at least one whole tensor),
-    the gathered full tensor and its TP shards (1 + 1 copies at TP > 1)."""
-    gathered = largest_tensor_bytes * (2 if tp > 1 else 1)
-    return {"engine_weights": engine_weight_bytes, "staging": max(bucket_bytes, largest_tensor_bytes),
-            "gathered": gathered}
+    the engine's awake weights; on the trainer rank, the staging buffer and the bucket's
+    gathered tensors it is copied from (each at least one whole tensor: a larger tensor is a
+    bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1)."""
+    bucket = max(bucket_bytes, largest_tensor_bytes)
+    return {"engine_weights": engine_weight_bytes, "staging": bucket, "held": bucket,
+            "gather_shards": largest_tensor_bytes if tp > 1 else 0}
