@@ -1,7 +1,8 @@
 """The rollout-engine registry: ``rollout.engine`` -> a factory ``fn(policy, settings) ->
 RolloutEngine``. ``hf`` is the policy's own engine (``policy_own``: its settings are ignored);
 ``vllm`` builds a vLLM engine from the policy (imported only when chosen), placed by the
-policy (``Policy.place_rollout_engine``)."""
+policy (``Policy.place_rollout_engine``) after a check that no two engines of the job would
+share a GPU (``check_gpu_placement``), and refitted at once (so vLLM starts on dummy weights)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Mapping
 from nemo_d3s.backends.base import Policy, RolloutEngine
 from nemo_d3s.core.registry import Registry
 
-__all__ = ["ROLLOUT_ENGINES", "build_rollout_engine"]
+__all__ = ["ROLLOUT_ENGINES", "build_rollout_engine", "check_gpu_placement"]
 
 ROLLOUT_ENGINES: Registry = Registry(
     "rollout engine", "fn(policy: Policy, settings: Mapping) -> RolloutEngine", policy_own=False
@@ -50,6 +51,8 @@ def check_gpu_placement(policy: Policy, settings: Mapping[str, Any]) -> None:
     from nemo_d3s.backends.vllm.placement import engine_placement
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and not os.environ.get("LOCAL_WORLD_SIZE"):
+        return  # not launched by torchrun: ranks per node unknown (each engine still takes its own GPUs)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     engine_placement(policy.rollout_engine_ranks(world), gpus_per_node=torch.cuda.device_count(),
                      ranks_per_node=max(ranks_per_node, 1),

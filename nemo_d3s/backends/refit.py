@@ -242,7 +242,8 @@ class WeightRefit:
                 stats.names += [m[0] for m in bucket.meta]
                 self.barrier()  # nobody runs ahead (into the next NCCL gather) or refills a buffer being read
             if self.is_src:
-                self.sink.end_refit()
+                self.sink.end_refit()  # the engine lets go of the staging buffers here
+            self.barrier()  # ... before any rank frees its own
         finally:
             self._drop_buffer()
         return stats

@@ -69,7 +69,8 @@ class ModelParallelRollouts(RolloutEngine):
     :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
     ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
     otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
-    refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu, device) agreed at placement.
+    refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
+    (``MegatronBackend.place_rollout_engine``).
     """
 
     def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, group, src: int, *,
