@@ -132,3 +132,16 @@ def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
     check_gpu_placement(Megatron(), {"tensor_parallel_size": 2})
     with pytest.raises(ValueError, match="would share GPU"):
         check_gpu_placement(Megatron(), {"tensor_parallel_size": 4})
+
+
+def test_every_vllm_recipe_is_in_the_placement_table(tmp_path):
+    """A recipe added under conf/experiment/ with rollout=vllm must have its placement above."""
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "experiment"
+    vllm = set()
+    for f in sorted(conf.glob("*.yaml")):
+        cfg = _compose([f"experiment={f.stem}", f"output_dir={tmp_path}"])
+        if str(cfg.rollout.engine) == "vllm":
+            vllm.add(f.stem)
+    assert vllm == set(RECIPES)
