@@ -12,8 +12,10 @@ build. No generator or tensor is pickled: what crosses is plain and one bucket l
 
 Memory (GPU, ``rollout.sleep``): the engine sleeps at level 2 (weights and KV cache dropped,
 nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``) while the policy
-trains. A refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``)
-and fills them; generation then wakes the KV cache. After a level-2 sleep the weights are
+trains. A refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``;
+the worker keeps the model's buffers, e.g. rotary tables, across a level-2 sleep and puts them
+back with the weights, ``v1/worker/gpu_worker.py:301-366``) and fills them; generation then
+wakes the KV cache. After a level-2 sleep the weights are
 gone, so an engine that must generate again before the next refit (an evaluation, a skipped
 update) is refitted first (``stale``). Before the engine wakes, every trainer rank on its
 GPUs frees its cached CUDA blocks (``refit.release_cached_cuda_memory``).
