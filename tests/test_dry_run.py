@@ -1,4 +1,4 @@
-"""``trainer.dry_run=true`` (nemo_d3s/dry_run.py): the recipes' plans, the memory formulas on
+"""``trainer.dry_run=true`` (nemo_d3s/dry_run/): the recipes' plans, the memory formulas on
 a hand-worked case, the parameter counts against the published ones, against megatron-core
 modules built on the meta device and against Megatron-LM's theoretical memory formula, and
 the CLI's exit codes (0 fits, 1 does not fit, 2 cannot run).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, padded_vocab_size
-from nemo_d3s.backends.megatron.weights import Layout
+from nemo_d3s.formats.spec import ModelSpec, padded_vocab_size
+from nemo_d3s.formats.weights import Layout
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run import (
@@ -216,6 +216,23 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
 def test_layout_rules_are_config_errors(tmp_path, overrides, message):
     cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
+        plan(cfg, JobShape(8, 8, "test"))
+
+
+def test_a_check_the_backend_adds_is_in_the_plan(tmp_path, monkeypatch):
+    """The plan goes through the backend's own option check (``check_config``, reached via
+    the trainer's ``checked_backend_config``), so a refusal added to the backend refuses the
+    plan too, with the trainer's message."""
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}"])
+    assert plan(cfg, JobShape(8, 8, "test"))["fits"]
+
+    def refuse(config):
+        raise ValueError(f"model.params.entropy_chunk_size={config.entropy_chunk_size}: refused by a new check")
+
+    monkeypatch.setattr(MegatronBackend, "check_config", staticmethod(refuse))
+    with pytest.raises(ConfigError, match=re.escape("model: model.params.entropy_chunk_size=1024: refused by a new")):
         plan(cfg, JobShape(8, 8, "test"))
 
 

@@ -8,6 +8,10 @@ from typing import Optional
 
 from nemo_d3s.backends.settings import PolicySettings
 
+__all__ = ["DTYPES", "MegatronBackendConfig", "check_options"]
+
+DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
+
 
 @dataclass
 class MegatronBackendConfig(PolicySettings):
@@ -64,3 +68,25 @@ class MegatronBackendConfig(PolicySettings):
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
+
+
+def check_options(cfg: MegatronBackendConfig) -> None:
+    """Refuse what the backend cannot run: Megatron options it accepts by name but does not
+    implement yet, a dtype or sampler it does not take. ValueError naming the key; the
+    backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
+    if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
+                         f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
+    if cfg.context_parallel_size != 1:
+        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: context parallelism "
+                         "is not supported; use 1")
+    if cfg.sequence_parallel:
+        raise ValueError("model.params.sequence_parallel=true is not supported yet (its layer-norm gradient "
+                         "all-reduce is not in the RL step); use false")
+    if cfg.dtype not in ("auto", *DTYPES):
+        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
+    if cfg.sampler != "seeded":
+        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
+                         "the seeded sampler only")
+    if cfg.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")

@@ -9,7 +9,7 @@ vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and pa
 vocabulary columns (global id >= the real ``vocab_size``) are left out of the softmax,
 which is the same as masking them to -inf before it, and get zero gradient.
 
-Shapes (DESIGN.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
+Shapes (the package's contract, docs/architecture.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
 is [b, L] with L <= S its longest attended row (PP = 1) or the step's longest row (PP > 1:
 1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a call must
 have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
@@ -43,7 +43,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
 from nemo_d3s.backends.megatron.optimizer import (
@@ -57,12 +56,17 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
-from nemo_d3s.core.entropy import align_to_tokens
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.normalizers import StepNormalizer
-from nemo_d3s.distributed.pipeline import PerTokenStore, broadcast_per_token, is_last_stage, logprob_loss_func
-from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
+from nemo_d3s.distributed.pipeline import (
+    PerTokenStore,
+    broadcast_per_token,
+    fit_width,
+    is_last_stage,
+    logprob_loss_func,
+    train_loss_func,
+)
 
 __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 
@@ -125,23 +129,15 @@ def plan_micro_batches(
     ]
 
 
-def _fit_width(x: torch.Tensor, width: int, value=0) -> torch.Tensor:
-    """[n, S] -> [n, width]: cut, or pad on the right with ``value``."""
-    S = x.shape[1]
-    if width <= S:
-        return x[:, :width]
-    return F.pad(x, (0, width - S), value=value)
-
-
 def _model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
     """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
     on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
     mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
     attention kernels build it); right padding needs nothing more."""
-    ids = _fit_width(batch.input_ids[mb.rows], mb.width)
+    ids = fit_width(batch.input_ids[mb.rows], mb.width)
     if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
         ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
-    attended = _fit_width(batch.attention_mask[mb.rows].bool(), mb.width, value=False)
+    attended = fit_width(batch.attention_mask[mb.rows].bool(), mb.width, value=False)
     pos = torch.arange(mb.width).unsqueeze(0).expand(mb.b, -1)
     mask = None
     if device.type != "cuda":
@@ -333,7 +329,6 @@ def train_step(
     mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
-    scale = normalizer.loss_scale
     megatron_opt = is_megatron_optimizer(optimizer)
 
     sums: Dict[str, torch.Tensor] = {}
@@ -347,27 +342,8 @@ def train_step(
 
     def loss_for(i: int, x):
         mb = mbs[i]
-        ids, attended = x[0], x[3]
-
-        def loss_func(logits: torch.Tensor):
-            _, lp = vocab_parallel_entropy_and_logprobs(
-                logits[:, :-1], ids[:, 1:], groups.tp, vocab_size=vocab_size, chunk_size=chunk_size
-            )
-            n = len(mb.rows)
-            if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
-                loss = lp.sum() * 0.0
-                add("loss_sum", loss)
-                return loss, {}
-            lp = align_to_tokens(lp)[:n].float() * attended
-            out = loss_fn(_fit_width(lp, S), mb.rows)
-            loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
-            add("loss_sum", loss)
-            for k, v in metrics.items():
-                add(k, v)
-            # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
-            return loss * scale, {}
-
-        return loss_func
+        return train_loss_func(x[0], x[3], mb.rows, loss_fn, normalizer, groups.tp, width=S, on_sum=add,
+                               vocab_size=vocab_size, chunk_size=chunk_size)
 
     for c in chunks:
         c.train()
