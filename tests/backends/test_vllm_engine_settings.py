@@ -139,3 +139,11 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
     assert llm.calls[0] == ("wake_up", ("weights",)) and ("rpc", "refit_end") in llm.calls
     assert llm.calls[-3:] == [("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 2)]
+
+
+def test_bad_refit_bucket_and_eager_settings_are_refused():
+    with pytest.raises(ValueError, match="refit_bucket_mb=0: must be > 0"):
+        VLLMEngineConfig(refit_bucket_mb=0)
+    with pytest.raises(ValueError, match="enforce_eager='yes'"):
+        VLLMEngineConfig(enforce_eager="yes")
+    assert VLLMEngineConfig(enforce_eager=None, refit_bucket_mb=0.5).refit_bucket_mb == 0.5
