@@ -18,22 +18,22 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
 from nemo_d3s.backends.hf.config import TinyModelSpec
-from nemo_d3s.backends.hf.loading import TINY_RANDOM, ensure_tiny_folder, resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.loading import TINY_RANDOM, ensure_tiny_folder, load_tokenizer, resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
@@ -41,12 +41,13 @@ from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
+from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
     load_stage_from_hf,
-    te_available,
     transformer_config,
+    use_transformer_engine,
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
@@ -86,6 +87,16 @@ class _LRSchedule:
         self._apply()
 
 
+def _own_gpu_entry() -> Optional[str]:
+    """This rank's GPU as its entry in the node's visible devices (what an engine's
+    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from nemo_d3s.backends.vllm.placement import local_gpus
+
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[torch.cuda.current_device()]
+
+
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -104,6 +115,9 @@ class MegatronBackend(Policy):
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         check_options(cfg)
+        from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+        set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -111,6 +125,9 @@ class MegatronBackend(Policy):
             self.dtype = torch.bfloat16 if cuda else torch.float32
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        # On CUDA a Transformer Engine that does not import is an error unless
+        # transformer_impl=local: decided here, before any collective, alike on every rank.
+        self.te = use_transformer_engine(cfg.transformer_impl, self.device)
         if not cuda:
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -162,7 +179,7 @@ class MegatronBackend(Policy):
         self.layout = Layout(
             tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
-            te=cuda and te_available(),
+            te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
                                     recompute=cfg.gradient_checkpointing)
@@ -177,8 +194,7 @@ class MegatronBackend(Policy):
             reader.close()
         self.ref_model = None
         if cfg.use_reference:
-            self.ref_model = copy.deepcopy(self.model).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._build_reference(config)
         chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
@@ -192,14 +208,13 @@ class MegatronBackend(Policy):
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[ModelParallelRollouts] = None
+        self._mp_gloo = None
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
@@ -241,20 +256,57 @@ class MegatronBackend(Policy):
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
 
+    def _build_reference(self, config) -> torch.nn.Module:
+        """The frozen initial policy for the KL term: a second stage of the same layout with
+        the policy's current parameters copied in. Not ``copy.deepcopy(self.model)``:
+        megatron-core modules hold ProcessGroup handles (its TP linears, the embedding),
+        which cannot be copied. Memory: one more copy of this rank's stage, no gradients."""
+        from megatron.core import parallel_state as ps
+
+        ref = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage(), device=self.device)
+        with torch.no_grad():
+            mine = dict(self.model.named_parameters())
+            for name, q in ref.named_parameters():
+                q.copy_(mine[name])
+        return ref.eval().requires_grad_(False)
+
     @property
     def weights_dtype(self) -> torch.dtype:
         return self.dtype
 
+    def rollout_engine_ranks(self, world_size: int) -> List[int]:
+        """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
+        tp, pp = self.layout.tp, self.layout.pp
+        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp),
+                                           rank_order(bool(self.cfg.use_tp_pp_dp_mapping)))
+
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False)
+
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
-        TP x PP group, not per rank); the group's other ranks receive its rollouts."""
+        TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
+        rank tells the group how refits travel (transport, bucket size, dtype) and on which
+        node and GPUs the engine runs (a rank on one of them stages refit buckets there)."""
         mp, src = self._mp_group()
         inner = build() if dist.get_rank() == src else None
-        flags = [(inner.prompt_seeds, inner.on_policy) if inner is not None else None]
-        if mp is not None:
-            dist.broadcast_object_list(flags, src=src, group=mp)
-        prompt_seeds, on_policy = flags[0]
-        return ModelParallelRollouts(inner, self.tokenizer, mp, src, prompt_seeds=prompt_seeds, on_policy=on_policy)
+        refit = None
+        if inner is not None and getattr(inner, "transport", None) is not None:
+            refit = {"transport": inner.transport, "bucket_bytes": int(inner.bucket_bytes),
+                     "dtype": str(inner.weights_dtype).removeprefix("torch."),
+                     "host": socket.gethostname(), "gpus": (inner.visible_devices or "").split(",")}
+        flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+        group = self._mp_gloo_group() if mp is not None else None
+        if group is not None:
+            dist.broadcast_object_list(flags, src=src, group=group)
+        prompt_seeds, on_policy, refit = flags[0]
+        if refit is not None:
+            refit["hosts_engine_gpu"] = self.device.type == "cuda" and refit.pop("host") == socket.gethostname() \
+                and _own_gpu_entry() in refit.pop("gpus")
+        return ModelParallelRollouts(inner, self.tokenizer, group, src, prompt_seeds=prompt_seeds, on_policy=on_policy,
+                                     policy=self, refit=refit, device=self.device)
 
     def _mp_group(self):
         """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
@@ -262,6 +314,21 @@ class MegatronBackend(Policy):
 
         mp = ps.get_model_parallel_group()
         return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+    def _mp_gloo_group(self):
+        """A gloo group of this rank's model-parallel ranks (Megatron's is NCCL on CUDA; on
+        the CPU it is gloo already and is used as it is). Collective over the whole job:
+        every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+        if self._mp_gloo is None:
+            mp, _ = self._mp_group()
+            if dist.get_backend(mp) == "gloo":
+                self._mp_gloo = mp
+            else:
+                everyone: List[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
+                groups = sorted({tuple(sorted(r)) for r in everyone})
+                self._mp_gloo, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+        return self._mp_gloo
 
     def _build_engine(self) -> ModelParallelRollouts:
         """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
