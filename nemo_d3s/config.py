@@ -170,6 +170,12 @@ class TrainerConfig:
     num_mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 8
     logprob_micro_batch_size: int = 16
+    # Token budgets instead of row counts (0 = the fixed sizes above): rows sorted by length
+    # and packed while rows x longest row <= the budget (a longer row runs alone), so a
+    # long-tailed batch does not pad every micro-batch to its longest response. Same
+    # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
+    micro_batch_tokens: int = 0
+    logprob_micro_batch_tokens: Optional[int] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
@@ -322,9 +328,12 @@ def validate(cfg: Any, world_size: int = 1) -> None:
                 "logprob_micro_batch_size", "num_mini_batches", "eval_batch_size", "keep_last"):
         v = _get(cfg, f"{t}.{key}")
         _require(isinstance(v, int) and v >= 1, f"{t}.{key}", v, "must be an integer >= 1")
-    for key in ("eval_every", "save_every", "warmup_steps", "top_k"):
+    for key in ("eval_every", "save_every", "warmup_steps", "top_k", "micro_batch_tokens"):
         v = _get(cfg, f"{t}.{key}")
         _require(isinstance(v, int) and v >= 0, f"{t}.{key}", v, "must be an integer >= 0")
+    v = _get(cfg, f"{t}.logprob_micro_batch_tokens")
+    _require(v is None or (isinstance(v, int) and v >= 0), f"{t}.logprob_micro_batch_tokens", v,
+             "must be an integer >= 0 or null")
     lr = _get(cfg, f"{t}.lr")
     _require(_number(lr) and lr > 0, f"{t}.lr", lr, "learning rate must be > 0")
     wd = _get(cfg, f"{t}.weight_decay")

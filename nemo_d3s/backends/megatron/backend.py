@@ -284,20 +284,21 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ Policy
     def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
-              micro_batch_size: int = 8) -> Scores:
+              micro_batch_size: int = 8, micro_batch_tokens: int = 0) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
         model = self.ref_model if reference else self.model
         return schedule.score(model, batch, self.groups, micro_batch_size=micro_batch_size,
                               with_entropy=with_entropy and not reference, vocab_size=self.spec.vocab_size,
-                              chunk_size=self.cfg.entropy_chunk_size)
+                              chunk_size=self.cfg.entropy_chunk_size, micro_batch_tokens=micro_batch_tokens)
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *,
-                   denominator: float) -> Dict[str, float]:
+                   denominator: float, micro_batch_tokens: int = 0) -> Dict[str, float]:
         return schedule.train_step(self.chunks, self.optimizer, batch, loss_fn, self.groups,
                                    micro_batch_size=micro_batch_size, denominator=denominator,
                                    grad_clip=self.cfg.grad_clip, vocab_size=self.spec.vocab_size,
-                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size)
+                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size,
+                                   micro_batch_tokens=micro_batch_tokens)
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""

@@ -217,9 +217,9 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
-    micro-batches of ``mbs`` rows."""
+    micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -231,7 +231,9 @@ def _rank_layout(rank, tied, dp_rows, mbs):
     local = batch.select(rows)
     model = _build(tied)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
-    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL)
+    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL,
+               micro_batch_tokens=tokens)
+    out["score_stats"] = sc.stats
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
     old_lp = sc.logprobs + noise[rows]
     for agg in AGGS:
@@ -247,6 +249,7 @@ def _rank_layout(rank, tied, dp_rows, mbs):
             metrics = train_step(
                 model, opt, local, loss_fn, groups,
                 micro_batch_size=mbs, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
+                micro_batch_tokens=tokens,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
     return out
@@ -313,14 +316,20 @@ LAYOUTS = {
     # one DP rank without rows: a zero-weight micro-batch keeps it in every collective
     "dp2_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS),
     "pp2dp2_empty_rank": (1, 2, 4, True, [[], list(range(B))], MBS),
+    # token budget 20 (rows longest first: [0, 5] x 10, [2, 4] x 9, [1, 3] x 7): three
+    # micro-batch shapes, so 1F1B exchanges shapes (variable_seq_lengths) at PP 2
+    "tp1pp2_tokens": (1, 2, 2, True, ALL_ROWS, MBS, 20),
+    "tp2pp2_tokens": (2, 2, 4, False, ALL_ROWS, MBS, 20),
+    # budget 16: [0] [5] [2] [4, 1] [3] per rank, with DP ranks of unequal plans
+    "tp2dp2_tokens": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, reference):
-    tp, pp, world, tied, dp_rows, mbs = LAYOUTS[layout]
-    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, tp=tp, pp=pp, timeout=120)
+    tp, pp, world, tied, dp_rows, mbs, *tokens = LAYOUTS[layout]
+    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *tokens, tp=tp, pp=pp, timeout=120)
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
     by_replica = {}
@@ -347,6 +356,16 @@ def test_layout_matches_one_process(layout, reference):
                 for name, w in weights.items():
                     base = name.replace(".last_stage_copy", "")
                     torch.testing.assert_close(w, ref_weights[base], rtol=0, atol=WEIGHT_ATOL[kind], msg=lambda m: f"{layout} {agg} {kind} {name}: {m}")
+    # a token budget feeds fewer positions than fixed micro-batches of the same rows
+    if tokens:
+        from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+        for res in results:
+            mask = _data()[0].attention_mask[res["rows"]]
+            fixed = sum(m.b * m.width for m in plan_micro_batches(mask, mbs, uniform=pp > 1))
+            assert res["score_stats"]["fed_tokens"] < fixed, (layout, res["score_stats"], fixed)
+            assert res["score_stats"]["attended_tokens"] == float(mask.sum())
+            assert res[AGGS[0], "sgd"][0]["fed_tokens"] == res["score_stats"]["fed_tokens"]
     # the DP ranks' loss sums add up to the reference's (metrics are per-rank sums)
     for agg in AGGS:
         by_dp = {}
@@ -397,6 +416,20 @@ def test_plan_for_pipelines_has_one_shape():
     plan = plan_micro_batches(_mask([3, 5, 2, 1, 7], 10), 2, uniform=True)
     assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
     assert {(m.b, m.width) for m in plan} == {(2, 7)}  # the short last one gets a dummy row
+
+
+def test_plan_with_a_token_budget():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    mask = _mask([3, 5, 2, 1, 9], 10)
+    for uniform in (False, True):  # a budget ignores the row count and the pipeline's one shape
+        plan = plan_micro_batches(mask, 2, uniform=uniform, max_tokens=10)
+        # widths (>= 2) 3 5 2 2 9: row 4 alone (9); rows 1, 0 (2 x 5 = 10); rows 2, 3 (2 x 2)
+        assert [m.rows.tolist() for m in plan] == [[4], [1, 0], [2, 3]]
+        assert [(m.b, m.width) for m in plan] == [(1, 9), (2, 5), (2, 2)]
+    # sequence parallelism: the budget applies to the rounded widths
+    plan = plan_micro_batches(mask, 2, uniform=False, multiple_of=4, max_tokens=16)
+    assert [(m.rows.tolist(), m.width) for m in plan] == [([4], 12), ([1, 0], 8), ([2, 3], 4)]
 
 
 def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():
