@@ -23,8 +23,10 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   with the two lines above this is megatron-core's ``6 + 12/DP`` bytes per parameter.
   With ``model.params.distributed_optimizer=false`` (plain AdamW over each rank's shards):
   grads d P and both moments 2 d P, not sharded over DP.
-- activations (flash attention, no sequence parallelism, no dropout: what the backend
-  builds), per layer and micro-batch of b rows x s tokens, stored for the backward:
+- activations (flash attention, no dropout: what the backend builds), per layer and
+  micro-batch of b rows x s tokens (b s = ``trainer.micro_batch_tokens`` when set, or one
+  row of s when that is longer: ``dry_run_sequence.tokens_per_micro_batch``), stored for
+  the backward:
   ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (h hidden, a heads, g KV heads, d_h head
   dim, F FFN width): two RMSNorm inputs and two normed linear inputs [s, b, h] replicated
   over TP; per TP shard q, k, v [s, b, d_h (a + 2 g)], the attention output [s, b, d_h a],
@@ -35,6 +37,13 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   L / PP layers, so the first stage holds about L layers' worth. With
   ``model.gradient_checkpointing=true`` (Megatron full recompute, one layer at a time) only
   each layer's input ``2 s b h`` is kept, plus one layer's full set while it is recomputed.
+  With ``model.params.sequence_parallel=true`` (TP > 1) the replicated ``4 h`` term and the
+  recompute's kept inputs are split over TP (``backends/megatron/sequence_parallel.py``).
+- context parallelism: when one row of s tokens per micro-batch with full recompute and
+  sequence parallelism still does not fit beside the resident state, the report's
+  ``context_parallel_needed`` names the position and a problem says that only context
+  parallelism would split it further, which megatron-core runs only with Transformer
+  Engine's attention (refused by the backend).
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
   kept for the backward, plus their gradient (2 d bytes per element: with bf16 the size of
   one fp32 copy), or the scoring pass's ``logprob_micro_batch_size`` rows (d bytes per
@@ -83,6 +92,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
 from nemo_d3s.config import ConfigError
+from nemo_d3s.dry_run_sequence import (
+    context_parallel_need,
+    micro_batches_per_step,
+    replicated_share,
+    tokens_per_micro_batch,
+)
 
 __all__ = [
     "JobShape",
@@ -172,19 +187,32 @@ class Workload:
     recompute: bool
     dtype_bytes: int
     chunk: int  # entropy_chunk_size
+    sequence_parallel: bool = False  # model.params.sequence_parallel (at TP > 1)
+    micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0: micro_batch rows)
+    logprob_micro_batch_tokens: int = 0  # the scoring pass's budget (resolved)
+
+    @property
+    def train_tokens(self) -> int:
+        """Most tokens one training micro-batch feeds (``dry_run_sequence``)."""
+        return tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+
+    @property
+    def score_tokens(self) -> int:
+        return tokens_per_micro_batch(self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens)
 
 
 def layer_activation_bytes(h: int, heads: int, kv_heads: int, head_dim: int, ffn: int, *, b: int, s: int,
-                           tp: int, dtype_bytes: int = 2) -> float:
-    """Bytes one transformer layer stores for the backward (module docstring)."""
-    per_token = 4 * h + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
+                           tp: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer stores for the backward (module docstring); under
+    sequence parallelism the replicated ``4 h`` term is split over TP too."""
+    per_token = 4 * h * replicated_share(tp, sequence_parallel) + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
     return s * b * dtype_bytes * per_token
 
 
-def _layer_bytes(spec, w: Workload, tp: int, b: Optional[int] = None) -> float:
+def _layer_bytes(spec, w: Workload, tp: int) -> float:
     return layer_activation_bytes(spec.hidden_size, spec.num_heads, spec.kv_heads, spec.head_dim,
-                                  spec.ffn_hidden_size, b=b or w.micro_batch, s=w.seq_len, tp=tp,
-                                  dtype_bytes=w.dtype_bytes)
+                                  spec.ffn_hidden_size, b=1, s=w.train_tokens, tp=tp,
+                                  dtype_bytes=w.dtype_bytes, sequence_parallel=w.sequence_parallel)
 
 
 def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tuple[float, int]:
@@ -194,7 +222,8 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
     full = _layer_bytes(spec, w, tp)
     if not w.recompute:
         return in_flight * layers * full, in_flight
-    kept = w.seq_len * w.micro_batch * spec.hidden_size * w.dtype_bytes  # each layer's input
+    # each layer's input (the residual stream: split over TP under sequence parallelism)
+    kept = w.train_tokens * spec.hidden_size * w.dtype_bytes * replicated_share(tp, w.sequence_parallel)
     return in_flight * layers * kept + full, in_flight
 
 
@@ -202,12 +231,25 @@ def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str
     """(bytes, which pass) of the last stage's logits: training (logits + gradient) or
     scoring (logits only), whichever is larger, plus the kernel's chunk workspace."""
     v = padded_vocab / tp
-    train = 2 * w.dtype_bytes * w.micro_batch * w.seq_len * v
-    score = w.dtype_bytes * w.logprob_micro_batch * w.seq_len * v
-    work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.micro_batch, w.logprob_micro_batch) * w.seq_len) * v
+    train = 2 * w.dtype_bytes * w.train_tokens * v
+    score = w.dtype_bytes * w.score_tokens * v
+    work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.train_tokens, w.score_tokens)) * v
     if train >= score:
-        return train + work, f"training micro-batch {w.micro_batch} x {w.seq_len}"
-    return score + work, f"scoring micro-batch {w.logprob_micro_batch} x {w.seq_len}"
+        return train + work, f"training micro-batch {_micro_text(w.micro_batch, w.micro_batch_tokens, w.seq_len)}"
+    return score + work, f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}"
+
+
+def _micro_text(rows: int, budget: int, seq_len: int) -> str:
+    return f"{tokens_per_micro_batch(rows, seq_len, budget)} tokens (budget)" if budget else f"{rows} x {seq_len}"
+
+
+def _minimal_training_bytes(spec, w: Workload, padded_vocab: int, *, tp: int, pp: int, stage: int) -> float:
+    """Activations (+ logits on the last stage) of the smallest training step the backend
+    runs: one row per micro-batch, full recompute, sequence parallelism at TP > 1."""
+    m = Workload(**{**w.__dict__, "micro_batch": 1, "logprob_micro_batch": 1, "micro_batch_tokens": 0,
+                    "logprob_micro_batch_tokens": 0, "recompute": True, "sequence_parallel": tp > 1})
+    act, _ = activation_bytes(spec, m, tp=tp, pp=pp, stage=stage)
+    return act + (logits_bytes(padded_vocab, m, tp=tp)[0] if stage == pp - 1 else 0.0)
 
 
 def kv_bytes_per_token(spec, vllm_tp: int, dtype_bytes: int) -> int:
@@ -226,12 +268,13 @@ def vllm_activation_bytes(spec, vllm_tp: int, dtype_bytes: int) -> float:
 
 
 def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int, b: int, s: int,
-                          micro_batches: int, dtype_bytes: int = 2) -> Dict[str, float]:
+                          micro_batches: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> Dict[str, float]:
     """Megatron-LM's theoretical memory (``megatron/training/theoretical_memory_usage.py``,
-    the no-sequence-parallel path, distributed optimizer), restated here for comparison:
+    distributed optimizer), restated here for comparison:
     the most loaded shard (a stage's layers + one embedding, over TP; both embeddings when
     untied at PP 1) at ``6 + 12/DP`` bytes per parameter, and the first stage's activations
-    ``s b h (10 + 24/t)`` per layer for all L layers (1F1B's PP micro-batches of L/PP layers)
+    ``s b h (10 + 24/t)`` per layer (``34 s b h / t`` with sequence parallelism) for all L
+    layers (1F1B's PP micro-batches of L/PP layers)
     scaled by ``min(1, micro-batches / PP)``, plus the embedding's input and output for PP
     micro-batches, plus (PP 1 only) the logits and final norm output in 2 bytes, all x 1.05.
     It ignores q/k/v biases, GQA and the SwiGLU width in the activations (its own TODO) and
@@ -246,7 +289,7 @@ def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int,
     if not spec.tie_word_embeddings and pp == 1:
         most += emb / tp
     weight_opt = most * (6 + 12 / dp)
-    act = s * b * h * (10 + 24 / tp) * L
+    act = s * b * h * (34 / tp if sequence_parallel else 10 + 24 / tp) * L
     act += 8 * s * b * pp + s * b * h * pp
     if pp > 1:
         act *= min(1.0, micro_batches / pp)
@@ -307,16 +350,21 @@ def _workload(cfg, spec, *, dp: int, engines: int, mcfg) -> Workload:
                           f"{where} ({ctx}): the longest rollout would not fit")
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
+    budget = int(t.micro_batch_tokens)
+    lp_budget = budget if t.logprob_micro_batch_tokens is None else int(t.logprob_micro_batch_tokens)
     return Workload(
         seq_len=int(limit) + new,
         gen_len=int(limit) + gen_new,
         micro_batch=int(t.micro_batch_size),
         logprob_micro_batch=int(t.logprob_micro_batch_size),
-        micro_batches=-(-per_dp_update // int(t.micro_batch_size)),
+        micro_batches=micro_batches_per_step(per_dp_update, int(limit) + new, int(t.micro_batch_size), budget),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
         dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
         chunk=int(mcfg.entropy_chunk_size),
+        sequence_parallel=bool(mcfg.sequence_parallel) and int(mcfg.tensor_model_parallel_size) > 1,
+        micro_batch_tokens=budget,
+        logprob_micro_batch_tokens=lp_budget,
     )
 
 
@@ -409,6 +457,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
                             "rollout.max_model_len to the longest rollout)")
 
     positions = []
+    cp_needs: List[Dict[str, Any]] = []  # positions that only context parallelism would fit
     for t, p in stage_positions(tp, pp):
         layout = Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vocab, te=False)
         n = local_param_count(spec, layout)
@@ -440,6 +489,10 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
             train_peak += terms["vllm"]  # an engine that does not sleep keeps its memory while the policy trains
         peak = max(train_peak, gen_peak)
         phase = "training" if train_peak >= gen_peak else "generation"
+        cp_need = context_parallel_need(resident, _minimal_training_bytes(spec, w, vocab, tp=tp, pp=pp, stage=p), gpu,
+                                        seq_len=w.seq_len, position=f"(TP {t}, PP {p})")
+        if cp_need is not None:
+            cp_needs.append(cp_need)
         counted = {k: v for k, v in terms.items() if k != "runtime"}
         largest = max(counted, key=lambda k: counted[k])
         positions.append({
@@ -473,12 +526,14 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
                            + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
                            + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
                            "(tensor/pipeline_model_parallel_size)")
+    if cp_needs:
+        problems.append(cp_needs[0]["message"])
     if not all(x["fits"] for x in positions):
         problems.append(f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
                            f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
                            f"{worst['largest_term']} ({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)")
-    ref = megatron_lm_reference(spec, padded_vocab=vocab, tp=tp, pp=pp, dp=dp, b=w.micro_batch, s=w.seq_len,
-                                micro_batches=w.micro_batches, dtype_bytes=d)
+    ref = megatron_lm_reference(spec, padded_vocab=vocab, tp=tp, pp=pp, dp=dp, b=1, s=w.train_tokens,
+                                micro_batches=w.micro_batches, dtype_bytes=d, sequence_parallel=w.sequence_parallel)
     first = max((x for x in positions if x["pp_rank"] == 0), key=lambda x: x["params"])
     mine_wo = sum(first["terms_bytes"][k] for k in ("weights", "grads", "optimizer"))
     no_recompute = Workload(**{**w.__dict__, "recompute": False})
@@ -503,6 +558,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         "worst": {"tp_rank": worst["tp_rank"], "pp_rank": worst["pp_rank"], "peak_bytes": worst["peak_bytes"],
                   "phase": worst["peak_phase"], "largest_term": worst["largest_term"]},
         "vllm": vllm_terms or None,
+        "context_parallel_needed": cp_needs,
         "checks": {
             "shards_sum_params": shards_sum,
             "meta_build": meta,
@@ -542,9 +598,11 @@ def render(report: Dict[str, Any]) -> str:
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
     w = report["workload"]
-    lines.append(f"workload: micro-batch {w['micro_batch']} x {w['seq_len']} tokens, {w['micro_batches']} "
+    micro = (f"token budget {w['micro_batch_tokens']} (rows up to {w['seq_len']} tokens)" if w.get("micro_batch_tokens")
+             else f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens")
+    lines.append(f"workload: {micro}, {w['micro_batches']} "
                  f"micro-batches per DP rank, recompute={'full' if w['recompute'] else 'off'}, "
-                 f"{w['dtype_bytes']}-byte weights")
+                 f"sequence parallel={'on' if w.get('sequence_parallel') else 'off'}, {w['dtype_bytes']}-byte weights")
     head = ["stage", "tp", "params"] + cols + ["train", "generate", "peak", "largest", "fits"]
     rows: List[List[str]] = []
     groups: Dict[Tuple, List[dict]] = {}

@@ -203,7 +203,8 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     (["trainer.prompts_per_step=6"], "trainer.prompts_per_step=6: must be divisible by the number of data-parallel"),
     (["rollout.max_model_len=2048"], "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
                                      "rollout.max_model_len (2048)"),
-    (["+model.params.sequence_parallel=true"], "sequence_parallel=true is not supported"),
+    (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
+    (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
     (["model.params.tensor_model_parallel_size=16", "model.params.pipeline_model_parallel_size=1"],
      "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16"),
     (["rollout.tensor_parallel_size=16"], "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node"),
@@ -359,3 +360,55 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
     report = plan(cfg, JobShape(8, 8, "test"))
     assert not report["fits"] and report["vllm"]["kv_tokens"] < 3072
     assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), report["problems"]
+
+
+# ----------------------------------------------------------------------------- long sequences
+def test_sequence_parallel_and_token_budget_terms_by_hand():
+    from nemo_d3s.dry_run_sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
+
+    # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
+    assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True) == 40 * (128 + 240)
+    assert replicated_share(4, True) == 0.25 and replicated_share(1, True) == replicated_share(4, False) == 1.0
+    # tokens per micro-batch: rows x seq_len, or the budget, or one row longer than it
+    assert tokens_per_micro_batch(2, 10) == 20
+    assert tokens_per_micro_batch(2, 10, 15) == 15 and tokens_per_micro_batch(2, 10, 5) == 10
+    # micro-batches per step with every row at seq_len: whole rows per budget, at least one
+    assert micro_batches_per_step(8, 10, 2) == 4
+    assert micro_batches_per_step(8, 10, 2, 35) == 3 and micro_batches_per_step(8, 10, 2, 5) == 8
+    spec = _tiny()
+    w = Workload(seq_len=10, gen_len=12, micro_batch=2, logprob_micro_batch=4, micro_batches=5,
+                 rows_per_engine=8, recompute=True, dtype_bytes=2, chunk=1024, sequence_parallel=True)
+    # full recompute under SP: each layer's input split over TP (2560 / 2) + one layer's full set
+    assert activation_bytes(spec, w, tp=2, pp=2, stage=0) == (2 * 2 * 1280 + 40 * 368, 2)
+    # a budget of 35 tokens: 35 x 2 bytes x 368 per layer-token
+    b = Workload(**{**w.__dict__, "recompute": False, "micro_batch_tokens": 35})
+    assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (2 * 35 * 2 * 368, 1)
+
+
+def test_plan_counts_sequence_parallel_activations(tmp_path):
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_tiny_config()))
+    base = ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
+            "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
+            "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
+            "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", f"output_dir={tmp_path / 'out'}"]
+    off = plan(_compose(base), JobShape(1, 8, "test"))
+    on = plan(_compose([*base, "+model.params.sequence_parallel=true"]), JobShape(1, 8, "test"))
+    assert on["workload"]["sequence_parallel"] and not off["workload"]["sequence_parallel"]
+    act = [r["positions"][0]["terms_bytes"]["activations"] for r in (off, on)]
+    assert act == [2 * 2 * 19840, 2 * 2 * 40 * 368]
+    assert off["context_parallel_needed"] == on["context_parallel_needed"] == []
+
+
+def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
+    """Rows of 131k tokens on the 70B recipe: one row per micro-batch with SP and full
+    recompute still exceeds 80 GB on the first stage; the dry run says context parallelism
+    would be needed and that it runs only with Transformer Engine's attention."""
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null",
+                    "trainer.max_new_tokens=129000"])  # the recipe runs sequence parallelism
+    report = plan(cfg, JobShape(8, 8, "test"))
+    assert not report["fits"]
+    need = report["context_parallel_needed"]
+    assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
+    assert any("Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"])

@@ -36,7 +36,7 @@ from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import nemo2, schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+from nemo_d3s.backends.megatron.config import CONTEXT_PARALLEL_REFUSAL, MegatronBackendConfig
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
 from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.backends.megatron.model import (
@@ -85,11 +85,9 @@ def _check_options(cfg: MegatronBackendConfig) -> None:
         raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
                          f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
     if cfg.context_parallel_size != 1:
-        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: context parallelism "
-                         "is not supported; use 1")
-    if cfg.sequence_parallel:
-        raise ValueError("model.params.sequence_parallel=true is not supported yet (its layer-norm gradient "
-                         "all-reduce is not in the RL step); use false")
+        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.sequence_packing:
+        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
     if cfg.dtype not in ("auto", *_DTYPES):
         raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
     if cfg.sampler != "seeded":
@@ -172,7 +170,7 @@ class MegatronBackend(Policy):
             te=cuda and te_available(),
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
-                                    recompute=cfg.gradient_checkpointing)
+                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel)
         self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
                                  post_process=ps.is_pipeline_last_stage(), device=self.device)
         if isinstance(reader, ckpt.ShardedReader):

@@ -107,8 +107,14 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if layout.te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if layout.te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    elif config.sequence_parallel:  # the local spec's norms refuse SP: see sequence_parallel.py
+        from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
+
+        layer_spec = local_block_spec(config, pp_rank=layout.pp_rank)
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -56,6 +56,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
+from nemo_d3s.backends.megatron.sequence_parallel import allreduce_sequence_parallel_grads
 from nemo_d3s.core.entropy import align_to_tokens
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -237,7 +238,9 @@ def train_step(
     micro-batch (a dummy row, loss x 0) so the rank joins every collective.
 
     After the schedule, CPU path (``optimizer`` a torch optimizer over this rank's shards):
-    :func:`finalize_grads` (DP average, tied-embedding sum across stages),
+    :func:`finalize_grads` (DP average, tied-embedding sum across stages), with sequence
+    parallelism the layer-norm gradient sum over TP
+    (``sequence_parallel.allreduce_sequence_parallel_grads``),
     :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
     ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
     on all ranks), ``lr_scheduler.step()``. Megatron path (``optimizer`` a Megatron optimizer
@@ -337,6 +340,8 @@ def train_step(
         skipped = not ok
     else:
         finalize_grads(chunks, groups)
+        if getattr(inner.config, "sequence_parallel", False):  # Megatron's DDP does it in finalize_model_grads
+            allreduce_sequence_parallel_grads(chunks, groups)
         grad_norm = float(global_grad_norm(chunks, groups))
         skipped = not math.isfinite(grad_norm)
         if not skipped:

@@ -107,7 +107,10 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
     rows = torch.tensor(dp_rows[dp], dtype=torch.long)
     local = batch.select(rows)
     sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
+    from nemo_d3s.backends.megatron.optimizer import unwrap_model
+
     out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy, "rank": dist.get_rank(),
+           "sequence_parallel": unwrap_model(pol.model).config.sequence_parallel,
            "position": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), dp)}
     # old log-probs from the reference's values (the same on every layout)
     old_lp = _old_logprobs(ref_lp, noise)
@@ -129,6 +132,10 @@ LAYOUTS = {
     "dp2": (1, 1, 2, [[0, 1, 2, 3], [4, 5]]),
     # Megatron-LM's tp-pp-dp rank order (the 70B recipe's): the backend builds the groups
     "tp1pp2dp2_tp_pp_dp": (1, 2, 4, [[0, 1, 2, 3], [4, 5]], {"use_tp_pp_dp_mapping": True}),
+    # sequence parallelism: the backend's own layer spec and layer-norm gradient sum (plain
+    # AdamW), and Megatron's DDP + distributed optimizer (its finalize_model_grads sums them)
+    "tp2pp2_sp": (2, 2, 4, ALL, {"sequence_parallel": True}),
+    "tp2_sp_distributed_optimizer": (2, 1, 2, ALL, {"sequence_parallel": True, "distributed_optimizer": True}),
 }
 
 
@@ -148,6 +155,7 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
         [r["rank"] for r in results] == list(range(world))
     first = {}
     for res in results:
+        assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
         f = first.setdefault(res["dp"], res)
         assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(res["entropy"], f["entropy"])
         rows = res["rows"]
@@ -304,8 +312,6 @@ def test_bad_folders_fail_at_start_up(folders, tmp_path, monkeypatch):
         _megatron(str(no_weights))
     with pytest.raises(ConfigError, match="world size 1 is not divisible"):
         _megatron(folders["llama"], tp=2)
-    with pytest.raises(ValueError, match="sequence_parallel"):
-        _megatron(folders["llama"], sequence_parallel=True)
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size"):
         _megatron(folders["llama"], virtual_pipeline_model_parallel_size=2)
     other = tmp_path / "other"

@@ -49,9 +49,10 @@ WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-5}
 
 
 # ---------------------------------------------------------------------------- model + weights
-def tiny_gpt(tied: bool, dropout: float = 0.0):
+def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False):
     """The test model for this rank's TP/PP position, Megatron's own initialisation (needs
-    ``apply_cpu_compat`` first). Also used by test_cpu_compat.py."""
+    ``apply_cpu_compat`` first); ``sp``: sequence parallelism, with the backend's layer spec
+    (``sequence_parallel.local_block_spec``). Also used by test_cpu_compat.py."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -78,10 +79,17 @@ def tiny_gpt(tied: bool, dropout: float = 0.0):
         add_qkv_bias=True,
         hidden_dropout=dropout,
         attention_dropout=dropout,
+        sequence_parallel=sp,
     )
+    if sp:
+        from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
+
+        spec = local_block_spec(cfg, pp_rank=ps.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=V_PAD,
         max_sequence_length=64,
         pre_process=ps.is_pipeline_first_stage(),
@@ -91,12 +99,12 @@ def tiny_gpt(tied: bool, dropout: float = 0.0):
     )
 
 
-def _build(tied: bool):
+def _build(tied: bool, sp: bool = False):
     """The test model holding its slice of the full weights."""
     from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
-    model = tiny_gpt(tied)
+    model = tiny_gpt(tied, sp=sp)
     _load_full_weights(model, tied)
     return model
 
@@ -217,9 +225,10 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs, tokens=0):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
-    micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0."""
+    micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0; ``sp``:
+    sequence parallelism."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -229,7 +238,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0):
     batch, adv, noise, keep = _data()
     rows = torch.tensor(dp_rows[ps.get_data_parallel_rank()], dtype=torch.long)
     local = batch.select(rows)
-    model = _build(tied)
+    model = _build(tied, sp)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
     sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL,
                micro_batch_tokens=tokens)
@@ -322,14 +331,25 @@ LAYOUTS = {
     "tp2pp2_tokens": (2, 2, 4, False, ALL_ROWS, MBS, 20),
     # budget 16: [0] [5] [2] [4, 1] [3] per rank, with DP ranks of unequal plans
     "tp2dp2_tokens": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16),
+    # sequence parallelism: widths rounded up to a multiple of TP (odd lengths 7, 9 here),
+    # the layer-norm gradients summed over TP. Compared with the same one-process reference
+    # and tolerances as the layouts without SP (log-probs 1e-4, SGD weights 1e-6, AdamW 1e-5),
+    # so SP equals no-SP to twice those: SP changes only how the TP partial sums are combined
+    # (reduce-scatter + all-gather instead of all-reduce) and the order in which a norm's
+    # gradient is summed (per sequence shard, then over TP): fp32 rounding, ~1e-7 here.
+    # Without the norm-gradient sum over TP the SGD weights differ by ~1e-2 (checked).
+    "tp2_sp": (2, 1, 2, True, ALL_ROWS, MBS, 0, True),
+    "tp2pp2_sp": (2, 2, 4, False, ALL_ROWS, MBS, 0, True),
+    "tp2pp2_sp_tokens": (2, 2, 4, True, ALL_ROWS, MBS, 20, True),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, reference):
-    tp, pp, world, tied, dp_rows, mbs, *tokens = LAYOUTS[layout]
-    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *tokens, tp=tp, pp=pp, timeout=120)
+    tp, pp, world, tied, dp_rows, mbs, *extra = LAYOUTS[layout]
+    tokens = extra[0] if extra else 0
+    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=120)
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
     by_replica = {}
