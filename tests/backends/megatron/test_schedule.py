@@ -337,7 +337,7 @@ LAYOUTS = {
     # so SP equals no-SP to twice those: SP changes only how the TP partial sums are combined
     # (reduce-scatter + all-gather instead of all-reduce) and the order in which a norm's
     # gradient is summed (per sequence shard, then over TP): fp32 rounding, ~1e-7 here.
-    # Without the norm-gradient sum over TP the SGD weights differ by ~1e-2 (checked).
+    # Without the norm-gradient sum over TP the weight comparison fails (checked).
     "tp2_sp": (2, 1, 2, True, ALL_ROWS, MBS, 0, True),
     "tp2pp2_sp": (2, 2, 4, False, ALL_ROWS, MBS, 0, True),
     "tp2pp2_sp_tokens": (2, 2, 4, True, ALL_ROWS, MBS, 20, True),
