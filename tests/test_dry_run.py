@@ -412,3 +412,22 @@ def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
     need = report["context_parallel_needed"]
     assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
     assert any("Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"])
+
+
+def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
+    """experiment=llama3_70b_long (rows of 16384 tokens, responses of 15360): fits 80 GB on
+    8 x 8 GPUs with SP, full recompute and 32768-token micro-batches, as its comment says;
+    without SP the same budget does not fit (stage 0's activations)."""
+    report = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    print(render(report))
+    assert report["fits"], report["problems"]
+    w = report["workload"]
+    assert w["seq_len"] == 16384 and w["seq_len"] - 1024 >= 8192 and w["sequence_parallel"] and w["recompute"]
+    assert w["micro_batch_tokens"] == 32768 and report["context_parallel_needed"] == []
+    first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 55.9
+    assert round(report["worst"]["peak_bytes"] / GB, 1) == 74.9 and report["vllm"]["kv_tokens"] >= 16384
+    no_sp = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}",
+                           "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
+    assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 89.7
