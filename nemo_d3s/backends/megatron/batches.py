@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.micro_batches import fixed_micro_batches, row_lengths, token_budget_micro_batches
 
-__all__ = ["MicroBatch", "fit_width", "model_inputs", "plan_micro_batches", "token_counts"]
+__all__ = ["MicroBatch", "fit_width", "model_inputs", "pad_for_interleaving", "plan_micro_batches", "token_counts"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,22 @@ def plan_micro_batches(
     return [
         MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of)) for r in chunks
     ]
+
+
+def pad_for_interleaving(mbs: List[MicroBatch], pp: int, *, one_shape: bool = False) -> List[MicroBatch]:
+    """Micro-batches for megatron-core's interleaved 1F1B, which needs their number M >= PP
+    with M % PP = 0 (groups of PP contiguous micro-batches per virtual stage: schedules.py
+    ``microbatch_group_size_per_vp_stage``, default PP, checked at lines 993-1010 of
+    megatron-core 0.16.1): zero-weight micro-batches (no rows; dummy rows of the first
+    micro-batch's shape, so no new shape is sent) are appended. ``one_shape``: every
+    micro-batch widened to the largest rows x width of the plan (dummy rows, padding)."""
+    if one_shape:
+        b, width = max(m.b for m in mbs), max(m.width for m in mbs)
+        mbs = [MicroBatch(m.rows, b, width) for m in mbs]
+    target = max(_round_up(len(mbs), pp), pp)
+    first = mbs[0]
+    pad = MicroBatch(torch.zeros(0, dtype=torch.long), first.b, first.width)
+    return list(mbs) + [pad] * (target - len(mbs))
 
 
 def fit_width(x: torch.Tensor, width: int, value=0) -> torch.Tensor:

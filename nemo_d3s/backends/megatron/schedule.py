@@ -44,7 +44,14 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
-from nemo_d3s.backends.megatron.batches import MicroBatch, fit_width, model_inputs, plan_micro_batches, token_counts
+from nemo_d3s.backends.megatron.batches import (
+    MicroBatch,
+    fit_width,
+    model_inputs,
+    pad_for_interleaving,
+    plan_micro_batches,
+    token_counts,
+)
 from nemo_d3s.backends.megatron.optimizer import (
     Model,
     clip_grads_,
@@ -68,11 +75,38 @@ __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 
 
 # ---------------------------------------------------------------------------- model plumbing
-def _check_layout(groups: ParallelGroups, config) -> None:
+def _check_layout(groups: ParallelGroups, config, n_chunks: int) -> None:
     if groups.cp_size > 1:
         raise ValueError(f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})")
     if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
         raise ValueError("pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)")
+    if n_chunks > 1:
+        from megatron.core import parallel_state as ps
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
+        if groups.pp_size < 2 or vpp != n_chunks:
+            raise ValueError(f"got {n_chunks} model chunks: a virtual pipeline (interleaved 1F1B) needs "
+                             f"pipeline_model_parallel_size > 1 (have {groups.pp_size}) and Megatron's virtual "
+                             f"pipeline size = the number of chunks (have {vpp})")
+
+
+def _plan(batch: TokenBatch, groups: ParallelGroups, chunks: List[torch.nn.Module], micro_batch_size: int,
+          micro_batch_tokens: int) -> List[MicroBatch]:
+    """The call's micro-batches (:func:`batches.plan_micro_batches`), checked against the
+    layout; with model chunks (interleaved 1F1B) padded with zero-weight micro-batches to a
+    multiple of PP (:func:`batches.pad_for_interleaving`)."""
+    config = getattr(unwrap_model(chunks[0]), "config", None)
+    _check_layout(groups, config, len(chunks))
+    multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
+    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple,
+                             max_tokens=micro_batch_tokens)
+    if len(chunks) == 1:
+        return mbs
+    # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
+    # other's previous and next stage), and megatron-core's shape exchange for variable
+    # shapes posts them in an order that pairs one direction's send with the other's
+    # receive (p2p_communication.py:205-230): one shape for every micro-batch there.
+    return pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
 
 
 def _schedule(
@@ -98,27 +132,44 @@ def _schedule(
         return out, loss_for(i, x)
 
     first = micro_batches[0]
+    n = len(micro_batches)
+    # interleaved 1F1B: one data iterator per model chunk; each chunk runs every micro-batch
+    # in order (megatron-core 0.16.1 schedules.py:912-916 asserts the list)
+    data = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
     # Micro-batches of different [L, b] (a token budget): 1F1B's P2PCommunicator then sends
     # each activation's shape before it (megatron-core 0.16.1 pipeline_parallel/
     # p2p_communication.py:301 ``config.variable_seq_lengths`` -> _communicate_shapes);
     # otherwise it allocates every receive buffer at [seq_length, micro_batch_size, hidden].
     # Set for this call only (the flag costs one extra p2p of 3 ints per transfer).
+    # Interleaved 1F1B at PP 2 sends an activation and a gradient to the same peer in one
+    # step; batched p2p (batch_isend_irecv: send_prev, recv_prev, send_next, recv_next on
+    # both ranks, p2p_communication.py:18-50) would match the first send with the first
+    # receive, i.e. a gradient with an activation. The unbatched path (_p2p_ops, lines
+    # 53-121) keeps the two directions on two communicators: use it there.
     config = get_model_config(chunks[0])
     variable = len({(m.b, m.width) for m in micro_batches}) > 1
-    before = config.variable_seq_lengths
-    config.variable_seq_lengths = before or variable
+    pp2_interleaved = len(chunks) > 1 and _pp_size() == 2
+    before = config.variable_seq_lengths, config.batch_p2p_comm
+    config.variable_seq_lengths = before[0] or variable
+    config.batch_p2p_comm = before[1] and not pp2_interleaved
     try:
         get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(range(len(micro_batches))),
+            data_iterator=data,
             model=chunks,
-            num_microbatches=len(micro_batches),
+            num_microbatches=n,
             seq_length=first.width,  # read by 1F1B only, when every micro-batch has this shape
             micro_batch_size=first.b,
             forward_only=forward_only,
         )
     finally:
-        config.variable_seq_lengths = before
+        config.variable_seq_lengths, config.batch_p2p_comm = before
+
+
+def _pp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -157,17 +208,13 @@ def score(
     kernel's chunk_size x V/TP workspace), and the [B, L] results; never V on one rank.
     """
     chunks = model_chunks(model)
-    inner = unwrap_model(chunks[0])
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
-    _check_layout(groups, inner.config)
     device = device_of(chunks[0])
-    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple,
-                             max_tokens=micro_batch_tokens)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     store = PerTokenStore()
 
     def inputs(i: int):
@@ -267,12 +314,9 @@ def train_step(
     """
     chunks = model_chunks(model)
     inner = unwrap_model(chunks[0])
-    _check_layout(groups, inner.config)
     device = device_of(chunks[0])
     B, S = batch.input_ids.shape
-    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple,
-                             max_tokens=micro_batch_tokens)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
     scale = normalizer.loss_scale

@@ -49,10 +49,11 @@ WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-5}
 
 
 # ---------------------------------------------------------------------------- model + weights
-def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False):
+def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
     """The test model for this rank's TP/PP position, Megatron's own initialisation (needs
     ``apply_cpu_compat`` first); ``sp``: sequence parallelism, with the backend's layer spec
-    (``sequence_parallel.local_block_spec``). Also used by test_cpu_compat.py."""
+    (``sequence_parallel.local_block_spec``); ``vp_stage``: chunk ``vp_stage`` of Megatron's
+    virtual pipeline (its size from parallel_state). Also used by test_cpu_compat.py."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -80,7 +81,10 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False):
         hidden_dropout=dropout,
         attention_dropout=dropout,
         sequence_parallel=sp,
+        virtual_pipeline_model_parallel_size=None if vp_stage is None else _vpp(),
     )
+    pp, p = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
     if sp:
         from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
 
@@ -92,33 +96,55 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False):
         transformer_layer_spec=spec,
         vocab_size=V_PAD,
         max_sequence_length=64,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=p == 0 and v == 0,
+        post_process=p == pp - 1 and v == vpp - 1,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
 
 
-def _build(tied: bool, sp: bool = False):
-    """The test model holding its slice of the full weights."""
+def _vpp() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_virtual_pipeline_model_parallel_world_size() or 1
+
+
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _build(tied: bool, sp: bool = False, vpp: int = 1):
+    """The test model holding its slice of the full weights (a list of ``vpp`` chunks when
+    vpp > 1, Megatron's virtual pipeline size set to it)."""
+    from megatron.core import parallel_state as ps
+
     from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
-    model = tiny_gpt(tied, sp=sp)
+    if vpp > 1:
+        ps.set_virtual_pipeline_model_parallel_world_size(vpp)
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        model = [tiny_gpt(tied, sp=sp, vp_stage=v) for v in range(vpp)]
+    else:
+        model = tiny_gpt(tied, sp=sp)
     _load_full_weights(model, tied)
     return model
 
 
-def _full_name(name: str, tied: bool) -> str:
-    """Local parameter name -> its name in the TP1/PP1 model."""
+def _full_name(name: str, tied: bool, vp_stage=None) -> str:
+    """Local parameter name (of chunk ``vp_stage`` of a virtual pipeline) -> its name in the
+    TP1/PP1 model: chunk v of stage p holds the (v PP + p)-th run of L / (PP VPP) layers."""
     from megatron.core import parallel_state as ps
 
     if tied and name == "output_layer.weight":  # the last stage's copy of the embedding
         return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        per_stage = LAYERS // ps.get_pipeline_model_parallel_world_size()
-        parts[2] = str(int(parts[2]) + ps.get_pipeline_model_parallel_rank() * per_stage)
+        pp = ps.get_pipeline_model_parallel_world_size()
+        v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
+        per_chunk = LAYERS // (pp * vpp)
+        parts[2] = str(int(parts[2]) + (v * pp + ps.get_pipeline_model_parallel_rank()) * per_chunk)
     return ".".join(parts)
 
 
@@ -144,12 +170,12 @@ def _load_full_weights(model, tied: bool) -> None:
 
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for chunk, name, p in ((c, n, p) for c in _chunks(model) for n, p in c.named_parameters()):
             dim, blocks = _tp_layout(name, p)
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= tp
-            full = _full_tensor(_full_name(name, tied), shape)
+            full = _full_tensor(_full_name(name, tied, getattr(chunk, "vp_stage", None)), shape)
             if dim is not None:
                 parts = full.chunk(blocks, dim=dim)
                 full = torch.cat([b.chunk(tp, dim=dim)[r] for b in parts], dim=dim)
@@ -163,7 +189,7 @@ def _gather_full_weights(model, tied: bool) -> dict:
 
     tp = ps.get_tensor_model_parallel_world_size()
     out = {}
-    for name, p in model.named_parameters():
+    for chunk, name, p in ((c, n, p) for c in _chunks(model) for n, p in c.named_parameters()):
         dim, blocks = _tp_layout(name, p)
         t = p.detach().clone()
         if dim is not None and tp > 1:
@@ -171,7 +197,7 @@ def _gather_full_weights(model, tied: bool) -> dict:
             dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
             per_block = [s.chunk(blocks, dim=dim) for s in shards]
             t = torch.cat([torch.cat([pb[k] for pb in per_block], dim=dim) for k in range(blocks)], dim=dim)
-        key = _full_name(name, tied)
+        key = _full_name(name, tied, getattr(chunk, "vp_stage", None))
         out[key + (".last_stage_copy" if key in out or (tied and name == "output_layer.weight") else "")] = t
     return out
 
@@ -225,10 +251,10 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
     micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0; ``sp``:
-    sequence parallelism."""
+    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B)."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -238,7 +264,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False):
     batch, adv, noise, keep = _data()
     rows = torch.tensor(dp_rows[ps.get_data_parallel_rank()], dtype=torch.long)
     local = batch.select(rows)
-    model = _build(tied, sp)
+    model = _build(tied, sp, vpp)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
     sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL,
                micro_batch_tokens=tokens)
@@ -253,7 +279,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False):
                 kw = OPTIMIZERS[kind]
                 _, opt = build_optimizer(model, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"])
             else:
-                opt = _optimizer(kind, list(model.parameters()))
+                opt = _optimizer(kind, [p for c in _chunks(model) for p in c.parameters()])
             loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
             metrics = train_step(
                 model, opt, local, loss_fn, groups,
@@ -341,6 +367,12 @@ LAYOUTS = {
     "tp2_sp": (2, 1, 2, True, ALL_ROWS, MBS, 0, True),
     "tp2pp2_sp": (2, 2, 4, False, ALL_ROWS, MBS, 0, True),
     "tp2pp2_sp_tokens": (2, 2, 4, True, ALL_ROWS, MBS, 20, True),
+    # interleaved 1F1B: PP 2 x VPP 2 chunks of one layer each (stage 0: layers 0 and 2,
+    # stage 1: layers 1 and 3); 3 micro-batches padded with a zero-weight one to 4 (a
+    # multiple of PP, megatron-core's interleaved schedule needs it)
+    "pp2vpp2": (1, 2, 2, True, ALL_ROWS, MBS, 0, False, 2),
+    "tp2pp2vpp2_untied": (2, 2, 4, False, ALL_ROWS, MBS, 0, False, 2),
+    "pp2vpp2_tokens_sp": (2, 2, 4, True, ALL_ROWS, MBS, 20, True, 2),
 }
 
 
@@ -376,8 +408,10 @@ def test_layout_matches_one_process(layout, reference):
                 for name, w in weights.items():
                     base = name.replace(".last_stage_copy", "")
                     torch.testing.assert_close(w, ref_weights[base], rtol=0, atol=WEIGHT_ATOL[kind], msg=lambda m: f"{layout} {agg} {kind} {name}: {m}")
-    # a token budget feeds fewer positions than fixed micro-batches of the same rows
-    if tokens:
+    # a token budget feeds fewer positions than fixed micro-batches of the same rows (not
+    # with interleaving at PP 2, where every micro-batch takes one shape: batches.py)
+    vpp = extra[2] if len(extra) > 2 else 1
+    if tokens and not (vpp > 1 and pp == 2):
         from nemo_d3s.backends.megatron.schedule import plan_micro_batches
 
         for res in results:
@@ -450,6 +484,19 @@ def test_plan_with_a_token_budget():
     # sequence parallelism: the budget applies to the rounded widths
     plan = plan_micro_batches(mask, 2, uniform=False, multiple_of=4, max_tokens=16)
     assert [(m.rows.tolist(), m.width) for m in plan] == [([4], 12), ([1, 0], 8), ([2, 3], 4)]
+
+
+def test_interleaved_plans_are_padded_to_a_multiple_of_pp():
+    from nemo_d3s.backends.megatron.batches import pad_for_interleaving
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    plan = plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, max_tokens=10)
+    padded = pad_for_interleaving(plan, 4)  # 3 -> 4 micro-batches, the pad of the first's shape
+    assert [m.rows.tolist() for m in padded] == [[4], [1, 0], [2, 3], []]
+    assert [(m.b, m.width) for m in padded] == [(1, 9), (2, 5), (2, 2), (1, 9)]
+    assert len(pad_for_interleaving(plan[:1], 2)) == 2 and len(pad_for_interleaving(plan, 3)) == 3
+    # PP 2: one shape for all (the largest rows x width)
+    assert {(m.b, m.width) for m in pad_for_interleaving(plan, 2, one_shape=True)} == {(2, 9)}
 
 
 def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():
