@@ -94,6 +94,7 @@ from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_mo
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run_sequence import (
     context_parallel_need,
+    interleaving_factor,
     micro_batches_per_step,
     replicated_share,
     tokens_per_micro_batch,
@@ -190,6 +191,7 @@ class Workload:
     sequence_parallel: bool = False  # model.params.sequence_parallel (at TP > 1)
     micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0: micro_batch rows)
     logprob_micro_batch_tokens: int = 0  # the scoring pass's budget (resolved)
+    vpp: int = 1  # model.params.virtual_pipeline_model_parallel_size (interleaved 1F1B)
 
     @property
     def train_tokens(self) -> int:
@@ -220,11 +222,12 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
     in_flight = max(1, min(pp - stage, w.micro_batches))
     layers = spec.num_layers // pp
     full = _layer_bytes(spec, w, tp)
+    factor = interleaving_factor(pp, w.vpp)  # interleaved 1F1B keeps more in flight
     if not w.recompute:
-        return in_flight * layers * full, in_flight
+        return factor * in_flight * layers * full, in_flight
     # each layer's input (the residual stream: split over TP under sequence parallelism)
     kept = w.train_tokens * spec.hidden_size * w.dtype_bytes * replicated_share(tp, w.sequence_parallel)
-    return in_flight * layers * kept + full, in_flight
+    return factor * in_flight * layers * kept + full, in_flight
 
 
 def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str]:
@@ -365,6 +368,7 @@ def _workload(cfg, spec, *, dp: int, engines: int, mcfg) -> Workload:
         sequence_parallel=bool(mcfg.sequence_parallel) and int(mcfg.tensor_model_parallel_size) > 1,
         micro_batch_tokens=budget,
         logprob_micro_batch_tokens=lp_budget,
+        vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
     )
 
 
@@ -406,6 +410,10 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     except ConfigError as e:
         raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE to the job's shape)") from None
     validate_layout(cfg, dp)
+    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    if spec.num_layers % (pp * vpp):
+        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
+                          f"virtual_pipeline_model_parallel_size = {pp * vpp}")
     vocab = padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by))
 
     engine = str(cfg.rollout.engine)

@@ -7,6 +7,8 @@ parallelism (which this project cannot run).
   ``seq_len`` when a single row is longer (``core.micro_batches``).
 - :func:`micro_batches_per_step`: the upper bound on micro-batches per DP rank and optimizer
   step (every row at ``seq_len``), which caps 1F1B's micro-batches in flight.
+- :func:`interleaving_factor`: the first stage's extra in-flight activations under
+  interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1).
 - :func:`replicated_share`: the share of the per-token activations that TP leaves
   replicated (norm inputs, the residual stream) which each rank keeps: 1, or 1 / TP under
   sequence parallelism (Korthikanti et al. 2022, Table 2: ``sbh (10 + 24/t)`` becomes
@@ -25,6 +27,7 @@ from typing import Dict, Optional
 __all__ = [
     "CONTEXT_PARALLEL_REFUSAL",
     "context_parallel_need",
+    "interleaving_factor",
     "micro_batches_per_step",
     "replicated_share",
     "tokens_per_micro_batch",
@@ -46,6 +49,14 @@ def micro_batches_per_step(rows_per_dp: int, seq_len: int, micro_batch: int, bud
     ``ceil(rows / micro_batch)``, or with a budget ``ceil(rows / max(1, budget // seq_len))``."""
     per = max(1, int(budget) // int(seq_len)) if budget else int(micro_batch)
     return -(-int(rows_per_dp) // per)
+
+
+def interleaving_factor(pp: int, vpp: int) -> float:
+    """How much more activation memory the first stage holds under interleaved 1F1B than
+    under 1F1B: ``1 + (PP - 1) / (PP VPP)`` (Megatron-LM's ``theoretical_memory_usage``,
+    the interleaved schedule's memory penalty; Narayanan et al. 2021, sec. 2.2); 1 without
+    a virtual pipeline."""
+    return 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 and pp > 1 else 1.0
 
 
 def replicated_share(tp: int, sequence_parallel: bool) -> float:

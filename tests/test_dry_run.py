@@ -385,14 +385,19 @@ def test_sequence_parallel_and_token_budget_terms_by_hand():
     assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (2 * 35 * 2 * 368, 1)
 
 
-def test_plan_counts_sequence_parallel_activations(tmp_path):
+def _tiny_tp2pp2(tmp_path):
+    """Overrides of a TP 2 x PP 2 plan of the tiny config-only model: 16 rows of 10 tokens."""
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(_tiny_config()))
-    base = ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
+    return ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
             "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
             "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
             "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", f"output_dir={tmp_path / 'out'}"]
+
+
+def test_plan_counts_sequence_parallel_activations(tmp_path):
+    base = _tiny_tp2pp2(tmp_path)
     off = plan(_compose(base), JobShape(1, 8, "test"))
     on = plan(_compose([*base, "+model.params.sequence_parallel=true"]), JobShape(1, 8, "test"))
     assert on["workload"]["sequence_parallel"] and not off["workload"]["sequence_parallel"]
@@ -431,3 +436,15 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
                            "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
     assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 89.7
+
+
+def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
+    from nemo_d3s.dry_run_sequence import interleaving_factor
+
+    assert interleaving_factor(4, 2) == 1.375 and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
+    base = _tiny_tp2pp2(tmp_path)
+    report = plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=2"]), JobShape(1, 8, "test"))
+    # stage 0: 2 micro-batches in flight x 2 layers x 19840 bytes x (1 + 1 / 4)
+    assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
+    with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
+        plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))

@@ -2,8 +2,10 @@
 
 Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
 NeMo 2 checkpoint (``nemo2.py``): ``hf_config.ModelSpec`` -> ``TransformerConfig`` -> this
-rank's stage, loaded straight from safetensors rows or checkpoint shards (``weights.py``). Scoring and training run through Megatron's schedules
-(``schedule.score`` / ``schedule.train_step``: no pipelining at PP 1, 1F1B at PP > 1, the
+rank's stage (or its chunks of a virtual pipeline, ``model.virtual_layouts``), loaded
+straight from safetensors rows or checkpoint shards (``weights.py``). Scoring and training
+run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
+pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the
 fused vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums
 scaled by the step normaliser). Rollouts come from one engine per model-parallel group
 (``engine.py``). Checkpoints are sharded safetensors, reshardable (``checkpoint.py``).
@@ -45,6 +47,7 @@ from nemo_d3s.backends.megatron.model import (
     load_stage_from_hf,
     te_available,
     transformer_config,
+    virtual_layouts,
     write_hf_folder,
 )
 from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
@@ -81,9 +84,12 @@ class _LRSchedule:
 
 def _check_options(cfg: MegatronBackendConfig) -> None:
     """Megatron options this backend accepts by name but cannot run yet: refuse them."""
-    if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
-                         f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None")
+    if vpp not in (None, 1) and int(cfg.pipeline_model_parallel_size) < 2:
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
+                         "pipeline_model_parallel_size > 1")
     if cfg.context_parallel_size != 1:
         raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
     if cfg.sequence_packing:
@@ -131,6 +137,10 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
+        self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
+        if self.spec.num_layers % (pp * self.vpp):
+            raise ConfigError(f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
+                              f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}")
         # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
@@ -170,20 +180,30 @@ class MegatronBackend(Policy):
             te=cuda and te_available(),
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
-                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel)
-        self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
-                                 post_process=ps.is_pipeline_last_stage(), device=self.device)
-        if isinstance(reader, ckpt.ShardedReader):
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(ckpt.read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
-        else:
-            load_stage_from_hf(self.model, self.spec, self.layout, reader)
+                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel,
+                                    vpp=self.vpp)
+        # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
+        # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
+        self.stage_layouts = virtual_layouts(self.layout, self.vpp)
+        p, last = self.layout.pp_rank, self.vpp - 1
+        chunks = [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
+                              post_process=p == pp - 1 and v == last, device=self.device,
+                              vp_stage=v if self.vpp > 1 else None)
+                  for v, lay in enumerate(self.stage_layouts)]
+        for chunk, lay in zip(chunks, self.stage_layouts):
+            if isinstance(reader, ckpt.ShardedReader):
+                with torch.no_grad():
+                    for name, prm in chunk.named_parameters():
+                        prm.copy_(ckpt.read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
+            else:
+                load_stage_from_hf(chunk, self.spec, lay, reader)
+        if not isinstance(reader, ckpt.ShardedReader):
             reader.close()
+        self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
         if cfg.use_reference:
-            self.ref_model = copy.deepcopy(self.model).eval()
-            self.ref_model.requires_grad_(False)
+            refs = [copy.deepcopy(c).eval().requires_grad_(False) for c in chunks]
+            self.ref_model = refs if self.vpp > 1 else refs[0]
         chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
@@ -232,13 +252,15 @@ class MegatronBackend(Policy):
         if ps.model_parallel_is_initialized() and world.owns_world:
             ps.destroy_model_parallel()  # left from an earlier process group of this process
         if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-            if have != (tp, pp):
-                raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+            if have != (tp, pp, self.vpp):
+                raise ValueError(f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}")
         else:
             from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
 
-            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping))
+            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping),
+                                       vpp=self.vpp)
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
             dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
@@ -300,7 +322,7 @@ class MegatronBackend(Policy):
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups)
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, vpp=self.vpp)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -351,8 +373,12 @@ class MegatronBackend(Policy):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """This rank's shard (model, plain-AdamW moments, reference) under local names; the
-        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead."""
-        return ckpt.policy_tensors(self)
+        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead. With a
+        virtual pipeline, chunk i's names carry the prefix ``chunk<i>.``."""
+        n = len(ckpt.policy_stages(self))
+        if n == 1:
+            return ckpt.policy_tensors(self)
+        return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
         """Collective; see ``checkpoint.save_policy``."""

@@ -151,20 +151,33 @@ def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
 
 
 # ---------------------------------------------------------------------------- the backend's state
-def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
-    """The backend's (``MegatronBackend``) shard on this rank: parameters, plain-AdamW
-    moments, reference, under local names. Megatron's distributed optimizer keeps its state
-    sharded over DP: :func:`save_policy` gathers it."""
+def policy_stages(pol: Any) -> List[Tuple[torch.nn.Module, Optional[torch.nn.Module], Layout]]:
+    """(model chunk, its reference copy or None, its layout) per stage this rank holds: one,
+    or one per virtual stage of an interleaved pipeline, whose layout is that stage of a
+    TP x (PP VPP) layout (``model.virtual_layouts``): a chunk is saved, loaded and
+    resharded as that stage, so a checkpoint written with a virtual pipeline reads back at
+    any layout and vice versa."""
+    models = pol.model if isinstance(pol.model, (list, tuple)) else [pol.model]
+    refs = pol.ref_model if isinstance(pol.ref_model, (list, tuple)) else [pol.ref_model] * len(models)
+    layouts = getattr(pol, "stage_layouts", None) or [pol.layout]
+    return list(zip(models, refs, layouts))
+
+
+def policy_tensors(pol: Any, stage: int = 0) -> Dict[str, torch.Tensor]:
+    """The backend's (``MegatronBackend``) shard of stage ``stage`` (:func:`policy_stages`)
+    on this rank: parameters, plain-AdamW moments, reference, under local names. Megatron's
+    distributed optimizer keeps its state sharded over DP: :func:`save_policy` gathers it."""
+    model, ref, _ = policy_stages(pol)[stage]
     out: Dict[str, torch.Tensor] = {}
     plain = not optim.is_megatron_optimizer(pol.optimizer)
-    for name, p in pol.model.named_parameters():
+    for name, p in model.named_parameters():
         out[name] = p.detach()
         st = pol.optimizer.state.get(p, {}) if plain else {}
         for k in optim.MOMENTS:
             if k in st:
                 out[f"optim.{k}.{name}"] = st[k]
-    if pol.ref_model is not None:
-        for name, p in pol.ref_model.named_parameters():
+    if ref is not None:
+        for name, p in ref.named_parameters():
             out[f"ref.{name}"] = p.detach()
     return out
 
@@ -182,24 +195,24 @@ def save_policy(pol: Any, folder: str) -> None:
     DP ranges to it); global rank 0 writes layout.json. The trainer adds atomicity and
     checksums."""
     root = Path(folder) / SUBDIR
+    stages = policy_stages(pol)
     if pol.groups.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        write_layout(root, pol.spec, pol.layout)
+        write_layout(root, pol.spec, stages[0][2].at(0, 0))  # a virtual pipeline: TP x (PP VPP)
     pol.groups.barrier()
-    writer = writer_dp_rank(pol.layout, pol.groups.dp_size)
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     with_main = megatron_opt and pol.dtype != torch.float32  # fp32 main weights ARE the parameters
-    gathered: Dict[str, torch.Tensor] = {}
-    if megatron_opt:
-        step = optim.agreed_step(pol.optimizer, pol.groups.dp)
-        gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp,
-                                       with_main=with_main, step=step, dst=writer)
-    else:
-        step = optim.optimizer_step(pol.optimizer)
-    if pol.groups.dp_rank == writer:
-        meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
-                "main_params": str(int(bool(gathered) and with_main))}
-        save_shard(root, pol.layout, {**policy_tensors(pol), **gathered}, meta)
+    step = optim.agreed_step(pol.optimizer, pol.groups.dp) if megatron_opt else optim.optimizer_step(pol.optimizer)
+    for i, (model, _, layout) in enumerate(stages):
+        writer = writer_dp_rank(layout, pol.groups.dp_size)
+        gathered: Dict[str, torch.Tensor] = {}
+        if megatron_opt:
+            gathered = optim.gather_states(pol.optimizer, model.named_parameters(), pol.groups.dp,
+                                           with_main=with_main, step=step, dst=writer)
+        if pol.groups.dp_rank == writer:
+            meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
+                    "main_params": str(int(bool(gathered) and with_main))}
+            save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
 
 
 @torch.no_grad()
@@ -221,7 +234,7 @@ def load_policy(pol: Any, folder: str) -> None:
     readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
 
     def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        t = read_local_from_checkpoint(name, pol.spec, pol.layout, readers[prefix], dtype or like.dtype)
+        t = read_local_from_checkpoint(name, pol.spec, layout, readers[prefix], dtype or like.dtype)
         if t.shape != like.shape:
             raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
         return t
@@ -232,29 +245,34 @@ def load_policy(pol: Any, folder: str) -> None:
     # The plain AdamW keeps full moments in the parameter's dtype.
     ranges = optim.local_ranges(pol.optimizer) if megatron_opt else {}
     staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    moments: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, p in pol.model.named_parameters():
-        t = read("", name, p)
-        staged.append((p, t))
-        if megatron_opt:
-            if p not in ranges:
-                continue
-            a, b = ranges[p]
-            cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
-            cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
-            moments[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
-        elif opt_step > 0:
-            moments[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
-    if pol.ref_model is not None:
-        for name, p in pol.ref_model.named_parameters():
-            staged.append((p, read("ref.", name, p)))
+    # per stage: {local name: moments}; names repeat across the chunks of a virtual pipeline
+    moments: List[Dict[str, Dict[str, torch.Tensor]]] = []
+    stages = policy_stages(pol)
+    for model, ref, layout in stages:
+        moments.append({})
+        for name, p in model.named_parameters():
+            t = read("", name, p)
+            staged.append((p, t))
+            if megatron_opt:
+                if p not in ranges:
+                    continue
+                a, b = ranges[p]
+                cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+                cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+                moments[-1][name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+            elif opt_step > 0:
+                moments[-1][name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
+        if ref is not None:
+            for name, p in ref.named_parameters():
+                staged.append((p, read("ref.", name, p)))
     for p, t in staged:
         p.copy_(t.to(p.device))
-    if megatron_opt:
-        optim.scatter_states(pol.optimizer, pol.model.named_parameters(), moments, opt_step)
-    else:
-        for name, p in pol.model.named_parameters():
-            if name in moments:
+    for (model, _, _), mom in zip(stages, moments):
+        if megatron_opt:
+            optim.scatter_states(pol.optimizer, model.named_parameters(), mom, opt_step)
+            continue
+        for name, p in model.named_parameters():
+            if name in mom:
                 pol.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
-                                          **{k: v.to(p.device) for k, v in moments[name].items()}}
+                                          **{k: v.to(p.device) for k, v in mom[name].items()}}
     pol.scheduler.set_step(sched_step)

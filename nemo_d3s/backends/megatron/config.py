@@ -39,12 +39,14 @@ class MegatronBackendConfig(PolicySettings):
     sequence_parallel: Megatron's sequence parallelism at TP > 1 (activations outside the
         tensor-parallel matmuls split along the sequence over TP; no effect at TP 1); see
         ``sequence_parallel.py``.
-    virtual_pipeline_model_parallel_size, context_parallel_size, sequence_packing:
-        accepted so a recipe can state them; only None / 1 / false run and anything else is
-        refused at start-up by name: interleaved 1F1B is not wired into the RL step, and
-        megatron-core runs context parallelism and packed (THD) rows only through
-        Transformer Engine's attention (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use
-        instead; the dry run reports a layout that would need them).
+    virtual_pipeline_model_parallel_size: > 1 (with PP > 1; layers divisible by PP x VPP):
+        megatron-core's interleaved 1F1B, that many model chunks per stage
+        (``model.virtual_layouts``). None / 1: plain 1F1B.
+    context_parallel_size, sequence_packing: accepted so a recipe can state them; only
+        1 / false run and anything else is refused at start-up by name: megatron-core runs
+        context parallelism and packed (THD) rows only through Transformer Engine's
+        attention (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead; the dry run
+        reports a layout that would need them).
     use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
         tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
         copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs

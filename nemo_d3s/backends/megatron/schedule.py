@@ -2,7 +2,8 @@
 
 Both passes run ``megatron.core.pipeline_parallel.get_forward_backward_func()`` over
 micro-batches: no pipelining for PP = 1, 1F1B (``forward_backward_pipelining_without_
-interleaving``) for PP > 1. Only the last pipeline stage has logits; the loss function the
+interleaving``) for PP > 1, interleaved 1F1B when ``model`` is a list of a virtual pipeline's
+chunks (``..._with_interleaving``: micro-batches padded to a multiple of PP). Only the last pipeline stage has logits; the loss function the
 schedule calls there computes token log-probs (and entropy) from this TP rank's vocabulary
 shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
 vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded

@@ -36,7 +36,7 @@ the linear layers are transient.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,11 +59,12 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
 
-def local_block_spec(config, *, pp_rank: int):
+def local_block_spec(config, *, pp_rank: int, vp_stage: Optional[int] = None):
     """megatron-core's local GPT layer spec (RMSNorm) with :class:`RMSNorm` for the two
     per-layer norms and the final norm, as the ``TransformerBlockSubmodules`` of the
-    ``pp_rank`` stage's layers (``GPTModel`` takes either form; the block builds the same
-    modules and parameter names as from the single layer spec)."""
+    ``pp_rank`` stage's layers (of its chunk ``vp_stage`` with a virtual pipeline);
+    ``GPTModel`` takes either form; the block builds the same modules and parameter names
+    as from the single layer spec."""
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -72,7 +73,7 @@ def local_block_spec(config, *, pp_rank: int):
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
-    n = get_num_layers_to_build(config, pp_rank=pp_rank)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
