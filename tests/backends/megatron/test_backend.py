@@ -286,6 +286,29 @@ def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(f
             torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, tmp_path):
+    """``nemo-d3s-convert megatron-to-hf`` on a PP2 x VPP2 training checkpoint writes the
+    weights the backend exports (hf_weights over its chunks), bit for bit."""
+    from safetensors.torch import load_file
+
+    from nemo_d3s.convert import megatron_to_hf
+
+    folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
+    exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
+    out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(str(out / f)).items()}
+    assert sorted(got) == sorted(exported)
+    for k in exported:
+        assert torch.equal(got[k], exported[k]), k
+
+
+def _rank_save_export(rank, folder, ckpt):
+    pol = _megatron(folder, 1, 2, virtual_pipeline_model_parallel_size=2)
+    _steps(pol, 1)
+    pol.save_checkpoint(ckpt)
+    return dict(pol.hf_weights())
+
+
 def _rank_fresh_two_steps(rank, folder):
     # step 2 with the optimizer state and LR of a fresh model instead of the checkpoint's
     pol = _megatron(folder, 1, 1, scheduler="linear", total_steps=10, warmup_steps=1)
