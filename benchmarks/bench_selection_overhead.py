@@ -60,6 +60,7 @@ def _rank(rank, cfg):
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     from nemo_d3s.core.advantages import compute_advantages
+    from nemo_d3s.core.losses import policy_loss
     from nemo_d3s.core.token_selection import token_scores
     from nemo_d3s.distributed import (
         PerTokenStore,
@@ -67,9 +68,9 @@ def _rank(rank, cfg):
         global_select_samples,
         logprob_loss_func,
         plan_rebalance,
-        policy_loss_func,
         select_tokens_global,
         step_normalizer,
+        train_loss_func,
     )
 
     tp_size = ps.get_tensor_model_parallel_world_size()
@@ -181,7 +182,11 @@ def _rank(rank, cfg):
 
         with phase("train_fwd_bwd"):
             for r in mbs:
-                loss_fn = policy_loss_func(ids_k[r], old_lp[r], adv_k[r], keep[r], norm, tp)
+
+                def loss_sum(lp, rows):
+                    return policy_loss("grpo", lp, old_lp[rows], adv_k[rows], keep[rows], denominator=1.0)
+
+                loss_fn = train_loss_func(ids_k[r], torch.ones_like(ids_k[r], dtype=torch.bool), r, loss_sum, norm, tp)
                 loss, _ = loss_fn(model(ids_k[r]))
                 loss.backward()
 

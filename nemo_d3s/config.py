@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+from nemo_d3s.errors import ConfigError  # re-exported: its home before errors.py
 
 __all__ = [
     "AlgorithmConfig",
@@ -36,10 +37,6 @@ __all__ = [
 ]
 
 Count = Union[int, float]
-
-
-class ConfigError(ValueError):
-    """A configuration value is out of range; the message names the dotted key."""
 
 
 @dataclass

@@ -94,7 +94,7 @@ def run_cli(cfg) -> int:
     stopped answering). Returns 0 on success (also after a stop signal)."""
     import errno
 
-    from nemo_d3s.config import ConfigError
+    from nemo_d3s.errors import ConfigError
     from nemo_d3s.trainer.faults import RunError, first_line
     from nemo_d3s.trainer.loop import train
 
@@ -143,7 +143,7 @@ def _precheck_argv(argv) -> None:
     """Hydra creates ``output_dir`` (and writes ``.hydra/`` into it, or into the current
     folder for an empty path) before any of our code runs: check an ``output_dir=``
     given on the command line first, so a bad one is one error line and nothing is written."""
-    from nemo_d3s.config import ConfigError
+    from nemo_d3s.errors import ConfigError
     from nemo_d3s.trainer.faults import RunError
     from nemo_d3s.trainer.rundir import check_output_dir
 

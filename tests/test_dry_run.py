@@ -1,4 +1,4 @@
-"""``trainer.dry_run=true`` (nemo_d3s/dry_run.py): the recipes' plans, the memory formulas on
+"""``trainer.dry_run=true`` (nemo_d3s/dry_run/): the recipes' plans, the memory formulas on
 a hand-worked case, the parameter counts against the published ones, against megatron-core
 modules built on the meta device and against Megatron-LM's theoretical memory formula, and
 the CLI's exit codes (0 fits, 1 does not fit, 2 cannot run).
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, padded_vocab_size
-from nemo_d3s.backends.megatron.weights import Layout
+from nemo_d3s.formats.spec import ModelSpec, padded_vocab_size
+from nemo_d3s.formats.weights import Layout
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run import (
@@ -217,6 +217,23 @@ def test_layout_rules_are_config_errors(tmp_path, overrides, message):
         plan(cfg, JobShape(8, 8, "test"))
 
 
+def test_a_check_the_backend_adds_is_in_the_plan(tmp_path, monkeypatch):
+    """The plan goes through the backend's own option check (``check_config``, reached via
+    the trainer's ``checked_backend_config``), so a refusal added to the backend refuses the
+    plan too, with the trainer's message."""
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}"])
+    assert plan(cfg, JobShape(8, 8, "test"))["fits"]
+
+    def refuse(config):
+        raise ValueError(f"model.params.entropy_chunk_size={config.entropy_chunk_size}: refused by a new check")
+
+    monkeypatch.setattr(MegatronBackend, "check_config", staticmethod(refuse))
+    with pytest.raises(ConfigError, match=re.escape("model: model.params.entropy_chunk_size=1024: refused by a new")):
+        plan(cfg, JobShape(8, 8, "test"))
+
+
 def test_job_shape_from_the_environment():
     assert job_shape({}) == JobShape(1, 8, "NNODES=1 (default) x GPUS_PER_NODE=8 (default)")
     assert job_shape({"NNODES": "8", "GPUS_PER_NODE": "4"}).world == 32
@@ -364,7 +381,7 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
 
 # ----------------------------------------------------------------------------- long sequences
 def test_sequence_parallel_and_token_budget_terms_by_hand():
-    from nemo_d3s.dry_run_sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
+    from nemo_d3s.dry_run.sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
 
     # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
     assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True) == 40 * (128 + 240)
@@ -439,7 +456,7 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
-    from nemo_d3s.dry_run_sequence import interleaving_factor
+    from nemo_d3s.dry_run.sequence import interleaving_factor
 
     assert interleaving_factor(4, 2) == 1.375 and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
     base = _tiny_tp2pp2(tmp_path)

@@ -1,5 +1,5 @@
 """Checkpoint conversion (``nemo-d3s-convert``): Hugging Face <-> Megatron sharded
-checkpoints on the Megatron backend's weight table. See :mod:`nemo_d3s.convert.core`.
+checkpoints on the weight table of ``nemo_d3s.formats``. See :mod:`nemo_d3s.convert.core`.
 
     from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify
 
@@ -11,18 +11,12 @@ checkpoints on the Megatron backend's weight table. See :mod:`nemo_d3s.convert.c
 
 NeMo 2 checkpoints (``weights/`` + ``context/``) are read wherever a checkpoint is
 (``megatron_to_hf``, ``verify``, and ``hf_to_megatron`` as a training start); see
-:mod:`nemo_d3s.backends.megatron.nemo2` (the backend reads them as a training start too).
+:mod:`nemo_d3s.formats.nemo2` (the backend reads them as a training start too).
 """
 
-from nemo_d3s.convert.core import (
-    CheckpointSource,
-    VerifyResult,
-    hf_to_megatron,
-    megatron_to_hf,
-    megatron_to_nemo,
-    open_checkpoint,
-    verify,
-)
+from nemo_d3s.convert.core import hf_to_megatron, megatron_to_hf, megatron_to_nemo
+from nemo_d3s.convert.sources import CheckpointSource, open_checkpoint
+from nemo_d3s.convert.verify_logits import VerifyResult, verify
 
 __all__ = ["CheckpointSource", "VerifyResult", "hf_to_megatron", "megatron_to_hf", "megatron_to_nemo", "open_checkpoint",
            "verify"]

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nemo-d3s-convert",
         description="Convert checkpoints between Hugging Face folders and the Megatron backend's sharded checkpoints "
-                    "(the weight table of nemo_d3s.backends.megatron.weights). Output is written to a temporary "
+                    "(the weight table of nemo_d3s.formats.weights). Output is written to a temporary "
                     "sibling folder and renamed into place at the end.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(f"{k}: {v}" for k, v in _EPILOG.items()),
@@ -124,8 +124,8 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nemo_d3s.config import ConfigError
-    from nemo_d3s.convert import core
+    from nemo_d3s.errors import ConfigError
+    from nemo_d3s.convert import core, verify_logits
 
     try:
         if args.command == "hf-to-megatron":
@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                                         progress=not args.quiet)
             print(f"wrote {out}")
         else:
-            res = core.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype)
+            res = verify_logits.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype)
             print(res.verdict())
             return 0 if res.ok else 1
     except (ConfigError, OSError) as e:

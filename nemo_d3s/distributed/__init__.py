@@ -1,4 +1,4 @@
-"""The D3S/PODS math over explicit process groups (see DESIGN.md).
+"""The D3S/PODS math over explicit process groups (the layers: docs/architecture.md).
 
 Every function takes its process group(s) as arguments (callers get them from
 ``megatron.core.parallel_state``); ``None`` or a one-rank group falls back to the core
@@ -13,7 +13,7 @@ from nemo_d3s.distributed.pipeline import (
     broadcast_per_token,
     is_last_stage,
     logprob_loss_func,
-    policy_loss_func,
+    train_loss_func,
 )
 from nemo_d3s.distributed.rebalance import (
     RebalancedBatch,
@@ -59,7 +59,7 @@ __all__ = [
     "broadcast_from_last_stage",
     "broadcast_per_token",
     "logprob_loss_func",
-    "policy_loss_func",
+    "train_loss_func",
     "PerTokenStore",
     # the DP-global D3S selector (lazy: needs core.d3s)
     "DistributedD3SSelector",

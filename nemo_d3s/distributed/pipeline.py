@@ -18,10 +18,12 @@ lengths, the last stage needs the masks and the global denominator for the loss.
    further PP traffic (the DP group of stage p holds the same data replicas as the DP
    group of the last stage). :func:`broadcast_from_last_stage` covers anything else a
    caller prefers to compute on the last stage only (bool masks travel as uint8);
-4. training pass, per micro-batch: :func:`policy_loss_func` on the last stage computes the
-   differentiable vocab-parallel log-probs and the core policy loss, scaled by the step's
-   :class:`~nemo_d3s.distributed.normalizers.StepNormalizer` so that Megatron's
-   micro-batch averaging and DDP's gradient averaging give the full-batch gradient.
+4. training pass, per micro-batch: :func:`train_loss_func` on the last stage computes the
+   differentiable vocab-parallel log-probs and the caller's loss SUM (the trainer's policy
+   loss), scaled by the step's :class:`~nemo_d3s.distributed.normalizers.StepNormalizer`
+   so that Megatron's micro-batch averaging and DDP's gradient averaging give the
+   full-batch gradient. The Megatron backend's ``schedule.score`` / ``schedule.train_step``
+   run steps 1 and 4 with these functions.
 
 Nothing here imports Megatron: groups come in as arguments, and the loss function follows
 the schedule's contract (called with the stage output, returns ``(loss, logs)``).
@@ -30,13 +32,13 @@ the schedule's contract (called with the stage output, returns ``(loss, logs)``)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
-from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed._comm import collective_device, global_rank_of, group_rank, group_size, is_single
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
@@ -47,7 +49,8 @@ __all__ = [
     "broadcast_from_last_stage",
     "PerTokenStore",
     "logprob_loss_func",
-    "policy_loss_func",
+    "train_loss_func",
+    "fit_width",
     "broadcast_per_token",
 ]
 
@@ -149,49 +152,67 @@ def logprob_loss_func(
     return loss_func
 
 
-def policy_loss_func(
+def fit_width(x: torch.Tensor, width: int, value=0) -> torch.Tensor:
+    """[n, S] -> [n, width]: cut, or pad on the right with ``value``."""
+    S = x.shape[1]
+    if width <= S:
+        return x[:, :width]
+    return F.pad(x, (0, width - S), value=value)
+
+
+def train_loss_func(
     input_ids: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
+    attended: torch.Tensor,
+    rows: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any],
     normalizer: StepNormalizer,
     tp_group: Optional[dist.ProcessGroup],
     *,
-    loss_name: str = "grpo",
-    cfg: Optional[LossConfig] = None,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    norm_mask: Optional[torch.Tensor] = None,
+    width: Optional[int] = None,
+    on_sum: Optional[Callable[[str, torch.Tensor], None]] = None,
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     seq_first: bool = False,
-) -> Callable[[torch.Tensor], Tuple[torch.Tensor, Dict[str, float]]]:
-    """The training-pass loss function for one micro-batch on the last stage.
+) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
+    """The training-pass loss function for one micro-batch on the last stage: the one the
+    Megatron backend's ``schedule.train_step`` hands to Megatron's schedule.
 
-    input_ids [B, S]; old_logprobs, loss_mask (e.g. D3S ``token_keep``), ref_logprobs,
-    norm_mask [B, S] token-aligned; advantages [B] or [B, S]; normalizer: the step's
-    :class:`StepNormalizer` (global denominator, counted before the micro-batch loop).
-    The returned function takes the logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]),
-    computes differentiable vocab-parallel log-probs and the core policy loss with
-    ``denominator = normalizer.micro_batch_denominator``, and returns ``(loss, metrics)``
-    as Megatron's schedule expects (2-tuple form: it divides by num_microbatches, which
-    the normalizer compensates). Collectives: the vocab-parallel forward on ``tp_group``.
+    input_ids [b, L] (b may exceed n: dummy rows after the real ones); attended [n, L]
+    (bool or float: True where a token is attended); rows [n]: the real rows' indices,
+    passed on to ``loss_fn``. The returned function takes the logits [b, L, V/TP]
+    (``seq_first``: [L, b, V/TP]) and computes differentiable vocab-parallel log-probs,
+    token-aligned (position t from the logits at t - 1, position 0 holds 0), of the n real
+    rows, zero where not attended, widened or cut to ``width`` (default L); then
+    ``loss_fn(logprobs [n, width] f32, rows)`` -> the micro-batch's loss SUM (a tensor, or
+    an object with ``loss`` and ``metric_tensors``, e.g. ``core.loss_config.LossOutput``).
+    It returns ``(loss_sum x normalizer.loss_scale, {})`` as Megatron's schedule expects
+    (2-tuple form: the schedule divides by num_microbatches, which the normalizer
+    compensates). ``on_sum(name, detached tensor)`` receives "loss_sum" and every metric.
+    n = 0 (a rank with no rows joins the collectives): a zero loss with zero gradient.
+    Collectives: the vocab-parallel forward on ``tp_group``.
     """
-    from nemo_d3s.core.losses import policy_loss
+    n = len(rows)
 
     def loss_func(logits: torch.Tensor):
-        _, logprobs = _token_logprobs(logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size)
-        out = policy_loss(
-            loss_name,
-            logprobs,
-            old_logprobs,
-            advantages,
-            loss_mask,
-            cfg=cfg,
-            denominator=normalizer.micro_batch_denominator,
-            ref_logprobs=ref_logprobs,
-            norm_mask=norm_mask,
+        if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
+            logits = logits.transpose(0, 1)
+        _, lp = vocab_parallel_entropy_and_logprobs(
+            logits[:, :-1], input_ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
         )
-        return out.loss, out.metrics
+        if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
+            loss = lp.sum() * 0.0
+            if on_sum is not None:
+                on_sum("loss_sum", loss)
+            return loss, {}
+        lp = align_to_tokens(lp)[:n].float() * attended
+        out = loss_fn(fit_width(lp, lp.shape[1] if width is None else width), rows)
+        loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+        if on_sum is not None:
+            on_sum("loss_sum", loss)
+            for k, v in metrics.items():
+                on_sum(k, v)
+        # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
+        return loss * normalizer.loss_scale, {}
 
     return loss_func
 

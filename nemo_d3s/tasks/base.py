@@ -68,10 +68,9 @@ TASKS: Registry = Registry("task", "factory(**options) -> Task")
 
 
 def make_task(name: str, **options) -> Task:
-    """Build the registered task ``name`` (unknown names list the known ones)."""
-    # Importing the package registers the built-in tasks.
-    import nemo_d3s.tasks  # noqa: F401
-
+    """Build the registered task ``name`` (unknown names list the known ones). The built-in
+    tasks are registered by ``nemo_d3s/tasks/__init__.py``, which Python has run before this
+    module (a package's ``__init__`` is imported before its modules)."""
     return TASKS.get(name)(**options)
 
 

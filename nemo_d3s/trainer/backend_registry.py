@@ -20,6 +20,11 @@ dist_timeout_minutes.
 
 A backend may also be named in the config as ``model.backend=pkg.module:Class``; such a
 class declares its config dataclass as the class attribute ``config_class``.
+
+A backend class may declare ``check_config(config)`` (a static method raising ValueError
+naming the key): the options it refuses, checked by :func:`checked_config` before anything
+is built. :func:`build_backend` and the dry run both go through :func:`checked_config`, so
+a check the backend adds is in the dry run's plan too.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from nemo_d3s.backends.base import Policy
 
 log = logging.getLogger("nemo_d3s.trainer")
 
-__all__ = ["BACKENDS", "build_backend", "resolve_backend"]
+__all__ = ["BACKENDS", "backend_config", "build_backend", "checked_config", "resolve_backend"]
 
 # name -> ("module:BackendClass", "module:ConfigDataclass").
 BACKENDS: Dict[str, Tuple[str, str]] = {
@@ -95,10 +100,22 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
     return OmegaConf.to_object(merged)
 
 
+def checked_config(name: str, common: Mapping[str, Any], params: Mapping[str, Any]) -> Tuple[type, Any]:
+    """(backend class, its config) for ``name``: the config dataclass built from common
+    settings + ``model.params`` and passed through the class's own ``check_config`` (when it
+    has one). ValueError naming the key otherwise. Nothing is built."""
+    cls, cfg_cls = resolve_backend(name)
+    config = backend_config(cfg_cls, common, params)
+    check = getattr(cls, "check_config", None)
+    if check is not None:
+        check(config)
+    return cls, config
+
+
 def build_backend(name: str, common: Mapping[str, Any], params: Mapping[str, Any]) -> Policy:
     """Construct the policy ``name``; it builds its parallel layout (``policy.groups``)."""
-    cls, cfg_cls = resolve_backend(name)
-    policy = cls(backend_config(cfg_cls, common, params))
+    cls, config = checked_config(name, common, params)
+    policy = cls(config)
     if not isinstance(policy, Policy):
         raise TypeError(f"backend {name!r} built a {type(policy).__name__}, not a nemo_d3s.backends.base.Policy")
     return policy

@@ -8,22 +8,22 @@ groups)``) without running anything. ``cfg`` is a resolved
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.backends.engines import build_rollout_engine
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.core.d3s import D3SConfig
 from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.core.schedules import DynamicSchedule
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
-from nemo_d3s.trainer.backend_registry import build_backend
+from nemo_d3s.trainer.backend_registry import build_backend, checked_config
 
 __all__ = [
-    "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_from_config",
-    "rollout_engine",
+    "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_settings",
+    "checked_backend_config", "backend_from_config", "rollout_engine",
 ]
 
 
@@ -87,9 +87,9 @@ def generation_config(cfg: Any) -> GenerationConfig:
     )
 
 
-def backend_from_config(cfg: Any) -> Policy:
-    """The policy named by ``model.backend``; it builds the parallel layout (``policy.groups``).
-    Common settings come from the run config, backend-specific ones from ``model.params``."""
+def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(common settings, ``model.params``): the run config in the terms a backend's config
+    dataclass takes (``trainer.backend_registry``)."""
     t = cfg.trainer
     common = {
         "model": cfg.model.name,
@@ -107,8 +107,24 @@ def backend_from_config(cfg: Any) -> Policy:
         "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
         "dist_timeout_minutes": _optional_float(getattr(t, "dist_timeout_minutes", None)),
     }
+    return common, plain(cfg.model.params) or {}
+
+
+def checked_backend_config(cfg: Any) -> Any:
+    """The typed config of the backend ``model.backend`` names, checked by the backend's own
+    option check, without building anything: what :func:`backend_from_config` builds from
+    (the dry run plans with it)."""
     try:
-        return build_backend(cfg.model.backend, common, plain(cfg.model.params) or {})
+        return checked_config(str(cfg.model.backend), *backend_settings(cfg))[1]
+    except ValueError as e:  # unknown backend / model.params key / bad backend option
+        raise ConfigError(f"model: {e}") from None
+
+
+def backend_from_config(cfg: Any) -> Policy:
+    """The policy named by ``model.backend``; it builds the parallel layout (``policy.groups``).
+    Common settings come from the run config, backend-specific ones from ``model.params``."""
+    try:
+        return build_backend(cfg.model.backend, *backend_settings(cfg))
     except ValueError as e:  # unknown backend / model.params key / bad backend option
         raise ConfigError(f"model: {e}") from None
 

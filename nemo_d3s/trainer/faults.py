@@ -1,9 +1,9 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-:class:`RunError` is a problem with the run's files or surroundings (a busy or unwritable
+:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or unwritable
 output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
 command line prints it as one ``error:`` line and exits with code 2, like a
-:class:`~nemo_d3s.config.ConfigError`.
+:class:`~nemo_d3s.errors.ConfigError`.
 
 Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
 ``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
@@ -26,11 +26,9 @@ import signal
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from nemo_d3s.errors import ConfigError, RunError  # RunError re-exported: its home before errors.py
+
 __all__ = ["RunError", "fault_point", "agree_on_main", "first_line"]
-
-
-class RunError(RuntimeError):
-    """A fault of the run's environment or files; the message names the path or key."""
 
 
 _ENV = "NEMO_D3S_FAULT"
@@ -92,8 +90,6 @@ def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any
     """Run ``fn`` on global rank 0 only; if it raises one of ``errors`` (default: RunError
     and ConfigError) every rank raises the same error, so no rank is left waiting in a
     collective. Returns ``fn``'s result on rank 0 and None elsewhere."""
-    from nemo_d3s.config import ConfigError
-
     errors = errors or (RunError, ConfigError)
     result, failure = None, None
     if groups.is_main:

@@ -16,7 +16,7 @@ import logging
 import random
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 
 __all__ = ["check_prompt_lengths", "context_length", "prompt_counter"]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
 from nemo_d3s.trainer.rundir import move_aside, records
 

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", "move_aside"]
@@ -40,8 +41,6 @@ RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
 def check_output_dir(path: str, *, create: bool = True) -> Path:
     """``path`` as a writable directory (created when missing and ``create``), or one clear
     error naming it. Nothing existing is modified."""
-    from nemo_d3s.config import ConfigError
-
     if path is None or not str(path).strip():
         raise ConfigError("output_dir='': must name a directory (an empty path would write into the current folder)")
     p = Path(str(path)).expanduser()

@@ -83,7 +83,7 @@ def build_task(name: str, params: dict) -> Any:
     """Construct the task ``name`` from the tasks registry (``task.name`` / ``task.params``).
     An option the task does not take, an unknown task, or a bad data row (e.g. one without
     an answer) becomes a :class:`ConfigError` carrying the task's message."""
-    from nemo_d3s.config import ConfigError
+    from nemo_d3s.errors import ConfigError
     from nemo_d3s.tasks.base import make_task
 
     try:

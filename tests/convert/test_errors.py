@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import tiny  # noqa: E402
 
 from nemo_d3s.config import ConfigError  # noqa: E402
-from nemo_d3s.convert import core, hf_to_megatron, megatron_to_hf, verify  # noqa: E402
+from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify  # noqa: E402
+from nemo_d3s.formats.safetensors_stream import StreamingSafetensors  # noqa: E402
 from nemo_d3s.convert.__main__ import main  # noqa: E402
 
 
@@ -169,7 +170,7 @@ def test_output_folder_rules(tmp_path, made):
 
 def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch):
     src, ck = made
-    real = core.StreamingSafetensors.write
+    real = StreamingSafetensors.write
     calls = {"n": 0}
 
     def flaky(self, name, t):
@@ -178,16 +179,16 @@ def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch
             raise KeyboardInterrupt
         return real(self, name, t)
 
-    monkeypatch.setattr(core.StreamingSafetensors, "write", flaky)
+    monkeypatch.setattr(StreamingSafetensors, "write", flaky)
     with pytest.raises(KeyboardInterrupt):
         megatron_to_hf(ck, tmp_path / "a" / "hf", progress=False)
     calls["n"] = 0
     with pytest.raises(KeyboardInterrupt):
         hf_to_megatron(src, tmp_path / "ck", tp=2, progress=False)
     _nothing_written(tmp_path, [])  # not even the parent folder "a" made for the output
-    monkeypatch.setattr(core.StreamingSafetensors, "write", real)
+    monkeypatch.setattr(StreamingSafetensors, "write", real)
     # a full disk: the write fails with OSError
-    monkeypatch.setattr(core.StreamingSafetensors, "write",
+    monkeypatch.setattr(StreamingSafetensors, "write",
                         lambda self, n, t: (_ for _ in ()).throw(OSError(28, "No space left on device")))
     with pytest.raises(OSError, match="No space left"):
         megatron_to_hf(ck, tmp_path / "hf", progress=False)

@@ -33,8 +33,8 @@ def peak_rss(cmd) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,pp", [(1, 1), (3, 2)])
 def test_megatron_to_hf_peak_rss_is_a_fraction_of_the_model(tmp_path, tp, pp):
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec
-    from nemo_d3s.backends.megatron.weights import hf_names, hf_shape
+    from nemo_d3s.formats.spec import ModelSpec
+    from nemo_d3s.formats.weights import hf_names, hf_shape
     from nemo_d3s.convert import hf_to_megatron
 
     ck = hf_to_megatron("smollm2-135m-instruct", tmp_path / "ck", tp=tp, pp=pp, progress=False)
@@ -42,7 +42,7 @@ def test_megatron_to_hf_peak_rss_is_a_fraction_of_the_model(tmp_path, tp, pp):
     model_bytes = sum(4 * math.prod(hf_shape(n, spec)) for n in hf_names(spec))
     convert = peak_rss([sys.executable, "-m", "nemo_d3s.convert", "megatron-to-hf", "--ckpt", str(ck), "--out",
                         str(tmp_path / "hf"), "--quiet"])
-    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert.core as c, safetensors.torch, "
+    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert as c, safetensors.torch, "
                          "tqdm.auto; c.open_checkpoint(sys.argv[1])", str(ck)])
     print(f"TP{tp} x PP{pp}: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
           f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}, "
@@ -62,8 +62,8 @@ def test_hf_to_megatron_peak_rss_is_a_fraction_of_the_model(tmp_path):
     model_bytes = (src / "model.safetensors").stat().st_size
     convert = peak_rss([sys.executable, "-m", "nemo_d3s.convert", "hf-to-megatron", "--hf", str(src), "--out",
                         str(tmp_path / "ck"), "--tp", "3", "--pp", "2", "--quiet"])
-    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert.core as c, safetensors.torch, "
-                         "tqdm.auto; c.ModelSpec.from_folder(sys.argv[1])", str(src)])
+    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert, safetensors.torch, tqdm.auto; "
+                         "from nemo_d3s.formats.spec import ModelSpec; ModelSpec.from_folder(sys.argv[1])", str(src)])
     print(f"hf-to-megatron TP3 x PP2: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
           f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}")
     assert convert - baseline < 0.6 * model_bytes

@@ -34,7 +34,7 @@ from _launch import run_ranks  # noqa: E402
 
 from nemo_d3s.config import ConfigError  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
-from nemo_d3s.backends.megatron.nemo2 import _DcpIndex  # noqa: E402
+from nemo_d3s.formats.nemo2 import _DcpIndex  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_nemo2_as_a_training_start(written, tmp_path):
     want = align_to_tokens(entropy_and_logprobs(logits[:, :-1], ids[:, 1:])[1])
     assert float((lp - want).abs().max()) <= 1e-4
     # the model a NeMo 2 folder describes (what the dry run and the backend plan with)
-    from nemo_d3s.backends.megatron.hf_config import ModelSpec
+    from nemo_d3s.formats.spec import ModelSpec
 
     spec_nemo, spec_hf = ModelSpec.from_folder(nemo).to_dict(), ModelSpec.from_folder(src).to_dict()
     assert {k: v for k, v in spec_nemo.items() if k != "torch_dtype"} == \

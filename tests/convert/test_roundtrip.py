@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import assert_same_tensors, hf_tensors, tiny  # noqa: E402
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec  # noqa: E402
-from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader, local_names, read_local  # noqa: E402
+from nemo_d3s.formats.spec import ModelSpec  # noqa: E402
+from nemo_d3s.formats.weights import Layout, SafetensorsReader, local_names, read_local  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 
 

@@ -405,8 +405,9 @@ def test_registry_contents():
 
 
 def test_papers_binary_g4_two_correct_n3():
-    """papers.md: with unbiased variance throughout the kept set has Var(A) >= 1; with
-    population variance throughout, G=4 with 2 correct and N=3 gives 8/9 = 0.889."""
+    """D3S (arXiv 2509.22115), its lemma that a kept subset with Var(A) >= 1 always exists:
+    it holds with unbiased variance throughout; with population variance throughout, G=4
+    with 2 correct and N=3 gives 8/9 = 0.889."""
     r = _t([1.0, 1.0, 0.0, 0.0])
     g = torch.tensor([0, 0, 0, 0])
     adv_u = compute_advantages(r, g, eps=0.0, unbiased=True).advantages

@@ -12,8 +12,10 @@ whole D3S update on 4 gloo ranks:
 3. the global loss denominator and ``StepNormalizer`` (``step_normalizer``);
 4. the training pass through the same schedule (backward per micro-batch; the schedule
    divides each loss by the rank's number of micro-batches, which differs per rank here:
-   2 and 3) with ``pipeline.policy_loss_func``: vocab-parallel log-probs and the core GRPO
-   loss with ``denominator = normalizer.micro_batch_denominator``;
+   2 and 3) with ``pipeline.train_loss_func`` (what the Megatron backend's train_step
+   hands the schedule): vocab-parallel log-probs and the core GRPO loss SUM
+   (``denominator=1``, as the trainer's loss closure computes it), scaled by
+   ``normalizer.loss_scale``;
 5. DDP's gradient averaging over DP (all-reduce SUM / dp_size, what Megatron's DDP does for
    ``calculate_per_token_loss=False``; Megatron's DDP wrapper itself needs CUDA buffers).
 
@@ -70,14 +72,14 @@ def _rank_grads(rank):
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     from _megatron_cpu import patch_schedules_for_cpu, schedule_config
-    from nemo_d3s.core.losses import LossConfig
+    from nemo_d3s.core.losses import LossConfig, policy_loss
     from nemo_d3s.core.token_selection import token_scores
     from nemo_d3s.distributed import (
         PerTokenStore,
         logprob_loss_func,
-        policy_loss_func,
         select_tokens_global,
         step_normalizer,
+        train_loss_func,
     )
 
     patch_schedules_for_cpu()
@@ -135,11 +137,14 @@ def _rank_grads(rank):
         for p in model.parameters():
             p.grad = None
 
+        def loss_sum(lp, r, agg=agg):
+            return policy_loss("grpo", lp, old_lp[r], adv[r], token_keep[r], cfg=LossConfig(aggregation=agg),
+                               denominator=1.0)
+
         def fwd_train(it, m):
             r = next(it)
-            return m(ids[r]), policy_loss_func(
-                ids[r], old_lp[r], adv[r], token_keep[r], norm, tp, cfg=LossConfig(aggregation=agg), vocab_size=V_REAL
-            )
+            attended = torch.ones_like(ids[r], dtype=torch.bool)  # no padding in these rows
+            return m(ids[r]), train_loss_func(ids[r], attended, r, loss_sum, norm, tp, vocab_size=V_REAL)
 
         # 4. training pass: the schedule sums micro-batch gradients (after dividing by M)
         forward_backward_no_pipelining(

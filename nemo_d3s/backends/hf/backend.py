@@ -13,9 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
@@ -38,6 +35,7 @@ from nemo_d3s.core.entropy import entropy_and_logprobs
 from nemo_d3s.core.micro_batches import plan_rows, row_lengths
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.distributed.normalizers import StepNormalizer
+from nemo_d3s.files import atomic_folder
 
 
 def _lr_lambda(cfg: HFBackendConfig):
@@ -327,24 +325,10 @@ class HFBackend(Policy):
         """Write the policy as a Hugging Face folder (safetensors, config, generation config,
         tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads back.
 
-        Written to a temporary sibling and renamed into place, replacing any old folder.
-        File modes follow the process umask (0644 under the usual 022), like every other file
-        of a run.
+        Written through ``files.atomic_folder`` (a hidden sibling renamed into place,
+        replacing any old folder). File modes follow the process umask (0644 under the usual
+        022), like every other file of a run.
         """
-        dest = Path(path)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp, old = dest.parent / f".{dest.name}.tmp-{tag}", dest.parent / f".{dest.name}.old-{tag}"
-        try:
+        with atomic_folder(path) as tmp:
             self._write_model_files(tmp)
             self.tokenizer.save_pretrained(str(tmp))
-            from nemo_d3s.files import apply_umask
-
-            apply_umask(tmp)  # safetensors writes 0600 temp files; an export is shared like any output
-            if dest.exists():
-                os.rename(dest, old)
-            os.rename(tmp, dest)
-        finally:
-            for leftover in (tmp, old):
-                if leftover.exists():
-                    shutil.rmtree(leftover, ignore_errors=True)

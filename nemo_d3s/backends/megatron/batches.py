@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.micro_batches import fixed_micro_batches, row_lengths, token_budget_micro_batches
+from nemo_d3s.distributed.pipeline import fit_width
 
-__all__ = ["MicroBatch", "fit_width", "model_inputs", "pad_for_interleaving", "plan_micro_batches", "token_counts"]
+__all__ = ["MicroBatch", "model_inputs", "pad_for_interleaving", "plan_micro_batches", "token_counts"]
 
 
 @dataclass(frozen=True)
@@ -100,14 +100,6 @@ def pad_for_interleaving(mbs: List[MicroBatch], pp: int, *, one_shape: bool = Fa
     first = mbs[0]
     pad = MicroBatch(torch.zeros(0, dtype=torch.long), first.b, first.width)
     return list(mbs) + [pad] * (target - len(mbs))
-
-
-def fit_width(x: torch.Tensor, width: int, value=0) -> torch.Tensor:
-    """[n, S] -> [n, width]: cut, or pad on the right with ``value``."""
-    S = x.shape[1]
-    if width <= S:
-        return x[:, :width]
-    return F.pad(x, (0, width - S), value=value)
 
 
 def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):

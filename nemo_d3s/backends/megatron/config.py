@@ -8,6 +8,10 @@ from typing import Optional
 
 from nemo_d3s.backends.settings import PolicySettings
 
+__all__ = ["DTYPES", "MegatronBackendConfig", "check_options"]
+
+DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
+
 
 # Why context parallelism and packed sequences are refused (the backend's error and the dry
 # run's report). megatron-core 0.16.1's local attention (transformer/dot_product_attention.py)
@@ -84,3 +88,26 @@ class MegatronBackendConfig(PolicySettings):
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
+
+
+def check_options(cfg: MegatronBackendConfig) -> None:
+    """Refuse what the backend cannot run: Megatron options it accepts by name but does not
+    implement yet, a dtype or sampler it does not take. ValueError naming the key; the
+    backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None")
+    if vpp not in (None, 1) and int(cfg.pipeline_model_parallel_size) < 2:
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
+                         "pipeline_model_parallel_size > 1")
+    if cfg.context_parallel_size != 1:
+        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.sequence_packing:
+        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.dtype not in ("auto", *DTYPES):
+        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
+    if cfg.sampler != "seeded":
+        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
+                         "the seeded sampler only")
+    if cfg.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")

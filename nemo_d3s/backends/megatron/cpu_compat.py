@@ -1,4 +1,4 @@
-"""Running megatron-core 0.16 on CPU / gloo ranks: the backend's one set of patches.
+"""Running megatron-core (0.15, 0.16) on CPU / gloo ranks: the backend's one set of patches.
 
 megatron-core assumes CUDA in a few places on the GPTModel forward/backward path (local
 layer spec, ``use_cpu_initialization=True``, with or without sequence parallelism), at any

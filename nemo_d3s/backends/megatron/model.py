@@ -5,7 +5,7 @@ safetensors, and stream the whole model back out under HF names.
   (TP, PP) position; the transformer-engine layer spec when TE is importable and the model
   lives on CUDA, megatron-core's local spec otherwise (CPU, tests).
 - :func:`load_stage_from_hf`: every local parameter read from its HF rows
-  (``weights.local_parts``), nothing else from disk.
+  (``formats.weights.local_parts``), nothing else from disk.
 - :func:`iter_hf_weights`: collective generator of (HF name, full tensor) for export and
   rollout-engine refits: one local parameter at a time is all-gathered over TP on its stage
   and broadcast over PP, so no rank holds more than one full tensor group at once.
@@ -19,8 +19,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.backends.megatron.weights import (
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.weights import (
     Layout,
     SafetensorsReader,
     assemble_hf,
@@ -208,7 +208,7 @@ def iter_hf_weights(
     virtual stage s is chunk s // PP of stage s % PP.
 
     Per local parameter of stage s: all-gather of its [local shape] over ``groups.tp`` on
-    stage s (TP > 1), reassembly (``weights.assemble_hf``: q/k/v, gate/up, vocabulary
+    stage s (TP > 1), reassembly (``formats.weights.assemble_hf``: q/k/v, gate/up, vocabulary
     padding dropped), then one broadcast per HF tensor over ``groups.pp`` from stage s
     (PP > 1). Tied embeddings come once, from the first stage. Memory: one local
     parameter's TP shards + its HF tensors at a time.

@@ -1,5 +1,5 @@
-"""Writing NeMo 2 checkpoints (``nemo-d3s-convert megatron-to-nemo``): see ``nemo2.py`` for
-the layout; this is the writer, which needs megatron-core's ``dist_checkpointing``."""
+"""Writing NeMo 2 checkpoints (``nemo-d3s-convert megatron-to-nemo``): see ``formats/nemo2.py`` for
+the layout (and the reader); this is the writer, which needs megatron-core's ``dist_checkpointing``."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.backends.megatron.nemo2 import NEMO_PREFIX, _nemo_key
-from nemo_d3s.backends.megatron.weights import Layout, local_names
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.nemo2 import NEMO_PREFIX, _nemo_key
+from nemo_d3s.formats.weights import Layout, local_names
 
 __all__ = ["write_nemo2"]
 
@@ -71,7 +71,7 @@ def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, ou
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from nemo_d3s.backends.megatron.weights import read_local
+    from nemo_d3s.formats.weights import read_local
 
     full = dict(tensors)
 

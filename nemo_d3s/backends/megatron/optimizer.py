@@ -28,10 +28,11 @@ distributed optimizer's checkpoint state.
   the whole stage, moved to the CPU as they complete (the checkpoint writer holds the
   stage's tensors anyway).
 
-  Uses megatron-core 0.16's ``DistributedOptimizer`` internals (``model_param_group_index_map``,
+  Uses megatron-core's ``DistributedOptimizer`` internals (``model_param_group_index_map``,
   ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``,
-  ``_init_optimizer_states_with_dummy_values``); the tests pin their meaning by a
-  save / resume round trip at DP2 against a run that never stopped.
+  ``_init_optimizer_states_with_dummy_values``; present in 0.15.3 and 0.16.1, the versions
+  pyproject allows); the tests pin their meaning by a save / resume round trip at DP2
+  against a run that never stopped.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.distributed._comm import is_single
+from nemo_d3s.distributed._comm import group_rank, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["MOMENTS", "Model", "agreed_step", "build_optimizer", "clip_grads_", "device_of", "distributed_optimizers",
@@ -124,14 +125,16 @@ def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
     """Megatron's rule: a parameter's gradient counts once in the global norm. TP-duplicated
     parameters (layer norms, row-parallel biases) count on TP rank 0 only; the last stage's
     copy of tied embeddings (``shared``) does not count (the first stage's does)."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
     if not param_is_not_shared(p):
         return False
     if is_single(groups.tp):
         return True
-    return param_is_not_tensor_parallel_duplicate(p, groups.tp)
+    # megatron.core.tensor_parallel.param_is_not_tensor_parallel_duplicate, stated here on
+    # OUR tp group: 0.16 takes the group as an argument (layers.py:89-99 of 0.16.1), 0.15
+    # reads it from parallel_state and takes none (layers.py:87-92 of 0.15.3).
+    return bool(getattr(p, "tensor_model_parallel", False)) or group_rank(groups.tp) == 0
 
 
 def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:

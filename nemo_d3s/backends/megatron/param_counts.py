@@ -1,5 +1,5 @@
 """Parameter counts of one Megatron (TP rank, PP stage) position, for the dry run
-(``nemo_d3s/dry_run.py``): from the weight table (``weights.local_shape``), as this position's
+(``nemo_d3s/dry_run/plan.py``): from the weight table (``formats.weights.local_shape``), as this position's
 share of the HF model, and by building the stage with megatron-core on the meta device under a
 fake process group of the job's world size (no memory, no weights, no collectives)."""
 
@@ -20,7 +20,7 @@ def stage_positions(tp: int, pp: int) -> List[Tuple[int, int]]:
 
 def local_param_count(spec, layout) -> int:
     """Parameters of one position's stage (vocabulary padding included), from the table."""
-    from nemo_d3s.backends.megatron.weights import local_names, local_shape
+    from nemo_d3s.formats.weights import local_names, local_shape
 
     return sum(math.prod(local_shape(n, spec, layout)) for n in local_names(spec, layout))
 
@@ -29,7 +29,7 @@ def real_param_count(spec, layout) -> int:
     """This position's share of the HF model: padding rows dropped, the tied output layer
     (the last stage's copy of the embedding) and TP-replicated tensors (norms) on TP ranks
     > 0 not counted; summed over all positions this is ``spec.num_params``."""
-    from nemo_d3s.backends.megatron.weights import hf_shape, local_names, local_parts, local_shape
+    from nemo_d3s.formats.weights import hf_shape, local_names, local_parts, local_shape
 
     total = 0
     for name in local_names(spec, layout):
@@ -84,7 +84,7 @@ def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
     except Exception as e:  # an internal torch module: absent from some builds
         return {"skipped": f"torch's fake process group is not available ({type(e).__name__}: {e})"}
     from nemo_d3s.backends.megatron.model import build_stage, transformer_config
-    from nemo_d3s.backends.megatron.weights import Layout
+    from nemo_d3s.formats.weights import Layout
 
     dp = world // (tp * pp)
     kinds = {}

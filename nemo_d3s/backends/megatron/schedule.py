@@ -10,7 +10,7 @@ vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and pa
 vocabulary columns (global id >= the real ``vocab_size``) are left out of the softmax,
 which is the same as masking them to -inf before it, and get zero gradient.
 
-Shapes (DESIGN.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
+Shapes (the package's contract, docs/architecture.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
 is [b, L] with L <= S its longest attended row (PP = 1) or the step's longest row (PP > 1:
 1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a call must
 have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
@@ -47,7 +47,6 @@ import torch.distributed as dist
 from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
 from nemo_d3s.backends.megatron.batches import (
     MicroBatch,
-    fit_width,
     model_inputs,
     pad_for_interleaving,
     plan_micro_batches,
@@ -65,12 +64,16 @@ from nemo_d3s.backends.megatron.optimizer import (
     unwrap_model,
 )
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_sequence_parallel_grads
-from nemo_d3s.core.entropy import align_to_tokens
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.normalizers import StepNormalizer
-from nemo_d3s.distributed.pipeline import PerTokenStore, broadcast_per_token, is_last_stage, logprob_loss_func
-from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
+from nemo_d3s.distributed.pipeline import (
+    PerTokenStore,
+    broadcast_per_token,
+    is_last_stage,
+    logprob_loss_func,
+    train_loss_func,
+)
 
 __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 
@@ -320,7 +323,6 @@ def train_step(
     mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
-    scale = normalizer.loss_scale
     megatron_opt = is_megatron_optimizer(optimizer)
 
     sums: Dict[str, torch.Tensor] = {}
@@ -334,27 +336,8 @@ def train_step(
 
     def loss_for(i: int, x):
         mb = mbs[i]
-        ids, attended = x[0], x[3]
-
-        def loss_func(logits: torch.Tensor):
-            _, lp = vocab_parallel_entropy_and_logprobs(
-                logits[:, :-1], ids[:, 1:], groups.tp, vocab_size=vocab_size, chunk_size=chunk_size
-            )
-            n = len(mb.rows)
-            if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
-                loss = lp.sum() * 0.0
-                add("loss_sum", loss)
-                return loss, {}
-            lp = align_to_tokens(lp)[:n].float() * attended
-            out = loss_fn(fit_width(lp, S), mb.rows)
-            loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
-            add("loss_sum", loss)
-            for k, v in metrics.items():
-                add(k, v)
-            # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
-            return loss * scale, {}
-
-        return loss_func
+        return train_loss_func(x[0], x[3], mb.rows, loss_fn, normalizer, groups.tp, width=S, on_sum=add,
+                               vocab_size=vocab_size, chunk_size=chunk_size)
 
     for c in chunks:
         c.train()

@@ -1,5 +1,5 @@
-"""The HF <-> Megatron weight table (``backends.megatron.weights``) and the config mapping
-(``backends.megatron.hf_config``): hand-worked layouts, a round trip at every TP x PP
+"""The HF <-> Megatron weight table (``formats.weights``) and the config mapping
+(``formats.spec``): hand-worked layouts, a round trip at every TP x PP
 position, and the start-up errors for bad input."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec, check_layout, padded_vocab_size
-from nemo_d3s.backends.megatron.weights import (
+from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
+from nemo_d3s.formats.weights import (
     Layout,
     assemble_hf,
     hf_names,

@@ -10,7 +10,7 @@ tokenizer); ``nemo-d3s-convert`` reads and writes them.
 Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkpoint:
 
 - ``context/model.yaml`` is read with ``yaml.safe_load`` and mapped to an HF config dict
-  (:func:`hf_config_from_nemo`; Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2).
+  (``nemo2_context.hf_config_from_nemo``; Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2).
 - ``weights/.metadata`` (torch DCP's index, a pickle) is read with an unpickler that builds
   only the DCP/megatron metadata classes, torch.Size and dtypes (:class:`_MetadataUnpickler`);
   anything else is refused. Tensors are ``torch.load(weights_only=True)`` of their byte
@@ -19,10 +19,11 @@ Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkp
   (``module.decoder.layers.self_attention.linear_qkv.weight`` ...), every per-layer tensor
   stacked on a leading layer axis and stored one chunk per layer (per TP shard). They go
   through the weight table as a TP1 x PP1 transformer-engine layout, so
-  :class:`Nemo2Reader` is a ``checkpoint.ShardedReader`` whose shard tensors come from the
+  :class:`Nemo2Reader` is a ``shards.ShardedReader`` whose shard tensors come from the
   DCP chunks of one layer at a time.
 
-Writing (``nemo2_writer.write_nemo2``) uses megatron-core's own ``dist_checkpointing.save`` with
+Writing (``backends/megatron/nemo2_writer.write_nemo2``, in the backend because it needs
+megatron-core) uses megatron-core's own ``dist_checkpointing.save`` with
 NeMo's key names (one ShardedTensor per layer, the ``_extra_state`` objects NeMo's modules
 expect) and copies ``context/`` from a NeMo checkpoint of the same model, which is what NeMo
 reads the model back with. It holds the whole model in memory (megatron-core's saver takes
@@ -34,7 +35,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -42,111 +42,17 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nemo_d3s.backends.megatron import checkpoint as ckpt
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.backends.megatron.weights import Layout, local_names, local_shape
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
+from nemo_d3s.formats.shards import ShardedReader
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.weights import Layout, local_names, local_shape
 
-__all__ = ["is_nemo2", "hf_config_from_nemo", "Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
+__all__ = ["Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
 
 NEMO_PREFIX = "module."
 _DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
-
-def is_nemo2(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / "weights" / "metadata.json").is_file() and (p / "context").is_dir()
-
-
-# ============================================================================ context -> HF config
-def _yaml(path: Path) -> Dict[str, Any]:
-    import yaml
-
-    if not path.is_file():
-        raise ConfigError(f"{str(path)!r} is missing: not a NeMo 2 checkpoint context")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"{str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
-        raise ConfigError(f"{str(path)!r} holds no model config (a 'config:' mapping)")
-    return data
-
-
-def _target(node: Any) -> str:
-    return str(node.get("_target_", "")) if isinstance(node, dict) else str(node)
-
-
-def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
-    """The HF ``config.json`` dict of the model in ``folder/context/model.yaml``; a
-    ConfigError naming the file and field for a model the weight table does not cover."""
-    path = Path(folder) / "context" / "model.yaml"
-    c = _yaml(path)["config"]
-    where = f"{str(path)!r}"
-    target = _target(c)
-    module, _, cls = target.rpartition(".")
-    kinds = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
-             "qwen2": ("Qwen2ForCausalLM", "qwen2")}
-    kind = kinds.get(module.rsplit(".", 1)[-1])
-    if kind is None or "Llama4" in cls or c.get("num_moe_experts"):
-        raise ConfigError(f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral and Qwen2 "
-                          "configs are")
-    checks = {"normalization": "RMSNorm", "gated_linear_unit": True, "position_embedding_type": "rope",
-              "add_bias_linear": False, "qk_layernorm": False}
-    for key, want in checks.items():
-        if key in c and c[key] != want:
-            raise ConfigError(f"{where}: config.{key}={c[key]!r} is not supported (the weight table needs {want!r})")
-    act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
-    if act != "torch.nn.functional.silu":
-        raise ConfigError(f"{where}: config.activation_func={act!r} is not supported (SwiGLU with silu only)")
-
-    def need(key: str) -> Any:
-        if c.get(key) is None:
-            raise ConfigError(f"{where}: config.{key} is not set")
-        return c[key]
-
-    heads, hidden = need("num_attention_heads"), need("hidden_size")
-    dtype = _target(c.get("params_dtype", "torch.float32")).replace("torch.", "")
-    if dtype not in ("float32", "bfloat16", "float16"):
-        dtype = "bfloat16" if c.get("bf16") else "float32"
-    arch, model_type = kind
-    cfg: Dict[str, Any] = {
-        "architectures": [arch], "model_type": model_type, "vocab_size": need("vocab_size"),
-        "hidden_size": hidden, "intermediate_size": need("ffn_hidden_size"), "num_hidden_layers": need("num_layers"),
-        "num_attention_heads": heads, "num_key_value_heads": c.get("num_query_groups") or heads,
-        "head_dim": c.get("kv_channels") or hidden // heads, "rms_norm_eps": float(need("layernorm_epsilon")),
-        "rope_theta": float(c.get("rotary_base", 10000.0)), "max_position_embeddings": need("seq_length"),
-        "tie_word_embeddings": bool(c.get("share_embeddings_and_output_weights", False)), "hidden_act": "silu",
-        "torch_dtype": dtype, "initializer_range": float(c.get("init_method_std", 0.02)),
-    }
-    if model_type == "qwen2":
-        if c.get("add_qkv_bias") is False:
-            raise ConfigError(f"{where}: config.add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported")
-        cfg["use_sliding_window"] = False
-    else:
-        cfg["attention_bias"] = bool(c.get("add_qkv_bias", False))
-        cfg["mlp_bias"] = False
-    if c.get("scale_factor") is not None:  # Llama31Config and its children: llama3 RoPE scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": float(c.get("scale_factor", 8.0)),
-                               "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
-                               "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
-                               "original_max_position_embeddings": int(c.get("old_context_len", 8192))}
-    gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
-    if gen.is_file():
-        try:
-            g = json.loads(gen.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{str(gen)!r} is not valid JSON: {e}") from None
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if isinstance(g, dict) and g.get(key) is not None:
-                cfg[key] = g[key]
-    ModelSpec.from_hf_dict(cfg, str(path))  # the table's own checks, naming model.yaml
-    return cfg
-
-
-def nemo_make_vocab_size_divisible_by(folder: str | os.PathLike) -> int:
-    v = _yaml(Path(folder) / "context" / "model.yaml")["config"].get("make_vocab_size_divisible_by", 128)
-    return int(v) if isinstance(v, int) and v > 0 else 128
 
 
 # ============================================================================ weights/.metadata
@@ -297,8 +203,8 @@ _LOCAL_SPEC_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layer
                      "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
 
 
-class Nemo2Reader(ckpt.ShardedReader):
-    """``ShardedReader`` over a NeMo 2 checkpoint: a TP1 x PP1 transformer-engine layout
+class Nemo2Reader(ShardedReader):
+    """``shards.ShardedReader`` over a NeMo 2 checkpoint: a TP1 x PP1 transformer-engine layout
     whose local tensors are read from the DCP chunks of one layer."""
 
     def __init__(self, folder: Path, spec: ModelSpec, index: _DcpIndex, padded_vocab: int) -> None:

@@ -1,12 +1,17 @@
 """The one table of names and shapes between Hugging Face Llama/Qwen2 weights and the
-TP x PP shards of a megatron-core ``GPTModel``.
+TP x PP shards of a megatron-core ``GPTModel`` (torch + safetensors only: no process group,
+no Megatron import; the adapter between the two namings, as torchtitan's state-dict
+adapter is, kept apart from the training code).
 
-Training (load), export (``save_pretrained``), the rollout engine's refit and the
-checkpoint resharding all go through :func:`local_parts`: a local parameter of the rank at
-(tp_rank, pp_rank) is the concatenation, along one dimension, of row ranges of HF tensors
-(and of zero rows for the padded vocabulary). Reading it forwards loads a shard straight
-from safetensors (only this rank's rows are read from disk); reading it backwards puts TP
-shards back into whole HF tensors.
+The Megatron backend's load, export (``save_pretrained``) and rollout-engine refit, the
+checkpoint resharding and the converter all go through :func:`local_parts`: a local
+parameter of the rank at (tp_rank, pp_rank) is the concatenation, along one dimension, of
+row ranges of HF tensors (and of zero rows for the padded vocabulary). Reading it forwards
+loads a shard straight from safetensors (only this rank's rows are read from disk);
+reading it backwards puts TP shards back into whole HF tensors. In the adapter's terms:
+from-HF is :func:`read_local` (one local tensor from any reader of HF-named rows: HF files,
+a saved checkpoint of another layout, a NeMo 2 checkpoint), to-HF is :func:`assemble_hf`
+(one local parameter's TP shards -> its HF tensors).
 
 Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, q = heads/G):
 
@@ -36,8 +41,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_d3s.backends.megatron.hf_config import ModelSpec
-from nemo_d3s.config import ConfigError
+from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.errors import ConfigError
 
 __all__ = [
     "Part",

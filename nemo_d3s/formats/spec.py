@@ -1,17 +1,18 @@
 """A Hugging Face ``config.json`` -> the shape of a megatron-core ``GPTModel``.
 
-:class:`ModelSpec` is the one description of the model every part of the Megatron backend
-uses: the model builder (``TransformerConfig`` + ``GPTModel`` arguments), the weight table
-(``weights.py``: names and shapes, vocabulary padding) and the layout checks. It is read
-from ``config.json`` only (JSON, never code: ``trust_remote_code`` models are refused), so
-a folder that holds just a config is enough to plan a layout (the dry run of the Slurm
-recipes).
+:class:`ModelSpec` is the one description of the model that the Megatron backend (the
+model builder: ``TransformerConfig`` + ``GPTModel`` arguments), the weight table
+(``weights.py``: names and shapes, vocabulary padding), the converter and the dry run's
+layout checks use. It is read from ``config.json`` only (JSON, never code:
+``trust_remote_code`` models are refused), or from a NeMo 2 checkpoint's
+``context/model.yaml`` (``nemo2_context.py``), so a folder that holds just a config is
+enough to plan a layout (the dry run of the Slurm recipes). Plain Python: no torch.
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM2), ``MistralForCausalLM`` (GQA, no
 sliding window) and ``Qwen2ForCausalLM`` (q/k/v bias; Qwen2.5 and Qwen2.5-Math). Anything
 the mapping would get silently wrong (another architecture, a sliding window, MLP biases,
 an activation other than SiLU, a RoPE scaling Megatron does not implement) is a
-:class:`~nemo_d3s.config.ConfigError` naming the field, raised at start-up.
+:class:`~nemo_d3s.errors.ConfigError` naming the field, raised at start-up.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from nemo_d3s.config import ConfigError
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 
 __all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "check_layout", "padded_vocab_size", "read_hf_config"]
 
@@ -137,9 +140,7 @@ class ModelSpec:
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
         """From ``folder/config.json``, or a NeMo 2 checkpoint's ``context/model.yaml``."""
-        from nemo_d3s.backends.megatron.nemo2 import hf_config_from_nemo, is_nemo2
-
-        if is_nemo2(folder):
+        if detect_format(folder).kind == NEMO2:
             return cls.from_hf_dict(hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml"))
         return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
 

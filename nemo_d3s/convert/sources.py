@@ -1,0 +1,254 @@
+"""What a conversion reads: a checkpoint opened and checked (:func:`open_checkpoint`: a
+Megatron checkpoint, training or converted, at any saved TP x PP, or a NeMo 2 checkpoint,
+told apart by ``formats.detect_format``), and the files that go with its weights (HF
+config, generation config, tokenizer: :class:`SideFiles`).
+
+Every file is untrusted input (safetensors, JSON and safe YAML only); anything wrong is a
+:class:`~nemo_d3s.errors.ConfigError` naming the file or tensor, raised before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, detect_format
+from nemo_d3s.formats.nemo2 import open_nemo2_weights
+from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
+from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
+from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config
+from nemo_d3s.formats.weights import hf_names, hf_shape
+
+__all__ = ["DTYPES", "GENERATION_CONFIG", "SideFiles", "CheckpointSource", "open_checkpoint"]
+
+DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Tokenizer files copied with a model (whichever exist); at least one of _TOKENIZER_MODEL
+# must, or transformers' AutoTokenizer has nothing to load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+                    "chat_template.json")
+_TOKENIZER_MODEL = ("tokenizer.json", "tokenizer.model", "vocab.json")
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass
+class SideFiles:
+    """What goes with the weights: the HF config (``config_file`` is copied byte for byte
+    when the dtype stays), the generation config and the tokenizer files."""
+
+    config: Dict[str, Any]
+    config_file: Optional[Path]
+    generation: Optional[Path]
+    tokenizer: List[Path]
+
+    def write(self, dst: Path, dtype: Optional[torch.dtype]) -> None:
+        cfg = dict(self.config)
+        key = "torch_dtype" if "torch_dtype" in cfg else "dtype"
+        want = None if dtype is None else str(dtype).replace("torch.", "")
+        if self.config_file is not None and (want is None or cfg.get(key) == want):
+            shutil.copyfile(self.config_file, dst / "config.json")
+        else:
+            if want is not None:
+                cfg[key] = want
+            (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if self.generation is not None:
+            shutil.copyfile(self.generation, dst / GENERATION_CONFIG)
+        for p in self.tokenizer:
+            shutil.copyfile(p, dst / p.name)
+
+
+def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
+    """The tokenizer files of ``folder``; ConfigError naming what is missing."""
+    have = [folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()]
+    names = {p.name for p in have}
+    missing = [n for n in ("tokenizer_config.json",) if n not in names]
+    if not any(n in names for n in _TOKENIZER_MODEL):
+        missing.append(" or ".join(_TOKENIZER_MODEL))
+    if missing:
+        hint = ("a model folder must hold its tokenizer" if role == "--hf" else
+                "pass --hf-config DIR, the model folder the checkpoint was trained from")
+        raise ConfigError(f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the converted "
+                          f"model needs its tokenizer files ({hint})")
+    for p in have:
+        if p.suffix == ".json":
+            _read_json(p)
+    return have
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{str(path)!r} is not valid JSON: {e}") from None
+
+
+def _generation_file(path: Path) -> Optional[Path]:
+    if not path.is_file():
+        return None
+    if not isinstance(_read_json(path), dict):
+        raise ConfigError(f"{str(path)!r} must hold a JSON object")
+    return path
+
+
+def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
+    """Side files of an HF model folder (or a converted checkpoint folder)."""
+    return SideFiles(read_hf_config(folder), folder / "config.json", _generation_file(folder / GENERATION_CONFIG),
+                     _tokenizer_files(folder, role=role))
+
+
+def _nemo_side_files(folder: Path) -> SideFiles:
+    """Side files of a NeMo 2 checkpoint: config from context/model.yaml, tokenizer from
+    context/nemo_tokenizer/, generation config from context/artifacts/."""
+    return SideFiles(hf_config_from_nemo(folder), None,
+                     _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
+                     _tokenizer_files(folder / "context" / "nemo_tokenizer", role="NeMo 2 context"))
+
+
+@dataclass
+class CheckpointSource:
+    """A checkpoint opened for reading and checked: a Megatron checkpoint (``kind``
+    "megatron": training or converted, any saved TP x PP) or a NeMo 2 checkpoint ("nemo2").
+    ``reader()`` gives HF-named rows (``formats.weights.read_local``'s reader protocol) through the
+    weight table; ``side`` is config.json / generation config / tokenizer (None until
+    :func:`_with_side_files` is asked for them)."""
+
+    kind: str
+    folder: Path
+    spec: ModelSpec
+    layout: str
+    dtype: Optional[torch.dtype]  # None: the parameters are stored in several dtypes
+    _reader: Any
+    config_source: Optional[Path] = None  # a separate folder the config came from (--hf-config)
+    side: Optional[SideFiles] = None
+
+    def reader(self):
+        return self._reader()
+
+    def hf_config(self) -> Dict[str, Any]:
+        """The HF config dict of the model (no tokenizer needed)."""
+        if self.side is not None:
+            return dict(self.side.config)
+        if self.config_source is not None:
+            return read_hf_config(self.config_source)
+        if self.kind == NEMO2:
+            return hf_config_from_nemo(self.folder)
+        return read_hf_config(self.folder)
+
+    def iter_hf(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) in transformers' order, one parameter group in memory."""
+        reader = self.reader()
+        for name in hf_names(self.spec):
+            shape = hf_shape(name, self.spec)
+            t = reader.rows(name, 0, 0, shape[0])
+            yield name, (t if dtype is None else t.to(dtype))
+
+
+def _find_root(path: Path) -> Tuple[Path, Path]:
+    """(checkpoint folder, its megatron/ folder) for a checkpoint folder or its megatron/."""
+    fmt = detect_format(path)
+    if fmt.kind == MEGATRON:
+        return fmt.folder, fmt.shards
+    if not path.exists():
+        raise ConfigError(f"--ckpt {str(path)!r}: no such folder")
+    steps = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("step_")) if path.is_dir() else []
+    hint = f" It holds training checkpoints: pass one of them, e.g. {str(path / steps[-1])!r}." if steps else ""
+    if fmt.kind == HF:
+        hint = " It is a Hugging Face model folder (use hf-to-megatron to convert it)."
+    raise ConfigError(f"{str(path)!r} is not a Megatron checkpoint: no {SHARDS_SUBDIR}/{LAYOUT_FILE} (nor a NeMo 2 "
+                      f"checkpoint: no weights/metadata.json + context/).{hint}")
+
+
+def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike]) -> CheckpointSource:
+    cfg = hf_config_from_nemo(folder)
+    spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
+    config_source = None
+    if hf_config is not None:  # its config must describe the same model
+        config_source = _resolve_hf(hf_config)
+        other = ModelSpec.from_folder(config_source)
+        _same_model(other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml"))
+    _, dtype = open_nemo2_weights(folder, spec)
+    return CheckpointSource(NEMO2, folder, spec, "NeMo 2", dtype,
+                            lambda: open_nemo2_weights(folder, spec)[0], config_source)
+
+
+def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
+    da, db = a.to_dict(), b.to_dict()
+    diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
+    if diff:
+        raise ConfigError(f"{where_a} and {where_b} are different models: {diff[0]}={da[diff[0]]!r} vs "
+                          f"{db[diff[0]]!r}")
+
+
+def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLike] = None) -> CheckpointSource:
+    """Open and check a checkpoint: a Megatron one (a training ``step_XXXXXX`` folder, a
+    converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
+    from the checkpoint folder; a training checkpoint's files are checked against its
+    checksums.json first) or a NeMo 2 one (config from ``context/model.yaml``)."""
+    p = Path(path).expanduser()
+    if detect_format(p).kind == NEMO2:
+        return _open_nemo2(p, hf_config)
+    folder, root = _find_root(p)
+    if (folder / "checksums.json").is_file():
+        from nemo_d3s.trainer.checkpoint import verify_checkpoint
+
+        bad = verify_checkpoint(folder)
+        if bad:
+            raise ConfigError(f"{str(folder)!r} is not a complete training checkpoint: {bad}")
+    if hf_config is not None:
+        config_dir = _resolve_hf(hf_config)
+    elif (folder / "config.json").is_file():
+        config_dir = folder
+    else:
+        raise ConfigError(
+            f"{str(folder)!r} has no config.json (a training checkpoint): pass --hf-config DIR, the model folder "
+            "the run started from (model.name in the run's config.yaml)")
+    spec = ModelSpec.from_folder(config_dir)
+    saved = read_layout(root, spec)
+    if saved.tp < 1 or saved.pp < 1 or spec.num_layers % saved.pp or saved.padded_vocab < spec.vocab_size \
+            or saved.padded_vocab % saved.tp:
+        raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: TP{saved.tp} x PP{saved.pp} with padded vocabulary "
+                          f"{saved.padded_vocab} is not a layout of this model")
+    try:
+        check_layout(spec, tp=saved.tp, pp=saved.pp, world=saved.tp * saved.pp)
+    except ConfigError as e:
+        raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: {e}") from None
+    dtype = check_shards(root, spec, saved)
+    return CheckpointSource(MEGATRON, folder, spec, f"TP{saved.tp} x PP{saved.pp}", dtype,
+                            lambda: ShardedReader(root, spec, saved), config_dir if config_dir != folder else None)
+
+
+def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
+    """``src`` with its side files found and checked (tokenizer files are required)."""
+    if src.config_source is not None:
+        src.side = _folder_side_files(src.config_source, role=role)
+    elif src.kind == NEMO2:
+        src.side = _nemo_side_files(src.folder)
+    else:
+        src.side = _folder_side_files(src.folder, role="--ckpt")
+    return src
+
+
+def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    if name is None or name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype={name!r} must be one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _resolve_hf(hf: str | os.PathLike) -> Path:
+    from nemo_d3s.backends.hf.loading import resolve_model_path
+
+    try:
+        return Path(resolve_model_path(str(hf)))
+    except FileNotFoundError as e:
+        raise ConfigError(str(e)) from None
