@@ -25,7 +25,11 @@ this module adds so that the backend's own paths agree with it:
   is the same for plain ``.grad`` tensors (the backend's CPU optimizer path).
 - megatron-core's local layer spec builds its norms with ``WrappedTorchNorm``, which
   refuses SP (``transformer/torch_norm.py:32``; Apex's ``FusedLayerNorm`` and TE's
-  ``TENorm`` accept it and mark their weights ``sequence_parallel``).
+  ``TENorm`` accept it and mark their weights ``sequence_parallel``; on CUDA with TE the
+  norms are fused into the following linear, whose ``layer_norm_weight`` TE marks in
+  ``reset_parameters``: ``transformer_engine/pytorch/module/layernorm_linear.py`` and
+  ``layernorm_mlp.py``, ``setattr(self.layer_norm_weight, "sequence_parallel", ...)``;
+  not run here: no GPU).
   :func:`local_block_spec` is the local spec with :class:`RMSNorm` instead, torch's RMSNorm
   whose weight carries that mark: same parameters, same names, same math per position.
 
