@@ -20,7 +20,6 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
-from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.loading import load_tokenizer, resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
@@ -46,8 +45,8 @@ from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
     load_stage_from_hf,
-    te_available,
     transformer_config,
+    use_transformer_engine,
     virtual_layouts,
     write_hf_folder,
 )
@@ -106,6 +105,9 @@ class MegatronBackend(Policy):
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         check_options(cfg)
+        from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+        set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -113,6 +115,9 @@ class MegatronBackend(Policy):
             self.dtype = torch.bfloat16 if cuda else torch.float32
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        # On CUDA a Transformer Engine that does not import is an error unless
+        # transformer_impl=local: decided here, before any collective, alike on every rank.
+        self.te = use_transformer_engine(cfg.transformer_impl, self.device)
         if not cuda:
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -165,7 +170,7 @@ class MegatronBackend(Policy):
         self.layout = Layout(
             tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
-            te=cuda and te_available(),
+            te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
                                     recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel,
@@ -173,11 +178,7 @@ class MegatronBackend(Policy):
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
         self.stage_layouts = virtual_layouts(self.layout, self.vpp)
-        p, last = self.layout.pp_rank, self.vpp - 1
-        chunks = [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
-                              post_process=p == pp - 1 and v == last, device=self.device,
-                              vp_stage=v if self.vpp > 1 else None)
-                  for v, lay in enumerate(self.stage_layouts)]
+        chunks = self._build_chunks(config)
         for chunk, lay in zip(chunks, self.stage_layouts):
             if isinstance(reader, ShardedReader):
                 with torch.no_grad():
@@ -190,8 +191,7 @@ class MegatronBackend(Policy):
         self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
         if cfg.use_reference:
-            refs = [copy.deepcopy(c).eval().requires_grad_(False) for c in chunks]
-            self.ref_model = refs if self.vpp > 1 else refs[0]
+            self.ref_model = self._build_reference(config)
         chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
@@ -205,9 +205,7 @@ class MegatronBackend(Policy):
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
         self.use_chat_template = cfg.use_chat_template
@@ -255,6 +253,32 @@ class MegatronBackend(Policy):
             pp=single(ps.get_pipeline_model_parallel_group()), device=world.device,
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
+
+    def _build_chunks(self, config) -> List[torch.nn.Module]:
+        """This rank's GPTModel stage, or one chunk per virtual stage of an interleaved
+        pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
+        of the last stage has the output layer). Uninitialised weights."""
+        p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
+        return [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
+                            post_process=p == pp - 1 and v == last, device=self.device,
+                            vp_stage=v if self.vpp > 1 else None)
+                for v, lay in enumerate(self.stage_layouts)]
+
+    def _build_reference(self, config):
+        """The frozen initial policy for the KL term: a second stage (or set of chunks) of
+        the same layout with the policy's current parameters copied in. Not
+        ``copy.deepcopy(self.model)``: megatron-core modules hold ProcessGroup handles (its
+        TP linears, the embedding), which cannot be copied. Memory: one more copy of this
+        rank's stage, no gradients."""
+        refs = self._build_chunks(config)
+        mine = self.model if isinstance(self.model, list) else [self.model]
+        with torch.no_grad():
+            for ref, chunk in zip(refs, mine):
+                params = dict(chunk.named_parameters())
+                for name, q in ref.named_parameters():
+                    q.copy_(params[name])
+        refs = [r.eval().requires_grad_(False) for r in refs]
+        return refs if self.vpp > 1 else refs[0]
 
     @property
     def weights_dtype(self) -> torch.dtype:
