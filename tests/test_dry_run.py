@@ -112,17 +112,17 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
 
 def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
     """What the 70B recipe's comment says: at TP 4 x PP 4 in Megatron's default rank order the
-    engines of the four TP x PP copies start two per node on nodes 0-1 (two TP-8 vLLM engines
-    on every GPU there: does not fit); in tp-pp-dp order one per even node (fits)."""
+    engines of the four TP x PP copies start at ranks 0, 4, 8, 12, two per node on nodes 0-1,
+    where a TP-8 engine from local rank 4 would need GPUs 4..11: the layout cannot run (an
+    error naming it); in tp-pp-dp order one engine per even node, on GPUs 0-7 (fits)."""
     report = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
     assert report["fits"] and report["layout"]["rank_order"] == "tp-cp-ep-pp-dp"
     assert report["vllm"]["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
     assert report["vllm"]["shards_per_gpu"] == 1
-    default = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}",
-                             "model.params.use_tp_pp_dp_mapping=false"]), JobShape(8, 8, "test"))
-    assert not default["fits"] and default["layout"]["rank_order"] == "tp-cp-ep-dp-pp"
-    assert default["vllm"]["engines_per_node"] == {"0": 2, "1": 2} and default["vllm"]["shards_per_gpu"] == 2
-    assert default["worst"]["largest_term"] == "vllm" and default["worst"]["phase"] == "generation"
+    assert report["vllm"]["engine_gpus"]["16"] == [f"node2:gpu{g}" for g in range(8)]
+    with pytest.raises(ConfigError, match="the engine of local rank 4 needs GPUs 4..11"):
+        plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "model.params.use_tp_pp_dp_mapping=false"]),
+             JobShape(8, 8, "test"))
 
 
 def test_plain_adamw_is_planned_unsharded(tmp_path):
@@ -173,13 +173,16 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     assert len(report["positions"]) == 16
     for x in report["positions"]:
         assert {"tp_rank", "pp_rank", "params", "terms_bytes", "peak_bytes", "fits"} <= set(x)
-        assert {"weights", "grads", "optimizer", "activations", "vllm"} <= set(x["terms_bytes"])
+        assert {"weights", "grads", "optimizer", "activations"} <= set(x["terms_bytes"])
+        # the TP-8 engine of a copy runs on its ranks 0-7: stages 0 and 1 (TP 4 each) of node 2k
+        assert ("vllm" in x["terms_bytes"]) == (x["pp_rank"] < 2), x
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained
 
 
 def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
     r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}",
-              "model.params.tensor_model_parallel_size=1", "model.params.pipeline_model_parallel_size=1"],
+              "model.params.tensor_model_parallel_size=1", "model.params.pipeline_model_parallel_size=1",
+              "rollout.tensor_parallel_size=1"],  # one engine per rank: one GPU each
              NNODES="8", GPUS_PER_NODE="8")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verdict: DOES NOT FIT in 80 GB per GPU" in r.stdout
@@ -309,10 +312,11 @@ def test_activation_and_logit_bytes_by_hand():
     rc = Workload(**{**w.__dict__, "recompute": True})
     assert activation_bytes(spec, rc, tp=2, pp=2, stage=0) == (2 * 2 * 2560 + 19840, 2)
     # Logits on 512 / 2 = 256 vocabulary columns per TP rank: training keeps logits + their
-    # gradient (2 x 2 bytes x 2 rows x 10 x 256 = 20480), scoring 4 rows x 2 bytes (20480:
-    # equal, training is reported); workspace 3 fp32 buffers of min(1024, 4 x 10) rows x 256.
+    # gradient + GPTModel's batch-first copy (3 x 2 bytes x 2 rows x 10 x 256 = 30720), scoring
+    # 4 rows + their copy (2 x 2 bytes x 4 x 10 x 256 = 40960: larger, scoring is reported);
+    # workspace 3 fp32 buffers of min(1024, 4 x 10) rows x 256.
     got, which = logits_bytes(512, w, tp=2)
-    assert got == 20480 + 3 * 4 * 40 * 256 and which.startswith("training")
+    assert got == 40960 + 3 * 4 * 40 * 256 and which.startswith("scoring")
     # KV cache per token per GPU, 70B shape (80 layers, 8 KV heads of 128) at vLLM TP 8:
     # K and V x 80 layers x 1 head x 128 x 2 bytes = 40960; at TP 16 the heads are replicated.
     big = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / "llama3_70b")
@@ -447,12 +451,12 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
     assert w["seq_len"] == 16384 and w["seq_len"] - 1024 >= 8192 and w["sequence_parallel"] and w["recompute"]
     assert w["micro_batch_tokens"] == 32768 and report["context_parallel_needed"] == []
     first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
-    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 55.9
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 57.0
     assert round(report["worst"]["peak_bytes"] / GB, 1) == 74.9 and report["vllm"]["kv_tokens"] >= 16384
     no_sp = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}",
                            "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
-    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 89.7
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 90.8
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
@@ -465,3 +469,35 @@ def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
     assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
     with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
         plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))
+
+
+def test_vllm_gpus_count_what_stays_resident(tmp_path):
+    """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
+    while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
+    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
+    empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
+    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
+    tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
+    stays while the policy trains."""
+    from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
+
+    def first(extra=()):
+        r = plan(_compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]), JobShape(1, 8, "test"))
+        return r, next(p for p in r["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
+
+    report, x = first()
+    t, v = x["terms_bytes"], report["vllm"]
+    assert v["engine_gpus"] == {str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)}
+    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
+    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "runtime"))
+    assert x["train_peak_bytes"] == pytest.approx(resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8)
+    assert x["generation_peak_bytes"] == pytest.approx(resident + t["vllm"], abs=8)
+    kept = x["generation_peak_if_cache_kept_bytes"]
+    assert kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8) and kept > 80 * GB
+    rb = v["refit_bytes"]
+    assert rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)  # the embedding is one bucket
+    assert x["refit_peak_bytes"] == pytest.approx(resident + t["vllm_asleep"] + sum(rb.values()), abs=8)
+    _, eager = first(["rollout.enforce_eager=true"])
+    assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
+    _, awake = first(["rollout.sleep=false"])
+    assert awake["terms_bytes"]["vllm_asleep"] == t["vllm"]

@@ -228,6 +228,18 @@ class Policy(abc.ABC):
         for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
         holds the whole model twice). Collective on a sharded policy."""
 
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``hf_weights`` for a rollout engine's refit (``backends.refit``): the same stream,
+        but each tensor left on the policy's device (no host copy: the refit moves it GPU to
+        GPU, or drops it on a rank that hosts no engine). Collective like ``hf_weights``."""
+        return self.hf_weights()
+
+    def rollout_engine_ranks(self, world_size: int) -> List[int]:
+        """Global ranks that build an engine other than the policy's own, out of
+        ``world_size`` (what :meth:`place_rollout_engine` does; the GPU placement is checked
+        on it before any engine starts): every rank by default."""
+        return list(range(int(world_size)))
+
     @property
     def weights_dtype(self) -> Optional[torch.dtype]:
         """The dtype ``hf_weights`` yields (None: ask the first tensor)."""

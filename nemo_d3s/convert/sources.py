@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, detect_format
+from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, FolderFormat, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
@@ -152,11 +152,12 @@ class CheckpointSource:
             yield name, (t if dtype is None else t.to(dtype))
 
 
-def _find_root(path: Path) -> Tuple[Path, Path]:
-    """(checkpoint folder, its megatron/ folder) for a checkpoint folder or its megatron/."""
+def _find_root(path: Path) -> FolderFormat:
+    """The Megatron checkpoint at ``path`` (a checkpoint folder or its megatron/); a
+    ConfigError saying what ``path`` is instead."""
     fmt = detect_format(path)
     if fmt.kind == MEGATRON:
-        return fmt.folder, fmt.shards
+        return fmt
     if not path.exists():
         raise ConfigError(f"--ckpt {str(path)!r}: no such folder")
     steps = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("step_")) if path.is_dir() else []
@@ -196,8 +197,9 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
     p = Path(path).expanduser()
     if detect_format(p).kind == NEMO2:
         return _open_nemo2(p, hf_config)
-    folder, root = _find_root(p)
-    if (folder / "checksums.json").is_file():
+    fmt = _find_root(p)
+    folder, root = fmt.folder, fmt.shards
+    if fmt.training:
         from nemo_d3s.trainer.checkpoint import verify_checkpoint
 
         bad = verify_checkpoint(folder)

@@ -34,29 +34,33 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   position (``context_parallel_needed``): only context parallelism would split it further,
   which megatron-core runs only with Transformer Engine's attention (refused here).
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
-  kept for the backward, plus their gradient (2 d bytes per element: with bf16 the size of
-  one fp32 copy), or the scoring pass's ``logprob_micro_batch_size`` rows (d bytes per
-  element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
+  kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
+  element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes
+  per element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
   (3 buffers of ``entropy_chunk_size x V_pad / TP``).
 - reference: d P when ``algorithm.kl_coef > 0`` (a frozen copy of the stage).
 - hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
   sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
   generates at once (all of its group's rollouts, or ``generation_batch_size``).
 - runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
-- vllm (``rollout.engine=vllm``, colocated): the engine takes ``gpu_memory_utilization`` x
-  the GPU while it generates (its weights d N / vLLM-TP, its profiled activations and the
-  KV cache); it sleeps while the policy trains (``rollout.sleep``). One engine per TP x PP
-  group, started on that group's first rank (Megatron's rank order puts those ranks on the
-  first nodes), its vLLM-TP workers on that node: ``vllm_shards_per_gpu`` engines share the
-  busiest GPU. The training state (weights, grads, optimizer, reference) stays resident
-  while vLLM generates. KV budget per GPU = utilization x GPU - vLLM weights - vLLM
-  activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold
-  one ``max_model_len`` sequence.
+- vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
+  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on that
+  rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would
+  share a GPU is an error). Only the positions whose GPU carries an engine worker get these
+  terms: vllm = ``gpu_memory_utilization`` x the GPU while it generates (its weights d N /
+  vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps while the
+  policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of vllm when
+  ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's gathered
+  tensors and the next gather's TP shards while the engine's weights are awake for a refit. KV budget per GPU = utilization x GPU -
+  vLLM weights - vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start
+  when it cannot hold one ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
-= resident + activations + logits (+ vLLM when it does not sleep); generation = resident +
-hf_kv_cache or shards x utilization x GPU. The verdict compares
-the larger with ``trainer.gpu_memory_gb`` (decimal GB).
+= resident + activations + logits + vllm_asleep; generation = resident + hf_kv_cache or vllm
+(every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
+the last update's activations are not still reserved); refit = resident + vllm_asleep +
+refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
+(decimal GB).
 """
 
 from __future__ import annotations
@@ -139,10 +143,13 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
 
 def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str]:
     """(bytes, which pass) of the last stage's logits: training (logits + gradient) or
-    scoring (logits only), whichever is larger, plus the kernel's chunk workspace."""
+    scoring (logits only), whichever is larger, each plus the copy GPTModel makes when it
+    returns them batch-first (``logits.transpose(0, 1).contiguous()``, megatron-core 0.16.1
+    ``models/gpt/gpt_model.py:712``: both layouts exist at once, and again for the gradient),
+    plus the kernel's chunk workspace."""
     v = padded_vocab / tp
-    train = 2 * w.dtype_bytes * w.train_tokens * v
-    score = w.dtype_bytes * w.score_tokens * v
+    train = 3 * w.dtype_bytes * w.train_tokens * v
+    score = 2 * w.dtype_bytes * w.score_tokens * v
     work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.train_tokens, w.score_tokens)) * v
     if train >= score:
         return train + work, f"training micro-batch {_micro_text(w.micro_batch, w.micro_batch_tokens, w.seq_len)}"

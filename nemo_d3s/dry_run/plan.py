@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
-from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.vllm.memory import engine_plan, engine_positions, refit_bytes, sleeping_engine_bytes
 from nemo_d3s.dry_run.memory import (
     GB,
     GENERATION,
@@ -207,15 +208,14 @@ def _workload(s: _Setup) -> Workload:
 
 
 def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str) -> Dict[str, Any]:
-    """Engines per node (one per TP x PP group, on its first rank's node) and the shards
-    the busiest GPU carries when each node spreads its engines' vLLM-TP workers over its
-    GPUs as evenly as it can."""
-    per_node: Dict[int, int] = {}
-    for r in first_ranks_of_model_copies(tp, pp, dp, order):
-        per_node[r // shape.gpus_per_node] = per_node.get(r // shape.gpus_per_node, 0) + 1
-    shards = max(-(-n * vllm_tp // shape.gpus_per_node) for n in per_node.values())
-    return {"engines": dp, "engines_per_node": {str(k): v for k, v in sorted(per_node.items())},
-            "shards_per_gpu": shards}
+    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
+    engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
+    its node); ConfigError when two engines would share a GPU or one runs past its node."""
+    try:
+        return engine_plan(first_ranks_of_model_copies(tp, pp, dp, order), nodes=shape.nodes,
+                           gpus_per_node=shape.gpus_per_node, tensor_parallel_size=vllm_tp)
+    except ValueError as e:
+        raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
 
 # ----------------------------------------------------------------------------- the parts of the plan
@@ -249,6 +249,14 @@ def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, 
              "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
              "longest_rollout": w.gen_len, "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
              "sleep": bool(cfg.rollout.sleep), **placement}
+    graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
+    largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+    terms.update(
+        cuda_graphs=graphs, asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+        refit_bytes=refit_bytes(engine_weight_bytes=weights, tp=s.tp, largest_tensor_bytes=largest,
+                                bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20)),
+        engine_positions=[list(x) for x in engine_positions(
+            s.tp, s.pp, vllm_tp, stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp)])
     problems: List[str] = []
     if terms["kv_cache_bytes"] <= 0:
         problems.append(f"vLLM: rollout.gpu_memory_utilization={terms['utilization']} x {gpu / GB:g} GB "
@@ -292,15 +300,19 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         rows = w.rows_per_engine if s.mcfg.generation_batch_size is None else min(
             w.rows_per_engine, int(s.mcfg.generation_batch_size))
         terms["hf_kv_cache"] = rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
-    if s.engine == "vllm":
-        terms["vllm"] = vllm_terms["shards_per_gpu"] * vllm_terms["reserved_bytes"]
+    on_engine_gpu = s.engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
+    if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
+        rb = vllm_terms["refit_bytes"]
+        terms["vllm"] = vllm_terms["reserved_bytes"]
+        terms["vllm_asleep"] = vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
+        terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["runtime"] = RUNTIME_BYTES
     resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
-    train_peak = resident + sum(v for k, v in terms.items() if k in TRAINING)
+    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
+    train_peak = resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
     gen_peak = resident + sum(v for k, v in terms.items() if k in GENERATION)
-    if s.engine == "vllm" and not vllm_terms["sleep"]:
-        train_peak += terms["vllm"]  # an engine that does not sleep keeps its memory while the policy trains
-    peak = max(train_peak, gen_peak)
+    refit_peak = resident + terms["vllm_asleep"] + terms["refit"] + rb["engine_weights"] if on_engine_gpu else 0.0
+    peak = max(train_peak, gen_peak, refit_peak)
     counted = {k: v for k, v in terms.items() if k != "runtime"}
     cp_need = context_parallel_need(resident, minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
                                     s.gpu, seq_len=w.seq_len, position=f"(TP {t}, PP {p})")
@@ -308,8 +320,12 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         "tp_rank": t, "pp_rank": p, "params": n, "real_params": real_param_count(spec, layout),
         "layers": spec.num_layers // s.pp, "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
-        "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak), "peak_bytes": int(peak),
-        "peak_phase": "training" if train_peak >= gen_peak else "generation",
+        "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak),
+        "refit_peak_bytes": int(refit_peak), "peak_bytes": int(peak),
+        # what generation would need if the trainer kept its cached blocks (not what runs)
+        **({"generation_peak_if_cache_kept_bytes": int(train_peak - terms["vllm_asleep"] + terms["vllm"])}
+           if on_engine_gpu else {}),
+        "peak_phase": "training" if peak == train_peak else "generation" if peak == gen_peak else "refit",
         "largest_term": max(counted, key=lambda k: counted[k]), "fits": peak <= s.gpu,
         **({"logits_from": logit_note} if logit_note else {}),
         **({"context_parallel_needed": cp_need} if cp_need else {}),

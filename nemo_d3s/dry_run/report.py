@@ -11,7 +11,7 @@ from nemo_d3s.dry_run.memory import GB
 __all__ = ["render"]
 
 _COLUMNS = ("weights", "grads", "optimizer", "reference", "activations", "logits", "hf_replica", "hf_kv_cache",
-            "runtime", "vllm")
+            "runtime", "vllm", "vllm_asleep", "refit")
 
 
 def _count(n: int) -> str:

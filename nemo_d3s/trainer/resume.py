@@ -29,7 +29,7 @@ RESUME_SAFE = (
     "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "trainer.dry_run", "trainer.gpu_memory_gb",
     "task.max_eval_size",
     "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
-    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
+    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb", "rollout.refit_bucket_mb",
 )
 
 

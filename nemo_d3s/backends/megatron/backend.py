@@ -24,10 +24,11 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,7 @@ from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
+from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
@@ -85,6 +87,16 @@ class _LRSchedule:
     def set_step(self, n: int) -> None:
         self.step_count = int(n)
         self._apply()
+
+
+def _own_gpu_entry() -> Optional[str]:
+    """This rank's GPU as its entry in the node's visible devices (what an engine's
+    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from nemo_d3s.backends.vllm.placement import local_gpus
+
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[torch.cuda.current_device()]
 
 
 def _world_size() -> int:
@@ -211,6 +223,7 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[ModelParallelRollouts] = None
+        self._mp_gloo = None
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
@@ -284,16 +297,38 @@ class MegatronBackend(Policy):
     def weights_dtype(self) -> torch.dtype:
         return self.dtype
 
+    def rollout_engine_ranks(self, world_size: int) -> List[int]:
+        """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
+        tp, pp = self.layout.tp, self.layout.pp
+        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp),
+                                           rank_order(bool(self.cfg.use_tp_pp_dp_mapping)))
+
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False)
+
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
-        TP x PP group, not per rank); the group's other ranks receive its rollouts."""
+        TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
+        rank tells the group how refits travel (transport, bucket size, dtype) and on which
+        node and GPUs the engine runs (a rank on one of them stages refit buckets there)."""
         mp, src = self._mp_group()
         inner = build() if dist.get_rank() == src else None
-        flags = [(inner.prompt_seeds, inner.on_policy) if inner is not None else None]
-        if mp is not None:
-            dist.broadcast_object_list(flags, src=src, group=mp)
-        prompt_seeds, on_policy = flags[0]
-        return ModelParallelRollouts(inner, self.tokenizer, mp, src, prompt_seeds=prompt_seeds, on_policy=on_policy)
+        refit = None
+        if inner is not None and getattr(inner, "transport", None) is not None:
+            refit = {"transport": inner.transport, "bucket_bytes": int(inner.bucket_bytes),
+                     "dtype": str(inner.weights_dtype).removeprefix("torch."),
+                     "host": socket.gethostname(), "gpus": (inner.visible_devices or "").split(",")}
+        flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+        group = self._mp_gloo_group() if mp is not None else None
+        if group is not None:
+            dist.broadcast_object_list(flags, src=src, group=group)
+        prompt_seeds, on_policy, refit = flags[0]
+        if refit is not None:
+            refit["hosts_engine_gpu"] = self.device.type == "cuda" and refit.pop("host") == socket.gethostname() \
+                and _own_gpu_entry() in refit.pop("gpus")
+        return ModelParallelRollouts(inner, self.tokenizer, group, src, prompt_seeds=prompt_seeds, on_policy=on_policy,
+                                     policy=self, refit=refit, device=self.device)
 
     def _mp_group(self):
         """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
@@ -301,6 +336,21 @@ class MegatronBackend(Policy):
 
         mp = ps.get_model_parallel_group()
         return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+    def _mp_gloo_group(self):
+        """A gloo group of this rank's model-parallel ranks (Megatron's is NCCL on CUDA; on
+        the CPU it is gloo already and is used as it is). Collective over the whole job:
+        every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+        if self._mp_gloo is None:
+            mp, _ = self._mp_group()
+            if dist.get_backend(mp) == "gloo":
+                self._mp_gloo = mp
+            else:
+                everyone: List[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
+                groups = sorted({tuple(sorted(r)) for r in everyone})
+                self._mp_gloo, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+        return self._mp_gloo
 
     def _build_engine(self) -> ModelParallelRollouts:
         """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
