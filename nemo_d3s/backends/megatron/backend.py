@@ -305,7 +305,7 @@ class MegatronBackend(Policy):
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False)
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp)
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
