@@ -383,6 +383,38 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
     assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), report["problems"]
 
 
+def test_vllm_gpus_count_what_stays_resident(tmp_path):
+    """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
+    while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
+    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
+    empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
+    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
+    tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
+    stays while the policy trains."""
+    from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
+
+    def first(extra=()):
+        r = plan(_compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]), JobShape(1, 8, "test"))
+        return r, next(p for p in r["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
+
+    report, x = first()
+    t, v = x["terms_bytes"], report["vllm"]
+    assert v["engine_gpus"] == {str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)}
+    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
+    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "runtime"))
+    assert x["train_peak_bytes"] == pytest.approx(resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8)
+    assert x["generation_peak_bytes"] == pytest.approx(resident + t["vllm"], abs=8)
+    kept = x["generation_peak_if_cache_kept_bytes"]
+    assert kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8) and kept > 80 * GB
+    rb = v["refit_bytes"]
+    assert rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)  # the embedding is one bucket
+    assert x["refit_peak_bytes"] == pytest.approx(resident + t["vllm_asleep"] + sum(rb.values()), abs=8)
+    _, eager = first(["rollout.enforce_eager=true"])
+    assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
+    _, awake = first(["rollout.sleep=false"])
+    assert awake["terms_bytes"]["vllm_asleep"] == t["vllm"]
+
+
 # ----------------------------------------------------------------------------- long sequences
 def test_sequence_parallel_and_token_budget_terms_by_hand():
     from nemo_d3s.dry_run.sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
@@ -469,35 +501,3 @@ def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
     assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
     with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
         plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))
-
-
-def test_vllm_gpus_count_what_stays_resident(tmp_path):
-    """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
-    while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
-    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
-    empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
-    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
-    tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
-    stays while the policy trains."""
-    from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
-
-    def first(extra=()):
-        r = plan(_compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]), JobShape(1, 8, "test"))
-        return r, next(p for p in r["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
-
-    report, x = first()
-    t, v = x["terms_bytes"], report["vllm"]
-    assert v["engine_gpus"] == {str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)}
-    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
-    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "runtime"))
-    assert x["train_peak_bytes"] == pytest.approx(resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8)
-    assert x["generation_peak_bytes"] == pytest.approx(resident + t["vllm"], abs=8)
-    kept = x["generation_peak_if_cache_kept_bytes"]
-    assert kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8) and kept > 80 * GB
-    rb = v["refit_bytes"]
-    assert rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)  # the embedding is one bucket
-    assert x["refit_peak_bytes"] == pytest.approx(resident + t["vllm_asleep"] + sum(rb.values()), abs=8)
-    _, eager = first(["rollout.enforce_eager=true"])
-    assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
-    _, awake = first(["rollout.sleep=false"])
-    assert awake["terms_bytes"]["vllm_asleep"] == t["vllm"]
