@@ -287,6 +287,12 @@ class TrainerConfig(Section):
     num_mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 8
     logprob_micro_batch_size: int = 16
+    # Token budgets instead of row counts (0 = the fixed sizes above): rows sorted by length
+    # and packed while rows x longest row <= the budget (a longer row runs alone), so a
+    # long-tailed batch does not pad every micro-batch to its longest response. Same
+    # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
+    micro_batch_tokens: int = 0
+    logprob_micro_batch_tokens: Optional[int] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
@@ -328,8 +334,11 @@ class TrainerConfig(Section):
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "logprob_micro_batch_size",
                      "num_mini_batches", "eval_batch_size", "keep_last"):
             self._check(is_count(getattr(self, name), 1), name, "must be an integer >= 1")
-        for name in ("eval_every", "save_every", "warmup_steps", "top_k", "max_failed_reward_steps"):
+        for name in ("eval_every", "save_every", "warmup_steps", "top_k", "max_failed_reward_steps",
+                     "micro_batch_tokens"):
             self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
+        lmt = self.logprob_micro_batch_tokens
+        self._check(lmt is None or is_count(lmt, 0), "logprob_micro_batch_tokens", "must be an integer >= 0 or null")
         self._built(self.generation)
         self._check(is_number(self.lr) and self.lr > 0, "lr", "learning rate must be > 0")
         self._check(is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")

@@ -208,7 +208,8 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     (["trainer.prompts_per_step=6"], "trainer.prompts_per_step=6: must be divisible by the number of data-parallel"),
     (["rollout.max_model_len=2048"], "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
                                      "rollout.max_model_len (2048)"),
-    (["+model.params.sequence_parallel=true"], "sequence_parallel=true is not supported"),
+    (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
+    (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
     (["model.params.tensor_model_parallel_size=16", "model.params.pipeline_model_parallel_size=1"],
      "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16"),
     (["rollout.tensor_parallel_size=16"], "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node"),
@@ -253,12 +254,21 @@ def test_job_shape_from_the_environment():
         job_shape({}, nodes=0)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", sorted(RECIPES) + ["llama3_70b_long"])
 def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
     cfg = _compose([f"experiment={name}", "output_dir=x"])
-    assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (RECIPES[name][0], 8)
-    tp, pp, dp = RECIPES[name][3]
+    nodes, layout = (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
+    assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (nodes, 8)
+    tp, pp, dp = layout
     assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
+
+
+def test_every_planned_recipe_file_is_in_the_shape_test():
+    """A new recipe (a conf/experiment file on the Megatron model with a dry-run line) must
+    state its shape too: it is listed above."""
+    conf = REPO / "conf" / "experiment"
+    planned = {f.stem for f in conf.glob("*.yaml") if "trainer.dry_run=true" in f.read_text()}
+    assert planned == set(RECIPES) | {"llama3_70b_long"}, planned
 
 
 # ----------------------------------------------------------------------------- formulas by hand
@@ -428,3 +438,91 @@ def test_vllm_gpus_count_what_stays_resident(tmp_path):
     assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
     _, awake = first(["rollout.sleep=false"])
     assert awake["terms_bytes"]["vllm_asleep"] == t["vllm"]
+
+
+# ----------------------------------------------------------------------------- long sequences
+def test_sequence_parallel_and_token_budget_terms_by_hand():
+    from nemo_d3s.dry_run.sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
+
+    # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
+    assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True) == 40 * (128 + 240)
+    assert replicated_share(4, True) == 0.25 and replicated_share(1, True) == replicated_share(4, False) == 1.0
+    # tokens per micro-batch: rows x seq_len, or the budget, or one row longer than it
+    assert tokens_per_micro_batch(2, 10) == 20
+    assert tokens_per_micro_batch(2, 10, 15) == 15 and tokens_per_micro_batch(2, 10, 5) == 10
+    # micro-batches per step with every row at seq_len: whole rows per budget, at least one
+    assert micro_batches_per_step(8, 10, 2) == 4
+    assert micro_batches_per_step(8, 10, 2, 35) == 3 and micro_batches_per_step(8, 10, 2, 5) == 8
+    spec = _tiny()
+    w = Workload(seq_len=10, gen_len=12, micro_batch=2, logprob_micro_batch=4, micro_batches=5,
+                 rows_per_engine=8, recompute=True, dtype_bytes=2, chunk=1024, sequence_parallel=True)
+    # full recompute under SP: each layer's input split over TP (2560 / 2) + one layer's full set
+    assert activation_bytes(spec, w, tp=2, pp=2, stage=0) == (2 * 2 * 1280 + 40 * 368, 2)
+    # a budget of 35 tokens: 35 x 2 bytes x 368 per layer-token
+    b = Workload(**{**w.__dict__, "recompute": False, "micro_batch_tokens": 35})
+    assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (2 * 35 * 2 * 368, 1)
+
+
+def _tiny_tp2pp2(tmp_path):
+    """Overrides of a TP 2 x PP 2 plan of the tiny config-only model: 16 rows of 10 tokens."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_tiny_config()))
+    return ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
+            "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
+            "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
+            "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", f"output_dir={tmp_path / 'out'}"]
+
+
+def test_plan_counts_sequence_parallel_activations(tmp_path):
+    base = _tiny_tp2pp2(tmp_path)
+    off = plan(_compose(base), JobShape(1, 8, "test"))
+    on = plan(_compose([*base, "+model.params.sequence_parallel=true"]), JobShape(1, 8, "test"))
+    assert on["workload"]["sequence_parallel"] and not off["workload"]["sequence_parallel"]
+    act = [r["positions"][0]["terms_bytes"]["activations"] for r in (off, on)]
+    assert act == [2 * 2 * 19840, 2 * 2 * 40 * 368]
+    assert off["context_parallel_needed"] == on["context_parallel_needed"] == []
+
+
+def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
+    """Rows of 131k tokens on the 70B recipe: one row per micro-batch with SP and full
+    recompute still exceeds 80 GB on the first stage; the dry run says context parallelism
+    would be needed and that it runs only with Transformer Engine's attention."""
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null",
+                    "trainer.max_new_tokens=129000"])  # the recipe runs sequence parallelism
+    report = plan(cfg, JobShape(8, 8, "test"))
+    assert not report["fits"]
+    need = report["context_parallel_needed"]
+    assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
+    assert any("Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"])
+
+
+def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
+    """experiment=llama3_70b_long (rows of 16384 tokens, responses of 15360): fits 80 GB on
+    8 x 8 GPUs with SP, full recompute and 32768-token micro-batches, as its comment says;
+    without SP the same budget does not fit (stage 0's activations)."""
+    report = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    print(render(report))
+    assert report["fits"], report["problems"]
+    w = report["workload"]
+    assert w["seq_len"] == 16384 and w["seq_len"] - 1024 >= 8192 and w["sequence_parallel"] and w["recompute"]
+    assert w["micro_batch_tokens"] == 32768 and report["context_parallel_needed"] == []
+    first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 57.0
+    assert round(report["worst"]["peak_bytes"] / GB, 1) == 74.9 and report["vllm"]["kv_tokens"] >= 16384
+    no_sp = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}",
+                           "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
+    assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 90.8
+
+
+def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
+    from nemo_d3s.dry_run.sequence import interleaving_factor
+
+    assert interleaving_factor(4, 2) == 1.375 and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
+    base = _tiny_tp2pp2(tmp_path)
+    report = plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=2"]), JobShape(1, 8, "test"))
+    # stage 0: 2 micro-batches in flight x 2 layers x 19840 bytes x (1 + 1 / 4)
+    assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
+    with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
+        plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))

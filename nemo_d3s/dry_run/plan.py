@@ -42,8 +42,10 @@ from nemo_d3s.dry_run.memory import (
     kv_bytes_per_token,
     logits_bytes,
     megatron_lm_reference,
+    minimal_training_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
@@ -153,6 +155,10 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
     except ConfigError as e:
         raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)") from None
     validate_layout(cfg, dp)
+    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    if spec.num_layers % (pp * vpp):
+        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
+                          f"virtual_pipeline_model_parallel_size = {pp * vpp}")
     return _Setup(cfg=cfg, mcfg=mcfg, spec=spec, folder=folder, shape=shape, gpu=float(gpu_gb) * GB, tp=tp, pp=pp,
                   dp=dp, order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
                   vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
@@ -190,16 +196,22 @@ def _workload(s: _Setup) -> Workload:
                           f"{where} ({ctx}): the longest rollout would not fit")
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
+    budget = int(t.micro_batch_tokens)
+    lp_budget = budget if t.logprob_micro_batch_tokens is None else int(t.logprob_micro_batch_tokens)
     return Workload(
         seq_len=int(limit) + new,
         gen_len=int(limit) + gen_new,
         micro_batch=int(t.micro_batch_size),
         logprob_micro_batch=int(t.logprob_micro_batch_size),
-        micro_batches=-(-per_dp_update // int(t.micro_batch_size)),
+        micro_batches=micro_batches_per_step(per_dp_update, int(limit) + new, int(t.micro_batch_size), budget),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
         dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
         chunk=int(mcfg.entropy_chunk_size),
+        sequence_parallel=bool(mcfg.sequence_parallel) and s.tp > 1,
+        micro_batch_tokens=budget,
+        logprob_micro_batch_tokens=lp_budget,
+        vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
     )
 
 
@@ -310,6 +322,8 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
     refit_peak = resident + terms["vllm_asleep"] + terms["refit"] + rb["engine_weights"] if on_engine_gpu else 0.0
     peak = max(train_peak, gen_peak, refit_peak)
     counted = {k: v for k, v in terms.items() if k != "runtime"}
+    cp_need = context_parallel_need(resident, minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+                                    s.gpu, seq_len=w.seq_len, position=f"(TP {t}, PP {p})")
     return {
         "tp_rank": t, "pp_rank": p, "params": n, "real_params": real_param_count(spec, layout),
         "layers": spec.num_layers // s.pp, "in_flight_micro_batches": in_flight,
@@ -322,6 +336,7 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         "peak_phase": "training" if peak == train_peak else "generation" if peak == gen_peak else "refit",
         "largest_term": max(counted, key=lambda k: counted[k]), "fits": peak <= s.gpu,
         **({"logits_from": logit_note} if logit_note else {}),
+        **({"context_parallel_needed": cp_need} if cp_need else {}),
     }
 
 
@@ -356,6 +371,9 @@ def _verdict(s: _Setup, positions: List[Dict[str, Any]], problems: List[str]) ->
                            + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
                            + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
                            "(tensor/pipeline_model_parallel_size)")
+    needs_cp = [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x]
+    if needs_cp:
+        problems.append(needs_cp[0]["message"])
     if not all(x["fits"] for x in positions):
         problems.append(f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
                         f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
@@ -365,8 +383,9 @@ def _verdict(s: _Setup, positions: List[Dict[str, Any]], problems: List[str]) ->
 
 def _reference(s: _Setup, w: Workload, positions: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Megatron-LM's theoretical memory beside this model's first stage."""
-    ref = megatron_lm_reference(s.spec, padded_vocab=s.vocab, tp=s.tp, pp=s.pp, dp=s.dp, b=w.micro_batch,
-                                s=w.seq_len, micro_batches=w.micro_batches, dtype_bytes=w.dtype_bytes)
+    ref = megatron_lm_reference(s.spec, padded_vocab=s.vocab, tp=s.tp, pp=s.pp, dp=s.dp, b=1, s=w.train_tokens,
+                                micro_batches=w.micro_batches, dtype_bytes=w.dtype_bytes,
+                                sequence_parallel=w.sequence_parallel)
     first = max((x for x in positions if x["pp_rank"] == 0), key=lambda x: x["params"])
     no_recompute = Workload(**{**w.__dict__, "recompute": False})
     mine_act, _ = activation_bytes(s.spec, no_recompute, tp=s.tp, pp=s.pp, stage=0)
@@ -414,5 +433,6 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         "worst": {"tp_rank": worst["tp_rank"], "pp_rank": worst["pp_rank"], "peak_bytes": worst["peak_bytes"],
                   "phase": worst["peak_phase"], "largest_term": worst["largest_term"]},
         "vllm": vllm_terms or None,
+        "context_parallel_needed": [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x],
         "checks": {"shards_sum_params": shards_sum, "meta_build": meta, "megatron_lm_reference": _reference(s, w, positions)},
     }

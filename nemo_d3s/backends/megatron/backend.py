@@ -2,11 +2,13 @@
 
 Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
 NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
-``TransformerConfig`` -> this rank's stage, loaded straight from safetensors rows or
+``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
+``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
 run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
-pipelining at PP 1, 1F1B at PP > 1, the fused vocab-parallel log-prob/entropy kernel on the
-last stage, the trainer's loss sums scaled by the step normaliser). Rollouts come from one
+pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the fused
+vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums scaled by
+the step normaliser). Rollouts come from one
 engine per model-parallel group (``engine.py``). Checkpoints are sharded safetensors,
 reshardable (``formats/shards.py``; the optimizer state and who writes what:
 ``checkpoint.py``).
@@ -48,6 +50,7 @@ from nemo_d3s.backends.megatron.model import (
     load_stage_from_hf,
     transformer_config,
     use_transformer_engine,
+    virtual_layouts,
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
@@ -143,6 +146,10 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
+        self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
+        if self.spec.num_layers % (pp * self.vpp):
+            raise ConfigError(f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
+                              f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}")
         # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
@@ -182,16 +189,22 @@ class MegatronBackend(Policy):
             te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
-                                    recompute=cfg.gradient_checkpointing)
-        self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
-                                 post_process=ps.is_pipeline_last_stage(), device=self.device)
-        if isinstance(reader, ShardedReader):
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
-        else:
-            load_stage_from_hf(self.model, self.spec, self.layout, reader)
+                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel,
+                                    vpp=self.vpp)
+        # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
+        # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
+        self.stage_layouts = virtual_layouts(self.layout, self.vpp)
+        chunks = self._build_chunks(config)
+        for chunk, lay in zip(chunks, self.stage_layouts):
+            if isinstance(reader, ShardedReader):
+                with torch.no_grad():
+                    for name, prm in chunk.named_parameters():
+                        prm.copy_(read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
+            else:
+                load_stage_from_hf(chunk, self.spec, lay, reader)
+        if not isinstance(reader, ShardedReader):
             reader.close()
+        self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
         if cfg.use_reference:
             self.ref_model = self._build_reference(config)
@@ -242,13 +255,15 @@ class MegatronBackend(Policy):
         if ps.model_parallel_is_initialized() and world.owns_world:
             ps.destroy_model_parallel()  # left from an earlier process group of this process
         if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-            if have != (tp, pp):
-                raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+            if have != (tp, pp, self.vpp):
+                raise ValueError(f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}")
         else:
             from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
 
-            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping))
+            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping),
+                                       vpp=self.vpp)
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
             dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
@@ -256,20 +271,31 @@ class MegatronBackend(Policy):
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
 
-    def _build_reference(self, config) -> torch.nn.Module:
-        """The frozen initial policy for the KL term: a second stage of the same layout with
-        the policy's current parameters copied in. Not ``copy.deepcopy(self.model)``:
-        megatron-core modules hold ProcessGroup handles (its TP linears, the embedding),
-        which cannot be copied. Memory: one more copy of this rank's stage, no gradients."""
-        from megatron.core import parallel_state as ps
+    def _build_chunks(self, config) -> List[torch.nn.Module]:
+        """This rank's GPTModel stage, or one chunk per virtual stage of an interleaved
+        pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
+        of the last stage has the output layer). Uninitialised weights."""
+        p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
+        return [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
+                            post_process=p == pp - 1 and v == last, device=self.device,
+                            vp_stage=v if self.vpp > 1 else None)
+                for v, lay in enumerate(self.stage_layouts)]
 
-        ref = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
-                          post_process=ps.is_pipeline_last_stage(), device=self.device)
+    def _build_reference(self, config):
+        """The frozen initial policy for the KL term: a second stage (or set of chunks) of
+        the same layout with the policy's current parameters copied in. Not
+        ``copy.deepcopy(self.model)``: megatron-core modules hold ProcessGroup handles (its
+        TP linears, the embedding), which cannot be copied. Memory: one more copy of this
+        rank's stage, no gradients."""
+        refs = self._build_chunks(config)
+        mine = self.model if isinstance(self.model, list) else [self.model]
         with torch.no_grad():
-            mine = dict(self.model.named_parameters())
-            for name, q in ref.named_parameters():
-                q.copy_(mine[name])
-        return ref.eval().requires_grad_(False)
+            for ref, chunk in zip(refs, mine):
+                params = dict(chunk.named_parameters())
+                for name, q in ref.named_parameters():
+                    q.copy_(params[name])
+        refs = [r.eval().requires_grad_(False) for r in refs]
+        return refs if self.vpp > 1 else refs[0]
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -283,7 +309,7 @@ class MegatronBackend(Policy):
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False)
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp)
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
@@ -344,24 +370,25 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ Policy
     def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
-              micro_batch_size: int = 8) -> Scores:
+              micro_batch_size: int = 8, micro_batch_tokens: int = 0) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
         model = self.ref_model if reference else self.model
         return schedule.score(model, batch, self.groups, micro_batch_size=micro_batch_size,
                               with_entropy=with_entropy and not reference, vocab_size=self.spec.vocab_size,
-                              chunk_size=self.cfg.entropy_chunk_size)
+                              chunk_size=self.cfg.entropy_chunk_size, micro_batch_tokens=micro_batch_tokens)
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *,
-                   denominator: float) -> Dict[str, float]:
+                   denominator: float, micro_batch_tokens: int = 0) -> Dict[str, float]:
         return schedule.train_step(self.chunks, self.optimizer, batch, loss_fn, self.groups,
                                    micro_batch_size=micro_batch_size, denominator=denominator,
                                    grad_clip=self.cfg.grad_clip, vocab_size=self.spec.vocab_size,
-                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size)
+                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size,
+                                   micro_batch_tokens=micro_batch_tokens)
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups)
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, vpp=self.vpp)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -399,8 +426,12 @@ class MegatronBackend(Policy):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """This rank's shard (model, plain-AdamW moments, reference) under local names; the
-        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead."""
-        return ckpt.policy_tensors(self)
+        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead. With a
+        virtual pipeline, chunk i's names carry the prefix ``chunk<i>.``."""
+        n = len(ckpt.policy_stages(self))
+        if n == 1:
+            return ckpt.policy_tensors(self)
+        return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
         """Collective; see ``backends/megatron/checkpoint.save_policy``."""
