@@ -9,7 +9,8 @@ Modules (each lists its public names in ``__all__``; all of them are re-exported
 - ``entropy``          chunked full-vocabulary entropy and log-probs
 - ``losses``           GRPO / GSPO policy losses with global denominators (POLICY_LOSSES)
 - ``micro_batches``    rows -> micro-batches: fixed row counts or a token budget
-- ``d3s``              D3SConfig, PRESETS and the two-stage D3SSelector
+- ``presets``          D3SConfig and the papers' named PRESETS
+- ``d3s``              the two-stage D3SSelector (re-exports D3SConfig, PRESETS)
 - ``registry``, ``checks``  extension-point registry and input validation
 
 Importing this package imports torch and these modules only (tested).
@@ -22,6 +23,7 @@ from nemo_d3s.core import (
     entropy,
     losses,
     micro_batches,
+    presets,  # noqa: F401  (a public submodule)
     registry,  # noqa: F401  (a public submodule)
     sample_selection,
     schedules,
