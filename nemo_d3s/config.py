@@ -316,11 +316,8 @@ class TrainerConfig(Section):
     # memory against gpu_memory_gb (decimal GB of one GPU); no weights, no process group.
     dry_run: bool = False
     gpu_memory_gb: float = 80.0
-    # The cluster shape a recipe is planned for (nodes x GPUs per node): the dry run's world
-    # when neither NNODES / GPUS_PER_NODE nor Slurm's SLURM_JOB_NUM_NODES / SLURM_GPUS_ON_NODE
-    # are set (those override it); None = 1 x 8. Training takes its world from torchrun.
-    nodes: Optional[int] = None
-    gpus_per_node: Optional[int] = None
+    nodes: Optional[int] = None  # a recipe's cluster shape, nodes x gpus_per_node: the dry run's world
+    gpus_per_node: Optional[int] = None  # unless NNODES / GPUS_PER_NODE or Slurm's say otherwise; None = 1 x 8
 
     def generation(self) -> GenerationConfig:
         """The rollouts' sampling settings; GenerationConfig checks them (the one place

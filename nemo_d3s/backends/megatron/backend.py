@@ -136,8 +136,7 @@ class MegatronBackend(Policy):
 
             apply_cpu_compat()
         try:
-            # "tiny-random" (the smoke experiments): the HF backend's random Llama at its
-            # default shape, written once to the cache so Megatron can load it like any folder.
+            # "tiny-random" (smoke runs): the HF backend's random Llama, written once to the cache.
             tiny = cfg.model == TINY_RANDOM
             self.path = str(ensure_tiny_folder(TinyModelSpec(), cfg.seed) if tiny else resolve_model_path(cfg.model))
         except FileNotFoundError as e:
