@@ -44,7 +44,7 @@ import torch
 
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import sha256_file
+from nemo_d3s.files import CHECKSUMS, verify_checksums, write_checksums
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-CHECKSUMS = "checksums.json"
 _RNG_FORMAT = 2
 
 
@@ -165,34 +164,16 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     if not (path / CHECKSUMS).is_file():
         return f"no {CHECKSUMS} (incomplete, or written by a version without checksums)"
     try:
-        files = json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
-        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+        covered = "trainer_state.json" in json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
     except Exception as e:
         return f"{CHECKSUMS} is garbled ({first_line(e)})"
-    if "trainer_state.json" not in files:
+    if not covered:
         return f"{CHECKSUMS} does not cover trainer_state.json"
-    root = path.resolve()
-    for rel, size, digest in items:
-        f = (path / rel).resolve()
-        if root not in f.parents:
-            return f"{CHECKSUMS} names {rel!r}, outside the checkpoint"
-        if not f.is_file():
-            return f"{rel} is missing"
-        actual = f.stat().st_size
-        if actual != size:
-            return f"{rel} has {actual} bytes, {size} were written (truncated or overwritten)"
-        if sha256_file(f) != digest:
-            return f"{rel} does not match its SHA-256 checksum (corrupt)"
-    return None
+    return verify_checksums(path)
 
 
 def _write_checksums(path: Path) -> None:
-    files = {}
-    for f in sorted(path.rglob("*")):
-        if f.is_file() and f.name != CHECKSUMS:
-            rel = f.relative_to(path).as_posix()
-            files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
-    (path / CHECKSUMS).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+    write_checksums(path)
 
 
 def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
