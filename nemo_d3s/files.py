@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["CHECKSUMS", "FolderBusy", "FolderChanged", "FileLock", "current_umask", "apply_umask", "sha256_file",
+__all__ = ["CHECKSUMS", "FolderBusy", "FolderChanged", "FolderNotEmpty", "FileLock", "current_umask", "apply_umask", "sha256_file",
            "write_checksums", "verify_checksums", "fsync_tree", "staging_folders", "atomic_folder"]
 
 log = logging.getLogger("nemo_d3s.files")
@@ -224,6 +224,10 @@ class FileLock:
 
 
 # ============================================================================ atomic folders
+class FolderNotEmpty(FileExistsError):
+    """``atomic_folder(replace=False)``: the output holds files already."""
+
+
 class FolderChanged(OSError):
     """The output folder changed while it was being written; nothing was replaced and the
     finished output is kept at ``kept``."""
@@ -347,7 +351,7 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
       process is gone are removed first (and said so).
     - ``replace=True``: an existing ``dest`` is renamed aside first and removed after the
       rename (a reader sees the old folder or the new one, never a mix).
-    - ``replace=False``: an existing non-empty ``dest`` is an error (FileExistsError), unless
+    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`), unless
       ``peer_done(dest)`` says another process finished the same folder first: then its
       folder is kept and ours is discarded.
     - ``dest`` is compared with what it was at the start before publishing: when anything
@@ -375,7 +379,7 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
             held.acquire()
             _sweep_stale(dest)
         if not replace and dest.is_dir() and any(dest.iterdir()) and not (peer_done and peer_done(dest)):
-            raise FileExistsError(errno.EEXIST, f"{str(dest)!r} exists and is not empty")
+            raise FolderNotEmpty(errno.EEXIST, f"{str(dest)!r} exists and is not empty")
         before = _snapshot(dest)
         tmp.mkdir()
         yield tmp

@@ -14,6 +14,7 @@ import torch
 
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME, ensure_default_model
+from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
 
 TINY_RANDOM = "tiny-random"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,6 +146,8 @@ def load_model_and_tokenizer(
         model, tokenizer = _tiny_model_and_tokenizer(cfg.tiny, cfg.seed, dtype)
     else:
         path = str(resolve_model_path(cfg.model))
+        # A truncated or garbled weights file: one line naming it, not transformers' traceback.
+        check_safetensors_folder(path)
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         zero_dropout_config(config)
         kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}

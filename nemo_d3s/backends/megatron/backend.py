@@ -52,7 +52,8 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.shards import ShardedReader, read_layout, read_local_from_checkpoint
+from nemo_d3s.formats.checksums import check_checksums
+from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
@@ -127,6 +128,9 @@ class MegatronBackend(Policy):
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
         # collective: every rank fails alike.
         fmt = detect_format(self.path)
+        if fmt.kind in (NEMO2, MEGATRON):  # converted / NeMo 2 checkpoints written here carry checksums.json
+            check_checksums(fmt.folder, verify=cfg.verify_checksums,
+                            skip_hint="set model.params.verify_checksums=false")
         if fmt.kind == NEMO2:
             reader, _ = open_nemo2_weights(Path(self.path), self.spec)
             # Its config and tokenizer as an HF-style folder (this process's own, removed
@@ -136,7 +140,9 @@ class MegatronBackend(Policy):
             weakref.finalize(self, shutil.rmtree, side, True)
             self.path = str(write_side_folder(Path(self.path), Path(side)))
         elif fmt.kind == MEGATRON:
-            reader = ShardedReader(fmt.shards, self.spec, read_layout(fmt.shards, self.spec))
+            saved = read_layout(fmt.shards, self.spec)
+            check_shards(fmt.shards, self.spec, saved)  # headers only: a truncated shard is one line naming it
+            reader = ShardedReader(fmt.shards, self.spec, saved)
         else:
             reader = SafetensorsReader(self.path, self.spec)
             reader.check()
@@ -318,12 +324,18 @@ class MegatronBackend(Policy):
             return
         with atomic_folder(path) as tmp:
             write_hf_folder(weights, str(tmp))
-            cfg = json.loads(Path(self.path, "config.json").read_text())
-            cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-            if Path(self.path, "generation_config.json").is_file():
-                shutil.copyfile(Path(self.path, "generation_config.json"), tmp / "generation_config.json")
-            self.tokenizer.save_pretrained(str(tmp))
+            self._write_model_files(tmp)
+
+    def _write_model_files(self, folder: Path) -> None:
+        """config.json (with the parameters' dtype), generation config and tokenizer: what
+        an HF export holds besides the weights, and what a training checkpoint keeps so
+        that it describes itself (``nemo-d3s-convert megatron-to-hf`` needs no --hf-config)."""
+        cfg = json.loads(Path(self.path, "config.json").read_text())
+        cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
+        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+        if Path(self.path, "generation_config.json").is_file():
+            shutil.copyfile(Path(self.path, "generation_config.json"), folder / "generation_config.json")
+        self.tokenizer.save_pretrained(str(folder))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -332,8 +344,11 @@ class MegatronBackend(Policy):
         return ckpt.policy_tensors(self)
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective; see ``backends/megatron/checkpoint.save_policy``."""
+        """Collective; see ``backends/megatron/checkpoint.save_policy``. Global rank 0 adds
+        the model's config.json, generation config and tokenizer (:meth:`_write_model_files`)."""
         ckpt.save_policy(self, folder)
+        if self.groups.is_main:
+            self._write_model_files(Path(folder))
         return True
 
     def load_checkpoint(self, folder: str) -> bool:

@@ -48,6 +48,9 @@ class MegatronBackendConfig(PolicySettings):
         clipping on the global norm). null (default): true on CUDA, false on CPU; true on
         CPU runs Megatron's classes on gloo through ``cpu_compat`` (how the tests check that
         path). A checkpoint written with either resumes with either, at any layout.
+    verify_checksums: a converted or NeMo 2 checkpoint given as ``model`` that carries
+        ``checksums.json`` is checked against it before use (every file read once; a
+        mismatch is an error naming the file); false skips the check.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -68,6 +71,7 @@ class MegatronBackendConfig(PolicySettings):
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
+    verify_checksums: bool = True
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
