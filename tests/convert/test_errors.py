@@ -21,14 +21,6 @@ from nemo_d3s.formats.safetensors_stream import StreamingSafetensors  # noqa: E4
 from nemo_d3s.convert.__main__ import main  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    root = tmp_path_factory.mktemp("made")
-    src = tiny(root / "llama", "llama")
-    ck = hf_to_megatron(src, root / "ck", tp=2, pp=2, progress=False)
-    return src, ck
-
-
 def _nothing_written(parent, keep):
     assert sorted(os.listdir(parent)) == sorted(keep), os.listdir(parent)
 

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _models import assert_same_tensors, tiny  # noqa: E402
+from _models import assert_same_tensors  # noqa: E402
 
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify  # noqa: E402
 from nemo_d3s.convert.__main__ import main  # noqa: E402
@@ -24,14 +24,6 @@ from nemo_d3s.files import FolderChanged  # noqa: E402
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors  # noqa: E402
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-@pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    root = tmp_path_factory.mktemp("made")
-    src = tiny(root / "llama", "llama")
-    ck = hf_to_megatron(src, root / "ck", tp=2, pp=1, progress=False)
-    return src, ck
 
 
 def _during_first_write(monkeypatch, action):
