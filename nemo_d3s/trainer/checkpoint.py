@@ -193,22 +193,36 @@ def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
     return out
 
 
-def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
+def _free(root: Path) -> str:
     try:
-        free = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        return f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
     except OSError:
-        free = "free space unknown"
-    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({free}); "
+        return "free space unknown"
+
+
+def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
+    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({_free(root)}); "
                     "earlier checkpoints are untouched, resume=true continues from the last one")
 
 
-def _looks_like_write_failure(e: BaseException) -> bool:
+def export_failure(folder: Path, e: BaseException) -> str:
+    """The one line for a failed write of the run's HF export (the run itself finished)."""
+    return (f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} ({_free(folder.parent)}); "
+            "the run finished and its last checkpoint and summary.json are written: free some space and run "
+            "again with resume=true to write the export")
+
+
+def looks_like_write_failure(e: BaseException) -> bool:
+    """An exception a failed write raises: OSError, torch's zip writer's RuntimeErrors, or
+    the safetensors library's error wrapping an I/O error (a full disk)."""
     if isinstance(e, OSError):
         return True
     msg = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
+    return (isinstance(e, RuntimeError) or type(e).__name__ == "SafetensorError") and any(
+        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "IoError")
     )
+
+
 
 
 class CheckpointManager:
@@ -243,7 +257,7 @@ class CheckpointManager:
                 fault_point("checkpoint.renamed")
                 self._prune()
         except Exception as e:
-            if not _looks_like_write_failure(e):
+            if not looks_like_write_failure(e):
                 raise
             if self.dp.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
