@@ -89,6 +89,9 @@ def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, 
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     assert sorted(os.listdir(ckpt / "megatron")) == sorted(
         ["layout.json"] + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(pp)])
+    # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its checksums
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
+    assert "config.json" in json.loads((ckpt / "checksums.json").read_text())["files"]
 
 
 def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
