@@ -392,8 +392,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         def one(job):
             name, seed = job
             rc = launch(runs_dir / f"{name}_s{seed}", [*variants[name], f"seed={seed}", *extra], threads, logs)
-            print(f"  {name} seed {seed}: {'ok' if rc == 0 else f'FAILED (exit {rc}), see {logs}/{name}_s{seed}.log'}"
-                  f" [{time.perf_counter() - t0:.0f} s]", flush=True)
+            # 75 = nemo_d3s.train.EXIT_INTERRUPTED: stopped at a checkpoint by a signal
+            verdict = ("ok" if rc == 0 else "interrupted (exit 75): rerun to resume it" if rc == 75
+                       else f"FAILED (exit {rc}), see {logs}/{name}_s{seed}.log")
+            print(f"  {name} seed {seed}: {verdict} [{time.perf_counter() - t0:.0f} s]", flush=True)
             return rc
 
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -29,9 +29,15 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "compose_config", "conf_dir", "run_cli"]
+__all__ = ["EXIT_INTERRUPTED", "main", "compose_config", "conf_dir", "run_cli"]
 
 log = logging.getLogger("nemo_d3s.train")
+
+# A run stopped by a signal (SIGTERM, SIGUSR1, a first Ctrl-C) after writing its checkpoint:
+# not finished, so `train && convert` does not go on; resume=true continues it. 75 is
+# EX_TEMPFAIL of sysexits.h ("try again later"). The sbatch scripts requeue on it (through
+# torchrun, which reports any non-zero worker as 1, they read DIR/interrupted.json instead).
+EXIT_INTERRUPTED = 75
 
 
 def conf_dir() -> Path:
@@ -91,7 +97,8 @@ def _is_collective_timeout(e: BaseException) -> bool:
 def run_cli(cfg) -> int:
     """Train on a resolved config; a user-facing fault becomes one ``error:`` line on stderr
     and the exit code (2 for bad input or a bad run directory/disk; 3 when a peer rank
-    stopped answering). Returns 0 on success (also after a stop signal)."""
+    stopped answering). Returns 0 when the run finished, :data:`EXIT_INTERRUPTED` (75)
+    when a stop signal ended it at a checkpoint."""
     import errno
 
     from nemo_d3s.errors import ConfigError
@@ -123,7 +130,9 @@ def run_cli(cfg) -> int:
               file=sys.stderr)
         return 3
     if state.extra.get("interrupted"):
-        log.info("stopped early at step %d; resume with resume=true", state.step)
+        print(f"stopped at step {state.step} of {cfg.trainer.steps} (exit code {EXIT_INTERRUPTED}: interrupted); "
+              "continue with resume=true", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

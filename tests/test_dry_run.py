@@ -126,8 +126,8 @@ def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
 
 
 def test_plain_adamw_is_planned_unsharded(tmp_path):
-    """distributed_optimizer=false: grads and both Adam moments in the bf16 parameter dtype on
-    every DP rank (2 P + 4 P bytes) instead of fp32 grads + 12 P / DP."""
+    """distributed_optimizer=false: bf16 grads and fp32 main weights + both Adam moments on
+    every DP rank (2 P + 12 P bytes: MainWeightsAdamW) instead of fp32 grads + 12 P / DP."""
     base = ["experiment=llama3_8b", f"output_dir={tmp_path}"]
     dist_plan = plan(_compose(base), JobShape(1, 8, "test"))
     plain = plan(_compose([*base, "+model.params.distributed_optimizer=false"]), JobShape(1, 8, "test"))
@@ -136,7 +136,7 @@ def test_plain_adamw_is_planned_unsharded(tmp_path):
     for a, b in zip(dist_plan["positions"], plain["positions"]):
         n = a["params"]
         assert a["terms_bytes"]["grads"] == 4 * n and a["terms_bytes"]["optimizer"] == 12 * n / dp
-        assert b["terms_bytes"]["grads"] == 2 * n and b["terms_bytes"]["optimizer"] == 4 * n
+        assert b["terms_bytes"]["grads"] == 2 * n and b["terms_bytes"]["optimizer"] == 12 * n
 
 
 def test_first_ranks_of_model_copies_hand_worked():

@@ -8,11 +8,12 @@
   against the single-process reference (``distributed``).
 - slurm/*.sbatch pass ``bash -n`` (and shellcheck when it is installed); the slow tests
   run train_dp.sbatch and train_megatron.sbatch (Megatron backend, TP 2 on gloo) end to end
-  on this machine with stand-in srun/scontrol/scancel: SIGUSR1 -> checkpoint -> requeue
-  request -> a second start resumes to the last step; convert_to_hf.sbatch then exports
+  on this machine with stand-in srun/scontrol/scancel: SIGUSR1 -> checkpoint, exit 75
+  (interrupted) -> requeue request -> a second start resumes to the last step; convert_to_hf.sbatch then exports
   the Megatron checkpoint. train_megatron.sbatch's bad inputs (a layout the nodes cannot
   hold, a model folder without weights, an interpreter without megatron-core) stop it
-  before torchrun.
+  before torchrun; a knob that is not a number or a Slurm variable left unset is one error
+  line in every script.
 """
 
 from __future__ import annotations
@@ -220,6 +221,40 @@ def _fake_slurm(tmp_path: Path, job_id: str, gpus_per_node: int = 2, **extra) ->
     return env
 
 
+@pytest.mark.parametrize("script", ["train_dp.sbatch", "train_megatron.sbatch"])
+@pytest.mark.parametrize(
+    "env_change, message",
+    [
+        ({"GPUS_PER_NODE": "abc"}, "error: GPUS_PER_NODE=abc is not a whole number >= 1"),
+        ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0 is not a whole number >= 1"),
+        ({"MAX_REQUEUES": "many"}, "error: MAX_REQUEUES=many is not a whole number >= 0"),
+        ({"MASTER_PORT": "29x"}, "error: MASTER_PORT=29x is not a port number"),
+        ({"SLURM_SUBMIT_DIR": None}, "error: SLURM_SUBMIT_DIR is not set (not started by sbatch?)"),
+        ({"SLURM_JOB_NODELIST": None}, "error: SLURM_JOB_NODELIST is not set (not started by sbatch?)"),
+    ],
+)
+def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_change, message):
+    """A knob that is not a number, or a Slurm variable the script needs that is unset: one
+    error line, exit 2, nothing started and nothing written (no `set -u` trace, no torchrun
+    traceback)."""
+    env = _fake_slurm(tmp_path, "4646")
+    for k, v in env_change.items():
+        env.pop(k) if v is None else env.__setitem__(k, v)
+    r = subprocess.run(["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == message or r.stderr.strip().startswith(message), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "unbound variable" not in r.stderr
+    assert not (tmp_path / "slurm_calls.log").exists() and not (tmp_path / "run").exists()
+
+
+def test_convert_script_without_submit_dir_is_one_error_line(tmp_path):
+    env = _fake_slurm(tmp_path, "4647", RUN_DIR=str(tmp_path))
+    env.pop("SLURM_SUBMIT_DIR")
+    r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("error: SLURM_SUBMIT_DIR is not set"), r.stderr
+
+
 def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, steps: int) -> Path:
     """Run ``script`` like Slurm would: SIGUSR1 to the batch script once two steps are
     logged -> every rank checkpoints once and exits 0 -> `scontrol requeue` -> the restarted
@@ -244,7 +279,9 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
     finally:
         if job.poll() is None:
             job.kill()
-    assert job.returncode == 0, first[-3000:]
+    assert job.returncode == 0, first[-3000:]  # requeued: this start's part is done
+    # The ranks exit 75 (interrupted); torchrun reports 1; the marker tells the script.
+    assert "interrupted, exit code 75" in first, first[-3000:]
     calls = log.read_text()
     assert f"scancel --signal=USR1 {job_id}" in calls and f"scontrol requeue {job_id}" in calls, calls
     ckpts = sorted(p.name for p in (out_dir / "checkpoints").iterdir())

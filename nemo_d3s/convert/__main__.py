@@ -42,6 +42,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GiB or 500MB") from None
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tolerance >= 0 (a negative one fails every logit)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nemo-d3s-convert",
@@ -96,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="Hugging Face model folder")
     p.add_argument("--ckpt", required=True, help="Megatron or NeMo 2 checkpoint folder")
     p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint (default: --hf)")
-    p.add_argument("--atol", type=float, default=1e-4, help="largest accepted abs logit error (default 1e-4)")
+    p.add_argument("--atol", type=_tolerance, default=1e-4, help="largest accepted abs logit error (default 1e-4)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
 
     for p in sub.choices.values():

@@ -32,6 +32,12 @@ d3s        d3s_cross     batch       linear N 1/8 -> 1/2 of G, K 5% -> 20%,
 d3s_i      d3s_intra     batch       as d3s, intra-group selection
 =========  ============  ==========  ==========================================
 
+``PRESETS`` is the one home of these values: the training config's ``d3s`` group
+(``d3s=pods``) and its schema defaults are built from it (``nemo_d3s.config``). PODS's own
+trainers average per-sequence token means; a d3s preset sets no loss keys, so PODS's loss
+is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``. D3S-I at N = 1 per group keeps
+the rollout with the largest |advantage|.
+
 The floor of 256 kept tokens per step (``min_kept_tokens``; 0 is the papers' rule) is the
 project's default for the two full methods: on the CPU evidence runs (README "Does D3S help
 here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed

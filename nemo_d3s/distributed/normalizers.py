@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.core.losses import AGGREGATIONS, loss_denominator
-from nemo_d3s.distributed._comm import group_size, is_single
+from nemo_d3s.distributed._comm import collective_device, group_size, is_single
 
 __all__ = ["global_loss_denominator", "StepNormalizer", "step_normalizer"]
 
@@ -71,7 +71,8 @@ def global_loss_denominator(
 
     Collectives: seq_mean_* with a CP group: one all-reduce MAX of [sum B] uint8-as-int32
     over ``cp_group``; then one all-reduce SUM of one float64 over ``dp_group`` (and, for
-    token_mean with CP, one over ``cp_group``). Returns a float, identical on all ranks; 0.0
+    token_mean with CP, one over ``cp_group``), each on its group's collective device
+    (``_comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float, identical on all ranks; 0.0
     when nothing is kept anywhere (skip the step).
     """
     if aggregation not in AGGREGATIONS:
@@ -80,26 +81,32 @@ def global_loss_denominator(
     counted = masks if norm_masks is None else _as_list(norm_masks, "norm_masks")
     if len(counted) != len(masks):
         raise ValueError(f"norm_masks has {len(counted)} micro-batches, loss_masks {len(masks)}")
-    device = masks[0].device if masks else torch.device("cpu")
+    # The counts travel on each group's own device (CPU for gloo, the current CUDA device for
+    # NCCL, which takes no CPU tensors), wherever the masks live.
     cp_split = not is_single(cp_group)
     if aggregation != "token_mean" and cp_split:
         # A sequence with tokens on any CP slice counts once: OR the row presence over CP.
         for m in masks:
             loss_denominator(m, aggregation)  # validation only
-        rows = [c.any(dim=1) for c in counted]
-        present = torch.cat(rows).to(torch.int32) if rows else torch.zeros(0, dtype=torch.int32, device=device)
+        cp_device = collective_device(cp_group)
+        rows = [c.any(dim=1).to(cp_device) for c in counted]
+        present = torch.cat(rows).to(torch.int32) if rows else torch.zeros(0, dtype=torch.int32, device=cp_device)
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
         local = float(present.sum())
     else:
         local = 0.0
         for m, c in zip(masks, counted):
             local += loss_denominator(m, aggregation, norm_mask=None if c is m else c)
-    total = torch.tensor([local], dtype=torch.float64, device=device)
+    total = float(local)
     if not is_single(dp_group):
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+        t = torch.tensor([total], dtype=torch.float64, device=collective_device(dp_group))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=dp_group)
+        total = float(t.item())
     if aggregation == "token_mean" and cp_split:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=cp_group)
-    return float(total.item())
+        t = torch.tensor([total], dtype=torch.float64, device=collective_device(cp_group))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=cp_group)
+        total = float(t.item())
+    return total
 
 
 @dataclass(frozen=True)

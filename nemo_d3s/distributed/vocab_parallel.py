@@ -40,7 +40,7 @@ from nemo_d3s.core.entropy import (
     token_block,
     token_chunks,
 )
-from nemo_d3s.distributed._comm import all_gather_counts, group_rank, is_single
+from nemo_d3s.distributed._comm import all_gather_counts, collective_device, group_rank, is_single
 
 __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
 
@@ -53,9 +53,10 @@ _SHIFT_FLOOR = -1.0e4
 def vocab_shard_range(local_width: int, tp_group: Optional[dist.ProcessGroup], device=None) -> Tuple[int, int, int]:
     """(start, width, total) of this rank's vocabulary slice, from every rank's width.
 
-    One all-gather of one int64 on ``tp_group``. Works for uneven shards.
+    One all-gather of one int64 on ``tp_group``, on ``device`` (default: the group's
+    collective device, CUDA for NCCL). Works for uneven shards.
     """
-    widths = all_gather_counts(local_width, tp_group, torch.device("cpu") if device is None else device)
+    widths = all_gather_counts(local_width, tp_group, collective_device(tp_group) if device is None else device)
     r = group_rank(tp_group)
     return int(widths[:r].sum()), int(local_width), int(widths.sum())
 

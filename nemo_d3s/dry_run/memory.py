@@ -9,7 +9,8 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   over DP: 12 P / DP (8 P / DP for fp32 weights, which are their own main copy). Together
   with the two lines above this is megatron-core's ``6 + 12/DP`` bytes per parameter.
   With ``model.params.distributed_optimizer=false`` (plain AdamW over each rank's shards):
-  grads d P and both moments 2 d P, not sharded over DP.
+  grads d P, not sharded over DP, and fp32 main weights + moments 12 P (8 P for fp32
+  weights; ``main_weights.MainWeightsAdamW``).
 - activations (flash attention, no sequence parallelism, no dropout: what the backend
   builds), per layer and micro-batch of b rows x s tokens, stored for the backward:
   ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (h hidden, a heads, g KV heads, d_h head

@@ -255,7 +255,9 @@ def _optimizer_bytes(s: _Setup, w: Workload) -> Tuple[bool, float, float]:
     # The plan is for CUDA, where distributed_optimizer=null means Megatron's.
     if s.mcfg.distributed_optimizer is not False:  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
         return True, 4, (12 if d < 4 else 8) / s.dp
-    return False, d, 2 * d  # plain AdamW over each rank's shards: grads and both moments in the parameter dtype
+    # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
+    # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
+    return False, d, (12 if d < 4 else 8)
 
 
 def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:

@@ -9,19 +9,26 @@ answers are parsed by ``answer_format``:
 - ``"auto"`` (default): gsm8k if "####" occurs, else boxed if ``\\boxed`` occurs, else plain.
 
 Rewards: the response's answer (boxed / "Answer:" / last number) checked with
-``verify_math`` (numeric, then math-verify symbolic equality).
+``verify_math`` (numeric, then math-verify symbolic equality). References the verifier can
+never match (words, see ``verifier.reference_is_checkable``) are found when a file loads: a
+file with no checkable reference is refused, naming its first rows; otherwise the rows are
+counted (``MathDatasetTask.unusable_references``, in the run's ``summary.json``) and named
+in a warning, since they train with reward 0 on every rollout.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from nemo_d3s.tasks.answers import extract_answer, extract_boxed
 from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
-from nemo_d3s.tasks.verifier import verify_math
+from nemo_d3s.tasks.verifier import reference_is_checkable, verify_math
+
+log = logging.getLogger("nemo_d3s.tasks")
 
 BOXED_SUFFIX = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "plain")
@@ -136,8 +143,10 @@ class MathDatasetTask(Task):
             raise ValueError("task.params.train_path is required: the .jsonl/.json/.parquet file to train on "
                              "(task.params.train_path=/data/train.jsonl)")
         train = _load_named("task.params.train_path", train_path, read)
+        self.unusable_references = _check_references("task.params.train_path", train_path, train, answer_field)
         if eval_path is not None:
             evals = _load_named("task.params.eval_path", eval_path, read)
+            self.unusable_references += _check_references("task.params.eval_path", eval_path, evals, answer_field)
             self._eval = evals if n_eval is None else evals[:n_eval]
             self._train = train
         else:
@@ -188,6 +197,23 @@ def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(msg if key in msg else f"{key}: {msg}") from None
+
+
+def _check_references(key: str, path: str, problems: List[Problem], answer_field: str) -> int:
+    """Refuse a file none of whose references the verifier can check; warn about (and
+    return the number of) the rows it cannot check."""
+    bad = [p for p in problems if not reference_is_checkable(p.answer)]
+    if not bad:
+        return 0
+    shown = ", ".join(f"row {p.meta['row']}: {p.answer!r}" for p in bad[:3]) + (" ..." if len(bad) > 3 else "")
+    if len(bad) == len(problems):
+        raise ValueError(f"{key}: none of the {len(problems)} reference answers in {path} (field {answer_field!r}) "
+                         f"can be checked by the math verifier ({shown}); every rollout would get reward 0. "
+                         "Point task.params.answer_field / answer_format at the numeric or LaTeX answer")
+    log.warning("%s: %d of %d reference answers in %s cannot be checked by the math verifier (%s); those rows "
+                "train with reward 0 on every rollout (counted as unusable_references in summary.json)",
+                key, len(bad), len(problems), path, shown)
+    return len(bad)
 
 
 @TASKS.register("math_file")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from fractions import Fraction
 from typing import Optional
@@ -10,6 +11,8 @@ from typing import Optional
 from nemo_d3s.tasks.answers import clean_segment, last_number, normalize_number
 
 _REL_TOL = 1e-6
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{2,}")
 
 
 def _as_fraction(s: str) -> Optional[Fraction]:
@@ -70,3 +73,18 @@ def verify_math(pred: Optional[str], gold: str) -> bool:
         return verdict
     pn, gn = normalize_number(last_number(pred)), normalize_number(last_number(gold))
     return pn is not None and gn is not None and numbers_equal(pn, gn) is True
+
+
+def reference_is_checkable(gold: str) -> bool:
+    """Can :func:`verify_math` ever score a response correct against this reference? Yes
+    for a reference with a number in it (compared numerically, symbolically, or by its last
+    number) or a symbolic expression (``x``, ``\\pi``, ``\\infty``, a choice letter); no for
+    words (``seventy-two``, ``yes``, ``\\text{Monday}``): math-verify reads them as products
+    of one-letter symbols that no answer equals, so every rollout of such a row gets reward
+    0. Cheap (no sympy): a dataset is checked row by row when it loads."""
+    g = clean_segment(str(gold))
+    if not g:
+        return False
+    if any(ch.isdigit() for ch in g):
+        return True
+    return _WORD.search(_LATEX_COMMAND.sub(" ", g)) is None

@@ -8,21 +8,25 @@ groups)``) without running anything. ``cfg`` is a resolved
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Any, Dict, Tuple
+
+import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.backends.engines import build_rollout_engine
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
+from nemo_d3s.config import D3SSection
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.core.d3s import D3SConfig
 from nemo_d3s.core.losses import LossConfig
-from nemo_d3s.core.schedules import DynamicSchedule
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.backend_registry import build_backend, checked_config
 
 __all__ = [
-    "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_settings",
+    "check_runtime", "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_settings",
     "checked_backend_config", "backend_from_config", "rollout_engine",
 ]
 
@@ -37,25 +41,13 @@ def plain(x: Any) -> Any:
 
 
 def d3s_config(cfg: Any) -> D3SConfig:
-    """The core D3SConfig of ``cfg.d3s`` (+ ``cfg.algorithm.advantage``, ``cfg.seed``)."""
-    s = cfg.d3s.schedule
-    kwargs: Dict[str, Any] = {}
-    if s.kind == "step" and len(s.milestones):
-        kwargs["milestones"] = [float(m) for m in s.milestones]
+    """The core D3SConfig of ``cfg.d3s`` (+ ``cfg.algorithm.advantage``, ``cfg.seed``),
+    through the schema's section (:meth:`nemo_d3s.config.D3SSection.to_core`)."""
+    section = D3SSection(**plain(cfg.d3s))
     try:
-        schedule = DynamicSchedule(s.kind, s.n_init, s.n_final, float(s.k_init), float(s.k_final), kwargs)
+        return section.to_core(advantage=cfg.algorithm.advantage, seed=int(cfg.seed))
     except ValueError as e:
-        raise ConfigError(f"d3s.schedule: {e}") from None
-    return D3SConfig(
-        advantage=cfg.algorithm.advantage,
-        sample_rule=cfg.d3s.sample_rule,
-        token_scope=cfg.d3s.token_scope,
-        schedule=schedule,
-        eps=float(cfg.d3s.eps),
-        unbiased=bool(cfg.d3s.unbiased),
-        min_kept_tokens=int(cfg.d3s.min_kept_tokens),
-        seed=int(cfg.seed),
-    )
+        raise ConfigError(f"d3s: {e}") from None
 
 
 def build_selector(cfg: Any, groups: ParallelGroups) -> DistributedD3SSelector:
@@ -85,6 +77,28 @@ def generation_config(cfg: Any) -> GenerationConfig:
         max_new_tokens=int(t.max_new_tokens), temperature=float(t.temperature), top_p=float(t.top_p),
         top_k=int(t.top_k), do_sample=True,
     )
+
+
+def check_runtime(cfg: Any) -> None:
+    """What this machine must provide for the run (after ``config.validate``, before any model
+    loads): vLLM for ``rollout.engine=vllm``, a CUDA build of torch that sees a GPU for
+    ``model.device=cuda``. Not part of ``config.validate``: the dry run plans GPU jobs on
+    machines without either."""
+    engine = cfg.rollout.engine
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
+
+        raise ConfigError(f"rollout.engine={engine!r}: vLLM is not installed in this Python; {VLLM_INSTALL_HINT}; "
+                          "or use rollout=hf")
+    device = str(cfg.model.device)
+    if device.startswith("cuda"):
+        if torch.version.cuda is None:
+            raise ConfigError(f"model.device={device!r}: this torch {torch.__version__} is a CPU-only build; install a "
+                              "CUDA build of torch, or use model.device=cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={device!r}: torch sees no GPU here (CUDA_VISIBLE_DEVICES="
+                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                              "run on a GPU node, or use model.device=cpu")
 
 
 def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:

@@ -7,11 +7,14 @@ Run directory layout (the same for every run)::
     DIR/eval.jsonl                   one JSON object per evaluation
     DIR/checkpoints/step_XXXXXX/     the last ``trainer.keep_last`` checkpoints
     DIR/hf_export/                   the final policy as a Hugging Face folder
+    DIR/interrupted.json             only after a stop signal: where the run stopped
     DIR/tensorboard/                 when tensorboard is installed
 
 Preemption: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current step (or
-evaluation batch) finishes, a checkpoint is written and the run returns normally (exit
-code 0); a second signal stops at once. ``resume=true`` continues from the
+evaluation batch) finishes, a checkpoint is written, rank 0 writes ``DIR/interrupted.json``
+(step, signal, checkpoint; removed when the next run starts) and the run returns with
+``state.extra["interrupted"]`` (the command line then exits 75, ``train.EXIT_INTERRUPTED``);
+a second signal stops at once (exit 128 + signal). ``resume=true`` continues from the
 latest checkpoint with the same model, optimizer, RNG streams, schedule position and data
 order, so an interrupted + resumed run logs the same metrics as an uninterrupted one.
 """
@@ -33,6 +36,7 @@ import torch
 from nemo_d3s.config import ConfigError, validate, validate_layout
 from nemo_d3s.trainer.build import (
     backend_from_config,
+    check_runtime,
     build_selector,
     generation_config,
     loss_config,
@@ -62,6 +66,11 @@ __all__ = ["Trainer", "train"]
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# Written by rank 0 when a stop signal ended the run at a checkpoint; the sbatch scripts
+# requeue when they find it (torchrun hides the ranks' exit codes).
+INTERRUPTED_MARKER = "interrupted.json"
+# Steps in a row with one reward for every rollout before the run warns (once) about it.
+CONSTANT_REWARD_STEPS = 5
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
@@ -69,6 +78,7 @@ class Trainer:
 
     def __init__(self, cfg: Any) -> None:
         validate(cfg)  # everything that does not need the parallel layout, before any model load
+        check_runtime(cfg)  # and what this machine must provide (vLLM, a GPU)
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)
@@ -206,6 +216,7 @@ class Trainer:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
             write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
+            (self.out / INTERRUPTED_MARKER).unlink(missing_ok=True)  # an earlier segment's
         self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
@@ -243,6 +254,7 @@ class Trainer:
                     why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
                     self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
                 self._check_reward_failures(state, m, n_rollouts, max_failed)
+                self._check_constant_reward(state, m)
                 state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(self.task.task)
                 fault_point("loop.step_done")
                 done = state.step == T
@@ -270,6 +282,11 @@ class Trainer:
             state.extra["pending_eval"] = state.step
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
+        if self.groups.is_main:
+            marker = {"step": state.step, "signal": self._stop_signal or "another rank's", "checkpoint": str(path)}
+            tmp = self.out / (INTERRUPTED_MARKER + ".tmp")
+            tmp.write_text(json.dumps(marker) + "\n")
+            tmp.replace(self.out / INTERRUPTED_MARKER)
         self.logger.write(
             f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
             f"{path} written at step {state.step}; continue with resume=true"
@@ -289,6 +306,20 @@ class Trainer:
                 f"(steps {state.step - run + 1}-{state.step}; its errors are in the warnings above). Fix the "
                 f"verifier; trainer.max_failed_reward_steps={limit} sets how many such steps stop a run"
             )
+
+    def _check_constant_reward(self, state: TrainerState, m: Dict[str, float]) -> None:
+        """Warn once when every rollout of every group got the same reward for
+        ``CONSTANT_REWARD_STEPS`` steps in a row: nothing is learned, and a reward that never
+        moves usually means the verifier cannot read the references or the answers."""
+        same = m.get("reward_std", 1.0) == 0.0 and m.get("reward_max") == m.get("reward_mean")
+        run = int(state.extra.get("constant_reward_steps", 0)) + 1 if same else 0
+        state.extra["constant_reward_steps"] = run
+        if run == CONSTANT_REWARD_STEPS and self.groups.is_main:
+            log.warning(
+                "every rollout of the last %d steps (steps %d-%d) got reward %s: with no difference inside any group "
+                "every advantage is 0 and nothing is learned (each update is skipped). Check the task's verifier "
+                "against its references (task.params.answer_field / answer_format) and the evaluation samples",
+                run, state.step - run + 1, state.step, m.get("reward_mean"))
 
     @staticmethod
     def _accumulate(state: TrainerState, m: Dict[str, float]) -> None:
@@ -337,6 +368,8 @@ class Trainer:
             "eval_reward_last": evals[-1]["eval_reward_mean"] if evals else None,
             **self._totals(state),
             "reward_out_of_range_total": int(state.extra.get("reward_out_of_range", 0)),
+            # dataset rows whose reference the verifier cannot check (reward 0 whatever the answer)
+            "unusable_references": int(getattr(self.task.task, "unusable_references", 0)),
             "wall_time": state.wall_time_total,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))

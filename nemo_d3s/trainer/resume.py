@@ -14,8 +14,8 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
 from nemo_d3s.trainer.rundir import move_aside, records
 
-__all__ = ["RESUME_SAFE", "check_resume_config", "diff_values", "move_records_aside", "refuse_records", "resume_safe",
-           "write_config"]
+__all__ = ["RESUME_SAFE", "check_resume_config", "diff_values", "leaf_keys", "move_records_aside", "refuse_records",
+           "resume_safe", "write_config"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
@@ -75,6 +75,16 @@ def check_resume_config(cfg: Any, out: Path) -> None:
         raise ConfigError(f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
                           "restore it, or pass trainer.allow_config_change=true to resume without the check") from None
     new = OmegaConf.to_container(cfg, resolve=True)
+    # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
+    # would let any change through unseen, so it counts as unreadable.
+    lacking = [k for k in leaf_keys(new) if not resume_safe(k) and not _has(old, k)]
+    if lacking:
+        what = (f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config ({', '.join(lacking[:4])}"
+                f"{' ...' if len(lacking) > 4 else ''}): emptied, cut short or written by another version")
+        if not allow:
+            raise ConfigError(f"{what}, so a changed setting would pass unseen; restore it, or pass "
+                              "trainer.allow_config_change=true to resume without the check")
+        log.warning("%s; continuing (trainer.allow_config_change=true)", what)
     diffs = [(k, a, b) for k, a, b, had in diff_values(old, new) if had]
     changed = [(k, a, b) for k, a, b in diffs if not resume_safe(k)]
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (" ..." if len(changed) > 8 else "")
@@ -121,3 +131,18 @@ def diff_values(a: Any, b: Any, prefix: str = "", had: bool = True) -> list:
             out += diff_values(a.get(k), b.get(k), f"{prefix}{k}.", had and k in a)
         return out
     return [] if a == b else [(prefix.rstrip("."), a, b, had)]
+
+
+def leaf_keys(d: Any, prefix: str = "") -> list:
+    """Dotted keys of every leaf of a nested dict (an empty dict is a leaf)."""
+    if isinstance(d, dict) and d:
+        return [k for key in d for k in leaf_keys(d[key], f"{prefix}{key}.")]
+    return [prefix.rstrip(".")]
+
+
+def _has(d: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True

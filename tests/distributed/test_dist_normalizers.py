@@ -88,3 +88,33 @@ def test_step_normalizer_arithmetic():
     assert global_loss_denominator(m, "seq_mean_token_sum", None) == 1.0
     with pytest.raises(ValueError, match="aggregation"):
         global_loss_denominator(m, "mean", None)
+
+
+def test_counts_travel_on_each_groups_collective_device(monkeypatch):
+    """NCCL takes no CPU tensors: the all-reduces run on ``collective_device(group)`` (the
+    current CUDA device for an NCCL group), not on the masks' device (CPU in the trainer).
+    CPU-only here, so the groups are stand-ins, the device is asked for and recorded, and the
+    collectives are recorded."""
+    import nemo_d3s.distributed.normalizers as norm
+
+    dp, cp = object(), object()
+    asked, reduced = [], []
+
+    def fake_collective_device(g):
+        asked.append(g)
+        return torch.device("cpu")
+
+    def fake_all_reduce(t, op=None, group=None):
+        reduced.append(group)
+        if op == norm.dist.ReduceOp.SUM:
+            t.mul_(2)  # two members holding the same count
+
+    monkeypatch.setattr(norm, "is_single", lambda g: g is None)
+    monkeypatch.setattr(norm, "collective_device", fake_collective_device)
+    monkeypatch.setattr(norm.dist, "all_reduce", fake_all_reduce)
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    assert norm.global_loss_denominator(mask, "token_mean", dp, cp_group=cp) == 8.0
+    assert asked == reduced == [dp, cp]
+    asked.clear(), reduced.clear()
+    assert norm.global_loss_denominator(mask, "seq_mean_token_mean", dp, cp_group=cp) == 2.0
+    assert asked == reduced == [cp, dp]

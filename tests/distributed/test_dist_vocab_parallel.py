@@ -170,3 +170,21 @@ def test_single_process_falls_back_to_core():
         vocab_parallel_entropy_and_logprobs(logits, targets.float(), None)
     with pytest.raises(ValueError, match="vocab_size"):
         vocab_parallel_entropy_and_logprobs(logits, targets, None, vocab_size=9)
+
+
+def test_shard_widths_travel_on_the_groups_collective_device(monkeypatch):
+    """vocab_shard_range without a device gathers the widths on collective_device(group)
+    (CUDA for NCCL, which takes no CPU tensors), not on a fixed CPU tensor."""
+    import nemo_d3s.distributed.vocab_parallel as vp
+
+    group, asked, used = object(), [], []
+    monkeypatch.setattr(vp, "collective_device", lambda g: asked.append(g) or torch.device("cpu"))
+    monkeypatch.setattr(vp, "group_rank", lambda g: 1)
+
+    def fake_gather(n, g, device):
+        used.append((g, device))
+        return torch.tensor([5, n, 7])
+
+    monkeypatch.setattr(vp, "all_gather_counts", fake_gather)
+    assert vp.vocab_shard_range(6, group) == (5, 6, 18)
+    assert asked == [group] and used == [(group, torch.device("cpu"))]

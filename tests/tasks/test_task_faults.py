@@ -1,5 +1,6 @@
 """Tasks as untrusted input (issue 9): dataset files that are folders, missing or not UTF-8
-are named in one message; rewards outside a task's declared range are counted."""
+are named in one message; rewards outside a task's declared range are counted; reference
+answers the verifier can never match are refused (all of them) or counted and named (issue 25)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from nemo_d3s.tasks.base import Problem, out_of_range_rewards, safe_reward
 from nemo_d3s.tasks.math_dataset import MathDatasetTask, read_rows
 from nemo_d3s.tasks.tiny import TinyCharTask
+from nemo_d3s.tasks.verifier import reference_is_checkable
 
 
 def test_read_rows_names_a_folder_a_missing_file_and_non_utf8_lines(tmp_path):
@@ -63,3 +65,38 @@ def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(cap
     plain = TinyCharTask()
     safe_reward(plain, p, "a")
     assert out_of_range_rewards(plain) == 0
+
+
+@pytest.mark.parametrize(
+    "gold, ok",
+    [("42", True), ("1,000", True), ("\\frac{\\pi}{2}", True), ("x", True), ("\\infty", True), ("(B)", True),
+     ("2ab", True), ("seventy-two", False), ("yes", False), ("\\text{Monday}", False), ("", False)],
+)
+def test_reference_is_checkable(gold, ok):
+    assert reference_is_checkable(gold) is ok
+
+
+def _words_file(tmp_path, answers):
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    return data
+
+
+def test_dataset_whose_references_none_can_be_checked_is_refused_naming_rows(tmp_path):
+    """Used to train silently with reward 0 on every rollout."""
+    data = _words_file(tmp_path, ["seventy-two", "yes", "no", "\\text{Monday}", "twelve"])
+    with pytest.raises(ValueError) as e:
+        MathDatasetTask(str(data), n_eval=1)
+    msg = str(e.value)
+    assert msg.startswith("task.params.train_path: none of the 5 reference answers in") and str(data) in msg
+    assert "row 1: 'seventy-two', row 2: 'yes', row 3: 'no' ..." in msg and "answer_field" in msg
+    verdict = MathDatasetTask.reward  # the reason: a correct-looking answer never scores
+    assert verdict(None, Problem("q", "seventy-two"), "The answer is \\boxed{72}") == 0.0
+
+
+def test_dataset_with_some_unparseable_references_counts_and_warns(tmp_path, caplog):
+    data = _words_file(tmp_path, ["3", "seventy-two", "5", "yes", "7", "8"])
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        task = MathDatasetTask(str(data), n_eval=1)
+    assert task.unusable_references == 2
+    assert "2 of 6 reference answers" in caplog.text and "row 2: 'seventy-two', row 4: 'yes'" in caplog.text

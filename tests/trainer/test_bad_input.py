@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
 import pytest
+import torch
 
 from nemo_d3s.config import ConfigError
 from nemo_d3s.tasks.base import TASKS
@@ -96,3 +98,87 @@ def test_megatron_backend_names_what_it_cannot_use(tmp_path):
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron", "~model.params.tiny"])
     with pytest.raises(ConfigError, match="'tiny-random'.*Megatron backend builds from a Hugging Face folder"):
         Trainer(cfg)
+
+
+def _no_model_load(monkeypatch):
+    """Fail the test if a backend is built: these checks must come before any model loads."""
+    import nemo_d3s.trainer.loop as loop
+
+    def refuse(cfg):
+        raise AssertionError("a model was built before the check")
+
+    monkeypatch.setattr(loop, "backend_from_config", refuse)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_engine_without_vllm_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    _no_model_load(monkeypatch)
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
+    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': vLLM is not installed in this Python; .*pip install"):
+        Trainer(cfg)
+    r = cli(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
+    assert r.returncode == 2 and "rollout.engine='vllm'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_cuda_device_without_a_gpu_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    _no_model_load(monkeypatch)
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.device=cuda"])
+    why = "is a CPU-only build" if torch.version.cuda is None else "torch sees no GPU here"
+    with pytest.raises(ConfigError, match=f"model.device='cuda': .*{why}"):
+        Trainer(cfg)
+
+
+def test_the_largest_accepted_seed_trains(tmp_path):
+    # the bound validate() puts on `seed` is one every seeded RNG of a run accepts
+    state, _ = run_inprocess(tmp_path, [*FAST, f"seed={2**32 - 1}"])
+    assert state.step == 2
+
+
+def test_tiny_random_export_names_its_architecture(tmp_path):
+    """The converter and the Megatron backend refuse a config.json without `architectures`."""
+    from nemo_d3s.formats.spec import ModelSpec
+
+    run_inprocess(tmp_path, [*FAST, "trainer.steps=1", "trainer.export_hf=true"])
+    cfg = json.loads((tmp_path / "hf_export" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert ModelSpec.from_hf_dict(cfg).num_layers >= 1
+
+
+def test_a_gguf_path_is_read_as_a_gguf_file_not_reported_as_no_such_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("NEMO_D3S_CACHE", str(tmp_path / "cache"))
+    missing = tmp_path / "model.Q4_0.gguf"
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", f"model.name={missing}", "~model.params.tiny"])
+    with pytest.raises(FileNotFoundError, match=r"no such GGUF file") as e:
+        Trainer(cfg)
+    assert "no such directory" not in str(e.value)
+    missing.write_bytes(b"GGUF" + bytes(60))  # a header and nothing else
+    with pytest.raises(ConfigError, match=r"model\.Q4_0\.gguf': cannot convert this GGUF file"):
+        Trainer(cfg)
+    assert not list((tmp_path / "cache").rglob("config.json"))  # nothing half-converted left in the cache
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    from nemo_d3s.backends.hf.gguf_convert import find_embedded_gguf
+    from nemo_d3s.backends.hf.loading import resolve_model_path
+
+    monkeypatch.setenv("NEMO_D3S_CACHE", str(tmp_path / "cache"))
+    folder = resolve_model_path(str(find_embedded_gguf()))
+    assert folder.parent == tmp_path / "cache" / "gguf" and (folder / "config.json").is_file()
+    mtime = (folder / "config.json").stat().st_mtime_ns
+    assert resolve_model_path(str(find_embedded_gguf())) == folder
+    assert (folder / "config.json").stat().st_mtime_ns == mtime  # not converted again
+
+
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
+    """transformers' own error asks to install sentencepiece."""
+    folder = tmp_path / "no_tokenizer"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", f"model.name={folder}", "~model.params.tiny"])
+    with pytest.raises(FileNotFoundError, match=r"no_tokenizer' has no tokenizer file \(tokenizer.json") as e:
+        Trainer(cfg)
+    assert "sentencepiece" not in str(e.value)
+    r = cli(["experiment=smoke", f"output_dir={tmp_path / 'out2'}", f"model.name={folder}", "~model.params.tiny"])
+    assert r.returncode == 2 and "has no tokenizer file" in r.stderr and "Traceback" not in r.stderr

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from nemo_d3s.config import ConfigError, TrainConfig, validate
-from nemo_d3s.core.d3s import PRESETS
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.config import (
+    AlgorithmConfig,
+    ConfigError,
+    D3SSection,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    ScheduleConfig,
+    TaskConfig,
+    TrainConfig,
+    TrainerConfig,
+    register_configs,
+    validate,
+)
+from nemo_d3s.core.d3s import PRESETS, D3SConfig
 from nemo_d3s.trainer.build import d3s_config
 
-from .conftest import cli, compose
+from .conftest import REPO, cli, compose
 
 
 def _error(overrides, world_size=1) -> str:
@@ -88,15 +105,80 @@ def _assert_selects_as(cfg, preset):
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_preset_yaml_matches_core_presets(preset):
+def test_d3s_group_options_are_the_core_presets(preset):
     cfg = compose([f"d3s={preset}", "output_dir=x"])
     assert cfg.d3s.preset == preset
     _assert_selects_as(cfg, preset)
 
 
-def test_schema_defaults_are_the_d3s_preset():
-    # config.D3SSection repeats the d3s preset's values (floor, schedule) as the schema's defaults
+def test_presets_have_one_source(monkeypatch):
+    """The d3s group and the schema's defaults are built from core PRESETS (no YAML copy to
+    keep equal): changing a preset there changes what `d3s=<name>` composes."""
+    assert not list((REPO / "conf" / "d3s").glob("*.yaml"))
+    assert [o for o in ConfigStore.instance().list("d3s") if o.endswith(".yaml")] == [f"{n}.yaml" for n in sorted(PRESETS)]
     _assert_selects_as(OmegaConf.structured(TrainConfig), "d3s")
+    assert D3SSection() == D3SSection.from_preset("d3s")
+    monkeypatch.setitem(PRESETS, "pods", D3SConfig.from_preset("pods", min_kept_tokens=7))
+    try:
+        assert compose(["d3s=pods", "output_dir=x"]).d3s.min_kept_tokens == 7
+    finally:
+        monkeypatch.undo()
+        register_configs()
+    assert compose(["d3s=pods", "output_dir=x"]).d3s.min_kept_tokens == 0
+
+
+def test_overrides_on_top_of_a_preset_still_work():
+    cfg = compose(["d3s=pods", "d3s.schedule.kind=linear", "d3s.schedule.n_init=2", "d3s.schedule.n_final=4", "d3s.min_kept_tokens=16",
+                   "output_dir=x"])
+    validate(cfg)
+    ours = d3s_config(cfg)
+    assert ours.sample_rule == "pods" and ours.min_kept_tokens == 16 and ours.schedule.at(1.0)[0] == 4
+
+
+@pytest.mark.parametrize(
+    "section, kwargs, key",
+    [
+        (TrainerConfig, {"lr": 0.0}, "trainer.lr"),
+        (TrainerConfig, {"temperature": 0.0}, "trainer.temperature"),
+        (TrainerConfig, {"top_p": 1.5}, "trainer.top_p"),
+        (ScheduleConfig, {"k_init": 0.0}, "d3s.schedule.k_init"),
+        (D3SSection, {"min_kept_tokens": -1}, "d3s.min_kept_tokens"),
+        (D3SSection, {"sample_rule": "best"}, "d3s.sample_rule"),
+        (AlgorithmConfig, {"dual_clip_c": 0.5}, "algorithm.dual_clip_c"),
+        (RolloutConfig, {"gpu_memory_utilization": 2.0}, "rollout.gpu_memory_utilization"),
+        (TaskConfig, {"eval_size": 0}, "task.eval_size"),
+        (LoggingConfig, {"level": "VERBOSE"}, "logging.level"),
+        (ModelConfig, {"device": "gpu"}, "model.device"),
+    ],
+)
+def test_each_section_checks_its_own_fields_where_it_is_built(section, kwargs, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        section(**kwargs)
+
+
+def test_sampling_settings_are_judged_once_by_the_generation_config():
+    # the engines no longer repeat the check: building the GenerationConfig is the check
+    with pytest.raises(ValueError, match=r"top_p=0.0: must be in \(0, 1\]"):
+        GenerationConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature=0"):
+        GenerationConfig(temperature=0)
+    GenerationConfig(temperature=0, do_sample=False)  # greedy: temperature unused
+    assert "trainer.top_p=0.0: must be in (0, 1]" in _error(["trainer.top_p=0.0"])
+    for path in ("backends/hf/engine.py", "backends/vllm/engine.py"):
+        assert "top_p" not in (REPO / "nemo_d3s" / path).read_text().split("def generate", 1)[1].split("\n    def ")[0]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("logging.level=VERBOSE", "logging.level='VERBOSE': unknown log level; known: DEBUG, INFO, WARNING"),
+        ("seed=-1", "seed=-1: must be an integer in [0, 4294967295]"),
+        ("seed=18446744073709551616", "seed=18446744073709551616: must be an integer in [0, 4294967295]"),
+        ("model.device=gpu", "model.device='gpu': not a torch device"),
+    ],
+)
+def test_values_that_used_to_fail_with_a_traceback_are_config_errors(override, message):
+    assert message in _error([override])
 
 
 def test_cli_prints_resolved_config():

@@ -50,6 +50,13 @@ class _BrokenVerifier(TinyCharTask):
         raise RuntimeError("verifier service unreachable")
 
 
+class _ZeroReward(TinyCharTask):
+    """A verifier that never matches (as with references it cannot read): reward 0 always."""
+
+    def reward(self, problem, response_text):
+        return 0.0
+
+
 class _SignalDuringEval(TinyCharTask):
     """Sends ``signum`` to this process at the first reward of the first evaluation."""
 
@@ -79,6 +86,7 @@ class _SigintTwice(_SigintOnce):
 
 
 for _name, _cls in (("fault_huge_reward", _HugeReward), ("fault_broken_verifier", _BrokenVerifier),
+                    ("fault_zero_reward", _ZeroReward),
                     ("fault_signal_eval", _SignalDuringEval), ("fault_sigint_once", _SigintOnce),
                     ("fault_sigint_twice", _SigintTwice)):
     if _name not in TASKS:
@@ -356,6 +364,23 @@ def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(t
     assert _snapshot(run_dir) == before
 
 
+@pytest.mark.parametrize("cut", ["emptied", "cut_short"])
+def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(tmp_path, capsys, caplog, cut):
+    """Only the keys the old file still holds used to be compared: a changed seed went through."""
+    run_dir = tmp_path / "run"
+    run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
+    text = (run_dir / "config.yaml").read_text()
+    (run_dir / "config.yaml").write_text("" if cut == "emptied" else text[: text.index("\nseed:")] + "\n")
+    before = _snapshot(run_dir)
+    code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"])
+    assert code == 2 and "config.yaml' lacks" in err and "emptied, cut short" in err, err
+    assert "seed" in err or "..." in err
+    assert _snapshot(run_dir) == before
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, _ = run_inprocess(run_dir, [*FAST, "resume=true", "trainer.steps=2", "trainer.allow_config_change=true"])
+    assert state.step == 2 and "lacks" in caplog.text
+
+
 @pytest.mark.parametrize("case", ["folder", "missing", "not_utf8"])
 def test_bad_dataset_path_is_one_error_line_naming_it(tmp_path, capsys, case):
     data = tmp_path / "train.jsonl"
@@ -423,6 +448,26 @@ def test_rewards_outside_the_task_range_are_warned_once_and_counted(tmp_path, ca
     assert caplog.text.count("outside the task's declared range") == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["reward_out_of_range_total"] > 1
+
+
+def test_the_same_reward_for_every_rollout_for_many_steps_is_warned_once(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, rows = run_inprocess(tmp_path, [*FAST, "trainer.steps=7", "task.name=fault_zero_reward",
+                                               "trainer.max_new_tokens=4"])
+    assert state.step == 7 and all(r["skipped"] == 1 for r in rows)
+    assert caplog.text.count("every rollout of the last") == 1
+    assert "last 5 steps (steps 1-5) got reward 0.0" in caplog.text and "nothing is learned" in caplog.text
+
+
+def test_dataset_rows_the_verifier_cannot_check_are_counted_in_the_summary(tmp_path, caplog):
+    data = tmp_path / "train.jsonl"
+    answers = ["3", "seventy-two", "5", "yes", "7", "8", "9", "10"]
+    data.write_text("".join(json.dumps({"question": f"What is {i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        run_inprocess(tmp_path / "run", [*FAST, "trainer.steps=1", "task=jsonl_math", f"task.params.train_path={data}",
+                                         "task.eval_size=2", "trainer.prompts_per_step=2", "trainer.max_new_tokens=4"])
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["unusable_references"] == 2
+    assert "2 of 8 reference answers" in caplog.text
 
 
 def test_verifier_failing_on_every_call_stops_the_run(tmp_path, capsys):
@@ -551,7 +596,7 @@ def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path, monkeypatch, c
 def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tmp_path):
     """2 ranks; only rank 1 gets SIGTERM, in the middle of decoding (fault point
     engine.decode). Both ranks agree right after generation, checkpoint the same step and
-    exit 0 (no hang in the selector's collectives); resume=true ends with the metrics of an
+    exit 75 (no hang in the selector's collectives); resume=true ends with the metrics of an
     uninterrupted 2-rank run."""
     base = ["experiment=smoke", "trainer.steps=6", "trainer.save_every=3", "trainer.eval_every=0",
             "trainer.eval_at_start=false", "trainer.max_new_tokens=12"]
@@ -567,7 +612,9 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
     env.update(NEMO_D3S_FAULT="engine.decode@20=term", NEMO_D3S_FAULT_RANK="1")
     cut = torchrun([f"output_dir={tmp_path / 'run'}"], env)
     out = cut.stdout + cut.stderr
-    assert cut.returncode == 0, out[-3000:]
+    # torchrun reports a rank's exit 75 (interrupted) as 1; the marker says what it was
+    assert cut.returncode != 0 and (tmp_path / "run" / "interrupted.json").is_file(), out[-3000:]
+    assert "exit code 75: interrupted" in out, out[-3000:]
     assert "received a stop signal on another rank" in out or "received SIGTERM" in out, out[-3000:]
     stopped_at = len(read_jsonl(tmp_path / "run" / "metrics.jsonl"))
     assert stopped_at < 6

@@ -1,5 +1,5 @@
 """Checkpoints: atomic layout and pruning, resume after SIGKILL equals an uninterrupted run,
-SIGTERM writes a checkpoint and exits cleanly."""
+SIGTERM writes a checkpoint and exits 75 (interrupted)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from nemo_d3s.trainer.metrics import read_jsonl
 from nemo_d3s.config import ConfigError
 from nemo_d3s.tasks.base import TASKS
 from nemo_d3s.tasks.tiny import TinyCharTask
+from nemo_d3s.train import EXIT_INTERRUPTED
 
 from .conftest import REPO, cli, cli_env, run_inprocess, without_timing
 
@@ -110,7 +111,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert (run_dir / "hf_export" / "config.json").is_file()
 
 
-def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path):
+    """Not 0: `train && convert` must not go on after a stop; the code and the marker file
+    are what the sbatch scripts requeue on."""
     run_dir = tmp_path / "run"
     proc = _popen([*RUN, "trainer.steps=40", "trainer.save_every=100", f"output_dir={run_dir}"], tmp_path / "out.log")
     _wait_for(run_dir / "metrics.jsonl", proc)
@@ -118,19 +121,22 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == EXIT_INTERRUPTED == 75, err[-3000:]
     latest = latest_checkpoint(run_dir / "checkpoints")
     assert latest is not None, err[-3000:]
     state = json.loads((latest / "trainer_state.json").read_text())
     assert 0 < state["step"] < 40
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == state["step"]
     assert "received SIGTERM" in (tmp_path / "out.log").read_text()
+    assert f"stopped at step {state['step']} of 40 (exit code 75: interrupted); continue with resume=true" in err
+    marker = json.loads((run_dir / "interrupted.json").read_text())
+    assert marker == {"step": state["step"], "signal": "SIGTERM", "checkpoint": str(latest)}
 
 
 def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_path):
     """SIGTERM arrives while step 3's rollouts are being decoded (fault point engine.decode,
     passed before every token): the run drops the partial rollouts, checkpoints the state
-    after step 2 and exits 0; resume=true redoes step 3 and ends with the uninterrupted
+    after step 2 and exits 75 (interrupted); resume=true redoes step 3 and ends with the uninterrupted
     run's metrics and evaluations."""
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_inprocess(ref_dir, RUN[1:])
@@ -140,13 +146,15 @@ def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_
     env["NEMO_D3S_FAULT"] = "engine.decode@40=term"
     r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == EXIT_INTERRUPTED, r.stderr[-3000:]
+    assert (run_dir / "interrupted.json").is_file()
     state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert state["step"] < 8 and (not rows or rows[-1]["step"] == state["step"]), (state, len(rows))
     assert "received SIGTERM" in r.stdout + r.stderr
     r = cli([*RUN, f"output_dir={run_dir}", "resume=true"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert not (run_dir / "interrupted.json").exists()  # the resumed run removed the earlier stop's marker
     assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
     assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
 

@@ -61,12 +61,6 @@ class HFRolloutEngine(RolloutEngine):
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
         if not prompts:
             raise ValueError("prompts must be non-empty")
-        if cfg.do_sample and not cfg.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {cfg.temperature}")
-        if not 0.0 < cfg.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
-        if cfg.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {cfg.max_new_tokens}")
         if self.prompt_seeds:
             per_prompt = prompt_seeds(seeds, len(prompts))
         elif isinstance(seeds, int):

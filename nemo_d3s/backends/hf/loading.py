@@ -7,13 +7,20 @@ by CI, whose byte-level tokenizer is built in memory.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
 
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
-from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME, ensure_default_model
+from nemo_d3s.backends.hf.gguf_convert import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    convert_gguf,
+    ensure_default_model,
+    is_complete,
+)
 from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
 
 TINY_RANDOM = "tiny-random"
@@ -27,16 +34,56 @@ _CHATML = (
 
 def resolve_model_path(name_or_path: str) -> Path:
     """"smollm2-135m-instruct" -> the converted cache folder (converted on first use);
-    an existing directory -> itself; anything else -> FileNotFoundError naming the path."""
+    an existing directory -> itself; a ``.gguf`` file -> a Hugging Face folder de-quantised
+    from it once into the cache (:func:`gguf_model_dir`); anything else ->
+    FileNotFoundError naming the path."""
     if name_or_path == DEFAULT_MODEL_NAME:
         return ensure_default_model()
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model {name_or_path!r}: no such GGUF file ({path.resolve()})")
+        return gguf_model_dir(path)
     raise FileNotFoundError(
         f"model {name_or_path!r}: no such directory ({path.resolve()}); give a local Hugging Face "
-        f"folder, {DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r} (the Hub is never contacted)"
+        f"folder, a .gguf file, {DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r} (the Hub is never contacted)"
     )
+
+
+def gguf_model_dir(gguf: Path) -> Path:
+    """The Hugging Face folder of a GGUF file, de-quantised on first use into
+    ``<cache>/gguf/<name>-<key>`` (key: the file's path, size and mtime, so an edited file
+    is converted again). A file transformers' GGUF reader cannot map -> ValueError naming it."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if is_complete(out):
+        return out
+    try:
+        return convert_gguf(gguf, out)
+    except Exception as e:  # gguf / transformers raise many types for a file they cannot map
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ValueError(f"model {str(gguf)!r}: cannot convert this GGUF file into a Hugging Face folder ({first}); "
+                         "convert it yourself, or give a Hugging Face folder") from None
+
+
+# A tokenizer needs one of these; without any, transformers' error blames a missing
+# sentencepiece install.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(folder: str):
+    """``AutoTokenizer.from_pretrained(folder)`` from local files; a folder without
+    tokenizer files -> FileNotFoundError naming it and what it lacks."""
+    from transformers import AutoTokenizer
+
+    if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"model folder {str(folder)!r} has no tokenizer file ({', '.join(_TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the model it was made from into it")
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def resolve_autocast(autocast: Optional[str], device: torch.device) -> Optional[torch.dtype]:
@@ -101,6 +148,9 @@ def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype
     else:
         raise ValueError(f"tiny.tokenizer must be 'bytes' or 'smollm2', got {spec.tokenizer!r}")
     config = LlamaConfig(
+        # What transformers' own save_pretrained would add; the export writes config.json
+        # itself, and the converter and the Megatron backend pick their mapping by it.
+        architectures=["LlamaForCausalLM"],
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -138,7 +188,7 @@ def load_model_and_tokenizer(
     """
     # Every from_pretrained here passes local_files_only=True: the Hub is never contacted,
     # and the process environment (HF_HUB_OFFLINE) is left as the user set it.
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype)
@@ -146,6 +196,7 @@ def load_model_and_tokenizer(
         model, tokenizer = _tiny_model_and_tokenizer(cfg.tiny, cfg.seed, dtype)
     else:
         path = str(resolve_model_path(cfg.model))
+        tokenizer = load_tokenizer(path)  # first: a folder without one fails before the weights load
         # A truncated or garbled weights file: one line naming it, not transformers' traceback.
         check_safetensors_folder(path)
         config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -154,7 +205,6 @@ def load_model_and_tokenizer(
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, local_files_only=True, **kwargs
         )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.pad_token_id is None:
         # Padding positions are always masked out, so reusing EOS as pad is harmless.
         tokenizer.pad_token = tokenizer.eos_token

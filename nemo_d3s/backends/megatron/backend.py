@@ -18,7 +18,6 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
-from nemo_d3s.backends.hf.loading import resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.loading import load_tokenizer, resolve_device, resolve_model_path
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
@@ -44,8 +43,8 @@ from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
     load_stage_from_hf,
-    te_available,
     transformer_config,
+    use_transformer_engine,
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
@@ -104,6 +103,9 @@ class MegatronBackend(Policy):
 
     def __init__(self, cfg: MegatronBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         check_options(cfg)
+        from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+        set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -111,6 +113,9 @@ class MegatronBackend(Policy):
             self.dtype = torch.bfloat16 if cuda else torch.float32
         else:
             self.dtype = _DTYPES[cfg.dtype]
+        # On CUDA a Transformer Engine that does not import is an error unless
+        # transformer_impl=local: decided here, before any collective, alike on every rank.
+        self.te = use_transformer_engine(cfg.transformer_impl, self.device)
         if not cuda:
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -164,7 +169,7 @@ class MegatronBackend(Policy):
         self.layout = Layout(
             tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
             padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
-            te=cuda and te_available(),
+            te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
                                     recompute=cfg.gradient_checkpointing)
@@ -179,8 +184,7 @@ class MegatronBackend(Policy):
             reader.close()
         self.ref_model = None
         if cfg.use_reference:
-            self.ref_model = copy.deepcopy(self.model).eval()
-            self.ref_model.requires_grad_(False)
+            self.ref_model = self._build_reference(config)
         chunks, self.optimizer = optim.build_optimizer(
             self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
@@ -194,9 +198,7 @@ class MegatronBackend(Policy):
         self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
                                      lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
 
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
         self.use_chat_template = cfg.use_chat_template
@@ -242,6 +244,21 @@ class MegatronBackend(Policy):
             pp=single(ps.get_pipeline_model_parallel_group()), device=world.device,
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
+
+    def _build_reference(self, config) -> torch.nn.Module:
+        """The frozen initial policy for the KL term: a second stage of the same layout with
+        the policy's current parameters copied in. Not ``copy.deepcopy(self.model)``:
+        megatron-core modules hold ProcessGroup handles (its TP linears, the embedding),
+        which cannot be copied. Memory: one more copy of this rank's stage, no gradients."""
+        from megatron.core import parallel_state as ps
+
+        ref = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
+                          post_process=ps.is_pipeline_last_stage(), device=self.device)
+        with torch.no_grad():
+            mine = dict(self.model.named_parameters())
+            for name, q in ref.named_parameters():
+                q.copy_(mine[name])
+        return ref.eval().requires_grad_(False)
 
     @property
     def weights_dtype(self) -> torch.dtype:

@@ -3,9 +3,10 @@
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
 shard (:func:`writer_dp_rank`), the optimizer state (plain AdamW's moments, or Megatron's
-distributed optimizer's DP-sharded state gathered to the writer and scattered back on load)
-and the LR-scheduler step. Collective: every rank calls :func:`save_policy` /
-:func:`load_policy`.
+distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
+for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain
+path's come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective:
+every rank calls :func:`save_policy` / :func:`load_policy`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nemo_d3s.backends.megatron import optimizer as optim
+from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -39,10 +41,13 @@ def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
     plain = not optim.is_megatron_optimizer(pol.optimizer)
     for name, p in pol.model.named_parameters():
         out[name] = p.detach()
-        st = pol.optimizer.state.get(p, {}) if plain else {}
+        st = adam_state_of(pol.optimizer, p) if plain else {}
         for k in optim.MOMENTS:
             if k in st:
                 out[f"optim.{k}.{name}"] = st[k]
+        main = main_weight_of(pol.optimizer, p) if plain else None
+        if main is not None:  # the plain path's fp32 main weights (bf16 / fp16 model)
+            out[f"optim.main.{name}"] = main.detach()
     if pol.ref_model is not None:
         for name, p in pol.ref_model.named_parameters():
             out[f"ref.{name}"] = p.detach()
@@ -68,7 +73,8 @@ def save_policy(pol: Any, folder: str) -> None:
     pol.groups.barrier()
     writer = writer_dp_rank(pol.layout, pol.groups.dp_size)
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
-    with_main = megatron_opt and pol.dtype != torch.float32  # fp32 main weights ARE the parameters
+    # fp32 main weights ARE the parameters at fp32; else both optimizers keep their own
+    with_main = (megatron_opt or isinstance(pol.optimizer, MainWeightsAdamW)) and pol.dtype != torch.float32
     gathered: Dict[str, torch.Tensor] = {}
     if megatron_opt:
         step = optim.agreed_step(pol.optimizer, pol.groups.dp)
@@ -78,7 +84,7 @@ def save_policy(pol: Any, folder: str) -> None:
         step = optim.optimizer_step(pol.optimizer)
     if pol.groups.dp_rank == writer:
         meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
-                "main_params": str(int(bool(gathered) and with_main))}
+                "main_params": str(int(with_main and (bool(gathered) or not megatron_opt)))}
         save_shard(root, pol.layout, {**policy_tensors(pol), **gathered}, meta)
 
 
@@ -96,7 +102,8 @@ def load_policy(pol: Any, folder: str) -> None:
     except (KeyError, ValueError):
         raise ValueError(f"{str(root / shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") from None
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
-    with_main = megatron_opt and meta.get("main_params") == "1"
+    main_weights = isinstance(pol.optimizer, MainWeightsAdamW)
+    with_main = (megatron_opt or main_weights) and meta.get("main_params") == "1"
     families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
     readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
 
@@ -109,7 +116,8 @@ def load_policy(pol: Any, folder: str) -> None:
     # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
     # model's dtype, and only this DP rank's range of each (local_ranges): only that range is
     # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
-    # The plain AdamW keeps full moments in the parameter's dtype.
+    # The plain AdamW keeps full moments in the parameter's dtype, or in fp32 with fp32 main
+    # weights (MainWeightsAdamW: a bf16 / fp16 model).
     ranges = optim.local_ranges(pol.optimizer) if megatron_opt else {}
     staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
     moments: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -123,6 +131,10 @@ def load_policy(pol: Any, folder: str) -> None:
             cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
             cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
             moments[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+        elif main_weights and main_weight_of(pol.optimizer, p) is not None:
+            main = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+            cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+            moments[name] = {**cut, "main": main}
         elif opt_step > 0:
             moments[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
     if pol.ref_model is not None:
@@ -134,7 +146,13 @@ def load_policy(pol: Any, folder: str) -> None:
         optim.scatter_states(pol.optimizer, pol.model.named_parameters(), moments, opt_step)
     else:
         for name, p in pol.model.named_parameters():
-            if name in moments:
-                pol.optimizer.state[p] = {"step": torch.tensor(float(opt_step)),
-                                          **{k: v.to(p.device) for k, v in moments[name].items()}}
+            if name not in moments:
+                continue
+            state = {k: v.to(p.device) for k, v in moments[name].items()}
+            key = p
+            if "main" in state:
+                key = pol.optimizer.main_of(p)
+                key.copy_(state.pop("main"))
+            if state:
+                pol.optimizer.state[key] = {"step": torch.tensor(float(opt_step)), **state}
     pol.scheduler.set_step(sched_step)

@@ -8,9 +8,11 @@ from typing import Optional
 
 from nemo_d3s.backends.settings import PolicySettings
 
-__all__ = ["DTYPES", "MegatronBackendConfig", "check_options"]
+__all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
 
 DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
+# Megatron-LM's --transformer-impl names (its "inference_optimized" is not offered).
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
 @dataclass
@@ -22,8 +24,9 @@ class MegatronBackendConfig(PolicySettings):
         (``weights/`` + ``context/``), or the embedded "smollm2-135m-instruct".
     dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
         "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
-        with fp32 main weights and optimizer state; on CPU the optimizer is AdamW over the
-        parameters in their own dtype.
+        with fp32 main weights and optimizer state; the plain path (``distributed_optimizer
+        =false``) keeps fp32 main weights and moments too (``main_weights.MainWeightsAdamW``),
+        unsharded; fp32 parameters are their own main weights.
     device: "auto" (CUDA when available), "cpu" or "cuda".
     tensor_model_parallel_size / pipeline_model_parallel_size: Megatron's TP and PP; DP =
         world size / (TP x PP). TP must divide the attention heads, the key/value heads and
@@ -51,6 +54,10 @@ class MegatronBackendConfig(PolicySettings):
     verify_checksums: a converted or NeMo 2 checkpoint given as ``model`` that carries
         ``checksums.json`` is checked against it before use (every file read once; a
         mismatch is an error naming the file); false skips the check.
+    transformer_impl: Megatron-LM's ``--transformer-impl``: "transformer_engine" (default)
+        builds the Transformer Engine layer spec on CUDA, and a TE that does not import is
+        a start-up error naming the import error; "local" asks for megatron-core's own
+        modules by name (unfused attention). The CPU always takes the local spec.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -72,6 +79,7 @@ class MegatronBackendConfig(PolicySettings):
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
     verify_checksums: bool = True
+    transformer_impl: str = "transformer_engine"
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
@@ -92,5 +100,8 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     if cfg.sampler != "seeded":
         raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
                          "the seeded sampler only")
+    if cfg.transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
+                         f"{', '.join(TRANSFORMER_IMPLS)}")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")

@@ -2,8 +2,9 @@
 safetensors, and stream the whole model back out under HF names.
 
 - :func:`transformer_config` / :func:`build_stage`: the megatron-core model of this rank's
-  (TP, PP) position; the transformer-engine layer spec when TE is importable and the model
-  lives on CUDA, megatron-core's local spec otherwise (CPU, tests).
+  (TP, PP) position; the Transformer Engine layer spec on CUDA (a TE that does not import is
+  an error, :func:`use_transformer_engine`, unless ``transformer_impl=local``), megatron-core's
+  local spec on the CPU or when asked for by name.
 - :func:`load_stage_from_hf`: every local parameter read from its HF rows
   (``formats.weights.local_parts``), nothing else from disk.
 - :func:`iter_hf_weights`: collective generator of (HF name, full tensor) for export and
@@ -19,6 +20,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import (
     Layout,
@@ -31,17 +33,61 @@ from nemo_d3s.formats.weights import (
     local_shape,
     read_local,
 )
+from nemo_d3s.backends.megatron.config import TRANSFORMER_IMPLS
 from nemo_d3s.distributed._comm import global_rank_of, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["te_available", "transformer_config", "build_stage", "load_stage_from_hf", "iter_hf_weights"]
+__all__ = ["TRANSFORMER_IMPLS", "transformer_engine_error", "use_transformer_engine", "transformer_config",
+           "build_stage", "load_stage_from_hf", "iter_hf_weights"]
 
 
-def te_available() -> bool:
+
+def transformer_engine_error() -> Optional[str]:
+    """Why megatron-core cannot build its Transformer Engine layer spec here, or None.
+
+    Checked in the order megatron-core needs them: ``transformer_engine.pytorch`` itself (a
+    missing wheel, or one that fails to load its CUDA libraries: any exception, not only
+    ImportError), then megatron-core's own view, ``gpt_layer_specs.HAVE_TE`` (megatron-core
+    0.16.1 ``models/gpt/gpt_layer_specs.py:42-50`` imports ``transformer_engine``,
+    ``TEFusedMLP``/``TENorm`` and ``TESpecProvider`` and sets HAVE_TE=False on an ImportError,
+    a TE version its extension does not support included)."""
     try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # ImportError, or a TE wheel that fails to load its CUDA library
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:
+        return f"import transformer_engine.pytorch failed: {type(e).__name__}: {e}"
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+    except Exception as e:  # a TE import error other than ImportError escapes megatron's guard
+        return f"import megatron.core.models.gpt.gpt_layer_specs failed: {type(e).__name__}: {e}"
+    if not getattr(gpt_layer_specs, "HAVE_TE", False):
+        try:
+            from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
+        except Exception as e:
+            return f"megatron-core's Transformer Engine extension failed to import: {type(e).__name__}: {e}"
+        return "megatron-core's gpt_layer_specs reports HAVE_TE=False"
+    return None
+
+
+def use_transformer_engine(impl: str, device: torch.device) -> bool:
+    """Whether this rank's stage takes the Transformer Engine layer spec.
+
+    ``impl`` is ``model.params.transformer_impl``: "transformer_engine" (the default; on
+    CUDA it must import, else a ``ConfigError`` naming the import error: silently falling back
+    to the local spec would run unfused attention, [b, heads, S, S] scores per layer, and
+    with Apex but not TE crash in Apex's LayerNorm-only FusedLayerNorm) or "local"
+    (megatron-core's own modules, by name). On the CPU the local spec is the only one."""
+    if impl not in TRANSFORMER_IMPLS:
+        raise ConfigError(f"model.params.transformer_impl={impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
+    if impl == "local" or device.type != "cuda":
         return False
+    err = transformer_engine_error()
+    if err is not None:
+        raise ConfigError(
+            f"model.params.transformer_impl=transformer_engine (the default on CUDA) needs Transformer Engine: {err}. "
+            "Install the gpu extra (pip install 'nemo_d3s[gpu]', or use slurm/Dockerfile), or set "
+            "model.params.transformer_impl=local for megatron-core's local spec (unfused attention: much "
+            "slower and [b, heads, S, S] attention scores per layer)")
     return True
 
 
@@ -100,15 +146,27 @@ def transformer_config(
 
 def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, post_process: bool,
                 device: torch.device, max_sequence_length: Optional[int] = None):
-    """This rank's GPTModel stage (uninitialised weights: load them next)."""
+    """This rank's GPTModel stage (uninitialised weights: load them next). ``layout.te``:
+    the Transformer Engine spec (decide it with :func:`use_transformer_engine`), else the
+    local spec with torch norms throughout."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    layer_spec = (get_gpt_layer_with_transformer_engine_spec() if layout.te
-                  else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if layout.te:
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        # The block's final norm given explicitly: from a bare layer spec megatron-core 0.16.1
+        # picks it by what imports (transformer_block.py:54-69: TENorm, else Apex's
+        # FusedLayerNorm, which refuses RMSNorm, else torch), not by the spec asked for.
+        layers = get_num_layers_to_build(config, pp_rank=layout.pp_rank)
+        layer_spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(normalization="RMSNorm")] * layers,
+                                                layer_norm=WrappedTorchNorm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

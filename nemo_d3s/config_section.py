@@ -1,0 +1,64 @@
+"""The base of the run config's sections (``nemo_d3s.config``): each section checks its
+own fields beside them, in ``validate()``, which ``__post_init__`` runs, so a section built
+in Python (or by ``OmegaConf.to_object`` from a composed config) is checked where it is
+built. Messages name the dotted key: ``trainer.lr=0.0: learning rate must be > 0``."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import fields
+from typing import Any, ClassVar
+
+from nemo_d3s.errors import ConfigError
+
+__all__ = ["Section", "is_count", "is_number", "known", "require"]
+
+
+def require(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_count(v: Any, low: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+def known(key: str, value: str, registry_path: str, attr: str) -> None:
+    """Check ``value`` against a registry of the lower layers (imported when checked)."""
+    registry = getattr(__import__(registry_path, fromlist=[attr]), attr)
+    if value not in registry:
+        raise ConfigError(f"{key}={value!r}: unknown; known: {', '.join(registry.names())}")
+
+
+class Section:
+    """A config section: ``KEY`` is its dotted place in the run config; ``validate()``
+    checks its own fields (messages name ``KEY.field``) and runs when it is built."""
+
+    KEY: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        raise NotImplementedError
+
+    def _check(self, ok: bool, name: str, why: str) -> None:
+        require(ok, f"{self.KEY}.{name}", getattr(self, name), why)
+
+    def _built(self, build: Any) -> Any:
+        """Build a lower layer's object that judges these settings; its ValueError becomes a
+        ConfigError under this section's key (``KEY.field ...`` when it starts with a field)."""
+        try:
+            return build()
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            head = re.split(r"[ =]", msg, maxsplit=1)[0]
+            named = head in {f.name for f in fields(self)}  # type: ignore[arg-type]
+            raise ConfigError(f"{self.KEY}.{msg}" if named else f"{self.KEY}: {msg}") from None

@@ -1,0 +1,18 @@
+"""``nemo-d3s-selfcheck``: one command that exercises every CUDA path of the project (and
+its CPU/gloo subset where there is no GPU) in a few minutes and says, per path, passed /
+failed / not run, with what it measured. See :mod:`nemo_d3s.selfcheck.cli` for how it is
+launched and the check modules for what each check compares against what:
+
+- ``env_checks``: versions, GPUs;
+- ``comm_checks``: the project's collective helpers on gloo and NCCL, the vocab-parallel kernel;
+- ``model_checks``: a small GPT, local spec TP1 vs TP2, Transformer Engine spec in bf16;
+- ``rl_checks``: one RL run with the Megatron backend, checkpoint save / load / convert;
+- ``gpu_checks``: vLLM, peak memory against the dry run, step time.
+
+``report`` holds the result records and the rules no check can bend (a CUDA check is never
+passed without CUDA; a failed check exits 1).
+"""
+
+from nemo_d3s.selfcheck.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,196 @@
+"""``nemo-d3s-selfcheck`` / ``python -m nemo_d3s.selfcheck``: run every check, print the
+table, write ``--out/selfcheck.json``, exit 1 when a check failed.
+
+How it finds its ranks:
+
+- under torchrun / srun (``WORLD_SIZE`` set): joins that world (NCCL on CUDA, after
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` and ``torch.cuda.set_device(LOCAL_RANK)``; gloo on CPU);
+  every rank runs every check, rank 0 prints and writes;
+- one process on a machine without CUDA: spawns ``--ranks`` gloo ranks (default 2) on this
+  machine's CPU, so the multi-rank checks (collectives, TP2 against TP1) run for real;
+- one process with CUDA: a one-rank world on this GPU (the multi-rank checks say "not run";
+  ``torchrun --nproc_per_node=<GPUs> -m nemo_d3s.selfcheck`` runs them).
+
+``--out`` must be on a file system every rank sees (a scratch folder ``.selfcheck_work`` is
+made there and removed at the end). ``--model``: a Hugging Face folder (Llama / Mistral /
+Qwen2) instead of the tiny model the self-check builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import gc
+import os
+import shutil
+import sys
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["all_checks", "main", "run_rank"]
+
+
+def all_checks():
+    from nemo_d3s.selfcheck import comm_checks, env_checks, gpu_checks, model_checks, rl_checks
+
+    return [*env_checks.CHECKS, *comm_checks.CHECKS, *model_checks.CHECKS, *rl_checks.CHECKS, *gpu_checks.CHECKS]
+
+
+def _selected(patterns: Optional[str]):
+    checks = all_checks()
+    if not patterns:
+        return checks
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    return [c for c in checks if any(fnmatch.fnmatch(c.name, p) or c.name.startswith(p) for p in pats)]
+
+
+def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every selected check on this rank of an existing process group (or none: one
+    process); the records as plain dicts. Collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_d3s.selfcheck.base import Context, build_tiny_model
+    from nemo_d3s.selfcheck.report import run_check
+
+    warnings.filterwarnings("ignore")  # megatron-core's import-time notices are not results
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available() and not opts.get("cpu")
+    work = Path(opts["out"]) / ".selfcheck_work"
+    ctx = Context(rank=rank, world=world, local_rank=local_rank, cuda=cuda,
+                  device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+                  model_dir=Path(opts["model"]) if opts.get("model") else work / "tiny_model",
+                  tiny=not opts.get("model"), work_dir=work)
+    if rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        if ctx.tiny:
+            build_tiny_model(ctx.model_dir)
+    ctx.barrier()
+    records = []
+    for check in _selected(opts.get("only")):
+        r = run_check(check.name, check.needs_cuda, lambda c=check: c.fn(ctx), cuda=cuda, rank=rank)
+        records.append(asdict(r))
+        gc.collect()  # the check's models are gone: give their memory back before the next one
+        if cuda:
+            torch.cuda.empty_cache()
+    ctx.barrier()
+    if rank == 0 and not opts.get("keep_work"):
+        shutil.rmtree(work, ignore_errors=True)
+    return records
+
+
+def _spawned_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """A rank started by ``run_on_gloo_ranks`` (the process group exists)."""
+    world = str(opts["ranks"])
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+    return run_rank(rank, opts)
+
+
+def _join_world(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
+    """Under torchrun / srun: join, run, gather every rank's records (all ranks get them)."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+    cuda = torch.cuda.is_available() and not opts.get("cpu")
+    if not dist.is_initialized():
+        if cuda:
+            set_cuda_connections()  # before CUDA initialises
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=opts["timeout"]))
+    try:
+        mine = run_rank(dist.get_rank(), opts)
+        everyone: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
+    finally:
+        dist.destroy_process_group()
+
+
+def _one_process(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
+    """One rank in a private one-member process group (in-memory store)."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_d3s.backends.megatron.parallel import set_cuda_connections
+
+    cuda = torch.cuda.is_available() and not opts.get("cpu")
+    if cuda:
+        set_cuda_connections()
+        torch.cuda.set_device(0)
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what the trainer's set-up reads
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return [run_rank(0, opts)]
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-d3s-selfcheck", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="selfcheck", help="folder for selfcheck.json (default: ./selfcheck)")
+    p.add_argument("--model", default=None, help="Hugging Face folder to check with (default: a tiny random Llama)")
+    p.add_argument("--only", default=None, help="comma-separated check names, prefixes or globs (e.g. env,gpt.*)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks to spawn on a CPU-only machine (default 2)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spawned run / a collective")
+    p.add_argument("--cpu", action="store_true", help="the CPU form even where CUDA is available")
+    p.add_argument("--keep-work", action="store_true", help="keep the scratch folder (checkpoints, runs)")
+    return p
+
+
+def _context(opts: Dict[str, Any], world: int, mode: str) -> Dict[str, Any]:
+    import torch
+
+    return {"argv": sys.argv[1:], "world": world, "mode": mode, "cuda": torch.cuda.is_available() and not opts["cpu"],
+            "model": opts.get("model") or "tiny random Llama (built)",
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from nemo_d3s.selfcheck.report import CheckResult, combine, exit_code, finalize, format_table, write_json
+
+    args = _parser().parse_args(argv)
+    if args.ranks < 1:
+        _parser().error("--ranks must be >= 1")
+    if args.model and not Path(args.model, "config.json").is_file():
+        _parser().error(f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)")
+    opts = {"out": str(Path(args.out).resolve()), "model": str(Path(args.model).resolve()) if args.model else None,
+            "only": args.only, "ranks": args.ranks, "timeout": args.timeout, "cpu": args.cpu,
+            "keep_work": args.keep_work}
+    import torch
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if "WORLD_SIZE" in os.environ:
+        mode, per_rank = "torchrun", _join_world(opts)
+        rank = int(os.environ.get("RANK", "0"))
+    elif not cuda and args.ranks > 1:
+        from nemo_d3s.distributed.launch import run_on_gloo_ranks
+
+        mode, rank = f"spawned {args.ranks} gloo ranks", 0
+        per_rank = run_on_gloo_ranks(_spawned_rank, args.ranks, opts, timeout=args.timeout)
+    else:
+        mode, rank, per_rank = "one process", 0, _one_process(opts)
+    results = finalize(combine([[CheckResult(**r) for r in records] for records in per_rank]), cuda=cuda)
+    if rank == 0:
+        print(format_table(results), flush=True)
+        path = write_json(results, opts["out"], _context(opts, len(per_rank), mode))
+        print(f"wrote {path}", flush=True)
+    return exit_code(results)
+
+
+def console_main() -> None:
+    """The console script: ``sys.exit(main())``."""
+    sys.exit(main())

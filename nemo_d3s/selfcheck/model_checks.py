@@ -1,0 +1,146 @@
+"""A small GPT through the Megatron backend: forward (log-probs and entropy), backward and
+one optimizer step, at TP1 x PP1 and at the parallel layouts the world allows, compared.
+
+- ``gpt.local_spec``: megatron-core's local spec, fp32, on this machine's device (gloo on
+  the CPU, NCCL on CUDA), plain AdamW. TP1 x PP1 (DP = world) against TP2, PP2 (1F1B, the
+  stages' point-to-point sends) and TP2 x PP2 as the world allows (:func:`layouts`), the
+  same rows on every rank: log-probs within 1e-4, grad norms within rel 1e-4, weights after
+  the step within 1e-5 (fp32; the tests' tolerances for the same comparison).
+- ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
+  optimizer (the CUDA defaults) at TP2 (TP1 on one GPU) against the fp32 local spec at TP1:
+  mean |log-prob difference| within 0.05 and max within 0.5, grad norm within rel 0.1, and
+  every weight tensor moved by the step. The bounds are bf16's (the tiny model's logits reach
+  ~10, bf16 keeps 8 bits): they catch a wrong weight mapping or kernel (errors of nats), not
+  rounding.
+
+The batch: 4 rows of 16 byte tokens (prompts of 3-6 tokens), the same on every rank, one
+GRPO step with every response token kept; the denominator counts the tokens over DP, so
+every layout takes the same gradient.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backend, within
+from nemo_d3s.selfcheck.report import CheckFailed
+
+__all__ = ["CHECKS", "one_step", "step_batch"]
+
+LR = 1e-2
+
+
+def step_batch(rows: int = 4, width: int = 16, seed: int = 3):
+    """(TokenBatch [rows, width], advantages [rows], old-log-prob noise [rows, width]) on the CPU."""
+    from nemo_d3s.backends.base import TokenBatch
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([width, width - 3, width - 5, width - 1][:rows] + [width] * max(0, rows - 4))
+    prompt = torch.tensor([3, 4, 5, 6][:rows] + [3] * max(0, rows - 4))
+    pos = torch.arange(width)
+    attn = pos < lengths.unsqueeze(1)
+    resp = attn & (pos >= prompt.unsqueeze(1))
+    ids = torch.randint(1, 256, (rows, width), generator=g) * attn
+    return TokenBatch(ids, attn, resp), torch.randn(rows, generator=g), 0.1 * torch.randn(rows, width, generator=g)
+
+
+def one_step(pol) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float], Dict[str, torch.Tensor]]:
+    """(log-probs [B, S], entropy [B, S], train metrics, HF-named weights after the step)
+    of one GRPO step on :func:`step_batch` (collective over the backend's world)."""
+    from nemo_d3s.core.losses import LossConfig, loss_denominator
+    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+
+    batch, adv, noise = step_batch()
+    sc = pol.score(batch, with_entropy=True, micro_batch_size=2)
+    keep = batch.response_mask
+    upd = UpdateBatch(batch=batch, old_logprobs=sc.logprobs.detach() + noise, advantages=adv, token_keep=keep,
+                      minibatch=torch.zeros(len(batch), dtype=torch.long))
+    loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
+    denominator = float(loss_denominator(keep, "token_mean")) * pol.groups.dp_size  # the same rows on every DP rank
+    metrics = pol.train_step(batch, loss_fn, 2, denominator=denominator)
+    weights = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
+    return sc.logprobs.detach().cpu(), sc.entropy.detach().cpu(), metrics, weights
+
+
+def _run(ctx: Context, tp: int, pp: int = 1, **params):
+    # adam_eps 1e-3: Adam's first step is lr g / (|g| + eps), which blows float noise in tiny
+    # gradient entries up to +-lr at eps 1e-8 (the tests' setting for the same comparison).
+    with megatron_backend(ctx, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=LR,
+                          adam_eps=1e-3, grad_clip=0.0, **params) as pol:
+        before = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
+        return before, one_step(pol)
+
+
+def _weights_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    if set(a) != set(b):
+        raise CheckFailed(f"the layouts export different tensors: {sorted(set(a) ^ set(b))[:4]}")
+    return max(max_abs_diff(a[k], b[k]) for k in a)
+
+
+def layouts(ctx: Context) -> List[Tuple[int, int]]:
+    """The (TP, PP) layouts compared with TP1 x PP1 on this world: TP2 and PP2 on an even
+    world, TP2 x PP2 on a multiple of 4 (PP only when it divides the model's layers)."""
+    layers = int(json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1))
+    out = []
+    if ctx.world % 2 == 0:
+        out.append((2, 1))
+        if layers % 2 == 0:
+            out.append((1, 2))
+            if ctx.world % 4 == 0:
+                out.append((2, 2))
+    return out
+
+
+def check_local_spec(ctx: Context) -> Dict[str, Any]:
+    kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
+    _, (lp1, ent1, m1, w1) = _run(ctx, 1, 1, **kw)
+    out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_tp1pp1": m1["grad_norm"]}
+    others = layouts(ctx)
+    if not others:
+        out["note"] = "one rank: TP1 x PP1 only (forward, backward, step ran)"
+        if not torch.isfinite(lp1).all() or not m1["grad_norm"] > 0:
+            raise CheckFailed("non-finite log-probs or zero gradient", out)
+        return out
+    out["layouts"] = [f"tp{tp}pp{pp}" for tp, pp in others]
+    err = dict.fromkeys(("logprob_err", "entropy_err", "grad_norm_rel_err", "weights_err"), 0.0)
+    for tp, pp in others:
+        _, (lp, ent, m, w) = _run(ctx, tp, pp, **kw)
+        err["logprob_err"] = max(err["logprob_err"], max_abs_diff(lp1, lp))
+        err["entropy_err"] = max(err["entropy_err"], max_abs_diff(ent1, ent))
+        err["grad_norm_rel_err"] = max(err["grad_norm_rel_err"],
+                                       abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12))
+        err["weights_err"] = max(err["weights_err"], _weights_err(w1, w))
+    for name, bound in (("logprob_err", 1e-4), ("entropy_err", 1e-4), ("grad_norm_rel_err", 1e-4),
+                        ("weights_err", 1e-5)):
+        within(name, err[name], bound, out)
+    return out
+
+
+def check_te_spec(ctx: Context) -> Dict[str, Any]:
+    from nemo_d3s.backends.megatron.model import transformer_engine_error
+
+    err = transformer_engine_error()
+    if err is not None:
+        raise CheckFailed(f"Transformer Engine: {err}")
+    _, (lp_ref, _, m_ref, _) = _run(ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False)
+    before, (lp, _, m, w) = _run(ctx, ctx.tp, dtype="bfloat16", transformer_impl="transformer_engine",
+                                 distributed_optimizer=True)
+    out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed"}
+    diff = (lp - lp_ref).abs()
+    within("logprob_mean_err", float(diff.mean()), 0.05, out)
+    within("logprob_max_err", float(diff.max()), 0.5, out)
+    within("grad_norm_rel_err", abs(m["grad_norm"] - m_ref["grad_norm"]) / max(m_ref["grad_norm"], 1e-12), 0.1, out)
+    still = [k for k in w if torch.equal(w[k], before[k])]
+    out["tensors_unchanged"] = len(still)
+    if still:
+        raise CheckFailed(f"{len(still)} weight tensors did not move in the step (e.g. {still[0]})", out)
+    return out
+
+
+CHECKS = [
+    Check("gpt.local_spec", False, check_local_spec),
+    Check("gpt.te_spec", True, check_te_spec),
+]

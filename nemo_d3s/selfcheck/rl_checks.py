@@ -1,0 +1,126 @@
+"""The trainer end to end on the Megatron backend, and its checkpoints.
+
+- ``rl.megatron_step``: ``nemo_d3s.trainer.loop.train`` on the smoke experiment with
+  ``model.backend=megatron`` at TP2 over the world (TP1 on one rank), two steps (generate
+  with the backend's HF engine, reward, D3S selection, update): passes when an optimizer step
+  was taken and the loss and grad norm are finite; reports the last step's time, reward and
+  kept tokens. Its CUDA memory peak and step time feed ``gpu.*`` (``ctx.cache["rl"]``).
+- ``checkpoint.roundtrip``: one GRPO step, then the backend's sharded checkpoint saved,
+  loaded into a fresh backend of the same layout and (at TP2) of TP1, and converted to a
+  Hugging Face folder by ``convert.megatron_to_hf``: every tensor equal to the live weights
+  (bit for bit: the same dtype, rows copied, nothing recomputed).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from typing import Any, Dict, List
+
+import torch
+
+from nemo_d3s.selfcheck.base import Check, Context, megatron_backend
+from nemo_d3s.selfcheck.model_checks import one_step
+from nemo_d3s.selfcheck.report import CheckFailed
+
+__all__ = ["CHECKS", "rl_overrides", "run_rl"]
+
+
+def rl_overrides(ctx: Context, out_dir: str, *, steps: int = 2, extra: List[str] = ()) -> List[str]:
+    """The trainer overrides of the self-check's RL run (Hydra syntax)."""
+    return ["experiment=smoke", "model.backend=megatron", "~model.params.tiny", f"model.name={ctx.model_dir}",
+            f"+model.params.tensor_model_parallel_size={ctx.tp}", f"model.device={'cuda' if ctx.cuda else 'cpu'}",
+            "model.dtype=auto",
+            f"trainer.steps={steps}", "trainer.eval_at_start=false", "trainer.eval_every=0", "trainer.save_every=0",
+            "trainer.export_hf=false", "task.eval_size=4", "logging.level=WARNING", f"output_dir={out_dir}", *extra]
+
+
+def run_rl(ctx: Context, name: str, extra: List[str] = ()) -> Dict[str, Any]:
+    """Train with :func:`rl_overrides`; the last metrics row, the config, and (CUDA) this
+    rank's peak of reserved memory during the run."""
+    from nemo_d3s.train import compose_config
+    from nemo_d3s.trainer.loop import train
+    from nemo_d3s.trainer.metrics import read_jsonl
+
+    out = ctx.work_dir / name
+    if ctx.rank == 0 and out.exists():
+        shutil.rmtree(out)
+    ctx.barrier()
+    cfg = compose_config(rl_overrides(ctx, str(out), extra=list(extra)))
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    train(cfg)
+    # reserved, not allocated: what the caching allocator holds is what the GPU cannot give
+    # vLLM (torch 2.13 torch/cuda/memory.py:380 reset_peak_memory_stats, :586 max_memory_reserved)
+    peak = torch.cuda.max_memory_reserved(ctx.device) if ctx.cuda else None
+    ctx.barrier()
+    rows = read_jsonl(out / "metrics.jsonl")
+    if not rows:
+        raise CheckFailed(f"the run wrote no metrics row ({out / 'metrics.jsonl'})")
+    return {"last": rows[-1], "rows": len(rows), "cfg": cfg, "peak_reserved_bytes": peak}
+
+
+def check_rl_step(ctx: Context) -> Dict[str, Any]:
+    res = run_rl(ctx, "rl")
+    ctx.cache["rl"] = res
+    last = res["last"]
+    out = {"tp": ctx.tp, "ranks": ctx.world, "steps": res["rows"]}
+    for k in ("optimizer_steps", "loss", "grad_norm", "reward_mean", "kept_tokens", "time_step"):
+        if k in last:
+            out[k] = last[k]
+    if not last.get("optimizer_steps", 0) > 0:
+        raise CheckFailed("no optimizer step was taken", out)
+    bad = [k for k in ("loss", "grad_norm") if k in last and not math.isfinite(float(last[k]))]
+    if bad:
+        raise CheckFailed(f"non-finite {bad}", out)
+    return out
+
+
+def _differences(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str) -> List[str]:
+    if set(a) != set(b):
+        return [f"{what}: other tensor names: {sorted(set(a) ^ set(b))[:4]}"]
+    bad = [k for k in a if a[k].shape != b[k].shape or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    return [f"{what}: {len(bad)} tensors differ from the live weights (e.g. {bad[0]})"] if bad else []
+
+
+def check_checkpoint(ctx: Context) -> Dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from nemo_d3s.convert import megatron_to_hf
+
+    folder, hf_out = ctx.work_dir / "ckpt", ctx.work_dir / "ckpt_hf"
+    if ctx.rank == 0:
+        for f in (folder, hf_out):
+            shutil.rmtree(f, ignore_errors=True)
+    ctx.barrier()
+    with megatron_backend(ctx, tensor_model_parallel_size=ctx.tp, lr=1e-2) as pol:
+        one_step(pol)
+        live = {k: v.detach().cpu().clone() for k, v in pol.hf_weights()}
+        pol.save_checkpoint(str(folder))
+        ctx.barrier()
+    layouts = [ctx.tp] + ([1] if ctx.tp > 1 else [])
+    problems: List[str] = []
+    for tp in layouts:
+        with megatron_backend(ctx, tensor_model_parallel_size=tp) as pol:
+            pol.load_checkpoint(str(folder))
+            loaded = {k: v.detach().cpu().clone() for k, v in pol.hf_weights()}
+            problems += _differences(live, loaded, f"loaded at TP{tp}")
+    if ctx.rank == 0:
+        try:
+            megatron_to_hf(str(folder), str(hf_out), hf_config=str(ctx.model_dir), progress=False)
+            files = sorted(hf_out.glob("*.safetensors"))
+            problems += _differences(live, {k: v for f in files for k, v in load_file(str(f)).items()},
+                                     "megatron_to_hf")
+        except Exception as e:  # reported on every rank by agree()
+            problems.append(f"megatron_to_hf: {type(e).__name__}: {e}")
+    out = {"tensors": len(live), "saved_tp": ctx.tp, "loaded_at_tp": layouts,
+           "bytes": sum(t.numel() * t.element_size() for t in live.values())}
+    ctx.agree(problems, out)
+    return out
+
+
+CHECKS = [
+    Check("rl.megatron_step", False, check_rl_step),
+    Check("checkpoint.roundtrip", False, check_checkpoint),
+]
