@@ -373,7 +373,7 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
     tag = f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = dest.parent / f".{dest.name}.tmp-{tag}", dest.parent / f".{dest.name}.old-{tag}"
     held = FileLock(dest.parent / f".{dest.name}.lock", remove=True) if lock else None
-    published = False
+    published, kept = False, None
     try:
         if held is not None:
             held.acquire()
@@ -390,7 +390,8 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
             if peer_done is not None and now is not None and peer_done(dest):
                 published = True  # a peer published a complete folder first; it is as good as ours
                 return
-            raise FolderChanged(dest, _changes(before, now), _keep(tmp, dest, tag))
+            kept = _keep(tmp, dest, tag)
+            raise FolderChanged(dest, _changes(before, now), kept)
         aside = replace and dest.exists()
         if aside:
             os.rename(dest, old)
@@ -406,7 +407,7 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
         _fsync_path(str(dest.parent), folder=True)
     finally:
         for leftover in (tmp, old):
-            if leftover.exists():
+            if leftover.exists() and leftover != kept:
                 shutil.rmtree(leftover, ignore_errors=True)
         if held is not None:
             held.release()

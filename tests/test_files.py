@@ -186,3 +186,20 @@ def test_checksums_catch_a_flipped_bit_and_a_truncated_file(tmp_path):
     assert files.verify_checksums(tmp_path) == "sub/w.bin does not match its SHA-256 checksum (corrupt)"
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(data[:10]))
     assert "sub/w.bin has 10 bytes, 1024 were written" in files.verify_checksums(tmp_path)
+
+
+def test_a_kept_output_that_cannot_be_renamed_stays_under_its_staging_name(tmp_path, monkeypatch):
+    dest = tmp_path / "out"
+    real = os.rename
+
+    def no_rename_to_unpublished(a, b):
+        if ".unpublished-" in str(b):
+            raise OSError(18, "Invalid cross-device link")
+        return real(a, b)
+
+    monkeypatch.setattr(files.os, "rename", no_rename_to_unpublished)
+    with pytest.raises(files.FolderChanged) as e:
+        with atomic_folder(dest) as tmp:
+            (tmp / "model.bin").write_text("finished")
+            dest.mkdir()
+    assert e.value.kept == tmp and (tmp / "model.bin").read_text() == "finished"  # said where, and there
