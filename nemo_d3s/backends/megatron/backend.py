@@ -48,10 +48,10 @@ from nemo_d3s.backends.megatron.model import (
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import atomic_folder
+from nemo_d3s.files import atomic_folder, verify_checksums
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.checksums import check_checksums
+from nemo_d3s.formats.checksums import checksum_error, has_checksums
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
@@ -83,6 +83,22 @@ class _LRSchedule:
     def set_step(self, n: int) -> None:
         self.step_count = int(n)
         self._apply()
+
+
+def _verify_shared(folder: Path) -> None:
+    """Check ``folder``'s checksums.json before anything is built: every rank of the job
+    reads its share of the files (``files.verify_checksums``'s ``part``), so a 70B
+    checkpoint is read once, not once per rank; the ranks agree on the first problem
+    (an all-gather of short strings, in memory) and all raise the same ConfigError."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = [verify_checksums(folder, part=(rank, world))]
+    if world > 1:
+        gathered: List[Optional[str]] = [None] * world
+        dist.all_gather_object(gathered, problems[0])
+        problems = gathered
+    bad = next((p for p in problems if p is not None), None)
+    if bad is not None:
+        raise checksum_error(folder, bad, "set model.params.verify_checksums=false")
 
 
 def _world_size() -> int:
@@ -133,9 +149,6 @@ class MegatronBackend(Policy):
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
         # collective: every rank fails alike.
         fmt = detect_format(self.path)
-        if fmt.kind in (NEMO2, MEGATRON):  # converted / NeMo 2 checkpoints written here carry checksums.json
-            check_checksums(fmt.folder, verify=cfg.verify_checksums,
-                            skip_hint="set model.params.verify_checksums=false")
         if fmt.kind == NEMO2:
             reader, _ = open_nemo2_weights(Path(self.path), self.spec)
             # Its config and tokenizer as an HF-style folder (this process's own, removed
@@ -153,6 +166,8 @@ class MegatronBackend(Policy):
             reader.check()
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
+        if fmt.kind in (NEMO2, MEGATRON) and cfg.verify_checksums and has_checksums(fmt.folder):
+            _verify_shared(fmt.folder)  # converted / NeMo 2 checkpoints written here carry checksums.json
         from megatron.core import parallel_state as ps
 
         # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
