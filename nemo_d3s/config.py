@@ -8,7 +8,7 @@ likewise.
 
 One source per setting:
 
-- The D3S presets are ``core.d3s.PRESETS``; :func:`register_configs` registers each one as
+- The D3S presets are ``core.presets.PRESETS``; :func:`register_configs` registers each one as
   an option of the ``d3s`` config group (``d3s=pods``), built by
   :meth:`D3SSection.from_preset`, and the schema's own ``d3s`` defaults are the ``d3s``
   preset's. There are no preset YAML files to keep equal to them (a user may still add
@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Dict, List, Optional, Union
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.config_section import Section, is_count, is_number, known, require
-from nemo_d3s.core.d3s import PRESETS, D3SConfig
+from nemo_d3s.core.presets import PRESETS, D3SConfig
 from nemo_d3s.core.schedules import DynamicSchedule
 from nemo_d3s.errors import ConfigError  # re-exported: its home before errors.py
 
@@ -129,7 +129,7 @@ class ScheduleConfig(Section):
 
 
 def _preset_fields(name: str) -> Dict[str, Any]:
-    """The fields of :class:`D3SSection` that ``core.d3s.PRESETS[name]`` sets."""
+    """The fields of :class:`D3SSection` that ``core.presets.PRESETS[name]`` sets."""
     p: D3SConfig = PRESETS[name]
     return {"preset": name, "sample_rule": p.sample_rule, "token_scope": p.token_scope,
             "schedule": ScheduleConfig.of(p.schedule), "eps": p.eps, "unbiased": p.unbiased,
@@ -141,10 +141,10 @@ _DEFAULT = _preset_fields(DEFAULT_PRESET)
 
 @dataclass
 class D3SSection(Section):
-    """Sample/token down-sampling: a preset of ``core.d3s.PRESETS`` (``d3s=<preset>``, see
+    """Sample/token down-sampling: a preset of ``core.presets.PRESETS`` (``d3s=<preset>``, see
     :func:`register_configs`) and any field changed on top (``d3s.schedule.k_init=0.1``).
     The defaults are the ``d3s`` preset's; ``--cfg job`` prints every value that runs.
-    ``core.d3s.D3SConfig`` (built by :meth:`to_core`) judges the values."""
+    ``core.presets.D3SConfig`` (built by :meth:`to_core`) judges the values."""
 
     KEY: ClassVar[str] = "d3s"
     preset: str = DEFAULT_PRESET
@@ -154,7 +154,7 @@ class D3SSection(Section):
     eps: float = _DEFAULT["eps"]
     unbiased: bool = _DEFAULT["unbiased"]
     # At least this many tokens per optimizer step (K raised to M / eligible tokens when
-    # K x eligible is smaller); 0 = no floor. core.d3s.D3SConfig.min_kept_tokens.
+    # K x eligible is smaller); 0 = no floor. core.presets.D3SConfig.min_kept_tokens.
     min_kept_tokens: int = _DEFAULT["min_kept_tokens"]
     # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
     # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
@@ -162,7 +162,7 @@ class D3SSection(Section):
 
     @classmethod
     def from_preset(cls, name: str) -> "D3SSection":
-        """The section of ``core.d3s.PRESETS[name]`` (what ``d3s=<name>`` selects)."""
+        """The section of ``core.presets.PRESETS[name]`` (what ``d3s=<name>`` selects)."""
         if name not in PRESETS:
             raise ConfigError(f"d3s={name!r}: unknown preset; known: {', '.join(sorted(PRESETS))}")
         return cls(**_preset_fields(name))
@@ -287,6 +287,12 @@ class TrainerConfig(Section):
     num_mini_batches: int = 1  # optimizer steps per rollout batch
     micro_batch_size: int = 8
     logprob_micro_batch_size: int = 16
+    # Token budgets instead of row counts (0 = the fixed sizes above): rows sorted by length
+    # and packed while rows x longest row <= the budget (a longer row runs alone), so a
+    # long-tailed batch does not pad every micro-batch to its longest response. Same
+    # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
+    micro_batch_tokens: int = 0
+    logprob_micro_batch_tokens: Optional[int] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
@@ -323,8 +329,11 @@ class TrainerConfig(Section):
         for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "logprob_micro_batch_size",
                      "num_mini_batches", "eval_batch_size", "keep_last"):
             self._check(is_count(getattr(self, name), 1), name, "must be an integer >= 1")
-        for name in ("eval_every", "save_every", "warmup_steps", "top_k", "max_failed_reward_steps"):
+        for name in ("eval_every", "save_every", "warmup_steps", "top_k", "max_failed_reward_steps",
+                     "micro_batch_tokens"):
             self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
+        lmt = self.logprob_micro_batch_tokens
+        self._check(lmt is None or is_count(lmt, 0), "logprob_micro_batch_tokens", "must be an integer >= 0 or null")
         self._built(self.generation)
         self._check(is_number(self.lr) and self.lr > 0, "lr", "learning rate must be > 0")
         self._check(is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
@@ -390,7 +399,7 @@ class TrainConfig(Section):
 
 
 def register_configs() -> None:
-    """Register the schema (``train_schema``) and every preset of ``core.d3s.PRESETS`` as an
+    """Register the schema (``train_schema``) and every preset of ``core.presets.PRESETS`` as an
     option of the ``d3s`` group in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore
 

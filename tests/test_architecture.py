@@ -16,7 +16,7 @@ from typing import Dict, List, Set
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "nemo_d3s"
-MAX_LINES = 470  # "about 450": a module longer than this is split
+MAX_LINES = 455  # "about 450": a module longer than this is split
 
 # package (first component under nemo_d3s) -> the nemo_d3s packages it may import
 ALLOWED: Dict[str, Set[str]] = {

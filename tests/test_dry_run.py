@@ -112,17 +112,17 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
 
 def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
     """What the 70B recipe's comment says: at TP 4 x PP 4 in Megatron's default rank order the
-    engines of the four TP x PP copies start two per node on nodes 0-1 (two TP-8 vLLM engines
-    on every GPU there: does not fit); in tp-pp-dp order one per even node (fits)."""
+    engines of the four TP x PP copies start at ranks 0, 4, 8, 12, two per node on nodes 0-1,
+    where a TP-8 engine from local rank 4 would need GPUs 4..11: the layout cannot run (an
+    error naming it); in tp-pp-dp order one engine per even node, on GPUs 0-7 (fits)."""
     report = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
     assert report["fits"] and report["layout"]["rank_order"] == "tp-cp-ep-pp-dp"
     assert report["vllm"]["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
     assert report["vllm"]["shards_per_gpu"] == 1
-    default = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}",
-                             "model.params.use_tp_pp_dp_mapping=false"]), JobShape(8, 8, "test"))
-    assert not default["fits"] and default["layout"]["rank_order"] == "tp-cp-ep-dp-pp"
-    assert default["vllm"]["engines_per_node"] == {"0": 2, "1": 2} and default["vllm"]["shards_per_gpu"] == 2
-    assert default["worst"]["largest_term"] == "vllm" and default["worst"]["phase"] == "generation"
+    assert report["vllm"]["engine_gpus"]["16"] == [f"node2:gpu{g}" for g in range(8)]
+    with pytest.raises(ConfigError, match="the engine of local rank 4 needs GPUs 4..11"):
+        plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "model.params.use_tp_pp_dp_mapping=false"]),
+             JobShape(8, 8, "test"))
 
 
 def test_plain_adamw_is_planned_unsharded(tmp_path):
@@ -173,13 +173,16 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     assert len(report["positions"]) == 16
     for x in report["positions"]:
         assert {"tp_rank", "pp_rank", "params", "terms_bytes", "peak_bytes", "fits"} <= set(x)
-        assert {"weights", "grads", "optimizer", "activations", "vllm"} <= set(x["terms_bytes"])
+        assert {"weights", "grads", "optimizer", "activations"} <= set(x["terms_bytes"])
+        # the TP-8 engine of a copy runs on its ranks 0-7: stages 0 and 1 (TP 4 each) of node 2k
+        assert ("vllm" in x["terms_bytes"]) == (x["pp_rank"] < 2), x
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained
 
 
 def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
     r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}",
-              "model.params.tensor_model_parallel_size=1", "model.params.pipeline_model_parallel_size=1"],
+              "model.params.tensor_model_parallel_size=1", "model.params.pipeline_model_parallel_size=1",
+              "rollout.tensor_parallel_size=1"],  # one engine per rank: one GPU each
              NNODES="8", GPUS_PER_NODE="8")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verdict: DOES NOT FIT in 80 GB per GPU" in r.stdout
@@ -203,7 +206,8 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     (["trainer.prompts_per_step=6"], "trainer.prompts_per_step=6: must be divisible by the number of data-parallel"),
     (["rollout.max_model_len=2048"], "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
                                      "rollout.max_model_len (2048)"),
-    (["+model.params.sequence_parallel=true"], "sequence_parallel=true is not supported"),
+    (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
+    (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
     (["model.params.tensor_model_parallel_size=16", "model.params.pipeline_model_parallel_size=1"],
      "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16"),
     (["rollout.tensor_parallel_size=16"], "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node"),
@@ -308,10 +312,11 @@ def test_activation_and_logit_bytes_by_hand():
     rc = Workload(**{**w.__dict__, "recompute": True})
     assert activation_bytes(spec, rc, tp=2, pp=2, stage=0) == (2 * 2 * 2560 + 19840, 2)
     # Logits on 512 / 2 = 256 vocabulary columns per TP rank: training keeps logits + their
-    # gradient (2 x 2 bytes x 2 rows x 10 x 256 = 20480), scoring 4 rows x 2 bytes (20480:
-    # equal, training is reported); workspace 3 fp32 buffers of min(1024, 4 x 10) rows x 256.
+    # gradient + GPTModel's batch-first copy (3 x 2 bytes x 2 rows x 10 x 256 = 30720), scoring
+    # 4 rows + their copy (2 x 2 bytes x 4 x 10 x 256 = 40960: larger, scoring is reported);
+    # workspace 3 fp32 buffers of min(1024, 4 x 10) rows x 256.
     got, which = logits_bytes(512, w, tp=2)
-    assert got == 20480 + 3 * 4 * 40 * 256 and which.startswith("training")
+    assert got == 40960 + 3 * 4 * 40 * 256 and which.startswith("scoring")
     # KV cache per token per GPU, 70B shape (80 layers, 8 KV heads of 128) at vLLM TP 8:
     # K and V x 80 layers x 1 head x 128 x 2 bytes = 40960; at TP 16 the heads are replicated.
     big = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / "llama3_70b")
@@ -376,3 +381,123 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
     report = plan(cfg, JobShape(8, 8, "test"))
     assert not report["fits"] and report["vllm"]["kv_tokens"] < 3072
     assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), report["problems"]
+
+
+def test_vllm_gpus_count_what_stays_resident(tmp_path):
+    """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
+    while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
+    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
+    empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
+    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
+    tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
+    stays while the policy trains."""
+    from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
+
+    def first(extra=()):
+        r = plan(_compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]), JobShape(1, 8, "test"))
+        return r, next(p for p in r["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
+
+    report, x = first()
+    t, v = x["terms_bytes"], report["vllm"]
+    assert v["engine_gpus"] == {str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)}
+    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
+    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "runtime"))
+    assert x["train_peak_bytes"] == pytest.approx(resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8)
+    assert x["generation_peak_bytes"] == pytest.approx(resident + t["vllm"], abs=8)
+    kept = x["generation_peak_if_cache_kept_bytes"]
+    assert kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8) and kept > 80 * GB
+    rb = v["refit_bytes"]
+    assert rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)  # the embedding is one bucket
+    assert x["refit_peak_bytes"] == pytest.approx(resident + t["vllm_asleep"] + sum(rb.values()), abs=8)
+    _, eager = first(["rollout.enforce_eager=true"])
+    assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
+    _, awake = first(["rollout.sleep=false"])
+    assert awake["terms_bytes"]["vllm_asleep"] == t["vllm"]
+
+
+# ----------------------------------------------------------------------------- long sequences
+def test_sequence_parallel_and_token_budget_terms_by_hand():
+    from nemo_d3s.dry_run.sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
+
+    # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
+    assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True) == 40 * (128 + 240)
+    assert replicated_share(4, True) == 0.25 and replicated_share(1, True) == replicated_share(4, False) == 1.0
+    # tokens per micro-batch: rows x seq_len, or the budget, or one row longer than it
+    assert tokens_per_micro_batch(2, 10) == 20
+    assert tokens_per_micro_batch(2, 10, 15) == 15 and tokens_per_micro_batch(2, 10, 5) == 10
+    # micro-batches per step with every row at seq_len: whole rows per budget, at least one
+    assert micro_batches_per_step(8, 10, 2) == 4
+    assert micro_batches_per_step(8, 10, 2, 35) == 3 and micro_batches_per_step(8, 10, 2, 5) == 8
+    spec = _tiny()
+    w = Workload(seq_len=10, gen_len=12, micro_batch=2, logprob_micro_batch=4, micro_batches=5,
+                 rows_per_engine=8, recompute=True, dtype_bytes=2, chunk=1024, sequence_parallel=True)
+    # full recompute under SP: each layer's input split over TP (2560 / 2) + one layer's full set
+    assert activation_bytes(spec, w, tp=2, pp=2, stage=0) == (2 * 2 * 1280 + 40 * 368, 2)
+    # a budget of 35 tokens: 35 x 2 bytes x 368 per layer-token
+    b = Workload(**{**w.__dict__, "recompute": False, "micro_batch_tokens": 35})
+    assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (2 * 35 * 2 * 368, 1)
+
+
+def _tiny_tp2pp2(tmp_path):
+    """Overrides of a TP 2 x PP 2 plan of the tiny config-only model: 16 rows of 10 tokens."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(_tiny_config()))
+    return ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
+            "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
+            "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
+            "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", f"output_dir={tmp_path / 'out'}"]
+
+
+def test_plan_counts_sequence_parallel_activations(tmp_path):
+    base = _tiny_tp2pp2(tmp_path)
+    off = plan(_compose(base), JobShape(1, 8, "test"))
+    on = plan(_compose([*base, "+model.params.sequence_parallel=true"]), JobShape(1, 8, "test"))
+    assert on["workload"]["sequence_parallel"] and not off["workload"]["sequence_parallel"]
+    act = [r["positions"][0]["terms_bytes"]["activations"] for r in (off, on)]
+    assert act == [2 * 2 * 19840, 2 * 2 * 40 * 368]
+    assert off["context_parallel_needed"] == on["context_parallel_needed"] == []
+
+
+def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
+    """Rows of 131k tokens on the 70B recipe: one row per micro-batch with SP and full
+    recompute still exceeds 80 GB on the first stage; the dry run says context parallelism
+    would be needed and that it runs only with Transformer Engine's attention."""
+    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null",
+                    "trainer.max_new_tokens=129000"])  # the recipe runs sequence parallelism
+    report = plan(cfg, JobShape(8, 8, "test"))
+    assert not report["fits"]
+    need = report["context_parallel_needed"]
+    assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
+    assert any("Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"])
+
+
+def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
+    """experiment=llama3_70b_long (rows of 16384 tokens, responses of 15360): fits 80 GB on
+    8 x 8 GPUs with SP, full recompute and 32768-token micro-batches, as its comment says;
+    without SP the same budget does not fit (stage 0's activations)."""
+    report = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    print(render(report))
+    assert report["fits"], report["problems"]
+    w = report["workload"]
+    assert w["seq_len"] == 16384 and w["seq_len"] - 1024 >= 8192 and w["sequence_parallel"] and w["recompute"]
+    assert w["micro_batch_tokens"] == 32768 and report["context_parallel_needed"] == []
+    first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 57.0
+    assert round(report["worst"]["peak_bytes"] / GB, 1) == 74.9 and report["vllm"]["kv_tokens"] >= 16384
+    no_sp = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}",
+                           "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
+    assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 90.8
+
+
+def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
+    from nemo_d3s.dry_run.sequence import interleaving_factor
+
+    assert interleaving_factor(4, 2) == 1.375 and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
+    base = _tiny_tp2pp2(tmp_path)
+    report = plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=2"]), JobShape(1, 8, "test"))
+    # stage 0: 2 micro-batches in flight x 2 layers x 19840 bytes x (1 + 1 / 4)
+    assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
+    with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
+        plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))

@@ -134,14 +134,17 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert doc["context"]["world"] == 2 and doc["exit_code"] == 0
     cpu = {n for n, c in checks.items() if not c["needs_cuda"]}
     assert cpu == {"env.versions", "collectives.gloo", "vocab_parallel.fp32_gloo", "gpt.local_spec",
-                   "rl.megatron_step", "checkpoint.roundtrip"}
+                   "gpt.long_sequence", "rl.megatron_step", "checkpoint.roundtrip"}
     assert all(checks[n]["status"] == PASSED for n in cpu), {n: checks[n]["reason"] for n in cpu}
     assert all((c["status"], c["reason"]) == (NOT_RUN, NO_CUDA) for c in checks.values() if c["needs_cuda"])
     assert len(checks) - len(cpu) >= 7
     assert checks["gpt.local_spec"]["measured"]["layouts"] == ["tp2pp1", "tp1pp2"]
     assert checks["gpt.local_spec"]["measured"]["logprob_err"] <= 1e-4
     assert checks["checkpoint.roundtrip"]["measured"]["loaded_at_tp"] == [2, 1]
-    assert "6 passed, 0 failed" in proc.stdout
+    # the tiny model's 2 layers leave out PP2 x VPP2 (it needs 4)
+    assert checks["gpt.long_sequence"]["measured"]["layouts"] == ["tp2_sp", "pp2_tokens"]
+    assert checks["gpt.long_sequence"]["measured"]["weights_err"] <= 1e-5
+    assert "7 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------------------- the CUDA checks' logic on the CPU

@@ -114,6 +114,10 @@ class Scores:
 
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor] = None
+    # Positions the pass fed the model ("fed_tokens": rows x width summed over micro-batches,
+    # padding and dummy rows included) and the attended ones among them ("attended_tokens");
+    # empty when the policy does not count them.
+    stats: Dict[str, float] = field(default_factory=dict)
 
 
 # loss_fn(logprobs [b, s] f32 with grad on the model device, rows [b] long (CPU) into the
@@ -182,23 +186,28 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def score(
-        self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8
+        self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
     ) -> Scores:
         """One no-grad pass over ``batch`` [B, S]: log-probs (+ entropy) of every response
         token, identical on every rank of a model-parallel group. ``reference=True`` scores
-        with the frozen reference model (no entropy)."""
+        with the frozen reference model (no entropy). Micro-batches: ``micro_batch_tokens``
+        > 0 = a token budget (``core.micro_batches.token_budget_micro_batches``), else
+        ``micro_batch_size`` consecutive rows."""
 
     @abc.abstractmethod
     def train_step(
-        self, batch: TokenBatch, loss_fn: LossFn, *, micro_batch_size: int, denominator: float
+        self, batch: TokenBatch, loss_fn: LossFn, *, micro_batch_size: int, denominator: float,
+        micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
         """One optimizer step: forward + backward of ``batch`` (this rank's rows; may be
-        EMPTY, the rank still joins every collective) in micro-batches, each ``loss_fn`` sum
-        scaled by the step normaliser of the GLOBAL ``denominator``, gradient reduction over
-        ``groups.dp``, global-norm clipping, the update.
+        EMPTY, the rank still joins every collective) in micro-batches (as in :meth:`score`),
+        each ``loss_fn`` sum scaled by the step normaliser of the GLOBAL ``denominator``,
+        gradient reduction over ``groups.dp``, global-norm clipping, the update.
 
         Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum"} plus the sums of
-        ``loss_fn``'s ``metric_tensors`` over this rank's micro-batches (host-copied once).
+        ``loss_fn``'s ``metric_tensors`` over this rank's micro-batches (host-copied once),
+        and "fed_tokens" / "attended_tokens" as in ``Scores.stats`` when the policy counts them.
         """
 
     @abc.abstractmethod
@@ -218,6 +227,18 @@ class Policy(abc.ABC):
         """The current weights under Hugging Face names, one (name, full tensor) at a time,
         for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
         holds the whole model twice). Collective on a sharded policy."""
+
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``hf_weights`` for a rollout engine's refit (``backends.refit``): the same stream,
+        but each tensor left on the policy's device (no host copy: the refit moves it GPU to
+        GPU, or drops it on a rank that hosts no engine). Collective like ``hf_weights``."""
+        return self.hf_weights()
+
+    def rollout_engine_ranks(self, world_size: int) -> List[int]:
+        """Global ranks that build an engine other than the policy's own, out of
+        ``world_size`` (what :meth:`place_rollout_engine` does; the GPU placement is checked
+        on it before any engine starts): every rank by default."""
+        return list(range(int(world_size)))
 
     @property
     def weights_dtype(self) -> Optional[torch.dtype]:

@@ -20,8 +20,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.checksums import check_checksums
-from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, detect_format
+from nemo_d3s.formats.checksums import check_checksums, checksum_error, has_checksums
+from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, FolderFormat, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
@@ -154,11 +154,12 @@ class CheckpointSource:
             yield name, (t if dtype is None else t.to(dtype))
 
 
-def _find_root(path: Path) -> Tuple[Path, Path]:
-    """(checkpoint folder, its megatron/ folder) for a checkpoint folder or its megatron/."""
+def _find_root(path: Path) -> FolderFormat:
+    """The Megatron checkpoint at ``path`` (a checkpoint folder or its megatron/); a
+    ConfigError saying what ``path`` is instead."""
     fmt = detect_format(path)
     if fmt.kind == MEGATRON:
-        return fmt.folder, fmt.shards
+        return fmt
     if not path.exists():
         raise ConfigError(f"--ckpt {str(path)!r}: no such folder")
     steps = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("step_")) if path.is_dir() else []
@@ -202,8 +203,16 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
     p = Path(path).expanduser()
     if detect_format(p).kind == NEMO2:
         return _open_nemo2(p, hf_config, verify_checksums)
-    folder, root = _find_root(p)
-    check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
+    fmt = _find_root(p)
+    folder, root = fmt.folder, fmt.shards
+    if verify_checksums and fmt.training and has_checksums(folder):
+        from nemo_d3s.trainer.checkpoint import verify_checkpoint  # as the trainer checks its own
+
+        bad = verify_checkpoint(folder)
+        if bad:
+            raise checksum_error(folder, bad, SKIP_HINT)
+    else:
+        check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     if hf_config is not None:
         config_dir = _resolve_hf(hf_config)
     elif (folder / "config.json").is_file():

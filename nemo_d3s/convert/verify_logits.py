@@ -90,7 +90,7 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     path = Path(ckpt_path).expanduser()
     cfg_dir = hf_config
     if cfg_dir is None and detect_format(path).kind != NEMO2:  # a training checkpoint: the HF folder's config
-        folder, _ = _find_root(path)
+        folder = _find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
     src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)
     _same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")

@@ -11,8 +11,10 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   With ``model.params.distributed_optimizer=false`` (plain AdamW over each rank's shards):
   grads d P, not sharded over DP, and fp32 main weights + moments 12 P (8 P for fp32
   weights; ``main_weights.MainWeightsAdamW``).
-- activations (flash attention, no sequence parallelism, no dropout: what the backend
-  builds), per layer and micro-batch of b rows x s tokens, stored for the backward:
+- activations (flash attention, no dropout: what the backend builds), per layer and
+  micro-batch of b rows x s tokens (b s = ``trainer.micro_batch_tokens`` when set, or one
+  row of s when that is longer: ``sequence.tokens_per_micro_batch``), stored for the
+  backward:
   ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (h hidden, a heads, g KV heads, d_h head
   dim, F FFN width): two RMSNorm inputs and two normed linear inputs [s, b, h] replicated
   over TP; per TP shard q, k, v [s, b, d_h (a + 2 g)], the attention output [s, b, d_h a],
@@ -23,41 +25,55 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   L / PP layers, so the first stage holds about L layers' worth. With
   ``model.gradient_checkpointing=true`` (Megatron full recompute, one layer at a time) only
   each layer's input ``2 s b h`` is kept, plus one layer's full set while it is recomputed.
+  With ``model.params.sequence_parallel=true`` (TP > 1) the replicated ``4 h`` term and the
+  recompute's kept inputs are split over TP (``backends/megatron/sequence_parallel.py``);
+  interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1) multiplies the in-flight
+  activations by ``1 + (PP - 1) / (PP VPP)`` (``sequence.interleaving_factor``).
+- context parallelism: when one row of s tokens per micro-batch with full recompute and
+  sequence parallelism still does not fit beside the resident state, the plan reports the
+  position (``context_parallel_needed``): only context parallelism would split it further,
+  which megatron-core runs only with Transformer Engine's attention (refused here).
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
-  kept for the backward, plus their gradient (2 d bytes per element: with bf16 the size of
-  one fp32 copy), or the scoring pass's ``logprob_micro_batch_size`` rows (d bytes per
-  element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
+  kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
+  element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes
+  per element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
   (3 buffers of ``entropy_chunk_size x V_pad / TP``).
 - reference: d P when ``algorithm.kl_coef > 0`` (a frozen copy of the stage).
 - hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
   sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
   generates at once (all of its group's rollouts, or ``generation_batch_size``).
 - runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
-- vllm (``rollout.engine=vllm``, colocated): the engine takes ``gpu_memory_utilization`` x
-  the GPU while it generates (its weights d N / vLLM-TP, its profiled activations and the
-  KV cache); it sleeps while the policy trains (``rollout.sleep``). One engine per TP x PP
-  group, started on that group's first rank (Megatron's rank order puts those ranks on the
-  first nodes), its vLLM-TP workers on that node: ``vllm_shards_per_gpu`` engines share the
-  busiest GPU. The training state (weights, grads, optimizer, reference) stays resident
-  while vLLM generates. KV budget per GPU = utilization x GPU - vLLM weights - vLLM
-  activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold
-  one ``max_model_len`` sequence.
+- vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
+  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on that
+  rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would
+  share a GPU is an error). Only the positions whose GPU carries an engine worker get these
+  terms: vllm = ``gpu_memory_utilization`` x the GPU while it generates (its weights d N /
+  vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps while the
+  policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of vllm when
+  ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's gathered
+  tensors and the next gather's TP shards while the engine's weights are awake for a refit. KV budget per GPU = utilization x GPU -
+  vLLM weights - vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start
+  when it cannot hold one ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
-= resident + activations + logits (+ vLLM when it does not sleep); generation = resident +
-hf_kv_cache or shards x utilization x GPU. The verdict compares
-the larger with ``trainer.gpu_memory_gb`` (decimal GB).
+= resident + activations + logits + vllm_asleep; generation = resident + hf_kv_cache or vllm
+(every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
+the last update's activations are not still reserved); refit = resident + vllm_asleep +
+refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
+(decimal GB).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
+
+from nemo_d3s.dry_run.sequence import interleaving_factor, replicated_share, tokens_per_micro_batch
 
 __all__ = [
     "GB", "RUNTIME_BYTES", "VLLM_PROFILE_TOKENS", "RESIDENT", "TRAINING", "GENERATION", "Workload",
     "layer_activation_bytes", "activation_bytes", "logits_bytes", "kv_bytes_per_token", "vllm_activation_bytes",
-    "megatron_lm_reference",
+    "megatron_lm_reference", "minimal_training_bytes",
 ]
 
 GB = 10**9
@@ -83,19 +99,33 @@ class Workload:
     recompute: bool
     dtype_bytes: int
     chunk: int  # entropy_chunk_size
+    sequence_parallel: bool = False  # model.params.sequence_parallel (at TP > 1)
+    micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0: micro_batch rows)
+    logprob_micro_batch_tokens: int = 0  # the scoring pass's budget (resolved)
+    vpp: int = 1  # model.params.virtual_pipeline_model_parallel_size (interleaved 1F1B)
+
+    @property
+    def train_tokens(self) -> int:
+        """Most tokens one training micro-batch feeds (``dry_run.sequence``)."""
+        return tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+
+    @property
+    def score_tokens(self) -> int:
+        return tokens_per_micro_batch(self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens)
 
 
 def layer_activation_bytes(h: int, heads: int, kv_heads: int, head_dim: int, ffn: int, *, b: int, s: int,
-                           tp: int, dtype_bytes: int = 2) -> float:
-    """Bytes one transformer layer stores for the backward (the module docstring)."""
-    per_token = 4 * h + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
+                           tp: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> float:
+    """Bytes one transformer layer stores for the backward (module docstring); under
+    sequence parallelism the replicated ``4 h`` term is split over TP too."""
+    per_token = 4 * h * replicated_share(tp, sequence_parallel) + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
     return s * b * dtype_bytes * per_token
 
 
-def _layer_bytes(spec, w: Workload, tp: int, b: Optional[int] = None) -> float:
+def _layer_bytes(spec, w: Workload, tp: int) -> float:
     return layer_activation_bytes(spec.hidden_size, spec.num_heads, spec.kv_heads, spec.head_dim,
-                                  spec.ffn_hidden_size, b=b or w.micro_batch, s=w.seq_len, tp=tp,
-                                  dtype_bytes=w.dtype_bytes)
+                                  spec.ffn_hidden_size, b=1, s=w.train_tokens, tp=tp,
+                                  dtype_bytes=w.dtype_bytes, sequence_parallel=w.sequence_parallel)
 
 
 def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tuple[float, int]:
@@ -103,22 +133,40 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
     in_flight = max(1, min(pp - stage, w.micro_batches))
     layers = spec.num_layers // pp
     full = _layer_bytes(spec, w, tp)
+    factor = interleaving_factor(pp, w.vpp)  # interleaved 1F1B keeps more in flight
     if not w.recompute:
-        return in_flight * layers * full, in_flight
-    kept = w.seq_len * w.micro_batch * spec.hidden_size * w.dtype_bytes  # each layer's input
-    return in_flight * layers * kept + full, in_flight
+        return factor * in_flight * layers * full, in_flight
+    # each layer's input (the residual stream: split over TP under sequence parallelism)
+    kept = w.train_tokens * spec.hidden_size * w.dtype_bytes * replicated_share(tp, w.sequence_parallel)
+    return factor * in_flight * layers * kept + full, in_flight
 
 
 def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str]:
     """(bytes, which pass) of the last stage's logits: training (logits + gradient) or
-    scoring (logits only), whichever is larger, plus the kernel's chunk workspace."""
+    scoring (logits only), whichever is larger, each plus the copy GPTModel makes when it
+    returns them batch-first (``logits.transpose(0, 1).contiguous()``, megatron-core 0.16.1
+    ``models/gpt/gpt_model.py:712``: both layouts exist at once, and again for the gradient),
+    plus the kernel's chunk workspace."""
     v = padded_vocab / tp
-    train = 2 * w.dtype_bytes * w.micro_batch * w.seq_len * v
-    score = w.dtype_bytes * w.logprob_micro_batch * w.seq_len * v
-    work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.micro_batch, w.logprob_micro_batch) * w.seq_len) * v
+    train = 3 * w.dtype_bytes * w.train_tokens * v
+    score = 2 * w.dtype_bytes * w.score_tokens * v
+    work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.train_tokens, w.score_tokens)) * v
     if train >= score:
-        return train + work, f"training micro-batch {w.micro_batch} x {w.seq_len}"
-    return score + work, f"scoring micro-batch {w.logprob_micro_batch} x {w.seq_len}"
+        return train + work, f"training micro-batch {_micro_text(w.micro_batch, w.micro_batch_tokens, w.seq_len)}"
+    return score + work, f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}"
+
+
+def _micro_text(rows: int, budget: int, seq_len: int) -> str:
+    return f"{tokens_per_micro_batch(rows, seq_len, budget)} tokens (budget)" if budget else f"{rows} x {seq_len}"
+
+
+def minimal_training_bytes(spec, w: Workload, padded_vocab: int, *, tp: int, pp: int, stage: int) -> float:
+    """Activations (+ logits on the last stage) of the smallest training step the backend
+    runs: one row per micro-batch, full recompute, sequence parallelism at TP > 1."""
+    m = Workload(**{**w.__dict__, "micro_batch": 1, "logprob_micro_batch": 1, "micro_batch_tokens": 0,
+                    "logprob_micro_batch_tokens": 0, "recompute": True, "sequence_parallel": tp > 1})
+    act, _ = activation_bytes(spec, m, tp=tp, pp=pp, stage=stage)
+    return act + (logits_bytes(padded_vocab, m, tp=tp)[0] if stage == pp - 1 else 0.0)
 
 
 def kv_bytes_per_token(spec, vllm_tp: int, dtype_bytes: int) -> int:
@@ -137,12 +185,13 @@ def vllm_activation_bytes(spec, vllm_tp: int, dtype_bytes: int) -> float:
 
 
 def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int, b: int, s: int,
-                          micro_batches: int, dtype_bytes: int = 2) -> Dict[str, float]:
+                          micro_batches: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> Dict[str, float]:
     """Megatron-LM's theoretical memory (``megatron/training/theoretical_memory_usage.py``,
-    the no-sequence-parallel path, distributed optimizer), restated here for comparison:
+    distributed optimizer), restated here for comparison:
     the most loaded shard (a stage's layers + one embedding, over TP; both embeddings when
     untied at PP 1) at ``6 + 12/DP`` bytes per parameter, and the first stage's activations
-    ``s b h (10 + 24/t)`` per layer for all L layers (1F1B's PP micro-batches of L/PP layers)
+    ``s b h (10 + 24/t)`` per layer (``34 s b h / t`` with sequence parallelism) for all L
+    layers (1F1B's PP micro-batches of L/PP layers)
     scaled by ``min(1, micro-batches / PP)``, plus the embedding's input and output for PP
     micro-batches, plus (PP 1 only) the logits and final norm output in 2 bytes, all x 1.05.
     It ignores q/k/v biases, GQA and the SwiGLU width in the activations (its own TODO) and
@@ -157,7 +206,7 @@ def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int,
     if not spec.tie_word_embeddings and pp == 1:
         most += emb / tp
     weight_opt = most * (6 + 12 / dp)
-    act = s * b * h * (10 + 24 / tp) * L
+    act = s * b * h * (34 / tp if sequence_parallel else 10 + 24 / tp) * L
     act += 8 * s * b * pp + s * b * h * pp
     if pp > 1:
         act *= min(1.0, micro_batches / pp)

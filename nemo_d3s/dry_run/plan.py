@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
-from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.vllm.memory import engine_plan, engine_positions, refit_bytes, sleeping_engine_bytes
 from nemo_d3s.dry_run.memory import (
     GB,
     GENERATION,
@@ -41,8 +42,10 @@ from nemo_d3s.dry_run.memory import (
     kv_bytes_per_token,
     logits_bytes,
     megatron_lm_reference,
+    minimal_training_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
@@ -144,6 +147,10 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
     except ConfigError as e:
         raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE to the job's shape)") from None
     validate_layout(cfg, dp)
+    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    if spec.num_layers % (pp * vpp):
+        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
+                          f"virtual_pipeline_model_parallel_size = {pp * vpp}")
     return _Setup(cfg=cfg, mcfg=mcfg, spec=spec, folder=folder, shape=shape, gpu=float(gpu_gb) * GB, tp=tp, pp=pp,
                   dp=dp, order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
                   vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
@@ -181,29 +188,34 @@ def _workload(s: _Setup) -> Workload:
                           f"{where} ({ctx}): the longest rollout would not fit")
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
+    budget = int(t.micro_batch_tokens)
+    lp_budget = budget if t.logprob_micro_batch_tokens is None else int(t.logprob_micro_batch_tokens)
     return Workload(
         seq_len=int(limit) + new,
         gen_len=int(limit) + gen_new,
         micro_batch=int(t.micro_batch_size),
         logprob_micro_batch=int(t.logprob_micro_batch_size),
-        micro_batches=-(-per_dp_update // int(t.micro_batch_size)),
+        micro_batches=micro_batches_per_step(per_dp_update, int(limit) + new, int(t.micro_batch_size), budget),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
         dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
         chunk=int(mcfg.entropy_chunk_size),
+        sequence_parallel=bool(mcfg.sequence_parallel) and s.tp > 1,
+        micro_batch_tokens=budget,
+        logprob_micro_batch_tokens=lp_budget,
+        vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
     )
 
 
 def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str) -> Dict[str, Any]:
-    """Engines per node (one per TP x PP group, on its first rank's node) and the shards
-    the busiest GPU carries when each node spreads its engines' vLLM-TP workers over its
-    GPUs as evenly as it can."""
-    per_node: Dict[int, int] = {}
-    for r in first_ranks_of_model_copies(tp, pp, dp, order):
-        per_node[r // shape.gpus_per_node] = per_node.get(r // shape.gpus_per_node, 0) + 1
-    shards = max(-(-n * vllm_tp // shape.gpus_per_node) for n in per_node.values())
-    return {"engines": dp, "engines_per_node": {str(k): v for k, v in sorted(per_node.items())},
-            "shards_per_gpu": shards}
+    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
+    engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
+    its node); ConfigError when two engines would share a GPU or one runs past its node."""
+    try:
+        return engine_plan(first_ranks_of_model_copies(tp, pp, dp, order), nodes=shape.nodes,
+                           gpus_per_node=shape.gpus_per_node, tensor_parallel_size=vllm_tp)
+    except ValueError as e:
+        raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
 
 # ----------------------------------------------------------------------------- the parts of the plan
@@ -237,6 +249,14 @@ def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, 
              "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
              "longest_rollout": w.gen_len, "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
              "sleep": bool(cfg.rollout.sleep), **placement}
+    graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
+    largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+    terms.update(
+        cuda_graphs=graphs, asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+        refit_bytes=refit_bytes(engine_weight_bytes=weights, tp=s.tp, largest_tensor_bytes=largest,
+                                bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20)),
+        engine_positions=[list(x) for x in engine_positions(
+            s.tp, s.pp, vllm_tp, stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp)])
     problems: List[str] = []
     if terms["kv_cache_bytes"] <= 0:
         problems.append(f"vLLM: rollout.gpu_memory_utilization={terms['utilization']} x {gpu / GB:g} GB "
@@ -280,24 +300,35 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         rows = w.rows_per_engine if s.mcfg.generation_batch_size is None else min(
             w.rows_per_engine, int(s.mcfg.generation_batch_size))
         terms["hf_kv_cache"] = rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
-    if s.engine == "vllm":
-        terms["vllm"] = vllm_terms["shards_per_gpu"] * vllm_terms["reserved_bytes"]
+    on_engine_gpu = s.engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
+    if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
+        rb = vllm_terms["refit_bytes"]
+        terms["vllm"] = vllm_terms["reserved_bytes"]
+        terms["vllm_asleep"] = vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
+        terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["runtime"] = RUNTIME_BYTES
     resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
-    train_peak = resident + sum(v for k, v in terms.items() if k in TRAINING)
+    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
+    train_peak = resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
     gen_peak = resident + sum(v for k, v in terms.items() if k in GENERATION)
-    if s.engine == "vllm" and not vllm_terms["sleep"]:
-        train_peak += terms["vllm"]  # an engine that does not sleep keeps its memory while the policy trains
-    peak = max(train_peak, gen_peak)
+    refit_peak = resident + terms["vllm_asleep"] + terms["refit"] + rb["engine_weights"] if on_engine_gpu else 0.0
+    peak = max(train_peak, gen_peak, refit_peak)
     counted = {k: v for k, v in terms.items() if k != "runtime"}
+    cp_need = context_parallel_need(resident, minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+                                    s.gpu, seq_len=w.seq_len, position=f"(TP {t}, PP {p})")
     return {
         "tp_rank": t, "pp_rank": p, "params": n, "real_params": real_param_count(spec, layout),
         "layers": spec.num_layers // s.pp, "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
-        "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak), "peak_bytes": int(peak),
-        "peak_phase": "training" if train_peak >= gen_peak else "generation",
+        "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak),
+        "refit_peak_bytes": int(refit_peak), "peak_bytes": int(peak),
+        # what generation would need if the trainer kept its cached blocks (not what runs)
+        **({"generation_peak_if_cache_kept_bytes": int(train_peak - terms["vllm_asleep"] + terms["vllm"])}
+           if on_engine_gpu else {}),
+        "peak_phase": "training" if peak == train_peak else "generation" if peak == gen_peak else "refit",
         "largest_term": max(counted, key=lambda k: counted[k]), "fits": peak <= s.gpu,
         **({"logits_from": logit_note} if logit_note else {}),
+        **({"context_parallel_needed": cp_need} if cp_need else {}),
     }
 
 
@@ -332,6 +363,9 @@ def _verdict(s: _Setup, positions: List[Dict[str, Any]], problems: List[str]) ->
                            + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
                            + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
                            "(tensor/pipeline_model_parallel_size)")
+    needs_cp = [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x]
+    if needs_cp:
+        problems.append(needs_cp[0]["message"])
     if not all(x["fits"] for x in positions):
         problems.append(f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
                         f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
@@ -341,8 +375,9 @@ def _verdict(s: _Setup, positions: List[Dict[str, Any]], problems: List[str]) ->
 
 def _reference(s: _Setup, w: Workload, positions: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Megatron-LM's theoretical memory beside this model's first stage."""
-    ref = megatron_lm_reference(s.spec, padded_vocab=s.vocab, tp=s.tp, pp=s.pp, dp=s.dp, b=w.micro_batch,
-                                s=w.seq_len, micro_batches=w.micro_batches, dtype_bytes=w.dtype_bytes)
+    ref = megatron_lm_reference(s.spec, padded_vocab=s.vocab, tp=s.tp, pp=s.pp, dp=s.dp, b=1, s=w.train_tokens,
+                                micro_batches=w.micro_batches, dtype_bytes=w.dtype_bytes,
+                                sequence_parallel=w.sequence_parallel)
     first = max((x for x in positions if x["pp_rank"] == 0), key=lambda x: x["params"])
     no_recompute = Workload(**{**w.__dict__, "recompute": False})
     mine_act, _ = activation_bytes(s.spec, no_recompute, tp=s.tp, pp=s.pp, stage=0)
@@ -390,5 +425,6 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         "worst": {"tp_rank": worst["tp_rank"], "pp_rank": worst["pp_rank"], "peak_bytes": worst["peak_bytes"],
                   "phase": worst["peak_phase"], "largest_term": worst["largest_term"]},
         "vllm": vllm_terms or None,
+        "context_parallel_needed": [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x],
         "checks": {"shards_sum_params": shards_sum, "meta_build": meta, "megatron_lm_reference": _reference(s, w, positions)},
     }

@@ -11,7 +11,7 @@ from nemo_d3s.dry_run.memory import GB
 __all__ = ["render"]
 
 _COLUMNS = ("weights", "grads", "optimizer", "reference", "activations", "logits", "hf_replica", "hf_kv_cache",
-            "runtime", "vllm")
+            "runtime", "vllm", "vllm_asleep", "refit")
 
 
 def _count(n: int) -> str:
@@ -32,9 +32,11 @@ def render(report: Dict[str, Any]) -> str:
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
     w = report["workload"]
-    lines.append(f"workload: micro-batch {w['micro_batch']} x {w['seq_len']} tokens, {w['micro_batches']} "
+    micro = (f"token budget {w['micro_batch_tokens']} (rows up to {w['seq_len']} tokens)" if w.get("micro_batch_tokens")
+             else f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens")
+    lines.append(f"workload: {micro}, {w['micro_batches']} "
                  f"micro-batches per DP rank, recompute={'full' if w['recompute'] else 'off'}, "
-                 f"{w['dtype_bytes']}-byte weights")
+                 f"sequence parallel={'on' if w.get('sequence_parallel') else 'off'}, {w['dtype_bytes']}-byte weights")
     head = ["stage", "tp", "params"] + cols + ["train", "generate", "peak", "largest", "fits"]
     rows: List[List[str]] = []
     groups: Dict[Tuple, List[dict]] = {}

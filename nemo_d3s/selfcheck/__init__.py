@@ -5,7 +5,9 @@ launched and the check modules for what each check compares against what:
 
 - ``env_checks``: versions, GPUs;
 - ``comm_checks``: the project's collective helpers on gloo and NCCL, the vocab-parallel kernel;
-- ``model_checks``: a small GPT, local spec TP1 vs TP2, Transformer Engine spec in bf16;
+- ``model_checks``: a small GPT, local spec TP1 vs TP2 / PP2, the long-sequence options
+  (sequence parallelism, token-budget micro-batches, interleaved 1F1B), Transformer Engine
+  spec in bf16 (with and without sequence parallelism);
 - ``rl_checks``: one RL run with the Megatron backend, checkpoint save / load / convert;
 - ``gpu_checks``: vLLM, peak memory against the dry run, step time.
 

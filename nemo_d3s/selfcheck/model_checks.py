@@ -6,6 +6,14 @@ one optimizer step, at TP1 x PP1 and at the parallel layouts the world allows, c
   stages' point-to-point sends) and TP2 x PP2 as the world allows (:func:`layouts`), the
   same rows on every rank: log-probs within 1e-4, grad norms within rel 1e-4, weights after
   the step within 1e-5 (fp32; the tests' tolerances for the same comparison).
+- ``gpt.long_sequence``: the long-response options of the same step, fp32 local spec,
+  against TP1 x PP1 with fixed micro-batches, within the same bounds: sequence parallelism
+  at TP2 (the sequence gathers / reduce-scatters and the layer-norm gradient sum over TP),
+  length-aware micro-batches at PP2 (megatron-core's variable_seq_lengths shape exchange)
+  and, when the model's layers divide by 4, interleaved 1F1B at PP2 x VPP2, as the world
+  allows (:func:`long_sequence_layouts`).
+- ``gpt.te_spec_sp`` (CUDA): ``gpt.te_spec`` with sequence parallelism on (TE's fused norms
+  marked ``sequence_parallel``, their gradient summed over TP by finalize_model_grads).
 - ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
   optimizer (the CUDA defaults) at TP2 (TP1 on one GPU) against the fp32 local spec at TP1:
   mean |log-prob difference| within 0.05 and max within 0.5, grad norm within rel 0.1, and
@@ -25,7 +33,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backend, within
+from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backend, need_world, within
 from nemo_d3s.selfcheck.report import CheckFailed
 
 __all__ = ["CHECKS", "one_step", "step_batch"]
@@ -47,31 +55,33 @@ def step_batch(rows: int = 4, width: int = 16, seed: int = 3):
     return TokenBatch(ids, attn, resp), torch.randn(rows, generator=g), 0.1 * torch.randn(rows, width, generator=g)
 
 
-def one_step(pol) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float], Dict[str, torch.Tensor]]:
+def one_step(pol, micro_batch_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float],
+                                                          Dict[str, torch.Tensor]]:
     """(log-probs [B, S], entropy [B, S], train metrics, HF-named weights after the step)
-    of one GRPO step on :func:`step_batch` (collective over the backend's world)."""
+    of one GRPO step on :func:`step_batch` (collective over the backend's world); micro-batches
+    of 2 rows, or packed to ``micro_batch_tokens`` when > 0."""
     from nemo_d3s.core.losses import LossConfig, loss_denominator
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
     batch, adv, noise = step_batch()
-    sc = pol.score(batch, with_entropy=True, micro_batch_size=2)
+    sc = pol.score(batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=micro_batch_tokens)
     keep = batch.response_mask
     upd = UpdateBatch(batch=batch, old_logprobs=sc.logprobs.detach() + noise, advantages=adv, token_keep=keep,
                       minibatch=torch.zeros(len(batch), dtype=torch.long))
     loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
     denominator = float(loss_denominator(keep, "token_mean")) * pol.groups.dp_size  # the same rows on every DP rank
-    metrics = pol.train_step(batch, loss_fn, 2, denominator=denominator)
+    metrics = pol.train_step(batch, loss_fn, 2, denominator=denominator, micro_batch_tokens=micro_batch_tokens)
     weights = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
     return sc.logprobs.detach().cpu(), sc.entropy.detach().cpu(), metrics, weights
 
 
-def _run(ctx: Context, tp: int, pp: int = 1, **params):
+def _run(ctx: Context, tp: int, pp: int = 1, micro_batch_tokens: int = 0, **params):
     # adam_eps 1e-3: Adam's first step is lr g / (|g| + eps), which blows float noise in tiny
     # gradient entries up to +-lr at eps 1e-8 (the tests' setting for the same comparison).
     with megatron_backend(ctx, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=LR,
                           adam_eps=1e-3, grad_clip=0.0, **params) as pol:
         before = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
-        return before, one_step(pol)
+        return before, one_step(pol, micro_batch_tokens)
 
 
 def _weights_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
@@ -94,20 +104,43 @@ def layouts(ctx: Context) -> List[Tuple[int, int]]:
     return out
 
 
+def long_sequence_layouts(ctx: Context) -> Dict[str, Dict[str, Any]]:
+    """name -> ``_run`` arguments of the long-sequence variants this world allows."""
+    layers = int(json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1))
+    out: Dict[str, Dict[str, Any]] = {}
+    if ctx.world % 2 == 0:
+        out["tp2_sp"] = dict(tp=2, pp=1, sequence_parallel=True)
+        if layers % 2 == 0:
+            out["pp2_tokens"] = dict(tp=1, pp=2, micro_batch_tokens=24)  # 4 rows of 11-16 tokens: 3 shapes
+        if layers % 4 == 0:
+            out["pp2_vpp2"] = dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2)
+    return out
+
+
 def check_local_spec(ctx: Context) -> Dict[str, Any]:
+    return _compare_layouts(ctx, {f"tp{tp}pp{pp}": dict(tp=tp, pp=pp) for tp, pp in layouts(ctx)})
+
+
+def check_long_sequence(ctx: Context) -> Dict[str, Any]:
+    need_world(ctx, 2, "the long-sequence layouts (TP 2 / PP 2)")
+    return _compare_layouts(ctx, long_sequence_layouts(ctx))
+
+
+def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """TP1 x PP1 against each of ``variants`` (name -> ``_run`` arguments), fp32 local spec."""
     kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
     _, (lp1, ent1, m1, w1) = _run(ctx, 1, 1, **kw)
     out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_tp1pp1": m1["grad_norm"]}
-    others = layouts(ctx)
+    others = list(variants)
     if not others:
         out["note"] = "one rank: TP1 x PP1 only (forward, backward, step ran)"
         if not torch.isfinite(lp1).all() or not m1["grad_norm"] > 0:
             raise CheckFailed("non-finite log-probs or zero gradient", out)
         return out
-    out["layouts"] = [f"tp{tp}pp{pp}" for tp, pp in others]
+    out["layouts"] = others
     err = dict.fromkeys(("logprob_err", "entropy_err", "grad_norm_rel_err", "weights_err"), 0.0)
-    for tp, pp in others:
-        _, (lp, ent, m, w) = _run(ctx, tp, pp, **kw)
+    for name in others:
+        _, (lp, ent, m, w) = _run(ctx, **{**kw, **variants[name]})
         err["logprob_err"] = max(err["logprob_err"], max_abs_diff(lp1, lp))
         err["entropy_err"] = max(err["entropy_err"], max_abs_diff(ent1, ent))
         err["grad_norm_rel_err"] = max(err["grad_norm_rel_err"],
@@ -119,7 +152,7 @@ def check_local_spec(ctx: Context) -> Dict[str, Any]:
     return out
 
 
-def check_te_spec(ctx: Context) -> Dict[str, Any]:
+def check_te_spec(ctx: Context, **params) -> Dict[str, Any]:
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
     err = transformer_engine_error()
@@ -127,8 +160,8 @@ def check_te_spec(ctx: Context) -> Dict[str, Any]:
         raise CheckFailed(f"Transformer Engine: {err}")
     _, (lp_ref, _, m_ref, _) = _run(ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False)
     before, (lp, _, m, w) = _run(ctx, ctx.tp, dtype="bfloat16", transformer_impl="transformer_engine",
-                                 distributed_optimizer=True)
-    out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed"}
+                                 distributed_optimizer=True, **params)
+    out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
@@ -140,7 +173,14 @@ def check_te_spec(ctx: Context) -> Dict[str, Any]:
     return out
 
 
+def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
+    need_world(ctx, 2, "sequence parallelism (TP 2)")
+    return check_te_spec(ctx, sequence_parallel=True)
+
+
 CHECKS = [
     Check("gpt.local_spec", False, check_local_spec),
+    Check("gpt.long_sequence", False, check_long_sequence),
     Check("gpt.te_spec", True, check_te_spec),
+    Check("gpt.te_spec_sp", True, check_te_spec_sp),
 ]

@@ -106,6 +106,9 @@ class Trainer:
             num_mini_batches=int(self.t.num_mini_batches),
             micro_batch_size=int(self.t.micro_batch_size),
             logprob_micro_batch_size=int(self.t.logprob_micro_batch_size),
+            micro_batch_tokens=int(self.t.micro_batch_tokens),
+            logprob_micro_batch_tokens=int(self.t.micro_batch_tokens if self.t.logprob_micro_batch_tokens is None
+                                           else self.t.logprob_micro_batch_tokens),
             groups=self.groups,
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,

@@ -24,11 +24,12 @@ log = logging.getLogger("nemo_d3s.trainer")
 RESUME_SAFE = (
     "resume", "output_dir", "logging.", "trainer.steps", "trainer.eval_every", "trainer.eval_at_start",
     "trainer.eval_batch_size", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
-    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.allow_config_change",
+    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.micro_batch_tokens",
+    "trainer.logprob_micro_batch_tokens", "trainer.allow_config_change",
     "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "trainer.dry_run", "trainer.gpu_memory_gb",
     "task.max_eval_size",
     "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
-    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb",
+    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb", "rollout.refit_bucket_mb",
 )
 
 

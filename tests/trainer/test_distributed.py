@@ -29,8 +29,10 @@ RUN = [
     "task.eval_size=4",
 ]
 PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i"]
-# Differ between layouts by design: the load balance of the 2-rank run.
-LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after"}
+# Differ between layouts by design: the load balance of the 2-rank run, and the positions
+# each layout's micro-batches feed the model (padding depends on how rows are grouped).
+LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after", "logprob_fed_tokens", "logprob_padding_share",
+               "update_fed_tokens", "update_padding_share"}
 
 
 def _torchrun_plan(tmp_path, plan):

@@ -109,3 +109,19 @@ def test_normalize_by_eligible_rescales_the_first_loss_by_the_kept_token_share(t
     assert k["n_kept_tokens"] == e["n_kept_tokens"] < e["n_eligible_tokens"]
     assert k["loss"] != 0
     assert e["loss"] == pytest.approx(k["loss"] * e["n_kept_tokens"] / e["n_eligible_tokens"], rel=1e-4)
+
+
+def test_token_budget_micro_batches_train_the_same_with_less_padding(tmp_path):
+    """trainer.micro_batch_tokens: the same run (losses, gradient norms, rewards of the
+    updated policy) as fixed micro-batches, and a padding share logged for the scoring pass
+    and the update that is never above the fixed one's."""
+    common = [*FAST, "d3s=d3s", "trainer.micro_batch_size=2", "trainer.logprob_micro_batch_size=2"]
+    _, fixed = run_inprocess(tmp_path / "fixed", common)
+    _, budget = run_inprocess(tmp_path / "budget", [*common, "trainer.micro_batch_tokens=64"])
+    _assert_trained(budget)
+    for f, b in zip(fixed, budget):
+        for key in ("reward_mean", "loss", "grad_norm", "n_kept_tokens"):
+            assert b[key] == pytest.approx(f[key], rel=1e-4, abs=1e-6), key
+        for key in ("logprob_padding_share", "update_padding_share"):
+            assert 0 <= b[key] <= f[key] < 1, (key, b[key], f[key])
+        assert b["logprob_fed_tokens"] <= f["logprob_fed_tokens"]

@@ -75,20 +75,29 @@ def hf_run(folder, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("tp,pp,nproc,dopt", [(2, 2, 4, False), (1, 1, 2, False), (1, 1, 2, True)],
-                         ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer"])
-def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, pp, nproc, dopt):
+# the long-sequence options together: sequence parallelism, two virtual pipeline chunks per
+# stage (interleaved 1F1B) and length-aware micro-batches; the HF run uses fixed micro-batches
+LONG = ["+model.params.sequence_parallel=true", "+model.params.virtual_pipeline_model_parallel_size=2",
+        "trainer.micro_batch_tokens=48"]
+
+
+@pytest.mark.parametrize("tp,pp,nproc,dopt,options", [(2, 2, 4, False, []), (1, 1, 2, False, []),
+                                                      (1, 1, 2, True, []), (2, 2, 4, False, LONG)],
+                         ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer", "tp2pp2_sp_vpp2_tokens"])
+def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, pp, nproc, dopt, options):
     """(the CPU default is the plain AdamW path; ``distributed_optimizer=true`` runs Megatron's
     DDP + distributed optimizer, the CUDA default, on gloo)"""
     out = tmp_path / "megatron"
     extra = ["+model.params.distributed_optimizer=true"] if dopt else []
-    log = _finish(_torchrun(nproc, [*RUN, f"model.name={folder}", *_megatron(tp, pp), *extra, f"output_dir={out}"]))
+    log = _finish(_torchrun(nproc, [*RUN, f"model.name={folder}", *_megatron(tp, pp), *extra, *options,
+                                    f"output_dir={out}"]))
     assert ("distributed optimizer (fp32 main weights" in log) == dopt, log[-3000:]
     _assert_same_run(read_jsonl(hf_run / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl"), f"tp{tp}pp{pp}")
     _assert_same_weights(hf_run, out, f"tp{tp}pp{pp}")
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    stages = pp * (2 if options else 1)  # a virtual pipeline saves each chunk as its virtual stage
     assert sorted(os.listdir(ckpt / "megatron")) == sorted(
-        ["layout.json"] + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(pp)])
+        ["layout.json"] + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)])
     # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its checksums
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
     assert "config.json" in json.loads((ckpt / "checksums.json").read_text())["files"]

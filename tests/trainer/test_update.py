@@ -69,7 +69,8 @@ class _FakeBackend:
         self.param = table.clone().requires_grad_(True)
         self.losses = []
 
-    def train_step(self, batch: TokenBatch, loss_fn, micro_batch_size: int, *, denominator: float) -> Dict[str, float]:
+    def train_step(self, batch: TokenBatch, loss_fn, micro_batch_size: int, *, denominator: float,
+                   micro_batch_tokens: int = 0) -> Dict[str, float]:
         # The row of the table for a sequence is identified by its first input id.
         total = 0.0
         for lo in range(0, len(batch), micro_batch_size):

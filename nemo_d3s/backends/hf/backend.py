@@ -32,6 +32,7 @@ from nemo_d3s.backends.hf.loading import (
 from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.core.entropy import entropy_and_logprobs
+from nemo_d3s.core.micro_batches import plan_rows, row_lengths
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.files import atomic_folder
@@ -133,20 +134,29 @@ class HFBackend(Policy):
         out = self.score(batch, with_entropy=with_entropy, reference=reference, micro_batch_size=micro_batch_size)
         return out.logprobs, out.entropy
 
+    @staticmethod
+    def _plan(batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int) -> List[torch.Tensor]:
+        """Row index tensors of the micro-batches (``core.micro_batches.plan_rows``)."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        return plan_rows(row_lengths(batch.attention_mask), micro_batch_size, micro_batch_tokens)
+
     @torch.no_grad()
-    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8) -> Scores:
+    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8,
+              micro_batch_tokens: int = 0) -> Scores:
         """Scores(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
         (position t scores token t from logits at t-1). Scored: every real position from the
         first response token of the row's micro-batch on (so every response token); the
         prompt before it, position 0 and padding hold 0.
 
-        No grad; micro-batches of ``micro_batch_size`` rows, each cut to its longest row.
-        ``reference=True`` scores with the frozen reference model and returns no entropy.
+        No grad; micro-batches of ``micro_batch_size`` rows or of ``micro_batch_tokens``
+        positions (see ``Policy.score``), each cut to its longest row; ``stats`` counts the
+        fed and attended positions. ``reference=True`` scores with the frozen reference
+        model and returns no entropy.
         """
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
+        plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         model = self.ref_model if reference else self.model
         with_entropy = with_entropy and not reference
         B, S = batch.input_ids.shape
@@ -154,22 +164,26 @@ class HFBackend(Policy):
         entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
         was_training = model.training
         model.eval()
-        for lo in range(0, B, micro_batch_size):
-            mb = batch.select(torch.arange(lo, min(B, lo + micro_batch_size)))
+        fed = 0
+        for rows in plan:
+            mb = batch.select(rows)
             L = real_length(mb.attention_mask)
             if L < 2:
                 continue  # nothing to score: position 0 is 0 by contract
+            fed += len(rows) * L
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
             lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
-            logprobs[lo: lo + len(mb), :L] = lp.float().cpu()
+            logprobs[rows, :L] = lp.float().cpu()
             if with_entropy:
-                entropy[lo: lo + len(mb), :L] = ent.float().cpu()
+                entropy[rows, :L] = ent.float().cpu()
         model.train(was_training)
-        return Scores(logprobs, entropy)
+        stats = {"fed_tokens": float(fed), "attended_tokens": float(batch.attention_mask.sum()) if fed else 0.0}
+        return Scores(logprobs, entropy, stats)
 
     # ------------------------------------------------------------------ training
     def accumulate_gradients(
-        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float = 1.0
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float = 1.0,
+        micro_batch_tokens: int = 0,
     ) -> Dict[str, torch.Tensor]:
         """Forward + backward of every micro-batch, then the DP gradient reduction; leaves
         grad(sum over all ranks' loss sums / ``denominator``) in ``.grad`` of every parameter
@@ -179,22 +193,22 @@ class HFBackend(Policy):
         Each micro-batch's loss sum is multiplied by the step normaliser's scale
         ``dp_size / denominator`` and the gradients are then AVERAGED over ``groups.dp``
         (what Megatron's DDP does), which gives the gradient of the global mean whatever
-        the micro-batch size or the number of ranks. Returns this rank's sums as 0-d
-        tensors on the model device (``loss_sum`` + the ``metric_tensors`` of ``loss_fn``),
-        with no host sync. Collectives: one all_reduce per gradient dtype over ``groups.dp``.
+        the micro-batch size, the token budget or the number of ranks. Returns this rank's
+        sums as 0-d tensors on the model device (``loss_sum`` + the ``metric_tensors`` of
+        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one all_reduce per gradient dtype over ``groups.dp``.
         Memory: one flat copy of the gradients during the all-reduce.
         """
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()
         B, S = batch.input_ids.shape
-        n_mb = -(-B // micro_batch_size)
+        n_mb = len(plan)
         scale = StepNormalizer(float(denominator), self.groups.dp_size, max(n_mb, 1), megatron_schedule=False).loss_scale
         sums: Dict[str, torch.Tensor] = {}
-        for lo in range(0, B, micro_batch_size):
-            rows = torch.arange(lo, min(B, lo + micro_batch_size))
+        fed = 0
+        for rows in plan:
             mb = batch.select(rows)
             L = max(real_length(mb.attention_mask), 1)
+            fed += len(rows) * L
             ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
             lp, _ = self._token_logprobs(self.model, ids, attn, mb.response_mask[:, :L], with_entropy=False)
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
@@ -211,6 +225,8 @@ class HFBackend(Policy):
         if self.groups.data_parallel:
             self._average_grads()
         sums["n_micro_batches"] = torch.tensor(float(n_mb), dtype=torch.float64)
+        sums["fed_tokens"] = torch.tensor(float(fed), dtype=torch.float64)
+        sums["attended_tokens"] = torch.tensor(float(batch.attention_mask.sum()), dtype=torch.float64)
         return sums
 
     def _average_grads(self) -> None:
@@ -228,7 +244,8 @@ class HFBackend(Policy):
                 offset += g.numel()
 
     def train_step(
-        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float
+        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float,
+        micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
         """Micro-batched forward/backward of ``batch`` (this rank's rows; may be empty), the
         DP gradient average, global-norm clipping, one AdamW step (see ``Policy.train_step``
@@ -241,7 +258,8 @@ class HFBackend(Policy):
         Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum", <metric sums>}
         with one host copy for all of them.
         """
-        sums = self.accumulate_gradients(batch, loss_fn, micro_batch_size, denominator=denominator)
+        sums = self.accumulate_gradients(batch, loss_fn, micro_batch_size, denominator=denominator,
+                                         micro_batch_tokens=micro_batch_tokens)
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         keys = list(sums)

@@ -8,8 +8,10 @@ refit.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import TYPE_CHECKING, List, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, ContextManager, List, Sequence, Union
 
 import torch
 
@@ -17,10 +19,26 @@ from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Roll
 from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch
 from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
 
-if TYPE_CHECKING:  # pragma: no cover
-    from nemo_d3s.backends.hf.backend import HFBackend
+__all__ = ["HFRolloutEngine", "SamplerModel"]
 
-__all__ = ["HFRolloutEngine"]
+
+@dataclass
+class SamplerModel:
+    """What the sampler reads from the model it samples with: the HF backend has these
+    attributes itself (it is passed as it is); the Megatron backend builds this record around
+    its transformers replica. A record defined here, so this module does not import the
+    backend that imports it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    cfg: Any  # .sampler, .generation_batch_size
+    pad_id: int
+    eos_ids: List[int]
+    device: torch.device
+    use_chat_template: bool
+
+    def _autocast(self) -> ContextManager:
+        return contextlib.nullcontext()
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -28,7 +46,7 @@ class HFRolloutEngine(RolloutEngine):
     prompt, layout-independent) or ``model.generate`` (``sampler="hf_generate"``, one seed per
     call; the trainer wraps it, see ``trainer.build.rollout_engine``)."""
 
-    def __init__(self, policy: "HFBackend") -> None:
+    def __init__(self, policy: SamplerModel) -> None:
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.prompt_seeds = policy.cfg.sampler == "seeded"

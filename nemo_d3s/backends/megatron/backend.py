@@ -2,11 +2,13 @@
 
 Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
 NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
-``TransformerConfig`` -> this rank's stage, loaded straight from safetensors rows or
+``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
+``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
 run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
-pipelining at PP 1, 1F1B at PP > 1, the fused vocab-parallel log-prob/entropy kernel on the
-last stage, the trainer's loss sums scaled by the step normaliser). Rollouts come from one
+pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the fused
+vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums scaled by
+the step normaliser). Rollouts come from one
 engine per model-parallel group (``engine.py``). Checkpoints are sharded safetensors,
 reshardable (``formats/shards.py``; the optimizer state and who writes what:
 ``checkpoint.py``).
@@ -18,14 +20,14 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,19 +41,21 @@ from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
+from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
     load_stage_from_hf,
     transformer_config,
     use_transformer_engine,
+    virtual_layouts,
     write_hf_folder,
 )
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import atomic_folder, verify_checksums
+from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.checksums import checksum_error, has_checksums
+from nemo_d3s.formats.checksums import has_checksums
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
@@ -85,20 +89,14 @@ class _LRSchedule:
         self._apply()
 
 
-def _verify_shared(folder: Path) -> None:
-    """Check ``folder``'s checksums.json before anything is built: every rank of the job
-    reads its share of the files (``files.verify_checksums``'s ``part``), so a 70B
-    checkpoint is read once, not once per rank; the ranks agree on the first problem
-    (an all-gather of short strings, in memory) and all raise the same ConfigError."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems = [verify_checksums(folder, part=(rank, world))]
-    if world > 1:
-        gathered: List[Optional[str]] = [None] * world
-        dist.all_gather_object(gathered, problems[0])
-        problems = gathered
-    bad = next((p for p in problems if p is not None), None)
-    if bad is not None:
-        raise checksum_error(folder, bad, "set model.params.verify_checksums=false")
+def _own_gpu_entry() -> Optional[str]:
+    """This rank's GPU as its entry in the node's visible devices (what an engine's
+    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from nemo_d3s.backends.vllm.placement import local_gpus
+
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[torch.cuda.current_device()]
 
 
 def _world_size() -> int:
@@ -144,6 +142,10 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
+        self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
+        if self.spec.num_layers % (pp * self.vpp):
+            raise ConfigError(f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
+                              f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}")
         # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
@@ -167,7 +169,7 @@ class MegatronBackend(Policy):
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
         if fmt.kind in (NEMO2, MEGATRON) and cfg.verify_checksums and has_checksums(fmt.folder):
-            _verify_shared(fmt.folder)  # converted / NeMo 2 checkpoints written here carry checksums.json
+            ckpt.verify_shared(fmt.folder)  # converted / NeMo 2 checkpoints written here carry checksums.json
         from megatron.core import parallel_state as ps
 
         # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
@@ -187,16 +189,22 @@ class MegatronBackend(Policy):
             te=self.te,
         )
         config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
-                                    recompute=cfg.gradient_checkpointing)
-        self.model = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
-                                 post_process=ps.is_pipeline_last_stage(), device=self.device)
-        if isinstance(reader, ShardedReader):
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(read_local_from_checkpoint(name, self.spec, self.layout, reader, p.dtype))
-        else:
-            load_stage_from_hf(self.model, self.spec, self.layout, reader)
+                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel,
+                                    vpp=self.vpp)
+        # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
+        # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
+        self.stage_layouts = virtual_layouts(self.layout, self.vpp)
+        chunks = self._build_chunks(config)
+        for chunk, lay in zip(chunks, self.stage_layouts):
+            if isinstance(reader, ShardedReader):
+                with torch.no_grad():
+                    for name, prm in chunk.named_parameters():
+                        prm.copy_(read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
+            else:
+                load_stage_from_hf(chunk, self.spec, lay, reader)
+        if not isinstance(reader, ShardedReader):
             reader.close()
+        self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
         if cfg.use_reference:
             self.ref_model = self._build_reference(config)
@@ -219,6 +227,7 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[ModelParallelRollouts] = None
+        self._mp_gloo = None
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
@@ -246,13 +255,15 @@ class MegatronBackend(Policy):
         if ps.model_parallel_is_initialized() and world.owns_world:
             ps.destroy_model_parallel()  # left from an earlier process group of this process
         if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-            if have != (tp, pp):
-                raise ValueError(f"Megatron is already initialised at TP x PP = {have}, not {(tp, pp)}")
+            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                    ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+            if have != (tp, pp, self.vpp):
+                raise ValueError(f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}")
         else:
             from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
 
-            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping))
+            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping),
+                                       vpp=self.vpp)
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
             dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
@@ -260,35 +271,68 @@ class MegatronBackend(Policy):
             global_rank=world.global_rank, owns_world=world.owns_world,
         )
 
-    def _build_reference(self, config) -> torch.nn.Module:
-        """The frozen initial policy for the KL term: a second stage of the same layout with
-        the policy's current parameters copied in. Not ``copy.deepcopy(self.model)``:
-        megatron-core modules hold ProcessGroup handles (its TP linears, the embedding),
-        which cannot be copied. Memory: one more copy of this rank's stage, no gradients."""
-        from megatron.core import parallel_state as ps
+    def _build_chunks(self, config) -> List[torch.nn.Module]:
+        """This rank's GPTModel stage, or one chunk per virtual stage of an interleaved
+        pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
+        of the last stage has the output layer). Uninitialised weights."""
+        p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
+        return [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
+                            post_process=p == pp - 1 and v == last, device=self.device,
+                            vp_stage=v if self.vpp > 1 else None)
+                for v, lay in enumerate(self.stage_layouts)]
 
-        ref = build_stage(self.spec, config, self.layout, pre_process=ps.is_pipeline_first_stage(),
-                          post_process=ps.is_pipeline_last_stage(), device=self.device)
+    def _build_reference(self, config):
+        """The frozen initial policy for the KL term: a second stage (or set of chunks) of
+        the same layout with the policy's current parameters copied in. Not
+        ``copy.deepcopy(self.model)``: megatron-core modules hold ProcessGroup handles (its
+        TP linears, the embedding), which cannot be copied. Memory: one more copy of this
+        rank's stage, no gradients."""
+        refs = self._build_chunks(config)
+        mine = self.model if isinstance(self.model, list) else [self.model]
         with torch.no_grad():
-            mine = dict(self.model.named_parameters())
-            for name, q in ref.named_parameters():
-                q.copy_(mine[name])
-        return ref.eval().requires_grad_(False)
+            for ref, chunk in zip(refs, mine):
+                params = dict(chunk.named_parameters())
+                for name, q in ref.named_parameters():
+                    q.copy_(params[name])
+        refs = [r.eval().requires_grad_(False) for r in refs]
+        return refs if self.vpp > 1 else refs[0]
 
     @property
     def weights_dtype(self) -> torch.dtype:
         return self.dtype
 
+    def rollout_engine_ranks(self, world_size: int) -> List[int]:
+        """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
+        tp, pp = self.layout.tp, self.layout.pp
+        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp),
+                                           rank_order(bool(self.cfg.use_tp_pp_dp_mapping)))
+
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp)
+
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
-        TP x PP group, not per rank); the group's other ranks receive its rollouts."""
+        TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
+        rank tells the group how refits travel (transport, bucket size, dtype) and on which
+        node and GPUs the engine runs (a rank on one of them stages refit buckets there)."""
         mp, src = self._mp_group()
         inner = build() if dist.get_rank() == src else None
-        flags = [(inner.prompt_seeds, inner.on_policy) if inner is not None else None]
-        if mp is not None:
-            dist.broadcast_object_list(flags, src=src, group=mp)
-        prompt_seeds, on_policy = flags[0]
-        return ModelParallelRollouts(inner, self.tokenizer, mp, src, prompt_seeds=prompt_seeds, on_policy=on_policy)
+        refit = None
+        if inner is not None and getattr(inner, "transport", None) is not None:
+            refit = {"transport": inner.transport, "bucket_bytes": int(inner.bucket_bytes),
+                     "dtype": str(inner.weights_dtype).removeprefix("torch."),
+                     "host": socket.gethostname(), "gpus": (inner.visible_devices or "").split(",")}
+        flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+        group = self._mp_gloo_group() if mp is not None else None
+        if group is not None:
+            dist.broadcast_object_list(flags, src=src, group=group)
+        prompt_seeds, on_policy, refit = flags[0]
+        if refit is not None:
+            refit["hosts_engine_gpu"] = self.device.type == "cuda" and refit.pop("host") == socket.gethostname() \
+                and _own_gpu_entry() in refit.pop("gpus")
+        return ModelParallelRollouts(inner, self.tokenizer, group, src, prompt_seeds=prompt_seeds, on_policy=on_policy,
+                                     policy=self, refit=refit, device=self.device)
 
     def _mp_group(self):
         """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
@@ -296,6 +340,21 @@ class MegatronBackend(Policy):
 
         mp = ps.get_model_parallel_group()
         return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+    def _mp_gloo_group(self):
+        """A gloo group of this rank's model-parallel ranks (Megatron's is NCCL on CUDA; on
+        the CPU it is gloo already and is used as it is). Collective over the whole job:
+        every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+        if self._mp_gloo is None:
+            mp, _ = self._mp_group()
+            if dist.get_backend(mp) == "gloo":
+                self._mp_gloo = mp
+            else:
+                everyone: List[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
+                groups = sorted({tuple(sorted(r)) for r in everyone})
+                self._mp_gloo, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+        return self._mp_gloo
 
     def _build_engine(self) -> ModelParallelRollouts:
         """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
@@ -311,24 +370,25 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ Policy
     def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
-              micro_batch_size: int = 8) -> Scores:
+              micro_batch_size: int = 8, micro_batch_tokens: int = 0) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
         model = self.ref_model if reference else self.model
         return schedule.score(model, batch, self.groups, micro_batch_size=micro_batch_size,
                               with_entropy=with_entropy and not reference, vocab_size=self.spec.vocab_size,
-                              chunk_size=self.cfg.entropy_chunk_size)
+                              chunk_size=self.cfg.entropy_chunk_size, micro_batch_tokens=micro_batch_tokens)
 
     def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *,
-                   denominator: float) -> Dict[str, float]:
+                   denominator: float, micro_batch_tokens: int = 0) -> Dict[str, float]:
         return schedule.train_step(self.chunks, self.optimizer, batch, loss_fn, self.groups,
                                    micro_batch_size=micro_batch_size, denominator=denominator,
                                    grad_clip=self.cfg.grad_clip, vocab_size=self.spec.vocab_size,
-                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size)
+                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size,
+                                   micro_batch_tokens=micro_batch_tokens)
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups)
+        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, vpp=self.vpp)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -356,31 +416,24 @@ class MegatronBackend(Policy):
             return
         with atomic_folder(path) as tmp:
             write_hf_folder(weights, str(tmp))
-            self._write_model_files(tmp)
-
-    def _write_model_files(self, folder: Path) -> None:
-        """config.json (with the parameters' dtype), generation config and tokenizer: what
-        an HF export holds besides the weights, and what a training checkpoint keeps so
-        that it describes itself (``nemo-d3s-convert megatron-to-hf`` needs no --hf-config)."""
-        cfg = json.loads(Path(self.path, "config.json").read_text())
-        cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
-        (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-        if Path(self.path, "generation_config.json").is_file():
-            shutil.copyfile(Path(self.path, "generation_config.json"), folder / "generation_config.json")
-        self.tokenizer.save_pretrained(str(folder))
+            ckpt.write_model_files(self, tmp)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """This rank's shard (model, plain-AdamW moments, reference) under local names; the
-        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead."""
-        return ckpt.policy_tensors(self)
+        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead. With a
+        virtual pipeline, chunk i's names carry the prefix ``chunk<i>.``."""
+        n = len(ckpt.policy_stages(self))
+        if n == 1:
+            return ckpt.policy_tensors(self)
+        return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
         """Collective; see ``backends/megatron/checkpoint.save_policy``. Global rank 0 adds
-        the model's config.json, generation config and tokenizer (:meth:`_write_model_files`)."""
+        the model's config.json, generation config and tokenizer (``checkpoint.write_model_files``)."""
         ckpt.save_policy(self, folder)
         if self.groups.is_main:
-            self._write_model_files(Path(folder))
+            ckpt.write_model_files(self, Path(folder))
         return True
 
     def load_checkpoint(self, folder: str) -> bool:

@@ -2,7 +2,8 @@
 (``formats/shards.py``: the files and the resharding table they are read through).
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
-shard (:func:`writer_dp_rank`), the optimizer state (plain AdamW's moments, or Megatron's
+shard (:func:`writer_dp_rank`; with a virtual pipeline each chunk is saved as its virtual
+stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
 distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
 for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain
 path's come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective:
@@ -11,6 +12,8 @@ every rank calls :func:`save_policy` / :func:`load_policy`.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -18,6 +21,8 @@ import torch
 
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
+from nemo_d3s.files import verify_checksums
+from nemo_d3s.formats.checksums import checksum_error
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -30,16 +35,30 @@ from nemo_d3s.formats.shards import (
 )
 from nemo_d3s.formats.weights import Layout
 
-__all__ = ["policy_tensors", "writer_dp_rank", "save_policy", "load_policy"]
+__all__ = ["policy_stages", "policy_tensors", "writer_dp_rank", "save_policy", "load_policy", "write_model_files",
+           "verify_shared"]
 
 
-def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
-    """The backend's (``MegatronBackend``) shard on this rank: parameters, plain-AdamW
-    moments, reference, under local names. Megatron's distributed optimizer keeps its state
-    sharded over DP: :func:`save_policy` gathers it."""
+def policy_stages(pol: Any) -> List[Tuple[torch.nn.Module, Optional[torch.nn.Module], Layout]]:
+    """(model chunk, its reference copy or None, its layout) per stage this rank holds: one,
+    or one per virtual stage of an interleaved pipeline, whose layout is that stage of a
+    TP x (PP VPP) layout (``model.virtual_layouts``): a chunk is saved, loaded and
+    resharded as that stage, so a checkpoint written with a virtual pipeline reads back at
+    any layout and vice versa."""
+    models = pol.model if isinstance(pol.model, (list, tuple)) else [pol.model]
+    refs = pol.ref_model if isinstance(pol.ref_model, (list, tuple)) else [pol.ref_model] * len(models)
+    layouts = getattr(pol, "stage_layouts", None) or [pol.layout]
+    return list(zip(models, refs, layouts))
+
+
+def policy_tensors(pol: Any, stage: int = 0) -> Dict[str, torch.Tensor]:
+    """The backend's (``MegatronBackend``) shard of stage ``stage`` (:func:`policy_stages`)
+    on this rank: parameters, plain-AdamW moments, reference, under local names. Megatron's
+    distributed optimizer keeps its state sharded over DP: :func:`save_policy` gathers it."""
+    model, ref, _ = policy_stages(pol)[stage]
     out: Dict[str, torch.Tensor] = {}
     plain = not optim.is_megatron_optimizer(pol.optimizer)
-    for name, p in pol.model.named_parameters():
+    for name, p in model.named_parameters():
         out[name] = p.detach()
         st = adam_state_of(pol.optimizer, p) if plain else {}
         for k in optim.MOMENTS:
@@ -48,8 +67,8 @@ def policy_tensors(pol: Any) -> Dict[str, torch.Tensor]:
         main = main_weight_of(pol.optimizer, p) if plain else None
         if main is not None:  # the plain path's fp32 main weights (bf16 / fp16 model)
             out[f"optim.main.{name}"] = main.detach()
-    if pol.ref_model is not None:
-        for name, p in pol.ref_model.named_parameters():
+    if ref is not None:
+        for name, p in ref.named_parameters():
             out[f"ref.{name}"] = p.detach()
     return out
 
@@ -67,25 +86,25 @@ def save_policy(pol: Any, folder: str) -> None:
     DP ranges to it); global rank 0 writes layout.json. The trainer adds atomicity and
     checksums."""
     root = Path(folder) / SUBDIR
+    stages = policy_stages(pol)
     if pol.groups.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        write_layout(root, pol.spec, pol.layout)
+        write_layout(root, pol.spec, stages[0][2].at(0, 0))  # a virtual pipeline: TP x (PP VPP)
     pol.groups.barrier()
-    writer = writer_dp_rank(pol.layout, pol.groups.dp_size)
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     # fp32 main weights ARE the parameters at fp32; else both optimizers keep their own
     with_main = (megatron_opt or isinstance(pol.optimizer, MainWeightsAdamW)) and pol.dtype != torch.float32
-    gathered: Dict[str, torch.Tensor] = {}
-    if megatron_opt:
-        step = optim.agreed_step(pol.optimizer, pol.groups.dp)
-        gathered = optim.gather_states(pol.optimizer, pol.model.named_parameters(), pol.groups.dp,
-                                       with_main=with_main, step=step, dst=writer)
-    else:
-        step = optim.optimizer_step(pol.optimizer)
-    if pol.groups.dp_rank == writer:
-        meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
-                "main_params": str(int(with_main and (bool(gathered) or not megatron_opt)))}
-        save_shard(root, pol.layout, {**policy_tensors(pol), **gathered}, meta)
+    step = optim.agreed_step(pol.optimizer, pol.groups.dp) if megatron_opt else optim.optimizer_step(pol.optimizer)
+    for i, (model, _, layout) in enumerate(stages):
+        writer = writer_dp_rank(layout, pol.groups.dp_size)
+        gathered: Dict[str, torch.Tensor] = {}
+        if megatron_opt:
+            gathered = optim.gather_states(pol.optimizer, model.named_parameters(), pol.groups.dp,
+                                           with_main=with_main, step=step, dst=writer)
+        if pol.groups.dp_rank == writer:
+            meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
+                    "main_params": str(int(with_main and (bool(gathered) or not megatron_opt)))}
+            save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
 
 
 @torch.no_grad()
@@ -108,7 +127,7 @@ def load_policy(pol: Any, folder: str) -> None:
     readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
 
     def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        t = read_local_from_checkpoint(name, pol.spec, pol.layout, readers[prefix], dtype or like.dtype)
+        t = read_local_from_checkpoint(name, pol.spec, layout, readers[prefix], dtype or like.dtype)
         if t.shape != like.shape:
             raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
         return t
@@ -120,35 +139,41 @@ def load_policy(pol: Any, folder: str) -> None:
     # weights (MainWeightsAdamW: a bf16 / fp16 model).
     ranges = optim.local_ranges(pol.optimizer) if megatron_opt else {}
     staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    moments: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, p in pol.model.named_parameters():
-        t = read("", name, p)
-        staged.append((p, t))
-        if megatron_opt:
-            if p not in ranges:
-                continue
-            a, b = ranges[p]
-            cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
-            cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
-            moments[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
-        elif main_weights and main_weight_of(pol.optimizer, p) is not None:
-            main = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
-            cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
-            moments[name] = {**cut, "main": main}
-        elif opt_step > 0:
-            moments[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
-    if pol.ref_model is not None:
-        for name, p in pol.ref_model.named_parameters():
-            staged.append((p, read("ref.", name, p)))
+    # per stage: {local name: moments}; names repeat across the chunks of a virtual pipeline
+    moments: List[Dict[str, Dict[str, torch.Tensor]]] = []
+    stages = policy_stages(pol)
+    for model, ref, layout in stages:  # (``read`` reads at ``layout``)
+        mom: Dict[str, Dict[str, torch.Tensor]] = {}
+        moments.append(mom)
+        for name, p in model.named_parameters():
+            t = read("", name, p)
+            staged.append((p, t))
+            if megatron_opt:
+                if p not in ranges:
+                    continue
+                a, b = ranges[p]
+                cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+                cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+                mom[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+            elif main_weights and main_weight_of(pol.optimizer, p) is not None:
+                main = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+                cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+                mom[name] = {**cut, "main": main}
+            elif opt_step > 0:
+                mom[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
+        if ref is not None:
+            for name, p in ref.named_parameters():
+                staged.append((p, read("ref.", name, p)))
     for p, t in staged:
         p.copy_(t.to(p.device))
-    if megatron_opt:
-        optim.scatter_states(pol.optimizer, pol.model.named_parameters(), moments, opt_step)
-    else:
-        for name, p in pol.model.named_parameters():
-            if name not in moments:
+    for (model, _, _), mom in zip(stages, moments):
+        if megatron_opt:
+            optim.scatter_states(pol.optimizer, model.named_parameters(), mom, opt_step)
+            continue
+        for name, p in model.named_parameters():
+            if name not in mom:
                 continue
-            state = {k: v.to(p.device) for k, v in moments[name].items()}
+            state = {k: v.to(p.device) for k, v in mom[name].items()}
             key = p
             if "main" in state:
                 key = pol.optimizer.main_of(p)
@@ -156,3 +181,34 @@ def load_policy(pol: Any, folder: str) -> None:
             if state:
                 pol.optimizer.state[key] = {"step": torch.tensor(float(opt_step)), **state}
     pol.scheduler.set_step(sched_step)
+
+
+def write_model_files(pol: Any, folder: Path) -> None:
+    """config.json (with the parameters' dtype), generation config and tokenizer of the
+    policy ``pol``: what an HF export holds besides the weights, and what a training
+    checkpoint keeps so that it describes itself (``nemo-d3s-convert megatron-to-hf``
+    needs no --hf-config). Global rank 0 calls it."""
+    cfg = json.loads(Path(pol.path, "config.json").read_text())
+    cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(pol.dtype).replace("torch.", "")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    if Path(pol.path, "generation_config.json").is_file():
+        shutil.copyfile(Path(pol.path, "generation_config.json"), folder / "generation_config.json")
+    pol.tokenizer.save_pretrained(str(folder))
+
+
+def verify_shared(folder: Path) -> None:
+    """Collective over the whole job: check ``folder``'s checksums.json before the model is
+    built. Every rank reads its share of the files (``files.verify_checksums``'s ``part``),
+    so a 70B checkpoint is read once, not once per rank; the ranks agree on the first
+    problem (an all-gather of short strings, in memory) and all raise the same ConfigError."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems: List[Optional[str]] = [verify_checksums(folder, part=(rank, world))]
+    if world > 1:
+        gathered: List[Optional[str]] = [None] * world
+        dist.all_gather_object(gathered, problems[0])
+        problems = gathered
+    bad = next((p for p in problems if p is not None), None)
+    if bad is not None:
+        raise checksum_error(folder, bad, "set model.params.verify_checksums=false")

@@ -15,6 +15,18 @@ DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
+# Why context parallelism and packed sequences are refused (the backend's error and the dry
+# run's report). megatron-core 0.16.1's local attention (transformer/dot_product_attention.py)
+# asserts context_parallel_size == 1 (line 57) and packed_seq_params is None (line 153):
+# both run only in Transformer Engine's TEDotProductAttention.
+CONTEXT_PARALLEL_REFUSAL = (
+    "megatron-core runs context parallelism and packed (THD) sequences only through Transformer Engine's "
+    "attention (TEDotProductAttention with PackedSeqParams), which this backend does not build; use "
+    "model.params.sequence_parallel=true with tensor_model_parallel_size > 1, model.gradient_checkpointing=true, "
+    "trainer.micro_batch_tokens (length-aware micro-batches) or more pipeline stages instead"
+)
+
+
 @dataclass
 class MegatronBackendConfig(PolicySettings):
     """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
@@ -31,10 +43,17 @@ class MegatronBackendConfig(PolicySettings):
     tensor_model_parallel_size / pipeline_model_parallel_size: Megatron's TP and PP; DP =
         world size / (TP x PP). TP must divide the attention heads, the key/value heads and
         the FFN width; PP must divide the layers.
-    virtual_pipeline_model_parallel_size, context_parallel_size, sequence_parallel:
-        Megatron's names, accepted so a recipe can state them; only None / 1 / False run
-        (interleaved 1F1B, context parallelism and sequence parallelism are not wired into
-        the RL step yet) and anything else is refused at start-up by name.
+    sequence_parallel: Megatron's sequence parallelism at TP > 1 (activations outside the
+        tensor-parallel matmuls split along the sequence over TP; no effect at TP 1); see
+        ``sequence_parallel.py``.
+    virtual_pipeline_model_parallel_size: > 1 (with PP > 1; layers divisible by PP x VPP):
+        megatron-core's interleaved 1F1B, that many model chunks per stage
+        (``model.virtual_layouts``). None / 1: plain 1F1B.
+    context_parallel_size, sequence_packing: accepted so a recipe can state them; only
+        1 / false run and anything else is refused at start-up by name: megatron-core runs
+        context parallelism and packed (THD) rows only through Transformer Engine's
+        attention (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead; the dry run
+        reports a layout that would need them).
     use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
         tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
         copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
@@ -74,6 +93,7 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    sequence_packing: bool = False  # packed (THD) rows: refused, see CONTEXT_PARALLEL_REFUSAL
     use_tp_pp_dp_mapping: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
@@ -86,15 +106,16 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     """Refuse what the backend cannot run: Megatron options it accepts by name but does not
     implement yet, a dtype or sampler it does not take. ValueError naming the key; the
     backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
-    if cfg.virtual_pipeline_model_parallel_size not in (None, 1):
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size="
-                         f"{cfg.virtual_pipeline_model_parallel_size}: interleaved 1F1B is not supported; use None")
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None")
+    if vpp not in (None, 1) and int(cfg.pipeline_model_parallel_size) < 2:
+        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
+                         "pipeline_model_parallel_size > 1")
     if cfg.context_parallel_size != 1:
-        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: context parallelism "
-                         "is not supported; use 1")
-    if cfg.sequence_parallel:
-        raise ValueError("model.params.sequence_parallel=true is not supported yet (its layer-norm gradient "
-                         "all-reduce is not in the RL step); use false")
+        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.sequence_packing:
+        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
     if cfg.sampler != "seeded":

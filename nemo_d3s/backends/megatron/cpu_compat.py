@@ -1,8 +1,8 @@
 """Running megatron-core (0.15, 0.16) on CPU / gloo ranks: the backend's one set of patches.
 
 megatron-core assumes CUDA in a few places on the GPTModel forward/backward path (local
-layer spec, ``use_cpu_initialization=True``, no sequence parallelism), at any TP x PP on
-gloo. :func:`apply_cpu_compat` redirects exactly those places to the CPU; everything else
+layer spec, ``use_cpu_initialization=True``, with or without sequence parallelism), at any
+TP x PP on gloo. :func:`apply_cpu_compat` redirects exactly those places to the CPU; everything else
 (``initialize_model_parallel``, the tensor-parallel layers, the vocab-parallel embedding and
 output layer, the schedules' control flow) runs on gloo/CPU unchanged.
 
@@ -34,9 +34,7 @@ The patches (each one's WHY is at its code):
 
 Not patched, because the backend does not take those paths on CPU (documented so nobody
 relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
-schedule passes an explicit causal mask on CPU), sequence parallelism
-(``tensor_parallel.mappings`` gathers into ``torch.cuda.current_device()`` buffers),
-``distribute_saved_activations``, ``use_cpu_initialization=False`` (GPU init under the RNG
+schedule passes an explicit causal mask on CPU), ``distribute_saved_activations``, ``use_cpu_initialization=False`` (GPU init under the RNG
 tracker), inference KV caches and CUDA graphs, ``config.enable_autocast``
 (``torch.autocast("cuda")``), and Transformer Engine specs.
 
@@ -84,6 +82,14 @@ _TORCH_PROXIED = {
     "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32/clip_grad_by_total_norm_fp32",
     # the optimizer-state load path allocates its shards on ``torch.cuda.current_device()``.
     "megatron.core.optimizer.distrib_optimizer": "DistributedOptimizer.load_parameter_state_from_dp_zero",
+    # Sequence parallelism (model.params.sequence_parallel=true, TP > 1): the sequence
+    # gathers / reduce-scatters of the embedding and the norms' region allocate their
+    # outputs on ``torch.cuda.current_device()`` (_gather_along_first_dim,
+    # _reduce_scatter_along_first_dim);
+    "megatron.core.tensor_parallel.mappings": "_gather/_reduce_scatter_along_first_dim",
+    # and LinearWithGradAccumulationAndAsyncCommunication.backward reduce-scatters the input
+    # gradient of a sequence-parallel linear into a ``torch.cuda.current_device()`` buffer.
+    "megatron.core.tensor_parallel.layers": "LinearWithGradAccumulationAndAsyncCommunication.backward",
 }
 
 _APPLIED = False

@@ -2,10 +2,11 @@
 
 Every rank of one TP x PP group must train on the same rollouts. The engine lives on the
 group's first rank (TP rank 0, PP stage 0) only; the other ranks receive its rollouts with
-one object broadcast over the model-parallel group (:class:`ModelParallelRollouts`), so the
-group generates once. Refits are collective (``policy.hf_weights()`` gathers over TP and
-PP), so every rank of the group runs the weight iterator and only the engine's rank keeps
-the tensors.
+one object broadcast over a gloo twin of the model-parallel group
+(:class:`ModelParallelRollouts`), so the group generates once. Refits are collective
+(``policy.refit_weights()`` gathers over TP and PP), so every rank of the group runs the
+weight iterator; ``backends/refit.py`` moves the tensors into the engine (the ranks on the
+engine's GPUs stage them for CUDA IPC, the others drop them).
 
 :class:`ReplicaEngine` is the CPU/test engine: the HF backend's seeded, layout-independent
 sampler on a transformers copy of the policy (built from the same HF folder, then refitted
@@ -15,33 +16,17 @@ same rollouts. vLLM slots in as the inner engine in place of it.
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
+from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed._comm import is_single
 
 __all__ = ["ModelParallelRollouts", "ReplicaEngine"]
-
-
-@dataclass
-class _Replica:
-    """What the HF engine reads from its policy: model, tokenizer and sampling settings."""
-
-    model: torch.nn.Module
-    tokenizer: Any
-    cfg: Any  # .sampler, .generation_batch_size
-    pad_id: int
-    eos_ids: List[int]
-    device: torch.device
-    use_chat_template: bool
-
-    def _autocast(self):
-        return contextlib.nullcontext()
 
 
 class ReplicaEngine(RolloutEngine):
@@ -49,12 +34,10 @@ class ReplicaEngine(RolloutEngine):
     transformers copy of the policy. ``sync_weights`` copies ``policy.hf_weights()`` into it
     name by name (tensor by tensor: never a second full copy in flight)."""
 
-    def __init__(self, replica: _Replica) -> None:
-        from nemo_d3s.backends.hf.engine import HFRolloutEngine
-
+    def __init__(self, replica: SamplerModel) -> None:
         self.replica = replica
         self.tokenizer = replica.tokenizer
-        self._inner = HFRolloutEngine(replica)  # type: ignore[arg-type]
+        self._inner = HFRolloutEngine(replica)
         self.prompt_seeds = self._inner.prompt_seeds
 
     def sync_weights(self, policy: Policy) -> None:
@@ -62,7 +45,7 @@ class ReplicaEngine(RolloutEngine):
 
         model = self.replica.model
         try:
-            copy_hf_weights(model, policy.hf_weights(), tie_word_embeddings=bool(model.config.tie_word_embeddings))
+            copy_hf_weights(model, policy.refit_weights(), tie_word_embeddings=bool(model.config.tie_word_embeddings))
         except KeyError as e:
             raise KeyError(f"rollout replica refit: {e.args[0]}") from None
 
@@ -73,37 +56,57 @@ class ReplicaEngine(RolloutEngine):
 
 class ModelParallelRollouts(RolloutEngine):
     """One engine per model-parallel group: ``inner`` exists on the group's first rank
-    (``src``, a global rank) and is None elsewhere.
+    (``src``, a global rank) and is None elsewhere. ``group``: a gloo group of the
+    model-parallel ranks (``MegatronBackend._mp_gloo_group``): every wait for the engine
+    happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
 
-    generate: ``src`` samples; one ``broadcast_object_list`` of the Rollouts (tensors on the
-    CPU) over ``mp_group`` (in-memory objects between the job's own ranks, never a file).
-    sync_weights: every rank iterates ``policy.hf_weights()`` (it is collective); ``src``
-    hands the iterator to ``inner``. ``make_inner`` builds the engine lazily on ``src``.
+    generate: every rank frees its cached CUDA blocks and waits for the others (the engine
+    then wakes into that memory); ``src`` samples; one ``broadcast_object_list`` of the
+    Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
+    ranks, never a file). An engine whose weights a sleep dropped (``inner.stale``) is
+    refitted first, by the whole group.
+    sync_weights: ``refit`` set (an engine with its own copy, vLLM): the group runs one
+    :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
+    ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
+    otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
+    refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
+    (``MegatronBackend.place_rollout_engine``).
     """
 
-    def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, mp_group, src: int, *,
-                 prompt_seeds: bool, on_policy: bool = True) -> None:
-        self.inner, self.tokenizer, self.mp_group, self.src = inner, tokenizer, mp_group, src
+    def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, group, src: int, *,
+                 prompt_seeds: bool, on_policy: bool = True, policy: Optional[Policy] = None,
+                 refit: Optional[dict] = None, device: Optional[torch.device] = None) -> None:
+        self.inner, self.tokenizer, self.group, self.src = inner, tokenizer, group, src
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
+        self.policy, self.refit, self.device = policy, refit, device
 
     @property
     def is_src(self) -> bool:
-        return is_single(self.mp_group) or dist.get_rank() == self.src
+        return is_single(self.group) or dist.get_rank() == self.src
+
+    def _from_src(self, value: Any) -> Any:
+        box: List[Any] = [value if self.is_src else None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
 
     def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
-        if is_single(self.mp_group):
+        if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        box: List[Any] = [None]
+        if self.refit is not None and self._from_src(bool(getattr(self.inner, "stale", False))):
+            self.sync_weights(self.policy)
+        release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
+        dist.barrier(group=self.group)
+        out: Any = None
         if self.is_src:
             try:
-                box[0] = self.inner.generate(prompts, n_samples, cfg, seeds)
+                out = self.inner.generate(prompts, n_samples, cfg, seeds)
             except GenerationInterrupted:
-                box[0] = "interrupted"  # the group's other ranks stop with it
-        dist.broadcast_object_list(box, src=self.src, group=self.mp_group)
-        if isinstance(box[0], str):
+                out = "interrupted"  # the group's other ranks stop with it
+        out = self._from_src(out)
+        if isinstance(out, str):
             raise GenerationInterrupted("stop requested during generation (on the engine's rank)")
-        return box[0]
+        return out
 
     @property
     def should_stop(self):
@@ -116,15 +119,25 @@ class ModelParallelRollouts(RolloutEngine):
             self.inner.should_stop = fn
 
     def sync_weights(self, policy: Policy) -> None:
+        if self.refit is None or is_single(self.group):
+            if self.is_src:
+                self.inner.sync_weights(policy)
+            else:
+                for _ in policy.refit_weights():  # serve the gathers; the tensors are not needed here
+                    pass
+            return
+        r = self.refit
+        refit = WeightRefit(self.inner if self.is_src else None, transport=r["transport"], group=self.group,
+                            src=self.src, hosts_engine_gpu=r["hosts_engine_gpu"], bucket_bytes=r["bucket_bytes"],
+                            dtype=getattr(torch, r["dtype"]), device=self.device)
         if self.is_src:
-            self.inner.sync_weights(policy)
+            self.inner.run_refit(refit, policy.refit_weights())
         else:
-            for _ in policy.hf_weights():  # serve the gathers; the tensors are not needed here
-                pass
+            refit.push(policy.refit_weights())
 
 
 def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch.device, cfg: Any,
-                 eos_ids_fn: Callable[[Any], List[int]]) -> _Replica:
+                 eos_ids_fn: Callable[[Any], List[int]]) -> SamplerModel:
     """A transformers model of the HF folder ``path`` (local files only), dropout off, in
     eval mode, for :class:`ReplicaEngine` (its weights are overwritten by the first refit)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -142,5 +155,5 @@ def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch
         pass  # no generation_config.json: the one derived from config.json stands
     model.to(device).eval()
     model.requires_grad_(False)
-    return _Replica(model, tokenizer, cfg, int(tokenizer.pad_token_id), eos_ids_fn(model), device,
+    return SamplerModel(model, tokenizer, cfg, int(tokenizer.pad_token_id), eos_ids_fn(model), device,
                     bool(cfg.use_chat_template))

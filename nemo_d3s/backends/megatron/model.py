@@ -15,7 +15,7 @@ safetensors, and stream the whole model back out under HF names.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from nemo_d3s.distributed._comm import global_rank_of, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["TRANSFORMER_IMPLS", "transformer_engine_error", "use_transformer_engine", "transformer_config",
-           "build_stage", "load_stage_from_hf", "iter_hf_weights"]
+           "build_stage", "load_stage_from_hf", "iter_hf_weights", "virtual_layouts"]
 
 
 
@@ -100,9 +100,11 @@ def transformer_config(
     device: torch.device,
     sequence_parallel: bool = False,
     recompute: bool = False,
+    vpp: int = 1,
 ):
-    """The ``TransformerConfig`` of ``spec`` at TP x PP (dropout 0: RL log-prob ratios
-    need the same function in the scoring and the training pass)."""
+    """The ``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp`` virtual chunks per stage)
+    (dropout 0: RL log-prob ratios need the same function in the scoring and the training
+    pass)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -129,6 +131,7 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -145,18 +148,25 @@ def transformer_config(
 
 
 def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, post_process: bool,
-                device: torch.device, max_sequence_length: Optional[int] = None):
+                device: torch.device, max_sequence_length: Optional[int] = None, vp_stage: Optional[int] = None):
     """This rank's GPTModel stage (uninitialised weights: load them next). ``layout.te``:
     the Transformer Engine spec (decide it with :func:`use_transformer_engine`), else the
-    local spec with torch norms throughout."""
+    local spec with torch norms throughout (under sequence parallelism the SP-capable ones
+    of ``sequence_parallel.local_block_spec``). With a virtual pipeline: chunk ``vp_stage``
+    of this rank, ``layout`` its virtual stage (:func:`virtual_layouts`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    pp_rank = layout.pp_rank % config.pipeline_model_parallel_size  # the real stage of a virtual one
     if layout.te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    elif config.sequence_parallel:  # WrappedTorchNorm refuses SP: see sequence_parallel.py
+        from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
+
+        layer_spec = local_block_spec(config, pp_rank=pp_rank, vp_stage=vp_stage)
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
         from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -164,7 +174,7 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         # The block's final norm given explicitly: from a bare layer spec megatron-core 0.16.1
         # picks it by what imports (transformer_block.py:54-69: TENorm, else Apex's
         # FusedLayerNorm, which refuses RMSNorm, else torch), not by the spec asked for.
-        layers = get_num_layers_to_build(config, pp_rank=layout.pp_rank)
+        layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         layer_spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(normalization="RMSNorm")] * layers,
                                                 layer_norm=WrappedTorchNorm)
     model = GPTModel(
@@ -179,6 +189,7 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     model.to(device)
     _mark_tensor_parallel(model, spec, layout)
@@ -230,12 +241,26 @@ def _stage_src(groups: ParallelGroups, stage: int) -> int:
     return global_rank_of(groups.pp, stage)
 
 
+def virtual_layouts(layout: Layout, vpp: int) -> List[Layout]:
+    """The layouts of this rank's ``vpp`` model chunks: chunk v of stage p holds the layers of
+    virtual stage v PP + p of a PP x VPP pipeline (megatron-core's interleaved assignment,
+    ``transformer_layer.get_transformer_layer_offset``: offset = (v PP + p) L / (PP VPP)),
+    so the weight table, loading, export and checkpoints treat a chunk as that stage of a
+    TP x (PP VPP) layout. [layout] when vpp = 1."""
+    if vpp <= 1:
+        return [layout]
+    virtual = Layout(layout.tp, layout.pp * vpp, layout.tp_rank, 0, layout.padded_vocab, layout.te)
+    return [virtual.at(layout.tp_rank, v * layout.pp + layout.pp_rank) for v in range(vpp)]
+
+
 @torch.no_grad()
 def iter_hf_weights(
-    model: torch.nn.Module, spec: ModelSpec, layout: Layout, groups: ParallelGroups, *, to_cpu: bool = True
+    model, spec: ModelSpec, layout: Layout, groups: ParallelGroups, *, to_cpu: bool = True, vpp: int = 1
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor of the HF model, in stage order, on EVERY
     rank of this rank's TP x PP group (collective over it; DP replicas run their own copy).
+    ``model``: this rank's stage, or its ``vpp`` chunks (a list) with a virtual pipeline:
+    virtual stage s is chunk s // PP of stage s % PP.
 
     Per local parameter of stage s: all-gather of its [local shape] over ``groups.tp`` on
     stage s (TP > 1), reassembly (``formats.weights.assemble_hf``: q/k/v, gate/up, vocabulary
@@ -243,17 +268,20 @@ def iter_hf_weights(
     (PP > 1). Tied embeddings come once, from the first stage. Memory: one local
     parameter's TP shards + its HF tensors at a time.
     """
-    params: Dict[str, torch.nn.Parameter] = dict(model.named_parameters())
-    device = next(iter(params.values())).device
-    dtype = next(iter(params.values())).dtype
-    for stage in range(layout.pp):
-        st = layout.at(layout.tp_rank, stage)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    params = [dict(c.named_parameters()) for c in chunks]
+    first = next(iter(params[0].values()))
+    device, dtype = first.device, first.dtype
+    virtual = Layout(layout.tp, layout.pp * vpp, layout.tp_rank, 0, layout.padded_vocab, layout.te)
+    for stage in range(virtual.pp):
+        st = virtual.at(layout.tp_rank, stage)
+        owner = stage % layout.pp  # the pipeline rank holding virtual stage ``stage``
         for local, produced in iter_stage_hf(local_names(spec, st), spec, st):
             if local == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
             full: Optional[Dict[str, torch.Tensor]] = None
-            if stage == layout.pp_rank:
-                t = params[local].detach().contiguous()
+            if owner == layout.pp_rank:
+                t = params[stage // layout.pp][local].detach().contiguous()
                 if layout.tp > 1:
                     shards = [torch.empty_like(t) for _ in range(layout.tp)]
                     dist.all_gather(shards, t, group=groups.tp)
@@ -263,7 +291,7 @@ def iter_hf_weights(
             for h in produced:
                 x = full[h] if full is not None else torch.empty(hf_shape(h, spec), dtype=dtype, device=device)
                 if not is_single(groups.pp):
-                    dist.broadcast(x, src=_stage_src(groups, stage), group=groups.pp)
+                    dist.broadcast(x, src=_stage_src(groups, owner), group=groups.pp)
                 yield h, (x.cpu() if to_cpu else x)
 
 

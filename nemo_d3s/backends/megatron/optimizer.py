@@ -56,11 +56,11 @@ Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 # ---------------------------------------------------------------------------- model chunks
 def model_chunks(model: Model) -> List[torch.nn.Module]:
+    """This rank's model chunks: one stage, or the virtual stages of an interleaved pipeline
+    (the schedule checks their number against Megatron's virtual pipeline size)."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise ValueError(
-            f"got {len(chunks)} model chunks; virtual pipeline parallelism (interleaved 1F1B) is not supported"
-        )
+    if not chunks:
+        raise ValueError("got no model chunks")
     return chunks
 
 
@@ -115,7 +115,10 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
         from megatron.core import parallel_state as ps
 
         if ps.is_rank_in_embedding_group():
-            weight = inner.shared_embedding_or_output_weight()
+            # the first stage's first chunk holds the embedding, the last stage's last chunk
+            # the output layer (one chunk each without a virtual pipeline)
+            owner = unwrap_model(chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1])
+            weight = owner.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 __all__ = ["DEFAULT_ORDER", "TP_PP_DP_ORDER", "first_ranks_of_model_copies", "global_rank_of",
            "initialize_megatron_groups", "rank_order", "set_cuda_connections"]
@@ -56,15 +56,17 @@ def set_cuda_connections() -> None:
 
 
 def initialize_megatron_groups(rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                               order: str = DEFAULT_ORDER) -> Callable[[], None]:
+                               order: str = DEFAULT_ORDER, vpp: Optional[int] = None) -> Callable[[], None]:
     """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
-    that exists, ranks laid out in ``order``; returns the teardown
-    (``destroy_model_parallel``). ``rank`` is unused (the ``rank_setup`` signature)."""
+    that exists, ranks laid out in ``order``, with a virtual pipeline of ``vpp`` chunks per
+    stage when vpp > 1 (interleaved 1F1B); returns the teardown (``destroy_model_parallel``).
+    ``rank`` is unused (the ``rank_setup`` signature)."""
     set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, order=order
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, order=order,
+        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
     )
     return ps.destroy_model_parallel

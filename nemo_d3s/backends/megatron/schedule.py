@@ -2,7 +2,8 @@
 
 Both passes run ``megatron.core.pipeline_parallel.get_forward_backward_func()`` over
 micro-batches: no pipelining for PP = 1, 1F1B (``forward_backward_pipelining_without_
-interleaving``) for PP > 1. Only the last pipeline stage has logits; the loss function the
+interleaving``) for PP > 1, interleaved 1F1B when ``model`` is a list of a virtual pipeline's
+chunks (``..._with_interleaving``: micro-batches padded to a multiple of PP). Only the last pipeline stage has logits; the loss function the
 schedule calls there computes token log-probs (and entropy) from this TP rank's vocabulary
 shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
 vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded
@@ -38,13 +39,19 @@ denominators and loss closures come from the trainer.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
+from nemo_d3s.backends.megatron.batches import (
+    MicroBatch,
+    model_inputs,
+    pad_for_interleaving,
+    plan_micro_batches,
+    token_counts,
+)
 from nemo_d3s.backends.megatron.optimizer import (
     Model,
     clip_grads_,
@@ -56,13 +63,13 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
+from nemo_d3s.backends.megatron.sequence_parallel import allreduce_sequence_parallel_grads
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.distributed.pipeline import (
     PerTokenStore,
     broadcast_per_token,
-    fit_width,
     is_last_stage,
     logprob_loss_func,
     train_loss_func,
@@ -71,86 +78,39 @@ from nemo_d3s.distributed.pipeline import (
 __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 
 
-# ---------------------------------------------------------------------------- micro-batches
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch as the schedule sees it.
-
-    rows [n] long (CPU): the batch rows it carries (n <= b; n = 0 for the zero-weight
-    micro-batch of an empty batch); b: rows fed to the model (n real + b - n dummy rows);
-    width L: positions fed to the model (the real rows cut or zero-padded to L).
-    """
-
-    rows: torch.Tensor
-    b: int
-    width: int
-
-
-def _check_right_padded(mask: torch.Tensor) -> None:
-    # The model sees only a causal mask, so every row's real tokens must form a prefix.
-    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError("attention_mask must be right-padded (each row's real tokens a prefix of the row)")
-
-
-def _real_length(mask: torch.Tensor) -> int:
-    cols = mask.any(dim=0).nonzero()
-    return int(cols[-1]) + 1 if cols.numel() else 0
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def plan_micro_batches(
-    attention_mask: torch.Tensor, micro_batch_size: int, *, uniform: bool, multiple_of: int = 1
-) -> List[MicroBatch]:
-    """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
-    consecutive rows.
-
-    uniform=False (PP = 1): each micro-batch is cut to its longest attended row.
-    uniform=True (PP > 1): every micro-batch has ``micro_batch_size`` rows (dummy rows fill
-    the last one) and the width of the batch's longest row, as 1F1B needs one shape per call.
-    Widths are at least 2 (one scored position) and rounded up to ``multiple_of`` (TP when
-    sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
-    dummy row, so a rank without data still runs every collective of the step.
-    """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
-    B = attention_mask.shape[0]
-    if B == 0:
-        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, _round_up(2, multiple_of))]
-    _check_right_padded(attention_mask)
-    chunks = list(torch.arange(B).split(micro_batch_size))
-    if uniform:
-        width = _round_up(max(_real_length(attention_mask), 2), multiple_of)
-        return [MicroBatch(r, micro_batch_size, width) for r in chunks]
-    return [
-        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of)) for r in chunks
-    ]
-
-
-def _model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
-    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
-    on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
-    mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
-    attention kernels build it); right padding needs nothing more."""
-    ids = fit_width(batch.input_ids[mb.rows], mb.width)
-    if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
-        ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
-    attended = fit_width(batch.attention_mask[mb.rows].bool(), mb.width, value=False)
-    pos = torch.arange(mb.width).unsqueeze(0).expand(mb.b, -1)
-    mask = None
-    if device.type != "cuda":
-        mask = torch.ones(mb.width, mb.width, dtype=torch.bool, device=device).triu_(1).view(1, 1, mb.width, mb.width)
-    return ids.to(device), pos.to(device), mask, attended.to(device)
-
-
 # ---------------------------------------------------------------------------- model plumbing
-def _check_layout(groups: ParallelGroups, config) -> None:
+def _check_layout(groups: ParallelGroups, config, n_chunks: int) -> None:
     if groups.cp_size > 1:
         raise ValueError(f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})")
     if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
         raise ValueError("pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)")
+    if n_chunks > 1:
+        from megatron.core import parallel_state as ps
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
+        if groups.pp_size < 2 or vpp != n_chunks:
+            raise ValueError(f"got {n_chunks} model chunks: a virtual pipeline (interleaved 1F1B) needs "
+                             f"pipeline_model_parallel_size > 1 (have {groups.pp_size}) and Megatron's virtual "
+                             f"pipeline size = the number of chunks (have {vpp})")
+
+
+def _plan(batch: TokenBatch, groups: ParallelGroups, chunks: List[torch.nn.Module], micro_batch_size: int,
+          micro_batch_tokens: int) -> List[MicroBatch]:
+    """The call's micro-batches (:func:`batches.plan_micro_batches`), checked against the
+    layout; with model chunks (interleaved 1F1B) padded with zero-weight micro-batches to a
+    multiple of PP (:func:`batches.pad_for_interleaving`)."""
+    config = getattr(unwrap_model(chunks[0]), "config", None)
+    _check_layout(groups, config, len(chunks))
+    multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
+    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple,
+                             max_tokens=micro_batch_tokens)
+    if len(chunks) == 1:
+        return mbs
+    # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
+    # other's previous and next stage), and megatron-core's shape exchange for variable
+    # shapes posts them in an order that pairs one direction's send with the other's
+    # receive (p2p_communication.py:205-230): one shape for every micro-batch there.
+    return pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
 
 
 def _schedule(
@@ -167,6 +127,7 @@ def _schedule(
     loss function the schedule applies to micro-batch i's output on the last stage.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     def forward_step(data_iterator: Iterator[int], model: torch.nn.Module):
         i = next(data_iterator)
@@ -175,15 +136,44 @@ def _schedule(
         return out, loss_for(i, x)
 
     first = micro_batches[0]
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(range(len(micro_batches))),
-        model=chunks,
-        num_microbatches=len(micro_batches),
-        seq_length=first.width,  # read by 1F1B only, where every micro-batch has this shape
-        micro_batch_size=first.b,
-        forward_only=forward_only,
-    )
+    n = len(micro_batches)
+    # interleaved 1F1B: one data iterator per model chunk; each chunk runs every micro-batch
+    # in order (megatron-core 0.16.1 schedules.py:912-916 asserts the list)
+    data = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
+    # Micro-batches of different [L, b] (a token budget): 1F1B's P2PCommunicator then sends
+    # each activation's shape before it (megatron-core 0.16.1 pipeline_parallel/
+    # p2p_communication.py:301 ``config.variable_seq_lengths`` -> _communicate_shapes);
+    # otherwise it allocates every receive buffer at [seq_length, micro_batch_size, hidden].
+    # Set for this call only (the flag costs one extra p2p of 3 ints per transfer).
+    # Interleaved 1F1B at PP 2 sends an activation and a gradient to the same peer in one
+    # step; batched p2p (batch_isend_irecv: send_prev, recv_prev, send_next, recv_next on
+    # both ranks, p2p_communication.py:18-50) would match the first send with the first
+    # receive, i.e. a gradient with an activation. The unbatched path (_p2p_ops, lines
+    # 53-121) keeps the two directions on two communicators: use it there.
+    config = get_model_config(chunks[0])
+    variable = len({(m.b, m.width) for m in micro_batches}) > 1
+    pp2_interleaved = len(chunks) > 1 and _pp_size() == 2
+    before = config.variable_seq_lengths, config.batch_p2p_comm
+    config.variable_seq_lengths = before[0] or variable
+    config.batch_p2p_comm = before[1] and not pp2_interleaved
+    try:
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=chunks,
+            num_microbatches=n,
+            seq_length=first.width,  # read by 1F1B only, when every micro-batch has this shape
+            micro_batch_size=first.b,
+            forward_only=forward_only,
+        )
+    finally:
+        config.variable_seq_lengths, config.batch_p2p_comm = before
+
+
+def _pp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size()
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -197,6 +187,7 @@ def score(
     with_entropy: bool = True,
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
+    micro_batch_tokens: int = 0,
 ) -> Scores:
     """No-grad log-probs (+ entropy) of ``batch`` through Megatron's forward-only schedule.
 
@@ -204,7 +195,8 @@ def score(
     batch: [B, S] right-padded, the SAME on every rank of the model-parallel group (B may be
     0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
     model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
-    rows (see :func:`plan_micro_batches`).
+    rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
+    :func:`plan_micro_batches`); ``Scores.stats`` counts the fed and attended positions.
 
     -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
     (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
@@ -220,20 +212,17 @@ def score(
     kernel's chunk_size x V/TP workspace), and the [B, L] results; never V on one rank.
     """
     chunks = model_chunks(model)
-    inner = unwrap_model(chunks[0])
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
-    _check_layout(groups, inner.config)
     device = device_of(chunks[0])
-    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     store = PerTokenStore()
 
     def inputs(i: int):
-        return _model_inputs(batch, mbs[i], device)
+        return model_inputs(batch, mbs[i], device)
 
     def loss_for(i: int, x):
         return logprob_loss_func(
@@ -258,7 +247,7 @@ def score(
         logprobs[mb.rows, :w] = res["logprobs"][:n, :w].float().cpu() * keep
         if with_entropy:
             entropy[mb.rows, :w] = res["entropy"][:n, :w].float().cpu() * keep
-    return Scores(logprobs, entropy)
+    return Scores(logprobs, entropy, token_counts(batch, mbs))
 
 
 # ---------------------------------------------------------------------------- training
@@ -284,6 +273,7 @@ def train_step(
     vocab_size: Optional[int] = None,
     lr_scheduler=None,
     chunk_size: int = 1024,
+    micro_batch_tokens: int = 0,
 ) -> Dict[str, float]:
     """One optimizer step over ``batch`` (this rank's rows, [B, S]; B may be 0) through
     Megatron's forward/backward function; collective over every rank of the job.
@@ -299,7 +289,9 @@ def train_step(
     micro-batch (a dummy row, loss x 0) so the rank joins every collective.
 
     After the schedule, CPU path (``optimizer`` a torch optimizer over this rank's shards):
-    :func:`finalize_grads` (DP average, tied-embedding sum across stages),
+    :func:`finalize_grads` (DP average, tied-embedding sum across stages), with sequence
+    parallelism the layer-norm gradient sum over TP
+    (``sequence_parallel.allreduce_sequence_parallel_grads``),
     :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
     ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
     on all ranks), ``lr_scheduler.step()``. Megatron path (``optimizer`` a Megatron optimizer
@@ -307,8 +299,12 @@ def train_step(
     reduces the grads in Megatron's DDP buffers and ``optimizer.step()`` clips with its own
     ``clip_grad`` and steps.
 
+    Micro-batches: ``micro_batch_size`` rows, or packed to ``micro_batch_tokens`` positions
+    when > 0 (:func:`plan_micro_batches`); the normaliser makes the gradient the same.
+
     Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
-    "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>} as floats,
+    "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>,
+    "fed_tokens", "attended_tokens" (see :func:`batches.token_counts`)} as floats,
     identical on the ranks of one model-parallel group; the metric sums are this rank's
     (the caller sums them over DP). Host syncs: one for the norm and one copy of the metric
     sums on the last stage, then one small object broadcast over PP.
@@ -322,11 +318,9 @@ def train_step(
     """
     chunks = model_chunks(model)
     inner = unwrap_model(chunks[0])
-    _check_layout(groups, inner.config)
     device = device_of(chunks[0])
     B, S = batch.input_ids.shape
-    multiple = groups.tp_size if getattr(inner.config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
     megatron_opt = is_megatron_optimizer(optimizer)
@@ -338,7 +332,7 @@ def train_step(
         sums[name] = sums[name] + v if name in sums else v
 
     def inputs(i: int):
-        return _model_inputs(batch, mbs[i], device)
+        return model_inputs(batch, mbs[i], device)
 
     def loss_for(i: int, x):
         mb = mbs[i]
@@ -374,6 +368,8 @@ def train_step(
         skipped = not ok
     else:
         finalize_grads(chunks, groups)
+        if getattr(inner.config, "sequence_parallel", False):  # Megatron's DDP does it in finalize_model_grads
+            allreduce_sequence_parallel_grads(chunks, groups)
         grad_norm = float(global_grad_norm(chunks, groups))
         skipped = not math.isfinite(grad_norm)
         if not skipped:
@@ -383,4 +379,5 @@ def train_step(
     if not skipped and lr_scheduler is not None:
         lr_scheduler.step()
     metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), n_micro_batches=float(n_real))
+    metrics.update(token_counts(batch, mbs))
     return metrics

@@ -14,19 +14,23 @@ class VLLMEngineConfig:
 
     gpu_memory_utilization: share of GPU memory vLLM may take (weights + KV cache) while
         awake; ignored on CPU. tensor_parallel_size: vLLM's own TP (GPUs per engine).
-    dtype: "auto" (the policy's), "float32", "bfloat16", "float16". enforce_eager: no CUDA
-        graphs (faster start, slower decode). sleep: on GPU, free the engine's memory while the
-        policy trains (``enable_sleep_mode``). max_model_len: prompt + response limit (None =
-        the model's). cpu_kv_cache_gb: the CPU build's KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
+    dtype: "auto" (the policy's; bf16 on CUDA for an fp32 policy), "float32", "bfloat16",
+        "float16". enforce_eager: True = no CUDA graphs (faster start, slower decode); None =
+        CUDA graphs on a GPU, eager on the CPU build. sleep: on GPU, drop the engine's weights
+        and KV cache while the policy trains (``enable_sleep_mode``, level 2: the refit brings
+        the weights back). max_model_len: prompt + response limit (None = the model's).
+        cpu_kv_cache_gb: the CPU build's KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        refit_bucket_mb: MiB of weights moved per refit bucket (the staging buffer on each GPU).
     """
 
     gpu_memory_utilization: float = 0.5
     tensor_parallel_size: int = 1
     dtype: str = "auto"
-    enforce_eager: bool = True
+    enforce_eager: Optional[bool] = None
     sleep: bool = True
     max_model_len: Optional[int] = None
     cpu_kv_cache_gb: int = 2
+    refit_bucket_mb: float = 512
 
     def __post_init__(self) -> None:
         # The run config's rollout section is judged here too (RolloutConfig builds one).
@@ -42,3 +46,8 @@ class VLLMEngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null (the model's)")
         if not count(self.cpu_kv_cache_gb, 1):
             raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: must be an integer >= 1 (GiB)")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA graphs on a GPU)")
+        b = self.refit_bucket_mb
+        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0):
+            raise ValueError(f"refit_bucket_mb={b!r}: must be > 0 (MiB of weights per refit bucket)")

@@ -1,11 +1,24 @@
-"""A vLLM rollout engine: ``vllm.LLM`` in the trainer process, refitted after every step.
+"""A vLLM rollout engine: ``vllm.LLM`` beside the trainer, refitted after every step.
 
-Why in-process (colocated): the weight sync then hands tensors to the engine's model
-directly (``collective_rpc("reload_weights", weights_iterator=...)``), with no file and no
-copy through another process (the separate engine process receives tensors as lists; that
-took seconds per sync on the CPU build). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set before
-vLLM is imported for that reason. On a GPU the engine sleeps while the policy trains
-(``enable_sleep_mode``: its weights and KV cache leave GPU memory) and wakes to generate.
+Placement (``placement.py``): the engine of a rank sees only its own GPUs, the node's devices
+from the rank's GPU on, ``rollout.tensor_parallel_size`` of them (``CUDA_VISIBLE_DEVICES``
+while vLLM starts its processes). One process: the engine runs in the trainer process (V1
+multiprocessing off, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Inside a multi-rank job it runs
+in its own process (V1 multiprocessing) with torchrun's variables hidden while it starts.
+
+Refit (``backends/refit.py``): bounded buckets through ``collective_rpc`` by method name
+(``worker_ext.py``): CUDA IPC handles on a GPU (weights go GPU to GPU), bytes on the CPU
+build. No generator or tensor is pickled: what crosses is plain and one bucket large.
+
+Memory (GPU, ``rollout.sleep``): the engine sleeps at level 2 (weights and KV cache dropped,
+nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``) while the policy
+trains. A refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``;
+the worker keeps the model's buffers, e.g. rotary tables, across a level-2 sleep and puts them
+back with the weights, ``v1/worker/gpu_worker.py:301-366``) and fills them; generation then
+wakes the KV cache. After a level-2 sleep the weights are
+gone, so an engine that must generate again before the next refit (an evaluation, a skipped
+update) is refitted first (``stale``). Before the engine wakes, every trainer rank on its
+GPUs frees its cached CUDA blocks (``refit.release_cached_cuda_memory``).
 
 Seeds: one ``SamplingParams(seed=...)`` per prompt, n samples each, so a prompt's samples
 depend on (prompt, seed, weights) only, not on the other prompts of the call (vLLM seeds a
@@ -31,8 +44,9 @@ import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
+from nemo_d3s.backends.refit import DEFAULT_BUCKET_BYTES, TensorMeta, WeightRefit, release_cached_cuda_memory
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.backends.vllm.worker_ext import encode_weights
+from nemo_d3s.backends.vllm.placement import engine_devices
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -68,28 +82,40 @@ def _in_multi_rank_job() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def own_gpus(tensor_parallel_size: int) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for this rank's engine: the node's devices from this rank's
+    GPU (its current CUDA device, set from ``LOCAL_RANK``) on; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    devices = engine_devices(torch.cuda.current_device(), tensor_parallel_size,
+                             visible=os.environ.get("CUDA_VISIBLE_DEVICES"), gpus_on_node=torch.cuda.device_count())
+    return ",".join(devices)
+
+
 @contextlib.contextmanager
-def _outside_torchrun():
-    """Inside a multi-rank job, let vLLM start as if alone: vLLM's in-process engine calls
+def _engine_env(visible_devices: Optional[str]):
+    """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
+    it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
+    it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
+    with torchrun's rendezvous variables hidden: vLLM's in-process engine would call
     ``torch.distributed.new_group`` on the job's process group (collective over ranks that
-    never build an engine: a hang), and its workers read torchrun's rendezvous variables.
-    So the engine runs in its own process (V1 multiprocessing) with those variables hidden
-    while it starts. Weight refits then cross a process boundary (slower, still no file).
-    One process: nothing changes (the in-process engine, fastest refits)."""
-    if not _in_multi_rank_job():
-        yield
-        return
-    hidden = {k: os.environ.pop(k) for k in _TORCHRUN_ENV if k in os.environ}
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    never build an engine: a hang), and its workers read those variables. The trainer's own
+    CUDA view does not change (CUDA is initialised in it already)."""
+    saved = {k: os.environ.get(k) for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")}
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if _in_multi_rank_job():
+        for k in _TORCHRUN_ENV:
+            os.environ.pop(k, None)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     try:
         yield
     finally:
-        os.environ.update(hidden)
-        if before is None:
-            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _holds_hf_weights(folder: str | os.PathLike) -> bool:
@@ -98,19 +124,24 @@ def _holds_hf_weights(folder: str | os.PathLike) -> bool:
     return any(p.glob("*.safetensors")) or any(p.glob("*.bin"))
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 class VLLMEngine(RolloutEngine):
     """Samples with vLLM from a copy of ``policy``'s weights; ``sync_weights(policy)`` pushes
     the policy's current tensors (HF names) into the engine after every optimizer step.
 
-    policy: any Policy: ``hf_weights()`` streams its tensors under Hugging Face names (a
+    policy: any Policy: ``refit_weights()`` streams its tensors under Hugging Face names (a
     sharded policy gathers one tensor at a time) and ``hf_source_dir()`` names a folder vLLM
     can load config + tokenizer from (None: the policy is exported to a temporary folder once).
+    refit_follows: the caller refits right after building (``engines.build_rollout_engine``
+    does): vLLM then starts on dummy weights instead of reading the checkpoint.
     """
 
     prompt_seeds = True
     on_policy = False  # its numerics differ from the trainer's: old log-probs are recomputed
 
-    def __init__(self, policy: Policy, cfg: VLLMEngineConfig) -> None:
+    def __init__(self, policy: Policy, cfg: VLLMEngineConfig, *, refit_follows: bool = False) -> None:
         vllm = import_vllm()
         self.cfg = cfg
         self.policy = policy
@@ -127,83 +158,133 @@ class VLLMEngine(RolloutEngine):
             self._tmp = tempfile.mkdtemp(prefix="nemo_d3s_vllm_")
             policy.save_pretrained(self._tmp)
             source = self._tmp
+        self.weights_dtype = self._weights_dtype()
+        eager = (not self.on_gpu) if cfg.enforce_eager is None else bool(cfg.enforce_eager)
         kwargs: Dict[str, Any] = dict(
             model=str(source),
             tokenizer=str(source),
-            dtype=self._dtype(),
-            enforce_eager=bool(cfg.enforce_eager),
+            dtype=_DTYPE_NAMES.get(self.weights_dtype, "auto"),
+            enforce_eager=eager,
             tensor_parallel_size=int(cfg.tensor_parallel_size),
             seed=0,
             worker_extension_cls="nemo_d3s.backends.vllm.worker_ext.WeightLoaderExtension",
         )
-        if not _holds_hf_weights(source):
-            # A converted Megatron folder or a NeMo 2 start has config + tokenizer but no HF
-            # weight files: vLLM starts on random weights, and the refit that follows the
-            # engine's placement replaces every one of them.
+        if refit_follows or not _holds_hf_weights(source):
+            # Random weights, no checkpoint read: the refit that follows the engine's
+            # placement replaces every one of them (a converted Megatron folder or a NeMo 2
+            # start has no HF weight files at all).
             kwargs["load_format"] = "dummy"
         if cfg.max_model_len:
             kwargs["max_model_len"] = int(cfg.max_model_len)
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
-        self._separate_process = _in_multi_rank_job()
+        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "host"
+        self.bucket_bytes = int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
+        self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
         try:
-            with _outside_torchrun():
+            with _engine_env(self.visible_devices):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
-            raise RuntimeError(f"vLLM could not load the model from {source} with {kwargs}: {e}") from e
+            raise RuntimeError(f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
+                               f"{kwargs}: {e}") from e
         self._SamplingParams = vllm.SamplingParams
-        self._asleep = False
+        self._asleep, self._awake_tags = False, set()
+        self.stale = False  # True after a level-2 sleep dropped the weights: refit before generating
+        self.rpc_log: Optional[List[tuple]] = None  # tests: (method, kwargs) of every refit call
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self._sleep()
 
-    def _dtype(self) -> str:
+    def _in_process(self) -> bool:
+        """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
+        ``import_vllm``) and one GPU (TP > 1 starts worker processes). Decided before vLLM
+        starts, from what ``_engine_env`` will set."""
+        return (not _in_multi_rank_job() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                and int(self.cfg.tensor_parallel_size) == 1)
+
+    def _weights_dtype(self) -> torch.dtype:
+        """The engine's weight dtype: ``rollout.dtype``, else the policy's, except that an
+        fp32 policy on CUDA (the HF backend trains fp32 weights under bf16 autocast) gives
+        the engine bf16: half the memory and the refit bytes, the kernels vLLM is tuned for."""
         if self.cfg.dtype != "auto":
-            return self.cfg.dtype
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.dtype]
         dtype = self.policy.weights_dtype
         if dtype is None:  # a policy with replicated weights: peeking is not collective
             _, p = next(iter(self.policy.hf_weights()))
             dtype = p.dtype
-        return {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "auto")
+        if self.on_gpu and dtype == torch.float32:
+            return torch.bfloat16
+        return dtype
 
     # ------------------------------------------------------------------ memory (GPU)
     def _sleep(self) -> None:
         if self.on_gpu and self.cfg.sleep and not self._asleep:
-            self.llm.sleep(level=1)
-            self._asleep = True
+            self.llm.sleep(level=2)  # weights too: the next refit overwrites them anyway
+            self._asleep, self._awake_tags, self.stale = True, set(), True
 
-    def _wake(self) -> None:
-        if self._asleep:
-            self.llm.wake_up()
+    def _wake(self, tags: List[str]) -> None:
+        if not self._asleep:
+            return
+        todo = [t for t in tags if t not in self._awake_tags]
+        if todo:
+            release_cached_cuda_memory(torch.device("cuda", torch.cuda.current_device()))
+            self.llm.wake_up(tags=todo)
+            self._awake_tags.update(todo)
+        if self._awake_tags >= {"weights", "kv_cache"}:
             self._asleep = False
 
-    # ------------------------------------------------------------------ weights
+    # ------------------------------------------------------------------ refit (the sink)
+    def _rpc(self, method: str, **kwargs):
+        if self.rpc_log is not None:
+            self.rpc_log.append((method, kwargs))
+        return self.llm.collective_rpc(method, kwargs=kwargs)
+
+    def begin_refit(self) -> None:
+        self._wake(["weights"])  # weights only: the KV cache wakes when it is needed
+        self._sent: List[str] = []
+        self._rpc("refit_begin")
+
+    def load_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> None:
+        self._sent += [m[0] for m in meta]
+        self._rpc("refit_tensors", meta=meta, tensors=tensors)
+
+    def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None:
+        self._sent += [m[0] for m in meta]
+        self._rpc("refit_host_bucket", meta=meta, raw=raw)
+
+    def load_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
+        self._sent += [m[0] for m in meta]
+        self._rpc("refit_ipc_bucket", meta=meta, handles=handles)
+
+    def end_refit(self) -> None:
+        # vLLM's loader has raised on a name or shape its model lacks (load_weights); this
+        # finishes the layer-wise reload and drops the prefix cache (KV of the old weights)
+        self._rpc("refit_end")
+        self.llm.reset_prefix_cache()
+        self.stale = False
+
     def sync_weights(self, policy: Policy) -> None:
-        """Push ``policy.hf_weights()`` into the engine (no file), then drop the prefix cache
-        (its KV entries were computed with the old weights). vLLM's loader raises on a name or
-        shape the model does not have; that error is re-raised naming the sync."""
-        seen: List[str] = []
+        """Refit from ``policy.refit_weights()`` on this rank alone (a replicated policy; a
+        sharded one goes through ``ModelParallelRollouts``, which runs the refit on every rank
+        of its group with the transport, bucket size and dtype this engine announced).
+        RuntimeError naming the sync when the engine refuses a tensor."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
+        refit = WeightRefit(self, transport=self.transport, bucket_bytes=self.bucket_bytes, dtype=self.weights_dtype,
+                            device=device)
+        self.run_refit(refit, policy.refit_weights())
 
-        def stream():
-            # One tensor at a time from the policy (a sharded policy gathers it just then), so
-            # the trainer process never holds a second full copy next to the engine's.
-            for name, t in policy.hf_weights():
-                seen.append(name)
-                yield name, t
-
-        self._wake()
+    def run_refit(self, refit: WeightRefit, weights: Iterable) -> None:
+        """``refit.push(weights)``, with vLLM's errors named (every rank calls it; only the
+        engine's rank holds this engine)."""
         try:
-            if self._separate_process:
-                # Tensors do not survive vLLM's RPC encoding (they arrive as lists): raw bytes
-                # + dtype + shape, rebuilt by our worker extension (no pickle either way). This
-                # path holds one encoded copy of the weights while the call is in flight.
-                self.llm.collective_rpc("load_encoded_weights", kwargs={"payload": encode_weights(list(stream()))})
-            else:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-            self.llm.reset_prefix_cache()
+            refit.push(weights)
         except Exception as e:
-            raise RuntimeError(f"vLLM weight sync failed after {len(seen)} tensors (last: {seen[-1:]}): {e}") from e
+            if refit.is_src:
+                with contextlib.suppress(Exception):  # put the layers back in place (no half-loaded model)
+                    self._rpc("refit_end")
+            sent = getattr(self, "_sent", [])
+            raise RuntimeError(f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): {e}") from e
 
     # ------------------------------------------------------------------ sampling
     def _params(self, cfg: GenerationConfig, n: int, seed: int):
@@ -237,7 +318,9 @@ class VLLMEngine(RolloutEngine):
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
-        self._wake()
+        if self.stale:  # a level-2 sleep dropped the weights since the last refit
+            self.sync_weights(self.policy)
+        self._wake(["weights", "kv_cache"])
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         finally:

@@ -107,7 +107,10 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
     rows = torch.tensor(dp_rows[dp], dtype=torch.long)
     local = batch.select(rows)
     sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
+    from nemo_d3s.backends.megatron.optimizer import unwrap_model
+
     out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy, "rank": dist.get_rank(),
+           "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel, "chunks": len(pol.chunks),
            "position": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), dp)}
     # old log-probs from the reference's values (the same on every layout)
     old_lp = _old_logprobs(ref_lp, noise)
@@ -129,6 +132,16 @@ LAYOUTS = {
     "dp2": (1, 1, 2, [[0, 1, 2, 3], [4, 5]]),
     # Megatron-LM's tp-pp-dp rank order (the 70B recipe's): the backend builds the groups
     "tp1pp2dp2_tp_pp_dp": (1, 2, 4, [[0, 1, 2, 3], [4, 5]], {"use_tp_pp_dp_mapping": True}),
+    # sequence parallelism: the backend's own layer spec and layer-norm gradient sum (plain
+    # AdamW), and Megatron's DDP + distributed optimizer (its finalize_model_grads sums them)
+    "tp2pp2_sp": (2, 2, 4, ALL, {"sequence_parallel": True}),
+    "tp2_sp_distributed_optimizer": (2, 1, 2, ALL, {"sequence_parallel": True, "distributed_optimizer": True}),
+    # interleaved 1F1B: two chunks of one layer per stage (stage 0: layers 0, 2; stage 1:
+    # 1, 3), loaded, trained and exported (hf_weights) chunk by chunk; plain AdamW and
+    # Megatron's DDP + distributed optimizer (one DDP per chunk, finalize_model_grads)
+    "pp2vpp2": (1, 2, 2, ALL, {"virtual_pipeline_model_parallel_size": 2}),
+    "pp2vpp2_distributed_optimizer": (1, 2, 2, ALL, {"virtual_pipeline_model_parallel_size": 2,
+                                                     "distributed_optimizer": True}),
 }
 
 
@@ -148,6 +161,8 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
         [r["rank"] for r in results] == list(range(world))
     first = {}
     for res in results:
+        assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
+        assert res["chunks"] == kw.get("virtual_pipeline_model_parallel_size", 1)
         f = first.setdefault(res["dp"], res)
         assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(res["entropy"], f["entropy"])
         rows = res["rows"]
@@ -216,16 +231,16 @@ def _steps(pol, n):
                        denominator=_denominator(keep, "token_mean"))
 
 
-def _rank_save(rank, folder, ckpt, tp, pp):
-    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1)
+def _rank_save(rank, folder, ckpt, tp, pp, kw=None):
+    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {}))
     _steps(pol, 1)
     pol.save_checkpoint(ckpt)
     _steps(pol, 1)
     return dict(pol.hf_weights()), pol.optimizer.param_groups[0]["lr"]
 
 
-def _rank_resume(rank, folder, ckpt, tp, pp):
-    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1)
+def _rank_resume(rank, folder, ckpt, tp, pp, kw=None):
+    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {}))
     pol.load_checkpoint(ckpt)
     _steps(pol, 1)
     return dict(pol.hf_weights()), pol.optimizer.param_groups[0]["lr"]
@@ -251,6 +266,47 @@ def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path)
         torch.testing.assert_close(other[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
         moved += int(not torch.equal(want[k], fresh[k]))
     assert moved  # the comparison would catch a reset optimizer: a fresh second step differs
+
+
+def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path):
+    """A PP2 x VPP2 checkpoint is a TP1 x PP4 one (a chunk saved as its virtual stage): it
+    resumes bit-exactly at PP2 x VPP2 and, resharded, at TP1 x PP1 and at PP2 without
+    chunks, model + AdamW moments + LR step."""
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    vpp = {"virtual_pipeline_model_parallel_size": 2}
+    want, lr = run_ranks(_rank_save, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240)[0]
+    assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
+        "layout.json", *(f"tp00_pp0{s}.safetensors" for s in range(4))]
+    for got, got_lr in run_ranks(_rank_resume, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240):
+        assert got_lr == lr and all(torch.equal(got[k], want[k]) for k in want)
+    for (tp, pp), world in (((1, 1), 1), ((1, 2), 2)):
+        got, got_lr = run_ranks(_rank_resume, world, folder, ckpt, tp, pp, tp=tp, pp=pp, timeout=240)[0]
+        assert got_lr == lr
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, tmp_path):
+    """``nemo-d3s-convert megatron-to-hf`` on a PP2 x VPP2 training checkpoint writes the
+    weights the backend exports (hf_weights over its chunks), bit for bit."""
+    from safetensors.torch import load_file
+
+    from nemo_d3s.convert import megatron_to_hf
+
+    folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
+    exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
+    out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
+    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(str(out / f)).items()}
+    assert sorted(got) == sorted(exported)
+    for k in exported:
+        assert torch.equal(got[k], exported[k]), k
+
+
+def _rank_save_export(rank, folder, ckpt):
+    pol = _megatron(folder, 1, 2, virtual_pipeline_model_parallel_size=2)
+    _steps(pol, 1)
+    pol.save_checkpoint(ckpt)
+    return dict(pol.hf_weights())
 
 
 def _rank_fresh_two_steps(rank, folder):
@@ -304,8 +360,6 @@ def test_bad_folders_fail_at_start_up(folders, tmp_path, monkeypatch):
         _megatron(str(no_weights))
     with pytest.raises(ConfigError, match="world size 1 is not divisible"):
         _megatron(folders["llama"], tp=2)
-    with pytest.raises(ValueError, match="sequence_parallel"):
-        _megatron(folders["llama"], sequence_parallel=True)
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size"):
         _megatron(folders["llama"], virtual_pipeline_model_parallel_size=2)
     other = tmp_path / "other"

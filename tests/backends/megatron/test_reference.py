@@ -20,7 +20,13 @@ from _tiny_hf import tiny_batch  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 
-def _rank_reference(rank, folder, tp):
+def _named(model):
+    """(chunk index, name) -> parameter over a stage or a virtual pipeline's chunks."""
+    chunks = model if isinstance(model, list) else [model]
+    return {(i, n): p for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+
+
+def _rank_reference(rank, folder, tp, pp=1, vpp=None):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
     from nemo_d3s.core.losses import LossConfig, loss_denominator
@@ -28,9 +34,12 @@ def _rank_reference(rank, folder, tp):
 
     batch, adv, noise, keep = tiny_batch()
     pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
+                                                pipeline_model_parallel_size=pp,
+                                                virtual_pipeline_model_parallel_size=vpp,
                                                 use_reference=True, lr=1e-2, grad_clip=0.0))
-    ref_params = {n: p for n, p in pol.ref_model.named_parameters()}
-    shared = [n for n, p in pol.model.named_parameters() if p.data_ptr() == ref_params[n].data_ptr()]
+    ref_params = _named(pol.ref_model)
+    assert set(ref_params) == set(_named(pol.model))
+    shared = [n for n, p in _named(pol.model).items() if p.data_ptr() == ref_params[n].data_ptr()]
     before = pol.score(batch, with_entropy=False, micro_batch_size=2).logprobs
     ref_before = pol.score(batch, with_entropy=False, reference=True, micro_batch_size=2).logprobs
     upd = UpdateBatch(batch=batch, old_logprobs=before + noise, advantages=adv, token_keep=keep,
@@ -43,9 +52,12 @@ def _rank_reference(rank, folder, tp):
             "ref_requires_grad": any(p.requires_grad for p in ref_params.values())}
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_reference_policy_is_a_frozen_copy(folders, tp):
-    for res in run_ranks(_rank_reference, tp, folders["llama"], tp, tp=tp, timeout=180):
+@pytest.mark.parametrize("tp,pp,vpp", [(1, 1, None), (2, 1, None), (1, 2, 2)], ids=["tp1", "tp2", "pp2vpp2"])
+def test_reference_policy_is_a_frozen_copy(folders, tp, pp, vpp):
+    """(PP2 x VPP2: one reference chunk per policy chunk; the backend builds its groups)"""
+    results = run_ranks(_rank_reference, tp * pp, folders["llama"], tp, pp, vpp, tp=tp, pp=pp, megatron=vpp is None,
+                        timeout=180)
+    for res in results:
         assert res["shared"] == [] and not res["ref_requires_grad"]
         assert torch.equal(res["ref_before"], res["before"])
         assert torch.equal(res["ref_after"], res["before"])  # the reference does not train

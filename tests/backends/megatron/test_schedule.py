@@ -49,9 +49,11 @@ WEIGHT_ATOL = {"sgd": 1e-6, "adamw": 1e-5}
 
 
 # ---------------------------------------------------------------------------- model + weights
-def tiny_gpt(tied: bool, dropout: float = 0.0):
+def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
     """The test model for this rank's TP/PP position, Megatron's own initialisation (needs
-    ``apply_cpu_compat`` first). Also used by test_cpu_compat.py."""
+    ``apply_cpu_compat`` first); ``sp``: sequence parallelism, with the backend's layer spec
+    (``sequence_parallel.local_block_spec``); ``vp_stage``: chunk ``vp_stage`` of Megatron's
+    virtual pipeline (its size from parallel_state). Also used by test_cpu_compat.py."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -78,39 +80,71 @@ def tiny_gpt(tied: bool, dropout: float = 0.0):
         add_qkv_bias=True,
         hidden_dropout=dropout,
         attention_dropout=dropout,
+        sequence_parallel=sp,
+        virtual_pipeline_model_parallel_size=None if vp_stage is None else _vpp(),
     )
+    pp, p = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
+    if sp:
+        from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
+
+        spec = local_block_spec(cfg, pp_rank=ps.get_pipeline_model_parallel_rank())
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=spec,
         vocab_size=V_PAD,
         max_sequence_length=64,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=p == 0 and v == 0,
+        post_process=p == pp - 1 and v == vpp - 1,
         share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
+        **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
 
 
-def _build(tied: bool):
-    """The test model holding its slice of the full weights."""
+def _vpp() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_virtual_pipeline_model_parallel_world_size() or 1
+
+
+def _chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _build(tied: bool, sp: bool = False, vpp: int = 1):
+    """The test model holding its slice of the full weights (a list of ``vpp`` chunks when
+    vpp > 1, Megatron's virtual pipeline size set to it)."""
+    from megatron.core import parallel_state as ps
+
     from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
-    model = tiny_gpt(tied)
+    if vpp > 1:
+        ps.set_virtual_pipeline_model_parallel_world_size(vpp)
+        ps.set_virtual_pipeline_model_parallel_rank(0)
+        model = [tiny_gpt(tied, sp=sp, vp_stage=v) for v in range(vpp)]
+    else:
+        model = tiny_gpt(tied, sp=sp)
     _load_full_weights(model, tied)
     return model
 
 
-def _full_name(name: str, tied: bool) -> str:
-    """Local parameter name -> its name in the TP1/PP1 model."""
+def _full_name(name: str, tied: bool, vp_stage=None) -> str:
+    """Local parameter name (of chunk ``vp_stage`` of a virtual pipeline) -> its name in the
+    TP1/PP1 model: chunk v of stage p holds the (v PP + p)-th run of L / (PP VPP) layers."""
     from megatron.core import parallel_state as ps
 
     if tied and name == "output_layer.weight":  # the last stage's copy of the embedding
         return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        per_stage = LAYERS // ps.get_pipeline_model_parallel_world_size()
-        parts[2] = str(int(parts[2]) + ps.get_pipeline_model_parallel_rank() * per_stage)
+        pp = ps.get_pipeline_model_parallel_world_size()
+        v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
+        per_chunk = LAYERS // (pp * vpp)
+        parts[2] = str(int(parts[2]) + (v * pp + ps.get_pipeline_model_parallel_rank()) * per_chunk)
     return ".".join(parts)
 
 
@@ -136,12 +170,12 @@ def _load_full_weights(model, tied: bool) -> None:
 
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for chunk, name, p in ((c, n, p) for c in _chunks(model) for n, p in c.named_parameters()):
             dim, blocks = _tp_layout(name, p)
             shape = list(p.shape)
             if dim is not None:
                 shape[dim] *= tp
-            full = _full_tensor(_full_name(name, tied), shape)
+            full = _full_tensor(_full_name(name, tied, getattr(chunk, "vp_stage", None)), shape)
             if dim is not None:
                 parts = full.chunk(blocks, dim=dim)
                 full = torch.cat([b.chunk(tp, dim=dim)[r] for b in parts], dim=dim)
@@ -155,7 +189,7 @@ def _gather_full_weights(model, tied: bool) -> dict:
 
     tp = ps.get_tensor_model_parallel_world_size()
     out = {}
-    for name, p in model.named_parameters():
+    for chunk, name, p in ((c, n, p) for c in _chunks(model) for n, p in c.named_parameters()):
         dim, blocks = _tp_layout(name, p)
         t = p.detach().clone()
         if dim is not None and tp > 1:
@@ -163,7 +197,7 @@ def _gather_full_weights(model, tied: bool) -> dict:
             dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
             per_block = [s.chunk(blocks, dim=dim) for s in shards]
             t = torch.cat([torch.cat([pb[k] for pb in per_block], dim=dim) for k in range(blocks)], dim=dim)
-        key = _full_name(name, tied)
+        key = _full_name(name, tied, getattr(chunk, "vp_stage", None))
         out[key + (".last_stage_copy" if key in out or (tied and name == "output_layer.weight") else "")] = t
     return out
 
@@ -217,9 +251,10 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
-    micro-batches of ``mbs`` rows."""
+    micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0; ``sp``:
+    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B)."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -229,9 +264,11 @@ def _rank_layout(rank, tied, dp_rows, mbs):
     batch, adv, noise, keep = _data()
     rows = torch.tensor(dp_rows[ps.get_data_parallel_rank()], dtype=torch.long)
     local = batch.select(rows)
-    model = _build(tied)
+    model = _build(tied, sp, vpp)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
-    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL)
+    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL,
+               micro_batch_tokens=tokens)
+    out["score_stats"] = sc.stats
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
     old_lp = sc.logprobs + noise[rows]
     for agg in AGGS:
@@ -242,11 +279,12 @@ def _rank_layout(rank, tied, dp_rows, mbs):
                 kw = OPTIMIZERS[kind]
                 _, opt = build_optimizer(model, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"])
             else:
-                opt = _optimizer(kind, list(model.parameters()))
+                opt = _optimizer(kind, [p for c in _chunks(model) for p in c.parameters()])
             loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
             metrics = train_step(
                 model, opt, local, loss_fn, groups,
                 micro_batch_size=mbs, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
+                micro_batch_tokens=tokens,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
     return out
@@ -313,14 +351,37 @@ LAYOUTS = {
     # one DP rank without rows: a zero-weight micro-batch keeps it in every collective
     "dp2_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS),
     "pp2dp2_empty_rank": (1, 2, 4, True, [[], list(range(B))], MBS),
+    # token budget 20 (rows longest first: [0, 5] x 10, [2, 4] x 9, [1, 3] x 7): three
+    # micro-batch shapes, so 1F1B exchanges shapes (variable_seq_lengths) at PP 2
+    "tp1pp2_tokens": (1, 2, 2, True, ALL_ROWS, MBS, 20),
+    "tp2pp2_tokens": (2, 2, 4, False, ALL_ROWS, MBS, 20),
+    # budget 16: [0] [5] [2] [4, 1] [3] per rank, with DP ranks of unequal plans
+    "tp2dp2_tokens": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16),
+    # sequence parallelism: widths rounded up to a multiple of TP (odd lengths 7, 9 here),
+    # the layer-norm gradients summed over TP. Compared with the same one-process reference
+    # and tolerances as the layouts without SP (log-probs 1e-4, SGD weights 1e-6, AdamW 1e-5),
+    # so SP equals no-SP to twice those: SP changes only how the TP partial sums are combined
+    # (reduce-scatter + all-gather instead of all-reduce) and the order in which a norm's
+    # gradient is summed (per sequence shard, then over TP): fp32 rounding, ~1e-7 here.
+    # Without the norm-gradient sum over TP the weight comparison fails (checked).
+    "tp2_sp": (2, 1, 2, True, ALL_ROWS, MBS, 0, True),
+    "tp2pp2_sp": (2, 2, 4, False, ALL_ROWS, MBS, 0, True),
+    "tp2pp2_sp_tokens": (2, 2, 4, True, ALL_ROWS, MBS, 20, True),
+    # interleaved 1F1B: PP 2 x VPP 2 chunks of one layer each (stage 0: layers 0 and 2,
+    # stage 1: layers 1 and 3); 3 micro-batches padded with a zero-weight one to 4 (a
+    # multiple of PP, megatron-core's interleaved schedule needs it)
+    "pp2vpp2": (1, 2, 2, True, ALL_ROWS, MBS, 0, False, 2),
+    "tp2pp2vpp2_untied": (2, 2, 4, False, ALL_ROWS, MBS, 0, False, 2),
+    "pp2vpp2_tokens_sp": (2, 2, 4, True, ALL_ROWS, MBS, 20, True, 2),
 }
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(layout, reference):
-    tp, pp, world, tied, dp_rows, mbs = LAYOUTS[layout]
-    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, tp=tp, pp=pp, timeout=120)
+    tp, pp, world, tied, dp_rows, mbs, *extra = LAYOUTS[layout]
+    tokens = extra[0] if extra else 0
+    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=120)
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
     by_replica = {}
@@ -347,6 +408,18 @@ def test_layout_matches_one_process(layout, reference):
                 for name, w in weights.items():
                     base = name.replace(".last_stage_copy", "")
                     torch.testing.assert_close(w, ref_weights[base], rtol=0, atol=WEIGHT_ATOL[kind], msg=lambda m: f"{layout} {agg} {kind} {name}: {m}")
+    # a token budget feeds fewer positions than fixed micro-batches of the same rows (not
+    # with interleaving at PP 2, where every micro-batch takes one shape: batches.py)
+    vpp = extra[2] if len(extra) > 2 else 1
+    if tokens and not (vpp > 1 and pp == 2):
+        from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+        for res in results:
+            mask = _data()[0].attention_mask[res["rows"]]
+            fixed = sum(m.b * m.width for m in plan_micro_batches(mask, mbs, uniform=pp > 1))
+            assert res["score_stats"]["fed_tokens"] < fixed, (layout, res["score_stats"], fixed)
+            assert res["score_stats"]["attended_tokens"] == float(mask.sum())
+            assert res[AGGS[0], "sgd"][0]["fed_tokens"] == res["score_stats"]["fed_tokens"]
     # the DP ranks' loss sums add up to the reference's (metrics are per-rank sums)
     for agg in AGGS:
         by_dp = {}
@@ -397,6 +470,33 @@ def test_plan_for_pipelines_has_one_shape():
     plan = plan_micro_batches(_mask([3, 5, 2, 1, 7], 10), 2, uniform=True)
     assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
     assert {(m.b, m.width) for m in plan} == {(2, 7)}  # the short last one gets a dummy row
+
+
+def test_plan_with_a_token_budget():
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    mask = _mask([3, 5, 2, 1, 9], 10)
+    for uniform in (False, True):  # a budget ignores the row count and the pipeline's one shape
+        plan = plan_micro_batches(mask, 2, uniform=uniform, max_tokens=10)
+        # widths (>= 2) 3 5 2 2 9: row 4 alone (9); rows 1, 0 (2 x 5 = 10); rows 2, 3 (2 x 2)
+        assert [m.rows.tolist() for m in plan] == [[4], [1, 0], [2, 3]]
+        assert [(m.b, m.width) for m in plan] == [(1, 9), (2, 5), (2, 2)]
+    # sequence parallelism: the budget applies to the rounded widths
+    plan = plan_micro_batches(mask, 2, uniform=False, multiple_of=4, max_tokens=16)
+    assert [(m.rows.tolist(), m.width) for m in plan] == [([4], 12), ([1, 0], 8), ([2, 3], 4)]
+
+
+def test_interleaved_plans_are_padded_to_a_multiple_of_pp():
+    from nemo_d3s.backends.megatron.batches import pad_for_interleaving
+    from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+
+    plan = plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, max_tokens=10)
+    padded = pad_for_interleaving(plan, 4)  # 3 -> 4 micro-batches, the pad of the first's shape
+    assert [m.rows.tolist() for m in padded] == [[4], [1, 0], [2, 3], []]
+    assert [(m.b, m.width) for m in padded] == [(1, 9), (2, 5), (2, 2), (1, 9)]
+    assert len(pad_for_interleaving(plan[:1], 2)) == 2 and len(pad_for_interleaving(plan, 3)) == 3
+    # PP 2: one shape for all (the largest rows x width)
+    assert {(m.b, m.width) for m in pad_for_interleaving(plan, 2, one_shape=True)} == {(2, 9)}
 
 
 def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():

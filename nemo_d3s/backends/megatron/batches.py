@@ -1,0 +1,125 @@
+"""Micro-batches of the Megatron backend's schedules: which rows, how many, how wide.
+
+A rank's batch is ``TokenBatch`` [B, S], right-padded. :func:`plan_micro_batches` cuts it
+into :class:`MicroBatch` es (fixed row counts or a token budget, ``core.micro_batches``);
+:func:`model_inputs` builds one micro-batch's model inputs [b, L]. Pure CPU bookkeeping: no
+collective, no Megatron import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from nemo_d3s.backends.base import TokenBatch
+from nemo_d3s.core.micro_batches import fixed_micro_batches, row_lengths, token_budget_micro_batches
+from nemo_d3s.distributed.pipeline import fit_width
+
+__all__ = ["MicroBatch", "model_inputs", "pad_for_interleaving", "plan_micro_batches", "token_counts"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the schedule sees it.
+
+    rows [n] long (CPU): the batch rows it carries (n <= b; n = 0 for the zero-weight
+    micro-batch of an empty batch); b: rows fed to the model (n real + b - n dummy rows);
+    width L: positions fed to the model (the real rows cut or zero-padded to L).
+    """
+
+    rows: torch.Tensor
+    b: int
+    width: int
+
+
+def _check_right_padded(mask: torch.Tensor) -> None:
+    # The model sees only a causal mask, so every row's real tokens must form a prefix.
+    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+        raise ValueError("attention_mask must be right-padded (each row's real tokens a prefix of the row)")
+
+
+def _real_length(mask: torch.Tensor) -> int:
+    cols = mask.any(dim=0).nonzero()
+    return int(cols[-1]) + 1 if cols.numel() else 0
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def plan_micro_batches(
+    attention_mask: torch.Tensor, micro_batch_size: int, *, uniform: bool, multiple_of: int = 1,
+    max_tokens: int = 0,
+) -> List[MicroBatch]:
+    """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
+    consecutive rows, or, with ``max_tokens`` > 0, of rows packed to that token budget.
+
+    Fixed rows, uniform=False (PP = 1): each micro-batch is cut to its longest attended row.
+    Fixed rows, uniform=True (PP > 1): every micro-batch has ``micro_batch_size`` rows (dummy
+    rows fill the last one) and the width of the batch's longest row (one shape per call).
+    Token budget (``core.micro_batches.token_budget_micro_batches`` on the rounded row
+    widths, at any PP): b x L <= ``max_tokens`` per micro-batch (one oversize row alone),
+    rows longest first, no dummy rows; at PP > 1 the shapes differ between micro-batches and
+    :func:`_schedule` turns on megatron-core's ``variable_seq_lengths`` p2p shape exchange.
+    Widths are at least 2 (one scored position) and rounded up to ``multiple_of`` (TP when
+    sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
+    dummy row, so a rank without data still runs every collective of the step.
+    """
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+    B = attention_mask.shape[0]
+    if B == 0:
+        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, _round_up(2, multiple_of))]
+    _check_right_padded(attention_mask)
+    if max_tokens:
+        widths = row_lengths(attention_mask).clamp(min=2)
+        widths = (widths + multiple_of - 1) // multiple_of * multiple_of
+        return [MicroBatch(r, len(r), int(widths[r[0]])) for r in token_budget_micro_batches(widths, int(max_tokens))]
+    chunks = fixed_micro_batches(B, micro_batch_size)
+    if uniform:
+        width = _round_up(max(_real_length(attention_mask), 2), multiple_of)
+        return [MicroBatch(r, micro_batch_size, width) for r in chunks]
+    return [
+        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of)) for r in chunks
+    ]
+
+
+def pad_for_interleaving(mbs: List[MicroBatch], pp: int, *, one_shape: bool = False) -> List[MicroBatch]:
+    """Micro-batches for megatron-core's interleaved 1F1B, which needs their number M >= PP
+    with M % PP = 0 (groups of PP contiguous micro-batches per virtual stage: schedules.py
+    ``microbatch_group_size_per_vp_stage``, default PP, checked at lines 993-1010 of
+    megatron-core 0.16.1): zero-weight micro-batches (no rows; dummy rows of the first
+    micro-batch's shape, so no new shape is sent) are appended. ``one_shape``: every
+    micro-batch widened to the largest rows x width of the plan (dummy rows, padding)."""
+    if one_shape:
+        b, width = max(m.b for m in mbs), max(m.width for m in mbs)
+        mbs = [MicroBatch(m.rows, b, width) for m in mbs]
+    target = max(_round_up(len(mbs), pp), pp)
+    first = mbs[0]
+    pad = MicroBatch(torch.zeros(0, dtype=torch.long), first.b, first.width)
+    return list(mbs) + [pad] * (target - len(mbs))
+
+
+def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
+    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
+    on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
+    mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
+    attention kernels build it); right padding needs nothing more."""
+    ids = fit_width(batch.input_ids[mb.rows], mb.width)
+    if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
+        ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
+    attended = fit_width(batch.attention_mask[mb.rows].bool(), mb.width, value=False)
+    pos = torch.arange(mb.width).unsqueeze(0).expand(mb.b, -1)
+    mask = None
+    if device.type != "cuda":
+        mask = torch.ones(mb.width, mb.width, dtype=torch.bool, device=device).triu_(1).view(1, 1, mb.width, mb.width)
+    return ids.to(device), pos.to(device), mask, attended.to(device)
+
+
+def token_counts(batch: TokenBatch, mbs: List[MicroBatch]) -> Dict[str, float]:
+    """{"fed_tokens": sum of b x L over the plan (dummy rows and padding included),
+    "attended_tokens": the batch's real tokens} (the padding share's two counts)."""
+    return {"fed_tokens": float(sum(m.b * m.width for m in mbs)),
+            "attended_tokens": float(batch.attention_mask.sum())}

@@ -1,0 +1,75 @@
+"""What a colocated vLLM engine keeps on the GPUs it shares with the trainer, per phase, for
+the dry run (pure arithmetic: no torch, no vLLM import).
+
+The code this models (``engine.py``, ``backends/refit.py``):
+
+- generating: the engine is awake and holds ``gpu_memory_utilization`` x the GPU (its
+  weights, profiled activations, KV cache, and its own CUDA context and communicators,
+  which vLLM counts inside that budget). The trainer beside it keeps only its training
+  state: every rank on the engine's GPUs empties its CUDA cache before the engine wakes
+  (``refit.release_cached_cuda_memory``), so the activations of the last update are not
+  still reserved (without that the trainer's whole training peak stays reserved).
+- training: the engine sleeps at level 2 (weights and KV cache freed; nothing copied to
+  host memory). What a sleeping engine still holds per GPU: its worker's CUDA context
+  (``VLLM_CONTEXT_BYTES``), its TP communicator's buffers when its TP > 1
+  (``VLLM_COMM_BYTES``), and, with CUDA graphs on, the graphs' private memory pool, which
+  lives outside the sleep allocator (``CUDA_GRAPH_BYTES``). These three are assumptions
+  (typical sizes on an 80 GB Hopper GPU), stated here and recorded in the plan.
+- refitting: the engine's weights are awake (``wake_up(tags=["weights"])``), the trainer
+  rank on that GPU holds its staging buffer (``rollout.refit_bucket_mb``), the gathered
+  tensors of the bucket being staged, and the TP shards of the next all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
+
+__all__ = ["CUDA_GRAPH_BYTES", "VLLM_COMM_BYTES", "VLLM_CONTEXT_BYTES", "engine_positions", "engine_plan",
+           "sleeping_engine_bytes", "refit_bytes"]
+
+GB = 10**9
+VLLM_CONTEXT_BYTES = int(0.6 * GB)  # a vLLM worker process's CUDA context + cuBLAS workspace (assumed)
+VLLM_COMM_BYTES = int(0.5 * GB)  # NCCL buffers + custom all-reduce of vLLM's TP group, TP > 1 (assumed)
+CUDA_GRAPH_BYTES = int(1.0 * GB)  # captured CUDA graphs' private pool, kept through sleep (assumed)
+
+
+def engine_plan(engine_ranks: Sequence[int], *, nodes: int, gpus_per_node: int,
+                tensor_parallel_size: int) -> Dict[str, object]:
+    """The placement the runtime makes (``placement.engine_placement``: ValueError when two
+    engines would share a GPU or one runs past its node), as the dry run records it."""
+    if any(not 0 <= r < nodes * gpus_per_node for r in engine_ranks):
+        raise ValueError(f"engine ranks {list(engine_ranks)} outside the job's {nodes * gpus_per_node} ranks")
+    placed = engine_placement(engine_ranks, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size)
+    return dict(placement_summary(placed, gpus_per_node))
+
+
+def engine_positions(tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int) -> List[Tuple[int, int]]:
+    """The (TP rank, PP stage) positions of a model copy whose GPU carries an engine worker:
+    the engine of the copy starts at (0, 0) and takes the next ``vllm_tp`` ranks of its node;
+    ``stage_stride_ranks`` is how many ranks apart consecutive stages are (TP in Megatron's
+    tp-pp-dp order, TP x DP in its default order, where the next ranks belong to other copies
+    and the placement check allows no engine wider than TP)."""
+    out = []
+    for j in range(int(vllm_tp)):
+        if j < tp:
+            out.append((j, 0))
+        elif stage_stride_ranks == tp:
+            out.append((j % tp, j // tp))
+    return [(t, p) for t, p in out if p < pp]
+
+
+def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
+    """What an engine sleeping at level 2 still holds on each of its GPUs."""
+    return VLLM_CONTEXT_BYTES + (VLLM_COMM_BYTES if vllm_tp > 1 else 0) + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+
+
+def refit_bytes(*, engine_weight_bytes: float, bucket_bytes: int, largest_tensor_bytes: int, tp: int) -> Dict[str, float]:
+    """Memory of a refit on an engine GPU beyond the training state and the sleeping engine:
+    the engine's awake weights; on the trainer rank, the staging buffer and the bucket's
+    gathered tensors it is copied from (each at least one whole tensor: a larger tensor is a
+    bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1)."""
+    bucket = max(bucket_bytes, largest_tensor_bytes)
+    return {"engine_weights": engine_weight_bytes, "staging": bucket, "held": bucket,
+            "gather_shards": largest_tensor_bytes if tp > 1 else 0}

@@ -1,0 +1,159 @@
+"""D3S / PODS configurations: :class:`D3SConfig` (what the selector does) and the named
+presets of the papers, ``PRESETS`` (the selector itself: :mod:`nemo_d3s.core.d3s`).
+
+Presets (papers' names):
+
+=========  ============  ==========  ==========================================
+preset     sample rule   tokens      schedule
+=========  ============  ==========  ==========================================
+grpo       all           all         none: train on everything
+pods       pods          all         fixed N (re-normalises advantages on subset)
+d1s        d3s_intra     all         fixed N
+d1s_cross  d3s_cross     all         fixed N
+d2s        d3s_cross     batch       fixed N, fixed K
+d3s        d3s_cross     batch       linear N 1/8 -> 1/2 of G, K 5% -> 20%,
+                                     at least 256 tokens a step
+d3s_i      d3s_intra     batch       as d3s, intra-group selection
+=========  ============  ==========  ==========================================
+
+``PRESETS`` is the one home of these values: the training config's ``d3s`` group
+(``d3s=pods``) and its schema defaults are built from it (``nemo_d3s.config``). PODS's own
+trainers average per-sequence token means; a d3s preset sets no loss keys, so PODS's loss
+is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``. D3S-I at N = 1 per group keeps
+the rollout with the largest |advantage|.
+
+The floor of 256 kept tokens per step (``min_kept_tokens``; 0 is the papers' rule) is the
+project's default for the two full methods: on the CPU evidence runs (README "Does D3S help
+here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed
+GRPO, while with the floor it matched GRPO per step. At the papers' batch sizes K x eligible
+is thousands of tokens and the floor never binds.
+
+N is per prompt and expressed as a fraction of the group size G so the presets work at
+any G. The D3S paper reports N 8 -> 32 without stating G; 1/8 -> 1/2 reads it as
+G = 64 (our assumption). PODS reports n about 4 m, hence 1/4 for the fixed-N presets.
+Absolute counts are accepted too (``schedule.n_init=8``). With sample rule ``all`` N is 1
+(everything) whatever the schedule says; with token scope ``all`` K is 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional, Union
+
+from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
+from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
+from nemo_d3s.core.schedules import DynamicSchedule
+from nemo_d3s.core.token_selection import TOKEN_SELECTORS
+
+__all__ = ["D3SConfig", "PRESETS", "DEFAULT_MIN_KEPT_TOKENS"]
+
+Count = Union[int, float]
+
+
+def _check_nonneg(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+
+
+@dataclass
+class D3SConfig:
+    """What the selector does. ``schedule`` gives N (per prompt: an int count or a
+    fraction of G) and K (fraction of eligible tokens) as functions of progress.
+
+    Works as a structured config (``OmegaConf.structured(D3SConfig)``, or as a field of a
+    larger Hydra schema); ``OmegaConf.to_object`` gives back a validated instance, and
+    :class:`D3SSelector` also accepts the DictConfig (any mapping) directly.
+    Names are checked against the registries at construction (unknown -> ValueError
+    listing the known names).
+    """
+
+    advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS
+    sample_rule: str = "all"  # SAMPLE_SELECTORS
+    token_scope: str = "all"  # TOKEN_SELECTORS
+    schedule: DynamicSchedule = field(default_factory=lambda: DynamicSchedule("constant", 1.0, 1.0, 1.0, 1.0))
+    eps: float = 1e-6  # advantage std offset (GRPO)
+    unbiased: bool = True
+    # Offset of the PODS re-normalisation on the kept subset; None = the rule's default
+    # (1e-4, the PODS paper's value).
+    renorm_eps: Optional[float] = None
+    seed: int = 0  # only the "random" rule draws; seeded per step for reproducibility
+    # Floor on the tokens a step keeps (token scopes that score tokens only): K is raised to
+    # max(K, M / eligible tokens of the whole step), so a small batch is not cut to a
+    # handful of tokens. 0 = off (the papers' rule). Inert once K x eligible >= M, e.g. at
+    # the papers' batch sizes; see ``token_selection.k_frac_with_floor``.
+    min_kept_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.schedule, Mapping):  # plain dict / DictConfig from a config file
+            try:
+                self.schedule = DynamicSchedule(**dict(self.schedule))
+            except TypeError as e:
+                raise ValueError(f"schedule: {e}") from None
+        if not isinstance(self.schedule, DynamicSchedule):
+            raise ValueError(f"schedule must be a DynamicSchedule or a mapping of its fields, got {self.schedule!r}")
+        ADVANTAGE_ESTIMATORS.get(self.advantage)
+        SAMPLE_SELECTORS.get(self.sample_rule)
+        TOKEN_SELECTORS.get(self.token_scope)
+        _check_nonneg("eps", self.eps)
+        if self.renorm_eps is not None:
+            _check_nonneg("renorm_eps", self.renorm_eps)
+        if not isinstance(self.unbiased, bool):
+            raise ValueError(f"unbiased must be a bool, got {self.unbiased!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        m = self.min_kept_tokens
+        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+            raise ValueError(f"min_kept_tokens must be an int >= 0 (0 = no floor), got {m!r}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "D3SConfig":
+        """A fresh copy of ``PRESETS[name]`` with ``overrides`` (field=value) applied."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown D3S preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+        return cls._replace(copy.deepcopy(PRESETS[name]), overrides)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping) -> "D3SConfig":
+        """From a dict / DictConfig with (a subset of) the fields; ``schedule`` may be a mapping."""
+        return cls._replace(cls(), dict(values))
+
+    @staticmethod
+    def _replace(cfg: "D3SConfig", overrides: Dict[str, Any]) -> "D3SConfig":
+        known = [f.name for f in dataclasses.fields(D3SConfig)]
+        unknown = sorted(set(overrides) - set(known))
+        if unknown:
+            raise ValueError(f"unknown D3SConfig field(s) {unknown}; known: {', '.join(known)}")
+        return dataclasses.replace(cfg, **overrides)
+
+
+def _fixed(n: Count, k: float) -> DynamicSchedule:
+    return DynamicSchedule("constant", n, n, k, k)
+
+
+# The full methods' floor on kept tokens per step (see the module docstring).
+DEFAULT_MIN_KEPT_TOKENS = 256
+
+PRESETS: Dict[str, D3SConfig] = {
+    "grpo": D3SConfig(),
+    "pods": D3SConfig(sample_rule="pods", schedule=_fixed(0.25, 1.0)),
+    "d1s": D3SConfig(sample_rule="d3s_intra", schedule=_fixed(0.25, 1.0)),
+    "d1s_cross": D3SConfig(sample_rule="d3s_cross", schedule=_fixed(0.25, 1.0)),
+    "d2s": D3SConfig(sample_rule="d3s_cross", token_scope="batch", schedule=_fixed(0.25, 0.2)),
+    "d3s": D3SConfig(
+        sample_rule="d3s_cross",
+        token_scope="batch",
+        schedule=DynamicSchedule("linear", 0.125, 0.5, 0.05, 0.2),
+        min_kept_tokens=DEFAULT_MIN_KEPT_TOKENS,
+    ),
+    "d3s_i": D3SConfig(
+        sample_rule="d3s_intra",
+        token_scope="batch",
+        schedule=DynamicSchedule("linear", 0.125, 0.5, 0.05, 0.2),
+        min_kept_tokens=DEFAULT_MIN_KEPT_TOKENS,
+    ),
+}

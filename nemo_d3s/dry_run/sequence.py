@@ -1,0 +1,81 @@
+"""The dry run's sequence-length terms: how many tokens one micro-batch feeds, how sequence
+parallelism splits the stored activations, and when a layout would need context
+parallelism (which this project cannot run).
+
+- :func:`tokens_per_micro_batch`: ``micro_batch x seq_len`` with fixed micro-batches; with
+  a token budget (``trainer.micro_batch_tokens``) at most the budget, or one row of
+  ``seq_len`` when a single row is longer (``core.micro_batches``).
+- :func:`micro_batches_per_step`: the upper bound on micro-batches per DP rank and optimizer
+  step (every row at ``seq_len``), which caps 1F1B's micro-batches in flight.
+- :func:`interleaving_factor`: the first stage's extra in-flight activations under
+  interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1).
+- :func:`replicated_share`: the share of the per-token activations that TP leaves
+  replicated (norm inputs, the residual stream) which each rank keeps: 1, or 1 / TP under
+  sequence parallelism (Korthikanti et al. 2022, Table 2: ``sbh (10 + 24/t)`` becomes
+  ``34 sbh / t``; here the ``4 h`` replicated term becomes ``4 h / t``).
+- :func:`context_parallel_need`: whether the smallest training footprint the backend can
+  run (one row of ``seq_len`` tokens per micro-batch, full recompute, sequence parallelism
+  at TP > 1) still exceeds a GPU: then only context parallelism (splitting the sequence
+  across GPUs for the attention too) would fit it, and megatron-core runs that only through
+  Transformer Engine's attention (``CONTEXT_PARALLEL_REFUSAL``).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+__all__ = [
+    "CONTEXT_PARALLEL_REFUSAL",
+    "context_parallel_need",
+    "interleaving_factor",
+    "micro_batches_per_step",
+    "replicated_share",
+    "tokens_per_micro_batch",
+]
+
+from nemo_d3s.backends.megatron.config import CONTEXT_PARALLEL_REFUSAL
+
+
+def tokens_per_micro_batch(rows: int, seq_len: int, budget: int = 0) -> int:
+    """Most tokens one micro-batch feeds the model: ``rows x seq_len``; with a token budget
+    > 0, ``max(budget, seq_len)`` (a row longer than the budget runs alone)."""
+    if budget:
+        return max(int(budget), int(seq_len))
+    return int(rows) * int(seq_len)
+
+
+def micro_batches_per_step(rows_per_dp: int, seq_len: int, micro_batch: int, budget: int = 0) -> int:
+    """Micro-batches per DP rank and optimizer step when every row is ``seq_len`` long:
+    ``ceil(rows / micro_batch)``, or with a budget ``ceil(rows / max(1, budget // seq_len))``."""
+    per = max(1, int(budget) // int(seq_len)) if budget else int(micro_batch)
+    return -(-int(rows_per_dp) // per)
+
+
+def interleaving_factor(pp: int, vpp: int) -> float:
+    """How much more activation memory the first stage holds under interleaved 1F1B than
+    under 1F1B: ``1 + (PP - 1) / (PP VPP)`` (Megatron-LM's ``theoretical_memory_usage``,
+    the interleaved schedule's memory penalty; Narayanan et al. 2021, sec. 2.2); 1 without
+    a virtual pipeline."""
+    return 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 and pp > 1 else 1.0
+
+
+def replicated_share(tp: int, sequence_parallel: bool) -> float:
+    """Share of the TP-replicated activations one rank stores: 1 / TP under SP, else 1."""
+    return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
+
+
+def context_parallel_need(resident_bytes: float, minimal_training_bytes: float, gpu_bytes: float, *,
+                          seq_len: int, position: str) -> Optional[Dict[str, object]]:
+    """None when one ``seq_len`` row with SP and full recompute fits beside the resident
+    state; else the report entry naming the shortfall and what to do instead."""
+    need = resident_bytes + minimal_training_bytes
+    if need <= gpu_bytes:
+        return None
+    return {
+        "position": position,
+        "seq_len": int(seq_len),
+        "minimal_training_peak_bytes": int(need),
+        "message": (f"{position}: even one row of {seq_len} tokens per micro-batch with sequence parallelism and "
+                    f"full recompute needs {need / 1e9:.1f} GB; only context parallelism would split it further, "
+                    f"and {CONTEXT_PARALLEL_REFUSAL}, or shorten the sequences"),
+    }

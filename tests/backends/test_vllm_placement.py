@@ -1,0 +1,147 @@
+"""Which GPUs each vLLM engine gets (``backends/vllm/placement.py``), for every recipe's layout
+and for ``slurm/train_dp.sbatch``, and the environment the engine starts in. No vLLM needed:
+the placement is arithmetic, the start-up environment is read inside a stand-in for vLLM.
+
+Before the fix every engine of a node ran on the node's first GPUs (vLLM's executors take
+local ranks 0..TP-1): the 8B recipe's four TP-2 engines all on GPUs 0-1."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.vllm.placement import engine_devices, engine_placement
+
+# recipe -> (nodes, expected {engine rank: (node, local GPUs)})
+RECIPES = {
+    "llama3_8b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
+    "qwen25_math_7b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
+    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on the first
+    "llama3_70b": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
+    # TP 8 x PP 2, default order: copies' first stages on nodes 0-3
+    "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(4)}),
+}
+
+
+def _compose(overrides):
+    from nemo_d3s.train import compose_config
+
+    return compose_config(overrides)
+
+
+def _placement(cfg, nodes: int, gpus_per_node: int = 8):
+    p = cfg.model.params
+    tp, pp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size)
+    dp = nodes * gpus_per_node // (tp * pp)
+    ranks = first_ranks_of_model_copies(tp, pp, dp, rank_order(bool(p.get("use_tp_pp_dp_mapping", False))))
+    placed = engine_placement(ranks, gpus_per_node=gpus_per_node,
+                              tensor_parallel_size=int(cfg.rollout.tensor_parallel_size))
+    return {e.rank: (e.node, e.gpus) for e in placed}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_engine_gets_exactly_its_own_gpus(name, tmp_path):
+    nodes, want = RECIPES[name]
+    got = _placement(_compose([f"experiment={name}", f"output_dir={tmp_path}"]), nodes)
+    assert got == want
+    used = [(node, g) for node, gpus in got.values() for g in gpus]
+    assert len(used) == len(set(used))  # no GPU carries two engines
+
+
+def test_train_dp_sbatch_one_engine_per_rank_on_its_own_gpu():
+    """slurm/train_dp.sbatch: 2 nodes x 8 ranks, every rank its own engine (HF backend,
+    replicated policy): rank r on GPU r % 8 of node r // 8. A TP-2 engine per rank would
+    share GPUs with its neighbour's: an error naming both."""
+    placed = engine_placement(range(16), gpus_per_node=8, tensor_parallel_size=1)
+    assert {e.rank: (e.node, e.gpus) for e in placed} == {r: (r // 8, [r % 8]) for r in range(16)}
+    with pytest.raises(ValueError, match="engines of ranks 0 and 1 would share GPU 1 of node 0"):
+        engine_placement(range(16), gpus_per_node=8, tensor_parallel_size=2)
+
+
+def test_the_70b_recipe_in_default_rank_order_cannot_place_its_engines():
+    ranks = first_ranks_of_model_copies(4, 4, 4, rank_order(False))  # 0, 4, 8, 12
+    with pytest.raises(ValueError, match="local rank 4 needs GPUs 4..11, the node has 8"):
+        engine_placement(ranks, gpus_per_node=8, tensor_parallel_size=8)
+
+
+def test_engine_devices_follow_the_nodes_visible_devices():
+    assert engine_devices(2, 2, gpus_on_node=8) == ["2", "3"]
+    # A job given GPUs 4-7 of its node: local rank 1's TP-2 engine is on physical 5 and 6.
+    assert engine_devices(1, 2, visible="4,5,6,7", gpus_on_node=4) == ["5", "6"]
+    assert engine_devices(0, 1, visible="GPU-aa, GPU-bb") == ["GPU-aa"]
+    with pytest.raises(ValueError, match="needs GPUs 3..4, the node has 4"):
+        engine_devices(3, 2, visible="4,5,6,7")
+
+
+def test_the_engine_starts_with_its_own_gpus_and_the_trainer_keeps_its_view(monkeypatch):
+    """What vLLM's processes inherit while ``vllm.LLM`` starts: CUDA_VISIBLE_DEVICES = this
+    rank's GPU onward (current device 2, TP 2 -> "2,3"); restored afterwards."""
+    import torch
+
+    from nemo_d3s.backends.vllm import engine as vengine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert vengine.own_gpus(2) == "2,3"
+    seen = {}
+    with vengine._engine_env(vengine.own_gpus(2)):
+        import os
+
+        seen["inside"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    import os
+
+    assert seen["inside"] == "2,3" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3,5,7,9,11,13,15")
+    assert vengine.own_gpus(2) == "5,7"
+
+
+def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
+    """``engines.check_gpu_placement`` before any engine starts, on every rank alike: a
+    replicated policy on 16 ranks (8 per node) builds 16 engines; TP 2 would overlap."""
+    import torch
+    import torch.distributed as dist
+
+    from nemo_d3s.backends.base import Policy
+    from nemo_d3s.backends.engines import check_gpu_placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda g=None: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+
+    class Replicated:
+        rollout_engine_ranks = Policy.rollout_engine_ranks
+
+    check_gpu_placement(Replicated(), {"tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="engines of ranks 0 and 1 would share GPU 1 of node 0"):
+        check_gpu_placement(Replicated(), {"tensor_parallel_size": 2})
+
+    import types
+
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+
+    class Megatron:  # TP 2 x PP 1 copies: engines at 0, 2, 4, ...: a TP-2 engine each fits
+        layout = types.SimpleNamespace(tp=2, pp=1)
+        cfg = types.SimpleNamespace(use_tp_pp_dp_mapping=False)
+        rollout_engine_ranks = MegatronBackend.rollout_engine_ranks
+
+    assert Megatron().rollout_engine_ranks(16) == list(range(0, 16, 2))
+    check_gpu_placement(Megatron(), {"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="would share GPU"):
+        check_gpu_placement(Megatron(), {"tensor_parallel_size": 4})
+
+
+def test_every_vllm_recipe_is_in_the_placement_table(tmp_path):
+    """A recipe added under conf/experiment/ with rollout=vllm must have its placement above."""
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "experiment"
+    vllm = set()
+    for f in sorted(conf.glob("*.yaml")):
+        cfg = _compose([f"experiment={f.stem}", f"output_dir={tmp_path}"])
+        if str(cfg.rollout.engine) == "vllm":
+            vllm.add(f.stem)
+    assert vllm == set(RECIPES)
