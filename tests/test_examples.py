@@ -255,6 +255,30 @@ def test_convert_script_without_submit_dir_is_one_error_line(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: SLURM_SUBMIT_DIR is not set"), r.stderr
 
 
+def test_convert_script_takes_config_and_tokenizer_from_the_checkpoint_or_the_run(tmp_path):
+    """Issue 26 item 5: a checkpoint that keeps its model's config.json and tokenizer converts
+    without HF_CONFIG; an older one (megatron/ only) takes them from model.name of the run's
+    config.yaml, as before."""
+    sys.path.insert(0, str(REPO / "tests" / "convert"))
+    from _models import tiny
+
+    from nemo_d3s.convert import hf_to_megatron
+
+    src = tiny(tmp_path / "src", "llama")
+    run = tmp_path / "run"
+    new = hf_to_megatron(src, run / "checkpoints" / "step_000002", progress=False)  # config + tokenizer kept
+    old = run / "checkpoints" / "step_000001"
+    shutil.copytree(new / "megatron", old / "megatron")
+    (run / "config.yaml").write_text(f"model:\n  name: {src}\n")
+    for ckpt, source in ((new, "the checkpoint"), (old, str(src))):
+        env = _fake_slurm(tmp_path, "4648", RUN_DIR=str(run), CKPT=str(ckpt))
+        r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        assert f"converting {ckpt} (config + tokenizer from {source}) -> {run / ('hf-' + ckpt.name)}" in r.stdout
+        assert (run / f"hf-{ckpt.name}" / "tokenizer.json").is_file()
+
+
 def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, steps: int) -> Path:
     """Run ``script`` like Slurm would: SIGUSR1 to the batch script once two steps are
     logged -> every rank checkpoints once and exits 0 -> `scontrol requeue` -> the restarted
@@ -343,7 +367,7 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
                        text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     hf = out / f"hf-{ckpt.name}"
-    assert f"converting {ckpt} (config + tokenizer from {folder}) -> {hf}" in r.stdout
+    assert f"converting {ckpt} (config + tokenizer from the checkpoint) -> {hf}" in r.stdout  # issue 26 item 5
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf))

@@ -92,7 +92,7 @@ def test_scaling_up_commands_are_the_tested_ones():
     text = " ".join(_section("Scaling up").split())
     assert ("torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke output_dir=runs/msmoke") in text
     assert ("nemo-d3s-convert megatron-to-hf --ckpt runs/msmoke/checkpoints/step_000004 "
-            "--hf-config runs/msmoke/hf_export --out runs/msmoke-hf") in text
+            "--out runs/msmoke-hf") in text
     assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section("Scaling up")
     assert "--tp 3" in text and "--tp 2" not in text  # SmolLM2: 9 heads, 3 KV heads
 

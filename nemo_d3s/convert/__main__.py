@@ -19,8 +19,8 @@ _EPILOG = {
   nemo-d3s-convert hf-to-megatron --hf ./Qwen2.5-7B-Instruct --out ./qwen7b-tp4 --tp 4 --pp 1
   # then train from it: model.backend=megatron model.name=./qwen7b-tp4 (any TP x PP)""",
     "megatron-to-hf": """examples:
-  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 \\
-      --hf-config ./Qwen2.5-7B-Instruct --out ./qwen7b-d3s --dtype bfloat16
+  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 --out ./qwen7b-d3s --dtype bfloat16
+  # (a checkpoint written before checkpoints kept config.json + tokenizer: add --hf-config ./Qwen2.5-7B-Instruct)
   nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back""",
     "megatron-to-nemo": """example:
   nemo-d3s-convert megatron-to-nemo --ckpt runs/qwen/checkpoints/step_000200 \\
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "checkpoint")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--hf-config", default=None,
-                   help="folder with config.json + tokenizer files (the model the run started from); needed for a "
-                        "training checkpoint, which holds neither")
+                   help="folder with config.json + tokenizer files (the model the run started from); needed only for "
+                        "a training checkpoint written before checkpoints kept their model's config and tokenizer")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)")
     p.add_argument("--max-shard-size", type=_size, default=DEFAULT_SHARD_BYTES,
                    help="largest safetensors file (default 5GiB)")
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
 
     for p in sub.choices.values():
+        p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
+                       help="use a checkpoint whose files do not match its checksums.json (training and converted "
+                            "checkpoints carry one; it is checked by default, reading every file once)")
         if p.prog.endswith("verify"):
             continue
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -141,20 +144,22 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "hf-to-megatron":
             out = core.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                      overwrite=args.overwrite, progress=not args.quiet)
+                                      overwrite=args.overwrite, progress=not args.quiet,
+                                      verify_checksums=args.verify_checksums)
             print(f"wrote {out} (TP{args.tp} x PP{args.pp})")
         elif args.command == "megatron-to-hf":
             out = core.megatron_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
                                       max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                                      progress=not args.quiet)
+                                      progress=not args.quiet, verify_checksums=args.verify_checksums)
             print(f"wrote {out}")
         elif args.command == "megatron-to-nemo":
             out = core.megatron_to_nemo(args.ckpt, args.out, nemo_context=args.nemo_context,
                                         hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
-                                        progress=not args.quiet)
+                                        progress=not args.quiet, verify_checksums=args.verify_checksums)
             print(f"wrote {out}")
         else:
-            res = verify_logits.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype)
+            res = verify_logits.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype,
+                                       verify_checksums=args.verify_checksums)
             print(res.verdict())
             return 0 if res.ok else 1
     except (ConfigError, OSError) as e:

@@ -53,7 +53,7 @@ from nemo_d3s.convert.sources import (
     open_checkpoint,
 )
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import atomic_folder
+from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
 from nemo_d3s.formats.detect import NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, nbytes
@@ -81,20 +81,31 @@ def _staged_output(out: str | os.PathLike, *, overwrite: bool, sources: Sequence
     """``files.atomic_folder`` for ``--out``: the block writes into a hidden sibling renamed
     to ``out`` when it succeeds and removed when it raises (an error, an interrupt): no
     half-written folder is ever found at ``out``. A non-empty ``out`` is refused unless
-    ``overwrite``; so is an ``out`` that is a source folder or holds one (the rename would
-    delete it)."""
+    ``overwrite`` (checked again under the output's lock); so is an ``out`` that is a source
+    folder, holds one (the rename would delete it) or lies inside one. A second conversion
+    into the same ``out`` at once is refused naming the first; files that appear in ``out``
+    while it is written stop the publishing (the finished output is kept and named); the
+    staging folders of conversions killed midway are removed (``files.atomic_folder``)."""
     dest = Path(out).expanduser().absolute()
     for src in sources:
         s = Path(src).resolve()
         d = dest.resolve()
         if d == s or d in s.parents:
             raise ConfigError(f"--out {str(dest)!r} is (or holds) the source {str(src)!r}; choose another folder")
+        if s in d.parents:
+            raise ConfigError(f"--out {str(dest)!r} is inside the source {str(src)!r}; choose a folder outside it")
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"--out {str(dest)!r} exists and is not a folder")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         raise ConfigError(f"--out {str(dest)!r} is not empty; pass --overwrite to replace it")
-    with atomic_folder(dest, replace=True) as tmp:
-        yield tmp
+    try:
+        with atomic_folder(dest, replace=overwrite) as tmp:
+            yield tmp
+    except FolderBusy as e:
+        raise ConfigError(f"--out {str(dest)!r} is being written by another conversion ({e.holder}); wait for it "
+                          "to end, or choose another --out") from None
+    except FolderNotEmpty:  # it filled up between the check above and the lock
+        raise ConfigError(f"--out {str(dest)!r} is not empty; pass --overwrite to replace it") from None
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -123,16 +134,17 @@ def _source_dtype(reader: SafetensorsReader, name: str, spec: ModelSpec, layout:
 
 def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1,
                    dtype: Optional[str] = None, make_vocab_size_divisible_by: int = 128, overwrite: bool = False,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, verify_checksums: bool = True) -> Path:
     """Convert the HF folder ``hf`` (or a NeMo 2 checkpoint: a training start from NeMo)
-    into a Megatron checkpoint folder ``out`` with TP x PP shard files (see the module
-    docstring). ``dtype`` None keeps every tensor's stored dtype. Returns ``out``."""
+    into a Megatron checkpoint folder ``out`` with TP x PP shard files and a
+    ``checksums.json`` every reader checks (see the module docstring). ``dtype`` None keeps
+    every tensor's stored dtype. Returns ``out``."""
     for name, v in (("tp", tp), ("pp", pp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
     if detect_format(Path(hf).expanduser()).kind == NEMO2:
-        nemo = _with_side_files(_open_nemo2(Path(hf).expanduser(), None), role="NeMo 2 context")
+        nemo = _with_side_files(_open_nemo2(Path(hf).expanduser(), None, verify_checksums), role="NeMo 2 context")
         src, spec, side, reader = nemo.folder, nemo.spec, nemo.side, nemo.reader()
         dtype_of = lambda name, lay: want or nemo.dtype  # noqa: E731
         close = lambda: None  # noqa: E731
@@ -168,6 +180,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
                             close()  # unmap the source files: their read pages would stay resident
             write_layout(root, spec, layout)
             side.write(tmp, want)
+            write_checksums(tmp)  # last: covers every file above
     finally:
         close()
     return Path(out)
@@ -199,10 +212,12 @@ def _sources(src: CheckpointSource) -> List[Path]:
 def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
                    hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                   progress: bool = True) -> Path:
+                   progress: bool = True, verify_checksums: bool = True) -> Path:
     """Convert a Megatron checkpoint (any saved TP x PP) or a NeMo 2 checkpoint into the HF
-    folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written."""
-    src = _with_side_files(open_checkpoint(ckpt_path, hf_config), role="--hf-config")
+    folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written.
+    The checkpoint's checksums.json is checked first unless ``verify_checksums`` is False."""
+    src = _with_side_files(open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums),
+                           role="--hf-config")
     want = _dtype(dtype) or src.dtype
     if want is None:
         raise ConfigError(f"{str(src.folder)!r} stores parameters in several dtypes; pass --dtype")
@@ -233,15 +248,16 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
 # ============================================================================ -> NeMo 2
 def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, nemo_context: str | os.PathLike,
                      hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
-                     overwrite: bool = False, progress: bool = True) -> Path:
+                     overwrite: bool = False, progress: bool = True, verify_checksums: bool = True) -> Path:
     """Write a checkpoint (Megatron, any layout, or NeMo 2) as a NeMo 2 checkpoint ``out``:
     ``weights/`` by megatron-core's dist_checkpointing under NeMo's names, ``context/``
     copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
     run started from; NeMo rebuilds the model from it). ``dtype`` None: the context's
-    params_dtype, which is what NeMo builds the model in."""
+    params_dtype, which is what NeMo builds the model in. ``out`` carries a checksums.json
+    that this package's readers check (NeMo itself ignores it)."""
     from nemo_d3s.backends.megatron import nemo2_writer  # megatron-core's dist_checkpointing
 
-    src = open_checkpoint(ckpt_path, hf_config)
+    src = open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums)
     ctx = Path(nemo_context).expanduser()
     if ctx.name == "context" and (ctx / "model.yaml").is_file():
         ctx = ctx.parent
@@ -261,6 +277,7 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
 
             nemo2_writer.write_nemo2(counted(), src.spec, tmp, padded_vocab=padded)
         shutil.copytree(ctx / "context", tmp / "context", symlinks=False)
+        write_checksums(tmp)
     return Path(out)
 
 

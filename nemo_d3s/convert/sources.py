@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.checksums import check_checksums, checksum_error, has_checksums
 from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, FolderFormat, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
@@ -38,6 +39,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.json")
 _TOKENIZER_MODEL = ("tokenizer.json", "tokenizer.model", "vocab.json")
 GENERATION_CONFIG = "generation_config.json"
+SKIP_HINT = "pass --no-verify-checksums"
 
 
 @dataclass
@@ -168,7 +170,8 @@ def _find_root(path: Path) -> FolderFormat:
                       f"checkpoint: no weights/metadata.json + context/).{hint}")
 
 
-def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike]) -> CheckpointSource:
+def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True) -> CheckpointSource:
+    check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     cfg = hf_config_from_nemo(folder)
     spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
     config_source = None
@@ -189,30 +192,36 @@ def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
                           f"{db[diff[0]]!r}")
 
 
-def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLike] = None) -> CheckpointSource:
+def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLike] = None, *,
+                    verify_checksums: bool = True) -> CheckpointSource:
     """Open and check a checkpoint: a Megatron one (a training ``step_XXXXXX`` folder, a
     converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
-    from the checkpoint folder; a training checkpoint's files are checked against its
-    checksums.json first) or a NeMo 2 one (config from ``context/model.yaml``)."""
+    from the checkpoint folder, where training checkpoints written since issue 26 keep the
+    model's config.json and tokenizer) or a NeMo 2 one (config from ``context/model.yaml``).
+    A folder's files are checked against its checksums.json first (training and converted
+    checkpoints carry one) unless ``verify_checksums`` is False."""
     p = Path(path).expanduser()
     if detect_format(p).kind == NEMO2:
-        return _open_nemo2(p, hf_config)
+        return _open_nemo2(p, hf_config, verify_checksums)
     fmt = _find_root(p)
     folder, root = fmt.folder, fmt.shards
-    if fmt.training:
-        from nemo_d3s.trainer.checkpoint import verify_checkpoint
+    if verify_checksums and fmt.training and has_checksums(folder):
+        from nemo_d3s.trainer.checkpoint import verify_checkpoint  # as the trainer checks its own
 
         bad = verify_checkpoint(folder)
         if bad:
-            raise ConfigError(f"{str(folder)!r} is not a complete training checkpoint: {bad}")
+            raise checksum_error(folder, bad, SKIP_HINT)
+    else:
+        check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     if hf_config is not None:
         config_dir = _resolve_hf(hf_config)
     elif (folder / "config.json").is_file():
         config_dir = folder
     else:
         raise ConfigError(
-            f"{str(folder)!r} has no config.json (a training checkpoint): pass --hf-config DIR, the model folder "
-            "the run started from (model.name in the run's config.yaml)")
+            f"{str(folder)!r} has no config.json (a training checkpoint written before checkpoints kept their "
+            "model's files): pass --hf-config DIR, the model folder the run started from (model.name in the run's "
+            "config.yaml)")
     spec = ModelSpec.from_folder(config_dir)
     saved = read_layout(root, spec)
     if saved.tp < 1 or saved.pp < 1 or spec.num_layers % saved.pp or saved.padded_vocab < spec.vocab_size \

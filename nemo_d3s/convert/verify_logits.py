@@ -17,6 +17,7 @@ from nemo_d3s.backends.hf.loading import copy_hf_weights
 from nemo_d3s.convert.sources import CheckpointSource, _dtype, _find_root, _resolve_hf, _same_model, open_checkpoint
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
 from nemo_d3s.formats.spec import ModelSpec
 
 __all__ = ["VERIFY_PROMPTS", "VerifyResult", "verify"]
@@ -75,20 +76,23 @@ def _hf_model_from_checkpoint(src: CheckpointSource, dtype: torch.dtype):
 
 
 def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Optional[str | os.PathLike] = None,
-           atol: float = 1e-4, dtype: str = "float32", prompts: Sequence[str] = VERIFY_PROMPTS) -> VerifyResult:
+           atol: float = 1e-4, dtype: str = "float32", prompts: Sequence[str] = VERIFY_PROMPTS,
+           verify_checksums: bool = True) -> VerifyResult:
     """Compare the logits of transformers on the HF folder ``hf`` with those of the
     checkpoint converted in memory (config from ``hf_config``, the checkpoint folder, or
-    ``hf``), both computed in ``dtype``. One model is in memory at a time."""
+    ``hf``), both computed in ``dtype``. One model is in memory at a time. The HF folder's
+    safetensors files are checked whole first, the checkpoint against its checksums.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_dir = _resolve_hf(hf)
     spec = ModelSpec.from_folder(hf_dir)
+    check_safetensors_folder(hf_dir)
     path = Path(ckpt_path).expanduser()
     cfg_dir = hf_config
     if cfg_dir is None and detect_format(path).kind != NEMO2:  # a training checkpoint: the HF folder's config
         folder = _find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
-    src = open_checkpoint(path, cfg_dir)
+    src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)
     _same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")
     compute = _dtype(dtype) or torch.float32
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)

@@ -39,8 +39,9 @@ class FolderFormat:
 
     @property
     def training(self) -> bool:
-        """A trainer's checkpoint (it carries checksums.json), not a converted folder."""
-        return self.kind == MEGATRON and (self.folder / "checksums.json").is_file()
+        """A trainer's checkpoint (it carries trainer_state.json), not a converted folder
+        (both carry checksums.json)."""
+        return self.kind == MEGATRON and (self.folder / "trainer_state.json").is_file()
 
 
 def detect_format(path: str | os.PathLike) -> FolderFormat:

@@ -1,6 +1,9 @@
 """safetensors files written tensor by tensor (:class:`StreamingSafetensors`), so that a
 converter holds one parameter group in memory, not the model; torch only (the file format
-is written by hand: 8-byte header length, JSON header, raw little-endian data).
+is written by hand: 8-byte header length, JSON header, raw little-endian data). And the
+same format checked before a file is used (:func:`check_safetensors`): a truncated or
+garbled file is one ConfigError naming it and what is wrong, instead of the safetensors
+library's unnamed ``SafetensorError`` or transformers' traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ST_NAME", "nbytes", "StreamingSafetensors"]
+from nemo_d3s.errors import ConfigError
+
+__all__ = ["ST_NAME", "nbytes", "StreamingSafetensors", "check_safetensors", "check_safetensors_folder"]
 
 # torch dtype -> safetensors' name for it (the parameter dtypes a model folder may hold)
 ST_NAME = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -82,3 +87,59 @@ class StreamingSafetensors:
             raise RuntimeError(f"{self.path.name}: tensors never written: {sorted(self._pending)[:3]}")
         if end != self._base + self.nbytes:
             raise RuntimeError(f"{self.path.name}: {end} bytes written, {self._base + self.nbytes} planned")
+
+
+# bytes per element of safetensors' dtype names
+_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+         "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+
+
+def check_safetensors(path: str | os.PathLike) -> None:
+    """``path`` is a whole safetensors file: its header parses and its tensors' byte ranges
+    cover the data exactly (header and file size only: no tensor is read). ConfigError
+    naming the file and what is wrong (truncated by an interrupted copy, garbled, ...)."""
+    path = Path(path)
+    where = repr(str(path))
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            raw = f.read(n) if n is not None and n <= min(size - 8, _MAX_HEADER) else b""
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
+    if n is None:
+        raise ConfigError(f"{where} is truncated or empty: {size} bytes, not even a safetensors header")
+    if n > _MAX_HEADER:
+        raise ConfigError(f"{where} is not a safetensors file: its first 8 bytes announce a header of {n} bytes")
+    if n > size - 8:
+        raise ConfigError(f"{where} is truncated: its header alone needs {n} bytes, the file holds {size} in all "
+                          "(an interrupted copy or download?)")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+        need = 0
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            lo, hi = (int(x) for x in info["data_offsets"])
+            item = _ITEM.get(info["dtype"])
+            if item is not None and hi - lo != math.prod(int(d) for d in info["shape"]) * item:
+                raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {info['shape']} {info['dtype']}")
+            need = max(need, hi)
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{where} is not a safetensors file: garbled header ({e})") from None
+    have = size - 8 - n
+    if need > have:
+        raise ConfigError(f"{where} is truncated: its tensors need {need} bytes of data, the file holds {have} "
+                          "(an interrupted copy or download?)")
+    if need < have:
+        raise ConfigError(f"{where} is damaged: {have - need} bytes after its last tensor (written over?)")
+
+
+def check_safetensors_folder(folder: str | os.PathLike) -> None:
+    """:func:`check_safetensors` on every ``*.safetensors`` file of a model folder."""
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        check_safetensors(f)

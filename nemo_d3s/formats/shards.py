@@ -40,6 +40,7 @@ import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
+from nemo_d3s.formats.safetensors_stream import check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import Layout, assemble_hf, local_names, local_parts, local_shape, read_local
 
@@ -169,6 +170,7 @@ def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.d
             path = root / shard_file(t, p)
             if not path.is_file():
                 raise ConfigError(f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x PP{saved.pp}")
+            check_safetensors(path)  # truncated or garbled: one line naming the file
             try:
                 f = safe_open(str(path), framework="pt")
             except Exception as e:

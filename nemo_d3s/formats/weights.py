@@ -41,6 +41,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_d3s.formats.safetensors_stream import check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.errors import ConfigError
 
@@ -245,13 +246,16 @@ class SafetensorsReader:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ConfigError(f"{str(index)!r}: not a safetensors index ({e})") from None
             self.files = {str(k): self.folder / str(v) for k, v in weight_map.items()}
-            for f in set(self.files.values()):
+            for f in sorted(set(self.files.values())):
                 if f.resolve().parent != self.folder.resolve():
                     raise ConfigError(f"{str(index)!r} points outside the model folder: {str(f)!r}")
+                if f.is_file():
+                    check_safetensors(f)
         elif (self.folder / "model.safetensors").is_file():
             from safetensors import safe_open
 
             single = self.folder / "model.safetensors"
+            check_safetensors(single)
             with safe_open(str(single), framework="pt") as f:
                 self.files = {k: single for k in f.keys()}
         else:

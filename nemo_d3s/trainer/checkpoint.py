@@ -44,7 +44,7 @@ import torch
 
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import sha256_file
+from nemo_d3s.files import CHECKSUMS, verify_checksums, write_checksums
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
-CHECKSUMS = "checksums.json"
 _RNG_FORMAT = 2
 
 
@@ -165,34 +164,16 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     if not (path / CHECKSUMS).is_file():
         return f"no {CHECKSUMS} (incomplete, or written by a version without checksums)"
     try:
-        files = json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
-        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in files.items()]
+        covered = "trainer_state.json" in json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
     except Exception as e:
         return f"{CHECKSUMS} is garbled ({first_line(e)})"
-    if "trainer_state.json" not in files:
+    if not covered:
         return f"{CHECKSUMS} does not cover trainer_state.json"
-    root = path.resolve()
-    for rel, size, digest in items:
-        f = (path / rel).resolve()
-        if root not in f.parents:
-            return f"{CHECKSUMS} names {rel!r}, outside the checkpoint"
-        if not f.is_file():
-            return f"{rel} is missing"
-        actual = f.stat().st_size
-        if actual != size:
-            return f"{rel} has {actual} bytes, {size} were written (truncated or overwritten)"
-        if sha256_file(f) != digest:
-            return f"{rel} does not match its SHA-256 checksum (corrupt)"
-    return None
+    return verify_checksums(path)
 
 
 def _write_checksums(path: Path) -> None:
-    files = {}
-    for f in sorted(path.rglob("*")):
-        if f.is_file() and f.name != CHECKSUMS:
-            rel = f.relative_to(path).as_posix()
-            files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
-    (path / CHECKSUMS).write_text(json.dumps({"format": 1, "files": files}, indent=1))
+    write_checksums(path)
 
 
 def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
@@ -212,22 +193,36 @@ def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
     return out
 
 
-def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
+def _free(root: Path) -> str:
     try:
-        free = f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
+        return f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
     except OSError:
-        free = "free space unknown"
-    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({free}); "
+        return "free space unknown"
+
+
+def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
+    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({_free(root)}); "
                     "earlier checkpoints are untouched, resume=true continues from the last one")
 
 
-def _looks_like_write_failure(e: BaseException) -> bool:
+def export_failure(folder: Path, e: BaseException) -> str:
+    """The one line for a failed write of the run's HF export (the run itself finished)."""
+    return (f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} ({_free(folder.parent)}); "
+            "the run finished and its last checkpoint and summary.json are written: free some space and run "
+            "again with resume=true to write the export")
+
+
+def looks_like_write_failure(e: BaseException) -> bool:
+    """An exception a failed write raises: OSError, torch's zip writer's RuntimeErrors, or
+    the safetensors library's error wrapping an I/O error (a full disk)."""
     if isinstance(e, OSError):
         return True
     msg = str(e)
-    return isinstance(e, RuntimeError) and any(
-        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left")
+    return (isinstance(e, RuntimeError) or type(e).__name__ == "SafetensorError") and any(
+        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "IoError")
     )
+
+
 
 
 class CheckpointManager:
@@ -262,7 +257,7 @@ class CheckpointManager:
                 fault_point("checkpoint.renamed")
                 self._prune()
         except Exception as e:
-            if not _looks_like_write_failure(e):
+            if not looks_like_write_failure(e):
                 raise
             if self.dp.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)

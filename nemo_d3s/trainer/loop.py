@@ -43,10 +43,16 @@ from nemo_d3s.trainer.build import (
     plain,
     rollout_engine,
 )
-from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState, checkpoint_dirs
+from nemo_d3s.trainer.checkpoint import (
+    CheckpointManager,
+    TrainerState,
+    checkpoint_dirs,
+    export_failure,
+    looks_like_write_failure,
+)
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
-from nemo_d3s.trainer.faults import RunError, agree_on_main, fault_point
+from nemo_d3s.trainer.faults import RunError, _broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.resume import check_resume_config, move_records_aside, refuse_records, write_config
@@ -264,7 +270,7 @@ class Trainer:
                 if done or (self.t.save_every and state.step % self.t.save_every == 0):
                     self.ckpt.save(self.policy, state)
             if self.t.export_hf:
-                self._export()
+                self._export(state)
             self._summary(state)
             return state
         finally:
@@ -334,11 +340,24 @@ class Trainer:
             "reward_errors_total": float(state.reward_errors_total),
         }
 
-    def _export(self) -> None:
+    def _export(self, state: TrainerState) -> None:
+        """``DIR/hf_export``. A write that fails (a full disk) is one RunError on every rank,
+        raised after ``summary.json`` is written: the run itself finished and its last
+        checkpoint is complete (``files.atomic_folder`` left no half-written export)."""
+        folder = self.out / "hf_export"
+        failure = None
         # A sharded policy sets collective_export = True and gathers inside save_pretrained.
         if self.groups.is_main or self.policy.collective_export:
-            self.policy.save_pretrained(str(self.out / "hf_export"))
-        self.groups.barrier()
+            try:
+                self.policy.save_pretrained(str(folder))
+            except Exception as e:
+                if not looks_like_write_failure(e):
+                    raise
+                failure = export_failure(folder, e)
+        failure = _broadcast_world(failure if self.groups.is_main else None)  # also the barrier
+        if failure is not None:
+            self._summary(state)
+            raise RunError(failure)
 
     def _summary(self, state: TrainerState) -> None:
         if not self.groups.is_main:

@@ -5,7 +5,7 @@
   :class:`~nemo_d3s.config.ConfigError` / :class:`~nemo_d3s.trainer.faults.RunError`
   naming the path.
 - :class:`RunDirLock` is an exclusive ``flock`` on ``DIR/.nemo_d3s.lock`` held by global
-  rank 0 for the whole run. The kernel releases it when the process dies (kill -9
+  rank 0 for the whole run (``files.FileLock``, the lock every output folder writer takes). The kernel releases it when the process dies (kill -9
   included), so ``resume=true`` after a crash just works, and a second run started in the
   same directory stops with a message naming the holder instead of both writing.
 - :func:`records` lists the files of a previous run (metrics, eval, summary, export);
@@ -15,17 +15,15 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
-import socket
 import tempfile
-import time
 from pathlib import Path
 from typing import List, Optional
 
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.files import FileLock, FolderBusy
 from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", "move_aside"]
@@ -33,7 +31,6 @@ __all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", 
 log = logging.getLogger("nemo_d3s.trainer")
 
 LOCK_NAME = ".nemo_d3s.lock"
-_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}
 # What a run writes that is worth keeping (config.yaml is written again at every start).
 RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
 
@@ -79,46 +76,33 @@ def _existing_parent(p: Path) -> Optional[Path]:
 
 
 class RunDirLock:
-    """Exclusive advisory lock on a run directory (see the module docstring)."""
+    """Exclusive advisory lock on a run directory (see the module docstring): a
+    ``files.FileLock`` on ``DIR/.nemo_d3s.lock`` (kept after release) whose refusal is a
+    RunError naming the holder."""
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.path = Path(run_dir) / LOCK_NAME
-        self.fd: Optional[int] = None
+        # The file stays: the run folder holds it for the run's whole life.
+        self._lock = FileLock(self.path, on_acquired=lambda: fault_point("lock.acquired"))
+
+    @property
+    def fd(self) -> Optional[int]:
+        return self._lock.fd
 
     def acquire(self) -> "RunDirLock":
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown process"
-            os.close(fd)
+            self._lock.acquire()
+        except FolderBusy as e:
             raise RunError(
-                f"output_dir={str(self.path.parent)!r} is in use by another run ({holder}); wait for it "
+                f"output_dir={str(self.path.parent)!r} is in use by another run ({e.holder}); wait for it "
                 "to end, or choose another output_dir"
             ) from None
         except OSError as e:
-            if e.errno in _NO_LOCKS:  # e.g. Lustre mounted without -o flock: run, but say so
-                log.warning("cannot lock %s (%s): this filesystem has no file locks, so a second run in the "
-                            "same output_dir would not be stopped", self.path, e.strerror or e)
-                self.fd = fd
-                return self
-            os.close(fd)
             raise RunError(f"cannot lock {str(self.path)!r}: {e.strerror or e}") from None
-        fault_point("lock.acquired")
-        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info.encode(), 0)
-        self.fd = fd
         return self
 
     def release(self) -> None:
-        # The file stays: unlinking a lock file lets a third process lock a new inode while
-        # a second one still holds the old one.
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._lock.release()
 
     def __enter__(self) -> "RunDirLock":
         return self.acquire()

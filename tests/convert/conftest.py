@@ -7,6 +7,8 @@ recipe). Where neither exists they are not collected, like the vLLM tests."""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _nemo_env import nemo_python  # noqa: E402
 
@@ -16,3 +18,16 @@ def pytest_configure(config):
 
 
 collect_ignore = [] if nemo_python() else ["test_nemo_toolkit.py"]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """(a tiny Llama HF folder, its hf-to-megatron conversion at TP2 x PP2)."""
+    from _models import tiny
+
+    from nemo_d3s.convert import hf_to_megatron
+
+    root = tmp_path_factory.mktemp("made")
+    src = tiny(root / "llama", "llama")
+    ck = hf_to_megatron(src, root / "ck", tp=2, pp=2, progress=False)
+    return src, ck

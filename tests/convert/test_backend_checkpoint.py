@@ -6,12 +6,19 @@
   config.json), which ``megatron_to_hf`` converts on ONE process; transformers' log-probs
   and entropy on that folder match the backend's scores at TP2 x PP2 (max abs err <= 1e-4,
   fp32), its tensors are the backend's exported weights bit for bit, and ``verify`` agrees;
-- a one-process backend starts from a TP2 x PP2 conversion of a tied Qwen2 model.
+  the checkpoint carries the model's config.json and tokenizer, so no --hf-config is needed,
+  and a checkpoint without them (as older versions wrote) converts with --hf-config;
+- a one-process backend starts from a TP2 x PP2 conversion of a tied Qwen2 model;
+- a backend refuses a converted checkpoint with a flipped bit or a truncated shard, naming
+  the file, before it builds the model (two ranks share the checksum reading and both
+  refuse; ``model.params.verify_checksums=false`` skips the checksums).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -19,10 +26,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _models import hf_tensors, tiny  # noqa: E402
+from _models import assert_same_tensors, hf_tensors, tiny  # noqa: E402
 from _launch import run_ranks  # noqa: E402  (tests/distributed, put on the path by _models)
 
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify  # noqa: E402
+from nemo_d3s.errors import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -42,12 +50,12 @@ def _batch():
     return TokenBatch(ids, attn, resp)
 
 
-def _backend(model, tp, pp):
+def _backend(model, tp, pp, **kw):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
     return MegatronBackend(MegatronBackendConfig(model=str(model), device="cpu", tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp, lr=1e-2, adam_eps=1e-3))
+                                                 pipeline_model_parallel_size=pp, lr=1e-2, adam_eps=1e-3, **kw))
 
 
 def _transformers_scores(folder, batch):
@@ -95,9 +103,18 @@ def test_tp2_pp2_training_checkpoint_converts_on_one_process(tmp_path):
     assert any(not torch.equal(trained[k], source[k]) for k in source)  # and trained
     for res in results[1:]:
         assert torch.equal(res[2], logprobs) and torch.equal(res[3], entropy)
-    assert sorted(os.listdir(ckpt)) == ["megatron"]  # a training checkpoint: no config.json
+    # the checkpoint describes itself: config.json (with the parameters' dtype) and tokenizer
+    names = set(os.listdir(ckpt))
+    assert {"megatron", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names, names
+    assert json.loads((ckpt / "config.json").read_text())["num_hidden_layers"] == 4
 
-    out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=src, progress=False)
+    out = megatron_to_hf(ckpt, tmp_path / "hf", progress=False)  # no --hf-config
+    # a checkpoint written before they were kept (megatron/ only) converts with --hf-config
+    old = tmp_path / "old" / "step_000001"
+    shutil.copytree(ckpt / "megatron", old / "megatron")
+    with pytest.raises(ConfigError, match="has no config.json .* pass --hf-config"):
+        megatron_to_hf(old, tmp_path / "hf_old", progress=False)
+    assert_same_tensors(megatron_to_hf(old, tmp_path / "hf_old", hf_config=src, progress=False), out)
     exported = hf_tensors(out)
     assert sorted(exported) == sorted(trained)
     for k in trained:
@@ -127,3 +144,30 @@ def test_backend_starts_from_a_tp2_pp2_conversion_on_one_rank(tmp_path):
     lp, ent = _transformers_scores(src, _batch())
     assert float((lp - logprobs).abs().max()) <= 1e-4
     assert float((ent - entropy).abs().max()) <= 1e-4
+
+
+def _rank_start_error(rank, model, verify_checksums):
+    try:
+        _backend(model, 1, 1, verify_checksums=verify_checksums)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_backend_refuses_a_flipped_bit_or_a_truncated_shard(tmp_path):
+    """Issue 25 items 4 and 5 at the backend's start."""
+    src = tiny(tmp_path / "src", "llama")
+    converted = hf_to_megatron(src, tmp_path / "converted", tp=1, pp=1, progress=False)
+    shard = converted / "megatron" / "tp00_pp00.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside a tensor: the header still parses
+    shard.write_bytes(bytes(data))
+    # two ranks share the reading (each checks its part of the files) and both refuse
+    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=240)
+    assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
+    assert "megatron/tp00_pp00.safetensors does not match its SHA-256 checksum" in errors[0]
+    assert "model.params.verify_checksums=false" in errors[0]
+    assert run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None  # the switch skips it
+    shard.write_bytes(bytes(data[:-100]))  # an interrupted copy
+    err = run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0]
+    assert err is not None and f"{str(shard)!r} is truncated" in err

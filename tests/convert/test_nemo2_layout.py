@@ -53,7 +53,7 @@ def written(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     src, nemo = written[arch]
-    assert sorted(os.listdir(nemo)) == ["context", "weights"]
+    assert sorted(os.listdir(nemo)) == ["checksums.json", "context", "weights"]
     assert json.loads((nemo / "weights" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     index = _DcpIndex(nemo / "weights")
     L, names = 4, set(index.tensors)
@@ -211,12 +211,36 @@ def _refused(parent, match, fn, *args, **kw):
     assert sorted(os.listdir(parent)) == before
 
 
+def _bare_copy(src, dst):
+    """A copy to damage, without checksums.json (as NeMo itself writes them): the checks under
+    test are the ones past the checksums (``test_a_flipped_bit_in_a_nemo2_output_is_caught``)."""
+    shutil.copytree(src, dst)
+    (dst / "checksums.json").unlink()
+    return dst
+
+
+def test_a_flipped_bit_in_a_nemo2_output_is_caught(written, tmp_path):
+    """Issue 25 item 4: megatron-to-nemo's output carries checksums.json, and every command
+    that reads it (as a source of megatron-to-hf, hf-to-megatron, verify) checks it first."""
+    src, nemo = written["llama"]
+    bad = shutil.copytree(nemo, tmp_path / "bad")
+    chunk = sorted((bad / "weights").glob("*.distcp"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    msg = f"is not a complete checkpoint: weights/{chunk.name} does not match its SHA-256 checksum"
+    _refused(tmp_path, msg, megatron_to_hf, bad, tmp_path / "out", progress=False)
+    _refused(tmp_path, msg, hf_to_megatron, bad, tmp_path / "out", progress=False)
+    _refused(tmp_path, msg, verify, src, bad)
+    megatron_to_hf(bad, tmp_path / "out", progress=False, verify_checksums=False)  # the documented switch
+
+
 def test_bad_nemo2_input(written, tmp_path, monkeypatch):
     import yaml
 
     src, nemo = written["llama"]
     # a .metadata that would run a command when unpickled
-    evil = shutil.copytree(nemo, tmp_path / "evil")
+    evil = _bare_copy(nemo, tmp_path / "evil")
     flag = tmp_path / "pwned"
     monkeypatch.setenv("NEMO_D3S_PWNED", str(flag))
     (evil / "weights" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
@@ -224,21 +248,21 @@ def test_bad_nemo2_input(written, tmp_path, monkeypatch):
              tmp_path / "out", progress=False)
     assert not flag.exists()
     # a model the table does not know
-    moe = shutil.copytree(nemo, tmp_path / "moe")
+    moe = _bare_copy(nemo, tmp_path / "moe")
     doc = yaml.safe_load((moe / "context" / "model.yaml").read_text())
     doc["config"]["_target_"] = "nemo.collections.llm.gpt.model.mixtral.MixtralConfig8x7B"
     (moe / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
     _refused(tmp_path, "model.yaml.*MixtralConfig8x7B' is not supported", megatron_to_hf, moe, tmp_path / "out",
              progress=False)
     # shapes that disagree with model.yaml
-    wide = shutil.copytree(nemo, tmp_path / "wide")
+    wide = _bare_copy(nemo, tmp_path / "wide")
     doc = yaml.safe_load((wide / "context" / "model.yaml").read_text())
     doc["config"]["ffn_hidden_size"] = 64
     (wide / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
     _refused(tmp_path, r"\.metadata.*'module.decoder.layers.mlp.linear_fc1.weight' has shape \[4, 96, 32\], "
              r"context/model.yaml gives \[4, 128, 32\]", megatron_to_hf, wide, tmp_path / "out", progress=False)
     # no tokenizer in the context
-    notok = shutil.copytree(nemo, tmp_path / "notok")
+    notok = _bare_copy(nemo, tmp_path / "notok")
     shutil.rmtree(notok / "context" / "nemo_tokenizer")
     _refused(tmp_path, "nemo_tokenizer.*has no tokenizer", megatron_to_hf, notok, tmp_path / "out", progress=False)
     # a context of another model for the NeMo output
@@ -248,7 +272,7 @@ def test_bad_nemo2_input(written, tmp_path, monkeypatch):
     _refused(tmp_path, "not a NeMo 2 checkpoint .no context/model.yaml", megatron_to_nemo, nemo, tmp_path / "out",
              nemo_context=src, progress=False)
     # weights whose chunks are gone
-    cut = shutil.copytree(nemo, tmp_path / "cut")
+    cut = _bare_copy(nemo, tmp_path / "cut")
     for f in (cut / "weights").glob("*.distcp"):
         f.write_bytes(b"")
     _refused(tmp_path, "distcp.*chunk of .* is unreadable", megatron_to_hf, cut, tmp_path / "out", progress=False)

@@ -42,7 +42,9 @@ def test_each_kind_by_its_marker_files(tmp_path):
     got = detect_format(step)
     assert (got.kind, got.folder, got.shards, got.training) == (MEGATRON, step, step / "megatron", False)
     assert detect_format(step / "megatron") == got  # the megatron/ folder itself names the same checkpoint
-    _touch(step / "checksums.json")
+    _touch(step / "checksums.json")  # converted checkpoints carry checksums too
+    assert not detect_format(step).training
+    _touch(step / "trainer_state.json")
     assert detect_format(step).training
 
     nemo = tmp_path / "nemo"

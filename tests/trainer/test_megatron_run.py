@@ -99,6 +99,9 @@ def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, 
     stages = pp * (2 if options else 1)  # a virtual pipeline saves each chunk as its virtual stage
     assert sorted(os.listdir(ckpt / "megatron")) == sorted(
         ["layout.json"] + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)])
+    # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its checksums
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
+    assert "config.json" in json.loads((ckpt / "checksums.json").read_text())["files"]
 
 
 def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
@@ -129,8 +132,8 @@ def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
 def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     """The laptop Megatron experiment as the README runs it: TP 2 under torchrun on the tiny
     random model, a checkpoint of two TP shards that stays small, and the next command
-    (``nemo-d3s-convert megatron-to-hf`` with the run's export as --hf-config) gives the
-    run's own exported weights back bit for bit."""
+    (``nemo-d3s-convert megatron-to-hf`` with no --hf-config: the checkpoint keeps the
+    model's config.json and tokenizer) gives the run's own exported weights back bit for bit."""
     from safetensors.torch import load_file
 
     out = tmp_path / "msmoke"
@@ -145,7 +148,7 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     assert "Transformer Engine and Apex are not installed" not in log and "done: steps=4" in log
     hf = tmp_path / "hf"
     r = subprocess.run([sys.executable, "-m", "nemo_d3s.convert", "megatron-to-hf", "--ckpt", str(ckpts[0]),
-                        "--hf-config", str(out / "hf_export"), "--out", str(hf)],
+                        "--out", str(hf)],
                        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     exported, converted = load_file(out / "hf_export" / "model.safetensors"), load_file(hf / "model.safetensors")

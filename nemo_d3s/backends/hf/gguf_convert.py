@@ -77,8 +77,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    # A concurrent process may finish the same folder first: its folder is as good as ours.
-    with atomic_folder(out_dir, replace=False, peer_done=is_complete) as tmp:
+    # A concurrent process may finish the same folder first: its folder is as good as ours
+    # (so no lock: a second unpacking runs on and discards its copy rather than failing).
+    with atomic_folder(out_dir, replace=False, peer_done=is_complete, lock=False) as tmp:
         meta = load_gguf_checkpoint(str(gguf_path))
         cfg = dict(meta["config"])
         model_type = cfg.pop("model_type")

@@ -21,6 +21,7 @@ from nemo_d3s.backends.hf.gguf_convert import (
     ensure_default_model,
     is_complete,
 )
+from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
 
 TINY_RANDOM = "tiny-random"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,6 +227,8 @@ def load_model_and_tokenizer(
     else:
         path = str(resolve_model_path(cfg.model))
         tokenizer = load_tokenizer(path)  # first: a folder without one fails before the weights load
+        # A truncated or garbled weights file: one line naming it, not transformers' traceback.
+        check_safetensors_folder(path)
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         zero_dropout_config(config)
         kwargs = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}

@@ -20,7 +20,6 @@ rank raises the same clear error instead of some ranks waiting in a collective.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -57,7 +56,8 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.shards import ShardedReader, read_layout, read_local_from_checkpoint
+from nemo_d3s.formats.checksums import has_checksums
+from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
@@ -163,12 +163,16 @@ class MegatronBackend(Policy):
             weakref.finalize(self, shutil.rmtree, side, True)
             self.path = str(write_side_folder(Path(self.path), Path(side)))
         elif fmt.kind == MEGATRON:
-            reader = ShardedReader(fmt.shards, self.spec, read_layout(fmt.shards, self.spec))
+            saved = read_layout(fmt.shards, self.spec)
+            check_shards(fmt.shards, self.spec, saved)  # headers only: a truncated shard is one line naming it
+            reader = ShardedReader(fmt.shards, self.spec, saved)
         else:
             reader = SafetensorsReader(self.path, self.spec)
             reader.check()
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
+        if fmt.kind in (NEMO2, MEGATRON) and cfg.verify_checksums and has_checksums(fmt.folder):
+            ckpt.verify_shared(fmt.folder)  # converted / NeMo 2 checkpoints written here carry checksums.json
         from megatron.core import parallel_state as ps
 
         # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
@@ -415,12 +419,7 @@ class MegatronBackend(Policy):
             return
         with atomic_folder(path) as tmp:
             write_hf_folder(weights, str(tmp))
-            cfg = json.loads(Path(self.path, "config.json").read_text())
-            cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(self.dtype).replace("torch.", "")
-            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-            if Path(self.path, "generation_config.json").is_file():
-                shutil.copyfile(Path(self.path, "generation_config.json"), tmp / "generation_config.json")
-            self.tokenizer.save_pretrained(str(tmp))
+            ckpt.write_model_files(self, tmp)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -433,8 +432,11 @@ class MegatronBackend(Policy):
         return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective; see ``backends/megatron/checkpoint.save_policy``."""
+        """Collective; see ``backends/megatron/checkpoint.save_policy``. Global rank 0 adds
+        the model's config.json, generation config and tokenizer (``checkpoint.write_model_files``)."""
         ckpt.save_policy(self, folder)
+        if self.groups.is_main:
+            ckpt.write_model_files(self, Path(folder))
         return True
 
     def load_checkpoint(self, folder: str) -> bool:

@@ -12,6 +12,8 @@ every rank calls :func:`save_policy` / :func:`load_policy`.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -19,6 +21,8 @@ import torch
 
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
+from nemo_d3s.files import verify_checksums
+from nemo_d3s.formats.checksums import checksum_error
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -31,7 +35,8 @@ from nemo_d3s.formats.shards import (
 )
 from nemo_d3s.formats.weights import Layout
 
-__all__ = ["policy_stages", "policy_tensors", "writer_dp_rank", "save_policy", "load_policy"]
+__all__ = ["policy_stages", "policy_tensors", "writer_dp_rank", "save_policy", "load_policy", "write_model_files",
+           "verify_shared"]
 
 
 def policy_stages(pol: Any) -> List[Tuple[torch.nn.Module, Optional[torch.nn.Module], Layout]]:
@@ -176,3 +181,34 @@ def load_policy(pol: Any, folder: str) -> None:
             if state:
                 pol.optimizer.state[key] = {"step": torch.tensor(float(opt_step)), **state}
     pol.scheduler.set_step(sched_step)
+
+
+def write_model_files(pol: Any, folder: Path) -> None:
+    """config.json (with the parameters' dtype), generation config and tokenizer of the
+    policy ``pol``: what an HF export holds besides the weights, and what a training
+    checkpoint keeps so that it describes itself (``nemo-d3s-convert megatron-to-hf``
+    needs no --hf-config). Global rank 0 calls it."""
+    cfg = json.loads(Path(pol.path, "config.json").read_text())
+    cfg["torch_dtype" if "torch_dtype" in cfg else "dtype"] = str(pol.dtype).replace("torch.", "")
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    if Path(pol.path, "generation_config.json").is_file():
+        shutil.copyfile(Path(pol.path, "generation_config.json"), folder / "generation_config.json")
+    pol.tokenizer.save_pretrained(str(folder))
+
+
+def verify_shared(folder: Path) -> None:
+    """Collective over the whole job: check ``folder``'s checksums.json before the model is
+    built. Every rank reads its share of the files (``files.verify_checksums``'s ``part``),
+    so a 70B checkpoint is read once, not once per rank; the ranks agree on the first
+    problem (an all-gather of short strings, in memory) and all raise the same ConfigError."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems: List[Optional[str]] = [verify_checksums(folder, part=(rank, world))]
+    if world > 1:
+        gathered: List[Optional[str]] = [None] * world
+        dist.all_gather_object(gathered, problems[0])
+        problems = gathered
+    bad = next((p for p in problems if p is not None), None)
+    if bad is not None:
+        raise checksum_error(folder, bad, "set model.params.verify_checksums=false")

@@ -70,6 +70,9 @@ class MegatronBackendConfig(PolicySettings):
         clipping on the global norm). null (default): true on CUDA, false on CPU; true on
         CPU runs Megatron's classes on gloo through ``cpu_compat`` (how the tests check that
         path). A checkpoint written with either resumes with either, at any layout.
+    verify_checksums: a converted or NeMo 2 checkpoint given as ``model`` that carries
+        ``checksums.json`` is checked against it before use (every file read once; a
+        mismatch is an error naming the file); false skips the check.
     transformer_impl: Megatron-LM's ``--transformer-impl``: "transformer_engine" (default)
         builds the Transformer Engine layer spec on CUDA, and a TE that does not import is
         a start-up error naming the import error; "local" asks for megatron-core's own
@@ -95,6 +98,7 @@ class MegatronBackendConfig(PolicySettings):
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     distributed_optimizer: Optional[bool] = None
+    verify_checksums: bool = True
     transformer_impl: str = "transformer_engine"
 
 
