@@ -56,7 +56,6 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.checksums import has_checksums
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
@@ -171,8 +170,7 @@ class MegatronBackend(Policy):
             reader.check()
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
-        if fmt.kind in (NEMO2, MEGATRON) and cfg.verify_checksums and has_checksums(fmt.folder):
-            ckpt.verify_shared(fmt.folder)  # converted / NeMo 2 checkpoints written here carry checksums.json
+        ckpt.verify_shared(fmt, cfg.verify_checksums)  # converted / NeMo 2 checkpoints carry checksums.json
         from megatron.core import parallel_state as ps
 
         # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
@@ -432,8 +430,7 @@ class MegatronBackend(Policy):
         return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective; see ``backends/megatron/checkpoint.save_policy``. Global rank 0 adds
-        the model's config.json, generation config and tokenizer (``checkpoint.write_model_files``)."""
+        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer (``write_model_files``)."""
         ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))

@@ -22,7 +22,8 @@ import torch
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.files import verify_checksums
-from nemo_d3s.formats.checksums import checksum_error
+from nemo_d3s.formats.checksums import checksum_error, has_checksums
+from nemo_d3s.formats.detect import MEGATRON, NEMO2, FolderFormat
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -196,12 +197,19 @@ def write_model_files(pol: Any, folder: Path) -> None:
     pol.tokenizer.save_pretrained(str(folder))
 
 
-def verify_shared(folder: Path) -> None:
-    """Collective over the whole job: check ``folder``'s checksums.json before the model is
-    built. Every rank reads its share of the files (``files.verify_checksums``'s ``part``),
-    so a 70B checkpoint is read once, not once per rank; the ranks agree on the first
-    problem (an all-gather of short strings, in memory) and all raise the same ConfigError."""
+def verify_shared(fmt: FolderFormat, verify: bool = True) -> None:
+    """Collective over the whole job: check the checksums.json of the Megatron or NeMo 2
+    checkpoint ``fmt`` (``formats.detect_format``) before the model is built; nothing to do
+    for another kind, without the file or when not ``verify``
+    (``model.params.verify_checksums``). Every rank reads its share of the files
+    (``files.verify_checksums``'s ``part``), so a 70B checkpoint is read once, not once per
+    rank; the ranks agree on the first problem (an all-gather of short strings, in memory)
+    and all raise the same ConfigError."""
     import torch.distributed as dist
+
+    if not verify or fmt.kind not in (MEGATRON, NEMO2) or not has_checksums(fmt.folder):
+        return
+    folder = fmt.folder
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems: List[Optional[str]] = [verify_checksums(folder, part=(rank, world))]
