@@ -110,10 +110,13 @@ def _padding_share(prefix: str, fed: float, attended: float) -> Dict[str, float]
 def padding_metrics(groups: ParallelGroups, prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
     """``<prefix>_fed_tokens`` (positions the pass fed the model, all ranks) and
     ``<prefix>_padding_share`` = 1 - attended / fed, from a policy's ``Scores.stats``
-    (one all-reduce); {} when the policy does not count them."""
-    if "fed_tokens" not in stats:
+    (one all-reduce, on every rank: a rank whose share of the batch is empty may report no
+    counts, and skipping the collective there would pair it with the next one elsewhere);
+    {} when no rank's policy counts them."""
+    t = groups.sum({"fed": float(stats.get("fed_tokens", 0.0)), "attended": float(stats.get("attended_tokens", 0.0)),
+                    "counted": float("fed_tokens" in stats)})
+    if t["counted"] == 0:
         return {}
-    t = groups.sum({"fed": float(stats["fed_tokens"]), "attended": float(stats.get("attended_tokens", 0.0))})
     return _padding_share(prefix, t["fed"], t["attended"])
 
 
