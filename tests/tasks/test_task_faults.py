@@ -4,6 +4,8 @@ answers the verifier can never match are refused (all of them) or counted and na
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import json
 import logging
 
@@ -91,7 +93,8 @@ def test_dataset_whose_references_none_can_be_checked_is_refused_naming_rows(tmp
     assert msg.startswith("task.params.train_path: none of the 5 reference answers in") and str(data) in msg
     assert "row 1: 'seventy-two', row 2: 'yes', row 3: 'no' ..." in msg and "answer_field" in msg
     verdict = MathDatasetTask.reward  # the reason: a correct-looking answer never scores
-    assert verdict(None, Problem("q", "seventy-two"), "The answer is \\boxed{72}") == 0.0
+    no_reward_fn = SimpleNamespace(_reward_fn=None)  # the verifier's path, as for a loaded file
+    assert verdict(no_reward_fn, Problem("q", "seventy-two"), "The answer is \\boxed{72}") == 0.0
 
 
 def test_dataset_with_some_unparseable_references_counts_and_warns(tmp_path, caplog):
