@@ -447,3 +447,15 @@ def test_slurm_megatron_script_environment_without_megatron_stops_before_the_dry
     assert "cannot import nemo_d3s and megatron.core (ImportError: No module named megatron.core (stand-in))" \
         in r.stderr
     assert not (tmp_path / "run" / "dry_run.json").exists() and calls.count("srun --kill-on-bad-exit") == 1
+
+
+def test_sbatch_scripts_know_the_trainers_interrupted_exit_code():
+    """The requeue logic of both sbatch scripts names the code ``nemo_d3s.train`` exits with
+    when a stop signal ends a run at a checkpoint (a drift would requeue nothing)."""
+    import re
+
+    from nemo_d3s.train import EXIT_INTERRUPTED
+
+    for script in ("train_dp.sbatch", "train_megatron.sbatch"):
+        text = (Path(__file__).resolve().parents[1] / "slurm" / script).read_text()
+        assert re.findall(r"^EXIT_INTERRUPTED=(\d+)$", text, flags=re.M) == [str(EXIT_INTERRUPTED)], script
