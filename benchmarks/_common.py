@@ -78,7 +78,11 @@ def _git_state() -> Dict[str, Any]:
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout.strip()
         return {"commit": head or None, "dirty": bool(dirty)}
     except Exception:  # not a git checkout, or git missing
@@ -160,7 +164,11 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = []
     for j, r in enumerate(cells):
-        lines.append("  ".join(c.rjust(w) if j and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        lines.append(
+            "  ".join(
+                c.rjust(w) if j and i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
     text = "\n".join(lines)
@@ -254,7 +262,15 @@ class TorchAllocPeak:
 
 # ---------------------------------------------------------------------------- collective byte counter
 
-_COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "all_to_all_single", "all_gather_object", "reduce_scatter_tensor")
+_COUNTED = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_to_all_single",
+    "all_gather_object",
+    "reduce_scatter_tensor",
+)
 
 
 class CollectiveCounter:
@@ -280,7 +296,11 @@ class CollectiveCounter:
                 outs = args[0] if args else kwargs["tensor_list"]
                 b = sum(nbytes(t) for t in outs)
             elif name in ("all_gather_into_tensor", "all_to_all_single", "reduce_scatter_tensor"):
-                b = nbytes(args[0] if args else kwargs["output_tensor" if name != "all_to_all_single" else "output"])
+                b = nbytes(
+                    args[0]
+                    if args
+                    else kwargs["output_tensor" if name != "all_to_all_single" else "output"]
+                )
             else:
                 b = -1
             self.calls.append({"op": name, "bytes": int(b)})
@@ -397,7 +417,13 @@ def run_ranks(
     from nemo_d3s.distributed.launch import run_on_gloo_ranks
 
     return run_on_gloo_ranks(
-        fn, world, *args, rank_setup=_bench_rank_setup, setup_args=(megatron_sizes,), threads=threads, timeout=timeout
+        fn,
+        world,
+        *args,
+        rank_setup=_bench_rank_setup,
+        setup_args=(megatron_sizes,),
+        threads=threads,
+        timeout=timeout,
     )
 
 
@@ -408,7 +434,9 @@ def set_preload(modules: Sequence[str]) -> None:
     # warning there through the environment (filters set here would not reach it).
     quiet = "ignore:Transformer Engine and Apex are not installed:UserWarning"
     if quiet not in os.environ.get("PYTHONWARNINGS", ""):
-        os.environ["PYTHONWARNINGS"] = ",".join(x for x in (os.environ.get("PYTHONWARNINGS"), quiet) if x)
+        os.environ["PYTHONWARNINGS"] = ",".join(
+            x for x in (os.environ.get("PYTHONWARNINGS"), quiet) if x
+        )
     try:
         multiprocessing.set_forkserver_preload(list(modules))
     except Exception:  # only an optimisation

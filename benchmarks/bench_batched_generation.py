@@ -36,19 +36,28 @@ NAME = "bench_batched_generation"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="tiny-random, smollm2-135m-instruct or a folder")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="tiny-random, smollm2-135m-instruct or a folder",
+    )
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="tiny-random model, 1 repeat, results/quick/")
+    ap.add_argument(
+        "--quick", action="store_true", help="tiny-random model, 1 repeat, results/quick/"
+    )
     a = ap.parse_args()
     if a.quick:
         a.model, a.repeats = "tiny-random", 1
     common = dict(model=a.model, device="cpu", dtype="float32", autocast=None)
     seeded = HFBackend(HFBackendConfig(**common))
     hf = HFBackend(HFBackendConfig(**common, sampler="hf_generate"))
-    prompts = [f"Calculate {i} + {3 * i + 1}. End your reply with 'Answer: <number>'." for i in range(a.prompts)]
+    prompts = [
+        f"Calculate {i} + {3 * i + 1}. End your reply with 'Answer: <number>'."
+        for i in range(a.prompts)
+    ]
     seeds = list(range(100, 100 + a.prompts))
     cfg = GenerationConfig(max_new_tokens=a.max_new_tokens)
     tokens = {}
@@ -58,8 +67,12 @@ def main() -> None:
         tokens[name] = sum(int(o.batch.response_mask.sum()) for o in outs)
 
     methods = {
-        "hf_generate_per_prompt": lambda: [hf.generate([p], a.samples, cfg, s) for p, s in zip(prompts, seeds)],
-        "seeded_per_prompt": lambda: [seeded.generate([p], a.samples, cfg, [s]) for p, s in zip(prompts, seeds)],
+        "hf_generate_per_prompt": lambda: [
+            hf.generate([p], a.samples, cfg, s) for p, s in zip(prompts, seeds)
+        ],
+        "seeded_per_prompt": lambda: [
+            seeded.generate([p], a.samples, cfg, [s]) for p, s in zip(prompts, seeds)
+        ],
         "seeded_batched": lambda: [seeded.generate(prompts, a.samples, cfg, seeds)],
     }
     for name, fn in methods.items():
@@ -72,15 +85,33 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     ref = median(times["hf_generate_per_prompt"])
     rows = [
-        [k, f"{median(v):.2f} s", f"{ref / median(v):.2f}x", tokens[k], f"{tokens[k] / median(v):.0f}"]
+        [
+            k,
+            f"{median(v):.2f} s",
+            f"{ref / median(v):.2f}x",
+            tokens[k],
+            f"{tokens[k] / median(v):.0f}",
+        ]
         for k, v in times.items()
     ]
-    table = print_table(["method", "median time", "speed-up vs hf per prompt", "response tokens", "tokens/s"], rows)
-    print(f"model={a.model} threads={torch.get_num_threads()} {a.prompts} prompts x {a.samples} samples x "
-          f"{a.max_new_tokens} new tokens")
-    write_json(NAME, {
-        "machine": machine_info(), "config": vars(a), "times_s": times, "response_tokens": tokens, "table": table,
-    }, quick=a.quick)
+    table = print_table(
+        ["method", "median time", "speed-up vs hf per prompt", "response tokens", "tokens/s"], rows
+    )
+    print(
+        f"model={a.model} threads={torch.get_num_threads()} {a.prompts} prompts x {a.samples} samples x "
+        f"{a.max_new_tokens} new tokens"
+    )
+    write_json(
+        NAME,
+        {
+            "machine": machine_info(),
+            "config": vars(a),
+            "times_s": times,
+            "response_tokens": tokens,
+            "table": table,
+        },
+        quick=a.quick,
+    )
     try:
         import matplotlib
 
@@ -91,7 +122,9 @@ def main() -> None:
         names = list(times)
         ax.barh(names, [median(times[k]) for k in names], color=["#999999", "#6a9fd4", "#1f5fa8"])
         ax.set_xlabel("seconds per step's rollouts (median)")
-        ax.set_title(f"{a.model}: {a.prompts} prompts x {a.samples} samples x {a.max_new_tokens} tokens")
+        ax.set_title(
+            f"{a.model}: {a.prompts} prompts x {a.samples} samples x {a.max_new_tokens} tokens"
+        )
         fig.tight_layout()
         fig.savefig(png_path(NAME, a.quick), dpi=120)
     except ImportError:

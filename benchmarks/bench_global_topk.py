@@ -48,7 +48,9 @@ ROW = 1024
 TORCH_QUANTILE_MAX = 1 << 24
 
 
-def analytic_bytes(method: str, n_total: int, world: int, rounds: int = None, tie_step: bool = True) -> dict:
+def analytic_bytes(
+    method: str, n_total: int, world: int, rounds: int = None, tie_step: bool = True
+) -> dict:
     """Bytes received per rank: payload (what the collective delivers to the rank) and a
     ring-algorithm wire estimate (bytes a rank sends, = receives: all-reduce 2 (w-1)/w x
     size, all-gather (w-1)/w x output)."""
@@ -60,10 +62,19 @@ def analytic_bytes(method: str, n_total: int, world: int, rounds: int = None, ti
         r = 32 // bits if rounds is None else rounds
         ar = r * ((1 << bits) + 1) * 8
         ag = world * 8 if tie_step else 0
-        return {"payload": ar + ag, "ring_wire": ar * ring_ar + ag * ring_ag, "formula": f"{r} x (2^{bits}+1) x 8 B all-reduce" + (f" + {world} x 8 B all-gather" if tie_step else "")}
+        return {
+            "payload": ar + ag,
+            "ring_wire": ar * ring_ar + ag * ring_ag,
+            "formula": f"{r} x (2^{bits}+1) x 8 B all-reduce"
+            + (f" + {world} x 8 B all-gather" if tie_step else ""),
+        }
     if method in ("gather_quantile", "gather_sort"):
         ag = world * 8 + world * per_rank * 4
-        return {"payload": ag, "ring_wire": ag * ring_ag, "formula": f"{world} x 8 B counts + {world} x {per_rank} x 4 B scores all-gather"}
+        return {
+            "payload": ag,
+            "ring_wire": ag * ring_ag,
+            "formula": f"{world} x 8 B counts + {world} x {per_rank} x 4 B scores all-gather",
+        }
     return {"payload": 0, "ring_wire": 0.0, "formula": "no collective"}
 
 
@@ -98,7 +109,14 @@ def _rank(rank, cfg):
         if method == "gather_sort":
             return gather_sort(scores, eligible), None
         if method.startswith("radix"):
-            sel = select_tokens_global(scores, eligible, k_frac, group, scope="global_exact", bits_per_round=int(method[5:]))
+            sel = select_tokens_global(
+                scores,
+                eligible,
+                k_frac,
+                group,
+                scope="global_exact",
+                bits_per_round=int(method[5:]),
+            )
         else:
             sel = select_tokens_global(scores, eligible, k_frac, group, scope=method)
         return sel.token_keep, sel
@@ -167,7 +185,8 @@ def _rank(rank, cfg):
             note = None
             if m == "gather_quantile":
                 note = (
-                    "torch.quantile" if n_total <= TORCH_QUANTILE_MAX
+                    "torch.quantile"
+                    if n_total <= TORCH_QUANTILE_MAX
                     else "torch.quantile refuses > 2^24 elements: the library falls back to two torch.kthvalue order statistics (same linear interpolation)"
                 )
             if m == "gather_sort":
@@ -216,24 +235,52 @@ def plot(records, cfg, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"radix8": "#1b9e77", "radix16": "#66a61e", "gather_quantile": "#d95f02", "gather_sort": "#7570b3", "local": "#999999"}
+    colors = {
+        "radix8": "#1b9e77",
+        "radix16": "#66a61e",
+        "gather_quantile": "#d95f02",
+        "gather_sort": "#7570b3",
+        "local": "#999999",
+    }
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5.2))
     for m in cfg["methods"]:
         rs = sorted((r for r in records if r["method"] == m), key=lambda r: r["n_total"])
         xs = [r["n_total"] for r in rs]
         a1.plot(xs, [r["time_s_median"] for r in rs], "o-", color=colors[m], label=m)
         if m != "local":
-            a2.plot(xs, [r["bytes_received_counted"] for r in rs], "o-", color=colors[m], label=f"{m} (counted)")
-            a2.plot(xs, [r["bytes_received_analytic"] for r in rs], "x--", color=colors[m], alpha=0.6, label=f"{m} (analytic)")
+            a2.plot(
+                xs,
+                [r["bytes_received_counted"] for r in rs],
+                "o-",
+                color=colors[m],
+                label=f"{m} (counted)",
+            )
+            a2.plot(
+                xs,
+                [r["bytes_received_analytic"] for r in rs],
+                "x--",
+                color=colors[m],
+                alpha=0.6,
+                label=f"{m} (analytic)",
+            )
     for ax in (a1, a2):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(f"total scores over {cfg['world']} ranks")
         ax.axvline(TORCH_QUANTILE_MAX, color="k", lw=0.8, ls=":")
         ax.grid(alpha=0.3, which="both")
-    a1.text(TORCH_QUANTILE_MAX * 1.05, a1.get_ylim()[0] * 1.3, "above 2^24: torch.quantile -> 2 x kthvalue", fontsize=8, rotation=90, va="bottom")
+    a1.text(
+        TORCH_QUANTILE_MAX * 1.05,
+        a1.get_ylim()[0] * 1.3,
+        "above 2^24: torch.quantile -> 2 x kthvalue",
+        fontsize=8,
+        rotation=90,
+        va="bottom",
+    )
     a1.set_ylabel("time (s), slowest rank, median")
-    a1.set_title(f"time per selection (top {cfg['k_frac']:.0%}), {cfg['world']} gloo ranks on {C.cores()} cores")
+    a1.set_title(
+        f"time per selection (top {cfg['k_frac']:.0%}), {cfg['world']} gloo ranks on {C.cores()} cores"
+    )
     a2.set_ylabel("bytes received per rank (log)")
     a2.set_title("collective payload per rank: counted (solid) vs analytic (dashed)")
     a1.legend(fontsize=8)
@@ -245,11 +292,26 @@ def plot(records, cfg, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="sizes 2^20 and 2^21, 2 repetitions (smoke test, < 60 s)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="sizes 2^20 and 2^21, 2 repetitions (smoke test, < 60 s)",
+    )
     ap.add_argument("--world", type=int, default=4, help="ranks (default 4)")
-    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="total scores (default 2^20 2^22 2^24 2^25)")
+    ap.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="total scores (default 2^20 2^22 2^24 2^25)",
+    )
     ap.add_argument("--k-frac", type=float, default=0.2)
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions after one untimed checked call (default 3)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions after one untimed checked call (default 3)",
+    )
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     args = ap.parse_args(argv)
 
@@ -272,25 +334,49 @@ def main(argv=None):
     if note:
         print(f"NOTE: {note}", flush=True)
     t0 = time.time()
-    records = C.run_ranks(_rank, args.world, {**cfg, "reps": {n: reps_of(n) for n in sizes}}, threads=C.threads_per_rank(args.world), timeout=1800)[0]
+    records = C.run_ranks(
+        _rank,
+        args.world,
+        {**cfg, "reps": {n: reps_of(n) for n in sizes}},
+        threads=C.threads_per_rank(args.world),
+        timeout=1800,
+    )[0]
 
     rows = []
     for r in records:
         ref = [q for q in records if q["n_total"] == r["n_total"] and q["method"] == "radix8"]
         rt = r["time_s_median"] / ref[0]["time_s_median"] if ref else float("nan")
         eq = r["equals_exact_reference"]
-        rows.append([
-            size_label(r["n_total"]), r["method"],
-            f"{r['time_s_median'] * 1e3:.1f}", f"{rt:.2f}",
-            C.fmt_bytes(r["bytes_received_counted"]), C.fmt_bytes(r["bytes_received_analytic"]),
-            C.fmt_bytes(r["rss_peak_delta_bytes_median"]),
-            f"{r['kept_minus_k']:+d}",
-            {True: "yes", False: "differs", None: "-"}[eq],
-            ("kthvalue" if r["n_total"] > TORCH_QUANTILE_MAX else "torch.quantile") if r["method"] == "gather_quantile" else "",
-        ])
+        rows.append(
+            [
+                size_label(r["n_total"]),
+                r["method"],
+                f"{r['time_s_median'] * 1e3:.1f}",
+                f"{rt:.2f}",
+                C.fmt_bytes(r["bytes_received_counted"]),
+                C.fmt_bytes(r["bytes_received_analytic"]),
+                C.fmt_bytes(r["rss_peak_delta_bytes_median"]),
+                f"{r['kept_minus_k']:+d}",
+                {True: "yes", False: "differs", None: "-"}[eq],
+                ("kthvalue" if r["n_total"] > TORCH_QUANTILE_MAX else "torch.quantile")
+                if r["method"] == "gather_quantile"
+                else "",
+            ]
+        )
     print()
     table = C.print_table(
-        ["N total", "method", "ms", "time/radix8", "bytes recv (counted)", "analytic", "RSS peak", "kept-k", "== exact", "quantile via"],
+        [
+            "N total",
+            "method",
+            "ms",
+            "time/radix8",
+            "bytes recv (counted)",
+            "analytic",
+            "RSS peak",
+            "kept-k",
+            "== exact",
+            "quantile via",
+        ],
         rows,
     )
     if note:
@@ -298,8 +384,13 @@ def main(argv=None):
     data = {
         "benchmark": NAME,
         "machine": C.machine_info(),
-        "config": {**cfg, "row_length": ROW, "threads_per_rank": C.threads_per_rank(args.world), "reps": {str(n): reps_of(n) for n in sizes},
-                   "data": "scores = |A_row| x H, A ~ N(0,1) with 25% of rows A=0, H ~ Exp(1), fp32, all eligible"},
+        "config": {
+            **cfg,
+            "row_length": ROW,
+            "threads_per_rank": C.threads_per_rank(args.world),
+            "reps": {str(n): reps_of(n) for n in sizes},
+            "data": "scores = |A_row| x H, A ~ N(0,1) with 25% of rows A=0, H ~ Exp(1), fp32, all eligible",
+        },
         "notes": {
             "oversubscription": note,
             "time": "wall seconds of the slowest rank per call, median over interleaved repetitions",

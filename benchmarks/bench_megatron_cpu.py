@@ -57,7 +57,12 @@ OPS = ("score", "train_step")
 LAYOUTS = {
     "hf": {"backend": "hf", "tp": 1, "pp": 1, "label": "HF, 1 process"},
     "megatron_tp1": {"backend": "megatron", "tp": 1, "pp": 1, "label": "Megatron TP1, 1 process"},
-    "megatron_tp1_pp2": {"backend": "megatron", "tp": 1, "pp": 2, "label": "Megatron TP1 x PP2, 2 ranks"},
+    "megatron_tp1_pp2": {
+        "backend": "megatron",
+        "tp": 1,
+        "pp": 2,
+        "label": "Megatron TP1 x PP2, 2 ranks",
+    },
 }
 REFERENCE = "hf"
 
@@ -89,8 +94,13 @@ def _loss_fn(batch, old_lp, adv, keep):
     from nemo_d3s.core.losses import LossConfig
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
-    upd = UpdateBatch(batch=batch, old_logprobs=old_lp, advantages=adv, token_keep=keep,
-                      minibatch=torch.zeros(len(batch), dtype=torch.long))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=old_lp,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
     return make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
 
 
@@ -105,12 +115,17 @@ def _policy(name, cfg):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    return MegatronBackend(MegatronBackendConfig(**common, tensor_model_parallel_size=lay["tp"],
-                                                 pipeline_model_parallel_size=lay["pp"]))
+    return MegatronBackend(
+        MegatronBackendConfig(
+            **common, tensor_model_parallel_size=lay["tp"], pipeline_model_parallel_size=lay["pp"]
+        )
+    )
 
 
 def _module_bytes(module) -> int:
-    return sum(t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers()))
+    return sum(
+        t.numel() * t.element_size() for t in list(module.parameters()) + list(module.buffers())
+    )
 
 
 def _rank(rank, name, cfg):
@@ -190,30 +205,68 @@ def summarize(launches, names):
     for name in names:
         runs = launches[name]
         world = len(runs[0])
-        rec = {"layout": name, "label": LAYOUTS[name]["label"], "ranks": world, "launches": len(runs)}
+        rec = {
+            "layout": name,
+            "label": LAYOUTS[name]["label"],
+            "ranks": world,
+            "launches": len(runs),
+        }
         for op in OPS:
-            wall = [max(r[i]["wall_s"][op][k] for i in range(world)) for r in runs for k in range(len(r[0]["wall_s"][op]))]
-            cpu = [sum(r[i]["cpu_s"][op][k] for i in range(world)) for r in runs for k in range(len(r[0]["cpu_s"][op]))]
-            rec[op] = {"wall_s_median": C.median(wall), "wall_s_all": wall, "cpu_s_median": C.median(cpu), "cpu_s_all": cpu}
+            wall = [
+                max(r[i]["wall_s"][op][k] for i in range(world))
+                for r in runs
+                for k in range(len(r[0]["wall_s"][op]))
+            ]
+            cpu = [
+                sum(r[i]["cpu_s"][op][k] for i in range(world))
+                for r in runs
+                for k in range(len(r[0]["cpu_s"][op]))
+            ]
+            rec[op] = {
+                "wall_s_median": C.median(wall),
+                "wall_s_all": wall,
+                "cpu_s_median": C.median(cpu),
+                "cpu_s_all": cpu,
+            }
         rec["build_s_median"] = C.median(max(r[i]["build_s"] for i in range(world)) for r in runs)
-        rec["first_score_s_median"] = C.median(max(r[i]["first_score_s"] for i in range(world)) for r in runs)
+        rec["first_score_s_median"] = C.median(
+            max(r[i]["first_score_s"] for i in range(world)) for r in runs
+        )
         per_rank = []
         for i in range(world):
-            keys = ("rss_start_bytes", "rss_built_bytes", "rss_build_peak_bytes", "rss_peak_bytes", "rss_end_bytes")
-            d = {"rank": i, "threads": runs[0][i]["threads"], "param_bytes": runs[0][i]["param_bytes"]}
+            keys = (
+                "rss_start_bytes",
+                "rss_built_bytes",
+                "rss_build_peak_bytes",
+                "rss_peak_bytes",
+                "rss_end_bytes",
+            )
+            d = {
+                "rank": i,
+                "threads": runs[0][i]["threads"],
+                "param_bytes": runs[0][i]["param_bytes"],
+            }
             for k in keys:
                 d[k + "_median"] = C.median(r[i][k] for r in runs)
                 d[k + "_all"] = [r[i][k] for r in runs]
             for op in OPS:
-                d[f"{op}_rss_rise_bytes_median"] = C.median(x for r in runs for x in r[i]["rss_rise_bytes"][op])
+                d[f"{op}_rss_rise_bytes_median"] = C.median(
+                    x for r in runs for x in r[i]["rss_rise_bytes"][op]
+                )
             per_rank.append(d)
         rec["per_rank"] = per_rank
         m = runs[0][0]["first_train_metrics"] or {}
-        rec["first_train_step"] = {k: m.get(k) for k in ("grad_norm", "loss_sum", "skipped") if k in m}
+        rec["first_train_step"] = {
+            k: m.get(k) for k in ("grad_norm", "loss_sum", "skipped") if k in m
+        }
         if ref is not None:
             # on response tokens: the HF backend scores from a micro-batch's first response
             # column on (the prompt positions hold 0), the Megatron backend every position
-            lp, ent, resp = runs[0][0]["logprobs"], runs[0][0]["entropy"], runs[0][0]["response_mask"]
+            lp, ent, resp = (
+                runs[0][0]["logprobs"],
+                runs[0][0]["entropy"],
+                runs[0][0]["response_mask"],
+            )
             rec["agreement_vs_hf"] = {
                 "logprobs_max_abs_diff": float((lp - ref["logprobs"])[resp].abs().max()),
                 "entropy_max_abs_diff": float((ent - ref["entropy"])[resp].abs().max()),
@@ -224,8 +277,12 @@ def summarize(launches, names):
         out[name] = rec
     if REFERENCE in out:
         for rec in out.values():
-            rec["ratio_vs_hf"] = {op: rec[op]["wall_s_median"] / out[REFERENCE][op]["wall_s_median"] for op in OPS}
-            rec["cpu_ratio_vs_hf"] = {op: rec[op]["cpu_s_median"] / out[REFERENCE][op]["cpu_s_median"] for op in OPS}
+            rec["ratio_vs_hf"] = {
+                op: rec[op]["wall_s_median"] / out[REFERENCE][op]["wall_s_median"] for op in OPS
+            }
+            rec["cpu_ratio_vs_hf"] = {
+                op: rec[op]["cpu_s_median"] / out[REFERENCE][op]["cpu_s_median"] for op in OPS
+            }
     return out
 
 
@@ -248,13 +305,32 @@ def plot(summary, cfg, path):
         rec = summary[name]
         xs = x + (j - (len(names) - 1) / 2) * width
         ys = [rec[op]["wall_s_median"] for op in OPS]
-        ax_t.bar(xs, ys, width, color=colors.get(name), edgecolor="black", linewidth=0.4, label=rec["label"])
+        ax_t.bar(
+            xs,
+            ys,
+            width,
+            color=colors.get(name),
+            edgecolor="black",
+            linewidth=0.4,
+            label=rec["label"],
+        )
         for xi, yi, op in zip(xs, ys, OPS):
             ratio = rec.get("ratio_vs_hf", {}).get(op)
-            ax_t.text(xi, yi, f"{yi:.1f} s" + (f"\n{ratio:.2f}x" if ratio and name != REFERENCE else ""),
-                      ha="center", va="bottom", fontsize=7)
+            ax_t.text(
+                xi,
+                yi,
+                f"{yi:.1f} s" + (f"\n{ratio:.2f}x" if ratio and name != REFERENCE else ""),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax_t.set_xticks(x)
-    ax_t.set_xticklabels([f"score (with entropy)\nMBS {cfg['micro_batch_size']}", f"train_step\nMBS {cfg['micro_batch_size']}"])
+    ax_t.set_xticklabels(
+        [
+            f"score (with entropy)\nMBS {cfg['micro_batch_size']}",
+            f"train_step\nMBS {cfg['micro_batch_size']}",
+        ]
+    )
     ax_t.set_ylabel("wall seconds, slowest rank (median)")
     ax_t.set_title("step time (ratio to HF)")
     ax_t.legend(fontsize=8)
@@ -266,14 +342,39 @@ def plot(summary, cfg, path):
         start = d["rss_start_bytes_median"] / gib
         built = d["rss_built_bytes_median"] / gib
         peak = d["rss_peak_bytes_median"] / gib
-        ax_m.bar(k, start, color="#cccccc", edgecolor="black", linewidth=0.4, label="process start" if k == 0 else None)
-        ax_m.bar(k, built - start, bottom=start, color=colors.get(name), alpha=0.55, edgecolor="black", linewidth=0.4,
-                 label="+ policy built" if k == 0 else None)
-        ax_m.bar(k, peak - built, bottom=built, color=colors.get(name), edgecolor="black", linewidth=0.4, hatch="//",
-                 label="+ up to the peak (steps, AdamW state)" if k == 0 else None)
+        ax_m.bar(
+            k,
+            start,
+            color="#cccccc",
+            edgecolor="black",
+            linewidth=0.4,
+            label="process start" if k == 0 else None,
+        )
+        ax_m.bar(
+            k,
+            built - start,
+            bottom=start,
+            color=colors.get(name),
+            alpha=0.55,
+            edgecolor="black",
+            linewidth=0.4,
+            label="+ policy built" if k == 0 else None,
+        )
+        ax_m.bar(
+            k,
+            peak - built,
+            bottom=built,
+            color=colors.get(name),
+            edgecolor="black",
+            linewidth=0.4,
+            hatch="//",
+            label="+ up to the peak (steps, AdamW state)" if k == 0 else None,
+        )
         ax_m.text(k, peak, f"{peak:.2f}", ha="center", va="bottom", fontsize=8)
     ax_m.set_xticks(range(len(bars)))
-    ax_m.set_xticklabels([f"{summary[n]['label'].split(',')[0]}\nrank {d['rank']}" for n, d in bars], fontsize=8)
+    ax_m.set_xticklabels(
+        [f"{summary[n]['label'].split(',')[0]}\nrank {d['rank']}" for n, d in bars], fontsize=8
+    )
     ax_m.set_ylabel("resident set (GiB), median over launches")
     ax_m.set_title("peak RSS per rank")
     ax_m.legend(fontsize=8, loc="upper right")
@@ -293,15 +394,30 @@ def plot(summary, cfg, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="8 rows x 96 tokens, MBS 4, 1 round (smoke test, ~2 min)")
-    ap.add_argument("--model", default=MODEL, help="HF folder or the embedded smollm2-135m-instruct")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 rows x 96 tokens, MBS 4, 1 round (smoke test, ~2 min)",
+    )
+    ap.add_argument(
+        "--model", default=MODEL, help="HF folder or the embedded smollm2-135m-instruct"
+    )
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--batch", type=int, default=None, help="rows B (default 16)")
-    ap.add_argument("--seq", type=int, default=None, help="tokens per row S, right-padded (default 160)")
+    ap.add_argument(
+        "--seq", type=int, default=None, help="tokens per row S, right-padded (default 160)"
+    )
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens per row (default 60)")
     ap.add_argument("--micro-batch-size", type=int, default=None, help="M (default 8)")
-    ap.add_argument("--rounds", type=int, default=None, help="launches of every layout, order rotating (default 3)")
-    ap.add_argument("--reps", type=int, default=1, help="timed repetitions of each call per launch (default 1)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="launches of every layout, order rotating (default 3)",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=1, help="timed repetitions of each call per launch (default 1)"
+    )
     args = ap.parse_args(argv)
     quick = args.quick
     cfg = {
@@ -320,9 +436,16 @@ def main(argv=None):
     names = [n for n in LAYOUTS if n in args.layouts]
     # torch/transformers/nemo_d3s preloaded in the fork server; megatron-core is imported by
     # the Megatron ranks only, so the HF process's resident set does not carry it.
-    quiet = ("ignore:Apex is not installed:UserWarning", "ignore:full scope is deprecated:UserWarning")
-    os.environ["PYTHONWARNINGS"] = ",".join(x for x in (os.environ.get("PYTHONWARNINGS"), *quiet) if x)
-    C.set_preload(["torch", "torch.distributed", "transformers", "nemo_d3s.core", "nemo_d3s.distributed"])
+    quiet = (
+        "ignore:Apex is not installed:UserWarning",
+        "ignore:full scope is deprecated:UserWarning",
+    )
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        x for x in (os.environ.get("PYTHONWARNINGS"), *quiet) if x
+    )
+    C.set_preload(
+        ["torch", "torch.distributed", "transformers", "nemo_d3s.core", "nemo_d3s.distributed"]
+    )
     t_start = time.time()
     notes = {}
     launches = {n: [] for n in names}
@@ -332,12 +455,22 @@ def main(argv=None):
             world = lay["tp"] * lay["pp"]
             sizes = (lay["tp"], lay["pp"], 1) if lay["backend"] == "megatron" else None
             t0 = time.time()
-            res = C.run_ranks(_rank, world, name, {**cfg, "round": rnd}, threads=C.threads_per_rank(world),
-                              megatron_sizes=sizes, timeout=1200)
+            res = C.run_ranks(
+                _rank,
+                world,
+                name,
+                {**cfg, "round": rnd},
+                threads=C.threads_per_rank(world),
+                megatron_sizes=sizes,
+                timeout=1200,
+            )
             launches[name].append(res)
-            print(f"round {rnd + 1}/{cfg['rounds']} {name}: " + ", ".join(
-                f"{op} {max(r['wall_s'][op][0] for r in res):.1f} s" for op in OPS) + f" ({time.time() - t0:.0f} s)",
-                flush=True)
+            print(
+                f"round {rnd + 1}/{cfg['rounds']} {name}: "
+                + ", ".join(f"{op} {max(r['wall_s'][op][0] for r in res):.1f} s" for op in OPS)
+                + f" ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
     for name in names:
         world = LAYOUTS[name]["tp"] * LAYOUTS[name]["pp"]
         note = C.oversubscription_note(world)
@@ -346,7 +479,8 @@ def main(argv=None):
                 f"{world} ranks x {C.threads_per_rank(world)} thread on {C.cores()} CPU cores: every core is busy, none "
                 "is left for gloo's threads or other jobs on the machine, which time-share with the ranks; the two "
                 "stages overlap only across micro-batches (1F1B), and each runs single-threaded where the "
-                "1-process layouts run 2 threads")
+                "1-process layouts run 2 threads"
+            )
             notes[name] = note
             print(f"NOTE {name}: {note}", flush=True)
     summary = summarize(launches, names)
@@ -354,35 +488,69 @@ def main(argv=None):
     print()
     rows = []
     for name, rec in summary.items():
-        rows.append([
-            rec["label"],
-            *(f"{rec[op]['wall_s_median']:.2f}" for op in OPS),
-            *(f"{rec.get('ratio_vs_hf', {}).get(op, float('nan')):.2f}" for op in OPS),
-            *(f"{rec[op]['cpu_s_median']:.1f}" for op in OPS),
-            f"{rec['build_s_median']:.1f}",
-            f"{max(rec['agreement_vs_hf'].get('logprobs_max_abs_diff', 0), rec['agreement_vs_hf'].get('entropy_max_abs_diff', 0)):.1e}"
-            if "agreement_vs_hf" in rec else "-",
-            f"{rec['agreement_vs_hf'].get('grad_norm_rel_diff', float('nan')):.1e}" if "agreement_vs_hf" in rec else "-",
-        ])
+        rows.append(
+            [
+                rec["label"],
+                *(f"{rec[op]['wall_s_median']:.2f}" for op in OPS),
+                *(f"{rec.get('ratio_vs_hf', {}).get(op, float('nan')):.2f}" for op in OPS),
+                *(f"{rec[op]['cpu_s_median']:.1f}" for op in OPS),
+                f"{rec['build_s_median']:.1f}",
+                f"{max(rec['agreement_vs_hf'].get('logprobs_max_abs_diff', 0), rec['agreement_vs_hf'].get('entropy_max_abs_diff', 0)):.1e}"
+                if "agreement_vs_hf" in rec
+                else "-",
+                f"{rec['agreement_vs_hf'].get('grad_norm_rel_diff', float('nan')):.1e}"
+                if "agreement_vs_hf" in rec
+                else "-",
+            ]
+        )
     table = C.print_table(
-        ["layout", "score s", "train_step s", "score /hf", "train /hf", "score CPU s", "train CPU s", "build s",
-         "max|diff| lp,ent", "grad norm rel"],
+        [
+            "layout",
+            "score s",
+            "train_step s",
+            "score /hf",
+            "train /hf",
+            "score CPU s",
+            "train CPU s",
+            "build s",
+            "max|diff| lp,ent",
+            "grad norm rel",
+        ],
         rows,
     )
     print()
     mem_rows = []
     for name, rec in summary.items():
         for d in rec["per_rank"]:
-            mem_rows.append([
-                rec["label"], d["rank"], d["threads"], C.fmt_bytes(d["param_bytes"]),
-                C.fmt_bytes(d["rss_start_bytes_median"]), C.fmt_bytes(d["rss_built_bytes_median"]),
-                C.fmt_bytes(d["rss_build_peak_bytes_median"]),
-                C.fmt_bytes(d["score_rss_rise_bytes_median"]), C.fmt_bytes(d["train_step_rss_rise_bytes_median"]),
-                C.fmt_bytes(d["rss_end_bytes_median"]), C.fmt_bytes(d["rss_peak_bytes_median"]),
-            ])
+            mem_rows.append(
+                [
+                    rec["label"],
+                    d["rank"],
+                    d["threads"],
+                    C.fmt_bytes(d["param_bytes"]),
+                    C.fmt_bytes(d["rss_start_bytes_median"]),
+                    C.fmt_bytes(d["rss_built_bytes_median"]),
+                    C.fmt_bytes(d["rss_build_peak_bytes_median"]),
+                    C.fmt_bytes(d["score_rss_rise_bytes_median"]),
+                    C.fmt_bytes(d["train_step_rss_rise_bytes_median"]),
+                    C.fmt_bytes(d["rss_end_bytes_median"]),
+                    C.fmt_bytes(d["rss_peak_bytes_median"]),
+                ]
+            )
     mem_table = C.print_table(
-        ["layout", "rank", "threads", "params", "RSS start", "RSS built", "build peak",
-         "score rise", "train rise", "RSS end", "peak RSS"],
+        [
+            "layout",
+            "rank",
+            "threads",
+            "params",
+            "RSS start",
+            "RSS built",
+            "build peak",
+            "score rise",
+            "train rise",
+            "RSS end",
+            "peak RSS",
+        ],
         mem_rows,
     )
     for k, v in notes.items():
@@ -390,20 +558,26 @@ def main(argv=None):
     data = {
         "benchmark": NAME,
         "machine": C.machine_info(),
-        "config": {**cfg, "layouts": names, "threads_per_rank": {n: C.threads_per_rank(LAYOUTS[n]["tp"] * LAYOUTS[n]["pp"]) for n in names}},
+        "config": {
+            **cfg,
+            "layouts": names,
+            "threads_per_rank": {
+                n: C.threads_per_rank(LAYOUTS[n]["tp"] * LAYOUTS[n]["pp"]) for n in names
+            },
+        },
         "notes": {
             "oversubscription": notes,
             "wall_s": "wall seconds of the slowest rank per call (barrier before each call), median over every repetition of every round",
             "cpu_s": "process CPU seconds (time.process_time, all threads) of the call, summed over the ranks",
             "rss": "per rank, median over launches; glibc mmap threshold 64 KiB and eager trim (RSS follows live memory); "
-                   "start = after imports (fork server preloads torch, transformers, nemo_d3s), built = after the policy "
-                   "is constructed, peak = VmHWM over the launch (includes AdamW moments after the first train_step), "
-                   "rise = VmHWM during the call minus VmRSS before it",
+            "start = after imports (fork server preloads torch, transformers, nemo_d3s), built = after the policy "
+            "is constructed, peak = VmHWM over the launch (includes AdamW moments after the first train_step), "
+            "rise = VmHWM during the call minus VmRSS before it",
             "rollout_replica": "not built (neither call needs it): with rollout.engine=hf the Megatron backend adds one "
-                               "full copy of the weights on the first rank of each model-parallel group",
+            "full copy of the weights on the first rank of each model-parallel group",
             "interleaving": "one launch per layout per round, order rotating by round; calls rotate order within a launch",
             "agreement_vs_hf": "first score's log-probs / entropy (max abs diff) and first train_step's grad norm "
-                               "(relative) against the hf layout",
+            "(relative) against the hf layout",
         },
         "results": summary,
         "table": table,

@@ -56,7 +56,11 @@ def make_batch(cfg):
     attn = pos < lengths.unsqueeze(1)
     resp = attn & (pos >= P)
     ids = torch.randint(0, 256, (B, S), generator=g) * attn
-    return TokenBatch(ids, attn, resp), torch.randn(B, generator=g), 0.01 * torch.randn(B, S, generator=g)
+    return (
+        TokenBatch(ids, attn, resp),
+        torch.randn(B, generator=g),
+        0.01 * torch.randn(B, S, generator=g),
+    )
 
 
 def megatron_fed_tokens(mask, M, T):
@@ -67,7 +71,10 @@ def megatron_fed_tokens(mask, M, T):
     for pp in (1, 2):
         for name, tokens in (("fixed", 0), ("budget", T)):
             plan = plan_micro_batches(mask, M, uniform=pp > 1, max_tokens=tokens)
-            out[f"pp{pp}_{name}"] = {"fed_tokens": sum(m.b * m.width for m in plan), "micro_batches": len(plan)}
+            out[f"pp{pp}_{name}"] = {
+                "fed_tokens": sum(m.b * m.width for m in plan),
+                "micro_batches": len(plan),
+            }
     return out
 
 
@@ -80,28 +87,58 @@ def run(cfg):
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
     torch.manual_seed(0)
-    spec = TinyModelSpec(hidden_size=cfg["hidden"], num_layers=cfg["layers"], num_heads=4, num_kv_heads=4,
-                         intermediate_size=2 * cfg["hidden"], max_position_embeddings=cfg["S"])
-    pol = HFBackend(HFBackendConfig(model="tiny-random", tiny=spec, device="cpu", dtype="float32", autocast=None,
-                                    lr=0.0, grad_clip=None))
+    spec = TinyModelSpec(
+        hidden_size=cfg["hidden"],
+        num_layers=cfg["layers"],
+        num_heads=4,
+        num_kv_heads=4,
+        intermediate_size=2 * cfg["hidden"],
+        max_position_embeddings=cfg["S"],
+    )
+    pol = HFBackend(
+        HFBackendConfig(
+            model="tiny-random",
+            tiny=spec,
+            device="cpu",
+            dtype="float32",
+            autocast=None,
+            lr=0.0,
+            grad_clip=None,
+        )
+    )
     batch, adv, noise = make_batch(cfg)
     M, T = cfg["M"], cfg["M"] * cfg["S"]
     tokens = {"fixed": 0, "budget": T}
     first = pol.score(batch, with_entropy=True, micro_batch_size=M)
-    upd = UpdateBatch(batch=batch, old_logprobs=first.logprobs + noise * batch.attention_mask, advantages=adv,
-                      token_keep=batch.response_mask.clone(), minibatch=torch.zeros(len(batch), dtype=torch.long))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=first.logprobs + noise * batch.attention_mask,
+        advantages=adv,
+        token_keep=batch.response_mask.clone(),
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
     loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
     denom = float(loss_denominator(batch.response_mask, "token_mean"))
     calls = {
-        (m, "score"): (lambda m=m: pol.score(batch, with_entropy=True, micro_batch_size=M,
-                                             micro_batch_tokens=tokens[m]).stats)
+        (m, "score"): (
+            lambda m=m: (
+                pol.score(
+                    batch, with_entropy=True, micro_batch_size=M, micro_batch_tokens=tokens[m]
+                ).stats
+            )
+        )
         for m in METHODS
     }
-    calls.update({
-        (m, "train_step"): (lambda m=m: pol.train_step(batch, loss_fn, M, denominator=denom,
-                                                       micro_batch_tokens=tokens[m]))
-        for m in METHODS
-    })
+    calls.update(
+        {
+            (m, "train_step"): (
+                lambda m=m: pol.train_step(
+                    batch, loss_fn, M, denominator=denom, micro_batch_tokens=tokens[m]
+                )
+            )
+            for m in METHODS
+        }
+    )
     keys = list(calls)
     wall = {k: [] for k in keys}
     last = {}
@@ -126,8 +163,12 @@ def run(cfg):
             "score_s_all": wall[m, "score"],
             "train_step_s_all": wall[m, "train_step"],
         }
-    return {"real_tokens": real, "lengths": batch.attention_mask.sum(1).tolist(), "methods": methods,
-            "megatron_plans": megatron_fed_tokens(batch.attention_mask, M, T)}
+    return {
+        "real_tokens": real,
+        "lengths": batch.attention_mask.sum(1).tolist(),
+        "methods": methods,
+        "megatron_plans": megatron_fed_tokens(batch.attention_mask, M, T),
+    }
 
 
 def plot(res, path):
@@ -147,7 +188,9 @@ def plot(res, path):
     axes[1].legend()
     w = 0.38
     for i, op in enumerate(OPS):
-        axes[2].bar([j + (i - 0.5) * w for j in x], [ms[m][f"{op}_s_median"] for m in METHODS], w, label=op)
+        axes[2].bar(
+            [j + (i - 0.5) * w for j in x], [ms[m][f"{op}_s_median"] for m in METHODS], w, label=op
+        )
     axes[2].set(title="median seconds per call", xticks=list(x), xticklabels=METHODS)
     axes[2].legend()
     fig.tight_layout()
@@ -160,21 +203,62 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     if args.quick:
-        cfg = dict(B=16, S=256, prompt=16, short_min=8, short_max=48, n_long=2, M=4, hidden=64, layers=2, reps=2)
+        cfg = dict(
+            B=16,
+            S=256,
+            prompt=16,
+            short_min=8,
+            short_max=48,
+            n_long=2,
+            M=4,
+            hidden=64,
+            layers=2,
+            reps=2,
+        )
     else:
-        cfg = dict(B=32, S=1024, prompt=32, short_min=32, short_max=192, n_long=3, M=4, hidden=128, layers=4,
-                   reps=args.reps)
+        cfg = dict(
+            B=32,
+            S=1024,
+            prompt=32,
+            short_min=32,
+            short_max=192,
+            n_long=3,
+            M=4,
+            hidden=128,
+            layers=4,
+            reps=args.reps,
+        )
     t0 = time.perf_counter()
     res = run(cfg)
     res.update(config=cfg, machine=C.machine_info(), wall_s=time.perf_counter() - t0)
     ms = res["methods"]
     C.print_table(
-        ["method", "fed tokens", "padding", "micro-batches", "score s", "train_step s", "grad norm"],
-        [[m, int(ms[m]["fed_tokens"]), f"{ms[m]['padding_share']:.1%}", int(ms[m]["micro_batches"]),
-          f"{ms[m]['score_s_median']:.3f}", f"{ms[m]['train_step_s_median']:.3f}", f"{ms[m]['grad_norm']:.6g}"]
-         for m in METHODS])
-    print(f"real tokens {int(res['real_tokens'])}; Megatron plans (fed tokens): "
-          + ", ".join(f"{k} {v['fed_tokens']}" for k, v in res["megatron_plans"].items()))
+        [
+            "method",
+            "fed tokens",
+            "padding",
+            "micro-batches",
+            "score s",
+            "train_step s",
+            "grad norm",
+        ],
+        [
+            [
+                m,
+                int(ms[m]["fed_tokens"]),
+                f"{ms[m]['padding_share']:.1%}",
+                int(ms[m]["micro_batches"]),
+                f"{ms[m]['score_s_median']:.3f}",
+                f"{ms[m]['train_step_s_median']:.3f}",
+                f"{ms[m]['grad_norm']:.6g}",
+            ]
+            for m in METHODS
+        ],
+    )
+    print(
+        f"real tokens {int(res['real_tokens'])}; Megatron plans (fed tokens): "
+        + ", ".join(f"{k} {v['fed_tokens']}" for k, v in res["megatron_plans"].items())
+    )
     print("wrote", C.write_json(NAME, res, quick=args.quick))
     plot(res, C.png_path(NAME, quick=args.quick))
 

@@ -79,7 +79,9 @@ def _rank(rank, cfg):
     H, F, V, S = cfg["hidden"], cfg["ffn"], cfg["vocab"], cfg["seq"]
     P, G, N_KEEP, MB = cfg["prompts_per_rank"], cfg["group_size"], cfg["n_keep"], cfg["micro_batch"]
 
-    mcfg = ModelParallelConfig(tensor_model_parallel_size=tp_size, use_cpu_initialization=True, perform_initialization=True)
+    mcfg = ModelParallelConfig(
+        tensor_model_parallel_size=tp_size, use_cpu_initialization=True, perform_initialization=True
+    )
 
     def init(w):
         return torch.nn.init.normal_(w, std=0.02)
@@ -91,14 +93,26 @@ def _rank(rank, cfg):
             super().__init__()
             self.embed = mtp.VocabParallelEmbedding(V, H, init_method=init, config=mcfg)
             self.fc1 = torch.nn.ModuleList(
-                mtp.ColumnParallelLinear(H, F, config=mcfg, init_method=init, bias=True, gather_output=False)
+                mtp.ColumnParallelLinear(
+                    H, F, config=mcfg, init_method=init, bias=True, gather_output=False
+                )
                 for _ in range(cfg["layers"])
             )
             self.fc2 = torch.nn.ModuleList(
-                mtp.RowParallelLinear(F, H, config=mcfg, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False)
+                mtp.RowParallelLinear(
+                    F,
+                    H,
+                    config=mcfg,
+                    init_method=init,
+                    bias=True,
+                    input_is_parallel=True,
+                    skip_bias_add=False,
+                )
                 for _ in range(cfg["layers"])
             )
-            self.head = mtp.ColumnParallelLinear(H, V, config=mcfg, init_method=init, bias=False, gather_output=False)
+            self.head = mtp.ColumnParallelLinear(
+                H, V, config=mcfg, init_method=init, bias=False, gather_output=False
+            )
 
         def forward(self, ids):
             h = self.embed(ids)
@@ -124,7 +138,7 @@ def _rank(rank, cfg):
         response_mask = (pos >= prompt) & (pos < (prompt + resp).unsqueeze(1))
         lengths = prompt + resp
         rewards = (torch.rand(B, generator=g) < 0.5).float()
-        rewards[: G] = 1.0  # one solved prompt per rank: a degenerate group, as in practice
+        rewards[:G] = 1.0  # one solved prompt per rank: a degenerate group, as in practice
         group_ids = torch.arange(P).repeat_interleave(G)
         return ids, response_mask, lengths, rewards, group_ids
 
@@ -154,14 +168,26 @@ def _rank(rank, cfg):
             plan = plan_rebalance(lengths, sel.sample_keep, dp)
             batch = apply_rebalance(
                 plan,
-                {"ids": ids, "response_mask": response_mask, "advantages": sel.advantages, "lengths": lengths},
+                {
+                    "ids": ids,
+                    "response_mask": response_mask,
+                    "advantages": sel.advantages,
+                    "lengths": lengths,
+                },
                 dp,
                 zero_on_pad=("response_mask",),
             )
-        ids_k, mask_k, adv_k = batch.tensors["ids"], batch.tensors["response_mask"], batch.tensors["advantages"]
+        ids_k, mask_k, adv_k = (
+            batch.tensors["ids"],
+            batch.tensors["response_mask"],
+            batch.tensors["advantages"],
+        )
         info["rows_kept_before_rebalance"] = int(sel.sample_keep.sum())
         info["rows_after_rebalance"] = int(ids_k.shape[0])
-        info["imbalance_before"], info["imbalance_after"] = plan.imbalance_before, plan.imbalance_after
+        info["imbalance_before"], info["imbalance_after"] = (
+            plan.imbalance_before,
+            plan.imbalance_after,
+        )
         mbs = micro_batches(ids_k.shape[0])
 
         with phase("old_logprob_pass"):
@@ -176,7 +202,13 @@ def _rank(rank, cfg):
             scores = token_scores(adv_k, entropy, mask_k)
             tsel = select_tokens_global(scores, mask_k, cfg["k_frac"], dp, scope="global_exact")
             keep = tsel.token_keep
-            norm = step_normalizer([keep[r] for r in mbs], "token_mean", dp, num_microbatches=len(mbs), megatron_schedule=False)
+            norm = step_normalizer(
+                [keep[r] for r in mbs],
+                "token_mean",
+                dp,
+                num_microbatches=len(mbs),
+                megatron_schedule=False,
+            )
         info["tokens_eligible_global"] = tsel.n_eligible_global
         info["tokens_kept_global"] = tsel.n_kept_global
 
@@ -184,9 +216,13 @@ def _rank(rank, cfg):
             for r in mbs:
 
                 def loss_sum(lp, rows):
-                    return policy_loss("grpo", lp, old_lp[rows], adv_k[rows], keep[rows], denominator=1.0)
+                    return policy_loss(
+                        "grpo", lp, old_lp[rows], adv_k[rows], keep[rows], denominator=1.0
+                    )
 
-                loss_fn = train_loss_func(ids_k[r], torch.ones_like(ids_k[r], dtype=torch.bool), r, loss_sum, norm, tp)
+                loss_fn = train_loss_func(
+                    ids_k[r], torch.ones_like(ids_k[r], dtype=torch.bool), r, loss_sum, norm, tp
+                )
                 loss, _ = loss_fn(model(ids_k[r]))
                 loss.backward()
 
@@ -203,7 +239,14 @@ def _rank(rank, cfg):
         C.barrier()
         maxed = C.max_over_ranks_vec([t[p] for p in PHASES])
         if step >= cfg["warmup"]:
-            records.append({"step": step, "phase_s": dict(zip(PHASES, maxed)), "collectives_rank0": counts, **info})
+            records.append(
+                {
+                    "step": step,
+                    "phase_s": dict(zip(PHASES, maxed)),
+                    "collectives_rank0": counts,
+                    **info,
+                }
+            )
 
     # Latency of one tiny collective on the DP group: the floor of every selection phase.
     lat = []
@@ -216,8 +259,13 @@ def _rank(rank, cfg):
         lat.append(C.max_over_ranks(time.perf_counter() - t0))
     if rank != 0:
         return None
-    return {"steps": records, "n_params_per_rank": n_params_local, "tp": tp_size, "dp": dp_size,
-            "dp_allreduce_8B_latency_ms_median": 1e3 * C.median(lat)}
+    return {
+        "steps": records,
+        "n_params_per_rank": n_params_local,
+        "tp": tp_size,
+        "dp": dp_size,
+        "dp_allreduce_8B_latency_ms_median": 1e3 * C.median(lat),
+    }
 
 
 # ---------------------------------------------------------------------------- main
@@ -230,10 +278,17 @@ def summarize(res):
     for p in PHASES:
         xs = [s["phase_s"][p] for s in steps]
         shares = [s["phase_s"][p] / tot for s, tot in zip(steps, totals)]
-        out["phases"][p] = {"ms_median": 1e3 * C.median(xs), "share_median": C.median(shares), "ms_all": [1e3 * x for x in xs]}
+        out["phases"][p] = {
+            "ms_median": 1e3 * C.median(xs),
+            "share_median": C.median(shares),
+            "ms_all": [1e3 * x for x in xs],
+        }
     for name, group in (("selection", SELECTION), ("rebalancing", REBALANCE)):
         xs = [sum(s["phase_s"][p] for p in group) for s in steps]
-        out[name] = {"ms_median": 1e3 * C.median(xs), "share_median": C.median([x / tot for x, tot in zip(xs, totals)])}
+        out[name] = {
+            "ms_median": 1e3 * C.median(xs),
+            "share_median": C.median([x / tot for x, tot in zip(xs, totals)]),
+        }
     return out
 
 
@@ -244,10 +299,25 @@ def plot(layouts, path):
     import matplotlib.pyplot as plt
 
     colors = {
-        "advantages": "#e41a1c", "sample_selection": "#ff7f00", "rebalance": "#984ea3", "token_selection": "#f781bf",
-        "old_logprob_pass": "#a6cee3", "train_fwd_bwd": "#1f78b4", "grad_allreduce": "#b2df8a", "optimizer": "#33a02c",
+        "advantages": "#e41a1c",
+        "sample_selection": "#ff7f00",
+        "rebalance": "#984ea3",
+        "token_selection": "#f781bf",
+        "old_logprob_pass": "#a6cee3",
+        "train_fwd_bwd": "#1f78b4",
+        "grad_allreduce": "#b2df8a",
+        "optimizer": "#33a02c",
     }
-    order = ("advantages", "sample_selection", "token_selection", "rebalance", "old_logprob_pass", "train_fwd_bwd", "grad_allreduce", "optimizer")
+    order = (
+        "advantages",
+        "sample_selection",
+        "token_selection",
+        "rebalance",
+        "old_logprob_pass",
+        "train_fwd_bwd",
+        "grad_allreduce",
+        "optimizer",
+    )
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.2, 1]})
     names = list(layouts)
     for i, lay in enumerate(names):
@@ -255,10 +325,24 @@ def plot(layouts, path):
         left = 0.0
         for p in order:
             w = s["phases"][p]["ms_median"]
-            a1.barh(i, w, left=left, color=colors[p], edgecolor="black", linewidth=0.3, label=p if i == 0 else None)
+            a1.barh(
+                i,
+                w,
+                left=left,
+                color=colors[p],
+                edgecolor="black",
+                linewidth=0.3,
+                label=p if i == 0 else None,
+            )
             left += w
         sel = s["selection"]["share_median"] + s["rebalancing"]["share_median"]
-        a1.text(left * 1.01, i, f"step {s['step_s_median'] * 1e3:.0f} ms\nsel.+rebal. {sel:.2%}", va="center", fontsize=8)
+        a1.text(
+            left * 1.01,
+            i,
+            f"step {s['step_s_median'] * 1e3:.0f} ms\nsel.+rebal. {sel:.2%}",
+            va="center",
+            fontsize=8,
+        )
     a1.set_yticks(range(len(names)))
     a1.set_yticklabels(names)
     a1.set_xlabel("ms per step (median per phase, slowest rank)")
@@ -290,8 +374,14 @@ def plot(layouts, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller model, 2 steps per layout (smoke test, < 60 s)")
-    ap.add_argument("--layouts", nargs="+", default=None, help="TPxDP layouts, e.g. 2x1 2x2 (default both)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller model, 2 steps per layout (smoke test, < 60 s)",
+    )
+    ap.add_argument(
+        "--layouts", nargs="+", default=None, help="TPxDP layouts, e.g. 2x1 2x2 (default both)"
+    )
     ap.add_argument("--steps", type=int, default=None, help="measured steps per layout (default 5)")
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
@@ -315,7 +405,16 @@ def main(argv=None):
         "quick": quick,
     }
     layouts = args.layouts or ["2x1", "2x2"]
-    C.set_preload(["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.tensor_parallel", "nemo_d3s.core", "nemo_d3s.distributed"])
+    C.set_preload(
+        [
+            "torch",
+            "torch.distributed",
+            "megatron.core.parallel_state",
+            "megatron.core.tensor_parallel",
+            "nemo_d3s.core",
+            "nemo_d3s.distributed",
+        ]
+    )
     t0 = time.time()
     out = {}
     notes = {}
@@ -328,7 +427,14 @@ def main(argv=None):
             notes[key] = note
             print(f"NOTE {key}: {note}", flush=True)
         t1 = time.time()
-        res = C.run_ranks(_rank, world, cfg, threads=C.threads_per_rank(world), megatron_sizes=(tp, 1, 1), timeout=1200)[0]
+        res = C.run_ranks(
+            _rank,
+            world,
+            cfg,
+            threads=C.threads_per_rank(world),
+            megatron_sizes=(tp, 1, 1),
+            timeout=1200,
+        )[0]
         res["summary"] = summarize(res)
         res["threads_per_rank"] = C.threads_per_rank(world)
         out[key] = res
@@ -340,13 +446,43 @@ def main(argv=None):
         ncoll = res["steps"][-1]["collectives_rank0"]
         for p in PHASES:
             nc = ncoll.get(p, 0) if p in SELECTION + REBALANCE else ""
-            rows.append([key, p, f"{s['phases'][p]['ms_median']:.1f}", f"{s['phases'][p]['share_median']:.2%}", nc])
-        rows.append([key, "= selection (adv + samples + tokens)", f"{s['selection']['ms_median']:.1f}", f"{s['selection']['share_median']:.2%}",
-                     sum(ncoll.get(p, 0) for p in SELECTION)])
-        rows.append([key, "= rebalancing", f"{s['rebalancing']['ms_median']:.1f}", f"{s['rebalancing']['share_median']:.2%}",
-                     sum(ncoll.get(p, 0) for p in REBALANCE)])
+            rows.append(
+                [
+                    key,
+                    p,
+                    f"{s['phases'][p]['ms_median']:.1f}",
+                    f"{s['phases'][p]['share_median']:.2%}",
+                    nc,
+                ]
+            )
+        rows.append(
+            [
+                key,
+                "= selection (adv + samples + tokens)",
+                f"{s['selection']['ms_median']:.1f}",
+                f"{s['selection']['share_median']:.2%}",
+                sum(ncoll.get(p, 0) for p in SELECTION),
+            ]
+        )
+        rows.append(
+            [
+                key,
+                "= rebalancing",
+                f"{s['rebalancing']['ms_median']:.1f}",
+                f"{s['rebalancing']['share_median']:.2%}",
+                sum(ncoll.get(p, 0) for p in REBALANCE),
+            ]
+        )
         rows.append([key, "= step (sum of phases)", f"{s['step_s_median'] * 1e3:.1f}", "100%", ""])
-        rows.append([key, "(latency of one 8 B DP all-reduce)", f"{res['dp_allreduce_8B_latency_ms_median']:.2f}", "", ""])
+        rows.append(
+            [
+                key,
+                "(latency of one 8 B DP all-reduce)",
+                f"{res['dp_allreduce_8B_latency_ms_median']:.2f}",
+                "",
+                "",
+            ]
+        )
     print()
     table = C.print_table(["layout", "phase", "ms (median)", "share of step", "collectives"], rows)
     for k, v in notes.items():

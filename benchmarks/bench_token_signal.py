@@ -71,7 +71,9 @@ def _gradient(policy, batch, advantages, keep):
     token (the others contribute nothing). [P] f32 on the CPU; the policy's grads are cleared."""
     import torch
 
-    rows = (keep & (advantages != 0)[:, None]).any(1).nonzero().flatten()  # zero-weight rows add nothing
+    rows = (
+        (keep & (advantages != 0)[:, None]).any(1).nonzero().flatten()
+    )  # zero-weight rows add nothing
     sub, a, k = batch.select(rows), advantages[rows].float(), keep[rows].float()
 
     def loss_fn(lp, r):
@@ -94,7 +96,12 @@ def _cosine(a, b) -> float:
 # the recorded results measure, and the case where the token count is smallest.
 PIPELINES = {
     "d3s": ["d3s=d3s", "d3s.min_kept_tokens=0"],
-    "d3s_paper": ["d3s=d3s", "d3s.schedule.n_init=0.25", "d3s.schedule.n_final=1.0", "d3s.min_kept_tokens=0"],
+    "d3s_paper": [
+        "d3s=d3s",
+        "d3s.schedule.n_init=0.25",
+        "d3s.schedule.n_final=1.0",
+        "d3s.min_kept_tokens=0",
+    ],
     "d2s": ["d3s=d2s"],
     "pods": ["d3s=pods"],
     "d1s_cross": ["d3s=d1s_cross"],
@@ -109,17 +116,32 @@ def run(args) -> dict:
     from nemo_d3s.trainer.data import generate_groups
     from nemo_d3s.trainer.loop import Trainer
 
-    overrides = ["task=basic_arithmetic_2d", "d3s=grpo", "task.eval_size=1", "output_dir=/tmp/unused-bench",
-                 f"trainer.prompts_per_step={args.prompts}", f"seed={args.seed}"]
+    overrides = [
+        "task=basic_arithmetic_2d",
+        "d3s=grpo",
+        "task.eval_size=1",
+        "output_dir=/tmp/unused-bench",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"seed={args.seed}",
+    ]
     trainer = Trainer(_compose(overrides))
     from nemo_d3s.core.d3s import D3SSelector
     from nemo_d3s.trainer.build import d3s_config
 
-    pipelines = {name: D3SSelector(d3s_config(_compose([*overrides, *extra]))) for name, extra in PIPELINES.items()}
+    pipelines = {
+        name: D3SSelector(d3s_config(_compose([*overrides, *extra])))
+        for name, extra in PIPELINES.items()
+    }
     ctx, policy = trainer.ctx, trainer.policy
     gen = torch.Generator().manual_seed(args.seed)
-    out = {"batches": [], "k_fracs": list(K_FRACS), "rules": list(RULES), "overrides": overrides,
-           "pipelines": {k: v for k, v in PIPELINES.items()}, "progress": list(PROGRESS)}
+    out = {
+        "batches": [],
+        "k_fracs": list(K_FRACS),
+        "rules": list(RULES),
+        "overrides": overrides,
+        "pipelines": {k: v for k, v in PIPELINES.items()},
+        "progress": list(PROGRESS),
+    }
     for b in range(args.batches):
         t0 = time.perf_counter()
         prompts = ctx.prompts.for_step(b)
@@ -127,14 +149,22 @@ def run(args) -> dict:
         rewards, _ = ctx.task.score(prompts.problems, ro.response_texts, ctx.num_generations)
         group_ids = prompts.global_index.repeat_interleave(ctx.num_generations)
         stage = ctx.selector.select_samples(rewards, group_ids, 0.0)  # d3s=grpo: every rollout kept
-        assert stage.kept_rows.tolist() == list(range(len(rewards)))  # d3s=grpo keeps every rollout, in order
+        assert stage.kept_rows.tolist() == list(
+            range(len(rewards))
+        )  # d3s=grpo keeps every rollout, in order
         batch, adv = ro.batch, stage.kept_advantages.float()
         resp = batch.response_mask.bool()
         entropy = policy.score(batch, with_entropy=True, micro_batch_size=16).entropy
         informative = resp & (adv != 0)[:, None]
-        row = {"reward_mean": float(rewards.mean()), "response_tokens": int(resp.sum()),
-               "informative_tokens": int(informative.sum()), "cos": {r: {} for r in RULES}, "n_kept": {},
-               "pipeline_cos": {}, "pipeline_tokens": {}}
+        row = {
+            "reward_mean": float(rewards.mean()),
+            "response_tokens": int(resp.sum()),
+            "informative_tokens": int(informative.sum()),
+            "cos": {r: {} for r in RULES},
+            "n_kept": {},
+            "pipeline_cos": {},
+            "pipeline_tokens": {},
+        }
         if int(informative.sum()) == 0:
             print(f"batch {b}: every group has equal rewards; skipped")
             continue
@@ -147,8 +177,14 @@ def run(args) -> dict:
                 "d3s": [keep_d3s],
                 "adv": [_top_n(adv.abs()[:, None].expand_as(entropy), resp, n, gen)],
                 "entropy": [_top_n(entropy, informative, min(n, int(informative.sum())))],
-                "random": [_top_n(torch.rand(resp.shape, generator=gen), informative, min(n, int(informative.sum())))
-                           for _ in range(args.random_draws)],
+                "random": [
+                    _top_n(
+                        torch.rand(resp.shape, generator=gen),
+                        informative,
+                        min(n, int(informative.sum())),
+                    )
+                    for _ in range(args.random_draws)
+                ],
             }
             for rule, keeps in picks.items():
                 cos = [_cosine(_gradient(policy, batch, adv, kp), g_full) for kp in keeps]
@@ -164,18 +200,35 @@ def run(args) -> dict:
                 a = torch.zeros_like(adv)
                 a[rows] = st.kept_advantages.float()
                 row["pipeline_tokens"][name][str(prog)] = int(keep.sum())
-                row["pipeline_cos"][name][str(prog)] = _cosine(_gradient(policy, batch, a, keep), g_full) if keep.any() else 0.0
+                row["pipeline_cos"][name][str(prog)] = (
+                    _cosine(_gradient(policy, batch, a, keep), g_full) if keep.any() else 0.0
+                )
         row["seconds"] = time.perf_counter() - t0
         row["seed"] = args.seed
         out["batches"].append(row)
-        print(f"batch {b}: reward {row['reward_mean']:.2f}, {row['response_tokens']} response tokens "
-              f"({row['informative_tokens']} with A != 0), {row['seconds']:.0f} s")
-        C.print_table(["K", "kept"] + list(RULES),
-                            [[f"{k:.0%}", row["n_kept"][str(k)]] + [f"{row['cos'][r][str(k)]:.3f}" for r in RULES]
-                             for k in K_FRACS])
-        C.print_table(["selection"] + [f"progress {p}: cos (tokens)" for p in PROGRESS],
-                            [[n] + [f"{row['pipeline_cos'][n][str(p)]:.3f} ({row['pipeline_tokens'][n][str(p)]})"
-                                    for p in PROGRESS] for n in PIPELINES])
+        print(
+            f"batch {b}: reward {row['reward_mean']:.2f}, {row['response_tokens']} response tokens "
+            f"({row['informative_tokens']} with A != 0), {row['seconds']:.0f} s"
+        )
+        C.print_table(
+            ["K", "kept"] + list(RULES),
+            [
+                [f"{k:.0%}", row["n_kept"][str(k)]]
+                + [f"{row['cos'][r][str(k)]:.3f}" for r in RULES]
+                for k in K_FRACS
+            ],
+        )
+        C.print_table(
+            ["selection"] + [f"progress {p}: cos (tokens)" for p in PROGRESS],
+            [
+                [n]
+                + [
+                    f"{row['pipeline_cos'][n][str(p)]:.3f} ({row['pipeline_tokens'][n][str(p)]})"
+                    for p in PROGRESS
+                ]
+                for n in PIPELINES
+            ],
+        )
     return out
 
 
@@ -187,15 +240,25 @@ def summarize(out: dict) -> dict:
         for k in K_FRACS:
             xs = [b["cos"][r][str(k)] for b in out["batches"] if str(k) in b["cos"][r]]
             if xs:
-                summary[r][str(k)] = {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+                summary[r][str(k)] = {
+                    "mean": sum(xs) / len(xs),
+                    "min": min(xs),
+                    "max": max(xs),
+                    "n": len(xs),
+                }
     for name in PIPELINES:
         summary[f"pipeline:{name}"] = {}
         for prog in PROGRESS:
             xs = [b["pipeline_cos"][name][str(prog)] for b in out["batches"]]
             ts = [b["pipeline_tokens"][name][str(prog)] for b in out["batches"]]
             if xs:
-                summary[f"pipeline:{name}"][str(prog)] = {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs),
-                                                          "tokens_mean": sum(ts) / len(ts), "n": len(xs)}
+                summary[f"pipeline:{name}"][str(prog)] = {
+                    "mean": sum(xs) / len(xs),
+                    "min": min(xs),
+                    "max": max(xs),
+                    "tokens_mean": sum(ts) / len(ts),
+                    "n": len(xs),
+                }
     return summary
 
 
@@ -215,7 +278,9 @@ def plot(out: dict, path: str) -> None:
         ax.fill_between([100 * k for k in ks], lo, hi, color=line.get_color(), alpha=0.15)
     ax.set_xlabel("kept tokens K (% of the batch's response tokens)")
     ax.set_ylabel("cos(gradient of kept tokens, full-batch gradient)")
-    ax.set_title(f"SmolLM2-135M, basic_arithmetic_2d, {len(out['batches'])} batches (band: min-max)")
+    ax.set_title(
+        f"SmolLM2-135M, basic_arithmetic_2d, {len(out['batches'])} batches (band: min-max)"
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -229,8 +294,11 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch (x 8 rollouts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-draws", type=int, default=2)
-    p.add_argument("--append", action="store_true",
-                   help="add this run's batches to the existing results JSON (use another --seed)")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's batches to the existing results JSON (use another --seed)",
+    )
     p.add_argument("--quick", action="store_true", help="1 batch of 4 prompts, results/quick/")
     args = p.parse_args()
     if args.quick:
@@ -243,7 +311,9 @@ def main() -> None:
         with open(path) as f:
             old = json.load(f)
         if any(b.get("seed") == args.seed for b in old.get("batches", [])):
-            raise SystemExit(f"{path} already holds batches of seed {args.seed}; pass another --seed")
+            raise SystemExit(
+                f"{path} already holds batches of seed {args.seed}; pass another --seed"
+            )
         previous = old.get("batches", [])
     out = run(args)
     out["batches"] = previous + out["batches"]

@@ -41,7 +41,10 @@ def generation(a) -> dict:
     t0 = time.perf_counter()
     engine = VLLMEngine(policy, VLLMEngineConfig(dtype=a.dtype))
     start_s = time.perf_counter() - t0
-    prompts = [f"Calculate {i} + {3 * i + 1}. End your reply with 'Answer: <number>'." for i in range(a.prompts)]
+    prompts = [
+        f"Calculate {i} + {3 * i + 1}. End your reply with 'Answer: <number>'."
+        for i in range(a.prompts)
+    ]
     seeds = list(range(100, 100 + a.prompts))
     cfg = GenerationConfig(max_new_tokens=a.max_new_tokens)
     methods = {
@@ -69,9 +72,20 @@ def generation(a) -> dict:
 
 def training(a, engine: str, out: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(os.cpu_count() or 1))
-    cmd = [sys.executable, "-m", "nemo_d3s.train", f"rollout={engine}", f"output_dir={out}",
-           f"trainer.steps={a.steps}", "trainer.eval_at_start=false", "trainer.eval_every=0", "task.eval_size=8",
-           "trainer.save_every=0", "trainer.export_hf=false", "logging.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_d3s.train",
+        f"rollout={engine}",
+        f"output_dir={out}",
+        f"trainer.steps={a.steps}",
+        "trainer.eval_at_start=false",
+        "trainer.eval_every=0",
+        "task.eval_size=8",
+        "trainer.save_every=0",
+        "trainer.export_hf=false",
+        "logging.progress_bar=false",
+    ]
     if a.model != "smollm2-135m-instruct":
         cmd.append(f"model.name={a.model}")
     if engine == "vllm":
@@ -81,8 +95,13 @@ def training(a, engine: str, out: str) -> dict:
     rows = rows[1:] if len(rows) > 1 else rows  # the first step pays one-off warm-up costs
     step = median([r["time_step"] for r in rows])
     gen = median([r["time_rollout"] for r in rows])
-    return {"time_step_s": step, "time_rollout_s": gen, "rollout_share": gen / step,
-            "time_weight_sync_s": median([r.get("time_weight_sync", 0.0) for r in rows]), "steps_timed": len(rows)}
+    return {
+        "time_step_s": step,
+        "time_rollout_s": gen,
+        "rollout_share": gen / step,
+        "time_weight_sync_s": median([r.get("time_weight_sync", 0.0) for r in rows]),
+        "steps_timed": len(rows),
+    }
 
 
 def main() -> None:
@@ -93,7 +112,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="training steps per engine in part 2 (0 = skip)")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="training steps per engine in part 2 (0 = skip)"
+    )
     ap.add_argument("--quick", action="store_true", help="1 repeat, 2 steps, results/quick/")
     a = ap.parse_args()
     if a.quick:
@@ -101,29 +122,62 @@ def main() -> None:
     gen = generation(a)
     rows = []
     for k, v in gen["times_s"].items():
-        rows.append([k, f"{median(v):.2f} s", gen["response_tokens"][k], f"{gen['response_tokens'][k] / median(v):.0f}"])
+        rows.append(
+            [
+                k,
+                f"{median(v):.2f} s",
+                gen["response_tokens"][k],
+                f"{gen['response_tokens'][k] / median(v):.0f}",
+            ]
+        )
     table = print_table(["engine", "median time", "response tokens", "tokens/s"], rows)
     names = list(gen["times_s"])
     ratio = median(gen["times_s"][names[0]]) / median(gen["times_s"][names[1]])
-    print(f"vLLM vs seeded sampler: {ratio:.2f}x; engine start {gen['engine_start_s']:.1f} s; "
-          f"weight sync {median(gen['sync_s']):.2f} s")
+    print(
+        f"vLLM vs seeded sampler: {ratio:.2f}x; engine start {gen['engine_start_s']:.1f} s; "
+        f"weight sync {median(gen['sync_s']):.2f} s"
+    )
     train = {}
     if a.steps:
         with tempfile.TemporaryDirectory() as tmp:
             for engine in ("hf", "vllm"):
                 train[engine] = training(a, engine, os.path.join(tmp, engine))
-        print_table(["rollout", "step time", "generation", "share of step", "weight sync"], [
-            [k, f"{v['time_step_s']:.1f} s", f"{v['time_rollout_s']:.1f} s", f"{100 * v['rollout_share']:.0f}%",
-             f"{v['time_weight_sync_s']:.2f} s"] for k, v in train.items()])
-    write_json(NAME, {"machine": machine_info(), "config": vars(a), "generation": gen, "speedup": ratio,
-                      "table": table, "training": train}, quick=a.quick)
+        print_table(
+            ["rollout", "step time", "generation", "share of step", "weight sync"],
+            [
+                [
+                    k,
+                    f"{v['time_step_s']:.1f} s",
+                    f"{v['time_rollout_s']:.1f} s",
+                    f"{100 * v['rollout_share']:.0f}%",
+                    f"{v['time_weight_sync_s']:.2f} s",
+                ]
+                for k, v in train.items()
+            ],
+        )
+    write_json(
+        NAME,
+        {
+            "machine": machine_info(),
+            "config": vars(a),
+            "generation": gen,
+            "speedup": ratio,
+            "table": table,
+            "training": train,
+        },
+        quick=a.quick,
+    )
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3))
-    axes[0].barh(names, [gen["response_tokens"][k] / median(gen["times_s"][k]) for k in names], color=["#6a9fd4", "#1f5fa8"])
+    axes[0].barh(
+        names,
+        [gen["response_tokens"][k] / median(gen["times_s"][k]) for k in names],
+        color=["#6a9fd4", "#1f5fa8"],
+    )
     axes[0].set_xlabel("rollout tokens / s (median)")
     if train:
         eng = list(train)
@@ -133,7 +187,9 @@ def main() -> None:
         axes[1].barh(eng, rest, left=gen_s, label="rest of the step", color="#cccccc")
         axes[1].set_xlabel("seconds per training step (median)")
         axes[1].legend(fontsize=8)
-    fig.suptitle(f"{a.model}: {a.prompts} prompts x {a.samples} samples x {a.max_new_tokens} tokens")
+    fig.suptitle(
+        f"{a.model}: {a.prompts} prompts x {a.samples} samples x {a.max_new_tokens} tokens"
+    )
     fig.tight_layout()
     fig.savefig(png_path(NAME, a.quick), dpi=120)
 

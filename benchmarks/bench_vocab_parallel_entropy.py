@@ -73,7 +73,7 @@ def analytic_bytes(method: str, mode: str, n: int, v: int, tp: int, dsize: int, 
     full = n * v * dsize
     if method == "fused" or (method == "gather_core" and tp == 1):
         return core_fwd if mode == "fwd" else max(core_fwd, core_bwd)
-    gather_peak = (2 * full if tp > 1 else 0)  # the gathered parts + their concatenation
+    gather_peak = 2 * full if tp > 1 else 0  # the gathered parts + their concatenation
     held = full if tp > 1 else 0
     shard_grad = n * vr * dsize
     if method == "gather_core":
@@ -132,7 +132,9 @@ def _rank(rank, cfg):
 
     def run(method, shard, targets):
         if method == "fused":
-            return vocab_parallel_entropy_and_logprobs(shard, targets, group if tp > 1 else None, chunk_size=chunk)
+            return vocab_parallel_entropy_and_logprobs(
+                shard, targets, group if tp > 1 else None, chunk_size=chunk
+            )
         full = gather(shard)
         if method == "gather_core":
             return entropy_and_logprobs(full, targets, chunk_size=chunk)
@@ -196,7 +198,9 @@ def _rank(rank, cfg):
                     dt = time.perf_counter() - t0
                 del out
                 shard.grad = None
-                dt, gt, rd = C.max_over_ranks_vec([dt, sum(gather_seconds), rp.delta if rp.delta is not None else -1])
+                dt, gt, rd = C.max_over_ranks_vec(
+                    [dt, sum(gather_seconds), rp.delta if rp.delta is not None else -1]
+                )
                 times[combo].append(dt)
                 gtimes[combo].append(gt)
                 rss[combo].append(rd if rd >= 0 else None)
@@ -210,7 +214,9 @@ def _rank(rank, cfg):
                     "mode": mode,
                     "time_s_median": C.median(times[(m, mode)]),
                     "time_s_all": times[(m, mode)],
-                    "gather_s_median": C.median(gtimes[(m, mode)]) if m != "fused" and tp > 1 else 0.0,
+                    "gather_s_median": C.median(gtimes[(m, mode)])
+                    if m != "fused" and tp > 1
+                    else 0.0,
                     "torch_alloc_peak_bytes": int(alloc[(m, mode)]),
                     "rss_peak_delta_bytes_median": C.median(rss[(m, mode)]),
                     "rss_peak_delta_bytes_all": rss[(m, mode)],
@@ -243,32 +249,65 @@ def plot(records, cfg, path):
     dtypes = [d for d in cfg["dtypes"]]
     colors = {"fused": "#1b9e77", "gather_core": "#d95f02", "gather_naive": "#7570b3"}
     hatches = {"fp32": "", "bf16": "//"}
-    fig, axes = plt.subplots(2, len(cfg["modes"]), figsize=(6.5 * len(cfg["modes"]), 8.5), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(cfg["modes"]), figsize=(6.5 * len(cfg["modes"]), 8.5), squeeze=False
+    )
     bars = [(m, d) for d in dtypes for m in METHODS]
     width = 0.8 / len(bars)
     x = np.arange(len(tps))
     for j, mode in enumerate(cfg["modes"]):
         for i, (key, label, scale) in enumerate(
-            [("torch_alloc_peak_bytes", "extra memory per rank (GiB)", 2**30), ("time_s_median", "time (s), slowest rank, median", 1)]
+            [
+                ("torch_alloc_peak_bytes", "extra memory per rank (GiB)", 2**30),
+                ("time_s_median", "time (s), slowest rank, median", 1),
+            ]
         ):
             ax = axes[i][j]
             for b, (m, d) in enumerate(bars):
                 ys, gs = [], []
                 for tp in tps:
-                    hit = [r for r in records if r["tp"] == tp and r["method"] == m and r["dtype"] == d and r["mode"] == mode]
+                    hit = [
+                        r
+                        for r in records
+                        if r["tp"] == tp
+                        and r["method"] == m
+                        and r["dtype"] == d
+                        and r["mode"] == mode
+                    ]
                     ys.append(hit[0][key] / scale if hit else 0)
                     gs.append(hit[0]["gather_s_median"] if hit else 0)
                 xs = x + (b - (len(bars) - 1) / 2) * width
-                ax.bar(xs, ys, width, color=colors[m], hatch=hatches[d], edgecolor="black", linewidth=0.4, label=f"{m} {d}")
+                ax.bar(
+                    xs,
+                    ys,
+                    width,
+                    color=colors[m],
+                    hatch=hatches[d],
+                    edgecolor="black",
+                    linewidth=0.4,
+                    label=f"{m} {d}",
+                )
                 if i == 1 and any(gs):
-                    ax.bar(xs, gs, width, color="black", alpha=0.3, linewidth=0, label="of which all-gather" if b == 1 else None)
+                    ax.bar(
+                        xs,
+                        gs,
+                        width,
+                        color="black",
+                        alpha=0.3,
+                        linewidth=0,
+                        label="of which all-gather" if b == 1 else None,
+                    )
             ax.set_xticks(x)
             ax.set_xticklabels([f"TP={t}" + (" (oversub.)" if t > C.cores() else "") for t in tps])
             ax.set_ylabel(label)
-            ax.set_title(f"{'forward (old-policy pass)' if mode == 'fwd' else 'forward + backward (training pass)'}")
+            ax.set_title(
+                f"{'forward (old-policy pass)' if mode == 'fwd' else 'forward + backward (training pass)'}"
+            )
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[1][0].get_legend_handles_labels()
-    pairs = sorted(zip(handles, labels), key=lambda hl: hl[1] == "of which all-gather")  # stable: overlay last
+    pairs = sorted(
+        zip(handles, labels), key=lambda hl: hl[1] == "of which all-gather"
+    )  # stable: overlay last
     handles, labels = [h for h, _ in pairs], [l for _, l in pairs]
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(
@@ -283,15 +322,31 @@ def plot(records, cfg, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small vocabulary, TP 1-2, 2 repetitions (smoke test, < 60 s)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="small vocabulary, TP 1-2, 2 repetitions (smoke test, < 60 s)",
+    )
     ap.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes (default 1 2 4)")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 152064, Qwen2.5)")
+    ap.add_argument(
+        "--vocab", type=int, default=None, help="vocabulary size (default 152064, Qwen2.5)"
+    )
     ap.add_argument("--batch", type=int, default=None, help="B (default 4)")
     ap.add_argument("--seq", type=int, default=None, help="S (default 128): B*S tokens")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per method, after one untimed profiled call (default 2)")
-    ap.add_argument("--chunk-size", type=int, default=1024, help="chunk_size of both implementations (library default 1024)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed repetitions per method, after one untimed profiled call (default 2)",
+    )
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=1024,
+        help="chunk_size of both implementations (library default 1024)",
+    )
     args = ap.parse_args(argv)
 
     quick = args.quick
@@ -323,22 +378,48 @@ def main(argv=None):
 
     rows = []
     for r in records:
-        fused = [q for q in records if q["tp"] == r["tp"] and q["dtype"] == r["dtype"] and q["mode"] == r["mode"] and q["method"] == "fused"][0]
-        rows.append([
-            r["tp"], r["dtype"], r["mode"], r["method"] + (" (=fused)" if r.get("same_as") else ""),
-            f"{r['time_s_median'] * 1e3:.0f}",
-            f"{r['gather_s_median'] * 1e3:.0f}" if r["gather_s_median"] else "-",
-            f"{r['time_s_median'] / fused['time_s_median']:.2f}",
-            f"{(r['time_s_median'] - r['gather_s_median']) / fused['time_s_median']:.2f}",
-            C.fmt_bytes(r["torch_alloc_peak_bytes"]),
-            C.fmt_bytes(r["rss_peak_delta_bytes_median"]),
-            C.fmt_bytes(r["analytic_bytes"]),
-            f"{r['torch_alloc_peak_bytes'] / max(1, fused['torch_alloc_peak_bytes']):.1f}",
-            f"{max(r['agreement_vs_fused'].values()):.1e}" if r["agreement_vs_fused"] else "-",
-        ])
+        fused = [
+            q
+            for q in records
+            if q["tp"] == r["tp"]
+            and q["dtype"] == r["dtype"]
+            and q["mode"] == r["mode"]
+            and q["method"] == "fused"
+        ][0]
+        rows.append(
+            [
+                r["tp"],
+                r["dtype"],
+                r["mode"],
+                r["method"] + (" (=fused)" if r.get("same_as") else ""),
+                f"{r['time_s_median'] * 1e3:.0f}",
+                f"{r['gather_s_median'] * 1e3:.0f}" if r["gather_s_median"] else "-",
+                f"{r['time_s_median'] / fused['time_s_median']:.2f}",
+                f"{(r['time_s_median'] - r['gather_s_median']) / fused['time_s_median']:.2f}",
+                C.fmt_bytes(r["torch_alloc_peak_bytes"]),
+                C.fmt_bytes(r["rss_peak_delta_bytes_median"]),
+                C.fmt_bytes(r["analytic_bytes"]),
+                f"{r['torch_alloc_peak_bytes'] / max(1, fused['torch_alloc_peak_bytes']):.1f}",
+                f"{max(r['agreement_vs_fused'].values()):.1e}" if r["agreement_vs_fused"] else "-",
+            ]
+        )
     print()
     table = C.print_table(
-        ["TP", "dtype", "mode", "method", "ms", "of which gather ms", "time/fused", "(ms-gather)/fused", "alloc peak", "RSS peak", "analytic", "mem/fused", "max|diff| vs fused"],
+        [
+            "TP",
+            "dtype",
+            "mode",
+            "method",
+            "ms",
+            "of which gather ms",
+            "time/fused",
+            "(ms-gather)/fused",
+            "alloc peak",
+            "RSS peak",
+            "analytic",
+            "mem/fused",
+            "max|diff| vs fused",
+        ],
         rows,
     )
     for k, v in notes.items():
@@ -350,17 +431,41 @@ def main(argv=None):
     for dname in ("bf16",):
         for mode in MODES:
             for m in METHODS:
-                extrapolation.append({
-                    "tokens": ext_n, "vocab": ext_v, "dtype": dname, "chunk": cfg["chunk"], "mode": mode, "method": m,
-                    "bytes_by_tp": {str(t): analytic_bytes(m, mode, ext_n, ext_v, t, DTYPES[dname], cfg["chunk"]) for t in ext_tp},
-                })
-    print(f"\nAnalytic extra memory per rank at N={ext_n} tokens (e.g. 2 x 4096), V={ext_v}, bf16, chunk {cfg['chunk']}:")
-    C.print_table(["mode", "method"] + [f"TP={t}" for t in ext_tp],
-                  [[e["mode"], e["method"]] + [C.fmt_bytes(e["bytes_by_tp"][str(t)]) for t in ext_tp] for e in extrapolation])
+                extrapolation.append(
+                    {
+                        "tokens": ext_n,
+                        "vocab": ext_v,
+                        "dtype": dname,
+                        "chunk": cfg["chunk"],
+                        "mode": mode,
+                        "method": m,
+                        "bytes_by_tp": {
+                            str(t): analytic_bytes(
+                                m, mode, ext_n, ext_v, t, DTYPES[dname], cfg["chunk"]
+                            )
+                            for t in ext_tp
+                        },
+                    }
+                )
+    print(
+        f"\nAnalytic extra memory per rank at N={ext_n} tokens (e.g. 2 x 4096), V={ext_v}, bf16, chunk {cfg['chunk']}:"
+    )
+    C.print_table(
+        ["mode", "method"] + [f"TP={t}" for t in ext_tp],
+        [
+            [e["mode"], e["method"]] + [C.fmt_bytes(e["bytes_by_tp"][str(t)]) for t in ext_tp]
+            for e in extrapolation
+        ],
+    )
     data = {
         "benchmark": NAME,
         "machine": C.machine_info(),
-        "config": {**cfg, "tp": tps, "tokens": cfg["B"] * cfg["S"], "threads_per_rank": {str(t): C.threads_per_rank(t) for t in tps}},
+        "config": {
+            **cfg,
+            "tp": tps,
+            "tokens": cfg["B"] * cfg["S"],
+            "threads_per_rank": {str(t): C.threads_per_rank(t) for t in tps},
+        },
         "notes": {
             "oversubscription": notes,
             "time": "wall seconds of the slowest rank per call, median over interleaved repetitions (methods and modes rotate order each round)",

@@ -48,9 +48,38 @@ nan = float("nan")
 REPO = Path(__file__).resolve().parents[1]
 
 # Two-sided 97.5% Student t quantiles for 1..30 degrees of freedom (then the normal's 1.96).
-_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042]
+_T975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -68,11 +97,16 @@ def mean_ci(values: Sequence[float]) -> Tuple[float, float]:
     return m, t * sd / math.sqrt(n)
 
 
-def bootstrap_ratio(ref: Sequence[Optional[float]], other: Sequence[Optional[float]], n_boot: int = 2000,
-                    seed: int = 0) -> Dict[str, float]:
+def bootstrap_ratio(
+    ref: Sequence[Optional[float]],
+    other: Sequence[Optional[float]],
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> Dict[str, float]:
     """Ratio mean(ref) / mean(other) of the seeds that reached the threshold (None = never),
     with a 95% percentile interval from resampling seeds within each variant. A resample in
     which no seed of a variant reached it is dropped; ``valid`` says how many were kept."""
+
     def ratio(a, b):
         a, b = [x for x in a if x is not None], [x for x in b if x is not None]
         if not a or not b or sum(b) == 0:
@@ -132,7 +166,9 @@ def launch(run_dir: Path, overrides: List[str], threads: int, log_dir: Path) -> 
     with open(log_dir / f"{run_dir.name}.log", "a") as log:
         log.write(f"\n$ {shlex.join(cmd)}\n")
         log.flush()
-        return subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(
+            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        ).returncode
 
 
 def load_run(run_dir: Path) -> dict:
@@ -149,12 +185,14 @@ def load_run(run_dir: Path) -> dict:
     for e in evals:
         m = metrics.get(e["step"], {})
         eval_before = sum(float(x.get("time_eval", 0.0)) for x in evals if x["step"] < e["step"])
-        curve.append({
-            "step": e["step"],
-            "eval": e["eval_reward_mean"],
-            "tokens": m.get("update_tokens_total", 0.0),
-            "wall": max(0.0, m.get("wall_time", 0.0) - eval_before) if m else 0.0,
-        })
+        curve.append(
+            {
+                "step": e["step"],
+                "eval": e["eval_reward_mean"],
+                "tokens": m.get("update_tokens_total", 0.0),
+                "wall": max(0.0, m.get("wall_time", 0.0) - eval_before) if m else 0.0,
+            }
+        )
     steps = [m for m in metrics.values() if not m.get("skipped")]
     every = list(metrics.values())
 
@@ -176,7 +214,9 @@ def load_run(run_dir: Path) -> dict:
         "wall_time": curve[-1]["wall"] if curve else last.get("wall_time", float("nan")),
         # where a step's time goes: generation is the part no selection can shrink
         "step_time": step_time,
-        "generation_share": avg("time_rollout", every) / step_time if step_time == step_time and step_time else float("nan"),
+        "generation_share": avg("time_rollout", every) / step_time
+        if step_time == step_time and step_time
+        else float("nan"),
         "reward_mean": avg("reward_mean", every),
     }
 
@@ -185,9 +225,14 @@ def paired_difference(runs: List[dict], ref_runs: List[dict]) -> dict:
     """Final eval reward of each run minus the reference run of the same ``seed``: mean and
     95% t half-width over the pairs, and how many pairs there were. Runs without a seed or
     without a reference partner are left out."""
-    ref = {r["seed"]: r["curve"][-1]["eval"] for r in ref_runs if r.get("seed") is not None and r["curve"]}
-    diffs = [r["curve"][-1]["eval"] - ref[r["seed"]] for r in runs
-             if r.get("seed") in ref and r["curve"]]
+    ref = {
+        r["seed"]: r["curve"][-1]["eval"]
+        for r in ref_runs
+        if r.get("seed") is not None and r["curve"]
+    }
+    diffs = [
+        r["curve"][-1]["eval"] - ref[r["seed"]] for r in runs if r.get("seed") in ref and r["curve"]
+    ]
     m, h = mean_ci(diffs)
     return {"mean": m, "half_width": h, "pairs": len(diffs)}
 
@@ -217,7 +262,10 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
     threshold = None
     if ref_runs:
         steps = sorted({p["step"] for r in ref_runs for p in r["curve"]})
-        means = [mean_ci([p["eval"] for r in ref_runs for p in r["curve"] if p["step"] == s])[0] for s in steps]
+        means = [
+            mean_ci([p["eval"] for r in ref_runs for p in r["curve"] if p["step"] == s])[0]
+            for s in steps
+        ]
         if means:
             threshold = 0.99 * max(means)
     out["threshold"] = threshold
@@ -231,19 +279,37 @@ def summarize(runs: Dict[str, List[dict]], reference: str) -> dict:
         row = {"seeds": len(rs)}
         row["eval_final"] = mean_ci([r["curve"][-1]["eval"] for r in rs if r["curve"]])
         row["eval_best"] = mean_ci([max(p["eval"] for p in r["curve"]) for r in rs if r["curve"]])
-        for key in ("kept_sample_ratio", "kept_token_ratio", "kept_adv_var", "adv_var_all", "share_nonzero_adv",
-                    "update_tokens_total", "wall_time", "grad_norm", "step_time", "generation_share", "reward_mean"):
+        for key in (
+            "kept_sample_ratio",
+            "kept_token_ratio",
+            "kept_adv_var",
+            "adv_var_all",
+            "share_nonzero_adv",
+            "update_tokens_total",
+            "wall_time",
+            "grad_norm",
+            "step_time",
+            "generation_share",
+            "reward_mean",
+        ):
             row[key] = mean_ci([r.get(key, float("nan")) for r in rs])
         if out["equal_time"] is not None:
-            row["eval_at_equal_time"] = mean_ci([value_at(r["curve"], out["equal_time"]) for r in rs if r["curve"]])
-        row["grad_norm_vs_reference"] = row["grad_norm"][0] / ref_grad if ref_grad and ref_grad == ref_grad else None
+            row["eval_at_equal_time"] = mean_ci(
+                [value_at(r["curve"], out["equal_time"]) for r in rs if r["curve"]]
+            )
+        row["grad_norm_vs_reference"] = (
+            row["grad_norm"][0] / ref_grad if ref_grad and ref_grad == ref_grad else None
+        )
         row["eval_final_minus_reference"] = paired_difference(rs, ref_runs)
         if threshold is not None:
             for key, label in (("wall", "time_to_threshold"), ("tokens", "tokens_to_threshold")):
                 mine = [time_to(r["curve"], threshold, key) for r in rs]
                 ref = [time_to(r["curve"], threshold, key) for r in ref_runs]
-                row[label] = {"reached": sum(x is not None for x in mine), "values": mine,
-                              "speedup_vs_reference": bootstrap_ratio(ref, mine)}
+                row[label] = {
+                    "reached": sum(x is not None for x in mine),
+                    "values": mine,
+                    "speedup_vs_reference": bootstrap_ratio(ref, mine),
+                }
         out["variants"][name] = row
     return out
 
@@ -278,8 +344,12 @@ def table_md(summary: dict) -> str:
         + (f" = {th:.3f}." if th is not None else " (no reference runs)."),
         f"Speed-up = {ref}'s mean / the variant's mean, seed bootstrap 95% interval; "
         "reached = seeds that got there. Wall times leave out evaluation. "
-        + (f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the training time of the "
-           "shortest run (linear between evaluations). " if summary.get("equal_time") else "")
+        + (
+            f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the training time of the "
+            "shortest run (linear between evaluations). "
+            if summary.get("equal_time")
+            else ""
+        )
         + f"Final - {ref} = final eval reward minus {ref}'s of the same seed, mean ± 95% interval (pairs).",
         "",
         f"| variant | seeds | eval final | final - {ref} (paired) | eval best | eval @ equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
@@ -316,8 +386,11 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> None:
         steps = sorted({p["step"] for r in rs for p in r["curve"]})
         if not steps:
             continue
-        for ax, key, label in zip(axes, ("step", "tokens", "wall"),
-                                  ("step", "loss-carrying update tokens", "training wall time (s, evaluation left out)")):
+        for ax, key, label in zip(
+            axes,
+            ("step", "tokens", "wall"),
+            ("step", "loss-carrying update tokens", "training wall time (s, evaluation left out)"),
+        ):
             xs, ms, hs = [], [], []
             for s in steps:
                 pts = [p for r in rs for p in r["curve"] if p["step"] == s]
@@ -327,8 +400,13 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> None:
                 hs.append(0.0 if h != h else h)
             line = ax.plot(xs, ms, marker="o", label=f"{name} ({len(rs)} seeds)")[0]
             # rewards live in [0, 1]: a two-seed t interval can reach far outside it
-            ax.fill_between(xs, [max(0.0, m - h) for m, h in zip(ms, hs)], [min(1.0, m + h) for m, h in zip(ms, hs)],
-                            color=line.get_color(), alpha=0.12)
+            ax.fill_between(
+                xs,
+                [max(0.0, m - h) for m, h in zip(ms, hs)],
+                [min(1.0, m + h) for m, h in zip(ms, hs)],
+                color=line.get_color(),
+                alpha=0.12,
+            )
             lows.extend(ms)
             highs.extend(ms)
             ax.set_xlabel(label)
@@ -347,18 +425,43 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     extra: List[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default="grpo,pods,d3s", help="comma-separated d3s presets (each = variant d3s=P)")
-    p.add_argument("--variant", action="append", default=[], metavar='NAME="OVERRIDES"',
-                   help="an extra variant: a name and the Hydra overrides that define it (repeatable)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per variant (from --first-seed)")
-    p.add_argument("--first-seed", type=int, default=0,
-                   help="seeds first..first+N-1: e.g. only the runs that shared the machine in one session")
+        argv, extra = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--presets",
+        default="grpo,pods,d3s",
+        help="comma-separated d3s presets (each = variant d3s=P)",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='NAME="OVERRIDES"',
+        help="an extra variant: a name and the Hydra overrides that define it (repeatable)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=3, help="seeds 0..N-1 per variant (from --first-seed)"
+    )
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="seeds first..first+N-1: e.g. only the runs that shared the machine in one session",
+    )
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (threads per run = cores / jobs)")
-    p.add_argument("--reference", default="grpo", help="the variant time-to-threshold is measured against")
-    p.add_argument("--report-only", action="store_true", help="write the table from the runs there, run nothing")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs at once (threads per run = cores / jobs)"
+    )
+    p.add_argument(
+        "--reference", default="grpo", help="the variant time-to-threshold is measured against"
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write the table from the runs there, run nothing",
+    )
     args = p.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or args.first_seed < 0:
         p.error("--seeds and --jobs must be >= 1, --first-seed >= 0")
@@ -386,15 +489,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.report_only:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         todo = [(n, s) for n, s in jobs if run_state(runs_dir / f"{n}_s{s}") != "done"]
-        print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already finished; {len(todo)} to run, {args.jobs} at a time")
+        print(
+            f"{len(jobs)} runs, {len(jobs) - len(todo)} already finished; {len(todo)} to run, {args.jobs} at a time"
+        )
         t0 = time.perf_counter()
 
         def one(job):
             name, seed = job
-            rc = launch(runs_dir / f"{name}_s{seed}", [*variants[name], f"seed={seed}", *extra], threads, logs)
+            rc = launch(
+                runs_dir / f"{name}_s{seed}",
+                [*variants[name], f"seed={seed}", *extra],
+                threads,
+                logs,
+            )
             # 75 = nemo_d3s.train.EXIT_INTERRUPTED: stopped at a checkpoint by a signal
-            verdict = ("ok" if rc == 0 else "interrupted (exit 75): rerun to resume it" if rc == 75
-                       else f"FAILED (exit {rc}), see {logs}/{name}_s{seed}.log")
+            verdict = (
+                "ok"
+                if rc == 0
+                else "interrupted (exit 75): rerun to resume it"
+                if rc == 75
+                else f"FAILED (exit {rc}), see {logs}/{name}_s{seed}.log"
+            )
             print(f"  {name} seed {seed}: {verdict} [{time.perf_counter() - t0:.0f} s]", flush=True)
             return rc
 
@@ -402,8 +517,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             codes = list(pool.map(one, todo))
         if any(codes):
             print("some runs failed; rerun the same command to retry them", file=sys.stderr)
-    loaded = {n: [{**load_run(runs_dir / f"{n}_s{s}"), "seed": s} for s in seeds
-                  if run_state(runs_dir / f"{n}_s{s}") == "done"] for n in variants}
+    loaded = {
+        n: [
+            {**load_run(runs_dir / f"{n}_s{s}"), "seed": s}
+            for s in seeds
+            if run_state(runs_dir / f"{n}_s{s}") == "done"
+        ]
+        for n in variants
+    }
     loaded = {n: rs for n, rs in loaded.items() if rs}
     summary = summarize(loaded, args.reference)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,24 @@ EVIDENCE = RESULTS / "evidence"
 README, EVIDENCE_DOC = "README.md", "docs/evidence.md"
 
 # The main table's rows, in the document's order.
-VARIANTS = ("grpo", "d3s", "d3s_i", "gspo_d3s", "d3s_m0", "d3s_i_m0", "gspo_d3s_m0", "d3s_m128", "d3s_paper_m0",
-            "d3s_eligible_m0", "d2s", "d1s", "d1s_cross", "pods", "grpo_m2", "d3s_i_tiebreak_m0")
+VARIANTS = (
+    "grpo",
+    "d3s",
+    "d3s_i",
+    "gspo_d3s",
+    "d3s_m0",
+    "d3s_i_m0",
+    "gspo_d3s_m0",
+    "d3s_m128",
+    "d3s_paper_m0",
+    "d3s_eligible_m0",
+    "d2s",
+    "d1s",
+    "d1s_cross",
+    "pods",
+    "grpo_m2",
+    "d3s_i_tiebreak_m0",
+)
 PER_SEED = ("grpo", "d3s", "d3s_m0", "d1s_cross", "pods", "grpo_m2")
 
 
@@ -42,8 +58,11 @@ def _json(path: Path) -> dict:
 
 
 def _runs(name: str, seeds=range(5)) -> List[dict]:
-    return [{**load_run(EVIDENCE / "runs" / f"{name}_s{s}"), "seed": s} for s in seeds
-            if (EVIDENCE / "runs" / f"{name}_s{s}" / "summary.json").is_file()]
+    return [
+        {**load_run(EVIDENCE / "runs" / f"{name}_s{s}"), "seed": s}
+        for s in seeds
+        if (EVIDENCE / "runs" / f"{name}_s{s}" / "summary.json").is_file()
+    ]
 
 
 def _pm(mc, digits=3, sign=False) -> str:
@@ -68,10 +87,22 @@ def main_table_rows(table: dict) -> List[str]:
             paired = f"{diff['mean']:+.3f} (1 pair)"
         else:
             paired = _pm((diff["mean"], diff["half_width"]), sign=True)
-        out.append(" | ".join([
-            f"| `{name}`", str(n), _pm(v["eval_final"]), paired, f"{v['kept_sample_ratio'][0]:.2f}",
-            f"{v['kept_token_ratio'][0]:.2f}", _k(v["update_tokens_total"][0]), f"{v['grad_norm_vs_reference']:.1f}",
-            f"{v['generation_share'][0]:.2f}", f"{v['time_to_threshold']['reached']} of {n} |"]))
+        out.append(
+            " | ".join(
+                [
+                    f"| `{name}`",
+                    str(n),
+                    _pm(v["eval_final"]),
+                    paired,
+                    f"{v['kept_sample_ratio'][0]:.2f}",
+                    f"{v['kept_token_ratio'][0]:.2f}",
+                    _k(v["update_tokens_total"][0]),
+                    f"{v['grad_norm_vs_reference']:.1f}",
+                    f"{v['generation_share'][0]:.2f}",
+                    f"{v['time_to_threshold']['reached']} of {n} |",
+                ]
+            )
+        )
     return out
 
 
@@ -119,34 +150,71 @@ def claims() -> List[Tuple[str, str]]:
     ev = main["eval"]
     d3s_step = table["variants"]["d3s"]["step_time"][0]
     out += [
-        (README, f"**{sps['median']:.0f} s per step** (median of {main['steps']}; {sps['min']:.0f}-{sps['max']:.0f} s)"),
+        (
+            README,
+            f"**{sps['median']:.0f} s per step** (median of {main['steps']}; {sps['min']:.0f}-{sps['max']:.0f} s)",
+        ),
         (README, f"{d3s_step:.0f} s per step"),
-        (README, " | ".join(["| eval reward (greedy, 256 problems)", *(f"{e['reward']:.2f}" for e in ev)]) + " |"),
-        (README, f"{main['train_seconds']:.0f} s of steps and {main['eval_seconds']:.0f} s of evaluation"),
-        (README, "{:.0%} rollout generation, {:.0%} update, {:.0%} the log-prob/entropy pass".format(
-            main["step_time_share"]["rollout"], main["step_time_share"]["update"], main["step_time_share"]["logprob"])),
+        (
+            README,
+            " | ".join(
+                ["| eval reward (greedy, 256 problems)", *(f"{e['reward']:.2f}" for e in ev)]
+            )
+            + " |",
+        ),
+        (
+            README,
+            f"{main['train_seconds']:.0f} s of steps and {main['eval_seconds']:.0f} s of evaluation",
+        ),
+        (
+            README,
+            "{:.0%} rollout generation, {:.0%} update, {:.0%} the log-prob/entropy pass".format(
+                main["step_time_share"]["rollout"],
+                main["step_time_share"]["update"],
+                main["step_time_share"]["logprob"],
+            ),
+        ),
         (README, f"peak memory (RSS) **{mem['peak_rss_bytes'] / 2**30:.1f} GiB**"),
         (README, f"checkpoint is {mem['disk_bytes']['one_checkpoint'] / 1e9:.1f} GB"),
         (README, f"the Hugging Face export {mem['disk_bytes']['hf_export'] / 1e9:.1f} GB"),
-        (README, "export, about {:.1f} GB".format(
-            (2 * mem["disk_bytes"]["one_checkpoint"] + mem["disk_bytes"]["hf_export"]) / 1e9)),
-        (README, f"it took {mem['s_per_step']['min']:.0f}-{mem['s_per_step']['max']:.0f} s per step"),
-        (README, f"{main['update_tokens_total'] / 1000:.1f}k loss-carrying tokens against "
-                 f"{main['rollout_tokens_total'] / 1000:.0f}k generated"),
+        (
+            README,
+            "export, about {:.1f} GB".format(
+                (2 * mem["disk_bytes"]["one_checkpoint"] + mem["disk_bytes"]["hf_export"]) / 1e9
+            ),
+        ),
+        (
+            README,
+            f"it took {mem['s_per_step']['min']:.0f}-{mem['s_per_step']['max']:.0f} s per step",
+        ),
+        (
+            README,
+            f"{main['update_tokens_total'] / 1000:.1f}k loss-carrying tokens against "
+            f"{main['rollout_tokens_total'] / 1000:.0f}k generated",
+        ),
     ]
     # The README's summary of the evidence.
     tvar = table["variants"]
-    d3s_d, pods_d = tvar["d3s"]["eval_final_minus_reference"], tvar["pods"]["eval_final_minus_reference"]
+    d3s_d, pods_d = (
+        tvar["d3s"]["eval_final_minus_reference"],
+        tvar["pods"]["eval_final_minus_reference"],
+    )
     m0 = tvar["d3s_m0"]["eval_final_minus_reference"]["mean"]
     finals = [r["curve"][-1]["eval"] for r in _runs("d3s")]
     timing_v = _json(EVIDENCE / "timing" / "table.json")["variants"]
     out += [
-        (README, f"(same-seed difference {_pm((d3s_d['mean'], d3s_d['half_width']), sign=True)} over "
-                 f"{d3s_d['pairs']} seeds) on {tvar['d3s']['update_tokens_total'][0] / tvar['grpo']['update_tokens_total'][0]:.0%}"
-                 " of GRPO's update tokens"),
+        (
+            README,
+            f"(same-seed difference {_pm((d3s_d['mean'], d3s_d['half_width']), sign=True)} over "
+            f"{d3s_d['pairs']} seeds) on {tvar['d3s']['update_tokens_total'][0] / tvar['grpo']['update_tokens_total'][0]:.0%}"
+            " of GRPO's update tokens",
+        ),
         (README, f"it trails by {-m0:.2f}"),
         (README, f"ends below GRPO ({_pm((pods_d['mean'], pods_d['half_width']), sign=True)})"),
-        (README, f"a D3S step costs {timing_v['d3s']['step_time'][0] / timing_v['grpo']['step_time'][0]:.2f} of a GRPO step"),
+        (
+            README,
+            f"a D3S step costs {timing_v['d3s']['step_time'][0] / timing_v['grpo']['step_time'][0]:.2f} of a GRPO step",
+        ),
         (README, f"D3S's eval at step 20 spans {min(finals):.2f}-{max(finals):.2f}"),
     ]
     out += [(EVIDENCE_DOC, row) for row in main_table_rows(table)]
@@ -156,18 +224,41 @@ def claims() -> List[Tuple[str, str]]:
     out.append((EVIDENCE_DOC, f"{lo}-{hi} eligible tokens"))
     out.append((EVIDENCE_DOC, f"{floored} of the {updates} updates"))
     nz = {n: mean_ci([r["share_nonzero_adv"] for r in _runs(n)])[0] for n in ("d1s_cross", "grpo")}
-    out.append((EVIDENCE_DOC, f"A != 0 is {nz['d1s_cross']:.2f} of its kept rollouts against {nz['grpo']:.2f} of GRPO's"))
+    out.append(
+        (
+            EVIDENCE_DOC,
+            f"A != 0 is {nz['d1s_cross']:.2f} of its kept rollouts against {nz['grpo']:.2f} of GRPO's",
+        )
+    )
     pods = paired_difference(_runs("pods"), _runs("grpo_m2"))
-    out.append((EVIDENCE_DOC, f"PODS minus `grpo_m2`, same seed: {_pm((pods['mean'], pods['half_width']), sign=True)}"))
+    out.append(
+        (
+            EVIDENCE_DOC,
+            f"PODS minus `grpo_m2`, same seed: {_pm((pods['mean'], pods['half_width']), sign=True)}",
+        )
+    )
     elig = paired_difference(_runs("d3s_eligible_m0", range(3)), _runs("d3s_m0", range(3)))
     out.append((EVIDENCE_DOC, f"({_pm((elig['mean'], elig['half_width']), sign=True)}, same seed)"))
     tv = timing["variants"]
-    ratio = tv["d3s"]["step_time"][0] / tv["grpo"]["step_time"][0], tv["d1s_cross"]["step_time"][0] / tv["grpo"]["step_time"][0]
-    out.append((EVIDENCE_DOC, f"A D3S step with the floor costs {ratio[0]:.2f} of a GRPO step here, a `d1s_cross` step {ratio[1]:.2f}"))
+    ratio = (
+        tv["d3s"]["step_time"][0] / tv["grpo"]["step_time"][0],
+        tv["d1s_cross"]["step_time"][0] / tv["grpo"]["step_time"][0],
+    )
+    out.append(
+        (
+            EVIDENCE_DOC,
+            f"A D3S step with the floor costs {ratio[0]:.2f} of a GRPO step here, a `d1s_cross` step {ratio[1]:.2f}",
+        )
+    )
     out.append((EVIDENCE_DOC, f"after the same {timing['equal_time']:.0f} s of training"))
     share = table["variants"]["grpo"]["generation_share"][0]
-    out.append((EVIDENCE_DOC, f"~{share:.0%} of a GRPO step here, so no selection rule could make a step more than "
-                              f"~{1 / share:.1f}x faster"))
+    out.append(
+        (
+            EVIDENCE_DOC,
+            f"~{share:.0%} of a GRPO step here, so no selection rule could make a step more than "
+            f"~{1 / share:.1f}x faster",
+        )
+    )
     return out
 
 

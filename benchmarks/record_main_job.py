@@ -39,11 +39,19 @@ REPO = HERE.parent
 
 
 def _rows(path: Path) -> List[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.is_file()
+        else []
+    )
 
 
 def _du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) if path.exists() else 0
+    return (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+        if path.exists()
+        else 0
+    )
 
 
 def summarize(run_dir: Path) -> dict:
@@ -58,17 +66,31 @@ def summarize(run_dir: Path) -> dict:
     def share(key: str) -> float:
         return round(sum(float(r.get(key, 0.0)) for r in steps) / total, 3)
 
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    summary = (
+        json.loads((run_dir / "summary.json").read_text())
+        if (run_dir / "summary.json").is_file()
+        else {}
+    )
     return {
         "steps": len(steps),
-        "s_per_step": {"median": round(statistics.median(t), 2), "min": round(min(t), 2), "max": round(max(t), 2),
-                       "mean": round(total / len(t), 2)},
-        "step_time_share": {"rollout": share("time_rollout"), "logprob": share("time_logprob"),
-                            "update": share("time_update")},
+        "s_per_step": {
+            "median": round(statistics.median(t), 2),
+            "min": round(min(t), 2),
+            "max": round(max(t), 2),
+            "mean": round(total / len(t), 2),
+        },
+        "step_time_share": {
+            "rollout": share("time_rollout"),
+            "logprob": share("time_logprob"),
+            "update": share("time_update"),
+        },
         "train_seconds": round(total, 1),
         "eval_seconds": round(sum(float(e.get("time_eval", 0.0)) for e in evals), 1),
         "wall_seconds_in_summary": summary.get("wall_time"),
-        "eval": [{"step": e["step"], "reward": e["eval_reward_mean"], "n": e.get("eval_n")} for e in evals],
+        "eval": [
+            {"step": e["step"], "reward": e["eval_reward_mean"], "n": e.get("eval_n")}
+            for e in evals
+        ],
         "update_tokens_total": summary.get("update_tokens_total"),
         "rollout_tokens_total": summary.get("rollout_tokens_total"),
     }
@@ -76,8 +98,14 @@ def summarize(run_dir: Path) -> dict:
 
 def run(out_dir: Path, overrides: Sequence[str]) -> dict:
     """Train in a child process and add peak RSS, wall clock and disk to its summary."""
-    cmd = [sys.executable, "-m", "nemo_d3s.train", *overrides, f"output_dir={out_dir}",
-           "logging.progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_d3s.train",
+        *overrides,
+        f"output_dir={out_dir}",
+        "logging.progress_bar=false",
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO)
     wall = time.perf_counter() - t0
@@ -86,14 +114,19 @@ def run(out_dir: Path, overrides: Sequence[str]) -> dict:
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: KiB
     ckpts = sorted((out_dir / "checkpoints").glob("step_*"))
     record = summarize(out_dir)
-    record.update({
-        "command": " ".join(["python -m nemo_d3s.train", *overrides]),
-        "wall_seconds": round(wall, 1),
-        "peak_rss_bytes": peak_kib * 1024,
-        "disk_bytes": {"total": _du(out_dir), "checkpoints_kept": len(ckpts),
-                       "one_checkpoint": _du(ckpts[-1]) if ckpts else 0,
-                       "hf_export": _du(out_dir / "hf_export")},
-    })
+    record.update(
+        {
+            "command": " ".join(["python -m nemo_d3s.train", *overrides]),
+            "wall_seconds": round(wall, 1),
+            "peak_rss_bytes": peak_kib * 1024,
+            "disk_bytes": {
+                "total": _du(out_dir),
+                "checkpoints_kept": len(ckpts),
+                "one_checkpoint": _du(ckpts[-1]) if ckpts else 0,
+                "hf_export": _du(out_dir / "hf_export"),
+            },
+        }
+    )
     return record
 
 
@@ -102,17 +135,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extra: List[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("run", help="train the main job and record it")
     r.add_argument("--out", required=True, type=Path, help="the JSON record to write")
-    r.add_argument("--run-dir", type=Path, default=None, help="where the run writes (default: a folder beside --out,"
-                   " removed afterwards)")
+    r.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="where the run writes (default: a folder beside --out, removed afterwards)",
+    )
     s = sub.add_parser("summarize", help="record an existing run folder")
     s.add_argument("run_dir", type=Path)
     s.add_argument("--out", required=True, type=Path)
-    s.add_argument("--machine", required=True, help="the machine the run ran on, in words (not this one's)")
+    s.add_argument(
+        "--machine", required=True, help="the machine the run ran on, in words (not this one's)"
+    )
     args = p.parse_args(argv)
     if args.mode == "run":
         run_dir = args.run_dir or args.out.with_name(args.out.stem + "_run")
@@ -122,10 +161,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.run_dir is None:
             shutil.rmtree(run_dir)
     else:
-        record = {"command": f"(records of an earlier run: {args.run_dir})", **summarize(args.run_dir),
-                  "machine": {"described": args.machine}}
+        record = {
+            "command": f"(records of an earlier run: {args.run_dir})",
+            **summarize(args.run_dir),
+            "machine": {"described": args.machine},
+        }
     if args.mode == "run":
-        record["machine"] = {k: v for k, v in machine_info().items() if k not in ("argv", "git", "date_utc")}
+        record["machine"] = {
+            k: v for k, v in machine_info().items() if k not in ("argv", "git", "date_utc")
+        }
         record["machine"]["omp_num_threads"] = os.environ.get("OMP_NUM_THREADS")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -135,8 +135,10 @@ def main() -> int:
     ids, response_mask, group_ids, rewards = generate_rollouts(
         model, n_prompts, G, prompt_len=5, max_new=24, vocab_size=V, gen=gen
     )
-    print(f"rollouts: {ids.shape[0]} = {n_prompts} prompts x G={G}, {int(response_mask.sum())} response tokens, "
-          f"mean reward {rewards.mean():.2f}")
+    print(
+        f"rollouts: {ids.shape[0]} = {n_prompts} prompts x G={G}, {int(response_mask.sum())} response tokens, "
+        f"mean reward {rewards.mean():.2f}"
+    )
 
     # 2. sample selection: advantages on full groups, keep N per prompt ------------------
     stage = selector.select_samples(rewards, group_ids, args.progress)
@@ -146,8 +148,10 @@ def main() -> int:
         print("every group had equal rewards: update skipped")
         return 0
     rows = stage.kept_rows
-    print(f"sample selection ({args.preset}): kept {rows.numel()}/{ids.shape[0]} rollouts, "
-          f"Var(A) of kept {stage.metrics['kept_adv_var']:.3f}")
+    print(
+        f"sample selection ({args.preset}): kept {rows.numel()}/{ids.shape[0]} rollouts, "
+        f"Var(A) of kept {stage.metrics['kept_adv_var']:.3f}"
+    )
 
     # 3. old log-probs + entropy of the kept rows, one no-grad pass -----------------------
     # (A real trainer does this in micro-batches too; both are per-row quantities.)
@@ -169,7 +173,9 @@ def main() -> int:
     cut = int(kept_lengths(token_keep[live]).max())
     c_ids, c_mask = kept_ids[live, :cut], token_keep[live, :cut]
     c_old, c_adv = old_logprobs[live, :cut], stage.kept_advantages[live]
-    print(f"compaction: {live.numel()} rows x {cut} positions (from {kept_ids.shape[0]} x {kept_ids.shape[1]})")
+    print(
+        f"compaction: {live.numel()} rows x {cut} positions (from {kept_ids.shape[0]} x {kept_ids.shape[1]})"
+    )
 
     # 6. global denominator, fixed before the micro-batch loop ---------------------------
     mbs = micro_batches(live.numel(), args.micro_batch_size)
@@ -186,8 +192,13 @@ def main() -> int:
         mb_cut = int(kept_lengths(c_mask[mb]).max())
         logprobs, _ = token_logprobs_and_entropy(model, c_ids[mb, :mb_cut])
         out = policy_loss(
-            args.loss, logprobs, c_old[mb, :mb_cut], c_adv[mb], c_mask[mb, :mb_cut],
-            cfg=loss_cfg, denominator=denominator,
+            args.loss,
+            logprobs,
+            c_old[mb, :mb_cut],
+            c_adv[mb],
+            c_mask[mb, :mb_cut],
+            cfg=loss_cfg,
+            denominator=denominator,
         )
         out.loss.backward()  # gradients accumulate in .grad across micro-batches
         total_loss += float(out.loss.detach())
@@ -199,26 +210,37 @@ def main() -> int:
     # own denominator. Same value and gradient => compaction + micro-batching are exact.
     logprobs, _ = token_logprobs_and_entropy(model, kept_ids)
     full = policy_loss(
-        args.loss, logprobs, old_logprobs, stage.kept_advantages, token_keep,
-        cfg=loss_cfg, denominator=loss_denominator(token_keep, args.aggregation),
+        args.loss,
+        logprobs,
+        old_logprobs,
+        stage.kept_advantages,
+        token_keep,
+        cfg=loss_cfg,
+        denominator=loss_denominator(token_keep, args.aggregation),
     )
     full_grads = torch.autograd.grad(full.loss, list(model.parameters()))
     # fp32 sums in a different order: agreement to rounding, not bit for bit.
     try:
-        torch.testing.assert_close(torch.tensor(total_loss), full.loss.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            torch.tensor(total_loss), full.loss.detach(), rtol=1e-5, atol=1e-7
+        )
         for g_micro, g_full in zip(micro_grads, full_grads):
             torch.testing.assert_close(g_micro, g_full, rtol=1e-4, atol=1e-7)
     except AssertionError as e:
         print(f"CHECK FAILED: micro-batched gradient != full-batch gradient\n{e}", file=sys.stderr)
         return 1
     grad_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in micro_grads))
-    print(f"check: {len(mbs)} micro-batches give the full-batch loss and gradient "
-          f"(loss {total_loss:.6f}, |grad| {grad_norm:.6f})")
+    print(
+        f"check: {len(mbs)} micro-batches give the full-batch loss and gradient "
+        f"(loss {total_loss:.6f}, |grad| {grad_norm:.6f})"
+    )
 
     optimizer.step()
     m = finalize_metrics(summed)
-    print(f"optimizer step done: loss={args.loss} aggregation={args.aggregation} denominator={denominator:g} "
-          f"tokens={int(m['token_count'])} clip_frac={m['clip_frac_low'] + m['clip_frac_high']:.3f}")
+    print(
+        f"optimizer step done: loss={args.loss} aggregation={args.aggregation} denominator={denominator:g} "
+        f"tokens={int(m['token_count'])} clip_frac={m['clip_frac_low'] + m['clip_frac_high']:.3f}"
+    )
     return 0
 
 

@@ -27,7 +27,10 @@ class ParityTask(Task):
 
     @staticmethod
     def _problem(n: int) -> Problem:
-        return Problem(prompt=f"Is {n} even or odd? Answer with one word.", answer="even" if n % 2 == 0 else "odd")
+        return Problem(
+            prompt=f"Is {n} even or odd? Answer with one word.",
+            answer="even" if n % 2 == 0 else "odd",
+        )
 
     def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
         rng = as_rng(rng)
@@ -42,10 +45,15 @@ class ParityTask(Task):
 
 
 def main(out_dir: str) -> None:
-    cfg = compose_config([
-        "experiment=smoke",  # tiny random model: add model.name=smollm2-135m-instruct to learn for real
-        "task.name=parity", "task.eval_size=8", "trainer.steps=6", f"output_dir={out_dir}",
-    ])
+    cfg = compose_config(
+        [
+            "experiment=smoke",  # tiny random model: add model.name=smollm2-135m-instruct to learn for real
+            "task.name=parity",
+            "task.eval_size=8",
+            "trainer.steps=6",
+            f"output_dir={out_dir}",
+        ]
+    )
     cfg.task.params = {"n_eval": 8}  # replace (not merge with) the tiny task's options
     state = train(cfg)
     print(f"trained {state.step} steps; metrics in {out_dir}/metrics.jsonl")

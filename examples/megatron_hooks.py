@@ -65,7 +65,9 @@ from nemo_d3s.distributed import global_top_k_mask, vocab_parallel_entropy_and_l
 
 
 # ------------------------------------------------------------------------- the two hooks
-def old_policy_logprobs_and_entropy(logits_sbv: torch.Tensor, input_ids: torch.Tensor, vocab_size: int):
+def old_policy_logprobs_and_entropy(
+    logits_sbv: torch.Tensor, input_ids: torch.Tensor, vocab_size: int
+):
     """Hook 1, called on the last pipeline stage in the no-grad old-policy pass.
 
     logits_sbv [S, B, V_padded/TP] (Megatron's layout, this rank's vocabulary slice);
@@ -82,7 +84,9 @@ def old_policy_logprobs_and_entropy(logits_sbv: torch.Tensor, input_ids: torch.T
     return align_to_tokens(logprobs), align_to_tokens(entropy)
 
 
-def select_tokens_dp_global(advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor, k_frac: float):
+def select_tokens_dp_global(
+    advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor, k_frac: float
+):
     """Hook 2, called once per optimizer step on every rank, after sample selection.
 
     advantages [B] (this rank's kept samples), entropy, eligible [B, S] -> token_keep
@@ -109,20 +113,27 @@ def padded_vocab(vocab_size: int, tp: int, divisible_by: int = 8) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (must divide the world size)")
+    ap.add_argument(
+        "--tp", type=int, default=2, help="tensor-parallel size (must divide the world size)"
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--k-frac", type=float, default=0.2, help="K: fraction of eligible tokens kept")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     if "RANK" not in os.environ:
-        print("launch with torchrun, e.g.: torchrun --nproc_per_node=2 examples/megatron_hooks.py", file=sys.stderr)
+        print(
+            "launch with torchrun, e.g.: torchrun --nproc_per_node=2 examples/megatron_hooks.py",
+            file=sys.stderr,
+        )
         return 2
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device(args.device)
     # A short timeout: a broken demo should fail, not hang for Megatron's default 30 minutes.
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl" if args.device == "cuda" else "gloo", timeout=timedelta(seconds=120)
+    )
     world = dist.get_world_size()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
@@ -135,8 +146,14 @@ def main() -> int:
 
 
 def run_checks(args, device: torch.device) -> int:
-    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    tp, tp_rank = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+    )
+    dp, dp_rank = (
+        parallel_state.get_data_parallel_world_size(),
+        parallel_state.get_data_parallel_rank(),
+    )
     rank0 = dist.get_rank() == 0
 
     # Every rank draws the same GLOBAL batch from one seed and keeps its own part of it:
@@ -168,38 +185,55 @@ def run_checks(args, device: torch.device) -> int:
     align_to_tokens(ref_lp).sum().backward()
     ref_grad = torch.zeros(S, b, Vp)
     ref_grad[:, :, :V] = ref_logits.grad.transpose(0, 1)  # padding columns: zero gradient
-    torch.testing.assert_close(old_lp.detach().cpu(), align_to_tokens(ref_lp).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        old_lp.detach().cpu(), align_to_tokens(ref_lp).detach(), rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(ent.cpu(), align_to_tokens(ref_ent), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(local_logits.grad.cpu(), ref_grad[:, :, cols], rtol=1e-5, atol=1e-6)
     dist.barrier()
     if rank0:
-        print(f"hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference "
-              f"(TP={tp}, vocab {V} padded to {Vp}, logits [S={S}, B={b}, V/TP={Vp // tp}] per rank); "
-              f"gradients match too")
+        print(
+            f"hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference "
+            f"(TP={tp}, vocab {V} padded to {Vp}, logits [S={S}, B={b}, V/TP={Vp // tp}] per rank); "
+            f"gradients match too"
+        )
 
     # Hook 2 ------------------------------------------------------------------------------
     # Same scores as the reference: use the reference entropy of ALL rows, so the single-process
     # top-k can be computed on the concatenated batch.
-    all_ent = align_to_tokens(entropy_and_logprobs(full_logits[:, :, :V].transpose(0, 1)[:, :-1], ids[:, 1:])[0])
-    keep = select_tokens_dp_global(advantages[rows].to(device), all_ent[rows].to(device), local_elig, args.k_frac)
+    all_ent = align_to_tokens(
+        entropy_and_logprobs(full_logits[:, :, :V].transpose(0, 1)[:, :-1], ids[:, 1:])[0]
+    )
+    keep = select_tokens_dp_global(
+        advantages[rows].to(device), all_ent[rows].to(device), local_elig, args.k_frac
+    )
 
     k = n_tokens_to_keep(int(eligible.sum()), args.k_frac)
     ref_keep = top_k_mask(token_scores(advantages, all_ent, eligible), eligible, k)
     if not torch.equal(keep.cpu(), ref_keep[rows]):
-        print(f"rank {dist.get_rank()}: global top-k differs from the single-process top-k", file=sys.stderr)
+        print(
+            f"rank {dist.get_rank()}: global top-k differs from the single-process top-k",
+            file=sys.stderr,
+        )
         return 1
     # What a per-rank top-k (each rank keeps K of its own tokens, no collective) would do
     # instead: a different set whenever the ranks' score distributions differ.
     local_scores = token_scores(advantages[rows], all_ent[rows], eligible[rows])
-    per_rank = top_k_mask(local_scores, eligible[rows], n_tokens_to_keep(int(eligible[rows].sum()), args.k_frac))
+    per_rank = top_k_mask(
+        local_scores, eligible[rows], n_tokens_to_keep(int(eligible[rows].sum()), args.k_frac)
+    )
     counts = torch.tensor([int(keep.sum()), int((per_rank != keep.cpu()).sum())], device=device)
     dist.all_reduce(counts)  # over the world: each TP replica counts the same DP rows
     n_kept, n_differ = (int(c) // tp for c in counts)
     if rank0:
-        print(f"hook 2: global top-k over DP={dp} keeps {n_kept}/{int(eligible.sum())} tokens "
-              f"(K={args.k_frac}), the same tokens as the single-process top-k on the whole batch")
+        print(
+            f"hook 2: global top-k over DP={dp} keeps {n_kept}/{int(eligible.sum())} tokens "
+            f"(K={args.k_frac}), the same tokens as the single-process top-k on the whole batch"
+        )
         if dp > 1:
-            print(f"        a per-rank top-k would have changed {n_differ} of these token decisions")
+            print(
+                f"        a per-rank top-k would have changed {n_differ} of these token decisions"
+            )
         print("megatron hooks OK")
     return 0
 

@@ -73,8 +73,12 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=48, help="longest response, tokens")
     ap.add_argument("--progress", type=float, default=0.0, help="training progress p in [0, 1]")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-kept-tokens", type=int, default=None,
-                    help="floor on kept tokens for every preset (default: each preset's own; 0 = none)")
+    ap.add_argument(
+        "--min-kept-tokens",
+        type=int,
+        default=None,
+        help="floor on kept tokens for every preset (default: each preset's own; 0 = none)",
+    )
     args = ap.parse_args()
 
     rewards, group_ids, response_mask, entropy = synthetic_batch(
@@ -82,14 +86,21 @@ def main() -> None:
     )
     B = rewards.numel()
     n_tokens = int(response_mask.sum())
-    print(f"batch: {args.prompts} prompts x G={args.group_size} = {B} rollouts, "
-          f"{n_tokens} response tokens, progress p={args.progress:g}")
-    print("rewards per prompt:", [int(rewards[group_ids == i].sum()) for i in range(args.prompts)],
-          f"correct of {args.group_size}")
+    print(
+        f"batch: {args.prompts} prompts x G={args.group_size} = {B} rollouts, "
+        f"{n_tokens} response tokens, progress p={args.progress:g}"
+    )
+    print(
+        "rewards per prompt:",
+        [int(rewards[group_ids == i].sum()) for i in range(args.prompts)],
+        f"correct of {args.group_size}",
+    )
     print()
 
-    header = (f"{'preset':<10} {'samples':<10} {'tokens':<9} {'N/prompt':>8} {'K':>5}  "
-              f"{'kept samples':>12}  {'kept tokens':>15}  {'Var(A) kept':>11}  {'share A!=0':>10}")
+    header = (
+        f"{'preset':<10} {'samples':<10} {'tokens':<9} {'N/prompt':>8} {'K':>5}  "
+        f"{'kept samples':>12}  {'kept tokens':>15}  {'Var(A) kept':>11}  {'share A!=0':>10}"
+    )
     print(header)
     print("-" * len(header))
     one_per_prompt = []
@@ -112,15 +123,21 @@ def main() -> None:
             f"{sm['kept_adv_var']:>11.3f}  {sm['share_nonzero_adv']:>10.2f}"
         )
     print()
-    print("Var(A) kept: unbiased variance of the kept advantages, pooled over prompts "
-          "(pods: re-normalised within each prompt).")
-    print("share A!=0: kept rollouts of prompts whose rewards differ (only these carry a gradient).")
+    print(
+        "Var(A) kept: unbiased variance of the kept advantages, pooled over prompts "
+        "(pods: re-normalised within each prompt)."
+    )
+    print(
+        "share A!=0: kept rollouts of prompts whose rewards differ (only these carry a gradient)."
+    )
     if one_per_prompt:
         # The preset's N is a fraction of G (1/8 at p = 0); with a small G that rounds to one
         # rollout per prompt, where a per-prompt max-variance rule has no choice to make.
-        print(f"note: {', '.join(one_per_prompt)} keep(s) 1 rollout per prompt here: a single value has "
-              "no variance, so every choice ties and the rule keeps the rollout farthest from its "
-              "prompt's mean (the largest |A|); use a larger G or --progress.")
+        print(
+            f"note: {', '.join(one_per_prompt)} keep(s) 1 rollout per prompt here: a single value has "
+            "no variance, so every choice ties and the rule keeps the rollout farthest from its "
+            "prompt's mean (the largest |A|); use a larger G or --progress."
+        )
 
 
 if __name__ == "__main__":

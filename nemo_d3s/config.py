@@ -85,17 +85,29 @@ class AlgorithmConfig(Section):
 
     def validate(self) -> None:
         known(f"{self.KEY}.loss", self.loss, "nemo_d3s.core.losses", "POLICY_LOSSES")
-        known(f"{self.KEY}.advantage", self.advantage, "nemo_d3s.core.advantages", "ADVANTAGE_ESTIMATORS")
+        known(
+            f"{self.KEY}.advantage",
+            self.advantage,
+            "nemo_d3s.core.advantages",
+            "ADVANTAGE_ESTIMATORS",
+        )
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
-            self._check(is_number(getattr(self, name)) and getattr(self, name) >= 0, name, "must be >= 0")
+            self._check(
+                is_number(getattr(self, name)) and getattr(self, name) >= 0, name, "must be >= 0"
+            )
         dc = self.dual_clip_c
         self._check(dc is None or (is_number(dc) and dc > 1), "dual_clip_c", "must be > 1 or null")
         aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
         self._check(self.aggregation in aggs, "aggregation", f"known: {', '.join(aggs)}")
-        self._check(self.normalize_by in ("kept", "eligible"), "normalize_by", "known: kept, eligible")
+        self._check(
+            self.normalize_by in ("kept", "eligible"), "normalize_by", "known: kept, eligible"
+        )
         tis = self.tis_cap
-        self._check(tis is None or (is_number(tis) and tis >= 1), "tis_cap",
-                    "the importance-weight cap must be >= 1 (or null for off)")
+        self._check(
+            tis is None or (is_number(tis) and tis >= 1),
+            "tis_cap",
+            "the importance-weight cap must be >= 1 (or null for off)",
+        )
 
 
 @dataclass
@@ -115,25 +127,39 @@ class ScheduleConfig(Section):
 
     @classmethod
     def of(cls, s: DynamicSchedule) -> "ScheduleConfig":
-        return cls(s.kind, s.n_init, s.n_final, s.k_init, s.k_final, list(s.kwargs.get("milestones", [])))
+        return cls(
+            s.kind, s.n_init, s.n_final, s.k_init, s.k_final, list(s.kwargs.get("milestones", []))
+        )
 
     def to_core(self) -> DynamicSchedule:
-        kw = {"milestones": [float(m) for m in self.milestones]} if self.kind == "step" and len(self.milestones) else {}
+        kw = (
+            {"milestones": [float(m) for m in self.milestones]}
+            if self.kind == "step" and len(self.milestones)
+            else {}
+        )
         return DynamicSchedule(self.kind, self.n_init, self.n_final, self.k_init, self.k_final, kw)
 
     def validate(self) -> None:
         known(f"{self.KEY}.kind", self.kind, "nemo_d3s.core.schedules", "SCHEDULES")
         ms = list(self.milestones)
-        self._check(all(is_number(m) and 0 <= m <= 1 for m in ms), "milestones", "progress values in [0, 1]")
+        self._check(
+            all(is_number(m) and 0 <= m <= 1 for m in ms), "milestones", "progress values in [0, 1]"
+        )
         self._built(self.to_core)
 
 
 def _preset_fields(name: str) -> Dict[str, Any]:
     """The fields of :class:`D3SSection` that ``core.presets.PRESETS[name]`` sets."""
     p: D3SConfig = PRESETS[name]
-    return {"preset": name, "sample_rule": p.sample_rule, "token_scope": p.token_scope,
-            "schedule": ScheduleConfig.of(p.schedule), "eps": p.eps, "unbiased": p.unbiased,
-            "min_kept_tokens": p.min_kept_tokens}
+    return {
+        "preset": name,
+        "sample_rule": p.sample_rule,
+        "token_scope": p.token_scope,
+        "schedule": ScheduleConfig.of(p.schedule),
+        "eps": p.eps,
+        "unbiased": p.unbiased,
+        "min_kept_tokens": p.min_kept_tokens,
+    }
 
 
 _DEFAULT = _preset_fields(DEFAULT_PRESET)
@@ -150,7 +176,9 @@ class D3SSection(Section):
     preset: str = DEFAULT_PRESET
     sample_rule: str = _DEFAULT["sample_rule"]
     token_scope: str = _DEFAULT["token_scope"]
-    schedule: ScheduleConfig = field(default_factory=lambda: ScheduleConfig.of(PRESETS[DEFAULT_PRESET].schedule))
+    schedule: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig.of(PRESETS[DEFAULT_PRESET].schedule)
+    )
     eps: float = _DEFAULT["eps"]
     unbiased: bool = _DEFAULT["unbiased"]
     # At least this many tokens per optimizer step (K raised to M / eligible tokens when
@@ -169,15 +197,36 @@ class D3SSection(Section):
 
     def to_core(self, advantage: str = "grpo", seed: int = 0) -> D3SConfig:
         """The core :class:`D3SConfig` (+ the run's advantage estimator and seed)."""
-        return D3SConfig(advantage=advantage, sample_rule=self.sample_rule, token_scope=self.token_scope,
-                         schedule=self.schedule.to_core(), eps=self.eps, unbiased=self.unbiased,
-                         min_kept_tokens=self.min_kept_tokens, seed=seed)
+        return D3SConfig(
+            advantage=advantage,
+            sample_rule=self.sample_rule,
+            token_scope=self.token_scope,
+            schedule=self.schedule.to_core(),
+            eps=self.eps,
+            unbiased=self.unbiased,
+            min_kept_tokens=self.min_kept_tokens,
+            seed=seed,
+        )
 
     def validate(self) -> None:
-        known(f"{self.KEY}.sample_rule", self.sample_rule, "nemo_d3s.core.sample_selection", "SAMPLE_SELECTORS")
-        known(f"{self.KEY}.token_scope", self.token_scope, "nemo_d3s.core.token_selection", "TOKEN_SELECTORS")
-        known(f"{self.KEY}.dp_batch_scope", self.dp_batch_scope, "nemo_d3s.distributed.topk",
-               "DISTRIBUTED_TOKEN_SCOPES")
+        known(
+            f"{self.KEY}.sample_rule",
+            self.sample_rule,
+            "nemo_d3s.core.sample_selection",
+            "SAMPLE_SELECTORS",
+        )
+        known(
+            f"{self.KEY}.token_scope",
+            self.token_scope,
+            "nemo_d3s.core.token_selection",
+            "TOKEN_SELECTORS",
+        )
+        known(
+            f"{self.KEY}.dp_batch_scope",
+            self.dp_batch_scope,
+            "nemo_d3s.distributed.topk",
+            "DISTRIBUTED_TOKEN_SCOPES",
+        )
         if not isinstance(self.schedule, ScheduleConfig):  # a plain mapping, built in Python
             self.schedule = ScheduleConfig(**dict(self.schedule))
         self._built(self.to_core)  # eps, min_kept_tokens, the schedule: D3SConfig's own checks
@@ -246,12 +295,18 @@ class TaskConfig(Section):
     def validate(self) -> None:
         self._check(is_count(self.eval_size, 1), "eval_size", "must be an integer >= 1")
         self._check(is_count(self.max_eval_size, 1), "max_eval_size", "must be an integer >= 1")
-        self._check(self.eval_size <= self.max_eval_size, "eval_size",
-                    f"exceeds {self.KEY}.max_eval_size={self.max_eval_size} (every evaluation generates eval_size "
-                    "completions); raise task.max_eval_size if you mean it")
+        self._check(
+            self.eval_size <= self.max_eval_size,
+            "eval_size",
+            f"exceeds {self.KEY}.max_eval_size={self.max_eval_size} (every evaluation generates eval_size "
+            "completions); raise task.max_eval_size if you mean it",
+        )
         mpt = self.max_prompt_tokens
-        self._check(mpt is None or is_count(mpt, 1), "max_prompt_tokens",
-                    "must be an integer >= 1 or null (the model's context length)")
+        self._check(
+            mpt is None or is_count(mpt, 1),
+            "max_prompt_tokens",
+            "must be an integer >= 1 or null (the model's context length)",
+        )
         self._check(self.long_prompts in ("error", "skip"), "long_prompts", "known: error, skip")
 
 
@@ -316,43 +371,96 @@ class TrainerConfig(Section):
     # memory against gpu_memory_gb (decimal GB of one GPU); no weights, no process group.
     dry_run: bool = False
     gpu_memory_gb: float = 80.0
-    nodes: Optional[int] = None  # a recipe's cluster shape, nodes x gpus_per_node: the dry run's world
-    gpus_per_node: Optional[int] = None  # unless NNODES / GPUS_PER_NODE or Slurm's say otherwise; None = 1 x 8
+    nodes: Optional[int] = (
+        None  # a recipe's cluster shape, nodes x gpus_per_node: the dry run's world
+    )
+    gpus_per_node: Optional[int] = (
+        None  # unless NNODES / GPUS_PER_NODE or Slurm's say otherwise; None = 1 x 8
+    )
 
     def generation(self) -> GenerationConfig:
         """The rollouts' sampling settings; GenerationConfig checks them (the one place
         temperature, top_p and top_k are judged)."""
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, do_sample=True)
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            do_sample=True,
+        )
 
     def validate(self) -> None:
-        self._check(is_count(self.num_generations, 2), "num_generations",
-                    "group advantages need >= 2 rollouts per prompt (G >= 2)")
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "micro_batch_size", "logprob_micro_batch_size",
-                     "num_mini_batches", "eval_batch_size", "keep_last"):
+        self._check(
+            is_count(self.num_generations, 2),
+            "num_generations",
+            "group advantages need >= 2 rollouts per prompt (G >= 2)",
+        )
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "max_new_tokens",
+            "micro_batch_size",
+            "logprob_micro_batch_size",
+            "num_mini_batches",
+            "eval_batch_size",
+            "keep_last",
+        ):
             self._check(is_count(getattr(self, name), 1), name, "must be an integer >= 1")
-        for name in ("eval_every", "save_every", "warmup_steps", "top_k", "max_failed_reward_steps",
-                     "micro_batch_tokens"):
+        for name in (
+            "eval_every",
+            "save_every",
+            "warmup_steps",
+            "top_k",
+            "max_failed_reward_steps",
+            "micro_batch_tokens",
+        ):
             self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
         lmt = self.logprob_micro_batch_tokens
-        self._check(lmt is None or is_count(lmt, 0), "logprob_micro_batch_tokens", "must be an integer >= 0 or null")
+        self._check(
+            lmt is None or is_count(lmt, 0),
+            "logprob_micro_batch_tokens",
+            "must be an integer >= 0 or null",
+        )
         self._built(self.generation)
         self._check(is_number(self.lr) and self.lr > 0, "lr", "learning rate must be > 0")
-        self._check(is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        self._check(
+            is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0"
+        )
         for name in ("adam_beta1", "adam_beta2"):
-            self._check(is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1, name, "must be in [0, 1)")
-        self._check(self.lr_schedule in ("constant", "linear", "cosine"), "lr_schedule",
-                    "known: constant, linear, cosine")
+            self._check(
+                is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1,
+                name,
+                "must be in [0, 1)",
+            )
+        self._check(
+            self.lr_schedule in ("constant", "linear", "cosine"),
+            "lr_schedule",
+            "known: constant, linear, cosine",
+        )
         clip = self.grad_clip
-        self._check(clip is None or (is_number(clip) and clip > 0), "grad_clip", "must be > 0 or null")
+        self._check(
+            clip is None or (is_number(clip) and clip > 0), "grad_clip", "must be > 0 or null"
+        )
         emt = self.eval_max_new_tokens
-        self._check(emt is None or is_count(emt, 1), "eval_max_new_tokens", "must be an integer >= 1 or null")
-        self._check(self.num_mini_batches <= self.prompts_per_step, "num_mini_batches",
-                    f"cannot exceed {self.KEY}.prompts_per_step={self.prompts_per_step} (mini-batches are made of "
-                    "whole prompts)")
-        self._check(is_number(self.dist_timeout_minutes) and self.dist_timeout_minutes > 0, "dist_timeout_minutes",
-                    "must be > 0 (minutes)")
-        self._check(is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0")
+        self._check(
+            emt is None or is_count(emt, 1),
+            "eval_max_new_tokens",
+            "must be an integer >= 1 or null",
+        )
+        self._check(
+            self.num_mini_batches <= self.prompts_per_step,
+            "num_mini_batches",
+            f"cannot exceed {self.KEY}.prompts_per_step={self.prompts_per_step} (mini-batches are made of "
+            "whole prompts)",
+        )
+        self._check(
+            is_number(self.dist_timeout_minutes) and self.dist_timeout_minutes > 0,
+            "dist_timeout_minutes",
+            "must be > 0 (minutes)",
+        )
+        self._check(
+            is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0"
+        )
 
 
 @dataclass
@@ -360,7 +468,9 @@ class LoggingConfig(Section):
     KEY: ClassVar[str] = "logging"
     progress_bar: bool = True
     tensorboard: bool = True  # used when the tensorboard package is importable
-    level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR | CRITICAL (the nemo_d3s loggers on rank 0)
+    level: str = (
+        "INFO"  # DEBUG | INFO | WARNING | ERROR | CRITICAL (the nemo_d3s loggers on rank 0)
+    )
     log_samples: int = 1  # completions printed at each evaluation (rank 0)
 
     def validate(self) -> None:
@@ -390,13 +500,25 @@ class TrainConfig(Section):
             section = getattr(self, f.name)
             if isinstance(section, Section):
                 section.validate()
-        require(is_count(self.seed, 0) and self.seed <= SEED_MAX, "seed", self.seed, f"must be an integer in [0, {SEED_MAX}]")
+        require(
+            is_count(self.seed, 0) and self.seed <= SEED_MAX,
+            "seed",
+            self.seed,
+            f"must be an integer in [0, {SEED_MAX}]",
+        )
         require(bool(self.output_dir), "output_dir", self.output_dir, "must be a directory path")
         g = self.trainer.num_generations
-        for name in ("n_init", "n_final"):  # an int N is a count of the G rollouts (fractions: the schedule's check)
+        for name in (
+            "n_init",
+            "n_final",
+        ):  # an int N is a count of the G rollouts (fractions: the schedule's check)
             n = getattr(self.d3s.schedule, name)
-            require(not is_count(n, 0) or n <= g, f"d3s.schedule.{name}", n,
-                    f"cannot keep more rollouts per prompt than are generated (trainer.num_generations={g})")
+            require(
+                not is_count(n, 0) or n <= g,
+                f"d3s.schedule.{name}",
+                n,
+                f"cannot keep more rollouts per prompt than are generated (trainer.num_generations={g})",
+            )
         validate_layout(self, world_size)
 
 
@@ -429,10 +551,15 @@ def typed(cfg: Any) -> TrainConfig:
         raise ConfigError(f"expected a DictConfig of TrainConfig, got {type(cfg).__name__}")
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not str(k).startswith("hydra"))
     if missing:
-        raise ConfigError(f"{missing[0]}: required, but no value was given (set it with {missing[0]}=...)")
+        raise ConfigError(
+            f"{missing[0]}: required, but no value was given (set it with {missing[0]}=...)"
+        )
     try:
-        plain = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                 for k, v in cfg.items() if k != "hydra"}
+        plain = {
+            k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+            for k, v in cfg.items()
+            if k != "hydra"
+        }
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), plain))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
@@ -443,8 +570,12 @@ def validate_layout(cfg: Any, dp_size: int) -> None:
     """The checks that need the parallel layout the policy built (``dp_size`` data-parallel
     ranks): prompts are sharded in whole groups over the DP ranks."""
     ppp = cfg.trainer.prompts_per_step
-    require(ppp % dp_size == 0, "trainer.prompts_per_step", ppp,
-             f"must be divisible by the number of data-parallel ranks ({dp_size})")
+    require(
+        ppp % dp_size == 0,
+        "trainer.prompts_per_step",
+        ppp,
+        f"must be divisible by the number of data-parallel ranks ({dp_size})",
+    )
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:

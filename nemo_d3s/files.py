@@ -33,8 +33,21 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-__all__ = ["CHECKSUMS", "FolderBusy", "FolderChanged", "FolderNotEmpty", "FileLock", "current_umask", "apply_umask", "sha256_file",
-           "write_checksums", "verify_checksums", "fsync_tree", "staging_folders", "atomic_folder"]
+__all__ = [
+    "CHECKSUMS",
+    "FolderBusy",
+    "FolderChanged",
+    "FolderNotEmpty",
+    "FileLock",
+    "current_umask",
+    "apply_umask",
+    "sha256_file",
+    "write_checksums",
+    "verify_checksums",
+    "fsync_tree",
+    "staging_folders",
+    "atomic_folder",
+]
 
 log = logging.getLogger("nemo_d3s.files")
 
@@ -92,7 +105,10 @@ def write_checksums(folder: str | os.PathLike) -> Path:
     files = {}
     for f in sorted(root.rglob("*")):
         if f.is_file() and not f.is_symlink() and f.relative_to(root).as_posix() != CHECKSUMS:
-            files[f.relative_to(root).as_posix()] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+            files[f.relative_to(root).as_posix()] = {
+                "size": f.stat().st_size,
+                "sha256": sha256_file(f),
+            }
     (root / CHECKSUMS).write_text(json.dumps({"format": 1, "files": files}, indent=1))
     return root / CHECKSUMS
 
@@ -124,6 +140,7 @@ def verify_checksums(folder: str | os.PathLike, part: Tuple[int, int] = (0, 1)) 
         if sha256_file(f) != digest:
             return f"{rel} does not match its SHA-256 checksum (corrupt)"
     return None
+
 
 def _fsync_path(path: str, *, folder: bool) -> None:
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
@@ -166,8 +183,13 @@ class FileLock:
     different inodes of one name. ``on_acquired``: called once locked, before the holder
     is written (the trainer's fault injection point)."""
 
-    def __init__(self, path: str | os.PathLike, *, remove: bool = False,
-                 on_acquired: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        remove: bool = False,
+        on_acquired: Optional[Callable[[], None]] = None,
+    ) -> None:
         self.path, self.remove, self.on_acquired = Path(path), remove, on_acquired
         self.fd: Optional[int] = None
 
@@ -179,13 +201,19 @@ class FileLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown process"
+                holder = (
+                    os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "unknown process"
+                )
                 os.close(fd)
                 raise FolderBusy(self.path, holder) from None
             except OSError as e:
                 if e.errno in _NO_LOCKS:
-                    log.warning("cannot lock %s (%s): this filesystem has no file locks, so a second writer of the "
-                                "same folder would not be stopped", self.path, e.strerror or e)
+                    log.warning(
+                        "cannot lock %s (%s): this filesystem has no file locks, so a second writer of the "
+                        "same folder would not be stopped",
+                        self.path,
+                        e.strerror or e,
+                    )
                     self.fd = fd
                     return self
                 os.close(fd)
@@ -235,8 +263,11 @@ class FolderChanged(OSError):
     finished output is kept at ``kept``."""
 
     def __init__(self, dest: Path, what: str, kept: Path) -> None:
-        super().__init__(errno.EEXIST, f"{str(dest)!r} changed while it was being written ({what}); nothing was "
-                                       f"replaced: the finished output is kept at {str(kept)!r}")
+        super().__init__(
+            errno.EEXIST,
+            f"{str(dest)!r} changed while it was being written ({what}); nothing was "
+            f"replaced: the finished output is kept at {str(kept)!r}",
+        )
         self.dest, self.kept = dest, kept
 
 
@@ -245,7 +276,9 @@ def _host() -> str:
 
 
 def _staging_re(name: str) -> "re.Pattern[str]":
-    return re.compile(rf"^\.{re.escape(name)}\.(?P<kind>tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}$")
+    return re.compile(
+        rf"^\.{re.escape(name)}\.(?P<kind>tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}$"
+    )
 
 
 def staging_folders(dest: str | os.PathLike) -> List[Tuple[Path, str, str, int]]:
@@ -282,12 +315,21 @@ def _sweep_stale(dest: Path) -> None:
             continue
         if kind == "old" and not dest.exists():
             os.rename(path, dest)
-            log.warning("restored %s from %s, where a write killed midway (pid %d, no longer running) had moved "
-                        "it", dest, path.name, pid)
+            log.warning(
+                "restored %s from %s, where a write killed midway (pid %d, no longer running) had moved "
+                "it",
+                dest,
+                path.name,
+                pid,
+            )
             continue
         shutil.rmtree(path, ignore_errors=True)
-        log.warning("removed %s: left by a write of %s killed midway (pid %d on this host, no longer running)",
-                    path, dest.name, pid)
+        log.warning(
+            "removed %s: left by a write of %s killed midway (pid %d on this host, no longer running)",
+            path,
+            dest.name,
+            pid,
+        )
 
 
 def _snapshot(p: Path) -> Optional[Tuple]:
@@ -322,8 +364,11 @@ def _changes(before: Optional[Tuple], now: Optional[Tuple]) -> str:
     added = sorted(set(new) - set(old))
     gone = sorted(set(old) - set(new))
     changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
-    parts = [f"{label}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-             for label, names in (("new", added), ("removed", gone), ("modified", changed)) if names]
+    parts = [
+        f"{label}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+        for label, names in (("new", added), ("removed", gone), ("modified", changed))
+        if names
+    ]
     return "; ".join(parts) or "it was modified"
 
 
@@ -339,8 +384,13 @@ def _keep(tmp: Path, dest: Path, tag: str) -> Path:
 
 
 @contextmanager
-def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
-                  peer_done: Optional[Callable[[Path], bool]] = None, lock: bool = True) -> Iterator[Path]:
+def atomic_folder(
+    dest: str | os.PathLike,
+    *,
+    replace: bool = True,
+    peer_done: Optional[Callable[[Path], bool]] = None,
+    lock: bool = True,
+) -> Iterator[Path]:
     """Write the folder ``dest`` atomically: the block writes into the empty hidden sibling
     it is given (``.<name>.tmp-<host>-<pid>-<random>``); when the block returns, the staged
     folder gets the modes of the process umask (:func:`apply_umask`), is flushed to disk
@@ -380,12 +430,19 @@ def atomic_folder(dest: str | os.PathLike, *, replace: bool = True,
         if held is not None:
             held.acquire()
             _sweep_stale(dest)
-        if not replace and dest.is_dir() and any(dest.iterdir()) and not (peer_done and peer_done(dest)):
+        if (
+            not replace
+            and dest.is_dir()
+            and any(dest.iterdir())
+            and not (peer_done and peer_done(dest))
+        ):
             raise FolderNotEmpty(errno.EEXIST, f"{str(dest)!r} exists and is not empty")
         before = _snapshot(dest)
         tmp.mkdir()
         yield tmp
-        apply_umask(tmp)  # safetensors and tempfile write 0600 files; an output is shared like any other
+        apply_umask(
+            tmp
+        )  # safetensors and tempfile write 0600 files; an output is shared like any other
         fsync_tree(tmp)
         now = _snapshot(dest)
         if now != before:

@@ -86,12 +86,34 @@ def _job_output_dir(cfg) -> str:
 
 
 # errno values that mean "the machine or the path", not a bug: reported as one error line.
-_ENV_ERRNOS = {"ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EISDIR", "EEXIST", "ENAMETOOLONG"}
+_ENV_ERRNOS = {
+    "ENOSPC",
+    "EDQUOT",
+    "EROFS",
+    "EACCES",
+    "EPERM",
+    "ENOTDIR",
+    "EISDIR",
+    "EEXIST",
+    "ENAMETOOLONG",
+}
 
 
 def _is_collective_timeout(e: BaseException) -> bool:
     msg = str(e).lower()
-    return ("timed out" in msg or "timeout" in msg) and any(w in msg for w in ("gloo", "nccl", "collective", "recv", "send", "barrier", "allreduce", "all_reduce"))
+    return ("timed out" in msg or "timeout" in msg) and any(
+        w in msg
+        for w in (
+            "gloo",
+            "nccl",
+            "collective",
+            "recv",
+            "send",
+            "barrier",
+            "allreduce",
+            "all_reduce",
+        )
+    )
 
 
 def run_cli(cfg) -> int:
@@ -106,7 +128,9 @@ def run_cli(cfg) -> int:
     from nemo_d3s.trainer.loop import train
 
     try:
-        if getattr(cfg.trainer, "dry_run", False):  # plan the layout instead of training: 0 fits, 1 does not
+        if getattr(
+            cfg.trainer, "dry_run", False
+        ):  # plan the layout instead of training: 0 fits, 1 does not
             from nemo_d3s.dry_run import dry_run
 
             return dry_run(cfg)
@@ -125,13 +149,18 @@ def run_cli(cfg) -> int:
         if not _is_collective_timeout(e):
             raise
         t = getattr(getattr(cfg, "trainer", None), "dist_timeout_minutes", None)
-        print(f"error: a collective timed out after {t} minutes (trainer.dist_timeout_minutes): another rank is "
-              f"stopped, dead or far behind; resume=true continues from the last checkpoint ({first_line(e)})",
-              file=sys.stderr)
+        print(
+            f"error: a collective timed out after {t} minutes (trainer.dist_timeout_minutes): another rank is "
+            f"stopped, dead or far behind; resume=true continues from the last checkpoint ({first_line(e)})",
+            file=sys.stderr,
+        )
         return 3
     if state.extra.get("interrupted"):
-        print(f"stopped at step {state.step} of {cfg.trainer.steps} (exit code {EXIT_INTERRUPTED}: interrupted); "
-              "continue with resume=true", file=sys.stderr)
+        print(
+            f"stopped at step {state.step} of {cfg.trainer.steps} (exit code {EXIT_INTERRUPTED}: interrupted); "
+            "continue with resume=true",
+            file=sys.stderr,
+        )
         return EXIT_INTERRUPTED
     return 0
 
@@ -156,7 +185,10 @@ def _precheck_argv(argv) -> None:
     from nemo_d3s.trainer.faults import RunError
     from nemo_d3s.trainer.rundir import check_output_dir
 
-    if any(a in ("-m", "--multirun") or a.startswith(("--cfg", "-c", "--help", "-h", "--info")) for a in argv):
+    if any(
+        a in ("-m", "--multirun") or a.startswith(("--cfg", "-c", "--help", "-h", "--info"))
+        for a in argv
+    ):
         return
     for a in argv:
         key, eq, value = a.partition("=")

@@ -52,10 +52,23 @@ PROJECT_EXTRAS = ("gpu", "vllm")
 
 # The image's platform (slurm/Dockerfile checks its base against it).
 PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-ENV = {**default_environment(), "python_version": PYTHON, "python_full_version": PYTHON + ".0",
-       "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
-       "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
+ENV = {
+    **default_environment(),
+    "python_version": PYTHON,
+    "python_full_version": PYTHON + ".0",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
 NOT_READ = {
     "torch": "about 1 GB; its requirements are its own CUDA libraries (none pinned here); requirements on it are checked",
     "transformer-engine-cu13": "the TE core library (hundreds of MB), pinned == by transformer-engine's METADATA",
@@ -117,29 +130,39 @@ def check(lock: dict, pins: Pins) -> List[str]:
     problems = []
     locked = {k: (v[0], tuple(v[1])) for k, v in lock["pins"].items()}
     if locked != pins:
-        problems.append(f"the lock's pins {locked} are not {REQUIREMENTS.name}'s {pins}: run --refresh")
+        problems.append(
+            f"the lock's pins {locked} are not {REQUIREMENTS.name}'s {pins}: run --refresh"
+        )
     shared = lock.get("shared", {})
     for who, req in _declared(lock, pins):
         name = canonicalize_name(req.name)
         if name in pins:
             version = pins[name][0]
             if not req.specifier.contains(version, prereleases=True):
-                problems.append(f"{who} requires {req.name}{req.specifier} but the pin is {version}")
+                problems.append(
+                    f"{who} requires {req.name}{req.specifier} but the pin is {version}"
+                )
             missing = set(req.extras) - set(pins[name][1])
             if missing:
-                problems.append(f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the pin's extras")
+                problems.append(
+                    f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the pin's extras"
+                )
         elif name in shared:
             version = shared[name]["version"]
             if version is None or not req.specifier.contains(version, prereleases=True):
-                problems.append(f"{who} requires {req.name}{req.specifier}; no release satisfies everyone "
-                                f"({shared[name]['specifiers']})")
+                problems.append(
+                    f"{who} requires {req.name}{req.specifier}; no release satisfies everyone "
+                    f"({shared[name]['specifiers']})"
+                )
     return problems
 
 
 # ---------------------------------------------------------------------------- refresh (network)
 def _pip(*args: str) -> str:
     cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}  # no local constraints or indexes
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("PIP_")
+    }  # no local constraints or indexes
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -151,20 +174,35 @@ def _requires_dist(wheel_dir: Path, name: str, version: str) -> List[str]:
     wheels = [w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")]
     if not wheels:
         plat = [a for p in PLATFORMS for a in ("--platform", p)]
-        _pip("download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON, *plat, "-d", str(wheel_dir),
-             f"{name}=={version}")
-        wheels = [w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")]
+        _pip(
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            PYTHON,
+            *plat,
+            "-d",
+            str(wheel_dir),
+            f"{name}=={version}",
+        )
+        wheels = [
+            w for w in wheel_dir.glob("*.whl") if w.name.lower().startswith(f"{stem}-{version}-")
+        ]
     with zipfile.ZipFile(wheels[0]) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
-    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    return [
+        line.split(":", 1)[1].strip()
+        for line in text.splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
 
 
 def _index_versions(name: str) -> List[Version]:
     out = _pip("index", "versions", name)
     m = re.search(r"Available versions: (.*)", out)
     versions = []
-    for v in (m.group(1).split(",") if m else []):
+    for v in m.group(1).split(",") if m else []:
         try:
             versions.append(Version(v.strip()))
         except InvalidVersion:  # old releases with non-PEP 440 versions
@@ -174,12 +212,19 @@ def _index_versions(name: str) -> List[Version]:
 
 def refresh(wheel_dir: Path, pins: Pins) -> dict:
     wheel_dir.mkdir(parents=True, exist_ok=True)
-    requires = {name: _requires_dist(wheel_dir, name, version)
-                for name, (version, _) in pins.items() if name not in NOT_READ}
-    lock = {"note": "written by slurm/container_pins.py --refresh; read by its check (see its docstring)",
-            "platform": {"python": PYTHON, "platforms": list(PLATFORMS)},
-            "pins": {k: [v, list(e)] for k, v, e in ((k, *pins[k]) for k in sorted(pins))},
-            "requires": requires, "not_read": NOT_READ, "shared": {}}
+    requires = {
+        name: _requires_dist(wheel_dir, name, version)
+        for name, (version, _) in pins.items()
+        if name not in NOT_READ
+    }
+    lock = {
+        "note": "written by slurm/container_pins.py --refresh; read by its check (see its docstring)",
+        "platform": {"python": PYTHON, "platforms": list(PLATFORMS)},
+        "pins": {k: [v, list(e)] for k, v, e in ((k, *pins[k]) for k in sorted(pins))},
+        "requires": requires,
+        "not_read": NOT_READ,
+        "shared": {},
+    }
     specs: Dict[str, Dict[str, str]] = {}
     for who, req in _declared(lock, pins):
         name = canonicalize_name(req.name)
@@ -196,8 +241,14 @@ def refresh(wheel_dir: Path, pins: Pins) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--refresh", metavar="DIR", help="re-read the wheels (downloaded into DIR) and rewrite the lock")
-    p.add_argument("--lock", default=str(LOCK), help="the lock file (default: slurm/container-lock.json)")
+    p.add_argument(
+        "--refresh",
+        metavar="DIR",
+        help="re-read the wheels (downloaded into DIR) and rewrite the lock",
+    )
+    p.add_argument(
+        "--lock", default=str(LOCK), help="the lock file (default: slurm/container-lock.json)"
+    )
     args = p.parse_args(argv)
     pins = read_pins()
     if args.refresh:
@@ -210,8 +261,10 @@ def main(argv=None) -> int:
     for line in problems:
         print(f"error: {line}", file=sys.stderr)
     if not problems:
-        print(f"{len(pins)} pins agree with {sum(len(v) for v in lock['requires'].values())} declared requirements "
-              f"and {len(lock['shared'])} shared dependencies")
+        print(
+            f"{len(pins)} pins agree with {sum(len(v) for v in lock['requires'].values())} declared requirements "
+            f"and {len(lock['shared'])} shared dependencies"
+        )
     return 1 if problems else 0
 
 

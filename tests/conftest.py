@@ -8,6 +8,10 @@ that environment.
 
 import importlib.util
 
-VLLM_TESTS = ["backends/test_vllm_engine.py", "backends/megatron/test_vllm_megatron.py", "trainer/test_vllm_run.py"]
+VLLM_TESTS = [
+    "backends/test_vllm_engine.py",
+    "backends/megatron/test_vllm_megatron.py",
+    "trainer/test_vllm_run.py",
+]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_TESTS

@@ -52,7 +52,8 @@ MODULES: Dict[str, Path] = {_module_name(p): p for p in sorted(PKG.rglob("*.py")
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
     return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
-        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(path: Path) -> List[str]:
@@ -86,7 +87,9 @@ def _imports(path: Path) -> List[str]:
     return out
 
 
-GRAPH: Dict[str, Set[str]] = {m: {i for i in _imports(p) if i in MODULES and i != m} for m, p in MODULES.items()}
+GRAPH: Dict[str, Set[str]] = {
+    m: {i for i in _imports(p) if i in MODULES and i != m} for m, p in MODULES.items()
+}
 
 
 def _layer(module: str) -> str:
@@ -134,7 +137,9 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
 def test_the_graph_sees_imports_inside_functions():
     # guards the checker itself: the converter's verify imports transformers inside a function
     assert "nemo_d3s.formats.spec" in GRAPH["nemo_d3s.backends.megatron.backend"]
-    assert any(i.startswith("transformers") for i in _imports(MODULES["nemo_d3s.convert.verify_logits"]))
+    assert any(
+        i.startswith("transformers") for i in _imports(MODULES["nemo_d3s.convert.verify_logits"])
+    )
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -150,19 +155,31 @@ def test_imports_point_down(layer):
             continue
         bad += [f"{m} -> {d}" for d in sorted(deps) if _layer(d) not in ALLOWED[layer]]
         for name in _imports(MODULES[m]):
-            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN_EXTERNAL.get(layer, ())):
+            if any(
+                name == f or name.startswith(f + ".") for f in FORBIDDEN_EXTERNAL.get(layer, ())
+            ):
                 bad.append(f"{m} -> {name}")
     assert bad == []
 
 
 def test_no_backend_imports_the_layers_above():
     above = {"config", "trainer", "convert", "dry_run", "train"}
-    bad = [f"{m} -> {d}" for m, deps in GRAPH.items() if _layer(m) == "backends" for d in deps if _layer(d) in above]
+    bad = [
+        f"{m} -> {d}"
+        for m, deps in GRAPH.items()
+        if _layer(m) == "backends"
+        for d in deps
+        if _layer(d) in above
+    ]
     assert bad == []
 
 
 def test_no_module_is_too_long():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        m: n
+        for m, p in MODULES.items()
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 

@@ -36,16 +36,29 @@ def _lock():
 
 
 def test_the_committed_pins_agree():
-    r = subprocess.run([sys.executable, str(SLURM / "container_pins.py")], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, str(SLURM / "container_pins.py")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
     assert "7 pins agree" in r.stdout
 
 
-@pytest.mark.parametrize("name,version,message", [
-    ("transformers", "5.21.0", "vllm==0.33.0 requires transformers<5.21.0,>=5.16.1 but the pin is 5.21.0"),
-    ("torch", "2.13.0", "vllm==0.33.0 requires torch==2.14.0 but the pin is 2.13.0"),
-    ("transformer-engine", "2.12.0", "nemo_d3s[gpu] requires transformer-engine<2.12.0,>=2.9.0a0 but the pin is 2.12.0"),
-])
+@pytest.mark.parametrize(
+    "name,version,message",
+    [
+        (
+            "transformers",
+            "5.21.0",
+            "vllm==0.33.0 requires transformers<5.21.0,>=5.16.1 but the pin is 5.21.0",
+        ),
+        ("torch", "2.13.0", "vllm==0.33.0 requires torch==2.14.0 but the pin is 2.13.0"),
+        (
+            "transformer-engine",
+            "2.12.0",
+            "nemo_d3s[gpu] requires transformer-engine<2.12.0,>=2.9.0a0 but the pin is 2.12.0",
+        ),
+    ],
+)
 def test_a_disagreeing_pin_is_named(name, version, message):
     pins = cp.read_pins()
     pins[name] = (version, pins[name][1])
@@ -58,7 +71,9 @@ def test_a_shared_dependency_without_a_common_release_is_named():
     lock = _lock()
     lock["shared"]["tokenizers"]["version"] = "0.24.0"  # outside transformers' <0.24.0
     problems = cp.check(lock, cp.read_pins())
-    assert any(p.startswith("transformers==5.20.2 requires tokenizers<0.24.0,>=0.23.1") for p in problems), problems
+    assert any(
+        p.startswith("transformers==5.20.2 requires tokenizers<0.24.0,>=0.23.1") for p in problems
+    ), problems
 
 
 def test_the_gpu_extra_is_megatron_cores_own_te_range():
@@ -69,8 +84,12 @@ def test_the_gpu_extra_is_megatron_cores_own_te_range():
     mcore = [Requirement(r) for r in _lock()["requires"]["megatron-core"]]
     te = [r for r in mcore if r.name == "transformer-engine"]
     assert len(te) == 1 and str(te[0].marker) == 'extra == "dev"'
-    gpu = [Requirement(r) for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-           ["optional-dependencies"]["gpu"]]
+    gpu = [
+        Requirement(r)
+        for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+            "optional-dependencies"
+        ]["gpu"]
+    ]
     ours = next(r for r in gpu if r.name == "transformer-engine")
     assert ours.specifier == te[0].specifier == SpecifierSet(">=2.9.0a0,<2.12.0")
     assert "pytorch" in ours.extras
@@ -79,9 +98,14 @@ def test_the_gpu_extra_is_megatron_cores_own_te_range():
 def test_the_dockerfile_installs_the_pins():
     text = (SLURM / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:" in text and "FROM ${BASE_IMAGE}" in text
-    assert "COPY slurm/container-requirements.txt" in text and "pip install -r /tmp/pins-no-te.txt" in text
+    assert (
+        "COPY slurm/container-requirements.txt" in text
+        and "pip install -r /tmp/pins-no-te.txt" in text
+    )
     assert '".[gpu,vllm]"' in text and "pip check" in text
-    assert 'sys.version_info[:2] == (3, 12)' in text and cp.PYTHON == "3.12"  # the platform the lock was read for
+    assert (
+        "sys.version_info[:2] == (3, 12)" in text and cp.PYTHON == "3.12"
+    )  # the platform the lock was read for
 
 
 def test_dockerfile_lint():

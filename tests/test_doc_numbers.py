@@ -17,7 +17,9 @@ import doc_numbers  # noqa: E402
 
 def test_every_quoted_figure_is_the_records():
     missing = doc_numbers.check()
-    assert not missing, "\n".join(f"{doc}: {text}" for doc, items in missing.items() for text in items)
+    assert not missing, "\n".join(
+        f"{doc}: {text}" for doc, items in missing.items() for text in items
+    )
 
 
 def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
@@ -33,20 +35,48 @@ def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(doc_numbers, "RESULTS", results)
     monkeypatch.setattr(doc_numbers, "EVIDENCE", results / "evidence")
     missing = doc_numbers.check()
-    assert any(t.startswith("| `d3s` | 5 | 0.495") for t in missing.get("docs/evidence.md", [])), missing
+    assert any(t.startswith("| `d3s` | 5 | 0.495") for t in missing.get("docs/evidence.md", [])), (
+        missing
+    )
     assert any("**21 s per step**" in t for t in missing.get("README.md", [])), missing
 
 
 def test_record_main_job_runs_and_measures(tmp_path):
     out = tmp_path / "rec.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "record_main_job.py"), "run", "--out", str(out),
-                        "--", "experiment=smoke", "trainer.steps=2", "trainer.save_every=2", "task.eval_size=4"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "record_main_job.py"),
+            "run",
+            "--out",
+            str(out),
+            "--",
+            "experiment=smoke",
+            "trainer.steps=2",
+            "trainer.save_every=2",
+            "task.eval_size=4",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(out.read_text())
-    assert rec["steps"] == 2 and 0 < rec["s_per_step"]["min"] <= rec["s_per_step"]["median"] <= rec["s_per_step"]["max"]
+    assert (
+        rec["steps"] == 2
+        and 0 < rec["s_per_step"]["min"] <= rec["s_per_step"]["median"] <= rec["s_per_step"]["max"]
+    )
     assert rec["peak_rss_bytes"] > 50 * 2**20  # a Python process with torch loaded
-    assert rec["disk_bytes"]["checkpoints_kept"] == 1 and 0 < rec["disk_bytes"]["one_checkpoint"] < rec["disk_bytes"]["total"]
+    assert (
+        rec["disk_bytes"]["checkpoints_kept"] == 1
+        and 0 < rec["disk_bytes"]["one_checkpoint"] < rec["disk_bytes"]["total"]
+    )
     assert rec["disk_bytes"]["hf_export"] > 0 and rec["machine"]["cpu_count"] >= 1
     assert not (tmp_path / "rec_run").exists()  # the run folder is removed after measuring

@@ -21,7 +21,11 @@ import pytest
 
 from nemo_d3s.formats.spec import ModelSpec, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
-from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count
+from nemo_d3s.backends.megatron.param_counts import (
+    local_param_count,
+    meta_param_counts,
+    real_param_count,
+)
 from nemo_d3s.config import ConfigError
 from nemo_d3s.dry_run import (
     GB,
@@ -56,7 +60,11 @@ def _compose(overrides):
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in ("NNODES", "GPUS_PER_NODE")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_") and k not in ("NNODES", "GPUS_PER_NODE")
+    }
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
@@ -64,8 +72,14 @@ def _env(**extra):
 
 
 def _cli(args, **env):
-    return subprocess.run([sys.executable, "-m", "nemo_d3s.train", *args], cwd=REPO, env=_env(**env),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", *args],
+        cwd=REPO,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 # ----------------------------------------------------------------------------- the recipes
@@ -81,7 +95,9 @@ def test_recipe_parameter_count_is_the_published_one(name):
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
     nodes, exact, _, (tp, pp, dp) = RECIPES[name]
-    report = plan(_compose([f"experiment={name}", f"output_dir={tmp_path}"]), JobShape(nodes, 8, "test"))
+    report = plan(
+        _compose([f"experiment={name}", f"output_dir={tmp_path}"]), JobShape(nodes, 8, "test")
+    )
     print(render(report))
     assert report["fits"], report["problems"]
     assert report["total_params"] == exact
@@ -95,9 +111,13 @@ def test_recipe_dry_run_fits_and_cross_checks(name, tmp_path):
     assert "counts" in meta, meta
     for key, n in meta["counts"].items():
         t, p = map(int, key.split(","))
-        assert n == next(x["params"] for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (t, p))
+        assert n == next(
+            x["params"] for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (t, p)
+        )
     # each kind of stage once: the first, a middle one (PP > 2: all middles are alike), the last
-    assert {k.split(",")[1] for k in meta["counts"]} == {str(p) for p in {0, min(1, pp - 1), pp - 1}}
+    assert {k.split(",")[1] for k in meta["counts"]} == {
+        str(p) for p in {0, min(1, pp - 1), pp - 1}
+    }
     for x in report["positions"]:
         assert x["peak_bytes"] <= 80 * GB and x["largest_term"] in x["terms_bytes"]
         assert x["terms_bytes"]["runtime"] == RUNTIME_BYTES
@@ -115,14 +135,24 @@ def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
     engines of the four TP x PP copies start at ranks 0, 4, 8, 12, two per node on nodes 0-1,
     where a TP-8 engine from local rank 4 would need GPUs 4..11: the layout cannot run (an
     error naming it); in tp-pp-dp order one engine per even node, on GPUs 0-7 (fits)."""
-    report = plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    report = plan(
+        _compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test")
+    )
     assert report["fits"] and report["layout"]["rank_order"] == "tp-cp-ep-pp-dp"
     assert report["vllm"]["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
     assert report["vllm"]["shards_per_gpu"] == 1
     assert report["vllm"]["engine_gpus"]["16"] == [f"node2:gpu{g}" for g in range(8)]
     with pytest.raises(ConfigError, match="the engine of local rank 4 needs GPUs 4..11"):
-        plan(_compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "model.params.use_tp_pp_dp_mapping=false"]),
-             JobShape(8, 8, "test"))
+        plan(
+            _compose(
+                [
+                    "experiment=llama3_70b",
+                    f"output_dir={tmp_path}",
+                    "model.params.use_tp_pp_dp_mapping=false",
+                ]
+            ),
+            JobShape(8, 8, "test"),
+        )
 
 
 def test_plain_adamw_is_planned_unsharded(tmp_path):
@@ -130,8 +160,13 @@ def test_plain_adamw_is_planned_unsharded(tmp_path):
     every DP rank (2 P + 12 P bytes: MainWeightsAdamW) instead of fp32 grads + 12 P / DP."""
     base = ["experiment=llama3_8b", f"output_dir={tmp_path}"]
     dist_plan = plan(_compose(base), JobShape(1, 8, "test"))
-    plain = plan(_compose([*base, "+model.params.distributed_optimizer=false"]), JobShape(1, 8, "test"))
-    assert dist_plan["layout"]["optimizer"] == "distributed" and plain["layout"]["optimizer"] == "plain AdamW"
+    plain = plan(
+        _compose([*base, "+model.params.distributed_optimizer=false"]), JobShape(1, 8, "test")
+    )
+    assert (
+        dist_plan["layout"]["optimizer"] == "distributed"
+        and plain["layout"]["optimizer"] == "plain AdamW"
+    )
     dp = plain["layout"]["dp"]
     for a, b in zip(dist_plan["positions"], plain["positions"]):
         n = a["params"]
@@ -150,11 +185,19 @@ def test_first_ranks_of_model_copies_hand_worked():
     # TP4 x PP4 x DP4 on 64 ranks: default rank = t + 4 (d + 4 p); tp-pp-dp rank = t + 4 (p + 4 d)
     assert first_ranks_of_model_copies(4, 4, 4, DEFAULT_ORDER) == [0, 4, 8, 12]
     assert first_ranks_of_model_copies(4, 4, 4, TP_PP_DP_ORDER) == [0, 16, 32, 48]
-    assert global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=DEFAULT_ORDER) == 3 + 4 * (1 + 4 * 2) == 39
-    assert global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=TP_PP_DP_ORDER) == 3 + 4 * (2 + 4 * 1) == 27
+    assert (
+        global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=DEFAULT_ORDER) == 3 + 4 * (1 + 4 * 2) == 39
+    )
+    assert (
+        global_rank_of(3, 2, 1, tp=4, pp=4, dp=4, order=TP_PP_DP_ORDER) == 3 + 4 * (2 + 4 * 1) == 27
+    )
     for order in (DEFAULT_ORDER, TP_PP_DP_ORDER):  # a bijection onto 0..63
-        ranks = {global_rank_of(t, p, d, tp=4, pp=4, dp=4, order=order) for t in range(4) for p in range(4)
-                 for d in range(4)}
+        ranks = {
+            global_rank_of(t, p, d, tp=4, pp=4, dp=4, order=order)
+            for t in range(4)
+            for p in range(4)
+            for d in range(4)
+        }
         assert ranks == set(range(64))
     with pytest.raises(ValueError, match="rank order"):
         first_ranks_of_model_copies(2, 2, 2, "tp-dp-pp-cp")
@@ -181,10 +224,18 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
 
 
 def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
-    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}",
-              "model.params.tensor_model_parallel_size=1", "model.params.pipeline_model_parallel_size=1",
-              "rollout.tensor_parallel_size=1"],  # one engine per rank: one GPU each
-             NNODES="8", GPUS_PER_NODE="8")
+    r = _cli(
+        [
+            "experiment=llama3_70b",
+            "trainer.dry_run=true",
+            f"output_dir={tmp_path}",
+            "model.params.tensor_model_parallel_size=1",
+            "model.params.pipeline_model_parallel_size=1",
+            "rollout.tensor_parallel_size=1",
+        ],  # one engine per rank: one GPU each
+        NNODES="8",
+        GPUS_PER_NODE="8",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "verdict: DOES NOT FIT in 80 GB per GPU" in r.stdout
     # The reason: the whole model's state on one GPU (bf16 weights 141 GB, fp32 grads 282 GB).
@@ -196,26 +247,50 @@ def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
 
 def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     # NNODES overrides the recipe's 8 nodes: 1 node x the recipe's 8 GPUs.
-    r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="1")
+    r = _cli(
+        ["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="1"
+    )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert ("error: world size 8 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 16 "
-            "(world = NNODES=1 x trainer.gpus_per_node=8") in r.stderr
+    assert (
+        "error: world size 8 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 16 "
+        "(world = NNODES=1 x trainer.gpus_per_node=8"
+    ) in r.stderr
     assert not (tmp_path / "dry_run.json").exists()
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["rollout.tensor_parallel_size=3"], "rollout.tensor_parallel_size=3: does not divide num_attention_heads=64"),
-    (["trainer.prompts_per_step=6"], "trainer.prompts_per_step=6: must be divisible by the number of data-parallel"),
-    (["rollout.max_model_len=2048"], "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
-                                     "rollout.max_model_len (2048)"),
-    (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
-    (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
-    (["model.params.tensor_model_parallel_size=16", "model.params.pipeline_model_parallel_size=1"],
-     "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16"),
-    (["rollout.tensor_parallel_size=16"], "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node"),
-    (["model.backend=hf"], "trainer.dry_run plans Megatron layouts"),
-    (["trainer.gpu_memory_gb=0"], "trainer.gpu_memory_gb=0"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["rollout.tensor_parallel_size=3"],
+            "rollout.tensor_parallel_size=3: does not divide num_attention_heads=64",
+        ),
+        (
+            ["trainer.prompts_per_step=6"],
+            "trainer.prompts_per_step=6: must be divisible by the number of data-parallel",
+        ),
+        (
+            ["rollout.max_model_len=2048"],
+            "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
+            "rollout.max_model_len (2048)",
+        ),
+        (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
+        (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
+        (
+            [
+                "model.params.tensor_model_parallel_size=16",
+                "model.params.pipeline_model_parallel_size=1",
+            ],
+            "num_key_value_heads=8 is not divisible by tensor_model_parallel_size=16",
+        ),
+        (
+            ["rollout.tensor_parallel_size=16"],
+            "rollout.tensor_parallel_size=16: exceeds the 8 GPUs of a node",
+        ),
+        (["model.backend=hf"], "trainer.dry_run plans Megatron layouts"),
+        (["trainer.gpu_memory_gb=0"], "trainer.gpu_memory_gb=0"),
+    ],
+)
 def test_layout_rules_are_config_errors(tmp_path, overrides, message):
     cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", *overrides])
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -232,10 +307,15 @@ def test_a_check_the_backend_adds_is_in_the_plan(tmp_path, monkeypatch):
     assert plan(cfg, JobShape(8, 8, "test"))["fits"]
 
     def refuse(config):
-        raise ValueError(f"model.params.entropy_chunk_size={config.entropy_chunk_size}: refused by a new check")
+        raise ValueError(
+            f"model.params.entropy_chunk_size={config.entropy_chunk_size}: refused by a new check"
+        )
 
     monkeypatch.setattr(MegatronBackend, "check_config", staticmethod(refuse))
-    with pytest.raises(ConfigError, match=re.escape("model: model.params.entropy_chunk_size=1024: refused by a new")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("model: model.params.entropy_chunk_size=1024: refused by a new"),
+    ):
         plan(cfg, JobShape(8, 8, "test"))
 
 
@@ -247,7 +327,9 @@ def test_job_shape_from_the_environment():
     with pytest.raises(ConfigError, match="NNODES='x'"):
         job_shape({"NNODES": "x"})
     # A recipe's shape fills in what the environment does not set; the environment wins.
-    assert job_shape({}, nodes=8, gpus_per_node=4) == JobShape(8, 4, "trainer.nodes=8 x trainer.gpus_per_node=4")
+    assert job_shape({}, nodes=8, gpus_per_node=4) == JobShape(
+        8, 4, "trainer.nodes=8 x trainer.gpus_per_node=4"
+    )
     assert job_shape({"SLURM_JOB_NUM_NODES": "2"}, nodes=8, gpus_per_node=4).world == 8
     assert job_shape({"GPUS_PER_NODE": "2"}, nodes=8).world == 16
     with pytest.raises(ConfigError, match="trainer.nodes=0"):
@@ -257,7 +339,9 @@ def test_job_shape_from_the_environment():
 @pytest.mark.parametrize("name", sorted(RECIPES) + ["llama3_70b_long"])
 def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
     cfg = _compose([f"experiment={name}", "output_dir=x"])
-    nodes, layout = (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
+    nodes, layout = (
+        (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
+    )
     assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (nodes, 8)
     tp, pp, dp = layout
     assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
@@ -274,9 +358,18 @@ def test_every_planned_recipe_file_is_in_the_shape_test():
 # ----------------------------------------------------------------------------- formulas by hand
 def _tiny_config(tied=False, bias=False):
     """h 64, 4 heads of 16, 2 KV heads, FFN 96, 4 layers, vocabulary 300."""
-    return {"architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"], "hidden_size": 64,
-            "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "vocab_size": 300, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": tied}
+    return {
+        "architectures": ["Qwen2ForCausalLM" if bias else "LlamaForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tied,
+    }
 
 
 def _tiny(tied=False, bias=False):
@@ -292,8 +385,12 @@ def test_parameters_by_hand():
     assert vp == 512
     # TP 2 x PP 2, one layer at TP 2: 4096 + 2048 + 6144 + 3072 + 128 = 15488.
     lay = Layout(tp=2, pp=2, tp_rank=0, pp_rank=0, padded_vocab=vp)
-    assert local_param_count(spec, lay) == 256 * 64 + 2 * 15488  # embedding shard + 2 layers = 47360
-    assert local_param_count(spec, lay.at(1, 1)) == 2 * 15488 + 64 + 256 * 64  # + final norm + output layer
+    assert (
+        local_param_count(spec, lay) == 256 * 64 + 2 * 15488
+    )  # embedding shard + 2 layers = 47360
+    assert (
+        local_param_count(spec, lay.at(1, 1)) == 2 * 15488 + 64 + 256 * 64
+    )  # + final norm + output layer
     # Real share: TP rank 0 holds 256 real embedding rows, TP rank 1 holds 44 (300 - 256) + 212 padding;
     # TP rank 1 skips the replicated norms.
     assert real_param_count(spec, lay) == 256 * 64 + 2 * 15488
@@ -302,9 +399,19 @@ def test_parameters_by_hand():
     assert total == spec.num_params
 
 
-@pytest.mark.parametrize("tied,bias", [(False, False), (True, True)], ids=["llama-untied", "qwen2-tied-bias"])
-@pytest.mark.parametrize("tp,pp,order", [(1, 1, "tp-cp-ep-dp-pp"), (2, 2, "tp-cp-ep-dp-pp"), (2, 1, "tp-cp-ep-dp-pp"),
-                                         (1, 4, "tp-cp-ep-dp-pp"), (2, 2, "tp-cp-ep-pp-dp")])
+@pytest.mark.parametrize(
+    "tied,bias", [(False, False), (True, True)], ids=["llama-untied", "qwen2-tied-bias"]
+)
+@pytest.mark.parametrize(
+    "tp,pp,order",
+    [
+        (1, 1, "tp-cp-ep-dp-pp"),
+        (2, 2, "tp-cp-ep-dp-pp"),
+        (2, 1, "tp-cp-ep-dp-pp"),
+        (1, 4, "tp-cp-ep-dp-pp"),
+        (2, 2, "tp-cp-ep-pp-dp"),
+    ],
+)
 def test_table_equals_megatron_modules_and_shards_sum(tied, bias, tp, pp, order):
     """(meta_param_counts also checks that megatron-core puts each built position, and the
     last copy's first rank, where ``parallel.global_rank_of`` says for that rank order)"""
@@ -314,9 +421,14 @@ def test_table_equals_megatron_modules_and_shards_sum(tied, bias, tp, pp, order)
     assert "counts" in meta, meta
     for key, n in meta["counts"].items():
         t, p = map(int, key.split(","))
-        assert n == local_param_count(spec, Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vp)), key
-    total = sum(real_param_count(spec, Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vp))
-                for t in range(tp) for p in range(pp))
+        assert n == local_param_count(
+            spec, Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vp)
+        ), key
+    total = sum(
+        real_param_count(spec, Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=vp))
+        for t in range(tp)
+        for p in range(pp)
+    )
     assert total == spec.num_params
 
 
@@ -325,13 +437,27 @@ def test_activation_and_logit_bytes_by_hand():
     # one layer, b 2, s 10, TP 2, bf16: s b 2 [4 h + (2 d_h (a + g) + 3 F) / t]
     #   = 40 x [256 + (2 x 16 x 6 + 288) / 2] = 40 x 496 = 19840
     assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2) == 19840
-    w = Workload(seq_len=10, gen_len=12, micro_batch=2, logprob_micro_batch=4, micro_batches=5,
-                 rows_per_engine=8, recompute=False, dtype_bytes=2, chunk=1024)
+    w = Workload(
+        seq_len=10,
+        gen_len=12,
+        micro_batch=2,
+        logprob_micro_batch=4,
+        micro_batches=5,
+        rows_per_engine=8,
+        recompute=False,
+        dtype_bytes=2,
+        chunk=1024,
+    )
     # PP 2: 2 layers per stage; 1F1B: stage 0 holds min(2 - 0, 5) = 2 micro-batches, stage 1 one.
     assert activation_bytes(spec, w, tp=2, pp=2, stage=0) == (2 * 2 * 19840, 2)
     assert activation_bytes(spec, w, tp=2, pp=2, stage=1) == (1 * 2 * 19840, 1)
     # Fewer micro-batches than stages: only as many in flight.
-    assert activation_bytes(spec, Workload(**{**w.__dict__, "micro_batches": 1}), tp=2, pp=2, stage=0)[1] == 1
+    assert (
+        activation_bytes(spec, Workload(**{**w.__dict__, "micro_batches": 1}), tp=2, pp=2, stage=0)[
+            1
+        ]
+        == 1
+    )
     # Full recompute: each layer's input (s b h x 2 bytes = 2560) per layer and micro-batch,
     # plus one layer's full set while it is recomputed: 2 x 2 x 2560 + 19840.
     rc = Workload(**{**w.__dict__, "recompute": True})
@@ -355,11 +481,22 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(_tiny_config()))
-    cfg = _compose(["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
-                    "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
-                    "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
-                    "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", "trainer.logprob_micro_batch_size=4",
-                    f"output_dir={tmp_path / 'out'}"])
+    cfg = _compose(
+        [
+            "model=megatron",
+            f"model.name={folder}",
+            "model.dtype=bfloat16",
+            "model.params.tensor_model_parallel_size=2",
+            "model.params.pipeline_model_parallel_size=2",
+            "trainer.prompts_per_step=4",
+            "trainer.num_generations=4",
+            "trainer.max_new_tokens=6",
+            "task.max_prompt_tokens=4",
+            "trainer.micro_batch_size=2",
+            "trainer.logprob_micro_batch_size=4",
+            f"output_dir={tmp_path / 'out'}",
+        ]
+    )
     report = plan(cfg, JobShape(1, 8, "test"))
     x = next(p for p in report["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
     n = 47360
@@ -372,11 +509,16 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     # rollout=hf: the HF sampler's full replica (2 x 161856 bytes), and while it generates its
     # KV cache: the 8 rows of its DP replica x 10 tokens x (2 x 4 layers x 2 KV heads x 16 x 2 bytes).
     assert t["hf_replica"] == 2 * spec.num_params and t["hf_kv_cache"] == 8 * 10 * 512
-    assert "logits" not in t and "logits" in next(p for p in report["positions"] if p["pp_rank"] == 1)["terms_bytes"]
+    assert (
+        "logits" not in t
+        and "logits" in next(p for p in report["positions"] if p["pp_rank"] == 1)["terms_bytes"]
+    )
     resident = t["weights"] + t["grads"] + t["optimizer"] + t["hf_replica"] + RUNTIME_BYTES
     assert x["train_peak_bytes"] == resident + t["activations"]
     assert x["generation_peak_bytes"] == resident + t["hf_kv_cache"]
-    assert "hf_replica" not in next(p for p in report["positions"] if p["tp_rank"] == 1)["terms_bytes"]
+    assert (
+        "hf_replica" not in next(p for p in report["positions"] if p["tp_rank"] == 1)["terms_bytes"]
+    )
 
 
 def test_megatron_lm_reference_equals_this_model_at_tp1():
@@ -384,9 +526,13 @@ def test_megatron_lm_reference_equals_this_model_at_tp1():
     counts are the same number; activations differ by the stated per-layer formulas."""
     spec = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / "llama3_70b")
     vp = padded_vocab_size(spec.vocab_size, 1)
-    ref = megatron_lm_reference(spec, padded_vocab=vp, tp=1, pp=1, dp=64, b=1, s=3072, micro_batches=16)
+    ref = megatron_lm_reference(
+        spec, padded_vocab=vp, tp=1, pp=1, dp=64, b=1, s=3072, micro_batches=16
+    )
     n = local_param_count(spec, Layout(tp=1, pp=1, padded_vocab=vp))
-    assert ref["params_most_loaded_shard"] == n == spec.num_params  # 128256 is already a multiple of 128
+    assert (
+        ref["params_most_loaded_shard"] == n == spec.num_params
+    )  # 128256 is already a multiple of 128
     assert ref["weight_and_optimizer_bytes"] == pytest.approx(n * (2 + 4 + 12 / 64), rel=1e-12)
     # Per layer and token: 10 h + 24 h / t there; 4 h + (2 d_h (a + g) + 3 F) / t here, x 2 bytes.
     theirs = 8192 * (10 + 24)
@@ -398,14 +544,22 @@ def test_megatron_lm_reference_equals_this_model_at_tp1():
 def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
     """vLLM refuses to start when its KV cache cannot hold one max_model_len sequence; the
     model's own 131072 positions apply when rollout.max_model_len is unset."""
-    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null"])
+    cfg = _compose(
+        ["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null"]
+    )
     report = plan(cfg, JobShape(8, 8, "test"))
     v = report["vllm"]
-    assert v["max_model_len"] == 131072 and v["kv_tokens"] >= 131072 and report["fits"]  # 334137 tokens
-    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.gpu_memory_utilization=0.23"])
+    assert (
+        v["max_model_len"] == 131072 and v["kv_tokens"] >= 131072 and report["fits"]
+    )  # 334137 tokens
+    cfg = _compose(
+        ["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.gpu_memory_utilization=0.23"]
+    )
     report = plan(cfg, JobShape(8, 8, "test"))
     assert not report["fits"] and report["vllm"]["kv_tokens"] < 3072
-    assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), report["problems"]
+    assert any("cannot hold one sequence of max_model_len=3072" in p for p in report["problems"]), (
+        report["problems"]
+    )
 
 
 def test_vllm_gpus_count_what_stays_resident(tmp_path):
@@ -419,21 +573,35 @@ def test_vllm_gpus_count_what_stays_resident(tmp_path):
     from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
 
     def first(extra=()):
-        r = plan(_compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]), JobShape(1, 8, "test"))
+        r = plan(
+            _compose(["experiment=llama3_8b", f"output_dir={tmp_path}", *extra]),
+            JobShape(1, 8, "test"),
+        )
         return r, next(p for p in r["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
 
     report, x = first()
     t, v = x["terms_bytes"], report["vllm"]
-    assert v["engine_gpus"] == {str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)}
+    assert v["engine_gpus"] == {
+        str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)
+    }
     assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
     resident = sum(t[k] for k in ("weights", "grads", "optimizer", "runtime"))
-    assert x["train_peak_bytes"] == pytest.approx(resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8)
+    assert x["train_peak_bytes"] == pytest.approx(
+        resident + t["activations"] + t["logits"] + t["vllm_asleep"], abs=8
+    )
     assert x["generation_peak_bytes"] == pytest.approx(resident + t["vllm"], abs=8)
     kept = x["generation_peak_if_cache_kept_bytes"]
-    assert kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8) and kept > 80 * GB
+    assert (
+        kept == pytest.approx(x["train_peak_bytes"] - t["vllm_asleep"] + t["vllm"], abs=8)
+        and kept > 80 * GB
+    )
     rb = v["refit_bytes"]
-    assert rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)  # the embedding is one bucket
-    assert x["refit_peak_bytes"] == pytest.approx(resident + t["vllm_asleep"] + sum(rb.values()), abs=8)
+    assert (
+        rb["staging"] == rb["held"] == max(512 * 2**20, 2 * 4096 * 128256)
+    )  # the embedding is one bucket
+    assert x["refit_peak_bytes"] == pytest.approx(
+        resident + t["vllm_asleep"] + sum(rb.values()), abs=8
+    )
     _, eager = first(["rollout.enforce_eager=true"])
     assert eager["terms_bytes"]["vllm_asleep"] == t["vllm_asleep"] - CUDA_GRAPH_BYTES
     _, awake = first(["rollout.sleep=false"])
@@ -442,11 +610,20 @@ def test_vllm_gpus_count_what_stays_resident(tmp_path):
 
 # ----------------------------------------------------------------------------- long sequences
 def test_sequence_parallel_and_token_budget_terms_by_hand():
-    from nemo_d3s.dry_run.sequence import micro_batches_per_step, replicated_share, tokens_per_micro_batch
+    from nemo_d3s.dry_run.sequence import (
+        micro_batches_per_step,
+        replicated_share,
+        tokens_per_micro_batch,
+    )
 
     # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
-    assert layer_activation_bytes(64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True) == 40 * (128 + 240)
-    assert replicated_share(4, True) == 0.25 and replicated_share(1, True) == replicated_share(4, False) == 1.0
+    assert layer_activation_bytes(
+        64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True
+    ) == 40 * (128 + 240)
+    assert (
+        replicated_share(4, True) == 0.25
+        and replicated_share(1, True) == replicated_share(4, False) == 1.0
+    )
     # tokens per micro-batch: rows x seq_len, or the budget, or one row longer than it
     assert tokens_per_micro_batch(2, 10) == 20
     assert tokens_per_micro_batch(2, 10, 15) == 15 and tokens_per_micro_batch(2, 10, 5) == 10
@@ -454,13 +631,26 @@ def test_sequence_parallel_and_token_budget_terms_by_hand():
     assert micro_batches_per_step(8, 10, 2) == 4
     assert micro_batches_per_step(8, 10, 2, 35) == 3 and micro_batches_per_step(8, 10, 2, 5) == 8
     spec = _tiny()
-    w = Workload(seq_len=10, gen_len=12, micro_batch=2, logprob_micro_batch=4, micro_batches=5,
-                 rows_per_engine=8, recompute=True, dtype_bytes=2, chunk=1024, sequence_parallel=True)
+    w = Workload(
+        seq_len=10,
+        gen_len=12,
+        micro_batch=2,
+        logprob_micro_batch=4,
+        micro_batches=5,
+        rows_per_engine=8,
+        recompute=True,
+        dtype_bytes=2,
+        chunk=1024,
+        sequence_parallel=True,
+    )
     # full recompute under SP: each layer's input split over TP (2560 / 2) + one layer's full set
     assert activation_bytes(spec, w, tp=2, pp=2, stage=0) == (2 * 2 * 1280 + 40 * 368, 2)
     # a budget of 35 tokens: 35 x 2 bytes x 368 per layer-token
     b = Workload(**{**w.__dict__, "recompute": False, "micro_batch_tokens": 35})
-    assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (2 * 35 * 2 * 368, 1)
+    assert b.train_tokens == 35 and activation_bytes(spec, b, tp=2, pp=2, stage=1) == (
+        2 * 35 * 2 * 368,
+        1,
+    )
 
 
 def _tiny_tp2pp2(tmp_path):
@@ -468,10 +658,19 @@ def _tiny_tp2pp2(tmp_path):
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(_tiny_config()))
-    return ["model=megatron", f"model.name={folder}", "model.dtype=bfloat16",
-            "model.params.tensor_model_parallel_size=2", "model.params.pipeline_model_parallel_size=2",
-            "trainer.prompts_per_step=4", "trainer.num_generations=4", "trainer.max_new_tokens=6",
-            "task.max_prompt_tokens=4", "trainer.micro_batch_size=2", f"output_dir={tmp_path / 'out'}"]
+    return [
+        "model=megatron",
+        f"model.name={folder}",
+        "model.dtype=bfloat16",
+        "model.params.tensor_model_parallel_size=2",
+        "model.params.pipeline_model_parallel_size=2",
+        "trainer.prompts_per_step=4",
+        "trainer.num_generations=4",
+        "trainer.max_new_tokens=6",
+        "task.max_prompt_tokens=4",
+        "trainer.micro_batch_size=2",
+        f"output_dir={tmp_path / 'out'}",
+    ]
 
 
 def test_plan_counts_sequence_parallel_activations(tmp_path):
@@ -488,30 +687,59 @@ def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
     """Rows of 131k tokens on the 70B recipe: one row per micro-batch with SP and full
     recompute still exceeds 80 GB on the first stage; the dry run says context parallelism
     would be needed and that it runs only with Transformer Engine's attention."""
-    cfg = _compose(["experiment=llama3_70b", f"output_dir={tmp_path}", "rollout.max_model_len=null",
-                    "trainer.max_new_tokens=129000"])  # the recipe runs sequence parallelism
+    cfg = _compose(
+        [
+            "experiment=llama3_70b",
+            f"output_dir={tmp_path}",
+            "rollout.max_model_len=null",
+            "trainer.max_new_tokens=129000",
+        ]
+    )  # the recipe runs sequence parallelism
     report = plan(cfg, JobShape(8, 8, "test"))
     assert not report["fits"]
     need = report["context_parallel_needed"]
     assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
-    assert any("Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"])
+    assert any(
+        "Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"]
+    )
 
 
 def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
     """experiment=llama3_70b_long (rows of 16384 tokens, responses of 15360): fits 80 GB on
     8 x 8 GPUs with SP, full recompute and 32768-token micro-batches, as its comment says;
     without SP the same budget does not fit (stage 0's activations)."""
-    report = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}"]), JobShape(8, 8, "test"))
+    report = plan(
+        _compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}"]), JobShape(8, 8, "test")
+    )
     print(render(report))
     assert report["fits"], report["problems"]
     w = report["workload"]
-    assert w["seq_len"] == 16384 and w["seq_len"] - 1024 >= 8192 and w["sequence_parallel"] and w["recompute"]
+    assert (
+        w["seq_len"] == 16384
+        and w["seq_len"] - 1024 >= 8192
+        and w["sequence_parallel"]
+        and w["recompute"]
+    )
     assert w["micro_batch_tokens"] == 32768 and report["context_parallel_needed"] == []
     first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
-    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0 and round(first["train_peak_bytes"] / GB, 1) == 57.0
-    assert round(report["worst"]["peak_bytes"] / GB, 1) == 74.9 and report["vllm"]["kv_tokens"] >= 16384
-    no_sp = plan(_compose(["experiment=llama3_70b_long", f"output_dir={tmp_path}",
-                           "model.params.sequence_parallel=false"]), JobShape(8, 8, "test"))
+    assert (
+        round(first["terms_bytes"]["activations"] / GB, 1) == 13.0
+        and round(first["train_peak_bytes"] / GB, 1) == 57.0
+    )
+    assert (
+        round(report["worst"]["peak_bytes"] / GB, 1) == 74.9
+        and report["vllm"]["kv_tokens"] >= 16384
+    )
+    no_sp = plan(
+        _compose(
+            [
+                "experiment=llama3_70b_long",
+                f"output_dir={tmp_path}",
+                "model.params.sequence_parallel=false",
+            ]
+        ),
+        JobShape(8, 8, "test"),
+    )
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
     assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 90.8
 
@@ -519,10 +747,21 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
     from nemo_d3s.dry_run.sequence import interleaving_factor
 
-    assert interleaving_factor(4, 2) == 1.375 and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
+    assert (
+        interleaving_factor(4, 2) == 1.375
+        and interleaving_factor(2, 1) == interleaving_factor(1, 4) == 1.0
+    )
     base = _tiny_tp2pp2(tmp_path)
-    report = plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=2"]), JobShape(1, 8, "test"))
+    report = plan(
+        _compose([*base, "+model.params.virtual_pipeline_model_parallel_size=2"]),
+        JobShape(1, 8, "test"),
+    )
     # stage 0: 2 micro-batches in flight x 2 layers x 19840 bytes x (1 + 1 / 4)
     assert report["positions"][0]["terms_bytes"]["activations"] == int(1.25 * 2 * 2 * 19840)
-    with pytest.raises(ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"):
-        plan(_compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]), JobShape(1, 8, "test"))
+    with pytest.raises(
+        ConfigError, match="not divisible by pipeline_model_parallel_size x virtual"
+    ):
+        plan(
+            _compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]),
+            JobShape(1, 8, "test"),
+        )

@@ -44,11 +44,15 @@ def _env() -> dict:
 
 
 def _run(args, timeout=300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def _ok(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (
+        f"exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    )
     return r.stdout
 
 
@@ -74,15 +78,41 @@ def test_select_batch_prints_one_row_per_preset():
 
 
 def test_select_batch_options():
-    out = _ok(_run([sys.executable, str(EXAMPLES / "select_batch.py"),
-                    "--prompts", "3", "--group-size", "16", "--progress", "1"]))
+    out = _ok(
+        _run(
+            [
+                sys.executable,
+                str(EXAMPLES / "select_batch.py"),
+                "--prompts",
+                "3",
+                "--group-size",
+                "16",
+                "--progress",
+                "1",
+            ]
+        )
+    )
     assert "batch: 3 prompts x G=16 = 48 rollouts" in out
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
     # N = 1/2 of G; 20% of the 24 kept rollouts' tokens is under the preset's floor of 256,
     # so K is raised to 256 / eligible and exactly 256 tokens are kept.
     assert d3s[3] == "8" and float(d3s[4]) > 0.20 and d3s[6].startswith("256/"), d3s
-    out = _ok(_run([sys.executable, str(EXAMPLES / "select_batch.py"), "--prompts", "3",
-                    "--group-size", "16", "--progress", "1", "--min-kept-tokens", "0"]))
+    out = _ok(
+        _run(
+            [
+                sys.executable,
+                str(EXAMPLES / "select_batch.py"),
+                "--prompts",
+                "3",
+                "--group-size",
+                "16",
+                "--progress",
+                "1",
+                "--min-kept-tokens",
+                "0",
+            ]
+        )
+    )
     d3s = next(line.split() for line in out.splitlines() if line.startswith("d3s "))
     assert d3s[3] == "8" and d3s[4] == "0.20", d3s  # the papers' rule: the schedule's K at p = 1
 
@@ -91,7 +121,16 @@ def test_select_batch_options():
     "args",
     [
         [],
-        ["--preset", "d3s_i", "--loss", "gspo", "--aggregation", "seq_mean_token_mean", "--micro-batch-size", "3"],
+        [
+            "--preset",
+            "d3s_i",
+            "--loss",
+            "gspo",
+            "--aggregation",
+            "seq_mean_token_mean",
+            "--micro-batch-size",
+            "3",
+        ],
     ],
     ids=["default", "d3s_i-gspo"],
 )
@@ -109,9 +148,22 @@ def test_custom_loss_loop_micro_batches_equal_full_batch(args):
 @pytest.mark.distributed
 def test_megatron_hooks_two_gloo_ranks():
     """The command in the example's docstring: TP=2 vocab-parallel entropy + top-k."""
-    out = _ok(_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(EXAMPLES / "megatron_hooks.py")], timeout=240))
-    assert "hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference (TP=2" in out
+    out = _ok(
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(EXAMPLES / "megatron_hooks.py"),
+            ],
+            timeout=240,
+        )
+    )
+    assert (
+        "hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference (TP=2" in out
+    )
     assert "megatron hooks OK" in out
 
 
@@ -119,18 +171,35 @@ def test_megatron_hooks_two_gloo_ranks():
 @pytest.mark.slow
 def test_megatron_hooks_data_parallel_top_k():
     """--tp 1 on two ranks: DP=2, so the global top-k runs its collectives."""
-    out = _ok(_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                    str(EXAMPLES / "megatron_hooks.py"), "--tp", "1"], timeout=240))
+    out = _ok(
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                str(EXAMPLES / "megatron_hooks.py"),
+                "--tp",
+                "1",
+            ],
+            timeout=240,
+        )
+    )
     assert "hook 2: global top-k over DP=2" in out
     assert "megatron hooks OK" in out
 
 
 def test_examples_have_docstring_with_command():
-    for path in (EXAMPLES / n for n in ("select_batch.py", "custom_loss_loop.py", "megatron_hooks.py")):
+    for path in (
+        EXAMPLES / n for n in ("select_batch.py", "custom_loss_loop.py", "megatron_hooks.py")
+    ):
         text = path.read_text()
         assert text.startswith('"""'), f"{path.name}: no module docstring"
         doc = text.split('"""')[1]
-        assert f"examples/{path.name}" in doc, f"{path.name}: docstring does not show the command to run it"
+        assert f"examples/{path.name}" in doc, (
+            f"{path.name}: docstring does not show the command to run it"
+        )
 
 
 # ----------------------------------------------------------------------------- slurm
@@ -152,10 +221,14 @@ def test_slurm_script_shellcheck(script):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("script", ["train_dp.sbatch", "train_megatron.sbatch", "convert_to_hf.sbatch"])
+@pytest.mark.parametrize(
+    "script", ["train_dp.sbatch", "train_megatron.sbatch", "convert_to_hf.sbatch"]
+)
 def test_slurm_refuses_to_run_outside_slurm(script):
     env = {k: v for k, v in _env().items() if not k.startswith("SLURM_")}
-    r = subprocess.run(["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True
+    )
     assert r.returncode == 2 and "sbatch" in r.stderr
 
 
@@ -206,15 +279,25 @@ def _fake_slurm(tmp_path: Path, job_id: str, gpus_per_node: int = 2, **extra) ->
     batch script of job ``job_id`` on one "node" of ``gpus_per_node`` CPU ranks."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", _FAKE_SRUN), ("scancel", _FAKE_SCANCEL), ("scontrol", _FAKE_SCONTROL)):
+    for name, text in (
+        ("srun", _FAKE_SRUN),
+        ("scancel", _FAKE_SCANCEL),
+        ("scontrol", _FAKE_SCONTROL),
+    ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in _env().items() if not k.startswith("SLURM_") and k != "NNODES"}
     env.update(
         PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
-        FAKE_SLURM_DIR=str(tmp_path), FAKE_SLURM_LOG=str(tmp_path / "slurm_calls.log"),
-        SLURM_JOB_ID=job_id, SLURM_SUBMIT_DIR=str(REPO), SLURM_JOB_NODELIST="localhost",
-        SLURM_JOB_NUM_NODES="1", GPUS_PER_NODE=str(gpus_per_node), DEVICE="cpu", OUTPUT_DIR=str(tmp_path / "run"),
+        FAKE_SLURM_DIR=str(tmp_path),
+        FAKE_SLURM_LOG=str(tmp_path / "slurm_calls.log"),
+        SLURM_JOB_ID=job_id,
+        SLURM_SUBMIT_DIR=str(REPO),
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="1",
+        GPUS_PER_NODE=str(gpus_per_node),
+        DEVICE="cpu",
+        OUTPUT_DIR=str(tmp_path / "run"),
         PYTHON=sys.executable,
     )
     env.update(extra)
@@ -230,7 +313,10 @@ def _fake_slurm(tmp_path: Path, job_id: str, gpus_per_node: int = 2, **extra) ->
         ({"MAX_REQUEUES": "many"}, "error: MAX_REQUEUES=many is not a whole number >= 0"),
         ({"MASTER_PORT": "29x"}, "error: MASTER_PORT=29x is not a port number"),
         ({"SLURM_SUBMIT_DIR": None}, "error: SLURM_SUBMIT_DIR is not set (not started by sbatch?)"),
-        ({"SLURM_JOB_NODELIST": None}, "error: SLURM_JOB_NODELIST is not set (not started by sbatch?)"),
+        (
+            {"SLURM_JOB_NODELIST": None},
+            "error: SLURM_JOB_NODELIST is not set (not started by sbatch?)",
+        ),
     ],
 )
 def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_change, message):
@@ -240,7 +326,9 @@ def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_ch
     env = _fake_slurm(tmp_path, "4646")
     for k, v in env_change.items():
         env.pop(k) if v is None else env.__setitem__(k, v)
-    r = subprocess.run(["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == message or r.stderr.strip().startswith(message), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "unbound variable" not in r.stderr
@@ -250,8 +338,14 @@ def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_ch
 def test_convert_script_without_submit_dir_is_one_error_line(tmp_path):
     env = _fake_slurm(tmp_path, "4647", RUN_DIR=str(tmp_path))
     env.pop("SLURM_SUBMIT_DIR")
-    r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", str(SLURM / "convert_to_hf.sbatch")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: SLURM_SUBMIT_DIR is not set"), r.stderr
 
 
@@ -266,16 +360,27 @@ def test_convert_script_takes_config_and_tokenizer_from_the_checkpoint_or_the_ru
 
     src = tiny(tmp_path / "src", "llama")
     run = tmp_path / "run"
-    new = hf_to_megatron(src, run / "checkpoints" / "step_000002", progress=False)  # config + tokenizer kept
+    new = hf_to_megatron(
+        src, run / "checkpoints" / "step_000002", progress=False
+    )  # config + tokenizer kept
     old = run / "checkpoints" / "step_000001"
     shutil.copytree(new / "megatron", old / "megatron")
     (run / "config.yaml").write_text(f"model:\n  name: {src}\n")
     for ckpt, source in ((new, "the checkpoint"), (old, str(src))):
         env = _fake_slurm(tmp_path, "4648", RUN_DIR=str(run), CKPT=str(ckpt))
-        r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=300)
+        r = subprocess.run(
+            ["bash", str(SLURM / "convert_to_hf.sbatch")],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-        assert f"converting {ckpt} (config + tokenizer from {source}) -> {run / ('hf-' + ckpt.name)}" in r.stdout
+        assert (
+            f"converting {ckpt} (config + tokenizer from {source}) -> {run / ('hf-' + ckpt.name)}"
+            in r.stdout
+        )
         assert (run / f"hf-{ckpt.name}" / "tokenizer.json").is_file()
 
 
@@ -291,7 +396,9 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
     cmd = ["bash", str(SLURM / script), *overrides]
 
     # First start: signal once two steps are logged.
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 240
         while len(_metric_steps(out_dir / "metrics.jsonl")) < 2:
@@ -307,7 +414,9 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
     # The ranks exit 75 (interrupted); torchrun reports 1; the marker tells the script.
     assert "interrupted, exit code 75" in first, first[-3000:]
     calls = log.read_text()
-    assert f"scancel --signal=USR1 {job_id}" in calls and f"scontrol requeue {job_id}" in calls, calls
+    assert f"scancel --signal=USR1 {job_id}" in calls and f"scontrol requeue {job_id}" in calls, (
+        calls
+    )
     ckpts = sorted(p.name for p in (out_dir / "checkpoints").iterdir())
     assert len(ckpts) == 1, ckpts
     stopped_at = int(ckpts[0].split("_")[1])
@@ -320,7 +429,10 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
     env["SLURM_RESTART_COUNT"] = "1"
     second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
-    assert f"resumed from {out_dir}/checkpoints/{ckpts[0]} (step {stopped_at})" in second.stdout + second.stderr
+    assert (
+        f"resumed from {out_dir}/checkpoints/{ckpts[0]} (step {stopped_at})"
+        in second.stdout + second.stderr
+    )
     assert "requeue" not in log.read_text()
     assert _metric_steps(out_dir / "metrics.jsonl") == list(range(1, steps + 1))
     return out_dir
@@ -338,8 +450,14 @@ def _tiny_megatron(tmp_path: Path, tp: int = 2, pp: int = 1):
     from _tiny_hf import make_tiny_hf
 
     folder = make_tiny_hf(tmp_path / "tiny_llama", "llama", tied=False)
-    return folder, [*_SMOKE, "model.backend=megatron", "~model.params.tiny", f"model.name={folder}",
-                    f"+model.params.tensor_model_parallel_size={tp}", f"+model.params.pipeline_model_parallel_size={pp}"]
+    return folder, [
+        *_SMOKE,
+        "model.backend=megatron",
+        "~model.params.tiny",
+        f"model.name={folder}",
+        f"+model.params.tensor_model_parallel_size={tp}",
+        f"+model.params.pipeline_model_parallel_size={pp}",
+    ]
 
 
 @pytest.mark.slow
@@ -357,17 +475,31 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
     assert plan["fits"] and plan["layout"]["tp"] == 2 and plan["layout"]["dp"] == 1
     assert (out / "dry_run.layout").read_text().split()[:4] == ["2", "1", "2", "hf"]
     for restart in (0, 1):  # every rank's stdout/stderr, per start of the job
-        logs = sorted((out / "logs" / f"restart{restart}" / "node0").glob("*/attempt_0/*/stderr.log"))
+        logs = sorted(
+            (out / "logs" / f"restart{restart}" / "node0").glob("*/attempt_0/*/stderr.log")
+        )
         assert [p.parent.name for p in logs] == ["0", "1"], logs
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
-    assert sorted(os.listdir(ckpt / "megatron")) == ["layout.json", "tp00_pp00.safetensors", "tp01_pp00.safetensors"]
+    assert sorted(os.listdir(ckpt / "megatron")) == [
+        "layout.json",
+        "tp00_pp00.safetensors",
+        "tp01_pp00.safetensors",
+    ]
 
     env = _fake_slurm(tmp_path, "4344", RUN_DIR=str(out))
-    r = subprocess.run(["bash", str(SLURM / "convert_to_hf.sbatch")], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        ["bash", str(SLURM / "convert_to_hf.sbatch")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     hf = out / f"hf-{ckpt.name}"
-    assert f"converting {ckpt} (config + tokenizer from the checkpoint) -> {hf}" in r.stdout  # issue 26 item 5
+    assert (
+        f"converting {ckpt} (config + tokenizer from the checkpoint) -> {hf}" in r.stdout
+    )  # issue 26 item 5
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(hf))
@@ -379,18 +511,40 @@ def _config_only(tmp_path: Path, tp: int = 2) -> list:
     (what the recipes ship): the dry run plans it, training could not load it."""
     folder = tmp_path / "config_only"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
-        "rms_norm_eps": 1e-5}))
-    return [*_SMOKE, "model.backend=megatron", "~model.params.tiny", f"model.name={folder}",
-            f"+model.params.tensor_model_parallel_size={tp}"]
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 300,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
+    return [
+        *_SMOKE,
+        "model.backend=megatron",
+        "~model.params.tiny",
+        f"model.name={folder}",
+        f"+model.params.tensor_model_parallel_size={tp}",
+    ]
 
 
 def _megatron_script(tmp_path: Path, overrides, **env_extra) -> tuple:
     env = _fake_slurm(tmp_path, "4545", **env_extra)
-    r = subprocess.run(["bash", str(SLURM / "train_megatron.sbatch"), *overrides], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ["bash", str(SLURM / "train_megatron.sbatch"), *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = tmp_path / "slurm_calls.log"
     return r, (log.read_text() if log.exists() else "")
 
@@ -400,10 +554,17 @@ def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
     """3 ranks per node cannot hold TP 2: the dry run names the rule, no other step runs."""
     r, calls = _megatron_script(tmp_path, _config_only(tmp_path), GPUS_PER_NODE="3")
     assert r.returncode == 2, r.stdout + r.stderr
-    assert ("error: world size 3 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 2 "
-            "(world = NNODES=1 x GPUS_PER_NODE=3") in r.stderr
-    assert "the dry run failed (above): this layout cannot run on 1 x 3 GPUs; nothing was started" in r.stderr
-    assert calls.count("srun --kill-on-bad-exit") == 1  # the dry run's step only: no node check, no torchrun
+    assert (
+        "error: world size 3 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 2 "
+        "(world = NNODES=1 x GPUS_PER_NODE=3"
+    ) in r.stderr
+    assert (
+        "the dry run failed (above): this layout cannot run on 1 x 3 GPUs; nothing was started"
+        in r.stderr
+    )
+    assert (
+        calls.count("srun --kill-on-bad-exit") == 1
+    )  # the dry run's step only: no node check, no torchrun
 
 
 @pytest.mark.distributed
@@ -414,10 +575,14 @@ def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_p
     assert r.returncode == 2, r.stdout + r.stderr
     assert "verdict: FITS" in r.stdout
     folder = tmp_path / "config_only"
-    assert ("holds no weights (model.safetensors[.index.json], megatron/layout.json or a NeMo 2 weights/): a "
-            "config-only recipe folder?") in r.stderr and str(folder) in r.stderr
+    assert (
+        "holds no weights (model.safetensors[.index.json], megatron/layout.json or a NeMo 2 weights/): a "
+        "config-only recipe folder?"
+    ) in r.stderr and str(folder) in r.stderr
     assert "a node failed its check (above); nothing was started" in r.stderr
-    assert "training:" not in r.stdout and calls.count("srun --kill-on-bad-exit") == 2  # dry run + node check
+    assert (
+        "training:" not in r.stdout and calls.count("srun --kill-on-bad-exit") == 2
+    )  # dry run + node check
 
 
 @pytest.mark.distributed
@@ -426,11 +591,17 @@ def test_slurm_megatron_script_vllm_run_without_vllm_stops_before_torchrun(tmp_p
     shadow = tmp_path / "shadow" / "vllm"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('No module named vllm (stand-in)')\n")
-    r, calls = _megatron_script(tmp_path, [*_config_only(tmp_path), "rollout=vllm", "rollout.tensor_parallel_size=2"],
-                                PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}")
+    r, calls = _megatron_script(
+        tmp_path,
+        [*_config_only(tmp_path), "rollout=vllm", "rollout.tensor_parallel_size=2"],
+        PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}",
+    )
     assert r.returncode == 2, r.stdout + r.stderr
     assert "verdict: FITS" in r.stdout
-    assert "cannot import nemo_d3s, megatron.core, vllm (ImportError: No module named vllm (stand-in))" in r.stderr
+    assert (
+        "cannot import nemo_d3s, megatron.core, vllm (ImportError: No module named vllm (stand-in))"
+        in r.stderr
+    )
     assert "a node failed its check (above); nothing was started" in r.stderr
     assert calls.count("srun --kill-on-bad-exit") == 2
 
@@ -441,12 +612,21 @@ def test_slurm_megatron_script_environment_without_megatron_stops_before_the_dry
     dependencies): the first step says so by node and nothing else runs."""
     shadow = tmp_path / "shadow" / "megatron"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named megatron.core (stand-in)')\n")
-    r, calls = _megatron_script(tmp_path, _config_only(tmp_path), PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}")
+    (shadow / "__init__.py").write_text(
+        "raise ImportError('No module named megatron.core (stand-in)')\n"
+    )
+    r, calls = _megatron_script(
+        tmp_path, _config_only(tmp_path), PYTHONPATH=f"{shadow.parent}{os.pathsep}{REPO}"
+    )
     assert r.returncode == 2, r.stdout + r.stderr
-    assert "cannot import nemo_d3s and megatron.core (ImportError: No module named megatron.core (stand-in))" \
+    assert (
+        "cannot import nemo_d3s and megatron.core (ImportError: No module named megatron.core (stand-in))"
         in r.stderr
-    assert not (tmp_path / "run" / "dry_run.json").exists() and calls.count("srun --kill-on-bad-exit") == 1
+    )
+    assert (
+        not (tmp_path / "run" / "dry_run.json").exists()
+        and calls.count("srun --kill-on-bad-exit") == 1
+    )
 
 
 def test_sbatch_scripts_know_the_trainers_interrupted_exit_code():
@@ -458,4 +638,6 @@ def test_sbatch_scripts_know_the_trainers_interrupted_exit_code():
 
     for script in ("train_dp.sbatch", "train_megatron.sbatch"):
         text = (Path(__file__).resolve().parents[1] / "slurm" / script).read_text()
-        assert re.findall(r"^EXIT_INTERRUPTED=(\d+)$", text, flags=re.M) == [str(EXIT_INTERRUPTED)], script
+        assert re.findall(r"^EXIT_INTERRUPTED=(\d+)$", text, flags=re.M) == [
+            str(EXIT_INTERRUPTED)
+        ], script

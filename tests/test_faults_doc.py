@@ -27,7 +27,9 @@ def test_every_fault_row_names_an_existing_test():
         for path, name in refs:
             src = REPO / path
             assert src.is_file(), f"row {fault!r}: {path} does not exist"
-            assert re.search(rf"^def {name}\(", src.read_text(), re.M), f"row {fault!r}: {path} has no {name}"
+            assert re.search(rf"^def {name}\(", src.read_text(), re.M), (
+                f"row {fault!r}: {path} has no {name}"
+            )
 
 
 def test_readme_says_its_numbers_come_from_one_machine():

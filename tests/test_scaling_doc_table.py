@@ -15,17 +15,35 @@ from nemo_d3s.train import compose_config
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
 GB = 1e9
-COLUMNS = ["weights", "grads", "optimizer", "activations", "vllm", "train_peak", "refit_peak", "generation_peak"]
+COLUMNS = [
+    "weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "vllm",
+    "train_peak",
+    "refit_peak",
+    "generation_peak",
+]
 
 
 def _rows():
     rows = {}
     for line in DOC.read_text().splitlines():
-        m = re.match(r"\| (\w+) \((\d+) x (\d+)\)[^|]*\|[^|]*\| ([\d.]+)B \|(.*)\| (fits|does not fit) \|$", line)
+        m = re.match(
+            r"\| (\w+) \((\d+) x (\d+)\)[^|]*\|[^|]*\| ([\d.]+)B \|(.*)\| (fits|does not fit) \|$",
+            line,
+        )
         if m:
             cells = [c.strip() for c in m.group(5).split("|")]
             figures = [float(c.split()[0]) for c in cells]
-            rows[m.group(1)] = (int(m.group(2)), int(m.group(3)), float(m.group(4)), figures, m.group(6))
+            rows[m.group(1)] = (
+                int(m.group(2)),
+                int(m.group(3)),
+                float(m.group(4)),
+                figures,
+                m.group(6),
+            )
     return rows
 
 
@@ -33,18 +51,35 @@ ROWS = _rows()
 
 
 def test_the_table_lists_every_vllm_recipe():
-    assert set(ROWS) == {"llama3_8b", "qwen25_math_7b", "llama3_70b", "qwen25_72b", "llama3_70b_long"}
+    assert set(ROWS) == {
+        "llama3_8b",
+        "qwen25_math_7b",
+        "llama3_70b",
+        "qwen25_72b",
+        "llama3_70b_long",
+    }
 
 
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_row_equals_the_dry_run(name, tmp_path):
     nodes, gpus, params_b, figures, verdict = ROWS[name]
-    report = plan(compose_config([f"experiment={name}", f"output_dir={tmp_path}"]), JobShape(nodes, gpus, "test"))
+    report = plan(
+        compose_config([f"experiment={name}", f"output_dir={tmp_path}"]),
+        JobShape(nodes, gpus, "test"),
+    )
     busiest = max(report["positions"], key=lambda p: p["peak_bytes"])
     assert busiest["peak_bytes"] == report["worst"]["peak_bytes"]
     t = busiest["terms_bytes"]
-    got = [t["weights"], t["grads"], t["optimizer"], t["activations"], t["vllm"], busiest["train_peak_bytes"],
-           busiest["refit_peak_bytes"], busiest["generation_peak_bytes"]]
+    got = [
+        t["weights"],
+        t["grads"],
+        t["optimizer"],
+        t["activations"],
+        t["vllm"],
+        busiest["train_peak_bytes"],
+        busiest["refit_peak_bytes"],
+        busiest["generation_peak_bytes"],
+    ]
     assert [round(g / GB, 1) for g in got] == figures, dict(zip(COLUMNS, got))
     assert round(busiest["params"] / 1e9, 2) == params_b
     assert (verdict == "fits") == report["fits"]

@@ -35,7 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_run_check_maps_outcomes():
     assert run_check("a", False, lambda: {"x": 1.5}, cuda=False).status == PASSED
-    r = run_check("b", False, lambda: (_ for _ in ()).throw(NotRun("vLLM not installed")), cuda=False)
+    r = run_check(
+        "b", False, lambda: (_ for _ in ()).throw(NotRun("vLLM not installed")), cuda=False
+    )
     assert (r.status, r.reason) == (NOT_RUN, "vLLM not installed")
 
     def out_of_bounds():
@@ -52,37 +54,59 @@ def test_a_cuda_check_is_never_passed_without_cuda():
     r = run_check("gpu.x", True, lambda: called.append(1) or {"t": 1.0}, cuda=False)
     assert (r.status, r.reason, called) == (NOT_RUN, NO_CUDA, [])
     # even a record that claims it passed (or failed) is overruled on a machine without CUDA
-    claimed = [CheckResult("gpu.y", True, PASSED, measured={"t": 1.0}), CheckResult("gpu.z", True, FAILED, "x"),
-               CheckResult("cpu.a", False, PASSED)]
+    claimed = [
+        CheckResult("gpu.y", True, PASSED, measured={"t": 1.0}),
+        CheckResult("gpu.z", True, FAILED, "x"),
+        CheckResult("cpu.a", False, PASSED),
+    ]
     got = finalize(claimed, cuda=False)
-    assert [(r.status, r.reason) for r in got] == [(NOT_RUN, NO_CUDA), (NOT_RUN, NO_CUDA), (PASSED, "")]
+    assert [(r.status, r.reason) for r in got] == [
+        (NOT_RUN, NO_CUDA),
+        (NOT_RUN, NO_CUDA),
+        (PASSED, ""),
+    ]
     assert finalize(claimed, cuda=True)[0].status == PASSED
 
 
 def test_ranks_combine_and_a_failure_exits_one():
-    rank0 = [CheckResult("a", False, PASSED, rank=0), CheckResult("b", False, PASSED, rank=0),
-             CheckResult("c", False, NOT_RUN, "one rank", rank=0)]
-    rank1 = [CheckResult("a", False, PASSED, rank=1), CheckResult("b", False, FAILED, "err=3", rank=1),
-             CheckResult("c", False, NOT_RUN, "one rank", rank=1)]
+    rank0 = [
+        CheckResult("a", False, PASSED, rank=0),
+        CheckResult("b", False, PASSED, rank=0),
+        CheckResult("c", False, NOT_RUN, "one rank", rank=0),
+    ]
+    rank1 = [
+        CheckResult("a", False, PASSED, rank=1),
+        CheckResult("b", False, FAILED, "err=3", rank=1),
+        CheckResult("c", False, NOT_RUN, "one rank", rank=1),
+    ]
     got = combine([rank0, rank1])
     assert [(r.name, r.status, r.reason) for r in got] == [
-        ("a", PASSED, ""), ("b", FAILED, "rank 1: err=3"), ("c", NOT_RUN, "one rank")]
+        ("a", PASSED, ""),
+        ("b", FAILED, "rank 1: err=3"),
+        ("c", NOT_RUN, "one rank"),
+    ]
     assert exit_code(got) == 1 and exit_code([got[0], got[2]]) == 0
     with pytest.raises(ValueError, match="other checks"):
         combine([rank0, rank1[:2]])
 
 
 def test_table_and_json(tmp_path):
-    results = [CheckResult("env.versions", False, PASSED, measured={"torch": "2.13.0", "err": 1.234567e-6}),
-               CheckResult("gpu.vllm", True, NOT_RUN, NO_CUDA),
-               CheckResult("gpt.local_spec", False, FAILED, "logprob_err=0.1 > 0.0001")]
+    results = [
+        CheckResult(
+            "env.versions", False, PASSED, measured={"torch": "2.13.0", "err": 1.234567e-6}
+        ),
+        CheckResult("gpu.vllm", True, NOT_RUN, NO_CUDA),
+        CheckResult("gpt.local_spec", False, FAILED, "logprob_err=0.1 > 0.0001"),
+    ]
     table = format_table(results)
     assert "env.versions" in table and "torch=2.13.0, err=1.23e-06" in table
     assert "not run: no CUDA" in table and "failed: logprob_err=0.1 > 0.0001" in table
     assert table.splitlines()[-1] == "1 passed, 1 failed, 1 not run"
     path = write_json(results, tmp_path / "out", {"world": 2})
     doc = json.loads(path.read_text())
-    assert path.name == "selfcheck.json" and doc["exit_code"] == 1 and doc["context"] == {"world": 2}
+    assert (
+        path.name == "selfcheck.json" and doc["exit_code"] == 1 and doc["context"] == {"world": 2}
+    )
     assert [c["status"] for c in doc["checks"]] == [PASSED, NOT_RUN, FAILED]
     assert doc["checks"][0]["measured"]["err"] == pytest.approx(1.234567e-6)
 
@@ -97,15 +121,24 @@ def test_command_in_one_process_exits_one_on_a_failed_check(tmp_path, monkeypatc
     from nemo_d3s.selfcheck import env_checks
 
     never = Check("gpu.never", True, lambda ctx: pytest.fail("a CUDA check ran without CUDA"))
-    monkeypatch.setattr(cli, "all_checks", lambda: [*env_checks.CHECKS[:1], never, Check("demo.fails", False, _fails)])
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the CPU form wherever the test runs
+    monkeypatch.setattr(
+        cli,
+        "all_checks",
+        lambda: [*env_checks.CHECKS[:1], never, Check("demo.fails", False, _fails)],
+    )
+    monkeypatch.setattr(
+        "torch.cuda.is_available", lambda: False
+    )  # the CPU form wherever the test runs
     code = cli.main(["--out", str(tmp_path), "--ranks", "1"])
     out = capsys.readouterr().out
     assert code == 1
     assert "failed: too far" in out and "not run: no CUDA" in out
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
     assert [(c["name"], c["status"]) for c in doc["checks"]] == [
-        ("env.versions", PASSED), ("gpu.never", NOT_RUN), ("demo.fails", FAILED)]
+        ("env.versions", PASSED),
+        ("gpu.never", NOT_RUN),
+        ("demo.fails", FAILED),
+    ]
     assert doc["context"]["mode"] == "one process" and not (tmp_path / ".selfcheck_work").exists()
     # and without the failing check: exit 0
     monkeypatch.setattr(cli, "all_checks", lambda: [*env_checks.CHECKS[:1], never])
@@ -124,19 +157,38 @@ def test_bad_arguments_are_refused(tmp_path):
 def test_the_cpu_form_end_to_end(tmp_path):
     """``python -m nemo_d3s.selfcheck`` on this CPU machine: two spawned gloo ranks run every
     CPU check for real (all pass), every CUDA check says "not run: no CUDA", exit 0."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "nemo_d3s.selfcheck", "--out", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.selfcheck", "--out", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
     checks = {c["name"]: c for c in doc["checks"]}
     assert doc["context"]["world"] == 2 and doc["exit_code"] == 0
     cpu = {n for n, c in checks.items() if not c["needs_cuda"]}
-    assert cpu == {"env.versions", "collectives.gloo", "vocab_parallel.fp32_gloo", "gpt.local_spec",
-                   "gpt.long_sequence", "rl.megatron_step", "checkpoint.roundtrip"}
+    assert cpu == {
+        "env.versions",
+        "collectives.gloo",
+        "vocab_parallel.fp32_gloo",
+        "gpt.local_spec",
+        "gpt.long_sequence",
+        "rl.megatron_step",
+        "checkpoint.roundtrip",
+    }
     assert all(checks[n]["status"] == PASSED for n in cpu), {n: checks[n]["reason"] for n in cpu}
-    assert all((c["status"], c["reason"]) == (NOT_RUN, NO_CUDA) for c in checks.values() if c["needs_cuda"])
+    assert all(
+        (c["status"], c["reason"]) == (NOT_RUN, NO_CUDA) for c in checks.values() if c["needs_cuda"]
+    )
     assert len(checks) - len(cpu) >= 7
     assert checks["gpt.local_spec"]["measured"]["layouts"] == ["tp2pp1", "tp1pp2"]
     assert checks["gpt.local_spec"]["measured"]["logprob_err"] <= 1e-4
@@ -153,8 +205,17 @@ def _ctx(tmp_path, **cache):
 
     from nemo_d3s.selfcheck.base import Context
 
-    return Context(rank=0, world=2, local_rank=0, cuda=True, device=torch.device("cpu"), model_dir=tmp_path / "m",
-                   tiny=True, work_dir=tmp_path, cache=dict(cache))
+    return Context(
+        rank=0,
+        world=2,
+        local_rank=0,
+        cuda=True,
+        device=torch.device("cpu"),
+        model_dir=tmp_path / "m",
+        tiny=True,
+        work_dir=tmp_path,
+        cache=dict(cache),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +258,11 @@ def test_vllm_check_bounds_the_logprob_gap(tmp_path, monkeypatch):
     from nemo_d3s.selfcheck import gpu_checks
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a),
+    )
     rows = {"last": {"optimizer_steps": 2, "rollout_logprob_mismatch_abs": 0.01}, "rows": 2}
     monkeypatch.setattr(gpu_checks, "run_rl", lambda ctx, name, extra: rows)
     assert gpu_checks.check_vllm(_ctx(tmp_path))["logprob_mismatch_abs"] == 0.01
@@ -213,5 +278,7 @@ def test_te_check_fails_naming_a_broken_transformer_engine(tmp_path, monkeypatch
     from nemo_d3s.selfcheck.model_checks import check_te_spec
 
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
-    with pytest.raises(CheckFailed, match="Transformer Engine: import transformer_engine.pytorch failed"):
+    with pytest.raises(
+        CheckFailed, match="Transformer Engine: import transformer_engine.pytorch failed"
+    ):
         check_te_spec(_ctx(tmp_path))

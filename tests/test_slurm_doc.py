@@ -29,14 +29,27 @@ def test_healthy_log_quotes_the_70b_dry_run_verdict(monkeypatch):
 
 @pytest.mark.parametrize("script", ["train_dp.sbatch", "train_megatron.sbatch"])
 def test_preemption_section_gives_each_scripts_signal_lead_time(script):
-    lead = re.search(r"^#SBATCH --signal=B:USR1@(\d+)$", (REPO / "slurm" / script).read_text(), re.M).group(1)
+    lead = re.search(
+        r"^#SBATCH --signal=B:USR1@(\d+)$", (REPO / "slurm" / script).read_text(), re.M
+    ).group(1)
     assert f"`--signal=B:USR1@{lead}` in `{script}`" in _flat(DOC.read_text())
 
 
-@pytest.mark.parametrize("doc", ["README.md", "slurm/README.md", "docs/evidence.md", "docs/design-choices.md",
-                                 "docs/scaling.md", "docs/faults.md"])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "README.md",
+        "slurm/README.md",
+        "docs/evidence.md",
+        "docs/design-choices.md",
+        "docs/scaling.md",
+        "docs/faults.md",
+    ],
+)
 def test_no_heading_without_text_under_it(doc):
     text = (REPO / doc).read_text()
-    text = re.sub(r"```.*?```", "", text, flags=re.S)  # '#' lines inside code blocks are not headings
+    text = re.sub(
+        r"```.*?```", "", text, flags=re.S
+    )  # '#' lines inside code blocks are not headings
     empty = re.findall(r"^(#{1,6} .*)\n+(?=#{1,6} |\Z)", text, re.M)
     assert not empty, empty

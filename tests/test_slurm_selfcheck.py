@@ -19,12 +19,19 @@ pytestmark = pytest.mark.distributed
 
 def _run(tmp_path, script, overrides, **env_extra):
     env = _fake_slurm(tmp_path, "5151", SELFCHECK="1", **env_extra)
-    return subprocess.run(["bash", str(SLURM / script), *overrides], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        ["bash", str(SLURM / script), *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-@pytest.mark.parametrize("script", ["train_dp.sbatch",
-                                    pytest.param("train_megatron.sbatch", marks=pytest.mark.slow)])  # + its dry run
+@pytest.mark.parametrize(
+    "script", ["train_dp.sbatch", pytest.param("train_megatron.sbatch", marks=pytest.mark.slow)]
+)  # + its dry run
 def test_a_failed_selfcheck_stops_the_job_before_training(tmp_path, script):
     overrides = _tiny_megatron(tmp_path)[1] if script == "train_megatron.sbatch" else _SMOKE
     r = _run(tmp_path, script, overrides, SELFCHECK_ARGS=f"--model {tmp_path / 'no_such_model'}")
@@ -41,7 +48,10 @@ def test_selfcheck_then_training(tmp_path):
     doc = json.loads((tmp_path / "run" / "selfcheck" / "restart0" / "selfcheck.json").read_text())
     checks = {c["name"]: c for c in doc["checks"]}
     assert doc["context"]["mode"] == "torchrun" and doc["context"]["world"] == 2
-    assert checks["collectives.gloo"]["status"] == "passed" and checks["collectives.gloo"]["measured"]["ranks"] == 2
+    assert (
+        checks["collectives.gloo"]["status"] == "passed"
+        and checks["collectives.gloo"]["measured"]["ranks"] == 2
+    )
     assert checks["collectives.nccl"]["status"] == "not run"
     assert "1 passed" in r.stdout or "2 passed" in r.stdout
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -83,7 +83,9 @@ class TokenBatch:
     def truncate(self, length: int) -> "TokenBatch":
         """Cut every sequence to its first ``length`` positions (compaction after token selection)."""
         return TokenBatch(
-            self.input_ids[:, :length], self.attention_mask[:, :length], self.response_mask[:, :length]
+            self.input_ids[:, :length],
+            self.attention_mask[:, :length],
+            self.response_mask[:, :length],
         )
 
 
@@ -100,7 +102,6 @@ class Rollouts:
     # elsewhere), when the engine reports it (vLLM does; compared with the trainer's old
     # log-probs to measure the rollout/train mismatch). None when not reported.
     sampling_logprobs: Optional[torch.Tensor] = None
-
 
 
 @dataclass
@@ -186,7 +187,12 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def score(
-        self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8,
+        self,
+        batch: TokenBatch,
+        *,
+        with_entropy: bool,
+        reference: bool = False,
+        micro_batch_size: int = 8,
         micro_batch_tokens: int = 0,
     ) -> Scores:
         """One no-grad pass over ``batch`` [B, S]: log-probs (+ entropy) of every response
@@ -197,7 +203,12 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def train_step(
-        self, batch: TokenBatch, loss_fn: LossFn, *, micro_batch_size: int, denominator: float,
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        *,
+        micro_batch_size: int,
+        denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
         """One optimizer step: forward + backward of ``batch`` (this rank's rows; may be

@@ -31,8 +31,11 @@ def _vllm_engine(policy: Policy, settings: Mapping[str, Any]) -> RolloutEngine:
 
     known = {f.name for f in dataclasses.fields(VLLMEngineConfig)}
     # build_rollout_engine refits right after placing it: vLLM need not read the checkpoint
-    return VLLMEngine(policy, VLLMEngineConfig(**{k: v for k, v in settings.items() if k in known}),
-                      refit_follows=True)
+    return VLLMEngine(
+        policy,
+        VLLMEngineConfig(**{k: v for k, v in settings.items() if k in known}),
+        refit_follows=True,
+    )
 
 
 def check_gpu_placement(policy: Policy, settings: Mapping[str, Any]) -> None:
@@ -54,9 +57,12 @@ def check_gpu_placement(policy: Policy, settings: Mapping[str, Any]) -> None:
     if world > 1 and not os.environ.get("LOCAL_WORLD_SIZE"):
         return  # not launched by torchrun: ranks per node unknown (each engine still takes its own GPUs)
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    engine_placement(policy.rollout_engine_ranks(world), gpus_per_node=torch.cuda.device_count(),
-                     ranks_per_node=max(ranks_per_node, 1),
-                     tensor_parallel_size=int(settings.get("tensor_parallel_size", 1) or 1))
+    engine_placement(
+        policy.rollout_engine_ranks(world),
+        gpus_per_node=torch.cuda.device_count(),
+        ranks_per_node=max(ranks_per_node, 1),
+        tensor_parallel_size=int(settings.get("tensor_parallel_size", 1) or 1),
+    )
 
 
 def build_rollout_engine(name: str, policy: Policy, settings: Mapping[str, Any]) -> RolloutEngine:

@@ -10,8 +10,9 @@ from typing import Callable, Optional
 __all__ = ["lr_multiplier"]
 
 
-def lr_multiplier(scheduler: str, warmup_steps: int, total_steps: Optional[int], min_lr_ratio: float = 0.0
-                  ) -> Callable[[int], float]:
+def lr_multiplier(
+    scheduler: str, warmup_steps: int, total_steps: Optional[int], min_lr_ratio: float = 0.0
+) -> Callable[[int], float]:
     """LR multiplier of optimizer step ``step`` (0-based)."""
     if scheduler not in ("constant", "linear", "cosine"):
         raise ValueError(f"scheduler must be constant, linear or cosine; got {scheduler!r}")
@@ -25,7 +26,9 @@ def lr_multiplier(scheduler: str, warmup_steps: int, total_steps: Optional[int],
         if scheduler == "constant":
             return 1.0
         progress = min(1.0, (step - warm) / max(1, total - warm))
-        shape = 1.0 - progress if scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        shape = (
+            1.0 - progress if scheduler == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        )
         return floor + (1.0 - floor) * shape
 
     return fn

@@ -45,8 +45,17 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Bucket", "RefitStats", "TensorMeta", "WeightRefit", "WeightSink", "decode_host",
-    "iter_buckets", "pack_host", "release_cached_cuda_memory", "tensors_from_buffer",
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "RefitStats",
+    "TensorMeta",
+    "WeightRefit",
+    "WeightSink",
+    "decode_host",
+    "iter_buckets",
+    "pack_host",
+    "release_cached_cuda_memory",
+    "tensors_from_buffer",
 ]
 
 log = logging.getLogger("nemo_d3s.refit")
@@ -81,8 +90,13 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
-def iter_buckets(weights: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
-                 dtype: Optional[torch.dtype] = None, *, cast: bool = True) -> Iterator[Bucket]:
+def iter_buckets(
+    weights: Iterable[Tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    cast: bool = True,
+) -> Iterator[Bucket]:
     """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``
     (a larger tensor alone), floating tensors sized (and, with ``cast``, cast: one tensor's
     copy at a time, on its device) as ``dtype`` when given. The boundaries depend on the
@@ -111,7 +125,7 @@ def iter_buckets(weights: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int,
 
 def _copy_into(buffer: torch.Tensor, bucket: Bucket) -> None:
     for (_, _, _, off), t in zip(bucket.meta, bucket.tensors):
-        buffer[off: off + _nbytes(t)].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        buffer[off : off + _nbytes(t)].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def pack_host(bucket: Bucket) -> bytes:
@@ -121,15 +135,19 @@ def pack_host(bucket: Bucket) -> bytes:
     return buf.numpy().tobytes()
 
 
-def tensors_from_buffer(meta: Sequence[TensorMeta], buffer: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+def tensors_from_buffer(
+    meta: Sequence[TensorMeta], buffer: torch.Tensor
+) -> List[Tuple[str, torch.Tensor]]:
     """Views of a uint8 ``buffer`` (host or GPU) as the named tensors ``meta`` describes."""
     out = []
     for name, dtype, shape, off in meta:
         dt = _dtype(dtype)
         n = dt.itemsize * int(torch.Size(shape).numel())
         if off < 0 or off + n > buffer.numel():
-            raise ValueError(f"refit bucket: {name!r} at bytes {off}..{off + n} lies outside the {buffer.numel()}-byte buffer")
-        out.append((str(name), buffer[off: off + n].view(dt).reshape(shape)))
+            raise ValueError(
+                f"refit bucket: {name!r} at bytes {off}..{off + n} lies outside the {buffer.numel()}-byte buffer"
+            )
+        out.append((str(name), buffer[off : off + n].view(dt).reshape(shape)))
     return out
 
 
@@ -191,14 +209,29 @@ class WeightRefit:
     (default :func:`stage_cuda_ipc`; tests pass a CPU stand-in).
     """
 
-    def __init__(self, sink: Optional[WeightSink], *, transport: str, group: Optional[dist.ProcessGroup] = None,
-                 src: int = 0, hosts_engine_gpu: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                 stage: Optional[Callable[["WeightRefit", Bucket], Optional[Tuple[str, tuple]]]] = None) -> None:
+    def __init__(
+        self,
+        sink: Optional[WeightSink],
+        *,
+        transport: str,
+        group: Optional[dist.ProcessGroup] = None,
+        src: int = 0,
+        hosts_engine_gpu: bool = True,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+        stage: Optional[Callable[["WeightRefit", Bucket], Optional[Tuple[str, tuple]]]] = None,
+    ) -> None:
         if transport not in ("direct", "host", "cuda_ipc"):
-            raise ValueError(f"refit transport must be 'direct', 'host' or 'cuda_ipc', got {transport!r}")
+            raise ValueError(
+                f"refit transport must be 'direct', 'host' or 'cuda_ipc', got {transport!r}"
+            )
         self.sink, self.transport, self.group, self.src = sink, transport, group, int(src)
-        self.hosts_engine_gpu, self.bucket_bytes, self.dtype = bool(hosts_engine_gpu), int(bucket_bytes), dtype
+        self.hosts_engine_gpu, self.bucket_bytes, self.dtype = (
+            bool(hosts_engine_gpu),
+            int(bucket_bytes),
+            dtype,
+        )
         self.device = device
         self._stage = stage or stage_cuda_ipc
         self._buffer: Optional[torch.Tensor] = None
@@ -208,7 +241,9 @@ class WeightRefit:
 
     @property
     def single(self) -> bool:
-        return self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1
+        return (
+            self.group is None or not dist.is_initialized() or dist.get_world_size(self.group) == 1
+        )
 
     @property
     def is_src(self) -> bool:
@@ -281,11 +316,38 @@ def plain_ipc_handle(args: tuple) -> tuple:
     ``multiprocessing/reductions.py``: ``rebuild_cuda_tensor``'s 15 arguments) with the two
     class objects dropped and sizes as lists: only ints, bytes, bools and a dtype name, which
     vLLM's RPC carries without pickle."""
-    (_tensor_cls, size, stride, offset, _storage_cls, dtype, device, handle, storage_bytes, storage_offset,
-     requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args
-    return (list(size), list(stride), int(offset), _dtype_name(dtype), int(device), bytes(handle),
-            int(storage_bytes), int(storage_offset), bool(requires_grad), bytes(ref_handle), int(ref_offset),
-            bytes(event_handle) if event_handle is not None else None, bool(event_sync))
+    (
+        _tensor_cls,
+        size,
+        stride,
+        offset,
+        _storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        requires_grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
+    return (
+        list(size),
+        list(stride),
+        int(offset),
+        _dtype_name(dtype),
+        int(device),
+        bytes(handle),
+        int(storage_bytes),
+        int(storage_offset),
+        bool(requires_grad),
+        bytes(ref_handle),
+        int(ref_offset),
+        bytes(event_handle) if event_handle is not None else None,
+        bool(event_sync),
+    )
 
 
 def rebuild_ipc_tensor(plain: tuple, device_index: int) -> torch.Tensor:
@@ -295,11 +357,38 @@ def rebuild_ipc_tensor(plain: tuple, device_index: int) -> torch.Tensor:
     same way)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    (size, stride, offset, dtype, _device, handle, storage_bytes, storage_offset, requires_grad, ref_handle,
-     ref_offset, event_handle, event_sync) = plain
-    return rebuild_cuda_tensor(torch.Tensor, torch.Size(size), tuple(stride), offset, torch.storage.TypedStorage,
-                               _dtype(dtype), int(device_index), handle, storage_bytes, storage_offset,
-                               requires_grad, ref_handle, ref_offset, event_handle, event_sync)
+    (
+        size,
+        stride,
+        offset,
+        dtype,
+        _device,
+        handle,
+        storage_bytes,
+        storage_offset,
+        requires_grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = plain
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(size),
+        tuple(stride),
+        offset,
+        torch.storage.TypedStorage,
+        _dtype(dtype),
+        int(device_index),
+        handle,
+        storage_bytes,
+        storage_offset,
+        requires_grad,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    )
 
 
 def gpu_uuid(device: torch.device) -> str:
@@ -317,10 +406,16 @@ def stage_cuda_ipc(refit: WeightRefit, bucket: Bucket) -> Tuple[str, tuple]:
 
     device = bucket.tensors[0].device
     if device.type != "cuda":
-        raise ValueError(f"cuda_ipc refit of tensors on {device}: the policy's weights must be on the GPU")
+        raise ValueError(
+            f"cuda_ipc refit of tensors on {device}: the policy's weights must be on the GPU"
+        )
     if refit._buffer is None or refit._buffer.numel() < bucket.nbytes:
-        refit._buffer = torch.empty(max(refit.bucket_bytes, bucket.nbytes), dtype=torch.uint8, device=device)
+        refit._buffer = torch.empty(
+            max(refit.bucket_bytes, bucket.nbytes), dtype=torch.uint8, device=device
+        )
         refit._handle = (gpu_uuid(device), plain_ipc_handle(reduce_tensor(refit._buffer)[1]))
     _copy_into(refit._buffer, bucket)
-    torch.cuda.current_stream(device).synchronize()  # the bytes are there before the engine reads them
+    torch.cuda.current_stream(
+        device
+    ).synchronize()  # the bytes are there before the engine reads them
     return refit._handle

@@ -39,7 +39,9 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
         attention_mask=torch.cat([_pad_to(p.batch.attention_mask, length, False) for p in parts]),
         response_mask=torch.cat([_pad_to(p.batch.response_mask, length, False) for p in parts]),
     )
-    prompt_index = torch.cat([torch.full((len(p.batch),), i, dtype=torch.long) for i, p in enumerate(parts)])
+    prompt_index = torch.cat(
+        [torch.full((len(p.batch),), i, dtype=torch.long) for i, p in enumerate(parts)]
+    )
     stats: dict = {}
     for p in parts:
         for k, v in p.stats.items():
@@ -87,13 +89,19 @@ class PerPromptCalls(_Wrapper):
 
     prompt_seeds = True
 
-    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
         if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
+            raise ValueError(
+                f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt"
+            )
         parts = [self.inner.generate([p], n_samples, cfg, int(s)) for p, s in zip(prompts, seeds)]
         for i, part in enumerate(parts):
             if len(part.batch) != n_samples:
-                raise RuntimeError(f"the rollout engine returned {len(part.batch)} rows for prompt {i}, expected {n_samples}")
+                raise RuntimeError(
+                    f"the rollout engine returned {len(part.batch)} rows for prompt {i}, expected {n_samples}"
+                )
         return concat_rollouts(parts, pad_token_id(self.tokenizer))
 
 
@@ -103,7 +111,11 @@ class OneSeedPerCall(_Wrapper):
 
     prompt_seeds = False
 
-    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
         if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
+            raise ValueError(
+                f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt"
+            )
         return self.inner.generate(prompts, n_samples, cfg, int(seeds[0]))

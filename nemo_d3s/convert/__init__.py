@@ -18,5 +18,12 @@ from nemo_d3s.convert.core import hf_to_megatron, megatron_to_hf, megatron_to_ne
 from nemo_d3s.convert.sources import CheckpointSource, open_checkpoint
 from nemo_d3s.convert.verify_logits import VerifyResult, verify
 
-__all__ = ["CheckpointSource", "VerifyResult", "hf_to_megatron", "megatron_to_hf", "megatron_to_nemo", "open_checkpoint",
-           "verify"]
+__all__ = [
+    "CheckpointSource",
+    "VerifyResult",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "megatron_to_nemo",
+    "open_checkpoint",
+    "verify",
+]

@@ -33,11 +33,20 @@ _EPILOG = {
 
 
 def _size(text: str) -> int:
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+    }
     t = text.strip().upper()
     num = t.rstrip("KMGIB")
     try:
-        return int(float(num) * units[t[len(num):]])
+        return int(float(num) * units[t[len(num) :]])
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GiB or 500MB") from None
 
@@ -48,7 +57,9 @@ def _tolerance(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not value >= 0 or value == float("inf"):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"{text!r} is not a tolerance >= 0 (a negative one fails every logit)")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a tolerance >= 0 (a negative one fails every logit)"
+        )
     return value
 
 
@@ -56,63 +67,134 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nemo-d3s-convert",
         description="Convert checkpoints between Hugging Face folders and the Megatron backend's sharded checkpoints "
-                    "(the weight table of nemo_d3s.formats.weights). Output is written to a temporary "
-                    "sibling folder and renamed into place at the end.",
+        "(the weight table of nemo_d3s.formats.weights). Output is written to a temporary "
+        "sibling folder and renamed into place at the end.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(f"{k}: {v}" for k, v in _EPILOG.items()),
     )
     sub = ap.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=_EPILOG[name],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(
+            name,
+            help=help,
+            description=help,
+            epilog=_EPILOG[name],
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
 
-    p = add("hf-to-megatron", "a Hugging Face folder (or a NeMo 2 checkpoint) -> a Megatron checkpoint folder "
-                              "(config.json, tokenizer, megatron/ shards; no optimizer state) that model.name can "
-                              "point at")
-    p.add_argument("--hf", required=True, help="Hugging Face model folder (safetensors), a NeMo 2 checkpoint "
-                                               "(weights/ + context/), or smollm2-135m-instruct")
-    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the shards (default 1)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="vocabulary padding, as model.params.make_vocab_size_divisible_by (default 128)")
+    p = add(
+        "hf-to-megatron",
+        "a Hugging Face folder (or a NeMo 2 checkpoint) -> a Megatron checkpoint folder "
+        "(config.json, tokenizer, megatron/ shards; no optimizer state) that model.name can "
+        "point at",
+    )
+    p.add_argument(
+        "--hf",
+        required=True,
+        help="Hugging Face model folder (safetensors), a NeMo 2 checkpoint "
+        "(weights/ + context/), or smollm2-135m-instruct",
+    )
+    p.add_argument(
+        "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"
+    )
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size of the shards (default 1)"
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)"
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)"
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="vocabulary padding, as model.params.make_vocab_size_divisible_by (default 128)",
+    )
 
-    p = add("megatron-to-hf", "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) or a "
-                              "NeMo 2 checkpoint -> a Hugging Face folder that transformers loads")
-    p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder), or a NeMo 2 "
-                                                 "checkpoint")
-    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
-    p.add_argument("--hf-config", default=None,
-                   help="folder with config.json + tokenizer files (the model the run started from); needed only for "
-                        "a training checkpoint written before checkpoints kept their model's config and tokenizer")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)")
-    p.add_argument("--max-shard-size", type=_size, default=DEFAULT_SHARD_BYTES,
-                   help="largest safetensors file (default 5GiB)")
+    p = add(
+        "megatron-to-hf",
+        "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) or a "
+        "NeMo 2 checkpoint -> a Hugging Face folder that transformers loads",
+    )
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        help="checkpoint folder (or its megatron/ subfolder), or a NeMo 2 checkpoint",
+    )
+    p.add_argument(
+        "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"
+    )
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="folder with config.json + tokenizer files (the model the run started from); needed only for "
+        "a training checkpoint written before checkpoints kept their model's config and tokenizer",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)"
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=DEFAULT_SHARD_BYTES,
+        help="largest safetensors file (default 5GiB)",
+    )
 
-    p = add("megatron-to-nemo", "a Megatron checkpoint (any TP x PP) -> a NeMo 2 checkpoint (weights/ written with "
-                                "megatron-core's dist_checkpointing under NeMo's names, context/ copied)")
+    p = add(
+        "megatron-to-nemo",
+        "a Megatron checkpoint (any TP x PP) -> a NeMo 2 checkpoint (weights/ written with "
+        "megatron-core's dist_checkpointing under NeMo's names, context/ copied)",
+    )
     p.add_argument("--ckpt", required=True, help="checkpoint folder (or its megatron/ subfolder)")
-    p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
-    p.add_argument("--nemo-context", required=True,
-                   help="a NeMo 2 checkpoint of the same model (e.g. the run's start); its context/ is copied")
+    p.add_argument(
+        "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"
+    )
+    p.add_argument(
+        "--nemo-context",
+        required=True,
+        help="a NeMo 2 checkpoint of the same model (e.g. the run's start); its context/ is copied",
+    )
     p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype written (default: the context's params_dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="dtype written (default: the context's params_dtype)",
+    )
 
-    p = add("verify", "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
-                      "memory; exit code 0 when they match")
+    p = add(
+        "verify",
+        "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
+        "memory; exit code 0 when they match",
+    )
     p.add_argument("--hf", required=True, help="Hugging Face model folder")
     p.add_argument("--ckpt", required=True, help="Megatron or NeMo 2 checkpoint folder")
-    p.add_argument("--hf-config", default=None, help="config.json folder for a training checkpoint (default: --hf)")
-    p.add_argument("--atol", type=_tolerance, default=1e-4, help="largest accepted abs logit error (default 1e-4)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)")
+    p.add_argument(
+        "--hf-config",
+        default=None,
+        help="config.json folder for a training checkpoint (default: --hf)",
+    )
+    p.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=1e-4,
+        help="largest accepted abs logit error (default 1e-4)",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype (default float32)"
+    )
 
     for p in sub.choices.values():
-        p.add_argument("--no-verify-checksums", dest="verify_checksums", action="store_false",
-                       help="use a checkpoint whose files do not match its checksums.json (training and converted "
-                            "checkpoints carry one; it is checked by default, reading every file once)")
+        p.add_argument(
+            "--no-verify-checksums",
+            dest="verify_checksums",
+            action="store_false",
+            help="use a checkpoint whose files do not match its checksums.json (training and converted "
+            "checkpoints carry one; it is checked by default, reading every file once)",
+        )
         if p.prog.endswith("verify"):
             continue
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -123,8 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     # SIGTERM (a scheduler's kill) unwinds like Ctrl-C: the temporary output is removed.
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() \
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate)
+        if threading.current_thread() is threading.main_thread()
         else None
+    )
     try:
         return _run(args)
     finally:
@@ -142,24 +227,51 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         if args.command == "hf-to-megatron":
-            out = core.hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                                      overwrite=args.overwrite, progress=not args.quiet,
-                                      verify_checksums=args.verify_checksums)
+            out = core.hf_to_megatron(
+                args.hf,
+                args.out,
+                tp=args.tp,
+                pp=args.pp,
+                dtype=args.dtype,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                overwrite=args.overwrite,
+                progress=not args.quiet,
+                verify_checksums=args.verify_checksums,
+            )
             print(f"wrote {out} (TP{args.tp} x PP{args.pp})")
         elif args.command == "megatron-to-hf":
-            out = core.megatron_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
-                                      max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                                      progress=not args.quiet, verify_checksums=args.verify_checksums)
+            out = core.megatron_to_hf(
+                args.ckpt,
+                args.out,
+                hf_config=args.hf_config,
+                dtype=args.dtype,
+                max_shard_bytes=args.max_shard_size,
+                overwrite=args.overwrite,
+                progress=not args.quiet,
+                verify_checksums=args.verify_checksums,
+            )
             print(f"wrote {out}")
         elif args.command == "megatron-to-nemo":
-            out = core.megatron_to_nemo(args.ckpt, args.out, nemo_context=args.nemo_context,
-                                        hf_config=args.hf_config, dtype=args.dtype, overwrite=args.overwrite,
-                                        progress=not args.quiet, verify_checksums=args.verify_checksums)
+            out = core.megatron_to_nemo(
+                args.ckpt,
+                args.out,
+                nemo_context=args.nemo_context,
+                hf_config=args.hf_config,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+                progress=not args.quiet,
+                verify_checksums=args.verify_checksums,
+            )
             print(f"wrote {out}")
         else:
-            res = verify_logits.verify(args.hf, args.ckpt, hf_config=args.hf_config, atol=args.atol, dtype=args.dtype,
-                                       verify_checksums=args.verify_checksums)
+            res = verify_logits.verify(
+                args.hf,
+                args.ckpt,
+                hf_config=args.hf_config,
+                atol=args.atol,
+                dtype=args.dtype,
+                verify_checksums=args.verify_checksums,
+            )
             print(res.verdict())
             return 0 if res.ok else 1
     except (ConfigError, OSError) as e:

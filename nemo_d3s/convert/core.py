@@ -77,7 +77,9 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 
 # ============================================================================ output folders
 @contextmanager
-def _staged_output(out: str | os.PathLike, *, overwrite: bool, sources: Sequence[Path]) -> Iterator[Path]:
+def _staged_output(
+    out: str | os.PathLike, *, overwrite: bool, sources: Sequence[Path]
+) -> Iterator[Path]:
     """``files.atomic_folder`` for ``--out``: the block writes into a hidden sibling renamed
     to ``out`` when it succeeds and removed when it raises (an error, an interrupt): no
     half-written folder is ever found at ``out``. A non-empty ``out`` is refused unless
@@ -91,9 +93,13 @@ def _staged_output(out: str | os.PathLike, *, overwrite: bool, sources: Sequence
         s = Path(src).resolve()
         d = dest.resolve()
         if d == s or d in s.parents:
-            raise ConfigError(f"--out {str(dest)!r} is (or holds) the source {str(src)!r}; choose another folder")
+            raise ConfigError(
+                f"--out {str(dest)!r} is (or holds) the source {str(src)!r}; choose another folder"
+            )
         if s in d.parents:
-            raise ConfigError(f"--out {str(dest)!r} is inside the source {str(src)!r}; choose a folder outside it")
+            raise ConfigError(
+                f"--out {str(dest)!r} is inside the source {str(src)!r}; choose a folder outside it"
+            )
     if dest.exists() and not dest.is_dir():
         raise ConfigError(f"--out {str(dest)!r} exists and is not a folder")
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
@@ -102,22 +108,35 @@ def _staged_output(out: str | os.PathLike, *, overwrite: bool, sources: Sequence
         with atomic_folder(dest, replace=overwrite) as tmp:
             yield tmp
     except FolderBusy as e:
-        raise ConfigError(f"--out {str(dest)!r} is being written by another conversion ({e.holder}); wait for it "
-                          "to end, or choose another --out") from None
+        raise ConfigError(
+            f"--out {str(dest)!r} is being written by another conversion ({e.holder}); wait for it "
+            "to end, or choose another --out"
+        ) from None
     except FolderNotEmpty:  # it filled up between the check above and the lock
-        raise ConfigError(f"--out {str(dest)!r} is not empty; pass --overwrite to replace it") from None
+        raise ConfigError(
+            f"--out {str(dest)!r} is not empty; pass --overwrite to replace it"
+        ) from None
 
 
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm.auto import tqdm
 
     # disable=None: shown on a terminal only (no progress lines in logs and test output)
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=None if enabled else True, leave=False)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=None if enabled else True,
+        leave=False,
+    )
 
 
 # ============================================================================ HF -> Megatron
-def _source_dtype(reader: SafetensorsReader, name: str, spec: ModelSpec, layout: Layout) -> torch.dtype:
+def _source_dtype(
+    reader: SafetensorsReader, name: str, spec: ModelSpec, layout: Layout
+) -> torch.dtype:
     """The stored dtype of the first HF tensor local parameter ``name`` is made of."""
     from safetensors import safe_open
 
@@ -126,25 +145,42 @@ def _source_dtype(reader: SafetensorsReader, name: str, spec: ModelSpec, layout:
             with safe_open(str(reader.files[part.hf_name]), framework="pt") as f:
                 got = f.get_slice(part.hf_name).get_dtype()
             if got not in ST_DTYPES:
-                raise ConfigError(f"{str(reader.files[part.hf_name])!r}: tensor {part.hf_name!r} is {got}; "
-                                  "expected F32, BF16 or F16")
+                raise ConfigError(
+                    f"{str(reader.files[part.hf_name])!r}: tensor {part.hf_name!r} is {got}; "
+                    "expected F32, BF16 or F16"
+                )
             return ST_DTYPES[got]
     return torch.float32
 
 
-def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                   dtype: Optional[str] = None, make_vocab_size_divisible_by: int = 128, overwrite: bool = False,
-                   progress: bool = True, verify_checksums: bool = True) -> Path:
+def hf_to_megatron(
+    hf: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 128,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify_checksums: bool = True,
+) -> Path:
     """Convert the HF folder ``hf`` (or a NeMo 2 checkpoint: a training start from NeMo)
     into a Megatron checkpoint folder ``out`` with TP x PP shard files and a
     ``checksums.json`` every reader checks (see the module docstring). ``dtype`` None keeps
     every tensor's stored dtype. Returns ``out``."""
-    for name, v in (("tp", tp), ("pp", pp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
+    for name, v in (
+        ("tp", tp),
+        ("pp", pp),
+        ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
     if detect_format(Path(hf).expanduser()).kind == NEMO2:
-        nemo = _with_side_files(_open_nemo2(Path(hf).expanduser(), None, verify_checksums), role="NeMo 2 context")
+        nemo = _with_side_files(
+            _open_nemo2(Path(hf).expanduser(), None, verify_checksums), role="NeMo 2 context"
+        )
         src, spec, side, reader = nemo.folder, nemo.spec, nemo.side, nemo.reader()
         dtype_of = lambda name, lay: want or nemo.dtype  # noqa: E731
         close = lambda: None  # noqa: E731
@@ -158,20 +194,35 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
         close = reader.close
     try:
         check_layout(spec, tp=tp, pp=pp, world=tp * pp)
-        layout = Layout(tp=tp, pp=pp, padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by))
+        layout = Layout(
+            tp=tp,
+            pp=pp,
+            padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by),
+        )
         plan = []  # (layout of the file, [(local name, shape, dtype)])
         for p in range(pp):
             for t in range(tp):
                 lay = layout.at(t, p)
-                plan.append((lay, [(n, local_shape(n, spec, lay), dtype_of(n, lay)) for n in local_names(spec, lay)]))
+                plan.append(
+                    (
+                        lay,
+                        [
+                            (n, local_shape(n, spec, lay), dtype_of(n, lay))
+                            for n in local_names(spec, lay)
+                        ],
+                    )
+                )
         total = sum(nbytes(s, d) for _, entries in plan for _, s, d in entries)
         with _staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
             root = tmp / SUBDIR
             root.mkdir()
             with _progress(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
                 for lay, entries in plan:
-                    with StreamingSafetensors(root / shard_file(lay.tp_rank, lay.pp_rank), entries,
-                                              {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"}) as w:
+                    with StreamingSafetensors(
+                        root / shard_file(lay.tp_rank, lay.pp_rank),
+                        entries,
+                        {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"},
+                    ) as w:
                         for name, _, dt in entries:
                             t = read_local(name, spec, lay, reader, dt)
                             w.write(name, t)
@@ -187,7 +238,9 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, *, tp: int = 1
 
 
 # ============================================================================ Megatron -> HF
-def _plan_hf_files(spec: ModelSpec, dtype: torch.dtype, shard_bytes: int) -> List[Tuple[str, List[str]]]:
+def _plan_hf_files(
+    spec: ModelSpec, dtype: torch.dtype, shard_bytes: int
+) -> List[Tuple[str, List[str]]]:
     """HF tensor names split into files of at most ``shard_bytes`` (a larger tensor gets a
     file of its own), named as transformers names them."""
     groups: List[List[str]] = [[]]
@@ -209,15 +262,23 @@ def _sources(src: CheckpointSource) -> List[Path]:
     return [src.folder] + ([src.config_source] if src.config_source is not None else [])
 
 
-def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
-                   hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
-                   max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-                   progress: bool = True, verify_checksums: bool = True) -> Path:
+def megatron_to_hf(
+    ckpt_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    hf_config: Optional[str | os.PathLike] = None,
+    dtype: Optional[str] = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify_checksums: bool = True,
+) -> Path:
     """Convert a Megatron checkpoint (any saved TP x PP) or a NeMo 2 checkpoint into the HF
     folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written.
     The checkpoint's checksums.json is checked first unless ``verify_checksums`` is False."""
-    src = _with_side_files(open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums),
-                           role="--hf-config")
+    src = _with_side_files(
+        open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums), role="--hf-config"
+    )
     want = _dtype(dtype) or src.dtype
     if want is None:
         raise ConfigError(f"{str(src.folder)!r} stores parameters in several dtypes; pass --dtype")
@@ -230,7 +291,9 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
         weight_map: Dict[str, str] = {}
         with _progress(total, f"megatron-to-hf {src.layout}", progress) as bar:
             for fname, names in files:
-                with StreamingSafetensors(tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names]) as w:
+                with StreamingSafetensors(
+                    tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names]
+                ) as w:
                     for n in names:
                         got, t = next(tensors)
                         assert got == n, (got, n)
@@ -246,9 +309,17 @@ def megatron_to_hf(ckpt_path: str | os.PathLike, out: str | os.PathLike, *,
 
 
 # ============================================================================ -> NeMo 2
-def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, nemo_context: str | os.PathLike,
-                     hf_config: Optional[str | os.PathLike] = None, dtype: Optional[str] = None,
-                     overwrite: bool = False, progress: bool = True, verify_checksums: bool = True) -> Path:
+def megatron_to_nemo(
+    ckpt_path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    nemo_context: str | os.PathLike,
+    hf_config: Optional[str | os.PathLike] = None,
+    dtype: Optional[str] = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify_checksums: bool = True,
+) -> Path:
     """Write a checkpoint (Megatron, any layout, or NeMo 2) as a NeMo 2 checkpoint ``out``:
     ``weights/`` by megatron-core's dist_checkpointing under NeMo's names, ``context/``
     copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
@@ -262,14 +333,22 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
     if ctx.name == "context" and (ctx / "model.yaml").is_file():
         ctx = ctx.parent
     if not (ctx / "context" / "model.yaml").is_file():
-        raise ConfigError(f"--nemo-context {str(ctx)!r} is not a NeMo 2 checkpoint (no context/model.yaml)")
+        raise ConfigError(
+            f"--nemo-context {str(ctx)!r} is not a NeMo 2 checkpoint (no context/model.yaml)"
+        )
     cfg = hf_config_from_nemo(ctx)
-    _same_model(src.spec, ModelSpec.from_hf_dict(cfg, str(ctx / "context" / "model.yaml")), f"{str(src.folder)!r}", f"{str(ctx / 'context')!r}")
+    _same_model(
+        src.spec,
+        ModelSpec.from_hf_dict(cfg, str(ctx / "context" / "model.yaml")),
+        f"{str(src.folder)!r}",
+        f"{str(ctx / 'context')!r}",
+    )
     want = _dtype(dtype) or DTYPES[cfg["torch_dtype"]]
     padded = padded_vocab_size(src.spec.vocab_size, 1, nemo_make_vocab_size_divisible_by(ctx))
     total = sum(nbytes(hf_shape(n, src.spec), want) for n in hf_names(src.spec))
     with _staged_output(out, overwrite=overwrite, sources=_sources(src) + [ctx]) as tmp:
         with _progress(total, f"to NeMo 2 from {src.layout}", progress) as bar:
+
             def counted():
                 for name, t in src.iter_hf(want):
                     bar.update(nbytes(t.shape, want))
@@ -279,5 +358,3 @@ def megatron_to_nemo(ckpt_path: str | os.PathLike, out: str | os.PathLike, *, ne
         shutil.copytree(ctx / "context", tmp / "context", symlinks=False)
         write_checksums(tmp)
     return Path(out)
-
-

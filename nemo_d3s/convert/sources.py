@@ -21,7 +21,15 @@ import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.checksums import check_checksums, checksum_error, has_checksums
-from nemo_d3s.formats.detect import HF, LAYOUT_FILE, MEGATRON, NEMO2, SHARDS_SUBDIR, FolderFormat, detect_format
+from nemo_d3s.formats.detect import (
+    HF,
+    LAYOUT_FILE,
+    MEGATRON,
+    NEMO2,
+    SHARDS_SUBDIR,
+    FolderFormat,
+    detect_format,
+)
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
@@ -30,13 +38,26 @@ from nemo_d3s.formats.weights import hf_names, hf_shape
 
 __all__ = ["DTYPES", "GENERATION_CONFIG", "SideFiles", "CheckpointSource", "open_checkpoint"]
 
-DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES: Dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 # Tokenizer files copied with a model (whichever exist); at least one of _TOKENIZER_MODEL
 # must, or transformers' AutoTokenizer has nothing to load.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
-                    "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 _TOKENIZER_MODEL = ("tokenizer.json", "tokenizer.model", "vocab.json")
 GENERATION_CONFIG = "generation_config.json"
 SKIP_HINT = "pass --no-verify-checksums"
@@ -61,7 +82,9 @@ class SideFiles:
         else:
             if want is not None:
                 cfg[key] = want
-            (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+            (dst / "config.json").write_text(
+                json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+            )
         if self.generation is not None:
             shutil.copyfile(self.generation, dst / GENERATION_CONFIG)
         for p in self.tokenizer:
@@ -76,10 +99,15 @@ def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
     if not any(n in names for n in _TOKENIZER_MODEL):
         missing.append(" or ".join(_TOKENIZER_MODEL))
     if missing:
-        hint = ("a model folder must hold its tokenizer" if role == "--hf" else
-                "pass --hf-config DIR, the model folder the checkpoint was trained from")
-        raise ConfigError(f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the converted "
-                          f"model needs its tokenizer files ({hint})")
+        hint = (
+            "a model folder must hold its tokenizer"
+            if role == "--hf"
+            else "pass --hf-config DIR, the model folder the checkpoint was trained from"
+        )
+        raise ConfigError(
+            f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the converted "
+            f"model needs its tokenizer files ({hint})"
+        )
     for p in have:
         if p.suffix == ".json":
             _read_json(p)
@@ -103,16 +131,23 @@ def _generation_file(path: Path) -> Optional[Path]:
 
 def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
     """Side files of an HF model folder (or a converted checkpoint folder)."""
-    return SideFiles(read_hf_config(folder), folder / "config.json", _generation_file(folder / GENERATION_CONFIG),
-                     _tokenizer_files(folder, role=role))
+    return SideFiles(
+        read_hf_config(folder),
+        folder / "config.json",
+        _generation_file(folder / GENERATION_CONFIG),
+        _tokenizer_files(folder, role=role),
+    )
 
 
 def _nemo_side_files(folder: Path) -> SideFiles:
     """Side files of a NeMo 2 checkpoint: config from context/model.yaml, tokenizer from
     context/nemo_tokenizer/, generation config from context/artifacts/."""
-    return SideFiles(hf_config_from_nemo(folder), None,
-                     _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
-                     _tokenizer_files(folder / "context" / "nemo_tokenizer", role="NeMo 2 context"))
+    return SideFiles(
+        hf_config_from_nemo(folder),
+        None,
+        _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
+        _tokenizer_files(folder / "context" / "nemo_tokenizer", role="NeMo 2 context"),
+    )
 
 
 @dataclass
@@ -162,15 +197,27 @@ def _find_root(path: Path) -> FolderFormat:
         return fmt
     if not path.exists():
         raise ConfigError(f"--ckpt {str(path)!r}: no such folder")
-    steps = sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("step_")) if path.is_dir() else []
-    hint = f" It holds training checkpoints: pass one of them, e.g. {str(path / steps[-1])!r}." if steps else ""
+    steps = (
+        sorted(p.name for p in path.iterdir() if p.is_dir() and p.name.startswith("step_"))
+        if path.is_dir()
+        else []
+    )
+    hint = (
+        f" It holds training checkpoints: pass one of them, e.g. {str(path / steps[-1])!r}."
+        if steps
+        else ""
+    )
     if fmt.kind == HF:
         hint = " It is a Hugging Face model folder (use hf-to-megatron to convert it)."
-    raise ConfigError(f"{str(path)!r} is not a Megatron checkpoint: no {SHARDS_SUBDIR}/{LAYOUT_FILE} (nor a NeMo 2 "
-                      f"checkpoint: no weights/metadata.json + context/).{hint}")
+    raise ConfigError(
+        f"{str(path)!r} is not a Megatron checkpoint: no {SHARDS_SUBDIR}/{LAYOUT_FILE} (nor a NeMo 2 "
+        f"checkpoint: no weights/metadata.json + context/).{hint}"
+    )
 
 
-def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True) -> CheckpointSource:
+def _open_nemo2(
+    folder: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True
+) -> CheckpointSource:
     check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     cfg = hf_config_from_nemo(folder)
     spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
@@ -178,22 +225,37 @@ def _open_nemo2(folder: Path, hf_config: Optional[str | os.PathLike], verify_che
     if hf_config is not None:  # its config must describe the same model
         config_source = _resolve_hf(hf_config)
         other = ModelSpec.from_folder(config_source)
-        _same_model(other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml"))
+        _same_model(
+            other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml")
+        )
     _, dtype = open_nemo2_weights(folder, spec)
-    return CheckpointSource(NEMO2, folder, spec, "NeMo 2", dtype,
-                            lambda: open_nemo2_weights(folder, spec)[0], config_source)
+    return CheckpointSource(
+        NEMO2,
+        folder,
+        spec,
+        "NeMo 2",
+        dtype,
+        lambda: open_nemo2_weights(folder, spec)[0],
+        config_source,
+    )
 
 
 def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
     da, db = a.to_dict(), b.to_dict()
     diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
     if diff:
-        raise ConfigError(f"{where_a} and {where_b} are different models: {diff[0]}={da[diff[0]]!r} vs "
-                          f"{db[diff[0]]!r}")
+        raise ConfigError(
+            f"{where_a} and {where_b} are different models: {diff[0]}={da[diff[0]]!r} vs "
+            f"{db[diff[0]]!r}"
+        )
 
 
-def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLike] = None, *,
-                    verify_checksums: bool = True) -> CheckpointSource:
+def open_checkpoint(
+    path: str | os.PathLike,
+    hf_config: Optional[str | os.PathLike] = None,
+    *,
+    verify_checksums: bool = True,
+) -> CheckpointSource:
     """Open and check a checkpoint: a Megatron one (a training ``step_XXXXXX`` folder, a
     converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
     from the checkpoint folder, where training checkpoints written since issue 26 keep the
@@ -221,20 +283,35 @@ def open_checkpoint(path: str | os.PathLike, hf_config: Optional[str | os.PathLi
         raise ConfigError(
             f"{str(folder)!r} has no config.json (a training checkpoint written before checkpoints kept their "
             "model's files): pass --hf-config DIR, the model folder the run started from (model.name in the run's "
-            "config.yaml)")
+            "config.yaml)"
+        )
     spec = ModelSpec.from_folder(config_dir)
     saved = read_layout(root, spec)
-    if saved.tp < 1 or saved.pp < 1 or spec.num_layers % saved.pp or saved.padded_vocab < spec.vocab_size \
-            or saved.padded_vocab % saved.tp:
-        raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: TP{saved.tp} x PP{saved.pp} with padded vocabulary "
-                          f"{saved.padded_vocab} is not a layout of this model")
+    if (
+        saved.tp < 1
+        or saved.pp < 1
+        or spec.num_layers % saved.pp
+        or saved.padded_vocab < spec.vocab_size
+        or saved.padded_vocab % saved.tp
+    ):
+        raise ConfigError(
+            f"{str(root / LAYOUT_FILE)!r}: TP{saved.tp} x PP{saved.pp} with padded vocabulary "
+            f"{saved.padded_vocab} is not a layout of this model"
+        )
     try:
         check_layout(spec, tp=saved.tp, pp=saved.pp, world=saved.tp * saved.pp)
     except ConfigError as e:
         raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: {e}") from None
     dtype = check_shards(root, spec, saved)
-    return CheckpointSource(MEGATRON, folder, spec, f"TP{saved.tp} x PP{saved.pp}", dtype,
-                            lambda: ShardedReader(root, spec, saved), config_dir if config_dir != folder else None)
+    return CheckpointSource(
+        MEGATRON,
+        folder,
+        spec,
+        f"TP{saved.tp} x PP{saved.pp}",
+        dtype,
+        lambda: ShardedReader(root, spec, saved),
+        config_dir if config_dir != folder else None,
+    )
 
 
 def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:

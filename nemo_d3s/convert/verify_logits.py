@@ -14,7 +14,14 @@ from typing import List, Optional, Sequence
 import torch
 
 from nemo_d3s.backends.hf.loading import copy_hf_weights
-from nemo_d3s.convert.sources import CheckpointSource, _dtype, _find_root, _resolve_hf, _same_model, open_checkpoint
+from nemo_d3s.convert.sources import (
+    CheckpointSource,
+    _dtype,
+    _find_root,
+    _resolve_hf,
+    _same_model,
+    open_checkpoint,
+)
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import NEMO2, detect_format
 from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
@@ -45,8 +52,10 @@ class VerifyResult:
 
     def verdict(self) -> str:
         word = "OK" if self.ok else "MISMATCH"
-        return (f"{word}: max abs logit error {self.max_abs_err:.3g} (tolerance {self.atol:g}) over {self.prompts} "
-                f"prompts / {self.tokens} tokens, checkpoint {self.layout}")
+        return (
+            f"{word}: max abs logit error {self.max_abs_err:.3g} (tolerance {self.atol:g}) over {self.prompts} "
+            f"prompts / {self.tokens} tokens, checkpoint {self.layout}"
+        )
 
 
 def _logits(model, ids: List[torch.Tensor]) -> List[torch.Tensor]:
@@ -75,9 +84,16 @@ def _hf_model_from_checkpoint(src: CheckpointSource, dtype: torch.dtype):
     return model.eval()
 
 
-def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Optional[str | os.PathLike] = None,
-           atol: float = 1e-4, dtype: str = "float32", prompts: Sequence[str] = VERIFY_PROMPTS,
-           verify_checksums: bool = True) -> VerifyResult:
+def verify(
+    hf: str | os.PathLike,
+    ckpt_path: str | os.PathLike,
+    *,
+    hf_config: Optional[str | os.PathLike] = None,
+    atol: float = 1e-4,
+    dtype: str = "float32",
+    prompts: Sequence[str] = VERIFY_PROMPTS,
+    verify_checksums: bool = True,
+) -> VerifyResult:
     """Compare the logits of transformers on the HF folder ``hf`` with those of the
     checkpoint converted in memory (config from ``hf_config``, the checkpoint folder, or
     ``hf``), both computed in ``dtype``. One model is in memory at a time. The HF folder's
@@ -89,7 +105,9 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     check_safetensors_folder(hf_dir)
     path = Path(ckpt_path).expanduser()
     cfg_dir = hf_config
-    if cfg_dir is None and detect_format(path).kind != NEMO2:  # a training checkpoint: the HF folder's config
+    if (
+        cfg_dir is None and detect_format(path).kind != NEMO2
+    ):  # a training checkpoint: the HF folder's config
         folder = _find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
     src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)
@@ -100,7 +118,9 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     for p in prompts:
         x = torch.tensor(tok(p)["input_ids"], dtype=torch.long)
         ids.append(x.clamp(max=spec.vocab_size - 1))
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=compute, local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(hf_dir), dtype=compute, local_files_only=True
+    ).eval()
     want = _logits(model, ids)
     del model
     gc.collect()
@@ -110,5 +130,11 @@ def verify(hf: str | os.PathLike, ckpt_path: str | os.PathLike, *, hf_config: Op
     gc.collect()
     err = max(float((a - b).abs().max()) for a, b in zip(got, want))
     ok = math.isfinite(err) and err <= atol
-    return VerifyResult(ok=ok, max_abs_err=err, atol=atol, prompts=len(ids), tokens=sum(len(x) for x in ids),
-                        layout=src.layout)
+    return VerifyResult(
+        ok=ok,
+        max_abs_err=err,
+        atol=atol,
+        prompts=len(ids),
+        tokens=sum(len(x) for x in ids),
+        layout=src.layout,
+    )

@@ -39,6 +39,15 @@ from nemo_d3s.core.sample_selection import *  # noqa: F401,F403
 from nemo_d3s.core.schedules import *  # noqa: F401,F403
 from nemo_d3s.core.token_selection import *  # noqa: F401,F403
 
-_MODULES = (advantages, sample_selection, schedules, token_selection, entropy, losses, micro_batches, d3s)
+_MODULES = (
+    advantages,
+    sample_selection,
+    schedules,
+    token_selection,
+    entropy,
+    losses,
+    micro_batches,
+    d3s,
+)
 
 __all__ = ["Registry"] + [name for module in _MODULES for name in module.__all__]

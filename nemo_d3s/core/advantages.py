@@ -62,9 +62,13 @@ def _check_group_ids(group_ids: torch.Tensor, name: str = "group_ids") -> None:
     if group_ids.dim() != 1:
         raise ValueError(f"{name} must be 1-D [B], got shape {tuple(group_ids.shape)}")
     if group_ids.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(group_ids.shape)}); need at least one sample")
+        raise ValueError(
+            f"{name} is empty (shape {tuple(group_ids.shape)}); need at least one sample"
+        )
     if group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor (e.g. torch.long), got dtype {group_ids.dtype}")
+        raise ValueError(
+            f"{name} must be an integer tensor (e.g. torch.long), got dtype {group_ids.dtype}"
+        )
 
 
 def _check_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
@@ -73,14 +77,21 @@ def _check_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
     if rewards.dim() != 1:
         raise ValueError(f"{name} must be 1-D [B], got shape {tuple(rewards.shape)}")
     if rewards.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(rewards.shape)}); need at least one sample")
+        raise ValueError(
+            f"{name} is empty (shape {tuple(rewards.shape)}); need at least one sample"
+        )
     if rewards.is_complex():
         raise ValueError(f"{name} must be real-valued, got dtype {rewards.dtype}")
     check_finite(name, rewards)
 
 
 def _check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
 
 
@@ -120,7 +131,9 @@ def group_sizes(index: torch.Tensor, n_groups: int) -> torch.Tensor:
     return torch.bincount(index, minlength=n_groups)
 
 
-def group_buckets(index: torch.Tensor, n_groups: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+def group_buckets(
+    index: torch.Tensor, n_groups: int
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """Dense per-size layout of the groups, for row-wise (batched) group computations.
 
     index [B] long (from :func:`group_index`) -> one ``(G, groups [R] long, layout [R, G] long)``
@@ -170,7 +183,9 @@ def degenerate_groups(rewards: torch.Tensor, index: torch.Tensor, n_groups: int)
 # ----------------------------------------------------------------------------------------
 
 
-def _row_advantages(x: torch.Tensor, kind: str, eps: float, unbiased: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_advantages(
+    x: torch.Tensor, kind: str, eps: float, unbiased: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, G] f64 rewards of R groups of size G -> (advantages [R, G] f64, degenerate [R] bool)."""
     g = x.shape[1]
     degenerate = x.amax(dim=1) == x.amin(dim=1)  # includes G = 1

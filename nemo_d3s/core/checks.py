@@ -55,7 +55,9 @@ def check_fraction(name: str, value: float, *, allow_zero: bool = False) -> None
         raise ValueError(f"{name} must be in {interval}, got {value}")
 
 
-def broadcast_per_row(name: str, advantages: torch.Tensor, B: int, S: int, ref_name: str) -> torch.Tensor:
+def broadcast_per_row(
+    name: str, advantages: torch.Tensor, B: int, S: int, ref_name: str
+) -> torch.Tensor:
     """[B] (one value per row) or [B, S] -> [B, S] (a view for [B]); the shape error names
     ``ref_name``'s rows (``[B]``) or ``ref_name`` itself (``[B, S]``)."""
     if advantages.dim() == 1:

@@ -39,7 +39,6 @@ batch's ``reward_mean`` / ``reward_std`` (unbiased) / ``reward_max``, group coun
 ``samples_without_tokens`` (kept samples that had eligible tokens but got none) and counts.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -61,6 +60,7 @@ from nemo_d3s.core.token_selection import TOKEN_SELECTORS, k_frac_with_floor, to
 from nemo_d3s.core.presets import PRESETS, Count, D3SConfig
 
 __all__ = ["D3SConfig", "PRESETS", "D3SSelector", "SampleStage", "TokenStage"]
+
 
 @dataclass
 class SampleStage:
@@ -115,7 +115,9 @@ class D3SSelector:
         if isinstance(cfg, Mapping):
             cfg = D3SConfig.from_mapping(cfg)
         if not isinstance(cfg, D3SConfig):
-            raise ValueError(f"cfg must be a D3SConfig or a mapping of its fields, got {type(cfg).__name__}")
+            raise ValueError(
+                f"cfg must be a D3SConfig or a mapping of its fields, got {type(cfg).__name__}"
+            )
         self.cfg = cfg
 
     @property
@@ -155,7 +157,9 @@ class D3SSelector:
             rewards, group_ids, self.cfg.advantage, eps=self.cfg.eps, unbiased=self.cfg.unbiased
         )
 
-    def select_samples(self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float) -> SampleStage:
+    def select_samples(
+        self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float
+    ) -> SampleStage:
         """rewards [B] f32, group_ids [B] long -> SampleStage. Advantages are computed on the
         full groups first, then the rule selects (see the module docstring)."""
         n_keep = self.n_keep_at(progress)  # validates progress first
@@ -172,7 +176,9 @@ class D3SSelector:
         )
         return self._stage(rewards, sel.sample_keep, sel.advantages, adv, n_keep, progress)
 
-    def _stage(self, rewards, sample_keep, advantages, adv: AdvantageResult, n_keep, progress) -> SampleStage:
+    def _stage(
+        self, rewards, sample_keep, advantages, adv: AdvantageResult, n_keep, progress
+    ) -> SampleStage:
         kept_rows = sample_keep.nonzero().flatten()
         n = sample_keep.numel()
         n_kept = kept_rows.numel()
@@ -193,17 +199,27 @@ class D3SSelector:
             "all_degenerate": float(adv.n_degenerate == adv.n_groups),
             # Var(A) over the whole batch (full-group advantages): the baseline kept_adv_var is
             # compared with (D3S keeps the subset that maximises it).
-            "adv_var_all": float(adv.advantages.detach().to(torch.float64).var(correction=1 if self.cfg.unbiased else 0))
+            "adv_var_all": float(
+                adv.advantages.detach()
+                .to(torch.float64)
+                .var(correction=1 if self.cfg.unbiased else 0)
+            )
             if n > 1
             else 0.0,
-            "kept_adv_var": float(kept_advantage_variance(advantages, sample_keep, unbiased=self.cfg.unbiased))
+            "kept_adv_var": float(
+                kept_advantage_variance(advantages, sample_keep, unbiased=self.cfg.unbiased)
+            )
             if n_kept > 1
             else 0.0,
-            "share_nonzero_adv": float(share_nonzero_advantage(advantages, sample_keep)) if n_kept > 0 else 0.0,
+            "share_nonzero_adv": float(share_nonzero_advantage(advantages, sample_keep))
+            if n_kept > 0
+            else 0.0,
         }
         return SampleStage(sample_keep, kept_rows, advantages, adv, n_keep, progress, metrics)
 
-    def token_scores(self, stage: SampleStage, entropy: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    def token_scores(
+        self, stage: SampleStage, entropy: torch.Tensor, eligible: torch.Tensor
+    ) -> torch.Tensor:
         """[B_kept, S] f32 = |A| x H on eligible tokens, 0 elsewhere."""
         return token_scores(stage.kept_advantages, entropy, eligible)
 
@@ -223,10 +239,14 @@ class D3SSelector:
         ``n_kept_tokens == 0`` and skips.
         """
         if not isinstance(response_mask, torch.Tensor):
-            raise ValueError(f"response_mask must be a torch.Tensor [B_kept, S], got {type(response_mask).__name__}")
+            raise ValueError(
+                f"response_mask must be a torch.Tensor [B_kept, S], got {type(response_mask).__name__}"
+            )
         check_bool("response_mask", response_mask)
         if response_mask.dim() != 2:
-            raise ValueError(f"response_mask must be 2-D [B_kept, S], got shape {tuple(response_mask.shape)}")
+            raise ValueError(
+                f"response_mask must be 2-D [B_kept, S], got shape {tuple(response_mask.shape)}"
+            )
         b_kept = stage.kept_rows.numel()
         if response_mask.shape[0] != b_kept:
             raise ValueError(
@@ -272,7 +292,12 @@ class D3SSelector:
         """Counts and entropy means of the token stage. The sums are one float64 vector so
         the DP-global selector reduces them with one all-reduce (:meth:`_reduce_sums`)."""
         has_eligible = response_mask.any(dim=1)
-        keys = ["n_eligible_tokens", "n_kept_tokens", "samples_without_tokens", "samples_without_eligible"]
+        keys = [
+            "n_eligible_tokens",
+            "n_kept_tokens",
+            "samples_without_tokens",
+            "samples_without_eligible",
+        ]
         parts = [
             response_mask.sum(),
             token_keep.sum(),
@@ -284,13 +309,17 @@ class D3SSelector:
             h = entropy.to(torch.float64)
             keys += ["entropy_kept_sum", "entropy_eligible_sum"]
             parts += [h[token_keep].sum(), h[response_mask].sum()]
-        sums = dict(zip(keys, self._reduce_sums(torch.stack([p.to(torch.float64) for p in parts])).tolist()))
+        sums = dict(
+            zip(keys, self._reduce_sums(torch.stack([p.to(torch.float64) for p in parts])).tolist())
+        )
         n_eligible, n_kept = sums["n_eligible_tokens"], sums["n_kept_tokens"]
         metrics = {k: sums[k] for k in keys[:4]}
         metrics["kept_token_ratio"] = n_kept / max(n_eligible, 1.0)
         if entropy is not None:
             metrics["mean_entropy_kept"] = sums["entropy_kept_sum"] / n_kept if n_kept else 0.0
-            metrics["mean_entropy_eligible"] = sums["entropy_eligible_sum"] / n_eligible if n_eligible else 0.0
+            metrics["mean_entropy_eligible"] = (
+                sums["entropy_eligible_sum"] / n_eligible if n_eligible else 0.0
+            )
         return metrics
 
     def _reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
@@ -311,7 +340,11 @@ class D3SSelector:
         [B, S]. Returns (SampleStage, TokenStage); the token masks cover the kept rows only,
         in ``kept_rows`` order. Same result as select_samples then select_tokens."""
         if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
-            shape = tuple(response_mask.shape) if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__
+            shape = (
+                tuple(response_mask.shape)
+                if isinstance(response_mask, torch.Tensor)
+                else type(response_mask).__name__
+            )
             raise ValueError(f"response_mask must be a 2-D tensor [B, S], got {shape}")
         if isinstance(rewards, torch.Tensor) and response_mask.shape[0] != rewards.numel():
             raise ValueError(
@@ -319,7 +352,9 @@ class D3SSelector:
             )
         if entropy is not None:
             if not isinstance(entropy, torch.Tensor):
-                raise ValueError(f"entropy must be a torch.Tensor [B, S], got {type(entropy).__name__}")
+                raise ValueError(
+                    f"entropy must be a torch.Tensor [B, S], got {type(entropy).__name__}"
+                )
             check_shape("entropy", entropy, response_mask.shape, "response_mask")
         stage = self.select_samples(rewards, group_ids, progress)
         rows = stage.kept_rows

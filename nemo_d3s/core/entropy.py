@@ -59,7 +59,11 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def token_block(
-    logits: torch.Tensor, flat: Optional[torch.Tensor], t0: int, t1: int, width: Optional[int] = None
+    logits: torch.Tensor,
+    flat: Optional[torch.Tensor],
+    t0: int,
+    t1: int,
+    width: Optional[int] = None,
 ) -> torch.Tensor:
     """Flattened tokens [t0, t1) of logits [B, S, V], vocabulary columns [0, width) (all
     when None), as a [t1 - t0, width] tensor in the logits' dtype: a view when ``flat``
@@ -79,7 +83,12 @@ def token_block(
 
 
 def check_logits_and_targets(
-    logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int, *, vocab: str = "V", allow_empty_vocab: bool = False
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    chunk_size: int,
+    *,
+    vocab: str = "V",
+    allow_empty_vocab: bool = False,
 ) -> None:
     """ValueError naming the argument unless logits is a floating-point [B, S, <vocab>]
     tensor (a non-empty last dimension unless ``allow_empty_vocab``), target_ids an integer
@@ -98,11 +107,17 @@ def check_logits_and_targets(
         or target_ids.is_complex()
         or target_ids.dtype == torch.bool
     ):
-        got = target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
+        got = (
+            target_ids.dtype if isinstance(target_ids, torch.Tensor) else type(target_ids).__name__
+        )
         raise ValueError(f"target_ids must be an integer tensor [B, S], got {got}")
     check_shape("target_ids", target_ids, logits.shape[:2], "logits[..., 0]")
     check_same_device(logits=logits, target_ids=target_ids)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, numbers.Integral)
+        or chunk_size < 1
+    ):
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
@@ -157,7 +172,9 @@ class _EntropyLogProb(torch.autograd.Function):
         entropy = torch.empty(n, dtype=dtype, device=logits.device)
         logprobs = torch.empty(n, dtype=dtype, device=logits.device)
         for t0, t1 in token_chunks(n, chunk_size):
-            z = token_block(logits, flat, t0, t1).to(dtype)  # may alias fp32 logits: no in-place ops
+            z = token_block(logits, flat, t0, t1).to(
+                dtype
+            )  # may alias fp32 logits: no in-place ops
             m_c, log_s_c, ent_c = _lse_entropy(z)
             row_max[t0:t1], log_s[t0:t1], entropy[t0:t1] = m_c, log_s_c, ent_c
             logprobs[t0:t1] = (z.gather(1, targets[t0:t1].unsqueeze(1)).squeeze(1) - m_c) - log_s_c

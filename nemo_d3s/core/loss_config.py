@@ -38,8 +38,6 @@ METRIC_NORMALISERS: Dict[str, str] = {
 }
 
 
-
-
 def _is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -77,7 +75,9 @@ class LossConfig:
         if c is not None and (not _is_real(c) or math.isnan(c) or c <= 1):
             raise ValueError(f"dual_clip_c must be > 1 or None, got {c!r}")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}")
+            raise ValueError(
+                f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {self.aggregation!r}"
+            )
 
 
 class LossOutput:
@@ -113,14 +113,16 @@ class LossOutput:
     def metrics(self) -> Dict[str, float]:
         if self._floats is None:
             keys = list(self.metric_tensors)
-            values = torch.stack([self.metric_tensors[k].to(torch.float64) for k in keys]).tolist() if keys else []
+            values = (
+                torch.stack([self.metric_tensors[k].to(torch.float64) for k in keys]).tolist()
+                if keys
+                else []
+            )
             self._floats = dict(zip(keys, values))
         return self._floats
 
     def __repr__(self) -> str:
         return f"LossOutput(loss={self.loss!r}, metrics={self.metrics!r})"
-
-
 
 
 def loss_denominator(
@@ -136,7 +138,9 @@ def loss_denominator(
     """
     check_mask_2d("loss_mask", loss_mask)
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+        raise ValueError(
+            f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}"
+        )
     mask = loss_mask
     if norm_mask is not None:
         check_mask_2d("norm_mask", norm_mask)
@@ -145,7 +149,6 @@ def loss_denominator(
     if aggregation == "token_mean":
         return float(mask.sum())
     return float(mask.any(dim=1).sum())
-
 
 
 def finalize_metrics(metrics: Mapping[str, float]) -> Dict[str, float]:

@@ -87,7 +87,13 @@ from typing import Optional
 
 import torch
 
-from nemo_d3s.core.checks import broadcast_per_row, check_finite, check_mask_2d, check_same_device, check_shape
+from nemo_d3s.core.checks import (
+    broadcast_per_row,
+    check_finite,
+    check_mask_2d,
+    check_same_device,
+    check_shape,
+)
 from nemo_d3s.core.loss_config import (
     AGGREGATIONS,
     METRIC_NORMALISERS,
@@ -149,10 +155,14 @@ def _check_float(name: str, t: torch.Tensor, shape) -> None:
 def _check_denominator(denominator) -> float:
     if isinstance(denominator, torch.Tensor):
         if denominator.numel() != 1:
-            raise ValueError(f"denominator must be a number, got a tensor of shape {tuple(denominator.shape)}")
+            raise ValueError(
+                f"denominator must be a number, got a tensor of shape {tuple(denominator.shape)}"
+            )
         denominator = denominator.item()
     if not _is_real(denominator) or not math.isfinite(denominator) or denominator <= 0:
-        raise ValueError(f"denominator must be a finite number > 0 (a global count), got {denominator!r}")
+        raise ValueError(
+            f"denominator must be a finite number > 0 (a global count), got {denominator!r}"
+        )
     return float(denominator)
 
 
@@ -174,7 +184,9 @@ def _prepare(
     _check_float("logprobs", logprobs, (B, S))
     _check_float("old_logprobs", old_logprobs, (B, S))
     if not isinstance(advantages, torch.Tensor) or not advantages.is_floating_point():
-        got = advantages.dtype if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        got = (
+            advantages.dtype if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        )
         raise ValueError(f"advantages must be a floating-point tensor [B] or [B, S], got {got}")
     adv = broadcast_per_row("advantages", advantages, B, S, "loss_mask")
     if ref_logprobs is not None:
@@ -212,7 +224,9 @@ def _prepare(
         counted = loss_mask
         if norm_mask is not None:
             if cfg.check_inputs and bool((loss_mask & ~norm_mask).any()):
-                raise ValueError("norm_mask must cover loss_mask: a loss token is outside norm_mask")
+                raise ValueError(
+                    "norm_mask must cover loss_mask: a loss token is outside norm_mask"
+                )
             counted = norm_mask
         n_row = counted.sum(dim=1).clamp(min=1).to(dtype)
         weights = m / n_row.unsqueeze(1)
@@ -312,7 +326,9 @@ def grpo_loss(
     [B, S] bool, ref_logprobs [B, S] or None, norm_mask [B, S] bool or None
     -> LossOutput(loss = sum_it w_it l(r_it, A_it) / denominator (+ KL)).
     """
-    x = _prepare(logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask)
+    x = _prepare(
+        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
+    )
     ratio = torch.exp(x.logprobs - x.old_logprobs)
     per_token = _clipped_surrogate(ratio, x.advantages, cfg)
     pg_sum = (x.weights * per_token).sum()
@@ -347,7 +363,9 @@ def _sequence_advantages(x: _Inputs, advantages: torch.Tensor) -> torch.Tensor:
         seq_adv = hi
     else:
         seq_adv = advantages.to(x.advantages.dtype)
-    return torch.where(has, seq_adv, torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device))
+    return torch.where(
+        has, seq_adv, torch.zeros((), dtype=x.advantages.dtype, device=x.advantages.device)
+    )
 
 
 @POLICY_LOSSES.register("gspo", per_sequence_advantage=True)
@@ -367,13 +385,17 @@ def gspo_loss(
 
     Shapes as :func:`grpo_loss`; advantages [B], or [B, S] constant on each row's mask.
     """
-    x = _prepare(logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask)
+    x = _prepare(
+        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
+    )
     seq_adv = _sequence_advantages(x, advantages)  # [B]
     seq_ratio = torch.exp(_sequence_log_ratio(x))  # [B]
     seq_loss = _clipped_surrogate(seq_ratio, seq_adv, cfg)  # [B]
     pg_sum = (x.weights.sum(dim=1) * seq_loss).sum()
     B, S = x.mask.shape
-    return _finish(x, cfg, pg_sum, seq_ratio.unsqueeze(1).expand(B, S), seq_adv.unsqueeze(1).expand(B, S))
+    return _finish(
+        x, cfg, pg_sum, seq_ratio.unsqueeze(1).expand(B, S), seq_adv.unsqueeze(1).expand(B, S)
+    )
 
 
 @POLICY_LOSSES.register("gspo_token")
@@ -393,7 +415,9 @@ def gspo_token_loss(
 
     Shapes as :func:`grpo_loss`.
     """
-    x = _prepare(logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask)
+    x = _prepare(
+        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
+    )
     seq_ratio = torch.exp(_sequence_log_ratio(x)).detach()  # [B]
     ratio = seq_ratio.unsqueeze(1) * torch.exp(x.logprobs - x.logprobs.detach())
     per_token = _clipped_surrogate(ratio, x.advantages, cfg)

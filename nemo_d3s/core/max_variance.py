@@ -21,8 +21,6 @@ _VARIANCE_RTOL = 1e-10
 _F64_EPS = torch.finfo(torch.float64).eps
 
 
-
-
 def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
     """Row-wise exact max-variance subsets: values [R, n] real, 1 <= m <= n -> keep [R, n] bool
     with exactly m True per row, maximising the variance of each row's kept values.

@@ -27,7 +27,13 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["fixed_micro_batches", "padded_tokens", "plan_rows", "row_lengths", "token_budget_micro_batches"]
+__all__ = [
+    "fixed_micro_batches",
+    "padded_tokens",
+    "plan_rows",
+    "row_lengths",
+    "token_budget_micro_batches",
+]
 
 
 def _check_lengths(lengths: torch.Tensor) -> None:
@@ -42,13 +48,21 @@ def row_lengths(attention_mask: torch.Tensor) -> torch.Tensor:
     width a row needs when fed alone (right padding after it is never fed)."""
     S = attention_mask.shape[1]
     cols = torch.arange(1, S + 1).expand_as(attention_mask)
-    return (cols * attention_mask.bool()).amax(dim=1) if S else torch.zeros(len(attention_mask), dtype=torch.long)
+    return (
+        (cols * attention_mask.bool()).amax(dim=1)
+        if S
+        else torch.zeros(len(attention_mask), dtype=torch.long)
+    )
 
 
 def fixed_micro_batches(num_rows: int, micro_batch_size: int) -> List[torch.Tensor]:
     """[rows [n] long] = consecutive runs of ``micro_batch_size`` rows (the last may be
     shorter); [] for no rows."""
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+    if (
+        isinstance(micro_batch_size, bool)
+        or not isinstance(micro_batch_size, int)
+        or micro_batch_size < 1
+    ):
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
     return list(torch.arange(num_rows).split(micro_batch_size)) if num_rows else []
 
@@ -75,12 +89,14 @@ def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[t
     while start < len(order):
         width = max(sorted_len[start], 1)  # the first row is the longest: it sets the width
         n = max(1, min(len(order) - start, max_tokens // width))
-        out.append(order[start:start + n])
+        out.append(order[start : start + n])
         start += n
     return out
 
 
-def plan_rows(lengths: torch.Tensor, micro_batch_size: int, max_tokens: Optional[int] = None) -> List[torch.Tensor]:
+def plan_rows(
+    lengths: torch.Tensor, micro_batch_size: int, max_tokens: Optional[int] = None
+) -> List[torch.Tensor]:
     """``token_budget_micro_batches(lengths, max_tokens)`` when ``max_tokens`` > 0, else
     ``fixed_micro_batches(len(lengths), micro_batch_size)`` (the config's 0 / null)."""
     if max_tokens:

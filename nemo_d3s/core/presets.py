@@ -56,7 +56,12 @@ Count = Union[int, float]
 
 
 def _check_nonneg(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
         raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
 
 
@@ -75,7 +80,9 @@ class D3SConfig:
     advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS
     sample_rule: str = "all"  # SAMPLE_SELECTORS
     token_scope: str = "all"  # TOKEN_SELECTORS
-    schedule: DynamicSchedule = field(default_factory=lambda: DynamicSchedule("constant", 1.0, 1.0, 1.0, 1.0))
+    schedule: DynamicSchedule = field(
+        default_factory=lambda: DynamicSchedule("constant", 1.0, 1.0, 1.0, 1.0)
+    )
     eps: float = 1e-6  # advantage std offset (GRPO)
     unbiased: bool = True
     # Offset of the PODS re-normalisation on the kept subset; None = the rule's default
@@ -95,7 +102,9 @@ class D3SConfig:
             except TypeError as e:
                 raise ValueError(f"schedule: {e}") from None
         if not isinstance(self.schedule, DynamicSchedule):
-            raise ValueError(f"schedule must be a DynamicSchedule or a mapping of its fields, got {self.schedule!r}")
+            raise ValueError(
+                f"schedule must be a DynamicSchedule or a mapping of its fields, got {self.schedule!r}"
+            )
         ADVANTAGE_ESTIMATORS.get(self.advantage)
         SAMPLE_SELECTORS.get(self.sample_rule)
         TOKEN_SELECTORS.get(self.token_scope)

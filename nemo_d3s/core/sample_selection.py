@@ -104,7 +104,9 @@ class SampleSelection:
 
 def _check_n_keep(n_keep: Count) -> None:
     if isinstance(n_keep, bool) or not isinstance(n_keep, numbers.Real):
-        raise ValueError(f"n_keep must be an int >= 1 or a float fraction in (0, 1], got {n_keep!r}")
+        raise ValueError(
+            f"n_keep must be an int >= 1 or a float fraction in (0, 1], got {n_keep!r}"
+        )
     if isinstance(n_keep, numbers.Integral):
         if n_keep < 1:
             raise ValueError(f"n_keep must be >= 1 when given as an int count, got {n_keep!r}")
@@ -122,7 +124,11 @@ def resolve_n_keep(n_keep: Count, group_size: int) -> int:
     ``n_keep`` float in (0, 1]: a fraction of ``group_size``, rounded half up, at least 1.
     """
     _check_n_keep(n_keep)
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, numbers.Integral)
+        or group_size < 1
+    ):
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     if isinstance(n_keep, numbers.Integral):
         return int(min(int(n_keep), int(group_size)))
@@ -173,7 +179,9 @@ def _farthest_from_mean(values: torch.Tensor) -> torch.Tensor:
     return near.to(torch.int8).argmax(dim=1)  # the first True
 
 
-def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
+def _grouped_max_variance(
+    values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count
+) -> torch.Tensor:
     """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
 
     Groups of equal size are stacked into one [R, G] matrix and solved by one batched
@@ -194,13 +202,17 @@ def _grouped_max_variance(values: torch.Tensor, index: torch.Tensor, n_groups: i
         if m >= g_size:
             keep[layout.flatten()] = True  # a group of <= N rollouts is kept whole
         elif m == 1:
-            keep[layout.gather(1, _farthest_from_mean(values[layout]).unsqueeze(1)).flatten()] = True
+            keep[layout.gather(1, _farthest_from_mean(values[layout]).unsqueeze(1)).flatten()] = (
+                True
+            )
         else:
             keep[layout[max_variance_mask(values[layout], m)]] = True
     return keep
 
 
-def _grouped_top(score: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count) -> torch.Tensor:
+def _grouped_top(
+    score: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count
+) -> torch.Tensor:
     """Keep the resolve_n_keep(N, G) highest ``score`` of every group; ties by lower index.
     score [B] -> keep [B] bool."""
     # Stable descending sort = highest first, lower index first among equal scores.
@@ -228,7 +240,9 @@ def _prepare(
 
 
 def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
-    return SampleSelection(sample_keep=keep, advantages=advantages.to(torch.float32).clone(), n_kept=int(keep.sum()))
+    return SampleSelection(
+        sample_keep=keep, advantages=advantages.to(torch.float32).clone(), n_kept=int(keep.sum())
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -317,7 +331,9 @@ def select_pods(
     keep = _grouped_max_variance(rewards, index, n_groups, n_keep)
     kept = keep.nonzero().flatten()
     # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
-    sub_adv, _ = _grouped_advantages(rewards[kept], index[kept], n_groups, "grpo", float(eps), bool(unbiased))
+    sub_adv, _ = _grouped_advantages(
+        rewards[kept], index[kept], n_groups, "grpo", float(eps), bool(unbiased)
+    )
     out = advantages.to(torch.float32).clone()
     out[kept] = sub_adv.to(torch.float32)
     return SampleSelection(sample_keep=keep, advantages=out, n_kept=int(kept.numel()))
@@ -392,9 +408,15 @@ def select_samples(
 # ----------------------------------------------------------------------------------------
 
 
-def _check_kept(advantages: torch.Tensor, sample_keep: torch.Tensor, min_kept: int, why: str) -> torch.Tensor:
+def _check_kept(
+    advantages: torch.Tensor, sample_keep: torch.Tensor, min_kept: int, why: str
+) -> torch.Tensor:
     if not isinstance(advantages, torch.Tensor) or advantages.dim() != 1:
-        shape = tuple(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        shape = (
+            tuple(advantages.shape)
+            if isinstance(advantages, torch.Tensor)
+            else type(advantages).__name__
+        )
         raise ValueError(f"advantages must be a 1-D tensor [B], got {shape}")
     check_bool("sample_keep", sample_keep)
     check_shape("sample_keep", sample_keep, advantages.shape, "advantages")
@@ -406,18 +428,24 @@ def _check_kept(advantages: torch.Tensor, sample_keep: torch.Tensor, min_kept: i
     return kept.to(torch.float64)
 
 
-def kept_advantage_variance(advantages: torch.Tensor, sample_keep: torch.Tensor, unbiased: bool = True) -> float:
+def kept_advantage_variance(
+    advantages: torch.Tensor, sample_keep: torch.Tensor, unbiased: bool = True
+) -> float:
     """Variance of the kept advantages (the quantity D3S maximises; >= 1 for the paper's
     bound). advantages [B], sample_keep [B] bool -> float (float64 arithmetic).
     Needs >= 2 kept samples for the unbiased estimator, >= 1 for the population one."""
     need = 2 if unbiased else 1
     estimator = "unbiased" if unbiased else "population"
-    kept = _check_kept(advantages, sample_keep, need, f"the {estimator} variance needs at least {need}")
+    kept = _check_kept(
+        advantages, sample_keep, need, f"the {estimator} variance needs at least {need}"
+    )
     return float(kept.var(correction=1 if unbiased else 0))
 
 
 def share_nonzero_advantage(advantages: torch.Tensor, sample_keep: torch.Tensor) -> float:
     """Fraction of kept samples whose advantage is non-zero (degenerate groups give exact
     zeros). advantages [B], sample_keep [B] bool -> float in [0, 1]; needs >= 1 kept sample."""
-    kept = _check_kept(advantages, sample_keep, 1, "the share of non-zero advantages needs at least 1")
+    kept = _check_kept(
+        advantages, sample_keep, 1, "the share of non-zero advantages needs at least 1"
+    )
     return float((kept != 0).to(torch.float64).mean())

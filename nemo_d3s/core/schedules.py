@@ -21,17 +21,27 @@ __all__ = ["SCHEDULES", "DynamicSchedule", "schedule_value", "linear", "cosine",
 
 Count = Union[int, float]
 
-SCHEDULES: Registry = Registry("schedule", "fn(progress: float in [0,1], start: float, end: float, **kw) -> float")
+SCHEDULES: Registry = Registry(
+    "schedule", "fn(progress: float in [0,1], start: float, end: float, **kw) -> float"
+)
 
 
 def _check_progress(progress: float) -> float:
-    if isinstance(progress, bool) or not isinstance(progress, numbers.Real) or not 0.0 <= float(progress) <= 1.0:
+    if (
+        isinstance(progress, bool)
+        or not isinstance(progress, numbers.Real)
+        or not 0.0 <= float(progress) <= 1.0
+    ):
         raise ValueError(f"progress must be a float in [0, 1], got {progress!r}")
     return float(progress)
 
 
 def _check_endpoint(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+    ):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
 
@@ -99,7 +109,9 @@ def step(
     start, end = _check_endpoint("start", start), _check_endpoint("end", end)
     ms = [float(x) for x in milestones]
     if not ms:
-        raise ValueError(f"milestones must be a non-empty list of floats in [0, 1], got {list(milestones)!r}")
+        raise ValueError(
+            f"milestones must be a non-empty list of floats in [0, 1], got {list(milestones)!r}"
+        )
     if any(not (0.0 <= x <= 1.0) for x in ms) or any(b < a for a, b in zip(ms, ms[1:])):
         raise ValueError(f"milestones must be non-decreasing floats in [0, 1], got {ms!r}")
     passed = sum(1 for x in ms if p >= x)
@@ -147,7 +159,9 @@ class DynamicSchedule:
         for name in ("n_init", "n_final"):
             value = getattr(self, name)
             if not _is_real(value):
-                raise ValueError(f"{name} must be an int count >= 1 or a float fraction in (0, 1], got {value!r}")
+                raise ValueError(
+                    f"{name} must be an int count >= 1 or a float fraction in (0, 1], got {value!r}"
+                )
         if _is_count(self.n_init) != _is_count(self.n_final):
             raise ValueError(
                 f"n_init and n_final must both be int counts or both float fractions of the group size, "
@@ -157,7 +171,9 @@ class DynamicSchedule:
             value = getattr(self, name)
             if _is_count(value):
                 if value < 1:
-                    raise ValueError(f"{name} must be >= 1 when given as an int count, got {value!r}")
+                    raise ValueError(
+                        f"{name} must be >= 1 when given as an int count, got {value!r}"
+                    )
             else:
                 check_fraction(name, float(value))
         for name in ("k_init", "k_final"):

@@ -133,7 +133,11 @@ def n_tokens_to_keep(n_eligible: int, k_frac: float) -> int:
         and n_eligible.dtype != torch.bool
     ):
         n_eligible = int(n_eligible)  # e.g. an all-reduced count
-    if isinstance(n_eligible, bool) or not isinstance(n_eligible, numbers.Integral) or n_eligible < 0:
+    if (
+        isinstance(n_eligible, bool)
+        or not isinstance(n_eligible, numbers.Integral)
+        or n_eligible < 0
+    ):
         raise ValueError(f"n_eligible must be an int >= 0, got {n_eligible!r}")
     _check_k_frac(k_frac)
     n = int(n_eligible)
@@ -181,7 +185,9 @@ def n_tokens_to_keep_per_row(n_eligible: torch.Tensor, k_frac: float) -> torch.T
 # ---------------------------------------------------------------------------- scores
 
 
-def token_scores(advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+def token_scores(
+    advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor
+) -> torch.Tensor:
     """D3S token scores ``|A| x H``.
 
     advantages [B] (broadcast over S) or [B, S]; entropy [B, S] (token-aligned); eligible
@@ -236,7 +242,9 @@ def _top_k_flat(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.T
     return keep.view(eligible.shape)
 
 
-def _top_k_per_row(scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Tensor) -> torch.Tensor:
+def _top_k_per_row(
+    scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Tensor
+) -> torch.Tensor:
     """Top ``k_row[b]`` eligible tokens of each row b, no Python loop over rows.
 
     scores [B, S], eligible [B, S] bool, k_row [B] long (<= eligible count of the row)
@@ -247,7 +255,9 @@ def _top_k_per_row(scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Te
     if B == 0 or S == 0:
         return torch.zeros_like(eligible)
     # Non-eligible positions sink below every eligible (finite) score.
-    key = torch.where(eligible, scores, torch.full((), -math.inf, dtype=scores.dtype, device=scores.device))
+    key = torch.where(
+        eligible, scores, torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
+    )
     order = torch.sort(key, dim=1, descending=True, stable=True).indices  # [B, S]
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(S, device=order.device).expand(B, S))

@@ -6,7 +6,11 @@ single-process function. Nothing here imports Megatron.
 """
 
 from nemo_d3s.distributed.launch import run_on_gloo_ranks
-from nemo_d3s.distributed.normalizers import StepNormalizer, global_loss_denominator, step_normalizer
+from nemo_d3s.distributed.normalizers import (
+    StepNormalizer,
+    global_loss_denominator,
+    step_normalizer,
+)
 from nemo_d3s.distributed.pipeline import (
     PerTokenStore,
     broadcast_from_last_stage,
@@ -22,14 +26,21 @@ from nemo_d3s.distributed.rebalance import (
     plan_from_tokens,
     plan_rebalance,
 )
-from nemo_d3s.distributed.sample_selection import GlobalSampleSelection, gather_batch_groups, global_select_samples
+from nemo_d3s.distributed.sample_selection import (
+    GlobalSampleSelection,
+    gather_batch_groups,
+    global_select_samples,
+)
 from nemo_d3s.distributed.topk import (
     DISTRIBUTED_TOKEN_SCOPES,
     GlobalTokenSelection,
     global_top_k_mask,
     select_tokens_global,
 )
-from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs, vocab_shard_range
+from nemo_d3s.distributed.vocab_parallel import (
+    vocab_parallel_entropy_and_logprobs,
+    vocab_shard_range,
+)
 
 __all__ = [
     "run_on_gloo_ranks",

@@ -74,7 +74,9 @@ def global_rank_of(group: dist.ProcessGroup, rank_in_group: int) -> int:
     return dist.get_global_rank(group, rank_in_group)
 
 
-def all_gather_counts(n: int, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+def all_gather_counts(
+    n: int, group: Optional[dist.ProcessGroup], device: torch.device
+) -> torch.Tensor:
     """Every member's integer ``n``: -> LongTensor [world] in group-rank order.
     One all-gather of one int64 per rank."""
     mine = torch.tensor([int(n)], dtype=torch.long, device=device)
@@ -102,7 +104,9 @@ def all_gather_varlen(
     n_max = int(counts.max())
     padded = x.new_zeros((n_max,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts: List[torch.Tensor] = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+    parts: List[torch.Tensor] = [
+        torch.empty_like(padded) for _ in range(dist.get_world_size(group))
+    ]
     dist.all_gather(parts, padded, group=group)
     pieces = [p[: int(c)] for p, c in zip(parts, counts.tolist())]
     return torch.cat(pieces), counts

@@ -46,7 +46,9 @@ def _ref(fn: Optional[Callable]) -> Optional[tuple]:
     if fn is None:
         return None
     if fn.__name__ == "<lambda>" or "<locals>" in fn.__qualname__:
-        raise ValueError(f"{fn.__qualname__} must be a module-level function (ranks load it from its file)")
+        raise ValueError(
+            f"{fn.__qualname__} must be a module-level function (ranks load it from its file)"
+        )
     return inspect.getfile(fn), fn.__name__
 
 
@@ -58,14 +60,18 @@ def _load(ref: tuple) -> Callable:
     return getattr(module, name)
 
 
-def _child(rank, fn_ref, setup_ref, setup_args, world_size, port, threads, out_dir, timeout, args) -> None:
+def _child(
+    rank, fn_ref, setup_ref, setup_args, world_size, port, threads, out_dir, timeout, args
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(int(threads))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+    )
     teardown = None
     try:
         if setup_ref is not None:
@@ -104,7 +110,17 @@ def run_on_gloo_ranks(
     with tempfile.TemporaryDirectory(prefix="nemo_d3s_ranks_") as out_dir:
         ctx = tmp.start_processes(
             _child,
-            args=(fn_ref, setup_ref, tuple(setup_args), world_size, free_port(), threads, out_dir, timeout, args),
+            args=(
+                fn_ref,
+                setup_ref,
+                tuple(setup_args),
+                world_size,
+                free_port(),
+                threads,
+                out_dir,
+                timeout,
+                args,
+            ),
             nprocs=world_size,
             join=False,
             start_method=start_method,

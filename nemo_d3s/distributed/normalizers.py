@@ -48,7 +48,9 @@ def _as_list(masks: Masks, name: str) -> list:
         return [masks]
     masks = list(masks)
     if not all(isinstance(m, torch.Tensor) for m in masks):
-        raise ValueError(f"{name} must be a [B, S] bool tensor or a sequence of them (one per micro-batch)")
+        raise ValueError(
+            f"{name} must be a [B, S] bool tensor or a sequence of them (one per micro-batch)"
+        )
     return masks
 
 
@@ -76,7 +78,9 @@ def global_loss_denominator(
     when nothing is kept anywhere (skip the step).
     """
     if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}")
+        raise ValueError(
+            f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}"
+        )
     masks = _as_list(loss_masks, "loss_masks")
     counted = masks if norm_masks is None else _as_list(norm_masks, "norm_masks")
     if len(counted) != len(masks):
@@ -90,7 +94,11 @@ def global_loss_denominator(
             loss_denominator(m, aggregation)  # validation only
         cp_device = collective_device(cp_group)
         rows = [c.any(dim=1).to(cp_device) for c in counted]
-        present = torch.cat(rows).to(torch.int32) if rows else torch.zeros(0, dtype=torch.int32, device=cp_device)
+        present = (
+            torch.cat(rows).to(torch.int32)
+            if rows
+            else torch.zeros(0, dtype=torch.int32, device=cp_device)
+        )
         dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp_group)
         local = float(present.sum())
     else:
@@ -164,5 +172,7 @@ def step_normalizer(
 ) -> StepNormalizer:
     """:func:`global_loss_denominator` + :class:`StepNormalizer` with ``dp_size`` taken
     from ``dp_group``. Same collectives as :func:`global_loss_denominator`."""
-    d = global_loss_denominator(loss_masks, aggregation, dp_group, cp_group=cp_group, norm_masks=norm_masks)
+    d = global_loss_denominator(
+        loss_masks, aggregation, dp_group, cp_group=cp_group, norm_masks=norm_masks
+    )
     return StepNormalizer(d, group_size(dp_group), int(num_microbatches), megatron_schedule)

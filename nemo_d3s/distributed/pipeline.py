@@ -39,7 +39,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
-from nemo_d3s.distributed._comm import collective_device, global_rank_of, group_rank, group_size, is_single
+from nemo_d3s.distributed._comm import (
+    collective_device,
+    global_rank_of,
+    group_rank,
+    group_size,
+    is_single,
+)
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
 
@@ -116,7 +122,9 @@ def _token_logprobs(logits, ids, tp_group, token_aligned, seq_first, vocab_size,
             logits[:, :-1], ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
         )
         return align_to_tokens(entropy), align_to_tokens(logprobs)
-    return vocab_parallel_entropy_and_logprobs(logits, ids, tp_group, vocab_size=vocab_size, chunk_size=chunk_size)
+    return vocab_parallel_entropy_and_logprobs(
+        logits, ids, tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+    )
 
 
 def logprob_loss_func(
@@ -206,7 +214,9 @@ def train_loss_func(
             return loss, {}
         lp = align_to_tokens(lp)[:n].float() * attended
         out = loss_fn(fit_width(lp, lp.shape[1] if width is None else width), rows)
-        loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+        loss, metrics = (
+            (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+        )
         if on_sum is not None:
             on_sum("loss_sum", loss)
             for k, v in metrics.items():
@@ -240,12 +250,16 @@ def broadcast_per_token(
     if last:
         if store is None or len(store.micro_batches) != len(shapes):
             n = None if store is None else len(store.micro_batches)
-            raise ValueError(f"the last stage holds {n} micro-batch results, shapes lists {len(shapes)}")
+            raise ValueError(
+                f"the last stage holds {n} micro-batch results, shapes lists {len(shapes)}"
+            )
         parts = []
         for mb, shape in zip(store.micro_batches, shapes):
             for name in names:
                 if tuple(mb[name].shape) != tuple(shape):
-                    raise ValueError(f"{name} has shape {tuple(mb[name].shape)}, shapes says {tuple(shape)}")
+                    raise ValueError(
+                        f"{name} has shape {tuple(mb[name].shape)}, shapes says {tuple(shape)}"
+                    )
                 parts.append(mb[name].reshape(-1).float())
         flat = torch.cat(parts) if parts else torch.zeros(0)
         device = flat.device

@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from nemo_d3s.distributed._comm import all_gather_varlen, group_rank, group_size, is_single
 
-__all__ = ["RebalancePlan", "RebalancedBatch", "plan_rebalance", "plan_from_tokens", "apply_rebalance", "imbalance"]
+__all__ = [
+    "RebalancePlan",
+    "RebalancedBatch",
+    "plan_rebalance",
+    "plan_from_tokens",
+    "apply_rebalance",
+    "imbalance",
+]
 
 
 def imbalance(tokens_per_rank: torch.Tensor) -> float:
@@ -96,7 +103,11 @@ class RebalancePlan:
 
 
 def plan_from_tokens(
-    tokens: torch.Tensor, owner: torch.Tensor, source_row: torch.Tensor, world_size: int, rows_per_rank: torch.Tensor
+    tokens: torch.Tensor,
+    owner: torch.Tensor,
+    source_row: torch.Tensor,
+    world_size: int,
+    rows_per_rank: torch.Tensor,
 ) -> RebalancePlan:
     """Pure (no collective) LPT plan: tokens, owner, source_row [n] long of the kept
     samples in global order -> RebalancePlan. O(n log n + n log world)."""
@@ -117,12 +128,20 @@ def plan_from_tokens(
         empty[dest_t] = False
         pad_source[empty] = 0
     return RebalancePlan(
-        world_size, owner.long(), source_row.long(), tokens.long(), dest_t, pad_source, rows_per_rank
+        world_size,
+        owner.long(),
+        source_row.long(),
+        tokens.long(),
+        dest_t,
+        pad_source,
+        rows_per_rank,
     )
 
 
 def plan_rebalance(
-    n_tokens: torch.Tensor, sample_keep: Optional[torch.Tensor], dp_group: Optional[dist.ProcessGroup]
+    n_tokens: torch.Tensor,
+    sample_keep: Optional[torch.Tensor],
+    dp_group: Optional[dist.ProcessGroup],
 ) -> RebalancePlan:
     """Plan the move of this step's kept samples, identically on every rank.
 
@@ -131,7 +150,11 @@ def plan_rebalance(
     Collectives on ``dp_group``: one all-gather of one int64, one all-gather of
     [max_r B_r, 2] int64. Memory O(world x max_r B_r).
     """
-    if not isinstance(n_tokens, torch.Tensor) or n_tokens.dim() != 1 or n_tokens.is_floating_point():
+    if (
+        not isinstance(n_tokens, torch.Tensor)
+        or n_tokens.dim() != 1
+        or n_tokens.is_floating_point()
+    ):
         got = getattr(n_tokens, "dtype", type(n_tokens).__name__)
         raise ValueError(f"n_tokens must be a 1-D integer tensor [B], got {got}")
     if sample_keep is None:
@@ -147,9 +170,13 @@ def plan_rebalance(
     everything, counts = all_gather_varlen(packed, dp_group)
     everything, counts = everything.cpu(), counts.cpu()
     rank_of_row = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    row_on_rank = torch.arange(everything.shape[0]) - (torch.cumsum(counts, 0) - counts)[rank_of_row]
+    row_on_rank = (
+        torch.arange(everything.shape[0]) - (torch.cumsum(counts, 0) - counts)[rank_of_row]
+    )
     kept = everything[:, 1].bool()
-    return plan_from_tokens(everything[kept, 0], rank_of_row[kept], row_on_rank[kept], group_size(dp_group), counts)
+    return plan_from_tokens(
+        everything[kept, 0], rank_of_row[kept], row_on_rank[kept], group_size(dp_group), counts
+    )
 
 
 @dataclass
@@ -212,7 +239,11 @@ def apply_rebalance(
     device = tensors[names[0]].device if names else torch.device("cpu")
     views = [_row_bytes(tensors[n]) for n in names]
     widths = [v.shape[1] for v in views]
-    packed = torch.cat(views, 1) if views else torch.zeros((int(plan.rows_per_rank[me]), 0), dtype=torch.uint8)
+    packed = (
+        torch.cat(views, 1)
+        if views
+        else torch.zeros((int(plan.rows_per_rank[me]), 0), dtype=torch.uint8)
+    )
     w = plan.world_size
     send_rows = [plan._sends(me, d) for d in range(w)]
     recv_counts = [int(plan._sends(s, me).numel()) for s in range(w)]

@@ -54,11 +54,16 @@ class GlobalSampleSelection:
         return self.sample_keep.nonzero().flatten()
 
     def local(self) -> SampleSelection:
-        return SampleSelection(sample_keep=self.sample_keep, advantages=self.advantages, n_kept=self.n_kept)
+        return SampleSelection(
+            sample_keep=self.sample_keep, advantages=self.advantages, n_kept=self.n_kept
+        )
 
 
 def gather_batch_groups(
-    rewards: torch.Tensor, advantages: torch.Tensor, group_ids: torch.Tensor, dp_group: Optional[dist.ProcessGroup]
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    group_ids: torch.Tensor,
+    dp_group: Optional[dist.ProcessGroup],
 ):
     """All ranks' (rewards, advantages, group index) concatenated in rank order.
 
@@ -72,12 +77,16 @@ def gather_batch_groups(
         local_index, _ = group_index(group_ids)
     else:  # a rank without samples still joins the collectives
         local_index = torch.zeros(0, dtype=torch.long, device=group_ids.device)
-    packed = torch.stack([rewards.to(torch.float64), advantages.to(torch.float64), local_index.to(torch.float64)], 1)
+    packed = torch.stack(
+        [rewards.to(torch.float64), advantages.to(torch.float64), local_index.to(torch.float64)], 1
+    )
     everything, counts = all_gather_varlen(packed, dp_group)
     index = everything[:, 2].to(torch.long)
     # Make (rank, local group) unique: offset each rank's dense numbering by the number of
     # groups on earlier ranks. A rank's group count is 1 + its largest dense index.
-    rank_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    rank_of_row = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=counts.device), counts
+    )
     groups_per_rank = torch.zeros(counts.numel(), dtype=torch.long, device=counts.device)
     if index.numel():
         groups_per_rank.scatter_reduce_(0, rank_of_row, index + 1, reduce="amax")
@@ -110,7 +119,9 @@ def global_select_samples(
     selection on the local batch (same result type).
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
-        raise ValueError(f"rewards must be a 1-D tensor [B], got {getattr(rewards, 'shape', type(rewards).__name__)}")
+        raise ValueError(
+            f"rewards must be a 1-D tensor [B], got {getattr(rewards, 'shape', type(rewards).__name__)}"
+        )
     check_shape("advantages", advantages, rewards.shape, "rewards")
     check_shape("group_ids", group_ids, rewards.shape, "rewards")
     check_same_device(rewards=rewards, advantages=advantages, group_ids=group_ids)
@@ -123,7 +134,9 @@ def global_select_samples(
         )
     all_r, all_a, all_g, counts = gather_batch_groups(rewards, advantages, group_ids, dp_group)
     if all_r.numel() == 0:
-        raise ValueError("the data-parallel batch is empty on every rank (B_total = 0); nothing to select from")
+        raise ValueError(
+            "the data-parallel batch is empty on every rank (B_total = 0); nothing to select from"
+        )
     sel = select_samples(rule, all_r, all_a, all_g, n_keep, **kw)
     offset = int(exclusive_prefix(counts)[group_rank(dp_group)])
     mine = slice(offset, offset + rewards.numel())

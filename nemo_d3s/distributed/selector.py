@@ -61,7 +61,9 @@ class DistributedD3SSelector(D3SSelector):
     def single(self) -> bool:
         return is_single(self.dp_group)
 
-    def select_samples(self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float) -> SampleStage:
+    def select_samples(
+        self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float
+    ) -> SampleStage:
         """rewards [B_r] f32, group_ids [B_r] long (this rank's whole groups) -> SampleStage of
         this rank's rows, with the whole batch's ``advantage_result`` and metrics.
 
@@ -95,7 +97,11 @@ class DistributedD3SSelector(D3SSelector):
         if self.single or not self.spans_batch:
             return super().top_k(scores, eligible, k_frac)
         sel = select_tokens_global(
-            scores.to(self.device), eligible.to(self.device), k_frac, self.dp_group, scope=self.batch_scope
+            scores.to(self.device),
+            eligible.to(self.device),
+            k_frac,
+            self.dp_group,
+            scope=self.batch_scope,
         )
         return sel.token_keep.cpu()
 

@@ -157,7 +157,9 @@ def _radix_select(
     return k, n_global, prefix, 0, remaining
 
 
-def _global_top_k(scores, eligible, k_or_frac, group, bits_per_round) -> Tuple[torch.Tensor, int, int]:
+def _global_top_k(
+    scores, eligible, k_or_frac, group, bits_per_round
+) -> Tuple[torch.Tensor, int, int]:
     """Radix top-k over ``group``; returns (token_keep [B, S], k, n_eligible_global)."""
     if bits_per_round not in (4, 8, 16):
         raise ValueError(f"bits_per_round must be 4, 8 or 16, got {bits_per_round!r}")
@@ -165,7 +167,9 @@ def _global_top_k(scores, eligible, k_or_frac, group, bits_per_round) -> Tuple[t
     vals = scores.reshape(-1)[flat_elig]
     bad = bool((~torch.isfinite(vals)).any()) if vals.numel() else False
     keys = float_order_keys(vals)
-    k, n_global, prefix, shift, remaining = _radix_select(keys, k_or_frac, group, bits_per_round, bad)
+    k, n_global, prefix, shift, remaining = _radix_select(
+        keys, k_or_frac, group, bits_per_round, bad
+    )
     keep_vals = torch.zeros_like(keys, dtype=torch.bool)
     if k > 0:
         top = keys >> shift
@@ -234,7 +238,9 @@ def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
     # instead of the others waiting in the data gather.
     counts = all_gather_counts(-1 if bad else local.numel(), group, local.device)
     if bool((counts < 0).any()):
-        raise ValueError("scores must be finite on eligible positions (NaN or +-inf on some rank of the group)")
+        raise ValueError(
+            "scores must be finite on eligible positions (NaN or +-inf on some rank of the group)"
+        )
     everything, _ = all_gather_varlen(local, group, counts)
     n_global = everything.numel()
     if n_global == 0:
@@ -257,13 +263,17 @@ DISTRIBUTED_TOKEN_SCOPES: Registry = Registry(
 
 
 @DISTRIBUTED_TOKEN_SCOPES.register("global_exact")
-def _scope_global_exact(scores, eligible, k_frac, group, *, bits_per_round=8) -> GlobalTokenSelection:
+def _scope_global_exact(
+    scores, eligible, k_frac, group, *, bits_per_round=8
+) -> GlobalTokenSelection:
     if is_single(group):
         n = int(eligible.sum())
         k = n_tokens_to_keep(n, float(k_frac))
         keep = top_k_mask(scores, eligible, k)
         return GlobalTokenSelection(keep, n, k, n, k)
-    keep, k, n_global = _global_top_k(scores, eligible, ("frac", float(k_frac)), group, bits_per_round)
+    keep, k, n_global = _global_top_k(
+        scores, eligible, ("frac", float(k_frac)), group, bits_per_round
+    )
     return GlobalTokenSelection(keep, int(eligible.sum()), int(keep.sum()), n_global, k)
 
 
@@ -274,7 +284,9 @@ def _scope_local(scores, eligible, k_frac, group, *, bits_per_round=8) -> Global
 
 
 @DISTRIBUTED_TOKEN_SCOPES.register("gather_quantile")
-def _scope_gather_quantile(scores, eligible, k_frac, group, *, bits_per_round=8) -> GlobalTokenSelection:
+def _scope_gather_quantile(
+    scores, eligible, k_frac, group, *, bits_per_round=8
+) -> GlobalTokenSelection:
     return _gather_quantile(scores, eligible, k_frac, None if is_single(group) else group)
 
 

@@ -50,13 +50,17 @@ __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
 _SHIFT_FLOOR = -1.0e4
 
 
-def vocab_shard_range(local_width: int, tp_group: Optional[dist.ProcessGroup], device=None) -> Tuple[int, int, int]:
+def vocab_shard_range(
+    local_width: int, tp_group: Optional[dist.ProcessGroup], device=None
+) -> Tuple[int, int, int]:
     """(start, width, total) of this rank's vocabulary slice, from every rank's width.
 
     One all-gather of one int64 on ``tp_group``, on ``device`` (default: the group's
     collective device, CUDA for NCCL). Works for uneven shards.
     """
-    widths = all_gather_counts(local_width, tp_group, collective_device(tp_group) if device is None else device)
+    widths = all_gather_counts(
+        local_width, tp_group, collective_device(tp_group) if device is None else device
+    )
     r = group_rank(tp_group)
     return int(widths[:r].sum()), int(local_width), int(widths.sum())
 
@@ -171,15 +175,21 @@ def vocab_parallel_entropy_and_logprobs(
     # An empty local shard is legal (padded or uneven vocab splits).
     check_logits_and_targets(logits, target_ids, chunk_size, vocab="V/TP", allow_empty_vocab=True)
     if vocab_size is not None and (
-        isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral) or vocab_size < 1
+        isinstance(vocab_size, bool)
+        or not isinstance(vocab_size, numbers.Integral)
+        or vocab_size < 1
     ):
-        raise ValueError(f"vocab_size must be an int >= 1 (the unpadded vocabulary size), got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size must be an int >= 1 (the unpadded vocabulary size), got {vocab_size!r}"
+        )
     if is_single(tp_group):
         from nemo_d3s.core.entropy import entropy_and_logprobs
 
         V = logits.shape[2]
         if vocab_size is not None and vocab_size > V:
-            raise ValueError(f"vocab_size ({vocab_size}) exceeds the logits' vocabulary dimension ({V})")
+            raise ValueError(
+                f"vocab_size ({vocab_size}) exceeds the logits' vocabulary dimension ({V})"
+            )
         real = V if vocab_size is None else vocab_size
         return entropy_and_logprobs(logits[..., :real], target_ids, chunk_size=chunk_size)
 
@@ -192,7 +202,9 @@ def vocab_parallel_entropy_and_logprobs(
         lo, hi = int(target_ids.min()), int(target_ids.max())
         if lo < 0 or hi >= vocab_size:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"target_ids must be in [0, {vocab_size}) (the vocabulary size), found {bad}")
+            raise ValueError(
+                f"target_ids must be in [0, {vocab_size}) (the vocabulary size), found {bad}"
+            )
     n_valid = max(0, min(width, vocab_size - start))
     logprobs, entropy = _VocabParallelEntropyLogProb.apply(
         logits, target_ids.to(torch.long), tp_group, start, n_valid, int(chunk_size)

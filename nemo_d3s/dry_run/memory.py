@@ -71,9 +71,20 @@ from typing import Dict, Tuple
 from nemo_d3s.dry_run.sequence import interleaving_factor, replicated_share, tokens_per_micro_batch
 
 __all__ = [
-    "GB", "RUNTIME_BYTES", "VLLM_PROFILE_TOKENS", "RESIDENT", "TRAINING", "GENERATION", "Workload",
-    "layer_activation_bytes", "activation_bytes", "logits_bytes", "kv_bytes_per_token", "vllm_activation_bytes",
-    "megatron_lm_reference", "minimal_training_bytes",
+    "GB",
+    "RUNTIME_BYTES",
+    "VLLM_PROFILE_TOKENS",
+    "RESIDENT",
+    "TRAINING",
+    "GENERATION",
+    "Workload",
+    "layer_activation_bytes",
+    "activation_bytes",
+    "logits_bytes",
+    "kv_bytes_per_token",
+    "vllm_activation_bytes",
+    "megatron_lm_reference",
+    "minimal_training_bytes",
 ]
 
 GB = 10**9
@@ -111,21 +122,46 @@ class Workload:
 
     @property
     def score_tokens(self) -> int:
-        return tokens_per_micro_batch(self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens)
+        return tokens_per_micro_batch(
+            self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens
+        )
 
 
-def layer_activation_bytes(h: int, heads: int, kv_heads: int, head_dim: int, ffn: int, *, b: int, s: int,
-                           tp: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> float:
+def layer_activation_bytes(
+    h: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    *,
+    b: int,
+    s: int,
+    tp: int,
+    dtype_bytes: int = 2,
+    sequence_parallel: bool = False,
+) -> float:
     """Bytes one transformer layer stores for the backward (module docstring); under
     sequence parallelism the replicated ``4 h`` term is split over TP too."""
-    per_token = 4 * h * replicated_share(tp, sequence_parallel) + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
+    per_token = (
+        4 * h * replicated_share(tp, sequence_parallel)
+        + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
+    )
     return s * b * dtype_bytes * per_token
 
 
 def _layer_bytes(spec, w: Workload, tp: int) -> float:
-    return layer_activation_bytes(spec.hidden_size, spec.num_heads, spec.kv_heads, spec.head_dim,
-                                  spec.ffn_hidden_size, b=1, s=w.train_tokens, tp=tp,
-                                  dtype_bytes=w.dtype_bytes, sequence_parallel=w.sequence_parallel)
+    return layer_activation_bytes(
+        spec.hidden_size,
+        spec.num_heads,
+        spec.kv_heads,
+        spec.head_dim,
+        spec.ffn_hidden_size,
+        b=1,
+        s=w.train_tokens,
+        tp=tp,
+        dtype_bytes=w.dtype_bytes,
+        sequence_parallel=w.sequence_parallel,
+    )
 
 
 def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tuple[float, int]:
@@ -137,7 +173,12 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
     if not w.recompute:
         return factor * in_flight * layers * full, in_flight
     # each layer's input (the residual stream: split over TP under sequence parallelism)
-    kept = w.train_tokens * spec.hidden_size * w.dtype_bytes * replicated_share(tp, w.sequence_parallel)
+    kept = (
+        w.train_tokens
+        * spec.hidden_size
+        * w.dtype_bytes
+        * replicated_share(tp, w.sequence_parallel)
+    )
     return factor * in_flight * layers * kept + full, in_flight
 
 
@@ -152,19 +193,40 @@ def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str
     score = 2 * w.dtype_bytes * w.score_tokens * v
     work = _CHUNK_BUFFERS * 4 * min(w.chunk, max(w.train_tokens, w.score_tokens)) * v
     if train >= score:
-        return train + work, f"training micro-batch {_micro_text(w.micro_batch, w.micro_batch_tokens, w.seq_len)}"
-    return score + work, f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}"
+        return (
+            train + work,
+            f"training micro-batch {_micro_text(w.micro_batch, w.micro_batch_tokens, w.seq_len)}",
+        )
+    return (
+        score + work,
+        f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}",
+    )
 
 
 def _micro_text(rows: int, budget: int, seq_len: int) -> str:
-    return f"{tokens_per_micro_batch(rows, seq_len, budget)} tokens (budget)" if budget else f"{rows} x {seq_len}"
+    return (
+        f"{tokens_per_micro_batch(rows, seq_len, budget)} tokens (budget)"
+        if budget
+        else f"{rows} x {seq_len}"
+    )
 
 
-def minimal_training_bytes(spec, w: Workload, padded_vocab: int, *, tp: int, pp: int, stage: int) -> float:
+def minimal_training_bytes(
+    spec, w: Workload, padded_vocab: int, *, tp: int, pp: int, stage: int
+) -> float:
     """Activations (+ logits on the last stage) of the smallest training step the backend
     runs: one row per micro-batch, full recompute, sequence parallelism at TP > 1."""
-    m = Workload(**{**w.__dict__, "micro_batch": 1, "logprob_micro_batch": 1, "micro_batch_tokens": 0,
-                    "logprob_micro_batch_tokens": 0, "recompute": True, "sequence_parallel": tp > 1})
+    m = Workload(
+        **{
+            **w.__dict__,
+            "micro_batch": 1,
+            "logprob_micro_batch": 1,
+            "micro_batch_tokens": 0,
+            "logprob_micro_batch_tokens": 0,
+            "recompute": True,
+            "sequence_parallel": tp > 1,
+        }
+    )
     act, _ = activation_bytes(spec, m, tp=tp, pp=pp, stage=stage)
     return act + (logits_bytes(padded_vocab, m, tp=tp)[0] if stage == pp - 1 else 0.0)
 
@@ -180,12 +242,25 @@ def vllm_activation_bytes(spec, vllm_tp: int, dtype_bytes: int) -> float:
     """vLLM's profiled forward: ``VLLM_PROFILE_TOKENS`` tokens through one layer's widest
     tensors (residual, norm, QKV, gate/up), sharded over vLLM's TP where they are."""
     h, d = spec.hidden_size, spec.head_dim
-    per_token = 4 * h + (2 * spec.ffn_hidden_size + d * (spec.num_heads + 2 * spec.kv_heads)) / vllm_tp
+    per_token = (
+        4 * h + (2 * spec.ffn_hidden_size + d * (spec.num_heads + 2 * spec.kv_heads)) / vllm_tp
+    )
     return VLLM_PROFILE_TOKENS * per_token * dtype_bytes
 
 
-def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int, b: int, s: int,
-                          micro_batches: int, dtype_bytes: int = 2, sequence_parallel: bool = False) -> Dict[str, float]:
+def megatron_lm_reference(
+    spec,
+    *,
+    padded_vocab: int,
+    tp: int,
+    pp: int,
+    dp: int,
+    b: int,
+    s: int,
+    micro_batches: int,
+    dtype_bytes: int = 2,
+    sequence_parallel: bool = False,
+) -> Dict[str, float]:
     """Megatron-LM's theoretical memory (``megatron/training/theoretical_memory_usage.py``,
     distributed optimizer), restated here for comparison:
     the most loaded shard (a stage's layers + one embedding, over TP; both embeddings when
@@ -213,4 +288,8 @@ def megatron_lm_reference(spec, *, padded_vocab: int, tp: int, pp: int, dp: int,
     else:
         act += (s * b * padded_vocab / tp + s * b * h) * 2
     act *= 1.05
-    return {"params_most_loaded_shard": most, "weight_and_optimizer_bytes": weight_opt, "activation_bytes": act}
+    return {
+        "params_most_loaded_shard": most,
+        "weight_and_optimizer_bytes": weight_opt,
+        "activation_bytes": act,
+    }

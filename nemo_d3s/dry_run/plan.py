@@ -28,9 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from nemo_d3s.backends.megatron.param_counts import local_param_count, meta_param_counts, real_param_count, stage_positions
-from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, rank_order
-from nemo_d3s.backends.vllm.memory import engine_plan, engine_positions, refit_bytes, sleeping_engine_bytes
+from nemo_d3s.backends.megatron.param_counts import (
+    local_param_count,
+    meta_param_counts,
+    real_param_count,
+    stage_positions,
+)
+from nemo_d3s.backends.megatron.parallel import (
+    DEFAULT_ORDER,
+    first_ranks_of_model_copies,
+    rank_order,
+)
+from nemo_d3s.backends.vllm.memory import (
+    engine_plan,
+    engine_positions,
+    refit_bytes,
+    sleeping_engine_bytes,
+)
 from nemo_d3s.dry_run.memory import (
     GB,
     GENERATION,
@@ -64,15 +78,21 @@ class JobShape:
         return self.nodes * self.gpus_per_node
 
 
-def job_shape(env: Optional[Mapping[str, str]] = None, nodes: Optional[int] = None,
-              gpus_per_node: Optional[int] = None) -> JobShape:
+def job_shape(
+    env: Optional[Mapping[str, str]] = None,
+    nodes: Optional[int] = None,
+    gpus_per_node: Optional[int] = None,
+) -> JobShape:
     """Nodes x GPUs per node: ``NNODES`` / ``GPUS_PER_NODE``, else Slurm's
     ``SLURM_JOB_NUM_NODES`` / ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` /
     ``trainer.gpus_per_node`` (passed as ``nodes`` / ``gpus_per_node``), else 1 x 8."""
     env = os.environ if env is None else env
 
     def pick(*names: str, default: int) -> Tuple[int, str]:
-        key = {"NNODES": ("trainer.nodes", nodes), "GPUS_PER_NODE": ("trainer.gpus_per_node", gpus_per_node)}
+        key = {
+            "NNODES": ("trainer.nodes", nodes),
+            "GPUS_PER_NODE": ("trainer.gpus_per_node", gpus_per_node),
+        }
         recipe_key, recipe = key[names[0]]
         for n in names:
             v = env.get(n)
@@ -111,7 +131,6 @@ def model_folder(name: str) -> Path:
     return Path(resolve_model_path(name)).resolve()
 
 
-
 # ----------------------------------------------------------------------------- the layout
 @dataclass(frozen=True)
 class _Setup:
@@ -139,10 +158,14 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
     from nemo_d3s.trainer.build import checked_backend_config
 
     validate(cfg)
-    logging.getLogger("megatron").setLevel(logging.WARNING)  # its import-time notices are not the plan
+    logging.getLogger("megatron").setLevel(
+        logging.WARNING
+    )  # its import-time notices are not the plan
     if str(cfg.model.backend) != "megatron":
-        raise ConfigError(f"model.backend={cfg.model.backend!r}: trainer.dry_run plans Megatron layouts; use "
-                          "model=megatron (slurm/README.md says which models fit the HF backend)")
+        raise ConfigError(
+            f"model.backend={cfg.model.backend!r}: trainer.dry_run plans Megatron layouts; use "
+            "model=megatron (slurm/README.md says which models fit the HF backend)"
+        )
     gpu_gb = cfg.trainer.gpu_memory_gb
     if isinstance(gpu_gb, bool) or not isinstance(gpu_gb, (int, float)) or not gpu_gb > 0:
         raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
@@ -153,16 +176,31 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
     try:
         dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
     except ConfigError as e:
-        raise ConfigError(f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)") from None
+        raise ConfigError(
+            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)"
+        ) from None
     validate_layout(cfg, dp)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
     if spec.num_layers % (pp * vpp):
-        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
-                          f"virtual_pipeline_model_parallel_size = {pp * vpp}")
-    return _Setup(cfg=cfg, mcfg=mcfg, spec=spec, folder=folder, shape=shape, gpu=float(gpu_gb) * GB, tp=tp, pp=pp,
-                  dp=dp, order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
-                  vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
-                  engine=str(cfg.rollout.engine), vllm_tp=int(cfg.rollout.tensor_parallel_size))
+        raise ConfigError(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
+            f"virtual_pipeline_model_parallel_size = {pp * vpp}"
+        )
+    return _Setup(
+        cfg=cfg,
+        mcfg=mcfg,
+        spec=spec,
+        folder=folder,
+        shape=shape,
+        gpu=float(gpu_gb) * GB,
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
+        vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
+        engine=str(cfg.rollout.engine),
+        vllm_tp=int(cfg.rollout.tensor_parallel_size),
+    )
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -179,8 +217,10 @@ def _workload(s: _Setup) -> Workload:
     mml = cfg.rollout.max_model_len if vllm else None
     if mml is not None:
         if int(mml) > ctx:
-            raise ConfigError(f"rollout.max_model_len={mml}: exceeds the model's context ({ctx} positions); "
-                              "vLLM refuses it")
+            raise ConfigError(
+                f"rollout.max_model_len={mml}: exceeds the model's context ({ctx} positions); "
+                "vLLM refuses it"
+            )
         ctx = int(mml)
     new = int(t.max_new_tokens)
     gen_new = max(new, int(t.eval_max_new_tokens or new))
@@ -188,22 +228,30 @@ def _workload(s: _Setup) -> Workload:
     if limit is None:
         limit = ctx - gen_new
         if limit < 1:
-            raise ConfigError(f"trainer.max_new_tokens={gen_new}: leaves no room for a prompt in the context of "
-                              f"{ctx} positions")
+            raise ConfigError(
+                f"trainer.max_new_tokens={gen_new}: leaves no room for a prompt in the context of "
+                f"{ctx} positions"
+            )
     elif int(limit) + gen_new > ctx:
         where = "rollout.max_model_len" if mml is not None else "the model's context"
-        raise ConfigError(f"task.max_prompt_tokens={limit} + {gen_new} new tokens = {int(limit) + gen_new} exceeds "
-                          f"{where} ({ctx}): the longest rollout would not fit")
+        raise ConfigError(
+            f"task.max_prompt_tokens={limit} + {gen_new} new tokens = {int(limit) + gen_new} exceeds "
+            f"{where} ({ctx}): the longest rollout would not fit"
+        )
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
     budget = int(t.micro_batch_tokens)
-    lp_budget = budget if t.logprob_micro_batch_tokens is None else int(t.logprob_micro_batch_tokens)
+    lp_budget = (
+        budget if t.logprob_micro_batch_tokens is None else int(t.logprob_micro_batch_tokens)
+    )
     return Workload(
         seq_len=int(limit) + new,
         gen_len=int(limit) + gen_new,
         micro_batch=int(t.micro_batch_size),
         logprob_micro_batch=int(t.logprob_micro_batch_size),
-        micro_batches=micro_batches_per_step(per_dp_update, int(limit) + new, int(t.micro_batch_size), budget),
+        micro_batches=micro_batches_per_step(
+            per_dp_update, int(limit) + new, int(t.micro_batch_size), budget
+        ),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
         dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
@@ -215,13 +263,19 @@ def _workload(s: _Setup) -> Workload:
     )
 
 
-def _vllm_placement(shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str) -> Dict[str, Any]:
+def _vllm_placement(
+    shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str
+) -> Dict[str, Any]:
     """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
     engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
     its node); ConfigError when two engines would share a GPU or one runs past its node."""
     try:
-        return engine_plan(first_ranks_of_model_copies(tp, pp, dp, order), nodes=shape.nodes,
-                           gpus_per_node=shape.gpus_per_node, tensor_parallel_size=vllm_tp)
+        return engine_plan(
+            first_ranks_of_model_copies(tp, pp, dp, order),
+            nodes=shape.nodes,
+            gpus_per_node=shape.gpus_per_node,
+            tensor_parallel_size=vllm_tp,
+        )
     except ValueError as e:
         raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
@@ -232,11 +286,15 @@ def _check_vllm_layout(s: _Setup) -> Optional[Dict[str, Any]]:
     if s.engine != "vllm":
         return None
     if s.spec.num_heads % s.vllm_tp:
-        raise ConfigError(f"rollout.tensor_parallel_size={s.vllm_tp}: does not divide num_attention_heads="
-                          f"{s.spec.num_heads} (vLLM shards the heads)")
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={s.vllm_tp}: does not divide num_attention_heads="
+            f"{s.spec.num_heads} (vLLM shards the heads)"
+        )
     if s.vllm_tp > s.shape.gpus_per_node:
-        raise ConfigError(f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the {s.shape.gpus_per_node} GPUs of "
-                          "a node (the in-process engine spans one node)")
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the {s.shape.gpus_per_node} GPUs of "
+            "a node (the in-process engine spans one node)"
+        )
     return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
 
 
@@ -245,35 +303,64 @@ def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, 
     stop vLLM from starting)."""
     cfg, spec, vllm_tp, gpu = s.cfg, s.spec, s.vllm_tp, s.gpu
     gmu = float(cfg.rollout.gpu_memory_utilization)
-    v_dtype = {"auto": w.dtype_bytes, "bfloat16": 2, "float16": 2, "float32": 4}[str(cfg.rollout.dtype)]
+    v_dtype = {"auto": w.dtype_bytes, "bfloat16": 2, "float16": 2, "float32": 4}[
+        str(cfg.rollout.dtype)
+    ]
     weights = v_dtype * spec.num_params / vllm_tp
     act = vllm_activation_bytes(spec, vllm_tp, v_dtype)
     kv = gmu * gpu - weights - act
     per_tok = kv_bytes_per_token(spec, vllm_tp, v_dtype)
     tokens = max(0, int(kv // per_tok))
-    terms = {"utilization": gmu, "tensor_parallel_size": vllm_tp, "reserved_bytes": gmu * gpu,
-             "weights_bytes": weights, "activation_bytes": act, "kv_cache_bytes": kv,
-             "kv_bytes_per_token": per_tok, "kv_tokens": tokens,
-             "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
-             "longest_rollout": w.gen_len, "full_sequences": tokens // w.gen_len, "rows_per_engine_step": w.rows_per_engine,
-             "sleep": bool(cfg.rollout.sleep), **placement}
+    terms = {
+        "utilization": gmu,
+        "tensor_parallel_size": vllm_tp,
+        "reserved_bytes": gmu * gpu,
+        "weights_bytes": weights,
+        "activation_bytes": act,
+        "kv_cache_bytes": kv,
+        "kv_bytes_per_token": per_tok,
+        "kv_tokens": tokens,
+        "max_model_len": int(cfg.rollout.max_model_len or spec.max_position_embeddings),
+        "longest_rollout": w.gen_len,
+        "full_sequences": tokens // w.gen_len,
+        "rows_per_engine_step": w.rows_per_engine,
+        "sleep": bool(cfg.rollout.sleep),
+        **placement,
+    }
     graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
     largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
     terms.update(
-        cuda_graphs=graphs, asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
-        refit_bytes=refit_bytes(engine_weight_bytes=weights, tp=s.tp, largest_tensor_bytes=largest,
-                                bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20)),
-        engine_positions=[list(x) for x in engine_positions(
-            s.tp, s.pp, vllm_tp, stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp)])
+        cuda_graphs=graphs,
+        asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+        refit_bytes=refit_bytes(
+            engine_weight_bytes=weights,
+            tp=s.tp,
+            largest_tensor_bytes=largest,
+            bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20),
+        ),
+        engine_positions=[
+            list(x)
+            for x in engine_positions(
+                s.tp,
+                s.pp,
+                vllm_tp,
+                stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp,
+            )
+        ],
+    )
     problems: List[str] = []
     if terms["kv_cache_bytes"] <= 0:
-        problems.append(f"vLLM: rollout.gpu_memory_utilization={terms['utilization']} x {gpu / GB:g} GB "
-                        f"does not hold its weights ({terms['weights_bytes'] / GB:.1f} GB at vLLM TP "
-                        f"{vllm_tp}) and activations: no KV cache")
+        problems.append(
+            f"vLLM: rollout.gpu_memory_utilization={terms['utilization']} x {gpu / GB:g} GB "
+            f"does not hold its weights ({terms['weights_bytes'] / GB:.1f} GB at vLLM TP "
+            f"{vllm_tp}) and activations: no KV cache"
+        )
     elif terms["kv_tokens"] < terms["max_model_len"]:
-        problems.append(f"vLLM: a KV cache of {terms['kv_tokens']} tokens cannot hold one sequence of "
-                        f"max_model_len={terms['max_model_len']} (vLLM refuses to start; set "
-                        "rollout.max_model_len to the longest rollout)")
+        problems.append(
+            f"vLLM: a KV cache of {terms['kv_tokens']} tokens cannot hold one sequence of "
+            f"max_model_len={terms['max_model_len']} (vLLM refuses to start; set "
+            "rollout.max_model_len to the longest rollout)"
+        )
     return terms, problems
 
 
@@ -281,7 +368,9 @@ def _optimizer_bytes(s: _Setup, w: Workload) -> Tuple[bool, float, float]:
     """(distributed optimizer?, gradient bytes per parameter, optimizer bytes per parameter)."""
     d = w.dtype_bytes
     # The plan is for CUDA, where distributed_optimizer=null means Megatron's.
-    if s.mcfg.distributed_optimizer is not False:  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
+    if (
+        s.mcfg.distributed_optimizer is not False
+    ):  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
         return True, 4, (12 if d < 4 else 8) / s.dp
     # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
     # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
@@ -294,7 +383,11 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
     _, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
     layout = Layout(tp=s.tp, pp=s.pp, tp_rank=t, pp_rank=p, padded_vocab=s.vocab, te=False)
     n = local_param_count(spec, layout)
-    terms: Dict[str, float] = {"weights": d * n, "grads": grad_per_param * n, "optimizer": opt_per_param * n}
+    terms: Dict[str, float] = {
+        "weights": d * n,
+        "grads": grad_per_param * n,
+        "optimizer": opt_per_param * n,
+    }
     if float(s.cfg.algorithm.kl_coef) > 0:
         terms["reference"] = d * n
     if s.engine == "hf" and t == 0 and p == 0:
@@ -305,36 +398,70 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
     if p == s.pp - 1:
         terms["logits"], logit_note = logits_bytes(s.vocab, w, tp=s.tp)
     if "hf_replica" in terms:
-        rows = w.rows_per_engine if s.mcfg.generation_batch_size is None else min(
-            w.rows_per_engine, int(s.mcfg.generation_batch_size))
+        rows = (
+            w.rows_per_engine
+            if s.mcfg.generation_batch_size is None
+            else min(w.rows_per_engine, int(s.mcfg.generation_batch_size))
+        )
         terms["hf_kv_cache"] = rows * w.gen_len * kv_bytes_per_token(spec, 1, d)
     on_engine_gpu = s.engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
     if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
         rb = vllm_terms["refit_bytes"]
         terms["vllm"] = vllm_terms["reserved_bytes"]
-        terms["vllm_asleep"] = vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
+        terms["vllm_asleep"] = (
+            vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
+        )
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["runtime"] = RUNTIME_BYTES
     resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
     # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
-    train_peak = resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
+    train_peak = (
+        resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
+    )
     gen_peak = resident + sum(v for k, v in terms.items() if k in GENERATION)
-    refit_peak = resident + terms["vllm_asleep"] + terms["refit"] + rb["engine_weights"] if on_engine_gpu else 0.0
+    refit_peak = (
+        resident + terms["vllm_asleep"] + terms["refit"] + rb["engine_weights"]
+        if on_engine_gpu
+        else 0.0
+    )
     peak = max(train_peak, gen_peak, refit_peak)
     counted = {k: v for k, v in terms.items() if k != "runtime"}
-    cp_need = context_parallel_need(resident, minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
-                                    s.gpu, seq_len=w.seq_len, position=f"(TP {t}, PP {p})")
+    cp_need = context_parallel_need(
+        resident,
+        minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+        s.gpu,
+        seq_len=w.seq_len,
+        position=f"(TP {t}, PP {p})",
+    )
     return {
-        "tp_rank": t, "pp_rank": p, "params": n, "real_params": real_param_count(spec, layout),
-        "layers": spec.num_layers // s.pp, "in_flight_micro_batches": in_flight,
+        "tp_rank": t,
+        "pp_rank": p,
+        "params": n,
+        "real_params": real_param_count(spec, layout),
+        "layers": spec.num_layers // s.pp,
+        "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
-        "train_peak_bytes": int(train_peak), "generation_peak_bytes": int(gen_peak),
-        "refit_peak_bytes": int(refit_peak), "peak_bytes": int(peak),
+        "train_peak_bytes": int(train_peak),
+        "generation_peak_bytes": int(gen_peak),
+        "refit_peak_bytes": int(refit_peak),
+        "peak_bytes": int(peak),
         # what generation would need if the trainer kept its cached blocks (not what runs)
-        **({"generation_peak_if_cache_kept_bytes": int(train_peak - terms["vllm_asleep"] + terms["vllm"])}
-           if on_engine_gpu else {}),
-        "peak_phase": "training" if peak == train_peak else "generation" if peak == gen_peak else "refit",
-        "largest_term": max(counted, key=lambda k: counted[k]), "fits": peak <= s.gpu,
+        **(
+            {
+                "generation_peak_if_cache_kept_bytes": int(
+                    train_peak - terms["vllm_asleep"] + terms["vllm"]
+                )
+            }
+            if on_engine_gpu
+            else {}
+        ),
+        "peak_phase": "training"
+        if peak == train_peak
+        else "generation"
+        if peak == gen_peak
+        else "refit",
+        "largest_term": max(counted, key=lambda k: counted[k]),
+        "fits": peak <= s.gpu,
         **({"logits_from": logit_note} if logit_note else {}),
         **({"context_parallel_needed": cp_need} if cp_need else {}),
     }
@@ -345,66 +472,96 @@ def _cross_checks(s: _Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict
     meta-device build, whose counts must be the table's). RuntimeError when either fails."""
     shards_sum = sum(x["real_params"] for x in positions)
     if shards_sum != s.spec.num_params:
-        raise RuntimeError(f"the per-position shards sum to {shards_sum} parameters, the model has {s.spec.num_params}")
-    meta = meta_param_counts(s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order)
+        raise RuntimeError(
+            f"the per-position shards sum to {shards_sum} parameters, the model has {s.spec.num_params}"
+        )
+    meta = meta_param_counts(
+        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order
+    )
     for key, n in meta.get("counts", {}).items():
         t, p = (int(x) for x in key.split(","))
         want = next(x["params"] for x in positions if (x["tp_rank"], x["pp_rank"]) == (t, p))
         if n != want:
-            raise RuntimeError(f"position (TP {t}, PP {p}): megatron-core builds {n} parameters, the weight table "
-                               f"says {want}")
+            raise RuntimeError(
+                f"position (TP {t}, PP {p}): megatron-core builds {n} parameters, the weight table "
+                f"says {want}"
+            )
     return shards_sum, meta
 
 
-def _verdict(s: _Setup, positions: List[Dict[str, Any]], problems: List[str]) -> Tuple[bool, Dict[str, Any]]:
+def _verdict(
+    s: _Setup, positions: List[Dict[str, Any]], problems: List[str]
+) -> Tuple[bool, Dict[str, Any]]:
     """(fits, the worst position); appends to ``problems`` why it does not fit: the training
     state alone (first: no micro-batch size fixes it) and the worst position's peak."""
     gpu = s.gpu
     worst = max(positions, key=lambda x: x["peak_bytes"])
     fits = all(x["fits"] for x in positions) and not problems
-    state_keys = ("weights", "grads", "optimizer", "reference")  # the training state, without rollouts
+    state_keys = (
+        "weights",
+        "grads",
+        "optimizer",
+        "reference",
+    )  # the training state, without rollouts
     heaviest = max(positions, key=lambda x: sum(x["terms_bytes"].get(k, 0) for k in state_keys))
     state = {k: heaviest["terms_bytes"][k] for k in state_keys if k in heaviest["terms_bytes"]}
     if sum(state.values()) > gpu:
-        problems.insert(0, f"the training state alone needs {sum(state.values()) / GB:.1f} GB per GPU at (TP "
-                           f"{heaviest['tp_rank']}, PP {heaviest['pp_rank']}) ("
-                           + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
-                           + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
-                           "(tensor/pipeline_model_parallel_size)")
+        problems.insert(
+            0,
+            f"the training state alone needs {sum(state.values()) / GB:.1f} GB per GPU at (TP "
+            f"{heaviest['tp_rank']}, PP {heaviest['pp_rank']}) ("
+            + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
+            + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
+            "(tensor/pipeline_model_parallel_size)",
+        )
     needs_cp = [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x]
     if needs_cp:
         problems.append(needs_cp[0]["message"])
     if not all(x["fits"] for x in positions):
-        problems.append(f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
-                        f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
-                        f"{worst['largest_term']} ({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)")
+        problems.append(
+            f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
+            f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
+            f"{worst['largest_term']} ({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)"
+        )
     return fits, worst
 
 
 def _reference(s: _Setup, w: Workload, positions: List[Dict[str, Any]]) -> Dict[str, Any]:
     """Megatron-LM's theoretical memory beside this model's first stage."""
-    ref = megatron_lm_reference(s.spec, padded_vocab=s.vocab, tp=s.tp, pp=s.pp, dp=s.dp, b=1, s=w.train_tokens,
-                                micro_batches=w.micro_batches, dtype_bytes=w.dtype_bytes,
-                                sequence_parallel=w.sequence_parallel)
+    ref = megatron_lm_reference(
+        s.spec,
+        padded_vocab=s.vocab,
+        tp=s.tp,
+        pp=s.pp,
+        dp=s.dp,
+        b=1,
+        s=w.train_tokens,
+        micro_batches=w.micro_batches,
+        dtype_bytes=w.dtype_bytes,
+        sequence_parallel=w.sequence_parallel,
+    )
     first = max((x for x in positions if x["pp_rank"] == 0), key=lambda x: x["params"])
     no_recompute = Workload(**{**w.__dict__, "recompute": False})
     mine_act, _ = activation_bytes(s.spec, no_recompute, tp=s.tp, pp=s.pp, stage=0)
     return {
         **{k: int(v) for k, v in ref.items()},
         "this_model_first_stage_weight_grad_optimizer_bytes": sum(
-            first["terms_bytes"][k] for k in ("weights", "grads", "optimizer")),
+            first["terms_bytes"][k] for k in ("weights", "grads", "optimizer")
+        ),
         "this_model_first_stage_activation_bytes_no_recompute": int(mine_act),
         "note": "the same 6 + 12/DP bytes per parameter; the shard differs only because Megatron-LM "
-                "divides the TP-replicated norms by TP and leaves out q/k/v biases. Activations: "
-                "s b h (10 + 24/t) per layer there vs s b (4 h + (2 d_h (a + g) + 3 F)/t) here (GQA, "
-                "SwiGLU, no dropout masks), x 1.05 there, logits counted only at PP 1 there",
+        "divides the TP-replicated norms by TP and leaves out q/k/v biases. Activations: "
+        "s b h (10 + 24/t) per layer there vs s b (4 h + (2 d_h (a + g) + 3 F)/t) here (GQA, "
+        "SwiGLU, no dropout masks), x 1.05 there, logits counted only at PP 1 there",
     }
 
 
 # ----------------------------------------------------------------------------- the plan
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     """The dry run's report (a JSON-able dict); ConfigError when the layout cannot run."""
-    s = _setup(cfg, shape or job_shape(nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.gpus_per_node))
+    s = _setup(
+        cfg, shape or job_shape(nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.gpus_per_node)
+    )
     placement = _check_vllm_layout(s)
     w = _workload(s)
     vllm_terms, problems = _vllm(s, w, placement) if placement is not None else ({}, [])
@@ -414,25 +571,55 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     distributed_opt, _, _ = _optimizer_bytes(s, w)
     spec = s.spec
     return {
-        "model": {"name": str(cfg.model.name), "folder": str(s.folder), "architecture": spec.architecture,
-                  "total_params": spec.num_params, "vocab_size": spec.vocab_size, "padded_vocab": s.vocab,
-                  "layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
-                  "kv_heads": spec.kv_heads, "ffn": spec.ffn_hidden_size,
-                  "tie_word_embeddings": spec.tie_word_embeddings},
+        "model": {
+            "name": str(cfg.model.name),
+            "folder": str(s.folder),
+            "architecture": spec.architecture,
+            "total_params": spec.num_params,
+            "vocab_size": spec.vocab_size,
+            "padded_vocab": s.vocab,
+            "layers": spec.num_layers,
+            "hidden": spec.hidden_size,
+            "heads": spec.num_heads,
+            "kv_heads": spec.kv_heads,
+            "ffn": spec.ffn_hidden_size,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+        },
         "total_params": spec.num_params,
         "fits": fits,
         "problems": problems,
         "gpu_memory_gb": s.gpu / GB,
-        "layout": {"nodes": s.shape.nodes, "gpus_per_node": s.shape.gpus_per_node, "world": s.shape.world,
-                   "world_from": s.shape.source, "tp": s.tp, "pp": s.pp, "dp": s.dp, "rank_order": s.order,
-                   "optimizer": "distributed" if distributed_opt else "plain AdamW", "rollout_engine": s.engine,
-                   "vllm_tp": s.vllm_tp if s.engine == "vllm" else None, "dtype_bytes": w.dtype_bytes,
-                   "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // s.dp},
+        "layout": {
+            "nodes": s.shape.nodes,
+            "gpus_per_node": s.shape.gpus_per_node,
+            "world": s.shape.world,
+            "world_from": s.shape.source,
+            "tp": s.tp,
+            "pp": s.pp,
+            "dp": s.dp,
+            "rank_order": s.order,
+            "optimizer": "distributed" if distributed_opt else "plain AdamW",
+            "rollout_engine": s.engine,
+            "vllm_tp": s.vllm_tp if s.engine == "vllm" else None,
+            "dtype_bytes": w.dtype_bytes,
+            "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // s.dp,
+        },
         "workload": dict(w.__dict__),
         "positions": positions,
-        "worst": {"tp_rank": worst["tp_rank"], "pp_rank": worst["pp_rank"], "peak_bytes": worst["peak_bytes"],
-                  "phase": worst["peak_phase"], "largest_term": worst["largest_term"]},
+        "worst": {
+            "tp_rank": worst["tp_rank"],
+            "pp_rank": worst["pp_rank"],
+            "peak_bytes": worst["peak_bytes"],
+            "phase": worst["peak_phase"],
+            "largest_term": worst["largest_term"],
+        },
         "vllm": vllm_terms or None,
-        "context_parallel_needed": [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x],
-        "checks": {"shards_sum_params": shards_sum, "meta_build": meta, "megatron_lm_reference": _reference(s, w, positions)},
+        "context_parallel_needed": [
+            x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x
+        ],
+        "checks": {
+            "shards_sum_params": shards_sum,
+            "meta_build": meta,
+            "megatron_lm_reference": _reference(s, w, positions),
+        },
     }

@@ -44,7 +44,9 @@ def tokens_per_micro_batch(rows: int, seq_len: int, budget: int = 0) -> int:
     return int(rows) * int(seq_len)
 
 
-def micro_batches_per_step(rows_per_dp: int, seq_len: int, micro_batch: int, budget: int = 0) -> int:
+def micro_batches_per_step(
+    rows_per_dp: int, seq_len: int, micro_batch: int, budget: int = 0
+) -> int:
     """Micro-batches per DP rank and optimizer step when every row is ``seq_len`` long:
     ``ceil(rows / micro_batch)``, or with a budget ``ceil(rows / max(1, budget // seq_len))``."""
     per = max(1, int(budget) // int(seq_len)) if budget else int(micro_batch)
@@ -64,8 +66,14 @@ def replicated_share(tp: int, sequence_parallel: bool) -> float:
     return 1.0 / tp if sequence_parallel and tp > 1 else 1.0
 
 
-def context_parallel_need(resident_bytes: float, minimal_training_bytes: float, gpu_bytes: float, *,
-                          seq_len: int, position: str) -> Optional[Dict[str, object]]:
+def context_parallel_need(
+    resident_bytes: float,
+    minimal_training_bytes: float,
+    gpu_bytes: float,
+    *,
+    seq_len: int,
+    position: str,
+) -> Optional[Dict[str, object]]:
     """None when one ``seq_len`` row with SP and full recompute fits beside the resident
     state; else the report entry naming the shortfall and what to do instead."""
     need = resident_bytes + minimal_training_bytes
@@ -75,7 +83,9 @@ def context_parallel_need(resident_bytes: float, minimal_training_bytes: float, 
         "position": position,
         "seq_len": int(seq_len),
         "minimal_training_peak_bytes": int(need),
-        "message": (f"{position}: even one row of {seq_len} tokens per micro-batch with sequence parallelism and "
-                    f"full recompute needs {need / 1e9:.1f} GB; only context parallelism would split it further, "
-                    f"and {CONTEXT_PARALLEL_REFUSAL}, or shorten the sequences"),
+        "message": (
+            f"{position}: even one row of {seq_len} tokens per micro-batch with sequence parallelism and "
+            f"full recompute needs {need / 1e9:.1f} GB; only context parallelism would split it further, "
+            f"and {CONTEXT_PARALLEL_REFUSAL}, or shorten the sequences"
+        ),
     }

@@ -28,7 +28,9 @@ def checksum_error(folder: str | Path, bad: str, skip_hint: str) -> ConfigError:
     """The one-line error for ``bad`` (what :func:`files.verify_checksums` found)."""
     folder = Path(folder)
     what = "training checkpoint" if (folder / "trainer_state.json").is_file() else "checkpoint"
-    return ConfigError(f"{str(folder)!r} is not a complete {what}: {bad}; {skip_hint} to use it anyway")
+    return ConfigError(
+        f"{str(folder)!r} is not a complete {what}: {bad}; {skip_hint} to use it anyway"
+    )
 
 
 def check_checksums(folder: str | Path, *, skip_hint: str, verify: bool = True) -> None:

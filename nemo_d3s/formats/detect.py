@@ -20,7 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["HF", "MEGATRON", "NEMO2", "SHARDS_SUBDIR", "LAYOUT_FILE", "FolderFormat", "detect_format"]
+__all__ = [
+    "HF",
+    "MEGATRON",
+    "NEMO2",
+    "SHARDS_SUBDIR",
+    "LAYOUT_FILE",
+    "FolderFormat",
+    "detect_format",
+]
 
 HF, MEGATRON, NEMO2 = "hf", "megatron", "nemo2"
 SHARDS_SUBDIR = "megatron"  # <checkpoint>/megatron/{layout.json, tpXX_ppYY.safetensors}
@@ -53,7 +61,8 @@ def detect_format(path: str | os.PathLike) -> FolderFormat:
         return FolderFormat(MEGATRON, p, p / SHARDS_SUBDIR)
     if p.name == SHARDS_SUBDIR and (p / LAYOUT_FILE).is_file():
         return FolderFormat(MEGATRON, p.parent, p)
-    if (p / "config.json").is_file() and ((p / "model.safetensors").is_file()
-                                          or (p / "model.safetensors.index.json").is_file()):
+    if (p / "config.json").is_file() and (
+        (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
+    ):
         return FolderFormat(HF, p)
     return FolderFormat(None, p)

@@ -51,8 +51,18 @@ from nemo_d3s.formats.weights import Layout, local_names, local_shape
 __all__ = ["Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
 
 NEMO_PREFIX = "module."
-_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
-
+_DTYPE_NAMES = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
 
 
 # ============================================================================ weights/.metadata
@@ -86,9 +96,15 @@ class _MetadataUnpickler(pickle.Unpickler):
     refused."""
 
     _RECORDS = {
-        "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                                  "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                                  "StorageMeta"},
+        "torch.distributed.checkpoint.metadata": {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+        },
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
         "torch.distributed.checkpoint.planner": {"TensorWriteData", "WriteItem", "SavePlan"},
         "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
@@ -107,8 +123,10 @@ class _MetadataUnpickler(pickle.Unpickler):
             return torch.Size
         if module == "torch" and name in _DTYPE_NAMES:
             return getattr(torch, name)
-        if (module, name) in (("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-                              ("torch.distributed.checkpoint.planner", "WriteItemType")):
+        if (module, name) in (
+            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+            ("torch.distributed.checkpoint.planner", "WriteItemType"),
+        ):
             return lambda *a, **k: a[0] if a else None
         if (module, name) == ("torch.serialization", "_get_layout"):
             return lambda n: getattr(torch, str(n).replace("torch.", ""), None)
@@ -130,8 +148,10 @@ class _DcpIndex:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{str(meta)!r} is not valid JSON: {e}") from None
         if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
-            raise ConfigError(f"{str(meta)!r}: sharded_backend={backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}"
-                              "; only torch_dist NeMo 2 checkpoints are read")
+            raise ConfigError(
+                f"{str(meta)!r}: sharded_backend={backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}"
+                "; only torch_dist NeMo 2 checkpoints are read"
+            )
         path = weights / ".metadata"
         try:
             with open(path, "rb") as f:
@@ -147,14 +167,27 @@ class _DcpIndex:
                 fqn = str(idx.fqn)
                 if fqn in self.tensors:
                     if getattr(info, "transform_descriptors", None):
-                        raise ValueError(f"{fqn}: transformed (compressed) storage is not supported")
+                        raise ValueError(
+                            f"{fqn}: transformed (compressed) storage is not supported"
+                        )
                     rel = str(info.relative_path)
                     if "/" in rel or rel.startswith(".."):
                         raise ValueError(f"{fqn}: storage path {rel!r} points outside weights/")
                     offsets = tuple(int(x) for x in (idx.offset or ()))
-                    self.chunks.setdefault(fqn, []).append((offsets, rel, int(info.offset), int(info.length)))
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as e:
-            raise ConfigError(f"{str(path)!r}: not a readable NeMo 2 / torch_dist index ({e})") from None
+                    self.chunks.setdefault(fqn, []).append(
+                        (offsets, rel, int(info.offset), int(info.length))
+                    )
+        except (
+            OSError,
+            EOFError,
+            pickle.UnpicklingError,
+            AttributeError,
+            TypeError,
+            ValueError,
+        ) as e:
+            raise ConfigError(
+                f"{str(path)!r}: not a readable NeMo 2 / torch_dist index ({e})"
+            ) from None
 
     def read(self, fqn: str, layer: Optional[int] = None) -> torch.Tensor:
         """The global tensor ``fqn`` (``layer``: only that index of the leading layer axis),
@@ -173,11 +206,19 @@ class _DcpIndex:
                     raw = f.read(length)
                 t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
             except Exception as e:
-                raise ConfigError(f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} is unreadable ({e})") from None
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(shape) or any(
-                    o + s > g for o, s, g in zip(offsets, t.shape, shape)):
-                raise ConfigError(f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit {list(shape)} "
-                                  f"{dtype}")
+                raise ConfigError(
+                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} is unreadable ({e})"
+                ) from None
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != dtype
+                or t.dim() != len(shape)
+                or any(o + s > g for o, s, g in zip(offsets, t.shape, shape))
+            ):
+                raise ConfigError(
+                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit {list(shape)} "
+                    f"{dtype}"
+                )
             if layer is not None:
                 t, offsets = t[0], offsets[1:]
             region = out
@@ -186,8 +227,10 @@ class _DcpIndex:
             region.copy_(t)
             filled += t.numel()
         if filled != math.prod(want):
-            raise ConfigError(f"{str(self.weights)!r}: the chunks of {fqn!r}{'' if layer is None else f' layer {layer}'}"
-                              f" cover {filled} of {math.prod(want)} elements")
+            raise ConfigError(
+                f"{str(self.weights)!r}: the chunks of {fqn!r}{'' if layer is None else f' layer {layer}'}"
+                f" cover {filled} of {math.prod(want)} elements"
+            )
         return out
 
 
@@ -199,8 +242,10 @@ def _nemo_key(local: str) -> Tuple[str, Optional[int]]:
     return NEMO_PREFIX + local, None
 
 
-_LOCAL_SPEC_NAMES = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-                     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}
+_LOCAL_SPEC_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 
 
 class Nemo2Reader(ShardedReader):
@@ -227,20 +272,28 @@ class Nemo2Reader(ShardedReader):
         for local in local_names(self.spec, self.saved):
             fqn, layer = self.fqn(local)
             if fqn not in self.index.tensors:
-                raise ConfigError(f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r} (not a "
-                                  f"{self.spec.architecture} checkpoint?)")
+                raise ConfigError(
+                    f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r} (not a "
+                    f"{self.spec.architecture} checkpoint?)"
+                )
             shape, dtype = self.index.tensors[fqn]
             want = local_shape(local, self.spec, self.saved)
             if layer is not None:
                 want = (self.spec.num_layers,) + want
             if shape != want:
-                raise ConfigError(f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape {list(shape)}, "
-                                  f"context/model.yaml gives {list(want)}")
+                raise ConfigError(
+                    f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape {list(shape)}, "
+                    f"context/model.yaml gives {list(want)}"
+                )
             if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ConfigError(f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} is {dtype}")
+                raise ConfigError(
+                    f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} is {dtype}"
+                )
             dtypes.add(dtype)
         if len(dtypes) != 1:
-            raise ConfigError(f"{str(self.index.weights)!r} stores parameters in several dtypes {sorted(map(str, dtypes))}")
+            raise ConfigError(
+                f"{str(self.index.weights)!r} stores parameters in several dtypes {sorted(map(str, dtypes))}"
+            )
         return dtypes.pop()
 
     def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
@@ -254,11 +307,15 @@ def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torc
     index = _DcpIndex(folder / "weights")
     emb = NEMO_PREFIX + "embedding.word_embeddings.weight"
     if emb not in index.tensors:
-        raise ConfigError(f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT checkpoint?)")
+        raise ConfigError(
+            f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT checkpoint?)"
+        )
     padded = index.tensors[emb][0][0]
     if padded < spec.vocab_size:
-        raise ConfigError(f"{str(folder / 'weights')!r}: {emb!r} has {padded} rows, fewer than vocab_size="
-                          f"{spec.vocab_size} in context/model.yaml")
+        raise ConfigError(
+            f"{str(folder / 'weights')!r}: {emb!r} has {padded} rows, fewer than vocab_size="
+            f"{spec.vocab_size} in context/model.yaml"
+        )
     reader = Nemo2Reader(folder, spec, index, padded)
     return reader, reader.check()
 
@@ -272,10 +329,14 @@ def write_side_folder(folder: Path, dst: Path) -> Path:
     tok = folder / "context" / "nemo_tokenizer"
     files = sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
     if not any(p.name == "tokenizer_config.json" for p in files):
-        raise ConfigError(f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF tokenizer "
-                          "(convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first)")
+        raise ConfigError(
+            f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF tokenizer "
+            "(convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first)"
+        )
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    (dst / "config.json").write_text(
+        json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    )
     for p in files:
         shutil.copyfile(p, dst / p.name)
     gen = folder / "context" / "artifacts" / "generation_config.json"

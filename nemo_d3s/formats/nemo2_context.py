@@ -47,20 +47,34 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     where = f"{str(path)!r}"
     target = _target(c)
     module, _, cls = target.rpartition(".")
-    kinds = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
-             "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+    kinds = {
+        "llama": ("LlamaForCausalLM", "llama"),
+        "mistral": ("MistralForCausalLM", "mistral"),
+        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    }
     kind = kinds.get(module.rsplit(".", 1)[-1])
     if kind is None or "Llama4" in cls or c.get("num_moe_experts"):
-        raise ConfigError(f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral and Qwen2 "
-                          "configs are")
-    checks = {"normalization": "RMSNorm", "gated_linear_unit": True, "position_embedding_type": "rope",
-              "add_bias_linear": False, "qk_layernorm": False}
+        raise ConfigError(
+            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral and Qwen2 "
+            "configs are"
+        )
+    checks = {
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "qk_layernorm": False,
+    }
     for key, want in checks.items():
         if key in c and c[key] != want:
-            raise ConfigError(f"{where}: config.{key}={c[key]!r} is not supported (the weight table needs {want!r})")
+            raise ConfigError(
+                f"{where}: config.{key}={c[key]!r} is not supported (the weight table needs {want!r})"
+            )
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":
-        raise ConfigError(f"{where}: config.activation_func={act!r} is not supported (SwiGLU with silu only)")
+        raise ConfigError(
+            f"{where}: config.activation_func={act!r} is not supported (SwiGLU with silu only)"
+        )
 
     def need(key: str) -> Any:
         if c.get(key) is None:
@@ -73,26 +87,40 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
         dtype = "bfloat16" if c.get("bf16") else "float32"
     arch, model_type = kind
     cfg: Dict[str, Any] = {
-        "architectures": [arch], "model_type": model_type, "vocab_size": need("vocab_size"),
-        "hidden_size": hidden, "intermediate_size": need("ffn_hidden_size"), "num_hidden_layers": need("num_layers"),
-        "num_attention_heads": heads, "num_key_value_heads": c.get("num_query_groups") or heads,
-        "head_dim": c.get("kv_channels") or hidden // heads, "rms_norm_eps": float(need("layernorm_epsilon")),
-        "rope_theta": float(c.get("rotary_base", 10000.0)), "max_position_embeddings": need("seq_length"),
-        "tie_word_embeddings": bool(c.get("share_embeddings_and_output_weights", False)), "hidden_act": "silu",
-        "torch_dtype": dtype, "initializer_range": float(c.get("init_method_std", 0.02)),
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": need("vocab_size"),
+        "hidden_size": hidden,
+        "intermediate_size": need("ffn_hidden_size"),
+        "num_hidden_layers": need("num_layers"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": c.get("num_query_groups") or heads,
+        "head_dim": c.get("kv_channels") or hidden // heads,
+        "rms_norm_eps": float(need("layernorm_epsilon")),
+        "rope_theta": float(c.get("rotary_base", 10000.0)),
+        "max_position_embeddings": need("seq_length"),
+        "tie_word_embeddings": bool(c.get("share_embeddings_and_output_weights", False)),
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+        "initializer_range": float(c.get("init_method_std", 0.02)),
     }
     if model_type == "qwen2":
         if c.get("add_qkv_bias") is False:
-            raise ConfigError(f"{where}: config.add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported")
+            raise ConfigError(
+                f"{where}: config.add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported"
+            )
         cfg["use_sliding_window"] = False
     else:
         cfg["attention_bias"] = bool(c.get("add_qkv_bias", False))
         cfg["mlp_bias"] = False
     if c.get("scale_factor") is not None:  # Llama31Config and its children: llama3 RoPE scaling
-        cfg["rope_scaling"] = {"rope_type": "llama3", "factor": float(c.get("scale_factor", 8.0)),
-                               "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
-                               "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
-                               "original_max_position_embeddings": int(c.get("old_context_len", 8192))}
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(c.get("scale_factor", 8.0)),
+            "low_freq_factor": float(c.get("low_freq_factor", 1.0)),
+            "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(c.get("old_context_len", 8192)),
+        }
     gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
     if gen.is_file():
         try:
@@ -106,7 +134,7 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
 
 
 def nemo_make_vocab_size_divisible_by(folder: str | os.PathLike) -> int:
-    v = _yaml(Path(folder) / "context" / "model.yaml")["config"].get("make_vocab_size_divisible_by", 128)
+    v = _yaml(Path(folder) / "context" / "model.yaml")["config"].get(
+        "make_vocab_size_divisible_by", 128
+    )
     return int(v) if isinstance(v, int) and v > 0 else 128
-
-

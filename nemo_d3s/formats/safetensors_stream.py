@@ -19,7 +19,13 @@ import torch
 
 from nemo_d3s.errors import ConfigError
 
-__all__ = ["ST_NAME", "nbytes", "StreamingSafetensors", "check_safetensors", "check_safetensors_folder"]
+__all__ = [
+    "ST_NAME",
+    "nbytes",
+    "StreamingSafetensors",
+    "check_safetensors",
+    "check_safetensors_folder",
+]
 
 # torch dtype -> safetensors' name for it (the parameter dtypes a model folder may hold)
 ST_NAME = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -40,8 +46,12 @@ class StreamingSafetensors:
     leaving it normally checks that every planned tensor arrived (else RuntimeError); leaving
     it with an error just closes the file, which the caller discards."""
 
-    def __init__(self, path: Path, entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
-                 metadata: Optional[Dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+        metadata: Optional[Dict[str, str]] = None,
+    ) -> None:
         self.path = Path(path)
         header: Dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
         order = sorted(entries, key=lambda e: -torch.empty((), dtype=e[2]).element_size())
@@ -51,7 +61,11 @@ class StreamingSafetensors:
             if name in self._slots:
                 raise ValueError(f"{name!r} planned twice in {self.path.name}")
             n = nbytes(shape, dtype)
-            header[name] = {"dtype": ST_NAME[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+            header[name] = {
+                "dtype": ST_NAME[dtype],
+                "shape": list(shape),
+                "data_offsets": [off, off + n],
+            }
             self._slots[name] = (off, tuple(shape), dtype)
             off += n
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -84,14 +98,33 @@ class StreamingSafetensors:
         end = self._f.tell()
         self._f.close()
         if self._pending:
-            raise RuntimeError(f"{self.path.name}: tensors never written: {sorted(self._pending)[:3]}")
+            raise RuntimeError(
+                f"{self.path.name}: tensors never written: {sorted(self._pending)[:3]}"
+            )
         if end != self._base + self.nbytes:
-            raise RuntimeError(f"{self.path.name}: {end} bytes written, {self._base + self.nbytes} planned")
+            raise RuntimeError(
+                f"{self.path.name}: {end} bytes written, {self._base + self.nbytes} planned"
+            )
 
 
 # bytes per element of safetensors' dtype names
-_ITEM = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
-         "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEM = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 
@@ -110,12 +143,18 @@ def check_safetensors(path: str | os.PathLike) -> None:
     except OSError as e:
         raise ConfigError(f"{where} cannot be read: {e.strerror or e}") from None
     if n is None:
-        raise ConfigError(f"{where} is truncated or empty: {size} bytes, not even a safetensors header")
+        raise ConfigError(
+            f"{where} is truncated or empty: {size} bytes, not even a safetensors header"
+        )
     if n > _MAX_HEADER:
-        raise ConfigError(f"{where} is not a safetensors file: its first 8 bytes announce a header of {n} bytes")
+        raise ConfigError(
+            f"{where} is not a safetensors file: its first 8 bytes announce a header of {n} bytes"
+        )
     if n > size - 8:
-        raise ConfigError(f"{where} is truncated: its header alone needs {n} bytes, the file holds {size} in all "
-                          "(an interrupted copy or download?)")
+        raise ConfigError(
+            f"{where} is truncated: its header alone needs {n} bytes, the file holds {size} in all "
+            "(an interrupted copy or download?)"
+        )
     try:
         header = json.loads(raw.decode("utf-8"))
         if not isinstance(header, dict):
@@ -127,16 +166,22 @@ def check_safetensors(path: str | os.PathLike) -> None:
             lo, hi = (int(x) for x in info["data_offsets"])
             item = _ITEM.get(info["dtype"])
             if item is not None and hi - lo != math.prod(int(d) for d in info["shape"]) * item:
-                raise ValueError(f"tensor {name!r} has {hi - lo} bytes for shape {info['shape']} {info['dtype']}")
+                raise ValueError(
+                    f"tensor {name!r} has {hi - lo} bytes for shape {info['shape']} {info['dtype']}"
+                )
             need = max(need, hi)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{where} is not a safetensors file: garbled header ({e})") from None
     have = size - 8 - n
     if need > have:
-        raise ConfigError(f"{where} is truncated: its tensors need {need} bytes of data, the file holds {have} "
-                          "(an interrupted copy or download?)")
+        raise ConfigError(
+            f"{where} is truncated: its tensors need {need} bytes of data, the file holds {have} "
+            "(an interrupted copy or download?)"
+        )
     if need < have:
-        raise ConfigError(f"{where} is damaged: {have - need} bytes after its last tensor (written over?)")
+        raise ConfigError(
+            f"{where} is damaged: {have - need} bytes after its last tensor (written over?)"
+        )
 
 
 def check_safetensors_folder(folder: str | os.PathLike) -> None:

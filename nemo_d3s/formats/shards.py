@@ -42,10 +42,28 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
 from nemo_d3s.formats.safetensors_stream import check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
-from nemo_d3s.formats.weights import Layout, assemble_hf, local_names, local_parts, local_shape, read_local
+from nemo_d3s.formats.weights import (
+    Layout,
+    assemble_hf,
+    local_names,
+    local_parts,
+    local_shape,
+    read_local,
+)
 
-__all__ = ["FORMAT", "SUBDIR", "shard_file", "write_layout", "read_layout", "ShardedReader", "save_shard",
-           "read_local_from_checkpoint", "shard_metadata", "check_shards", "ST_DTYPES"]
+__all__ = [
+    "FORMAT",
+    "SUBDIR",
+    "shard_file",
+    "write_layout",
+    "read_layout",
+    "ShardedReader",
+    "save_shard",
+    "read_local_from_checkpoint",
+    "shard_metadata",
+    "check_shards",
+    "ST_DTYPES",
+]
 
 FORMAT = 1
 SUBDIR = SHARDS_SUBDIR
@@ -58,10 +76,19 @@ def shard_file(tp_rank: int, pp_rank: int) -> str:
 
 
 def write_layout(folder: Path, spec: ModelSpec, layout: Layout) -> None:
-    (folder / LAYOUT_FILE).write_text(json.dumps({
-        "format": FORMAT, "tp": layout.tp, "pp": layout.pp, "padded_vocab": layout.padded_vocab,
-        "te": layout.te, "spec": spec.to_dict(),
-    }, indent=1))
+    (folder / LAYOUT_FILE).write_text(
+        json.dumps(
+            {
+                "format": FORMAT,
+                "tp": layout.tp,
+                "pp": layout.pp,
+                "padded_vocab": layout.padded_vocab,
+                "te": layout.te,
+                "spec": spec.to_dict(),
+            },
+            indent=1,
+        )
+    )
 
 
 def read_layout(folder: Path, spec: ModelSpec) -> Layout:
@@ -75,7 +102,9 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
             raise ValueError(f"format {raw.get('format')!r} (this version reads {FORMAT})")
         tp, pp, pv = int(raw["tp"]), int(raw["pp"]), int(raw["padded_vocab"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{str(path)!r}: not a nemo_d3s Megatron checkpoint layout ({e})") from None
+        raise ConfigError(
+            f"{str(path)!r}: not a nemo_d3s Megatron checkpoint layout ({e})"
+        ) from None
     mine = spec.to_dict()
     diff = [k for k in mine if k != "torch_dtype" and saved.get(k) != mine[k]]
     if diff:
@@ -86,11 +115,16 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
 
 
-def save_shard(folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
+def save_shard(
+    folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]
+) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-              str(folder / shard_file(layout.tp_rank, layout.pp_rank)), metadata=metadata)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(folder / shard_file(layout.tp_rank, layout.pp_rank)),
+        metadata=metadata,
+    )
 
 
 class ShardedReader:
@@ -137,8 +171,9 @@ class ShardedReader:
         return self._tensor(layout.tp_rank, layout.pp_rank, key)
 
 
-def read_local_from_checkpoint(name: str, spec: ModelSpec, layout: Layout, reader: ShardedReader,
-                               dtype: torch.dtype) -> torch.Tensor:
+def read_local_from_checkpoint(
+    name: str, spec: ModelSpec, layout: Layout, reader: ShardedReader, dtype: torch.dtype
+) -> torch.Tensor:
     """Local tensor ``name`` of ``layout`` from the checkpoint: the saved shard itself when
     the layouts agree (bit-exact, padding rows included), else rebuilt through the table."""
     s = reader.saved
@@ -169,7 +204,9 @@ def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.d
             lay = saved.at(t, p)
             path = root / shard_file(t, p)
             if not path.is_file():
-                raise ConfigError(f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x PP{saved.pp}")
+                raise ConfigError(
+                    f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x PP{saved.pp}"
+                )
             check_safetensors(path)  # truncated or garbled: one line naming the file
             try:
                 f = safe_open(str(path), framework="pt")
@@ -178,16 +215,22 @@ def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.d
             keys = set(f.keys())
             for name in local_names(spec, lay):
                 if name not in keys:
-                    raise ConfigError(f"{str(path)!r} holds no tensor {name!r} (a checkpoint of another model or "
-                                      "layer spec?)")
+                    raise ConfigError(
+                        f"{str(path)!r} holds no tensor {name!r} (a checkpoint of another model or "
+                        "layer spec?)"
+                    )
                 sl = f.get_slice(name)
                 got, want = tuple(sl.get_shape()), local_shape(name, spec, lay)
                 if got != want:
-                    raise ConfigError(f"{str(path)!r}: tensor {name!r} has shape {list(got)}, config.json gives "
-                                      f"{list(want)} at TP{saved.tp} rank {t} (a checkpoint of another model?)")
+                    raise ConfigError(
+                        f"{str(path)!r}: tensor {name!r} has shape {list(got)}, config.json gives "
+                        f"{list(want)} at TP{saved.tp} rank {t} (a checkpoint of another model?)"
+                    )
                 dt = sl.get_dtype()
                 if dt not in ST_DTYPES:
-                    raise ConfigError(f"{str(path)!r}: tensor {name!r} is {dt}; expected F32, BF16 or F16")
+                    raise ConfigError(
+                        f"{str(path)!r}: tensor {name!r} is {dt}; expected F32, BF16 or F16"
+                    )
                 dtypes.add(ST_DTYPES[dt])
             del f
     return dtypes.pop() if len(dtypes) == 1 else None

@@ -27,7 +27,13 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 
-__all__ = ["ModelSpec", "SUPPORTED_ARCHITECTURES", "check_layout", "padded_vocab_size", "read_hf_config"]
+__all__ = [
+    "ModelSpec",
+    "SUPPORTED_ARCHITECTURES",
+    "check_layout",
+    "padded_vocab_size",
+    "read_hf_config",
+]
 
 # architecture -> whether q/k/v carry a bias by construction (Qwen2 always does).
 SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
@@ -38,7 +44,11 @@ SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
 
 # Megatron implements Llama 3.x RoPE scaling with these fixed constants
 # (RotaryEmbedding._apply_scaling); only the factor is a GPTModel argument.
-_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass(frozen=True)
@@ -79,45 +89,66 @@ class ModelSpec:
             v = cfg[key]
             if kind is int and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{source}: {key}={v!r} must be a positive integer")
-            if kind is float and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0):
+            if kind is float and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not math.isfinite(v)
+                or v <= 0
+            ):
                 raise ConfigError(f"{source}: {key}={v!r} must be a positive number")
             return v
 
         archs = cfg.get("architectures") or []
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        if (
+            not isinstance(archs, list)
+            or len(archs) != 1
+            or archs[0] not in SUPPORTED_ARCHITECTURES
+        ):
             raise ConfigError(
                 f"{source}: architectures={archs!r} is not supported by the Megatron backend; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         arch = archs[0]
         if cfg.get("auto_map"):
-            raise ConfigError(f"{source}: auto_map (remote code) is not supported; the mapping covers {arch} only")
+            raise ConfigError(
+                f"{source}: auto_map (remote code) is not supported; the mapping covers {arch} only"
+            )
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
-            raise ConfigError(f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+            raise ConfigError(
+                f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)"
+            )
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         sliding = cfg.get("sliding_window")
         if arch == "Qwen2ForCausalLM":
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         if sliding is not None:
-            raise ConfigError(f"{source}: sliding_window={sliding!r} is not supported (full causal attention only)")
+            raise ConfigError(
+                f"{source}: sliding_window={sliding!r} is not supported (full causal attention only)"
+            )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         kv = cfg.get("num_key_value_heads", heads)
         if kv is None:
             kv = heads
         if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or heads % kv:
-            raise ConfigError(f"{source}: num_key_value_heads={kv!r} must divide num_attention_heads={heads}")
+            raise ConfigError(
+                f"{source}: num_key_value_heads={kv!r} must divide num_attention_heads={heads}"
+            )
         head_dim = cfg.get("head_dim") or hidden // heads
         if not isinstance(head_dim, int) or head_dim < 1 or head_dim % 2:
             raise ConfigError(f"{source}: head_dim={head_dim!r} must be a positive even integer")
         if cfg.get("head_dim") is None and hidden % heads:
-            raise ConfigError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}")
+            raise ConfigError(
+                f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+            )
         qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False))
         theta, factor = _rope(cfg, source)
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"{source}: torch_dtype={dtype!r} is not one of float32, bfloat16, float16")
+            raise ConfigError(
+                f"{source}: torch_dtype={dtype!r} is not one of float32, bfloat16, float16"
+            )
         return cls(
             architecture=arch,
             model_type=str(cfg.get("model_type", "")),
@@ -141,7 +172,9 @@ class ModelSpec:
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
         """From ``folder/config.json``, or a NeMo 2 checkpoint's ``context/model.yaml``."""
         if detect_format(folder).kind == NEMO2:
-            return cls.from_hf_dict(hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml"))
+            return cls.from_hf_dict(
+                hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml")
+            )
         return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -166,7 +199,11 @@ def _rope(cfg: Dict[str, Any], source: str):
     if isinstance(params, dict) and "rope_theta" in params:
         theta, scaling, where = params.get("rope_theta"), params, "rope_parameters"
     else:
-        theta, scaling, where = cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"), "rope_scaling"
+        theta, scaling, where = (
+            cfg.get("rope_theta", 10000.0),
+            cfg.get("rope_scaling"),
+            "rope_scaling",
+        )
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
         raise ConfigError(f"{source}: rope_theta={theta!r} must be a positive number")
     if not scaling:
@@ -177,7 +214,9 @@ def _rope(cfg: Dict[str, Any], source: str):
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
-        raise ConfigError(f"{source}: {where}.rope_type={kind!r} is not supported (default or llama3)")
+        raise ConfigError(
+            f"{source}: {where}.rope_type={kind!r} is not supported (default or llama3)"
+        )
     for key, want in _LLAMA3_FIXED.items():
         if float(scaling.get(key, want)) != want:
             raise ConfigError(
@@ -193,7 +232,9 @@ def read_hf_config(folder: str | Path) -> Dict[str, Any]:
     """``folder/config.json`` as a dict; clear errors for a missing or garbled file."""
     path = Path(folder) / "config.json"
     if not path.is_file():
-        raise ConfigError(f"{str(path)!r} not found: model.name must be a Hugging Face model folder")
+        raise ConfigError(
+            f"{str(path)!r} not found: model.name must be a Hugging Face model folder"
+        )
     try:
         cfg = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -216,8 +257,11 @@ def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) 
     """Every divisibility rule of a TP x PP (x CP) layout for ``spec`` on ``world`` ranks;
     returns DP. ConfigError with the numbers otherwise. Pure arithmetic, so every rank
     raises the same error before any collective."""
-    for name, v in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
-                    ("context_parallel_size", cp)):
+    for name, v in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("context_parallel_size", cp),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"model.params.{name}={v!r} must be an integer >= 1")
     if world % (tp * pp * cp):
@@ -235,7 +279,11 @@ def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) 
             "(replicating key/value heads across TP ranks is not supported)"
         )
     if spec.ffn_hidden_size % tp:
-        raise ConfigError(f"intermediate_size={spec.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}")
+        raise ConfigError(
+            f"intermediate_size={spec.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}"
+        )
     if spec.num_layers % pp:
-        raise ConfigError(f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size={pp}")
+        raise ConfigError(
+            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size={pp}"
+        )
     return world // (tp * pp * cp)

@@ -70,7 +70,14 @@ class Layout:
     te: bool = False  # transformer-engine spec: norms fused into the following linear
 
     def at(self, tp_rank: int, pp_rank: Optional[int] = None) -> "Layout":
-        return Layout(self.tp, self.pp, tp_rank, self.pp_rank if pp_rank is None else pp_rank, self.padded_vocab, self.te)
+        return Layout(
+            self.tp,
+            self.pp,
+            tp_rank,
+            self.pp_rank if pp_rank is None else pp_rank,
+            self.padded_vocab,
+            self.te,
+        )
 
 
 @dataclass(frozen=True)
@@ -106,17 +113,31 @@ def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
     for j, _ in enumerate(_layers_of_stage(spec, layout)):
         p = f"decoder.layers.{j}."
         if layout.te:
-            names += [p + "self_attention.linear_proj.weight", p + "self_attention.linear_qkv.layer_norm_weight",
-                      p + "self_attention.linear_qkv.weight"]
+            names += [
+                p + "self_attention.linear_proj.weight",
+                p + "self_attention.linear_qkv.layer_norm_weight",
+                p + "self_attention.linear_qkv.weight",
+            ]
             if spec.qkv_bias:
                 names.append(p + "self_attention.linear_qkv.bias")
-            names += [p + "mlp.linear_fc1.layer_norm_weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            names += [
+                p + "mlp.linear_fc1.layer_norm_weight",
+                p + "mlp.linear_fc1.weight",
+                p + "mlp.linear_fc2.weight",
+            ]
         else:
-            names += [p + "input_layernorm.weight", p + "self_attention.linear_proj.weight",
-                      p + "self_attention.linear_qkv.weight"]
+            names += [
+                p + "input_layernorm.weight",
+                p + "self_attention.linear_proj.weight",
+                p + "self_attention.linear_qkv.weight",
+            ]
             if spec.qkv_bias:
                 names.append(p + "self_attention.linear_qkv.bias")
-            names += [p + "pre_mlp_layernorm.weight", p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            names += [
+                p + "pre_mlp_layernorm.weight",
+                p + "mlp.linear_fc1.weight",
+                p + "mlp.linear_fc2.weight",
+            ]
     if layout.pp_rank == layout.pp - 1:
         names.append("decoder.final_layernorm.weight")
         if _has_output_layer(spec, layout):
@@ -171,7 +192,10 @@ def local_parts(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, List[P
         return 1, [Part(hf + "self_attn.o_proj.weight", r * w, (r + 1) * w)]
     if rest == "mlp.linear_fc1.weight":
         f = F // tp
-        return 0, [Part(hf + "mlp.gate_proj.weight", r * f, (r + 1) * f), Part(hf + "mlp.up_proj.weight", r * f, (r + 1) * f)]
+        return 0, [
+            Part(hf + "mlp.gate_proj.weight", r * f, (r + 1) * f),
+            Part(hf + "mlp.up_proj.weight", r * f, (r + 1) * f),
+        ]
     if rest == "mlp.linear_fc2.weight":
         f = F // tp
         return 1, [Part(hf + "mlp.down_proj.weight", r * f, (r + 1) * f)]
@@ -185,13 +209,21 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> Tuple[int, ...]:
     key = ".".join(last[-2:])
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (V, H)
-    if hf_name == "model.norm.weight" or key in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+    if hf_name == "model.norm.weight" or key in (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ):
         return (H,)
     table = {
-        "q_proj.weight": (spec.num_heads * d, H), "k_proj.weight": (spec.kv_heads * d, H),
-        "v_proj.weight": (spec.kv_heads * d, H), "q_proj.bias": (spec.num_heads * d,),
-        "k_proj.bias": (spec.kv_heads * d,), "v_proj.bias": (spec.kv_heads * d,),
-        "o_proj.weight": (H, spec.num_heads * d), "gate_proj.weight": (F, H), "up_proj.weight": (F, H),
+        "q_proj.weight": (spec.num_heads * d, H),
+        "k_proj.weight": (spec.kv_heads * d, H),
+        "v_proj.weight": (spec.kv_heads * d, H),
+        "q_proj.bias": (spec.num_heads * d,),
+        "k_proj.bias": (spec.kv_heads * d,),
+        "v_proj.bias": (spec.kv_heads * d,),
+        "o_proj.weight": (H, spec.num_heads * d),
+        "gate_proj.weight": (F, H),
+        "up_proj.weight": (F, H),
         "down_proj.weight": (H, F),
     }
     if key not in table:
@@ -278,13 +310,17 @@ class SafetensorsReader:
         """Every tensor ``spec`` needs exists with the right shape (header reads only)."""
         for name in hf_names(self.spec):
             if name not in self.files:
-                raise ConfigError(f"{str(self.folder)!r}: tensor {name!r} is missing (not a {self.spec.architecture} "
-                                  "with this config.json?)")
+                raise ConfigError(
+                    f"{str(self.folder)!r}: tensor {name!r} is missing (not a {self.spec.architecture} "
+                    "with this config.json?)"
+                )
             got = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
             want = hf_shape(name, self.spec)
             if got != want:
-                raise ConfigError(f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, config.json "
-                                  f"says {list(want)} (a checkpoint from another model?)")
+                raise ConfigError(
+                    f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, config.json "
+                    f"says {list(want)} (a checkpoint from another model?)"
+                )
 
     def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
         sl = self._handle(self.files[name]).get_slice(name)
@@ -294,7 +330,9 @@ class SafetensorsReader:
         self._open.clear()
 
 
-def read_local(name: str, spec: ModelSpec, layout: Layout, reader: SafetensorsReader, dtype: torch.dtype) -> torch.Tensor:
+def read_local(
+    name: str, spec: ModelSpec, layout: Layout, reader: SafetensorsReader, dtype: torch.dtype
+) -> torch.Tensor:
     """Local parameter ``name`` at ``layout`` built from the HF files (zero padding rows)."""
     dim, parts = local_parts(name, spec, layout)
     pieces = []
@@ -317,7 +355,12 @@ def assemble_hf(
     out: Dict[str, torch.Tensor] = {}
     for r, shard in enumerate(shards):
         dim, parts = local_parts(name, spec, layout.at(r))
-        if r > 0 and len(parts) == 1 and parts[0].lo == 0 and parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]:
+        if (
+            r > 0
+            and len(parts) == 1
+            and parts[0].lo == 0
+            and parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]
+        ):
             continue  # replicated over TP: rank 0's copy is the weight
         offset = 0
         for p in parts:
@@ -330,7 +373,9 @@ def assemble_hf(
     return out
 
 
-def iter_stage_hf(names: Sequence[str], spec: ModelSpec, layout: Layout) -> Iterator[Tuple[str, List[str]]]:
+def iter_stage_hf(
+    names: Sequence[str], spec: ModelSpec, layout: Layout
+) -> Iterator[Tuple[str, List[str]]]:
     """(local name, HF names it produces) for the given local names, in order."""
     for n in names:
         _, parts = local_parts(n, spec, layout)

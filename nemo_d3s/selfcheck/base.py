@@ -18,8 +18,16 @@ import torch.distributed as dist
 
 from nemo_d3s.selfcheck.report import CheckFailed, NotRun
 
-__all__ = ["Check", "Context", "TINY", "build_tiny_model", "max_abs_diff", "megatron_backend", "need_world",
-           "within"]
+__all__ = [
+    "Check",
+    "Context",
+    "TINY",
+    "build_tiny_model",
+    "max_abs_diff",
+    "megatron_backend",
+    "need_world",
+    "within",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,9 @@ class Context:
         if self.world > 1:
             everyone = [None] * self.world
             dist.all_gather_object(everyone, list(problems))
-        flat = [p if self.world == 1 else f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps]
+        flat = [
+            p if self.world == 1 else f"rank {r}: {p}" for r, ps in enumerate(everyone) for p in ps
+        ]
         if flat:
             raise CheckFailed("; ".join(flat), measured)
 
@@ -74,8 +84,16 @@ class Context:
 
 # The self-check's model: a random Llama, GQA, every size divisible by TP2 and PP2, a
 # vocabulary (byte tokens) that the Megatron layout pads. Seconds to build and run on a CPU.
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 
 
 def build_tiny_model(folder: Path, seed: int = 0) -> Path:
@@ -85,8 +103,14 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
 
     tok = byte_level_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, initializer_range=0.2, **TINY)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        initializer_range=0.2,
+        **TINY,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
@@ -98,11 +122,17 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
 
 def need_world(ctx: Context, n: int, what: str) -> None:
     if ctx.world < n:
-        raise NotRun(f"{what} needs {n}+ ranks; this run has {ctx.world} (launch under torchrun/srun)")
+        raise NotRun(
+            f"{what} needs {n}+ ranks; this run has {ctx.world} (launch under torchrun/srun)"
+        )
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max()) if a.numel() else 0.0
+    return (
+        float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
+        if a.numel()
+        else 0.0
+    )
 
 
 def within(name: str, value: float, bound: float, measured: Dict[str, Any]) -> None:

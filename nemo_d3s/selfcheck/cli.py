@@ -36,7 +36,13 @@ __all__ = ["all_checks", "main", "run_rank"]
 def all_checks():
     from nemo_d3s.selfcheck import comm_checks, env_checks, gpu_checks, model_checks, rl_checks
 
-    return [*env_checks.CHECKS, *comm_checks.CHECKS, *model_checks.CHECKS, *rl_checks.CHECKS, *gpu_checks.CHECKS]
+    return [
+        *env_checks.CHECKS,
+        *comm_checks.CHECKS,
+        *model_checks.CHECKS,
+        *rl_checks.CHECKS,
+        *gpu_checks.CHECKS,
+    ]
 
 
 def _selected(patterns: Optional[str]):
@@ -44,7 +50,9 @@ def _selected(patterns: Optional[str]):
     if not patterns:
         return checks
     pats = [p.strip() for p in patterns.split(",") if p.strip()]
-    return [c for c in checks if any(fnmatch.fnmatch(c.name, p) or c.name.startswith(p) for p in pats)]
+    return [
+        c for c in checks if any(fnmatch.fnmatch(c.name, p) or c.name.startswith(p) for p in pats)
+    ]
 
 
 def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
@@ -61,10 +69,16 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available() and not opts.get("cpu")
     work = Path(opts["out"]) / ".selfcheck_work"
-    ctx = Context(rank=rank, world=world, local_rank=local_rank, cuda=cuda,
-                  device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
-                  model_dir=Path(opts["model"]) if opts.get("model") else work / "tiny_model",
-                  tiny=not opts.get("model"), work_dir=work)
+    ctx = Context(
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        cuda=cuda,
+        device=torch.device("cuda", local_rank) if cuda else torch.device("cpu"),
+        model_dir=Path(opts["model"]) if opts.get("model") else work / "tiny_model",
+        tiny=not opts.get("model"),
+        work_dir=work,
+    )
     if rank == 0:
         work.mkdir(parents=True, exist_ok=True)
         if ctx.tiny:
@@ -86,7 +100,9 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
 def _spawned_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
     """A rank started by ``run_on_gloo_ranks`` (the process group exists)."""
     world = str(opts["ranks"])
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world
+    )
     return run_rank(rank, opts)
 
 
@@ -102,7 +118,9 @@ def _join_world(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
         if cuda:
             set_cuda_connections()  # before CUDA initialises
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=opts["timeout"]))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=opts["timeout"])
+        )
     try:
         mine = run_rank(dist.get_rank(), opts)
         everyone: List[Any] = [None] * dist.get_world_size()
@@ -126,7 +144,9 @@ def _one_process(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")  # what the trainer's set-up reads
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+    )
     try:
         return [run_rank(0, opts)]
     finally:
@@ -139,37 +159,76 @@ def _one_process(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nemo-d3s-selfcheck", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="selfcheck", help="folder for selfcheck.json (default: ./selfcheck)")
-    p.add_argument("--model", default=None, help="Hugging Face folder to check with (default: a tiny random Llama)")
-    p.add_argument("--only", default=None, help="comma-separated check names, prefixes or globs (e.g. env,gpt.*)")
-    p.add_argument("--ranks", type=int, default=2, help="gloo ranks to spawn on a CPU-only machine (default 2)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds for the spawned run / a collective")
+    p = argparse.ArgumentParser(
+        prog="nemo-d3s-selfcheck",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out", default="selfcheck", help="folder for selfcheck.json (default: ./selfcheck)"
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face folder to check with (default: a tiny random Llama)",
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated check names, prefixes or globs (e.g. env,gpt.*)",
+    )
+    p.add_argument(
+        "--ranks", type=int, default=2, help="gloo ranks to spawn on a CPU-only machine (default 2)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds for the spawned run / a collective"
+    )
     p.add_argument("--cpu", action="store_true", help="the CPU form even where CUDA is available")
-    p.add_argument("--keep-work", action="store_true", help="keep the scratch folder (checkpoints, runs)")
+    p.add_argument(
+        "--keep-work", action="store_true", help="keep the scratch folder (checkpoints, runs)"
+    )
     return p
 
 
 def _context(opts: Dict[str, Any], world: int, mode: str) -> Dict[str, Any]:
     import torch
 
-    return {"argv": sys.argv[1:], "world": world, "mode": mode, "cuda": torch.cuda.is_available() and not opts["cpu"],
-            "model": opts.get("model") or "tiny random Llama (built)",
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return {
+        "argv": sys.argv[1:],
+        "world": world,
+        "mode": mode,
+        "cuda": torch.cuda.is_available() and not opts["cpu"],
+        "model": opts.get("model") or "tiny random Llama (built)",
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from nemo_d3s.selfcheck.report import CheckResult, combine, exit_code, finalize, format_table, write_json
+    from nemo_d3s.selfcheck.report import (
+        CheckResult,
+        combine,
+        exit_code,
+        finalize,
+        format_table,
+        write_json,
+    )
 
     args = _parser().parse_args(argv)
     if args.ranks < 1:
         _parser().error("--ranks must be >= 1")
     if args.model and not Path(args.model, "config.json").is_file():
-        _parser().error(f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)")
-    opts = {"out": str(Path(args.out).resolve()), "model": str(Path(args.model).resolve()) if args.model else None,
-            "only": args.only, "ranks": args.ranks, "timeout": args.timeout, "cpu": args.cpu,
-            "keep_work": args.keep_work}
+        _parser().error(
+            f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)"
+        )
+    opts = {
+        "out": str(Path(args.out).resolve()),
+        "model": str(Path(args.model).resolve()) if args.model else None,
+        "only": args.only,
+        "ranks": args.ranks,
+        "timeout": args.timeout,
+        "cpu": args.cpu,
+        "keep_work": args.keep_work,
+    }
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -183,7 +242,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         per_rank = run_on_gloo_ranks(_spawned_rank, args.ranks, opts, timeout=args.timeout)
     else:
         mode, rank, per_rank = "one process", 0, _one_process(opts)
-    results = finalize(combine([[CheckResult(**r) for r in records] for records in per_rank]), cuda=cuda)
+    results = finalize(
+        combine([[CheckResult(**r) for r in records] for records in per_rank]), cuda=cuda
+    )
     if rank == 0:
         print(format_table(results), flush=True)
         path = write_json(results, opts["out"], _context(opts, len(per_rank), mode))

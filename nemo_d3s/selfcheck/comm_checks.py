@@ -109,8 +109,9 @@ def _shard_bounds(v: int, world: int) -> List[int]:
     return bounds
 
 
-def _vocab_parallel(ctx: Context, dtype: torch.dtype, backend: str, bound: float, grad_bound: float
-                    ) -> Dict[str, Any]:
+def _vocab_parallel(
+    ctx: Context, dtype: torch.dtype, backend: str, bound: float, grad_bound: float
+) -> Dict[str, Any]:
     from nemo_d3s.core.entropy import entropy_and_logprobs
     from nemo_d3s.distributed.vocab_parallel import vocab_parallel_entropy_and_logprobs
 
@@ -127,12 +128,19 @@ def _vocab_parallel(ctx: Context, dtype: torch.dtype, backend: str, bound: float
     bounds = _shard_bounds(V + pad, ctx.world)
     lo, hi = bounds[ctx.rank], bounds[ctx.rank + 1]
     local = logits[..., lo:hi].to(device).clone().requires_grad_(True)
-    ent, lp = vocab_parallel_entropy_and_logprobs(local, targets.to(device), group, vocab_size=V, chunk_size=16)
+    ent, lp = vocab_parallel_entropy_and_logprobs(
+        local, targets.to(device), group, vocab_size=V, chunk_size=16
+    )
     lp.sum().backward()
     ref_grad = torch.zeros(B, S, V + pad)
     ref_grad[..., :V] = ref_in.grad
-    out: Dict[str, Any] = {"ranks": ctx.world, "dtype": str(dtype).replace("torch.", ""), "vocab": V,
-                           "padded_vocab": V + pad, "shard": hi - lo}
+    out: Dict[str, Any] = {
+        "ranks": ctx.world,
+        "dtype": str(dtype).replace("torch.", ""),
+        "vocab": V,
+        "padded_vocab": V + pad,
+        "shard": hi - lo,
+    }
     within("entropy_err", max_abs_diff(ent, ref_ent), bound, out)
     within("logprob_err", max_abs_diff(lp, ref_lp), bound, out)
     # the gradient comes back in the logits' dtype: compared with the reference rounded alike
@@ -143,7 +151,14 @@ def _vocab_parallel(ctx: Context, dtype: torch.dtype, backend: str, bound: float
 CHECKS = [
     Check("collectives.gloo", False, lambda ctx: _collectives(ctx, "gloo")),
     Check("collectives.nccl", True, lambda ctx: _collectives(ctx, "nccl")),
-    Check("vocab_parallel.fp32_gloo", False, lambda ctx: _vocab_parallel(ctx, torch.float32, "gloo", 1e-5, 1e-5)),
-    Check("vocab_parallel.bf16_nccl", True,
-          lambda ctx: _vocab_parallel(ctx, torch.bfloat16, "nccl", 1e-3, 8e-3)),
+    Check(
+        "vocab_parallel.fp32_gloo",
+        False,
+        lambda ctx: _vocab_parallel(ctx, torch.float32, "gloo", 1e-5, 1e-5),
+    ),
+    Check(
+        "vocab_parallel.bf16_nccl",
+        True,
+        lambda ctx: _vocab_parallel(ctx, torch.bfloat16, "nccl", 1e-3, 8e-3),
+    ),
 ]

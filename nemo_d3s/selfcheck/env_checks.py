@@ -44,8 +44,11 @@ def _dist_version(dist_name: str, module: str) -> Optional[str]:
 def versions() -> Dict[str, Any]:
     """{package: version or "not installed" / "broken: <error>"}, plus python, torch, CUDA
     (torch's build), NCCL (torch's bundled one, CUDA builds only)."""
-    out: Dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda_build": torch.version.cuda or "none"}
+    out: Dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_build": torch.version.cuda or "none",
+    }
     if torch.cuda.is_available():
         try:
             # (major, minor, patch[, suffix]): torch 2.13 torch/cuda/nccl.py:35-53
@@ -58,7 +61,9 @@ def versions() -> Dict[str, Any]:
             out[dist_name] = "not installed"
             continue
         if dist_name in ("vllm", "transformer-engine"):
-            out[dist_name] = version  # importing them costs seconds (and CUDA for TE): the TE check imports it
+            out[dist_name] = (
+                version  # importing them costs seconds (and CUDA for TE): the TE check imports it
+            )
             continue
         try:
             importlib.import_module(module)
@@ -85,7 +90,9 @@ def check_gpus(ctx: Context) -> Dict[str, Any]:
     free, total = torch.cuda.mem_get_info(ctx.device)
     out.update(free_gib=free / 2**30, total_gib=total / 2**30)
     if free < 2**30:
-        raise CheckFailed(f"{ctx.device} has {free / 2**30:.2f} GiB free (another process holds it?)", out)
+        raise CheckFailed(
+            f"{ctx.device} has {free / 2**30:.2f} GiB free (another process holds it?)", out
+        )
     return out
 
 

@@ -47,9 +47,13 @@ def check_vllm(ctx: Context) -> Dict[str, Any]:
         if k in last:
             out[k] = last[k]
     if res["rows"] < 2 or not last.get("optimizer_steps", 0) > 1:
-        raise CheckFailed("the vLLM run did not take two optimizer steps (a refit between them)", out)
+        raise CheckFailed(
+            "the vLLM run did not take two optimizer steps (a refit between them)", out
+        )
     if "rollout_logprob_mismatch_abs" not in last:
-        raise CheckFailed("the run reported no rollout_logprob_mismatch_abs (engine log-probs missing)", out)
+        raise CheckFailed(
+            "the run reported no rollout_logprob_mismatch_abs (engine log-probs missing)", out
+        )
     within("logprob_mismatch_abs", float(last["rollout_logprob_mismatch_abs"]), MISMATCH_BOUND, out)
     return out
 
@@ -61,8 +65,11 @@ def check_peak_memory(ctx: Context) -> Dict[str, Any]:
     report = plan(res["cfg"], JobShape(1, ctx.world, f"self-check world {ctx.world}"))
     predicted = float(report["worst"]["peak_bytes"])
     measured = float(res["peak_reserved_bytes"])
-    out: Dict[str, Any] = {"measured_gib": measured / 2**30, "predicted_gib": predicted / 2**30,
-                           "predicted_phase": report["worst"]["phase"]}
+    out: Dict[str, Any] = {
+        "measured_gib": measured / 2**30,
+        "predicted_gib": predicted / 2**30,
+        "predicted_phase": report["worst"]["phase"],
+    }
     within("ratio", measured / predicted, 1.0, out)
     return out
 
@@ -70,7 +77,10 @@ def check_peak_memory(ctx: Context) -> Dict[str, Any]:
 def check_step_time(ctx: Context) -> Dict[str, Any]:
     last = _rl(ctx)["last"]
     t = float(last.get("time_step", float("nan")))
-    out = {"time_step_s": t, **{k: v for k, v in last.items() if k.startswith("time_") and k != "time_step"}}
+    out = {
+        "time_step_s": t,
+        **{k: v for k, v in last.items() if k.startswith("time_") and k != "time_step"},
+    }
     if not math.isfinite(t) or t <= 0:
         raise CheckFailed("no step time recorded", out)
     return out

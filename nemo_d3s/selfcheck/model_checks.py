@@ -33,7 +33,14 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backend, need_world, within
+from nemo_d3s.selfcheck.base import (
+    Check,
+    Context,
+    max_abs_diff,
+    megatron_backend,
+    need_world,
+    within,
+)
 from nemo_d3s.selfcheck.report import CheckFailed
 
 __all__ = ["CHECKS", "one_step", "step_batch"]
@@ -46,17 +53,24 @@ def step_batch(rows: int = 4, width: int = 16, seed: int = 3):
     from nemo_d3s.backends.base import TokenBatch
 
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([width, width - 3, width - 5, width - 1][:rows] + [width] * max(0, rows - 4))
+    lengths = torch.tensor(
+        [width, width - 3, width - 5, width - 1][:rows] + [width] * max(0, rows - 4)
+    )
     prompt = torch.tensor([3, 4, 5, 6][:rows] + [3] * max(0, rows - 4))
     pos = torch.arange(width)
     attn = pos < lengths.unsqueeze(1)
     resp = attn & (pos >= prompt.unsqueeze(1))
     ids = torch.randint(1, 256, (rows, width), generator=g) * attn
-    return TokenBatch(ids, attn, resp), torch.randn(rows, generator=g), 0.1 * torch.randn(rows, width, generator=g)
+    return (
+        TokenBatch(ids, attn, resp),
+        torch.randn(rows, generator=g),
+        0.1 * torch.randn(rows, width, generator=g),
+    )
 
 
-def one_step(pol, micro_batch_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float],
-                                                          Dict[str, torch.Tensor]]:
+def one_step(
+    pol, micro_batch_tokens: int = 0
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float], Dict[str, torch.Tensor]]:
     """(log-probs [B, S], entropy [B, S], train metrics, HF-named weights after the step)
     of one GRPO step on :func:`step_batch` (collective over the backend's world); micro-batches
     of 2 rows, or packed to ``micro_batch_tokens`` when > 0."""
@@ -64,13 +78,24 @@ def one_step(pol, micro_batch_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tens
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
     batch, adv, noise = step_batch()
-    sc = pol.score(batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=micro_batch_tokens)
+    sc = pol.score(
+        batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=micro_batch_tokens
+    )
     keep = batch.response_mask
-    upd = UpdateBatch(batch=batch, old_logprobs=sc.logprobs.detach() + noise, advantages=adv, token_keep=keep,
-                      minibatch=torch.zeros(len(batch), dtype=torch.long))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=sc.logprobs.detach() + noise,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
     loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
-    denominator = float(loss_denominator(keep, "token_mean")) * pol.groups.dp_size  # the same rows on every DP rank
-    metrics = pol.train_step(batch, loss_fn, 2, denominator=denominator, micro_batch_tokens=micro_batch_tokens)
+    denominator = (
+        float(loss_denominator(keep, "token_mean")) * pol.groups.dp_size
+    )  # the same rows on every DP rank
+    metrics = pol.train_step(
+        batch, loss_fn, 2, denominator=denominator, micro_batch_tokens=micro_batch_tokens
+    )
     weights = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
     return sc.logprobs.detach().cpu(), sc.entropy.detach().cpu(), metrics, weights
 
@@ -78,8 +103,15 @@ def one_step(pol, micro_batch_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tens
 def _run(ctx: Context, tp: int, pp: int = 1, micro_batch_tokens: int = 0, **params):
     # adam_eps 1e-3: Adam's first step is lr g / (|g| + eps), which blows float noise in tiny
     # gradient entries up to +-lr at eps 1e-8 (the tests' setting for the same comparison).
-    with megatron_backend(ctx, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, lr=LR,
-                          adam_eps=1e-3, grad_clip=0.0, **params) as pol:
+    with megatron_backend(
+        ctx,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        lr=LR,
+        adam_eps=1e-3,
+        grad_clip=0.0,
+        **params,
+    ) as pol:
         before = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
         return before, one_step(pol, micro_batch_tokens)
 
@@ -93,7 +125,9 @@ def _weights_err(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> floa
 def layouts(ctx: Context) -> List[Tuple[int, int]]:
     """The (TP, PP) layouts compared with TP1 x PP1 on this world: TP2 and PP2 on an even
     world, TP2 x PP2 on a multiple of 4 (PP only when it divides the model's layers)."""
-    layers = int(json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1))
+    layers = int(
+        json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1)
+    )
     out = []
     if ctx.world % 2 == 0:
         out.append((2, 1))
@@ -106,12 +140,16 @@ def layouts(ctx: Context) -> List[Tuple[int, int]]:
 
 def long_sequence_layouts(ctx: Context) -> Dict[str, Dict[str, Any]]:
     """name -> ``_run`` arguments of the long-sequence variants this world allows."""
-    layers = int(json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1))
+    layers = int(
+        json.loads((ctx.model_dir / "config.json").read_text()).get("num_hidden_layers", 1)
+    )
     out: Dict[str, Dict[str, Any]] = {}
     if ctx.world % 2 == 0:
         out["tp2_sp"] = dict(tp=2, pp=1, sequence_parallel=True)
         if layers % 2 == 0:
-            out["pp2_tokens"] = dict(tp=1, pp=2, micro_batch_tokens=24)  # 4 rows of 11-16 tokens: 3 shapes
+            out["pp2_tokens"] = dict(
+                tp=1, pp=2, micro_batch_tokens=24
+            )  # 4 rows of 11-16 tokens: 3 shapes
         if layers % 4 == 0:
             out["pp2_vpp2"] = dict(tp=1, pp=2, virtual_pipeline_model_parallel_size=2)
     return out
@@ -143,11 +181,17 @@ def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[
         _, (lp, ent, m, w) = _run(ctx, **{**kw, **variants[name]})
         err["logprob_err"] = max(err["logprob_err"], max_abs_diff(lp1, lp))
         err["entropy_err"] = max(err["entropy_err"], max_abs_diff(ent1, ent))
-        err["grad_norm_rel_err"] = max(err["grad_norm_rel_err"],
-                                       abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12))
+        err["grad_norm_rel_err"] = max(
+            err["grad_norm_rel_err"],
+            abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12),
+        )
         err["weights_err"] = max(err["weights_err"], _weights_err(w1, w))
-    for name, bound in (("logprob_err", 1e-4), ("entropy_err", 1e-4), ("grad_norm_rel_err", 1e-4),
-                        ("weights_err", 1e-5)):
+    for name, bound in (
+        ("logprob_err", 1e-4),
+        ("entropy_err", 1e-4),
+        ("grad_norm_rel_err", 1e-4),
+        ("weights_err", 1e-5),
+    ):
         within(name, err[name], bound, out)
     return out
 
@@ -158,18 +202,33 @@ def check_te_spec(ctx: Context, **params) -> Dict[str, Any]:
     err = transformer_engine_error()
     if err is not None:
         raise CheckFailed(f"Transformer Engine: {err}")
-    _, (lp_ref, _, m_ref, _) = _run(ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False)
-    before, (lp, _, m, w) = _run(ctx, ctx.tp, dtype="bfloat16", transformer_impl="transformer_engine",
-                                 distributed_optimizer=True, **params)
+    _, (lp_ref, _, m_ref, _) = _run(
+        ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False
+    )
+    before, (lp, _, m, w) = _run(
+        ctx,
+        ctx.tp,
+        dtype="bfloat16",
+        transformer_impl="transformer_engine",
+        distributed_optimizer=True,
+        **params,
+    )
     out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
-    within("grad_norm_rel_err", abs(m["grad_norm"] - m_ref["grad_norm"]) / max(m_ref["grad_norm"], 1e-12), 0.1, out)
+    within(
+        "grad_norm_rel_err",
+        abs(m["grad_norm"] - m_ref["grad_norm"]) / max(m_ref["grad_norm"], 1e-12),
+        0.1,
+        out,
+    )
     still = [k for k in w if torch.equal(w[k], before[k])]
     out["tensors_unchanged"] = len(still)
     if still:
-        raise CheckFailed(f"{len(still)} weight tensors did not move in the step (e.g. {still[0]})", out)
+        raise CheckFailed(
+            f"{len(still)} weight tensors did not move in the step (e.g. {still[0]})", out
+        )
     return out
 
 

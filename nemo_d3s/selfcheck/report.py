@@ -21,8 +21,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["CheckFailed", "CheckResult", "NotRun", "PASSED", "FAILED", "NOT_RUN", "NO_CUDA", "combine",
-           "exit_code", "finalize", "format_table", "run_check", "write_json"]
+__all__ = [
+    "CheckFailed",
+    "CheckResult",
+    "NotRun",
+    "PASSED",
+    "FAILED",
+    "NOT_RUN",
+    "NO_CUDA",
+    "combine",
+    "exit_code",
+    "finalize",
+    "format_table",
+    "run_check",
+    "write_json",
+]
 
 PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
 NO_CUDA = "no CUDA"
@@ -75,8 +88,14 @@ def _jsonable(v: Any) -> Any:
         return str(v)
 
 
-def run_check(name: str, needs_cuda: bool, fn: Callable[[], Optional[Dict[str, Any]]], *, cuda: bool,
-              rank: int = 0) -> CheckResult:
+def run_check(
+    name: str,
+    needs_cuda: bool,
+    fn: Callable[[], Optional[Dict[str, Any]]],
+    *,
+    cuda: bool,
+    rank: int = 0,
+) -> CheckResult:
     """Run one check on this rank. ``fn()`` returns the measured numbers (passed), raises
     :class:`NotRun` or :class:`CheckFailed`; any other exception is a failure named by its
     type and message. Without CUDA a CUDA check is not called at all."""
@@ -92,7 +111,9 @@ def run_check(name: str, needs_cuda: bool, fn: Callable[[], Optional[Dict[str, A
         measured, status, reason = e.measured, FAILED, str(e)
     except Exception as e:  # a crash is a failure of the path it exercises
         measured, status, reason = {}, FAILED, f"{type(e).__name__}: {e}".strip()
-    return CheckResult(name, needs_cuda, status, reason, _jsonable(measured), time.perf_counter() - t0, rank)
+    return CheckResult(
+        name, needs_cuda, status, reason, _jsonable(measured), time.perf_counter() - t0, rank
+    )
 
 
 def combine(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckResult]:
@@ -104,7 +125,9 @@ def combine(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckResult]:
     names = [r.name for r in per_rank[0]]
     for rank, records in enumerate(per_rank):
         if [r.name for r in records] != names:
-            raise ValueError(f"rank {rank} ran other checks than rank 0: {[r.name for r in records]} vs {names}")
+            raise ValueError(
+                f"rank {rank} ran other checks than rank 0: {[r.name for r in records]} vs {names}"
+            )
     out = []
     for i in range(len(names)):
         column = [records[i] for records in per_rank]
@@ -160,12 +183,18 @@ def format_table(results: Sequence[CheckResult]) -> str:
     return "\n".join(lines)
 
 
-def write_json(results: Sequence[CheckResult], out_dir: str | Path, context: Dict[str, Any]) -> Path:
+def write_json(
+    results: Sequence[CheckResult], out_dir: str | Path, context: Dict[str, Any]
+) -> Path:
     """``out_dir/selfcheck.json``: {"context": ..., "exit_code": 0|1, "checks": [records]},
     written to a temporary file and renamed (a reader never sees half of it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {"context": _jsonable(context), "exit_code": exit_code(results), "checks": [asdict(r) for r in results]}
+    doc = {
+        "context": _jsonable(context),
+        "exit_code": exit_code(results),
+        "checks": [asdict(r) for r in results],
+    }
     path, tmp = out / "selfcheck.json", out / ".selfcheck.json.tmp"
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)

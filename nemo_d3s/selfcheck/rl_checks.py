@@ -28,11 +28,24 @@ __all__ = ["CHECKS", "rl_overrides", "run_rl"]
 
 def rl_overrides(ctx: Context, out_dir: str, *, steps: int = 2, extra: List[str] = ()) -> List[str]:
     """The trainer overrides of the self-check's RL run (Hydra syntax)."""
-    return ["experiment=smoke", "model.backend=megatron", "~model.params.tiny", f"model.name={ctx.model_dir}",
-            f"+model.params.tensor_model_parallel_size={ctx.tp}", f"model.device={'cuda' if ctx.cuda else 'cpu'}",
-            "model.dtype=auto",
-            f"trainer.steps={steps}", "trainer.eval_at_start=false", "trainer.eval_every=0", "trainer.save_every=0",
-            "trainer.export_hf=false", "task.eval_size=4", "logging.level=WARNING", f"output_dir={out_dir}", *extra]
+    return [
+        "experiment=smoke",
+        "model.backend=megatron",
+        "~model.params.tiny",
+        f"model.name={ctx.model_dir}",
+        f"+model.params.tensor_model_parallel_size={ctx.tp}",
+        f"model.device={'cuda' if ctx.cuda else 'cpu'}",
+        "model.dtype=auto",
+        f"trainer.steps={steps}",
+        "trainer.eval_at_start=false",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.export_hf=false",
+        "task.eval_size=4",
+        "logging.level=WARNING",
+        f"output_dir={out_dir}",
+        *extra,
+    ]
 
 
 def run_rl(ctx: Context, name: str, extra: List[str] = ()) -> Dict[str, Any]:
@@ -80,8 +93,14 @@ def check_rl_step(ctx: Context) -> Dict[str, Any]:
 def _differences(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str) -> List[str]:
     if set(a) != set(b):
         return [f"{what}: other tensor names: {sorted(set(a) ^ set(b))[:4]}"]
-    bad = [k for k in a if a[k].shape != b[k].shape or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-    return [f"{what}: {len(bad)} tensors differ from the live weights (e.g. {bad[0]})"] if bad else []
+    bad = [
+        k
+        for k in a
+        if a[k].shape != b[k].shape or a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])
+    ]
+    return (
+        [f"{what}: {len(bad)} tensors differ from the live weights (e.g. {bad[0]})"] if bad else []
+    )
 
 
 def check_checkpoint(ctx: Context) -> Dict[str, Any]:
@@ -110,12 +129,17 @@ def check_checkpoint(ctx: Context) -> Dict[str, Any]:
         try:
             megatron_to_hf(str(folder), str(hf_out), hf_config=str(ctx.model_dir), progress=False)
             files = sorted(hf_out.glob("*.safetensors"))
-            problems += _differences(live, {k: v for f in files for k, v in load_file(str(f)).items()},
-                                     "megatron_to_hf")
+            problems += _differences(
+                live, {k: v for f in files for k, v in load_file(str(f)).items()}, "megatron_to_hf"
+            )
         except Exception as e:  # reported on every rank by agree()
             problems.append(f"megatron_to_hf: {type(e).__name__}: {e}")
-    out = {"tensors": len(live), "saved_tp": ctx.tp, "loaded_at_tp": layouts,
-           "bytes": sum(t.numel() * t.element_size() for t in live.values())}
+    out = {
+        "tensors": len(live),
+        "saved_tp": ctx.tp,
+        "loaded_at_tp": layouts,
+        "bytes": sum(t.numel() * t.element_size() for t in live.values()),
+    }
     ctx.agree(problems, out)
     return out
 

@@ -41,7 +41,7 @@ def extract_tagged(text: str) -> Optional[str]:
     matches = list(_TAG.finditer(text))
     if not matches:
         return None
-    rest = text[matches[-1].end():]
+    rest = text[matches[-1].end() :]
     for line in rest.splitlines():
         cleaned = clean_segment(line)
         if cleaned:

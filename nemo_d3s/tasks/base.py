@@ -108,8 +108,14 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
         except AttributeError:  # a task with __slots__: still warn, but only once per process
             pass
         if n == 1:
-            log.warning("task %s: reward %r is outside the task's declared range [%s, %s]; further ones are "
-                        "counted (reward_out_of_range_total in summary.json)", getattr(task, "name", task), value, lo, hi)
+            log.warning(
+                "task %s: reward %r is outside the task's declared range [%s, %s]; further ones are "
+                "counted (reward_out_of_range_total in summary.json)",
+                getattr(task, "name", task),
+                value,
+                lo,
+                hi,
+            )
     return value, None
 
 

@@ -47,7 +47,9 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
         raise ValueError("no dataset file given")
     p = Path(path).expanduser()
     if p.is_dir():
-        raise ValueError(f"dataset path {str(p)!r} is a directory; it must name a .jsonl, .json or .parquet file")
+        raise ValueError(
+            f"dataset path {str(p)!r} is a directory; it must name a .jsonl, .json or .parquet file"
+        )
     if not p.exists():
         raise FileNotFoundError(f"dataset file {str(p)!r} does not exist")
     if not p.is_file():
@@ -57,18 +59,24 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise ImportError(f"reading {p} needs pyarrow: pip install pyarrow (or the [data] extra)") from exc
+            raise ImportError(
+                f"reading {p} needs pyarrow: pip install pyarrow (or the [data] extra)"
+            ) from exc
         try:
             return pq.read_table(str(p)).to_pylist()
         except Exception as exc:  # pyarrow's own error types
-            raise ValueError(f"{p}: not a readable parquet file ({str(exc).splitlines()[0] if str(exc) else exc})") from None
+            raise ValueError(
+                f"{p}: not a readable parquet file ({str(exc).splitlines()[0] if str(exc) else exc})"
+            ) from None
     if suffix == ".json":
         raw = p.read_bytes()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             line = raw.count(b"\n", 0, exc.start) + 1
-            raise ValueError(f"{p}: line {line} is not UTF-8 text (byte offset {exc.start})") from None
+            raise ValueError(
+                f"{p}: line {line} is not UTF-8 text (byte offset {exc.start})"
+            ) from None
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -82,7 +90,9 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(f"{p}: line {lineno} is not UTF-8 text (byte {exc.start} of the line)") from None
+                raise ValueError(
+                    f"{p}: line {lineno} is not UTF-8 text (byte {exc.start} of the line)"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -111,8 +121,13 @@ def parse_reference(raw: Any, answer_format: str = "auto") -> Optional[str]:
     return text or None
 
 
-def load_problems(path: str, question_field: str = "question", answer_field: str = "answer",
-                  answer_format: str = "auto", prompt_suffix: str = BOXED_SUFFIX) -> List[Problem]:
+def load_problems(
+    path: str,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    answer_format: str = "auto",
+    prompt_suffix: str = BOXED_SUFFIX,
+) -> List[Problem]:
     """Every row of ``path`` as a Problem. A row with no question or no parseable answer
     -> ValueError naming the file and the (1-based) row number."""
     problems = []
@@ -128,7 +143,9 @@ def load_problems(path: str, question_field: str = "question", answer_field: str
                 f"{path}: row {i} has no answer in field {answer_field!r} (answer_format={answer_format!r})"
             )
         meta = {"row": i, "source": str(path), "raw_answer": row.get(answer_field)}
-        problems.append(Problem(prompt=str(question).strip() + prompt_suffix, answer=answer, meta=meta))
+        problems.append(
+            Problem(prompt=str(question).strip() + prompt_suffix, answer=answer, meta=meta)
+        )
     if not problems:
         raise ValueError(f"{path}: no rows")
     return problems
@@ -139,31 +156,51 @@ class MathDatasetTask(Task):
     None), or, without one, ``n_eval`` (default 500) rows held out of ``train_path`` by a
     fixed ``seed`` shuffle and never used for training."""
 
-    def __init__(self, train_path: str, eval_path: Optional[str] = None, *, question_field: str = "question",
-                 answer_field: str = "answer", answer_format: str = "auto", prompt_suffix: str = BOXED_SUFFIX,
-                 n_eval: Optional[int] = None, seed: int = 0, name: str = "math_file",
-                 reward_fn: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        train_path: str,
+        eval_path: Optional[str] = None,
+        *,
+        question_field: str = "question",
+        answer_field: str = "answer",
+        answer_format: str = "auto",
+        prompt_suffix: str = BOXED_SUFFIX,
+        n_eval: Optional[int] = None,
+        seed: int = 0,
+        name: str = "math_file",
+        reward_fn: Optional[str] = None,
+    ) -> None:
         self.name = name
         self._reward_fn = load_reward_fn(reward_fn) if reward_fn else None
-        read = dict(question_field=question_field, answer_field=answer_field,
-                    answer_format=answer_format, prompt_suffix=prompt_suffix)
+        read = dict(
+            question_field=question_field,
+            answer_field=answer_field,
+            answer_format=answer_format,
+            prompt_suffix=prompt_suffix,
+        )
         if train_path is None or str(train_path).strip() in ("", "???"):
-            raise ValueError("task.params.train_path is required: the .jsonl/.json/.parquet file to train on "
-                             "(task.params.train_path=/data/train.jsonl)")
+            raise ValueError(
+                "task.params.train_path is required: the .jsonl/.json/.parquet file to train on "
+                "(task.params.train_path=/data/train.jsonl)"
+            )
         train = _load_named("task.params.train_path", train_path, read)
         # The verifier's checkability of the references; a reward function of the user's judges them itself.
         check = (lambda *a: 0) if self._reward_fn is not None else _check_references
         self.unusable_references = check("task.params.train_path", train_path, train, answer_field)
         if eval_path is not None:
             evals = _load_named("task.params.eval_path", eval_path, read)
-            self.unusable_references += check("task.params.eval_path", eval_path, evals, answer_field)
+            self.unusable_references += check(
+                "task.params.eval_path", eval_path, evals, answer_field
+            )
             self._eval = evals if n_eval is None else evals[:n_eval]
             self._train = train
         else:
             n_eval = 500 if n_eval is None else n_eval
             check_count("n_eval", n_eval)
             if n_eval >= len(train):
-                raise ValueError(f"n_eval={n_eval} leaves no training rows in {train_path} ({len(train)} rows)")
+                raise ValueError(
+                    f"n_eval={n_eval} leaves no training rows in {train_path} ({len(train)} rows)"
+                )
             order = list(range(len(train)))
             random.Random(seed).shuffle(order)
             held = sorted(order[:n_eval])
@@ -179,8 +216,13 @@ class MathDatasetTask(Task):
         self._train = [p for p in self._train if not drop(p)]
         self._eval = [p for p in self._eval if not drop(p)]
         if not self._train:
-            raise ValueError(f"task {self.name!r}: no training rows left after dropping the ones that are too long")
-        return {"train": before["train"] - len(self._train), "eval": before["eval"] - len(self._eval)}
+            raise ValueError(
+                f"task {self.name!r}: no training rows left after dropping the ones that are too long"
+            )
+        return {
+            "train": before["train"] - len(self._train),
+            "eval": before["eval"] - len(self._eval),
+        }
 
     def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
         """``n`` distinct rows (rows repeat only when n exceeds the training set)."""
@@ -215,15 +257,19 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
         path = Path(where).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"{key}: no such file {str(path.resolve())!r}")
-        module_spec = importlib.util.spec_from_file_location(f"nemo_d3s_user_reward_{path.stem}", path)
+        module_spec = importlib.util.spec_from_file_location(
+            f"nemo_d3s_user_reward_{path.stem}", path
+        )
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
         try:
             module = importlib.import_module(where)
         except ImportError as exc:
-            raise ValueError(f"{key}: cannot import {where!r} ({exc}); give a .py file or put its folder on "
-                             "PYTHONPATH") from None
+            raise ValueError(
+                f"{key}: cannot import {where!r} ({exc}); give a .py file or put its folder on "
+                "PYTHONPATH"
+            ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{key}: {where!r} has no function {attr!r}")
@@ -247,14 +293,24 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
     bad = [p for p in problems if not reference_is_checkable(p.answer)]
     if not bad:
         return 0
-    shown = ", ".join(f"row {p.meta['row']}: {p.answer!r}" for p in bad[:3]) + (" ..." if len(bad) > 3 else "")
+    shown = ", ".join(f"row {p.meta['row']}: {p.answer!r}" for p in bad[:3]) + (
+        " ..." if len(bad) > 3 else ""
+    )
     if len(bad) == len(problems):
-        raise ValueError(f"{key}: none of the {len(problems)} reference answers in {path} (field {answer_field!r}) "
-                         f"can be checked by the math verifier ({shown}); every rollout would get reward 0. "
-                         "Point task.params.answer_field / answer_format at the numeric or LaTeX answer")
-    log.warning("%s: %d of %d reference answers in %s cannot be checked by the math verifier (%s); those rows "
-                "train with reward 0 on every rollout (counted as unusable_references in summary.json)",
-                key, len(bad), len(problems), path, shown)
+        raise ValueError(
+            f"{key}: none of the {len(problems)} reference answers in {path} (field {answer_field!r}) "
+            f"can be checked by the math verifier ({shown}); every rollout would get reward 0. "
+            "Point task.params.answer_field / answer_format at the numeric or LaTeX answer"
+        )
+    log.warning(
+        "%s: %d of %d reference answers in %s cannot be checked by the math verifier (%s); those rows "
+        "train with reward 0 on every rollout (counted as unusable_references in summary.json)",
+        key,
+        len(bad),
+        len(problems),
+        path,
+        shown,
+    )
     return len(bad)
 
 

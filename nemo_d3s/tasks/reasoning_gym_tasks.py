@@ -56,10 +56,15 @@ class ReasoningGymTask(Task):
         self.answer_kind = answer_kind
         self.prompt_suffix = prompt_suffix
         self.partial_credit = partial_credit
-        self._train = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed, **self.config)
+        self._train = reasoning_gym.create_dataset(
+            dataset, size=train_size, seed=seed, **self.config
+        )
         # The eval dataset's virtual size only bounds the indices we may read from it.
         self._eval_ds = reasoning_gym.create_dataset(
-            dataset, size=max(n_eval, 1) * _MAX_REJECTION_ROUNDS, seed=seed + train_size, **self.config
+            dataset,
+            size=max(n_eval, 1) * _MAX_REJECTION_ROUNDS,
+            seed=seed + train_size,
+            **self.config,
         )
         self._eval = self._distinct_eval(n_eval)
         self._eval_questions = {p.meta["question"] for p in self._eval}
@@ -84,7 +89,9 @@ class ReasoningGymTask(Task):
     def _problem(self, ds, idx: int, split: str) -> Problem:
         entry = ds[idx]
         meta = {"question": entry["question"], "entry": entry, "index": idx, "split": split}
-        return Problem(prompt=entry["question"] + self.prompt_suffix, answer=str(entry["answer"]), meta=meta)
+        return Problem(
+            prompt=entry["question"] + self.prompt_suffix, answer=str(entry["answer"]), meta=meta
+        )
 
     def sample_train(self, n: int, rng: random.Random) -> List[Problem]:
         check_count("n", n)
@@ -122,14 +129,22 @@ def reasoning_gym_task(dataset: str, **options) -> ReasoningGymTask:
     return ReasoningGymTask(dataset, **options)
 
 
-def _preset(name: str, dataset: str, defaults: Dict[str, Any], answer_kind: str = "number", n_eval: int = 128):
+def _preset(
+    name: str,
+    dataset: str,
+    defaults: Dict[str, Any],
+    answer_kind: str = "number",
+    n_eval: int = 128,
+):
     def factory(config: Optional[Dict[str, Any]] = None, **options) -> ReasoningGymTask:
         merged = {**defaults, **(config or {})}
         options.setdefault("answer_kind", answer_kind)
         options.setdefault("n_eval", n_eval)
         return ReasoningGymTask(dataset, merged, name=name, **options)
 
-    factory.__doc__ = f"reasoning-gym {dataset!r} with defaults {defaults} (override with config={{...}})."
+    factory.__doc__ = (
+        f"reasoning-gym {dataset!r} with defaults {defaults} (override with config={{...}})."
+    )
     TASKS.register(name)(factory)
     return factory
 
@@ -141,17 +156,30 @@ def _preset(name: str, dataset: str, defaults: Dict[str, Any], answer_kind: str 
 # only 200 distinct questions, so the held-out eval set defaults to 64 of them (the other
 # 136 remain for training).
 chain_sum = _preset(
-    "chain_sum", "chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, n_eval=64
+    "chain_sum",
+    "chain_sum",
+    {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+    n_eval=64,
 )
 basic_arithmetic = _preset(
     "basic_arithmetic",
     "basic_arithmetic",
-    {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ("+", "-"),
-     "allow_parentheses": False, "allow_negation": False},
+    {
+        "min_terms": 2,
+        "max_terms": 2,
+        "min_digits": 1,
+        "max_digits": 1,
+        "operators": ("+", "-"),
+        "allow_parentheses": False,
+        "allow_negation": False,
+    },
     n_eval=64,
 )
 # Harder presets for larger models.
 gsm_symbolic = _preset("gsm_symbolic", "gsm_symbolic", {})
 countdown = _preset(
-    "countdown", "countdown", {"min_numbers": 3, "max_numbers": 4, "max_target": 100, "min_target": 10}, "text"
+    "countdown",
+    "countdown",
+    {"min_numbers": 3, "max_numbers": 4, "max_target": 100, "min_target": 10},
+    "text",
 )

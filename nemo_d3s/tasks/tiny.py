@@ -24,8 +24,13 @@ _EVAL_OFFSET = 1_000_000_000  # eval prompt ids live far above any training id
 class TinyCharTask(Task):
     """Prompts "Request #k: write as many of the letters ... as you can."; reward as above."""
 
-    def __init__(self, targets: str = "aeiou", mode: str = "fraction", n_eval: int = 16,
-                 n_train_prompts: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        targets: str = "aeiou",
+        mode: str = "fraction",
+        n_eval: int = 16,
+        n_train_prompts: int = 1_000_000,
+    ) -> None:
         if not targets:
             raise ValueError("targets must be a non-empty string of characters")
         if mode not in ("fraction", "contains"):
@@ -34,7 +39,9 @@ class TinyCharTask(Task):
         self.name = "tiny"
         self.targets, self.mode = targets, mode
         if not 1 <= n_train_prompts <= _EVAL_OFFSET:
-            raise ValueError(f"n_train_prompts must be in [1, {_EVAL_OFFSET}], got {n_train_prompts}")
+            raise ValueError(
+                f"n_train_prompts must be in [1, {_EVAL_OFFSET}], got {n_train_prompts}"
+            )
         self.n_train_prompts = n_train_prompts
         self._eval = [self._problem(_EVAL_OFFSET + i, "eval") for i in range(n_eval)]
 

@@ -72,7 +72,9 @@ def resolve_backend(name: str) -> Tuple[type, type]:
     cls = _import(name)
     cfg_cls = getattr(cls, "config_class", None)
     if cfg_cls is None or not dataclasses.is_dataclass(cfg_cls):
-        raise ValueError(f"model.backend={name!r}: the class needs a dataclass attribute 'config_class'")
+        raise ValueError(
+            f"model.backend={name!r}: the class needs a dataclass attribute 'config_class'"
+        )
     return cls, cfg_cls
 
 
@@ -89,8 +91,11 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
             )
     unused = sorted(k for k, v in common.items() if k not in fields and v not in (None, False))
     if unused:
-        log.info("%s does not use the run settings %s", cfg_cls.__name__, ", ".join(
-            f"{k}={common[k]!r}" for k in unused))
+        log.info(
+            "%s does not use the run settings %s",
+            cfg_cls.__name__,
+            ", ".join(f"{k}={common[k]!r}" for k in unused),
+        )
     values = {k: v for k, v in common.items() if k in fields}
     values.update(params)
     try:
@@ -100,7 +105,9 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
     return OmegaConf.to_object(merged)
 
 
-def checked_config(name: str, common: Mapping[str, Any], params: Mapping[str, Any]) -> Tuple[type, Any]:
+def checked_config(
+    name: str, common: Mapping[str, Any], params: Mapping[str, Any]
+) -> Tuple[type, Any]:
     """(backend class, its config) for ``name``: the config dataclass built from common
     settings + ``model.params`` and passed through the class's own ``check_config`` (when it
     has one). ValueError naming the key otherwise. Nothing is built."""
@@ -117,5 +124,7 @@ def build_backend(name: str, common: Mapping[str, Any], params: Mapping[str, Any
     cls, config = checked_config(name, common, params)
     policy = cls(config)
     if not isinstance(policy, Policy):
-        raise TypeError(f"backend {name!r} built a {type(policy).__name__}, not a nemo_d3s.backends.base.Policy")
+        raise TypeError(
+            f"backend {name!r} built a {type(policy).__name__}, not a nemo_d3s.backends.base.Policy"
+        )
     return policy

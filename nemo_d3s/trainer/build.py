@@ -26,8 +26,16 @@ from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.backend_registry import build_backend, checked_config
 
 __all__ = [
-    "check_runtime", "plain", "d3s_config", "build_selector", "loss_config", "generation_config", "backend_settings",
-    "checked_backend_config", "backend_from_config", "rollout_engine",
+    "check_runtime",
+    "plain",
+    "d3s_config",
+    "build_selector",
+    "loss_config",
+    "generation_config",
+    "backend_settings",
+    "checked_backend_config",
+    "backend_from_config",
+    "rollout_engine",
 ]
 
 
@@ -54,7 +62,9 @@ def build_selector(cfg: Any, groups: ParallelGroups) -> DistributedD3SSelector:
     """The DP-global selector over ``groups.dp`` (with one process its collectives are the
     identity), so cross-group selection and the token top-K threshold span all ranks and a
     2-rank run selects what a 1-rank run selects on the same global batch."""
-    return DistributedD3SSelector(d3s_config(cfg), groups.dp, batch_scope=cfg.d3s.dp_batch_scope, device=groups.device)
+    return DistributedD3SSelector(
+        d3s_config(cfg), groups.dp, batch_scope=cfg.d3s.dp_batch_scope, device=groups.device
+    )
 
 
 def loss_config(cfg: Any) -> LossConfig:
@@ -74,8 +84,11 @@ def loss_config(cfg: Any) -> LossConfig:
 def generation_config(cfg: Any) -> GenerationConfig:
     t = cfg.trainer
     return GenerationConfig(
-        max_new_tokens=int(t.max_new_tokens), temperature=float(t.temperature), top_p=float(t.top_p),
-        top_k=int(t.top_k), do_sample=True,
+        max_new_tokens=int(t.max_new_tokens),
+        temperature=float(t.temperature),
+        top_p=float(t.top_p),
+        top_k=int(t.top_k),
+        do_sample=True,
     )
 
 
@@ -88,17 +101,23 @@ def check_runtime(cfg: Any) -> None:
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 
-        raise ConfigError(f"rollout.engine={engine!r}: vLLM is not installed in this Python; {VLLM_INSTALL_HINT}; "
-                          "or use rollout=hf")
+        raise ConfigError(
+            f"rollout.engine={engine!r}: vLLM is not installed in this Python; {VLLM_INSTALL_HINT}; "
+            "or use rollout=hf"
+        )
     device = str(cfg.model.device)
     if device.startswith("cuda"):
         if torch.version.cuda is None:
-            raise ConfigError(f"model.device={device!r}: this torch {torch.__version__} is a CPU-only build; install a "
-                              "CUDA build of torch, or use model.device=cpu")
+            raise ConfigError(
+                f"model.device={device!r}: this torch {torch.__version__} is a CPU-only build; install a "
+                "CUDA build of torch, or use model.device=cpu"
+            )
         if not torch.cuda.is_available():
-            raise ConfigError(f"model.device={device!r}: torch sees no GPU here (CUDA_VISIBLE_DEVICES="
-                              f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
-                              "run on a GPU node, or use model.device=cpu")
+            raise ConfigError(
+                f"model.device={device!r}: torch sees no GPU here (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
+                "run on a GPU node, or use model.device=cpu"
+            )
 
 
 def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -155,4 +174,6 @@ def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
     if engine.prompt_seeds:
         return engine
-    return PerPromptCalls(engine) if bool(cfg.trainer.generate_per_prompt) else OneSeedPerCall(engine)
+    return (
+        PerPromptCalls(engine) if bool(cfg.trainer.generate_per_prompt) else OneSeedPerCall(engine)
+    )

@@ -86,10 +86,18 @@ def capture_rng() -> Dict[str, Any]:
     np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
     state: Dict[str, Any] = {
         "format": _RNG_FORMAT,
-        "python": {"version": int(py_version), "state": torch.tensor(py_state, dtype=torch.int64),
-                   "gauss_next": None if py_gauss is None else float(py_gauss)},
-        "numpy": {"name": str(np_name), "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
+        "python": {
+            "version": int(py_version),
+            "state": torch.tensor(py_state, dtype=torch.int64),
+            "gauss_next": None if py_gauss is None else float(py_gauss),
+        },
+        "numpy": {
+            "name": str(np_name),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -101,10 +109,19 @@ def restore_rng(state: Dict[str, Any]) -> None:
     if not isinstance(state, dict) or state.get("format") != _RNG_FORMAT:
         raise ValueError("RNG state in an unknown format (written by another version?)")
     py = state["python"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    random.setstate(
+        (int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"])
+    )
     npy = state["numpy"]
-    np.random.set_state((npy["name"], npy["keys"].numpy().astype(np.uint32), int(npy["pos"]),
-                         int(npy["has_gauss"]), float(npy["cached_gaussian"])))
+    np.random.set_state(
+        (
+            npy["name"],
+            npy["keys"].numpy().astype(np.uint32),
+            int(npy["pos"]),
+            int(npy["has_gauss"]),
+            float(npy["cached_gaussian"]),
+        )
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -116,7 +133,9 @@ def safe_load(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError, a truncated zip, ...
-        raise RunError(f"refusing to load {str(path)!r}: not a plain tensor file ({first_line(e)})") from None
+        raise RunError(
+            f"refusing to load {str(path)!r}: not a plain tensor file ({first_line(e)})"
+        ) from None
 
 
 # ------------------------------------------------------------------ finding and verifying
@@ -129,7 +148,11 @@ def checkpoint_dirs(ckpt_root: str | os.PathLike) -> List[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
+    ]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -164,7 +187,10 @@ def verify_checkpoint(path: Path) -> Optional[str]:
     if not (path / CHECKSUMS).is_file():
         return f"no {CHECKSUMS} (incomplete, or written by a version without checksums)"
     try:
-        covered = "trainer_state.json" in json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
+        covered = (
+            "trainer_state.json"
+            in json.loads((path / CHECKSUMS).read_text(encoding="utf-8"))["files"]
+        )
     except Exception as e:
         return f"{CHECKSUMS} is garbled ({first_line(e)})"
     if not covered:
@@ -186,8 +212,14 @@ def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
     if isinstance(current, dict) and isinstance(loaded, dict):
         for k in current:
             if k in loaded:
-                out += _shape_mismatches(current[k], loaded[k], f"{prefix}.{k}" if prefix else str(k))
-    elif isinstance(current, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(current) == len(loaded):
+                out += _shape_mismatches(
+                    current[k], loaded[k], f"{prefix}.{k}" if prefix else str(k)
+                )
+    elif (
+        isinstance(current, (list, tuple))
+        and isinstance(loaded, (list, tuple))
+        and len(current) == len(loaded)
+    ):
         for i, (a, b) in enumerate(zip(current, loaded)):
             out += _shape_mismatches(a, b, f"{prefix}[{i}]")
     return out
@@ -201,15 +233,19 @@ def _free(root: Path) -> str:
 
 
 def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
-    return RunError(f"could not write {what} under {str(root)!r}: {first_line(e)} ({_free(root)}); "
-                    "earlier checkpoints are untouched, resume=true continues from the last one")
+    return RunError(
+        f"could not write {what} under {str(root)!r}: {first_line(e)} ({_free(root)}); "
+        "earlier checkpoints are untouched, resume=true continues from the last one"
+    )
 
 
 def export_failure(folder: Path, e: BaseException) -> str:
     """The one line for a failed write of the run's HF export (the run itself finished)."""
-    return (f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} ({_free(folder.parent)}); "
-            "the run finished and its last checkpoint and summary.json are written: free some space and run "
-            "again with resume=true to write the export")
+    return (
+        f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} ({_free(folder.parent)}); "
+        "the run finished and its last checkpoint and summary.json are written: free some space and run "
+        "again with resume=true to write the export"
+    )
 
 
 def looks_like_write_failure(e: BaseException) -> bool:
@@ -219,10 +255,15 @@ def looks_like_write_failure(e: BaseException) -> bool:
         return True
     msg = str(e)
     return (isinstance(e, RuntimeError) or type(e).__name__ == "SafetensorError") and any(
-        s in msg for s in ("unexpected pos", "PytorchStreamWriter", "file write failed", "No space left", "IoError")
+        s in msg
+        for s in (
+            "unexpected pos",
+            "PytorchStreamWriter",
+            "file write failed",
+            "No space left",
+            "IoError",
+        )
     )
-
-
 
 
 class CheckpointManager:
@@ -266,7 +307,7 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for p in checkpoint_dirs(self.root)[self.keep_last:]:
+        for p in checkpoint_dirs(self.root)[self.keep_last :]:
             shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:
@@ -288,10 +329,17 @@ class CheckpointManager:
         if chosen is None:
             if not problems:
                 return None
-            raise RunError(f"no usable checkpoint in {str(self.root)!r}: " + "; ".join(problems)
-                           + ". Remove the bad ones (or the folder) to start over")
+            raise RunError(
+                f"no usable checkpoint in {str(self.root)!r}: "
+                + "; ".join(problems)
+                + ". Remove the bad ones (or the folder) to start over"
+            )
         if problems and self.dp.is_main:
-            log.warning("resuming from %s instead of the newest checkpoint (%s)", Path(chosen).name, "; ".join(problems))
+            log.warning(
+                "resuming from %s instead of the newest checkpoint (%s)",
+                Path(chosen).name,
+                "; ".join(problems),
+            )
         path = Path(chosen)
         return path, self.load(path, backend)
 
@@ -312,7 +360,9 @@ class CheckpointManager:
         except RunError:
             raise
         except (RuntimeError, KeyError, ValueError) as e:
-            raise RunError(f"checkpoint {str(path)!r} does not fit this model/optimizer: {first_line(e)}") from None
+            raise RunError(
+                f"checkpoint {str(path)!r} does not fit this model/optimizer: {first_line(e)}"
+            ) from None
         rng_file = path / f"rng_rank{self.dp.global_rank}.pt"
         if rng_file.is_file():
             try:
@@ -320,5 +370,7 @@ class CheckpointManager:
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise RunError(f"{str(rng_file)!r}: {first_line(e)}") from None
         else:
-            log.warning("%s missing (different number of ranks?); RNG streams not restored", rng_file.name)
+            log.warning(
+                "%s missing (different number of ranks?); RNG streams not restored", rng_file.name
+            )
         return state

@@ -55,14 +55,18 @@ class PromptBatch:
 class PromptSource:
     """Draws the global prompt list of a step and returns this rank's slice."""
 
-    def __init__(self, task: TaskAdapter, prompts_per_step: int, seed: int, groups: ParallelGroups) -> None:
+    def __init__(
+        self, task: TaskAdapter, prompts_per_step: int, seed: int, groups: ParallelGroups
+    ) -> None:
         self.task = task
         self.prompts_per_step = prompts_per_step
         self.seed = seed
         self.lo, self.hi = shard_range(prompts_per_step, groups.dp_rank, groups.dp_size)
 
     def for_step(self, step: int) -> PromptBatch:
-        problems = self.task.sample_train(self.prompts_per_step, derive_seed(self.seed, "data", step))
+        problems = self.task.sample_train(
+            self.prompts_per_step, derive_seed(self.seed, "data", step)
+        )
         mine = problems[self.lo : self.hi]
         return PromptBatch(
             problems=mine,
@@ -72,11 +76,15 @@ class PromptSource:
         )
 
 
-def generate_groups(engine: RolloutEngine, batch: PromptBatch, n_samples: int, gen: GenerationConfig) -> Rollouts:
+def generate_groups(
+    engine: RolloutEngine, batch: PromptBatch, n_samples: int, gen: GenerationConfig
+) -> Rollouts:
     """G completions per prompt, each prompt sampled from its own seed (rule 2 above; an
     engine that cannot take per-prompt seeds was wrapped at build time, see
     ``backends.wrappers``). Returns [P_local * G] rows, prompt-major."""
     out = engine.generate(batch.prompts, n_samples, gen, list(batch.seeds))
     if len(out.batch) != len(batch) * n_samples:
-        raise RuntimeError(f"the rollout engine returned {len(out.batch)} rows, expected {len(batch) * n_samples}")
+        raise RuntimeError(
+            f"the rollout engine returned {len(out.batch)} rows, expected {len(batch) * n_samples}"
+        )
     return out

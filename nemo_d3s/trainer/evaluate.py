@@ -64,7 +64,9 @@ def evaluate(
                 shown.append({"prompt": task.prompt_text(p), "completion": text, "reward": r})
     if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
         return {"stopped": True}
-    s = groups.sum({"reward": total, "errors": float(errors), "length": length, "n": float(len(mine))})
+    s = groups.sum(
+        {"reward": total, "errors": float(errors), "length": length, "n": float(len(mine))}
+    )
     return {
         "eval_reward_mean": s["reward"] / max(s["n"], 1.0),
         "eval_n": int(s["n"]),

@@ -55,7 +55,12 @@ from nemo_d3s.trainer.evaluate import evaluate
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
-from nemo_d3s.trainer.resume import check_resume_config, move_records_aside, refuse_records, write_config
+from nemo_d3s.trainer.resume import (
+    check_resume_config,
+    move_records_aside,
+    refuse_records,
+    write_config,
+)
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
@@ -71,6 +76,7 @@ _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 INTERRUPTED_MARKER = "interrupted.json"
 # Steps in a row with one reward for every rollout before the run warns (once) about it.
 CONSTANT_REWARD_STEPS = 5
+
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
@@ -98,7 +104,9 @@ class Trainer:
             engine=self.engine,
             selector=build_selector(cfg, self.groups),
             task=self.task,
-            prompts=PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups),
+            prompts=PromptSource(
+                self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups
+            ),
             gen=generation_config(cfg),
             num_generations=int(self.t.num_generations),
             loss_name=cfg.algorithm.loss,
@@ -107,8 +115,11 @@ class Trainer:
             micro_batch_size=int(self.t.micro_batch_size),
             logprob_micro_batch_size=int(self.t.logprob_micro_batch_size),
             micro_batch_tokens=int(self.t.micro_batch_tokens),
-            logprob_micro_batch_tokens=int(self.t.micro_batch_tokens if self.t.logprob_micro_batch_tokens is None
-                                           else self.t.logprob_micro_batch_tokens),
+            logprob_micro_batch_tokens=int(
+                self.t.micro_batch_tokens
+                if self.t.logprob_micro_batch_tokens is None
+                else self.t.logprob_micro_batch_tokens
+            ),
             groups=self.groups,
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
@@ -133,11 +144,18 @@ class Trainer:
             return self._start_state_fresh()
         if not ckpts:
             agree_on_main(self.groups, lambda: move_records_aside(self.out))
-            log.info("resume=true but no checkpoint in %s; starting from step 0", self.out / "checkpoints")
+            log.info(
+                "resume=true but no checkpoint in %s; starting from step 0",
+                self.out / "checkpoints",
+            )
             return self._start_state_fresh()
-        agree_on_main(self.groups, lambda: check_resume_config(self.cfg, self.out))  # before anything is changed
+        agree_on_main(
+            self.groups, lambda: check_resume_config(self.cfg, self.out)
+        )  # before anything is changed
         latest, state = self.ckpt.load_latest(self.policy)
-        self.engine.sync_weights(self.policy)  # an engine with its own copy samples from the loaded weights
+        self.engine.sync_weights(
+            self.policy
+        )  # an engine with its own copy samples from the loaded weights
         if self.groups.is_main:
             for name in ("metrics.jsonl", "eval.jsonl"):
                 truncate_jsonl(self.out / name, state.step)
@@ -163,13 +181,21 @@ class Trainer:
         def handler(signum, _frame):
             name = signal.Signals(signum).name
             if self._stop_signal is not None:
-                print(f"second {name}: stopping now, without a checkpoint "
-                      "(resume=true continues from the last one)", file=sys.stderr, flush=True)
+                print(
+                    f"second {name}: stopping now, without a checkpoint "
+                    "(resume=true continues from the last one)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(128 + signum)
             self._stop_signal = name
             if signum == getattr(signal, "SIGINT", None):
-                print("SIGINT: finishing the current step, then writing a checkpoint "
-                      "(press Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+                print(
+                    "SIGINT: finishing the current step, then writing a checkpoint "
+                    "(press Ctrl-C again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         previous: Dict[int, Any] = {}
         for name in _STOP_SIGNALS:
@@ -185,9 +211,13 @@ class Trainer:
     def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
         """The eval row, or None when a stop signal interrupted the evaluation."""
         res = evaluate(
-            self.engine, self.task, self.eval_problems, self.groups,
+            self.engine,
+            self.task,
+            self.eval_problems,
+            self.groups,
             max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
-            batch_size=int(self.t.eval_batch_size), n_show=int(self.cfg.logging.log_samples),
+            batch_size=int(self.t.eval_batch_size),
+            n_show=int(self.cfg.logging.log_samples),
             should_stop=lambda: self._stop_signal is not None,
         )
         if res.get("stopped"):
@@ -196,7 +226,9 @@ class Trainer:
         row = {"step": state.step, **res}
         self.logger.log_eval(row)
         for s in samples:
-            self.logger.write(f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> {s['completion'][:200]!r}")
+            self.logger.write(
+                f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> {s['completion'][:200]!r}"
+            )
         return row
 
     def run(self) -> TrainerState:
@@ -223,8 +255,12 @@ class Trainer:
         self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
-            str(self.out), enabled=self.groups.is_main, tensorboard=bool(self.cfg.logging.tensorboard),
-            progress_bar=bool(self.cfg.logging.progress_bar), total_steps=T, start_step=state.step,
+            str(self.out),
+            enabled=self.groups.is_main,
+            tensorboard=bool(self.cfg.logging.tensorboard),
+            progress_bar=bool(self.cfg.logging.progress_bar),
+            total_steps=T,
+            start_step=state.step,
         )
         self.logger.write(f"run directory: {self.out.resolve()}")
         previous_handlers = self._install_signal_handlers()
@@ -250,15 +286,29 @@ class Trainer:
                 state.step += 1
                 self._accumulate(state, m)
                 state.wall_time_total = wall_before + time.perf_counter() - t_start
-                row = {"step": state.step, "progress": progress, **m, **self._totals(state),
-                       "time_step": time.perf_counter() - t0, "wall_time": state.wall_time_total}
+                row = {
+                    "step": state.step,
+                    "progress": progress,
+                    **m,
+                    **self._totals(state),
+                    "time_step": time.perf_counter() - t0,
+                    "wall_time": state.wall_time_total,
+                }
                 self.logger.log_step(row)
                 if m.get("skipped"):
-                    why = "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
-                    self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
+                    why = (
+                        "every group had equal rewards"
+                        if m.get("skip_all_equal")
+                        else "no token was kept"
+                    )
+                    self.logger.write(
+                        f"step {state.step}: update skipped ({why}); schedule advances"
+                    )
                 self._check_reward_failures(state, m, n_rollouts, max_failed)
                 self._check_constant_reward(state, m)
-                state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(self.task.task)
+                state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(
+                    self.task.task
+                )
                 fault_point("loop.step_done")
                 done = state.step == T
                 eval_stopped = False
@@ -286,7 +336,11 @@ class Trainer:
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:
-            marker = {"step": state.step, "signal": self._stop_signal or "another rank's", "checkpoint": str(path)}
+            marker = {
+                "step": state.step,
+                "signal": self._stop_signal or "another rank's",
+                "checkpoint": str(path),
+            }
             tmp = self.out / (INTERRUPTED_MARKER + ".tmp")
             tmp.write_text(json.dumps(marker) + "\n")
             tmp.replace(self.out / INTERRUPTED_MARKER)
@@ -297,7 +351,9 @@ class Trainer:
         state.extra["interrupted"] = True
         return state
 
-    def _check_reward_failures(self, state: TrainerState, m: Dict[str, float], n_rollouts: int, limit: int) -> None:
+    def _check_reward_failures(
+        self, state: TrainerState, m: Dict[str, float], n_rollouts: int, limit: int
+    ) -> None:
         """Stop when the reward function failed on every call for ``limit`` consecutive steps
         (a broken verifier would otherwise let the run "finish" with every step skipped)."""
         all_failed = float(m.get("reward_errors", 0.0)) >= n_rollouts
@@ -322,7 +378,11 @@ class Trainer:
                 "every rollout of the last %d steps (steps %d-%d) got reward %s: with no difference inside any group "
                 "every advantage is 0 and nothing is learned (each update is skipped). Check the task's verifier "
                 "against its references (task.params.answer_field / answer_format) and the evaluation samples",
-                run, state.step - run + 1, state.step, m.get("reward_mean"))
+                run,
+                state.step - run + 1,
+                state.step,
+                m.get("reward_mean"),
+            )
 
     @staticmethod
     def _accumulate(state: TrainerState, m: Dict[str, float]) -> None:
@@ -376,8 +436,11 @@ class Trainer:
             "wall_time": state.wall_time_total,
         }
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.logger.write("done: " + ", ".join(f"{k}={v}" for k, v in summary.items())
-                          + f"; run directory: {self.out.resolve()}")
+        self.logger.write(
+            "done: "
+            + ", ".join(f"{k}={v}" for k, v in summary.items())
+            + f"; run directory: {self.out.resolve()}"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -393,9 +456,13 @@ def train(cfg: Any) -> TrainerState:
     tear down the process group the policy created. Rank 0 speaks for the job; other ranks
     log warnings only."""
     seed_everything(int(cfg.seed))
-    check_output_dir(str(cfg.output_dir), create=False)  # before the model load: a bad path fails fast
+    check_output_dir(
+        str(cfg.output_dir), create=False
+    )  # before the model load: a bad path fails fast
     trainer = Trainer(cfg)
-    logging.getLogger("nemo_d3s").setLevel(cfg.logging.level if trainer.groups.is_main else "WARNING")
+    logging.getLogger("nemo_d3s").setLevel(
+        cfg.logging.level if trainer.groups.is_main else "WARNING"
+    )
     try:
         return trainer.run()
     finally:

@@ -65,8 +65,12 @@ def read_jsonl(path: str | os.PathLike, *, warn: bool = True) -> List[Dict[str, 
         return []
     rows, bad = _parse_jsonl(p)
     if bad and warn:
-        log.warning("%s: skipped %d line(s) that are not valid JSON: line %s", p, len(bad),
-                    ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else ""))
+        log.warning(
+            "%s: skipped %d line(s) that are not valid JSON: line %s",
+            p,
+            len(bad),
+            ", ".join(str(n) for n, _ in bad[:10]) + (" ..." if len(bad) > 10 else ""),
+        )
     return rows
 
 
@@ -81,8 +85,14 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
         with (p.parent / (p.name + ".garbled")).open("a", encoding="utf-8") as g:
             for n, line in bad:
                 g.write(f"{n}\t{line}\n")
-        log.warning("%s: %d line(s) are not valid JSON (line %s); kept the %d good rows, moved those lines to %s",
-                    p, len(bad), ", ".join(str(n) for n, _ in bad[:10]), len(rows), p.name + ".garbled")
+        log.warning(
+            "%s: %d line(s) are not valid JSON (line %s); kept the %d good rows, moved those lines to %s",
+            p,
+            len(bad),
+            ", ".join(str(n) for n, _ in bad[:10]),
+            len(rows),
+            p.name + ".garbled",
+        )
     rows = [r for r in rows if _step_of(r) <= max_step]
     tmp = p.with_suffix(p.suffix + ".tmp")
     with tmp.open("w") as f:
@@ -122,8 +132,10 @@ class JsonlAppender:
                 os.ftruncate(self.fd, end)
             except OSError:
                 pass
-            raise RunError(f"could not write {str(self.path)!r}: {e.strerror or e}; the file keeps its whole "
-                           "lines, resume=true continues from the last checkpoint") from None
+            raise RunError(
+                f"could not write {str(self.path)!r}: {e.strerror or e}; the file keeps its whole "
+                "lines, resume=true continues from the last checkpoint"
+            ) from None
 
     def close(self) -> None:
         if self.fd is not None:
@@ -152,7 +164,9 @@ def _repair_tail(p: Path) -> None:
         with (p.parent / (p.name + ".garbled")).open("ab") as g:
             g.write(b"(partial last line)\t" + partial + b"\n")
         f.truncate(cut)
-    log.warning("%s ended in a partial line (an interrupted write); moved it to %s", p, p.name + ".garbled")
+    log.warning(
+        "%s ended in a partial line (an interrupted write); moved it to %s", p, p.name + ".garbled"
+    )
 
 
 def _clean(v: Any) -> Any:
@@ -165,8 +179,16 @@ def _clean(v: Any) -> Any:
 class MetricsLogger:
     """Writes step and eval rows; a no-op on ranks other than 0."""
 
-    def __init__(self, output_dir: str, *, enabled: bool, tensorboard: bool, progress_bar: bool,
-                 total_steps: int, start_step: int) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        progress_bar: bool,
+        total_steps: int,
+        start_step: int,
+    ) -> None:
         self.enabled = enabled
         self.dir = Path(output_dir)
         self.tb = None
@@ -186,7 +208,9 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
+            )
 
     def log_step(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
@@ -202,9 +226,14 @@ class MetricsLogger:
                 refresh=False,
             )
         else:  # a log file (Slurm): the bar's fields and the step's time, one line per step
-            log.info("step %s: reward=%.3f smp=%.2f tok=%.2f time=%.1f s", row.get("step"),
-                     row.get("reward_mean", float("nan")), row.get("kept_sample_ratio", float("nan")),
-                     row.get("kept_token_ratio", float("nan")), row.get("time_step", float("nan")))
+            log.info(
+                "step %s: reward=%.3f smp=%.2f tok=%.2f time=%.1f s",
+                row.get("step"),
+                row.get("reward_mean", float("nan")),
+                row.get("kept_sample_ratio", float("nan")),
+                row.get("kept_token_ratio", float("nan")),
+                row.get("time_step", float("nan")),
+            )
 
     def log_eval(self, row: Dict[str, Any]) -> None:
         if not self.enabled:

@@ -45,8 +45,13 @@ def _eval_x(evals: List[dict], steps: List[dict], key: str) -> List[float]:
     return [by_step.get(int(e["step"]), float("nan")) for e in evals]
 
 
-def plot_runs(run_dirs: Sequence[str], output: str, labels: Optional[Sequence[str]] = None,
-              smooth: int = 5, title: Optional[str] = None) -> str:
+def plot_runs(
+    run_dirs: Sequence[str],
+    output: str,
+    labels: Optional[Sequence[str]] = None,
+    smooth: int = 5,
+    title: Optional[str] = None,
+) -> str:
     """Draw the three panels for ``run_dirs`` into ``output`` (PNG). Returns the path."""
     import matplotlib
 
@@ -62,18 +67,35 @@ def plot_runs(run_dirs: Sequence[str], output: str, labels: Optional[Sequence[st
         steps = read_jsonl(path / "metrics.jsonl")
         evals = read_jsonl(path / "eval.jsonl")
         if not steps and not evals:
-            print(f"warning: {path} has no metrics.jsonl / eval.jsonl rows; skipped", file=sys.stderr)
+            print(
+                f"warning: {path} has no metrics.jsonl / eval.jsonl rows; skipped", file=sys.stderr
+            )
             continue
         label = labels[i] if labels else (path.name or str(path))
         color = f"C{plotted % 10}"
         for ax, (key, _) in zip(axes[0], _AXES):
-            rows = [r for r in steps if isinstance(r.get(key), (int, float)) and isinstance(r.get("reward_mean"), (int, float))]
+            rows = [
+                r
+                for r in steps
+                if isinstance(r.get(key), (int, float))
+                and isinstance(r.get("reward_mean"), (int, float))
+            ]
             if rows:
-                ax.plot([r[key] for r in rows], _smooth([r["reward_mean"] for r in rows], smooth),
-                        color=color, label=f"{label} (train)")
+                ax.plot(
+                    [r[key] for r in rows],
+                    _smooth([r["reward_mean"] for r in rows], smooth),
+                    color=color,
+                    label=f"{label} (train)",
+                )
             if evals:
-                ax.plot(_eval_x(evals, steps, key), [e["eval_reward_mean"] for e in evals], color=color,
-                        marker="o", linestyle="--", label=f"{label} (eval)")
+                ax.plot(
+                    _eval_x(evals, steps, key),
+                    [e["eval_reward_mean"] for e in evals],
+                    color=color,
+                    marker="o",
+                    linestyle="--",
+                    label=f"{label} (eval)",
+                )
         plotted += 1
     if plotted == 0:
         raise ValueError("none of the run directories has metrics to plot")
@@ -93,7 +115,9 @@ def plot_runs(run_dirs: Sequence[str], output: str, labels: Optional[Sequence[st
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="nemo-d3s-plot", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl / eval.jsonl)")
-    p.add_argument("-o", "--output", "--out", default="reward.png", help="PNG to write (default reward.png)")
+    p.add_argument(
+        "-o", "--output", "--out", default="reward.png", help="PNG to write (default reward.png)"
+    )
     p.add_argument("--label", action="append", help="legend label per run (repeat, in order)")
     p.add_argument("--smooth", type=int, default=5, help="moving-average window for train reward")
     p.add_argument("--title", default=None)

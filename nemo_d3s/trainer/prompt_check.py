@@ -53,8 +53,10 @@ def check_prompt_lengths(cfg: Any, policy: Any, task: Any) -> Dict[str, int]:
             return {}
         limit, key = ctx - new_tokens, f"the model's context ({ctx}) minus {new_tokens} new tokens"
         if limit < 1:
-            raise ConfigError(f"trainer.max_new_tokens={new_tokens}: leaves no room for a prompt in the model's "
-                              f"context of {ctx} positions")
+            raise ConfigError(
+                f"trainer.max_new_tokens={new_tokens}: leaves no room for a prompt in the model's "
+                f"context of {ctx} positions"
+            )
     count = prompt_counter(policy)
     if count is None:
         log.info("prompt lengths not checked: the policy has no tokenizer")
@@ -62,7 +64,10 @@ def check_prompt_lengths(cfg: Any, policy: Any, task: Any) -> Dict[str, int]:
 
     finite = task.finite_problems() if hasattr(task, "finite_problems") else None
     if finite is None:
-        finite = {"eval": list(task.eval_set()), "train (first draw)": list(task.sample_train(64, random.Random(0)))}
+        finite = {
+            "eval": list(task.eval_set()),
+            "train (first draw)": list(task.sample_train(64, random.Random(0))),
+        }
     too_long: Dict[int, int] = {}  # id(problem) -> tokens (or -1: over the limit by characters)
     first: Optional[str] = None
     for split, problems in finite.items():
@@ -85,12 +90,17 @@ def check_prompt_lengths(cfg: Any, policy: Any, task: Any) -> Dict[str, int]:
     try:
         dropped = task.drop_problems(lambda p: id(p) in too_long)
     except NotImplementedError:
-        raise ConfigError(msg + f"; task {getattr(task, 'name', task)!r} generates its problems and cannot "
-                          "skip rows: raise task.max_prompt_tokens or use a model with a longer context") from None
+        raise ConfigError(
+            msg + f"; task {getattr(task, 'name', task)!r} generates its problems and cannot "
+            "skip rows: raise task.max_prompt_tokens or use a model with a longer context"
+        ) from None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    log.warning("%s; skipped (task.long_prompts=skip): %s", msg,
-                ", ".join(f"{v} {k}" for k, v in dropped.items()))
+    log.warning(
+        "%s; skipped (task.long_prompts=skip): %s",
+        msg,
+        ", ".join(f"{v} {k}" for k, v in dropped.items()),
+    )
     return dropped
 
 

@@ -14,22 +14,49 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
 from nemo_d3s.trainer.rundir import move_aside, records
 
-__all__ = ["RESUME_SAFE", "check_resume_config", "diff_values", "leaf_keys", "move_records_aside", "refuse_records",
-           "resume_safe", "write_config"]
+__all__ = [
+    "RESUME_SAFE",
+    "check_resume_config",
+    "diff_values",
+    "leaf_keys",
+    "move_records_aside",
+    "refuse_records",
+    "resume_safe",
+    "write_config",
+]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
 # Keys a resumed run may change without becoming a different experiment (resources,
 # cadence, logging); any other change needs trainer.allow_config_change=true.
 RESUME_SAFE = (
-    "resume", "output_dir", "logging.", "trainer.steps", "trainer.eval_every", "trainer.eval_at_start",
-    "trainer.eval_batch_size", "trainer.save_every", "trainer.keep_last", "trainer.export_hf",
-    "trainer.micro_batch_size", "trainer.logprob_micro_batch_size", "trainer.micro_batch_tokens",
-    "trainer.logprob_micro_batch_tokens", "trainer.allow_config_change",
-    "trainer.max_failed_reward_steps", "trainer.dist_timeout_minutes", "trainer.dry_run", "trainer.gpu_memory_gb",
+    "resume",
+    "output_dir",
+    "logging.",
+    "trainer.steps",
+    "trainer.eval_every",
+    "trainer.eval_at_start",
+    "trainer.eval_batch_size",
+    "trainer.save_every",
+    "trainer.keep_last",
+    "trainer.export_hf",
+    "trainer.micro_batch_size",
+    "trainer.logprob_micro_batch_size",
+    "trainer.micro_batch_tokens",
+    "trainer.logprob_micro_batch_tokens",
+    "trainer.allow_config_change",
+    "trainer.max_failed_reward_steps",
+    "trainer.dist_timeout_minutes",
+    "trainer.dry_run",
+    "trainer.gpu_memory_gb",
     "task.max_eval_size",
-    "model.device", "model.gradient_checkpointing", "rollout.gpu_memory_utilization", "rollout.sleep",
-    "rollout.enforce_eager", "rollout.cpu_kv_cache_gb", "rollout.refit_bucket_mb",
+    "model.device",
+    "model.gradient_checkpointing",
+    "rollout.gpu_memory_utilization",
+    "rollout.sleep",
+    "rollout.enforce_eager",
+    "rollout.cpu_kv_cache_gb",
+    "rollout.refit_bucket_mb",
 )
 
 
@@ -53,8 +80,12 @@ def move_records_aside(out: Path) -> None:
     found = records(out)
     if found:
         dest = move_aside(out, found)
-        log.warning("resume=true found no checkpoint but an earlier run's %s; moved them to %s and "
-                    "starting from step 0", ", ".join(found), dest)
+        log.warning(
+            "resume=true found no checkpoint but an earlier run's %s; moved them to %s and "
+            "starting from step 0",
+            ", ".join(found),
+            dest,
+        )
 
 
 def check_resume_config(cfg: Any, out: Path) -> None:
@@ -71,34 +102,50 @@ def check_resume_config(cfg: Any, out: Path) -> None:
             raise ValueError("not a mapping")
     except Exception as e:
         if allow:
-            log.warning("%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, first_line(e))
+            log.warning(
+                "%s cannot be read (%s); continuing (trainer.allow_config_change=true)",
+                path,
+                first_line(e),
+            )
             return
-        raise ConfigError(f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
-                          "restore it, or pass trainer.allow_config_change=true to resume without the check") from None
+        raise ConfigError(
+            f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
+            "restore it, or pass trainer.allow_config_change=true to resume without the check"
+        ) from None
     new = OmegaConf.to_container(cfg, resolve=True)
     # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
     # would let any change through unseen, so it counts as unreadable.
     lacking = [k for k in leaf_keys(new) if not resume_safe(k) and not _has(old, k)]
     if lacking:
-        what = (f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config ({', '.join(lacking[:4])}"
-                f"{' ...' if len(lacking) > 4 else ''}): emptied, cut short or written by another version")
+        what = (
+            f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config ({', '.join(lacking[:4])}"
+            f"{' ...' if len(lacking) > 4 else ''}): emptied, cut short or written by another version"
+        )
         if not allow:
-            raise ConfigError(f"{what}, so a changed setting would pass unseen; restore it, or pass "
-                              "trainer.allow_config_change=true to resume without the check")
+            raise ConfigError(
+                f"{what}, so a changed setting would pass unseen; restore it, or pass "
+                "trainer.allow_config_change=true to resume without the check"
+            )
         log.warning("%s; continuing (trainer.allow_config_change=true)", what)
     diffs = [(k, a, b) for k, a, b, had in diff_values(old, new) if had]
     changed = [(k, a, b) for k, a, b in diffs if not resume_safe(k)]
-    listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (" ..." if len(changed) > 8 else "")
+    listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (
+        " ..." if len(changed) > 8 else ""
+    )
     if changed and not allow:
         raise ConfigError(
             f"resume=true with a config that changes the experiment ({listing}); resume with the original "
             f"values (see {path}), or pass trainer.allow_config_change=true to continue anyway"
         )
     if changed:
-        log.warning("resuming with a changed experiment (trainer.allow_config_change=true): %s", listing)
+        log.warning(
+            "resuming with a changed experiment (trainer.allow_config_change=true): %s", listing
+        )
     if any(k == "trainer.steps" for k, _, _ in diffs):
-        log.warning("trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
-                    "steps from here on differ from a run started with the new value")
+        log.warning(
+            "trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
+            "steps from here on differ from a run started with the new value"
+        )
 
 
 def write_config(cfg: Any, out: Path, *, resumed: bool) -> None:
@@ -119,7 +166,9 @@ def write_config(cfg: Any, out: Path, *, resumed: bool) -> None:
         while (out / f"config.resumed-{n}.yaml").exists():
             n += 1
         (out / f"config.resumed-{n}.yaml").write_text(text)
-        log.info("kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n)
+        log.info(
+            "kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n
+        )
         return
     path.write_text(text)
 

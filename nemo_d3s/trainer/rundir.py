@@ -39,17 +39,25 @@ def check_output_dir(path: str, *, create: bool = True) -> Path:
     """``path`` as a writable directory (created when missing and ``create``), or one clear
     error naming it. Nothing existing is modified."""
     if path is None or not str(path).strip():
-        raise ConfigError("output_dir='': must name a directory (an empty path would write into the current folder)")
+        raise ConfigError(
+            "output_dir='': must name a directory (an empty path would write into the current folder)"
+        )
     p = Path(str(path)).expanduser()
     if p.exists() and not p.is_dir():
-        raise ConfigError(f"output_dir={str(p)!r} is a file, not a directory; choose another output_dir")
+        raise ConfigError(
+            f"output_dir={str(p)!r} is a file, not a directory; choose another output_dir"
+        )
     if not p.exists():
         if not create:
             parent = _existing_parent(p)
             if parent is not None and not parent.is_dir():
-                raise ConfigError(f"output_dir={str(p)!r}: {str(parent)!r} is a file, not a directory")
+                raise ConfigError(
+                    f"output_dir={str(p)!r}: {str(parent)!r} is a file, not a directory"
+                )
             if parent is not None and not os.access(parent, os.W_OK | os.X_OK):
-                raise RunError(f"output_dir={str(p)!r} cannot be created: {str(parent)!r} is not writable")
+                raise RunError(
+                    f"output_dir={str(p)!r} cannot be created: {str(parent)!r} is not writable"
+                )
             return p
         try:
             p.mkdir(parents=True, exist_ok=True)

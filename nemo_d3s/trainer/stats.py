@@ -17,19 +17,28 @@ from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = [
-    "mismatch_metrics", "padding_metrics", "rollout_metrics", "selection_metrics", "token_metrics", "truncated_is_weights",
+    "mismatch_metrics",
+    "padding_metrics",
+    "rollout_metrics",
+    "selection_metrics",
+    "token_metrics",
+    "truncated_is_weights",
     "update_metrics",
 ]
 
 
-def rollout_metrics(groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int) -> Dict[str, float]:
+def rollout_metrics(
+    groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int
+) -> Dict[str, float]:
     """Rewards and group counts from the SampleStage (whole batch); lengths summed over ranks."""
     s = stage.metrics
-    t = groups.sum({
-        "rollout_tokens": float(ro.batch.response_mask.sum()),
-        "finished": float(ro.finished.sum()),
-        "reward_errors": float(n_errors),
-    })
+    t = groups.sum(
+        {
+            "rollout_tokens": float(ro.batch.response_mask.sum()),
+            "finished": float(ro.finished.sum()),
+            "reward_errors": float(n_errors),
+        }
+    )
     n = s["n_samples"]
     return {
         "n_prompts": s["n_groups"],
@@ -48,8 +57,15 @@ def rollout_metrics(groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: 
 
 def selection_metrics(stage: Any) -> Dict[str, float]:
     """How many rollouts survived and how spread their advantages are (no collective)."""
-    keys = ("n_kept_samples", "kept_sample_ratio", "kept_adv_var", "adv_var_all", "kept_adv_abs_mean",
-            "share_nonzero_adv", "n_keep")
+    keys = (
+        "n_kept_samples",
+        "kept_sample_ratio",
+        "kept_adv_var",
+        "adv_var_all",
+        "kept_adv_abs_mean",
+        "share_nonzero_adv",
+        "n_keep",
+    )
     return {k: float(stage.metrics[k]) for k in keys}
 
 
@@ -58,7 +74,9 @@ def token_metrics(groups: ParallelGroups, tok: Any, kept: Any, scored: bool) -> 
     whether the old-log-prob/entropy pass ran over them (its cost is ``logprob_tokens``)."""
     m = tok.metrics
     out = {
-        "logprob_tokens": groups.sum({"n": float(kept.attention_mask.sum()) if scored else 0.0})["n"],
+        "logprob_tokens": groups.sum({"n": float(kept.attention_mask.sum()) if scored else 0.0})[
+            "n"
+        ],
         "k_frac": float(tok.k_frac),
         "n_eligible_tokens": m["n_eligible_tokens"],
         "n_kept_tokens": m["n_kept_tokens"],
@@ -75,10 +93,18 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     """From the UpdateBatch and ``update_policy``'s report (rank-local sums)."""
     steps = max(report.get("optimizer_steps", 0.0), 1.0)
     # Loss-side sums add across ranks; grad_norm/lr/imbalance are identical on every rank.
-    same_everywhere = {"optimizer_steps", "grad_norm", "lr", "dp_imbalance_before", "dp_imbalance_after"}
+    same_everywhere = {
+        "optimizer_steps",
+        "grad_norm",
+        "lr",
+        "dp_imbalance_before",
+        "dp_imbalance_after",
+    }
     local = {k: v for k, v in report.items() if k not in same_everywhere}
     local["update_rows"] = float(len(upd))
-    t = groups.sum(local, keys_may_differ=True)  # a rank that trained on no rows has no loss metrics
+    t = groups.sum(
+        local, keys_may_differ=True
+    )  # a rank that trained on no rows has no loss metrics
     out = {
         # the papers' count: response tokens that carry loss; and the compute: every token
         # the update's forward/backward attended (prompts and the kept rows' prefixes too)
@@ -104,24 +130,37 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
 
 
 def _padding_share(prefix: str, fed: float, attended: float) -> Dict[str, float]:
-    return {f"{prefix}_fed_tokens": fed, f"{prefix}_padding_share": 1.0 - attended / fed if fed > 0 else 0.0}
+    return {
+        f"{prefix}_fed_tokens": fed,
+        f"{prefix}_padding_share": 1.0 - attended / fed if fed > 0 else 0.0,
+    }
 
 
-def padding_metrics(groups: ParallelGroups, prefix: str, stats: Dict[str, float]) -> Dict[str, float]:
+def padding_metrics(
+    groups: ParallelGroups, prefix: str, stats: Dict[str, float]
+) -> Dict[str, float]:
     """``<prefix>_fed_tokens`` (positions the pass fed the model, all ranks) and
     ``<prefix>_padding_share`` = 1 - attended / fed, from a policy's ``Scores.stats``
     (one all-reduce, on every rank: a rank whose share of the batch is empty may report no
     counts, and skipping the collective there would pair it with the next one elsewhere);
     {} when no rank's policy counts them."""
-    t = groups.sum({"fed": float(stats.get("fed_tokens", 0.0)), "attended": float(stats.get("attended_tokens", 0.0)),
-                    "counted": float("fed_tokens" in stats)})
+    t = groups.sum(
+        {
+            "fed": float(stats.get("fed_tokens", 0.0)),
+            "attended": float(stats.get("attended_tokens", 0.0)),
+            "counted": float("fed_tokens" in stats),
+        }
+    )
     if t["counted"] == 0:
         return {}
     return _padding_share(prefix, t["fed"], t["attended"])
 
 
 def mismatch_metrics(
-    groups: ParallelGroups, old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, response_mask: torch.Tensor
+    groups: ParallelGroups,
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
 ) -> Dict[str, float]:
     """How far the rollout engine's numerics are from the trainer's, on the response tokens.
 
@@ -132,18 +171,29 @@ def mismatch_metrics(
     = max exp(d) (the largest importance weight before truncation). Whole DP batch.
     """
     d = (old_logprobs - sampling_logprobs).to(torch.float64)[response_mask]
-    t = groups.sum({"kl": float((torch.exp(d) - d - 1).sum()), "abs": float(d.abs().sum()), "n": float(d.numel())})
+    t = groups.sum(
+        {
+            "kl": float((torch.exp(d) - d - 1).sum()),
+            "abs": float(d.abs().sum()),
+            "n": float(d.numel()),
+        }
+    )
     top = groups.max(float(d.max()) if d.numel() else float("-inf"))
     n = max(t["n"], 1.0)
     return {
         "rollout_logprob_mismatch_kl": t["kl"] / n,
         "rollout_logprob_mismatch_abs": t["abs"] / n,
-        "rollout_logprob_mismatch_max_ratio": float(torch.exp(torch.tensor(top))) if t["n"] else 1.0,
+        "rollout_logprob_mismatch_max_ratio": float(torch.exp(torch.tensor(top)))
+        if t["n"]
+        else 1.0,
     }
 
 
 def truncated_is_weights(
-    old_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, response_mask: torch.Tensor, cap: float
+    old_logprobs: torch.Tensor,
+    sampling_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float,
 ) -> torch.Tensor:
     """[B, S] f32: min(pi_train_old / pi_engine, cap) on response tokens, 1 elsewhere
     (truncated importance sampling for the engine/trainer mismatch, as verl's TIS)."""

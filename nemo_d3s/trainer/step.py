@@ -116,7 +116,9 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.engine.on_policy:
         with ctx.timed("logprob"):
             scores = ctx.policy.score(
-                kept, with_entropy=ctx.selector.needs_entropy, micro_batch_size=ctx.logprob_micro_batch_size,
+                kept,
+                with_entropy=ctx.selector.needs_entropy,
+                micro_batch_size=ctx.logprob_micro_batch_size,
                 micro_batch_tokens=ctx.logprob_micro_batch_tokens,
             )
         old_lp, entropy = scores.logprobs, scores.entropy
@@ -133,21 +135,37 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         if ctx.tis_cap is not None:
             is_weight = truncated_is_weights(old_lp, sampling, kept.response_mask, ctx.tis_cap)
     upd = compact(
-        kept, tok.token_keep, old_lp, stage.kept_advantages, minibatch, num_mini_batches=ctx.num_mini_batches,
-        aggregation=ctx.loss_cfg.aggregation, normalize_by=ctx.normalize_by, is_weight=is_weight,
+        kept,
+        tok.token_keep,
+        old_lp,
+        stage.kept_advantages,
+        minibatch,
+        num_mini_batches=ctx.num_mini_batches,
+        aggregation=ctx.loss_cfg.aggregation,
+        normalize_by=ctx.normalize_by,
+        is_weight=is_weight,
     )
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):
             upd.ref_logprobs = ctx.policy.score(
-                upd.batch, with_entropy=False, reference=True, micro_batch_size=ctx.logprob_micro_batch_size,
+                upd.batch,
+                with_entropy=False,
+                reference=True,
+                micro_batch_size=ctx.logprob_micro_batch_size,
                 micro_batch_tokens=ctx.logprob_micro_batch_tokens,
             ).logprobs
     _check_step_inputs(upd)
     with ctx.timed("update"):
         report = update_policy(
-            ctx.policy, upd, loss_name=ctx.loss_name, loss_cfg=ctx.loss_cfg,
-            num_mini_batches=ctx.num_mini_batches, micro_batch_size=ctx.micro_batch_size,
-            groups=ctx.groups, rebalance=ctx.rebalance, micro_batch_tokens=ctx.micro_batch_tokens,
+            ctx.policy,
+            upd,
+            loss_name=ctx.loss_name,
+            loss_cfg=ctx.loss_cfg,
+            num_mini_batches=ctx.num_mini_batches,
+            micro_batch_size=ctx.micro_batch_size,
+            groups=ctx.groups,
+            rebalance=ctx.rebalance,
+            micro_batch_tokens=ctx.micro_batch_tokens,
         )
     with ctx.timed("weight_sync"):
         ctx.engine.sync_weights(ctx.policy)

@@ -35,14 +35,21 @@ class TaskAdapter:
     def sample_train(self, n: int, seed: int) -> List[Any]:
         problems = list(self.task.sample_train(n, seed))
         if len(problems) != n:
-            raise RuntimeError(f"task {self.name!r}: sample_train({n}) returned {len(problems)} problems")
+            raise RuntimeError(
+                f"task {self.name!r}: sample_train({n}) returned {len(problems)} problems"
+            )
         return problems
 
     def eval_set(self, n: int) -> List[Any]:
         """The first ``n`` problems of the task's fixed held-out set (all, if it has fewer)."""
         problems = list(self.task.eval_set())
         if len(problems) < n:
-            log.warning("task %s: eval set has %d problems (task.eval_size=%d); using all", self.name, len(problems), n)
+            log.warning(
+                "task %s: eval set has %d problems (task.eval_size=%d); using all",
+                self.name,
+                len(problems),
+                n,
+            )
         return problems[:n]
 
     @staticmethod
@@ -59,11 +66,15 @@ class TaskAdapter:
             self._log(error)
         return value, error is not None
 
-    def score(self, problems: Sequence[Any], completions: Sequence[str], n_samples: int) -> Tuple[torch.Tensor, int]:
+    def score(
+        self, problems: Sequence[Any], completions: Sequence[str], n_samples: int
+    ) -> Tuple[torch.Tensor, int]:
         """Rewards [len(problems) * n_samples] f32 for prompt-major completions, and the
         number of failed reward calls."""
         if len(completions) != len(problems) * n_samples:
-            raise ValueError(f"{len(completions)} completions for {len(problems)} problems x {n_samples} samples")
+            raise ValueError(
+                f"{len(completions)} completions for {len(problems)} problems x {n_samples} samples"
+            )
         out, errors = [], 0
         for i, text in enumerate(completions):
             r, failed = self.reward_one(problems[i // n_samples], text)
@@ -73,7 +84,9 @@ class TaskAdapter:
 
     def _log(self, msg: str) -> None:
         if self.n_logged < _MAX_LOGGED:
-            log.warning("task %s: reward failed (%s); reward 0, counted in reward_errors", self.name, msg)
+            log.warning(
+                "task %s: reward failed (%s); reward 0, counted in reward_errors", self.name, msg
+            )
             self.n_logged += 1
             if self.n_logged == _MAX_LOGGED:
                 log.warning("task %s: further reward failures are only counted", self.name)
@@ -92,4 +105,6 @@ def build_task(name: str, params: dict) -> Any:
         raise ConfigError(f"task.params for task {name!r}: {e}") from None
     except ValueError as e:  # bad options or bad data rows: the task's message names them
         msg = str(e)
-        raise ConfigError(msg if msg.startswith(f"task {name!r}") else f"task {name!r}: {msg}") from None
+        raise ConfigError(
+            msg if msg.startswith(f"task {name!r}") else f"task {name!r}: {msg}"
+        ) from None

@@ -35,7 +35,14 @@ from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.rebalance import apply_rebalance, plan_rebalance
 
-__all__ = ["UpdateBatch", "compact", "make_loss_fn", "minibatch_denominators", "rebalance_rows", "update_policy"]
+__all__ = [
+    "UpdateBatch",
+    "compact",
+    "make_loss_fn",
+    "minibatch_denominators",
+    "rebalance_rows",
+    "update_policy",
+]
 
 
 @dataclass
@@ -137,7 +144,11 @@ def compact(
         raise ValueError(f"normalize_by must be 'kept' or 'eligible', got {normalize_by!r}")
     eligible = normalize_by == "eligible"
     denominators = minibatch_denominators(
-        token_keep, minibatch, num_mini_batches, aggregation, norm_mask=batch.response_mask if eligible else None
+        token_keep,
+        minibatch,
+        num_mini_batches,
+        aggregation,
+        norm_mask=batch.response_mask if eligible else None,
     )
     row_norm = eligible and aggregation == "seq_mean_token_mean"
     rows = rows_with_kept_tokens(token_keep)
@@ -204,7 +215,9 @@ def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch
     return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
 
-def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatch, Dict[str, float]]:
+def rebalance_rows(
+    upd: UpdateBatch, groups: ParallelGroups
+) -> tuple[UpdateBatch, Dict[str, float]]:
     """Redistribute ``upd``'s rows (one mini-batch on this rank) over ``groups.dp`` so every
     rank runs about the same number of attended tokens. Returns this rank's new rows and
     {"dp_imbalance_before", "dp_imbalance_after"} (max/mean tokens per rank, identical on all
@@ -218,7 +231,10 @@ def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatc
     dev = groups.device
     tokens = upd.batch.attention_mask.sum(1).long()
     plan = plan_rebalance(tokens.to(dev), None, groups.dp)
-    stats = {"dp_imbalance_before": plan.imbalance_before, "dp_imbalance_after": plan.imbalance_after}
+    stats = {
+        "dp_imbalance_before": plan.imbalance_before,
+        "dp_imbalance_after": plan.imbalance_after,
+    }
     tensors = {
         "input_ids": _pad_width(upd.batch.input_ids, width),
         "attention_mask": _pad_width(upd.batch.attention_mask, width, False),
@@ -231,7 +247,9 @@ def rebalance_rows(upd: UpdateBatch, groups: ParallelGroups) -> tuple[UpdateBatc
         t = getattr(upd, name)
         if t is not None:
             tensors[name] = _pad_width(t, width, False if t.dtype == torch.bool else 0)
-    moved = apply_rebalance(plan, {k: v.to(dev) for k, v in tensors.items()}, groups.dp, zero_on_pad=["token_keep"])
+    moved = apply_rebalance(
+        plan, {k: v.to(dev) for k, v in tensors.items()}, groups.dp, zero_on_pad=["token_keep"]
+    )
     t = {k: v.cpu() for k, v in moved.tensors.items()}
     out = UpdateBatch(
         batch=TokenBatch(t["input_ids"], t["attention_mask"], t["response_mask"]),
@@ -273,7 +291,11 @@ def update_policy(
     if upd.denominators is None:
         raise ValueError("UpdateBatch.denominators is missing: build the batch with compact()")
     totals: Dict[str, float] = {
-        "optimizer_steps": 0.0, "grad_norm": 0.0, "lr": 0.0, "update_tokens_local": 0.0, "update_compute_tokens_local": 0.0,
+        "optimizer_steps": 0.0,
+        "grad_norm": 0.0,
+        "lr": 0.0,
+        "update_tokens_local": 0.0,
+        "update_compute_tokens_local": 0.0,
     }
     imbalance: Dict[str, float] = {}
     for mb in range(num_mini_batches):
@@ -287,7 +309,10 @@ def update_policy(
             for k, v in stats.items():
                 imbalance[k] = imbalance.get(k, 0.0) + v
         report = policy.train_step(
-            sub.batch, make_loss_fn(loss_name, loss_cfg, sub), micro_batch_size, denominator=denominator,
+            sub.batch,
+            make_loss_fn(loss_name, loss_cfg, sub),
+            micro_batch_size,
+            denominator=denominator,
             micro_batch_tokens=micro_batch_tokens,
         )
         totals["optimizer_steps"] += 1

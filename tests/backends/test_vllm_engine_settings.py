@@ -23,7 +23,9 @@ class FakeLLM:
 
     def __init__(self, **kwargs):
         self.kwargs, self.calls = kwargs, []
-        self.env = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+        self.env = {
+            k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "VLLM_ENABLE_V1_MULTIPROCESSING")
+        }
         FakeLLM.instances.append(self)
 
     def sleep(self, level=1):
@@ -71,7 +73,9 @@ class Policy:
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")  # a folder with HF weights
-    fake_vllm = types.SimpleNamespace(LLM=FakeLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    fake_vllm = types.SimpleNamespace(
+        LLM=FakeLLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw)
+    )
     monkeypatch.setattr(E, "import_vllm", lambda: fake_vllm)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -87,7 +91,9 @@ def _gpu(monkeypatch, current=2):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
 
 
-def test_on_a_gpu_the_engine_starts_on_its_gpus_with_dummy_weights_graphs_and_bf16(fake, monkeypatch):
+def test_on_a_gpu_the_engine_starts_on_its_gpus_with_dummy_weights_graphs_and_bf16(
+    fake, monkeypatch
+):
     policy, _ = fake
     _gpu(monkeypatch)
     engine = E.VLLMEngine(policy, VLLMEngineConfig(tensor_parallel_size=2), refit_follows=True)
@@ -119,7 +125,9 @@ def test_on_the_cpu_build_eager_policy_dtype_no_sleep(fake, monkeypatch):
     assert engine.transport == "direct"  # one process, one worker: tensors handed over as they are
 
 
-def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_is_refitted(fake, monkeypatch):
+def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_is_refitted(
+    fake, monkeypatch
+):
     policy, freed = fake
     _gpu(monkeypatch, current=0)
     engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
@@ -129,7 +137,9 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     engine.sync_weights(policy)
     assert llm.calls[:2] == [("wake_up", ("weights",)), ("rpc", "refit_begin")]
     assert llm.calls[-2:] == [("rpc", "refit_end"), ("reset_prefix_cache",)] and not engine.stale
-    assert freed == ["cuda:0"]  # before the weights woke (the refit frees on every rank: test_refit.py)
+    assert freed == [
+        "cuda:0"
+    ]  # before the weights woke (the refit frees on every rank: test_refit.py)
     llm.calls.clear()
     ro = engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
     assert ro.batch.input_ids.shape[0] == 4

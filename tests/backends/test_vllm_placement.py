@@ -35,9 +35,14 @@ def _placement(cfg, nodes: int, gpus_per_node: int = 8):
     p = cfg.model.params
     tp, pp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size)
     dp = nodes * gpus_per_node // (tp * pp)
-    ranks = first_ranks_of_model_copies(tp, pp, dp, rank_order(bool(p.get("use_tp_pp_dp_mapping", False))))
-    placed = engine_placement(ranks, gpus_per_node=gpus_per_node,
-                              tensor_parallel_size=int(cfg.rollout.tensor_parallel_size))
+    ranks = first_ranks_of_model_copies(
+        tp, pp, dp, rank_order(bool(p.get("use_tp_pp_dp_mapping", False)))
+    )
+    placed = engine_placement(
+        ranks,
+        gpus_per_node=gpus_per_node,
+        tensor_parallel_size=int(cfg.rollout.tensor_parallel_size),
+    )
     return {e.rank: (e.node, e.gpus) for e in placed}
 
 

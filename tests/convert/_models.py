@@ -68,26 +68,39 @@ def nemo_context(hf_folder, dst) -> Path:
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     config = {
         "_target_": f"nemo.collections.llm.gpt.model.{module}",
-        "num_layers": cfg["num_hidden_layers"], "hidden_size": cfg["hidden_size"],
-        "ffn_hidden_size": cfg["intermediate_size"], "num_attention_heads": cfg["num_attention_heads"],
-        "num_query_groups": cfg["num_key_value_heads"], "kv_channels": cfg.get("head_dim"),
-        "layernorm_epsilon": cfg["rms_norm_eps"], "rotary_base": cfg.get("rope_theta", 10000.0),
-        "seq_length": cfg["max_position_embeddings"], "vocab_size": cfg["vocab_size"],
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": cfg["hidden_size"],
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "num_query_groups": cfg["num_key_value_heads"],
+        "kv_channels": cfg.get("head_dim"),
+        "layernorm_epsilon": cfg["rms_norm_eps"],
+        "rotary_base": cfg.get("rope_theta", 10000.0),
+        "seq_length": cfg["max_position_embeddings"],
+        "vocab_size": cfg["vocab_size"],
         "share_embeddings_and_output_weights": cfg.get("tie_word_embeddings", False),
-        "make_vocab_size_divisible_by": 4, "normalization": "RMSNorm", "gated_linear_unit": True,
-        "position_embedding_type": "rope", "add_bias_linear": False, "add_qkv_bias": qwen,
+        "make_vocab_size_divisible_by": 4,
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "position_embedding_type": "rope",
+        "add_bias_linear": False,
+        "add_qkv_bias": qwen,
         "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
-        "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False}, "bf16": dtype == "bfloat16",
+        "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
+        "bf16": dtype == "bfloat16",
         "init_method_std": cfg.get("initializer_range", 0.02),
     }
     ctx = dst / "context"
     (ctx / "nemo_tokenizer").mkdir(parents=True)
     (ctx / "artifacts").mkdir()
     kind = "qwen2.Qwen2Model" if qwen else "llama.LlamaModel"
-    (ctx / "model.yaml").write_text(yaml.safe_dump({"_target_": f"nemo.collections.llm.gpt.model.{kind}",
-                                                    "config": config}))
+    (ctx / "model.yaml").write_text(
+        yaml.safe_dump({"_target_": f"nemo.collections.llm.gpt.model.{kind}", "config": config})
+    )
     (ctx / "io.json").write_text("{}")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copyfile(hf_folder / name, ctx / "nemo_tokenizer" / name)
-    shutil.copyfile(hf_folder / "generation_config.json", ctx / "artifacts" / "generation_config.json")
+    shutil.copyfile(
+        hf_folder / "generation_config.json", ctx / "artifacts" / "generation_config.json"
+    )
     return dst

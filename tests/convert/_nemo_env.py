@@ -11,6 +11,9 @@ def nemo_python():
     env = os.environ.get("NEMO_D3S_NEMO_PYTHON")
     if env:
         return env if os.access(env, os.X_OK) else None
-    if importlib.util.find_spec("nemo") is not None and importlib.util.find_spec("lightning") is not None:
+    if (
+        importlib.util.find_spec("nemo") is not None
+        and importlib.util.find_spec("lightning") is not None
+    ):
         return sys.executable
     return None

@@ -29,8 +29,14 @@ def _cpu_patches() -> None:
     post = TransformerConfig.__post_init__
 
     def cpu_post_init(self):  # the kernels these flags ask for need transformer-engine / CUDA
-        for flag in ("apply_rope_fusion", "persist_layer_norm", "bias_activation_fusion", "bias_dropout_fusion",
-                     "masked_softmax_fusion", "gradient_accumulation_fusion"):
+        for flag in (
+            "apply_rope_fusion",
+            "persist_layer_norm",
+            "bias_activation_fusion",
+            "bias_dropout_fusion",
+            "masked_softmax_fusion",
+            "gradient_accumulation_fusion",
+        ):
             setattr(self, flag, False)
         post(self)
 
@@ -55,11 +61,15 @@ def _cpu_patches() -> None:
         # Without transformer-engine NeMo builds the local layer spec (input_layernorm /
         # pre_mlp_layernorm modules), but its HF importer and exporter map the TE-fused names
         # (the importer then silently leaves the norms at their initial 1.0).
-        keys = [x for m in (source, target) if hasattr(m, "state_dict") for x in m.state_dict().keys()]
+        keys = [
+            x for m in (source, target) if hasattr(m, "state_dict") for x in m.state_dict().keys()
+        ]
         if any("decoder.layers." in x and ".input_layernorm." in x for x in keys):
+
             def local(name):
-                return (name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")
-                        .replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"))
+                return name.replace(
+                    "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"
+                ).replace("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")
 
             mapping = {local(m): local(v) for m, v in mapping.items()}
         return apply(source, target, mapping, *a, **k)
@@ -80,7 +90,9 @@ def main() -> None:
         from nemo.collections.llm.gpt.model.qwen2 import HFQwen2Importer
 
         importer = (HFQwen2Importer if arch == "Qwen2ForCausalLM" else HFLlamaImporter)(str(src))
-        importer.trust_remote_code = False  # read by .config before apply() sets it (a local folder)
+        importer.trust_remote_code = (
+            False  # read by .config before apply() sets it (a local folder)
+        )
         model = (llm.Qwen2Model if arch == "Qwen2ForCausalLM" else llm.LlamaModel)(importer.config)
         llm.import_ckpt(model=model, source=f"hf://{src}", output_path=out, overwrite=True)
     elif cmd == "export":

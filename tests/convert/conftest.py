@@ -14,7 +14,9 @@ from _nemo_env import nemo_python  # noqa: E402
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "nemo: runs nemo-toolkit 2.x (NeMo's HF importer/exporter) for real")
+    config.addinivalue_line(
+        "markers", "nemo: runs nemo-toolkit 2.x (NeMo's HF importer/exporter) for real"
+    )
 
 
 collect_ignore = [] if nemo_python() else ["test_nemo_toolkit.py"]

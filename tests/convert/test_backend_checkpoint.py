@@ -54,8 +54,17 @@ def _backend(model, tp, pp, **kw):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    return MegatronBackend(MegatronBackendConfig(model=str(model), device="cpu", tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp, lr=1e-2, adam_eps=1e-3, **kw))
+    return MegatronBackend(
+        MegatronBackendConfig(
+            model=str(model),
+            device="cpu",
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            lr=1e-2,
+            adam_eps=1e-3,
+            **kw,
+        )
+    )
 
 
 def _transformers_scores(folder, batch):
@@ -81,8 +90,13 @@ def _rank_train_and_save(rank, converted, ckpt):
     lp = pol.score(batch, with_entropy=False, micro_batch_size=2).logprobs
     keep = batch.response_mask.clone()
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0])
-    upd = UpdateBatch(batch=batch, old_logprobs=lp + 0.1, advantages=adv, token_keep=keep,
-                      minibatch=torch.zeros(B, dtype=torch.long))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=lp + 0.1,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(B, dtype=torch.long),
+    )
     loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
     pol.train_step(batch, loss_fn, 2, denominator=float(loss_denominator(keep, "token_mean")))
     pol.save_checkpoint(ckpt)
@@ -114,7 +128,9 @@ def test_tp2_pp2_training_checkpoint_converts_on_one_process(tmp_path):
     shutil.copytree(ckpt / "megatron", old / "megatron")
     with pytest.raises(ConfigError, match="has no config.json .* pass --hf-config"):
         megatron_to_hf(old, tmp_path / "hf_old", progress=False)
-    assert_same_tensors(megatron_to_hf(old, tmp_path / "hf_old", hf_config=src, progress=False), out)
+    assert_same_tensors(
+        megatron_to_hf(old, tmp_path / "hf_old", hf_config=src, progress=False), out
+    )
     exported = hf_tensors(out)
     assert sorted(exported) == sorted(trained)
     for k in trained:
@@ -136,7 +152,9 @@ def _rank_start_from(rank, converted):
 def test_backend_starts_from_a_tp2_pp2_conversion_on_one_rank(tmp_path):
     src = tiny(tmp_path / "src", "qwen2")  # tied embeddings, q/k/v bias
     converted = hf_to_megatron(src, tmp_path / "converted", tp=2, pp=2, progress=False)
-    weights, logprobs, entropy = run_ranks(_rank_start_from, 1, str(converted), tp=1, pp=1, timeout=240)[0]
+    weights, logprobs, entropy = run_ranks(
+        _rank_start_from, 1, str(converted), tp=1, pp=1, timeout=240
+    )[0]
     source = hf_tensors(src)
     assert sorted(weights) == sorted(source)
     for k in source:
@@ -167,7 +185,9 @@ def test_backend_refuses_a_flipped_bit_or_a_truncated_shard(tmp_path):
     assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
     assert "megatron/tp00_pp00.safetensors does not match its SHA-256 checksum" in errors[0]
     assert "model.params.verify_checksums=false" in errors[0]
-    assert run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None  # the switch skips it
+    assert (
+        run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None
+    )  # the switch skips it
     shard.write_bytes(bytes(data[:-100]))  # an interrupted copy
     err = run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0]
     assert err is not None and f"{str(shard)!r} is truncated" in err

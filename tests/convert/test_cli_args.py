@@ -17,5 +17,7 @@ def test_verify_refuses_a_tolerance_that_is_not_a_number_ge_0(atol, capsys):
 
 
 def test_verify_accepts_zero_and_the_default():
-    assert build_parser().parse_args(["verify", "--hf", "a", "--ckpt", "b", "--atol", "0"]).atol == 0.0
+    assert (
+        build_parser().parse_args(["verify", "--hf", "a", "--ckpt", "b", "--atol", "0"]).atol == 0.0
+    )
     assert build_parser().parse_args(["verify", "--hf", "a", "--ckpt", "b"]).atol == 1e-4

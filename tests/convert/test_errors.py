@@ -44,11 +44,30 @@ def _refused(tmp_path, match, fn, *args, **kw):
 def test_not_a_checkpoint(tmp_path, made):
     src, ck = made
     (tmp_path / "empty").mkdir()
-    _refused(tmp_path, "is not a Megatron checkpoint: no megatron/layout.json", megatron_to_hf,
-             tmp_path / "empty", tmp_path / "out", progress=False)
-    _refused(tmp_path, "Hugging Face model folder .use hf-to-megatron", megatron_to_hf, src, tmp_path / "out",
-             progress=False)
-    _refused(tmp_path, "no such folder", megatron_to_hf, tmp_path / "nope", tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "is not a Megatron checkpoint: no megatron/layout.json",
+        megatron_to_hf,
+        tmp_path / "empty",
+        tmp_path / "out",
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "Hugging Face model folder .use hf-to-megatron",
+        megatron_to_hf,
+        src,
+        tmp_path / "out",
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "no such folder",
+        megatron_to_hf,
+        tmp_path / "nope",
+        tmp_path / "out",
+        progress=False,
+    )
     runs = tmp_path / "run" / "checkpoints"
     (runs / "step_000002").mkdir(parents=True)
     (runs / "step_000004").mkdir()
@@ -56,17 +75,36 @@ def test_not_a_checkpoint(tmp_path, made):
     # garbled layout.json
     bad = _copy(ck, tmp_path / "bad")
     (bad / "megatron" / "layout.json").write_text("{not json")
-    _refused(tmp_path, "layout.json.*not a nemo_d3s Megatron checkpoint layout", megatron_to_hf, bad,
-             tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "layout.json.*not a nemo_d3s Megatron checkpoint layout",
+        megatron_to_hf,
+        bad,
+        tmp_path / "out",
+        progress=False,
+    )
     # a shard that is not safetensors (e.g. a pickle)
     bad2 = _copy(ck, tmp_path / "bad2")
     (bad2 / "megatron" / "tp01_pp00.safetensors").write_bytes(b"\x80\x04\x95garbage" * 10)
-    _refused(tmp_path, "tp01_pp00.safetensors.*is not a safetensors file", megatron_to_hf, bad2, tmp_path / "out",
-             progress=False)
+    _refused(
+        tmp_path,
+        "tp01_pp00.safetensors.*is not a safetensors file",
+        megatron_to_hf,
+        bad2,
+        tmp_path / "out",
+        progress=False,
+    )
     # a missing shard
     bad3 = _copy(ck, tmp_path / "bad3")
     os.remove(bad3 / "megatron" / "tp01_pp01.safetensors")
-    _refused(tmp_path, "tp01_pp01.safetensors.*is missing", megatron_to_hf, bad3, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "tp01_pp01.safetensors.*is missing",
+        megatron_to_hf,
+        bad3,
+        tmp_path / "out",
+        progress=False,
+    )
 
 
 def test_unknown_architecture(tmp_path, made):
@@ -75,9 +113,23 @@ def test_unknown_architecture(tmp_path, made):
     cfg = json.loads((other / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (other / "config.json").write_text(json.dumps(cfg))
-    _refused(tmp_path, "GPT2LMHeadModel.*not supported", hf_to_megatron, other, tmp_path / "out", progress=False)
-    _refused(tmp_path, "GPT2LMHeadModel.*not supported", megatron_to_hf, ck, tmp_path / "out", hf_config=other,
-             progress=False)
+    _refused(
+        tmp_path,
+        "GPT2LMHeadModel.*not supported",
+        hf_to_megatron,
+        other,
+        tmp_path / "out",
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "GPT2LMHeadModel.*not supported",
+        megatron_to_hf,
+        ck,
+        tmp_path / "out",
+        hf_config=other,
+        progress=False,
+    )
     remote = _copy(src, tmp_path / "remote")
     cfg = json.loads((remote / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.X"}
@@ -94,47 +146,100 @@ def test_shapes_that_disagree_with_config(tmp_path, made):
     cfg = json.loads((wide / "config.json").read_text())
     cfg["intermediate_size"] = 64
     (wide / "config.json").write_text(json.dumps(cfg))
-    _refused(tmp_path, r"model.layers.0.mlp.gate_proj.weight' has shape \[48, 32\], config.json says \[64, 32\]",
-             hf_to_megatron, wide, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        r"model.layers.0.mlp.gate_proj.weight' has shape \[48, 32\], config.json says \[64, 32\]",
+        hf_to_megatron,
+        wide,
+        tmp_path / "out",
+        progress=False,
+    )
     # Megatron side, against another config: layout.json records the model
-    _refused(tmp_path, "checkpoint of another model: ffn_hidden_size=48 there, 64 here", megatron_to_hf, ck,
-             tmp_path / "out", hf_config=wide, progress=False)
+    _refused(
+        tmp_path,
+        "checkpoint of another model: ffn_hidden_size=48 there, 64 here",
+        megatron_to_hf,
+        ck,
+        tmp_path / "out",
+        hf_config=wide,
+        progress=False,
+    )
     # Megatron side: a shard tensor cut short
     cut = _copy(ck, tmp_path / "cut")
     path = cut / "megatron" / "tp00_pp01.safetensors"
     t = load_file(str(path))
-    t["decoder.layers.1.mlp.linear_fc2.weight"] = t["decoder.layers.1.mlp.linear_fc2.weight"][:, :10].contiguous()
+    t["decoder.layers.1.mlp.linear_fc2.weight"] = t["decoder.layers.1.mlp.linear_fc2.weight"][
+        :, :10
+    ].contiguous()
     save_file(t, str(path))
-    _refused(tmp_path, r"tp00_pp01.safetensors.*decoder.layers.1.mlp.linear_fc2.weight' has shape \[32, 10\], "
-             r"config.json gives \[32, 24\]", megatron_to_hf, cut, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        r"tp00_pp01.safetensors.*decoder.layers.1.mlp.linear_fc2.weight' has shape \[32, 10\], "
+        r"config.json gives \[32, 24\]",
+        megatron_to_hf,
+        cut,
+        tmp_path / "out",
+        progress=False,
+    )
     # a tensor missing from a shard
     del t["decoder.layers.1.mlp.linear_fc2.weight"]
     save_file(t, str(path))
-    _refused(tmp_path, "holds no tensor 'decoder.layers.1.mlp.linear_fc2.weight'", megatron_to_hf, cut,
-             tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "holds no tensor 'decoder.layers.1.mlp.linear_fc2.weight'",
+        megatron_to_hf,
+        cut,
+        tmp_path / "out",
+        progress=False,
+    )
 
 
 def test_missing_tokenizer_and_config(tmp_path, made):
     src, ck = made
     notok = _copy(src, tmp_path / "notok")
     os.remove(notok / "tokenizer.json")
-    _refused(tmp_path, "notok.*has no tokenizer: missing tokenizer.json or tokenizer.model or vocab.json",
-             hf_to_megatron, notok, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "notok.*has no tokenizer: missing tokenizer.json or tokenizer.model or vocab.json",
+        hf_to_megatron,
+        notok,
+        tmp_path / "out",
+        progress=False,
+    )
     bare = _copy(ck, tmp_path / "bare")  # a training checkpoint: megatron/ only
     for f in os.listdir(bare):
         if f != "megatron":
             os.remove(bare / f)
-    _refused(tmp_path, "has no config.json .a training checkpoint written before .*: pass --hf-config", megatron_to_hf, bare,
-             tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "has no config.json .a training checkpoint written before .*: pass --hf-config",
+        megatron_to_hf,
+        bare,
+        tmp_path / "out",
+        progress=False,
+    )
     cfg_only = tmp_path / "cfg_only"
     cfg_only.mkdir()
     shutil.copyfile(src / "config.json", cfg_only / "config.json")
-    _refused(tmp_path, "cfg_only.*--hf-config.*has no tokenizer: missing tokenizer_config.json", megatron_to_hf,
-             bare, tmp_path / "out", hf_config=cfg_only, progress=False)
+    _refused(
+        tmp_path,
+        "cfg_only.*--hf-config.*has no tokenizer: missing tokenizer_config.json",
+        megatron_to_hf,
+        bare,
+        tmp_path / "out",
+        hf_config=cfg_only,
+        progress=False,
+    )
     garbled = _copy(src, tmp_path / "garbled")
     (garbled / "generation_config.json").write_text("{")
-    _refused(tmp_path, "generation_config.json.*not valid JSON", hf_to_megatron, garbled, tmp_path / "out",
-             progress=False)
+    _refused(
+        tmp_path,
+        "generation_config.json.*not valid JSON",
+        hf_to_megatron,
+        garbled,
+        tmp_path / "out",
+        progress=False,
+    )
     # with --hf-config the bare checkpoint converts
     megatron_to_hf(bare, tmp_path / "ok", hf_config=src, progress=False)
     assert (tmp_path / "ok" / "tokenizer.json").is_file()
@@ -142,12 +247,36 @@ def test_missing_tokenizer_and_config(tmp_path, made):
 
 def test_bad_layout_arguments(tmp_path, made):
     src, _ = made
-    _refused(tmp_path, "num_key_value_heads=2 is not divisible by tensor_model_parallel_size=4", hf_to_megatron,
-             src, tmp_path / "out", tp=4, progress=False)
-    _refused(tmp_path, "num_hidden_layers=4 is not divisible by pipeline_model_parallel_size=3", hf_to_megatron,
-             src, tmp_path / "out", pp=3, progress=False)
-    _refused(tmp_path, "--tp=0 must be", hf_to_megatron, src, tmp_path / "out", tp=0, progress=False)
-    _refused(tmp_path, "--dtype='int8'", hf_to_megatron, src, tmp_path / "out", dtype="int8", progress=False)
+    _refused(
+        tmp_path,
+        "num_key_value_heads=2 is not divisible by tensor_model_parallel_size=4",
+        hf_to_megatron,
+        src,
+        tmp_path / "out",
+        tp=4,
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "num_hidden_layers=4 is not divisible by pipeline_model_parallel_size=3",
+        hf_to_megatron,
+        src,
+        tmp_path / "out",
+        pp=3,
+        progress=False,
+    )
+    _refused(
+        tmp_path, "--tp=0 must be", hf_to_megatron, src, tmp_path / "out", tp=0, progress=False
+    )
+    _refused(
+        tmp_path,
+        "--dtype='int8'",
+        hf_to_megatron,
+        src,
+        tmp_path / "out",
+        dtype="int8",
+        progress=False,
+    )
 
 
 def test_output_folder_rules(tmp_path, made):
@@ -158,11 +287,42 @@ def test_output_folder_rules(tmp_path, made):
     _refused(tmp_path, "is not empty; pass --overwrite", hf_to_megatron, src, out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
     (tmp_path / "file").write_text("x")
-    _refused(tmp_path, "exists and is not a folder", hf_to_megatron, src, tmp_path / "file", progress=False)
+    _refused(
+        tmp_path,
+        "exists and is not a folder",
+        hf_to_megatron,
+        src,
+        tmp_path / "file",
+        progress=False,
+    )
     copy = _copy(ck, tmp_path / "ck")
-    _refused(tmp_path, "is .or holds. the source", megatron_to_hf, copy, copy, overwrite=True, progress=False)
-    _refused(tmp_path, "is .or holds. the source", megatron_to_hf, copy, tmp_path, overwrite=True, progress=False)
-    _refused(tmp_path, "is .or holds. the source", hf_to_megatron, src, src, overwrite=True, progress=False)
+    _refused(
+        tmp_path,
+        "is .or holds. the source",
+        megatron_to_hf,
+        copy,
+        copy,
+        overwrite=True,
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "is .or holds. the source",
+        megatron_to_hf,
+        copy,
+        tmp_path,
+        overwrite=True,
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "is .or holds. the source",
+        hf_to_megatron,
+        src,
+        src,
+        overwrite=True,
+        progress=False,
+    )
 
 
 def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch):
@@ -185,8 +345,11 @@ def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch
     _nothing_written(tmp_path, [])  # not even the parent folder "a" made for the output
     monkeypatch.setattr(StreamingSafetensors, "write", real)
     # a full disk: the write fails with OSError
-    monkeypatch.setattr(StreamingSafetensors, "write",
-                        lambda self, n, t: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    monkeypatch.setattr(
+        StreamingSafetensors,
+        "write",
+        lambda self, n, t: (_ for _ in ()).throw(OSError(28, "No space left on device")),
+    )
     with pytest.raises(OSError, match="No space left"):
         megatron_to_hf(ck, tmp_path / "hf", progress=False)
     _nothing_written(tmp_path, [])
@@ -205,18 +368,37 @@ def test_training_checkpoint_checksums_are_checked(tmp_path, made):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    _refused(tmp_path, "not a complete training checkpoint: megatron/tp00_pp00.safetensors does not match its "
-             "SHA-256", megatron_to_hf, step, tmp_path / "out", hf_config=src, progress=False)
+    _refused(
+        tmp_path,
+        "not a complete training checkpoint: megatron/tp00_pp00.safetensors does not match its "
+        "SHA-256",
+        megatron_to_hf,
+        step,
+        tmp_path / "out",
+        hf_config=src,
+        progress=False,
+    )
 
 
 def test_cli_errors_and_verify_exit_codes(tmp_path, made, capsys):
     src, ck = made
-    assert main(["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    assert (
+        main(["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"), "--quiet"])
+        == 1
+    )
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "not a Megatron checkpoint" in err and len(err.splitlines()) == 1
+    assert (
+        err.startswith("error: ")
+        and "not a Megatron checkpoint" in err
+        and len(err.splitlines()) == 1
+    )
     assert main(["verify", "--hf", str(src), "--ckpt", str(ck)]) == 0
     out = capsys.readouterr().out.strip()
-    assert out.startswith("OK: max abs logit error 0 ") and "TP2 x PP2" in out and len(out.splitlines()) == 1
+    assert (
+        out.startswith("OK: max abs logit error 0 ")
+        and "TP2 x PP2" in out
+        and len(out.splitlines()) == 1
+    )
     other = tiny(tmp_path / "other", "llama", seed=1)  # same shapes, other weights
     assert main(["verify", "--hf", str(other), "--ckpt", str(ck)]) == 1
     out = capsys.readouterr().out.strip()

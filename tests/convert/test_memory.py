@@ -25,8 +25,9 @@ print(json.dumps(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024))
 def peak_rss(cmd) -> int:
     """Peak resident set size in bytes of ``cmd`` run in a fresh child process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], check=True, capture_output=True, text=True,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *cmd], check=True, capture_output=True, text=True, env=env
+    )
     return int(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
@@ -40,13 +41,33 @@ def test_megatron_to_hf_peak_rss_is_a_fraction_of_the_model(tmp_path, tp, pp):
     ck = hf_to_megatron("smollm2-135m-instruct", tmp_path / "ck", tp=tp, pp=pp, progress=False)
     spec = ModelSpec.from_folder(ck)
     model_bytes = sum(4 * math.prod(hf_shape(n, spec)) for n in hf_names(spec))
-    convert = peak_rss([sys.executable, "-m", "nemo_d3s.convert", "megatron-to-hf", "--ckpt", str(ck), "--out",
-                        str(tmp_path / "hf"), "--quiet"])
-    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert as c, safetensors.torch, "
-                         "tqdm.auto; c.open_checkpoint(sys.argv[1])", str(ck)])
-    print(f"TP{tp} x PP{pp}: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
-          f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}, "
-          f"peak / model = {convert / model_bytes:.2f}")
+    convert = peak_rss(
+        [
+            sys.executable,
+            "-m",
+            "nemo_d3s.convert",
+            "megatron-to-hf",
+            "--ckpt",
+            str(ck),
+            "--out",
+            str(tmp_path / "hf"),
+            "--quiet",
+        ]
+    )
+    baseline = peak_rss(
+        [
+            sys.executable,
+            "-c",
+            "import sys, nemo_d3s.convert as c, safetensors.torch, "
+            "tqdm.auto; c.open_checkpoint(sys.argv[1])",
+            str(ck),
+        ]
+    )
+    print(
+        f"TP{tp} x PP{pp}: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
+        f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}, "
+        f"peak / model = {convert / model_bytes:.2f}"
+    )
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > model_bytes
     assert convert - baseline < 0.6 * model_bytes
 
@@ -60,10 +81,34 @@ def test_hf_to_megatron_peak_rss_is_a_fraction_of_the_model(tmp_path):
 
     src = resolve_model_path("smollm2-135m-instruct")
     model_bytes = (src / "model.safetensors").stat().st_size
-    convert = peak_rss([sys.executable, "-m", "nemo_d3s.convert", "hf-to-megatron", "--hf", str(src), "--out",
-                        str(tmp_path / "ck"), "--tp", "3", "--pp", "2", "--quiet"])
-    baseline = peak_rss([sys.executable, "-c", "import sys, nemo_d3s.convert, safetensors.torch, tqdm.auto; "
-                         "from nemo_d3s.formats.spec import ModelSpec; ModelSpec.from_folder(sys.argv[1])", str(src)])
-    print(f"hf-to-megatron TP3 x PP2: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
-          f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}")
+    convert = peak_rss(
+        [
+            sys.executable,
+            "-m",
+            "nemo_d3s.convert",
+            "hf-to-megatron",
+            "--hf",
+            str(src),
+            "--out",
+            str(tmp_path / "ck"),
+            "--tp",
+            "3",
+            "--pp",
+            "2",
+            "--quiet",
+        ]
+    )
+    baseline = peak_rss(
+        [
+            sys.executable,
+            "-c",
+            "import sys, nemo_d3s.convert, safetensors.torch, tqdm.auto; "
+            "from nemo_d3s.formats.spec import ModelSpec; ModelSpec.from_folder(sys.argv[1])",
+            str(src),
+        ]
+    )
+    print(
+        f"hf-to-megatron TP3 x PP2: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
+        f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}"
+    )
     assert convert - baseline < 0.6 * model_bytes

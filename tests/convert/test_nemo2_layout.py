@@ -46,7 +46,10 @@ def written(tmp_path_factory):
         src = tiny(root / f"{arch}_hf", arch, dtype)
         ck = hf_to_megatron(src, root / f"{arch}_ck", tp=tp, pp=pp, progress=False)
         ctx = nemo_context(src, root / f"{arch}_ctx")
-        out[arch] = (src, megatron_to_nemo(ck, root / f"{arch}_nemo", nemo_context=ctx, progress=False))
+        out[arch] = (
+            src,
+            megatron_to_nemo(ck, root / f"{arch}_nemo", nemo_context=ctx, progress=False),
+        )
     return out
 
 
@@ -54,21 +57,38 @@ def written(tmp_path_factory):
 def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     src, nemo = written[arch]
     assert sorted(os.listdir(nemo)) == ["checksums.json", "context", "weights"]
-    assert json.loads((nemo / "weights" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    assert (
+        json.loads((nemo / "weights" / "metadata.json").read_text())["sharded_backend"]
+        == "torch_dist"
+    )
     index = _DcpIndex(nemo / "weights")
     L, names = 4, set(index.tensors)
     qkv = "module.decoder.layers.self_attention.linear_qkv.weight"
     assert index.tensors[qkv][0] == (L, (4 + 2 * 2) * 8, 32)  # layers stacked, fused q/k/v
     assert len(index.chunks[qkv]) == L  # one chunk per layer
-    assert "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names  # NeMo's (TE) names
+    assert (
+        "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names
+    )  # NeMo's (TE) names
     assert ("module.output_layer.weight" in names) == (arch == "llama")
-    assert index.tensors["module.embedding.word_embeddings.weight"][0] == (300, 32)  # NeMo's divisor 4
+    assert index.tensors["module.embedding.word_embeddings.weight"][0] == (
+        300,
+        32,
+    )  # NeMo's divisor 4
     raw = (nemo / "weights" / ".metadata").read_bytes()
     assert b"module.decoder.layers.mlp.linear_fc2._extra_state/shard_3_4" in raw
     back = megatron_to_hf(nemo, tmp_path / "back", progress=False)
     assert_same_tensors(src, back)
-    cfg, want = json.loads((back / "config.json").read_text()), json.loads((src / "config.json").read_text())
-    for key in ("architectures", "vocab_size", "hidden_size", "num_key_value_heads", "tie_word_embeddings"):
+    cfg, want = (
+        json.loads((back / "config.json").read_text()),
+        json.loads((src / "config.json").read_text()),
+    )
+    for key in (
+        "architectures",
+        "vocab_size",
+        "hidden_size",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    ):
         assert cfg[key] == want[key], key
     assert (back / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     from transformers import AutoModelForCausalLM
@@ -110,11 +130,14 @@ def test_nemo2_as_a_training_start(written, tmp_path):
     from nemo_d3s.formats.spec import ModelSpec
 
     spec_nemo, spec_hf = ModelSpec.from_folder(nemo).to_dict(), ModelSpec.from_folder(src).to_dict()
-    assert {k: v for k, v in spec_nemo.items() if k != "torch_dtype"} == \
-        {k: v for k, v in spec_hf.items() if k != "torch_dtype"}
+    assert {k: v for k, v in spec_nemo.items() if k != "torch_dtype"} == {
+        k: v for k, v in spec_hf.items() if k != "torch_dtype"
+    }
     # model.name=<the NeMo 2 folder> itself, at TP2 on 2 ranks: the same scores; its HF
     # export holds the source tensors and loads in transformers
-    direct = run_ranks(_rank_scores_and_export, 2, str(nemo), str(tmp_path / "export"), tp=2, pp=1, timeout=240)
+    direct = run_ranks(
+        _rank_scores_and_export, 2, str(nemo), str(tmp_path / "export"), tp=2, pp=1, timeout=240
+    )
     for lp2, side_removed in direct:
         assert float((lp2 - want).abs().max()) <= 1e-4
         assert side_removed
@@ -134,7 +157,9 @@ def _rank_scores_and_export(rank, folder, export):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=2))
+    pol = MegatronBackend(
+        MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=2)
+    )
     side = pol.hf_source_dir()
     assert side != folder and os.path.isfile(os.path.join(side, "tokenizer_config.json"))
     ids = torch.tensor([[5, 70, 71, 72, 101, 33, 9, 250]])
@@ -158,9 +183,14 @@ def _rank_save_sharded_state_dict(rank, folder, weights):
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
     from nemo_d3s.backends.megatron.nemo2_writer import _TorchOnCpu
 
-    pol = MegatronBackend(MegatronBackendConfig(
-        model=folder, device="cpu", tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size()))
+    pol = MegatronBackend(
+        MegatronBackendConfig(
+            model=folder,
+            device="cpu",
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        )
+    )
     with _TorchOnCpu():
         dist_checkpointing.save(pol.model.sharded_state_dict(prefix="module."), weights)
 
@@ -177,7 +207,9 @@ def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
     src = tiny(tmp_path / "hf", arch, "float32")
     nemo = tmp_path / "nemo"
     (nemo / "weights").mkdir(parents=True)
-    run_ranks(_rank_save_sharded_state_dict, 4, str(src), str(nemo / "weights"), tp=2, pp=2, timeout=300)
+    run_ranks(
+        _rank_save_sharded_state_dict, 4, str(src), str(nemo / "weights"), tp=2, pp=2, timeout=300
+    )
     shutil.copytree(nemo_context(src, tmp_path / "ctx") / "context", nemo / "context")
     index = _DcpIndex(nemo / "weights")
     fc1 = "module.decoder.layers.mlp.linear_fc1.weight"
@@ -186,7 +218,9 @@ def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
     lp, ids = run_ranks(_rank_scores, 1, str(nemo), tp=1, pp=1, timeout=240)[0]
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     with torch.no_grad():
-        want = align_to_tokens(entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1])
+        want = align_to_tokens(
+            entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1]
+        )
     assert float((lp - want).abs().max()) <= 1e-4
 
 
@@ -232,7 +266,9 @@ def test_a_flipped_bit_in_a_nemo2_output_is_caught(written, tmp_path):
     _refused(tmp_path, msg, megatron_to_hf, bad, tmp_path / "out", progress=False)
     _refused(tmp_path, msg, hf_to_megatron, bad, tmp_path / "out", progress=False)
     _refused(tmp_path, msg, verify, src, bad)
-    megatron_to_hf(bad, tmp_path / "out", progress=False, verify_checksums=False)  # the documented switch
+    megatron_to_hf(
+        bad, tmp_path / "out", progress=False, verify_checksums=False
+    )  # the documented switch
 
 
 def test_bad_nemo2_input(written, tmp_path, monkeypatch):
@@ -244,36 +280,83 @@ def test_bad_nemo2_input(written, tmp_path, monkeypatch):
     flag = tmp_path / "pwned"
     monkeypatch.setenv("NEMO_D3S_PWNED", str(flag))
     (evil / "weights" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    _refused(tmp_path, r"\.metadata.*refusing to unpickle (posix|os)\.system", megatron_to_hf, evil,
-             tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        r"\.metadata.*refusing to unpickle (posix|os)\.system",
+        megatron_to_hf,
+        evil,
+        tmp_path / "out",
+        progress=False,
+    )
     assert not flag.exists()
     # a model the table does not know
     moe = _bare_copy(nemo, tmp_path / "moe")
     doc = yaml.safe_load((moe / "context" / "model.yaml").read_text())
     doc["config"]["_target_"] = "nemo.collections.llm.gpt.model.mixtral.MixtralConfig8x7B"
     (moe / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
-    _refused(tmp_path, "model.yaml.*MixtralConfig8x7B' is not supported", megatron_to_hf, moe, tmp_path / "out",
-             progress=False)
+    _refused(
+        tmp_path,
+        "model.yaml.*MixtralConfig8x7B' is not supported",
+        megatron_to_hf,
+        moe,
+        tmp_path / "out",
+        progress=False,
+    )
     # shapes that disagree with model.yaml
     wide = _bare_copy(nemo, tmp_path / "wide")
     doc = yaml.safe_load((wide / "context" / "model.yaml").read_text())
     doc["config"]["ffn_hidden_size"] = 64
     (wide / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
-    _refused(tmp_path, r"\.metadata.*'module.decoder.layers.mlp.linear_fc1.weight' has shape \[4, 96, 32\], "
-             r"context/model.yaml gives \[4, 128, 32\]", megatron_to_hf, wide, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        r"\.metadata.*'module.decoder.layers.mlp.linear_fc1.weight' has shape \[4, 96, 32\], "
+        r"context/model.yaml gives \[4, 128, 32\]",
+        megatron_to_hf,
+        wide,
+        tmp_path / "out",
+        progress=False,
+    )
     # no tokenizer in the context
     notok = _bare_copy(nemo, tmp_path / "notok")
     shutil.rmtree(notok / "context" / "nemo_tokenizer")
-    _refused(tmp_path, "nemo_tokenizer.*has no tokenizer", megatron_to_hf, notok, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "nemo_tokenizer.*has no tokenizer",
+        megatron_to_hf,
+        notok,
+        tmp_path / "out",
+        progress=False,
+    )
     # a context of another model for the NeMo output
     qwen_src, qwen_nemo = written["qwen2"]
-    _refused(tmp_path, "are different models: architecture=", megatron_to_nemo, nemo, tmp_path / "out",
-             nemo_context=qwen_nemo, progress=False)
-    _refused(tmp_path, "not a NeMo 2 checkpoint .no context/model.yaml", megatron_to_nemo, nemo, tmp_path / "out",
-             nemo_context=src, progress=False)
+    _refused(
+        tmp_path,
+        "are different models: architecture=",
+        megatron_to_nemo,
+        nemo,
+        tmp_path / "out",
+        nemo_context=qwen_nemo,
+        progress=False,
+    )
+    _refused(
+        tmp_path,
+        "not a NeMo 2 checkpoint .no context/model.yaml",
+        megatron_to_nemo,
+        nemo,
+        tmp_path / "out",
+        nemo_context=src,
+        progress=False,
+    )
     # weights whose chunks are gone
     cut = _bare_copy(nemo, tmp_path / "cut")
     for f in (cut / "weights").glob("*.distcp"):
         f.write_bytes(b"")
-    _refused(tmp_path, "distcp.*chunk of .* is unreadable", megatron_to_hf, cut, tmp_path / "out", progress=False)
+    _refused(
+        tmp_path,
+        "distcp.*chunk of .* is unreadable",
+        megatron_to_hf,
+        cut,
+        tmp_path / "out",
+        progress=False,
+    )
     assert hf_tensors(src)  # the source is untouched

@@ -38,8 +38,13 @@ pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
 def _nemo(*args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([nemo_python(), os.path.join(HERE, "_nemo_side.py"), *map(str, args)], capture_output=True,
-                         text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [nemo_python(), os.path.join(HERE, "_nemo_side.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -60,7 +65,9 @@ def _rank_scores(rank, folder, ids):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=2))
+    pol = MegatronBackend(
+        MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=2)
+    )
     attn = torch.ones_like(ids, dtype=torch.bool)
     return pol.score(TokenBatch(ids, attn, attn), with_entropy=False).logprobs
 
@@ -86,7 +93,9 @@ def test_nemo_toolkit_imports_loads_and_exports(arch, tmp_path):
     ids = torch.tensor([[5, 70, 71, 72, 101, 33, 9, 250, 7, 64]])
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     with torch.no_grad():
-        want = align_to_tokens(entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1])
+        want = align_to_tokens(
+            entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1]
+        )
     for folder in (nemo, start):
         lp = run_ranks(_rank_scores, 2, str(folder), ids, tp=2, pp=1, timeout=300)[0]
         assert float((lp - want).abs().max()) <= 1e-4, folder

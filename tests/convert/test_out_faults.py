@@ -40,20 +40,29 @@ def _during_first_write(monkeypatch, action):
     monkeypatch.setattr(StreamingSafetensors, "write", write)
 
 
-def test_files_that_appear_in_out_while_it_converts_are_not_deleted(tmp_path, made, monkeypatch, capsys):
+def test_files_that_appear_in_out_while_it_converts_are_not_deleted(
+    tmp_path, made, monkeypatch, capsys
+):
     src, ck = made
     out = tmp_path / "out"
     out.mkdir()  # empty: allowed without --overwrite
     _during_first_write(monkeypatch, lambda: (out / "notes.txt").write_text("the user's notes"))
     with pytest.raises(FolderChanged) as e:
         megatron_to_hf(ck, out, progress=False)
-    assert os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "the user's notes"
+    assert (
+        os.listdir(out) == ["notes.txt"] and (out / "notes.txt").read_text() == "the user's notes"
+    )
     kept = e.value.kept
     assert kept.name.startswith("out.unpublished-") and str(kept) in str(e.value)
-    assert_same_tensors(kept, megatron_to_hf(ck, tmp_path / "clean", progress=False))  # the finished output
+    assert_same_tensors(
+        kept, megatron_to_hf(ck, tmp_path / "clean", progress=False)
+    )  # the finished output
     # the CLI: one error line naming where the output is; even --overwrite does not delete the new file
     _during_first_write(monkeypatch, lambda: (out / "more.txt").write_text("more"))
-    assert main(["megatron-to-hf", "--ckpt", str(ck), "--out", str(out), "--overwrite", "--quiet"]) == 1
+    assert (
+        main(["megatron-to-hf", "--ckpt", str(ck), "--out", str(out), "--overwrite", "--quiet"])
+        == 1
+    )
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1
     assert "changed while it was being written (new: more.txt)" in err and "unpublished-" in err
@@ -66,7 +75,9 @@ def test_a_second_conversion_into_the_same_out_is_refused(tmp_path, made, monkey
     seen = {}
 
     def second():
-        with pytest.raises(ConfigError, match=r"is being written by another conversion \(pid \d+ on ") as e:
+        with pytest.raises(
+            ConfigError, match=r"is being written by another conversion \(pid \d+ on "
+        ) as e:
             megatron_to_hf(ck, out, progress=False)
         seen["error"] = str(e.value)
 
@@ -95,12 +106,26 @@ def test_a_flipped_bit_in_a_converted_shard_is_caught(tmp_path, made, capsys):
     with pytest.raises(ConfigError, match=msg):
         verify(src, bad)
     assert sorted(os.listdir(tmp_path)) == ["bad"]
-    assert main(["megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "hf"), "--quiet"]) == 1
+    assert (
+        main(["megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "hf"), "--quiet"]) == 1
+    )
     err = capsys.readouterr().err
     assert msg in err and "--no-verify-checksums" in err and len(err.splitlines()) == 1
     # the documented switch converts it anyway
-    assert main(["megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "hf"), "--quiet",
-                 "--no-verify-checksums"]) == 0
+    assert (
+        main(
+            [
+                "megatron-to-hf",
+                "--ckpt",
+                str(bad),
+                "--out",
+                str(tmp_path / "hf"),
+                "--quiet",
+                "--no-verify-checksums",
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_truncated_safetensors_file_is_one_line_naming_it(tmp_path, made, capsys):
@@ -142,7 +167,9 @@ def test_hf_backend_names_a_truncated_weights_file(tmp_path, made):
         load_model_and_tokenizer(HFBackendConfig(model=str(hf), device="cpu"))
 
 
-def test_a_conversion_killed_midway_leaves_a_staging_folder_the_next_one_removes(tmp_path, made, caplog):
+def test_a_conversion_killed_midway_leaves_a_staging_folder_the_next_one_removes(
+    tmp_path, made, caplog
+):
     src, ck = made
     out = tmp_path / "out"
     code = textwrap.dedent(f"""
@@ -158,7 +185,9 @@ def test_a_conversion_killed_midway_leaves_a_staging_folder_the_next_one_removes
         megatron_to_hf({str(ck)!r}, {str(out)!r}, progress=False)
     """)
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert proc.stdout.readline().strip() == "writing"
     finally:
@@ -184,4 +213,6 @@ def test_out_inside_the_input_is_refused(tmp_path, made):
     shutil.copytree(src, hf)
     with pytest.raises(ConfigError, match="is inside the source"):
         hf_to_megatron(hf, hf / "converted" / "tp1", progress=False)
-    assert sorted(os.listdir(copy)) == sorted(os.listdir(ck)) and sorted(os.listdir(hf)) == sorted(os.listdir(src))
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(ck)) and sorted(os.listdir(hf)) == sorted(
+        os.listdir(src)
+    )

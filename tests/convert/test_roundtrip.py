@@ -27,12 +27,22 @@ def test_round_trip_is_bit_exact(tmp_path, arch, dtype, tp, pp):
     src = tiny(tmp_path / "src", arch, dtype)
     ck = hf_to_megatron(src, tmp_path / "ck", tp=tp, pp=pp, progress=False)
     layout = json.loads((ck / "megatron" / "layout.json").read_text())
-    assert (layout["tp"], layout["pp"], layout["padded_vocab"]) == (tp, pp, 128 * tp * -(-300 // (128 * tp)))
+    assert (layout["tp"], layout["pp"], layout["padded_vocab"]) == (
+        tp,
+        pp,
+        128 * tp * -(-300 // (128 * tp)),
+    )
     assert sorted(os.listdir(ck / "megatron")) == ["layout.json"] + [
-        f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(pp)]
+        f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(pp)
+    ]
     back = megatron_to_hf(ck, tmp_path / "back", progress=False)
     assert_same_tensors(src, back)
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (back / name).read_bytes() == (src / name).read_bytes(), name
     assert not (back / "model.safetensors.index.json").exists()
     # transformers loads it, in the stored dtype
@@ -81,10 +91,16 @@ def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
                 s[me + "self_attention.linear_qkv.weight"] = qkv("weight")
                 if pre + "self_attn.q_proj.bias" in hf:
                     s[me + "self_attention.linear_qkv.bias"] = qkv("bias")
-                s[me + "self_attention.linear_proj.weight"] = hf[pre + "self_attn.o_proj.weight"].chunk(tp, 1)[t]
+                s[me + "self_attention.linear_proj.weight"] = hf[
+                    pre + "self_attn.o_proj.weight"
+                ].chunk(tp, 1)[t]
                 s[me + "pre_mlp_layernorm.weight"] = hf[pre + "post_attention_layernorm.weight"]
-                s[me + "mlp.linear_fc1.weight"] = torch.cat([hf[pre + "mlp.gate_proj.weight"].chunk(tp, 0)[t],
-                                                             hf[pre + "mlp.up_proj.weight"].chunk(tp, 0)[t]])
+                s[me + "mlp.linear_fc1.weight"] = torch.cat(
+                    [
+                        hf[pre + "mlp.gate_proj.weight"].chunk(tp, 0)[t],
+                        hf[pre + "mlp.up_proj.weight"].chunk(tp, 0)[t],
+                    ]
+                )
                 s[me + "mlp.linear_fc2.weight"] = hf[pre + "mlp.down_proj.weight"].chunk(tp, 1)[t]
             if p == pp - 1:
                 s["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
@@ -121,7 +137,9 @@ def test_dtype_cast_and_sharded_output(tmp_path):
     src = tiny(tmp_path / "src", "llama")
     ck = hf_to_megatron(src, tmp_path / "ck", tp=2, pp=1, dtype="bfloat16", progress=False)
     assert json.loads((ck / "config.json").read_text())["dtype"] == "bfloat16"
-    back = megatron_to_hf(ck, tmp_path / "back", dtype="float32", max_shard_bytes=40_000, progress=False)
+    back = megatron_to_hf(
+        ck, tmp_path / "back", dtype="float32", max_shard_bytes=40_000, progress=False
+    )
     index = json.loads((back / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
@@ -176,7 +194,9 @@ def test_smollm2_round_trip(tmp_path):
 
     src = resolve_model_path("smollm2-135m-instruct")
     for tp, pp in ((1, 1), (3, 2)):
-        ck = hf_to_megatron("smollm2-135m-instruct", tmp_path / f"ck{tp}{pp}", tp=tp, pp=pp, progress=False)
+        ck = hf_to_megatron(
+            "smollm2-135m-instruct", tmp_path / f"ck{tp}{pp}", tp=tp, pp=pp, progress=False
+        )
         back = megatron_to_hf(ck, tmp_path / f"back{tp}{pp}", progress=False)
         assert_same_tensors(src, back)
         assert (back / "config.json").read_bytes() == (src / "config.json").read_bytes()

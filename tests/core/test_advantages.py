@@ -86,7 +86,9 @@ def test_grpo_continuous_hand_worked():
 
 
 def test_dr_grpo_hand_worked():
-    a = compute_advantages(_t([1.0, 2.0, 6.0, 4.0, 0.0]), torch.tensor([3, 3, 3, 8, 8]), "dr_grpo").advantages
+    a = compute_advantages(
+        _t([1.0, 2.0, 6.0, 4.0, 0.0]), torch.tensor([3, 3, 3, 8, 8]), "dr_grpo"
+    ).advantages
     torch.testing.assert_close(a, _t([-2.0, -1.0, 3.0, 2.0, -2.0]))
 
 
@@ -184,9 +186,13 @@ def _reference(r, g, estimator, eps, unbiased):
 def test_matches_per_group_loop(data, estimator, unbiased, eps):
     g = [d[0] for d in data]
     r = [d[1] for d in data]
-    res = compute_advantages(_t(r, torch.float64), torch.tensor(g), estimator, eps=eps, unbiased=unbiased)
+    res = compute_advantages(
+        _t(r, torch.float64), torch.tensor(g), estimator, eps=eps, unbiased=unbiased
+    )
     ref = _reference(r, g, estimator, eps, unbiased)
-    torch.testing.assert_close(res.advantages, torch.tensor(ref, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        res.advantages, torch.tensor(ref, dtype=torch.float32), rtol=1e-5, atol=1e-5
+    )
     first_seen = list(dict.fromkeys(g))
     assert res.group_index.tolist() == [first_seen.index(x) for x in g]
     assert res.n_degenerate == sum(

@@ -111,8 +111,15 @@ def selector(name: str, **overrides) -> D3SSelector:
 def test_preset_table():
     assert set(PRESETS) == set(PRESET_NAMES)
     needs = {n: D3SSelector(PRESETS[n]).needs_entropy for n in PRESET_NAMES}
-    assert needs == {"grpo": False, "pods": False, "d1s": False, "d1s_cross": False,
-                     "d2s": True, "d3s": True, "d3s_i": True}
+    assert needs == {
+        "grpo": False,
+        "pods": False,
+        "d1s": False,
+        "d1s_cross": False,
+        "d2s": True,
+        "d3s": True,
+        "d3s_i": True,
+    }
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)
@@ -162,7 +169,10 @@ def test_pods_renormalises_on_the_kept_subset(batch, progress):
     full = compute_advantages(rewards, group_ids).advantages
     for rows in group_rows(group_ids).values():
         want = rows[max_variance_subset(rewards[rows], m)]
-        assert torch.equal(stage.sample_keep[rows].nonzero().flatten(), (rows[..., None] == want).any(1).nonzero().flatten())
+        assert torch.equal(
+            stage.sample_keep[rows].nonzero().flatten(),
+            (rows[..., None] == want).any(1).nonzero().flatten(),
+        )
         r = [float(rewards[i]) for i in want]
         mean = sum(r) / len(r)
         sd = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))
@@ -199,13 +209,13 @@ def ref_pool_max_variance(values, m):
     exact = [Fraction(values[i]) for i in order]
 
     def ss(k):
-        part = exact[: m - k] + exact[len(exact) - k:]
+        part = exact[: m - k] + exact[len(exact) - k :]
         mean = sum(part) / m
         return sum((x - mean) ** 2 for x in part)
 
     scores = [ss(k) for k in range(m + 1)]
     k = scores.index(max(scores))
-    kept_values = sorted(values[i] for i in order[: m - k] + order[len(order) - k:])
+    kept_values = sorted(values[i] for i in order[: m - k] + order[len(order) - k :])
     rows = []
     for v in sorted(set(kept_values)):
         rows += [i for i, x in enumerate(values) if x == v][: kept_values.count(v)]
@@ -225,14 +235,18 @@ def test_cross_group_presets_select_from_the_pool(batch, name, progress):
     rewards, group_ids, entropy, mask = batch
     stage = selector(name).select_samples(rewards, group_ids, progress)
     full = ref_grpo(rewards, group_ids)
-    torch.testing.assert_close(stage.advantages.double(), full, rtol=1e-6, atol=1e-6)  # never re-normalised
+    torch.testing.assert_close(
+        stage.advantages.double(), full, rtol=1e-6, atol=1e-6
+    )  # never re-normalised
     m_total = CROSS_PER_PROMPT[name][PROGRESS.index(progress)] * N_GROUPS
     assert stage.kept_rows.tolist() == ref_pool_max_variance(stage.advantages.tolist(), m_total)
 
 
 @pytest.mark.parametrize("name", ("d2s", "d3s", "d3s_i"))
 @pytest.mark.parametrize("progress", PROGRESS)
-@pytest.mark.parametrize("floor", (None, 0, 20))  # the preset's own (256 binds on this small batch), none, one in between
+@pytest.mark.parametrize(
+    "floor", (None, 0, 20)
+)  # the preset's own (256 binds on this small batch), none, one in between
 def test_batch_scope_token_count_and_ranking(batch, name, progress, floor):
     rewards, group_ids, entropy, mask = batch
     sel = selector(name) if floor is None else selector(name, min_kept_tokens=floor)
@@ -264,14 +278,22 @@ def test_d3s_follows_the_schedule_endpoints(batch):
 def test_apply_equals_two_stage_path(batch, name, progress):
     rewards, group_ids, entropy, mask = batch
     if name == "random":
-        sel = D3SSelector(D3SConfig(sample_rule="random", token_scope="sample",
-                                    schedule=DynamicSchedule("linear", 0.25, 0.75, 0.1, 0.3), seed=3))
+        sel = D3SSelector(
+            D3SConfig(
+                sample_rule="random",
+                token_scope="sample",
+                schedule=DynamicSchedule("linear", 0.25, 0.75, 0.1, 0.3),
+                seed=3,
+            )
+        )
     else:
         sel = selector(name)
     stage, tok = sel.apply(rewards, group_ids, entropy, mask, progress)
     stage2 = sel.select_samples(rewards, group_ids, progress)
     rows = stage2.kept_rows
-    tok2 = sel.select_tokens(stage2, entropy[rows] if sel.needs_entropy else None, mask[rows], progress)
+    tok2 = sel.select_tokens(
+        stage2, entropy[rows] if sel.needs_entropy else None, mask[rows], progress
+    )
     assert torch.equal(stage.sample_keep, stage2.sample_keep)
     assert torch.equal(stage.advantages, stage2.advantages)
     assert torch.equal(tok.token_keep, tok2.token_keep)
@@ -306,7 +328,9 @@ def test_metrics_match_references(batch):
 
 def test_random_rule_is_reproducible(batch):
     rewards, group_ids, _, _ = batch
-    cfg = D3SConfig(sample_rule="random", schedule=DynamicSchedule("constant", 0.25, 0.25, 1.0, 1.0), seed=7)
+    cfg = D3SConfig(
+        sample_rule="random", schedule=DynamicSchedule("constant", 0.25, 0.25, 1.0, 1.0), seed=7
+    )
     a = D3SSelector(cfg).select_samples(rewards, group_ids, 0.25)
     b = D3SSelector(cfg).select_samples(rewards, group_ids, 0.25)
     assert torch.equal(a.sample_keep, b.sample_keep)
@@ -335,12 +359,18 @@ def test_hand_worked_d3s_two_groups_of_four():
     """
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
     group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    cfg = D3SConfig(sample_rule="d3s_cross", token_scope="batch", eps=0.0,
-                    schedule=DynamicSchedule("constant", 1, 1, 0.5, 0.5))
+    cfg = D3SConfig(
+        sample_rule="d3s_cross",
+        token_scope="batch",
+        eps=0.0,
+        schedule=DynamicSchedule("constant", 1, 1, 0.5, 0.5),
+    )
     sel = D3SSelector(cfg)
     stage = sel.select_samples(rewards, group_ids, 0.0)
     h3 = math.sqrt(3) / 2
-    assert stage.advantages.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, h3, h3, -h3, -h3], abs=1e-6)
+    assert stage.advantages.tolist() == pytest.approx(
+        [1.5, -0.5, -0.5, -0.5, h3, h3, -h3, -h3], abs=1e-6
+    )
     assert stage.kept_rows.tolist() == [0, 6]
     assert stage.kept_advantages.tolist() == pytest.approx([1.5, -h3], abs=1e-6)
     assert stage.metrics["kept_adv_var"] == pytest.approx((1.5 + h3) ** 2 / 2, abs=1e-5)  # 2.7990
@@ -371,15 +401,20 @@ def test_hand_worked_d3s_two_groups_of_four():
     assert tok4.token_keep.tolist() == [[False, False, True, True], [False, True, True, False]]
     assert tok4.k_frac == pytest.approx(0.8) and tok4.metrics["k_frac_schedule"] == 0.5
     # A floor below K x eligible (3 tokens) changes nothing.
-    _, tok2 = D3SSelector(dataclasses.replace(cfg, min_kept_tokens=2)).apply(rewards, group_ids, entropy, mask, 0.0)
+    _, tok2 = D3SSelector(dataclasses.replace(cfg, min_kept_tokens=2)).apply(
+        rewards, group_ids, entropy, mask, 0.0
+    )
     assert torch.equal(tok2.token_keep, tok.token_keep) and tok2.k_frac == 0.5
 
     # Intra-group with N = 1: every single rollout has variance 0; the rule keeps the one
     # farthest from its group's mean: group A's 1.5 (row 0), group B's +-0.866 tie -> row 4
     # (lower index). (The max-variance tie-break alone would keep the minima, rows 1 and 6:
     # negative advantages only.)
-    intra = D3SSelector(D3SConfig(sample_rule="d3s_intra", eps=0.0,
-                                  schedule=DynamicSchedule("constant", 1, 1, 1.0, 1.0)))
+    intra = D3SSelector(
+        D3SConfig(
+            sample_rule="d3s_intra", eps=0.0, schedule=DynamicSchedule("constant", 1, 1, 1.0, 1.0)
+        )
+    )
     assert intra.select_samples(rewards, group_ids, 0.0).kept_rows.tolist() == [0, 4]
 
 
@@ -419,7 +454,9 @@ def test_scope_all_reports_entropy_when_given(batch):
     stage, tok = selector("d1s").apply(rewards, group_ids, entropy, mask, 0.0)
     km = mask[stage.kept_rows]
     assert torch.equal(tok.token_keep, km)
-    assert tok.metrics["mean_entropy_kept"] == pytest.approx(float(entropy[stage.kept_rows][km].double().mean()))
+    assert tok.metrics["mean_entropy_kept"] == pytest.approx(
+        float(entropy[stage.kept_rows][km].double().mean())
+    )
 
 
 # ----------------------------------------------------------------------------- errors
@@ -513,10 +550,18 @@ def test_structured_config_round_trip(batch):
 
     cfg = OmegaConf.structured(Root)
     assert cfg.d3s.schedule.kind == "linear" and cfg.d3s.renorm_eps is None and cfg.baseline is None
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        "d3s.schedule.n_init=2", "d3s.schedule.n_final=6", "d3s.renorm_eps=0.001",
-        "d3s.schedule.kind=step", "d3s.schedule.kwargs={milestones: [0.25, 0.75]}",
-    ]))
+    cfg = OmegaConf.merge(
+        cfg,
+        OmegaConf.from_dotlist(
+            [
+                "d3s.schedule.n_init=2",
+                "d3s.schedule.n_final=6",
+                "d3s.renorm_eps=0.001",
+                "d3s.schedule.kind=step",
+                "d3s.schedule.kwargs={milestones: [0.25, 0.75]}",
+            ]
+        ),
+    )
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj.d3s, D3SConfig) and isinstance(obj.d3s.schedule, DynamicSchedule)
     assert obj.d3s.schedule.at(0.5) == (4, pytest.approx(0.125))
@@ -533,7 +578,9 @@ def test_structured_config_round_trip(batch):
 
 
 def test_mapping_config():
-    sel = D3SSelector({"sample_rule": "d3s_intra", "schedule": {"kind": "constant", "n_init": 2, "n_final": 2}})
+    sel = D3SSelector(
+        {"sample_rule": "d3s_intra", "schedule": {"kind": "constant", "n_init": 2, "n_final": 2}}
+    )
     assert sel.cfg.schedule.n_is_count and sel.n_keep_at(0.7) == 2 and sel.k_frac_at(0.7) == 1.0
 
 
@@ -554,18 +601,42 @@ def test_core_package_exports_and_stays_light():
     import nemo_d3s.core as core
 
     assert len(info["all"]) == len(set(info["all"]))
-    for module in ("advantages", "sample_selection", "schedules", "token_selection", "entropy", "losses", "d3s"):
+    for module in (
+        "advantages",
+        "sample_selection",
+        "schedules",
+        "token_selection",
+        "entropy",
+        "losses",
+        "d3s",
+    ):
         mod = getattr(core, module)
         for name in mod.__all__:
             assert name in info["all"] and getattr(core, name) is getattr(mod, name)
-    for name in ("D3SSelector", "D3SConfig", "PRESETS", "compute_advantages", "max_variance_subset",
-                 "DynamicSchedule", "select_tokens", "token_scores", "entropy_and_logprobs", "Registry"):
+    for name in (
+        "D3SSelector",
+        "D3SConfig",
+        "PRESETS",
+        "compute_advantages",
+        "max_variance_subset",
+        "DynamicSchedule",
+        "select_tokens",
+        "token_scores",
+        "entropy_and_logprobs",
+        "Registry",
+    ):
         assert name in info["all"]
     # Source-level: no core module imports torch.distributed or a model framework.
     from pathlib import Path
 
     for path in Path(core.__file__).parent.glob("*.py"):
         text = path.read_text()
-        for bad in ("import torch.distributed", "from torch.distributed", "torch.distributed.",
-                    "import megatron", "from megatron", "import transformers"):
+        for bad in (
+            "import torch.distributed",
+            "from torch.distributed",
+            "torch.distributed.",
+            "import megatron",
+            "from megatron",
+            "import transformers",
+        ):
             assert bad not in text, f"{path.name} contains {bad!r}"

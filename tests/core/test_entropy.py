@@ -50,7 +50,9 @@ def test_minus_inf_logits_are_probability_zero():
     # a masked vocabulary entry must act as if absent: same as the V = 2 case above
     logits = torch.tensor([[[0.0, -math.inf, math.log(3.0)]]], requires_grad=True)
     entropy, logprobs = entropy_and_logprobs(logits, torch.tensor([[2]]))
-    assert entropy.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6)
+    assert entropy.item() == pytest.approx(
+        -(0.25 * math.log(0.25) + 0.75 * math.log(0.75)), abs=1e-6
+    )
     assert logprobs.item() == pytest.approx(math.log(0.75), abs=1e-6)
     logprobs.sum().backward()
     # d log p(y) / dz = onehot(y) - p = [-1/4, 0, 1/4]
@@ -89,7 +91,9 @@ def test_fp64_inputs_are_exact():
     logits, ids = _case(dtype=torch.float64)
     entropy, logprobs = entropy_and_logprobs(logits, ids, chunk_size=3)
     ref_h, ref_lp = _naive(logits, ids)
-    assert torch.allclose(entropy, ref_h, atol=1e-12) and torch.allclose(logprobs, ref_lp, atol=1e-12)
+    assert torch.allclose(entropy, ref_h, atol=1e-12) and torch.allclose(
+        logprobs, ref_lp, atol=1e-12
+    )
 
 
 def test_large_common_offset_keeps_entropy_accurate():
@@ -123,7 +127,9 @@ def test_strided_input_equals_contiguous():
         assert torch.equal(h, h2) and torch.equal(lp, lp2)
     # transposed vocab stride too
     t = logits.transpose(0, 2).contiguous().transpose(0, 2)
-    assert torch.equal(entropy_and_logprobs(t, ids, chunk_size=3)[1], entropy_and_logprobs(logits, ids)[1])
+    assert torch.equal(
+        entropy_and_logprobs(t, ids, chunk_size=3)[1], entropy_and_logprobs(logits, ids)[1]
+    )
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -251,7 +257,9 @@ def test_kernel_leaves_the_callers_logits_untouched():
         logits[0, 0, :3] = float("-inf")
         logits.requires_grad_(True)
         before = logits.detach().clone()
-        ent, lp = entropy_and_logprobs(logits, torch.randint(3, 40, (3, 4), generator=g), chunk_size=5)
+        ent, lp = entropy_and_logprobs(
+            logits, torch.randint(3, 40, (3, 4), generator=g), chunk_size=5
+        )
         assert torch.equal(logits.detach(), before)
         lp.sum().backward()
         assert torch.equal(logits.detach(), before)

@@ -58,7 +58,11 @@ def test_grpo_every_clip_branch_by_hand():
     expected = torch.tensor([[-0.5, -1.1, 0.0, 0.0, 1.1, 1.5]], dtype=F64) / 6
     assert torch.allclose(grad, expected, atol=1e-12)
     m = out.metrics
-    assert (m["clip_frac_low_sum"], m["clip_frac_high_sum"], m["dual_clip_frac_sum"]) == (1.0, 1.0, 0.0)
+    assert (m["clip_frac_low_sum"], m["clip_frac_high_sum"], m["dual_clip_frac_sum"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
     assert (m["token_count"], m["seq_count"]) == (6.0, 1.0)
     assert m["ratio_sum"] == pytest.approx(0.5 + 1.1 + 1.5 + 0.5 + 1.1 + 1.5, abs=1e-12)
     assert m["pg_loss"] == pytest.approx(0.52 / 6, abs=1e-12) and m["kl_loss"] == 0.0
@@ -66,7 +70,9 @@ def test_grpo_every_clip_branch_by_hand():
     k3 = sum(x - math.log(x) - 1 for x in r)
     assert m["approx_kl_sum"] == pytest.approx(k3, abs=1e-12)
     fin = finalize_metrics(m)
-    assert fin["clip_frac_low"] == pytest.approx(1 / 6) and fin["approx_kl"] == pytest.approx(k3 / 6)
+    assert fin["clip_frac_low"] == pytest.approx(1 / 6) and fin["approx_kl"] == pytest.approx(
+        k3 / 6
+    )
 
 
 def test_grpo_dual_clip_by_hand():
@@ -75,16 +81,30 @@ def test_grpo_dual_clip_by_hand():
     a = [-1.0, -1.0, 2.0]
     lp = _lp([[math.log(x) for x in r]])
     mask = torch.ones(1, 3, dtype=torch.bool)
-    out, grad = _run("grpo", lp, torch.zeros(1, 3, dtype=F64), torch.tensor([a], dtype=F64), mask, cfg, 3.0)
+    out, grad = _run(
+        "grpo", lp, torch.zeros(1, 3, dtype=F64), torch.tensor([a], dtype=F64), mask, cfg, 3.0
+    )
     #  r=4,   A=-1: max(4, 1.2) = 4 -> dual clip min(4, -cA = 3) = 3, grad 0
     #  r=1.5, A=-1: max(1.5, 1.2) = 1.5 -> min(1.5, 3) = 1.5 (dual clip not binding), grad 1.5
     #  r=4,   A=+2: max(-8, -2.4) = -2.4 (clip high; dual clip never applies to A > 0), grad 0
     assert out.loss.item() == pytest.approx((3.0 + 1.5 - 2.4) / 3, abs=1e-12)
     assert torch.allclose(grad, torch.tensor([[0.0, 1.5, 0.0]], dtype=F64) / 3, atol=1e-12)
     m = out.metrics
-    assert (m["dual_clip_frac_sum"], m["clip_frac_high_sum"], m["clip_frac_low_sum"]) == (1.0, 1.0, 0.0)
+    assert (m["dual_clip_frac_sum"], m["clip_frac_high_sum"], m["clip_frac_low_sum"]) == (
+        1.0,
+        1.0,
+        0.0,
+    )
     # without dual clip the first token would cost 4
-    out2, _ = _run("grpo", lp, torch.zeros(1, 3, dtype=F64), torch.tensor([a], dtype=F64), mask, LossConfig(), 3.0)
+    out2, _ = _run(
+        "grpo",
+        lp,
+        torch.zeros(1, 3, dtype=F64),
+        torch.tensor([a], dtype=F64),
+        mask,
+        LossConfig(),
+        3.0,
+    )
     assert out2.loss.item() == pytest.approx((4.0 + 1.5 - 2.4) / 3, abs=1e-12)
 
 
@@ -109,7 +129,9 @@ def _gspo_case():
     # row 2: [-0.5] -> s = e^-0.5 = 0.60653 < 0.8, A = -1: clipped at 0.8
     nan = float("nan")
     lp = _lp([[0.1, -0.2, 0.4, 5.0], [0.3, 0.3, 0.0, 0.0], [-0.5, 0.0, 0.0, 0.0]])
-    old = torch.tensor([[0.0, 0.0, 0.0, nan], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=F64)
+    old = torch.tensor(
+        [[0.0, 0.0, 0.0, nan], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], dtype=F64
+    )
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, 1.0, -1.0], dtype=F64)
     return lp, old, adv, mask
@@ -175,8 +197,13 @@ def test_gspo_token_per_token_advantages_by_hand():
 def test_gspo_token_clipped_sequence_has_no_gradient():
     lp = _lp([[0.3, 0.3]])  # s = e^0.3 > 1.2
     out, grad = _run(
-        "gspo_token", lp, torch.zeros(1, 2, dtype=F64), torch.tensor([1.0], dtype=F64),
-        torch.ones(1, 2, dtype=torch.bool), LossConfig(), 2.0,
+        "gspo_token",
+        lp,
+        torch.zeros(1, 2, dtype=F64),
+        torch.tensor([1.0], dtype=F64),
+        torch.ones(1, 2, dtype=torch.bool),
+        LossConfig(),
+        2.0,
     )
     assert out.loss.item() == pytest.approx(-1.2, abs=1e-12)  # 2 x (-1.2) / 2
     assert (grad == 0).all()
@@ -192,14 +219,18 @@ def test_k3_kl_by_hand(name):
     ref = torch.tensor([[-0.5, -2.5, 7.0]], dtype=F64)  # ref - logp = [0.5, -0.5, (unmasked)]
     mask = torch.tensor([[True, True, False]])
     cfg = LossConfig(kl_coef=0.1)
-    out, grad = _run(name, lp, lp.detach(), torch.zeros(1, dtype=F64), mask, cfg, 2.0, ref_logprobs=ref)
+    out, grad = _run(
+        name, lp, lp.detach(), torch.zeros(1, dtype=F64), mask, cfg, 2.0, ref_logprobs=ref
+    )
     k3_a = math.exp(0.5) - 0.5 - 1  # 0.148721
     k3_b = math.exp(-0.5) + 0.5 - 1  # 0.106531
     assert out.loss.item() == pytest.approx(0.1 * (k3_a + k3_b) / 2, abs=1e-12)
     assert out.metrics["ref_kl_sum"] == pytest.approx(k3_a + k3_b, abs=1e-12)
     assert out.metrics["kl_loss"] == pytest.approx(out.loss.item(), abs=1e-12)
     # d/dlogp [exp(x) - x - 1], x = ref - logp:  -(exp(x) - 1)
-    expected = torch.tensor([[-(math.exp(0.5) - 1), -(math.exp(-0.5) - 1), 0.0]], dtype=F64) * 0.1 / 2
+    expected = (
+        torch.tensor([[-(math.exp(0.5) - 1), -(math.exp(-0.5) - 1), 0.0]], dtype=F64) * 0.1 / 2
+    )
     assert torch.allclose(grad, expected, atol=1e-12)
 
 
@@ -207,7 +238,9 @@ def test_ref_logprobs_without_kl_coef_is_only_monitored():
     lp = _lp([[-1.0, -2.0]])
     ref = torch.tensor([[-0.5, -2.5]], dtype=F64)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    out = policy_loss("grpo", lp, lp.detach(), torch.zeros(1, dtype=F64), mask, denominator=2.0, ref_logprobs=ref)
+    out = policy_loss(
+        "grpo", lp, lp.detach(), torch.zeros(1, dtype=F64), mask, denominator=2.0, ref_logprobs=ref
+    )
     assert out.loss.item() == 0.0 and out.metrics["ref_kl_sum"] > 0
 
 
@@ -223,18 +256,22 @@ def test_seq_mean_token_mean_norm_mask_by_hand():
     out = policy_loss("grpo", lp, old, adv, loss_mask, cfg=cfg, denominator=2.0)
     assert out.loss.item() == pytest.approx(-1.0, abs=1e-12)
     # all-token normalisation: row means (-2/4, -1/1) -> (-0.5 - 1) / 2
-    out = policy_loss("grpo", lp, old, adv, loss_mask, cfg=cfg, denominator=2.0, norm_mask=norm_mask)
+    out = policy_loss(
+        "grpo", lp, old, adv, loss_mask, cfg=cfg, denominator=2.0, norm_mask=norm_mask
+    )
     assert out.loss.item() == pytest.approx(-0.75, abs=1e-12)
     # GSPO: sequence loss -1 on each selected token, same weights
-    out = policy_loss("gspo", lp, old, adv, loss_mask, cfg=cfg, denominator=2.0, norm_mask=norm_mask)
+    out = policy_loss(
+        "gspo", lp, old, adv, loss_mask, cfg=cfg, denominator=2.0, norm_mask=norm_mask
+    )
     assert out.loss.item() == pytest.approx(-0.75, abs=1e-12)
     # token_mean and seq_mean_token_sum ignore norm_mask
     for agg, expected in (("token_mean", -3 / 3), ("seq_mean_token_sum", -3 / 2)):
         c = LossConfig(aggregation=agg)
         d = loss_denominator(loss_mask, agg)
-        assert policy_loss("grpo", lp, old, adv, loss_mask, cfg=c, denominator=d, norm_mask=norm_mask).loss.item() == (
-            pytest.approx(expected, abs=1e-12)
-        )
+        assert policy_loss(
+            "grpo", lp, old, adv, loss_mask, cfg=c, denominator=d, norm_mask=norm_mask
+        ).loss.item() == (pytest.approx(expected, abs=1e-12))
 
 
 def test_loss_denominator():
@@ -257,7 +294,11 @@ def _random_batch(seed, B=7, S=9, per_token_adv=False):
     old = -torch.rand(B, S, generator=g, dtype=F64) * 3
     lp = old + torch.randn(B, S, generator=g, dtype=F64) * 0.4  # wide enough to clip
     ref = old + torch.randn(B, S, generator=g, dtype=F64) * 0.3
-    adv = torch.randn(B, S, generator=g, dtype=F64) if per_token_adv else torch.randn(B, generator=g, dtype=F64)
+    adv = (
+        torch.randn(B, S, generator=g, dtype=F64)
+        if per_token_adv
+        else torch.randn(B, generator=g, dtype=F64)
+    )
     norm_mask = torch.rand(B, S, generator=g) < 0.8
     loss_mask = norm_mask & (torch.rand(B, S, generator=g) < 0.6)
     loss_mask[0] = False  # an empty row
@@ -275,14 +316,23 @@ def _random_batch(seed, B=7, S=9, per_token_adv=False):
 )
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_adv, aggregation):
-    cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=2.0, kl_coef=0.05, aggregation=aggregation)
+    cfg = LossConfig(
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=2.0, kl_coef=0.05, aggregation=aggregation
+    )
     for seed in range(3):
         lp0, old, adv, loss_mask, norm_mask, ref = _random_batch(seed, per_token_adv=per_token_adv)
         denom = loss_denominator(loss_mask, aggregation)  # the "global" count
 
         full_lp = lp0.clone().requires_grad_(True)
         full = POLICY_LOSSES.get(name)(
-            full_lp, old, adv, loss_mask, cfg=cfg, denominator=denom, ref_logprobs=ref, norm_mask=norm_mask
+            full_lp,
+            old,
+            adv,
+            loss_mask,
+            cfg=cfg,
+            denominator=denom,
+            ref_logprobs=ref,
+            norm_mask=norm_mask,
         )
         full.loss.backward()
 
@@ -291,8 +341,14 @@ def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_ad
         summed: dict = {}
         for lo, hi in ((0, 2), (2, 3), (3, 7)):
             out = POLICY_LOSSES.get(name)(
-                split_lp[lo:hi], old[lo:hi], adv[lo:hi], loss_mask[lo:hi], cfg=cfg, denominator=denom,
-                ref_logprobs=ref[lo:hi], norm_mask=norm_mask[lo:hi],
+                split_lp[lo:hi],
+                old[lo:hi],
+                adv[lo:hi],
+                loss_mask[lo:hi],
+                cfg=cfg,
+                denominator=denom,
+                ref_logprobs=ref[lo:hi],
+                norm_mask=norm_mask[lo:hi],
             )
             total = total + out.loss
             for k, v in out.metrics.items():
@@ -304,7 +360,9 @@ def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_ad
         assert torch.isfinite(full_lp.grad).all()
         assert (full_lp.grad[~loss_mask] == 0).all()
         # the local denominators add up to the global one
-        parts = sum(loss_denominator(loss_mask[lo:hi], aggregation) for lo, hi in ((0, 2), (2, 3), (3, 7)))
+        parts = sum(
+            loss_denominator(loss_mask[lo:hi], aggregation) for lo, hi in ((0, 2), (2, 3), (3, 7))
+        )
         assert parts == denom
 
 
@@ -312,7 +370,9 @@ def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_ad
 def test_empty_mask_gives_zero_loss_and_zero_gradient(name):
     lp = torch.full((1, 2), float("nan"), dtype=F64, requires_grad=True)
     mask = torch.zeros(1, 2, dtype=torch.bool)
-    out = policy_loss(name, lp, torch.zeros(1, 2, dtype=F64), torch.zeros(1, dtype=F64), mask, denominator=5.0)
+    out = policy_loss(
+        name, lp, torch.zeros(1, 2, dtype=F64), torch.zeros(1, dtype=F64), mask, denominator=5.0
+    )
     out.loss.backward()
     assert out.loss.item() == 0.0 and (lp.grad == 0).all()
     assert out.metrics["token_count"] == 0.0
@@ -332,9 +392,21 @@ def test_bf16_logprobs_compute_in_fp32():
 
 
 def test_finalize_metrics():
-    m = {"token_count": 4.0, "clip_frac_high_sum": 1.0, "approx_kl_sum": 0.2, "pg_loss": -0.3, "loss": 1.0}
+    m = {
+        "token_count": 4.0,
+        "clip_frac_high_sum": 1.0,
+        "approx_kl_sum": 0.2,
+        "pg_loss": -0.3,
+        "loss": 1.0,
+    }
     assert finalize_metrics(m) == pytest.approx(
-        {"token_count": 4.0, "clip_frac_high": 0.25, "approx_kl": 0.05, "pg_loss": -0.3, "loss": 1.0}
+        {
+            "token_count": 4.0,
+            "clip_frac_high": 0.25,
+            "approx_kl": 0.05,
+            "pg_loss": -0.3,
+            "loss": 1.0,
+        }
     )
     with pytest.raises(ValueError, match="token_count"):
         finalize_metrics({"ratio_sum": 1.0})
@@ -376,8 +448,14 @@ def test_validation_messages():
         policy_loss("grpo", lp, old, adv, mask, cfg=LossConfig(kl_coef=0.1), **kw)
     with pytest.raises(ValueError, match="norm_mask must cover loss_mask"):
         policy_loss(
-            "grpo", lp, old, adv, mask, cfg=LossConfig(aggregation="seq_mean_token_mean"),
-            norm_mask=torch.tensor([[True, False]]), **kw,
+            "grpo",
+            lp,
+            old,
+            adv,
+            mask,
+            cfg=LossConfig(aggregation="seq_mean_token_mean"),
+            norm_mask=torch.tensor([[True, False]]),
+            **kw,
         )
     with pytest.raises(ValueError, match="different devices"):
         policy_loss("grpo", lp, old.to("meta"), adv, mask, **kw)

@@ -114,9 +114,14 @@ def _two_valued_reference(values, m):
     return sorted(low_idx + high_idx)
 
 
-@pytest.mark.parametrize("rewards, m", [
-    ([1, 0, 0, 1, 0, 1], 5), ([1, 1, 1, 0, 0, 0, 0, 1], 5), ([1, 0, 1, 0, 0, 0, 1, 1], 7),
-])
+@pytest.mark.parametrize(
+    "rewards, m",
+    [
+        ([1, 0, 0, 1, 0, 1], 5),
+        ([1, 1, 1, 0, 0, 0, 0, 1], 5),
+        ([1, 0, 1, 0, 0, 0, 1, 1], 7),
+    ],
+)
 @pytest.mark.parametrize("scale", ["shifted", "normalised"])
 def test_tied_subsets_keep_the_low_values_through_rounding(rewards, m, scale):
     """Binary rewards, half of each, m odd: taking (m+1)/2 lows or (m+1)/2 highs is an exact
@@ -218,7 +223,9 @@ def _ref_max_variance_keep(values, g, n_keep):
     keep = [False] * len(values)
     for idx in _groups(g):
         m = resolve_n_keep(n_keep, len(idx))
-        if m == 1 and len(idx) > 1:  # one value has no variance: the farthest from the mean, first on ties
+        if (
+            m == 1 and len(idx) > 1
+        ):  # one value has no variance: the farthest from the mean, first on ties
             vals = [values[i] for i in idx]
             dev = [abs(v - sum(vals) / len(vals)) for v in vals]
             keep[idx[next(j for j, d in enumerate(dev) if d >= max(dev) * (1 - 1e-6))]] = True
@@ -255,7 +262,9 @@ def _ref_pods_advantages(r, g, keep, adv_in):
 
 
 batches = st.lists(
-    st.tuples(st.integers(0, 5), st.sampled_from([0.0, 1.0]) | st.integers(-50, 50).map(lambda x: x / 10)),
+    st.tuples(
+        st.integers(0, 5), st.sampled_from([0.0, 1.0]) | st.integers(-50, 50).map(lambda x: x / 10)
+    ),
     min_size=1,
     max_size=40,
 )
@@ -278,7 +287,9 @@ def test_grouped_rules_match_per_group_loop(data, n_keep):
     ref_keep = _ref_max_variance_keep(r, g, n_keep)
     assert pods.sample_keep.tolist() == ref_keep
     ref_adv = _ref_pods_advantages(r, g, ref_keep, adv.tolist())
-    torch.testing.assert_close(pods.advantages, torch.tensor(ref_adv, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        pods.advantages, torch.tensor(ref_adv, dtype=torch.float32), rtol=1e-5, atol=1e-5
+    )
 
     mr = select_samples("max_reward", rewards, adv, gids, n_keep)
     assert mr.sample_keep.tolist() == _ref_max_reward_keep(r, g, n_keep)
@@ -391,7 +402,11 @@ def test_pooled_rule_keeping_one_rollout_keeps_the_largest_advantage():
     0 0 0 1 -> A = -0.5 -0.5 -0.5 1.5 (mean 0): keep the success (row 3), not the
     tie-break's first minimum (row 0); 1 1 1 0 -> keep the failure (row 3, A = -1.5)."""
     g = torch.zeros(4, dtype=torch.long)
-    for r, row in ((_t([0.0, 0.0, 0.0, 1.0]), 3), (_t([1.0, 1.0, 1.0, 0.0]), 3), (_t([1.0, 0.0, 1.0, 0.0]), 0)):
+    for r, row in (
+        (_t([0.0, 0.0, 0.0, 1.0]), 3),
+        (_t([1.0, 1.0, 1.0, 0.0]), 3),
+        (_t([1.0, 0.0, 1.0, 0.0]), 0),
+    ):
         adv = compute_advantages(r, g).advantages
         assert select_samples("d3s_cross", r, adv, g, 1).kept_rows.tolist() == [row]
         assert select_samples("d3s_cross", r, adv, g, 0.25).kept_rows.tolist() == [row]
@@ -413,7 +428,9 @@ def test_random_rule_uses_generator():
     adv = compute_advantages(r, g).advantages
 
     def pick(seed):
-        return select_samples("random", r, adv, g, 4, generator=torch.Generator().manual_seed(seed)).sample_keep
+        return select_samples(
+            "random", r, adv, g, 4, generator=torch.Generator().manual_seed(seed)
+        ).sample_keep
 
     a = pick(123)
     assert torch.equal(a, pick(123))
@@ -436,7 +453,14 @@ def test_random_rule_is_roughly_uniform():
 
 
 def test_registry_contents():
-    assert set(SAMPLE_SELECTORS.names()) == {"all", "random", "max_reward", "pods", "d3s_intra", "d3s_cross"}
+    assert set(SAMPLE_SELECTORS.names()) == {
+        "all",
+        "random",
+        "max_reward",
+        "pods",
+        "d3s_intra",
+        "d3s_cross",
+    }
 
 
 # ---------------------------------------------------------------------------- papers' claims
@@ -451,7 +475,9 @@ def test_papers_binary_g4_two_correct_n3():
     adv_u = compute_advantages(r, g, eps=0.0, unbiased=True).advantages
     sel_u = select_samples("d3s_intra", r, adv_u, g, 3)
     assert sel_u.n_kept == 3
-    assert kept_advantage_variance(sel_u.advantages, sel_u.sample_keep, unbiased=True) == pytest.approx(1.0, rel=1e-6)
+    assert kept_advantage_variance(
+        sel_u.advantages, sel_u.sample_keep, unbiased=True
+    ) == pytest.approx(1.0, rel=1e-6)
 
     adv_p = compute_advantages(r, g, eps=0.0, unbiased=False).advantages
     sel_p = select_samples("d3s_intra", r, adv_p, g, 3)
@@ -487,7 +513,10 @@ def test_metric_helpers_hand_worked():
     # dropped rows do not count, even when non-finite
     adv_nan = torch.tensor([1.0, -1.0, float("nan")])
     assert kept_advantage_variance(adv_nan, torch.tensor([True, True, False])) == pytest.approx(2.0)
-    assert kept_advantage_variance(adv, torch.tensor([False, False, False, True]), unbiased=False) == 0.0
+    assert (
+        kept_advantage_variance(adv, torch.tensor([False, False, False, True]), unbiased=False)
+        == 0.0
+    )
 
 
 # ---------------------------------------------------------------------------- validation
@@ -522,7 +551,12 @@ def test_max_variance_subset_errors(values, m, needle):
 
 @pytest.mark.parametrize(
     "values, m, needle",
-    [(R, 2, "values"), (R.view(2, 2), 3, "m must"), (R.view(2, 2), 0, "m must"), (NAN.view(2, 2), 1, "values")],
+    [
+        (R, 2, "values"),
+        (R.view(2, 2), 3, "m must"),
+        (R.view(2, 2), 0, "m must"),
+        (NAN.view(2, 2), 1, "values"),
+    ],
 )
 def test_max_variance_mask_errors(values, m, needle):
     with pytest.raises(ValueError, match=needle):

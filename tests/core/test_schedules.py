@@ -46,7 +46,9 @@ def test_linear_and_cosine_midpoints():
     assert schedule_value("linear", 0.25, 0.0, 4.0) == 1.0
     assert schedule_value("cosine", 0.5, 0.0, 4.0) == pytest.approx(2.0)
     # cosine is slower than linear near the start
-    assert schedule_value("cosine", 0.1, 0.0, 1.0) == pytest.approx((1 - math.cos(0.1 * math.pi)) / 2)
+    assert schedule_value("cosine", 0.1, 0.0, 1.0) == pytest.approx(
+        (1 - math.cos(0.1 * math.pi)) / 2
+    )
     assert schedule_value("cosine", 0.1, 0.0, 1.0) < schedule_value("linear", 0.1, 0.0, 1.0)
 
 
@@ -56,7 +58,10 @@ def test_constant():
 
 def test_step_milestones():
     kw = {"milestones": [0.25, 0.5, 0.75]}
-    got = [schedule_value("step", p, 8.0, 32.0, **kw) for p in (0.0, 0.2, 0.25, 0.49, 0.5, 0.74, 0.75, 1.0)]
+    got = [
+        schedule_value("step", p, 8.0, 32.0, **kw)
+        for p in (0.0, 0.2, 0.25, 0.49, 0.5, 0.74, 0.75, 1.0)
+    ]
     assert got == [8.0, 8.0, 16.0, 16.0, 24.0, 24.0, 32.0, 32.0]
     # default: one jump at half-way
     assert schedule_value("step", 0.49, 1.0, 2.0) == 1.0

@@ -44,7 +44,9 @@ def _ref_select(scores, eligible, k_frac, scope):
     if scope == "batch":
         n = sum(sum(r) for r in eligible)
         return _ref_top_k(scores, eligible, n_tokens_to_keep(n, k_frac))
-    return [_ref_top_k([s], [e], n_tokens_to_keep(sum(e), k_frac))[0] for s, e in zip(scores, eligible)]
+    return [
+        _ref_top_k([s], [e], n_tokens_to_keep(sum(e), k_frac))[0] for s, e in zip(scores, eligible)
+    ]
 
 
 def _random_case(rng: random.Random, B, S, tie_values=None, p_eligible=0.7):
@@ -111,7 +113,11 @@ def test_k_frac_with_floor_keeps_exactly_max_of_k_and_floor():
         for n in range(1, 601):
             base = n_tokens_to_keep(n, k)
             for m in range(0, 601, 7):
-                assert n_tokens_to_keep(n, k_frac_with_floor(k, n, m)) == max(base, min(m, n)), (k, n, m)
+                assert n_tokens_to_keep(n, k_frac_with_floor(k, n, m)) == max(base, min(m, n)), (
+                    k,
+                    n,
+                    m,
+                )
 
 
 def test_k_frac_with_floor_validates():
@@ -198,7 +204,9 @@ def test_matches_python_reference_random_with_ties(scope):
 )
 def test_exact_counts_property(B, S, k, data):
     vals = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5])
-    scores = torch.tensor(data.draw(st.lists(st.lists(vals, min_size=S, max_size=S), min_size=B, max_size=B)))
+    scores = torch.tensor(
+        data.draw(st.lists(st.lists(vals, min_size=S, max_size=S), min_size=B, max_size=B))
+    )
     eligible = torch.tensor(
         data.draw(st.lists(st.lists(st.booleans(), min_size=S, max_size=S), min_size=B, max_size=B))
     )
@@ -271,7 +279,9 @@ def test_select_tokens_nothing_eligible_raises():
         select_tokens(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), 0.5)
     # the scope functions themselves return an empty mask (shard-local use)
     for scope in TOKEN_SELECTORS:
-        assert not TOKEN_SELECTORS.get(scope)(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), 0.5).any()
+        assert not TOKEN_SELECTORS.get(scope)(
+            torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), 0.5
+        ).any()
 
 
 def test_selection_is_deterministic_and_ignores_ineligible_garbage():

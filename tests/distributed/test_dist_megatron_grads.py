@@ -85,7 +85,9 @@ def _rank_grads(rank):
     patch_schedules_for_cpu()
     tp, dp = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
     cfg = schedule_config(
-        ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True, perform_initialization=True)
+        ModelParallelConfig(
+            tensor_model_parallel_size=2, use_cpu_initialization=True, perform_initialization=True
+        )
     )
 
     class TinyLM(torch.nn.Module):
@@ -93,9 +95,21 @@ def _rank_grads(rank):
             super().__init__()
             self.config, self.model_type = cfg, ModelType.encoder_or_decoder
             self.embed = mtp.VocabParallelEmbedding(V_PAD, H, init_method=_init(1), config=cfg)
-            self.fc1 = mtp.ColumnParallelLinear(H, F, config=cfg, init_method=_init(2), bias=True, gather_output=False)
-            self.fc2 = mtp.RowParallelLinear(F, H, config=cfg, init_method=_init(3), bias=True, input_is_parallel=True, skip_bias_add=False)
-            self.head = mtp.ColumnParallelLinear(H, V_PAD, config=cfg, init_method=_init(4), bias=False, gather_output=False)
+            self.fc1 = mtp.ColumnParallelLinear(
+                H, F, config=cfg, init_method=_init(2), bias=True, gather_output=False
+            )
+            self.fc2 = mtp.RowParallelLinear(
+                F,
+                H,
+                config=cfg,
+                init_method=_init(3),
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+            )
+            self.head = mtp.ColumnParallelLinear(
+                H, V_PAD, config=cfg, init_method=_init(4), bias=False, gather_output=False
+            )
 
         def set_input_tensor(self, _):  # the schedule calls it; one stage, nothing to set
             pass
@@ -117,11 +131,18 @@ def _rank_grads(rank):
 
     def fwd_old(it, m):
         x = next(it)
-        return m(x), logprob_loss_func(store, x, tp, token_aligned=True, vocab_size=V_REAL, chunk_size=3)
+        return m(x), logprob_loss_func(
+            store, x, tp, token_aligned=True, vocab_size=V_REAL, chunk_size=3
+        )
 
     forward_backward_no_pipelining(
-        forward_step_func=fwd_old, data_iterator=iter([ids[r] for r in rows]), model=[model],
-        num_microbatches=len(rows), seq_length=S, micro_batch_size=max(splits), forward_only=True,
+        forward_step_func=fwd_old,
+        data_iterator=iter([ids[r] for r in rows]),
+        model=[model],
+        num_microbatches=len(rows),
+        seq_length=S,
+        micro_batch_size=max(splits),
+        forward_only=True,
     )
     entropy = torch.cat([mb["entropy"] for mb in store.micro_batches])  # token-aligned [B, S]
     old_lp = torch.cat([mb["logprobs"] for mb in store.micro_batches]) + noise
@@ -138,18 +159,31 @@ def _rank_grads(rank):
             p.grad = None
 
         def loss_sum(lp, r, agg=agg):
-            return policy_loss("grpo", lp, old_lp[r], adv[r], token_keep[r], cfg=LossConfig(aggregation=agg),
-                               denominator=1.0)
+            return policy_loss(
+                "grpo",
+                lp,
+                old_lp[r],
+                adv[r],
+                token_keep[r],
+                cfg=LossConfig(aggregation=agg),
+                denominator=1.0,
+            )
 
         def fwd_train(it, m):
             r = next(it)
             attended = torch.ones_like(ids[r], dtype=torch.bool)  # no padding in these rows
-            return m(ids[r]), train_loss_func(ids[r], attended, r, loss_sum, norm, tp, vocab_size=V_REAL)
+            return m(ids[r]), train_loss_func(
+                ids[r], attended, r, loss_sum, norm, tp, vocab_size=V_REAL
+            )
 
         # 4. training pass: the schedule sums micro-batch gradients (after dividing by M)
         forward_backward_no_pipelining(
-            forward_step_func=fwd_train, data_iterator=iter(rows), model=[model],
-            num_microbatches=len(rows), seq_length=S, micro_batch_size=max(splits),
+            forward_step_func=fwd_train,
+            data_iterator=iter(rows),
+            model=[model],
+            num_microbatches=len(rows),
+            seq_length=S,
+            micro_batch_size=max(splits),
         )
         # 5. DDP: average gradients over the DP group
         grads = {}
@@ -175,7 +209,12 @@ def _reference(agg):
     from nemo_d3s.core.token_selection import select_tokens, token_scores
 
     w = {}
-    for name, seed, shape in [("embed.weight", 1, (V_PAD, H)), ("fc1.weight", 2, (F, H)), ("fc2.weight", 3, (H, F)), ("head.weight", 4, (V_PAD, H))]:
+    for name, seed, shape in [
+        ("embed.weight", 1, (V_PAD, H)),
+        ("fc1.weight", 2, (F, H)),
+        ("fc2.weight", 3, (H, F)),
+        ("head.weight", 4, (V_PAD, H)),
+    ]:
         w[name] = torch.empty(shape)
         _init(seed)(w[name])
     w["fc1.bias"], w["fc2.bias"] = torch.zeros(F), torch.zeros(H)
@@ -192,10 +231,20 @@ def _reference(agg):
     with torch.no_grad():
         ent, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL], ids[:, 1:])
     entropy, old_lp = align_to_tokens(ent), align_to_tokens(lp) + noise
-    token_keep = select_tokens(token_scores(adv, entropy, response_mask), response_mask, K_FRAC, "batch").token_keep
+    token_keep = select_tokens(
+        token_scores(adv, entropy, response_mask), response_mask, K_FRAC, "batch"
+    ).token_keep
     _, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL], ids[:, 1:])
     denom = loss_denominator(token_keep, agg)
-    policy_loss("grpo", align_to_tokens(lp), old_lp, adv, token_keep, cfg=LossConfig(aggregation=agg), denominator=denom).loss.backward()
+    policy_loss(
+        "grpo",
+        align_to_tokens(lp),
+        old_lp,
+        adv,
+        token_keep,
+        cfg=LossConfig(aggregation=agg),
+        denominator=denom,
+    ).loss.backward()
     return token_keep, entropy, {k: t.grad for k, t in w.items()}, denom
 
 

@@ -51,7 +51,9 @@ def _rank_denoms(rank):
     for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
         out[agg] = global_loss_denominator(halves, agg, dp, cp_group=cp)
         out[agg, "norm"] = global_loss_denominator(lm, agg, dp, cp_group=cp, norm_masks=nm)
-    out["normalizer"] = step_normalizer(halves, "token_mean", dp, cp_group=cp, num_microbatches=2).loss_scale
+    out["normalizer"] = step_normalizer(
+        halves, "token_mean", dp, cp_group=cp, num_microbatches=2
+    ).loss_scale
     return out
 
 
@@ -76,7 +78,9 @@ def test_step_normalizer_arithmetic():
     # each loss by 3 and DDP averages over 2 ranks, so each micro-batch sum is scaled by
     # 2 x 3 / 10 = 0.6 (plain summing loop: 2 / 10).
     n = StepNormalizer(10.0, dp_size=2, num_microbatches=3)
-    assert n.loss_scale == pytest.approx(0.6) and n.micro_batch_denominator == pytest.approx(1 / 0.6)
+    assert n.loss_scale == pytest.approx(0.6) and n.micro_batch_denominator == pytest.approx(
+        1 / 0.6
+    )
     assert float(n.scale(torch.tensor(5.0))) == pytest.approx(3.0)
     assert StepNormalizer(10.0, 2, 3, megatron_schedule=False).loss_scale == pytest.approx(0.2)
     with pytest.raises(ValueError, match="denominator"):

@@ -45,7 +45,11 @@ def _rank_pipeline(rank):
         select_tokens_global,
     )
 
-    tp, pp, dp = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(), ps.get_data_parallel_group()
+    tp, pp, dp = (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_pipeline_model_parallel_group(),
+        ps.get_data_parallel_group(),
+    )
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     last = is_last_stage(pp)
     assert last == ps.is_pipeline_last_stage()
@@ -54,7 +58,9 @@ def _rank_pipeline(rank):
         for i in range(len(SHAPES)):
             logits, targets, _ = _micro_batch(dp_rank, i)
             shard = logits[..., tp_rank * V_PAD // 2 : (tp_rank + 1) * V_PAD // 2]
-            loss, logs = logprob_loss_func(store, targets, tp, vocab_size=V_REAL)(shard.transpose(0, 1).contiguous().transpose(0, 1))
+            loss, logs = logprob_loss_func(store, targets, tp, vocab_size=V_REAL)(
+                shard.transpose(0, 1).contiguous().transpose(0, 1)
+            )
             assert float(loss) == 0.0 and logs == {}
     per_mb = broadcast_per_token(store, SHAPES, pp)
     entropy = [mb["entropy"] for mb in per_mb]
@@ -69,8 +75,16 @@ def _rank_pipeline(rank):
     denom = global_loss_denominator(keep, "token_mean", dp)
     # Or: the last stage decides and broadcasts the mask (bool travels as uint8).
     keep_last = broadcast_from_last_stage(keep if last else None, keep.shape, torch.bool, pp)
-    return dict(stage=ps.get_pipeline_model_parallel_rank(), dp=dp_rank, tp=tp_rank, entropy=entropy,
-                logprobs=logprobs, keep=keep, denom=denom, keep_last=keep_last)
+    return dict(
+        stage=ps.get_pipeline_model_parallel_rank(),
+        dp=dp_rank,
+        tp=tp_rank,
+        entropy=entropy,
+        logprobs=logprobs,
+        keep=keep,
+        denom=denom,
+        keep_last=keep_last,
+    )
 
 
 def _check(results, dp_size):
@@ -89,10 +103,20 @@ def _check(results, dp_size):
                 torch.testing.assert_close(r["entropy"][i], e, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(r["logprobs"][i], lp, rtol=1e-5, atol=1e-6)
             ent.append(torch.nn.functional.pad(e, (0, s_max - e.shape[1])))
-            elig.append(torch.nn.functional.pad(eligible, (0, s_max - eligible.shape[1]), value=False))
+            elig.append(
+                torch.nn.functional.pad(eligible, (0, s_max - eligible.shape[1]), value=False)
+            )
         pools.append((torch.cat(ent), torch.cat(elig)))
     # Reference selection on the DP-concatenated batch, using the values the ranks hold.
-    got_scores = {d: torch.cat([torch.nn.functional.pad(e, (0, s_max - e.shape[1])) for e in next(r for r in results if r["dp"] == d)["entropy"]]) for d in range(dp_size)}
+    got_scores = {
+        d: torch.cat(
+            [
+                torch.nn.functional.pad(e, (0, s_max - e.shape[1]))
+                for e in next(r for r in results if r["dp"] == d)["entropy"]
+            ]
+        )
+        for d in range(dp_size)
+    }
     cat_s = torch.cat([got_scores[d] for d in range(dp_size)])
     cat_e = torch.cat([p[1] for p in pools])
     k = n_tokens_to_keep(int(cat_e.sum()), 0.3)
@@ -117,11 +141,18 @@ def test_tp2_pp2_dp2_broadcast_and_selection():
 
 
 def test_single_stage_is_identity():
-    from nemo_d3s.distributed import PerTokenStore, broadcast_from_last_stage, broadcast_per_token, logprob_loss_func
+    from nemo_d3s.distributed import (
+        PerTokenStore,
+        broadcast_from_last_stage,
+        broadcast_per_token,
+        logprob_loss_func,
+    )
 
     logits, targets, _ = _micro_batch(0, 0)
     store = PerTokenStore()
-    logprob_loss_func(store, targets, None, vocab_size=V_REAL, seq_first=True)(logits.transpose(0, 1))
+    logprob_loss_func(store, targets, None, vocab_size=V_REAL, seq_first=True)(
+        logits.transpose(0, 1)
+    )
     out = broadcast_per_token(store, [SHAPES[0]], None)
     assert torch.equal(out[0]["entropy"], store.micro_batches[0]["entropy"])
     x = torch.ones(2, dtype=torch.bool)

@@ -19,7 +19,15 @@ pytestmark = pytest.mark.distributed
 
 WORLD = 4
 GROUPS = {0: [4, 4, 3], 1: [4], 2: [], 3: [5, 4]}  # group sizes per rank
-RULES = [("all", 1.0), ("random", 2), ("max_reward", 2), ("pods", 2), ("d3s_intra", 0.5), ("d3s_cross", 2), ("d3s_cross", 0.25)]
+RULES = [
+    ("all", 1.0),
+    ("random", 2),
+    ("max_reward", 2),
+    ("pods", 2),
+    ("d3s_intra", 0.5),
+    ("d3s_cross", 2),
+    ("d3s_cross", 0.25),
+]
 S = 6
 
 
@@ -27,8 +35,14 @@ def _batch(rank):
     """rewards [B], local group ids [B], per-sample token counts [B], per-token tensors."""
     g = torch.Generator().manual_seed(rank + 11)
     sizes = GROUPS[rank]
-    gids = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sizes)]) if sizes else torch.zeros(0, dtype=torch.long)
-    rewards = torch.randint(0, 2, (gids.numel(),), generator=g).float() + 0.1 * torch.rand(gids.numel(), generator=g)
+    gids = (
+        torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(sizes)])
+        if sizes
+        else torch.zeros(0, dtype=torch.long)
+    )
+    rewards = torch.randint(0, 2, (gids.numel(),), generator=g).float() + 0.1 * torch.rand(
+        gids.numel(), generator=g
+    )
     if rank == 1:
         rewards[:] = 1.0  # degenerate group: all advantages 0
     lengths = torch.randint(0, S + 1, (gids.numel(),), generator=g)
@@ -62,10 +76,22 @@ def _rank_select(rank):
         out[rule, n] = (sel.sample_keep, sel.advantages, sel.n_kept_global, sel.global_sample_keep)
         # Move the kept samples so that every rank trains on about the same number of tokens.
         plan = plan_rebalance(lengths, sel.sample_keep, dp)
-        tensors = {"ids": ids, "token_keep": token_keep, "adv": sel.advantages, "lp": torch.randn(ids.shape).bfloat16()}
+        tensors = {
+            "ids": ids,
+            "token_keep": token_keep,
+            "adv": sel.advantages,
+            "lp": torch.randn(ids.shape).bfloat16(),
+        }
         moved = apply_rebalance(plan, tensors, dp, zero_on_pad=["token_keep"])
-        out["plan", rule, n] = (plan.dest, plan.pad_source, plan.tokens_before, plan.tokens_after,
-                                plan.imbalance_before, plan.imbalance_after, plan.n_kept)
+        out["plan", rule, n] = (
+            plan.dest,
+            plan.pad_source,
+            plan.tokens_before,
+            plan.tokens_after,
+            plan.imbalance_before,
+            plan.imbalance_after,
+            plan.n_kept,
+        )
         out["moved", rule, n] = (moved.tensors, moved.weight, moved.sample_index, moved.is_pad)
     # Hand-worked: one group per rank on ranks 0 and 1, both with id 7 (distinct groups all
     # the same); pooled advantages {1.5, -1.5, 0.5, -0.5 | 0, 0}, N = 1 per prompt -> keep 2:
@@ -79,7 +105,9 @@ def _rank_select(rank):
     if rank == 3:
         keep[[1, 4]] = True
     plan = plan_rebalance(lengths, keep, dp)
-    moved = apply_rebalance(plan, {"ids": ids, "token_keep": token_keep}, dp, zero_on_pad=["token_keep"])
+    moved = apply_rebalance(
+        plan, {"ids": ids, "token_keep": token_keep}, dp, zero_on_pad=["token_keep"]
+    )
     out["pad_case"] = (plan.dest, plan.pad_source, moved.tensors, moved.weight, moved.sample_index)
     return out
 
@@ -107,7 +135,9 @@ def test_selection_equals_single_process(results):
 
     parts, rewards, gids, adv, counts = _global_batch()
     for rule, n in RULES:
-        ref = select_samples(rule, rewards, adv, gids, n, generator=torch.Generator().manual_seed(5))
+        ref = select_samples(
+            rule, rewards, adv, gids, n, generator=torch.Generator().manual_seed(5)
+        )
         keep_parts = ref.sample_keep.split(counts)
         adv_parts = ref.advantages.split(counts)
         for r in range(WORLD):
@@ -144,7 +174,9 @@ def test_rebalance_plan_and_moved_rows(results):
         tokens = lengths[kept].tolist()
         plans = [results[r]["plan", rule, n] for r in range(WORLD)]
         for p in plans[1:]:  # identical on every rank
-            assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(p, plans[0]))
+            assert all(
+                torch.equal(a, b) if torch.is_tensor(a) else a == b for a, b in zip(p, plans[0])
+            )
         dest, pad_source, before, after, imb_before, imb_after, n_kept = plans[0]
         assert dest.tolist() == _slow_lpt(tokens, WORLD)
         assert imb_after <= imb_before + 1e-12
@@ -184,20 +216,34 @@ def test_fewer_kept_than_ranks_distributed(results):
         if r >= 2:
             assert weight.tolist() == [0.0] and not moved["token_keep"].any()
         else:
-            assert weight.tolist() == [1.0] and torch.equal(moved["token_keep"], token_keep[[rows[expect_j[0]]]])
+            assert weight.tolist() == [1.0] and torch.equal(
+                moved["token_keep"], token_keep[[rows[expect_j[0]]]]
+            )
 
 
 def test_fewer_kept_than_ranks_gets_zero_weight_pads():
     from nemo_d3s.distributed.rebalance import plan_from_tokens
 
-    plan = plan_from_tokens(torch.tensor([5, 0]), torch.tensor([3, 3]), torch.tensor([0, 4]), 4, torch.tensor([0, 0, 0, 5]))
+    plan = plan_from_tokens(
+        torch.tensor([5, 0]),
+        torch.tensor([3, 3]),
+        torch.tensor([0, 4]),
+        4,
+        torch.tensor([0, 0, 0, 5]),
+    )
     assert plan.dest.tolist() == [0, 1]  # the zero-token sample still goes to an empty rank
     assert plan.pad_source.tolist() == [-1, -1, 0, 0]
     js, w = plan.samples_of(2)
     assert js.tolist() == [0] and w.tolist() == [0.0]
     assert plan.tokens_before.tolist() == [0, 0, 0, 5] and plan.imbalance_before == 4.0
     assert plan.tokens_after.tolist() == [5, 0, 0, 0]
-    empty = plan_from_tokens(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 3, torch.tensor([1, 1, 1]))
+    empty = plan_from_tokens(
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        3,
+        torch.tensor([1, 1, 1]),
+    )
     assert empty.pad_source.tolist() == [-1, -1, -1] and empty.imbalance_after == 1.0
 
 

@@ -30,7 +30,18 @@ def _batch(rank):
     return rewards, gids, entropy, response_mask
 
 
-PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i", "d3s_m0", "d3s_floor", "d3s_floor_sample"]
+PRESETS = [
+    "grpo",
+    "pods",
+    "d1s",
+    "d1s_cross",
+    "d2s",
+    "d3s",
+    "d3s_i",
+    "d3s_m0",
+    "d3s_floor",
+    "d3s_floor_sample",
+]
 # The floor binds here (K x eligible is ~5 tokens of ~45) and differs from what rank 1's own
 # count (~18 eligible) would give, so a rank that used its local count would select otherwise.
 FLOOR = 20
@@ -60,7 +71,13 @@ def _rank_selector(rank):
         stage = sel.select_samples(rewards, gids, PROGRESS)
         rows = stage.kept_rows
         tok = sel.select_tokens(stage, entropy[rows], response_mask[rows], PROGRESS)
-        out[preset] = (stage.sample_keep, stage.advantages, tok.token_keep, stage.metrics, tok.metrics)
+        out[preset] = (
+            stage.sample_keep,
+            stage.advantages,
+            tok.token_keep,
+            stage.metrics,
+            tok.metrics,
+        )
     return out
 
 
@@ -74,7 +91,9 @@ def test_matches_single_process_selector_for_every_preset():
     for preset in PRESETS:
         ref = D3SSelector(_cfg(preset))
         stage = ref.select_samples(rewards, gids, PROGRESS)
-        tok = ref.select_tokens(stage, entropy[stage.kept_rows], response_mask[stage.kept_rows], PROGRESS)
+        tok = ref.select_tokens(
+            stage, entropy[stage.kept_rows], response_mask[stage.kept_rows], PROGRESS
+        )
         kept_counts = [int(k.sum()) for k in stage.sample_keep.split(counts)]
         for r in range(2):
             keep, adv, token_keep, stage_metrics, tok_metrics = results[r][preset]

@@ -19,7 +19,15 @@ from _launch import run_ranks
 
 pytestmark = pytest.mark.distributed
 
-CASES = ["random", "ties", "zero_eligible_rank", "empty_rank", "nobody_eligible", "signed_zero_extremes", "bf16"]
+CASES = [
+    "random",
+    "ties",
+    "zero_eligible_rank",
+    "empty_rank",
+    "nobody_eligible",
+    "signed_zero_extremes",
+    "bf16",
+]
 KS = [0, 1, 5, 17, 10_000]  # 10_000 > every pool: keeps all eligible
 
 
@@ -65,20 +73,32 @@ def _rank_topk(rank):
 
     from nemo_d3s.distributed import global_top_k_mask, select_tokens_global, topk
 
-    groups = {"world": (dist.group.WORLD, rank), "dp": (ps.get_data_parallel_group(), ps.get_data_parallel_rank())}
+    groups = {
+        "world": (dist.group.WORLD, rank),
+        "dp": (ps.get_data_parallel_group(), ps.get_data_parallel_rank()),
+    }
     out = {}
     for gname, (group, grank) in groups.items():
         for case in CASES:
             scores, eligible = _data(case, rank)
             for k in KS:
                 for bits in (8, 16) if k == 5 else (8,):
-                    out[gname, case, k, bits] = global_top_k_mask(scores, eligible, k, group, bits_per_round=bits)
+                    out[gname, case, k, bits] = global_top_k_mask(
+                        scores, eligible, k, group, bits_per_round=bits
+                    )
             for scope in ("global_exact", "local", "gather_quantile"):
                 sel = select_tokens_global(scores, eligible, 0.3, group, scope=scope)
-                out[gname, case, scope] = (sel.token_keep, sel.n_eligible_global, sel.n_kept_global, sel.threshold)
+                out[gname, case, scope] = (
+                    sel.token_keep,
+                    sel.n_eligible_global,
+                    sel.n_kept_global,
+                    sel.threshold,
+                )
         scores, eligible = _data("random", rank)
         topk.TORCH_QUANTILE_MAX = 5  # force the kthvalue fallback
-        out[gname, "fallback"] = select_tokens_global(scores, eligible, 0.3, group, scope="gather_quantile").threshold
+        out[gname, "fallback"] = select_tokens_global(
+            scores, eligible, 0.3, group, scope="gather_quantile"
+        ).threshold
         topk.TORCH_QUANTILE_MAX = 1 << 24
 
     # A NaN on one rank's eligible scores: every rank raises the same error, none hangs.
@@ -101,7 +121,9 @@ def _rank_topk(rank):
         hand = torch.tensor([[3.0, 1.0, 2.0]])
     else:
         hand = torch.tensor([[2.0, 5.0, 2.0]])
-    out["hand"] = global_top_k_mask(hand, torch.ones_like(hand, dtype=torch.bool), 3, ps.get_data_parallel_group())
+    out["hand"] = global_top_k_mask(
+        hand, torch.ones_like(hand, dtype=torch.bool), 3, ps.get_data_parallel_group()
+    )
     return out, ps.get_data_parallel_rank()
 
 
@@ -114,7 +136,9 @@ def _members(results, gname, rank):
     """Global ranks of ``rank``'s group, in group-rank order."""
     if gname == "world":
         return [0, 1, 2, 3]
-    return [r for r in range(4) if r % 2 == rank % 2]  # Megatron TP2 x DP2: DP groups {0, 2}, {1, 3}
+    return [
+        r for r in range(4) if r % 2 == rank % 2
+    ]  # Megatron TP2 x DP2: DP groups {0, 2}, {1, 3}
 
 
 def test_exact_top_k_matches_references(topk_results):
@@ -159,7 +183,9 @@ def test_scopes(topk_results):
                 # local: the rank's own top 30%, no collective.
                 s, e = parts[members.index(rank)]
                 keep, n_g, kept_g, _ = res[gname, case, "local"]
-                assert torch.equal(keep, top_k_batch(torch.where(e, s, 0.0), e, 0.3)) and n_g is None
+                assert (
+                    torch.equal(keep, top_k_batch(torch.where(e, s, 0.0), e, 0.3)) and n_g is None
+                )
                 # gather_quantile: torch.quantile of every eligible score, keep >= threshold.
                 keep, n_g, kept_g, thr = res[gname, case, "gather_quantile"]
                 pool = torch.cat([s[e].float() for s, e in parts])
@@ -173,7 +199,9 @@ def test_scopes(topk_results):
             # kthvalue fallback reproduces torch.quantile's linear interpolation
             parts = [_data("random", r) for r in members]
             pool = torch.cat([s[e].float() for s, e in parts])
-            assert topk_results[rank][0][gname, "fallback"] == pytest.approx(float(torch.quantile(pool, 0.7)), rel=1e-6)
+            assert topk_results[rank][0][gname, "fallback"] == pytest.approx(
+                float(torch.quantile(pool, 0.7)), rel=1e-6
+            )
 
 
 def test_nan_on_one_rank_fails_every_rank(topk_results):
@@ -194,8 +222,12 @@ def test_single_process_fallbacks_and_keys():
     from nemo_d3s.distributed.topk import float_order_keys, quantile_linear
 
     scores, eligible = _data("ties", 0)
-    assert torch.equal(global_top_k_mask(scores, eligible, 4, None), top_k_mask(scores, eligible, 4))
-    assert select_tokens_global(scores, eligible, 0.5, None).n_kept == math.ceil(0.5 * int(eligible.sum()))
+    assert torch.equal(
+        global_top_k_mask(scores, eligible, 4, None), top_k_mask(scores, eligible, 4)
+    )
+    assert select_tokens_global(scores, eligible, 0.5, None).n_kept == math.ceil(
+        0.5 * int(eligible.sum())
+    )
     v = torch.tensor([-math.inf, -1e38, -2.0, -1e-45, -0.0, 0.0, 1e-45, 1.5, 1e38, math.inf])
     keys = float_order_keys(v)
     assert keys.tolist() == sorted(keys.tolist()) and keys[4] == keys[5]
@@ -208,7 +240,9 @@ def test_single_process_fallbacks_and_keys():
     try:
         topk.TORCH_QUANTILE_MAX = 10
         for q in (0.0, 0.13, 0.5, 0.8, 1.0):
-            assert float(quantile_linear(x, q)) == pytest.approx(float(torch.quantile(x, q)), rel=1e-6, abs=1e-7)
+            assert float(quantile_linear(x, q)) == pytest.approx(
+                float(torch.quantile(x, q)), rel=1e-6, abs=1e-7
+            )
     finally:
         topk.TORCH_QUANTILE_MAX = old
     with pytest.raises(ValueError, match="unknown distributed token selection scope"):

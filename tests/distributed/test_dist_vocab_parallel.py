@@ -36,7 +36,14 @@ def _case_list():
         "uneven_padded": ("tp2", (5, 3), 6, torch.float32, False, False),  # rank 1: 1 valid + 2 pad
         "all_pad_shard": ("tp2", (6, 2), 6, torch.float32, False, False),  # rank 1: only padding
         "transposed_neg_inf": ("tp2", (4, 4), 8, torch.float32, True, True),
-        "tp4_uneven": ("tp4", (3, 4, 2, 3), 11, torch.float32, False, False),  # last: 2 valid + 1 pad
+        "tp4_uneven": (
+            "tp4",
+            (3, 4, 2, 3),
+            11,
+            torch.float32,
+            False,
+            False,
+        ),  # last: 2 valid + 1 pad
         "tp4_bf16": ("tp4", (4, 4, 4, 4), 16, torch.bfloat16, True, False),
     }
 
@@ -68,17 +75,25 @@ def _rank_vocab(rank):
     out = {}
     for name, (kind, widths, vocab, dtype, transposed, _) in _case_list().items():
         if kind == "tp2":
-            group, tp_rank, dp_rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+            group, tp_rank, dp_rank = (
+                ps.get_tensor_model_parallel_group(),
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_data_parallel_rank(),
+            )
         else:
             group, tp_rank, dp_rank = dist.group.WORLD, rank, 0
         full, targets, w = _data(name, dp_rank)
         start = sum(widths[:tp_rank])
         shard = full[..., start : start + widths[tp_rank]].to(dtype)
-        if transposed:  # Megatron's [S, B, V/TP] buffer seen as [B, S, V/TP]: not viewable as [B*S, V]
+        if (
+            transposed
+        ):  # Megatron's [S, B, V/TP] buffer seen as [B, S, V/TP]: not viewable as [B*S, V]
             shard = shard.transpose(0, 1).contiguous().transpose(0, 1)
         shard = shard.detach().requires_grad_(True)
         before = shard.detach().clone()
-        ent, lp = vocab_parallel_entropy_and_logprobs(shard, targets, group, vocab_size=vocab, chunk_size=4)
+        ent, lp = vocab_parallel_entropy_and_logprobs(
+            shard, targets, group, vocab_size=vocab, chunk_size=4
+        )
         # The kernel works in place on its own buffers only: the caller's shard is untouched.
         assert torch.equal(shard.detach(), before), name
         assert not ent.requires_grad and lp.requires_grad
@@ -91,7 +106,9 @@ def _rank_vocab(rank):
     tp_rank = ps.get_tensor_model_parallel_rank()
     z = torch.tensor([0.0, 0.0]) if tp_rank == 0 else torch.tensor([math.log(2.0)])
     z = z.view(1, 1, -1).requires_grad_(True)
-    ent, lp = vocab_parallel_entropy_and_logprobs(z, torch.tensor([[2]]), ps.get_tensor_model_parallel_group())
+    ent, lp = vocab_parallel_entropy_and_logprobs(
+        z, torch.tensor([[2]]), ps.get_tensor_model_parallel_group()
+    )
     lp.sum().backward()
     out["hand"] = (tp_rank, float(ent), float(lp), z.grad.flatten().tolist())
     return out
@@ -104,7 +121,9 @@ def _reference(full, targets, vocab, w):
     ent = -(torch.where(p > 0, p * logp, torch.zeros_like(p))).sum(-1)
     lp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     (lp * w).sum().backward()
-    grad = torch.cat([z.grad, torch.zeros(*full.shape[:2], full.shape[2] - vocab, dtype=torch.float64)], -1)
+    grad = torch.cat(
+        [z.grad, torch.zeros(*full.shape[:2], full.shape[2] - vocab, dtype=torch.float64)], -1
+    )
     return ent.detach(), lp.detach(), grad
 
 
@@ -121,11 +140,19 @@ def test_matches_full_vocab_reference(vocab_results):
             dp_rank, tp_rank, ent, lp, grad = res[name]
             full, targets, w = _data(name, dp_rank)
             ref_ent, ref_lp, ref_grad = _reference(full, targets, vocab, w)
-            torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5, msg=f"{name} entropy rank {rank}")
-            torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5, msg=f"{name} logprob rank {rank}")
+            torch.testing.assert_close(
+                ent.double(), ref_ent, rtol=1e-5, atol=1e-5, msg=f"{name} entropy rank {rank}"
+            )
+            torch.testing.assert_close(
+                lp.double(), ref_lp, rtol=1e-5, atol=1e-5, msg=f"{name} logprob rank {rank}"
+            )
             start = sum(widths[:tp_rank])
             ref_shard = ref_grad[..., start : start + widths[tp_rank]].float()
-            tol = dict(rtol=1.6e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            tol = (
+                dict(rtol=1.6e-2, atol=1e-3)
+                if dtype == torch.bfloat16
+                else dict(rtol=1e-5, atol=1e-6)
+            )
             torch.testing.assert_close(grad, ref_shard, **tol, msg=f"{name} grad rank {rank}")
             # The core single-process function on the same (unpadded) values agrees too.
             core_ent, core_lp = entropy_and_logprobs(full[..., :vocab].to(dtype), targets)

@@ -46,7 +46,9 @@ def test_results_come_back_in_rank_order():
 
 
 def test_rank_setup_runs_before_the_function():
-    assert run_on_gloo_ranks(_read_setup, 2, rank_setup=_setup, setup_args=("r",), start_method="spawn") == ["r0", "r1"]
+    assert run_on_gloo_ranks(
+        _read_setup, 2, rank_setup=_setup, setup_args=("r",), start_method="spawn"
+    ) == ["r0", "r1"]
 
 
 def test_a_failing_rank_raises_in_the_caller():
@@ -82,5 +84,7 @@ def test_results_are_read_back_without_running_code():
     out = run_on_gloo_ranks(_return_nested, 2)
     assert out[1]["meta"] == [("a", 1.5, None, True)] and torch.equal(out[1]["t"], torch.ones(2))
     # anything else is refused by torch.load(weights_only=True), naming the function and the rank
-    with pytest.raises(TypeError, match=r"_return_opaque: rank 0.s result is not plain data.*Fraction"):
+    with pytest.raises(
+        TypeError, match=r"_return_opaque: rank 0.s result is not plain data.*Fraction"
+    ):
         run_on_gloo_ranks(_return_opaque, 2)

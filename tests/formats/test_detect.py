@@ -15,9 +15,18 @@ from nemo_d3s.formats.spec import ModelSpec
 
 PKG = Path(__file__).resolve().parents[2] / "nemo_d3s"
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32, "hidden_size": 8,
-         "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-         "rms_norm_eps": 1e-5, "max_position_embeddings": 64}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 64,
+}
 
 
 def _touch(path: Path, text: str = "{}") -> Path:
@@ -40,8 +49,15 @@ def test_each_kind_by_its_marker_files(tmp_path):
     step = tmp_path / "step_000002"
     _touch(step / "megatron" / "layout.json")
     got = detect_format(step)
-    assert (got.kind, got.folder, got.shards, got.training) == (MEGATRON, step, step / "megatron", False)
-    assert detect_format(step / "megatron") == got  # the megatron/ folder itself names the same checkpoint
+    assert (got.kind, got.folder, got.shards, got.training) == (
+        MEGATRON,
+        step,
+        step / "megatron",
+        False,
+    )
+    assert (
+        detect_format(step / "megatron") == got
+    )  # the megatron/ folder itself names the same checkpoint
     _touch(step / "checksums.json")  # converted checkpoints carry checksums too
     assert not detect_format(step).training
     _touch(step / "trainer_state.json")
@@ -61,9 +77,12 @@ def test_model_spec_reads_the_config_the_detected_kind_holds(tmp_path):
     assert ModelSpec.from_folder(hf).num_layers == 2
     nemo = tmp_path / "nemo"
     _touch(nemo / "weights" / "metadata.json")
-    _touch(nemo / "context" / "model.yaml", "config:\n  _target_: nemo.collections.llm.gpt.model.llama.Llama3Config\n"
-           "  num_layers: 3\n  hidden_size: 8\n  ffn_hidden_size: 16\n  num_attention_heads: 2\n"
-           "  num_query_groups: 1\n  vocab_size: 32\n  seq_length: 64\n  layernorm_epsilon: 1.0e-05\n")
+    _touch(
+        nemo / "context" / "model.yaml",
+        "config:\n  _target_: nemo.collections.llm.gpt.model.llama.Llama3Config\n"
+        "  num_layers: 3\n  hidden_size: 8\n  ffn_hidden_size: 16\n  num_attention_heads: 2\n"
+        "  num_query_groups: 1\n  vocab_size: 32\n  seq_length: 64\n  layernorm_epsilon: 1.0e-05\n",
+    )
     assert ModelSpec.from_folder(nemo).num_layers == 3  # context/model.yaml, not a config.json
 
 
@@ -72,7 +91,10 @@ def _code_strings(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     docs = set()
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+        ):
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
                 docs.add(id(first.value))
@@ -83,6 +105,10 @@ def _code_strings(path: Path):
 
 @pytest.mark.parametrize("marker", ["layout.json", "metadata.json"])
 def test_no_module_outside_formats_looks_for_a_marker_file(marker):
-    found = [str(p.relative_to(PKG)) for p in sorted(PKG.rglob("*.py")) if "formats" not in p.parts
-             and any(s == marker or s.endswith("/" + marker) for s in _code_strings(p))]
+    found = [
+        str(p.relative_to(PKG))
+        for p in sorted(PKG.rglob("*.py"))
+        if "formats" not in p.parts
+        and any(s == marker or s.endswith("/" + marker) for s in _code_strings(p))
+    ]
     assert found == []

@@ -59,8 +59,11 @@ RUN = [
 
 
 def _megatron(tp: int, pp: int) -> List[str]:
-    return ["model.backend=megatron", f"+model.params.tensor_model_parallel_size={tp}",
-            f"+model.params.pipeline_model_parallel_size={pp}"]
+    return [
+        "model.backend=megatron",
+        f"+model.params.tensor_model_parallel_size={tp}",
+        f"+model.params.pipeline_model_parallel_size={pp}",
+    ]
 
 
 # name -> (ranks, extra overrides)
@@ -87,10 +90,20 @@ def make_model(folder: Path) -> Path:
 
     folder = Path(folder)
     tok = byte_level_tokenizer()
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
@@ -98,7 +111,9 @@ def make_model(folder: Path) -> Path:
     for name, p in model.state_dict().items():
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-        tensors[name] = (1.0 + 0.1 * noise if "norm" in name else 0.2 * noise).to(p.dtype).contiguous()
+        tensors[name] = (
+            (1.0 + 0.1 * noise if "norm" in name else 0.2 * noise).to(p.dtype).contiguous()
+        )
     for f in folder.glob("*.safetensors"):
         f.unlink()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -118,15 +133,35 @@ def run_layout(name: str, model: Path, out: Path, timeout: float = 900) -> List[
 
     ranks, extra = LAYOUTS[name]
     overrides = [*RUN, f"model.name={model}", *extra, f"output_dir={out}"]
-    launcher = [sys.executable, "-m", "nemo_d3s.train"] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-        "-m", "nemo_d3s.train"]
-    r = subprocess.run([*launcher, *overrides], cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=timeout)
+    launcher = (
+        [sys.executable, "-m", "nemo_d3s.train"]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            "-m",
+            "nemo_d3s.train",
+        ]
+    )
+    r = subprocess.run(
+        [*launcher, *overrides],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if r.returncode != 0:
-        raise RuntimeError(f"golden run {name} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
-    return [{k: v for k, v in row.items() if not is_timing_key(k) and k not in LAYOUT_KEYS}
-            for row in read_jsonl(Path(out) / "metrics.jsonl")]
+        raise RuntimeError(
+            f"golden run {name} failed (exit {r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}"
+        )
+    return [
+        {k: v for k, v in row.items() if not is_timing_key(k) and k not in LAYOUT_KEYS}
+        for row in read_jsonl(Path(out) / "metrics.jsonl")
+    ]
 
 
 def golden_path(name: str) -> Path:
@@ -149,9 +184,18 @@ def compare(golden: Sequence[dict], fresh: Sequence[dict], what: str) -> List[st
                 diffs.append(f"{what} step {step}: metric {key!r} missing")
                 continue
             got = f[key]
-            exact = not (isinstance(want, float) and not want.is_integer()
-                         or isinstance(got, float) and not float(got).is_integer())
-            if exact and got != want or not exact and not math.isclose(got, want, rel_tol=REL, abs_tol=ABS):
+            exact = not (
+                isinstance(want, float)
+                and not want.is_integer()
+                or isinstance(got, float)
+                and not float(got).is_integer()
+            )
+            if (
+                exact
+                and got != want
+                or not exact
+                and not math.isclose(got, want, rel_tol=REL, abs_tol=ABS)
+            ):
                 diffs.append(f"{what} step {step}: {key} = {got!r}, golden {want!r}")
     return diffs
 
@@ -161,20 +205,28 @@ def write(names: Sequence[str]) -> None:
         model = make_model(Path(tmp) / "model")
         for name in names:
             rows = run_layout(name, model, Path(tmp) / name)
-            golden_path(name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+            golden_path(name).write_text(
+                "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
+            )
             print(f"wrote {golden_path(name)} ({len(rows)} steps)")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--write", action="store_true", help="run the layouts and overwrite their golden files")
-    ap.add_argument("layouts", nargs="*", default=list(LAYOUTS), help=f"any of {', '.join(LAYOUTS)}")
+    ap.add_argument(
+        "--write", action="store_true", help="run the layouts and overwrite their golden files"
+    )
+    ap.add_argument(
+        "layouts", nargs="*", default=list(LAYOUTS), help=f"any of {', '.join(LAYOUTS)}"
+    )
     args = ap.parse_args(argv)
     unknown = [n for n in args.layouts if n not in LAYOUTS]
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; known: {', '.join(LAYOUTS)}")
     if not args.write:
-        ap.error("nothing to do: pass --write to regenerate (the test compares: pytest tests/golden)")
+        ap.error(
+            "nothing to do: pass --write to regenerate (the test compares: pytest tests/golden)"
+        )
     write(args.layouts)
 
 

@@ -20,11 +20,15 @@ def model(tmp_path_factory):
 def _check(name, model, tmp_path):
     fresh = golden.run_layout(name, model, tmp_path / name)
     want = golden.read_golden(name)
-    assert any(r["optimizer_steps"] > 0 for r in want), "golden run trained nothing: the check would be vacuous"
+    assert any(r["optimizer_steps"] > 0 for r in want), (
+        "golden run trained nothing: the check would be vacuous"
+    )
     diffs = golden.compare(want, fresh, name)
-    assert not diffs, ("metrics moved from the golden run; if that is intended, regenerate with "
-                       f"`python tests/golden/golden.py --write {name}` and say why in the commit:\n"
-                       + "\n".join(diffs[:30]))
+    assert not diffs, (
+        "metrics moved from the golden run; if that is intended, regenerate with "
+        f"`python tests/golden/golden.py --write {name}` and say why in the commit:\n"
+        + "\n".join(diffs[:30])
+    )
 
 
 def test_single_process_matches_golden(model, tmp_path):
@@ -57,7 +61,11 @@ def test_compare_catches_a_moved_metric():
     moved[2]["n_kept_tokens"] = rows[2]["n_kept_tokens"] + 1
     del moved[0]["grad_norm"]
     diffs = golden.compare(rows, moved, "x")
-    assert len(diffs) == 3 and any("loss" in d for d in diffs) and any("n_kept_tokens" in d for d in diffs)
+    assert (
+        len(diffs) == 3
+        and any("loss" in d for d in diffs)
+        and any("n_kept_tokens" in d for d in diffs)
+    )
     assert any("grad_norm' missing" in d for d in diffs)
     near = [dict(r, loss=r["loss"] * (1 + 1e-6)) for r in rows]
     assert golden.compare(rows, near, "x") == []

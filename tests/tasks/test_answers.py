@@ -4,7 +4,13 @@ import threading
 
 import pytest
 
-from nemo_d3s.tasks.answers import extract_answer, extract_boxed, extract_tagged, last_number, normalize_number
+from nemo_d3s.tasks.answers import (
+    extract_answer,
+    extract_boxed,
+    extract_tagged,
+    last_number,
+    normalize_number,
+)
 from nemo_d3s.tasks.verifier import numbers_equal, verify_math
 
 
@@ -65,16 +71,28 @@ def test_number_helpers():
 @pytest.mark.parametrize(
     "pred, gold",
     [
-        ("1/2", "0.5"), ("0.5", "\\frac{1}{2}"), ("\\frac{1}{2}", "0.5"), ("\\dfrac{3}{4}", "0.75"),
-        ("1,000", "1000"), ("42.0", "42"), ("50%", "50"), ("x+1", "1+x"), ("2x", "x*2"),
-        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"), ("(1,2)", "(1, 2)"), ("$12$", "12"),
+        ("1/2", "0.5"),
+        ("0.5", "\\frac{1}{2}"),
+        ("\\frac{1}{2}", "0.5"),
+        ("\\dfrac{3}{4}", "0.75"),
+        ("1,000", "1000"),
+        ("42.0", "42"),
+        ("50%", "50"),
+        ("x+1", "1+x"),
+        ("2x", "x*2"),
+        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),
+        ("(1,2)", "(1, 2)"),
+        ("$12$", "12"),
     ],
 )
 def test_verify_math_equivalent(pred, gold):
     assert verify_math(pred, gold)
 
 
-@pytest.mark.parametrize("pred, gold", [("3", "4"), ("0.51", "0.5"), ("x+2", "x+1"), ("abc", "4"), (None, "4"), ("", "4")])
+@pytest.mark.parametrize(
+    "pred, gold",
+    [("3", "4"), ("0.51", "0.5"), ("x+2", "x+1"), ("abc", "4"), (None, "4"), ("", "4")],
+)
 def test_verify_math_different(pred, gold):
     assert not verify_math(pred, gold)
 
@@ -87,7 +105,9 @@ def test_numbers_equal_only_decides_plain_numbers():
 def test_verify_math_off_the_main_thread():
     # math-verify's signal-based timeout cannot run in worker threads; we must still verify.
     out = []
-    t = threading.Thread(target=lambda: out.append((verify_math("\\frac{1}{2}", "0.5"), verify_math("x+1", "1+x"))))
+    t = threading.Thread(
+        target=lambda: out.append((verify_math("\\frac{1}{2}", "0.5"), verify_math("x+1", "1+x")))
+    )
     t.start()
     t.join()
     assert out == [(True, True)]

@@ -14,7 +14,10 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-GSM_ROWS = [{"question": f"Q{i}: what is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"} for i in range(600, 640)]
+GSM_ROWS = [
+    {"question": f"Q{i}: what is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i:,}"}
+    for i in range(600, 640)
+]
 
 
 def test_parse_reference_formats():
@@ -60,12 +63,19 @@ def test_bad_json_and_missing_file(tmp_path):
 
 
 def test_custom_fields_math_style(tmp_path):
-    rows = [{"problem": "Half of one?", "solution": "It is $\\boxed{\\frac{1}{2}}$."},
-            {"problem": "x plus one?", "solution": "$\\boxed{x+1}$"}]
+    rows = [
+        {"problem": "Half of one?", "solution": "It is $\\boxed{\\frac{1}{2}}$."},
+        {"problem": "x plus one?", "solution": "$\\boxed{x+1}$"},
+    ]
     path = tmp_path / "math.json"
     path.write_text(json.dumps(rows))
-    task = make_task("math_file", train_path=str(path), eval_path=str(path),
-                     question_field="problem", answer_field="solution")
+    task = make_task(
+        "math_file",
+        train_path=str(path),
+        eval_path=str(path),
+        question_field="problem",
+        answer_field="solution",
+    )
     half, poly = task.eval_set()
     assert half.answer == "\\frac{1}{2}" and poly.answer == "x+1"
     assert task.reward(half, "so \\boxed{0.5}") == 1.0 and task.reward(half, "Answer: 1/2") == 1.0
@@ -74,7 +84,10 @@ def test_custom_fields_math_style(tmp_path):
 
 def test_held_out_eval_is_fixed_and_disjoint(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", GSM_ROWS)
-    a, b = make_task("gsm8k", train_path=path, n_eval=8), make_task("gsm8k", train_path=path, n_eval=8)
+    a, b = (
+        make_task("gsm8k", train_path=path, n_eval=8),
+        make_task("gsm8k", train_path=path, n_eval=8),
+    )
     assert [p.prompt for p in a.eval_set()] == [p.prompt for p in b.eval_set()]
     train = {p.prompt for p in a.sample_train(100, random.Random(0))}
     assert len(train) == len(GSM_ROWS) - 8 and not train & {p.prompt for p in a.eval_set()}
@@ -89,9 +102,13 @@ def test_parquet_file_gives_the_same_problems_as_jsonl(tmp_path):
 
     pq.write_table(pa.Table.from_pylist(GSM_ROWS), str(tmp_path / "train.parquet"))
     from_parquet = make_task("gsm8k", train_path=str(tmp_path / "train.parquet"), n_eval=10)
-    from_jsonl = make_task("gsm8k", train_path=write_jsonl(tmp_path / "train.jsonl", GSM_ROWS), n_eval=10)
+    from_jsonl = make_task(
+        "gsm8k", train_path=write_jsonl(tmp_path / "train.jsonl", GSM_ROWS), n_eval=10
+    )
     a, b = from_parquet.eval_set(), from_jsonl.eval_set()
-    assert [p.prompt for p in a] == [p.prompt for p in b] and [p.answer for p in a] == [p.answer for p in b]
+    assert [p.prompt for p in a] == [p.prompt for p in b] and [p.answer for p in a] == [
+        p.answer for p in b
+    ]
     assert len(a) == 10
 
 
@@ -101,27 +118,54 @@ REPO_EXAMPLES = __import__("pathlib").Path(__file__).resolve().parents[2] / "exa
 def test_reward_fn_from_a_file_replaces_the_math_verifier(monkeypatch):
     """The README's example: examples/reward_last_number.py:score on examples/data/sums.jsonl."""
     monkeypatch.chdir(REPO_EXAMPLES.parent)
-    task = make_task("math_file", train_path="examples/data/sums.jsonl", answer_format="plain", n_eval=8,
-                     reward_fn="examples/reward_last_number.py:score")
+    task = make_task(
+        "math_file",
+        train_path="examples/data/sums.jsonl",
+        answer_format="plain",
+        n_eval=8,
+        reward_fn="examples/reward_last_number.py:score",
+    )
     p = task.eval_set()[0]
     assert task.reward(p, f"so it is {p.answer}") == 1.0
-    assert task.reward(p, f"{p.answer}, or maybe 1234567") == 0.2  # the partial credit only this function gives
+    assert (
+        task.reward(p, f"{p.answer}, or maybe 1234567") == 0.2
+    )  # the partial credit only this function gives
     assert task.reward(p, "no idea") == 0.0
-    default = make_task("math_file", train_path="examples/data/sums.jsonl", answer_format="plain", n_eval=8)
+    default = make_task(
+        "math_file", train_path="examples/data/sums.jsonl", answer_format="plain", n_eval=8
+    )
     assert default.reward(p, f"{p.answer}, or maybe 1234567") == 0.0
 
 
 def test_reward_fn_from_a_module_and_its_errors(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text("def exact(response, answer):\n    return float(response.strip() == answer)\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(response, answer):\n    return float(response.strip() == answer)\n"
+    )
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(5)))
+    data.write_text(
+        "".join(json.dumps({"question": f"q{i}", "answer": str(i)}) + "\n" for i in range(5))
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    task = make_task("math_file", train_path=str(data), answer_format="plain", n_eval=1, reward_fn="my_rewards:exact")
+    task = make_task(
+        "math_file",
+        train_path=str(data),
+        answer_format="plain",
+        n_eval=1,
+        reward_fn="my_rewards:exact",
+    )
     p = task.eval_set()[0]
     assert task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer + "0") == 0.0
-    for spec, message in [("my_rewards.exact", "expected 'file.py:function'"), ("my_rewards:nope", "no function 'nope'"),
-                          ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'")]:
+    for spec, message in [
+        ("my_rewards.exact", "expected 'file.py:function'"),
+        ("my_rewards:nope", "no function 'nope'"),
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+    ]:
         with pytest.raises(ValueError, match=message):
             make_task("math_file", train_path=str(data), n_eval=1, reward_fn=spec)
     with pytest.raises(FileNotFoundError, match="task.params.reward_fn"):
-        make_task("math_file", train_path=str(data), n_eval=1, reward_fn=str(tmp_path / "missing.py") + ":f")
+        make_task(
+            "math_file",
+            train_path=str(data),
+            n_eval=1,
+            reward_fn=str(tmp_path / "missing.py") + ":f",
+        )

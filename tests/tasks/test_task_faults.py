@@ -23,7 +23,9 @@ def test_read_rows_names_a_folder_a_missing_file_and_non_utf8_lines(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         read_rows(str(tmp_path / "nope.jsonl"))
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"question": "a", "answer": "1"}\n\n{"question": "\xff\xfe", "answer": "2"}\n')
+    bad.write_bytes(
+        b'{"question": "a", "answer": "1"}\n\n{"question": "\xff\xfe", "answer": "2"}\n'
+    )
     with pytest.raises(ValueError, match=r"bad.jsonl: line 3 is not UTF-8"):
         read_rows(str(bad))
     bad_json = tmp_path / "bad.json"
@@ -38,14 +40,18 @@ def test_math_task_names_the_config_key_of_a_bad_path(tmp_path):
     with pytest.raises(ValueError, match="task.params.train_path: dataset path .* is a directory"):
         MathDatasetTask(str(tmp_path))
     data = tmp_path / "t.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(6)))
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(6))
+    )
     with pytest.raises(FileNotFoundError, match="task.params.eval_path"):
         MathDatasetTask(str(data), str(tmp_path / "missing.jsonl"))
 
 
 def test_math_task_drops_problems_from_both_splits(tmp_path):
     data = tmp_path / "t.jsonl"
-    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(10))
+    )
     task = MathDatasetTask(str(data), n_eval=3)
     dropped = task.drop_problems(lambda p: p.meta["row"] % 2 == 0)
     assert dropped["train"] + dropped["eval"] == 5
@@ -71,8 +77,19 @@ def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(cap
 
 @pytest.mark.parametrize(
     "gold, ok",
-    [("42", True), ("1,000", True), ("\\frac{\\pi}{2}", True), ("x", True), ("\\infty", True), ("(B)", True),
-     ("2ab", True), ("seventy-two", False), ("yes", False), ("\\text{Monday}", False), ("", False)],
+    [
+        ("42", True),
+        ("1,000", True),
+        ("\\frac{\\pi}{2}", True),
+        ("x", True),
+        ("\\infty", True),
+        ("(B)", True),
+        ("2ab", True),
+        ("seventy-two", False),
+        ("yes", False),
+        ("\\text{Monday}", False),
+        ("", False),
+    ],
 )
 def test_reference_is_checkable(gold, ok):
     assert reference_is_checkable(gold) is ok
@@ -80,7 +97,11 @@ def test_reference_is_checkable(gold, ok):
 
 def _words_file(tmp_path, answers):
     data = tmp_path / "words.jsonl"
-    data.write_text("".join(json.dumps({"question": f"q{i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"q{i}?", "answer": a}) + "\n" for i, a in enumerate(answers)
+        )
+    )
     return data
 
 
@@ -90,7 +111,10 @@ def test_dataset_whose_references_none_can_be_checked_is_refused_naming_rows(tmp
     with pytest.raises(ValueError) as e:
         MathDatasetTask(str(data), n_eval=1)
     msg = str(e.value)
-    assert msg.startswith("task.params.train_path: none of the 5 reference answers in") and str(data) in msg
+    assert (
+        msg.startswith("task.params.train_path: none of the 5 reference answers in")
+        and str(data) in msg
+    )
     assert "row 1: 'seventy-two', row 2: 'yes', row 3: 'no' ..." in msg and "answer_field" in msg
     verdict = MathDatasetTask.reward  # the reason: a correct-looking answer never scores
     no_reward_fn = SimpleNamespace(_reward_fn=None)  # the verifier's path, as for a loaded file
@@ -102,4 +126,7 @@ def test_dataset_with_some_unparseable_references_counts_and_warns(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
         task = MathDatasetTask(str(data), n_eval=1)
     assert task.unusable_references == 2
-    assert "2 of 6 reference answers" in caplog.text and "row 2: 'seventy-two', row 4: 'yes'" in caplog.text
+    assert (
+        "2 of 6 reference answers" in caplog.text
+        and "row 2: 'seventy-two', row 4: 'yes'" in caplog.text
+    )

@@ -35,7 +35,9 @@ def test_reasoning_gym_eval_set_fixed_distinct_and_held_out(rg_task):
     ev = rg_task.eval_set()
     assert len(ev) == 24 and len({p.prompt for p in ev}) == 24
     again = make_task(rg_task.name, n_eval=24).eval_set()
-    assert [p.prompt for p in again] == [p.prompt for p in ev] and [p.answer for p in again] == [p.answer for p in ev]
+    assert [p.prompt for p in again] == [p.prompt for p in ev] and [p.answer for p in again] == [
+        p.answer for p in ev
+    ]
     eval_prompts = {p.prompt for p in ev}
     train = rg_task.sample_train(200, random.Random(1))
     assert not eval_prompts & {p.prompt for p in train}
@@ -53,7 +55,9 @@ def test_reasoning_gym_train_sampling_is_seeded():
 
 def test_chain_sum_hand_case():
     task = make_task("chain_sum", n_eval=4)
-    p = Problem("What is 3 + 4?", "7", {"entry": {"question": "3 + 4 =", "answer": "7", "metadata": {}}})
+    p = Problem(
+        "What is 3 + 4?", "7", {"entry": {"question": "3 + 4 =", "answer": "7", "metadata": {}}}
+    )
     assert task.reward(p, "3 + 4 = 7\nAnswer: 7") == 1.0
     assert task.reward(p, "Answer: 7.0") == 1.0
     assert task.reward(p, "Answer: 8") == 0.0
@@ -71,11 +75,15 @@ def test_preset_config_override_and_generic_adapter():
 def test_tiny_task_rewards_and_splits():
     task = make_task("tiny", targets="ab")
     p = task.sample_train(1, random.Random(0))[0]
-    assert task.reward(p, "abxy") == 0.5 and task.reward(p, "") == 0.0 and task.reward(p, "zzz") == 0.0
+    assert (
+        task.reward(p, "abxy") == 0.5 and task.reward(p, "") == 0.0 and task.reward(p, "zzz") == 0.0
+    )
     contains = make_task("tiny", targets="ab", mode="contains")
     assert contains.reward(p, "zzb") == 1.0 and contains.reward(p, "zz") == 0.0
     ev = task.eval_set()
-    assert len(ev) == 16 and [q.prompt for q in ev] == [q.prompt for q in make_task("tiny", targets="ab").eval_set()]
+    assert len(ev) == 16 and [q.prompt for q in ev] == [
+        q.prompt for q in make_task("tiny", targets="ab").eval_set()
+    ]
     train = {q.meta["id"] for q in task.sample_train(500, random.Random(1))}
     assert not train & {q.meta["id"] for q in ev}
     with pytest.raises(ValueError, match="mode"):
@@ -86,7 +94,10 @@ def test_tiny_task_has_reward_variance_on_random_text():
     task = make_task("tiny")
     p = task.eval_set()[0]
     rng = random.Random(0)
-    rewards = [task.reward(p, bytes(rng.randrange(256) for _ in range(32)).decode("latin-1")) for _ in range(16)]
+    rewards = [
+        task.reward(p, bytes(rng.randrange(256) for _ in range(32)).decode("latin-1"))
+        for _ in range(16)
+    ]
     assert len(set(rewards)) >= 3  # GRPO groups get non-zero advantages
 
 

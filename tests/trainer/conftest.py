@@ -49,8 +49,12 @@ def cli_env() -> Dict[str, str]:
 
 def cli(args: Sequence[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "nemo_d3s.train", *args], cwd=REPO, env=cli_env(),
-        capture_output=True, text=True, **kw,
+        [sys.executable, "-m", "nemo_d3s.train", *args],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        **kw,
     )
 
 

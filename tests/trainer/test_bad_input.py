@@ -42,7 +42,9 @@ for _name, _cls in (("test_constant", _ConstantTask), ("test_flaky", _FlakyTask)
 
 
 def test_all_equal_batch_skips_the_update_but_advances(tmp_path):
-    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_constant", "trainer.save_every=1"])
+    state, rows = run_inprocess(
+        tmp_path, [*FAST, "task.name=test_constant", "trainer.save_every=1"]
+    )
     assert state.step == 2 and state.skipped_steps == 2
     for r in rows:
         assert r["skipped"] == 1 and r["skip_all_equal"] == 1
@@ -54,7 +56,9 @@ def test_all_equal_batch_skips_the_update_but_advances(tmp_path):
 
 
 def test_failing_reward_is_counted_and_does_not_poison_the_batch(tmp_path):
-    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_flaky", "trainer.max_new_tokens=4"])
+    state, rows = run_inprocess(
+        tmp_path, [*FAST, "task.name=test_flaky", "trainer.max_new_tokens=4"]
+    )
     assert state.step == 2
     assert sum(r["reward_errors"] for r in rows) > 0
     assert state.reward_errors_total == sum(r["reward_errors"] for r in rows)
@@ -77,9 +81,21 @@ def test_missing_model_directory_cli_message(tmp_path):
 
 def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" + json.dumps({"question": "2+2?"}) + "\n")
-    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", "task=jsonl_math",
-                   f"task.params.train_path={data}", "task.eval_size=1"])
+    data.write_text(
+        json.dumps({"question": "1+1?", "answer": "2"})
+        + "\n"
+        + json.dumps({"question": "2+2?"})
+        + "\n"
+    )
+    cfg = compose(
+        [
+            "experiment=smoke",
+            f"output_dir={tmp_path / 'out'}",
+            "task=jsonl_math",
+            f"task.params.train_path={data}",
+            "task.eval_size=1",
+        ]
+    )
     with pytest.raises(ConfigError, match="row 2 has no answer"):
         Trainer(cfg)
 
@@ -93,7 +109,9 @@ def test_unknown_backend_option_names_the_key(tmp_path):
 def test_megatron_backend_names_what_it_cannot_use(tmp_path):
     # the smoke experiment's HF-only model shape, then its in-memory model: clear errors
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "model.backend=megatron"])
-    with pytest.raises(ConfigError, match="model.params.tiny: not a setting of MegatronBackendConfig"):
+    with pytest.raises(
+        ConfigError, match="model.params.tiny: not a setting of MegatronBackendConfig"
+    ):
         Trainer(cfg)
     # model.name=tiny-random itself is a model the Megatron backend builds (experiment=megatron_smoke,
     # tests/trainer/test_megatron_run.py::test_megatron_smoke_experiment_then_convert_to_hf).
@@ -113,7 +131,10 @@ def _no_model_load(monkeypatch):
 def test_vllm_engine_without_vllm_is_refused_before_any_model_loads(tmp_path, monkeypatch, capsys):
     _no_model_load(monkeypatch)
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
-    with pytest.raises(ConfigError, match=r"rollout.engine='vllm': vLLM is not installed in this Python; .*pip install"):
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout.engine='vllm': vLLM is not installed in this Python; .*pip install",
+    ):
         Trainer(cfg)
     r = cli(["experiment=smoke", f"output_dir={tmp_path}", "rollout=vllm"])
     assert r.returncode == 2 and "rollout.engine='vllm'" in r.stderr and "Traceback" not in r.stderr
@@ -144,17 +165,28 @@ def test_tiny_random_export_names_its_architecture(tmp_path):
     assert ModelSpec.from_hf_dict(cfg).num_layers >= 1
 
 
-def test_a_gguf_path_is_read_as_a_gguf_file_not_reported_as_no_such_directory(tmp_path, monkeypatch):
+def test_a_gguf_path_is_read_as_a_gguf_file_not_reported_as_no_such_directory(
+    tmp_path, monkeypatch
+):
     monkeypatch.setenv("NEMO_D3S_CACHE", str(tmp_path / "cache"))
     missing = tmp_path / "model.Q4_0.gguf"
-    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", f"model.name={missing}", "~model.params.tiny"])
+    cfg = compose(
+        [
+            "experiment=smoke",
+            f"output_dir={tmp_path / 'out'}",
+            f"model.name={missing}",
+            "~model.params.tiny",
+        ]
+    )
     with pytest.raises(FileNotFoundError, match=r"no such GGUF file") as e:
         Trainer(cfg)
     assert "no such directory" not in str(e.value)
     missing.write_bytes(b"GGUF" + bytes(60))  # a header and nothing else
     with pytest.raises(ConfigError, match=r"model\.Q4_0\.gguf': cannot convert this GGUF file"):
         Trainer(cfg)
-    assert not list((tmp_path / "cache").rglob("config.json"))  # nothing half-converted left in the cache
+    assert not list(
+        (tmp_path / "cache").rglob("config.json")
+    )  # nothing half-converted left in the cache
 
 
 @pytest.mark.slow
@@ -174,10 +206,28 @@ def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
     """transformers' own error asks to install sentencepiece."""
     folder = tmp_path / "no_tokenizer"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
-    cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", f"model.name={folder}", "~model.params.tiny"])
-    with pytest.raises(FileNotFoundError, match=r"no_tokenizer' has no tokenizer file \(tokenizer.json") as e:
+    (folder / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    cfg = compose(
+        [
+            "experiment=smoke",
+            f"output_dir={tmp_path / 'out'}",
+            f"model.name={folder}",
+            "~model.params.tiny",
+        ]
+    )
+    with pytest.raises(
+        FileNotFoundError, match=r"no_tokenizer' has no tokenizer file \(tokenizer.json"
+    ) as e:
         Trainer(cfg)
     assert "sentencepiece" not in str(e.value)
-    r = cli(["experiment=smoke", f"output_dir={tmp_path / 'out2'}", f"model.name={folder}", "~model.params.tiny"])
+    r = cli(
+        [
+            "experiment=smoke",
+            f"output_dir={tmp_path / 'out2'}",
+            f"model.name={folder}",
+            "~model.params.tiny",
+        ]
+    )
     assert r.returncode == 2 and "has no tokenizer file" in r.stderr and "Traceback" not in r.stderr

@@ -39,8 +39,12 @@ class _OneSeedEngine(RolloutEngine):
         B = len(prompts) * n_samples
         ids = torch.full((B, 2), seeds, dtype=torch.long)
         mask = torch.ones(B, 2, dtype=torch.bool)
-        return Rollouts(TokenBatch(ids, mask, mask), torch.arange(len(prompts)).repeat_interleave(n_samples),
-                        [str(seeds)] * B, torch.ones(B, dtype=torch.bool))
+        return Rollouts(
+            TokenBatch(ids, mask, mask),
+            torch.arange(len(prompts)).repeat_interleave(n_samples),
+            [str(seeds)] * B,
+            torch.ones(B, dtype=torch.bool),
+        )
 
     def sync_weights(self, policy):
         self.synced.append(policy)
@@ -104,7 +108,9 @@ def test_unused_common_settings_are_a_notice_not_silence(caplog):
         model: str = "x"
 
     with caplog.at_level(logging.INFO, logger="nemo_d3s.trainer"):
-        out = backend_config(OnlyModel, {"model": "m", "gradient_checkpointing": True, "use_reference": False}, {})
+        out = backend_config(
+            OnlyModel, {"model": "m", "gradient_checkpointing": True, "use_reference": False}, {}
+        )
     assert out.model == "m"
     assert "gradient_checkpointing=True" in caplog.text
     assert "use_reference" not in caplog.text  # a setting left at off is not worth a line
@@ -113,11 +119,19 @@ def test_unused_common_settings_are_a_notice_not_silence(caplog):
 
 
 def test_registry_properties_replace_name_comparisons():
-    assert SAMPLE_SELECTORS.prop("all", "keeps_all") and not SAMPLE_SELECTORS.prop("pods", "keeps_all")
-    assert SAMPLE_SELECTORS.prop("d3s_cross", "pooled") and SAMPLE_SELECTORS.prop("random", "pooled")
+    assert SAMPLE_SELECTORS.prop("all", "keeps_all") and not SAMPLE_SELECTORS.prop(
+        "pods", "keeps_all"
+    )
+    assert SAMPLE_SELECTORS.prop("d3s_cross", "pooled") and SAMPLE_SELECTORS.prop(
+        "random", "pooled"
+    )
     assert not SAMPLE_SELECTORS.prop("d3s_intra", "pooled")
-    assert not TOKEN_SELECTORS.prop("all", "needs_entropy") and TOKEN_SELECTORS.prop("sample", "needs_entropy")
-    assert TOKEN_SELECTORS.prop("batch", "spans_batch") and not TOKEN_SELECTORS.prop("sample", "spans_batch")
+    assert not TOKEN_SELECTORS.prop("all", "needs_entropy") and TOKEN_SELECTORS.prop(
+        "sample", "needs_entropy"
+    )
+    assert TOKEN_SELECTORS.prop("batch", "spans_batch") and not TOKEN_SELECTORS.prop(
+        "sample", "spans_batch"
+    )
     assert D3SSelector(D3SConfig.from_preset("d3s")).needs_global_pool
     assert not D3SSelector(D3SConfig.from_preset("d1s")).needs_global_pool
 

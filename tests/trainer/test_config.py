@@ -115,7 +115,9 @@ def test_presets_have_one_source(monkeypatch):
     """The d3s group and the schema's defaults are built from core PRESETS (no YAML copy to
     keep equal): changing a preset there changes what `d3s=<name>` composes."""
     assert not list((REPO / "conf" / "d3s").glob("*.yaml"))
-    assert [o for o in ConfigStore.instance().list("d3s") if o.endswith(".yaml")] == [f"{n}.yaml" for n in sorted(PRESETS)]
+    assert [o for o in ConfigStore.instance().list("d3s") if o.endswith(".yaml")] == [
+        f"{n}.yaml" for n in sorted(PRESETS)
+    ]
     _assert_selects_as(OmegaConf.structured(TrainConfig), "d3s")
     assert D3SSection() == D3SSection.from_preset("d3s")
     monkeypatch.setitem(PRESETS, "pods", D3SConfig.from_preset("pods", min_kept_tokens=7))
@@ -128,11 +130,21 @@ def test_presets_have_one_source(monkeypatch):
 
 
 def test_overrides_on_top_of_a_preset_still_work():
-    cfg = compose(["d3s=pods", "d3s.schedule.kind=linear", "d3s.schedule.n_init=2", "d3s.schedule.n_final=4", "d3s.min_kept_tokens=16",
-                   "output_dir=x"])
+    cfg = compose(
+        [
+            "d3s=pods",
+            "d3s.schedule.kind=linear",
+            "d3s.schedule.n_init=2",
+            "d3s.schedule.n_final=4",
+            "d3s.min_kept_tokens=16",
+            "output_dir=x",
+        ]
+    )
     validate(cfg)
     ours = d3s_config(cfg)
-    assert ours.sample_rule == "pods" and ours.min_kept_tokens == 16 and ours.schedule.at(1.0)[0] == 4
+    assert (
+        ours.sample_rule == "pods" and ours.min_kept_tokens == 16 and ours.schedule.at(1.0)[0] == 4
+    )
 
 
 @pytest.mark.parametrize(
@@ -165,15 +177,27 @@ def test_sampling_settings_are_judged_once_by_the_generation_config():
     GenerationConfig(temperature=0, do_sample=False)  # greedy: temperature unused
     assert "trainer.top_p=0.0: must be in (0, 1]" in _error(["trainer.top_p=0.0"])
     for path in ("backends/hf/engine.py", "backends/vllm/engine.py"):
-        assert "top_p" not in (REPO / "nemo_d3s" / path).read_text().split("def generate", 1)[1].split("\n    def ")[0]
+        assert (
+            "top_p"
+            not in (REPO / "nemo_d3s" / path)
+            .read_text()
+            .split("def generate", 1)[1]
+            .split("\n    def ")[0]
+        )
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("logging.level=VERBOSE", "logging.level='VERBOSE': unknown log level; known: DEBUG, INFO, WARNING"),
+        (
+            "logging.level=VERBOSE",
+            "logging.level='VERBOSE': unknown log level; known: DEBUG, INFO, WARNING",
+        ),
         ("seed=-1", "seed=-1: must be an integer in [0, 4294967295]"),
-        ("seed=18446744073709551616", "seed=18446744073709551616: must be an integer in [0, 4294967295]"),
+        (
+            "seed=18446744073709551616",
+            "seed=18446744073709551616: must be an integer in [0, 4294967295]",
+        ),
         ("model.device=gpu", "model.device='gpu': not a torch device"),
     ],
 )
@@ -197,7 +221,9 @@ def test_cli_cfg_job_resolve_prints_the_output_path():
     assert "output_dir: outputs/${now:%Y-%m-%d_%H-%M-%S}" in plain.stdout, plain.stdout[:300]
     r = cli(["--cfg", "job", "--resolve"])
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^output_dir: outputs/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d$", r.stdout, re.M), r.stdout[:300]
+    assert re.search(r"^output_dir: outputs/\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d$", r.stdout, re.M), (
+        r.stdout[:300]
+    )
 
 
 def test_cli_reports_config_error_without_traceback(tmp_path):
@@ -216,8 +242,10 @@ def test_evidence_task_has_two_digit_terms_and_a_large_eval_set():
     problems = task.eval_set()
     assert len(problems) == 256 == len({p.prompt for p in problems})
     # the default's eval problems use single digits only; here some term has two
-    assert any(any(len(tok) == 2 for tok in p.meta["question"].replace(".", " ").split() if tok.isdigit())
-               for p in problems)
+    assert any(
+        any(len(tok) == 2 for tok in p.meta["question"].replace(".", " ").split() if tok.isdigit())
+        for p in problems
+    )
 
 
 @pytest.mark.parametrize("extra", [["model=megatron"], [], ["model=smollm2"]])

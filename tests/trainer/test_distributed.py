@@ -31,8 +31,14 @@ RUN = [
 PRESETS = ["grpo", "pods", "d1s", "d1s_cross", "d2s", "d3s", "d3s_i"]
 # Differ between layouts by design: the load balance of the 2-rank run, and the positions
 # each layout's micro-batches feed the model (padding depends on how rows are grouped).
-LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after", "logprob_fed_tokens", "logprob_padding_share",
-               "update_fed_tokens", "update_padding_share"}
+LAYOUT_KEYS = {
+    "dp_imbalance_before",
+    "dp_imbalance_after",
+    "logprob_fed_tokens",
+    "logprob_padding_share",
+    "update_fed_tokens",
+    "update_padding_share",
+}
 
 
 def _torchrun_plan(tmp_path, plan):
@@ -40,9 +46,20 @@ def _torchrun_plan(tmp_path, plan):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps([["experiment=smoke", *o] for o in plan]))
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(REPO / "tests" / "trainer" / "_multi_train.py"), str(path)],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(REPO / "tests" / "trainer" / "_multi_train.py"),
+            str(path),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
@@ -53,10 +70,21 @@ def _assert_same_run(rows1, rows2, what, rel=1e-4):
         assert keys == {k for k in b if not is_timing_key(k)} - LAYOUT_KEYS, what
         for k in sorted(keys):
             va, vb = a[k], b[k]
-            if isinstance(va, float) and not va.is_integer() or isinstance(vb, float) and not vb.is_integer():
+            if (
+                isinstance(va, float)
+                and not va.is_integer()
+                or isinstance(vb, float)
+                and not vb.is_integer()
+            ):
                 # gradients are summed in another order across ranks: rounding-level drift
                 # (observed: < 1e-7 relative)
-                assert math.isclose(va, vb, rel_tol=rel, abs_tol=1e-6 if rel else 0.0), (what, a["step"], k, va, vb)
+                assert math.isclose(va, vb, rel_tol=rel, abs_tol=1e-6 if rel else 0.0), (
+                    what,
+                    a["step"],
+                    k,
+                    va,
+                    vb,
+                )
             else:
                 assert va == vb, (what, a["step"], k, va, vb)
 
@@ -81,7 +109,9 @@ def _compare(tmp_path, cases, extra=()):
     for name, _ in cases:
         one, two = tmp_path / f"one_{name}", tmp_path / f"two_{name}"
         rows1, rows2 = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
-        assert any(row["optimizer_steps"] > 0 for row in rows1), f"{name}: no step trained; the test would be vacuous"
+        assert any(row["optimizer_steps"] > 0 for row in rows1), (
+            f"{name}: no step trained; the test would be vacuous"
+        )
         _assert_same_run(rows1, rows2, name)
         _assert_same_run(read_jsonl(one / "eval.jsonl"), read_jsonl(two / "eval.jsonl"), name)
         _assert_same_weights(one, two, name)
@@ -104,8 +134,15 @@ def test_two_ranks_match_with_kl_mini_batches_and_without_rebalancing(tmp_path):
     base = ["d3s=d3s", "algorithm.kl_coef=0.05", "trainer.num_mini_batches=2", "trainer.steps=4"]
     cases = [
         ("rebalanced", base),
-        ("unbalanced", [*base, "trainer.dp_rebalance=false", "algorithm.normalize_by=eligible",
-                        "algorithm.aggregation=seq_mean_token_mean"]),
+        (
+            "unbalanced",
+            [
+                *base,
+                "trainer.dp_rebalance=false",
+                "algorithm.normalize_by=eligible",
+                "algorithm.aggregation=seq_mean_token_mean",
+            ],
+        ),
     ]
     _compare(tmp_path, cases)
     rows = read_jsonl(tmp_path / "two_rebalanced" / "metrics.jsonl")

@@ -71,13 +71,20 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
             env["NEMO_D3S_FAULT"] = spec
         out = (tmp_path / f"attempt{len(log)}.log").open("w")
         # resume=true from the start: with no checkpoint yet it starts from step 0 (a Slurm requeue)
-        proc = subprocess.Popen([sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}", "resume=true"],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}", "resume=true"],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         if delay is not None:
             rows, seconds = delay
             start, t0 = _rows(run_dir / "metrics.jsonl"), time.time()
             while proc.poll() is None and time.time() - t0 < 300:
-                if _rows(run_dir / "metrics.jsonl") >= start + rows:  # counts from the resumed step on
+                if (
+                    _rows(run_dir / "metrics.jsonl") >= start + rows
+                ):  # counts from the resumed step on
                     time.sleep(seconds)
                     break
                 time.sleep(0.002)
@@ -85,18 +92,33 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
         proc.wait(timeout=300)
         log.append((spec or f"kill {delay[1]:.2f}s after {delay[0]} rows", proc.returncode))
         # every attempt must die by the kill (a run that finished or failed tested nothing)
-        assert proc.returncode == -signal.SIGKILL, (log, (tmp_path / f"attempt{len(log) - 1}.log").read_text()[-3000:])
-        for c in checkpoint_dirs(run_dir / "checkpoints"):  # a kill never leaves a bad step_* behind
+        assert proc.returncode == -signal.SIGKILL, (
+            log,
+            (tmp_path / f"attempt{len(log) - 1}.log").read_text()[-3000:],
+        )
+        for c in checkpoint_dirs(
+            run_dir / "checkpoints"
+        ):  # a kill never leaves a bad step_* behind
             assert verify_checkpoint(c) is None, (log, c)
         time.sleep(0.05)
-    r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}", "resume=true"],
-                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}", "resume=true"],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows, ref_rows = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")
     assert [x["step"] for x in rows] == list(range(1, STEPS + 1)), log
     assert without_timing(rows) == without_timing(ref_rows), log
-    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl")), log
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    ), log
     assert (run_dir / "hf_export" / "config.json").is_file()
     for name in ("metrics.jsonl", "eval.jsonl"):  # strict JSONL: every line whole
         text = (run_dir / name).read_text()
-        assert text.endswith("\n") and all(line.startswith("{") and line.endswith("}") for line in text.splitlines())
+        assert text.endswith("\n") and all(
+            line.startswith("{") and line.endswith("}") for line in text.splitlines()
+        )

@@ -85,10 +85,14 @@ class _SigintTwice(_SigintOnce):
     times = 2
 
 
-for _name, _cls in (("fault_huge_reward", _HugeReward), ("fault_broken_verifier", _BrokenVerifier),
-                    ("fault_zero_reward", _ZeroReward),
-                    ("fault_signal_eval", _SignalDuringEval), ("fault_sigint_once", _SigintOnce),
-                    ("fault_sigint_twice", _SigintTwice)):
+for _name, _cls in (
+    ("fault_huge_reward", _HugeReward),
+    ("fault_broken_verifier", _BrokenVerifier),
+    ("fault_zero_reward", _ZeroReward),
+    ("fault_signal_eval", _SignalDuringEval),
+    ("fault_sigint_once", _SigintOnce),
+    ("fault_sigint_twice", _SigintTwice),
+):
     if _name not in TASKS:
         TASKS.register(_name)(_cls)
 
@@ -101,8 +105,11 @@ def _cli_code(capsys, overrides):
 
 def _snapshot(d: Path) -> dict:
     """Every file under d (but the lock and Hydra's log) -> bytes."""
-    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
-            if p.is_file() and p.name not in (".nemo_d3s.lock", "train.log")}
+    return {
+        str(p.relative_to(d)): p.read_bytes()
+        for p in sorted(d.rglob("*"))
+        if p.is_file() and p.name not in (".nemo_d3s.lock", "train.log")
+    }
 
 
 # ------------------------------------------------------------------ security
@@ -180,9 +187,13 @@ def test_second_run_in_a_locked_directory_is_refused(tmp_path, capsys):
 
 
 def test_lock_is_released_when_its_holder_is_killed(tmp_path):
-    code = ("import sys, time; from nemo_d3s.trainer.rundir import RunDirLock; "
-            f"RunDirLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys, time; from nemo_d3s.trainer.rundir import RunDirLock; "
+        f"RunDirLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "locked"
     with pytest.raises(RunError, match="in use"):
         RunDirLock(tmp_path).acquire()
@@ -264,9 +275,15 @@ def _flip_a_byte(p: Path) -> None:
 
 _CORRUPTIONS = {
     "bit_flip": (lambda c: _flip_a_byte(c / "backend.pt"), "does not match its SHA-256"),
-    "truncated": (lambda c: (c / "rng_rank0.pt").write_bytes((c / "rng_rank0.pt").read_bytes()[:100]), "truncated"),
+    "truncated": (
+        lambda c: (c / "rng_rank0.pt").write_bytes((c / "rng_rank0.pt").read_bytes()[:100]),
+        "truncated",
+    ),
     "empty": (lambda c: [p.unlink() for p in list(c.iterdir())], "empty or incomplete"),
-    "garbled_state": (lambda c: (c / "trainer_state.json").write_text('{"step": 3, "upd'), "trainer_state.json is garbled"),
+    "garbled_state": (
+        lambda c: (c / "trainer_state.json").write_text('{"step": 3, "upd'),
+        "trainer_state.json is garbled",
+    ),
 }
 
 
@@ -283,7 +300,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, k
         state, rows2 = run_inprocess(run_dir, [*STEPS3, "resume=true"])
     assert "step_000003" in caplog.text and why in caplog.text
     assert "resuming from step_000002" in caplog.text
-    assert state.step == 3 and without_timing(rows2) == without_timing(rows)  # step 3 run again, identically
+    assert state.step == 3 and without_timing(rows2) == without_timing(
+        rows
+    )  # step 3 run again, identically
     assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(evals)
 
 
@@ -294,7 +313,11 @@ def test_no_usable_checkpoint_is_a_clear_error(tmp_path, capsys):
         _flip_a_byte(c / "backend.pt")
     before = _snapshot(run_dir)
     code, err = _cli_code(capsys, [*STEPS3, f"output_dir={run_dir}", "resume=true"])
-    assert code == 2 and err.startswith("error: no usable checkpoint") and len(err.strip().splitlines()) == 1
+    assert (
+        code == 2
+        and err.startswith("error: no usable checkpoint")
+        and len(err.strip().splitlines()) == 1
+    )
     assert "step_000001" in err and "Traceback" not in err
     assert _snapshot(run_dir) == before
 
@@ -304,8 +327,13 @@ def test_output_dir_that_is_a_file_or_empty_is_an_error_line_before_hydra_writes
     target = tmp_path / "a_file"
     target.write_text("keep me")
     for value, expect in ((str(target), "is a file"), ("", "must name a directory")):
-        r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", "experiment=smoke", f"output_dir={value}"],
-                           cwd=tmp_path, env=cli_env(), capture_output=True, text=True)
+        r = subprocess.run(
+            [sys.executable, "-m", "nemo_d3s.train", "experiment=smoke", f"output_dir={value}"],
+            cwd=tmp_path,
+            env=cli_env(),
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 2, r.stderr[-2000:]
         assert r.stderr.startswith("error: ") and expect in r.stderr and "Traceback" not in r.stderr
     assert target.read_text() == "keep me"
@@ -318,10 +346,16 @@ def test_unwritable_output_dir_is_an_error_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(rundir_mod, "_probe_write", read_only)
     code, err = _cli_code(capsys, [*FAST, f"output_dir={tmp_path / 'ro'}"])
-    assert code == 2 and "is not writable: Read-only file system" in err and str(tmp_path / "ro") in err
+    assert (
+        code == 2
+        and "is not writable: Read-only file system" in err
+        and str(tmp_path / "ro") in err
+    )
 
 
-def test_disk_full_during_a_checkpoint_is_an_error_line_and_keeps_the_last_one(tmp_path, capsys, monkeypatch):
+def test_disk_full_during_a_checkpoint_is_an_error_line_and_keeps_the_last_one(
+    tmp_path, capsys, monkeypatch
+):
     run_dir = tmp_path / "run"
     run_inprocess(run_dir, [*FAST, "trainer.save_every=1"])
     before = _snapshot(run_dir / "checkpoints")
@@ -331,11 +365,16 @@ def test_disk_full_during_a_checkpoint_is_an_error_line_and_keeps_the_last_one(t
 
     def full(obj, f, *a, **k):  # what torch says when the disk fills during a save
         if str(f).endswith("backend.pt"):
-            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 1210176 vs 1210064")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:664] . unexpected pos 1210176 vs 1210064"
+            )
         return real_save(obj, f, *a, **k)
 
     monkeypatch.setattr(ck.torch, "save", full)
-    code, err = _cli_code(capsys, [*FAST, "trainer.save_every=1", "trainer.steps=4", f"output_dir={run_dir}", "resume=true"])
+    code, err = _cli_code(
+        capsys,
+        [*FAST, "trainer.save_every=1", "trainer.steps=4", f"output_dir={run_dir}", "resume=true"],
+    )
     assert code == 2 and "could not write checkpoint step_000003" in err and "unexpected pos" in err
     assert len(err.strip().splitlines()) == 1
     assert _snapshot(run_dir / "checkpoints") == before  # no temp dir left, step 2 untouched
@@ -347,10 +386,18 @@ def test_resume_with_a_different_model_shape_is_one_error_line(tmp_path, capsys)
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
     bigger = "model.params.tiny.hidden_size=32"
     code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true", bigger])
-    assert code == 2 and "model.params.tiny.hidden_size: 64 -> 32" in err  # refused as a changed experiment
-    code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true", bigger,
-                                   "trainer.allow_config_change=true"])
-    assert code == 2 and "was written for a different model" in err and "tensors differ in shape" in err
+    assert (
+        code == 2 and "model.params.tiny.hidden_size: 64 -> 32" in err
+    )  # refused as a changed experiment
+    code, err = _cli_code(
+        capsys,
+        [*FAST, f"output_dir={run_dir}", "resume=true", bigger, "trainer.allow_config_change=true"],
+    )
+    assert (
+        code == 2
+        and "was written for a different model" in err
+        and "tensors differ in shape" in err
+    )
     assert len(err.strip().splitlines()) == 1
 
 
@@ -365,19 +412,27 @@ def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(t
 
 
 @pytest.mark.parametrize("cut", ["emptied", "cut_short"])
-def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(tmp_path, capsys, caplog, cut):
+def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(
+    tmp_path, capsys, caplog, cut
+):
     """Only the keys the old file still holds used to be compared: a changed seed went through."""
     run_dir = tmp_path / "run"
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
     text = (run_dir / "config.yaml").read_text()
-    (run_dir / "config.yaml").write_text("" if cut == "emptied" else text[: text.index("\nseed:")] + "\n")
+    (run_dir / "config.yaml").write_text(
+        "" if cut == "emptied" else text[: text.index("\nseed:")] + "\n"
+    )
     before = _snapshot(run_dir)
-    code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"])
+    code, err = _cli_code(
+        capsys, [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"]
+    )
     assert code == 2 and "config.yaml' lacks" in err and "emptied, cut short" in err, err
     assert "seed" in err or "..." in err
     assert _snapshot(run_dir) == before
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
-        state, _ = run_inprocess(run_dir, [*FAST, "resume=true", "trainer.steps=2", "trainer.allow_config_change=true"])
+        state, _ = run_inprocess(
+            run_dir, [*FAST, "resume=true", "trainer.steps=2", "trainer.allow_config_change=true"]
+        )
     assert state.step == 2 and "lacks" in caplog.text
 
 
@@ -391,9 +446,13 @@ def test_bad_dataset_path_is_one_error_line_naming_it(tmp_path, capsys, case):
     elif case == "missing":
         override, expect = [], "task.params.train_path: required"
     else:
-        data.write_bytes(b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9?", "answer": "3"}\n')
+        data.write_bytes(
+            b'{"question": "1+1?", "answer": "2"}\n{"question": "caf\xe9?", "answer": "3"}\n'
+        )
         override, expect = [f"task.params.train_path={data}"], "line 2 is not UTF-8"
-    code, err = _cli_code(capsys, ["task=jsonl_math", "task.eval_size=1", f"output_dir={tmp_path / 'out'}", *override])
+    code, err = _cli_code(
+        capsys, ["task=jsonl_math", "task.eval_size=1", f"output_dir={tmp_path / 'out'}", *override]
+    )
     assert code == 2 and expect in err and "Traceback" not in err, err
     if case != "missing":
         assert str(data) in err
@@ -410,13 +469,17 @@ def test_resume_refuses_a_changed_experiment_and_keeps_the_original_config(tmp_p
             run_inprocess(run_dir, [*FAST, "resume=true", change])
         assert key in str(e.value)
         assert _snapshot(run_dir) == before
-    state, _ = run_inprocess(run_dir, [*FAST, "resume=true", "seed=1", "trainer.allow_config_change=true"])
+    state, _ = run_inprocess(
+        run_dir, [*FAST, "resume=true", "seed=1", "trainer.allow_config_change=true"]
+    )
     assert state.step == 2
     assert (run_dir / "config.yaml").read_text() == original
     assert "seed: 1" in (run_dir / "config.resumed-1.yaml").read_text()
     # a further segment with another length is recorded beside the original too
-    state, _ = run_inprocess(run_dir, [*FAST, "resume=true", "seed=1", "trainer.allow_config_change=true",
-                                       "trainer.steps=3"])
+    state, _ = run_inprocess(
+        run_dir,
+        [*FAST, "resume=true", "seed=1", "trainer.allow_config_change=true", "trainer.steps=3"],
+    )
     assert state.step == 3 and (run_dir / "config.resumed-2.yaml").is_file()
 
 
@@ -452,27 +515,55 @@ def test_rewards_outside_the_task_range_are_warned_once_and_counted(tmp_path, ca
 
 def test_the_same_reward_for_every_rollout_for_many_steps_is_warned_once(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
-        state, rows = run_inprocess(tmp_path, [*FAST, "trainer.steps=7", "task.name=fault_zero_reward",
-                                               "trainer.max_new_tokens=4"])
+        state, rows = run_inprocess(
+            tmp_path,
+            [*FAST, "trainer.steps=7", "task.name=fault_zero_reward", "trainer.max_new_tokens=4"],
+        )
     assert state.step == 7 and all(r["skipped"] == 1 for r in rows)
     assert caplog.text.count("every rollout of the last") == 1
-    assert "last 5 steps (steps 1-5) got reward 0.0" in caplog.text and "nothing is learned" in caplog.text
+    assert (
+        "last 5 steps (steps 1-5) got reward 0.0" in caplog.text
+        and "nothing is learned" in caplog.text
+    )
 
 
 def test_dataset_rows_the_verifier_cannot_check_are_counted_in_the_summary(tmp_path, caplog):
     data = tmp_path / "train.jsonl"
     answers = ["3", "seventy-two", "5", "yes", "7", "8", "9", "10"]
-    data.write_text("".join(json.dumps({"question": f"What is {i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"What is {i}?", "answer": a}) + "\n"
+            for i, a in enumerate(answers)
+        )
+    )
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
-        run_inprocess(tmp_path / "run", [*FAST, "trainer.steps=1", "task=jsonl_math", f"task.params.train_path={data}",
-                                         "task.eval_size=2", "trainer.prompts_per_step=2", "trainer.max_new_tokens=4"])
+        run_inprocess(
+            tmp_path / "run",
+            [
+                *FAST,
+                "trainer.steps=1",
+                "task=jsonl_math",
+                f"task.params.train_path={data}",
+                "task.eval_size=2",
+                "trainer.prompts_per_step=2",
+                "trainer.max_new_tokens=4",
+            ],
+        )
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["unusable_references"] == 2
     assert "2 of 8 reference answers" in caplog.text
 
 
 def test_verifier_failing_on_every_call_stops_the_run(tmp_path, capsys):
-    code, err = _cli_code(capsys, [*FAST, "trainer.steps=10", "task.name=fault_broken_verifier",
-                                   "trainer.max_failed_reward_steps=3", f"output_dir={tmp_path}"])
+    code, err = _cli_code(
+        capsys,
+        [
+            *FAST,
+            "trainer.steps=10",
+            "task.name=fault_broken_verifier",
+            "trainer.max_failed_reward_steps=3",
+            f"output_dir={tmp_path}",
+        ],
+    )
     assert code == 2 and "failed on every call in 3 consecutive steps" in err
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
@@ -484,7 +575,13 @@ def test_eval_size_beyond_the_limit_is_refused(tmp_path):
 
 
 def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
-    args = [*FAST, "trainer.steps=2", "task.eval_size=8", "trainer.eval_batch_size=1", "trainer.eval_every=1"]
+    args = [
+        *FAST,
+        "trainer.steps=2",
+        "task.eval_size=8",
+        "trainer.eval_batch_size=1",
+        "trainer.eval_every=1",
+    ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_inprocess(ref_dir, [*args, "task.name=tiny"])
     _SignalDuringEval.sent = False
@@ -493,9 +590,13 @@ def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
     assert read_jsonl(run_dir / "eval.jsonl") == []  # the evaluation was abandoned within a batch
     ckpt = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert ckpt["extra"]["pending_eval"] == 1
-    state, rows = run_inprocess(run_dir, [*args, "task.name=tiny", "resume=true", "trainer.allow_config_change=true"])
+    state, rows = run_inprocess(
+        run_dir, [*args, "task.name=tiny", "resume=true", "trainer.allow_config_change=true"]
+    )
     assert state.step == 2
-    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
     assert without_timing(rows) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
 
 
@@ -503,7 +604,9 @@ def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
 def test_first_sigint_checkpoints_like_sigterm_second_stops_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     _SigintOnce.sent = 0
-    state, rows = run_inprocess(tmp_path / "a", [*FAST, "trainer.steps=4", "task.name=fault_sigint_once"])
+    state, rows = run_inprocess(
+        tmp_path / "a", [*FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
+    )
     assert state.extra.get("interrupted") and state.step == 1 and len(rows) == 1
     assert (tmp_path / "a" / "checkpoints" / "step_000001").is_dir()
     assert signal.getsignal(signal.SIGINT) == before
@@ -524,9 +627,12 @@ def test_process_group_timeout_is_configurable_and_reported(tmp_path):
     from nemo_d3s.trainer.build import backend_from_config
 
     assert backend_from_config(cfg).cfg.dist_timeout_minutes == 10.0  # reaches init_world
-    assert _is_collective_timeout(RuntimeError(
-        "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:3456: Connection "
-        "timed out waiting for recv"))
+    assert _is_collective_timeout(
+        RuntimeError(
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:3456: Connection "
+            "timed out waiting for recv"
+        )
+    )
     assert not _is_collective_timeout(RuntimeError("shape mismatch"))
 
 
@@ -542,8 +648,14 @@ def test_run_directory_is_printed_at_start_and_in_the_done_line(tmp_path, caplog
 def test_eta_clock_restarts_after_the_initial_evaluation(tmp_path):
     import time
 
-    logger = MetricsLogger(str(tmp_path), enabled=True, tensorboard=False, progress_bar=True,
-                           total_steps=10, start_step=0)
+    logger = MetricsLogger(
+        str(tmp_path),
+        enabled=True,
+        tensorboard=False,
+        progress_bar=True,
+        total_steps=10,
+        start_step=0,
+    )
     time.sleep(0.3)  # "the initial evaluation"
     logger.restart_clock()
     assert logger.bar.format_dict["elapsed"] < 0.2 and logger.bar.n == 0
@@ -559,23 +671,47 @@ def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
     import time
 
     env = cli_env()
-    env.update(NEMO_D3S_FAULT="loop.step_done@2=stop", NEMO_D3S_FAULT_RANK="1",
-               NEMO_D3S_FAULT_PIDFILE=str(tmp_path / "stopped.pids"))
+    env.update(
+        NEMO_D3S_FAULT="loop.step_done@2=stop",
+        NEMO_D3S_FAULT_RANK="1",
+        NEMO_D3S_FAULT_PIDFILE=str(tmp_path / "stopped.pids"),
+    )
     t0 = time.time()
     try:
         r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-             "nemo_d3s.train", "experiment=smoke", "trainer.steps=20", "trainer.dist_timeout_minutes=0.1",
-             f"output_dir={tmp_path / 'run'}"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "nemo_d3s.train",
+                "experiment=smoke",
+                "trainer.steps=20",
+                "trainer.dist_timeout_minutes=0.1",
+                f"output_dir={tmp_path / 'run'}",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:  # never leave a stopped process behind
-        for pid in (tmp_path / "stopped.pids").read_text().split() if (tmp_path / "stopped.pids").exists() else []:
+        for pid in (
+            (tmp_path / "stopped.pids").read_text().split()
+            if (tmp_path / "stopped.pids").exists()
+            else []
+        ):
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
     out = r.stdout + r.stderr
-    assert "error: a collective timed out after 0.1 minutes (trainer.dist_timeout_minutes)" in out, out[-3000:]
+    assert (
+        "error: a collective timed out after 0.1 minutes (trainer.dist_timeout_minutes)" in out
+    ), out[-3000:]
     assert "exitcode  : 3" in out and time.time() - t0 < 150
 
 
@@ -598,13 +734,34 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
     engine.decode). Both ranks agree right after generation, checkpoint the same step and
     exit 75 (no hang in the selector's collectives); resume=true ends with the metrics of an
     uninterrupted 2-rank run."""
-    base = ["experiment=smoke", "trainer.steps=6", "trainer.save_every=3", "trainer.eval_every=0",
-            "trainer.eval_at_start=false", "trainer.max_new_tokens=12"]
+    base = [
+        "experiment=smoke",
+        "trainer.steps=6",
+        "trainer.save_every=3",
+        "trainer.eval_every=0",
+        "trainer.eval_at_start=false",
+        "trainer.max_new_tokens=12",
+    ]
 
     def torchrun(args, env):
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                               "-m", "nemo_d3s.train", *base, *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "nemo_d3s.train",
+                *base,
+                *args,
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     ref = torchrun([f"output_dir={tmp_path / 'ref'}"], cli_env())
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-3000:]
@@ -620,5 +777,6 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
     assert stopped_at < 6
     again = torchrun([f"output_dir={tmp_path / 'run'}", "resume=true"], cli_env())
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    assert without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == \
-        without_timing(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+    assert without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == without_timing(
+        read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    )

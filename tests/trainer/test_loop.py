@@ -13,9 +13,24 @@ from nemo_d3s.trainer.metrics import read_jsonl
 from .conftest import FAST, run_inprocess
 
 REQUIRED = {
-    "step", "progress", "reward_mean", "reward_std", "n_degenerate_groups", "kept_sample_ratio",
-    "kept_token_ratio", "k_frac", "n_keep", "update_tokens", "update_tokens_total", "rollout_tokens",
-    "loss", "grad_norm", "lr", "skipped", "time_step", "wall_time",
+    "step",
+    "progress",
+    "reward_mean",
+    "reward_std",
+    "n_degenerate_groups",
+    "kept_sample_ratio",
+    "kept_token_ratio",
+    "k_frac",
+    "n_keep",
+    "update_tokens",
+    "update_tokens_total",
+    "rollout_tokens",
+    "loss",
+    "grad_norm",
+    "lr",
+    "skipped",
+    "time_step",
+    "wall_time",
 }
 
 
@@ -37,12 +52,16 @@ def test_every_preset_runs_the_loop(tmp_path, preset):
 
 def _assert_trained(rows):
     """A run whose every step was skipped would pass every per-row check vacuously."""
-    assert any(r["skipped"] == 0 and r["optimizer_steps"] > 0 for r in rows), "every step was skipped"
+    assert any(r["skipped"] == 0 and r["optimizer_steps"] > 0 for r in rows), (
+        "every step was skipped"
+    )
 
 
 @pytest.mark.parametrize("loss", ["gspo", "gspo_token"])
 def test_gspo_objectives_run_the_loop(tmp_path, loss):
-    state, rows = run_inprocess(tmp_path, [*FAST, "algorithm=gspo", f"algorithm.loss={loss}", "d3s=d3s"])
+    state, rows = run_inprocess(
+        tmp_path, [*FAST, "algorithm=gspo", f"algorithm.loss={loss}", "d3s=d3s"]
+    )
     assert state.step == 2
     _assert_trained(rows)
     assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
@@ -50,7 +69,14 @@ def test_gspo_objectives_run_the_loop(tmp_path, loss):
 
 def test_kl_reference_and_mini_batches(tmp_path):
     state, rows = run_inprocess(
-        tmp_path, [*FAST, "d3s=grpo", "algorithm.kl_coef=0.1", "trainer.num_mini_batches=2", "trainer.micro_batch_size=3"]
+        tmp_path,
+        [
+            *FAST,
+            "d3s=grpo",
+            "algorithm.kl_coef=0.1",
+            "trainer.num_mini_batches=2",
+            "trainer.micro_batch_size=3",
+        ],
     )
     assert state.step == 2
     for r in rows:
@@ -81,7 +107,10 @@ def test_metrics_jsonl_content(tmp_path):
     assert all(e["eval_n"] == 8 for e in evals)
     # the run layout
     assert (tmp_path / "config.yaml").is_file()
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000002",
+        "step_000003",
+    ]
     export = tmp_path / "hf_export"
     assert (export / "config.json").is_file() and list(export.glob("*.safetensors"))
     assert list(export.glob("tokenizer*"))
@@ -96,7 +125,9 @@ def test_d3s_uses_fewer_update_tokens_than_grpo(tmp_path):
 def test_batched_generation_is_reproducible(tmp_path):
     a = run_inprocess(tmp_path / "a", [*FAST, "trainer.generate_per_prompt=false"])[1]
     b = run_inprocess(tmp_path / "b", [*FAST, "trainer.generate_per_prompt=false"])[1]
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "wall_"))} for r in rows]
+    strip = lambda rows: [
+        {k: v for k, v in r.items() if not k.startswith(("time_", "wall_"))} for r in rows
+    ]
     assert strip(a) == strip(b) and len(a) == 2
 
 
@@ -104,11 +135,15 @@ def test_normalize_by_eligible_rescales_the_first_loss_by_the_kept_token_share(t
     # Step 1 sees the same rollouts and selection either way; with token_mean the loss is
     # sum/kept tokens vs sum/eligible tokens, so the ratio is exactly the kept-token share.
     _, kept = run_inprocess(tmp_path / "kept", [*FAST, "d3s=d3s", "trainer.steps=1"])
-    _, elig = run_inprocess(tmp_path / "elig", [*FAST, "d3s=d3s", "trainer.steps=1", "algorithm.normalize_by=eligible"])
+    _, elig = run_inprocess(
+        tmp_path / "elig", [*FAST, "d3s=d3s", "trainer.steps=1", "algorithm.normalize_by=eligible"]
+    )
     k, e = kept[0], elig[0]
     assert k["n_kept_tokens"] == e["n_kept_tokens"] < e["n_eligible_tokens"]
     assert k["loss"] != 0
-    assert e["loss"] == pytest.approx(k["loss"] * e["n_kept_tokens"] / e["n_eligible_tokens"], rel=1e-4)
+    assert e["loss"] == pytest.approx(
+        k["loss"] * e["n_kept_tokens"] / e["n_eligible_tokens"], rel=1e-4
+    )
 
 
 def test_token_budget_micro_batches_train_the_same_with_less_padding(tmp_path):

@@ -43,16 +43,34 @@ RUN = [
     "task.eval_size=4",
     "~model.params.tiny",
 ]
+
+
 def _megatron(tp, pp):
-    return ["model.backend=megatron", f"+model.params.tensor_model_parallel_size={tp}",
-            f"+model.params.pipeline_model_parallel_size={pp}"]
+    return [
+        "model.backend=megatron",
+        f"+model.params.tensor_model_parallel_size={tp}",
+        f"+model.params.pipeline_model_parallel_size={pp}",
+    ]
 
 
 def _torchrun(nproc, overrides, **kw):
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "nemo_d3s.train", *overrides],
-        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "nemo_d3s.train",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kw,
     )
 
 
@@ -72,33 +90,57 @@ def hf_run(folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "run"
     run_inprocess(out, [*RUN, f"model.name={folder}"])
     rows = read_jsonl(out / "metrics.jsonl")
-    assert any(r["optimizer_steps"] > 0 for r in rows), "no step trained: the comparison would be vacuous"
+    assert any(r["optimizer_steps"] > 0 for r in rows), (
+        "no step trained: the comparison would be vacuous"
+    )
     return out
 
 
 # the long-sequence options together: sequence parallelism, two virtual pipeline chunks per
 # stage (interleaved 1F1B) and length-aware micro-batches; the HF run uses fixed micro-batches
-LONG = ["+model.params.sequence_parallel=true", "+model.params.virtual_pipeline_model_parallel_size=2",
-        "trainer.micro_batch_tokens=48"]
+LONG = [
+    "+model.params.sequence_parallel=true",
+    "+model.params.virtual_pipeline_model_parallel_size=2",
+    "trainer.micro_batch_tokens=48",
+]
 
 
-@pytest.mark.parametrize("tp,pp,nproc,dopt,options", [(2, 2, 4, False, []), (1, 1, 2, False, []),
-                                                      (1, 1, 2, True, []), (2, 2, 4, False, LONG)],
-                         ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer", "tp2pp2_sp_vpp2_tokens"])
-def test_megatron_torchrun_matches_the_hf_backend(folder, hf_run, tmp_path, tp, pp, nproc, dopt, options):
+@pytest.mark.parametrize(
+    "tp,pp,nproc,dopt,options",
+    [(2, 2, 4, False, []), (1, 1, 2, False, []), (1, 1, 2, True, []), (2, 2, 4, False, LONG)],
+    ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer", "tp2pp2_sp_vpp2_tokens"],
+)
+def test_megatron_torchrun_matches_the_hf_backend(
+    folder, hf_run, tmp_path, tp, pp, nproc, dopt, options
+):
     """(the CPU default is the plain AdamW path; ``distributed_optimizer=true`` runs Megatron's
     DDP + distributed optimizer, the CUDA default, on gloo)"""
     out = tmp_path / "megatron"
     extra = ["+model.params.distributed_optimizer=true"] if dopt else []
-    log = _finish(_torchrun(nproc, [*RUN, f"model.name={folder}", *_megatron(tp, pp), *extra, *options,
-                                    f"output_dir={out}"]))
+    log = _finish(
+        _torchrun(
+            nproc,
+            [
+                *RUN,
+                f"model.name={folder}",
+                *_megatron(tp, pp),
+                *extra,
+                *options,
+                f"output_dir={out}",
+            ],
+        )
+    )
     assert ("distributed optimizer (fp32 main weights" in log) == dopt, log[-3000:]
-    _assert_same_run(read_jsonl(hf_run / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl"), f"tp{tp}pp{pp}")
+    _assert_same_run(
+        read_jsonl(hf_run / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl"), f"tp{tp}pp{pp}"
+    )
     _assert_same_weights(hf_run, out, f"tp{tp}pp{pp}")
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     stages = pp * (2 if options else 1)  # a virtual pipeline saves each chunk as its virtual stage
     assert sorted(os.listdir(ckpt / "megatron")) == sorted(
-        ["layout.json"] + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)])
+        ["layout.json"]
+        + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)]
+    )
     # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its checksums
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
     assert "config.json" in json.loads((ckpt / "checksums.json").read_text())["files"]
@@ -122,7 +164,9 @@ def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
     rows_before = read_jsonl(cut / "metrics.jsonl") if (cut / "metrics.jsonl").exists() else []
     assert len(rows_before) < 3
     _finish(_torchrun(4, [*base, f"output_dir={cut}", "resume=true"]))
-    _assert_same_run(read_jsonl(full / "metrics.jsonl"), read_jsonl(cut / "metrics.jsonl"), "resume", rel=0.0)
+    _assert_same_run(
+        read_jsonl(full / "metrics.jsonl"), read_jsonl(cut / "metrics.jsonl"), "resume", rel=0.0
+    )
     s1 = json.loads((full / "summary.json").read_text())
     s2 = json.loads((cut / "summary.json").read_text())
     for k in ("eval_reward_last", "update_tokens_total", "rollout_tokens_total"):
@@ -140,18 +184,38 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     log = _finish(_torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"]), timeout=600)
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step_000004"], ckpts  # keep_last=1
-    assert sorted(os.listdir(ckpts[0] / "megatron")) == ["layout.json", "tp00_pp00.safetensors",
-                                                         "tp01_pp00.safetensors"]
+    assert sorted(os.listdir(ckpts[0] / "megatron")) == [
+        "layout.json",
+        "tp00_pp00.safetensors",
+        "tp01_pp00.safetensors",
+    ]
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     assert size < 20e6, f"the smoke run wrote {size / 1e6:.1f} MB"
     # Megatron-core's start-up notices are filtered; the trainer's own lines remain.
     assert "Transformer Engine and Apex are not installed" not in log and "done: steps=4" in log
     hf = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "nemo_d3s.convert", "megatron-to-hf", "--ckpt", str(ckpts[0]),
-                        "--out", str(hf)],
-                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_d3s.convert",
+            "megatron-to-hf",
+            "--ckpt",
+            str(ckpts[0]),
+            "--out",
+            str(hf),
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    exported, converted = load_file(out / "hf_export" / "model.safetensors"), load_file(hf / "model.safetensors")
+    exported, converted = (
+        load_file(out / "hf_export" / "model.safetensors"),
+        load_file(hf / "model.safetensors"),
+    )
     assert exported.keys() == converted.keys()
     for k in exported:
         assert torch.equal(exported[k], converted[k]), k

@@ -32,7 +32,9 @@ def test_truncated_weights_hand_worked():
     samp = torch.tensor([[9.0, -2.0, -1.0, 0.0]])
     mask = torch.tensor([[False, True, True, True]])
     w = truncated_is_weights(old, samp, mask, cap=2.0)
-    assert w.tolist()[0] == pytest.approx([1.0, 2.0, math.exp(-2.0), 1.0])  # e^2 capped at 2; off-mask 1
+    assert w.tolist()[0] == pytest.approx(
+        [1.0, 2.0, math.exp(-2.0), 1.0]
+    )  # e^2 capped at 2; off-mask 1
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo_token", "gspo"])
@@ -45,16 +47,33 @@ def test_weights_scale_the_advantage_in_the_loss(loss_name):
     keep = mask.clone()
     old, adv = -torch.rand(B, S), torch.tensor([1.0, -0.5, 2.0])
     w = 0.5 + torch.rand(B, S)
-    upd = compact(TokenBatch(ids, torch.ones(B, S, dtype=torch.bool), mask), keep, old, adv,
-                  torch.zeros(B, dtype=torch.long), is_weight=w)
+    upd = compact(
+        TokenBatch(ids, torch.ones(B, S, dtype=torch.bool), mask),
+        keep,
+        old,
+        adv,
+        torch.zeros(B, dtype=torch.long),
+        is_weight=w,
+    )
     lp = (old + 0.1 * torch.randn(B, S)).requires_grad_(True)
     got = make_loss_fn(loss_name, LossConfig(), upd)(lp, torch.arange(B)).loss
     if loss_name == "gspo":  # one weight per sequence: the mean over its kept tokens
         scaled = adv * (w * keep).sum(1) / keep.sum(1)
     else:
         scaled = adv.unsqueeze(1) * w
-    want = POLICY_LOSSES.get(loss_name)(lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0).loss
+    want = POLICY_LOSSES.get(loss_name)(
+        lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0
+    ).loss
     assert torch.allclose(got, want)
-    plain = make_loss_fn(loss_name, LossConfig(), compact(TokenBatch(ids, torch.ones(B, S, dtype=torch.bool), mask),
-                                                           keep, old, adv, torch.zeros(B, dtype=torch.long)))
+    plain = make_loss_fn(
+        loss_name,
+        LossConfig(),
+        compact(
+            TokenBatch(ids, torch.ones(B, S, dtype=torch.bool), mask),
+            keep,
+            old,
+            adv,
+            torch.zeros(B, dtype=torch.long),
+        ),
+    )
     assert not torch.allclose(plain(lp, torch.arange(B)).loss, got)  # the weights did something

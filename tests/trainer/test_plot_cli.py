@@ -16,8 +16,17 @@ def _fake_run(d, scale):
     d.mkdir(parents=True)
     with (d / "metrics.jsonl").open("w") as f:
         for s in range(1, 6):
-            f.write(json.dumps({"step": s, "reward_mean": scale * s, "update_tokens_total": 100.0 * s * scale,
-                                "wall_time": 2.0 * s}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": s,
+                        "reward_mean": scale * s,
+                        "update_tokens_total": 100.0 * s * scale,
+                        "wall_time": 2.0 * s,
+                    }
+                )
+                + "\n"
+            )
     (d / "eval.jsonl").write_text(
         "\n".join(json.dumps({"step": s, "eval_reward_mean": 0.1 * s}) for s in (0, 5)) + "\n"
     )
@@ -40,8 +49,18 @@ def test_plot_without_metrics_is_an_error(tmp_path):
 
 def test_multirun_sweep_gives_each_job_its_own_directory(tmp_path):
     sweep = tmp_path / "sweep"
-    r = cli(["-m", "d3s=grpo,d3s", "experiment=smoke", "trainer.steps=1", "trainer.eval_at_start=false",
-             "trainer.export_hf=false", "task.eval_size=2", f"hydra.sweep.dir={sweep}"])
+    r = cli(
+        [
+            "-m",
+            "d3s=grpo,d3s",
+            "experiment=smoke",
+            "trainer.steps=1",
+            "trainer.eval_at_start=false",
+            "trainer.export_hf=false",
+            "task.eval_size=2",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for job, preset in ((0, "grpo"), (1, "d3s")):
         rows = read_jsonl(sweep / str(job) / "metrics.jsonl")
@@ -50,9 +69,19 @@ def test_multirun_sweep_gives_each_job_its_own_directory(tmp_path):
 
 
 def test_multirun_sweep_with_interpolated_output_dir(tmp_path):
-    r = cli(["-m", "d3s=grpo,pods", "experiment=smoke", "trainer.steps=1", "trainer.eval_at_start=false",
-             "trainer.export_hf=false", "task.eval_size=2", f"hydra.sweep.dir={tmp_path / 'sweep'}",
-             f"output_dir={tmp_path}/runs/${{d3s.preset}}"])
+    r = cli(
+        [
+            "-m",
+            "d3s=grpo,pods",
+            "experiment=smoke",
+            "trainer.steps=1",
+            "trainer.eval_at_start=false",
+            "trainer.export_hf=false",
+            "task.eval_size=2",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            f"output_dir={tmp_path}/runs/${{d3s.preset}}",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for preset in ("grpo", "pods"):
         assert len(read_jsonl(tmp_path / "runs" / preset / "metrics.jsonl")) == 1

@@ -27,8 +27,12 @@ def _rows(rank, n_rows):
     resp[:, 0] = False
     keep = resp.clone()
     return UpdateBatch(
-        batch=TokenBatch(ids, attn, resp), old_logprobs=-ids.float() / 1000, advantages=torch.arange(n).float(),
-        token_keep=keep, minibatch=torch.zeros(n, dtype=torch.long), denominators=torch.zeros(1, dtype=torch.float64),
+        batch=TokenBatch(ids, attn, resp),
+        old_logprobs=-ids.float() / 1000,
+        advantages=torch.arange(n).float(),
+        token_keep=keep,
+        minibatch=torch.zeros(n, dtype=torch.long),
+        denominators=torch.zeros(1, dtype=torch.float64),
     )
 
 
@@ -45,8 +49,12 @@ def _rank(rank, n_rows):
         "tokens": out.batch.attention_mask.sum(1).tolist(),
         "kept": out.token_keep.sum(1).tolist(),
         "adv": out.advantages.tolist(),
-        "old_ok": bool(torch.equal(out.old_logprobs * out.batch.attention_mask,
-                                   (-out.batch.input_ids.float() / 1000) * out.batch.attention_mask)),
+        "old_ok": bool(
+            torch.equal(
+                out.old_logprobs * out.batch.attention_mask,
+                (-out.batch.input_ids.float() / 1000) * out.batch.attention_mask,
+            )
+        ),
         "stats": stats,
     }
 

@@ -45,7 +45,9 @@ class _StateBackend:
     def load_state_dict(self, s):
         self.w = s["w"].clone()
 
-    def save_checkpoint(self, folder):  # the Policy defaults: replicated state, saved by the trainer
+    def save_checkpoint(
+        self, folder
+    ):  # the Policy defaults: replicated state, saved by the trainer
         return False
 
     def load_checkpoint(self, folder):
@@ -78,7 +80,9 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Non
     t0 = time.time()
     while not path.exists():
         if proc.poll() is not None:
-            raise AssertionError(f"run ended (rc={proc.returncode}) before {path} appeared:\n{proc.stderr.read()}")
+            raise AssertionError(
+                f"run ended (rc={proc.returncode}) before {path} appeared:\n{proc.stderr.read()}"
+            )
         if time.time() - t0 > timeout:
             proc.kill()
             raise AssertionError(f"timed out waiting for {path}")
@@ -87,8 +91,14 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Non
 
 def _popen(args, log: Path):
     # stdout (Hydra's console log) to a file: a full pipe would block the child.
-    return subprocess.Popen([sys.executable, "-m", "nemo_d3s.train", *args], cwd=REPO, env=cli_env(),
-                            stdout=log.open("w"), stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nemo_d3s.train", *args],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=log.open("w"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
@@ -99,7 +109,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     _wait_for(run_dir / "checkpoints" / "step_000002" / "trainer_state.json", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (run_dir / "checkpoints" / "step_000008").exists(), "killed too late to test anything"
+    assert not (run_dir / "checkpoints" / "step_000008").exists(), (
+        "killed too late to test anything"
+    )
     killed_at = len(read_jsonl(run_dir / "metrics.jsonl"))
 
     r = cli([*RUN, f"output_dir={run_dir}", "resume=true"])
@@ -107,7 +119,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     ref_rows, rows = read_jsonl(ref_dir / "metrics.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 8, f"killed after {killed_at} rows"
     assert without_timing(rows) == without_timing(ref_rows)
-    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
     assert (run_dir / "hf_export" / "config.json").is_file()
 
 
@@ -115,7 +129,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
     """Not 0: `train && convert` must not go on after a stop; the code and the marker file
     are what the sbatch scripts requeue on."""
     run_dir = tmp_path / "run"
-    proc = _popen([*RUN, "trainer.steps=40", "trainer.save_every=100", f"output_dir={run_dir}"], tmp_path / "out.log")
+    proc = _popen(
+        [*RUN, "trainer.steps=40", "trainer.save_every=100", f"output_dir={run_dir}"],
+        tmp_path / "out.log",
+    )
     _wait_for(run_dir / "metrics.jsonl", proc)
     while not read_jsonl(run_dir / "metrics.jsonl"):
         time.sleep(0.01)
@@ -128,7 +145,10 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
     assert 0 < state["step"] < 40
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == state["step"]
     assert "received SIGTERM" in (tmp_path / "out.log").read_text()
-    assert f"stopped at step {state['step']} of 40 (exit code 75: interrupted); continue with resume=true" in err
+    assert (
+        f"stopped at step {state['step']} of 40 (exit code 75: interrupted); continue with resume=true"
+        in err
+    )
     marker = json.loads((run_dir / "interrupted.json").read_text())
     assert marker == {"step": state["step"], "signal": "SIGTERM", "checkpoint": str(latest)}
 
@@ -144,19 +164,33 @@ def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_
     # a check before every chunk and every token (<= 16 per call): the 40th falls in the
     # first steps' generation (or the evaluation at start; both must resume exactly)
     env["NEMO_D3S_FAULT"] = "engine.decode@40=term"
-    r = subprocess.run([sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", *RUN, f"output_dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == EXIT_INTERRUPTED, r.stderr[-3000:]
     assert (run_dir / "interrupted.json").is_file()
-    state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text())
+    state = json.loads(
+        (latest_checkpoint(run_dir / "checkpoints") / "trainer_state.json").read_text()
+    )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert state["step"] < 8 and (not rows or rows[-1]["step"] == state["step"]), (state, len(rows))
     assert "received SIGTERM" in r.stdout + r.stderr
     r = cli([*RUN, f"output_dir={run_dir}", "resume=true"])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert not (run_dir / "interrupted.json").exists()  # the resumed run removed the earlier stop's marker
-    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
-    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(read_jsonl(ref_dir / "eval.jsonl"))
+    assert not (
+        run_dir / "interrupted.json"
+    ).exists()  # the resumed run removed the earlier stop's marker
+    assert without_timing(read_jsonl(run_dir / "metrics.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "metrics.jsonl")
+    )
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
 
 
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
@@ -186,13 +220,28 @@ if "test_sigusr1" not in TASKS:
 
 def test_sigusr1_checkpoints_after_the_current_step_in_process(tmp_path):
     before = signal.getsignal(signal.SIGUSR1)
-    state, rows = run_inprocess(tmp_path, ["task.name=test_sigusr1", "trainer.steps=5", "trainer.save_every=0",
-                                           "trainer.eval_at_start=false"])
+    state, rows = run_inprocess(
+        tmp_path,
+        [
+            "task.name=test_sigusr1",
+            "trainer.steps=5",
+            "trainer.save_every=0",
+            "trainer.eval_at_start=false",
+        ],
+    )
     assert state.extra.get("interrupted") and state.step == 1 and len(rows) == 1
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step_000001"
     assert not (tmp_path / "hf_export").exists()  # no export for an unfinished run
     assert signal.getsignal(signal.SIGUSR1) == before  # handlers restored
-    state, rows = run_inprocess(tmp_path, ["task.name=tiny", "trainer.steps=5", "trainer.save_every=0",
-                                           "trainer.eval_at_start=false", "resume=true",
-                                           "trainer.allow_config_change=true"])  # the signalling task is gone
+    state, rows = run_inprocess(
+        tmp_path,
+        [
+            "task.name=tiny",
+            "trainer.steps=5",
+            "trainer.save_every=0",
+            "trainer.eval_at_start=false",
+            "resume=true",
+            "trainer.allow_config_change=true",
+        ],
+    )  # the signalling task is gone
     assert state.step == 5 and [r["step"] for r in rows] == [1, 2, 3, 4, 5]

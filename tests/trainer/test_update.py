@@ -18,8 +18,14 @@ ONE = ParallelGroups()  # one process
 
 def _upd(batch, old, adv, keep, minibatch, n_mb=1, aggregation="token_mean") -> UpdateBatch:
     """An UpdateBatch built by hand, with its denominators counted as compact() counts them."""
-    return UpdateBatch(batch, old, adv, keep, minibatch,
-                       denominators=minibatch_denominators(keep, minibatch, n_mb, aggregation))
+    return UpdateBatch(
+        batch,
+        old,
+        adv,
+        keep,
+        minibatch,
+        denominators=minibatch_denominators(keep, minibatch, n_mb, aggregation),
+    )
 
 
 def _batch(B=4, S=6) -> TokenBatch:
@@ -46,7 +52,10 @@ def test_compact_drops_rows_without_tokens_and_cuts_after_last_kept():
     assert len(u) == 2
     assert u.batch.input_ids.shape == (2, 5)  # the longest remaining row
     assert torch.equal(u.batch.input_ids, b.input_ids[[0, 2], :5])
-    assert u.batch.attention_mask.sum(1).tolist() == [3, 5]  # each row cut after its last kept token
+    assert u.batch.attention_mask.sum(1).tolist() == [
+        3,
+        5,
+    ]  # each row cut after its last kept token
     assert u.batch.response_mask.sum(1).tolist() == [1, 3]
     assert torch.equal(u.advantages, adv[[0, 2]])
     assert torch.equal(u.old_logprobs, old[[0, 2], :5])
@@ -56,7 +65,13 @@ def test_compact_drops_rows_without_tokens_and_cuts_after_last_kept():
 
 def test_compact_of_nothing_is_empty():
     b = _batch()
-    u = compact(b, torch.zeros(4, 6, dtype=torch.bool), torch.zeros(4, 6), torch.zeros(4), torch.zeros(4, dtype=torch.long))
+    u = compact(
+        b,
+        torch.zeros(4, 6, dtype=torch.bool),
+        torch.zeros(4, 6),
+        torch.zeros(4),
+        torch.zeros(4, dtype=torch.long),
+    )
     assert len(u) == 0 and u.batch.input_ids.shape == (0, 0)
 
 
@@ -69,8 +84,15 @@ class _FakeBackend:
         self.param = table.clone().requires_grad_(True)
         self.losses = []
 
-    def train_step(self, batch: TokenBatch, loss_fn, micro_batch_size: int, *, denominator: float,
-                   micro_batch_tokens: int = 0) -> Dict[str, float]:
+    def train_step(
+        self,
+        batch: TokenBatch,
+        loss_fn,
+        micro_batch_size: int,
+        *,
+        denominator: float,
+        micro_batch_tokens: int = 0,
+    ) -> Dict[str, float]:
         # The row of the table for a sequence is identified by its first input id.
         total = 0.0
         for lo in range(0, len(batch), micro_batch_size):
@@ -93,25 +115,44 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
     keep = torch.rand(U, S) < 0.5
     keep[:, 0] = False
     keep[:, 1] = True  # every row has a kept token
-    upd = _upd(TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()), -torch.rand(U, S),
-               torch.randn(U), keep, torch.zeros(U, dtype=torch.long), aggregation=aggregation)
+    upd = _upd(
+        TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()),
+        -torch.rand(U, S),
+        torch.randn(U),
+        keep,
+        torch.zeros(U, dtype=torch.long),
+        aggregation=aggregation,
+    )
     table = -torch.rand(U, S)
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, aggregation=aggregation)
     # Slow reference: one full-batch loss with the full-batch denominator.
     ref_param = table.clone().requires_grad_(True)
     out = POLICY_LOSSES.get(loss_name)(
-        ref_param, upd.old_logprobs, upd.advantages, keep, cfg=cfg,
+        ref_param,
+        upd.old_logprobs,
+        upd.advantages,
+        keep,
+        cfg=cfg,
         denominator=loss_denominator(keep, aggregation),
     )
     out.loss.backward()
     for mbs in (1, 2, U):
         be = _FakeBackend(table)
-        report = update_policy(be, upd, loss_name=loss_name, loss_cfg=cfg, num_mini_batches=1,
-                               micro_batch_size=mbs, groups=ONE)
+        report = update_policy(
+            be,
+            upd,
+            loss_name=loss_name,
+            loss_cfg=cfg,
+            num_mini_batches=1,
+            micro_batch_size=mbs,
+            groups=ONE,
+        )
         assert report["optimizer_steps"] == 1
         assert be.losses[0] == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6)
         torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-6)
-        assert report["update_tokens_local"] == int(keep.sum())  # loss-carrying tokens (the papers' count)
+        assert report["update_tokens_local"] == int(
+            keep.sum()
+        )  # loss-carrying tokens (the papers' count)
         assert report["update_compute_tokens_local"] == U * S  # attended tokens (the compute)
 
 
@@ -119,11 +160,24 @@ def test_mini_batches_each_get_their_own_optimizer_step():
     U, S = 4, 3
     ids = (torch.arange(U) * 100).unsqueeze(1).expand(U, S).clone()
     keep = torch.ones(U, S, dtype=torch.bool)
-    upd = _upd(TokenBatch(ids, keep.clone(), keep.clone()), torch.zeros(U, S), torch.ones(U), keep,
-               torch.tensor([0, 1, 0, 2]), n_mb=4)
+    upd = _upd(
+        TokenBatch(ids, keep.clone(), keep.clone()),
+        torch.zeros(U, S),
+        torch.ones(U),
+        keep,
+        torch.tensor([0, 1, 0, 2]),
+        n_mb=4,
+    )
     be = _FakeBackend(torch.zeros(U, S))
-    report = update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=4,
-                           micro_batch_size=8, groups=ONE)
+    report = update_policy(
+        be,
+        upd,
+        loss_name="grpo",
+        loss_cfg=LossConfig(),
+        num_mini_batches=4,
+        micro_batch_size=8,
+        groups=ONE,
+    )
     assert report["optimizer_steps"] == 3  # mini-batch 3 is empty everywhere: no step
     assert len(be.losses) == 3
 
@@ -139,11 +193,23 @@ def test_without_old_logprobs_the_current_policy_is_the_baseline():
     adv = torch.randn(U)
     grads = []
     for old in (None, table.clone()):
-        upd = _upd(TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()), old, adv, keep,
-                   torch.zeros(U, dtype=torch.long))
+        upd = _upd(
+            TokenBatch(ids, torch.ones(U, S, dtype=torch.bool), keep.clone()),
+            old,
+            adv,
+            keep,
+            torch.zeros(U, dtype=torch.long),
+        )
         be = _FakeBackend(table)
-        update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=1, micro_batch_size=2,
-                      groups=ONE)
+        update_policy(
+            be,
+            upd,
+            loss_name="grpo",
+            loss_cfg=LossConfig(),
+            num_mini_batches=1,
+            micro_batch_size=2,
+            groups=ONE,
+        )
         grads.append(be.param.grad)
     torch.testing.assert_close(grads[0], grads[1])
 
@@ -151,7 +217,9 @@ def test_without_old_logprobs_the_current_policy_is_the_baseline():
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo_token"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
 @pytest.mark.parametrize("normalize_by", ["kept", "eligible"])
-def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(loss_name, aggregation, normalize_by):
+def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(
+    loss_name, aggregation, normalize_by
+):
     """Dropping rows without kept tokens and cutting tails must not change the loss or the
     gradient, for either normaliser: the 'eligible' one still counts the dropped rows and
     tails (reference: the core loss on the whole batch with norm_mask = response mask)."""
@@ -173,15 +241,35 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(loss_name
     norm = resp if normalize_by == "eligible" else None
     ref_param = table.clone().requires_grad_(True)
     ref = POLICY_LOSSES.get(loss_name)(
-        ref_param, old, adv, keep, cfg=cfg, denominator=loss_denominator(keep, aggregation, norm_mask=norm),
+        ref_param,
+        old,
+        adv,
+        keep,
+        cfg=cfg,
+        denominator=loss_denominator(keep, aggregation, norm_mask=norm),
         norm_mask=norm,
     )
     ref.loss.backward()
-    upd = compact(TokenBatch(ids, attn, resp), keep, old, adv, mb, aggregation=aggregation, normalize_by=normalize_by)
+    upd = compact(
+        TokenBatch(ids, attn, resp),
+        keep,
+        old,
+        adv,
+        mb,
+        aggregation=aggregation,
+        normalize_by=normalize_by,
+    )
     assert len(upd) == B - 1
     be = _FakeBackend(table)
-    update_policy(be, upd, loss_name=loss_name, loss_cfg=cfg, num_mini_batches=1, micro_batch_size=2,
-                  groups=ONE)
+    update_policy(
+        be,
+        upd,
+        loss_name=loss_name,
+        loss_cfg=cfg,
+        num_mini_batches=1,
+        micro_batch_size=2,
+        groups=ONE,
+    )
     assert be.losses[0] == pytest.approx(ref.loss.item(), rel=1e-5, abs=1e-7)
     torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
     if normalize_by == "eligible" and aggregation != "token_mean":
@@ -198,11 +286,31 @@ def test_eligible_normaliser_gives_smaller_steps_than_kept():
     keep = torch.zeros(1, 5, dtype=torch.bool)
     keep[0, 2] = True
     for normalize_by, expected in (("kept", -1.0), ("eligible", -0.25)):
-        upd = compact(TokenBatch(ids, attn, resp), keep, torch.zeros(1, 5), torch.ones(1), torch.zeros(1, dtype=torch.long),
-                      normalize_by=normalize_by)
+        upd = compact(
+            TokenBatch(ids, attn, resp),
+            keep,
+            torch.zeros(1, 5),
+            torch.ones(1),
+            torch.zeros(1, dtype=torch.long),
+            normalize_by=normalize_by,
+        )
         be = _FakeBackend(torch.zeros(1, 5))
-        update_policy(be, upd, loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=1, micro_batch_size=1,
-                      groups=ONE)
+        update_policy(
+            be,
+            upd,
+            loss_name="grpo",
+            loss_cfg=LossConfig(),
+            num_mini_batches=1,
+            micro_batch_size=1,
+            groups=ONE,
+        )
         assert be.losses[0] == pytest.approx(expected)
     with pytest.raises(ValueError, match="normalize_by"):
-        compact(TokenBatch(ids, attn, resp), keep, None, torch.ones(1), torch.zeros(1, dtype=torch.long), normalize_by="all")
+        compact(
+            TokenBatch(ids, attn, resp),
+            keep,
+            None,
+            torch.ones(1),
+            torch.zeros(1, dtype=torch.long),
+            normalize_by="all",
+        )

@@ -44,7 +44,9 @@ def test_three_steps_with_vllm_rollouts(tmp_path):
     import shutil
 
     shutil.rmtree(out / "checkpoints" / "step_000003")
-    state2, rows2 = run_inprocess(out, [*FAST, "trainer.steps=3", "trainer.save_every=1", *VLLM, "resume=true"])
+    state2, rows2 = run_inprocess(
+        out, [*FAST, "trainer.steps=3", "trainer.save_every=1", *VLLM, "resume=true"]
+    )
     assert without_timing(rows2) == without_timing(rows)
 
 
@@ -63,9 +65,27 @@ def test_two_data_parallel_ranks_with_vllm_match_one_process(tmp_path):
 
     args = ["experiment=smoke", *FAST, "trainer.steps=2", "trainer.save_every=0", *VLLM]
     run_inprocess(tmp_path / "one", args)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "nemo_d3s.train", *args, f"output_dir={tmp_path / 'two'}"],
-                       cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "nemo_d3s.train",
+            *args,
+            f"output_dir={tmp_path / 'two'}",
+        ],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    _assert_same_run(read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl"),
-                     "vllm dp2")
+    _assert_same_run(
+        read_jsonl(tmp_path / "one" / "metrics.jsonl"),
+        read_jsonl(tmp_path / "two" / "metrics.jsonl"),
+        "vllm dp2",
+    )

@@ -6,7 +6,12 @@ rest of nemo_d3s does not pay for it.
 """
 
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
-from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME, cache_root, ensure_default_model, find_embedded_gguf
+from nemo_d3s.backends.hf.gguf_convert import (
+    DEFAULT_MODEL_NAME,
+    cache_root,
+    ensure_default_model,
+    find_embedded_gguf,
+)
 from nemo_d3s.backends.hf.loading import TINY_RANDOM, load_model_and_tokenizer, resolve_model_path
 
 __all__ = [

@@ -56,9 +56,13 @@ class HFBackend(Policy):
         if cfg.sampler not in ("seeded", "hf_generate"):
             raise ValueError(f"sampler must be 'seeded' or 'hf_generate', got {cfg.sampler!r}")
         self.cfg = cfg
-        self.groups = groups if groups is not None else init_world(cfg.device, cfg.dist_timeout_minutes)
+        self.groups = (
+            groups if groups is not None else init_world(cfg.device, cfg.dist_timeout_minutes)
+        )
         if self.groups.tp_size * self.groups.pp_size * self.groups.cp_size > 1:
-            raise ValueError("the hf backend is data parallel only; use model.backend=megatron for TP/PP/CP")
+            raise ValueError(
+                "the hf backend is data parallel only; use model.backend=megatron for TP/PP/CP"
+            )
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
         self.model, self.tokenizer = load_model_and_tokenizer(cfg, self.device)
@@ -75,7 +79,11 @@ class HFBackend(Policy):
             self.ref_model.requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay
+            self.params,
+            lr=cfg.lr,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         self.eos_ids = self._eos_ids()
@@ -92,7 +100,9 @@ class HFBackend(Policy):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _token_logprobs(self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool):
+    def _token_logprobs(
+        self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool
+    ):
         """Forward one micro-batch. ids, attn [b, L] on device, resp [b, L] on the CPU (where
         the first response column is read without waiting for the device) -> (logprobs
         [b, L] f32, entropy [b, L] f32 or None), token-aligned, zero where attn is False.
@@ -107,7 +117,10 @@ class HFBackend(Policy):
         first = max(int(has_resp.int().argmax()), 1) if bool(has_resp.any()) else 1
         with self._autocast():
             logits = model(
-                input_ids=ids, attention_mask=attn.long(), use_cache=False, logits_to_keep=L - first + 1
+                input_ids=ids,
+                attention_mask=attn.long(),
+                use_cache=False,
+                logits_to_keep=L - first + 1,
             ).logits
         ent, lp = entropy_and_logprobs(logits[:, :-1], ids[:, first:])
         pad = (first, 0)
@@ -121,7 +134,11 @@ class HFBackend(Policy):
         return self.rollout_engine.prompt_seeds
 
     def generate(
-        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seed: Union[int, Sequence[int]]
+        self,
+        prompts: List[str],
+        n_samples: int,
+        cfg: GenerationConfig,
+        seed: Union[int, Sequence[int]],
     ) -> Rollouts:
         """Convenience for scripts and tests: ``self.rollout_engine.generate`` (see
         :class:`~nemo_d3s.backends.hf.engine.HFRolloutEngine`); an int seed s means per-prompt
@@ -129,21 +146,39 @@ class HFBackend(Policy):
         return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
 
     # ------------------------------------------------------------------ scoring
-    def compute_logprobs(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8):
+    def compute_logprobs(
+        self,
+        batch: TokenBatch,
+        *,
+        with_entropy: bool,
+        reference: bool = False,
+        micro_batch_size: int = 8,
+    ):
         """``score`` as a (logprobs, entropy) tuple, for scripts written before ``Scores``."""
-        out = self.score(batch, with_entropy=with_entropy, reference=reference, micro_batch_size=micro_batch_size)
+        out = self.score(
+            batch, with_entropy=with_entropy, reference=reference, micro_batch_size=micro_batch_size
+        )
         return out.logprobs, out.entropy
 
     @staticmethod
-    def _plan(batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int) -> List[torch.Tensor]:
+    def _plan(
+        batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int
+    ) -> List[torch.Tensor]:
         """Row index tensors of the micro-batches (``core.micro_batches.plan_rows``)."""
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         return plan_rows(row_lengths(batch.attention_mask), micro_batch_size, micro_batch_tokens)
 
     @torch.no_grad()
-    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False, micro_batch_size: int = 8,
-              micro_batch_tokens: int = 0) -> Scores:
+    def score(
+        self,
+        batch: TokenBatch,
+        *,
+        with_entropy: bool,
+        reference: bool = False,
+        micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
+    ) -> Scores:
         """Scores(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
         (position t scores token t from logits at t-1). Scored: every real position from the
         first response token of the row's micro-batch on (so every response token); the
@@ -171,18 +206,29 @@ class HFBackend(Policy):
             if L < 2:
                 continue  # nothing to score: position 0 is 0 by contract
             fed += len(rows) * L
-            ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
+            ids, attn = (
+                mb.input_ids[:, :L].to(self.device),
+                mb.attention_mask[:, :L].to(self.device),
+            )
             lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
             logprobs[rows, :L] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, :L] = ent.float().cpu()
         model.train(was_training)
-        stats = {"fed_tokens": float(fed), "attended_tokens": float(batch.attention_mask.sum()) if fed else 0.0}
+        stats = {
+            "fed_tokens": float(fed),
+            "attended_tokens": float(batch.attention_mask.sum()) if fed else 0.0,
+        }
         return Scores(logprobs, entropy, stats)
 
     # ------------------------------------------------------------------ training
     def accumulate_gradients(
-        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float = 1.0,
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        *,
+        denominator: float = 1.0,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, torch.Tensor]:
         """Forward + backward of every micro-batch, then the DP gradient reduction; leaves
@@ -202,19 +248,28 @@ class HFBackend(Policy):
         self.model.train()
         B, S = batch.input_ids.shape
         n_mb = len(plan)
-        scale = StepNormalizer(float(denominator), self.groups.dp_size, max(n_mb, 1), megatron_schedule=False).loss_scale
+        scale = StepNormalizer(
+            float(denominator), self.groups.dp_size, max(n_mb, 1), megatron_schedule=False
+        ).loss_scale
         sums: Dict[str, torch.Tensor] = {}
         fed = 0
         for rows in plan:
             mb = batch.select(rows)
             L = max(real_length(mb.attention_mask), 1)
             fed += len(rows) * L
-            ids, attn = mb.input_ids[:, :L].to(self.device), mb.attention_mask[:, :L].to(self.device)
-            lp, _ = self._token_logprobs(self.model, ids, attn, mb.response_mask[:, :L], with_entropy=False)
+            ids, attn = (
+                mb.input_ids[:, :L].to(self.device),
+                mb.attention_mask[:, :L].to(self.device),
+            )
+            lp, _ = self._token_logprobs(
+                self.model, ids, attn, mb.response_mask[:, :L], with_entropy=False
+            )
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
             lp = F.pad(lp.float(), (0, S - L))
             out = loss_fn(lp, rows)
-            loss, metrics = (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+            loss, metrics = (
+                (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
+            )
             (loss * scale).backward()
             for k, v in (("loss_sum", loss.detach()), *metrics.items()):
                 v = v.detach().to(torch.float64)
@@ -226,7 +281,9 @@ class HFBackend(Policy):
             self._average_grads()
         sums["n_micro_batches"] = torch.tensor(float(n_mb), dtype=torch.float64)
         sums["fed_tokens"] = torch.tensor(float(fed), dtype=torch.float64)
-        sums["attended_tokens"] = torch.tensor(float(batch.attention_mask.sum()), dtype=torch.float64)
+        sums["attended_tokens"] = torch.tensor(
+            float(batch.attention_mask.sum()), dtype=torch.float64
+        )
         return sums
 
     def _average_grads(self) -> None:
@@ -236,15 +293,22 @@ class HFBackend(Policy):
         for grads in by_dtype.values():
             # One flat bucket: a single collective instead of one per parameter tensor.
             flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self.groups.dp)
+            torch.distributed.all_reduce(
+                flat, op=torch.distributed.ReduceOp.SUM, group=self.groups.dp
+            )
             flat /= self.groups.dp_size
             offset = 0
             for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
     def train_step(
-        self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *, denominator: float,
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        *,
+        denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
         """Micro-batched forward/backward of ``batch`` (this rank's rows; may be empty), the
@@ -258,12 +322,21 @@ class HFBackend(Policy):
         Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum", <metric sums>}
         with one host copy for all of them.
         """
-        sums = self.accumulate_gradients(batch, loss_fn, micro_batch_size, denominator=denominator,
-                                         micro_batch_tokens=micro_batch_tokens)
-        max_norm = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
+        sums = self.accumulate_gradients(
+            batch,
+            loss_fn,
+            micro_batch_size,
+            denominator=denominator,
+            micro_batch_tokens=micro_batch_tokens,
+        )
+        max_norm = (
+            self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         keys = list(sums)
-        values = torch.stack([sums[k].cpu() for k in keys] + [grad_norm.detach().cpu().to(torch.float64)]).tolist()
+        values = torch.stack(
+            [sums[k].cpu() for k in keys] + [grad_norm.detach().cpu().to(torch.float64)]
+        ).tolist()
         metrics = dict(zip(keys, values[:-1]))
         grad_norm = values[-1]
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -300,7 +373,9 @@ class HFBackend(Policy):
         return n if isinstance(n, int) and n > 0 else None
 
     def prompt_token_counts(self, texts: Sequence[str]) -> List[int]:
-        return [len(ids) for ids in encode_prompts(self.tokenizer, list(texts), self.use_chat_template)]
+        return [
+            len(ids) for ids in encode_prompts(self.tokenizer, list(texts), self.use_chat_template)
+        ]
 
     def hf_source_dir(self) -> Optional[str]:
         return None if self.cfg.model == TINY_RANDOM else str(resolve_model_path(self.cfg.model))
@@ -315,8 +390,11 @@ class HFBackend(Policy):
         state = self.model.state_dict()
         if getattr(self.model.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # the embedding; transformers re-ties it on load
-        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(folder / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in state.items()},
+            str(folder / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         self.model.config.save_pretrained(str(folder))
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(str(folder))

@@ -54,11 +54,17 @@ class HFRolloutEngine(RolloutEngine):
     def sync_weights(self, policy: Policy) -> None:
         """Nothing to copy: the engine samples from ``policy.model`` itself."""
         if policy is not self.policy:
-            raise ValueError("HFRolloutEngine samples from the policy it was built with; got another policy")
+            raise ValueError(
+                "HFRolloutEngine samples from the policy it was built with; got another policy"
+            )
 
     @torch.no_grad()
     def generate(
-        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Union[int, Sequence[int]]
+        self,
+        prompts: List[str],
+        n_samples: int,
+        cfg: GenerationConfig,
+        seeds: Union[int, Sequence[int]],
     ) -> Rollouts:
         """``n_samples`` completions of each prompt (a plain user message; the chat template
         is applied here). Rows are prompt-major: rows [i*n, (i+1)*n) answer prompts[i].
@@ -84,11 +90,15 @@ class HFRolloutEngine(RolloutEngine):
         elif isinstance(seeds, int):
             per_prompt = [seeds]
         else:
-            raise ValueError("sampler='hf_generate' takes one int seed per call, not one per prompt")
+            raise ValueError(
+                "sampler='hf_generate' takes one int seed per call, not one per prompt"
+            )
         encoded = encode_prompts(self.tokenizer, prompts, p.use_chat_template)
         prompt_ids = [ids for ids in encoded for _ in range(n_samples)]
         chunk = p.cfg.generation_batch_size or len(prompt_ids)
-        common = dict(cfg=cfg, pad_id=p.pad_id, eos_ids=p.eos_ids, device=p.device, autocast=p._autocast)
+        common = dict(
+            cfg=cfg, pad_id=p.pad_id, eos_ids=p.eos_ids, device=p.device, autocast=p._autocast
+        )
         responses, finished = [], []
         was_training = p.model.training
         p.model.eval()
@@ -98,8 +108,13 @@ class HFRolloutEngine(RolloutEngine):
                 rows = prompt_ids[lo : lo + chunk]
                 self.check_stop()
                 if self.prompt_seeds:
-                    row_seeds = [row_seed(per_prompt[r // n_samples], r % n_samples) for r in range(lo, lo + len(rows))]
-                    r, f = decode_seeded(p.model, rows, row_seeds, check_stop=self.check_stop, **common)
+                    row_seeds = [
+                        row_seed(per_prompt[r // n_samples], r % n_samples)
+                        for r in range(lo, lo + len(rows))
+                    ]
+                    r, f = decode_seeded(
+                        p.model, rows, row_seeds, check_stop=self.check_stop, **common
+                    )
                 else:
                     r, f = decode_hf_generate(p.model, rows, per_prompt[0] + lo, **common)
                 responses += r

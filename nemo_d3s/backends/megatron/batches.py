@@ -17,7 +17,13 @@ from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.micro_batches import fixed_micro_batches, row_lengths, token_budget_micro_batches
 from nemo_d3s.distributed.pipeline import fit_width
 
-__all__ = ["MicroBatch", "model_inputs", "pad_for_interleaving", "plan_micro_batches", "token_counts"]
+__all__ = [
+    "MicroBatch",
+    "model_inputs",
+    "pad_for_interleaving",
+    "plan_micro_batches",
+    "token_counts",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,9 @@ class MicroBatch:
 def _check_right_padded(mask: torch.Tensor) -> None:
     # The model sees only a causal mask, so every row's real tokens must form a prefix.
     if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-        raise ValueError("attention_mask must be right-padded (each row's real tokens a prefix of the row)")
+        raise ValueError(
+            "attention_mask must be right-padded (each row's real tokens a prefix of the row)"
+        )
 
 
 def _real_length(mask: torch.Tensor) -> int:
@@ -50,7 +58,11 @@ def _round_up(x: int, m: int) -> int:
 
 
 def plan_micro_batches(
-    attention_mask: torch.Tensor, micro_batch_size: int, *, uniform: bool, multiple_of: int = 1,
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    *,
+    uniform: bool,
+    multiple_of: int = 1,
     max_tokens: int = 0,
 ) -> List[MicroBatch]:
     """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
@@ -67,7 +79,11 @@ def plan_micro_batches(
     sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
     dummy row, so a rank without data still runs every collective of the step.
     """
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+    if (
+        isinstance(micro_batch_size, bool)
+        or not isinstance(micro_batch_size, int)
+        or micro_batch_size < 1
+    ):
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
     B = attention_mask.shape[0]
     if B == 0:
@@ -76,17 +92,23 @@ def plan_micro_batches(
     if max_tokens:
         widths = row_lengths(attention_mask).clamp(min=2)
         widths = (widths + multiple_of - 1) // multiple_of * multiple_of
-        return [MicroBatch(r, len(r), int(widths[r[0]])) for r in token_budget_micro_batches(widths, int(max_tokens))]
+        return [
+            MicroBatch(r, len(r), int(widths[r[0]]))
+            for r in token_budget_micro_batches(widths, int(max_tokens))
+        ]
     chunks = fixed_micro_batches(B, micro_batch_size)
     if uniform:
         width = _round_up(max(_real_length(attention_mask), 2), multiple_of)
         return [MicroBatch(r, micro_batch_size, width) for r in chunks]
     return [
-        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of)) for r in chunks
+        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of))
+        for r in chunks
     ]
 
 
-def pad_for_interleaving(mbs: List[MicroBatch], pp: int, *, one_shape: bool = False) -> List[MicroBatch]:
+def pad_for_interleaving(
+    mbs: List[MicroBatch], pp: int, *, one_shape: bool = False
+) -> List[MicroBatch]:
     """Micro-batches for megatron-core's interleaved 1F1B, which needs their number M >= PP
     with M % PP = 0 (groups of PP contiguous micro-batches per virtual stage: schedules.py
     ``microbatch_group_size_per_vp_stage``, default PP, checked at lines 993-1010 of
@@ -114,12 +136,18 @@ def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
     pos = torch.arange(mb.width).unsqueeze(0).expand(mb.b, -1)
     mask = None
     if device.type != "cuda":
-        mask = torch.ones(mb.width, mb.width, dtype=torch.bool, device=device).triu_(1).view(1, 1, mb.width, mb.width)
+        mask = (
+            torch.ones(mb.width, mb.width, dtype=torch.bool, device=device)
+            .triu_(1)
+            .view(1, 1, mb.width, mb.width)
+        )
     return ids.to(device), pos.to(device), mask, attended.to(device)
 
 
 def token_counts(batch: TokenBatch, mbs: List[MicroBatch]) -> Dict[str, float]:
     """{"fed_tokens": sum of b x L over the plan (dummy rows and padding included),
     "attended_tokens": the batch's real tokens} (the padding share's two counts)."""
-    return {"fed_tokens": float(sum(m.b * m.width for m in mbs)),
-            "attended_tokens": float(batch.attention_mask.sum())}
+    return {
+        "fed_tokens": float(sum(m.b * m.width for m in mbs)),
+        "attended_tokens": float(batch.attention_mask.sum()),
+    }

@@ -36,8 +36,15 @@ from nemo_d3s.formats.shards import (
 )
 from nemo_d3s.formats.weights import Layout
 
-__all__ = ["policy_stages", "policy_tensors", "writer_dp_rank", "save_policy", "load_policy", "write_model_files",
-           "verify_shared"]
+__all__ = [
+    "policy_stages",
+    "policy_tensors",
+    "writer_dp_rank",
+    "save_policy",
+    "load_policy",
+    "write_model_files",
+    "verify_shared",
+]
 
 
 def policy_stages(pol: Any) -> List[Tuple[torch.nn.Module, Optional[torch.nn.Module], Layout]]:
@@ -47,7 +54,9 @@ def policy_stages(pol: Any) -> List[Tuple[torch.nn.Module, Optional[torch.nn.Mod
     resharded as that stage, so a checkpoint written with a virtual pipeline reads back at
     any layout and vice versa."""
     models = pol.model if isinstance(pol.model, (list, tuple)) else [pol.model]
-    refs = pol.ref_model if isinstance(pol.ref_model, (list, tuple)) else [pol.ref_model] * len(models)
+    refs = (
+        pol.ref_model if isinstance(pol.ref_model, (list, tuple)) else [pol.ref_model] * len(models)
+    )
     layouts = getattr(pol, "stage_layouts", None) or [pol.layout]
     return list(zip(models, refs, layouts))
 
@@ -94,17 +103,32 @@ def save_policy(pol: Any, folder: str) -> None:
     pol.groups.barrier()
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     # fp32 main weights ARE the parameters at fp32; else both optimizers keep their own
-    with_main = (megatron_opt or isinstance(pol.optimizer, MainWeightsAdamW)) and pol.dtype != torch.float32
-    step = optim.agreed_step(pol.optimizer, pol.groups.dp) if megatron_opt else optim.optimizer_step(pol.optimizer)
+    with_main = (
+        megatron_opt or isinstance(pol.optimizer, MainWeightsAdamW)
+    ) and pol.dtype != torch.float32
+    step = (
+        optim.agreed_step(pol.optimizer, pol.groups.dp)
+        if megatron_opt
+        else optim.optimizer_step(pol.optimizer)
+    )
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
         gathered: Dict[str, torch.Tensor] = {}
         if megatron_opt:
-            gathered = optim.gather_states(pol.optimizer, model.named_parameters(), pol.groups.dp,
-                                           with_main=with_main, step=step, dst=writer)
+            gathered = optim.gather_states(
+                pol.optimizer,
+                model.named_parameters(),
+                pol.groups.dp,
+                with_main=with_main,
+                step=step,
+                dst=writer,
+            )
         if pol.groups.dp_rank == writer:
-            meta = {"optimizer_step": str(step), "scheduler_step": str(pol.scheduler.step_count),
-                    "main_params": str(int(with_main and (bool(gathered) or not megatron_opt)))}
+            meta = {
+                "optimizer_step": str(step),
+                "scheduler_step": str(pol.scheduler.step_count),
+                "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
+            }
             save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
 
 
@@ -120,17 +144,25 @@ def load_policy(pol: Any, folder: str) -> None:
     try:
         opt_step, sched_step = int(meta["optimizer_step"]), int(meta["scheduler_step"])
     except (KeyError, ValueError):
-        raise ValueError(f"{str(root / shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata") from None
+        raise ValueError(
+            f"{str(root / shard_file(0, 0))!r}: no optimizer/scheduler step in its metadata"
+        ) from None
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     main_weights = isinstance(pol.optimizer, MainWeightsAdamW)
     with_main = (megatron_opt or main_weights) and meta.get("main_params") == "1"
-    families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (["optim.main."] if with_main else [])
+    families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (
+        ["optim.main."] if with_main else []
+    )
     readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
 
-    def read(prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def read(
+        prefix: str, name: str, like: torch.Tensor, dtype: Optional[torch.dtype] = None
+    ) -> torch.Tensor:
         t = read_local_from_checkpoint(name, pol.spec, layout, readers[prefix], dtype or like.dtype)
         if t.shape != like.shape:
-            raise ValueError(f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}")
+            raise ValueError(
+                f"{prefix}{name}: checkpoint shape {tuple(t.shape)} != model {tuple(like.shape)}"
+            )
         return t
 
     # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
@@ -153,12 +185,28 @@ def load_policy(pol: Any, folder: str) -> None:
                 if p not in ranges:
                     continue
                 a, b = ranges[p]
-                cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
-                cut["main"] = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
+                cut = (
+                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS}
+                    if opt_step > 0
+                    else {}
+                )
+                cut["main"] = (
+                    read("optim.main.", name, p, torch.float32)
+                    if with_main and opt_step > 0
+                    else t.float()
+                )
                 mom[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
             elif main_weights and main_weight_of(pol.optimizer, p) is not None:
-                main = read("optim.main.", name, p, torch.float32) if with_main and opt_step > 0 else t.float()
-                cut = {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS} if opt_step > 0 else {}
+                main = (
+                    read("optim.main.", name, p, torch.float32)
+                    if with_main and opt_step > 0
+                    else t.float()
+                )
+                cut = (
+                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS}
+                    if opt_step > 0
+                    else {}
+                )
                 mom[name] = {**cut, "main": main}
             elif opt_step > 0:
                 mom[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}

@@ -108,21 +108,35 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None")
+        raise ValueError(
+            f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None"
+        )
     if vpp not in (None, 1) and int(cfg.pipeline_model_parallel_size) < 2:
-        raise ValueError(f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
-                         "pipeline_model_parallel_size > 1")
+        raise ValueError(
+            f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
+            "pipeline_model_parallel_size > 1"
+        )
     if cfg.context_parallel_size != 1:
-        raise ValueError(f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}")
+        raise ValueError(
+            f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}"
+        )
     if cfg.sequence_packing:
         raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
     if cfg.dtype not in ("auto", *DTYPES):
-        raise ValueError(f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16")
+        raise ValueError(
+            f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16"
+        )
     if cfg.sampler != "seeded":
-        raise ValueError(f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
-                         "the seeded sampler only")
+        raise ValueError(
+            f"model.params.sampler={cfg.sampler!r}: the Megatron backend's HF engine samples with "
+            "the seeded sampler only"
+        )
     if cfg.transformer_impl not in TRANSFORMER_IMPLS:
-        raise ValueError(f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
-                         f"{', '.join(TRANSFORMER_IMPLS)}")
+        raise ValueError(
+            f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
+            f"{', '.join(TRANSFORMER_IMPLS)}"
+        )
     if cfg.make_vocab_size_divisible_by < 1:
-        raise ValueError(f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1")
+        raise ValueError(
+            f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1"
+        )

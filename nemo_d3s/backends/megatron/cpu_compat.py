@@ -226,7 +226,10 @@ def _patch_rng() -> None:
 
     add._nemo_d3s_cpu = fork._nemo_d3s_cpu = True
     tracker.add, tracker.fork = add, fork
-    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = get_cuda_rng_state, set_cuda_rng_state
+    mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = (
+        get_cuda_rng_state,
+        set_cuda_rng_state,
+    )
 
 
 @contextlib.contextmanager

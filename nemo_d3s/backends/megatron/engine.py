@@ -21,7 +21,13 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.base import (
+    GenerationConfig,
+    GenerationInterrupted,
+    Policy,
+    RolloutEngine,
+    Rollouts,
+)
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed._comm import is_single
@@ -45,11 +51,17 @@ class ReplicaEngine(RolloutEngine):
 
         model = self.replica.model
         try:
-            copy_hf_weights(model, policy.refit_weights(), tie_word_embeddings=bool(model.config.tie_word_embeddings))
+            copy_hf_weights(
+                model,
+                policy.refit_weights(),
+                tie_word_embeddings=bool(model.config.tie_word_embeddings),
+            )
         except KeyError as e:
             raise KeyError(f"rollout replica refit: {e.args[0]}") from None
 
-    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
         self._inner.should_stop = self.should_stop
         return self._inner.generate(prompts, n_samples, cfg, seeds)
 
@@ -73,9 +85,19 @@ class ModelParallelRollouts(RolloutEngine):
     (``MegatronBackend.place_rollout_engine``).
     """
 
-    def __init__(self, inner: Optional[RolloutEngine], tokenizer: Any, group, src: int, *,
-                 prompt_seeds: bool, on_policy: bool = True, policy: Optional[Policy] = None,
-                 refit: Optional[dict] = None, device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        inner: Optional[RolloutEngine],
+        tokenizer: Any,
+        group,
+        src: int,
+        *,
+        prompt_seeds: bool,
+        on_policy: bool = True,
+        policy: Optional[Policy] = None,
+        refit: Optional[dict] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
         self.inner, self.tokenizer, self.group, self.src = inner, tokenizer, group, src
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
@@ -90,7 +112,9 @@ class ModelParallelRollouts(RolloutEngine):
         dist.broadcast_object_list(box, src=self.src, group=self.group)
         return box[0]
 
-    def generate(self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]) -> Rollouts:
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
         if self.refit is not None and self._from_src(bool(getattr(self.inner, "stale", False))):
@@ -123,21 +147,37 @@ class ModelParallelRollouts(RolloutEngine):
             if self.is_src:
                 self.inner.sync_weights(policy)
             else:
-                for _ in policy.refit_weights():  # serve the gathers; the tensors are not needed here
+                for (
+                    _
+                ) in policy.refit_weights():  # serve the gathers; the tensors are not needed here
                     pass
             return
         r = self.refit
-        refit = WeightRefit(self.inner if self.is_src else None, transport=r["transport"], group=self.group,
-                            src=self.src, hosts_engine_gpu=r["hosts_engine_gpu"], bucket_bytes=r["bucket_bytes"],
-                            dtype=getattr(torch, r["dtype"]), device=self.device)
+        refit = WeightRefit(
+            self.inner if self.is_src else None,
+            transport=r["transport"],
+            group=self.group,
+            src=self.src,
+            hosts_engine_gpu=r["hosts_engine_gpu"],
+            bucket_bytes=r["bucket_bytes"],
+            dtype=getattr(torch, r["dtype"]),
+            device=self.device,
+        )
         if self.is_src:
             self.inner.run_refit(refit, policy.refit_weights())
         else:
             refit.push(policy.refit_weights())
 
 
-def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch.device, cfg: Any,
-                 eos_ids_fn: Callable[[Any], List[int]]) -> SamplerModel:
+def make_replica(
+    path: str,
+    tokenizer: Any,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    cfg: Any,
+    eos_ids_fn: Callable[[Any], List[int]],
+) -> SamplerModel:
     """A transformers model of the HF folder ``path`` (local files only), dropout off, in
     eval mode, for :class:`ReplicaEngine` (its weights are overwritten by the first refit)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -155,5 +195,12 @@ def make_replica(path: str, tokenizer: Any, *, dtype: torch.dtype, device: torch
         pass  # no generation_config.json: the one derived from config.json stands
     model.to(device).eval()
     model.requires_grad_(False)
-    return SamplerModel(model, tokenizer, cfg, int(tokenizer.pad_token_id), eos_ids_fn(model), device,
-                    bool(cfg.use_chat_template))
+    return SamplerModel(
+        model,
+        tokenizer,
+        cfg,
+        int(tokenizer.pad_token_id),
+        eos_ids_fn(model),
+        device,
+        bool(cfg.use_chat_template),
+    )

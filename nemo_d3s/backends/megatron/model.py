@@ -37,9 +37,16 @@ from nemo_d3s.backends.megatron.config import TRANSFORMER_IMPLS
 from nemo_d3s.distributed._comm import global_rank_of, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["TRANSFORMER_IMPLS", "transformer_engine_error", "use_transformer_engine", "transformer_config",
-           "build_stage", "load_stage_from_hf", "iter_hf_weights", "virtual_layouts"]
-
+__all__ = [
+    "TRANSFORMER_IMPLS",
+    "transformer_engine_error",
+    "use_transformer_engine",
+    "transformer_config",
+    "build_stage",
+    "load_stage_from_hf",
+    "iter_hf_weights",
+    "virtual_layouts",
+]
 
 
 def transformer_engine_error() -> Optional[str]:
@@ -78,7 +85,9 @@ def use_transformer_engine(impl: str, device: torch.device) -> bool:
     with Apex but not TE crash in Apex's LayerNorm-only FusedLayerNorm) or "local"
     (megatron-core's own modules, by name). On the CPU the local spec is the only one."""
     if impl not in TRANSFORMER_IMPLS:
-        raise ConfigError(f"model.params.transformer_impl={impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}")
+        raise ConfigError(
+            f"model.params.transformer_impl={impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}"
+        )
     if impl == "local" or device.type != "cuda":
         return False
     err = transformer_engine_error()
@@ -87,7 +96,8 @@ def use_transformer_engine(impl: str, device: torch.device) -> bool:
             f"model.params.transformer_impl=transformer_engine (the default on CUDA) needs Transformer Engine: {err}. "
             "Install the gpu extra (pip install 'nemo_d3s[gpu]', or use slurm/Dockerfile), or set "
             "model.params.transformer_impl=local for megatron-core's local spec (unfused attention: much "
-            "slower and [b, heads, S, S] attention scores per layer)")
+            "slower and [b, heads, S, S] attention scores per layer)"
+        )
     return True
 
 
@@ -143,12 +153,23 @@ def transformer_config(
         attention_softmax_in_fp32=True,
     )
     if recompute:
-        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        kwargs.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
     return TransformerConfig(**kwargs)
 
 
-def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, post_process: bool,
-                device: torch.device, max_sequence_length: Optional[int] = None, vp_stage: Optional[int] = None):
+def build_stage(
+    spec: ModelSpec,
+    config,
+    layout: Layout,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    device: torch.device,
+    max_sequence_length: Optional[int] = None,
+    vp_stage: Optional[int] = None,
+):
     """This rank's GPTModel stage (uninitialised weights: load them next). ``layout.te``:
     the Transformer Engine spec (decide it with :func:`use_transformer_engine`), else the
     local spec with torch norms throughout (under sequence parallelism the SP-capable ones
@@ -160,7 +181,9 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    pp_rank = layout.pp_rank % config.pipeline_model_parallel_size  # the real stage of a virtual one
+    pp_rank = (
+        layout.pp_rank % config.pipeline_model_parallel_size
+    )  # the real stage of a virtual one
     if layout.te:
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     elif config.sequence_parallel:  # WrappedTorchNorm refuses SP: see sequence_parallel.py
@@ -169,14 +192,19 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         layer_spec = local_block_spec(config, pp_rank=pp_rank, vp_stage=vp_stage)
     else:
         from megatron.core.transformer.torch_norm import WrappedTorchNorm
-        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+        from megatron.core.transformer.transformer_block import (
+            TransformerBlockSubmodules,
+            get_num_layers_to_build,
+        )
 
         # The block's final norm given explicitly: from a bare layer spec megatron-core 0.16.1
         # picks it by what imports (transformer_block.py:54-69: TENorm, else Apex's
         # FusedLayerNorm, which refuses RMSNorm, else torch), not by the spec asked for.
         layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-        layer_spec = TransformerBlockSubmodules(layer_specs=[get_gpt_layer_local_spec(normalization="RMSNorm")] * layers,
-                                                layer_norm=WrappedTorchNorm)
+        layer_spec = TransformerBlockSubmodules(
+            layer_specs=[get_gpt_layer_local_spec(normalization="RMSNorm")] * layers,
+            layer_norm=WrappedTorchNorm,
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -186,7 +214,9 @@ def build_stage(spec: ModelSpec, config, layout: Layout, *, pre_process: bool, p
         post_process=post_process,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rotary_base=int(spec.rope_theta)
+        if float(spec.rope_theta).is_integer()
+        else spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
@@ -214,8 +244,12 @@ def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layou
     for name, p in model.named_parameters():
         dim, parts = local_parts(name, spec, layout)
         full = hf_shape(parts[0].hf_name, spec)[dim] if parts[0].hf_name else None
-        replicated = len(parts) == 1 and parts[0].lo == 0 and parts[0].rows == full and not (
-            name.endswith("word_embeddings.weight") or name == "output_layer.weight")
+        replicated = (
+            len(parts) == 1
+            and parts[0].lo == 0
+            and parts[0].rows == full
+            and not (name.endswith("word_embeddings.weight") or name == "output_layer.weight")
+        )
         if replicated:
             continue
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
@@ -225,13 +259,17 @@ def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layou
 
 
 @torch.no_grad()
-def load_stage_from_hf(model: torch.nn.Module, spec: ModelSpec, layout: Layout, reader: SafetensorsReader) -> None:
+def load_stage_from_hf(
+    model: torch.nn.Module, spec: ModelSpec, layout: Layout, reader: SafetensorsReader
+) -> None:
     """Copy this stage's rows of the HF tensors into ``model`` (its shapes are checked
     against the table first, so a mismatch fails before any weight is written)."""
     params = dict(model.named_parameters())
     for name, p in params.items():
         if tuple(p.shape) != local_shape(name, spec, layout):
-            raise RuntimeError(f"{name}: GPTModel shape {tuple(p.shape)} != table {local_shape(name, spec, layout)}")
+            raise RuntimeError(
+                f"{name}: GPTModel shape {tuple(p.shape)} != table {local_shape(name, spec, layout)}"
+            )
     for name, p in params.items():
         p.copy_(read_local(name, spec, layout, reader, p.dtype).to(p.device))
 
@@ -255,7 +293,13 @@ def virtual_layouts(layout: Layout, vpp: int) -> List[Layout]:
 
 @torch.no_grad()
 def iter_hf_weights(
-    model, spec: ModelSpec, layout: Layout, groups: ParallelGroups, *, to_cpu: bool = True, vpp: int = 1
+    model,
+    spec: ModelSpec,
+    layout: Layout,
+    groups: ParallelGroups,
+    *,
+    to_cpu: bool = True,
+    vpp: int = 1,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every tensor of the HF model, in stage order, on EVERY
     rank of this rank's TP x PP group (collective over it; DP replicas run their own copy).
@@ -289,14 +333,23 @@ def iter_hf_weights(
                     shards = [t]
                 full = assemble_hf(local, shards, spec, st)
             for h in produced:
-                x = full[h] if full is not None else torch.empty(hf_shape(h, spec), dtype=dtype, device=device)
+                x = (
+                    full[h]
+                    if full is not None
+                    else torch.empty(hf_shape(h, spec), dtype=dtype, device=device)
+                )
                 if not is_single(groups.pp):
                     dist.broadcast(x, src=_stage_src(groups, owner), group=groups.pp)
                 yield h, (x.cpu() if to_cpu else x)
 
 
-def write_hf_folder(tensors: Iterator[Tuple[str, torch.Tensor]], out_dir: str, *, shard_bytes: int = 5 * 2**30,
-                    dtype: Optional[torch.dtype] = None) -> Dict[str, str]:
+def write_hf_folder(
+    tensors: Iterator[Tuple[str, torch.Tensor]],
+    out_dir: str,
+    *,
+    shard_bytes: int = 5 * 2**30,
+    dtype: Optional[torch.dtype] = None,
+) -> Dict[str, str]:
     """Write (name, tensor) pairs as safetensors shards + index into ``out_dir`` (which
     exists), holding at most ``shard_bytes`` of tensors at once. One file ->
     ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` and

@@ -23,9 +23,11 @@ class _TorchOnCpu:
     Without psutil, its memory logging in the writer processes reads 0 instead of failing
     (a failed writer process would leave megatron-core's saver waiting forever)."""
 
-    MODULES = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",
-               "megatron.core.dist_checkpointing.strategies.filesystem_async",
-               "megatron.core.dist_checkpointing.strategies.async_utils")
+    MODULES = (
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+        "megatron.core.dist_checkpointing.strategies.filesystem_async",
+        "megatron.core.dist_checkpointing.strategies.async_utils",
+    )
 
     def __enter__(self):
         import importlib
@@ -63,8 +65,9 @@ def _one_process_group():
     return dist.destroy_process_group
 
 
-def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, out: Path, *,
-                padded_vocab: int) -> None:
+def write_nemo2(
+    tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, out: Path, *, padded_vocab: int
+) -> None:
     """Write the HF-named ``tensors`` of ``spec`` as ``out/weights`` (NeMo's names, TP1
     global tensors, per-layer ShardedTensors, ``_extra_state`` objects) with megatron-core's
     ``dist_checkpointing.save``. The caller copies ``context/``."""
@@ -89,10 +92,16 @@ def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, ou
         if layer is None:
             sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
         else:
-            sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(fqn, t, (0, layer, L), replica_id=0,
-                                                                        prepend_axis_num=1)
+            sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(
+                fqn, t, (0, layer, L), replica_id=0, prepend_axis_num=1
+            )
     for layer in range(L):
-        for mod in ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"):
+        for mod in (
+            "self_attention.linear_proj",
+            "self_attention.linear_qkv",
+            "mlp.linear_fc1",
+            "mlp.linear_fc2",
+        ):
             key = f"{NEMO_PREFIX}decoder.layers.{mod}._extra_state"
             sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
     weights = out / "weights"
@@ -100,8 +109,14 @@ def write_nemo2(tensors: Iterator[Tuple[str, torch.Tensor]], spec: ModelSpec, ou
     teardown = _one_process_group()
     try:
         with _TorchOnCpu():
-            dist_checkpointing.save(sharded, str(weights), content_metadata={
-                "singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                "distrib_optim_sharding_type": "dp_reshardable"})
+            dist_checkpointing.save(
+                sharded,
+                str(weights),
+                content_metadata={
+                    "singleton_local_shards": False,
+                    "chained_optim_avoid_prefix": True,
+                    "distrib_optim_sharding_type": "dp_reshardable",
+                },
+            )
     finally:
         teardown()

@@ -47,9 +47,25 @@ from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, needs_main
 from nemo_d3s.distributed._comm import group_rank, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["MOMENTS", "Model", "agreed_step", "build_optimizer", "clip_grads_", "device_of", "distributed_optimizers",
-           "finalize_grads", "gather_states", "global_grad_norm", "is_megatron_optimizer", "local_params", "local_ranges",
-           "model_chunks", "optimizer_step", "scatter_states", "unwrap_model"]
+__all__ = [
+    "MOMENTS",
+    "Model",
+    "agreed_step",
+    "build_optimizer",
+    "clip_grads_",
+    "device_of",
+    "distributed_optimizers",
+    "finalize_grads",
+    "gather_states",
+    "global_grad_norm",
+    "is_megatron_optimizer",
+    "local_params",
+    "local_ranges",
+    "model_chunks",
+    "optimizer_step",
+    "scatter_states",
+    "unwrap_model",
+]
 
 Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
@@ -117,7 +133,9 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
         if ps.is_rank_in_embedding_group():
             # the first stage's first chunk holds the embedding, the last stage's last chunk
             # the output layer (one chunk each without a virtual pipeline)
-            owner = unwrap_model(chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1])
+            owner = unwrap_model(
+                chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
+            )
             weight = owner.shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
 
@@ -145,9 +163,16 @@ def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
     norms (fp32 per tensor, summed in fp64) are all-reduced over ``groups.tp`` then
     ``groups.pp`` (= the TP x PP grid). No host sync."""
     chunks = model_chunks(chunks)
-    grads = [p.grad for p in local_params(chunks) if p.grad is not None and _counts_for_norm(p, groups)]
+    grads = [
+        p.grad for p in local_params(chunks) if p.grad is not None and _counts_for_norm(p, groups)
+    ]
     if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double().pow(2).sum()
+        sq = (
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+            .double()
+            .pow(2)
+            .sum()
+        )
     else:
         sq = torch.zeros((), dtype=torch.float64)
     sq = sq.to(groups.device).reshape(1)
@@ -221,16 +246,24 @@ def build_optimizer(
     if not distributed_optimizer:
         params = local_params(chunks)
         adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        if needs_main_weights(params):  # bf16 / fp16: AdamW on fp32 main weights, or small updates round away
+        if needs_main_weights(
+            params
+        ):  # bf16 / fp16: AdamW on fp32 main weights, or small updates round away
             return chunks, MainWeightsAdamW(params, **adamw)
         return chunks, torch.optim.AdamW(params, **adamw)
     if device.type != "cuda":
         from nemo_d3s.backends.megatron.cpu_compat import is_applied
 
         if not is_applied():
-            raise RuntimeError("Megatron's distributed optimizer on CPU needs cpu_compat.apply_cpu_compat() first")
+            raise RuntimeError(
+                "Megatron's distributed optimizer on CPU needs cpu_compat.apply_cpu_compat() first"
+            )
     # ---- Megatron DDP + distributed optimizer ----
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = unwrap_model(chunks[0]).config
@@ -238,7 +271,9 @@ def build_optimizer(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True
     )
     wrapped = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+        DistributedDataParallel(
+            config=config, ddp_config=ddp_config, module=c, disable_bucketing=i > 0
+        )
         for i, c in enumerate(chunks)
     ]
     config.finalize_model_grads_func = finalize_model_grads
@@ -306,8 +341,11 @@ def agreed_step(optimizer: Any, dp_group: Optional[dist.ProcessGroup]) -> int:
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl"
         else torch.device("cpu")
+    )
 
 
 def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
@@ -321,9 +359,15 @@ def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
 
 
 @torch.no_grad()
-def gather_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
-                  dp_group: Optional[dist.ProcessGroup], *, with_main: bool, step: int,
-                  dst: int = 0) -> Dict[str, torch.Tensor]:
+def gather_states(
+    optimizer: Any,
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]],
+    dp_group: Optional[dist.ProcessGroup],
+    *,
+    with_main: bool,
+    step: int,
+    dst: int = 0,
+) -> Dict[str, torch.Tensor]:
     """Collective over ``dp_group`` (every DP rank calls it with the same parameters in the
     same order and the same ``step``, e.g. :func:`agreed_step`). Returns, on the DP rank
     ``dst`` (a rank of ``dp_group``), ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>``
@@ -351,7 +395,7 @@ def gather_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Par
             full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
             if k in mine:
                 r, t = mine[k]
-                full[r.start:r.end] = t.detach().reshape(-1).float()
+                full[r.start : r.end] = t.detach().reshape(-1).float()
             if dp_size > 1:
                 dist.reduce(full, dst=root, group=dp_group)
             if is_root:
@@ -360,8 +404,12 @@ def gather_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Par
 
 
 @torch.no_grad()
-def scatter_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Parameter]],
-                   ranged: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+def scatter_states(
+    optimizer: Any,
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]],
+    ranged: Dict[str, Dict[str, torch.Tensor]],
+    step: int,
+) -> None:
     """Set this rank's main weights and (``step`` > 0) Adam moments and step count.
     ``ranged[name]`` holds, for each parameter this rank has a range of (:func:`local_ranges`),
     that range of the flattened ``"exp_avg"`` / ``"exp_avg_sq"`` and optionally ``"main"``
@@ -383,8 +431,10 @@ def scatter_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Pa
         src = ranged.get(name, {})
         main = src.get("main")
         if main is None:
-            main = p.detach().reshape(-1)[r.start:r.end].clone()
-        plan.append((name, p, dopt, {"param": main, **({k: src[k] for k in MOMENTS} if step > 0 else {})}))
+            main = p.detach().reshape(-1)[r.start : r.end].clone()
+        plan.append(
+            (name, p, dopt, {"param": main, **({k: src[k] for k in MOMENTS} if step > 0 else {})})
+        )
     if step > 0:
         for dopt in distributed_optimizers(optimizer):
             if not dopt.optimizer.state:
@@ -395,9 +445,16 @@ def scatter_states(optimizer: Any, named_params: Iterable[Tuple[str, torch.nn.Pa
             values["step"] = torch.tensor(float(step))
         missing = set(current) - set(values)
         if missing:
-            raise RuntimeError(f"{name}: the optimizer keeps {sorted(missing)} that the checkpoint does not restore")
+            raise RuntimeError(
+                f"{name}: the optimizer keeps {sorted(missing)} that the checkpoint does not restore"
+            )
         dopt._set_main_param_and_optimizer_states(
-            p, {k: values[k].to(current[k].device, current[k].dtype).view_as(current[k]) for k in current})
+            p,
+            {
+                k: values[k].to(current[k].device, current[k].dtype).view_as(current[k])
+                for k in current
+            },
+        )
     if step > 0:
         for dopt in distributed_optimizers(optimizer):
             for g in dopt.optimizer.param_groups:

@@ -8,8 +8,15 @@ import os
 import warnings
 from typing import Callable, List, Optional
 
-__all__ = ["DEFAULT_ORDER", "TP_PP_DP_ORDER", "first_ranks_of_model_copies", "global_rank_of",
-           "initialize_megatron_groups", "rank_order", "set_cuda_connections"]
+__all__ = [
+    "DEFAULT_ORDER",
+    "TP_PP_DP_ORDER",
+    "first_ranks_of_model_copies",
+    "global_rank_of",
+    "initialize_megatron_groups",
+    "rank_order",
+    "set_cuda_connections",
+]
 
 
 DEFAULT_ORDER, TP_PP_DP_ORDER = "tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"
@@ -20,8 +27,16 @@ def rank_order(use_tp_pp_dp_mapping: bool) -> str:
     return TP_PP_DP_ORDER if use_tp_pp_dp_mapping else DEFAULT_ORDER
 
 
-def global_rank_of(tp_rank: int, pp_rank: int, dp_rank: int, *, tp: int, pp: int, dp: int,
-                   order: str = DEFAULT_ORDER) -> int:
+def global_rank_of(
+    tp_rank: int,
+    pp_rank: int,
+    dp_rank: int,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    order: str = DEFAULT_ORDER,
+) -> int:
     """The global rank Megatron gives a (TP, PP, DP) position (no CP / EP)."""
     if order == DEFAULT_ORDER:
         return tp_rank + tp * (dp_rank + dp * pp_rank)
@@ -50,13 +65,23 @@ def set_cuda_connections() -> None:
     if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        warnings.warn("CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it does not apply to this "
-                      "process; export it before starting Python (slurm/*.sbatch do)", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it does not apply to this "
+            "process; export it before starting Python (slurm/*.sbatch do)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
-def initialize_megatron_groups(rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
-                               order: str = DEFAULT_ORDER, vpp: Optional[int] = None) -> Callable[[], None]:
+def initialize_megatron_groups(
+    rank: int,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    order: str = DEFAULT_ORDER,
+    vpp: Optional[int] = None,
+) -> Callable[[], None]:
     """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
     that exists, ranks laid out in ``order``, with a virtual pipeline of ``vpp`` chunks per
     stage when vpp > 1 (interleaved 1F1B); returns the teardown (``destroy_model_parallel``).
@@ -66,7 +91,10 @@ def initialize_megatron_groups(rank: int, tp: int = 1, pp: int = 1, cp: int = 1,
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp, order=order,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        order=order,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
     )
     return ps.destroy_model_parallel

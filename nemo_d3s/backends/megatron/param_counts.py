@@ -9,7 +9,11 @@ import contextlib
 import math
 from typing import Any, Dict, Iterator, List, Tuple
 
-from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER, first_ranks_of_model_copies, global_rank_of
+from nemo_d3s.backends.megatron.parallel import (
+    DEFAULT_ORDER,
+    first_ranks_of_model_copies,
+    global_rank_of,
+)
 
 __all__ = ["stage_positions", "local_param_count", "real_param_count", "meta_param_counts"]
 
@@ -36,9 +40,17 @@ def real_param_count(spec, layout) -> int:
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue
         dim, parts = local_parts(name, spec, layout)
-        whole = len(parts) == 1 and parts[0].hf_name and parts[0].lo == 0 and \
-            parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]
-        if whole and layout.tp_rank > 0 and not name.endswith(("word_embeddings.weight", "output_layer.weight")):
+        whole = (
+            len(parts) == 1
+            and parts[0].hf_name
+            and parts[0].lo == 0
+            and parts[0].rows == hf_shape(parts[0].hf_name, spec)[dim]
+        )
+        if (
+            whole
+            and layout.tp_rank > 0
+            and not name.endswith(("word_embeddings.weight", "output_layer.weight"))
+        ):
             continue
         shape = list(local_shape(name, spec, layout))
         shape[dim] = sum(p.rows for p in parts if p.hf_name is not None)
@@ -57,8 +69,12 @@ def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     create_gloo_process_groups=False, order=order)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            create_gloo_process_groups=False,
+            order=order,
+        )
         try:
             yield ps
         finally:
@@ -67,8 +83,9 @@ def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator
         dist.destroy_process_group()
 
 
-def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
-                      order: str = DEFAULT_ORDER) -> Dict[str, Any]:
+def meta_param_counts(
+    spec, *, tp: int, pp: int, world: int, padded_vocab: int, order: str = DEFAULT_ORDER
+) -> Dict[str, Any]:
     """Build each distinct position's GPTModel stage on the meta device under a fake
     process group of ``world`` ranks and count its parameters. Returns {"counts":
     {"tp_rank,pp_rank": n}, "engine_sources": [...]} or {"skipped": reason}."""
@@ -101,17 +118,29 @@ def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
             with _fake_world(rank, world, tp, pp, order) as ps:
                 got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
                 if got != (t, p):
-                    raise RuntimeError(f"megatron placed global rank {rank} at (TP, PP) = {got}, expected {(t, p)}: "
-                                       f"its rank order is not {order}")
-                layout = Layout(tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False)
-                config = transformer_config(spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta)
+                    raise RuntimeError(
+                        f"megatron placed global rank {rank} at (TP, PP) = {got}, expected {(t, p)}: "
+                        f"its rank order is not {order}"
+                    )
+                layout = Layout(
+                    tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False
+                )
+                config = transformer_config(
+                    spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta
+                )
                 # Tied embeddings at PP > 1: megatron moves the last stage's copy with
                 # Tensor.cuda() before its all-reduce; on meta tensors that is the identity.
                 torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
                 try:
                     with meta:
-                        model = build_stage(spec, config, layout, pre_process=ps.is_pipeline_first_stage(),
-                                            post_process=ps.is_pipeline_last_stage(), device=meta)
+                        model = build_stage(
+                            spec,
+                            config,
+                            layout,
+                            pre_process=ps.is_pipeline_first_stage(),
+                            post_process=ps.is_pipeline_last_stage(),
+                            device=meta,
+                        )
                 finally:
                     torch.Tensor.cuda = cuda  # type: ignore[method-assign]
                 counts[f"{t},{p}"] = sum(x.numel() for x in model.parameters())
@@ -121,6 +150,8 @@ def meta_param_counts(spec, *, tp: int, pp: int, world: int, padded_vocab: int,
         with _fake_world(last, world, tp, pp, order) as ps:
             first = dist.get_global_rank(ps.get_model_parallel_group(), 0)
             if first != last:
-                raise RuntimeError(f"the TP x PP group of rank {last} starts at rank {first}: megatron's rank order "
-                                   f"is not {order}")
+                raise RuntimeError(
+                    f"the TP x PP group of rank {last} starts at rank {first}: megatron's rank order "
+                    f"is not {order}"
+                )
     return {"counts": counts, "built": sorted(counts)}

@@ -81,29 +81,49 @@ __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 # ---------------------------------------------------------------------------- model plumbing
 def _check_layout(groups: ParallelGroups, config, n_chunks: int) -> None:
     if groups.cp_size > 1:
-        raise ValueError(f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})")
+        raise ValueError(
+            f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})"
+        )
     if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
-        raise ValueError("pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)")
+        raise ValueError(
+            "pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)"
+        )
     if n_chunks > 1:
         from megatron.core import parallel_state as ps
 
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else None
+        vpp = (
+            ps.get_virtual_pipeline_model_parallel_world_size()
+            if ps.model_parallel_is_initialized()
+            else None
+        )
         if groups.pp_size < 2 or vpp != n_chunks:
-            raise ValueError(f"got {n_chunks} model chunks: a virtual pipeline (interleaved 1F1B) needs "
-                             f"pipeline_model_parallel_size > 1 (have {groups.pp_size}) and Megatron's virtual "
-                             f"pipeline size = the number of chunks (have {vpp})")
+            raise ValueError(
+                f"got {n_chunks} model chunks: a virtual pipeline (interleaved 1F1B) needs "
+                f"pipeline_model_parallel_size > 1 (have {groups.pp_size}) and Megatron's virtual "
+                f"pipeline size = the number of chunks (have {vpp})"
+            )
 
 
-def _plan(batch: TokenBatch, groups: ParallelGroups, chunks: List[torch.nn.Module], micro_batch_size: int,
-          micro_batch_tokens: int) -> List[MicroBatch]:
+def _plan(
+    batch: TokenBatch,
+    groups: ParallelGroups,
+    chunks: List[torch.nn.Module],
+    micro_batch_size: int,
+    micro_batch_tokens: int,
+) -> List[MicroBatch]:
     """The call's micro-batches (:func:`batches.plan_micro_batches`), checked against the
     layout; with model chunks (interleaved 1F1B) padded with zero-weight micro-batches to a
     multiple of PP (:func:`batches.pad_for_interleaving`)."""
     config = getattr(unwrap_model(chunks[0]), "config", None)
     _check_layout(groups, config, len(chunks))
     multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(batch.attention_mask, micro_batch_size, uniform=groups.pp_size > 1, multiple_of=multiple,
-                             max_tokens=micro_batch_tokens)
+    mbs = plan_micro_batches(
+        batch.attention_mask,
+        micro_batch_size,
+        uniform=groups.pp_size > 1,
+        multiple_of=multiple,
+        max_tokens=micro_batch_tokens,
+    )
     if len(chunks) == 1:
         return mbs
     # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
@@ -251,12 +271,16 @@ def score(
 
 
 # ---------------------------------------------------------------------------- training
-def _broadcast_metrics(sums: Optional[Dict[str, float]], groups: ParallelGroups) -> Dict[str, float]:
+def _broadcast_metrics(
+    sums: Optional[Dict[str, float]], groups: ParallelGroups
+) -> Dict[str, float]:
     """The last stage's metric sums on every stage: one object broadcast over ``groups.pp``."""
     if is_single(groups.pp):
         return dict(sums or {})
     box = [sums if is_last_stage(groups.pp) else None]
-    dist.broadcast_object_list(box, src=global_rank_of(groups.pp, group_size(groups.pp) - 1), group=groups.pp)
+    dist.broadcast_object_list(
+        box, src=global_rank_of(groups.pp, group_size(groups.pp) - 1), group=groups.pp
+    )
     return dict(box[0])
 
 
@@ -322,7 +346,9 @@ def train_step(
     B, S = batch.input_ids.shape
     mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     n_real = sum(1 for m in mbs if len(m.rows))
-    normalizer = StepNormalizer(float(denominator), groups.dp_size, len(mbs), megatron_schedule=True)
+    normalizer = StepNormalizer(
+        float(denominator), groups.dp_size, len(mbs), megatron_schedule=True
+    )
     megatron_opt = is_megatron_optimizer(optimizer)
 
     sums: Dict[str, torch.Tensor] = {}
@@ -336,8 +362,18 @@ def train_step(
 
     def loss_for(i: int, x):
         mb = mbs[i]
-        return train_loss_func(x[0], x[3], mb.rows, loss_fn, normalizer, groups.tp, width=S, on_sum=add,
-                               vocab_size=vocab_size, chunk_size=chunk_size)
+        return train_loss_func(
+            x[0],
+            x[3],
+            mb.rows,
+            loss_fn,
+            normalizer,
+            groups.tp,
+            width=S,
+            on_sum=add,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+        )
 
     for c in chunks:
         c.train()
@@ -368,7 +404,9 @@ def train_step(
         skipped = not ok
     else:
         finalize_grads(chunks, groups)
-        if getattr(inner.config, "sequence_parallel", False):  # Megatron's DDP does it in finalize_model_grads
+        if getattr(
+            inner.config, "sequence_parallel", False
+        ):  # Megatron's DDP does it in finalize_model_grads
             allreduce_sequence_parallel_grads(chunks, groups)
         grad_norm = float(global_grad_norm(chunks, groups))
         skipped = not math.isfinite(grad_norm)
@@ -378,6 +416,8 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     if not skipped and lr_scheduler is not None:
         lr_scheduler.step()
-    metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped), n_micro_batches=float(n_real))
+    metrics.update(
+        grad_norm=grad_norm, lr=lr, skipped=float(skipped), n_micro_batches=float(n_real)
+    )
     metrics.update(token_counts(batch, mbs))
     return metrics

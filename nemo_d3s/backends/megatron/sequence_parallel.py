@@ -58,7 +58,9 @@ class RMSNorm(torch.nn.RMSNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
-            raise ValueError(f"sequence_parallel.RMSNorm: the model's normalization is {config.normalization!r}")
+            raise ValueError(
+                f"sequence_parallel.RMSNorm: the model's normalization is {config.normalization!r}"
+            )
         super().__init__(normalized_shape=hidden_size, eps=eps)
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
@@ -72,7 +74,10 @@ def local_block_spec(config, *, pp_rank: int, vp_stage: Optional[int] = None):
     import copy
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
     layer.submodules.input_layernorm = RMSNorm
@@ -100,6 +105,6 @@ def allreduce_sequence_parallel_grads(chunks: List[torch.nn.Module], groups: Par
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.tp)
         offset = 0
         for g in gs:
-            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     return sum(len(v) for v in grads.values())

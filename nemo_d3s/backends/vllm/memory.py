@@ -26,26 +26,44 @@ from typing import Dict, List, Sequence, Tuple
 
 from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
 
-__all__ = ["CUDA_GRAPH_BYTES", "VLLM_COMM_BYTES", "VLLM_CONTEXT_BYTES", "engine_positions", "engine_plan",
-           "sleeping_engine_bytes", "refit_bytes"]
+__all__ = [
+    "CUDA_GRAPH_BYTES",
+    "VLLM_COMM_BYTES",
+    "VLLM_CONTEXT_BYTES",
+    "engine_positions",
+    "engine_plan",
+    "sleeping_engine_bytes",
+    "refit_bytes",
+]
 
 GB = 10**9
-VLLM_CONTEXT_BYTES = int(0.6 * GB)  # a vLLM worker process's CUDA context + cuBLAS workspace (assumed)
-VLLM_COMM_BYTES = int(0.5 * GB)  # NCCL buffers + custom all-reduce of vLLM's TP group, TP > 1 (assumed)
+VLLM_CONTEXT_BYTES = int(
+    0.6 * GB
+)  # a vLLM worker process's CUDA context + cuBLAS workspace (assumed)
+VLLM_COMM_BYTES = int(
+    0.5 * GB
+)  # NCCL buffers + custom all-reduce of vLLM's TP group, TP > 1 (assumed)
 CUDA_GRAPH_BYTES = int(1.0 * GB)  # captured CUDA graphs' private pool, kept through sleep (assumed)
 
 
-def engine_plan(engine_ranks: Sequence[int], *, nodes: int, gpus_per_node: int,
-                tensor_parallel_size: int) -> Dict[str, object]:
+def engine_plan(
+    engine_ranks: Sequence[int], *, nodes: int, gpus_per_node: int, tensor_parallel_size: int
+) -> Dict[str, object]:
     """The placement the runtime makes (``placement.engine_placement``: ValueError when two
     engines would share a GPU or one runs past its node), as the dry run records it."""
     if any(not 0 <= r < nodes * gpus_per_node for r in engine_ranks):
-        raise ValueError(f"engine ranks {list(engine_ranks)} outside the job's {nodes * gpus_per_node} ranks")
-    placed = engine_placement(engine_ranks, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size)
+        raise ValueError(
+            f"engine ranks {list(engine_ranks)} outside the job's {nodes * gpus_per_node} ranks"
+        )
+    placed = engine_placement(
+        engine_ranks, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size
+    )
     return dict(placement_summary(placed, gpus_per_node))
 
 
-def engine_positions(tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int) -> List[Tuple[int, int]]:
+def engine_positions(
+    tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int
+) -> List[Tuple[int, int]]:
     """The (TP rank, PP stage) positions of a model copy whose GPU carries an engine worker:
     the engine of the copy starts at (0, 0) and takes the next ``vllm_tp`` ranks of its node;
     ``stage_stride_ranks`` is how many ranks apart consecutive stages are (TP in Megatron's
@@ -62,14 +80,24 @@ def engine_positions(tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int)
 
 def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
     """What an engine sleeping at level 2 still holds on each of its GPUs."""
-    return VLLM_CONTEXT_BYTES + (VLLM_COMM_BYTES if vllm_tp > 1 else 0) + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+    return (
+        VLLM_CONTEXT_BYTES
+        + (VLLM_COMM_BYTES if vllm_tp > 1 else 0)
+        + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+    )
 
 
-def refit_bytes(*, engine_weight_bytes: float, bucket_bytes: int, largest_tensor_bytes: int, tp: int) -> Dict[str, float]:
+def refit_bytes(
+    *, engine_weight_bytes: float, bucket_bytes: int, largest_tensor_bytes: int, tp: int
+) -> Dict[str, float]:
     """Memory of a refit on an engine GPU beyond the training state and the sleeping engine:
     the engine's awake weights; on the trainer rank, the staging buffer and the bucket's
     gathered tensors it is copied from (each at least one whole tensor: a larger tensor is a
     bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1)."""
     bucket = max(bucket_bytes, largest_tensor_bytes)
-    return {"engine_weights": engine_weight_bytes, "staging": bucket, "held": bucket,
-            "gather_shards": largest_tensor_bytes if tp > 1 else 0}
+    return {
+        "engine_weights": engine_weight_bytes,
+        "staging": bucket,
+        "held": bucket,
+        "gather_shards": largest_tensor_bytes if tp > 1 else 0,
+    }

@@ -27,7 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["EnginePlacement", "engine_devices", "engine_placement", "local_gpus", "placement_summary"]
+__all__ = [
+    "EnginePlacement",
+    "engine_devices",
+    "engine_placement",
+    "local_gpus",
+    "placement_summary",
+]
 
 
 def local_gpus(visible: Optional[str], gpus_on_node: int) -> List[str]:
@@ -38,8 +44,13 @@ def local_gpus(visible: Optional[str], gpus_on_node: int) -> List[str]:
     return [str(i) for i in range(int(gpus_on_node))]
 
 
-def engine_devices(local_rank: int, tensor_parallel_size: int, *, visible: Optional[str] = None,
-                   gpus_on_node: int = 8) -> List[str]:
+def engine_devices(
+    local_rank: int,
+    tensor_parallel_size: int,
+    *,
+    visible: Optional[str] = None,
+    gpus_on_node: int = 8,
+) -> List[str]:
     """``CUDA_VISIBLE_DEVICES`` entries for the engine built by the rank at ``local_rank``:
     ``tensor_parallel_size`` of the node's devices from ``local_rank`` on.
 
@@ -50,12 +61,16 @@ def engine_devices(local_rank: int, tensor_parallel_size: int, *, visible: Optio
     if tp < 1:
         raise ValueError(f"rollout.tensor_parallel_size={tp}: must be >= 1")
     if not 0 <= local_rank < len(devices):
-        raise ValueError(f"local rank {local_rank} has no GPU: the node shows {len(devices)} ({','.join(devices)})")
+        raise ValueError(
+            f"local rank {local_rank} has no GPU: the node shows {len(devices)} ({','.join(devices)})"
+        )
     if local_rank + tp > len(devices):
-        raise ValueError(f"rollout.tensor_parallel_size={tp}: the engine of local rank {local_rank} needs GPUs "
-                         f"{local_rank}..{local_rank + tp - 1}, the node has {len(devices)} "
-                         "(an engine spans one node, starting at its rank's GPU)")
-    return devices[local_rank: local_rank + tp]
+        raise ValueError(
+            f"rollout.tensor_parallel_size={tp}: the engine of local rank {local_rank} needs GPUs "
+            f"{local_rank}..{local_rank + tp - 1}, the node has {len(devices)} "
+            "(an engine spans one node, starting at its rank's GPU)"
+        )
+    return devices[local_rank : local_rank + tp]
 
 
 @dataclass(frozen=True)
@@ -69,8 +84,13 @@ class EnginePlacement:
     gpus: List[int]
 
 
-def engine_placement(engine_ranks: Sequence[int], *, gpus_per_node: int, tensor_parallel_size: int,
-                     ranks_per_node: Optional[int] = None) -> List[EnginePlacement]:
+def engine_placement(
+    engine_ranks: Sequence[int],
+    *,
+    gpus_per_node: int,
+    tensor_parallel_size: int,
+    ranks_per_node: Optional[int] = None,
+) -> List[EnginePlacement]:
     """Where every engine of a job runs. ``engine_ranks``: the global ranks that build one
     (every rank for a replicated policy; the first rank of each TP x PP group for Megatron,
     ``parallel.first_ranks_of_model_copies``), ranks numbered node by node with
@@ -93,13 +113,16 @@ def engine_placement(engine_ranks: Sequence[int], *, gpus_per_node: int, tensor_
                     f"GPU {g} of node {node} (engines start at ranks {sorted(engine_ranks)[:8]}"
                     f"{'...' if len(engine_ranks) > 8 else ''}, {gpus_per_node} GPUs per node): use a vLLM TP no "
                     "larger than the spacing of those ranks (for Megatron: the training TP, or TP x PP with "
-                    "model.params.use_tp_pp_dp_mapping=true)")
+                    "model.params.use_tp_pp_dp_mapping=true)"
+                )
             owner[(node, g)] = r
         out.append(EnginePlacement(rank=r, node=node, local_rank=local, gpus=gpus))
     return out
 
 
-def placement_summary(placements: Sequence[EnginePlacement], gpus_per_node: int) -> Mapping[str, object]:
+def placement_summary(
+    placements: Sequence[EnginePlacement], gpus_per_node: int
+) -> Mapping[str, object]:
     """JSON-able record of a placement for the dry run: engines per node, each engine's GPUs,
     the engines on the busiest GPU (1 after :func:`engine_placement`'s check) and the GPUs
     that carry an engine shard."""

@@ -31,7 +31,9 @@ def _device_index_of(uuid: str) -> int:
     for i in range(torch.cuda.device_count()):
         if gpu_uuid(torch.device("cuda", i)) == uuid:
             return i
-    raise RuntimeError(f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see")
+    raise RuntimeError(
+        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see"
+    )
 
 
 class WeightLoaderExtension:
@@ -79,11 +81,13 @@ class WeightLoaderExtension:
         elif len(handles) == 1:
             # One trainer process for a multi-GPU engine (one process, TP > 1): the bucket is
             # on the trainer's GPU, one of this engine's; read it from there (peer access).
-            (other, plain), = handles.items()
+            ((other, plain),) = handles.items()
             where = _device_index_of(other)
         else:
-            raise RuntimeError(f"refit: no staging buffer for this worker's GPU {uuid} (have {sorted(handles)}): "
-                               "the engine's GPUs are not those of the trainer ranks that stage the weights")
+            raise RuntimeError(
+                f"refit: no staging buffer for this worker's GPU {uuid} (have {sorted(handles)}): "
+                "the engine's GPUs are not those of the trainer ranks that stage the weights"
+            )
         key = tuple(tuple(x) if isinstance(x, list) else x for x in plain)
         if self._refit_ipc is None or self._refit_ipc[0] != key:
             self._refit_ipc = (key, rebuild_ipc_tensor(plain, where))
@@ -100,5 +104,9 @@ class WeightLoaderExtension:
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         self._refit_ipc = None  # releases the producer's reference once
         gc.collect()
-        if torch.cuda.is_available() and self.device is not None and torch.device(self.device).type == "cuda":
+        if (
+            torch.cuda.is_available()
+            and self.device is not None
+            and torch.device(self.device).type == "cuda"
+        ):
             torch.cuda.empty_cache()

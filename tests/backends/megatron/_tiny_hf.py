@@ -11,18 +11,40 @@ from pathlib import Path
 import torch
 
 
-def make_tiny_hf(folder, arch: str = "llama", *, tied: bool = False, vocab: int = 300, hidden: int = 32,
-                 ffn: int = 48, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+def make_tiny_hf(
+    folder,
+    arch: str = "llama",
+    *,
+    tied: bool = False,
+    vocab: int = 300,
+    hidden: int = 32,
+    ffn: int = 48,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
 
     folder = Path(folder)
     tok = byte_level_tokenizer()
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=tied, initializer_range=0.2,
-                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+        initializer_range=0.2,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     if arch == "llama":
         cfg, cls = LlamaConfig(**common), LlamaForCausalLM
     elif arch == "qwen2":

@@ -19,9 +19,16 @@ def main() -> None:
 
     folder, out_dir, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("gloo")
-    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
-                                                pipeline_model_parallel_size=pp,
-                                                lr=5e-2, grad_clip=0.0))
+    pol = MegatronBackend(
+        MegatronBackendConfig(
+            model=folder,
+            device="cpu",
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            lr=5e-2,
+            grad_clip=0.0,
+        )
+    )
     engine = build_rollout_engine("vllm", pol, {"dtype": "float32"})
     gen = GenerationConfig(max_new_tokens=8)
     prompts = ["What is 2+3?", "Say hi"]
@@ -30,19 +37,29 @@ def main() -> None:
     mask = before.batch.response_mask
 
     def loss_fn(logprobs, rows):  # push the sampled tokens' log-probs up
-        return LossOutput(loss=-(logprobs * mask[rows].to(logprobs.device).float()).sum(), metric_tensors={})
+        return LossOutput(
+            loss=-(logprobs * mask[rows].to(logprobs.device).float()).sum(), metric_tensors={}
+        )
 
     pol.train_step(before.batch, loss_fn, 4, denominator=float(mask.sum()))
     engine.sync_weights(pol)
     after = engine.generate(prompts, 2, gen, [1, 2])
-    torch.save({
-        "has_engine": torch.tensor(engine.inner is not None), "on_policy": torch.tensor(engine.on_policy),
-        "before_ids": before.batch.input_ids, "before_mask": mask, "before_lp": before.sampling_logprobs,
-        "after_ids": after.batch.input_ids, "after_mask": after.batch.response_mask,
-        "after_lp": after.sampling_logprobs, "score0": lp0,
-        "score1": pol.score(after.batch, with_entropy=False).logprobs,
-        "old_on_new": pol.score(before.batch, with_entropy=False).logprobs,
-    }, f"{out_dir}/rank{dist.get_rank()}.pt")
+    torch.save(
+        {
+            "has_engine": torch.tensor(engine.inner is not None),
+            "on_policy": torch.tensor(engine.on_policy),
+            "before_ids": before.batch.input_ids,
+            "before_mask": mask,
+            "before_lp": before.sampling_logprobs,
+            "after_ids": after.batch.input_ids,
+            "after_mask": after.batch.response_mask,
+            "after_lp": after.sampling_logprobs,
+            "score0": lp0,
+            "score1": pol.score(after.batch, with_entropy=False).logprobs,
+            "old_on_new": pol.score(before.batch, with_entropy=False).logprobs,
+        },
+        f"{out_dir}/rank{dist.get_rank()}.pt",
+    )
     dist.destroy_process_group()
 
 

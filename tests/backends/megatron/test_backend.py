@@ -42,8 +42,13 @@ def _loss_fn(batch, old_lp, adv, keep, agg):
     from nemo_d3s.core.losses import LossConfig
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
-    upd = UpdateBatch(batch=batch, old_logprobs=old_lp, advantages=adv, token_keep=keep,
-                      minibatch=torch.zeros(len(batch), dtype=torch.long))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=old_lp,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
     return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
 
 
@@ -57,8 +62,13 @@ def _megatron(folder, tp=1, pp=1, **kw):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    cfg = MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
-                                pipeline_model_parallel_size=pp, **{**OPT, **kw})
+    cfg = MegatronBackendConfig(
+        model=folder,
+        device="cpu",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        **{**OPT, **kw},
+    )
     return MegatronBackend(cfg)
 
 
@@ -85,8 +95,9 @@ def _reference(folder):
     old_lp = _old_logprobs(out["logprobs"], noise)
     for agg in AGGS:
         hf = HFBackend(HFBackendConfig(model=folder, device="cpu", autocast=None, **OPT))
-        metrics = hf.train_step(batch, _loss_fn(batch, old_lp, adv, keep, agg), MBS,
-                                denominator=_denominator(keep, agg))
+        metrics = hf.train_step(
+            batch, _loss_fn(batch, old_lp, adv, keep, agg), MBS, denominator=_denominator(keep, agg)
+        )
         out[agg] = (metrics, {k: v.detach().clone() for k, v in hf.hf_weights()})
     return out
 
@@ -109,16 +120,31 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
     sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
     from nemo_d3s.backends.megatron.optimizer import unwrap_model
 
-    out = {"dp": dp, "rows": rows, "logprobs": sc.logprobs, "entropy": sc.entropy, "rank": dist.get_rank(),
-           "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel, "chunks": len(pol.chunks),
-           "position": (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), dp)}
+    out = {
+        "dp": dp,
+        "rows": rows,
+        "logprobs": sc.logprobs,
+        "entropy": sc.entropy,
+        "rank": dist.get_rank(),
+        "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel,
+        "chunks": len(pol.chunks),
+        "position": (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+            dp,
+        ),
+    }
     # old log-probs from the reference's values (the same on every layout)
     old_lp = _old_logprobs(ref_lp, noise)
     for i, agg in enumerate(AGGS):
         if i:
             pol = _megatron(folder, tp, pp, **kw)
-        metrics = pol.train_step(local, _loss_fn(local, old_lp[rows], adv[rows], keep[rows], agg), MBS,
-                                 denominator=_denominator(keep, agg))
+        metrics = pol.train_step(
+            local,
+            _loss_fn(local, old_lp[rows], adv[rows], keep[rows], agg),
+            MBS,
+            denominator=_denominator(keep, agg),
+        )
         out[agg] = (metrics, dict(pol.hf_weights()))
     return out
 
@@ -135,13 +161,24 @@ LAYOUTS = {
     # sequence parallelism: the backend's own layer spec and layer-norm gradient sum (plain
     # AdamW), and Megatron's DDP + distributed optimizer (its finalize_model_grads sums them)
     "tp2pp2_sp": (2, 2, 4, ALL, {"sequence_parallel": True}),
-    "tp2_sp_distributed_optimizer": (2, 1, 2, ALL, {"sequence_parallel": True, "distributed_optimizer": True}),
+    "tp2_sp_distributed_optimizer": (
+        2,
+        1,
+        2,
+        ALL,
+        {"sequence_parallel": True, "distributed_optimizer": True},
+    ),
     # interleaved 1F1B: two chunks of one layer per stage (stage 0: layers 0, 2; stage 1:
     # 1, 3), loaded, trained and exported (hf_weights) chunk by chunk; plain AdamW and
     # Megatron's DDP + distributed optimizer (one DDP per chunk, finalize_model_grads)
     "pp2vpp2": (1, 2, 2, ALL, {"virtual_pipeline_model_parallel_size": 2}),
-    "pp2vpp2_distributed_optimizer": (1, 2, 2, ALL, {"virtual_pipeline_model_parallel_size": 2,
-                                                     "distributed_optimizer": True}),
+    "pp2vpp2_distributed_optimizer": (
+        1,
+        2,
+        2,
+        ALL,
+        {"virtual_pipeline_model_parallel_size": 2, "distributed_optimizer": True},
+    ),
 }
 
 
@@ -154,17 +191,37 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
     kw = kw[0] if kw else {}
     ref = reference[arch]
     # With options the backend builds Megatron's groups itself; else the harness does.
-    results = run_ranks(_rank_layout, world, folders[arch], tp, pp, dp_rows, ref["logprobs"], kw,
-                        tp=tp, pp=pp, megatron=not kw, timeout=240)
+    results = run_ranks(
+        _rank_layout,
+        world,
+        folders[arch],
+        tp,
+        pp,
+        dp_rows,
+        ref["logprobs"],
+        kw,
+        tp=tp,
+        pp=pp,
+        megatron=not kw,
+        timeout=240,
+    )
     order = rank_order(kw.get("use_tp_pp_dp_mapping", False))
-    assert [global_rank_of(*r["position"], tp=tp, pp=pp, dp=len(dp_rows), order=order) for r in results] == \
-        [r["rank"] for r in results] == list(range(world))
+    assert (
+        [
+            global_rank_of(*r["position"], tp=tp, pp=pp, dp=len(dp_rows), order=order)
+            for r in results
+        ]
+        == [r["rank"] for r in results]
+        == list(range(world))
+    )
     first = {}
     for res in results:
         assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
         assert res["chunks"] == kw.get("virtual_pipeline_model_parallel_size", 1)
         f = first.setdefault(res["dp"], res)
-        assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(res["entropy"], f["entropy"])
+        assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(
+            res["entropy"], f["entropy"]
+        )
         rows = res["rows"]
         for key in ("logprobs", "entropy"):
             err = (res[key] - ref[key][rows]).abs().max()
@@ -174,12 +231,20 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
             ref_metrics, ref_weights = ref[agg]
             assert metrics["skipped"] == 0.0
             assert metrics["grad_norm"] > OPT["grad_clip"]  # clipping is active
-            assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (layout, agg)
+            assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (
+                layout,
+                agg,
+            )
             names = set(ref_weights) - ({"lm_head.weight"} if arch == "qwen2" else set())
             assert set(weights) == names
             for name in names:
-                torch.testing.assert_close(weights[name], ref_weights[name], rtol=0, atol=1e-5,
-                                           msg=lambda m: f"{layout} {agg} {name}: {m}")
+                torch.testing.assert_close(
+                    weights[name],
+                    ref_weights[name],
+                    rtol=0,
+                    atol=1e-5,
+                    msg=lambda m: f"{layout} {agg} {name}: {m}",
+                )
     # the DP ranks' loss sums add up to the one-process sum
     for agg in AGGS:
         total = sum(first[d][agg][0]["loss_sum"] for d in first)
@@ -198,7 +263,9 @@ def test_rollouts_and_export_match_the_hf_backend(folders, tmp_path):
     gen = GenerationConfig(max_new_tokens=8)
     hf = HFBackend(HFBackendConfig(model=folder, device="cpu"))
     want = hf.rollout_engine.generate(["hi there", "abc"], 3, gen, [1, 2])
-    got = run_ranks(_rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=240)
+    got = run_ranks(
+        _rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=240
+    )
     for res in got:  # both pipeline stages hold the same rollouts
         assert torch.equal(res["input_ids"], want.batch.input_ids)
         assert res["response_texts"] == want.response_texts
@@ -217,7 +284,9 @@ def _rank_rollouts_export(rank, folder, export):
     from nemo_d3s.backends.base import GenerationConfig
 
     pol = _megatron(folder, 1, 2)
-    r = pol.rollout_engine.generate(["hi there", "abc"], 3, GenerationConfig(max_new_tokens=8), [1, 2])
+    r = pol.rollout_engine.generate(
+        ["hi there", "abc"], 3, GenerationConfig(max_new_tokens=8), [1, 2]
+    )
     pol.save_pretrained(export)
     return {"input_ids": r.batch.input_ids, "response_texts": r.response_texts}
 
@@ -227,12 +296,18 @@ def _steps(pol, n):
     batch, adv, noise, keep = _data()
     for _ in range(n):
         lp = pol.score(batch, with_entropy=False, micro_batch_size=MBS).logprobs
-        pol.train_step(batch, _loss_fn(batch, lp + noise, adv, keep, "token_mean"), MBS,
-                       denominator=_denominator(keep, "token_mean"))
+        pol.train_step(
+            batch,
+            _loss_fn(batch, lp + noise, adv, keep, "token_mean"),
+            MBS,
+            denominator=_denominator(keep, "token_mean"),
+        )
 
 
 def _rank_save(rank, folder, ckpt, tp, pp, kw=None):
-    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {}))
+    pol = _megatron(
+        folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {})
+    )
     _steps(pol, 1)
     pol.save_checkpoint(ckpt)
     _steps(pol, 1)
@@ -240,7 +315,9 @@ def _rank_save(rank, folder, ckpt, tp, pp, kw=None):
 
 
 def _rank_resume(rank, folder, ckpt, tp, pp, kw=None):
-    pol = _megatron(folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {}))
+    pol = _megatron(
+        folder, tp, pp, scheduler="linear", total_steps=10, warmup_steps=1, **(kw or {})
+    )
     pol.load_checkpoint(ckpt)
     _steps(pol, 1)
     return dict(pol.hf_weights()), pol.optimizer.param_groups[0]["lr"]
@@ -251,14 +328,18 @@ def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path)
     saved = run_ranks(_rank_save, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
     want, lr = saved[0]
     assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
-        "layout.json", "tp00_pp00.safetensors", "tp00_pp01.safetensors", "tp01_pp00.safetensors",
-        "tp01_pp01.safetensors"]
+        "layout.json",
+        "tp00_pp00.safetensors",
+        "tp00_pp01.safetensors",
+        "tp01_pp00.safetensors",
+        "tp01_pp01.safetensors",
+    ]
     same = run_ranks(_rank_resume, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
     for got, got_lr in same:
         assert got_lr == lr
         for k in want:
             assert torch.equal(got[k], want[k]), k
-    (other, other_lr), = run_ranks(_rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=240)
+    ((other, other_lr),) = run_ranks(_rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=240)
     assert other_lr == lr
     fresh, _ = run_ranks(_rank_fresh_two_steps, 1, folder, tp=1, pp=1, timeout=240)[0]
     moved = 0
@@ -276,14 +357,22 @@ def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(f
     vpp = {"virtual_pipeline_model_parallel_size": 2}
     want, lr = run_ranks(_rank_save, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240)[0]
     assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
-        "layout.json", *(f"tp00_pp0{s}.safetensors" for s in range(4))]
-    for got, got_lr in run_ranks(_rank_resume, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240):
+        "layout.json",
+        *(f"tp00_pp0{s}.safetensors" for s in range(4)),
+    ]
+    for got, got_lr in run_ranks(
+        _rank_resume, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240
+    ):
         assert got_lr == lr and all(torch.equal(got[k], want[k]) for k in want)
     for (tp, pp), world in (((1, 1), 1), ((1, 2), 2)):
-        got, got_lr = run_ranks(_rank_resume, world, folder, ckpt, tp, pp, tp=tp, pp=pp, timeout=240)[0]
+        got, got_lr = run_ranks(
+            _rank_resume, world, folder, ckpt, tp, pp, tp=tp, pp=pp, timeout=240
+        )[0]
         assert got_lr == lr
         for k in want:
-            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(
+                got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}"
+            )
 
 
 def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, tmp_path):
@@ -296,7 +385,12 @@ def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, t
     folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
     exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
     out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
-    got = {k: v for f in os.listdir(out) if f.endswith(".safetensors") for k, v in load_file(str(out / f)).items()}
+    got = {
+        k: v
+        for f in os.listdir(out)
+        if f.endswith(".safetensors")
+        for k, v in load_file(str(out / f)).items()
+    }
     assert sorted(got) == sorted(exported)
     for k in exported:
         assert torch.equal(got[k], exported[k]), k
@@ -364,7 +458,11 @@ def test_bad_folders_fail_at_start_up(folders, tmp_path, monkeypatch):
         _megatron(folders["llama"], virtual_pipeline_model_parallel_size=2)
     other = tmp_path / "other"
     shutil.copytree(folders["llama"], other)
-    cfg = (other / "config.json").read_text().replace('"intermediate_size": 48', '"intermediate_size": 64')
+    cfg = (
+        (other / "config.json")
+        .read_text()
+        .replace('"intermediate_size": 48', '"intermediate_size": 64')
+    )
     (other / "config.json").write_text(cfg)
     with pytest.raises(ConfigError, match="has shape .* another model"):
         _megatron(str(other))

@@ -18,7 +18,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed")
+)
 from _launch import run_ranks  # noqa: E402
 
 SEQ, MICRO, N_MICRO = 6, 2, 2
@@ -31,7 +33,13 @@ PROXIED = (
 
 
 def _torch_objects():
-    return (torch.cuda.current_device, torch.cuda.synchronize, torch.Tensor.cuda, torch.zeros, torch.empty)
+    return (
+        torch.cuda.current_device,
+        torch.cuda.synchronize,
+        torch.Tensor.cuda,
+        torch.zeros,
+        torch.empty,
+    )
 
 
 def _patched_objects():
@@ -73,7 +81,9 @@ def _rank_idempotent(rank):
     torch.manual_seed(5)
     with get_cuda_rng_tracker().fork():
         inside = torch.rand(3)
-    out["unseeded_fork"] = torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    out["unseeded_fork"] = torch.equal(
+        inside, torch.rand(3, generator=torch.Generator().manual_seed(5))
+    )
     return out
 
 
@@ -139,7 +149,8 @@ def _rank_forward_backward(rank):
         "tied": tied,
         "devices": {p.device.type for p in model.parameters()},
         "grads_ok": {
-            k: g is not None and bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0 for k, g in grads.items()
+            k: g is not None and bool(torch.isfinite(g).all()) and float(g.abs().sum()) > 0
+            for k, g in grads.items()
         },
         "torch_untouched": all(a is b for a, b in zip(before, _torch_objects())),
     }
@@ -231,7 +242,9 @@ def test_activation_recompute_replays_dropout():
     for grads in run_ranks(_rank_recompute, 2, tp=2, timeout=120):
         assert grads[None].keys() == grads["full"].keys()
         for name, g in grads[None].items():
-            torch.testing.assert_close(grads["full"][name], g, rtol=0, atol=1e-7, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                grads["full"][name], g, rtol=0, atol=1e-7, msg=lambda m: f"{name}: {m}"
+            )
 
 
 @pytest.mark.distributed

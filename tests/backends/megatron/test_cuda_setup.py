@@ -26,11 +26,16 @@ def test_a_broken_transformer_engine_is_an_error_on_cuda(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", None)
     err = transformer_engine_error()
     assert err is not None and "transformer_engine.pytorch" in err
-    with pytest.raises(ConfigError, match=r"transformer_impl=transformer_engine .*import transformer_engine\.pytorch "
-                                          r"failed.*transformer_impl=local"):
+    with pytest.raises(
+        ConfigError,
+        match=r"transformer_impl=transformer_engine .*import transformer_engine\.pytorch "
+        r"failed.*transformer_impl=local",
+    ):
         use_transformer_engine("transformer_engine", CUDA)
     assert use_transformer_engine("local", CUDA) is False  # asked for by name
-    assert use_transformer_engine("transformer_engine", CPU) is False  # the CPU has only the local spec
+    assert (
+        use_transformer_engine("transformer_engine", CPU) is False
+    )  # the CPU has only the local spec
 
 
 def test_an_unknown_transformer_impl_is_refused():
@@ -60,8 +65,16 @@ def test_the_local_spec_takes_torch_norms_even_with_apex(monkeypatch, tmp_path):
     config = transformer_config(spec, tp=1, pp=1, params_dtype=torch.float32, device=CPU)
     layout = Layout(tp=1, pp=1, tp_rank=0, pp_rank=0, padded_vocab=384, te=False)
     with torch.device("meta"):
-        model = _build_in_one_rank_world(lambda: build_stage(spec, config, layout, pre_process=True,
-                                                             post_process=True, device=torch.device("meta")))
+        model = _build_in_one_rank_world(
+            lambda: build_stage(
+                spec,
+                config,
+                layout,
+                pre_process=True,
+                post_process=True,
+                device=torch.device("meta"),
+            )
+        )
     norm = model.decoder.final_layernorm
     assert isinstance(norm, torch.nn.RMSNorm), type(norm)
     assert len(model.decoder.layers) == spec.num_layers
@@ -115,5 +128,8 @@ def test_check_options_refuses_an_unknown_transformer_impl():
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
 
     check_options(MegatronBackendConfig(transformer_impl="local"))
-    with pytest.raises(ValueError, match="model.params.transformer_impl='te': expected one of transformer_engine, local"):
+    with pytest.raises(
+        ValueError,
+        match="model.params.transformer_impl='te': expected one of transformer_engine, local",
+    ):
         check_options(MegatronBackendConfig(transformer_impl="te"))

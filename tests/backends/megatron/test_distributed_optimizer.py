@@ -35,8 +35,15 @@ from _tiny_hf import B, tiny_batch  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 MBS = 2
-OPT = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.01, grad_clip=0.5, scheduler="linear", total_steps=10,
-           warmup_steps=1)
+OPT = dict(
+    lr=1e-2,
+    adam_eps=1e-3,
+    weight_decay=0.01,
+    grad_clip=0.5,
+    scheduler="linear",
+    total_steps=10,
+    warmup_steps=1,
+)
 DP_ROWS = [[0, 1, 2, 3], [4, 5]]  # unequal micro-batch counts on the two DP ranks
 
 
@@ -44,9 +51,17 @@ def _backend(folder, tp, pp, dopt, dtype):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
-    return MegatronBackend(MegatronBackendConfig(
-        model=folder, device="cpu", tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        distributed_optimizer=dopt, dtype=dtype, **OPT))
+    return MegatronBackend(
+        MegatronBackendConfig(
+            model=folder,
+            device="cpu",
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            distributed_optimizer=dopt,
+            dtype=dtype,
+            **OPT,
+        )
+    )
 
 
 def _steps(pol, n):
@@ -63,10 +78,19 @@ def _steps(pol, n):
     norms = []
     for _ in range(n):
         lp = pol.score(local, with_entropy=False, micro_batch_size=MBS).logprobs
-        upd = UpdateBatch(batch=local, old_logprobs=lp + noise[rows], advantages=adv[rows], token_keep=keep[rows],
-                          minibatch=torch.zeros(len(rows), dtype=torch.long))
-        loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
-        m = pol.train_step(local, loss_fn, MBS, denominator=float(loss_denominator(keep, "token_mean")))
+        upd = UpdateBatch(
+            batch=local,
+            old_logprobs=lp + noise[rows],
+            advantages=adv[rows],
+            token_keep=keep[rows],
+            minibatch=torch.zeros(len(rows), dtype=torch.long),
+        )
+        loss_fn = make_loss_fn(
+            "grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd
+        )
+        m = pol.train_step(
+            local, loss_fn, MBS, denominator=float(loss_denominator(keep, "token_mean"))
+        )
         norms.append(m["grad_norm"])
     return norms
 
@@ -93,7 +117,13 @@ def _moments(ckpt):
     out = {}
     for f in sorted(os.listdir(root)):
         if f.endswith(".safetensors"):
-            out.update({f"{f}:{k}": v for k, v in load_file(os.path.join(root, f)).items() if k.startswith("optim.")})
+            out.update(
+                {
+                    f"{f}:{k}": v
+                    for k, v in load_file(os.path.join(root, f)).items()
+                    if k.startswith("optim.")
+                }
+            )
     return out
 
 
@@ -113,24 +143,50 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
     runs = {}
     for dopt in (True, False):
         ckpt = str(tmp_path / f"ckpt_{dopt}")
-        runs[dopt] = (ckpt, run_ranks(_rank_run, world, folders[arch], tp, pp, dopt, "float32", ckpt, None, 2, 0,
-                                      tp=tp, pp=pp, timeout=240))
+        runs[dopt] = (
+            ckpt,
+            run_ranks(
+                _rank_run,
+                world,
+                folders[arch],
+                tp,
+                pp,
+                dopt,
+                "float32",
+                ckpt,
+                None,
+                2,
+                0,
+                tp=tp,
+                pp=pp,
+                timeout=240,
+            ),
+        )
     (_, dist_res), (_, plain_res) = runs[True], runs[False]
-    assert {r[0] for r in dist_res} == {"ChainedOptimizer"} and {r[0] for r in plain_res} == {"AdamW"}
+    assert {r[0] for r in dist_res} == {"ChainedOptimizer"} and {r[0] for r in plain_res} == {
+        "AdamW"
+    }
     for d, p in zip(dist_res, plain_res):
         assert d[1] == pytest.approx(p[1], rel=1e-5) and min(p[1]) > 0
         assert d[3] == p[3]
         for k in p[2]:
-            torch.testing.assert_close(d[2][k], p[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{layout} {k}: {m}")
+            torch.testing.assert_close(
+                d[2][k], p[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{layout} {k}: {m}"
+            )
     got, want = _moments(runs[True][0]), _moments(runs[False][0])
     assert sorted(got) == sorted(want) and len(want) > 0
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout} {k}: {m}")
+        torch.testing.assert_close(
+            got[k], want[k], rtol=1e-5, atol=1e-7, msg=lambda m: f"{layout} {k}: {m}"
+        )
     assert _metadata(runs[True][0])["optimizer_step"] == "2"
 
 
-@pytest.mark.parametrize("dopt,dtype", [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")],
-                         ids=["distributed-fp32", "distributed-bf16", "plain-bf16"])
+@pytest.mark.parametrize(
+    "dopt,dtype",
+    [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")],
+    ids=["distributed-fp32", "distributed-bf16", "plain-bf16"],
+)
 def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
     """bf16 with either optimizer keeps fp32 main weights (the plain one: MainWeightsAdamW)."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
@@ -152,18 +208,30 @@ def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
 def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
     folder = folders["llama"]
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")
-    plain = run_ranks(_rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=240)[0]
-    dist = run_ranks(_rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=240)[0]
+    plain = run_ranks(
+        _rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=240
+    )[0]
+    dist = run_ranks(
+        _rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=240
+    )[0]
     # plain checkpoint -> distributed optimizer, same layout
-    resumed = run_ranks(_rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=240)[0]
+    resumed = run_ranks(
+        _rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=240
+    )[0]
     # distributed-optimizer checkpoint -> plain AdamW in one process (DP1: all rows)
-    (one,) = run_ranks(_rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=240)
+    (one,) = run_ranks(
+        _rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=240
+    )
     # the same second step from the checkpoint's weights but a fresh optimizer: must differ
     (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=240)
     moved = 0
     for k in plain[2]:
-        torch.testing.assert_close(resumed[2][k], plain[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
-        torch.testing.assert_close(one[2][k], dist[2][k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(
+            resumed[2][k], plain[2][k], rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}"
+        )
+        torch.testing.assert_close(
+            one[2][k], dist[2][k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}"
+        )
         moved += int((fresh[k] - dist[2][k]).abs().max() > 1e-4)
     assert moved
     assert resumed[3] == plain[3] and one[3] == dist[3]
@@ -242,7 +310,10 @@ class _FusedAdamLike:
             g["step"] = 1
             for m in g["params"]:
                 m.mul_(0.5)  # a dummy step moves the main weights (weight decay)
-                self.optimizer.state[m] = {"exp_avg": torch.zeros_like(m), "exp_avg_sq": torch.zeros_like(m)}
+                self.optimizer.state[m] = {
+                    "exp_avg": torch.zeros_like(m),
+                    "exp_avg_sq": torch.zeros_like(m),
+                }
 
 
 def test_per_group_step_counts_and_ranges_hand_worked():
@@ -255,12 +326,18 @@ def test_per_group_step_counts_and_ranges_hand_worked():
     inner = _FusedAdamLike([w], 2, 5)
     chained = type("Chained", (), {"chained_optimizers": [inner]})()
     assert optim.optimizer_step(chained) == 0 and optim.local_ranges(chained) == {w: (2, 5)}
-    ranged = {"w": {"exp_avg": torch.tensor([1.0, 2.0, 3.0]), "exp_avg_sq": torch.tensor([4.0, 5.0, 6.0])}}
+    ranged = {
+        "w": {"exp_avg": torch.tensor([1.0, 2.0, 3.0]), "exp_avg_sq": torch.tensor([4.0, 5.0, 6.0])}
+    }
     optim.scatter_states(chained, [("w", w)], ranged, step=7)
     assert inner.dummy_steps == 1 and optim.optimizer_step(chained) == 7
-    assert torch.equal(w.view(-1), torch.arange(6, dtype=torch.float32))  # main = the weights before the dummy step
+    assert torch.equal(
+        w.view(-1), torch.arange(6, dtype=torch.float32)
+    )  # main = the weights before the dummy step
     st = inner.optimizer.state[inner.main[w]]
-    assert torch.equal(st["exp_avg"], torch.tensor([1.0, 2.0, 3.0])) and torch.equal(st["exp_avg_sq"], ranged["w"]["exp_avg_sq"])
+    assert torch.equal(st["exp_avg"], torch.tensor([1.0, 2.0, 3.0])) and torch.equal(
+        st["exp_avg_sq"], ranged["w"]["exp_avg_sq"]
+    )
     got = optim.gather_states(chained, [("w", w)], None, with_main=True, step=7)
     assert torch.equal(got["optim.exp_avg.w"], torch.tensor([[0.0, 0.0, 1.0], [2.0, 3.0, 0.0]]))
     assert torch.equal(got["optim.main.w"], torch.tensor([[0.0, 0.0, 2.0], [3.0, 4.0, 0.0]]))

@@ -32,8 +32,13 @@ def _body(rank: int):
         dist.get_backend = real_backend
     box = [f"rollouts of {rank}" if rank % 2 == 0 else None]
     dist.broadcast_object_list(box, src=2 * (rank // 2), group=group)
-    return {"backend": str(real_backend(group)), "ranks": dist.get_process_group_ranks(group),
-            "same": group is again, "got": box[0], "new": group is not mine}
+    return {
+        "backend": str(real_backend(group)),
+        "ranks": dist.get_process_group_ranks(group),
+        "same": group is again,
+        "got": box[0],
+        "new": group is not mine,
+    }
 
 
 def test_the_engine_group_waits_on_a_gloo_twin_of_the_model_parallel_group():

@@ -15,7 +15,9 @@ LR, STEPS = 1e-3, 20
 
 def _grads(shape, n):
     g = torch.Generator().manual_seed(1)
-    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)  # one sign per weight: updates add up
+    sign = torch.where(
+        torch.rand(shape, generator=g) < 0.5, -1.0, 1.0
+    )  # one sign per weight: updates add up
     return [(sign * (0.5 + torch.rand(shape, generator=g))).bfloat16() for _ in range(n)]
 
 

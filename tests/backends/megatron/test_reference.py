@@ -33,30 +33,65 @@ def _rank_reference(rank, folder, tp, pp=1, vpp=None):
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
     batch, adv, noise, keep = tiny_batch()
-    pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", tensor_model_parallel_size=tp,
-                                                pipeline_model_parallel_size=pp,
-                                                virtual_pipeline_model_parallel_size=vpp,
-                                                use_reference=True, lr=1e-2, grad_clip=0.0))
+    pol = MegatronBackend(
+        MegatronBackendConfig(
+            model=folder,
+            device="cpu",
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            use_reference=True,
+            lr=1e-2,
+            grad_clip=0.0,
+        )
+    )
     ref_params = _named(pol.ref_model)
     assert set(ref_params) == set(_named(pol.model))
     shared = [n for n, p in _named(pol.model).items() if p.data_ptr() == ref_params[n].data_ptr()]
     before = pol.score(batch, with_entropy=False, micro_batch_size=2).logprobs
     ref_before = pol.score(batch, with_entropy=False, reference=True, micro_batch_size=2).logprobs
-    upd = UpdateBatch(batch=batch, old_logprobs=before + noise, advantages=adv, token_keep=keep,
-                      minibatch=torch.zeros(len(batch), dtype=torch.long))
-    pol.train_step(batch, make_loss_fn("grpo", LossConfig(check_inputs=False), upd), 2,
-                   denominator=float(loss_denominator(keep, "token_mean")))
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=before + noise,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
+    pol.train_step(
+        batch,
+        make_loss_fn("grpo", LossConfig(check_inputs=False), upd),
+        2,
+        denominator=float(loss_denominator(keep, "token_mean")),
+    )
     after = pol.score(batch, with_entropy=False, micro_batch_size=2).logprobs
     ref_after = pol.score(batch, with_entropy=False, reference=True, micro_batch_size=2).logprobs
-    return {"shared": shared, "before": before, "ref_before": ref_before, "after": after, "ref_after": ref_after,
-            "ref_requires_grad": any(p.requires_grad for p in ref_params.values())}
+    return {
+        "shared": shared,
+        "before": before,
+        "ref_before": ref_before,
+        "after": after,
+        "ref_after": ref_after,
+        "ref_requires_grad": any(p.requires_grad for p in ref_params.values()),
+    }
 
 
-@pytest.mark.parametrize("tp,pp,vpp", [(1, 1, None), (2, 1, None), (1, 2, 2)], ids=["tp1", "tp2", "pp2vpp2"])
+@pytest.mark.parametrize(
+    "tp,pp,vpp", [(1, 1, None), (2, 1, None), (1, 2, 2)], ids=["tp1", "tp2", "pp2vpp2"]
+)
 def test_reference_policy_is_a_frozen_copy(folders, tp, pp, vpp):
     """(PP2 x VPP2: one reference chunk per policy chunk; the backend builds its groups)"""
-    results = run_ranks(_rank_reference, tp * pp, folders["llama"], tp, pp, vpp, tp=tp, pp=pp, megatron=vpp is None,
-                        timeout=180)
+    results = run_ranks(
+        _rank_reference,
+        tp * pp,
+        folders["llama"],
+        tp,
+        pp,
+        vpp,
+        tp=tp,
+        pp=pp,
+        megatron=vpp is None,
+        timeout=180,
+    )
     for res in results:
         assert res["shared"] == [] and not res["ref_requires_grad"]
         assert torch.equal(res["ref_before"], res["before"])

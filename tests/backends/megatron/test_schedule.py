@@ -28,7 +28,9 @@ import zlib
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed")
+)
 from _launch import run_ranks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -196,9 +198,14 @@ def _gather_full_weights(model, tied: bool) -> dict:
             shards = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
             per_block = [s.chunk(blocks, dim=dim) for s in shards]
-            t = torch.cat([torch.cat([pb[k] for pb in per_block], dim=dim) for k in range(blocks)], dim=dim)
+            t = torch.cat(
+                [torch.cat([pb[k] for pb in per_block], dim=dim) for k in range(blocks)], dim=dim
+            )
         key = _full_name(name, tied, getattr(chunk, "vp_stage", None))
-        out[key + (".last_stage_copy" if key in out or (tied and name == "output_layer.weight") else "")] = t
+        out[
+            key
+            + (".last_stage_copy" if key in out or (tied and name == "output_layer.weight") else "")
+        ] = t
     return out
 
 
@@ -220,7 +227,11 @@ def _loss_fn(batch, old_lp, adv, keep, agg):
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
     upd = UpdateBatch(
-        batch=batch, old_logprobs=old_lp, advantages=adv, token_keep=keep, minibatch=torch.zeros(len(batch), dtype=torch.long)
+        batch=batch,
+        old_logprobs=old_lp,
+        advantages=adv,
+        token_keep=keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
     )
     return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
 
@@ -266,8 +277,15 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
     local = batch.select(rows)
     model = _build(tied, sp, vpp)
     out = {"rows": rows, "dp_rank": ps.get_data_parallel_rank()}
-    sc = score(model, local, groups, micro_batch_size=mbs, with_entropy=True, vocab_size=V_REAL,
-               micro_batch_tokens=tokens)
+    sc = score(
+        model,
+        local,
+        groups,
+        micro_batch_size=mbs,
+        with_entropy=True,
+        vocab_size=V_REAL,
+        micro_batch_tokens=tokens,
+    )
     out["score_stats"] = sc.stats
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
     old_lp = sc.logprobs + noise[rows]
@@ -277,13 +295,22 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
             _load_full_weights(model, tied)
             if kind == "adamw":  # the backend's own CPU optimizer: AdamW over this rank's shards
                 kw = OPTIMIZERS[kind]
-                _, opt = build_optimizer(model, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"])
+                _, opt = build_optimizer(
+                    model, lr=kw["lr"], eps=kw["eps"], weight_decay=kw["weight_decay"]
+                )
             else:
                 opt = _optimizer(kind, [p for c in _chunks(model) for p in c.parameters()])
             loss_fn = _loss_fn(local, old_lp, adv[rows], keep[rows], agg)
             metrics = train_step(
-                model, opt, local, loss_fn, groups,
-                micro_batch_size=mbs, denominator=denom, grad_clip=GRAD_CLIP, vocab_size=V_REAL,
+                model,
+                opt,
+                local,
+                loss_fn,
+                groups,
+                micro_batch_size=mbs,
+                denominator=denom,
+                grad_clip=GRAD_CLIP,
+                vocab_size=V_REAL,
                 micro_batch_tokens=tokens,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
@@ -404,10 +431,20 @@ def test_layout_matches_one_process(layout, reference):
                 metrics, weights = res[agg, kind]
                 ref_metrics, ref_weights = ref[agg, kind]
                 assert metrics["skipped"] == 0.0
-                assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (layout, agg, kind)
+                assert metrics["grad_norm"] == pytest.approx(ref_metrics["grad_norm"], rel=1e-4), (
+                    layout,
+                    agg,
+                    kind,
+                )
                 for name, w in weights.items():
                     base = name.replace(".last_stage_copy", "")
-                    torch.testing.assert_close(w, ref_weights[base], rtol=0, atol=WEIGHT_ATOL[kind], msg=lambda m: f"{layout} {agg} {kind} {name}: {m}")
+                    torch.testing.assert_close(
+                        w,
+                        ref_weights[base],
+                        rtol=0,
+                        atol=WEIGHT_ATOL[kind],
+                        msg=lambda m: f"{layout} {agg} {kind} {name}: {m}",
+                    )
     # a token budget feeds fewer positions than fixed micro-batches of the same rows (not
     # with interleaving at PP 2, where every micro-batch takes one shape: batches.py)
     vpp = extra[2] if len(extra) > 2 else 1
@@ -429,7 +466,9 @@ def test_layout_matches_one_process(layout, reference):
         assert total == pytest.approx(ref[agg, "sgd"][0]["loss_sum"], rel=1e-4, abs=1e-6)
         for key, value in ref[agg, "sgd"][0].items():
             if key.endswith("_sum") or key == "token_count":
-                assert sum(m.get(key, 0.0) for m in by_dp.values()) == pytest.approx(value, rel=1e-4, abs=1e-6), key
+                assert sum(m.get(key, 0.0) for m in by_dp.values()) == pytest.approx(
+                    value, rel=1e-4, abs=1e-6
+                ), key
     # every stage's weights were compared: the union covers the whole model
     covered = set()
     for res in results:
@@ -461,7 +500,10 @@ def test_plan_cuts_each_micro_batch_to_its_longest_row():
     assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
     assert [(m.b, m.width) for m in plan] == [(2, 5), (2, 2), (1, 9)]
     # sequence parallelism: widths rounded up to a multiple of TP
-    assert [m.width for m in plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, multiple_of=4)] == [8, 4, 12]
+    assert [
+        m.width
+        for m in plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, multiple_of=4)
+    ] == [8, 4, 12]
 
 
 def test_plan_for_pipelines_has_one_shape():
@@ -524,9 +566,23 @@ def test_score_of_an_empty_batch_needs_no_collective():
     from nemo_d3s.distributed.groups import ParallelGroups
 
     empty = torch.zeros(0, 7, dtype=torch.bool)
-    out = score(torch.nn.Linear(1, 1), TokenBatch(empty.long(), empty, empty), ParallelGroups(), micro_batch_size=2)
+    out = score(
+        torch.nn.Linear(1, 1),
+        TokenBatch(empty.long(), empty, empty),
+        ParallelGroups(),
+        micro_batch_size=2,
+    )
     assert out.logprobs.shape == out.entropy.shape == (0, 7)
-    assert score(torch.nn.Linear(1, 1), TokenBatch(empty.long(), empty, empty), ParallelGroups(), micro_batch_size=2, with_entropy=False).entropy is None
+    assert (
+        score(
+            torch.nn.Linear(1, 1),
+            TokenBatch(empty.long(), empty, empty),
+            ParallelGroups(),
+            micro_batch_size=2,
+            with_entropy=False,
+        ).entropy
+        is None
+    )
 
 
 def test_virtual_pipeline_chunks_are_rejected():
@@ -536,4 +592,9 @@ def test_virtual_pipeline_chunks_are_rejected():
 
     m = _mask([2], 3)
     with pytest.raises(ValueError, match="virtual pipeline"):
-        score([torch.nn.Linear(1, 1)] * 2, TokenBatch(m.long(), m, m), ParallelGroups(), micro_batch_size=2)
+        score(
+            [torch.nn.Linear(1, 1)] * 2,
+            TokenBatch(m.long(), m, m),
+            ParallelGroups(),
+            micro_batch_size=2,
+        )

