@@ -64,14 +64,34 @@ def resume_safe(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE)
 
 
-def refuse_records(out: Path) -> None:
-    """A fresh run never takes over another run's records (ConfigError)."""
+def refuse_records(out: Path, cfg: Any = None) -> None:
+    """A fresh run never takes over another run's records, nor the folder of another
+    experiment (its ``config.yaml`` would be replaced): ConfigError."""
     found = records(out)
     if found:
         raise ConfigError(
             f"output_dir={str(out)!r} holds an earlier run's records ({', '.join(found)}) and no "
             "checkpoint; choose another output_dir, or pass resume=true to move them into previous-<n>/ "
             "and start from step 0"
+        )
+    path = out / "config.yaml"
+    if cfg is None or not path.is_file():
+        return
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:
+        raise ConfigError(
+            f"{str(path)!r} cannot be read ({first_line(e)}) and a fresh run would replace it; "
+            "choose another output_dir, or remove the file"
+        ) from None
+    new = OmegaConf.to_container(cfg, resolve=True)
+    changed = [(k, a, b) for k, a, b, _ in diff_values(old, new) if not resume_safe(k)]
+    if changed:
+        listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:4])
+        raise ConfigError(
+            f"output_dir={str(out)!r} holds the config.yaml of another experiment ({listing}"
+            f"{' ...' if len(changed) > 4 else ''}) that a fresh run would replace; choose "
+            "another output_dir, or remove that config.yaml"
         )
 
 
