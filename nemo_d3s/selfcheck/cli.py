@@ -216,6 +216,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.ranks < 1:
         _parser().error("--ranks must be >= 1")
+    if args.only is not None:
+        pats = [p.strip() for p in args.only.split(",") if p.strip()]
+        unknown = [p for p in pats if not _selected(p)] or ([] if pats else [args.only])
+        if unknown:  # "0 passed" with no check run read as a clean machine
+            _parser().error(
+                f"--only {args.only!r}: {', '.join(map(repr, unknown))} matches no check; the "
+                f"checks are {', '.join(c.name for c in all_checks())}"
+            )
     if args.model and not Path(args.model, "config.json").is_file():
         _parser().error(
             f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)"

@@ -261,19 +261,74 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
             f"nemo_d3s_user_reward_{path.stem}", path
         )
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:  # the user's file, run at load: name it
+            raise ValueError(
+                f"{key}: the reward file {str(path)!r} fails to load{_where(exc, path)}: "
+                f"{type(exc).__name__}: {_first(exc)}; fix that file (the data was not read yet)"
+            ) from None
     else:
         try:
             module = importlib.import_module(where)
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if exc.name != where and not where.startswith(f"{exc.name}."):
+                raise ValueError(
+                    f"{key}: importing {where!r} fails: {exc}; install that module or fix the import"
+                ) from None
             raise ValueError(
                 f"{key}: cannot import {where!r} ({exc}); give a .py file or put its folder on "
                 "PYTHONPATH"
             ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+        except (Exception, SystemExit) as exc:
+            raise ValueError(
+                f"{key}: importing {where!r} fails: {type(exc).__name__}: {_first(exc)}"
+            ) from None
+    if not hasattr(module, attr):
         raise ValueError(f"{key}: {where!r} has no function {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"{key}: {where}:{attr} is a {type(fn).__name__}, not a function")
+    check_reward_signature(fn, key)
     return fn
+
+
+def check_reward_signature(fn: Callable, key: str) -> None:
+    """ValueError at start-up when ``fn`` cannot be called as ``fn(response, answer)`` (it
+    would fail on every rollout, each failure counted, until the run stops)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        sig.bind("response", "answer")
+    except TypeError as exc:
+        raise ValueError(
+            f"{key}: the reward function is called as f(response, answer) but its signature is "
+            f"{sig} ({exc})"
+        ) from None
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc.code if isinstance(exc, SystemExit) else exc)
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """' (line N)' of the user's file where ``exc`` arose, when it did there."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f" (line {exc.lineno})"
+    target = str(path.resolve())
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(exc.__traceback__)
+        if str(Path(f.filename).resolve()) == target
+    ]
+    return f" (line {lines[-1]})" if lines else ""
 
 
 def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:

@@ -63,7 +63,7 @@ from nemo_d3s.trainer.resume import (
 )
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
-from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
+from nemo_d3s.trainer.tasks_adapter import RewardStopped, StopNow, TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
 
 __all__ = ["Trainer", "train"]
@@ -94,7 +94,10 @@ class Trainer:
         self.policy = backend_from_config(cfg)
         self.groups = self.policy.groups
         validate_layout(cfg, self.groups.dp_size)
-        self.task = TaskAdapter(build_task(cfg.task.name, plain(cfg.task.params) or {}))
+        self.task = TaskAdapter(
+            build_task(cfg.task.name, plain(cfg.task.params) or {}),
+            timeout_s=float(cfg.trainer.reward_timeout_s),
+        )
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
@@ -140,7 +143,7 @@ class Trainer:
                     f"output_dir={str(self.out)!r} already holds checkpoints ({ckpts[0].name}); "
                     "pass resume=true to continue that run or choose another output_dir"
                 )
-            agree_on_main(self.groups, lambda: refuse_records(self.out))
+            agree_on_main(self.groups, lambda: refuse_records(self.out, self.cfg))
             return self._start_state_fresh()
         if not ckpts:
             agree_on_main(self.groups, lambda: move_records_aside(self.out))
@@ -187,7 +190,7 @@ class Trainer:
                     file=sys.stderr,
                     flush=True,
                 )
-                raise SystemExit(128 + signum)
+                raise StopNow(128 + signum)
             self._stop_signal = name
             if signum == getattr(signal, "SIGINT", None):
                 print(
@@ -196,6 +199,8 @@ class Trainer:
                     file=sys.stderr,
                     flush=True,
                 )
+            if self.task.in_reward:  # a reward call may take long or hang: stop it now
+                raise RewardStopped(name)
 
         previous: Dict[int, Any] = {}
         for name in _STOP_SIGNALS:
