@@ -207,6 +207,13 @@ def main() -> None:
 
     register_configs()
     _precheck_argv(sys.argv[1:])
+    from nemo_d3s.trainer.overrides import unknown_key_error
+
+    groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
+    bad = unknown_key_error(sys.argv[1:], groups)
+    if bad:  # Hydra's answer is "+key" advice and exit 1
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     # hydra.main parses sys.argv itself (--cfg job, -m, overrides).
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_run)()
 

@@ -188,6 +188,7 @@ class MathDatasetTask(Task):
         check = (lambda *a: 0) if self._reward_fn is not None else _check_references
         self.unusable_references = check("task.params.train_path", train_path, train, answer_field)
         if eval_path is not None:
+            _refuse_same_file(train_path, eval_path)
             evals = _load_named("task.params.eval_path", eval_path, read)
             self.unusable_references += check(
                 "task.params.eval_path", eval_path, evals, answer_field
@@ -329,6 +330,21 @@ def _where(exc: BaseException, path: Path) -> str:
         if str(Path(f.filename).resolve()) == target
     ]
     return f" (line {lines[-1]})" if lines else ""
+
+
+def _refuse_same_file(train_path: str, eval_path: str) -> None:
+    """Evaluating on the training file measures memorisation, not the method: refused."""
+    a, b = Path(str(train_path)).expanduser(), Path(str(eval_path)).expanduser()
+    try:
+        same = a.resolve() == b.resolve() or (a.is_file() and b.is_file() and a.samefile(b))
+    except OSError:
+        same = False
+    if same:
+        raise ValueError(
+            f"task.params.eval_path={str(eval_path)!r} is task.params.train_path: the evaluation "
+            "would score the rows it trains on; name another file, or leave eval_path null to "
+            "hold task.params.n_eval rows out of the training file"
+        )
 
 
 def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:

@@ -55,6 +55,7 @@ from nemo_d3s.trainer.evaluate import evaluate
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
+from nemo_d3s.trainer.data_record import check_data_record, write_data_record
 from nemo_d3s.trainer.resume import (
     check_resume_config,
     move_records_aside,
@@ -152,9 +153,13 @@ class Trainer:
                 self.out / "checkpoints",
             )
             return self._start_state_fresh()
-        agree_on_main(
-            self.groups, lambda: check_resume_config(self.cfg, self.out)
-        )  # before anything is changed
+        agree_on_main(  # before anything is changed
+            self.groups,
+            lambda: (
+                check_resume_config(self.cfg, self.out),
+                check_data_record(self.cfg, self.out),
+            ),
+        )
         latest, state = self.ckpt.load_latest(self.policy)
         self.engine.sync_weights(
             self.policy
@@ -256,6 +261,8 @@ class Trainer:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
             write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
+            if self._resumed_from is None:
+                write_data_record(self.cfg, self.out)
             (self.out / INTERRUPTED_MARKER).unlink(missing_ok=True)  # an earlier segment's
         self.groups.barrier()
         T = int(self.t.steps)

@@ -54,6 +54,7 @@ RUN_NAMES = frozenset(
         "checkpoints",
         "tensorboard",
         "interrupted.json",
+        "data_files.json",
         *RECORDS,
         *(f"{r}.garbled" for r in RECORDS),
     }

@@ -130,3 +130,18 @@ def test_dataset_with_some_unparseable_references_counts_and_warns(tmp_path, cap
         "2 of 6 reference answers" in caplog.text
         and "row 2: 'seventy-two', row 4: 'yes'" in caplog.text
     )
+
+
+def test_eval_path_equal_to_train_path_is_refused(tmp_path, monkeypatch):
+    """Issue 32: it trained and evaluated on the same rows without a word (also through a
+    relative path or a symlink to the same file)."""
+    from nemo_d3s.tasks.base import make_task
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"question": "q{i}", "answer": "{i}"}}\n' for i in range(6)))
+    (tmp_path / "link.jsonl").symlink_to(data)
+    monkeypatch.chdir(tmp_path)
+    for other in (str(data), "d.jsonl", "link.jsonl"):
+        with pytest.raises(ValueError, match=r"task.params.eval_path=.* is task.params.train_path"):
+            make_task("math_file", train_path=str(data), eval_path=other)
+    assert len(make_task("math_file", train_path=str(data), n_eval=2).eval_set()) == 2
