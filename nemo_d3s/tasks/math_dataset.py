@@ -84,6 +84,15 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
         if not isinstance(rows, list):
             raise ValueError(f"{p}: a .json dataset must hold a list of objects")
         return rows
+    return [row for _, row in read_numbered_rows(p)]
+
+
+def read_numbered_rows(path: str) -> List[tuple]:
+    """(where, row) pairs: ``where`` is "line N" (the physical line, blank lines counted, as
+    the decoding errors say) for a .jsonl file and "row N" for .json / .parquet."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() in (".json", ".parquet") or not p.is_file():
+        return [(f"row {i}", row) for i, row in enumerate(read_rows(path), start=1)]
     rows = []
     with p.open("rb") as fh:
         for lineno, raw_line in enumerate(fh, start=1):
@@ -96,7 +105,7 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((f"line {lineno}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
     return rows
@@ -131,18 +140,19 @@ def load_problems(
     """Every row of ``path`` as a Problem. A row with no question or no parseable answer
     -> ValueError naming the file and the (1-based) row number."""
     problems = []
-    for i, row in enumerate(read_rows(path), start=1):
+    for where, row in read_numbered_rows(path):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected an object")
+            raise ValueError(f"{path}: {where} is a {type(row).__name__}, expected an object")
         question = row.get(question_field)
         if question is None or not str(question).strip():
-            raise ValueError(f"{path}: row {i} has no question in field {question_field!r}")
+            raise ValueError(f"{path}: {where} has no question in field {question_field!r}")
         answer = parse_reference(row.get(answer_field), answer_format)
         if answer is None:
             raise ValueError(
-                f"{path}: row {i} has no answer in field {answer_field!r} (answer_format={answer_format!r})"
+                f"{path}: {where} has no answer in field {answer_field!r} (answer_format={answer_format!r})"
             )
-        meta = {"row": i, "source": str(path), "raw_answer": row.get(answer_field)}
+        i = int(where.split()[1])
+        meta = {"row": i, "where": where, "source": str(path), "raw_answer": row.get(answer_field)}
         problems.append(
             Problem(prompt=str(question).strip() + prompt_suffix, answer=answer, meta=meta)
         )
@@ -364,7 +374,7 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
     bad = [p for p in problems if not reference_is_checkable(p.answer)]
     if not bad:
         return 0
-    shown = ", ".join(f"row {p.meta['row']}: {p.answer!r}" for p in bad[:3]) + (
+    shown = ", ".join(f"{p.meta.get('where', 'row')}: {p.answer!r}" for p in bad[:3]) + (
         " ..." if len(bad) > 3 else ""
     )
     if len(bad) == len(problems):

@@ -28,7 +28,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -64,7 +64,7 @@ from nemo_d3s.trainer.resume import (
 )
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
-from nemo_d3s.trainer.tasks_adapter import RewardStopped, StopNow, TaskAdapter, build_task
+from nemo_d3s.trainer.tasks_adapter import StopNow, TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
 
 __all__ = ["Trainer", "train"]
@@ -72,6 +72,9 @@ __all__ = ["Trainer", "train"]
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# The stop signals a run of this process received (train.py's handler, active after the
+# run's own is restored, ignores a later one: the checkpoint is written, the exit is 75).
+STOPPING: List[str] = []
 # Written by rank 0 when a stop signal ended the run at a checkpoint; the sbatch scripts
 # requeue when they find it (torchrun hides the ranks' exit codes).
 INTERRUPTED_MARKER = "interrupted.json"
@@ -197,6 +200,7 @@ class Trainer:
                 )
                 raise StopNow(128 + signum)
             self._stop_signal = name
+            STOPPING.append(name)  # the CLI's handler reads it once this one is restored
             if signum == getattr(signal, "SIGINT", None):
                 print(
                     "SIGINT: finishing the current step, then writing a checkpoint "
@@ -204,9 +208,9 @@ class Trainer:
                     file=sys.stderr,
                     flush=True,
                 )
-            if self.task.in_reward:  # a reward call may take long or hang: stop it now
-                raise RewardStopped(name)
+            self.task.request_stop()  # a reward call that runs on (or hangs) is cut short
 
+        STOPPING.clear()  # an earlier run of this process (in-process callers) is not this one
         previous: Dict[int, Any] = {}
         for name in _STOP_SIGNALS:
             if hasattr(signal, name):

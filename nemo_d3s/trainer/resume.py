@@ -135,7 +135,13 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     new = OmegaConf.to_container(cfg, resolve=True)
     # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
     # would let any change through unseen, so it counts as unreadable.
-    lacking = [k for k in leaf_keys(new) if not resume_safe(k) and not _has(old, k)]
+    # Only keys every config has (the schema's) tell a cut-short file: keys under a free
+    # mapping (task.params, model.params) come and go with the task or a "+" override,
+    # and are a changed experiment, listed below (issue 32: they read as "cut short").
+    from nemo_d3s.trainer.overrides import schema_keys
+
+    fixed = set(schema_keys())
+    lacking = [k for k in leaf_keys(new) if k in fixed and not resume_safe(k) and not _has(old, k)]
     if lacking:
         what = (
             f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config ({', '.join(lacking[:4])}"
@@ -147,7 +153,11 @@ def check_resume_config(cfg: Any, out: Path) -> None:
                 "trainer.allow_config_change=true to resume without the check"
             )
         log.warning("%s; continuing (trainer.allow_config_change=true)", what)
-    diffs = [(k, a, b) for k, a, b, had in diff_values(old, new) if had]
+    diffs = [
+        (k, a if had else "<absent>", b)
+        for k, a, b, had in diff_values(old, new)
+        if had or k not in fixed
+    ]
     changed = [(k, a, b) for k, a, b in diffs if not resume_safe(k)]
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (
         " ..." if len(changed) > 8 else ""

@@ -6,8 +6,9 @@ poison the advantages (NaN would spread through the whole group): the sample get
 logged with the exception text.
 
 A call that does not return within ``trainer.reward_timeout_s`` is cut short (SIGALRM,
-on the main thread) and counted the same way. A stop signal that arrives during a call
-interrupts it (:class:`RewardStopped`: the step is abandoned and redone on resume). A
+on the main thread) and counted the same way. After a stop signal the step's reward calls
+get ``STOP_GRACE_S`` more seconds; one still running then is interrupted
+(:class:`RewardStopped`: the step is abandoned and redone on resume). A
 reward function that raises ``SystemExit`` (``sys.exit``) or ``KeyboardInterrupt`` is a
 bug of the function, not a stop: one error line naming it (it used to end the run with
 exit 0 and nothing written, or a traceback).
@@ -18,8 +19,9 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,6 +30,9 @@ __all__ = ["RewardStopped", "StopNow", "TaskAdapter", "build_task"]
 log = logging.getLogger("nemo_d3s.trainer")
 
 _MAX_LOGGED = 5
+# After a stop signal, how long the reward calls of the current step may go on before the
+# one running is interrupted (a quick verifier finishes the step; a hung one is cut).
+STOP_GRACE_S = 2.0
 
 
 class RewardStopped(BaseException):
@@ -52,7 +57,9 @@ class TaskAdapter:
         self.task = task
         self.n_logged = 0
         self.timeout_s = float(timeout_s)
-        self.in_reward = False  # read by the trainer's signal handler
+        self.in_reward = False
+        self.stop_at: Optional[float] = None  # monotonic time a stop cuts reward calls
+        self._timed, self._deadline = False, None
 
     @property
     def name(self) -> str:
@@ -107,27 +114,50 @@ class TaskAdapter:
             self._log(error)
         return value, error is not None
 
+    def request_stop(self) -> None:
+        """A stop signal arrived (the trainer's handler calls this): the reward calls of
+        this step get :data:`STOP_GRACE_S` more seconds, so that a quick verifier finishes
+        the step as usual; a call still running then (or one starting after) raises
+        :class:`RewardStopped`. Re-arms the timer of a call in progress."""
+        if self.stop_at is not None:
+            return
+        self.stop_at = time.monotonic() + STOP_GRACE_S
+        if self.in_reward and self._timed:
+            signal.setitimer(signal.ITIMER_REAL, min(self._remaining(), STOP_GRACE_S))
+
+    def _remaining(self) -> float:
+        ends = [t for t in (self._deadline, self.stop_at) if t is not None]
+        return max(1e-3, min(ends) - time.monotonic()) if ends else 0.0
+
+    def _expire(self, _signum, _frame) -> None:
+        if self.stop_at is not None and time.monotonic() >= self.stop_at - 1e-3:
+            raise RewardStopped()
+        if self._deadline is not None and time.monotonic() >= self._deadline - 1e-3:
+            raise _RewardTimeout()
+        signal.setitimer(signal.ITIMER_REAL, self._remaining())  # woke early: wait on
+
     @contextmanager
     def _time_limit(self) -> Iterator[None]:
-        """The call runs with ``in_reward`` set (a stop signal then interrupts it) and, on
-        the main thread with a limit, a SIGALRM timer that raises into it."""
+        """The call runs with ``in_reward`` set and, on the main thread, a SIGALRM timer at
+        the nearer of its time limit and the stop deadline (see :meth:`request_stop`)."""
+        if self.stop_at is not None and time.monotonic() >= self.stop_at:
+            raise RewardStopped()
         main = threading.current_thread() is threading.main_thread()
-        timed = main and self.timeout_s > 0 and hasattr(signal, "setitimer")
-        if timed:
-
-            def expire(_signum, _frame):
-                raise _RewardTimeout()
-
-            previous = signal.signal(signal.SIGALRM, expire)
-            signal.setitimer(signal.ITIMER_REAL, self.timeout_s)
+        self._timed = main and hasattr(signal, "setitimer")
+        self._deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+        if self._timed:
+            previous = signal.signal(signal.SIGALRM, self._expire)
+            if self._remaining() > 0:
+                signal.setitimer(signal.ITIMER_REAL, self._remaining())
         self.in_reward = True
         try:
             yield
         finally:
             self.in_reward = False
-            if timed:
+            if self._timed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+            self._timed, self._deadline = False, None
 
     def score(
         self, problems: Sequence[Any], completions: Sequence[str], n_samples: int

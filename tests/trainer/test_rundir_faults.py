@@ -65,3 +65,20 @@ def test_a_fresh_run_reuses_an_earlier_start_of_the_same_experiment_only(tmp_pat
     assert (tmp_path / "config.yaml").read_text() == original
     state, rows = run_inprocess(tmp_path, ["trainer.steps=2"])  # trainer.steps is resume-safe
     assert state.step == 2 and len(rows) == 2
+
+
+@pytest.mark.parametrize(
+    "change, listed",
+    [
+        (["task=basic_arithmetic"], "task.name: 'tiny' -> 'basic_arithmetic'"),
+        (["+model.params.attn_implementation=eager"], "model.params.attn_implementation: "),
+    ],
+)
+def test_resume_with_another_task_or_a_plus_key_is_a_changed_experiment(tmp_path, change, listed):
+    """Issue 32: the keys the new task (or a "+" override) brings were counted as missing
+    from config.yaml, which was blamed as "emptied, cut short or written by another
+    version"."""
+    run_inprocess(tmp_path, ["trainer.steps=1"])
+    with pytest.raises(ConfigError, match="changes the experiment") as e:
+        run_inprocess(tmp_path, ["trainer.steps=1", "resume=true", *change])
+    assert listed in str(e.value) and "cut short" not in str(e.value)
