@@ -298,8 +298,8 @@ class TaskConfig(Section):
         self._check(
             self.eval_size <= self.max_eval_size,
             "eval_size",
-            f"exceeds {self.KEY}.max_eval_size={self.max_eval_size} (every evaluation generates eval_size "
-            "completions); raise task.max_eval_size if you mean it",
+            f"exceeds {self.KEY}.max_eval_size={self.max_eval_size} (every evaluation "
+            "generates eval_size completions); raise task.max_eval_size if you mean it",
         )
         mpt = self.max_prompt_tokens
         self._check(
@@ -450,8 +450,8 @@ class TrainerConfig(Section):
         self._check(
             self.num_mini_batches <= self.prompts_per_step,
             "num_mini_batches",
-            f"cannot exceed {self.KEY}.prompts_per_step={self.prompts_per_step} (mini-batches are made of "
-            "whole prompts)",
+            f"cannot exceed {self.KEY}.prompts_per_step={self.prompts_per_step} "
+            "(mini-batches are made of whole prompts)",
         )
         self._check(
             is_number(self.dist_timeout_minutes) and self.dist_timeout_minutes > 0,
@@ -517,7 +517,8 @@ class TrainConfig(Section):
                 not is_count(n, 0) or n <= g,
                 f"d3s.schedule.{name}",
                 n,
-                f"cannot keep more rollouts per prompt than are generated (trainer.num_generations={g})",
+                "cannot keep more rollouts per prompt than are generated "
+                f"(trainer.num_generations={g})",
             )
         validate_layout(self, world_size)
 

@@ -209,8 +209,8 @@ class FileLock:
             except OSError as e:
                 if e.errno in _NO_LOCKS:
                     log.warning(
-                        "cannot lock %s (%s): this filesystem has no file locks, so a second writer of the "
-                        "same folder would not be stopped",
+                        "cannot lock %s (%s): this filesystem has no file locks, so a "
+                        "second writer of the same folder would not be stopped",
                         self.path,
                         e.strerror or e,
                     )
@@ -229,7 +229,10 @@ class FileLock:
             break
         if self.on_acquired is not None:
             self.on_acquired()
-        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        info = (
+            f"pid {os.getpid()} on {socket.gethostname()}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         self.fd = fd
@@ -316,8 +319,8 @@ def _sweep_stale(dest: Path) -> None:
         if kind == "old" and not dest.exists():
             os.rename(path, dest)
             log.warning(
-                "restored %s from %s, where a write killed midway (pid %d, no longer running) had moved "
-                "it",
+                "restored %s from %s, where a write killed midway (pid %d, no longer "
+                "running) had moved it",
                 dest,
                 path.name,
                 pid,
@@ -325,7 +328,8 @@ def _sweep_stale(dest: Path) -> None:
             continue
         shutil.rmtree(path, ignore_errors=True)
         log.warning(
-            "removed %s: left by a write of %s killed midway (pid %d on this host, no longer running)",
+            "removed %s: left by a write of %s killed midway (pid %d on this host, no "
+            "longer running)",
             path,
             dest.name,
             pid,
@@ -403,8 +407,8 @@ def atomic_folder(
       process is gone are removed first (and said so).
     - ``replace=True``: an existing ``dest`` is renamed aside first and removed after the
       rename (a reader sees the old folder or the new one, never a mix).
-    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`), unless
-      ``peer_done(dest)`` says another process finished the same folder first: then its
+    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`),
+      unless ``peer_done(dest)`` says another process finished the same folder first: then its
       folder is kept and ours is discarded.
     - ``dest`` is compared with what it was at the start before publishing: when anything
       appeared in it, vanished or changed (a user's files, another writer that did not

@@ -105,7 +105,7 @@ def test_every_file_and_folder_is_flushed_before_the_rename(tmp_path, monkeypatc
     assert {"a.bin", "b.bin", "sub", staged, tmp_path.name} <= set(synced)
 
 
-# ---------------------------------------------------------------- issue 25: locks, changes, leftovers
+# -------------------------------------------------------------- issue 25: locks, changes, leftovers
 def test_a_second_writer_of_the_same_folder_is_refused_and_the_lock_file_goes(tmp_path):
     dest = tmp_path / "out"
     with atomic_folder(dest) as tmp:

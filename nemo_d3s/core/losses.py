@@ -356,9 +356,10 @@ def _sequence_advantages(x: _Inputs, advantages: torch.Tensor) -> torch.Tensor:
         if bool(varying.any()):
             row = int(varying.nonzero()[0, 0])
             raise ValueError(
-                "advantages [B, S] must be constant on each row's loss_mask tokens for 'gspo' "
-                f"(one advantage per sequence); row {row} ranges over [{lo[row].item()}, {hi[row].item()}]. "
-                "Use 'gspo_token' for per-token advantages"
+                "advantages [B, S] must be constant on each row's loss_mask tokens for "
+                f"'gspo' (one advantage per sequence); row {row} ranges over "
+                f"[{lo[row].item()}, {hi[row].item()}]. Use 'gspo_token' for per-token "
+                "advantages"
             )
         seq_adv = hi
     else:

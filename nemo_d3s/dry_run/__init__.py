@@ -1,9 +1,9 @@
 """``trainer.dry_run=true``: prove a Megatron layout on a laptop before queueing for it.
 
 ``python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true`` (the recipe states its
-cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every divisibility
-rule of the layout, builds this model's stage for each distinct (TP, PP) position on the
-meta device (no memory, no weights: ``model.name`` may be a folder holding only
+cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every
+divisibility rule of the layout, builds this model's stage for each distinct (TP, PP) position on
+the meta device (no memory, no weights: ``model.name`` may be a folder holding only
 ``config.json``), and prints, per GPU, the memory the run will need against
 ``trainer.gpu_memory_gb``, with a verdict and the largest term named. It writes
 ``output_dir/dry_run.json`` and returns 0 (fits), 1 (does not fit) or raises

@@ -177,14 +177,16 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
         dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
     except ConfigError as e:
         raise ConfigError(
-            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)"
+            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
+            "and trainer.gpus_per_node, to the job's shape)"
         ) from None
     validate_layout(cfg, dp)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
     if spec.num_layers % (pp * vpp):
         raise ConfigError(
-            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
-            f"virtual_pipeline_model_parallel_size = {pp * vpp}"
+            f"num_hidden_layers={spec.num_layers} is not divisible by "
+            "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+            f"{pp * vpp}"
         )
     return _Setup(
         cfg=cfg,
@@ -235,8 +237,9 @@ def _workload(s: _Setup) -> Workload:
     elif int(limit) + gen_new > ctx:
         where = "rollout.max_model_len" if mml is not None else "the model's context"
         raise ConfigError(
-            f"task.max_prompt_tokens={limit} + {gen_new} new tokens = {int(limit) + gen_new} exceeds "
-            f"{where} ({ctx}): the longest rollout would not fit"
+            f"task.max_prompt_tokens={limit} + {gen_new} new tokens = "
+            f"{int(limit) + gen_new} exceeds {where} ({ctx}): the longest rollout would "
+            "not fit"
         )
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
@@ -280,7 +283,7 @@ def _vllm_placement(
         raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
 
-# ----------------------------------------------------------------------------- the parts of the plan
+# ---------------------------------------------------------------------------- the parts of the plan
 def _check_vllm_layout(s: _Setup) -> Optional[Dict[str, Any]]:
     """The engines' placement (rollout.engine=vllm), after vLLM's own layout rules."""
     if s.engine != "vllm":
@@ -292,8 +295,8 @@ def _check_vllm_layout(s: _Setup) -> Optional[Dict[str, Any]]:
         )
     if s.vllm_tp > s.shape.gpus_per_node:
         raise ConfigError(
-            f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the {s.shape.gpus_per_node} GPUs of "
-            "a node (the in-process engine spans one node)"
+            f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the "
+            f"{s.shape.gpus_per_node} GPUs of a node (the in-process engine spans one node)"
         )
     return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
 
@@ -414,7 +417,8 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["runtime"] = RUNTIME_BYTES
     resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
-    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
+    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state
+    # only
     train_peak = (
         resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
     )
@@ -473,7 +477,8 @@ def _cross_checks(s: _Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict
     shards_sum = sum(x["real_params"] for x in positions)
     if shards_sum != s.spec.num_params:
         raise RuntimeError(
-            f"the per-position shards sum to {shards_sum} parameters, the model has {s.spec.num_params}"
+            f"the per-position shards sum to {shards_sum} parameters, the model has "
+            f"{s.spec.num_params}"
         )
     meta = meta_param_counts(
         s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order
@@ -519,9 +524,10 @@ def _verdict(
         problems.append(needs_cp[0]["message"])
     if not all(x["fits"] for x in positions):
         problems.append(
-            f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
-            f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
-            f"{worst['largest_term']} ({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)"
+            f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs "
+            f"{worst['peak_bytes'] / GB:.1f} GB in {worst['peak_phase']} > "
+            f"trainer.gpu_memory_gb={gpu / GB:g}; largest term: {worst['largest_term']} "
+            f"({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)"
         )
     return fits, worst
 
@@ -549,10 +555,13 @@ def _reference(s: _Setup, w: Workload, positions: List[Dict[str, Any]]) -> Dict[
             first["terms_bytes"][k] for k in ("weights", "grads", "optimizer")
         ),
         "this_model_first_stage_activation_bytes_no_recompute": int(mine_act),
-        "note": "the same 6 + 12/DP bytes per parameter; the shard differs only because Megatron-LM "
-        "divides the TP-replicated norms by TP and leaves out q/k/v biases. Activations: "
-        "s b h (10 + 24/t) per layer there vs s b (4 h + (2 d_h (a + g) + 3 F)/t) here (GQA, "
-        "SwiGLU, no dropout masks), x 1.05 there, logits counted only at PP 1 there",
+        "note": (
+            "the same 6 + 12/DP bytes per parameter; the shard differs only because "
+            "Megatron-LM divides the TP-replicated norms by TP and leaves out q/k/v biases. "
+            "Activations: s b h (10 + 24/t) per layer there vs s b (4 h + (2 d_h (a + g) + 3 "
+            "F)/t) here (GQA, SwiGLU, no dropout masks), x 1.05 there, logits counted only at "
+            "PP 1 there"
+        ),
     }
 
 

@@ -35,12 +35,13 @@ def render(report: Dict[str, Any]) -> str:
     numbers; GB = 1e9 bytes) and the verdict."""
     lay, m = report["layout"], report["model"]
     cols = [c for c in _COLUMNS if any(c in x["terms_bytes"] for x in report["positions"])]
+    order = lay.get("rank_order", DEFAULT_ORDER)
+    order_text = "" if order == DEFAULT_ORDER else f" (ranks {order})"
     lines = [
         f"dry run: {m['architecture']} {_count(m['total_params'])} params ({m['folder']})",
-        f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} ({lay['world_from']}); "
-        f"TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}"
-        f"{'' if lay.get('rank_order', DEFAULT_ORDER) == DEFAULT_ORDER else ' (ranks ' + lay['rank_order'] + ')'}"
-        f"; rollout={lay['rollout_engine']}"
+        f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} "
+        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}{order_text}; "
+        f"rollout={lay['rollout_engine']}"
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
     w = report["workload"]
@@ -50,9 +51,10 @@ def render(report: Dict[str, Any]) -> str:
         else f"micro-batch {w['micro_batch']} x {w['seq_len']} tokens"
     )
     lines.append(
-        f"workload: {micro}, {w['micro_batches']} "
-        f"micro-batches per DP rank, recompute={'full' if w['recompute'] else 'off'}, "
-        f"sequence parallel={'on' if w.get('sequence_parallel') else 'off'}, {w['dtype_bytes']}-byte weights"
+        f"workload: {micro}, {w['micro_batches']} micro-batches per DP rank, "
+        f"recompute={'full' if w['recompute'] else 'off'}, sequence "
+        f"parallel={'on' if w.get('sequence_parallel') else 'off'}, "
+        f"{w['dtype_bytes']}-byte weights"
     )
     head = ["stage", "tp", "params"] + cols + ["train", "generate", "peak", "largest", "fits"]
     rows: List[List[str]] = []
@@ -82,19 +84,21 @@ def render(report: Dict[str, Any]) -> str:
     v = report["vllm"]
     if v:
         lines.append(
-            f"vLLM: {v['engines']} engine(s) of TP {v['tensor_parallel_size']}, {v['shards_per_gpu']} per "
-            f"busiest GPU; each GPU of an engine: {v['reserved_bytes'] / GB:.1f} GB reserved = "
-            f"{v['weights_bytes'] / GB:.1f} weights + {v['activation_bytes'] / GB:.1f} activations + "
-            f"{v['kv_cache_bytes'] / GB:.1f} KV cache ({v['kv_tokens']} tokens, {v['full_sequences']} "
-            f"sequences of {v['longest_rollout']}; {v['rows_per_engine_step']} rollouts per engine per step)"
+            f"vLLM: {v['engines']} engine(s) of TP {v['tensor_parallel_size']}, "
+            f"{v['shards_per_gpu']} per busiest GPU; each GPU of an engine: "
+            f"{v['reserved_bytes'] / GB:.1f} GB reserved = {v['weights_bytes'] / GB:.1f} "
+            f"weights + {v['activation_bytes'] / GB:.1f} activations + "
+            f"{v['kv_cache_bytes'] / GB:.1f} KV cache ({v['kv_tokens']} tokens, "
+            f"{v['full_sequences']} sequences of {v['longest_rollout']}; "
+            f"{v['rows_per_engine_step']} rollouts per engine per step)"
         )
     meta = report["checks"]["meta_build"]
     if "counts" in meta:
         built = ", ".join("(TP {}, PP {})".format(*k.split(",")) for k in meta["built"])
         lines.append(
-            f"checks: megatron-core built {built} on the meta device with the "
-            f"table's parameter counts; shards sum to {report['checks']['shards_sum_params']:,} = the HF "
-            "model's count"
+            f"checks: megatron-core built {built} on the meta device with the table's "
+            f"parameter counts; shards sum to {report['checks']['shards_sum_params']:,} = "
+            "the HF model's count"
         )
     else:
         lines.append(
@@ -104,8 +108,9 @@ def render(report: Dict[str, Any]) -> str:
     wk = report["worst"]
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
     lines.append(
-        f"verdict: {verdict} in {report['gpu_memory_gb']:g} GB per GPU: peak {wk['peak_bytes'] / GB:.1f} GB at "
-        f"(TP {wk['tp_rank']}, PP {wk['pp_rank']}) in {wk['phase']}, largest term {wk['largest_term']}"
+        f"verdict: {verdict} in {report['gpu_memory_gb']:g} GB per GPU: peak "
+        f"{wk['peak_bytes'] / GB:.1f} GB at (TP {wk['tp_rank']}, PP {wk['pp_rank']}) in "
+        f"{wk['phase']}, largest term {wk['largest_term']}"
     )
     for prob in report["problems"]:
         lines.append(f"  problem: {prob}")

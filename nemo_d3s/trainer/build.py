@@ -102,15 +102,15 @@ def check_runtime(cfg: Any) -> None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 
         raise ConfigError(
-            f"rollout.engine={engine!r}: vLLM is not installed in this Python; {VLLM_INSTALL_HINT}; "
-            "or use rollout=hf"
+            f"rollout.engine={engine!r}: vLLM is not installed in this Python; "
+            f"{VLLM_INSTALL_HINT}; or use rollout=hf"
         )
     device = str(cfg.model.device)
     if device.startswith("cuda"):
         if torch.version.cuda is None:
             raise ConfigError(
-                f"model.device={device!r}: this torch {torch.__version__} is a CPU-only build; install a "
-                "CUDA build of torch, or use model.device=cpu"
+                f"model.device={device!r}: this torch {torch.__version__} is a CPU-only "
+                "build; install a CUDA build of torch, or use model.device=cpu"
             )
         if not torch.cuda.is_available():
             raise ConfigError(

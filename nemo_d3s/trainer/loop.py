@@ -227,7 +227,8 @@ class Trainer:
         self.logger.log_eval(row)
         for s in samples:
             self.logger.write(
-                f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> {s['completion'][:200]!r}"
+                f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> "
+                f"{s['completion'][:200]!r}"
             )
         return row
 
@@ -361,9 +362,11 @@ class Trainer:
         state.extra["failed_reward_steps"] = run
         if limit and run >= limit:
             raise RunError(
-                f"the reward function of task {self.task.name!r} failed on every call in {run} consecutive steps "
-                f"(steps {state.step - run + 1}-{state.step}; its errors are in the warnings above). Fix the "
-                f"verifier; trainer.max_failed_reward_steps={limit} sets how many such steps stop a run"
+                f"the reward function of task {self.task.name!r} failed on every call in "
+                f"{run} consecutive steps (steps {state.step - run + 1}-{state.step}; its "
+                "errors are in the warnings above). Fix the verifier; "
+                f"trainer.max_failed_reward_steps={limit} sets how many such steps stop a "
+                "run"
             )
 
     def _check_constant_reward(self, state: TrainerState, m: Dict[str, float]) -> None:
@@ -375,9 +378,11 @@ class Trainer:
         state.extra["constant_reward_steps"] = run
         if run == CONSTANT_REWARD_STEPS and self.groups.is_main:
             log.warning(
-                "every rollout of the last %d steps (steps %d-%d) got reward %s: with no difference inside any group "
-                "every advantage is 0 and nothing is learned (each update is skipped). Check the task's verifier "
-                "against its references (task.params.answer_field / answer_format) and the evaluation samples",
+                "every rollout of the last %d steps (steps %d-%d) got reward %s: with no "
+                "difference inside any group every advantage is 0 and nothing is learned "
+                "(each update is skipped). Check the task's verifier against its "
+                "references (task.params.answer_field / answer_format) and the evaluation "
+                "samples",
                 run,
                 state.step - run + 1,
                 state.step,

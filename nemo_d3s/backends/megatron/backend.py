@@ -166,8 +166,9 @@ class MegatronBackend(Policy):
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
         if self.spec.num_layers % (pp * self.vpp):
             raise ConfigError(
-                f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
-                f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}"
+                f"num_hidden_layers={self.spec.num_layers} is not divisible by "
+                "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+                f"{pp * self.vpp}"
             )
         # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
         # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
@@ -315,7 +316,8 @@ class MegatronBackend(Policy):
             )
             if have != (tp, pp, self.vpp):
                 raise ValueError(
-                    f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}"
+                    f"Megatron is already initialised at TP x PP x VPP = {have}, not "
+                    f"{(tp, pp, self.vpp)}"
                 )
         else:
             from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
@@ -566,7 +568,8 @@ class MegatronBackend(Policy):
         }
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer (``write_model_files``)."""
+        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer
+        (``write_model_files``)."""
         ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))

@@ -3,11 +3,11 @@
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
 shard (:func:`writer_dp_rank`; with a virtual pipeline each chunk is saved as its virtual
-stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
-distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
-for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain
-path's come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective:
-every rank calls :func:`save_policy` / :func:`load_policy`.
+stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments,
+or Megatron's distributed optimizer's DP-sharded state gathered to the writer and scattered back on
+load; for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
+come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every rank calls
+:func:`save_policy` / :func:`load_policy`.
 """
 
 from __future__ import annotations

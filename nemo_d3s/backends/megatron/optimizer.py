@@ -294,7 +294,7 @@ def build_optimizer(
     return wrapped, get_megatron_optimizer(opt_config, wrapped)
 
 
-# ---------------------------------------------------------------------------- distributed optimizer state
+# ---------------------------------------------------------------------- distributed optimizer state
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -446,7 +446,8 @@ def scatter_states(
         missing = set(current) - set(values)
         if missing:
             raise RuntimeError(
-                f"{name}: the optimizer keeps {sorted(missing)} that the checkpoint does not restore"
+                f"{name}: the optimizer keeps {sorted(missing)} that the checkpoint does "
+                "not restore"
             )
         dopt._set_main_param_and_optimizer_states(
             p,
