@@ -8,8 +8,9 @@ it here. A folder without one: :func:`missing_checksums`, the one policy everywh
 trainer calls such a checkpoint of its own unusable too): refused when the folder is of a
 kind this project always writes with checksums (a Megatron shard checkpoint, a training
 checkpoint; the file was deleted or lost in a copy), read with a warning when it is a
-NeMo 2 folder (NeMo writes none). Checking reads every file once (about 1 GB/s per core; the Megatron backend's ranks
-share the files, each reading its part, and agree on the result); the documented switches
+NeMo 2 folder (NeMo writes none). Checking reads every file once (about 1 GB/s per
+core; the Megatron backend's ranks share the files, each reading its part, and agree on
+the result); the documented switches
 ``--no-verify-checksums`` and ``model.params.verify_checksums=false`` skip it.
 """
 

@@ -82,7 +82,8 @@ def check_data_record(cfg: Any, out: Path) -> None:
         elif cur["size"] != rec.get("size") or cur["sha256"] != rec.get("sha256"):
             changed.append(
                 f"{key}: {cur['path']!r} changed since the run read it ({rec.get('size')} -> "
-                f"{cur['size']} bytes, SHA-256 {str(rec.get('sha256'))[:12]} -> {cur['sha256'][:12]})"
+                f"{cur['size']} bytes, SHA-256 {str(rec.get('sha256'))[:12]} -> "
+                f"{cur['sha256'][:12]})"
             )
     if not changed:
         return

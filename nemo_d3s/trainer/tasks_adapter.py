@@ -25,7 +25,9 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["RewardStopped", "StopNow", "TaskAdapter", "build_task"]
+from nemo_d3s.trainer.signals import StopNow
+
+__all__ = ["RewardStopped", "TaskAdapter", "build_task"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
@@ -38,10 +40,6 @@ STOP_GRACE_S = 2.0
 class RewardStopped(BaseException):
     """A stop signal arrived during a reward call (raised by the trainer's signal handler
     into the call; a BaseException so that the function's ``except Exception`` lets it by)."""
-
-
-class StopNow(SystemExit):
-    """The trainer's second stop signal: exit at once (128 + signal), never a reward bug."""
 
 
 class _RewardTimeout(BaseException):

@@ -58,7 +58,8 @@ def test_jsonl_errors_name_the_physical_line_like_the_decoding_errors(tmp_path):
     named the physical line; with blank lines in the file the two disagreed."""
     path = tmp_path / "gaps.jsonl"
     path.write_text(
-        '{"question": "a", "answer": "1"}\n\n\n{"question": "b"}\n{"question": "c", "answer": "2"}\n'
+        '{"question": "a", "answer": "1"}\n\n\n{"question": "b"}\n'
+        '{"question": "c", "answer": "2"}\n'
     )
     with pytest.raises(ValueError, match=r"gaps\.jsonl: line 4 has no answer"):
         load_problems(str(path))
