@@ -317,6 +317,11 @@ def atomic_folder(
     Returns through the context manager; the staged folder's path is what the block gets.
     """
     dest = Path(dest).expanduser().absolute()
+    if dest.is_symlink():
+        # A link to the output folder (issue 32: the link itself was renamed aside and
+        # replaced, its ".old" copy never removed, the next write calling it a writer killed
+        # midway): the folder it names is written; the link stays and shows the new output.
+        dest = Path(os.path.realpath(dest))
     created: List[Path] = []  # parent folders made here, removed again on failure (innermost first)
     p = dest.parent
     while not p.exists():
@@ -366,7 +371,9 @@ def atomic_folder(
         _fsync_path(str(dest.parent), folder=True)
     finally:
         for leftover in (tmp, old):
-            if leftover.exists() and leftover != kept:
+            if leftover.is_symlink():
+                leftover.unlink()
+            elif leftover.exists() and leftover != kept:
                 shutil.rmtree(leftover, ignore_errors=True)
         if held is not None:
             held.release()

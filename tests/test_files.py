@@ -141,6 +141,39 @@ def test_files_that_appear_in_the_output_while_it_is_written_are_kept(tmp_path):
             (tmp_path / "new").mkdir()
 
 
+def test_a_file_appearing_two_levels_deep_in_the_output_is_kept(tmp_path):
+    """Issue 32 (a mutant that survived): a snapshot of the output's top level only (names,
+    sizes, times) misses a file added two levels down, whose parent's parent does not
+    change, and the publish deleted it. The snapshot covers the whole tree."""
+    dest = tmp_path / "out"
+    (dest / "sub" / "inner").mkdir(parents=True)
+    (dest / "sub" / "inner" / "old.txt").write_text("old")
+    with pytest.raises(files.FolderChanged, match=r"new: sub/inner/notes.txt"):
+        with atomic_folder(dest) as tmp:
+            (tmp / "model.bin").write_text("finished")
+            (dest / "sub" / "inner" / "notes.txt").write_text("a user's file")
+    assert (dest / "sub" / "inner" / "notes.txt").read_text() == "a user's file"
+
+
+def test_a_symlinked_output_is_written_through_the_link_and_nothing_is_left(tmp_path, caplog):
+    """Issue 32: ``--out <a link to a folder> --overwrite`` renamed the link aside, never
+    removed its ``.out.old-*`` copy, and the next write called it a write "killed
+    midway". The folder the link names is replaced; the link stays."""
+    target = tmp_path / "real"
+    target.mkdir()
+    (target / "old.bin").write_text("old")
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    for n in range(2):
+        with caplog.at_level("WARNING", logger="nemo_d3s.files"):
+            with atomic_folder(link) as tmp:
+                (tmp / "model.bin").write_text(f"new {n}")
+        assert link.is_symlink() and os.readlink(link) == str(target)
+        assert _entries(target) == ["model.bin"] and (link / "model.bin").read_text() == f"new {n}"
+        assert sorted(_entries(tmp_path)) == ["out", "real"]  # no hidden .out.old-* / .lock
+    assert "killed midway" not in caplog.text
+
+
 def _dead_pid() -> int:
     import subprocess
     import sys

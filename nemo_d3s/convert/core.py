@@ -54,7 +54,7 @@ from nemo_d3s.convert.sources import (
 )
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
-from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, nbytes
 from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_file, write_layout
@@ -177,7 +177,14 @@ def hf_to_megatron(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
-    if detect_format(Path(hf).expanduser()).kind == NEMO2:
+    fmt = detect_format(Path(hf).expanduser())
+    if fmt.kind == MEGATRON:  # it used to be told to convert its ".bin" files
+        raise ConfigError(
+            f"--hf {str(hf)!r} is a Megatron checkpoint ({fmt.folder}/megatron/layout.json), not "
+            "a Hugging Face folder: it needs no hf-to-megatron; to change its TP x PP, convert it "
+            "back with megatron-to-hf and that folder forward again"
+        )
+    if fmt.kind == NEMO2:
         nemo = _with_side_files(
             _open_nemo2(Path(hf).expanduser(), None, verify_checksums), role="NeMo 2 context"
         )

@@ -57,6 +57,15 @@ RESUME_SAFE = (
     "rollout.enforce_eager",
     "rollout.cpu_kv_cache_gb",
     "rollout.refit_bucket_mb",
+    # The Megatron layout: checkpoints are resharded on load to any TP x PP (x VPP), with
+    # either optimizer (docs/scaling.md; backends/megatron/checkpoint.py). Issue 32: a
+    # resume at another layout was refused as a changed experiment.
+    "model.params.tensor_model_parallel_size",
+    "model.params.pipeline_model_parallel_size",
+    "model.params.virtual_pipeline_model_parallel_size",
+    "model.params.sequence_parallel",
+    "model.params.distributed_optimizer",
+    "model.params.use_tp_pp_dp_mapping",
 )
 
 

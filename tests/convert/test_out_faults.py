@@ -242,3 +242,14 @@ def test_a_checkpoint_without_checksums_json_is_refused_like_the_trainer_refuses
     assert not (tmp_path / "hf").exists()
     argv = ["megatron-to-hf", "--ckpt", str(bare), "--out", str(tmp_path / "hf")]
     assert main([*argv, "--quiet", "--no-verify-checksums"]) == 0
+
+
+def test_hf_to_megatron_given_a_megatron_checkpoint_says_what_it_is(tmp_path, made, capsys):
+    """Issue 32: it was told the folder held no model.safetensors and to convert .bin
+    files with transformers."""
+    _, ck = made
+    argv = ["hf-to-megatron", "--hf", str(ck), "--out", str(tmp_path / "o"), "--quiet"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "is a Megatron checkpoint" in err and "megatron-to-hf" in err and ".bin" not in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()

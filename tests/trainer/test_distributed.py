@@ -127,6 +127,28 @@ def test_two_ranks_match_one_process_for_every_preset(tmp_path, algorithm):
     _compare(tmp_path, cases)
 
 
+def test_padding_metrics_are_global_under_dp(tmp_path):
+    """Issue 32 (a mutant that survived): the padding metrics were left out of the layout
+    comparison, so rank-local counts passed. With one row per micro-batch (scoring and
+    update) no layout groups rows differently, so the fed-token counts and padding shares
+    of the 2-rank run must equal one process's: totals over both ranks."""
+    one_row = ["trainer.micro_batch_size=1", "trainer.logprob_micro_batch_size=1", "d3s=d3s"]
+    _compare(tmp_path, [("one_row", one_row)])
+    rows1 = read_jsonl(tmp_path / "one_one_row" / "metrics.jsonl")
+    rows2 = read_jsonl(tmp_path / "two_one_row" / "metrics.jsonl")
+    padding = sorted(k for k in LAYOUT_KEYS if k.endswith(("fed_tokens", "padding_share")))
+    assert all(k in rows1[0] for k in padding), sorted(rows1[0])
+    for a, b in zip(rows1, rows2):
+        for k in padding:
+            assert math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-12), (
+                a["step"],
+                k,
+                a[k],
+                b[k],
+            )
+    assert any(r["update_fed_tokens"] > 0 for r in rows1)
+
+
 @pytest.mark.slow
 def test_two_ranks_match_with_kl_mini_batches_and_without_rebalancing(tmp_path):
     """Mini-batches whose share is empty on one rank, the reference model, the eligible

@@ -492,13 +492,13 @@ def _math_file(tmp_path: Path, question_lengths) -> Path:
 
 
 def test_prompt_longer_than_the_context_is_caught_at_load(tmp_path, caplog):
-    # tiny model: 1,024 positions, byte-level tokens; row 3 is 3,000 characters, row 5 200k
+    # tiny model: 1,024 positions, byte-level tokens; line 3 is 3,000 characters, line 5 200k
     data = _math_file(tmp_path, [10, 12, 3000, 14, 200_000, 16, 18, 20, 22, 24])
     task = ["task=jsonl_math", f"task.params.train_path={data}", "task.eval_size=2"]
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path / 'out'}", *FAST, *task])
     with pytest.raises(ConfigError, match=r"2 prompt\(s\) are longer than 1016 tokens") as e:
         Trainer(cfg).run()
-    assert "row 3: prompt of" in str(e.value) or "row 5: prompt of 200,0" in str(e.value)
+    assert "line 3: prompt of" in str(e.value) or "line 5: prompt of 200,0" in str(e.value)
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
         state, rows = run_inprocess(tmp_path / "out", [*FAST, *task, "task.long_prompts=skip"])

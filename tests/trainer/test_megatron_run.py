@@ -225,3 +225,27 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     assert exported.keys() == converted.keys()
     for k in exported:
         assert torch.equal(exported[k], converted[k]), k
+
+
+def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
+    """Issue 32: checkpoints reshard to any layout (docs/scaling.md), but a resume at
+    another TP x PP was refused as a changed experiment. The smoke run at TP 2 on two
+    ranks, stopped after 2 steps, resumes at TP 1 in one process and finishes."""
+    out = tmp_path / "run"
+    fresh = {"NEMO_D3S_CACHE": str(tmp_path / "cache")}
+    short = ["experiment=megatron_smoke", f"output_dir={out}", "trainer.export_hf=false"]
+    _finish(_torchrun(2, [*short, "trainer.steps=2", "trainer.save_every=1"], env=fresh), 600)
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", *short, "trainer.steps=3", "resume=true"]
+        + ["model.params.tensor_model_parallel_size=1", "trainer.save_every=1"],
+        cwd=REPO,
+        env={**cli_env(), **fresh},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from" in r.stderr + r.stdout
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert (out / "config.resumed-1.yaml").is_file()
