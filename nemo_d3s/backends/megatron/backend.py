@@ -403,6 +403,7 @@ class MegatronBackend(Policy):
                 "dtype": str(inner.weights_dtype).removeprefix("torch."),
                 "host": socket.gethostname(),
                 "gpus": (inner.visible_devices or "").split(","),
+                "workers": int(inner.cfg.tensor_parallel_size),
             }
         flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
         group = self._mp_gloo_group() if mp is not None else None
@@ -410,11 +411,14 @@ class MegatronBackend(Policy):
             dist.broadcast_object_list(flags, src=src, group=group)
         prompt_seeds, on_policy, refit = flags[0]
         if refit is not None:
-            refit["hosts_engine_gpu"] = (
-                self.device.type == "cuda"
-                and refit.pop("host") == socket.gethostname()
-                and _own_gpu_entry() in refit.pop("gpus")
-            )
+            same_host = refit.pop("host") == socket.gethostname()
+            gpus, workers = refit.pop("gpus"), refit.pop("workers")
+            if refit["transport"] == "shm":  # the CPU twin: rank src + i stages for worker i
+                refit["hosts_engine_gpu"] = same_host and 0 <= dist.get_rank() - src < workers
+            else:
+                refit["hosts_engine_gpu"] = (
+                    self.device.type == "cuda" and same_host and _own_gpu_entry() in gpus
+                )
         return ModelParallelRollouts(
             inner,
             self.tokenizer,

@@ -7,8 +7,10 @@ multiprocessing off, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Inside a multi-rank 
 in its own process (V1 multiprocessing) with torchrun's variables hidden while it starts.
 
 Refit (``backends/refit.py``): bounded buckets through ``collective_rpc`` by method name
-(``worker_ext.py``): CUDA IPC handles on a GPU (weights go GPU to GPU), bytes on the CPU
-build. No generator or tensor is pickled: what crosses is plain and one bucket large.
+(``worker_ext.py``), through one reused staging buffer per staging rank: GPU memory opened
+by CUDA IPC on a GPU (weights go GPU to GPU), a shared-memory file on the CPU build (the same
+logic, ``backends/staging.py``); the worker copies each bucket out before the trainer refills
+the buffer. No generator or tensor is pickled: what crosses is plain handles and names.
 
 Memory (GPU, ``rollout.sleep``): the engine sleeps at level 2 (weights and KV cache dropped,
 nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``) while the policy
@@ -212,7 +214,9 @@ class VLLMEngine(RolloutEngine):
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
-        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "host"
+        # Another process: through a reused staging buffer, GPU memory (CUDA IPC) or its CPU
+        # twin, shared memory; one logic (backends/staging.py).
+        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "shm"
         self.bucket_bytes = (
             int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
         )
@@ -293,13 +297,9 @@ class VLLMEngine(RolloutEngine):
         self._sent += [m[0] for m in meta]
         self._rpc("refit_tensors", meta=meta, tensors=tensors)
 
-    def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None:
+    def load_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
         self._sent += [m[0] for m in meta]
-        self._rpc("refit_host_bucket", meta=meta, raw=raw)
-
-    def load_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
-        self._sent += [m[0] for m in meta]
-        self._rpc("refit_ipc_bucket", meta=meta, handles=handles)
+        self._rpc("refit_staged_bucket", meta=meta, handles=handles)
 
     def end_refit(self) -> None:
         # vLLM's loader has raised on a name or shape its model lacks (load_weights); this
