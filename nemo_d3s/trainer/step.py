@@ -99,6 +99,9 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         # (one scalar all-reduce), before the step's first collective over the rollouts.
         if ctx.groups.max(interrupted) > 0:
             raise StepInterrupted(step)
+        # scoring and the update need the memory: an engine with its own weights drops them
+        # now (not after every generation: evaluation batches reuse them, RolloutEngine.release)
+        ctx.engine.release()
     with ctx.timed("reward"):
         rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id

@@ -114,14 +114,17 @@ def test_bad_settings_and_bad_sync(pair):
 def _payload_bytes(method, kw):
     if method == "refit_tensors":
         return sum(t.numel() * t.element_size() for t in kw["tensors"])
-    return len(kw["raw"])
+    return sum(  # a staged bucket: the bytes its (name, dtype, shape, offset) list describes
+        getattr(torch, dt).itemsize * torch.Size(shape).numel() for _, dt, shape, _ in kw["meta"]
+    )
 
 
 def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
     """The engine as the trainer builds it (``build_rollout_engine``: vLLM starts on dummy
     weights, the first refit fills them), refitted in 16 KiB buckets, in this process
-    (``direct``: the bucket's tensors handed over) and as bytes (``host``: what an engine in
-    another process gets): every ``collective_rpc`` carries picklable values (no generator:
+    (``direct``: the bucket's tensors handed over) and through the shared-memory staging
+    buffer (``shm``: what an engine in another process gets): every ``collective_rpc`` carries
+    picklable values (no generator:
     what broke tensor_parallel_size > 1 in one process) of at most one bucket (or one larger
     tensor), and the engine's weights equal the trainer's after each."""
     import pickle
@@ -136,7 +139,7 @@ def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
     sizes = [t.numel() * t.element_size() for _, t in policy.hf_weights()]
     assert engine.transport == "direct"
     try:
-        for transport, method in (("direct", "refit_tensors"), ("host", "refit_host_bucket")):
+        for transport, method in (("direct", "refit_tensors"), ("shm", "refit_staged_bucket")):
             engine.transport = transport
             args, kw = _one_step_args(engine, policy)
             policy.train_step(*args, **kw)  # new weights to move
@@ -227,4 +230,75 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
     _, transport, gap = line.split()
-    assert transport == "host" and float(gap) < 1e-4
+    assert transport == "shm" and float(gap) < 1e-4
+
+
+def _engine_view(trainer):
+    """The trainer's HF tensors as vLLM's Llama holds them: q/k/v and gate/up fused."""
+    out = {}
+    for name, t in trainer.items():
+        for parts, fused in (
+            (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+            (("gate_proj", "up_proj"), "gate_up_proj"),
+        ):
+            if f".{parts[0]}." in name:
+                out[name.replace(parts[0], fused)] = torch.cat(
+                    [trainer[name.replace(parts[0], p)] for p in parts]
+                )
+        if not any(
+            f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+        ):
+            out[name] = t
+    return out
+
+
+def _assert_engine_holds(engine, policy):
+    """Every weight the engine computes with equals the trainer's, bit for bit
+    (``worker_ext.effective_weights`` reads a linear layer's weight back out of the CPU
+    build's GEMM kernel)."""
+    want = _engine_view({n: t.detach().clone() for n, t in policy.hf_weights()})
+    if policy.model.config.tie_word_embeddings:
+        del want["lm_head.weight"]  # vLLM's lm_head is the embedding itself
+    got = engine.llm.collective_rpc("effective_weights", kwargs={"names": sorted(want)})[0]
+    for name, t in want.items():
+        dtype, shape, raw = got[name]
+        e = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
+        e = e[tuple(slice(0, n) for n in t.shape)]  # vLLM pads the vocabulary
+        assert torch.equal(e, t), f"{name}: the engine's weight differs from the trainer's"
+
+
+def test_a_refit_through_the_reused_shared_memory_buffer_gives_a_separate_engine_the_trainers_weights(
+    monkeypatch,
+):
+    """Fix 1 of issue 30: an engine in ANOTHER process (V1 multiprocessing), refitted through
+    the shared-memory staging buffer (the CPU twin of CUDA IPC: the same sender, the same
+    worker code) in buckets smaller than one layer, so that vLLM's layer-wise reload gets a
+    layer's tensors over several buckets of the one reused buffer (here each MLP weight, 128
+    KiB, is a bucket of its own at offset 0). After each refit the engine's weights equal the
+    trainer's bit for bit. With the worker handing vLLM views into the buffer (the code before
+    the fix) gate_proj is loaded with up_proj's bytes and this fails."""
+    from nemo_d3s.backends.engines import build_rollout_engine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine in its own process
+    policy = _policy(lr=5e-2)
+    layer = sum(t.numel() * t.element_size() for n, t in policy.hf_weights() if ".layers.0." in n)
+    bucket = 100 * 2**10
+    assert bucket < layer / 4
+    engine = build_rollout_engine(
+        "vllm", policy, {"dtype": "float32", "refit_bucket_mb": bucket / 2**20}
+    )
+    try:
+        assert engine.transport == "shm" and engine.refits == 1
+        _assert_engine_holds(engine, policy)
+        args, kw = _one_step_args(engine, policy)
+        policy.train_step(*args, **kw)
+        engine.rpc_log = []
+        engine.sync_weights(policy)
+        staged = [k for m, k in engine.rpc_log if m == "refit_staged_bucket"]
+        assert len(staged) > 10 and engine.refits == 2
+        assert (
+            len({tuple(tuple(h) for h in k["handles"].values()) for k in staged}) == 1
+        )  # one buffer
+        _assert_engine_holds(engine, policy)
+    finally:
+        engine.close()

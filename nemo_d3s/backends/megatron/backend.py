@@ -507,7 +507,7 @@ class MegatronBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        return schedule.train_step(
+        metrics = schedule.train_step(
             self.chunks,
             self.optimizer,
             batch,
@@ -521,6 +521,9 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
         )
+        if not metrics.get("skipped"):
+            self.weights_changed()
+        return metrics
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
@@ -580,6 +583,7 @@ class MegatronBackend(Policy):
         """A checkpoint written at any TP x PP layout, with either optimizer; see
         ``checkpoint.load_policy``."""
         ckpt.load_policy(self, folder)
+        self.weights_changed()
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
             self._own_engine.sync_weights(self)
         return True

