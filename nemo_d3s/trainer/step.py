@@ -22,6 +22,7 @@ from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource, generate_groups
+from nemo_d3s.trainer.faults import fault_point
 from nemo_d3s.trainer.stats import (
     mismatch_metrics,
     padding_metrics,
@@ -170,6 +171,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             rebalance=ctx.rebalance,
             micro_batch_tokens=ctx.micro_batch_tokens,
         )
+    fault_point("step.updated")
     with ctx.timed("weight_sync"):
         ctx.engine.sync_weights(ctx.policy)
     m.update(update_metrics(ctx.groups, upd, report))
