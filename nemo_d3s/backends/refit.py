@@ -234,34 +234,46 @@ class WeightRefit:
         release_cached_cuda_memory(self.device)
         self.barrier()
 
+    def agree(self, error: Optional[BaseException]) -> None:
+        """Collective barrier that also tells every rank whether any rank failed (one MIN
+        all-reduce of an ok flag on the gloo group): a failure on the engine's rank (vLLM
+        refused a tensor, its process died) raises on every rank at the same point instead of
+        leaving the others in the next collective until the group's timeout."""
+        if not self.single:
+            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is not None:
+            raise error
+        if not self.single and int(ok.item()) == 0:
+            raise RuntimeError(
+                f"refit failed on another rank of the group (the engine's rank {self.src} says why)"
+            )
+
     def push(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> RefitStats:
         """One refit; collective over ``group``. Returns this rank's :class:`RefitStats`.
 
         Per bucket: stage (staging ranks) -> gather the handles on ``src`` -> the engine
-        copies the bucket out and loads it -> barrier; only then does any rank refill its
-        buffer with the next bucket."""
+        copies the bucket out and loads it -> :meth:`agree` (a barrier that carries
+        failures); only then does any rank refill its buffer with the next bucket."""
         stats = RefitStats()
         self.free_for_engine()
-        if self.is_src:
-            self.sink.begin_refit()
+        self.agree(_attempt(self.sink.begin_refit) if self.is_src else None)
         if self.staged and self.hosts_engine_gpu:
             slot = 0 if self.single else dist.get_rank() - self.src
             self.staging = StagingBuffer(self.transport, self.bucket_bytes, slot)
         try:
             moves = self.is_src or self.staging is not None
             for bucket in iter_buckets(weights, self.bucket_bytes, self.dtype, cast=moves):
-                self._move(bucket, stats)
+                self.agree(self._move(bucket, stats))
                 stats.tensors += len(bucket.meta)
                 stats.buckets += 1
                 stats.total_bytes += bucket.nbytes
                 stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
                 stats.names += [m[0] for m in bucket.meta]
-                self.barrier()  # nobody runs ahead (next gather) or refills a buffer being read
                 if self.staging is not None:
                     self.staging.opened()  # the engine has mapped it: its file name can go
-            if self.is_src:
-                self.sink.end_refit()  # the engine lets go of the staging buffers here
-            self.barrier()  # ... before any rank frees its own
+            # the engine lets go of the staging buffers here, before any rank frees its own
+            self.agree(_attempt(self.sink.end_refit) if self.is_src else None)
         finally:
             if self.staging is not None:
                 stats.staging_allocations = self.staging.allocations
@@ -269,19 +281,35 @@ class WeightRefit:
                 self.staging = None
         return stats
 
-    def _move(self, bucket: Bucket, stats: RefitStats) -> None:
+    def _move(self, bucket: Bucket, stats: RefitStats) -> Optional[BaseException]:
+        """One bucket to the engine; returns this rank's failure (None: none) for
+        :meth:`agree`. The gather runs on every rank whatever happened before it."""
         if not self.staged:
             if self.is_src:  # other ranks only served the source's collectives
-                self.sink.load_tensors(bucket.meta, bucket.tensors)
-            return
-        handle = self.staging.stage(bucket) if self.staging is not None else None
-        if handle is not None:
-            stats.staged_bytes += bucket.nbytes
+                return _attempt(lambda: self.sink.load_tensors(bucket.meta, bucket.tensors))
+            return None
+        handle, error = None, None
+        if self.staging is not None:
+            try:
+                handle = self.staging.stage(bucket)
+                stats.staged_bytes += bucket.nbytes
+            except Exception as e:  # (a staging buffer the GPU has no room for)
+                error = e
         if self.single:
             handles = [handle]
         else:
             handles = [None] * dist.get_world_size(self.group) if self.is_src else None
             dist.gather_object(handle, handles, dst=self.src, group=self.group)
-        if self.is_src:
+        if self.is_src and error is None:
             by_key = dict(h for h in handles if h is not None)
-            self.sink.load_staged_bucket(bucket.meta, by_key)
+            error = _attempt(lambda: self.sink.load_staged_bucket(bucket.meta, by_key))
+        return error
+
+
+def _attempt(fn) -> Optional[BaseException]:
+    """``fn()``; the exception it raised, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

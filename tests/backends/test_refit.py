@@ -242,3 +242,38 @@ def test_plain_ipc_handle_is_builtins_only():
     assert all(isinstance(x, allowed) for x in plain)
     assert plain[0] == [4096] and plain[3] == "uint8" and plain[4] == 3
     assert pickle.loads(pickle.dumps(plain)) == plain
+
+
+def _failing_rank_body(rank: int):
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], backend="gloo")
+    w = _weights()
+
+    class Refuses(LayerwiseSink):
+        def load_staged_bucket(self, meta, handles):
+            if len(self.handles) == 2:
+                raise OSError("the engine died")
+            super().load_staged_bucket(meta, handles)
+
+    sink = Refuses(w) if rank == 0 else None
+    try:
+        R.WeightRefit(sink, transport="shm", group=group, src=0, bucket_bytes=BUCKET).push(
+            iter(w.items())
+        )
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    dist.barrier(group=group)  # both ranks are at the same collective afterwards
+    return error
+
+
+@pytest.mark.distributed
+def test_a_failure_on_the_engines_rank_raises_on_every_rank_of_the_refit():
+    """The engine's rank fails at its third bucket: it raises its error and the other rank
+    raises too, at the same point (it used to wait in the next barrier until the group's
+    timeout, paired with whatever collective the failed rank ran next)."""
+    r0, r1 = run_on_gloo_ranks(_failing_rank_body, 2, timeout=120)
+    assert r0 == "OSError: the engine died"
+    assert r1.startswith("RuntimeError: refit failed on another rank of the group")
