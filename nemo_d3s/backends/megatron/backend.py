@@ -392,9 +392,15 @@ class MegatronBackend(Policy):
         """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
         TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
         rank tells the group how refits travel (transport, bucket size, dtype) and on which
-        node and GPUs the engine runs (a rank on one of them stages refit buckets there)."""
+        node and GPUs the engine runs (a rank on one of them stages refit buckets there). An
+        engine that fails to start raises on every rank of the group (none is left waiting)."""
         mp, src = self._mp_group()
-        inner = build() if dist.get_rank() == src else None
+        inner, failure = None, None
+        if dist.get_rank() == src:
+            try:
+                inner = build()
+            except Exception as e:
+                failure = e
         refit = None
         if inner is not None and getattr(inner, "transport", None) is not None:
             refit = {
@@ -405,10 +411,18 @@ class MegatronBackend(Policy):
                 "gpus": (inner.visible_devices or "").split(","),
                 "workers": int(inner.cfg.tensor_parallel_size),
             }
-        flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+        flags: List[Any] = [
+            (inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None
+        ]
+        if failure is not None:
+            flags = [f"{type(failure).__name__}: {failure}"]
         group = self._mp_gloo_group() if mp is not None else None
         if group is not None:
             dist.broadcast_object_list(flags, src=src, group=group)
+        if failure is not None:
+            raise failure
+        if isinstance(flags[0], str):
+            raise RuntimeError(f"the rollout engine failed to start on rank {src}: {flags[0]}")
         prompt_seeds, on_policy, refit = flags[0]
         if refit is not None:
             same_host = refit.pop("host") == socket.gethostname()
