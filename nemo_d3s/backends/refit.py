@@ -43,7 +43,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.staging import StagingBuffer, tensors_from_buffer
+from nemo_d3s.backends.staging import StagingBuffer, copy_into, tensors_from_buffer
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -123,12 +123,6 @@ def iter_buckets(
         size += n
     if tensors:
         yield Bucket(meta, tensors, size)
-
-
-def copy_into(buffer: torch.Tensor, bucket: Bucket) -> None:
-    """The bucket's tensors into a uint8 ``buffer`` at their offsets (``TensorMeta``)."""
-    for (_, _, _, off), t in zip(bucket.meta, bucket.tensors):
-        buffer[off : off + _nbytes(t)].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def release_cached_cuda_memory(device: Optional[torch.device]) -> bool:

@@ -44,6 +44,7 @@ import torch
 __all__ = [
     "StagedBucketReader",
     "StagingBuffer",
+    "copy_into",
     "gpu_uuid",
     "plain_ipc_handle",
     "rebuild_ipc_tensor",
@@ -78,6 +79,13 @@ def tensors_from_buffer(
             )
         out.append((str(name), buffer[off : off + n].view(dt).reshape(shape)))
     return out
+
+
+def copy_into(buffer: torch.Tensor, bucket) -> None:
+    """A ``refit.Bucket``'s tensors into a uint8 ``buffer`` at their offsets (its meta)."""
+    for (_, _, _, off), t in zip(bucket.meta, bucket.tensors):
+        n = t.numel() * t.element_size()
+        buffer[off : off + n].copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 def shm_key(slot: int) -> str:
@@ -120,8 +128,6 @@ class StagingBuffer:
 
     def stage(self, bucket) -> Tuple[str, tuple]:
         """Copy ``bucket`` (a ``refit.Bucket``) into the buffer and return (key, plain handle)."""
-        from nemo_d3s.backends.refit import copy_into
-
         device = bucket.tensors[0].device
         if self.transport == "cuda_ipc" and device.type != "cuda":
             raise ValueError(

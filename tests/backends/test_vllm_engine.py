@@ -233,72 +233,26 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     assert transport == "shm" and float(gap) < 1e-4
 
 
-def _engine_view(trainer):
-    """The trainer's HF tensors as vLLM's Llama holds them: q/k/v and gate/up fused."""
-    out = {}
-    for name, t in trainer.items():
-        for parts, fused in (
-            (("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-            (("gate_proj", "up_proj"), "gate_up_proj"),
-        ):
-            if f".{parts[0]}." in name:
-                out[name.replace(parts[0], fused)] = torch.cat(
-                    [trainer[name.replace(parts[0], p)] for p in parts]
-                )
-        if not any(
-            f".{p}." in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-        ):
-            out[name] = t
-    return out
-
-
-def _assert_engine_holds(engine, policy):
-    """Every weight the engine computes with equals the trainer's, bit for bit
-    (``worker_ext.effective_weights`` reads a linear layer's weight back out of the CPU
-    build's GEMM kernel)."""
-    want = _engine_view({n: t.detach().clone() for n, t in policy.hf_weights()})
-    if policy.model.config.tie_word_embeddings:
-        del want["lm_head.weight"]  # vLLM's lm_head is the embedding itself
-    got = engine.llm.collective_rpc("effective_weights", kwargs={"names": sorted(want)})[0]
-    for name, t in want.items():
-        dtype, shape, raw = got[name]
-        e = torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape)
-        e = e[tuple(slice(0, n) for n in t.shape)]  # vLLM pads the vocabulary
-        assert torch.equal(e, t), f"{name}: the engine's weight differs from the trainer's"
-
-
-def test_a_refit_through_the_reused_shared_memory_buffer_gives_a_separate_engine_the_trainers_weights(
-    monkeypatch,
+def test_a_separate_engine_refitted_through_the_reused_shared_memory_buffer_holds_the_trainers_weights(
+    tmp_path,
 ):
-    """Fix 1 of issue 30: an engine in ANOTHER process (V1 multiprocessing), refitted through
-    the shared-memory staging buffer (the CPU twin of CUDA IPC: the same sender, the same
-    worker code) in buckets smaller than one layer, so that vLLM's layer-wise reload gets a
-    layer's tensors over several buckets of the one reused buffer (here each MLP weight, 128
-    KiB, is a bucket of its own at offset 0). After each refit the engine's weights equal the
-    trainer's bit for bit. With the worker handing vLLM views into the buffer (the code before
-    the fix) gate_proj is loaded with up_proj's bytes and this fails."""
-    from nemo_d3s.backends.engines import build_rollout_engine
+    """Fix 1 of issue 30, through the self-check's CPU twin ``vllm.refit_buckets_shm``: an
+    engine in ANOTHER process (V1 multiprocessing), refitted through the shared-memory staging
+    buffer (the CPU twin of CUDA IPC: the same sender, the same worker code) in buckets of a
+    quarter of one layer, so vLLM's layer-wise reload gets a layer's tensors over several
+    buckets of the one reused buffer (gate_proj and up_proj each a bucket of its own, both at
+    offset 0). After the first refit and after an optimizer step, every weight the engine
+    computes with equals the trainer's bit for bit (``worker_ext.effective_weights``; the
+    check raises CheckFailed otherwise). With the worker handing vLLM views into the buffer
+    (the code before the fix) it fails: ``qkv_proj``/``gate_up_proj`` hold later buckets'
+    bytes."""
+    from pathlib import Path
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine in its own process
-    policy = _policy(lr=5e-2)
-    layer = sum(t.numel() * t.element_size() for n, t in policy.hf_weights() if ".layers.0." in n)
-    bucket = 100 * 2**10
-    assert bucket < layer / 4
-    engine = build_rollout_engine(
-        "vllm", policy, {"dtype": "float32", "refit_bucket_mb": bucket / 2**20}
-    )
-    try:
-        assert engine.transport == "shm" and engine.refits == 1
-        _assert_engine_holds(engine, policy)
-        args, kw = _one_step_args(engine, policy)
-        policy.train_step(*args, **kw)
-        engine.rpc_log = []
-        engine.sync_weights(policy)
-        staged = [k for m, k in engine.rpc_log if m == "refit_staged_bucket"]
-        assert len(staged) > 10 and engine.refits == 2
-        assert (
-            len({tuple(tuple(h) for h in k["handles"].values()) for k in staged}) == 1
-        )  # one buffer
-        _assert_engine_holds(engine, policy)
-    finally:
-        engine.close()
+    from nemo_d3s.selfcheck.base import Context
+    from nemo_d3s.selfcheck.vllm_checks import check_refit_buckets_shm
+
+    ctx = Context(0, 1, 0, False, torch.device("cpu"), Path(tmp_path), True, Path(tmp_path))
+    out = check_refit_buckets_shm(ctx)
+    assert out["transport"] == "shm" and out["refits"] == 2
+    assert out["bucket_bytes"] * 4 <= out["layer_bytes"] and out["buckets"] >= 8
+    assert out["staging_buffers"] == 1  # one buffer, refilled bucket after bucket

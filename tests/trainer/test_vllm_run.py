@@ -95,10 +95,10 @@ def test_sigterm_to_the_whole_job_checkpoints_first_and_resumes(tmp_path):
     """Fix 4 of issue 30: pre-emption with the engine in its own process (as in every
     multi-rank job). SIGTERM goes to the trainer's whole process group, vLLM's EngineCore and
     worker included, as Slurm signals every process of the step, between the update and the
-    refit (fault point ``step.updated``). The engine must not act on it (it used to shut down
-    at once, and the trainer's refit then found no engine: no checkpoint, exit 1): the trainer
-    finishes the step, writes its checkpoint, exits 75 (``train.EXIT_INTERRUPTED``), and
-    ``resume=true`` runs to the end from that checkpoint."""
+    refit (fault point ``step.updated``); vLLM's processes shut down on it. The trainer used
+    to refit into the engine that was going down and wait on it forever (no checkpoint); now
+    it calls the engine no more: it writes its checkpoint, exits 75
+    (``train.EXIT_INTERRUPTED``), and ``resume=true`` runs to the end from that checkpoint."""
     import json
     import os
     import subprocess

@@ -48,7 +48,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.base import (
+    GenerationConfig,
+    GenerationInterrupted,
+    Policy,
+    RolloutEngine,
+    Rollouts,
+)
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
 from nemo_d3s.backends.refit import (
     DEFAULT_BUCKET_BYTES,
@@ -334,7 +340,14 @@ class VLLMEngine(RolloutEngine):
         self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
         self._wake(["weights", "kv_cache"])
         # awake until the trainer's release(): more generations of this version cost no refit
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        except Exception as e:
+            if self.should_stop is not None and self.should_stop():
+                # the job's stop signal reached the engine's processes too and they went down
+                # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
+                raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
+            raise
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:

