@@ -75,12 +75,15 @@ class ModelParallelRollouts(RolloutEngine):
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
     then wakes into that memory); ``src`` samples; one ``broadcast_object_list`` of the
     Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
-    ranks, never a file). An engine whose weights a sleep dropped (``inner.stale``) is
-    refitted first, by the whole group.
-    sync_weights: ``refit`` set (an engine with its own copy, vLLM): the group runs one
+    ranks, never a file). An engine that does not hold the policy's weights version (a
+    sleep dropped them) is refitted first, by the whole group.
+    sync_weights: ``refit`` set (an engine with its own copy, vLLM): when the engine's rank
+    says it holds another weights version (one refit per version), the group runs one
     :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
-    ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
-    otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
+    ``policy.refit_weights()``; ranks on the engine's GPUs, or on the CPU build its first
+    ``workers`` ranks, stage buckets: CUDA IPC / shared memory); otherwise ``src`` hands the
+    stream to ``inner`` and the others serve the gathers.
+    release: the engine's rank lets its engine drop its memory (``RolloutEngine.release``).
     refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
     (``MegatronBackend.place_rollout_engine``).
     """
