@@ -132,14 +132,17 @@ def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
     if v is None:
         return []
     want = engine_view(trainer, tied)
-    raw = v.llm.collective_rpc("effective_weights", kwargs={"names": sorted(want)})
-    workers = [
-        {
-            n: torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).reshape(shape)
-            for n, (dt, shape, b) in w.items()
-        }
-        for w in raw
-    ]
+    try:  # this rank alone from here: a failure is a problem, not an exception (Context.agree)
+        raw = v.llm.collective_rpc("effective_weights", kwargs={"names": sorted(want)})
+        workers = [
+            {
+                n: torch.frombuffer(bytearray(b), dtype=getattr(torch, dt)).reshape(shape)
+                for n, (dt, shape, b) in w.items()
+            }
+            for w in raw
+        ]
+    except Exception as e:
+        return [f"reading the engine's weights: {type(e).__name__}: {e}"]
     return compare_engine_weights(want, workers)
 
 
@@ -155,12 +158,13 @@ def _close(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any], tied: bool) -> Dict[str, Any]:
+def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, Any]:
     """Build the engine (refitted at once), compare; one optimizer step, refit, compare."""
     from nemo_d3s.backends.engines import build_rollout_engine
     from nemo_d3s.selfcheck.model_checks import one_step
 
-    layer = sum(t.numel() * 2 for n, t in pol.hf_weights() if ".layers.0." in n)
+    tied = bool(getattr(getattr(pol, "spec", None), "tie_word_embeddings", False))
+    layer = sum(t.numel() * t.element_size() for n, t in pol.hf_weights() if ".layers.0." in n)
     settings = {"refit_bucket_mb": layer / 4 / 2**20, **settings}
     with _engine_in_its_own_process():
         engine = build_rollout_engine("vllm", pol, settings)
@@ -185,7 +189,7 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any], tied: bool) -
 def check_refit_buckets(ctx: Context) -> Dict[str, Any]:
     _need_vllm()
     with megatron_backend(ctx, tensor_model_parallel_size=1, lr=1e-2) as pol:
-        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3}, tied=False)
+        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
@@ -193,7 +197,7 @@ def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
     need_world(ctx, 2, "a vLLM engine of TP 2 refitted from two trainer ranks")
     with megatron_backend(ctx, tensor_model_parallel_size=2, lr=1e-2) as pol:
         settings = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.3}
-        return _refit_check(ctx, pol, settings, tied=False)
+        return _refit_check(ctx, pol, settings)
 
 
 def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
@@ -202,7 +206,7 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
     with megatron_backend(
         ctx, tensor_model_parallel_size=1, pipeline_model_parallel_size=2, lr=1e-2
     ) as pol:
-        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3}, tied=False)
+        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 def check_memory(ctx: Context) -> Dict[str, Any]:
