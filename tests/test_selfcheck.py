@@ -175,7 +175,8 @@ def test_the_cpu_form_end_to_end(tmp_path):
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
     checks = {c["name"]: c for c in doc["checks"]}
     assert doc["context"]["world"] == 2 and doc["exit_code"] == 0
-    # (vllm.refit_buckets_shm: not run where vLLM is not installed; tests/backends/test_vllm_engine.py)
+    # (vllm.refit_buckets_shm: not run where vLLM is not installed; its test is in
+    # tests/backends/test_vllm_engine.py)
     cpu = {n for n, c in checks.items() if not c["needs_cuda"] and not n.startswith("vllm.")}
     assert cpu == {
         "env.versions",
@@ -201,7 +202,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert "8 passed, 0 failed" in proc.stdout
 
 
-# ---------------------------------------------------------------------------- the CUDA checks' logic on the CPU
+# ---------------------------------------------------------------- the CUDA checks' logic on the CPU
 def _ctx(tmp_path, **cache):
     import torch
 

