@@ -1,5 +1,5 @@
 """Model folders for the conversion tests: the Megatron tests' tiny HF folders (Llama: GQA,
-untied; Qwen2: q/k/v bias, tied; vocabulary 300, padded by every layout) in float32 or
+untied; Qwen2: q/k/v bias, tied; Qwen3: q/k norms, tied here; vocabulary 300, padded by every layout) in float32 or
 bfloat16, and helpers to compare HF folders tensor by tensor."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
 def tiny(folder, arch: str, dtype: str = "float32", seed: int = 0, tied=None) -> Path:
-    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" tied unless ``tied`` says
-    otherwise) stored in ``dtype``."""
+    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" / "qwen3" tied unless ``tied``
+    says otherwise) stored in ``dtype``."""
     from safetensors.torch import load_file, save_file
 
-    folder = make_tiny_hf(folder, arch, tied=arch == "qwen2" if tied is None else tied, seed=seed)
+    folder = make_tiny_hf(folder, arch, tied=arch in ("qwen2", "qwen3") if tied is None else tied, seed=seed)
     if dtype != "float32":
         path = folder / "model.safetensors"
         tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(str(path)).items()}
