@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 
 __all__ = [
@@ -181,11 +181,17 @@ class ModelSpec:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
-        """From ``folder/config.json``, or a NeMo 2 checkpoint's ``context/model.yaml``."""
-        if detect_format(folder).kind == NEMO2:
+        """From ``folder/config.json``, a NeMo 2 checkpoint's ``context/model.yaml``, or a
+        Megatron-LM / Megatron-Bridge checkpoint's own description (``mcore_config``)."""
+        kind = detect_format(folder).kind
+        if kind == NEMO2:
             return cls.from_hf_dict(
                 hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml")
             )
+        if kind == MEGATRON_LM:
+            from nemo_d3s.formats.mcore_config import checkpoint_hf_config, resolve_iteration
+
+            return cls.from_hf_dict(*checkpoint_hf_config(resolve_iteration(folder)))
         return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
 
     def to_dict(self) -> Dict[str, Any]:

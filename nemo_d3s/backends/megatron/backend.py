@@ -1,7 +1,8 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+Built from a local HF folder (Llama / Mistral / Qwen2 / Qwen3), a converted Megatron
+checkpoint, a NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge checkpoint (told apart by
+``formats.detect_format``): ``formats.spec.ModelSpec`` ->
 ``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
 ``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
@@ -60,7 +61,10 @@ from nemo_d3s.backends.megatron.model import (
 )
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, detect_format
+from nemo_d3s.formats.mcore_config import checkpoint_hf_config, resolve_iteration
+from nemo_d3s.formats.mcore_dist import open_mcore_weights
+from nemo_d3s.formats.mcore_dist import write_side_folder as write_mcore_side_folder
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
 from nemo_d3s.formats.shards import (
     ShardedReader,
@@ -182,6 +186,12 @@ class MegatronBackend(Policy):
             side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
             weakref.finalize(self, shutil.rmtree, side, True)
             self.path = str(write_side_folder(Path(self.path), Path(side)))
+        elif fmt.kind == MEGATRON_LM:  # Megatron-LM / Megatron-Bridge: as NeMo 2, own keys
+            it = resolve_iteration(self.path)
+            reader, _ = open_mcore_weights(it, self.spec, checkpoint_hf_config(it)[1])
+            side = tempfile.mkdtemp(prefix="nemo_d3s_mcore_")
+            weakref.finalize(self, shutil.rmtree, side, True)
+            self.path = str(write_mcore_side_folder(it, Path(side)))
         elif fmt.kind == MEGATRON:
             saved = read_layout(fmt.shards, self.spec)
             check_shards(
