@@ -25,7 +25,11 @@ Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, 
   ``k_norm``, megatron-core's ``qk_layernorm``): one RMS-norm weight shared by every query
   (key) head, replicated on every TP rank although each rank normalises only its own
   heads, so its gradient is a partial sum per TP rank (summed over TP:
-  ``backends/megatron/sequence_parallel.allreduce_tp_partial_grads``).
+  ``backends/megatron/sequence_parallel.allreduce_tp_partial_grads``). The refit streams them
+  under transformers' names, which vLLM's Qwen3 loads as they are
+  (``vllm/model_executor/models/qwen3.py`` at 002456df: ``Qwen3Attention`` holds
+  ``q_norm`` / ``k_norm = RMSNorm(head_dim)`` beside the packed ``qkv_proj``;
+  ``Qwen3ForCausalLM.load_weights`` is an ``AutoWeightsLoader``, ``lm_head.`` skipped when tied).
 - layer norms: replicated on every TP rank; with the transformer-engine layer spec they are
   fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 - ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [Vp / TP, H]: vocabulary rows
