@@ -161,8 +161,8 @@ class MegatronBackend(Policy):
             )
         except FileNotFoundError as e:
             raise ConfigError(
-                f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
-                "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
+                f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 or "
+                "Megatron-LM / Megatron-Bridge checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
             ) from None
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
