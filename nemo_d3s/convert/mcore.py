@@ -163,7 +163,7 @@ def hf_to_megatron_lm(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     p = Path(src).expanduser()
-    if detect_format(p).kind in (HF, None) and hf_config is None:
+    if detect_format(p).kind in (HF, None):  # a model folder (or the embedded model's name)
         folder = _resolve_hf(src)
         spec = ModelSpec.from_folder(folder)
         reader = SafetensorsReader(folder, spec)
