@@ -290,3 +290,20 @@ def test_written_folder_reads_from_args_alone_and_refuses_bad_input(tmp_path):
     assert not flag.exists()
     assert sorted(os.listdir(tmp_path)) == ["b1", "b3", "bare", "evil", "mlm", "src"]
     assert hf_tensors(src)
+
+
+def test_the_command_line_both_ways(tmp_path, capsys):
+    """nemo-d3s-convert hf-to-megatron-lm, then megatron-to-hf on the save folder: exit 0,
+    bit-exact, and the second says where the architecture came from."""
+    from nemo_d3s.convert.__main__ import main
+
+    src = tiny(tmp_path / "src", "qwen3")
+    assert (
+        main(["hf-to-megatron-lm", "--hf", str(src), "--out", str(tmp_path / "m"), "--quiet"]) == 0
+    )
+    assert (
+        main(["megatron-to-hf", "--ckpt", str(tmp_path / "m"), "--out", str(tmp_path / "h")]) == 0
+    )
+    err = capsys.readouterr().err
+    assert "architecture from" in err and "run_config.yaml' (Megatron-Bridge) model" in err
+    assert_same_tensors(src, tmp_path / "h")
