@@ -19,16 +19,19 @@ _EPILOG = {
   nemo-d3s-convert hf-to-megatron --hf ./Qwen2.5-7B-Instruct --out ./qwen7b-tp4 --tp 4 --pp 1
   # then train from it: model.backend=megatron model.name=./qwen7b-tp4 (any TP x PP)""",
     "megatron-to-hf": """examples:
-  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 --out ./qwen7b-d3s --dtype bfloat16
-  # (a checkpoint written before checkpoints kept config.json + tokenizer: add --hf-config ./Qwen2.5-7B-Instruct)
+  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 \\
+      --out ./qwen7b-d3s --dtype bfloat16
+  # (a checkpoint written before checkpoints kept config.json + tokenizer:
+  #  add --hf-config ./Qwen2.5-7B-Instruct)
   nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back
-  # a Megatron-LM / Megatron-Bridge save folder (or one iter_XXXXXXX/ of it); Megatron-LM keeps
-  # no tokenizer: add --hf-config ./Qwen3-8B (its config.json is then the model's description)
+  # a Megatron-LM / Megatron-Bridge save folder (or one iter_XXXXXXX/ of it); Megatron-LM
+  # keeps no tokenizer: add --hf-config ./Qwen3-8B (its config.json then describes the model)
   nemo-d3s-convert megatron-to-hf --ckpt ./bridge_run/checkpoints --out ./qwen3-8b-rl""",
     "hf-to-megatron-lm": """example:
   nemo-d3s-convert hf-to-megatron-lm --hf ./Qwen3-32B --out ./qwen3-32b-mcore --tp 8
-  # Megatron-LM: --load ./qwen3-32b-mcore --use-checkpoint-args (TP 8: the vocabulary padding);
-  # Megatron-Bridge: checkpoint.pretrained_checkpoint=./qwen3-32b-mcore; here: model.name=./qwen3-32b-mcore""",
+  # Megatron-LM: --load ./qwen3-32b-mcore --use-checkpoint-args (TP 8: the vocabulary
+  # padding); Megatron-Bridge: checkpoint.pretrained_checkpoint=./qwen3-32b-mcore;
+  # here: model.name=./qwen3-32b-mcore""",
     "megatron-to-nemo": """example:
   nemo-d3s-convert megatron-to-nemo --ckpt runs/qwen/checkpoints/step_000200 \\
       --hf-config ./qwen-sft-hf --nemo-context ./qwen-sft-nemo --out ./qwen-d3s-nemo
@@ -73,9 +76,11 @@ def _tolerance(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nemo-d3s-convert",
-        description="Convert checkpoints between Hugging Face folders and the Megatron backend's sharded checkpoints "
-        "(the weight table of nemo_d3s.formats.weights). Output is written to a temporary "
-        "sibling folder and renamed into place at the end.",
+        description=(
+            "Convert checkpoints between Hugging Face folders and the Megatron backend's "
+            "sharded checkpoints (the weight table of nemo_d3s.formats.weights). Output is "
+            "written to a temporary sibling folder and renamed into place at the end."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(f"{k}: {v}" for k, v in _EPILOG.items()),
     )
@@ -139,10 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hf-config",
         default=None,
-        help="folder with config.json + tokenizer files (the model the run started from); needed for "
-        "a training checkpoint written before checkpoints kept their model's config and tokenizer, and "
-        "for a Megatron-LM checkpoint (no tokenizer; no vocab_size unless run with --vocab-size); its "
-        "config.json then describes the model",
+        help=(
+            "folder with config.json + tokenizer files (the model the run started from); "
+            "needed for a training checkpoint written before checkpoints kept their model's "
+            "config and tokenizer, and for a Megatron-LM checkpoint (no tokenizer; no "
+            "vocab_size unless run with --vocab-size); its config.json then describes the model"
+        ),
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)"
@@ -158,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-megatron-lm",
         "a Hugging Face folder (or any checkpoint read here) -> a Megatron-LM / Megatron-Bridge / "
         "NeMo-RL save folder (megatron-core dist_checkpointing, torch_dist: "
-        "latest_checkpointed_iteration.txt + release/ with common.pt args, run_config.yaml, tokenizer/)",
+        "latest_checkpointed_iteration.txt + release/ with common.pt args, run_config.yaml, "
+        "tokenizer/)",
     )
     p.add_argument("--hf", required=True, help="Hugging Face model folder, or a checkpoint")
     p.add_argument(
@@ -169,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="TP size of the run that loads it: the vocabulary is padded to a multiple of "
-        "--make-vocab-size-divisible-by x TP, as Megatron-LM / Megatron-Bridge compute it (default 1)",
+        "--make-vocab-size-divisible-by x TP, as Megatron-LM / Megatron-Bridge compute it "
+        "(default 1)",
     )
     p.add_argument(
         "--make-vocab-size-divisible-by",
@@ -208,8 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "verify",
-        "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
-        "memory; exit code 0 when they match",
+        "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint "
+        "converted in memory; exit code 0 when they match",
     )
     p.add_argument("--hf", required=True, help="Hugging Face model folder")
     p.add_argument("--ckpt", required=True, help="Megatron or NeMo 2 checkpoint folder")
@@ -233,8 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--no-verify-checksums",
             dest="verify_checksums",
             action="store_false",
-            help="use a checkpoint whose files do not match its checksums.json (training and converted "
-            "checkpoints carry one; it is checked by default, reading every file once)",
+            help=(
+                "use a checkpoint whose files do not match its checksums.json (training and "
+                "converted checkpoints carry one; it is checked by default, reading every file "
+                "once)"
+            ),
         )
         if p.prog.endswith("verify"):
             continue

@@ -10,10 +10,12 @@ policy), and that every command here and ``model.name=`` read back (``formats/mc
                                                         GPTModel's own keys (megatron-core's
                                                         dist_checkpointing.save)
                   common.pt                         {"args": Megatron-LM's namespace of the
-                                                        model, "iteration": 0, "checkpoint_version": 3.0}
+                                                        model, "iteration": 0,
+                                                        "checkpoint_version": 3.0}
                   run_config.yaml                   Megatron-Bridge: model: (GPTModelProvider
                                                         fields), checkpoint: (nothing to resume)
-                  tokenizer/                        the HF tokenizer files (+ generation_config.json)
+                  tokenizer/                        the HF tokenizer files
+                                                        (+ generation_config.json)
     OUT/checksums.json                      this package's readers check it
 
 The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` x ``tp``, which

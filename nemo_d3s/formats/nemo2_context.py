@@ -64,8 +64,8 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     kind = module.rsplit(".", 1)[-1]
     if kind not in _ARCHS or "Llama4" in cls:
         raise ConfigError(
-            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral, Qwen2 "
-            "and Qwen3 configs are"
+            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral, "
+            "Qwen2 and Qwen3 configs are"
         )
     cfg = hf_config_from_transformer_config(c, where, kind)
     gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
@@ -106,12 +106,13 @@ def hf_config_from_transformer_config(
     for key, want in checks.items():
         if key in c and c[key] != want:
             raise ConfigError(
-                f"{where}: {key}={c[key]!r} is not supported for {_ARCHS[kind][0]} (the weight "
-                f"table needs {want!r})"
+                f"{where}: {key}={c[key]!r} is not supported for {_ARCHS[kind][0]} (the "
+                f"weight table needs {want!r})"
             )
     if c.get("qk_l2_norm") or c.get("multi_latent_attention") or c.get("attention_output_gate"):
         raise ConfigError(
-            f"{where}: qk_l2_norm / multi_latent_attention / attention_output_gate are not supported"
+            f"{where}: qk_l2_norm / multi_latent_attention / attention_output_gate are not "
+            "supported"
         )
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":

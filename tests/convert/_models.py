@@ -1,6 +1,6 @@
 """Model folders for the conversion tests: the Megatron tests' tiny HF folders (Llama: GQA,
-untied; Qwen2: q/k/v bias, tied; Qwen3: q/k norms, tied here; vocabulary 300, padded by every layout) in float32 or
-bfloat16, and helpers to compare HF folders tensor by tensor."""
+untied; Qwen2: q/k/v bias, tied; Qwen3: q/k norms, tied here; vocabulary 300, padded by
+every layout) in float32 or bfloat16, and helpers to compare HF folders tensor by tensor."""
 
 from __future__ import annotations
 

@@ -93,8 +93,12 @@ def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
                 if pre + "self_attn.q_proj.bias" in hf:
                     s[me + "self_attention.linear_qkv.bias"] = qkv("bias")
                 if pre + "self_attn.q_norm.weight" in hf:
-                    s[me + "self_attention.q_layernorm.weight"] = hf[pre + "self_attn.q_norm.weight"]
-                    s[me + "self_attention.k_layernorm.weight"] = hf[pre + "self_attn.k_norm.weight"]
+                    s[me + "self_attention.q_layernorm.weight"] = hf[
+                        pre + "self_attn.q_norm.weight"
+                    ]
+                    s[me + "self_attention.k_layernorm.weight"] = hf[
+                        pre + "self_attn.k_norm.weight"
+                    ]
                 s[me + "self_attention.linear_proj.weight"] = hf[
                     pre + "self_attn.o_proj.weight"
                 ].chunk(tp, 1)[t]
