@@ -119,6 +119,12 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
             "pipeline_model_parallel_size > 1"
         )
+    cp = cfg.context_parallel_size
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:  # not a TE question
+        raise ValueError(
+            f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
+            "integer >= 1, and this backend runs without context parallelism)"
+        )
     if cfg.context_parallel_size != 1:
         raise ValueError(
             f"model.params.context_parallel_size={cfg.context_parallel_size}: "

@@ -391,9 +391,11 @@ def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, t
     from safetensors.torch import load_file
 
     from nemo_d3s.convert import megatron_to_hf
+    from nemo_d3s.files import write_checksums
 
     folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
     exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
+    write_checksums(ckpt)  # as the trainer does after the backend's save (required to read it)
     out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
     got = {
         k: v
