@@ -122,6 +122,7 @@ class Trainer:
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
+            stop_requested=lambda: self.stop.requested,
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -276,6 +277,8 @@ class Trainer:
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
             if done or (self.t.save_every and state.step % self.t.save_every == 0):
+                if not stop:  # (after a stop signal the engine is not called: step.py)
+                    self.engine.release()  # the save may need the memory the engine holds
                 self.ckpt.save(self.policy, state)
         if self.t.export_hf:
             self._export(state)
@@ -312,6 +315,8 @@ class Trainer:
         return; ``resume=true`` continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
+        # the checkpoint comes first; the engine, which the job's signal may have stopped, is
+        # not called again (no refit, no generation, no sleep: trainer/step.py)
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:

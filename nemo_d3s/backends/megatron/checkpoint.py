@@ -24,7 +24,7 @@ from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.files import verify_checksums
 from nemo_d3s.formats.checksums import checksum_error, has_checksums, missing_checksums
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, FolderFormat
+from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, FolderFormat
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -256,7 +256,7 @@ def verify_shared(fmt: FolderFormat, verify: bool = True) -> None:
     and all raise the same ConfigError."""
     import torch.distributed as dist
 
-    if not verify or fmt.kind not in (MEGATRON, NEMO2):
+    if not verify or fmt.kind not in (MEGATRON, NEMO2, MEGATRON_LM):
         return
     folder = fmt.folder
     if not has_checksums(folder):  # every rank sees the same folder: the same verdict

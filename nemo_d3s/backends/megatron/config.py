@@ -33,9 +33,10 @@ CONTEXT_PARALLEL_REFUSAL = (
 class MegatronBackendConfig(PolicySettings):
     """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
 
-    model: a local Hugging Face folder (Llama / Mistral / Qwen2 config.json + safetensors),
-        a folder converted by ``nemo-d3s-convert hf-to-megatron``, a NeMo 2 checkpoint
-        (``weights/`` + ``context/``), or the embedded "smollm2-135m-instruct".
+    model: a local Hugging Face folder (Llama / Mistral / Qwen2 / Qwen3 config.json +
+        safetensors), a folder converted by ``nemo-d3s-convert hf-to-megatron``, a NeMo 2
+        checkpoint (``weights/`` + ``context/``), a Megatron-LM / Megatron-Bridge save folder
+        (or one ``iter_XXXXXXX/``), or the embedded "smollm2-135m-instruct".
     dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
         "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
         with fp32 main weights and optimizer state; the plain path (``distributed_optimizer
