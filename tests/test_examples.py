@@ -359,6 +359,7 @@ def test_convert_script_takes_config_and_tokenizer_from_the_checkpoint_or_the_ru
     from _models import tiny
 
     from nemo_d3s.convert import hf_to_megatron
+    from nemo_d3s.files import write_checksums
 
     src = tiny(tmp_path / "src", "llama")
     run = tmp_path / "run"
@@ -367,6 +368,7 @@ def test_convert_script_takes_config_and_tokenizer_from_the_checkpoint_or_the_ru
     )  # config + tokenizer kept
     old = run / "checkpoints" / "step_000001"
     shutil.copytree(new / "megatron", old / "megatron")
+    write_checksums(old)  # a checkpoint without one is refused (formats.checksums, issue 32)
     (run / "config.yaml").write_text(f"model:\n  name: {src}\n")
     for ckpt, source in ((new, "the checkpoint"), (old, str(src))):
         env = _fake_slurm(tmp_path, "4648", RUN_DIR=str(run), CKPT=str(ckpt))

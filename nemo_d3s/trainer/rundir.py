@@ -56,6 +56,11 @@ RUN_NAMES = frozenset(
         "tensorboard",
         "interrupted.json",
         "data_files.json",
+        # what slurm/*.sbatch write there: rank logs, the dry run's plan, the self-check
+        "logs",
+        "dry_run.json",
+        "dry_run.layout",
+        "selfcheck",
         *RECORDS,
         *(f"{r}.garbled" for r in RECORDS),
     }
