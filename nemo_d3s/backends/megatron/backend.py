@@ -565,12 +565,13 @@ class MegatronBackend(Policy):
             f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()
         }
 
-    def save_checkpoint(self, folder: str) -> bool:
-        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer (``write_model_files``)."""
-        ckpt.save_policy(self, folder)
+    def save_checkpoint(self, folder: str) -> List[str]:
+        """Collective (``checkpoint.save_policy``: the shard files this rank wrote); rank 0
+        adds config + tokenizer (``write_model_files``: hashed by rank 0 as its own)."""
+        wrote = ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))
-        return True
+        return wrote
 
     def load_checkpoint(self, folder: str) -> bool:
         """A checkpoint written at any TP x PP layout, with either optimizer; see
