@@ -27,7 +27,7 @@ import socket
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -278,7 +278,6 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[ModelParallelRollouts] = None
-        self._mp_gloo = None
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
@@ -292,13 +291,27 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ set-up
     def _init_groups(self, tp: int, pp: int) -> ParallelGroups:
+        """The world, Megatron's groups and the gloo twin of the model-parallel group, all
+        with ``dist_timeout_minutes`` (``distributed.timeouts``): no NCCL collective."""
         from megatron.core import parallel_state as ps
+
+        from nemo_d3s.backends.megatron import parallel as par
+        from nemo_d3s.distributed.timeouts import apply_timeout, as_timedelta
+
+        order = par.rank_order(self.cfg.use_tp_pp_dp_mapping)
 
         if _world_size() <= 1 and not dist.is_initialized():
             # Megatron's groups need a process group even for one process: a private
             # one-rank group on an in-memory store (no port, no rendezvous).
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            timeout = as_timedelta(self.cfg.dist_timeout_minutes)
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                **({"timeout": timeout} if timeout else {}),
+            )
             world = ParallelGroups(
                 device=self.device if self.device.type == "cuda" else torch.device("cpu"),
                 owns_world=True,
@@ -317,15 +330,17 @@ class MegatronBackend(Policy):
                 raise ValueError(
                     f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}"
                 )
+            if par.model_parallel_gloo_group() is None:  # initialised by other code
+                par.make_model_parallel_gloo_twin(tp, pp, order, self.cfg.dist_timeout_minutes)
+            apply_timeout(as_timedelta(self.cfg.dist_timeout_minutes))
         else:
-            from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
-
-            initialize_megatron_groups(
+            par.initialize_megatron_groups(
                 world.global_rank,
                 tp,
                 pp,
-                order=rank_order(self.cfg.use_tp_pp_dp_mapping),
+                order=order,
                 vpp=self.vpp,
+                timeout_minutes=self.cfg.dist_timeout_minutes,
             )
         single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
         return ParallelGroups(
@@ -435,21 +450,18 @@ class MegatronBackend(Policy):
         return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
 
     def _mp_gloo_group(self):
-        """A gloo group of this rank's model-parallel ranks (Megatron's is NCCL on CUDA; on
-        the CPU it is gloo already and is used as it is). Collective over the whole job:
-        every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
-        if self._mp_gloo is None:
-            mp, _ = self._mp_group()
-            if dist.get_backend(mp) == "gloo":
-                self._mp_gloo = mp
-            else:
-                everyone: List[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
-                groups = sorted({tuple(sorted(r)) for r in everyone})
-                self._mp_gloo, _ = dist.new_subgroups_by_enumeration(
-                    [list(g) for g in groups], backend="gloo"
-                )
-        return self._mp_gloo
+        """The gloo twin of this rank's model-parallel group, made with Megatron's groups
+        (``parallel.make_model_parallel_gloo_twin``: through the store, before any engine
+        builds, no NCCL call); Megatron's group is NCCL on CUDA."""
+        from nemo_d3s.backends.megatron.parallel import model_parallel_gloo_group
+
+        group = model_parallel_gloo_group()
+        if group is None:
+            raise RuntimeError(
+                "no gloo twin of the model-parallel group: build Megatron's groups with "
+                "parallel.initialize_megatron_groups (or make_model_parallel_gloo_twin)"
+            )
+        return group
 
     def _build_engine(self) -> ModelParallelRollouts:
         """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
