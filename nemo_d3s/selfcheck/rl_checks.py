@@ -67,11 +67,20 @@ def run_rl(ctx: Context, name: str, extra: List[str] = ()) -> Dict[str, Any]:
     # reserved, not allocated: what the caching allocator holds is what the GPU cannot give
     # vLLM (torch 2.13 torch/cuda/memory.py:380 reset_peak_memory_stats, :586 max_memory_reserved)
     peak = torch.cuda.max_memory_reserved(ctx.device) if ctx.cuda else None
+    # allocated vs reserved: what the dry run's fragmentation term assumes (torch/cuda/memory.py
+    # max_memory_allocated)
+    allocated = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
     ctx.barrier()
     rows = read_jsonl(out / "metrics.jsonl")
     if not rows:
         raise CheckFailed(f"the run wrote no metrics row ({out / 'metrics.jsonl'})")
-    return {"last": rows[-1], "rows": len(rows), "cfg": cfg, "peak_reserved_bytes": peak}
+    return {
+        "last": rows[-1],
+        "rows": len(rows),
+        "cfg": cfg,
+        "peak_reserved_bytes": peak,
+        "peak_allocated_bytes": allocated,
+    }
 
 
 def check_rl_step(ctx: Context) -> Dict[str, Any]:
