@@ -29,7 +29,7 @@ every layout takes the same gradient.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -196,9 +196,13 @@ def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[
     return out
 
 
-def check_te_spec(ctx: Context, **params) -> Dict[str, Any]:
+def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
+    """The TE spec in bf16 with the distributed optimizer at ``tp`` (default ``ctx.tp``) and
+    the backend ``params`` (``pipeline_model_parallel_size``, recompute, ...) against the
+    fp32 local spec at TP1 x PP1 (bounds: the module docstring)."""
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
+    tp = ctx.tp if tp is None else tp
     err = transformer_engine_error()
     if err is not None:
         raise CheckFailed(f"Transformer Engine: {err}")
@@ -207,13 +211,13 @@ def check_te_spec(ctx: Context, **params) -> Dict[str, Any]:
     )
     before, (lp, _, m, w) = _run(
         ctx,
-        ctx.tp,
+        tp,
         dtype="bfloat16",
         transformer_impl="transformer_engine",
         distributed_optimizer=True,
         **params,
     )
-    out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
+    out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
@@ -240,6 +244,17 @@ def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
 CHECKS = [
     Check("gpt.local_spec", False, check_local_spec),
     Check("gpt.long_sequence", False, check_long_sequence),
-    Check("gpt.te_spec", True, check_te_spec),
-    Check("gpt.te_spec_sp", True, check_te_spec_sp),
+    Check(
+        "gpt.te_spec",
+        True,
+        check_te_spec,
+        "the Transformer Engine spec, bf16, Megatron's distributed optimizer at TP2 against the "
+        "fp32 local spec at TP1: log-probs, grad norm, every weight moved",
+    ),
+    Check(
+        "gpt.te_spec_sp",
+        True,
+        check_te_spec_sp,
+        "gpt.te_spec with sequence parallelism (TE's fused norms' gradient summed over TP)",
+    ),
 ]

@@ -147,8 +147,9 @@ def finalize(results: Sequence[CheckResult], *, cuda: bool) -> List[CheckResult]
     """Apply the no-CUDA rule to the final records (see the module docstring)."""
     out = []
     for r in results:
-        if r.needs_cuda and not cuda:  # whatever the record says
-            r = CheckResult(r.name, True, NOT_RUN, NO_CUDA, {}, r.seconds, r.rank)
+        if r.needs_cuda and not cuda:  # whatever the record says; what it would check stays
+            said = {k: v for k, v in r.measured.items() if k == "would_check"}
+            r = CheckResult(r.name, True, NOT_RUN, NO_CUDA, said, r.seconds, r.rank)
         out.append(r)
     return out
 
