@@ -311,12 +311,13 @@ def test_cuda_checks_say_what_they_would_check_without_cuda(tmp_path, monkeypatc
         "cluster.driver",
         "gpt.te_spec_pp_recompute",
         "gpt.te_spec_interleaved",
+        "gpt.bf16_plain_adamw",
     }
     assert all(c.would_check for c in cuda_checks)
     monkeypatch.setattr(cli, "all_checks", lambda: cuda_checks)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli.main(["--out", str(tmp_path), "--ranks", "1"]) == 0
-    assert capsys.readouterr().out.count("not run: no CUDA") == 4
+    assert capsys.readouterr().out.count("not run: no CUDA") == 5
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
     for c, rec in zip(cuda_checks, doc["checks"]):
         assert (rec["status"], rec["reason"]) == (NOT_RUN, NO_CUDA)

@@ -197,9 +197,9 @@ def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[
 
 
 def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
-    """The TE spec in bf16 with the distributed optimizer at ``tp`` (default ``ctx.tp``) and
-    the backend ``params`` (``pipeline_model_parallel_size``, recompute, ...) against the
-    fp32 local spec at TP1 x PP1 (bounds: the module docstring)."""
+    """The TE spec in bf16 at ``tp`` (default ``ctx.tp``) with the backend ``params`` (``pp``,
+    recompute, ...; Megatron's distributed optimizer unless ``distributed_optimizer=False``)
+    against the fp32 local spec at TP1 x PP1 (bounds: the module docstring)."""
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
     tp = ctx.tp if tp is None else tp
@@ -209,15 +209,11 @@ def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str,
     _, (lp_ref, _, m_ref, _) = _run(
         ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False
     )
+    params = {"distributed_optimizer": True, **params}
     before, (lp, _, m, w) = _run(
-        ctx,
-        tp,
-        dtype="bfloat16",
-        transformer_impl="transformer_engine",
-        distributed_optimizer=True,
-        **params,
+        ctx, tp, dtype="bfloat16", transformer_impl="transformer_engine", **params
     )
-    out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
+    out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", **params}
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)

@@ -17,6 +17,10 @@ weights after the step, against TP1 x PP1):
   by 4) against TP1 x PP1, fp32 local spec, ``gpt.local_spec``'s bounds.
 - ``gpt.te_spec_interleaved`` (CUDA): PP2 x VPP2 with the TE spec, bf16, distributed
   optimizer (one DDP bucket per chunk) on the same 4-layer model, ``gpt.te_spec``'s bounds.
+- ``gpt.bf16_plain_adamw`` (CUDA): ``gpt.te_spec`` with ``distributed_optimizer=false``:
+  plain AdamW on fp32 main weights, gradients accumulated and all-reduced in fp32
+  (``main_weights``: ``main_grad``); its CPU twin is the gloo test of the DP all-reduce
+  (``tests/backends/megatron/test_main_weights.py``).
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ def check_te_spec_interleaved(ctx: Context) -> Dict[str, Any]:
     }
 
 
+def check_bf16_plain_adamw(ctx: Context) -> Dict[str, Any]:
+    return check_te_spec(ctx, distributed_optimizer=False)
+
+
 CHECKS = [
     Check("gpt.pp_recompute", False, check_pp_recompute),
     Check(
@@ -115,5 +123,13 @@ CHECKS = [
         "interleaved 1F1B at PP2 x VPP2 (a 4-layer model) with the Transformer Engine spec, "
         "bf16 and the distributed optimizer against the fp32 local spec at TP1; CPU twin "
         "gpt.interleaved_pipeline",
+    ),
+    Check(
+        "gpt.bf16_plain_adamw",
+        True,
+        check_bf16_plain_adamw,
+        "the Transformer Engine spec in bf16 with plain AdamW (distributed_optimizer=false): "
+        "fp32 main weights and fp32 main_grad accumulation / DP all-reduce, against the fp32 "
+        "local spec at TP1",
     ),
 ]
