@@ -201,7 +201,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert "9 passed, 0 failed" in proc.stdout
 
 
-# ---------------------------------------------------------------------------- the CUDA checks' logic on the CPU
+# ---------------------------------------------------------------- the CUDA checks' logic on the CPU
 def _ctx(tmp_path, **cache):
     import torch
 
@@ -286,7 +286,7 @@ def test_te_check_fails_naming_a_broken_transformer_engine(tmp_path, monkeypatch
         check_te_spec(_ctx(tmp_path))
 
 
-# ---------------------------------------------------------------------------- issue 30: the 70B set-up, the cluster
+# ------------------------------------------------------ issue 30: the 70B set-up, the cluster
 def test_cluster_preconditions_decide_by_hand():
     from nemo_d3s.selfcheck.cluster_checks import compute_mode_problem, cuda_version, driver_problem
 

@@ -56,22 +56,25 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   before an engine wakes). The self-check's ``gpu.peak_memory`` records the reserved and
   allocated peaks on a GPU.
 - vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
-  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on that
-  rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would
-  share a GPU is an error). Only the positions whose GPU carries an engine worker get these
-  terms: vllm = ``gpu_memory_utilization`` x the GPU's PHYSICAL memory (vLLM 0.33
-  ``v1/worker/utils.py:724-726``: ``total_memory x gpu_memory_utilization``, the total from
-  ``torch.accelerator.get_memory_info``, ``utils/mem_utils.py:143``; not
-  ``trainer.gpu_memory_gb``: :func:`physical_gpu_bytes`) while it generates (its weights d N /
-  vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps while the
-  policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of vllm when
-  ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's gathered
-  tensors and the next gather's TP shards while the engine's weights are awake for a refit. KV budget per GPU = utilization x GPU -
-  vLLM weights - vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start
-  when it cannot hold one ``max_model_len`` sequence.
+  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first
+  rank, on that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two
+  engines would share a GPU is an error). Only the positions whose GPU carries an engine
+  worker get these terms: vllm = ``gpu_memory_utilization`` x the GPU's PHYSICAL memory
+  (vLLM 0.33 ``v1/worker/utils.py:724-726``: ``total_memory x gpu_memory_utilization``, the
+  total from ``torch.accelerator.get_memory_info``, ``utils/mem_utils.py:143``; not
+  ``trainer.gpu_memory_gb``: :func:`physical_gpu_bytes`) while it generates (its weights
+  d N / vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps
+  while the policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of
+  vllm when ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's
+  gathered tensors and the next gather's TP shards, and the engine's copy of the bucket out
+  of the staging buffer (its receiver copies, so it never keeps a view into a buffer the
+  trainer refills), while the engine's weights are awake for a refit. KV budget per GPU =
+  utilization x physical GPU - vLLM weights - vLLM activations (``8192`` batched tokens
+  profiled); vLLM refuses to start when it cannot hold one ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context +
-nccl): training = resident + activations + logits + fragmentation + vllm_asleep; generation = resident + hf_kv_cache or vllm
+nccl): training = resident + activations + logits + fragmentation + vllm_asleep;
+generation = resident + hf_kv_cache or vllm
 (every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
 the last update's activations are not still reserved); refit = resident + vllm_asleep +
 refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
@@ -109,12 +112,13 @@ __all__ = [
 ]
 
 GB = 10**9
-# Which memory terms are held when: all the time, while the policy trains, while the engine generates.
+# Which memory terms are held when: all the time, while the policy trains, while the engine
+# generates.
 RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
 TRAINING = ("activations", "logits", "fragmentation")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
-NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, "Environment Variables")
+NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
 NCCL_CHANNELS = 32  # channels NCCL opens on an NVLink / NVSwitch node at most (assumed)
 FRAGMENTATION_SHARE = 0.10  # of the training step's transient allocations (assumed)
 # What NVML reports (nvidia-smi) for GPUs sold by a round decimal size: the memory vLLM's
@@ -259,7 +263,8 @@ def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str
         )
     return (
         score + work,
-        f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}",
+        "scoring micro-batch "
+        f"{_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}",
     )
 
 

@@ -34,14 +34,12 @@ def _body(rank: int):
     import torch.distributed as dist
 
     from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.prepare import init_groups
     from nemo_d3s.distributed.timeouts import group_timeout, groups_of_this_process
 
-    stub = types.SimpleNamespace(
-        cfg=types.SimpleNamespace(dist_timeout_minutes=MINUTES, use_tp_pp_dp_mapping=False),
-        device=torch.device("cpu"),
-        vpp=1,
-    )
-    groups = MegatronBackend._init_groups(stub, 1, 2)
+    cfg = types.SimpleNamespace(dist_timeout_minutes=MINUTES, use_tp_pp_dp_mapping=False)
+    groups = init_groups(cfg, torch.device("cpu"), 1, 2, 1)
+    stub = types.SimpleNamespace()
 
     def refuse(*a, **k):
         raise AssertionError("a collective while the gloo twin was asked for")
