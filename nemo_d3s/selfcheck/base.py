@@ -32,12 +32,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Check:
-    """would_check: what a CUDA check proves, reported beside "not run: no CUDA"."""
+    """``what``: what a CUDA check would check, reported (``would_check``) where it cannot run."""
 
     name: str
     needs_cuda: bool
     fn: Callable[["Context"], Optional[Dict[str, Any]]]
-    would_check: str = ""
+    what: str = ""
 
 
 @dataclass

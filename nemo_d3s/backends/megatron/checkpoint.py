@@ -23,7 +23,7 @@ from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.formats.checksums import check_checksums
-from nemo_d3s.formats.detect import LAYOUT_FILE, MEGATRON, NEMO2, FolderFormat
+from nemo_d3s.formats.detect import LAYOUT_FILE, MEGATRON, MEGATRON_LM, NEMO2, FolderFormat
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -260,8 +260,9 @@ def verify_shared(fmt: FolderFormat, verify: bool = True) -> None:
 
     from nemo_d3s.distributed.agree import all_gather_texts
 
-    if not verify or fmt.kind not in (MEGATRON, NEMO2):
+    if not verify or fmt.kind not in (MEGATRON, NEMO2, MEGATRON_LM):
         return
+    # without the file: formats.checksums.missing_checksums (the same verdict on every rank)
     shared = dist.is_available() and dist.is_initialized()
     check_checksums(
         fmt.folder,
