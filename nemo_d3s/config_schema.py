@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, Optional
 
 from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.lr import LR_SCHEDULES
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.config_section import Section, is_count, is_number, known
@@ -82,7 +83,7 @@ class ModelConfig(Section):
     short name (e.g. ``smollm2-135m-instruct``), a local Hugging Face folder or a GGUF file."""
 
     KEY: ClassVar[str] = "model"
-    name: str = "smollm2-135m-instruct"
+    name: str = DEFAULT_MODEL_NAME
     backend: str = "hf"  # trainer.backend_registry: hf | megatron | "pkg.module:Class"
     dtype: str = "float32"
     device: str = "cpu"

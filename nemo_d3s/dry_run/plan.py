@@ -87,21 +87,15 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
     folder = model_folder(str(cfg.model.name))
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
+    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
     try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
+        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
     except ConfigError as e:
         raise ConfigError(
             f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
             "and trainer.gpus_per_node, to the job's shape)"
         ) from None
     validate_layout(cfg, dp)
-    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
-    if spec.num_layers % (pp * vpp):
-        raise ConfigError(
-            f"num_hidden_layers={spec.num_layers} is not divisible by "
-            "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
-            f"{pp * vpp}"
-        )
     return Setup(
         cfg=cfg,
         mcfg=mcfg,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
 __all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
@@ -89,7 +90,7 @@ class MegatronBackendConfig(PolicySettings):
         the rollouts to the group's other ranks; seeded sampler only).
     """
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL_NAME
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
