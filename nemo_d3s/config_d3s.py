@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Union
 
-from nemo_d3s.config_section import Section, is_number, known
+from nemo_d3s.core.checks import is_number
+from nemo_d3s.config_section import Section, known
 from nemo_d3s.core.presets import PRESETS, D3SConfig
 from nemo_d3s.core.schedules import DynamicSchedule
 from nemo_d3s.errors import ConfigError

@@ -14,7 +14,8 @@ from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.lr import LR_SCHEDULES
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.config_section import Section, is_count, is_number, known
+from nemo_d3s.core.checks import is_count, is_number
+from nemo_d3s.config_section import Section, known
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
 
 __all__ = [

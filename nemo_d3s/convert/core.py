@@ -41,6 +41,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_d3s.core.checks import is_count
 from nemo_d3s.convert.sources import (
     DTYPES,
     CheckpointSource,
@@ -174,7 +175,7 @@ def hf_to_megatron(
         ("pp", pp),
         ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
     ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v, 1):
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
     if detect_format(Path(hf).expanduser()).kind == NEMO2:

@@ -19,8 +19,9 @@ from nemo_d3s.core.checks import (
     check_mask_2d,
     check_same_device,
     check_shape,
+    is_real,
 )
-from nemo_d3s.core.loss_config import LossConfig, LossOutput, _is_real
+from nemo_d3s.core.loss_config import LossConfig, LossOutput
 
 __all__ = ["MaskedInputs", "clipped_surrogate", "finish", "k3", "prepare_inputs"]
 
@@ -53,7 +54,7 @@ def _check_denominator(denominator) -> float:
                 f"denominator must be a number, got a tensor of shape {tuple(denominator.shape)}"
             )
         denominator = denominator.item()
-    if not _is_real(denominator) or not math.isfinite(denominator) or denominator <= 0:
+    if not is_real(denominator) or not math.isfinite(denominator) or denominator <= 0:
         raise ValueError(
             f"denominator must be a finite number > 0 (a global count), got {denominator!r}"
         )

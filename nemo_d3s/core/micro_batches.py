@@ -27,6 +27,8 @@ from typing import List, Optional
 
 import torch
 
+from nemo_d3s.core.checks import check_count
+
 __all__ = [
     "fixed_micro_batches",
     "padded_tokens",
@@ -76,8 +78,7 @@ def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[t
     length (ties in row order), micro-batches longest first; n x lengths[rows[0]] <=
     max_tokens unless n = 1 (a single row over the budget). O(B log B).
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    check_count("max_tokens", max_tokens, 1)
     _check_lengths(lengths)
     if lengths.numel() == 0:
         return []

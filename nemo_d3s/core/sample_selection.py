@@ -47,7 +47,7 @@ from nemo_d3s.core.advantages import (
     group_index,
     group_sizes,
 )
-from nemo_d3s.core.checks import check_bool, check_finite, check_same_device, check_shape
+from nemo_d3s.core.checks import check_bool, check_finite, check_same_device, check_shape, is_real
 from nemo_d3s.core.max_variance import max_variance_mask, max_variance_subset
 from nemo_d3s.core.registry import Registry
 
@@ -103,7 +103,7 @@ class SampleSelection:
 
 
 def _check_n_keep(n_keep: Count) -> None:
-    if isinstance(n_keep, bool) or not isinstance(n_keep, numbers.Real):
+    if not is_real(n_keep):
         raise ValueError(
             f"n_keep must be an int >= 1 or a float fraction in (0, 1], got {n_keep!r}"
         )

@@ -53,6 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from nemo_d3s.core.checks import (
+    is_real,
+    check_count,
     broadcast_per_row,
     check_finite,
     check_fraction,
@@ -97,7 +99,7 @@ _CEIL_RTOL = 1e-12
 
 
 def _check_k_frac(k_frac) -> None:
-    if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
+    if not is_real(k_frac):
         raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
     check_fraction("k_frac", float(k_frac))
 
@@ -159,8 +161,7 @@ def k_frac_with_floor(k_frac: float, n_eligible: int, min_tokens: int) -> float:
     """
     _check_k_frac(k_frac)
     for name, v in (("n_eligible", n_eligible), ("min_tokens", min_tokens)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        check_count(name, v)
     if min_tokens == 0 or n_eligible == 0:
         return float(k_frac)
     return max(float(k_frac), min(1.0, int(min_tokens) / int(n_eligible)))
@@ -223,8 +224,7 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Te
     Memory/time: one stable sort over the eligible scores (O(n log n), n = eligible.sum()).
     """
     check_scores(scores, eligible)
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    check_count("k", k)
     return _top_k_flat(scores, eligible, int(k))
 
 

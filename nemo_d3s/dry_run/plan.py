@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
+from nemo_d3s.core.checks import is_real
 from nemo_d3s.backends.megatron.param_counts import (
     local_param_count,
     real_param_count,
@@ -81,7 +82,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
             "model=megatron (slurm/README.md says which models fit the HF backend)"
         )
     gpu_gb = cfg.trainer.gpu_memory_gb
-    if isinstance(gpu_gb, bool) or not isinstance(gpu_gb, (int, float)) or not gpu_gb > 0:
+    if not (is_real(gpu_gb) and gpu_gb > 0):
         raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
     mcfg = checked_backend_config(cfg)
     folder = model_folder(str(cfg.model.name))

@@ -82,11 +82,6 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
     raise ValueError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
 
 
-def check_count(name: str, n: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-
-
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
     """``task.reward`` that never raises: an exception or a non-finite value gives reward 0
     and a one-line error description (the trainer counts them); else (reward, None).

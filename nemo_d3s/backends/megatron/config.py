@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nemo_d3s.core.checks import is_count
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
@@ -110,7 +111,7 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     implement yet, a dtype or sampler it does not take. ValueError naming the key; the
     backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
     vpp = cfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+    if vpp is not None and not is_count(vpp, 1):
         raise ValueError(
             f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None"
         )
