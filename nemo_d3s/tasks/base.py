@@ -97,11 +97,7 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
         return 0.0, f"non-finite reward {value!r}"
     lo, hi = getattr(task, "reward_range", (0.0, 1.0))
     if not lo <= value <= hi:
-        n = out_of_range_rewards(task) + 1
-        try:
-            task._n_out_of_range = n
-        except AttributeError:  # a task with __slots__: still warn, but only once per process
-            pass
+        n = _count_out_of_range(task)
         if n == 1:
             log.warning(
                 "task %s: reward %r is outside the task's declared range [%s, %s]; further "
@@ -114,6 +110,21 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
     return value, None
 
 
+# The count lives on the task. A task with __slots__ has no room for it: its count is kept
+# here, keyed by the task's id, with the task itself (so that id stays its own).
+_SLOTTED_COUNTS: Dict[int, Tuple[object, int]] = {}
+
+
+def _count_out_of_range(task: Task) -> int:
+    n = out_of_range_rewards(task) + 1
+    try:
+        task._n_out_of_range = n
+    except AttributeError:
+        _SLOTTED_COUNTS[id(task)] = (task, n)
+    return n
+
+
 def out_of_range_rewards(task: Task) -> int:
     """How many rewards of ``task`` so far fell outside its ``reward_range``."""
-    return int(getattr(task, "_n_out_of_range", 0))
+    n = getattr(task, "_n_out_of_range", None)
+    return int(n if n is not None else _SLOTTED_COUNTS.get(id(task), (None, 0))[1])
