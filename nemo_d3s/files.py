@@ -8,6 +8,9 @@
   that changed while it wrote (the finished output is kept and named), and removes the
   staging folders of writers killed midway on this host (the staging side:
   ``files_staging.py``).
+- :func:`atomic_write_text`: the same for one file (``summary.json``, ``config.yaml``,
+  ``interrupted.json``, ``dry_run.json``, ``selfcheck.json``, a rewritten ``metrics.jsonl``):
+  a hidden sibling, flushed, renamed over the file, the folder flushed.
 - :class:`FileLock`: an exclusive ``flock`` (the trainer's run-folder lock is one too).
 - :func:`apply_umask`: files written through ``tempfile`` (as safetensors and some
   ``save_pretrained`` paths do) are created mode 0600; an export must be readable by
@@ -53,9 +56,11 @@ __all__ = [
     "sha256_file",
     "write_checksums",
     "verify_checksums",
+    "fsync_folder",
     "fsync_tree",
     "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
+    "atomic_write_text",
 ]
 
 log = logging.getLogger("nemo_d3s.files")
@@ -157,6 +162,11 @@ def _fsync_path(path: str, *, folder: bool) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_folder(path: str | os.PathLike) -> None:
+    """Flush the folder ``path`` itself (its entries: what a rename into it changed)."""
+    _fsync_path(str(path), folder=True)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
@@ -375,3 +385,24 @@ def atomic_folder(
                     c.rmdir()
                 except OSError:
                     break
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write the file ``path`` atomically: ``text`` (UTF-8) goes into the hidden sibling
+    ``.<name>.tmp-<host>-<pid>-<random>``, which is flushed to disk and renamed over
+    ``path``; then the folder is flushed. A reader, or a crash, finds the old file or the
+    new one, never half of one; a failed write removes the sibling and leaves ``path`` as it
+    was. The folder must exist."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(str(path.parent), folder=True)
+    return path

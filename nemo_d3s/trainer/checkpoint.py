@@ -44,7 +44,13 @@ import torch
 
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import CHECKSUMS, verify_checksums, write_checksums
+from nemo_d3s.files import (
+    CHECKSUMS,
+    fsync_folder,
+    fsync_tree,
+    verify_checksums,
+    write_checksums,
+)
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
 __all__ = [
@@ -293,9 +299,13 @@ class CheckpointManager:
                 (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
                 _write_checksums(tmp)  # last: covers every file above
                 fault_point("checkpoint.before_rename")
+                # Flushed before the rename publishes it, as files.atomic_folder does: a
+                # crash cannot leave a complete-looking checkpoint with unwritten files.
+                fsync_tree(tmp)
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
+                fsync_folder(self.root)
                 fault_point("checkpoint.renamed")
                 self._prune()
         except Exception as e:

@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from nemo_d3s.files import atomic_write_text
 from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = ["MetricsLogger", "read_jsonl", "truncate_jsonl", "is_timing_key", "JsonlAppender"]
@@ -95,11 +96,7 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
             p.name + ".garbled",
         )
     rows = [r for r in rows if _step_of(r) <= max_step]
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, p)
+    atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _step_of(row: Dict[str, Any]) -> int:
