@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, Sequence, Tuple, Union
+from typing import Any, Dict, Protocol, Sequence, Tuple, Union
 
 from nemo_d3s.core.checks import check_fraction, is_integer, is_real
 from nemo_d3s.core.registry import Registry
@@ -21,9 +21,15 @@ __all__ = ["SCHEDULES", "DynamicSchedule", "schedule_value", "linear", "cosine",
 
 Count = Union[int, float]
 
-SCHEDULES: Registry = Registry(
-    "schedule", "fn(progress: float in [0,1], start: float, end: float, **kw) -> float"
-)
+
+class ScheduleShape(Protocol):
+    """A schedule: progress p in [0, 1], the values at p = 0 and p = 1 (and the shape's own
+    keyword arguments) -> the value at p."""
+
+    def __call__(self, progress: float, start: float, end: float, **kw: Any) -> float: ...
+
+
+SCHEDULES: Registry = Registry("schedule", ScheduleShape)
 
 
 def _check_progress(progress: float) -> float:

@@ -46,6 +46,7 @@ Pure torch, no collectives.
 
 from __future__ import annotations
 
+from typing import Protocol
 import math
 import numbers
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from nemo_d3s.core.registry import Registry
 
 __all__ = [
     "TOKEN_SELECTORS",
+    "TokenRule",
     "TokenSelection",
     "token_scores",
     "top_k_mask",
@@ -77,9 +79,19 @@ __all__ = [
     "kept_lengths",
 ]
 
+
+class TokenRule(Protocol):
+    """A token selection scope: scores [B, S], eligible [B, S] bool, K = k_frac in (0, 1]
+    -> token_keep [B, S] bool."""
+
+    def __call__(
+        self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float
+    ) -> torch.Tensor: ...
+
+
 TOKEN_SELECTORS: Registry = Registry(
     "token selection scope",
-    "fn(scores[B,S], eligible[B,S], k_frac: float) -> token_keep [B,S] bool",
+    TokenRule,
     # needs_entropy: scores are |A| x H, so the old-policy entropy pass must run (False only
     # for a scope that keeps every eligible token, where K is reported as 1.0).
     # spans_batch: K is a fraction of the whole optimizer-step batch (all DP ranks), not of

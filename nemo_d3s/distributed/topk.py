@@ -44,7 +44,7 @@ keys; no score leaves its rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -255,10 +255,24 @@ def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
 
 # ---------------------------------------------------------------------------- entry point
 
+
+class DistributedTokenScope(Protocol):
+    """A DP-batch token scope: this rank's scores [B, S] and eligible [B, S] bool, K, the
+    DP group (collective over it) -> GlobalTokenSelection."""
+
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        eligible: torch.Tensor,
+        k_frac: float,
+        group: Optional[dist.ProcessGroup],
+        *,
+        bits_per_round: int,
+    ) -> GlobalTokenSelection: ...
+
+
 DISTRIBUTED_TOKEN_SCOPES: Registry = Registry(
-    "distributed token selection scope",
-    "fn(scores[B,S], eligible[B,S], k_frac: float, group, *, bits_per_round) -> "
-    "GlobalTokenSelection",
+    "distributed token selection scope", DistributedTokenScope
 )
 
 

@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import dataclass, field
 import logging
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 from nemo_d3s.core.registry import Registry
 
@@ -64,7 +64,13 @@ class Task(abc.ABC):
         raise NotImplementedError(f"task {self.name!r} cannot drop problems")
 
 
-TASKS: Registry = Registry("task", "factory(**options) -> Task")
+class TaskFactory(Protocol):
+    """A task's factory: its options (``task.params`` of the run config) -> Task."""
+
+    def __call__(self, **options: Any) -> Task: ...
+
+
+TASKS: Registry = Registry("task", TaskFactory)
 
 
 def make_task(name: str, **options) -> Task:

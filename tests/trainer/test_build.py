@@ -3,6 +3,8 @@ registry properties instead of name comparisons, settings a backend does not use
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import logging
 from dataclasses import dataclass
 
@@ -135,7 +137,10 @@ def test_registry_properties_replace_name_comparisons():
     assert D3SSelector(D3SConfig.from_preset("d3s")).needs_global_pool
     assert not D3SSelector(D3SConfig.from_preset("d1s")).needs_global_pool
 
-    reg = Registry("thing", needs_x=False)
+    class Thing(Protocol):
+        def __call__(self) -> None: ...
+
+    reg = Registry("thing", Thing, needs_x=False)
     with pytest.raises(ValueError, match="unknown properties"):
         reg.register("a", needs_y=True)
     reg.register("b", needs_x=True)(lambda: None)
