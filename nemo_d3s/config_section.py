@@ -19,9 +19,8 @@ def require(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
-def known(key: str, value: str, registry_path: str, attr: str) -> None:
-    """Check ``value`` against a registry of the lower layers (imported when checked)."""
-    registry = getattr(__import__(registry_path, fromlist=[attr]), attr)
+def known(key: str, value: str, registry: Any) -> None:
+    """Check ``value`` against a registry of the lower layers (``core.registry.Registry``)."""
     if value not in registry:
         raise ConfigError(f"{key}={value!r}: unknown; known: {', '.join(registry.names())}")
 

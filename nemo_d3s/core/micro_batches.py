@@ -10,7 +10,9 @@ long row beside short ones in most micro-batches and pay its length for all of t
 - :func:`token_budget_micro_batches`: rows sorted longest first, packed greedily: a
   micro-batch takes the next row while (rows + 1) x its first (longest) row's length stays
   within ``max_tokens``; a row longer than the budget gets a micro-batch of its own.
-- :func:`plan_rows`: the one the backends call (budget when > 0, else fixed).
+- :func:`plan_rows`: budget when > 0, else fixed; what the HF backend calls. (The Megatron
+  backend calls the two above itself, in ``backends/megatron/batches.py``: it rounds row
+  widths for sequence parallelism and pads for the interleaved schedule.)
 - :func:`padded_tokens`: b x L summed over a plan, what the model is fed.
 
 Why the gradient does not change: the loss a backend hands the schedule is a SUM divided
