@@ -13,7 +13,6 @@ long row beside short ones in most micro-batches and pay its length for all of t
 - :func:`plan_rows`: budget when > 0, else fixed; what the HF backend calls. (The Megatron
   backend calls the two above itself, in ``backends/megatron/batches.py``: it rounds row
   widths for sequence parallelism and pads for the interleaved schedule.)
-- :func:`padded_tokens`: b x L summed over a plan, what the model is fed.
 
 Why the gradient does not change: the loss a backend hands the schedule is a SUM divided
 by a global denominator counted once per optimizer step (``distributed.StepNormalizer``),
@@ -33,7 +32,6 @@ from nemo_d3s.core.checks import check_count
 
 __all__ = [
     "fixed_micro_batches",
-    "padded_tokens",
     "plan_rows",
     "row_lengths",
     "token_budget_micro_batches",
@@ -106,8 +104,3 @@ def plan_rows(
         return token_budget_micro_batches(lengths, int(max_tokens))
     _check_lengths(lengths)
     return fixed_micro_batches(int(lengths.numel()), micro_batch_size)
-
-
-def padded_tokens(lengths: torch.Tensor, plan: List[torch.Tensor]) -> int:
-    """Positions a plan feeds the model: sum over micro-batches of rows x longest row."""
-    return int(sum(len(r) * int(lengths[r].max()) for r in plan if len(r)))

@@ -150,11 +150,6 @@ class StepNormalizer:
         m = self.num_microbatches if self.megatron_schedule else 1
         return self.dp_size * m / float(self.denominator)
 
-    @property
-    def micro_batch_denominator(self) -> float:
-        """D / f: pass as ``denominator=`` to the core policy losses (they divide by it)."""
-        return 1.0 / self.loss_scale
-
     def scale(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum * self.loss_scale
 

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from nemo_d3s.files import atomic_write_text
 from nemo_d3s.trainer.faults import RunError, fault_point
@@ -281,13 +281,3 @@ class MetricsLogger:
             self.tb.close()
         self._metrics.close()
         self._eval.close()
-
-
-def summarize(rows: List[Dict[str, Any]], keys: Optional[List[str]] = None) -> Dict[str, float]:
-    """Mean of the given numeric keys over rows (for an end-of-run summary line)."""
-    out: Dict[str, float] = {}
-    for k in keys or []:
-        vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
-        if vals:
-            out[k] = sum(vals) / len(vals)
-    return out

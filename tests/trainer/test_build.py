@@ -14,7 +14,6 @@ import torch
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts, TokenBatch
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
 from nemo_d3s.config import ConfigError, validate_layout
-from nemo_d3s.core.d3s import D3SConfig, D3SSelector
 from nemo_d3s.core.registry import Registry
 from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
 from nemo_d3s.core.token_selection import TOKEN_SELECTORS
@@ -134,8 +133,6 @@ def test_registry_properties_replace_name_comparisons():
     assert TOKEN_SELECTORS.prop("batch", "spans_batch") and not TOKEN_SELECTORS.prop(
         "sample", "spans_batch"
     )
-    assert D3SSelector(D3SConfig.from_preset("d3s")).needs_global_pool
-    assert not D3SSelector(D3SConfig.from_preset("d1s")).needs_global_pool
 
     class Thing(Protocol):
         def __call__(self) -> None: ...
