@@ -40,3 +40,37 @@ def test_the_backend_and_the_converter_read_nemo2_side_files_the_same_way(tmp_pa
         nemo2.write_side_folder(tmp_path, tmp_path / "side")  # the backend's training start
     with pytest.raises(_Seen, match="pass --hf-config DIR"):
         sources._nemo_side_files(tmp_path)  # the converter
+
+
+# ---------------------------------------------------------------- the weights' files
+def test_one_hf_weights_writer_for_the_converter_and_the_backend(tmp_path):
+    """formats.safetensors_stream.write_hf_weights: files of at most shard_bytes named as
+    transformers names them, an index when there are several, tensors accepted in any order
+    (the backend streams them in stage order); safetensors reads every tensor back."""
+    import torch
+    from safetensors.torch import load_file
+
+    from nemo_d3s.formats.safetensors_stream import DEFAULT_SHARD_BYTES, write_hf_weights
+
+    assert DEFAULT_SHARD_BYTES == 5 * 2**30
+    ts = {f"w{i}": torch.full((2, 3), float(i)) for i in range(3)}  # 24 bytes each
+    entries = [(n, (2, 3), torch.float32) for n in ts]
+    where = write_hf_weights(tmp_path, reversed(list(ts.items())), entries, shard_bytes=48)
+    assert where == {
+        "w0": "model-00001-of-00002.safetensors",
+        "w1": "model-00001-of-00002.safetensors",
+        "w2": "model-00002-of-00002.safetensors",
+    }
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert index == {"metadata": {"total_size": 72}, "weight_map": where}
+    for fname in set(where.values()):
+        for n, t in load_file(tmp_path / fname).items():
+            assert torch.equal(t, ts[n])
+    one = tmp_path / "one"
+    one.mkdir()
+    write_hf_weights(one, ts.items(), entries)
+    assert sorted(p.name for p in one.iterdir()) == ["model.safetensors"]
+    with pytest.raises(ValueError, match="'extra' is not a tensor"):
+        write_hf_weights(one, [("extra", torch.zeros(1))], entries)
+    with pytest.raises(RuntimeError, match="never written"):
+        write_hf_weights(one, list(ts.items())[:2], entries)

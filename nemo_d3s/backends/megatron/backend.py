@@ -60,11 +60,11 @@ from nemo_d3s.backends.megatron.model import (
     transformer_config,
     use_transformer_engine,
     virtual_layouts,
-    write_hf_folder,
 )
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
-from nemo_d3s.formats.weights import Layout
+from nemo_d3s.formats.safetensors_stream import write_hf_weights
+from nemo_d3s.formats.weights import Layout, hf_names, hf_shape
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["MegatronBackend"]
@@ -327,8 +327,9 @@ class MegatronBackend(Policy):
             for _ in weights:  # serve the collectives
                 pass
             return
+        entries = [(n, hf_shape(n, self.spec), self.dtype) for n in hf_names(self.spec)]
         with atomic_folder(path) as tmp:
-            write_hf_folder(weights, str(tmp))
+            write_hf_weights(tmp, weights, entries)  # the converter's writer
             ckpt.write_model_files(self, tmp)
 
     # ------------------------------------------------------------------ checkpoints
