@@ -36,7 +36,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional, Tuple
 
-from nemo_d3s.files_staging import (
+from nemo_d3s.files_staging import (  # the flushing helpers are re-exported
+    _fsync_path,
+    atomic_write_text,
+    fsync_folder,
+    fsync_tree,
     changes,
     host_tag,
     keep_unpublished,
@@ -61,6 +65,7 @@ __all__ = [
     "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
     "atomic_write_text",
+    "build_once",
 ]
 
 log = logging.getLogger("nemo_d3s.files")
@@ -154,30 +159,6 @@ def verify_checksums(folder: str | os.PathLike, part: Tuple[int, int] = (0, 1)) 
         if sha256_file(f) != digest:
             return f"{rel} does not match its SHA-256 checksum (corrupt)"
     return None
-
-
-def _fsync_path(path: str, *, folder: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_folder(path: str | os.PathLike) -> None:
-    """Flush the folder ``path`` itself (its entries: what a rename into it changed)."""
-    _fsync_path(str(path), folder=True)
-
-
-def fsync_tree(root: str | os.PathLike) -> None:
-    """Flush every file and folder under ``root`` (and ``root``) to disk, so that a rename
-    that publishes ``root`` cannot survive a crash that its contents do not."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
-                _fsync_path(p, folder=False)
-        _fsync_path(dirpath, folder=True)
 
 
 # ============================================================================ locks
@@ -387,22 +368,60 @@ def atomic_folder(
                     break
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write the file ``path`` atomically: ``text`` (UTF-8) goes into the hidden sibling
-    ``.<name>.tmp-<host>-<pid>-<random>``, which is flushed to disk and renamed over
-    ``path``; then the folder is flushed. A reader, or a crash, finds the old file or the
-    new one, never half of one; a failed write removes the sibling and leaves ``path`` as it
-    was. The folder must exist."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def _lock_held(path: Path) -> bool:
+    """Whether another process holds the flock on ``path`` (an absent file is not held;
+    the file is never created here, so a probe leaves nothing behind)."""
+    import fcntl
+
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_path(str(path.parent), folder=True)
-    return path
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this filesystem: nothing to wait for
+        return False
+    finally:
+        os.close(fd)  # closing drops our probe's lock, if taken
+    return False
+
+
+def build_once(
+    dest: str | os.PathLike,
+    build: Callable[[Path], None],
+    done: Callable[[Path], bool],
+    *,
+    wait_s: float = 1800.0,
+    poll_s: float = 0.2,
+) -> Path:
+    """``dest`` built once by whichever process comes first, every other one waiting for
+    it: the assets every rank of a torchrun job asks for at start-up (the tiny-random
+    folder, the default model's unpacking). ``build(tmp)`` fills the staging folder of an
+    :func:`atomic_folder` (locked, ``replace=False``); ``done(folder)`` says a folder is
+    complete. A process that finds the lock held waits until it is released (the builder
+    finished, failed or died: the kernel releases the lock of a killed process), then
+    uses the finished folder or builds it itself. ``TimeoutError`` naming the holder after
+    ``wait_s`` seconds of a held lock (a builder stopped, not dead)."""
+    dest = Path(dest).expanduser().absolute()
+    lock = dest.parent / f".{dest.name}.lock"
+    while True:
+        if done(dest):
+            return dest
+        try:
+            with atomic_folder(dest, replace=False, peer_done=done) as tmp:
+                build(tmp)
+            return dest
+        except FolderBusy as busy:
+            deadline, said = time.monotonic() + wait_s, False
+            while _lock_held(lock):
+                if not said:
+                    log.info("waiting for %s, being built by %s", dest, busy.holder)
+                    said = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{str(dest)!r} has been built by {busy.holder} for over "
+                        f"{wait_s:.0f} s; stop that process or remove {str(lock)!r}"
+                    ) from None
+                time.sleep(poll_s)
