@@ -122,7 +122,7 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             "pipeline_model_parallel_size > 1"
         )
     cp = cfg.context_parallel_size
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:  # not a TE question
+    if not is_count(cp, 1):  # not a TE question
         raise ValueError(
             f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
             "integer >= 1, and this backend runs without context parallelism)"
