@@ -45,7 +45,8 @@ from nemo_d3s.config_schema import (
     TaskConfig,
     TrainerConfig,
 )
-from nemo_d3s.config_section import Section, is_count, require
+from nemo_d3s.core.checks import is_count
+from nemo_d3s.config_section import Section, require
 from nemo_d3s.core.presets import PRESETS
 from nemo_d3s.errors import ConfigError  # re-exported: its home before errors.py
 

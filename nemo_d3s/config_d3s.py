@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Union
 
-from nemo_d3s.config_section import Section, is_number, known
+from nemo_d3s.core.checks import is_number
+from nemo_d3s.config_section import Section, known
 from nemo_d3s.core.presets import PRESETS, D3SConfig
-from nemo_d3s.core.schedules import DynamicSchedule
+from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
+from nemo_d3s.core.schedules import SCHEDULES, DynamicSchedule
+from nemo_d3s.core.token_selection import TOKEN_SELECTORS
+from nemo_d3s.distributed.topk import DISTRIBUTED_TOKEN_SCOPES
 from nemo_d3s.errors import ConfigError
 
 __all__ = ["DEFAULT_PRESET", "D3SSection", "ScheduleConfig"]
@@ -51,7 +55,7 @@ class ScheduleConfig(Section):
         return DynamicSchedule(self.kind, self.n_init, self.n_final, self.k_init, self.k_final, kw)
 
     def validate(self) -> None:
-        known(f"{self.KEY}.kind", self.kind, "nemo_d3s.core.schedules", "SCHEDULES")
+        known(f"{self.KEY}.kind", self.kind, SCHEDULES)
         ms = list(self.milestones)
         self._check(
             all(is_number(m) and 0 <= m <= 1 for m in ms), "milestones", "progress values in [0, 1]"
@@ -120,24 +124,9 @@ class D3SSection(Section):
         )
 
     def validate(self) -> None:
-        known(
-            f"{self.KEY}.sample_rule",
-            self.sample_rule,
-            "nemo_d3s.core.sample_selection",
-            "SAMPLE_SELECTORS",
-        )
-        known(
-            f"{self.KEY}.token_scope",
-            self.token_scope,
-            "nemo_d3s.core.token_selection",
-            "TOKEN_SELECTORS",
-        )
-        known(
-            f"{self.KEY}.dp_batch_scope",
-            self.dp_batch_scope,
-            "nemo_d3s.distributed.topk",
-            "DISTRIBUTED_TOKEN_SCOPES",
-        )
+        known(f"{self.KEY}.sample_rule", self.sample_rule, SAMPLE_SELECTORS)
+        known(f"{self.KEY}.token_scope", self.token_scope, TOKEN_SELECTORS)
+        known(f"{self.KEY}.dp_batch_scope", self.dp_batch_scope, DISTRIBUTED_TOKEN_SCOPES)
         if not isinstance(self.schedule, ScheduleConfig):  # a plain mapping, built in Python
             self.schedule = ScheduleConfig(**dict(self.schedule))
         self._built(self.to_core)  # eps, min_kept_tokens, the schedule: D3SConfig's own checks

@@ -11,10 +11,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Dict, Optional
 
 from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.engines import ROLLOUT_ENGINES
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.lr import LR_SCHEDULES
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.config_section import Section, is_count, is_number, known
+from nemo_d3s.core.checks import is_count, is_number
+from nemo_d3s.config_section import Section, known
+from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
+from nemo_d3s.core.losses import POLICY_LOSSES
 
 __all__ = [
     "AlgorithmConfig",
@@ -58,13 +63,8 @@ class AlgorithmConfig(Section):
         )
 
     def validate(self) -> None:
-        known(f"{self.KEY}.loss", self.loss, "nemo_d3s.core.losses", "POLICY_LOSSES")
-        known(
-            f"{self.KEY}.advantage",
-            self.advantage,
-            "nemo_d3s.core.advantages",
-            "ADVANTAGE_ESTIMATORS",
-        )
+        known(f"{self.KEY}.loss", self.loss, POLICY_LOSSES)
+        known(f"{self.KEY}.advantage", self.advantage, ADVANTAGE_ESTIMATORS)
         self._built(self.loss_config)  # clip ranges, dual clip, KL weight, aggregation
         known_by = ", ".join(NORMALIZE_BY)
         self._check(self.normalize_by in NORMALIZE_BY, "normalize_by", f"known: {known_by}")
@@ -82,7 +82,7 @@ class ModelConfig(Section):
     short name (e.g. ``smollm2-135m-instruct``), a local Hugging Face folder or a GGUF file."""
 
     KEY: ClassVar[str] = "model"
-    name: str = "smollm2-135m-instruct"
+    name: str = DEFAULT_MODEL_NAME
     backend: str = "hf"  # trainer.backend_registry: hf | megatron | "pkg.module:Class"
     dtype: str = "float32"
     device: str = "cpu"
@@ -112,7 +112,7 @@ class RolloutConfig(Section, VLLMEngineConfig):
     engine: str = "hf"
 
     def validate(self) -> None:
-        known(f"{self.KEY}.engine", self.engine, "nemo_d3s.backends.engines", "ROLLOUT_ENGINES")
+        known(f"{self.KEY}.engine", self.engine, ROLLOUT_ENGINES)
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 

@@ -5,14 +5,13 @@ built. Messages name the dotted key: ``trainer.lr=0.0: learning rate must be > 0
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import fields
 from typing import Any, ClassVar
 
 from nemo_d3s.errors import ConfigError
 
-__all__ = ["Section", "is_count", "is_number", "known", "require"]
+__all__ = ["Section", "known", "require"]
 
 
 def require(ok: bool, key: str, value: Any, why: str) -> None:
@@ -20,17 +19,8 @@ def require(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
-def is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def is_count(v: Any, low: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-def known(key: str, value: str, registry_path: str, attr: str) -> None:
-    """Check ``value`` against a registry of the lower layers (imported when checked)."""
-    registry = getattr(__import__(registry_path, fromlist=[attr]), attr)
+def known(key: str, value: str, registry: Any) -> None:
+    """Check ``value`` against a registry of the lower layers (``core.registry.Registry``)."""
     if value not in registry:
         raise ConfigError(f"{key}={value!r}: unknown; known: {', '.join(registry.names())}")
 

@@ -8,6 +8,9 @@
   that changed while it wrote (the finished output is kept and named), and removes the
   staging folders of writers killed midway on this host (the staging side:
   ``files_staging.py``).
+- :func:`atomic_write_text`: the same for one file (``summary.json``, ``config.yaml``,
+  ``interrupted.json``, ``dry_run.json``, ``selfcheck.json``, a rewritten ``metrics.jsonl``):
+  a hidden sibling, flushed, renamed over the file, the folder flushed.
 - :class:`FileLock`: an exclusive ``flock`` (the trainer's run-folder lock is one too).
 - :func:`apply_umask`: files written through ``tempfile`` (as safetensors and some
   ``save_pretrained`` paths do) are created mode 0600; an export must be readable by
@@ -33,7 +36,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
-from nemo_d3s.files_staging import (
+from nemo_d3s.files_staging import (  # the flushing helpers are re-exported
+    _fsync_path,
+    atomic_write_text,
+    fsync_folder,
+    fsync_tree,
     changes,
     host_tag,
     keep_unpublished,
@@ -53,9 +60,11 @@ __all__ = [
     "sha256_file",
     "write_checksums",
     "file_digests",
+    "fsync_folder",
     "fsync_tree",
     "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
+    "atomic_write_text",
     "build_once",
 ]
 
@@ -134,25 +143,6 @@ def file_digests(folder: str | os.PathLike, rels: List[str]) -> Dict[str, Dict[s
         rel: {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
         for rel in rels
     }
-
-
-def _fsync_path(path: str, *, folder: bool) -> None:
-    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: str | os.PathLike) -> None:
-    """Flush every file and folder under ``root`` (and ``root``) to disk, so that a rename
-    that publishes ``root`` cannot survive a crash that its contents do not."""
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
-                _fsync_path(p, folder=False)
-        _fsync_path(dirpath, folder=True)
 
 
 # ============================================================================ locks

@@ -3,7 +3,9 @@ only): how a staging folder is named (``.<name>.tmp-<host>-<pid>-<random>``, and
 for a folder renamed aside), finding them (:func:`staging_folders`), sweeping what writers
 killed midway on this host left (:func:`sweep_stale`), and the before/after snapshot of the
 destination that refuses to publish over a folder that changed meanwhile (:func:`snapshot`,
-:func:`changes`, :func:`keep_unpublished`)."""
+:func:`changes`, :func:`keep_unpublished`); and flushing: :func:`fsync_tree` /
+:func:`fsync_folder` (what ``atomic_folder`` flushes before and after its rename) and
+:func:`atomic_write_text`, the same for one file. ``nemo_d3s.files`` re-exports them."""
 
 from __future__ import annotations
 
@@ -12,11 +14,15 @@ import os
 import re
 import shutil
 import socket
+import uuid
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 __all__ = [
+    "atomic_write_text",
     "changes",
+    "fsync_folder",
+    "fsync_tree",
     "host_tag",
     "keep_unpublished",
     "snapshot",
@@ -139,3 +145,49 @@ def keep_unpublished(tmp: Path, dest: Path, tag: str) -> Path:
         return kept
     except OSError:
         return tmp
+
+
+# ---------------------------------------------------------------------------- flushing
+def _fsync_path(path: str, *, folder: bool) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_folder(path: str | os.PathLike) -> None:
+    """Flush the folder ``path`` itself (its entries: what a rename into it changed)."""
+    _fsync_path(str(path), folder=True)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """Flush every file and folder under ``root`` (and ``root``) to disk, so that a rename
+    that publishes ``root`` cannot survive a crash that its contents do not."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                _fsync_path(p, folder=False)
+        _fsync_path(dirpath, folder=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write the file ``path`` atomically: ``text`` (UTF-8) goes into the hidden sibling
+    ``.<name>.tmp-<host>-<pid>-<random>``, which is flushed to disk and renamed over
+    ``path``; then the folder is flushed. A reader, or a crash, finds the old file or the
+    new one, never half of one; a failed write removes the sibling and leaves ``path`` as it
+    was. The folder must exist."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_path(str(path.parent), folder=True)
+    return path

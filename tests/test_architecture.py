@@ -2,6 +2,9 @@
 
 - No import cycle among nemo_d3s's modules, counting imports inside functions (a lazy import
   that closes a cycle is still a cycle); only ``if TYPE_CHECKING:`` imports are left out.
+  A module named by a string, ``"nemo_d3s.pkg.module:Attr"`` (how
+  ``trainer/backend_registry.py`` names the backends it imports when a run picks one), counts
+  as an import too.
 - Imports point down: each package imports only the packages below it (``ALLOWED``), and
   the layers that must stay free of a framework do not import it (``FORBIDDEN_EXTERNAL``).
 - No module is longer than ``MAX_LINES`` lines as committed: formatted lines, since CI keeps
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -60,9 +64,14 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
+# "nemo_d3s.pkg.module:Attr": a lazy import by name (importlib), read as an import
+_BY_NAME = re.compile(r"^(nemo_d3s(?:\.\w+)+):\w+$")
+
+
 def _imports(path: Path) -> List[str]:
     """Every module ``path`` imports (absolute names; ``from a import b`` names ``a.b`` when
-    that is a module of the package, else ``a``), at any depth except TYPE_CHECKING blocks."""
+    that is a module of the package, else ``a``), at any depth except TYPE_CHECKING blocks,
+    and every module it names as ``"nemo_d3s.pkg.module:Attr"``."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     me = _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
@@ -73,6 +82,10 @@ def _imports(path: Path) -> List[str]:
             for child in node.orelse:
                 visit(child)
             return
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = _BY_NAME.match(node.value)
+            if m:
+                out.append(m.group(1))
         if isinstance(node, ast.Import):
             out.extend(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -136,6 +149,16 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
         if v not in index:
             strong(v)
     return out
+
+
+def test_the_graph_sees_imports_by_name():
+    # the backend registry imports the backends when a run picks one, by "module:Class"
+    deps = GRAPH["nemo_d3s.trainer.backend_registry"]
+    assert {"nemo_d3s.backends.megatron", "nemo_d3s.backends.megatron.config"} <= deps
+    assert {"nemo_d3s.backends.hf", "nemo_d3s.backends.hf.config"} <= deps
+    # config.py's sections check names against the registries by plain imports
+    assert "nemo_d3s.core.losses" in GRAPH["nemo_d3s.config_schema"]
+    assert "nemo_d3s.distributed.topk" in GRAPH["nemo_d3s.config_d3s"]
 
 
 def test_the_graph_sees_imports_inside_functions():

@@ -249,3 +249,44 @@ def test_a_kept_output_that_cannot_be_renamed_stays_under_its_staging_name(tmp_p
     assert (
         e.value.kept == tmp and (tmp / "model.bin").read_text() == "finished"
     )  # said where, and there
+
+
+# ---------------------------------------------------------------- single files
+def test_atomic_write_text_flushes_the_file_and_its_folder_and_replaces_it(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+
+    def tracking_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(files.os, "fsync", tracking_fsync)
+    target = tmp_path / "summary.json"
+    target.write_text("old")
+    assert files.atomic_write_text(target, '{"steps": 3}') == target
+    assert target.read_text() == '{"steps": 3}'
+    assert synced[0].startswith(".summary.json.tmp-") and synced[-1] == tmp_path.name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_a_failed_single_file_write_keeps_the_old_file_and_leaves_nothing(tmp_path):
+    target = tmp_path / "config.yaml"
+    target.write_text("seed: 1\n")
+    with pytest.raises(TypeError):
+        files.atomic_write_text(target, None)  # not text: fails while writing
+    assert target.read_text() == "seed: 1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+
+
+def test_the_run_records_are_written_through_atomic_write_text(tmp_path, monkeypatch):
+    from nemo_d3s.trainer import records
+    from nemo_d3s.trainer.checkpoint import TrainerState
+
+    written = []
+    real = records.atomic_write_text
+    monkeypatch.setattr(
+        records, "atomic_write_text", lambda p, text: written.append(p.name) or real(p, text)
+    )
+    records.summary(TrainerState(step=2), tmp_path, task=None)
+    records.write_interrupted_marker(tmp_path, {"step": 2})
+    assert written == ["summary.json", records.INTERRUPTED_MARKER]

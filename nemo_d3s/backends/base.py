@@ -23,12 +23,12 @@ or engine returns lives on the CPU.
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from nemo_d3s.core.checks import is_count, is_number
 from nemo_d3s.core.loss_config import LossOutput
 from nemo_d3s.distributed.groups import ParallelGroups
 
@@ -45,19 +45,13 @@ class GenerationConfig:
     do_sample: bool = True  # False = greedy (temperature, top_p and top_k unused)
 
     def __post_init__(self) -> None:
-        def real(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-        def count(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-        if not count(self.max_new_tokens):
+        if not is_count(self.max_new_tokens):
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: must be an integer >= 0")
-        if self.do_sample and not (real(self.temperature) and self.temperature > 0):
+        if self.do_sample and not (is_number(self.temperature) and self.temperature > 0):
             raise ValueError(f"temperature={self.temperature!r}: must be > 0 when sampling")
-        if not (real(self.top_p) and 0 < self.top_p <= 1):
+        if not (is_number(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if not count(self.top_k):
+        if not is_count(self.top_k):
             raise ValueError(f"top_k={self.top_k!r}: must be an integer >= 0 (0 = off)")
 
 

@@ -6,16 +6,21 @@ share a GPU (``check_gpu_placement``), and refitted at once (so vLLM starts on d
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 from nemo_d3s.backends.base import Policy, RolloutEngine
 from nemo_d3s.core.registry import Registry
 
 __all__ = ["ROLLOUT_ENGINES", "build_rollout_engine", "check_gpu_placement"]
 
-ROLLOUT_ENGINES: Registry = Registry(
-    "rollout engine", "fn(policy: Policy, settings: Mapping) -> RolloutEngine", policy_own=False
-)
+
+class EngineFactory(Protocol):
+    """A rollout engine's factory: the policy and the run's ``rollout`` settings -> engine."""
+
+    def __call__(self, policy: Policy, settings: Mapping[str, Any]) -> RolloutEngine: ...
+
+
+ROLLOUT_ENGINES: Registry = Registry("rollout engine", EngineFactory, policy_own=False)
 
 
 @ROLLOUT_ENGINES.register("hf", policy_own=True)

@@ -12,6 +12,7 @@ import sys
 import threading
 from typing import List, Optional
 
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.convert.core import DEFAULT_SHARD_BYTES, DTYPES
 
 _EPILOG = {
@@ -105,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf",
         required=True,
         help="Hugging Face model folder (safetensors), a NeMo 2 checkpoint "
-        "(weights/ + context/), or smollm2-135m-instruct",
+        f"(weights/ + context/), or {DEFAULT_MODEL_NAME}",
     )
     p.add_argument(
         "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"

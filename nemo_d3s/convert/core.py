@@ -32,16 +32,16 @@ follow the process umask.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
+from nemo_d3s.core.checks import is_count
 from nemo_d3s.convert.sources import (
     DTYPES,
     CheckpointSource,
@@ -56,7 +56,12 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
 from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
-from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, nbytes
+from nemo_d3s.formats.safetensors_stream import (
+    DEFAULT_SHARD_BYTES,
+    StreamingSafetensors,
+    nbytes,
+    write_hf_weights,
+)
 from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_file, write_layout
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import (
@@ -71,8 +76,6 @@ from nemo_d3s.formats.weights import (
 )
 
 __all__ = ["DTYPES", "DEFAULT_SHARD_BYTES", "hf_to_megatron", "megatron_to_hf", "megatron_to_nemo"]
-
-DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 # ============================================================================ output folders
@@ -174,7 +177,7 @@ def hf_to_megatron(
         ("pp", pp),
         ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
     ):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v, 1):
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
     fmt = detect_format(Path(hf).expanduser())
@@ -246,26 +249,6 @@ def hf_to_megatron(
 
 
 # ============================================================================ Megatron -> HF
-def _plan_hf_files(
-    spec: ModelSpec, dtype: torch.dtype, shard_bytes: int
-) -> List[Tuple[str, List[str]]]:
-    """HF tensor names split into files of at most ``shard_bytes`` (a larger tensor gets a
-    file of its own), named as transformers names them."""
-    groups: List[List[str]] = [[]]
-    size = 0
-    for name in hf_names(spec):
-        n = nbytes(hf_shape(name, spec), dtype)
-        if groups[-1] and size + n > shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += n
-    if len(groups) == 1:
-        return [("model.safetensors", groups[0])]
-    k = len(groups)
-    return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
-
-
 def _sources(src: CheckpointSource) -> List[Path]:
     return [src.folder] + ([src.config_source] if src.config_source is not None else [])
 
@@ -294,26 +277,17 @@ def megatron_to_hf(
         print(f"{src.layout}: the model's architecture from {src.origin}", file=sys.stderr)
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes} must be >= 1 byte")
-    files = _plan_hf_files(src.spec, want, max_shard_bytes)
-    total = sum(nbytes(hf_shape(n, src.spec), want) for n in hf_names(src.spec))
+    entries = [(n, hf_shape(n, src.spec), want) for n in hf_names(src.spec)]
+    total = sum(nbytes(shape, want) for _, shape, _ in entries)
     with _staged_output(out, overwrite=overwrite, sources=_sources(src)) as tmp:
-        tensors = src.iter_hf(want)
-        weight_map: Dict[str, str] = {}
         with _progress(total, f"megatron-to-hf {src.layout}", progress) as bar:
-            for fname, names in files:
-                with StreamingSafetensors(
-                    tmp / fname, [(n, hf_shape(n, src.spec), want) for n in names]
-                ) as w:
-                    for n in names:
-                        got, t = next(tensors)
-                        assert got == n, (got, n)
-                        w.write(n, t)
-                        bar.update(nbytes(t.shape, want))
-                        weight_map[n] = fname
-                        del t
-        if len(files) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            write_hf_weights(
+                tmp,
+                src.iter_hf(want),
+                entries,
+                max_shard_bytes,
+                on_tensor=lambda t: bar.update(nbytes(t.shape, want)),
+            )
         src.side.write(tmp, want)
     return Path(out)
 

@@ -40,6 +40,7 @@ from nemo_d3s.convert.sources import (
     _with_side_files,
     open_checkpoint,
 )
+from nemo_d3s.core.checks import is_count
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import write_checksums
 from nemo_d3s.formats.detect import HF, TRACKER, detect_format
@@ -162,7 +163,7 @@ def hf_to_megatron_lm(
     from nemo_d3s.convert.core import _progress, _staged_output
 
     for name, v in (("tp", tp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_count(v, 1):
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     p = Path(src).expanduser()
     if detect_format(p).kind in (HF, None):  # a model folder (or the embedded model's name)

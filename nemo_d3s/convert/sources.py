@@ -36,6 +36,13 @@ from nemo_d3s.formats.mcore_config import tokenizer_folder as mcore_tokenizer_fo
 from nemo_d3s.formats.mcore_dist import open_mcore_weights
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
+from nemo_d3s.formats.side_files import (
+    GENERATION_CONFIG,
+    generation_file,
+    nemo2_side_files,
+    read_json,
+    tokenizer_files,
+)
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
 from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config
 from nemo_d3s.formats.weights import hf_names, hf_shape
@@ -48,22 +55,6 @@ DTYPES: Dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
-# Tokenizer files copied with a model (whichever exist); at least one of _TOKENIZER_MODEL
-# must, or transformers' AutoTokenizer has nothing to load.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-_TOKENIZER_MODEL = ("tokenizer.json", "tokenizer.model", "vocab.json")
-GENERATION_CONFIG = "generation_config.json"
 SKIP_HINT = "pass --no-verify-checksums"
 
 
@@ -96,41 +87,12 @@ class SideFiles:
 
 
 def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
-    """The tokenizer files of ``folder``; ConfigError naming what is missing."""
-    have = [folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()]
-    names = {p.name for p in have}
-    missing = [n for n in ("tokenizer_config.json",) if n not in names]
-    if not any(n in names for n in _TOKENIZER_MODEL):
-        missing.append(" or ".join(_TOKENIZER_MODEL))
-    if missing:
-        hint = (
-            "a model folder must hold its tokenizer"
-            if role == "--hf"
-            else "pass --hf-config DIR, the model folder the checkpoint was trained from"
-        )
-        raise ConfigError(
-            f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the "
-            f"converted model needs its tokenizer files ({hint})"
-        )
-    for p in have:
-        if p.suffix == ".json":
-            _read_json(p)
-    return have
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{str(path)!r} is not valid JSON: {e}") from None
-
-
-def _generation_file(path: Path) -> Optional[Path]:
-    if not path.is_file():
-        return None
-    if not isinstance(_read_json(path), dict):
-        raise ConfigError(f"{str(path)!r} must hold a JSON object")
-    return path
+    hint = (
+        "a model folder must hold its tokenizer"
+        if role == "--hf"
+        else "pass --hf-config DIR, the model folder the checkpoint was trained from"
+    )
+    return tokenizer_files(folder, role=role, hint=hint)
 
 
 def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
@@ -138,7 +100,7 @@ def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
     return SideFiles(
         read_hf_config(folder),
         folder / "config.json",
-        _generation_file(folder / GENERATION_CONFIG),
+        generation_file(folder / GENERATION_CONFIG),
         _tokenizer_files(folder, role=role),
     )
 
@@ -146,12 +108,9 @@ def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
 def _nemo_side_files(folder: Path) -> SideFiles:
     """Side files of a NeMo 2 checkpoint: config from context/model.yaml, tokenizer from
     context/nemo_tokenizer/, generation config from context/artifacts/."""
-    return SideFiles(
-        hf_config_from_nemo(folder),
-        None,
-        _generation_file(folder / "context" / "artifacts" / GENERATION_CONFIG),
-        _tokenizer_files(folder / "context" / "nemo_tokenizer", role="NeMo 2 context"),
-    )
+    hint = "pass --hf-config DIR, the model folder the checkpoint was trained from"
+    config, generation, tokenizer = nemo2_side_files(folder, hint=hint)
+    return SideFiles(config, None, generation, tokenizer)
 
 
 @dataclass
@@ -310,10 +269,10 @@ def _mcore_side_files(it: Path) -> SideFiles:
             f"{str(it)!r} holds no tokenizer/ (Megatron-LM keeps none; Megatron-Bridge keeps one "
             "unless save_tokenizer_assets=false): pass --hf-config DIR, the model's HF folder"
         )
-    gen = _generation_file(tok / GENERATION_CONFIG)
+    gen = generation_file(tok / GENERATION_CONFIG)
     if gen is not None:
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = _read_json(gen).get(key)
+            value = read_json(gen).get(key)
             if value is not None:
                 cfg[key] = value
     return SideFiles(cfg, None, gen, _tokenizer_files(tok, role="checkpoint tokenizer/"))

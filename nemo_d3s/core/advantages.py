@@ -27,6 +27,7 @@ Conventions shared by all estimators:
 
 from __future__ import annotations
 
+from typing import Protocol
 import math
 from dataclasses import dataclass
 
@@ -45,11 +46,16 @@ __all__ = [
     "degenerate_groups",
 ]
 
-ADVANTAGE_ESTIMATORS: Registry = Registry(
-    "advantage estimator",
-    "fn(rewards[B] float, group_ids[B] long, *, eps: float, unbiased: bool) -> "
-    "advantages[B] float32",
-)
+
+class AdvantageEstimator(Protocol):
+    """An advantage estimator: rewards [B] real, group_ids [B] integer -> advantages [B] f32."""
+
+    def __call__(
+        self, rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float, unbiased: bool
+    ) -> torch.Tensor: ...
+
+
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", AdvantageEstimator)
 
 
 # ----------------------------------------------------------------------------------------

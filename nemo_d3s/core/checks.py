@@ -6,9 +6,42 @@ input never turns into a silently wrong answer.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+import numbers
+from typing import Any, Sequence
 
 import torch
+
+
+# ---------------------------------------------------------------------------- plain values
+# Python's bool is an int (True == 1): every "integer" or "number" check below refuses it,
+# so a flag set by mistake is an error instead of a count of 1. The one home of these
+# rules: the config sections, the tasks, the backends' settings and the core functions
+# all call them.
+def is_integer(v: Any) -> bool:
+    """An integer (any ``numbers.Integral``: int, numpy's), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_count(v: Any, low: int = 0) -> bool:
+    """An integer >= ``low``, not a bool."""
+    return is_integer(v) and v >= low
+
+
+def is_real(v: Any) -> bool:
+    """A real number (int, float, numpy's), not a bool; NaN and +-inf included."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    """A finite real number, not a bool."""
+    return is_real(v) and math.isfinite(v)
+
+
+def check_count(name: str, v: Any, low: int = 0) -> None:
+    """ValueError naming ``name`` unless ``v`` is an integer >= ``low`` (not a bool)."""
+    if not is_count(v, low):
+        raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
 
 
 def check_finite(name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -> None:

@@ -125,15 +125,6 @@ class D3SSelector:
         """The token scope scores tokens by |A| x H (registry property ``needs_entropy``)."""
         return bool(TOKEN_SELECTORS.prop(self.cfg.token_scope, "needs_entropy"))
 
-    @property
-    def needs_global_pool(self) -> bool:
-        """A rank's selection depends on the other ranks' rollouts: a pooled sample rule
-        (cross-group, random) or a token scope spanning the batch (registry properties)."""
-        return bool(
-            SAMPLE_SELECTORS.prop(self.cfg.sample_rule, "pooled")
-            or TOKEN_SELECTORS.prop(self.cfg.token_scope, "spans_batch")
-        )
-
     def n_keep_at(self, progress: float) -> Count:
         """N per prompt at ``progress`` (validated, in [0, 1]); 1.0 (= all) for a rule that
         keeps every rollout."""

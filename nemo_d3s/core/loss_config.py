@@ -8,13 +8,12 @@ over micro-batches and ranks themselves.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
 import torch
 
-from nemo_d3s.core.checks import check_mask_2d, check_shape
+from nemo_d3s.core.checks import check_mask_2d, check_shape, is_real
 
 __all__ = [
     "AGGREGATIONS",
@@ -41,10 +40,6 @@ METRIC_NORMALISERS: Dict[str, str] = {
     "approx_kl_sum": "token_count",
     "ref_kl_sum": "token_count",
 }
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass
@@ -74,10 +69,10 @@ class LossConfig:
     def validate(self) -> None:
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef"):
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v) or v < 0:
+            if not is_real(v) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         c = self.dual_clip_c
-        if c is not None and (not _is_real(c) or math.isnan(c) or c <= 1):
+        if c is not None and (not is_real(c) or math.isnan(c) or c <= 1):
             raise ValueError(f"dual_clip_c must be > 1 or None, got {c!r}")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(

@@ -19,10 +19,29 @@ from nemo_d3s.core.checks import (
     check_mask_2d,
     check_same_device,
     check_shape,
+    is_real,
 )
-from nemo_d3s.core.loss_config import LossConfig, LossOutput, _is_real
+from nemo_d3s.core.loss_config import LossConfig, LossOutput
 
-__all__ = ["MaskedInputs", "clipped_surrogate", "finish", "k3", "prepare_inputs"]
+__all__ = ["LossInputs", "MaskedInputs", "clipped_surrogate", "finish", "k3", "prepare_inputs"]
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What every policy loss is given (one record, the registry's protocol): logprobs
+    [B, S] (with grad), old_logprobs [B, S], advantages [B] or [B, S], loss_mask [B, S] bool;
+    ``cfg``; the step's global ``denominator``; ref_logprobs [B, S] for the KL term and
+    norm_mask [B, S] bool for ``seq_mean_token_mean``'s row normaliser, or None. Checked by
+    :func:`prepare_inputs`, which each loss calls first."""
+
+    logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    cfg: LossConfig
+    denominator: float
+    ref_logprobs: Optional[torch.Tensor] = None
+    norm_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -53,23 +72,20 @@ def _check_denominator(denominator) -> float:
                 f"denominator must be a number, got a tensor of shape {tuple(denominator.shape)}"
             )
         denominator = denominator.item()
-    if not _is_real(denominator) or not math.isfinite(denominator) or denominator <= 0:
+    if not is_real(denominator) or not math.isfinite(denominator) or denominator <= 0:
         raise ValueError(
             f"denominator must be a finite number > 0 (a global count), got {denominator!r}"
         )
     return float(denominator)
 
 
-def prepare_inputs(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    cfg: LossConfig,
-    denominator,
-    ref_logprobs: Optional[torch.Tensor],
-    norm_mask: Optional[torch.Tensor],
-) -> MaskedInputs:
+def prepare_inputs(inputs: LossInputs) -> MaskedInputs:
+    """Check ``inputs`` (shapes, dtypes, devices, the denominator; finiteness on the mask
+    when ``cfg.check_inputs``) -> the compute-dtype tensors with everything off the mask
+    made inert, and the aggregation weights."""
+    logprobs, old_logprobs, advantages = inputs.logprobs, inputs.old_logprobs, inputs.advantages
+    loss_mask, cfg, denominator = inputs.loss_mask, inputs.cfg, inputs.denominator
+    ref_logprobs, norm_mask = inputs.ref_logprobs, inputs.norm_mask
     if not isinstance(cfg, LossConfig):
         raise ValueError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
     cfg.validate()

@@ -82,11 +82,12 @@ Computation is in fp32 (fp64 when ``logprobs`` is fp64). Pure torch, no collecti
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
 from nemo_d3s.core.loss_parts import (
+    LossInputs,
     MaskedInputs,
     clipped_surrogate,
     finish,
@@ -106,7 +107,9 @@ __all__ = [
     "AGGREGATIONS",
     "LossConfig",
     "LossOutput",
+    "LossInputs",
     "POLICY_LOSSES",
+    "PolicyLoss",
     "grpo_loss",
     "gspo_loss",
     "gspo_token_loss",
@@ -116,10 +119,16 @@ __all__ = [
     "METRIC_NORMALISERS",
 ]
 
+
+class PolicyLoss(Protocol):
+    """A policy loss: one :class:`~nemo_d3s.core.loss_parts.LossInputs` -> LossOutput."""
+
+    def __call__(self, inputs: LossInputs) -> LossOutput: ...
+
+
 POLICY_LOSSES: Registry = Registry(
     "policy loss",
-    "fn(logprobs[B,S], old_logprobs[B,S], advantages[B] or [B,S], loss_mask[B,S] bool, *, "
-    "cfg: LossConfig, denominator: float, ref_logprobs=None, norm_mask=None) -> LossOutput",
+    PolicyLoss,
     # per_sequence_advantage: the loss takes one advantage per sequence ([B], or [B, S]
     # constant on each row's masked tokens), so per-token reweighting must be per row.
     per_sequence_advantage=False,
@@ -129,26 +138,14 @@ POLICY_LOSSES: Registry = Registry(
 
 
 @POLICY_LOSSES.register("grpo")
-def grpo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    cfg: LossConfig,
-    denominator: float,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    norm_mask: Optional[torch.Tensor] = None,
-) -> LossOutput:
+def grpo_loss(inputs: LossInputs) -> LossOutput:
     """GRPO token-level clipped surrogate (optionally dual-clipped) + k3 KL.
 
     logprobs [B, S] (with grad), old_logprobs [B, S], advantages [B] or [B, S], loss_mask
     [B, S] bool, ref_logprobs [B, S] or None, norm_mask [B, S] bool or None
     -> LossOutput(loss = sum_it w_it l(r_it, A_it) / denominator (+ KL)).
     """
-    x = prepare_inputs(
-        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
-    )
+    x, cfg = prepare_inputs(inputs), inputs.cfg
     ratio = torch.exp(x.logprobs - x.old_logprobs)
     per_token = clipped_surrogate(ratio, x.advantages, cfg)
     pg_sum = (x.weights * per_token).sum()
@@ -190,26 +187,14 @@ def _sequence_advantages(x: MaskedInputs, advantages: torch.Tensor) -> torch.Ten
 
 
 @POLICY_LOSSES.register("gspo", per_sequence_advantage=True)
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    cfg: LossConfig,
-    denominator: float,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    norm_mask: Optional[torch.Tensor] = None,
-) -> LossOutput:
+def gspo_loss(inputs: LossInputs) -> LossOutput:
     """GSPO: sequence ratio s_i = exp(mean_{t in loss_mask} (logp - old_logp)), clipped per
     sequence; L_i = l(s_i, A_i) weighted by sum_t w_it (see module docstring) + k3 KL.
 
     Shapes as :func:`grpo_loss`; advantages [B], or [B, S] constant on each row's mask.
     """
-    x = prepare_inputs(
-        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
-    )
-    seq_adv = _sequence_advantages(x, advantages)  # [B]
+    x, cfg = prepare_inputs(inputs), inputs.cfg
+    seq_adv = _sequence_advantages(x, inputs.advantages)  # [B]
     seq_ratio = torch.exp(_sequence_log_ratio(x))  # [B]
     seq_loss = clipped_surrogate(seq_ratio, seq_adv, cfg)  # [B]
     pg_sum = (x.weights.sum(dim=1) * seq_loss).sum()
@@ -220,25 +205,13 @@ def gspo_loss(
 
 
 @POLICY_LOSSES.register("gspo_token")
-def gspo_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    cfg: LossConfig,
-    denominator: float,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    norm_mask: Optional[torch.Tensor] = None,
-) -> LossOutput:
+def gspo_token_loss(inputs: LossInputs) -> LossOutput:
     """GSPO-token: per-token ratio sg[s_i] x pi_t / sg[pi_t] (value s_i, gradient only through
     token t, only on masked tokens), per-token advantages allowed; l(., A_it) per token.
 
     Shapes as :func:`grpo_loss`.
     """
-    x = prepare_inputs(
-        logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
-    )
+    x, cfg = prepare_inputs(inputs), inputs.cfg
     seq_ratio = torch.exp(_sequence_log_ratio(x)).detach()  # [B]
     ratio = seq_ratio.unsqueeze(1) * torch.exp(x.logprobs - x.logprobs.detach())
     per_token = clipped_surrogate(ratio, x.advantages, cfg)
@@ -268,12 +241,7 @@ def policy_loss(
             raise ValueError(f"cfg must be a LossConfig, got {type(cfg).__name__}")
         denominator = loss_denominator(loss_mask, cfg.aggregation)
     return fn(
-        logprobs,
-        old_logprobs,
-        advantages,
-        loss_mask,
-        cfg=cfg,
-        denominator=denominator,
-        ref_logprobs=ref_logprobs,
-        norm_mask=norm_mask,
+        LossInputs(
+            logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
+        )
     )

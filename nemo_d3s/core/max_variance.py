@@ -8,11 +8,10 @@ Pure torch, deterministic (stable sorts only), no collectives.
 
 from __future__ import annotations
 
-import numbers
 
 import torch
 
-from nemo_d3s.core.checks import check_finite
+from nemo_d3s.core.checks import check_finite, is_count
 
 __all__ = ["max_variance_mask", "max_variance_subset"]
 
@@ -46,7 +45,7 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D [R, n], got shape {tuple(values.shape)}")
     n_rows, n = values.shape
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= n:
+    if not (is_count(m, 1) and m <= n):
         raise ValueError(f"m must be an int in [1, {n}] (the number of values per row), got {m!r}")
     if values.is_complex():
         raise ValueError(f"values must be real-valued, got dtype {values.dtype}")
@@ -114,6 +113,6 @@ def max_variance_subset(values: torch.Tensor, m: int) -> torch.Tensor:
         raise ValueError(f"values must be real-valued, got dtype {values.dtype}")
     check_finite("values", values)
     n = values.numel()
-    if isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 1 <= m <= n:
+    if not (is_count(m, 1) and m <= n):
         raise ValueError(f"m must be an int in [1, {n}] (the number of values), got {m!r}")
     return max_variance_mask(values.unsqueeze(0), int(m))[0].nonzero().flatten()

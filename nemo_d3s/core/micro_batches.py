@@ -10,8 +10,9 @@ long row beside short ones in most micro-batches and pay its length for all of t
 - :func:`token_budget_micro_batches`: rows sorted longest first, packed greedily: a
   micro-batch takes the next row while (rows + 1) x its first (longest) row's length stays
   within ``max_tokens``; a row longer than the budget gets a micro-batch of its own.
-- :func:`plan_rows`: the one the backends call (budget when > 0, else fixed).
-- :func:`padded_tokens`: b x L summed over a plan, what the model is fed.
+- :func:`plan_rows`: budget when > 0, else fixed; what the HF backend calls. (The Megatron
+  backend calls the two above itself, in ``backends/megatron/batches.py``: it rounds row
+  widths for sequence parallelism and pads for the interleaved schedule.)
 
 Why the gradient does not change: the loss a backend hands the schedule is a SUM divided
 by a global denominator counted once per optimizer step (``distributed.StepNormalizer``),
@@ -27,9 +28,10 @@ from typing import List, Optional
 
 import torch
 
+from nemo_d3s.core.checks import check_count
+
 __all__ = [
     "fixed_micro_batches",
-    "padded_tokens",
     "plan_rows",
     "row_lengths",
     "token_budget_micro_batches",
@@ -76,8 +78,7 @@ def token_budget_micro_batches(lengths: torch.Tensor, max_tokens: int) -> List[t
     length (ties in row order), micro-batches longest first; n x lengths[rows[0]] <=
     max_tokens unless n = 1 (a single row over the budget). O(B log B).
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    check_count("max_tokens", max_tokens, 1)
     _check_lengths(lengths)
     if lengths.numel() == 0:
         return []
@@ -103,8 +104,3 @@ def plan_rows(
         return token_budget_micro_batches(lengths, int(max_tokens))
     _check_lengths(lengths)
     return fixed_micro_batches(int(lengths.numel()), micro_batch_size)
-
-
-def padded_tokens(lengths: torch.Tensor, plan: List[torch.Tensor]) -> int:
-    """Positions a plan feeds the model: sum over micro-batches of rows x longest row."""
-    return int(sum(len(r) * int(lengths[r].max()) for r in plan if len(r)))

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
+from nemo_d3s.core.checks import is_count, is_integer
 from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
 from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
 from nemo_d3s.core.schedules import DynamicSchedule
@@ -114,10 +115,10 @@ class D3SConfig:
             _check_nonneg("renorm_eps", self.renorm_eps)
         if not isinstance(self.unbiased, bool):
             raise ValueError(f"unbiased must be a bool, got {self.unbiased!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+        if not is_integer(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         m = self.min_kept_tokens
-        if isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0:
+        if not is_count(m):
             raise ValueError(f"min_kept_tokens must be an int >= 0 (0 = no floor), got {m!r}")
 
     @classmethod

@@ -1,38 +1,104 @@
 """One registry per extension point, one call signature per registry.
 
-A registry maps a name to a callable. Looking up an unknown name raises a ``ValueError``
-that lists the known names, so a typo in a Hydra override fails at start-up with a useful
-message rather than deep inside a training step.
+A registry maps a name to a callable. Each registry has a ``protocol``: a ``typing.Protocol``
+whose ``__call__`` is the signature every entry follows. :meth:`Registry.register` checks an
+entry against it (it must take the protocol's positional arguments in order and its keyword
+arguments by name, and need nothing else), so an entry with the wrong signature fails where
+it is registered, naming what is wrong, not in the middle of a training step. Looking up an
+unknown name raises a ``ValueError`` that lists the known names, so a typo in a Hydra override
+fails at start-up with a useful message.
 """
 
 from __future__ import annotations
 
+import inspect
 from types import MappingProxyType
-from typing import Any, Callable, Dict, Generic, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Dict, Generic, Iterator, List, Mapping, Optional, TypeVar
+
+__all__ = ["Registry", "signature_mismatch"]
 
 T = TypeVar("T", bound=Callable)
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _protocol_signature(protocol: type) -> inspect.Signature:
+    sig = inspect.signature(protocol.__call__)
+    return sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
+
+
+def signature_mismatch(fn: Callable, protocol: type) -> Optional[str]:
+    """None when ``fn`` can be called as ``protocol.__call__`` says; else what is wrong.
+
+    The protocol's positional parameters must be taken positionally, in order (names free),
+    its keyword-only ones by name (or ``**kwargs``), its ``**kwargs`` by ``**kwargs`` or by
+    name (``fn`` may name the keywords it accepts and refuse others, as a task's constructor
+    does); every parameter ``fn`` requires must be one the protocol passes."""
+    if not callable(fn):
+        return f"is not callable ({type(fn).__name__})"
+    try:
+        have = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return None
+    want = _protocol_signature(protocol)
+    hp = list(have.parameters.values())
+    wp = list(want.parameters.values())
+    h_pos = [p for p in hp if p.kind in _POSITIONAL]
+    h_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in hp)
+    h_varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in hp)
+    h_names = {p.name for p in hp if p.kind in _BY_NAME}
+    w_pos = [p for p in wp if p.kind in _POSITIONAL]
+    w_kw = [p.name for p in wp if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    w_varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in wp)
+    problems: List[str] = []
+    if len(h_pos) < len(w_pos) and not h_varargs:
+        problems.append(
+            f"takes {len(h_pos)} positional argument(s), the protocol passes {len(w_pos)}"
+        )
+    missing = [n for n in w_kw if n not in h_names and not h_varkw]
+    if missing:
+        problems.append(f"does not take the keyword argument(s) {', '.join(missing)}")
+    for i, p in enumerate(hp):
+        if p.default is not inspect.Parameter.empty or p.kind in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
+            continue
+        given = (p.kind in _POSITIONAL and i < len(w_pos)) or (
+            p.kind in _BY_NAME and (p.name in w_kw or w_varkw)
+        )
+        if not given:
+            problems.append(f"requires {p.name!r}, which the protocol does not pass")
+    return "; ".join(problems) or None
 
 
 class Registry(Generic[T]):
     """A named table of implementations of one extension point.
 
     ``kind`` names the extension point in error messages (e.g. "sample selection rule").
-    ``signature`` documents the call signature every entry must follow.
+    ``protocol``: a ``typing.Protocol`` whose ``__call__`` every entry follows, checked at
+    :meth:`register`; ``signature`` is its text (for messages and docs).
     ``defaults`` are the properties every entry has (e.g. ``needs_entropy=True``); an entry
     overrides them at registration, and callers ask ``prop(name, key)`` instead of comparing
     names, so a new entry says what it needs in one place.
     """
 
-    def __init__(self, kind: str, signature: str = "", **defaults: Any) -> None:
+    def __init__(self, kind: str, protocol: type, **defaults: Any) -> None:
+        if not callable(getattr(protocol, "__call__", None)):
+            raise TypeError(f"{kind}: the protocol must define __call__")
         self.kind = kind
-        self.signature = signature
+        self.protocol = protocol
+        # (annotations are strings under ``from __future__ import annotations``: unquoted)
+        self.signature = f"{protocol.__name__}{_protocol_signature(protocol)}".replace("'", "")
         self.defaults: Dict[str, Any] = dict(defaults)
         self._entries: Dict[str, T] = {}
         self._props: Dict[str, Dict[str, Any]] = {}
 
     def register(self, name: str, **props: Any) -> Callable[[T], T]:
         """Decorator: ``@REGISTRY.register("name", prop=value)``. Registering a name twice,
-        or a property the registry does not declare, is an error."""
+        a property the registry does not declare, or a callable that does not follow the
+        registry's protocol is an error (TypeError for the last, naming the mismatch)."""
         unknown = sorted(set(props) - set(self.defaults))
         if unknown:
             raise ValueError(
@@ -43,6 +109,9 @@ class Registry(Generic[T]):
         def deco(fn: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
+            why = signature_mismatch(fn, self.protocol)
+            if why is not None:
+                raise TypeError(f"{self.kind} {name!r} {why}; expected {self.signature}")
             self._entries[name] = fn
             self._props[name] = {**self.defaults, **props}
             return fn

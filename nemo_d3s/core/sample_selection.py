@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Union
 
 import torch
 
@@ -47,12 +47,14 @@ from nemo_d3s.core.advantages import (
     group_index,
     group_sizes,
 )
-from nemo_d3s.core.checks import check_bool, check_finite, check_same_device, check_shape
+from nemo_d3s.core.checks import check_bool, check_finite, check_same_device, check_shape, is_real
 from nemo_d3s.core.max_variance import max_variance_mask, max_variance_subset
 from nemo_d3s.core.registry import Registry
 
 __all__ = [
     "SAMPLE_SELECTORS",
+    "SampleRule",
+    "SelectionInputs",
     "SampleSelection",
     "select_samples",
     "max_variance_subset",
@@ -69,10 +71,15 @@ Count = Union[int, float]
 PODS_EPS = 1e-4
 
 
+class SampleRule(Protocol):
+    """A sample selection rule: one checked :class:`SelectionInputs` -> SampleSelection."""
+
+    def __call__(self, x: SelectionInputs) -> SampleSelection: ...
+
+
 SAMPLE_SELECTORS: Registry = Registry(
     "sample selection rule",
-    "fn(rewards[B], advantages[B], group_ids[B], n_keep: int|float, *, generator: "
-    "torch.Generator|None, eps, unbiased) -> SampleSelection",
+    SampleRule,
     # keeps_all: the rule keeps every rollout (N is ignored: reported as 1.0).
     # pooled: the rule's choice for one group depends on the other groups of the batch (or
     # on positions in it), so under data parallelism it must see the whole DP batch.
@@ -103,7 +110,7 @@ class SampleSelection:
 
 
 def _check_n_keep(n_keep: Count) -> None:
-    if isinstance(n_keep, bool) or not isinstance(n_keep, numbers.Real):
+    if not is_real(n_keep):
         raise ValueError(
             f"n_keep must be an int >= 1 or a float fraction in (0, 1], got {n_keep!r}"
         )
@@ -226,17 +233,37 @@ def _grouped_top(
 # ----------------------------------------------------------------------------------------
 
 
-def _prepare(
-    rewards: torch.Tensor, advantages: torch.Tensor, group_ids: torch.Tensor, n_keep: Count
-) -> tuple[torch.Tensor, int]:
-    _check_rewards(rewards, "rewards")
-    _check_rewards(advantages, "advantages")
-    _check_group_ids(group_ids)
-    check_shape("advantages", advantages, rewards.shape, "rewards")
-    check_shape("group_ids", group_ids, rewards.shape, "rewards")
-    check_same_device(rewards=rewards, advantages=advantages, group_ids=group_ids)
-    _check_n_keep(n_keep)
-    return group_index(group_ids)
+@dataclass(frozen=True)
+class SelectionInputs:
+    """What every sample selection rule is given, checked when built: rewards [B] real,
+    advantages [B] real (computed on the full groups), group_ids [B] integer, n_keep = N per
+    prompt (int count or float fraction of G); ``generator`` (random rules), ``eps`` and
+    ``unbiased`` (rules that re-normalise advantages). ``index`` [B] long and ``n_groups``:
+    the dense group numbering (``advantages.group_index``)."""
+
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    n_keep: Count
+    generator: Optional[torch.Generator] = None
+    eps: Optional[float] = None
+    unbiased: bool = True
+    index: torch.Tensor = field(init=False, repr=False)
+    n_groups: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        _check_rewards(self.rewards, "rewards")
+        _check_rewards(self.advantages, "advantages")
+        _check_group_ids(self.group_ids)
+        check_shape("advantages", self.advantages, self.rewards.shape, "rewards")
+        check_shape("group_ids", self.group_ids, self.rewards.shape, "rewards")
+        check_same_device(
+            rewards=self.rewards, advantages=self.advantages, group_ids=self.group_ids
+        )
+        _check_n_keep(self.n_keep)
+        index, n_groups = group_index(self.group_ids)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "n_groups", n_groups)
 
 
 def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
@@ -251,123 +278,65 @@ def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
 
 
 @SAMPLE_SELECTORS.register("all", keeps_all=True)
-def select_all(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count = 1.0,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_all(x: SelectionInputs) -> SampleSelection:
     """Plain GRPO: keep every rollout. [B] inputs -> SampleSelection; n_keep is validated but
     has no effect."""
-    _prepare(rewards, advantages, group_ids, n_keep)
-    return _result(torch.ones_like(rewards, dtype=torch.bool), advantages)
+    return _result(torch.ones_like(x.rewards, dtype=torch.bool), x.advantages)
 
 
 @SAMPLE_SELECTORS.register("random", pooled=True)
-def select_random(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_random(x: SelectionInputs) -> SampleSelection:
     """Uniformly random N of each group, without replacement (PODS's "random" = GRPO on m
     rollouts). [B] inputs -> SampleSelection. Draws B uniforms from ``generator`` (on the
     generator's device, then moved), so a seeded generator gives the same subset on any
     device; ``None`` uses torch's global RNG."""
-    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
-    gen_device = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand(rewards.numel(), generator=generator, device=gen_device, dtype=torch.float64)
-    u = u.to(rewards.device)
+    gen = x.generator
+    gen_device = gen.device if gen is not None else torch.device("cpu")
+    u = torch.rand(x.rewards.numel(), generator=gen, device=gen_device, dtype=torch.float64)
+    u = u.to(x.rewards.device)
     # The N smallest uniforms of a group are a uniform N-subset of it.
-    keep = _grouped_top(-u, index, n_groups, n_keep)
-    return _result(keep, advantages)
+    keep = _grouped_top(-u, x.index, x.n_groups, x.n_keep)
+    return _result(keep, x.advantages)
 
 
 @SAMPLE_SELECTORS.register("max_reward")
-def select_max_reward(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_max_reward(x: SelectionInputs) -> SampleSelection:
     """The N highest rewards of each group, ties by lower index (PODS's max-reward
     baseline). [B] inputs -> SampleSelection."""
-    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
-    keep = _grouped_top(rewards.to(torch.float64), index, n_groups, n_keep)
-    return _result(keep, advantages)
+    keep = _grouped_top(x.rewards.to(torch.float64), x.index, x.n_groups, x.n_keep)
+    return _result(keep, x.advantages)
 
 
 @SAMPLE_SELECTORS.register("pods")
-def select_pods(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_pods(x: SelectionInputs) -> SampleSelection:
     """PODS max-variance down-sampling: per group, the N rollouts whose REWARDS have maximal
     variance; then the kept rows' advantages are re-normalised on the kept subset,
     a = (r - mean_S) / (std_S + eps), with ``eps`` defaulting to the paper's 1e-4
     (:data:`PODS_EPS`) and the unbiased std (the official code's). An all-equal subset, or a
     subset of one rollout, gets 0. [B] inputs -> SampleSelection."""
-    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
-    eps = PODS_EPS if eps is None else eps
+    eps = PODS_EPS if x.eps is None else x.eps
     _check_eps(eps)
-    keep = _grouped_max_variance(rewards, index, n_groups, n_keep)
+    keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
     kept = keep.nonzero().flatten()
     # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
     sub_adv, _ = _grouped_advantages(
-        rewards[kept], index[kept], n_groups, "grpo", float(eps), bool(unbiased)
+        x.rewards[kept], x.index[kept], x.n_groups, "grpo", float(eps), bool(x.unbiased)
     )
-    out = advantages.to(torch.float32).clone()
+    out = x.advantages.to(torch.float32).clone()
     out[kept] = sub_adv.to(torch.float32)
     return SampleSelection(sample_keep=keep, advantages=out, n_kept=int(kept.numel()))
 
 
 @SAMPLE_SELECTORS.register("d3s_intra")
-def select_d3s_intra(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_d3s_intra(x: SelectionInputs) -> SampleSelection:
     """D3S-I: per group, the N rollouts whose (full-group) ADVANTAGES have maximal variance;
     advantages are NOT re-normalised. [B] inputs -> SampleSelection."""
-    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
-    keep = _grouped_max_variance(advantages, index, n_groups, n_keep)
-    return _result(keep, advantages)
+    keep = _grouped_max_variance(x.advantages, x.index, x.n_groups, x.n_keep)
+    return _result(keep, x.advantages)
 
 
 @SAMPLE_SELECTORS.register("d3s_cross", pooled=True)
-def select_d3s_cross(
-    rewards: torch.Tensor,
-    advantages: torch.Tensor,
-    group_ids: torch.Tensor,
-    n_keep: Count,
-    *,
-    generator: Optional[torch.Generator] = None,
-    eps: Optional[float] = None,
-    unbiased: bool = True,
-) -> SampleSelection:
+def select_d3s_cross(x: SelectionInputs) -> SampleSelection:
     """D3S (cross-group): pool the advantages of the whole batch and keep the
     ``sum_g resolve_n_keep(N, G_g)`` (= N x n_groups for groups of >= N rollouts; <= B)
     with maximal variance; advantages are NOT re-normalised. [B] inputs -> SampleSelection.
@@ -376,14 +345,14 @@ def select_d3s_cross(
     A pool that keeps one rollout in all (one prompt, N = 1) has no variance to maximise
     either; as for the per-group rules, the rollout farthest from the pool's mean (the
     largest |A|) is kept, not the tie-break's minimum."""
-    index, n_groups = _prepare(rewards, advantages, group_ids, n_keep)
-    m_total = int(_n_keep_per_group(n_keep, group_sizes(index, n_groups)).sum())
-    if m_total == 1 and advantages.numel() > 1:
-        keep = torch.zeros(advantages.numel(), dtype=torch.bool, device=advantages.device)
-        keep[_farthest_from_mean(advantages.unsqueeze(0))[0]] = True
+    adv = x.advantages
+    m_total = int(_n_keep_per_group(x.n_keep, group_sizes(x.index, x.n_groups)).sum())
+    if m_total == 1 and adv.numel() > 1:
+        keep = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
+        keep[_farthest_from_mean(adv.unsqueeze(0))[0]] = True
     else:
-        keep = max_variance_mask(advantages.unsqueeze(0), m_total)[0]
-    return _result(keep, advantages)
+        keep = max_variance_mask(adv.unsqueeze(0), m_total)[0]
+    return _result(keep, adv)
 
 
 def select_samples(
@@ -398,9 +367,11 @@ def select_samples(
 
     rewards [B] real, advantages [B] real (computed on the full groups), group_ids [B]
     integer, n_keep = N per prompt (int count or float fraction of G). Keyword arguments
-    (``generator``, ``eps``, ``unbiased``) go to the rule. No collectives.
+    (``generator``, ``eps``, ``unbiased``) go to the rule, in its :class:`SelectionInputs`.
+    No collectives.
     """
-    return SAMPLE_SELECTORS.get(rule)(rewards, advantages, group_ids, n_keep, **kw)
+    fn = SAMPLE_SELECTORS.get(rule)
+    return fn(SelectionInputs(rewards, advantages, group_ids, n_keep, **kw))
 
 
 # ----------------------------------------------------------------------------------------

@@ -12,18 +12,24 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, Sequence, Tuple, Union
+from typing import Any, Dict, Protocol, Sequence, Tuple, Union
 
-from nemo_d3s.core.checks import check_fraction
+from nemo_d3s.core.checks import check_fraction, is_integer, is_real
 from nemo_d3s.core.registry import Registry
 
 __all__ = ["SCHEDULES", "DynamicSchedule", "schedule_value", "linear", "cosine", "constant", "step"]
 
 Count = Union[int, float]
 
-SCHEDULES: Registry = Registry(
-    "schedule", "fn(progress: float in [0,1], start: float, end: float, **kw) -> float"
-)
+
+class ScheduleShape(Protocol):
+    """A schedule: progress p in [0, 1], the values at p = 0 and p = 1 (and the shape's own
+    keyword arguments) -> the value at p."""
+
+    def __call__(self, progress: float, start: float, end: float, **kw: Any) -> float: ...
+
+
+SCHEDULES: Registry = Registry("schedule", ScheduleShape)
 
 
 def _check_progress(progress: float) -> float:
@@ -128,14 +134,6 @@ def schedule_value(kind: str, progress: float, start: float, end: float, **kw: A
     return SCHEDULES.get(kind)(progress, start, end, **kw)
 
 
-def _is_count(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 @dataclass
 class DynamicSchedule:
     """(N, K) as a function of training progress p in [0, 1].
@@ -159,18 +157,18 @@ class DynamicSchedule:
         SCHEDULES.get(self.kind)  # unknown names fail at construction, listing the known ones
         for name in ("n_init", "n_final"):
             value = getattr(self, name)
-            if not _is_real(value):
+            if not is_real(value):
                 raise ValueError(
                     f"{name} must be an int count >= 1 or a float fraction in (0, 1], got {value!r}"
                 )
-        if _is_count(self.n_init) != _is_count(self.n_final):
+        if is_integer(self.n_init) != is_integer(self.n_final):
             raise ValueError(
                 "n_init and n_final must both be int counts or both float fractions of "
                 f"the group size, got n_init={self.n_init!r}, n_final={self.n_final!r}"
             )
         for name in ("n_init", "n_final"):
             value = getattr(self, name)
-            if _is_count(value):
+            if is_integer(value):
                 if value < 1:
                     raise ValueError(
                         f"{name} must be >= 1 when given as an int count, got {value!r}"
@@ -179,7 +177,7 @@ class DynamicSchedule:
                 check_fraction(name, float(value))
         for name in ("k_init", "k_final"):
             value = getattr(self, name)
-            if not _is_real(value):
+            if not is_real(value):
                 raise ValueError(f"{name} must be a float in (0, 1], got {value!r}")
             check_fraction(name, float(value))
         self.kwargs = dict(self.kwargs or {})
@@ -188,7 +186,7 @@ class DynamicSchedule:
 
     @property
     def n_is_count(self) -> bool:
-        return _is_count(self.n_init)
+        return is_integer(self.n_init)
 
     def at(self, progress: float) -> Tuple[Count, float]:
         """progress in [0, 1] -> (n_keep, k_frac)."""

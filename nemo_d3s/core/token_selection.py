@@ -46,6 +46,7 @@ Pure torch, no collectives.
 
 from __future__ import annotations
 
+from typing import Protocol
 import math
 import numbers
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from dataclasses import dataclass
 import torch
 
 from nemo_d3s.core.checks import (
+    is_real,
+    check_count,
     broadcast_per_row,
     check_finite,
     check_fraction,
@@ -64,6 +67,7 @@ from nemo_d3s.core.registry import Registry
 
 __all__ = [
     "TOKEN_SELECTORS",
+    "TokenRule",
     "TokenSelection",
     "token_scores",
     "top_k_mask",
@@ -75,9 +79,19 @@ __all__ = [
     "kept_lengths",
 ]
 
+
+class TokenRule(Protocol):
+    """A token selection scope: scores [B, S], eligible [B, S] bool, K = k_frac in (0, 1]
+    -> token_keep [B, S] bool."""
+
+    def __call__(
+        self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float
+    ) -> torch.Tensor: ...
+
+
 TOKEN_SELECTORS: Registry = Registry(
     "token selection scope",
-    "fn(scores[B,S], eligible[B,S], k_frac: float) -> token_keep [B,S] bool",
+    TokenRule,
     # needs_entropy: scores are |A| x H, so the old-policy entropy pass must run (False only
     # for a scope that keeps every eligible token, where K is reported as 1.0).
     # spans_batch: K is a fraction of the whole optimizer-step batch (all DP ranks), not of
@@ -97,7 +111,7 @@ _CEIL_RTOL = 1e-12
 
 
 def _check_k_frac(k_frac) -> None:
-    if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
+    if not is_real(k_frac):
         raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
     check_fraction("k_frac", float(k_frac))
 
@@ -159,8 +173,7 @@ def k_frac_with_floor(k_frac: float, n_eligible: int, min_tokens: int) -> float:
     """
     _check_k_frac(k_frac)
     for name, v in (("n_eligible", n_eligible), ("min_tokens", min_tokens)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        check_count(name, v)
     if min_tokens == 0 or n_eligible == 0:
         return float(k_frac)
     return max(float(k_frac), min(1.0, int(min_tokens) / int(n_eligible)))
@@ -223,8 +236,7 @@ def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Te
     Memory/time: one stable sort over the eligible scores (O(n log n), n = eligible.sum()).
     """
     check_scores(scores, eligible)
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    check_count("k", k)
     return _top_k_flat(scores, eligible, int(k))
 
 

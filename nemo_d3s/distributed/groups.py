@@ -100,15 +100,6 @@ class ParallelGroups:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.dp)
         return dict(zip(keys, t.cpu().tolist()))
 
-    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """All-reduce SUM of a small tensor over ``dp``; returns a CPU copy (the input is
-        not modified)."""
-        if not self.data_parallel:
-            return t.detach().cpu().clone()
-        buf = t.detach().to(self.device, copy=True)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.dp)
-        return buf.cpu()
-
     def max(self, value: float) -> float:
         """Max of one float over every rank of the layout (dp, then tp, pp, cp: e.g. "did
         any rank receive a stop signal"; a stop must be agreed by a rank's model-parallel
@@ -120,24 +111,6 @@ class ParallelGroups:
         for g in groups:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)
         return float(t.item())
-
-    def gather_cat(self, x: torch.Tensor) -> torch.Tensor:
-        """[n, ...] on every rank (same n) -> CPU [dp_size * n, ...] in rank order."""
-        if not self.data_parallel:
-            return x
-        src = x.contiguous().to(self.device)
-        parts: List[torch.Tensor] = [torch.empty_like(src) for _ in range(self.dp_size)]
-        dist.all_gather(parts, src, group=self.dp)
-        return torch.cat(parts).cpu()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """A picklable object from dp rank ``src`` to every dp rank (in-memory only; nothing
-        read from disk goes through pickle)."""
-        if not self.data_parallel:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.dp, src), group=self.dp)
-        return box[0]
 
     def barrier(self) -> None:
         """All processes of the job (not only ``dp``): file-system hand-overs."""

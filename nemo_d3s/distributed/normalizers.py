@@ -27,14 +27,13 @@ x dp_size)``, so ``f = dp_size x num_microbatches / D`` gives ``grad(sum_all / D
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.core.checks import check_count, is_number
 from nemo_d3s.core.losses import AGGREGATIONS, loss_denominator
 from nemo_d3s.distributed._comm import collective_device, group_size, is_single
 
@@ -136,26 +135,20 @@ class StepNormalizer:
 
     def __post_init__(self) -> None:
         d = self.denominator
-        if isinstance(d, bool) or not isinstance(d, numbers.Real) or not math.isfinite(d) or d <= 0:
+        if not is_number(d) or d <= 0:
             raise ValueError(
                 "denominator must be a finite number > 0 (nothing kept anywhere: skip the "
                 f"step), got {d!r}"
             )
         for name in ("dp_size", "num_microbatches"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+            check_count(name, v, 1)
 
     @property
     def loss_scale(self) -> float:
         """f: multiply a micro-batch's loss sum by this."""
         m = self.num_microbatches if self.megatron_schedule else 1
         return self.dp_size * m / float(self.denominator)
-
-    @property
-    def micro_batch_denominator(self) -> float:
-        """D / f: pass as ``denominator=`` to the core policy losses (they divide by it)."""
-        return 1.0 / self.loss_scale
 
     def scale(self, loss_sum: torch.Tensor) -> torch.Tensor:
         return loss_sum * self.loss_scale

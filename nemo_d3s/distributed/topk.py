@@ -43,13 +43,13 @@ keys; no score leaves its rank.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.core.checks import check_count, is_real
 from nemo_d3s.core.token_selection import check_scores
 from nemo_d3s.core.registry import Registry
 from nemo_d3s.core.token_selection import n_tokens_to_keep, top_k_batch, top_k_mask
@@ -93,8 +93,7 @@ class GlobalTokenSelection:
 
 
 def _check_k(k) -> None:
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
-        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    check_count("k", k)
 
 
 # ---------------------------------------------------------------------------- keys
@@ -256,10 +255,24 @@ def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
 
 # ---------------------------------------------------------------------------- entry point
 
+
+class DistributedTokenScope(Protocol):
+    """A DP-batch token scope: this rank's scores [B, S] and eligible [B, S] bool, K, the
+    DP group (collective over it) -> GlobalTokenSelection."""
+
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        eligible: torch.Tensor,
+        k_frac: float,
+        group: Optional[dist.ProcessGroup],
+        *,
+        bits_per_round: int,
+    ) -> GlobalTokenSelection: ...
+
+
 DISTRIBUTED_TOKEN_SCOPES: Registry = Registry(
-    "distributed token selection scope",
-    "fn(scores[B,S], eligible[B,S], k_frac: float, group, *, bits_per_round) -> "
-    "GlobalTokenSelection",
+    "distributed token selection scope", DistributedTokenScope
 )
 
 
@@ -312,7 +325,7 @@ def select_tokens_global(
 
     # Non-finite scores are reported through the collective so every rank raises alike.
     check_scores(scores, eligible, finite=False)
-    if isinstance(k_frac, bool) or not isinstance(k_frac, numbers.Real):
+    if not is_real(k_frac):
         raise ValueError(f"k_frac must be a real number in (0, 1], got {k_frac!r}")
     check_fraction("k_frac", float(k_frac))
     fn = DISTRIBUTED_TOKEN_SCOPES.get(scope)

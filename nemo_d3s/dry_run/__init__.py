@@ -23,9 +23,9 @@ formulas), ``report.py`` (the cross-checks, the verdict, the report and its tabl
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from nemo_d3s.files import atomic_write_text
 from nemo_d3s.dry_run.memory import (
     CUDA_CONTEXT_BYTES,
     GB,
@@ -73,8 +73,6 @@ def dry_run(cfg: Any) -> int:
     out = check_output_dir(str(cfg.output_dir))
     report = plan(cfg)
     print(render(report), flush=True)
-    tmp = out / f".dry_run.json.tmp-{os.getpid()}"  # a reader never sees half a file
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, out / "dry_run.json")
+    atomic_write_text(out / "dry_run.json", json.dumps(report, indent=2) + "\n")
     print(f"wrote {out / 'dry_run.json'}", flush=True)
     return 0 if report["fits"] else 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
+from nemo_d3s.core.checks import is_real
 from nemo_d3s.backends.megatron.param_counts import (
     local_param_count,
     real_param_count,
@@ -85,27 +86,21 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
             "model=megatron (slurm/README.md says which models fit the HF backend)"
         )
     gpu_gb = cfg.trainer.gpu_memory_gb
-    if isinstance(gpu_gb, bool) or not isinstance(gpu_gb, (int, float)) or not gpu_gb > 0:
+    if not (is_real(gpu_gb) and gpu_gb > 0):
         raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
     mcfg = checked_backend_config(cfg)
     folder = model_folder(str(cfg.model.name))
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
+    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
     try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
+        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
     except ConfigError as e:
         raise ConfigError(
             f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
             "and trainer.gpus_per_node, to the job's shape)"
         ) from None
     validate_layout(cfg, dp)
-    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
-    if spec.num_layers % (pp * vpp):
-        raise ConfigError(
-            f"num_hidden_layers={spec.num_layers} is not divisible by "
-            "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
-            f"{pp * vpp}"
-        )
     return Setup(
         cfg=cfg,
         mcfg=mcfg,

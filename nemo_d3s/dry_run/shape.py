@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Tuple
 
+from nemo_d3s.core.checks import is_count
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.spec import ModelSpec
 
@@ -53,7 +54,7 @@ def job_shape(
                     raise ConfigError(f"{n}={v!r}: must be a positive integer")
                 return x, f"{n}={x}"
         if recipe is not None:
-            if isinstance(recipe, bool) or not isinstance(recipe, int) or recipe < 1:
+            if not is_count(recipe, 1):
                 raise ConfigError(f"{recipe_key}={recipe!r}: must be a positive integer")
             return recipe, f"{recipe_key}={recipe}"
         return default, f"{names[0]}={default} (default)"

@@ -43,8 +43,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 from nemo_d3s.formats.shards import ShardedReader
+from nemo_d3s.formats.side_files import nemo2_side_files
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import Layout, local_names, local_shape
 
@@ -354,23 +354,14 @@ def write_side_folder(folder: Path, dst: Path) -> Path:
     """What the Megatron backend reads besides the weights, for a NeMo 2 training start, as
     an HF-style folder ``dst``: config.json (from context/model.yaml), the tokenizer files of
     context/nemo_tokenizer/ and context/artifacts/generation_config.json when present."""
-    folder = Path(folder)
-    cfg = hf_config_from_nemo(folder)
-    tok = folder / "context" / "nemo_tokenizer"
-    files = sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
-    if not any(p.name == "tokenizer_config.json" for p in files):
-        raise ConfigError(
-            f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF "
-            "tokenizer (convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR "
-            "first)"
-        )
+    hint = "convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first"
+    cfg, gen, files = nemo2_side_files(Path(folder), hint=hint)  # the converter's rule
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(
         json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
     for p in files:
         shutil.copyfile(p, dst / p.name)
-    gen = folder / "context" / "artifacts" / "generation_config.json"
-    if gen.is_file():
+    if gen is not None:
         shutil.copyfile(gen, dst / gen.name)
     return dst

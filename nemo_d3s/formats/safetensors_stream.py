@@ -8,24 +8,31 @@ library's unnamed ``SafetensorError`` or transformers' traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import struct
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_d3s.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_SHARD_BYTES",
     "ST_NAME",
+    "plan_hf_files",
+    "write_hf_weights",
     "nbytes",
     "StreamingSafetensors",
     "check_safetensors",
     "check_safetensors_folder",
 ]
+
+# The largest safetensors file of a Hugging Face folder we write (transformers' default too).
+DEFAULT_SHARD_BYTES = 5 * 2**30
 
 # torch dtype -> safetensors' name for it (the parameter dtypes a model folder may hold)
 ST_NAME = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -105,6 +112,68 @@ class StreamingSafetensors:
             raise RuntimeError(
                 f"{self.path.name}: {end} bytes written, {self._base + self.nbytes} planned"
             )
+
+
+Entry = Tuple[str, Tuple[int, ...], torch.dtype]
+
+
+def plan_hf_files(
+    entries: Sequence[Entry], shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> List[Tuple[str, List[Entry]]]:
+    """(file name, its entries): ``entries`` in order, split into files of at most
+    ``shard_bytes`` (a larger tensor gets a file of its own), named as transformers names
+    them (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``)."""
+    if shard_bytes < 1:
+        raise ValueError(f"max shard size {shard_bytes} must be >= 1 byte")
+    groups: List[List[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        n = nbytes(e[1], e[2])
+        if groups[-1] and size + n > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += n
+    if len(groups) == 1:
+        return [("model.safetensors", groups[0])]
+    k = len(groups)
+    return [(f"model-{i + 1:05d}-of-{k:05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def write_hf_weights(
+    folder: Path,
+    tensors: Iterable[Tuple[str, torch.Tensor]],
+    entries: Sequence[Entry],
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    on_tensor: Optional[Callable[[torch.Tensor], None]] = None,
+) -> Dict[str, str]:
+    """The safetensors files (+ ``model.safetensors.index.json`` when there are several) of
+    a Hugging Face folder, in the existing ``folder``: every planned file is open while
+    ``tensors`` (name, tensor) arrive, in any order, each written at its planned offset
+    (:class:`StreamingSafetensors`), so one tensor is in memory at a time. A name that is
+    not planned, or a planned one that never arrives, is an error. Returns {name: file};
+    ``on_tensor`` sees each tensor after it is written (progress)."""
+    files = plan_hf_files(entries, shard_bytes)
+    where = {e[0]: fname for fname, group in files for e in group}
+    with contextlib.ExitStack() as stack:
+        writers = {
+            fname: stack.enter_context(StreamingSafetensors(Path(folder) / fname, group))
+            for fname, group in files
+        }
+        for name, t in tensors:
+            if name not in where:
+                raise ValueError(f"{name!r} is not a tensor of this model's weight table")
+            writers[where[name]].write(name, t)
+            if on_tensor is not None:
+                on_tensor(t)
+            del t  # before the next one is produced: one tensor in memory
+    if len(files) > 1:
+        total = sum(nbytes(e[1], e[2]) for e in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": where}
+        (Path(folder) / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2) + "\n"
+        )
+    return where
 
 
 # bytes per element of safetensors' dtype names

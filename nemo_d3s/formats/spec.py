@@ -274,14 +274,18 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // m) * m
 
 
-def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) -> int:
-    """Every divisibility rule of a TP x PP (x CP) layout for ``spec`` on ``world`` ranks;
-    returns DP. ConfigError with the numbers otherwise. Pure arithmetic, so every rank
-    raises the same error before any collective."""
+def check_layout(
+    spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1, vpp: int = 1
+) -> int:
+    """Every divisibility rule of a TP x PP (x CP, x VPP virtual stages per pipeline rank)
+    layout for ``spec`` on ``world`` ranks; returns DP. ConfigError with the numbers
+    otherwise. Pure arithmetic, so every rank raises the same error before any collective.
+    The Megatron backend and the dry run both call it: each rule is written here once."""
     for name, v in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),
         ("context_parallel_size", cp),
+        ("virtual_pipeline_model_parallel_size", vpp),
     ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"model.params.{name}={v!r} must be an integer >= 1")
@@ -311,5 +315,11 @@ def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) 
         raise ConfigError(
             f"num_hidden_layers={spec.num_layers} is not divisible by "
             f"pipeline_model_parallel_size={pp}"
+        )
+    if spec.num_layers % (pp * vpp):
+        raise ConfigError(
+            f"num_hidden_layers={spec.num_layers} is not divisible by "
+            "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+            f"{pp * vpp}"
         )
     return world // (tp * pp * cp)

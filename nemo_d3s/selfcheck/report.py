@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from nemo_d3s.files import atomic_write_text
+
 __all__ = [
     "CheckFailed",
     "CheckResult",
@@ -199,7 +201,4 @@ def write_json(
         "exit_code": exit_code(results),
         "checks": [asdict(r) for r in results],
     }
-    path, tmp = out / "selfcheck.json", out / ".selfcheck.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write_text(out / "selfcheck.json", json.dumps(doc, indent=2) + "\n")

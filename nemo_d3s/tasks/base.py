@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import dataclass, field
 import logging
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 from nemo_d3s.core.registry import Registry
 
@@ -64,7 +64,13 @@ class Task(abc.ABC):
         raise NotImplementedError(f"task {self.name!r} cannot drop problems")
 
 
-TASKS: Registry = Registry("task", "factory(**options) -> Task")
+class TaskFactory(Protocol):
+    """A task's factory: its options (``task.params`` of the run config) -> Task."""
+
+    def __call__(self, **options: Any) -> Task: ...
+
+
+TASKS: Registry = Registry("task", TaskFactory)
 
 
 def make_task(name: str, **options) -> Task:
@@ -82,11 +88,6 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
     raise ValueError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
 
 
-def check_count(name: str, n: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-
-
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
     """``task.reward`` that never raises: an exception or a non-finite value gives reward 0
     and a one-line error description (the trainer counts them); else (reward, None).
@@ -102,11 +103,7 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
         return 0.0, f"non-finite reward {value!r}"
     lo, hi = getattr(task, "reward_range", (0.0, 1.0))
     if not lo <= value <= hi:
-        n = out_of_range_rewards(task) + 1
-        try:
-            task._n_out_of_range = n
-        except AttributeError:  # a task with __slots__: still warn, but only once per process
-            pass
+        n = _count_out_of_range(task)
         if n == 1:
             log.warning(
                 "task %s: reward %r is outside the task's declared range [%s, %s]; further "
@@ -119,6 +116,21 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
     return value, None
 
 
+# The count lives on the task. A task with __slots__ has no room for it: its count is kept
+# here, keyed by the task's id, with the task itself (so that id stays its own).
+_SLOTTED_COUNTS: Dict[int, Tuple[object, int]] = {}
+
+
+def _count_out_of_range(task: Task) -> int:
+    n = out_of_range_rewards(task) + 1
+    try:
+        task._n_out_of_range = n
+    except AttributeError:
+        _SLOTTED_COUNTS[id(task)] = (task, n)
+    return n
+
+
 def out_of_range_rewards(task: Task) -> int:
     """How many rewards of ``task`` so far fell outside its ``reward_range``."""
-    return int(getattr(task, "_n_out_of_range", 0))
+    n = getattr(task, "_n_out_of_range", None)
+    return int(n if n is not None else _SLOTTED_COUNTS.get(id(task), (None, 0))[1])

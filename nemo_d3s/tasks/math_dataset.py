@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 from nemo_d3s.tasks.answers import extract_answer, extract_boxed
-from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
+from nemo_d3s.core.checks import check_count
+from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
 from nemo_d3s.tasks.verifier import reference_is_checkable, verify_math
 
 log = logging.getLogger("nemo_d3s.tasks")

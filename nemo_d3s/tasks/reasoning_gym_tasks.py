@@ -18,7 +18,8 @@ import random
 from typing import Any, Dict, List, Optional
 
 from nemo_d3s.tasks.answers import extract_answer
-from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
+from nemo_d3s.core.checks import check_count
+from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
 
 ANSWER_SUFFIX = "\n\nEnd your reply with a final line of the form 'Answer: <your answer>'."
 _MAX_REJECTION_ROUNDS = 1000

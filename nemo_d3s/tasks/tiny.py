@@ -15,7 +15,8 @@ from __future__ import annotations
 import random
 from typing import List
 
-from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng, check_count
+from nemo_d3s.core.checks import check_count
+from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
 
 _EVAL_OFFSET = 1_000_000_000  # eval prompt ids live far above any training id
 

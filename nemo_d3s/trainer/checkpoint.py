@@ -57,7 +57,7 @@ import torch
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.agree import all_gather_texts
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import CHECKSUMS, file_digests, write_checksums
+from nemo_d3s.files import CHECKSUMS, file_digests, fsync_folder, fsync_tree, write_checksums
 from nemo_d3s.formats.checksums import Gather, verify_checksums
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
@@ -340,9 +340,13 @@ class CheckpointManager:
                     merged.update(x["digests"])
                 write_checksums(tmp, merged)  # last: covers every file; hashes unnamed ones
                 fault_point("checkpoint.before_rename")
+                # Flushed before the rename publishes it, as files.atomic_folder does: a
+                # crash cannot leave a complete-looking checkpoint with unwritten files.
+                fsync_tree(tmp)
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
+                fsync_folder(self.root)
                 fault_point("checkpoint.renamed")
                 self._prune()
         except Exception as e:

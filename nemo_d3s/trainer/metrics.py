@@ -21,8 +21,9 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
+from nemo_d3s.files import atomic_write_text
 from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = ["MetricsLogger", "read_jsonl", "truncate_jsonl", "is_timing_key", "JsonlAppender"]
@@ -95,11 +96,7 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
             p.name + ".garbled",
         )
     rows = [r for r in rows if _step_of(r) <= max_step]
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, p)
+    atomic_write_text(p, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def _step_of(row: Dict[str, Any]) -> int:
@@ -284,13 +281,3 @@ class MetricsLogger:
             self.tb.close()
         self._metrics.close()
         self._eval.close()
-
-
-def summarize(rows: List[Dict[str, Any]], keys: Optional[List[str]] = None) -> Dict[str, float]:
-    """Mean of the given numeric keys over rows (for an end-of-run summary line)."""
-    out: Dict[str, float] = {}
-    for k in keys or []:
-        vals = [r[k] for r in rows if isinstance(r.get(k), (int, float))]
-        if vals:
-            out[k] = sum(vals) / len(vals)
-    return out

@@ -12,6 +12,7 @@ from typing import Any, Dict
 
 from nemo_d3s.trainer.checkpoint import TrainerState
 from nemo_d3s.errors import RunError
+from nemo_d3s.files import atomic_write_text
 
 __all__ = [
     "CONSTANT_REWARD_STEPS",
@@ -103,12 +104,10 @@ def summary(state: TrainerState, out: Path, task: Any) -> Dict[str, Any]:
         "unusable_references": int(getattr(task, "unusable_references", 0)),
         "wall_time": state.wall_time_total,
     }
-    (out / "summary.json").write_text(json.dumps(row, indent=1))
+    atomic_write_text(out / "summary.json", json.dumps(row, indent=1))
     return row
 
 
 def write_interrupted_marker(out: Path, marker: Dict[str, Any]) -> None:
     """``interrupted.json`` (rank 0): where a stop signal ended the run."""
-    tmp = out / (INTERRUPTED_MARKER + ".tmp")
-    tmp.write_text(json.dumps(marker) + "\n")
-    tmp.replace(out / INTERRUPTED_MARKER)
+    atomic_write_text(out / INTERRUPTED_MARKER, json.dumps(marker) + "\n")

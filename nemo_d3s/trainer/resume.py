@@ -10,6 +10,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from nemo_d3s.files import atomic_write_text
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
 from nemo_d3s.trainer.rundir import move_aside, records
@@ -206,12 +207,12 @@ def write_config(cfg: Any, out: Path, *, resumed: bool) -> None:
         n = 1
         while (out / f"config.resumed-{n}.yaml").exists():
             n += 1
-        (out / f"config.resumed-{n}.yaml").write_text(text)
+        atomic_write_text(out / f"config.resumed-{n}.yaml", text)
         log.info(
             "kept the original config.yaml; this segment's config is config.resumed-%d.yaml", n
         )
         return
-    path.write_text(text)
+    atomic_write_text(path, text)
 
 
 def diff_values(a: Any, b: Any, prefix: str = "", had: bool = True) -> list:

@@ -30,7 +30,7 @@ import torch
 
 from nemo_d3s.backends.base import Policy, TokenBatch
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossOutput
-from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
+from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, LossInputs, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.rebalance import apply_rebalance, plan_rebalance
@@ -197,16 +197,9 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
                 adv = adv * (w * keep).sum(1) / keep.sum(1).clamp(min=1)
             else:
                 adv = adv.unsqueeze(1) * w
-        return loss(
-            logprobs,
-            old,
-            adv.to(dev),
-            upd.token_keep[r, :s].to(dev),
-            cfg=loss_cfg,
-            denominator=1.0,
-            ref_logprobs=ref,
-            norm_mask=None if upd.norm_mask is None else upd.norm_mask[r, :s].to(dev),
-        )
+        norm = None if upd.norm_mask is None else upd.norm_mask[r, :s].to(dev)
+        keep = upd.token_keep[r, :s].to(dev)
+        return loss(LossInputs(logprobs, old, adv.to(dev), keep, loss_cfg, 1.0, ref, norm))
 
     return loss_fn
 

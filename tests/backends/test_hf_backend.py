@@ -13,6 +13,12 @@ from nemo_d3s.backends.hf.rollout import encode_prompts
 PROMPTS = ["What is 2+2?", "Say hi", "A much longer prompt than the others, to force left padding."]
 
 
+def _logprobs(policy, batch, **kw):
+    """(logprobs, entropy) of ``policy.score``."""
+    out = policy.score(batch, **kw)
+    return out.logprobs, out.entropy
+
+
 def make_backend(**overrides) -> HFBackend:
     cfg = dict(model="tiny-random", device="cpu", seed=0, lr=1e-3)
     cfg.update(overrides)
@@ -120,9 +126,9 @@ def naive_logprobs_entropy(model, batch: TokenBatch):
     return torch.cat([zero, lp], 1) * mask, torch.cat([zero, ent], 1) * mask
 
 
-def test_compute_logprobs_matches_naive_forward(backend):
+def test_score_matches_naive_forward(backend):
     r = backend.generate(PROMPTS, 2, GenerationConfig(max_new_tokens=10), seed=3)
-    lp, ent = backend.compute_logprobs(r.batch, with_entropy=True, micro_batch_size=4)
+    lp, ent = _logprobs(backend, r.batch, with_entropy=True, micro_batch_size=4)
     ref_lp, ref_ent = naive_logprobs_entropy(backend.model, r.batch)
     assert lp.shape == ent.shape == r.batch.input_ids.shape and lp.dtype == torch.float32
     resp = r.batch.response_mask
@@ -134,22 +140,22 @@ def test_compute_logprobs_matches_naive_forward(backend):
     # Prompt positions before the micro-batch's first response token are not scored.
     first = int(resp.any(0).int().argmax())
     assert first > 1 and (lp[:, :first] == 0).all() and (ent[:, :first] == 0).all()
-    lp1, none = backend.compute_logprobs(r.batch, with_entropy=False, micro_batch_size=1)
+    lp1, none = _logprobs(backend, r.batch, with_entropy=False, micro_batch_size=1)
     assert none is None and torch.allclose(lp1[resp], lp[resp], atol=1e-5)
 
 
 def test_reference_model_is_a_frozen_copy():
     b = make_backend(use_reference=True, lr=1e-2)
     r = b.generate(PROMPTS[:2], 2, GenerationConfig(max_new_tokens=6), seed=0)
-    before, _ = b.compute_logprobs(r.batch, with_entropy=False)
-    ref, ref_ent = b.compute_logprobs(r.batch, with_entropy=True, reference=True)
+    before, _ = _logprobs(b, r.batch, with_entropy=False)
+    ref, ref_ent = _logprobs(b, r.batch, with_entropy=True, reference=True)
     assert ref_ent is None and torch.equal(ref, before)
     b.train_step(r.batch, lambda lp, rows: -lp.sum(), micro_batch_size=4, denominator=100.0)
-    after, _ = b.compute_logprobs(r.batch, with_entropy=False)
-    ref_after, _ = b.compute_logprobs(r.batch, with_entropy=False, reference=True)
+    after, _ = _logprobs(b, r.batch, with_entropy=False)
+    ref_after, _ = _logprobs(b, r.batch, with_entropy=False, reference=True)
     assert not torch.allclose(after, before) and torch.equal(ref_after, ref)
     with pytest.raises(ValueError, match="use_reference"):
-        make_backend().compute_logprobs(r.batch, with_entropy=False, reference=True)
+        _logprobs(make_backend(), r.batch, with_entropy=False, reference=True)
 
 
 def fixed_batch(b: HFBackend, n=4, seed=0) -> TokenBatch:
@@ -248,10 +254,10 @@ def test_train_step_raises_logprob_of_rewarded_response():
     b = make_backend(lr=1e-2)
     batch = fixed_batch(b)
     loss_fn = grpo_like_loss(batch, torch.ones(4))
-    before, _ = b.compute_logprobs(batch, with_entropy=False)
+    before, _ = _logprobs(b, batch, with_entropy=False)
     for _ in range(3):
         m = b.train_step(batch, loss_fn, micro_batch_size=2, denominator=D(batch))
-    after, _ = b.compute_logprobs(batch, with_entropy=False)
+    after, _ = _logprobs(b, batch, with_entropy=False)
     mask = batch.response_mask
     assert after[mask].sum() > before[mask].sum()
     assert set(m) >= {"grad_norm", "lr", "loss_sum"} and m["lr"] == pytest.approx(1e-2)
@@ -320,11 +326,11 @@ def test_save_pretrained_round_trip(tmp_path, backend):
     )
     batch = fixed_batch(backend)
     ref_lp, _ = naive_logprobs_entropy(model, batch)
-    lp, _ = backend.compute_logprobs(batch, with_entropy=False)
+    lp, _ = _logprobs(backend, batch, with_entropy=False)
     resp = batch.response_mask
     assert torch.allclose(lp.double()[resp], ref_lp[resp], atol=1e-4)
     reloaded = make_backend(model=str(out))
-    lp2, _ = reloaded.compute_logprobs(batch, with_entropy=False)
+    lp2, _ = _logprobs(reloaded, batch, with_entropy=False)
     assert torch.allclose(lp2, lp, atol=1e-5)
 
 
@@ -352,7 +358,7 @@ def test_bad_arguments_raise_value_error(backend):
     with pytest.raises(ValueError, match="n_samples"):
         backend.generate(PROMPTS, 0, GenerationConfig(), seed=0)
     with pytest.raises(ValueError, match="micro_batch_size"):
-        backend.compute_logprobs(batch, with_entropy=False, micro_batch_size=0)
+        _logprobs(backend, batch, with_entropy=False, micro_batch_size=0)
     with pytest.raises(ValueError, match="dtype"):
         make_backend(dtype="float8")
 

@@ -11,7 +11,6 @@ import torch
 
 from nemo_d3s.core.losses import (
     AGGREGATIONS,
-    POLICY_LOSSES,
     LossConfig,
     finalize_metrics,
     loss_denominator,
@@ -28,7 +27,7 @@ def _lp(log_ratios, requires_grad=True):
 
 
 def _run(name, logprobs, old, adv, mask, cfg, denominator, **kw):
-    out = POLICY_LOSSES.get(name)(logprobs, old, adv, mask, cfg=cfg, denominator=denominator, **kw)
+    out = policy_loss(name, logprobs, old, adv, mask, cfg=cfg, denominator=denominator, **kw)
     (grad,) = torch.autograd.grad(out.loss, logprobs, allow_unused=False)
     return out, grad
 
@@ -325,7 +324,8 @@ def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_ad
         denom = loss_denominator(loss_mask, aggregation)  # the "global" count
 
         full_lp = lp0.clone().requires_grad_(True)
-        full = POLICY_LOSSES.get(name)(
+        full = policy_loss(
+            name,
             full_lp,
             old,
             adv,
@@ -341,7 +341,8 @@ def test_micro_batch_split_gives_full_batch_loss_and_gradient(name, per_token_ad
         total = 0.0
         summed: dict = {}
         for lo, hi in ((0, 2), (2, 3), (3, 7)):
-            out = POLICY_LOSSES.get(name)(
+            out = policy_loss(
+                name,
                 split_lp[lo:hi],
                 old[lo:hi],
                 adv[lo:hi],

@@ -11,10 +11,14 @@ from hypothesis import strategies as st
 
 from nemo_d3s.core.micro_batches import (
     fixed_micro_batches,
-    padded_tokens,
     plan_rows,
     token_budget_micro_batches,
 )
+
+
+def padded_tokens(lengths: torch.Tensor, plan) -> int:
+    """Positions a plan feeds the model: sum over micro-batches of rows x longest row."""
+    return int(sum(len(r) * int(lengths[r].max()) for r in plan if len(r)))
 
 
 def _reference(lengths, budget):

@@ -75,6 +75,28 @@ def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(cap
     assert out_of_range_rewards(plain) == 0
 
 
+def test_a_task_with_slots_is_counted_and_warned_once_too(caplog):
+    # A task with __slots__ has no room for the count on itself: it is still counted (so
+    # reward_out_of_range_total is right) and warned about once, not on every reward.
+    class Slotted:
+        __slots__ = ("name",)
+        reward_range = (0.0, 1.0)
+
+        def __init__(self) -> None:
+            self.name = "slotted"
+
+        def reward(self, problem, response_text):
+            return 2.0
+
+    task, other, p = Slotted(), Slotted(), Problem("q", "a")
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        for _ in range(3):
+            assert safe_reward(task, p, "x") == (2.0, None)
+        safe_reward(other, p, "x")
+    assert out_of_range_rewards(task) == 3 and out_of_range_rewards(other) == 1
+    assert caplog.text.count("outside the task's declared range") == 2  # once per task
+
+
 @pytest.mark.parametrize(
     "gold, ok",
     [

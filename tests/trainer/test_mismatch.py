@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_d3s.backends.base import TokenBatch
-from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig
+from nemo_d3s.core.losses import LossConfig, policy_loss
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.stats import mismatch_metrics, truncated_is_weights
 from nemo_d3s.trainer.update import compact, make_loss_fn
@@ -61,9 +61,7 @@ def test_weights_scale_the_advantage_in_the_loss(loss_name):
         scaled = adv * (w * keep).sum(1) / keep.sum(1)
     else:
         scaled = adv.unsqueeze(1) * w
-    want = POLICY_LOSSES.get(loss_name)(
-        lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0
-    ).loss
+    want = policy_loss(loss_name, lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0).loss
     assert torch.allclose(got, want)
     plain = make_loss_fn(
         loss_name,

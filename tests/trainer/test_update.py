@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_d3s.backends.base import TokenBatch
-from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
+from nemo_d3s.core.losses import LossConfig, policy_loss, loss_denominator
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.update import UpdateBatch, compact, minibatch_denominators, update_policy
 
@@ -127,7 +127,8 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.2, aggregation=aggregation)
     # Slow reference: one full-batch loss with the full-batch denominator.
     ref_param = table.clone().requires_grad_(True)
-    out = POLICY_LOSSES.get(loss_name)(
+    out = policy_loss(
+        loss_name,
         ref_param,
         upd.old_logprobs,
         upd.advantages,
@@ -240,7 +241,8 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(
     cfg = LossConfig(aggregation=aggregation)
     norm = resp if normalize_by == "eligible" else None
     ref_param = table.clone().requires_grad_(True)
-    ref = POLICY_LOSSES.get(loss_name)(
+    ref = policy_loss(
+        loss_name,
         ref_param,
         old,
         adv,

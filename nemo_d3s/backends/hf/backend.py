@@ -146,20 +146,6 @@ class HFBackend(Policy):
         return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
 
     # ------------------------------------------------------------------ scoring
-    def compute_logprobs(
-        self,
-        batch: TokenBatch,
-        *,
-        with_entropy: bool,
-        reference: bool = False,
-        micro_batch_size: int = 8,
-    ):
-        """``score`` as a (logprobs, entropy) tuple, for scripts written before ``Scores``."""
-        out = self.score(
-            batch, with_entropy=with_entropy, reference=reference, micro_batch_size=micro_batch_size
-        )
-        return out.logprobs, out.entropy
-
     @staticmethod
     def _plan(
         batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int

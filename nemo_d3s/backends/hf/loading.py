@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from nemo_d3s.formats.side_files import TOKENIZER_MODEL
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
 from nemo_d3s.backends.hf.gguf_convert import (
     DEFAULT_MODEL_NAME,
@@ -78,7 +79,7 @@ def gguf_model_dir(gguf: Path) -> Path:
 
 # A tokenizer needs one of these; without any, transformers' error blames a missing
 # sentencepiece install.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_TOKENIZER_FILES = TOKENIZER_MODEL  # one of them must be there (formats.side_files)
 
 
 def load_tokenizer(folder: str):

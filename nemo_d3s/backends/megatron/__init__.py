@@ -6,13 +6,13 @@ nothing outside ``nemo_d3s/backends/megatron/`` imports megatron-core. What a ch
 folder holds (config.json -> ModelSpec, the HF <-> Megatron weight table, the shard files,
 NeMo 2 reading) is the file-format layer below, ``nemo_d3s/formats``. Modules: ``model``
 (build, load, gather), ``schedule`` (score / train_step), ``optimizer`` (both optimizers,
-the plain one's gradient steps, the distributed optimizer's checkpoint state), ``engine``
-(rollouts per model-parallel group), ``checkpoint`` (the running policy's save / load with
-its optimizer, any layout), ``nemo2_writer`` (NeMo 2 checkpoints, through megatron-core's
-dist_checkpointing), ``param_counts`` (the dry run's meta-device build), ``parallel``
-(process groups, rank order), ``cpu_compat`` (megatron-core on gloo/CPU), ``config`` (the
-typed config and its option check), ``prepare`` (the backend's set-up steps: dtype, model
-folder, weights reader, process groups, seeding, LR schedule), ``backend`` (the Policy).
+the plain one's gradient steps), ``optimizer_state`` (the optimizer state in checkpoints),
+``engine`` (rollouts per model-parallel group), ``checkpoint`` (the running policy's save / load
+with its optimizer, any layout), ``nemo2_writer`` (NeMo 2 checkpoints, through megatron-core's
+dist_checkpointing), ``param_counts`` (the dry run's meta-device build), ``parallel`` (process
+groups, rank order), ``cpu_compat`` (megatron-core on gloo/CPU), ``config`` (the typed config and
+its option check), ``prepare`` (the backend's set-up steps: dtype, model folder, weights reader,
+process groups, seeding, LR schedule), ``backend`` (the Policy).
 """
 
 import logging as _logging

@@ -60,12 +60,11 @@ from nemo_d3s.backends.megatron.model import (
     transformer_config,
     use_transformer_engine,
     virtual_layouts,
-    write_hf_folder,
 )
-from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
-from nemo_d3s.formats.weights import Layout
+from nemo_d3s.formats.safetensors_stream import write_hf_weights
+from nemo_d3s.formats.weights import Layout, hf_names, hf_shape
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["MegatronBackend"]
@@ -101,14 +100,8 @@ class MegatronBackend(Policy):
         self.path = model_folder(cfg)
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
-        check_layout(self.spec, tp=tp, pp=pp, world=world_size())
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
-        if self.spec.num_layers % (pp * self.vpp):
-            raise ConfigError(
-                f"num_hidden_layers={self.spec.num_layers} is not divisible by "
-                "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
-                f"{pp * self.vpp}"
-            )
+        check_layout(self.spec, tp=tp, pp=pp, world=world_size(), vpp=self.vpp)
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)
         self.groups = (
@@ -343,8 +336,9 @@ class MegatronBackend(Policy):
             for _ in weights:  # serve the collectives
                 pass
             return
+        entries = [(n, hf_shape(n, self.spec), self.dtype) for n in hf_names(self.spec)]
         with atomic_folder(path) as tmp:
-            write_hf_folder(weights, str(tmp))
+            write_hf_weights(tmp, weights, entries)  # the converter's writer
             ckpt.write_model_files(self, tmp)
 
     # ------------------------------------------------------------------ checkpoints

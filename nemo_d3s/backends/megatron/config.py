@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nemo_d3s.core.checks import is_count
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
 __all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
@@ -90,7 +92,7 @@ class MegatronBackendConfig(PolicySettings):
         the rollouts to the group's other ranks; seeded sampler only).
     """
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL_NAME
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -110,7 +112,7 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     implement yet, a dtype or sampler it does not take. ValueError naming the key; the
     backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
     vpp = cfg.virtual_pipeline_model_parallel_size
-    if vpp is not None and (isinstance(vpp, bool) or not isinstance(vpp, int) or vpp < 1):
+    if vpp is not None and not is_count(vpp, 1):
         raise ValueError(
             f"model.params.virtual_pipeline_model_parallel_size={vpp!r}: an integer >= 1 or None"
         )
@@ -120,7 +122,7 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             "pipeline_model_parallel_size > 1"
         )
     cp = cfg.context_parallel_size
-    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:  # not a TE question
+    if not is_count(cp, 1):  # not a TE question
         raise ValueError(
             f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
             "integer >= 1, and this backend runs without context parallelism)"

@@ -14,7 +14,6 @@ safetensors, and stream the whole model back out under HF names.
 
 from __future__ import annotations
 
-import os
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -360,48 +359,3 @@ def iter_hf_weights(
                 if not is_single(groups.pp):
                     dist.broadcast(x, src=_stage_src(groups, owner), group=groups.pp)
                 yield h, (x.cpu() if to_cpu else x)
-
-
-def write_hf_folder(
-    tensors: Iterator[Tuple[str, torch.Tensor]],
-    out_dir: str,
-    *,
-    shard_bytes: int = 5 * 2**30,
-    dtype: Optional[torch.dtype] = None,
-) -> Dict[str, str]:
-    """Write (name, tensor) pairs as safetensors shards + index into ``out_dir`` (which
-    exists), holding at most ``shard_bytes`` of tensors at once. One file ->
-    ``model.safetensors``; several -> ``model-0000i-of-0000n.safetensors`` and
-    ``model.safetensors.index.json``. Returns {tensor name: file name}."""
-    import json
-
-    from safetensors.torch import save_file
-
-    files, buf, size, weight_map = [], {}, 0, {}
-
-    def flush():
-        nonlocal buf, size
-        if buf:
-            name = f"part-{len(files):05d}.safetensors"
-            save_file(buf, os.path.join(out_dir, name), metadata={"format": "pt"})
-            files.append((name, list(buf)))
-            buf, size = {}, 0
-
-    for name, t in tensors:
-        t = t.to(dtype) if dtype is not None else t
-        nbytes = t.numel() * t.element_size()
-        if buf and size + nbytes > shard_bytes:
-            flush()
-        buf[name] = t.contiguous()
-        size += nbytes
-    flush()
-    n = len(files)
-    for i, (tmp, names) in enumerate(files):
-        final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
-        weight_map.update({k: final for k in names})
-    if n > 1:
-        total = sum(os.path.getsize(os.path.join(out_dir, f)) for f in set(weight_map.values()))
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    return weight_map

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.hf.config import TinyModelSpec
+from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.hf.loading import TINY_RANDOM, ensure_tiny_folder, resolve_model_path
 from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig
 from nemo_d3s.backends.megatron.model import load_stage_from_hf
@@ -99,7 +100,8 @@ def model_folder(cfg: MegatronBackendConfig) -> str:
     except FileNotFoundError as e:
         raise ConfigError(
             f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 or "
-            "Megatron-LM / Megatron-Bridge checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
+            "Megatron-LM / Megatron-Bridge checkpoint, "
+            f"{DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r})"
         ) from None
 
 

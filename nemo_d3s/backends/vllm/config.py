@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from nemo_d3s.core.checks import is_count, is_number
+
 __all__ = ["VLLMEngineConfig"]
 
 
@@ -34,22 +36,19 @@ class VLLMEngineConfig:
 
     def __post_init__(self) -> None:
         # The run config's rollout section is judged here too (RolloutConfig builds one).
-        def count(v, low):
-            return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
         g = self.gpu_memory_utilization
-        if not (isinstance(g, (int, float)) and not isinstance(g, bool) and 0 < g <= 1):
+        if not (is_number(g) and 0 < g <= 1):
             raise ValueError(f"gpu_memory_utilization={g!r}: must be in (0, 1]")
-        if not count(self.tensor_parallel_size, 1):
+        if not is_count(self.tensor_parallel_size, 1):
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size!r}: must be an integer >= 1"
             )
-        if self.max_model_len is not None and not count(self.max_model_len, 1):
+        if self.max_model_len is not None and not is_count(self.max_model_len, 1):
             raise ValueError(
                 f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null "
                 "(the model's)"
             )
-        if not count(self.cpu_kv_cache_gb, 1):
+        if not is_count(self.cpu_kv_cache_gb, 1):
             raise ValueError(
                 f"cpu_kv_cache_gb={self.cpu_kv_cache_gb!r}: must be an integer >= 1 (GiB)"
             )
@@ -59,7 +58,7 @@ class VLLMEngineConfig:
                 "graphs on a GPU)"
             )
         b = self.refit_bucket_mb
-        if not (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0):
+        if not (is_number(b) and b > 0):
             raise ValueError(
                 f"refit_bucket_mb={b!r}: must be > 0 (MiB of weights per refit bucket)"
             )

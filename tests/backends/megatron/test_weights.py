@@ -287,6 +287,12 @@ def test_layout_rules_name_the_numbers():
         check_layout(spec, tp=1, pp=3, world=3)
     with pytest.raises(ConfigError, match="num_attention_heads=4 .* tensor_model_parallel_size=3"):
         check_layout(spec, tp=3, pp=1, world=3)
+    # the virtual pipeline's rule has this one home (the backend and the dry run call it)
+    assert check_layout(spec, tp=1, pp=2, world=2, vpp=2) == 1
+    with pytest.raises(
+        ConfigError, match="num_hidden_layers=4 .* virtual_pipeline_model_parallel_size = 8"
+    ):
+        check_layout(spec, tp=1, pp=2, world=2, vpp=4)
 
 
 def test_missing_or_garbled_config_json(tmp_path):
