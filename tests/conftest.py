@@ -14,4 +14,10 @@ VLLM_TESTS = [
     "trainer/test_vllm_run.py",
 ]
 
-collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_TESTS
+# The TRL plugin's tests against TRL itself (marker ``trl``): likewise, CI runs them with
+# ``pytest -m trl`` in the environment it builds with the ``trl`` extra (.ci/run).
+TRL_TESTS = ["integrations/test_trl_plugin.py"]
+
+collect_ignore = [] if importlib.util.find_spec("vllm") else list(VLLM_TESTS)
+if not importlib.util.find_spec("trl"):
+    collect_ignore += TRL_TESTS
