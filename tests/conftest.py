@@ -21,3 +21,14 @@ TRL_TESTS = ["integrations/test_trl_plugin.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else list(VLLM_TESTS)
 if not importlib.util.find_spec("trl"):
     collect_ignore += TRL_TESTS
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without trl, tests marked ``trl`` outside TRL_TESTS (an example's run in
+    tests/test_examples.py) are deselected, not skipped: the main run does not claim them."""
+    if importlib.util.find_spec("trl"):
+        return
+    drop = [item for item in items if item.get_closest_marker("trl") is not None]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item.get_closest_marker("trl") is None]
