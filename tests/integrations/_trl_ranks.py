@@ -1,6 +1,6 @@
 """One rank of the 1-vs-2-process test of the TRL plugin (tests/integrations/test_trl_plugin.py).
 
-Run as ``torchrun --nproc_per_node N _trl_ranks.py MODEL_DIR OUT_DIR PRESET``: accelerate
+Run as ``torchrun --nproc_per_node N _trl_ranks.py MODEL_DIR OUT_DIR PRESET STEP``: accelerate
 picks the torchrun world up (gloo on the CPU). Every rank builds ``D3SGRPOTrainer`` on the
 same tiny model and cuts ITS slice of one fixed synthetic generation batch (8 rollouts, 2
 prompts x G = 4; process p holds global rows [p B, (p + 1) B) as in TRL), through the
@@ -31,7 +31,8 @@ def synthetic_batch(n_total: int = 8, p: int = 4, c: int = 6):
     return prompt_ids, completion_ids, completion_mask, rewards, adv
 
 
-def main(model_dir: str, out_dir: str, preset: str) -> None:
+def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
+    """STEP: the global step of 3 (progress STEP / 2: 0 -> N = G/8, 2 -> N = G/2)."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -71,7 +72,7 @@ def main(model_dir: str, out_dir: str, preset: str) -> None:
         "advantages": adv[mine],
         "num_items_in_batch": completion_mask.sum(),
     }
-    trainer.state.max_steps, trainer.state.global_step = 3, 2  # progress 1: N = G/2, K = 20%
+    trainer.state.max_steps, trainer.state.global_step = 3, int(step)
     trainer.model.train()
     cut = trainer._d3s_cut(output)
     sel = trainer.last_selection
@@ -85,10 +86,11 @@ def main(model_dir: str, out_dir: str, preset: str) -> None:
         "entropy": sel["entropy"].tolist() if sel["entropy"] is not None else None,
         "num_items_in_batch": float(cut["num_items_in_batch"]),
         "cut_rows": int(cut["completion_ids"].shape[0]),
+        "cut_loss_tokens": int((cut["completion_mask"] * cut["tool_mask"]).sum()),
     }
     with open(os.path.join(out_dir, f"rank{rank}_of{world}.json"), "w") as f:
         json.dump(record, f)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

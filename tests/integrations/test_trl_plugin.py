@@ -51,8 +51,9 @@ def folder(tmp_path_factory):
     return str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path_factory.mktemp("cache")))
 
 
-def _trainer(cls, folder, out, **kw):
+def _trainer(cls, folder, out, config=None, **kw):
     args = GRPOConfig(
+        **(config or {}),
         output_dir=str(out),
         use_cpu=True,
         per_device_train_batch_size=len(PROMPTS) * G,
@@ -199,11 +200,24 @@ def test_an_untested_trl_is_refused(folder, tmp_path, monkeypatch):
         _trainer(D3SGRPOTrainer, folder, tmp_path)
 
 
-def _run_ranks(folder, out, nproc, preset):
+def test_settings_the_plugin_cannot_honour_are_one_line_errors(folder, tmp_path):
+    from nemo_d3s.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="top_entropy_quantile=0.2: .*set top_entropy_quantile=1.0"
+    ):
+        _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2})
+    # TRL's own entropy mask stays available where D3S does not score tokens
+    _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2}, d3s="pods")
+    with pytest.raises(ConfigError, match="d3s='nope': unknown preset; known: d1s, d1s_cross"):
+        _trainer(D3SGRPOTrainer, folder, tmp_path, d3s="nope")
+
+
+def _run_ranks(folder, out, nproc, preset, step):
     out.mkdir()
     script = Path(__file__).with_name("_trl_ranks.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    cmd += ["--standalone", str(script), folder, str(out), preset]  # a free port
+    cmd += ["--standalone", str(script), folder, str(out), preset, str(step)]  # a free port
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -211,14 +225,18 @@ def _run_ranks(folder, out, nproc, preset):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("preset", ["d3s", "d3s_i"])
-def test_two_processes_keep_what_one_keeps(folder, tmp_path, preset):
-    (one,) = _run_ranks(folder, tmp_path / "one", 1, preset)
-    two = _run_ranks(folder, tmp_path / "two", 2, preset)
+@pytest.mark.parametrize("preset,step", [("d3s", 2), ("d3s_i", 2), ("d3s", 0)])
+def test_two_processes_keep_what_one_keeps(folder, tmp_path, preset, step):
+    (one,) = _run_ranks(folder, tmp_path / "one", 1, preset, step)
+    two = _run_ranks(folder, tmp_path / "two", 2, preset, step)
     assert two[0]["sample_keep_global"] == two[1]["sample_keep_global"]
     assert two[0]["sample_keep_global"] == one["sample_keep_global"]
     assert two[0]["rows"] + two[1]["rows"] == one["rows"]
     assert two[0]["token_keep"] + two[1]["token_keep"] == one["token_keep"]
     assert two[0]["num_items_in_batch"] == two[1]["num_items_in_batch"]
     assert two[0]["num_items_in_batch"] == one["num_items_in_batch"] > 0
+    assert two[0]["cut_loss_tokens"] + two[1]["cut_loss_tokens"] == one["cut_loss_tokens"]
     assert 0 < len(one["rows"]) < 8
+    if step == 0:  # N = G/8: both kept rollouts are rank 1's; rank 0 runs one zero-loss row
+        assert two[0]["rows"] == [] and two[0]["cut_rows"] == 1
+        assert two[0]["cut_loss_tokens"] == 0
