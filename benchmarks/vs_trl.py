@@ -348,8 +348,10 @@ def summarize(root: Path) -> dict:
         name, _, seed = d.name.rpartition("_s")
         if name in runs and _finished(d):
             run_ = load_run(d)
-            tokens = [r.get("update_tokens") for r in read_jsonl(d / "metrics.jsonl")]
-            run_["update_tokens_per_step"] = mean_ci([t for t in tokens if t is not None])[0]
+            # per step of the run, a skipped step (the trainer skips all-equal batches) as 0
+            rows = read_jsonl(d / "metrics.jsonl")
+            total = rows[-1].get("update_tokens_total", float("nan")) if rows else float("nan")
+            run_["update_tokens_per_step"] = total / max(len(rows), 1)
             runs[name][int(seed)] = run_
     thresholds = {
         s: next((p["eval"] for p in r["curve"] if p["step"] == step_ref), None)

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",  # the main job's (TRL's default decays linearly)
         temperature=1.0,
         logging_steps=1,
         save_strategy="no",

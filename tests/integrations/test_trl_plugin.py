@@ -225,7 +225,7 @@ def _run_ranks(folder, out, nproc, preset, step):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("preset,step", [("d3s", 2), ("d3s_i", 2), ("d3s", 0)])
+@pytest.mark.parametrize("preset,step", [("d3s", 2), ("d3s", 0)])  # d3s_i: test_trl_selection
 def test_two_processes_keep_what_one_keeps(folder, tmp_path, preset, step):
     (one,) = _run_ranks(folder, tmp_path / "one", 1, preset, step)
     two = _run_ranks(folder, tmp_path / "two", 2, preset, step)

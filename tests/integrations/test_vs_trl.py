@@ -114,9 +114,10 @@ def test_the_race_runs_at_two_steps_on_the_tiny_model(tmp_path):
         arm = summary["arms"][name]
         assert arm["runs"] == 1, name
         assert [p["step"] for p in arm["per_seed"][0]["curve"]] == [0, 1, 2], name
-        assert arm["s_per_step"][0] > 0 and arm["update_tokens_per_step"][0] > 0, name
-    # D3S's updates carry fewer tokens than GRPO's (N = G/8 -> G/2 of G = 2: 1 of 2 rollouts)
-    for d3s, grpo in (("trl_d3s", "trl_grpo"), ("nd3s_d3s", "nd3s_grpo")):
-        a, b = summary["arms"][d3s], summary["arms"][grpo]
-        assert a["update_tokens_per_step"][0] < b["update_tokens_per_step"][0]
+        assert arm["s_per_step"][0] > 0 and arm["update_tokens_per_step"][0] >= 0, name
+    # (a random model scores 0 on arithmetic: the trainer skips such steps, 0 update tokens;
+    # TRL updates on them.) D3S's updates in TRL carry half of GRPO's rollouts here
+    # (N = G/8 -> G/2 of G = 2 is 1 of 2), so fewer tokens.
+    a, b = summary["arms"]["trl_d3s"], summary["arms"]["trl_grpo"]
+    assert 0 < a["update_tokens_per_step"][0] < b["update_tokens_per_step"][0]
     assert (out / "vs_trl.png").is_file()
