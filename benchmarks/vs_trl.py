@@ -409,7 +409,8 @@ def render(summary: dict) -> str:
         f"Threshold: TRL GRPO's greedy eval at step {summary['threshold_step']} of the same seed; "
         "times leave evaluation out.",
         "",
-        "| arm | runs | s / step | update tokens / step | final eval | time to threshold (s) | reached |",
+        "| arm | runs | s / step | update tokens / step | final eval "
+        "| time to threshold (s) | reached |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, a in summary["arms"].items():

@@ -70,9 +70,16 @@ ENV = {
     "platform_python_implementation": "CPython",
 }
 NOT_READ = {
-    "torch": "about 1 GB; its requirements are its own CUDA libraries (none pinned here); requirements on it are checked",
-    "transformer-engine-cu13": "the TE core library (hundreds of MB), pinned == by transformer-engine's METADATA",
-    "transformer-engine-torch": "an sdist (metadata needs a CUDA build), pinned == by transformer-engine's METADATA",
+    "torch": (
+        "about 1 GB; its requirements are its own CUDA libraries (none pinned here); "
+        "requirements on it are checked"
+    ),
+    "transformer-engine-cu13": (
+        "the TE core library (hundreds of MB), pinned == by transformer-engine's METADATA"
+    ),
+    "transformer-engine-torch": (
+        "an sdist (metadata needs a CUDA build), pinned == by transformer-engine's METADATA"
+    ),
 }
 
 Pins = Dict[str, Tuple[str, Tuple[str, ...]]]  # canonical name -> (version, extras)
@@ -145,7 +152,8 @@ def check(lock: dict, pins: Pins) -> List[str]:
             missing = set(req.extras) - set(pins[name][1])
             if missing:
                 problems.append(
-                    f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the pin's extras"
+                    f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the "
+                    "pin's extras"
                 )
         elif name in shared:
             version = shared[name]["version"]
@@ -218,7 +226,9 @@ def refresh(wheel_dir: Path, pins: Pins) -> dict:
         if name not in NOT_READ
     }
     lock = {
-        "note": "written by slurm/container_pins.py --refresh; read by its check (see its docstring)",
+        "note": (
+            "written by slurm/container_pins.py --refresh; read by its check (see its docstring)"
+        ),
         "platform": {"python": PYTHON, "platforms": list(PLATFORMS)},
         "pins": {k: [v, list(e)] for k, v, e in ((k, *pins[k]) for k in sorted(pins))},
         "requires": requires,
@@ -262,8 +272,8 @@ def main(argv=None) -> int:
         print(f"error: {line}", file=sys.stderr)
     if not problems:
         print(
-            f"{len(pins)} pins agree with {sum(len(v) for v in lock['requires'].values())} declared requirements "
-            f"and {len(lock['shared'])} shared dependencies"
+            f"{len(pins)} pins agree with {sum(len(v) for v in lock['requires'].values())} "
+            f"declared requirements and {len(lock['shared'])} shared dependencies"
         )
     return 1 if problems else 0
 

@@ -199,7 +199,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert "7 passed, 0 failed" in proc.stdout
 
 
-# ---------------------------------------------------------------------------- the CUDA checks' logic on the CPU
+# ---------------------------------------------------------------- the CUDA checks' logic on the CPU
 def _ctx(tmp_path, **cache):
     import torch
 

@@ -81,7 +81,8 @@ class TokenBatch:
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
 
     def truncate(self, length: int) -> "TokenBatch":
-        """Cut every sequence to its first ``length`` positions (compaction after token selection)."""
+        """Cut every sequence to its first ``length`` positions (compaction after token
+        selection)."""
         return TokenBatch(
             self.input_ids[:, :length],
             self.attention_mask[:, :length],
@@ -91,7 +92,8 @@ class TokenBatch:
 
 @dataclass
 class Rollouts:
-    """What ``generate`` returns: one row per (prompt, sample), prompts in order, samples adjacent."""
+    """What ``generate`` returns: one row per (prompt, sample), prompts in order, samples
+    adjacent."""
 
     batch: TokenBatch
     prompt_index: torch.Tensor  # [B] long: which input prompt each row answers

@@ -145,7 +145,8 @@ def tensors_from_buffer(
         n = dt.itemsize * int(torch.Size(shape).numel())
         if off < 0 or off + n > buffer.numel():
             raise ValueError(
-                f"refit bucket: {name!r} at bytes {off}..{off + n} lies outside the {buffer.numel()}-byte buffer"
+                f"refit bucket: {name!r} at bytes {off}..{off + n} lies outside the "
+                f"{buffer.numel()}-byte buffer"
             )
         out.append((str(name), buffer[off : off + n].view(dt).reshape(shape)))
     return out
@@ -275,7 +276,8 @@ class WeightRefit:
                 stats.total_bytes += bucket.nbytes
                 stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
                 stats.names += [m[0] for m in bucket.meta]
-                self.barrier()  # nobody runs ahead (into the next NCCL gather) or refills a buffer being read
+                # nobody runs ahead (into the next NCCL gather) or refills a buffer being read
+                self.barrier()
             if self.is_src:
                 self.sink.end_refit()  # the engine lets go of the staging buffers here
             self.barrier()  # ... before any rank frees its own

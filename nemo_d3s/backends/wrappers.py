@@ -100,7 +100,8 @@ class PerPromptCalls(_Wrapper):
         for i, part in enumerate(parts):
             if len(part.batch) != n_samples:
                 raise RuntimeError(
-                    f"the rollout engine returned {len(part.batch)} rows for prompt {i}, expected {n_samples}"
+                    f"the rollout engine returned {len(part.batch)} rows for prompt {i}, "
+                    f"expected {n_samples}"
                 )
         return concat_rollouts(parts, pad_token_id(self.tokenizer))
 

@@ -1,7 +1,7 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or unwritable
-output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
+:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or
+unwritable output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
 command line prints it as one ``error:`` line and exits with code 2, like a
 :class:`~nemo_d3s.errors.ConfigError`.
 

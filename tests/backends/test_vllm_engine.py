@@ -191,14 +191,15 @@ from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
 
 
 def main():
-    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None, lr=5e-2,
-                                       tiny=TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2,
-                                                          intermediate_size=256)))
+    tiny = TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256)
+    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32",
+                                       autocast=None, lr=5e-2, tiny=tiny))
     engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "tensor_parallel_size": 2,
                                                    "cpu_kv_cache_gb": 1, "refit_bucket_mb": 0.05})
     ro = engine.generate(["What is 2+3?", "Say hi"], 2, GenerationConfig(max_new_tokens=6), [1, 2])
     m = ro.batch.response_mask
-    gap = float((policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max())
+    scored = policy.score(ro.batch, with_entropy=False).logprobs
+    gap = float((scored - ro.sampling_logprobs)[m].abs().max())
     engine.sync_weights(policy)
     print("RESULT", engine.transport, gap, flush=True)
 

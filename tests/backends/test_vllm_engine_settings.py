@@ -144,7 +144,8 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     ro = engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
     assert ro.batch.input_ids.shape[0] == 4
     assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 2)] and engine.stale
-    # the sleep dropped the weights: the next generation refits first (an evaluation, a skipped update)
+    # the sleep dropped the weights: the next generation refits first (an evaluation, a skipped
+    # update)
     llm.calls.clear()
     engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
     assert llm.calls[0] == ("wake_up", ("weights",)) and ("rpc", "refit_end") in llm.calls

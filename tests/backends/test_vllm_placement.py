@@ -16,7 +16,8 @@ from nemo_d3s.backends.vllm.placement import engine_devices, engine_placement
 RECIPES = {
     "llama3_8b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
     "qwen25_math_7b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
-    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on the first
+    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on
+    # the first
     "llama3_70b": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
     # the long-response recipe: the same layout and engines as llama3_70b
     "llama3_70b_long": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),

@@ -241,8 +241,9 @@ class HFBackend(Policy):
         (what Megatron's DDP does), which gives the gradient of the global mean whatever
         the micro-batch size, the token budget or the number of ranks. Returns this rank's
         sums as 0-d tensors on the model device (``loss_sum`` + the ``metric_tensors`` of
-        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one all_reduce per gradient dtype over ``groups.dp``.
-        Memory: one flat copy of the gradients during the all-reduce.
+        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one
+        all_reduce per gradient dtype over ``groups.dp``. Memory: one flat copy of the gradients
+        during the all-reduce.
         """
         plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()

@@ -16,7 +16,9 @@ same rollouts. vLLM slots in as the inner engine in place of it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import os
+import socket
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +31,18 @@ from nemo_d3s.backends.base import (
     Rollouts,
 )
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
+from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed._comm import is_single
 
-__all__ = ["ModelParallelRollouts", "ReplicaEngine"]
+__all__ = [
+    "ModelParallelRollouts",
+    "ReplicaEngine",
+    "gloo_twin",
+    "model_parallel_group",
+    "place_engine",
+    "replica_engine",
+]
 
 
 class ReplicaEngine(RolloutEngine):
@@ -69,7 +79,7 @@ class ReplicaEngine(RolloutEngine):
 class ModelParallelRollouts(RolloutEngine):
     """One engine per model-parallel group: ``inner`` exists on the group's first rank
     (``src``, a global rank) and is None elsewhere. ``group``: a gloo group of the
-    model-parallel ranks (``MegatronBackend._mp_gloo_group``): every wait for the engine
+    model-parallel ranks (:func:`gloo_twin`): every wait for the engine
     happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
 
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
@@ -82,7 +92,7 @@ class ModelParallelRollouts(RolloutEngine):
     ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
     otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
     refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
-    (``MegatronBackend.place_rollout_engine``).
+    (:func:`place_engine`).
     """
 
     def __init__(
@@ -204,3 +214,101 @@ def make_replica(
         device,
         bool(cfg.use_chat_template),
     )
+
+
+def own_gpu_entry() -> Optional[str]:
+    """This rank's GPU as its entry in the node's visible devices (what an engine's
+    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from nemo_d3s.backends.vllm.placement import local_gpus
+
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[
+        torch.cuda.current_device()
+    ]
+
+
+def model_parallel_group() -> Tuple[Any, int]:
+    """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
+    from megatron.core import parallel_state as ps
+
+    mp = ps.get_model_parallel_group()
+    return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+
+def gloo_twin(mp) -> Any:
+    """A gloo group of the ranks of ``mp`` (Megatron's model-parallel group is NCCL on CUDA;
+    on the CPU it is gloo already and is returned as it is). Collective over the whole job:
+    every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+    if dist.get_backend(mp) == "gloo":
+        return mp
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
+    groups = sorted({tuple(sorted(r)) for r in everyone})
+    twin, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+    return twin
+
+
+def place_engine(
+    policy: Any, build: Callable[[], RolloutEngine], gloo_group: Callable[[], Any]
+) -> ModelParallelRollouts:
+    """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
+    TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
+    rank tells the group how refits travel (transport, bucket size, dtype) and on which
+    node and GPUs the engine runs (a rank on one of them stages refit buckets there).
+    ``policy``: the Megatron backend (its tokenizer and device); ``gloo_group()``: the
+    group's gloo twin (collective on first use)."""
+    mp, src = model_parallel_group()
+    inner = build() if dist.get_rank() == src else None
+    refit = None
+    if inner is not None and getattr(inner, "transport", None) is not None:
+        refit = {
+            "transport": inner.transport,
+            "bucket_bytes": int(inner.bucket_bytes),
+            "dtype": str(inner.weights_dtype).removeprefix("torch."),
+            "host": socket.gethostname(),
+            "gpus": (inner.visible_devices or "").split(","),
+        }
+    flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+    group = gloo_group() if mp is not None else None
+    if group is not None:
+        dist.broadcast_object_list(flags, src=src, group=group)
+    prompt_seeds, on_policy, refit = flags[0]
+    if refit is not None:
+        refit["hosts_engine_gpu"] = (
+            policy.device.type == "cuda"
+            and refit.pop("host") == socket.gethostname()
+            and own_gpu_entry() in refit.pop("gpus")
+        )
+    return ModelParallelRollouts(
+        inner,
+        policy.tokenizer,
+        group,
+        src,
+        prompt_seeds=prompt_seeds,
+        on_policy=on_policy,
+        policy=policy,
+        refit=refit,
+        device=policy.device,
+    )
+
+
+def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:
+    """The build of the seeded HF sampler on a transformers replica of the Megatron backend
+    ``policy`` (for :func:`place_engine`); the replica's EOS ids become the policy's."""
+
+    def build() -> ReplicaEngine:
+        replica = make_replica(
+            policy.path,
+            policy.tokenizer,
+            dtype=policy.dtype,
+            device=policy.device,
+            cfg=policy.cfg,
+            eos_ids_fn=lambda m: stop_token_ids(
+                policy.tokenizer, m.generation_config, policy.cfg.stop_tokens
+            ),
+        )
+        policy.eos_ids = replica.eos_ids
+        return ReplicaEngine(replica)
+
+    return build

@@ -32,7 +32,8 @@ def _device_index_of(uuid: str) -> int:
         if gpu_uuid(torch.device("cuda", i)) == uuid:
             return i
     raise RuntimeError(
-        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see"
+        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker "
+        "does not see"
     )
 
 

@@ -28,13 +28,15 @@ def _major_minor(version: str) -> Tuple[int, int]:
 
 
 def check_trl_version(version: str) -> None:
-    """Refuse a TRL outside ``TESTED_TRL`` (one line, RunError) unless ``$NEMO_D3S_TRL_ANY_VERSION=1``."""
+    """Refuse a TRL outside ``TESTED_TRL`` (one line, RunError) unless
+    ``$NEMO_D3S_TRL_ANY_VERSION=1``."""
     if os.environ.get(ANY_TRL_ENV) == "1":
         return
     lo, hi = TESTED_TRL
     if not lo <= _major_minor(version) < hi:
         rng = f">={lo[0]}.{lo[1]},<{hi[0]}.{hi[1]}"
         raise RunError(
-            f"trl {version}: nemo_d3s.integrations.trl hooks GRPOTrainer internals tested on trl{rng} "
-            f'only; install "trl{rng}" (pip install -e ".[trl]") or set {ANY_TRL_ENV}=1 to try it'
+            f"trl {version}: nemo_d3s.integrations.trl hooks GRPOTrainer internals tested on "
+            f'trl{rng} only; install "trl{rng}" (pip install -e ".[trl]") '
+            f"or set {ANY_TRL_ENV}=1 to try it"
         )
