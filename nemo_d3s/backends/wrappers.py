@@ -83,6 +83,9 @@ class _Wrapper(RolloutEngine):
     def sync_weights(self, policy: Policy) -> None:
         self.inner.sync_weights(policy)
 
+    def release(self) -> None:
+        self.inner.release()
+
 
 class PerPromptCalls(_Wrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""

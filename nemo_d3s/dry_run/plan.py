@@ -38,6 +38,7 @@ from nemo_d3s.backends.megatron.parallel import (
 from nemo_d3s.backends.vllm.memory import (
     engine_plan,
     engine_positions,
+    generation_idle,
     refit_bytes,
     sleeping_engine_bytes,
 )
@@ -264,6 +265,16 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
                 stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp,
             )
         ],
+    )
+    terms.update(
+        generation_idle(
+            gpus_total=s.shape.nodes * s.shape.gpus_per_node,
+            gpus_with_engine=int(placement["gpus_with_engine"]),
+            copy_gpus=s.tp * s.pp,
+            vllm_tp=vllm_tp,
+            weight_bytes_per_gpu=weights,
+            decode_steps=int(cfg.trainer.max_new_tokens),
+        )
     )
     problems: List[str] = []
     if terms["kv_cache_bytes"] <= 0:

@@ -261,6 +261,14 @@ def render(report: Dict[str, Any]) -> str:
             f"{v['full_sequences']} sequences of {v['longest_rollout']}; "
             f"{v['rows_per_engine_step']} rollouts per engine per step)"
         )
+        if v.get("gpus_idle_in_generation"):
+            lines.append(
+                f"vLLM: {v['gpus_idle_in_generation']} GPUs idle while generating "
+                f"({v['idle_share_in_generation']:.0%}): {v['idle_why']}; idle GPU-seconds per "
+                f"step = {v['gpus_idle_in_generation']} x the generation time, at least "
+                f"{v['idle_gpu_seconds_per_step_min']:,.0f} "
+                f"(decode floor {v['generation_floor_s']:.0f} s)"
+            )
     meta = report["checks"]["meta_build"]
     if "counts" in meta:
         built = ", ".join("(TP {}, PP {})".format(*k.split(",")) for k in meta["built"])

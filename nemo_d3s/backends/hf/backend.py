@@ -345,6 +345,7 @@ class HFBackend(Policy):
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
+            self.weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return metrics
@@ -362,6 +363,7 @@ class HFBackend(Policy):
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        self.weights_changed()
 
     def hf_weights(self):
         """(name, tensor) of the policy's state dict: already Hugging Face names and layout

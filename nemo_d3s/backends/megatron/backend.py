@@ -1,7 +1,8 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+Built from a local HF folder (Llama / Mistral / Qwen2 / Qwen3), a converted Megatron
+checkpoint, a NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge checkpoint (told apart by
+``formats.detect_format``): ``formats.spec.ModelSpec`` ->
 ``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
 ``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
@@ -288,7 +289,7 @@ class MegatronBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        return schedule.train_step(
+        metrics = schedule.train_step(
             self.chunks,
             self.optimizer,
             batch,
@@ -302,6 +303,9 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
         )
+        if not metrics.get("skipped"):
+            self.weights_changed()
+        return metrics
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
@@ -362,6 +366,7 @@ class MegatronBackend(Policy):
         """A checkpoint written at any TP x PP layout, with either optimizer; see
         ``checkpoint.load_policy``."""
         ckpt.load_policy(self, folder)
+        self.weights_changed()
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
             self._own_engine.sync_weights(self)
         return True

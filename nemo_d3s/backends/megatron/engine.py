@@ -85,12 +85,15 @@ class ModelParallelRollouts(RolloutEngine):
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
     then wakes into that memory); ``src`` samples; one ``broadcast_object_list`` of the
     Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
-    ranks, never a file). An engine whose weights a sleep dropped (``inner.stale``) is
-    refitted first, by the whole group.
-    sync_weights: ``refit`` set (an engine with its own copy, vLLM): the group runs one
+    ranks, never a file). An engine that does not hold the policy's weights version (a
+    sleep dropped them) is refitted first, by the whole group.
+    sync_weights: ``refit`` set (an engine with its own copy, vLLM): when the engine's rank
+    says it holds another weights version (one refit per version), the group runs one
     :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
-    ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
-    otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
+    ``policy.refit_weights()``; ranks on the engine's GPUs, or on the CPU build its first
+    ``workers`` ranks, stage buckets: CUDA IPC / shared memory); otherwise ``src`` hands the
+    stream to ``inner`` and the others serve the gathers.
+    release: the engine's rank lets its engine drop its memory (``RolloutEngine.release``).
     refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
     (:func:`place_engine`).
     """
@@ -127,8 +130,8 @@ class ModelParallelRollouts(RolloutEngine):
     ) -> Rollouts:
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        if self.refit is not None and self._from_src(bool(getattr(self.inner, "stale", False))):
-            self.sync_weights(self.policy)
+        if self.refit is not None:
+            self.sync_weights(self.policy)  # a refit only when the engine holds another version
         release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
         out: Any = None
@@ -152,7 +155,13 @@ class ModelParallelRollouts(RolloutEngine):
         if self.inner is not None:
             self.inner.should_stop = fn
 
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
+
     def sync_weights(self, policy: Policy) -> None:
+        """One refit per weights version: the engine's rank says whether it holds another
+        version (or none), and the whole group refits or none of it does."""
         if self.refit is None or is_single(self.group):
             if self.is_src:
                 self.inner.sync_weights(policy)
@@ -161,6 +170,8 @@ class ModelParallelRollouts(RolloutEngine):
                     _
                 ) in policy.refit_weights():  # serve the gathers; the tensors are not needed here
                     pass
+            return
+        if not self._from_src(self.is_src and self.inner.needs_refit(policy)):
             return
         r = self.refit
         refit = WeightRefit(
@@ -174,7 +185,7 @@ class ModelParallelRollouts(RolloutEngine):
             device=self.device,
         )
         if self.is_src:
-            self.inner.run_refit(refit, policy.refit_weights())
+            self.inner.run_refit(refit, policy.refit_weights(), policy.weights_version)
         else:
             refit.push(policy.refit_weights())
 
@@ -255,11 +266,17 @@ def place_engine(
     """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
     TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
     rank tells the group how refits travel (transport, bucket size, dtype) and on which
-    node and GPUs the engine runs (a rank on one of them stages refit buckets there).
+    node and GPUs the engine runs (a rank on one of them stages refit buckets there). An
+    engine that fails to start raises on every rank of the group (none is left waiting).
     ``policy``: the Megatron backend (its tokenizer and device); ``gloo_group()``: the
     group's gloo twin (collective on first use)."""
     mp, src = model_parallel_group()
-    inner = build() if dist.get_rank() == src else None
+    inner, failure = None, None
+    if dist.get_rank() == src:
+        try:
+            inner = build()
+        except Exception as e:
+            failure = e
     refit = None
     if inner is not None and getattr(inner, "transport", None) is not None:
         refit = {
@@ -268,18 +285,28 @@ def place_engine(
             "dtype": str(inner.weights_dtype).removeprefix("torch."),
             "host": socket.gethostname(),
             "gpus": (inner.visible_devices or "").split(","),
+            "workers": int(inner.cfg.tensor_parallel_size),
         }
-    flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+    flags: List[Any] = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+    if failure is not None:
+        flags = [f"{type(failure).__name__}: {failure}"]
     group = gloo_group() if mp is not None else None
     if group is not None:
         dist.broadcast_object_list(flags, src=src, group=group)
+    if failure is not None:
+        raise failure
+    if isinstance(flags[0], str):
+        raise RuntimeError(f"the rollout engine failed to start on rank {src}: {flags[0]}")
     prompt_seeds, on_policy, refit = flags[0]
     if refit is not None:
-        refit["hosts_engine_gpu"] = (
-            policy.device.type == "cuda"
-            and refit.pop("host") == socket.gethostname()
-            and own_gpu_entry() in refit.pop("gpus")
-        )
+        same_host = refit.pop("host") == socket.gethostname()
+        gpus, workers = refit.pop("gpus"), refit.pop("workers")
+        if refit["transport"] == "shm":  # the CPU twin: rank src + i stages for worker i
+            refit["hosts_engine_gpu"] = same_host and 0 <= dist.get_rank() - src < workers
+        else:
+            refit["hosts_engine_gpu"] = (
+                policy.device.type == "cuda" and same_host and own_gpu_entry() in gpus
+            )
     return ModelParallelRollouts(
         inner,
         policy.tokenizer,
