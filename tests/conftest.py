@@ -14,4 +14,21 @@ VLLM_TESTS = [
     "trainer/test_vllm_run.py",
 ]
 
-collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_TESTS
+# The TRL plugin's tests against TRL itself (marker ``trl``): likewise, CI runs them with
+# ``pytest -m trl`` in the environment it builds with the ``trl`` extra (.ci/run).
+TRL_TESTS = ["integrations/test_trl_plugin.py"]
+
+collect_ignore = [] if importlib.util.find_spec("vllm") else list(VLLM_TESTS)
+if not importlib.util.find_spec("trl"):
+    collect_ignore += TRL_TESTS
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without trl, tests marked ``trl`` outside TRL_TESTS (an example's run in
+    tests/test_examples.py) are deselected, not skipped: the main run does not claim them."""
+    if importlib.util.find_spec("trl"):
+        return
+    drop = [item for item in items if item.get_closest_marker("trl") is not None]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [item for item in items if item.get_closest_marker("trl") is None]

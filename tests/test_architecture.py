@@ -34,6 +34,8 @@ ALLOWED: Dict[str, Set[str]] = {
     "formats": {"formats", "errors", "files"},
     "tasks": {"tasks", "core", "errors"},
     "backends": {"backends", "core", "distributed", "formats", "errors", "files"},
+    # beside backends: D3S inside another project's trainer (TRL); the math below it only
+    "integrations": {"integrations", "core", "distributed", "errors"},
 }
 # package -> module prefixes outside nemo_d3s it must not import
 FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
@@ -43,6 +45,7 @@ FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
     "errors": {"torch"},
     "files": {"torch"},
     "files_staging": {"torch"},
+    "integrations": {"megatron", "vllm"},
 }
 
 
@@ -197,6 +200,19 @@ def test_no_backend_imports_the_layers_above():
         if _layer(m) == "backends"
         for d in deps
         if _layer(d) in above
+    ]
+    assert bad == []
+
+
+def test_only_integrations_import_trl():
+    # TRL is an optional extra: the package imports without it, and no layer but
+    # integrations/ (and nothing that the run layers import) depends on it.
+    bad = [
+        f"{m} -> {name}"
+        for m, p in MODULES.items()
+        if _layer(m) != "integrations"
+        for name in _imports(p)
+        if name == "trl" or name.startswith("trl.") or name.startswith("nemo_d3s.integrations")
     ]
     assert bad == []
 

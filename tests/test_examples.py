@@ -202,6 +202,32 @@ def test_examples_have_docstring_with_command():
         )
 
 
+@pytest.mark.trl
+def test_trl_d3s_example_runs_and_logs_the_kept_shares(tmp_path):
+    """examples/trl_d3s.py as a TRL user runs it (needs trl: CI's TRL environment; the
+    main run deselects it, tests/conftest.py), on the tiny random Llama for speed."""
+    from nemo_d3s.backends.hf.config import TinyModelSpec
+    from nemo_d3s.backends.hf.loading import ensure_tiny_folder
+
+    folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
+    out = tmp_path / "run"
+    args = ["--model", folder, "--preset", "d3s", "--max-steps", "2", "--output-dir", str(out)]
+    args += ["--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "8"]
+    _ok(_run([sys.executable, str(EXAMPLES / "trl_d3s.py"), *args], timeout=600))
+    rows = [json.loads(line) for line in (out / "d3s_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["d3s/kept_sample_share"] < 1  # N = 1/8 -> 1/2 of G = 4: 1 or 2 of 4
+        assert 0 < r["d3s/kept_token_share"] < 1  # kept tokens / the whole batch's
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert any("loss" in h and "d3s/update_tokens" in h for h in history)
+    bad = _run(
+        [sys.executable, str(EXAMPLES / "trl_d3s.py"), "--model", str(tmp_path / "no")]
+        + ["--output-dir", str(out)]
+    )
+    assert bad.returncode == 2 and "--model" in bad.stderr
+
+
 # ----------------------------------------------------------------------------- slurm
 
 SLURM_SCRIPTS = sorted(SLURM.glob("*.sbatch")) + sorted(SLURM.glob("*.sh"))

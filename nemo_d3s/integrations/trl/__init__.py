@@ -1,0 +1,27 @@
+"""D3S / PODS inside TRL's ``GRPOTrainer`` (optional extra: ``pip install -e ".[trl]"``).
+
+::
+
+    from nemo_d3s.integrations.trl import D3SGRPOTrainer
+    trainer = D3SGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+                             train_dataset=..., d3s="d3s")   # or grpo, pods, d1s, d1s_cross, d3s_i
+    trainer.train()
+
+The presets are ``nemo_d3s.core.presets.PRESETS`` (the same keys and schedules as
+``python -m nemo_d3s.train d3s=<name>``). ``trainer.py`` says where it hooks TRL;
+``selection.py`` is the TRL-free glue to the project's selector; ``version.py`` the tested
+TRL range (other releases are refused unless ``NEMO_D3S_TRL_ANY_VERSION=1``).
+"""
+
+from nemo_d3s.integrations.trl.version import TESTED_TRL, check_trl_version
+
+__all__ = ["D3SGRPOTrainer", "resolve_d3s", "TESTED_TRL", "check_trl_version"]
+
+
+def __getattr__(name):
+    # Lazy: the selection glue and the version check import without TRL installed.
+    if name in ("D3SGRPOTrainer", "resolve_d3s"):
+        from nemo_d3s.integrations.trl import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

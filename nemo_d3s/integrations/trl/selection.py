@@ -1,0 +1,212 @@
+"""D3S on TRL's generation batch: the glue between TRL's batch dict and the project's
+selector. Pure torch + ``nemo_d3s.core`` / ``nemo_d3s.distributed``; nothing here imports
+TRL, so it is tested in the main environment too.
+
+How TRL (1.16) lays out one generation batch (file:line in ``trainer.py``'s docstring):
+
+- the batch is process-major: process p holds global rows ``[p B_p, (p + 1) B_p)``;
+- the G rollouts of a prompt are G consecutive global rows (TRL's advantages are
+  ``rewards.view(-1, G)``), and a group may span processes (TRL's ``RepeatSampler`` spreads
+  a prompt's rollouts over processes on purpose);
+- every process holds the rewards of the whole batch (TRL gathers them before computing
+  advantages), and its own slice of the advantages.
+
+So the sample stage is the DP-global selection of :class:`DistributedD3SSelector` (gather,
+then ONE core selection over the whole batch on every process, then each keeps its slice),
+with TRL's groups and TRL's advantages in place of the per-rank groups and the project's
+estimator: :class:`TRLD3SSelector`. The token stage is the distributed selector's own
+(|A| x H scores, the ``min_kept_tokens`` floor over the whole step, the exact DP-global
+top-K over ``dp_group``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+from nemo_d3s.core.advantages import AdvantageResult
+from nemo_d3s.core.d3s import D3SSelector, SampleStage
+from nemo_d3s.distributed.selector import DistributedD3SSelector
+from nemo_d3s.errors import ConfigError
+
+__all__ = [
+    "PER_ROW_KEYS",
+    "PER_TOKEN_KEYS",
+    "SCALAR_KEYS",
+    "TRLD3SSelector",
+    "trl_group_ids",
+    "kept_batch",
+    "step_shares",
+]
+
+# The keys of TRL 1.16's generation batch (``_generate_and_score_completions``' ``output``)
+# the plugin knows how to cut: rows of [B] / [B, C] / [B, 1] tensors, and the one scalar.
+PER_ROW_KEYS = (
+    "prompt_ids",
+    "prompt_mask",
+    "completion_ids",
+    "completion_mask",
+    "advantages",
+    "old_per_token_logps",
+    "importance_sampling_ratio",
+    "sampling_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+)
+# Of those, the ones indexed by completion position (trimmed with the completion columns).
+PER_TOKEN_KEYS = (
+    "completion_ids",
+    "completion_mask",
+    "old_per_token_logps",
+    "sampling_per_token_logps",
+    "ref_per_token_logps",
+    "tool_mask",
+)
+SCALAR_KEYS = ("num_items_in_batch",)
+
+
+def trl_group_ids(n_total: int, num_generations: int) -> torch.Tensor:
+    """[n_total] long: the group (prompt) of each global row, TRL's ``view(-1, G)``."""
+    if num_generations < 1 or n_total % num_generations:
+        raise ConfigError(
+            f"num_generations: the generation batch holds {n_total} rollouts, not a multiple of "
+            f"num_generations={num_generations}"
+        )
+    return torch.arange(n_total, dtype=torch.long) // int(num_generations)
+
+
+class TRLD3SSelector(DistributedD3SSelector):
+    """The DP-global selector over TRL's batch: TRL's (global) groups and advantages.
+
+    ``select_whole`` runs the core selector (``D3SSelector.select_samples``: the rule, its
+    N per group, PODS's re-normalisation, the metrics) on the whole step's batch, the same
+    on every process, and returns this process's rows; the advantage values are TRL's (its
+    ``scale_rewards`` and multi-reward aggregation stand), the group bookkeeping (which
+    groups are degenerate) is the core's. ``select_tokens`` is inherited: collective on
+    ``dp_group`` (call it on every process, in the same order).
+    """
+
+    _given: Optional[torch.Tensor] = None
+
+    def select_whole(
+        self,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        num_generations: int,
+        rows: slice,
+        progress: float,
+    ) -> Tuple[SampleStage, torch.Tensor]:
+        """rewards, advantages [B_total] f32 (the whole batch, identical on every process),
+        ``rows``: this process's slice -> (this process's SampleStage, the whole batch's
+        sample_keep [B_total] bool). No collective: TRL has gathered both already."""
+        if rewards.shape != advantages.shape or rewards.dim() != 1:
+            raise ValueError(
+                f"rewards {tuple(rewards.shape)} and advantages {tuple(advantages.shape)} must be "
+                "the same [B_total]"
+            )
+        groups = trl_group_ids(rewards.numel(), num_generations)
+        # An unscorable rollout (every reward function returned None) has reward NaN in TRL
+        # and advantage 0; reward 0 here keeps the core's finite-input checks.
+        rewards = torch.nan_to_num(rewards.detach().float().cpu(), nan=0.0)
+        self._given = advantages.detach().float().cpu()
+        try:
+            whole = D3SSelector.select_samples(self, rewards, groups, progress)
+        finally:
+            self._given = None
+        keep = whole.sample_keep[rows]
+        stage = SampleStage(
+            sample_keep=keep,
+            kept_rows=keep.nonzero().flatten(),
+            advantages=whole.advantages[rows],
+            advantage_result=whole.advantage_result,
+            n_keep=whole.n_keep,
+            progress=progress,
+            metrics=whole.metrics,
+        )
+        return stage, whole.sample_keep
+
+    def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
+        base = super().advantages(rewards, group_ids)
+        if self._given is None:
+            return base
+        return dataclasses.replace(base, advantages=self._given)
+
+
+def _trim_width(mask: torch.Tensor) -> int:
+    """Columns [0, w) hold every True of ``mask`` [B, C] (right-padded completions)."""
+    cols = mask.any(dim=0).nonzero()
+    return int(cols[-1]) + 1 if cols.numel() else 1
+
+
+def kept_batch(
+    batch: Mapping[str, object],
+    kept_rows: torch.Tensor,
+    token_keep: torch.Tensor,
+    *,
+    min_rows: int,
+    trim_columns: bool,
+) -> Tuple[Dict[str, object], int]:
+    """TRL's generation batch cut to the kept rollouts, with D3S's token mask.
+
+    batch: TRL's dict ([B, P] prompt tensors, [B, C] completion tensors, [B] advantages,
+    the scalar ``num_items_in_batch``); kept_rows [B_kept] long (ascending); token_keep
+    [B_kept, C] bool. Returns (new batch, number of placeholder rows).
+
+    - The rows are ``kept_rows``, padded up to a multiple of ``min_rows`` (TRL splits the
+      batch into ``steps_per_generation`` equal micro-batches, and every process must run
+      as many forward/backward passes as the others): a placeholder is a copy of row 0 with
+      an all-zero loss mask, so it adds nothing to a loss sum.
+    - ``tool_mask`` (TRL's loss-only mask: ``mask = completion_mask * tool_mask`` in
+      ``_compute_loss``; it never enters the attention mask) becomes the token selection
+      (times the old tool mask). ``num_items_in_batch`` is left to the caller (a collective).
+    - With ``trim_columns`` the completion columns after the last kept row's last token are
+      dropped (right padding: causal attention makes earlier positions independent of them).
+    A key outside ``PER_ROW_KEYS`` / ``SCALAR_KEYS`` (TRL's multimodal inputs) -> ConfigError.
+    """
+    unknown = sorted(k for k in batch if k not in PER_ROW_KEYS + SCALAR_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"d3s: TRL's batch holds {unknown}, which the D3S plugin cannot cut to the kept "
+            "rollouts (multimodal inputs); use d3s='grpo' or a text-only model"
+        )
+    n_kept = int(kept_rows.numel())
+    if token_keep.shape[0] != n_kept:
+        raise ValueError(f"token_keep has {token_keep.shape[0]} rows, {n_kept} rollouts were kept")
+    n_rows = max(min_rows, -(-n_kept // min_rows) * min_rows)
+    n_pad = n_rows - n_kept
+    device = batch["completion_ids"].device
+    rows = torch.cat([kept_rows, kept_rows.new_zeros(n_pad)]).to(device)
+    loss_rows = torch.cat([token_keep, token_keep.new_zeros((n_pad, token_keep.shape[1]))])
+    out: Dict[str, object] = {}
+    for key, value in batch.items():
+        if key in SCALAR_KEYS or value is None:
+            out[key] = value
+        else:
+            out[key] = value[rows]
+    old_tool = out.get("tool_mask")
+    tool = loss_rows.to(device=device, dtype=batch["completion_mask"].dtype)
+    out["tool_mask"] = tool if old_tool is None else tool * old_tool
+    if trim_columns:
+        width = _trim_width(out["completion_mask"].bool())
+        for key in PER_TOKEN_KEYS:
+            value = out.get(key)
+            if value is not None and value.dim() == 2 and value.shape[1] > 1:
+                out[key] = value[:, :width]
+        ratio = out.get("importance_sampling_ratio")
+        if ratio is not None and ratio.dim() == 2 and ratio.shape[1] > 1:
+            out["importance_sampling_ratio"] = ratio[:, :width]
+    return out, n_pad
+
+
+def step_shares(
+    n_total: int, n_kept_global: int, eligible_all: float, kept_tokens: float
+) -> Dict[str, float]:
+    """The shares D3S reports per step: kept rollouts / rollouts, kept tokens / the loss
+    tokens of the whole batch (what plain GRPO would update on)."""
+    return {
+        "kept_sample_share": n_kept_global / max(n_total, 1),
+        "kept_token_share": kept_tokens / max(eligible_all, 1.0),
+        "update_tokens": float(kept_tokens),
+    }

@@ -1,0 +1,213 @@
+"""``D3SGRPOTrainer``: TRL's ``GRPOTrainer`` with D3S / PODS down-sampling in its step.
+
+Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py`` of the wheel; the range is
+pinned by ``version.check_trl_version``):
+
+- ``_calculate_rewards`` (l.1579) returns the rewards of the WHOLE batch, gathered over
+  processes (l.1681); the override keeps them for the selection.
+- ``_generate_and_score_completions`` (l.2324) returns this process's generation batch: the
+  keys of ``selection.PER_ROW_KEYS`` (``output``, l.2898) with TRL's advantages, computed on
+  the gathered batch with groups ``rewards.view(-1, G)`` (l.2765) and sliced per process
+  (l.2813). The override runs D3S on it:
+  1. sample stage: the advantages are all-gathered (``accelerator.gather``) and every process
+     runs the same core selection over the whole batch (``selection.TRLD3SSelector``);
+  2. token stage (token-scoring presets): one no-grad pass over the KEPT rows only through
+     TRL's own ``_get_per_token_logps_and_entropies(compute_entropy=True)`` (l.1419; TRL's
+     fused LM head gives the entropy, l.1501), then |A| x H top-K over the whole step's kept
+     tokens on every process (``DistributedD3SSelector.select_tokens``: exact DP-global);
+  3. the batch is cut to the kept rows (``selection.kept_batch``): the unselected rollouts
+     are gone from the update's forward and backward. The token selection travels as
+     ``tool_mask``, which ``_compute_loss`` folds into its loss mask only (l.3027), and
+     ``num_items_in_batch`` (TRL's global token count, l.2498, the ``dapo`` / ``cispo``
+     denominator at l.3170) is recounted on the kept tokens: the loss is TRL's own, on the
+     D3S subset.
+- ``_prepare_inputs`` (l.1522) then shuffles and splits the cut batch into
+  ``steps_per_generation`` micro-batches (``split_tensor_dict``, l.1544, drops a remainder):
+  ``kept_batch`` pads each process to a multiple of it with zero-loss placeholder rows.
+
+With preset ``grpo`` the batch is returned untouched (the equality test against plain
+``GRPOTrainer`` checks loss and gradients). Evaluation batches are never cut.
+
+Loss types: with ``dapo`` (TRL's default), ``cispo``, ``bnpo`` and ``dr_grpo`` the
+placeholders add exactly 0; ``grpo`` / ``sapo`` / ``luspo`` average per-sequence means over
+the micro-batch's rows, so a placeholder row dilutes them (it does in TRL too when
+``mask_truncated_completions`` zeroes a row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Dict, Optional, Union
+
+import torch
+import torch.distributed as dist
+import trl
+from trl import GRPOTrainer
+
+from nemo_d3s.core.presets import PRESETS, D3SConfig
+from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.integrations.trl.selection import TRLD3SSelector, kept_batch, step_shares
+from nemo_d3s.integrations.trl.version import check_trl_version
+
+__all__ = ["D3SGRPOTrainer", "resolve_d3s"]
+
+
+def resolve_d3s(d3s: Union[str, D3SConfig, Mapping, None]) -> D3SConfig:
+    """A preset name (``PRESETS``: the Hydra ``d3s=`` options), a D3SConfig, or a mapping of
+    its fields -> D3SConfig. An unknown name -> ConfigError listing the presets."""
+    if d3s is None:
+        d3s = "d3s"
+    if isinstance(d3s, str):
+        if d3s not in PRESETS:
+            raise ConfigError(f"d3s={d3s!r}: unknown preset; known: {', '.join(sorted(PRESETS))}")
+        return D3SConfig.from_preset(d3s)
+    if isinstance(d3s, D3SConfig):
+        return d3s
+    if isinstance(d3s, Mapping):
+        try:
+            return D3SConfig.from_mapping(d3s)
+        except ValueError as e:
+            raise ConfigError(f"d3s: {e}") from None
+    raise ConfigError(
+        f"d3s must be a preset name, a D3SConfig or a mapping, got {type(d3s).__name__}"
+    )
+
+
+def _dp_group() -> Optional[dist.ProcessGroup]:
+    """TRL's processes are accelerate's: the default group (None for one process)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+class D3SGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer(..., d3s="d3s")``: every argument of TRL's trainer, plus ``d3s`` (a preset
+    name of ``nemo_d3s.core.presets.PRESETS``, a ``D3SConfig`` or a mapping of its fields).
+
+    The schedule's progress is ``global_step / (max_steps - 1)``, as in
+    ``python -m nemo_d3s.train``. Logged per step (TRL's logs, ``trainer_state.json``):
+    ``d3s/kept_sample_share``, ``d3s/kept_token_share`` (kept tokens / the loss tokens of
+    the whole batch), ``d3s/update_tokens``, ``d3s/n_keep``, ``d3s/k_frac``,
+    ``d3s/kept_adv_var``, ``d3s/adv_var_all``, ``d3s/placeholder_rows``.
+    ``last_selection`` holds the last step's inputs and selections (for tests and logs).
+    """
+
+    def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
+        check_trl_version(trl.__version__)
+        self.d3s_config = resolve_d3s(d3s)
+        super().__init__(*args, **kwargs)
+        cfg = self.d3s_config
+        self._d3s_keeps_all = bool(SAMPLE_SELECTORS.prop(cfg.sample_rule, "keeps_all"))
+        self._d3s_selector: Optional[TRLD3SSelector] = None
+        self._d3s_rewards: Optional[torch.Tensor] = None
+        self.last_selection: Dict[str, Any] = {}
+        if self.top_entropy_quantile < 1.0 and TRLD3SSelector(cfg, None).needs_entropy:
+            raise ConfigError(
+                f"top_entropy_quantile={self.top_entropy_quantile}: TRL's entropy mask and D3S's "
+                "|A| x H token selection would both cut tokens; set top_entropy_quantile=1.0"
+            )
+
+    @property
+    def d3s_selector(self) -> TRLD3SSelector:
+        if self._d3s_selector is None:  # built on first use: the process group exists by then
+            self._d3s_selector = TRLD3SSelector(self.d3s_config, _dp_group())
+        return self._d3s_selector
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(
+            inputs, prompts, completions, completion_ids_list
+        )
+        # [B_total, n_funcs] gathered over processes; the weighted sum is TRL's reward.
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+        self._d3s_rewards = rewards
+        return rewards_per_func
+
+    def _d3s_progress(self) -> float:
+        total = int(self.state.max_steps or 1)
+        return min(1.0, max(0.0, self.state.global_step / max(1, total - 1)))
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return output
+        return self._d3s_cut(output)
+
+    @torch.no_grad()
+    def _d3s_entropy(self, output: Mapping[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """[B_kept, C] f32 on the CPU: the old policy's entropy of the kept rows' completion
+        tokens (TRL's fused LM head), one no-grad pass over those rows only."""
+        if rows.numel() == 0:
+            return torch.zeros(0, output["completion_ids"].shape[1])
+        dev_rows = rows.to(output["completion_ids"].device)
+        ids = torch.cat([output["prompt_ids"][dev_rows], output["completion_ids"][dev_rows]], 1)
+        attn = torch.cat([output["prompt_mask"][dev_rows], output["completion_mask"][dev_rows]], 1)
+        _, entropy, _ = self._get_per_token_logps_and_entropies(
+            self.model,
+            ids,
+            attn,
+            output["completion_ids"].shape[1],
+            batch_size=self.args.per_device_train_batch_size,
+            compute_entropy=True,
+        )
+        return entropy.detach().float().cpu()
+
+    def _d3s_cut(self, output: Dict[str, Any]) -> Dict[str, Any]:
+        sel = self.d3s_selector
+        progress = self._d3s_progress()
+        b_local = int(output["completion_ids"].shape[0])
+        process = self.accelerator.process_index
+        advantages_all = self.accelerator.gather(output["advantages"]).detach().cpu()
+        rewards_all = self._d3s_rewards.detach().cpu()
+        mine = slice(process * b_local, (process + 1) * b_local)
+        stage, keep_all = sel.select_whole(
+            rewards_all, advantages_all, self.num_generations, mine, progress
+        )
+        response = output["completion_mask"].bool()
+        if output.get("tool_mask") is not None:
+            response = response & output["tool_mask"].bool()
+        response = response.cpu()
+        rows = stage.kept_rows
+        entropy = self._d3s_entropy(output, rows) if sel.needs_entropy else None
+        tokens = sel.select_tokens(stage, entropy, response[rows], progress)
+        counts = torch.tensor(
+            [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
+        )
+        eligible_all, kept_all = sel._reduce_sums(counts).tolist()
+        self.last_selection = {
+            "rewards": rewards_all,
+            "advantages": advantages_all,
+            "sample_keep_global": keep_all,
+            "stage": stage,
+            "tokens": tokens,
+            "entropy": entropy,
+            "response_mask": response,
+            "progress": progress,
+        }
+        if self._d3s_keeps_all and not sel.needs_entropy:
+            cut, n_pad = output, 0  # grpo: TRL's batch untouched
+        else:
+            batch = dict(output)
+            batch["advantages"] = stage.advantages.to(output["advantages"].device)
+            cut, n_pad = kept_batch(
+                batch,
+                rows,
+                tokens.token_keep,
+                min_rows=int(self.args.steps_per_generation),
+                trim_columns=self.pad_to_multiple_of is None,
+            )
+            loss_mask = cut["completion_mask"] * cut["tool_mask"]
+            cut["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        shares = step_shares(keep_all.numel(), int(keep_all.sum()), eligible_all, kept_all)
+        metrics = self._metrics["train"]
+        for key, value in shares.items():
+            metrics[f"d3s/{key}"].append(value)
+        metrics["d3s/n_keep"].append(float(stage.n_keep))
+        metrics["d3s/k_frac"].append(float(tokens.k_frac))
+        metrics["d3s/kept_adv_var"].append(stage.metrics["kept_adv_var"])
+        metrics["d3s/adv_var_all"].append(stage.metrics["adv_var_all"])
+        pads = self.accelerator.gather(torch.tensor([float(n_pad)], device=self.accelerator.device))
+        metrics["d3s/placeholder_rows"].append(float(pads.sum()))
+        return cut
