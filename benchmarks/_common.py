@@ -260,7 +260,7 @@ class TorchAllocPeak:
         return False
 
 
-# ---------------------------------------------------------------------------- collective byte counter
+# -------------------------------------------------------------------------- collective byte counter
 
 _COUNTED = (
     "all_reduce",
@@ -411,8 +411,8 @@ def run_ranks(
     """Run ``fn(rank, *args)`` on ``world`` gloo ranks (CPU), each with ``threads`` torch
     threads; return every rank's result (plain data: tensors, numbers, strings, containers),
     rank order. ``fn`` must be a module-level function; it is loaded in the ranks from its
-    file. ``megatron_sizes`` = (tp, pp, cp) initialises Megatron's parallel state first. A failing rank fails the call
-    (its traceback is re-raised) and the other ranks are killed
+    file. ``megatron_sizes`` = (tp, pp, cp) initialises Megatron's parallel state first. A failing
+    rank fails the call (its traceback is re-raised) and the other ranks are killed
     (``nemo_d3s.distributed.run_on_gloo_ranks``)."""
     from nemo_d3s.distributed.launch import run_on_gloo_ranks
 

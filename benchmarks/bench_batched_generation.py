@@ -98,8 +98,8 @@ def main() -> None:
         ["method", "median time", "speed-up vs hf per prompt", "response tokens", "tokens/s"], rows
     )
     print(
-        f"model={a.model} threads={torch.get_num_threads()} {a.prompts} prompts x {a.samples} samples x "
-        f"{a.max_new_tokens} new tokens"
+        f"model={a.model} threads={torch.get_num_threads()} {a.prompts} prompts x "
+        f"{a.samples} samples x {a.max_new_tokens} new tokens"
     )
     write_json(
         NAME,

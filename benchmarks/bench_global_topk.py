@@ -187,10 +187,14 @@ def _rank(rank, cfg):
                 note = (
                     "torch.quantile"
                     if n_total <= TORCH_QUANTILE_MAX
-                    else "torch.quantile refuses > 2^24 elements: the library falls back to two torch.kthvalue order statistics (same linear interpolation)"
+                    else "torch.quantile refuses > 2^24 elements: the library falls back to two "
+                    "torch.kthvalue order statistics (same linear interpolation)"
                 )
             if m == "gather_sort":
-                note = "exact reference: all-gather + stable descending torch.sort, first k in global order"
+                note = (
+                    "exact reference: all-gather + stable descending torch.sort, first k in "
+                    "global order"
+                )
             if m == "local":
                 note = "per-rank top K% (no collective): keeps a different set than the global rule"
             records.append(
@@ -279,7 +283,8 @@ def plot(records, cfg, path):
     )
     a1.set_ylabel("time (s), slowest rank, median")
     a1.set_title(
-        f"time per selection (top {cfg['k_frac']:.0%}), {cfg['world']} gloo ranks on {C.cores()} cores"
+        f"time per selection (top {cfg['k_frac']:.0%}), {cfg['world']} gloo ranks on "
+        f"{C.cores()} cores"
     )
     a2.set_ylabel("bytes received per rank (log)")
     a2.set_title("collective payload per rank: counted (solid) vs analytic (dashed)")
@@ -389,15 +394,35 @@ def main(argv=None):
             "row_length": ROW,
             "threads_per_rank": C.threads_per_rank(args.world),
             "reps": {str(n): reps_of(n) for n in sizes},
-            "data": "scores = |A_row| x H, A ~ N(0,1) with 25% of rows A=0, H ~ Exp(1), fp32, all eligible",
+            "data": (
+                "scores = |A_row| x H, A ~ N(0,1) with 25% of rows A=0, H ~ Exp(1), fp32, all "
+                "eligible"
+            ),
         },
         "notes": {
             "oversubscription": note,
-            "time": "wall seconds of the slowest rank per call, median over interleaved repetitions",
-            "bytes_received_counted": "sum over the collectives issued during one call (torch.distributed wrapped): all_reduce = tensor bytes, all_gather = world x input bytes (own part included)",
-            "bytes_ring_wire_estimate": "bytes one rank sends (= receives) with ring algorithms: all-reduce 2(w-1)/w x size, all-gather (w-1)/w x output",
-            "quantile_above_2^24": "torch.quantile raises for inputs over 2^24 elements; nemo_d3s.distributed.topk.quantile_linear then takes the two neighbouring order statistics with torch.kthvalue (positions in float64) and interpolates linearly, as torch.quantile would",
-            "rss_peak_delta_bytes": "VmHWM after the call minus VmRSS before it (max over ranks, median over repetitions)",
+            "time": (
+                "wall seconds of the slowest rank per call, median over interleaved repetitions"
+            ),
+            "bytes_received_counted": (
+                "sum over the collectives issued during one call (torch.distributed wrapped): "
+                "all_reduce = tensor bytes, all_gather = world x input bytes (own part "
+                "included)"
+            ),
+            "bytes_ring_wire_estimate": (
+                "bytes one rank sends (= receives) with ring algorithms: all-reduce 2(w-1)/w x "
+                "size, all-gather (w-1)/w x output"
+            ),
+            "quantile_above_2^24": (
+                "torch.quantile raises for inputs over 2^24 elements; "
+                "nemo_d3s.distributed.topk.quantile_linear then takes the two neighbouring "
+                "order statistics with torch.kthvalue (positions in float64) and interpolates "
+                "linearly, as torch.quantile would"
+            ),
+            "rss_peak_delta_bytes": (
+                "VmHWM after the call minus VmRSS before it (max over ranks, median over "
+                "repetitions)"
+            ),
         },
         "results": records,
         "table": table,

@@ -380,8 +380,8 @@ def plot(summary, cfg, path):
     ax_m.legend(fontsize=8, loc="upper right")
     ax_m.grid(axis="y", alpha=0.3)
     fig.suptitle(
-        f"{cfg['model']} fp32 on CPU ({C.cores()} cores): {cfg['B']} rows x {cfg['S']} tokens (prompt {cfg['prompt']}); "
-        f"{cfg['rounds']} rounds x {cfg['reps']} reps",
+        f"{cfg['model']} fp32 on CPU ({C.cores()} cores): {cfg['B']} rows x {cfg['S']} "
+        f"tokens (prompt {cfg['prompt']}); {cfg['rounds']} rounds x {cfg['reps']} reps",
         fontsize=10,
     )
     fig.tight_layout()
@@ -476,10 +476,11 @@ def main(argv=None):
         note = C.oversubscription_note(world)
         if world > 1:
             note = note or (
-                f"{world} ranks x {C.threads_per_rank(world)} thread on {C.cores()} CPU cores: every core is busy, none "
-                "is left for gloo's threads or other jobs on the machine, which time-share with the ranks; the two "
-                "stages overlap only across micro-batches (1F1B), and each runs single-threaded where the "
-                "1-process layouts run 2 threads"
+                f"{world} ranks x {C.threads_per_rank(world)} thread on {C.cores()} CPU "
+                "cores: every core is busy, none is left for gloo's threads or other jobs "
+                "on the machine, which time-share with the ranks; the two stages overlap "
+                "only across micro-batches (1F1B), and each runs single-threaded where "
+                "the 1-process layouts run 2 threads"
             )
             notes[name] = note
             print(f"NOTE {name}: {note}", flush=True)
@@ -488,6 +489,10 @@ def main(argv=None):
     print()
     rows = []
     for name, rec in summary.items():
+        agree = rec.get("agreement_vs_hf", {})
+        score_diff = max(
+            agree.get("logprobs_max_abs_diff", 0), agree.get("entropy_max_abs_diff", 0)
+        )
         rows.append(
             [
                 rec["label"],
@@ -495,9 +500,7 @@ def main(argv=None):
                 *(f"{rec.get('ratio_vs_hf', {}).get(op, float('nan')):.2f}" for op in OPS),
                 *(f"{rec[op]['cpu_s_median']:.1f}" for op in OPS),
                 f"{rec['build_s_median']:.1f}",
-                f"{max(rec['agreement_vs_hf'].get('logprobs_max_abs_diff', 0), rec['agreement_vs_hf'].get('entropy_max_abs_diff', 0)):.1e}"
-                if "agreement_vs_hf" in rec
-                else "-",
+                f"{score_diff:.1e}" if "agreement_vs_hf" in rec else "-",
                 f"{rec['agreement_vs_hf'].get('grad_norm_rel_diff', float('nan')):.1e}"
                 if "agreement_vs_hf" in rec
                 else "-",
@@ -567,17 +570,34 @@ def main(argv=None):
         },
         "notes": {
             "oversubscription": notes,
-            "wall_s": "wall seconds of the slowest rank per call (barrier before each call), median over every repetition of every round",
-            "cpu_s": "process CPU seconds (time.process_time, all threads) of the call, summed over the ranks",
-            "rss": "per rank, median over launches; glibc mmap threshold 64 KiB and eager trim (RSS follows live memory); "
-            "start = after imports (fork server preloads torch, transformers, nemo_d3s), built = after the policy "
-            "is constructed, peak = VmHWM over the launch (includes AdamW moments after the first train_step), "
-            "rise = VmHWM during the call minus VmRSS before it",
-            "rollout_replica": "not built (neither call needs it): with rollout.engine=hf the Megatron backend adds one "
-            "full copy of the weights on the first rank of each model-parallel group",
-            "interleaving": "one launch per layout per round, order rotating by round; calls rotate order within a launch",
-            "agreement_vs_hf": "first score's log-probs / entropy (max abs diff) and first train_step's grad norm "
-            "(relative) against the hf layout",
+            "wall_s": (
+                "wall seconds of the slowest rank per call (barrier before each call), median "
+                "over every repetition of every round"
+            ),
+            "cpu_s": (
+                "process CPU seconds (time.process_time, all threads) of the call, summed over "
+                "the ranks"
+            ),
+            "rss": (
+                "per rank, median over launches; glibc mmap threshold 64 KiB and eager trim "
+                "(RSS follows live memory); start = after imports (fork server preloads torch, "
+                "transformers, nemo_d3s), built = after the policy is constructed, peak = "
+                "VmHWM over the launch (includes AdamW moments after the first train_step), "
+                "rise = VmHWM during the call minus VmRSS before it"
+            ),
+            "rollout_replica": (
+                "not built (neither call needs it): with rollout.engine=hf the Megatron "
+                "backend adds one full copy of the weights on the first rank of each "
+                "model-parallel group"
+            ),
+            "interleaving": (
+                "one launch per layout per round, order rotating by round; calls rotate order "
+                "within a launch"
+            ),
+            "agreement_vs_hf": (
+                "first score's log-probs / entropy (max abs diff) and first train_step's grad "
+                "norm (relative) against the hf layout"
+            ),
         },
         "results": summary,
         "table": table,

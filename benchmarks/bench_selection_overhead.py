@@ -489,12 +489,17 @@ def main(argv=None):
         print(f"NOTE {k}: {v}")
     for key, res in out.items():
         st = res["steps"]
+        kept = [x["rows_kept_before_rebalance"] for x in st]
+        after = [x["rows_after_rebalance"] for x in st]
+        tokens_kept = C.median(x["tokens_kept_global"] for x in st)
+        tokens_eligible = C.median(x["tokens_eligible_global"] for x in st)
         print(
             f"{key}: {cfg['prompts_per_rank'] * cfg['group_size']} rollouts per DP rank -> "
-            f"{min(x['rows_kept_before_rebalance'] for x in st)}-{max(x['rows_kept_before_rebalance'] for x in st)} kept on rank 0 -> "
-            f"{min(x['rows_after_rebalance'] for x in st)}-{max(x['rows_after_rebalance'] for x in st)} after rebalance; "
-            f"token imbalance max/mean {C.median(x['imbalance_before'] for x in st):.3f} -> {C.median(x['imbalance_after'] for x in st):.3f} (median); "
-            f"tokens kept/eligible (global) {C.median(x['tokens_kept_global'] for x in st):.0f}/{C.median(x['tokens_eligible_global'] for x in st):.0f}"
+            f"{min(kept)}-{max(kept)} kept on rank 0 -> {min(after)}-{max(after)} after "
+            "rebalance; token imbalance max/mean "
+            f"{C.median(x['imbalance_before'] for x in st):.3f} -> "
+            f"{C.median(x['imbalance_after'] for x in st):.3f} (median); tokens "
+            f"kept/eligible (global) {tokens_kept:.0f}/{tokens_eligible:.0f}"
         )
     data = {
         "benchmark": NAME,
@@ -502,9 +507,22 @@ def main(argv=None):
         "config": {**cfg, "layouts": layouts},
         "notes": {
             "oversubscription": notes,
-            "timing": "a barrier precedes every phase; a phase's time is the maximum over ranks; step = sum of phases; medians over the measured steps (after warm-up); share = median over steps of phase / step",
-            "model": "megatron-core TP layers on CPU/gloo: VocabParallelEmbedding, layers x (ColumnParallelLinear -> gelu -> RowParallelLinear + residual), ColumnParallelLinear head (vocab-sharded logits). No attention, no Megatron schedule/DDP: a plain micro-batch loop and a per-parameter DP all-reduce",
-            "scaling": "selection cost depends on the batch (B, S) only, not on the model: in a real model the step is far longer and the share smaller; the absolute ms are the transferable number",
+            "timing": (
+                "a barrier precedes every phase; a phase's time is the maximum over ranks; "
+                "step = sum of phases; medians over the measured steps (after warm-up); share "
+                "= median over steps of phase / step"
+            ),
+            "model": (
+                "megatron-core TP layers on CPU/gloo: VocabParallelEmbedding, layers x "
+                "(ColumnParallelLinear -> gelu -> RowParallelLinear + residual), "
+                "ColumnParallelLinear head (vocab-sharded logits). No attention, no Megatron "
+                "schedule/DDP: a plain micro-batch loop and a per-parameter DP all-reduce"
+            ),
+            "scaling": (
+                "selection cost depends on the batch (B, S) only, not on the model: in a real "
+                "model the step is far longer and the share smaller; the absolute ms are the "
+                "transferable number"
+            ),
         },
         "layouts": out,
         "table": table,

@@ -301,7 +301,9 @@ def plot(records, cfg, path):
             ax.set_xticklabels([f"TP={t}" + (" (oversub.)" if t > C.cores() else "") for t in tps])
             ax.set_ylabel(label)
             ax.set_title(
-                f"{'forward (old-policy pass)' if mode == 'fwd' else 'forward + backward (training pass)'}"
+                "forward (old-policy pass)"
+                if mode == "fwd"
+                else "forward + backward (training pass)"
             )
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[1][0].get_legend_handles_labels()
@@ -311,8 +313,10 @@ def plot(records, cfg, path):
     handles, labels = [h for h, _ in pairs], [l for _, l in pairs]
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle(
-        f"Entropy + log-prob of B*S={cfg['B'] * cfg['S']} tokens, V={cfg['V']}, gloo/CPU, {C.cores()} cores\n"
-        "memory: torch allocator peak above inputs (per rank, max over ranks); TP=1: gather_core == fused",
+        f"Entropy + log-prob of B*S={cfg['B'] * cfg['S']} tokens, V={cfg['V']}, gloo/CPU, "
+        f"{C.cores()} cores\n"
+        "memory: torch allocator peak above inputs (per rank, max over ranks); TP=1: "
+        "gather_core == fused",
         fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -448,7 +452,9 @@ def main(argv=None):
                     }
                 )
     print(
-        f"\nAnalytic extra memory per rank at N={ext_n} tokens (e.g. 2 x 4096), V={ext_v}, bf16, chunk {cfg['chunk']}:"
+        "\n"
+        f"Analytic extra memory per rank at N={ext_n} tokens (e.g. 2 x 4096), V={ext_v}, "
+        f"bf16, chunk {cfg['chunk']}:"
     )
     C.print_table(
         ["mode", "method"] + [f"TP={t}" for t in ext_tp],
@@ -468,11 +474,27 @@ def main(argv=None):
         },
         "notes": {
             "oversubscription": notes,
-            "time": "wall seconds of the slowest rank per call, median over interleaved repetitions (methods and modes rotate order each round)",
-            "torch_alloc_peak_bytes": "peak of torch CPU allocator allocations minus frees during one call on the calling thread (profiler memory events), max over ranks; excludes inputs; includes outputs and the shard gradient",
-            "rss_peak_delta_bytes": "VmHWM after the call minus VmRSS before it (peak reset via /proc/self/clear_refs, glibc mmap threshold 64 KiB so freed buffers leave RSS), max over ranks; includes gloo buffers and any thread's allocations",
-            "analytic_bytes": "dominant buffers per analytic_bytes() in this script (no O(B*S) vectors)",
-            "gather_core_tp1": "not run separately at TP=1: fused falls back to core.entropy_and_logprobs there, the same call",
+            "time": (
+                "wall seconds of the slowest rank per call, median over interleaved "
+                "repetitions (methods and modes rotate order each round)"
+            ),
+            "torch_alloc_peak_bytes": (
+                "peak of torch CPU allocator allocations minus frees during one call on the "
+                "calling thread (profiler memory events), max over ranks; excludes inputs; "
+                "includes outputs and the shard gradient"
+            ),
+            "rss_peak_delta_bytes": (
+                "VmHWM after the call minus VmRSS before it (peak reset via "
+                "/proc/self/clear_refs, glibc mmap threshold 64 KiB so freed buffers leave "
+                "RSS), max over ranks; includes gloo buffers and any thread's allocations"
+            ),
+            "analytic_bytes": (
+                "dominant buffers per analytic_bytes() in this script (no O(B*S) vectors)"
+            ),
+            "gather_core_tp1": (
+                "not run separately at TP=1: fused falls back to core.entropy_and_logprobs "
+                "there, the same call"
+            ),
         },
         "results": records,
         "analytic_extrapolation": extrapolation,

@@ -345,30 +345,34 @@ def table_md(summary: dict) -> str:
         f"Speed-up = {ref}'s mean / the variant's mean, seed bootstrap 95% interval; "
         "reached = seeds that got there. Wall times leave out evaluation. "
         + (
-            f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the training time of the "
-            "shortest run (linear between evaluations). "
+            f"Eval @ {summary['equal_time']:.0f} s = each run's eval reward after the "
+            "training time of the shortest run (linear between evaluations). "
             if summary.get("equal_time")
             else ""
         )
-        + f"Final - {ref} = final eval reward minus {ref}'s of the same seed, mean ± 95% interval (pairs).",
+        + f"Final - {ref} = final eval reward minus {ref}'s of the same seed, mean ± 95% "
+        "interval (pairs).",
         "",
-        f"| variant | seeds | eval final | final - {ref} (paired) | eval best | eval @ equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 "
-        f"| grad norm / {ref} | update tokens | train wall s | s / step | generation share "
-        "| time to thr. (reached) | tokens to thr. (reached) |",
+        f"| variant | seeds | eval final | final - {ref} (paired) | eval best | eval @ "
+        "equal time | kept samples | kept tokens | Var(A) kept | Var(A) all | A != 0 | "
+        f"grad norm / {ref} | update tokens | train wall s | s / step | generation share | "
+        "time to thr. (reached) | tokens to thr. (reached) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in summary["variants"].items():
         tt, tk = r.get("time_to_threshold"), r.get("tokens_to_threshold")
         gn = r["grad_norm_vs_reference"]
         lines.append(
-            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | {_paired(r.get('eval_final_minus_reference'))} "
-            f"| {_fmt(r['eval_best'])} "
-            f"| {_fmt(r.get('eval_at_equal_time', (nan, nan)))} | {_fmt(r['kept_sample_ratio'], 2)} "
-            f"| {_fmt(r['kept_token_ratio'], 2)} | {_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} "
-            f"| {_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} "
-            f"| {_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | {_fmt(r['step_time'], 1)} "
-            f"| {_fmt(r['generation_share'], 2)} "
-            f"| {_ratio(tt)} ({tt['reached'] if tt else 0}/{r['seeds']}) | {_ratio(tk)} ({tk['reached'] if tk else 0}/{r['seeds']}) |"
+            f"| {name} | {r['seeds']} | {_fmt(r['eval_final'])} | "
+            f"{_paired(r.get('eval_final_minus_reference'))} | {_fmt(r['eval_best'])} | "
+            f"{_fmt(r.get('eval_at_equal_time', (nan, nan)))} | "
+            f"{_fmt(r['kept_sample_ratio'], 2)} | {_fmt(r['kept_token_ratio'], 2)} | "
+            f"{_fmt(r['kept_adv_var'], 2)} | {_fmt(r['adv_var_all'], 2)} | "
+            f"{_fmt(r['share_nonzero_adv'], 2)} | {'—' if gn is None else f'{gn:.2f}'} | "
+            f"{_fmt(r['update_tokens_total'], 0)} | {_fmt(r['wall_time'], 0)} | "
+            f"{_fmt(r['step_time'], 1)} | {_fmt(r['generation_share'], 2)} | {_ratio(tt)} "
+            f"({tt['reached'] if tt else 0}/{r['seeds']}) | {_ratio(tk)} "
+            f"({tk['reached'] if tk else 0}/{r['seeds']}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -490,7 +494,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         todo = [(n, s) for n, s in jobs if run_state(runs_dir / f"{n}_s{s}") != "done"]
         print(
-            f"{len(jobs)} runs, {len(jobs) - len(todo)} already finished; {len(todo)} to run, {args.jobs} at a time"
+            f"{len(jobs)} runs, {len(jobs) - len(todo)} already finished; {len(todo)} to "
+            f"run, {args.jobs} at a time"
         )
         t0 = time.perf_counter()
 

@@ -152,7 +152,8 @@ def claims() -> List[Tuple[str, str]]:
     out += [
         (
             README,
-            f"**{sps['median']:.0f} s per step** (median of {main['steps']}; {sps['min']:.0f}-{sps['max']:.0f} s)",
+            f"**{sps['median']:.0f} s per step** (median of {main['steps']}; "
+            f"{sps['min']:.0f}-{sps['max']:.0f} s)",
         ),
         (README, f"{d3s_step:.0f} s per step"),
         (
@@ -164,7 +165,8 @@ def claims() -> List[Tuple[str, str]]:
         ),
         (
             README,
-            f"{main['train_seconds']:.0f} s of steps and {main['eval_seconds']:.0f} s of evaluation",
+            f"{main['train_seconds']:.0f} s of steps and {main['eval_seconds']:.0f} s of "
+            "evaluation",
         ),
         (
             README,
@@ -205,15 +207,18 @@ def claims() -> List[Tuple[str, str]]:
     out += [
         (
             README,
-            f"(same-seed difference {_pm((d3s_d['mean'], d3s_d['half_width']), sign=True)} over "
-            f"{d3s_d['pairs']} seeds) on {tvar['d3s']['update_tokens_total'][0] / tvar['grpo']['update_tokens_total'][0]:.0%}"
-            " of GRPO's update tokens",
+            f"(same-seed difference {_pm((d3s_d['mean'], d3s_d['half_width']), sign=True)} "
+            f"over {d3s_d['pairs']} seeds) on "
+            f"{tvar['d3s']['update_tokens_total'][0] / tvar['grpo']['update_tokens_total'][0]:.0%} "
+            "of GRPO's update tokens",
         ),
         (README, f"it trails by {-m0:.2f}"),
         (README, f"ends below GRPO ({_pm((pods_d['mean'], pods_d['half_width']), sign=True)})"),
         (
             README,
-            f"a D3S step costs {timing_v['d3s']['step_time'][0] / timing_v['grpo']['step_time'][0]:.2f} of a GRPO step",
+            "a D3S step costs "
+            f"{timing_v['d3s']['step_time'][0] / timing_v['grpo']['step_time'][0]:.2f} of "
+            "a GRPO step",
         ),
         (README, f"D3S's eval at step 20 spans {min(finals):.2f}-{max(finals):.2f}"),
     ]
@@ -227,14 +232,16 @@ def claims() -> List[Tuple[str, str]]:
     out.append(
         (
             EVIDENCE_DOC,
-            f"A != 0 is {nz['d1s_cross']:.2f} of its kept rollouts against {nz['grpo']:.2f} of GRPO's",
+            f"A != 0 is {nz['d1s_cross']:.2f} of its kept rollouts against "
+            f"{nz['grpo']:.2f} of GRPO's",
         )
     )
     pods = paired_difference(_runs("pods"), _runs("grpo_m2"))
     out.append(
         (
             EVIDENCE_DOC,
-            f"PODS minus `grpo_m2`, same seed: {_pm((pods['mean'], pods['half_width']), sign=True)}",
+            "PODS minus `grpo_m2`, same seed: "
+            f"{_pm((pods['mean'], pods['half_width']), sign=True)}",
         )
     )
     elig = paired_difference(_runs("d3s_eligible_m0", range(3)), _runs("d3s_m0", range(3)))
@@ -247,7 +254,8 @@ def claims() -> List[Tuple[str, str]]:
     out.append(
         (
             EVIDENCE_DOC,
-            f"A D3S step with the floor costs {ratio[0]:.2f} of a GRPO step here, a `d1s_cross` step {ratio[1]:.2f}",
+            f"A D3S step with the floor costs {ratio[0]:.2f} of a GRPO step here, a "
+            f"`d1s_cross` step {ratio[1]:.2f}",
         )
     )
     out.append((EVIDENCE_DOC, f"after the same {timing['equal_time']:.0f} s of training"))

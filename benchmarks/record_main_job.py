@@ -1,6 +1,7 @@
 """The main job's record: what `python -m nemo_d3s.train` costs on this machine, as JSON.
 
-    python benchmarks/record_main_job.py run --out benchmarks/results/cpu_default/main_job.json [-- overrides]
+    python benchmarks/record_main_job.py run \\
+        --out benchmarks/results/cpu_default/main_job.json [-- overrides]
     python benchmarks/record_main_job.py summarize RUN_DIR --out FILE
 
 ``run`` trains the main job (the CPU default plus any Hydra overrides after ``--``) in a child

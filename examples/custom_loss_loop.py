@@ -136,8 +136,8 @@ def main() -> int:
         model, n_prompts, G, prompt_len=5, max_new=24, vocab_size=V, gen=gen
     )
     print(
-        f"rollouts: {ids.shape[0]} = {n_prompts} prompts x G={G}, {int(response_mask.sum())} response tokens, "
-        f"mean reward {rewards.mean():.2f}"
+        f"rollouts: {ids.shape[0]} = {n_prompts} prompts x G={G}, "
+        f"{int(response_mask.sum())} response tokens, mean reward {rewards.mean():.2f}"
     )
 
     # 2. sample selection: advantages on full groups, keep N per prompt ------------------
@@ -174,7 +174,8 @@ def main() -> int:
     c_ids, c_mask = kept_ids[live, :cut], token_keep[live, :cut]
     c_old, c_adv = old_logprobs[live, :cut], stage.kept_advantages[live]
     print(
-        f"compaction: {live.numel()} rows x {cut} positions (from {kept_ids.shape[0]} x {kept_ids.shape[1]})"
+        f"compaction: {live.numel()} rows x {cut} positions (from {kept_ids.shape[0]} x "
+        f"{kept_ids.shape[1]})"
     )
 
     # 6. global denominator, fixed before the micro-batch loop ---------------------------
@@ -238,8 +239,9 @@ def main() -> int:
     optimizer.step()
     m = finalize_metrics(summed)
     print(
-        f"optimizer step done: loss={args.loss} aggregation={args.aggregation} denominator={denominator:g} "
-        f"tokens={int(m['token_count'])} clip_frac={m['clip_frac_low'] + m['clip_frac_high']:.3f}"
+        f"optimizer step done: loss={args.loss} aggregation={args.aggregation} "
+        f"denominator={denominator:g} tokens={int(m['token_count'])} "
+        f"clip_frac={m['clip_frac_low'] + m['clip_frac_high']:.3f}"
     )
     return 0
 

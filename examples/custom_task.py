@@ -47,7 +47,8 @@ class ParityTask(Task):
 def main(out_dir: str) -> None:
     cfg = compose_config(
         [
-            "experiment=smoke",  # tiny random model: add model.name=smollm2-135m-instruct to learn for real
+            # tiny random model: add model.name=smollm2-135m-instruct to learn for real
+            "experiment=smoke",
             "task.name=parity",
             "task.eval_size=8",
             "trainer.steps=6",

@@ -193,9 +193,9 @@ def run_checks(args, device: torch.device) -> int:
     dist.barrier()
     if rank0:
         print(
-            f"hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference "
-            f"(TP={tp}, vocab {V} padded to {Vp}, logits [S={S}, B={b}, V/TP={Vp // tp}] per rank); "
-            f"gradients match too"
+            "hook 1: vocab-parallel entropy/log-probs match the full-vocabulary reference "
+            f"(TP={tp}, vocab {V} padded to {Vp}, logits [S={S}, B={b}, V/TP={Vp // tp}] "
+            "per rank); gradients match too"
         )
 
     # Hook 2 ------------------------------------------------------------------------------

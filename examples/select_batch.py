@@ -118,8 +118,9 @@ def main() -> None:
         sm, tm = stage.metrics, tokens.metrics
         kept_s, kept_t = int(sm["n_kept_samples"]), int(tm["n_kept_tokens"])
         print(
-            f"{name:<10} {cfg.sample_rule:<10} {cfg.token_scope:<9} {n_per_prompt:>8d} {tokens.k_frac:>5.2f}  "
-            f"{f'{kept_s}/{B}':>12}  {f'{kept_t}/{n_tokens} ({kept_t / n_tokens:4.0%})':>15}  "
+            f"{name:<10} {cfg.sample_rule:<10} {cfg.token_scope:<9} {n_per_prompt:>8d} "
+            f"{tokens.k_frac:>5.2f}  {f'{kept_s}/{B}':>12}  "
+            f"{f'{kept_t}/{n_tokens} ({kept_t / n_tokens:4.0%})':>15}  "
             f"{sm['kept_adv_var']:>11.3f}  {sm['share_nonzero_adv']:>10.2f}"
         )
     print()
@@ -134,9 +135,10 @@ def main() -> None:
         # The preset's N is a fraction of G (1/8 at p = 0); with a small G that rounds to one
         # rollout per prompt, where a per-prompt max-variance rule has no choice to make.
         print(
-            f"note: {', '.join(one_per_prompt)} keep(s) 1 rollout per prompt here: a single value has "
-            "no variance, so every choice ties and the rule keeps the rollout farthest from its "
-            "prompt's mean (the largest |A|); use a larger G or --progress."
+            f"note: {', '.join(one_per_prompt)} keep(s) 1 rollout per prompt here: a "
+            "single value has no variance, so every choice ties and the rule keeps the "
+            "rollout farthest from its prompt's mean (the largest |A|); use a larger G or "
+            "--progress."
         )
 
 

@@ -6,7 +6,8 @@
   under the final name, and what a failed write created is removed again. It also locks
   the output against a second writer (:class:`FileLock`), refuses to publish over a folder
   that changed while it wrote (the finished output is kept and named), and removes the
-  staging folders of writers killed midway on this host.
+  staging folders of writers killed midway on this host (the staging side:
+  ``files_staging.py``).
 - :class:`FileLock`: an exclusive ``flock`` (the trainer's run-folder lock is one too).
 - :func:`apply_umask`: files written through ``tempfile`` (as safetensors and some
   ``save_pretrained`` paths do) are created mode 0600; an export must be readable by
@@ -24,14 +25,22 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
+
+from nemo_d3s.files_staging import (
+    changes,
+    host_tag,
+    keep_unpublished,
+    snapshot,
+    staging_folders,
+    sweep_stale,
+)
 
 __all__ = [
     "CHECKSUMS",
@@ -45,7 +54,7 @@ __all__ = [
     "write_checksums",
     "verify_checksums",
     "fsync_tree",
-    "staging_folders",
+    "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
 ]
 
@@ -209,8 +218,8 @@ class FileLock:
             except OSError as e:
                 if e.errno in _NO_LOCKS:
                     log.warning(
-                        "cannot lock %s (%s): this filesystem has no file locks, so a second writer of the "
-                        "same folder would not be stopped",
+                        "cannot lock %s (%s): this filesystem has no file locks, so a "
+                        "second writer of the same folder would not be stopped",
                         self.path,
                         e.strerror or e,
                     )
@@ -229,7 +238,10 @@ class FileLock:
             break
         if self.on_acquired is not None:
             self.on_acquired()
-        info = f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        info = (
+            f"pid {os.getpid()} on {socket.gethostname()}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+        )
         os.ftruncate(fd, 0)
         os.pwrite(fd, info.encode(), 0)
         self.fd = fd
@@ -271,118 +283,6 @@ class FolderChanged(OSError):
         self.dest, self.kept = dest, kept
 
 
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
-
-
-def _staging_re(name: str) -> "re.Pattern[str]":
-    return re.compile(
-        rf"^\.{re.escape(name)}\.(?P<kind>tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{{8}}$"
-    )
-
-
-def staging_folders(dest: str | os.PathLike) -> List[Tuple[Path, str, str, int]]:
-    """(path, "tmp" or "old", host, pid) of the staging / renamed-aside siblings of ``dest``
-    that :func:`atomic_folder` names ``.<name>.tmp-<host>-<pid>-<random>``."""
-    dest = Path(dest)
-    pat = _staging_re(dest.name)
-    out = []
-    if dest.parent.is_dir():
-        for p in sorted(dest.parent.iterdir()):
-            m = pat.match(p.name)
-            if m:
-                out.append((p, m.group("kind"), m.group("host"), int(m.group("pid"))))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's live process
-        return True
-    return True
-
-
-def _sweep_stale(dest: Path) -> None:
-    """Remove what writers of ``dest`` killed midway left (their process is gone). Only
-    this host's: a pid of another host on a shared filesystem says nothing here. A folder
-    renamed aside (``.old-``) by a writer killed before it published is the user's previous
-    output: it is put back when ``dest`` is missing, removed when ``dest`` replaced it."""
-    for path, kind, host, pid in staging_folders(dest):
-        if host != _host() or pid == os.getpid() or _alive(pid):
-            continue
-        if kind == "old" and not dest.exists():
-            os.rename(path, dest)
-            log.warning(
-                "restored %s from %s, where a write killed midway (pid %d, no longer running) had moved "
-                "it",
-                dest,
-                path.name,
-                pid,
-            )
-            continue
-        shutil.rmtree(path, ignore_errors=True)
-        log.warning(
-            "removed %s: left by a write of %s killed midway (pid %d on this host, no longer running)",
-            path,
-            dest.name,
-            pid,
-        )
-
-
-def _snapshot(p: Path) -> Optional[Tuple]:
-    """What ``p`` is (None: absent): its inode and, for a folder, every entry below it with
-    kind, size and modification time; compared before publishing."""
-    try:
-        st = os.lstat(p)
-    except FileNotFoundError:
-        return None
-    if not os.path.isdir(p) or os.path.islink(p):
-        return ("file", st.st_ino, st.st_size, st.st_mtime_ns)
-    entries: Dict[str, Tuple] = {}
-    for dirpath, dirnames, filenames in os.walk(p):
-        for n in dirnames + filenames:
-            full = os.path.join(dirpath, n)
-            try:
-                e = os.lstat(full)
-            except FileNotFoundError:
-                continue
-            entries[os.path.relpath(full, p)] = (n in dirnames, e.st_size, e.st_mtime_ns)
-    return ("dir", st.st_ino, entries)
-
-
-def _changes(before: Optional[Tuple], now: Optional[Tuple]) -> str:
-    if before is None:
-        return "it appeared"
-    if now is None:
-        return "it was removed"
-    if before[0] != "dir" or now[0] != "dir" or before[1] != now[1]:
-        return "it was replaced"
-    old, new = before[2], now[2]
-    added = sorted(set(new) - set(old))
-    gone = sorted(set(old) - set(new))
-    changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
-    parts = [
-        f"{label}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
-        for label, names in (("new", added), ("removed", gone), ("modified", changed))
-        if names
-    ]
-    return "; ".join(parts) or "it was modified"
-
-
-def _keep(tmp: Path, dest: Path, tag: str) -> Path:
-    """Move the finished staging folder to a visible name next to ``dest`` that no later
-    write sweeps away (the staging name would be swept once this process is gone)."""
-    kept = dest.parent / f"{dest.name}.unpublished-{tag}"
-    try:
-        os.rename(tmp, kept)
-        return kept
-    except OSError:
-        return tmp
-
-
 @contextmanager
 def atomic_folder(
     dest: str | os.PathLike,
@@ -403,8 +303,8 @@ def atomic_folder(
       process is gone are removed first (and said so).
     - ``replace=True``: an existing ``dest`` is renamed aside first and removed after the
       rename (a reader sees the old folder or the new one, never a mix).
-    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`), unless
-      ``peer_done(dest)`` says another process finished the same folder first: then its
+    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`),
+      unless ``peer_done(dest)`` says another process finished the same folder first: then its
       folder is kept and ours is discarded.
     - ``dest`` is compared with what it was at the start before publishing: when anything
       appeared in it, vanished or changed (a user's files, another writer that did not
@@ -422,14 +322,14 @@ def atomic_folder(
         created.append(p)
         p = p.parent
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{_host()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tag = f"{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = dest.parent / f".{dest.name}.tmp-{tag}", dest.parent / f".{dest.name}.old-{tag}"
     held = FileLock(dest.parent / f".{dest.name}.lock", remove=True) if lock else None
     published, kept = False, None
     try:
         if held is not None:
             held.acquire()
-            _sweep_stale(dest)
+            sweep_stale(dest)
         if (
             not replace
             and dest.is_dir()
@@ -437,20 +337,19 @@ def atomic_folder(
             and not (peer_done and peer_done(dest))
         ):
             raise FolderNotEmpty(errno.EEXIST, f"{str(dest)!r} exists and is not empty")
-        before = _snapshot(dest)
+        before = snapshot(dest)
         tmp.mkdir()
         yield tmp
-        apply_umask(
-            tmp
-        )  # safetensors and tempfile write 0600 files; an output is shared like any other
+        # safetensors and tempfile write 0600 files; an output is shared like any other
+        apply_umask(tmp)
         fsync_tree(tmp)
-        now = _snapshot(dest)
+        now = snapshot(dest)
         if now != before:
             if peer_done is not None and now is not None and peer_done(dest):
                 published = True  # a peer published a complete folder first; it is as good as ours
                 return
-            kept = _keep(tmp, dest, tag)
-            raise FolderChanged(dest, _changes(before, now), kept)
+            kept = keep_unpublished(tmp, dest, tag)
+            raise FolderChanged(dest, changes(before, now), kept)
         aside = replace and dest.exists()
         if aside:
             os.rename(dest, old)

@@ -150,15 +150,16 @@ def run_cli(cfg) -> int:
             raise
         t = getattr(getattr(cfg, "trainer", None), "dist_timeout_minutes", None)
         print(
-            f"error: a collective timed out after {t} minutes (trainer.dist_timeout_minutes): another rank is "
-            f"stopped, dead or far behind; resume=true continues from the last checkpoint ({first_line(e)})",
+            f"error: a collective timed out after {t} minutes "
+            "(trainer.dist_timeout_minutes): another rank is stopped, dead or far behind; "
+            f"resume=true continues from the last checkpoint ({first_line(e)})",
             file=sys.stderr,
         )
         return 3
     if state.extra.get("interrupted"):
         print(
-            f"stopped at step {state.step} of {cfg.trainer.steps} (exit code {EXIT_INTERRUPTED}: interrupted); "
-            "continue with resume=true",
+            f"stopped at step {state.step} of {cfg.trainer.steps} (exit code "
+            f"{EXIT_INTERRUPTED}: interrupted); continue with resume=true",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED

@@ -70,7 +70,8 @@ BASE = {"torch": ">=2.14.0a0,<2.16", "transformer-engine": ">=2.9.0a0,<2.21.0"}
 # every line naming this word (vLLM's use_existing_torch.py does that to its requirement files).
 SOURCE_BUILT = {"vllm": "torch"}
 NOT_READ = {
-    "torch": "the base image's build is used, not PyPI's; requirements on it are checked against BASE",
+    "torch": "the base image's build is used, not PyPI's; requirements on it are checked "
+    "against BASE",
     "transformer-engine": "the base image's build is used (PyPI's torch extension is an sdist); "
     "requirements on it are checked against BASE",
 }
@@ -174,7 +175,8 @@ def check(lock: dict, pins: Pins) -> List[str]:
             missing = set(req.extras) - set(pins[name][1])
             if missing:
                 problems.append(
-                    f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the pin's extras"
+                    f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the "
+                    "pin's extras"
                 )
         elif name in BASE:
             releases = base.get(name, {}).get("releases", [])
@@ -322,7 +324,8 @@ def refresh(wheel_dir: Path, pins: Pins, resolve: bool = True) -> dict:
         name: _requires_dist(wheel_dir, name, version) for name, (version, _) in pins.items()
     }
     lock = {
-        "note": "written by slurm/container_pins.py --refresh; read by its check (see its docstring)",
+        "note": "written by slurm/container_pins.py --refresh; read by its check "
+        "(see its docstring)",
         "platform": {"python": PYTHON, "platforms": list(PLATFORMS)},
         "pins": {k: [v, list(e)] for k, v, e in ((k, *pins[k]) for k in sorted(pins))},
         "requires": requires,

@@ -4,7 +4,9 @@
   that closes a cycle is still a cycle); only ``if TYPE_CHECKING:`` imports are left out.
 - Imports point down: each package imports only the packages below it (``ALLOWED``), and
   the layers that must stay free of a framework do not import it (``FORBIDDEN_EXTERNAL``).
-- No module is longer than ``MAX_LINES``.
+- No module is longer than ``MAX_LINES`` lines as committed: formatted lines, since CI keeps
+  the tree ``ruff format``ted at line-length 100 (``ruff format --check .`` in ``.ci/run``),
+  so a module cannot get under the limit by packing lines.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Dict, List, Set
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "nemo_d3s"
-MAX_LINES = 455  # "about 450": a module longer than this is split
+MAX_LINES = 455  # "about 450" formatted lines: a module longer than this is split
 
 # package (first component under nemo_d3s) -> the nemo_d3s packages it may import
 ALLOWED: Dict[str, Set[str]] = {
     "errors": set(),
-    "files": set(),
+    "files": {"files_staging"},
+    "files_staging": set(),
     "core": {"core", "errors"},
     "distributed": {"distributed", "core", "errors"},
     "formats": {"formats", "errors", "files"},
@@ -35,6 +38,7 @@ FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
     "formats": {"torch.distributed", "megatron", "transformers", "vllm"},
     "errors": {"torch"},
     "files": {"torch"},
+    "files_staging": {"torch"},
 }
 
 
@@ -175,6 +179,7 @@ def test_no_backend_imports_the_layers_above():
 
 
 def test_no_module_is_too_long():
+    # counts the lines of the files as committed, which CI keeps formatted (ruff format --check)
     long = {
         m: n
         for m, p in MODULES.items()

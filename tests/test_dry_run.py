@@ -252,8 +252,8 @@ def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert (
-        "error: world size 8 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 16 "
-        "(world = NNODES=1 x trainer.gpus_per_node=8"
+        "error: world size 8 is not divisible by tensor_model_parallel_size x "
+        "pipeline_model_parallel_size = 16 (world = NNODES=1 x trainer.gpus_per_node=8"
     ) in r.stderr
     assert not (tmp_path / "dry_run.json").exists()
 
@@ -391,8 +391,8 @@ def test_parameters_by_hand():
     assert (
         local_param_count(spec, lay.at(1, 1)) == 2 * 15488 + 64 + 256 * 64
     )  # + final norm + output layer
-    # Real share: TP rank 0 holds 256 real embedding rows, TP rank 1 holds 44 (300 - 256) + 212 padding;
-    # TP rank 1 skips the replicated norms.
+    # Real share: TP rank 0 holds 256 real embedding rows, TP rank 1 holds 44 (300 - 256) + 212
+    # padding; TP rank 1 skips the replicated norms.
     assert real_param_count(spec, lay) == 256 * 64 + 2 * 15488
     assert real_param_count(spec, lay.at(1, 0)) == 44 * 64 + 2 * (15488 - 128)
     total = sum(real_param_count(spec, lay.at(t, p)) for t in range(2) for p in range(2))
@@ -507,7 +507,8 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     assert report["workload"]["micro_batches"] == 4 and report["workload"]["seq_len"] == 10
     assert t["activations"] == 2 * 2 * 19840
     # rollout=hf: the HF sampler's full replica (2 x 161856 bytes), and while it generates its
-    # KV cache: the 8 rows of its DP replica x 10 tokens x (2 x 4 layers x 2 KV heads x 16 x 2 bytes).
+    # KV cache: the 8 rows of its DP replica x 10 tokens x (2 x 4 layers x 2 KV heads x 16 x 2
+    # bytes).
     assert t["hf_replica"] == 2 * spec.num_params and t["hf_kv_cache"] == 8 * 10 * 512
     assert (
         "logits" not in t
@@ -616,7 +617,8 @@ def test_sequence_parallel_and_token_budget_terms_by_hand():
         tokens_per_micro_batch,
     )
 
-    # SP splits the replicated 4 h term over TP: 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
+    # SP splits the replicated 4 h term over TP:
+    # 20 tokens x 2 bytes x [4 x 64 / 2 + (2 x 16 x 6 + 288) / 2]
     assert layer_activation_bytes(
         64, 4, 2, 16, 96, b=2, s=10, tp=2, sequence_parallel=True
     ) == 40 * (128 + 240)

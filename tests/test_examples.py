@@ -9,11 +9,11 @@
 - slurm/*.sbatch pass ``bash -n`` (and shellcheck when it is installed); the slow tests
   run train_dp.sbatch and train_megatron.sbatch (Megatron backend, TP 2 on gloo) end to end
   on this machine with stand-in srun/scontrol/scancel: SIGUSR1 -> checkpoint, exit 75
-  (interrupted) -> requeue request -> a second start resumes to the last step; convert_to_hf.sbatch then exports
-  the Megatron checkpoint. train_megatron.sbatch's bad inputs (a layout the nodes cannot
-  hold, a model folder without weights, an interpreter without megatron-core) stop it
-  before torchrun; a knob that is not a number or a Slurm variable left unset is one error
-  line in every script.
+  (interrupted) -> requeue request -> a second start resumes to the last step; convert_to_hf.sbatch
+  then exports the Megatron checkpoint. train_megatron.sbatch's bad inputs (a layout the nodes
+  cannot hold, a model folder without weights, an interpreter without megatron-core) stop it before
+  torchrun; a knob that is not a number or a Slurm variable left unset is one error line in every
+  script.
 """
 
 from __future__ import annotations
@@ -555,8 +555,8 @@ def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
     r, calls = _megatron_script(tmp_path, _config_only(tmp_path), GPUS_PER_NODE="3")
     assert r.returncode == 2, r.stdout + r.stderr
     assert (
-        "error: world size 3 is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size = 2 "
-        "(world = NNODES=1 x GPUS_PER_NODE=3"
+        "error: world size 3 is not divisible by tensor_model_parallel_size x "
+        "pipeline_model_parallel_size = 2 (world = NNODES=1 x GPUS_PER_NODE=3"
     ) in r.stderr
     assert (
         "the dry run failed (above): this layout cannot run on 1 x 3 GPUs; nothing was started"
@@ -576,8 +576,8 @@ def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_p
     assert "verdict: FITS" in r.stdout
     folder = tmp_path / "config_only"
     assert (
-        "holds no weights (model.safetensors[.index.json], megatron/layout.json or a NeMo 2 weights/): a "
-        "config-only recipe folder?"
+        "holds no weights (model.safetensors[.index.json], megatron/layout.json or a NeMo "
+        "2 weights/): a config-only recipe folder?"
     ) in r.stderr and str(folder) in r.stderr
     assert "a node failed its check (above); nothing was started" in r.stderr
     assert (
@@ -620,8 +620,8 @@ def test_slurm_megatron_script_environment_without_megatron_stops_before_the_dry
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert (
-        "cannot import nemo_d3s and megatron.core (ImportError: No module named megatron.core (stand-in))"
-        in r.stderr
+        "cannot import nemo_d3s and megatron.core (ImportError: No module named "
+        "megatron.core (stand-in))" in r.stderr
     )
     assert (
         not (tmp_path / "run" / "dry_run.json").exists()

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from nemo_d3s import files
+from nemo_d3s import files, files_staging
 from nemo_d3s.files import atomic_folder
 
 
@@ -105,7 +105,7 @@ def test_every_file_and_folder_is_flushed_before_the_rename(tmp_path, monkeypatc
     assert {"a.bin", "b.bin", "sub", staged, tmp_path.name} <= set(synced)
 
 
-# ---------------------------------------------------------------- issue 25: locks, changes, leftovers
+# -------------------------------------------------------------- issue 25: locks, changes, leftovers
 def test_a_second_writer_of_the_same_folder_is_refused_and_the_lock_file_goes(tmp_path):
     dest = tmp_path / "out"
     with atomic_folder(dest) as tmp:
@@ -152,7 +152,7 @@ def _dead_pid() -> int:
 
 def test_staging_folders_of_killed_writers_on_this_host_are_removed_and_reported(tmp_path, caplog):
     dest = tmp_path / "out"
-    host = files._host()
+    host = files_staging.host_tag()
     dead, live = _dead_pid(), os.getppid()
     stale = tmp_path / f".out.tmp-{host}-{dead}-0123abcd"
     other_host = tmp_path / f".out.tmp-otherhost-{dead}-0123abcd"
@@ -175,7 +175,7 @@ def test_staging_folders_of_killed_writers_on_this_host_are_removed_and_reported
 
 def test_a_folder_moved_aside_by_a_killed_writer_is_put_back(tmp_path):
     dest = tmp_path / "out"
-    aside = tmp_path / f".out.old-{files._host()}-{_dead_pid()}-0123abcd"
+    aside = tmp_path / f".out.old-{files_staging.host_tag()}-{_dead_pid()}-0123abcd"
     aside.mkdir()
     (aside / "previous.txt").write_text("the user's previous output")
     with pytest.raises(FileExistsError):

@@ -18,7 +18,8 @@ def _blocks(title: str):
 
 
 def _setup_commands():
-    # The two commands are the blocks that end in a python command (the third installs torch's CPU build).
+    # The two commands are the blocks that end in a python command (the third installs torch's CPU
+    # build).
     return [b for b in _blocks("Set-up") if "python -m" in b]
 
 
@@ -117,7 +118,8 @@ def test_scaling_up_commands_are_the_tested_ones():
     runs (slow); the dry run line is tests/test_dry_run.py's (no environment variables)."""
     text = " ".join(_section("Scaling up").split())
     assert (
-        "torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke output_dir=runs/msmoke"
+        "torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=megatron_smoke "
+        "output_dir=runs/msmoke"
     ) in text
     assert (
         "nemo-d3s-convert megatron-to-hf --ckpt runs/msmoke/checkpoints/step_000004 "

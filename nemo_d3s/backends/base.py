@@ -81,7 +81,8 @@ class TokenBatch:
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
 
     def truncate(self, length: int) -> "TokenBatch":
-        """Cut every sequence to its first ``length`` positions (compaction after token selection)."""
+        """Cut every sequence to its first ``length`` positions (compaction after token
+        selection)."""
         return TokenBatch(
             self.input_ids[:, :length],
             self.attention_mask[:, :length],
@@ -91,7 +92,8 @@ class TokenBatch:
 
 @dataclass
 class Rollouts:
-    """What ``generate`` returns: one row per (prompt, sample), prompts in order, samples adjacent."""
+    """What ``generate`` returns: one row per (prompt, sample), prompts in order, samples
+    adjacent."""
 
     batch: TokenBatch
     prompt_index: torch.Tensor  # [B] long: which input prompt each row answers
@@ -171,6 +173,13 @@ class RolloutEngine(abc.ABC):
         """Make the next ``generate`` sample from ``policy``'s current weights. Called by
         the trainer after every optimizer step (on every rank: a sharded policy gathers)."""
 
+    def release(self) -> None:
+        """The trainer is about to need the memory the engine holds (scoring, the update, a
+        checkpoint, an export): an engine with its own copy of the weights may drop it (vLLM:
+        a level-2 sleep); its next ``generate`` refits when it must. Between two generations
+        of one weights version (rollouts, evaluation batches) the trainer does not call it,
+        so they cost no refit. Default: nothing to drop."""
+
 
 class Policy(abc.ABC):
     """The trained model, its optimizer and (optionally) a frozen reference model.
@@ -184,6 +193,13 @@ class Policy(abc.ABC):
     tokenizer: Any
     rollout_engine: RolloutEngine
     collective_export: bool = False
+    # Bumped whenever the weights change (an optimizer step that updated them, a checkpoint
+    # load): an engine with its own copy refits only when the version it holds is another one,
+    # so extra generations of one version (evaluation batches) cost no refit.
+    weights_version: int = 0
+
+    def weights_changed(self) -> None:
+        self.weights_version = int(self.weights_version) + 1
 
     @abc.abstractmethod
     def score(

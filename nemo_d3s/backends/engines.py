@@ -55,7 +55,8 @@ def check_gpu_placement(policy: Policy, settings: Mapping[str, Any]) -> None:
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world > 1 and not os.environ.get("LOCAL_WORLD_SIZE"):
-        return  # not launched by torchrun: ranks per node unknown (each engine still takes its own GPUs)
+        # not launched by torchrun: ranks per node unknown (each engine still takes its own GPUs)
+        return
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     engine_placement(
         policy.rollout_engine_ranks(world),

@@ -7,15 +7,17 @@ from __future__ import annotations
 import math
 from typing import Callable, Optional
 
-__all__ = ["lr_multiplier"]
+__all__ = ["LR_SCHEDULES", "lr_multiplier"]
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 
 def lr_multiplier(
     scheduler: str, warmup_steps: int, total_steps: Optional[int], min_lr_ratio: float = 0.0
 ) -> Callable[[int], float]:
     """LR multiplier of optimizer step ``step`` (0-based)."""
-    if scheduler not in ("constant", "linear", "cosine"):
-        raise ValueError(f"scheduler must be constant, linear or cosine; got {scheduler!r}")
+    if scheduler not in LR_SCHEDULES:
+        raise ValueError(f"scheduler must be one of {', '.join(LR_SCHEDULES)}; got {scheduler!r}")
     if scheduler != "constant" and not total_steps:
         raise ValueError(f"scheduler={scheduler!r} needs total_steps > 0, got {total_steps!r}")
     warm, total, floor = warmup_steps, total_steps or 1, min_lr_ratio

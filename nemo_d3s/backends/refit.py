@@ -14,23 +14,22 @@ between). Three parties:
 
   ``direct``: the engine runs in this process (vLLM's single-process executor calls the
   worker's method with the objects themselves, vllm 0.33 ``v1/executor/uniproc_executor.py:
-  90-106``): the bucket's tensors are handed over as they are, no copy.
+  90-106``): the bucket's tensors are handed over as they are, no copy (they are the
+  policy's own tensors or fresh casts, which nothing refills during the refit).
 
-  ``host``: ``src`` packs the bucket into one bytes object (name, dtype, shape, offset per
-  tensor + the raw bytes; no pickle) and hands it to the sink: the CPU build with the engine
-  in another process. Peak: one bucket.
+  ``cuda_ipc`` / ``shm`` (staged, ``backends/staging.py``): every rank that stages for an
+  engine worker copies the bucket into its own staging buffer (``bucket_bytes``, allocated
+  once per refit and reused bucket after bucket), exports it once (a CUDA IPC handle of GPU
+  memory, or the name of a shared-memory file: the CPU twin, one logic), the handles are
+  gathered on ``src`` and the sink's workers read the one on their own GPU (or slot), copying
+  the bucket out before the call returns: the sender refills the buffer with the next bucket
+  right after the barrier. On a GPU the weights go GPU to GPU, never through host memory.
+  This is how vLLM 0.33's own colocated transfer works (``distributed/weight_transfer/
+  ipc_engine.py:182-245`` receiver, ``:339-377`` handle gather, ``:413-434`` one reused buffer
+  + a barrier per chunk, ``packed_tensor.py:436-444`` the copy out of it).
 
-  ``cuda_ipc``: every rank whose GPU carries an engine worker copies the bucket into its own
-  staging buffer (GPU memory, ``bucket_bytes``), exports it once as a CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``), the handles are gathered on ``src``
-  and the sink's workers open the one on their own GPU (picked by GPU UUID) and load from
-  it: the weights go GPU to GPU on each device, never through host memory. This is how vLLM
-  0.33's own colocated transfer works (``distributed/weight_transfer/ipc_engine.py:182-245``
-  receiver, ``:339-377`` handle gather, ``:413-434`` one reused buffer + a barrier per chunk)
-  and vLLM's ``examples/offline_inference/rlhf_utils.py`` (``rebuild_ipc``).
-
-Ranks that host no engine GPU (other pipeline stages on other nodes) run the source for its
-collectives and drop each tensor: no host copy, no staging. Every rank of the group waits
+Ranks that stage for no engine worker (other pipeline stages on other nodes) run the source
+for its collectives and drop each tensor: no host copy, no staging. Every rank of the group waits
 for the sink's bucket on a gloo barrier (``group`` is a gloo group): never inside an NCCL
 collective that spins on the GPUs the engine uses.
 """
@@ -39,10 +38,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
+
+from nemo_d3s.backends.staging import StagingBuffer, copy_into, tensors_from_buffer
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -51,9 +52,8 @@ __all__ = [
     "TensorMeta",
     "WeightRefit",
     "WeightSink",
-    "decode_host",
+    "copy_into",
     "iter_buckets",
-    "pack_host",
     "release_cached_cuda_memory",
     "tensors_from_buffer",
 ]
@@ -61,6 +61,8 @@ __all__ = [
 log = logging.getLogger("nemo_d3s.refit")
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+TRANSPORTS = ("direct", "cuda_ipc", "shm")
+STAGED = ("cuda_ipc", "shm")  # through a reused staging buffer (backends/staging.py)
 # (HF name, dtype name without "torch.", shape, byte offset in the bucket): plain builtins,
 # which vLLM's RPC encodes as they are (msgpack; a torch.Tensor would not survive it).
 TensorMeta = Tuple[str, str, List[int], int]
@@ -123,39 +125,6 @@ def iter_buckets(
         yield Bucket(meta, tensors, size)
 
 
-def _copy_into(buffer: torch.Tensor, bucket: Bucket) -> None:
-    for (_, _, _, off), t in zip(bucket.meta, bucket.tensors):
-        buffer[off : off + _nbytes(t)].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-
-
-def pack_host(bucket: Bucket) -> bytes:
-    """The bucket's tensors as one bytes object (host memory: one bucket)."""
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
-    _copy_into(buf, bucket)
-    return buf.numpy().tobytes()
-
-
-def tensors_from_buffer(
-    meta: Sequence[TensorMeta], buffer: torch.Tensor
-) -> List[Tuple[str, torch.Tensor]]:
-    """Views of a uint8 ``buffer`` (host or GPU) as the named tensors ``meta`` describes."""
-    out = []
-    for name, dtype, shape, off in meta:
-        dt = _dtype(dtype)
-        n = dt.itemsize * int(torch.Size(shape).numel())
-        if off < 0 or off + n > buffer.numel():
-            raise ValueError(
-                f"refit bucket: {name!r} at bytes {off}..{off + n} lies outside the {buffer.numel()}-byte buffer"
-            )
-        out.append((str(name), buffer[off : off + n].view(dt).reshape(shape)))
-    return out
-
-
-def decode_host(meta: Sequence[TensorMeta], raw: bytes) -> List[Tuple[str, torch.Tensor]]:
-    """:func:`pack_host`'s bytes back to named tensors (one copy of the bucket)."""
-    return tensors_from_buffer(meta, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-
-
 def release_cached_cuda_memory(device: Optional[torch.device]) -> bool:
     """Give the CUDA caching allocator's free blocks back to the driver (``empty_cache``),
     so that an engine in another process can take them when it wakes. Only when ``device``
@@ -177,10 +146,9 @@ class WeightSink(Protocol):
 
     def load_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> None: ...
 
-    def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None: ...
-
-    def load_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
-        """``handles``: GPU UUID -> plain CUDA IPC handle of that GPU's staging buffer."""
+    def load_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
+        """``handles``: key (GPU UUID, or host:slot) -> plain handle of that staging buffer
+        (``staging.StagingBuffer``); the engine has copied the bucket out when it returns."""
 
     def end_refit(self) -> None: ...
 
@@ -193,20 +161,21 @@ class RefitStats:
     buckets: int = 0
     total_bytes: int = 0
     max_bucket_bytes: int = 0
-    staged_bytes: int = 0  # bytes this rank copied into a staging buffer (cuda_ipc)
+    staged_bytes: int = 0  # bytes this rank copied into a staging buffer (cuda_ipc / shm)
+    staging_allocations: int = 0  # staging buffers this rank allocated (1: one reused buffer)
     names: List[str] = field(default_factory=list)
 
 
 class WeightRefit:
     """Moves weights from a (possibly sharded) policy into one engine; see the module docstring.
 
-    sink: the engine on ``src`` (None elsewhere); transport: ``"direct"``, ``"host"`` or
-    ``"cuda_ipc"``;
-    group: a gloo group of the ranks that run the source together (None: one rank);
-    src: global rank of the sink's rank; hosts_engine_gpu: this rank's GPU carries an engine
-    worker (it stages buckets for ``cuda_ipc``); dtype: the engine's weight dtype (the stream
-    is cast to it before it moves); stage: how a rank exports a bucket for ``cuda_ipc``
-    (default :func:`stage_cuda_ipc`; tests pass a CPU stand-in).
+    sink: the engine on ``src`` (None elsewhere); transport: ``"direct"``, ``"cuda_ipc"`` or
+    ``"shm"``; group: a gloo group of the ranks that run the source together (None: one rank);
+    src: global rank of the sink's rank; hosts_engine_gpu: this rank stages buckets for an
+    engine worker (its GPU carries one; on the CPU twin, ranks ``src .. src + workers - 1`` of
+    the engine's host, worker ``rank - src``); dtype: the engine's weight dtype (the stream is
+    cast to it before it moves); device: this rank's device (its cached CUDA blocks are freed
+    before the engine wakes).
     """
 
     def __init__(
@@ -220,12 +189,9 @@ class WeightRefit:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
-        stage: Optional[Callable[["WeightRefit", Bucket], Optional[Tuple[str, tuple]]]] = None,
     ) -> None:
-        if transport not in ("direct", "host", "cuda_ipc"):
-            raise ValueError(
-                f"refit transport must be 'direct', 'host' or 'cuda_ipc', got {transport!r}"
-            )
+        if transport not in TRANSPORTS:
+            raise ValueError(f"refit transport must be one of {TRANSPORTS}, got {transport!r}")
         self.sink, self.transport, self.group, self.src = sink, transport, group, int(src)
         self.hosts_engine_gpu, self.bucket_bytes, self.dtype = (
             bool(hosts_engine_gpu),
@@ -233,9 +199,7 @@ class WeightRefit:
             dtype,
         )
         self.device = device
-        self._stage = stage or stage_cuda_ipc
-        self._buffer: Optional[torch.Tensor] = None
-        self._handle: Optional[Tuple[str, tuple]] = None
+        self.staging: Optional[StagingBuffer] = None
         if self.is_src and sink is None:
             raise ValueError("the refit's src rank needs the engine (sink)")
 
@@ -249,6 +213,10 @@ class WeightRefit:
     def is_src(self) -> bool:
         return self.single or dist.get_rank() == self.src
 
+    @property
+    def staged(self) -> bool:
+        return self.transport in STAGED
+
     def barrier(self) -> None:
         """Every rank of the group waits here (gloo: on the host, not on a GPU)."""
         if not self.single:
@@ -260,162 +228,82 @@ class WeightRefit:
         release_cached_cuda_memory(self.device)
         self.barrier()
 
+    def agree(self, error: Optional[BaseException]) -> None:
+        """Collective barrier that also tells every rank whether any rank failed (one MIN
+        all-reduce of an ok flag on the gloo group): a failure on the engine's rank (vLLM
+        refused a tensor, its process died) raises on every rank at the same point instead of
+        leaving the others in the next collective until the group's timeout."""
+        if not self.single:
+            ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if error is not None:
+            raise error
+        if not self.single and int(ok.item()) == 0:
+            raise RuntimeError(
+                f"refit failed on another rank of the group (the engine's rank {self.src} says why)"
+            )
+
     def push(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> RefitStats:
-        """One refit; collective over ``group``. Returns this rank's :class:`RefitStats`."""
+        """One refit; collective over ``group``. Returns this rank's :class:`RefitStats`.
+
+        Per bucket: stage (staging ranks) -> gather the handles on ``src`` -> the engine
+        copies the bucket out and loads it -> :meth:`agree` (a barrier that carries
+        failures); only then does any rank refill its buffer with the next bucket."""
         stats = RefitStats()
         self.free_for_engine()
-        if self.is_src:
-            self.sink.begin_refit()
+        self.agree(_attempt(self.sink.begin_refit) if self.is_src else None)
+        if self.staged and self.hosts_engine_gpu:
+            slot = 0 if self.single else dist.get_rank() - self.src
+            self.staging = StagingBuffer(self.transport, self.bucket_bytes, slot)
         try:
-            moves = self.is_src or (self.transport == "cuda_ipc" and self.hosts_engine_gpu)
+            moves = self.is_src or self.staging is not None
             for bucket in iter_buckets(weights, self.bucket_bytes, self.dtype, cast=moves):
-                self._move(bucket, stats)
+                self.agree(self._move(bucket, stats))
                 stats.tensors += len(bucket.meta)
                 stats.buckets += 1
                 stats.total_bytes += bucket.nbytes
                 stats.max_bucket_bytes = max(stats.max_bucket_bytes, bucket.nbytes)
                 stats.names += [m[0] for m in bucket.meta]
-                self.barrier()  # nobody runs ahead (into the next NCCL gather) or refills a buffer being read
-            if self.is_src:
-                self.sink.end_refit()  # the engine lets go of the staging buffers here
-            self.barrier()  # ... before any rank frees its own
+                if self.staging is not None:
+                    self.staging.opened()  # the engine has mapped it: its file name can go
+            # the engine lets go of the staging buffers here, before any rank frees its own
+            self.agree(_attempt(self.sink.end_refit) if self.is_src else None)
         finally:
-            self._drop_buffer()
+            if self.staging is not None:
+                stats.staging_allocations = self.staging.allocations
+                self.staging.drop()
+                self.staging = None
         return stats
 
-    def _move(self, bucket: Bucket, stats: RefitStats) -> None:
-        if self.transport != "cuda_ipc":
-            if self.is_src and self.transport == "direct":
-                self.sink.load_tensors(bucket.meta, bucket.tensors)
-            elif self.is_src:  # other ranks only served the source's collectives
-                self.sink.load_host_bucket(bucket.meta, pack_host(bucket))
-            return
-        handle = self._stage(self, bucket) if self.hosts_engine_gpu else None
-        if handle is not None:
-            stats.staged_bytes += bucket.nbytes
+    def _move(self, bucket: Bucket, stats: RefitStats) -> Optional[BaseException]:
+        """One bucket to the engine; returns this rank's failure (None: none) for
+        :meth:`agree`. The gather runs on every rank whatever happened before it."""
+        if not self.staged:
+            if self.is_src:  # other ranks only served the source's collectives
+                return _attempt(lambda: self.sink.load_tensors(bucket.meta, bucket.tensors))
+            return None
+        handle, error = None, None
+        if self.staging is not None:
+            try:
+                handle = self.staging.stage(bucket)
+                stats.staged_bytes += bucket.nbytes
+            except Exception as e:  # (a staging buffer the GPU has no room for)
+                error = e
         if self.single:
             handles = [handle]
         else:
             handles = [None] * dist.get_world_size(self.group) if self.is_src else None
             dist.gather_object(handle, handles, dst=self.src, group=self.group)
-        if self.is_src:
-            by_gpu = dict(h for h in handles if h is not None)
-            self.sink.load_ipc_bucket(bucket.meta, by_gpu)
-
-    def _drop_buffer(self) -> None:
-        if self._buffer is None:
-            return
-        self._buffer, self._handle = None, None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.ipc_collect()  # blocks the engine has let go of return to the allocator
+        if self.is_src and error is None:
+            by_key = dict(h for h in handles if h is not None)
+            error = _attempt(lambda: self.sink.load_staged_bucket(bucket.meta, by_key))
+        return error
 
 
-# ----------------------------------------------------------------------------- CUDA IPC
-def plain_ipc_handle(args: tuple) -> tuple:
-    """The argument tuple of ``reduce_tensor(t)[1]`` for a CUDA tensor (torch
-    ``multiprocessing/reductions.py``: ``rebuild_cuda_tensor``'s 15 arguments) with the two
-    class objects dropped and sizes as lists: only ints, bytes, bools and a dtype name, which
-    vLLM's RPC carries without pickle."""
-    (
-        _tensor_cls,
-        size,
-        stride,
-        offset,
-        _storage_cls,
-        dtype,
-        device,
-        handle,
-        storage_bytes,
-        storage_offset,
-        requires_grad,
-        ref_handle,
-        ref_offset,
-        event_handle,
-        event_sync,
-    ) = args
-    return (
-        list(size),
-        list(stride),
-        int(offset),
-        _dtype_name(dtype),
-        int(device),
-        bytes(handle),
-        int(storage_bytes),
-        int(storage_offset),
-        bool(requires_grad),
-        bytes(ref_handle),
-        int(ref_offset),
-        bytes(event_handle) if event_handle is not None else None,
-        bool(event_sync),
-    )
-
-
-def rebuild_ipc_tensor(plain: tuple, device_index: int) -> torch.Tensor:
-    """Open a :func:`plain_ipc_handle` in the receiving process on ITS device index (the
-    sender's index means another GPU under another ``CUDA_VISIBLE_DEVICES``: vLLM's
-    ``ipc_engine.py:234-237`` and ``rlhf_utils.py`` ``rebuild_ipc`` overwrite argument 6 the
-    same way)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    (
-        size,
-        stride,
-        offset,
-        dtype,
-        _device,
-        handle,
-        storage_bytes,
-        storage_offset,
-        requires_grad,
-        ref_handle,
-        ref_offset,
-        event_handle,
-        event_sync,
-    ) = plain
-    return rebuild_cuda_tensor(
-        torch.Tensor,
-        torch.Size(size),
-        tuple(stride),
-        offset,
-        torch.storage.TypedStorage,
-        _dtype(dtype),
-        int(device_index),
-        handle,
-        storage_bytes,
-        storage_offset,
-        requires_grad,
-        ref_handle,
-        ref_offset,
-        event_handle,
-        event_sync,
-    )
-
-
-def gpu_uuid(device: torch.device) -> str:
-    """The GPU's UUID, the key both sides agree on whatever their CUDA_VISIBLE_DEVICES (vLLM
-    ``ipc_engine.py:222-223`` uses ``get_device_properties(i).uuid`` the same way)."""
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def stage_cuda_ipc(refit: WeightRefit, bucket: Bucket) -> Tuple[str, tuple]:
-    """Copy ``bucket`` into this rank's staging buffer (GPU; allocated on first use at
-    ``bucket_bytes``, or once at a larger single tensor's size) and return (GPU UUID, its
-    plain IPC handle). The buffer is exported once per refit and reused bucket after bucket
-    (the barrier in :meth:`WeightRefit.push` keeps it from being refilled while read)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    device = bucket.tensors[0].device
-    if device.type != "cuda":
-        raise ValueError(
-            f"cuda_ipc refit of tensors on {device}: the policy's weights must be on the GPU"
-        )
-    if refit._buffer is None or refit._buffer.numel() < bucket.nbytes:
-        refit._buffer = torch.empty(
-            max(refit.bucket_bytes, bucket.nbytes), dtype=torch.uint8, device=device
-        )
-        refit._handle = (gpu_uuid(device), plain_ipc_handle(reduce_tensor(refit._buffer)[1]))
-    _copy_into(refit._buffer, bucket)
-    torch.cuda.current_stream(
-        device
-    ).synchronize()  # the bytes are there before the engine reads them
-    return refit._handle
+def _attempt(fn) -> Optional[BaseException]:
+    """``fn()``; the exception it raised, or None."""
+    try:
+        fn()
+    except Exception as e:
+        return e
+    return None

@@ -83,6 +83,9 @@ class _Wrapper(RolloutEngine):
     def sync_weights(self, policy: Policy) -> None:
         self.inner.sync_weights(policy)
 
+    def release(self) -> None:
+        self.inner.release()
+
 
 class PerPromptCalls(_Wrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""
@@ -100,7 +103,8 @@ class PerPromptCalls(_Wrapper):
         for i, part in enumerate(parts):
             if len(part.batch) != n_samples:
                 raise RuntimeError(
-                    f"the rollout engine returned {len(part.batch)} rows for prompt {i}, expected {n_samples}"
+                    f"the rollout engine returned {len(part.batch)} rows for prompt {i}, "
+                    f"expected {n_samples}"
                 )
         return concat_rollouts(parts, pad_token_id(self.tokenizer))
 

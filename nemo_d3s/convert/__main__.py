@@ -19,8 +19,10 @@ _EPILOG = {
   nemo-d3s-convert hf-to-megatron --hf ./Qwen2.5-7B-Instruct --out ./qwen7b-tp4 --tp 4 --pp 1
   # then train from it: model.backend=megatron model.name=./qwen7b-tp4 (any TP x PP)""",
     "megatron-to-hf": """examples:
-  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 --out ./qwen7b-d3s --dtype bfloat16
-  # (a checkpoint written before checkpoints kept config.json + tokenizer: add --hf-config ./Qwen2.5-7B-Instruct)
+  nemo-d3s-convert megatron-to-hf --ckpt runs/qwen/checkpoints/step_000200 \\
+      --out ./qwen7b-d3s --dtype bfloat16
+  # (a checkpoint written before checkpoints kept config.json + tokenizer:
+  #  add --hf-config ./Qwen2.5-7B-Instruct)
   nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back""",
     "megatron-to-nemo": """example:
   nemo-d3s-convert megatron-to-nemo --ckpt runs/qwen/checkpoints/step_000200 \\
@@ -66,9 +68,11 @@ def _tolerance(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="nemo-d3s-convert",
-        description="Convert checkpoints between Hugging Face folders and the Megatron backend's sharded checkpoints "
-        "(the weight table of nemo_d3s.formats.weights). Output is written to a temporary "
-        "sibling folder and renamed into place at the end.",
+        description=(
+            "Convert checkpoints between Hugging Face folders and the Megatron backend's "
+            "sharded checkpoints (the weight table of nemo_d3s.formats.weights). Output is "
+            "written to a temporary sibling folder and renamed into place at the end."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(f"{k}: {v}" for k, v in _EPILOG.items()),
     )
@@ -130,8 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hf-config",
         default=None,
-        help="folder with config.json + tokenizer files (the model the run started from); needed only for "
-        "a training checkpoint written before checkpoints kept their model's config and tokenizer",
+        help=(
+            "folder with config.json + tokenizer files (the model the run started from); "
+            "needed only for a training checkpoint written before checkpoints kept their "
+            "model's config and tokenizer"
+        ),
     )
     p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="dtype written (default: as stored)"
@@ -167,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "verify",
-        "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint converted in "
-        "memory; exit code 0 when they match",
+        "compare logits of a few fixed prompts: transformers on --hf vs the checkpoint "
+        "converted in memory; exit code 0 when they match",
     )
     p.add_argument("--hf", required=True, help="Hugging Face model folder")
     p.add_argument("--ckpt", required=True, help="Megatron or NeMo 2 checkpoint folder")
@@ -192,8 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
             "--no-verify-checksums",
             dest="verify_checksums",
             action="store_false",
-            help="use a checkpoint whose files do not match its checksums.json (training and converted "
-            "checkpoints carry one; it is checked by default, reading every file once)",
+            help=(
+                "use a checkpoint whose files do not match its checksums.json (training and "
+                "converted checkpoints carry one; it is checked by default, reading every file "
+                "once)"
+            ),
         )
         if p.prog.endswith("verify"):
             continue

@@ -18,8 +18,8 @@ through. What a folder is comes from ``formats.detect_format``; the sources are 
 Memory: tensors stream one local parameter group at a time (the saved TP shards of one
 Megatron parameter and the HF tensors they make, e.g. q/k/v of one layer), straight into
 safetensors files whose headers are planned up front from the table's shapes
-(``formats.safetensors_stream.StreamingSafetensors``), so peak memory is near the largest group (the embedding),
-not the model.
+(``formats.safetensors_stream.StreamingSafetensors``), so peak memory is near the largest group (the
+embedding), not the model.
 
 Safety: every file read is untrusted input (safetensors and JSON only, never pickle); a
 folder that is not a checkpoint, an architecture the table does not know, a tensor whose

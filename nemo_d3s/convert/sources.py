@@ -105,8 +105,8 @@ def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
             else "pass --hf-config DIR, the model folder the checkpoint was trained from"
         )
         raise ConfigError(
-            f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the converted "
-            f"model needs its tokenizer files ({hint})"
+            f"{str(folder)!r} ({role}) has no tokenizer: missing {', '.join(missing)}; the "
+            f"converted model needs its tokenizer files ({hint})"
         )
     for p in have:
         if p.suffix == ".json":
@@ -210,8 +210,8 @@ def _find_root(path: Path) -> FolderFormat:
     if fmt.kind == HF:
         hint = " It is a Hugging Face model folder (use hf-to-megatron to convert it)."
     raise ConfigError(
-        f"{str(path)!r} is not a Megatron checkpoint: no {SHARDS_SUBDIR}/{LAYOUT_FILE} (nor a NeMo 2 "
-        f"checkpoint: no weights/metadata.json + context/).{hint}"
+        f"{str(path)!r} is not a Megatron checkpoint: no {SHARDS_SUBDIR}/{LAYOUT_FILE} "
+        f"(nor a NeMo 2 checkpoint: no weights/metadata.json + context/).{hint}"
     )
 
 
@@ -281,9 +281,9 @@ def open_checkpoint(
         config_dir = folder
     else:
         raise ConfigError(
-            f"{str(folder)!r} has no config.json (a training checkpoint written before checkpoints kept their "
-            "model's files): pass --hf-config DIR, the model folder the run started from (model.name in the run's "
-            "config.yaml)"
+            f"{str(folder)!r} has no config.json (a training checkpoint written before "
+            "checkpoints kept their model's files): pass --hf-config DIR, the model "
+            "folder the run started from (model.name in the run's config.yaml)"
         )
     spec = ModelSpec.from_folder(config_dir)
     saved = read_layout(root, spec)

@@ -53,8 +53,8 @@ class VerifyResult:
     def verdict(self) -> str:
         word = "OK" if self.ok else "MISMATCH"
         return (
-            f"{word}: max abs logit error {self.max_abs_err:.3g} (tolerance {self.atol:g}) over {self.prompts} "
-            f"prompts / {self.tokens} tokens, checkpoint {self.layout}"
+            f"{word}: max abs logit error {self.max_abs_err:.3g} (tolerance {self.atol:g}) "
+            f"over {self.prompts} prompts / {self.tokens} tokens, checkpoint {self.layout}"
         )
 
 

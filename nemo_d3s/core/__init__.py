@@ -7,7 +7,8 @@ Modules (each lists its public names in ``__all__``; all of them are re-exported
 - ``schedules``        (N, K) over training progress (SCHEDULES, DynamicSchedule)
 - ``token_selection``  |A| x H token scores and top-K% masks (TOKEN_SELECTORS)
 - ``entropy``          chunked full-vocabulary entropy and log-probs
-- ``losses``           GRPO / GSPO policy losses with global denominators (POLICY_LOSSES)
+- ``losses``           GRPO / GSPO policy losses with global denominators (POLICY_LOSSES);
+                       ``loss_config`` (LossConfig, denominators), ``loss_parts`` (their pieces)
 - ``micro_batches``    rows -> micro-batches: fixed row counts or a token budget
 - ``presets``          D3SConfig and the papers' named PRESETS
 - ``d3s``              the two-stage D3SSelector (re-exports D3SConfig, PRESETS)

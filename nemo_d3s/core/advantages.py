@@ -47,7 +47,8 @@ __all__ = [
 
 ADVANTAGE_ESTIMATORS: Registry = Registry(
     "advantage estimator",
-    "fn(rewards[B] float, group_ids[B] long, *, eps: float, unbiased: bool) -> advantages[B] float32",
+    "fn(rewards[B] float, group_ids[B] long, *, eps: float, unbiased: bool) -> "
+    "advantages[B] float32",
 )
 
 
@@ -100,7 +101,8 @@ def _check_rewards_and_groups(rewards: torch.Tensor, group_ids: torch.Tensor) ->
     _check_group_ids(group_ids)
     if rewards.shape != group_ids.shape:
         raise ValueError(
-            f"group_ids has shape {tuple(group_ids.shape)}, expected {tuple(rewards.shape)} (the shape of rewards)"
+            f"group_ids has shape {tuple(group_ids.shape)}, expected "
+            f"{tuple(rewards.shape)} (the shape of rewards)"
         )
     check_same_device(rewards=rewards, group_ids=group_ids)
 
@@ -186,7 +188,8 @@ def degenerate_groups(rewards: torch.Tensor, index: torch.Tensor, n_groups: int)
 def _row_advantages(
     x: torch.Tensor, kind: str, eps: float, unbiased: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, G] f64 rewards of R groups of size G -> (advantages [R, G] f64, degenerate [R] bool)."""
+    """x [R, G] f64 rewards of R groups of size G -> (advantages [R, G] f64, degenerate [R]
+    bool)."""
     g = x.shape[1]
     degenerate = x.amax(dim=1) == x.amin(dim=1)  # includes G = 1
     centered = x - x.mean(dim=1, keepdim=True)
@@ -217,7 +220,8 @@ def _grouped_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The shared kernel of all estimators (also used by PODS on the kept subset).
 
-    rewards [B] (any real dtype), index [B] long dense -> (advantages [B] f64, degenerate [n_groups] bool).
+    rewards [B] (any real dtype), index [B] long dense -> (advantages [B] f64, degenerate [n_groups]
+    bool).
     """
     r = rewards.to(torch.float64)
     adv = torch.zeros_like(r)

@@ -240,7 +240,8 @@ class D3SSelector:
         """
         if not isinstance(response_mask, torch.Tensor):
             raise ValueError(
-                f"response_mask must be a torch.Tensor [B_kept, S], got {type(response_mask).__name__}"
+                "response_mask must be a torch.Tensor [B_kept, S], got "
+                f"{type(response_mask).__name__}"
             )
         check_bool("response_mask", response_mask)
         if response_mask.dim() != 2:
@@ -348,7 +349,8 @@ class D3SSelector:
             raise ValueError(f"response_mask must be a 2-D tensor [B, S], got {shape}")
         if isinstance(rewards, torch.Tensor) and response_mask.shape[0] != rewards.numel():
             raise ValueError(
-                f"response_mask has {response_mask.shape[0]} rows, expected {rewards.numel()} (one per reward)"
+                f"response_mask has {response_mask.shape[0]} rows, expected "
+                f"{rewards.numel()} (one per reward)"
             )
         if entropy is not None:
             if not isinstance(entropy, torch.Tensor):

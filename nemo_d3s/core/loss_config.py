@@ -21,11 +21,16 @@ __all__ = [
     "LossConfig",
     "LossOutput",
     "METRIC_NORMALISERS",
+    "NORMALIZE_BY",
     "finalize_metrics",
     "loss_denominator",
 ]
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+#: What the loss is normalised by once tokens are selected (``trainer.update``): the kept
+#: tokens, or every response token of the sample-selected rows (``loss_denominator``'s
+#: ``norm_mask``).
+NORMALIZE_BY = ("kept", "eligible")
 
 #: ``finalize_metrics`` maps each ``<name>_sum`` to ``<name> = sum / metrics[count]``.
 METRIC_NORMALISERS: Dict[str, str] = {

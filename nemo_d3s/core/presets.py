@@ -23,10 +23,10 @@ is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``. D3S-I at N = 1 per gr
 the rollout with the largest |advantage|.
 
 The floor of 256 kept tokens per step (``min_kept_tokens``; 0 is the papers' rule) is the
-project's default for the two full methods: on the CPU evidence runs (docs/evidence.md "Does D3S help
-here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed
-GRPO, while with the floor it matched GRPO per step. At the papers' batch sizes K x eligible
-is thousands of tokens and the floor never binds.
+project's default for the two full methods: on the CPU evidence runs (docs/evidence.md "Does D3S
+help here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed GRPO,
+while with the floor it matched GRPO per step. At the papers' batch sizes K x eligible is thousands
+of tokens and the floor never binds.
 
 N is per prompt and expressed as a fraction of the group size G so the presets work at
 any G. The D3S paper reports N 8 -> 32 without stating G; 1/8 -> 1/2 reads it as
@@ -103,7 +103,8 @@ class D3SConfig:
                 raise ValueError(f"schedule: {e}") from None
         if not isinstance(self.schedule, DynamicSchedule):
             raise ValueError(
-                f"schedule must be a DynamicSchedule or a mapping of its fields, got {self.schedule!r}"
+                "schedule must be a DynamicSchedule or a mapping of its fields, got "
+                f"{self.schedule!r}"
             )
         ADVANTAGE_ESTIMATORS.get(self.advantage)
         SAMPLE_SELECTORS.get(self.sample_rule)

@@ -36,7 +36,8 @@ class Registry(Generic[T]):
         unknown = sorted(set(props) - set(self.defaults))
         if unknown:
             raise ValueError(
-                f"{self.kind} {name!r}: unknown properties {unknown}; known: {sorted(self.defaults)}"
+                f"{self.kind} {name!r}: unknown properties {unknown}; known: "
+                f"{sorted(self.defaults)}"
             )
 
         def deco(fn: T) -> T:

@@ -71,8 +71,8 @@ PODS_EPS = 1e-4
 
 SAMPLE_SELECTORS: Registry = Registry(
     "sample selection rule",
-    "fn(rewards[B], advantages[B], group_ids[B], n_keep: int|float, *, generator: torch.Generator|None, "
-    "eps, unbiased) -> SampleSelection",
+    "fn(rewards[B], advantages[B], group_ids[B], n_keep: int|float, *, generator: "
+    "torch.Generator|None, eps, unbiased) -> SampleSelection",
     # keeps_all: the rule keeps every rollout (N is ignored: reported as 1.0).
     # pooled: the rule's choice for one group depends on the other groups of the batch (or
     # on positions in it), so under data parallelism it must see the whole DP batch.
@@ -112,8 +112,8 @@ def _check_n_keep(n_keep: Count) -> None:
             raise ValueError(f"n_keep must be >= 1 when given as an int count, got {n_keep!r}")
     elif not (0.0 < float(n_keep) <= 1.0):  # also rejects NaN
         raise ValueError(
-            f"n_keep must be in (0, 1] when given as a float fraction of the group size, got {n_keep!r} "
-            "(pass an int for an absolute count)"
+            "n_keep must be in (0, 1] when given as a float fraction of the group size, "
+            f"got {n_keep!r} (pass an int for an absolute count)"
         )
 
 

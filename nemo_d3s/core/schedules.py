@@ -56,7 +56,8 @@ def _no_kwargs(kind: str, kw: Dict[str, Any]) -> None:
     # A stray "milestones" on a linear schedule is a config mistake worth failing on.
     if kw:
         raise ValueError(
-            f"kwargs {sorted(kw)!r} are not used by the {kind!r} schedule; only 'step' takes one (milestones)"
+            f"kwargs {sorted(kw)!r} are not used by the {kind!r} schedule; only 'step' "
+            "takes one (milestones)"
         )
 
 
@@ -164,8 +165,8 @@ class DynamicSchedule:
                 )
         if _is_count(self.n_init) != _is_count(self.n_final):
             raise ValueError(
-                f"n_init and n_final must both be int counts or both float fractions of the group size, "
-                f"got n_init={self.n_init!r}, n_final={self.n_final!r}"
+                "n_init and n_final must both be int counts or both float fractions of "
+                f"the group size, got n_init={self.n_init!r}, n_final={self.n_final!r}"
             )
         for name in ("n_init", "n_final"):
             value = getattr(self, name)

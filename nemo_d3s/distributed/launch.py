@@ -145,7 +145,8 @@ def run_on_gloo_ranks(
             except Exception as e:
                 why = [line.strip() for line in str(e).splitlines() if "Unsupported global" in line]
                 raise TypeError(
-                    f"{fn.__name__}: rank {r}'s result is not plain data (tensors, numbers, strings, None and "
-                    f"lists/tuples/dicts of them){': ' + why[0] if why else ''}"
+                    f"{fn.__name__}: rank {r}'s result is not plain data (tensors, "
+                    "numbers, strings, None and lists/tuples/dicts of "
+                    f"them){': ' + why[0] if why else ''}"
                 ) from None
         return results

@@ -74,8 +74,8 @@ def global_loss_denominator(
     Collectives: seq_mean_* with a CP group: one all-reduce MAX of [sum B] uint8-as-int32
     over ``cp_group``; then one all-reduce SUM of one float64 over ``dp_group`` (and, for
     token_mean with CP, one over ``cp_group``), each on its group's collective device
-    (``_comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float, identical on all ranks; 0.0
-    when nothing is kept anywhere (skip the step).
+    (``_comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float,
+    identical on all ranks; 0.0 when nothing is kept anywhere (skip the step).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(
@@ -138,7 +138,8 @@ class StepNormalizer:
         d = self.denominator
         if isinstance(d, bool) or not isinstance(d, numbers.Real) or not math.isfinite(d) or d <= 0:
             raise ValueError(
-                f"denominator must be a finite number > 0 (nothing kept anywhere: skip the step), got {d!r}"
+                "denominator must be a finite number > 0 (nothing kept anywhere: skip the "
+                f"step), got {d!r}"
             )
         for name in ("dp_size", "num_microbatches"):
             v = getattr(self, name)

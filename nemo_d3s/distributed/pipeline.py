@@ -93,7 +93,8 @@ def broadcast_from_last_stage(
         if tensor is None or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             got = None if tensor is None else (tuple(tensor.shape), tensor.dtype)
             raise ValueError(
-                f"the last stage must pass a tensor of shape {tuple(shape)} and dtype {dtype}, got {got}"
+                f"the last stage must pass a tensor of shape {tuple(shape)} and dtype "
+                f"{dtype}, got {got}"
             )
         buf = tensor.to(wire).contiguous()
     else:

@@ -120,7 +120,8 @@ def global_select_samples(
     """
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
         raise ValueError(
-            f"rewards must be a 1-D tensor [B], got {getattr(rewards, 'shape', type(rewards).__name__)}"
+            "rewards must be a 1-D tensor [B], got "
+            f"{getattr(rewards, 'shape', type(rewards).__name__)}"
         )
     check_shape("advantages", advantages, rewards.shape, "rewards")
     check_shape("group_ids", group_ids, rewards.shape, "rewards")

@@ -135,8 +135,8 @@ def _radix_select(
         if rnd == 0:
             if int(hist[n_buckets]):
                 raise ValueError(
-                    f"scores must be finite on eligible positions; {int(hist[n_buckets])} rank(s) of the group "
-                    "hold NaN or +-inf there"
+                    f"scores must be finite on eligible positions; {int(hist[n_buckets])} "
+                    "rank(s) of the group hold NaN or +-inf there"
                 )
             n_global = int(hist[:n_buckets].sum())
             if isinstance(k_or_frac, tuple):
@@ -258,7 +258,8 @@ def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
 
 DISTRIBUTED_TOKEN_SCOPES: Registry = Registry(
     "distributed token selection scope",
-    "fn(scores[B,S], eligible[B,S], k_frac: float, group, *, bits_per_round) -> GlobalTokenSelection",
+    "fn(scores[B,S], eligible[B,S], k_frac: float, group, *, bits_per_round) -> "
+    "GlobalTokenSelection",
 )
 
 

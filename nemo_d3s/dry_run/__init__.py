@@ -1,9 +1,9 @@
 """``trainer.dry_run=true``: prove a Megatron layout on a laptop before queueing for it.
 
 ``python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true`` (the recipe states its
-cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every divisibility
-rule of the layout, builds this model's stage for each distinct (TP, PP) position on the
-meta device (no memory, no weights: ``model.name`` may be a folder holding only
+cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every
+divisibility rule of the layout, builds this model's stage for each distinct (TP, PP) position on
+the meta device (no memory, no weights: ``model.name`` may be a folder holding only
 ``config.json``), and prints, per GPU, the memory the run will need against
 ``trainer.gpu_memory_gb``, with a verdict and the largest term named. It writes
 ``output_dir/dry_run.json`` and returns 0 (fits), 1 (does not fit) or raises
@@ -15,8 +15,9 @@ The job's shape: ``NNODES`` x ``GPUS_PER_NODE`` (what ``slurm/train_megatron.sba
 else ``SLURM_JOB_NUM_NODES`` x ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` x
 ``trainer.gpus_per_node``, else 1 x 8.
 
-Parts: ``plan.py`` (config -> layout -> per-GPU terms -> verdict), ``memory.py`` (the memory
-model: what a GPU holds, as formulas), ``report.py`` (the table).
+Parts: ``shape.py`` (the job's shape, the model folder, the checked layout), ``plan.py``
+(config -> layout -> per-GPU terms), ``memory.py`` (the memory model: what a GPU holds, as
+formulas), ``report.py`` (the cross-checks, the verdict, the report and its table).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ from nemo_d3s.dry_run.memory import (
     megatron_lm_reference,
     vllm_activation_bytes,
 )
-from nemo_d3s.dry_run.plan import JobShape, job_shape, model_folder, plan
+from nemo_d3s.dry_run.plan import plan
 from nemo_d3s.dry_run.report import render
+from nemo_d3s.dry_run.shape import JobShape, job_shape, model_folder
 
 __all__ = [
     "GB",

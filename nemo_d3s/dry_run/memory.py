@@ -44,16 +44,16 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   generates at once (all of its group's rollouts, or ``generation_batch_size``).
 - runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
 - vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
-  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on that
-  rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would
-  share a GPU is an error). Only the positions whose GPU carries an engine worker get these
-  terms: vllm = ``gpu_memory_utilization`` x the GPU while it generates (its weights d N /
-  vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps while the
-  policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of vllm when
-  ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's gathered
-  tensors and the next gather's TP shards while the engine's weights are awake for a refit. KV budget per GPU = utilization x GPU -
-  vLLM weights - vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start
-  when it cannot hold one ``max_model_len`` sequence.
+  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on
+  that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would share
+  a GPU is an error). Only the positions whose GPU carries an engine worker get these terms: vllm =
+  ``gpu_memory_utilization`` x the GPU while it generates (its weights d N / vLLM-TP, its profiled
+  activations and the KV cache); vllm_asleep = what it keeps while the policy trains (level-2 sleep:
+  CUDA context, TP communicator, CUDA graphs; all of vllm when ``rollout.sleep=false``); refit = the
+  trainer's staging buffer, the bucket's gathered tensors and the next gather's TP shards while the
+  engine's weights are awake for a refit. KV budget per GPU = utilization x GPU - vLLM weights -
+  vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold one
+  ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
 = resident + activations + logits + vllm_asleep; generation = resident + hf_kv_cache or vllm
@@ -88,7 +88,8 @@ __all__ = [
 ]
 
 GB = 10**9
-# Which memory terms are held when: all the time, while the policy trains, while the engine generates.
+# Which memory terms are held when: all the time, while the policy trains, while the engine
+# generates.
 RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica")
 TRAINING = ("activations", "logits")
 GENERATION = ("hf_kv_cache", "vllm")
@@ -199,7 +200,8 @@ def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str
         )
     return (
         score + work,
-        f"scoring micro-batch {_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}",
+        "scoring micro-batch "
+        f"{_micro_text(w.logprob_micro_batch, w.logprob_micro_batch_tokens, w.seq_len)}",
     )
 
 

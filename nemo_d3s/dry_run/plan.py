@@ -6,8 +6,8 @@ The backend's own config translation and option check decide what the layout is
 through), so an option the backend refuses is refused here too. Then, in order:
 :func:`_setup` (the layout and its divisibility rules), :func:`_workload` (what a step asks
 of a GPU), :func:`_vllm` (the colocated engines), :func:`_position` (the memory terms of one
-(TP, PP) position), :func:`_cross_checks` (the table against megatron-core's own build) and
-:func:`_verdict` (fits or not, and why).
+(TP, PP) position), and ``report.report``: the table against megatron-core's own build
+(``_cross_checks``) and the verdict (``_verdict``: fits or not, and why).
 
 Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
 the weight table (``formats.weights.local_shape``); each distinct position is also BUILT with
@@ -23,14 +23,10 @@ sum to the HF model's count; and megatron-core's theoretical memory formula (Meg
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import (
     local_param_count,
-    meta_param_counts,
     real_param_count,
     stage_positions,
 )
@@ -42,6 +38,7 @@ from nemo_d3s.backends.megatron.parallel import (
 from nemo_d3s.backends.vllm.memory import (
     engine_plan,
     engine_positions,
+    generation_idle,
     refit_bytes,
     sleeping_engine_bytes,
 )
@@ -55,103 +52,21 @@ from nemo_d3s.dry_run.memory import (
     activation_bytes,
     kv_bytes_per_token,
     logits_bytes,
-    megatron_lm_reference,
     minimal_training_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
+from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
 
-__all__ = ["JobShape", "job_shape", "model_folder", "plan"]
-
-
-@dataclass(frozen=True)
-class JobShape:
-    nodes: int
-    gpus_per_node: int
-    source: str  # where the numbers came from, for messages
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.gpus_per_node
-
-
-def job_shape(
-    env: Optional[Mapping[str, str]] = None,
-    nodes: Optional[int] = None,
-    gpus_per_node: Optional[int] = None,
-) -> JobShape:
-    """Nodes x GPUs per node: ``NNODES`` / ``GPUS_PER_NODE``, else Slurm's
-    ``SLURM_JOB_NUM_NODES`` / ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` /
-    ``trainer.gpus_per_node`` (passed as ``nodes`` / ``gpus_per_node``), else 1 x 8."""
-    env = os.environ if env is None else env
-
-    def pick(*names: str, default: int) -> Tuple[int, str]:
-        key = {
-            "NNODES": ("trainer.nodes", nodes),
-            "GPUS_PER_NODE": ("trainer.gpus_per_node", gpus_per_node),
-        }
-        recipe_key, recipe = key[names[0]]
-        for n in names:
-            v = env.get(n)
-            if v not in (None, ""):
-                try:
-                    x = int(v)
-                except ValueError:
-                    x = 0
-                if x < 1:
-                    raise ConfigError(f"{n}={v!r}: must be a positive integer")
-                return x, f"{n}={x}"
-        if recipe is not None:
-            if isinstance(recipe, bool) or not isinstance(recipe, int) or recipe < 1:
-                raise ConfigError(f"{recipe_key}={recipe!r}: must be a positive integer")
-            return recipe, f"{recipe_key}={recipe}"
-        return default, f"{names[0]}={default} (default)"
-
-    nodes, a = pick("NNODES", "SLURM_JOB_NUM_NODES", default=1)
-    gpus, b = pick("GPUS_PER_NODE", "SLURM_GPUS_ON_NODE", default=8)
-    return JobShape(nodes, gpus, f"{a} x {b}")
-
-
-def model_folder(name: str) -> Path:
-    """``model.name`` as a folder: as given (relative to the working directory), else
-    relative to the folder holding the ``nemo_d3s`` package (the recipes' shipped
-    ``nemo_d3s/recipes/<name>`` from any working directory), else the backend's own
-    resolution (the embedded short names)."""
-    p = Path(name).expanduser()
-    if p.is_dir():
-        return p.resolve()
-    packaged = Path(__file__).resolve().parents[2] / name
-    if not p.is_absolute() and packaged.is_dir():
-        return packaged
-    from nemo_d3s.backends.hf.loading import resolve_model_path
-
-    return Path(resolve_model_path(name)).resolve()
+__all__ = ["plan"]
 
 
 # ----------------------------------------------------------------------------- the layout
-@dataclass(frozen=True)
-class _Setup:
-    """What the run config and the job's shape ask for, checked."""
-
-    cfg: Any
-    mcfg: Any  # the backend's typed config (MegatronBackendConfig)
-    spec: ModelSpec
-    folder: Path
-    shape: JobShape
-    gpu: float  # bytes of one GPU
-    tp: int
-    pp: int
-    dp: int
-    order: str  # Megatron's rank order
-    vocab: int  # the padded vocabulary
-    engine: str  # rollout.engine
-    vllm_tp: int
-
-
-def _setup(cfg: Any, shape: JobShape) -> _Setup:
+def _setup(cfg: Any, shape: JobShape) -> Setup:
     """Validate the run config, translate it to the backend's config (the trainer's own
     path) and check every divisibility rule of the layout on the job's world size."""
     from nemo_d3s.config import validate, validate_layout
@@ -177,16 +92,18 @@ def _setup(cfg: Any, shape: JobShape) -> _Setup:
         dp = check_layout(spec, tp=tp, pp=pp, world=shape.world)
     except ConfigError as e:
         raise ConfigError(
-            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes and trainer.gpus_per_node, to the job's shape)"
+            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
+            "and trainer.gpus_per_node, to the job's shape)"
         ) from None
     validate_layout(cfg, dp)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
     if spec.num_layers % (pp * vpp):
         raise ConfigError(
-            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size x "
-            f"virtual_pipeline_model_parallel_size = {pp * vpp}"
+            f"num_hidden_layers={spec.num_layers} is not divisible by "
+            "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+            f"{pp * vpp}"
         )
-    return _Setup(
+    return Setup(
         cfg=cfg,
         mcfg=mcfg,
         spec=spec,
@@ -208,7 +125,7 @@ def _dtype_bytes(dtype: str) -> int:
     return {"auto": 2, "bfloat16": 2, "float32": 4}[dtype]
 
 
-def _workload(s: _Setup) -> Workload:
+def _workload(s: Setup) -> Workload:
     """What one training step asks of a GPU (one engine per DP rank)."""
     cfg, spec, mcfg, dp, engines = s.cfg, s.spec, s.mcfg, s.dp, s.dp
     t = cfg.trainer
@@ -235,8 +152,9 @@ def _workload(s: _Setup) -> Workload:
     elif int(limit) + gen_new > ctx:
         where = "rollout.max_model_len" if mml is not None else "the model's context"
         raise ConfigError(
-            f"task.max_prompt_tokens={limit} + {gen_new} new tokens = {int(limit) + gen_new} exceeds "
-            f"{where} ({ctx}): the longest rollout would not fit"
+            f"task.max_prompt_tokens={limit} + {gen_new} new tokens = "
+            f"{int(limit) + gen_new} exceeds {where} ({ctx}): the longest rollout would "
+            "not fit"
         )
     rows = int(t.prompts_per_step) * int(t.num_generations)
     per_dp_update = -(-rows // (dp * int(t.num_mini_batches)))
@@ -280,8 +198,8 @@ def _vllm_placement(
         raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
 
 
-# ----------------------------------------------------------------------------- the parts of the plan
-def _check_vllm_layout(s: _Setup) -> Optional[Dict[str, Any]]:
+# --------------------------------------------------------------------------- the parts of the plan
+def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
     """The engines' placement (rollout.engine=vllm), after vLLM's own layout rules."""
     if s.engine != "vllm":
         return None
@@ -292,13 +210,13 @@ def _check_vllm_layout(s: _Setup) -> Optional[Dict[str, Any]]:
         )
     if s.vllm_tp > s.shape.gpus_per_node:
         raise ConfigError(
-            f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the {s.shape.gpus_per_node} GPUs of "
-            "a node (the in-process engine spans one node)"
+            f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the "
+            f"{s.shape.gpus_per_node} GPUs of a node (the in-process engine spans one node)"
         )
     return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
 
 
-def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     """(one engine GPU's budget: weights, profiled activations, KV cache; the problems that
     stop vLLM from starting)."""
     cfg, spec, vllm_tp, gpu = s.cfg, s.spec, s.vllm_tp, s.gpu
@@ -348,6 +266,16 @@ def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, 
             )
         ],
     )
+    terms.update(
+        generation_idle(
+            gpus_total=s.shape.nodes * s.shape.gpus_per_node,
+            gpus_with_engine=int(placement["gpus_with_engine"]),
+            copy_gpus=s.tp * s.pp,
+            vllm_tp=vllm_tp,
+            weight_bytes_per_gpu=weights,
+            decode_steps=int(cfg.trainer.max_new_tokens),
+        )
+    )
     problems: List[str] = []
     if terms["kv_cache_bytes"] <= 0:
         problems.append(
@@ -364,7 +292,7 @@ def _vllm(s: _Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, 
     return terms, problems
 
 
-def _optimizer_bytes(s: _Setup, w: Workload) -> Tuple[bool, float, float]:
+def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
     """(distributed optimizer?, gradient bytes per parameter, optimizer bytes per parameter)."""
     d = w.dtype_bytes
     # The plan is for CUDA, where distributed_optimizer=null means Megatron's.
@@ -377,7 +305,7 @@ def _optimizer_bytes(s: _Setup, w: Workload) -> Tuple[bool, float, float]:
     return False, d, (12 if d < 4 else 8)
 
 
-def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
+def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
     """The memory terms, peaks and verdict of the GPU at (TP rank t, PP stage p)."""
     spec, d = s.spec, w.dtype_bytes
     _, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
@@ -414,7 +342,8 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["runtime"] = RUNTIME_BYTES
     resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
-    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state only
+    # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state
+    # only
     train_peak = (
         resident + sum(v for k, v in terms.items() if k in TRAINING) + terms.get("vllm_asleep", 0)
     )
@@ -467,95 +396,6 @@ def _position(s: _Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]
     }
 
 
-def _cross_checks(s: _Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[str, Any]]:
-    """(the positions' real parameters, which must sum to the HF model's; megatron-core's
-    meta-device build, whose counts must be the table's). RuntimeError when either fails."""
-    shards_sum = sum(x["real_params"] for x in positions)
-    if shards_sum != s.spec.num_params:
-        raise RuntimeError(
-            f"the per-position shards sum to {shards_sum} parameters, the model has {s.spec.num_params}"
-        )
-    meta = meta_param_counts(
-        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order
-    )
-    for key, n in meta.get("counts", {}).items():
-        t, p = (int(x) for x in key.split(","))
-        want = next(x["params"] for x in positions if (x["tp_rank"], x["pp_rank"]) == (t, p))
-        if n != want:
-            raise RuntimeError(
-                f"position (TP {t}, PP {p}): megatron-core builds {n} parameters, the weight table "
-                f"says {want}"
-            )
-    return shards_sum, meta
-
-
-def _verdict(
-    s: _Setup, positions: List[Dict[str, Any]], problems: List[str]
-) -> Tuple[bool, Dict[str, Any]]:
-    """(fits, the worst position); appends to ``problems`` why it does not fit: the training
-    state alone (first: no micro-batch size fixes it) and the worst position's peak."""
-    gpu = s.gpu
-    worst = max(positions, key=lambda x: x["peak_bytes"])
-    fits = all(x["fits"] for x in positions) and not problems
-    state_keys = (
-        "weights",
-        "grads",
-        "optimizer",
-        "reference",
-    )  # the training state, without rollouts
-    heaviest = max(positions, key=lambda x: sum(x["terms_bytes"].get(k, 0) for k in state_keys))
-    state = {k: heaviest["terms_bytes"][k] for k in state_keys if k in heaviest["terms_bytes"]}
-    if sum(state.values()) > gpu:
-        problems.insert(
-            0,
-            f"the training state alone needs {sum(state.values()) / GB:.1f} GB per GPU at (TP "
-            f"{heaviest['tp_rank']}, PP {heaviest['pp_rank']}) ("
-            + " + ".join(f"{k} {v / GB:.1f}" for k, v in state.items())
-            + f") > trainer.gpu_memory_gb={gpu / GB:g}: shard the model over more GPUs "
-            "(tensor/pipeline_model_parallel_size)",
-        )
-    needs_cp = [x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x]
-    if needs_cp:
-        problems.append(needs_cp[0]["message"])
-    if not all(x["fits"] for x in positions):
-        problems.append(
-            f"(TP {worst['tp_rank']}, PP {worst['pp_rank']}) needs {worst['peak_bytes'] / GB:.1f} GB "
-            f"in {worst['peak_phase']} > trainer.gpu_memory_gb={gpu / GB:g}; largest term: "
-            f"{worst['largest_term']} ({worst['terms_bytes'][worst['largest_term']] / GB:.1f} GB)"
-        )
-    return fits, worst
-
-
-def _reference(s: _Setup, w: Workload, positions: List[Dict[str, Any]]) -> Dict[str, Any]:
-    """Megatron-LM's theoretical memory beside this model's first stage."""
-    ref = megatron_lm_reference(
-        s.spec,
-        padded_vocab=s.vocab,
-        tp=s.tp,
-        pp=s.pp,
-        dp=s.dp,
-        b=1,
-        s=w.train_tokens,
-        micro_batches=w.micro_batches,
-        dtype_bytes=w.dtype_bytes,
-        sequence_parallel=w.sequence_parallel,
-    )
-    first = max((x for x in positions if x["pp_rank"] == 0), key=lambda x: x["params"])
-    no_recompute = Workload(**{**w.__dict__, "recompute": False})
-    mine_act, _ = activation_bytes(s.spec, no_recompute, tp=s.tp, pp=s.pp, stage=0)
-    return {
-        **{k: int(v) for k, v in ref.items()},
-        "this_model_first_stage_weight_grad_optimizer_bytes": sum(
-            first["terms_bytes"][k] for k in ("weights", "grads", "optimizer")
-        ),
-        "this_model_first_stage_activation_bytes_no_recompute": int(mine_act),
-        "note": "the same 6 + 12/DP bytes per parameter; the shard differs only because Megatron-LM "
-        "divides the TP-replicated norms by TP and leaves out q/k/v biases. Activations: "
-        "s b h (10 + 24/t) per layer there vs s b (4 h + (2 d_h (a + g) + 3 F)/t) here (GQA, "
-        "SwiGLU, no dropout masks), x 1.05 there, logits counted only at PP 1 there",
-    }
-
-
 # ----------------------------------------------------------------------------- the plan
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     """The dry run's report (a JSON-able dict); ConfigError when the layout cannot run."""
@@ -566,60 +406,5 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     w = _workload(s)
     vllm_terms, problems = _vllm(s, w, placement) if placement is not None else ({}, [])
     positions = [_position(s, w, t, p, vllm_terms) for t, p in stage_positions(s.tp, s.pp)]
-    shards_sum, meta = _cross_checks(s, positions)
-    fits, worst = _verdict(s, positions, problems)
     distributed_opt, _, _ = _optimizer_bytes(s, w)
-    spec = s.spec
-    return {
-        "model": {
-            "name": str(cfg.model.name),
-            "folder": str(s.folder),
-            "architecture": spec.architecture,
-            "total_params": spec.num_params,
-            "vocab_size": spec.vocab_size,
-            "padded_vocab": s.vocab,
-            "layers": spec.num_layers,
-            "hidden": spec.hidden_size,
-            "heads": spec.num_heads,
-            "kv_heads": spec.kv_heads,
-            "ffn": spec.ffn_hidden_size,
-            "tie_word_embeddings": spec.tie_word_embeddings,
-        },
-        "total_params": spec.num_params,
-        "fits": fits,
-        "problems": problems,
-        "gpu_memory_gb": s.gpu / GB,
-        "layout": {
-            "nodes": s.shape.nodes,
-            "gpus_per_node": s.shape.gpus_per_node,
-            "world": s.shape.world,
-            "world_from": s.shape.source,
-            "tp": s.tp,
-            "pp": s.pp,
-            "dp": s.dp,
-            "rank_order": s.order,
-            "optimizer": "distributed" if distributed_opt else "plain AdamW",
-            "rollout_engine": s.engine,
-            "vllm_tp": s.vllm_tp if s.engine == "vllm" else None,
-            "dtype_bytes": w.dtype_bytes,
-            "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // s.dp,
-        },
-        "workload": dict(w.__dict__),
-        "positions": positions,
-        "worst": {
-            "tp_rank": worst["tp_rank"],
-            "pp_rank": worst["pp_rank"],
-            "peak_bytes": worst["peak_bytes"],
-            "phase": worst["peak_phase"],
-            "largest_term": worst["largest_term"],
-        },
-        "vllm": vllm_terms or None,
-        "context_parallel_needed": [
-            x["context_parallel_needed"] for x in positions if "context_parallel_needed" in x
-        ],
-        "checks": {
-            "shards_sum_params": shards_sum,
-            "meta_build": meta,
-            "megatron_lm_reference": _reference(s, w, positions),
-        },
-    }
+    return report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)

@@ -84,8 +84,9 @@ def context_parallel_need(
         "seq_len": int(seq_len),
         "minimal_training_peak_bytes": int(need),
         "message": (
-            f"{position}: even one row of {seq_len} tokens per micro-batch with sequence parallelism and "
-            f"full recompute needs {need / 1e9:.1f} GB; only context parallelism would split it further, "
-            f"and {CONTEXT_PARALLEL_REFUSAL}, or shorten the sequences"
+            f"{position}: even one row of {seq_len} tokens per micro-batch with sequence "
+            f"parallelism and full recompute needs {need / 1e9:.1f} GB; only context "
+            f"parallelism would split it further, and {CONTEXT_PARALLEL_REFUSAL}, or "
+            "shorten the sequences"
         ),
     }

@@ -160,9 +160,10 @@ class _DcpIndex:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{str(meta)!r} is not valid JSON: {e}") from None
         if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
+            got = backend.get("sharded_backend") if isinstance(backend, dict) else backend
             raise ConfigError(
-                f"{str(meta)!r}: sharded_backend={backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}"
-                "; only torch_dist NeMo 2 checkpoints are read"
+                f"{str(meta)!r}: sharded_backend={got!r}; only torch_dist NeMo 2 checkpoints "
+                "are read"
             )
         path = weights / ".metadata"
         try:
@@ -228,8 +229,8 @@ class _DcpIndex:
                 or any(o + s > g for o, s, g in zip(offsets, t.shape, shape))
             ):
                 raise ConfigError(
-                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit {list(shape)} "
-                    f"{dtype}"
+                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit "
+                    f"{list(shape)} {dtype}"
                 )
             if layer is not None:
                 t, offsets = t[0], offsets[1:]
@@ -240,8 +241,9 @@ class _DcpIndex:
             filled += t.numel()
         if filled != math.prod(want):
             raise ConfigError(
-                f"{str(self.weights)!r}: the chunks of {fqn!r}{'' if layer is None else f' layer {layer}'}"
-                f" cover {filled} of {math.prod(want)} elements"
+                f"{str(self.weights)!r}: the chunks of "
+                f"{fqn!r}{'' if layer is None else f' layer {layer}'} cover {filled} of "
+                f"{math.prod(want)} elements"
             )
         return out
 
@@ -294,8 +296,8 @@ class Nemo2Reader(ShardedReader):
                 want = (self.spec.num_layers,) + want
             if shape != want:
                 raise ConfigError(
-                    f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape {list(shape)}, "
-                    f"context/model.yaml gives {list(want)}"
+                    f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape "
+                    f"{list(shape)}, context/model.yaml gives {list(want)}"
                 )
             if dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ConfigError(
@@ -304,7 +306,8 @@ class Nemo2Reader(ShardedReader):
             dtypes.add(dtype)
         if len(dtypes) != 1:
             raise ConfigError(
-                f"{str(self.index.weights)!r} stores parameters in several dtypes {sorted(map(str, dtypes))}"
+                f"{str(self.index.weights)!r} stores parameters in several dtypes "
+                f"{sorted(map(str, dtypes))}"
             )
         return dtypes.pop()
 
@@ -320,7 +323,8 @@ def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torc
     emb = NEMO_PREFIX + "embedding.word_embeddings.weight"
     if emb not in index.tensors:
         raise ConfigError(
-            f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT checkpoint?)"
+            f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT "
+            "checkpoint?)"
         )
     padded = index.tensors[emb][0][0]
     if padded < spec.vocab_size:
@@ -342,8 +346,9 @@ def write_side_folder(folder: Path, dst: Path) -> Path:
     files = sorted(p for p in tok.iterdir() if p.is_file()) if tok.is_dir() else []
     if not any(p.name == "tokenizer_config.json" for p in files):
         raise ConfigError(
-            f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF tokenizer "
-            "(convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first)"
+            f"{str(tok)!r} holds no tokenizer_config.json: the NeMo 2 checkpoint has no HF "
+            "tokenizer (convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR "
+            "first)"
         )
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").write_text(

@@ -55,8 +55,8 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     kind = kinds.get(module.rsplit(".", 1)[-1])
     if kind is None or "Llama4" in cls or c.get("num_moe_experts"):
         raise ConfigError(
-            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral and Qwen2 "
-            "configs are"
+            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral "
+            "and Qwen2 configs are"
         )
     checks = {
         "normalization": "RMSNorm",
@@ -68,7 +68,8 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     for key, want in checks.items():
         if key in c and c[key] != want:
             raise ConfigError(
-                f"{where}: config.{key}={c[key]!r} is not supported (the weight table needs {want!r})"
+                f"{where}: config.{key}={c[key]!r} is not supported (the weight table "
+                f"needs {want!r})"
             )
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":

@@ -110,7 +110,8 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
     if diff:
         k = diff[0]
         raise ConfigError(
-            f"{str(path)!r} is a checkpoint of another model: {k}={saved.get(k)!r} there, {mine[k]!r} here"
+            f"{str(path)!r} is a checkpoint of another model: {k}={saved.get(k)!r} there, "
+            f"{mine[k]!r} here"
         )
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
 
@@ -205,7 +206,8 @@ def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.d
             path = root / shard_file(t, p)
             if not path.is_file():
                 raise ConfigError(
-                    f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x PP{saved.pp}"
+                    f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x "
+                    f"PP{saved.pp}"
                 )
             check_safetensors(path)  # truncated or garbled: one line naming the file
             try:

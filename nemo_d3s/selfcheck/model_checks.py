@@ -49,7 +49,8 @@ LR = 1e-2
 
 
 def step_batch(rows: int = 4, width: int = 16, seed: int = 3):
-    """(TokenBatch [rows, width], advantages [rows], old-log-prob noise [rows, width]) on the CPU."""
+    """(TokenBatch [rows, width], advantages [rows], old-log-prob noise [rows, width]) on the
+    CPU."""
     from nemo_d3s.backends.base import TokenBatch
 
     g = torch.Generator().manual_seed(seed)

@@ -95,12 +95,15 @@ def run_check(
     *,
     cuda: bool,
     rank: int = 0,
+    what: str = "",
 ) -> CheckResult:
     """Run one check on this rank. ``fn()`` returns the measured numbers (passed), raises
     :class:`NotRun` or :class:`CheckFailed`; any other exception is a failure named by its
-    type and message. Without CUDA a CUDA check is not called at all."""
+    type and message. Without CUDA a CUDA check is not called at all (its record says what
+    it would check: ``measured["would_check"] = what``)."""
     if needs_cuda and not cuda:
-        return CheckResult(name, needs_cuda, NOT_RUN, NO_CUDA, rank=rank)
+        would = {"would_check": what} if what else {}
+        return CheckResult(name, needs_cuda, NOT_RUN, NO_CUDA, would, rank=rank)
     t0 = time.perf_counter()
     try:
         measured = fn() or {}
@@ -147,8 +150,9 @@ def finalize(results: Sequence[CheckResult], *, cuda: bool) -> List[CheckResult]
     """Apply the no-CUDA rule to the final records (see the module docstring)."""
     out = []
     for r in results:
-        if r.needs_cuda and not cuda:  # whatever the record says
-            r = CheckResult(r.name, True, NOT_RUN, NO_CUDA, {}, r.seconds, r.rank)
+        if r.needs_cuda and not cuda:  # whatever the record says (but what it would check)
+            would = {k: v for k, v in r.measured.items() if k == "would_check"}
+            r = CheckResult(r.name, True, NOT_RUN, NO_CUDA, would, r.seconds, r.rank)
         out.append(r)
     return out
 

@@ -109,8 +109,8 @@ def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optiona
             pass
         if n == 1:
             log.warning(
-                "task %s: reward %r is outside the task's declared range [%s, %s]; further ones are "
-                "counted (reward_out_of_range_total in summary.json)",
+                "task %s: reward %r is outside the task's declared range [%s, %s]; further "
+                "ones are counted (reward_out_of_range_total in summary.json)",
                 getattr(task, "name", task),
                 value,
                 lo,

@@ -66,7 +66,8 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
             return pq.read_table(str(p)).to_pylist()
         except Exception as exc:  # pyarrow's own error types
             raise ValueError(
-                f"{p}: not a readable parquet file ({str(exc).splitlines()[0] if str(exc) else exc})"
+                f"{p}: not a readable parquet file "
+                f"({str(exc).splitlines()[0] if str(exc) else exc})"
             ) from None
     if suffix == ".json":
         raw = p.read_bytes()
@@ -140,7 +141,8 @@ def load_problems(
         answer = parse_reference(row.get(answer_field), answer_format)
         if answer is None:
             raise ValueError(
-                f"{path}: row {i} has no answer in field {answer_field!r} (answer_format={answer_format!r})"
+                f"{path}: row {i} has no answer in field {answer_field!r} "
+                f"(answer_format={answer_format!r})"
             )
         meta = {"row": i, "source": str(path), "raw_answer": row.get(answer_field)}
         problems.append(
@@ -184,7 +186,8 @@ class MathDatasetTask(Task):
                 "(task.params.train_path=/data/train.jsonl)"
             )
         train = _load_named("task.params.train_path", train_path, read)
-        # The verifier's checkability of the references; a reward function of the user's judges them itself.
+        # The verifier's checkability of the references; a reward function of the user's judges them
+        # itself.
         check = (lambda *a: 0) if self._reward_fn is not None else _check_references
         self.unusable_references = check("task.params.train_path", train_path, train, answer_field)
         if eval_path is not None:
@@ -217,7 +220,8 @@ class MathDatasetTask(Task):
         self._eval = [p for p in self._eval if not drop(p)]
         if not self._train:
             raise ValueError(
-                f"task {self.name!r}: no training rows left after dropping the ones that are too long"
+                f"task {self.name!r}: no training rows left after dropping the ones that "
+                "are too long"
             )
         return {
             "train": before["train"] - len(self._train),
@@ -298,13 +302,15 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
     )
     if len(bad) == len(problems):
         raise ValueError(
-            f"{key}: none of the {len(problems)} reference answers in {path} (field {answer_field!r}) "
-            f"can be checked by the math verifier ({shown}); every rollout would get reward 0. "
-            "Point task.params.answer_field / answer_format at the numeric or LaTeX answer"
+            f"{key}: none of the {len(problems)} reference answers in {path} (field "
+            f"{answer_field!r}) can be checked by the math verifier ({shown}); every "
+            "rollout would get reward 0. Point task.params.answer_field / answer_format "
+            "at the numeric or LaTeX answer"
         )
     log.warning(
-        "%s: %d of %d reference answers in %s cannot be checked by the math verifier (%s); those rows "
-        "train with reward 0 on every rollout (counted as unusable_references in summary.json)",
+        "%s: %d of %d reference answers in %s cannot be checked by the math verifier (%s); "
+        "those rows train with reward 0 on every rollout (counted as unusable_references "
+        "in summary.json)",
         key,
         len(bad),
         len(problems),
@@ -316,7 +322,8 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
 
 @TASKS.register("math_file")
 def math_file_task(train_path: str, **options) -> MathDatasetTask:
-    """Any GSM8K/MATH-style file: ``make_task("math_file", train_path=..., answer_field="solution")``."""
+    """Any GSM8K/MATH-style file:
+    ``make_task("math_file", train_path=..., answer_field="solution")``."""
     return MathDatasetTask(train_path, **options)
 
 

@@ -81,8 +81,9 @@ class ReasoningGymTask(Task):
                 out.append(problem)
         if len(out) < n_eval:
             raise ValueError(
-                f"task {self.name!r}: n_eval={n_eval} exceeds the {len(out)} distinct questions this difficulty "
-                "allows; lower task.eval_size or widen the task with task.params.config"
+                f"task {self.name!r}: n_eval={n_eval} exceeds the {len(out)} distinct "
+                "questions this difficulty allows; lower task.eval_size or widen the task "
+                "with task.params.config"
             )
         return out
 
@@ -125,7 +126,8 @@ class ReasoningGymTask(Task):
 
 @TASKS.register("reasoning_gym")
 def reasoning_gym_task(dataset: str, **options) -> ReasoningGymTask:
-    """Any reasoning-gym dataset: ``make_task("reasoning_gym", dataset="leg_counting", config={...})``."""
+    """Any reasoning-gym dataset:
+    ``make_task("reasoning_gym", dataset="leg_counting", config={...})``."""
     return ReasoningGymTask(dataset, **options)
 
 

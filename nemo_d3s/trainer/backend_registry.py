@@ -87,7 +87,8 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
     for key in params:
         if key not in fields:
             raise ValueError(
-                f"model.params.{key}: not a setting of {cfg_cls.__name__}; known: {', '.join(sorted(fields))}"
+                f"model.params.{key}: not a setting of {cfg_cls.__name__}; known: "
+                f"{', '.join(sorted(fields))}"
             )
     unused = sorted(k for k, v in common.items() if k not in fields and v not in (None, False))
     if unused:

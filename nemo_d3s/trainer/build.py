@@ -17,7 +17,7 @@ import torch
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.backends.engines import build_rollout_engine
 from nemo_d3s.backends.wrappers import OneSeedPerCall, PerPromptCalls
-from nemo_d3s.config import D3SSection
+from nemo_d3s.config import AlgorithmConfig, D3SSection
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.core.d3s import D3SConfig
 from nemo_d3s.core.losses import LossConfig
@@ -69,17 +69,13 @@ def build_selector(cfg: Any, groups: ParallelGroups) -> DistributedD3SSelector:
 
 
 def loss_config(cfg: Any) -> LossConfig:
+    """The core LossConfig of ``cfg.algorithm``, through the schema's section
+    (:meth:`nemo_d3s.config.AlgorithmConfig.loss_config`)."""
     a = cfg.algorithm
-    return LossConfig(
-        clip_eps_low=float(a.clip_eps_low),
-        clip_eps_high=float(a.clip_eps_high),
-        dual_clip_c=None if a.dual_clip_c is None else float(a.dual_clip_c),
-        kl_coef=float(a.kl_coef),
-        aggregation=a.aggregation,
-        # The trainer checks the step's tensors once (trainer.step) instead of in every
-        # micro-batch, where each check would wait for the device.
-        check_inputs=False,
-    )
+    section = a if isinstance(a, AlgorithmConfig) else AlgorithmConfig(**plain(a))
+    # The trainer checks the step's tensors once (trainer.step) instead of in every
+    # micro-batch, where each check would wait for the device.
+    return section.loss_config(check_inputs=False)
 
 
 def generation_config(cfg: Any) -> GenerationConfig:
@@ -111,15 +107,15 @@ def check_runtime(cfg: Any) -> None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 
         raise ConfigError(
-            f"rollout.engine={engine!r}: vLLM is not installed in this Python; {VLLM_INSTALL_HINT}; "
-            "or use rollout=hf"
+            f"rollout.engine={engine!r}: vLLM is not installed in this Python; "
+            f"{VLLM_INSTALL_HINT}; or use rollout=hf"
         )
     device = str(cfg.model.device)
     if device.startswith("cuda"):
         if torch.version.cuda is None:
             raise ConfigError(
-                f"model.device={device!r}: this torch {torch.__version__} is a CPU-only build; install a "
-                "CUDA build of torch, or use model.device=cpu"
+                f"model.device={device!r}: this torch {torch.__version__} is a CPU-only "
+                "build; install a CUDA build of torch, or use model.device=cpu"
             )
         if not torch.cuda.is_available():
             raise ConfigError(

@@ -242,9 +242,10 @@ def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
 def export_failure(folder: Path, e: BaseException) -> str:
     """The one line for a failed write of the run's HF export (the run itself finished)."""
     return (
-        f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} ({_free(folder.parent)}); "
-        "the run finished and its last checkpoint and summary.json are written: free some space and run "
-        "again with resume=true to write the export"
+        f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} "
+        f"({_free(folder.parent)}); the run finished and its last checkpoint and "
+        "summary.json are written: free some space and run again with resume=true to "
+        "write the export"
     )
 
 
@@ -353,8 +354,9 @@ class CheckpointManager:
                 bad = _shape_mismatches(backend.state_dict(), loaded)
                 if bad:
                     raise RunError(
-                        f"checkpoint {str(path)!r} was written for a different model: {len(bad)} tensors differ "
-                        f"in shape (first: {bad[0]}); resume with the model settings of that run"
+                        f"checkpoint {str(path)!r} was written for a different model: "
+                        f"{len(bad)} tensors differ in shape (first: {bad[0]}); resume "
+                        "with the model settings of that run"
                     )
                 backend.load_state_dict(loaded)
         except RunError:

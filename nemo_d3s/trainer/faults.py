@@ -1,7 +1,7 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or unwritable
-output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
+:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or
+unwritable output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
 command line prints it as one ``error:`` line and exits with code 2, like a
 :class:`~nemo_d3s.errors.ConfigError`.
 
@@ -9,11 +9,14 @@ Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process a
 ``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
 (SIGKILL itself, the default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is
 appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the
-trainer's stop-signal path), ``enospc`` (raise ``OSError(ENOSPC)``),
-``sleep<seconds>``. Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>``
-limits them to the process whose ``RANK`` is r. Points are named where they are placed, e.g.
-``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
-``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``loop.step_done``,
+trainer's stop-signal path), ``termgroup`` (SIGTERM to its whole process group, as a
+scheduler's pre-emption or a terminal's Ctrl-C reaches every process of the job, the engine's
+too; then 3 s for them to act on it, as during the rest of a long step), ``enospc`` (raise
+``OSError(ENOSPC)``), ``sleep<seconds>``. Several specs are separated by commas;
+``NEMO_D3S_FAULT_RANK=<r>`` limits them to the process whose ``RANK`` is r. Points are named
+where they are placed, e.g. ``lock.acquired``, ``checkpoint.tmp_created``,
+``checkpoint.backend_written``, ``checkpoint.before_rename``, ``checkpoint.renamed``,
+``metrics.write``, ``step.updated`` (after the update, before the refit), ``loop.step_done``,
 ``engine.decode`` (asked before every decoded token and chunk of generation). Unset (every
 real run), a point costs one dictionary lookup.
 """
@@ -70,6 +73,9 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "term":
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the next bytecode
+    elif action == "termgroup":
+        os.killpg(os.getpgid(0), signal.SIGTERM)
+        time.sleep(3)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     elif action.startswith("sleep"):

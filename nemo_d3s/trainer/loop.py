@@ -10,22 +10,19 @@ Run directory layout (the same for every run)::
     DIR/interrupted.json             only after a stop signal: where the run stopped
     DIR/tensorboard/                 when tensorboard is installed
 
-Preemption: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current step (or
-evaluation batch) finishes, a checkpoint is written, rank 0 writes ``DIR/interrupted.json``
+Preemption (``signals.py``): SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current
+step (or evaluation batch) finishes, a checkpoint is written, rank 0 writes ``DIR/interrupted.json``
 (step, signal, checkpoint; removed when the next run starts) and the run returns with
-``state.extra["interrupted"]`` (the command line then exits 75, ``train.EXIT_INTERRUPTED``);
-a second signal stops at once (exit 128 + signal). ``resume=true`` continues from the
-latest checkpoint with the same model, optimizer, RNG streams, schedule position and data
-order, so an interrupted + resumed run logs the same metrics as an uninterrupted one.
+``state.extra["interrupted"]`` (the command line then exits 75, ``train.EXIT_INTERRUPTED``); a
+second signal stops at once (exit 128 + signal). ``resume=true`` continues from the latest
+checkpoint with the same model, optimizer, RNG streams, schedule position and data order, so an
+interrupted + resumed run logs the same metrics as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -43,6 +40,7 @@ from nemo_d3s.trainer.build import (
     plain,
     rollout_engine,
 )
+from nemo_d3s.trainer import records
 from nemo_d3s.trainer.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -61,7 +59,9 @@ from nemo_d3s.trainer.resume import (
     refuse_records,
     write_config,
 )
+from nemo_d3s.trainer.records import INTERRUPTED_MARKER
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
+from nemo_d3s.trainer.signals import StopSignals
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
@@ -69,13 +69,6 @@ from nemo_d3s.tasks.base import out_of_range_rewards
 __all__ = ["Trainer", "train"]
 
 log = logging.getLogger("nemo_d3s.trainer")
-
-_STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-# Written by rank 0 when a stop signal ended the run at a checkpoint; the sbatch scripts
-# requeue when they find it (torchrun hides the ranks' exit codes).
-INTERRUPTED_MARKER = "interrupted.json"
-# Steps in a row with one reward for every rollout before the run warns (once) about it.
-CONSTANT_REWARD_STEPS = 5
 
 
 class Trainer:
@@ -88,7 +81,7 @@ class Trainer:
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)
-        self._stop_signal: Optional[str] = None
+        self.stop = StopSignals()
         # The policy builds the parallel layout (HF: the torchrun world; Megatron: its
         # model-parallel groups); the config is then checked against the real DP size.
         self.policy = backend_from_config(cfg)
@@ -124,6 +117,7 @@ class Trainer:
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
+            stop_requested=lambda: self.stop.requested,
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -172,40 +166,7 @@ class Trainer:
     def _generation_should_stop(self) -> bool:
         """The engine asks between decode steps: a stop signal is honoured within a token."""
         fault_point("engine.decode")
-        return self._stop_signal is not None
-
-    def _install_signal_handlers(self) -> Dict[int, Any]:
-        """SIGTERM/SIGUSR1 -> stop after the current step (a second one stops at once).
-        Returns the previous handlers, restored when the run ends."""
-
-        def handler(signum, _frame):
-            name = signal.Signals(signum).name
-            if self._stop_signal is not None:
-                print(
-                    f"second {name}: stopping now, without a checkpoint "
-                    "(resume=true continues from the last one)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                raise SystemExit(128 + signum)
-            self._stop_signal = name
-            if signum == getattr(signal, "SIGINT", None):
-                print(
-                    "SIGINT: finishing the current step, then writing a checkpoint "
-                    "(press Ctrl-C again to stop at once)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        previous: Dict[int, Any] = {}
-        for name in _STOP_SIGNALS:
-            if hasattr(signal, name):
-                sig = getattr(signal, name)
-                try:
-                    previous[sig] = signal.signal(sig, handler)
-                except ValueError:  # not the main thread (e.g. inside a notebook worker)
-                    pass
-        return previous
+        return self.stop.requested
 
     # ------------------------------------------------------------------ the run
     def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
@@ -218,7 +179,7 @@ class Trainer:
             max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
             batch_size=int(self.t.eval_batch_size),
             n_show=int(self.cfg.logging.log_samples),
-            should_stop=lambda: self._stop_signal is not None,
+            should_stop=lambda: self.stop.requested,
         )
         if res.get("stopped"):
             return None
@@ -227,7 +188,8 @@ class Trainer:
         self.logger.log_eval(row)
         for s in samples:
             self.logger.write(
-                f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> {s['completion'][:200]!r}"
+                f"  sample (reward {s['reward']:.2f}): {s['prompt'][-120:]!r} -> "
+                f"{s['completion'][:200]!r}"
             )
         return row
 
@@ -263,142 +225,102 @@ class Trainer:
             start_step=state.step,
         )
         self.logger.write(f"run directory: {self.out.resolve()}")
-        previous_handlers = self._install_signal_handlers()
+        self.stop.install()
+        try:
+            return self._train(state)
+        finally:
+            self.stop.restore()
+            self.logger.close()
+
+    def _train(self, state: TrainerState) -> TrainerState:
+        """The step loop: an evaluation due at the start, then steps until ``trainer.steps``,
+        each followed by its records, evaluation and checkpoint when due; a stop signal ends
+        it at a checkpoint. Then the export and ``summary.json``."""
+        T = int(self.t.steps)
         t_start, wall_before = time.perf_counter(), state.wall_time_total
+        oor_before = int(state.extra.get("reward_out_of_range", 0))  # over resumed segments
+        pending = state.extra.pop("pending_eval", None)
+        if state.step == 0 and self.t.eval_at_start:
+            pending = 0
+        if pending is not None and pending == state.step:
+            if self._evaluate(state) is None:
+                return self._interrupted(state, pending_eval=True)
+            self.logger.restart_clock()  # the ETA counts training steps, not this evaluation
+        while state.step < T:
+            progress = state.step / max(1, T - 1)
+            t0 = time.perf_counter()
+            try:
+                m = run_step(self.ctx, state.step, progress)
+            except StepInterrupted:
+                return self._interrupted(state, pending_eval=False)
+            state.step += 1
+            records.accumulate(state, m)
+            state.wall_time_total = wall_before + time.perf_counter() - t_start
+            self._record_step(state, m, progress, t0, oor_before)
+            fault_point("loop.step_done")
+            done = state.step == T
+            eval_stopped = False
+            if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
+                eval_stopped = self._evaluate(state) is None
+            stop = self.groups.max(1.0 if self.stop.requested else 0.0) > 0
+            if stop and (eval_stopped or not done):
+                return self._interrupted(state, pending_eval=eval_stopped)
+            if done or (self.t.save_every and state.step % self.t.save_every == 0):
+                if not stop:  # (after a stop signal the engine is not called: step.py)
+                    self.engine.release()  # the save may need the memory the engine holds
+                self.ckpt.save(self.policy, state)
+        if self.t.export_hf:
+            self._export(state)
+        self._summary(state)
+        return state
+
+    def _record_step(
+        self, state: TrainerState, m: Dict[str, float], progress: float, t0: float, oor: int
+    ) -> None:
+        """The step's metrics row, a note when its update was skipped, and the reward checks
+        (``records``); ``oor``: out-of-range rewards counted before this run segment."""
+        row = {
+            "step": state.step,
+            "progress": progress,
+            **m,
+            **records.totals(state),
+            "time_step": time.perf_counter() - t0,
+            "wall_time": state.wall_time_total,
+        }
+        self.logger.log_step(row)
+        if m.get("skipped"):
+            why = (
+                "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
+            )
+            self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
         n_rollouts = int(self.t.prompts_per_step) * int(self.t.num_generations)
         max_failed = int(self.t.max_failed_reward_steps)
-        oor_before = int(state.extra.get("reward_out_of_range", 0))  # summed over resumed segments
-        try:
-            pending = state.extra.pop("pending_eval", None)
-            if state.step == 0 and self.t.eval_at_start:
-                pending = 0
-            if pending is not None and pending == state.step:
-                if self._evaluate(state) is None:
-                    return self._interrupted(state, pending_eval=True)
-                self.logger.restart_clock()  # the ETA counts training steps, not this evaluation
-            while state.step < T:
-                progress = state.step / max(1, T - 1)
-                t0 = time.perf_counter()
-                try:
-                    m = run_step(self.ctx, state.step, progress)
-                except StepInterrupted:
-                    return self._interrupted(state, pending_eval=False)
-                state.step += 1
-                self._accumulate(state, m)
-                state.wall_time_total = wall_before + time.perf_counter() - t_start
-                row = {
-                    "step": state.step,
-                    "progress": progress,
-                    **m,
-                    **self._totals(state),
-                    "time_step": time.perf_counter() - t0,
-                    "wall_time": state.wall_time_total,
-                }
-                self.logger.log_step(row)
-                if m.get("skipped"):
-                    why = (
-                        "every group had equal rewards"
-                        if m.get("skip_all_equal")
-                        else "no token was kept"
-                    )
-                    self.logger.write(
-                        f"step {state.step}: update skipped ({why}); schedule advances"
-                    )
-                self._check_reward_failures(state, m, n_rollouts, max_failed)
-                self._check_constant_reward(state, m)
-                state.extra["reward_out_of_range"] = oor_before + out_of_range_rewards(
-                    self.task.task
-                )
-                fault_point("loop.step_done")
-                done = state.step == T
-                eval_stopped = False
-                if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
-                    eval_stopped = self._evaluate(state) is None
-                stop = self.groups.max(1.0 if self._stop_signal else 0.0) > 0
-                if stop and (eval_stopped or not done):
-                    return self._interrupted(state, pending_eval=eval_stopped)
-                if done or (self.t.save_every and state.step % self.t.save_every == 0):
-                    self.ckpt.save(self.policy, state)
-            if self.t.export_hf:
-                self._export(state)
-            self._summary(state)
-            return state
-        finally:
-            for sig, h in previous_handlers.items():
-                signal.signal(sig, h)
-            self.logger.close()
+        records.check_reward_failures(state, m, n_rollouts, max_failed, self.task.name)
+        records.check_constant_reward(state, m, is_main=self.groups.is_main)
+        state.extra["reward_out_of_range"] = oor + out_of_range_rewards(self.task.task)
 
     def _interrupted(self, state: TrainerState, *, pending_eval: bool) -> TrainerState:
         """A stop signal: checkpoint now (with the evaluation it cut short still to do) and
         return; ``resume=true`` continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
+        # the checkpoint comes first; the engine, which the job's signal may have stopped, is
+        # not called again (no refit, no generation, no sleep: trainer/step.py)
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:
             marker = {
                 "step": state.step,
-                "signal": self._stop_signal or "another rank's",
+                "signal": self.stop.name or "another rank's",
                 "checkpoint": str(path),
             }
-            tmp = self.out / (INTERRUPTED_MARKER + ".tmp")
-            tmp.write_text(json.dumps(marker) + "\n")
-            tmp.replace(self.out / INTERRUPTED_MARKER)
+            records.write_interrupted_marker(self.out, marker)
         self.logger.write(
-            f"received {self._stop_signal or 'a stop signal on another rank'}: checkpoint "
+            f"received {self.stop.name or 'a stop signal on another rank'}: checkpoint "
             f"{path} written at step {state.step}; continue with resume=true"
         )
         state.extra["interrupted"] = True
         return state
-
-    def _check_reward_failures(
-        self, state: TrainerState, m: Dict[str, float], n_rollouts: int, limit: int
-    ) -> None:
-        """Stop when the reward function failed on every call for ``limit`` consecutive steps
-        (a broken verifier would otherwise let the run "finish" with every step skipped)."""
-        all_failed = float(m.get("reward_errors", 0.0)) >= n_rollouts
-        run = int(state.extra.get("failed_reward_steps", 0)) + 1 if all_failed else 0
-        state.extra["failed_reward_steps"] = run
-        if limit and run >= limit:
-            raise RunError(
-                f"the reward function of task {self.task.name!r} failed on every call in {run} consecutive steps "
-                f"(steps {state.step - run + 1}-{state.step}; its errors are in the warnings above). Fix the "
-                f"verifier; trainer.max_failed_reward_steps={limit} sets how many such steps stop a run"
-            )
-
-    def _check_constant_reward(self, state: TrainerState, m: Dict[str, float]) -> None:
-        """Warn once when every rollout of every group got the same reward for
-        ``CONSTANT_REWARD_STEPS`` steps in a row: nothing is learned, and a reward that never
-        moves usually means the verifier cannot read the references or the answers."""
-        same = m.get("reward_std", 1.0) == 0.0 and m.get("reward_max") == m.get("reward_mean")
-        run = int(state.extra.get("constant_reward_steps", 0)) + 1 if same else 0
-        state.extra["constant_reward_steps"] = run
-        if run == CONSTANT_REWARD_STEPS and self.groups.is_main:
-            log.warning(
-                "every rollout of the last %d steps (steps %d-%d) got reward %s: with no difference inside any group "
-                "every advantage is 0 and nothing is learned (each update is skipped). Check the task's verifier "
-                "against its references (task.params.answer_field / answer_format) and the evaluation samples",
-                run,
-                state.step - run + 1,
-                state.step,
-                m.get("reward_mean"),
-            )
-
-    @staticmethod
-    def _accumulate(state: TrainerState, m: Dict[str, float]) -> None:
-        state.update_tokens_total += float(m.get("update_tokens", 0.0))
-        state.rollout_tokens_total += float(m.get("rollout_tokens", 0.0))
-        state.skipped_steps += int(m.get("skipped", 0.0))
-        state.reward_errors_total += int(m.get("reward_errors", 0.0))
-
-    @staticmethod
-    def _totals(state: TrainerState) -> Dict[str, float]:
-        return {
-            "update_tokens_total": state.update_tokens_total,
-            "rollout_tokens_total": state.rollout_tokens_total,
-            "skipped_steps_total": float(state.skipped_steps),
-            "reward_errors_total": float(state.reward_errors_total),
-        }
 
     def _export(self, state: TrainerState) -> None:
         """``DIR/hf_export``. A write that fails (a full disk) is one RunError on every rank,
@@ -422,20 +344,7 @@ class Trainer:
     def _summary(self, state: TrainerState) -> None:
         if not self.groups.is_main:
             return
-        from nemo_d3s.trainer.metrics import read_jsonl
-
-        evals = read_jsonl(self.out / "eval.jsonl")
-        summary = {
-            "steps": state.step,
-            "eval_reward_first": evals[0]["eval_reward_mean"] if evals else None,
-            "eval_reward_last": evals[-1]["eval_reward_mean"] if evals else None,
-            **self._totals(state),
-            "reward_out_of_range_total": int(state.extra.get("reward_out_of_range", 0)),
-            # dataset rows whose reference the verifier cannot check (reward 0 whatever the answer)
-            "unusable_references": int(getattr(self.task.task, "unusable_references", 0)),
-            "wall_time": state.wall_time_total,
-        }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        summary = records.summary(state, self.out, self.task.task)
         self.logger.write(
             "done: "
             + ", ".join(f"{k}={v}" for k, v in summary.items())

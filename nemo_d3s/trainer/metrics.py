@@ -86,7 +86,8 @@ def truncate_jsonl(path: str | os.PathLike, max_step: int) -> None:
             for n, line in bad:
                 g.write(f"{n}\t{line}\n")
         log.warning(
-            "%s: %d line(s) are not valid JSON (line %s); kept the %d good rows, moved those lines to %s",
+            "%s: %d line(s) are not valid JSON (line %s); kept the %d good rows, moved "
+            "those lines to %s",
             p,
             len(bad),
             ", ".join(str(n) for n, _ in bad[:10]),
@@ -240,7 +241,10 @@ class MetricsLogger:
             return
         self._eval.write(json.dumps({k: _clean(v) for k, v in row.items()}))
         self._scalars("eval", row)
-        msg = f"eval step {row['step']}: reward {row['eval_reward_mean']:.4f} over {row['eval_n']} problems"
+        msg = (
+            f"eval step {row['step']}: reward {row['eval_reward_mean']:.4f} over "
+            f"{row['eval_n']} problems"
+        )
         if self.bar is not None:
             self.bar.write(msg)
         else:

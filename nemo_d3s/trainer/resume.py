@@ -69,9 +69,9 @@ def refuse_records(out: Path) -> None:
     found = records(out)
     if found:
         raise ConfigError(
-            f"output_dir={str(out)!r} holds an earlier run's records ({', '.join(found)}) and no "
-            "checkpoint; choose another output_dir, or pass resume=true to move them into previous-<n>/ "
-            "and start from step 0"
+            f"output_dir={str(out)!r} holds an earlier run's records ({', '.join(found)}) "
+            "and no checkpoint; choose another output_dir, or pass resume=true to move "
+            "them into previous-<n>/ and start from step 0"
         )
 
 
@@ -118,8 +118,9 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     lacking = [k for k in leaf_keys(new) if not resume_safe(k) and not _has(old, k)]
     if lacking:
         what = (
-            f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config ({', '.join(lacking[:4])}"
-            f"{' ...' if len(lacking) > 4 else ''}): emptied, cut short or written by another version"
+            f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config "
+            f"({', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}): emptied, cut "
+            "short or written by another version"
         )
         if not allow:
             raise ConfigError(
@@ -134,8 +135,9 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     )
     if changed and not allow:
         raise ConfigError(
-            f"resume=true with a config that changes the experiment ({listing}); resume with the original "
-            f"values (see {path}), or pass trainer.allow_config_change=true to continue anyway"
+            f"resume=true with a config that changes the experiment ({listing}); resume "
+            f"with the original values (see {path}), or pass "
+            "trainer.allow_config_change=true to continue anyway"
         )
     if changed:
         log.warning(
@@ -143,8 +145,8 @@ def check_resume_config(cfg: Any, out: Path) -> None:
         )
     if any(k == "trainer.steps" for k, _, _ in diffs):
         log.warning(
-            "trainer.steps changed on resume: the (N, K) and LR schedules are functions of it, so the "
-            "steps from here on differ from a run started with the new value"
+            "trainer.steps changed on resume: the (N, K) and LR schedules are functions of "
+            "it, so the steps from here on differ from a run started with the new value"
         )
 
 

@@ -5,9 +5,10 @@
   :class:`~nemo_d3s.config.ConfigError` / :class:`~nemo_d3s.trainer.faults.RunError`
   naming the path.
 - :class:`RunDirLock` is an exclusive ``flock`` on ``DIR/.nemo_d3s.lock`` held by global
-  rank 0 for the whole run (``files.FileLock``, the lock every output folder writer takes). The kernel releases it when the process dies (kill -9
-  included), so ``resume=true`` after a crash just works, and a second run started in the
-  same directory stops with a message naming the holder instead of both writing.
+  rank 0 for the whole run (``files.FileLock``, the lock every output folder writer takes). The
+  kernel releases it when the process dies (kill -9 included), so ``resume=true`` after a crash just
+  works, and a second run started in the same directory stops with a message naming the holder
+  instead of both writing.
 - :func:`records` lists the files of a previous run (metrics, eval, summary, export);
   :func:`move_aside` moves them into ``DIR/previous-<n>/`` so that nothing a user may want
   is ever truncated to nothing.
@@ -40,7 +41,8 @@ def check_output_dir(path: str, *, create: bool = True) -> Path:
     error naming it. Nothing existing is modified."""
     if path is None or not str(path).strip():
         raise ConfigError(
-            "output_dir='': must name a directory (an empty path would write into the current folder)"
+            "output_dir='': must name a directory (an empty path would write into the "
+            "current folder)"
         )
     p = Path(str(path)).expanduser()
     if p.exists() and not p.is_dir():
@@ -102,8 +104,8 @@ class RunDirLock:
             self._lock.acquire()
         except FolderBusy as e:
             raise RunError(
-                f"output_dir={str(self.path.parent)!r} is in use by another run ({e.holder}); wait for it "
-                "to end, or choose another output_dir"
+                f"output_dir={str(self.path.parent)!r} is in use by another run "
+                f"({e.holder}); wait for it to end, or choose another output_dir"
             ) from None
         except OSError as e:
             raise RunError(f"cannot lock {str(self.path)!r}: {e.strerror or e}") from None

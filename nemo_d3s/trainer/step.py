@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.core.checks import check_finite
@@ -22,6 +22,7 @@ from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource, generate_groups
+from nemo_d3s.trainer.faults import fault_point
 from nemo_d3s.trainer.stats import (
     mismatch_metrics,
     padding_metrics,
@@ -66,6 +67,11 @@ class StepContext:
     rebalance: bool = False  # trainer.dp_rebalance
     tis_cap: Optional[float] = None  # algorithm.tis_cap
     timings: Dict[str, float] = field(default_factory=dict)
+    # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
+    stop_requested: Optional[Callable[[], bool]] = None
+
+    def stopping(self) -> bool:
+        return self.stop_requested is not None and bool(self.stop_requested())
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -95,10 +101,16 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             ro, interrupted = generate_groups(ctx.engine, prompts, G, ctx.gen), 0.0
         except GenerationInterrupted:
             ro, interrupted = None, 1.0
-        # Every rank learns whether any rank's generation was cut short by a stop signal
-        # (one scalar all-reduce), before the step's first collective over the rollouts.
-        if ctx.groups.max(interrupted) > 0:
+        # Every rank learns whether any rank's generation was cut short by a stop signal (2)
+        # or a stop signal is pending (1) (one scalar all-reduce), before the step's first
+        # collective over the rollouts.
+        agreed = ctx.groups.max(2.0 * interrupted or (1.0 if ctx.stopping() else 0.0))
+        if agreed >= 2:
             raise StepInterrupted(step)
+        if agreed < 1:  # (after a stop signal the engine is not touched again: see below)
+            # scoring and the update need the memory: an engine with its own weights drops
+            # them now (not after every generation: evaluation batches reuse them)
+            ctx.engine.release()
     with ctx.timed("reward"):
         rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
@@ -167,7 +179,17 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             rebalance=ctx.rebalance,
             micro_batch_tokens=ctx.micro_batch_tokens,
         )
-    with ctx.timed("weight_sync"):
-        ctx.engine.sync_weights(ctx.policy)
+    fault_point("step.updated")
+    if ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
+        # A stop signal: the checkpoint comes first, and the engine is not called again. Its
+        # processes get the job's signal too (Slurm signals every process of the step, a
+        # terminal the whole process group) and shut down on it (vLLM's EngineCore on SIGTERM
+        # and SIGINT, vllm 0.33 ``v1/engine/core.py:1522-1543``; SIGUSR1's default action
+        # ends a process); a call into an engine that is gone can wait forever. The resumed
+        # run refits from the checkpoint (``Trainer._start_state``).
+        pass
+    else:
+        with ctx.timed("weight_sync"):
+            ctx.engine.sync_weights(ctx.policy)
     m.update(update_metrics(ctx.groups, upd, report))
     return {**m, "skipped": 0.0, **ctx.timings}

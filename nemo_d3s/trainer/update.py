@@ -29,7 +29,7 @@ from typing import Dict, Optional
 import torch
 
 from nemo_d3s.backends.base import Policy, TokenBatch
-from nemo_d3s.core.loss_config import LossOutput
+from nemo_d3s.core.loss_config import NORMALIZE_BY, LossOutput
 from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -140,8 +140,10 @@ def compact(
     length too, so rows are then not cut (their tail is part of the normaliser) and
     ``norm_mask`` carries the response mask.
     """
-    if normalize_by not in ("kept", "eligible"):
-        raise ValueError(f"normalize_by must be 'kept' or 'eligible', got {normalize_by!r}")
+    if normalize_by not in NORMALIZE_BY:
+        raise ValueError(
+            f"normalize_by must be one of {', '.join(NORMALIZE_BY)}, got {normalize_by!r}"
+        )
     eligible = normalize_by == "eligible"
     denominators = minibatch_denominators(
         token_keep,

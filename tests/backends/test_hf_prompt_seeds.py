@@ -82,7 +82,8 @@ def test_generation_batch_size_does_not_change_samples():
 
 
 def test_sampler_matches_hand_worked_inverse_cdf():
-    # probs [0.1, 0.2, 0.3, 0.4]: cdf [0.1, 0.3, 0.6, 1.0]; u=0.05 -> 0, 0.3 -> 2 (right side), 0.99 -> 3.
+    # probs [0.1, 0.2, 0.3, 0.4]: cdf [0.1, 0.3, 0.6, 1.0];
+    # u=0.05 -> 0, 0.3 -> 2 (right side), 0.99 -> 3.
     logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().repeat(3, 1)
     u = torch.tensor([0.05, 0.3, 0.99])
     assert sample_next(logits, u, GenerationConfig()).tolist() == [0, 2, 3]

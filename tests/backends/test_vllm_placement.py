@@ -16,7 +16,8 @@ from nemo_d3s.backends.vllm.placement import engine_devices, engine_placement
 RECIPES = {
     "llama3_8b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
     "qwen25_math_7b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
-    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on the first
+    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on
+    # the first
     "llama3_70b": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
     # the long-response recipe: the same layout and engines as llama3_70b
     "llama3_70b_long": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
@@ -152,3 +153,55 @@ def test_every_vllm_recipe_is_in_the_placement_table(tmp_path):
         if str(cfg.rollout.engine) == "vllm":
             vllm.add(f.stem)
     assert vllm == set(RECIPES)
+
+
+# recipe -> GPUs with no engine while generating (RECIPES' layouts: 64 GPUs for the 70B/72B)
+IDLE = {
+    "llama3_8b": 0,
+    "qwen25_math_7b": 0,
+    "llama3_70b": 32,
+    "llama3_70b_long": 32,
+    "qwen25_72b": 32,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_the_dry_run_states_every_recipes_idle_gpus_in_generation_and_why(name, tmp_path):
+    """Issue 30, fix 5: one engine per model copy leaves a 16-GPU copy's second node without
+    one (70B: TP 4 x PP 4; 72B: TP 8 x PP 2): 32 of 64 GPUs wait while the engines generate.
+    The dry run states how many, why, and the idle GPU-seconds per step (idle GPUs x the
+    generation time, at least its decode floor)."""
+    from nemo_d3s.dry_run import JobShape, plan, render
+
+    nodes, want = RECIPES[name]
+    cfg = _compose([f"experiment={name}", f"output_dir={tmp_path}"])
+    v = plan(cfg, JobShape(nodes, 8, "test"))["vllm"]
+    tp = int(cfg.rollout.tensor_parallel_size)
+    assert v["gpus_idle_in_generation"] == IDLE[name] == nodes * 8 - len(want) * tp
+    assert v["idle_gpu_seconds_per_step_min"] == pytest.approx(IDLE[name] * v["generation_floor_s"])
+    assert v["generation_floor_s"] > 0
+    lines = [x for x in render(plan(cfg, JobShape(nodes, 8, "test"))).splitlines() if "idle" in x]
+    if IDLE[name]:
+        assert "a copy spans 16 GPUs (TP x PP) and its engine 8" in v["idle_why"]
+        assert lines and f"{IDLE[name]} GPUs idle while generating (50%)" in lines[0]
+    else:
+        assert v["idle_why"] == "every GPU carries an engine shard" and not lines
+
+
+def test_idle_gpu_seconds_hand_worked():
+    """32 idle GPUs; 1000 decode steps each reading 3.35 GB per GPU at 3.35 TB/s: 1 s floor,
+    32 idle GPU-seconds per step at least."""
+    from nemo_d3s.backends.vllm.memory import HBM_BYTES_PER_S, generation_idle
+
+    assert HBM_BYTES_PER_S == 3.35e12
+    g = generation_idle(
+        gpus_total=64,
+        gpus_with_engine=32,
+        copy_gpus=16,
+        vllm_tp=8,
+        weight_bytes_per_gpu=3.35e9,
+        decode_steps=1000,
+    )
+    assert g["gpus_idle_in_generation"] == 32 and g["idle_share_in_generation"] == 0.5
+    assert g["generation_floor_s"] == pytest.approx(1.0)
+    assert g["idle_gpu_seconds_per_step_min"] == pytest.approx(32.0)

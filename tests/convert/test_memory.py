@@ -64,9 +64,10 @@ def test_megatron_to_hf_peak_rss_is_a_fraction_of_the_model(tmp_path, tp, pp):
         ]
     )
     print(
-        f"TP{tp} x PP{pp}: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
-        f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}, "
-        f"peak / model = {convert / model_bytes:.2f}"
+        f"TP{tp} x PP{pp}: model {model_bytes / 2**20:.0f} MiB, peak RSS "
+        f"{convert / 2**20:.0f} MiB, baseline {baseline / 2**20:.0f} MiB, (peak - "
+        f"baseline) / model = {(convert - baseline) / model_bytes:.2f}, peak / model = "
+        f"{convert / model_bytes:.2f}"
     )
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > model_bytes
     assert convert - baseline < 0.6 * model_bytes
@@ -108,7 +109,8 @@ def test_hf_to_megatron_peak_rss_is_a_fraction_of_the_model(tmp_path):
         ]
     )
     print(
-        f"hf-to-megatron TP3 x PP2: model {model_bytes / 2**20:.0f} MiB, peak RSS {convert / 2**20:.0f} MiB, "
-        f"baseline {baseline / 2**20:.0f} MiB, (peak - baseline) / model = {(convert - baseline) / model_bytes:.2f}"
+        f"hf-to-megatron TP3 x PP2: model {model_bytes / 2**20:.0f} MiB, peak RSS "
+        f"{convert / 2**20:.0f} MiB, baseline {baseline / 2**20:.0f} MiB, (peak - "
+        f"baseline) / model = {(convert - baseline) / model_bytes:.2f}"
     )
     assert convert - baseline < 0.6 * model_bytes

@@ -57,7 +57,8 @@ def test_files_that_appear_in_out_while_it_converts_are_not_deleted(
     assert_same_tensors(
         kept, megatron_to_hf(ck, tmp_path / "clean", progress=False)
     )  # the finished output
-    # the CLI: one error line naming where the output is; even --overwrite does not delete the new file
+    # the CLI: one error line naming where the output is; even --overwrite does not delete the new
+    # file
     _during_first_write(monkeypatch, lambda: (out / "more.txt").write_text("more"))
     assert (
         main(["megatron-to-hf", "--ckpt", str(ck), "--out", str(out), "--overwrite", "--quiet"])
@@ -100,7 +101,10 @@ def test_a_flipped_bit_in_a_converted_shard_is_caught(tmp_path, made, capsys):
     shutil.copytree(ck, bad)
     assert (bad / "checksums.json").is_file()
     _flip_a_bit(bad / "megatron" / "tp01_pp00.safetensors")
-    msg = "is not a complete checkpoint: megatron/tp01_pp00.safetensors does not match its SHA-256 checksum"
+    msg = (
+        "is not a complete checkpoint: megatron/tp01_pp00.safetensors does not match its "
+        "SHA-256 checksum"
+    )
     with pytest.raises(ConfigError, match=msg):
         megatron_to_hf(bad, tmp_path / "hf", progress=False)
     with pytest.raises(ConfigError, match=msg):

@@ -142,7 +142,8 @@ def test_gspo_sequence_ratio_by_hand():
     cfg = LossConfig(aggregation="seq_mean_token_mean")
     out, grad = _run("gspo", lp, old, adv, mask, cfg, 3.0)
     s0 = math.exp((0.1 - 0.2 + 0.4) / 3)  # = e^0.1
-    # L_0 = max(-s0, -clip(s0)) = -s0; L_1 = max(-1.34986, -1.2) = -1.2; L_2 = max(0.60653, 0.8) = 0.8
+    # L_0 = max(-s0, -clip(s0)) = -s0; L_1 = max(-1.34986, -1.2) = -1.2;
+    # L_2 = max(0.60653, 0.8) = 0.8
     assert out.loss.item() == pytest.approx((-s0 - 1.2 + 0.8) / 3, abs=1e-12)
     # only row 0 has a gradient: dL_0/dlogp_t = -A s0 / n_0 = -s0/3 per masked token, / 3 sequences
     expected = torch.zeros(3, 4, dtype=F64)

@@ -209,7 +209,7 @@ def test_vectorised_n_keep_matches_scalar(n_keep, sizes):
     assert got == [resolve_n_keep(n_keep, g) for g in sizes]
 
 
-# ---------------------------------------------------------------------------- grouped rules vs loops
+# --------------------------------------------------------------------------- grouped rules vs loops
 
 
 def _groups(g):

@@ -1,13 +1,13 @@
 """Pipeline parallel: per-token results from the last stage reach every stage (TP2 x PP2).
 
-Megatron groups TP2 x PP2 on 4 gloo ranks (and TP2 x PP2 x DP2 on 8: ~4 s once the fork server is warm). Only
-the last stage holds the vocab-sharded logits of each micro-batch (micro-batches have
+Megatron groups TP2 x PP2 on 4 gloo ranks (and TP2 x PP2 x DP2 on 8: ~4 s once the fork server is
+warm). Only the last stage holds the vocab-sharded logits of each micro-batch (micro-batches have
 different [B_i, S_i]); it runs ``logprob_loss_func`` as Megatron's schedule would, then
-``broadcast_per_token`` ships all micro-batches' entropy and log-probs to the first stage in
-one broadcast. Every stage then runs the same DP-global token selection and denominator on
-its own DP group. The parent checks: identical tensors on all stages and TP ranks, equal to
-the single-process reference (core entropy on the full logits, core top-k on the whole
-batch, core loss_denominator); bool masks broadcast from the last stage arrive intact.
+``broadcast_per_token`` ships all micro-batches' entropy and log-probs to the first stage in one
+broadcast. Every stage then runs the same DP-global token selection and denominator on its own DP
+group. The parent checks: identical tensors on all stages and TP ranks, equal to the single-process
+reference (core entropy on the full logits, core top-k on the whole batch, core loss_denominator);
+bool masks broadcast from the last stage arrive intact.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ TENSORS = {
 
 
 def _properties_state(props, items):
-    """``TensorProperties.__getstate__`` as torch ``items`` = 5 (<= 2.14) or 6 (>= 2.15) writes it."""
+    """``TensorProperties.__getstate__`` as torch writes it: ``items`` 5 (<= 2.14), 6 (>= 2.15)."""
     enc = dcp_metadata._MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
     head = (props.dtype, props.layout, props.requires_grad, enc, props.pin_memory)
     if items == 5:

@@ -134,7 +134,8 @@ def test_too_large_eval_set_names_the_task_once_and_the_fix():
     from nemo_d3s.config import ConfigError
     from nemo_d3s.trainer.tasks_adapter import build_task
 
-    # two single-digit terms with + and -: 10 x 10 x 2 sums, a few phrasings each: a few hundred at most
+    # two single-digit terms with + and -: 10 x 10 x 2 sums, a few phrasings each: a few hundred at
+    # most
     with pytest.raises(ConfigError) as err:
         build_task("basic_arithmetic", {"n_eval": 1000})
     msg = str(err.value)

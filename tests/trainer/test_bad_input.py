@@ -113,7 +113,8 @@ def test_megatron_backend_names_what_it_cannot_use(tmp_path):
         ConfigError, match="model.params.tiny: not a setting of MegatronBackendConfig"
     ):
         Trainer(cfg)
-    # model.name=tiny-random itself is a model the Megatron backend builds (experiment=megatron_smoke,
+    # model.name=tiny-random itself is a model the Megatron backend builds
+    # (experiment=megatron_smoke,
     # tests/trainer/test_megatron_run.py::test_megatron_smoke_experiment_then_convert_to_hf).
 
 

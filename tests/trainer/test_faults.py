@@ -629,8 +629,8 @@ def test_process_group_timeout_is_configurable_and_reported(tmp_path):
     assert backend_from_config(cfg).cfg.dist_timeout_minutes == 10.0  # reaches init_world
     assert _is_collective_timeout(
         RuntimeError(
-            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:3456: Connection "
-            "timed out waiting for recv"
+            "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+            "[127.0.0.1]:3456: Connection timed out waiting for recv"
         )
     )
     assert not _is_collective_timeout(RuntimeError("shape mismatch"))

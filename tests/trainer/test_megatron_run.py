@@ -141,7 +141,8 @@ def test_megatron_torchrun_matches_the_hf_backend(
         ["layout.json"]
         + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)]
     )
-    # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its checksums
+    # the checkpoint describes itself (issue 26): its model's config.json and tokenizer, under its
+    # checksums
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(ckpt))
     assert "config.json" in json.loads((ckpt / "checksums.json").read_text())["files"]
 

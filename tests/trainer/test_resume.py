@@ -146,8 +146,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
     assert read_jsonl(run_dir / "metrics.jsonl")[-1]["step"] == state["step"]
     assert "received SIGTERM" in (tmp_path / "out.log").read_text()
     assert (
-        f"stopped at step {state['step']} of 40 (exit code 75: interrupted); continue with resume=true"
-        in err
+        f"stopped at step {state['step']} of 40 (exit code 75: interrupted); continue with "
+        "resume=true" in err
     )
     marker = json.loads((run_dir / "interrupted.json").read_text())
     assert marker == {"step": state["step"], "signal": "SIGTERM", "checkpoint": str(latest)}
@@ -156,8 +156,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
 def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_path):
     """SIGTERM arrives while step 3's rollouts are being decoded (fault point engine.decode,
     passed before every token): the run drops the partial rollouts, checkpoints the state
-    after step 2 and exits 75 (interrupted); resume=true redoes step 3 and ends with the uninterrupted
-    run's metrics and evaluations."""
+    after step 2 and exits 75 (interrupted); resume=true redoes step 3 and ends with the
+    uninterrupted run's metrics and evaluations."""
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_inprocess(ref_dir, RUN[1:])
     env = cli_env()

@@ -89,3 +89,53 @@ def test_two_data_parallel_ranks_with_vllm_match_one_process(tmp_path):
         read_jsonl(tmp_path / "two" / "metrics.jsonl"),
         "vllm dp2",
     )
+
+
+def test_sigterm_to_the_whole_job_checkpoints_first_and_resumes(tmp_path):
+    """Fix 4 of issue 30: pre-emption with the engine in its own process (as in every
+    multi-rank job). SIGTERM goes to the trainer's whole process group, vLLM's EngineCore and
+    worker included, as Slurm signals every process of the step, between the update and the
+    refit (fault point ``step.updated``); vLLM's processes shut down on it. The trainer used
+    to refit into the engine that was going down and wait on it forever (no checkpoint); now
+    it calls the engine no more: it writes its checkpoint, exits 75
+    (``train.EXIT_INTERRUPTED``), and ``resume=true`` runs to the end from that checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from nemo_d3s.train import EXIT_INTERRUPTED
+    from nemo_d3s.trainer.metrics import read_jsonl
+
+    from .conftest import REPO, cli_env
+
+    out = tmp_path / "run"
+    args = ["experiment=smoke", *FAST, "trainer.steps=2", *VLLM, f"output_dir={out}"]
+    env = dict(
+        cli_env(), VLLM_ENABLE_V1_MULTIPROCESSING="1", NEMO_D3S_FAULT="step.updated=termgroup"
+    )
+
+    def run(extra, env):
+        return subprocess.run(
+            [sys.executable, "-m", "nemo_d3s.train", *args, *extra],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            start_new_session=True,  # its own process group: the signal stays inside the job
+        )
+
+    r = run([], env)
+    log = (r.stdout + r.stderr)[-4000:]
+    assert r.returncode == EXIT_INTERRUPTED, log
+    marker = json.loads((out / "interrupted.json").read_text())
+    assert marker["step"] == 1 and marker["signal"] == "SIGTERM", marker
+    assert (out / "checkpoints" / "step_000001").is_dir(), log
+    env.pop("NEMO_D3S_FAULT")
+    r = run(["resume=true"], env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    assert not (out / "interrupted.json").exists() and os.path.isdir(
+        out / "checkpoints" / "step_000002"
+    )

@@ -241,8 +241,9 @@ class HFBackend(Policy):
         (what Megatron's DDP does), which gives the gradient of the global mean whatever
         the micro-batch size, the token budget or the number of ranks. Returns this rank's
         sums as 0-d tensors on the model device (``loss_sum`` + the ``metric_tensors`` of
-        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one all_reduce per gradient dtype over ``groups.dp``.
-        Memory: one flat copy of the gradients during the all-reduce.
+        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one
+        all_reduce per gradient dtype over ``groups.dp``. Memory: one flat copy of the gradients
+        during the all-reduce.
         """
         plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()
@@ -344,6 +345,7 @@ class HFBackend(Policy):
         if not skipped:
             self.optimizer.step()
             self.scheduler.step()
+            self.weights_changed()
         self.optimizer.zero_grad(set_to_none=True)
         metrics.update(grad_norm=grad_norm, lr=lr, skipped=float(skipped))
         return metrics
@@ -361,6 +363,7 @@ class HFBackend(Policy):
         self.optimizer.load_state_dict(state["optimizer"])
         if "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        self.weights_changed()
 
     def hf_weights(self):
         """(name, tensor) of the policy's state dict: already Hugging Face names and layout

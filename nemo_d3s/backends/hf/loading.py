@@ -47,8 +47,9 @@ def resolve_model_path(name_or_path: str) -> Path:
             raise FileNotFoundError(f"model {name_or_path!r}: no such GGUF file ({path.resolve()})")
         return gguf_model_dir(path)
     raise FileNotFoundError(
-        f"model {name_or_path!r}: no such directory ({path.resolve()}); give a local Hugging Face "
-        f"folder, a .gguf file, {DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r} (the Hub is never contacted)"
+        f"model {name_or_path!r}: no such directory ({path.resolve()}); give a local "
+        f"Hugging Face folder, a .gguf file, {DEFAULT_MODEL_NAME!r} or {TINY_RANDOM!r} "
+        "(the Hub is never contacted)"
     )
 
 
@@ -70,8 +71,8 @@ def gguf_model_dir(gguf: Path) -> Path:
             (line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__
         )
         raise ValueError(
-            f"model {str(gguf)!r}: cannot convert this GGUF file into a Hugging Face folder ({first}); "
-            "convert it yourself, or give a Hugging Face folder"
+            f"model {str(gguf)!r}: cannot convert this GGUF file into a Hugging Face "
+            f"folder ({first}); convert it yourself, or give a Hugging Face folder"
         ) from None
 
 
@@ -87,8 +88,9 @@ def load_tokenizer(folder: str):
 
     if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
         raise FileNotFoundError(
-            f"model folder {str(folder)!r} has no tokenizer file ({', '.join(_TOKENIZER_FILES)}); copy the "
-            "tokenizer files of the model it was made from into it"
+            f"model folder {str(folder)!r} has no tokenizer file "
+            f"({', '.join(_TOKENIZER_FILES)}); copy the tokenizer files of the model it "
+            "was made from into it"
         )
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 

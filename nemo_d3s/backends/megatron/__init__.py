@@ -11,7 +11,8 @@ the plain one's gradient steps, the distributed optimizer's checkpoint state), `
 its optimizer, any layout), ``nemo2_writer`` (NeMo 2 checkpoints, through megatron-core's
 dist_checkpointing), ``param_counts`` (the dry run's meta-device build), ``parallel``
 (process groups, rank order), ``cpu_compat`` (megatron-core on gloo/CPU), ``config`` (the
-typed config and its option check), ``backend`` (the Policy).
+typed config and its option check), ``prepare`` (the backend's set-up steps: dtype, model
+folder, weights reader, process groups, seeding, LR schedule), ``backend`` (the Policy).
 """
 
 import logging as _logging

@@ -15,44 +15,48 @@ reshardable (``formats/shards.py``; the optimizer state and who writes what:
 
 Set-up order (why): every check that can fail on bad input (options, config.json, the
 layout's divisibility, the safetensors headers) runs before the first collective, so every
-rank raises the same clear error instead of some ranks waiting in a collective.
+rank raises the same clear error instead of some ranks waiting in a collective. The steps
+themselves are in ``prepare.py``; the engine placement is in ``engine.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-import socket
-import tempfile
-import weakref
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
-from nemo_d3s.backends.hf.config import TinyModelSpec
-from nemo_d3s.backends.hf.loading import (
-    TINY_RANDOM,
-    ensure_tiny_folder,
-    load_tokenizer,
-    resolve_device,
-    resolve_model_path,
-)
-from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
+from nemo_d3s.backends.hf.loading import load_tokenizer, resolve_device
+from nemo_d3s.backends.hf.rollout import encode_prompts
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig, check_options
-from nemo_d3s.backends.megatron.engine import ModelParallelRollouts, ReplicaEngine, make_replica
+from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
+from nemo_d3s.backends.megatron.engine import (
+    ModelParallelRollouts,
+    gloo_twin,
+    model_parallel_group,
+    place_engine,
+    replica_engine,
+)
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.prepare import (
+    LRSchedule,
+    init_groups,
+    load_chunks,
+    model_dtype,
+    model_folder,
+    open_weights,
+    seed_model_rng,
+    world_size,
+)
 from nemo_d3s.backends.megatron.model import (
     build_stage,
     iter_hf_weights,
-    load_stage_from_hf,
     transformer_config,
     use_transformer_engine,
     virtual_layouts,
@@ -60,62 +64,13 @@ from nemo_d3s.backends.megatron.model import (
 )
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, detect_format
-from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
-from nemo_d3s.formats.shards import (
-    ShardedReader,
-    check_shards,
-    read_layout,
-    read_local_from_checkpoint,
-)
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
-from nemo_d3s.formats.weights import Layout, SafetensorsReader
-from nemo_d3s.distributed.groups import ParallelGroups, init_world
+from nemo_d3s.formats.weights import Layout
+from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("nemo_d3s.megatron")
-
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}  # config.DTYPES -> torch dtype
-
-
-class _LRSchedule:
-    """LR = base x ``lr_multiplier`` of the step, set on the optimizer's param groups; works
-    for torch optimizers and Megatron's (which torch's LRScheduler does not accept)."""
-
-    def __init__(self, optimizer, base_lr: float, fn) -> None:
-        self.optimizer, self.base_lr, self.fn, self.step_count = optimizer, base_lr, fn, 0
-        self._apply()
-
-    def _apply(self) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = self.base_lr * self.fn(self.step_count)
-
-    def step(self) -> None:
-        self.step_count += 1
-        self._apply()
-
-    def set_step(self, n: int) -> None:
-        self.step_count = int(n)
-        self._apply()
-
-
-def _own_gpu_entry() -> Optional[str]:
-    """This rank's GPU as its entry in the node's visible devices (what an engine's
-    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    from nemo_d3s.backends.vllm.placement import local_gpus
-
-    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[
-        torch.cuda.current_device()
-    ]
-
-
-def _world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 class MegatronBackend(Policy):
@@ -135,80 +90,35 @@ class MegatronBackend(Policy):
         set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        cuda = self.device.type == "cuda"
-        if cfg.dtype == "auto":
-            self.dtype = torch.bfloat16 if cuda else torch.float32
-        else:
-            self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = model_dtype(cfg, self.device)
         # On CUDA a Transformer Engine that does not import is an error unless
         # transformer_impl=local: decided here, before any collective, alike on every rank.
         self.te = use_transformer_engine(cfg.transformer_impl, self.device)
-        if not cuda:
+        if self.device.type != "cuda":
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
             apply_cpu_compat()
-        try:
-            # "tiny-random" (smoke runs): the HF backend's random Llama, written once to the cache.
-            tiny = cfg.model == TINY_RANDOM
-            self.path = str(
-                ensure_tiny_folder(TinyModelSpec(), cfg.seed)
-                if tiny
-                else resolve_model_path(cfg.model)
-            )
-        except FileNotFoundError as e:
-            raise ConfigError(
-                f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
-                "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
-            ) from None
+        self.path = model_folder(cfg)
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
-        check_layout(self.spec, tp=tp, pp=pp, world=_world_size())
+        check_layout(self.spec, tp=tp, pp=pp, world=world_size())
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
         if self.spec.num_layers % (pp * self.vpp):
             raise ConfigError(
-                f"num_hidden_layers={self.spec.num_layers} is not divisible by pipeline_model_parallel_size"
-                f" x virtual_pipeline_model_parallel_size = {pp * self.vpp}"
+                f"num_hidden_layers={self.spec.num_layers} is not divisible by "
+                "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
+                f"{pp * self.vpp}"
             )
-        # Weights: an HF folder (safetensors), a Megatron checkpoint folder written by
-        # ``nemo-d3s-convert hf-to-megatron`` (config.json + tokenizer + megatron/ shards, any
-        # TP/PP layout), or a NeMo 2 checkpoint (weights/ + context/). Checked before any
-        # collective: every rank fails alike.
-        fmt = detect_format(self.path)
-        if fmt.kind == NEMO2:
-            reader, _ = open_nemo2_weights(Path(self.path), self.spec)
-            # Its config and tokenizer as an HF-style folder (this process's own, removed
-            # with the backend): it stands in for the HF folder everywhere else (tokenizer,
-            # rollout replica, vLLM, the export's config.json).
-            side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
-            weakref.finalize(self, shutil.rmtree, side, True)
-            self.path = str(write_side_folder(Path(self.path), Path(side)))
-        elif fmt.kind == MEGATRON:
-            saved = read_layout(fmt.shards, self.spec)
-            check_shards(
-                fmt.shards, self.spec, saved
-            )  # headers only: a truncated shard is one line naming it
-            reader = ShardedReader(fmt.shards, self.spec, saved)
-        else:
-            reader = SafetensorsReader(self.path, self.spec)
-            reader.check()
-
-        self.groups = groups if groups is not None else self._init_groups(tp, pp)
-        ckpt.verify_shared(
-            fmt, cfg.verify_checksums
-        )  # converted / NeMo 2 checkpoints carry checksums.json
+        # Checked before any collective (headers only): every rank fails alike.
+        reader, self.path, fmt = open_weights(self.path, self.spec, self)
+        self.groups = (
+            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp)
+        )
+        # converted / NeMo 2 checkpoints carry checksums.json
+        ckpt.verify_shared(fmt, cfg.verify_checksums)
         from megatron.core import parallel_state as ps
 
-        # Megatron's RNG tracker (per-TP-rank streams for dropout and init): its attention
-        # forks the tracker even at dropout 0, so it must be seeded before the first forward.
-        if cuda:
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(cfg.seed)
-        else:
-            from nemo_d3s.backends.megatron.cpu_compat import seed_model_parallel
-
-            seed_model_parallel(cfg.seed)
-
+        seed_model_rng(self.device, cfg.seed)
         self.layout = Layout(
             tp=tp,
             pp=pp,
@@ -233,17 +143,7 @@ class MegatronBackend(Policy):
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
         self.stage_layouts = virtual_layouts(self.layout, self.vpp)
         chunks = self._build_chunks(config)
-        for chunk, lay in zip(chunks, self.stage_layouts):
-            if isinstance(reader, ShardedReader):
-                with torch.no_grad():
-                    for name, prm in chunk.named_parameters():
-                        prm.copy_(
-                            read_local_from_checkpoint(name, self.spec, lay, reader, prm.dtype)
-                        )
-            else:
-                load_stage_from_hf(chunk, self.spec, lay, reader)
-        if not isinstance(reader, ShardedReader):
-            reader.close()
+        load_chunks(chunks, self.stage_layouts, self.spec, reader)
         self.model = chunks if self.vpp > 1 else chunks[0]
         self.ref_model = None
         if cfg.use_reference:
@@ -266,7 +166,7 @@ class MegatronBackend(Policy):
                 if optim.is_megatron_optimizer(self.optimizer)
                 else "plain AdamW over each rank's shards, gradients all-reduced over DP",
             )
-        self.scheduler = _LRSchedule(
+        self.scheduler = LRSchedule(
             self.optimizer,
             cfg.lr,
             lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio),
@@ -286,57 +186,11 @@ class MegatronBackend(Policy):
         every rank of the job asks at the same point, as the trainer's build does), so a run
         with ``rollout.engine=vllm`` never holds the replica."""
         if self._own_engine is None:
-            self._own_engine = self._build_engine()
+            self._own_engine = self.place_rollout_engine(replica_engine(self))
             self._own_engine.sync_weights(self)  # the replica starts from these weights
         return self._own_engine
 
     # ------------------------------------------------------------------ set-up
-    def _init_groups(self, tp: int, pp: int) -> ParallelGroups:
-        from megatron.core import parallel_state as ps
-
-        if _world_size() <= 1 and not dist.is_initialized():
-            # Megatron's groups need a process group even for one process: a private
-            # one-rank group on an in-memory store (no port, no rendezvous).
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-            world = ParallelGroups(
-                device=self.device if self.device.type == "cuda" else torch.device("cpu"),
-                owns_world=True,
-            )
-        else:
-            world = init_world(str(self.device), self.cfg.dist_timeout_minutes)
-        if ps.model_parallel_is_initialized() and world.owns_world:
-            ps.destroy_model_parallel()  # left from an earlier process group of this process
-        if ps.model_parallel_is_initialized():
-            have = (
-                ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size() or 1,
-            )
-            if have != (tp, pp, self.vpp):
-                raise ValueError(
-                    f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, self.vpp)}"
-                )
-        else:
-            from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
-
-            initialize_megatron_groups(
-                world.global_rank,
-                tp,
-                pp,
-                order=rank_order(self.cfg.use_tp_pp_dp_mapping),
-                vpp=self.vpp,
-            )
-        single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
-        return ParallelGroups(
-            dp=single(ps.get_data_parallel_group()),
-            tp=single(ps.get_tensor_model_parallel_group()),
-            pp=single(ps.get_pipeline_model_parallel_group()),
-            device=world.device,
-            global_rank=world.global_rank,
-            owns_world=world.owns_world,
-        )
-
     def _build_chunks(self, config) -> List[torch.nn.Module]:
         """This rank's GPTModel stage, or one chunk per virtual stage of an interleaved
         pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
@@ -389,86 +243,17 @@ class MegatronBackend(Policy):
         )
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
-        """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
-        TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
-        rank tells the group how refits travel (transport, bucket size, dtype) and on which
-        node and GPUs the engine runs (a rank on one of them stages refit buckets there)."""
-        mp, src = self._mp_group()
-        inner = build() if dist.get_rank() == src else None
-        refit = None
-        if inner is not None and getattr(inner, "transport", None) is not None:
-            refit = {
-                "transport": inner.transport,
-                "bucket_bytes": int(inner.bucket_bytes),
-                "dtype": str(inner.weights_dtype).removeprefix("torch."),
-                "host": socket.gethostname(),
-                "gpus": (inner.visible_devices or "").split(","),
-            }
-        flags = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
-        group = self._mp_gloo_group() if mp is not None else None
-        if group is not None:
-            dist.broadcast_object_list(flags, src=src, group=group)
-        prompt_seeds, on_policy, refit = flags[0]
-        if refit is not None:
-            refit["hosts_engine_gpu"] = (
-                self.device.type == "cuda"
-                and refit.pop("host") == socket.gethostname()
-                and _own_gpu_entry() in refit.pop("gpus")
-            )
-        return ModelParallelRollouts(
-            inner,
-            self.tokenizer,
-            group,
-            src,
-            prompt_seeds=prompt_seeds,
-            on_policy=on_policy,
-            policy=self,
-            refit=refit,
-            device=self.device,
-        )
+        """One engine per model-parallel group (``engine.place_engine``)."""
+        return place_engine(self, build, self._mp_gloo_group)
 
-    def _mp_group(self):
-        """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
-        from megatron.core import parallel_state as ps
-
-        mp = ps.get_model_parallel_group()
-        return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+    _mp_group = staticmethod(model_parallel_group)
 
     def _mp_gloo_group(self):
-        """A gloo group of this rank's model-parallel ranks (Megatron's is NCCL on CUDA; on
-        the CPU it is gloo already and is used as it is). Collective over the whole job:
-        every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+        """The gloo twin of this rank's model-parallel group (``engine.gloo_twin``),
+        created on first use (collective over the whole job)."""
         if self._mp_gloo is None:
-            mp, _ = self._mp_group()
-            if dist.get_backend(mp) == "gloo":
-                self._mp_gloo = mp
-            else:
-                everyone: List[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
-                groups = sorted({tuple(sorted(r)) for r in everyone})
-                self._mp_gloo, _ = dist.new_subgroups_by_enumeration(
-                    [list(g) for g in groups], backend="gloo"
-                )
+            self._mp_gloo = gloo_twin(self._mp_group()[0])
         return self._mp_gloo
-
-    def _build_engine(self) -> ModelParallelRollouts:
-        """The seeded HF sampler on a transformers replica (``engine.ReplicaEngine``)."""
-
-        def build():
-            replica = make_replica(
-                self.path,
-                self.tokenizer,
-                dtype=self.dtype,
-                device=self.device,
-                cfg=self.cfg,
-                eos_ids_fn=lambda m: stop_token_ids(
-                    self.tokenizer, m.generation_config, self.cfg.stop_tokens
-                ),
-            )
-            self.eos_ids = replica.eos_ids
-            return ReplicaEngine(replica)
-
-        return self.place_rollout_engine(build)
 
     # ------------------------------------------------------------------ Policy
     def score(
@@ -503,7 +288,7 @@ class MegatronBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        return schedule.train_step(
+        metrics = schedule.train_step(
             self.chunks,
             self.optimizer,
             batch,
@@ -517,6 +302,9 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
         )
+        if not metrics.get("skipped"):
+            self.weights_changed()
+        return metrics
 
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Collective over this rank's TP x PP group (see ``model.iter_hf_weights``)."""
@@ -566,7 +354,8 @@ class MegatronBackend(Policy):
         }
 
     def save_checkpoint(self, folder: str) -> bool:
-        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer (``write_model_files``)."""
+        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer
+        (``write_model_files``)."""
         ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))
@@ -576,6 +365,7 @@ class MegatronBackend(Policy):
         """A checkpoint written at any TP x PP layout, with either optimizer; see
         ``checkpoint.load_policy``."""
         ckpt.load_policy(self, folder)
+        self.weights_changed()
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)
             self._own_engine.sync_weights(self)
         return True

@@ -3,11 +3,11 @@
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
 shard (:func:`writer_dp_rank`; with a virtual pipeline each chunk is saved as its virtual
-stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
-distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
-for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain
-path's come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective:
-every rank calls :func:`save_policy` / :func:`load_policy`.
+stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments,
+or Megatron's distributed optimizer's DP-sharded state gathered to the writer and scattered back on
+load; for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
+come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every rank calls
+:func:`save_policy` / :func:`load_policy`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nemo_d3s.backends.megatron import optimizer as optim
+from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.files import verify_checksums
 from nemo_d3s.formats.checksums import checksum_error, has_checksums
@@ -71,7 +72,7 @@ def policy_tensors(pol: Any, stage: int = 0) -> Dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         out[name] = p.detach()
         st = adam_state_of(pol.optimizer, p) if plain else {}
-        for k in optim.MOMENTS:
+        for k in ostate.MOMENTS:
             if k in st:
                 out[f"optim.{k}.{name}"] = st[k]
         main = main_weight_of(pol.optimizer, p) if plain else None
@@ -107,15 +108,15 @@ def save_policy(pol: Any, folder: str) -> None:
         megatron_opt or isinstance(pol.optimizer, MainWeightsAdamW)
     ) and pol.dtype != torch.float32
     step = (
-        optim.agreed_step(pol.optimizer, pol.groups.dp)
+        ostate.agreed_step(pol.optimizer, pol.groups.dp)
         if megatron_opt
-        else optim.optimizer_step(pol.optimizer)
+        else ostate.optimizer_step(pol.optimizer)
     )
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
         gathered: Dict[str, torch.Tensor] = {}
         if megatron_opt:
-            gathered = optim.gather_states(
+            gathered = ostate.gather_states(
                 pol.optimizer,
                 model.named_parameters(),
                 pol.groups.dp,
@@ -150,7 +151,7 @@ def load_policy(pol: Any, folder: str) -> None:
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     main_weights = isinstance(pol.optimizer, MainWeightsAdamW)
     with_main = (megatron_opt or main_weights) and meta.get("main_params") == "1"
-    families = ["", *(f"optim.{k}." for k in optim.MOMENTS), "ref."] + (
+    families = ["", *(f"optim.{k}." for k in ostate.MOMENTS), "ref."] + (
         ["optim.main."] if with_main else []
     )
     readers = {prefix: ShardedReader(root, pol.spec, saved, prefix) for prefix in families}
@@ -170,7 +171,7 @@ def load_policy(pol: Any, folder: str) -> None:
     # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
     # The plain AdamW keeps full moments in the parameter's dtype, or in fp32 with fp32 main
     # weights (MainWeightsAdamW: a bf16 / fp16 model).
-    ranges = optim.local_ranges(pol.optimizer) if megatron_opt else {}
+    ranges = ostate.local_ranges(pol.optimizer) if megatron_opt else {}
     staged: List[Tuple[torch.Tensor, torch.Tensor]] = []
     # per stage: {local name: moments}; names repeat across the chunks of a virtual pipeline
     moments: List[Dict[str, Dict[str, torch.Tensor]]] = []
@@ -186,7 +187,7 @@ def load_policy(pol: Any, folder: str) -> None:
                     continue
                 a, b = ranges[p]
                 cut = (
-                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS}
+                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in ostate.MOMENTS}
                     if opt_step > 0
                     else {}
                 )
@@ -203,13 +204,13 @@ def load_policy(pol: Any, folder: str) -> None:
                     else t.float()
                 )
                 cut = (
-                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in optim.MOMENTS}
+                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in ostate.MOMENTS}
                     if opt_step > 0
                     else {}
                 )
                 mom[name] = {**cut, "main": main}
             elif opt_step > 0:
-                mom[name] = {k: read(f"optim.{k}.", name, p) for k in optim.MOMENTS}
+                mom[name] = {k: read(f"optim.{k}.", name, p) for k in ostate.MOMENTS}
         if ref is not None:
             for name, p in ref.named_parameters():
                 staged.append((p, read("ref.", name, p)))
@@ -217,7 +218,7 @@ def load_policy(pol: Any, folder: str) -> None:
         p.copy_(t.to(p.device))
     for (model, _, _), mom in zip(stages, moments):
         if megatron_opt:
-            optim.scatter_states(pol.optimizer, model.named_parameters(), mom, opt_step)
+            ostate.scatter_states(pol.optimizer, model.named_parameters(), mom, opt_step)
             continue
         for name, p in model.named_parameters():
             if name not in mom:

@@ -20,10 +20,12 @@ TRANSFORMER_IMPLS = ("transformer_engine", "local")
 # asserts context_parallel_size == 1 (line 57) and packed_seq_params is None (line 153):
 # both run only in Transformer Engine's TEDotProductAttention.
 CONTEXT_PARALLEL_REFUSAL = (
-    "megatron-core runs context parallelism and packed (THD) sequences only through Transformer Engine's "
-    "attention (TEDotProductAttention with PackedSeqParams), which this backend does not build; use "
-    "model.params.sequence_parallel=true with tensor_model_parallel_size > 1, model.gradient_checkpointing=true, "
-    "trainer.micro_batch_tokens (length-aware micro-batches) or more pipeline stages instead"
+    "megatron-core runs context parallelism and packed (THD) sequences only through "
+    "Transformer Engine's attention (TEDotProductAttention with PackedSeqParams), which "
+    "this backend does not build; use model.params.sequence_parallel=true with "
+    "tensor_model_parallel_size > 1, model.gradient_checkpointing=true, "
+    "trainer.micro_batch_tokens (length-aware micro-batches) or more pipeline stages "
+    "instead"
 )
 
 
@@ -118,7 +120,8 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         )
     if cfg.context_parallel_size != 1:
         raise ValueError(
-            f"model.params.context_parallel_size={cfg.context_parallel_size}: {CONTEXT_PARALLEL_REFUSAL}"
+            f"model.params.context_parallel_size={cfg.context_parallel_size}: "
+            f"{CONTEXT_PARALLEL_REFUSAL}"
         )
     if cfg.sequence_packing:
         raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
@@ -138,5 +141,6 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         )
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(
-            f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} must be >= 1"
+            f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} "
+            "must be >= 1"
         )

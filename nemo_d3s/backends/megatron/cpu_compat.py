@@ -35,9 +35,9 @@ The patches (each one's WHY is at its code):
 
 Not patched, because the backend does not take those paths on CPU (documented so nobody
 relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
-schedule passes an explicit causal mask on CPU), ``distribute_saved_activations``, ``use_cpu_initialization=False`` (GPU init under the RNG
-tracker), inference KV caches and CUDA graphs, ``config.enable_autocast``
-(``torch.autocast("cuda")``), and Transformer Engine specs.
+schedule passes an explicit causal mask on CPU), ``distribute_saved_activations``,
+``use_cpu_initialization=False`` (GPU init under the RNG tracker), inference KV caches and CUDA
+graphs, ``config.enable_autocast`` (``torch.autocast("cuda")``), and Transformer Engine specs.
 
 Where the megatron-core lines differ (0.15 / 0.16 and 0.19: ``nemo_d3s/versions.py``), this
 module is the one place that says so:
@@ -68,7 +68,9 @@ __all__ = ["apply_cpu_compat", "is_applied", "seed_model_parallel"]
 _TORCH_PROXIED = {
     # RotaryEmbedding.get_emb moves ``inv_freq`` to ``torch.cuda.current_device()`` at the
     # first forward (and __init__ allocates there without use_cpu_initialization).
-    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.__init__/get_emb",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": (
+        "RotaryEmbedding.__init__/get_emb"
+    ),
     # forward_backward_no_pipelining and both 1F1B schedules allocate the token counter with
     # ``torch.zeros([], dtype=torch.int, device="cuda")``.
     "megatron.core.pipeline_parallel.schedules": "forward_backward_* total_num_tokens",
@@ -92,7 +94,9 @@ _TORCH_PROXIED = {
     # the global-norm and clipping helpers all-reduce a device="cuda" norm tensor;
     "megatron.core.optimizer.clip_grads": "get_grad_norm_fp32/clip_grad_by_total_norm_fp32",
     # the optimizer-state load path allocates its shards on ``torch.cuda.current_device()``.
-    "megatron.core.optimizer.distrib_optimizer": "DistributedOptimizer.load_parameter_state_from_dp_zero",
+    "megatron.core.optimizer.distrib_optimizer": (
+        "DistributedOptimizer.load_parameter_state_from_dp_zero"
+    ),
     # Sequence parallelism (model.params.sequence_parallel=true, TP > 1): the sequence
     # gathers / reduce-scatters of the embedding and the norms' region allocate their
     # outputs on ``torch.cuda.current_device()`` (_gather_along_first_dim,
@@ -100,7 +104,9 @@ _TORCH_PROXIED = {
     "megatron.core.tensor_parallel.mappings": "_gather/_reduce_scatter_along_first_dim",
     # and LinearWithGradAccumulationAndAsyncCommunication.backward reduce-scatters the input
     # gradient of a sequence-parallel linear into a ``torch.cuda.current_device()`` buffer.
-    "megatron.core.tensor_parallel.layers": "LinearWithGradAccumulationAndAsyncCommunication.backward",
+    "megatron.core.tensor_parallel.layers": (
+        "LinearWithGradAccumulationAndAsyncCommunication.backward"
+    ),
 }
 
 _APPLIED = False

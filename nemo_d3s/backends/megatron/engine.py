@@ -16,7 +16,9 @@ same rollouts. vLLM slots in as the inner engine in place of it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import os
+import socket
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +31,18 @@ from nemo_d3s.backends.base import (
     Rollouts,
 )
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
+from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed._comm import is_single
 
-__all__ = ["ModelParallelRollouts", "ReplicaEngine"]
+__all__ = [
+    "ModelParallelRollouts",
+    "ReplicaEngine",
+    "gloo_twin",
+    "model_parallel_group",
+    "place_engine",
+    "replica_engine",
+]
 
 
 class ReplicaEngine(RolloutEngine):
@@ -69,20 +79,23 @@ class ReplicaEngine(RolloutEngine):
 class ModelParallelRollouts(RolloutEngine):
     """One engine per model-parallel group: ``inner`` exists on the group's first rank
     (``src``, a global rank) and is None elsewhere. ``group``: a gloo group of the
-    model-parallel ranks (``MegatronBackend._mp_gloo_group``): every wait for the engine
+    model-parallel ranks (:func:`gloo_twin`): every wait for the engine
     happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
 
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
     then wakes into that memory); ``src`` samples; one ``broadcast_object_list`` of the
     Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
-    ranks, never a file). An engine whose weights a sleep dropped (``inner.stale``) is
-    refitted first, by the whole group.
-    sync_weights: ``refit`` set (an engine with its own copy, vLLM): the group runs one
+    ranks, never a file). An engine that does not hold the policy's weights version (a
+    sleep dropped them) is refitted first, by the whole group.
+    sync_weights: ``refit`` set (an engine with its own copy, vLLM): when the engine's rank
+    says it holds another weights version (one refit per version), the group runs one
     :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
-    ``policy.refit_weights()``; ranks on the engine's GPUs stage buckets for CUDA IPC);
-    otherwise ``src`` hands the stream to ``inner`` and the others serve the gathers.
+    ``policy.refit_weights()``; ranks on the engine's GPUs, or on the CPU build its first
+    ``workers`` ranks, stage buckets: CUDA IPC / shared memory); otherwise ``src`` hands the
+    stream to ``inner`` and the others serve the gathers.
+    release: the engine's rank lets its engine drop its memory (``RolloutEngine.release``).
     refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
-    (``MegatronBackend.place_rollout_engine``).
+    (:func:`place_engine`).
     """
 
     def __init__(
@@ -117,8 +130,8 @@ class ModelParallelRollouts(RolloutEngine):
     ) -> Rollouts:
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        if self.refit is not None and self._from_src(bool(getattr(self.inner, "stale", False))):
-            self.sync_weights(self.policy)
+        if self.refit is not None:
+            self.sync_weights(self.policy)  # a refit only when the engine holds another version
         release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
         out: Any = None
@@ -142,7 +155,13 @@ class ModelParallelRollouts(RolloutEngine):
         if self.inner is not None:
             self.inner.should_stop = fn
 
+    def release(self) -> None:
+        if self.inner is not None:
+            self.inner.release()
+
     def sync_weights(self, policy: Policy) -> None:
+        """One refit per weights version: the engine's rank says whether it holds another
+        version (or none), and the whole group refits or none of it does."""
         if self.refit is None or is_single(self.group):
             if self.is_src:
                 self.inner.sync_weights(policy)
@@ -151,6 +170,8 @@ class ModelParallelRollouts(RolloutEngine):
                     _
                 ) in policy.refit_weights():  # serve the gathers; the tensors are not needed here
                     pass
+            return
+        if not self._from_src(self.is_src and self.inner.needs_refit(policy)):
             return
         r = self.refit
         refit = WeightRefit(
@@ -164,7 +185,7 @@ class ModelParallelRollouts(RolloutEngine):
             device=self.device,
         )
         if self.is_src:
-            self.inner.run_refit(refit, policy.refit_weights())
+            self.inner.run_refit(refit, policy.refit_weights(), policy.weights_version)
         else:
             refit.push(policy.refit_weights())
 
@@ -204,3 +225,117 @@ def make_replica(
         device,
         bool(cfg.use_chat_template),
     )
+
+
+def own_gpu_entry() -> Optional[str]:
+    """This rank's GPU as its entry in the node's visible devices (what an engine's
+    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    from nemo_d3s.backends.vllm.placement import local_gpus
+
+    return local_gpus(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())[
+        torch.cuda.current_device()
+    ]
+
+
+def model_parallel_group() -> Tuple[Any, int]:
+    """(Megatron's model-parallel group or None for one rank, its first rank's global rank)."""
+    from megatron.core import parallel_state as ps
+
+    mp = ps.get_model_parallel_group()
+    return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
+
+
+def gloo_twin(mp) -> Any:
+    """A gloo group of the ranks of ``mp`` (Megatron's model-parallel group is NCCL on CUDA;
+    on the CPU it is gloo already and is returned as it is). Collective over the whole job:
+    every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
+    if dist.get_backend(mp) == "gloo":
+        return mp
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
+    groups = sorted({tuple(sorted(r)) for r in everyone})
+    twin, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
+    return twin
+
+
+def place_engine(
+    policy: Any, build: Callable[[], RolloutEngine], gloo_group: Callable[[], Any]
+) -> ModelParallelRollouts:
+    """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
+    TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
+    rank tells the group how refits travel (transport, bucket size, dtype) and on which
+    node and GPUs the engine runs (a rank on one of them stages refit buckets there). An
+    engine that fails to start raises on every rank of the group (none is left waiting).
+    ``policy``: the Megatron backend (its tokenizer and device); ``gloo_group()``: the
+    group's gloo twin (collective on first use)."""
+    mp, src = model_parallel_group()
+    inner, failure = None, None
+    if dist.get_rank() == src:
+        try:
+            inner = build()
+        except Exception as e:
+            failure = e
+    refit = None
+    if inner is not None and getattr(inner, "transport", None) is not None:
+        refit = {
+            "transport": inner.transport,
+            "bucket_bytes": int(inner.bucket_bytes),
+            "dtype": str(inner.weights_dtype).removeprefix("torch."),
+            "host": socket.gethostname(),
+            "gpus": (inner.visible_devices or "").split(","),
+            "workers": int(inner.cfg.tensor_parallel_size),
+        }
+    flags: List[Any] = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+    if failure is not None:
+        flags = [f"{type(failure).__name__}: {failure}"]
+    group = gloo_group() if mp is not None else None
+    if group is not None:
+        dist.broadcast_object_list(flags, src=src, group=group)
+    if failure is not None:
+        raise failure
+    if isinstance(flags[0], str):
+        raise RuntimeError(f"the rollout engine failed to start on rank {src}: {flags[0]}")
+    prompt_seeds, on_policy, refit = flags[0]
+    if refit is not None:
+        same_host = refit.pop("host") == socket.gethostname()
+        gpus, workers = refit.pop("gpus"), refit.pop("workers")
+        if refit["transport"] == "shm":  # the CPU twin: rank src + i stages for worker i
+            refit["hosts_engine_gpu"] = same_host and 0 <= dist.get_rank() - src < workers
+        else:
+            refit["hosts_engine_gpu"] = (
+                policy.device.type == "cuda" and same_host and own_gpu_entry() in gpus
+            )
+    return ModelParallelRollouts(
+        inner,
+        policy.tokenizer,
+        group,
+        src,
+        prompt_seeds=prompt_seeds,
+        on_policy=on_policy,
+        policy=policy,
+        refit=refit,
+        device=policy.device,
+    )
+
+
+def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:
+    """The build of the seeded HF sampler on a transformers replica of the Megatron backend
+    ``policy`` (for :func:`place_engine`); the replica's EOS ids become the policy's."""
+
+    def build() -> ReplicaEngine:
+        replica = make_replica(
+            policy.path,
+            policy.tokenizer,
+            dtype=policy.dtype,
+            device=policy.device,
+            cfg=policy.cfg,
+            eos_ids_fn=lambda m: stop_token_ids(
+                policy.tokenizer, m.generation_config, policy.cfg.stop_tokens
+            ),
+        )
+        policy.eos_ids = replica.eos_ids
+        return ReplicaEngine(replica)
+
+    return build

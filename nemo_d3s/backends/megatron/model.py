@@ -71,7 +71,10 @@ def transformer_engine_error() -> Optional[str]:
             from megatron.core.extensions.transformer_engine import TENorm  # noqa: F401
             from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider  # noqa: F401
         except Exception as e:
-            return f"megatron-core's Transformer Engine extension failed to import: {type(e).__name__}: {e}"
+            return (
+                "megatron-core's Transformer Engine extension failed to import: "
+                f"{type(e).__name__}: {e}"
+            )
         return "megatron-core's gpt_layer_specs reports HAVE_TE=False"
     return None
 
@@ -86,17 +89,19 @@ def use_transformer_engine(impl: str, device: torch.device) -> bool:
     (megatron-core's own modules, by name). On the CPU the local spec is the only one."""
     if impl not in TRANSFORMER_IMPLS:
         raise ConfigError(
-            f"model.params.transformer_impl={impl!r}: expected one of {', '.join(TRANSFORMER_IMPLS)}"
+            f"model.params.transformer_impl={impl!r}: expected one of "
+            f"{', '.join(TRANSFORMER_IMPLS)}"
         )
     if impl == "local" or device.type != "cuda":
         return False
     err = transformer_engine_error()
     if err is not None:
         raise ConfigError(
-            f"model.params.transformer_impl=transformer_engine (the default on CUDA) needs Transformer Engine: {err}. "
-            "Install the gpu extra (pip install 'nemo_d3s[gpu]', or use slurm/Dockerfile), or set "
-            "model.params.transformer_impl=local for megatron-core's local spec (unfused attention: much "
-            "slower and [b, heads, S, S] attention scores per layer)"
+            "model.params.transformer_impl=transformer_engine (the default on CUDA) needs "
+            f"Transformer Engine: {err}. Install the gpu extra (pip install "
+            "'nemo_d3s[gpu]', or use slurm/Dockerfile), or set "
+            "model.params.transformer_impl=local for megatron-core's local spec (unfused "
+            "attention: much slower and [b, heads, S, S] attention scores per layer)"
         )
     return True
 
@@ -227,8 +232,8 @@ def build_stage(
     want = local_names(spec, layout)
     if sorted(names) != sorted(want):
         raise RuntimeError(
-            f"megatron-core built parameters {sorted(set(names) ^ set(want))} that the weight table does not "
-            "expect (a megatron-core version with other names?)"
+            f"megatron-core built parameters {sorted(set(names) ^ set(want))} that the "
+            "weight table does not expect (a megatron-core version with other names?)"
         )
     return model
 
@@ -268,7 +273,8 @@ def load_stage_from_hf(
     for name, p in params.items():
         if tuple(p.shape) != local_shape(name, spec, layout):
             raise RuntimeError(
-                f"{name}: GPTModel shape {tuple(p.shape)} != table {local_shape(name, spec, layout)}"
+                f"{name}: GPTModel shape {tuple(p.shape)} != table "
+                f"{local_shape(name, spec, layout)}"
             )
     for name, p in params.items():
         p.copy_(read_local(name, spec, layout, reader, p.dtype).to(p.device))

@@ -1,5 +1,6 @@
 """Writing NeMo 2 checkpoints (``nemo-d3s-convert megatron-to-nemo``): see ``formats/nemo2.py`` for
-the layout (and the reader); this is the writer, which needs megatron-core's ``dist_checkpointing``."""
+the layout (and the reader); this is the writer, which needs megatron-core's
+``dist_checkpointing``."""
 
 from __future__ import annotations
 

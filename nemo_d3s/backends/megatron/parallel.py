@@ -66,8 +66,9 @@ def set_cuda_connections() -> None:
         return
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         warnings.warn(
-            "CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it does not apply to this "
-            "process; export it before starting Python (slurm/*.sbatch do)",
+            "CUDA was initialised before CUDA_DEVICE_MAX_CONNECTIONS=1 was set: it does "
+            "not apply to this process; export it before starting Python (slurm/*.sbatch "
+            "do)",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -1,7 +1,7 @@
 """Parameter counts of one Megatron (TP rank, PP stage) position, for the dry run
-(``nemo_d3s/dry_run/plan.py``): from the weight table (``formats.weights.local_shape``), as this position's
-share of the HF model, and by building the stage with megatron-core on the meta device under a
-fake process group of the job's world size (no memory, no weights, no collectives)."""
+(``nemo_d3s/dry_run/plan.py``): from the weight table (``formats.weights.local_shape``), as this
+position's share of the HF model, and by building the stage with megatron-core on the meta device
+under a fake process group of the job's world size (no memory, no weights, no collectives)."""
 
 from __future__ import annotations
 
@@ -119,8 +119,8 @@ def meta_param_counts(
                 got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
                 if got != (t, p):
                     raise RuntimeError(
-                        f"megatron placed global rank {rank} at (TP, PP) = {got}, expected {(t, p)}: "
-                        f"its rank order is not {order}"
+                        f"megatron placed global rank {rank} at (TP, PP) = {got}, expected "
+                        f"{(t, p)}: its rank order is not {order}"
                     )
                 layout = Layout(
                     tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False
@@ -151,7 +151,7 @@ def meta_param_counts(
             first = dist.get_global_rank(ps.get_model_parallel_group(), 0)
             if first != last:
                 raise RuntimeError(
-                    f"the TP x PP group of rank {last} starts at rank {first}: megatron's rank order "
-                    f"is not {order}"
+                    f"the TP x PP group of rank {last} starts at rank {first}: megatron's "
+                    f"rank order is not {order}"
                 )
     return {"counts": counts, "built": sorted(counts)}

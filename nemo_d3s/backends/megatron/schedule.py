@@ -3,20 +3,20 @@
 Both passes run ``megatron.core.pipeline_parallel.get_forward_backward_func()`` over
 micro-batches: no pipelining for PP = 1, 1F1B (``forward_backward_pipelining_without_
 interleaving``) for PP > 1, interleaved 1F1B when ``model`` is a list of a virtual pipeline's
-chunks (``..._with_interleaving``: micro-batches padded to a multiple of PP). Only the last pipeline stage has logits; the loss function the
-schedule calls there computes token log-probs (and entropy) from this TP rank's vocabulary
-shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
-vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded
-vocabulary columns (global id >= the real ``vocab_size``) are left out of the softmax,
-which is the same as masking them to -inf before it, and get zero gradient.
+chunks (``..._with_interleaving``: micro-batches padded to a multiple of PP). Only the last pipeline
+stage has logits; the loss function the schedule calls there computes token log-probs (and entropy)
+from this TP rank's vocabulary shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
+vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded vocabulary
+columns (global id >= the real ``vocab_size``) are left out of the softmax, which is the same as
+masking them to -inf before it, and get zero gradient.
 
-Shapes (the package's contract, docs/architecture.md): a rank's batch is ``TokenBatch`` [B, S], right-padded; one micro-batch
-is [b, L] with L <= S its longest attended row (PP = 1) or the step's longest row (PP > 1:
-1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a call must
-have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
+Shapes (the package's contract, docs/architecture.md): a rank's batch is ``TokenBatch`` [B, S],
+right-padded; one micro-batch is [b, L] with L <= S its longest attended row (PP = 1) or the step's
+longest row (PP > 1: 1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a
+call must have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
 dropped). The model returns [b, L, V/TP] logits on the last stage. Per-token results are
-token-aligned: position t holds the quantity of token t computed from the logits at t - 1;
-position 0, padding and positions past L hold 0.
+token-aligned: position t holds the quantity of token t computed from the logits at t - 1; position
+0, padding and positions past L hold 0.
 
 Precondition (the seam's contract): every rank of one model-parallel group (its TP x PP
 peers) calls these functions with the SAME batch; DP ranks hold different batches (possibly
@@ -82,11 +82,13 @@ __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
 def _check_layout(groups: ParallelGroups, config, n_chunks: int) -> None:
     if groups.cp_size > 1:
         raise ValueError(
-            f"context parallelism is not supported by the Megatron schedule step (cp={groups.cp_size})"
+            "context parallelism is not supported by the Megatron schedule step "
+            f"(cp={groups.cp_size})"
         )
     if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
         raise ValueError(
-            "pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the p2p dtype)"
+            "pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the "
+            "p2p dtype)"
         )
     if n_chunks > 1:
         from megatron.core import parallel_state as ps

@@ -46,7 +46,8 @@ class VLLMEngineConfig:
             )
         if self.max_model_len is not None and not count(self.max_model_len, 1):
             raise ValueError(
-                f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null (the model's)"
+                f"max_model_len={self.max_model_len!r}: must be an integer >= 1 or null "
+                "(the model's)"
             )
         if not count(self.cpu_kv_cache_gb, 1):
             raise ValueError(
@@ -54,7 +55,8 @@ class VLLMEngineConfig:
             )
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(
-                f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA graphs on a GPU)"
+                f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA "
+                "graphs on a GPU)"
             )
         b = self.refit_bucket_mb
         if not (isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0):

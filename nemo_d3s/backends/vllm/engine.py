@@ -7,18 +7,24 @@ multiprocessing off, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Inside a multi-rank 
 in its own process (V1 multiprocessing) with torchrun's variables hidden while it starts.
 
 Refit (``backends/refit.py``): bounded buckets through ``collective_rpc`` by method name
-(``worker_ext.py``): CUDA IPC handles on a GPU (weights go GPU to GPU), bytes on the CPU
-build. No generator or tensor is pickled: what crosses is plain and one bucket large.
+(``worker_ext.py``), through one reused staging buffer per staging rank: GPU memory opened
+by CUDA IPC on a GPU (weights go GPU to GPU), a shared-memory file on the CPU build (the same
+logic, ``backends/staging.py``); the worker copies each bucket out before the trainer refills
+the buffer. No generator or tensor is pickled: what crosses is plain handles and names.
 
-Memory (GPU, ``rollout.sleep``): the engine sleeps at level 2 (weights and KV cache dropped,
-nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``) while the policy
-trains. A refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``;
-the worker keeps the model's buffers, e.g. rotary tables, across a level-2 sleep and puts them
-back with the weights, ``v1/worker/gpu_worker.py:301-366``) and fills them; generation then
-wakes the KV cache. After a level-2 sleep the weights are
-gone, so an engine that must generate again before the next refit (an evaluation, a skipped
-update) is refitted first (``stale``). Before the engine wakes, every trainer rank on its
-GPUs frees its cached CUDA blocks (``refit.release_cached_cuda_memory``).
+Memory (``rollout.sleep``): when the trainer is about to need the memory (``release()``:
+scoring and the update, a checkpoint, an export) the engine sleeps at level 2 (weights and KV
+cache dropped, nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``). A
+refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``; the worker
+keeps the model's buffers, e.g. rotary tables, across a level-2 sleep and puts them back with
+the weights, ``v1/worker/gpu_worker.py:301-366``) and fills them; generation then wakes the KV
+cache, and the engine stays awake until the next ``release()``: evaluation batches and the
+next step's rollouts of the same weights cost no refit. The engine refits once per weights
+version (``Policy.weights_version``, bumped by each optimizer step that changed the weights):
+``held_version`` is the version it holds, None after a sleep dropped the weights. The CPU build
+cannot sleep; it forgets what it holds at the same moments, so it refits exactly when a GPU
+engine does (one logic). Before the engine wakes, every trainer rank on its GPUs frees its
+cached CUDA blocks (``refit.release_cached_cuda_memory``).
 
 Seeds: one ``SamplingParams(seed=...)`` per prompt, n samples each, so a prompt's samples
 depend on (prompt, seed, weights) only, not on the other prompts of the call (vLLM seeds a
@@ -42,7 +48,13 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
+from nemo_d3s.backends.base import (
+    GenerationConfig,
+    GenerationInterrupted,
+    Policy,
+    RolloutEngine,
+    Rollouts,
+)
 from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
 from nemo_d3s.backends.refit import (
     DEFAULT_BUCKET_BYTES,
@@ -51,7 +63,7 @@ from nemo_d3s.backends.refit import (
     release_cached_cuda_memory,
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.backends.vllm.placement import engine_devices
+from nemo_d3s.backends.vllm.launch import _engine_env, _in_multi_rank_job, own_gpus
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -78,71 +90,6 @@ def import_vllm():
             f"rollout=vllm needs vLLM: {VLLM_INSTALL_HINT} (import failed: {e})"
         ) from None
     return vllm
-
-
-# torchrun's rendezvous variables; vLLM's workers read them to join a process group.
-_TORCHRUN_ENV = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
-
-
-def _in_multi_rank_job() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def own_gpus(tensor_parallel_size: int) -> Optional[str]:
-    """``CUDA_VISIBLE_DEVICES`` for this rank's engine: the node's devices from this rank's
-    GPU (its current CUDA device, set from ``LOCAL_RANK``) on; None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    devices = engine_devices(
-        torch.cuda.current_device(),
-        tensor_parallel_size,
-        visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
-        gpus_on_node=torch.cuda.device_count(),
-    )
-    return ",".join(devices)
-
-
-@contextlib.contextmanager
-def _engine_env(visible_devices: Optional[str]):
-    """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
-    it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
-    it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
-    with torchrun's rendezvous variables hidden: vLLM's in-process engine would call
-    ``torch.distributed.new_group`` on the job's process group (collective over ranks that
-    never build an engine: a hang), and its workers read those variables. The trainer's own
-    CUDA view does not change (CUDA is initialised in it already)."""
-    saved = {
-        k: os.environ.get(k)
-        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
-    }
-    if visible_devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    if _in_multi_rank_job():
-        for k in _TORCHRUN_ENV:
-            os.environ.pop(k, None)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _holds_hf_weights(folder: str | os.PathLike) -> bool:
@@ -212,7 +159,9 @@ class VLLMEngine(RolloutEngine):
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
-        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "host"
+        # Another process: through a reused staging buffer, GPU memory (CUDA IPC) or its CPU
+        # twin, shared memory; one logic (backends/staging.py).
+        self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "shm"
         self.bucket_bytes = (
             int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
         )
@@ -227,13 +176,12 @@ class VLLMEngine(RolloutEngine):
             ) from e
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
-        self.stale = (
-            False  # True after a level-2 sleep dropped the weights: refit before generating
-        )
+        self.held_version: Optional[int] = None  # the policy's weights version it holds
+        self.refits = 0  # refits done (tests, the self-check)
         self.rpc_log: Optional[List[tuple]] = None  # tests: (method, kwargs) of every refit call
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
-        self._sleep()
+        self.release()
 
     def _in_process(self) -> bool:
         """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
@@ -261,11 +209,27 @@ class VLLMEngine(RolloutEngine):
             return torch.bfloat16
         return dtype
 
-    # ------------------------------------------------------------------ memory (GPU)
-    def _sleep(self) -> None:
-        if self.on_gpu and self.cfg.sleep and not self._asleep:
-            self.llm.sleep(level=2)  # weights too: the next refit overwrites them anyway
-            self._asleep, self._awake_tags, self.stale = True, set(), True
+    # ------------------------------------------------------------------ memory
+    def release(self) -> None:
+        """With ``rollout.sleep``: drop the weights and the KV cache (level-2 sleep on a GPU:
+        the next refit overwrites the weights anyway); the CPU build forgets the weights it
+        holds at the same moment (it cannot sleep), so both refit at the same moments."""
+        if not self.cfg.sleep:
+            return
+        if self.on_gpu and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep, self._awake_tags = True, set()
+        self.held_version = None
+
+    @property
+    def stale(self) -> bool:
+        """Whether the next generation must refit first (the weights it holds are not the
+        policy's current version, or a sleep dropped them)."""
+        return self.needs_refit(self.policy)
+
+    def needs_refit(self, policy: Policy) -> bool:
+        version = getattr(policy, "weights_version", None)
+        return version is None or self.held_version != int(version)
 
     def _wake(self, tags: List[str]) -> None:
         if not self._asleep:
@@ -293,26 +257,23 @@ class VLLMEngine(RolloutEngine):
         self._sent += [m[0] for m in meta]
         self._rpc("refit_tensors", meta=meta, tensors=tensors)
 
-    def load_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> None:
+    def load_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
         self._sent += [m[0] for m in meta]
-        self._rpc("refit_host_bucket", meta=meta, raw=raw)
-
-    def load_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
-        self._sent += [m[0] for m in meta]
-        self._rpc("refit_ipc_bucket", meta=meta, handles=handles)
+        self._rpc("refit_staged_bucket", meta=meta, handles=handles)
 
     def end_refit(self) -> None:
         # vLLM's loader has raised on a name or shape its model lacks (load_weights); this
         # finishes the layer-wise reload and drops the prefix cache (KV of the old weights)
         self._rpc("refit_end")
         self.llm.reset_prefix_cache()
-        self.stale = False
 
     def sync_weights(self, policy: Policy) -> None:
         """Refit from ``policy.refit_weights()`` on this rank alone (a replicated policy; a
         sharded one goes through ``ModelParallelRollouts``, which runs the refit on every rank
         of its group with the transport, bucket size and dtype this engine announced).
         RuntimeError naming the sync when the engine refuses a tensor."""
+        if not self.needs_refit(policy):
+            return  # this version is loaded already (one refit per weights version)
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
         refit = WeightRefit(
             self,
@@ -321,13 +282,16 @@ class VLLMEngine(RolloutEngine):
             dtype=self.weights_dtype,
             device=device,
         )
-        self.run_refit(refit, policy.refit_weights())
+        self.run_refit(refit, policy.refit_weights(), getattr(policy, "weights_version", None))
 
-    def run_refit(self, refit: WeightRefit, weights: Iterable) -> None:
+    def run_refit(self, refit: WeightRefit, weights: Iterable, version: Optional[int]) -> None:
         """``refit.push(weights)``, with vLLM's errors named (every rank calls it; only the
-        engine's rank holds this engine)."""
+        engine's rank holds this engine); ``version``: the policy's weights version it loads."""
+        self.held_version = None  # a refit that fails half-way leaves no version held
         try:
             refit.push(weights)
+            self.refits += 1
+            self.held_version = None if version is None else int(version)
         except Exception as e:
             if refit.is_src:
                 with contextlib.suppress(
@@ -373,13 +337,17 @@ class VLLMEngine(RolloutEngine):
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
-        if self.stale:  # a level-2 sleep dropped the weights since the last refit
-            self.sync_weights(self.policy)
+        self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
         self._wake(["weights", "kv_cache"])
+        # awake until the trainer's release(): more generations of this version cost no refit
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)
-        finally:
-            self._sleep()
+        except Exception as e:
+            if self.should_stop is not None and self.should_stop():
+                # the job's stop signal reached the engine's processes too and they went down
+                # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
+                raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
+            raise
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:

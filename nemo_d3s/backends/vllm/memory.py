@@ -30,8 +30,10 @@ __all__ = [
     "CUDA_GRAPH_BYTES",
     "VLLM_COMM_BYTES",
     "VLLM_CONTEXT_BYTES",
+    "HBM_BYTES_PER_S",
     "engine_positions",
     "engine_plan",
+    "generation_idle",
     "sleeping_engine_bytes",
     "refit_bytes",
 ]
@@ -44,6 +46,9 @@ VLLM_COMM_BYTES = int(
     0.5 * GB
 )  # NCCL buffers + custom all-reduce of vLLM's TP group, TP > 1 (assumed)
 CUDA_GRAPH_BYTES = int(1.0 * GB)  # captured CUDA graphs' private pool, kept through sleep (assumed)
+# The GPU's memory bandwidth for the decode floor below: an H100 SXM's datasheet figure
+# (assumed; an H200's is 4.8e12, which lowers the floor).
+HBM_BYTES_PER_S = 3.35e12
 
 
 def engine_plan(
@@ -100,4 +105,42 @@ def refit_bytes(
         "staging": bucket,
         "held": bucket,
         "gather_shards": largest_tensor_bytes if tp > 1 else 0,
+    }
+
+
+def generation_idle(
+    *,
+    gpus_total: int,
+    gpus_with_engine: int,
+    copy_gpus: int,
+    vllm_tp: int,
+    weight_bytes_per_gpu: float,
+    decode_steps: int,
+) -> Dict[str, object]:
+    """The GPUs that carry no engine, and so wait while the engines generate, and why: the
+    runtime builds one engine per model copy (on its first rank, ``first_ranks_of_model_copies``)
+    that spans at most one node and is refitted from its own copy's ranks, so a copy of
+    ``copy_gpus`` = TP x PP GPUs leaves ``copy_gpus - vllm_tp`` of them without one (the 70B
+    recipes: a copy of 16 GPUs on two nodes, its TP-8 engine on the first: 32 of 64 idle).
+
+    Idle GPU-seconds per step = idle GPUs x the step's generation time (``time_rollout`` in
+    metrics.jsonl); the dry run cannot time generation, so it states a floor: every one of
+    the ``decode_steps`` decode steps reads each engine GPU's weights once at
+    :data:`HBM_BYTES_PER_S` (KV-cache reads, prefill and batching waves only add to it)."""
+    idle = int(gpus_total) - int(gpus_with_engine)
+    floor_s = int(decode_steps) * float(weight_bytes_per_gpu) / HBM_BYTES_PER_S
+    if idle <= 0:
+        why = "every GPU carries an engine shard"
+    else:
+        why = (
+            f"one engine per model copy: a copy spans {copy_gpus} GPUs (TP x PP) and its engine "
+            f"{vllm_tp} (an engine spans at most one node and is refitted from its own copy's "
+            f"ranks), so {copy_gpus - vllm_tp} GPUs of each copy wait while it generates"
+        )
+    return {
+        "gpus_idle_in_generation": idle,
+        "idle_share_in_generation": idle / max(int(gpus_total), 1),
+        "generation_floor_s": floor_s,
+        "idle_gpu_seconds_per_step_min": idle * floor_s,
+        "idle_why": why,
     }

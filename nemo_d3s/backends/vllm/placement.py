@@ -62,7 +62,8 @@ def engine_devices(
         raise ValueError(f"rollout.tensor_parallel_size={tp}: must be >= 1")
     if not 0 <= local_rank < len(devices):
         raise ValueError(
-            f"local rank {local_rank} has no GPU: the node shows {len(devices)} ({','.join(devices)})"
+            f"local rank {local_rank} has no GPU: the node shows {len(devices)} "
+            f"({','.join(devices)})"
         )
     if local_rank + tp > len(devices):
         raise ValueError(
@@ -109,11 +110,13 @@ def engine_placement(
         for g in gpus:
             if (node, g) in owner:
                 raise ValueError(
-                    f"rollout.tensor_parallel_size={tp}: the engines of ranks {owner[(node, g)]} and {r} would share "
-                    f"GPU {g} of node {node} (engines start at ranks {sorted(engine_ranks)[:8]}"
-                    f"{'...' if len(engine_ranks) > 8 else ''}, {gpus_per_node} GPUs per node): use a vLLM TP no "
-                    "larger than the spacing of those ranks (for Megatron: the training TP, or TP x PP with "
-                    "model.params.use_tp_pp_dp_mapping=true)"
+                    f"rollout.tensor_parallel_size={tp}: the engines of ranks "
+                    f"{owner[(node, g)]} and {r} would share GPU {g} of node {node} "
+                    "(engines start at ranks "
+                    f"{sorted(engine_ranks)[:8]}{'...' if len(engine_ranks) > 8 else ''}, "
+                    f"{gpus_per_node} GPUs per node): use a vLLM TP no larger than the "
+                    "spacing of those ranks (for Megatron: the training TP, or TP x PP "
+                    "with model.params.use_tp_pp_dp_mapping=true)"
                 )
             owner[(node, g)] = r
         out.append(EnginePlacement(rank=r, node=node, local_rank=local, gpus=gpus))

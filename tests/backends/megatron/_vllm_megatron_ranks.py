@@ -1,6 +1,6 @@
 """Rank body of test_vllm_megatron.py, run under torchrun (the launch a user has):
-python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER OUT_DIR TP PP.
-Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
+python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER
+OUT_DIR TP PP. Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
 
 from __future__ import annotations
 

