@@ -56,6 +56,7 @@ __all__ = [
     "fsync_tree",
     "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
+    "build_once",
 ]
 
 log = logging.getLogger("nemo_d3s.files")
@@ -375,3 +376,62 @@ def atomic_folder(
                     c.rmdir()
                 except OSError:
                     break
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether another process holds the flock on ``path`` (an absent file is not held;
+    the file is never created here, so a probe leaves nothing behind)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this filesystem: nothing to wait for
+        return False
+    finally:
+        os.close(fd)  # closing drops our probe's lock, if taken
+    return False
+
+
+def build_once(
+    dest: str | os.PathLike,
+    build: Callable[[Path], None],
+    done: Callable[[Path], bool],
+    *,
+    wait_s: float = 1800.0,
+    poll_s: float = 0.2,
+) -> Path:
+    """``dest`` built once by whichever process comes first, every other one waiting for
+    it: the assets every rank of a torchrun job asks for at start-up (the tiny-random
+    folder, the default model's unpacking). ``build(tmp)`` fills the staging folder of an
+    :func:`atomic_folder` (locked, ``replace=False``); ``done(folder)`` says a folder is
+    complete. A process that finds the lock held waits until it is released (the builder
+    finished, failed or died: the kernel releases the lock of a killed process), then
+    uses the finished folder or builds it itself. ``TimeoutError`` naming the holder after
+    ``wait_s`` seconds of a held lock (a builder stopped, not dead)."""
+    dest = Path(dest).expanduser().absolute()
+    lock = dest.parent / f".{dest.name}.lock"
+    while True:
+        if done(dest):
+            return dest
+        try:
+            with atomic_folder(dest, replace=False, peer_done=done) as tmp:
+                build(tmp)
+            return dest
+        except FolderBusy as busy:
+            deadline, said = time.monotonic() + wait_s, False
+            while _lock_held(lock):
+                if not said:
+                    log.info("waiting for %s, being built by %s", dest, busy.holder)
+                    said = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{str(dest)!r} has been built by {busy.holder} for over "
+                        f"{wait_s:.0f} s; stop that process or remove {str(lock)!r}"
+                    ) from None
+                time.sleep(poll_s)

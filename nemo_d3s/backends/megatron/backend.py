@@ -1,7 +1,8 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+Built from a local HF folder (Llama / Mistral / Qwen2 / Qwen3), a converted Megatron
+checkpoint, a NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge checkpoint (told apart by
+``formats.detect_format``): ``formats.spec.ModelSpec`` ->
 ``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
 ``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training

@@ -23,8 +23,8 @@ from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
 from nemo_d3s.files import verify_checksums
-from nemo_d3s.formats.checksums import checksum_error, has_checksums
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, FolderFormat
+from nemo_d3s.formats.checksums import checksum_error, has_checksums, missing_checksums
+from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, FolderFormat
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -256,9 +256,12 @@ def verify_shared(fmt: FolderFormat, verify: bool = True) -> None:
     and all raise the same ConfigError."""
     import torch.distributed as dist
 
-    if not verify or fmt.kind not in (MEGATRON, NEMO2) or not has_checksums(fmt.folder):
+    if not verify or fmt.kind not in (MEGATRON, NEMO2, MEGATRON_LM):
         return
     folder = fmt.folder
+    if not has_checksums(folder):  # every rank sees the same folder: the same verdict
+        missing_checksums(folder, "set model.params.verify_checksums=false")
+        return
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems: List[Optional[str]] = [verify_checksums(folder, part=(rank, world))]
