@@ -39,10 +39,12 @@ __all__ = ["all_checks", "main", "run_rank"]
 
 def all_checks():
     from nemo_d3s.selfcheck import (
+        cluster_checks,
         comm_checks,
         env_checks,
         gpu_checks,
         model_checks,
+        pipeline_checks,
         refit_checks,
         rl_checks,
         vllm_checks,
@@ -50,8 +52,10 @@ def all_checks():
 
     return [
         *env_checks.CHECKS,
+        *cluster_checks.CHECKS,
         *comm_checks.CHECKS,
         *model_checks.CHECKS,
+        *pipeline_checks.CHECKS,
         *rl_checks.CHECKS,
         *refit_checks.CHECKS,
         *gpu_checks.CHECKS,

@@ -167,14 +167,28 @@ def init_groups(
     cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int
 ) -> ParallelGroups:
     """Megatron's ``initialize_model_parallel`` on the job's process group (collective); an
-    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness)."""
+    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness).
+    The world, Megatron's groups and the gloo twin of the model-parallel group all wait
+    ``cfg.dist_timeout_minutes`` (``distributed.timeouts``); the twin is made from the layout
+    (``parallel.make_model_parallel_gloo_twin``), with no NCCL collective."""
     from megatron.core import parallel_state as ps
 
+    from nemo_d3s.backends.megatron import parallel as par
+    from nemo_d3s.distributed.timeouts import apply_timeout, as_timedelta
+
+    order = par.rank_order(cfg.use_tp_pp_dp_mapping)
+    timeout = as_timedelta(cfg.dist_timeout_minutes)
     if world_size() <= 1 and not dist.is_initialized():
         # Megatron's groups need a process group even for one process: a private
         # one-rank group on an in-memory store (no port, no rendezvous).
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            **({"timeout": timeout} if timeout else {}),
+        )
         world = ParallelGroups(
             device=device if device.type == "cuda" else torch.device("cpu"), owns_world=True
         )
@@ -192,11 +206,17 @@ def init_groups(
             raise ValueError(
                 f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, vpp)}"
             )
+        if par.model_parallel_gloo_group() is None:  # initialised by other code
+            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes)
+        apply_timeout(timeout)
     else:
-        from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
-
-        initialize_megatron_groups(
-            world.global_rank, tp, pp, order=rank_order(cfg.use_tp_pp_dp_mapping), vpp=vpp
+        par.initialize_megatron_groups(
+            world.global_rank,
+            tp,
+            pp,
+            order=order,
+            vpp=vpp,
+            timeout_minutes=cfg.dist_timeout_minutes,
         )
     single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
     return ParallelGroups(

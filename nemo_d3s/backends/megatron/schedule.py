@@ -386,6 +386,8 @@ def train_step(
     else:
         for p in local_params(chunks):
             p.grad = None
+            if getattr(p, "main_grad", None) is not None:  # (main_weights: fp32 accumulation)
+                p.main_grad = None
 
     _schedule(chunks, mbs, inputs, loss_for, forward_only=False)
 

@@ -46,6 +46,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.backends.megatron.main_weights import grad_of
 from nemo_d3s.distributed._comm import is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
@@ -111,8 +112,9 @@ def allreduce_tp_partial_grads(
             partial = getattr(p, "sequence_parallel", False) or (
                 qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
             )
-            if p.requires_grad and partial and p.grad is not None:
-                grads.setdefault(p.grad.dtype, []).append(p.grad)
+            g = grad_of(p) if p.requires_grad else None  # fp32 main_grad under MainWeightsAdamW
+            if partial and g is not None:
+                grads.setdefault(g.dtype, []).append(g)
     for dtype in sorted(grads, key=str):  # the same order on every rank
         gs = grads[dtype]
         flat = torch.cat([g.reshape(-1) for g in gs])
