@@ -1,32 +1,41 @@
 #!/usr/bin/env python3
-"""Do the GPU container's pins agree with each other's declared requirements?
+"""Do the GPU container's pins, its base image's torch and Transformer Engine, and nemo_d3s
+resolve together?
 
     python slurm/container_pins.py                 # offline: check slurm/container-lock.json
     python slurm/container_pins.py --refresh DIR   # network: re-read the wheels' METADATA
                                                    # (pip download --no-deps into DIR), re-pick
-                                                   # the shared dependencies, rewrite the lock
+                                                   # the shared dependencies, re-run the pip
+                                                   # resolution, rewrite the lock
+    python slurm/container_pins.py --check-base    # inside the image: its torch and TE lie
+                                                   # inside BASE (slurm/Dockerfile runs it)
 
-The pins are ``slurm/container-requirements.txt`` (what slurm/Dockerfile installs). The lock
-records, per pinned distribution, the ``Requires-Dist`` lines of its real wheel (CPython 3.12,
-manylinux x86_64: the image's platform), and, for every other package that two or more of
-them (or nemo_d3s) require, the newest release on the index that satisfies all of them.
+The pins are ``slurm/container-requirements.txt`` (what slurm/Dockerfile installs on top of
+the NGC base image); the base provides torch and Transformer Engine (:data:`BASE`: the ranges
+the image's own builds must lie in). vLLM is built from source against the base's torch: its
+requirements are its wheel's minus every line naming torch (:data:`SOURCE_BUILT`, what vLLM's
+``use_existing_torch.py`` removes from its requirements files).
+
+The lock records, per pinned distribution, the ``Requires-Dist`` lines of its real wheel
+(CPython 3.12, manylinux x86_64: the image's platform); for every other package that two or
+more of them (or nemo_d3s) require, the newest release satisfying all of them; the releases
+on the index inside each BASE range; and ``resolved``: what ``pip install --dry-run
+--report`` (no local pip configuration) installs for the source-built vLLM's requirements,
+the other pins and nemo_d3s's dependencies, with a PyPI torch standing in for the base's at
+each end of BASE's torch range (``--refresh`` runs it with Python 3.12). That is the proof
+that the set resolves (TE, the base's, is left out of it: its PyPI torch extension is an
+sdist that needs CUDA to build).
 
 The check (no network): every requirement a pinned distribution or nemo_d3s (its
 dependencies plus its ``gpu`` and ``vllm`` extras, from pyproject.toml) declares on another
-pinned distribution admits the pinned version, with the markers evaluated for that platform
-and the extras the pins ask for; every shared package's recorded version satisfies everyone's
-specifier; the lock's pins are the requirements file's. Exit 0 when all agree, 1 with one
-line per disagreement, 2 with one line naming the file (and line) when the requirements file
-or the lock cannot be read as such: a line that is not a requirement, a pin with an
-environment marker (the image is one platform: a marker would make the check skip it) or
-a second pin of one package; a missing, truncated or garbled lock.
-
-Not read (said in the lock): torch's own wheel (about 1 GB; its requirements are its CUDA
-libraries, none of them pinned here, and everyone's requirement ON torch is checked), the
-Transformer Engine core library wheel (transformer_engine_cu13, hundreds of MB; pinned ==
-by the transformer-engine wheel that is read) and transformer-engine-torch (an sdist whose
-metadata needs a CUDA build to produce; pinned == likewise). The full transitive resolution,
-CUDA libraries included, is pip's inside ``docker build`` (it ends with ``pip check``).
+pinned distribution admits the pinned version, and on a base-provided one admits every
+recorded release inside BASE, with the markers evaluated for that platform and the extras
+the pins ask for; every shared package's recorded version satisfies everyone's specifier;
+each resolution holds every pin at its version; the lock's pins and BASE are the ones here.
+Exit 0 when all agree, 1 with one line per disagreement, 2 with one line naming the file (and
+line) when the requirements file or the lock cannot be read as such: a line that is not a
+requirement, a pin with an environment marker (the image is one platform: a marker would make
+the check skip it) or a second pin of one package; a missing, truncated or garbled lock.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -53,12 +63,27 @@ LOCK = HERE / "container-lock.json"
 PYPROJECT = HERE.parent / "pyproject.toml"
 PROJECT_EXTRAS = ("gpu", "vllm")
 
-# The image's platform (slurm/Dockerfile checks its base against it).
+# What the NGC base image provides (kept, never replaced): distribution -> the range its
+# version must lie in. torch: vLLM 0.33.0 is written for torch 2.14 (its wheel pins
+# ==2.14.0) and nemo_d3s is tested to 2.15 (nemo_d3s/versions.py TESTED); NVIDIA's builds
+# are pre-releases (2.15.0a0+<commit>), admitted. transformer-engine: megatron-core 0.19's line
+# in nemo_d3s/versions.py. tests/test_container.py checks both against that module.
+BASE = {"torch": ">=2.14.0a0,<2.16", "transformer-engine": ">=2.9.0a0,<2.21.0"}
+# Pinned distributions built from source against the base: their wheel's requirements minus
+# every line naming this word (vLLM's use_existing_torch.py does that to its requirement files).
+SOURCE_BUILT = {"vllm": "torch"}
+NOT_READ = {
+    "torch": "the base image's build is used, not PyPI's; requirements on it are checked "
+    "against BASE",
+    "transformer-engine": "the base image's build is used (PyPI's torch extension is an sdist); "
+    "requirements on it are checked against BASE",
+}
+
+# The image's platform (slurm/Dockerfile checks its base against it): CPython 3.12 on glibc
+# >= 2.35 (NGC's PyTorch images are Ubuntu 22.04 or later; vLLM's llguidance needs 2.31).
 PYTHON = "3.12"
-PLATFORMS = (
-    "manylinux_2_28_x86_64",
-    "manylinux_2_27_x86_64",
-    "manylinux_2_17_x86_64",
+GLIBC = (2, 35)
+PLATFORMS = tuple(f"manylinux_2_{m}_x86_64" for m in range(GLIBC[1], 16, -1)) + (
     "manylinux2014_x86_64",
 )
 ENV = {
@@ -71,18 +96,6 @@ ENV = {
     "os_name": "posix",
     "implementation_name": "cpython",
     "platform_python_implementation": "CPython",
-}
-NOT_READ = {
-    "torch": (
-        "about 1 GB; its requirements are its own CUDA libraries (none pinned here); "
-        "requirements on it are checked"
-    ),
-    "transformer-engine-cu13": (
-        "the TE core library (hundreds of MB), pinned == by transformer-engine's METADATA"
-    ),
-    "transformer-engine-torch": (
-        "an sdist (metadata needs a CUDA build), pinned == by transformer-engine's METADATA"
-    ),
 }
 
 Pins = Dict[str, Tuple[str, Tuple[str, ...]]]  # canonical name -> (version, extras)
@@ -140,6 +153,8 @@ def read_lock(path: Path = LOCK) -> dict:
         and isinstance(lock.get("pins"), dict)
         and isinstance(lock.get("requires"), dict)
         and isinstance(lock.get("shared", {}), dict)
+        and isinstance(lock.get("base", {}), dict)
+        and isinstance(lock.get("resolved", {}), dict)
     )
     if not ok:
         raise PinsError(f"{path}: not a lock (no pins / requires tables); {hint}")
@@ -163,12 +178,19 @@ def _applies(req: Requirement, extras: Tuple[str, ...]) -> bool:
     return any(req.marker.evaluate({**ENV, "extra": e}) for e in ("", *extras))
 
 
+def _built_requires(name: str, lines: List[str]) -> List[str]:
+    """What a pinned distribution requires as the image installs it (a source build drops the
+    lines naming its word)."""
+    word = SOURCE_BUILT.get(name)
+    return [line for line in lines if word is None or word not in line.lower()]
+
+
 def _declared(lock: dict, pins: Pins) -> List[Tuple[str, Requirement]]:
     """(who, requirement) for every requirement that applies in the image."""
     out = []
     for name, lines in lock["requires"].items():
         version, extras = lock["pins"][name][0], tuple(lock["pins"][name][1])
-        for line in lines:
+        for line in _built_requires(name, lines):
             req = Requirement(line)
             if _applies(req, extras):
                 out.append((f"{name}=={version}", req))
@@ -187,6 +209,9 @@ def check(lock: dict, pins: Pins) -> List[str]:
         problems.append(
             f"the lock's pins {locked} are not {REQUIREMENTS.name}'s {pins}: run --refresh"
         )
+    base = lock.get("base", {})
+    if {k: v["range"] for k, v in base.items()} != BASE:
+        problems.append(f"the lock's base ranges are not BASE {BASE}: run --refresh")
     shared = lock.get("shared", {})
     for who, req in _declared(lock, pins):
         name = canonicalize_name(req.name)
@@ -202,6 +227,14 @@ def check(lock: dict, pins: Pins) -> List[str]:
                     f"{who} requires {req.name}[{','.join(sorted(missing))}], not in the "
                     "pin's extras"
                 )
+        elif name in BASE:
+            releases = base.get(name, {}).get("releases", [])
+            outside = [v for v in releases if not req.specifier.contains(v, prereleases=True)]
+            if outside or not releases:
+                problems.append(
+                    f"{who} requires {req.name}{req.specifier} but the base image may have "
+                    f"{name} {', '.join(outside) or '(no release recorded)'} (BASE {BASE[name]})"
+                )
         elif name in shared:
             version = shared[name]["version"]
             if version is None or not req.specifier.contains(version, prereleases=True):
@@ -209,15 +242,51 @@ def check(lock: dict, pins: Pins) -> List[str]:
                     f"{who} requires {req.name}{req.specifier}; no release satisfies everyone "
                     f"({shared[name]['specifiers']})"
                 )
+    resolved = lock.get("resolved", {})
+    if not resolved:
+        problems.append("the lock records no pip resolution: run --refresh")
+    for torch, chosen in resolved.items():
+        if chosen.get("error"):
+            problems.append(f"with {torch}: pip does not resolve the set: {chosen['error']}")
+            continue
+        for name, (version, _) in pins.items():
+            if chosen.get(name) != version and name not in SOURCE_BUILT:
+                problems.append(
+                    f"with {torch}: pip resolved {name} {chosen.get(name)}, pin {version}"
+                )
+    return problems
+
+
+def check_base() -> List[str]:
+    """Inside the image: the installed torch and Transformer Engine lie inside BASE."""
+    import importlib.metadata as md
+
+    problems = []
+    for name, spec in BASE.items():
+        try:
+            version = md.version(name)
+        except md.PackageNotFoundError:
+            problems.append(f"the base image has no {name} (need {name}{spec})")
+            continue
+        if not SpecifierSet(spec).contains(Version(version), prereleases=True):
+            problems.append(
+                f"the base image has {name} {version}, outside {spec}: pick another BASE_IMAGE"
+            )
     return problems
 
 
 # ---------------------------------------------------------------------------- refresh (network)
+def _no_local_pip_config() -> Dict[str, str]:
+    """The environment without PIP_* variables and with PIP_CONFIG_FILE=os.devnull, which
+    makes pip skip every configuration file (a machine's global constraints or indexes
+    included; ``--isolated`` alone still reads the global one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    return {**env, "PIP_CONFIG_FILE": os.devnull}
+
+
 def _pip(*args: str) -> str:
     cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", *args]
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("PIP_")
-    }  # no local constraints or indexes
+    env = _no_local_pip_config()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -254,7 +323,7 @@ def _requires_dist(wheel_dir: Path, name: str, version: str) -> List[str]:
 
 
 def _index_versions(name: str) -> List[Version]:
-    out = _pip("index", "versions", name)
+    out = _pip("index", "versions", "--python-version", PYTHON, name)
     m = re.search(r"Available versions: (.*)", out)
     versions = []
     for v in m.group(1).split(",") if m else []:
@@ -265,27 +334,69 @@ def _index_versions(name: str) -> List[Version]:
     return sorted(versions, reverse=True)
 
 
-def refresh(wheel_dir: Path, pins: Pins) -> dict:
+def _resolve(lock: dict, pins: Pins, torch: str) -> Dict[str, str]:
+    """``pip install --dry-run --report`` of the image's Python set with ``torch`` standing in
+    for the base's (TE, the base's, and a requirement on a base package are left out):
+    {distribution: version}, or {"error": pip's last line}. Run by Python 3.12 on Linux
+    x86_64 (the image's platform; pip's own resolution with --platform / --only-binary
+    refuses sdist-only releases the image's pip would build, so it is not used)."""
+    import platform
+
+    if sys.version_info[:2] != (3, 12) or platform.machine() != "x86_64":
+        raise SystemExit(
+            "--refresh resolves the set for the image: run it with Python 3.12 on x86_64"
+        )
+    lines = [f"torch=={torch}"]
+    for who, req in _declared(lock, pins):
+        name = canonicalize_name(req.name)
+        if name in BASE or name in SOURCE_BUILT:
+            continue
+        req.marker = None  # _declared kept only what applies in the image
+        lines.append(str(req))
+    lines += [f"{n}=={v}" for n, (v, _) in pins.items() if n not in SOURCE_BUILT]
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs, report = Path(tmp) / "requirements.txt", Path(tmp) / "report.json"
+        reqs.write_text("\n".join(lines) + "\n")
+        cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check"]
+        cmd += ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
+        env = _no_local_pip_config()
+        r = subprocess.run(cmd + ["-r", str(reqs)], capture_output=True, text=True, env=env)
+        if r.returncode:
+            return {"error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        installed = json.loads(report.read_text())["install"]
+    return {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in installed}
+
+
+def refresh(wheel_dir: Path, pins: Pins, resolve: bool = True) -> dict:
     wheel_dir.mkdir(parents=True, exist_ok=True)
     requires = {
-        name: _requires_dist(wheel_dir, name, version)
-        for name, (version, _) in pins.items()
-        if name not in NOT_READ
+        name: _requires_dist(wheel_dir, name, version) for name, (version, _) in pins.items()
     }
     lock = {
-        "note": (
-            "written by slurm/container_pins.py --refresh; read by its check (see its docstring)"
-        ),
+        "note": "written by slurm/container_pins.py --refresh; read by its check "
+        "(see its docstring)",
         "platform": {"python": PYTHON, "platforms": list(PLATFORMS)},
         "pins": {k: [v, list(e)] for k, v, e in ((k, *pins[k]) for k in sorted(pins))},
         "requires": requires,
+        "source_built": SOURCE_BUILT,
         "not_read": NOT_READ,
+        "base": {
+            name: {
+                "range": spec,
+                "releases": sorted(
+                    (str(v) for v in _index_versions(name) if SpecifierSet(spec).contains(v)),
+                    key=Version,
+                ),
+            }
+            for name, spec in BASE.items()
+        },
         "shared": {},
+        "resolved": {},
     }
     specs: Dict[str, Dict[str, str]] = {}
     for who, req in _declared(lock, pins):
         name = canonicalize_name(req.name)
-        if name not in pins:
+        if name not in pins and name not in BASE:
             specs.setdefault(name, {})[who] = str(req.specifier)
     for name, by in sorted(specs.items()):
         if len(by) < 2:
@@ -293,6 +404,13 @@ def refresh(wheel_dir: Path, pins: Pins) -> dict:
         together = SpecifierSet(",".join(s for s in by.values() if s))
         version = next((str(v) for v in _index_versions(name) if together.contains(v)), None)
         lock["shared"][name] = {"version": version, "specifiers": by}
+    if resolve:
+        lock["platform"]["resolved_on"] = (
+            f"CPython {sys.version.split()[0]}, {os.confstr('CS_GNU_LIBC_VERSION')}"
+        )
+        torches = lock["base"]["torch"]["releases"]
+        for torch in sorted({torches[0], torches[-1]}, key=Version):
+            lock["resolved"][f"torch=={torch}"] = _resolve(lock, pins, torch)
     return lock
 
 
@@ -301,10 +419,15 @@ def main(argv=None) -> int:
     p.add_argument(
         "--refresh",
         metavar="DIR",
-        help="re-read the wheels (downloaded into DIR) and rewrite the lock",
+        help="re-read the wheels (downloaded into DIR), re-resolve and rewrite the lock",
     )
     p.add_argument(
         "--lock", default=str(LOCK), help="the lock file (default: slurm/container-lock.json)"
+    )
+    p.add_argument(
+        "--check-base",
+        action="store_true",
+        help="inside the image: its torch and Transformer Engine lie inside BASE",
     )
     p.add_argument(
         "--requirements",
@@ -312,6 +435,11 @@ def main(argv=None) -> int:
         help="the pins (default: slurm/container-requirements.txt)",
     )
     args = p.parse_args(argv)
+    if args.check_base:
+        problems = check_base()
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        return 1 if problems else 0
     try:
         pins = read_pins(Path(args.requirements))
         if args.refresh:
@@ -328,8 +456,10 @@ def main(argv=None) -> int:
         print(f"error: {line}", file=sys.stderr)
     if not problems:
         print(
-            f"{len(pins)} pins agree with {sum(len(v) for v in lock['requires'].values())} "
-            f"declared requirements and {len(lock['shared'])} shared dependencies"
+            f"{len(pins)} pins and the base's {', '.join(BASE)} agree with "
+            f"{sum(len(v) for v in lock['requires'].values())} declared requirements and "
+            f"{len(lock['shared'])} shared dependencies; pip resolves the set with "
+            f"{' and '.join(lock['resolved'])}"
         )
     return 1 if problems else 0
 

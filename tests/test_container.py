@@ -1,7 +1,9 @@
-"""The GPU container recipe (slurm/Dockerfile): its pins agree with each other's declared
-requirements (slurm/container_pins.py on the committed lock; slow: the lock re-read from the
-real wheels on the index), the gpu extra carries megatron-core's own Transformer Engine
-range, the Dockerfile installs the pinned set and passes hadolint."""
+"""The GPU container recipe (slurm/Dockerfile): one torch, the NGC base image's, with its own
+Transformer Engine; vLLM built against it. Its pins, the base's torch / TE ranges and nemo_d3s
+agree with each other's declared requirements and pip resolves them (slurm/container_pins.py
+on the committed lock; slow: the lock re-read from the real wheels on the index); the base
+ranges are nemo_d3s's tested ones; the Dockerfile installs the pinned set and passes
+hadolint."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def test_the_committed_pins_agree():
         [sys.executable, str(SLURM / "container_pins.py")], capture_output=True, text=True
     )
     assert r.returncode == 0, r.stderr
-    assert "7 pins agree" in r.stdout
+    assert "3 pins and the base's torch, transformer-engine agree" in r.stdout
+    assert "pip resolves the set with torch==2.14.0 and torch==2.15.0" in r.stdout
 
 
 @pytest.mark.parametrize(
@@ -51,12 +54,12 @@ def test_the_committed_pins_agree():
             "5.21.0",
             "vllm==0.33.0 requires transformers<5.21.0,>=5.16.1 but the pin is 5.21.0",
         ),
-        ("torch", "2.13.0", "vllm==0.33.0 requires torch==2.14.0 but the pin is 2.13.0"),
         (
-            "transformer-engine",
-            "2.12.0",
-            "nemo_d3s[gpu] requires transformer-engine<2.12.0,>=2.9.0a0 but the pin is 2.12.0",
+            "megatron-core",
+            "0.18.0",
+            "nemo_d3s requires megatron-core<0.20,>=0.19 but the pin is 0.18.0",
         ),
+        ("vllm", "0.34.0", "nemo_d3s[vllm] requires vllm<0.34,>=0.32 but the pin is 0.34.0"),
     ],
 )
 def test_a_disagreeing_pin_is_named(name, version, message):
@@ -65,6 +68,41 @@ def test_a_disagreeing_pin_is_named(name, version, message):
     problems = cp.check(_lock(), pins)
     assert message in problems, problems
     assert any("run --refresh" in p for p in problems)  # the lock no longer matches the pins
+
+
+def test_vllm_built_against_the_base_torch_drops_only_its_torch_lines():
+    """vLLM's wheel pins torch==2.14.0 (recorded); built from source (use_existing_torch.py) it
+    does not, and every other requirement of it is still checked."""
+    lock = _lock()
+    assert "torch==2.14.0" in lock["requires"]["vllm"]
+    declared = [(who, str(r)) for who, r in cp._declared(lock, cp.read_pins())]
+    assert not [d for d in declared if d[0] == "vllm==0.33.0" and "torch" in d[1]]
+    assert ("vllm==0.33.0", "transformers<5.21.0,>=5.16.1") in declared
+    assert cp.check(lock, cp.read_pins()) == []
+
+
+def test_a_base_release_outside_a_requirement_is_named():
+    lock = _lock()
+    lock["base"]["torch"]["releases"].append("2.16.0")
+    problems = cp.check(lock, cp.read_pins())
+    assert (
+        "nemo_d3s requires torch<2.16,>=2.13 but the base image may have torch 2.16.0 "
+        "(BASE >=2.14.0a0,<2.16)" in problems
+    ), problems
+
+
+def test_a_set_pip_does_not_resolve_is_named():
+    lock = _lock()
+    lock["resolved"]["torch==2.15.0"] = {"error": "ResolutionImpossible: ..."}
+    problems = cp.check(lock, cp.read_pins())
+    assert "with torch==2.15.0: pip does not resolve the set: ResolutionImpossible: ..." in problems
+
+
+def test_the_resolutions_hold_the_pins():
+    for torch, chosen in _lock()["resolved"].items():
+        assert chosen["torch"] == torch.split("==")[1]
+        assert chosen["megatron-core"] == "0.19.2" and chosen["transformers"] == "5.20.2"
+        assert "vllm" not in chosen and "transformer-engine" not in chosen  # built / the base's
 
 
 def test_a_shared_dependency_without_a_common_release_is_named():
@@ -76,36 +114,74 @@ def test_a_shared_dependency_without_a_common_release_is_named():
     ), problems
 
 
-def test_the_gpu_extra_is_megatron_cores_own_te_range():
-    """megatron-core 0.16.1's METADATA (recorded in the lock) declares the Transformer Engine
-    range it supports; nemo_d3s's gpu extra must say the same."""
+def test_the_base_ranges_are_the_tested_ones():
+    """The base's torch lies inside nemo_d3s's tested torch, its TE range is megatron-core
+    0.19's line (nemo_d3s/versions.py), which is the gpu extra's on Python 3.12."""
     import tomllib
 
+    from nemo_d3s import versions
+
+    base_torch = SpecifierSet(cp.BASE["torch"])
+    tested = SpecifierSet(versions.TESTED["torch"])
+    for v in ("2.14.0a0", "2.14.0", "2.15.0", "2.15.9"):
+        assert base_torch.contains(v, prereleases=True) and tested.contains(v, prereleases=True)
+    assert not base_torch.contains("2.16.0a0", prereleases=True)
+    line = next(m for m in versions.MEGATRON_LINES if SpecifierSet(m.python).contains("3.12"))
+    assert SpecifierSet(cp.BASE["transformer-engine"]) == SpecifierSet(line.transformer_engine)
+    assert SpecifierSet(line.megatron_core).contains(cp.read_pins()["megatron-core"][0])
+    gpu = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "gpu"
+    ]
+    te = [Requirement(r) for r in gpu if r.startswith("transformer-engine")]
+    ours = [r for r in te if r.marker.evaluate({"python_version": "3.12"})]
+    assert len(ours) == 1 and ours[0].specifier == SpecifierSet(cp.BASE["transformer-engine"])
+
+
+def test_megatron_core_019_declares_te_without_a_version():
+    """Why the TE range is ours, not megatron-core's: its 0.19.2 METADATA (in the lock)."""
     mcore = [Requirement(r) for r in _lock()["requires"]["megatron-core"]]
     te = [r for r in mcore if r.name == "transformer-engine"]
-    assert len(te) == 1 and str(te[0].marker) == 'extra == "dev"'
-    gpu = [
-        Requirement(r)
-        for r in tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
-            "optional-dependencies"
-        ]["gpu"]
-    ]
-    ours = next(r for r in gpu if r.name == "transformer-engine")
-    assert ours.specifier == te[0].specifier == SpecifierSet(">=2.9.0a0,<2.12.0")
-    assert "pytorch" in ours.extras
+    assert len(te) == 1 and str(te[0].marker) == 'extra == "te"' and not te[0].specifier
 
 
-def test_the_dockerfile_installs_the_pins():
+@pytest.mark.parametrize(
+    "installed,message",
+    [
+        ({"torch": "2.15.0a0+e6f2b93.nv26.10", "transformer-engine": "2.16.0+7b3c1d"}, None),
+        (
+            {"torch": "2.13.0a0+abc", "transformer-engine": "2.16.0"},
+            "the base image has torch 2.13.0a0+abc, outside >=2.14.0a0,<2.16",
+        ),
+        ({"torch": "2.15.0"}, "the base image has no transformer-engine"),
+    ],
+)
+def test_check_base_judges_the_images_own_builds(installed, message, monkeypatch):
+    import importlib.metadata as md
+
+    def version(name):
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(md, "version", version)
+    problems = cp.check_base()
+    assert problems == [] if message is None else any(message in p for p in problems), problems
+
+
+def test_the_dockerfile_keeps_the_base_torch_and_builds_vllm_against_it():
     text = (SLURM / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:" in text and "FROM ${BASE_IMAGE}" in text
-    assert (
-        "COPY slurm/container-requirements.txt" in text
-        and "pip install -r /tmp/pins-no-te.txt" in text
-    )
-    assert '".[gpu,vllm]"' in text and "pip check" in text
+    assert "python slurm/container_pins.py --check-base" in text
+    assert "PIP_CONSTRAINT=/opt/base-constraints.txt" in text  # the base's torch stack frozen
+    assert "pip uninstall" not in text  # nothing of the base is replaced
+    assert "python use_existing_torch.py" in text and "--no-build-isolation ." in text
+    assert "ARG VLLM_REF=v" + cp.read_pins()["vllm"][0] in text
+    assert "pip install -r /tmp/pins-rest.txt" in text and "pip check" in text
+    assert "check_stack(" in text  # nemo_d3s's own version check in the image
     assert (
         "sys.version_info[:2] == (3, 12)" in text and cp.PYTHON == "3.12"
     )  # the platform the lock was read for
+    assert f">= {cp.GLIBC}" in text and cp.PLATFORMS[0] == "manylinux_2_35_x86_64"
 
 
 def test_dockerfile_lint():
@@ -121,9 +197,10 @@ def test_the_lock_is_what_the_wheels_declare(tmp_path):
     NEMO_D3S_WHEEL_DIR to reuse a folder) and the shared dependencies' releases on the index:
     the requirements recorded in the lock are the wheels' own, and they still agree."""
     wheels = Path(os.environ.get("NEMO_D3S_WHEEL_DIR", tmp_path / "wheels"))
-    fresh = cp.refresh(wheels, cp.read_pins())
+    fresh = cp.refresh(wheels, cp.read_pins(), resolve=False)
     lock = _lock()
     assert fresh["requires"] == lock["requires"] and fresh["pins"] == lock["pins"]
+    fresh["resolved"] = lock["resolved"]  # pip's resolution: --refresh, minutes more
     assert cp.check(fresh, cp.read_pins()) == []
 
 
@@ -137,11 +214,13 @@ def _pins_cli(*args):
     "change, message",
     [
         (
-            lambda t: t.replace("torch==2.14.0", 'torch==2.14.0; python_version < "3.10"'),
+            lambda t: t.replace(
+                "megatron-core==0.19.2", 'megatron-core==0.19.2; python_version < "3.10"'
+            ),
             "has an environment marker; the image is one platform",
         ),
-        (lambda t: t + "torch==2.13.0\n", "torch is pinned again (line "),
-        (lambda t: t + "torch ==\n", "'torch ==' is not a requirement"),
+        (lambda t: t + "megatron-core==0.19.0\n", "megatron-core is pinned again (line "),
+        (lambda t: t + "megatron-core ==\n", "'megatron-core ==' is not a requirement"),
         (lambda t: t + "numpy>=2\n", "'numpy>=2' is not an exact pin"),
     ],
 )

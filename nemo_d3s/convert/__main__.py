@@ -276,10 +276,13 @@ def _terminate(signum, frame):
 
 
 def _run(args: argparse.Namespace) -> int:
-    from nemo_d3s.errors import ConfigError
+    from nemo_d3s.errors import ConfigError, RunError
     from nemo_d3s.convert import core, verify_logits
+    from nemo_d3s.versions import check_stack
 
     try:
+        # torch reads and writes every format; megatron-core writes NeMo 2
+        check_stack(["torch"] + (["megatron-core"] if args.command == "megatron-to-nemo" else []))
         if args.command == "hf-to-megatron":
             out = core.hf_to_megatron(
                 args.hf,
@@ -343,7 +346,7 @@ def _run(args: argparse.Namespace) -> int:
             )
             print(res.verdict())
             return 0 if res.ok else 1
-    except (ConfigError, OSError) as e:
+    except (ConfigError, RunError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

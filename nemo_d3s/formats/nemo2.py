@@ -87,11 +87,23 @@ class _Record:
 
 
 class _TensorProperties(_Record):
-    """DCP pickles TensorProperties as (dtype, layout, requires_grad, memory_format, pin_memory)."""
+    """DCP pickles TensorProperties as a tuple (``__getstate__``) of 5 items, (dtype, layout,
+    requires_grad, memory_format, pin_memory), up to torch 2.14 (torch 2.13:
+    torch/distributed/checkpoint/metadata.py:57-75), and of 6 from torch 2.15, which appends
+    ``strides`` (a tuple of ints or None; torch 2.15 metadata.py:57 and :59-78; its own
+    ``__setstate__``, :80-101, reads both). Both are read: the dtype is what the reader needs
+    (the chunks are ``torch.save``'d tensors with their own strides)."""
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 5:
+        if isinstance(state, tuple) and len(state) in (5, 6):
             self.dtype = state[0]
+            self.strides = state[5] if len(state) == 6 else None
+            if self.strides is not None and not (
+                isinstance(self.strides, tuple) and all(type(x) is int for x in self.strides)
+            ):
+                raise ValueError(f"TensorProperties strides {self.strides!r} are not ints")
+        elif isinstance(state, tuple) and len(state) != 2:
+            raise ValueError(f"TensorProperties of {len(state)} items (torch reads 5 or 6)")
         else:
             super().__setstate__(state)
 

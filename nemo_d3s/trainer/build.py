@@ -24,6 +24,7 @@ from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.backend_registry import build_backend, checked_config
+from nemo_d3s.versions import check_stack
 
 __all__ = [
     "check_runtime",
@@ -92,8 +93,16 @@ def check_runtime(cfg: Any) -> None:
     """What this machine must provide for the run (after ``config.validate``, before any model
     loads): vLLM for ``rollout.engine=vllm``, a CUDA build of torch that sees a GPU for
     ``model.device=cuda``. Not part of ``config.validate``: the dry run plans GPU jobs on
-    machines without either."""
+    machines without either. First of all, the software the run uses lies inside the tested
+    ranges (``nemo_d3s.versions``: torch; megatron-core and Transformer Engine for the
+    Megatron backend; vLLM for vLLM rollouts), or NEMO_D3S_ALLOW_UNTESTED=1."""
     engine = cfg.rollout.engine
+    uses = ["torch"]
+    if str(cfg.model.backend) == "megatron":
+        uses += ["megatron-core", "transformer-engine"]
+    if engine == "vllm":
+        uses.append("vllm")
+    check_stack(uses)
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 

@@ -1,4 +1,4 @@
-"""Running megatron-core (0.15, 0.16) on CPU / gloo ranks: the backend's one set of patches.
+"""Running megatron-core (0.15, 0.16, 0.19) on CPU / gloo ranks: the backend's one set of patches.
 
 megatron-core assumes CUDA in a few places on the GPTModel forward/backward path (local
 layer spec, ``use_cpu_initialization=True``, with or without sequence parallelism), at any
@@ -19,8 +19,9 @@ The patches (each one's WHY is at its code):
 
 1. The module-level ``torch`` of the megatron modules listed in :data:`_TORCH_PROXIED` is
    replaced by a proxy: ``torch.cuda.current_device()`` returns ``"cpu"``,
-   ``torch.cuda.synchronize()`` does nothing, and ``zeros/ones/empty/tensor`` map
-   ``device="cuda"`` to the CPU; every other name is torch's own object.
+   ``torch.cuda.synchronize()`` does nothing, ``torch.cuda.current_stream()`` is a stream
+   whose waits do nothing, and ``zeros/ones/empty/tensor`` map ``device="cuda"`` to the CPU;
+   every other name is torch's own object.
 2. ``LanguageModule.setup_embeddings_and_output_layer`` runs with ``Tensor.cuda`` as the
    identity (for the length of that call only).
 3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep and swap CPU generator states, and
@@ -37,6 +38,14 @@ relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"`
 schedule passes an explicit causal mask on CPU), ``distribute_saved_activations``,
 ``use_cpu_initialization=False`` (GPU init under the RNG tracker), inference KV caches and CUDA
 graphs, ``config.enable_autocast`` (``torch.autocast("cuda")``), and Transformer Engine specs.
+
+Where the megatron-core lines differ (0.15 / 0.16 and 0.19: ``nemo_d3s/versions.py``), this
+module is the one place that says so:
+
+- 0.19 ``_ParamAndGradBucketGroup.start_grad_sync`` (megatron/core/distributed/
+  param_and_grad_buffer.py:632 in 0.19.2) takes ``torch.cuda.current_stream()`` on every
+  gradient reduction, to wait for CUDA-graph replay events (``_cudagraph_wgrad_ready_event``,
+  set on parameters only by CUDA graphs); 0.16 has no such call. The proxy of 1 covers it.
 
 Seeding: :func:`seed_model_parallel` (CPU after :func:`apply_cpu_compat`, or CUDA).
 """
@@ -75,8 +84,10 @@ _TORCH_PROXIED = {
     # Megatron's DistributedDataParallel + distributed optimizer (model.params.
     # distributed_optimizer=true on CPU, how the tests run the GPU path's logic on gloo):
     # _ParamAndGradBuffer.__init__ allocates the contiguous param and grad buffers on
-    # ``torch.cuda.current_device()``;
-    "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer.__init__",
+    # ``torch.cuda.current_device()``; 0.19's _ParamAndGradBucketGroup.start_grad_sync waits
+    # on ``torch.cuda.current_stream()`` for CUDA-graph events (param_and_grad_buffer.py:632);
+    "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer.__init__, "
+    "_ParamAndGradBucketGroup.start_grad_sync (0.19)",
     # MixedPrecisionOptimizer.__init__ puts found_inf / _dummy_overflow_buf / _scale_one on
     # device="cuda" and get_loss_scale falls back to ``torch.cuda.current_device()``;
     "megatron.core.optimizer.optimizer": "MixedPrecisionOptimizer.__init__/get_loss_scale",
@@ -101,8 +112,27 @@ _TORCH_PROXIED = {
 _APPLIED = False
 
 
+class _CpuStream:
+    """``torch.cuda.current_stream()`` of a CPU process: CPU ops and gloo's ``wait()`` are
+    synchronous, so there is nothing to order and every wait is a no-op. (megatron-core 0.19
+    waits on it only for events that CUDA graphs set, which a CPU model never has.)"""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 class _CpuCuda:
     """``torch.cuda`` as the proxied megatron modules see it."""
+
+    @staticmethod
+    def current_stream(device: Any = None) -> _CpuStream:
+        return _CpuStream()
 
     @staticmethod
     def current_device() -> str:
@@ -284,7 +314,7 @@ def _patch_distributed_optimizer() -> None:
 
 
 def apply_cpu_compat() -> None:
-    """Make megatron-core 0.16 run on CPU / gloo in this process (idempotent).
+    """Make megatron-core (0.15, 0.16, 0.19) run on CPU / gloo in this process (idempotent).
 
     Call it only when the Megatron model lives on the CPU, before building the model, and
     never in a process that runs Megatron on CUDA (see the module docstring)."""

@@ -23,9 +23,9 @@ stage's tensors anyway).
 
 Uses megatron-core's ``DistributedOptimizer`` internals (``model_param_group_index_map``,
 ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``,
-``_init_optimizer_states_with_dummy_values``; present in 0.15.3 and 0.16.1, the versions
-pyproject allows); the tests pin their meaning by a save / resume round trip at DP2
-against a run that never stopped.
+``_init_optimizer_states_with_dummy_values``; present in 0.15.3, 0.16.1 and 0.19.2, the
+versions nemo_d3s/versions.py allows); the tests pin their meaning by a save / resume round
+trip at DP2 against a run that never stopped.
 """
 
 from __future__ import annotations

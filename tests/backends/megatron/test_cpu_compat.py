@@ -1,4 +1,4 @@
-"""``nemo_d3s.backends.megatron.cpu_compat``: megatron-core 0.16 on CPU / gloo ranks.
+"""``nemo_d3s.backends.megatron.cpu_compat``: megatron-core 0.16 / 0.19 on CPU / gloo ranks.
 
 Every check runs inside gloo ranks (fresh processes from the fork server), so the patches
 never reach the pytest process. Checked: ``apply_cpu_compat`` is idempotent and leaves
@@ -77,6 +77,16 @@ def _rank_idempotent(rank):
     out["wrapped_once"] = not getattr(wrapped, "_nemo_d3s_cpu", False)
     out["torch_untouched"] = all(a is b for a, b in zip(before, _torch_objects()))
     out["applied_after"] = cpu_compat.is_applied()
+    # megatron-core 0.19's start_grad_sync (param_and_grad_buffer.py:632) waits on
+    # torch.cuda.current_stream() for CUDA-graph events: through the proxy, a stream whose
+    # waits do nothing (CPU ops are synchronous); torch's own still needs CUDA
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    stream = pgb.torch.cuda.current_stream()
+    out["proxy_stream_waits_nothing"] = (
+        stream.wait_event(object()) is None and stream.wait_stream(stream) is None
+    )
+    out["torch_stream_still_cuda"] = torch.cuda.is_available() or _raises(torch.cuda.current_stream)
     # a fork of a state never added (no seed_model_parallel) runs on the current CPU stream
     torch.manual_seed(5)
     with get_cuda_rng_tracker().fork():
@@ -85,6 +95,14 @@ def _rank_idempotent(rank):
         inside, torch.rand(3, generator=torch.Generator().manual_seed(5))
     )
     return out
+
+
+def _raises(fn) -> bool:
+    try:
+        fn()
+    except (RuntimeError, AssertionError):
+        return True
+    return False
 
 
 def _tiny_gpt(tied: bool, dropout: float):
@@ -215,6 +233,8 @@ def test_apply_is_idempotent_and_leaves_torch_alone():
         "wrapped_once": True,
         "torch_untouched": True,
         "applied_after": True,
+        "proxy_stream_waits_nothing": True,
+        "torch_stream_still_cuda": True,
         "unseeded_fork": True,
     }
 

