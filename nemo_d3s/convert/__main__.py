@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-megatron-lm",
         "a Hugging Face folder (or any checkpoint read here) -> a Megatron-LM / Megatron-Bridge / "
         "NeMo-RL save folder (megatron-core dist_checkpointing, torch_dist: "
-        "latest_checkpointed_iteration.txt + release/ with common.pt args, run_config.yaml, "
+        "latest_checkpointed_iteration.txt + release/ with Megatron-LM args, run_config.yaml, "
         "tokenizer/)",
     )
     p.add_argument("--hf", required=True, help="Hugging Face model folder, or a checkpoint")

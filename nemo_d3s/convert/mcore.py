@@ -11,7 +11,9 @@ policy), and that every command here and ``model.name=`` read back (``formats/mc
                                                         dist_checkpointing.save)
                   common.pt                         {"args": Megatron-LM's namespace of the
                                                         model, "iteration": 0,
-                                                        "checkpoint_version": 3.0}
+                                                        "checkpoint_version": 3.0} (megatron-core
+                                                        0.19: inside the DCP files instead,
+                                                        formats/mcore_config.py)
                   run_config.yaml                   Megatron-Bridge: model: (GPTModelProvider
                                                         fields), checkpoint: (nothing to resume)
                   tokenizer/                        the HF tokenizer files

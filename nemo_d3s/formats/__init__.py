@@ -18,7 +18,7 @@ none of them detects a format itself. See ``docs/architecture.md``.
 - ``mcore_config`` / ``mcore_dist``: Megatron-LM / Megatron-Bridge / NeMo-RL checkpoints
   (megatron-core ``dist_checkpointing``): the checkpoint a save folder names, the model it
   describes, its weights (through ``nemo2``'s DCP reader); ``pickle_records``: the inert
-  unpickling of ``common.pt``.
+  unpickling of the common state (``common.pt``; megatron-core 0.19: a DCP byte item).
 - ``safetensors_stream``: safetensors files written tensor by tensor.
 
 Submodules are imported by name (``from nemo_d3s.formats.spec import ModelSpec``); this

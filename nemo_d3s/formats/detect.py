@@ -8,8 +8,9 @@ looks for marker files itself. The markers (files only, nothing is opened):
 - NeMo 2: ``weights/metadata.json`` and a ``context/`` folder (``nemo2.py``).
 - Megatron: ``megatron/layout.json`` (``shards.py``), or the ``megatron/`` folder itself.
 - Megatron-LM / Megatron-Bridge: ``latest_checkpointed_iteration.txt`` (a save folder), or
-  ``metadata.json`` + ``.metadata`` + ``common.pt`` (one ``iter_XXXXXXX/``): ``mcore_config.py``
-  finds the checkpoint a save folder's tracker names.
+  ``metadata.json`` + ``.metadata`` (one ``iter_XXXXXXX/``; megatron-core <= 0.18 adds
+  ``common.pt``, 0.19 writes none: ``mcore_config.common_state``): ``mcore_config.py`` finds
+  the checkpoint a save folder's tracker names.
 - Hugging Face: ``config.json`` with ``model.safetensors`` or ``model.safetensors.index.json``.
 
 A folder holding only ``config.json`` (what the dry run plans from) is none of these: its
@@ -37,7 +38,7 @@ __all__ = [
 
 HF, MEGATRON, NEMO2, MEGATRON_LM = "hf", "megatron", "nemo2", "megatron_lm"
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's (and Megatron-Bridge's) save folder
-_DIST_MARKERS = ("metadata.json", ".metadata", "common.pt")  # one dist_checkpointing folder
+_DIST_MARKERS = ("metadata.json", ".metadata")  # one dist_checkpointing folder (any version)
 SHARDS_SUBDIR = "megatron"  # <checkpoint>/megatron/{layout.json, tpXX_ppYY.safetensors}
 LAYOUT_FILE = "layout.json"
 

@@ -10,6 +10,8 @@ A save folder::
         metadata.json                        {"sharded_backend": "torch_dist", ...}
         .metadata, __R_I.distcp              torch DCP: the sharded tensors (model, optimizer)
         common.pt                            torch.save of the rest: Megatron-LM's ``args``
+                                             (megatron-core 0.19: a DCP byte item instead,
+                                             :func:`common_state`)
         run_config.yaml                      Megatron-Bridge: the run's ConfigContainer
         tokenizer/                           Megatron-Bridge (save_tokenizer_assets)
 
@@ -18,12 +20,12 @@ answer says which: ``--hf-config DIR`` when given (its config.json; checked agai
 checkpoint's own description where there is one); Megatron-Bridge's ``run_config.yaml``
 ``model:`` section (the model provider: megatron-core ``TransformerConfig`` fields plus
 ``vocab_size`` (unpadded), ``seq_length``, ``share_embeddings_and_output_weights``,
-``rotary_base``), read with ``yaml.safe_load``; Megatron-LM's ``args`` in ``common.pt``,
-read by ``pickle_records.read_common_pt`` (no pickled code runs). Both map through
-``nemo2_context.hf_config_from_transformer_config``; Megatron names no model family, so
-``qk_layernorm`` means Qwen3, ``add_qkv_bias`` Qwen2, else Llama. Megatron-LM keeps the
-real vocabulary size only when run with ``--vocab-size``; otherwise ``--hf-config`` is
-needed (the error says so).
+``rotary_base``), read with ``yaml.safe_load``; Megatron-LM's ``args`` in the common state
+(:func:`common_state`), read by ``pickle_records.read_common_pt`` (no pickled code runs).
+Both map through ``nemo2_context.hf_config_from_transformer_config``; Megatron names no
+model family, so ``qk_layernorm`` means Qwen3, ``add_qkv_bias`` Qwen2, else Llama.
+Megatron-LM keeps the real vocabulary size only when run with ``--vocab-size``; otherwise
+``--hf-config`` is needed (the error says so).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Dict, Optional, Tuple
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import _DIST_MARKERS as _MARKERS
 from nemo_d3s.formats.detect import TRACKER
+from nemo_d3s.formats.dcp_index import _DcpIndex
 from nemo_d3s.formats.nemo2_context import hf_config_from_transformer_config
 from nemo_d3s.formats.pickle_records import read_common_pt
 
@@ -43,6 +46,7 @@ __all__ = [
     "resolve_iteration",
     "checkpoint_hf_config",
     "megatron_lm_args",
+    "common_state",
     "tokenizer_folder",
 ]
 
@@ -118,17 +122,54 @@ _ARGS = {
 }
 
 
-def megatron_lm_args(folder: Path) -> Dict[str, Any]:
-    """Megatron-LM's ``args`` namespace of ``folder/common.pt`` as a dict (ConfigError when
-    there is none: a checkpoint written by another tool)."""
-    common = read_common_pt(folder / "common.pt")
+# Where dist_checkpointing.save puts the non-sharded state (Megatron-LM's args, iteration...):
+# - megatron-core <= 0.18 (0.16.1: serialization.py:411 calls save_common,
+#   strategies/common.py:24 and :40-47) torch.save's it as ``common.pt`` beside the DCP files;
+# - megatron-core 0.19 (0.19.2: serialization.py:439-445) makes it one ShardedObject
+#   ("common_state", global shape (1,), offset (0,): unique key ``common_state/shard_0_1``,
+#   mapping.py:397-403) that torch DCP stores as a byte item, the bytes of
+#   ``torch.save([state])`` (strategies/torch.py:316-320), indexed by ``.metadata`` like any
+#   tensor chunk; its save_common is deprecated (strategies/common.py:20-29) and its loader
+#   reads common.pt first when there is one (serialization.py:200-237, :224).
+# Both are read here in that order, through the same allow-list unpickler.
+COMMON_PT = "common.pt"
+COMMON_STATE = "common_state/shard_0_1"
+
+
+def common_state(folder: Path) -> Tuple[Dict[str, Any], str]:
+    """(the non-sharded state dict of the checkpoint folder ``folder``, where it was read:
+    ``'<folder>/common.pt'`` or ``'<folder>/.metadata' common_state``), per the two layouts
+    above. ConfigError naming the file when neither holds a readable dict."""
+    if (folder / COMMON_PT).is_file():
+        where = f"{str(folder / COMMON_PT)!r}"
+        data = read_common_pt(folder / COMMON_PT)
+    else:
+        where = f"{str(folder / '.metadata')!r} common_state"
+        index = _DcpIndex(folder)
+        if COMMON_STATE not in index.objects:
+            raise ConfigError(
+                f"{where}: {str(folder)!r} holds neither {COMMON_PT} (megatron-core <= 0.18) nor "
+                f"a {COMMON_STATE!r} item (0.19): pass --hf-config DIR (the model's HF folder)"
+            )
+        raw, path = index.read_object(COMMON_STATE)
+        items = read_common_pt(path, raw, what=f"{COMMON_STATE!r} item")
+        data = items[0] if isinstance(items, list) and len(items) == 1 else items
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} holds {type(data).__name__}, not a dict")
+    return data, where
+
+
+def megatron_lm_args(folder: Path) -> Tuple[Dict[str, Any], str]:
+    """Megatron-LM's ``args`` namespace of the checkpoint's common state as a dict, and where
+    it was read (ConfigError when there is none: a checkpoint written by another tool)."""
+    common, where = common_state(folder)
     args = common.get("args")
     if args is None or not hasattr(args, "__dict__"):
         raise ConfigError(
-            f"{str(folder / 'common.pt')!r} holds no Megatron-LM args and {str(folder)!r} no "
+            f"{where} holds no Megatron-LM args and {str(folder)!r} no "
             f"{RUN_CONFIG}: pass --hf-config DIR (the model's HF folder)"
         )
-    return {k: v for k, v in vars(args).items() if k != "args"}
+    return {k: v for k, v in vars(args).items() if k != "args"}, where
 
 
 def _from_args(args: Dict[str, Any]) -> Dict[str, Any]:
@@ -157,8 +198,8 @@ def checkpoint_hf_config(folder: Path) -> Tuple[Dict[str, Any], str]:
                 f"{where}: vocab_size is not set: pass --hf-config DIR (the model's HF folder)"
             )
         return hf_config_from_transformer_config(model, where), where
-    where = f"{str(folder / 'common.pt')!r} (Megatron-LM) args"
-    args = megatron_lm_args(folder)
+    args, common = megatron_lm_args(folder)
+    where = f"{common} (Megatron-LM) args"
     c = _from_args(args)
     if c.get("vocab_size") is None:
         raise ConfigError(

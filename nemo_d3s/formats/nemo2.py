@@ -12,7 +12,7 @@ Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkp
 - ``context/model.yaml`` is read with ``yaml.safe_load`` and mapped to an HF config dict
   (``nemo2_context.hf_config_from_nemo``; Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2).
 - ``weights/.metadata`` (torch DCP's index, a pickle) is read with an unpickler that builds
-  only the DCP/megatron metadata classes, torch.Size and dtypes (:class:`_MetadataUnpickler`);
+  only the DCP/megatron metadata classes, torch.Size and dtypes (``dcp_index._MetadataUnpickler``);
   anything else is refused. Tensors are ``torch.load(weights_only=True)`` of their byte
   ranges in ``__*.distcp``, as torch's own reader does; ``common.pt`` is never read.
 - The tensors are the global (TP1) Megatron tensors under NeMo's names
@@ -32,17 +32,15 @@ the full state dict), unlike the HF export.
 
 from __future__ import annotations
 
-import io
 import json
-import math
-import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.dcp_index import _DcpIndex
 from nemo_d3s.formats.shards import ShardedReader
 from nemo_d3s.formats.side_files import nemo2_side_files
 from nemo_d3s.formats.spec import ModelSpec
@@ -57,200 +55,6 @@ __all__ = [
 ]
 
 NEMO_PREFIX = "module."
-_DTYPE_NAMES = (
-    "float32",
-    "bfloat16",
-    "float16",
-    "float64",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
-)
-
-
-# ============================================================================ weights/.metadata
-class _Record:
-    """Stand-in for a pickled metadata class: keeps the attributes, runs no code."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-
-class _TensorProperties(_Record):
-    """DCP pickles TensorProperties as a tuple (``__getstate__``) of 5 items, (dtype, layout,
-    requires_grad, memory_format, pin_memory), up to torch 2.14 (torch 2.13:
-    torch/distributed/checkpoint/metadata.py:57-75), and of 6 from torch 2.15, which appends
-    ``strides`` (a tuple of ints or None; torch 2.15 metadata.py:57 and :59-78; its own
-    ``__setstate__``, :80-101, reads both). Both are read: the dtype is what the reader needs
-    (the chunks are ``torch.save``'d tensors with their own strides)."""
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) in (5, 6):
-            self.dtype = state[0]
-            self.strides = state[5] if len(state) == 6 else None
-            if self.strides is not None and not (
-                isinstance(self.strides, tuple) and all(type(x) is int for x in self.strides)
-            ):
-                raise ValueError(f"TensorProperties strides {self.strides!r} are not ints")
-        elif isinstance(state, tuple) and len(state) != 2:
-            raise ValueError(f"TensorProperties of {len(state)} items (torch reads 5 or 6)")
-        else:
-            super().__setstate__(state)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP ``.metadata`` without running pickled code: torch.Size, dtypes, layouts and the
-    DCP / megatron metadata dataclasses (rebuilt as :class:`_Record`); anything else is
-    refused."""
-
-    _RECORDS = {
-        "torch.distributed.checkpoint.metadata": {
-            "Metadata",
-            "TensorStorageMetadata",
-            "BytesStorageMetadata",
-            "ChunkStorageMetadata",
-            "TensorProperties",
-            "MetadataIndex",
-            "StorageMeta",
-        },
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.distributed.checkpoint.planner": {"TensorWriteData", "WriteItem", "SavePlan"},
-        "megatron.core.dist_checkpointing.strategies.torch": {"MCoreMetadata", "MCoreSavePlan"},
-    }
-
-    def __init__(self, f, path: Path) -> None:
-        super().__init__(f)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
-            return _TensorProperties
-        if name in self._RECORDS.get(module, ()):
-            return type(name, (_Record,), {})
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "torch" and name in _DTYPE_NAMES:
-            return getattr(torch, name)
-        if (module, name) in (
-            ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
-            ("torch.distributed.checkpoint.planner", "WriteItemType"),
-        ):
-            return lambda *a, **k: a[0] if a else None
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return lambda n: getattr(torch, str(n).replace("torch.", ""), None)
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
-
-
-class _DcpIndex:
-    """Global shape, dtype and per-chunk byte ranges of every tensor of a DCP folder."""
-
-    def __init__(self, weights: Path) -> None:
-        self.weights = weights
-        meta = weights / "metadata.json"
-        try:
-            backend = json.loads(meta.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{str(meta)!r} is not valid JSON: {e}") from None
-        if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
-            got = backend.get("sharded_backend") if isinstance(backend, dict) else backend
-            raise ConfigError(
-                f"{str(meta)!r}: sharded_backend={got!r}; only torch_dist checkpoints are read"
-            )
-        path = weights / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                md = _MetadataUnpickler(f, path).load()
-            sd_meta, storage = md.state_dict_metadata, md.storage_data
-            self.tensors: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
-            for fqn, m in sd_meta.items():
-                props = getattr(m, "properties", None)
-                if props is not None and hasattr(m, "size"):
-                    self.tensors[str(fqn)] = (tuple(int(x) for x in m.size), props.dtype)
-            self.chunks: Dict[str, List[Tuple[Tuple[int, ...], str, int, int]]] = {}
-            for idx, info in storage.items():
-                fqn = str(idx.fqn)
-                if fqn in self.tensors:
-                    if getattr(info, "transform_descriptors", None):
-                        raise ValueError(
-                            f"{fqn}: transformed (compressed) storage is not supported"
-                        )
-                    rel = str(info.relative_path)
-                    if "/" in rel or rel.startswith(".."):
-                        raise ValueError(f"{fqn}: storage path {rel!r} points outside weights/")
-                    offsets = tuple(int(x) for x in (idx.offset or ()))
-                    self.chunks.setdefault(fqn, []).append(
-                        (offsets, rel, int(info.offset), int(info.length))
-                    )
-        except (
-            OSError,
-            EOFError,
-            pickle.UnpicklingError,
-            AttributeError,
-            TypeError,
-            ValueError,
-        ) as e:
-            raise ConfigError(
-                f"{str(path)!r}: not a readable NeMo 2 / torch_dist index ({e})"
-            ) from None
-
-    def read(self, fqn: str, layer: Optional[int] = None) -> torch.Tensor:
-        """The global tensor ``fqn`` (``layer``: only that index of the leading layer axis),
-        assembled from its chunks; each chunk is checked against the index."""
-        shape, dtype = self.tensors[fqn]
-        want = shape[1:] if layer is not None else shape
-        out = torch.empty(want, dtype=dtype)
-        filled = 0
-        for offsets, rel, start, length in self.chunks.get(fqn, []):
-            if layer is not None and offsets[0] != layer:
-                continue
-            path = self.weights / rel
-            try:
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    raw = f.read(length)
-                t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise ConfigError(
-                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} is unreadable ({e})"
-                ) from None
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.dtype != dtype
-                or t.dim() != len(shape)
-                or any(o + s > g for o, s, g in zip(offsets, t.shape, shape))
-            ):
-                raise ConfigError(
-                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit "
-                    f"{list(shape)} {dtype}"
-                )
-            if layer is not None:
-                t, offsets = t[0], offsets[1:]
-            region = out
-            for d, (o, s) in enumerate(zip(offsets, t.shape)):
-                region = region.narrow(d, o, s)
-            region.copy_(t)
-            filled += t.numel()
-        if filled != math.prod(want):
-            raise ConfigError(
-                f"{str(self.weights)!r}: the chunks of "
-                f"{fqn!r}{'' if layer is None else f' layer {layer}'} cover {filled} of "
-                f"{math.prod(want)} elements"
-            )
-        return out
 
 
 def _nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:

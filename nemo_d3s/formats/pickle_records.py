@@ -3,20 +3,22 @@ either one of a few harmless real types (``torch.Size``, dtypes, ``OrderedDict``
 or rebuilt as an inert :class:`Record` that only stores what it is given; nothing is
 imported, no callable from the file is ever called.
 
-Two readers share it: ``nemo2._MetadataUnpickler`` (torch DCP's ``.metadata`` index of NeMo 2
+Two readers share it: ``dcp_index._MetadataUnpickler`` (torch DCP's ``.metadata`` index of NeMo 2
 and Megatron-LM / Megatron-Bridge checkpoints, which also refuses every class outside DCP's
-and megatron-core's metadata records) and :func:`read_common_pt` (megatron-core's
-``common.pt``: the non-sharded part of a ``dist_checkpointing`` save, where Megatron-LM keeps
-its ``args`` namespace; a ``torch.save`` zip whose tensors are not read).
+and megatron-core's metadata records) and :func:`read_common_pt` (the non-sharded part of a
+megatron-core ``dist_checkpointing`` save, where Megatron-LM keeps its ``args`` namespace: a
+``torch.save`` zip whose tensors are not read, in ``common.pt`` up to megatron-core 0.18 and
+a DCP byte item from 0.19, ``mcore_config.common_state``).
 """
 
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Optional
 
 import torch
 
@@ -97,26 +99,25 @@ class _CommonUnpickler(pickle.Unpickler):
         return None
 
 
-def read_common_pt(path: Path) -> Dict[str, Any]:
-    """The dict megatron-core's ``dist_checkpointing.save`` wrote to ``common.pt``
-    (``torch.save``'s zip: ``<name>/data.pkl`` plus tensor storages) through
-    :class:`_CommonUnpickler`: argparse namespaces and enums come back as :class:`Record`
-    (``vars(record)`` holds the fields), tensors as stubs. ConfigError naming the file for
-    anything else (the legacy non-zip format, a class outside the allow-list, garbage)."""
+def read_common_pt(path: Path, raw: Optional[bytes] = None, what: str = "common.pt") -> Any:
+    """What megatron-core's ``dist_checkpointing.save`` wrote with ``torch.save`` (a zip:
+    ``<name>/data.pkl`` plus tensor storages), read through :class:`_CommonUnpickler`:
+    argparse namespaces and enums come back as :class:`Record` (``vars(record)`` holds the
+    fields), tensors as stubs. ``path``: the file (``raw``: its bytes when the zip is one byte
+    item inside it, megatron-core >= 0.19's ``common_state``: ``mcore_config.common_state``),
+    named with ``what`` in errors. ConfigError naming the file for anything else (the legacy
+    non-zip format, a class outside the allow-list, garbage)."""
+    bad = f"{str(path)!r}: not a readable megatron-core {what}"
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(path if raw is None else io.BytesIO(raw)) as z:
             pkl = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1:
                 raise ValueError("no single data.pkl in the archive")
             with z.open(pkl[0]) as f:
-                data = _CommonUnpickler(f).load()
+                return _CommonUnpickler(f).load()
     except (OSError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError) as e:
         raise ConfigError(
-            f"{str(path)!r}: not a readable megatron-core common.pt ({e}); pass --hf-config DIR "
-            "(the model's HF folder) to convert without it"
+            f"{bad} ({e}); pass --hf-config DIR (the model's HF folder) to convert without it"
         ) from None
     except Exception as e:  # a malformed pickle can raise almost anything from the VM
-        raise ConfigError(f"{str(path)!r}: not a readable megatron-core common.pt ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{str(path)!r} holds {type(data).__name__}, not a dict")
-    return data
+        raise ConfigError(f"{bad} ({e})") from None

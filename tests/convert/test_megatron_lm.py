@@ -264,7 +264,10 @@ def test_written_folder_reads_from_args_alone_and_refuses_bad_input(tmp_path):
     from nemo_d3s.convert.sources import open_checkpoint
 
     src_info = open_checkpoint(bare)
-    assert "common.pt" in src_info.origin and "Megatron-LM" in src_info.origin
+    # megatron-core <= 0.18 writes common.pt, 0.19 the common_state item (mcore_config.py)
+    legacy = (bare / "release" / "common.pt").is_file()
+    assert ("common.pt" if legacy else ".metadata' common_state") in src_info.origin
+    assert "(Megatron-LM) args" in src_info.origin
     shutil.rmtree(bare / "release" / "tokenizer")
     with pytest.raises(ConfigError, match="holds no tokenizer/.*--hf-config"):
         megatron_to_hf(bare, tmp_path / "b2", progress=False)
@@ -273,7 +276,8 @@ def test_written_folder_reads_from_args_alone_and_refuses_bad_input(tmp_path):
     (bare / "latest_checkpointed_iteration.txt").write_text("12")
     with pytest.raises(ConfigError, match="names .*iter_0000012.*not a torch_dist checkpoint"):
         megatron_to_hf(bare, tmp_path / "b4", hf_config=src, progress=False)
-    # a common.pt whose pickle would run code: refused before any of it runs
+    # a common.pt whose pickle would run code: refused before any of it runs (read first
+    # on either megatron-core version, as its own loader does)
     flag = tmp_path / "pwned"
     evil = shutil.copytree(it, tmp_path / "evil")
     shutil.rmtree(evil / "tokenizer")
@@ -290,6 +294,84 @@ def test_written_folder_reads_from_args_alone_and_refuses_bad_input(tmp_path):
     assert not flag.exists()
     assert sorted(os.listdir(tmp_path)) == ["b1", "b3", "bare", "evil", "mlm", "src"]
     assert hf_tensors(src)
+
+
+def _dcp_common_state(folder, payload):
+    """A torch_dist folder laid out as megatron-core 0.19 writes the common state: torch DCP's
+    own save of one byte item ``common_state/shard_0_1`` holding ``payload`` (a torch.save
+    zip), beside a model tensor; no common.pt (made with torch DCP, so it needs no
+    megatron-core 0.19 and checks the same reader on either environment). The planner stores
+    the bytes as given, as megatron-core's MCoreSavePlanner does (0.19.2
+    strategies/torch.py:417-425 and :488-490); torch's default one would torch.save
+    the BytesIO again (torch default_planner.py:283-289)."""
+    import io
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class AsGiven(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return object
+
+    folder.mkdir(parents=True)
+    state = {"common_state/shard_0_1": io.BytesIO(payload), "w": torch.arange(6.0)}
+    dcp.save(
+        state,
+        storage_writer=dcp.FileSystemWriter(str(folder)),
+        planner=AsGiven(),
+        no_dist=True,
+    )
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    return folder
+
+
+def test_common_state_as_megatron_core_019_stores_it(tmp_path):
+    """megatron-core 0.19's layout (no common.pt: the state in a DCP byte item) is read
+    through the same allow-list: args come back as a record; a pickle that would run code is
+    refused without running; a folder with neither layout asks for --hf-config."""
+    import io
+    import pickle
+    import zipfile
+
+    from nemo_d3s.formats.detect import MEGATRON_LM, detect_format
+    from nemo_d3s.formats.mcore_config import common_state, megatron_lm_args
+
+    buf = io.BytesIO()
+    args = argparse.Namespace(num_layers=3, vocab_size=300, params_dtype=torch.bfloat16)
+    torch.save([{"args": args, "iteration": 7}], buf)
+    good = _dcp_common_state(tmp_path / "good", buf.getvalue())
+    assert not (good / "common.pt").exists() and detect_format(good).kind == MEGATRON_LM
+    state, where = common_state(good)
+    assert state["iteration"] == 7 and where.endswith(".metadata' common_state")
+    got, _ = megatron_lm_args(good)
+    assert got == {"num_layers": 3, "vocab_size": 300, "params_dtype": torch.bfloat16}
+    # common.pt, when present, is what is read (megatron-core's own order)
+    legacy = io.BytesIO()
+    torch.save({"iteration": 9}, legacy)
+    (good / "common.pt").write_bytes(legacy.getvalue())
+    assert common_state(good)[0] == {"iteration": 9}
+
+    flag = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, (f"touch {flag}",))
+
+    evil_zip = io.BytesIO()
+    with zipfile.ZipFile(evil_zip, "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps([{"args": RunsCode()}], protocol=2))
+    evil = _dcp_common_state(tmp_path / "evil", evil_zip.getvalue())
+    with pytest.raises(ConfigError, match="common_state.*refusing to unpickle (posix|os).system"):
+        common_state(evil)
+    assert not flag.exists()
+    # neither layout (the item renamed in place: same length, the pickle stays valid)
+    empty = shutil.copytree(good, tmp_path / "empty")
+    (empty / "common.pt").unlink()
+    torch_meta = empty / ".metadata"
+    torch_meta.write_bytes(torch_meta.read_bytes().replace(b"common_state", b"other_state!"))
+    with pytest.raises(ConfigError, match="neither common.pt .* nor .*--hf-config"):
+        common_state(empty)
 
 
 def test_the_command_line_both_ways(tmp_path, capsys):

@@ -80,10 +80,11 @@ def test_each_kind_by_its_marker_files(tmp_path):
     # Megatron-LM / Megatron-Bridge: a save folder (its tracker) or one iteration's folder
     save = tmp_path / "save"
     it = save / "iter_0000100"
-    for name in ("metadata.json", ".metadata"):
-        _touch(it / name)
-    assert detect_format(it).kind is None  # no common.pt: not a dist_checkpointing folder
-    _touch(it / "common.pt", "")
+    _touch(it / "metadata.json")
+    assert detect_format(it).kind is None  # no DCP .metadata: not a dist_checkpointing folder
+    _touch(it / ".metadata")  # megatron-core 0.19 writes no common.pt (mcore_config.py)
+    assert detect_format(it) == FolderFormat(MEGATRON_LM, it)
+    _touch(it / "common.pt", "")  # megatron-core <= 0.18 adds one
     assert detect_format(it) == FolderFormat(MEGATRON_LM, it)
     assert detect_format(save).kind is None
     _touch(save / "latest_checkpointed_iteration.txt", "100")

@@ -92,9 +92,10 @@ def write_dist_checkpoint(
     vocabulary padded to ``padded_vocab`` rows with zeros), each layer a ShardedTensor at its
     index of the stacked ``decoder.layers.*`` key, the ``_extra_state`` objects of the TE
     modules (None: nothing to restore). ``model_key``: nest the model under it
-    (Megatron-LM's "model"); ``common``: plain entries saved beside it (they land in
-    ``common.pt``: Megatron-LM's args, iteration, checkpoint_version). Holds the whole model
-    in memory (megatron-core's saver takes the full state dict)."""
+    (Megatron-LM's "model"); ``common``: plain entries saved beside it (Megatron-LM's args,
+    iteration, checkpoint_version: in ``common.pt`` up to megatron-core 0.18, a DCP byte item
+    from 0.19, ``formats/mcore_config.py``). Holds the whole model in memory (megatron-core's
+    saver takes the full state dict)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
