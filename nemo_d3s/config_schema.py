@@ -208,6 +208,11 @@ class TrainerConfig(Section):
     # Stop with an error after this many consecutive steps in which every reward call
     # failed (a broken verifier); 0 = never stop.
     max_failed_reward_steps: int = 3
+    # Seconds one reward call may take; a call that has not returned by then gets reward 0
+    # and counts as failed (reward_errors). 0 = no limit. After a stop signal (SIGTERM,
+    # Ctrl-C) the step's reward calls get 2 s more, then the running one is interrupted
+    # and the step redone on resume=true.
+    reward_timeout_s: float = 60.0
     # How long a collective waits for a stopped or dead peer rank before this rank exits
     # with an error (torch's default would be 30 minutes).
     dist_timeout_minutes: float = 10.0
@@ -299,6 +304,11 @@ class TrainerConfig(Section):
             is_number(self.dist_timeout_minutes) and self.dist_timeout_minutes > 0,
             "dist_timeout_minutes",
             "must be > 0 (minutes)",
+        )
+        self._check(
+            is_number(self.reward_timeout_s) and self.reward_timeout_s >= 0,
+            "reward_timeout_s",
+            "must be >= 0 (seconds; 0 = no limit)",
         )
         self._check(
             is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0"

@@ -13,9 +13,9 @@
   ``save_pretrained`` paths do) are created mode 0600; an export must be readable by
   colleagues on a shared cluster like every other file of the run, so the modes of a
   written folder are reset to what the process umask gives a normally created file.
-- :func:`sha256_file`, :func:`write_checksums`, :func:`verify_checksums`: the
+- :func:`sha256_file`, :func:`file_digests`, :func:`write_checksums`: the
   ``checksums.json`` (size + SHA-256 per file) that training checkpoints and converted
-  checkpoints carry, and its check.
+  checkpoints carry (its check, shared across ranks: ``formats/checksums.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional
 
 from nemo_d3s.files_staging import (
     changes,
@@ -52,10 +52,11 @@ __all__ = [
     "apply_umask",
     "sha256_file",
     "write_checksums",
-    "verify_checksums",
+    "file_digests",
     "fsync_tree",
     "staging_folders",  # files_staging's, re-exported
     "atomic_folder",
+    "build_once",
 ]
 
 log = logging.getLogger("nemo_d3s.files")
@@ -107,48 +108,32 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_checksums(folder: str | os.PathLike) -> Path:
+def write_checksums(
+    folder: str | os.PathLike, digests: Optional[Dict[str, Dict[str, object]]] = None
+) -> Path:
     """Write ``folder/checksums.json``: size and SHA-256 of every file under ``folder``
-    (relative POSIX paths; the file itself excluded). Written last, it covers everything."""
+    (relative POSIX paths; the file itself excluded). Written last, it covers everything.
+    ``digests``: entries other processes computed for the files they wrote (as
+    :func:`file_digests` returns them); only the files they do not cover are read here."""
     root = Path(folder)
+    given = dict(digests or {})
     files = {}
     for f in sorted(root.rglob("*")):
-        if f.is_file() and not f.is_symlink() and f.relative_to(root).as_posix() != CHECKSUMS:
-            files[f.relative_to(root).as_posix()] = {
-                "size": f.stat().st_size,
-                "sha256": sha256_file(f),
-            }
+        rel = f.relative_to(root).as_posix()
+        if f.is_file() and not f.is_symlink() and rel != CHECKSUMS:
+            files[rel] = given[rel] if rel in given else file_digests(root, [rel])[rel]
     (root / CHECKSUMS).write_text(json.dumps({"format": 1, "files": files}, indent=1))
     return root / CHECKSUMS
 
 
-def verify_checksums(folder: str | os.PathLike, part: Tuple[int, int] = (0, 1)) -> Optional[str]:
-    """None when every file ``folder/checksums.json`` lists exists with its size and
-    SHA-256; else what is wrong, in a few words naming the file. Reads every listed file
-    (about 1 GB/s per core: minutes for a 70B model); ``part=(k, n)`` checks files k, k + n,
-    k + 2n, ... of the sorted list only (n processes share the reading)."""
+def file_digests(folder: str | os.PathLike, rels: List[str]) -> Dict[str, Dict[str, object]]:
+    """{rel: {"size", "sha256"}} of the files ``rels`` under ``folder`` (what a process
+    records for the files it wrote, right after writing them)."""
     root = Path(folder)
-    try:
-        raw = json.loads((root / CHECKSUMS).read_text(encoding="utf-8"))
-        items = [(str(k), int(v["size"]), str(v["sha256"])) for k, v in raw["files"].items()]
-    except FileNotFoundError:
-        return f"no {CHECKSUMS}"
-    except Exception as e:  # garbled JSON, a missing key, a wrong type: all one answer
-        return f"{CHECKSUMS} is garbled ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-    real = root.resolve()
-    k, n = part
-    for rel, size, digest in sorted(items)[k::n]:
-        f = (root / rel).resolve()
-        if real not in f.parents:
-            return f"{CHECKSUMS} names {rel!r}, outside the folder"
-        if not f.is_file():
-            return f"{rel} is missing"
-        actual = f.stat().st_size
-        if actual != size:
-            return f"{rel} has {actual} bytes, {size} were written (truncated or overwritten)"
-        if sha256_file(f) != digest:
-            return f"{rel} does not match its SHA-256 checksum (corrupt)"
-    return None
+    return {
+        rel: {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
+        for rel in rels
+    }
 
 
 def _fsync_path(path: str, *, folder: bool) -> None:
@@ -375,3 +360,62 @@ def atomic_folder(
                     c.rmdir()
                 except OSError:
                     break
+
+
+def _lock_held(path: Path) -> bool:
+    """Whether another process holds the flock on ``path`` (an absent file is not held;
+    the file is never created here, so a probe leaves nothing behind)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no locks on this filesystem: nothing to wait for
+        return False
+    finally:
+        os.close(fd)  # closing drops our probe's lock, if taken
+    return False
+
+
+def build_once(
+    dest: str | os.PathLike,
+    build: Callable[[Path], None],
+    done: Callable[[Path], bool],
+    *,
+    wait_s: float = 1800.0,
+    poll_s: float = 0.2,
+) -> Path:
+    """``dest`` built once by whichever process comes first, every other one waiting for
+    it: the assets every rank of a torchrun job asks for at start-up (the tiny-random
+    folder, the default model's unpacking). ``build(tmp)`` fills the staging folder of an
+    :func:`atomic_folder` (locked, ``replace=False``); ``done(folder)`` says a folder is
+    complete. A process that finds the lock held waits until it is released (the builder
+    finished, failed or died: the kernel releases the lock of a killed process), then
+    uses the finished folder or builds it itself. ``TimeoutError`` naming the holder after
+    ``wait_s`` seconds of a held lock (a builder stopped, not dead)."""
+    dest = Path(dest).expanduser().absolute()
+    lock = dest.parent / f".{dest.name}.lock"
+    while True:
+        if done(dest):
+            return dest
+        try:
+            with atomic_folder(dest, replace=False, peer_done=done) as tmp:
+                build(tmp)
+            return dest
+        except FolderBusy as busy:
+            deadline, said = time.monotonic() + wait_s, False
+            while _lock_held(lock):
+                if not said:
+                    log.info("waiting for %s, being built by %s", dest, busy.holder)
+                    said = True
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{str(dest)!r} has been built by {busy.holder} for over "
+                        f"{wait_s:.0f} s; stop that process or remove {str(lock)!r}"
+                    ) from None
+                time.sleep(poll_s)

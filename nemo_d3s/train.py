@@ -166,9 +166,31 @@ def run_cli(cfg) -> int:
     return 0
 
 
+def _after_stop(signum, _frame) -> None:
+    """The CLI's handler of SIGINT / SIGTERM outside the training loop's own: once a stop
+    signal made the run checkpoint, a second one arriving after the loop restored its
+    handler (while the run prints its last lines) used to end the process as an ordinary
+    Ctrl-C: "exit code 75" printed, 130 returned (issue 32). It is ignored then; before any
+    stop it acts as Python's default would."""
+    import signal
+
+    from nemo_d3s.trainer.signals import STOPPING
+
+    if STOPPING:
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 def _run(cfg) -> None:
+    import signal
+
     from omegaconf import OmegaConf, open_dict
 
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_stop)  # the loop installs its own over it, then restores it
     out = _job_output_dir(cfg)
     with open_dict(cfg):
         cfg.output_dir = out
@@ -208,6 +230,13 @@ def main() -> None:
 
     register_configs()
     _precheck_argv(sys.argv[1:])
+    from nemo_d3s.trainer.overrides import unknown_key_error
+
+    groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
+    bad = unknown_key_error(sys.argv[1:], groups)
+    if bad:  # Hydra's answer is "+key" advice and exit 1
+        print(f"error: {bad}", file=sys.stderr)
+        sys.exit(2)
     # hydra.main parses sys.argv itself (--cfg job, -m, overrides).
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_run)()
 

@@ -16,7 +16,10 @@ dependencies plus its ``gpu`` and ``vllm`` extras, from pyproject.toml) declares
 pinned distribution admits the pinned version, with the markers evaluated for that platform
 and the extras the pins ask for; every shared package's recorded version satisfies everyone's
 specifier; the lock's pins are the requirements file's. Exit 0 when all agree, 1 with one
-line per disagreement.
+line per disagreement, 2 with one line naming the file (and line) when the requirements file
+or the lock cannot be read as such: a line that is not a requirement, a pin with an
+environment marker (the image is one platform: a marker would make the check skip it) or
+a second pin of one package; a missing, truncated or garbled lock.
 
 Not read (said in the lock): torch's own wheel (about 1 GB; its requirements are its CUDA
 libraries, none of them pinned here, and everyone's requirement ON torch is checked), the
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 from packaging.markers import default_environment
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
@@ -85,18 +88,62 @@ NOT_READ = {
 Pins = Dict[str, Tuple[str, Tuple[str, ...]]]  # canonical name -> (version, extras)
 
 
+class PinsError(Exception):
+    """A requirements file or lock that cannot be read as such (exit 2, one line)."""
+
+
 def read_pins(path: Path = REQUIREMENTS) -> Pins:
     pins: Pins = {}
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    lines: Dict[str, int] = {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PinsError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        req = Requirement(line)
+        try:
+            req = Requirement(line)
+        except InvalidRequirement as e:
+            why = str(e).splitlines()[0]
+            raise PinsError(f"{path}:{n}: {line!r} is not a requirement ({why})") from None
+        if req.marker is not None:
+            raise PinsError(
+                f"{path}:{n}: {line!r} has an environment marker; the image is one platform, so "
+                "pin it without one (a marker would let the check pass it unread)"
+            )
         spec = list(req.specifier)
         if len(spec) != 1 or spec[0].operator != "==":
-            raise SystemExit(f"{path}:{n}: {line!r} is not an exact pin (name==version)")
-        pins[canonicalize_name(req.name)] = (spec[0].version, tuple(sorted(req.extras)))
+            raise PinsError(f"{path}:{n}: {line!r} is not an exact pin (name==version)")
+        name = canonicalize_name(req.name)
+        if name in pins:
+            raise PinsError(
+                f"{path}:{n}: {req.name} is pinned again (line {lines[name]} pins it too); keep one"
+            )
+        pins[name], lines[name] = (spec[0].version, tuple(sorted(req.extras))), n
     return pins
+
+
+def read_lock(path: Path = LOCK) -> dict:
+    """The lock as written by --refresh, or PinsError naming the file."""
+    hint = "restore it (git checkout) or rewrite it with --refresh DIR"
+    try:
+        lock = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PinsError(f"{path}: no such lock file; {hint}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = str(e).splitlines()[0]
+        raise PinsError(f"{path}: not a lock (truncated or garbled: {why}); {hint}") from None
+    ok = (
+        isinstance(lock, dict)
+        and isinstance(lock.get("pins"), dict)
+        and isinstance(lock.get("requires"), dict)
+        and isinstance(lock.get("shared", {}), dict)
+    )
+    if not ok:
+        raise PinsError(f"{path}: not a lock (no pins / requires tables); {hint}")
+    return lock
 
 
 def project_requirements(pyproject: Path = PYPROJECT) -> List[Tuple[str, str]]:
@@ -259,14 +306,23 @@ def main(argv=None) -> int:
     p.add_argument(
         "--lock", default=str(LOCK), help="the lock file (default: slurm/container-lock.json)"
     )
+    p.add_argument(
+        "--requirements",
+        default=str(REQUIREMENTS),
+        help="the pins (default: slurm/container-requirements.txt)",
+    )
     args = p.parse_args(argv)
-    pins = read_pins()
-    if args.refresh:
-        lock = refresh(Path(args.refresh), pins)
-        Path(args.lock).write_text(json.dumps(lock, indent=1) + "\n")
-        print(f"wrote {args.lock}")
-    else:
-        lock = json.loads(Path(args.lock).read_text())
+    try:
+        pins = read_pins(Path(args.requirements))
+        if args.refresh:
+            lock = refresh(Path(args.refresh), pins)
+            Path(args.lock).write_text(json.dumps(lock, indent=1) + "\n")
+            print(f"wrote {args.lock}")
+        else:
+            lock = read_lock(Path(args.lock))
+    except PinsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problems = check(lock, pins)
     for line in problems:
         print(f"error: {line}", file=sys.stderr)

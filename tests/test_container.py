@@ -125,3 +125,45 @@ def test_the_lock_is_what_the_wheels_declare(tmp_path):
     lock = _lock()
     assert fresh["requires"] == lock["requires"] and fresh["pins"] == lock["pins"]
     assert cp.check(fresh, cp.read_pins()) == []
+
+
+def _pins_cli(*args):
+    return subprocess.run(
+        [sys.executable, str(SLURM / "container_pins.py"), *args], capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda t: t.replace("torch==2.14.0", 'torch==2.14.0; python_version < "3.10"'),
+            "has an environment marker; the image is one platform",
+        ),
+        (lambda t: t + "torch==2.13.0\n", "torch is pinned again (line "),
+        (lambda t: t + "torch ==\n", "'torch ==' is not a requirement"),
+        (lambda t: t + "numpy>=2\n", "'numpy>=2' is not an exact pin"),
+    ],
+)
+def test_a_pin_with_a_marker_a_second_pin_or_a_malformed_one_is_one_error_line(
+    tmp_path, change, message
+):
+    """Issue 32: a marker or a second pin of one package passed as "agree" (the marker
+    made the check skip the pin); a malformed pin was a traceback."""
+    req = tmp_path / "req.txt"
+    req.write_text(change((SLURM / "container-requirements.txt").read_text()))
+    r = _pins_cli("--requirements", str(req))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: {req}:") and message in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "agree" not in r.stdout
+
+
+@pytest.mark.parametrize("lock_text", [None, '{"pins": {"torch": ', "[]"])
+def test_a_missing_or_truncated_lock_is_one_error_line_naming_it(tmp_path, lock_text):
+    lock = tmp_path / "lock.json"
+    if lock_text is not None:
+        lock.write_text(lock_text)
+    r = _pins_cli("--lock", str(lock))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: {lock}: ") and "--refresh" in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1

@@ -312,6 +312,8 @@ def _fake_slurm(tmp_path: Path, job_id: str, gpus_per_node: int = 2, **extra) ->
         ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0 is not a whole number >= 1"),
         ({"MAX_REQUEUES": "many"}, "error: MAX_REQUEUES=many is not a whole number >= 0"),
         ({"MASTER_PORT": "29x"}, "error: MASTER_PORT=29x is not a port number"),
+        ({"SELFCHECK": "true"}, "error: SELFCHECK=true must be 1 (run the self-check first)"),
+        ({"SELFCHECK": "yes"}, "error: SELFCHECK=yes must be 1 (run the self-check first)"),
         ({"SLURM_SUBMIT_DIR": None}, "error: SLURM_SUBMIT_DIR is not set (not started by sbatch?)"),
         (
             {"SLURM_JOB_NODELIST": None},

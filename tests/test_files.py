@@ -10,6 +10,7 @@ import pytest
 
 from nemo_d3s import files, files_staging
 from nemo_d3s.files import atomic_folder
+from nemo_d3s.formats.checksums import verify_checksums
 
 
 def _entries(folder):
@@ -189,16 +190,13 @@ def test_checksums_catch_a_flipped_bit_and_a_truncated_file(tmp_path):
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(range(256)) * 4)
     (tmp_path / "c.json").write_text("{}")
     files.write_checksums(tmp_path)
-    assert files.verify_checksums(tmp_path) is None
+    assert verify_checksums(tmp_path) is None
     data = bytearray((tmp_path / "sub" / "w.bin").read_bytes())
     data[100] ^= 0x01
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(data))
-    assert (
-        files.verify_checksums(tmp_path)
-        == "sub/w.bin does not match its SHA-256 checksum (corrupt)"
-    )
+    assert verify_checksums(tmp_path) == "sub/w.bin does not match its SHA-256 checksum (corrupt)"
     (tmp_path / "sub" / "w.bin").write_bytes(bytes(data[:10]))
-    assert "sub/w.bin has 10 bytes, 1024 were written" in files.verify_checksums(tmp_path)
+    assert "sub/w.bin has 10 bytes, 1024 were written" in verify_checksums(tmp_path)
 
 
 def test_a_kept_output_that_cannot_be_renamed_stays_under_its_staging_name(tmp_path, monkeypatch):

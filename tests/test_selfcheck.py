@@ -184,6 +184,8 @@ def test_the_cpu_form_end_to_end(tmp_path):
         "vocab_parallel.fp32_gloo",
         "gpt.local_spec",
         "gpt.long_sequence",
+        "gpt.pp_recompute",
+        "gpt.interleaved_pipeline",
         "rl.megatron_step",
         "checkpoint.roundtrip",
         "refit.staged_tp_pp",
@@ -199,7 +201,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     # the tiny model's 2 layers leave out PP2 x VPP2 (it needs 4)
     assert checks["gpt.long_sequence"]["measured"]["layouts"] == ["tp2_sp", "pp2_tokens"]
     assert checks["gpt.long_sequence"]["measured"]["weights_err"] <= 1e-5
-    assert "8 passed, 0 failed" in proc.stdout
+    assert "10 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------- the CUDA checks' logic on the CPU
@@ -285,3 +287,66 @@ def test_te_check_fails_naming_a_broken_transformer_engine(tmp_path, monkeypatch
         CheckFailed, match="Transformer Engine: import transformer_engine.pytorch failed"
     ):
         check_te_spec(_ctx(tmp_path))
+
+
+# ------------------------------------------------------ issue 30: the 70B set-up, the cluster
+def test_cluster_preconditions_decide_by_hand():
+    from nemo_d3s.selfcheck.cluster_checks import compute_mode_problem, cuda_version, driver_problem
+
+    assert compute_mode_problem("Default") is None
+    assert "Exclusive_Process" in compute_mode_problem(" Exclusive_Process")
+    assert compute_mode_problem("Prohibited") is not None
+    assert cuda_version(12040) == (12, 4) and cuda_version(13000) == (13, 0)
+    assert driver_problem(12080, "12.8") == (None, None)
+    assert driver_problem(13000, "12.8") == (None, None)
+    fail, note = driver_problem(12020, "12.8")  # same major, older minor: runs, noted
+    assert fail is None and "minor-version compatibility" in note
+    fail, note = driver_problem(11080, "12.1")
+    assert "CUDA 11.8" in fail and note is None
+
+
+def test_cuda_checks_say_what_they_would_check_without_cuda(tmp_path, monkeypatch, capsys):
+    from nemo_d3s.selfcheck import cluster_checks, pipeline_checks
+
+    cuda_checks = [c for c in (*cluster_checks.CHECKS, *pipeline_checks.CHECKS) if c.needs_cuda]
+    assert {c.name for c in cuda_checks} == {
+        "cluster.shared_gpu",
+        "cluster.driver",
+        "gpt.te_spec_pp_recompute",
+        "gpt.te_spec_interleaved",
+        "gpt.bf16_plain_adamw",
+    }
+    assert all(c.what for c in cuda_checks)
+    monkeypatch.setattr(cli, "all_checks", lambda: cuda_checks)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert cli.main(["--out", str(tmp_path), "--ranks", "1"]) == 0
+    assert capsys.readouterr().out.count("not run: no CUDA") == 5
+    doc = json.loads((tmp_path / "selfcheck.json").read_text())
+    for c, rec in zip(cuda_checks, doc["checks"]):
+        assert (rec["status"], rec["reason"]) == (NOT_RUN, NO_CUDA)
+        assert rec["measured"] == {"would_check": c.what}
+
+
+@pytest.mark.distributed
+def test_the_cpu_twins_of_the_70b_pipeline_paths_pass_on_gloo(tmp_path, monkeypatch):
+    """gpt.pp_recompute (PP2, full recompute) and gpt.interleaved_pipeline (PP2 x VPP2 on the
+    tiny model built with 4 layers) against TP1 x PP1 on 2 spawned gloo ranks."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code = cli.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--ranks",
+            "2",
+            "--only",
+            "gpt.pp_recompute,gpt.interleaved_pipeline",
+        ]
+    )
+    doc = json.loads((tmp_path / "selfcheck.json").read_text())
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert code == 0 and set(checks) == {"gpt.pp_recompute", "gpt.interleaved_pipeline"}
+    assert all(c["status"] == PASSED for c in checks.values()), checks
+    assert checks["gpt.pp_recompute"]["measured"]["layouts"] == ["tp1pp2_recompute"]
+    inter = checks["gpt.interleaved_pipeline"]["measured"]
+    assert inter["layers"] == 4 and inter["layouts"] == ["pp2_vpp2"]
+    assert inter["logprob_err"] <= 1e-4 and inter["weights_err"] <= 1e-5

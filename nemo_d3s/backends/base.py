@@ -25,7 +25,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -279,9 +279,11 @@ class Policy(abc.ABC):
         ranks its rollouts (``backends.megatron.engine.ModelParallelRollouts``)."""
         return build()
 
-    def save_checkpoint(self, folder: str) -> bool:
+    def save_checkpoint(self, folder: str) -> Union[bool, List[str]]:
         """Collective. A policy whose state is sharded writes its own files into ``folder``
-        (every rank its part) and returns True; the default returns False and the trainer
+        (every rank its part) and returns the files this rank wrote (paths relative to
+        ``folder``: each rank hashes what it wrote; files no rank names, rank 0 hashes),
+        or True (rank 0 then hashes them all); the default returns False and the trainer
         saves ``state_dict()`` from rank 0 (replicated state, e.g. the HF backend)."""
         return False
 

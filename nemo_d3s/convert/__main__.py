@@ -23,7 +23,15 @@ _EPILOG = {
       --out ./qwen7b-d3s --dtype bfloat16
   # (a checkpoint written before checkpoints kept config.json + tokenizer:
   #  add --hf-config ./Qwen2.5-7B-Instruct)
-  nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back""",
+  nemo-d3s-convert megatron-to-hf --ckpt ./qwen7b-tp4 --out ./qwen7b-back
+  # a Megatron-LM / Megatron-Bridge save folder (or one iter_XXXXXXX/ of it); Megatron-LM
+  # keeps no tokenizer: add --hf-config ./Qwen3-8B (its config.json then describes the model)
+  nemo-d3s-convert megatron-to-hf --ckpt ./bridge_run/checkpoints --out ./qwen3-8b-rl""",
+    "hf-to-megatron-lm": """example:
+  nemo-d3s-convert hf-to-megatron-lm --hf ./Qwen3-32B --out ./qwen3-32b-mcore --tp 8
+  # Megatron-LM: --load ./qwen3-32b-mcore --use-checkpoint-args (TP 8: the vocabulary
+  # padding); Megatron-Bridge: checkpoint.pretrained_checkpoint=./qwen3-32b-mcore;
+  # here: model.name=./qwen3-32b-mcore""",
     "megatron-to-nemo": """example:
   nemo-d3s-convert megatron-to-nemo --ckpt runs/qwen/checkpoints/step_000200 \\
       --hf-config ./qwen-sft-hf --nemo-context ./qwen-sft-nemo --out ./qwen-d3s-nemo
@@ -120,13 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add(
         "megatron-to-hf",
-        "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP) or a "
-        "NeMo 2 checkpoint -> a Hugging Face folder that transformers loads",
+        "a Megatron checkpoint (training step_XXXXXX folder or converted, any TP x PP), a "
+        "NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge one -> a Hugging Face folder that "
+        "transformers loads",
     )
     p.add_argument(
         "--ckpt",
         required=True,
-        help="checkpoint folder (or its megatron/ subfolder), or a NeMo 2 checkpoint",
+        help="checkpoint folder (or its megatron/ subfolder), a NeMo 2 checkpoint, or a "
+        "Megatron-LM / Megatron-Bridge save folder (or one iter_XXXXXXX/)",
     )
     p.add_argument(
         "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"
@@ -136,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=(
             "folder with config.json + tokenizer files (the model the run started from); "
-            "needed only for a training checkpoint written before checkpoints kept their "
-            "model's config and tokenizer"
+            "needed for a training checkpoint written before checkpoints kept their model's "
+            "config and tokenizer, and for a Megatron-LM checkpoint (no tokenizer; no "
+            "vocab_size unless run with --vocab-size); its config.json then describes the model"
         ),
     )
     p.add_argument(
@@ -148,6 +159,38 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         default=DEFAULT_SHARD_BYTES,
         help="largest safetensors file (default 5GiB)",
+    )
+
+    p = add(
+        "hf-to-megatron-lm",
+        "a Hugging Face folder (or any checkpoint read here) -> a Megatron-LM / Megatron-Bridge / "
+        "NeMo-RL save folder (megatron-core dist_checkpointing, torch_dist: "
+        "latest_checkpointed_iteration.txt + release/ with common.pt args, run_config.yaml, "
+        "tokenizer/)",
+    )
+    p.add_argument("--hf", required=True, help="Hugging Face model folder, or a checkpoint")
+    p.add_argument(
+        "--out", required=True, help="output folder (must be empty or absent unless --overwrite)"
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="TP size of the run that loads it: the vocabulary is padded to a multiple of "
+        "--make-vocab-size-divisible-by x TP, as Megatron-LM / Megatron-Bridge compute it "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="the loading run's make_vocab_size_divisible_by (default 128)",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)"
+    )
+    p.add_argument(
+        "--hf-config", default=None, help="config.json + tokenizer folder for a checkpoint source"
     )
 
     p = add(
@@ -261,6 +304,21 @@ def _run(args: argparse.Namespace) -> int:
                 verify_checksums=args.verify_checksums,
             )
             print(f"wrote {out}")
+        elif args.command == "hf-to-megatron-lm":
+            from nemo_d3s.convert.mcore import hf_to_megatron_lm
+
+            out = hf_to_megatron_lm(
+                args.hf,
+                args.out,
+                tp=args.tp,
+                dtype=args.dtype,
+                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                hf_config=args.hf_config,
+                overwrite=args.overwrite,
+                progress=not args.quiet,
+                verify_checksums=args.verify_checksums,
+            )
+            print(f"wrote {out} (Megatron-LM / Megatron-Bridge torch_dist, release/)")
         elif args.command == "megatron-to-nemo":
             out = core.megatron_to_nemo(
                 args.ckpt,

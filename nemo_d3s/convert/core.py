@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -46,7 +47,6 @@ from nemo_d3s.convert.sources import (
     CheckpointSource,
     _dtype,
     _folder_side_files,
-    _open_nemo2,
     _resolve_hf,
     _same_model,
     _with_side_files,
@@ -54,7 +54,7 @@ from nemo_d3s.convert.sources import (
 )
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
-from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, nbytes
 from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_file, write_layout
@@ -165,10 +165,10 @@ def hf_to_megatron(
     progress: bool = True,
     verify_checksums: bool = True,
 ) -> Path:
-    """Convert the HF folder ``hf`` (or a NeMo 2 checkpoint: a training start from NeMo)
-    into a Megatron checkpoint folder ``out`` with TP x PP shard files and a
-    ``checksums.json`` every reader checks (see the module docstring). ``dtype`` None keeps
-    every tensor's stored dtype. Returns ``out``."""
+    """Convert the HF folder ``hf`` (or a NeMo 2 / Megatron-LM / Megatron-Bridge checkpoint:
+    a training start from one) into a Megatron checkpoint folder ``out`` with TP x PP shard
+    files and a ``checksums.json`` every reader checks (see the module docstring). ``dtype``
+    None keeps every tensor's stored dtype. Returns ``out``."""
     for name, v in (
         ("tp", tp),
         ("pp", pp),
@@ -177,9 +177,10 @@ def hf_to_megatron(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = _dtype(dtype)
-    if detect_format(Path(hf).expanduser()).kind == NEMO2:
+    if detect_format(Path(hf).expanduser()).kind in (NEMO2, MEGATRON_LM):
         nemo = _with_side_files(
-            _open_nemo2(Path(hf).expanduser(), None, verify_checksums), role="NeMo 2 context"
+            open_checkpoint(Path(hf).expanduser(), None, verify_checksums=verify_checksums),
+            role="checkpoint",
         )
         src, spec, side, reader = nemo.folder, nemo.spec, nemo.side, nemo.reader()
         dtype_of = lambda name, lay: want or nemo.dtype  # noqa: E731
@@ -282,6 +283,8 @@ def megatron_to_hf(
     want = _dtype(dtype) or src.dtype
     if want is None:
         raise ConfigError(f"{str(src.folder)!r} stores parameters in several dtypes; pass --dtype")
+    if src.origin and progress:  # a Megatron-LM / Megatron-Bridge source: say what it was read as
+        print(f"{src.layout}: the model's architecture from {src.origin}", file=sys.stderr)
     if max_shard_bytes < 1:
         raise ConfigError(f"max shard size {max_shard_bytes} must be >= 1 byte")
     files = _plan_hf_files(src.spec, want, max_shard_bytes)

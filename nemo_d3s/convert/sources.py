@@ -1,7 +1,7 @@
 """What a conversion reads: a checkpoint opened and checked (:func:`open_checkpoint`: a
-Megatron checkpoint, training or converted, at any saved TP x PP, or a NeMo 2 checkpoint,
-told apart by ``formats.detect_format``), and the files that go with its weights (HF
-config, generation config, tokenizer: :class:`SideFiles`).
+Megatron checkpoint, training or converted, at any saved TP x PP, a NeMo 2 checkpoint, or a
+Megatron-LM / Megatron-Bridge one, told apart by ``formats.detect_format``), and the files
+that go with its weights (HF config, generation config, tokenizer: :class:`SideFiles`).
 
 Every file is untrusted input (safetensors, JSON and safe YAML only); anything wrong is a
 :class:`~nemo_d3s.errors.ConfigError` naming the file or tensor, raised before anything is
@@ -25,11 +25,15 @@ from nemo_d3s.formats.detect import (
     HF,
     LAYOUT_FILE,
     MEGATRON,
+    MEGATRON_LM,
     NEMO2,
     SHARDS_SUBDIR,
     FolderFormat,
     detect_format,
 )
+from nemo_d3s.formats.mcore_config import checkpoint_hf_config, resolve_iteration
+from nemo_d3s.formats.mcore_config import tokenizer_folder as mcore_tokenizer_folder
+from nemo_d3s.formats.mcore_dist import open_mcore_weights
 from nemo_d3s.formats.nemo2 import open_nemo2_weights
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
@@ -166,6 +170,8 @@ class CheckpointSource:
     _reader: Any
     config_source: Optional[Path] = None  # a separate folder the config came from (--hf-config)
     side: Optional[SideFiles] = None
+    origin: str = ""  # where the model's architecture came from, in words
+    weights: Optional[Path] = None  # MEGATRON_LM: the iteration folder read
 
     def reader(self):
         return self._reader()
@@ -178,6 +184,8 @@ class CheckpointSource:
             return read_hf_config(self.config_source)
         if self.kind == NEMO2:
             return hf_config_from_nemo(self.folder)
+        if self.kind == MEGATRON_LM:
+            return checkpoint_hf_config(self.weights)[0]
         return read_hf_config(self.folder)
 
     def iter_hf(self, dtype: Optional[torch.dtype] = None) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -240,6 +248,77 @@ def _open_nemo2(
     )
 
 
+# What a checkpoint's own description may leave out or state otherwise without being another
+# model: the family name (Megatron holds none: a Mistral reads as a Llama), the training
+# sequence length Megatron-LM / Megatron-Bridge record as seq_length, the dtype.
+_DESCRIPTION_FIELDS_IGNORED = (
+    "architecture",
+    "model_type",
+    "max_position_embeddings",
+    "torch_dtype",
+)
+
+
+def _open_mcore(
+    path: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True
+) -> CheckpointSource:
+    """A Megatron-LM / Megatron-Bridge checkpoint (a save folder or one iteration's): the
+    model from ``--hf-config`` when given (checked against the checkpoint's own description
+    where it has a complete one), else from that description (``formats.mcore_config``)."""
+    check_checksums(path, verify=verify_checksums, skip_hint=SKIP_HINT)  # nemo_d3s-written only
+    it = resolve_iteration(path)
+    config_source = None
+    if hf_config is not None:
+        config_source = _resolve_hf(hf_config)
+        spec = ModelSpec.from_folder(config_source)
+        origin = f"--hf-config {str(config_source / 'config.json')!r}"
+        try:
+            own, where = checkpoint_hf_config(it)
+        except ConfigError:  # no complete description (Megatron-LM without --vocab-size)
+            own = None
+        if own is not None:
+            theirs = ModelSpec.from_hf_dict(own, where).to_dict()
+            for k, v in spec.to_dict().items():
+                if k not in _DESCRIPTION_FIELDS_IGNORED and theirs[k] != v:
+                    raise ConfigError(
+                        f"{origin} and {where} are different models: {k}={v!r} vs {theirs[k]!r}"
+                    )
+    else:
+        cfg, origin = checkpoint_hf_config(it)
+        spec = ModelSpec.from_hf_dict(cfg, origin)
+    _, dtype = open_mcore_weights(it, spec, origin)
+    return CheckpointSource(
+        MEGATRON_LM,
+        path,
+        spec,
+        f"Megatron-LM torch_dist {it.name}",
+        dtype,
+        lambda: open_mcore_weights(it, spec, origin)[0],
+        config_source,
+        origin=origin,
+        weights=it,
+    )
+
+
+def _mcore_side_files(it: Path) -> SideFiles:
+    """Side files of a Megatron-LM / Megatron-Bridge checkpoint: config from its own
+    description, tokenizer (and generation config) from Megatron-Bridge's tokenizer/."""
+    cfg, _ = checkpoint_hf_config(it)
+    tok = mcore_tokenizer_folder(it)
+    if tok is None:
+        raise ConfigError(
+            f"{str(it)!r} holds no tokenizer/ (Megatron-LM keeps none; Megatron-Bridge keeps one "
+            "unless save_tokenizer_assets=false): pass --hf-config DIR, the model's HF folder"
+        )
+    gen = _generation_file(tok / GENERATION_CONFIG)
+    if gen is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = _read_json(gen).get(key)
+            if value is not None:
+                cfg[key] = value
+    return SideFiles(cfg, None, gen, _tokenizer_files(tok, role="checkpoint tokenizer/"))
+
+
 def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
     da, db = a.to_dict(), b.to_dict()
     diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
@@ -263,8 +342,11 @@ def open_checkpoint(
     A folder's files are checked against its checksums.json first (training and converted
     checkpoints carry one) unless ``verify_checksums`` is False."""
     p = Path(path).expanduser()
-    if detect_format(p).kind == NEMO2:
+    kind = detect_format(p).kind
+    if kind == NEMO2:
         return _open_nemo2(p, hf_config, verify_checksums)
+    if kind == MEGATRON_LM:
+        return _open_mcore(p, hf_config, verify_checksums)
     fmt = _find_root(p)
     folder, root = fmt.folder, fmt.shards
     if verify_checksums and fmt.training and has_checksums(folder):
@@ -320,6 +402,8 @@ def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
         src.side = _folder_side_files(src.config_source, role=role)
     elif src.kind == NEMO2:
         src.side = _nemo_side_files(src.folder)
+    elif src.kind == MEGATRON_LM:
+        src.side = _mcore_side_files(src.weights)
     else:
         src.side = _folder_side_files(src.folder, role="--ckpt")
     return src

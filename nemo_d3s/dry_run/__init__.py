@@ -27,14 +27,16 @@ import os
 from typing import Any
 
 from nemo_d3s.dry_run.memory import (
+    CUDA_CONTEXT_BYTES,
     GB,
-    RUNTIME_BYTES,
     Workload,
     activation_bytes,
     kv_bytes_per_token,
     layer_activation_bytes,
     logits_bytes,
     megatron_lm_reference,
+    nccl_bytes,
+    physical_gpu_bytes,
     vllm_activation_bytes,
 )
 from nemo_d3s.dry_run.plan import plan
@@ -43,7 +45,9 @@ from nemo_d3s.dry_run.shape import JobShape, job_shape, model_folder
 
 __all__ = [
     "GB",
-    "RUNTIME_BYTES",
+    "CUDA_CONTEXT_BYTES",
+    "nccl_bytes",
+    "physical_gpu_bytes",
     "JobShape",
     "Workload",
     "job_shape",

@@ -42,21 +42,39 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
 - hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
   sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
   generates at once (all of its group's rollouts, or ``generation_batch_size``).
-- runtime: 2 GB for the CUDA context, NCCL communicators and allocator slack (assumed).
+- cuda_context: the trainer process's CUDA context and library workspaces,
+  ``CUDA_CONTEXT_BYTES`` (assumed; the same figure as a vLLM worker's context).
+- nccl: the buffers of each NCCL communicator the trainer rank uses (:func:`nccl_bytes`):
+  two receive buffers of ``NCCL_BUFFSIZE`` (NCCL's default, 4 MiB) per channel (ring and
+  tree), over ``NCCL_CHANNELS`` channels, per communicator: the world (barriers, small
+  sums), DP and Megatron's DP-with-CP group (the distributed optimizer's reduce-scatter),
+  TP, PP (1F1B's point-to-point) and the embedding group (PP > 1, tied embeddings) where
+  those have more than one rank. NVLink SHARP and user-buffer registration are not modelled.
+- fragmentation: what the caching allocator reserves and cannot reuse, a share
+  (``FRAGMENTATION_SHARE``, assumed) of the training step's transient allocations
+  (activations + logits), held in the training peak only (the trainer empties its cache
+  before an engine wakes). The self-check's ``gpu.peak_memory`` records the reserved and
+  allocated peaks on a GPU.
 - vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
-  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first rank, on
-  that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two engines would share
-  a GPU is an error). Only the positions whose GPU carries an engine worker get these terms: vllm =
-  ``gpu_memory_utilization`` x the GPU while it generates (its weights d N / vLLM-TP, its profiled
-  activations and the KV cache); vllm_asleep = what it keeps while the policy trains (level-2 sleep:
-  CUDA context, TP communicator, CUDA graphs; all of vllm when ``rollout.sleep=false``); refit = the
-  trainer's staging buffer, the bucket's gathered tensors and the next gather's TP shards while the
-  engine's weights are awake for a refit. KV budget per GPU = utilization x GPU - vLLM weights -
-  vLLM activations (``8192`` batched tokens profiled); vLLM refuses to start when it cannot hold one
-  ``max_model_len`` sequence.
+  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first
+  rank, on that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two
+  engines would share a GPU is an error). Only the positions whose GPU carries an engine
+  worker get these terms: vllm = ``gpu_memory_utilization`` x the GPU's PHYSICAL memory
+  (vLLM 0.33 ``v1/worker/utils.py:724-726``: ``total_memory x gpu_memory_utilization``, the
+  total from ``torch.accelerator.get_memory_info``, ``utils/mem_utils.py:143``; not
+  ``trainer.gpu_memory_gb``: :func:`physical_gpu_bytes`) while it generates (its weights
+  d N / vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps
+  while the policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of
+  vllm when ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's
+  gathered tensors and the next gather's TP shards, and the engine's copy of the bucket out
+  of the staging buffer (its receiver copies, so it never keeps a view into a buffer the
+  trainer refills), while the engine's weights are awake for a refit. KV budget per GPU =
+  utilization x physical GPU - vLLM weights - vLLM activations (``8192`` batched tokens
+  profiled); vLLM refuses to start when it cannot hold one ``max_model_len`` sequence.
 
-Peaks (resident = weights + grads + optimizer + reference + hf_replica + runtime): training
-= resident + activations + logits + vllm_asleep; generation = resident + hf_kv_cache or vllm
+Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context +
+nccl): training = resident + activations + logits + fragmentation + vllm_asleep;
+generation = resident + hf_kv_cache or vllm
 (every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
 the last update's activations are not still reserved); refit = resident + vllm_asleep +
 refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
@@ -72,7 +90,13 @@ from nemo_d3s.dry_run.sequence import interleaving_factor, replicated_share, tok
 
 __all__ = [
     "GB",
-    "RUNTIME_BYTES",
+    "ASSUMPTIONS",
+    "CUDA_CONTEXT_BYTES",
+    "FRAGMENTATION_SHARE",
+    "NCCL_BUFFSIZE",
+    "NCCL_CHANNELS",
+    "nccl_bytes",
+    "physical_gpu_bytes",
     "VLLM_PROFILE_TOKENS",
     "RESIDENT",
     "TRAINING",
@@ -90,10 +114,25 @@ __all__ = [
 GB = 10**9
 # Which memory terms are held when: all the time, while the policy trains, while the engine
 # generates.
-RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica")
-TRAINING = ("activations", "logits")
+RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
+TRAINING = ("activations", "logits", "fragmentation")
 GENERATION = ("hf_kv_cache", "vllm")
-RUNTIME_BYTES = 2 * GB  # CUDA context + NCCL communicators + allocator slack (an assumption)
+CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
+NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
+NCCL_CHANNELS = 32  # channels NCCL opens on an NVLink / NVSwitch node at most (assumed)
+FRAGMENTATION_SHARE = 0.10  # of the training step's transient allocations (assumed)
+# What NVML reports (nvidia-smi) for GPUs sold by a round decimal size: the memory vLLM's
+# gpu_memory_utilization is a share of. thundergolfer.com/blog/nvidia-gpu-memory-capacity
+# (H100 80GB: 81,559 MiB = 85.52 GB; H200 141GB: 143,771 MiB; A100 40GB: 40,960 MiB; an
+# A100 80GB reports 81,920 MiB, 0.4% more than the H100 figure taken for 80).
+PHYSICAL_MIB = {80.0: 81559, 141.0: 143771, 40.0: 40960}
+ASSUMPTIONS = {
+    "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+    "nccl_buffsize_bytes": NCCL_BUFFSIZE,
+    "nccl_channels": NCCL_CHANNELS,
+    "fragmentation_share_of_training_transients": FRAGMENTATION_SHARE,
+    "physical_mib_of_nominal_gb": {str(k): v for k, v in PHYSICAL_MIB.items()},
+}
 VLLM_PROFILE_TOKENS = 8192  # vLLM profiles one forward of this many batched tokens at start
 _CHUNK_BUFFERS = 3  # fp32 [chunk, V/TP] buffers the vocab-parallel kernel holds at once
 
@@ -126,6 +165,30 @@ class Workload:
         return tokens_per_micro_batch(
             self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens
         )
+
+
+def physical_gpu_bytes(gpu_memory_gb: float) -> int:
+    """The GPU's physical memory for ``trainer.gpu_memory_gb``: NVML's total for the products
+    sold as that many GB (``PHYSICAL_MIB``), else the figure itself (decimal GB). CUDA's
+    total (what vLLM reads) can be a few hundred MiB below NVML's; the self-check records it."""
+    mib = PHYSICAL_MIB.get(float(gpu_memory_gb))
+    return mib * 2**20 if mib is not None else int(float(gpu_memory_gb) * GB)
+
+
+def nccl_communicators(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> Dict[str, int]:
+    """{group: 1} for each NCCL communicator a trainer rank uses (module docstring)."""
+    used = {"world": tp * pp * dp > 1, "dp": dp > 1, "dp_with_cp": dp > 1, "tp": tp > 1}
+    used.update(pp=pp > 1, embedding=pp > 1 and tied_embeddings)
+    return {k: 1 for k, v in used.items() if v}
+
+
+def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
+    """GPU memory of the trainer rank's NCCL communicators: per communicator and channel, two
+    receive buffers of ``NCCL_BUFFSIZE`` (the ring's and the tree's connection; a buffer
+    lives on the receiving rank), over ``NCCL_CHANNELS`` channels: 2 x 32 x 4 MiB = 256 MiB
+    per communicator."""
+    n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
+    return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
 
 
 def layer_activation_bytes(

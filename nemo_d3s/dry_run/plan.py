@@ -44,15 +44,18 @@ from nemo_d3s.backends.vllm.memory import (
 )
 from nemo_d3s.dry_run.memory import (
     GB,
+    CUDA_CONTEXT_BYTES,
+    FRAGMENTATION_SHARE,
     GENERATION,
     RESIDENT,
-    RUNTIME_BYTES,
     TRAINING,
     Workload,
     activation_bytes,
     kv_bytes_per_token,
     logits_bytes,
     minimal_training_bytes,
+    nccl_bytes,
+    physical_gpu_bytes,
     vllm_activation_bytes,
 )
 from nemo_d3s.dry_run.report import report
@@ -219,7 +222,8 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
 def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
     """(one engine GPU's budget: weights, profiled activations, KV cache; the problems that
     stop vLLM from starting)."""
-    cfg, spec, vllm_tp, gpu = s.cfg, s.spec, s.vllm_tp, s.gpu
+    cfg, spec, vllm_tp = s.cfg, s.spec, s.vllm_tp
+    gpu = physical_gpu_bytes(cfg.trainer.gpu_memory_gb)  # vLLM's share is of the physical GPU
     gmu = float(cfg.rollout.gpu_memory_utilization)
     v_dtype = {"auto": w.dtype_bytes, "bfloat16": 2, "float16": 2, "float32": 4}[
         str(cfg.rollout.dtype)
@@ -232,6 +236,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
     terms = {
         "utilization": gmu,
         "tensor_parallel_size": vllm_tp,
+        "physical_gpu_bytes": gpu,
         "reserved_bytes": gmu * gpu,
         "weights_bytes": weights,
         "activation_bytes": act,
@@ -340,8 +345,12 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
             vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
         )
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
-    terms["runtime"] = RUNTIME_BYTES
-    resident = sum(v for k, v in terms.items() if k in RESIDENT) + RUNTIME_BYTES
+    terms["cuda_context"] = CUDA_CONTEXT_BYTES
+    terms["nccl"] = nccl_bytes(
+        tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+    )
+    terms["fragmentation"] = FRAGMENTATION_SHARE * (act + terms.get("logits", 0.0))
+    resident = sum(v for k, v in terms.items() if k in RESIDENT)
     # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state
     # only
     train_peak = (
@@ -354,7 +363,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         else 0.0
     )
     peak = max(train_peak, gen_peak, refit_peak)
-    counted = {k: v for k, v in terms.items() if k != "runtime"}
+    counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl")}
     cp_need = context_parallel_need(
         resident,
         minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),

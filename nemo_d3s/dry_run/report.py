@@ -10,7 +10,13 @@ from typing import Any, Dict, List, Tuple
 
 from nemo_d3s.backends.megatron.param_counts import meta_param_counts
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER
-from nemo_d3s.dry_run.memory import GB, Workload, activation_bytes, megatron_lm_reference
+from nemo_d3s.dry_run.memory import (
+    ASSUMPTIONS,
+    GB,
+    Workload,
+    activation_bytes,
+    megatron_lm_reference,
+)
 from nemo_d3s.dry_run.shape import Setup
 
 __all__ = ["render", "report"]
@@ -143,6 +149,7 @@ def report(
         "fits": fits,
         "problems": problems,
         "gpu_memory_gb": s.gpu / GB,
+        "assumptions": ASSUMPTIONS,
         "layout": {
             "nodes": s.shape.nodes,
             "gpus_per_node": s.shape.gpus_per_node,
@@ -188,7 +195,9 @@ _COLUMNS = (
     "logits",
     "hf_replica",
     "hf_kv_cache",
-    "runtime",
+    "cuda_context",
+    "nccl",
+    "fragmentation",
     "vllm",
     "vllm_asleep",
     "refit",

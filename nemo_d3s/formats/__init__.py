@@ -4,7 +4,8 @@ transformers model classes). Used by the Megatron backend, the converter and the
 none of them detects a format itself. See ``docs/architecture.md``.
 
 - ``detect``: :func:`detect_format`, the one function that tells a Hugging Face folder, a
-  Megatron sharded checkpoint (training or converted) and a NeMo 2 checkpoint apart.
+  Megatron sharded checkpoint (training or converted), a NeMo 2 checkpoint and a
+  Megatron-LM / Megatron-Bridge checkpoint apart.
 - ``spec``: :class:`ModelSpec` from ``config.json`` (or a NeMo 2 ``context/model.yaml``,
   via ``nemo2_context``), vocabulary padding, the layout's divisibility rules.
 - ``weights``: the one HF <-> Megatron name / shape table and the lazy HF safetensors reader
@@ -14,6 +15,10 @@ none of them detects a format itself. See ``docs/architecture.md``.
   ``backends/megatron/checkpoint.py``.
 - ``nemo2`` / ``nemo2_context``: reading NeMo 2 checkpoints without NeMo or pickle (the
   writer needs megatron-core and lives in ``backends/megatron/nemo2_writer.py``).
+- ``mcore_config`` / ``mcore_dist``: Megatron-LM / Megatron-Bridge / NeMo-RL checkpoints
+  (megatron-core ``dist_checkpointing``): the checkpoint a save folder names, the model it
+  describes, its weights (through ``nemo2``'s DCP reader); ``pickle_records``: the inert
+  unpickling of ``common.pt``.
 - ``safetensors_stream``: safetensors files written tensor by tensor.
 
 Submodules are imported by name (``from nemo_d3s.formats.spec import ModelSpec``); this

@@ -1,11 +1,15 @@
 """The one answer to "what is in this folder?": a Hugging Face model, a Megatron sharded
-checkpoint (a training ``step_XXXXXX`` folder or a converted one) or a NeMo 2 checkpoint.
+checkpoint (a training ``step_XXXXXX`` folder or a converted one), a NeMo 2 checkpoint or a
+Megatron-LM / Megatron-Bridge / NeMo-RL checkpoint (megatron-core ``dist_checkpointing``).
 
 The Megatron backend, the converter and the dry run ask :func:`detect_format`; none of them
 looks for marker files itself. The markers (files only, nothing is opened):
 
 - NeMo 2: ``weights/metadata.json`` and a ``context/`` folder (``nemo2.py``).
 - Megatron: ``megatron/layout.json`` (``shards.py``), or the ``megatron/`` folder itself.
+- Megatron-LM / Megatron-Bridge: ``latest_checkpointed_iteration.txt`` (a save folder), or
+  ``metadata.json`` + ``.metadata`` + ``common.pt`` (one ``iter_XXXXXXX/``): ``mcore_config.py``
+  finds the checkpoint a save folder's tracker names.
 - Hugging Face: ``config.json`` with ``model.safetensors`` or ``model.safetensors.index.json``.
 
 A folder holding only ``config.json`` (what the dry run plans from) is none of these: its
@@ -24,22 +28,26 @@ __all__ = [
     "HF",
     "MEGATRON",
     "NEMO2",
+    "MEGATRON_LM",
     "SHARDS_SUBDIR",
     "LAYOUT_FILE",
     "FolderFormat",
     "detect_format",
 ]
 
-HF, MEGATRON, NEMO2 = "hf", "megatron", "nemo2"
+HF, MEGATRON, NEMO2, MEGATRON_LM = "hf", "megatron", "nemo2", "megatron_lm"
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's (and Megatron-Bridge's) save folder
+_DIST_MARKERS = ("metadata.json", ".metadata", "common.pt")  # one dist_checkpointing folder
 SHARDS_SUBDIR = "megatron"  # <checkpoint>/megatron/{layout.json, tpXX_ppYY.safetensors}
 LAYOUT_FILE = "layout.json"
 
 
 @dataclass(frozen=True)
 class FolderFormat:
-    """``kind``: HF, MEGATRON or NEMO2, or None (none of them). ``folder``: the checkpoint
-    folder (the parent when ``megatron/`` itself was given); ``shards``: its ``megatron/``
-    folder (MEGATRON only)."""
+    """``kind``: HF, MEGATRON, NEMO2 or MEGATRON_LM, or None (none of them). ``folder``: the
+    checkpoint folder (the parent when ``megatron/`` itself was given; MEGATRON_LM: the folder
+    given, a save folder or one iteration's); ``shards``: its ``megatron/`` folder (MEGATRON
+    only)."""
 
     kind: Optional[str]
     folder: Path
@@ -61,6 +69,8 @@ def detect_format(path: str | os.PathLike) -> FolderFormat:
         return FolderFormat(MEGATRON, p, p / SHARDS_SUBDIR)
     if p.name == SHARDS_SUBDIR and (p / LAYOUT_FILE).is_file():
         return FolderFormat(MEGATRON, p.parent, p)
+    if (p / TRACKER).is_file() or all((p / m).is_file() for m in _DIST_MARKERS):
+        return FolderFormat(MEGATRON_LM, p)
     if (p / "config.json").is_file() and (
         (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()
     ):

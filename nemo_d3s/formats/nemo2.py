@@ -48,7 +48,13 @@ from nemo_d3s.formats.shards import ShardedReader
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import Layout, local_names, local_shape
 
-__all__ = ["Nemo2Reader", "open_nemo2_weights", "write_side_folder", "NEMO_PREFIX"]
+__all__ = [
+    "Nemo2Reader",
+    "open_nemo2_weights",
+    "open_dcp_weights",
+    "write_side_folder",
+    "NEMO_PREFIX",
+]
 
 NEMO_PREFIX = "module."
 _DTYPE_NAMES = (
@@ -150,8 +156,7 @@ class _DcpIndex:
         if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
             got = backend.get("sharded_backend") if isinstance(backend, dict) else backend
             raise ConfigError(
-                f"{str(meta)!r}: sharded_backend={got!r}; only torch_dist NeMo 2 checkpoints "
-                "are read"
+                f"{str(meta)!r}: sharded_backend={got!r}; only torch_dist checkpoints are read"
             )
         path = weights / ".metadata"
         try:
@@ -236,12 +241,15 @@ class _DcpIndex:
         return out
 
 
-def _nemo_key(local: str) -> Tuple[str, Optional[int]]:
-    """A TP1 (transformer-engine names) local parameter -> (NeMo fqn, layer index or None)."""
+def _nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:
+    """A TP1 (transformer-engine names) local parameter -> (DCP fqn, layer index or None):
+    megatron-core's ``TransformerBlock.sharded_state_dict`` stacks a homogeneous block's
+    layers on a leading axis under one key (``decoder.layers.<rest>``). ``prefix``: NeMo's
+    "module.", or "" for Megatron-LM / Megatron-Bridge (the model's own keys)."""
     parts = local.split(".")
     if parts[:2] == ["decoder", "layers"]:
-        return NEMO_PREFIX + "decoder.layers." + ".".join(parts[3:]), int(parts[2])
-    return NEMO_PREFIX + local, None
+        return prefix + "decoder.layers." + ".".join(parts[3:]), int(parts[2])
+    return prefix + local, None
 
 
 _LOCAL_SPEC_NAMES = {
@@ -251,15 +259,25 @@ _LOCAL_SPEC_NAMES = {
 
 
 class Nemo2Reader(ShardedReader):
-    """``shards.ShardedReader`` over a NeMo 2 checkpoint: a TP1 x PP1 transformer-engine layout
-    whose local tensors are read from the DCP chunks of one layer."""
+    """``shards.ShardedReader`` over a megatron-core torch_dist checkpoint (NeMo 2's
+    ``weights/``, a Megatron-LM / Megatron-Bridge ``iter_XXXXXXX/``): a TP1 x PP1
+    transformer-engine layout whose local tensors are read from the DCP chunks of one layer.
+    ``prefix``: the keys' prefix; ``config_name``: where the model's shape came from (errors)."""
 
-    def __init__(self, folder: Path, spec: ModelSpec, index: _DcpIndex, padded_vocab: int) -> None:
-        self.index = index
+    def __init__(
+        self,
+        folder: Path,
+        spec: ModelSpec,
+        index: _DcpIndex,
+        padded_vocab: int,
+        prefix: str = NEMO_PREFIX,
+        config_name: str = "context/model.yaml",
+    ) -> None:
+        self.index, self.prefix_key, self.config_name = index, prefix, config_name
         super().__init__(folder, spec, Layout(1, 1, 0, 0, padded_vocab, te=True))
 
     def fqn(self, local: str) -> Tuple[str, Optional[int]]:
-        fqn, layer = _nemo_key(local)
+        fqn, layer = _nemo_key(local, self.prefix_key)
         if fqn not in self.index.tensors:  # a checkpoint saved with the local spec's own names
             for te, plain in _LOCAL_SPEC_NAMES.items():
                 alt = fqn.replace(te, plain)
@@ -285,7 +303,7 @@ class Nemo2Reader(ShardedReader):
             if shape != want:
                 raise ConfigError(
                     f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape "
-                    f"{list(shape)}, context/model.yaml gives {list(want)}"
+                    f"{list(shape)}, {self.config_name} gives {list(want)}"
                 )
             if dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise ConfigError(
@@ -307,20 +325,28 @@ class Nemo2Reader(ShardedReader):
 
 
 def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torch.dtype]:
-    index = _DcpIndex(folder / "weights")
-    emb = NEMO_PREFIX + "embedding.word_embeddings.weight"
+    return open_dcp_weights(folder / "weights", spec, NEMO_PREFIX, "context/model.yaml")
+
+
+def open_dcp_weights(
+    weights: Path, spec: ModelSpec, prefix: str, config_name: str
+) -> Tuple[Nemo2Reader, torch.dtype]:
+    """The GPT weights of the torch_dist folder ``weights`` under keys ``prefix`` + the
+    model's own names, checked against ``spec`` (from ``config_name``); the padded
+    vocabulary is the stored embedding's rows. Returns (reader, stored dtype)."""
+    index = _DcpIndex(weights)
+    emb = prefix + "embedding.word_embeddings.weight"
     if emb not in index.tensors:
         raise ConfigError(
-            f"{str(folder / 'weights' / '.metadata')!r} holds no tensor {emb!r} (not a GPT "
-            "checkpoint?)"
+            f"{str(weights / '.metadata')!r} holds no tensor {emb!r} (not a GPT checkpoint?)"
         )
     padded = index.tensors[emb][0][0]
     if padded < spec.vocab_size:
         raise ConfigError(
-            f"{str(folder / 'weights')!r}: {emb!r} has {padded} rows, fewer than vocab_size="
-            f"{spec.vocab_size} in context/model.yaml"
+            f"{str(weights)!r}: {emb!r} has {padded} rows, fewer than vocab_size="
+            f"{spec.vocab_size} in {config_name}"
         )
-    reader = Nemo2Reader(folder, spec, index, padded)
+    reader = Nemo2Reader(weights.parent, spec, index, padded, prefix, config_name)
     return reader, reader.check()
 
 

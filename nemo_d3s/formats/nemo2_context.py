@@ -1,8 +1,10 @@
 """A NeMo 2 checkpoint's ``context/model.yaml`` (NeMo's fiddle YAML of the model config) as
 the Hugging Face ``config.json`` dict it corresponds to.
 
-Read with ``yaml.safe_load`` (no code runs); Llama / Llama 3.1 RoPE scaling, Mistral and
-Qwen2 configs are mapped, anything else is a ConfigError naming the file and field. The
+Read with ``yaml.safe_load`` (no code runs); Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2
+and Qwen3 configs are mapped, anything else is a ConfigError naming the file and field
+(:func:`hf_config_from_transformer_config`, the mapping of a megatron-core config, also
+reads Megatron-Bridge's ``run_config.yaml`` model section and Megatron-LM's args). The
 dict is checked against the weight table by ``spec.ModelSpec.from_hf_dict`` (which
 ``ModelSpec.from_folder`` does for a NeMo 2 folder); this module does not import the spec, so
 the spec can read a NeMo 2 folder without an import cycle.
@@ -13,11 +15,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from nemo_d3s.errors import ConfigError
 
-__all__ = ["hf_config_from_nemo", "nemo_make_vocab_size_divisible_by"]
+__all__ = [
+    "hf_config_from_nemo",
+    "hf_config_from_transformer_config",
+    "nemo_make_vocab_size_divisible_by",
+]
 
 
 def _yaml(path: Path) -> Dict[str, Any]:
@@ -38,6 +44,14 @@ def _target(node: Any) -> str:
     return str(node.get("_target_", "")) if isinstance(node, dict) else str(node)
 
 
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+
 def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     """The HF ``config.json`` dict of the model in ``folder/context/model.yaml``; a
     ConfigError naming the file and field for a model NeMo describes in a way the mapping
@@ -47,46 +61,77 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     where = f"{str(path)!r}"
     target = _target(c)
     module, _, cls = target.rpartition(".")
-    kinds = {
-        "llama": ("LlamaForCausalLM", "llama"),
-        "mistral": ("MistralForCausalLM", "mistral"),
-        "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    }
-    kind = kinds.get(module.rsplit(".", 1)[-1])
-    if kind is None or "Llama4" in cls or c.get("num_moe_experts"):
+    kind = module.rsplit(".", 1)[-1]
+    if kind not in _ARCHS or "Llama4" in cls:
         raise ConfigError(
-            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral "
-            "and Qwen2 configs are"
+            f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral, "
+            "Qwen2 and Qwen3 configs are"
         )
+    cfg = hf_config_from_transformer_config(c, where, kind)
+    gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
+    if gen.is_file():
+        try:
+            g = json.loads(gen.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{str(gen)!r} is not valid JSON: {e}") from None
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if isinstance(g, dict) and g.get(key) is not None:
+                cfg[key] = g[key]
+    return cfg
+
+
+def hf_config_from_transformer_config(
+    c: Dict[str, Any], where: str, kind: Optional[str] = None
+) -> Dict[str, Any]:
+    """A megatron-core ``TransformerConfig``-shaped mapping (NeMo 2's ``model.yaml`` config,
+    Megatron-Bridge's ``run_config.yaml`` model section, Megatron-LM's args translated by
+    ``mcore_config``) -> the HF ``config.json`` dict. ``kind``: "llama", "mistral", "qwen2"
+    or "qwen3" when the source names it; None infers it from the fields (``qk_layernorm``:
+    Qwen3, ``add_qkv_bias``: Qwen2, else Llama: Megatron holds no model family, and a
+    Mistral without sliding window is a Llama to the weight table). ``where`` names the
+    source in errors."""
+    if c.get("num_moe_experts"):
+        raise ConfigError(
+            f"{where}: num_moe_experts={c['num_moe_experts']!r}: MoE is not supported"
+        )
+    if kind is None:
+        kind = "qwen3" if c.get("qk_layernorm") else "qwen2" if c.get("add_qkv_bias") else "llama"
     checks = {
         "normalization": "RMSNorm",
         "gated_linear_unit": True,
         "position_embedding_type": "rope",
         "add_bias_linear": False,
-        "qk_layernorm": False,
+        "qk_layernorm": kind == "qwen3",
     }
     for key, want in checks.items():
         if key in c and c[key] != want:
             raise ConfigError(
-                f"{where}: config.{key}={c[key]!r} is not supported (the weight table "
-                f"needs {want!r})"
+                f"{where}: {key}={c[key]!r} is not supported for {_ARCHS[kind][0]} (the "
+                f"weight table needs {want!r})"
             )
+    if c.get("qk_l2_norm") or c.get("multi_latent_attention") or c.get("attention_output_gate"):
+        raise ConfigError(
+            f"{where}: qk_l2_norm / multi_latent_attention / attention_output_gate are not "
+            "supported"
+        )
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":
         raise ConfigError(
-            f"{where}: config.activation_func={act!r} is not supported (SwiGLU with silu only)"
+            f"{where}: activation_func={act!r} is not supported (SwiGLU with silu only)"
         )
+    if float(c.get("rotary_percent", 1.0)) != 1.0:
+        raise ConfigError(f"{where}: rotary_percent={c['rotary_percent']!r}: only 1.0 is supported")
 
     def need(key: str) -> Any:
         if c.get(key) is None:
-            raise ConfigError(f"{where}: config.{key} is not set")
+            raise ConfigError(f"{where}: {key} is not set")
         return c[key]
 
     heads, hidden = need("num_attention_heads"), need("hidden_size")
     dtype = _target(c.get("params_dtype", "torch.float32")).replace("torch.", "")
     if dtype not in ("float32", "bfloat16", "float16"):
         dtype = "bfloat16" if c.get("bf16") else "float32"
-    arch, model_type = kind
+    arch, model_type = _ARCHS[kind]
     cfg: Dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -108,9 +153,13 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     if model_type == "qwen2":
         if c.get("add_qkv_bias") is False:
             raise ConfigError(
-                f"{where}: config.add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported"
+                f"{where}: add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported"
             )
         cfg["use_sliding_window"] = False
+    elif model_type == "qwen3":
+        if c.get("add_qkv_bias"):
+            raise ConfigError(f"{where}: add_qkv_bias=true: a Qwen3 has no q/k/v bias")
+        cfg.update(use_sliding_window=False, attention_bias=False)
     else:
         cfg["attention_bias"] = bool(c.get("add_qkv_bias", False))
         cfg["mlp_bias"] = False
@@ -122,15 +171,11 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
             "high_freq_factor": float(c.get("high_freq_factor", 4.0)),
             "original_max_position_embeddings": int(c.get("old_context_len", 8192)),
         }
-    gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
-    if gen.is_file():
-        try:
-            g = json.loads(gen.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{str(gen)!r} is not valid JSON: {e}") from None
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if isinstance(g, dict) and g.get(key) is not None:
-                cfg[key] = g[key]
+    elif c.get("rope_scaling"):  # megatron-core's own flag: llama3 scaling, fixed constants
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": float(c.get("rope_scaling_factor", 8.0)),
+        }
     return cfg
 
 

@@ -32,6 +32,7 @@ backend's ``backends/megatron/checkpoint.load_policy``).
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, Optional, Tuple
@@ -106,11 +107,14 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
             f"{str(path)!r}: not a nemo_d3s Megatron checkpoint layout ({e})"
         ) from None
     mine = spec.to_dict()
-    diff = [k for k in mine if k != "torch_dtype" and saved.get(k) != mine[k]]
+    # a field added to ModelSpec since the checkpoint was written reads as its default
+    defaults = {f.name: f.default for f in fields(ModelSpec) if f.default is not MISSING}
+    got = {k: saved.get(k, defaults.get(k)) for k in mine}
+    diff = [k for k in mine if k != "torch_dtype" and got[k] != mine[k]]
     if diff:
         k = diff[0]
         raise ConfigError(
-            f"{str(path)!r} is a checkpoint of another model: {k}={saved.get(k)!r} there, "
+            f"{str(path)!r} is a checkpoint of another model: {k}={got[k]!r} there, "
             f"{mine[k]!r} here"
         )
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))

@@ -9,7 +9,9 @@ layout checks use. It is read from ``config.json`` only (JSON, never code:
 enough to plan a layout (the dry run of the Slurm recipes). Plain Python: no torch.
 
 Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM2), ``MistralForCausalLM`` (GQA, no
-sliding window) and ``Qwen2ForCausalLM`` (q/k/v bias; Qwen2.5 and Qwen2.5-Math). Anything
+sliding window), ``Qwen2ForCausalLM`` (q/k/v bias; Qwen2.5 and Qwen2.5-Math) and
+``Qwen3ForCausalLM`` (dense Qwen3: RMS norm of every query and key head, no q/k/v bias,
+tied or untied embeddings; Megatron's ``qk_layernorm``). Anything
 the mapping would get silently wrong (another architecture, a sliding window, MLP biases,
 an activation other than SiLU, a RoPE scaling Megatron does not implement) is a
 :class:`~nemo_d3s.errors.ConfigError` naming the field, raised at start-up.
@@ -24,12 +26,13 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 
 __all__ = [
     "ModelSpec",
     "SUPPORTED_ARCHITECTURES",
+    "QK_NORM_ARCHITECTURES",
     "check_layout",
     "padded_vocab_size",
     "read_hf_config",
@@ -40,7 +43,11 @@ SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    "Qwen3ForCausalLM": False,
 }
+# architectures whose attention normalises every query and key head (RMS norm over
+# head_dim, one weight per width shared by the heads) before RoPE: Megatron's qk_layernorm.
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 # Megatron implements Llama 3.x RoPE scaling with these fixed constants
 # (RotaryEmbedding._apply_scaling); only the factor is a GPTModel argument.
@@ -59,7 +66,9 @@ class ModelSpec:
     :func:`padded_vocab_size`); kv_heads: key/value heads (GQA query groups); head_dim:
     per-head width (Megatron's ``kv_channels``); qkv_bias: q/k/v projections carry a bias;
     rope_scaling_factor: Llama 3.x frequency scaling (None = none); torch_dtype: the dtype
-    the checkpoint was saved in (export writes the training dtype).
+    the checkpoint was saved in (export writes the training dtype); qk_norm: an RMS norm
+    [head_dim] on every query head and one on every key head (Qwen3; Megatron's
+    ``qk_layernorm``).
     """
 
     architecture: str
@@ -78,6 +87,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     torch_dtype: str = "float32"
+    qk_norm: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: Dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -121,7 +131,7 @@ class ModelSpec:
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM":
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         if sliding is not None:
             raise ConfigError(
@@ -167,15 +177,22 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             torch_dtype=dtype,
+            qk_norm=arch in QK_NORM_ARCHITECTURES,
         )
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelSpec":
-        """From ``folder/config.json``, or a NeMo 2 checkpoint's ``context/model.yaml``."""
-        if detect_format(folder).kind == NEMO2:
+        """From ``folder/config.json``, a NeMo 2 checkpoint's ``context/model.yaml``, or a
+        Megatron-LM / Megatron-Bridge checkpoint's own description (``mcore_config``)."""
+        kind = detect_format(folder).kind
+        if kind == NEMO2:
             return cls.from_hf_dict(
                 hf_config_from_nemo(folder), str(Path(folder) / "context" / "model.yaml")
             )
+        if kind == MEGATRON_LM:
+            from nemo_d3s.formats.mcore_config import checkpoint_hf_config, resolve_iteration
+
+            return cls.from_hf_dict(*checkpoint_hf_config(resolve_iteration(folder)))
         return cls.from_hf_dict(read_hf_config(folder), str(Path(folder) / "config.json"))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -188,6 +205,8 @@ class ModelSpec:
         attn = h * d * (self.num_heads + 2 * self.kv_heads) + self.num_heads * d * h
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.kv_heads)
+        if self.qk_norm:
+            attn += 2 * d
         layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h

@@ -1,4 +1,4 @@
-"""The one table of names and shapes between Hugging Face Llama/Qwen2 weights and the
+"""The one table of names and shapes between Hugging Face Llama/Qwen2/Qwen3 weights and the
 TP x PP shards of a megatron-core ``GPTModel`` (torch + safetensors only: no process group,
 no Megatron import; the adapter between the two namings, as torchtitan's state-dict
 adapter is, kept apart from the training code).
@@ -21,6 +21,15 @@ Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, 
 - ``self_attention.linear_proj.weight`` [H, q d G / TP]: o_proj's columns, split over TP.
 - ``mlp.linear_fc1.weight`` [2 F / TP, H]: [gate rows of rank r; up rows of rank r].
 - ``mlp.linear_fc2.weight`` [H, F / TP]: down_proj's columns.
+- ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` [d] (Qwen3's ``q_norm`` /
+  ``k_norm``, megatron-core's ``qk_layernorm``): one RMS-norm weight shared by every query
+  (key) head, replicated on every TP rank although each rank normalises only its own
+  heads, so its gradient is a partial sum per TP rank (summed over TP:
+  ``backends/megatron/sequence_parallel.allreduce_tp_partial_grads``). The refit streams them
+  under transformers' names, which vLLM's Qwen3 loads as they are
+  (``vllm/model_executor/models/qwen3.py`` at 002456df: ``Qwen3Attention`` holds
+  ``q_norm`` / ``k_norm = RMSNorm(head_dim)`` beside the packed ``qkv_proj``;
+  ``Qwen3ForCausalLM.load_weights`` is an ``AutoWeightsLoader``, ``lm_head.`` skipped when tied).
 - layer norms: replicated on every TP rank; with the transformer-engine layer spec they are
   fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 - ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [Vp / TP, H]: vocabulary rows
@@ -105,6 +114,16 @@ def _has_output_layer(spec: ModelSpec, layout: Layout) -> bool:
     return last and (not spec.tie_word_embeddings or layout.pp > 1)
 
 
+def _qkv_extras(p: str, spec: ModelSpec) -> List[str]:
+    """What follows ``linear_qkv.weight`` in a layer's ``named_parameters``: its bias, then
+    the q / k norms (megatron-core's ``SelfAttention`` builds linear_qkv, q_layernorm,
+    k_layernorm in that order)."""
+    out = [p + "self_attention.linear_qkv.bias"] if spec.qkv_bias else []
+    if spec.qk_norm:
+        out += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+    return out
+
+
 def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
     """The parameter names of this stage's GPTModel, in ``named_parameters`` order."""
     names: List[str] = []
@@ -118,8 +137,7 @@ def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
                 p + "self_attention.linear_qkv.layer_norm_weight",
                 p + "self_attention.linear_qkv.weight",
             ]
-            if spec.qkv_bias:
-                names.append(p + "self_attention.linear_qkv.bias")
+            names += _qkv_extras(p, spec)
             names += [
                 p + "mlp.linear_fc1.layer_norm_weight",
                 p + "mlp.linear_fc1.weight",
@@ -131,8 +149,7 @@ def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
                 p + "self_attention.linear_proj.weight",
                 p + "self_attention.linear_qkv.weight",
             ]
-            if spec.qkv_bias:
-                names.append(p + "self_attention.linear_qkv.bias")
+            names += _qkv_extras(p, spec)
             names += [
                 p + "pre_mlp_layernorm.weight",
                 p + "mlp.linear_fc1.weight",
@@ -187,6 +204,8 @@ def local_parts(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, List[P
                 Part(hf + f"self_attn.v_proj.{kind}", g * d, (g + 1) * d),
             ]
         return 0, out
+    if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        return 0, [Part(hf + f"self_attn.{rest.split('.')[1][0]}_norm.weight", 0, d)]
     if rest == "self_attention.linear_proj.weight":
         w = q * d * G // tp
         return 1, [Part(hf + "self_attn.o_proj.weight", r * w, (r + 1) * w)]
@@ -222,6 +241,8 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> Tuple[int, ...]:
         "k_proj.bias": (spec.kv_heads * d,),
         "v_proj.bias": (spec.kv_heads * d,),
         "o_proj.weight": (H, spec.num_heads * d),
+        "q_norm.weight": (d,),
+        "k_norm.weight": (d,),
         "gate_proj.weight": (F, H),
         "up_proj.weight": (F, H),
         "down_proj.weight": (H, F),
@@ -248,6 +269,8 @@ def hf_names(spec: ModelSpec) -> List[str]:
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
         if spec.qkv_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if spec.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not spec.tie_word_embeddings:

@@ -99,8 +99,9 @@ TINY = dict(
 )
 
 
-def build_tiny_model(folder: Path, seed: int = 0) -> Path:
-    """Write the tiny random Llama + the byte-level tokenizer to ``folder`` (HF layout)."""
+def build_tiny_model(folder: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write the tiny random Llama + the byte-level tokenizer to ``folder`` (HF layout);
+    ``overrides``: fields of ``TINY`` to change (``num_hidden_layers=4``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
@@ -112,7 +113,7 @@ def build_tiny_model(folder: Path, seed: int = 0) -> Path:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
         initializer_range=0.2,
-        **TINY,
+        **{**TINY, **overrides},
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -22,9 +22,13 @@ import argparse
 import datetime
 import fnmatch
 import gc
+import json
 import os
 import shutil
+import signal
 import sys
+import tempfile
+import threading
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -35,10 +39,12 @@ __all__ = ["all_checks", "main", "run_rank"]
 
 def all_checks():
     from nemo_d3s.selfcheck import (
+        cluster_checks,
         comm_checks,
         env_checks,
         gpu_checks,
         model_checks,
+        pipeline_checks,
         refit_checks,
         rl_checks,
         vllm_checks,
@@ -46,8 +52,10 @@ def all_checks():
 
     return [
         *env_checks.CHECKS,
+        *cluster_checks.CHECKS,
         *comm_checks.CHECKS,
         *model_checks.CHECKS,
+        *pipeline_checks.CHECKS,
         *rl_checks.CHECKS,
         *refit_checks.CHECKS,
         *gpu_checks.CHECKS,
@@ -95,6 +103,7 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
             build_tiny_model(ctx.model_dir)
     ctx.barrier()
     records = []
+    progress = work / f"progress.rank{rank}.jsonl"  # read back when the run is cut short
     for check in _selected(opts.get("only")):
         r = run_check(
             check.name,
@@ -105,6 +114,8 @@ def run_rank(rank: int, opts: Dict[str, Any]) -> List[Dict[str, Any]]:
             what=check.what,
         )
         records.append(asdict(r))
+        with open(progress, "a", encoding="utf-8") as f:
+            f.write(json.dumps(records[-1]) + "\n")
         gc.collect()  # the check's models are gone: give their memory back before the next one
         if cuda:
             torch.cuda.empty_cache()
@@ -198,13 +209,104 @@ def _parser() -> argparse.ArgumentParser:
         "--ranks", type=int, default=2, help="gloo ranks to spawn on a CPU-only machine (default 2)"
     )
     p.add_argument(
-        "--timeout", type=float, default=900.0, help="seconds for the spawned run / a collective"
+        "--timeout",
+        type=_seconds,
+        default=900.0,
+        help="seconds for the spawned run / a collective (> 0)",
     )
     p.add_argument("--cpu", action="store_true", help="the CPU form even where CUDA is available")
     p.add_argument(
         "--keep-work", action="store_true", help="keep the scratch folder (checkpoints, runs)"
     )
     return p
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds > 0")
+    return value
+
+
+def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every bad argument or surrounding as one argparse error (exit 2), before any rank
+    starts (issue 32: each was a traceback, or a machine failure in the table)."""
+    if args.ranks < 1:
+        p.error("--ranks must be >= 1")
+    if args.only is not None:
+        pats = [x.strip() for x in args.only.split(",") if x.strip()]
+        unknown = [x for x in pats if not _selected(x)] or ([] if pats else [args.only])
+        if unknown:  # "0 passed" with no check run read as a clean machine
+            p.error(
+                f"--only {args.only!r}: {', '.join(map(repr, unknown))} matches no check; the "
+                f"checks are {', '.join(c.name for c in all_checks())}"
+            )
+    if args.model:
+        cfg = Path(args.model, "config.json")
+        if not cfg.is_file():
+            p.error(
+                f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)"
+            )
+        try:
+            raw = json.loads(cfg.read_text(encoding="utf-8"))
+            ok = isinstance(raw, dict) and ("model_type" in raw or "architectures" in raw)
+            why = "names no model_type or architectures"
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            ok, why = False, f"is not JSON ({str(e).splitlines()[0]})"
+        if not ok:
+            p.error(
+                f"--model {args.model!r}: {cfg} {why}: not a Hugging Face config (the model "
+                "folder, not this machine, is at fault)"
+            )
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {args.out!r} is a file; name a folder (it gets selfcheck.json)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        p.error(f"--out {args.out!r} is not writable: {e.strerror or e}")
+    if "WORLD_SIZE" in os.environ:
+        lacking = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if lacking:
+            p.error(
+                f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(lacking)} not (not "
+                "started by torchrun?); unset WORLD_SIZE to run here, or start it with torchrun"
+            )
+
+
+class _Stopped(BaseException):
+    """SIGTERM in the parent process (KeyboardInterrupt stands for SIGINT)."""
+
+
+def _on_sigterm(_signum, _frame):
+    raise _Stopped()
+
+
+def _partial(work: Path, names: List[str], why: str) -> List[List[Dict[str, Any]]]:
+    """What the ranks finished before the run was cut short (their progress files), padded
+    with "not run" records saying why for the rest; [] when no rank finished a check."""
+    per_rank = []
+    for f in sorted(work.glob("progress.rank*.jsonl"), key=lambda f: int(f.stem[13:])):
+        rows = []
+        for line in f.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # the line being written when the rank was killed
+                break
+        per_rank.append(rows)
+    done = min((len(r) for r in per_rank), default=0)
+    by_name = {c.name: c for c in all_checks()}
+    rest = [
+        {"name": n, "needs_cuda": by_name[n].needs_cuda, "status": "not run", "reason": why}
+        for n in names[done:]
+    ]
+    return [rows[:done] + rest for rows in per_rank] or [rest]
 
 
 def _context(opts: Dict[str, Any], world: int, mode: str) -> Dict[str, Any]:
@@ -230,13 +332,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_json,
     )
 
-    args = _parser().parse_args(argv)
-    if args.ranks < 1:
-        _parser().error("--ranks must be >= 1")
-    if args.model and not Path(args.model, "config.json").is_file():
-        _parser().error(
-            f"--model {args.model!r}: no config.json there (a Hugging Face folder is expected)"
-        )
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_arguments(parser, args)
     opts = {
         "out": str(Path(args.out).resolve()),
         "model": str(Path(args.model).resolve()) if args.model else None,
@@ -249,16 +347,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torch
 
     cuda = torch.cuda.is_available() and not args.cpu
-    if "WORLD_SIZE" in os.environ:
-        mode, per_rank = "torchrun", _join_world(opts)
-        rank = int(os.environ.get("RANK", "0"))
-    elif not cuda and args.ranks > 1:
-        from nemo_d3s.distributed.launch import run_on_gloo_ranks
+    work = Path(opts["out"]) / ".selfcheck_work"
+    rank, cut, code = int(os.environ.get("RANK", "0")), None, 0
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        if "WORLD_SIZE" in os.environ:
+            mode, per_rank = "torchrun", _join_world(opts)
+        elif not cuda and args.ranks > 1:
+            from nemo_d3s.distributed.launch import run_on_gloo_ranks
 
-        mode, rank = f"spawned {args.ranks} gloo ranks", 0
-        per_rank = run_on_gloo_ranks(_spawned_rank, args.ranks, opts, timeout=args.timeout)
-    else:
-        mode, rank, per_rank = "one process", 0, _one_process(opts)
+            mode = f"spawned {args.ranks} gloo ranks"
+            per_rank = run_on_gloo_ranks(_spawned_rank, args.ranks, opts, timeout=args.timeout)
+        else:
+            mode, per_rank = "one process", _one_process(opts)
+    except TimeoutError:
+        cut, code = f"the self-check ran out of time (--timeout {args.timeout:g} s)", 1
+    except KeyboardInterrupt:
+        cut, code = "the self-check was interrupted (SIGINT)", 128 + signal.SIGINT
+    except _Stopped:
+        cut, code = "the self-check was interrupted (SIGTERM)", 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if cut is not None:  # what finished, then the rest as not run; nothing left behind
+        names = [c.name for c in _selected(opts["only"])]
+        mode, per_rank = f"cut short: {cut}", _partial(work, names, cut)
+        if not args.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
     results = finalize(
         combine([[CheckResult(**r) for r in records] for records in per_rank]), cuda=cuda
     )
@@ -266,6 +382,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_table(results), flush=True)
         path = write_json(results, opts["out"], _context(opts, len(per_rank), mode))
         print(f"wrote {path}", flush=True)
+    if cut is not None:
+        print(f"error: {cut}; selfcheck.json holds the checks that finished", file=sys.stderr)
+        return code
     return exit_code(results)
 
 

@@ -34,9 +34,13 @@ _ALL_REDUCE_REPEATS = 20
 def _group(ctx: Context, backend: str):
     """The world on ``backend``: the default group when it is that backend, else a new one
     (collective: every rank creates it)."""
+    from nemo_d3s.distributed.timeouts import group_timeout
+
     if dist.get_backend() == backend:
         return dist.group.WORLD
-    return dist.new_group(list(range(ctx.world)), backend=backend)
+    # the world's timeout (the self-check's --timeout), not the backend's default
+    timeout = max(group_timeout(dist.group.WORLD).values())
+    return dist.new_group(list(range(ctx.world)), backend=backend, timeout=timeout)
 
 
 def _rank_scores(rank: int):

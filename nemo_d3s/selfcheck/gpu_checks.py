@@ -9,8 +9,10 @@
 - ``gpu.peak_memory``: this rank's peak of CUDA memory reserved by torch's allocator during the
   RL run against the dry run's prediction for the same config and world
   (``dry_run.plan``, its worst GPU): the ratio; fails above 1 (the dry run under-predicted).
-  For the tiny model the dry run's fixed 2 GB runtime term dominates, so the ratio is small;
-  with ``--model`` it measures the memory model.
+  Also the peak allocated, and the share of the reserved peak the allocator held unused
+  (what the dry run's ``fragmentation`` term assumes). For the tiny model the dry run's
+  CUDA-context and NCCL terms dominate, so the ratio is small; with ``--model`` it measures
+  the memory model.
 - ``gpu.step_time``: the RL run's last step time (the first step includes warm-up), passes
   when finite.
 """
@@ -70,6 +72,9 @@ def check_peak_memory(ctx: Context) -> Dict[str, Any]:
         "predicted_gib": predicted / 2**30,
         "predicted_phase": report["worst"]["phase"],
     }
+    if res.get("peak_allocated_bytes"):
+        out["allocated_gib"] = float(res["peak_allocated_bytes"]) / 2**30
+        out["unused_reserved_share"] = 1.0 - float(res["peak_allocated_bytes"]) / measured
     within("ratio", measured / predicted, 1.0, out)
     return out
 

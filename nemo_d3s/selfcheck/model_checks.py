@@ -29,7 +29,7 @@ every layout takes the same gradient.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -197,24 +197,24 @@ def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[
     return out
 
 
-def check_te_spec(ctx: Context, **params) -> Dict[str, Any]:
+def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
+    """The TE spec in bf16 at ``tp`` (default ``ctx.tp``) with the backend ``params`` (``pp``,
+    recompute, ...; Megatron's distributed optimizer unless ``distributed_optimizer=False``)
+    against the fp32 local spec at TP1 x PP1 (bounds: the module docstring)."""
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
+    tp = ctx.tp if tp is None else tp
     err = transformer_engine_error()
     if err is not None:
         raise CheckFailed(f"Transformer Engine: {err}")
     _, (lp_ref, _, m_ref, _) = _run(
         ctx, 1, dtype="float32", transformer_impl="local", distributed_optimizer=False
     )
+    params = {"distributed_optimizer": True, **params}
     before, (lp, _, m, w) = _run(
-        ctx,
-        ctx.tp,
-        dtype="bfloat16",
-        transformer_impl="transformer_engine",
-        distributed_optimizer=True,
-        **params,
+        ctx, tp, dtype="bfloat16", transformer_impl="transformer_engine", **params
     )
-    out: Dict[str, Any] = {"tp": ctx.tp, "dtype": "bfloat16", "optimizer": "distributed", **params}
+    out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", **params}
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
@@ -241,6 +241,17 @@ def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
 CHECKS = [
     Check("gpt.local_spec", False, check_local_spec),
     Check("gpt.long_sequence", False, check_long_sequence),
-    Check("gpt.te_spec", True, check_te_spec),
-    Check("gpt.te_spec_sp", True, check_te_spec_sp),
+    Check(
+        "gpt.te_spec",
+        True,
+        check_te_spec,
+        "the Transformer Engine spec, bf16, Megatron's distributed optimizer at TP2 against the "
+        "fp32 local spec at TP1: log-probs, grad norm, every weight moved",
+    ),
+    Check(
+        "gpt.te_spec_sp",
+        True,
+        check_te_spec_sp,
+        "gpt.te_spec with sequence parallelism (TE's fused norms' gradient summed over TP)",
+    ),
 ]

@@ -2,8 +2,10 @@
 
 - ``rl.megatron_step``: ``nemo_d3s.trainer.loop.train`` on the smoke experiment with
   ``model.backend=megatron`` at TP2 over the world (TP1 on one rank), two steps (generate
-  with the backend's HF engine, reward, D3S selection, update): passes when an optimizer step
-  was taken and the loss and grad norm are finite; reports the last step's time, reward and
+  with the backend's HF engine, reward, D3S selection, update) and a checkpoint after the
+  second (each rank hashing its own files, the digests gathered over the job's backend):
+  passes when an optimizer step was taken, the loss and grad norm are finite and the
+  checkpoint verifies (each rank its share); reports the last step's time, reward and
   kept tokens. Its CUDA memory peak and step time feed ``gpu.*`` (``ctx.cache["rl"]``).
 - ``checkpoint.roundtrip``: one GRPO step, then the backend's sharded checkpoint saved,
   loaded into a fresh backend of the same layout and (at TP2) of TP1, and converted to a
@@ -39,7 +41,7 @@ def rl_overrides(ctx: Context, out_dir: str, *, steps: int = 2, extra: List[str]
         f"trainer.steps={steps}",
         "trainer.eval_at_start=false",
         "trainer.eval_every=0",
-        "trainer.save_every=0",
+        f"trainer.save_every={steps}",  # one checkpoint: the shared hashing on the job's backend
         "trainer.export_hf=false",
         "task.eval_size=4",
         "logging.level=WARNING",
@@ -67,11 +69,20 @@ def run_rl(ctx: Context, name: str, extra: List[str] = ()) -> Dict[str, Any]:
     # reserved, not allocated: what the caching allocator holds is what the GPU cannot give
     # vLLM (torch 2.13 torch/cuda/memory.py:380 reset_peak_memory_stats, :586 max_memory_reserved)
     peak = torch.cuda.max_memory_reserved(ctx.device) if ctx.cuda else None
+    # allocated vs reserved: what the dry run's fragmentation term assumes (torch/cuda/memory.py
+    # max_memory_allocated)
+    allocated = torch.cuda.max_memory_allocated(ctx.device) if ctx.cuda else None
     ctx.barrier()
     rows = read_jsonl(out / "metrics.jsonl")
     if not rows:
         raise CheckFailed(f"the run wrote no metrics row ({out / 'metrics.jsonl'})")
-    return {"last": rows[-1], "rows": len(rows), "cfg": cfg, "peak_reserved_bytes": peak}
+    return {
+        "last": rows[-1],
+        "rows": len(rows),
+        "cfg": cfg,
+        "peak_reserved_bytes": peak,
+        "peak_allocated_bytes": allocated,
+    }
 
 
 def check_rl_step(ctx: Context) -> Dict[str, Any]:
@@ -82,6 +93,15 @@ def check_rl_step(ctx: Context) -> Dict[str, Any]:
     for k in ("optimizer_steps", "loss", "grad_norm", "reward_mean", "kept_tokens", "time_step"):
         if k in last:
             out[k] = last[k]
+    from nemo_d3s.trainer.checkpoint import checkpoint_dirs, verify_checkpoint
+
+    saved = checkpoint_dirs(ctx.work_dir / "rl" / "checkpoints")
+    # every rank hashed its files when saving and its share now; the findings gathered
+    # (NCCL on CUDA: the digests travel as byte tensors on the GPU)
+    out["checkpoint"] = saved[0].name if saved else "none"
+    why = verify_checkpoint(saved[0], shared=True) if saved else "no checkpoint written"
+    if why is not None:
+        raise CheckFailed(f"the run's checkpoint: {why}", out)
     if not last.get("optimizer_steps", 0) > 0:
         raise CheckFailed("no optimizer step was taken", out)
     bad = [k for k in ("loss", "grad_norm") if k in last and not math.isfinite(float(last[k]))]

@@ -85,6 +85,15 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
         if not isinstance(rows, list):
             raise ValueError(f"{p}: a .json dataset must hold a list of objects")
         return rows
+    return [row for _, row in read_numbered_rows(p)]
+
+
+def read_numbered_rows(path: str) -> List[tuple]:
+    """(where, row) pairs: ``where`` is "line N" (the physical line, blank lines counted, as
+    the decoding errors say) for a .jsonl file and "row N" for .json / .parquet."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() in (".json", ".parquet") or not p.is_file():
+        return [(f"row {i}", row) for i, row in enumerate(read_rows(path), start=1)]
     rows = []
     with p.open("rb") as fh:
         for lineno, raw_line in enumerate(fh, start=1):
@@ -97,7 +106,7 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((f"line {lineno}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{p}: line {lineno} is not valid JSON ({exc.msg})") from None
     return rows
@@ -132,19 +141,20 @@ def load_problems(
     """Every row of ``path`` as a Problem. A row with no question or no parseable answer
     -> ValueError naming the file and the (1-based) row number."""
     problems = []
-    for i, row in enumerate(read_rows(path), start=1):
+    for where, row in read_numbered_rows(path):
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {i} is a {type(row).__name__}, expected an object")
+            raise ValueError(f"{path}: {where} is a {type(row).__name__}, expected an object")
         question = row.get(question_field)
         if question is None or not str(question).strip():
-            raise ValueError(f"{path}: row {i} has no question in field {question_field!r}")
+            raise ValueError(f"{path}: {where} has no question in field {question_field!r}")
         answer = parse_reference(row.get(answer_field), answer_format)
         if answer is None:
             raise ValueError(
-                f"{path}: row {i} has no answer in field {answer_field!r} "
+                f"{path}: {where} has no answer in field {answer_field!r} "
                 f"(answer_format={answer_format!r})"
             )
-        meta = {"row": i, "source": str(path), "raw_answer": row.get(answer_field)}
+        i = int(where.split()[1])
+        meta = {"row": i, "where": where, "source": str(path), "raw_answer": row.get(answer_field)}
         problems.append(
             Problem(prompt=str(question).strip() + prompt_suffix, answer=answer, meta=meta)
         )
@@ -191,6 +201,7 @@ class MathDatasetTask(Task):
         check = (lambda *a: 0) if self._reward_fn is not None else _check_references
         self.unusable_references = check("task.params.train_path", train_path, train, answer_field)
         if eval_path is not None:
+            _refuse_same_file(train_path, eval_path)
             evals = _load_named("task.params.eval_path", eval_path, read)
             self.unusable_references += check(
                 "task.params.eval_path", eval_path, evals, answer_field
@@ -265,19 +276,90 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
             f"nemo_d3s_user_reward_{path.stem}", path
         )
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:  # the user's file, run at load: name it
+            raise ValueError(
+                f"{key}: the reward file {str(path)!r} fails to load{_where(exc, path)}: "
+                f"{type(exc).__name__}: {_first(exc)}; fix that file (the data was not read yet)"
+            ) from None
     else:
         try:
             module = importlib.import_module(where)
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if exc.name != where and not where.startswith(f"{exc.name}."):
+                raise ValueError(
+                    f"{key}: importing {where!r} fails: {exc}; install that module or fix the "
+                    "import"
+                ) from None
             raise ValueError(
                 f"{key}: cannot import {where!r} ({exc}); give a .py file or put its folder on "
                 "PYTHONPATH"
             ) from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
+        except (Exception, SystemExit) as exc:
+            raise ValueError(
+                f"{key}: importing {where!r} fails: {type(exc).__name__}: {_first(exc)}"
+            ) from None
+    if not hasattr(module, attr):
         raise ValueError(f"{key}: {where!r} has no function {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ValueError(f"{key}: {where}:{attr} is a {type(fn).__name__}, not a function")
+    check_reward_signature(fn, key)
     return fn
+
+
+def check_reward_signature(fn: Callable, key: str) -> None:
+    """ValueError at start-up when ``fn`` cannot be called as ``fn(response, answer)`` (it
+    would fail on every rollout, each failure counted, until the run stops)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        sig.bind("response", "answer")
+    except TypeError as exc:
+        raise ValueError(
+            f"{key}: the reward function is called as f(response, answer) but its signature is "
+            f"{sig} ({exc})"
+        ) from None
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc.code if isinstance(exc, SystemExit) else exc)
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    """' (line N)' of the user's file where ``exc`` arose, when it did there."""
+    import traceback
+
+    if isinstance(exc, SyntaxError) and exc.lineno:
+        return f" (line {exc.lineno})"
+    target = str(path.resolve())
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(exc.__traceback__)
+        if str(Path(f.filename).resolve()) == target
+    ]
+    return f" (line {lines[-1]})" if lines else ""
+
+
+def _refuse_same_file(train_path: str, eval_path: str) -> None:
+    """Evaluating on the training file measures memorisation, not the method: refused."""
+    a, b = Path(str(train_path)).expanduser(), Path(str(eval_path)).expanduser()
+    try:
+        same = a.resolve() == b.resolve() or (a.is_file() and b.is_file() and a.samefile(b))
+    except OSError:
+        same = False
+    if same:
+        raise ValueError(
+            f"task.params.eval_path={str(eval_path)!r} is task.params.train_path: the evaluation "
+            "would score the rows it trains on; name another file, or leave eval_path null to "
+            "hold task.params.n_eval rows out of the training file"
+        )
 
 
 def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:
@@ -297,7 +379,7 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
     bad = [p for p in problems if not reference_is_checkable(p.answer)]
     if not bad:
         return 0
-    shown = ", ".join(f"row {p.meta['row']}: {p.answer!r}" for p in bad[:3]) + (
+    shown = ", ".join(f"{p.meta.get('where', 'row')}: {p.answer!r}" for p in bad[:3]) + (
         " ..." if len(bad) > 3 else ""
     )
     if len(bad) == len(problems):

@@ -78,17 +78,45 @@ def resolve_backend(name: str) -> Tuple[type, type]:
     return cls, cfg_cls
 
 
+# Each common setting's one source in the run config: a model.params key of the same name
+# would override it silently (issue 32: +model.params.lr=0.5 trained at 0.5 while trainer.lr
+# said otherwise), so it is refused, naming the key to set instead.
+COMMON_SOURCES: Dict[str, str] = {
+    "model": "model.name",
+    "dtype": "model.dtype",
+    "device": "model.device",
+    "seed": "seed",
+    "lr": "trainer.lr",
+    "weight_decay": "trainer.weight_decay",
+    "adam_betas": "trainer.adam_beta1 / trainer.adam_beta2",
+    "grad_clip": "trainer.grad_clip",
+    "warmup_steps": "trainer.warmup_steps",
+    "scheduler": "trainer.lr_schedule",
+    "total_steps": "trainer.steps (x trainer.num_mini_batches)",
+    "use_reference": "algorithm.kl_coef (> 0 keeps a reference model)",
+    "gradient_checkpointing": "model.gradient_checkpointing",
+    "dist_timeout_minutes": "trainer.dist_timeout_minutes",
+}
+
+
 def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str, Any]) -> Any:
-    """Build the backend's config dataclass from common settings + ``model.params``."""
+    """Build the backend's config dataclass from common settings + ``model.params``. A
+    ``model.params`` key that is a common setting is refused (one source per setting)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     fields = {f.name for f in dataclasses.fields(cfg_cls)}
     for key in params:
-        if key not in fields:
+        if key in common:
+            source = COMMON_SOURCES.get(key, "the run config")
             raise ValueError(
-                f"model.params.{key}: not a setting of {cfg_cls.__name__}; known: "
-                f"{', '.join(sorted(fields))}"
+                f"model.params.{key}: this setting comes from {source}; set it there (one "
+                "source per setting), not in model.params"
+            )
+        if key not in fields:
+            own = sorted(fields - set(common))
+            raise ValueError(
+                f"model.params.{key}: not a setting of {cfg_cls.__name__}; known: {', '.join(own)}"
             )
     unused = sorted(k for k, v in common.items() if k not in fields and v not in (None, False))
     if unused:

@@ -17,9 +17,21 @@ containers is refused, never run), and every file must match ``checksums.json``.
 corrupt, truncated, empty or incomplete newer one is skipped with a warning that says what
 was wrong, and no usable checkpoint at all is a :class:`~nemo_d3s.trainer.faults.RunError`.
 
+Hashing is spread over the ranks (a 70B checkpoint with its optimizer state is ~1 TB:
+one rank hashing it at ~1 GB/s takes ~17 minutes while the others wait). Saving: each rank
+hashes the files it wrote, right after writing them (``Policy.save_checkpoint`` names
+them; rank 0 hashes the files no rank named: its own), and the digests are all-gathered to
+rank 0, which writes ``checksums.json``. Verifying: ``formats.checksums.verify_checksums``,
+each rank reading a share of about equal bytes, the findings all-gathered, so every rank
+takes the same checkpoint or raises the same error. The waits on that work (the gathers,
+the barriers) run in the world group's timeout, ``trainer.dist_timeout_minutes``, on work
+that is one rank's share: its own files (the shard of its TP x PP position) and 1/world of
+the bytes to verify. A rank that fails to write says so in the gather, and every rank
+raises (none is left waiting for it).
+
 Atomicity (why): a run killed mid-save must never leave a directory that looks complete.
-Everything is written into ``.tmp_step_XXXXXX`` and renamed into place by rank 0 after a
-barrier; only ``step_*`` directories are considered. Older ``step_*`` beyond ``keep_last``
+Everything is written into ``.tmp_step_XXXXXX`` and renamed into place by rank 0 after the
+gather; only ``step_*`` directories are considered. Older ``step_*`` beyond ``keep_last``
 are deleted after the rename. A write that fails (a full disk) removes the temporary
 directory and raises a RunError; the earlier checkpoints are untouched.
 
@@ -43,8 +55,10 @@ import numpy as np
 import torch
 
 from nemo_d3s.backends.base import Policy
+from nemo_d3s.distributed.agree import all_gather_texts
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import CHECKSUMS, verify_checksums, write_checksums
+from nemo_d3s.files import CHECKSUMS, file_digests, write_checksums
+from nemo_d3s.formats.checksums import Gather, verify_checksums
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
 
 __all__ = [
@@ -175,9 +189,21 @@ def _read_state(path: Path) -> TrainerState:
     return state
 
 
-def verify_checkpoint(path: Path) -> Optional[str]:
-    """None when ``path`` is a complete checkpoint whose files match ``checksums.json``;
-    else what is wrong, in a few words."""
+def _job() -> Tuple[int, int, Optional[Gather]]:
+    """(rank, world size, all-gather of texts over the world) of this process's job."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0, 1, None
+    return (
+        dist.get_rank(),
+        dist.get_world_size(),
+        lambda text: all_gather_texts(text, dist.group.WORLD),
+    )
+
+
+def _structure(path: Path) -> Optional[str]:
+    """What makes ``path`` no checkpoint before any file is hashed, or None."""
     if not (path / "trainer_state.json").is_file():
         return "no trainer_state.json (empty or incomplete)"
     try:
@@ -195,7 +221,16 @@ def verify_checkpoint(path: Path) -> Optional[str]:
         return f"{CHECKSUMS} is garbled ({first_line(e)})"
     if not covered:
         return f"{CHECKSUMS} does not cover trainer_state.json"
-    return verify_checksums(path)
+    return None
+
+
+def verify_checkpoint(path: Path, *, shared: bool = False) -> Optional[str]:
+    """None when ``path`` is a complete checkpoint whose files match ``checksums.json``;
+    else what is wrong, in a few words. ``shared``: collective over the job, each rank
+    hashing its share (``formats.checksums.verify_checksums``), the same answer on every
+    rank; else this process reads every file."""
+    rank, world, gather = _job() if shared else (0, 1, None)
+    return verify_checksums(path, rank=rank, world=world, gather=gather, found=_structure(path))
 
 
 def _write_checksums(path: Path) -> None:
@@ -277,6 +312,7 @@ class CheckpointManager:
         """Collective: every rank calls it. Returns the final directory."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
+        _, _, gather = _job()
         try:
             if self.dp.is_main:
                 if tmp.exists():
@@ -284,14 +320,25 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self.dp.barrier()
             fault_point("checkpoint.tmp_created")
-            if not backend.save_checkpoint(str(tmp)) and self.dp.is_main:
-                torch.save(backend.state_dict(), tmp / "backend.pt")
-            fault_point("checkpoint.backend_written")
-            torch.save(capture_rng(), tmp / f"rng_rank{self.dp.global_rank}.pt")
-            self.dp.barrier()
+            mine = self._write_own(backend, state, tmp)
+        except Exception as e:
+            mine = e
+        # every rank's digests (or its failure), gathered: the wait for the slowest writer
+        texts = [json.dumps({"error": first_line(mine)} if isinstance(mine, Exception) else mine)]
+        texts = gather(texts[0]) if gather is not None else texts
+        reports = [json.loads(t) for t in texts]
+        failed = [(r, x["error"]) for r, x in enumerate(reports) if "error" in x]
+        try:
+            if isinstance(mine, Exception):
+                raise mine
+            if failed:
+                r, why = failed[0]
+                raise OSError(f"rank {r} could not write its files: {why}")
             if self.dp.is_main:
-                (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-                _write_checksums(tmp)  # last: covers every file above
+                merged: Dict[str, Any] = {}
+                for x in reports:
+                    merged.update(x["digests"])
+                write_checksums(tmp, merged)  # last: covers every file; hashes unnamed ones
                 fault_point("checkpoint.before_rename")
                 if final.exists():
                     shutil.rmtree(final)
@@ -307,26 +354,44 @@ class CheckpointManager:
         self.dp.barrier()
         return final
 
+    def _write_own(self, backend: Policy, state: TrainerState, tmp: Path) -> Dict[str, Any]:
+        """This rank's files of the checkpoint in ``tmp``, hashed right after writing:
+        {"digests": {relative path: {"size", "sha256"}}}."""
+        wrote = backend.save_checkpoint(str(tmp))
+        mine = [str(f) for f in wrote] if isinstance(wrote, (list, tuple)) else []
+        if wrote is False and self.dp.is_main:
+            torch.save(backend.state_dict(), tmp / "backend.pt")
+            mine.append("backend.pt")
+        fault_point("checkpoint.backend_written")
+        rng = f"rng_rank{self.dp.global_rank}.pt"
+        torch.save(capture_rng(), tmp / rng)
+        mine.append(rng)
+        if self.dp.is_main:
+            (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+            mine.append("trainer_state.json")
+        return {"digests": file_digests(tmp, mine)}
+
     def _prune(self) -> None:
         for p in checkpoint_dirs(self.root)[self.keep_last :]:
             shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:
         """Restore the newest checkpoint that verifies (see the module docstring); None when
-        there is no ``step_*`` directory at all. Collective: rank 0 verifies (it sees every
-        rank's files) and every rank loads the checkpoint it chose."""
-
-        def choose() -> Tuple[Optional[str], List[str]]:
-            problems = []
-            for p in checkpoint_dirs(self.root):
-                why = verify_checkpoint(p)
-                if why is None:
-                    return str(p), problems
-                problems.append(f"{p.name}: {why}")
-                log.warning("checkpoint %s is unusable: %s; trying the next older one", p, why)
-            return None, problems
-
-        chosen, problems = _broadcast_world(choose() if self.dp.is_main else None)
+        there is no ``step_*`` directory at all. Collective: rank 0's list of checkpoints
+        is broadcast, every rank verifies its share of each in turn (the findings
+        all-gathered) and every rank loads the checkpoint they agreed on."""
+        names = _broadcast_world(
+            [p.name for p in checkpoint_dirs(self.root)] if self.dp.is_main else None
+        )
+        chosen, problems = None, []
+        for name in names:
+            why = verify_checkpoint(self.root / name, shared=True)
+            if why is None:
+                chosen = self.root / name
+                break
+            problems.append(f"{name}: {why}")
+            if self.dp.is_main:
+                log.warning("checkpoint %s is unusable: %s; trying the next older one", name, why)
         if chosen is None:
             if not problems:
                 return None
@@ -338,11 +403,10 @@ class CheckpointManager:
         if problems and self.dp.is_main:
             log.warning(
                 "resuming from %s instead of the newest checkpoint (%s)",
-                Path(chosen).name,
+                chosen.name,
                 "; ".join(problems),
             )
-        path = Path(chosen)
-        return path, self.load(path, backend)
+        return chosen, self.load(chosen, backend)
 
     def load(self, path: Path, backend: Policy) -> TrainerState:
         """Restore backend, this rank's RNG streams and the trainer counters from ``path``

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, RolloutEngine
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.trainer.tasks_adapter import TaskAdapter
+from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 
 __all__ = ["evaluate"]
 
@@ -57,7 +57,12 @@ def evaluate(
             continue
         length += float(ro.batch.response_mask.sum())
         for p, text in zip(chunk, ro.response_texts):
-            r, failed = task.reward_one(p, text)
+            try:
+                r, failed = task.reward_one(p, text)
+            except RewardStopped:
+                if should_stop is None:
+                    raise
+                break  # the stop flag is set: the next agreement stops every rank
             total += r
             errors += failed
             if len(shown) < n_show:

@@ -53,6 +53,7 @@ from nemo_d3s.trainer.evaluate import evaluate
 from nemo_d3s.trainer.faults import RunError, _broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
+from nemo_d3s.trainer.data_record import check_data_record, write_data_record
 from nemo_d3s.trainer.resume import (
     check_resume_config,
     move_records_aside,
@@ -81,13 +82,17 @@ class Trainer:
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)
-        self.stop = StopSignals()
+        # a first stop signal also cuts a reward call that runs on (or hangs) short
+        self.stop = StopSignals(on_first=lambda: self.task.request_stop())
         # The policy builds the parallel layout (HF: the torchrun world; Megatron: its
         # model-parallel groups); the config is then checked against the real DP size.
         self.policy = backend_from_config(cfg)
         self.groups = self.policy.groups
         validate_layout(cfg, self.groups.dp_size)
-        self.task = TaskAdapter(build_task(cfg.task.name, plain(cfg.task.params) or {}))
+        self.task = TaskAdapter(
+            build_task(cfg.task.name, plain(cfg.task.params) or {}),
+            timeout_s=float(cfg.trainer.reward_timeout_s),
+        )
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
@@ -134,7 +139,7 @@ class Trainer:
                     f"output_dir={str(self.out)!r} already holds checkpoints ({ckpts[0].name}); "
                     "pass resume=true to continue that run or choose another output_dir"
                 )
-            agree_on_main(self.groups, lambda: refuse_records(self.out))
+            agree_on_main(self.groups, lambda: refuse_records(self.out, self.cfg))
             return self._start_state_fresh()
         if not ckpts:
             agree_on_main(self.groups, lambda: move_records_aside(self.out))
@@ -143,9 +148,13 @@ class Trainer:
                 self.out / "checkpoints",
             )
             return self._start_state_fresh()
-        agree_on_main(
-            self.groups, lambda: check_resume_config(self.cfg, self.out)
-        )  # before anything is changed
+        agree_on_main(  # before anything is changed
+            self.groups,
+            lambda: (
+                check_resume_config(self.cfg, self.out),
+                check_data_record(self.cfg, self.out),
+            ),
+        )
         latest, state = self.ckpt.load_latest(self.policy)
         self.engine.sync_weights(
             self.policy
@@ -213,6 +222,8 @@ class Trainer:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
         if self.groups.is_main:
             write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
+            if self._resumed_from is None:
+                write_data_record(self.cfg, self.out)
             (self.out / INTERRUPTED_MARKER).unlink(missing_ok=True)  # an earlier segment's
         self.groups.barrier()
         T = int(self.t.steps)

@@ -107,5 +107,6 @@ def check_prompt_lengths(cfg: Any, policy: Any, task: Any) -> Dict[str, int]:
 def _where(problem: Any, split: str, index: int) -> str:
     meta = getattr(problem, "meta", {}) or {}
     if "row" in meta:
-        return f"{meta.get('source', split)} row {meta['row']}"
+        where = meta.get("where") or f"row {meta['row']}"  # "line N" for a JSONL file
+        return f"{meta.get('source', split)} {where}"
     return f"{split} problem {index + 1}"

@@ -64,14 +64,34 @@ def resume_safe(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE)
 
 
-def refuse_records(out: Path) -> None:
-    """A fresh run never takes over another run's records (ConfigError)."""
+def refuse_records(out: Path, cfg: Any = None) -> None:
+    """A fresh run never takes over another run's records, nor the folder of another
+    experiment (its ``config.yaml`` would be replaced): ConfigError."""
     found = records(out)
     if found:
         raise ConfigError(
             f"output_dir={str(out)!r} holds an earlier run's records ({', '.join(found)}) "
             "and no checkpoint; choose another output_dir, or pass resume=true to move "
             "them into previous-<n>/ and start from step 0"
+        )
+    path = out / "config.yaml"
+    if cfg is None or not path.is_file():
+        return
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:
+        raise ConfigError(
+            f"{str(path)!r} cannot be read ({first_line(e)}) and a fresh run would replace it; "
+            "choose another output_dir, or remove the file"
+        ) from None
+    new = OmegaConf.to_container(cfg, resolve=True)
+    changed = [(k, a, b) for k, a, b, _ in diff_values(old, new) if not resume_safe(k)]
+    if changed:
+        listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:4])
+        raise ConfigError(
+            f"output_dir={str(out)!r} holds the config.yaml of another experiment ({listing}"
+            f"{' ...' if len(changed) > 4 else ''}) that a fresh run would replace; choose "
+            "another output_dir, or remove that config.yaml"
         )
 
 
@@ -115,7 +135,13 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     new = OmegaConf.to_container(cfg, resolve=True)
     # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
     # would let any change through unseen, so it counts as unreadable.
-    lacking = [k for k in leaf_keys(new) if not resume_safe(k) and not _has(old, k)]
+    # Only keys every config has (the schema's) tell a cut-short file: keys under a free
+    # mapping (task.params, model.params) come and go with the task or a "+" override,
+    # and are a changed experiment, listed below (issue 32: they read as "cut short").
+    from nemo_d3s.trainer.overrides import schema_keys
+
+    fixed = set(schema_keys())
+    lacking = [k for k in leaf_keys(new) if k in fixed and not resume_safe(k) and not _has(old, k)]
     if lacking:
         what = (
             f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config "
@@ -128,7 +154,11 @@ def check_resume_config(cfg: Any, out: Path) -> None:
                 "trainer.allow_config_change=true to resume without the check"
             )
         log.warning("%s; continuing (trainer.allow_config_change=true)", what)
-    diffs = [(k, a, b) for k, a, b, had in diff_values(old, new) if had]
+    diffs = [
+        (k, a if had else "<absent>", b)
+        for k, a, b, had in diff_values(old, new)
+        if had or k not in fixed
+    ]
     changed = [(k, a, b) for k, a, b in diffs if not resume_safe(k)]
     listing = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8]) + (
         " ..." if len(changed) > 8 else ""

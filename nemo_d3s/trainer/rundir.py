@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,13 +28,42 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import FileLock, FolderBusy
 from nemo_d3s.trainer.faults import RunError, fault_point
 
-__all__ = ["LOCK_NAME", "RECORDS", "RunDirLock", "check_output_dir", "records", "move_aside"]
+__all__ = [
+    "LOCK_NAME",
+    "RECORDS",
+    "RunDirLock",
+    "check_output_dir",
+    "foreign_entries",
+    "records",
+    "move_aside",
+]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
 LOCK_NAME = ".nemo_d3s.lock"
 # What a run writes that is worth keeping (config.yaml is written again at every start).
 RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
+# Every name a run (and Hydra's job logging) writes at the top of its folder; anything else
+# there is a user's, and a run never writes beside it (issue 32: output_dir=conf replaced
+# the project's own conf/config.yaml).
+RUN_NAMES = frozenset(
+    {
+        LOCK_NAME,
+        ".hydra",
+        "config.yaml",
+        "train.log",
+        "checkpoints",
+        "tensorboard",
+        "interrupted.json",
+        "data_files.json",
+        *RECORDS,
+        *(f"{r}.garbled" for r in RECORDS),
+    }
+)
+_RUN_NAME = re.compile(
+    r"^(previous-\d+|config\.resumed-\d+\.yaml|\.hf_export\..+|\.write_probe_.+)$"
+)
+_RUN_CONFIG_KEYS = ("output_dir", "model", "trainer", "task")
 
 
 def check_output_dir(path: str, *, create: bool = True) -> Path:
@@ -65,11 +95,53 @@ def check_output_dir(path: str, *, create: bool = True) -> Path:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunError(f"output_dir={str(p)!r} cannot be created: {e.strerror or e}") from None
+    refuse_foreign(p)
     try:  # os.access does not see every read-only mount; a real file does
         _probe_write(p)
     except OSError as e:
         raise RunError(f"output_dir={str(p)!r} is not writable: {e.strerror or e}") from None
     return p
+
+
+def foreign_entries(run_dir: str | os.PathLike) -> List[str]:
+    """Names at the top of ``run_dir`` that no run writes (sorted; empty for a new folder),
+    and ``config.yaml`` when it is not a run's config (not a mapping with the run's keys)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return []
+    found = sorted(
+        e.name for e in d.iterdir() if e.name not in RUN_NAMES and not _RUN_NAME.match(e.name)
+    )
+    # A folder with a run's lock or checkpoints is a run's: its config.yaml, even garbled,
+    # is the resume checks' business. Without them a config.yaml must read as a run's.
+    cfg = d / "config.yaml"
+    ours = (d / LOCK_NAME).exists() or (d / "checkpoints").exists()
+    if not ours and cfg.is_file() and not _is_run_config(cfg):
+        found.insert(0, "config.yaml (not a run's config)")
+    return found
+
+
+def _is_run_config(path: Path) -> bool:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(raw, dict) and all(k in raw for k in _RUN_CONFIG_KEYS)
+
+
+def refuse_foreign(run_dir: Path) -> None:
+    """ConfigError unless ``run_dir`` is new, empty or an earlier run's folder: a run
+    writes config.yaml, train.log, metrics... at its top and would overwrite or append to
+    a user's files of those names."""
+    found = foreign_entries(run_dir)
+    if found:
+        listing = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
+        raise ConfigError(
+            f"output_dir={str(run_dir)!r} holds files that are not a run's ({listing}); a run "
+            "writes only into a new or empty folder or an earlier run's: choose another output_dir"
+        )
 
 
 def _probe_write(p: Path) -> None:

@@ -1,25 +1,37 @@
 """Stop signals of a run: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) ask the run to stop
 after the current step (or evaluation batch), at a checkpoint; a second signal stops at once
-(exit 128 + signal, without a checkpoint)."""
+(exit 128 + signal, without a checkpoint: :class:`StopNow`). ``STOPPING`` records the
+signals the runs of this process received: ``train.py``'s own handler, active again after a
+run restores the previous ones, ignores a later signal once a run has checkpointed on one
+(issue 32: it ended the process as an ordinary Ctrl-C, 130, after "exit code 75" was
+printed)."""
 
 from __future__ import annotations
 
 import signal
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-__all__ = ["STOP_SIGNALS", "StopSignals"]
+__all__ = ["STOP_SIGNALS", "STOPPING", "StopNow", "StopSignals"]
 
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+STOPPING: List[str] = []
+
+
+class StopNow(SystemExit):
+    """The second stop signal: exit at once (128 + signal); never taken for a reward
+    function's own ``sys.exit`` (``tasks_adapter``)."""
 
 
 class StopSignals:
     """``name``: the first stop signal received (None: none yet). :meth:`install` sets the
-    handlers for the run; :meth:`restore` puts the previous ones back when it ends."""
+    handlers for the run; :meth:`restore` puts the previous ones back when it ends.
+    ``on_first``: called on the first signal (the trainer cuts a running reward call)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first: Optional[Callable[[], None]] = None) -> None:
         self.name: Optional[str] = None
         self._previous: Dict[int, Any] = {}
+        self.on_first = on_first
 
     @property
     def requested(self) -> bool:
@@ -34,8 +46,9 @@ class StopSignals:
                 file=sys.stderr,
                 flush=True,
             )
-            raise SystemExit(128 + signum)
+            raise StopNow(128 + signum)
         self.name = name
+        STOPPING.append(name)
         if signum == getattr(signal, "SIGINT", None):
             print(
                 "SIGINT: finishing the current step, then writing a checkpoint "
@@ -43,8 +56,11 @@ class StopSignals:
                 file=sys.stderr,
                 flush=True,
             )
+        if self.on_first is not None:
+            self.on_first()
 
     def install(self) -> None:
+        STOPPING.clear()  # an earlier run of this process (in-process callers) is not this one
         for name in STOP_SIGNALS:
             if hasattr(signal, name):
                 sig = getattr(signal, name)

@@ -32,7 +32,7 @@ from nemo_d3s.trainer.stats import (
     truncated_is_weights,
     update_metrics,
 )
-from nemo_d3s.trainer.tasks_adapter import TaskAdapter
+from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
 __all__ = ["StepContext", "StepInterrupted", "run_step"]
@@ -112,7 +112,13 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             # them now (not after every generation: evaluation batches reuse them)
             ctx.engine.release()
     with ctx.timed("reward"):
-        rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
+        try:
+            rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
+        except RewardStopped:  # a stop signal cut a (slow or hung) reward call short
+            rewards, interrupted = None, 1.0
+        # Agreed like the generation's: a rank whose reward call was cut short stops them all.
+        if ctx.groups.max(interrupted) > 0:
+            raise StepInterrupted(step)
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
 
     stage = ctx.selector.select_samples(rewards, group_ids, progress)

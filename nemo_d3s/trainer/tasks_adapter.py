@@ -4,29 +4,60 @@ A reward function that raises or returns a non-finite value must not crash a lon
 poison the advantages (NaN would spread through the whole group): the sample gets reward
 0, the failure is counted in the step's ``reward_errors`` metric, and the first few are
 logged with the exception text.
+
+A call that does not return within ``trainer.reward_timeout_s`` is cut short (SIGALRM,
+on the main thread) and counted the same way. After a stop signal the step's reward calls
+get ``STOP_GRACE_S`` more seconds; one still running then is interrupted
+(:class:`RewardStopped`: the step is abandoned and redone on resume). A
+reward function that raises ``SystemExit`` (``sys.exit``) or ``KeyboardInterrupt`` is a
+bug of the function, not a stop: one error line naming it (it used to end the run with
+exit 0 and nothing written, or a traceback).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Sequence, Tuple
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["TaskAdapter", "build_task"]
+from nemo_d3s.trainer.signals import StopNow
+
+__all__ = ["RewardStopped", "TaskAdapter", "build_task"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
 _MAX_LOGGED = 5
+# After a stop signal, how long the reward calls of the current step may go on before the
+# one running is interrupted (a quick verifier finishes the step; a hung one is cut).
+STOP_GRACE_S = 2.0
+
+
+class RewardStopped(BaseException):
+    """A stop signal arrived during a reward call (raised by the trainer's signal handler
+    into the call; a BaseException so that the function's ``except Exception`` lets it by)."""
+
+
+class _RewardTimeout(BaseException):
+    pass
 
 
 class TaskAdapter:
     """Wraps a :class:`nemo_d3s.tasks.base.Task` (``sample_train(n, rng)``, ``eval_set()``,
-    ``reward(problem, text)``; problems carry a plain-text ``prompt``)."""
+    ``reward(problem, text)``; problems carry a plain-text ``prompt``). ``timeout_s``: the
+    limit of one reward call (0 = none)."""
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: Any, timeout_s: float = 0.0) -> None:
         self.task = task
         self.n_logged = 0
+        self.timeout_s = float(timeout_s)
+        self.in_reward = False
+        self.stop_at: Optional[float] = None  # monotonic time a stop cuts reward calls
+        self._timed, self._deadline = False, None
 
     @property
     def name(self) -> str:
@@ -59,12 +90,72 @@ class TaskAdapter:
     def reward_one(self, problem: Any, completion: str) -> Tuple[float, bool]:
         """(reward, failed). ``failed`` when the reward function raised or returned NaN/inf
         (the reward is then 0, see ``tasks.base.safe_reward``)."""
+        from nemo_d3s.errors import ConfigError
         from nemo_d3s.tasks.base import safe_reward
 
-        value, error = safe_reward(self.task, problem, completion)
+        try:
+            with self._time_limit():
+                value, error = safe_reward(self.task, problem, completion)
+        except _RewardTimeout:
+            value = 0.0
+            error = f"no answer within {self.timeout_s:g} s (trainer.reward_timeout_s)"
+        except (StopNow, RewardStopped):
+            raise
+        except (SystemExit, KeyboardInterrupt) as e:
+            what = f"{type(e).__name__}({e.code if isinstance(e, SystemExit) else ''})"
+            raise ConfigError(
+                f"task {self.name!r}: the reward function raised {what}, which would end the run "
+                "without a summary; a reward function must return a number (raise an Exception "
+                "for a failed call: it is counted in reward_errors)"
+            ) from None
         if error is not None:
             self._log(error)
         return value, error is not None
+
+    def request_stop(self) -> None:
+        """A stop signal arrived (the trainer's handler calls this): the reward calls of
+        this step get :data:`STOP_GRACE_S` more seconds, so that a quick verifier finishes
+        the step as usual; a call still running then (or one starting after) raises
+        :class:`RewardStopped`. Re-arms the timer of a call in progress."""
+        if self.stop_at is not None:
+            return
+        self.stop_at = time.monotonic() + STOP_GRACE_S
+        if self.in_reward and self._timed:
+            signal.setitimer(signal.ITIMER_REAL, min(self._remaining(), STOP_GRACE_S))
+
+    def _remaining(self) -> float:
+        ends = [t for t in (self._deadline, self.stop_at) if t is not None]
+        return max(1e-3, min(ends) - time.monotonic()) if ends else 0.0
+
+    def _expire(self, _signum, _frame) -> None:
+        if self.stop_at is not None and time.monotonic() >= self.stop_at - 1e-3:
+            raise RewardStopped()
+        if self._deadline is not None and time.monotonic() >= self._deadline - 1e-3:
+            raise _RewardTimeout()
+        signal.setitimer(signal.ITIMER_REAL, self._remaining())  # woke early: wait on
+
+    @contextmanager
+    def _time_limit(self) -> Iterator[None]:
+        """The call runs with ``in_reward`` set and, on the main thread, a SIGALRM timer at
+        the nearer of its time limit and the stop deadline (see :meth:`request_stop`)."""
+        if self.stop_at is not None and time.monotonic() >= self.stop_at:
+            raise RewardStopped()
+        main = threading.current_thread() is threading.main_thread()
+        self._timed = main and hasattr(signal, "setitimer")
+        self._deadline = time.monotonic() + self.timeout_s if self.timeout_s > 0 else None
+        if self._timed:
+            previous = signal.signal(signal.SIGALRM, self._expire)
+            if self._remaining() > 0:
+                signal.setitimer(signal.ITIMER_REAL, self._remaining())
+        self.in_reward = True
+        try:
+            yield
+        finally:
+            self.in_reward = False
+            if self._timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            self._timed, self._deadline = False, None
 
     def score(
         self, problems: Sequence[Any], completions: Sequence[str], n_samples: int

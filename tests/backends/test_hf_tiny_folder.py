@@ -63,3 +63,39 @@ def test_seeded_sampler_uses_transformers_cache_name_without_its_deprecation_war
         root.removeHandler(handler)
     assert len(rows) == 2
     assert not [m for m in seen if "past_key_values" in m], seen
+
+
+def test_a_rank_that_finds_the_tiny_folder_being_built_waits_for_it(tmp_path):
+    """Issue 32: every rank of the README's Megatron command asks for the tiny folder on an
+    empty cache; the one that found another rank's folder lock died with FolderBusy. It now
+    waits for the lock and uses (or, the builder gone, builds) the folder."""
+    import hashlib
+    import json
+    import threading
+    import time
+    import dataclasses
+
+    from nemo_d3s.files import FileLock
+
+    spec = TinyModelSpec()
+    key = json.dumps({"spec": dataclasses.asdict(spec), "seed": 5}, sort_keys=True)
+    out = tmp_path / "tiny-random" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    out.parent.mkdir(parents=True)
+    held = FileLock(out.parent / f".{out.name}.lock", remove=True).acquire()  # "rank 0" builds
+    result = {}
+
+    def other_rank():
+        try:
+            result["folder"] = ensure_tiny_folder(spec, seed=5, cache=tmp_path)
+        except BaseException as e:  # noqa: BLE001 - the test reports what the rank died of
+            result["error"] = e
+
+    t = threading.Thread(target=other_rank)
+    t.start()
+    time.sleep(1.0)
+    assert "error" not in result, result  # it used to die here: FolderBusy
+    assert t.is_alive() and not out.exists()  # waiting, not building beside the holder
+    held.release()
+    t.join(timeout=120)
+    assert result.get("folder") == out and (out / "nemo_d3s_tiny_random.json").is_file(), result
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no lock file left

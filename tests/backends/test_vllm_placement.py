@@ -23,6 +23,8 @@ RECIPES = {
     "llama3_70b_long": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
     # TP 8 x PP 2, default order: copies' first stages on nodes 0-3
     "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(4)}),
+    # TP 8 x PP 1: one copy per node, its TP-8 engine on the node's 8 GPUs
+    "qwen3_32b": (4, {8 * k: (k, list(range(8))) for k in range(4)}),
 }
 
 

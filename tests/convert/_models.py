@@ -1,6 +1,6 @@
 """Model folders for the conversion tests: the Megatron tests' tiny HF folders (Llama: GQA,
-untied; Qwen2: q/k/v bias, tied; vocabulary 300, padded by every layout) in float32 or
-bfloat16, and helpers to compare HF folders tensor by tensor."""
+untied; Qwen2: q/k/v bias, tied; Qwen3: q/k norms, tied here; vocabulary 300, padded by
+every layout) in float32 or bfloat16, and helpers to compare HF folders tensor by tensor."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from _tiny_hf import make_tiny_hf  # noqa: E402
 
 
 def tiny(folder, arch: str, dtype: str = "float32", seed: int = 0, tied=None) -> Path:
-    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" tied unless ``tied`` says
-    otherwise) stored in ``dtype``."""
+    """A tiny HF folder of ``arch`` ("llama" untied, "qwen2" / "qwen3" tied unless ``tied``
+    says otherwise) stored in ``dtype``."""
     from safetensors.torch import load_file, save_file
 
-    folder = make_tiny_hf(folder, arch, tied=arch == "qwen2" if tied is None else tied, seed=seed)
+    folder = make_tiny_hf(
+        folder, arch, tied=arch in ("qwen2", "qwen3") if tied is None else tied, seed=seed
+    )
     if dtype != "float32":
         path = folder / "model.safetensors"
         tensors = {k: v.to(getattr(torch, dtype)) for k, v in load_file(str(path)).items()}
@@ -63,8 +65,10 @@ def nemo_context(hf_folder, dst) -> Path:
 
     hf_folder, dst = Path(hf_folder), Path(dst)
     cfg = json.loads((hf_folder / "config.json").read_text())
-    qwen = cfg["architectures"][0] == "Qwen2ForCausalLM"
-    module = "qwen2.Qwen2Config" if qwen else "llama.LlamaConfig"
+    arch = cfg["architectures"][0]
+    qwen = arch == "Qwen2ForCausalLM"
+    qwen3 = arch == "Qwen3ForCausalLM"
+    module = "qwen2.Qwen2Config" if qwen else "qwen3.Qwen3Config" if qwen3 else "llama.LlamaConfig"
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     config = {
         "_target_": f"nemo.collections.llm.gpt.model.{module}",
@@ -85,6 +89,7 @@ def nemo_context(hf_folder, dst) -> Path:
         "position_embedding_type": "rope",
         "add_bias_linear": False,
         "add_qkv_bias": qwen,
+        "qk_layernorm": qwen3,
         "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
         "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
         "bf16": dtype == "bfloat16",
@@ -93,7 +98,7 @@ def nemo_context(hf_folder, dst) -> Path:
     ctx = dst / "context"
     (ctx / "nemo_tokenizer").mkdir(parents=True)
     (ctx / "artifacts").mkdir()
-    kind = "qwen2.Qwen2Model" if qwen else "llama.LlamaModel"
+    kind = "qwen2.Qwen2Model" if qwen else "qwen3.Qwen3Model" if qwen3 else "llama.LlamaModel"
     (ctx / "model.yaml").write_text(
         yaml.safe_dump({"_target_": f"nemo.collections.llm.gpt.model.{kind}", "config": config})
     )

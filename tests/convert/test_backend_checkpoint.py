@@ -22,6 +22,8 @@ import shutil
 import sys
 
 import pytest
+
+from nemo_d3s.files import write_checksums
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -122,10 +124,12 @@ def test_tp2_pp2_training_checkpoint_converts_on_one_process(tmp_path):
     assert {"megatron", "config.json", "tokenizer.json", "tokenizer_config.json"} <= names, names
     assert json.loads((ckpt / "config.json").read_text())["num_hidden_layers"] == 4
 
+    write_checksums(ckpt)  # what the trainer adds to the backend's files (issue 32: required)
     out = megatron_to_hf(ckpt, tmp_path / "hf", progress=False)  # no --hf-config
     # a checkpoint written before they were kept (megatron/ only) converts with --hf-config
     old = tmp_path / "old" / "step_000001"
     shutil.copytree(ckpt / "megatron", old / "megatron")
+    write_checksums(old)
     with pytest.raises(ConfigError, match="has no config.json .* pass --hf-config"):
         megatron_to_hf(old, tmp_path / "hf_old", progress=False)
     assert_same_tensors(
@@ -191,3 +195,15 @@ def test_backend_refuses_a_flipped_bit_or_a_truncated_shard(tmp_path):
     shard.write_bytes(bytes(data[:-100]))  # an interrupted copy
     err = run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0]
     assert err is not None and f"{str(shard)!r} is truncated" in err
+
+
+def test_backend_refuses_a_converted_checkpoint_without_checksums_json(tmp_path):
+    """Issue 32: the Megatron backend trained on it without a notice; the one policy
+    (formats.checksums.missing_checksums) refuses it on every rank, naming the switch."""
+    src = tiny(tmp_path / "src", "llama")
+    converted = hf_to_megatron(src, tmp_path / "converted", tp=1, pp=1, progress=False)
+    (converted / "checksums.json").unlink()
+    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=240)
+    assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
+    assert "has no checksums.json" in errors[0] and "verify_checksums=false" in errors[0]
+    assert run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None

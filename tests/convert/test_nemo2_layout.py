@@ -42,7 +42,11 @@ def written(tmp_path_factory):
     """{arch: (HF source, NeMo 2 checkpoint written by nemo_d3s)}."""
     root = tmp_path_factory.mktemp("nemo2")
     out = {}
-    for arch, dtype, (tp, pp) in (("llama", "float32", (2, 2)), ("qwen2", "bfloat16", (1, 1))):
+    for arch, dtype, (tp, pp) in (
+        ("llama", "float32", (2, 2)),
+        ("qwen2", "bfloat16", (1, 1)),
+        ("qwen3", "bfloat16", (2, 2)),
+    ):
         src = tiny(root / f"{arch}_hf", arch, dtype)
         ck = hf_to_megatron(src, root / f"{arch}_ck", tp=tp, pp=pp, progress=False)
         ctx = nemo_context(src, root / f"{arch}_ctx")
@@ -53,7 +57,7 @@ def written(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     src, nemo = written[arch]
     assert sorted(os.listdir(nemo)) == ["checksums.json", "context", "weights"]
@@ -64,7 +68,10 @@ def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     index = _DcpIndex(nemo / "weights")
     L, names = 4, set(index.tensors)
     qkv = "module.decoder.layers.self_attention.linear_qkv.weight"
-    assert index.tensors[qkv][0] == (L, (4 + 2 * 2) * 8, 32)  # layers stacked, fused q/k/v
+    d = 16 if arch == "qwen3" else 8  # Qwen3's head_dim is set apart from hidden / heads
+    assert index.tensors[qkv][0] == (L, (4 + 2 * 2) * d, 32)  # layers stacked, fused q/k/v
+    qk_norm = "module.decoder.layers.self_attention.q_layernorm.weight"
+    assert (qk_norm in names) == (arch == "qwen3")
     assert len(index.chunks[qkv]) == L  # one chunk per layer
     assert (
         "module.decoder.layers.self_attention.linear_qkv.layer_norm_weight" in names

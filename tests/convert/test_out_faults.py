@@ -149,14 +149,13 @@ def test_a_truncated_safetensors_file_is_one_line_naming_it(tmp_path, made, caps
     (hf / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     with pytest.raises(ConfigError, match="is not a safetensors file: garbled header"):
         hf_to_megatron(hf, tmp_path / "ck", progress=False)
-    # a converted shard cut short (no checksums to catch it first)
+    # a converted shard cut short (its checksums not checked, so the reader meets it)
     cut = tmp_path / "cut"
     shutil.copytree(ck, cut)
-    (cut / "checksums.json").unlink()
     shard = cut / "megatron" / "tp00_pp00.safetensors"
     shard.write_bytes(shard.read_bytes()[:-8])
     with pytest.raises(ConfigError, match=f"{str(shard)!r} is truncated"):
-        megatron_to_hf(cut, tmp_path / "out", progress=False)
+        megatron_to_hf(cut, tmp_path / "out", progress=False, verify_checksums=False)
 
 
 def test_hf_backend_names_a_truncated_weights_file(tmp_path, made):
@@ -220,3 +219,26 @@ def test_out_inside_the_input_is_refused(tmp_path, made):
     assert sorted(os.listdir(copy)) == sorted(os.listdir(ck)) and sorted(os.listdir(hf)) == sorted(
         os.listdir(src)
     )
+
+
+def test_a_checkpoint_without_checksums_json_is_refused_like_the_trainer_refuses_it(
+    tmp_path, made, capsys
+):
+    """Issue 32: a converted checkpoint with checksums.json deleted converted (and trained)
+    without a notice while the trainer called the same folder unusable. One policy now
+    (formats.checksums.missing_checksums): refused, naming the file and the switch."""
+    src, ck = made
+    bare = tmp_path / "bare"
+    shutil.copytree(ck, bare)
+    (bare / "checksums.json").unlink()
+    msg = "has no checksums.json, which this kind of checkpoint is always written with"
+    with pytest.raises(ConfigError, match=msg):
+        megatron_to_hf(bare, tmp_path / "hf", progress=False)
+    with pytest.raises(ConfigError, match=msg):
+        verify(src, bare)
+    assert main(["megatron-to-hf", "--ckpt", str(bare), "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert msg in err and "--no-verify-checksums" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "hf").exists()
+    argv = ["megatron-to-hf", "--ckpt", str(bare), "--out", str(tmp_path / "hf")]
+    assert main([*argv, "--quiet", "--no-verify-checksums"]) == 0

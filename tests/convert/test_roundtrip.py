@@ -21,7 +21,7 @@ from nemo_d3s.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
 def test_round_trip_is_bit_exact(tmp_path, arch, dtype, tp, pp):
     src = tiny(tmp_path / "src", arch, dtype)
@@ -53,16 +53,17 @@ def test_round_trip_is_bit_exact(tmp_path, arch, dtype, tp, pp):
 
 
 def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
-    """{(tp rank, pp stage): {name: tensor}} for a Llama / Qwen2 HF state dict, written from
+    """{(tp rank, pp stage): {name: tensor}} for a Llama / Qwen2 / Qwen3 HF state dict, written from
     megatron-core's GPTModel conventions (local layer spec) without the weight table:
     layers numbered per stage; q/k/v fused per query group ([q of the group's heads; k; v]
     for each KV head) and the groups split over TP; o_proj and down_proj split by columns;
     gate and up each split by rows, then [gate shard; up shard]; the vocabulary padded with
     zero rows to ``padded_vocab`` and split by rows; the output layer on the last stage,
     except when tied at PP 1 (the embedding itself serves; at PP > 1 the last stage holds
-    its own copy)."""
+    its own copy); Qwen3's q_norm / k_norm whole on every TP rank as q_layernorm / k_layernorm."""
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d, per_stage, vocab = h // heads, cfg["num_hidden_layers"] // pp, cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // heads
+    per_stage, vocab = cfg["num_hidden_layers"] // pp, cfg["vocab_size"]
 
     def padded(w):
         out = torch.zeros(padded_vocab, h, dtype=w.dtype)
@@ -91,6 +92,13 @@ def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
                 s[me + "self_attention.linear_qkv.weight"] = qkv("weight")
                 if pre + "self_attn.q_proj.bias" in hf:
                     s[me + "self_attention.linear_qkv.bias"] = qkv("bias")
+                if pre + "self_attn.q_norm.weight" in hf:
+                    s[me + "self_attention.q_layernorm.weight"] = hf[
+                        pre + "self_attn.q_norm.weight"
+                    ]
+                    s[me + "self_attention.k_layernorm.weight"] = hf[
+                        pre + "self_attn.k_norm.weight"
+                    ]
                 s[me + "self_attention.linear_proj.weight"] = hf[
                     pre + "self_attn.o_proj.weight"
                 ].chunk(tp, 1)[t]
@@ -110,7 +118,7 @@ def megatron_shards_by_hand(hf, cfg, tp: int, pp: int, padded_vocab: int):
     return shards
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (2, 1)])
 def test_shards_hold_megatrons_layout_built_by_hand(tmp_path, arch, tp, pp):
     """Every shard file equals an independent construction of Megatron's layout from the HF

@@ -1,6 +1,6 @@
 """``formats.detect_format``: the one function that tells a Hugging Face folder, a Megatron
-checkpoint (training or converted) and a NeMo 2 checkpoint apart, and the only place that
-looks for their marker files."""
+checkpoint (training or converted), a NeMo 2 checkpoint and a Megatron-LM / Megatron-Bridge
+checkpoint apart, and the only place that looks for their marker files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from nemo_d3s.formats.detect import HF, MEGATRON, NEMO2, FolderFormat, detect_format
+from nemo_d3s.formats.detect import (
+    HF,
+    MEGATRON,
+    MEGATRON_LM,
+    NEMO2,
+    FolderFormat,
+    detect_format,
+)
 from nemo_d3s.formats.spec import ModelSpec
 
 PKG = Path(__file__).resolve().parents[2] / "nemo_d3s"
@@ -70,6 +77,22 @@ def test_each_kind_by_its_marker_files(tmp_path):
     assert detect_format(nemo) == FolderFormat(NEMO2, nemo)
     assert detect_format(tmp_path / "missing").kind is None
 
+    # Megatron-LM / Megatron-Bridge: a save folder (its tracker) or one iteration's folder
+    save = tmp_path / "save"
+    it = save / "iter_0000100"
+    for name in ("metadata.json", ".metadata"):
+        _touch(it / name)
+    assert detect_format(it).kind is None  # no common.pt: not a dist_checkpointing folder
+    _touch(it / "common.pt", "")
+    assert detect_format(it) == FolderFormat(MEGATRON_LM, it)
+    assert detect_format(save).kind is None
+    _touch(save / "latest_checkpointed_iteration.txt", "100")
+    assert detect_format(save) == FolderFormat(MEGATRON_LM, save)
+    # NeMo 2's weights/ alone is a dist_checkpointing folder too; the NeMo 2 folder wins
+    _touch(nemo / "weights" / ".metadata")
+    _touch(nemo / "weights" / "common.pt")
+    assert detect_format(nemo).kind == NEMO2
+
 
 def test_model_spec_reads_the_config_the_detected_kind_holds(tmp_path):
     hf = tmp_path / "hf"
@@ -103,7 +126,9 @@ def _code_strings(path: Path):
             yield node.value
 
 
-@pytest.mark.parametrize("marker", ["layout.json", "metadata.json"])
+@pytest.mark.parametrize(
+    "marker", ["layout.json", "metadata.json", "latest_checkpointed_iteration.txt", "common.pt"]
+)
 def test_no_module_outside_formats_looks_for_a_marker_file(marker):
     found = [
         str(p.relative_to(PKG))

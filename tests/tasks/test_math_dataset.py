@@ -43,14 +43,29 @@ def test_gsm8k_loader_rewards(tmp_path):
 def test_missing_answer_names_file_and_row(tmp_path):
     rows = GSM_ROWS[:3] + [{"question": "Q?", "answer": None}] + GSM_ROWS[3:5]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(ValueError, match=r"bad\.jsonl: row 4 has no answer in field 'answer'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl: line 4 has no answer in field 'answer'"):
         load_problems(path)
     path2 = write_jsonl(tmp_path / "bad2.jsonl", [{"question": "Q?"}])
-    with pytest.raises(ValueError, match=r"bad2\.jsonl: row 1 has no answer"):
+    with pytest.raises(ValueError, match=r"bad2\.jsonl: line 1 has no answer"):
         make_task("math_file", train_path=path2)
     path3 = write_jsonl(tmp_path / "bad3.jsonl", [{"question": "Q?", "answer": "7 with no marker"}])
-    with pytest.raises(ValueError, match="row 1"):
+    with pytest.raises(ValueError, match="line 1"):
         make_task("gsm8k", train_path=path3)
+
+
+def test_jsonl_errors_name_the_physical_line_like_the_decoding_errors(tmp_path):
+    """Issue 32: a row error counted non-blank rows ("row 3") while a bad byte or bad JSON
+    named the physical line; with blank lines in the file the two disagreed."""
+    path = tmp_path / "gaps.jsonl"
+    path.write_text(
+        '{"question": "a", "answer": "1"}\n\n\n{"question": "b"}\n'
+        '{"question": "c", "answer": "2"}\n'
+    )
+    with pytest.raises(ValueError, match=r"gaps\.jsonl: line 4 has no answer"):
+        load_problems(str(path))
+    path.write_text('{"question": "a", "answer": "1"}\n\n\n{"question": \n')
+    with pytest.raises(ValueError, match=r"gaps\.jsonl: line 4 is not valid JSON"):
+        load_problems(str(path))
 
 
 def test_bad_json_and_missing_file(tmp_path):
@@ -69,10 +84,11 @@ def test_custom_fields_math_style(tmp_path):
     ]
     path = tmp_path / "math.json"
     path.write_text(json.dumps(rows))
+    (tmp_path / "math_eval.json").write_text(json.dumps(rows))  # eval_path == train_path: refused
     task = make_task(
         "math_file",
         train_path=str(path),
-        eval_path=str(path),
+        eval_path=str(tmp_path / "math_eval.json"),
         question_field="problem",
         answer_field="solution",
     )

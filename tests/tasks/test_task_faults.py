@@ -115,7 +115,7 @@ def test_dataset_whose_references_none_can_be_checked_is_refused_naming_rows(tmp
         msg.startswith("task.params.train_path: none of the 5 reference answers in")
         and str(data) in msg
     )
-    assert "row 1: 'seventy-two', row 2: 'yes', row 3: 'no' ..." in msg and "answer_field" in msg
+    assert "line 1: 'seventy-two', line 2: 'yes', line 3: 'no' ..." in msg and "answer_field" in msg
     verdict = MathDatasetTask.reward  # the reason: a correct-looking answer never scores
     no_reward_fn = SimpleNamespace(_reward_fn=None)  # the verifier's path, as for a loaded file
     assert verdict(no_reward_fn, Problem("q", "seventy-two"), "The answer is \\boxed{72}") == 0.0
@@ -128,5 +128,20 @@ def test_dataset_with_some_unparseable_references_counts_and_warns(tmp_path, cap
     assert task.unusable_references == 2
     assert (
         "2 of 6 reference answers" in caplog.text
-        and "row 2: 'seventy-two', row 4: 'yes'" in caplog.text
+        and "line 2: 'seventy-two', line 4: 'yes'" in caplog.text
     )
+
+
+def test_eval_path_equal_to_train_path_is_refused(tmp_path, monkeypatch):
+    """Issue 32: it trained and evaluated on the same rows without a word (also through a
+    relative path or a symlink to the same file)."""
+    from nemo_d3s.tasks.base import make_task
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"question": "q{i}", "answer": "{i}"}}\n' for i in range(6)))
+    (tmp_path / "link.jsonl").symlink_to(data)
+    monkeypatch.chdir(tmp_path)
+    for other in (str(data), "d.jsonl", "link.jsonl"):
+        with pytest.raises(ValueError, match=r"task.params.eval_path=.* is task.params.train_path"):
+            make_task("math_file", train_path=str(data), eval_path=other)
+    assert len(make_task("math_file", train_path=str(data), n_eval=2).eval_set()) == 2

@@ -96,7 +96,7 @@ def test_dataset_row_without_answer_is_a_clear_error(tmp_path):
             "task.eval_size=1",
         ]
     )
-    with pytest.raises(ConfigError, match="row 2 has no answer"):
+    with pytest.raises(ConfigError, match="line 2 has no answer"):
         Trainer(cfg)
 
 

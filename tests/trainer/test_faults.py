@@ -618,6 +618,37 @@ def test_first_sigint_checkpoints_like_sigterm_second_stops_at_once(tmp_path):
     assert signal.getsignal(signal.SIGINT) == before
 
 
+def test_a_second_sigint_after_the_checkpoint_keeps_the_interrupted_exit_code(
+    tmp_path, monkeypatch, capsys
+):
+    """Issue 32: a second quick Ctrl-C that arrived once the loop had checkpointed and
+    restored its handler (here: while the metrics file closes) was Python's ordinary
+    KeyboardInterrupt: "exit code 75" printed, 130 returned. It is ignored now."""
+    from nemo_d3s import train as train_mod
+
+    real_close = MetricsLogger.close
+
+    def close_then_sigint(self):
+        real_close(self)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(MetricsLogger, "close", close_then_sigint)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    _SigintOnce.sent = 0
+    cfg = compose(
+        ["experiment=smoke", *FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
+        + [f"output_dir={tmp_path}"]
+    )
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_mod._run(cfg)
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+    assert e.value.code == 75
+    assert "exit code 75: interrupted" in capsys.readouterr().err
+
+
 def test_process_group_timeout_is_configurable_and_reported(tmp_path):
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}", "trainer.dist_timeout_minutes=0"])
     with pytest.raises(ConfigError, match="trainer.dist_timeout_minutes"):

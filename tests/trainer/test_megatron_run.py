@@ -53,7 +53,7 @@ def _megatron(tp, pp):
     ]
 
 
-def _torchrun(nproc, overrides, **kw):
+def _torchrun(nproc, overrides, env=None, **kw):
     return subprocess.Popen(
         [
             sys.executable,
@@ -66,7 +66,7 @@ def _torchrun(nproc, overrides, **kw):
             *overrides,
         ],
         cwd=REPO,
-        env=cli_env(),
+        env={**cli_env(), **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -178,11 +178,16 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     """The laptop Megatron experiment as the README runs it: TP 2 under torchrun on the tiny
     random model, a checkpoint of two TP shards that stays small, and the next command
     (``nemo-d3s-convert megatron-to-hf`` with no --hf-config: the checkpoint keeps the
-    model's config.json and tokenizer) gives the run's own exported weights back bit for bit."""
+    model's config.json and tokenizer) gives the run's own exported weights back bit for bit.
+    On an empty model cache, as on a new machine (issue 32: both ranks built the tiny folder
+    and the second died of the first's folder lock)."""
     from safetensors.torch import load_file
 
     out = tmp_path / "msmoke"
-    log = _finish(_torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"]), timeout=600)
+    fresh = {"NEMO_D3S_CACHE": str(tmp_path / "empty-cache")}
+    log = _finish(
+        _torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"], env=fresh), timeout=600
+    )
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step_000004"], ckpts  # keep_last=1
     assert sorted(os.listdir(ckpts[0] / "megatron")) == [

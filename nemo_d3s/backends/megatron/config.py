@@ -33,9 +33,10 @@ CONTEXT_PARALLEL_REFUSAL = (
 class MegatronBackendConfig(PolicySettings):
     """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
 
-    model: a local Hugging Face folder (Llama / Mistral / Qwen2 config.json + safetensors),
-        a folder converted by ``nemo-d3s-convert hf-to-megatron``, a NeMo 2 checkpoint
-        (``weights/`` + ``context/``), or the embedded "smollm2-135m-instruct".
+    model: a local Hugging Face folder (Llama / Mistral / Qwen2 / Qwen3 config.json +
+        safetensors), a folder converted by ``nemo-d3s-convert hf-to-megatron``, a NeMo 2
+        checkpoint (``weights/`` + ``context/``), a Megatron-LM / Megatron-Bridge save folder
+        (or one ``iter_XXXXXXX/``), or the embedded "smollm2-135m-instruct".
     dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
         "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
         with fp32 main weights and optimizer state; the plain path (``distributed_optimizer
@@ -117,6 +118,12 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         raise ValueError(
             f"model.params.virtual_pipeline_model_parallel_size={vpp}: interleaved 1F1B needs "
             "pipeline_model_parallel_size > 1"
+        )
+    cp = cfg.context_parallel_size
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:  # not a TE question
+        raise ValueError(
+            f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
+            "integer >= 1, and this backend runs without context parallelism)"
         )
     if cfg.context_parallel_size != 1:
         raise ValueError(

@@ -38,7 +38,6 @@ from nemo_d3s.distributed._comm import is_single
 __all__ = [
     "ModelParallelRollouts",
     "ReplicaEngine",
-    "gloo_twin",
     "model_parallel_group",
     "place_engine",
     "replica_engine",
@@ -79,7 +78,7 @@ class ReplicaEngine(RolloutEngine):
 class ModelParallelRollouts(RolloutEngine):
     """One engine per model-parallel group: ``inner`` exists on the group's first rank
     (``src``, a global rank) and is None elsewhere. ``group``: a gloo group of the
-    model-parallel ranks (:func:`gloo_twin`): every wait for the engine
+    model-parallel ranks (``parallel.make_model_parallel_gloo_twin``): every wait for the engine
     happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
 
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
@@ -245,19 +244,6 @@ def model_parallel_group() -> Tuple[Any, int]:
 
     mp = ps.get_model_parallel_group()
     return (None if dist.get_world_size(mp) == 1 else mp), dist.get_global_rank(mp, 0)
-
-
-def gloo_twin(mp) -> Any:
-    """A gloo group of the ranks of ``mp`` (Megatron's model-parallel group is NCCL on CUDA;
-    on the CPU it is gloo already and is returned as it is). Collective over the whole job:
-    every rank creates every group, in the same order (``new_subgroups_by_enumeration``)."""
-    if dist.get_backend(mp) == "gloo":
-        return mp
-    everyone: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dist.get_process_group_ranks(mp))
-    groups = sorted({tuple(sorted(r)) for r in everyone})
-    twin, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend="gloo")
-    return twin
 
 
 def place_engine(

@@ -8,10 +8,17 @@ optimizer keeps fp32 main weights for this reason (its ``Float16OptimizerWithFlo
 / ``DistributedOptimizer``); this class does the same for the plain path, without sharding.
 
 Per model parameter ``p`` (low precision): a fp32 main copy ``main``; ``step()`` sets
-``main.grad = p.grad`` in fp32, runs AdamW on the main copies (moments fp32), then writes
+``main.grad = p.main_grad``, runs AdamW on the main copies (moments fp32), then writes
 ``main`` back into ``p`` (rounded to its dtype). fp32 parameters are their own main weights.
-Memory: per low-precision parameter 4 bytes (main) + 8 (moments) + 4 transient (fp32 grad)
-per element, vs 2 x its dtype's size for plain AdamW's moments.
+
+Gradients are accumulated and reduced in fp32 too, as Megatron's DDP does
+(``grad_reduce_in_fp32=True``: its fp32 ``main_grad`` buffers): a hook on each low-precision
+parameter (``register_post_accumulate_grad_hook``) adds the gradient of each backward pass
+into ``p.main_grad`` (fp32) and frees the bf16 ``p.grad``, so the sum over micro-batches and
+the DP all-reduce (``optimizer.finalize_grads``) never round to bf16's 8 bits; the norm,
+clipping and the step read :func:`grad_of`. Memory: per low-precision parameter 4 bytes
+(main) + 8 (moments) + 4 (fp32 main_grad, from the first backward to ``zero_grad``) per
+element, vs 2 x its dtype's size for plain AdamW's moments.
 """
 
 from __future__ import annotations
@@ -20,7 +27,44 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["MainWeightsAdamW", "adam_state_of", "main_weight_of", "needs_main_weights"]
+__all__ = [
+    "MainWeightsAdamW",
+    "adam_state_of",
+    "grad_of",
+    "main_weight_of",
+    "needs_main_weights",
+]
+
+_FP32_GRADS = "accumulates_main_grad"  # the flag a parameter with an fp32 main_grad carries
+
+
+def grad_of(p: torch.Tensor, *, zeros: bool = False) -> Optional[torch.Tensor]:
+    """The gradient of ``p`` the optimizer uses: its fp32 ``main_grad`` when it accumulates
+    one (:class:`MainWeightsAdamW`), else ``p.grad``. ``zeros``: a parameter no backward
+    reached gets zeros of that dtype (so every rank reduces the same tensors)."""
+    if getattr(p, _FP32_GRADS, False):
+        g = getattr(p, "main_grad", None)
+        if g is None and p.grad is not None:  # a gradient set by hand, not by a backward
+            g = p.main_grad = p.grad.float()
+            p.grad = None
+        if g is None and zeros:
+            g = p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        return g
+    if p.grad is None and zeros:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def _accumulate_main_grad(p: torch.Tensor) -> None:
+    """After autograd accumulated a backward pass into ``p.grad`` (bf16): add it into the fp32
+    ``p.main_grad`` and free ``p.grad``."""
+    if p.grad is None:
+        return
+    if getattr(p, "main_grad", None) is None:
+        p.main_grad = p.grad.float()
+    else:
+        p.main_grad.add_(p.grad)
+    p.grad = None
 
 
 def needs_main_weights(params: Iterable[torch.Tensor]) -> bool:
@@ -44,6 +88,9 @@ class MainWeightsAdamW(torch.optim.AdamW):
             m = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
             self._main[id(p)] = m
             mains.append(m)
+            if m is not p and not getattr(p, _FP32_GRADS, False):
+                setattr(p, _FP32_GRADS, True)
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
         super().__init__(mains, **adamw)
 
     def main_of(self, p: torch.Tensor) -> torch.Tensor:
@@ -51,13 +98,14 @@ class MainWeightsAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D401 - torch's signature
-        """fp32 gradients onto the main copies, AdamW on them, main copies into the model."""
+        """fp32 gradients (:func:`grad_of`) onto the main copies, AdamW on them, main copies
+        into the model."""
         if closure is not None:
             raise ValueError("MainWeightsAdamW.step takes no closure")
         pairs = [(p, self._main[id(p)]) for p in self.model_params]
         for p, m in pairs:
             if m is not p:
-                m.grad = None if p.grad is None else p.grad.float()
+                m.grad = grad_of(p)
         super().step()
         for p, m in pairs:
             if m is not p:
@@ -67,11 +115,13 @@ class MainWeightsAdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         for p in self.model_params:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.zero_()
+            for name in ("grad", "main_grad"):
+                g = getattr(p, name, None)
+                if g is not None:
+                    if set_to_none:
+                        setattr(p, name, None)
+                    else:
+                        g.zero_()
 
 
 def main_weight_of(optimizer, p: torch.Tensor) -> Optional[torch.Tensor]:

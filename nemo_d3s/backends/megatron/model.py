@@ -137,6 +137,9 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        # Qwen3's q/k norms: also what finalize_model_grads reads to sum their gradients
+        # over TP (megatron-core 0.16.1 distributed/finalize_model_grads.py:353-355)
+        qk_layernorm=spec.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -189,8 +192,15 @@ def build_stage(
     pp_rank = (
         layout.pp_rank % config.pipeline_model_parallel_size
     )  # the real stage of a virtual one
+    # qk_layernorm (Qwen3): both megatron-core 0.16.1 specs take it and put the spec's norm
+    # in SelfAttentionSubmodules(q_layernorm, k_layernorm) (models/gpt/gpt_layer_specs.py,
+    # TE spec: parameter :174, qk_norm = TESpecProvider.layer_norm(for_qk=True) = TENorm
+    # :271, used :282-287; local spec: parameter :309, qk_norm = WrappedTorchNorm (torch
+    # RMSNorm) :348, used :405-410); each is built over hidden_size=kv_channels
+    # (transformer/attention.py:1280-1298) and applied per head before RoPE
+    # (attention.py:1477-1481), as transformers' Qwen3Attention does (q_norm / k_norm).
     if layout.te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
     elif config.sequence_parallel:  # WrappedTorchNorm refuses SP: see sequence_parallel.py
         from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
 
@@ -207,7 +217,10 @@ def build_stage(
         # FusedLayerNorm, which refuses RMSNorm, else torch), not by the spec asked for.
         layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         layer_spec = TransformerBlockSubmodules(
-            layer_specs=[get_gpt_layer_local_spec(normalization="RMSNorm")] * layers,
+            layer_specs=[
+                get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+            ]
+            * layers,
             layer_norm=WrappedTorchNorm,
         )
     model = GPTModel(

@@ -1,11 +1,12 @@
-"""Writing NeMo 2 checkpoints (``nemo-d3s-convert megatron-to-nemo``): see ``formats/nemo2.py`` for
-the layout (and the reader); this is the writer, which needs megatron-core's
-``dist_checkpointing``."""
+"""Writing megatron-core ``dist_checkpointing`` checkpoints: NeMo 2 (``nemo-d3s-convert
+megatron-to-nemo``; layout and reader: ``formats/nemo2.py``) and Megatron-LM /
+Megatron-Bridge (``nemo-d3s-convert hf-to-megatron-lm``; layout and reader:
+``formats/mcore_config.py``, ``formats/mcore_dist.py``). The writer needs megatron-core."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -13,7 +14,7 @@ from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.nemo2 import NEMO_PREFIX, _nemo_key
 from nemo_d3s.formats.weights import Layout, local_names
 
-__all__ = ["write_nemo2"]
+__all__ = ["write_nemo2", "write_dist_checkpoint"]
 
 
 class _TorchOnCpu:
@@ -72,6 +73,28 @@ def write_nemo2(
     """Write the HF-named ``tensors`` of ``spec`` as ``out/weights`` (NeMo's names, TP1
     global tensors, per-layer ShardedTensors, ``_extra_state`` objects) with megatron-core's
     ``dist_checkpointing.save``. The caller copies ``context/``."""
+    write_dist_checkpoint(tensors, spec, out / "weights", padded_vocab=padded_vocab)
+
+
+def write_dist_checkpoint(
+    tensors: Iterator[Tuple[str, torch.Tensor]],
+    spec: ModelSpec,
+    folder: Path,
+    *,
+    padded_vocab: int,
+    prefix: str = NEMO_PREFIX,
+    model_key: Optional[str] = None,
+    common: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Write the HF-named ``tensors`` of ``spec`` into the new folder ``folder`` with
+    megatron-core's ``dist_checkpointing.save``, as a GPTModel's ``sharded_state_dict`` holds
+    them: keys ``prefix`` + the model's transformer-engine names, TP1 global tensors (the
+    vocabulary padded to ``padded_vocab`` rows with zeros), each layer a ShardedTensor at its
+    index of the stacked ``decoder.layers.*`` key, the ``_extra_state`` objects of the TE
+    modules (None: nothing to restore). ``model_key``: nest the model under it
+    (Megatron-LM's "model"); ``common``: plain entries saved beside it (they land in
+    ``common.pt``: Megatron-LM's args, iteration, checkpoint_version). Holds the whole model
+    in memory (megatron-core's saver takes the full state dict)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
@@ -89,7 +112,7 @@ def write_nemo2(
     dtype = full["model.embed_tokens.weight"].dtype
     for local in local_names(spec, layout):
         t = read_local(local, spec, layout, _Dict(), dtype)
-        fqn, layer = _nemo_key(local)
+        fqn, layer = _nemo_key(local, prefix)
         if layer is None:
             sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
         else:
@@ -97,22 +120,18 @@ def write_nemo2(
                 fqn, t, (0, layer, L), replica_id=0, prepend_axis_num=1
             )
     for layer in range(L):
-        for mod in (
-            "self_attention.linear_proj",
-            "self_attention.linear_qkv",
-            "mlp.linear_fc1",
-            "mlp.linear_fc2",
-        ):
-            key = f"{NEMO_PREFIX}decoder.layers.{mod}._extra_state"
+        for mod in _TE_MODULES if prefix != NEMO_PREFIX else _TE_MODULES[:4]:
+            key = f"{prefix}decoder.layers.{mod}._extra_state"
             sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
-    weights = out / "weights"
-    weights.mkdir(parents=True)
+    state: Dict[str, Any] = {model_key: sharded} if model_key else sharded
+    state.update(common or {})
+    folder.mkdir(parents=True)
     teardown = _one_process_group()
     try:
         with _TorchOnCpu():
             dist_checkpointing.save(
-                sharded,
-                str(weights),
+                state,
+                str(folder),
                 content_metadata={
                     "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True,
@@ -121,3 +140,14 @@ def write_nemo2(
             )
     finally:
         teardown()
+
+
+# The TE spec's modules with an ``_extra_state`` (TransformerEngineBaseModule: fp8 metadata)
+# per layer; NeMo's writer keeps its first four (what NeMo's checkpoints hold).
+_TE_MODULES = (
+    "self_attention.linear_proj",
+    "self_attention.linear_qkv",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+    "self_attention.core_attention",
+)

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, needs_main_weights
+from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, grad_of, needs_main_weights
 from nemo_d3s.distributed._comm import group_rank, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
@@ -66,25 +66,25 @@ def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
 
 
 def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
-    """What Megatron's ``finalize_model_grads`` does for its DDP, for plain ``.grad`` tensors
-    (the CPU path): missing gradients become zeros; gradients are AVERAGED over ``groups.dp``
-    (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does when the loss
-    is not per-token); with PP > 1 and tied embeddings, the word-embedding gradient of the
-    first stage and the output-layer gradient of the last stage (the two copies of one
-    weight) are summed over Megatron's embedding group, so both copies take the same update.
-    No sequence parallelism (its layer-norm all-reduce is not done here).
+    """What Megatron's ``finalize_model_grads`` does for its DDP, for the plain path's
+    gradients (:func:`main_weights.grad_of`: the fp32 ``main_grad`` of a bf16 / fp16
+    parameter under ``MainWeightsAdamW``, as Megatron's ``grad_reduce_in_fp32``; ``.grad``
+    of an fp32 one): missing gradients become zeros; gradients are AVERAGED over
+    ``groups.dp`` (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does
+    when the loss is not per-token); with PP > 1 and tied embeddings, the word-embedding
+    gradient of the first stage and the output-layer gradient of the last stage (the two
+    copies of one weight) are summed over Megatron's embedding group, so both copies take
+    the same update. No sequence parallelism (its layer-norm all-reduce is not done here).
 
     Memory: one flat copy of the gradients of one dtype during the all-reduce.
     """
     chunks = model_chunks(chunks)
     params = local_params(chunks)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    grads = [grad_of(p, zeros=True) for p in params]
     if groups.data_parallel:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
@@ -104,7 +104,7 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
                 chunks[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else chunks[-1]
             )
             weight = owner.shared_embedding_or_output_weight()
-            dist.all_reduce(weight.grad, op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
+            dist.all_reduce(grad_of(weight), op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
 
 
 def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
@@ -131,7 +131,9 @@ def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
     ``groups.pp`` (= the TP x PP grid). No host sync."""
     chunks = model_chunks(chunks)
     grads = [
-        p.grad for p in local_params(chunks) if p.grad is not None and _counts_for_norm(p, groups)
+        g
+        for p in local_params(chunks)
+        if (g := grad_of(p)) is not None and _counts_for_norm(p, groups)
     ]
     if grads:
         sq = (
@@ -157,8 +159,8 @@ def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
     coeff = float(max_norm) / (total_norm + 1.0e-6)
     if coeff < 1.0:
         for p in local_params(model_chunks(chunks)):
-            if p.grad is not None:
-                p.grad.mul_(coeff)
+            if (g := grad_of(p)) is not None:
+                g.mul_(coeff)
     return min(coeff, 1.0)
 
 

@@ -14,6 +14,7 @@ __all__ = [
     "first_ranks_of_model_copies",
     "global_rank_of",
     "initialize_megatron_groups",
+    "model_parallel_gloo_group",
     "rank_order",
     "set_cuda_connections",
 ]
@@ -75,6 +76,9 @@ def set_cuda_connections() -> None:
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
+_MP_GLOO = None  # this rank's gloo twin of Megatron's model-parallel group
+
+
 def initialize_megatron_groups(
     rank: int,
     tp: int = 1,
@@ -82,20 +86,87 @@ def initialize_megatron_groups(
     cp: int = 1,
     order: str = DEFAULT_ORDER,
     vpp: Optional[int] = None,
+    timeout_minutes: Optional[float] = None,
 ) -> Callable[[], None]:
     """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
     that exists, ranks laid out in ``order``, with a virtual pipeline of ``vpp`` chunks per
-    stage when vpp > 1 (interleaved 1F1B); returns the teardown (``destroy_model_parallel``).
-    ``rank`` is unused (the ``rank_setup`` signature)."""
+    stage when vpp > 1 (interleaved 1F1B), and the gloo twin of the model-parallel group
+    (:func:`model_parallel_gloo_group`); returns the teardown (``destroy_model_parallel``).
+    ``timeout_minutes`` (``trainer.dist_timeout_minutes``): every group waits that long
+    (Megatron's ``distributed_timeout_minutes``, the twin's ``timeout``, and
+    ``distributed.timeouts.apply_timeout`` for the gloo groups Megatron creates without
+    one). ``rank`` is unused (the ``rank_setup`` signature)."""
     set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
 
+    from nemo_d3s.distributed.timeouts import apply_timeout, as_timedelta
+
+    extra = {} if not timeout_minutes else {"distributed_timeout_minutes": float(timeout_minutes)}
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         order=order,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        **extra,
     )
-    return ps.destroy_model_parallel
+    if cp == 1:  # (the backend runs no context parallelism; the twin's groups assume none)
+        make_model_parallel_gloo_twin(tp, pp, order, timeout_minutes)
+    apply_timeout(as_timedelta(timeout_minutes))
+
+    def teardown() -> None:
+        global _MP_GLOO
+        _MP_GLOO = None
+        ps.destroy_model_parallel()
+
+    return teardown
+
+
+def model_parallel_groups(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> List[List[int]]:
+    """The global ranks of every model-parallel (TP x PP) group, one per DP rank, sorted: a
+    pure function of the layout (no collective). CP = EP = 1."""
+    return [
+        sorted(
+            global_rank_of(t, p, d, tp=tp, pp=pp, dp=dp, order=order)
+            for p in range(pp)
+            for t in range(tp)
+        )
+        for d in range(dp)
+    ]
+
+
+def make_model_parallel_gloo_twin(
+    tp: int, pp: int, order: str = DEFAULT_ORDER, timeout_minutes: Optional[float] = None
+):
+    """Create the gloo twin of every model-parallel group (collective over the world: every
+    rank creates every group, in the same order, through the store; no NCCL call) and keep
+    this rank's (:func:`model_parallel_gloo_group`). The ranks of a model copy wait on it
+    for their rollout engine (host-side waits, never an NCCL collective spinning on the
+    GPUs vLLM generates on). Built right after Megatron's groups, before any engine.
+    Checked against Megatron's own model-parallel group (a local read)."""
+    global _MP_GLOO
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.distributed.timeouts import as_timedelta
+
+    world = dist.get_world_size()
+    groups = model_parallel_groups(tp, pp, world // (tp * pp), order)
+    mine = sorted(dist.get_process_group_ranks(ps.get_model_parallel_group()))
+    if mine not in groups:
+        raise RuntimeError(
+            f"Megatron's model-parallel group {mine} is not one of {groups} (layout {tp}x{pp}, "
+            f"order {order})"
+        )
+    timeout = as_timedelta(timeout_minutes)
+    _MP_GLOO, _ = dist.new_subgroups_by_enumeration(
+        groups, backend="gloo", **({"timeout": timeout} if timeout else {})
+    )
+    return _MP_GLOO
+
+
+def model_parallel_gloo_group():
+    """This rank's gloo twin of the model-parallel group (None before
+    :func:`initialize_megatron_groups` / :func:`make_model_parallel_gloo_twin`)."""
+    return _MP_GLOO

@@ -1,6 +1,7 @@
 """What :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` sets up before and around
 its first collective: the dtype, the model folder, the weights reader (HF safetensors, a
-Megatron checkpoint or a NeMo 2 checkpoint, checked by their headers), Megatron's process
+Megatron checkpoint, a NeMo 2 or a Megatron-LM / Megatron-Bridge checkpoint, checked by
+their headers), Megatron's process
 groups, the RNG tracker's seed, the weights copied into the built chunks, and the LR schedule.
 
 Order matters (why the backend calls them as it does): every check that can fail on bad
@@ -26,7 +27,10 @@ from nemo_d3s.backends.megatron.config import DTYPES, MegatronBackendConfig
 from nemo_d3s.backends.megatron.model import load_stage_from_hf
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import MEGATRON, NEMO2, FolderFormat, detect_format
+from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, FolderFormat, detect_format
+from nemo_d3s.formats.mcore_config import checkpoint_hf_config, resolve_iteration
+from nemo_d3s.formats.mcore_dist import open_mcore_weights
+from nemo_d3s.formats.mcore_dist import write_side_folder as write_mcore_side_folder
 from nemo_d3s.formats.nemo2 import open_nemo2_weights, write_side_folder
 from nemo_d3s.formats.shards import (
     ShardedReader,
@@ -94,16 +98,18 @@ def model_folder(cfg: MegatronBackendConfig) -> str:
         return str(resolve_model_path(cfg.model))
     except FileNotFoundError as e:
         raise ConfigError(
-            f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 "
-            "checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
+            f"{e} (the Megatron backend builds from a Hugging Face folder, a NeMo 2 or "
+            "Megatron-LM / Megatron-Bridge checkpoint, 'smollm2-135m-instruct' or 'tiny-random')"
         ) from None
 
 
 def open_weights(path: str, spec: ModelSpec, owner: Any) -> Tuple[Any, str, FolderFormat]:
     """(reader, HF-style folder, format) of the weights at ``path``: an HF folder
     (safetensors), a Megatron checkpoint folder written by ``nemo-d3s-convert hf-to-megatron``
-    (config.json + tokenizer + megatron/ shards, any TP/PP layout), or a NeMo 2 checkpoint
-    (weights/ + context/). Headers only, no collective: every rank fails alike. A NeMo 2
+    (config.json + tokenizer + megatron/ shards, any TP/PP layout), a NeMo 2 checkpoint
+    (weights/ + context/) or a Megatron-LM / Megatron-Bridge one (a save folder or one
+    iter_XXXXXXX/: the NeMo 2 reader under the model's own keys). Headers only, no
+    collective: every rank fails alike. A NeMo 2 or Megatron-LM / Megatron-Bridge
     checkpoint's config and tokenizer are written as an HF-style folder of this process,
     removed with ``owner``: it stands in for the HF folder everywhere else (tokenizer,
     rollout replica, vLLM, the export's config.json)."""
@@ -113,6 +119,12 @@ def open_weights(path: str, spec: ModelSpec, owner: Any) -> Tuple[Any, str, Fold
         side = tempfile.mkdtemp(prefix="nemo_d3s_nemo2_")
         weakref.finalize(owner, shutil.rmtree, side, True)
         return reader, str(write_side_folder(Path(path), Path(side))), fmt
+    if fmt.kind == MEGATRON_LM:
+        it = resolve_iteration(path)
+        reader, _ = open_mcore_weights(it, spec, checkpoint_hf_config(it)[1])
+        side = tempfile.mkdtemp(prefix="nemo_d3s_mcore_")
+        weakref.finalize(owner, shutil.rmtree, side, True)
+        return reader, str(write_mcore_side_folder(it, Path(side))), fmt
     if fmt.kind == MEGATRON:
         saved = read_layout(fmt.shards, spec)
         check_shards(fmt.shards, spec, saved)  # a truncated shard is one line naming it
@@ -155,14 +167,28 @@ def init_groups(
     cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int
 ) -> ParallelGroups:
     """Megatron's ``initialize_model_parallel`` on the job's process group (collective); an
-    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness)."""
+    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness).
+    The world, Megatron's groups and the gloo twin of the model-parallel group all wait
+    ``cfg.dist_timeout_minutes`` (``distributed.timeouts``); the twin is made from the layout
+    (``parallel.make_model_parallel_gloo_twin``), with no NCCL collective."""
     from megatron.core import parallel_state as ps
 
+    from nemo_d3s.backends.megatron import parallel as par
+    from nemo_d3s.distributed.timeouts import apply_timeout, as_timedelta
+
+    order = par.rank_order(cfg.use_tp_pp_dp_mapping)
+    timeout = as_timedelta(cfg.dist_timeout_minutes)
     if world_size() <= 1 and not dist.is_initialized():
         # Megatron's groups need a process group even for one process: a private
         # one-rank group on an in-memory store (no port, no rendezvous).
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            **({"timeout": timeout} if timeout else {}),
+        )
         world = ParallelGroups(
             device=device if device.type == "cuda" else torch.device("cpu"), owns_world=True
         )
@@ -180,11 +206,17 @@ def init_groups(
             raise ValueError(
                 f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, vpp)}"
             )
+        if par.model_parallel_gloo_group() is None:  # initialised by other code
+            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes)
+        apply_timeout(timeout)
     else:
-        from nemo_d3s.backends.megatron.parallel import initialize_megatron_groups, rank_order
-
-        initialize_megatron_groups(
-            world.global_rank, tp, pp, order=rank_order(cfg.use_tp_pp_dp_mapping), vpp=vpp
+        par.initialize_megatron_groups(
+            world.global_rank,
+            tp,
+            pp,
+            order=order,
+            vpp=vpp,
+            timeout_minutes=cfg.dist_timeout_minutes,
         )
     single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
     return ParallelGroups(

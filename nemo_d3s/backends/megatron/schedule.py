@@ -63,7 +63,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
-from nemo_d3s.backends.megatron.sequence_parallel import allreduce_sequence_parallel_grads
+from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.normalizers import StepNormalizer
@@ -317,7 +317,7 @@ def train_step(
     After the schedule, CPU path (``optimizer`` a torch optimizer over this rank's shards):
     :func:`finalize_grads` (DP average, tied-embedding sum across stages), with sequence
     parallelism the layer-norm gradient sum over TP
-    (``sequence_parallel.allreduce_sequence_parallel_grads``),
+    (``sequence_parallel.allreduce_tp_partial_grads``: layer norms under SP, Qwen3's q/k norms),
     :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
     ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
     on all ranks), ``lr_scheduler.step()``. Megatron path (``optimizer`` a Megatron optimizer
@@ -386,6 +386,8 @@ def train_step(
     else:
         for p in local_params(chunks):
             p.grad = None
+            if getattr(p, "main_grad", None) is not None:  # (main_weights: fp32 accumulation)
+                p.main_grad = None
 
     _schedule(chunks, mbs, inputs, loss_for, forward_only=False)
 
@@ -406,10 +408,10 @@ def train_step(
         skipped = not ok
     else:
         finalize_grads(chunks, groups)
-        if getattr(
-            inner.config, "sequence_parallel", False
-        ):  # Megatron's DDP does it in finalize_model_grads
-            allreduce_sequence_parallel_grads(chunks, groups)
+        qk = bool(getattr(inner.config, "qk_layernorm", False))
+        if qk or getattr(inner.config, "sequence_parallel", False):
+            # Megatron's DDP does it in finalize_model_grads
+            allreduce_tp_partial_grads(chunks, groups, qk_layernorm=qk)
         grad_norm = float(global_grad_norm(chunks, groups))
         skipped = not math.isfinite(grad_norm)
         if not skipped:

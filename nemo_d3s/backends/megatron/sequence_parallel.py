@@ -21,8 +21,9 @@ this module adds so that the backend's own paths agree with it:
   (the layer norms) get a partial gradient on each TP rank; it must be SUMMED over TP.
   megatron-core's ``finalize_model_grads`` does it for its DDP
   (``distributed/finalize_model_grads.py:318-393``: params with ``sequence_parallel``
-  set, one coalesced all-reduce SUM on the TP group); :func:`allreduce_sequence_parallel_grads`
-  is the same for plain ``.grad`` tensors (the backend's CPU optimizer path).
+  set, one coalesced all-reduce SUM on the TP group); :func:`allreduce_tp_partial_grads`
+  is the same for plain ``.grad`` tensors (the backend's CPU optimizer path), and also
+  sums the q / k norms of ``qk_layernorm`` models (Qwen3), which need it at any TP > 1.
 - megatron-core's local layer spec builds its norms with ``WrappedTorchNorm``, which
   refuses SP (``transformer/torch_norm.py:32``; Apex's ``FusedLayerNorm`` and TE's
   ``TENorm`` accept it and mark their weights ``sequence_parallel``; on CUDA with TE the
@@ -45,16 +46,17 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_d3s.backends.megatron.main_weights import grad_of
 from nemo_d3s.distributed._comm import is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
-__all__ = ["RMSNorm", "allreduce_sequence_parallel_grads", "local_block_spec"]
+__all__ = ["RMSNorm", "allreduce_tp_partial_grads", "local_block_spec"]
 
 
 class RMSNorm(torch.nn.RMSNorm):
     """torch's RMSNorm built the way megatron-core builds a norm (``config, hidden_size,
     eps``); its weight is marked ``sequence_parallel`` when the config says so (what
-    ``finalize_model_grads`` and :func:`allreduce_sequence_parallel_grads` look for)."""
+    ``finalize_model_grads`` and :func:`allreduce_tp_partial_grads` look for)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         if getattr(config, "normalization", "RMSNorm") != "RMSNorm":
@@ -79,26 +81,40 @@ def local_block_spec(config, *, pp_rank: int, vp_stage: Optional[int] = None):
         get_num_layers_to_build,
     )
 
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+    qk = bool(getattr(config, "qk_layernorm", False))
+    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk))
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
+    if qk:  # WrappedTorchNorm refuses SP for the q/k norms too
+        layer.submodules.self_attention.submodules.q_layernorm = RMSNorm
+        layer.submodules.self_attention.submodules.k_layernorm = RMSNorm
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=RMSNorm)
 
 
-def allreduce_sequence_parallel_grads(chunks: List[torch.nn.Module], groups: ParallelGroups) -> int:
-    """Sum over ``groups.tp`` the ``.grad`` of every parameter marked ``sequence_parallel``
-    (layer norms under SP): one flat all-reduce per dtype, as megatron-core's
-    ``_allreduce_non_tensor_model_parallel_grads`` does for its DDP buffers. Returns the
-    number of tensors reduced (0, and no collective, at TP 1 or without SP params).
-    Collective over ``groups.tp``; every TP rank holds the same marked parameters."""
+def allreduce_tp_partial_grads(
+    chunks: List[torch.nn.Module], groups: ParallelGroups, *, qk_layernorm: bool = False
+) -> int:
+    """Sum over ``groups.tp`` the ``.grad`` of every parameter that is replicated over TP but
+    sees only this rank's share of the work: those marked ``sequence_parallel`` (layer norms
+    under SP: S/TP positions) and, with ``qk_layernorm``, the q / k norms (Qwen3: this rank's
+    heads only, with or without SP). The same rule as megatron-core's
+    ``_allreduce_non_tensor_model_parallel_grads`` for its DDP buffers
+    (``distributed/finalize_model_grads.py:353-355``: the ``sequence_parallel`` mark, or a
+    name holding q_layernorm / k_layernorm when ``config.qk_layernorm``), one flat all-reduce
+    per dtype. Returns the number of tensors reduced (0, and no collective, at TP 1 or
+    without such params). Collective over ``groups.tp``; every TP rank holds the same ones."""
     if is_single(groups.tp):
         return 0
     grads: Dict[torch.dtype, List[torch.Tensor]] = {}
     for c in chunks:
-        for p in c.parameters():
-            if p.requires_grad and getattr(p, "sequence_parallel", False) and p.grad is not None:
-                grads.setdefault(p.grad.dtype, []).append(p.grad)
+        for name, p in c.named_parameters():
+            partial = getattr(p, "sequence_parallel", False) or (
+                qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+            )
+            g = grad_of(p) if p.requires_grad else None  # fp32 main_grad under MainWeightsAdamW
+            if partial and g is not None:
+                grads.setdefault(g.dtype, []).append(g)
     for dtype in sorted(grads, key=str):  # the same order on every rank
         gs = grads[dtype]
         flat = torch.cat([g.reshape(-1) for g in gs])

@@ -17,7 +17,10 @@ The code this models (``engine.py``, ``backends/refit.py``):
   (typical sizes on an 80 GB Hopper GPU), stated here and recorded in the plan.
 - refitting: the engine's weights are awake (``wake_up(tags=["weights"])``), the trainer
   rank on that GPU holds its staging buffer (``rollout.refit_bucket_mb``), the gathered
-  tensors of the bucket being staged, and the TP shards of the next all-gather.
+  tensors of the bucket being staged, and the TP shards of the next all-gather; the
+  engine's process holds its copy of the bucket out of the staging buffer (a receiver never
+  keeps a view into a buffer its sender refills: vLLM's layer-wise reload keeps a layer's
+  tensors until the layer is complete, so it copies each bucket; at most one bucket).
 """
 
 from __future__ import annotations
@@ -98,13 +101,15 @@ def refit_bytes(
     """Memory of a refit on an engine GPU beyond the training state and the sleeping engine:
     the engine's awake weights; on the trainer rank, the staging buffer and the bucket's
     gathered tensors it is copied from (each at least one whole tensor: a larger tensor is a
-    bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1)."""
+    bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1); in the
+    engine's process, its copy of the bucket it is loading (``engine_copy``)."""
     bucket = max(bucket_bytes, largest_tensor_bytes)
     return {
         "engine_weights": engine_weight_bytes,
         "staging": bucket,
         "held": bucket,
         "gather_shards": largest_tensor_bytes if tp > 1 else 0,
+        "engine_copy": bucket,
     }
 
 

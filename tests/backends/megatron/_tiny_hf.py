@@ -1,5 +1,6 @@
 """Tiny Hugging Face model folders for the Megatron backend tests: random Llama (GQA,
-untied) and Qwen2 (q/k/v bias, tied) with a vocabulary (300) that the Megatron layout must
+untied), Qwen2 (q/k/v bias, tied) and Qwen3 (q/k RMS norms, no bias, head_dim 16 != hidden /
+heads, either tying) with a vocabulary (300) that the Megatron layout must
 pad, saved with transformers' own ``save_pretrained`` plus the in-memory byte-level
 tokenizer (259 ids), so both backends load the same files; and the GRPO batch the backend
 tests train on (:func:`tiny_batch`)."""
@@ -24,7 +25,14 @@ def make_tiny_hf(
     kv_heads: int = 2,
     seed: int = 0,
 ) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
 
@@ -49,6 +57,9 @@ def make_tiny_hf(
         cfg, cls = LlamaConfig(**common), LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
+    elif arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
+        cfg = Qwen3Config(**common, head_dim=16, use_sliding_window=False, attention_bias=False)
+        cls = Qwen3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -1,8 +1,10 @@
 """``MegatronBackend`` (model.backend=megatron) against plain transformers and the HF
 backend, on gloo ranks.
 
-Tiny HF folders (``_tiny_hf.py``): a Llama with GQA (4 heads / 2 kv heads, untied) and a
-Qwen2 (q/k/v bias, tied), vocabulary 300 padded to 384 / 512 by the layout. Checked:
+Tiny HF folders (``_tiny_hf.py``): a Llama with GQA (4 heads / 2 kv heads, untied), a
+Qwen2 (q/k/v bias, tied) and a Qwen3 (q/k norms, untied; at TP1, TP2 x PP2 with and without
+sequence parallelism and with Megatron's distributed optimizer: the q/k norms' gradient is
+a per-TP-rank partial sum), vocabulary 300 padded to 384 / 512 by the layout. Checked:
 
 - scores: log-probs and entropy at TP1/PP1, TP2/PP1, TP1/PP2, TP2/PP2 equal a plain
   transformers forward with ``core.entropy`` (max abs error <= 1e-4), identical on every
@@ -182,8 +184,14 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+QWEN3_LAYOUTS = ["tp1pp1", "tp2pp2", "tp2pp2_sp", "tp2_sp_distributed_optimizer"]
+
+
+@pytest.mark.parametrize(
+    "arch,layout",
+    [(a, lay) for a in ("llama", "qwen2") for lay in LAYOUTS]
+    + [("qwen3", lay) for lay in QWEN3_LAYOUTS],
+)
 def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, reference):
     from nemo_d3s.backends.megatron.parallel import global_rank_of, rank_order
 
@@ -236,6 +244,8 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
                 agg,
             )
             names = set(ref_weights) - ({"lm_head.weight"} if arch == "qwen2" else set())
+            if arch == "qwen3":
+                assert any(n.endswith("self_attn.q_norm.weight") for n in names)
             assert set(weights) == names
             for name in names:
                 torch.testing.assert_close(
@@ -381,9 +391,11 @@ def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, t
     from safetensors.torch import load_file
 
     from nemo_d3s.convert import megatron_to_hf
+    from nemo_d3s.files import write_checksums
 
     folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
     exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
+    write_checksums(ckpt)  # as the trainer does after the backend's save (required to read it)
     out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
     got = {
         k: v

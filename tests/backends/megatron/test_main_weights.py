@@ -62,3 +62,65 @@ def test_closure_is_refused():
     p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="closure"):
         MainWeightsAdamW([p], lr=LR).step(lambda: 0.0)
+
+
+# ---------------------------------------------------------------- fp32 gradient accumulation
+# Issue 30, item 6: the plain path on bf16 parameters accumulated the micro-batches'
+# gradients in bf16 and all-reduced them over DP in bf16 (8 significant bits: a micro-batch
+# 1000x smaller than another vanishes from the sum). Megatron's DDP accumulates and reduces in
+# fp32 (``grad_reduce_in_fp32=True``); so does MainWeightsAdamW's main_grad now.
+MICRO_BATCHES = 8
+
+
+def _dp_reduced_grad(rank: int):
+    import torch.distributed as dist
+
+    from nemo_d3s.backends.megatron.optimizer import finalize_grads
+    from nemo_d3s.distributed.groups import ParallelGroups
+
+    torch.manual_seed(0)  # the same weights on both ranks
+    model = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    _, opt = build_optimizer(model, lr=LR, distributed_optimizer=False)
+    g = torch.Generator().manual_seed(100 + rank)
+    reference = torch.zeros(8, 16, dtype=torch.float32)  # this rank's sum, in fp32
+    for k in range(MICRO_BATCHES):
+        scale = 1.0 if k % 2 == 0 else 1e-3  # small micro-batches round away in bf16
+        x = (torch.randn(4, 16, generator=g) * scale).bfloat16()
+        # the bf16 gradient this micro-batch contributes (a pass that accumulates nothing)
+        (alone,) = torch.autograd.grad(model(x).float().sum(), model.weight)
+        reference += alone.float()
+        model(x).float().sum().backward()  # accumulates, as the schedule's backward does
+    dist.all_reduce(reference)  # the slow obvious reference: fp32 sum over DP
+    reference /= dist.get_world_size()
+    finalize_grads(model, ParallelGroups(dp=dist.group.WORLD, global_rank=rank))
+    w = model.weight
+    reduced = w.main_grad if getattr(w, "main_grad", None) is not None else w.grad
+    # what bf16 accumulation gives on the same gradients (to show the test can fail)
+    return {"reduced": reduced.clone(), "reference": reference, "grad": w.grad}
+
+
+@pytest.mark.distributed
+def test_dp_reduced_gradient_of_bf16_parameters_is_the_fp32_sum():
+    from nemo_d3s.distributed import run_on_gloo_ranks
+
+    res = run_on_gloo_ranks(_dp_reduced_grad, 2, timeout=120)
+    for x in res:
+        torch.testing.assert_close(x["reduced"].float(), x["reference"], rtol=1e-6, atol=1e-9)
+        assert x["reduced"].dtype == torch.float32 and x["grad"] is None
+    assert torch.equal(res[0]["reduced"], res[1]["reduced"])
+    # bf16 would be off: rounding the fp32 answer to bf16 alone moves it by > 1e-4 relative
+    ref = res[0]["reference"]
+    assert ((ref.bfloat16().float() - ref).abs() / ref.abs().clamp_min(1e-12)).max() > 1e-4
+
+
+def test_a_hand_worked_bf16_sum_keeps_the_small_gradient():
+    # 1 + 2^-9 is not a bf16 number (spacing at 1 is 2^-7): bf16 accumulation of the two
+    # backward passes gives 1.0, the fp32 main_grad 1 + 2^-9 exactly.
+    p = torch.nn.Parameter(torch.ones(1, dtype=torch.bfloat16))
+    opt = MainWeightsAdamW([p], lr=LR)
+    (p * 1.0).sum().backward()
+    (p * 2.0**-9).sum().backward()
+    assert p.grad is None and p.main_grad.dtype == torch.float32
+    assert p.main_grad.item() == 1.0 + 2.0**-9
+    opt.zero_grad(set_to_none=True)
+    assert getattr(p, "main_grad", None) is None

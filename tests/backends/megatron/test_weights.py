@@ -99,11 +99,16 @@ def test_gate_up_and_vocab_padding_by_hand():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("qkv_bias,qk_norm", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2), (2, 2), (2, 4)])
-def test_split_then_assemble_is_the_identity(tp, pp, tied, qkv_bias):
+def test_split_then_assemble_is_the_identity(tp, pp, tied, qkv_bias, qk_norm):
     spec = _spec(
-        tie_word_embeddings=tied, qkv_bias=qkv_bias, hidden_size=8, head_dim=2, ffn_hidden_size=6
+        tie_word_embeddings=tied,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        hidden_size=8,
+        head_dim=2,
+        ffn_hidden_size=6,
     )
     full = _full(spec)
     pv = padded_vocab_size(spec.vocab_size, tp, 4)
@@ -124,6 +129,60 @@ def test_split_then_assemble_is_the_identity(tp, pp, tied, qkv_bias):
     assert sorted(back) == sorted(full)
     for k in full:
         assert torch.equal(back[k], full[k]), k
+
+
+def test_qk_norms_are_one_head_wide_and_replicated_over_tp():
+    """Qwen3: q_norm / k_norm [head_dim] map to q_layernorm / k_layernorm whole on every TP
+    rank, after linear_qkv in the layer's parameter order."""
+    spec = _spec(qk_norm=True, architecture="Qwen3ForCausalLM", head_dim=3, hidden_size=4)
+    full = {
+        "model.layers.1.self_attn.q_norm.weight": torch.tensor([1.0, 2.0, 3.0]),
+        "model.layers.1.self_attn.k_norm.weight": torch.tensor([4.0, 5.0, 6.0]),
+    }
+    for r in (0, 1):  # TP2 x PP2: global layer 1 is stage 0's layer 1
+        lay = Layout(2, 2, r, 0, 128)
+        q = read_local(
+            "decoder.layers.1.self_attention.q_layernorm.weight",
+            spec,
+            lay,
+            DictReader(full),
+            torch.float32,
+        )
+        k = read_local(
+            "decoder.layers.1.self_attention.k_layernorm.weight",
+            spec,
+            lay,
+            DictReader(full),
+            torch.float32,
+        )
+        assert q.tolist() == [1, 2, 3] and k.tolist() == [4, 5, 6]
+    names = local_names(spec, Layout(1, 1, 0, 0, 128))
+    i = names.index("decoder.layers.0.self_attention.linear_qkv.weight")
+    assert names[i + 1 : i + 3] == [
+        "decoder.layers.0.self_attention.q_layernorm.weight",
+        "decoder.layers.0.self_attention.k_layernorm.weight",
+    ]
+    assert "model.layers.3.self_attn.k_norm.weight" in hf_names(spec)
+
+
+def test_qwen3_32b_param_count_by_hand():
+    """Qwen3-32B's published config: per layer q 5120x8192, k and v 5120x1024, o 8192x5120,
+    q/k norms 2 x 128, MLP 3 x 5120 x 25600, two norms 2 x 5120; 64 layers, untied
+    151936-row embedding and output layer, the final norm: 32,762,123,264 ("32.8B")."""
+    spec = _spec(
+        architecture="Qwen3ForCausalLM",
+        vocab_size=151936,
+        hidden_size=5120,
+        ffn_hidden_size=25600,
+        num_layers=64,
+        num_heads=64,
+        kv_heads=8,
+        head_dim=128,
+        qk_norm=True,
+    )
+    layer = 5120 * 8192 + 2 * 5120 * 1024 + 8192 * 5120 + 2 * 128 + 3 * 5120 * 25600 + 2 * 5120
+    assert layer == 487_598_336
+    assert spec.num_params == 64 * layer + 2 * 151936 * 5120 + 5120 == 32_762_123_264
 
 
 def test_param_count_matches_a_hand_count():
@@ -182,6 +241,11 @@ def test_transformers_5_and_4_rope_fields_both_map():
         _hf_cfg(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=4096)
     )
     assert qwen.qkv_bias and qwen.kv_heads == 2 and qwen.head_dim == 8
+    qwen3 = ModelSpec.from_hf_dict(
+        _hf_cfg(architectures=["Qwen3ForCausalLM"], head_dim=16, sliding_window=None)
+    )
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 16
+    assert not qwen.qk_norm
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,48 @@
+"""Agreeing on short texts across a process group, without pickle.
+
+:func:`all_gather_texts` hands every member each member's text (or None) in group-rank
+order: how ranks that each checked a share of something (a checkpoint's files) agree on
+what they found, so that every rank raises the same error or goes on together.
+
+Collectives: one all-gather of one int64 per rank (the lengths) and one all-gather of
+``max length`` bytes per rank, on the group's device (CPU for gloo, CUDA for NCCL), in the
+group's timeout (``trainer.dist_timeout_minutes``). Memory: world x the longest text.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_d3s.distributed._comm import all_gather_varlen, collective_device, is_single
+
+__all__ = ["all_gather_texts"]
+
+_NONE, _TEXT = 0, 1  # the first byte of an encoded entry: None or a UTF-8 text
+
+
+def _encode(text: Optional[str]) -> bytes:
+    return bytes([_NONE]) if text is None else bytes([_TEXT]) + text.encode("utf-8")
+
+
+def _decode(raw: bytes) -> Optional[str]:
+    return None if raw[0] == _NONE else raw[1:].decode("utf-8")
+
+
+def all_gather_texts(
+    text: Optional[str], group: Optional[dist.ProcessGroup] = None
+) -> List[Optional[str]]:
+    """[text of member 0, text of member 1, ...] on every member of ``group``; None: one
+    process (``[text]``). Byte tensors travel, not pickled objects."""
+    if is_single(group):
+        return [text]
+    raw = _encode(text)
+    mine = torch.tensor(list(raw), dtype=torch.uint8, device=collective_device(group))
+    gathered, counts = all_gather_varlen(mine, group)
+    out, at = [], 0
+    for n in counts.tolist():
+        out.append(_decode(bytes(gathered[at : at + n].cpu().tolist())))
+        at += n
+    return out

@@ -1,0 +1,176 @@
+"""What a Megatron-LM / Megatron-Bridge / NeMo-RL checkpoint says about its model: the
+checkpoint folder megatron-core's ``dist_checkpointing`` (torch_dist) wrote, found from the
+save folder's tracker, and the model's HF ``config.json`` dict. The weights are read by
+``mcore_dist.py`` (``nemo2.Nemo2Reader`` with the model's own keys).
+
+A save folder::
+
+    SAVE/latest_checkpointed_iteration.txt   "N" (iteration) or "release"
+    SAVE/iter_000000N/  (SAVE/release/)      one checkpoint:
+        metadata.json                        {"sharded_backend": "torch_dist", ...}
+        .metadata, __R_I.distcp              torch DCP: the sharded tensors (model, optimizer)
+        common.pt                            torch.save of the rest: Megatron-LM's ``args``
+        run_config.yaml                      Megatron-Bridge: the run's ConfigContainer
+        tokenizer/                           Megatron-Bridge (save_tokenizer_assets)
+
+Where the architecture comes from (:func:`checkpoint_hf_config`), in this order, and the
+answer says which: ``--hf-config DIR`` when given (its config.json; checked against the
+checkpoint's own description where there is one); Megatron-Bridge's ``run_config.yaml``
+``model:`` section (the model provider: megatron-core ``TransformerConfig`` fields plus
+``vocab_size`` (unpadded), ``seq_length``, ``share_embeddings_and_output_weights``,
+``rotary_base``), read with ``yaml.safe_load``; Megatron-LM's ``args`` in ``common.pt``,
+read by ``pickle_records.read_common_pt`` (no pickled code runs). Both map through
+``nemo2_context.hf_config_from_transformer_config``; Megatron names no model family, so
+``qk_layernorm`` means Qwen3, ``add_qkv_bias`` Qwen2, else Llama. Megatron-LM keeps the
+real vocabulary size only when run with ``--vocab-size``; otherwise ``--hf-config`` is
+needed (the error says so).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.detect import _DIST_MARKERS as _MARKERS
+from nemo_d3s.formats.detect import TRACKER
+from nemo_d3s.formats.nemo2_context import hf_config_from_transformer_config
+from nemo_d3s.formats.pickle_records import read_common_pt
+
+__all__ = [
+    "RUN_CONFIG",
+    "resolve_iteration",
+    "checkpoint_hf_config",
+    "megatron_lm_args",
+    "tokenizer_folder",
+]
+
+RUN_CONFIG = "run_config.yaml"
+
+
+def resolve_iteration(path: str | os.PathLike) -> Path:
+    """The checkpoint folder of ``path``: itself, or the one its tracker names. ConfigError
+    naming the tracker when it is garbled or names a folder that is not there."""
+    p = Path(path)
+    if all((p / m).is_file() for m in _MARKERS):
+        return p
+    tracker = p / TRACKER
+    try:
+        text = tracker.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{str(tracker)!r} is unreadable ({e})") from None
+    if text == "release":
+        it = p / "release"
+    elif text.isdigit():
+        it = p / f"iter_{int(text):07d}"
+    else:
+        raise ConfigError(
+            f"{str(tracker)!r} holds {text[:40]!r}: neither an iteration number nor 'release'"
+        )
+    missing = [m for m in _MARKERS if not (it / m).is_file()]
+    if missing:
+        raise ConfigError(
+            f"{str(tracker)!r} names {str(it)!r}, which is not a torch_dist checkpoint "
+            f"(missing {', '.join(missing)}); pass one iter_XXXXXXX folder instead"
+        )
+    return it
+
+
+def _yaml_model_section(path: Path) -> Dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"{str(path)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise ConfigError(f"{str(path)!r} holds no 'model:' mapping (the model provider)")
+    return model
+
+
+# Megatron-LM's argument names -> the TransformerConfig / GPTModel field they set
+_ARGS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "kv_channels": "kv_channels",
+    "norm_epsilon": "layernorm_epsilon",
+    "normalization": "normalization",
+    "swiglu": "gated_linear_unit",
+    "add_bias_linear": "add_bias_linear",
+    "add_qkv_bias": "add_qkv_bias",
+    "qk_layernorm": "qk_layernorm",
+    "position_embedding_type": "position_embedding_type",
+    "rotary_base": "rotary_base",
+    "rotary_percent": "rotary_percent",
+    "max_position_embeddings": "seq_length",
+    "vocab_size": "vocab_size",
+    "params_dtype": "params_dtype",
+    "bf16": "bf16",
+    "use_rope_scaling": "rope_scaling",
+    "rope_scaling_factor": "rope_scaling_factor",
+    "num_experts": "num_moe_experts",
+    "multi_latent_attention": "multi_latent_attention",
+    "init_method_std": "init_method_std",
+}
+
+
+def megatron_lm_args(folder: Path) -> Dict[str, Any]:
+    """Megatron-LM's ``args`` namespace of ``folder/common.pt`` as a dict (ConfigError when
+    there is none: a checkpoint written by another tool)."""
+    common = read_common_pt(folder / "common.pt")
+    args = common.get("args")
+    if args is None or not hasattr(args, "__dict__"):
+        raise ConfigError(
+            f"{str(folder / 'common.pt')!r} holds no Megatron-LM args and {str(folder)!r} no "
+            f"{RUN_CONFIG}: pass --hf-config DIR (the model's HF folder)"
+        )
+    return {k: v for k, v in vars(args).items() if k != "args"}
+
+
+def _from_args(args: Dict[str, Any]) -> Dict[str, Any]:
+    c = {field: args[name] for name, field in _ARGS.items() if args.get(name) is not None}
+    c["share_embeddings_and_output_weights"] = not args.get(
+        "untie_embeddings_and_output_weights", False
+    )
+    if args.get("group_query_attention") and args.get("num_query_groups"):
+        c["num_query_groups"] = args["num_query_groups"]
+    c["activation_func"] = "torch.nn.functional.silu" if args.get("swiglu") else "gelu"
+    if "params_dtype" in c:
+        c["params_dtype"] = "torch." + str(c["params_dtype"]).replace("torch.", "")
+    return c
+
+
+def checkpoint_hf_config(folder: Path) -> Tuple[Dict[str, Any], str]:
+    """(HF config dict, where it came from) for the checkpoint folder ``folder``
+    (:func:`resolve_iteration`'s answer): Megatron-Bridge's run_config.yaml, else
+    Megatron-LM's args (module docstring)."""
+    run_config = folder / RUN_CONFIG
+    if run_config.is_file():
+        model = _yaml_model_section(run_config)
+        where = f"{str(run_config)!r} (Megatron-Bridge) model"
+        if model.get("vocab_size") is None:
+            raise ConfigError(
+                f"{where}: vocab_size is not set: pass --hf-config DIR (the model's HF folder)"
+            )
+        return hf_config_from_transformer_config(model, where), where
+    where = f"{str(folder / 'common.pt')!r} (Megatron-LM) args"
+    args = megatron_lm_args(folder)
+    c = _from_args(args)
+    if c.get("vocab_size") is None:
+        raise ConfigError(
+            f"{where}: vocab_size is not set (the run padded its tokenizer's vocabulary to "
+            f"padded_vocab_size={args.get('padded_vocab_size')!r}; the real size is not "
+            "recorded): pass --hf-config DIR (the model's HF folder)"
+        )
+    return hf_config_from_transformer_config(c, where), where
+
+
+def tokenizer_folder(folder: Path) -> Optional[Path]:
+    """Where the checkpoint's HF tokenizer files are: Megatron-Bridge's ``tokenizer/``; else
+    None (Megatron-LM keeps none)."""
+    tok = folder / "tokenizer"
+    return tok if (tok / "tokenizer_config.json").is_file() else None

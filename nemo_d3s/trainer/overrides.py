@@ -1,0 +1,72 @@
+"""Command-line override keys checked against the schema before Hydra sees them.
+
+Hydra answers a mistyped key (``trainer.lrr=0.1``) with its own advice to append it as
+``+trainer.lrr`` (which the typed schema then refuses too) and exit code 1. Here a key that
+walks off the schema (:class:`nemo_d3s.config.TrainConfig`'s dataclasses) is one line with
+the nearest real key and exit code 2 (issue 32). Keys under a free mapping (``model.params``,
+``task.params``), ``+``/``~`` keys, group selections (``model=megatron``) and Hydra's own
+(``hydra.*``) are left to Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from typing import List, Optional, Sequence
+
+__all__ = ["schema_keys", "unknown_key_error"]
+
+
+def _fields(cls: type) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name) for f in dataclasses.fields(cls)}
+
+
+def schema_keys(cls: Optional[type] = None, prefix: str = "") -> List[str]:
+    """Every dotted key of the schema (a mapping field ends a key: its contents are free)."""
+    from nemo_d3s.config import TrainConfig
+
+    out = []
+    for name, tp in _fields(cls or TrainConfig).items():
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+            out += schema_keys(tp, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def _unknown(key: str, groups: Sequence[str]) -> bool:
+    from nemo_d3s.config import TrainConfig
+
+    cls: type = TrainConfig
+    parts = key.split(".")
+    if len(parts) == 1 and key in groups:
+        return False
+    for i, part in enumerate(parts):
+        fields = _fields(cls)
+        if part not in fields:
+            return True
+        tp = fields[part]
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            # a leaf: nothing may follow, unless it is a mapping (free keys) or Any
+            origin = typing.get_origin(tp)
+            free = tp is typing.Any or origin in (dict, typing.Dict) or tp is dict
+            return i < len(parts) - 1 and not free
+        cls = tp
+    return False
+
+
+def unknown_key_error(argv: Sequence[str], groups: Sequence[str]) -> Optional[str]:
+    """The error line for the first override whose key is not in the schema, or None."""
+    for a in argv:
+        key, eq, _ = a.partition("=")
+        if not eq or a.startswith("-") or key[:1] in "+~" or key.startswith("hydra."):
+            continue
+        if "/" in key or "@" in key or not key:
+            continue
+        if _unknown(key, groups):
+            near = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}?" if near else "see conf/ and nemo_d3s/config.py"
+            return f"{key}: no such setting; {hint} (from the command line: {a!r})"
+    return None

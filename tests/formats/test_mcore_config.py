@@ -1,0 +1,101 @@
+"""A megatron-core model description (NeMo 2's model.yaml config, Megatron-Bridge's
+run_config.yaml model section, Megatron-LM's args) -> the HF config the weight table
+reads: the family from the fields, and the refusals naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.mcore_config import _from_args
+from nemo_d3s.formats.nemo2_context import hf_config_from_transformer_config
+from nemo_d3s.formats.spec import ModelSpec
+
+# Qwen3-32B as Megatron-Bridge's provider describes it
+QWEN3 = {
+    "num_layers": 64,
+    "hidden_size": 5120,
+    "ffn_hidden_size": 25600,
+    "num_attention_heads": 64,
+    "num_query_groups": 8,
+    "kv_channels": 128,
+    "layernorm_epsilon": 1e-6,
+    "normalization": "RMSNorm",
+    "gated_linear_unit": True,
+    "add_bias_linear": False,
+    "add_qkv_bias": False,
+    "qk_layernorm": True,
+    "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
+    "position_embedding_type": "rope",
+    "rotary_base": 1000000,
+    "seq_length": 40960,
+    "vocab_size": 151936,
+    "share_embeddings_and_output_weights": False,
+    "params_dtype": {"_target_": "torch.bfloat16", "_call_": False},
+}
+
+
+def test_the_family_comes_from_the_fields():
+    spec = ModelSpec.from_hf_dict(hf_config_from_transformer_config(QWEN3, "rc"), "rc")
+    assert spec.architecture == "Qwen3ForCausalLM" and spec.qk_norm and not spec.qkv_bias
+    assert (spec.head_dim, spec.kv_heads, spec.torch_dtype) == (128, 8, "bfloat16")
+    assert spec.num_params == 32_762_123_264
+    qwen2 = hf_config_from_transformer_config(
+        {**QWEN3, "qk_layernorm": False, "add_qkv_bias": True}, "rc"
+    )
+    llama = hf_config_from_transformer_config(
+        {**QWEN3, "qk_layernorm": False, "rope_scaling": True, "rope_scaling_factor": 8.0}, "rc"
+    )
+    assert qwen2["architectures"] == ["Qwen2ForCausalLM"]
+    assert llama["architectures"] == ["LlamaForCausalLM"]
+    assert ModelSpec.from_hf_dict(llama, "rc").rope_scaling_factor == 8.0
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"num_moe_experts": 8}, "num_moe_experts"),
+        ({"normalization": "LayerNorm"}, "normalization"),
+        ({"gated_linear_unit": False}, "gated_linear_unit"),
+        ({"activation_func": {"_target_": "torch.nn.functional.gelu"}}, "activation_func"),
+        ({"rotary_percent": 0.5}, "rotary_percent"),
+        ({"add_bias_linear": True}, "add_bias_linear"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_what_the_table_cannot_map_names_the_field(change, field):
+    with pytest.raises(ConfigError, match=f"run_config.yaml.*{field}"):
+        hf_config_from_transformer_config({**QWEN3, **change}, "'run_config.yaml' model")
+
+
+def test_megatron_lm_args_translate_to_the_same_model():
+    import torch
+
+    args = {
+        "num_layers": 64,
+        "hidden_size": 5120,
+        "ffn_hidden_size": 25600,
+        "num_attention_heads": 64,
+        "group_query_attention": True,
+        "num_query_groups": 8,
+        "kv_channels": 128,
+        "norm_epsilon": 1e-6,
+        "normalization": "RMSNorm",
+        "swiglu": True,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "qk_layernorm": True,
+        "position_embedding_type": "rope",
+        "rotary_base": 1000000,
+        "max_position_embeddings": 40960,
+        "vocab_size": 151936,
+        "untie_embeddings_and_output_weights": True,
+        "params_dtype": torch.bfloat16,
+    }
+    a = ModelSpec.from_hf_dict(hf_config_from_transformer_config(_from_args(args), "args"), "args")
+    b = ModelSpec.from_hf_dict(hf_config_from_transformer_config(QWEN3, "rc"), "rc")
+    assert a == b
+    tied_mha = _from_args(
+        {**args, "group_query_attention": False, "untie_embeddings_and_output_weights": False}
+    )
+    assert "num_query_groups" not in tied_mha and tied_mha["share_embeddings_and_output_weights"]
