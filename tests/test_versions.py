@@ -56,6 +56,9 @@ def test_pyproject_declares_the_tested_torch_and_vllm():
     assert _declared(PROJECT["optional-dependencies"]["vllm"], "vllm", "3.12") == SpecifierSet(
         versions.TESTED["vllm"]
     )
+    assert _declared(PROJECT["optional-dependencies"]["trl"], "trl", "3.11") == SpecifierSet(
+        versions.TESTED["trl"]
+    )
 
 
 def test_the_lines_cover_each_python_once():

@@ -210,11 +210,21 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
 
 
 def check_memory(ctx: Context) -> Dict[str, Any]:
+    """The GPU memory the awake engine takes (free memory before it starts minus after it woke
+    its weights and KV cache) against the dry run's vLLM term for the same settings
+    (``dry_run.plan`` of the self-check's RL config with ``rollout=vllm``, its
+    ``reserved_bytes``; also reported: vLLM's own budget, utilization x the GPU's memory)."""
     from nemo_d3s.backends.engines import build_rollout_engine
+    from nemo_d3s.dry_run import JobShape, plan
+    from nemo_d3s.selfcheck.rl_checks import rl_overrides
+    from nemo_d3s.train import compose_config
 
     _need_vllm()
     gmu = 0.3
-    with megatron_backend(ctx, tensor_model_parallel_size=1) as pol:
+    extra = ["rollout=vllm", f"rollout.gpu_memory_utilization={gmu}"]
+    cfg = compose_config(rl_overrides(ctx, str(ctx.work_dir / "vllm_memory"), extra=extra))
+    predicted = float(plan(cfg, JobShape(1, ctx.world, "self-check"))["vllm"]["reserved_bytes"])
+    with megatron_backend(ctx, tensor_model_parallel_size=ctx.tp) as pol:
         torch.cuda.synchronize(ctx.device)
         free_before, total = torch.cuda.mem_get_info(ctx.device)
         with _engine_in_its_own_process():
@@ -226,9 +236,13 @@ def check_memory(ctx: Context) -> Dict[str, Any]:
             free_awake, _ = torch.cuda.mem_get_info(ctx.device)
         finally:
             _close(engine)
-    taken, budget = float(free_before - free_awake), gmu * float(total)
-    out: Dict[str, Any] = {"engine_gib": taken / 2**30, "dry_run_budget_gib": budget / 2**30}
-    within("ratio", taken / budget, 1.0, out)
+    taken = float(free_before - free_awake)
+    out: Dict[str, Any] = {
+        "engine_gib": taken / 2**30,
+        "dry_run_gib": predicted / 2**30,
+        "vllm_budget_gib": gmu * float(total) / 2**30,
+    }
+    within("ratio", taken / predicted, 1.0, out)
     return out
 
 

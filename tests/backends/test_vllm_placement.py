@@ -164,6 +164,7 @@ IDLE = {
     "llama3_70b": 32,
     "llama3_70b_long": 32,
     "qwen25_72b": 32,
+    "qwen3_32b": 0,
 }
 
 

@@ -184,7 +184,9 @@ def test_backend_refuses_a_flipped_bit_or_a_truncated_shard(tmp_path):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10  # inside a tensor: the header still parses
     shard.write_bytes(bytes(data))
-    # two ranks share the reading (each checks its part of the files) and both refuse
+    # two ranks share the reading (checksum_shares puts the one shard in one rank's share,
+    # the small files in the other's) and the all-gathered finding makes both refuse alike;
+    # a corrupt file in each rank's share in turn: tests/trainer/test_checkpoint_shared.py
     errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=240)
     assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
     assert "megatron/tp00_pp00.safetensors does not match its SHA-256 checksum" in errors[0]

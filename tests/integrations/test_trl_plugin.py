@@ -194,9 +194,9 @@ def test_d3s_keeps_the_cores_rows_and_tokens_and_trains_on_them_only(folder, tmp
 def test_an_untested_trl_is_refused(folder, tmp_path, monkeypatch):
     from nemo_d3s.errors import RunError
 
-    monkeypatch.delenv("NEMO_D3S_TRL_ANY_VERSION", raising=False)
+    monkeypatch.delenv("NEMO_D3S_ALLOW_UNTESTED", raising=False)
     monkeypatch.setattr(trl, "__version__", "1.17.0")
-    with pytest.raises(RunError, match="trl 1.17.0: .*NEMO_D3S_TRL_ANY_VERSION=1"):
+    with pytest.raises(RunError, match="trl 1.17.0 is installed, .*NEMO_D3S_ALLOW_UNTESTED=1"):
         _trainer(D3SGRPOTrainer, folder, tmp_path)
 
 

@@ -18,7 +18,7 @@ from nemo_d3s.integrations.trl.selection import (
     step_shares,
     trl_group_ids,
 )
-from nemo_d3s.integrations.trl.version import ANY_TRL_ENV, check_trl_version
+from nemo_d3s.versions import ALLOW_ENV, check_stack
 
 
 def _trl_advantages(rewards: torch.Tensor, g: int) -> torch.Tensor:
@@ -179,11 +179,13 @@ def test_step_shares():
 
 
 def test_trl_version_range_and_override(monkeypatch):
-    monkeypatch.delenv(ANY_TRL_ENV, raising=False)
-    check_trl_version("1.16.0")
-    check_trl_version("1.16.3.dev0")
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    assert check_stack(["trl"], {"trl": "1.16.0"}) == []
+    assert check_stack(["trl"], {"trl": "1.16.3.dev0"}) == []
     for bad in ("1.17.0", "0.19.1", "2.0.0"):
-        with pytest.raises(RunError, match=f"trl {bad}.*{ANY_TRL_ENV}=1"):
-            check_trl_version(bad)
-    monkeypatch.setenv(ANY_TRL_ENV, "1")
-    check_trl_version("1.17.0")
+        with pytest.raises(RunError, match=f"trl {bad} is installed.*{ALLOW_ENV}=1"):
+            check_stack(["trl"], {"trl": bad})
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    assert check_stack(["trl"], {"trl": "1.17.0"}) == [
+        "trl 1.17.0 is installed, tested: >=1.16,<1.17"
+    ]

@@ -9,17 +9,16 @@
 
 The presets are ``nemo_d3s.core.presets.PRESETS`` (the same keys and schedules as
 ``python -m nemo_d3s.train d3s=<name>``). ``trainer.py`` says where it hooks TRL;
-``selection.py`` is the TRL-free glue to the project's selector; ``version.py`` the tested
-TRL range (other releases are refused unless ``NEMO_D3S_TRL_ANY_VERSION=1``).
+``selection.py`` is the TRL-free glue to the project's selector. The tested TRL range is
+``nemo_d3s/versions.py``'s, beside torch's and megatron-core's: other releases are refused
+with one line unless ``NEMO_D3S_ALLOW_UNTESTED=1``.
 """
 
-from nemo_d3s.integrations.trl.version import TESTED_TRL, check_trl_version
-
-__all__ = ["D3SGRPOTrainer", "resolve_d3s", "TESTED_TRL", "check_trl_version"]
+__all__ = ["D3SGRPOTrainer", "resolve_d3s"]
 
 
 def __getattr__(name):
-    # Lazy: the selection glue and the version check import without TRL installed.
+    # Lazy: the selection glue imports without TRL installed.
     if name in ("D3SGRPOTrainer", "resolve_d3s"):
         from nemo_d3s.integrations.trl import trainer
 

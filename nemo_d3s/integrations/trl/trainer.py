@@ -1,7 +1,7 @@
 """``D3SGRPOTrainer``: TRL's ``GRPOTrainer`` with D3S / PODS down-sampling in its step.
 
 Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py`` of the wheel; the range is
-pinned by ``version.check_trl_version``):
+pinned in ``nemo_d3s/versions.py``, checked at construction):
 
 - ``_calculate_rewards`` (l.1579) returns the rewards of the WHOLE batch, gathered over
   processes (l.1681); the override keeps them for the selection.
@@ -48,7 +48,7 @@ from nemo_d3s.core.presets import PRESETS, D3SConfig
 from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.integrations.trl.selection import TRLD3SSelector, kept_batch, step_shares
-from nemo_d3s.integrations.trl.version import check_trl_version
+from nemo_d3s.versions import check_stack
 
 __all__ = ["D3SGRPOTrainer", "resolve_d3s"]
 
@@ -94,7 +94,8 @@ class D3SGRPOTrainer(GRPOTrainer):
     """
 
     def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
-        check_trl_version(trl.__version__)
+        # one line, or a warning under NEMO_D3S_ALLOW_UNTESTED=1 (nemo_d3s/versions.py)
+        check_stack(["trl"], {"trl": trl.__version__})
         self.d3s_config = resolve_d3s(d3s)
         super().__init__(*args, **kwargs)
         cfg = self.d3s_config
