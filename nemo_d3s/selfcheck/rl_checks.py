@@ -147,7 +147,15 @@ def check_checkpoint(ctx: Context) -> Dict[str, Any]:
             problems += _differences(live, loaded, f"loaded at TP{tp}")
     if ctx.rank == 0:
         try:
-            megatron_to_hf(str(folder), str(hf_out), hf_config=str(ctx.model_dir), progress=False)
+            # a bare backend save has no checksums.json (the trainer's CheckpointManager writes
+            # it, and rl.megatron_step checks that path): the converter is told so
+            megatron_to_hf(
+                str(folder),
+                str(hf_out),
+                hf_config=str(ctx.model_dir),
+                progress=False,
+                verify_checksums=False,
+            )
             files = sorted(hf_out.glob("*.safetensors"))
             problems += _differences(
                 live, {k: v for f in files for k, v in load_file(str(f)).items()}, "megatron_to_hf"
