@@ -21,39 +21,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.pickle_records import DTYPE_NAMES, Record
 
 __all__ = ["_DcpIndex"]
 
-_DTYPE_NAMES = (
-    "float32",
-    "bfloat16",
-    "float16",
-    "float64",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint8",
-    "bool",
-)
-
 
 # ============================================================================ weights/.metadata
-class _Record:
-    """Stand-in for a pickled metadata class: keeps the attributes, runs no code."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.__dict__.update(kwargs)
-
-    def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if isinstance(state, dict):
-            self.__dict__.update(state)
-
-
-class _TensorProperties(_Record):
+class _TensorProperties(Record):
     """DCP pickles TensorProperties as a tuple (``__getstate__``) of 5 items, (dtype, layout,
     requires_grad, memory_format, pin_memory), up to torch 2.14 (torch 2.13:
     torch/distributed/checkpoint/metadata.py:57-75), and of 6 from torch 2.15, which appends
@@ -77,7 +51,7 @@ class _TensorProperties(_Record):
 
 class _MetadataUnpickler(pickle.Unpickler):
     """DCP ``.metadata`` without running pickled code: torch.Size, dtypes, layouts and the
-    DCP / megatron metadata dataclasses (rebuilt as :class:`_Record`); anything else is
+    DCP / megatron metadata dataclasses (rebuilt as :class:`Record`); anything else is
     refused."""
 
     _RECORDS = {
@@ -106,10 +80,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
             return _TensorProperties
         if name in self._RECORDS.get(module, ()):
-            return type(name, (_Record,), {})
+            return type(name, (Record,), {})
         if module == "torch" and name == "Size":
             return torch.Size
-        if module == "torch" and name in _DTYPE_NAMES:
+        if module == "torch" and name in DTYPE_NAMES:
             return getattr(torch, name)
         if (module, name) in (
             ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
