@@ -212,7 +212,7 @@ def test_d3s_steps_use_the_kept_rows_selected_once_per_generation(
     steps_per_gen = per_gen // gas
     assert calls == [0.0, steps_per_gen / (max_steps - 1)]
     old_kept = gas % per_gen != 0  # TRL l.2643
-    n_pads = []
+    n_pads, placeholders = [], []
     for g, (full, sel, cut) in enumerate(plug.gens):
         kept = sel["stage"].kept_rows.tolist()
         token_keep = sel["tokens"].token_keep
@@ -229,7 +229,7 @@ def test_d3s_steps_use_the_kept_rows_selected_once_per_generation(
         for batch, _ in micro[:spg]:
             assert batch["completion_ids"].shape[0] == cut["completion_ids"].shape[0] // spg
             assert int(batch["num_items_in_batch"]) == int(token_keep.sum())
-            for row in _rows(batch):
+            for i, row in enumerate(_rows(batch)):
                 j = _row_of(full, row)
                 w = row["completion_ids"].shape[0]
                 torch.testing.assert_close(row["advantages"], full["advantages"][j], rtol=0, atol=0)
@@ -251,6 +251,7 @@ def test_d3s_steps_use_the_kept_rows_selected_once_per_generation(
                 if tokens is None or not torch.equal(row["tool_mask"].bool(), tokens):
                     # a placeholder: a copy of row 0 with an all-zero loss mask
                     assert j == 0 and row["tool_mask"].sum() == 0
+                    placeholders.append((batch, i))
         assert seen == collections.Counter(kept) + collections.Counter({0: n_pad})
         assert (len(kept) + n_pad) % spg == 0 and n_pad < spg
         n_pads.append(n_pad)
@@ -269,9 +270,8 @@ def test_d3s_steps_use_the_kept_rows_selected_once_per_generation(
     assert sum(n_pads) > 0, "no placeholder was exercised"
 
     # a placeholder adds exactly 0 to the dapo loss and to its gradient
-    batch = next(b for b, _ in plug.micro if (b["tool_mask"].sum(1) == 0).any())
-    pads = (batch["tool_mask"].sum(1) == 0).nonzero().flatten()
-    only = {k: v[pads] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
+    batch, i = placeholders[0]
+    only = {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() else v for k, v in batch.items()}
     plug.model.zero_grad(set_to_none=True)
     loss = plug._compute_loss(plug.model, only)
     loss.backward()
