@@ -7,6 +7,7 @@ Examples::
     python -m nemo_d3s.train d3s=pods algorithm=gspo trainer.steps=50
     python -m nemo_d3s.train -m d3s=grpo,d3s                  # a sweep (multirun)
     python -m nemo_d3s.train --cfg job                        # print the composed config
+    python -m nemo_d3s.train output_dir=/tmp/smoke resume=true trainer.steps=8  # continue it
     torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=smoke output_dir=/tmp/dp2
 
 Where the config lives: the ``conf/`` folder at the repository root, found relative to

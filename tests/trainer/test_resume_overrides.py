@@ -219,3 +219,30 @@ def test_save_every_0_writes_no_checkpoint_and_a_resume_says_it_starts_afresh(tm
     assert state.step == 4 and [r["step"] for r in rows] == [1, 2, 3, 4]
     assert "holds no checkpoint" in caplog.text
     assert (tmp_path / "previous-1" / "metrics.jsonl").is_file()  # the first run's, kept
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_resume_from_the_folder_alone(tmp_path):
+    """2 gloo ranks: each merges config.yaml itself before the process group exists, and
+    they check that they agree (``agree_on_config``); the run continues with its preset."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO, cli_env
+
+    def torchrun(args):
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", "-m", "nemo_d3s.train", *args],
+            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=400,
+        )  # fmt: skip
+
+    out = tmp_path / "run"
+    r = torchrun([*START, f"output_dir={out}"])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    r = torchrun([f"output_dir={out}", "resume=true", "trainer.steps=3"])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert f"resumed from {out}/checkpoints/step_000002 (step 2)" in r.stdout + r.stderr
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert OmegaConf.load(out / "config.resumed-1.yaml").d3s.preset == "pods"
