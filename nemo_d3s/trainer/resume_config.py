@@ -164,7 +164,9 @@ def _merge(o: Any, n: Any, touched: Set[str], path: str, o_has: bool, n_has: boo
 
 def _apply(node: DictConfig, eff: dict, new: dict, fixed: Set[str], path: str, report) -> None:
     """Change ``node`` (the composed config) so that its plain form equals ``eff``, except
-    that a schema key is never removed (it keeps the composed value)."""
+    that a schema key is never removed (it keeps the composed value) and a key outside the
+    schema is added only under a free mapping (``model.params``): the resume check then
+    lists one the file has elsewhere as a changed experiment (written by another version)."""
     for k in list(new):
         key = f"{path}.{k}" if path else str(k)
         if k not in eff and not (key in fixed or _below(fixed, key)):
@@ -175,6 +177,8 @@ def _apply(node: DictConfig, eff: dict, new: dict, fixed: Set[str], path: str, r
         n = new.get(k, _ABSENT)
         if isinstance(e, dict) and isinstance(n, dict) and isinstance(node.get(k), DictConfig):
             _apply(node[k], e, n, fixed, key, report)
+        elif n is _ABSENT and not _covers(fixed, key):
+            continue
         elif n is _ABSENT or e != n:
             try:
                 with open_dict(node):

@@ -132,6 +132,17 @@ def test_a_cut_short_config_yaml_is_still_reported_as_such(tmp_path):
         check_resume_config(OmegaConf.create(new), tmp_path)
 
 
+def test_a_key_outside_the_schema_is_not_carried_over_and_is_refused(tmp_path):
+    old = _start(tmp_path)
+    old["trainer"]["lr_typo"] = 0.1
+    old["model"]["params"]["kept"] = 2  # under a free mapping: the run's own setting
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(old)))
+    new = _resume(tmp_path, [])
+    assert "lr_typo" not in new["trainer"] and new["model"]["params"]["kept"] == 2
+    with pytest.raises(ConfigError, match=r"changes the experiment \(trainer.lr_typo: 0.1 -> None"):
+        check_resume_config(OmegaConf.create(new), tmp_path)
+
+
 def test_every_rank_must_run_the_same_config():
     cfg = compose(["experiment=smoke", "output_dir=a"])
     other = compose(["experiment=smoke", "output_dir=b", "seed=3"])
