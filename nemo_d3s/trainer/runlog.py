@@ -57,6 +57,8 @@ class RunLog(logging.Handler):
         return path
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _needs_last_resort(self, record):
+            logging.lastResort.handle(record)
         if self._file is not None:
             self._file.handle(record)
         elif self._early is not None and len(self._early) < EARLY_RECORDS:
@@ -71,12 +73,29 @@ class RunLog(logging.Handler):
         super().close()
 
 
+def _needs_last_resort(handler: RunLog, record: logging.LogRecord) -> bool:
+    """Without a RunLog, a warning that no handler takes goes to stderr (Python's
+    ``logging.lastResort``: a script that calls ``train`` without configuring logging); a
+    RunLog on the root logger must not silence it. The first RunLog passes it on."""
+    last = logging.lastResort
+    if last is None or record.levelno < last.level or getattr(record, "run_log_only", False):
+        return False
+    lg: Optional[logging.Logger] = logging.getLogger(record.name)
+    while lg is not None:
+        if any(not isinstance(h, RunLog) for h in lg.handlers):
+            return False
+        lg = lg.parent if lg.propagate else None
+    first = next(h for h in logging.getLogger().handlers if isinstance(h, RunLog))
+    return first is handler
+
+
 def file_only(logger: logging.Logger, msg: str, level: int = logging.INFO) -> None:
     """``msg`` to the run's log file only: the line the progress bar shows on the terminal
     instead (every open :class:`RunLog` on the root logger gets it; none: nothing)."""
     if not logger.isEnabledFor(level):
         return
     record = logger.makeRecord(logger.name, level, "(run log)", 0, msg, (), None)
+    record.run_log_only = True
     for h in logging.getLogger().handlers:
         if isinstance(h, RunLog) and record.levelno >= h.level:
             h.handle(record)

@@ -92,3 +92,26 @@ def test_the_watch_keeps_watching_while_the_load_is_low():
 )
 def test_suggested_threads_are_the_cores_others_leave_free(machine, want):
     assert suggested_threads(machine) == want
+
+
+@pytest.mark.parametrize(
+    "override, ok",
+    [
+        ("logging.slow_step_factor=0", True),
+        ("logging.slow_step_factor=1.5", True),
+        ("logging.slow_step_factor=1", False),  # every step would be "slow"
+        ("logging.slow_step_factor=-2", False),
+        ("logging.slow_step_baseline=0", False),
+    ],
+)
+def test_the_thresholds_are_checked_settings(override, ok):
+    from nemo_d3s.config import ConfigError, validate
+
+    from .conftest import compose
+
+    cfg = compose(["experiment=smoke", override])
+    if ok:
+        validate(cfg)
+    else:
+        with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+            validate(cfg)

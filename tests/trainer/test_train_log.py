@@ -126,3 +126,44 @@ def test_the_run_log_keeps_the_start_up_records_and_splits_the_ranks(tmp_path):
     assert lines[2].endswith("[nemo_d3s.test_runlog][WARNING] - a warning")
     rank1 = (tmp_path / "train.rank1.log").read_text().splitlines()
     assert [ln.split("] - ", 1)[1] for ln in rank1] == ["a warning"]
+
+
+def test_a_script_without_logging_set_up_still_sees_warnings_on_stderr(monkeypatch, capsys):
+    """Python prints a warning no handler takes to stderr (logging.lastResort); the run log's
+    handler on the root logger must not swallow it (nor print it twice, nor print info)."""
+    import logging
+
+    from nemo_d3s.trainer.runlog import RunLog
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # pytest's own, for this test
+    log = logging.getLogger("nemo_d3s.test_runlog_stderr")
+    log.setLevel(logging.INFO)
+    a, b = RunLog(), RunLog()
+    try:
+        log.warning("visible warning")
+        log.info("quiet info")
+    finally:
+        a.close()
+        b.close()
+    err = capsys.readouterr().err
+    assert err.count("visible warning") == 1 and "quiet info" not in err
+
+
+def test_evaluation_reports_its_batches_to_the_progress_bar(tmp_path, monkeypatch):
+    """4 problems in batches of 2: each evaluation reports 0, 1 and 2 of 2 batches done (the
+    bar shows at once, before the first batch); train.log gets one line per evaluation."""
+    from nemo_d3s.trainer.metrics import MetricsLogger
+
+    calls = []
+    real = MetricsLogger.eval_progress
+
+    def eval_progress(self, done, total):
+        calls.append((done, total))
+        real(self, done, total)
+
+    monkeypatch.setattr(MetricsLogger, "eval_progress", eval_progress)
+    over = [*RUN, "logging.progress_bar=true", "trainer.eval_batch_size=2"]
+    run_inprocess(tmp_path, over)
+    assert calls == [(0, 2), (1, 2), (2, 2)] * 3  # steps 0, 2, 3
+    text = (tmp_path / "train.log").read_text()
+    assert len(_lines(tmp_path / "train.log", EVAL_LINE)) == 3 and "batch" not in text
