@@ -87,6 +87,21 @@ def test_resume_from_the_folder_alone_is_the_original_config(tmp_path):
     assert _changes(old, _resume(tmp_path, ORIGINAL)) == {"resume": (False, True)}
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["experiment=megatron_smoke", "d3s=d1s"],
+        ["experiment=llama3_8b", "algorithm=gspo", "trainer.steps=7"],
+        ["model=tiny", "task=countdown", "d3s=d3s_i", "seed=3"],
+        ["experiment=smoke", "rollout=vllm", "~model.params.tiny", "+model.params.x=[1,2]"],
+    ],
+)
+def test_the_folder_alone_or_the_full_command_both_give_the_original(tmp_path, argv):
+    old = _start(tmp_path, argv)
+    assert _changes(old, _resume(tmp_path, [])) == {"resume": (False, True)}
+    assert _changes(old, _resume(tmp_path, argv)) == {"resume": (False, True)}
+
+
 def test_an_explicit_default_still_counts_as_a_change(tmp_path):
     """``d3s=d3s`` (the default preset) and ``trainer.lr=<its default>`` differ from the
     run's values: the user chose them, they are not silently replaced by the run's."""
