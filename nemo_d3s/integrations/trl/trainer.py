@@ -43,14 +43,16 @@ that drops rollouts and ``steps_per_generation > 1`` or several processes they a
 at construction (one ConfigError line); one process, one micro-batch keeps them.
 
 vLLM generation (``use_vllm=True``, server or colocate) has NOT been run with the plugin
-(no vLLM within TRL's range, 0.22-0.31, runs here). Reading TRL 1.16: vLLM only replaces
+(the CPU vLLM here, 0.32 in its own venv, is outside TRL 1.16's 0.22-0.31). Reading TRL
+1.16: vLLM only replaces
 the token generator, inside ``_generate_single_turn`` (l.1767) under
 ``_generate_and_score_completions``; the rewards still come from ``_calculate_rewards``
 (l.2753) and the advantages from the same body (l.2765), so both hooks run unchanged.
 Server mode gathers every process's prompts, generates G per unique prompt
 (``all_prompts[::num_generations]``) and hands each process its slice back; colocate mode
-generates each process's own prompts (``trl/generation/vllm_generation.py`` l.593-657,
-l.661-747): the process-major layout with G consecutive rollouts per prompt holds in both.
+generates each process's own prompts (gathered over the vLLM tensor-parallel group and
+sliced back; ``trl/generation/vllm_generation.py`` l.593-657, l.661-747): the process-major
+layout with G consecutive rollouts per prompt holds in both.
 vLLM adds ``sampling_per_token_logps``, the always-computed ``old_per_token_logps`` and
 ``importance_sampling_ratio`` ([B, C] or [B, 1], l.2660-2707) to the batch; ``kept_batch``
 cuts and trims all three (``tests/integrations/test_trl_generation_reuse.py`` runs TRL's
