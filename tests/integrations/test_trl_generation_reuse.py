@@ -12,7 +12,9 @@ weights equal plain ``GRPOTrainer``'s. With ``d3s`` the rows of every micro-batc
 rows (plus placeholders, which add exactly 0 to the dapo loss and its gradient), the reused
 iterations see the same cut rows, ``old_per_token_logps`` are the generation-time policy's
 log-probabilities of those rows (recomputed here), selection runs once per generation, and
-the logged shares are that generation's. Loss types the padding would bias are refused.
+the logged shares are that generation's. On 2 processes (torchrun, gloo) each rank pads to
+its own multiple and both run the same number of passes. Loss types the padding would bias
+are refused.
 
 TRL's vLLM branch (``use_vllm``, l.1767) runs with a stand-in for vLLM's engine (its
 ``generate`` contract, trl/generation/vllm_generation.py l.550-657): the batch then carries
@@ -24,6 +26,11 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,6 +285,38 @@ def test_d3s_steps_use_the_kept_rows_selected_once_per_generation(
     assert loss.item() == 0.0
     grads = [p.grad for p in plug.model.parameters() if p.grad is not None]
     assert grads and all(torch.count_nonzero(gr) == 0 for gr in grads)
+
+
+@pytest.mark.distributed
+def test_two_processes_pad_each_to_its_own_micro_batches(folder, tmp_path):
+    script = Path(__file__).with_name("_trl_reuse_ranks.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        cmd + [str(script), folder, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}_of2.json").read_text()) for r in range(2)]
+    assert ranks[0]["param_sum"] == ranks[1]["param_sum"]  # DDP kept them in step
+    for g in range(2):  # two generations, each used by 2 iterations x 2 micro-batches
+        gens = [rank["gens"][g] for rank in ranks]
+        assert gens[0]["keep_global"] == gens[1]["keep_global"]
+        assert gens[0]["kept_local"] + gens[1]["kept_local"] == sum(gens[0]["keep_global"])
+        kept_tokens = gens[0]["kept_tokens_local"] + gens[1]["kept_tokens_local"]
+        for rank, gen in zip(ranks, gens):
+            micro = rank["micro"][4 * g : 4 * g + 4]
+            assert micro[2:] == micro[:2]  # the second iteration reuses the cut batch
+            pad = gen["cut_rows"] - gen["kept_local"]
+            assert gen["cut_rows"] % 2 == 0 and 0 <= pad < 2 or gen["kept_local"] == 0
+            assert [m["rows"] for m in micro[:2]] == [gen["cut_rows"] // 2] * 2
+            assert sum(m["zero_rows"] for m in micro[:2]) >= pad
+            assert sum(m["loss_tokens"] for m in micro[:2]) == gen["kept_tokens_local"]
+            assert all(m["num_items_in_batch"] == kept_tokens for m in micro)
+    assert any(r["gens"][g]["cut_rows"] > r["gens"][g]["kept_local"] for r in ranks for g in (0, 1))
 
 
 def test_losses_that_padding_would_bias_are_refused(folder, tmp_path):
