@@ -46,6 +46,30 @@ def readme_selfcheck() -> List[str]:
     return [f"({len(plain)} checks pass here", f"an {len(cpu)}th, vLLM's shared-memory refit"]
 
 
+def _span(spec: str) -> Tuple[str, str]:
+    """ ">=2.13,<2.16" -> ("2.13", "2.15"): a range of minor releases as the text reads it."""
+    lo, hi = (p.lstrip("<>=") for p in spec.split(","))
+    major, minor = hi.split(".")[:2]
+    return lo, f"{major}.{int(minor) - 1}"
+
+
+def readme_stack() -> List[str]:
+    """The tested versions (``nemo_d3s/versions.py``), the recipes and the dry run's GPU."""
+    import yaml
+
+    from nemo_d3s.versions import TESTED
+
+    torch, vllm, trl = (_span(TESTED[k]) for k in ("torch", "vllm", "trl"))
+    assert trl[0] == trl[1]
+    gpu = yaml.safe_load((REPO / "conf" / "trainer" / "default.yaml").read_text())
+    return [
+        f"Which versions: torch {torch[0]} to {torch[1]};",
+        f"vLLM {vllm[0]} to {vllm[1]}.",
+        f"tested on trl {trl[0]},",
+        f"per-GPU memory against {gpu['gpu_memory_gb']} GB",
+    ]
+
+
 def vllm_rollouts() -> List[str]:
     """``python benchmarks/bench_vllm_rollouts.py``: its table's tokens/s (response tokens over
     the median time), the speed-up, the trainer's step on each engine and the engine's costs."""
@@ -207,9 +231,52 @@ def parallel_pieces() -> List[str]:
     ]
 
 
+def design_choices() -> List[str]:
+    """docs/design-choices.md's preset table (``core.presets.PRESETS``) and the D3S-I collapse
+    (the ``d3s_i_tiebreak_m0`` evidence run)."""
+    from fractions import Fraction
+
+    from nemo_d3s.core.presets import PRESETS
+
+    def g(x):
+        return f"G/{Fraction(x).limit_denominator(64).denominator}"
+
+    out = []
+    for name in ("pods", "d1s", "d1s_cross"):
+        sch = PRESETS[name].schedule
+        assert sch.n_init == sch.n_final and sch.k_init == 1.0
+        out.append(f"| N = {g(sch.n_init)}" + (" |" if name != "pods" else " (loss:"))
+    d2 = PRESETS["d2s"].schedule
+    out.append(f"| N = {g(d2.n_init)}, K = {d2.k_init:.0%} |")
+    for name in ("d3s", "d3s_i"):
+        out.append(f"top K by \\|A\\| x H, at least {PRESETS[name].min_kept_tokens} a step |")
+    d3 = PRESETS["d3s"].schedule
+    out.append(
+        f"| {d3.kind} N {g(d3.n_init)} -> {g(d3.n_final)}, K {d3.k_init:.0%} -> {d3.k_final:.0%} |"
+    )
+    curve = [
+        json.loads(line)
+        for line in (RESULTS / "evidence" / "runs" / "d3s_i_tiebreak_m0_s0" / "eval.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    out.append(
+        f"(eval {curve[0]['eval_reward_mean']:.2f} -> {curve[1]['eval_reward_mean']:.2f} in "
+        f"{curve[1]['step']} steps, `evidence.md`)"
+    )
+    return out
+
+
 def claims() -> List[Tuple[str, str]]:
-    out: List[Tuple[str, str]] = []
+    out: List[Tuple[str, str]] = [(README, text) for text in readme_stack()]
     for fn in (vllm_rollouts, megatron_cpu, microbatch, dry_run_constants, scaling_asserted):
         out += [(SCALING, text) for text in fn()]
     out += [(EVIDENCE_DOC, text) for text in parallel_pieces()]
+    out += [("docs/design-choices.md", text) for text in design_choices()]
+    arch = "docs/architecture.md"
+    out.append(
+        (arch, asserted("tests/test_architecture.py", "MAX_LINES = 455", "longer than 455 lines"))
+    )
+    trl = _span(__import__("nemo_d3s.versions").versions.TESTED["trl"])[0]
+    out.append((arch, f"trl {trl} only"))
     return out

@@ -183,6 +183,11 @@ def readme_main_job() -> List[str]:
         f"{cfg['d3s']['min_kept_tokens']} a step); greedy evaluation on {cfg['task']['eval_size']} "
         "held-out problems at steps " + ", ".join(str(e["step"]) for e in evals),
         f"about {summary['wall_time'] / 60:.0f} minutes with start-up",
+        f"a {mem['steps']}-step run of the same job with its first evaluation and one checkpoint",
+        f"run keeps `trainer.keep_last={t['keep_last']}` checkpoints (every "
+        f"`trainer.save_every={t['save_every']}` steps)",
+        f"mean reward of this step's {t['prompts_per_step'] * t['num_generations']} sampled "
+        "rollouts",
         f"(the same files as the export) takes {mem['disk_bytes']['hf_export'] / 1e9:.1f} GB more",
     ]
     # The progress bar at step 11: its clock restarts after the first evaluation (the wall time
