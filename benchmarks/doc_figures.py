@@ -62,11 +62,20 @@ def readme_stack() -> List[str]:
     torch, vllm, trl = (_span(TESTED[k]) for k in ("torch", "vllm", "trl"))
     assert trl[0] == trl[1]
     gpu = yaml.safe_load((REPO / "conf" / "trainer" / "default.yaml").read_text())
+    recipes = sorted(
+        p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml") if "nodes:" in p.read_text()
+    )
+    words = {6: "six", 7: "seven", 8: "eight", 5: "five"}
+    listed = "six recipes (`experiment=llama3_8b | qwen25_math_7b | llama3_70b | llama3_70b_long | "
+    listed += "qwen25_72b | qwen3_32b`)"
+    names = sorted(listed.split("=", 1)[1].rstrip("`)").split(" | "))
     return [
+        listed if names == recipes and words.get(len(recipes)) == "six" else f"recipes {recipes}",
         f"Which versions: torch {torch[0]} to {torch[1]};",
         f"vLLM {vllm[0]} to {vllm[1]}.",
         f"tested on trl {trl[0]},",
         f"per-GPU memory against {gpu['gpu_memory_gb']} GB",
+        f"`trainer.reward_timeout_s` (default {gpu['reward_timeout_s']} s)",
     ]
 
 
@@ -267,8 +276,38 @@ def design_choices() -> List[str]:
     return out
 
 
+def reward_check() -> List[str]:
+    """README "Use your own model, data and reward": the few-step run of a custom reward on
+    SmolLM2 (``benchmarks/results/reward_check/``: the command, its config, metrics and the
+    machine), its table row by row."""
+    rec = RESULTS / "reward_check"
+    # The README's command is the recorded one but for where it writes and the progress bar
+    # (the record's run logged to a file), which change no number.
+    command = " ".join(
+        w
+        for w in (rec / "command.txt").read_text().split()
+        if not w.startswith(("output_dir=", "logging.progress_bar="))
+    )
+    rows = [json.loads(x) for x in (rec / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    machine = json.loads((rec / "machine.json").read_text())
+    out = [command]
+    for r in rows:
+        update = "skipped" if r["skipped"] else f"{r['update_tokens']:.0f} tokens"
+        out.append(
+            f"| {r['step']} | {r['reward_mean']:.3f} | {r['reward_max']:.1f} | "
+            f"{r['n_informative_groups']:.0f} of {r['n_prompts']:.0f} | {update} |"
+        )
+    times = sorted(r["time_step"] for r in rows)
+    out.append(
+        f"{times[0] / 60:.0f}-{times[-1] / 60:.0f} min a step on {machine['cpu_count']} cores "
+        f"under a load average of {machine['load_average'][0]:.0f}"
+    )
+    return out
+
+
 def claims() -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = [(README, text) for text in readme_stack()]
+    out += [(README, text) for text in reward_check()]
     for fn in (vllm_rollouts, megatron_cpu, microbatch, dry_run_constants, scaling_asserted):
         out += [(SCALING, text) for text in fn()]
     out += [(EVIDENCE_DOC, text) for text in parallel_pieces()]

@@ -537,7 +537,9 @@ def check() -> Dict[str, List[str]]:
     missing: Dict[str, List[str]] = {}
     for doc, text in claims():
         # Line breaks of the Markdown source are spaces to a reader.
-        if " ".join(text.split()) not in " ".join((REPO / doc).read_text().split()):
+        # (and a shell command's continued lines one line)
+        body = (REPO / doc).read_text().replace("\\\n", " ")
+        if " ".join(text.split()) not in " ".join(body.split()):
             missing.setdefault(doc, []).append(text)
     return missing
 

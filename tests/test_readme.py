@@ -135,11 +135,13 @@ def test_documented_commands_write_under_runs_or_outside_the_repository():
 
 
 def _train_lines(title: str):
+    import shlex
+
     lines = []
     for block in _blocks(title):
         for cmd in block.replace("\\\n", " ").splitlines():
             if cmd.startswith("python -m nemo_d3s.train"):
-                lines.append(cmd.split()[3:])
+                lines.append(shlex.split(cmd)[3:])
     return lines
 
 
@@ -157,7 +159,7 @@ def test_own_model_data_and_reward_commands_run_as_written(tmp_path):
 
     folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
     lines = _train_lines("Use your own model, data and reward")
-    assert len(lines) == 3 and any(
+    assert len(lines) == 4 and any(
         "task.params.reward_fn=examples/reward_last_number.py:score" in a for a in lines
     )
     fast = [
