@@ -76,6 +76,11 @@ def readme_stack() -> List[str]:
         f"tested on trl {trl[0]},",
         f"per-GPU memory against {gpu['gpu_memory_gb']} GB",
         f"`trainer.reward_timeout_s` (default {gpu['reward_timeout_s']} s)",
+        "a step `logging.slow_step_factor`={:g} times".format(
+            yaml.safe_load((REPO / "conf" / "logging" / "default.yaml").read_text())[
+                "slow_step_factor"
+            ]
+        ),
     ]
 
 

@@ -203,7 +203,10 @@ def readme_main_job() -> List[str]:
         f"tok={r['kept_token_ratio']:.2f}]"
     )
     e10 = next(e for e in evals if e["step"] == 10)
-    out.append(f"eval step 10: reward {e10['eval_reward_mean']:.4f} over {e10['eval_n']} problems")
+    out.append(
+        f"eval step 10: reward {e10['eval_reward_mean']:.4f} over {e10['eval_n']} problems in "
+        f"{e10['time_eval']:.1f} s"
+    )
     return out
 
 

@@ -322,8 +322,20 @@ class LoggingConfig(Section):
     tensorboard: bool = True  # used when the tensorboard package is importable
     level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR | CRITICAL (nemo_d3s loggers, rank 0)
     log_samples: int = 1  # completions printed at each evaluation (rank 0)
+    # Warn once when a step takes slow_step_factor x the median of the first
+    # slow_step_baseline steps while the load average is above the CPU count (threads
+    # oversubscribed: trainer/slow_steps.py); 0 turns it off.
+    slow_step_factor: float = 3.0
+    slow_step_baseline: int = 3
 
     def validate(self) -> None:
         levels = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
         self._check(self.level in levels, "level", f"unknown log level; known: {', '.join(levels)}")
         self._check(is_count(self.log_samples, 0), "log_samples", "must be an integer >= 0")
+        f = self.slow_step_factor
+        self._check(
+            is_number(f) and (f == 0 or f > 1),
+            "slow_step_factor",
+            "must be 0 (off) or a number > 1",
+        )
+        self._check(is_count(self.slow_step_baseline, 1), "slow_step_baseline", "must be >= 1")

@@ -27,13 +27,15 @@ def evaluate(
     batch_size: int,
     n_show: int = 0,
     should_stop: Optional[Callable[[], bool]] = None,
+    on_batch: Optional[Callable[[int, int], None]] = None,
 ) -> Dict[str, Any]:
     """Returns eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors,
     time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward).
 
     ``should_stop``: asked before every batch (the answer is agreed over the DP ranks, which
     all run the same number of batches); when it says yes the evaluation is abandoned and
-    ``{"stopped": True}`` is returned, so a stop signal is honoured within one batch."""
+    ``{"stopped": True}`` is returned, so a stop signal is honoured within one batch.
+    ``on_batch(done, total)``: called after each batch (the progress bar over batches)."""
     t0 = time.perf_counter()
     n = len(problems)
     lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size
@@ -41,7 +43,10 @@ def evaluate(
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     total, errors, length, shown = 0.0, 0, 0.0, []
     largest = -(-n // groups.dp_size)  # the biggest rank slice: every rank runs as many batches
+    n_batches = -(-largest // batch_size)
     for start in range(0, largest, batch_size):
+        if on_batch is not None:  # batches done so far (0 first: the bar shows at once)
+            on_batch(start // batch_size, n_batches)
         if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
             return {"stopped": True}
         chunk = mine[start : start + batch_size]
@@ -67,6 +72,8 @@ def evaluate(
             errors += failed
             if len(shown) < n_show:
                 shown.append({"prompt": task.prompt_text(p), "completion": text, "reward": r})
+    if on_batch is not None and n_batches:
+        on_batch(n_batches, n_batches)
     if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
         return {"stopped": True}
     s = groups.sum(

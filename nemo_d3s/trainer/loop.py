@@ -3,6 +3,7 @@
 Run directory layout (the same for every run)::
 
     DIR/config.yaml                  the resolved config
+    DIR/train.log                    the run's log: every step's line, every evaluation (runlog.py)
     DIR/metrics.jsonl                one JSON object per step
     DIR/eval.jsonl                   one JSON object per evaluation
     DIR/checkpoints/step_XXXXXX/     the last ``trainer.keep_last`` checkpoints
@@ -62,6 +63,8 @@ from nemo_d3s.trainer.resume import (
 )
 from nemo_d3s.trainer.records import INTERRUPTED_MARKER
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
+from nemo_d3s.trainer.runlog import RunLog
+from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
@@ -74,9 +77,12 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 class Trainer:
     """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
-    :class:`nemo_d3s.config.TrainConfig`."""
+    :class:`nemo_d3s.config.TrainConfig`. ``runlog``: the handler that holds the log records
+    made before the run folder is taken (:func:`train` installs it before the model load);
+    without one, ``run`` installs its own."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, runlog: Optional[RunLog] = None) -> None:
+        self.runlog = runlog
         validate(cfg)  # everything that does not need the parallel layout, before any model load
         check_runtime(cfg)  # and what this machine must provide (vLLM, a GPU)
         self.cfg = cfg
@@ -189,8 +195,10 @@ class Trainer:
             batch_size=int(self.t.eval_batch_size),
             n_show=int(self.cfg.logging.log_samples),
             should_stop=lambda: self.stop.requested,
+            on_batch=self.logger.eval_progress,
         )
         if res.get("stopped"):
+            self.logger.close_eval_progress()
             return None
         samples = res.pop("samples")
         row = {"step": state.step, **res}
@@ -207,12 +215,17 @@ class Trainer:
         if check_prompt_lengths(self.cfg, self.policy, self.task.task):
             self.eval_problems = self.task.eval_set(int(self.cfg.task.eval_size))
         self._lock: Optional[RunDirLock] = None
-        agree_on_main(self.groups, self._take_run_dir)  # one run per directory, for the whole run
+        own_log = self.runlog is None
+        if own_log:
+            self.runlog = RunLog()
         try:
+            agree_on_main(self.groups, self._take_run_dir)  # one run per directory, all the run
             return self._run_locked()
         finally:
             if self._lock is not None:
                 self._lock.release()
+            if own_log:
+                self.runlog.close()
 
     def _take_run_dir(self) -> None:
         check_output_dir(str(self.out))
@@ -220,6 +233,12 @@ class Trainer:
 
     def _run_locked(self) -> TrainerState:
         state = self._start_state()  # first: it refuses to overwrite another run's directory
+        # the folder is this run's now: train.log gets the records held since start-up
+        self.runlog.open(self.out, rank=self.groups.global_rank)
+        self.slow = SlowStepWatch(
+            factor=float(self.cfg.logging.slow_step_factor),
+            baseline_steps=int(self.cfg.logging.slow_step_baseline),
+        )
         if self.groups.is_main:
             write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
             if self._resumed_from is None:
@@ -299,6 +318,10 @@ class Trainer:
             "wall_time": state.wall_time_total,
         }
         self.logger.log_step(row)
+        if self.groups.is_main:  # rank 0 watches its machine (every rank shares the step time)
+            slow = self.slow.observe(state.step, row["time_step"])
+            if slow:
+                log.warning(slow)
         if m.get("skipped"):
             why = (
                 "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
@@ -379,11 +402,15 @@ def train(cfg: Any) -> TrainerState:
     check_output_dir(
         str(cfg.output_dir), create=False
     )  # before the model load: a bad path fails fast
-    trainer = Trainer(cfg)
-    logging.getLogger("nemo_d3s").setLevel(
-        cfg.logging.level if trainer.groups.is_main else "WARNING"
-    )
+    runlog = RunLog()  # holds the start-up's records until the run has taken its folder
     try:
-        return trainer.run()
+        trainer = Trainer(cfg, runlog)
+        logging.getLogger("nemo_d3s").setLevel(
+            cfg.logging.level if trainer.groups.is_main else "WARNING"
+        )
+        try:
+            return trainer.run()
+        finally:
+            trainer.groups.shutdown()
     finally:
-        trainer.groups.shutdown()
+        runlog.close()

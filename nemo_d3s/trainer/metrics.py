@@ -1,4 +1,6 @@
-"""Where metrics go: JSONL files (always), TensorBoard (when installed), a tqdm bar.
+"""Where metrics go: JSONL files (always), TensorBoard (when installed), a tqdm bar, and
+``train.log`` (``runlog.py``): each step's summary line and each evaluation's result (with its
+time) are log lines there whether the terminal shows the bar or the lines.
 
 Only rank 0 writes. ``metrics.jsonl`` gets one JSON object per step, ``eval.jsonl`` one
 per evaluation. Keys starting with ``time_`` or ``wall_`` are timings; everything else is
@@ -25,6 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from nemo_d3s.files import atomic_write_text
 from nemo_d3s.trainer.faults import RunError, fault_point
+from nemo_d3s.trainer.runlog import file_only
 
 __all__ = ["MetricsLogger", "read_jsonl", "truncate_jsonl", "is_timing_key", "JsonlAppender"]
 
@@ -191,6 +194,7 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.tb = None
         self.bar = None
+        self._eval_bar = None
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -215,7 +219,14 @@ class MetricsLogger:
             return
         self._metrics.write(json.dumps({k: _clean(v) for k, v in row.items()}))
         self._scalars("train", row)
-        if self.bar is not None:
+        line = "step {}: reward={:.3f} smp={:.2f} tok={:.2f} time={:.1f} s".format(
+            row.get("step"),
+            row.get("reward_mean", float("nan")),
+            row.get("kept_sample_ratio", float("nan")),
+            row.get("kept_token_ratio", float("nan")),
+            row.get("time_step", float("nan")),
+        )
+        if self.bar is not None:  # the bar shows the step on the terminal, train.log its line
             self.bar.update(1)
             self.bar.set_postfix(
                 reward=f"{row.get('reward_mean', float('nan')):.3f}",
@@ -223,29 +234,39 @@ class MetricsLogger:
                 tok=f"{row.get('kept_token_ratio', float('nan')):.2f}",
                 refresh=False,
             )
+            file_only(log, line)
         else:  # a log file (Slurm): the bar's fields and the step's time, one line per step
-            log.info(
-                "step %s: reward=%.3f smp=%.2f tok=%.2f time=%.1f s",
-                row.get("step"),
-                row.get("reward_mean", float("nan")),
-                row.get("kept_sample_ratio", float("nan")),
-                row.get("kept_token_ratio", float("nan")),
-                row.get("time_step", float("nan")),
-            )
+            log.info(line)
 
     def log_eval(self, row: Dict[str, Any]) -> None:
         if not self.enabled:
             return
         self._eval.write(json.dumps({k: _clean(v) for k, v in row.items()}))
         self._scalars("eval", row)
-        msg = (
+        self.close_eval_progress()
+        self.write(
             f"eval step {row['step']}: reward {row['eval_reward_mean']:.4f} over "
-            f"{row['eval_n']} problems"
+            f"{row['eval_n']} problems in {row.get('time_eval', float('nan')):.1f} s"
         )
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            log.info(msg)
+
+    def eval_progress(self, done: int, total: int) -> None:
+        """Evaluation batches done of ``total`` (rank 0): a second bar on the terminal while
+        the progress bar is on; nothing in the log (its line is the result's, with the
+        evaluation's time)."""
+        if self.bar is None:
+            return
+        if self._eval_bar is None:
+            from tqdm.auto import tqdm
+
+            self._eval_bar = tqdm(
+                total=total, desc="eval", unit="batch", leave=False, dynamic_ncols=True
+            )
+        self._eval_bar.update(done - self._eval_bar.n)
+
+    def close_eval_progress(self) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
 
     def _scalars(self, prefix: str, row: Dict[str, Any]) -> None:
         if self.tb is None:
@@ -269,12 +290,14 @@ class MetricsLogger:
             return
         if self.bar is not None:
             self.bar.write(msg)
+            file_only(log, msg)
         else:
             log.info(msg)
 
     def close(self) -> None:
         if not self.enabled:
             return
+        self.close_eval_progress()
         if self.bar is not None:
             self.bar.close()
         if self.tb is not None:

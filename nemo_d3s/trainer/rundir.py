@@ -66,7 +66,8 @@ RUN_NAMES = frozenset(
     }
 )
 _RUN_NAME = re.compile(
-    r"^(previous-\d+|config\.resumed-\d+\.yaml|\.hf_export\..+|\.write_probe_.+)$"
+    r"^(previous-\d+|config\.resumed-\d+\.yaml|\.hf_export\..+|\.write_probe_.+"
+    r"|train\.rank\d+\.log)$"
 )
 _RUN_CONFIG_KEYS = ("output_dir", "model", "trainer", "task")
 

@@ -115,6 +115,13 @@ def _compare(tmp_path, cases, extra=()):
         _assert_same_run(rows1, rows2, name)
         _assert_same_run(read_jsonl(one / "eval.jsonl"), read_jsonl(two / "eval.jsonl"), name)
         _assert_same_weights(one, two, name)
+        # rank 0 alone writes train.log: each step's line once, no rank's lines between
+        log_steps = [
+            ln.split("] - step ")[1].split(":")[0]
+            for ln in (two / "train.log").read_text().splitlines()
+            if "] - step " in ln and "reward=" in ln
+        ]
+        assert log_steps == [str(r["step"]) for r in rows2], (name, log_steps)
         for row in rows2:
             if "dp_imbalance_after" in row:
                 assert row["dp_imbalance_after"] <= row["dp_imbalance_before"] + 1e-12, (name, row)
