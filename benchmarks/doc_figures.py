@@ -295,17 +295,30 @@ def reward_check() -> List[str]:
     )
     rows = [json.loads(x) for x in (rec / "metrics.jsonl").read_text().splitlines() if x.strip()]
     machine = json.loads((rec / "machine.json").read_text())
-    out = [command]
+    import yaml
+
+    cfg = yaml.safe_load((rec / "config.yaml").read_text())["trainer"]
+    out = [
+        command,
+        f"per step of {cfg['prompts_per_step']} prompts x {cfg['num_generations']} rollouts",
+        f"(a 135M model, {cfg['max_new_tokens']} new tokens)",
+    ]
     for r in rows:
         update = "skipped" if r["skipped"] else f"{r['update_tokens']:.0f} tokens"
         out.append(
             f"| {r['step']} | {r['reward_mean']:.3f} | {r['reward_max']:.1f} | "
             f"{r['n_informative_groups']:.0f} of {r['n_prompts']:.0f} | {update} |"
         )
+    ev = json.loads((rec / "eval.jsonl").read_text().splitlines()[-1])
+    out.append(
+        f"the greedy evaluation after step {ev['step']} scored {ev['eval_reward_mean']:.3f} on the "
+        f"{ev['eval_n']} held-out rows"
+    )
     times = sorted(r["time_step"] for r in rows)
+    load = machine["load_average_1min_seen"].values()
     out.append(
         f"{times[0] / 60:.0f}-{times[-1] / 60:.0f} min a step on {machine['cpu_count']} cores "
-        f"under a load average of {machine['load_average'][0]:.0f}"
+        f"under a load average of {min(load):.0f}-{max(load):.0f}"
     )
     return out
 

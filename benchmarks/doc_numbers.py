@@ -1,4 +1,4 @@
-"""Every figure the README and docs/evidence.md quote from a run, rendered from the committed
+"""Every figure the README and docs/ quote from a run, rendered from the committed
 records, so the text cannot drift from them (``tests/test_doc_numbers.py`` checks that each
 rendered line occurs in its document).
 
@@ -12,7 +12,10 @@ Records read (all committed under ``benchmarks/results/``):
 - ``evidence/table.json`` and ``evidence/timing/table.json`` (``compare_presets.py``'s
   summaries) and ``evidence/runs/*/`` (per-run metrics and evals), re-read here with
   ``compare_presets.load_run`` / ``paired_difference`` / ``mean_ci``, the functions that
-  wrote the tables.
+  wrote the tables;
+- ``reward_check/`` (the README's few-step run of a custom reward on SmolLM2) and the
+  ``bench_*.json`` records, the code's constants and the tests' assertions behind the other
+  documents' figures: ``doc_figures.py``.
 """
 
 from __future__ import annotations
