@@ -323,6 +323,37 @@ def reward_check() -> List[str]:
     return out
 
 
+def benchmarks_readme() -> List[str]:
+    """benchmarks/README.md's global top-K and micro-batch tables, from their records."""
+    res = _json("bench_global_topk.json")["results"]
+    by = {(r["n_total"], r["method"]): r for r in res}
+    out = []
+    for n in sorted({r["n_total"] for r in res}):
+
+        def ms(m):
+            return f"{by[(n, m)]['time_s_median'] * 1000:.0f} ms"
+
+        def b(m):
+            x = by[(n, m)]["bytes_received_counted"]
+            return f"{x / 1024:.1f} KiB" if x < MIB else f"{x / MIB:.1f} MiB"
+
+        quant = ms("gather_quantile") + (" (kthvalue)" if n > 2**24 else "")
+        gather = f"{by[(n, 'gather_sort')]['bytes_received_counted'] / MIB:.0f} MiB"
+        out.append(
+            f"| 2^{n.bit_length() - 1} ({n / 1e6:.1f}M) | {ms('radix8')} | {ms('radix16')} | "
+            f"{quant} | {ms('gather_sort')} | {b('radix8')} / {b('radix16')} / {gather} |"
+        )
+    m = _json("bench_microbatch.json")["methods"]
+    for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
+        x = m[name]
+        out.append(
+            f"| {label} | {x['fed_tokens']:.0f} | {x['padding_share']:.1%} | "
+            f"{x['micro_batches']:.0f} | {x['score_s_median']:.3f} | "
+            f"{x['train_step_s_median']:.3f} | {x['grad_norm']:.5f} |"
+        )
+    return out
+
+
 def claims() -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = [(README, text) for text in readme_stack()]
     out += [(README, text) for text in reward_check()]
@@ -330,6 +361,7 @@ def claims() -> List[Tuple[str, str]]:
         out += [(SCALING, text) for text in fn()]
     out += [(EVIDENCE_DOC, text) for text in parallel_pieces()]
     out += [("docs/design-choices.md", text) for text in design_choices()]
+    out += [("benchmarks/README.md", text) for text in benchmarks_readme()]
     arch = "docs/architecture.md"
     out.append(
         (arch, asserted("tests/test_architecture.py", "MAX_LINES = 455", "longer than 455 lines"))
