@@ -198,7 +198,11 @@ class TrainerConfig(Section):
     eval_max_new_tokens: Optional[int] = None  # None = max_new_tokens
     eval_batch_size: int = 128
     # checkpoints
-    save_every: int = 10  # 0 = only at the end
+    # A checkpoint every save_every steps and at the last step. 0 = none at all, not even
+    # at the end (a finished run cannot be continued; hf_export still holds the policy),
+    # except that a stop signal (SIGTERM, SIGUSR1, Ctrl-C) still writes one so that a
+    # pre-empted run can resume=true.
+    save_every: int = 10
     keep_last: int = 2
     export_hf: bool = True  # DIR/hf_export at the end
     # resume=true refuses a config that changes the experiment (seed, model, algorithm,

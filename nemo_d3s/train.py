@@ -7,6 +7,7 @@ Examples::
     python -m nemo_d3s.train d3s=pods algorithm=gspo trainer.steps=50
     python -m nemo_d3s.train -m d3s=grpo,d3s                  # a sweep (multirun)
     python -m nemo_d3s.train --cfg job                        # print the composed config
+    python -m nemo_d3s.train output_dir=/tmp/smoke resume=true trainer.steps=8  # continue it
     torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=smoke output_dir=/tmp/dp2
 
 Where the config lives: the ``conf/`` folder at the repository root, found relative to
@@ -184,6 +185,27 @@ def _after_stop(signum, _frame) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _resume_base(cfg, out: Path):
+    """``resume=true`` with ``out/config.yaml``: that run's config with this command line's
+    overrides on top (``trainer.resume_config``); a value of the file that the schema
+    refuses is one error line, exit 2."""
+    from hydra import compose
+    from hydra.core.hydra_config import HydraConfig
+
+    from nemo_d3s.errors import ConfigError
+    from nemo_d3s.trainer.resume_config import resume_base
+
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # not under hydra.main
+        overrides = []
+    try:
+        return resume_base(cfg, overrides, out, lambda: compose("config", overrides=[]), conf_dir())
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _run(cfg) -> None:
     import signal
 
@@ -195,6 +217,7 @@ def _run(cfg) -> None:
     with open_dict(cfg):
         cfg.output_dir = out
     OmegaConf.resolve(cfg)
+    cfg = _resume_base(cfg, Path(out))
     code = run_cli(cfg)
     if code:
         sys.exit(code)

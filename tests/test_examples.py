@@ -499,7 +499,8 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
     the final checkpoint into a Hugging Face folder that transformers loads. With Megatron's
     DDP + distributed optimizer, as a GPU job has by default (here on gloo)."""
     folder, overrides = _tiny_megatron(tmp_path)
-    overrides = [*overrides, "+model.params.distributed_optimizer=true", "trainer.save_every=0"]
+    # save_every=60: the stop's checkpoint, then the final one (save_every=0 writes none)
+    overrides = [*overrides, "+model.params.distributed_optimizer=true", "trainer.save_every=60"]
     out = _requeue_and_resume(tmp_path, "train_megatron.sbatch", overrides, "4343", 60)
     plan = json.loads((out / "dry_run.json").read_text())
     assert plan["fits"] and plan["layout"]["tp"] == 2 and plan["layout"]["dp"] == 1
@@ -510,6 +511,7 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
         )
         assert [p.parent.name for p in logs] == ["0", "1"], logs
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
+    assert ckpt.name == "step_000060", ckpt
     assert sorted(os.listdir(ckpt / "megatron")) == [
         "layout.json",
         "tp00_pp00.safetensors",

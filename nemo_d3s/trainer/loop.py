@@ -45,6 +45,7 @@ from nemo_d3s.trainer import records
 from nemo_d3s.trainer.checkpoint import (
     CheckpointManager,
     TrainerState,
+    _job,
     checkpoint_dirs,
     export_failure,
     looks_like_write_failure,
@@ -62,6 +63,7 @@ from nemo_d3s.trainer.resume import (
     write_config,
 )
 from nemo_d3s.trainer.records import INTERRUPTED_MARKER
+from nemo_d3s.trainer.resume_config import agree_on_config
 from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
@@ -95,6 +97,7 @@ class Trainer:
         self.policy = backend_from_config(cfg)
         self.groups = self.policy.groups
         validate_layout(cfg, self.groups.dp_size)
+        agree_on_config(cfg, _job()[2])  # resume=true: each rank merged config.yaml itself
         self.task = TaskAdapter(
             build_task(cfg.task.name, plain(cfg.task.params) or {}),
             timeout_s=float(cfg.trainer.reward_timeout_s),
@@ -149,8 +152,11 @@ class Trainer:
             return self._start_state_fresh()
         if not ckpts:
             agree_on_main(self.groups, lambda: move_records_aside(self.out))
-            log.info(
-                "resume=true but no checkpoint in %s; starting from step 0",
+            # Not an error: the sbatch scripts pass resume=true on a job's first start too.
+            log.warning(
+                "resume=true but output_dir=%s holds no checkpoint (nothing in %s): this is "
+                "a fresh run from step 0, not a continuation",
+                str(self.out),
                 self.out / "checkpoints",
             )
             return self._start_state_fresh()
@@ -295,7 +301,10 @@ class Trainer:
             stop = self.groups.max(1.0 if self.stop.requested else 0.0) > 0
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
-            if done or (self.t.save_every and state.step % self.t.save_every == 0):
+            # save_every=0: no checkpoint on schedule, not even the last (issue 35: the
+            # documented "no checkpoints" wrote a 1.6 GB final one); a stop signal still does.
+            every = int(self.t.save_every)
+            if every and (done or state.step % every == 0):
                 if not stop:  # (after a stop signal the engine is not called: step.py)
                     self.engine.release()  # the save may need the memory the engine holds
                 self.ckpt.save(self.policy, state)

@@ -213,14 +213,16 @@ def records(run_dir: str | os.PathLike) -> List[str]:
 
 
 def move_aside(run_dir: str | os.PathLike, names: List[str]) -> Path:
-    """Move ``names`` (and config.yaml) of ``run_dir`` into a new ``previous-<n>/`` folder."""
+    """Move ``names`` (and config.yaml and the logs: the new run's train.log must not carry on
+    the earlier run's lines) of ``run_dir`` into a new ``previous-<n>/`` folder."""
     d = Path(run_dir)
     n = 1
     while (d / f"previous-{n}").exists():
         n += 1
     dest = d / f"previous-{n}"
     dest.mkdir()
-    for name in [*names, "config.yaml"]:
+    logs = sorted(p.name for p in d.iterdir() if _RUN_NAME.match(p.name) and p.suffix == ".log")
+    for name in [*names, "config.yaml", "train.log", *logs]:
         if (d / name).exists():
             shutil.move(str(d / name), str(dest / name))
     return dest

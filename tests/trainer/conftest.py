@@ -17,7 +17,7 @@ FAST = [
     "trainer.steps=2",
     "trainer.eval_at_start=false",
     "trainer.eval_every=0",
-    "trainer.save_every=0",
+    "trainer.save_every=1000",  # one checkpoint, at the end (save_every=0 writes none)
     "trainer.export_hf=false",
     "task.eval_size=4",
 ]

@@ -210,6 +210,8 @@ def test_fresh_run_refuses_records_without_checkpoints_and_resume_moves_them_asi
     (run_dir / "summary.json").write_text("{}")
     (run_dir / "hf_export").mkdir()
     (run_dir / "hf_export" / "config.json").write_text("{}")
+    (run_dir / "train.log").write_text("the earlier run's line\n")
+    (run_dir / "train.rank1.log").write_text("the earlier run's warning\n")
     before = _snapshot(run_dir)
     with pytest.raises(ConfigError, match="earlier run's records"):
         run_inprocess(run_dir, FAST)
@@ -219,6 +221,10 @@ def test_fresh_run_refuses_records_without_checkpoints_and_resume_moves_them_asi
     old = run_dir / "previous-1"
     assert (old / "metrics.jsonl").read_bytes() == before["metrics.jsonl"]
     assert (old / "hf_export" / "config.json").is_file() and (old / "summary.json").is_file()
+    # the logs go with them: the new run's train.log starts empty of the earlier run's lines
+    assert (old / "train.log").read_text() == "the earlier run's line\n"
+    assert (old / "train.rank1.log").is_file() and not (run_dir / "train.rank1.log").exists()
+    assert "the earlier run's line" not in (run_dir / "train.log").read_text()
 
 
 def test_garbled_metrics_line_keeps_the_later_rows(tmp_path, caplog):

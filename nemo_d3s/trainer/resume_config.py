@@ -1,0 +1,268 @@
+"""``resume=true``: the config a resumed run uses is the run's own ``config.yaml`` with the
+overrides of the current command line applied on top (issue 35).
+
+``python -m nemo_d3s.train output_dir=X resume=true`` continues run X as it was started,
+whatever overrides started it (``experiment=smoke d3s=pods ...``): Hydra composes the config
+of the current command line, and :func:`resume_base` replaces every leaf that command line
+does not *touch* by the value in ``X/config.yaml``. What the command line touches:
+
+- ``key=value`` (also ``+key``, ``++key``, ``~key``): that key and everything under it;
+- ``group=option`` for a group whose option has its own package (``d3s=pods``,
+  ``model=tiny``, ``group@pkg=option``): every leaf under that package (``d3s.*``), so
+  naming the default option (``d3s=d3s``) still counts as choosing it;
+- ``group=option`` for a ``# @package _global_`` option (``experiment=smoke``): the leaves
+  its file sets and the packages of the groups its defaults list overrides;
+- and, whatever the rule above misses (interpolations, nested defaults): every leaf whose
+  value differs between the composed config and the config of an empty command line.
+
+The result then goes through the usual resume checks (``resume.check_resume_config``):
+the ``RESUME_SAFE`` keys (``trainer.steps`` ...) may change, any other changed key is
+refused naming it (or allowed with ``trainer.allow_config_change=true``). A full repeat of
+the original command line gives the original config, as before.
+
+``config.yaml`` is untrusted input: when it cannot be read, or is not a mapping, the
+composed config is returned unchanged and the resume check reports the file as it always
+did; a value that does not fit the schema is a :class:`ConfigError` naming the file and key
+(a warning and the composed value with ``trainer.allow_config_change=true``). A schema key
+the file lacks keeps the composed value, so the check still calls the file cut short.
+
+Every rank of a torchrun job computes this from the same file before the process group
+exists (rank 0 changes ``config.yaml`` only after the group's rendezvous), and
+:func:`agree_on_config` then checks that every rank runs the same config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.trainer.faults import first_line
+
+__all__ = ["agree_on_config", "merge_untouched", "resume_base", "touched_keys"]
+
+log = logging.getLogger("nemo_d3s.train")
+
+_ABSENT = object()
+# Always the current command's: they say where and how this start runs.
+_ALWAYS_TOUCHED = ("output_dir", "resume")
+
+
+def _package_of(conf: Path, group: str, option: str) -> str:
+    """The package an option of ``group`` writes to: ``_global_``, or a dotted path."""
+    default = group.replace("/", ".")
+    path = conf / group / f"{option}.yaml"
+    if path.is_file():
+        try:
+            for line in path.read_text(encoding="utf-8").splitlines()[:5]:
+                if line.startswith("# @package"):
+                    pkg = line.split(None, 2)[2].strip() if len(line.split()) > 2 else ""
+                    return default if pkg in ("", "_group_") else pkg
+        except (OSError, UnicodeDecodeError, IndexError):
+            return default
+        return default
+    from hydra.core.config_store import ConfigStore
+
+    node = ConfigStore.instance().repo
+    for part in group.split("/"):
+        node = node.get(part, {}) if isinstance(node, dict) else {}
+    found = node.get(f"{option}.yaml") if isinstance(node, dict) else None
+    pkg = getattr(found, "package", None)
+    return default if pkg in (None, "", "_group_") else pkg
+
+
+def _is_group(conf: Path, name: str) -> bool:
+    from hydra.core.config_store import ConfigStore
+
+    node: Any = ConfigStore.instance().repo
+    for part in name.split("/"):
+        node = node.get(part) if isinstance(node, dict) else None
+    return (conf / name).is_dir() or isinstance(node, dict)
+
+
+def _global_option_keys(conf: Path, group: str, option: str) -> List[str]:
+    """Leaves a ``_global_`` option file sets, and the packages its defaults override."""
+    import yaml
+
+    from nemo_d3s.trainer.resume import leaf_keys
+
+    try:
+        raw = yaml.safe_load((conf / group / f"{option}.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return []
+    if not isinstance(raw, dict):
+        return []
+    out = []
+    for entry in raw.pop("defaults", None) or []:
+        if isinstance(entry, dict):
+            for k in entry:
+                g = str(k).replace("override", "", 1).strip().lstrip("/")
+                if g and g != "_self_":
+                    out.append(g.replace("/", "."))
+    return out + [k for k in leaf_keys(raw) if k]
+
+
+def touched_keys(overrides: Sequence[str], conf: Path) -> Set[str]:
+    """Dotted keys the command-line ``overrides`` set (the rule in the module docstring,
+    without the comparison of composed configs)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = set(_ALWAYS_TOUCHED)
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if not _is_group(conf, key):
+            out.add(key)
+            continue
+        value = o.value()
+        if o.package is not None:
+            out.add(o.package)
+        elif isinstance(value, str) and _package_of(conf, key, value) == "_global_":
+            out.update(_global_option_keys(conf, key, value))
+        else:
+            out.add(key.replace("/", "."))
+    return out
+
+
+def _covers(keys: Iterable[str], path: str) -> bool:
+    return any(path == k or path.startswith(k + ".") for k in keys)
+
+
+def _below(keys: Iterable[str], path: str) -> bool:
+    return any(k.startswith(path + ".") for k in keys) if path else any(True for _ in keys)
+
+
+def merge_untouched(old: Any, new: Any, touched: Set[str]) -> Any:
+    """The effective config as a plain dict: ``new``'s value for touched leaves (absent
+    where ``new`` lacks them), ``old``'s for the rest (absent where ``old`` lacks them)."""
+    out = _merge(old, new, touched, "", True, True)
+    return {} if out is _ABSENT else out
+
+
+def _merge(o: Any, n: Any, touched: Set[str], path: str, o_has: bool, n_has: bool) -> Any:
+    if path and _covers(touched, path):
+        return n if n_has else _ABSENT
+    o_d, n_d = o_has and isinstance(o, dict), n_has and isinstance(n, dict)
+    if not _below(touched, path) or not (o_d or n_d):
+        return o if o_has else _ABSENT
+    od, nd = (o if o_d else {}), (n if n_d else {})
+    out = {}
+    for k in [*od, *(k for k in nd if k not in od)]:
+        v = _merge(
+            od.get(k), nd.get(k), touched, f"{path}.{k}" if path else str(k), k in od, k in nd
+        )
+        if v is not _ABSENT:
+            out[k] = v
+    return out if (o_has or out) else _ABSENT
+
+
+def _apply(node: DictConfig, eff: dict, new: dict, fixed: Set[str], path: str, report) -> None:
+    """Change ``node`` (the composed config) so that its plain form equals ``eff``, except
+    that a schema key is never removed (it keeps the composed value) and a key outside the
+    schema is added only under a free mapping (``model.params``): the resume check then
+    lists one the file has elsewhere as a changed experiment (written by another version)."""
+    for k in list(new):
+        key = f"{path}.{k}" if path else str(k)
+        if k not in eff and not (key in fixed or _below(fixed, key)):
+            with open_dict(node):
+                del node[k]
+    for k, e in eff.items():
+        key = f"{path}.{k}" if path else str(k)
+        n = new.get(k, _ABSENT)
+        if isinstance(e, dict) and isinstance(n, dict) and isinstance(node.get(k), DictConfig):
+            _apply(node[k], e, n, fixed, key, report)
+        elif n is _ABSENT and not _covers(fixed, key):
+            continue
+        elif n is _ABSENT or e != n:
+            try:
+                with open_dict(node):
+                    node[k] = e
+            except Exception as exc:  # a value of the file that the schema refuses
+                report(key, e, exc)
+
+
+def resume_base(
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    out: Path,
+    compose_neutral: Callable[[], Any],
+    conf: Path,
+) -> DictConfig:
+    """``cfg`` (composed from ``overrides`` and resolved) with every leaf the overrides do not
+    touch taken from ``out/config.yaml`` (the module docstring); ``cfg`` itself when
+    ``resume`` is false, the file is missing or cannot be read as a mapping."""
+    from nemo_d3s.trainer.overrides import schema_keys
+
+    path = out / "config.yaml"
+    if not bool(cfg.get("resume", False)) or not path.is_file():
+        return cfg
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception:
+        return cfg  # the resume check names the file and the way out
+    if not isinstance(old, dict):
+        return cfg
+    new = OmegaConf.to_container(cfg, resolve=True)
+    touched = touched_keys(overrides, conf)
+    try:
+        neutral = OmegaConf.to_container(compose_neutral(), resolve=True)
+    except Exception as e:  # only the explicit rule then
+        log.warning("resume=true: the default config cannot be composed (%s)", first_line(e))
+        neutral = None
+    if isinstance(neutral, dict):
+        from nemo_d3s.trainer.resume import diff_values
+
+        touched |= {k for k, _, _, _ in diff_values(neutral, new)}
+    eff = merge_untouched(old, new, touched)
+    allow = bool(cfg.trainer.allow_config_change)
+
+    def report(key: str, value: Any, exc: Exception) -> None:
+        what = f"{str(path)!r}: {key}={value!r} does not fit the run's schema ({first_line(exc)})"
+        if not allow:
+            raise ConfigError(
+                f"{what}; restore the file, or pass trainer.allow_config_change=true to "
+                "resume with this command's value"
+            )
+        log.warning("%s; using this command's value (trainer.allow_config_change=true)", what)
+
+    _apply(cfg, eff, new, set(schema_keys()), "", report)
+    given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _ALWAYS_TOUCHED]
+    log.info(
+        "resume=true: the run's own config (%s) with this command's overrides: %s",
+        path,
+        " ".join(given) or "none",
+    )
+    return cfg
+
+
+def config_digest(cfg: Any) -> str:
+    """SHA-256 of the resolved config as canonical JSON (key order does not matter), without
+    ``output_dir``: a default ``outputs/${now:...}`` may resolve a second apart on two ranks,
+    and rank 0's is the one written to."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    plain = {k: v for k, v in plain.items() if k != "output_dir"}
+    text = json.dumps(plain, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def agree_on_config(cfg: Any, gather: Optional[Callable[[str], List[Optional[str]]]]) -> None:
+    """Every rank runs the same config: ``gather`` (an all-gather of one text per rank, in
+    rank order; None for one process) of each rank's :func:`config_digest`, and a
+    ConfigError on every rank naming the ranks that differ from rank 0. Collectives: one
+    all-gather of 64 bytes per rank."""
+    if gather is None:
+        return
+    digests = gather(config_digest(cfg))
+    odd = [r for r, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise ConfigError(
+            f"rank(s) {', '.join(map(str, odd))} run another config than rank 0 (different "
+            "command lines, or output_dir/config.yaml changed while the ranks started); "
+            "start every rank with the same command"
+        )
