@@ -343,6 +343,25 @@ def benchmarks_readme() -> List[str]:
             f"| 2^{n.bit_length() - 1} ({n / 1e6:.1f}M) | {ms('radix8')} | {ms('radix16')} | "
             f"{quant} | {ms('gather_sort')} | {b('radix8')} / {b('radix16')} / {gather} |"
         )
+    ent = {
+        (r["tp"], r["dtype"], r["method"]): r["torch_alloc_peak_bytes"]
+        for r in _json("bench_vocab_parallel_entropy.json")["results"]
+        if r["mode"] == "fwd"
+    }
+
+    def size(x):
+        return (f"{x / GIB:.1f}", "GiB") if x >= GIB else (f"{x / MIB:.0f}", "MiB")
+
+    def pair(tp, method):
+        (a, ua), (b, ub) = size(ent[(tp, "fp32", method)]), size(ent[(tp, "bf16", method)])
+        return f"{a} / {b} {ua}" if ua == ub else f"{a} {ua} / {b} {ub}"
+
+    out.append(f"| 1 | {pair(1, 'fused')} (core) | = fused | {pair(1, 'gather_naive')} |")
+    for tp in (2, 4):
+        out.append(
+            f"| {tp} | {pair(tp, 'fused')} | {pair(tp, 'gather_core')} | "
+            f"{pair(tp, 'gather_naive')} |"
+        )
     m = _json("bench_microbatch.json")["methods"]
     for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
         x = m[name]
