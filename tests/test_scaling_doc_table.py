@@ -132,3 +132,22 @@ def test_the_long_recipe_without_sequence_parallelism_is_the_dry_runs(tmp_path):
     assert not report["fits"]
     assert float(m.group(1)) == round(stage0["terms_bytes"]["activations"] / GB, 1)
     assert float(m.group(2)) == round(report["worst"]["peak_bytes"] / GB, 1)
+
+
+@pytest.mark.parametrize("name", ["llama3_70b", "qwen25_72b"])
+def test_the_idle_gpus_while_generating_are_the_dry_runs(name, tmp_path):
+    """ "the 70B/72B recipes leave X of Y GPUs without an engine while generating (one engine
+    per Z-GPU model copy)"."""
+    text = " ".join(DOC.read_text().split())
+    m = re.search(
+        r"the 70B/72B recipes leave (\d+) of (\d+) GPUs without an engine while generating "
+        r"\(one engine per (\d+)-GPU model copy\)",
+        text,
+    )
+    assert m, "the sentence on the GPUs without an engine is gone"
+    nodes, gpus = ROWS[name][:2]
+    report, _ = _plan_busiest(name, tmp_path)
+    v, layout = report["vllm"], report["layout"]
+    copy = layout["tp"] * layout["pp"]
+    assert [int(x) for x in m.groups()] == [v["gpus_idle_in_generation"], nodes * gpus, copy]
+    assert v["engines"] == nodes * gpus // copy
