@@ -362,6 +362,41 @@ def benchmarks_readme() -> List[str]:
             f"| {tp} | {pair(tp, 'fused')} | {pair(tp, 'gather_core')} | "
             f"{pair(tp, 'gather_naive')} |"
         )
+    vpe = _json("bench_vocab_parallel_entropy.json")
+    t = {(r["tp"], r["dtype"], r["mode"], r["method"]): r for r in vpe["results"] if r["tp"] > 1}
+
+    def sec(tp, method, mode="fwd"):
+        return t[(tp, "fp32", mode, method)]["time_s_median"]
+
+    def x(tp, method, mode="fwd"):
+        return sec(tp, method, mode) / sec(tp, "fused", mode)
+
+    def mx(tp, dtype, method):
+        return ent[(tp, dtype, method)] / ent[(tp, dtype, "fused")]
+
+    no_gather = (
+        sec(2, "gather_core") - t[(2, "fp32", "fwd", "gather_core")]["gather_s_median"]
+    ) / (sec(2, "fused"))
+    ext = {(e["method"], e["mode"]): e["bytes_by_tp"] for e in vpe["analytic_extrapolation"]}
+    out += [
+        f"gather_core needs {mx(2, 'fp32', 'gather_core'):.1f}x (TP2) and "
+        f"{mx(4, 'fp32', 'gather_core'):.1f}x (TP4) the memory of fused in fp32 "
+        f"({mx(2, 'bf16', 'gather_core'):.1f}x / {mx(4, 'bf16', 'gather_core'):.1f}x in bf16), "
+        f"gather_naive {mx(2, 'fp32', 'gather_naive'):.0f}x / {mx(4, 'fp32', 'gather_naive'):.0f}x",
+        f"TP2 fused {sec(2, 'fused'):.2f} s vs gather_core {sec(2, 'gather_core'):.2f} s "
+        f"({x(2, 'gather_core'):.1f}x; {no_gather:.2f}x without the all-gather itself) and "
+        f"gather_naive {sec(2, 'gather_naive'):.2f} s ({x(2, 'gather_naive'):.1f}x); TP4 "
+        f"(oversubscribed) {sec(4, 'fused'):.2f} s vs {sec(4, 'gather_core'):.2f} s "
+        f"({x(4, 'gather_core'):.1f}x) and {sec(4, 'gather_naive'):.2f} s "
+        f"({x(4, 'gather_naive'):.1f}x)",
+        f"Forward + backward: {x(2, 'gather_core', 'fwd_bwd'):.1f}x / "
+        f"{x(2, 'gather_naive', 'fwd_bwd'):.1f}x at TP2, {x(4, 'gather_core', 'fwd_bwd'):.1f}x / "
+        f"{x(4, 'gather_naive', 'fwd_bwd'):.1f}x at TP4",
+        f"the forward needs {ext[('fused', 'fwd')]['2'] / MIB:.0f} MiB (TP2) / "
+        f"{ext[('fused', 'fwd')]['4'] / MIB:.0f} MiB (TP4) per rank fused against "
+        f"{ext[('gather_core', 'fwd')]['2'] / GIB:.1f} GiB gathered + core and "
+        f"{ext[('gather_naive', 'fwd')]['2'] / GIB:.1f} GiB gathered + naive",
+    ]
     m = _json("bench_microbatch.json")["methods"]
     for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
         x = m[name]
