@@ -397,6 +397,31 @@ def benchmarks_readme() -> List[str]:
         f"{ext[('gather_core', 'fwd')]['2'] / GIB:.1f} GiB gathered + core and "
         f"{ext[('gather_naive', 'fwd')]['2'] / GIB:.1f} GiB gathered + naive",
     ]
+    gen = _json("bench_batched_generation.json")["times_s"]
+    g = {k: _median(v) for k, v in gen.items()}
+    ref = g["hf_generate_per_prompt"]
+    out.append(
+        f"`model.generate` once per prompt {ref:.2f} s; the seeded sampler once per prompt "
+        f"{g['seeded_per_prompt']:.2f} s ({ref / g['seeded_per_prompt']:.2f}x); the seeded "
+        f"sampler in one batched call {g['seeded_batched']:.2f} s "
+        f"({ref / g['seeded_batched']:.2f}x)"
+    )
+    r = _json("bench_megatron_cpu.json")["results"]
+
+    def w(layout, call):
+        return r[layout][call]["wall_s_median"]
+
+    def rel(layout, call):
+        return w(layout, call) / w("hf", call)
+
+    out.append(
+        f"score {w('hf', 'score'):.2f} s (HF) / {w('megatron_tp1', 'score'):.2f} s (Megatron "
+        f"TP1, {rel('megatron_tp1', 'score'):.2f}x) / {w('megatron_tp1_pp2', 'score'):.2f} s "
+        f"(TP1 x PP2, {rel('megatron_tp1_pp2', 'score'):.2f}x); train_step "
+        f"{w('hf', 'train_step'):.2f} s / {w('megatron_tp1', 'train_step'):.2f} s "
+        f"({rel('megatron_tp1', 'train_step'):.2f}x) / {w('megatron_tp1_pp2', 'train_step'):.2f} s"
+        f" ({rel('megatron_tp1_pp2', 'train_step'):.2f}x)"
+    )
     m = _json("bench_microbatch.json")["methods"]
     for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
         x = m[name]
