@@ -433,12 +433,62 @@ def benchmarks_readme() -> List[str]:
     return out
 
 
+def defaults() -> List[Tuple[str, str]]:
+    """Defaults and constants the docs quote: the schema's, a recipe's, the exit code's."""
+    import yaml
+
+    from nemo_d3s.config_schema import TaskConfig, TrainerConfig
+    from nemo_d3s.train import EXIT_INTERRUPTED
+    from nemo_d3s.trainer.records import CONSTANT_REWARD_STEPS
+
+    tr, task = TrainerConfig(), TaskConfig()
+    long = yaml.safe_load((REPO / "conf" / "experiment" / "llama3_70b_long.yaml").read_text())
+    t = long["trainer"]
+    faults = "docs/faults.md"
+    n = CONSTANT_REWARD_STEPS
+    return [
+        (faults, f"`trainer.dist_timeout_minutes` (default {tr.dist_timeout_minutes:g})"),
+        (faults, f"`trainer.max_failed_reward_steps` (default {tr.max_failed_reward_steps})"),
+        (faults, f"after {n} such steps one warning: `every rollout of the last {n} steps"),
+        (faults, f"`task.max_eval_size` ({task.max_eval_size:,}; raise it if meant)"),
+        (README, f'exit with code **{EXIT_INTERRUPTED}** ("interrupted"'),
+        (
+            README,
+            asserted(
+                ".ci/run",
+                "install -q torch==2.15.0 megatron-core==0.19.2",
+                "Python 3.12 (torch 2.15.0 from PyPI, megatron-core 0.19.2)",
+            ),
+        ),
+        (
+            README,
+            asserted(
+                ".ci/run",
+                'pip install -q torch==2.13.0 && pip install -q -e ".[test]"',
+                "CI runs the default suite on Python 3.11 (torch 2.13.0,",
+            ),
+        ),
+        (
+            SCALING,
+            f"(prompts up to {long['task']['max_prompt_tokens']} tokens, responses up to "
+            f"{t['max_new_tokens']}; its file reasons the layout): without sequence "
+            f"parallelism the same {t['micro_batch_tokens']}-token",
+        ),
+        (
+            SCALING,
+            f"rows of {long['rollout']['max_model_len']} tokens | TP4 PP4 DP4 SP (tp-pp-dp "
+            f"order), vLLM TP8, {t['micro_batch_tokens']}-token micro-batches",
+        ),
+    ]
+
+
 def claims() -> List[Tuple[str, str]]:
     out: List[Tuple[str, str]] = [(README, text) for text in readme_stack()]
     out += [(README, text) for text in reward_check()]
     for fn in (vllm_rollouts, megatron_cpu, microbatch, dry_run_constants, scaling_asserted):
         out += [(SCALING, text) for text in fn()]
     out += [(EVIDENCE_DOC, text) for text in parallel_pieces()]
+    out += defaults()
     out += [("docs/design-choices.md", text) for text in design_choices()]
     out += [("benchmarks/README.md", text) for text in benchmarks_readme()]
     arch = "docs/architecture.md"
