@@ -422,6 +422,20 @@ def benchmarks_readme() -> List[str]:
         f"({rel('megatron_tp1', 'train_step'):.2f}x) / {w('megatron_tp1_pp2', 'train_step'):.2f} s"
         f" ({rel('megatron_tp1_pp2', 'train_step'):.2f}x)"
     )
+
+    def minutes(name):
+        return f"{_json(name)['elapsed_s'] / 60:.1f} min"
+
+    sig = [b["seconds"] for b in _json("bench_token_signal.json")["batches"]]
+    out += [
+        f"bench_vocab_parallel_entropy.py # {minutes('bench_vocab_parallel_entropy.json')} on 2 "
+        "cores (the record's run)",
+        f"bench_global_topk.py # {minutes('bench_global_topk.json')}",
+        f"bench_megatron_cpu.py # {minutes('bench_megatron_cpu.json')} on 2 cores (3 rounds",
+        f"bench_selection_overhead.py # {minutes('bench_selection_overhead.json')}",
+        f"bench_token_signal.py # {min(sig) / 60:.0f}-{max(sig) / 60:.0f} min a batch on 1 core",
+        f"bench_microbatch.py # {_json('bench_microbatch.json')['wall_s']:.0f} s (HF tiny Llama",
+    ]
     m = _json("bench_microbatch.json")["methods"]
     for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
         x = m[name]
