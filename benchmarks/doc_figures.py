@@ -423,6 +423,41 @@ def benchmarks_readme() -> List[str]:
         f" ({rel('megatron_tp1_pp2', 'train_step'):.2f}x)"
     )
 
+    big = {r["method"]: r for r in res if r["n_total"] == max(x["n_total"] for x in res)}
+    r8, r16, gq = big["radix8"], big["radix16"], big["gather_quantile"]
+    out += [
+        f"radix8 = {r8['collectives_counted']['all_reduce']['calls']} all-reduces x 257 int64 = "
+        f"{r8['bytes_received_counted']:,} B",
+        f"radix16 = {r16['collectives_counted']['all_reduce']['calls']} x 65,537 int64",
+        f"{round(gq['bytes_received_counted'] / r8['bytes_received_counted'], -3):,.0f}x less "
+        "traffic than the gather",
+        f"Peak RSS per rank at {max(x['n_total'] for x in res) / 1e6:.1f}M: radix "
+        f"{r8['rss_peak_delta_bytes_median'] / MIB:.0f} MiB, gather + quantile "
+        f"{gq['rss_peak_delta_bytes_median'] / MIB:.0f} MiB, gather + sort "
+        f"{big['gather_sort']['rss_peak_delta_bytes_median'] / MIB:.0f} MiB",
+    ]
+    sel = _json("bench_selection_overhead.json")["layouts"]
+    one, two = sel["TP2xDP1"], sel["TP2xDP2"]
+    ph = one["summary"]["phases"]
+
+    def share(layout, part):
+        return layout["summary"][part]["share_median"]
+
+    out += [
+        f"TP2xDP1 step {one['summary']['step_s_median']:.1f} s = old-logprob pass "
+        f"{ph['old_logprob_pass']['share_median']:.0%}, training fwd/bwd "
+        f"{ph['train_fwd_bwd']['share_median']:.0%}, AdamW {ph['optimizer']['share_median']:.0%}",
+        f"{one['summary']['selection']['ms_median']:.1f} ms ({share(one, 'selection'):.2%}), "
+        f"rebalancing {one['summary']['rebalancing']['ms_median']:.1f} ms "
+        f"({share(one, 'rebalancing'):.2%}). TP2xDP2 (4 ranks on 2 cores): step "
+        f"{two['summary']['step_s_median']:.1f} s; selection "
+        f"{two['summary']['selection']['ms_median']:.0f} ms ({share(two, 'selection'):.2%}",
+        f"rebalancing {two['summary']['rebalancing']['ms_median']:.0f} ms "
+        f"({share(two, 'rebalancing'):.2%}",
+        f"(one 8-byte all-reduce: {two['dp_allreduce_8B_latency_ms_median']:.1f} ms under "
+        "oversubscription)",
+    ]
+
     def minutes(name):
         return f"{_json(name)['elapsed_s'] / 60:.1f} min"
 
