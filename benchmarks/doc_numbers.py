@@ -1,4 +1,4 @@
-"""Every figure the README and docs/evidence.md quote from a run, rendered from the committed
+"""Every figure the README and docs/ quote from a run, rendered from the committed
 records, so the text cannot drift from them (``tests/test_doc_numbers.py`` checks that each
 rendered line occurs in its document).
 
@@ -12,19 +12,25 @@ Records read (all committed under ``benchmarks/results/``):
 - ``evidence/table.json`` and ``evidence/timing/table.json`` (``compare_presets.py``'s
   summaries) and ``evidence/runs/*/`` (per-run metrics and evals), re-read here with
   ``compare_presets.load_run`` / ``paired_difference`` / ``mean_ci``, the functions that
-  wrote the tables.
+  wrote the tables;
+- ``reward_check/`` (the README's few-step run of a custom reward on SmolLM2) and the
+  ``bench_*.json`` records, the code's constants and the tests' assertions behind the other
+  documents' figures: ``doc_figures.py``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compare_presets import load_run, mean_ci, paired_difference  # noqa: E402
+import doc_figures  # noqa: E402
+from doc_figures import asserted, readme_selfcheck  # noqa: E402
 
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -139,6 +145,253 @@ def eligible_range() -> Tuple[int, int, int, int]:
     return int(min(later)), int(max(later)), floored, len(rows)
 
 
+def _yaml(path: Path) -> dict:
+    import yaml  # PyYAML, a dependency of omegaconf
+
+    return yaml.safe_load(path.read_text())
+
+
+def _rows(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _frac(x: float) -> str:
+    return str(Fraction(x).limit_denominator(64))
+
+
+def _mmss(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 60:02d}:{s % 60:02d}"
+
+
+def _minus(x: float, digits: int = 3) -> str:
+    """A signed number as the prose writes it (U+2212 for a minus)."""
+    return f"{x:+.{digits}f}".replace("-", "\u2212")
+
+
+def readme_main_job() -> List[str]:
+    """The main job's settings, duration, progress-bar example and eval line: its record folder
+    (``cpu_default/``: config.yaml, metrics.jsonl, eval.jsonl, summary.json)."""
+    rec = RESULTS / "cpu_default"
+    cfg, summary = _yaml(rec / "config.yaml"), _json(rec / "summary.json")
+    mem = _json(rec / "memory_disk.json")
+    t, sch = cfg["trainer"], cfg["d3s"]["schedule"]
+    evals = _rows(rec / "eval.jsonl")
+    rows = {r["step"]: r for r in _rows(rec / "metrics.jsonl")}
+    out = [
+        f"{t['steps']} steps of {t['prompts_per_step']} prompts x {t['num_generations']} rollouts "
+        f"(up to {t['max_new_tokens']} new tokens, temperature {t['temperature']})",
+        f"D3S keeps {_frac(sch['n_init'])} -> {_frac(sch['n_final'])} of the rollouts and, "
+        f"within them, {sch['k_init']:.0%} -> {sch['k_final']:.0%} of the tokens (at least "
+        f"{cfg['d3s']['min_kept_tokens']} a step); greedy evaluation on {cfg['task']['eval_size']} "
+        "held-out problems at steps " + ", ".join(str(e["step"]) for e in evals),
+        f"about {summary['wall_time'] / 60:.0f} minutes with start-up",
+        f"a {mem['steps']}-step run of the same job with its first evaluation and one checkpoint",
+        f"run keeps `trainer.keep_last={t['keep_last']}` checkpoints (every "
+        f"`trainer.save_every={t['save_every']}` steps)",
+        f"mean reward of this step's {t['prompts_per_step'] * t['num_generations']} sampled "
+        "rollouts",
+        f"(the same files as the export) takes {mem['disk_bytes']['hf_export'] / 1e9:.1f} GB more",
+    ]
+    # The progress bar at step 11: its clock restarts after the first evaluation (the wall time
+    # of step 1 less that step's own time), and later evaluations count.
+    n, total = 11, t["steps"]
+    start = rows[1]["wall_time"] - rows[1]["time_step"]
+    elapsed = rows[n]["wall_time"] - start
+    rate = elapsed / n
+    r = rows[n]
+    out.append(
+        f"{n}/{total} [{_mmss(elapsed)}<{_mmss(rate * (total - n))}, {rate:.1f}s/step, "
+        f"reward={r['reward_mean']:.3f}, smp={r['kept_sample_ratio']:.2f}, "
+        f"tok={r['kept_token_ratio']:.2f}]"
+    )
+    e10 = next(e for e in evals if e["step"] == 10)
+    out.append(
+        f"eval step 10: reward {e10['eval_reward_mean']:.4f} over {e10['eval_n']} problems in "
+        f"{e10['time_eval']:.1f} s"
+    )
+    return out
+
+
+def readme_evidence_setting() -> List[str]:
+    """The headline's and "Does D3S help here?"'s setting: the evidence runs' config and table."""
+    table = _json(EVIDENCE / "table.json")
+    tv = _json(EVIDENCE / "timing" / "table.json")["variants"]
+    cfg = _yaml(EVIDENCE / "runs" / "d3s_s0" / "config.yaml")
+    seeds = [v["seeds"] for v in table["variants"].values() if v["seeds"] > 1]
+    v = table["variants"]
+    return [
+        f"{cfg['trainer']['steps']} steps, {min(seeds)}-{max(seeds)} seeds",
+        f"D3S with a floor of {cfg['d3s']['min_kept_tokens']} kept tokens a step matches GRPO's",
+        f"its updates carry "
+        f"{v['d3s']['update_tokens_total'][0] / v['grpo']['update_tokens_total'][0]:.0%} of "
+        f"GRPO's tokens, and a D3S step costs about "
+        f"{tv['d3s']['step_time'][0] / tv['grpo']['step_time'][0]:.2f} of a GRPO step",
+        f"With its floor of {cfg['d3s']['min_kept_tokens']} kept tokens a step, D3S ends level",
+        f"at the papers' K of {cfg['d3s']['schedule']['k_init']:.0%} of a small batch (about "
+        f"{_token_signal()['summary']['pipeline:d3s']['0.0']['tokens_mean']:.0f} tokens)",
+    ]
+
+
+def _token_signal() -> dict:
+    return _json(RESULTS / "bench_token_signal.json")
+
+
+def evidence_prose() -> List[str]:
+    """docs/evidence.md's set-up, timing table and "What this shows", from the records."""
+    table = _json(EVIDENCE / "table.json")
+    v = table["variants"]
+    timing = _json(EVIDENCE / "timing" / "table.json")
+    tv = timing["variants"]
+    mem = _json(RESULTS / "cpu_default" / "memory_disk.json")
+    cfg = _yaml(EVIDENCE / "runs" / "d3s_s0" / "config.yaml")
+    t = cfg["trainer"]
+    sig = _token_signal()
+    ss = sig["summary"]
+    base = _runs("grpo")[0]["curve"][0]["eval"]
+    n_eval = cfg["task"]["eval_size"]
+    out = [
+        f"scores {base:.2f} greedy on the {n_eval} held-out problems, standard error about "
+        f"{(base * (1 - base) / n_eval) ** 0.5:.2f}), {t['steps']} steps of "
+        f"{t['prompts_per_step']} prompts x {t['num_generations']} rollouts, eval every "
+        f"{t['eval_every']} steps",
+        f"({mem['disk_bytes']['one_checkpoint'] / 1e9:.1f} GB each here, with the optimizer "
+        f"state) and a Hugging Face export ({mem['disk_bytes']['hf_export'] / 1e9:.1f} GB), "
+        "about {:.1f} GB a run".format(
+            (t["keep_last"] * mem["disk_bytes"]["one_checkpoint"] + mem["disk_bytes"]["hf_export"])
+            / 1e9
+        ),
+        f"99% of GRPO's best mean ({table['threshold']:.3f})",
+    ]
+
+    def own(name, s):
+        rows = _rows(EVIDENCE / "runs" / f"{name}_s{s}" / "metrics.jsonl")
+        return sum(r["time_step"] for r in rows)
+
+    for name in ("grpo", "d3s", "d1s_cross"):
+        x = tv[name]
+        runs = _runs(name, (3, 4))
+        ttt = x["time_to_threshold"]
+        sp = ttt["speedup_vs_reference"]
+        if name == timing["reference"]:
+            sooner = f"{sp['ratio']:.2f}x"
+        elif ttt["reached"] == 1:
+            sooner = f"{sp['ratio']:.1f}x (the one seed)"
+        else:
+            sooner = f"{sp['ratio']:.1f}x [{sp['lo']:.2f}, {sp['hi']:.2f}]"
+        out.append(
+            " | ".join(
+                [
+                    f"| `{name}`",
+                    ", ".join(f"{own(name, s):.0f}" for s in (3, 4)),
+                    f"{x['step_time'][0]:.0f}",
+                    f"{x['generation_share'][0]:.2f}",
+                    ", ".join(f"{r['curve'][-1]['eval']:.2f}" for r in runs),
+                    f"{x['eval_at_equal_time'][0]:.2f}",
+                    f"{ttt['reached']} of {x['seeds']}",
+                    f"{sooner} |",
+                ]
+            )
+        )
+    out += [
+        f"reached {timing['threshold']:.3f} (99% of GRPO's best here)",
+        f"its {own('d3s', 4):.0f} s flatters it a little; seed 3, {own('d3s', 3):.0f} s, shared",
+    ]
+    # The token-signal tables (benchmarks/bench_token_signal.py's summary).
+    ks = sig["k_fracs"]
+    label = {
+        "d3s": "top by \\|A\\| x H (D3S's rule)",
+        "adv": "top by \\|A\\| alone",
+        "entropy": "top by H alone (tokens with A != 0)",
+        "random": "random (tokens with A != 0)",
+    }
+    for rule in sig["rules"]:
+        cells = [f"{ss[rule][str(k)]['mean']:.2f}" for k in ks]
+        out.append(f"| {label[rule]} | " + " | ".join(cells) + " |")
+    for name, unit in (("d3s", " tokens"), ("d3s_paper", "")):
+        row = [ss["pipeline:" + name][p] for p in ("0.0", "0.5", "1.0")]
+        cells = [
+            f"{c['mean']:.2f} ({c['tokens_mean']:.0f}{unit if i == 0 else ''})"
+            for i, c in enumerate(row)
+        ]
+        out.append(" | ".join(cells) + " |")
+    for name in ("d2s", "pods", "d1s_cross"):
+        p = ss["pipeline:" + name]["0.0"]
+        out.append(f"| {p['mean']:.2f} ({p['tokens_mean']:.0f}) |")
+    resp = sum(b["response_tokens"] for b in sig["batches"]) / len(sig["batches"])
+    d5 = ss["d3s"]["0.05"]
+    out += [
+        f"Means over {len(sig['batches'])} batches; the batches differ a lot (D3S's 5%: "
+        f"{d5['min']:.2f} to {d5['max']:.2f})",
+        f"about {ss['pipeline:d3s']['0.0']['tokens_mean']:.0f} of ~{round(resp, -2):,.0f} "
+        "response tokens a step",
+        f"(cosine {ss['pipeline:d3s']['0.0']['mean']:.2f} in the token-signal table)",
+        f"(pre-clip norm ~{v['d3s_m0']['grad_norm_vs_reference']:.0f}x GRPO's",
+        f"(kept Var(A) {v['d3s_m0']['kept_adv_var'][0]:.2f} vs {v['d3s_m0']['adv_var_all'][0]:.1f}"
+        " for the batch)",
+        f"(`d1s_cross`: {ss['pipeline:d1s_cross']['0.0']['mean']:.2f})",
+        f"({ss['d3s']['0.05']['mean']:.2f} vs {ss['random']['0.05']['mean']:.2f} at 5%) and "
+        f"than entropy alone ({ss['entropy']['0.05']['mean']:.2f})",
+    ]
+
+    # "What this shows": the inline figures repeat the tables'.
+    def pm(name):
+        return _pm(v[name]["eval_final"])
+
+    def dpm(name):
+        d = v[name]["eval_final_minus_reference"]
+        return f"{_minus(d['mean'])} ± {d['half_width']:.3f}"
+
+    def dpm_ascii(name):
+        d = v[name]["eval_final_minus_reference"]
+        return _pm((d["mean"], d["half_width"]), sign=True)
+
+    def fin(name, seeds=range(5)):
+        return mean_ci([r["curve"][-1]["eval"] for r in _runs(name, seeds)])[0]
+
+    pods, m2 = _runs("pods"), _runs("grpo_m2")
+    below = sum(a["curve"][-1]["eval"] < b["curve"][-1]["eval"] for a, b in zip(m2, pods))
+    tie = _runs("d3s_i_tiebreak_m0", range(1))[0]["curve"]
+    out += [
+        f"Eval at step 20: grpo {pm('grpo')} ({v['grpo']['seeds']} seeds), d3s {pm('d3s')} "
+        f"({dpm('d3s')} against GRPO, same seed), d3s_m0 {fin('d3s_m0'):.3f} ({dpm('d3s_m0')}, "
+        "outside the interval)",
+        f"A floor of 128 lands in between ({fin('d3s_m128'):.2f})",
+        f"With the floor D3S updates on {_k(v['d3s']['update_tokens_total'][0])} response tokens "
+        f"over {t['steps']} steps against GRPO's {_k(v['grpo']['update_tokens_total'][0])} "
+        f"({v['d3s']['update_tokens_total'][0] / v['grpo']['update_tokens_total'][0]:.0%})",
+        f"every token) {pm('d1s_cross')} over {v['d1s_cross']['seeds']} seeds "
+        f"({dpm_ascii('d1s_cross')} against GRPO); `d1s` (the same per group) {pm('d1s')} "
+        f"({dpm_ascii('d1s')})",
+        f"a D3S step costs about {tv['d3s']['step_time'][0] / tv['grpo']['step_time'][0]:.2f} of a "
+        f"GRPO step and a `d1s_cross` step "
+        f"{tv['d1s_cross']['step_time'][0] / tv['grpo']['step_time'][0]:.2f}, so after the same "
+        f"{timing['equal_time']:.0f} s of training they are at "
+        f"{tv['d3s']['eval_at_equal_time'][0]:.2f} and "
+        f"{tv['d1s_cross']['eval_at_equal_time'][0]:.2f} against GRPO's "
+        f"{tv['grpo']['eval_at_equal_time'][0]:.2f}; `d1s_cross` reached 99% of "
+        f"GRPO's best {tv['d1s_cross']['time_to_threshold']['speedup_vs_reference']['ratio']:.1f}x "
+        f"sooner in both seeds, D3S "
+        f"{tv['d3s']['time_to_threshold']['speedup_vs_reference']['ratio']:.1f}x sooner in one of "
+        "two",
+        f"ended at {pm('pods')} over {v['pods']['seeds']} seeds ({dpm('pods')} against GRPO",
+        f"their advantages ({fin('d1s', range(3)):.3f}, {v['d1s']['seeds']} seeds)",
+        f"(`grpo_m2`) ended at {pm('grpo_m2')}, below PODS in {below} of {len(pods)} seeds",
+        f"`grpo_m2` seed fell to {min(r['curve'][-1]['eval'] for r in m2):.2f}",
+        f"(`d2s`: {fin('d2s', range(3)):.3f}; `d3s_paper_m0`: {fin('d3s_paper_m0', range(3)):.3f})",
+        f"gspo_d3s {fin('gspo_d3s', range(3)):.3f} with the floor, "
+        f"{fin('gspo_d3s_m0', range(3)):.3f} without, against {fin('d3s', range(3)):.3f} and "
+        f"{fin('d3s_m0', range(3)):.3f} on GRPO's loss (`d3s` and `d3s_m0`, the same seeds 0-2)",
+        f"`d3s_eligible_m0` {fin('d3s_eligible_m0', range(3)):.3f} against `d3s_m0` "
+        f"{fin('d3s_m0', range(3)):.3f}",
+        f"eval {tie[1]['eval']:.2f} at steps {tie[1]['step']} and {tie[2]['step']}, recovering "
+        f"to {tie[-1]['eval']:.2f} once N reached 2",
+        f"`d3s_i_m0` trains normally ({fin('d3s_i_m0', range(3)):.2f}) and `d3s_i` matches GRPO "
+        f"({fin('d3s_i', range(3)):.2f})",
+    ]
+    return out
+
+
 def claims() -> List[Tuple[str, str]]:
     """(document, text it must contain), every text rendered from a record."""
     out: List[Tuple[str, str]] = []
@@ -222,6 +475,21 @@ def claims() -> List[Tuple[str, str]]:
         ),
         (README, f"D3S's eval at step 20 spans {min(finals):.2f}-{max(finals):.2f}"),
     ]
+    out += [(README, text) for text in readme_main_job()]
+    out += [(README, text) for text in readme_evidence_setting()]
+    out += [(README, text) for text in readme_selfcheck()]
+    out.append(
+        (
+            README,
+            asserted(
+                "tests/trainer/test_megatron_run.py",
+                "assert size < 20e6",
+                "the run stays under 20 MB on disk",
+            ),
+        )
+    )
+    out += [(EVIDENCE_DOC, text) for text in evidence_prose()]
+    out += doc_figures.claims()
     out += [(EVIDENCE_DOC, row) for row in main_table_rows(table)]
     out += [(EVIDENCE_DOC, line) for line in per_seed_lines()]
     out.append((EVIDENCE_DOC, floor_lift()))
@@ -275,7 +543,9 @@ def check() -> Dict[str, List[str]]:
     missing: Dict[str, List[str]] = {}
     for doc, text in claims():
         # Line breaks of the Markdown source are spaces to a reader.
-        if " ".join(text.split()) not in " ".join((REPO / doc).read_text().split()):
+        # (and a shell command's continued lines one line)
+        body = (REPO / doc).read_text().replace("\\\n", " ")
+        if " ".join(text.split()) not in " ".join(body.split()):
             missing.setdefault(doc, []).append(text)
     return missing
 

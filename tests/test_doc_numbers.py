@@ -1,5 +1,6 @@
-"""The README's and docs/evidence.md's figures are the committed records' (rendered by
-benchmarks/doc_numbers.py from benchmarks/results/), and the main job's record script works."""
+"""The figures of the README and docs/ are the committed records' (rendered by
+benchmarks/doc_numbers.py and benchmarks/doc_figures.py from benchmarks/results/, the code's
+constants and the tests' assertions), and the main job's record script works."""
 
 from __future__ import annotations
 
@@ -32,9 +33,27 @@ def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
     main = json.loads((results / "cpu_default" / "main_job.json").read_text())
     main["s_per_step"]["median"] += 3
     (results / "cpu_default" / "main_job.json").write_text(json.dumps(main))
+    vllm = json.loads((results / "bench_vllm_rollouts.json").read_text())
+    vllm["generation"]["engine_start_s"] += 10
+    (results / "bench_vllm_rollouts.json").write_text(json.dumps(vllm))
+    rows = (results / "cpu_default" / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(rows[10])
+    assert row["step"] == 11
+    row["kept_token_ratio"] = 0.5
+    rows[10] = json.dumps(row)
+    (results / "cpu_default" / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    check = (results / "reward_check" / "metrics.jsonl").read_text().splitlines()
+    row = json.loads(check[1])
+    row["update_tokens"] = 255.0
+    check[1] = json.dumps(row)
+    (results / "reward_check" / "metrics.jsonl").write_text("\n".join(check) + "\n")
     monkeypatch.setattr(doc_numbers, "RESULTS", results)
     monkeypatch.setattr(doc_numbers, "EVIDENCE", results / "evidence")
+    monkeypatch.setattr(doc_numbers.doc_figures, "RESULTS", results)
     missing = doc_numbers.check()
+    assert any(t.startswith("Engine start 23 s") for t in missing.get("docs/scaling.md", []))
+    assert any("tok=0.50]" in t for t in missing.get("README.md", [])), missing
+    assert "| 2 | 0.006 | 0.2 | 1 of 4 | 255 tokens |" in missing.get("README.md", []), missing
     assert any(t.startswith("| `d3s` | 5 | 0.495") for t in missing.get("docs/evidence.md", [])), (
         missing
     )

@@ -84,3 +84,70 @@ def test_row_equals_the_dry_run(name, tmp_path):
     assert [round(g / GB, 1) for g in got] == figures, dict(zip(COLUMNS, got))
     assert round(busiest["params"] / 1e9, 2) == params_b
     assert (verdict == "fits") == report["fits"]
+
+
+def _plan_busiest(name, tmp_path, *overrides):
+    nodes, gpus = ROWS[name][:2]
+    report = plan(
+        compose_config([f"experiment={name}", f"output_dir={tmp_path}", *overrides]),
+        JobShape(nodes, gpus, "test"),
+    )
+    return report, max(report["positions"], key=lambda p: p["peak_bytes"])
+
+
+def test_generation_peaks_with_the_cache_kept_are_the_dry_runs(tmp_path):
+    """ "with the last update's blocks still reserved it would be A / B / ... GB": the busiest
+    GPU's ``generation_peak_if_cache_kept_bytes`` of each recipe, in the table's order."""
+    text = " ".join(DOC.read_text().split())
+    m = re.search(r"still reserved it would be ([\d. /]+) GB", text)
+    assert m, "the sentence on the generation peak with the cache kept is gone"
+    quoted = [float(x) for x in m.group(1).split(" / ")]
+    order = [
+        re.match(r"\| (\w+) \(", line).group(1)
+        for line in DOC.read_text().splitlines()
+        if re.match(r"\| (\w+) \((\d+) x (\d+)\)", line)
+    ]
+    got = [
+        round(_plan_busiest(n, tmp_path)[1]["generation_peak_if_cache_kept_bytes"] / GB, 1)
+        for n in order
+    ]
+    assert quoted == got, dict(zip(order, got))
+
+
+def test_the_long_recipe_without_sequence_parallelism_is_the_dry_runs(tmp_path):
+    """ "without sequence parallelism ... need X GB of activations on stage 0 and the dry run
+    says Y GB, does not fit"."""
+    text = " ".join(DOC.read_text().split())
+    m = re.search(
+        r"without sequence parallelism the same 32768-token micro-batches need ([\d.]+) GB of "
+        r"activations on stage 0 and the dry run says ([\d.]+) GB, does not fit",
+        text,
+    )
+    assert m, "the sentence on llama3_70b_long without SP is gone"
+    report, _ = _plan_busiest("llama3_70b_long", tmp_path, "model.params.sequence_parallel=false")
+    stage0 = max(
+        (p for p in report["positions"] if p["pp_rank"] == 0),
+        key=lambda p: p["terms_bytes"]["activations"],
+    )
+    assert not report["fits"]
+    assert float(m.group(1)) == round(stage0["terms_bytes"]["activations"] / GB, 1)
+    assert float(m.group(2)) == round(report["worst"]["peak_bytes"] / GB, 1)
+
+
+@pytest.mark.parametrize("name", ["llama3_70b", "qwen25_72b"])
+def test_the_idle_gpus_while_generating_are_the_dry_runs(name, tmp_path):
+    """ "the 70B/72B recipes leave X of Y GPUs without an engine while generating (one engine
+    per Z-GPU model copy)"."""
+    text = " ".join(DOC.read_text().split())
+    m = re.search(
+        r"the 70B/72B recipes leave (\d+) of (\d+) GPUs without an engine while generating "
+        r"\(one engine per (\d+)-GPU model copy\)",
+        text,
+    )
+    assert m, "the sentence on the GPUs without an engine is gone"
+    nodes, gpus = ROWS[name][:2]
+    report, _ = _plan_busiest(name, tmp_path)
+    v, layout = report["vllm"], report["layout"]
+    copy = layout["tp"] * layout["pp"]
+    assert [int(x) for x in m.groups()] == [v["gpus_idle_in_generation"], nodes * gpus, copy]
+    assert v["engines"] == nodes * gpus // copy
