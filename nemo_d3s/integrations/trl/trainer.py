@@ -24,14 +24,40 @@ pinned in ``nemo_d3s/versions.py``, checked at construction):
 - ``_prepare_inputs`` (l.1522) then shuffles and splits the cut batch into
   ``steps_per_generation`` micro-batches (``split_tensor_dict``, l.1544, drops a remainder):
   ``kept_batch`` pads each process to a multiple of it with zero-loss placeholder rows.
+  It generates (so D3S selects) once every ``steps_per_generation * num_iterations``
+  micro-steps (l.1538) and buffers the CUT micro-batches, which the further iterations reuse
+  (l.1546); ``old_per_token_logps`` (computed at generation time on the whole batch when
+  ``gradient_accumulation_steps`` is not a multiple of that, or with vLLM, l.2643) is cut
+  to the kept rows like every other key, so the iterations' ratios are the kept rollouts'.
 
 With preset ``grpo`` the batch is returned untouched (the equality test against plain
 ``GRPOTrainer`` checks loss and gradients). Evaluation batches are never cut.
 
-Loss types: with ``dapo`` (TRL's default), ``cispo``, ``bnpo`` and ``dr_grpo`` the
-placeholders add exactly 0; ``grpo`` / ``sapo`` / ``luspo`` average per-sequence means over
-the micro-batch's rows, so a placeholder row dilutes them (it does in TRL too when
-``mask_truncated_completions`` zeroes a row).
+Loss types: ``dapo`` (TRL's default), ``cispo`` and ``vespo`` divide by
+``num_items_in_batch`` (l.3168), recounted on the kept tokens, so a placeholder adds exactly
+0. ``grpo``, ``sapo``, ``bnpo``, ``dr_grpo`` and ``luspo`` (l.3153-3180), and the entropy
+bonus (l.3189), average over each micro-batch's own rows or tokens: once D3S leaves the
+processes or micro-batches holding unequal numbers of kept rows (padded with placeholders),
+those means weigh the kept rollouts unequally and placeholders dilute them. With a preset
+that drops rollouts and ``steps_per_generation > 1`` or several processes they are refused
+at construction (one ConfigError line); one process, one micro-batch keeps them.
+
+vLLM generation (``use_vllm=True``, server or colocate) has NOT been run with the plugin
+(the CPU vLLM here, 0.32 in its own venv, is outside TRL 1.16's 0.22-0.31). Reading TRL
+1.16: vLLM only replaces
+the token generator, inside ``_generate_single_turn`` (l.1767) under
+``_generate_and_score_completions``; the rewards still come from ``_calculate_rewards``
+(l.2753) and the advantages from the same body (l.2765), so both hooks run unchanged.
+Server mode gathers every process's prompts, generates G per unique prompt
+(``all_prompts[::num_generations]``) and hands each process its slice back; colocate mode
+generates each process's own prompts (gathered over the vLLM tensor-parallel group and
+sliced back; ``trl/generation/vllm_generation.py`` l.593-657, l.661-747): the process-major
+layout with G consecutive rollouts per prompt holds in both.
+vLLM adds ``sampling_per_token_logps``, the always-computed ``old_per_token_logps`` and
+``importance_sampling_ratio`` ([B, C] or [B, 1], l.2660-2707) to the batch; ``kept_batch``
+cuts and trims all three (``tests/integrations/test_trl_generation_reuse.py`` runs TRL's
+own vLLM branch with a stand-in for the engine's ``generate``). D3S's entropy pass uses the
+training model, as does TRL's ``old_per_token_logps`` pass.
 """
 
 from __future__ import annotations
@@ -51,6 +77,10 @@ from nemo_d3s.integrations.trl.selection import TRLD3SSelector, kept_batch, step
 from nemo_d3s.versions import check_stack
 
 __all__ = ["D3SGRPOTrainer", "resolve_d3s"]
+
+# TRL's loss types whose normaliser is the micro-batch's own rows or tokens, not the
+# recounted ``num_items_in_batch`` (grpo_trainer.py l.3153-3180).
+MICRO_BATCH_MEAN_LOSSES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 
 def resolve_d3s(d3s: Union[str, D3SConfig, Mapping, None]) -> D3SConfig:
@@ -107,6 +137,28 @@ class D3SGRPOTrainer(GRPOTrainer):
             raise ConfigError(
                 f"top_entropy_quantile={self.top_entropy_quantile}: TRL's entropy mask and D3S's "
                 "|A| x H token selection would both cut tokens; set top_entropy_quantile=1.0"
+            )
+        self._refuse_uneven_means()
+
+    def _refuse_uneven_means(self) -> None:
+        """A preset that drops rollouts leaves processes / micro-batches with unequal kept rows
+        (``kept_batch`` pads them with zero-loss rows): refuse the means over those."""
+        spg, procs = int(self.args.steps_per_generation), int(self.accelerator.num_processes)
+        if self._d3s_keeps_all or (spg == 1 and procs == 1):
+            return
+        where = f"steps_per_generation={spg}, {procs} process(es)"
+        if self.loss_type in MICRO_BATCH_MEAN_LOSSES:
+            raise ConfigError(
+                f"loss_type={self.loss_type!r} with {where}: it averages over each micro-batch, "
+                "which D3S leaves holding unequal kept rollouts (padded with zero-loss rows); use "
+                "loss_type='dapo' (TRL's default), 'cispo' or 'vespo', or d3s='grpo'"
+            )
+        if self._entropy_bonus_enabled:
+            raise ConfigError(
+                f"entropy_coef={self.entropy_coef} with {where}: TRL's entropy bonus averages over "
+                "each micro-batch, which D3S leaves holding unequal kept rollouts; set "
+                "entropy_coef=0.0 and use_adaptive_entropy=False, or steps_per_generation=1 on "
+                "one process"
             )
 
     @property
