@@ -28,6 +28,11 @@ problems. Each arm writes ``metrics.jsonl`` (step, time_step, wall_time, update_
 (``compare_presets.load_run``) reads all four. A finished arm (``done.json`` / the
 trainer's ``summary.json``) is not run again.
 
+Memory: at 4 prompts x 8 rollouts the TRL GRPO arm's resident memory reached 7 GB (the kernel
+killed it on a 24 GiB machine shared with other jobs); give the four arms about 20 GB. An arm
+that dies is reported (``exit -9``) and the next ``run`` with the same ``--out`` runs it again
+(finished arms are kept). ``run`` samples the machine's load average into ``load.jsonl``.
+
 ``report``: per arm, mean and 95% t interval over seeds of s/step, update (loss-carrying)
 tokens per step, final eval reward, and the training wall time (evaluation left out) until
 the arm's eval first reaches TRL GRPO's eval at step ``min(20, steps)`` of the same seed
@@ -46,6 +51,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -317,6 +323,8 @@ def run(ns) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     failed = 0
+    stop = threading.Event()
+    threading.Thread(target=_sample_load, args=(root / "load.jsonl", stop), daemon=True).start()
     for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
         procs = []
         for name in ns.arms.split(","):
@@ -334,7 +342,18 @@ def run(ns) -> int:
             if proc.wait() != 0:
                 failed += 1
                 print(f"{name} seed {seed}: exit {proc.returncode}", file=sys.stderr)
+    stop.set()
     return 1 if failed else 0
+
+
+def _sample_load(path: Path, stop: threading.Event, every_s: float = 30.0) -> None:
+    """Append the machine's 1-minute load average to ``path`` every ``every_s`` seconds: the
+    arms share the machine with whatever else runs on it, and the report says how loaded it
+    was (s/step is only comparable between arms of the same race)."""
+    while not stop.is_set():
+        with path.open("a") as f:
+            f.write(json.dumps({"t": time.time(), "load1": os.getloadavg()[0]}) + "\n")
+        stop.wait(every_s)
 
 
 # ------------------------------------------------------------------------------ report
@@ -383,7 +402,15 @@ def summarize(root: Path) -> dict:
             "reached": len(reached),
             "per_seed": per_seed,
         }
-    return {"config": config, "threshold_step": step_ref, "arms": arms}
+    loads = (
+        [r["load1"] for r in read_jsonl(root / "load.jsonl")]
+        if (root / "load.jsonl").is_file()
+        else []
+    )
+    load = {"samples": len(loads)}
+    if loads:
+        load.update(mean=sum(loads) / len(loads), max=max(loads))
+    return {"config": config, "threshold_step": step_ref, "arms": arms, "load": load}
 
 
 def _fmt(mc, digits=1) -> str:
@@ -409,6 +436,15 @@ def render(summary: dict) -> str:
         f"Threshold: TRL GRPO's greedy eval at step {summary['threshold_step']} of the same seed; "
         "times leave evaluation out.",
         "",
+    ]
+    load = summary.get("load") or {}
+    if load.get("samples"):
+        lines += [
+            f"Machine load while the arms ran (1-minute load average, {load['samples']} samples "
+            f"30 s apart): mean {load['mean']:.1f}, max {load['max']:.1f}, on {c['cpus']} CPUs.",
+            "",
+        ]
+    lines += [
         "| arm | runs | s / step | update tokens / step | final eval "
         "| time to threshold (s) | reached |",
         "|---|---|---|---|---|---|---|",
@@ -487,8 +523,9 @@ def report(ns) -> int:
     if ns.record:
         rec = Path(ns.record)
         rec.mkdir(parents=True, exist_ok=True)
-        for f in ("vs_trl.json", "vs_trl.png", "config.json"):
-            shutil.copy(root / f, rec / f)
+        for f in ("vs_trl.json", "vs_trl.png", "config.json", "load.jsonl"):
+            if (root / f).is_file():
+                shutil.copy(root / f, rec / f)
     body = render(summary)
     if ns.doc:
         replace_section(Path(ns.doc), body)

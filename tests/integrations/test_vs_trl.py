@@ -67,6 +67,12 @@ def test_summary_time_to_threshold_and_render(tmp_path):
     assert "| `nd3s_d3s` | 0 | not run |" in body
     assert "| `nd3s_grpo` | 2 | 8.0 ± 0.0 | 90 ± 0 | 0.000 ± 0.000 | - | 0 of 2 |" in body
     assert "`trl_d3s` is faster per step and reaches the threshold sooner than `trl_grpo`" in body
+    assert "Machine load" not in body  # no samples, no claim
+    rows = [{"t": 0.0, "load1": 2.0}, {"t": 30.0, "load1": 5.0}, {"t": 60.0, "load1": 2.0}]
+    (root / "load.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loaded = vs_trl.summarize(root)
+    assert loaded["load"] == {"samples": 3, "mean": 3.0, "max": 5.0}
+    assert "3 samples 30 s apart): mean 3.0, max 5.0, on 2 CPUs." in vs_trl.render(loaded)
     doc = tmp_path / "doc.md"
     doc.write_text(f"# x\n\n{vs_trl.BEGIN}\nOLD-SECTION\n{vs_trl.END}\n\ntail\n")
     vs_trl.replace_section(doc, body)
