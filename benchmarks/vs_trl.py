@@ -313,12 +313,38 @@ def _finished(out: Path) -> bool:
     return (out / "done.json").is_file() or (out / "summary.json").is_file()
 
 
+_PER_CALL = ("seeds", "first_seed", "arms")
+
+
+def _merge_race(path: Path, config: dict) -> dict:
+    """``config`` for a race folder that may hold earlier calls' seeds: the settings must be
+    the same (else SystemExit naming the ones that differ), ``first_seed`` / ``seeds`` then
+    span every call's seeds (a later ``run --first-seed 1 --seeds 1`` adds seed 1)."""
+    if not path.is_file():
+        return config
+    old = json.loads(path.read_text())
+    differ = sorted(
+        k for k in set(old) | set(config) if k not in _PER_CALL and old.get(k) != config.get(k)
+    )
+    if differ:
+        raise SystemExit(
+            f"error: {path} is a race with other settings ({', '.join(differ)}): "
+            "use another --out, or the same settings"
+        )
+    first = min(int(old["first_seed"]), int(config["first_seed"]))
+    last = max(
+        int(old["first_seed"]) + int(old["seeds"]), int(config["first_seed"]) + int(config["seeds"])
+    )
+    return {**config, "first_seed": first, "seeds": last - first, "arms": ",".join(ARMS)}
+
+
 def run(ns) -> int:
     model = _model(ns)
     root = Path(ns.out)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(ns).items() if k not in ("cmd", "out")}
     config.update(model=model, machine=platform.machine(), cpus=os.cpu_count())
+    config = _merge_race(root / "config.json", config)
     (root / "config.json").write_text(json.dumps(config, indent=1))
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")

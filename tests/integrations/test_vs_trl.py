@@ -127,3 +127,15 @@ def test_the_race_runs_at_two_steps_on_the_tiny_model(tmp_path):
     a, b = summary["arms"]["trl_d3s"], summary["arms"]["trl_grpo"]
     assert 0 < a["update_tokens_per_step"][0] < b["update_tokens_per_step"][0]
     assert (out / "vs_trl.png").is_file()
+
+
+def test_a_later_call_adds_seeds_to_the_race_and_refuses_other_settings(tmp_path):
+    path = tmp_path / "config.json"
+    first = {"steps": 20, "prompts_per_step": 4, "seeds": 1, "first_seed": 0, "arms": "trl_grpo"}
+    assert vs_trl._merge_race(path, first) == first  # a new folder: as given
+    path.write_text(json.dumps(first))
+    later = {**first, "seeds": 2, "first_seed": 1, "arms": "trl_grpo,trl_d3s"}
+    merged = vs_trl._merge_race(path, later)
+    assert (merged["first_seed"], merged["seeds"]) == (0, 3)  # seeds 0, 1, 2
+    with pytest.raises(SystemExit, match=r"other settings \(prompts_per_step\)"):
+        vs_trl._merge_race(path, {**later, "prompts_per_step": 8})
