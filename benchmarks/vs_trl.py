@@ -487,22 +487,53 @@ def render(summary: dict) -> str:
     lines.append("")
     arms = summary["arms"]
     for d3s, ref in (("trl_d3s", "trl_grpo"), ("nd3s_d3s", "nd3s_grpo")):
-        a, b = arms[d3s], arms[ref]
-        if not a["runs"] or not b["runs"]:
-            continue
-        slower = a["s_per_step"][0] >= b["s_per_step"][0]
-        later = a["reached"] < b["reached"] or (
-            a["reached"] and b["reached"] and a["time_to_threshold"][0] >= b["time_to_threshold"][0]
-        )
-        if slower:
-            lines.append(f"- `{d3s}` is not faster per step than `{ref}` here.")
-        if later:
-            lines.append(f"- `{d3s}` does not reach the threshold sooner than `{ref}` here.")
-        if not slower and not later:
-            lines.append(
-                f"- `{d3s}` is faster per step and reaches the threshold sooner than `{ref}`."
-            )
+        lines += _verdict(d3s, ref, arms[d3s]["per_seed"], arms[ref]["per_seed"])
     return "\n".join(lines)
+
+
+def _verdict(d3s: str, ref: str, runs_a: List[dict], runs_b: List[dict]) -> List[str]:
+    """Seed by seed (the same seed's runs of both arms; means over seeds that reached the
+    threshold in one arm but not the other would compare different seeds): on how many seeds
+    ``d3s`` is faster per step, and reaches the threshold sooner (an arm that never reaches it
+    is later than one that does; seeds where neither does are counted apart)."""
+    b_by_seed = {p["seed"]: p for p in runs_b}
+    pairs = [(a, b_by_seed[a["seed"]]) for a in runs_a if a["seed"] in b_by_seed]
+    if not pairs:
+        return []
+    n = len(pairs)
+    faster = sum(a["s_per_step"] < b["s_per_step"] for a, b in pairs)
+    sooner = neither = 0
+    for a, b in pairs:
+        ta, tb = a["time_to_threshold"], b["time_to_threshold"]
+        if ta is None and tb is None:
+            neither += 1
+        elif ta is not None and (tb is None or ta < tb):
+            sooner += 1
+    lines = [
+        f"- `{d3s}` vs `{ref}`, seed by seed: faster per step on {faster} of {n} seeds; "
+        f"reaches the threshold sooner on {sooner} of {n}"
+        + (f" (neither reaches it on {neither})" if neither else "")
+        + "."
+    ]
+    if faster < n or sooner < n - neither:
+        lines.append(f"- Where `{d3s}` does not win here: " + _losses(pairs) + ".")
+    return lines
+
+
+def _losses(pairs) -> str:
+    out = []
+    for a, b in pairs:
+        what = []
+        if a["s_per_step"] >= b["s_per_step"]:
+            what.append(f"{a['s_per_step']:.1f} vs {b['s_per_step']:.1f} s/step")
+        ta, tb = a["time_to_threshold"], b["time_to_threshold"]
+        if ta is None and tb is not None:
+            what.append("never reaches the threshold")
+        elif ta is not None and tb is not None and ta >= tb:
+            what.append(f"threshold at {ta:.0f} vs {tb:.0f} s")
+        if what:
+            out.append(f"seed {a['seed']}: " + ", ".join(what))
+    return "; ".join(out)
 
 
 def plot(summary: dict, path: Path) -> None:

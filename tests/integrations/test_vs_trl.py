@@ -66,7 +66,20 @@ def test_summary_time_to_threshold_and_render(tmp_path):
     assert "| `trl_d3s` | 2 | 4.0 ± 0.0 | 20 ± 0 | 0.375 ± 1.588 | 8.0 ± 0.0 | 2 of 2 |" in body
     assert "| `nd3s_d3s` | 0 | not run |" in body
     assert "| `nd3s_grpo` | 2 | 8.0 ± 0.0 | 90 ± 0 | 0.000 ± 0.000 | - | 0 of 2 |" in body
-    assert "`trl_d3s` is faster per step and reaches the threshold sooner than `trl_grpo`" in body
+    assert (
+        "`trl_d3s` vs `trl_grpo`, seed by seed: faster per step on 2 of 2 seeds; reaches the "
+        "threshold sooner on 2 of 2." in body
+    )
+    assert "Where `trl_d3s` does not win" not in body
+    # nd3s_d3s has no finished run: no verdict; and a seed where D3S loses is named
+    assert "`nd3s_d3s` vs" not in body
+    slow = [{"seed": 0, "s_per_step": 5.0, "time_to_threshold": None}]
+    ref = [{"seed": 0, "s_per_step": 4.0, "time_to_threshold": 40.0}]
+    assert vs_trl._verdict("x", "y", slow, ref) == [
+        "- `x` vs `y`, seed by seed: faster per step on 0 of 1 seeds; reaches the threshold "
+        "sooner on 0 of 1.",
+        "- Where `x` does not win here: seed 0: 5.0 vs 4.0 s/step, never reaches the threshold.",
+    ]
     assert "Machine load" not in body  # no samples, no claim
     rows = [{"t": 0.0, "load1": 2.0}, {"t": 30.0, "load1": 5.0}, {"t": 60.0, "load1": 2.0}]
     (root / "load.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
