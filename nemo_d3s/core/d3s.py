@@ -79,6 +79,21 @@ class SampleStage:
     progress: float
     metrics: Dict[str, float]
 
+    def rows(self, index) -> "SampleStage":
+        """This stage on the rows ``index`` of its batch (a slice or a [B_sub] index into [B]):
+        a process's share of a selection made over the whole batch. ``kept_rows`` counts within
+        the share; the advantage result, N and metrics stay the whole batch's."""
+        keep = self.sample_keep[index]
+        return SampleStage(
+            sample_keep=keep,
+            kept_rows=keep.nonzero().flatten(),
+            advantages=self.advantages[index],
+            advantage_result=self.advantage_result,
+            n_keep=self.n_keep,
+            progress=self.progress,
+            metrics=self.metrics,
+        )
+
     @property
     def kept_advantages(self) -> torch.Tensor:
         """[B_kept] f32"""

@@ -81,16 +81,7 @@ class DistributedD3SSelector(D3SSelector):
         whole = super().select_samples(all_r.cpu(), all_g.cpu(), progress)
         offset = int(exclusive_prefix(counts.cpu())[group_rank(self.dp_group)])
         mine = slice(offset, offset + rewards.numel())
-        keep = whole.sample_keep[mine]
-        return SampleStage(
-            sample_keep=keep,
-            kept_rows=keep.nonzero().flatten(),
-            advantages=whole.advantages[mine],
-            advantage_result=whole.advantage_result,
-            n_keep=whole.n_keep,
-            progress=progress,
-            metrics=whole.metrics,
-        )
+        return whole.rows(mine)
 
     def top_k(self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
         """[B_kept, S] -> bool [B_kept, S] on the CPU; a batch-spanning scope spans the DP group."""

@@ -28,20 +28,10 @@ import torch
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.mcore_config import checkpoint_hf_config, tokenizer_folder
 from nemo_d3s.formats.nemo2 import NEMO_PREFIX, Nemo2Reader, _DcpIndex, open_dcp_weights
+from nemo_d3s.formats.side_files import GENERATION_CONFIG, TOKENIZER_FILES
 from nemo_d3s.formats.spec import ModelSpec
 
 __all__ = ["open_mcore_weights", "write_side_folder"]
-
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
 
 
 def open_mcore_weights(
@@ -75,7 +65,7 @@ def write_side_folder(folder: Path, dst: Path, hf_config: Optional[Path] = None)
     (dst / "config.json").write_text(
         json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8"
     )
-    for name in _TOKENIZER_FILES + ("generation_config.json",):
+    for name in (*TOKENIZER_FILES, GENERATION_CONFIG):  # the converters' one list
         if (tok / name).is_file():
             shutil.copyfile(tok / name, dst / name)
     return dst

@@ -115,17 +115,7 @@ class TRLD3SSelector(DistributedD3SSelector):
             whole = D3SSelector.select_samples(self, rewards, groups, progress)
         finally:
             self._given = None
-        keep = whole.sample_keep[rows]
-        stage = SampleStage(
-            sample_keep=keep,
-            kept_rows=keep.nonzero().flatten(),
-            advantages=whole.advantages[rows],
-            advantage_result=whole.advantage_result,
-            n_keep=whole.n_keep,
-            progress=progress,
-            metrics=whole.metrics,
-        )
-        return stage, whole.sample_keep
+        return whole.rows(rows), whole.sample_keep
 
     def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
         base = super().advantages(rewards, group_ids)
