@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Tuple
 
 from omegaconf import OmegaConf
 
@@ -21,6 +21,7 @@ __all__ = [
     "diff_values",
     "leaf_keys",
     "move_records_aside",
+    "read_run_config",
     "refuse_records",
     "resume_safe",
     "write_config",
@@ -74,6 +75,24 @@ def resume_safe(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE)
 
 
+def read_run_config(out: Path) -> Tuple[Optional[dict], Optional[str]]:
+    """``out/config.yaml`` (untrusted: written by an earlier run, maybe cut short or edited)
+    as a resolved plain mapping: ``(mapping, None)``; ``(None, None)`` when there is no such
+    file; ``(None, why)`` when it cannot be read, parsed or resolved, or is not a mapping.
+    The one reader of a run's config for the fresh-run refusal, the resume check and the
+    resumed config's base (``resume_config.resume_base``); each says what the error means."""
+    path = out / "config.yaml"
+    if not path.is_file():
+        return None, None
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except Exception as e:  # OSError, YAML and interpolation errors alike
+        return None, first_line(e)
+    if not isinstance(old, dict):
+        return None, f"not a mapping but {type(old).__name__}"
+    return old, None
+
+
 def refuse_records(out: Path, cfg: Any = None) -> None:
     """A fresh run never takes over another run's records, nor the folder of another
     experiment (its ``config.yaml`` would be replaced): ConfigError."""
@@ -85,15 +104,16 @@ def refuse_records(out: Path, cfg: Any = None) -> None:
             "them into previous-<n>/ and start from step 0"
         )
     path = out / "config.yaml"
-    if cfg is None or not path.is_file():
+    if cfg is None:
         return
-    try:
-        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as e:
+    old, why = read_run_config(out)
+    if why is not None:
         raise ConfigError(
-            f"{str(path)!r} cannot be read ({first_line(e)}) and a fresh run would replace it; "
+            f"{str(path)!r} cannot be read ({why}) and a fresh run would replace it; "
             "choose another output_dir, or remove the file"
-        ) from None
+        )
+    if old is None:
+        return
     new = OmegaConf.to_container(cfg, resolve=True)
     changed = [(k, a, b) for k, a, b, _ in diff_values(old, new) if not resume_safe(k)]
     if changed:
@@ -123,25 +143,20 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     as the original ``config.yaml`` (see ``RESUME_SAFE``)."""
     path = out / "config.yaml"
     allow = bool(cfg.trainer.allow_config_change)
-    if not path.is_file():
-        log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
-        return
-    try:
-        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        if not isinstance(old, dict):
-            raise ValueError("not a mapping")
-    except Exception as e:
+    old, why = read_run_config(out)
+    if why is not None:
         if allow:
             log.warning(
-                "%s cannot be read (%s); continuing (trainer.allow_config_change=true)",
-                path,
-                first_line(e),
+                "%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, why
             )
             return
         raise ConfigError(
-            f"{str(path)!r}: the original run's config cannot be read ({first_line(e)}); "
+            f"{str(path)!r}: the original run's config cannot be read ({why}); "
             "restore it, or pass trainer.allow_config_change=true to resume without the check"
-        ) from None
+        )
+    if old is None:
+        log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
+        return
     new = OmegaConf.to_container(cfg, resolve=True)
     # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
     # would let any change through unseen, so it counts as unreadable.

@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
+from nemo_d3s.trainer.resume import diff_values, leaf_keys, read_run_config
 
 __all__ = ["agree_on_config", "merge_untouched", "resume_base", "touched_keys"]
 
@@ -88,8 +89,6 @@ def _is_group(conf: Path, name: str) -> bool:
 def _global_option_keys(conf: Path, group: str, option: str) -> List[str]:
     """Leaves a ``_global_`` option file sets, and the packages its defaults override."""
     import yaml
-
-    from nemo_d3s.trainer.resume import leaf_keys
 
     try:
         raw = yaml.safe_load((conf / group / f"{option}.yaml").read_text(encoding="utf-8"))
@@ -200,14 +199,11 @@ def resume_base(
     from nemo_d3s.trainer.overrides import schema_keys
 
     path = out / "config.yaml"
-    if not bool(cfg.get("resume", False)) or not path.is_file():
+    if not bool(cfg.get("resume", False)):
         return cfg
-    try:
-        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception:
-        return cfg  # the resume check names the file and the way out
-    if not isinstance(old, dict):
-        return cfg
+    old, _ = read_run_config(out)
+    if old is None:
+        return cfg  # absent or unreadable: the resume check names the file and the way out
     new = OmegaConf.to_container(cfg, resolve=True)
     touched = touched_keys(overrides, conf)
     try:
@@ -216,8 +212,6 @@ def resume_base(
         log.warning("resume=true: the default config cannot be composed (%s)", first_line(e))
         neutral = None
     if isinstance(neutral, dict):
-        from nemo_d3s.trainer.resume import diff_values
-
         touched |= {k for k, _, _, _ in diff_values(neutral, new)}
     eff = merge_untouched(old, new, touched)
     allow = bool(cfg.trainer.allow_config_change)

@@ -12,9 +12,16 @@ from omegaconf import OmegaConf
 
 from nemo_d3s.config import ConfigError
 from nemo_d3s.trainer.overrides import schema_keys
-from nemo_d3s.trainer.resume import check_resume_config, leaf_keys, resume_safe
+from nemo_d3s.trainer.resume import (
+    check_resume_config,
+    leaf_keys,
+    read_run_config,
+    refuse_records,
+    resume_safe,
+)
+from nemo_d3s.trainer.resume_config import resume_base
 
-from .conftest import compose
+from .conftest import REPO, compose
 
 # What may change on resume without making another experiment (resources, cadence,
 # logging, the parallel layout); written out here, not read from the code under test.
@@ -128,3 +135,33 @@ def test_a_resume_at_another_megatron_layout_is_allowed(tmp_path, layout):
     new = copy.deepcopy(old)
     new["model"]["params"].update(layout)
     check_resume_config(OmegaConf.create(new), tmp_path)  # no error
+
+
+# A run's config.yaml as an earlier run, an editor or a full disk may have left it.
+UNREADABLE = {
+    "list": ("- 1\n- 2\n", "not a mapping but list"),
+    "scalar": ("42\n", "int"),
+    "garbled": ("seed: [0\ntrainer: {steps: \x07", ""),
+    "bad_interpolation": ("seed: ${nowhere.key}\n", "nowhere"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNREADABLE))
+def test_one_reader_of_config_yaml_for_the_three_uses(tmp_path, original, kind):
+    """read_run_config is the only reader: the fresh-run refusal, the resume check and the
+    resumed config's base all see the same verdict on the same file."""
+    text, why_part = UNREADABLE[kind]
+    assert read_run_config(tmp_path) == (None, None)  # no file
+    (tmp_path / "config.yaml").write_text(text)
+    old, why = read_run_config(tmp_path)
+    assert old is None and why and why_part in why, why
+    cfg = OmegaConf.create({**original, "resume": True})
+    with pytest.raises(ConfigError, match=r"config.yaml' cannot be read .* a fresh run would"):
+        refuse_records(tmp_path, cfg)
+    with pytest.raises(ConfigError, match=r"config.yaml': the original run's config cannot"):
+        check_resume_config(cfg, tmp_path)
+    base = resume_base(cfg, [], tmp_path, lambda: cfg, REPO / "conf")
+    assert base is cfg  # the resume check, not the base, names the file
+
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(original)))
+    assert read_run_config(tmp_path) == (original, None)
