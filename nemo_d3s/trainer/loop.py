@@ -192,17 +192,18 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
         """The eval row, or None when a stop signal interrupted the evaluation."""
-        res = evaluate(
-            self.engine,
-            self.task,
-            self.eval_problems,
-            self.groups,
-            max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
-            batch_size=int(self.t.eval_batch_size),
-            n_show=int(self.cfg.logging.log_samples),
-            should_stop=lambda: self.stop.requested,
-            on_batch=self.logger.eval_progress,
-        )
+        with self.logger.clock_paused():  # the bar's s/step and ETA: training steps only
+            res = evaluate(
+                self.engine,
+                self.task,
+                self.eval_problems,
+                self.groups,
+                max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
+                batch_size=int(self.t.eval_batch_size),
+                n_show=int(self.cfg.logging.log_samples),
+                should_stop=lambda: self.stop.requested,
+                on_batch=self.logger.eval_progress,
+            )
         if res.get("stopped"):
             self.logger.close_eval_progress()
             return None
@@ -281,7 +282,6 @@ class Trainer:
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
                 return self._interrupted(state, pending_eval=True)
-            self.logger.restart_clock()  # the ETA counts training steps, not this evaluation
         while state.step < T:
             progress = state.step / max(1, T - 1)
             t0 = time.perf_counter()

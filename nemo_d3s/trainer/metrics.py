@@ -18,12 +18,14 @@ names the line, and rewriting a file keeps it in ``<name>.garbled``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from nemo_d3s.files import atomic_write_text
 from nemo_d3s.trainer.faults import RunError, fault_point
@@ -276,13 +278,19 @@ class MetricsLogger:
             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                 self.tb.add_scalar(f"{prefix}/{k}", v, step)
 
-    def restart_clock(self) -> None:
-        """Start the progress bar's rate and ETA from now (called after the initial
-        evaluation, so the first ETA is about training steps only)."""
-        if self.bar is not None:
-            self.bar.reset(total=self.bar.total)
-            self.bar.n = self.bar.last_print_n = self.bar.initial
-            self.bar.refresh()
+    @contextlib.contextmanager
+    def clock_paused(self) -> Iterator[None]:
+        """The progress bar's clock stands still while the block runs (evaluations): its
+        elapsed time, s/step and ETA count training steps only, the last step's figure
+        included (the final evaluation used to show up in it)."""
+        t0 = time.time()  # tqdm's clock (tqdm/std.py: ``self._time = time``)
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                paused = time.time() - t0
+                self.bar.start_t += paused
+                self.bar.last_print_t += paused  # the next step's rate sample, not the pause
 
     def write(self, msg: str) -> None:
         """A line that does not break the progress bar."""

@@ -682,9 +682,12 @@ def test_run_directory_is_printed_at_start_and_in_the_done_line(tmp_path, caplog
     assert done and done[-1].endswith(f"run directory: {tmp_path.resolve()}")
 
 
-def test_eta_clock_restarts_after_the_initial_evaluation(tmp_path):
-    import time
-
+def test_the_progress_bar_clock_stands_still_during_evaluations(tmp_path, monkeypatch):
+    """Its s/step and ETA are about training steps: the main job's bar showed 167.9 s/step
+    after the final evaluation for a 69 s step. A hand-driven clock stands in for time.time
+    (the pause's) and for tqdm's own (``tqdm._time``)."""
+    now = [1000.0]
+    monkeypatch.setattr(metrics_mod.time, "time", lambda: now[0])
     logger = MetricsLogger(
         str(tmp_path),
         enabled=True,
@@ -693,9 +696,22 @@ def test_eta_clock_restarts_after_the_initial_evaluation(tmp_path):
         total_steps=10,
         start_step=0,
     )
-    time.sleep(0.3)  # "the initial evaluation"
-    logger.restart_clock()
-    assert logger.bar.format_dict["elapsed"] < 0.2 and logger.bar.n == 0
+    logger.bar._time = lambda: now[0]
+    logger.bar.start_t = logger.bar.last_print_t = now[0]
+    with logger.clock_paused():  # the initial evaluation: 300 s
+        now[0] += 300.0
+    assert logger.bar.format_dict["elapsed"] == 0.0 and logger.bar.n == 0
+    now[0] += 60.0  # a 60 s step
+    logger.log_step({"step": 1, "time_step": 60.0})
+    with logger.clock_paused():  # an evaluation after it: 100 s
+        now[0] += 100.0
+    now[0] += 60.0  # the next step
+    logger.log_step({"step": 2, "time_step": 60.0})
+    with logger.clock_paused():  # the final evaluation
+        now[0] += 100.0
+    fmt = logger.bar.format_dict
+    assert fmt["elapsed"] == 120.0 and fmt["n"] == 2
+    assert fmt["rate"] == pytest.approx(1 / 60.0)  # tqdm's smoothed rate: no pause in it
     logger.close()
 
 
