@@ -336,6 +336,54 @@ def test_losses_that_padding_would_bias_are_refused(folder, tmp_path):
     build(d3s="d3s", spg=1, loss_type="grpo")  # one micro-batch on one process
 
 
+class _GradsAndWeights(_Grads):
+    """Also the weights each optimizer step's gradients were taken at."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        super().on_pre_optimizer_step(args, state, control, **kw)
+        self.weights.append(copy.deepcopy(self.trainer.model.state_dict()))
+
+
+@pytest.mark.parametrize("loss", ["cispo", "vespo"])
+def test_padded_micro_batches_give_the_gradient_of_the_kept_rows_alone(folder, tmp_path, loss):
+    """cispo and vespo are allowed with steps_per_generation > 1 because they divide by
+    ``num_items_in_batch`` (the recounted kept tokens, TRL l.3168) and weigh each token or
+    row on its own (cispo l.3109, vespo's per-row phi l.2972): the optimizer step's gradient,
+    accumulated over the padded micro-batches, is the gradient of ONE pass of TRL's loss over
+    the kept rows without placeholders, at the same weights."""
+    # 1 rollout per prompt: 3 of the 12 (odd: a placeholder), half of their tokens
+    fixed = {"n_init": 1, "n_final": 1, "k_init": 0.5, "k_final": 0.5}
+    cfg = D3SConfig.from_preset("d3s", min_kept_tokens=0, schedule=fixed)
+    plug = _trainer(PlugRec, folder, tmp_path, 2, 2, 1, 2, {"loss_type": loss}, d3s=cfg)
+    rec = _GradsAndWeights()
+    rec.trainer = plug.grads.trainer
+    plug.callback_handler.remove_callback(plug.grads)
+    plug.add_callback(rec)
+    plug.train()
+    assert len(plug.gens) == len(rec.steps) == 2  # one optimizer step per generation
+    n_pads = []
+    for (_, sel, cut), grads, weights in zip(plug.gens, rec.steps, rec.weights):
+        n_kept = int(sel["stage"].kept_rows.numel())
+        n_pads.append(cut["completion_ids"].shape[0] - n_kept)
+        alone = {k: v[:n_kept] if torch.is_tensor(v) and v.dim() else v for k, v in cut.items()}
+        assert int(alone["num_items_in_batch"]) == int(sel["tokens"].token_keep.sum())
+        model = copy.deepcopy(plug.model)
+        model.load_state_dict(weights)
+        model.train()
+        plug.model.train()  # TRL's "train" normaliser: x gradient_accumulation / spg = 1 here
+        model.zero_grad(set_to_none=True)
+        plug._compute_loss(model, alone).backward()
+        got = dict(model.named_parameters())
+        assert grads.keys() == {n for n, p in got.items() if p.grad is not None} and grads
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, got[name].grad, rtol=1e-4, atol=1e-7)
+    assert sum(n_pads) > 0, "no placeholder was exercised"
+
+
 class _VLLMStandIn:
     """vLLM's engine as TRL 1.16 calls it (``VLLMGeneration.generate``, server mode on one
     process: one request with n = G per unique prompt, vllm_generation.py l.593-657):

@@ -35,11 +35,13 @@ With preset ``grpo`` the batch is returned untouched (the equality test against 
 
 Loss types: ``dapo`` (TRL's default), ``cispo`` and ``vespo`` divide by
 ``num_items_in_batch`` (l.3168), recounted on the kept tokens, so a placeholder adds exactly
-0. ``grpo``, ``sapo``, ``bnpo``, ``dr_grpo`` and ``luspo`` (l.3153-3180), and the entropy
-bonus (l.3189), average over each micro-batch's own rows or tokens: once D3S leaves the
-processes or micro-batches holding unequal numbers of kept rows (padded with placeholders),
-those means weigh the kept rollouts unequally and placeholders dilute them. With a preset
-that drops rollouts and ``steps_per_generation > 1`` or several processes they are refused
+0 (``tests/integrations/test_trl_generation_reuse.py``: with ``steps_per_generation`` 2 the
+step's gradient is that of one pass over the kept rows alone). ``grpo``, ``sapo``,
+``bnpo``, ``dr_grpo`` and ``luspo`` (l.3153-3180), and the entropy bonus (l.3189), average
+over each micro-batch's own rows or tokens: once D3S leaves the processes or micro-batches
+holding unequal numbers of kept rows (padded with placeholders), those means weigh the kept
+rollouts unequally and placeholders dilute them. With a preset that drops rollouts and
+``steps_per_generation > 1`` or several processes they are refused
 at construction (one ConfigError line); one process, one micro-batch keeps them.
 
 vLLM generation (``use_vllm=True``, server or colocate) has NOT been run with the plugin
