@@ -1,5 +1,7 @@
 """Data-parallel gradient reduction of HFBackend: 2 gloo ranks on CPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -89,3 +91,34 @@ def test_dp_gradients_equal_single_process_full_batch():
         # to Adam's first step, lr * g / (|g| + eps), which amplifies rounding in tiny grads.)
         for p, q in zip(results[0]["params"], results[1]["params"]):
             assert torch.equal(p, q), name
+
+
+def _average_rank(rank, bf16_grads, fp32_grads):
+    """HFBackend._average_grads on one bf16 and one fp32 parameter (what it reads of the
+    backend: ``params`` and ``groups.dp`` / ``dp_size``)."""
+    params = []
+    for grads in (bf16_grads, fp32_grads):
+        p = torch.nn.Parameter(torch.zeros_like(grads[rank]))
+        p.grad = grads[rank].clone()
+        params.append(p)
+    groups = SimpleNamespace(dp=None, dp_size=len(bf16_grads))
+    HFBackend._average_grads(SimpleNamespace(params=params, groups=groups))
+    return [p.grad for p in params]
+
+
+def test_bf16_gradients_are_averaged_in_fp32():
+    """3 ranks: the mean of the ranks' bf16 gradients is their exact fp32 sum / 3, rounded to
+    bf16 (as Megatron's grad_reduce_in_fp32). A bf16 all-reduce rounds after each add and
+    after the division, and differs (with 2 ranks it does not: one add, and / 2 is exact).
+    Three bf16 values of one element's scale add up exactly in fp32, in any order."""
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-4, 0, 4096).unsqueeze(0)
+    bf16 = (torch.randn(3, 4096, generator=g) * scale).to(torch.bfloat16)
+    fp32 = torch.randn(3, 64, generator=g)
+    want_bf16 = (bf16.float().sum(0) / 3).to(torch.bfloat16)
+    in_bf16 = (bf16[0] + bf16[1] + bf16[2]) / 3  # what a bf16 all-reduce computes
+    assert not torch.equal(in_bf16, want_bf16)  # so the test below can fail
+    for got_bf16, got_fp32 in run_on_gloo_ranks(_average_rank, 3, list(bf16), list(fp32)):
+        assert got_bf16.dtype == torch.bfloat16 and torch.equal(got_bf16, want_bf16)
+        # fp32: gloo adds in its own order; 3 values of size ~1 round by at most ~4e-7
+        torch.testing.assert_close(got_fp32, fp32.sum(0) / 3, rtol=0, atol=1e-6)

@@ -228,8 +228,9 @@ class HFBackend(Policy):
         the micro-batch size, the token budget or the number of ranks. Returns this rank's
         sums as 0-d tensors on the model device (``loss_sum`` + the ``metric_tensors`` of
         ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one
-        all_reduce per gradient dtype over ``groups.dp``. Memory: one flat copy of the gradients
-        during the all-reduce.
+        all_reduce per gradient dtype over ``groups.dp``, in fp32 for 16-bit gradients. Memory:
+        one flat copy of the gradients during the all-reduce (fp32: twice a bf16 model's
+        gradient bytes).
         """
         plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()
@@ -278,8 +279,11 @@ class HFBackend(Policy):
         for p in self.params:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
         for grads in by_dtype.values():
-            # One flat bucket: a single collective instead of one per parameter tensor.
+            # One flat bucket: a single collective instead of one per parameter tensor; in
+            # fp32 at least, as Megatron's grad_reduce_in_fp32 (megatron/optimizer.py): a
+            # bf16 sum over ranks rounds at every add, and then differs with the DP size.
             flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
             torch.distributed.all_reduce(
                 flat, op=torch.distributed.ReduceOp.SUM, group=self.groups.dp
             )
