@@ -72,6 +72,27 @@ def test_per_prompt_seeds_do_not_depend_on_the_batch(pair):
     assert not torch.equal(other.batch.input_ids, full.batch.input_ids)
 
 
+def test_a_call_beyond_one_prefill_batch_samples_as_small_calls_do(pair):
+    """40 prompts x 8 samples: more prompt tokens than one scheduler step takes (4096). With
+    chunked prefill the CPU build's engine died ("CPU Generator does not use offset": vLLM
+    rewinds a seeded request's generator for the token a partial prefill discards); the
+    engine now prefills whole prompts on the CPU build, and each prompt's samples are the
+    ones it gets alone."""
+    _, engine = pair
+    cfg = GenerationConfig(max_new_tokens=6)
+    prompts = [f"Count from {i} to {i + 9} and then say the numbers backwards." for i in range(40)]
+    seeds = list(range(100, 140))
+    full = engine.generate(prompts, 8, cfg, seeds)
+    assert full.batch.input_ids.shape[0] == 320
+    assert int(full.batch.attention_mask.sum() - full.batch.response_mask.sum()) > 4096
+    for i in (0, 39):
+        alone = engine.generate([prompts[i]], 8, cfg, [seeds[i]])
+        S = alone.batch.input_ids.shape[1]
+        rows = full.batch.input_ids[8 * i : 8 * i + 8]
+        assert torch.equal(rows[:, :S], alone.batch.input_ids)
+        assert bool((rows[:, S:] == engine.pad_id).all())
+
+
 def test_weight_sync_makes_the_engine_follow_the_policy(pair):
     policy, engine = pair
     greedy = GenerationConfig(max_new_tokens=8, do_sample=False)
@@ -255,3 +276,44 @@ def test_a_separate_engine_refitted_through_shared_memory_holds_the_trainers_wei
     assert out["transport"] == "shm" and out["refits"] == 2
     assert out["bucket_bytes"] * 4 <= out["layer_bytes"] and out["buckets"] >= 8
     assert out["staging_buffers"] == 1  # one buffer, refilled bucket after bucket
+
+
+def test_an_engine_process_killed_mid_call_is_an_error_not_a_wait(monkeypatch):
+    """The engine in its own process (as in a multi-rank job), SIGKILLed (what the kernel's
+    out-of-memory killer sends) while a call generates: vLLM's client waited forever (tried:
+    still waiting after 200 s for a 12 s call); the watchdog makes the call raise, naming
+    the process and the signal. A second thread runs the call so a regression fails here
+    instead of hanging the suite."""
+    import os
+    import signal
+    import threading
+    from multiprocessing import active_children
+
+    from nemo_d3s.backends.vllm import VLLMEngine, VLLMEngineConfig
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    engine = VLLMEngine(_policy(), VLLMEngineConfig(dtype="float32"))
+    assert engine.watchdog is not None and engine.watchdog.watching
+    cores = [p for p in active_children() if p.name.startswith("EngineCore")]
+    assert len(cores) == 1
+    outcome = {}
+
+    def call():
+        try:
+            engine.generate(
+                ["count to a thousand"] * 64, 8, GenerationConfig(max_new_tokens=600), range(64)
+            )
+            outcome["returned"] = True
+        except Exception as e:  # the call's error, inspected below
+            outcome["error"] = e
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(timeout=1.0)  # generating by now (a 64 x 8 x 600 call takes tens of seconds)
+    os.kill(cores[0].pid, signal.SIGKILL)
+    worker.join(timeout=120)
+    assert not worker.is_alive(), "the call still waits on the dead engine"
+    err = outcome.get("error")
+    assert err is not None, outcome
+    assert "EngineCore" in str(err) and "exit code -9" in str(err) and "SIGKILL" in str(err)
+    engine.close()

