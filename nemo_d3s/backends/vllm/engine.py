@@ -361,10 +361,9 @@ class VLLMEngine(RolloutEngine):
                 # the job's stop signal reached the engine's processes too and they went down
                 # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
                 raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
-            death = getattr(self, "watchdog", None) and self.watchdog.death
-            if death:
+            if self.watchdog is not None and self.watchdog.death:
                 raise RuntimeError(
-                    f"{death}; this step's rollouts are lost (resume=true "
+                    f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
                     "continues from the last checkpoint)"
                 ) from e
             raise
@@ -401,7 +400,7 @@ class VLLMEngine(RolloutEngine):
         )
 
     def close(self) -> None:
-        if getattr(self, "watchdog", None) is not None:
+        if self.watchdog is not None:
             self.watchdog.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
