@@ -495,45 +495,41 @@ def _verdict(d3s: str, ref: str, runs_a: List[dict], runs_b: List[dict]) -> List
     """Seed by seed (the same seed's runs of both arms; means over seeds that reached the
     threshold in one arm but not the other would compare different seeds): on how many seeds
     ``d3s`` is faster per step, and reaches the threshold sooner (an arm that never reaches it
-    is later than one that does; seeds where neither does are counted apart)."""
+    is later than one that does; seeds where neither does are counted apart), and on each
+    seed where it is not, by how much."""
     b_by_seed = {p["seed"]: p for p in runs_b}
     pairs = [(a, b_by_seed[a["seed"]]) for a in runs_a if a["seed"] in b_by_seed]
     if not pairs:
         return []
     n = len(pairs)
-    faster = sum(a["s_per_step"] < b["s_per_step"] for a, b in pairs)
-    sooner = neither = 0
+    faster = sooner = neither = 0
+    losses = []
     for a, b in pairs:
+        what = []
+        if a["s_per_step"] < b["s_per_step"]:
+            faster += 1
+        else:
+            what.append(f"{a['s_per_step']:.1f} vs {b['s_per_step']:.1f} s/step")
         ta, tb = a["time_to_threshold"], b["time_to_threshold"]
         if ta is None and tb is None:
             neither += 1
         elif ta is not None and (tb is None or ta < tb):
             sooner += 1
+        elif ta is None:
+            what.append("never reaches the threshold")
+        else:
+            what.append(f"threshold at {ta:.0f} vs {tb:.0f} s")
+        if what:
+            losses.append(f"seed {a['seed']}: " + ", ".join(what))
     lines = [
         f"- `{d3s}` vs `{ref}`, seed by seed: faster per step on {faster} of {n} seeds; "
         f"reaches the threshold sooner on {sooner} of {n}"
         + (f" (neither reaches it on {neither})" if neither else "")
         + "."
     ]
-    if faster < n or sooner < n - neither:
-        lines.append(f"- Where `{d3s}` does not win here: " + _losses(pairs) + ".")
+    if losses:
+        lines.append(f"- Where `{d3s}` does not win here: " + "; ".join(losses) + ".")
     return lines
-
-
-def _losses(pairs) -> str:
-    out = []
-    for a, b in pairs:
-        what = []
-        if a["s_per_step"] >= b["s_per_step"]:
-            what.append(f"{a['s_per_step']:.1f} vs {b['s_per_step']:.1f} s/step")
-        ta, tb = a["time_to_threshold"], b["time_to_threshold"]
-        if ta is None and tb is not None:
-            what.append("never reaches the threshold")
-        elif ta is not None and tb is not None and ta >= tb:
-            what.append(f"threshold at {ta:.0f} vs {tb:.0f} s")
-        if what:
-            out.append(f"seed {a['seed']}: " + ", ".join(what))
-    return "; ".join(out)
 
 
 def plot(summary: dict, path: Path) -> None:
