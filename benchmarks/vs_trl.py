@@ -319,7 +319,8 @@ _PER_CALL = ("seeds", "first_seed", "arms")
 def _merge_race(path: Path, config: dict) -> dict:
     """``config`` for a race folder that may hold earlier calls' seeds: the settings must be
     the same (else SystemExit naming the ones that differ), ``first_seed`` / ``seeds`` then
-    span every call's seeds (a later ``run --first-seed 1 --seeds 1`` adds seed 1)."""
+    span every call's seeds (a later ``run --first-seed 1 --seeds 1`` adds seed 1), and
+    ``arms`` every call's arms."""
     if not path.is_file():
         return config
     old = json.loads(path.read_text())
@@ -335,7 +336,9 @@ def _merge_race(path: Path, config: dict) -> dict:
     last = max(
         int(old["first_seed"]) + int(old["seeds"]), int(config["first_seed"]) + int(config["seeds"])
     )
-    return {**config, "first_seed": first, "seeds": last - first, "arms": ",".join(ARMS)}
+    arms = set(str(old["arms"]).split(",")) | set(str(config["arms"]).split(","))
+    arms_run = ",".join(a for a in ARMS if a in arms)  # every call's arms, in ARMS order
+    return {**config, "first_seed": first, "seeds": last - first, "arms": arms_run}
 
 
 def run(ns) -> int:

@@ -150,5 +150,6 @@ def test_a_later_call_adds_seeds_to_the_race_and_refuses_other_settings(tmp_path
     later = {**first, "seeds": 2, "first_seed": 1, "arms": "trl_grpo,trl_d3s"}
     merged = vs_trl._merge_race(path, later)
     assert (merged["first_seed"], merged["seeds"]) == (0, 3)  # seeds 0, 1, 2
+    assert merged["arms"] == "trl_grpo,trl_d3s"  # what was run, not every arm there is
     with pytest.raises(SystemExit, match=r"other settings \(prompts_per_step\)"):
         vs_trl._merge_race(path, {**later, "prompts_per_step": 8})
