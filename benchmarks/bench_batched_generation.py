@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_info, median, png_path, print_table, rotate, write_json  # noqa: E402
+from benchlib import machine_info, median, png_path, print_table, rotate, write_json  # noqa: E402
 
 from nemo_d3s.backends.base import GenerationConfig  # noqa: E402
 from nemo_d3s.backends.hf import HFBackend, HFBackendConfig  # noqa: E402

@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common as C  # noqa: E402
+import benchlib as C  # noqa: E402
 
 NAME = "bench_global_topk"
 METHODS = ("radix8", "radix16", "gather_quantile", "gather_sort", "local")
@@ -86,7 +86,7 @@ def _rank(rank, cfg):
     import torch.distributed as dist
 
     from nemo_d3s.distributed import select_tokens_global
-    from nemo_d3s.distributed._comm import all_gather_counts, all_gather_varlen, exclusive_prefix
+    from nemo_d3s.distributed.comm import all_gather_counts, all_gather_varlen, exclusive_prefix
 
     group = dist.group.WORLD
     world = dist.get_world_size()

@@ -22,7 +22,7 @@ are the old log-probs, and are compared with the HF backend's); then, ``--reps``
 ``policy.train_step(batch, loss_fn, M, denominator=...)`` in rotating order. Time = wall
 seconds of the slowest rank (a barrier before each call); CPU = process CPU seconds summed
 over the ranks (less sensitive to other jobs on the machine than wall time). Memory per
-rank (``_common``: glibc set to return freed blocks, so RSS follows live memory): RSS at
+rank (``benchlib``: glibc set to return freed blocks, so RSS follows live memory): RSS at
 start (interpreter + torch + transformers; + megatron-core in the Megatron ranks), after
 building the policy and its peak during the build, the rise of RSS during each call, RSS at
 the end, and the process peak (VmHWM over the launch; from the first ``train_step`` on it
@@ -49,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common as C  # noqa: E402
+import benchlib as C  # noqa: E402
 
 NAME = "bench_megatron_cpu"
 MODEL = "smollm2-135m-instruct"

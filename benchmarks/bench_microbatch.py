@@ -34,7 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common as C  # noqa: E402
+import benchlib as C  # noqa: E402
 
 NAME = "bench_microbatch"
 METHODS = ("fixed", "budget")

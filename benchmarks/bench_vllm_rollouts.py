@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import machine_info, median, png_path, print_table, rotate, write_json  # noqa: E402
+from benchlib import machine_info, median, png_path, print_table, rotate, write_json  # noqa: E402
 
 NAME = "bench_vllm_rollouts"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,7 +20,7 @@ shard; its gradient, the size of the shard, counts as extra memory).
 
 Reported per (TP, dtype, method, mode): median wall time of the slowest rank over
 interleaved repetitions, and the extra memory of one rank (maximum over ranks) measured
-two ways (see ``_common``): torch allocator peak (profiler memory events; exact, torch
+two ways (see ``benchlib``): torch allocator peak (profiler memory events; exact, torch
 buffers only) and resident-set peak minus the resident set before the call (OS view, glibc
 set to return freed buffers). An analytic estimate of the dominant buffers is printed
 beside them. Inputs (the logits shard and targets) are allocated before measuring and not
@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _common as C  # noqa: E402
+import benchlib as C  # noqa: E402
 
 NAME = "bench_vocab_parallel_entropy"
 METHODS = ("fused", "gather_core", "gather_naive")

@@ -18,7 +18,7 @@ SCALING, EVIDENCE_DOC, README = "docs/scaling.md", "docs/evidence.md", "README.m
 GB, MIB, GIB = 1e9, 2**20, 2**30
 
 
-def _json(name: str) -> dict:
+def record(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())
 
 
@@ -29,13 +29,13 @@ def asserted(path: str, code: str, text: str) -> str:
     return text if code in src else f"{text} [{path} no longer has {code!r}]"
 
 
-def _sci(x: float) -> str:
+def sci(x: float) -> str:
     """3.03e-05 -> "3.0e-5", as the prose writes it."""
     m, e = f"{x:.1e}".split("e")
     return f"{m}e{int(e)}"
 
 
-def _median(xs: List[float]) -> float:
+def median(xs: List[float]) -> float:
     ys = sorted(xs)
     n = len(ys)
     return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
@@ -93,10 +93,10 @@ def readme_stack() -> List[str]:
 def vllm_rollouts() -> List[str]:
     """``python benchmarks/bench_vllm_rollouts.py``: its table's tokens/s (response tokens over
     the median time), the speed-up, the trainer's step on each engine and the engine's costs."""
-    d = _json("bench_vllm_rollouts.json")
+    d = record("bench_vllm_rollouts.json")
     g, tr = d["generation"], d["training"]
     tps = {
-        k: g["response_tokens"][k] / _median(g["times_s"][k])
+        k: g["response_tokens"][k] / median(g["times_s"][k])
         for k in ("seeded_batched", "vllm_float32")
     }
     return [
@@ -111,7 +111,7 @@ def vllm_rollouts() -> List[str]:
 
 def megatron_cpu() -> List[str]:
     """``python benchmarks/bench_megatron_cpu.py``: the HF / Megatron layouts' table."""
-    r = _json("bench_megatron_cpu.json")["results"]
+    r = record("bench_megatron_cpu.json")["results"]
     hf = r["hf"]
 
     def t(x, call):
@@ -136,7 +136,7 @@ def megatron_cpu() -> List[str]:
 
 
 def microbatch() -> List[str]:
-    m = _json("bench_microbatch.json")["methods"]
+    m = record("bench_microbatch.json")["methods"]
     return [
         f"padding {m['fixed']['padding_share']:.0%} -> {m['budget']['padding_share']:.0%} on a "
         "long-tailed mix"
@@ -203,7 +203,7 @@ def parallel_pieces() -> List[str]:
     """docs/evidence.md "Measured: the parallel pieces": one result per benchmark record."""
     ent = {
         (r["tp"], r["method"]): r
-        for r in _json("bench_vocab_parallel_entropy.json")["results"]
+        for r in record("bench_vocab_parallel_entropy.json")["results"]
         if r["dtype"] == "fp32" and r["mode"] == "fwd"
     }
 
@@ -216,9 +216,9 @@ def parallel_pieces() -> List[str]:
     naive = mem(2, "gather_naive")
     assert naive == mem(4, "gather_naive") and mem(2, "gather_core") == mem(4, "gather_core")
     topk = {
-        r["method"]: r for r in _json("bench_global_topk.json")["results"] if r["n_total"] == 2**25
+        r["method"]: r for r in record("bench_global_topk.json")["results"] if r["n_total"] == 2**25
     }
-    sel = _json("bench_selection_overhead.json")["layouts"]
+    sel = record("bench_selection_overhead.json")["layouts"]
 
     def overhead(layout):
         s = sel[layout]["summary"]
@@ -228,8 +228,8 @@ def parallel_pieces() -> List[str]:
 
     (ms2, sh2, step2), (ms4, sh4, _) = overhead("TP2xDP1"), overhead("TP2xDP2")
     steps = sel["TP2xDP2"]["steps"]
-    gen = _json("bench_batched_generation.json")["times_s"]
-    batched, per_prompt = _median(gen["seeded_batched"]), _median(gen["hf_generate_per_prompt"])
+    gen = record("bench_batched_generation.json")["times_s"]
+    batched, per_prompt = median(gen["seeded_batched"]), median(gen["hf_generate_per_prompt"])
     return [
         f"extra memory per rank {mem(2, 'fused') / MIB:.0f} MiB (TP2) / "
         f"{mem(4, 'fused') / MIB:.0f} MiB (TP4) vs {mem(2, 'gather_core') / MIB:.0f} MiB gathered "
@@ -244,8 +244,8 @@ def parallel_pieces() -> List[str]:
         f"refuses > 2^24 elements) vs {topk['gather_sort']['time_s_median']:.0f} s (gather + sort)",
         f"TP2: {ms2:.1f} ms of a {step2:.1f} s step ({sh2:.2%}); TP2xDP2: {ms4:.0f} ms "
         f"({sh4:.2%}); token imbalance across DP ranks "
-        f"{_median([s['imbalance_before'] for s in steps]):.2f} -> "
-        f"{_median([s['imbalance_after'] for s in steps]):.2f} after rebalancing",
+        f"{median([s['imbalance_before'] for s in steps]):.2f} -> "
+        f"{median([s['imbalance_after'] for s in steps]):.2f} after rebalancing",
         f"one batched call with per-prompt seeds {batched:.1f} s vs {per_prompt:.1f} s for "
         f"`model.generate` once per prompt ({per_prompt / batched:.1f}x)",
     ]

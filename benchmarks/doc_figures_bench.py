@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import List
 
-from doc_figures import GIB, MIB, _json, _median, _sci
+from doc_figures import GIB, MIB, median, record, sci
 
 
 def benchmarks_readme() -> List[str]:
     """benchmarks/README.md's global top-K and micro-batch tables, from their records."""
-    res = _json("bench_global_topk.json")["results"]
+    res = record("bench_global_topk.json")["results"]
     by = {(r["n_total"], r["method"]): r for r in res}
     out = []
     for n in sorted({r["n_total"] for r in res}):
@@ -30,7 +30,7 @@ def benchmarks_readme() -> List[str]:
         )
     ent = {
         (r["tp"], r["dtype"], r["method"]): r["torch_alloc_peak_bytes"]
-        for r in _json("bench_vocab_parallel_entropy.json")["results"]
+        for r in record("bench_vocab_parallel_entropy.json")["results"]
         if r["mode"] == "fwd"
     }
 
@@ -47,7 +47,7 @@ def benchmarks_readme() -> List[str]:
             f"| {tp} | {pair(tp, 'fused')} | {pair(tp, 'gather_core')} | "
             f"{pair(tp, 'gather_naive')} |"
         )
-    vpe = _json("bench_vocab_parallel_entropy.json")
+    vpe = record("bench_vocab_parallel_entropy.json")
     t = {(r["tp"], r["dtype"], r["mode"], r["method"]): r for r in vpe["results"] if r["tp"] > 1}
 
     def sec(tp, method, mode="fwd"):
@@ -82,8 +82,8 @@ def benchmarks_readme() -> List[str]:
         f"{ext[('gather_core', 'fwd')]['2'] / GIB:.1f} GiB gathered + core and "
         f"{ext[('gather_naive', 'fwd')]['2'] / GIB:.1f} GiB gathered + naive",
     ]
-    gen = _json("bench_batched_generation.json")["times_s"]
-    g = {k: _median(v) for k, v in gen.items()}
+    gen = record("bench_batched_generation.json")["times_s"]
+    g = {k: median(v) for k, v in gen.items()}
     ref = g["hf_generate_per_prompt"]
     out.append(
         f"`model.generate` once per prompt {ref:.2f} s; the seeded sampler once per prompt "
@@ -91,7 +91,7 @@ def benchmarks_readme() -> List[str]:
         f"sampler in one batched call {g['seeded_batched']:.2f} s "
         f"({ref / g['seeded_batched']:.2f}x)"
     )
-    r = _json("bench_megatron_cpu.json")["results"]
+    r = record("bench_megatron_cpu.json")["results"]
 
     def w(layout, call):
         return r[layout][call]["wall_s_median"]
@@ -121,7 +121,7 @@ def benchmarks_readme() -> List[str]:
         f"{gq['rss_peak_delta_bytes_median'] / MIB:.0f} MiB, gather + sort "
         f"{big['gather_sort']['rss_peak_delta_bytes_median'] / MIB:.0f} MiB",
     ]
-    sel = _json("bench_selection_overhead.json")["layouts"]
+    sel = record("bench_selection_overhead.json")["layouts"]
     one, two = sel["TP2xDP1"], sel["TP2xDP2"]
     ph = one["summary"]["phases"]
 
@@ -144,9 +144,9 @@ def benchmarks_readme() -> List[str]:
     ]
 
     def minutes(name):
-        return f"{_json(name)['elapsed_s'] / 60:.1f} min"
+        return f"{record(name)['elapsed_s'] / 60:.1f} min"
 
-    sig = [b["seconds"] for b in _json("bench_token_signal.json")["batches"]]
+    sig = [b["seconds"] for b in record("bench_token_signal.json")["batches"]]
     out += [
         f"bench_vocab_parallel_entropy.py # {minutes('bench_vocab_parallel_entropy.json')} on 2 "
         "cores (the record's run)",
@@ -154,7 +154,7 @@ def benchmarks_readme() -> List[str]:
         f"bench_megatron_cpu.py # {minutes('bench_megatron_cpu.json')} on 2 cores (3 rounds",
         f"bench_selection_overhead.py # {minutes('bench_selection_overhead.json')}",
         f"bench_token_signal.py # {min(sig) / 60:.0f}-{max(sig) / 60:.0f} min a batch on 1 core",
-        f"bench_microbatch.py # {_json('bench_microbatch.json')['wall_s']:.0f} s (HF tiny Llama",
+        f"bench_microbatch.py # {record('bench_microbatch.json')['wall_s']:.0f} s (HF tiny Llama",
     ]
 
     def cpu(layout, call):
@@ -171,8 +171,8 @@ def benchmarks_readme() -> List[str]:
         f"{cpu('megatron_tp1', 'train_step'):.2f}x); PP2 spends as much CPU as HF "
         f"({cpu('megatron_tp1_pp2', 'score'):.2f}x / {cpu('megatron_tp1_pp2', 'train_step'):.2f}x)",
         "Scores agree with the HF backend to "
-        f"{_sci(max(agree['logprobs_max_abs_diff'], agree['entropy_max_abs_diff']))} on response "
-        f"tokens and the first step's grad norm to {_sci(agree['grad_norm_rel_diff'])} (relative)",
+        f"{sci(max(agree['logprobs_max_abs_diff'], agree['entropy_max_abs_diff']))} on response "
+        f"tokens and the first step's grad norm to {sci(agree['grad_norm_rel_diff'])} (relative)",
         f"HF {peak['hf'][0]:.2f} GiB; Megatron TP1 {peak['megatron_tp1'][0]:.2f} GiB "
         f"({peak['megatron_tp1'][0] / peak['hf'][0]:.2f}x); TP1 x PP2 "
         f"{peak['megatron_tp1_pp2'][0]:.2f} GiB (rank 0) and {peak['megatron_tp1_pp2'][1]:.2f} GiB "
@@ -195,7 +195,7 @@ def benchmarks_readme() -> List[str]:
         f"and {max(p['rss_end_bytes_median'] for p in pp) / GIB:.1f} GiB after a step",
         f"({hf0['param_bytes'] / MIB:.0f} MiB in fp32)",
     ]
-    m = _json("bench_microbatch.json")["methods"]
+    m = record("bench_microbatch.json")["methods"]
     for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
         x = m[name]
         out.append(

@@ -34,7 +34,7 @@ from typing import List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import machine_info  # noqa: E402
+from benchlib import machine_info  # noqa: E402
 
 REPO = HERE.parent
 

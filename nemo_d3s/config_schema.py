@@ -321,6 +321,8 @@ class TrainerConfig(Section):
 
 @dataclass
 class LoggingConfig(Section):
+    """``logging.*``: progress bar, TensorBoard, log level, samples shown, slow-step warning."""
+
     KEY: ClassVar[str] = "logging"
     progress_bar: bool = True
     tensorboard: bool = True  # used when the tensorboard package is importable

@@ -15,6 +15,7 @@ __all__ = ["Section", "known", "require"]
 
 
 def require(ok: bool, key: str, value: Any, why: str) -> None:
+    """ConfigError ``key=value: why`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key}={value!r}: {why}")
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional
 
 from nemo_d3s.files_staging import (  # the flushing helpers are re-exported
-    _fsync_path,
+    fsync_path,
     atomic_write_text,
     fsync_folder,
     fsync_tree,
@@ -107,6 +107,7 @@ def apply_umask(path: str | os.PathLike) -> None:
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """SHA-256 hex digest of the file at ``path``, read in ``chunk``-byte pieces."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -342,7 +343,7 @@ def atomic_folder(
                 raise
             # a peer published a complete folder first; it is as good as ours (removed below)
         published = True
-        _fsync_path(str(dest.parent), folder=True)
+        fsync_path(str(dest.parent), folder=True)
     finally:
         for leftover in (tmp, old):
             if leftover.is_symlink():

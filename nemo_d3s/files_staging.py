@@ -35,6 +35,7 @@ log = logging.getLogger("nemo_d3s.files")
 
 
 def host_tag() -> str:
+    """This host's name made safe for a staging folder's name."""
     return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname()) or "host"
 
 
@@ -118,6 +119,7 @@ def snapshot(p: Path) -> Optional[Tuple]:
 
 
 def changes(before: Optional[Tuple], now: Optional[Tuple]) -> str:
+    """How a destination changed between two snapshots, in words (for the refusal)."""
     if before is None:
         return "it appeared"
     if now is None:
@@ -148,7 +150,8 @@ def keep_unpublished(tmp: Path, dest: Path, tag: str) -> Path:
 
 
 # ---------------------------------------------------------------------------- flushing
-def _fsync_path(path: str, *, folder: bool) -> None:
+def fsync_path(path: str, *, folder: bool) -> None:
+    """fsync the file (or, ``folder``, the folder) at ``path``."""
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if folder else 0))
     try:
         os.fsync(fd)
@@ -158,7 +161,7 @@ def _fsync_path(path: str, *, folder: bool) -> None:
 
 def fsync_folder(path: str | os.PathLike) -> None:
     """Flush the folder ``path`` itself (its entries: what a rename into it changed)."""
-    _fsync_path(str(path), folder=True)
+    fsync_path(str(path), folder=True)
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
@@ -168,8 +171,8 @@ def fsync_tree(root: str | os.PathLike) -> None:
         for name in filenames:
             p = os.path.join(dirpath, name)
             if not os.path.islink(p):
-                _fsync_path(p, folder=False)
-        _fsync_path(dirpath, folder=True)
+                fsync_path(p, folder=False)
+        fsync_path(dirpath, folder=True)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -189,5 +192,5 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_path(str(path.parent), folder=True)
+    fsync_path(str(path.parent), folder=True)
     return path

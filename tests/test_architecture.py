@@ -37,6 +37,28 @@ ALLOWED: Dict[str, Set[str]] = {
     "backends": {"backends", "core", "distributed", "formats", "errors", "files"},
     # beside backends: D3S inside another project's trainer (TRL); the math below it only
     "integrations": {"integrations", "core", "distributed", "errors", "versions"},
+    # the config: its sections judge names against the registries below it
+    "config_section": {"errors"},
+    "config_d3s": {"config_section", "core", "distributed", "errors"},
+    "config_schema": {"config_section", "core", "distributed", "backends", "errors"},
+    "config": {"config_section", "config_d3s", "config_schema", "core", "errors"},
+    # the run and the entry points
+    "trainer": {
+        *("trainer", "config", "backends", "core", "distributed", "formats", "tasks"),
+        *("errors", "files", "versions"),
+    },
+    "convert": {
+        *("convert", "trainer", "backends", "core", "formats", "errors", "files", "versions"),
+    },
+    "dry_run": {
+        *("dry_run", "trainer", "config", "backends", "core", "formats", "errors", "files"),
+    },
+    # the self-check drives the others' CUDA paths, the trainer's entry point included
+    "selfcheck": {
+        *("selfcheck", "train", "trainer", "convert", "dry_run", "backends", "core"),
+        *("distributed", "formats", "files", "errors", "config", "versions"),
+    },
+    "train": {"trainer", "dry_run", "config", "errors", "versions"},
 }
 # package -> module prefixes outside nemo_d3s it must not import
 FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
@@ -237,3 +259,118 @@ def test_the_errors_have_one_home_and_their_old_names_still_work():
 
     assert config.ConfigError is errors.ConfigError and faults.RunError is errors.RunError
     assert GRAPH["nemo_d3s.errors"] == set()
+
+
+def test_every_package_has_its_row():
+    # a new package states what it may import (docs/architecture.md's table is this dict)
+    assert {_layer(m) for m in MODULES if m != "nemo_d3s"} - set(ALLOWED) == set()
+
+
+def _defined_private() -> Dict[str, Set[str]]:
+    """Private name (one leading underscore) -> the modules that define it (functions,
+    classes, assignments to names or attributes)."""
+    out: Dict[str, Set[str]] = {}
+    for m, p in MODULES.items():
+        for n in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            names: List[str] = []
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [n.name]
+            elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                for t in targets:
+                    for x in ast.walk(t):
+                        names += [x.id] if isinstance(x, ast.Name) else []
+                        names += [x.attr] if isinstance(x, ast.Attribute) else []
+            for name in names:
+                if _private(name):
+                    out.setdefault(name, set()).add(m)
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_crossings(path: Path, me: str, defined: Dict[str, Set[str]]) -> List[str]:
+    """Where the module at ``path`` reaches a private name of another nemo_d3s module: an
+    import of a ``_name`` or of a ``_module``, or ``obj._name`` (obj not self / cls) of a
+    private name this module does not define itself."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    bad: List[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            base = n.module or ""
+            if n.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - (n.level - 1)]
+                base = ".".join(parent + ([base] if base else []))
+            if not base.startswith("nemo_d3s"):
+                continue
+            for a in n.names:
+                if _private(a.name) or any(_private(part) for part in base.split(".")):
+                    bad.append(f"{me}:{n.lineno} imports {base}.{a.name}")
+        elif isinstance(n, ast.Import):
+            bad += [
+                f"{me}:{n.lineno} imports {a.name}"
+                for a in n.names
+                if a.name.startswith("nemo_d3s") and any(_private(x) for x in a.name.split("."))
+            ]
+        elif isinstance(n, ast.Attribute) and _private(n.attr):
+            owner = n.value
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                continue
+            if n.attr in defined and me not in defined[n.attr]:
+                bad.append(f"{me}:{n.lineno} reaches {ast.unparse(n)} ({sorted(defined[n.attr])})")
+    return bad
+
+
+def test_no_private_name_crosses_a_module():
+    # a name another module uses is a seam: public, with a docstring (ruff's PLC2701 refuses
+    # private imports from other packages; this covers nemo_d3s's own modules)
+    defined = _defined_private()
+    bad = [b for m, p in MODULES.items() for b in _private_crossings(p, m, defined)]
+    assert bad == []
+
+
+def test_the_private_name_check_sees_each_kind_of_crossing(tmp_path):
+    # guards the checker: an imported _name, an imported _module and obj._name all count
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from nemo_d3s.a import _f\nfrom nemo_d3s._b import g\nimport nemo_d3s._c\n"
+        "def h(x):\n    self = x\n    return x._peer(), self._own()\n"
+    )
+    defined = {"_peer": {"nemo_d3s.other"}, "_own": {"nemo_d3s.other"}}
+    bad = _private_crossings(src, "nemo_d3s.m", defined)
+    assert [b.split(" ", 1)[1] for b in bad] == [
+        "imports nemo_d3s.a._f",
+        "imports nemo_d3s._b.g",
+        "imports nemo_d3s._c",
+        "reaches x._peer (['nemo_d3s.other'])",
+    ]
+
+
+def test_every_seam_has_a_docstring():
+    # what one module imports from another (a function or class of the package) says in a line
+    # what it is for
+    defs: Dict[tuple, ast.AST] = {}
+    for m, p in MODULES.items():
+        for n in ast.parse(p.read_text(encoding="utf-8")).body:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defs[(m, n.name)] = n
+    bare = set()
+    for m, p in MODULES.items():
+        package = m if p.name == "__init__.py" else m.rpartition(".")[0]
+        for n in ast.walk(ast.parse(p.read_text(encoding="utf-8"))):
+            if not isinstance(n, ast.ImportFrom):
+                continue
+            base = n.module or ""
+            if n.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - (n.level - 1)]
+                base = ".".join(parent + ([base] if base else []))
+            for a in n.names:
+                node = defs.get((base, a.name))
+                if node is not None and base != m and ast.get_docstring(node) is None:
+                    bare.add(f"{base}.{a.name}")
+    assert sorted(bare) == []

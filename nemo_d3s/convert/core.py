@@ -45,11 +45,11 @@ from nemo_d3s.core.checks import is_count
 from nemo_d3s.convert.sources import (
     DTYPES,
     CheckpointSource,
-    _dtype,
-    _folder_side_files,
-    _resolve_hf,
-    _same_model,
-    _with_side_files,
+    parse_dtype,
+    folder_side_files,
+    resolve_hf,
+    check_same_model,
+    with_side_files,
     open_checkpoint,
 )
 from nemo_d3s.errors import ConfigError
@@ -80,7 +80,7 @@ __all__ = ["DTYPES", "DEFAULT_SHARD_BYTES", "hf_to_megatron", "megatron_to_hf", 
 
 # ============================================================================ output folders
 @contextmanager
-def _staged_output(
+def staged_output(
     out: str | os.PathLike, *, overwrite: bool, sources: Sequence[Path]
 ) -> Iterator[Path]:
     """``files.atomic_folder`` for ``--out``: the block writes into a hidden sibling renamed
@@ -121,7 +121,8 @@ def _staged_output(
         ) from None
 
 
-def _progress(total: int, desc: str, enabled: bool):
+def progress_bar(total: int, desc: str, enabled: bool):
+    """A byte-counting tqdm bar, shown on a terminal only (``enabled`` False: none)."""
     from tqdm.auto import tqdm
 
     # disable=None: shown on a terminal only (no progress lines in logs and test output)
@@ -179,7 +180,7 @@ def hf_to_megatron(
     ):
         if not is_count(v, 1):
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
-    want = _dtype(dtype)
+    want = parse_dtype(dtype)
     fmt = detect_format(Path(hf).expanduser())
     if fmt.kind == MEGATRON:  # it used to be told to convert its ".bin" files
         raise ConfigError(
@@ -188,7 +189,7 @@ def hf_to_megatron(
             "back with megatron-to-hf and that folder forward again"
         )
     if fmt.kind in (NEMO2, MEGATRON_LM):
-        nemo = _with_side_files(
+        nemo = with_side_files(
             open_checkpoint(Path(hf).expanduser(), None, verify_checksums=verify_checksums),
             role="checkpoint",
         )
@@ -196,11 +197,11 @@ def hf_to_megatron(
         dtype_of = lambda name, lay: want or nemo.dtype  # noqa: E731
         close = lambda: None  # noqa: E731
     else:
-        src = _resolve_hf(hf)
+        src = resolve_hf(hf)
         spec = ModelSpec.from_folder(src)
         reader = SafetensorsReader(src, spec)
         reader.check()
-        side = _folder_side_files(src, role="--hf")
+        side = folder_side_files(src, role="--hf")
         dtype_of = lambda name, lay: want or _source_dtype(reader, name, spec, lay)  # noqa: E731
         close = reader.close
     try:
@@ -224,10 +225,10 @@ def hf_to_megatron(
                     )
                 )
         total = sum(nbytes(s, d) for _, entries in plan for _, s, d in entries)
-        with _staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
+        with staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
             root = tmp / SUBDIR
             root.mkdir()
-            with _progress(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
+            with progress_bar(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
                 for lay, entries in plan:
                     with StreamingSafetensors(
                         root / shard_file(lay.tp_rank, lay.pp_rank),
@@ -267,10 +268,10 @@ def megatron_to_hf(
     """Convert a Megatron checkpoint (any saved TP x PP) or a NeMo 2 checkpoint into the HF
     folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written.
     The checkpoint's checksums.json is checked first unless ``verify_checksums`` is False."""
-    src = _with_side_files(
+    src = with_side_files(
         open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums), role="--hf-config"
     )
-    want = _dtype(dtype) or src.dtype
+    want = parse_dtype(dtype) or src.dtype
     if want is None:
         raise ConfigError(f"{str(src.folder)!r} stores parameters in several dtypes; pass --dtype")
     if src.origin and progress:  # a Megatron-LM / Megatron-Bridge source: say what it was read as
@@ -279,8 +280,8 @@ def megatron_to_hf(
         raise ConfigError(f"max shard size {max_shard_bytes} must be >= 1 byte")
     entries = [(n, hf_shape(n, src.spec), want) for n in hf_names(src.spec)]
     total = sum(nbytes(shape, want) for _, shape, _ in entries)
-    with _staged_output(out, overwrite=overwrite, sources=_sources(src)) as tmp:
-        with _progress(total, f"megatron-to-hf {src.layout}", progress) as bar:
+    with staged_output(out, overwrite=overwrite, sources=_sources(src)) as tmp:
+        with progress_bar(total, f"megatron-to-hf {src.layout}", progress) as bar:
             write_hf_weights(
                 tmp,
                 src.iter_hf(want),
@@ -321,17 +322,17 @@ def megatron_to_nemo(
             f"--nemo-context {str(ctx)!r} is not a NeMo 2 checkpoint (no context/model.yaml)"
         )
     cfg = hf_config_from_nemo(ctx)
-    _same_model(
+    check_same_model(
         src.spec,
         ModelSpec.from_hf_dict(cfg, str(ctx / "context" / "model.yaml")),
         f"{str(src.folder)!r}",
         f"{str(ctx / 'context')!r}",
     )
-    want = _dtype(dtype) or DTYPES[cfg["torch_dtype"]]
+    want = parse_dtype(dtype) or DTYPES[cfg["torch_dtype"]]
     padded = padded_vocab_size(src.spec.vocab_size, 1, nemo_make_vocab_size_divisible_by(ctx))
     total = sum(nbytes(hf_shape(n, src.spec), want) for n in hf_names(src.spec))
-    with _staged_output(out, overwrite=overwrite, sources=_sources(src) + [ctx]) as tmp:
-        with _progress(total, f"to NeMo 2 from {src.layout}", progress) as bar:
+    with staged_output(out, overwrite=overwrite, sources=_sources(src) + [ctx]) as tmp:
+        with progress_bar(total, f"to NeMo 2 from {src.layout}", progress) as bar:
 
             def counted():
                 for name, t in src.iter_hf(want):

@@ -36,10 +36,10 @@ import torch
 
 from nemo_d3s.convert.sources import (
     SideFiles,
-    _dtype,
-    _folder_side_files,
-    _resolve_hf,
-    _with_side_files,
+    parse_dtype,
+    folder_side_files,
+    resolve_hf,
+    with_side_files,
     open_checkpoint,
 )
 from nemo_d3s.core.checks import is_count
@@ -162,18 +162,18 @@ def hf_to_megatron_lm(
     import yaml
 
     from nemo_d3s.backends.megatron.nemo2_writer import write_dist_checkpoint
-    from nemo_d3s.convert.core import _progress, _staged_output
+    from nemo_d3s.convert.core import progress_bar, staged_output
 
     for name, v in (("tp", tp), ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
         if not is_count(v, 1):
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     p = Path(src).expanduser()
     if detect_format(p).kind in (HF, None):  # a model folder (or the embedded model's name)
-        folder = _resolve_hf(src)
+        folder = resolve_hf(src)
         spec = ModelSpec.from_folder(folder)
         reader = SafetensorsReader(folder, spec)
         reader.check()
-        side: SideFiles = _folder_side_files(folder, role="--hf")
+        side: SideFiles = folder_side_files(folder, role="--hf")
         stored = {reader.rows(n, 0, 0, 1).dtype for n in hf_names(spec)}
         sources = [folder]
 
@@ -181,21 +181,21 @@ def hf_to_megatron_lm(
             for n in hf_names(spec):
                 yield n, reader.rows(n, 0, 0, hf_shape(n, spec)[0])
     else:
-        ck = _with_side_files(
+        ck = with_side_files(
             open_checkpoint(p, hf_config, verify_checksums=verify_checksums), role="--hf-config"
         )
         spec, side, sources = ck.spec, ck.side, [ck.folder]
         stored = {ck.dtype} if ck.dtype is not None else {torch.float32, torch.bfloat16}
         tensors = ck.iter_hf
-    want = _dtype(dtype) or (stored.pop() if len(stored) == 1 else None)
+    want = parse_dtype(dtype) or (stored.pop() if len(stored) == 1 else None)
     if want is None:
         raise ConfigError(f"{str(p)!r} stores parameters in several dtypes; pass --dtype")
     padded = padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by)
     f = _fields(spec, padded, make_vocab_size_divisible_by, tp, want)
     total = sum(n * want.itemsize for n in (_numel(x, spec) for x in hf_names(spec)))
-    with _staged_output(out, overwrite=overwrite, sources=sources) as tmp:
+    with staged_output(out, overwrite=overwrite, sources=sources) as tmp:
         it = tmp / RELEASE
-        with _progress(total, "hf-to-megatron-lm", progress) as bar:
+        with progress_bar(total, "hf-to-megatron-lm", progress) as bar:
 
             def counted():
                 for name, t in tensors():

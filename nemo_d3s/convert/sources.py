@@ -95,7 +95,7 @@ def _tokenizer_files(folder: Path, *, role: str) -> List[Path]:
     return tokenizer_files(folder, role=role, hint=hint)
 
 
-def _folder_side_files(folder: Path, *, role: str) -> SideFiles:
+def folder_side_files(folder: Path, *, role: str) -> SideFiles:
     """Side files of an HF model folder (or a converted checkpoint folder)."""
     return SideFiles(
         read_hf_config(folder),
@@ -119,7 +119,7 @@ class CheckpointSource:
     "megatron": training or converted, any saved TP x PP) or a NeMo 2 checkpoint ("nemo2").
     ``reader()`` gives HF-named rows (``formats.weights.read_local``'s reader protocol) through the
     weight table; ``side`` is config.json / generation config / tokenizer (None until
-    :func:`_with_side_files` is asked for them)."""
+    :func:`with_side_files` is asked for them)."""
 
     kind: str
     folder: Path
@@ -156,7 +156,7 @@ class CheckpointSource:
             yield name, (t if dtype is None else t.to(dtype))
 
 
-def _find_root(path: Path) -> FolderFormat:
+def find_root(path: Path) -> FolderFormat:
     """The Megatron checkpoint at ``path`` (a checkpoint folder or its megatron/); a
     ConfigError saying what ``path`` is instead."""
     fmt = detect_format(path)
@@ -190,9 +190,9 @@ def _open_nemo2(
     spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
     config_source = None
     if hf_config is not None:  # its config must describe the same model
-        config_source = _resolve_hf(hf_config)
+        config_source = resolve_hf(hf_config)
         other = ModelSpec.from_folder(config_source)
-        _same_model(
+        check_same_model(
             other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml")
         )
     _, dtype = open_nemo2_weights(folder, spec)
@@ -228,7 +228,7 @@ def _open_mcore(
     it = resolve_iteration(path)
     config_source = None
     if hf_config is not None:
-        config_source = _resolve_hf(hf_config)
+        config_source = resolve_hf(hf_config)
         spec = ModelSpec.from_folder(config_source)
         origin = f"--hf-config {str(config_source / 'config.json')!r}"
         try:
@@ -278,7 +278,8 @@ def _mcore_side_files(it: Path) -> SideFiles:
     return SideFiles(cfg, None, gen, _tokenizer_files(tok, role="checkpoint tokenizer/"))
 
 
-def _same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
+def check_same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
+    """ConfigError naming the first field (dtype aside) in which two model specs differ."""
     da, db = a.to_dict(), b.to_dict()
     diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
     if diff:
@@ -306,7 +307,7 @@ def open_checkpoint(
         return _open_nemo2(p, hf_config, verify_checksums)
     if kind == MEGATRON_LM:
         return _open_mcore(p, hf_config, verify_checksums)
-    fmt = _find_root(p)
+    fmt = find_root(p)
     folder, root = fmt.folder, fmt.shards
     if verify_checksums and fmt.training and has_checksums(folder):
         from nemo_d3s.trainer.checkpoint import verify_checkpoint  # as the trainer checks its own
@@ -317,7 +318,7 @@ def open_checkpoint(
     else:
         check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     if hf_config is not None:
-        config_dir = _resolve_hf(hf_config)
+        config_dir = resolve_hf(hf_config)
     elif (folder / "config.json").is_file():
         config_dir = folder
     else:
@@ -355,20 +356,21 @@ def open_checkpoint(
     )
 
 
-def _with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
+def with_side_files(src: CheckpointSource, *, role: str) -> CheckpointSource:
     """``src`` with its side files found and checked (tokenizer files are required)."""
     if src.config_source is not None:
-        src.side = _folder_side_files(src.config_source, role=role)
+        src.side = folder_side_files(src.config_source, role=role)
     elif src.kind == NEMO2:
         src.side = _nemo_side_files(src.folder)
     elif src.kind == MEGATRON_LM:
         src.side = _mcore_side_files(src.weights)
     else:
-        src.side = _folder_side_files(src.folder, role="--ckpt")
+        src.side = folder_side_files(src.folder, role="--ckpt")
     return src
 
 
-def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
+def parse_dtype(name: Optional[str]) -> Optional[torch.dtype]:
+    """``--dtype``: None for ``auto`` or absent, else the torch dtype; ConfigError otherwise."""
     if name is None or name == "auto":
         return None
     if name not in DTYPES:
@@ -376,7 +378,8 @@ def _dtype(name: Optional[str]) -> Optional[torch.dtype]:
     return DTYPES[name]
 
 
-def _resolve_hf(hf: str | os.PathLike) -> Path:
+def resolve_hf(hf: str | os.PathLike) -> Path:
+    """The Hugging Face folder ``hf`` names (a path or the bundled default); ConfigError if none."""
     from nemo_d3s.backends.hf.loading import resolve_model_path
 
     try:

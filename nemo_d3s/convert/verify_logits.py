@@ -16,10 +16,10 @@ import torch
 from nemo_d3s.backends.hf.loading import copy_hf_weights
 from nemo_d3s.convert.sources import (
     CheckpointSource,
-    _dtype,
-    _find_root,
-    _resolve_hf,
-    _same_model,
+    parse_dtype,
+    find_root,
+    resolve_hf,
+    check_same_model,
     open_checkpoint,
 )
 from nemo_d3s.errors import ConfigError
@@ -100,7 +100,7 @@ def verify(
     safetensors files are checked whole first, the checkpoint against its checksums.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf_dir = _resolve_hf(hf)
+    hf_dir = resolve_hf(hf)
     spec = ModelSpec.from_folder(hf_dir)
     check_safetensors_folder(hf_dir)
     path = Path(ckpt_path).expanduser()
@@ -108,11 +108,11 @@ def verify(
     if (
         cfg_dir is None and detect_format(path).kind != NEMO2
     ):  # a training checkpoint: the HF folder's config
-        folder = _find_root(path).folder
+        folder = find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
     src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)
-    _same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")
-    compute = _dtype(dtype) or torch.float32
+    check_same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")
+    compute = parse_dtype(dtype) or torch.float32
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     ids = []
     for p in prompts:

@@ -63,7 +63,8 @@ ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", AdvantageEstima
 # ----------------------------------------------------------------------------------------
 
 
-def _check_group_ids(group_ids: torch.Tensor, name: str = "group_ids") -> None:
+def check_group_ids(group_ids: torch.Tensor, name: str = "group_ids") -> None:
+    """ValueError unless ``group_ids`` is a non-empty 1-D [B] integer tensor."""
     if not isinstance(group_ids, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(group_ids).__name__}")
     if group_ids.dim() != 1:
@@ -78,7 +79,8 @@ def _check_group_ids(group_ids: torch.Tensor, name: str = "group_ids") -> None:
         )
 
 
-def _check_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
+def check_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
+    """ValueError unless ``rewards`` is a non-empty 1-D [B] real tensor of finite values."""
     if not isinstance(rewards, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(rewards).__name__}")
     if rewards.dim() != 1:
@@ -92,7 +94,8 @@ def _check_rewards(rewards: torch.Tensor, name: str = "rewards") -> None:
     check_finite(name, rewards)
 
 
-def _check_eps(eps: float) -> None:
+def check_eps(eps: float) -> None:
+    """ValueError unless ``eps`` is a finite number >= 0."""
     if (
         isinstance(eps, bool)
         or not isinstance(eps, (int, float))
@@ -103,8 +106,8 @@ def _check_eps(eps: float) -> None:
 
 
 def _check_rewards_and_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
-    _check_rewards(rewards)
-    _check_group_ids(group_ids)
+    check_rewards(rewards)
+    check_group_ids(group_ids)
     if rewards.shape != group_ids.shape:
         raise ValueError(
             f"group_ids has shape {tuple(group_ids.shape)}, expected "
@@ -120,7 +123,7 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     in order of FIRST APPEARANCE in ``group_ids`` (not by id value), so the numbering is the
     same whatever ids a data loader happens to use, and deterministic.
     """
-    _check_group_ids(group_ids)
+    check_group_ids(group_ids)
     uniq, inverse = torch.unique(group_ids, return_inverse=True)  # sorted by id value
     n_groups = int(uniq.numel())
     b = group_ids.numel()
@@ -216,7 +219,7 @@ def _row_advantages(
     return adv, degenerate
 
 
-def _grouped_advantages(
+def grouped_advantages(
     rewards: torch.Tensor,
     index: torch.Tensor,
     n_groups: int,
@@ -248,9 +251,9 @@ def _run_estimator(
     kind: str, rewards: torch.Tensor, group_ids: torch.Tensor, eps: float, unbiased: bool
 ) -> torch.Tensor:
     _check_rewards_and_groups(rewards, group_ids)
-    _check_eps(eps)
+    check_eps(eps)
     index, n_groups = group_index(group_ids)
-    adv, _ = _grouped_advantages(rewards, index, n_groups, kind, eps, bool(unbiased))
+    adv, _ = grouped_advantages(rewards, index, n_groups, kind, eps, bool(unbiased))
     return adv.to(torch.float32)
 
 
@@ -320,7 +323,7 @@ def compute_advantages(
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     _check_rewards_and_groups(rewards, group_ids)
-    _check_eps(eps)
+    check_eps(eps)
     index, n_groups = group_index(group_ids)
     # The dense index is itself a valid id tensor, so registered (possibly third-party)
     # estimators are called through their public signature without re-validating raw ids.

@@ -55,18 +55,21 @@ def check_finite(name: str, t: torch.Tensor, mask: torch.Tensor | None = None) -
 
 
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int], ref_name: str = "") -> None:
+    """ValueError naming ``name`` unless ``t`` has ``shape``."""
     if tuple(t.shape) != tuple(shape):
         ref = f" (the shape of {ref_name})" if ref_name else ""
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}{ref}")
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
+    """ValueError unless every tensor given (None aside) is on one device."""
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     if len(set(devices.values())) > 1:
         raise ValueError(f"tensors are on different devices: {devices}")
 
 
 def check_bool(name: str, t: torch.Tensor) -> None:
+    """ValueError naming ``name`` unless ``t`` is a bool tensor."""
     if t.dtype != torch.bool:
         raise ValueError(f"{name} must be a bool tensor (True = counts), got dtype {t.dtype}")
 

@@ -279,7 +279,7 @@ class D3SSelector:
             if self.cfg.min_kept_tokens:
                 # The floor is per optimizer step: count the eligible tokens of every rank
                 # (the same K on all of them), whatever pool the scope then draws from.
-                n_step = int(self._reduce_sums(response_mask.sum().to(torch.float64).reshape(1))[0])
+                n_step = int(self.reduce_sums(response_mask.sum().to(torch.float64).reshape(1))[0])
                 k_frac = k_frac_with_floor(k_frac, n_step, int(self.cfg.min_kept_tokens))
             scores = self.token_scores(stage, entropy, response_mask)
             token_keep = self.top_k(scores, response_mask, k_frac)
@@ -297,7 +297,7 @@ class D3SSelector:
 
     def _token_metrics(self, token_keep, response_mask, entropy) -> Dict[str, float]:
         """Counts and entropy means of the token stage. The sums are one float64 vector so
-        the DP-global selector reduces them with one all-reduce (:meth:`_reduce_sums`)."""
+        the DP-global selector reduces them with one all-reduce (:meth:`reduce_sums`)."""
         has_eligible = response_mask.any(dim=1)
         keys = [
             "n_eligible_tokens",
@@ -317,7 +317,7 @@ class D3SSelector:
             keys += ["entropy_kept_sum", "entropy_eligible_sum"]
             parts += [h[token_keep].sum(), h[response_mask].sum()]
         sums = dict(
-            zip(keys, self._reduce_sums(torch.stack([p.to(torch.float64) for p in parts])).tolist())
+            zip(keys, self.reduce_sums(torch.stack([p.to(torch.float64) for p in parts])).tolist())
         )
         n_eligible, n_kept = sums["n_eligible_tokens"], sums["n_kept_tokens"]
         metrics = {k: sums[k] for k in keys[:4]}
@@ -329,7 +329,7 @@ class D3SSelector:
             )
         return metrics
 
-    def _reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+    def reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
         """[n] float64 sums of this process's batch -> the batch's sums (identity here; the
         DP-global selector sums them over its data-parallel group)."""
         return sums

@@ -39,10 +39,10 @@ from typing import Optional, Protocol, Union
 import torch
 
 from nemo_d3s.core.advantages import (
-    _check_eps,
-    _check_group_ids,
-    _check_rewards,
-    _grouped_advantages,
+    check_eps,
+    check_group_ids,
+    check_rewards,
+    grouped_advantages,
     group_buckets,
     group_index,
     group_sizes,
@@ -252,9 +252,9 @@ class SelectionInputs:
     n_groups: int = field(init=False)
 
     def __post_init__(self) -> None:
-        _check_rewards(self.rewards, "rewards")
-        _check_rewards(self.advantages, "advantages")
-        _check_group_ids(self.group_ids)
+        check_rewards(self.rewards, "rewards")
+        check_rewards(self.advantages, "advantages")
+        check_group_ids(self.group_ids)
         check_shape("advantages", self.advantages, self.rewards.shape, "rewards")
         check_shape("group_ids", self.group_ids, self.rewards.shape, "rewards")
         check_same_device(
@@ -315,11 +315,11 @@ def select_pods(x: SelectionInputs) -> SampleSelection:
     (:data:`PODS_EPS`) and the unbiased std (the official code's). An all-equal subset, or a
     subset of one rollout, gets 0. [B] inputs -> SampleSelection."""
     eps = PODS_EPS if x.eps is None else x.eps
-    _check_eps(eps)
+    check_eps(eps)
     keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
     kept = keep.nonzero().flatten()
     # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
-    sub_adv, _ = _grouped_advantages(
+    sub_adv, _ = grouped_advantages(
         x.rewards[kept], x.index[kept], x.n_groups, "grpo", float(eps), bool(x.unbiased)
     )
     out = x.advantages.to(torch.float32).clone()

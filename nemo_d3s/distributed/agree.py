@@ -16,7 +16,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.distributed._comm import all_gather_varlen, collective_device, is_single
+from nemo_d3s.distributed.comm import all_gather_varlen, collective_device, is_single
 
 __all__ = ["all_gather_texts"]
 

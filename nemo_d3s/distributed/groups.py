@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.distributed._comm import device_for_backend, group_rank, group_size, is_single
+from nemo_d3s.distributed.comm import device_for_backend, group_rank, group_size, is_single
 
 __all__ = ["ParallelGroups", "device_for_backend", "init_world", "shard_range"]
 

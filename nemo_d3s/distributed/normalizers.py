@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from nemo_d3s.core.checks import check_count, is_number
 from nemo_d3s.core.losses import AGGREGATIONS, loss_denominator
-from nemo_d3s.distributed._comm import collective_device, group_size, is_single
+from nemo_d3s.distributed.comm import collective_device, group_size, is_single
 
 __all__ = ["global_loss_denominator", "StepNormalizer", "step_normalizer"]
 
@@ -73,7 +73,7 @@ def global_loss_denominator(
     Collectives: seq_mean_* with a CP group: one all-reduce MAX of [sum B] uint8-as-int32
     over ``cp_group``; then one all-reduce SUM of one float64 over ``dp_group`` (and, for
     token_mean with CP, one over ``cp_group``), each on its group's collective device
-    (``_comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float,
+    (``comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float,
     identical on all ranks; 0.0 when nothing is kept anywhere (skip the step).
     """
     if aggregation not in AGGREGATIONS:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
-from nemo_d3s.distributed._comm import (
+from nemo_d3s.distributed.comm import (
     collective_device,
     global_rank_of,
     group_rank,
@@ -64,6 +64,7 @@ _WIRE_DTYPE = {torch.bool: torch.uint8}  # gloo and NCCL broadcast bytes, not bo
 
 
 def is_last_stage(pp_group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether this rank is the last stage of ``pp_group`` (True without pipelining)."""
     return group_rank(pp_group) == group_size(pp_group) - 1
 
 

@@ -29,7 +29,7 @@ from typing import Dict, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.distributed._comm import all_gather_varlen, group_rank, group_size, is_single
+from nemo_d3s.distributed.comm import all_gather_varlen, group_rank, group_size, is_single
 
 __all__ = [
     "RebalancePlan",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from nemo_d3s.core.advantages import group_index
 from nemo_d3s.core.checks import check_same_device, check_shape
 from nemo_d3s.core.sample_selection import SampleSelection, select_samples
-from nemo_d3s.distributed._comm import all_gather_varlen, exclusive_prefix, group_rank, is_single
+from nemo_d3s.distributed.comm import all_gather_varlen, exclusive_prefix, group_rank, is_single
 
 __all__ = ["GlobalSampleSelection", "gather_batch_groups", "global_select_samples"]
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from nemo_d3s.core.d3s import D3SConfig, D3SSelector, SampleStage
 from nemo_d3s.core.token_selection import TOKEN_SELECTORS
-from nemo_d3s.distributed._comm import collective_device, exclusive_prefix, group_rank, is_single
+from nemo_d3s.distributed.comm import collective_device, exclusive_prefix, group_rank, is_single
 from nemo_d3s.distributed.sample_selection import gather_batch_groups
 from nemo_d3s.distributed.topk import DISTRIBUTED_TOKEN_SCOPES, select_tokens_global
 
@@ -100,7 +100,7 @@ class DistributedD3SSelector(D3SSelector):
     def spans_batch(self) -> bool:
         return bool(TOKEN_SELECTORS.prop(self.cfg.token_scope, "spans_batch"))
 
-    def _reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
+    def reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
         if self.single:
             return sums
         buf = sums.to(self.device, copy=True)

@@ -53,7 +53,7 @@ from nemo_d3s.core.checks import check_count, is_real
 from nemo_d3s.core.token_selection import check_scores
 from nemo_d3s.core.registry import Registry
 from nemo_d3s.core.token_selection import n_tokens_to_keep, top_k_batch, top_k_mask
-from nemo_d3s.distributed._comm import (
+from nemo_d3s.distributed.comm import (
     all_gather_counts,
     all_gather_varlen,
     exclusive_prefix,

@@ -40,7 +40,7 @@ from nemo_d3s.core.entropy import (
     token_block,
     token_chunks,
 )
-from nemo_d3s.distributed._comm import all_gather_counts, collective_device, group_rank, is_single
+from nemo_d3s.distributed.comm import all_gather_counts, collective_device, group_rank, is_single
 
 __all__ = ["vocab_parallel_entropy_and_logprobs", "vocab_shard_range"]
 

@@ -18,6 +18,8 @@ __all__ = ["JobShape", "Setup", "job_shape", "model_folder"]
 
 @dataclass(frozen=True)
 class JobShape:
+    """Nodes x GPUs per node of the job the dry run sizes, and where those numbers came from."""
+
     nodes: int
     gpus_per_node: int
     source: str  # where the numbers came from, for messages

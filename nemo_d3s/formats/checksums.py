@@ -53,6 +53,7 @@ Entry = Tuple[str, int, str]  # (relative path, size in bytes, SHA-256)
 
 
 def has_checksums(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a ``checksums.json``."""
     return (Path(folder) / CHECKSUMS).is_file()
 
 

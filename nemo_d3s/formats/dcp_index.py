@@ -2,7 +2,7 @@
 without running pickled code: ``.metadata`` (a pickle) through an unpickler that builds only
 the DCP / megatron metadata classes, torch.Size and dtypes (:class:`_MetadataUnpickler`;
 anything else is refused); the global shape, dtype and byte ranges of every tensor chunk and
-every byte item (a megatron-core ShardedObject) in ``__*.distcp`` (:class:`_DcpIndex`).
+every byte item (a megatron-core ShardedObject) in ``__*.distcp`` (:class:`DcpIndex`).
 
 Shared by the NeMo 2 reader (``nemo2.py``) and the Megatron-LM / Megatron-Bridge readers
 (``mcore_dist.py`` for the weights, ``mcore_config.py`` for megatron-core 0.19's common
@@ -23,7 +23,7 @@ import torch
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.pickle_records import DTYPE_NAMES, Record
 
-__all__ = ["_DcpIndex"]
+__all__ = ["DcpIndex"]
 
 
 # ============================================================================ weights/.metadata
@@ -99,7 +99,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
 
 
-class _DcpIndex:
+class DcpIndex:
     """Global shape, dtype and per-chunk byte ranges of every tensor of a DCP folder."""
 
     def __init__(self, weights: Path) -> None:

@@ -38,7 +38,7 @@ __all__ = [
 
 HF, MEGATRON, NEMO2, MEGATRON_LM = "hf", "megatron", "nemo2", "megatron_lm"
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's (and Megatron-Bridge's) save folder
-_DIST_MARKERS = ("metadata.json", ".metadata")  # one dist_checkpointing folder (any version)
+DIST_MARKERS = ("metadata.json", ".metadata")  # one dist_checkpointing folder (any version)
 SHARDS_SUBDIR = "megatron"  # <checkpoint>/megatron/{layout.json, tpXX_ppYY.safetensors}
 LAYOUT_FILE = "layout.json"
 
@@ -70,7 +70,7 @@ def detect_format(path: str | os.PathLike) -> FolderFormat:
         return FolderFormat(MEGATRON, p, p / SHARDS_SUBDIR)
     if p.name == SHARDS_SUBDIR and (p / LAYOUT_FILE).is_file():
         return FolderFormat(MEGATRON, p.parent, p)
-    if (p / TRACKER).is_file() or all((p / m).is_file() for m in _DIST_MARKERS):
+    if (p / TRACKER).is_file() or all((p / m).is_file() for m in DIST_MARKERS):
         return FolderFormat(MEGATRON_LM, p)
     if (p / "config.json").is_file() and (
         (p / "model.safetensors").is_file() or (p / "model.safetensors.index.json").is_file()

@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import _DIST_MARKERS as _MARKERS
+from nemo_d3s.formats.detect import DIST_MARKERS as _MARKERS
 from nemo_d3s.formats.detect import TRACKER
-from nemo_d3s.formats.dcp_index import _DcpIndex
+from nemo_d3s.formats.dcp_index import DcpIndex
 from nemo_d3s.formats.nemo2_context import hf_config_from_transformer_config
 from nemo_d3s.formats.pickle_records import read_common_pt
 
@@ -145,7 +145,7 @@ def common_state(folder: Path) -> Tuple[Dict[str, Any], str]:
         data = read_common_pt(folder / COMMON_PT)
     else:
         where = f"{str(folder / '.metadata')!r} common_state"
-        index = _DcpIndex(folder)
+        index = DcpIndex(folder)
         if COMMON_STATE not in index.objects:
             raise ConfigError(
                 f"{where}: {str(folder)!r} holds neither {COMMON_PT} (megatron-core <= 0.18) nor "

@@ -27,7 +27,7 @@ import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.mcore_config import checkpoint_hf_config, tokenizer_folder
-from nemo_d3s.formats.nemo2 import NEMO_PREFIX, Nemo2Reader, _DcpIndex, open_dcp_weights
+from nemo_d3s.formats.nemo2 import NEMO_PREFIX, Nemo2Reader, DcpIndex, open_dcp_weights
 from nemo_d3s.formats.side_files import GENERATION_CONFIG, TOKENIZER_FILES
 from nemo_d3s.formats.spec import ModelSpec
 
@@ -40,7 +40,7 @@ def open_mcore_weights(
     """The GPT weights of the checkpoint folder ``folder`` (one ``iter_XXXXXXX/``) checked
     against ``spec`` (from ``config_name``). A NeMo 2 ``weights/`` given on its own reads too
     (its keys carry NeMo's "module." prefix)."""
-    index = _DcpIndex(folder)
+    index = DcpIndex(folder)
     prefix = "" if "embedding.word_embeddings.weight" in index.tensors else NEMO_PREFIX
     return open_dcp_weights(folder, spec, prefix, config_name)
 

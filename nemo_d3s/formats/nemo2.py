@@ -40,7 +40,7 @@ from typing import Optional, Tuple
 import torch
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.dcp_index import _DcpIndex
+from nemo_d3s.formats.dcp_index import DcpIndex
 from nemo_d3s.formats.shards import ShardedReader
 from nemo_d3s.formats.side_files import nemo2_side_files
 from nemo_d3s.formats.spec import ModelSpec
@@ -57,7 +57,7 @@ __all__ = [
 NEMO_PREFIX = "module."
 
 
-def _nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:
+def nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:
     """A TP1 (transformer-engine names) local parameter -> (DCP fqn, layer index or None):
     megatron-core's ``TransformerBlock.sharded_state_dict`` stacks a homogeneous block's
     layers on a leading axis under one key (``decoder.layers.<rest>``). ``prefix``: NeMo's
@@ -84,7 +84,7 @@ class Nemo2Reader(ShardedReader):
         self,
         folder: Path,
         spec: ModelSpec,
-        index: _DcpIndex,
+        index: DcpIndex,
         padded_vocab: int,
         prefix: str = NEMO_PREFIX,
         config_name: str = "context/model.yaml",
@@ -93,7 +93,7 @@ class Nemo2Reader(ShardedReader):
         super().__init__(folder, spec, Layout(1, 1, 0, 0, padded_vocab, te=True))
 
     def fqn(self, local: str) -> Tuple[str, Optional[int]]:
-        fqn, layer = _nemo_key(local, self.prefix_key)
+        fqn, layer = nemo_key(local, self.prefix_key)
         if fqn not in self.index.tensors:  # a checkpoint saved with the local spec's own names
             for te, plain in _LOCAL_SPEC_NAMES.items():
                 alt = fqn.replace(te, plain)
@@ -141,6 +141,7 @@ class Nemo2Reader(ShardedReader):
 
 
 def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torch.dtype]:
+    """A NeMo 2 folder's weights (``weights/``) checked against ``spec``: (reader, stored dtype)."""
     return open_dcp_weights(folder / "weights", spec, NEMO_PREFIX, "context/model.yaml")
 
 
@@ -150,7 +151,7 @@ def open_dcp_weights(
     """The GPT weights of the torch_dist folder ``weights`` under keys ``prefix`` + the
     model's own names, checked against ``spec`` (from ``config_name``); the padded
     vocabulary is the stored embedding's rows. Returns (reader, stored dtype)."""
-    index = _DcpIndex(weights)
+    index = DcpIndex(weights)
     emb = prefix + "embedding.word_embeddings.weight"
     if emb not in index.tensors:
         raise ConfigError(

@@ -180,6 +180,7 @@ def hf_config_from_transformer_config(
 
 
 def nemo_make_vocab_size_divisible_by(folder: str | os.PathLike) -> int:
+    """The vocabulary padding multiple of a NeMo 2 folder's model.yaml (NeMo's 128 by default)."""
     v = _yaml(Path(folder) / "context" / "model.yaml")["config"].get(
         "make_vocab_size_divisible_by", 128
     )

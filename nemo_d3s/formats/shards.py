@@ -73,10 +73,12 @@ ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 def shard_file(tp_rank: int, pp_rank: int) -> str:
+    """The file name of the (tp_rank, pp_rank) shard."""
     return f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
 
 
 def write_layout(folder: Path, spec: ModelSpec, layout: Layout) -> None:
+    """Write ``folder``'s layout.json: format, TP, PP, padded vocabulary, TE names, the spec."""
     (folder / LAYOUT_FILE).write_text(
         json.dumps(
             {
@@ -123,6 +125,7 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
 def save_shard(
     folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]
 ) -> None:
+    """Write one (tp, pp) shard file of ``tensors`` with its metadata into ``folder``."""
     from safetensors.torch import save_file
 
     save_file(
@@ -188,6 +191,7 @@ def read_local_from_checkpoint(
 
 
 def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
+    """The safetensors metadata of the (tp, pp) shard in ``folder``; None if it is absent."""
     from safetensors import safe_open
 
     path = folder / shard_file(layout.tp_rank, layout.pp_rank)

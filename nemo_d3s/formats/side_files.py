@@ -44,6 +44,7 @@ TOKENIZER_MODEL = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def read_json(path: Path) -> Any:
+    """The JSON at ``path``; ConfigError naming the file when it is unreadable or not JSON."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -253,6 +253,7 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> Tuple[int, ...]:
 
 
 def local_shape(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, ...]:
+    """The shape of tensor ``name`` on ``layout``'s rank (its TP part, vocabulary padded)."""
     dim, parts = local_parts(name, spec, layout)
     ref = parts[0].hf_name or "model.embed_tokens.weight"
     shape = list(hf_shape(ref, spec))

@@ -125,6 +125,7 @@ def build_tiny_model(folder: Path, seed: int = 0, **overrides: Any) -> Path:
 
 
 def need_world(ctx: Context, n: int, what: str) -> None:
+    """NotRun unless the self-check runs on at least ``n`` ranks."""
     if ctx.world < n:
         raise NotRun(
             f"{what} needs {n}+ ranks; this run has {ctx.world} (launch under torchrun/srun)"
@@ -132,6 +133,7 @@ def need_world(ctx: Context, n: int, what: str) -> None:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in fp32 on the CPU (0 for empty tensors)."""
     return (
         float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
         if a.numel()

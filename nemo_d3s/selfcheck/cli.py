@@ -323,6 +323,7 @@ def _context(opts: Dict[str, Any], world: int, mode: str) -> Dict[str, Any]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the self-check (``nemo-d3s-selfcheck``); the exit code of its verdict."""
     from nemo_d3s.selfcheck.report import (
         CheckResult,
         combine,

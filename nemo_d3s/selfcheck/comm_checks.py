@@ -2,7 +2,7 @@
 and on NCCL (CUDA tensors), against single-process references computed on every rank.
 
 - ``collectives.gloo`` / ``collectives.nccl``: over the whole world, on the group's
-  collective device (``_comm.collective_device``): the scalar all-reduce the trainer uses
+  collective device (``comm.collective_device``): the scalar all-reduce the trainer uses
   (``ParallelGroups.sum``), the all-gather of counts, the exact global top-K mask (radix
   selection, unequal shapes per rank) against ``core.token_selection.top_k_mask`` on the
   concatenation, and the broadcast from the last pipeline stage; exact equality, plus the
@@ -53,7 +53,7 @@ def _rank_scores(rank: int):
 
 def _collectives(ctx: Context, backend: str) -> Dict[str, Any]:
     from nemo_d3s.core.token_selection import top_k_mask
-    from nemo_d3s.distributed._comm import all_gather_counts, collective_device
+    from nemo_d3s.distributed.comm import all_gather_counts, collective_device
     from nemo_d3s.distributed.groups import ParallelGroups
     from nemo_d3s.distributed.pipeline import broadcast_from_last_stage
     from nemo_d3s.distributed.topk import global_top_k_mask

@@ -157,15 +157,15 @@ def long_sequence_layouts(ctx: Context) -> Dict[str, Dict[str, Any]]:
 
 
 def check_local_spec(ctx: Context) -> Dict[str, Any]:
-    return _compare_layouts(ctx, {f"tp{tp}pp{pp}": dict(tp=tp, pp=pp) for tp, pp in layouts(ctx)})
+    return compare_layouts(ctx, {f"tp{tp}pp{pp}": dict(tp=tp, pp=pp) for tp, pp in layouts(ctx)})
 
 
 def check_long_sequence(ctx: Context) -> Dict[str, Any]:
     need_world(ctx, 2, "the long-sequence layouts (TP 2 / PP 2)")
-    return _compare_layouts(ctx, long_sequence_layouts(ctx))
+    return compare_layouts(ctx, long_sequence_layouts(ctx))
 
 
-def _compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """TP1 x PP1 against each of ``variants`` (name -> ``_run`` arguments), fp32 local spec."""
     kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
     _, (lp1, ent1, m1, w1) = _run(ctx, 1, 1, **kw)

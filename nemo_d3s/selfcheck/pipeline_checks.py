@@ -30,7 +30,7 @@ import json
 from typing import Any, Dict
 
 from nemo_d3s.selfcheck.base import Check, Context, build_tiny_model, need_world
-from nemo_d3s.selfcheck.model_checks import _compare_layouts, check_te_spec
+from nemo_d3s.selfcheck.model_checks import compare_layouts, check_te_spec
 from nemo_d3s.selfcheck.report import NotRun
 
 __all__ = ["CHECKS", "deep_model"]
@@ -71,7 +71,7 @@ def _pp_recompute_layout(ctx: Context) -> Dict[str, Any]:
 def check_pp_recompute(ctx: Context) -> Dict[str, Any]:
     layout = _pp_recompute_layout(ctx)
     name = f"tp{layout['tp']}pp2{'_sp' if layout['tp'] > 1 else ''}_recompute"
-    return _compare_layouts(ctx, {name: layout})
+    return compare_layouts(ctx, {name: layout})
 
 
 def check_te_spec_pp_recompute(ctx: Context) -> Dict[str, Any]:
@@ -83,7 +83,7 @@ def check_te_spec_pp_recompute(ctx: Context) -> Dict[str, Any]:
 def check_interleaved(ctx: Context) -> Dict[str, Any]:
     need_world(ctx, 2, "the interleaved pipeline (PP 2 x VPP 2)")
     deep = deep_model(ctx)
-    out = _compare_layouts(deep, {"pp2_vpp2": dict(INTERLEAVED)})
+    out = compare_layouts(deep, {"pp2_vpp2": dict(INTERLEAVED)})
     return {"layers": _layers(deep), **out}
 
 

@@ -74,8 +74,8 @@ def _one_layout(ctx: Context, tp: int, pp: int, problems: List[str]) -> Dict[str
     ) as pol:
         trainer = {n: t.detach().cpu().clone() for n, t in pol.hf_weights()}
         layer = sum(t.numel() * t.element_size() for n, t in trainer.items() if ".layers.0." in n)
-        mp, src = pol._mp_group()
-        group = pol._mp_gloo_group() if mp is not None else None
+        mp, src = pol.mp_group()
+        group = pol.mp_gloo_group() if mp is not None else None
         workers = tp  # an engine of the training TP, on the GPUs of ranks src..src+tp-1
         rank = dist.get_rank()
         sink = LayerwiseReceiver(list(trainer), workers) if rank == src else None

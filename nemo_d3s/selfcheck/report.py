@@ -160,6 +160,7 @@ def finalize(results: Sequence[CheckResult], *, cuda: bool) -> List[CheckResult]
 
 
 def exit_code(results: Sequence[CheckResult]) -> int:
+    """1 when any check failed, else 0 (not run is not a failure)."""
     return 1 if any(r.status == FAILED for r in results) else 0
 
 

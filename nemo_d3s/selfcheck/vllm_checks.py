@@ -232,7 +232,7 @@ def check_memory(ctx: Context) -> Dict[str, Any]:
         try:
             v = _vllm_engine(engine)
             if v is not None:
-                v._wake(["weights", "kv_cache"])
+                v.wake(["weights", "kv_cache"])
             free_awake, _ = torch.cuda.mem_get_info(ctx.device)
         finally:
             _close(engine)

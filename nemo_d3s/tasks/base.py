@@ -81,6 +81,7 @@ def make_task(name: str, **options) -> Task:
 
 
 def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
+    """A ``random.Random`` from a generator (as is), an int seed or None."""
     if isinstance(rng, random.Random):
         return rng
     if rng is None or isinstance(rng, int):

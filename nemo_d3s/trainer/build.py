@@ -79,6 +79,7 @@ def loss_config(cfg: Any) -> LossConfig:
 
 
 def generation_config(cfg: Any) -> GenerationConfig:
+    """The rollout engines' sampling settings from ``trainer.*``."""
     t = cfg.trainer
     return GenerationConfig(
         max_new_tokens=int(t.max_new_tokens),

@@ -59,7 +59,7 @@ from nemo_d3s.distributed.agree import all_gather_texts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.files import CHECKSUMS, file_digests, fsync_folder, fsync_tree, write_checksums
 from nemo_d3s.formats.checksums import Gather, verify_checksums
-from nemo_d3s.trainer.faults import RunError, _broadcast_world, fault_point, first_line
+from nemo_d3s.trainer.faults import RunError, broadcast_world, fault_point, first_line
 
 __all__ = [
     "CHECKSUMS",
@@ -189,7 +189,7 @@ def _read_state(path: Path) -> TrainerState:
     return state
 
 
-def _job() -> Tuple[int, int, Optional[Gather]]:
+def job_world() -> Tuple[int, int, Optional[Gather]]:
     """(rank, world size, all-gather of texts over the world) of this process's job."""
     import torch.distributed as dist
 
@@ -229,7 +229,7 @@ def verify_checkpoint(path: Path, *, shared: bool = False) -> Optional[str]:
     else what is wrong, in a few words. ``shared``: collective over the job, each rank
     hashing its share (``formats.checksums.verify_checksums``), the same answer on every
     rank; else this process reads every file."""
-    rank, world, gather = _job() if shared else (0, 1, None)
+    rank, world, gather = job_world() if shared else (0, 1, None)
     return verify_checksums(path, rank=rank, world=world, gather=gather, found=_structure(path))
 
 
@@ -303,6 +303,8 @@ def looks_like_write_failure(e: BaseException) -> bool:
 
 
 class CheckpointManager:
+    """The run's checkpoints: collective save, keep-last pruning, the latest to resume from."""
+
     def __init__(self, output_dir: str, dp: ParallelGroups, keep_last: int) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.dp = dp
@@ -312,7 +314,7 @@ class CheckpointManager:
         """Collective: every rank calls it. Returns the final directory."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
-        _, _, gather = _job()
+        _, _, gather = job_world()
         try:
             if self.dp.is_main:
                 if tmp.exists():
@@ -384,7 +386,7 @@ class CheckpointManager:
         there is no ``step_*`` directory at all. Collective: rank 0's list of checkpoints
         is broadcast, every rank verifies its share of each in turn (the findings
         all-gathered) and every rank loads the checkpoint they agreed on."""
-        names = _broadcast_world(
+        names = broadcast_world(
             [p.name for p in checkpoint_dirs(self.root)] if self.dp.is_main else None
         )
         chosen, problems = None, []

@@ -48,6 +48,7 @@ def data_files(cfg: Any) -> Dict[str, Dict[str, Any]]:
 
 
 def write_data_record(cfg: Any, out: Path) -> None:
+    """Write the run's data_files.json (size and digest of each data file), or remove it if none."""
     files = data_files(cfg)
     path = out / DATA_RECORD
     if files:

@@ -103,14 +103,14 @@ def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any
             result = fn()
         except errors as e:
             failure = (type(e).__name__, str(e))
-    failure = _broadcast_world(failure)
+    failure = broadcast_world(failure)
     if failure is not None:
         kind, msg = failure
         raise (ConfigError if kind == "ConfigError" else RunError)(msg)
     return result
 
 
-def _broadcast_world(obj: Optional[Any]) -> Optional[Any]:
+def broadcast_world(obj: Optional[Any]) -> Optional[Any]:
     """Rank 0's small object to every process of the job (all ranks, not only DP: a TP
     peer must stop too). In memory only; nothing read from disk goes through pickle."""
     import torch.distributed as dist

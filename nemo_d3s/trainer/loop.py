@@ -45,14 +45,14 @@ from nemo_d3s.trainer import records
 from nemo_d3s.trainer.checkpoint import (
     CheckpointManager,
     TrainerState,
-    _job,
+    job_world,
     checkpoint_dirs,
     export_failure,
     looks_like_write_failure,
 )
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
-from nemo_d3s.trainer.faults import RunError, _broadcast_world, agree_on_main, fault_point
+from nemo_d3s.trainer.faults import RunError, broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.data_record import check_data_record, write_data_record
@@ -97,7 +97,7 @@ class Trainer:
         self.policy = backend_from_config(cfg)
         self.groups = self.policy.groups
         validate_layout(cfg, self.groups.dp_size)
-        agree_on_config(cfg, _job()[2])  # resume=true: each rank merged config.yaml itself
+        agree_on_config(cfg, job_world()[2])  # resume=true: each rank merged config.yaml itself
         self.task = TaskAdapter(
             build_task(cfg.task.name, plain(cfg.task.params) or {}),
             timeout_s=float(cfg.trainer.reward_timeout_s),
@@ -379,7 +379,7 @@ class Trainer:
                 if not looks_like_write_failure(e):
                     raise
                 failure = export_failure(folder, e)
-        failure = _broadcast_world(failure if self.groups.is_main else None)  # also the barrier
+        failure = broadcast_world(failure if self.groups.is_main else None)  # also the barrier
         if failure is not None:
             self._summary(state)
             raise RunError(failure)

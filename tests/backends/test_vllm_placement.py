@@ -96,7 +96,7 @@ def test_the_engine_starts_with_its_own_gpus_and_the_trainer_keeps_its_view(monk
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert vengine.own_gpus(2) == "2,3"
     seen = {}
-    with vengine._engine_env(vengine.own_gpus(2)):
+    with vengine.engine_env(vengine.own_gpus(2)):
         import os
 
         seen["inside"] = os.environ.get("CUDA_VISIBLE_DEVICES")

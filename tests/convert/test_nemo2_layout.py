@@ -34,7 +34,7 @@ from _launch import run_ranks  # noqa: E402
 
 from nemo_d3s.config import ConfigError  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
-from nemo_d3s.formats.nemo2 import _DcpIndex  # noqa: E402
+from nemo_d3s.formats.nemo2 import DcpIndex  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
         json.loads((nemo / "weights" / "metadata.json").read_text())["sharded_backend"]
         == "torch_dist"
     )
-    index = _DcpIndex(nemo / "weights")
+    index = DcpIndex(nemo / "weights")
     L, names = 4, set(index.tensors)
     qkv = "module.decoder.layers.self_attention.linear_qkv.weight"
     d = 16 if arch == "qwen3" else 8  # Qwen3's head_dim is set apart from hidden / heads
@@ -218,7 +218,7 @@ def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
         _rank_save_sharded_state_dict, 4, str(src), str(nemo / "weights"), tp=2, pp=2, timeout=300
     )
     shutil.copytree(nemo_context(src, tmp_path / "ctx") / "context", nemo / "context")
-    index = _DcpIndex(nemo / "weights")
+    index = DcpIndex(nemo / "weights")
     fc1 = "module.decoder.layers.mlp.linear_fc1.weight"
     assert len(index.chunks[fc1]) == 4 * 2 * 2  # per layer: gate and up halves of both TP ranks
     assert_same_tensors(src, megatron_to_hf(nemo, tmp_path / "back", progress=False))

@@ -8,7 +8,7 @@ import torch
 
 from _launch import run_ranks
 
-from nemo_d3s.distributed._comm import collective_device
+from nemo_d3s.distributed.comm import collective_device
 from nemo_d3s.distributed.groups import ParallelGroups, device_for_backend, shard_range
 
 

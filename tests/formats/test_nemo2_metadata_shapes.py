@@ -5,7 +5,7 @@ from a checkpoint torch's own DCP writer saved, whatever torch runs the tests, s
 suite (torch 2.13) reads the 2.15 shape and the py312 leg (torch 2.15) the older one.
 
 Pickle is used only to WRITE test files from our own objects; the reader under test
-(``formats.nemo2._DcpIndex``) unpickles through its allow-list."""
+(``formats.nemo2.DcpIndex``) unpickles through its allow-list."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.nemo2 import _DcpIndex
+from nemo_d3s.formats.nemo2 import DcpIndex
 
 TENSORS = {
     "module.embedding.word_embeddings.weight": torch.arange(24, dtype=torch.float32).view(6, 4),
@@ -66,7 +66,7 @@ def test_both_shapes_read_the_same_tensors(items, saved, tmp_path, monkeypatch):
         shutil.copytree(saved, tmp_path / "w"), monkeypatch, lambda p: _properties_state(p, items)
     )
     raw = (weights / ".metadata").read_bytes()
-    index = _DcpIndex(weights)
+    index = DcpIndex(weights)
     assert {k: v for k, v in index.tensors.items()} == {
         k: (tuple(v.shape), v.dtype) for k, v in TENSORS.items()
     }
@@ -95,7 +95,7 @@ def test_bad_strides_are_refused(strides, match, saved, tmp_path, monkeypatch):
         lambda p: _properties_state(p, 5) + (strides,),
     )
     with pytest.raises(ConfigError, match=r"\.metadata.*not a readable NeMo 2.*" + match):
-        _DcpIndex(weights)
+        DcpIndex(weights)
 
 
 def test_a_shape_torch_never_wrote_is_refused(saved, tmp_path, monkeypatch):
@@ -105,4 +105,4 @@ def test_a_shape_torch_never_wrote_is_refused(saved, tmp_path, monkeypatch):
         lambda p: _properties_state(p, 6) + ("extra",),
     )
     with pytest.raises(ConfigError, match=r"TensorProperties of 7 items \(torch reads 5 or 6\)"):
-        _DcpIndex(weights)
+        DcpIndex(weights)

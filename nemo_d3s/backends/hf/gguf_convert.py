@@ -57,6 +57,7 @@ def converted_model_dir(cache: Optional[Path] = None) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
+    """Whether ``folder`` is a finished export (its marker is written last, then renamed in)."""
     # The marker is written last inside the temp folder, and the folder only appears under
     # its final name through an atomic rename, so its presence means the export finished.
     return (folder / _MARKER).is_file() and (folder / "config.json").is_file()

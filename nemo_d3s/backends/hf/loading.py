@@ -109,6 +109,7 @@ def resolve_autocast(autocast: Optional[str], device: torch.device) -> Optional[
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` -> CUDA where available, else CPU; anything else as torch reads it."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -213,6 +214,7 @@ def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = N
 
 
 def zero_dropout_config(config) -> None:
+    """Set every dropout probability of ``config`` to 0 (two forwards of one policy must agree)."""
     # RL ratios compare two forwards of the same weights; dropout would make them differ.
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):

@@ -236,11 +236,11 @@ class MegatronBackend(Policy):
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
         """One engine per model-parallel group (``engine.place_engine``)."""
-        return place_engine(self, build, self._mp_gloo_group)
+        return place_engine(self, build, self.mp_gloo_group)
 
-    _mp_group = staticmethod(model_parallel_group)
+    mp_group = staticmethod(model_parallel_group)
 
-    def _mp_gloo_group(self):
+    def mp_gloo_group(self):
         """The gloo twin of this rank's model-parallel group, made with Megatron's groups
         (``parallel.make_model_parallel_gloo_twin``: through the store, before any engine
         builds, no NCCL call); Megatron's group is NCCL on CUDA."""

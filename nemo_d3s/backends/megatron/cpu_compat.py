@@ -60,7 +60,7 @@ import torch
 
 __all__ = ["apply_cpu_compat", "is_applied", "seed_model_parallel"]
 
-# megatron-core modules whose module-level ``torch`` becomes a :class:`_CpuTorch` proxy.
+# megatron-core modules whose module-level ``torch`` becomes a :class:`CpuTorch` proxy.
 # module -> the functions that hard-code CUDA there (all on the GPT path at TP x PP on gloo).
 # Narrow on purpose: a global ``torch.cuda.current_device = lambda: "cpu"`` would also reach
 # every other caller in the process (nemo_d3s.distributed picks its device with it) and
@@ -156,7 +156,7 @@ def _on_cpu(factory):
     return wrapper
 
 
-class _CpuTorch:
+class CpuTorch:
     """``torch`` as the proxied megatron modules see it: CUDA-placed factories and
     ``torch.cuda.current_device/synchronize`` go to the CPU; all else is torch itself."""
 
@@ -170,7 +170,7 @@ class _CpuTorch:
         return getattr(torch, name)
 
 
-_CPU_TORCH = _CpuTorch()
+_CPU_TORCH = CpuTorch()
 
 
 def _proxy_torch() -> None:

@@ -33,7 +33,7 @@ from nemo_d3s.backends.base import (
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
 from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
-from nemo_d3s.distributed._comm import is_single
+from nemo_d3s.distributed.comm import is_single
 
 __all__ = [
     "ModelParallelRollouts",

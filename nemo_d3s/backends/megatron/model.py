@@ -33,7 +33,7 @@ from nemo_d3s.formats.weights import (
     read_local,
 )
 from nemo_d3s.backends.megatron.config import TRANSFORMER_IMPLS
-from nemo_d3s.distributed._comm import global_rank_of, is_single
+from nemo_d3s.distributed.comm import global_rank_of, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = [

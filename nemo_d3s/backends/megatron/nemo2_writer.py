@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from nemo_d3s.formats.spec import ModelSpec
-from nemo_d3s.formats.nemo2 import NEMO_PREFIX, _nemo_key
+from nemo_d3s.formats.nemo2 import NEMO_PREFIX, nemo_key
 from nemo_d3s.formats.weights import Layout, local_names
 
 __all__ = ["write_nemo2", "write_dist_checkpoint"]
@@ -35,7 +35,7 @@ class _TorchOnCpu:
         import importlib
         import importlib.util
 
-        from nemo_d3s.backends.megatron.cpu_compat import _CpuTorch
+        from nemo_d3s.backends.megatron.cpu_compat import CpuTorch
 
         self.saved = []
         fs = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
@@ -48,7 +48,7 @@ class _TorchOnCpu:
             mod = importlib.import_module(name)
             if isinstance(getattr(mod, "torch", None), type(torch)):
                 self.saved.append((mod, "torch", mod.torch))
-                mod.torch = _CpuTorch()
+                mod.torch = CpuTorch()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -113,7 +113,7 @@ def write_dist_checkpoint(
     dtype = full["model.embed_tokens.weight"].dtype
     for local in local_names(spec, layout):
         t = read_local(local, spec, layout, _Dict(), dtype)
-        fqn, layer = _nemo_key(local, prefix)
+        fqn, layer = nemo_key(local, prefix)
         if layer is None:
             sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
         else:

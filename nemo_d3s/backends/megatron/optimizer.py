@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, grad_of, needs_main_weights
-from nemo_d3s.distributed._comm import group_rank, is_single
+from nemo_d3s.distributed.comm import group_rank, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = [
@@ -55,6 +55,7 @@ def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def device_of(module: torch.nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (CPU for none)."""
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
@@ -62,6 +63,7 @@ def device_of(module: torch.nn.Module) -> torch.device:
 
 # ---------------------------------------------------------------------------- gradients
 def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
+    """This rank's trainable parameters over its model chunks, in chunk order."""
     return [p for c in chunks for p in c.parameters() if p.requires_grad]
 
 
@@ -166,6 +168,7 @@ def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
 
 # ---------------------------------------------------------------------------- optimizers
 def is_megatron_optimizer(optimizer) -> bool:
+    """Whether ``optimizer`` is megatron-core's (distributed or not), not the plain path's."""
     try:
         from megatron.core.optimizer import MegatronOptimizer
     except ImportError:  # pragma: no cover - megatron-core is a dependency of this backend

@@ -19,6 +19,7 @@ __all__ = ["stage_positions", "local_param_count", "real_param_count", "meta_par
 
 
 def stage_positions(tp: int, pp: int) -> List[Tuple[int, int]]:
+    """Every (tp_rank, pp_rank) of a TP x PP layout, stage by stage."""
     return [(t, p) for p in range(pp) for t in range(tp)]
 
 
@@ -65,7 +66,9 @@ def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator
     ``initialize_model_parallel`` (no gloo side groups). Torn down on exit."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    # torch's only fake process group (no public home); guarded below where it may be absent
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: PLC2701
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
@@ -97,7 +100,7 @@ def meta_param_counts(
     if dist.is_available() and dist.is_initialized():
         return {"skipped": "a process group already exists in this process"}
     try:
-        from torch.testing._internal.distributed import fake_pg  # noqa: F401
+        from torch.testing._internal.distributed import fake_pg  # noqa: F401, PLC2701
     except Exception as e:  # an internal torch module: absent from some builds
         return {"skipped": f"torch's fake process group is not available ({type(e).__name__}: {e})"}
     from nemo_d3s.backends.megatron.model import build_stage, transformer_config

@@ -78,6 +78,7 @@ class LRSchedule:
 
 
 def world_size() -> int:
+    """The job's world size: the process group's, else ``WORLD_SIZE`` (1 without one)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))

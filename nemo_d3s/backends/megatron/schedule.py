@@ -64,7 +64,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     unwrap_model,
 )
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
-from nemo_d3s.distributed._comm import global_rank_of, group_size, is_single
+from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.distributed.pipeline import (

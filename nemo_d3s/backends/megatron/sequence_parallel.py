@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.megatron.main_weights import grad_of
-from nemo_d3s.distributed._comm import is_single
+from nemo_d3s.distributed.comm import is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = ["RMSNorm", "allreduce_tp_partial_grads", "local_block_spec"]

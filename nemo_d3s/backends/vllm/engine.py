@@ -63,7 +63,7 @@ from nemo_d3s.backends.refit import (
     release_cached_cuda_memory,
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.backends.vllm.launch import _engine_env, _in_multi_rank_job, own_gpus
+from nemo_d3s.backends.vllm.launch import engine_env, in_multi_rank_job, own_gpus
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
@@ -179,7 +179,7 @@ class VLLMEngine(RolloutEngine):
         )
         self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
         try:
-            with _engine_env(self.visible_devices):
+            with engine_env(self.visible_devices):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
             raise RuntimeError(
@@ -200,9 +200,9 @@ class VLLMEngine(RolloutEngine):
     def _in_process(self) -> bool:
         """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
         ``import_vllm``) and one GPU (TP > 1 starts worker processes). Decided before vLLM
-        starts, from what ``_engine_env`` will set."""
+        starts, from what ``engine_env`` will set."""
         return (
-            not _in_multi_rank_job()
+            not in_multi_rank_job()
             and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
             and int(self.cfg.tensor_parallel_size) == 1
         )
@@ -245,7 +245,7 @@ class VLLMEngine(RolloutEngine):
         version = getattr(policy, "weights_version", None)
         return version is None or self.held_version != int(version)
 
-    def _wake(self, tags: List[str]) -> None:
+    def wake(self, tags: List[str]) -> None:
         if not self._asleep:
             return
         todo = [t for t in tags if t not in self._awake_tags]
@@ -263,7 +263,7 @@ class VLLMEngine(RolloutEngine):
         return self.llm.collective_rpc(method, kwargs=kwargs)
 
     def begin_refit(self) -> None:
-        self._wake(["weights"])  # weights only: the KV cache wakes when it is needed
+        self.wake(["weights"])  # weights only: the KV cache wakes when it is needed
         self._sent: List[str] = []
         self._rpc("refit_begin")
 
@@ -352,7 +352,7 @@ class VLLMEngine(RolloutEngine):
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
         self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
-        self._wake(["weights", "kv_cache"])
+        self.wake(["weights", "kv_cache"])
         # awake until the trainer's release(): more generations of this version cost no refit
         try:
             outputs = self.llm.generate(requests, params, use_tqdm=False)

@@ -1,5 +1,5 @@
 """How a vLLM engine's processes start beside the trainer: on the engine's own GPUs, outside
-torchrun's rendezvous (``_engine_env``); pure environment handling, no vLLM import."""
+torchrun's rendezvous (``engine_env``); pure environment handling, no vLLM import."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ _TORCHRUN_ENV = (
 )
 
 
-def _in_multi_rank_job() -> bool:
+def in_multi_rank_job() -> bool:
+    """Whether this process is one rank of a multi-rank torch.distributed job."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -51,7 +52,7 @@ def own_gpus(tensor_parallel_size: int) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _engine_env(visible_devices: Optional[str]):
+def engine_env(visible_devices: Optional[str]):
     """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
     it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
     it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
@@ -75,7 +76,7 @@ def _engine_env(visible_devices: Optional[str]):
     }
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
-    if _in_multi_rank_job():
+    if in_multi_rank_job():
         for k in _TORCHRUN_ENV:
             os.environ.pop(k, None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"

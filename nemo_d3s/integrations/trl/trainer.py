@@ -230,7 +230,7 @@ class D3SGRPOTrainer(GRPOTrainer):
         counts = torch.tensor(
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
         )
-        eligible_all, kept_all = sel._reduce_sums(counts).tolist()
+        eligible_all, kept_all = sel.reduce_sums(counts).tolist()
         self.last_selection = {
             "rewards": rewards_all,
             "advantages": advantages_all,

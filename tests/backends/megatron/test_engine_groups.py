@@ -1,7 +1,7 @@
 """The groups a Megatron run creates (issue 30, item 3).
 
 - Where the ranks of a model-parallel group wait for its rollout engine
-  (``MegatronBackend._mp_gloo_group``): on a gloo twin of the group, so the waits (rollouts
+  (``MegatronBackend.mp_gloo_group``): on a gloo twin of the group, so the waits (rollouts
   broadcast, refit barriers) run on the host, never inside an NCCL collective spinning on
   the GPUs vLLM generates on. The twin is made with Megatron's groups
   (``parallel.make_model_parallel_gloo_twin``), from the layout alone: no collective on the
@@ -48,7 +48,7 @@ def _body(rank: int):
     for n in saved:
         setattr(dist, n, refuse)
     try:
-        twin = MegatronBackend._mp_gloo_group(stub)
+        twin = MegatronBackend.mp_gloo_group(stub)
     finally:
         for n, f in saved.items():
             setattr(dist, n, f)

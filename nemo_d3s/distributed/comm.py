@@ -35,10 +35,12 @@ def is_single(group: Optional[dist.ProcessGroup]) -> bool:
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    """This process's rank in ``group`` (0 for no group or one rank)."""
     return 0 if is_single(group) else dist.get_rank(group)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """The size of ``group`` (1 for no group)."""
     return 1 if is_single(group) else dist.get_world_size(group)
 
 
