@@ -1,23 +1,9 @@
-"""The dry run's plan: the run config -> the layout it asks for -> what each GPU holds
-(``memory.py``) -> a verdict, as a JSON-able dict (``report.render`` prints it).
-
-The backend's own config translation and option check decide what the layout is
-(``trainer.build.checked_backend_config``: the same path ``MegatronBackend`` is built
-through), so an option the backend refuses is refused here too. Then, in order:
-:func:`_setup` (the layout and its divisibility rules), :func:`_workload` (what a step asks
-of a GPU), :func:`_vllm` (the colocated engines), :func:`_position` (the memory terms of one
-(TP, PP) position), and ``report.report``: the table against megatron-core's own build
-(``_cross_checks``) and the verdict (``_verdict``: fits or not, and why).
-
-Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
-the weight table (``formats.weights.local_shape``); each distinct position is also BUILT with
-megatron-core on the meta device (``backends/megatron/param_counts.py``: a fake process
-group of the job's world size, so Megatron's parallel state is that of the position) and its
-parameter count compared;
-the positions' real (unpadded, tied embedding once, TP-replicated norms once) parameters
-sum to the HF model's count; and megatron-core's theoretical memory formula (Megatron-LM
-``theoretical_memory_usage``: ``6 + 12/DP`` bytes per parameter on the most loaded shard,
-``s b h (10 + 24/t)`` activation bytes per layer) is reported beside this model.
+"""The dry run's plan: the run config -> the layout (through
+``trainer.build.checked_backend_config``, so the backend's refusals apply) -> each GPU's memory
+terms (``memory.py``) -> a verdict, as a JSON-able dict. Cross-checks: each position's
+parameters from the weight table against megatron-core's meta-device build
+(``backends/megatron/param_counts.py``), their sum against the HF model's, and Megatron-LM's
+theoretical memory reported beside the model.
 """
 
 from __future__ import annotations
@@ -182,9 +168,9 @@ def _workload(s: Setup) -> Workload:
 def _vllm_placement(
     shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str
 ) -> Dict[str, Any]:
-    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
-    engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
-    its node); ConfigError when two engines would share a GPU or one runs past its node."""
+    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``); ConfigError
+    when two engines would share a GPU or one runs past its node.
+    """
     try:
         return engine_plan(
             first_ranks_of_model_copies(tp, pp, dp, order),

