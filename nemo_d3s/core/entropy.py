@@ -1,11 +1,11 @@
 """Per-token entropy and log-probabilities from full-vocabulary logits [B, S, V]: the single-process
 reference that ``nemo_d3s.distributed``'s vocab-sharded version is tested against.
 
-With m = max z, e = exp(z - m), s = sum e: log p(y) = (z_y - m) - log s and H = log s - sum e (z -
-m) / s (no cancellation under a large common logit offset). -inf logits get probability 0; NaN, +inf
-or an all -inf row is an error. Work runs in fp32 (fp64 for fp64 logits) chunks of ``chunk_size``
-tokens (extra memory a few chunk x V buffers, logits never copied whole); the backward (onehot(y) -
-softmax) recomputes the softmax per chunk from the saved lse [B, S]."""
+With m = max z, e = exp(z - m), s = sum e: log p(y) = (z_y - m) - log s and H = log s - sum e
+(z - m) / s (no cancellation under a large common logit offset). -inf logits get probability 0; NaN,
++inf or an all -inf row is an error. Work runs in fp32 (fp64 for fp64 logits) chunks of
+``chunk_size`` tokens (extra memory a few chunk x V buffers, logits never copied whole); the
+backward (onehot(y) - softmax) recomputes the softmax per chunk from the saved lse [B, S]."""
 
 from __future__ import annotations
 

@@ -14,10 +14,10 @@ d3s        d3s_cross     batch       linear N 1/8 -> 1/2 of G, K 5% -> 20%,
 d3s_i      d3s_intra     batch       as d3s, intra-group selection
 =========  ============  ==========  ==========================================
 
-N is a fraction of G so presets work at any G: the D3S paper's N 8 -> 32 read as G = 64 (an
-assumption), PODS's n ~ 4 m as 1/4. The 256-token floor (``min_kept_tokens``; 0 is the papers' rule)
-binds only on small batches, where 5% kept ~10 tokens a step (docs/evidence.md). PODS's loss is
-``d3s=pods algorithm.aggregation=seq_mean_token_mean``."""
+N is a fraction of G so presets work at any G: the D3S paper's N 8 -> 32 read as G = 64
+(an assumption), PODS's n ~ 4 m as 1/4. The 256-token floor (``min_kept_tokens``; 0 is the papers'
+rule) binds only on small batches, where 5% kept ~10 tokens a step (docs/evidence.md). PODS's loss
+is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``."""
 
 from __future__ import annotations
 

@@ -293,8 +293,9 @@ def select_d3s_intra(x: SelectionInputs) -> SampleSelection:
 
 @SAMPLE_SELECTORS.register("d3s_cross", pooled=True)
 def select_d3s_cross(x: SelectionInputs) -> SampleSelection:
-    """D3S: the ``sum_g resolve_n_keep(N, G_g)`` pooled advantages of maximal variance (one sort of
-    B values); no re-normalisation. A pool keeping one rollout keeps the largest |A|."""
+    """D3S: the ``sum_g resolve_n_keep(N, G_g)`` pooled advantages of maximal variance
+    (one sort of B values); no re-normalisation. A pool keeping one rollout keeps the largest
+    |A|."""
     adv = x.advantages
     m_total = int(_n_keep_per_group(x.n_keep, group_sizes(x.index, x.n_groups)).sum())
     if m_total == 1 and adv.numel() > 1:

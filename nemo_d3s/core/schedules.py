@@ -1,6 +1,7 @@
-"""Schedules of (N, K) over training progress p in [0, 1]: pure functions ``fn(progress, start, end,
-**kw)`` with fn(0) = start and fn(1) = end (``constant`` is always ``start``; ``step`` may jump at
-0), so a resumed run gets the same (N, K). D3S (arXiv 2509.22115) interpolates linearly."""
+"""Schedules of (N, K) over training progress p in [0, 1]: pure functions
+``fn(progress, start, end, **kw)`` with fn(0) = start and fn(1) = end (``constant`` is always
+``start``; ``step`` may jump at 0), so a resumed run gets the same (N, K). D3S (arXiv 2509.22115)
+interpolates linearly."""
 
 from __future__ import annotations
 

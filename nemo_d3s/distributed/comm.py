@@ -82,8 +82,8 @@ def all_gather_varlen(
     x: torch.Tensor, group: Optional[dist.ProcessGroup], counts: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every member's ``x`` [n_r, *rest] (n_r may differ, 0 included) concatenated in rank order ->
-    (gathered [sum n_r, *rest], counts [world]). Collectives: an all-gather of the counts (unless
-    passed) and one of ``x`` padded to max_r n_r rows."""
+    (gathered [sum n_r, *rest], counts [world]). Collectives: an all-gather of the counts
+    (unless passed) and one of ``x`` padded to max_r n_r rows."""
     if is_single(group):
         return x, torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
     if counts is None:

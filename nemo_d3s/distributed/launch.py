@@ -2,10 +2,10 @@
 compare N ranks with one process, laptop trials, benchmarks).
 
 Each rank joins a gloo group, runs ``rank_setup(rank, *setup_args)`` (it may return a teardown),
-then ``fn(rank, *args)``; results come back through ``torch.load(weights_only= True)`` (no code runs
-on load). An exception or a timeout in any rank is re-raised in the parent with the child's
-traceback and the other ranks are killed. ``fn`` and ``rank_setup`` must be module-level (loaded
-from their defining file); start method "forkserver"."""
+then ``fn(rank, *args)``; results come back through ``torch.load(weights_only=True)``
+(no code runs on load). An exception or a timeout in any rank is re-raised in the parent with the
+child's traceback and the other ranks are killed. ``fn`` and ``rank_setup`` must be module-level
+(loaded from their defining file); start method "forkserver"."""
 
 from __future__ import annotations
 

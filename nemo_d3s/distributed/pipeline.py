@@ -115,8 +115,8 @@ def logprob_loss_func(
     seq_first: bool = False,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """Loss function for Megatron's forward-only old-policy pass (one per micro-batch): called on
-    the last stage with logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]), it appends ``{"entropy",
-    "logprobs"}`` [B, S] f32 to ``store`` and returns a zero loss.
+    the last stage with logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]), it appends
+    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store`` and returns a zero loss.
 
     target_ids [B, S]: shifted by the caller, or input ids with ``token_aligned=True`` (position t
     from logits at t - 1, position 0 holds 0). Collectives: the vocab-parallel ones on

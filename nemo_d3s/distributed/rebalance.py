@@ -160,8 +160,8 @@ def plan_rebalance(
 
 @dataclass
 class RebalancedBatch:
-    """tensors: name -> [m, ...] rows this rank trains on (ascending j); weight [m] f32 (0 for a
-    pad); sample_index [m] (j); is_pad [m] bool."""
+    """tensors: name -> [m, ...] rows this rank trains on (ascending j); weight [m] f32
+    (0 for a pad); sample_index [m] (j); is_pad [m] bool."""
 
     tensors: Dict[str, torch.Tensor]
     weight: torch.Tensor

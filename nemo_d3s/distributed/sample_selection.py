@@ -95,8 +95,8 @@ def global_select_samples(
 
     rewards, advantages (this rank's full groups) and group_ids [B_r]; B_r may differ, 0 included.
     ``generator`` ("random") must be seeded alike on all ranks. Collectives: those of
-    :func:`gather_batch_groups`; then O(B_total log B_total) on every rank, memory O(world x max_r
-    B_r). ``dp_group=None`` or one rank: the core selection."""
+    :func:`gather_batch_groups`; then O(B_total log B_total) on every rank, memory
+    O(world x max_r B_r). ``dp_group=None`` or one rank: the core selection."""
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
         raise ValueError(
             "rewards must be a 1-D tensor [B], got "

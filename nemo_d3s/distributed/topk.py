@@ -12,8 +12,8 @@ digit by digit (``bits_per_round`` 8 or 16), one all-reduce SUM of a bucket hist
 keys equal to the threshold are kept in global order via one all-gather of tie counts. Every rank
 derives each decision from the same reduced counts, so a rank with no eligible token still joins
 every collective. Collectives: <= 32 / bits_per_round all-reduces of 2^bits + 1 int64 (the extra
-slot flags a non-finite score on any rank), at most one all-gather of one int64. Memory O(local
-eligible) int64 keys."""
+slot flags a non-finite score on any rank), at most one all-gather of one int64. Memory
+O(local eligible) int64 keys."""
 
 from __future__ import annotations
 

@@ -82,9 +82,9 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
 
 
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
-    """``task.reward`` that never raises: an exception or a non-finite value -> (0, a one-line
-    error), else (reward, None). A finite reward outside ``task.reward_range`` is kept but counted
-    in ``out_of_range_rewards(task)``, the first logged as a warning."""
+    """``task.reward`` that never raises: an exception or a non-finite value ->
+    (0, a one-line error), else (reward, None). A finite reward outside ``task.reward_range`` is
+    kept but counted in ``out_of_range_rewards(task)``, the first logged as a warning."""
     try:
         value = float(task.reward(problem, text))
     except Exception as exc:  # a verifier bug must not kill a multi-hour run

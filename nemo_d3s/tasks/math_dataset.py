@@ -1,8 +1,8 @@
 """GSM8K / MATH-style datasets from local JSONL, JSON or Parquet files.
 
-Each row has a question and a reference answer, parsed by ``answer_format``: ``"gsm8k"`` (after the
-last "####"), ``"boxed"`` (the last ``\\boxed{...}``), ``"plain"``, or ``"auto"`` (gsm8k, else
-boxed, else plain). Rewards check the response's answer with ``verify_math``; a file with no
+Each row has a question and a reference answer, parsed by ``answer_format``: ``"gsm8k"``
+(after the last "####"), ``"boxed"`` (the last ``\\boxed{...}``), ``"plain"``, or ``"auto"`` (gsm8k,
+else boxed, else plain). Rewards check the response's answer with ``verify_math``; a file with no
 reference the verifier can match is refused, otherwise such rows are counted
 (``unusable_references``, in ``summary.json``) and named in a warning. ``reward_fn="file.py:score"``
 or ``"package.module:score"`` replaces the verifier: ``score(response: str, answer: str) -> float``,

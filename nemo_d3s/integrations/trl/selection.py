@@ -123,10 +123,10 @@ def kept_batch(
     ascending, token_keep [B_kept, C] -> (new batch, placeholder rows).
 
     Rows are padded to a multiple of ``min_rows`` with copies of row 0 whose loss mask is zero
-    (every process runs as many micro-batches). The token selection multiplies ``tool_mask`` (TRL's
-    loss-only mask); ``num_items_in_batch`` is the caller's (a collective). ``trim_columns`` drops
-    completion columns after the last kept token (causal attention). A key outside ``PER_ROW_KEYS``
-    / ``SCALAR_KEYS`` (multimodal inputs) -> ConfigError."""
+    (every process runs as many micro-batches). The token selection multiplies ``tool_mask``
+    (TRL's loss-only mask); ``num_items_in_batch`` is the caller's (a collective). ``trim_columns``
+    drops completion columns after the last kept token (causal attention). A key outside
+    ``PER_ROW_KEYS`` / ``SCALAR_KEYS`` (multimodal inputs) -> ConfigError."""
     unknown = sorted(k for k in batch if k not in PER_ROW_KEYS + SCALAR_KEYS)
     if unknown:
         raise ConfigError(
