@@ -14,6 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import doc_numbers  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 
 def test_every_quoted_figure_is_the_records():
@@ -84,7 +85,7 @@ def test_record_main_job_runs_and_measures(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(out.read_text())

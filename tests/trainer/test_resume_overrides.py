@@ -26,6 +26,7 @@ from nemo_d3s.trainer.resume_config import (
 )
 
 from .conftest import FAST, cli, compose, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 ORIGINAL = ["experiment=smoke", "d3s=pods", "trainer.lr=0.5", "+model.params.extra=1"]
 
@@ -184,24 +185,25 @@ START = [
 def started(tmp_path_factory):
     """A run started with overrides (experiment=smoke d3s=pods ...): 2 steps, a checkpoint."""
     out = tmp_path_factory.mktemp("started") / "run"
-    r = cli([*START, f"output_dir={out}"], timeout=300)
+    r = cli([*START, f"output_dir={out}"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [p.name for p in checkpoint_dirs(out / "checkpoints")] == ["step_000002"]
     return out
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_cli_resume_with_output_dir_alone_continues_the_run(started, tmp_path):
     alone, full = tmp_path / "alone", tmp_path / "full"
     shutil.copytree(started, alone)
     shutil.copytree(started, full)
-    r = cli([f"output_dir={alone}", "resume=true", "trainer.steps=4"], timeout=300)
+    r = cli([f"output_dir={alone}", "resume=true", "trainer.steps=4"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {alone}/checkpoints/step_000002 (step 2)" in r.stdout + r.stderr
     resumed = OmegaConf.load(alone / "config.resumed-1.yaml")
     assert resumed.d3s.preset == "pods" and resumed.model.name == "tiny-random"
     assert resumed.trainer.steps == 4
     # the same as resuming with the original command line repeated
-    r = cli([*START, f"output_dir={full}", "resume=true", "trainer.steps=4"], timeout=300)
+    r = cli([*START, f"output_dir={full}", "resume=true", "trainer.steps=4"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_jsonl(alone / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -211,7 +213,7 @@ def test_cli_resume_with_output_dir_alone_continues_the_run(started, tmp_path):
 def test_cli_resume_with_a_conflicting_override_is_refused_naming_the_keys(started, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(started, run)
-    r = cli([f"output_dir={run}", "resume=true", "d3s=grpo"], timeout=300)
+    r = cli([f"output_dir={run}", "resume=true", "d3s=grpo"], timeout=WAIT_S)
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr.strip().splitlines()[-1]
     assert err.startswith("error: resume=true with a config that changes the experiment (")
@@ -261,7 +263,7 @@ def test_torchrun_resume_from_the_folder_alone(tmp_path):
         return subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc_per_node=2", "-m", "nemo_d3s.train", *args],
-            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=400,
+            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S,
         )  # fmt: skip
 
     out = tmp_path / "run"

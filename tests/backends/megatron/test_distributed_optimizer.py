@@ -31,6 +31,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 from _tiny_hf import B, tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -159,7 +160,7 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
                 0,
                 tp=tp,
                 pp=pp,
-                timeout=240,
+                timeout=WAIT_S,
             ),
         )
     (_, dist_res), (_, plain_res) = runs[True], runs[False]
@@ -190,7 +191,7 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
 def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
     """bf16 with either optimizer keeps fp32 main weights (the plain one: MainWeightsAdamW)."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    want = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, ckpt, None, 1, 1, timeout=240)
+    want = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, ckpt, None, 1, 1, timeout=WAIT_S)
     assert _metadata(ckpt)["main_params"] == ("1" if dtype == "bfloat16" else "0")
     if dtype == "bfloat16":  # the fp32 main weights are not the bf16 parameters
         from safetensors.torch import load_file
@@ -198,7 +199,7 @@ def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
         shard = load_file(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"))
         mains = [k for k in shard if k.startswith("optim.main.")]
         assert mains and any(not torch.equal(shard[k].bfloat16().float(), shard[k]) for k in mains)
-    got = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, None, ckpt, 1, 0, timeout=240)
+    got = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, None, ckpt, 1, 0, timeout=WAIT_S)
     for w, g in zip(want, got):
         assert g[1][-1] == w[1][-1] and g[3] == w[3]
         for k in w[2]:
@@ -209,21 +210,21 @@ def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
     folder = folders["llama"]
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")
     plain = run_ranks(
-        _rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=240
+        _rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=WAIT_S
     )[0]
     dist = run_ranks(
-        _rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=240
+        _rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=WAIT_S
     )[0]
     # plain checkpoint -> distributed optimizer, same layout
     resumed = run_ranks(
-        _rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=240
+        _rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=WAIT_S
     )[0]
     # distributed-optimizer checkpoint -> plain AdamW in one process (DP1: all rows)
     (one,) = run_ranks(
-        _rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=240
+        _rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=WAIT_S
     )
     # the same second step from the checkpoint's weights but a fresh optimizer: must differ
-    (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=240)
+    (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=WAIT_S)
     moved = 0
     for k in plain[2]:
         torch.testing.assert_close(
@@ -268,9 +269,9 @@ def test_a_step_zero_checkpoint_sets_the_fp32_main_weights(folders, tmp_path):
     when the checkpoint holds no optimizer state (step 0): else the first step copies the
     weights the model was built with back over the loaded ones."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "save", timeout=240)
+    run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "save", timeout=WAIT_S)
     assert _metadata(ckpt)["optimizer_step"] == "0"
-    before, after = run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "load", timeout=240)[0]
+    before, after = run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "load", timeout=WAIT_S)[0]
     for k in before:  # one step of lr 1e-2 Adam moves a weight by ~1e-2, never back by 0.25
         assert float((after[k] - before[k]).abs().max()) < 0.05, k
 
