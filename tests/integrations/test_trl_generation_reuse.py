@@ -47,6 +47,9 @@ from nemo_d3s.core.presets import D3SConfig  # noqa: E402
 from nemo_d3s.errors import ConfigError  # noqa: E402
 from nemo_d3s.integrations.trl import D3SGRPOTrainer  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trl_record import SelectionRecorder  # noqa: E402
+
 pytestmark = pytest.mark.trl
 
 G = 4
@@ -88,7 +91,7 @@ class PlainRec(_Recorder, GRPOTrainer):
     pass
 
 
-class PlugRec(_Recorder, D3SGRPOTrainer):
+class PlugRec(_Recorder, SelectionRecorder, D3SGRPOTrainer):
     pass
 
 

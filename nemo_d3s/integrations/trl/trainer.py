@@ -122,7 +122,6 @@ class D3SGRPOTrainer(GRPOTrainer):
     ``d3s/kept_sample_share``, ``d3s/kept_token_share`` (kept tokens / the loss tokens of
     the whole batch), ``d3s/update_tokens``, ``d3s/n_keep``, ``d3s/k_frac``,
     ``d3s/kept_adv_var``, ``d3s/adv_var_all``, ``d3s/placeholder_rows``.
-    ``last_selection`` holds the last step's inputs and selections (for tests and logs).
     """
 
     def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
@@ -134,7 +133,6 @@ class D3SGRPOTrainer(GRPOTrainer):
         self._d3s_keeps_all = bool(SAMPLE_SELECTORS.prop(cfg.sample_rule, "keeps_all"))
         self._d3s_selector: Optional[TRLD3SSelector] = None
         self._d3s_rewards: Optional[torch.Tensor] = None
-        self.last_selection: Dict[str, Any] = {}
         if self.top_entropy_quantile < 1.0 and TRLD3SSelector(cfg, None).needs_entropy:
             raise ConfigError(
                 f"top_entropy_quantile={self.top_entropy_quantile}: TRL's entropy mask and D3S's "
@@ -231,16 +229,6 @@ class D3SGRPOTrainer(GRPOTrainer):
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
         )
         eligible_all, kept_all = sel.reduce_sums(counts).tolist()
-        self.last_selection = {
-            "rewards": rewards_all,
-            "advantages": advantages_all,
-            "sample_keep_global": keep_all,
-            "stage": stage,
-            "tokens": tokens,
-            "entropy": entropy,
-            "response_mask": response,
-            "progress": progress,
-        }
         if self._d3s_keeps_all and not sel.needs_entropy:
             cut, n_pad = output, 0  # grpo: TRL's batch untouched
         else:
