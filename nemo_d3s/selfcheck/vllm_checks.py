@@ -96,6 +96,28 @@ def _vllm_engine(engine: Any) -> Any:
     return engine
 
 
+@contextlib.contextmanager
+def _rpcs_sent(engine: Any) -> Iterator[List[tuple]]:
+    """(method, kwargs) of every ``collective_rpc`` the engine sends its workers inside the
+    block: its ``llm.collective_rpc`` wrapped meanwhile (nothing on a rank without an engine)."""
+    sent: List[tuple] = []
+    llm = getattr(engine, "llm", None)
+    if llm is None:
+        yield sent
+        return
+    send = llm.collective_rpc
+
+    def record(method: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append((method, dict(kwargs.get("kwargs") or {})))
+        return send(method, *args, **kwargs)
+
+    llm.collective_rpc = record
+    try:
+        yield sent
+    finally:
+        llm.collective_rpc = send
+
+
 def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
     """Collective over the policy's group (``hf_weights`` gathers): the engine's weights
     against the trainer's, on the rank that holds the engine."""
@@ -143,13 +165,14 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, 
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        engine.sync_weights(pol)
-        problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
         v = _vllm_engine(engine)
+        with _rpcs_sent(v) as sent:
+            engine.sync_weights(pol)
+        problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
         out = {
             "bucket_bytes": int(settings["refit_bucket_mb"] * 2**20),
             "layer_bytes": layer,
-            "refits": v.refits if v is not None else None,
+            "step_refits": sum(m == "refit_begin" for m, _ in sent) if v is not None else None,
             "transport": v.transport if v is not None else None,
         }
     finally:
@@ -252,10 +275,10 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        engine.rpc_log = []
-        engine.sync_weights(pol)
+        with _rpcs_sent(_vllm_engine(engine)) as sent:
+            engine.sync_weights(pol)
         problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
-        staged = [k["handles"] for m, k in engine.rpc_log if m == "refit_staged_bucket"]
+        staged = [k["handles"] for m, k in sent if m == "refit_staged_bucket"]
         buffers = {tuple(tuple(h) for h in handles.values()) for handles in staged}
         out = {
             "transport": engine.transport,
@@ -263,12 +286,14 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
             "layer_bytes": layer,
             "buckets": len(staged),
             "staging_buffers": len(buffers),
-            "refits": engine.refits,
+            "step_refits": sum(m == "refit_begin" for m, _ in sent),
         }
     finally:
         _close(engine)
     if out["transport"] != "shm" or out["buckets"] < 8:
         problems.append("the refit did not take several buckets through the shared-memory buffer")
+    if out["step_refits"] != 1:
+        problems.append(f"the step's new weights took {out['step_refits']} refits, not 1")
     if problems:
         raise CheckFailed("; ".join(problems[:3]), out)
     return out

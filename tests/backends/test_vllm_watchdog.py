@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -39,7 +40,7 @@ def test_a_killed_engine_process_wakes_the_waiting_call_and_every_utility_future
     proc = _process(time.sleep, 60)
     llm, client = _stand_in([proc])
     dog = EngineWatchdog(llm)
-    assert dog.watching and dog.death is None
+    assert dog.thread.is_alive() and dog.death is None
     client.utility_results[2].set_result("done before")  # a finished call stays as it was
     os.kill(proc.pid, signal.SIGKILL)
     err = client.outputs_queue.get(timeout=WAIT_S)  # what get_output() was blocked on
@@ -73,6 +74,8 @@ def test_an_engine_that_ends_on_purpose_is_no_fault(how, caplog):
 
 
 def test_a_client_without_the_expected_attributes_is_not_watched(caplog):
+    before = set(threading.enumerate())
     with caplog.at_level(logging.INFO, logger="nemo_d3s.vllm"):
         dog = EngineWatchdog(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=object())))
-    assert not dog.watching and "not watched" in caplog.text
+    assert "not watched" in caplog.text and dog.death is None
+    assert set(threading.enumerate()) <= before  # no watching thread started

@@ -147,10 +147,10 @@ def test_pickle_payload_in_checkpoint_is_refused_and_not_run(tmp_path, target, c
 
 
 def _rewrite_checksums(ckpt: Path) -> None:
-    from nemo_d3s.trainer.checkpoint import _write_checksums
+    from nemo_d3s.files import write_checksums
 
     (ckpt / CHECKSUMS).unlink()
-    _write_checksums(ckpt)
+    write_checksums(ckpt)
 
 
 def test_rng_state_is_stored_without_pickled_objects(tmp_path):

@@ -67,6 +67,31 @@ def test_merge_untouched_hand_worked():
     assert merge_untouched(old, new, {"b.p", "c"}) == {"a": 1, "b": {"x": 1, "y": 2, "p": {"q": 2}}}
 
 
+def test_a_touched_key_covers_its_subtree_not_the_keys_it_is_a_string_prefix_of(tmp_path):
+    """``trainer.lr`` touched: ``trainer.lr_schedule`` (whose name starts with it) is still the
+    run's; a key path is compared part by part, not as a string prefix."""
+    old = {"t": {"lr": 1, "lr_schedule": "cosine", "lr_x": {"y": 1}}}
+    new = {"t": {"lr": 2, "lr_schedule": "constant", "lr_x": {"y": 2}}}
+    assert merge_untouched(old, new, {"t.lr"}) == {
+        "t": {"lr": 2, "lr_schedule": "cosine", "lr_x": {"y": 1}}
+    }
+    # nor is an untouched key below one whose name is a string prefix of a touched key
+    assert merge_untouched({"t": {"lr": 1}}, {"t": {"lr": {"y": 2}}}, {"t.lr_x"}) == {
+        "t": {"lr": 1}
+    }
+    # the whole path: a run started with a cosine schedule, resumed with another lr
+    old = _start(tmp_path, ["experiment=smoke", "trainer.lr_schedule=cosine"])
+    new = _resume(tmp_path, ["trainer.lr=0.002"])
+    assert new["trainer"]["lr_schedule"] == "cosine"
+    assert _changes(old, new) == {
+        "resume": (False, True),
+        "trainer.lr": (old["trainer"]["lr"], 0.002),
+    }
+    with pytest.raises(ConfigError, match=r"changes the experiment \(trainer\.lr:") as e:
+        check_resume_config(OmegaConf.create(new), tmp_path)
+    assert "lr_schedule" not in str(e.value)
+
+
 def test_touched_keys_of_keys_groups_and_global_options():
     conf = conf_dir()
     t = touched_keys(

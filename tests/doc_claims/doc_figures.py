@@ -8,37 +8,12 @@ uses them, or the assertion that makes them true, so the text cannot drift from 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import List, Tuple
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
+from doc_figures_bench import benchmarks_readme
+from doc_records import GB, GIB, MIB, REPO, asserted, median, record, results
+
 SCALING, EVIDENCE_DOC, README = "docs/scaling.md", "docs/evidence.md", "README.md"
-GB, MIB, GIB = 1e9, 2**20, 2**30
-
-
-def record(name: str) -> dict:
-    return json.loads((RESULTS / name).read_text())
-
-
-def asserted(path: str, code: str, text: str) -> str:
-    """``text`` while the test file ``path`` still asserts ``code`` (the assertion that makes
-    the figure true), else a text no document holds, naming what went missing."""
-    src = (REPO / path).read_text()
-    return text if code in src else f"{text} [{path} no longer has {code!r}]"
-
-
-def sci(x: float) -> str:
-    """3.03e-05 -> "3.0e-5", as the prose writes it."""
-    m, e = f"{x:.1e}".split("e")
-    return f"{m}e{int(e)}"
-
-
-def median(xs: List[float]) -> float:
-    ys = sorted(xs)
-    n = len(ys)
-    return ys[n // 2] if n % 2 else (ys[n // 2 - 1] + ys[n // 2]) / 2
 
 
 def readme_selfcheck() -> List[str]:
@@ -276,7 +251,7 @@ def design_choices() -> List[str]:
     )
     curve = [
         json.loads(line)
-        for line in (RESULTS / "evidence" / "runs" / "d3s_i_tiebreak_m0_s0" / "eval.jsonl")
+        for line in (results() / "evidence" / "runs" / "d3s_i_tiebreak_m0_s0" / "eval.jsonl")
         .read_text()
         .splitlines()
     ]
@@ -291,7 +266,7 @@ def reward_check() -> List[str]:
     """README "Use your own model, data and reward": the few-step run of a custom reward on
     SmolLM2 (``benchmarks/results/reward_check/``: the command, its config, metrics and the
     machine), its table row by row."""
-    rec = RESULTS / "reward_check"
+    rec = results() / "reward_check"
     # The README's command is the recorded one but for where it writes and the progress bar
     # (the record's run logged to a file), which change no number.
     command = " ".join(
@@ -386,8 +361,6 @@ def claims() -> List[Tuple[str, str]]:
     out += [(EVIDENCE_DOC, text) for text in parallel_pieces()]
     out += defaults()
     out += [("docs/design-choices.md", text) for text in design_choices()]
-    from doc_figures_bench import benchmarks_readme
-
     out += [("benchmarks/README.md", text) for text in benchmarks_readme()]
     arch = "docs/architecture.md"
     out.append(
