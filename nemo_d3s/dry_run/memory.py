@@ -49,7 +49,13 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   tree), over ``NCCL_CHANNELS`` channels, per communicator: the world (barriers, small
   sums), DP and Megatron's DP-with-CP group (the distributed optimizer's reduce-scatter),
   TP, PP (1F1B's point-to-point) and the embedding group (PP > 1, tied embeddings) where
-  those have more than one rank. NVLink SHARP and user-buffer registration are not modelled.
+  those have more than one rank. User-buffer registration is not modelled.
+- nvls: NVLink SHARP's buffers (:func:`nvls_bytes`), while NCCL uses NVLS: on NVSwitch nodes
+  of Hopper GPUs, unless ``NCCL_NVLS_ENABLE=0`` where the dry run runs (the sbatch scripts
+  pass it through to both). Per communicator with k >= 2 ranks on the node, each rank binds
+  ``NVLS_CHANNELS`` x 2 (reduce, broadcast) x ``NVLS_BUFFER`` x k bytes (NCCL
+  ``src/transport/nvls.cc`` ``ncclNvlsBufferSetup``: nvlsTotalSize = nChannels x 2 x
+  chunk x NCCL_STEPS x nHeads): 256 MiB for a group spanning 8 GPUs of a node.
 - fragmentation: what the caching allocator reserves and cannot reuse, a share
   (``FRAGMENTATION_SHARE``, assumed) of the training step's transient allocations
   (activations + logits), held in the training peak only (the trainer empties its cache
@@ -59,7 +65,9 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first
   rank, on that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two
   engines would share a GPU is an error). Only the positions whose GPU carries an engine
-  worker get these terms: vllm = ``gpu_memory_utilization`` x the GPU's PHYSICAL memory
+  worker get these terms: vllm = the engine's context and TP communicator (made before vLLM
+  measures the GPU: ``backends/vllm/memory.awake_engine_bytes``) + ``gpu_memory_utilization``
+  x the GPU's PHYSICAL memory
   (vLLM 0.33 ``v1/worker/utils.py:724-726``: ``total_memory x gpu_memory_utilization``, the
   total from ``torch.accelerator.get_memory_info``, ``utils/mem_utils.py:143``; not
   ``trainer.gpu_memory_gb``: :func:`physical_gpu_bytes`) while it generates (its weights
@@ -73,7 +81,7 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   profiled); vLLM refuses to start when it cannot hold one ``max_model_len`` sequence.
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context +
-nccl): training = resident + activations + logits + fragmentation + vllm_asleep;
+nccl + nvls): training = resident + activations + logits + fragmentation + vllm_asleep;
 generation = resident + hf_kv_cache or vllm
 (every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
 the last update's activations are not still reserved); refit = resident + vllm_asleep +
@@ -96,6 +104,9 @@ __all__ = [
     "NCCL_BUFFSIZE",
     "NCCL_CHANNELS",
     "nccl_bytes",
+    "nvls_bytes",
+    "nccl_communicators",
+    "node_ranks_of_groups",
     "physical_gpu_bytes",
     "VLLM_PROFILE_TOKENS",
     "RESIDENT",
@@ -114,13 +125,24 @@ __all__ = [
 GB = 10**9
 # Which memory terms are held when: all the time, while the policy trains, while the engine
 # generates.
-RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
+RESIDENT = (
+    "weights",
+    "grads",
+    "optimizer",
+    "reference",
+    "hf_replica",
+    "cuda_context",
+    "nccl",
+    "nvls",
+)
 TRAINING = ("activations", "logits", "fragmentation")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
 NCCL_CHANNELS = 32  # channels NCCL opens on an NVLink / NVSwitch node at most (assumed)
 FRAGMENTATION_SHARE = 0.10  # of the training step's transient allocations (assumed)
+NVLS_CHANNELS = 16  # NCCL_NVLS_NCHANNELS on an H100 / H200 NVSwitch node (assumed: its default)
+NVLS_BUFFER = 8 * 128 * 2**10  # NCCL_STEPS x NCCL_NVLS_CHUNKSIZE (128 KiB, NCCL's default)
 # What NVML reports (nvidia-smi) for GPUs sold by a round decimal size: the memory vLLM's
 # gpu_memory_utilization is a share of. thundergolfer.com/blog/nvidia-gpu-memory-capacity
 # (H100 80GB: 81,559 MiB = 85.52 GB; H200 141GB: 143,771 MiB; A100 40GB: 40,960 MiB; an
@@ -130,6 +152,8 @@ ASSUMPTIONS = {
     "cuda_context_bytes": CUDA_CONTEXT_BYTES,
     "nccl_buffsize_bytes": NCCL_BUFFSIZE,
     "nccl_channels": NCCL_CHANNELS,
+    "nvls_channels": NVLS_CHANNELS,
+    "nvls_buffer_bytes": NVLS_BUFFER,
     "fragmentation_share_of_training_transients": FRAGMENTATION_SHARE,
     "physical_mib_of_nominal_gb": {str(k): v for k, v in PHYSICAL_MIB.items()},
 }
@@ -189,6 +213,34 @@ def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
     per communicator."""
     n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
     return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
+
+
+def node_ranks_of_groups(
+    *, tp: int, pp: int, dp: int, dp_stride: int, pp_stride: int, gpus_per_node: int
+) -> Dict[str, int]:
+    """How many ranks of each of rank 0's communicators share its node (every node is laid
+    out alike): a group of n ranks ``stride`` apart has min(n, ceil(G / stride)) on a node
+    of G GPUs; the embedding group is the first and last stage."""
+    g = int(gpus_per_node)
+
+    def on_node(n: int, stride: int) -> int:
+        return min(n, -(-g // stride))
+
+    dp_local = on_node(dp, dp_stride)
+    return {
+        "world": min(tp * pp * dp, g),
+        "dp": dp_local,
+        "dp_with_cp": dp_local,
+        "tp": on_node(tp, 1),
+        "pp": on_node(pp, pp_stride),
+        "embedding": 2 if pp > 1 and (pp - 1) * pp_stride < g else 1,
+    }
+
+
+def nvls_bytes(node_ranks: Dict[str, int]) -> int:
+    """NVLink SHARP's buffers on one rank for the communicators ``{name: ranks on the
+    node}`` (module docstring); a group with one rank on the node uses none."""
+    return sum(NVLS_CHANNELS * 2 * NVLS_BUFFER * k for k in node_ranks.values() if k >= 2)
 
 
 def layer_activation_bytes(

@@ -7,6 +7,11 @@ and on NCCL (CUDA tensors), against single-process references computed on every 
   selection, unequal shapes per rank) against ``core.token_selection.top_k_mask`` on the
   concatenation, and the broadcast from the last pipeline stage; exact equality, plus the
   mean latency of one scalar all-reduce.
+- ``cluster.gloo_across_nodes``: a gloo group over every rank of the job, as the
+  model-parallel gloo twin is built (``backends/megatron/engine.py``), exchanging the ranks'
+  host names and a sum: it spans the nodes of a multi-node job, so it connects only where
+  gloo binds an interface the nodes reach each other on (``GLOO_SOCKET_IFNAME``,
+  ``slurm/network_env.sh``); on one host it is the twin of itself.
 - ``vocab_parallel.fp32_gloo`` / ``vocab_parallel.bf16_nccl``: entropy, log-probs and the
   log-probs' gradient from vocabulary shards split unevenly over the world, with a padded
   vocabulary, against ``core.entropy`` on the full fp32 logits in one process. Bounds: fp32
@@ -152,9 +157,36 @@ def _vocab_parallel(
     return out
 
 
+def _gloo_across_nodes(ctx: Context) -> Dict[str, Any]:
+    import os
+    import socket
+
+    from nemo_d3s.distributed.agree import all_gather_texts
+
+    need_world(ctx, 2, "a gloo group across the job's ranks")
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    try:
+        group = _group(ctx, "gloo")
+        hosts = all_gather_texts(socket.gethostname(), group)
+        total = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(total, group=group)
+    except RuntimeError as e:
+        raise CheckFailed(
+            f"a gloo group over the job's ranks did not connect ({e}); GLOO_SOCKET_IFNAME="
+            f"{ifname or '(unset)'}: set it to the interface the nodes reach each other on "
+            "(slurm/network_env.sh)"
+        ) from None
+    out = {"ranks": ctx.world, "hosts": len(set(hosts)), "gloo_socket_ifname": ifname}
+    out["across_nodes"] = out["hosts"] > 1
+    if float(total) != ctx.world * (ctx.world + 1) / 2:
+        raise CheckFailed(f"gloo all-reduce SUM of 1..{ctx.world} gave {float(total)}", out)
+    return out
+
+
 CHECKS = [
     Check("collectives.gloo", False, lambda ctx: _collectives(ctx, "gloo")),
     Check("collectives.nccl", True, lambda ctx: _collectives(ctx, "nccl")),
+    Check("cluster.gloo_across_nodes", False, _gloo_across_nodes),
     Check(
         "vocab_parallel.fp32_gloo",
         False,

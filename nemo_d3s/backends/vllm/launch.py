@@ -30,6 +30,12 @@ _TORCHRUN_ENV = (
 )
 
 
+# The trainer's settings vLLM's processes must not inherit: one hardware work queue is what
+# Megatron's TP communication overlap needs (backends/megatron/parallel.py); vLLM overlaps its
+# own streams (its custom all-reduce, async scheduling) and would run them one after another.
+_TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 def in_multi_rank_job() -> bool:
     """Whether this process is one rank of a multi-rank torch.distributed job."""
     import torch.distributed as dist
@@ -56,7 +62,8 @@ def engine_env(visible_devices: Optional[str]):
     """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
     it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
     it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
-    with torchrun's rendezvous variables hidden: vLLM's in-process engine would call
+    with torchrun's rendezvous variables hidden (and the trainer's
+    ``CUDA_DEVICE_MAX_CONNECTIONS``, ``_TRAINER_ONLY_ENV``): vLLM's in-process engine would call
     ``torch.distributed.new_group`` on the job's process group (collective over ranks that
     never build an engine: a hang), and its workers read those variables. The trainer's own
     CUDA view does not change (CUDA is initialised in it already).
@@ -72,8 +79,15 @@ def engine_env(visible_devices: Optional[str]):
     (``trainer/step.py``)."""
     saved = {
         k: os.environ.get(k)
-        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
+        for k in (
+            *_TORCHRUN_ENV,
+            *_TRAINER_ONLY_ENV,
+            "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "CUDA_VISIBLE_DEVICES",
+        )
     }
+    for k in _TRAINER_ONLY_ENV:
+        os.environ.pop(k, None)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if in_multi_rank_job():

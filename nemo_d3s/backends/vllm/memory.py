@@ -4,8 +4,9 @@ the dry run (pure arithmetic: no torch, no vLLM import).
 The code this models (``engine.py``, ``backends/refit.py``):
 
 - generating: the engine is awake and holds ``gpu_memory_utilization`` x the GPU (its
-  weights, profiled activations, KV cache, and its own CUDA context and communicators,
-  which vLLM counts inside that budget). The trainer beside it keeps only its training
+  weights, profiled activations, KV cache) plus what its worker made before it measured the
+  GPU for that budget: its CUDA context and cuBLAS handles and its TP communicator
+  (:func:`awake_engine_bytes`). The trainer beside it keeps only its training
   state: every rank on the engine's GPUs empties its CUDA cache before the engine wakes
   (``refit.release_cached_cuda_memory``), so the activations of the last update are not
   still reserved (without that the trainer's whole training peak stays reserved).
@@ -31,6 +32,8 @@ from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
 
 __all__ = [
     "CUDA_GRAPH_BYTES",
+    "awake_engine_bytes",
+    "engine_comm_bytes",
     "VLLM_COMM_BYTES",
     "VLLM_CONTEXT_BYTES",
     "HBM_BYTES_PER_S",
@@ -86,11 +89,29 @@ def engine_positions(
     return [(t, p) for t, p in out if p < pp]
 
 
-def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
+def engine_comm_bytes(vllm_tp: int, *, nvls_bytes: int = 0) -> int:
+    """The engine's TP communicator on each of its GPUs (none at TP 1): its NCCL buffers
+    and custom all-reduce, plus NVLink SHARP's buffers where NCCL uses NVLS (``nvls_bytes``)."""
+    return VLLM_COMM_BYTES + int(nvls_bytes) if vllm_tp > 1 else 0
+
+
+def awake_engine_bytes(reserved_bytes: float, vllm_tp: int, *, nvls_bytes: int = 0) -> float:
+    """What an awake engine takes on each of its GPUs: vLLM's budget, ``reserved_bytes``
+    (utilization x the total CUDA reports: vLLM 0.33 ``v1/worker/utils.py:716-726``), plus
+    what its worker made before the memory snapshot that budget is measured from: the CUDA
+    context, cuBLAS handles and the TP communicator (``v1/worker/gpu_worker.py:496-545``)."""
+    return (
+        float(reserved_bytes)
+        + VLLM_CONTEXT_BYTES
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
+    )
+
+
+def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool, nvls_bytes: int = 0) -> int:
     """What an engine sleeping at level 2 still holds on each of its GPUs."""
     return (
         VLLM_CONTEXT_BYTES
-        + (VLLM_COMM_BYTES if vllm_tp > 1 else 0)
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
         + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
     )
 
