@@ -29,6 +29,7 @@ from nemo_d3s.formats.shards import (
     ShardedReader,
     read_layout,
     read_local_from_checkpoint,
+    read_range_from_checkpoint,
     save_shard,
     shard_file,
     shard_metadata,
@@ -172,7 +173,8 @@ def load_policy(pol: Any, folder: str) -> None:
 
     # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
     # model's dtype, and only this DP rank's range of each (local_ranges): only that range is
-    # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
+    # read (the rows holding it, at the saved layout) and kept (on the CPU; scatter_states
+    # moves it), so each DP rank reads and stages 1/DP of the stage's optimizer state.
     # The plain AdamW keeps full moments in the parameter's dtype, or in fp32 with fp32 main
     # weights (MainWeightsAdamW: a bf16 / fp16 model).
     ranges = ostate.local_ranges(pol.optimizer) if megatron_opt else {}
@@ -190,17 +192,19 @@ def load_policy(pol: Any, folder: str) -> None:
                 if p not in ranges:
                     continue
                 a, b = ranges[p]
-                cut = (
-                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in ostate.MOMENTS}
-                    if opt_step > 0
-                    else {}
-                )
+
+                def share(prefix: str) -> torch.Tensor:
+                    return read_range_from_checkpoint(
+                        name, pol.spec, layout, readers[prefix], torch.float32, p.shape, a, b
+                    )
+
+                cut = {k: share(f"optim.{k}.") for k in ostate.MOMENTS} if opt_step > 0 else {}
                 cut["main"] = (
-                    read("optim.main.", name, p, torch.float32)
+                    share("optim.main.")
                     if with_main and opt_step > 0
-                    else t.float()
+                    else t.float().reshape(-1)[a:b].clone()
                 )
-                mom[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+                mom[name] = cut
             elif main_weights and main_weight_of(pol.optimizer, p) is not None:
                 main = (
                     read("optim.main.", name, p, torch.float32)

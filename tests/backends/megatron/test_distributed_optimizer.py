@@ -20,6 +20,7 @@ weights and LR schedule. Checked:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -203,6 +204,53 @@ def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
         assert g[1][-1] == w[1][-1] and g[3] == w[3]
         for k in w[2]:
             assert torch.equal(g[2][k], w[2][k]), (dtype, k)
+
+
+def _rank_load_counting(rank, folder, ckpt):
+    """Load ``ckpt`` at DP 2 counting the bytes each read through the checkpoint reader
+    returns, by family: {"params": n, "optim": n}; and this rank's range elements x 4 bytes
+    x the optimizer families it restores."""
+    from nemo_d3s.backends.megatron import optimizer_state as ostate
+    from nemo_d3s.formats.shards import ShardedReader
+
+    counted = {"params": 0, "optim": 0}
+    read = ShardedReader._read
+
+    def counting(self, tp_rank, stage, key, rows=None):
+        t, shape = read(self, tp_rank, stage, key, rows)
+        counted["optim" if key.startswith("optim.") else "params"] += t.numel() * t.element_size()
+        return t, shape
+
+    ShardedReader._read = counting
+    try:
+        pol = _backend(folder, 1, 1, True, "bfloat16")
+        pol.load_checkpoint(ckpt)
+    finally:
+        ShardedReader._read = read
+    share = sum(b - a for a, b in ostate.local_ranges(pol.optimizer).values())
+    return counted, share * 4 * 3  # fp32 exp_avg, exp_avg_sq, main weights
+
+
+def test_each_dp_rank_reads_only_its_share_of_the_optimizer_state(folders, tmp_path):
+    """Resume at DP 2 with Megatron's distributed optimizer: each rank reads the rows that
+    hold its own range of every moment and main weight (its share, up to one row at each
+    end of a range), not the whole state; together the two ranks read it about once. The
+    parameters are read whole on every rank (each holds the whole model copy)."""
+    from safetensors import safe_open
+
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    run_ranks(_rank_run, 2, folder, 1, 1, True, "bfloat16", ckpt, None, 1, 0, timeout=240)
+    with safe_open(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"), "pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    optim_bytes = sum(4 * math.prod(s) for k, s in sizes.items() if k.startswith("optim."))
+    widest_row = max(4 * math.prod(s[1:]) for k, s in sizes.items() if k.startswith("optim."))
+    n_tensors = sum(1 for k in sizes if k.startswith("optim."))
+    results = run_ranks(_rank_load_counting, 2, folder, ckpt, timeout=240)
+    for counted, share in results:
+        assert share <= counted["optim"] <= share + 2 * n_tensors * widest_row, (counted, share)
+        assert counted["optim"] < 0.6 * optim_bytes
+    assert sum(c["optim"] for c, _ in results) <= optim_bytes + 4 * n_tensors * widest_row
+    assert sum(s for _, s in results) == optim_bytes  # the ranges cover the state once
 
 
 def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
