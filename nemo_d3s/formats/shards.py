@@ -35,13 +35,13 @@ import json
 from dataclasses import MISSING, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
-from nemo_d3s.formats.safetensors_stream import check_safetensors
+from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import (
     Layout,
@@ -59,7 +59,7 @@ __all__ = [
     "write_layout",
     "read_layout",
     "ShardedReader",
-    "save_shard",
+    "open_shard",
     "read_local_from_checkpoint",
     "read_range_from_checkpoint",
     "shard_metadata",
@@ -123,16 +123,16 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
 
 
-def save_shard(
-    folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]
-) -> None:
-    """Write one (tp, pp) shard file of ``tensors`` with its metadata into ``folder``."""
-    from safetensors.torch import save_file
-
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(folder / shard_file(layout.tp_rank, layout.pp_rank)),
-        metadata=metadata,
+def open_shard(
+    folder: Path,
+    layout: Layout,
+    entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+    metadata: Dict[str, str],
+) -> StreamingSafetensors:
+    """The (tp, pp) shard file of ``layout`` in ``folder``, written tensor by tensor: its
+    header from ``entries`` (name, shape, dtype), each tensor as it comes (``write``)."""
+    return StreamingSafetensors(
+        folder / shard_file(layout.tp_rank, layout.pp_rank), entries, metadata
     )
 
 

@@ -1,6 +1,6 @@
 """The optimizer state of the Megatron backend's checkpoints: Adam's step count (either
 optimizer), and the distributed optimizer's state <-> the backend's sharded checkpoint
-tensors (:func:`gather_states`, :func:`scatter_states`).
+tensors (:func:`iter_gathered_states`, :func:`scatter_states`).
 
 Megatron's ``DistributedOptimizer`` keeps, per model parameter ``p`` (this rank's TP/PP
 shard), only a contiguous range of ``p.view(-1)`` on each DP rank: the fp32 main weights
@@ -10,16 +10,15 @@ shard (the same keys the plain-AdamW path writes: ``optim.exp_avg.<name>``,
 ``optim.exp_avg_sq.<name>``, plus ``optim.main.<name>`` when the model's dtype is not
 fp32), so a checkpoint written with either optimizer resumes with either, at any layout.
 
-:func:`gather_states` assembles the full tensors on DP rank 0 (every DP rank contributes
-its range, zeros elsewhere, summed with one ``reduce`` per tensor over the DP group; the
-ranges of the DP ranks are disjoint and cover ``p``, so the sum is exact).
+:func:`iter_gathered_states` assembles the full tensors on one DP rank, one at a time (every
+DP rank contributes its range, zeros elsewhere, summed with one ``reduce`` per tensor over
+the DP group; the ranges of the DP ranks are disjoint and cover ``p``, so the sum is exact).
 :func:`scatter_states` copies each rank's range back out of full tensors that every DP
 rank read from the checkpoint (no collective).
 
-Memory: one full fp32 copy of the parameter being gathered (x3 for its main weights and
-two moments) on top of the optimizer's own state; on DP rank 0 the gathered tensors of
-the whole stage, moved to the CPU as they complete (the checkpoint writer holds the
-stage's tensors anyway).
+Memory: one full fp32 copy of the tensor being gathered on top of the optimizer's own
+state; the checkpoint writer streams each into its shard file before the next is gathered
+(``checkpoint.save_policy``), so no rank holds the stage's gathered state in host memory.
 
 Uses megatron-core's ``DistributedOptimizer`` internals (``model_param_group_index_map``,
 ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``,
@@ -30,7 +29,7 @@ trip at DP2 against a run that never stopped.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +38,8 @@ __all__ = [
     "MOMENTS",
     "agreed_step",
     "distributed_optimizers",
-    "gather_states",
+    "gathered_entries",
+    "iter_gathered_states",
     "local_ranges",
     "optimizer_step",
     "scatter_states",
@@ -108,8 +108,23 @@ def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
     return out
 
 
+def gathered_entries(
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]], *, with_main: bool, step: int
+) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """(key, shape, dtype) of what :func:`iter_gathered_states` yields for these parameters,
+    known before any collective (a streamed file's header)."""
+    if step <= 0:
+        return []
+    keys = (*MOMENTS, "main") if with_main else MOMENTS
+    return [
+        (f"optim.{k}.{name}", tuple(p.shape), torch.float32)
+        for name, p in named_params
+        for k in keys
+    ]
+
+
 @torch.no_grad()
-def gather_states(
+def iter_gathered_states(
     optimizer: Any,
     named_params: Iterable[Tuple[str, torch.nn.Parameter]],
     dp_group: Optional[dist.ProcessGroup],
@@ -117,23 +132,23 @@ def gather_states(
     with_main: bool,
     step: int,
     dst: int = 0,
-) -> Dict[str, torch.Tensor]:
-    """Collective over ``dp_group`` (every DP rank calls it with the same parameters in the
-    same order and the same ``step``, e.g. :func:`agreed_step`). Returns, on the DP rank
-    ``dst`` (a rank of ``dp_group``), ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>``
-    (and ``optim.main.<name>`` with ``with_main``) as fp32 CPU tensors of ``p``'s shape; {}
-    on the other DP ranks and when ``step`` is 0 (no moments exist yet).
+) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+    """Collective over ``dp_group``, one tensor at a time: every DP rank iterates it to the
+    end with the same parameters in the same order and the same ``step`` (e.g.
+    :func:`agreed_step`). Yields ``(optim.exp_avg.<name>, t)``, ``(optim.exp_avg_sq.<name>,
+    t)`` (and ``optim.main.<name>`` with ``with_main``) per parameter, in
+    :func:`gathered_entries`' order: ``t`` the fp32 CPU tensor of ``p``'s shape on the DP rank
+    ``dst``, None on the others; nothing when ``step`` is 0 (no moments exist yet).
 
     Collectives: ``len(params) x (2 or 3)`` reduces of ``p.numel()`` fp32 elements over DP.
-    Memory on ``dst``: the stage's gathered tensors (the checkpoint writer needs them all)."""
+    Memory: one full fp32 tensor at a time (the caller writes it before asking for the next)."""
     if step <= 0:
-        return {}
+        return
     owners = _owners(optimizer)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     root = dist.get_global_rank(dp_group, dst) if dp_group is not None else 0
     is_root = dp_group is None or dist.get_rank(dp_group) == dst
     keys = (*MOMENTS, "main") if with_main else MOMENTS
-    out: Dict[str, torch.Tensor] = {}
     for name, p in named_params:
         dopt = owners.get(p)
         mine: Dict[str, Any] = {}
@@ -148,9 +163,7 @@ def gather_states(
                 full[r.start : r.end] = t.detach().reshape(-1).float()
             if dp_size > 1:
                 dist.reduce(full, dst=root, group=dp_group)
-            if is_root:
-                out[f"optim.{k}.{name}"] = full.view(p.shape).cpu()
-    return out
+            yield f"optim.{k}.{name}", full.view(p.shape).cpu() if is_root else None
 
 
 @torch.no_grad()
