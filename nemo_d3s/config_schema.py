@@ -105,9 +105,13 @@ class RolloutConfig(Section, VLLMEngineConfig):
 
     KEY: ClassVar[str] = "rollout"
     engine: str = "hf"
+    # k: step t trains on rollouts generated with the weights after step t - k, generated
+    # while earlier steps train (trainer/pipeline.py); 0 = synchronous, the latest weights
+    max_staleness: int = 0
 
     def validate(self) -> None:
         known(f"{self.KEY}.engine", self.engine, ROLLOUT_ENGINES)
+        self._check(is_count(self.max_staleness, 0), "max_staleness", "must be an integer >= 0")
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 

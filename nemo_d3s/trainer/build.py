@@ -168,10 +168,13 @@ def _optional_float(v: Any):
 
 
 def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
-    """The engine ``rollout.engine`` names (hf: the policy's own), wrapped per
+    """The engine ``rollout.engine`` names (hf: the policy's own; with ``rollout.max_staleness``
+    > 0 one with its own weights copy, ``Policy.weights_copy_engine``), wrapped per
     ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
     """
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
+    if int(cfg.rollout.max_staleness) > 0 and not engine.own_weights:
+        engine = policy.weights_copy_engine()
     if engine.prompt_seeds:
         return engine
     return (

@@ -1,5 +1,6 @@
-"""The HF backend's rollout engine: samples from the policy's own transformers model, sharing
-its weights, so ``sync_weights`` only checks it is still that policy.
+"""The HF backend's rollout engines: :class:`HFRolloutEngine` samples from the policy's own
+transformers model, sharing its weights, so ``sync_weights`` only checks it is still that
+policy; :class:`ReplicaEngine` runs the same sampler on a copy refitted tensor by tensor.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager, List, Sequence, Union
+from typing import Any, Callable, ContextManager, List, Sequence, Union
 
 import torch
 
@@ -15,7 +16,7 @@ from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Roll
 from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch
 from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
 
-__all__ = ["HFRolloutEngine", "SamplerModel"]
+__all__ = ["HFRolloutEngine", "ReplicaEngine", "SamplerModel"]
 
 
 @dataclass
@@ -30,9 +31,10 @@ class SamplerModel:
     eos_ids: List[int]
     device: torch.device
     use_chat_template: bool
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
 
     def _autocast(self) -> ContextManager:
-        return contextlib.nullcontext()
+        return self.autocast()
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -118,3 +120,35 @@ class HFRolloutEngine(RolloutEngine):
         }
         prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
         return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats)
+
+
+class ReplicaEngine(RolloutEngine):
+    """The HF sampler on its own transformers copy of the policy, refitted tensor by tensor."""
+
+    own_weights = True
+
+    def __init__(self, replica: SamplerModel) -> None:
+        self.replica = replica
+        self.tokenizer = replica.tokenizer
+        self._inner = HFRolloutEngine(replica)
+        self.prompt_seeds = self._inner.prompt_seeds
+
+    def sync_weights(self, policy: Policy) -> None:
+        from nemo_d3s.backends.hf.loading import copy_hf_weights
+
+        model = self.replica.model
+        try:
+            with torch.no_grad():
+                copy_hf_weights(
+                    model,
+                    policy.refit_weights(),
+                    tie_word_embeddings=bool(model.config.tie_word_embeddings),
+                )
+        except KeyError as e:
+            raise KeyError(f"rollout replica refit: {e.args[0]}") from None
+
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
+        self._inner.should_stop = self.should_stop
+        return self._inner.generate(prompts, n_samples, cfg, seeds)

@@ -79,6 +79,7 @@ class VLLMEngine(RolloutEngine):
 
     prompt_seeds = True
     on_policy = False  # its numerics differ from the trainer's: old log-probs are recomputed
+    own_weights = True
 
     def __init__(
         self, policy: Policy, cfg: VLLMEngineConfig, *, refit_follows: bool = False
@@ -300,7 +301,8 @@ class VLLMEngine(RolloutEngine):
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
-        self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
+        if self.refit_on_generate:  # only when it holds another version (or none)
+            self.sync_weights(self.policy)
         self.wake(["weights", "kv_cache"])
         # awake until the trainer's release(): more generations of this version cost no refit
         try:

@@ -1,0 +1,70 @@
+"""Generation overlapped with training through the whole trainer (``rollout.max_staleness``):
+the smoke run trains with staleness 1 from its second step and never more; its first step
+(version 0's rollouts, sampled from the engine's own copy of the weights) is the synchronous
+run's; a 2-rank run at k = 1 is the 1-process run at k = 1 on the HF backend (data parallel)
+and on the Megatron backend (TP 2, the engine's model-parallel group on gloo)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
+
+from .conftest import REPO, run_inprocess
+from .test_distributed import RUN, _assert_same_run, _assert_same_weights, _compare
+
+PIPELINE_KEYS = {"rollout_staleness"}
+
+
+def test_smoke_run_at_k1_trains_one_step_stale_and_starts_as_the_synchronous_run(tmp_path):
+    _, sync = run_inprocess(tmp_path / "k0", ["trainer.save_every=0", "trainer.export_hf=false"])
+    _, rows = run_inprocess(
+        tmp_path / "k1",
+        ["rollout.max_staleness=1", "trainer.save_every=0", "trainer.export_hf=false"],
+    )
+    staleness = [r["rollout_staleness"] for r in rows]
+    assert staleness == [0.0] + [1.0] * (len(rows) - 1) and max(staleness) <= 1
+    assert all("rollout_staleness" not in r for r in sync)  # k = 0 logs what it logged before
+    for r in rows:
+        assert 0.0 <= r["time_overlap_share"] <= 1.0 and r["time_wait_for_rollouts"] >= 0.0
+    first = {k: v for k, v in rows[0].items() if not is_timing_key(k) and k not in PIPELINE_KEYS}
+    assert first == {k: v for k, v in sync[0].items() if not is_timing_key(k)}
+    assert rows[0]["optimizer_steps"] > 0, "step 0 trained nothing: the comparison is vacuous"
+    evals = [read_jsonl(tmp_path / d / "eval.jsonl") for d in ("k0", "k1")]
+    assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]]
+    assert without_time(evals[1][0]) == without_time(evals[0][0])  # step 0: same weights
+
+
+def without_time(row):
+    return {k: v for k, v in row.items() if not is_timing_key(k)}
+
+
+@pytest.mark.distributed
+def test_two_ranks_at_k1_match_one_process_at_k1(tmp_path):
+    _compare(tmp_path, [("async", ["d3s=d3s"])], extra=["rollout.max_staleness=1"])
+    rows = read_jsonl(tmp_path / "two_async" / "metrics.jsonl")
+    assert [r["rollout_staleness"] for r in rows] == [0.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("tp,nproc", [(2, 2), (1, 2)], ids=["tp2", "tp1dp2"])
+def test_megatron_at_k1_matches_the_hf_backend_at_k1(tmp_path, tp, nproc):
+    sys.path.insert(0, str(REPO / "tests" / "backends" / "megatron"))
+    from _tiny_hf import make_tiny_hf
+
+    from .test_megatron_run import _finish, _megatron, _torchrun
+
+    folder = str(make_tiny_hf(tmp_path / "llama", "llama", tied=False))
+    run = [*RUN, "experiment=smoke", "rollout.max_staleness=1", f"model.name={folder}"]
+    run += ["~model.params.tiny", "trainer.export_hf=true"]
+    run_inprocess(tmp_path / "hf", run)
+    out = tmp_path / "megatron"
+    _finish(_torchrun(nproc, [*run, *_megatron(tp, 1), f"output_dir={out}"]))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["rollout_staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert any(r["optimizer_steps"] > 0 for r in rows)
+    _assert_same_run(read_jsonl(tmp_path / "hf" / "metrics.jsonl"), rows, f"tp{tp} k1")
+    _assert_same_weights(tmp_path / "hf", out, f"tp{tp} k1")
