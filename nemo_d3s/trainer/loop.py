@@ -129,6 +129,8 @@ class Trainer:
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
+            is_correction=str(cfg.algorithm.is_correction),
+            is_level=str(cfg.algorithm.is_level),
             stop_requested=lambda: self.stop.requested,
         )
 

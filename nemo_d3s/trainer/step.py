@@ -13,18 +13,19 @@ from typing import Callable, Dict, Iterator, Optional
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.core.off_policy import importance_weights
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.faults import fault_point
 from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
+    importance_metrics,
     mismatch_metrics,
     padding_metrics,
     rollout_metrics,
     selection_metrics,
     token_metrics,
-    truncated_is_weights,
     update_metrics,
 )
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
@@ -62,6 +63,8 @@ class StepContext:
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     rebalance: bool = False  # trainer.dp_rebalance
     tis_cap: Optional[float] = None  # algorithm.tis_cap
+    is_correction: str = "truncate"  # algorithm.is_correction
+    is_level: str = "token"  # algorithm.is_level
     timings: Dict[str, float] = field(default_factory=dict)
     # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
     stop_requested: Optional[Callable[[], bool]] = None
@@ -144,15 +147,21 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
         return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
-    is_weight = None
+    is_weight, token_keep = None, tok.token_keep
     if ro.sampling_logprobs is not None and old_lp is not None:
+        # the behaviour policy's log-probs against the trainer's at the current weights
         sampling = ro.sampling_logprobs[stage.kept_rows]
         m.update(mismatch_metrics(ctx.groups, old_lp, sampling, kept.response_mask))
-        if ctx.tis_cap is not None:
-            is_weight = truncated_is_weights(old_lp, sampling, kept.response_mask, ctx.tis_cap)
+        cap, mode = ctx.tis_cap, ctx.is_correction
+        iw = importance_weights(
+            old_lp, sampling, kept.response_mask, cap or 1.0, mode=mode, level=ctx.is_level
+        )
+        m.update(importance_metrics(ctx.groups, iw, kept.response_mask, token_keep, cap, mode))
+        if cap is not None:
+            is_weight, token_keep = iw.weight, token_keep & iw.keep
     upd = compact(
         kept,
-        tok.token_keep,
+        token_keep,
         old_lp,
         stage.kept_advantages,
         minibatch,

@@ -15,7 +15,8 @@ from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 from .conftest import REPO, run_inprocess
 from .test_distributed import RUN, _assert_same_run, _assert_same_weights, _compare
 
-PIPELINE_KEYS = {"rollout_staleness"}
+# what only an off-policy run logs: the staleness and the behaviour policy's log-probs
+PIPELINE_KEYS = ("rollout_staleness", "rollout_logprob_mismatch", "is_ratio_")
 
 
 def test_smoke_run_at_k1_trains_one_step_stale_and_starts_as_the_synchronous_run(tmp_path):
@@ -29,12 +30,30 @@ def test_smoke_run_at_k1_trains_one_step_stale_and_starts_as_the_synchronous_run
     assert all("rollout_staleness" not in r for r in sync)  # k = 0 logs what it logged before
     for r in rows:
         assert 0.0 <= r["time_overlap_share"] <= 1.0 and r["time_wait_for_rollouts"] >= 0.0
-    first = {k: v for k, v in rows[0].items() if not is_timing_key(k) and k not in PIPELINE_KEYS}
+    first = {
+        k: v for k, v in rows[0].items() if not is_timing_key(k) and not k.startswith(PIPELINE_KEYS)
+    }
     assert first == {k: v for k, v in sync[0].items() if not is_timing_key(k)}
     assert rows[0]["optimizer_steps"] > 0, "step 0 trained nothing: the comparison is vacuous"
+    # the sampler's behaviour log-probs, token-aligned: at step 0 (same weights) they are the
+    # trainer's to float noise; one step stale they are not
+    assert rows[0]["rollout_logprob_mismatch_kl"] < 1e-8
+    assert rows[0]["is_ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert rows[1]["rollout_logprob_mismatch_kl"] > 1e-4
+    assert rows[1]["is_ratio_min"] < rows[1]["is_ratio_p50"] < rows[1]["is_ratio_max"]
     evals = [read_jsonl(tmp_path / d / "eval.jsonl") for d in ("k0", "k1")]
     assert [e["step"] for e in evals[1]] == [e["step"] for e in evals[0]]
     assert without_time(evals[1][0]) == without_time(evals[0][0])  # step 0: same weights
+
+
+def test_masked_importance_sampling_drops_stale_tokens_from_the_update(tmp_path):
+    """A cap this tight (ratios outside [1/1.01, 1.01] dropped) leaves out most tokens of a
+    one-step-stale batch: the update trains on fewer tokens than were selected."""
+    over = ["rollout.max_staleness=1", "algorithm.tis_cap=1.01", "algorithm.is_correction=mask"]
+    _, rows = run_inprocess(tmp_path / "mask", [*over, "trainer.save_every=0"])
+    stale = [r for r in rows if r["rollout_staleness"] == 1 and not r.get("skip_all_equal")]
+    assert stale and all(r["is_masked_share"] > 0 for r in stale)
+    assert any(r["update_tokens"] < r["n_kept_tokens"] for r in stale)
 
 
 def without_time(row):

@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager, List, Sequence, Union
 import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
-from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch
+from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch, token_aligned
 from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
 
 __all__ = ["HFRolloutEngine", "ReplicaEngine", "SamplerModel"]
@@ -46,6 +46,7 @@ class HFRolloutEngine(RolloutEngine):
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.prompt_seeds = policy.cfg.sampler == "seeded"
+        self.return_logprobs = False  # the seeded sampler's sampling_logprobs (behaviour)
 
     def sync_weights(self, policy: Policy) -> None:
         """Nothing to copy: the engine samples from ``policy.model`` itself."""
@@ -86,6 +87,7 @@ class HFRolloutEngine(RolloutEngine):
             cfg=cfg, pad_id=p.pad_id, eos_ids=p.eos_ids, device=p.device, autocast=p._autocast
         )
         responses, finished = [], []
+        logprobs = [] if self.return_logprobs and self.prompt_seeds else None
         was_training = p.model.training
         p.model.eval()
         start = time.perf_counter()
@@ -99,7 +101,12 @@ class HFRolloutEngine(RolloutEngine):
                         for r in range(lo, lo + len(rows))
                     ]
                     r, f = decode_seeded(
-                        p.model, rows, row_seeds, check_stop=self.check_stop, **common
+                        p.model,
+                        rows,
+                        row_seeds,
+                        check_stop=self.check_stop,
+                        logprobs=logprobs,
+                        **common,
                     )
                 else:
                     r, f = decode_hf_generate(p.model, rows, per_prompt[0] + lo, **common)
@@ -119,7 +126,11 @@ class HFRolloutEngine(RolloutEngine):
             "finished_frac": sum(finished) / len(finished),
         }
         prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
-        return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats)
+        sampling = None
+        if logprobs is not None:
+            sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
+        finished_t = torch.tensor(finished, dtype=torch.bool)
+        return Rollouts(batch, prompt_index, texts, finished_t, stats, sampling_logprobs=sampling)
 
 
 class ReplicaEngine(RolloutEngine):
@@ -146,6 +157,12 @@ class ReplicaEngine(RolloutEngine):
                 )
         except KeyError as e:
             raise KeyError(f"rollout replica refit: {e.args[0]}") from None
+
+    def pin_weights(self) -> None:
+        """Also returns the behaviour log-probs (``sampling_logprobs``) from now on: rollouts
+        of pinned weights are off-policy, corrected against them."""
+        self.refit_on_generate = False
+        self._inner.return_logprobs = True
 
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]

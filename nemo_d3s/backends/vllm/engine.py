@@ -26,7 +26,12 @@ from nemo_d3s.backends.base import (
     RolloutEngine,
     Rollouts,
 )
-from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
+from nemo_d3s.backends.hf.rollout import (
+    cut_at_eos,
+    encode_prompts,
+    right_padded_batch,
+    token_aligned,
+)
 from nemo_d3s.backends.refit import (
     DEFAULT_BUCKET_BYTES,
     TensorMeta,
@@ -332,9 +337,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs.append(_sampled_logprobs(comp.logprobs, resp))
                 texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
         batch = right_padded_batch(prompt_ids, responses, self.pad_id)
-        sampling = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for i, (p, lp) in enumerate(zip(prompt_ids, logprobs)):
-            sampling[i, len(p) : len(p) + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
         n_tokens = sum(len(r) for r in responses)
         stats = {
             "gen_tokens": float(n_tokens),
