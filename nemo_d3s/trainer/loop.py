@@ -56,6 +56,7 @@ from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
+from nemo_d3s.trainer.stats import budget_metrics
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
@@ -339,6 +340,7 @@ class Trainer:
             "step": state.step,
             "progress": progress,
             **m,
+            **budget_metrics(m),
             **records.totals(state),
             "time_step": time.perf_counter() - t0,
             "wall_time": state.wall_time_total,

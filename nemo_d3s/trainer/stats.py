@@ -17,6 +17,7 @@ from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.quantiles import global_quantiles
 
 __all__ = [
+    "budget_metrics",
     "mismatch_metrics",
     "padding_metrics",
     "rollout_metrics",
@@ -216,3 +217,16 @@ def importance_metrics(
         name = "is_masked_share" if mode == "mask" else "is_truncated_share"
         out[name] = t["hit"] / max(t["n"], 1.0)
     return out
+
+
+def budget_metrics(m: Dict[str, float]) -> Dict[str, float]:
+    """Where a step's time went, from its metrics ``m``: ``time_generation``, the engine's
+    seconds on the step's rollouts (inside the step when synchronous, beside earlier steps
+    otherwise), and ``time_training``, the update budget's seconds (old-policy and reference
+    scoring, the update). With ``n_samples`` generated and ``n_kept_samples`` trained, the
+    PODS regime's two budgets."""
+    train = sum(float(m.get(k, 0.0)) for k in ("time_logprob", "time_reference", "time_update"))
+    return {
+        "time_generation": float(m.get("time_generation", m.get("time_rollout", 0.0))),
+        "time_training": train,
+    }

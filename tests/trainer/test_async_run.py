@@ -28,6 +28,7 @@ def test_smoke_run_at_k1_trains_one_step_stale_and_starts_as_the_synchronous_run
     staleness = [r["rollout_staleness"] for r in rows]
     assert staleness == [0.0] + [1.0] * (len(rows) - 1) and max(staleness) <= 1
     assert all("rollout_staleness" not in r for r in sync)  # k = 0 logs what it logged before
+    assert all(r["time_generation"] == r["time_rollout"] for r in sync)  # inside the step
     for r in rows:
         assert 0.0 <= r["time_overlap_share"] <= 1.0 and r["time_wait_for_rollouts"] >= 0.0
     first = {
@@ -54,6 +55,20 @@ def test_masked_importance_sampling_drops_stale_tokens_from_the_update(tmp_path)
     stale = [r for r in rows if r["rollout_staleness"] == 1 and not r.get("skip_all_equal")]
     assert stale and all(r["is_masked_share"] > 0 for r in stale)
     assert any(r["update_tokens"] < r["n_kept_tokens"] for r in stale)
+
+
+def test_pods_regime_generates_n_trains_m_and_reports_both_budgets(tmp_path):
+    """trainer.num_generations=8 rollouts per prompt, PODS keeps 2 (d3s.schedule.n_*), the
+    generation beside the update (k = 1): each row says what was generated and trained and
+    the seconds of each; train.log says it on the step's line."""
+    over = ["d3s=pods", "trainer.num_generations=8", "d3s.schedule.n_init=2"]
+    over += ["d3s.schedule.n_final=2", "rollout.max_staleness=1", "trainer.steps=2"]
+    _, rows = run_inprocess(tmp_path, [*over, "trainer.save_every=0", "trainer.export_hf=false"])
+    for r in rows:
+        assert (r["n_samples"], r["n_kept_samples"]) == (4 * 8, 4 * 2)
+        assert r["time_generation"] > 0 and r["time_training"] > 0
+    log = (tmp_path / "train.log").read_text()
+    assert "step 2: " in log and "(generated 32 in " in log and ", trained 8 in " in log
 
 
 def without_time(row):
