@@ -147,8 +147,15 @@ class RolloutEngine(abc.ABC):
 
     def pin_weights(self) -> None:
         """From now on only ``sync_weights`` loads weights (a generation overlapped with
-        training must not load the weights the trainer is changing)."""
+        training must not load the weights the trainer is changing) and ``generate`` returns
+        the behaviour log-probs (``sampling_logprobs``) where it can."""
         self.refit_on_generate = False
+
+    def held_weights(self) -> Optional[Iterator[Tuple[str, torch.Tensor]]]:
+        """(HF name, tensor) of the engine's own copy, for a checkpoint that must regenerate
+        a batch of these weights; empty where the group's engine lives on another rank; None
+        where they cannot be read back (vLLM: its own processes)."""
+        return None
 
 
 class Policy(abc.ABC):

@@ -94,6 +94,9 @@ class _Wrapper(RolloutEngine):
         self.refit_on_generate = False
         self.inner.pin_weights()
 
+    def held_weights(self):
+        return self.inner.held_weights()
+
 
 class PerPromptCalls(_Wrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""

@@ -284,7 +284,8 @@ class Trainer:
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
                 return self._interrupted(state, pending_eval=True)
-        self.rollouts.start(state.step, self.rollouts.load_pending(self._resumed_from))
+        pending, held = self.rollouts.load_pending(self._resumed_from)
+        self.rollouts.start(state.step, pending, held, self.policy)
         while state.step < T:
             progress = state.step / max(1, T - 1)
             t0 = time.perf_counter()

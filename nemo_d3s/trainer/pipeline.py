@@ -29,7 +29,16 @@ from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Poli
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
-from nemo_d3s.trainer.rollout_store import load_rollouts, rollouts_file, save_rollouts
+from nemo_d3s.trainer.faults import fault_point
+from nemo_d3s.trainer.rollout_store import (
+    HeldWeights,
+    load_rollouts,
+    optional_held_weights,
+    rollouts_file,
+    save_held_weights,
+    save_rollouts,
+    weights_file,
+)
 
 __all__ = ["GeneratedBatch", "GenerationPipeline"]
 
@@ -106,24 +115,38 @@ class GenerationPipeline:
         return max(0, int(step) - self.k)
 
     # ------------------------------------------------------------------ the trainer's side
-    def start(self, step: int, pending: Mapping[int, Tuple[Rollouts, int]] = {}) -> None:
+    def start(
+        self,
+        step: int,
+        pending: Mapping[int, Tuple[Rollouts, int]] = {},
+        held: Optional[HeldWeights] = None,
+        policy: Optional[Policy] = None,
+    ) -> None:
         """The trainer's weights are version ``step`` and the engine holds them. Batches step ..
-        step + k - 1 come from ``pending`` (a resumed run's) or are generated now, with version
-        ``step``: the schedule's on a fresh start, a warned deviation on a resume."""
+        step + k - 1 come from ``pending`` (a resumed run's) or are generated now: a batch of
+        version ``step`` - 1 from ``held`` (the weights a stop cut it short on; then ``policy``
+        is refitted as at a boundary), else with version ``step``, the schedule's on a fresh
+        start and a warned deviation after a resume without them. Collective (one agreement)."""
         if self.synchronous:
             return
         self._version = int(step)
         ahead = range(step, min(step + self.k, self.total_steps))
         missing = [j for j in ahead if j not in pending]
-        if step > 0 and missing:
+        due = {self.version_of(j) for j in missing} - {step}
+        # 0: nothing missing but what the engine's weights give; 1: the rest from ``held``;
+        # 2: no weights for them here. Every rank takes the most any rank needs.
+        need = 0.0 if not due else 1.0 if held is not None and due == {held.version} else 2.0
+        need = self.groups.max(need)
+        if need >= 2:
             log.warning(
                 "resumed at step %d without the rollouts of steps %s generated before the "
-                "stop; they are generated now with the weights of step %d instead of %s, so "
-                "these steps differ from an uninterrupted run",
+                "stop, nor the weights they were due from; they are generated now with the "
+                "weights of step %d instead of %s, so these steps differ from an "
+                "uninterrupted run",
                 step,
                 missing,
                 step,
-                [self.version_of(j) for j in missing],
+                sorted(self.version_of(j) for j in missing),
             )
         for j in ahead:
             if j in pending:
@@ -136,7 +159,14 @@ class GenerationPipeline:
         self.engine.pin_weights()
         self._thread = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
         self._thread.start()
-        self._release(step, min(step + self.k, self.total_steps - 1))
+        if need == 1:  # the boundary the stop cut short, with the weights of step - 1 again
+            if held is not None and due:
+                self.engine.sync_weights(held)
+                self._version = held.version
+            self._release(step, min(step + self.k, self.total_steps) - 1)
+            self.publish(step, policy)
+        else:
+            self._release(step, min(step + self.k, self.total_steps - 1))
 
     def take(self, step: int, prompts: PromptBatch) -> Rollouts:
         """Step ``step``'s rollouts (k = 0: generated now from ``prompts``). Raises
@@ -211,31 +241,39 @@ class GenerationPipeline:
     # ------------------------------------------------------------------ checkpoints
     def pending_writer(self, step: int) -> Optional[Callable[[Path], List[str]]]:
         """For a checkpoint at ``step``: writes this rank's generated batches step .. step + k
-        - 1 into the checkpoint folder (None for k = 0)."""
+        - 1 into the checkpoint folder and, when a stop cut one short, the engine's weights it
+        was due from (where the engine can give them back). None for k = 0."""
         if self.synchronous:
             return None
 
         def write(folder: Path) -> List[str]:
             with self._cv:
-                keep = {
-                    j: (b.rollouts, b.version)
-                    for j, b in self._batches.items()
-                    if step <= j < step + self.k
-                }
-            name = rollouts_file(self.groups.global_rank)
-            save_rollouts(Path(folder) / name, keep, (self.prompts.lo, self.prompts.hi))
-            return [name]
+                held = {**self._batches, **self._taken}  # a step stopped before its update
+                keep = {j: (b.rollouts, b.version) for j, b in held.items() if j >= step}
+                keep = {j: b for j, b in keep.items() if j < step + self.k}
+                version = self._version
+            names = [rollouts_file(self.groups.global_rank)]
+            save_rollouts(Path(folder) / names[0], keep, (self.prompts.lo, self.prompts.hi))
+            ahead = range(step, min(step + self.k, self.total_steps))
+            due = {self.version_of(j) for j in ahead if j not in keep} - {step}
+            weights = self.engine.held_weights() if due == {version} else None
+            if weights is not None:
+                names.append(weights_file(self.groups.global_rank))
+                save_held_weights(Path(folder) / names[1], weights, version)
+            return names
 
         return write
 
-    def load_pending(self, folder: Optional[Path]) -> Dict[int, Tuple[Rollouts, int]]:
-        """This rank's batches from checkpoint ``folder`` ({} for k = 0, no folder or file)."""
+    def load_pending(
+        self, folder: Optional[Path]
+    ) -> Tuple[Dict[int, Tuple[Rollouts, int]], Optional[HeldWeights]]:
+        """This rank's batches and engine weights from checkpoint ``folder`` (nothing for
+        k = 0, no folder or no files)."""
         if self.synchronous or folder is None:
-            return {}
+            return {}, None
         path = Path(folder) / rollouts_file(self.groups.global_rank)
-        if not path.is_file():
-            return {}
-        return load_rollouts(path, (self.prompts.lo, self.prompts.hi))
+        batches = load_rollouts(path, (self.prompts.lo, self.prompts.hi)) if path.is_file() else {}
+        return batches, optional_held_weights(Path(folder) / weights_file(self.groups.global_rank))
 
     # ------------------------------------------------------------------ the worker's side
     def _release(self, first: int, last: int) -> None:
@@ -284,6 +322,7 @@ class GenerationPipeline:
                 prompts, version = self._queue.pop(step), self._version
             t0 = time.perf_counter()
             try:
+                fault_point("pipeline.generate")
                 ro = generate_groups(self.engine, prompts, self.n, self.gen)
             except GenerationInterrupted:
                 with self._cv:

@@ -1,5 +1,6 @@
 """The rollouts generated ahead of the trained step, kept with a checkpoint so that a resumed
-run trains on the batches an uninterrupted one would: one safetensors file per rank (no
+run trains on the batches an uninterrupted one would, and the weights a batch the stop cut
+short was due to be generated with (:class:`HeldWeights`): safetensors files per rank (no
 pickle), read back as untrusted (every shape, dtype and count checked; errors name the file).
 """
 
@@ -7,16 +8,43 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Mapping, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterable, Iterator, Mapping, Optional, Tuple
 
 import torch
 
 from nemo_d3s.backends.base import Rollouts, TokenBatch
 from nemo_d3s.errors import RunError
 
-__all__ = ["load_rollouts", "rollouts_file", "save_rollouts"]
+__all__ = [
+    "HeldWeights",
+    "load_held_weights",
+    "load_rollouts",
+    "optional_held_weights",
+    "rollouts_file",
+    "save_held_weights",
+    "save_rollouts",
+    "weights_file",
+]
 
 FORMAT = "nemo_d3s.rollouts.v1"
+WEIGHTS_FORMAT = "nemo_d3s.engine_weights.v1"
+
+
+@dataclass
+class HeldWeights:
+    """Weights ``version`` as an engine held them (HF names): a stand-in for the policy in
+    ``RolloutEngine.sync_weights``, which reads ``refit_weights`` and ``weights_version``."""
+
+    tensors: Dict[str, torch.Tensor]
+    version: int
+
+    @property
+    def weights_version(self) -> int:
+        return self.version
+
+    def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
 
 
 def rollouts_file(rank: int) -> str:
@@ -120,3 +148,43 @@ def load_rollouts(path: Path, prompts: Tuple[int, int]) -> Dict[int, Tuple[Rollo
         _check(ok, path, f"a bad batch entry {entry!r}")
         out[entry["step"]] = (_batch(tensors, entry["step"], path), entry["version"])
     return out
+
+
+def weights_file(rank: int) -> str:
+    """The file name of global rank ``rank``'s engine weights in a checkpoint folder."""
+    return f"engine_weights_rank{int(rank)}.safetensors"
+
+
+def save_held_weights(
+    path: Path, weights: Iterable[Tuple[str, torch.Tensor]], version: int
+) -> None:
+    """The (HF name, tensor) pairs an engine holds (none on a rank whose group's engine
+    lives elsewhere), with the weights version they are."""
+    from safetensors.torch import save_file
+
+    tensors = {str(n): t.detach().contiguous().cpu() for n, t in weights}
+    meta = {"format": WEIGHTS_FORMAT, "version": str(int(version))}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_held_weights(path: Path) -> HeldWeights:
+    """What :func:`save_held_weights` wrote; RunError naming the file otherwise (names and
+    shapes are checked by the engine that loads them)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file
+        raise RunError(f"{str(path)!r}: not an engine weights file ({e})") from None
+    fmt, version = meta.get("format"), meta.get("version", "")
+    _check(fmt == WEIGHTS_FORMAT, path, f"format {fmt!r}, not {WEIGHTS_FORMAT}")
+    _check(version.isdigit(), path, f"a bad version {version!r}")
+    _check(all(t.is_floating_point() for t in tensors.values()), path, "a non-float weight")
+    return HeldWeights(tensors, int(version))
+
+
+def optional_held_weights(path: Path) -> Optional[HeldWeights]:
+    """:func:`load_held_weights` of ``path``, None when there is no such file."""
+    return load_held_weights(path) if path.is_file() else None

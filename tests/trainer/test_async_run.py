@@ -2,17 +2,21 @@
 the smoke run trains with staleness 1 from its second step and never more; its first step
 (version 0's rollouts, sampled from the engine's own copy of the weights) is the synchronous
 run's; a 2-rank run at k = 1 is the 1-process run at k = 1 on the HF backend (data parallel)
-and on the Megatron backend (TP 2, the engine's model-parallel group on gloo)."""
+and on the Megatron backend (TP 2, the engine's model-parallel group on gloo); kill -9, or a
+stop signal while the worker generates, then resume=true ends with the uninterrupted run."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import sys
 
 import pytest
 
 from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 
-from .conftest import REPO, run_inprocess
+from .conftest import REPO, cli, cli_env, run_inprocess, without_timing
 from .test_distributed import RUN, _assert_same_run, _assert_same_weights, _compare
 
 # what only an off-policy run logs: the staleness and the behaviour policy's log-probs
@@ -102,3 +106,61 @@ def test_megatron_at_k1_matches_the_hf_backend_at_k1(tmp_path, tp, nproc):
     assert any(r["optimizer_steps"] > 0 for r in rows)
     _assert_same_run(read_jsonl(tmp_path / "hf" / "metrics.jsonl"), rows, f"tp{tp} k1")
     _assert_same_weights(tmp_path / "hf", out, f"tp{tp} k1")
+
+
+# test_resume's run at k = 1: 8 steps, a checkpoint every 2, evaluations at 4 and 8
+ASYNC = ["experiment=smoke", "trainer.steps=8", "trainer.save_every=2", "trainer.eval_every=4"]
+ASYNC += ["trainer.max_new_tokens=16", "trainer.keep_last=2", "rollout.max_staleness=1"]
+
+
+def _same_records(ref, run):
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        got, want = read_jsonl(run / name), read_jsonl(ref / name)
+        assert without_timing(got) == without_timing(want), name
+    assert len(read_jsonl(run / "metrics.jsonl")) == 8
+
+
+def test_kill_9_of_an_async_run_then_resume_ends_with_the_uninterrupted_run(tmp_path):
+    from .test_resume import _popen, _wait_for
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref, ASYNC[1:])
+    proc = _popen([*ASYNC, f"output_dir={run}"], tmp_path / "killed.log")
+    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run / "checkpoints" / "step_000008").exists(), "killed too late to test anything"
+    assert (run / "checkpoints" / "step_000002" / "rollouts_rank0.safetensors").is_file()
+    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "differ from an uninterrupted run" not in r.stdout + r.stderr
+    _same_records(ref, run)
+
+
+def test_a_stop_signal_while_the_worker_generates_then_resume_ends_with_the_uninterrupted_run(
+    tmp_path,
+):
+    """SIGTERM as the worker starts the batch of step 3 (fault point pipeline.generate, the
+    4th batch) while step 2 trains: the run stops without waiting for that generation,
+    checkpoints the last finished update and exits 75; the batch it cut short is generated
+    on resume from the engine weights the checkpoint kept (or was finished and kept)."""
+    from nemo_d3s.train import EXIT_INTERRUPTED
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref, ASYNC[1:])
+    env = dict(cli_env(), NEMO_D3S_FAULT="pipeline.generate@4=term")
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", *ASYNC, f"output_dir={run}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == EXIT_INTERRUPTED, r.stderr[-3000:]
+    step = json.loads((run / "interrupted.json").read_text())["step"]
+    assert 2 <= step <= 3, step
+    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "differ from an uninterrupted run" not in r.stdout + r.stderr
+    _same_records(ref, run)

@@ -53,8 +53,9 @@ class _Engine(RolloutEngine):
 
     own_weights = True
 
-    def __init__(self, delay=lambda step: 0.0, block=None, fail_at=None):
+    def __init__(self, delay=lambda step: 0.0, block=None, fail_at=None, readable=True):
         self.tokenizer = None
+        self.own_weights_readable = readable
         self.held, self.refits, self.delay = 0, [], delay
         self.block, self.fail_at = block or {}, fail_at
         self.generated = []  # (step, version) in generation order
@@ -62,6 +63,11 @@ class _Engine(RolloutEngine):
     def sync_weights(self, policy):
         self.held = policy.weights_version
         self.refits.append(policy.weights_version)
+
+    def held_weights(self):
+        if not self.own_weights_readable:
+            return None
+        return iter([("w", torch.tensor([float(self.held)]))])
 
     def generate(self, prompts, n_samples, cfg, seeds):
         step = int(seeds[0])
@@ -82,11 +88,11 @@ def _pipeline(engine, k, steps, stop=lambda: False):
     )
 
 
-def _drive(pipe, steps, start=0, pending=None, train=lambda t: None):
+def _drive(pipe, steps, start=0, pending=None, train=lambda t: None, held=None):
     """The loop's calls: start, then take (in the step), the update, publish (after it)."""
     policy = _Policy()
     policy.weights_version = start
-    pipe.start(start, pending or {})
+    pipe.start(start, pending or {}, held, policy)
     seen = []
     for t in range(start, steps):
         ro = pipe.take(t, _Prompts().for_step(t))
@@ -117,6 +123,42 @@ def test_a_resumed_pipeline_takes_the_saved_batches_and_generates_the_rest_on_sc
     seen = _drive(_pipeline(engine, 1, 6), 6, start=3, pending=pending)
     assert seen == [(3, 2, 1.0), (4, 3, 1.0), (5, 4, 1.0)]
     assert engine.generated == [(4, 3), (5, 4)]  # batch 3 is not generated again
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_a_stop_after_an_update_keeps_the_weights_the_cut_batch_was_due_from(tmp_path, readable):
+    """k = 1: step 1 updated (weights 2) while batch 2 (version 1) was generating; the stop cut
+    it short. The checkpoint keeps the engine's weights of version 1 and the resumed pipeline
+    generates batch 2 from them, as the uninterrupted run did. An engine that cannot give its
+    weights back (vLLM) resumes with version 2 instead, saying so."""
+    gate, stop = threading.Event(), threading.Event()
+    engine = _Engine(block={2: gate}, readable=readable)
+    pipe = _pipeline(engine, 1, 5, stop=stop.is_set)
+    policy = _Policy()
+    pipe.start(0, {}, None, policy)
+    for t in (0, 1):
+        pipe.take(t, None)
+        policy.weights_version = t + 1
+        if t == 0:
+            pipe.publish(1, policy)
+    stop.set()  # during step 1's update; the boundary before step 2 waits for nothing
+    with pytest.raises(GenerationInterrupted):
+        pipe.publish(2, policy)
+    names = pipe.pending_writer(2)(tmp_path)
+    pipe.close()
+    assert names == ["rollouts_rank0.safetensors"] + (
+        ["engine_weights_rank0.safetensors"] if readable else []
+    )
+    resumed = _Engine(readable=readable)
+    resumed.held = 2  # the trainer refitted the checkpoint's weights
+    pending, held = _pipeline(resumed, 1, 5).load_pending(tmp_path)
+    assert pending == {} and (held.version == 1 if readable else held is None)
+    seen = _drive(_pipeline(resumed, 1, 5), 5, start=2, held=held)
+    if readable:
+        assert seen == [(2, 1, 1.0), (3, 2, 1.0), (4, 3, 1.0)]  # the uninterrupted schedule
+        assert resumed.refits == [1, 2, 3, 4, 5]
+    else:
+        assert seen[0] == (2, 2, 0.0) and seen[1:] == [(3, 2, 1.0), (4, 3, 1.0)]
 
 
 def test_the_trainer_waits_only_for_the_batch_the_bound_needs():
@@ -210,8 +252,8 @@ def test_pending_rollouts_round_trip_through_a_checkpoint_file(tmp_path):
     names = pipe.pending_writer(1)(tmp_path)
     gate.set()
     pipe.close()
-    back = pipe.load_pending(tmp_path)
-    assert names == ["rollouts_rank0.safetensors"] and sorted(back) == [1, 2]
+    back, held = pipe.load_pending(tmp_path)
+    assert names == ["rollouts_rank0.safetensors"] and sorted(back) == [1, 2] and held is None
     for j in (1, 2):
         ro, version = back[j]
         want = _rollouts(j, 0, 2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, List, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
@@ -163,6 +163,10 @@ class ReplicaEngine(RolloutEngine):
         of pinned weights are off-policy, corrected against them."""
         self.refit_on_generate = False
         self._inner.return_logprobs = True
+
+    def held_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The copy's parameters (a tied ``lm_head`` once, as the embedding)."""
+        return ((n, p.detach()) for n, p in self.replica.model.named_parameters())
 
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]

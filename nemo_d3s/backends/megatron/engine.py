@@ -112,6 +112,9 @@ class ModelParallelRollouts(RolloutEngine):
         if self.inner is not None:
             self.inner.pin_weights()
 
+    def held_weights(self):
+        return self.inner.held_weights() if self.inner is not None else iter(())
+
     def sync_weights(self, policy: Policy) -> None:
         """One refit per weights version, decided by the engine's rank for the whole group."""
         if self.refit is None or is_single(self.group):
