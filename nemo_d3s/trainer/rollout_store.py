@@ -89,6 +89,20 @@ def _check(ok: bool, path: Path, why: str) -> None:
         raise RunError(f"{str(path)!r}: {why}; remove the file to regenerate these rollouts")
 
 
+def _read(path: Path, fmt: str, what: str) -> Tuple[Dict[str, str], Dict[str, torch.Tensor]]:
+    """(metadata, tensors) of safetensors file ``path`` written in format ``fmt``."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file
+        raise RunError(f"{str(path)!r}: not {what} ({e})") from None
+    _check(meta.get("format") == fmt, path, f"format {meta.get('format')!r}, not {fmt}")
+    return meta, tensors
+
+
 def _batch(tensors: Dict[str, torch.Tensor], step: int, path: Path) -> Rollouts:
     """Step ``step``'s rollouts from the file's tensors, every shape and dtype checked."""
 
@@ -126,15 +140,7 @@ def _batch(tensors: Dict[str, torch.Tensor], step: int, path: Path) -> Rollouts:
 def load_rollouts(path: Path, prompts: Tuple[int, int]) -> Dict[int, Tuple[Rollouts, int]]:
     """What :func:`save_rollouts` wrote: step -> (rollouts, version). RunError naming the file
     when it is not such a file or was written for another slice of the prompts."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file
-        raise RunError(f"{str(path)!r}: not a rollouts file ({e})") from None
-    _check(meta.get("format") == FORMAT, path, f"format {meta.get('format')!r}, not {FORMAT}")
+    meta, tensors = _read(path, FORMAT, "a rollouts file")
     try:
         index = json.loads(meta.get("batches", ""))
         held = json.loads(meta.get("prompts", ""))
@@ -170,16 +176,8 @@ def save_held_weights(
 def load_held_weights(path: Path) -> HeldWeights:
     """What :func:`save_held_weights` wrote; RunError naming the file otherwise (names and
     shapes are checked by the engine that loads them)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file
-        raise RunError(f"{str(path)!r}: not an engine weights file ({e})") from None
-    fmt, version = meta.get("format"), meta.get("version", "")
-    _check(fmt == WEIGHTS_FORMAT, path, f"format {fmt!r}, not {WEIGHTS_FORMAT}")
+    meta, tensors = _read(path, WEIGHTS_FORMAT, "an engine weights file")
+    version = meta.get("version", "")
     _check(version.isdigit(), path, f"a bad version {version!r}")
     _check(all(t.is_floating_point() for t in tensors.values()), path, "a non-float weight")
     return HeldWeights(tensors, int(version))
