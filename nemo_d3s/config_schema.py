@@ -118,10 +118,21 @@ class RolloutConfig(Section, VLLMEngineConfig):
     # k: step t trains on rollouts generated with the weights after step t - k, generated
     # while earlier steps train (trainer/pipeline.py); 0 = synchronous, the latest weights
     max_staleness: int = 0
+    # GPUs for the vLLM engines apart from the training GPUs (non-colocated; 0: each engine on
+    # its model copy's GPUs). Planned by the dry run (dry_run/overlap.py); the trainer starts
+    # engines on its own ranks' GPUs only and refuses it (trainer.build.check_runtime).
+    generation_gpus: int = 0
 
     def validate(self) -> None:
         known(f"{self.KEY}.engine", self.engine, ROLLOUT_ENGINES)
         self._check(is_count(self.max_staleness, 0), "max_staleness", "must be an integer >= 0")
+        gen = self.generation_gpus
+        self._check(is_count(gen, 0), "generation_gpus", "must be an integer >= 0")
+        self._check(
+            not gen or (self.engine == "vllm" and gen % int(self.tensor_parallel_size) == 0),
+            "generation_gpus",
+            "needs rollout.engine=vllm and a multiple of rollout.tensor_parallel_size",
+        )
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 

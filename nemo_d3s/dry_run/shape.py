@@ -98,3 +98,4 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    generation_gpus: int = 0  # rollout.generation_gpus: the engines' GPUs apart (0: colocated)

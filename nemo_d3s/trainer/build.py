@@ -99,6 +99,12 @@ def check_runtime(cfg: Any) -> None:
     if engine == "vllm":
         uses.append("vllm")
     check_stack(uses)
+    if int(cfg.rollout.generation_gpus):
+        raise ConfigError(
+            f"rollout.generation_gpus={cfg.rollout.generation_gpus}: engines on GPUs apart from "
+            "the training GPUs are planned by the dry run (trainer.dry_run=true) only; the "
+            "trainer starts each engine on its own ranks' GPUs (rollout.generation_gpus=0)"
+        )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 
