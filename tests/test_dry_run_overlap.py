@@ -77,15 +77,26 @@ def test_the_async_70b_recipe_plans_engines_apart_and_the_overlapped_step():
     assert math.isclose(sync["step_s"], gen + train) and math.isclose(k1["step_s"], max(gen, train))
     assert k1["gpu_seconds"] < sync["gpu_seconds"] and sync["gpus"] == 96
     assert "engines on 32 GPUs apart, k = 1 (overlapped)" in render(report)
-    recipe = " ".join((REPO / "conf" / "experiment" / "llama3_70b_async.yaml").read_text().split())
+    recipe = (REPO / "conf" / "experiment" / "llama3_70b_async.yaml").read_text()
+    recipe = " ".join(recipe.replace("#", "").split())
     m = re.search(
-        r"carries an engine: ([\d.]+) GB peak.*weights ([\d.]+) GB", recipe.replace("#", "")
+        r"carries an engine: ([\d.]+) GB peak.*?([\d.]+) GB awake.*?weights ([\d.]+) GB",
+        recipe,
     )
     assert m, "the recipe's figures are gone"
     assert [float(x) for x in m.groups()] == [
         round(report["worst"]["peak_bytes"] / GB, 1),
+        round(v["awake_bytes"] / GB, 1),
         round(v["weights_bytes"] / GB, 1),
     ]
+
+
+def test_an_engine_gpu_apart_that_does_not_hold_the_awake_engine_is_a_problem():
+    """0.95 x 85.52 GB (an 80 GB H100's CUDA total) is over 80 GB before the engine's context."""
+    cfg = _compose(["experiment=llama3_70b_async", "rollout.gpu_memory_utilization=0.95"])
+    report = plan(cfg, JobShape(8, 8, "t"))
+    assert report["vllm"]["awake_bytes"] > 80 * GB and not report["fits"]
+    assert any("engine GPU apart needs" in p for p in report["problems"]), report["problems"]
 
 
 def test_overlapped_on_the_training_gpus_the_engine_stays_awake_and_70b_does_not_fit():

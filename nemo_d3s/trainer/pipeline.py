@@ -97,7 +97,6 @@ class GenerationPipeline:
         self._waited: Dict[int, float] = {}  # trainer seconds waited, by the step it preceded
         self._waited_on: Dict[int, float] = {}  # trainer seconds waited, by batch
         self._taken: Dict[int, GeneratedBatch] = {}
-        self.refits = 0  # refits done at boundaries (tests: one per version)
 
     @property
     def synchronous(self) -> bool:
@@ -205,7 +204,6 @@ class GenerationPipeline:
         if agreed >= 1:
             raise GenerationInterrupted("stop requested while waiting for rollouts")
         self.engine.sync_weights(policy)  # the worker is idle: nothing released is left
-        self.refits += 1
         with self._cv:
             self._version = int(version)
         between()

@@ -17,6 +17,7 @@ import pytest
 from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 
 from .conftest import REPO, cli, cli_env, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 from .test_distributed import RUN, _assert_same_run, _assert_same_weights, _compare
 
 # what only an off-policy run logs: the staleness and the behaviour policy's log-probs
@@ -79,6 +80,7 @@ def without_time(row):
     return {k: v for k, v in row.items() if not is_timing_key(k)}
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.distributed
 def test_two_ranks_at_k1_match_one_process_at_k1(tmp_path):
     _compare(tmp_path, [("async", ["d3s=d3s"])], extra=["rollout.max_staleness=1"])
@@ -120,6 +122,7 @@ def _same_records(ref, run):
     assert len(read_jsonl(run / "metrics.jsonl")) == 8
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_kill_9_of_an_async_run_then_resume_ends_with_the_uninterrupted_run(tmp_path):
     from .test_resume import _popen, _wait_for
 
@@ -131,12 +134,13 @@ def test_kill_9_of_an_async_run_then_resume_ends_with_the_uninterrupted_run(tmp_
     proc.wait()
     assert not (run / "checkpoints" / "step_000008").exists(), "killed too late to test anything"
     assert (run / "checkpoints" / "step_000002" / "rollouts_rank0.safetensors").is_file()
-    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=900)
+    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "differ from an uninterrupted run" not in r.stdout + r.stderr
     _same_records(ref, run)
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_a_stop_signal_while_the_worker_generates_then_resume_ends_with_the_uninterrupted_run(
     tmp_path,
 ):
@@ -155,12 +159,12 @@ def test_a_stop_signal_while_the_worker_generates_then_resume_ends_with_the_unin
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == EXIT_INTERRUPTED, r.stderr[-3000:]
     step = json.loads((run / "interrupted.json").read_text())["step"]
     assert 2 <= step <= 3, step
-    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=900)
+    r = cli([*ASYNC, f"output_dir={run}", "resume=true"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "differ from an uninterrupted run" not in r.stdout + r.stderr
     _same_records(ref, run)

@@ -20,6 +20,7 @@ from nemo_d3s.errors import RunError
 from nemo_d3s.trainer.data import PromptBatch
 from nemo_d3s.trainer.pipeline import WORKER_NAME, GenerationPipeline
 from nemo_d3s.trainer.rollout_store import load_rollouts, save_rollouts
+from _limits import WAIT_S  # noqa: E402
 
 
 class _Prompts:
@@ -196,7 +197,7 @@ def test_a_stop_signal_waits_for_no_generation_and_closing_cuts_the_worker_short
 
     waiter = threading.Thread(target=boundary)
     waiter.start()
-    waiter.join(timeout=120)  # generous: a wait for batch 1 would last forever
+    waiter.join(timeout=WAIT_S)  # a wait for batch 1 would last forever
     assert raised and engine.refits == []  # no refit after the stop
     pipe.close()  # the engine's should_stop now says yes: the worker ends
     assert not any(t.name == WORKER_NAME for t in threading.enumerate())

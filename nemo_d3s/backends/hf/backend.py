@@ -125,10 +125,6 @@ class HFBackend(Policy):
         return lp, ent
 
     # ------------------------------------------------------------------ generation
-    @property
-    def supports_prompt_seeds(self) -> bool:
-        return self.rollout_engine.prompt_seeds
-
     def generate(
         self,
         prompts: List[str],
