@@ -29,6 +29,7 @@ from nemo_d3s.backends.vllm.memory import (
     engine_positions,
     generation_idle,
     refit_bytes,
+    separate_plan,
     sleeping_engine_bytes,
 )
 from nemo_d3s.dry_run.memory import (
@@ -50,6 +51,7 @@ from nemo_d3s.dry_run.memory import (
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.overlap import step_model
 from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
@@ -106,6 +108,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
+        generation_gpus=int(cfg.rollout.generation_gpus),
         nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
     )
 
@@ -117,7 +120,8 @@ def _dtype_bytes(dtype: str) -> int:
 
 def _workload(s: Setup) -> Workload:
     """What one training step asks of a GPU (one engine per DP rank)."""
-    cfg, spec, mcfg, dp, engines = s.cfg, s.spec, s.mcfg, s.dp, s.dp
+    cfg, spec, mcfg, dp = s.cfg, s.spec, s.mcfg, s.dp
+    engines = s.generation_gpus // s.vllm_tp if s.generation_gpus else dp
     t = cfg.trainer
     ctx = int(spec.max_position_embeddings)
     vllm = str(cfg.rollout.engine) == "vllm"
@@ -203,6 +207,10 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
             f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the "
             f"{s.shape.gpus_per_node} GPUs of a node (the in-process engine spans one node)"
         )
+    if s.generation_gpus:  # engines on GPUs of their own: none on a training GPU
+        return separate_plan(
+            s.generation_gpus, gpus_per_node=s.shape.gpus_per_node, tensor_parallel_size=s.vllm_tp
+        )
     return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
 
 
@@ -234,7 +242,8 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         "longest_rollout": w.gen_len,
         "full_sequences": tokens // w.gen_len,
         "rows_per_engine_step": w.rows_per_engine,
-        "sleep": bool(cfg.rollout.sleep),
+        # generating while the policy trains (max_staleness > 0), the engine never sleeps
+        "sleep": bool(cfg.rollout.sleep) and not int(cfg.rollout.max_staleness),
         **placement,
     }
     graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
@@ -250,7 +259,9 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             largest_tensor_bytes=largest,
             bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20),
         ),
-        engine_positions=[
+        engine_positions=[]
+        if s.generation_gpus
+        else [
             list(x)
             for x in engine_positions(
                 s.tp,
@@ -261,7 +272,9 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         ],
     )
     terms.update(
-        generation_idle(
+        {}
+        if s.generation_gpus  # the step model says what the training GPUs wait for
+        else generation_idle(
             gpus_total=s.shape.nodes * s.shape.gpus_per_node,
             gpus_with_engine=int(placement["gpus_with_engine"]),
             copy_gpus=s.tp * s.pp,
@@ -282,6 +295,12 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             f"vLLM: a KV cache of {terms['kv_tokens']} tokens cannot hold one sequence of "
             f"max_model_len={terms['max_model_len']} (vLLM refuses to start; set "
             "rollout.max_model_len to the longest rollout)"
+        )
+    if s.generation_gpus and terms["awake_bytes"] > s.gpu:  # an engine GPU apart holds it alone
+        problems.append(
+            f"vLLM: an engine GPU apart needs {terms['awake_bytes'] / GB:.1f} GB awake "
+            f"(rollout.gpu_memory_utilization={gmu} + context + TP communicator) > "
+            f"trainer.gpu_memory_gb={s.gpu / GB:g}"
         )
     return terms, problems
 
@@ -416,4 +435,15 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     vllm_terms, problems = _vllm(s, w, placement) if placement is not None else ({}, [])
     positions = [_position(s, w, t, p, vllm_terms) for t, p in stage_positions(s.tp, s.pp)]
     distributed_opt, _, _ = _optimizer_bytes(s, w)
-    return report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    out = report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    if vllm_terms:
+        out["step_model"] = step_model(
+            s.cfg,
+            world=s.shape.world,
+            dp=s.dp,
+            v=vllm_terms,
+            params=s.spec.num_params,
+            seq_len=w.seq_len,
+            recompute=w.recompute,
+        )
+    return out

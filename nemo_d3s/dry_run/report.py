@@ -278,6 +278,18 @@ def render(report: Dict[str, Any]) -> str:
                 f"{v['idle_gpu_seconds_per_step_min']:,.0f} "
                 f"(decode floor {v['generation_floor_s']:.0f} s)"
             )
+    sm = report.get("step_model")
+    if sm:
+        lines.append(
+            "step, floor model (dry_run/overlap.py: decode at HBM bandwidth, training at peak "
+            f"FLOP/s, kept rollouts {sm['kept_sample_share']:.0%} at full length):"
+        )
+        for x in sm["layouts"]:
+            lines.append(
+                f"  {x['layout']}: {x['gpus']} GPUs, generate {x['generation_s']:,.1f} s, "
+                f"train {x['training_s']:,.1f} s, step {x['step_s']:,.1f} s = "
+                f"{x['gpu_seconds']:,.0f} GPU-s"
+            )
     meta = report["checks"]["meta_build"]
     if "counts" in meta:
         built = ", ".join("(TP {}, PP {})".format(*k.split(",")) for k in meta["built"])

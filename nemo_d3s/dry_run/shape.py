@@ -98,4 +98,5 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    generation_gpus: int = 0  # rollout.generation_gpus: the engines' GPUs apart (0: colocated)
     nvls: bool = True  # NCCL uses NVLink SHARP (NCCL_NVLS_ENABLE is not 0)

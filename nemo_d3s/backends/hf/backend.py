@@ -15,9 +15,17 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from nemo_d3s.backends.base import GenerationConfig, LossFn, Policy, Rollouts, Scores, TokenBatch
+from nemo_d3s.backends.base import (
+    GenerationConfig,
+    LossFn,
+    Policy,
+    RolloutEngine,
+    Rollouts,
+    Scores,
+    TokenBatch,
+)
 from nemo_d3s.backends.hf.config import HFBackendConfig
-from nemo_d3s.backends.hf.engine import HFRolloutEngine
+from nemo_d3s.backends.hf.engine import HFRolloutEngine, ReplicaEngine, SamplerModel
 from nemo_d3s.backends.hf.loading import (
     TINY_RANDOM,
     load_model_and_tokenizer,
@@ -126,6 +134,25 @@ class HFBackend(Policy):
     ) -> Rollouts:
         """``self.rollout_engine.generate``; an int seed s means per-prompt seeds s, s+1, ..."""
         return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
+
+    def weights_copy_engine(self) -> RolloutEngine:
+        """The seeded sampler on a copy of the model (and of the tokenizer, which is not
+        thread-safe), refitted by ``sync_weights``: it generates while this model trains."""
+        model = copy.deepcopy(self.model).eval()
+        model.requires_grad_(False)
+        for p in model.parameters():
+            p.grad = None
+        replica = SamplerModel(
+            model,
+            copy.deepcopy(self.tokenizer),
+            self.cfg,
+            self.pad_id,
+            list(self.eos_ids),
+            self.device,
+            bool(self.use_chat_template),
+            autocast=self._autocast,
+        )
+        return ReplicaEngine(replica)
 
     # ------------------------------------------------------------------ scoring
     @staticmethod
