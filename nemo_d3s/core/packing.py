@@ -1,0 +1,143 @@
+"""Packed micro-batches (THD): a rank's rows laid end to end in one row of T positions.
+
+Slot i of a pack, ``[cu[i], cu[i+1])``, holds row i's l_i real tokens, then padding up to a
+multiple of ``seq_multiple`` (2 x CP under context parallelism); the last slot also takes
+the pack's tail padding up to T = cu[-1]. Attention is causal within a slot and never
+crosses one (block-diagonal causal, ``cu_seqlens`` = the slot boundaries), positions restart
+at 0 in every slot, so each real token's output equals the one it has in its own row:
+padding only ever follows a row's real tokens, which causal attention never reads.
+
+Per-token outputs of a pack are token-aligned like a row's (position p holds the quantity
+of token p from the logits at p - 1); :meth:`PackedMicroBatch.unpack` puts them back at
+(row, column) and gives every row's column 0 the contract's 0 (in the pack that position
+was scored from the previous slot's last logits).
+
+:func:`pack_micro_batches` plans them: slots longest first, each into the first pack with
+room (first-fit decreasing) under ``max_tokens``; a slot longer than the budget gets a pack
+of its own. Deterministic (ties keep row order); pure functions of the [B] lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import List, Tuple
+
+import torch
+
+from nemo_d3s.core.checks import check_count
+
+__all__ = ["PackedMicroBatch", "empty_pack", "pack_micro_batches", "slot_lengths"]
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """rows [n] long: batch rows in pack order; lengths [n] long: each row's real tokens (a
+    prefix of the row); cu_seqlens [max(n, 1) + 1] long: slot boundaries, cu[-1] = width T
+    (no rows: one slot of padding, the zero-weight pack of an empty rank)."""
+
+    rows: torch.Tensor
+    lengths: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        """T: positions fed to the model."""
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest slot (PackedSeqParams.max_seqlen_q; RoPE's table length)."""
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+    def widen(self, width: int) -> "PackedMicroBatch":
+        """The same pack fed at ``width`` >= its content (the last slot takes the padding)."""
+        need = int(self.cu_seqlens[-2]) + max(int(self.lengths[-1]) if len(self.rows) else 0, 1)
+        if int(width) < need:
+            raise ValueError(f"width {width} < the pack's content ({need} positions)")
+        cu = self.cu_seqlens.clone()
+        cu[-1] = int(width)
+        return replace(self, cu_seqlens=cu)
+
+    def position_ids(self) -> torch.Tensor:
+        """[T] long: the position of each packed token within its slot (restarts at 0)."""
+        cu = self.cu_seqlens
+        starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+        return torch.arange(self.width) - starts
+
+    def segment_ids(self) -> torch.Tensor:
+        """[T] long: the slot of each packed position."""
+        cu = self.cu_seqlens
+        return torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
+
+    def _tokens(self, first: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row in pack [N], column [N], packed position [N]) of every real token at column
+        >= ``first`` of each row."""
+        counts = (self.lengths - first).clamp(min=0)
+        r = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
+        offsets = torch.cumsum(counts, 0) - counts
+        c = torch.arange(int(counts.sum())) - offsets[r] + first
+        return r, c, self.cu_seqlens[:-1][r] + c
+
+    def pack(self, x: torch.Tensor, value=0) -> torch.Tensor:
+        """x [B, S, ...] indexed by batch row -> [T, ...]: the rows' real tokens in their
+        slots, ``value`` at padding."""
+        r, c, p = self._tokens(0)
+        out = x.new_full((self.width, *x.shape[2:]), value)
+        out[p] = x[self.rows[r], c]
+        return out
+
+    def unpack(self, y: torch.Tensor, width: int) -> torch.Tensor:
+        """Token-aligned y [T, ...] -> [n, width, ...] (differentiable): row i's columns
+        1..l_i - 1 from its slot (cut at ``width``), 0 at column 0, padding and beyond."""
+        r, c, p = self._tokens(1)
+        keep = c < width
+        out = y.new_zeros((len(self.rows), width, *y.shape[1:]))
+        return out.index_put((r[keep], c[keep]), y[p[keep]])
+
+
+def slot_lengths(lengths: torch.Tensor, seq_multiple: int = 1) -> torch.Tensor:
+    """[B] long: each row's slot, its length (>= 1) rounded up to ``seq_multiple``."""
+    m = int(seq_multiple)
+    return (lengths.long().clamp(min=1) + m - 1) // m * m
+
+
+def pack_micro_batches(
+    lengths: torch.Tensor, max_tokens: int, *, seq_multiple: int = 1
+) -> List[PackedMicroBatch]:
+    """Pack rows of [B] ``lengths`` (CPU long, real tokens per row: a prefix) into packs of
+    at most ``max_tokens`` positions, first-fit decreasing on their slots
+    (:func:`slot_lengths`); a slot over the budget is a pack alone. Each pack's width is its
+    content (widen it with :meth:`PackedMicroBatch.widen`). Every row exactly once; rows in
+    a pack longest first; packs in the order they were opened. [] for B = 0.
+    O(B x packs)."""
+    check_count("max_tokens", max_tokens, 1)
+    check_count("seq_multiple", seq_multiple, 1)
+    if lengths.dim() != 1 or (lengths.numel() and int(lengths.min()) < 0):
+        raise ValueError(f"lengths must be a [B] tensor of counts >= 0, got {lengths}")
+    slots = slot_lengths(lengths, seq_multiple)
+    order = torch.sort(-slots, stable=True).indices.tolist()
+    room: List[int] = []
+    members: List[List[int]] = []
+    for row in order:
+        s = int(slots[row])
+        for k, left in enumerate(room):
+            if left >= s:
+                room[k] -= s
+                members[k].append(row)
+                break
+        else:
+            room.append(max(int(max_tokens), s) - s)
+            members.append([row])
+    out = []
+    for rows in members:
+        idx = torch.tensor(rows, dtype=torch.long)
+        cu = torch.zeros(len(rows) + 1, dtype=torch.long)
+        cu[1:] = torch.cumsum(slots[idx], 0)
+        out.append(PackedMicroBatch(idx, lengths.long()[idx], cu))
+    return out
+
+
+def empty_pack(width: int) -> PackedMicroBatch:
+    """The zero-weight pack of a rank without rows: one slot of ``width`` padding positions."""
+    none = torch.zeros(0, dtype=torch.long)
+    return PackedMicroBatch(none, none, torch.tensor([0, int(width)], dtype=torch.long))
