@@ -69,19 +69,20 @@ class PackedMicroBatch:
         cu = self.cu_seqlens
         return torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
 
-    def _tokens(self, first: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(row in pack [N], column [N], packed position [N]) of every real token at column
-        >= ``first`` of each row."""
+    def tokens(self, first=0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row in pack [N], column [N], packed position [N]) of every real token at a
+        column >= ``first`` (an int, or [n] long: one per row) of its row."""
+        first = torch.as_tensor(first, dtype=torch.long).expand(len(self.rows))
         counts = (self.lengths - first).clamp(min=0)
         r = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
         offsets = torch.cumsum(counts, 0) - counts
-        c = torch.arange(int(counts.sum())) - offsets[r] + first
+        c = torch.arange(int(counts.sum())) - offsets[r] + first[r]
         return r, c, self.cu_seqlens[:-1][r] + c
 
     def pack(self, x: torch.Tensor, value=0) -> torch.Tensor:
         """x [B, S, ...] indexed by batch row -> [T, ...]: the rows' real tokens in their
         slots, ``value`` at padding."""
-        r, c, p = self._tokens(0)
+        r, c, p = self.tokens(0)
         out = x.new_full((self.width, *x.shape[2:]), value)
         out[p] = x[self.rows[r], c]
         return out
@@ -89,7 +90,7 @@ class PackedMicroBatch:
     def unpack(self, y: torch.Tensor, width: int) -> torch.Tensor:
         """Token-aligned y [T, ...] -> [n, width, ...] (differentiable): row i's columns
         1..l_i - 1 from its slot (cut at ``width``), 0 at column 0, padding and beyond."""
-        r, c, p = self._tokens(1)
+        r, c, p = self.tokens(1)
         keep = c < width
         out = y.new_zeros((len(self.rows), width, *y.shape[1:]))
         return out.index_put((r[keep], c[keep]), y[p[keep]])

@@ -16,7 +16,7 @@ names the key. Values are merged into the dataclass with OmegaConf, so nested da
 
 Common settings: model, dtype, device, seed, lr, weight_decay, adam_betas, grad_clip,
 warmup_steps, scheduler, total_steps, use_reference, gradient_checkpointing,
-dist_timeout_minutes.
+dist_timeout_minutes, pack_sequences.
 
 A backend may also be named in the config as ``model.backend=pkg.module:Class``; such a
 class declares its config dataclass as the class attribute ``config_class``.

@@ -99,6 +99,13 @@ def test_empty_pack_and_bad_inputs():
         pack_micro_batches(torch.tensor([3, 2]), 8)[0].widen(4)
 
 
+def test_tokens_from_a_column_per_row():
+    p = pack_micro_batches(torch.tensor([3, 4]), 8)[0]  # rows [1, 0]: slots [0, 4), [4, 7)
+    r, c, pos = p.tokens(torch.tensor([2, 1]))  # row 1 from column 2, row 0 from column 1
+    assert r.tolist() == [0, 0, 1, 1] and c.tolist() == [2, 3, 1, 2]
+    assert pos.tolist() == [2, 3, 5, 6]
+
+
 def test_unpack_is_differentiable():
     p = pack_micro_batches(torch.tensor([3, 2]), 8)[0]
     y = torch.arange(5.0, requires_grad=True)

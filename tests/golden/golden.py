@@ -9,6 +9,8 @@ name       ranks  backend / layout
 =========  =====  ===================================================
 single     1      HF backend, one process (the CPU default's path)
 dp2        2      HF backend, torchrun, data parallel
+packed     1      HF backend, one process, packed sequences
+dp2_packed 2      HF backend, torchrun, data parallel, packed sequences
 tp2        2      Megatron backend, TP2 (gloo)
 tp2_pp2    4      Megatron backend, TP2 x PP2 (gloo)
 =========  =====  ===================================================
@@ -70,6 +72,8 @@ def _megatron(tp: int, pp: int) -> List[str]:
 LAYOUTS: Dict[str, tuple] = {
     "single": (1, []),
     "dp2": (2, []),
+    "packed": (1, ["trainer.pack_sequences=true"]),
+    "dp2_packed": (2, ["trainer.pack_sequences=true"]),
     "tp2": (2, _megatron(2, 1)),
     "tp2_pp2": (4, _megatron(2, 2)),
 }

@@ -40,6 +40,15 @@ def test_dp2_matches_golden(model, tmp_path):
     _check("dp2", model, tmp_path)
 
 
+def test_packed_matches_golden(model, tmp_path):
+    _check("packed", model, tmp_path)
+
+
+@pytest.mark.distributed
+def test_dp2_packed_matches_golden(model, tmp_path):
+    _check("dp2_packed", model, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", ["tp2", "tp2_pp2"])

@@ -132,8 +132,9 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.context_parallel_size={cfg.context_parallel_size}: "
             f"{CONTEXT_PARALLEL_REFUSAL}"
         )
-    if cfg.sequence_packing:
-        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.sequence_packing or cfg.pack_sequences:
+        key = "model.params.sequence_packing" if cfg.sequence_packing else "trainer.pack_sequences"
+        raise ValueError(f"{key}=true: {CONTEXT_PARALLEL_REFUSAL}")
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(
             f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16"
