@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
+from nemo_d3s.core.packing import PackedMicroBatch
 from nemo_d3s.distributed.comm import (
     collective_device,
     global_rank_of,
@@ -183,6 +184,7 @@ def train_loss_func(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     seq_first: bool = False,
+    pack: Optional[PackedMicroBatch] = None,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """The training-pass loss function for one micro-batch on the last stage: the one the
     Megatron backend's ``schedule.train_step`` hands to Megatron's schedule.
@@ -199,7 +201,9 @@ def train_loss_func(
     (2-tuple form: the schedule divides by num_microbatches, which the normalizer
     compensates). ``on_sum(name, detached tensor)`` receives "loss_sum" and every metric.
     n = 0 (a rank with no rows joins the collectives): a zero loss with zero gradient.
-    Collectives: the vocab-parallel forward on ``tp_group``.
+    ``pack`` (input_ids [1, L] of several rows, ``core.packing``): the rows' log-probs are
+    unpacked from it (``attended`` unused). Collectives: the vocab-parallel forward on
+    ``tp_group``.
     """
     n = len(rows)
 
@@ -214,8 +218,12 @@ def train_loss_func(
             if on_sum is not None:
                 on_sum("loss_sum", loss)
             return loss, {}
-        lp = align_to_tokens(lp)[:n].float() * attended
-        out = loss_fn(fit_width(lp, lp.shape[1] if width is None else width), rows)
+        w = lp.shape[1] + 1 if width is None else width
+        if pack is None:
+            lp = fit_width(align_to_tokens(lp)[:n].float() * attended, w)
+        else:
+            lp = pack.unpack(align_to_tokens(lp)[0].float(), w)
+        out = loss_fn(lp, rows)
         loss, metrics = (
             (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
         )

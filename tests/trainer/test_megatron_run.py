@@ -107,8 +107,20 @@ LONG = [
 
 @pytest.mark.parametrize(
     "tp,pp,nproc,dopt,options",
-    [(2, 2, 4, False, []), (1, 1, 2, False, []), (1, 1, 2, True, []), (2, 2, 4, False, LONG)],
-    ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer", "tp2pp2_sp_vpp2_tokens"],
+    [
+        (2, 2, 4, False, []),
+        (1, 1, 2, False, []),
+        (1, 1, 2, True, []),
+        (2, 2, 4, False, LONG),
+        (2, 2, 4, False, [*LONG, "trainer.pack_sequences=true"]),
+    ],
+    ids=[
+        "tp2pp2",
+        "tp1dp2",
+        "tp1dp2_distributed_optimizer",
+        "tp2pp2_sp_vpp2_tokens",
+        "tp2pp2_sp_vpp2_packed",
+    ],
 )
 def test_megatron_torchrun_matches_the_hf_backend(
     folder, hf_run, tmp_path, tp, pp, nproc, dopt, options

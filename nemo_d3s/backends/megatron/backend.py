@@ -93,6 +93,9 @@ class MegatronBackend(Policy):
         # On CUDA a Transformer Engine that does not import is an error unless
         # transformer_impl=local: decided here, before any collective, alike on every rank.
         self.te = use_transformer_engine(cfg.transformer_impl, self.device)
+        # packed (THD) rows: TE's varlen attention on CUDA; on CPU only when asked (the local
+        # attention masks a dense [T, T] block-diagonal: local_attention.py)
+        self.pack = self.te if cfg.pack_sequences is None else bool(cfg.pack_sequences)
         if self.device.type != "cuda":
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -276,6 +279,7 @@ class MegatronBackend(Policy):
             vocab_size=self.spec.vocab_size,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
         )
 
     def train_step(
@@ -300,6 +304,7 @@ class MegatronBackend(Policy):
             lr_scheduler=self.scheduler,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
         )
         if not metrics.get("skipped"):
             self.weights_changed()

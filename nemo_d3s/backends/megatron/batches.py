@@ -1,20 +1,22 @@
 """Micro-batches of the Megatron backend's schedules: which rows, how many, how wide.
 
 A rank's batch is ``TokenBatch`` [B, S], right-padded. :func:`plan_micro_batches` cuts it
-into :class:`MicroBatch` es (fixed row counts or a token budget, ``core.micro_batches``);
-:func:`model_inputs` builds one micro-batch's model inputs [b, L]. Pure CPU bookkeeping: no
+into :class:`MicroBatch` es (fixed row counts or a token budget, ``core.micro_batches``),
+:func:`plan_packed` into packs (``core.packing``: one [1, T] row of several rows, THD);
+:func:`model_inputs` builds one micro-batch's model inputs. Pure CPU bookkeeping: no
 collective, no Megatron import.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.micro_batches import fixed_micro_batches, row_lengths, token_budget_micro_batches
+from nemo_d3s.core.packing import PackedMicroBatch, empty_pack, pack_micro_batches
 from nemo_d3s.distributed.pipeline import fit_width
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "model_inputs",
     "pad_for_interleaving",
     "plan_micro_batches",
+    "plan_packed",
     "token_counts",
 ]
 
@@ -32,12 +35,14 @@ class MicroBatch:
 
     rows [n] long (CPU): the batch rows it carries (n <= b; n = 0 for the zero-weight
     micro-batch of an empty batch); b: rows fed to the model (n real + b - n dummy rows);
-    width L: positions fed to the model (the real rows cut or zero-padded to L).
+    width L: positions fed to the model (the real rows cut or zero-padded to L); pack: the
+    rows packed into one row of L positions (b = 1), or None.
     """
 
     rows: torch.Tensor
     b: int
     width: int
+    pack: Optional[PackedMicroBatch] = None
 
 
 def _check_right_padded(mask: torch.Tensor) -> None:
@@ -106,6 +111,35 @@ def plan_micro_batches(
     ]
 
 
+def plan_packed(
+    attention_mask: torch.Tensor,
+    micro_batch_size: int,
+    max_tokens: int,
+    *,
+    uniform: bool,
+    multiple_of: int = 1,
+    seq_multiple: int = 1,
+) -> List[MicroBatch]:
+    """Packs of a right-padded [B, S] bool mask (CPU): ``core.packing.pack_micro_batches``
+    under ``max_tokens`` positions, or (0) ``micro_batch_size`` rows of the longest row's
+    width; each row's slot a multiple of ``seq_multiple``. Widths: the pack's content, at
+    least 2, rounded up to ``multiple_of`` (TP under sequence parallelism); ``uniform``
+    (PP > 1): the plan's widest for all (one shape per call, no dummy rows). B = 0: one
+    zero-weight pack of padding."""
+    B = attention_mask.shape[0]
+    if B == 0:
+        w = _round_up(2, multiple_of)
+        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, w, empty_pack(w))]
+    _check_right_padded(attention_mask)
+    lengths = row_lengths(attention_mask)
+    budget = max_tokens or micro_batch_size * max(int(lengths.max()), 1)
+    packs = pack_micro_batches(lengths, budget, seq_multiple=seq_multiple)
+    widths = [_round_up(max(p.width, 2), multiple_of) for p in packs]
+    if uniform:
+        widths = [max(widths)] * len(widths)
+    return [MicroBatch(p.rows, 1, w, p.widen(w)) for p, w in zip(packs, widths)]
+
+
 def pad_for_interleaving(
     mbs: List[MicroBatch], pp: int, *, one_shape: bool = False
 ) -> List[MicroBatch]:
@@ -117,18 +151,31 @@ def pad_for_interleaving(
     micro-batch widened to the largest rows x width of the plan (dummy rows, padding)."""
     if one_shape:
         b, width = max(m.b for m in mbs), max(m.width for m in mbs)
-        mbs = [MicroBatch(m.rows, b, width) for m in mbs]
+        mbs = [
+            MicroBatch(m.rows, b, width, None if m.pack is None else m.pack.widen(width))
+            for m in mbs
+        ]
     target = max(_round_up(len(mbs), pp), pp)
     first = mbs[0]
-    pad = MicroBatch(torch.zeros(0, dtype=torch.long), first.b, first.width)
+    pad = MicroBatch(
+        torch.zeros(0, dtype=torch.long),
+        first.b,
+        first.width,
+        empty_pack(first.width) if first.pack else None,
+    )
     return list(mbs) + [pad] * (target - len(mbs))
 
 
 def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
-    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
-    on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
-    mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
-    attention kernels build it); right padding needs nothing more."""
+    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool,
+    pack) on ``device``. attention_mask: Megatron's convention (True = masked), the causal
+    [1, 1, L, L] mask on CPU (megatron-core builds its default causal mask on "cuda"), None
+    on CUDA (the attention kernels build it); right padding needs nothing more. A pack: ids
+    and positions (restarting per row) [1, L], no mask (``cu_seqlens`` say it), attended
+    None."""
+    if mb.pack is not None:
+        ids = mb.pack.pack(batch.input_ids).unsqueeze(0).to(device)
+        return ids, mb.pack.position_ids().unsqueeze(0).to(device), None, None, mb.pack
     ids = fit_width(batch.input_ids[mb.rows], mb.width)
     if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
         ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
@@ -141,7 +188,7 @@ def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
             .triu_(1)
             .view(1, 1, mb.width, mb.width)
         )
-    return ids.to(device), pos.to(device), mask, attended.to(device)
+    return ids.to(device), pos.to(device), mask, attended.to(device), None
 
 
 def token_counts(batch: TokenBatch, mbs: List[MicroBatch]) -> Dict[str, float]:

@@ -17,17 +17,15 @@ DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
-# Why context parallelism and packed sequences are refused (the backend's error and the dry
-# run's report). megatron-core 0.16.1's local attention (transformer/dot_product_attention.py)
-# asserts context_parallel_size == 1 (line 57) and packed_seq_params is None (line 153):
-# both run only in Transformer Engine's TEDotProductAttention.
+# Why context parallelism is refused (the backend's error and the dry run's report).
+# megatron-core 0.16.1's local attention (transformer/dot_product_attention.py) asserts
+# context_parallel_size == 1 (line 57): it runs only in Transformer Engine's attention.
 CONTEXT_PARALLEL_REFUSAL = (
-    "megatron-core runs context parallelism and packed (THD) sequences only through "
-    "Transformer Engine's attention (TEDotProductAttention with PackedSeqParams), which "
-    "this backend does not build; use model.params.sequence_parallel=true with "
-    "tensor_model_parallel_size > 1, model.gradient_checkpointing=true, "
-    "trainer.micro_batch_tokens (length-aware micro-batches) or more pipeline stages "
-    "instead"
+    "megatron-core runs context parallelism only through Transformer Engine's attention "
+    "(TEDotProductAttention), which this backend does not build for it; use "
+    "model.params.sequence_parallel=true with tensor_model_parallel_size > 1, "
+    "model.gradient_checkpointing=true, trainer.pack_sequences / trainer.micro_batch_tokens "
+    "or more pipeline stages instead"
 )
 
 
@@ -54,11 +52,11 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: > 1 (with PP > 1; layers divisible by PP x VPP):
         megatron-core's interleaved 1F1B, that many model chunks per stage
         (``model.virtual_layouts``). None / 1: plain 1F1B.
-    context_parallel_size, sequence_packing: accepted so a recipe can state them; only
-        1 / false run and anything else is refused at start-up by name: megatron-core runs
-        context parallelism and packed (THD) rows only through Transformer Engine's
-        attention (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead; the dry run
-        reports a layout that would need them).
+    context_parallel_size: accepted so a recipe can state it; only 1 runs, anything else
+        is refused at start-up (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead;
+        the dry run reports a layout that would need it). sequence_packing: refused, naming
+        ``trainer.pack_sequences``, which sets packed (THD) rows (``batches.plan_packed``:
+        TE's attention on CUDA, ``local_attention`` on CPU; default on with TE).
     use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
         tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
         copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
@@ -98,7 +96,7 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-    sequence_packing: bool = False  # packed (THD) rows: refused, see CONTEXT_PARALLEL_REFUSAL
+    sequence_packing: bool = False  # refused: trainer.pack_sequences sets it
     use_tp_pp_dp_mapping: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
@@ -132,9 +130,11 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.context_parallel_size={cfg.context_parallel_size}: "
             f"{CONTEXT_PARALLEL_REFUSAL}"
         )
-    if cfg.sequence_packing or cfg.pack_sequences:
-        key = "model.params.sequence_packing" if cfg.sequence_packing else "trainer.pack_sequences"
-        raise ValueError(f"{key}=true: {CONTEXT_PARALLEL_REFUSAL}")
+    if cfg.sequence_packing:
+        raise ValueError(
+            "model.params.sequence_packing=true: packed (THD) sequences are set by "
+            "trainer.pack_sequences (one source per setting)"
+        )
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(
             f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16"

@@ -222,6 +222,10 @@ def build_stage(
             * layers,
             layer_norm=WrappedTorchNorm,
         )
+    if not layout.te:  # packed (THD) rows on the local spec: local_attention.py
+        from nemo_d3s.backends.megatron.local_attention import with_packed_attention
+
+        layer_spec = with_packed_attention(layer_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

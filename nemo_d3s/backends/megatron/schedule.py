@@ -14,7 +14,8 @@ Shapes (the package's contract, docs/architecture.md): a rank's batch is ``Token
 right-padded; one micro-batch is [b, L] with L <= S its longest attended row (PP = 1) or the step's
 longest row (PP > 1: 1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a
 call must have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
-dropped). The model returns [b, L, V/TP] logits on the last stage. Per-token results are
+dropped); a pack (``pack=True``) is [1, T], several rows end to end (THD). The model returns
+[b, L, V/TP] logits on the last stage. Per-token results are
 token-aligned: position t holds the quantity of token t computed from the logits at t - 1; position
 0, padding and positions past L hold 0.
 
@@ -50,8 +51,10 @@ from nemo_d3s.backends.megatron.batches import (
     model_inputs,
     pad_for_interleaving,
     plan_micro_batches,
+    plan_packed,
     token_counts,
 )
+from nemo_d3s.backends.megatron.local_attention import packed_seq_params
 from nemo_d3s.backends.megatron.optimizer import (
     Model,
     clip_grads_,
@@ -112,14 +115,17 @@ def _plan(
     chunks: List[torch.nn.Module],
     micro_batch_size: int,
     micro_batch_tokens: int,
+    pack: bool = False,
 ) -> List[MicroBatch]:
-    """The call's micro-batches (:func:`batches.plan_micro_batches`), checked against the
-    layout; with model chunks (interleaved 1F1B) padded with zero-weight micro-batches to a
-    multiple of PP (:func:`batches.pad_for_interleaving`)."""
+    """The call's micro-batches (:func:`batches.plan_micro_batches`, or the packs of
+    :func:`batches.plan_packed`), checked against the layout; with model chunks (interleaved
+    1F1B) padded with zero-weight micro-batches to a multiple of PP
+    (:func:`batches.pad_for_interleaving`)."""
     config = getattr(unwrap_model(chunks[0]), "config", None)
     _check_layout(groups, config, len(chunks))
     multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
-    mbs = plan_micro_batches(
+    plan = plan_packed if pack else plan_micro_batches
+    mbs = plan(
         batch.attention_mask,
         micro_batch_size,
         uniform=groups.pp_size > 1,
@@ -154,7 +160,8 @@ def _schedule(
     def forward_step(data_iterator: Iterator[int], model: torch.nn.Module):
         i = next(data_iterator)
         x = inputs(i)
-        out = model(x[0], x[1], x[2])
+        packed = None if x[4] is None else packed_seq_params(x[4], x[0].device)
+        out = model(x[0], x[1], x[2], packed_seq_params=packed)
         return out, loss_for(i, x)
 
     first = micro_batches[0]
@@ -210,6 +217,7 @@ def score(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
+    pack: bool = False,
 ) -> Scores:
     """No-grad log-probs (+ entropy) of ``batch`` through Megatron's forward-only schedule.
 
@@ -218,7 +226,9 @@ def score(
     0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
     model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
     rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
-    :func:`plan_micro_batches`); ``Scores.stats`` counts the fed and attended positions.
+    :func:`plan_micro_batches`); ``pack``: rows end to end in [1, T] packs (THD,
+    :func:`batches.plan_packed`), unpacked per row; ``Scores.stats`` counts the fed and
+    attended positions.
 
     -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
     (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
@@ -240,7 +250,7 @@ def score(
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
     device = device_of(chunks[0])
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack)
     store = PerTokenStore()
 
     def inputs(i: int):
@@ -264,11 +274,14 @@ def score(
         store if last else None, [(m.b, m.width) for m in mbs], groups.pp, device=device
     )
     for mb, res in zip(mbs, results):
-        n, w = len(mb.rows), min(mb.width, S)
+        n, w = len(mb.rows), S if mb.pack is not None else min(mb.width, S)
         keep = batch.attention_mask[mb.rows, :w].float()
-        logprobs[mb.rows, :w] = res["logprobs"][:n, :w].float().cpu() * keep
-        if with_entropy:
-            entropy[mb.rows, :w] = res["entropy"][:n, :w].float().cpu() * keep
+        for name, out in (("logprobs", logprobs), ("entropy", entropy)):
+            if out is None:
+                continue
+            x = res[name].float().cpu()
+            x = x[:n, :w] if mb.pack is None else mb.pack.unpack(x[0], w)
+            out[mb.rows, :w] = x * keep
     return Scores(logprobs, entropy, token_counts(batch, mbs))
 
 
@@ -300,6 +313,7 @@ def train_step(
     lr_scheduler=None,
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
+    pack: bool = False,
 ) -> Dict[str, float]:
     """One optimizer step over ``batch`` (this rank's rows, [B, S]; B may be 0) through
     Megatron's forward/backward function; collective over every rank of the job.
@@ -326,7 +340,8 @@ def train_step(
     ``clip_grad`` and steps.
 
     Micro-batches: ``micro_batch_size`` rows, or packed to ``micro_batch_tokens`` positions
-    when > 0 (:func:`plan_micro_batches`); the normaliser makes the gradient the same.
+    when > 0 (:func:`plan_micro_batches`), or with ``pack`` packs of rows end to end (THD,
+    ``loss_fn`` gets them unpacked per row); the normaliser makes the gradient the same.
 
     Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
     "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>,
@@ -346,7 +361,7 @@ def train_step(
     inner = unwrap_model(chunks[0])
     device = device_of(chunks[0])
     B, S = batch.input_ids.shape
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(
         float(denominator), groups.dp_size, len(mbs), megatron_schedule=True
@@ -375,6 +390,7 @@ def train_step(
             on_sum=add,
             vocab_size=vocab_size,
             chunk_size=chunk_size,
+            pack=x[4],
         )
 
     for c in chunks:

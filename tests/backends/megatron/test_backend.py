@@ -129,6 +129,7 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
         "entropy": sc.entropy,
         "rank": dist.get_rank(),
         "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel,
+        "pack": pol.pack,
         "chunks": len(pol.chunks),
         "position": (
             ps.get_tensor_model_parallel_rank(),
@@ -185,17 +186,34 @@ LAYOUTS = {
 
 
 QWEN3_LAYOUTS = ["tp1pp1", "tp2pp2", "tp2pp2_sp", "tp2_sp_distributed_optimizer"]
+# packed (THD) rows, micro_batch_size 2: packs of up to 2 x the longest row, attention within
+# each row (local_attention.py), one width per call at PP > 1; one model family each
+PACKED = {
+    ("llama", "pp2vpp2_packed_distributed_optimizer"): (
+        1,
+        2,
+        2,
+        ALL,
+        {"virtual_pipeline_model_parallel_size": 2, "distributed_optimizer": True},
+    ),
+    ("qwen2", "dp2_packed"): (1, 1, 2, [[0, 1, 2, 3], [4, 5]], {}),
+    ("qwen3", "tp2pp2_sp_packed"): (2, 2, 4, ALL, {"sequence_parallel": True}),
+}
 
 
 @pytest.mark.parametrize(
     "arch,layout",
     [(a, lay) for a in ("llama", "qwen2") for lay in LAYOUTS]
-    + [("qwen3", lay) for lay in QWEN3_LAYOUTS],
+    + [("qwen3", lay) for lay in QWEN3_LAYOUTS]
+    + list(PACKED),
 )
 def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, reference):
     from nemo_d3s.backends.megatron.parallel import global_rank_of, rank_order
 
-    tp, pp, world, dp_rows, *kw = LAYOUTS[layout]
+    packed = PACKED.get((arch, layout))
+    if packed is not None:
+        packed[-1]["pack_sequences"] = True
+    tp, pp, world, dp_rows, *kw = packed or LAYOUTS[layout]
     kw = kw[0] if kw else {}
     ref = reference[arch]
     # With options the backend builds Megatron's groups itself; else the harness does.
@@ -225,6 +243,7 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
     first = {}
     for res in results:
         assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
+        assert res["pack"] == kw.get("pack_sequences", False)
         assert res["chunks"] == kw.get("virtual_pipeline_model_parallel_size", 1)
         f = first.setdefault(res["dp"], res)
         assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(

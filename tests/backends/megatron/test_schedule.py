@@ -93,9 +93,11 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
         spec = local_block_spec(cfg, pp_rank=ps.get_pipeline_model_parallel_rank())
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    from nemo_d3s.backends.megatron.local_attention import with_packed_attention
+
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=with_packed_attention(spec),  # as the backend's build_stage
         vocab_size=V_PAD,
         max_sequence_length=64,
         pre_process=p == 0 and v == 0,
@@ -262,10 +264,11 @@ def _groups():
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1, pack=False):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
     micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0; ``sp``:
-    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B)."""
+    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B); ``pack``:
+    rows packed end to end (THD)."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -285,6 +288,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
         with_entropy=True,
         vocab_size=V_REAL,
         micro_batch_tokens=tokens,
+        pack=pack,
     )
     out["score_stats"] = sc.stats
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
@@ -312,6 +316,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
                 grad_clip=GRAD_CLIP,
                 vocab_size=V_REAL,
                 micro_batch_tokens=tokens,
+                pack=pack,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
     return out
@@ -400,6 +405,16 @@ LAYOUTS = {
     "pp2vpp2": (1, 2, 2, True, ALL_ROWS, MBS, 0, False, 2),
     "tp2pp2vpp2_untied": (2, 2, 4, False, ALL_ROWS, MBS, 0, False, 2),
     "pp2vpp2_tokens_sp": (2, 2, 4, True, ALL_ROWS, MBS, 20, True, 2),
+    # packed rows (THD): budget 20 packs rows [0, 5] (20), [2, 4] (17), [1, 3] (11), each
+    # attending within itself; PP > 1: every pack fed at the widest (20), no dummy rows
+    "tp2_packed": (2, 1, 2, True, ALL_ROWS, MBS, 20, False, 1, True),
+    "tp2pp2_packed": (2, 2, 4, False, ALL_ROWS, MBS, 20, False, 1, True),
+    "pp2vpp2_packed": (1, 2, 2, True, ALL_ROWS, MBS, 20, False, 2, True),
+    "tp2_sp_packed": (2, 1, 2, True, ALL_ROWS, MBS, 20, True, 1, True),  # widths 20, 18, 12
+    # no budget: packs of MBS rows of the longest row (20 positions); an empty DP rank
+    # feeds one zero-weight pack
+    "dp2_packed_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS, 0, False, 1, True),
+    "tp2dp2_packed": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16, False, 1, True),
 }
 
 
@@ -448,7 +463,13 @@ def test_layout_matches_one_process(layout, reference):
     # a token budget feeds fewer positions than fixed micro-batches of the same rows (not
     # with interleaving at PP 2, where every micro-batch takes one shape: batches.py)
     vpp = extra[2] if len(extra) > 2 else 1
-    if tokens and not (vpp > 1 and pp == 2):
+    if len(extra) > 3 and extra[3]:  # packed: no padding at PP 1 without SP's rounding
+        for res in (r for r in results if len(r["rows"])):
+            attended = float(_data()[0].attention_mask[res["rows"]].sum())
+            fed = res["score_stats"]["fed_tokens"]
+            assert res["score_stats"]["attended_tokens"] == attended
+            assert fed == attended if pp == 1 and not extra[1] else fed > attended, layout
+    elif tokens and not (vpp > 1 and pp == 2):
         from nemo_d3s.backends.megatron.schedule import plan_micro_batches
 
         for res in results:
@@ -539,6 +560,39 @@ def test_interleaved_plans_are_padded_to_a_multiple_of_pp():
     assert len(pad_for_interleaving(plan[:1], 2)) == 2 and len(pad_for_interleaving(plan, 3)) == 3
     # PP 2: one shape for all (the largest rows x width)
     assert {(m.b, m.width) for m in pad_for_interleaving(plan, 2, one_shape=True)} == {(2, 9)}
+
+
+def test_packed_plan_hand_worked():
+    from nemo_d3s.backends.megatron.batches import model_inputs, pad_for_interleaving, plan_packed
+    from nemo_d3s.backends.base import TokenBatch
+
+    # lengths 3, 5, 2, 1, 9, budget 10, longest first: 9 opens A (1 left), 5 opens B (5 left),
+    # 3 and 2 fill B, 1 fills A
+    mask = _mask([3, 5, 2, 1, 9], 10)
+    plan = plan_packed(mask, 2, 10, uniform=False)
+    assert [m.rows.tolist() for m in plan] == [[4, 3], [1, 0, 2]]
+    assert [m.pack.cu_seqlens.tolist() for m in plan] == [[0, 9, 10], [0, 5, 8, 10]]
+    assert [(m.b, m.width) for m in plan] == [(1, 10), (1, 10)]
+    # sequence parallelism at TP 4: widths to a multiple of 4, the last slot takes the padding
+    sp = plan_packed(mask, 2, 10, uniform=False, multiple_of=4)
+    assert [m.pack.cu_seqlens.tolist() for m in sp] == [[0, 9, 12], [0, 5, 8, 12]]
+    # PP > 1: one width; no budget: 2 rows of the longest row's width (18: 9 + 5 + 3 + 1, 2)
+    assert {m.width for m in plan_packed(_mask([3, 5, 2], 6), 1, 7, uniform=True)} == {7}
+    no_budget = plan_packed(mask, 2, 0, uniform=False)
+    assert [m.rows.tolist() for m in no_budget] == [[4, 1, 0, 3], [2]]
+    ids = torch.arange(50).view(5, 10)
+    x = model_inputs(TokenBatch(ids, mask, mask), sp[1], torch.device("cpu"))
+    assert x[0].tolist() == [[10, 11, 12, 13, 14, 0, 1, 2, 20, 21, 0, 0]]
+    assert x[1].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]
+    assert x[2] is None and x[3] is None and x[4] is sp[1].pack
+    # interleaving pads with a zero-weight pack of the same width; PP 2 widens all to one
+    padded = pad_for_interleaving(sp[:1], 2)
+    assert padded[1].rows.numel() == 0 and padded[1].pack.cu_seqlens.tolist() == [0, 12]
+    two = plan_packed(_mask([3, 5, 1], 6), 1, 6, uniform=False)  # [5, 1] (6), [3] (3)
+    wide = pad_for_interleaving(two, 2, one_shape=True)
+    assert [m.width for m in two] == [6, 3] and [m.pack.width for m in wide] == [6, 6]
+    (empty,) = plan_packed(torch.zeros(0, 4, dtype=torch.bool), 2, 0, uniform=True)
+    assert empty.rows.numel() == 0 and empty.pack.cu_seqlens.tolist() == [0, 2]
 
 
 def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():
