@@ -12,9 +12,10 @@ of token p from the logits at p - 1); :meth:`PackedMicroBatch.unpack` puts them 
 (row, column) and gives every row's column 0 the contract's 0 (in the pack that position
 was scored from the previous slot's last logits).
 
-:func:`pack_micro_batches` plans them: slots longest first, each into the first pack with
-room (first-fit decreasing) under ``max_tokens``; a slot longer than the budget gets a pack
-of its own. Deterministic (ties keep row order); pure functions of the [B] lengths.
+:func:`pack_micro_batches` plans them under ``max_tokens``: as many packs as first-fit
+decreasing needs, the rows spread over them evenly (so one width per call pads little); a
+slot longer than the budget gets a pack of its own. Deterministic (ties keep row order);
+pure functions of the [B] lengths.
 """
 
 from __future__ import annotations
@@ -106,29 +107,42 @@ def pack_micro_batches(
     lengths: torch.Tensor, max_tokens: int, *, seq_multiple: int = 1
 ) -> List[PackedMicroBatch]:
     """Pack rows of [B] ``lengths`` (CPU long, real tokens per row: a prefix) into packs of
-    at most ``max_tokens`` positions, first-fit decreasing on their slots
-    (:func:`slot_lengths`); a slot over the budget is a pack alone. Each pack's width is its
-    content (widen it with :meth:`PackedMicroBatch.widen`). Every row exactly once; rows in
-    a pack longest first; packs in the order they were opened. [] for B = 0.
-    O(B x packs)."""
+    at most ``max_tokens`` positions (a slot over it is a pack alone).
+
+    The number of packs n is first-fit decreasing's on the slots (:func:`slot_lengths`);
+    the rows are then spread over n packs longest first, each into the least loaded one,
+    when that keeps the budget and fills no pack beyond first-fit's fullest (one width per
+    call then pads less). Each pack's width is its content (widen it with
+    :meth:`PackedMicroBatch.widen`). Every row exactly once; rows in a pack longest first.
+    [] for B = 0. O(B n)."""
     check_count("max_tokens", max_tokens, 1)
     check_count("seq_multiple", seq_multiple, 1)
     if lengths.dim() != 1 or (lengths.numel() and int(lengths.min()) < 0):
         raise ValueError(f"lengths must be a [B] tensor of counts >= 0, got {lengths}")
     slots = slot_lengths(lengths, seq_multiple)
     order = torch.sort(-slots, stable=True).indices.tolist()
+    sizes = slots.tolist()
     room: List[int] = []
     members: List[List[int]] = []
-    for row in order:
-        s = int(slots[row])
+    for row in order:  # first-fit decreasing
         for k, left in enumerate(room):
-            if left >= s:
-                room[k] -= s
+            if left >= sizes[row]:
+                room[k] -= sizes[row]
                 members[k].append(row)
                 break
         else:
-            room.append(max(int(max_tokens), s) - s)
+            room.append(max(int(max_tokens), sizes[row]) - sizes[row])
             members.append([row])
+    fullest = max((sum(sizes[r] for r in m) for m in members), default=0)
+    load = [0] * len(members)
+    spread: List[List[int]] = [[] for _ in members]
+    for row in order:  # longest processing time first, over the same number of packs
+        k = load.index(min(load))
+        load[k] += sizes[row]
+        spread[k].append(row)
+    shared_fit = all(n <= max_tokens for n, m in zip(load, spread) if len(m) > 1)
+    if shared_fit and max(load, default=0) <= fullest:
+        members = spread
     out = []
     for rows in members:
         idx = torch.tensor(rows, dtype=torch.long)

@@ -50,9 +50,9 @@ def test_packed_equals_unpacked(folders, arch):
     batch, adv, _, keep = tiny_batch()
     plain, packed = _backend(folders[arch], False), _backend(folders[arch], True)
     assert packed.pack and not plain.pack
-    # a budget of 27 tokens packs the 6 rows (51 tokens) into [12, 11, 4] and [9, 8, 7]
+    # a budget of 27 tokens packs the 6 rows (51 tokens) into [12, 8, 7] and [11, 9, 4]
     packs = pack_batch(batch, 1, 27)
-    assert [p.rows.tolist() for p in packs] == [[0, 5, 3], [2, 4, 1]]
+    assert [p.rows.tolist() for p in packs] == [[0, 4, 1], [5, 2, 3]]
     want = plain.score(batch, with_entropy=True, micro_batch_size=2)
     for kw in ({"micro_batch_tokens": 27}, {"micro_batch_size": 2}):
         got = packed.score(batch, with_entropy=True, **kw)
@@ -66,8 +66,8 @@ def test_packed_equals_unpacked(folders, arch):
     loss, grads, sums = _grads(packed, batch, adv, keep, micro_batch_size=1, micro_batch_tokens=27)
     assert sums["n_micro_batches"] == 2
     assert loss == pytest.approx(loss_ref, rel=1e-5)
-    for g, r in zip(grads, grads_ref):
-        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
+    for g, r in zip(grads, grads_ref):  # fp32 summation order: 1e-4 of the tensor's scale
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4 * float(r.abs().max()))
 
 
 def test_positions_restart_per_row(folders):

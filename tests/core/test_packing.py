@@ -13,10 +13,13 @@ from nemo_d3s.core.packing import empty_pack, pack_micro_batches, slot_lengths
 
 
 def _reference_plan(lengths, budget, multiple=1):
-    """Rows by descending slot (row order on ties), each into the first pack with room."""
+    """First-fit decreasing for the number of packs n, then the rows longest first (row
+    order on ties) each into the least loaded of n packs (lowest index on ties), kept when
+    no shared pack is over the budget and none above first-fit's fullest."""
     slots = [-(-max(n, 1) // multiple) * multiple for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (-slots[i], i))
     packs = []  # [rows, used, capacity]
-    for i in sorted(range(len(lengths)), key=lambda i: (-slots[i], i)):
+    for i in order:
         for p in packs:
             if p[1] + slots[i] <= p[2]:
                 p[0].append(i)
@@ -24,6 +27,14 @@ def _reference_plan(lengths, budget, multiple=1):
                 break
         else:
             packs.append([[i], slots[i], max(budget, slots[i])])
+    spread = [[] for _ in packs]
+    for i in order:
+        k = min(range(len(spread)), key=lambda k: (sum(slots[r] for r in spread[k]), k))
+        spread[k].append(i)
+    loads = [sum(slots[r] for r in m) for m in spread]
+    ok = all(n <= budget for n, m in zip(loads, spread) if len(m) > 1)
+    if ok and max(loads, default=0) <= max((p[1] for p in packs), default=0):
+        return spread, slots
     return [p[0] for p in packs], slots
 
 
@@ -47,43 +58,50 @@ class _Batch:
 
 def test_hand_worked_case():
     # lengths: row 0: 3, row 1: 5, row 2: 2, row 3: 4; budget 8
-    # longest first: 1 (5) opens pack A (3 left); 3 (4) does not fit A, opens B (4 left);
-    # 0 (3) fills A; 2 (2) does not fit A (0 left), goes to B (2 left)
+    # first-fit decreasing: 1 (5) opens A, 3 (4) opens B, 0 (3) fills A, 2 (2) goes to B:
+    # two packs, A = 8, B = 6. Spread over two packs, least loaded first: 1 -> A (5),
+    # 3 -> B (4), 0 -> B (7), 2 -> A (7): 7 and 7, fuller than neither
     lengths = torch.tensor([3, 5, 2, 4])
     packs = pack_micro_batches(lengths, 8)
-    assert [p.rows.tolist() for p in packs] == [[1, 0], [3, 2]]
-    assert [p.cu_seqlens.tolist() for p in packs] == [[0, 5, 8], [0, 4, 6]]
-    assert [p.width for p in packs] == [8, 6] and [p.max_seqlen for p in packs] == [5, 4]
-    a = packs[0]
-    assert a.position_ids().tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert a.segment_ids().tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    assert [p.rows.tolist() for p in packs] == [[1, 2], [3, 0]]
+    assert [p.cu_seqlens.tolist() for p in packs] == [[0, 5, 7], [0, 4, 7]]
+    assert [p.width for p in packs] == [7, 7] and [p.max_seqlen for p in packs] == [5, 4]
+    a = packs[1]
+    assert a.position_ids().tolist() == [0, 1, 2, 3, 0, 1, 2]
+    assert a.segment_ids().tolist() == [0, 0, 0, 0, 1, 1, 1]
     ids = torch.tensor(
         [[11, 12, 13, 0, 0], [21, 22, 23, 24, 25], [31, 32, 0, 0, 0], [41] * 4 + [0]]
     )
-    assert a.pack(ids).tolist() == [21, 22, 23, 24, 25, 11, 12, 13]
-    # token-aligned values of the pack: position p holds 100 + p; position 5 (row 0's
-    # first token, scored from row 1's last logits) must not come back
-    y = 100.0 + torch.arange(8.0)
+    assert a.pack(ids).tolist() == [41, 41, 41, 41, 11, 12, 13]
+    # token-aligned values of the pack: position p holds 100 + p; position 4 (row 0's
+    # first token, scored from row 3's last logits) must not come back
+    y = 100.0 + torch.arange(7.0)
     assert a.unpack(y, 5).tolist() == [
-        [0.0, 101.0, 102.0, 103.0, 104.0],
-        [0.0, 106.0, 107.0, 0.0, 0.0],
+        [0.0, 101.0, 102.0, 103.0, 0.0],
+        [0.0, 105.0, 106.0, 0.0, 0.0],
     ]
-    wide = packs[1].widen(10)  # the last slot takes the tail padding
-    assert wide.cu_seqlens.tolist() == [0, 4, 10] and wide.position_ids()[-1] == 5
-    assert wide.pack(ids).tolist() == [41, 41, 41, 41, 31, 32, 0, 0, 0, 0]
+    wide = packs[0].widen(10)  # the last slot takes the tail padding
+    assert wide.cu_seqlens.tolist() == [0, 5, 10] and wide.position_ids()[-1] == 4
+    assert wide.pack(ids).tolist() == [21, 22, 23, 24, 25, 31, 32, 0, 0, 0]
 
 
 def test_slots_rounded_to_a_multiple_and_oversize_rows_alone():
     lengths = torch.tensor([3, 20, 0, 5])
     assert slot_lengths(lengths, 4).tolist() == [4, 20, 4, 8]
+    # row 2 (empty) still gets a slot of 4; row 1 (20) is over the budget: a pack alone
+    packs = pack_micro_batches(lengths, 16, seq_multiple=4)
+    assert [p.rows.tolist() for p in packs] == [[1], [3, 0, 2]]
     packs = pack_micro_batches(lengths, 12, seq_multiple=4)
-    # row 2 (empty) still gets a slot of 4, which no longer fits beside 3 and 0 (8 + 4)
-    assert [p.rows.tolist() for p in packs] == [[1], [3, 0], [2]]
-    assert [p.width for p in packs] == [20, 12, 4]
-    assert [p.rows.tolist() for p in pack_micro_batches(lengths, 16, seq_multiple=4)] == [
-        [1],
-        [3, 0, 2],
-    ]
+    assert [p.rows.tolist() for p in packs] == [[1], [3], [0, 2]]
+    assert [p.width for p in packs] == [20, 8, 8]
+
+
+def test_spreading_keeps_the_budget():
+    # first-fit decreasing: [4, 4] and [3, 3, 2], 8 each; least loaded first would put the
+    # 2 on a 4 + 3 pack (9 > 8): the first-fit packs are kept
+    packs = pack_micro_batches(torch.tensor([4, 4, 3, 3, 2]), 8)
+    assert [p.rows.tolist() for p in packs] == [[0, 1], [2, 3, 4]]
+    assert [p.width for p in packs] == [8, 8]
 
 
 def test_empty_pack_and_bad_inputs():

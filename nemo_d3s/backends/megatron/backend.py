@@ -280,6 +280,7 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
             pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
 
     def train_step(
@@ -305,6 +306,7 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
             pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
         if not metrics.get("skipped"):
             self.weights_changed()

@@ -9,6 +9,7 @@ collective, no Megatron import.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -26,6 +27,7 @@ __all__ = [
     "plan_micro_batches",
     "plan_packed",
     "token_counts",
+    "width_multiple",
 ]
 
 
@@ -62,6 +64,13 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def width_multiple(multiple_of: int = 1, quantum: int = 0) -> int:
+    """What every width is a multiple of: ``multiple_of`` (TP under sequence parallelism)
+    and ``quantum`` (``model.params.width_quantum``; 0 = none), so a run feeds at most
+    longest / quantum shapes (each new one builds a new cuDNN graph under TE)."""
+    return math.lcm(int(multiple_of), int(quantum)) if quantum else int(multiple_of)
+
+
 def plan_micro_batches(
     attention_mask: torch.Tensor,
     micro_batch_size: int,
@@ -69,6 +78,7 @@ def plan_micro_batches(
     uniform: bool,
     multiple_of: int = 1,
     max_tokens: int = 0,
+    quantum: int = 0,
 ) -> List[MicroBatch]:
     """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
     consecutive rows, or, with ``max_tokens`` > 0, of rows packed to that token budget.
@@ -80,9 +90,9 @@ def plan_micro_batches(
     widths, at any PP): b x L <= ``max_tokens`` per micro-batch (one oversize row alone),
     rows longest first, no dummy rows; at PP > 1 the shapes differ between micro-batches and
     :func:`_schedule` turns on megatron-core's ``variable_seq_lengths`` p2p shape exchange.
-    Widths are at least 2 (one scored position) and rounded up to ``multiple_of`` (TP when
-    sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
-    dummy row, so a rank without data still runs every collective of the step.
+    Widths are at least 2 (one scored position) and rounded up to :func:`width_multiple`.
+    B = 0 gives one zero-weight micro-batch of one dummy row, so a rank without data still
+    runs every collective of the step.
     """
     if (
         isinstance(micro_batch_size, bool)
@@ -90,24 +100,24 @@ def plan_micro_batches(
         or micro_batch_size < 1
     ):
         raise ValueError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+    m = width_multiple(multiple_of, quantum)
     B = attention_mask.shape[0]
     if B == 0:
-        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, _round_up(2, multiple_of))]
+        return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, _round_up(2, m))]
     _check_right_padded(attention_mask)
     if max_tokens:
         widths = row_lengths(attention_mask).clamp(min=2)
-        widths = (widths + multiple_of - 1) // multiple_of * multiple_of
+        widths = (widths + m - 1) // m * m
         return [
             MicroBatch(r, len(r), int(widths[r[0]]))
             for r in token_budget_micro_batches(widths, int(max_tokens))
         ]
     chunks = fixed_micro_batches(B, micro_batch_size)
     if uniform:
-        width = _round_up(max(_real_length(attention_mask), 2), multiple_of)
+        width = _round_up(max(_real_length(attention_mask), 2), m)
         return [MicroBatch(r, micro_batch_size, width) for r in chunks]
     return [
-        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), multiple_of))
-        for r in chunks
+        MicroBatch(r, len(r), _round_up(max(_real_length(attention_mask[r]), 2), m)) for r in chunks
     ]
 
 
@@ -116,28 +126,26 @@ def plan_packed(
     micro_batch_size: int,
     max_tokens: int,
     *,
-    uniform: bool,
     multiple_of: int = 1,
     seq_multiple: int = 1,
+    quantum: int = 0,
 ) -> List[MicroBatch]:
     """Packs of a right-padded [B, S] bool mask (CPU): ``core.packing.pack_micro_batches``
     under ``max_tokens`` positions, or (0) ``micro_batch_size`` rows of the longest row's
-    width; each row's slot a multiple of ``seq_multiple``. Widths: the pack's content, at
-    least 2, rounded up to ``multiple_of`` (TP under sequence parallelism); ``uniform``
-    (PP > 1): the plan's widest for all (one shape per call, no dummy rows). B = 0: one
-    zero-weight pack of padding."""
+    width; each row's slot a multiple of ``seq_multiple``. One width for the call at any PP
+    (one shape, no dummy rows): the fullest pack's content, at least 2, rounded up to
+    :func:`width_multiple`. B = 0: one zero-weight pack of padding."""
+    m = width_multiple(multiple_of, quantum)
     B = attention_mask.shape[0]
     if B == 0:
-        w = _round_up(2, multiple_of)
+        w = _round_up(2, m)
         return [MicroBatch(torch.zeros(0, dtype=torch.long), 1, w, empty_pack(w))]
     _check_right_padded(attention_mask)
     lengths = row_lengths(attention_mask)
     budget = max_tokens or micro_batch_size * max(int(lengths.max()), 1)
     packs = pack_micro_batches(lengths, budget, seq_multiple=seq_multiple)
-    widths = [_round_up(max(p.width, 2), multiple_of) for p in packs]
-    if uniform:
-        widths = [max(widths)] * len(widths)
-    return [MicroBatch(p.rows, 1, w, p.widen(w)) for p, w in zip(packs, widths)]
+    w = _round_up(max(max(p.width for p in packs), 2), m)
+    return [MicroBatch(p.rows, 1, w, p.widen(w)) for p in packs]
 
 
 def pad_for_interleaving(

@@ -82,6 +82,10 @@ class MegatronBackendConfig(PolicySettings):
         modules by name (unfused attention). The CPU always takes the local spec.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
+    width_quantum: every micro-batch's width (positions fed) is a multiple of it (and of TP
+        under SP), so a run feeds at most longest row / quantum shapes instead of one per
+        distinct length (TE builds a cuDNN graph per shape); packs share one width per call.
+        0 = exact widths. The same on CPU and CUDA.
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
         optimizer and LR schedule as the HF backend, clipping on the global norm across
         TP x PP x DP; gradient_checkpointing = Megatron's full recompute, one layer at a
@@ -100,6 +104,7 @@ class MegatronBackendConfig(PolicySettings):
     use_tp_pp_dp_mapping: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
+    width_quantum: int = 128
     distributed_optimizer: Optional[bool] = None
     verify_checksums: bool = True
     transformer_impl: str = "transformer_engine"
@@ -134,6 +139,10 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         raise ValueError(
             "model.params.sequence_packing=true: packed (THD) sequences are set by "
             "trainer.pack_sequences (one source per setting)"
+        )
+    if not is_count(cfg.width_quantum, 0):
+        raise ValueError(
+            f"model.params.width_quantum={cfg.width_quantum!r}: an integer >= 0 (0 = exact widths)"
         )
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(

@@ -116,6 +116,7 @@ def _plan(
     micro_batch_size: int,
     micro_batch_tokens: int,
     pack: bool = False,
+    quantum: int = 0,
 ) -> List[MicroBatch]:
     """The call's micro-batches (:func:`batches.plan_micro_batches`, or the packs of
     :func:`batches.plan_packed`), checked against the layout; with model chunks (interleaved
@@ -124,14 +125,23 @@ def _plan(
     config = getattr(unwrap_model(chunks[0]), "config", None)
     _check_layout(groups, config, len(chunks))
     multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
-    plan = plan_packed if pack else plan_micro_batches
-    mbs = plan(
-        batch.attention_mask,
-        micro_batch_size,
-        uniform=groups.pp_size > 1,
-        multiple_of=multiple,
-        max_tokens=micro_batch_tokens,
-    )
+    if pack:
+        mbs = plan_packed(
+            batch.attention_mask,
+            micro_batch_size,
+            micro_batch_tokens,
+            multiple_of=multiple,
+            quantum=quantum,
+        )
+    else:
+        mbs = plan_micro_batches(
+            batch.attention_mask,
+            micro_batch_size,
+            uniform=groups.pp_size > 1,
+            multiple_of=multiple,
+            max_tokens=micro_batch_tokens,
+            quantum=quantum,
+        )
     if len(chunks) == 1:
         return mbs
     # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
@@ -218,6 +228,7 @@ def score(
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
     pack: bool = False,
+    width_quantum: int = 0,
 ) -> Scores:
     """No-grad log-probs (+ entropy) of ``batch`` through Megatron's forward-only schedule.
 
@@ -227,8 +238,8 @@ def score(
     model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
     rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
     :func:`plan_micro_batches`); ``pack``: rows end to end in [1, T] packs (THD,
-    :func:`batches.plan_packed`), unpacked per row; ``Scores.stats`` counts the fed and
-    attended positions.
+    :func:`batches.plan_packed`), unpacked per row; widths are multiples of
+    ``width_quantum`` (0: none); ``Scores.stats`` counts the fed and attended positions.
 
     -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
     (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
@@ -250,7 +261,7 @@ def score(
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
     device = device_of(chunks[0])
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum)
     store = PerTokenStore()
 
     def inputs(i: int):
@@ -314,6 +325,7 @@ def train_step(
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
     pack: bool = False,
+    width_quantum: int = 0,
 ) -> Dict[str, float]:
     """One optimizer step over ``batch`` (this rank's rows, [B, S]; B may be 0) through
     Megatron's forward/backward function; collective over every rank of the job.
@@ -341,7 +353,8 @@ def train_step(
 
     Micro-batches: ``micro_batch_size`` rows, or packed to ``micro_batch_tokens`` positions
     when > 0 (:func:`plan_micro_batches`), or with ``pack`` packs of rows end to end (THD,
-    ``loss_fn`` gets them unpacked per row); the normaliser makes the gradient the same.
+    ``loss_fn`` gets them unpacked per row), widths multiples of ``width_quantum``; the
+    normaliser makes the gradient the same.
 
     Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
     "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>,
@@ -361,7 +374,7 @@ def train_step(
     inner = unwrap_model(chunks[0])
     device = device_of(chunks[0])
     B, S = batch.input_ids.shape
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack)
+    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum)
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(
         float(denominator), groups.dp_size, len(mbs), megatron_schedule=True

@@ -130,6 +130,7 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
         "rank": dist.get_rank(),
         "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel,
         "pack": pol.pack,
+        "fed": sc.stats["fed_tokens"],
         "chunks": len(pol.chunks),
         "position": (
             ps.get_tensor_model_parallel_rank(),
@@ -244,6 +245,7 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
     for res in results:
         assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
         assert res["pack"] == kw.get("pack_sequences", False)
+        assert res["fed"] % 128 == 0  # every width a multiple of model.params.width_quantum
         assert res["chunks"] == kw.get("virtual_pipeline_model_parallel_size", 1)
         f = first.setdefault(res["dp"], res)
         assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(
