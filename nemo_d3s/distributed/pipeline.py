@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
 from nemo_d3s.core.packing import PackedMicroBatch
+from nemo_d3s.distributed.context_parallel import ContextParallel
 from nemo_d3s.distributed.comm import (
     collective_device,
     global_rank_of,
@@ -116,10 +117,22 @@ class PerTokenStore:
         self.micro_batches.clear()
 
 
-def _token_logprobs(logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size):
-    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked."""
+def _token_logprobs(
+    logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp=None
+):
+    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked.
+    With ``cp`` (token-aligned only) the logits are this CP rank's positions of the [B, S]
+    ``ids``: each position scores its successor, then the CP ranks' results are gathered."""
     if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
         logits = logits.transpose(0, 1)
+    if cp is not None:  # the logits at t score token t + 1, wherever t + 1 lives
+        pos = cp.positions().to(ids.device)
+        nxt = ids.index_select(1, (pos + 1).clamp(max=ids.shape[1] - 1))
+        entropy, logprobs = vocab_parallel_entropy_and_logprobs(
+            logits, nxt, tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+        )
+        entropy, logprobs = cp.gather(entropy, 1), cp.gather(logprobs, 1)
+        return align_to_tokens(entropy[:, :-1]), align_to_tokens(logprobs[:, :-1])
     if token_aligned:  # token t is scored by the logits at t - 1; position 0 gets 0
         entropy, logprobs = vocab_parallel_entropy_and_logprobs(
             logits[:, :-1], ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
@@ -139,6 +152,7 @@ def logprob_loss_func(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     seq_first: bool = False,
+    cp: Optional[ContextParallel] = None,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """A loss function for Megatron's forward-only old-policy pass (one per micro-batch).
 
@@ -148,14 +162,17 @@ def logprob_loss_func(
     position s is scored from the logits at s (the caller shifted); with
     ``token_aligned=True`` they are the input ids and the results follow the package's
     token alignment (position t from logits at t - 1, position 0 holds 0). Appends
-    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss.
-    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``.
+    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss. ``cp``
+    (token-aligned): the logits hold this CP rank's positions of ``target_ids``; the stored
+    results are the whole rows, gathered over the CP group.
+    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``; with
+    ``cp`` two all-gathers of [B, S / CP] floats over its group.
     """
 
     def loss_func(logits: torch.Tensor):
         with torch.no_grad():
             entropy, logprobs = _token_logprobs(
-                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size
+                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp
             )
         store.micro_batches.append({"entropy": entropy.float(), "logprobs": logprobs.float()})
         return logits.new_zeros((), dtype=torch.float32), {}
@@ -185,6 +202,7 @@ def train_loss_func(
     chunk_size: int = 1024,
     seq_first: bool = False,
     pack: Optional[PackedMicroBatch] = None,
+    cp: Optional[ContextParallel] = None,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """The training-pass loss function for one micro-batch on the last stage: the one the
     Megatron backend's ``schedule.train_step`` hands to Megatron's schedule.
@@ -202,27 +220,30 @@ def train_loss_func(
     compensates). ``on_sum(name, detached tensor)`` receives "loss_sum" and every metric.
     n = 0 (a rank with no rows joins the collectives): a zero loss with zero gradient.
     ``pack`` (input_ids [1, L] of several rows, ``core.packing``): the rows' log-probs are
-    unpacked from it (``attended`` unused). Collectives: the vocab-parallel forward on
-    ``tp_group``.
+    unpacked from it (``attended`` unused). ``cp``: the logits hold this CP rank's positions
+    of ``input_ids``; the log-probs are gathered over the CP group (differentiably) so every
+    CP rank computes the loss of whole rows, scaled by 1 / CP: the gather's backward sums the
+    CP ranks' gradients, Megatron's forward_step multiplies by CP and the DP x CP gradient
+    average divides by it. Collectives: the vocab-parallel forward on ``tp_group``; with
+    ``cp`` one all-gather of [b, L / CP] floats (its backward: one more).
     """
     n = len(rows)
+    cp_scale = 1.0 / cp.size if cp is not None else 1.0
 
     def loss_func(logits: torch.Tensor):
-        if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
-            logits = logits.transpose(0, 1)
-        _, lp = vocab_parallel_entropy_and_logprobs(
-            logits[:, :-1], input_ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+        _, lp = _token_logprobs(
+            logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size, cp
         )
         if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
             loss = lp.sum() * 0.0
             if on_sum is not None:
                 on_sum("loss_sum", loss)
             return loss, {}
-        w = lp.shape[1] + 1 if width is None else width
+        w = lp.shape[1] if width is None else width
         if pack is None:
-            lp = fit_width(align_to_tokens(lp)[:n].float() * attended, w)
+            lp = fit_width(lp[:n].float() * attended, w)
         else:
-            lp = pack.unpack(align_to_tokens(lp)[0].float(), w)
+            lp = pack.unpack(lp[0].float(), w)
         out = loss_fn(lp, rows)
         loss, metrics = (
             (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
@@ -232,7 +253,7 @@ def train_loss_func(
             for k, v in metrics.items():
                 on_sum(k, v)
         # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
-        return loss * normalizer.loss_scale, {}
+        return loss * (normalizer.loss_scale * cp_scale), {}
 
     return loss_func
 

@@ -32,6 +32,10 @@ The patches (each one's WHY is at its code):
    proxy of 1, and ``Tensor.type()`` names CPU tensors as CUDA ones during
    ``DistributedOptimizer.__init__`` and the clipping call only (its dtype grouping and an
    assertion compare those names).
+5. Context parallelism on rows: ``get_pos_emb_on_this_cp_rank`` (RoPE's table cut to this
+   CP rank's two chunks; megatron-core 0.16.1 and 0.19.2 ``rope_utils.py:48-69``) builds
+   its index in pinned memory and moves it with ``.cuda()``; the rotary modules that
+   imported it by name get the same cut through ``core.context_parallel.zigzag_positions``.
 
 Not patched, because the backend does not take those paths on CPU (documented so nobody
 relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
@@ -313,6 +317,23 @@ def _patch_distributed_optimizer() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = scoped(optimizer.clip_grad_by_total_norm_fp32)
 
 
+def _patch_rope_cp_cut() -> None:
+    """Patch 5 of the module docstring (the rotary modules that hold the function)."""
+    import importlib
+
+    from nemo_d3s.core.context_parallel import zigzag_positions
+
+    def cut(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        S = pos_emb.shape[seq_dim]
+        mine = zigzag_positions(torch.tensor([0, S]), cp_group.size(), cp_group.rank())
+        return pos_emb.index_select(seq_dim, mine.to(pos_emb.device))
+
+    for name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding", "rope_utils"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = cut
+
+
 def apply_cpu_compat() -> None:
     """Make megatron-core (0.15, 0.16, 0.19) run on CPU / gloo in this process (idempotent).
 
@@ -325,6 +346,7 @@ def apply_cpu_compat() -> None:
     _patch_tied_embedding_copy()
     _patch_rng()
     _patch_distributed_optimizer()
+    _patch_rope_cp_cut()
     _APPLIED = True
 
 

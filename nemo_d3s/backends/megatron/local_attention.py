@@ -18,6 +18,7 @@ is DotProductAttention unchanged. :func:`with_packed_attention` puts it into a l
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import torch
 
@@ -29,24 +30,32 @@ __all__ = [
 ]
 
 
-def segment_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """[T, T] bool, True = may attend: key j is in query i's slot of ``cu_seqlens`` [n + 1]
-    and j <= i. Memory: T^2 bytes."""
+def segment_causal_mask(
+    cu_seqlens: torch.Tensor, q_positions: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """[Q, T] bool, True = may attend: key j is in the slot of ``cu_seqlens`` [n + 1] that
+    holds query position q_positions[i] (default: all T positions) and j <= it. Memory:
+    Q T bytes."""
     cu = cu_seqlens.long()
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])
-    T = int(cu[-1])
-    causal = torch.ones(T, T, dtype=torch.bool, device=cu.device).tril_()
-    return causal & (seg.unsqueeze(1) == seg.unsqueeze(0))
+    keys = torch.arange(int(cu[-1]), device=cu.device)
+    q = keys if q_positions is None else q_positions.to(cu.device)
+    return (keys.unsqueeze(0) <= q.unsqueeze(1)) & (seg[q].unsqueeze(1) == seg.unsqueeze(0))
 
 
 class PackedDotProductAttention(torch.nn.Module):
-    """megatron-core's ``DotProductAttention`` (built inside, same arguments; it holds no
-    parameters) that also runs ``packed_seq_params``: see the module docstring."""
+    """megatron-core's ``DotProductAttention`` (built inside, same arguments, at CP 1; it
+    holds no parameters) that also runs ``packed_seq_params`` and context parallelism: see
+    the module docstring."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, **kwargs):
         super().__init__()
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+        self.cp_size = int(config.context_parallel_size)
+        if self.cp_size > 1:  # it asserts CP 1 (dot_product_attention.py:55-57 in 0.16.1)
+            config = copy.copy(config)
+            config.context_parallel_size = 1
         self.inner = DotProductAttention(
             config, layer_number, attn_mask_type, attention_type, **kwargs
         )
@@ -61,41 +70,63 @@ class PackedDotProductAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        """Query [T, np, hn], key / value [T, ng, hn] under THD -> [T, np hn]; else the
-        inner module's [s, b, np, hn] path."""
+        """THD: query [T, np, hn], key / value [T, ng, hn] -> [T, np hn]; rows: [s, b, np, hn]
+        -> [s, b, np hn]. Under CP the local positions of each sequence (T / CP, s / CP)."""
         a = self.inner
-        if packed_seq_params is None:
+        if packed_seq_params is None and self.cp_size == 1:
             return a(query, key, value, attention_mask, attn_mask_type, attention_bias)
+        thd = packed_seq_params is not None
         if (
-            packed_seq_params.qkv_format != "thd"
+            (thd and packed_seq_params.qkv_format != "thd")
             or attention_bias is not None
             or a.softmax_offset is not None
             or a.config.window_size is not None
         ):
             raise ValueError(
-                "packed rows on the local spec: qkv_format 'thd', no attention bias, vanilla "
-                "softmax, no sliding window"
+                "packed rows or CP on the local spec: qkv_format 'thd', no attention bias, "
+                "vanilla softmax, no sliding window"
             )
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))  # b = 1
+        else:  # right-padded rows: one causal sequence each
+            cu = torch.tensor([0, query.shape[0] * self.cp_size])
+        q_pos = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            from nemo_d3s.distributed.context_parallel import ContextParallel
+
+            cp = ContextParallel(ps.get_context_parallel_group(), cu.long().cpu())
+            key, value = cp.gather(key, 0), cp.gather(value, 0)
+            q_pos = cp.positions()
+        context = self._attend(query, key, value, segment_causal_mask(cu.cpu(), q_pos))
+        return context.squeeze(1) if thd else context
+
+    def _attend(self, query, key, value, allowed):
+        """query [sq, b, np, hn], key / value [sk, b, ng, hn], allowed [sq, sk] -> [sq, b,
+        np hn] with DotProductAttention's scale, fp32 softmax and dropout."""
         from megatron.core import tensor_parallel
 
-        cu = packed_seq_params.cu_seqlens_q_padded
-        cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+        a = self.inner
         groups = a.num_attention_heads_per_partition // a.num_query_groups_per_partition
         if groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [np, T, hn]
+            key = key.repeat_interleave(groups, dim=2)
+            value = value.repeat_interleave(groups, dim=2)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, np, s, hn]
         scale = a.softmax_scale * (a.layer_number if a.config.apply_query_key_layer_scaling else 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        allowed = segment_causal_mask(cu.to(query.device))
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        allowed = allowed.to(scores.device)
         probs = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1).to(query.dtype)
         if a.config.sequence_parallel:
             probs = a.attention_dropout(probs)
         else:
             with tensor_parallel.get_cuda_rng_tracker().fork():
                 probs = a.attention_dropout(probs)
-        context = torch.matmul(probs, v)  # [np, T, hn]
-        return context.transpose(0, 1).reshape(query.shape[0], -1)
+        context = torch.matmul(probs, v)  # [b, np, sq, hn]
+        sq, b = query.shape[:2]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
 def packed_seq_params(pack, device: torch.device):

@@ -72,8 +72,9 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     gradients (:func:`main_weights.grad_of`: the fp32 ``main_grad`` of a bf16 / fp16
     parameter under ``MainWeightsAdamW``, as Megatron's ``grad_reduce_in_fp32``; ``.grad``
     of an fp32 one): missing gradients become zeros; gradients are AVERAGED over
-    ``groups.dp`` (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does
-    when the loss is not per-token); with PP > 1 and tied embeddings, the word-embedding
+    ``groups.dp`` (x the CP group under context parallelism: Megatron's DP-CP group; one flat
+    all-reduce SUM per dtype, then / its size, as Megatron's DDP does when the loss is not
+    per-token); with PP > 1 and tied embeddings, the word-embedding
     gradient of the first stage and the output-layer gradient of the last stage (the two
     copies of one weight) are summed over Megatron's embedding group, so both copies take
     the same update. No sequence parallelism (its layer-norm all-reduce is not done here).
@@ -83,14 +84,20 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     chunks = model_chunks(chunks)
     params = local_params(chunks)
     grads = [grad_of(p, zeros=True) for p in params]
-    if groups.data_parallel:
+    group, size = groups.dp, groups.dp_size
+    if groups.cp_size > 1:  # CP ranks hold other positions of the same rows: DP x CP
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+    if size > 1:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
-            flat /= groups.dp_size
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat /= size
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

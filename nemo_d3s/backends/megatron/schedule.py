@@ -40,7 +40,7 @@ denominators and loss closures come from the trainer.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,10 @@ from nemo_d3s.backends.base import LossFn, Scores, TokenBatch
 from nemo_d3s.backends.megatron.batches import (
     MicroBatch,
     model_inputs,
-    pad_for_interleaving,
     plan_micro_batches,
-    plan_packed,
     token_counts,
 )
-from nemo_d3s.backends.megatron.local_attention import packed_seq_params
+from nemo_d3s.backends.megatron.forward_backward import plan_call, run_schedule
 from nemo_d3s.backends.megatron.optimizer import (
     Model,
     clip_grads_,
@@ -79,140 +77,6 @@ from nemo_d3s.distributed.pipeline import (
 )
 
 __all__ = ["MicroBatch", "plan_micro_batches", "score", "train_step"]
-
-
-# ---------------------------------------------------------------------------- model plumbing
-def _check_layout(groups: ParallelGroups, config, n_chunks: int) -> None:
-    if groups.cp_size > 1:
-        raise ValueError(
-            "context parallelism is not supported by the Megatron schedule step "
-            f"(cp={groups.cp_size})"
-        )
-    if groups.pp_size > 1 and getattr(config, "pipeline_dtype", None) is None:
-        raise ValueError(
-            "pipeline_model_parallel_size > 1 needs TransformerConfig.pipeline_dtype (the "
-            "p2p dtype)"
-        )
-    if n_chunks > 1:
-        from megatron.core import parallel_state as ps
-
-        vpp = (
-            ps.get_virtual_pipeline_model_parallel_world_size()
-            if ps.model_parallel_is_initialized()
-            else None
-        )
-        if groups.pp_size < 2 or vpp != n_chunks:
-            raise ValueError(
-                f"got {n_chunks} model chunks: a virtual pipeline (interleaved 1F1B) needs "
-                f"pipeline_model_parallel_size > 1 (have {groups.pp_size}) and Megatron's virtual "
-                f"pipeline size = the number of chunks (have {vpp})"
-            )
-
-
-def _plan(
-    batch: TokenBatch,
-    groups: ParallelGroups,
-    chunks: List[torch.nn.Module],
-    micro_batch_size: int,
-    micro_batch_tokens: int,
-    pack: bool = False,
-    quantum: int = 0,
-) -> List[MicroBatch]:
-    """The call's micro-batches (:func:`batches.plan_micro_batches`, or the packs of
-    :func:`batches.plan_packed`), checked against the layout; with model chunks (interleaved
-    1F1B) padded with zero-weight micro-batches to a multiple of PP
-    (:func:`batches.pad_for_interleaving`)."""
-    config = getattr(unwrap_model(chunks[0]), "config", None)
-    _check_layout(groups, config, len(chunks))
-    multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
-    if pack:
-        mbs = plan_packed(
-            batch.attention_mask,
-            micro_batch_size,
-            micro_batch_tokens,
-            multiple_of=multiple,
-            quantum=quantum,
-        )
-    else:
-        mbs = plan_micro_batches(
-            batch.attention_mask,
-            micro_batch_size,
-            uniform=groups.pp_size > 1,
-            multiple_of=multiple,
-            max_tokens=micro_batch_tokens,
-            quantum=quantum,
-        )
-    if len(chunks) == 1:
-        return mbs
-    # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
-    # other's previous and next stage), and megatron-core's shape exchange for variable
-    # shapes posts them in an order that pairs one direction's send with the other's
-    # receive (p2p_communication.py:205-230): one shape for every micro-batch there.
-    return pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
-
-
-def _schedule(
-    chunks: List[torch.nn.Module],
-    micro_batches: List[MicroBatch],
-    inputs: Callable[[int], Tuple[Any, ...]],
-    loss_for: Callable[[int, Tuple[Any, ...]], Callable],
-    *,
-    forward_only: bool,
-) -> None:
-    """One call of Megatron's forward/backward function over ``micro_batches``.
-
-    ``inputs(i)`` -> (ids, pos, mask, ...) of micro-batch i; ``loss_for(i, inputs)`` -> the
-    loss function the schedule applies to micro-batch i's output on the last stage.
-    """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
-    def forward_step(data_iterator: Iterator[int], model: torch.nn.Module):
-        i = next(data_iterator)
-        x = inputs(i)
-        packed = None if x[4] is None else packed_seq_params(x[4], x[0].device)
-        out = model(x[0], x[1], x[2], packed_seq_params=packed)
-        return out, loss_for(i, x)
-
-    first = micro_batches[0]
-    n = len(micro_batches)
-    # interleaved 1F1B: one data iterator per model chunk; each chunk runs every micro-batch
-    # in order (megatron-core 0.16.1 schedules.py:912-916 asserts the list)
-    data = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
-    # Micro-batches of different [L, b] (a token budget): 1F1B's P2PCommunicator then sends
-    # each activation's shape before it (megatron-core 0.16.1 pipeline_parallel/
-    # p2p_communication.py:301 ``config.variable_seq_lengths`` -> _communicate_shapes);
-    # otherwise it allocates every receive buffer at [seq_length, micro_batch_size, hidden].
-    # Set for this call only (the flag costs one extra p2p of 3 ints per transfer).
-    # Interleaved 1F1B at PP 2 sends an activation and a gradient to the same peer in one
-    # step; batched p2p (batch_isend_irecv: send_prev, recv_prev, send_next, recv_next on
-    # both ranks, p2p_communication.py:18-50) would match the first send with the first
-    # receive, i.e. a gradient with an activation. The unbatched path (_p2p_ops, lines
-    # 53-121) keeps the two directions on two communicators: use it there.
-    config = get_model_config(chunks[0])
-    variable = len({(m.b, m.width) for m in micro_batches}) > 1
-    pp2_interleaved = len(chunks) > 1 and _pp_size() == 2
-    before = config.variable_seq_lengths, config.batch_p2p_comm
-    config.variable_seq_lengths = before[0] or variable
-    config.batch_p2p_comm = before[1] and not pp2_interleaved
-    try:
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=chunks,
-            num_microbatches=n,
-            seq_length=first.width,  # read by 1F1B only, when every micro-batch has this shape
-            micro_batch_size=first.b,
-            forward_only=forward_only,
-        )
-    finally:
-        config.variable_seq_lengths, config.batch_p2p_comm = before
-
-
-def _pp_size() -> int:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_pipeline_model_parallel_world_size()
 
 
 # ---------------------------------------------------------------------------- scoring
@@ -261,22 +125,30 @@ def score(
     if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
         return Scores(logprobs, entropy)
     device = device_of(chunks[0])
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum)
+    mbs = plan_call(
+        batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum
+    )
     store = PerTokenStore()
 
     def inputs(i: int):
         return model_inputs(batch, mbs[i], device)
 
-    def loss_for(i: int, x):
+    def loss_for(i: int, x, cp):
         return logprob_loss_func(
-            store, x[0], groups.tp, token_aligned=True, vocab_size=vocab_size, chunk_size=chunk_size
+            store,
+            x[0],
+            groups.tp,
+            token_aligned=True,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+            cp=cp,
         )
 
     was_training = [c.training for c in chunks]
     for c in chunks:
         c.eval()
     try:
-        _schedule(chunks, mbs, inputs, loss_for, forward_only=True)
+        run_schedule(chunks, mbs, inputs, loss_for, forward_only=True, cp_group=groups.cp)
     finally:
         for c, t in zip(chunks, was_training):
             c.train(t)
@@ -374,7 +246,9 @@ def train_step(
     inner = unwrap_model(chunks[0])
     device = device_of(chunks[0])
     B, S = batch.input_ids.shape
-    mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum)
+    mbs = plan_call(
+        batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum
+    )
     n_real = sum(1 for m in mbs if len(m.rows))
     normalizer = StepNormalizer(
         float(denominator), groups.dp_size, len(mbs), megatron_schedule=True
@@ -390,7 +264,7 @@ def train_step(
     def inputs(i: int):
         return model_inputs(batch, mbs[i], device)
 
-    def loss_for(i: int, x):
+    def loss_for(i: int, x, cp):
         mb = mbs[i]
         return train_loss_func(
             x[0],
@@ -404,6 +278,7 @@ def train_step(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             pack=x[4],
+            cp=cp,
         )
 
     for c in chunks:
@@ -418,7 +293,7 @@ def train_step(
             if getattr(p, "main_grad", None) is not None:  # (main_weights: fp32 accumulation)
                 p.main_grad = None
 
-    _schedule(chunks, mbs, inputs, loss_for, forward_only=False)
+    run_schedule(chunks, mbs, inputs, loss_for, forward_only=False, cp_group=groups.cp)
 
     lr = float(optimizer.param_groups[0]["lr"])
     last = is_last_stage(groups.pp)

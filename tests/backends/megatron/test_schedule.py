@@ -84,6 +84,7 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
         attention_dropout=dropout,
         sequence_parallel=sp,
         virtual_pipeline_model_parallel_size=None if vp_stage is None else _vpp(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
     )
     pp, p = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
@@ -259,6 +260,7 @@ def _groups():
         dp=g(ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
         tp=g(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()),
         pp=g(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()),
+        cp=g(ps.get_context_parallel_group(), ps.get_context_parallel_world_size()),
         device=torch.device("cpu"),
         global_rank=dist.get_rank(),
     )
@@ -416,6 +418,15 @@ LAYOUTS = {
     # feeds one zero-weight pack
     "dp2_packed_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS, 0, False, 1, True),
     "tp2dp2_packed": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16, False, 1, True),
+    # context parallelism 2: every row (width 12, a multiple of 2 x CP) or pack slot (a
+    # multiple of 4) cut into 4 chunks, rank r holding chunks r and 3 - r; K/V gathered over
+    # CP by the local attention, log-probs by the loss function; gradients averaged over
+    # DP x CP. With rows and packs, at TP 2 (+ SP), PP 2 and DP 2
+    "cp2": (1, 1, 2, True, ALL_ROWS, MBS, 0, False, 1, False, 2),
+    "cp2_packed": (1, 1, 2, True, ALL_ROWS, MBS, 20, False, 1, True, 2),
+    "tp2cp2_sp_packed": (2, 1, 4, True, ALL_ROWS, MBS, 20, True, 1, True, 2),
+    "pp2cp2": (1, 2, 4, False, ALL_ROWS, MBS, 0, False, 1, False, 2),
+    "dp2cp2_packed": (1, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 0, False, 1, True, 2),
 }
 
 
@@ -424,7 +435,10 @@ LAYOUTS = {
 def test_layout_matches_one_process(layout, reference):
     tp, pp, world, tied, dp_rows, mbs, *extra = LAYOUTS[layout]
     tokens = extra[0] if extra else 0
-    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=120)
+    cp = extra[4] if len(extra) > 4 else 1
+    results = run_ranks(
+        _rank_layout, world, tied, dp_rows, mbs, *extra[:4], tp=tp, pp=pp, cp=cp, timeout=120
+    )
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
     by_replica = {}
@@ -470,7 +484,10 @@ def test_layout_matches_one_process(layout, reference):
         fewer = []
         for res in (r for r in results if len(r["rows"])):
             mask = _data()[0].attention_mask[res["rows"]]
-            plan = plan_micro_batches(mask, mbs, uniform=pp > 1)
+            cp = extra[4] if len(extra) > 4 else 1  # (CP: widths a multiple of 2 x CP)
+            plan = plan_micro_batches(
+                mask, mbs, uniform=pp > 1, multiple_of=2 * cp if cp > 1 else 1
+            )
             if vpp > 1:  # both plans padded to a multiple of PP micro-batches
                 plan = pad_for_interleaving(plan, pp, one_shape=pp == 2)
             fixed = sum(m.b * m.width for m in plan)
