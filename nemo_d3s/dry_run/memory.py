@@ -29,10 +29,12 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   recompute's kept inputs are split over TP (``backends/megatron/sequence_parallel.py``);
   interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1) multiplies the in-flight
   activations by ``1 + (PP - 1) / (PP VPP)`` (``sequence.interleaving_factor``).
-- context parallelism: when one row of s tokens per micro-batch with full recompute and
-  sequence parallelism still does not fit beside the resident state, the plan reports the
-  position (``context_parallel_needed``): only context parallelism would split it further,
-  which megatron-core runs only with Transformer Engine's attention (refused here).
+- context parallelism (``model.params.context_parallel_size``): each GPU holds 1 / CP of
+  every micro-batch's tokens (``Workload.train_tokens``), so activations and logits divide
+  by CP; the distributed optimizer shards over DP x CP; a CP communicator is added. When one
+  row of s tokens per micro-batch with full recompute and sequence parallelism still does
+  not fit beside the resident state, the plan reports the position
+  (``context_parallel_needed``) and says to raise CP.
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
   kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
   element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes
@@ -154,17 +156,21 @@ class Workload:
     micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0: micro_batch rows)
     logprob_micro_batch_tokens: int = 0  # the scoring pass's budget (resolved)
     vpp: int = 1  # model.params.virtual_pipeline_model_parallel_size (interleaved 1F1B)
+    cp: int = 1  # model.params.context_parallel_size: each rank holds 1 / CP of the tokens
 
     @property
     def train_tokens(self) -> int:
-        """Most tokens one training micro-batch feeds (``dry_run.sequence``)."""
-        return tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+        """Most tokens one training micro-batch feeds one GPU (``dry_run.sequence``; its CP
+        share)."""
+        t = tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+        return -(-t // self.cp)
 
     @property
     def score_tokens(self) -> int:
-        return tokens_per_micro_batch(
+        t = tokens_per_micro_batch(
             self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens
         )
+        return -(-t // self.cp)
 
 
 def physical_gpu_bytes(gpu_memory_gb: float) -> int:
@@ -175,19 +181,21 @@ def physical_gpu_bytes(gpu_memory_gb: float) -> int:
     return mib * 2**20 if mib is not None else int(float(gpu_memory_gb) * GB)
 
 
-def nccl_communicators(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> Dict[str, int]:
+def nccl_communicators(
+    *, tp: int, pp: int, dp: int, tied_embeddings: bool, cp: int = 1
+) -> Dict[str, int]:
     """{group: 1} for each NCCL communicator a trainer rank uses (module docstring)."""
-    used = {"world": tp * pp * dp > 1, "dp": dp > 1, "dp_with_cp": dp > 1, "tp": tp > 1}
-    used.update(pp=pp > 1, embedding=pp > 1 and tied_embeddings)
+    used = {"world": tp * pp * dp * cp > 1, "dp": dp > 1, "dp_with_cp": dp * cp > 1}
+    used.update(tp=tp > 1, pp=pp > 1, cp=cp > 1, embedding=pp > 1 and tied_embeddings)
     return {k: 1 for k, v in used.items() if v}
 
 
-def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
+def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool, cp: int = 1) -> int:
     """GPU memory of the trainer rank's NCCL communicators: per communicator and channel, two
     receive buffers of ``NCCL_BUFFSIZE`` (the ring's and the tree's connection; a buffer
     lives on the receiving rank), over ``NCCL_CHANNELS`` channels: 2 x 32 x 4 MiB = 256 MiB
     per communicator."""
-    n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
+    n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings, cp=cp))
     return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
 
 

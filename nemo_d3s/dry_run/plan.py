@@ -63,6 +63,7 @@ from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
 
@@ -93,8 +94,11 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    cp = int(mcfg.context_parallel_size)
+    if cp > 1 and str(cfg.rollout.engine) != "hf":
+        raise ConfigError(f"model.params.context_parallel_size={cp}: {CP_ENGINE_REFUSAL}")
     try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
+        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp, cp=cp)
     except ConfigError as e:
         raise ConfigError(
             f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
@@ -115,6 +119,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
+        cp=cp,
     )
 
 
@@ -176,6 +181,7 @@ def _workload(s: Setup) -> Workload:
         micro_batch_tokens=budget,
         logprob_micro_batch_tokens=lp_budget,
         vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
+        cp=s.cp,
     )
 
 
@@ -299,7 +305,7 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
     if (
         s.mcfg.distributed_optimizer is not False
     ):  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
-        return True, 4, (12 if d < 4 else 8) / s.dp
+        return True, 4, (12 if d < 4 else 8) / (s.dp * s.cp)  # sharded over DP x CP
     # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
     # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
     return False, d, (12 if d < 4 else 8)
@@ -342,7 +348,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
     terms["nccl"] = nccl_bytes(
-        tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+        tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, tied_embeddings=bool(spec.tie_word_embeddings)
     )
     terms["fragmentation"] = FRAGMENTATION_SHARE * (act + terms.get("logits", 0.0))
     resident = sum(v for k, v in terms.items() if k in RESIDENT)

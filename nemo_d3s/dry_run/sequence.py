@@ -1,6 +1,6 @@
 """The dry run's sequence-length terms: how many tokens one micro-batch feeds, how sequence
-parallelism splits the stored activations, and when a layout would need context
-parallelism (which this project cannot run).
+parallelism splits the stored activations, and when a layout needs (more) context
+parallelism.
 
 - :func:`tokens_per_micro_batch`: ``micro_batch x seq_len`` with fixed micro-batches; with
   a token budget (``trainer.micro_batch_tokens``) at most the budget, or one row of
@@ -15,9 +15,8 @@ parallelism (which this project cannot run).
   ``34 sbh / t``; here the ``4 h`` replicated term becomes ``4 h / t``).
 - :func:`context_parallel_need`: whether the smallest training footprint the backend can
   run (one row of ``seq_len`` tokens per micro-batch, full recompute, sequence parallelism
-  at TP > 1) still exceeds a GPU: then only context parallelism (splitting the sequence
-  across GPUs for the attention too) would fit it, and megatron-core runs that only through
-  Transformer Engine's attention (``CONTEXT_PARALLEL_REFUSAL``).
+  at TP > 1, at the layout's CP) still exceeds a GPU: then only (more) context parallelism,
+  splitting the sequence across GPUs for the attention too, would fit it.
 """
 
 from __future__ import annotations
@@ -25,15 +24,12 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 __all__ = [
-    "CONTEXT_PARALLEL_REFUSAL",
     "context_parallel_need",
     "interleaving_factor",
     "micro_batches_per_step",
     "replicated_share",
     "tokens_per_micro_batch",
 ]
-
-from nemo_d3s.backends.megatron.config import CONTEXT_PARALLEL_REFUSAL
 
 
 def tokens_per_micro_batch(rows: int, seq_len: int, budget: int = 0) -> int:
@@ -85,8 +81,8 @@ def context_parallel_need(
         "minimal_training_peak_bytes": int(need),
         "message": (
             f"{position}: even one row of {seq_len} tokens per micro-batch with sequence "
-            f"parallelism and full recompute needs {need / 1e9:.1f} GB; only context "
-            f"parallelism would split it further, and {CONTEXT_PARALLEL_REFUSAL}, or "
-            "shorten the sequences"
+            f"parallelism and full recompute needs {need / 1e9:.1f} GB; split the sequences "
+            "over more GPUs with model.params.context_parallel_size (each then holds 1 / CP "
+            "of a row), or shorten them"
         ),
     }

@@ -99,3 +99,4 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    cp: int = 1  # model.params.context_parallel_size

@@ -12,6 +12,12 @@ one optimizer step, at TP1 x PP1 and at the parallel layouts the world allows, c
   length-aware micro-batches at PP2 (megatron-core's variable_seq_lengths shape exchange)
   and, when the model's layers divide by 4, interleaved 1F1B at PP2 x VPP2, as the world
   allows (:func:`long_sequence_layouts`).
+- ``gpt.packed_cp``: packed rows (THD, the local spec's ``PackedDotProductAttention``) at
+  TP1, context parallelism 2 on rows and on packs (K/V all-gathered over gloo), against TP1
+  x PP1 unpacked within the same bounds (:func:`packed_cp_layouts`): the CPU twin of
+  ``gpt.te_thd`` and ``gpt.te_cp``.
+- ``gpt.te_thd`` / ``gpt.te_cp`` (CUDA): ``gpt.te_spec`` with packed rows (TE's THD
+  attention) / at CP 2 over NCCL (TE's context-parallel attention).
 - ``gpt.te_spec_sp`` (CUDA): ``gpt.te_spec`` with sequence parallelism on (TE's fused norms
   marked ``sequence_parallel``, their gradient summed over TP by finalize_model_grads).
 - ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
@@ -238,9 +244,46 @@ def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
     return check_te_spec(ctx, sequence_parallel=True)
 
 
+def packed_cp_layouts(ctx: Context) -> Dict[str, Dict[str, Any]]:
+    """name -> ``_run`` arguments: packed rows (THD) at TP1; context parallelism 2 on rows
+    and on packs when the world is even."""
+    out: Dict[str, Dict[str, Any]] = {"packed": dict(tp=1, pack_sequences=True)}
+    if ctx.world % 2 == 0:
+        out["cp2"] = dict(tp=1, context_parallel_size=2)
+        out["cp2_packed"] = dict(tp=1, context_parallel_size=2, pack_sequences=True)
+    return out
+
+
+def check_packed_cp(ctx: Context) -> Dict[str, Any]:
+    return compare_layouts(ctx, packed_cp_layouts(ctx))
+
+
+def check_te_thd(ctx: Context) -> Dict[str, Any]:
+    return check_te_spec(ctx, pack_sequences=True)
+
+
+def check_te_cp(ctx: Context) -> Dict[str, Any]:
+    need_world(ctx, 2, "context parallelism 2")
+    return check_te_spec(ctx, tp=1, context_parallel_size=2)  # packed (TE's default): THD + CP
+
+
 CHECKS = [
     Check("gpt.local_spec", False, check_local_spec),
     Check("gpt.long_sequence", False, check_long_sequence),
+    Check("gpt.packed_cp", False, check_packed_cp),
+    Check(
+        "gpt.te_thd",
+        True,
+        check_te_thd,
+        "gpt.te_spec with packed rows: PackedSeqParams (THD) through TE's attention",
+    ),
+    Check(
+        "gpt.te_cp",
+        True,
+        check_te_cp,
+        "gpt.te_spec at CP 2 over NCCL: TE's context-parallel attention, log-probs gathered "
+        "over CP, gradients averaged over DP x CP",
+    ),
     Check(
         "gpt.te_spec",
         True,

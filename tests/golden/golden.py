@@ -14,6 +14,7 @@ dp2_packed  2      HF backend, torchrun, data parallel, packed sequences
 tp2         2      Megatron backend, TP2 (gloo)
 tp2_pp2     4      Megatron backend, TP2 x PP2 (gloo)
 tp2_packed  2      Megatron backend, TP2, packed sequences (THD, the local attention)
+cp2         2      Megatron backend, context parallel 2 (K/V gathered over CP)
 ==========  =====  ===================================================
 
 The model is a tiny random Llama whose every tensor is drawn here from a generator seeded by
@@ -78,6 +79,7 @@ LAYOUTS: Dict[str, tuple] = {
     "tp2": (2, _megatron(2, 1)),
     "tp2_pp2": (4, _megatron(2, 2)),
     "tp2_packed": (2, [*_megatron(2, 1), "trainer.pack_sequences=true"]),
+    "cp2": (2, [*_megatron(1, 1), "+model.params.context_parallel_size=2"]),
 }
 # Differ between layouts by design (how the DP ranks' loads were balanced).
 LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after"}

@@ -10,22 +10,24 @@ from nemo_d3s.core.checks import is_count
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
-__all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
+__all__ = [
+    "CP_ENGINE_REFUSAL",
+    "DTYPES",
+    "MegatronBackendConfig",
+    "TRANSFORMER_IMPLS",
+    "check_options",
+]
 
 DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 # Megatron-LM's --transformer-impl names (its "inference_optimized" is not offered).
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 
 
-# Why context parallelism is refused (the backend's error and the dry run's report).
-# megatron-core 0.16.1's local attention (transformer/dot_product_attention.py) asserts
-# context_parallel_size == 1 (line 57): it runs only in Transformer Engine's attention.
-CONTEXT_PARALLEL_REFUSAL = (
-    "megatron-core runs context parallelism only through Transformer Engine's attention "
-    "(TEDotProductAttention), which this backend does not build for it; use "
-    "model.params.sequence_parallel=true with tensor_model_parallel_size > 1, "
-    "model.gradient_checkpointing=true, trainer.pack_sequences / trainer.micro_batch_tokens "
-    "or more pipeline stages instead"
+# Context parallelism with an engine other than the policy's own: every CP rank's TP x PP
+# group would start its own engine (backend.place_rollout_engine and the dry run refuse it).
+CP_ENGINE_REFUSAL = (
+    "a rollout engine other than the policy's own (rollout.engine=hf) is not shared across "
+    "the CP ranks of a model copy yet; use rollout=hf, or context_parallel_size=1"
 )
 
 
@@ -52,11 +54,13 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: > 1 (with PP > 1; layers divisible by PP x VPP):
         megatron-core's interleaved 1F1B, that many model chunks per stage
         (``model.virtual_layouts``). None / 1: plain 1F1B.
-    context_parallel_size: accepted so a recipe can state it; only 1 runs, anything else
-        is refused at start-up (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead;
-        the dry run reports a layout that would need it). sequence_packing: refused, naming
-        ``trainer.pack_sequences``, which sets packed (THD) rows (``batches.plan_packed``:
-        TE's attention on CUDA, ``local_attention`` on CPU; default on with TE).
+    context_parallel_size: CP; DP = world / (TP x PP x CP). Every sequence is cut into
+        2 x CP chunks, rank r holding r and 2 CP - 1 - r (``core.context_parallel``);
+        TE's CP attention on CUDA, ``local_attention`` (K/V all-gathered) on CPU; the
+        rollouts come from the policy's own engine (:data:`CP_ENGINE_REFUSAL`).
+    sequence_packing: refused, naming ``trainer.pack_sequences``, which sets packed (THD)
+        rows (``batches.plan_packed``: TE's attention on CUDA, ``local_attention`` on CPU;
+        default on with TE).
     use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
         tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
         copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
@@ -125,15 +129,9 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             "pipeline_model_parallel_size > 1"
         )
     cp = cfg.context_parallel_size
-    if not is_count(cp, 1):  # not a TE question
+    if not is_count(cp, 1):
         raise ValueError(
-            f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
-            "integer >= 1, and this backend runs without context parallelism)"
-        )
-    if cfg.context_parallel_size != 1:
-        raise ValueError(
-            f"model.params.context_parallel_size={cfg.context_parallel_size}: "
-            f"{CONTEXT_PARALLEL_REFUSAL}"
+            f"model.params.context_parallel_size={cp!r}: must be an integer >= 1 (a parallel size)"
         )
     if cfg.sequence_packing:
         raise ValueError(

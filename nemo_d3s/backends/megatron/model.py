@@ -115,10 +115,11 @@ def transformer_config(
     sequence_parallel: bool = False,
     recompute: bool = False,
     vpp: int = 1,
+    cp: int = 1,
 ):
-    """The ``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp`` virtual chunks per stage)
-    (dropout 0: RL log-prob ratios need the same function in the scoring and the training
-    pass)."""
+    """The ``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp`` virtual chunks per stage,
+    x ``cp`` context parallel) (dropout 0: RL log-prob ratios need the same function in the
+    scoring and the training pass)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -149,6 +150,7 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
