@@ -23,8 +23,7 @@ class PolicySettings:
     use_chat_template: wrap each prompt as one user turn with the tokenizer's chat template.
     dist_timeout_minutes: how long a collective waits for a peer rank before the process
     group fails (None = torch's default, 30 minutes), when the backend creates the group.
-    pack_sequences: micro-batches of rows packed end to end (``core.packing``); None = the
-    backend's default (on where its attention kernels take packed rows as varlen).
+    pack_sequences: rows packed end to end (``core.packing``); None = the backend's default.
     """
 
     dtype: str = "auto"

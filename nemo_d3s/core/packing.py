@@ -1,21 +1,11 @@
-"""Packed micro-batches (THD): a rank's rows laid end to end in one row of T positions.
+"""Packed micro-batches (THD): rows laid end to end in one row of T positions.
 
-Slot i of a pack, ``[cu[i], cu[i+1])``, holds row i's l_i real tokens, then padding up to a
-multiple of ``seq_multiple`` (2 x CP under context parallelism); the last slot also takes
-the pack's tail padding up to T = cu[-1]. Attention is causal within a slot and never
-crosses one (block-diagonal causal, ``cu_seqlens`` = the slot boundaries), positions restart
-at 0 in every slot, so each real token's output equals the one it has in its own row:
-padding only ever follows a row's real tokens, which causal attention never reads.
-
-Per-token outputs of a pack are token-aligned like a row's (position p holds the quantity
-of token p from the logits at p - 1); :meth:`PackedMicroBatch.unpack` puts them back at
-(row, column) and gives every row's column 0 the contract's 0 (in the pack that position
-was scored from the previous slot's last logits).
-
-:func:`pack_micro_batches` plans them under ``max_tokens``: as many packs as first-fit
-decreasing needs, the rows spread over them evenly (so one width per call pads little); a
-slot longer than the budget gets a pack of its own. Deterministic (ties keep row order);
-pure functions of the [B] lengths.
+Slot i, ``[cu[i], cu[i+1])``, holds row i's real tokens then padding (to a multiple of
+``seq_multiple``; the last slot also to T). Attention stays causal within a slot and
+positions restart in each, so every real token's output is the one it has alone. Outputs
+are token-aligned as for rows; :meth:`PackedMicroBatch.unpack` gives each row's column 0
+the contract's 0 (the pack scored it from the previous slot). :func:`pack_micro_batches`:
+first-fit decreasing's number of packs, rows then spread over them evenly; deterministic.
 """
 
 from __future__ import annotations
@@ -32,9 +22,8 @@ __all__ = ["PackedMicroBatch", "empty_pack", "pack_micro_batches", "slot_lengths
 
 @dataclass(frozen=True)
 class PackedMicroBatch:
-    """rows [n] long: batch rows in pack order; lengths [n] long: each row's real tokens (a
-    prefix of the row); cu_seqlens [max(n, 1) + 1] long: slot boundaries, cu[-1] = width T
-    (no rows: one slot of padding, the zero-weight pack of an empty rank)."""
+    """rows [n], lengths [n] (real tokens, a prefix of each row), cu_seqlens [max(n, 1) + 1]
+    slot boundaries, cu[-1] = T (no rows: one slot of padding); all long."""
 
     rows: torch.Tensor
     lengths: torch.Tensor
@@ -47,11 +36,11 @@ class PackedMicroBatch:
 
     @property
     def max_seqlen(self) -> int:
-        """The longest slot (PackedSeqParams.max_seqlen_q; RoPE's table length)."""
+        """The longest slot (``PackedSeqParams.max_seqlen_q``)."""
         return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
 
     def widen(self, width: int) -> "PackedMicroBatch":
-        """The same pack fed at ``width`` >= its content (the last slot takes the padding)."""
+        """The pack fed at ``width`` >= its content (the last slot grows)."""
         need = int(self.cu_seqlens[-2]) + max(int(self.lengths[-1]) if len(self.rows) else 0, 1)
         if int(width) < need:
             raise ValueError(f"width {width} < the pack's content ({need} positions)")
@@ -71,8 +60,8 @@ class PackedMicroBatch:
         return torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1])
 
     def tokens(self, first=0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(row in pack [N], column [N], packed position [N]) of every real token at a
-        column >= ``first`` (an int, or [n] long: one per row) of its row."""
+        """(row in pack, column, packed position), [N] each, of every real token at a column
+        >= ``first`` (int or [n]) of its row."""
         first = torch.as_tensor(first, dtype=torch.long).expand(len(self.rows))
         counts = (self.lengths - first).clamp(min=0)
         r = torch.repeat_interleave(torch.arange(len(self.rows)), counts)
@@ -81,16 +70,16 @@ class PackedMicroBatch:
         return r, c, self.cu_seqlens[:-1][r] + c
 
     def pack(self, x: torch.Tensor, value=0) -> torch.Tensor:
-        """x [B, S, ...] indexed by batch row -> [T, ...]: the rows' real tokens in their
-        slots, ``value`` at padding."""
+        """x [B, S, ...] -> [T, ...]: the rows' real tokens in their slots, ``value``
+        elsewhere."""
         r, c, p = self.tokens(0)
         out = x.new_full((self.width, *x.shape[2:]), value)
         out[p] = x[self.rows[r], c]
         return out
 
     def unpack(self, y: torch.Tensor, width: int) -> torch.Tensor:
-        """Token-aligned y [T, ...] -> [n, width, ...] (differentiable): row i's columns
-        1..l_i - 1 from its slot (cut at ``width``), 0 at column 0, padding and beyond."""
+        """Token-aligned y [T, ...] -> [n, width, ...], differentiable: columns 1..l_i - 1
+        from the slot, 0 elsewhere."""
         r, c, p = self.tokens(1)
         keep = c < width
         out = y.new_zeros((len(self.rows), width, *y.shape[1:]))
@@ -106,15 +95,10 @@ def slot_lengths(lengths: torch.Tensor, seq_multiple: int = 1) -> torch.Tensor:
 def pack_micro_batches(
     lengths: torch.Tensor, max_tokens: int, *, seq_multiple: int = 1
 ) -> List[PackedMicroBatch]:
-    """Pack rows of [B] ``lengths`` (CPU long, real tokens per row: a prefix) into packs of
-    at most ``max_tokens`` positions (a slot over it is a pack alone).
-
-    The number of packs n is first-fit decreasing's on the slots (:func:`slot_lengths`);
-    the rows are then spread over n packs longest first, each into the least loaded one,
-    when that keeps the budget and fills no pack beyond first-fit's fullest (one width per
-    call then pads less). Each pack's width is its content (widen it with
-    :meth:`PackedMicroBatch.widen`). Every row exactly once; rows in a pack longest first.
-    [] for B = 0. O(B n)."""
+    """Rows of [B] ``lengths`` (CPU long) in packs of <= ``max_tokens`` positions (a longer
+    slot alone): n = first-fit decreasing's pack count, then rows longest first into the
+    least loaded of n packs when that keeps the budget and first-fit's fullest pack. Width =
+    content; every row once. O(B n)."""
     check_count("max_tokens", max_tokens, 1)
     check_count("seq_multiple", seq_multiple, 1)
     if lengths.dim() != 1 or (lengths.numel() and int(lengths.min()) < 0):
@@ -153,6 +137,6 @@ def pack_micro_batches(
 
 
 def empty_pack(width: int) -> PackedMicroBatch:
-    """The zero-weight pack of a rank without rows: one slot of ``width`` padding positions."""
+    """The zero-weight pack of a rank without rows: ``width`` padding positions."""
     none = torch.zeros(0, dtype=torch.long)
     return PackedMicroBatch(none, none, torch.tensor([0, int(width)], dtype=torch.long))

@@ -1,14 +1,6 @@
-"""Context parallelism: a micro-batch's sequences split over the CP group, gathered back.
-
-Each CP rank holds its 2 of 2 x CP chunks of every sequence (``core.context_parallel``).
-:class:`ContextParallel` is one micro-batch's view of that: :meth:`~ContextParallel.local`
-cuts a full [.., L, ..] tensor to this rank's positions, :meth:`~ContextParallel.gather`
-puts every rank's positions back in global order on every rank, differentiably (the
-backward of the all-gather sums each position's gradient over the CP ranks and hands it to
-the rank that holds it: ``torch.distributed.nn.functional.all_gather``, a reduce-scatter on
-NCCL, an all-to-all on gloo). The CPU attention gathers K and V with it; the loss functions
-gather per-token log-probs and entropy with it, so every CP rank sees whole rows.
-"""
+"""Context parallelism: one micro-batch's sequences cut over the CP group and gathered back
+(``core.context_parallel``'s chunking). The CPU attention gathers K/V with it, the loss
+functions the per-token log-probs and entropy, so every CP rank sees whole rows."""
 
 from __future__ import annotations
 
@@ -25,9 +17,8 @@ __all__ = ["ContextParallel"]
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """group: the CP group (size > 1); cu_seqlens [n + 1] long: the micro-batch's sequence
-    boundaries along its length L ([0, L] for rows of L; a pack's slots), each sequence a
-    multiple of 2 x CP long."""
+    """group: the CP group; cu_seqlens [n + 1]: the sequences along the micro-batch's length
+    L ([0, L] for rows, a pack's slots)."""
 
     group: dist.ProcessGroup
     cu_seqlens: torch.Tensor
@@ -45,16 +36,14 @@ class ContextParallel:
         return x.index_select(dim, self.positions().to(x.device))
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's x [.., L / CP, ..] -> [.., L, ..] in global order, identical on every
-        CP rank; differentiable: the backward sums the [.., L, ..] gradient over the CP ranks
-        (one all-reduce) and keeps this rank's positions. Collective: one all-gather of x
-        over ``group``. Memory: the CP parts and the reordered result."""
+        """This rank's x [.., L / CP, ..] -> [.., L, ..], global order, on every CP rank.
+        One all-gather; backward: one all-reduce, then this rank's positions."""
         return _Gather.apply(x, dim, self)
 
 
 class _Gather(torch.autograd.Function):
-    """:meth:`ContextParallel.gather` with its backward (an all-reduce, which gloo and NCCL
-    both run, then this rank's slice: the reduce-scatter of the all-gather)."""
+    """:meth:`ContextParallel.gather`; the backward all-reduces (gloo has no
+    reduce-scatter)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, cp: ContextParallel) -> torch.Tensor:

@@ -120,9 +120,8 @@ class PerTokenStore:
 def _token_logprobs(
     logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp=None
 ):
-    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked.
-    With ``cp`` (token-aligned only) the logits are this CP rank's positions of the [B, S]
-    ``ids``: each position scores its successor, then the CP ranks' results are gathered."""
+    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked
+    (with ``cp``: each local position scores its successor, then gathered over CP)."""
     if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
         logits = logits.transpose(0, 1)
     if cp is not None:  # the logits at t score token t + 1, wherever t + 1 lives
@@ -162,11 +161,9 @@ def logprob_loss_func(
     position s is scored from the logits at s (the caller shifted); with
     ``token_aligned=True`` they are the input ids and the results follow the package's
     token alignment (position t from logits at t - 1, position 0 holds 0). Appends
-    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss. ``cp``
-    (token-aligned): the logits hold this CP rank's positions of ``target_ids``; the stored
-    results are the whole rows, gathered over the CP group.
-    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``; with
-    ``cp`` two all-gathers of [B, S / CP] floats over its group.
+    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss. ``cp``: the
+    logits are this CP rank's positions; whole rows are stored (two all-gathers over CP).
+    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``.
     """
 
     def loss_func(logits: torch.Tensor):
@@ -219,13 +216,11 @@ def train_loss_func(
     (2-tuple form: the schedule divides by num_microbatches, which the normalizer
     compensates). ``on_sum(name, detached tensor)`` receives "loss_sum" and every metric.
     n = 0 (a rank with no rows joins the collectives): a zero loss with zero gradient.
-    ``pack`` (input_ids [1, L] of several rows, ``core.packing``): the rows' log-probs are
-    unpacked from it (``attended`` unused). ``cp``: the logits hold this CP rank's positions
-    of ``input_ids``; the log-probs are gathered over the CP group (differentiably) so every
-    CP rank computes the loss of whole rows, scaled by 1 / CP: the gather's backward sums the
-    CP ranks' gradients, Megatron's forward_step multiplies by CP and the DP x CP gradient
-    average divides by it. Collectives: the vocab-parallel forward on ``tp_group``; with
-    ``cp`` one all-gather of [b, L / CP] floats (its backward: one more).
+    ``pack``: input_ids [1, L] hold several rows, unpacked per row (``attended`` unused).
+    ``cp``: the logits are this CP rank's positions; the log-probs are gathered over CP, so
+    each CP rank's loss is the whole rows', x 1 / CP (the gather's backward and forward_step
+    multiply by CP, the DP x CP average divides once). Collectives: the vocab-parallel
+    forward on ``tp_group``; with ``cp`` an all-gather (backward: an all-reduce).
     """
     n = len(rows)
     cp_scale = 1.0 / cp.size if cp is not None else 1.0

@@ -29,12 +29,9 @@ vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel
   recompute's kept inputs are split over TP (``backends/megatron/sequence_parallel.py``);
   interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1) multiplies the in-flight
   activations by ``1 + (PP - 1) / (PP VPP)`` (``sequence.interleaving_factor``).
-- context parallelism (``model.params.context_parallel_size``): each GPU holds 1 / CP of
-  every micro-batch's tokens (``Workload.train_tokens``), so activations and logits divide
-  by CP; the distributed optimizer shards over DP x CP; a CP communicator is added. When one
-  row of s tokens per micro-batch with full recompute and sequence parallelism still does
-  not fit beside the resident state, the plan reports the position
-  (``context_parallel_needed``) and says to raise CP.
+- context parallelism: each GPU holds 1 / CP of a micro-batch's tokens (activations and
+  logits / CP), the optimizer shards over DP x CP, one more communicator. A position that
+  does not fit even one row with SP and recompute is reported (``context_parallel_needed``).
 - logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
   kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
   element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes

@@ -13,10 +13,8 @@ parallelism.
   replicated (norm inputs, the residual stream) which each rank keeps: 1, or 1 / TP under
   sequence parallelism (Korthikanti et al. 2022, Table 2: ``sbh (10 + 24/t)`` becomes
   ``34 sbh / t``; here the ``4 h`` replicated term becomes ``4 h / t``).
-- :func:`context_parallel_need`: whether the smallest training footprint the backend can
-  run (one row of ``seq_len`` tokens per micro-batch, full recompute, sequence parallelism
-  at TP > 1, at the layout's CP) still exceeds a GPU: then only (more) context parallelism,
-  splitting the sequence across GPUs for the attention too, would fit it.
+- :func:`context_parallel_need`: whether the smallest footprint (one row per micro-batch,
+  recompute, SP, the layout's CP) still exceeds a GPU: then only more CP would fit it.
 """
 
 from __future__ import annotations

@@ -145,10 +145,9 @@ class HFBackend(Policy):
         *,
         skip_unscored: bool,
     ):
-        """Yield (rows [n] long, logprobs [n, W] f32, entropy [n, W] f32 or None, positions
-        fed) per micro-batch, W <= S: packs (``packed.packed_logprobs``) when packing, else
-        rows (``core.micro_batches.plan_rows``) cut to their longest row (``skip_unscored``:
-        not those shorter than 2, which hold nothing to score)."""
+        """(rows, logprobs [n, W], entropy [n, W] or None, positions fed) per micro-batch,
+        W <= S: packs, else rows cut to their longest (``skip_unscored``: none shorter
+        than 2)."""
         if self.pack:
             for pack in pack_batch(batch, micro_batch_size, micro_batch_tokens):
                 lp, ent = packed_logprobs(

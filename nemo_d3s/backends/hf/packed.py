@@ -1,16 +1,7 @@
-"""Packed sequences on the HF backend: a micro-batch is one [1, T] row of several rows'
-tokens (``core.packing``), fed with ``position_ids`` that restart at every row and no
-attention mask.
-
-transformers 5 turns such position ids into per-row attention: ``masking_utils.
-find_packed_sequence_indices`` (transformers 5.24 masking_utils.py:735-764) reads a new row
-wherever a position is not its predecessor + 1, and ``create_causal_mask`` /
-``create_sliding_window_causal_mask`` (lines 862-870, 991-1002, 1225-1236) AND that
-block-diagonal mask into the causal one when ``attention_mask`` is None and there is no
-cache; Llama, Qwen2 and Qwen3 pass their position ids there and to RoPE. The flash-attention
-implementations read the same position ids as varlen boundaries. On CPU (sdpa / eager) the
-mask is a dense [T, T] one: no saving in attention, only in the rest of the model.
-"""
+"""Packed rows on the HF backend: one [1, T] row of several rows (``core.packing``), fed
+with position ids restarting per row and no mask. transformers 5 reads those as packed
+sequences (masking_utils.py:735-764 and 862-870 of 5.24: a block-diagonal mask for sdpa /
+eager, varlen for flash attention); Llama, Qwen2 and Qwen3 pass them to the mask and RoPE."""
 
 from __future__ import annotations
 
@@ -33,8 +24,7 @@ VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 def pack_batch(
     batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int
 ) -> List[PackedMicroBatch]:
-    """The packs of ``batch``: ``micro_batch_tokens`` positions each, or (0) as many as
-    ``micro_batch_size`` rows of the batch's longest row take."""
+    """Packs of ``micro_batch_tokens`` positions, or (0) ``micro_batch_size`` longest rows'."""
     lengths = row_lengths(batch.attention_mask)
     longest = int(lengths.max()) if lengths.numel() else 1
     budget = micro_batch_tokens or micro_batch_size * max(longest, 1)
@@ -49,11 +39,9 @@ def packed_logprobs(
     with_entropy: bool,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """One pack through ``model`` -> (logprobs [n, S] f32, entropy [n, S] f32 or None) of its
-    rows, token-aligned, differentiable when grad is on. Scored: each row's tokens from its
-    first response token (column >= 1) on; the rest holds 0. The LM head runs only at the
-    scored positions' predecessors (``logits_to_keep``). Memory: [K, V] logits, K = scored
-    tokens."""
+    """(logprobs, entropy or None) [n, S] f32 of a pack's rows, token-aligned, from each
+    row's first response token on (0 elsewhere); the LM head runs at those K positions
+    only (``logits_to_keep``): [K, V] logits."""
     S = batch.input_ids.shape[1]
     resp = batch.response_mask[pack.rows]
     first = torch.where(resp.any(1), resp.int().argmax(1), S).clamp(min=1)

@@ -65,9 +65,7 @@ def _round_up(x: int, m: int) -> int:
 
 
 def width_multiple(multiple_of: int = 1, quantum: int = 0) -> int:
-    """What every width is a multiple of: ``multiple_of`` (TP under sequence parallelism)
-    and ``quantum`` (``model.params.width_quantum``; 0 = none), so a run feeds at most
-    longest / quantum shapes (each new one builds a new cuDNN graph under TE)."""
+    """Widths are multiples of ``multiple_of`` (TP under SP) and ``quantum`` (0: none)."""
     return math.lcm(int(multiple_of), int(quantum)) if quantum else int(multiple_of)
 
 
@@ -130,11 +128,9 @@ def plan_packed(
     seq_multiple: int = 1,
     quantum: int = 0,
 ) -> List[MicroBatch]:
-    """Packs of a right-padded [B, S] bool mask (CPU): ``core.packing.pack_micro_batches``
-    under ``max_tokens`` positions, or (0) ``micro_batch_size`` rows of the longest row's
-    width; each row's slot a multiple of ``seq_multiple``. One width for the call at any PP
-    (one shape, no dummy rows): the fullest pack's content, at least 2, rounded up to
-    :func:`width_multiple`. B = 0: one zero-weight pack of padding."""
+    """Packs (``core.packing``) of a right-padded [B, S] mask under ``max_tokens``, or (0)
+    ``micro_batch_size`` longest rows', slots multiples of ``seq_multiple``; one width per
+    call (the fullest pack, >= 2, to :func:`width_multiple`). B = 0: one zero-weight pack."""
     m = width_multiple(multiple_of, quantum)
     B = attention_mask.shape[0]
     if B == 0:

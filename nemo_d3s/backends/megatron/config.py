@@ -58,9 +58,7 @@ class MegatronBackendConfig(PolicySettings):
         2 x CP chunks, rank r holding r and 2 CP - 1 - r (``core.context_parallel``);
         TE's CP attention on CUDA, ``local_attention`` (K/V all-gathered) on CPU; the
         rollouts come from the policy's own engine (:data:`CP_ENGINE_REFUSAL`).
-    sequence_packing: refused, naming ``trainer.pack_sequences``, which sets packed (THD)
-        rows (``batches.plan_packed``: TE's attention on CUDA, ``local_attention`` on CPU;
-        default on with TE).
+    sequence_packing: refused, naming ``trainer.pack_sequences`` (packed rows).
     use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
         tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
         copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
@@ -86,10 +84,8 @@ class MegatronBackendConfig(PolicySettings):
         modules by name (unfused attention). The CPU always takes the local spec.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
-    width_quantum: every micro-batch's width (positions fed) is a multiple of it (and of TP
-        under SP), so a run feeds at most longest row / quantum shapes instead of one per
-        distinct length (TE builds a cuDNN graph per shape); packs share one width per call.
-        0 = exact widths. The same on CPU and CUDA.
+    width_quantum: micro-batch widths are multiples of it (0: exact), so a run feeds at
+        most longest row / quantum shapes (TE builds a cuDNN graph per shape).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
         optimizer and LR schedule as the HF backend, clipping on the global norm across
         TP x PP x DP; gradient_checkpointing = Megatron's full recompute, one layer at a

@@ -1,8 +1,6 @@
-"""One call of megatron-core's forward/backward function: the call's micro-batches checked
-against the layout (:func:`plan_call`), the model's inputs per micro-batch (this CP rank's
-positions under context parallelism, ``PackedSeqParams`` for packs) and the p2p settings
-the shapes need (:func:`run_schedule`). ``schedule.score`` and ``schedule.train_step`` are
-its two callers."""
+"""One call of megatron-core's forward/backward function for ``schedule``: the micro-batches
+checked against the layout (:func:`plan_call`), each one's inputs (this CP rank's
+positions, a pack's PackedSeqParams) and the p2p settings (:func:`run_schedule`)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
-"""Packed (THD) rows on the Megatron backend: the ``PackedSeqParams`` of a pack
-(:func:`packed_seq_params`) and the local layer spec's core attention honouring them, the
-CPU twin of Transformer Engine's ``TEDotProductAttention``.
+"""Packed rows (THD) and context parallelism on the Megatron backend: a pack's
+``PackedSeqParams`` and the local spec's attention honouring them, the CPU twin of TE's.
 
-megatron-core's own ``DotProductAttention`` refuses ``packed_seq_params`` (megatron-core
-0.16.1 and 0.19.2 ``transformer/dot_product_attention.py:153``), so only TE's attention runs
-THD. :class:`PackedDotProductAttention` runs it on the local spec: with
-``qkv_format="thd"`` the self-attention squeezes the batch dimension away (``transformer/
-attention.py:1066-1069`` in 0.16.1) and applies RoPE per slot of ``cu_seqlens`` (the
-``_apply_rotary_pos_emb_thd`` it calls, ``models/common/embeddings/rope_utils.py:178-238``:
-positions restart at each slot while the RoPE table is shorter than the pack,
-``max_seqlen < cu_seqlens[-1]``); here query [T, np, hn] attends to the keys of its own slot
-at or before it (block-diagonal causal over ``cu_seqlens_q_padded``, else ``cu_seqlens_q``),
-with DotProductAttention's scale, fp32 softmax and dropout. Without ``packed_seq_params`` it
-is DotProductAttention unchanged. :func:`with_packed_attention` puts it into a local layer spec.
+megatron-core's ``DotProductAttention`` refuses packed rows and CP (0.16.1 and 0.19.2
+``transformer/dot_product_attention.py:55-57, 153``). Under THD the self-attention drops the
+batch dimension (``attention.py:1066-1069`` in 0.16.1, 1469 in 0.19.2) and applies RoPE per
+slot (``rope_utils.py:178-238``; positions restart while ``max_seqlen < cu_seqlens[-1]``).
+:class:`PackedDotProductAttention` then lets each query see its slot's keys at or before it,
+under CP the K/V gathered over the CP group, with DotProductAttention's scale, fp32 softmax
+and dropout; otherwise it is DotProductAttention.
 """
 
 from __future__ import annotations
@@ -33,9 +28,8 @@ __all__ = [
 def segment_causal_mask(
     cu_seqlens: torch.Tensor, q_positions: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """[Q, T] bool, True = may attend: key j is in the slot of ``cu_seqlens`` [n + 1] that
-    holds query position q_positions[i] (default: all T positions) and j <= it. Memory:
-    Q T bytes."""
+    """[Q, T] bool, True = may attend: key j shares the slot of query position
+    q_positions[i] (default: all T) and j <= it."""
     cu = cu_seqlens.long()
     seg = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])
     keys = torch.arange(int(cu[-1]), device=cu.device)
@@ -44,9 +38,7 @@ def segment_causal_mask(
 
 
 class PackedDotProductAttention(torch.nn.Module):
-    """megatron-core's ``DotProductAttention`` (built inside, same arguments, at CP 1; it
-    holds no parameters) that also runs ``packed_seq_params`` and context parallelism: see
-    the module docstring."""
+    """``DotProductAttention`` (inside, at CP 1; no parameters) plus packed rows and CP."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, **kwargs):
         super().__init__()
@@ -70,8 +62,8 @@ class PackedDotProductAttention(torch.nn.Module):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        """THD: query [T, np, hn], key / value [T, ng, hn] -> [T, np hn]; rows: [s, b, np, hn]
-        -> [s, b, np hn]. Under CP the local positions of each sequence (T / CP, s / CP)."""
+        """THD [T, np, hn] -> [T, np hn]; rows [s, b, np, hn] -> [s, b, np hn]; under CP this
+        rank's positions (T / CP, s / CP)."""
         a = self.inner
         if packed_seq_params is None and self.cp_size == 1:
             return a(query, key, value, attention_mask, attn_mask_type, attention_bias)
@@ -106,7 +98,7 @@ class PackedDotProductAttention(torch.nn.Module):
 
     def _attend(self, query, key, value, allowed):
         """query [sq, b, np, hn], key / value [sk, b, ng, hn], allowed [sq, sk] -> [sq, b,
-        np hn] with DotProductAttention's scale, fp32 softmax and dropout."""
+        np hn]."""
         from megatron.core import tensor_parallel
 
         a = self.inner
@@ -130,13 +122,11 @@ class PackedDotProductAttention(torch.nn.Module):
 
 
 def packed_seq_params(pack, device: torch.device):
-    """megatron-core's PackedSeqParams (THD) of a pack: ``cu_seqlens`` its slot boundaries,
-    padded and unpadded alike (padding is part of a slot, after its real tokens: causal
-    attention never reads it), int32 on the model device; ``max_seqlen`` the longest slot,
-    below T whenever there are two slots, so RoPE restarts per slot (megatron-core 0.16.1
-    rope_utils.py:204-238, 0.19.2 :222-259). TE's attention reads these (0.16.1
-    extensions/transformer_engine.py:1373-1406: thd with ``padding_causal``), the CPU spec's
-    and :class:`PackedDotProductAttention` the same."""
+    """A pack's PackedSeqParams: ``cu_seqlens`` (padded and not alike) its slot boundaries,
+    int32 on ``device``; ``max_seqlen`` the longest slot, below T with two slots so RoPE
+    restarts per slot (rope_utils.py:204-238 in 0.16.1, :222-259 in 0.19.2). TE reads them
+    as thd with ``padding_causal`` (0.16.1 extensions/transformer_engine.py:1373-1406,
+    0.19.2 :2012-2041)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = pack.cu_seqlens.to(device=device, dtype=torch.int32)
@@ -153,9 +143,8 @@ def packed_seq_params(pack, device: torch.device):
 
 
 def with_packed_attention(spec):
-    """A copy of a local layer spec (a ``ModuleSpec`` of one layer or a block's
-    ``TransformerBlockSubmodules``) whose self-attention's core attention is
-    :class:`PackedDotProductAttention`."""
+    """A copy of a local layer (or block) spec with :class:`PackedDotProductAttention` as
+    its core attention."""
     spec = copy.deepcopy(spec)
     layers = getattr(spec, "layer_specs", None) or [spec]
     for layer in layers:

@@ -101,9 +101,8 @@ def score(
     0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
     model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
     rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
-    :func:`plan_micro_batches`); ``pack``: rows end to end in [1, T] packs (THD,
-    :func:`batches.plan_packed`), unpacked per row; widths are multiples of
-    ``width_quantum`` (0: none); ``Scores.stats`` counts the fed and attended positions.
+    :func:`plan_micro_batches`), or packs (``pack``); widths multiples of
+    ``width_quantum``; ``Scores.stats`` counts the fed and attended positions.
 
     -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
     (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
@@ -224,8 +223,7 @@ def train_step(
     ``clip_grad`` and steps.
 
     Micro-batches: ``micro_batch_size`` rows, or packed to ``micro_batch_tokens`` positions
-    when > 0 (:func:`plan_micro_batches`), or with ``pack`` packs of rows end to end (THD,
-    ``loss_fn`` gets them unpacked per row), widths multiples of ``width_quantum``; the
+    when > 0 (:func:`plan_micro_batches`), or packs (``pack``: ``loss_fn`` gets rows); the
     normaliser makes the gradient the same.
 
     Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
