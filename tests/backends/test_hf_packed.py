@@ -16,6 +16,7 @@ from nemo_d3s.backends.hf.packed import pack_batch
 from nemo_d3s.distributed.launch import run_on_gloo_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron"))
+from _limits import WAIT_S  # noqa: E402
 from _tiny_hf import make_tiny_hf, tiny_batch  # noqa: E402
 
 ARCHS = {"llama": False, "qwen2": True, "qwen3": False}  # arch -> tied embeddings
@@ -105,7 +106,7 @@ def test_dp2_packed_equals_one_process_unpacked(folders):
     ref = _backend(folders["llama"], False)
     m = ref.train_step(batch, _loss_fn(batch, adv, keep), micro_batch_size=2, denominator=7.0)
     splits = [[0, 2, 4], [1, 3, 5]]
-    out = run_on_gloo_ranks(_rank, 2, folders["llama"], splits, True, timeout=300)
+    out = run_on_gloo_ranks(_rank, 2, folders["llama"], splits, True, timeout=WAIT_S)
     assert sum(r["loss"] for r in out) == pytest.approx(m["loss_sum"], rel=1e-5)
     for r in out:
         assert r["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-4)

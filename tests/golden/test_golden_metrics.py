@@ -40,10 +40,12 @@ def test_dp2_matches_golden(model, tmp_path):
     _check("dp2", model, tmp_path)
 
 
+@pytest.mark.slow
 def test_packed_matches_golden(model, tmp_path):
     _check("packed", model, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_dp2_packed_matches_golden(model, tmp_path):
     _check("dp2_packed", model, tmp_path)

@@ -30,6 +30,7 @@ from .test_distributed import _assert_same_run, _assert_same_weights
 
 sys.path.insert(0, str(REPO / "tests" / "backends" / "megatron"))
 from _tiny_hf import make_tiny_hf  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -74,7 +75,7 @@ def _torchrun(nproc, overrides, env=None, **kw):
     )
 
 
-def _finish(proc, timeout=900):
+def _finish(proc, timeout=WAIT_S):
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -166,7 +167,7 @@ def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
     base = [*RUN, f"model.name={folder}", *_megatron(2, 2)]
     _finish(_torchrun(4, [*base, f"output_dir={full}"]))
     proc = _torchrun(4, [*base, f"output_dir={cut}"], start_new_session=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + WAIT_S
     while not any((cut / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
         if proc.poll() is not None:
             break
@@ -198,7 +199,7 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     out = tmp_path / "msmoke"
     fresh = {"NEMO_D3S_CACHE": str(tmp_path / "empty-cache")}
     log = _finish(
-        _torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"], env=fresh), timeout=600
+        _torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"], env=fresh), timeout=WAIT_S
     )
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step_000004"], ckpts  # keep_last=1
@@ -227,7 +228,7 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     exported, converted = (
@@ -246,7 +247,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
     out = tmp_path / "run"
     fresh = {"NEMO_D3S_CACHE": str(tmp_path / "cache")}
     short = ["experiment=megatron_smoke", f"output_dir={out}", "trainer.export_hf=false"]
-    _finish(_torchrun(2, [*short, "trainer.steps=2", "trainer.save_every=1"], env=fresh), 600)
+    _finish(_torchrun(2, [*short, "trainer.steps=2", "trainer.save_every=1"], env=fresh), WAIT_S)
     r = subprocess.run(
         [sys.executable, "-m", "nemo_d3s.train", *short, "trainer.steps=3", "resume=true"]
         + ["model.params.tensor_model_parallel_size=1", "trainer.save_every=1"],
@@ -254,7 +255,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
         env={**cli_env(), **fresh},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout

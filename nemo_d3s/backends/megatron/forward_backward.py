@@ -131,16 +131,10 @@ def run_schedule(
     # interleaved 1F1B: one data iterator per model chunk; each chunk runs every micro-batch
     # in order (megatron-core 0.16.1 schedules.py:912-916 asserts the list)
     data = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
-    # Micro-batches of different [L, b] (a token budget): 1F1B's P2PCommunicator then sends
-    # each activation's shape before it (megatron-core 0.16.1 pipeline_parallel/
-    # p2p_communication.py:301 ``config.variable_seq_lengths`` -> _communicate_shapes);
-    # otherwise it allocates every receive buffer at [seq_length, micro_batch_size, hidden].
-    # Set for this call only (the flag costs one extra p2p of 3 ints per transfer).
-    # Interleaved 1F1B at PP 2 sends an activation and a gradient to the same peer in one
-    # step; batched p2p (batch_isend_irecv: send_prev, recv_prev, send_next, recv_next on
-    # both ranks, p2p_communication.py:18-50) would match the first send with the first
-    # receive, i.e. a gradient with an activation. The unbatched path (_p2p_ops, lines
-    # 53-121) keeps the two directions on two communicators: use it there.
+    # Micro-batches of different [L, b]: 1F1B must send each shape first, else it allocates
+    # receives at [seq_length, mbs, hidden] (megatron-core 0.16.1 p2p_communication.py:301).
+    # Interleaved PP 2: batched p2p would pair a gradient with an activation
+    # (p2p_communication.py:18-50); the unbatched _p2p_ops (lines 53-121) keeps them apart.
     config = get_model_config(chunks[0])
     variable = len({(m.b, m.width) for m in micro_batches}) > 1
     pp2_interleaved = len(chunks) > 1 and _pp_size() == 2
