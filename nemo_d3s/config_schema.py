@@ -212,6 +212,11 @@ class TrainerConfig(Section):
     # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
     micro_batch_tokens: int = 0
     logprob_micro_batch_tokens: Optional[int] = None
+    # Rows packed end to end into micro-batches of micro_batch_tokens (or micro_batch_size
+    # rows' worth) tokens, attention kept within each row: no padding; same gradient. null =
+    # the backend's default: on where attention takes packed rows without a dense mask
+    # (CUDA: Megatron with Transformer Engine, HF with flash attention), off on CPU.
+    pack_sequences: Optional[bool] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True

@@ -56,6 +56,7 @@ from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
 from nemo_d3s.errors import ConfigError
+from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
 
@@ -86,8 +87,11 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    cp = int(mcfg.context_parallel_size)
+    if cp > 1 and str(cfg.rollout.engine) != "hf":
+        raise ConfigError(f"model.params.context_parallel_size={cp}: {CP_ENGINE_REFUSAL}")
     try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
+        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp, cp=cp)
     except ConfigError as e:
         raise ConfigError(
             f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
@@ -109,6 +113,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
         generation_gpus=int(cfg.rollout.generation_gpus),
+        cp=cp,
         nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
     )
 
@@ -172,6 +177,7 @@ def _workload(s: Setup) -> Workload:
         micro_batch_tokens=budget,
         logprob_micro_batch_tokens=lp_budget,
         vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
+        cp=s.cp,
     )
 
 
@@ -312,7 +318,7 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
     if (
         s.mcfg.distributed_optimizer is not False
     ):  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
-        return True, 4, (12 if d < 4 else 8) / s.dp
+        return True, 4, (12 if d < 4 else 8) / (s.dp * s.cp)  # sharded over DP x CP
     # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
     # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
     return False, d, (12 if d < 4 else 8)
@@ -353,18 +359,20 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
     terms["nccl"] = nccl_bytes(
-        tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+        tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, tied_embeddings=bool(spec.tie_word_embeddings)
     )
     if s.nvls:
         used = nccl_communicators(
-            tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+            tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, tied_embeddings=bool(spec.tie_word_embeddings)
         )
+        tc = s.tp * s.cp  # Megatron's orders tp-cp-dp-pp and tp-cp-pp-dp
         node = node_ranks_of_groups(
             tp=s.tp,
             pp=s.pp,
             dp=s.dp,
-            dp_stride=s.tp if s.order == DEFAULT_ORDER else s.tp * s.pp,
-            pp_stride=s.tp * s.dp if s.order == DEFAULT_ORDER else s.tp,
+            cp=s.cp,
+            dp_stride=tc if s.order == DEFAULT_ORDER else tc * s.pp,
+            pp_stride=tc * s.dp if s.order == DEFAULT_ORDER else tc,
             gpus_per_node=s.shape.gpus_per_node,
         )
         terms["nvls"] = nvls_bytes({k: v for k, v in node.items() if k in used})

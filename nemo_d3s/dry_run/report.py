@@ -30,8 +30,9 @@ def _cross_checks(s: Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[
             f"the per-position shards sum to {shards_sum} parameters, the model has "
             f"{s.spec.num_params}"
         )
+    # (CP replicates each position's parameters: the world without it builds the same ones)
     meta = meta_param_counts(
-        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order
+        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world // s.cp, padded_vocab=s.vocab, order=s.order
     )
     for key, n in meta.get("counts", {}).items():
         t, p = (int(x) for x in key.split(","))
@@ -157,6 +158,7 @@ def report(
             "tp": s.tp,
             "pp": s.pp,
             "dp": s.dp,
+            "cp": s.cp,
             "rank_order": s.order,
             "optimizer": "distributed" if distributed_opt else "plain AdamW",
             "rollout_engine": s.engine,
@@ -218,7 +220,9 @@ def render(report: Dict[str, Any]) -> str:
     lines = [
         f"dry run: {m['architecture']} {_count(m['total_params'])} params ({m['folder']})",
         f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} "
-        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}{order_text}; "
+        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']}"
+        + (f" x CP {lay['cp']}" if lay.get("cp", 1) > 1 else "")
+        + f" x DP {lay['dp']}{order_text}; "
         f"rollout={lay['rollout_engine']}"
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]

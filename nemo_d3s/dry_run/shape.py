@@ -99,4 +99,5 @@ class Setup:
     engine: str  # rollout.engine
     vllm_tp: int
     generation_gpus: int = 0  # rollout.generation_gpus: the engines' GPUs apart (0: colocated)
+    cp: int = 1  # model.params.context_parallel_size
     nvls: bool = True  # NCCL uses NVLink SHARP (NCCL_NVLS_ENABLE is not 0)

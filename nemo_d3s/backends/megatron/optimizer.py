@@ -62,21 +62,28 @@ def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
 
 def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     """Megatron's ``finalize_model_grads`` for the plain path's grads (``grad_of``): missing
-    ones become zeros, all are AVERAGED over ``groups.dp`` (one flat all-reduce per dtype),
-    and tied embeddings' two copies summed over the embedding group (PP > 1). SP's norm
-    all-reduce is not done here. Memory: one flat copy of one dtype's grads.
+    ones become zeros, all are AVERAGED over ``groups.dp`` (x CP: Megatron's DP-CP group; one
+    flat all-reduce per dtype), and tied embeddings' two copies summed over the embedding
+    group (PP > 1). SP's norm all-reduce is not done here. Memory: one flat copy of one
+    dtype's grads.
     """
     chunks = model_chunks(chunks)
     params = local_params(chunks)
     grads = [grad_of(p, zeros=True) for p in params]
-    if groups.data_parallel:
+    group, size = groups.dp, groups.dp_size
+    if groups.cp_size > 1:  # CP ranks hold other positions of the same rows: DP x CP
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+    if size > 1:
         by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)
         for grads in by_dtype.values():
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
-            flat /= groups.dp_size
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            flat /= size
             offset = 0
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -155,7 +155,7 @@ def seed_model_rng(device: torch.device, seed: int) -> None:
 
 
 def init_groups(
-    cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int
+    cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int, cp: int = 1
 ) -> ParallelGroups:
     """Megatron's ``initialize_model_parallel`` on the job's process group (collective); an
     existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness).
@@ -192,19 +192,22 @@ def init_groups(
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            ps.get_context_parallel_world_size(),
         )
-        if have != (tp, pp, vpp):
+        if have != (tp, pp, vpp, cp):
             raise ValueError(
-                f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, vpp)}"
+                f"Megatron is already initialised at TP x PP x VPP x CP = {have}, not "
+                f"{(tp, pp, vpp, cp)}"
             )
         if par.model_parallel_gloo_group() is None:  # initialised by other code
-            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes)
+            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes, cp=cp)
         apply_timeout(timeout)
     else:
         par.initialize_megatron_groups(
             world.global_rank,
             tp,
             pp,
+            cp,
             order=order,
             vpp=vpp,
             timeout_minutes=cfg.dist_timeout_minutes,
@@ -214,6 +217,7 @@ def init_groups(
         dp=single(ps.get_data_parallel_group()),
         tp=single(ps.get_tensor_model_parallel_group()),
         pp=single(ps.get_pipeline_model_parallel_group()),
+        cp=single(ps.get_context_parallel_group()),
         device=world.device,
         global_rank=world.global_rank,
         owns_world=world.owns_world,
