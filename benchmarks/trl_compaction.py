@@ -96,6 +96,7 @@ def build(ns, out_dir: Path):
         num_generations=ns.num_generations,
         max_completion_length=ns.max_new_tokens,
         loss_type="dapo",
+        gradient_checkpointing=False,  # as in the race (the trainer's default; TRL's is on)
         beta=0.0,
         bf16=False,
         use_cpu=True,
