@@ -539,14 +539,57 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     # NCCL: world, DP, DP-with-CP, TP and PP communicators (untied: no embedding group), each
     # 2 receive buffers x 32 channels x 4 MiB = 256 MiB
     assert t["nccl"] == 5 * 2 * 32 * 4 * 2**20 and t["cuda_context"] == CUDA_CONTEXT_BYTES
+    # NVLS on the 8-GPU node: 16 channels x 2 x 1 MiB per rank of each group on the node:
+    # world 8, DP 2 (ranks 0, 2), DP-with-CP 2, TP 2, PP 2 (ranks 0, 4)
+    assert t["nvls"] == 16 * 2 * 2**20 * (8 + 2 + 2 + 2 + 2)
     resident = t["weights"] + t["grads"] + t["optimizer"] + t["hf_replica"]
-    resident += t["cuda_context"] + t["nccl"]
+    resident += t["cuda_context"] + t["nccl"] + t["nvls"]
     assert t["fragmentation"] == int(0.1 * t["activations"])  # no logits on stage 0
     assert x["train_peak_bytes"] == resident + t["activations"] + t["fragmentation"]
     assert x["generation_peak_bytes"] == resident + t["hf_kv_cache"]
     assert (
         "hf_replica" not in next(p for p in report["positions"] if p["tp_rank"] == 1)["terms_bytes"]
     )
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # what the sbatch scripts pass through
+    try:
+        off = plan(cfg, JobShape(1, 8, "test"))
+    finally:
+        del os.environ["NCCL_NVLS_ENABLE"]
+    y = next(p for p in off["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
+    assert "nvls" not in y["terms_bytes"]
+    assert y["train_peak_bytes"] == x["train_peak_bytes"] - t["nvls"]
+
+
+@pytest.mark.parametrize("tp,pp,dp,gpus", [(2, 2, 2, 8), (4, 4, 4, 8), (8, 2, 4, 8), (1, 4, 2, 4)])
+@pytest.mark.parametrize("tp_pp_dp", [False, True])
+def test_node_ranks_of_groups_by_enumerating_the_ranks(tp, pp, dp, gpus, tp_pp_dp):
+    """The members of rank 0's groups on its node, from the closed form, against the ranks
+    enumerated in Megatron's order (rank = t + TP (d + DP p), or t + TP (p + PP d))."""
+    from nemo_d3s.dry_run.memory import node_ranks_of_groups
+
+    def rank(t, p, d):
+        return t + tp * (p + pp * d) if tp_pp_dp else t + tp * (d + dp * p)
+
+    def on_node(ranks):
+        return sum(1 for r in set(ranks) if r // gpus == 0)
+
+    got = node_ranks_of_groups(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        dp_stride=rank(0, 0, 1),
+        pp_stride=rank(0, 1, 0),
+        gpus_per_node=gpus,
+    )
+    want = {
+        "world": on_node(range(tp * pp * dp)),
+        "dp": on_node(rank(0, 0, d) for d in range(dp)),
+        "tp": on_node(rank(t, 0, 0) for t in range(tp)),
+        "pp": on_node(rank(0, p, 0) for p in range(pp)),
+        "embedding": on_node([rank(0, 0, 0), rank(0, pp - 1, 0)]) if pp > 1 else 1,
+    }
+    want["dp_with_cp"] = want["dp"]
+    assert got == want
 
 
 def test_megatron_lm_reference_equals_this_model_at_tp1():
@@ -593,9 +636,10 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
 def test_vllm_gpus_count_what_stays_resident(tmp_path):
     """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
     while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
-    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
+    CUDA graphs; generation sees the training state + the awake engine (vLLM's share, its
+    context and communicator) only, because the trainer
     empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
-    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
+    93 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
     tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
     stays while the policy trains."""
     from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
@@ -612,8 +656,13 @@ def test_vllm_gpus_count_what_stays_resident(tmp_path):
     assert v["engine_gpus"] == {
         str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)
     }
-    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
-    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "cuda_context", "nccl"))
+    engine_nvls = 16 * 2 * 2**20 * 2  # the engine's TP-2 communicator on NVLS
+    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + engine_nvls + CUDA_GRAPH_BYTES
+    # awake: vLLM's share of the GPU + what its worker made before measuring it
+    assert t["vllm"] == int(
+        v["reserved_bytes"] + VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + engine_nvls
+    )
+    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "cuda_context", "nccl", "nvls"))
     assert x["train_peak_bytes"] == pytest.approx(
         resident + t["activations"] + t["logits"] + t["fragmentation"] + t["vllm_asleep"], abs=8
     )
@@ -790,10 +839,10 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
     first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
     assert (
         round(first["terms_bytes"]["activations"] / GB, 1) == 13.0
-        and round(first["train_peak_bytes"] / GB, 1) == 58.2
+        and round(first["train_peak_bytes"] / GB, 1) == 58.9
     )
     assert (
-        round(report["worst"]["peak_bytes"] / GB, 1) == 77.0
+        round(report["worst"]["peak_bytes"] / GB, 1) == 78.9
         and report["vllm"]["kv_tokens"] >= 16384
     )
     no_sp = plan(
@@ -807,7 +856,7 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
         JobShape(8, 8, "test"),
     )
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
-    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 95.4
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 96.1
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):

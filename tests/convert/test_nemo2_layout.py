@@ -84,6 +84,8 @@ def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     )  # NeMo's divisor 4
     raw = (nemo / "weights" / ".metadata").read_bytes()
     assert b"module.decoder.layers.mlp.linear_fc2._extra_state/shard_3_4" in raw
+    qk_state = b"module.decoder.layers.self_attention.k_layernorm._extra_state/shard_3_4"
+    assert (qk_state in raw) == (arch == "qwen3")  # TE's RMSNorm carries one
     back = megatron_to_hf(nemo, tmp_path / "back", progress=False)
     assert_same_tensors(src, back)
     cfg, want = (
