@@ -288,7 +288,7 @@ class Trainer:
         self.rollouts.start(state.step, pending, held, self.policy)
         while state.step < T:
             progress = state.step / max(1, T - 1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 m = run_step(self.ctx, state.step, progress)
             except StepInterrupted:
@@ -296,6 +296,7 @@ class Trainer:
             state.step += 1
             records.accumulate(state, m)
             state.wall_time_total = wall_before + time.perf_counter() - t_start
+            m["time_cpu_step"] = time.process_time() - c0
             self._record_step(state, m, progress, t0, oor_before)
             fault_point("loop.step_done")
             done = state.step == T
