@@ -1,9 +1,8 @@
-"""The dry run's plan: the run config -> the layout (through
-``trainer.build.checked_backend_config``, so the backend's refusals apply) -> each GPU's memory
-terms (``memory.py``) -> a verdict, as a JSON-able dict. Cross-checks: each position's
-parameters from the weight table against megatron-core's meta-device build
-(``backends/megatron/param_counts.py``), their sum against the HF model's, and Megatron-LM's
-theoretical memory reported beside the model.
+"""The dry run's plan: run config -> layout (``trainer.build.checked_backend_config``, so the
+backend's refusals apply) -> each GPU's memory terms (``memory.py``) -> a verdict, as a
+JSON-able dict. Cross-checks: each position's parameters from the weight table against
+megatron-core's meta-device build (``param_counts.py``) and their sum against the HF model's;
+Megatron-LM's theoretical memory reported beside.
 """
 
 from __future__ import annotations
@@ -118,9 +117,8 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
     )
 
 
-def _dtype_bytes(dtype: str) -> int:
-    # The plan is for CUDA, where "auto" is bfloat16 (MegatronBackend).
-    return {"auto": 2, "bfloat16": 2, "float32": 4}[dtype]
+# The plan is for CUDA, where "auto" is bfloat16 (MegatronBackend).
+_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}
 
 
 def _workload(s: Setup) -> Workload:
@@ -171,7 +169,7 @@ def _workload(s: Setup) -> Workload:
         ),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
-        dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
+        dtype_bytes=_DTYPE_BYTES[str(mcfg.dtype)],
         chunk=int(mcfg.entropy_chunk_size),
         sequence_parallel=bool(mcfg.sequence_parallel) and s.tp > 1,
         micro_batch_tokens=budget,
