@@ -12,6 +12,7 @@ import torch
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.tasks.base import REWARD_FAILURES
 
 __all__ = [
     "mismatch_metrics",
@@ -25,15 +26,18 @@ __all__ = [
 
 
 def rollout_metrics(
-    groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int
+    groups: ParallelGroups, stage: Any, ro: Rollouts, failures: Dict[str, int]
 ) -> Dict[str, float]:
-    """Rewards and group counts from the SampleStage (whole batch); lengths summed over ranks."""
+    """Rewards and group counts from the SampleStage (whole batch); lengths and failed reward
+    calls (``failures``: by reason) summed over ranks; a reason's count only when not 0."""
     s = stage.metrics
+    by_reason = {f"reward_failed_{r}": float(failures.get(r, 0)) for r in REWARD_FAILURES}
     t = groups.sum(
         {
             "rollout_tokens": float(ro.batch.response_mask.sum()),
             "finished": float(ro.finished.sum()),
-            "reward_errors": float(n_errors),
+            "reward_errors": float(sum(failures.values())),
+            **by_reason,
         }
     )
     n = s["n_samples"]
@@ -49,6 +53,7 @@ def rollout_metrics(
         "finished_frac": t["finished"] / max(n, 1.0),
         "rollout_tokens": t["rollout_tokens"],
         "reward_errors": t["reward_errors"],
+        **{k: t[k] for k in by_reason if t[k]},
     }
 
 

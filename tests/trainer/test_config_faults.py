@@ -63,7 +63,7 @@ def test_every_key_of_every_experiment_passes_the_key_check():
 
     from nemo_d3s.train import conf_dir
     from nemo_d3s.trainer.overrides import unknown_key_error
-    from nemo_d3s.trainer.resume import leaf_keys
+    from nemo_d3s.trainer.run_start.config_file import leaf_keys
 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
     for path in sorted(glob.glob(str(conf_dir() / "experiment" / "*.yaml"))):

@@ -127,7 +127,7 @@ def test_the_run_log_keeps_the_start_up_records_and_splits_the_ranks(tmp_path):
     rank1 = (tmp_path / "train.rank1.log").read_text().splitlines()
     assert [ln.split("] - ", 1)[1] for ln in rank1] == ["a warning"]
     # a run's folder with other ranks' logs is still a run's folder (resume takes it)
-    from nemo_d3s.trainer.rundir import foreign_entries
+    from nemo_d3s.trainer.run_start.folder import foreign_entries
 
     assert foreign_entries(tmp_path) == []
 
