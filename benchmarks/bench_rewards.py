@@ -10,6 +10,9 @@ Entries accumulate in ``results/bench_rewards.json`` under ``--label`` with the 
 machine and its load average.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_rewards.py --label after --workers 0,2
+    git archive 5557931 nemo_d3s conf | tar -x -C /tmp/before    # the code before the workers
+    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/before python benchmarks/bench_rewards.py --label before \
+        --workers 0
 
 Reported per worker count: rewards per second (median over rounds), the start-up time (the
 first call waits for the workers to import and build their task).
@@ -93,8 +96,12 @@ def run(args) -> dict:
     finally:
         for a in adapters.values():
             getattr(a, "close", lambda: None)()
+    import nemo_d3s
+
     return {
         "label": args.label,
+        # the code measured: "before" runs an export of the commit before the workers
+        "nemo_d3s": os.path.dirname(os.path.abspath(nemo_d3s.__file__)),
         "rounds": args.rounds,
         "step_calls": len(step_texts),
         "eval_calls": len(eval_texts),
