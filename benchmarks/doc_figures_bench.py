@@ -203,4 +203,16 @@ def benchmarks_readme() -> List[str]:
             f"{x['micro_batches']:.0f} | {x['score_s_median']:.3f} | "
             f"{x['train_step_s_median']:.3f} | {x['grad_norm']:.5f} |"
         )
+    rw = {e["label"]: e["by_workers"] for e in record("bench_rewards.json")["entries"]}
+
+    def rate(label, w):
+        r = rw[label][w]
+        return f"{r['step_rewards_per_s']:.0f} rewards/s for a step's calls and " + (
+            f"{r['eval_rewards_per_s']:.0f} for an evaluation's"
+        )
+
+    out.append(f"trainer process) {rate('before', '0')}")
+    for w in ("0", "2"):
+        r = rw["after"][w]
+        out.append(f"{r['step_rewards_per_s']:.0f} / {r['eval_rewards_per_s']:.0f}")
     return out
