@@ -243,8 +243,10 @@ def main() -> None:
     from nemo_d3s.config import register_configs
 
     register_configs()
+    from nemo_d3s.trainer.overrides import expand_home, unknown_key_error
+
+    sys.argv[1:] = expand_home(sys.argv[1:])  # model.name=~/models/x: as the user means it
     _precheck_argv(sys.argv[1:])
-    from nemo_d3s.trainer.overrides import unknown_key_error
 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
     bad = unknown_key_error(sys.argv[1:], groups)

@@ -41,6 +41,7 @@ from nemo_d3s.trainer.faults import RunError, broadcast_world, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.run_start import RunStart, agree_on_config, check_output_dir
+from nemo_d3s.trainer.launcher import watch_launcher
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
@@ -257,7 +258,8 @@ class Trainer:
         }
         self.logger.log_step(row)
         if self.groups.is_main:  # rank 0 watches its machine (every rank shares the step time)
-            slow = self.slow.observe(state.step, row["time_step"])
+            parts = {k[5:]: v for k, v in m.items() if k.startswith("time_")}
+            slow = self.slow.observe(state.step, row["time_step"], parts)
             if slow:
                 log.warning(slow)
         if m.get("skipped"):
@@ -279,6 +281,7 @@ class Trainer:
         # the checkpoint comes first; the engine, which the job's signal may have stopped, is
         # not called again (no refit, no generation, no sleep: trainer/step.py)
         path = self.ckpt.save(self.policy, state)
+        self.stop.saved = True  # a second signal from here on would only lose the exit code 75
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:
             marker = {
@@ -341,6 +344,7 @@ def train(cfg: Any) -> TrainerState:
         str(cfg.output_dir), create=False
     )  # before the model load: a bad path fails fast
     runlog = RunLog()  # holds the start-up's records until the run has taken its folder
+    watch = watch_launcher()  # torchrun's agent gone: stop as on SIGTERM
     try:
         trainer = Trainer(cfg, runlog)
         logging.getLogger("nemo_d3s").setLevel(
@@ -351,4 +355,6 @@ def train(cfg: Any) -> TrainerState:
         finally:
             trainer.groups.shutdown()
     finally:
+        if watch is not None:
+            watch.set()
         runlog.close()

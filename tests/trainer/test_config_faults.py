@@ -70,3 +70,43 @@ def test_every_key_of_every_experiment_passes_the_key_check():
         name = os.path.basename(path)[:-5]
         keys = leaf_keys(OmegaConf.to_container(compose([f"experiment={name}"]), resolve=False))
         assert not [k for k in keys if unknown_key_error([f"{k}=1"], groups)], name
+
+
+def test_a_home_path_on_the_command_line_is_expanded():
+    """The README's ``model.name=~/models/qwen-0.5b`` failed as written: the shell leaves ``~``
+    after ``key=`` and Hydra's grammar refuses it (LexerNoViableAltException)."""
+    import os
+
+    from nemo_d3s.trainer.overrides import expand_home
+
+    home = os.path.expanduser("~")
+    assert expand_home(["model.name=~/models/q", "output_dir='~/runs/a'", "x=~", "-m"]) == [
+        f"model.name={home}/models/q",
+        f"output_dir='{home}/runs/a'",
+        f"x={home}",
+        "-m",
+    ]
+    kept = ["~model.params.tiny", "a=b~/c", "d=~~", "e="]
+    assert expand_home(kept) == kept
+
+
+def test_the_readmes_own_model_command_runs_with_a_home_path(tmp_path):
+    """``python -m nemo_d3s.train output_dir=~/run ...`` with HOME pointing here: the run
+    writes under HOME, and no folder named ``~`` appears where it was started."""
+    import subprocess
+    import sys
+
+    from .conftest import FAST, cli_env
+
+    env = {**cli_env(), "HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", "experiment=smoke", *FAST, "trainer.steps=1"]
+        + ["output_dir=~/run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "~").exists()

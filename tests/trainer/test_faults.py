@@ -679,8 +679,6 @@ def test_a_second_sigint_after_the_checkpoint_keeps_the_interrupted_exit_code(
     """Issue 32: a second quick Ctrl-C that arrived once the loop had checkpointed and
     restored its handler (here: while the metrics file closes) was Python's ordinary
     KeyboardInterrupt: "exit code 75" printed, 130 returned. It is ignored now."""
-    from nemo_d3s import train as train_mod
-
     real_close = MetricsLogger.close
 
     def close_then_sigint(self):
@@ -688,20 +686,48 @@ def test_a_second_sigint_after_the_checkpoint_keeps_the_interrupted_exit_code(
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(MetricsLogger, "close", close_then_sigint)
+    code, err = _cli_exit_after_one_sigint(tmp_path, capsys)
+    assert code == 75
+    assert "exit code 75: interrupted" in err
+
+
+def _cli_exit_after_one_sigint(tmp_path, capsys):
+    """(exit code, stderr) of the CLI's run (train.py ``_run``) whose task sends one SIGINT,
+    the signal handlers restored after it."""
+    from nemo_d3s import train as train_mod
+
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     _SigintOnce.sent = 0
-    cfg = compose(
-        ["experiment=smoke", *FAST, "trainer.steps=4", "task.name=fault_sigint_once", IN_PROCESS]
-        + [f"output_dir={tmp_path}"]
-    )
+    argv = ["experiment=smoke", *FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
+    cfg = compose([*argv, IN_PROCESS, f"output_dir={tmp_path}"])
     try:
         with pytest.raises(SystemExit) as e:
             train_mod._run(cfg)
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
-    assert e.value.code == 75
-    assert "exit code 75: interrupted" in capsys.readouterr().err
+    return e.value.code, capsys.readouterr().err
+
+
+def test_a_second_sigint_once_the_stop_checkpoint_is_written_keeps_exit_code_75(
+    tmp_path, monkeypatch, capsys
+):
+    """A second Ctrl-C while the run shut down after its stop checkpoint (the loop's handler
+    still installed: here while interrupted.json is written) stopped it "without a
+    checkpoint" with 130, although the checkpoint was there."""
+    from nemo_d3s.trainer import records
+
+    real = records.write_interrupted_marker
+
+    def marker_then_sigint(out, marker):
+        real(out, marker)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(records, "write_interrupted_marker", marker_then_sigint)
+    code, err = _cli_exit_after_one_sigint(tmp_path, capsys)
+    assert code == 75, err
+    assert "SIGINT: already stopping; the checkpoint is written" in err
+    assert "without a checkpoint" not in err
 
 
 def test_process_group_timeout_is_configurable_and_reported(tmp_path):
