@@ -174,6 +174,10 @@ def _after_stop(signum, _frame) -> None:
     os.kill(os.getpid(), signum)
 
 
+# ~key deletions held back from Hydra under resume=true (main), applied to the run's config.
+_HELD: list = []
+
+
 def _resume_base(cfg, out: Path):
     """``resume=true``: the run's own config with this command line's overrides on top
     (``trainer.run_start.resolve_config``); a refusal is one error line, exit 2.
@@ -185,7 +189,7 @@ def _resume_base(cfg, out: Path):
     from nemo_d3s.trainer.run_start import resolve_config
 
     try:
-        overrides = list(HydraConfig.get().overrides.task)
+        overrides = list(HydraConfig.get().overrides.task) + _HELD
     except ValueError:  # not under hydra.main
         overrides = []
     try:
@@ -243,12 +247,13 @@ def main() -> None:
     from nemo_d3s.config import register_configs
 
     register_configs()
-    from nemo_d3s.trainer.overrides import expand_home, unknown_key_error
+    from nemo_d3s.trainer.overrides import expand_home, resume_deletions, unknown_key_error
 
     sys.argv[1:] = expand_home(sys.argv[1:])  # model.name=~/models/x: as the user means it
     _precheck_argv(sys.argv[1:])
 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
+    sys.argv[1:], _HELD[:] = resume_deletions(sys.argv[1:], groups)  # the run's keys, not Hydra's
     bad = unknown_key_error(sys.argv[1:], groups)
     if bad:  # Hydra's answer is "+key" advice and exit 1
         print(f"error: {bad}", file=sys.stderr)

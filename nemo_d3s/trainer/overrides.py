@@ -12,7 +12,7 @@ import re
 import typing
 from typing import List, Optional, Sequence
 
-__all__ = ["expand_home", "schema_keys", "unknown_key_error"]
+__all__ = ["expand_home", "resume_deletions", "schema_keys", "unknown_key_error"]
 
 
 def _fields(cls: type) -> dict:
@@ -84,3 +84,22 @@ def expand_home(argv: Sequence[str]) -> List[str]:
             a = f"{key}={quote}{os.path.expanduser(inner)}{quote}"
         out.append(a)
     return out
+
+
+def resume_deletions(argv: Sequence[str], groups: Sequence[str]) -> tuple:
+    """(argv for Hydra, the ``~key`` deletions it must not see): under ``resume=true`` a deletion
+    is of a key of the run's own config, which the composed default may lack (Hydra: "Could
+    not delete from config"); the resumed config applies it (``run_start.resolve_config``)."""
+    resume = any(
+        a.partition("=")[0] == "resume" and a.partition("=")[2].lower() == "true" for a in argv
+    )
+    if not resume:
+        return list(argv), []
+    keep, held = [], []
+    for a in argv:
+        key = a.partition("=")[0]
+        if a.startswith("~") and "=" not in a and key[1:] not in groups and "/" not in key:
+            held.append(a)
+        else:
+            keep.append(a)
+    return keep, held

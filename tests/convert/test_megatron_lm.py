@@ -467,3 +467,20 @@ def test_a_full_disk_while_writing_a_megatron_lm_save_is_one_error_line(tmp_path
     assert (
         not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".m")] == []
     )
+
+
+def test_verify_reads_a_megatron_lm_save(tmp_path, capsys):
+    """``verify --ckpt <Megatron-LM save>`` said "is not a Megatron checkpoint: no
+    megatron/layout.json": it looked for the shard layout of this project's checkpoints before
+    reading the save (megatron-to-hf reads it); now it compares its logits."""
+    from nemo_d3s.convert.__main__ import main
+
+    src = tiny(tmp_path / "src", "llama")
+    assert (
+        main(["hf-to-megatron-lm", "--hf", str(src), "--out", str(tmp_path / "m"), "--quiet"]) == 0
+    )
+    capsys.readouterr()
+    assert main(["verify", "--hf", str(src), "--ckpt", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr()
+    assert "OK: max abs logit error" in out.out and "Megatron-LM torch_dist" in out.out
+    assert "not a Megatron checkpoint" not in out.err

@@ -144,3 +144,44 @@ def test_a_resume_trains_from_the_checkpoints_config_end_to_end(tmp_path, capsys
     assert [r["step"] for r in rows] == [1, 2, 3]
     rec = json.loads((out / "checkpoints" / "step_000003" / RUN_RECORD).read_text())
     assert rec["config"]["d3s"]["preset"] == "pods" and rec["config"]["trainer"]["steps"] == 3
+
+
+def test_a_deletion_on_resume_is_of_the_runs_own_key(tmp_path):
+    """``output_dir=X resume=true ~model.params.tiny`` on a smoke run: Hydra refused it
+    ("Could not delete from config. 'model.params.tiny' does not exist": the default config it
+    composes lacks the key the run has). The deletion is held back from Hydra and applied to
+    the run's own config; the resume check then names it as a change of the experiment."""
+    from nemo_d3s.train import conf_dir as conf
+    from nemo_d3s.trainer.overrides import resume_deletions
+
+    out = tmp_path / "run"
+    _fake_run(out, ["experiment=smoke"])
+    groups = [p.name for p in conf().iterdir() if p.is_dir()]
+    argv = [f"output_dir={out}", "resume=true", "~model.params.tiny"]
+    hydra_argv, held = resume_deletions(argv, groups)
+    assert held == ["~model.params.tiny"] and hydra_argv == argv[:2]
+    assert resume_deletions(argv[1:] + ["~experiment"], groups)[1] == ["~model.params.tiny"]
+    assert resume_deletions(["~model.params.tiny"], groups) == (["~model.params.tiny"], [])
+    cfg = compose(hydra_argv)
+    OmegaConf.resolve(cfg)
+    cfg = resolve_config(cfg, hydra_argv + held, out, lambda: compose([]), conf_dir())
+    assert cfg.model.name == "tiny-random" and "tiny" not in cfg.model.params
+    with pytest.raises(ConfigError, match=r"changes the experiment \(model.params.tiny"):
+        decide(cfg, out)
+    for bad, why in (("~trainer.lr", "cannot be deleted"), ("~model.params.nope", "no such key")):
+        cfg = compose(hydra_argv)
+        OmegaConf.resolve(cfg)
+        with pytest.raises(ConfigError, match=why):
+            resolve_config(cfg, [*hydra_argv, bad], out, lambda: compose([]), conf_dir())
+
+
+def test_a_deletion_on_resume_from_the_command_line_is_one_error_line(tmp_path):
+    from .conftest import cli
+
+    out = tmp_path / "run"
+    _fake_run(out, ["experiment=smoke"])
+    r = cli([f"output_dir={out}", "resume=true", "~model.params.tiny"], timeout=600)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: resume=true with a config that changes the experiment")
+    assert "model.params.tiny" in lines[-1] and "Could not delete" not in r.stderr

@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from contextlib import nullcontext as _nothing
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -202,7 +203,15 @@ def resolve_config(
             )
         log.warning("%s; using this command's value (trainer.allow_config_change=true)", what)
 
-    _apply(cfg, eff, new, set(schema_keys()), "", report)
+    fixed = set(schema_keys())
+    for d in (o[1:] for o in overrides if o.startswith("~") and "=" not in o):
+        if d in fixed or _below(fixed, d):
+            raise ConfigError(f"~{d}: a setting of the run's schema cannot be deleted; set it")
+        if not (_has_key(old, d) or _has_key(new, d)):
+            raise ConfigError(f"~{d}: the run's config ({path}) has no such key")
+        _drop(cfg, d)  # held back from Hydra (train.main): it may be the run's key alone
+        _drop(new, d)
+    _apply(cfg, eff, new, fixed, "", report)
     given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _ALWAYS_TOUCHED]
     log.info(
         "resume=true: the run's own config (%s) with this command's overrides: %s",
@@ -210,6 +219,24 @@ def resolve_config(
         " ".join(given) or "none",
     )
     return cfg
+
+
+def _drop(node: Any, dotted: str) -> None:
+    """Delete ``dotted`` from a dict or DictConfig when there."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.get(part) if isinstance(node, (dict, DictConfig)) else None
+    if isinstance(node, (dict, DictConfig)) and last in node:
+        with open_dict(node) if isinstance(node, DictConfig) else _nothing():
+            del node[last]
+
+
+def _has_key(d: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
 
 
 def config_digest(cfg: Any) -> str:
