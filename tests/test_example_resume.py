@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "resume.sh"
@@ -59,7 +60,7 @@ def _run(tmp_path: Path, **env_extra: str) -> tuple[subprocess.CompletedProcess,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT_S,
     )
     return r, log.read_text() if log.exists() else ""
 
@@ -113,13 +114,13 @@ def test_a_signal_to_the_script_reaches_the_run_and_is_waited_for(tmp_path, sig)
         ["bash", str(SCRIPT), str(tmp_path / "out")],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    for _ in range(600):
+    for _ in range(int(WAIT_S * 10)):
         if log.exists() and "pid:" in log.read_text():
             break
         time.sleep(0.1)
     run_pid = int(log.read_text().split("pid: ")[1].split()[0])
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 75, err
     assert log.read_text().count("TERM before any checkpoint") == 1  # delivered once
     assert "the run stopped with exit code 75; continue it with" in err
@@ -149,7 +150,7 @@ def test_example_resume_script_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "stopped (exit code 75)" in r.stdout and "resumed from" in r.stdout + r.stderr

@@ -53,10 +53,6 @@ class Bucket:
     nbytes: int
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 

@@ -16,10 +16,15 @@ P = the position's parameters (padded vocabulary included), N = the model's, d =
   activations leave; vllm_asleep = what level-2 sleep keeps (all with ``rollout.sleep=false``);
   refit = staging buffer, gathered bucket and the engine's copy.
 
-Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context + nccl):
-training = resident + activations + logits + fragmentation + vllm_asleep; generation =
-resident + hf_kv_cache or vllm (the trainer empties its cache before an engine wakes); refit =
-resident + vllm_asleep + refit + vLLM weights. The largest is compared with
+- nvls :func:`nvls_bytes`: NVLink SHARP's buffers per communicator with 2+ ranks on a node
+  (NCCL ``src/transport/nvls.cc`` ``ncclNvlsBufferSetup``), unless ``NCCL_NVLS_ENABLE=0``.
+- vllm also counts the context and TP communicator its worker makes before measuring the GPU
+  (``backends/vllm/memory.awake_engine_bytes``).
+
+Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context + nccl
++ nvls): training = resident + activations + logits + fragmentation + vllm_asleep;
+generation = resident + hf_kv_cache or vllm (the trainer empties its cache before an engine
+wakes); refit = resident + vllm_asleep + refit + vLLM weights. The largest is compared with
 ``trainer.gpu_memory_gb`` (decimal GB).
 """
 
@@ -38,6 +43,9 @@ __all__ = [
     "NCCL_BUFFSIZE",
     "NCCL_CHANNELS",
     "nccl_bytes",
+    "nvls_bytes",
+    "nccl_communicators",
+    "node_ranks_of_groups",
     "physical_gpu_bytes",
     "VLLM_PROFILE_TOKENS",
     "RESIDENT",
@@ -56,13 +64,24 @@ __all__ = [
 GB = 10**9
 # Which memory terms are held when: all the time, while the policy trains, while the engine
 # generates.
-RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
+RESIDENT = (
+    "weights",
+    "grads",
+    "optimizer",
+    "reference",
+    "hf_replica",
+    "cuda_context",
+    "nccl",
+    "nvls",
+)
 TRAINING = ("activations", "logits", "fragmentation")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
 NCCL_CHANNELS = 32  # channels NCCL opens on an NVLink / NVSwitch node at most (assumed)
 FRAGMENTATION_SHARE = 0.10  # of the training step's transient allocations (assumed)
+NVLS_CHANNELS = 16  # NCCL_NVLS_NCHANNELS on an H100 / H200 NVSwitch node (assumed: its default)
+NVLS_BUFFER = 8 * 128 * 2**10  # NCCL_STEPS x NCCL_NVLS_CHUNKSIZE (128 KiB, NCCL's default)
 # What NVML reports (nvidia-smi) for GPUs sold by a round decimal size: the memory vLLM's
 # gpu_memory_utilization is a share of. thundergolfer.com/blog/nvidia-gpu-memory-capacity
 # (H100 80GB: 81,559 MiB = 85.52 GB; H200 141GB: 143,771 MiB; A100 40GB: 40,960 MiB; an
@@ -72,6 +91,8 @@ ASSUMPTIONS = {
     "cuda_context_bytes": CUDA_CONTEXT_BYTES,
     "nccl_buffsize_bytes": NCCL_BUFFSIZE,
     "nccl_channels": NCCL_CHANNELS,
+    "nvls_channels": NVLS_CHANNELS,
+    "nvls_buffer_bytes": NVLS_BUFFER,
     "fragmentation_share_of_training_transients": FRAGMENTATION_SHARE,
     "physical_mib_of_nominal_gb": {str(k): v for k, v in PHYSICAL_MIB.items()},
 }
@@ -133,6 +154,34 @@ def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
     """
     n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
     return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
+
+
+def node_ranks_of_groups(
+    *, tp: int, pp: int, dp: int, dp_stride: int, pp_stride: int, gpus_per_node: int
+) -> Dict[str, int]:
+    """How many ranks of each of rank 0's communicators share its node (every node is laid
+    out alike): a group of n ranks ``stride`` apart has min(n, ceil(G / stride)) on a node
+    of G GPUs; the embedding group is the first and last stage."""
+    g = int(gpus_per_node)
+
+    def on_node(n: int, stride: int) -> int:
+        return min(n, -(-g // stride))
+
+    dp_local = on_node(dp, dp_stride)
+    return {
+        "world": min(tp * pp * dp, g),
+        "dp": dp_local,
+        "dp_with_cp": dp_local,
+        "tp": on_node(tp, 1),
+        "pp": on_node(pp, pp_stride),
+        "embedding": 2 if pp > 1 and (pp - 1) * pp_stride < g else 1,
+    }
+
+
+def nvls_bytes(node_ranks: Dict[str, int]) -> int:
+    """NVLink SHARP's buffers on one rank for the communicators ``{name: ranks on the
+    node}`` (module docstring); a group with one rank on the node uses none."""
+    return sum(NVLS_CHANNELS * 2 * NVLS_BUFFER * k for k in node_ranks.values() if k >= 2)
 
 
 def layer_activation_bytes(

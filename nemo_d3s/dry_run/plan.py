@@ -9,6 +9,7 @@ theoretical memory reported beside the model.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_d3s.core.checks import is_real
@@ -23,6 +24,7 @@ from nemo_d3s.backends.megatron.parallel import (
     rank_order,
 )
 from nemo_d3s.backends.vllm.memory import (
+    awake_engine_bytes,
     engine_plan,
     engine_positions,
     generation_idle,
@@ -42,6 +44,9 @@ from nemo_d3s.dry_run.memory import (
     logits_bytes,
     minimal_training_bytes,
     nccl_bytes,
+    nccl_communicators,
+    node_ranks_of_groups,
+    nvls_bytes,
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
@@ -101,6 +106,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
+        nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
     )
 
 
@@ -233,9 +239,11 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
     }
     graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
     largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+    nvls = nvls_bytes({"tp": vllm_tp}) if s.nvls else 0  # the engine's TP group, one node
     terms.update(
         cuda_graphs=graphs,
-        asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+        awake_bytes=awake_engine_bytes(gmu * gpu, vllm_tp, nvls_bytes=nvls),
+        asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs, nvls_bytes=nvls),
         refit_bytes=refit_bytes(
             engine_weight_bytes=weights,
             tp=s.tp,
@@ -321,15 +329,26 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     on_engine_gpu = s.engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
     if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
         rb = vllm_terms["refit_bytes"]
-        terms["vllm"] = vllm_terms["reserved_bytes"]
-        terms["vllm_asleep"] = (
-            vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
-        )
+        terms["vllm"] = vllm_terms["awake_bytes"]
+        terms["vllm_asleep"] = vllm_terms["asleep_bytes" if vllm_terms["sleep"] else "awake_bytes"]
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
     terms["nccl"] = nccl_bytes(
         tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
     )
+    if s.nvls:
+        used = nccl_communicators(
+            tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+        )
+        node = node_ranks_of_groups(
+            tp=s.tp,
+            pp=s.pp,
+            dp=s.dp,
+            dp_stride=s.tp if s.order == DEFAULT_ORDER else s.tp * s.pp,
+            pp_stride=s.tp * s.dp if s.order == DEFAULT_ORDER else s.tp,
+            gpus_per_node=s.shape.gpus_per_node,
+        )
+        terms["nvls"] = nvls_bytes({k: v for k, v in node.items() if k in used})
     terms["fragmentation"] = FRAGMENTATION_SHARE * (act + terms.get("logits", 0.0))
     resident = sum(v for k, v in terms.items() if k in RESIDENT)
     # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state
@@ -344,7 +363,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         else 0.0
     )
     peak = max(train_peak, gen_peak, refit_peak)
-    counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl")}
+    counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl", "nvls")}
     cp_need = context_parallel_need(
         resident,
         minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),

@@ -196,6 +196,7 @@ _COLUMNS = (
     "hf_kv_cache",
     "cuda_context",
     "nccl",
+    "nvls",
     "fragmentation",
     "vllm",
     "vllm_asleep",

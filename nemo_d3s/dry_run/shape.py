@@ -98,3 +98,4 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    nvls: bool = True  # NCCL uses NVLink SHARP (NCCL_NVLS_ENABLE is not 0)

@@ -14,13 +14,13 @@ import json
 from dataclasses import MISSING, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
-from nemo_d3s.formats.safetensors_stream import check_safetensors
+from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import (
     Layout,
@@ -38,8 +38,9 @@ __all__ = [
     "write_layout",
     "read_layout",
     "ShardedReader",
-    "save_shard",
+    "open_shard",
     "read_local_from_checkpoint",
+    "read_range_from_checkpoint",
     "shard_metadata",
     "check_shards",
     "ST_DTYPES",
@@ -101,16 +102,16 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
 
 
-def save_shard(
-    folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]
-) -> None:
-    """Write one (tp, pp) shard file of ``tensors`` with its metadata into ``folder``."""
-    from safetensors.torch import save_file
-
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(folder / shard_file(layout.tp_rank, layout.pp_rank)),
-        metadata=metadata,
+def open_shard(
+    folder: Path,
+    layout: Layout,
+    entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+    metadata: Dict[str, str],
+) -> StreamingSafetensors:
+    """The (tp, pp) shard file of ``layout`` in ``folder``, written tensor by tensor: its
+    header from ``entries`` (name, shape, dtype), each tensor as it comes (``write``)."""
+    return StreamingSafetensors(
+        folder / shard_file(layout.tp_rank, layout.pp_rank), entries, metadata
     )
 
 
@@ -134,6 +135,13 @@ class ShardedReader:
         self._full = lru_cache(maxsize=1)(self._assemble)
 
     def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
+        return self._read(tp_rank, stage, key)[0]
+
+    def _read(
+        self, tp_rank: int, stage: int, key: str, rows: Optional[Tuple[int, int]] = None
+    ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+        """(tensor ``key`` of a saved shard, or only its dim-0 ``rows`` through safetensors'
+        lazy slice; its saved shape)."""
         from safetensors import safe_open
 
         path = self.folder / shard_file(tp_rank, stage)
@@ -142,7 +150,9 @@ class ShardedReader:
         with safe_open(str(path), framework="pt") as f:
             if key not in f.keys():
                 raise ConfigError(f"{str(path)!r} holds no tensor {key!r}")
-            return f.get_tensor(key)
+            part = f.get_slice(key)
+            shape = tuple(int(n) for n in part.get_shape())
+            return (f.get_tensor(key) if rows is None else part[rows[0] : rows[1]]), shape
 
     def _assemble(self, stage: int, local: str) -> Dict[str, torch.Tensor]:
         st = self.saved.at(0, stage)
@@ -156,6 +166,13 @@ class ShardedReader:
     def same_layout_tensor(self, layout: Layout, key: str) -> torch.Tensor:
         return self._tensor(layout.tp_rank, layout.pp_rank, key)
 
+    def same_layout_rows(
+        self, layout: Layout, key: str, lo: int, hi: int
+    ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+        """Rows [lo, hi) (dim 0) of ``key`` in ``layout``'s own shard, and the saved shape:
+        only those rows' bytes are read."""
+        return self._read(layout.tp_rank, layout.pp_rank, key, (lo, hi))
+
 
 def read_local_from_checkpoint(
     name: str, spec: ModelSpec, layout: Layout, reader: ShardedReader, dtype: torch.dtype
@@ -166,6 +183,35 @@ def read_local_from_checkpoint(
     if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
         return reader.same_layout_tensor(layout, reader.prefix + name).to(dtype)
     return read_local(name, spec, layout, reader, dtype)
+
+
+def read_range_from_checkpoint(
+    name: str,
+    spec: ModelSpec,
+    layout: Layout,
+    reader: ShardedReader,
+    dtype: torch.dtype,
+    shape: Tuple[int, ...],
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """``[start, end)`` of the flattened local tensor ``name`` (of ``shape``): a distributed
+    optimizer's DP range. At the saved layout only the rows that hold the range are read
+    (1/DP of the tensor's bytes per DP rank); at another layout the local tensor is rebuilt
+    whole first (resharding reads what it reassembles). ValueError on a shape mismatch."""
+    row = 1
+    for n in shape[1:]:
+        row *= int(n)
+    lo, hi = start // row, -(-end // row)
+    s = reader.saved
+    if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
+        rows, saved = reader.same_layout_rows(layout, reader.prefix + name, lo, hi)
+    else:
+        full = read_local(name, spec, layout, reader, dtype)
+        rows, saved = full[lo:hi], tuple(full.shape)
+    if saved != tuple(shape):
+        raise ValueError(f"{reader.prefix}{name}: checkpoint shape {saved} != model {tuple(shape)}")
+    return rows.to(dtype).reshape(-1)[start - lo * row : end - lo * row].clone()
 
 
 def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:

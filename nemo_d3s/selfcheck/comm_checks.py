@@ -1,9 +1,11 @@
 """The project's collective helpers and the vocab-parallel kernel on gloo and NCCL, against
 single-process references on every rank. ``collectives.*``: scalar all-reduce, count
 all-gather, exact global top-K mask, last-stage broadcast; exact equality (plus all-reduce
-latency). ``vocab_parallel.*``: entropy, log-probs and their gradient from uneven padded
-vocabulary shards against ``core.entropy`` on full fp32 logits; bounds fp32 1e-5, bf16
-1e-3, bf16 gradient 8e-3.
+latency). ``cluster.gloo_across_nodes``: a gloo group over every rank of the job, as the
+model-parallel gloo twin is built (it connects across nodes only where gloo binds a shared
+interface: ``GLOO_SOCKET_IFNAME``). ``vocab_parallel.*``: entropy, log-probs and their
+gradient from uneven padded vocabulary shards against ``core.entropy`` on full fp32 logits;
+bounds fp32 1e-5, bf16 1e-3, bf16 gradient 8e-3.
 """
 
 from __future__ import annotations
@@ -144,9 +146,36 @@ def _vocab_parallel(
     return out
 
 
+def _gloo_across_nodes(ctx: Context) -> Dict[str, Any]:
+    import os
+    import socket
+
+    from nemo_d3s.distributed.agree import all_gather_texts
+
+    need_world(ctx, 2, "a gloo group across the job's ranks")
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    try:
+        group = _group(ctx, "gloo")
+        hosts = all_gather_texts(socket.gethostname(), group)
+        total = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(total, group=group)
+    except RuntimeError as e:
+        raise CheckFailed(
+            f"a gloo group over the job's ranks did not connect ({e}); GLOO_SOCKET_IFNAME="
+            f"{ifname or '(unset)'}: set it to the interface the nodes reach each other on "
+            "(slurm/network_env.sh)"
+        ) from None
+    out = {"ranks": ctx.world, "hosts": len(set(hosts)), "gloo_socket_ifname": ifname}
+    out["across_nodes"] = out["hosts"] > 1
+    if float(total) != ctx.world * (ctx.world + 1) / 2:
+        raise CheckFailed(f"gloo all-reduce SUM of 1..{ctx.world} gave {float(total)}", out)
+    return out
+
+
 CHECKS = [
     Check("collectives.gloo", False, lambda ctx: _collectives(ctx, "gloo")),
     Check("collectives.nccl", True, lambda ctx: _collectives(ctx, "nccl")),
+    Check("cluster.gloo_across_nodes", False, _gloo_across_nodes),
     Check(
         "vocab_parallel.fp32_gloo",
         False,

@@ -215,10 +215,6 @@ def verify_checkpoint(path: Path, *, shared: bool = False) -> Optional[str]:
     return verify_checksums(path, rank=rank, world=world, gather=gather, found=_structure(path))
 
 
-def _write_checksums(path: Path) -> None:
-    write_checksums(path)
-
-
 def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
     """Paths where both state trees hold a tensor and the shapes differ."""
     if isinstance(current, torch.Tensor) and isinstance(loaded, torch.Tensor):

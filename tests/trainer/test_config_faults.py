@@ -10,6 +10,7 @@ from nemo_d3s.config import ConfigError
 from nemo_d3s.trainer.build import checked_backend_config
 
 from .conftest import compose
+from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -90,6 +91,7 @@ def test_a_home_path_on_the_command_line_is_expanded():
     assert expand_home(kept) == kept
 
 
+@pytest.mark.slow
 def test_the_readmes_own_model_command_runs_with_a_home_path(tmp_path):
     """``python -m nemo_d3s.train output_dir=~/run ...`` with HOME pointing here: the run
     writes under HOME, and no folder named ``~`` appears where it was started."""
@@ -106,7 +108,7 @@ def test_the_readmes_own_model_command_runs_with_a_home_path(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "~").exists()

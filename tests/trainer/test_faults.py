@@ -22,19 +22,13 @@ import pytest
 import torch
 
 from nemo_d3s.config import ConfigError
-from nemo_d3s.files import apply_umask, current_umask
+from nemo_d3s.files import apply_umask, current_umask, write_checksums
 from nemo_d3s.tasks.base import TASKS
 from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.train import _is_collective_timeout, run_cli
 from nemo_d3s.trainer import metrics as metrics_mod
 from nemo_d3s.trainer.run_start import folder as rundir_mod
-from nemo_d3s.trainer.checkpoint import (
-    CHECKSUMS,
-    RUN_RECORD,
-    _write_checksums,
-    checkpoint_dirs,
-    verify_checkpoint,
-)
+from nemo_d3s.trainer.checkpoint import CHECKSUMS, RUN_RECORD, checkpoint_dirs, verify_checkpoint
 from nemo_d3s.trainer.faults import RunError
 from nemo_d3s.trainer.loop import Trainer
 from nemo_d3s.trainer.metrics import JsonlAppender, MetricsLogger, read_jsonl, truncate_jsonl
@@ -42,6 +36,7 @@ from nemo_d3s.trainer.run_start.folder import RunDirLock
 
 from . import _tasks  # noqa: F401  (registers the misbehaving test tasks)
 from .conftest import FAST, REPO, cli_env, compose, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 IN_PROCESS = "trainer.reward_workers=0"
 
@@ -138,10 +133,10 @@ def test_pickle_payload_in_checkpoint_is_refused_and_not_run(tmp_path, target, c
 
 
 def _rewrite_checksums(ckpt: Path) -> None:
-    from nemo_d3s.trainer.checkpoint import _write_checksums
+    from nemo_d3s.files import write_checksums
 
     (ckpt / CHECKSUMS).unlink()
-    _write_checksums(ckpt)
+    write_checksums(ckpt)
 
 
 def test_rng_state_is_stored_without_pickled_objects(tmp_path):
@@ -362,7 +357,7 @@ def test_no_room_for_data_is_an_error_line_before_hydra_writes(tmp_path, exists)
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
@@ -436,7 +431,7 @@ def _without_run_record(run_dir):
     """The run's checkpoints as an earlier version wrote them: no run_record.json."""
     for ck in checkpoint_dirs(run_dir / "checkpoints"):
         (ck / RUN_RECORD).unlink()
-        _write_checksums(ck)
+        write_checksums(ck)
 
 
 def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(
@@ -824,7 +819,7 @@ def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
     finally:  # never leave a stopped process behind
         for pid in (
@@ -888,7 +883,7 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
 
     ref = torchrun([f"output_dir={tmp_path / 'ref'}"], cli_env())

@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+from _limits import WAIT_S  # noqa: E402
+
 from nemo_d3s.trainer.launcher import watch_launcher
 
 from .conftest import FAST, REPO, cli_env
@@ -34,6 +37,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_rank_whose_agent_is_killed_stops_at_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     agent = tmp_path / "agent.py"
@@ -50,7 +54,7 @@ def test_a_rank_whose_agent_is_killed_stops_at_a_checkpoint(tmp_path):
         stderr=subprocess.DEVNULL,
     )
     try:
-        for _ in range(6000):  # the first step is logged: training has begun
+        for _ in range(int(WAIT_S * 10)):  # the first step is logged: training has begun
             m = out / "metrics.jsonl"
             if m.exists() and m.read_text().strip():
                 break
@@ -58,8 +62,8 @@ def test_a_rank_whose_agent_is_killed_stops_at_a_checkpoint(tmp_path):
             time.sleep(0.1)
         rank = int(pidfile.read_text())
         proc.send_signal(signal.SIGKILL)  # the agent, not the rank
-        proc.wait(timeout=60)
-        for _ in range(3000):
+        proc.wait(timeout=WAIT_S)
+        for _ in range(int(WAIT_S * 10)):
             if not _alive(rank):
                 break
             time.sleep(0.1)

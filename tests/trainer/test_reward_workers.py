@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S  # noqa: E402
 
 from nemo_d3s.tasks.base import REWARD_FAILURES
 from nemo_d3s.trainer.metrics import read_jsonl
@@ -143,6 +144,7 @@ def test_a_stop_deadline_cuts_a_hung_call_and_ends_its_worker(tmp_path):
         adapter.close()
 
 
+@pytest.mark.slow
 def test_a_run_goes_on_past_rewards_that_exit_fork_or_spin_and_leaves_nothing(tmp_path):
     """Through the command line: the first calls exit the worker, fork a child that would live
     on, and spin in C; the run finishes (exit 0) with those three counted by reason, the forked
@@ -178,7 +180,7 @@ def test_a_run_goes_on_past_rewards_that_exit_fork_or_spin_and_leaves_nothing(tm
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
@@ -245,8 +247,8 @@ def test_the_worker_ignores_stop_signals_and_dies_with_the_trainer(tmp_path):
         assert _alive(worker)
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    for _ in range(600):
+        proc.wait(timeout=WAIT_S)
+    for _ in range(int(WAIT_S * 10)):
         if not _alive(worker):
             break
         time.sleep(0.1)

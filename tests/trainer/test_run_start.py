@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from _limits import WAIT_S  # noqa: E402
 
 from nemo_d3s.config import ConfigError
 from nemo_d3s.files import write_checksums
@@ -180,7 +181,7 @@ def test_a_deletion_on_resume_from_the_command_line_is_one_error_line(tmp_path):
 
     out = tmp_path / "run"
     _fake_run(out, ["experiment=smoke"])
-    r = cli([f"output_dir={out}", "resume=true", "~model.params.tiny"], timeout=600)
+    r = cli([f"output_dir={out}", "resume=true", "~model.params.tiny"], timeout=WAIT_S)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert lines[-1].startswith("error: resume=true with a config that changes the experiment")

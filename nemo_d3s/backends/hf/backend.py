@@ -117,10 +117,6 @@ class HFBackend(Policy):
         return lp, ent
 
     # ------------------------------------------------------------------ generation
-    @property
-    def supports_prompt_seeds(self) -> bool:
-        return self.rollout_engine.prompt_seeds
-
     def generate(
         self,
         prompts: List[str],

@@ -2,12 +2,14 @@
 distributed optimizer's per-DP-rank ranges of ``p.view(-1)`` <-> the per-parameter tensors
 the plain path writes (``optim.exp_avg.<name>``, ``optim.exp_avg_sq.<name>``,
 ``optim.main.<name>``), so either optimizer resumes the other's checkpoint at any layout.
+Saving gathers one full tensor at a time (the writer streams it to the shard file before the
+next); resuming at the saved layout reads only each DP rank's range.
 Uses ``DistributedOptimizer`` internals present in megatron-core 0.15.3, 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,7 +18,8 @@ __all__ = [
     "MOMENTS",
     "agreed_step",
     "distributed_optimizers",
-    "gather_states",
+    "gathered_entries",
+    "iter_gathered_states",
     "local_ranges",
     "optimizer_step",
     "scatter_states",
@@ -81,8 +84,23 @@ def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
     return out
 
 
+def gathered_entries(
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]], *, with_main: bool, step: int
+) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """(key, shape, dtype) of what :func:`iter_gathered_states` yields for these parameters,
+    known before any collective (a streamed file's header)."""
+    if step <= 0:
+        return []
+    keys = (*MOMENTS, "main") if with_main else MOMENTS
+    return [
+        (f"optim.{k}.{name}", tuple(p.shape), torch.float32)
+        for name, p in named_params
+        for k in keys
+    ]
+
+
 @torch.no_grad()
-def gather_states(
+def iter_gathered_states(
     optimizer: Any,
     named_params: Iterable[Tuple[str, torch.nn.Parameter]],
     dp_group: Optional[dist.ProcessGroup],
@@ -90,18 +108,18 @@ def gather_states(
     with_main: bool,
     step: int,
     dst: int = 0,
-) -> Dict[str, torch.Tensor]:
-    """Full fp32 CPU state tensors of each parameter on DP rank ``dst``; {} elsewhere and at
-    ``step`` 0. Collective over ``dp_group`` (same params, order and ``step`` on every rank):
-    one SUM reduce per tensor of disjoint zero-padded ranges. Memory on ``dst``: the stage's."""
+) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+    """Yields ``(optim.<moment>.<name>, t)`` per parameter in :func:`gathered_entries`' order:
+    ``t`` the full fp32 CPU tensor on DP rank ``dst``, None elsewhere; nothing at ``step`` 0.
+    Collective over ``dp_group``: every rank iterates to the end (same params, order, ``step``);
+    one SUM reduce per tensor of disjoint zero-padded ranges. Memory: one full tensor at a time."""
     if step <= 0:
-        return {}
+        return
     owners = _owners(optimizer)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     root = dist.get_global_rank(dp_group, dst) if dp_group is not None else 0
     is_root = dp_group is None or dist.get_rank(dp_group) == dst
     keys = (*MOMENTS, "main") if with_main else MOMENTS
-    out: Dict[str, torch.Tensor] = {}
     for name, p in named_params:
         dopt = owners.get(p)
         mine: Dict[str, Any] = {}
@@ -116,9 +134,7 @@ def gather_states(
                 full[r.start : r.end] = t.detach().reshape(-1).float()
             if dp_size > 1:
                 dist.reduce(full, dst=root, group=dp_group)
-            if is_root:
-                out[f"optim.{k}.{name}"] = full.view(p.shape).cpu()
-    return out
+            yield f"optim.{k}.{name}", full.view(p.shape).cpu() if is_root else None
 
 
 @torch.no_grad()

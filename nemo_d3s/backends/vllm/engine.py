@@ -149,8 +149,6 @@ class VLLMEngine(RolloutEngine):
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
         self.held_version: Optional[int] = None  # the policy's weights version it holds
-        self.refits = 0  # refits done (tests, the self-check)
-        self.rpc_log: Optional[List[tuple]] = None  # tests: (method, kwargs) of every refit call
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self.release()
@@ -188,12 +186,9 @@ class VLLMEngine(RolloutEngine):
             self._asleep, self._awake_tags = True, set()
         self.held_version = None
 
-    @property
-    def stale(self) -> bool:
-        """Whether the next generation must refit first."""
-        return self.needs_refit(self.policy)
-
     def needs_refit(self, policy: Policy) -> bool:
+        """Whether the next generation must refit first: the engine holds another version of
+        ``policy``'s weights, or a sleep dropped them."""
         version = getattr(policy, "weights_version", None)
         return version is None or self.held_version != int(version)
 
@@ -212,8 +207,6 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ refit (the sink)
     def _rpc(self, method: str, **kwargs):
-        if self.rpc_log is not None:
-            self.rpc_log.append((method, kwargs))
         return self.llm.collective_rpc(method, kwargs=kwargs)
 
     def begin_refit(self) -> None:
@@ -254,7 +247,6 @@ class VLLMEngine(RolloutEngine):
         self.held_version = None  # a refit that fails half-way leaves no version held
         try:
             refit.push(weights)
-            self.refits += 1
             self.held_version = None if version is None else int(version)
         except Exception as e:
             if refit.is_src:

@@ -30,6 +30,12 @@ _TORCHRUN_ENV = (
 )
 
 
+# The trainer's settings vLLM's processes must not inherit: one hardware work queue is what
+# Megatron's TP communication overlap needs (backends/megatron/parallel.py); vLLM overlaps its
+# own streams (its custom all-reduce, async scheduling) and would run them one after another.
+_TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 def in_multi_rank_job() -> bool:
     """Whether this process is one rank of a multi-rank torch.distributed job."""
     import torch.distributed as dist
@@ -53,16 +59,24 @@ def own_gpus(tensor_parallel_size: int) -> Optional[str]:
 @contextlib.contextmanager
 def engine_env(visible_devices: Optional[str]):
     """While vLLM starts: only the engine's GPUs visible (vllm 0.33 ``v1/engine/utils.py:
-    427-436``) and, in a multi-rank job, the engine in its own process with torchrun's
-    variables hidden (in-process it would ``new_group`` over ranks that build no engine).
+    427-436``), the trainer-only variables (``_TRAINER_ONLY_ENV``) hidden and, in a multi-rank
+    job, the engine in its own process with torchrun's variables hidden (in-process it would
+    ``new_group`` over ranks that build no engine).
 
     The job's stop signals reach the engine's spawned processes and shut them down (vllm 0.33
     ``v1/engine/core.py:1522-1543``); neither a blocked mask nor an ignored disposition
     survives spawn, so the trainer checkpoints without calling the engine after a stop."""
     saved = {
         k: os.environ.get(k)
-        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
+        for k in (
+            *_TORCHRUN_ENV,
+            *_TRAINER_ONLY_ENV,
+            "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "CUDA_VISIBLE_DEVICES",
+        )
     }
+    for k in _TRAINER_ONLY_ENV:
+        os.environ.pop(k, None)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if in_multi_rank_job():

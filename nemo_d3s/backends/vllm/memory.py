@@ -1,10 +1,12 @@
 """What a colocated vLLM engine keeps on the GPUs it shares with the trainer, per phase, for
 the dry run (pure arithmetic: no torch, no vLLM import).
 
-Generating: ``gpu_memory_utilization`` x the GPU, beside the trainer's state only (its cache
-is emptied first). Training: a level-2 sleep still holds a CUDA context, TP communicator
-buffers and CUDA graphs' pool (assumed sizes for an 80 GB Hopper GPU). Refitting: awake
-weights, the staging buffer, the staged bucket, TP shards, and the engine's bucket copy.
+Generating: ``gpu_memory_utilization`` x the GPU plus the CUDA context and TP communicator its
+worker made before measuring (:func:`awake_engine_bytes`), beside the trainer's state only
+(its cache is emptied first). Training: a level-2 sleep still holds a CUDA context, TP
+communicator buffers and CUDA graphs' pool (assumed sizes for an 80 GB Hopper GPU).
+Refitting: awake weights, the staging buffer, the staged bucket, TP shards, and the engine's
+bucket copy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
 
 __all__ = [
     "CUDA_GRAPH_BYTES",
+    "awake_engine_bytes",
+    "engine_comm_bytes",
     "VLLM_COMM_BYTES",
     "VLLM_CONTEXT_BYTES",
     "HBM_BYTES_PER_S",
@@ -66,11 +70,29 @@ def engine_positions(
     return [(t, p) for t, p in out if p < pp]
 
 
-def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
+def engine_comm_bytes(vllm_tp: int, *, nvls_bytes: int = 0) -> int:
+    """The engine's TP communicator on each of its GPUs (none at TP 1): its NCCL buffers
+    and custom all-reduce, plus NVLink SHARP's buffers where NCCL uses NVLS (``nvls_bytes``)."""
+    return VLLM_COMM_BYTES + int(nvls_bytes) if vllm_tp > 1 else 0
+
+
+def awake_engine_bytes(reserved_bytes: float, vllm_tp: int, *, nvls_bytes: int = 0) -> float:
+    """What an awake engine takes on each of its GPUs: vLLM's budget, ``reserved_bytes``
+    (utilization x the total CUDA reports: vLLM 0.33 ``v1/worker/utils.py:716-726``), plus
+    what its worker made before the memory snapshot that budget is measured from: the CUDA
+    context, cuBLAS handles and the TP communicator (``v1/worker/gpu_worker.py:496-545``)."""
+    return (
+        float(reserved_bytes)
+        + VLLM_CONTEXT_BYTES
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
+    )
+
+
+def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool, nvls_bytes: int = 0) -> int:
     """What an engine sleeping at level 2 still holds on each of its GPUs."""
     return (
         VLLM_CONTEXT_BYTES
-        + (VLLM_COMM_BYTES if vllm_tp > 1 else 0)
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
         + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
     )
 

@@ -36,9 +36,7 @@ class EngineWatchdog:
                 "vLLM's client has no outputs_queue / engine processes where this version "
                 "expects them: an engine process that dies mid-call is not watched"
             )
-            self.watching = False
             return
-        self.watching = True
         # registered after vLLM's own exit hooks, so it runs before they end the processes
         atexit.register(self.close)
         self.thread = threading.Thread(

@@ -6,15 +6,44 @@ is vLLM's layer-wise reload, as vllm 0.33's ``weight_transfer/ipc_engine.py:160-
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Dict, List, Optional, Tuple
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from nemo_d3s.backends.refit import TensorMeta
 from nemo_d3s.backends.staging import StagedBucketReader, gpu_uuid, shm_key
 
-__all__ = ["WeightLoaderExtension"]
+__all__ = ["WeightLoaderExtension", "quiet_tied_head"]
+
+# vLLM 0.33's layer-wise reload warns "<layer class>: Failed to load weights" for a layer
+# that received no tensor and gets its own back (model_loader/reload/layerwise.py:257-267).
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = "%s: Failed to load weights"
+TIED_HEAD = "ParallelLMHead"
+
+
+class _TiedHeadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOT_LOADED and tuple(record.args or ())[:1] == (TIED_HEAD,))
+
+
+@contextlib.contextmanager
+def quiet_tied_head(tied: bool) -> Iterator[None]:
+    """While a refit finishes: with tied embeddings the refit sends the embedding alone (the
+    trainer holds one tensor; vLLM's head is that parameter), so the head's "Failed to load
+    weights" is expected on every refit and dropped; any other layer's warning stays."""
+    log = logging.getLogger(RELOAD_LOGGER)
+    quiet = _TiedHeadFilter() if tied else None
+    if quiet is not None:
+        log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        if quiet is not None:
+            log.removeFilter(quiet)
 
 
 class WeightLoaderExtension:
@@ -60,8 +89,10 @@ class WeightLoaderExtension:
         """Finish the layer-wise reload and let go of the staging buffer's mapping."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        with self._refit_context():
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        model_config = self.vllm_config.model_config
+        tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        with self._refit_context(), quiet_tied_head(tied):
+            finalize_layerwise_reload(self.model_runner.get_model(), model_config)
         reader: Optional[StagedBucketReader] = getattr(self, "_refit_reader", None)
         if reader is not None:
             reader.close()  # releases the producer's reference once

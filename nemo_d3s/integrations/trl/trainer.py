@@ -86,8 +86,7 @@ def _dp_group() -> Optional[dist.ProcessGroup]:
 class D3SGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer(..., d3s="d3s")``: TRL's arguments plus ``d3s`` (preset name, ``D3SConfig`` or
     mapping). Progress is ``global_step / (max_steps - 1)``, as in ``nemo_d3s.train``; logs the
-    ``d3s/*`` shares, N, K, advantage variances and placeholder rows per step; ``last_selection``
-    holds the last step's inputs and selections."""
+    ``d3s/*`` shares, N, K, advantage variances and placeholder rows per step."""
 
     def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
         # one line, or a warning under NEMO_D3S_ALLOW_UNTESTED=1 (nemo_d3s/versions.py)
@@ -98,7 +97,6 @@ class D3SGRPOTrainer(GRPOTrainer):
         self._d3s_keeps_all = bool(SAMPLE_SELECTORS.prop(cfg.sample_rule, "keeps_all"))
         self._d3s_selector: Optional[TRLD3SSelector] = None
         self._d3s_rewards: Optional[torch.Tensor] = None
-        self.last_selection: Dict[str, Any] = {}
         if self.top_entropy_quantile < 1.0 and TRLD3SSelector(cfg, None).needs_entropy:
             raise ConfigError(
                 f"top_entropy_quantile={self.top_entropy_quantile}: TRL's entropy mask and D3S's "
@@ -195,16 +193,6 @@ class D3SGRPOTrainer(GRPOTrainer):
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
         )
         eligible_all, kept_all = sel.reduce_sums(counts).tolist()
-        self.last_selection = {
-            "rewards": rewards_all,
-            "advantages": advantages_all,
-            "sample_keep_global": keep_all,
-            "stage": stage,
-            "tokens": tokens,
-            "entropy": entropy,
-            "response_mask": response,
-            "progress": progress,
-        }
         if self._d3s_keeps_all and not sel.needs_entropy:
             cut, n_pad = output, 0  # grpo: TRL's batch untouched
         else:
