@@ -174,6 +174,11 @@ class TaskConfig(Section):
         self._check(self.long_prompts in ("error", "skip"), "long_prompts", "known: error, skip")
 
 
+# The longest reward time limit (seconds, about 31 years): the in-process timer (setitimer) is
+# refused beyond the platform's time_t (2**31 s where it is 32-bit).
+MAX_TIMEOUT_S = 1e9
+
+
 @dataclass
 class TrainerConfig(Section):
     """Loop sizes, optimisation, evaluation and checkpoint cadence (``conf/trainer/``)."""
@@ -238,10 +243,14 @@ class TrainerConfig(Section):
     # failed (a broken verifier); 0 = never stop.
     max_failed_reward_steps: int = 3
     # Seconds one reward call may take; a call that has not returned by then gets reward 0
-    # and counts as failed (reward_errors). 0 = no limit. After a stop signal (SIGTERM,
-    # Ctrl-C) the step's reward calls get 2 s more, then the running one is interrupted
-    # and the step redone on resume=true.
+    # and counts as failed (reward_errors): its worker process is killed and replaced. 0 = no
+    # limit. After a stop signal (SIGTERM, Ctrl-C) the step's reward calls get 2 s more, then
+    # the running ones are cut and the step redone on resume=true.
     reward_timeout_s: float = 60.0
+    # Processes that score the rewards (each with its own copy of the task); 0 = the trainer
+    # process itself, where the time limit is a SIGALRM that a call stuck in C code or
+    # catching everything outlives, and a reward that exits or forks takes the run with it.
+    reward_workers: int = 2
     # How long a collective waits for a stopped or dead peer rank before this rank exits
     # with an error (torch's default would be 30 minutes).
     dist_timeout_minutes: float = 10.0
@@ -288,6 +297,7 @@ class TrainerConfig(Section):
             "top_k",
             "max_failed_reward_steps",
             "micro_batch_tokens",
+            "reward_workers",
         ):
             self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
         lmt = self.logprob_micro_batch_tokens
@@ -334,9 +344,10 @@ class TrainerConfig(Section):
             "must be > 0 (minutes)",
         )
         self._check(
-            is_number(self.reward_timeout_s) and self.reward_timeout_s >= 0,
+            is_number(self.reward_timeout_s) and 0 <= self.reward_timeout_s <= MAX_TIMEOUT_S,
             "reward_timeout_s",
-            "must be >= 0 (seconds; 0 = no limit)",
+            f"must be in [0, {MAX_TIMEOUT_S:g}] (seconds; 0 = no limit; a timer beyond "
+            "a 32-bit time_t is refused by the platform)",
         )
         self._check(
             is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0"

@@ -281,8 +281,10 @@ def _run(args: argparse.Namespace) -> int:
     from nemo_d3s.versions import check_stack
 
     try:
-        # torch reads and writes every format; megatron-core writes NeMo 2
-        check_stack(["torch"] + (["megatron-core"] if args.command == "megatron-to-nemo" else []))
+        # torch reads and writes every format; megatron-core writes NeMo 2 and Megatron-LM's
+        # torch_dist (its dist_checkpointing)
+        mcore = args.command in ("megatron-to-nemo", "hf-to-megatron-lm")
+        check_stack(["torch"] + (["megatron-core"] if mcore else []))
         if args.command == "hf-to-megatron":
             out = core.hf_to_megatron(
                 args.hf,

@@ -8,6 +8,8 @@ tensor before anything is written, and output goes through ``files.atomic_folder
 
 from __future__ import annotations
 
+import errno
+
 import os
 import shutil
 import sys
@@ -28,8 +30,15 @@ from nemo_d3s.convert.sources import (
     with_side_files,
     open_checkpoint,
 )
-from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
+from nemo_d3s.errors import ConfigError, RunError
+from nemo_d3s.files import (
+    FolderBusy,
+    FolderNotEmpty,
+    atomic_folder,
+    looks_like_write_failure,
+    space_note,
+    write_checksums,
+)
 from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
 from nemo_d3s.formats.safetensors_stream import (
@@ -82,7 +91,18 @@ def staged_output(
         raise ConfigError(f"--out {str(dest)!r} is not empty; pass --overwrite to replace it")
     try:
         with atomic_folder(dest, replace=overwrite) as tmp:
-            yield tmp
+            try:
+                yield tmp
+            # a full disk or a file-size limit, however it surfaces (torch.distributed.checkpoint's
+            # CheckpointException is a BaseException)
+            except BaseException as e:
+                if not _out_of_room(e):
+                    raise
+                last = [x.strip() for x in str(e).splitlines() if x.strip()] or [repr(e)]
+                raise RunError(
+                    f"could not write --out {str(dest)!r}: {last[-1]} "
+                    f"({space_note(dest.parent)}); nothing was written"
+                ) from None
     except FolderBusy as e:
         raise ConfigError(
             f"--out {str(dest)!r} is being written by another conversion ({e.holder}); wait for it "
@@ -92,6 +112,13 @@ def staged_output(
         raise ConfigError(
             f"--out {str(dest)!r} is not empty; pass --overwrite to replace it"
         ) from None
+
+
+def _out_of_room(e: BaseException) -> bool:
+    """A write that failed for want of space or of file size (not a read, not a bug)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    return looks_like_write_failure(e)
 
 
 def progress_bar(total: int, desc: str, enabled: bool):

@@ -15,6 +15,7 @@ from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.core.off_policy import ImportanceWeights
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.quantiles import global_quantiles
+from nemo_d3s.tasks.base import REWARD_FAILURES
 
 __all__ = [
     "budget_metrics",
@@ -29,15 +30,18 @@ __all__ = [
 
 
 def rollout_metrics(
-    groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int
+    groups: ParallelGroups, stage: Any, ro: Rollouts, failures: Dict[str, int]
 ) -> Dict[str, float]:
-    """Rewards and group counts from the SampleStage (whole batch); lengths summed over ranks."""
+    """Rewards and group counts from the SampleStage (whole batch); lengths and failed reward
+    calls (``failures``: by reason) summed over ranks; a reason's count only when not 0."""
     s = stage.metrics
+    by_reason = {f"reward_failed_{r}": float(failures.get(r, 0)) for r in REWARD_FAILURES}
     t = groups.sum(
         {
             "rollout_tokens": float(ro.batch.response_mask.sum()),
             "finished": float(ro.finished.sum()),
-            "reward_errors": float(n_errors),
+            "reward_errors": float(sum(failures.values())),
+            **by_reason,
         }
     )
     n = s["n_samples"]
@@ -53,6 +57,7 @@ def rollout_metrics(
         "finished_frac": t["finished"] / max(n, 1.0),
         "rollout_tokens": t["rollout_tokens"],
         "reward_errors": t["reward_errors"],
+        **{k: t[k] for k in by_reason if t[k]},
     }
 
 

@@ -116,7 +116,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             ctx.engine.release()
     with ctx.timed("reward"):
         try:
-            rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
+            rewards, failures = ctx.task.score(prompts.problems, ro.response_texts, G)
         except RewardStopped:  # a stop signal cut a (slow or hung) reward call short
             rewards, interrupted = None, 1.0
         # Agreed like the generation's: a rank whose reward call was cut short stops them all.
@@ -125,7 +125,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
 
     stage = ctx.selector.select_samples(rewards, group_ids, progress)
-    m = rollout_metrics(ctx.groups, stage, ro, n_errors)
+    m = rollout_metrics(ctx.groups, stage, ro, failures)
     m.update(selection_metrics(stage))
     m.update(ctx.rollouts.step_metrics(step))
     if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from

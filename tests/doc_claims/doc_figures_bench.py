@@ -224,4 +224,16 @@ def benchmarks_readme() -> List[str]:
         f"{cp['cp1']:.1f} GiB at CP 1, {cp['cp2']:.1f} GiB per rank at CP 2 (packed: "
         f"{cp['cp1_packed']:.1f} -> {cp['cp2_packed']:.1f} GiB)"
     )
+    rw = {e["label"]: e["by_workers"] for e in record("bench_rewards.json")["entries"]}
+
+    def rate(label, w):
+        r = rw[label][w]
+        return f"{r['step_rewards_per_s']:.0f} rewards/s for a step's calls and " + (
+            f"{r['eval_rewards_per_s']:.0f} for an evaluation's"
+        )
+
+    out.append(f"trainer process) {rate('before', '0')}")
+    for w in ("0", "2"):
+        r = rw["after"][w]
+        out.append(f"{r['step_rewards_per_s']:.0f} / {r['eval_rewards_per_s']:.0f}")
     return out

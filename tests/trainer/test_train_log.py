@@ -77,13 +77,17 @@ def test_the_slow_step_warning_goes_to_train_log_once(tmp_path, monkeypatch):
 
     seen = []
 
-    def observe(self, step, seconds):
-        seen.append((step, seconds))
+    def observe(self, step, seconds, parts=None):
+        seen.append((step, seconds, parts))
         return "TEST-SLOW-STEP warning" if step == 2 else None
 
     monkeypatch.setattr(slow_steps.SlowStepWatch, "observe", observe)
     _, rows = run_inprocess(tmp_path, [*RUN, "logging.progress_bar=true"])
-    assert seen == [(r["step"], r["time_step"]) for r in rows]
+    assert [(step, t) for step, t, _ in seen] == [(r["step"], r["time_step"]) for r in rows]
+    # the step's phases, as its row names them (the watch tells reward time from the rest)
+    for (_, _, parts), r in zip(seen, rows):
+        assert "reward" in parts and "rollout" in parts, parts
+        assert set(parts) == {k[5:] for k in r if k.startswith("time_") and k != "time_step"}
     text = (tmp_path / "train.log").read_text()
     assert text.count("TEST-SLOW-STEP warning") == 1
     assert "[WARNING] - TEST-SLOW-STEP warning" in text
@@ -136,7 +140,7 @@ def test_the_run_log_keeps_the_start_up_records_and_splits_the_ranks(tmp_path):
     rank1 = (tmp_path / "train.rank1.log").read_text().splitlines()
     assert [ln.split("] - ", 1)[1] for ln in rank1] == ["a warning"]
     # a run's folder with other ranks' logs is still a run's folder (resume takes it)
-    from nemo_d3s.trainer.rundir import foreign_entries
+    from nemo_d3s.trainer.run_start.folder import foreign_entries
 
     assert foreign_entries(tmp_path) == []
 
