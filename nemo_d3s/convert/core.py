@@ -4,8 +4,9 @@ through. What a folder is comes from ``formats.detect_format``; the sources are 
 ``sources.py``.
 
 - :func:`hf_to_megatron`: an HF folder -> ``OUT/config.json`` + tokenizer +
-  ``OUT/megatron/{layout.json, tpXX_ppYY.safetensors}`` at any TP x PP (no optimizer
-  state): what ``MegatronBackend(model=OUT)`` starts from. One process writes every shard.
+  ``OUT/megatron/{layout.json, tpXX_ppYY.safetensors}`` at any TP x PP (a mixture of
+  experts' also ``epXX_etpYY_ppZZ.safetensors`` at any EP x ETP; no optimizer state):
+  what ``MegatronBackend(model=OUT)`` starts from. One process writes every shard.
 - :func:`megatron_to_hf`: a training checkpoint (``output_dir/checkpoints/step_XXXXXX``, any
   saved layout) or a converted one -> an HF folder (safetensors shards + index, config.json
   with its dtype, generation config, tokenizer) that transformers loads.
@@ -62,14 +63,13 @@ from nemo_d3s.formats.safetensors_stream import (
     nbytes,
     write_hf_weights,
 )
-from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_file, write_layout
+from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_plan, write_layout
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import (
     Layout,
     SafetensorsReader,
     hf_names,
     hf_shape,
-    local_names,
     local_parts,
     local_shape,
     read_local,
@@ -163,6 +163,8 @@ def hf_to_megatron(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
     dtype: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
     overwrite: bool = False,
@@ -171,11 +173,15 @@ def hf_to_megatron(
 ) -> Path:
     """Convert the HF folder ``hf`` (or a NeMo 2 / Megatron-LM / Megatron-Bridge checkpoint:
     a training start from one) into a Megatron checkpoint folder ``out`` with TP x PP shard
-    files and a ``checksums.json`` every reader checks (see the module docstring). ``dtype``
-    None keeps every tensor's stored dtype. Returns ``out``."""
+    files (and a mixture of experts' EP x ETP x PP expert files; ``etp`` None = TP) and a
+    ``checksums.json`` every reader checks (see the module docstring). ``dtype`` None keeps
+    every tensor's stored dtype. Returns ``out``."""
+    etp = tp if etp is None else etp
     for name, v in (
         ("tp", tp),
         ("pp", pp),
+        ("ep", ep),
+        ("etp", etp),
         ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
     ):
         if not is_count(v, 1):
@@ -205,33 +211,28 @@ def hf_to_megatron(
         dtype_of = lambda name, lay: want or _source_dtype(reader, name, spec, lay)  # noqa: E731
         close = reader.close
     try:
-        check_layout(spec, tp=tp, pp=pp, world=tp * pp)
+        world = max(tp, etp * ep) * pp  # the smallest world of this layout
+        check_layout(spec, tp=tp, pp=pp, world=world, ep=ep, etp=etp)
         layout = Layout(
             tp=tp,
             pp=pp,
             padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by),
+            ep=ep,
+            etp=etp,
         )
-        plan = []  # (layout of the file, [(local name, shape, dtype)])
-        for p in range(pp):
-            for t in range(tp):
-                lay = layout.at(t, p)
-                plan.append(
-                    (
-                        lay,
-                        [
-                            (n, local_shape(n, spec, lay), dtype_of(n, lay))
-                            for n in local_names(spec, lay)
-                        ],
-                    )
-                )
-        total = sum(nbytes(s, d) for _, entries in plan for _, s, d in entries)
+        plan = [  # (file, its position's layout, [(local name, shape, dtype)])
+            (fname, lay, [(n, local_shape(n, spec, lay), dtype_of(n, lay)) for n in names])
+            for fname, lay, names in shard_plan(spec, layout)
+        ]
+        total = sum(nbytes(s, d) for _, _, entries in plan for _, s, d in entries)
         with staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
             root = tmp / SUBDIR
             root.mkdir()
-            with progress_bar(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
-                for lay, entries in plan:
+            what = f"TP{tp} x PP{pp}" + (f" x EP{ep} x ETP{etp}" if spec.num_experts else "")
+            with progress_bar(total, f"hf-to-megatron {what}", progress) as bar:
+                for fname, lay, entries in plan:
                     with StreamingSafetensors(
-                        root / shard_file(lay.tp_rank, lay.pp_rank),
+                        root / fname,
                         entries,
                         {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"},
                     ) as w:

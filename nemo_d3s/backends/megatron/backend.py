@@ -43,6 +43,7 @@ from nemo_d3s.backends.megatron.engine import (
     place_engine,
     replica_engine,
 )
+from nemo_d3s.backends.megatron.moe import check_moe_layout, expert_layout, moe_config_kwargs
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
@@ -101,11 +102,24 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
-        check_layout(self.spec, tp=tp, pp=pp, world=world_size(), vpp=self.vpp)
+        ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size
+        check_layout(
+            self.spec,
+            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, ep=ep, etp=etp),
+            pp_last=not cfg.use_tp_pp_dp_mapping,
+        )
+        check_moe_layout(
+            self.spec,
+            tp=tp,
+            sequence_parallel=cfg.sequence_parallel,
+            distributed_optimizer=optim.uses_distributed_optimizer(
+                cfg.distributed_optimizer, self.device
+            ),
+        )
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)
         self.groups = (
-            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp)
+            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp, ep)
         )
         # converted / NeMo 2 checkpoints carry checksums.json
         ckpt.verify_shared(fmt, cfg.verify_checksums)
@@ -121,6 +135,7 @@ class MegatronBackend(Policy):
                 self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by
             ),
             te=self.te,
+            **expert_layout(self.spec),
         )
         config = transformer_config(
             self.spec,
@@ -131,6 +146,14 @@ class MegatronBackend(Policy):
             recompute=cfg.gradient_checkpointing,
             sequence_parallel=cfg.sequence_parallel,
             vpp=self.vpp,
+            moe=moe_config_kwargs(
+                self.spec,
+                ep=ep,
+                etp=etp,
+                dispatcher=cfg.moe_token_dispatcher_type,
+                router_dtype=cfg.moe_router_dtype,
+                grouped_gemm=self.te,
+            ),
         )
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
@@ -328,8 +351,8 @@ class MegatronBackend(Policy):
         safetensors shards (vocabulary padding removed) + the source config.json,
         generation config and tokenizer, through ``files.atomic_folder`` (a hidden sibling
         renamed into place)."""
-        if self.groups.dp_rank != 0:
-            return
+        if self.groups.dp_rank != 0 and not self.spec.num_experts:
+            return  # (experts are spread over DP replicas: every rank serves the gathers)
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
         weights = self.hf_weights()
         if not writer:

@@ -10,11 +10,21 @@ from nemo_d3s.core.checks import is_count
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
-__all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
+__all__ = [
+    "DISPATCHERS",
+    "DTYPES",
+    "MegatronBackendConfig",
+    "ROUTER_DTYPES",
+    "TRANSFORMER_IMPLS",
+    "check_options",
+]
 
 DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 # Megatron-LM's --transformer-impl names (its "inference_optimized" is not offered).
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# megatron-core's token dispatchers that run on gloo and NCCL alike ("flex" needs DeepEP).
+DISPATCHERS = ("alltoall", "allgather")
+ROUTER_DTYPES = ("fp32", "fp64")  # Megatron-LM's --moe-router-dtype; None: the model's
 
 
 # Why context parallelism and packed sequences are refused (the backend's error and the dry
@@ -82,6 +92,14 @@ class MegatronBackendConfig(PolicySettings):
         builds the Transformer Engine layer spec on CUDA, and a TE that does not import is
         a start-up error naming the import error; "local" asks for megatron-core's own
         modules by name (unfused attention). The CPU always takes the local spec.
+    expert_model_parallel_size / expert_tensor_parallel_size: Megatron's EP (experts split
+        over EP ranks carved out of DP) and ETP (each expert's FFN split like a dense MLP
+        over TP; None = TP, Megatron's default), mixture-of-experts models only; the
+        experts must divide by EP and ETP x EP x PP the world (``formats.spec``).
+    moe_token_dispatcher_type: "alltoall" (default) or "allgather", megatron-core's token
+        dispatchers (both run on gloo through ``cpu_compat``).
+    moe_router_dtype: the router's matmul and softmax dtype: "fp32" (default), "fp64" or
+        None (the model's dtype).
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -105,6 +123,10 @@ class MegatronBackendConfig(PolicySettings):
     distributed_optimizer: Optional[bool] = None
     verify_checksums: bool = True
     transformer_impl: str = "transformer_engine"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: Optional[str] = "fp32"
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
@@ -147,6 +169,16 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         raise ValueError(
             f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
             f"{', '.join(TRANSFORMER_IMPLS)}"
+        )
+    if cfg.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ValueError(
+            f"model.params.moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r}: "
+            f"expected one of {', '.join(DISPATCHERS)}"
+        )
+    if cfg.moe_router_dtype is not None and cfg.moe_router_dtype not in ROUTER_DTYPES:
+        raise ValueError(
+            f"model.params.moe_router_dtype={cfg.moe_router_dtype!r}: expected one of "
+            f"{', '.join(ROUTER_DTYPES)} or null"
         )
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(

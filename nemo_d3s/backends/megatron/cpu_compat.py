@@ -20,8 +20,9 @@ The patches (each one's WHY is at its code):
 1. The module-level ``torch`` of the megatron modules listed in :data:`_TORCH_PROXIED` is
    replaced by a proxy: ``torch.cuda.current_device()`` returns ``"cpu"``,
    ``torch.cuda.synchronize()`` does nothing, ``torch.cuda.current_stream()`` is a stream
-   whose waits do nothing, and ``zeros/ones/empty/tensor`` map ``device="cuda"`` to the CPU;
-   every other name is torch's own object.
+   whose waits do nothing, ``zeros/ones/empty/tensor`` map ``device="cuda"`` to the CPU,
+   and ``torch.distributed``'s list all-gather / reduce-scatter take unequal sizes as on
+   NCCL; every other name is torch's own object.
 2. ``LanguageModule.setup_embeddings_and_output_layer`` runs with ``Tensor.cuda`` as the
    identity (for the length of that call only).
 3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep and swap CPU generator states, and
@@ -32,6 +33,10 @@ The patches (each one's WHY is at its code):
    proxy of 1, and ``Tensor.type()`` names CPU tensors as CUDA ones during
    ``DistributedOptimizer.__init__`` and the clipping call only (its dtype grouping and an
    assertion compare those names).
+
+5. Mixture-of-experts layers: the router, the all-to-all dispatcher and the aux-loss log
+   go through the proxy of 1 (the proxy's ``Stream`` and ``stream()`` are no-ops: gloo's
+   all-to-all is synchronous); the rest is ``cpu_compat_moe.py``.
 
 Not patched, because the backend does not take those paths on CPU (documented so nobody
 relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
@@ -57,6 +62,13 @@ import functools
 from typing import Any
 
 import torch
+
+from nemo_d3s.backends.megatron.cpu_compat_moe import (
+    MOE_TORCH_PROXIED,
+    CpuDistributed,
+    patch_dtoh_copies,
+    patch_router_gemm,
+)
 
 __all__ = ["apply_cpu_compat", "is_applied", "seed_model_parallel"]
 
@@ -107,6 +119,8 @@ _TORCH_PROXIED = {
     "megatron.core.tensor_parallel.layers": (
         "LinearWithGradAccumulationAndAsyncCommunication.backward"
     ),
+    # Mixture-of-experts layers: see :data:`MOE_TORCH_PROXIED`.
+    **MOE_TORCH_PROXIED,
 }
 
 _APPLIED = False
@@ -126,6 +140,9 @@ class _CpuStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, event: Any = None) -> "_CpuStream":
+        return self  # an event whose synchronize() has nothing to wait for
+
 
 class _CpuCuda:
     """``torch.cuda`` as the proxied megatron modules see it."""
@@ -137,6 +154,14 @@ class _CpuCuda:
     @staticmethod
     def current_device() -> str:
         return "cpu"
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     @staticmethod
     def synchronize(*args: Any, **kwargs: Any) -> None:
@@ -161,6 +186,7 @@ class CpuTorch:
     ``torch.cuda.current_device/synchronize`` go to the CPU; all else is torch itself."""
 
     cuda = _CpuCuda()
+    distributed = CpuDistributed()
     zeros = staticmethod(_on_cpu(torch.zeros))
     ones = staticmethod(_on_cpu(torch.ones))
     empty = staticmethod(_on_cpu(torch.empty))
@@ -325,6 +351,8 @@ def apply_cpu_compat() -> None:
     _patch_tied_embedding_copy()
     _patch_rng()
     _patch_distributed_optimizer()
+    patch_router_gemm()
+    patch_dtoh_copies()
     _APPLIED = True
 
 

@@ -87,10 +87,13 @@ def initialize_megatron_groups(
     order: str = DEFAULT_ORDER,
     vpp: Optional[int] = None,
     timeout_minutes: Optional[float] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> Callable[[], None]:
     """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
     that exists, ranks laid out in ``order``, with a virtual pipeline of ``vpp`` chunks per
-    stage when vpp > 1 (interleaved 1F1B), and the gloo twin of the model-parallel group
+    stage when vpp > 1 (interleaved 1F1B), the expert groups of ``ep`` x ``etp`` (None:
+    TP), and the gloo twin of the model-parallel group
     (:func:`model_parallel_gloo_group`); returns the teardown (``destroy_model_parallel``).
     ``timeout_minutes`` (``trainer.dist_timeout_minutes``): every group waits that long
     (Megatron's ``distributed_timeout_minutes``, the twin's ``timeout``, and
@@ -109,6 +112,8 @@ def initialize_megatron_groups(
         context_parallel_size=cp,
         order=order,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         **extra,
     )
     if cp == 1:  # (the backend runs no context parallelism; the twin's groups assume none)

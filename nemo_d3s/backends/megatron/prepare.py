@@ -167,10 +167,10 @@ def seed_model_rng(device: torch.device, seed: int) -> None:
 
 
 def init_groups(
-    cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int
+    cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int, ep: int = 1
 ) -> ParallelGroups:
     """Megatron's ``initialize_model_parallel`` on the job's process group (collective); an
-    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness).
+    existing Megatron layout of the same TP x PP x VPP x EP is reused (e.g. by a test harness).
     The world, Megatron's groups and the gloo twin of the model-parallel group all wait
     ``cfg.dist_timeout_minutes`` (``distributed.timeouts``); the twin is made from the layout
     (``parallel.make_model_parallel_gloo_twin``), with no NCCL collective."""
@@ -204,10 +204,12 @@ def init_groups(
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            ps.get_expert_model_parallel_world_size(),
         )
-        if have != (tp, pp, vpp):
+        if have != (tp, pp, vpp, ep):
             raise ValueError(
-                f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, vpp)}"
+                f"Megatron is already initialised at TP x PP x VPP x EP = {have}, not "
+                f"{(tp, pp, vpp, ep)}"
             )
         if par.model_parallel_gloo_group() is None:  # initialised by other code
             par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes)
@@ -220,6 +222,8 @@ def init_groups(
             order=order,
             vpp=vpp,
             timeout_minutes=cfg.dist_timeout_minutes,
+            ep=ep,
+            etp=cfg.expert_tensor_parallel_size,
         )
     single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
     return ParallelGroups(

@@ -63,6 +63,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
+from nemo_d3s.backends.megatron.moe import align_micro_batches
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -127,12 +128,13 @@ def _plan(
         max_tokens=micro_batch_tokens,
     )
     if len(chunks) == 1:
-        return mbs
+        return align_micro_batches(mbs, groups, config)
     # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
     # other's previous and next stage), and megatron-core's shape exchange for variable
     # shapes posts them in an order that pairs one direction's send with the other's
     # receive (p2p_communication.py:205-230): one shape for every micro-batch there.
-    return pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
+    mbs = pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
+    return align_micro_batches(mbs, groups, config)
 
 
 def _schedule(
