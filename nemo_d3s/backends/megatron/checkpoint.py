@@ -2,12 +2,14 @@
 (``formats/shards.py``: the files and the resharding table they are read through).
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
-shard (:func:`writer_dp_rank`; with a virtual pipeline each chunk is saved as its virtual
-stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments,
-or Megatron's distributed optimizer's DP-sharded state gathered to the writer and scattered back on
-load; for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
-come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every rank calls
-:func:`save_policy` / :func:`load_policy`.
+shard (:func:`writer_dp_rank`; of a mixture of experts, which expert-DP rank of each
+(EP, ETP, PP) position writes its expert file, :func:`expert_writer`; with a virtual
+pipeline each chunk is saved as its virtual stage of a TP x (PP VPP) layout,
+:func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
+distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
+for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
+come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every
+rank calls :func:`save_policy` / :func:`load_policy`.
 """
 
 from __future__ import annotations
@@ -28,18 +30,23 @@ from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
     read_layout,
+    file_of,
     read_local_from_checkpoint,
     save_shard,
     shard_file,
     shard_metadata,
     write_layout,
 )
+from nemo_d3s.backends.megatron.moe import ExpertGroups
+from nemo_d3s.distributed.comm import group_rank, group_size
+from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.formats.weights import Layout
 
 __all__ = [
     "policy_stages",
     "policy_tensors",
     "writer_dp_rank",
+    "expert_writer",
     "save_policy",
     "load_policy",
     "write_model_files",
@@ -126,15 +133,31 @@ def save_policy(pol: Any, folder: str) -> List[str]:
                 step=step,
                 dst=writer,
             )
+        meta = {
+            "optimizer_step": str(step),
+            "scheduler_step": str(pol.scheduler.step_count),
+            "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
+        }
+        tensors = {**policy_tensors(pol, i), **gathered}
+        dense = {k: v for k, v in tensors.items() if not is_expert_param(k)}
         if pol.groups.dp_rank == writer:
-            meta = {
-                "optimizer_step": str(step),
-                "scheduler_step": str(pol.scheduler.step_count),
-                "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
-            }
-            save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
+            save_shard(root, layout, dense, meta)
             wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
+        if pol.spec.num_experts and expert_writer(layout):
+            experts = {k: v for k, v in tensors.items() if is_expert_param(k)}
+            save_shard(root, layout, experts, meta, file=file_of(next(iter(experts)), layout))
+            wrote.append(f"{SUBDIR}/{file_of(next(iter(experts)), layout)}")
     return wrote
+
+
+def expert_writer(layout: Layout) -> bool:
+    """Whether this rank writes the expert file of its (EP, ETP, PP) position: one
+    expert-data-parallel rank per position, rotated over the positions as the dense
+    writers are (:func:`writer_dp_rank`)."""
+    groups = ExpertGroups.current()
+    size = group_size(groups.edp)
+    position = layout.etp_rank + layout.etp * (layout.ep_rank + layout.ep * layout.pp_rank)
+    return group_rank(groups.edp) == position % size
 
 
 @torch.no_grad()

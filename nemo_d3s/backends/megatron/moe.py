@@ -30,6 +30,7 @@ from nemo_d3s.formats.weights import Layout, assemble_hf, hf_shape, iter_stage_h
 __all__ = [
     "ExpertGroups",
     "align_micro_batches",
+    "couples_data_parallel",
     "check_moe_layout",
     "expert_layout",
     "iter_expert_hf",
@@ -128,6 +129,15 @@ class ExpertGroups:
     @property
     def etp_rank(self) -> int:
         return group_rank(self.etp)
+
+
+def couples_data_parallel(chunks: List[torch.nn.Module], groups: ParallelGroups) -> bool:
+    """Whether the model's forward is a collective over ``groups.dp``: MoE layers at DP > 1
+    (EP and ETP are carved out of DP), so a rank with no rows still runs every forward."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    return bool(getattr(config, "num_moe_experts", None)) and groups.dp_size > 1
 
 
 def align_micro_batches(mbs: List[MicroBatch], groups: ParallelGroups, config) -> List[MicroBatch]:

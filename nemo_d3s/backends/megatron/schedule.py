@@ -63,7 +63,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
-from nemo_d3s.backends.megatron.moe import align_micro_batches
+from nemo_d3s.backends.megatron.moe import align_micro_batches, couples_data_parallel
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -217,7 +217,8 @@ def score(
 
     model: this rank's GPTModel stage (or a one-element list of it; DDP-wrapped is fine);
     batch: [B, S] right-padded, the SAME on every rank of the model-parallel group (B may be
-    0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
+    0: returns empty tensors, no collective, unless a MoE layer's dispatch needs this rank:
+    ``moe.couples_data_parallel``); vocab_size: the real vocabulary size when the
     model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
     rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
     :func:`plan_micro_batches`); ``Scores.stats`` counts the fed and attended positions.
@@ -239,8 +240,8 @@ def score(
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
-    if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
-        return Scores(logprobs, entropy)
+    if B == 0 and not couples_data_parallel(chunks, groups):
+        return Scores(logprobs, entropy)  # the model-parallel group's batch is empty
     device = device_of(chunks[0])
     mbs = _plan(batch, groups, chunks, micro_batch_size, micro_batch_tokens)
     store = PerTokenStore()

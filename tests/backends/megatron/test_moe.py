@@ -208,3 +208,98 @@ def test_moe_layout_matches_transformers_and_the_hf_backend(
                 weights[name], ref_weights[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}"
             )
     assert sorted(r["ep"][1] for r in results) == sorted(list(range(ep)) * (world // ep))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _steps(pol, n):
+    batch, adv, noise, keep = tiny_batch()
+    for _ in range(n):
+        lp = pol.score(batch, with_entropy=False, micro_batch_size=MBS).logprobs
+        pol.train_step(
+            batch, _loss_fn(batch, lp + noise, adv, keep), MBS, denominator=_denominator(keep)
+        )
+
+
+def _policy(folder, ep):
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    cfg = MegatronBackendConfig(
+        model=folder,
+        device="cpu",
+        expert_model_parallel_size=ep,
+        scheduler="linear",
+        total_steps=10,
+        warmup_steps=1,
+        **OPT,
+    )
+    return MegatronBackend(cfg)
+
+
+def _rank_save(rank, folder, ckpt, ep):
+    pol = _policy(folder, ep)
+    _steps(pol, 1)
+    pol.save_checkpoint(ckpt)
+    saved = dict(pol.hf_weights())
+    _steps(pol, 1)
+    return saved, dict(pol.hf_weights())
+
+
+def _rank_resume(rank, folder, ckpt, ep):
+    pol = _policy(folder, ep)
+    pol.load_checkpoint(ckpt)
+    loaded = dict(pol.hf_weights())
+    _steps(pol, 1)
+    return loaded, dict(pol.hf_weights())
+
+
+def test_ep2_checkpoint_resumes_bit_exactly_at_ep1_and_ep4(moe_folders, tmp_path):
+    """Saved at EP 2 (expert files ep00 / ep01): the model loads bit for bit at EP 2, EP 1
+    and EP 4, and the next step (Adam moments resharded with the experts) matches the
+    uninterrupted EP 2 run (bit for bit at EP 2, 1e-5 elsewhere)."""
+    folder, ckpt = moe_folders["qwen3_moe"], str(tmp_path / "ckpt")
+    (saved, after), _ = run_ranks(_rank_save, 2, folder, ckpt, 2, megatron=False, timeout=300)
+    files = sorted(os.listdir(os.path.join(ckpt, "megatron")))
+    assert files == [
+        "ep00_etp00_pp00.safetensors",
+        "ep01_etp00_pp00.safetensors",
+        "layout.json",
+        "tp00_pp00.safetensors",
+    ]
+    for ep in (2, 1, 4):
+        results = run_ranks(_rank_resume, ep, folder, ckpt, ep, megatron=False, timeout=300)
+        for loaded, stepped in results:
+            assert sorted(loaded) == sorted(saved)
+            assert all(torch.equal(loaded[k], saved[k]) for k in saved), ep
+            moved = [k for k in after if not torch.equal(after[k], saved[k])]
+            assert any(".experts." in k for k in moved)
+            for k in after:
+                if ep == 2:
+                    assert torch.equal(stepped[k], after[k]), k
+                else:
+                    torch.testing.assert_close(stepped[k], after[k], rtol=0, atol=1e-5)
+
+
+def _rank_empty(rank, folder):
+    """DP rank 1 scores and trains on no rows while rank 0 has six: its MoE layers still
+    serve rank 0's dispatches (a rank returning early would leave rank 0 waiting)."""
+    batch, adv, noise, keep = tiny_batch()
+    pol = _policy(folder, 2)
+    rows = torch.arange(B) if rank == 0 else torch.zeros(0, dtype=torch.long)
+    local = batch.select(rows)
+    sc = pol.score(local, with_entropy=False, micro_batch_size=MBS)
+    metrics = pol.train_step(
+        local,
+        _loss_fn(local, (sc.logprobs + noise[rows]), adv[rows], keep[rows]),
+        MBS,
+        denominator=_denominator(keep),
+    )
+    return sc.logprobs, metrics["grad_norm"]
+
+
+def test_a_rank_without_rows_serves_the_dispatches(moe_folders, moe_reference):
+    (lp, norm0), (empty, norm1) = run_ranks(
+        _rank_empty, 2, moe_folders["qwen3_moe"], megatron=False, timeout=300
+    )
+    assert empty.shape == (0, lp.shape[1]) and norm0 == norm1 > 0
+    assert (lp - moe_reference["qwen3_moe"]["logprobs"]).abs().max() <= 1e-4
