@@ -115,7 +115,7 @@ GB = 10**9
 # Which memory terms are held when: all the time, while the policy trains, while the engine
 # generates.
 RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
-TRAINING = ("activations", "logits", "fragmentation")
+TRAINING = ("activations", "logits", "fragmentation", "moe_dispatch")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)

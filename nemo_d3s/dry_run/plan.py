@@ -23,6 +23,7 @@ sum to the HF model's count; and megatron-core's theoretical memory formula (Meg
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_d3s.core.checks import is_real
@@ -59,6 +60,14 @@ from nemo_d3s.dry_run.memory import (
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.backends.megatron.moe import check_moe_layout
+from nemo_d3s.dry_run.moe import (
+    activation_spec,
+    dispatch_bytes,
+    expert_dp,
+    expert_params,
+    moe_summary,
+)
 from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
 from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
@@ -93,14 +102,32 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
     spec = ModelSpec.from_folder(folder)
     tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
     vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
+    ep = int(mcfg.expert_model_parallel_size)
+    etp = int(mcfg.expert_tensor_parallel_size or tp)
     try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
+        dp = check_layout(
+            spec,
+            tp=tp,
+            pp=pp,
+            world=shape.world,
+            vpp=vpp,
+            ep=ep,
+            etp=etp,
+            pp_last=not mcfg.use_tp_pp_dp_mapping,
+        )
     except ConfigError as e:
         raise ConfigError(
             f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
             "and trainer.gpus_per_node, to the job's shape)"
         ) from None
     validate_layout(cfg, dp)
+    # the backend's MoE refusals, with distributed_optimizer=null meaning CUDA's default
+    check_moe_layout(
+        spec,
+        tp=tp,
+        sequence_parallel=bool(mcfg.sequence_parallel),
+        distributed_optimizer=mcfg.distributed_optimizer is not False,
+    )
     return Setup(
         cfg=cfg,
         mcfg=mcfg,
@@ -115,6 +142,8 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
+        ep=ep,
+        etp=etp,
     )
 
 
@@ -224,7 +253,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         str(cfg.rollout.dtype)
     ]
     weights = v_dtype * spec.num_params / vllm_tp
-    act = vllm_activation_bytes(spec, vllm_tp, v_dtype)
+    act = vllm_activation_bytes(activation_spec(spec), vllm_tp, v_dtype)
     kv = gmu * gpu - weights - act
     per_tok = kv_bytes_per_token(spec, vllm_tp, v_dtype)
     tokens = max(0, int(kv // per_tok))
@@ -308,20 +337,25 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
 def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
     """The memory terms, peaks and verdict of the GPU at (TP rank t, PP stage p)."""
     spec, d = s.spec, w.dtype_bytes
-    _, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
+    distributed, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
     layout = Layout(tp=s.tp, pp=s.pp, tp_rank=t, pp_rank=p, padded_vocab=s.vocab, te=False)
-    n = local_param_count(spec, layout)
+    layout = replace(layout, ep=s.ep, etp=s.etp)  # (every EP / ETP rank holds as many)
+    n, n_expert = local_param_count(spec, layout), expert_params(s, layout)
+    # the distributed optimizer shards expert state over the expert-DP group, not DP
+    expert_opt = opt_per_param * n_expert * (s.dp / expert_dp(s) if distributed else 1)
     terms: Dict[str, float] = {
         "weights": d * n,
         "grads": grad_per_param * n,
-        "optimizer": opt_per_param * n,
+        "optimizer": opt_per_param * (n - n_expert) + expert_opt,
     }
     if float(s.cfg.algorithm.kl_coef) > 0:
         terms["reference"] = d * n
     if s.engine == "hf" and t == 0 and p == 0:
         terms["hf_replica"] = d * spec.num_params
-    act, in_flight = activation_bytes(spec, w, tp=s.tp, pp=s.pp, stage=p)
+    act, in_flight = activation_bytes(activation_spec(spec), w, tp=s.tp, pp=s.pp, stage=p)
     terms["activations"] = act
+    if spec.num_experts:
+        terms["moe_dispatch"] = dispatch_bytes(spec, w, tp=s.tp, pp=s.pp)
     logit_note = None
     if p == s.pp - 1:
         terms["logits"], logit_note = logits_bytes(s.vocab, w, tp=s.tp)
@@ -361,7 +395,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl")}
     cp_need = context_parallel_need(
         resident,
-        minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+        minimal_training_bytes(activation_spec(spec), w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
         s.gpu,
         seq_len=w.seq_len,
         position=f"(TP {t}, PP {p})",
@@ -371,6 +405,8 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         "pp_rank": p,
         "params": n,
         "real_params": real_param_count(spec, layout),
+        "expert_params": n_expert,
+        "expert_optimizer_bytes": int(expert_opt),
         "layers": spec.num_layers // s.pp,
         "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
@@ -411,4 +447,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     vllm_terms, problems = _vllm(s, w, placement) if placement is not None else ({}, [])
     positions = [_position(s, w, t, p, vllm_terms) for t, p in stage_positions(s.tp, s.pp)]
     distributed_opt, _, _ = _optimizer_bytes(s, w)
-    return report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    out = report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    if s.spec.num_experts:
+        out["moe"] = moe_summary(s, positions, distributed_opt)
+    return out

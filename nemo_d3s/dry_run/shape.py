@@ -99,3 +99,5 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    ep: int = 1  # expert parallelism (mixture of experts)
+    etp: int = 1  # expert tensor parallelism

@@ -43,7 +43,12 @@ from nemo_d3s.backends.megatron.engine import (
     place_engine,
     replica_engine,
 )
-from nemo_d3s.backends.megatron.moe import check_moe_layout, expert_layout, moe_config_kwargs
+from nemo_d3s.backends.megatron.moe import (
+    check_moe_layout,
+    expert_layout,
+    moe_config_kwargs,
+    router_loss_metrics,
+)
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
@@ -153,6 +158,8 @@ class MegatronBackend(Policy):
                 dispatcher=cfg.moe_token_dispatcher_type,
                 router_dtype=cfg.moe_router_dtype,
                 grouped_gemm=self.te,
+                aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                z_loss_coeff=cfg.moe_z_loss_coeff,
             ),
         )
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
@@ -324,6 +331,9 @@ class MegatronBackend(Policy):
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
         )
+        if self.spec.num_experts:
+            n = int(metrics.get("n_micro_batches", 1))
+            metrics.update(router_loss_metrics(self.groups, self.spec.num_layers, n))
         if not metrics.get("skipped"):
             self.weights_changed()
         return metrics

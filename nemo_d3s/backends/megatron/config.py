@@ -100,6 +100,15 @@ class MegatronBackendConfig(PolicySettings):
         dispatchers (both run on gloo through ``cpu_compat``).
     moe_router_dtype: the router's matmul and softmax dtype: "fp32" (default), "fp64" or
         None (the model's dtype).
+    moe_aux_loss_coeff / moe_z_loss_coeff: the router's load-balancing (megatron-core's
+        per-micro-batch "aux_loss") and z-loss coefficients, logged per step as
+        ``moe_load_balancing_loss`` / ``moe_z_loss`` when > 0. RL default 0 for both: the
+        policy gradient alone moves the router, as NeMo-RL's Megatron GRPO configs do
+        (``moe_router_load_balancing_type: "none"``, its comment: a sequence aux loss made the
+        log-prob error diverge in GRPO; examples/configs/grpo_math_1B_megatron.yaml) and as
+        Megatron-Bridge's Qwen3-MoE bridge in verl ("none", "default None for RL"); the
+        pretrained router is already balanced, and an auxiliary gradient would change the
+        policy the rollouts were sampled from in a way no advantage accounts for.
     entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
         entropy/log-prob kernel handles at once (bounds its workspace).
     The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
@@ -127,6 +136,8 @@ class MegatronBackendConfig(PolicySettings):
     expert_tensor_parallel_size: Optional[int] = None
     moe_token_dispatcher_type: str = "alltoall"
     moe_router_dtype: Optional[str] = "fp32"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
@@ -180,6 +191,10 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.moe_router_dtype={cfg.moe_router_dtype!r}: expected one of "
             f"{', '.join(ROUTER_DTYPES)} or null"
         )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"model.params.{key}={v!r}: a number >= 0")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(
             f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} "

@@ -35,6 +35,7 @@ __all__ = [
     "expert_layout",
     "iter_expert_hf",
     "moe_config_kwargs",
+    "router_loss_metrics",
 ]
 
 
@@ -69,23 +70,28 @@ def moe_config_kwargs(
     dispatcher: str,
     router_dtype: Optional[str],
     grouped_gemm: bool,
+    aux_loss_coeff: float = 0.0,
+    z_loss_coeff: float = 0.0,
 ) -> Dict[str, object]:
     """``TransformerConfig`` keyword arguments of ``spec``'s MoE layers ({} when dense).
 
     Dropless (``moe_expert_capacity_factor=None``): every token reaches its k experts, so
     a token's experts depend on that token's hidden state alone (what D3S's compaction
-    relies on). No router losses here (``moe_router_load_balancing_type="none"``)."""
+    relies on). Router losses only when their coefficients are > 0: megatron-core's
+    per-micro-batch load-balancing loss (``"aux_loss"``) and z loss, their gradients scaled
+    by 1 / micro-batches and averaged over DP (0.16.1 pipeline_parallel/schedules.py:289-292)."""
     if not spec.num_experts:
         return {}
     return dict(
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=float(aux_loss_coeff),
+        moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
         num_moe_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
         moe_router_topk=spec.moe_topk,
         moe_router_score_function=ROUTER_SCORE,
         moe_router_pre_softmax=spec.moe_pre_softmax,
         moe_router_dtype=router_dtype,
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type=dispatcher,
         moe_expert_capacity_factor=None,
         moe_grouped_gemm=grouped_gemm,
@@ -213,3 +219,33 @@ def iter_expert_hf(
             if not is_single(pp):
                 dist.broadcast(x, src=global_rank_of(pp, owner), group=pp)
             yield h, x
+
+
+ROUTER_LOSSES = ("load_balancing_loss", "z_loss")  # megatron-core's tracker names
+
+
+def router_loss_metrics(
+    groups: ParallelGroups, num_layers: int, micro_batches: int
+) -> Dict[str, float]:
+    """The step's router losses from megatron-core's per-layer tracker (each layer's loss
+    over the coefficient, summed over this rank's micro-batches: 0.16.1
+    transformer/moe/router.py:448-455, :505-507), as ``moe_<name>``: the mean over layers and
+    micro-batches, divided by DP so that the trainer's sum over DP ranks is their mean. The
+    tracker is cleared. Collective over ``groups.pp`` (each stage tracks its own layers)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    out: Dict[str, float] = {}
+    for name in ROUTER_LOSSES:
+        if name not in tracker:
+            continue
+        total = tracker[name]["values"].detach().double().sum().reshape(1).to(groups.device)
+        if not is_single(groups.pp):
+            dist.all_reduce(total, group=groups.pp)
+        mean = float(total[0]) / (num_layers * max(micro_batches, 1))
+        out[f"moe_{name}"] = mean / groups.dp_size
+    clear_aux_losses_tracker()
+    return out

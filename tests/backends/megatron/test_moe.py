@@ -303,3 +303,50 @@ def test_a_rank_without_rows_serves_the_dispatches(moe_folders, moe_reference):
     )
     assert empty.shape == (0, lp.shape[1]) and norm0 == norm1 > 0
     assert (lp - moe_reference["qwen3_moe"]["logprobs"]).abs().max() <= 1e-4
+
+
+def _rank_router_losses(rank, folder, ep, coeff):
+    from nemo_d3s.backends.megatron.backend import MegatronBackend
+    from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+
+    batch, adv, noise, keep = tiny_batch()
+    pol = MegatronBackend(
+        MegatronBackendConfig(
+            model=folder,
+            device="cpu",
+            expert_model_parallel_size=ep,
+            moe_aux_loss_coeff=coeff,
+            moe_z_loss_coeff=coeff,
+            **OPT,
+        )
+    )
+    rows = torch.arange(B) if ep == 1 else torch.arange(3 * rank, 3 * rank + 3)
+    local = batch.select(rows)
+    lp = pol.score(local, with_entropy=False, micro_batch_size=1).logprobs
+    metrics = pol.train_step(
+        local,
+        _loss_fn(local, lp + noise[rows], adv[rows], keep[rows]),
+        1,
+        denominator=_denominator(keep),
+    )
+    return {k: v for k, v in metrics.items() if k.startswith("moe_")}, dict(pol.hf_weights())
+
+
+def test_router_losses_are_logged_and_enter_the_gradient_alike_at_ep1_and_ep2(moe_folders):
+    """One row per micro-batch, so EP 2's two DP ranks (rows 0-2, 3-5) run the micro-batches
+    EP 1 runs and megatron-core's per-micro-batch losses are the same: EP 2's logged losses
+    sum over DP to EP 1's, and the update with coefficients 0.1 equals EP 1's (atol 1e-5) and
+    differs from the update without them; coefficient 0 logs nothing."""
+    folder = moe_folders["qwen3_moe"]
+    ((none, plain),) = run_ranks(_rank_router_losses, 1, folder, 1, 0.0, megatron=False)
+    ((one, w1),) = run_ranks(_rank_router_losses, 1, folder, 1, 0.1, megatron=False)
+    two = run_ranks(_rank_router_losses, 2, folder, 2, 0.1, megatron=False, timeout=300)
+    assert none == {} and set(one) == {"moe_load_balancing_loss", "moe_z_loss"}
+    assert one["moe_load_balancing_loss"] > 0 and one["moe_z_loss"] > 0
+    for k in one:
+        assert sum(m[k] for m, _ in two) == pytest.approx(one[k], rel=1e-6)
+    gate = "model.layers.0.mlp.gate.weight"
+    assert (w1[gate] - plain[gate]).abs().max() > 1e-6
+    for _, w2 in two:
+        for k in w1:
+            torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
