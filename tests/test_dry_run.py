@@ -53,6 +53,12 @@ RECIPES = {
     "qwen3_32b": (4, 32_762_123_264, "32.8B", (8, 1, 4)),
 }
 
+# recipe -> (nodes, total, active, (TP, PP, DP, EP), fits at its gpu_memory_gb)
+MOE_RECIPES = {
+    "qwen3_30b_a3b": (1, 30_532_122_624, 3_353_032_704, (4, 1, 2, 8), True),
+    "qwen3_235b_a22b": (8, 235_093_634_560, 22_190_763_520, (4, 2, 8, 32), False),
+}
+
 
 def _compose(overrides):
     from nemo_d3s.train import compose_config
@@ -338,12 +344,15 @@ def test_job_shape_from_the_environment():
         job_shape({}, nodes=0)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES) + ["llama3_70b_long"])
+@pytest.mark.parametrize("name", sorted(RECIPES) + ["llama3_70b_long"] + sorted(MOE_RECIPES))
 def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
     cfg = _compose([f"experiment={name}", "output_dir=x"])
-    nodes, layout = (
-        (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
-    )
+    if name in MOE_RECIPES:
+        nodes, layout = MOE_RECIPES[name][0], MOE_RECIPES[name][3][:3]
+    else:
+        nodes, layout = (
+            (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
+        )
     assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (nodes, 8)
     tp, pp, dp = layout
     assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
@@ -354,7 +363,7 @@ def test_every_planned_recipe_file_is_in_the_shape_test():
     state its shape too: it is listed above."""
     conf = REPO / "conf" / "experiment"
     planned = {f.stem for f in conf.glob("*.yaml") if "trainer.dry_run=true" in f.read_text()}
-    assert planned == set(RECIPES) | {"llama3_70b_long"}, planned
+    assert planned == set(RECIPES) | {"llama3_70b_long"} | set(MOE_RECIPES), planned
 
 
 # ----------------------------------------------------------------------------- formulas by hand
@@ -814,11 +823,6 @@ def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
 
 
 # ----------------------------------------------------------------------------- MoE recipes
-# recipe -> (nodes, total, active, (TP, PP, DP, EP), fits at its gpu_memory_gb)
-MOE_RECIPES = {
-    "qwen3_30b_a3b": (1, 30_532_122_624, 3_353_032_704, (4, 1, 2, 8), True),
-    "qwen3_235b_a22b": (8, 235_093_634_560, 22_190_763_520, (4, 2, 8, 32), False),
-}
 
 
 @pytest.mark.parametrize("name", sorted(MOE_RECIPES))
