@@ -22,13 +22,32 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List
 
+from nemo_d3s.backends.megatron.moe import check_moe_layout
 from nemo_d3s.backends.megatron.param_counts import local_param_count
 from nemo_d3s.dry_run.memory import Workload
 from nemo_d3s.dry_run.sequence import replicated_share
 
-__all__ = ["activation_spec", "dispatch_bytes", "expert_dp", "expert_params", "moe_summary"]
+__all__ = [
+    "activation_spec",
+    "check_planned_moe",
+    "dispatch_bytes",
+    "expert_dp",
+    "expert_params",
+    "moe_summary",
+]
 
 DISPATCH_COPIES = 4  # routed-token copies of one layer alive at once (module docstring)
+
+
+def check_planned_moe(spec: Any, mcfg: Any) -> None:
+    """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``
+    on CUDA, where ``distributed_optimizer`` null means on."""
+    check_moe_layout(
+        spec,
+        tp=int(mcfg.tensor_model_parallel_size),
+        sequence_parallel=bool(mcfg.sequence_parallel),
+        distributed_optimizer=mcfg.distributed_optimizer is not False,
+    )
 
 
 def expert_dp(s: Any) -> int:

@@ -1,8 +1,5 @@
-"""Held-out evaluation: greedy decoding on a fixed problem set, mean reward over all ranks.
-
-Greedy so the number moves only when the policy does (no sampling noise between two
-evaluations of the same weights). The set is split into contiguous per-rank slices and the
-sums are all-reduced, so the result does not depend on the number of ranks.
+"""Held-out evaluation: greedy decoding (no sampling noise) on a fixed problem set, split into
+contiguous per-rank slices; the mean reward over all ranks does not depend on their number.
 """
 
 from __future__ import annotations
@@ -29,13 +26,12 @@ def evaluate(
     should_stop: Optional[Callable[[], bool]] = None,
     on_batch: Optional[Callable[[int, int], None]] = None,
 ) -> Dict[str, Any]:
-    """Returns eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors,
-    time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward).
+    """eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors, time_eval and (rank 0)
+    the first ``n_show`` (prompt, completion, reward) as ``samples``.
 
-    ``should_stop``: asked before every batch (the answer is agreed over the DP ranks, which
-    all run the same number of batches); when it says yes the evaluation is abandoned and
-    ``{"stopped": True}`` is returned, so a stop signal is honoured within one batch.
-    ``on_batch(done, total)``: called after each batch (the progress bar over batches)."""
+    ``should_stop`` is asked before each batch (agreed over DP); yes returns ``{"stopped": True}``.
+    ``on_batch(done, total)`` is called after each batch.
+    """
     t0 = time.perf_counter()
     n = len(problems)
     lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size

