@@ -16,6 +16,7 @@ from nemo_d3s.config_section import Section, known
 from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
 from nemo_d3s.core.losses import POLICY_LOSSES
+from nemo_d3s.core.off_policy import IS_LEVELS, IS_MODES
 
 __all__ = [
     "AlgorithmConfig",
@@ -43,9 +44,14 @@ class AlgorithmConfig(Section):
     # response tokens of the sample-selected rollouts (unselected tokens count as zeros).
     normalize_by: str = "kept"
     advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
-    # Truncated importance sampling against the rollout engine's own log-probs (vLLM): each
-    # token's loss is weighted by min(pi_train_old / pi_engine, tis_cap). null = off.
+    # Importance sampling against the log-probs the engine sampled with (vLLM's numerics; the
+    # stale weights of rollout.max_staleness > 0): c caps the ratio r = pi_train_old /
+    # pi_engine (null = no correction). is_correction: truncate (weight min(r, c)) | mask
+    # (weight r; tokens with r outside [1/c, c] leave the loss); is_level: token | sequence
+    # (the row's geometric-mean ratio on all its tokens). core/off_policy.py.
     tis_cap: Optional[float] = None
+    is_correction: str = "truncate"
+    is_level: str = "token"
 
     def loss_config(self, check_inputs: bool = True) -> LossConfig:
         """The core :class:`LossConfig` of these settings (it judges them: one rule each)."""
@@ -70,6 +76,10 @@ class AlgorithmConfig(Section):
             "tis_cap",
             "the importance-weight cap must be >= 1 (or null for off)",
         )
+        self._check(
+            self.is_correction in IS_MODES, "is_correction", f"known: {', '.join(IS_MODES)}"
+        )
+        self._check(self.is_level in IS_LEVELS, "is_level", f"known: {', '.join(IS_LEVELS)}")
 
 
 @dataclass
@@ -105,9 +115,24 @@ class RolloutConfig(Section, VLLMEngineConfig):
 
     KEY: ClassVar[str] = "rollout"
     engine: str = "hf"
+    # k: step t trains on rollouts generated with the weights after step t - k, generated
+    # while earlier steps train (trainer/pipeline.py); 0 = synchronous, the latest weights
+    max_staleness: int = 0
+    # GPUs for the vLLM engines apart from the training GPUs (non-colocated; 0: each engine on
+    # its model copy's GPUs). Planned by the dry run (dry_run/overlap.py); the trainer starts
+    # engines on its own ranks' GPUs only and refuses it (trainer.build.check_runtime).
+    generation_gpus: int = 0
 
     def validate(self) -> None:
         known(f"{self.KEY}.engine", self.engine, ROLLOUT_ENGINES)
+        self._check(is_count(self.max_staleness, 0), "max_staleness", "must be an integer >= 0")
+        gen = self.generation_gpus
+        self._check(is_count(gen, 0), "generation_gpus", "must be an integer >= 0")
+        self._check(
+            not gen or (self.engine == "vllm" and gen % int(self.tensor_parallel_size) == 0),
+            "generation_gpus",
+            "needs rollout.engine=vllm and a multiple of rollout.tensor_parallel_size",
+        )
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 
@@ -187,6 +212,11 @@ class TrainerConfig(Section):
     # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
     micro_batch_tokens: int = 0
     logprob_micro_batch_tokens: Optional[int] = None
+    # Rows packed end to end into micro-batches of micro_batch_tokens (or micro_batch_size
+    # rows' worth) tokens, attention kept within each row: no padding; same gradient. null =
+    # the backend's default: on where attention takes packed rows without a dense mask
+    # (CUDA: Megatron with Transformer Engine, HF with flash attention), off on CPU.
+    pack_sequences: Optional[bool] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True

@@ -186,6 +186,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
         "vocab_parallel.fp32_gloo",
         "gpt.local_spec",
         "gpt.long_sequence",
+        "gpt.packed_cp",
         "moe.local_spec",
         "gpt.pp_recompute",
         "gpt.interleaved_pipeline",
@@ -204,11 +205,13 @@ def test_the_cpu_form_end_to_end(tmp_path):
     # the tiny model's 2 layers leave out PP2 x VPP2 (it needs 4)
     assert checks["gpt.long_sequence"]["measured"]["layouts"] == ["tp2_sp", "pp2_tokens"]
     assert checks["gpt.long_sequence"]["measured"]["weights_err"] <= 1e-5
+    assert checks["gpt.packed_cp"]["measured"]["layouts"] == ["packed", "cp2", "cp2_packed"]
+    assert checks["gpt.packed_cp"]["measured"]["logprob_err"] <= 1e-4
     assert checks["moe.local_spec"]["measured"]["dispatchers"] == ["alltoall", "allgather"]
     assert checks["moe.local_spec"]["measured"]["weights_err"] <= 1e-5
     gloo = checks["cluster.gloo_across_nodes"]["measured"]
     assert gloo["ranks"] == 2 and gloo["hosts"] == 1 and gloo["across_nodes"] is False
-    assert "12 passed, 0 failed" in proc.stdout
+    assert "13 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------- the CUDA checks' logic on the CPU

@@ -34,11 +34,12 @@ def _cross_checks(s: Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[
             f"the per-position shards sum to {shards_sum} parameters, the model has "
             f"{s.spec.num_params}"
         )
+    # (CP replicates each position's parameters: the world without it builds the same ones)
     meta = meta_param_counts(
         s.spec,
         tp=s.tp,
         pp=s.pp,
-        world=s.shape.world,
+        world=s.shape.world // s.cp,
         padded_vocab=s.vocab,
         order=s.order,
         ep=s.ep,
@@ -168,6 +169,7 @@ def report(
             "tp": s.tp,
             "pp": s.pp,
             "dp": s.dp,
+            "cp": s.cp,
             "rank_order": s.order,
             "optimizer": "distributed" if distributed_opt else "plain AdamW",
             "rollout_engine": s.engine,
@@ -230,7 +232,9 @@ def render(report: Dict[str, Any]) -> str:
     lines = [
         f"dry run: {m['architecture']} {_count(m['total_params'])} params ({m['folder']})",
         f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} "
-        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}{order_text}; "
+        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']}"
+        + (f" x CP {lay['cp']}" if lay.get("cp", 1) > 1 else "")
+        + f" x DP {lay['dp']}{order_text}; "
         f"rollout={lay['rollout_engine']}"
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
@@ -289,6 +293,18 @@ def render(report: Dict[str, Any]) -> str:
                 f"step = {v['gpus_idle_in_generation']} x the generation time, at least "
                 f"{v['idle_gpu_seconds_per_step_min']:,.0f} "
                 f"(decode floor {v['generation_floor_s']:.0f} s)"
+            )
+    sm = report.get("step_model")
+    if sm:
+        lines.append(
+            "step, floor model (dry_run/overlap.py: decode at HBM bandwidth, training at peak "
+            f"FLOP/s, kept rollouts {sm['kept_sample_share']:.0%} at full length):"
+        )
+        for x in sm["layouts"]:
+            lines.append(
+                f"  {x['layout']}: {x['gpus']} GPUs, generate {x['generation_s']:,.1f} s, "
+                f"train {x['training_s']:,.1f} s, step {x['step_s']:,.1f} s = "
+                f"{x['gpu_seconds']:,.0f} GPU-s"
             )
     meta = report["checks"]["meta_build"]
     if "counts" in meta:

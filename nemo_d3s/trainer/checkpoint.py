@@ -19,7 +19,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -275,8 +275,14 @@ class CheckpointManager:
         self.dp = dp
         self.keep_last = keep_last
 
-    def save(self, backend: Policy, state: TrainerState) -> Path:
-        """Collective: every rank calls it. Returns the final directory."""
+    def save(
+        self,
+        backend: Policy,
+        state: TrainerState,
+        extra_files: Optional[Callable[[Path], List[str]]] = None,
+    ) -> Path:
+        """Collective: every rank calls it. Returns the final directory. ``extra_files(folder)``
+        writes this rank's further files and returns their names, hashed with the rest."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
         _, _, gather = job_world()
@@ -287,7 +293,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self.dp.barrier()
             fault_point("checkpoint.tmp_created")
-            mine = self._write_own(backend, state, tmp)
+            mine = self._write_own(backend, state, tmp, extra_files)
         except Exception as e:
             mine = e
         # every rank's digests (or its failure), gathered: the wait for the slowest writer
@@ -325,7 +331,9 @@ class CheckpointManager:
         self.dp.barrier()
         return final
 
-    def _write_own(self, backend: Policy, state: TrainerState, tmp: Path) -> Dict[str, Any]:
+    def _write_own(
+        self, backend: Policy, state: TrainerState, tmp: Path, extra_files=None
+    ) -> Dict[str, Any]:
         """This rank's files of the checkpoint in ``tmp``, hashed right after writing:
         {"digests": {relative path: {"size", "sha256"}}}."""
         wrote = backend.save_checkpoint(str(tmp))
@@ -334,6 +342,8 @@ class CheckpointManager:
             torch.save(backend.state_dict(), tmp / "backend.pt")
             mine.append("backend.pt")
         fault_point("checkpoint.backend_written")
+        if extra_files is not None:
+            mine += [str(f) for f in extra_files(tmp)]
         rng = f"rng_rank{self.dp.global_rank}.pt"
         torch.save(capture_rng(), tmp / rng)
         mine.append(rng)

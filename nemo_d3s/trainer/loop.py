@@ -36,10 +36,12 @@ from nemo_d3s.trainer.checkpoint import (
     export_failure,
     looks_like_write_failure,
 )
+from nemo_d3s.backends.base import GenerationInterrupted
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
 from nemo_d3s.trainer.faults import RunError, broadcast_world, agree_on_main, fault_point
 from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
+from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
 from nemo_d3s.trainer.data_record import check_data_record, write_data_record
 from nemo_d3s.trainer.resume import (
@@ -54,6 +56,7 @@ from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
+from nemo_d3s.trainer.stats import budget_metrics
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
@@ -92,14 +95,23 @@ class Trainer:
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
         self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
+        prompts = PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups)
+        self.rollouts = GenerationPipeline(
+            self.engine,
+            prompts,
+            generation_config(cfg),
+            int(self.t.num_generations),
+            int(cfg.rollout.max_staleness),
+            self.groups,
+            int(self.t.steps),
+            stop_requested=lambda: self.stop.requested,
+        )
         self.ctx = StepContext(
             policy=self.policy,
             engine=self.engine,
             selector=build_selector(cfg, self.groups),
             task=self.task,
-            prompts=PromptSource(
-                self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups
-            ),
+            prompts=prompts,
             gen=generation_config(cfg),
             num_generations=int(self.t.num_generations),
             loss_name=cfg.algorithm.loss,
@@ -114,9 +126,12 @@ class Trainer:
                 else self.t.logprob_micro_batch_tokens
             ),
             groups=self.groups,
+            rollouts=self.rollouts,
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
+            is_correction=str(cfg.algorithm.is_correction),
+            is_level=str(cfg.algorithm.is_level),
             stop_requested=lambda: self.stop.requested,
         )
 
@@ -252,6 +267,7 @@ class Trainer:
         try:
             return self._train(state)
         finally:
+            self.rollouts.close()
             self.stop.restore()
             self.logger.close()
 
@@ -268,9 +284,11 @@ class Trainer:
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
                 return self._interrupted(state, pending_eval=True)
+        pending, held = self.rollouts.load_pending(self._resumed_from)
+        self.rollouts.start(state.step, pending, held, self.policy)
         while state.step < T:
             progress = state.step / max(1, T - 1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 m = run_step(self.ctx, state.step, progress)
             except StepInterrupted:
@@ -278,12 +296,15 @@ class Trainer:
             state.step += 1
             records.accumulate(state, m)
             state.wall_time_total = wall_before + time.perf_counter() - t_start
+            m["time_cpu_step"] = time.process_time() - c0
             self._record_step(state, m, progress, t0, oor_before)
             fault_point("loop.step_done")
             done = state.step == T
-            eval_stopped = False
-            if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
-                eval_stopped = self._evaluate(state) is None
+            due = done or bool(self.t.eval_every and state.step % self.t.eval_every == 0)
+            try:
+                eval_stopped = self._publish(state, evaluate=due)
+            except GenerationInterrupted:  # a stop signal (agreed) while rollouts were due
+                return self._interrupted(state, pending_eval=due)
             stop = self.groups.max(1.0 if self.stop.requested else 0.0) > 0
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
@@ -291,13 +312,26 @@ class Trainer:
             # documented); a stop signal still writes one.
             every = int(self.t.save_every)
             if every and (done or state.step % every == 0):
-                if not stop:  # (after a stop signal the engine is not called: step.py)
+                # (after a stop signal the engine is not called: step.py; with k > 0 it is
+                # generating)
+                if not stop and self.rollouts.synchronous:
                     self.engine.release()  # the save may need the memory the engine holds
-                self.ckpt.save(self.policy, state)
+                self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         if self.t.export_hf:
             self._export(state)
         self._summary(state)
         return state
+
+    def _publish(self, state: TrainerState, *, evaluate: bool) -> bool:
+        """Weights version ``state.step`` to the rollouts (``pipeline.publish``), evaluated
+        where the engine holds it if ``evaluate``; whether a stop signal cut that short."""
+        rows: list = []
+        self.rollouts.publish(
+            state.step,
+            self.policy,
+            lambda: rows.append(self._evaluate(state)) if evaluate else None,
+        )
+        return bool(rows) and rows[0] is None
 
     def _record_step(
         self, state: TrainerState, m: Dict[str, float], progress: float, t0: float, oor: int
@@ -308,6 +342,7 @@ class Trainer:
             "step": state.step,
             "progress": progress,
             **m,
+            **budget_metrics(m),
             **records.totals(state),
             "time_step": time.perf_counter() - t0,
             "wall_time": state.wall_time_total,
@@ -335,7 +370,7 @@ class Trainer:
             state.extra["pending_eval"] = state.step
         # the checkpoint comes first; the engine, which the job's signal may have stopped, is
         # not called again (no refit, no generation, no sleep: trainer/step.py)
-        path = self.ckpt.save(self.policy, state)
+        path = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         state.extra.pop("pending_eval", None)
         if self.groups.is_main:
             marker = {

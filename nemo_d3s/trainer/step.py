@@ -13,17 +13,19 @@ from typing import Callable, Dict, Iterator, Optional
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.core.off_policy import importance_weights
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
-from nemo_d3s.trainer.data import PromptSource, generate_groups
+from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.faults import fault_point
+from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
+    importance_metrics,
     mismatch_metrics,
     padding_metrics,
     rollout_metrics,
     selection_metrics,
     token_metrics,
-    truncated_is_weights,
     update_metrics,
 )
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
@@ -55,11 +57,14 @@ class StepContext:
     micro_batch_size: int
     logprob_micro_batch_size: int
     groups: ParallelGroups
+    rollouts: GenerationPipeline  # the step's batch: generated now (k = 0) or ahead
     micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0 = micro_batch_size rows)
     logprob_micro_batch_tokens: int = 0  # the scoring passes' budget (resolved: never null)
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     rebalance: bool = False  # trainer.dp_rebalance
     tis_cap: Optional[float] = None  # algorithm.tis_cap
+    is_correction: str = "truncate"  # algorithm.is_correction
+    is_level: str = "token"  # algorithm.is_level
     timings: Dict[str, float] = field(default_factory=dict)
     # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
     stop_requested: Optional[Callable[[], bool]] = None
@@ -69,9 +74,12 @@ class StepContext:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        """``time_<name>``: wall seconds; ``time_cpu_<name>``: this process's CPU seconds (all
+        its threads), which a loaded machine inflates far less."""
+        t0, c0 = time.perf_counter(), time.process_time()
         yield
         self.timings[f"time_{name}"] = time.perf_counter() - t0
+        self.timings[f"time_cpu_{name}"] = time.process_time() - c0
 
 
 def _check_step_inputs(upd) -> None:
@@ -92,7 +100,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     prompts = ctx.prompts.for_step(step)
     with ctx.timed("rollout"):
         try:
-            ro, interrupted = generate_groups(ctx.engine, prompts, G, ctx.gen), 0.0
+            ro, interrupted = ctx.rollouts.take(step, prompts), 0.0
         except GenerationInterrupted:
             ro, interrupted = None, 1.0
         # Every rank learns whether any rank's generation was cut short by a stop signal (2)
@@ -101,7 +109,8 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         agreed = ctx.groups.max(2.0 * interrupted or (1.0 if ctx.stopping() else 0.0))
         if agreed >= 2:
             raise StepInterrupted(step)
-        if agreed < 1:  # (after a stop signal the engine is not touched again: see below)
+        # (after a stop signal the engine is not touched again: see below)
+        if agreed < 1 and ctx.rollouts.synchronous:  # (else it generates the next batches)
             # scoring and the update need the memory: an engine with its own weights drops
             # them now (not after every generation: evaluation batches reuse them)
             ctx.engine.release()
@@ -118,6 +127,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     stage = ctx.selector.select_samples(rewards, group_ids, progress)
     m = rollout_metrics(ctx.groups, stage, ro, n_errors)
     m.update(selection_metrics(stage))
+    m.update(ctx.rollouts.step_metrics(step))
     if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
 
@@ -125,7 +135,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
     # The old-policy pass is skipped only for one on-policy update without token scores,
     # where the current log-probs (ratio 1) are the old ones.
-    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.engine.on_policy:
+    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.rollouts.on_policy:
         with ctx.timed("logprob"):
             scores = ctx.policy.score(
                 kept,
@@ -140,15 +150,21 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
         return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
-    is_weight = None
+    is_weight, token_keep = None, tok.token_keep
     if ro.sampling_logprobs is not None and old_lp is not None:
+        # the behaviour policy's log-probs against the trainer's at the current weights
         sampling = ro.sampling_logprobs[stage.kept_rows]
         m.update(mismatch_metrics(ctx.groups, old_lp, sampling, kept.response_mask))
-        if ctx.tis_cap is not None:
-            is_weight = truncated_is_weights(old_lp, sampling, kept.response_mask, ctx.tis_cap)
+        cap, mode = ctx.tis_cap, ctx.is_correction
+        iw = importance_weights(
+            old_lp, sampling, kept.response_mask, cap or 1.0, mode=mode, level=ctx.is_level
+        )
+        m.update(importance_metrics(ctx.groups, iw, kept.response_mask, token_keep, cap, mode))
+        if cap is not None:
+            is_weight, token_keep = iw.weight, token_keep & iw.keep
     upd = compact(
         kept,
-        tok.token_keep,
+        token_keep,
         old_lp,
         stage.kept_advantages,
         minibatch,
@@ -180,7 +196,9 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             micro_batch_tokens=ctx.micro_batch_tokens,
         )
     fault_point("step.updated")
-    if ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
+    if not ctx.rollouts.synchronous:
+        pass  # the loop gives the engine the new weights between steps (pipeline.publish)
+    elif ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
         # A stop signal: the checkpoint comes first, and the engine is not called again. Its
         # processes get the job's signal too (Slurm signals every process of the step, a
         # terminal the whole process group) and shut down on it (vLLM's EngineCore on SIGTERM

@@ -17,6 +17,7 @@ dict. Runs on megatron-core 0.16 here and 0.19 in CI's Python 3.12 environment.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -66,6 +67,10 @@ def _te_slots(spec, names, path=""):
     if id(module) in names:
         return [(path, names[id(module)])]
     sub = spec.submodules if isinstance(spec, ModuleSpec) else None
+    if isinstance(spec, functools.partial):
+        # megatron-core 0.19 builds the MLP as ``partial(MLP.as_mlp_submodule, submodules=...)``
+        # (gpt_layer_specs.get_mlp_module_spec_for_backend), not a ModuleSpec
+        sub = spec.keywords.get("submodules")
     if sub is None or not dataclasses.is_dataclass(sub):
         return []
     out = []
@@ -109,6 +114,7 @@ def test_the_megatron_lm_writer_holds_every_key_of_the_te_spec(arch, te_layer_sp
     # q / k norms exactly where the model has them
     assert slots["self_attention.linear_qkv."] == "TELayerNormColumnParallelLinear"
     assert slots["self_attention.core_attention."] == "TEDotProductAttention"
+    assert slots["mlp.linear_fc1."] == "TELayerNormColumnParallelLinear"
     assert ("self_attention.q_layernorm." in slots) == (arch == "qwen3") == spec.qk_norm
     out = hf_to_megatron_lm(src, tmp_path / "out", progress=False)
     index = DcpIndex(out / "release")

@@ -14,7 +14,10 @@ from nemo_d3s.trainer.metrics import read_jsonl
 from .conftest import FAST, cli, run_inprocess
 from _limits import WAIT_S  # noqa: E402
 
-STEP_LINE = re.compile(r"\] - step (\d+): reward=\S+ smp=\S+ tok=\S+ time=\S+ s$")
+STEP_LINE = re.compile(
+    r"\] - step (\d+): reward=\S+ smp=\S+ tok=\S+ time=\S+ s "
+    r"\(generated (\d+) in \S+ s, trained (\d+) in \S+ s\)$"
+)
 EVAL_LINE = re.compile(r"\] - eval step (\d+): reward ([0-9.]+) over (\d+) problems in \S+ s$")
 
 # 3 steps, an evaluation at the start, after step 2 and at the end (step 3)
@@ -28,7 +31,11 @@ def _lines(path: Path, pattern: re.Pattern) -> list:
 def _check_log(out: Path, steps: int) -> None:
     log = out / "train.log"
     assert log.is_file(), f"no train.log in {out}: {sorted(p.name for p in out.iterdir())}"
-    assert [int(s) for (s,) in _lines(log, STEP_LINE)] == list(range(1, steps + 1))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [tuple(int(x) for x in g) for g in _lines(log, STEP_LINE)] == [
+        (r["step"], r["n_samples"], r["n_kept_samples"]) for r in rows
+    ]
+    assert [int(g[0]) for g in _lines(log, STEP_LINE)] == list(range(1, steps + 1))
     evals = read_jsonl(out / "eval.jsonl")
     assert evals, "the run evaluated"
     got = [(int(s), float(r), int(n)) for s, r, n in _lines(log, EVAL_LINE)]
@@ -50,7 +57,7 @@ def test_a_resumed_run_appends_to_train_log(tmp_path):
     run_inprocess(tmp_path, [*RUN, "trainer.save_every=2", "resume=true"])
     log = tmp_path / "train.log"
     assert log.read_text().startswith(first)  # nothing written is lost
-    assert [int(s) for (s,) in _lines(log, STEP_LINE)] == [1, 2, 3]
+    assert [int(g[0]) for g in _lines(log, STEP_LINE)] == [1, 2, 3]
 
 
 def test_a_refused_run_writes_nothing_into_the_other_runs_log(tmp_path):

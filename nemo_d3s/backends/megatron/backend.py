@@ -22,7 +22,11 @@ from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
+from nemo_d3s.backends.megatron.config import (
+    CP_ENGINE_REFUSAL,
+    MegatronBackendConfig,
+    check_options,
+)
 from nemo_d3s.backends.megatron.engine import (
     ModelParallelRollouts,
     model_parallel_group,
@@ -53,6 +57,7 @@ from nemo_d3s.backends.megatron.model import (
     use_transformer_engine,
     virtual_layouts,
 )
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.safetensors_stream import write_hf_weights
@@ -84,6 +89,9 @@ class MegatronBackend(Policy):
         # On CUDA a Transformer Engine that does not import is an error unless
         # transformer_impl=local: decided here, before any collective, alike on every rank.
         self.te = use_transformer_engine(cfg.transformer_impl, self.device)
+        # packed (THD) rows: TE's varlen attention on CUDA; on CPU only when asked (the local
+        # attention masks a dense [T, T] block-diagonal: local_attention.py)
+        self.pack = self.te if cfg.pack_sequences is None else bool(cfg.pack_sequences)
         if self.device.type != "cuda":
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -93,14 +101,19 @@ class MegatronBackend(Policy):
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
         ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size
+        cp = int(cfg.context_parallel_size)
         check_layout(
             self.spec,
-            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, ep=ep, etp=etp),
+            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, cp=cp, ep=ep, etp=etp),
             pp_last=not cfg.use_tp_pp_dp_mapping,
         )
+        if self.spec.num_experts and cfg.pack_sequences is None:
+            self.pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
         check_moe_layout(
             self.spec,
             tp=tp,
+            cp=cp,
+            packed=self.pack,
             sequence_parallel=cfg.sequence_parallel,
             distributed_optimizer=optim.uses_distributed_optimizer(
                 cfg.distributed_optimizer, self.device
@@ -109,7 +122,9 @@ class MegatronBackend(Policy):
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)
         self.groups = (
-            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp, ep)
+            groups
+            if groups is not None
+            else init_groups(cfg, self.device, tp, pp, self.vpp, cp=cp, ep=ep, etp=etp)
         )
         # converted / NeMo 2 checkpoints carry checksums.json
         ckpt.verify_shared(fmt, cfg.verify_checksums)
@@ -136,6 +151,7 @@ class MegatronBackend(Policy):
             recompute=cfg.gradient_checkpointing,
             sequence_parallel=cfg.sequence_parallel,
             vpp=self.vpp,
+            cp=cp,
             moe=moe_config_kwargs(
                 self.spec,
                 ep=ep,
@@ -192,7 +208,7 @@ class MegatronBackend(Policy):
         """The seeded HF sampler on a transformers replica, built on first use (collective),
         so a vLLM run never holds the replica."""
         if self._own_engine is None:
-            self._own_engine = self.place_rollout_engine(replica_engine(self))
+            self._own_engine = place_engine(self, replica_engine(self), self.mp_gloo_group)
             self._own_engine.sync_weights(self)  # the replica starts from these weights
         return self._own_engine
 
@@ -232,10 +248,9 @@ class MegatronBackend(Policy):
 
     def rollout_engine_ranks(self, world_size: int) -> List[int]:
         """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
-        tp, pp = self.layout.tp, self.layout.pp
-        return first_ranks_of_model_copies(
-            tp, pp, int(world_size) // (tp * pp), rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
-        )
+        tp, pp, cp = self.layout.tp, self.layout.pp, self.groups.cp_size
+        order = rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
+        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp * cp), order, cp)
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
@@ -244,7 +259,14 @@ class MegatronBackend(Policy):
         )
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
-        """One engine per model-parallel group (``engine.place_engine``)."""
+        """One engine per model-parallel group (``engine.place_engine``). Under context
+        parallelism each CP rank's TP x PP group would start its own engine on its own GPUs
+        and sample on its own: refused (the policy's seeded HF engine samples the same
+        rollouts in every group and runs)."""
+        if self.groups.cp_size > 1:
+            raise ConfigError(
+                f"model.params.context_parallel_size={self.groups.cp_size}: {CP_ENGINE_REFUSAL}"
+            )
         return place_engine(self, build, self.mp_gloo_group)
 
     mp_group = staticmethod(model_parallel_group)
@@ -283,6 +305,8 @@ class MegatronBackend(Policy):
             vocab_size=self.spec.vocab_size,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
 
     def train_step(
@@ -307,6 +331,8 @@ class MegatronBackend(Policy):
             lr_scheduler=self.scheduler,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
         if self.spec.num_experts:
             n = int(metrics.get("n_micro_batches", 1))

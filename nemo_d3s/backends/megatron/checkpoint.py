@@ -21,6 +21,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_d3s.distributed.comm import group_rank
+
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron import optimizer_state as ostate
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, adam_state_of, main_weight_of
@@ -39,7 +41,7 @@ from nemo_d3s.formats.shards import (
     write_layout,
 )
 from nemo_d3s.backends.megatron.moe import ExpertGroups
-from nemo_d3s.distributed.comm import group_rank, group_size
+from nemo_d3s.distributed.comm import group_size
 from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.formats.weights import Layout
 
@@ -99,12 +101,12 @@ def writer_dp_rank(layout: Layout, dp_size: int) -> int:
 
 
 def save_policy(pol: Any, folder: str) -> List[str]:
-    """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`) writes its
-    shard file (with Megatron's distributed optimizer, gathering the optimizer state's DP
-    ranges to it), one expert-DP rank of each (EP, ETP, PP) position its expert file
-    (:func:`expert_writer`); global rank 0 writes layout.json. Returns the files this rank wrote
-    (relative to ``folder``: each rank hashes its own). The trainer adds atomicity and
-    checksums."""
+    """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`; its CP
+    rank 0) writes its shard file (with Megatron's distributed optimizer, after gathering
+    the optimizer state's DP (x CP) ranges to it), one expert-DP rank of each (EP, ETP, PP)
+    position its expert file (:func:`expert_writer`); global rank 0 writes layout.json.
+    Returns the files this rank wrote (relative to ``folder``: each rank hashes its own). The
+    trainer adds atomicity and checksums."""
     root = Path(folder) / SUBDIR
     stages = policy_stages(pol)
     wrote: List[str] = []
@@ -123,6 +125,15 @@ def save_policy(pol: Any, folder: str) -> List[str]:
         if megatron_opt
         else ostate.optimizer_step(pol.optimizer)
     )
+    # CP ranks hold the same shards: the writer is CP rank 0 of its DP rank; the distributed
+    # optimizer shards over DP x CP (Megatron's DP-CP group, CP varying fastest in it)
+    cp = pol.groups.cp_size
+    shards = pol.groups.dp
+    if cp > 1:
+        from megatron.core import parallel_state as ps
+
+        shards = ps.get_data_parallel_group(with_context_parallel=True)
+    first_cp = group_rank(pol.groups.cp) == 0
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
         gathered = iter(())
@@ -130,10 +141,10 @@ def save_policy(pol: Any, folder: str) -> List[str]:
             gathered = ostate.iter_gathered_states(
                 pol.optimizer,
                 model.named_parameters(),
-                pol.groups.dp,
+                shards,
                 with_main=with_main,
                 step=step,
-                dst=writer,
+                dst=writer * cp,
             )
         own = policy_tensors(pol, i)
         planned = (
@@ -146,11 +157,11 @@ def save_policy(pol: Any, folder: str) -> List[str]:
             "scheduler_step": str(pol.scheduler.step_count),
             "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
         }
-        if pol.spec.num_experts and expert_writer(layout):
+        if pol.spec.num_experts and first_cp and expert_writer(layout):
             # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered
             experts = {k: v for k, v in own.items() if is_expert_param(k)}
             wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, experts, meta)}")
-        if pol.groups.dp_rank != writer:
+        if pol.groups.dp_rank != writer or not first_cp:
             for _ in gathered:  # this rank's part of each reduce
                 pass
             continue

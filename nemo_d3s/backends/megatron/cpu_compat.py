@@ -1,12 +1,12 @@
 """Running megatron-core (0.15, 0.16, 0.19) on CPU / gloo ranks: the backend's one set of patches.
 
 Redirects the few CUDA assumptions of the GPTModel path (local spec, CPU init, any TP x PP,
-sequence parallelism, DDP + distributed optimizer, MoE router and dispatchers) to the CPU;
-the rest runs unchanged (MoE's other CUDA calls: ``cpu_compat_moe.py``). Process-wide for
-megatron-core, so NEVER apply it in a process that runs Megatron on CUDA; ``torch`` itself is
-not patched, only megatron's view of it. Unsupported on CPU: default causal masks,
-``distribute_saved_activations``, GPU init, KV caches, CUDA graphs, autocast and Transformer
-Engine specs.
+sequence parallelism, DDP + distributed optimizer, RoPE's per-CP-rank cut, MoE router and
+dispatchers) to the CPU; the rest runs unchanged (MoE's other CUDA calls:
+``cpu_compat_moe.py``). Process-wide for megatron-core, so NEVER apply it in a process that
+runs Megatron on CUDA; ``torch`` itself is not patched, only megatron's view of it.
+Unsupported on CPU: default causal masks, ``distribute_saved_activations``, GPU init, KV
+caches, CUDA graphs, autocast and Transformer Engine specs.
 """
 
 from __future__ import annotations
@@ -272,6 +272,25 @@ def _patch_distributed_optimizer() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = scoped(optimizer.clip_grad_by_total_norm_fp32)
 
 
+def _patch_rope_cp_cut() -> None:
+    """RoPE's table cut to this CP rank's two chunks without pinned memory and ``.cuda()``
+    (``get_pos_emb_on_this_cp_rank``, megatron-core 0.16.1 / 0.19.2 rope_utils.py:48-69), in
+    every rotary module that imported it by name."""
+    import importlib
+
+    from nemo_d3s.core.context_parallel import zigzag_positions
+
+    def cut(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        S = pos_emb.shape[seq_dim]
+        mine = zigzag_positions(torch.tensor([0, S]), cp_group.size(), cp_group.rank())
+        return pos_emb.index_select(seq_dim, mine.to(pos_emb.device))
+
+    for name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding", "rope_utils"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = cut
+
+
 def apply_cpu_compat() -> None:
     """Make megatron-core run on CPU / gloo in this process (idempotent); before building
     the model, never in a process that runs Megatron on CUDA."""
@@ -282,6 +301,7 @@ def apply_cpu_compat() -> None:
     _patch_tied_embedding_copy()
     _patch_rng()
     _patch_distributed_optimizer()
+    _patch_rope_cp_cut()
     patch_router_gemm()
     patch_dtoh_copies()
     _APPLIED = True

@@ -100,10 +100,12 @@ def transformer_config(
     sequence_parallel: bool = False,
     recompute: bool = False,
     vpp: int = 1,
+    cp: int = 1,
     moe: Optional[Dict[str, object]] = None,
 ):
-    """``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp``); dropout 0, so scoring and
-    training compute the same function; ``moe``: its MoE fields (``moe.moe_config_kwargs``)."""
+    """``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp``, x ``cp`` context parallel);
+    dropout 0, so scoring and training compute the same function; ``moe``: its MoE fields
+    (``moe.moe_config_kwargs``)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -134,6 +136,7 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -210,6 +213,10 @@ def build_stage(
             * layers,
             layer_norm=WrappedTorchNorm,
         )
+    if not layout.te:  # packed (THD) rows on the local spec: local_attention.py
+        from nemo_d3s.backends.megatron.local_attention import with_packed_attention
+
+        layer_spec = with_packed_attention(layer_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -66,20 +66,27 @@ def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
 
 def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     """Megatron's ``finalize_model_grads`` for the plain path's grads (``grad_of``): missing
-    ones become zeros, all are AVERAGED over ``groups.dp`` (one flat all-reduce per dtype),
-    and tied embeddings' two copies summed over the embedding group (PP > 1). SP's norm
-    all-reduce is not done here. Memory: one flat copy of one dtype's grads.
+    ones become zeros, all are AVERAGED over ``groups.dp`` (x CP: Megatron's DP-CP group; one
+    flat all-reduce per dtype), and tied embeddings' two copies summed over the embedding
+    group (PP > 1). SP's norm all-reduce is not done here. Memory: one flat copy of one
+    dtype's grads.
     """
     chunks = model_chunks(chunks)
     params = local_params(chunks)
     experts = expert_param_ids(chunks)
     grads = [grad_of(p, zeros=True) for p in params]
+    group, size = groups.dp, groups.dp_size
+    if groups.cp_size > 1:  # CP ranks hold other positions of the same rows: DP x CP
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
     dense = [g for p, g in zip(params, grads) if id(p) not in experts]
-    _average(dense, groups.dp, groups.dp_size)
+    _average(dense, group, size)
     if experts:
         # An expert's gradient holds every DP rank's tokens routed to it: summed over the
         # ranks holding the same expert shard, divided by DP as the dense ones (megatron-core
-        # 0.16.1 distributed/distributed_data_parallel.py:285-288).
+        # 0.16.1 distributed/distributed_data_parallel.py:285-288; experts refuse CP > 1).
         expert_grads = [g for p, g in zip(params, grads) if id(p) in experts]
         _average(expert_grads, ExpertGroups.current().edp, groups.dp_size)
     inner = unwrap_model(chunks[0])

@@ -351,3 +351,20 @@ def test_router_losses_are_logged_and_enter_the_gradient_alike_at_ep1_and_ep2(mo
     for _, w2 in two:
         for k in w1:
             torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
+
+
+def test_experts_refuse_packed_rows_and_context_parallelism_before_start():
+    from types import SimpleNamespace
+
+    from nemo_d3s.backends.megatron.moe import check_moe_layout
+    from nemo_d3s.errors import ConfigError
+
+    moe = SimpleNamespace(num_experts=4, architecture="Qwen3MoeForCausalLM")
+    dense = SimpleNamespace(num_experts=0, architecture="LlamaForCausalLM")
+    kw = dict(tp=1, sequence_parallel=False, distributed_optimizer=False)
+    with pytest.raises(ConfigError, match="pack_sequences=false"):
+        check_moe_layout(moe, packed=True, **kw)
+    with pytest.raises(ConfigError, match="context_parallel_size=2: experts"):
+        check_moe_layout(moe, cp=2, **kw)
+    check_moe_layout(moe, **kw)  # rows at CP 1: the tested layout
+    check_moe_layout(dense, cp=2, packed=True, **kw)  # a dense model packs and runs CP
