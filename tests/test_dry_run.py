@@ -54,6 +54,12 @@ RECIPES = {
     "qwen3_32b": (4, 32_762_123_264, "32.8B", (8, 1, 4)),
 }
 
+# recipe -> (nodes, total, active, (TP, PP, DP, EP), fits at its gpu_memory_gb)
+MOE_RECIPES = {
+    "qwen3_30b_a3b": (1, 30_532_122_624, 3_353_032_704, (4, 1, 2, 8), True),
+    "qwen3_235b_a22b": (8, 235_093_634_560, 22_190_763_520, (4, 2, 8, 32), False),
+}
+
 
 def _compose(overrides):
     from nemo_d3s.train import compose_config
@@ -365,10 +371,13 @@ def test_job_shape_from_the_environment():
 VARIANTS = ("llama3_70b_long", "llama3_70b_async")
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES) + list(VARIANTS))
+@pytest.mark.parametrize("name", sorted(RECIPES) + list(VARIANTS) + sorted(MOE_RECIPES))
 def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
     cfg = _compose([f"experiment={name}", "output_dir=x"])
-    nodes, layout = (8, (4, 4, 4)) if name in VARIANTS else (RECIPES[name][0], RECIPES[name][3])
+    if name in MOE_RECIPES:
+        nodes, layout = MOE_RECIPES[name][0], MOE_RECIPES[name][3][:3]
+    else:
+        nodes, layout = (8, (4, 4, 4)) if name in VARIANTS else (RECIPES[name][0], RECIPES[name][3])
     assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (nodes, 8)
     tp, pp, dp = layout
     assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
@@ -379,7 +388,7 @@ def test_every_planned_recipe_file_is_in_the_shape_test():
     state its shape too: it is listed above."""
     conf = REPO / "conf" / "experiment"
     planned = {f.stem for f in conf.glob("*.yaml") if "trainer.dry_run=true" in f.read_text()}
-    assert planned == set(RECIPES) | set(VARIANTS), planned
+    assert planned == set(RECIPES) | set(VARIANTS) | set(MOE_RECIPES), planned
 
 
 # ----------------------------------------------------------------------------- formulas by hand
@@ -915,3 +924,69 @@ def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
             _compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]),
             JobShape(1, 8, "test"),
         )
+
+
+# ----------------------------------------------------------------------------- MoE recipes
+
+
+@pytest.mark.parametrize("name", sorted(MOE_RECIPES))
+def test_moe_recipe_dry_runs_count_experts_and_give_a_verdict(name, tmp_path):
+    """Total vs active parameters (the published 30.5B / 3.3B and 235B / 22B), experts
+    counted over their EP x PP grid (the shards still sum to the model), megatron-core's
+    meta build of the MoE stage agreeing with the table, the expert optimizer state and
+    dispatcher buffers in the plan, and the verdict: Qwen3-30B-A3B fits one node of 141 GB
+    GPUs and not of 80 GB ones; Qwen3-235B-A22B does not fit because one vLLM engine per
+    model copy holds all the experts."""
+    nodes, total, active, (tp, pp, dp, ep), fits = MOE_RECIPES[name]
+    cfg = _compose([f"experiment={name}", f"output_dir={tmp_path}"])
+    report = plan(cfg, JobShape(nodes, 8, "test"))
+    print(render(report))
+    moe = report["moe"]
+    assert (report["total_params"], moe["total_params"], moe["active_params"]) == (
+        total,
+        total,
+        active,
+    )
+    assert round(total / 1e9, 1) == {"qwen3_30b_a3b": 30.5, "qwen3_235b_a22b": 235.1}[name]
+    lay = report["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"], moe["ep"], moe["etp"]) == (tp, pp, dp, ep, 1)
+    assert moe["expert_dp"] == nodes * 8 // (ep * pp) == 1
+    assert "counts" in report["checks"]["meta_build"]
+    assert report["checks"]["shards_sum_params"] == total
+    busiest = max(report["positions"], key=lambda x: x["expert_params"])
+    # 128 experts of 3 H F' parameters per layer, E / EP per GPU, L / PP layers per stage
+    spec = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / name)
+    per_gpu = 128 // ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size * spec.num_layers // pp
+    assert busiest["expert_params"] == moe["expert_params_per_gpu"] == per_gpu
+    # plain AdamW on bf16: fp32 main weights + 2 moments, 12 bytes, not sharded
+    assert moe["expert_optimizer_bytes_per_gpu"] == 12 * per_gpu
+    assert 0 < moe["dispatch_buffer_bytes"] == busiest["terms_bytes"]["moe_dispatch"]
+    assert report["fits"] is fits
+    text = render(report)
+    assert ("verdict: FITS" in text) is fits and f"EP {ep} x ETP 1" in text
+    if not fits:
+        assert any("does not hold its weights" in p for p in report["problems"])
+    else:
+        small = plan(
+            _compose([f"experiment={name}", f"output_dir={tmp_path}", "trainer.gpu_memory_gb=80"]),
+            JobShape(nodes, 8, "test"),
+        )
+        assert not small["fits"]
+
+
+def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
+    base = ["experiment=qwen3_30b_a3b", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match="num_experts=128 is not divisible by expert_model"):
+        plan(_compose([*base, "model.params.expert_model_parallel_size=3"]), JobShape(3, 8, "t"))
+    with pytest.raises(ConfigError, match="distributed optimizer"):
+        plan(_compose([*base, "model.params.distributed_optimizer=true"]), JobShape(1, 8, "t"))
+    with pytest.raises(ConfigError, match="sequence_parallel=true"):
+        plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
+    # experts with context parallelism: refused before start, whatever EP (untested together)
+    for ep in (1, 2):
+        cp = [
+            f"model.params.expert_model_parallel_size={ep}",
+            "+model.params.context_parallel_size=2",
+        ]
+        with pytest.raises(ConfigError, match="context_parallel_size=2: experts"):
+            plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))

@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)"
     )
     p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size of the expert shards (default 1)"
+    )
+    p.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size of the expert shards (default: --tp)",
+    )
+    p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)"
     )
     p.add_argument(
@@ -291,13 +300,15 @@ def _run(args: argparse.Namespace) -> int:
                 args.out,
                 tp=args.tp,
                 pp=args.pp,
+                ep=args.ep,
+                etp=args.etp,
                 dtype=args.dtype,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 overwrite=args.overwrite,
                 progress=not args.quiet,
                 verify_checksums=args.verify_checksums,
             )
-            print(f"wrote {out} (TP{args.tp} x PP{args.pp})")
+            print(f"wrote {out} (TP{args.tp} x PP{args.pp} x EP{args.ep})")
         elif args.command == "megatron-to-hf":
             out = core.megatron_to_hf(
                 args.ckpt,

@@ -24,7 +24,8 @@ P = the position's parameters (padded vocabulary included), N = the model's, d =
   (``backends/vllm/memory.awake_engine_bytes``).
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context + nccl
-+ nvls): training = resident + activations + logits + fragmentation + vllm_asleep;
++ nvls): training = resident + activations + logits + fragmentation (+ moe_dispatch:
+``dry_run/moe.py``) + vllm_asleep;
 generation = resident + hf_kv_cache or vllm (the trainer empties its cache before an engine
 wakes); refit = resident + vllm_asleep + refit + vLLM weights. The largest is compared with
 ``trainer.gpu_memory_gb`` (decimal GB).
@@ -76,7 +77,7 @@ RESIDENT = (
     "nccl",
     "nvls",
 )
-TRAINING = ("activations", "logits", "fragmentation")
+TRAINING = ("activations", "logits", "fragmentation", "moe_dispatch")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)

@@ -7,11 +7,9 @@ Megatron-LM's theoretical memory reported beside.
 
 from __future__ import annotations
 
-import logging
-import os
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_d3s.core.checks import is_real
 from nemo_d3s.backends.megatron.param_counts import (
     local_param_count,
     real_param_count,
@@ -20,7 +18,6 @@ from nemo_d3s.backends.megatron.param_counts import (
 from nemo_d3s.backends.megatron.parallel import (
     DEFAULT_ORDER,
     first_ranks_of_model_copies,
-    rank_order,
 )
 from nemo_d3s.backends.vllm.memory import (
     awake_engine_bytes,
@@ -50,71 +47,21 @@ from nemo_d3s.dry_run.memory import (
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.moe import (
+    activation_spec,
+    dispatch_bytes,
+    expert_dp,
+    expert_params,
+    moe_summary,
+)
 from nemo_d3s.dry_run.overlap import step_model
 from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
-from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
+from nemo_d3s.dry_run.shape import JobShape, Setup, checked_setup, job_shape
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
-from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
 
 __all__ = ["plan"]
-
-
-# ----------------------------------------------------------------------------- the layout
-def _setup(cfg: Any, shape: JobShape) -> Setup:
-    """Validate the run config, translate it to the backend's config (the trainer's own
-    path) and check every divisibility rule of the layout on the job's world size."""
-    from nemo_d3s.config import validate, validate_layout
-    from nemo_d3s.trainer.build import checked_backend_config
-
-    validate(cfg)
-    logging.getLogger("megatron").setLevel(
-        logging.WARNING
-    )  # its import-time notices are not the plan
-    if str(cfg.model.backend) != "megatron":
-        raise ConfigError(
-            f"model.backend={cfg.model.backend!r}: trainer.dry_run plans Megatron layouts; use "
-            "model=megatron (slurm/README.md says which models fit the HF backend)"
-        )
-    gpu_gb = cfg.trainer.gpu_memory_gb
-    if not (is_real(gpu_gb) and gpu_gb > 0):
-        raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
-    mcfg = checked_backend_config(cfg)
-    folder = model_folder(str(cfg.model.name))
-    spec = ModelSpec.from_folder(folder)
-    tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
-    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
-    cp = int(mcfg.context_parallel_size)
-    if cp > 1 and str(cfg.rollout.engine) != "hf":
-        raise ConfigError(f"model.params.context_parallel_size={cp}: {CP_ENGINE_REFUSAL}")
-    try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp, cp=cp)
-    except ConfigError as e:
-        raise ConfigError(
-            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
-            "and trainer.gpus_per_node, to the job's shape)"
-        ) from None
-    validate_layout(cfg, dp)
-    return Setup(
-        cfg=cfg,
-        mcfg=mcfg,
-        spec=spec,
-        folder=folder,
-        shape=shape,
-        gpu=float(gpu_gb) * GB,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
-        vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
-        engine=str(cfg.rollout.engine),
-        vllm_tp=int(cfg.rollout.tensor_parallel_size),
-        generation_gpus=int(cfg.rollout.generation_gpus),
-        cp=cp,
-        nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
-    )
 
 
 # The plan is for CUDA, where "auto" is bfloat16 (MegatronBackend).
@@ -228,7 +175,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         str(cfg.rollout.dtype)
     ]
     weights = v_dtype * spec.num_params / vllm_tp
-    act = vllm_activation_bytes(spec, vllm_tp, v_dtype)
+    act = vllm_activation_bytes(activation_spec(spec), vllm_tp, v_dtype)
     kv = gmu * gpu - weights - act
     per_tok = kv_bytes_per_token(spec, vllm_tp, v_dtype)
     tokens = max(0, int(kv // per_tok))
@@ -325,20 +272,25 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
 def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
     """The memory terms, peaks and verdict of the GPU at (TP rank t, PP stage p)."""
     spec, d = s.spec, w.dtype_bytes
-    _, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
+    distributed, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
     layout = Layout(tp=s.tp, pp=s.pp, tp_rank=t, pp_rank=p, padded_vocab=s.vocab, te=False)
-    n = local_param_count(spec, layout)
+    layout = replace(layout, ep=s.ep, etp=s.etp)  # (every EP / ETP rank holds as many)
+    n, n_expert = local_param_count(spec, layout), expert_params(s, layout)
+    # the distributed optimizer shards expert state over the expert-DP group, not DP
+    expert_opt = opt_per_param * n_expert * (s.dp / expert_dp(s) if distributed else 1)
     terms: Dict[str, float] = {
         "weights": d * n,
         "grads": grad_per_param * n,
-        "optimizer": opt_per_param * n,
+        "optimizer": opt_per_param * (n - n_expert) + expert_opt,
     }
     if float(s.cfg.algorithm.kl_coef) > 0:
         terms["reference"] = d * n
     if s.engine == "hf" and t == 0 and p == 0:
         terms["hf_replica"] = d * spec.num_params
-    act, in_flight = activation_bytes(spec, w, tp=s.tp, pp=s.pp, stage=p)
+    act, in_flight = activation_bytes(activation_spec(spec), w, tp=s.tp, pp=s.pp, stage=p)
     terms["activations"] = act
+    if spec.num_experts:
+        terms["moe_dispatch"] = dispatch_bytes(spec, w, tp=s.tp, pp=s.pp)
     logit_note = None
     if p == s.pp - 1:
         terms["logits"], logit_note = logits_bytes(s.vocab, w, tp=s.tp)
@@ -391,7 +343,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl", "nvls")}
     cp_need = context_parallel_need(
         resident,
-        minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+        minimal_training_bytes(activation_spec(spec), w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
         s.gpu,
         seq_len=w.seq_len,
         position=f"(TP {t}, PP {p})",
@@ -401,6 +353,8 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         "pp_rank": p,
         "params": n,
         "real_params": real_param_count(spec, layout),
+        "expert_params": n_expert,
+        "expert_optimizer_bytes": int(expert_opt),
         "layers": spec.num_layers // s.pp,
         "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
@@ -433,7 +387,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
 # ----------------------------------------------------------------------------- the plan
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     """The dry run's report (a JSON-able dict); ConfigError when the layout cannot run."""
-    s = _setup(
+    s = checked_setup(
         cfg, shape or job_shape(nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.gpus_per_node)
     )
     placement = _check_vllm_layout(s)
@@ -442,6 +396,8 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     positions = [_position(s, w, t, p, vllm_terms) for t, p in stage_positions(s.tp, s.pp)]
     distributed_opt, _, _ = _optimizer_bytes(s, w)
     out = report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    if s.spec.num_experts:
+        out["moe"] = moe_summary(s, positions, distributed_opt)
     if vllm_terms:
         out["step_model"] = step_model(
             s.cfg,

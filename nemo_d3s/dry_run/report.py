@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from nemo_d3s.backends.megatron.param_counts import meta_param_counts
+from nemo_d3s.backends.megatron.param_counts import expert_real_param_count, meta_param_counts
+from nemo_d3s.formats.weights import Layout
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER
 from nemo_d3s.dry_run.memory import (
     ASSUMPTIONS,
@@ -25,6 +26,9 @@ def _cross_checks(s: Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[
     """(the positions' real parameters, which must sum to the HF model's; megatron-core's
     meta-device build, whose counts must be the table's). RuntimeError when either fails."""
     shards_sum = sum(x["real_params"] for x in positions)
+    if s.spec.num_experts:  # the experts, counted once over their EP x ETP x PP grid
+        grid = Layout(tp=s.tp, pp=s.pp, padded_vocab=s.vocab, ep=s.ep, etp=s.etp)
+        shards_sum += expert_real_param_count(s.spec, grid)
     if shards_sum != s.spec.num_params:
         raise RuntimeError(
             f"the per-position shards sum to {shards_sum} parameters, the model has "
@@ -32,7 +36,14 @@ def _cross_checks(s: Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[
         )
     # (CP replicates each position's parameters: the world without it builds the same ones)
     meta = meta_param_counts(
-        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world // s.cp, padded_vocab=s.vocab, order=s.order
+        s.spec,
+        tp=s.tp,
+        pp=s.pp,
+        world=s.shape.world // s.cp,
+        padded_vocab=s.vocab,
+        order=s.order,
+        ep=s.ep,
+        etp=s.etp,
     )
     for key, n in meta.get("counts", {}).items():
         t, p = (int(x) for x in key.split(","))
@@ -200,6 +211,7 @@ _COLUMNS = (
     "nccl",
     "nvls",
     "fragmentation",
+    "moe_dispatch",
     "vllm",
     "vllm_asleep",
     "refit",
@@ -306,6 +318,16 @@ def render(report: Dict[str, Any]) -> str:
         lines.append(
             f"checks: meta-device build skipped ({meta['skipped']}); shards sum to "
             f"{report['checks']['shards_sum_params']:,} = the HF model's count"
+        )
+    moe = report.get("moe")
+    if moe:
+        lines.append(
+            f"MoE: {moe['experts']} experts (top-{moe['topk']}), EP {moe['ep']} x ETP "
+            f"{moe['etp']}, expert DP {moe['expert_dp']}, {moe['dispatcher']} dispatcher; "
+            f"{_count(moe['total_params'])} total / {_count(moe['active_params'])} active "
+            f"params; per GPU {_count(moe['expert_params_per_gpu'])} expert params, expert "
+            f"optimizer state {moe['expert_optimizer_bytes_per_gpu'] / GB:.1f} GB, dispatcher "
+            f"buffers {moe['dispatch_buffer_bytes'] / GB:.2f} GB"
         )
     wk = report["worst"]
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"

@@ -26,7 +26,7 @@ from nemo_d3s.selfcheck.base import (
 )
 from nemo_d3s.selfcheck.report import CheckFailed
 
-__all__ = ["CHECKS", "one_step", "step_batch"]
+__all__ = ["CHECKS", "bf16_bounds", "fp32_bounds", "one_step", "step_batch"]
 
 LR = 1e-2
 
@@ -171,6 +171,13 @@ def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[s
             abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12),
         )
         err["weights_err"] = max(err["weights_err"], _weights_err(w1, w))
+    fp32_bounds(err, out)
+    return out
+
+
+def fp32_bounds(err: Dict[str, float], out: Dict[str, Any]) -> None:
+    """The fp32 layout comparison's bounds (the tests' for the same comparison): log-probs
+    and entropies 1e-4, grad norm rel 1e-4, weights after the step 1e-5."""
     for name, bound in (
         ("logprob_err", 1e-4),
         ("entropy_err", 1e-4),
@@ -178,7 +185,6 @@ def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[s
         ("weights_err", 1e-5),
     ):
         within(name, err[name], bound, out)
-    return out
 
 
 def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
@@ -199,6 +205,14 @@ def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str,
         ctx, tp, dtype="bfloat16", transformer_impl="transformer_engine", **params
     )
     out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", **params}
+    bf16_bounds(lp, lp_ref, m, m_ref, w, before, out)
+    return out
+
+
+def bf16_bounds(lp, lp_ref, m, m_ref, w, before, out: Dict[str, Any]) -> None:
+    """A bf16 step against the fp32 reference (the module docstring's bounds): log-probs
+    ``lp`` vs ``lp_ref``, grad norms of the metrics ``m`` vs ``m_ref``, and every weight of
+    ``w`` moved from ``before``."""
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
@@ -214,7 +228,6 @@ def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str,
         raise CheckFailed(
             f"{len(still)} weight tensors did not move in the step (e.g. {still[0]})", out
         )
-    return out
 
 
 def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:

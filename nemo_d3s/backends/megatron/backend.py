@@ -33,6 +33,12 @@ from nemo_d3s.backends.megatron.engine import (
     place_engine,
     replica_engine,
 )
+from nemo_d3s.backends.megatron.moe import (
+    check_moe_layout,
+    expert_layout,
+    moe_config_kwargs,
+    router_loss_metrics,
+)
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
@@ -94,12 +100,31 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
+        ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size
         cp = int(cfg.context_parallel_size)
-        check_layout(self.spec, tp=tp, pp=pp, world=world_size(), vpp=self.vpp, cp=cp)
+        check_layout(
+            self.spec,
+            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, cp=cp, ep=ep, etp=etp),
+            pp_last=not cfg.use_tp_pp_dp_mapping,
+        )
+        if self.spec.num_experts and cfg.pack_sequences is None:
+            self.pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
+        check_moe_layout(
+            self.spec,
+            tp=tp,
+            cp=cp,
+            packed=self.pack,
+            sequence_parallel=cfg.sequence_parallel,
+            distributed_optimizer=optim.uses_distributed_optimizer(
+                cfg.distributed_optimizer, self.device
+            ),
+        )
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)
         self.groups = (
-            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp, cp)
+            groups
+            if groups is not None
+            else init_groups(cfg, self.device, tp, pp, self.vpp, cp=cp, ep=ep, etp=etp)
         )
         # converted / NeMo 2 checkpoints carry checksums.json
         ckpt.verify_shared(fmt, cfg.verify_checksums)
@@ -115,6 +140,7 @@ class MegatronBackend(Policy):
                 self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by
             ),
             te=self.te,
+            **expert_layout(self.spec),
         )
         config = transformer_config(
             self.spec,
@@ -126,6 +152,16 @@ class MegatronBackend(Policy):
             sequence_parallel=cfg.sequence_parallel,
             vpp=self.vpp,
             cp=cp,
+            moe=moe_config_kwargs(
+                self.spec,
+                ep=ep,
+                etp=etp,
+                dispatcher=cfg.moe_token_dispatcher_type,
+                router_dtype=cfg.moe_router_dtype,
+                grouped_gemm=self.te,
+                aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                z_loss_coeff=cfg.moe_z_loss_coeff,
+            ),
         )
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
@@ -298,6 +334,9 @@ class MegatronBackend(Policy):
             pack=self.pack,
             width_quantum=self.cfg.width_quantum,
         )
+        if self.spec.num_experts:
+            n = int(metrics.get("n_micro_batches", 1))
+            metrics.update(router_loss_metrics(self.groups, self.spec.num_layers, n))
         if not metrics.get("skipped"):
             self.weights_changed()
         return metrics
@@ -322,8 +361,8 @@ class MegatronBackend(Policy):
     def save_pretrained(self, path: str) -> None:
         """Collective: the model streamed to rank 0 tensor by tensor and written as an HF
         folder (vocabulary padding removed) through ``atomic_folder``."""
-        if self.groups.dp_rank != 0:
-            return
+        if self.groups.dp_rank != 0 and not self.spec.num_experts:
+            return  # (experts are spread over DP replicas: every rank serves the gathers)
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
         weights = self.hf_weights()
         if not writer:

@@ -12,8 +12,10 @@ from nemo_d3s.backends.settings import PolicySettings
 
 __all__ = [
     "CP_ENGINE_REFUSAL",
+    "DISPATCHERS",
     "DTYPES",
     "MegatronBackendConfig",
+    "ROUTER_DTYPES",
     "TRANSFORMER_IMPLS",
     "check_options",
 ]
@@ -21,6 +23,9 @@ __all__ = [
 DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 # Megatron-LM's --transformer-impl names (its "inference_optimized" is not offered).
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# megatron-core's token dispatchers that run on gloo and NCCL alike ("flex" needs DeepEP).
+DISPATCHERS = ("alltoall", "allgather")
+ROUTER_DTYPES = ("fp32", "fp64")  # Megatron-LM's --moe-router-dtype; None: the model's
 
 
 # Context parallelism with an engine other than the policy's own: every CP rank's TP x PP
@@ -51,6 +56,15 @@ class MegatronBackendConfig(PolicySettings):
         CPU always takes the local spec. entropy_chunk_size: rows of the [b L, V/TP]
         logits the vocab-parallel kernel takes at once. width_quantum: micro-batch widths
         are multiples of it (0: exact), bounding the shapes a run feeds.
+    expert_model_parallel_size / expert_tensor_parallel_size: Megatron's EP (carved out of
+        DP) and ETP (None: TP), mixture-of-experts models only (``formats.spec`` checks them).
+        moe_token_dispatcher_type: "alltoall" or "allgather"; moe_router_dtype: "fp32",
+        "fp64" or None (the model's).
+    moe_aux_loss_coeff / moe_z_loss_coeff: the router's load-balancing and z losses, logged
+        per step when > 0. RL default 0: the policy gradient alone moves the router, as in
+        NeMo-RL's Megatron GRPO configs (``moe_router_load_balancing_type: "none"``: an aux
+        loss made the log-prob error diverge; examples/configs/grpo_math_1B_megatron.yaml)
+        and verl's Megatron-Bridge Qwen3-MoE ("none" for RL).
     """
 
     model: str = DEFAULT_MODEL_NAME
@@ -67,6 +81,12 @@ class MegatronBackendConfig(PolicySettings):
     distributed_optimizer: Optional[bool] = None
     verify_checksums: bool = True
     transformer_impl: str = "transformer_engine"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: Optional[str] = "fp32"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
@@ -109,6 +129,20 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
             f"{', '.join(TRANSFORMER_IMPLS)}"
         )
+    if cfg.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ValueError(
+            f"model.params.moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r}: "
+            f"expected one of {', '.join(DISPATCHERS)}"
+        )
+    if cfg.moe_router_dtype is not None and cfg.moe_router_dtype not in ROUTER_DTYPES:
+        raise ValueError(
+            f"model.params.moe_router_dtype={cfg.moe_router_dtype!r}: expected one of "
+            f"{', '.join(ROUTER_DTYPES)} or null"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"model.params.{key}={v!r}: a number >= 0")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(
             f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} "

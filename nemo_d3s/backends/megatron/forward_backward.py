@@ -17,6 +17,7 @@ from nemo_d3s.backends.megatron.batches import (
     plan_packed,
 )
 from nemo_d3s.backends.megatron.local_attention import packed_seq_params
+from nemo_d3s.backends.megatron.moe import align_micro_batches
 from nemo_d3s.backends.megatron.optimizer import unwrap_model
 from nemo_d3s.distributed.comm import is_single
 from nemo_d3s.distributed.context_parallel import ContextParallel
@@ -86,12 +87,13 @@ def plan_call(
             quantum=quantum,
         )
     if len(chunks) == 1:
-        return mbs
+        return align_micro_batches(mbs, groups, config)
     # PP 2: the two stages exchange activations AND gradients in one p2p batch (each is the
     # other's previous and next stage), and megatron-core's shape exchange for variable
     # shapes posts them in an order that pairs one direction's send with the other's
     # receive (p2p_communication.py:205-230): one shape for every micro-batch there.
-    return pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
+    mbs = pad_for_interleaving(mbs, groups.pp_size, one_shape=groups.pp_size == 2)
+    return align_micro_batches(mbs, groups, config)
 
 
 def run_schedule(

@@ -94,10 +94,13 @@ def initialize_megatron_groups(
     order: str = DEFAULT_ORDER,
     vpp: Optional[int] = None,
     timeout_minutes: Optional[float] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> Callable[[], None]:
-    """Build Megatron's groups in ``order`` (``vpp`` chunks per stage) and the model-parallel
-    gloo twin, every group waiting ``timeout_minutes``; returns the teardown. ``rank`` is
-    unused (the ``rank_setup`` signature)."""
+    """Build Megatron's groups in ``order`` (``vpp`` chunks per stage, experts at ``ep`` x
+    ``etp``, None: TP) and the model-parallel gloo twin, every group waiting
+    ``timeout_minutes``; returns the teardown. ``rank`` is unused (the ``rank_setup``
+    signature)."""
     set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
@@ -111,6 +114,8 @@ def initialize_megatron_groups(
         context_parallel_size=cp,
         order=order,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         **extra,
     )
     make_model_parallel_gloo_twin(tp, pp, order, timeout_minutes, cp=cp)

@@ -35,6 +35,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     model_chunks,
     unwrap_model,
 )
+from nemo_d3s.backends.megatron.moe import couples_data_parallel
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -66,7 +67,8 @@ def score(
     width_quantum: int = 0,
 ) -> Scores:
     """No-grad ``Scores`` [B, S] f32 on the CPU, identical on every TP x PP rank; 0 where
-    not attended. B = 0 returns empty tensors without a collective.
+    not attended. B = 0 returns empty tensors without a collective, unless a MoE layer's
+    dispatch needs this rank (``moe.couples_data_parallel``).
 
     ``vocab_size``: the real vocabulary when the model's is padded. ``pack``: packs instead
     of rows; widths are multiples of ``width_quantum``. Collectives: the kernel's three on
@@ -77,8 +79,8 @@ def score(
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
-    if B == 0:  # every rank of the model-parallel group holds the same (empty) batch
-        return Scores(logprobs, entropy)
+    if B == 0 and not couples_data_parallel(chunks, groups):
+        return Scores(logprobs, entropy)  # the model-parallel group's batch is empty
     device = device_of(chunks[0])
     mbs = plan_call(
         batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum
