@@ -89,19 +89,9 @@ def _data(cfg):
 
 
 def _loss_fn(batch, old_lp, adv, keep):
-    import torch
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
-    from nemo_d3s.core.losses import LossConfig
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
-
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=old_lp,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
-    )
-    return make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
+    return one_minibatch_loss_fn(batch, old_lp, adv, keep)
 
 
 def _policy(name, cfg):

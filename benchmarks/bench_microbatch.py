@@ -109,8 +109,8 @@ def run(cfg):
 
     from nemo_d3s.backends.hf.backend import HFBackend
     from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
-    from nemo_d3s.core.losses import LossConfig, loss_denominator
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
     torch.manual_seed(0)
     spec = TinyModelSpec(
@@ -138,14 +138,9 @@ def run(cfg):
     M, T = cfg["M"], cfg["M"] * cfg["S"]
     tokens = {"fixed": 0, "budget": T, "packed": T}
     first = pol.score(batch, with_entropy=True, micro_batch_size=M)
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=first.logprobs + noise * batch.attention_mask,
-        advantages=adv,
-        token_keep=batch.response_mask.clone(),
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    loss_fn = one_minibatch_loss_fn(
+        batch, first.logprobs + noise * batch.attention_mask, adv, batch.response_mask.clone()
     )
-    loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
     denom = float(loss_denominator(batch.response_mask, "token_mean"))
     calls = {
         (m, "score"): (

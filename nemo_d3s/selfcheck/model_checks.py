@@ -59,22 +59,15 @@ def one_step(
     GRPO step on :func:`step_batch`; collective over the backend's world. Micro-batches of 2 rows,
     or packed to ``micro_batch_tokens`` when > 0.
     """
-    from nemo_d3s.core.losses import LossConfig, loss_denominator
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
     batch, adv, noise = step_batch()
     sc = pol.score(
         batch, with_entropy=True, micro_batch_size=2, micro_batch_tokens=micro_batch_tokens
     )
     keep = batch.response_mask
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=sc.logprobs.detach() + noise,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
-    )
-    loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
+    loss_fn = one_minibatch_loss_fn(batch, sc.logprobs.detach() + noise, adv, keep)
     denominator = (
         float(loss_denominator(keep, "token_mean")) * pol.groups.dp_size
     )  # the same rows on every DP rank

@@ -26,6 +26,7 @@ __all__ = [
     "compact",
     "make_loss_fn",
     "minibatch_denominators",
+    "one_minibatch_loss_fn",
     "rebalance_rows",
     "update_policy",
 ]
@@ -177,6 +178,29 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
         return loss(LossInputs(logprobs, old, adv.to(dev), keep, loss_cfg, 1.0, ref, norm))
 
     return loss_fn
+
+
+def one_minibatch_loss_fn(
+    batch: TokenBatch,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    token_keep: torch.Tensor,
+    *,
+    loss_name: str = "grpo",
+    aggregation: str = "token_mean",
+):
+    """``make_loss_fn`` over all of ``batch`` [B, S] as one mini-batch, not compacted, no
+    reference, input checks off: the loss a caller driving ``Policy.train_step`` itself hands
+    it (the self-check, benchmarks); its denominator is ``loss_denominator(token_keep, ...)``.
+    """
+    upd = UpdateBatch(
+        batch=batch,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        token_keep=token_keep,
+        minibatch=torch.zeros(len(batch), dtype=torch.long),
+    )
+    return make_loss_fn(loss_name, LossConfig(aggregation=aggregation, check_inputs=False), upd)
 
 
 def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch.Tensor]:

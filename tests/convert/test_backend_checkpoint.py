@@ -84,8 +84,8 @@ def _transformers_scores(folder, batch):
 
 
 def _rank_train_and_save(rank, converted, ckpt):
-    from nemo_d3s.core.losses import LossConfig, loss_denominator
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
     pol = _backend(converted, 2, 2)
     start = dict(pol.hf_weights())
@@ -93,14 +93,7 @@ def _rank_train_and_save(rank, converted, ckpt):
     lp = pol.score(batch, with_entropy=False, micro_batch_size=2).logprobs
     keep = batch.response_mask.clone()
     adv = torch.tensor([1.0, -0.5, 0.3, -1.0])
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=lp + 0.1,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(B, dtype=torch.long),
-    )
-    loss_fn = make_loss_fn("grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd)
+    loss_fn = one_minibatch_loss_fn(batch, lp + 0.1, adv, keep)
     pol.train_step(batch, loss_fn, 2, denominator=float(loss_denominator(keep, "token_mean")))
     pol.save_checkpoint(ckpt)
     sc = pol.score(batch, with_entropy=True, micro_batch_size=2)

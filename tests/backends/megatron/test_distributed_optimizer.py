@@ -70,8 +70,8 @@ def _steps(pol, n):
     """``n`` GRPO steps on this DP rank's rows; the grad norms."""
     from megatron.core import parallel_state as ps
 
-    from nemo_d3s.core.losses import LossConfig, loss_denominator
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
     batch, adv, noise, keep = tiny_batch()
     dp = ps.get_data_parallel_world_size()
@@ -80,16 +80,7 @@ def _steps(pol, n):
     norms = []
     for _ in range(n):
         lp = pol.score(local, with_entropy=False, micro_batch_size=MBS).logprobs
-        upd = UpdateBatch(
-            batch=local,
-            old_logprobs=lp + noise[rows],
-            advantages=adv[rows],
-            token_keep=keep[rows],
-            minibatch=torch.zeros(len(rows), dtype=torch.long),
-        )
-        loss_fn = make_loss_fn(
-            "grpo", LossConfig(aggregation="token_mean", check_inputs=False), upd
-        )
+        loss_fn = one_minibatch_loss_fn(local, lp + noise[rows], adv[rows], keep[rows])
         m = pol.train_step(
             local, loss_fn, MBS, denominator=float(loss_denominator(keep, "token_mean"))
         )
