@@ -213,6 +213,7 @@ def test_first_ranks_of_model_copies_hand_worked():
 
 
 # ----------------------------------------------------------------------------- the CLI
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     """No NNODES / GPUS_PER_NODE: the recipe's own trainer.nodes x trainer.gpus_per_node."""
     r = _cli(["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"])

@@ -146,6 +146,7 @@ def test_custom_loss_loop_micro_batches_equal_full_batch(args):
         assert 0 < int(kept.group(1)) < int(kept.group(2))
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 @pytest.mark.distributed
 def test_megatron_hooks_two_gloo_ranks():
     """The command in the example's docstring: TP=2 vocab-parallel entropy + top-k."""

@@ -119,6 +119,7 @@ def _rank_scores(rank, folder):
     return pol.score(TokenBatch(ids, attn, attn), with_entropy=False).logprobs, ids
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_nemo2_as_a_training_start(written, tmp_path):
     from nemo_d3s.core.entropy import align_to_tokens, entropy_and_logprobs
 

@@ -178,6 +178,7 @@ def test_a_gguf_file_is_converted_once_into_the_cache(tmp_path, monkeypatch):
     assert (folder / "config.json").stat().st_mtime_ns == mtime  # not converted again
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_a_model_folder_without_tokenizer_files_says_so(tmp_path):
     """transformers' own error asks to install sentencepiece."""
     folder = tmp_path / "no_tokenizer"

@@ -24,6 +24,7 @@ def _task(data):
     ]
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_resume_on_an_edited_data_file_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the reward_fn path is relative to the working directory
     data = tmp_path / "train.jsonl"

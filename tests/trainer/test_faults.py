@@ -507,6 +507,7 @@ def test_bad_dataset_path_is_one_error_line_naming_it(tmp_path, capsys, case):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_resume_refuses_a_changed_experiment_and_keeps_the_original_config(tmp_path):
     run_dir = tmp_path / "run"
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
@@ -622,6 +623,7 @@ def test_eval_size_beyond_the_limit_is_refused(tmp_path):
         Trainer(cfg)
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
     args = [
         *FAST,

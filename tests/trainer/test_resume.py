@@ -163,6 +163,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert (run_dir / "hf_export" / "config.json").is_file()
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path):
     """Not 0: `train && convert` must not go on after a stop; the code and the marker file
     are what the sbatch scripts requeue on."""
@@ -232,6 +233,7 @@ def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_
     )
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path):
     args = ["trainer.steps=1", "trainer.eval_at_start=false", "trainer.export_hf=false"]
     run_inprocess(tmp_path, args)

@@ -246,6 +246,7 @@ def test_cli_resume_with_output_dir_alone_continues_the_run(started, tmp_path):
     assert without_timing(rows) == without_timing(read_jsonl(full / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_cli_resume_with_a_conflicting_override_is_refused_naming_the_keys(started, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(started, run)

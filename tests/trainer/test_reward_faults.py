@@ -107,6 +107,7 @@ def test_reward_workers_is_a_checked_setting():
         validate(compose(["experiment=smoke", "trainer.reward_workers=-1"]))
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_a_first_sigterm_during_a_hung_reward_call_checkpoints_promptly(tmp_path):
     """A reward that never returns (and no time limit): a first SIGTERM did nothing for
     minutes. Now it interrupts the call; the step is abandoned (redone on resume) and the

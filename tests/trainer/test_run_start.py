@@ -199,6 +199,7 @@ def test_a_deletion_under_resume_on_a_fresh_folder_applies_to_the_composed_confi
         )
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_a_deletion_on_resume_from_the_command_line_is_one_error_line(tmp_path):
     from .conftest import cli
 

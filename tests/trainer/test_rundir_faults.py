@@ -52,6 +52,7 @@ def test_a_lone_user_config_yaml_is_not_taken_for_an_earlier_run(tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "my: settings\n"
 
 
+@pytest.mark.slow  # a whole program run: the slow tier (docs/ci.md)
 def test_a_fresh_run_reuses_an_earlier_start_of_the_same_experiment_only(tmp_path):
     """A start that wrote only its config.yaml (killed before any record): the same
     experiment starts again there; another one (other seed) is refused, config kept."""
