@@ -309,6 +309,13 @@ class GenerationPipeline:
     def _work(self) -> None:
         """The worker thread: the released batches in step order, each with the version the
         engine holds when it starts (the trainer refits only while nothing is released)."""
+        import torch
+
+        # A new thread's OpenMP team size is the library default until torch's first parallel
+        # op there sets the process's (torch.set_num_threads) one; torch.get_num_threads does
+        # that now. Otherwise vLLM's CPU attention plans its work with the default (2 on two
+        # cores) and runs it after a torch op has set 1: "Check failed: thread_num (2 vs. 1)".
+        torch.get_num_threads()
         idle_since = time.perf_counter()
         while True:
             with self._cv:

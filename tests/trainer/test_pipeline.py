@@ -293,3 +293,28 @@ def test_a_rollouts_file_is_untrusted(tmp_path):
     save_file(tensors, str(path), metadata={**meta, "format": "x", "prompts": "[0, 1]"})
     with pytest.raises(RunError, match="format 'x'"):
         load_rollouts(path, (0, 1))
+
+
+def test_the_worker_threads_openmp_team_is_the_trainers_before_it_generates(monkeypatch):
+    """The thread's OpenMP team size when the engine is called equals torch's (1 here, set in
+    the trainer's thread), not the library default of a new thread (every CPU): vLLM's CPU
+    attention planned with the default and ran after torch's first op had set 1, and died
+    (``cpu_attn_impl.hpp`` "Check failed: thread_num (2 vs. 1)", rollout.max_staleness=1)."""
+    import ctypes
+    import os
+
+    omp_get_max_threads = ctypes.CDLL(None).omp_get_max_threads  # torch's libgomp
+    seen = []
+
+    class Probe(_Engine):
+        def generate(self, prompts, n_samples, cfg, seeds):
+            seen.append(omp_get_max_threads())
+            return super().generate(prompts, n_samples, cfg, seeds)
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _drive(_pipeline(Probe(), 1, 3), 3)
+    finally:
+        torch.set_num_threads(n)
+    assert seen == [1, 1, 1], (seen, os.cpu_count())
