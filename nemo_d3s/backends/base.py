@@ -167,6 +167,17 @@ class RolloutEngine(abc.ABC):
         """Make the next ``generate`` sample from ``policy``'s current weights. Called by
         the trainer after every optimizer step (on every rank: a sharded policy gathers)."""
 
+    def alive(self) -> bool:
+        """False once the engine's own processes have ended (a vLLM engine in another
+        process that the job's stop signal or a fault took down): nothing is to call it then."""
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        """Its processes ended without a fault (the job's stop signal reached them first):
+        the trainer stops as on its own stop signal."""
+        return False
+
     def release(self) -> None:
         """The trainer is about to need the memory the engine holds (scoring, the update, a
         checkpoint, an export): an engine with its own copy of the weights may drop it (vLLM:

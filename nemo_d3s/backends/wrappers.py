@@ -86,6 +86,13 @@ class _Wrapper(RolloutEngine):
     def release(self) -> None:
         self.inner.release()
 
+    def alive(self) -> bool:
+        return self.inner.alive()
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped
+
 
 class PerPromptCalls(_Wrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""

@@ -5,83 +5,17 @@ unwritable output directory, a corrupt checkpoint, a full disk, a verifier that 
 command line prints it as one ``error:`` line and exits with code 2, like a
 :class:`~nemo_d3s.errors.ConfigError`.
 
-Fault injection: ``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the
-``n``-th time (default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill``
-(SIGKILL itself, the default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is
-appended to ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the
-trainer's stop-signal path), ``termgroup`` (SIGTERM to its whole process group, as a
-scheduler's pre-emption or a terminal's Ctrl-C reaches every process of the job, the engine's
-too; then 3 s for them to act on it, as during the rest of a long step), ``enospc`` (raise
-``OSError(ENOSPC)``), ``sleep<seconds>``. Several specs are separated by commas;
-``NEMO_D3S_FAULT_RANK=<r>`` limits them to the process whose ``RANK`` is r. Points are named
-where they are placed, e.g. ``lock.acquired``, ``checkpoint.tmp_created``,
-``checkpoint.backend_written``, ``checkpoint.before_rename``, ``checkpoint.renamed``,
-``metrics.write``, ``step.updated`` (after the update, before the refit), ``loop.step_done``,
-``engine.decode`` (asked before every decoded token and chunk of generation). Unset (every
-real run), a point costs one dictionary lookup.
+Fault injection: :func:`~nemo_d3s.fault_points.fault_point` (re-exported here).
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import signal
-import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from nemo_d3s.errors import ConfigError, RunError  # RunError re-exported: its home before errors.py
+from nemo_d3s.fault_points import fault_point  # re-exported: the trainer's points use it
 
 __all__ = ["RunError", "fault_point", "agree_on_main", "first_line"]
-
-
-_ENV = "NEMO_D3S_FAULT"
-_hits: Dict[str, int] = {}
-
-
-def _specs() -> Dict[str, Tuple[int, str]]:
-    raw = os.environ.get(_ENV, "")
-    out: Dict[str, Tuple[int, str]] = {}
-    for part in filter(None, (p.strip() for p in raw.split(","))):
-        spec, _, action = part.partition("=")
-        name, _, nth = spec.partition("@")
-        out[name] = (int(nth) if nth else 1, action or "kill")
-    return out
-
-
-def fault_point(name: str) -> None:
-    """A place where a test may inject a fault (see the module docstring)."""
-    if _ENV not in os.environ:
-        return
-    spec = _specs().get(name)
-    if spec is None:
-        return
-    only = os.environ.get("NEMO_D3S_FAULT_RANK")
-    if only is not None and os.environ.get("RANK", "0") != only:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    nth, action = spec
-    if _hits[name] != nth:
-        return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # SIGKILL is delivered asynchronously
-    elif action == "stop":
-        pidfile = os.environ.get("NEMO_D3S_FAULT_PIDFILE")
-        if pidfile:
-            with open(pidfile, "a") as f:
-                f.write(f"{os.getpid()}\n")
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif action == "term":
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the next bytecode
-    elif action == "termgroup":
-        os.killpg(os.getpgid(0), signal.SIGTERM)
-        time.sleep(3)
-    elif action == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    elif action.startswith("sleep"):
-        time.sleep(float(action[5:] or 1))
-    else:
-        raise ValueError(f"{_ENV}: unknown action {action!r} for point {name!r}")
 
 
 def first_line(exc: BaseException) -> str:

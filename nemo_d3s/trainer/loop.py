@@ -68,7 +68,8 @@ from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
-from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
+from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
+from nemo_d3s.distributed.generation_wait import GenerationWait
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
 
@@ -105,6 +106,11 @@ class Trainer:
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
+        # every rank waits for the others' generations with a liveness check, not inside one
+        # collective limited by the groups' timeout (distributed/generation_wait.py)
+        self.engine_wait = GenerationWait.of_group(
+            "trainer", None, 60.0 * float(self.t.dist_timeout_minutes)
+        )
         self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
         self.ctx = StepContext(
             policy=self.policy,
@@ -131,7 +137,8 @@ class Trainer:
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
-            stop_requested=lambda: self.stop.requested,
+            stop_requested=self._stop_requested,
+            engine_wait=self.engine_wait,
         )
 
     # ------------------------------------------------------------------ set-up helpers
@@ -184,10 +191,15 @@ class Trainer:
                 truncate_jsonl(self.out / name, -1)
         return TrainerState()
 
+    def _stop_requested(self) -> bool:
+        """A stop signal reached this process, or the engine's processes first (they ended
+        without a fault: nothing more can be generated, the run checkpoints and exits 75)."""
+        return self.stop.requested or self.engine.stopped
+
     def _generation_should_stop(self) -> bool:
         """The engine asks between decode steps: a stop signal is honoured within a token."""
         fault_point("engine.decode")
-        return self.stop.requested
+        return self._stop_requested()
 
     # ------------------------------------------------------------------ the run
     def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
@@ -201,8 +213,9 @@ class Trainer:
                 max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
                 batch_size=int(self.t.eval_batch_size),
                 n_show=int(self.cfg.logging.log_samples),
-                should_stop=lambda: self.stop.requested,
+                should_stop=self._stop_requested,
                 on_batch=self.logger.eval_progress,
+                wait=self.engine_wait,
             )
         if res.get("stopped"):
             self.logger.close_eval_progress()
@@ -298,15 +311,16 @@ class Trainer:
             eval_stopped = False
             if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
                 eval_stopped = self._evaluate(state) is None
-            stop = self.groups.max(1.0 if self.stop.requested else 0.0) > 0
+            # (an evaluation stopped on one rank stopped on every rank: evaluate agrees)
+            stop = eval_stopped or self.groups.max(1.0 if self._stop_requested() else 0.0) > 0
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
             # save_every=0: no checkpoint on schedule, not even the last (issue 35: the
             # documented "no checkpoints" wrote a 1.6 GB final one); a stop signal still does.
             every = int(self.t.save_every)
             if every and (done or state.step % every == 0):
-                if not stop:  # (after a stop signal the engine is not called: step.py)
-                    self.engine.release()  # the save may need the memory the engine holds
+                # the save may need the memory the engine holds
+                release_engine(self.engine, stopping=stop)
                 self.ckpt.save(self.policy, state)
         if self.t.export_hf:
             self._export(state)
@@ -347,19 +361,25 @@ class Trainer:
         return; ``resume=true`` continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
-        # the checkpoint comes first; the engine, which the job's signal may have stopped, is
-        # not called again (no refit, no generation, no sleep: trainer/step.py)
+        # The engine is released first (an engine that ignores the signal, as SIGUSR1 under
+        # the sbatch script, is awake after a generation and its memory is the save's) and
+        # then not called again: no refit, no generation (trainer/step.py). One that the job's
+        # signal took down holds nothing (step.release_engine).
+        release_engine(self.engine, stopping=True)
         path = self.ckpt.save(self.policy, state)
         state.extra.pop("pending_eval", None)
+        why = self.stop.name or (
+            "the rollout engine's stop (its processes ended)" if self.engine.stopped else None
+        )
         if self.groups.is_main:
             marker = {
                 "step": state.step,
-                "signal": self.stop.name or "another rank's",
+                "signal": why or "another rank's",
                 "checkpoint": str(path),
             }
             records.write_interrupted_marker(self.out, marker)
         self.logger.write(
-            f"received {self.stop.name or 'a stop signal on another rank'}: checkpoint "
+            f"received {why or 'a stop signal on another rank'}: checkpoint "
             f"{path} written at step {state.step}; continue with resume=true"
         )
         state.extra["interrupted"] = True

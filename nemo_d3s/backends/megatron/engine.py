@@ -32,8 +32,11 @@ from nemo_d3s.backends.base import (
 )
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
 from nemo_d3s.backends.hf.rollout import stop_token_ids
+from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed.comm import is_single
+from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
+from nemo_d3s.distributed.timeouts import group_timeout
 
 __all__ = [
     "ModelParallelRollouts",
@@ -82,10 +85,13 @@ class ModelParallelRollouts(RolloutEngine):
     happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
 
     generate: every rank frees its cached CUDA blocks and waits for the others (the engine
-    then wakes into that memory); ``src`` samples; one ``broadcast_object_list`` of the
+    then wakes into that memory); ``src`` samples while the others wait for it on the store
+    with a liveness check (``backends/engine_wait.py``: not one collective limited by the
+    group's timeout, which a long generation exceeds); one ``broadcast_object_list`` of the
     Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
     ranks, never a file). An engine that does not hold the policy's weights version (a
-    sleep dropped them) is refitted first, by the whole group.
+    sleep dropped them) is refitted first, by the whole group; a refit or generation cut by
+    a stop signal is GenerationInterrupted on every rank of the group.
     sync_weights: ``refit`` set (an engine with its own copy, vLLM): when the engine's rank
     says it holds another weights version (one refit per version), the group runs one
     :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
@@ -114,6 +120,8 @@ class ModelParallelRollouts(RolloutEngine):
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
         self.policy, self.refit, self.device = policy, refit, device
+        base_s = max((t.total_seconds() for t in group_timeout(group).values()), default=0.0)
+        self.wait = None if is_single(group) else GenerationWait.of_group(f"mp{src}", group, base_s)
 
     @property
     def is_src(self) -> bool:
@@ -130,19 +138,22 @@ class ModelParallelRollouts(RolloutEngine):
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
         if self.refit is not None:
-            self.sync_weights(self.policy)  # a refit only when the engine holds another version
+            try:  # a refit only when the engine holds another version
+                self.sync_weights(self.policy)
+            except Exception as e:
+                if self.stopped or (self.should_stop is not None and self.should_stop()):
+                    raise GenerationInterrupted(f"the refit stopped with the job: {e}") from e
+                raise
         release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
-        out: Any = None
-        if self.is_src:
-            try:
-                out = self.inner.generate(prompts, n_samples, cfg, seeds)
-            except GenerationInterrupted:
-                out = "interrupted"  # the group's other ranks stop with it
-        out = self._from_src(out)
-        if isinstance(out, str):
+        call = (
+            (lambda: self.inner.generate(prompts, n_samples, cfg, seeds)) if self.is_src else None
+        )
+        limit = generation_limit_s(self.wait.base_s, len(prompts) * n_samples, cfg.max_new_tokens)
+        out, outcome = agreed_generation(self.wait, self.alive, call, stopping=False, limit_s=limit)
+        if outcome.interrupted:  # the group's other ranks stop with the engine's
             raise GenerationInterrupted("stop requested during generation (on the engine's rank)")
-        return out
+        return self._from_src(out)
 
     @property
     def should_stop(self):
@@ -157,6 +168,13 @@ class ModelParallelRollouts(RolloutEngine):
     def release(self) -> None:
         if self.inner is not None:
             self.inner.release()
+
+    def alive(self) -> bool:
+        return self.inner is None or self.inner.alive()
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner is not None and self.inner.stopped
 
     def sync_weights(self, policy: Policy) -> None:
         """One refit per weights version: the engine's rank says whether it holds another

@@ -65,6 +65,7 @@ from nemo_d3s.backends.refit import (
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.backends.vllm.launch import engine_env, in_multi_rank_job, own_gpus
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
+from nemo_d3s.fault_points import fault_point
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -224,13 +225,21 @@ class VLLMEngine(RolloutEngine):
         return dtype
 
     # ------------------------------------------------------------------ memory
+    def alive(self) -> bool:
+        return self.watchdog is None or self.watchdog.ended is None
+
+    @property
+    def stopped(self) -> bool:
+        return self.watchdog is not None and bool(self.watchdog.ended) and not self.watchdog.death
+
     def release(self) -> None:
         """With ``rollout.sleep``: drop the weights and the KV cache (level-2 sleep on a GPU:
         the next refit overwrites the weights anyway); the CPU build forgets the weights it
-        holds at the same moment (it cannot sleep), so both refit at the same moments."""
+        holds at the same moment (it cannot sleep), so both refit at the same moments. An
+        engine whose processes ended holds nothing: no call."""
         if not self.cfg.sleep:
             return
-        if self.on_gpu and not self._asleep:
+        if self.on_gpu and not self._asleep and self.alive():
             self.llm.sleep(level=2)
             self._asleep, self._awake_tags = True, set()
         self.held_version = None
@@ -307,10 +316,8 @@ class VLLMEngine(RolloutEngine):
             self.refits += 1
             self.held_version = None if version is None else int(version)
         except Exception as e:
-            if refit.is_src:
-                with contextlib.suppress(
-                    Exception
-                ):  # put the layers back in place (no half-loaded model)
+            if refit.is_src:  # put the layers back in place (no half-loaded model)
+                with contextlib.suppress(Exception):
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])
             raise RuntimeError(
@@ -351,22 +358,15 @@ class VLLMEngine(RolloutEngine):
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
-        self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
-        self.wake(["weights", "kv_cache"])
-        # awake until the trainer's release(): more generations of this version cost no refit
         try:
+            self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
+            self.wake(["weights", "kv_cache"])
+            # awake until the trainer's release(): more generations of this version cost no refit
+            fault_point("vllm.generate")
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         except Exception as e:
-            if self.should_stop is not None and self.should_stop():
-                # the job's stop signal reached the engine's processes too and they went down
-                # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
-                raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
-            if self.watchdog is not None and self.watchdog.death:
-                raise RuntimeError(
-                    f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
-                    "continues from the last checkpoint)"
-                ) from e
-            raise
+            raise self._call_failed(e) from e
+        _check_finished(outputs)
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:
@@ -399,12 +399,46 @@ class VLLMEngine(RolloutEngine):
             sampling_logprobs=sampling,
         )
 
+    def _call_failed(self, e: Exception) -> Exception:
+        """What a refit, wake or generation that raised becomes: GenerationInterrupted when
+        the job's stop signal reached the engine's processes (they shut down on it, vllm 0.33
+        ``v1/engine/core.py:1522-1543``) or the trainer's, so the trainer checkpoints without
+        the engine; the watchdog's sentence for a process that died of a fault; else ``e``."""
+        if self.watchdog is not None:
+            self.watchdog.settle()
+        if self.stopped or (self.should_stop is not None and self.should_stop()):
+            return GenerationInterrupted(f"the engine stopped with the job: {e}")
+        if self.watchdog is not None and self.watchdog.death:
+            return RuntimeError(
+                f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
+                "continues from the last checkpoint)"
+            )
+        return e
+
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def _check_finished(outputs: Sequence[Any]) -> None:
+    """Refuse cut rollouts. On SIGTERM vLLM's engine core aborts every request in flight and
+    sends them back finished, ``finish_reason`` "abort" (vllm 0.33 ``v1/engine/core.py:
+    1703-1735``, ``_send_abort_outputs`` l.2270; ``v1/request.py:407``), and ``LLM.generate``
+    returns them among the others (``entrypoints/common/offline.py:610-616`` collects every
+    finished output): GenerationInterrupted, so none is trained on or evaluated. "error"
+    (``FinishReason.ERROR``) is the engine's failure on a request: RuntimeError."""
+    reasons = [c.finish_reason for out in outputs for c in out.outputs]
+    aborted, failed = reasons.count("abort"), reasons.count("error")
+    if aborted:
+        raise GenerationInterrupted(
+            f"the vLLM engine aborted {aborted} of {len(reasons)} rollouts (finish_reason "
+            "'abort': its processes got a stop signal); none is used"
+        )
+    if failed:
+        raise RuntimeError(f"the vLLM engine failed on {failed} of {len(reasons)} rollouts")
 
 
 def _sampled_logprobs(

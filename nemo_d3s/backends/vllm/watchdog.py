@@ -10,12 +10,17 @@ futures utility calls wait on (``utility_results``). A worker's death is reporte
 core itself is alive to say so); the engine core's is not.
 
 :class:`EngineWatchdog` waits on the engine core processes' sentinels (the processes vLLM's
-``CoreEngineProcManager`` started, ``v1/engine/utils.py`` l.350-366) in a daemon thread and,
-when one ends with a fault (an exit code other than 0 or SIGTERM's, which are vLLM's own
-shutdown and a job's stop signal, handled by the trainer's stop path) and before ``close()``
-or the interpreter's exit, records it and puts an error into that queue and into every pending
-utility future, which wakes the waiting call: it raises, and ``VLLMEngine.generate`` names
-the process and its exit code.
+``CoreEngineProcManager`` started, ``v1/engine/utils.py`` l.350-366; vllm 0.33 the same,
+``v1/engine/utils.py:278, 356-372``, and the same client attributes, ``v1/engine/
+core_client.py:778, 975, 1030-1057``) in a daemon thread. When one ends before ``close()`` or
+the interpreter's exit, it records it (``ended``; ``death`` too when the end is a fault: an
+exit code other than 0 or SIGTERM's, which are vLLM's own shutdown on a stop signal, vllm
+0.33 ``v1/engine/core.py:1522-1543, 1703-1735``) and puts an error into that queue and into
+every pending utility future, which wakes the waiting call: it raises, and ``VLLMEngine``
+names the process and its exit code, or, for an engine a stop signal took down, stops as the
+trainer does on its own stop signal. An engine core that exits on SIGTERM answers no call
+sent after its signal (its busy loop ends, ``core.py:1621-1632``): without the wake-up a
+release or refit after the job's signal waited forever.
 Where vLLM's internals differ (another version) there is no watchdog, and a log line says so.
 """
 
@@ -34,11 +39,12 @@ log = logging.getLogger("nemo_d3s.vllm")
 
 class EngineWatchdog:
     """Watches the engine core processes of ``llm`` (a ``vllm.LLM`` whose engine runs in
-    other processes). ``death``: None while they live, else a sentence naming the process
-    and its exit code."""
+    other processes). ``ended``: None while they live, else a sentence naming the process
+    and its exit code; ``death``: the same sentence when that end is a fault."""
 
     def __init__(self, llm: Any) -> None:
         self.death: Optional[str] = None
+        self.ended: Optional[str] = None
         self._closed = threading.Event()
         client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._queue = getattr(client, "outputs_queue", None)
@@ -53,6 +59,7 @@ class EngineWatchdog:
             self.watching = False
             return
         self.watching = True
+        self._sentinels = [p.sentinel for p in procs]
         # registered after vLLM's own exit hooks, so it runs before they end the processes
         atexit.register(self.close)
         self.thread = threading.Thread(
@@ -73,24 +80,35 @@ class EngineWatchdog:
                 break
             time.sleep(0.05)
             code = proc.exitcode
-        if code in (0, -signal.SIGTERM) or self._closed.is_set():
+        if self._closed.is_set():
             return
+        fault = code not in (0, -signal.SIGTERM)
         why = ""
         if code is not None and code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             why = f" (signal {name}" + (
                 ": the kernel's out-of-memory killer sends it)" if -code == 9 else ")"
             )
-        self.death = (
+        self.ended = (
             f"the vLLM engine process {proc.name} (pid {proc.pid}) ended during the run "
             f"with exit code {code}{why}"
         )
-        log.error("%s", self.death)
-        self._queue.put_nowait(RuntimeError(self.death))  # wakes a waiting get_output()
+        if fault:
+            self.death = self.ended
+            log.error("%s", self.death)
+        error = RuntimeError(self.ended)
+        self._queue.put_nowait(error)  # wakes a waiting get_output()
         # a utility call (a refit's collective_rpc, sleep, wake_up) waits on its future
         for future in list((self._utility_results or {}).values()):
             if not future.done():
-                future.set_exception(RuntimeError(self.death))
+                future.set_exception(error)
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """After a call into the engine failed: when one of its processes has ended, wait (up
+        to ``timeout``) until the watchdog has recorded how (vLLM's own monitor may have
+        failed the call first, ``core_client.py:822-846``), so ``ended`` and ``death`` tell."""
+        if self.watching and connection.wait(self._sentinels, timeout=0):
+            self.thread.join(timeout)
 
     def close(self) -> None:
         """Before the engine is shut down on purpose: its processes' exit is no fault."""
