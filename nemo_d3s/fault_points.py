@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Dict, Tuple
 
-__all__ = ["fault_point"]
+__all__ = ["fault_point", "reset_fault_points"]
 
 _ENV = "NEMO_D3S_FAULT"
 _hits: Dict[str, int] = {}
@@ -43,6 +43,11 @@ def _specs() -> Dict[str, Tuple[int, str]]:
         name, _, nth = spec.partition("@")
         out[name] = (int(nth) if nth else 1, action or "kill")
     return out
+
+
+def reset_fault_points() -> None:
+    """Forget how often each point was passed (a process that runs several runs)."""
+    _hits.clear()
 
 
 def _term_group() -> None:

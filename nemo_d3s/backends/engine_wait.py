@@ -5,6 +5,7 @@ around each rank's generation (its steps and evaluation batches)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Tuple, TypeVar
 
 from nemo_d3s.backends.base import GenerationInterrupted
@@ -13,6 +14,7 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, Outcome
 __all__ = ["agreed_generation"]
 
 T = TypeVar("T")
+log = logging.getLogger("nemo_d3s.engine")
 
 
 def agreed_generation(
@@ -33,7 +35,8 @@ def agreed_generation(
         with wait.beating(alive):
             try:
                 result = call()
-            except GenerationInterrupted:
+            except GenerationInterrupted as e:
+                log.warning("generation cut short, none of it is used: %s", e)
                 interrupted = True
             except Exception as e:  # raised below, once every rank knows
                 failure = e

@@ -48,6 +48,7 @@ def all_checks():
         refit_checks,
         rl_checks,
         vllm_checks,
+        vllm_stop_checks,
     )
 
     return [
@@ -60,6 +61,7 @@ def all_checks():
         *refit_checks.CHECKS,
         *gpu_checks.CHECKS,
         *vllm_checks.CHECKS,
+        *vllm_stop_checks.CHECKS,
     ]
 
 

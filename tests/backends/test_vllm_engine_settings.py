@@ -315,3 +315,36 @@ def test_after_a_stop_signal_the_engine_is_released_unless_its_processes_ended(
     release_engine(engine, stopping=True)
     engine.release()
     assert llm.calls == [] and not engine.alive() and engine.stopped
+
+
+@pytest.mark.parametrize("trainer_stop", [True, False])
+def test_an_evaluation_whose_batch_the_engine_aborted_logs_no_row(fake, monkeypatch, trainer_stop):
+    """The second evaluation batch comes back aborted (the engine's processes got the job's
+    SIGTERM): the evaluation used to skip the batch and log a row over the rest. Now it stops
+    (``{"stopped": True}``: the loop checkpoints with the evaluation still to do), or, called
+    without a stop hook, raises."""
+    from nemo_d3s.trainer.evaluate import evaluate
+
+    policy, _ = fake
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig())
+    llm = FakeLLM.instances[-1]
+    real, calls = llm.generate, []
+
+    def second_aborted(requests, params, use_tqdm=False):
+        calls.append(len(requests))
+        out = real(requests, params)
+        if len(calls) == 2:
+            cut = types.SimpleNamespace(token_ids=[5], finish_reason="abort", logprobs=None)
+            for o in out:
+                o.outputs = [cut] * len(o.outputs)
+        return out
+
+    llm.generate = second_aborted
+    kw = dict(max_new_tokens=4, batch_size=2)
+    if trainer_stop:
+        res = evaluate(engine, _Task(), list(range(6)), _Groups(), should_stop=lambda: False, **kw)
+        assert res == {"stopped": True} and calls == [2, 2]  # no third batch
+    else:
+        with pytest.raises(E.GenerationInterrupted, match="cut short"):
+            evaluate(engine, _Task(), list(range(6)), _Groups(), **kw)

@@ -39,8 +39,8 @@ log = logging.getLogger("nemo_d3s.vllm")
 
 class EngineWatchdog:
     """Watches the engine core processes of ``llm`` (a ``vllm.LLM`` whose engine runs in
-    other processes). ``ended``: None while they live, else a sentence naming the process
-    and its exit code; ``death``: the same sentence when that end is a fault."""
+    other processes; ``processes``). ``ended``: None while they live, else a sentence naming
+    the process and its exit code; ``death``: the same sentence when that end is a fault."""
 
     def __init__(self, llm: Any) -> None:
         self.death: Optional[str] = None
@@ -51,6 +51,7 @@ class EngineWatchdog:
         self._utility_results = getattr(client, "utility_results", None)
         manager = getattr(getattr(client, "resources", None), "engine_manager", None)
         procs = list(getattr(manager, "processes", None) or [])
+        self.processes = procs
         if self._queue is None or not procs or not all(hasattr(p, "sentinel") for p in procs):
             log.info(
                 "vLLM's client has no outputs_queue / engine processes where this version "
