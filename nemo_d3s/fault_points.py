@@ -6,23 +6,26 @@ default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is appended to
 ``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the trainer's stop-signal
 path), ``termgroup`` (SIGTERM to its whole process group, as a scheduler's pre-emption or a
 terminal's Ctrl-C reaches every process of the job, the engine's too; then 3 s for them to
-act on it, as during the rest of a long step), ``termgroup_in<seconds>`` (the same signal
-from a thread that many seconds later, while the process goes on: a signal in the middle of
-the call that follows the point), ``enospc`` (raise ``OSError(ENOSPC)``), ``sleep<seconds>``.
-Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>`` limits them to the process
-whose ``RANK`` is r. Points are named where they are placed, e.g. ``lock.acquired``,
-``checkpoint.tmp_created``, ``checkpoint.backend_written``, ``checkpoint.before_rename``,
-``checkpoint.renamed``, ``metrics.write``, ``step.generated`` (after the step's generation,
-every rank agreed on its outcome), ``step.updated`` (after the update, before the refit),
-``loop.step_done``, ``engine.decode`` (asked before every decoded token and chunk of
-generation), ``vllm.generate`` (before the vLLM engine's generation call), ``refit.bucket``
-(before each bucket of a refit moves). Unset (every real run), a point costs one dictionary
-lookup.
+act on it, as during the rest of a long step), ``termtree`` (SIGTERM to itself and its
+child processes, a rank's engine among them, not to a launcher above it: one rank of a job
+signalled as Slurm signals a step's processes; then 3 s), ``termgroup_in<seconds>``
+(termgroup's signal from a thread that many seconds later, while the process goes on: a
+signal in the middle of the call after the point), ``enospc`` (raise ``OSError(ENOSPC)``),
+``sleep<seconds>``. Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>``
+limits them to the process whose ``RANK`` is r. Points are named where they are placed,
+e.g. ``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
+``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``step.generated``
+(after the step's generation, every rank agreed on its outcome), ``step.updated`` (after the
+update, before the refit), ``loop.step_done``, ``engine.decode`` (asked before every decoded
+token and chunk of generation), ``vllm.generate`` (before the vLLM engine's generation call),
+``refit.bucket`` (before each bucket of a refit moves). Unset (every real run), a point
+costs one dictionary lookup.
 """
 
 from __future__ import annotations
 
 import errno
+import multiprocessing
 import os
 import signal
 import threading
@@ -81,6 +84,11 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the next bytecode
     elif action == "termgroup":
         _term_group()
+        time.sleep(3)
+    elif action == "termtree":
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(3)
     elif action.startswith("termgroup_in"):
         timer = threading.Timer(float(action[len("termgroup_in") :]), _term_group)

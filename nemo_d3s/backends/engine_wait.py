@@ -25,11 +25,9 @@ def agreed_generation(
     stopping: bool,
     limit_s: float,
 ) -> Tuple[Optional[T], Outcome]:
-    """``call()`` (None: this rank generates nothing) while this rank beats as long as
-    ``alive()``, then :meth:`GenerationWait.agree` with this rank's outcome: ``stopping`` (a
-    stop signal pending here), GenerationInterrupted, or another exception. Returns (the
-    call's result, None when it was interrupted; every rank's outcome). A failure raises on
-    every rank: the failed rank's own exception, RuntimeError on the others."""
+    """``call()`` (None: nothing to generate here) while this rank beats as long as
+    ``alive()``, then every rank's outcome (``GenerationWait.agree``): (the result, None when
+    interrupted; the outcome). A failure raises on every rank (RuntimeError on the others)."""
     result, interrupted, failure = None, False, None
     if call is not None:
         with wait.beating(alive):

@@ -1,24 +1,15 @@
-"""Waiting for a generation without one blocking collective.
+"""Waiting for other ranks' generations without one blocking collective.
 
-A rank that waits for another rank's generation (a model-parallel group's ranks for the
-group's engine; every rank for the slowest data-parallel rank) would wait inside a collective
-limited by the group's timeout (``trainer.dist_timeout_minutes``), which one long generation
-exceeds (15k new tokens x 128 rollouts per engine at 70B: over an hour), while a timeout long
-enough for it would leave a dead engine unnoticed as long. Instead, on the job's key-value
-store (torch's store of the default process group; no tensor, no collective):
-
-- a rank that generates beats: a thread adds 1 to a counter every ``beat_s`` while its engine
-  lives (``alive()``: for vLLM, the watchdog's view of the engine's processes);
-- each member arrives once per generation and adds its outcome (stop pending, interrupted,
-  failed) into the generation's flags;
-- a member waits until all have arrived, polling the store at most once a second, and gives up
-  (:class:`GenerationTimeout`) when neither an arrival nor a beat came for ``base_s`` (the
-  members still generating are stopped or dead: the group's timeout, as a collective) or after
-  ``limit_s`` in all (a live engine that does not finish; :func:`generation_limit_s`).
-
-Every member learns every member's outcome, so the group stops, fails or goes on together.
-One process (no process group) waits for nobody. The last member to arrive at a generation
-removes the keys of the one before (every member has left its wait by then).
+A collective limited by the groups' timeout (``trainer.dist_timeout_minutes``) fails on one
+long generation (15k new tokens x 128 rollouts per engine at 70B: over an hour); a timeout
+that long would leave a dead engine unnoticed as long. Instead, on the job's key-value store
+(no tensor, no collective): a generating rank beats (a thread adds to a counter every
+``beat_s`` while its engine lives); every member arrives once per generation with its
+outcome (stop pending, interrupted, failed); a member polls until all arrived and gives up
+(:class:`GenerationTimeout`) after ``base_s`` without an arrival or a beat (the group's
+timeout: the members still generating are stopped or dead) or after ``limit_s`` in all
+(:func:`generation_limit_s`). Every member learns every member's outcome; one process waits
+for nobody; the last arrival removes the previous generation's keys.
 """
 
 from __future__ import annotations

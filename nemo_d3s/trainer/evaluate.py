@@ -35,12 +35,10 @@ def evaluate(
     """Returns eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors,
     time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward).
 
-    ``should_stop``: asked before every batch; every rank runs the same number of batches and
-    agrees after each batch's generation (``wait``, every rank's: ``backends/engine_wait.py``)
-    on whether any rank has a stop signal pending or had its generation cut short (an engine
-    a stop signal took down returns it aborted); then the evaluation is abandoned and
-    ``{"stopped": True}`` is returned: a stop signal is honoured within one batch and no row
-    is computed from a partial batch. ``on_batch(done, total)``: called after each batch."""
+    ``should_stop``: asked before every batch; after each batch's generation every rank
+    agrees (``wait``: ``backends/engine_wait.py``) whether any has a stop pending or had its
+    generation cut short; then ``{"stopped": True}``: no row from a partial evaluation.
+    ``on_batch(done, total)``: called after each batch."""
     t0 = time.perf_counter()
     n = len(problems)
     lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from nemo_d3s.config import ConfigError, validate, validate_layout
+from nemo_d3s.distributed.generation_wait import GenerationWait
 from nemo_d3s.trainer.build import (
     backend_from_config,
     check_runtime,
@@ -69,7 +70,6 @@ from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
-from nemo_d3s.distributed.generation_wait import GenerationWait
 from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
 from nemo_d3s.tasks.base import out_of_range_rewards
 

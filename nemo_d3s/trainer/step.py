@@ -98,10 +98,8 @@ def _check_step_inputs(upd) -> None:
 
 
 def release_engine(engine: RolloutEngine, *, stopping: bool) -> None:
-    """``engine.release()`` before the trainer needs the memory. After a stop signal the
-    engine may be going down with the job (its processes get the signal too): one whose
-    processes ended holds nothing, and a release that fails then is logged, not raised, so
-    that the checkpoint is still written."""
+    """``engine.release()`` before the trainer needs the memory; after a stop signal, only
+    while the engine's processes live, and a failure is logged: the checkpoint comes first."""
     if not stopping:
         engine.release()
         return
@@ -118,14 +116,12 @@ def release_engine(engine: RolloutEngine, *, stopping: bool) -> None:
 
 
 def _refit_after_update(ctx: StepContext) -> None:
-    """The refit that follows the update. None after a stop signal on any rank (agreed
-    first: a model-parallel group refits together): the checkpoint comes first and the engine
-    may be going down with the job (Slurm signals every process of the step, a terminal the
-    whole process group; vLLM's EngineCore shuts down on SIGTERM and SIGINT, vllm 0.33
-    ``v1/engine/core.py:1522-1543``; SIGUSR1's default action ends a process); the resumed run
-    refits from the checkpoint (``Trainer._start_state``). A refit that a stop signal cuts
-    short (an RPC into an engine going down raises) is the same stop: the update is applied,
-    the loop checkpoints this step. One that fails without a stop fails every rank."""
+    """The refit after the update, none after a stop signal on any rank (agreed first: a
+    model-parallel group refits together): the checkpoint comes first, the engine may be going
+    down with the job (vLLM's EngineCore shuts down on SIGTERM and SIGINT, vllm 0.33
+    ``v1/engine/core.py:1522-1543``) and the resumed run refits from the checkpoint. A refit
+    the signal cuts short is the same stop (the update is applied: the loop checkpoints it);
+    one that fails without a stop fails every rank."""
     if ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
         return
     failure = None

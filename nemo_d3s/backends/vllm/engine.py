@@ -400,10 +400,9 @@ class VLLMEngine(RolloutEngine):
         )
 
     def _call_failed(self, e: Exception) -> Exception:
-        """What a refit, wake or generation that raised becomes: GenerationInterrupted when
-        the job's stop signal reached the engine's processes (they shut down on it, vllm 0.33
-        ``v1/engine/core.py:1522-1543``) or the trainer's, so the trainer checkpoints without
-        the engine; the watchdog's sentence for a process that died of a fault; else ``e``."""
+        """A refit, wake or generation that raised: GenerationInterrupted under a stop signal
+        (the trainer's, or the engine's processes ended without a fault), the watchdog's
+        sentence for a process that died of a fault, else ``e``."""
         if self.watchdog is not None:
             self.watchdog.settle()
         if self.stopped or (self.should_stop is not None and self.should_stop()):
@@ -424,12 +423,10 @@ class VLLMEngine(RolloutEngine):
 
 
 def _check_finished(outputs: Sequence[Any]) -> None:
-    """Refuse cut rollouts. On SIGTERM vLLM's engine core aborts every request in flight and
-    sends them back finished, ``finish_reason`` "abort" (vllm 0.33 ``v1/engine/core.py:
-    1703-1735``, ``_send_abort_outputs`` l.2270; ``v1/request.py:407``), and ``LLM.generate``
-    returns them among the others (``entrypoints/common/offline.py:610-616`` collects every
-    finished output): GenerationInterrupted, so none is trained on or evaluated. "error"
-    (``FinishReason.ERROR``) is the engine's failure on a request: RuntimeError."""
+    """Refuse cut rollouts: on SIGTERM vLLM's engine core sends every request in flight back
+    finished with ``finish_reason`` "abort" (vllm 0.33 ``v1/engine/core.py:1703-1735``,
+    ``v1/request.py:407``) and ``LLM.generate`` returns them (``entrypoints/common/
+    offline.py:610-616``): GenerationInterrupted. "error" (the engine failed): RuntimeError."""
     reasons = [c.finish_reason for out in outputs for c in out.outputs]
     aborted, failed = reasons.count("abort"), reasons.count("error")
     if aborted:

@@ -9,18 +9,14 @@ the thread that fills that queue (l.948-977) without putting anything in it, nor
 futures utility calls wait on (``utility_results``). A worker's death is reported (the engine
 core itself is alive to say so); the engine core's is not.
 
-:class:`EngineWatchdog` waits on the engine core processes' sentinels (the processes vLLM's
-``CoreEngineProcManager`` started, ``v1/engine/utils.py`` l.350-366; vllm 0.33 the same,
-``v1/engine/utils.py:278, 356-372``, and the same client attributes, ``v1/engine/
-core_client.py:778, 975, 1030-1057``) in a daemon thread. When one ends before ``close()`` or
-the interpreter's exit, it records it (``ended``; ``death`` too when the end is a fault: an
-exit code other than 0 or SIGTERM's, which are vLLM's own shutdown on a stop signal, vllm
-0.33 ``v1/engine/core.py:1522-1543, 1703-1735``) and puts an error into that queue and into
-every pending utility future, which wakes the waiting call: it raises, and ``VLLMEngine``
-names the process and its exit code, or, for an engine a stop signal took down, stops as the
-trainer does on its own stop signal. An engine core that exits on SIGTERM answers no call
-sent after its signal (its busy loop ends, ``core.py:1621-1632``): without the wake-up a
-release or refit after the job's signal waited forever.
+:class:`EngineWatchdog` waits on the engine core processes' sentinels (``v1/engine/utils.py``
+l.350-366; vllm 0.33 ``utils.py:278, 356-372`` and the same client attributes,
+``core_client.py:778, 975, 1030-1057``) in a daemon thread. When one ends before ``close()``
+it records it (``ended``; ``death`` too for a fault: an exit code other than 0 or SIGTERM's,
+vLLM's shutdown on a stop signal, 0.33 ``core.py:1522-1543``) and puts an error into that
+queue and every pending utility future: the waiting call raises. An engine core that exits on
+SIGTERM answers no call sent after it (``core.py:1621-1632``): without this wake-up a release
+or refit after the job's signal waited forever.
 Where vLLM's internals differ (another version) there is no watchdog, and a log line says so.
 """
 
@@ -105,9 +101,8 @@ class EngineWatchdog:
                 future.set_exception(error)
 
     def settle(self, timeout: float = 10.0) -> None:
-        """After a call into the engine failed: when one of its processes has ended, wait (up
-        to ``timeout``) until the watchdog has recorded how (vLLM's own monitor may have
-        failed the call first, ``core_client.py:822-846``), so ``ended`` and ``death`` tell."""
+        """After a failed call: when an engine process has ended, wait (up to ``timeout``)
+        for the verdict (vLLM's own monitor may fail the call first, ``core_client.py:822``)."""
         if self.watching and connection.wait(self._sentinels, timeout=0):
             self.thread.join(timeout)
 
