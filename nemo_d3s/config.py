@@ -1,35 +1,14 @@
 """Typed configuration schema of a training run.
 
-The dataclasses below are registered in Hydra's ConfigStore (``register_configs``) and are
-the first entry of ``conf/config.yaml``'s defaults list, so every YAML file and every
-command-line override is merged INTO them: an unknown key fails at start-up with a message
-naming it (``Key 'foo' not in 'TrainerConfig'``), and a value of the wrong type fails
-likewise.
-
-One source per setting:
-
-- The D3S presets are ``core.presets.PRESETS``; :func:`register_configs` registers each one as
-  an option of the ``d3s`` config group (``d3s=pods``), built by
-  :meth:`D3SSection.from_preset` (the section's schema: ``config_d3s.py``), and the
-  schema's own ``d3s`` defaults are the ``d3s``
-  preset's. There are no preset YAML files to keep equal to them (a user may still add
-  ``conf/d3s/<name>.yaml``: Hydra offers both; fields it leaves out keep the ``d3s``
-  preset's values).
-- Each section checks its own fields in ``validate()``, beside the fields (like verl's
-  rollout config), and ``__post_init__`` runs it, so a section built in Python is checked
-  where it is built. :func:`validate` checks a composed config by turning it into these
-  dataclasses (``OmegaConf.to_object`` builds every section, running its check), then runs
-  the checks that span sections. Settings that an object of a lower layer owns are judged
-  by building that object (sampling: ``backends.base.GenerationConfig``; the (N, K)
-  schedule: ``core.schedules.DynamicSchedule``; vLLM's: ``VLLMEngineConfig``), so each rule
-  is written once. A failed check raises :class:`ConfigError` naming the dotted key.
-- What this machine must provide (vLLM installed, a GPU for ``model.device=cuda``) is
-  checked by ``trainer.build.check_runtime`` before any model loads, not here: the dry run
-  validates configs of GPU jobs on a login node.
-
-The same dataclasses are used without Hydra (tests, notebooks):
-``cfg = OmegaConf.structured(TrainConfig)``; ``validate(cfg)``.
-"""
+The dataclasses are registered in Hydra's ConfigStore and head ``conf/config.yaml``'s defaults, so
+YAML and overrides merge INTO them: an unknown key or a wrong type fails at start-up naming it. The
+``d3s`` group's options are the presets of ``core.presets.PRESETS`` (no YAML copies; a user's
+``conf/d3s/<name>.yaml`` starts from the ``d3s`` preset). Each section checks its fields in
+``validate()`` when built; :func:`validate` builds them all, then runs the cross-section checks, and
+settings a lower layer owns are judged by building its object (GenerationConfig, DynamicSchedule,
+VLLMEngineConfig). Errors are :class:`ConfigError` naming the dotted key. What the machine must
+provide (vLLM, a GPU) is checked later by ``trainer.build.check_runtime``, so the dry run validates
+GPU configs on a login node."""
 
 from __future__ import annotations
 
@@ -112,8 +91,8 @@ class TrainConfig(Section):
 
 
 def register_configs() -> None:
-    """Register the schema (``train_schema``) and every preset of ``core.presets.PRESETS`` as an
-    option of the ``d3s`` group in Hydra's ConfigStore."""
+    """Register the schema and every ``PRESETS`` entry as a ``d3s`` group option in Hydra's
+    ConfigStore."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
@@ -128,9 +107,8 @@ def register_configs() -> None:
 
 
 def typed(cfg: Any) -> TrainConfig:
-    """A composed config (DictConfig, or a TrainConfig) as the dataclasses, every section
-    checked. Unknown keys and wrong types fail even when added with Hydra's ``+key=value``
-    (which bypasses the struct flag): the config is merged into a fresh schema first."""
+    """A composed config (DictConfig or TrainConfig) as the checked dataclasses. It is merged into a
+    fresh schema first, so keys added with ``+key=value`` (bypassing the struct flag) fail too."""
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -156,8 +134,8 @@ def typed(cfg: Any) -> TrainConfig:
 
 
 def validate_layout(cfg: Any, dp_size: int) -> None:
-    """The checks that need the parallel layout the policy built (``dp_size`` data-parallel
-    ranks): prompts are sharded in whole groups over the DP ranks."""
+    """The checks that need the policy's DP size: prompts shard in whole groups over the DP
+    ranks."""
     ppp = cfg.trainer.prompts_per_step
     require(
         ppp % dp_size == 0,
@@ -168,8 +146,7 @@ def validate_layout(cfg: Any, dp_size: int) -> None:
 
 
 def validate(cfg: Any, world_size: int = 1) -> None:
-    """Schema and range checks on a composed config (DictConfig) or a :class:`TrainConfig`.
-    Raises :class:`ConfigError` naming the first offending key. ``world_size``:
-    data-parallel ranks when already known (the trainer validates before building the policy
-    and calls :func:`validate_layout` with the real DP size after)."""
+    """Schema and range checks on a composed config or a :class:`TrainConfig`; ConfigError naming
+    the first offending key. ``world_size``: DP ranks when known (the trainer calls
+    :func:`validate_layout` with the real DP size once the policy is built)."""
     typed(cfg).validate(world_size)

@@ -1,9 +1,6 @@
-"""The ``d3s`` section of the run's config schema (:mod:`nemo_d3s.config`): a preset of
-``core.presets.PRESETS`` (``d3s=<preset>``) and any field changed on top of it, with the
-(N, K) schedule as its own subsection. The schema's defaults are the ``d3s`` preset's, read
-from ``core.presets`` (one source); ``core.presets.D3SConfig`` and
-``core.schedules.DynamicSchedule`` judge the values.
-"""
+"""The ``d3s`` section of the run's config schema: a preset of ``core.presets.PRESETS`` plus any
+field changed on top, the (N, K) schedule as a subsection. Defaults are the ``d3s`` preset's;
+``core.presets.D3SConfig`` and ``DynamicSchedule`` judge the values."""
 
 from __future__ import annotations
 
@@ -27,10 +24,9 @@ DEFAULT_PRESET = "d3s"
 
 @dataclass
 class ScheduleConfig(Section):
-    """(N, K) as a function of progress p in [0, 1]: N per prompt (int count or fraction of
-    G in (0, 1]), K = fraction of eligible tokens kept, in (0, 1]. The core
-    :class:`DynamicSchedule` judges every value and the combination (e.g. an int n_init
-    with a float n_final); N against G is checked by :class:`TrainConfig`."""
+    """(N, K) over progress p in [0, 1]: N per prompt (int count or fraction of G), K the fraction
+    of eligible tokens kept. ``DynamicSchedule`` judges the values; N against G is checked by
+    :class:`TrainConfig`."""
 
     KEY: ClassVar[str] = "d3s.schedule"
     kind: str = "constant"  # core.schedules.SCHEDULES: linear | cosine | constant | step
@@ -82,10 +78,9 @@ _DEFAULT = _preset_fields(DEFAULT_PRESET)
 
 @dataclass
 class D3SSection(Section):
-    """Sample/token down-sampling: a preset of ``core.presets.PRESETS`` (``d3s=<preset>``, see
-    :func:`register_configs`) and any field changed on top (``d3s.schedule.k_init=0.1``).
-    The defaults are the ``d3s`` preset's; ``--cfg job`` prints every value that runs.
-    ``core.presets.D3SConfig`` (built by :meth:`to_core`) judges the values."""
+    """Sample/token down-sampling: a preset (``d3s=<preset>``) plus fields changed on top
+    (``d3s.schedule.k_init=0.1``); ``--cfg job`` prints every value that runs. :meth:`to_core`
+    builds the ``D3SConfig`` that judges them."""
 
     KEY: ClassVar[str] = "d3s"
     preset: str = DEFAULT_PRESET

@@ -1,9 +1,5 @@
-"""The sections of the run's config schema (:mod:`nemo_d3s.config`, whose docstring tells how
-they are composed and checked) other than ``d3s`` (``config_d3s.py``): the objective, the
-model, the rollout engine, the task, the trainer's loop and the logging. Each checks its own
-fields in ``validate()``; settings that an object of a lower layer owns are judged by
-building that object.
-"""
+"""The sections of the run's config schema (composed and checked by :mod:`nemo_d3s.config`) other
+than ``d3s``: objective, model, rollout engine, task, trainer loop and logging."""
 
 from __future__ import annotations
 
@@ -102,11 +98,10 @@ class ModelConfig(Section):
 
 @dataclass
 class RolloutConfig(Section, VLLMEngineConfig):
-    """Which engine samples the rollouts (``conf/rollout/{hf,vllm}.yaml``) and its settings.
-    ``engine``: a name in ``backends.engines.ROLLOUT_ENGINES`` (hf = the policy's own model;
-    vllm = vLLM in-process, refitted after every step). The other keys are vLLM's
-    (:class:`~nemo_d3s.backends.vllm.config.VLLMEngineConfig`, which checks them); the hf
-    engine has none."""
+    """Which engine samples the rollouts (``conf/rollout/{hf,vllm}.yaml``): ``engine`` a
+    ``ROLLOUT_ENGINES`` name (hf: the policy's model; vllm: in-process, refitted after every step);
+    the other keys are vLLM's, checked by
+    :class:`~nemo_d3s.backends.vllm.config.VLLMEngineConfig`."""
 
     KEY: ClassVar[str] = "rollout"
     engine: str = "hf"
@@ -120,7 +115,7 @@ class RolloutConfig(Section, VLLMEngineConfig):
 @dataclass
 class TaskConfig(Section):
     """Prompts and verifiable reward (``conf/task/*.yaml``); ``params`` go to the task's
-    constructor, which rejects keys it does not know."""
+    constructor, which rejects unknown keys."""
 
     KEY: ClassVar[str] = "task"
     name: str = "basic_arithmetic"
@@ -233,8 +228,7 @@ class TrainerConfig(Section):
     gpus_per_node: Optional[int] = None
 
     def generation(self) -> GenerationConfig:
-        """The rollouts' sampling settings; GenerationConfig checks them (the one place
-        temperature, top_p and top_k are judged)."""
+        """The rollouts' sampling settings, judged by GenerationConfig."""
         return GenerationConfig(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,

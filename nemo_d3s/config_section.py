@@ -1,7 +1,6 @@
-"""The base of the run config's sections (``nemo_d3s.config``): each section checks its
-own fields beside them, in ``validate()``, which ``__post_init__`` runs, so a section built
-in Python (or by ``OmegaConf.to_object`` from a composed config) is checked where it is
-built. Messages name the dotted key: ``trainer.lr=0.0: learning rate must be > 0``."""
+"""The base of the run config's sections: each checks its own fields in ``validate()``, run by
+``__post_init__``, so a section is checked where it is built; messages name the dotted key
+(``trainer.lr=0.0: learning rate must be > 0``)."""
 
 from __future__ import annotations
 

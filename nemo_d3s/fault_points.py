@@ -1,25 +1,12 @@
 """Named fault-injection points for the tests; a leaf every layer may import.
 
-``NEMO_D3S_FAULT=<point>[@<n>][=<action>]`` makes the process act at the ``n``-th time
-(default 1) it passes :func:`fault_point` ``<point>``. Actions: ``kill`` (SIGKILL itself, the
-default), ``stop`` (SIGSTOP itself: stopped, not dead; its pid is appended to
-``$NEMO_D3S_FAULT_PIDFILE`` when set), ``term`` (SIGTERM itself: the trainer's stop-signal
-path), ``termgroup`` (SIGTERM to its whole process group, as a scheduler's pre-emption or a
-terminal's Ctrl-C reaches every process of the job, the engine's too; then 3 s for them to
-act on it, as during the rest of a long step), ``termtree`` (SIGTERM to itself and its
-child processes, a rank's engine among them, not to a launcher above it: one rank of a job
-signalled as Slurm signals a step's processes; then 3 s), ``termgroup_in<seconds>``
-(termgroup's signal from a thread that many seconds later, while the process goes on: a
-signal in the middle of the call after the point), ``enospc`` (raise ``OSError(ENOSPC)``),
-``sleep<seconds>``. Several specs are separated by commas; ``NEMO_D3S_FAULT_RANK=<r>``
-limits them to the process whose ``RANK`` is r. Points are named where they are placed,
-e.g. ``lock.acquired``, ``checkpoint.tmp_created``, ``checkpoint.backend_written``,
-``checkpoint.before_rename``, ``checkpoint.renamed``, ``metrics.write``, ``step.generated``
-(after the step's generation, every rank agreed on its outcome), ``step.updated`` (after the
-update, before the refit), ``loop.step_done``, ``engine.decode`` (asked before every decoded
-token and chunk of generation), ``vllm.generate`` (before the vLLM engine's generation call),
-``refit.bucket`` (before each bucket of a refit moves). Unset (every real run), a point
-costs one dictionary lookup.
+``NEMO_D3S_FAULT=<point>[@<n>][=<action>][,...]`` acts the n-th time (default 1) the process
+passes :func:`fault_point` ``<point>``. Actions: ``kill`` (default), ``stop`` (SIGSTOP; pid
+appended to ``$NEMO_D3S_FAULT_PIDFILE``), ``term``, ``termgroup`` (SIGTERM to the process group,
+as a scheduler's pre-emption, then 3 s), ``termtree`` (SIGTERM to itself and its children, its
+engine among them, then 3 s), ``termgroup_in<seconds>`` (termgroup's signal from a thread that
+much later, mid-call), ``enospc``, ``sleep<seconds>``. ``NEMO_D3S_FAULT_RANK=<r>`` limits them
+to ``RANK`` r. Unset, a point costs one dictionary lookup.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """File-system helpers every layer may use (a leaf: no torch, no model code).
 
-- :func:`atomic_folder`: THE way a folder of outputs is written (the converter's outputs,
-  both backends' Hugging Face exports, the default model's GGUF unpacking): staged in a
-  hidden sibling, flushed to disk, renamed into place; nothing half-written is ever found
-  under the final name, and what a failed write created is removed again. It also locks
-  the output against a second writer (:class:`FileLock`), refuses to publish over a folder
-  that changed while it wrote (the finished output is kept and named), and removes the
-  staging folders of writers killed midway on this host (the staging side:
-  ``files_staging.py``).
-- :func:`atomic_write_text`: the same for one file (``summary.json``, ``config.yaml``,
-  ``interrupted.json``, ``dry_run.json``, ``selfcheck.json``, a rewritten ``metrics.jsonl``):
-  a hidden sibling, flushed, renamed over the file, the folder flushed.
-- :class:`FileLock`: an exclusive ``flock`` (the trainer's run-folder lock is one too).
-- :func:`apply_umask`: files written through ``tempfile`` (as safetensors and some
-  ``save_pretrained`` paths do) are created mode 0600; an export must be readable by
-  colleagues on a shared cluster like every other file of the run, so the modes of a
-  written folder are reset to what the process umask gives a normally created file.
-- :func:`sha256_file`, :func:`file_digests`, :func:`write_checksums`: the
-  ``checksums.json`` (size + SHA-256 per file) that training checkpoints and converted
-  checkpoints carry (its check, shared across ranks: ``formats/checksums.py``).
-"""
+:func:`atomic_folder` is THE way a folder of outputs is written: staged in a hidden sibling,
+flushed, renamed into place, locked against a second writer, never published over a folder that
+changed meanwhile; nothing half-written is ever found under the final name.
+:func:`atomic_write_text` does the same for one file. Outputs get the umask's modes (files
+``tempfile`` creates are 0600, unreadable to colleagues on a shared cluster), and checkpoints carry
+``checksums.json`` (size + SHA-256 per file)."""
 
 from __future__ import annotations
 
@@ -88,8 +74,8 @@ def current_umask() -> int:
 
 
 def apply_umask(path: str | os.PathLike) -> None:
-    """Give ``path`` (a file or a folder, recursively) the modes a plain ``open``/``mkdir``
-    would: 0666 & ~umask for files, 0777 & ~umask for folders. Symlinks are left alone."""
+    """Give ``path`` (recursively) the modes a plain ``open``/``mkdir`` would: 0666 / 0777 & ~umask.
+    Symlinks are left alone."""
     mask = current_umask()
     fmode, dmode = 0o666 & ~mask, 0o777 & ~mask
     root = Path(path)
@@ -121,10 +107,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 def write_checksums(
     folder: str | os.PathLike, digests: Optional[Dict[str, Dict[str, object]]] = None
 ) -> Path:
-    """Write ``folder/checksums.json``: size and SHA-256 of every file under ``folder``
-    (relative POSIX paths; the file itself excluded). Written last, it covers everything.
-    ``digests``: entries other processes computed for the files they wrote (as
-    :func:`file_digests` returns them); only the files they do not cover are read here."""
+    """Write ``folder/checksums.json`` last: size and SHA-256 of every file under ``folder``
+    (relative POSIX paths). ``digests``: entries other processes computed for their files (from
+    :func:`file_digests`); only the rest is read here."""
     root = Path(folder)
     given = dict(digests or {})
     files = {}
@@ -137,8 +122,7 @@ def write_checksums(
 
 
 def file_digests(folder: str | os.PathLike, rels: List[str]) -> Dict[str, Dict[str, object]]:
-    """{rel: {"size", "sha256"}} of the files ``rels`` under ``folder`` (what a process
-    records for the files it wrote, right after writing them)."""
+    """{rel: {"size", "sha256"}} of the files ``rels`` under ``folder``."""
     root = Path(folder)
     return {
         rel: {"size": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
@@ -156,17 +140,14 @@ class FolderBusy(OSError):
 
 
 class FileLock:
-    """Exclusive advisory ``flock`` on the file ``path`` (created when missing), taken
-    without waiting: a held lock is :class:`FolderBusy` naming the holder, whose pid, host
-    and start time the file holds. The kernel releases it when the holder dies (kill -9
-    included). On a filesystem without locks (Lustre without ``-o flock``) the lock is
-    skipped with a warning.
+    """Exclusive advisory ``flock`` on ``path`` (created when missing), without waiting: a held lock
+    is :class:`FolderBusy` naming the holder's pid, host and start time. The kernel releases it when
+    the holder dies; a filesystem without locks (Lustre without ``-o flock``) skips it with a
+    warning.
 
-    ``remove=True`` unlinks the file on release (a lock file next to an output should not
-    outlive the write); the acquirer then checks that the file it locked is still the one
-    at ``path`` and retries otherwise, so that two processes never hold locks on two
-    different inodes of one name. ``on_acquired``: called once locked, before the holder
-    is written (the trainer's fault injection point)."""
+    ``remove=True`` unlinks the file on release; the acquirer then checks that it locked the inode
+    still at ``path`` and retries otherwise, so two processes never lock two inodes of one name.
+    ``on_acquired``: called once locked, before the holder is written."""
 
     def __init__(
         self,
@@ -247,8 +228,8 @@ class FolderNotEmpty(FileExistsError):
 
 
 class FolderChanged(OSError):
-    """The output folder changed while it was being written; nothing was replaced and the
-    finished output is kept at ``kept``."""
+    """The output folder changed while being written; nothing was replaced, the finished output is
+    kept at ``kept``."""
 
     def __init__(self, dest: Path, what: str, kept: Path) -> None:
         super().__init__(
@@ -267,35 +248,24 @@ def atomic_folder(
     peer_done: Optional[Callable[[Path], bool]] = None,
     lock: bool = True,
 ) -> Iterator[Path]:
-    """Write the folder ``dest`` atomically: the block writes into the empty hidden sibling
-    it is given (``.<name>.tmp-<host>-<pid>-<random>``); when the block returns, the staged
-    folder gets the modes of the process umask (:func:`apply_umask`), is flushed to disk
-    (:func:`fsync_tree`) and renamed to ``dest``, and the parent folder is flushed.
+    """Write the folder ``dest`` atomically: the block fills the empty hidden sibling it is given;
+    on return it gets the umask's modes, is flushed and renamed to ``dest``, and the parent is
+    flushed.
 
-    - ``lock=True``: ``.<name>.lock`` next to ``dest`` is held from start to publish
-      (:class:`FileLock`, removed after): a second writer of ``dest`` fails at once with
-      :class:`FolderBusy` naming the first instead of one output silently replacing the
-      other. Under the lock, staging folders of this host's writers of ``dest`` whose
-      process is gone are removed first (and said so).
-    - ``replace=True``: an existing ``dest`` is renamed aside first and removed after the
-      rename (a reader sees the old folder or the new one, never a mix).
-    - ``replace=False``: an existing non-empty ``dest`` is an error (:class:`FolderNotEmpty`),
-      unless ``peer_done(dest)`` says another process finished the same folder first: then its
-      folder is kept and ours is discarded.
-    - ``dest`` is compared with what it was at the start before publishing: when anything
-      appeared in it, vanished or changed (a user's files, another writer that did not
-      lock), nothing is replaced, the finished output moves to
+    - ``lock=True``: ``.<name>.lock`` is held until publishing, so a second writer fails at once
+      with :class:`FolderBusy`; stale staging folders of this host's dead writers are removed first.
+    - ``replace=True``: an existing ``dest`` is renamed aside, removed after the rename (a reader
+      sees the old folder or the new one).
+    - ``replace=False``: a non-empty ``dest`` is :class:`FolderNotEmpty`, unless ``peer_done(dest)``
+      says another process finished it: ours is discarded.
+    - If ``dest`` changed meanwhile nothing is replaced: the output moves to
       ``<name>.unpublished-<host>-<pid>-<random>`` and :class:`FolderChanged` names it.
-    - When the block (or the publishing) raises, even on an interrupt, the staged folder and
-      the parent folders this call created are removed; ``dest`` is as it was.
-
-    Returns through the context manager; the staged folder's path is what the block gets.
-    """
+    - On an exception (an interrupt included) the staged folder and the parents this call created
+      are removed; ``dest`` is as it was."""
     dest = Path(dest).expanduser().absolute()
     if dest.is_symlink():
-        # A link to the output folder (issue 32: the link itself was renamed aside and
-        # replaced, its ".old" copy never removed, the next write calling it a writer killed
-        # midway): the folder it names is written; the link stays and shows the new output.
+        # Write the folder a link names and keep the link: renaming the link aside would leave
+        # a ".old" copy that the next write takes for a killed writer's.
         dest = Path(os.path.realpath(dest))
     created: List[Path] = []  # parent folders made here, removed again on failure (innermost first)
     p = dest.parent
@@ -361,8 +331,7 @@ def atomic_folder(
 
 
 def _lock_held(path: Path) -> bool:
-    """Whether another process holds the flock on ``path`` (an absent file is not held;
-    the file is never created here, so a probe leaves nothing behind)."""
+    """Whether another process holds the flock on ``path`` (never creates the file)."""
     import fcntl
 
     try:
@@ -388,14 +357,10 @@ def build_once(
     wait_s: float = 1800.0,
     poll_s: float = 0.2,
 ) -> Path:
-    """``dest`` built once by whichever process comes first, every other one waiting for
-    it: the assets every rank of a torchrun job asks for at start-up (the tiny-random
-    folder, the default model's unpacking). ``build(tmp)`` fills the staging folder of an
-    :func:`atomic_folder` (locked, ``replace=False``); ``done(folder)`` says a folder is
-    complete. A process that finds the lock held waits until it is released (the builder
-    finished, failed or died: the kernel releases the lock of a killed process), then
-    uses the finished folder or builds it itself. ``TimeoutError`` naming the holder after
-    ``wait_s`` seconds of a held lock (a builder stopped, not dead)."""
+    """``dest`` built once by whichever process comes first, the others waiting: ``build(tmp)``
+    fills a locked :func:`atomic_folder` (``replace=False``), ``done(folder)`` says one is complete.
+    A waiter uses the finished folder, or builds it when the builder failed or died.
+    ``TimeoutError`` naming the holder after ``wait_s`` seconds of a held lock."""
     dest = Path(dest).expanduser().absolute()
     lock = dest.parent / f".{dest.name}.lock"
     while True:

@@ -1,11 +1,8 @@
-"""The staging side of :func:`nemo_d3s.files.atomic_folder` (a leaf: the standard library
-only): how a staging folder is named (``.<name>.tmp-<host>-<pid>-<random>``, and ``.old-``
-for a folder renamed aside), finding them (:func:`staging_folders`), sweeping what writers
-killed midway on this host left (:func:`sweep_stale`), and the before/after snapshot of the
-destination that refuses to publish over a folder that changed meanwhile (:func:`snapshot`,
-:func:`changes`, :func:`keep_unpublished`); and flushing: :func:`fsync_tree` /
-:func:`fsync_folder` (what ``atomic_folder`` flushes before and after its rename) and
-:func:`atomic_write_text`, the same for one file. ``nemo_d3s.files`` re-exports them."""
+"""The staging side of :func:`nemo_d3s.files.atomic_folder` (a leaf: the standard library only):
+staging names (``.<name>.tmp-<host>-<pid>-<random>``, ``.old-`` for a folder renamed aside),
+sweeping what killed writers left, the before/after snapshot that refuses to publish over a changed
+folder, and flushing (:func:`fsync_tree`, :func:`atomic_write_text`). ``nemo_d3s.files`` re-exports
+them."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ def _staging_re(name: str) -> "re.Pattern[str]":
 
 
 def staging_folders(dest: str | os.PathLike) -> List[Tuple[Path, str, str, int]]:
-    """(path, "tmp" or "old", host, pid) of the staging / renamed-aside siblings of ``dest``
-    that :func:`atomic_folder` names ``.<name>.tmp-<host>-<pid>-<random>``."""
+    """(path, "tmp" or "old", host, pid) of ``dest``'s staging and renamed-aside siblings."""
     dest = Path(dest)
     pat = _staging_re(dest.name)
     out = []
@@ -70,10 +66,9 @@ def _alive(pid: int) -> bool:
 
 
 def sweep_stale(dest: Path) -> None:
-    """Remove what writers of ``dest`` killed midway left (their process is gone). Only
-    this host's: a pid of another host on a shared filesystem says nothing here. A folder
-    renamed aside (``.old-``) by a writer killed before it published is the user's previous
-    output: it is put back when ``dest`` is missing, removed when ``dest`` replaced it."""
+    """Remove what this host's writers of ``dest`` killed midway left (another host's pid says
+    nothing here). A renamed-aside ``.old-`` folder is the user's previous output: put back when
+    ``dest`` is missing, removed when ``dest`` replaced it."""
     for path, kind, host, pid in staging_folders(dest):
         if host != host_tag() or pid == os.getpid() or _alive(pid):
             continue
@@ -98,8 +93,8 @@ def sweep_stale(dest: Path) -> None:
 
 
 def snapshot(p: Path) -> Optional[Tuple]:
-    """What ``p`` is (None: absent): its inode and, for a folder, every entry below it with
-    kind, size and modification time; compared before publishing."""
+    """What ``p`` is (None: absent): its inode and, for a folder, every entry's kind, size and
+    mtime; compared before publishing."""
     try:
         st = os.lstat(p)
     except FileNotFoundError:
@@ -139,8 +134,7 @@ def changes(before: Optional[Tuple], now: Optional[Tuple]) -> str:
 
 
 def keep_unpublished(tmp: Path, dest: Path, tag: str) -> Path:
-    """Move the finished staging folder to a visible name next to ``dest`` that no later
-    write sweeps away (the staging name would be swept once this process is gone)."""
+    """Move the finished staging folder to a visible name next to ``dest`` that no sweep removes."""
     kept = dest.parent / f"{dest.name}.unpublished-{tag}"
     try:
         os.rename(tmp, kept)
@@ -165,8 +159,8 @@ def fsync_folder(path: str | os.PathLike) -> None:
 
 
 def fsync_tree(root: str | os.PathLike) -> None:
-    """Flush every file and folder under ``root`` (and ``root``) to disk, so that a rename
-    that publishes ``root`` cannot survive a crash that its contents do not."""
+    """Flush every file and folder under ``root`` (and ``root``), so a rename publishing ``root``
+    cannot survive a crash its contents do not."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             p = os.path.join(dirpath, name)
@@ -176,11 +170,9 @@ def fsync_tree(root: str | os.PathLike) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write the file ``path`` atomically: ``text`` (UTF-8) goes into the hidden sibling
-    ``.<name>.tmp-<host>-<pid>-<random>``, which is flushed to disk and renamed over
-    ``path``; then the folder is flushed. A reader, or a crash, finds the old file or the
-    new one, never half of one; a failed write removes the sibling and leaves ``path`` as it
-    was. The folder must exist."""
+    """Write ``text`` (UTF-8) to ``path`` atomically through a flushed hidden sibling renamed over
+    it, then flush the folder: a reader or a crash sees the old file or the new one. A failure
+    removes the sibling; the folder must exist."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:

@@ -1,26 +1,13 @@
 """``python -m nemo_d3s.train`` / ``nemo-d3s-train``: the Hydra entry point of training.
 
-Examples::
-
     python -m nemo_d3s.train                                  # SmolLM2-135M, D3S, CPU
-    python -m nemo_d3s.train experiment=smoke output_dir=/tmp/smoke
-    python -m nemo_d3s.train d3s=pods algorithm=gspo trainer.steps=50
-    python -m nemo_d3s.train -m d3s=grpo,d3s                  # a sweep (multirun)
-    python -m nemo_d3s.train --cfg job                        # print the composed config
+    python -m nemo_d3s.train experiment=smoke d3s=pods trainer.steps=50
     python -m nemo_d3s.train output_dir=/tmp/smoke resume=true trainer.steps=8  # continue it
     torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=smoke output_dir=/tmp/dp2
 
-Where the config lives: the ``conf/`` folder at the repository root, found relative to
-this file (``<repo>/nemo_d3s/train.py`` -> ``<repo>/conf``), which is where it is for a
-source checkout and an editable install (``pip install -e .``). ``$NEMO_D3S_CONF_DIR``
-overrides it; ``nemo_d3s/conf`` (inside the package) is the fallback for a wheel that
-ships the YAML files as package data.
-
-Output directory: ``output_dir`` (default ``outputs/<date>_<time>``). Hydra does not
-chdir (``hydra.job.chdir=false``) and writes its own ``.hydra/`` into the same folder. In
-a multirun sweep every job writes to Hydra's job folder (``multirun/<date>_<time>/<job
-number>``, set ``hydra.sweep.dir`` to move it) unless the sweep sets ``output_dir`` itself,
-e.g. ``-m d3s=grpo,d3s output_dir=runs/${d3s.preset}`` (quote it in a shell).
+The config is ``<repo>/conf`` (``$NEMO_D3S_CONF_DIR`` overrides it; ``nemo_d3s/conf`` for a
+wheel). Output goes to ``output_dir`` (Hydra does not chdir); a sweep that does not set it
+writes each job to Hydra's job folder.
 """
 
 from __future__ import annotations
@@ -70,9 +57,7 @@ def compose_config(overrides=()):
 
 
 def _job_output_dir(cfg) -> str:
-    """``output_dir``, except in a sweep that does not set it: there each job writes to
-    Hydra's job folder (a sweep that sets it, e.g. ``output_dir=runs/${d3s.preset}``, is
-    responsible for making it differ between jobs)."""
+    """``output_dir``, except in a sweep that does not set it: then Hydra's job folder."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -122,10 +107,10 @@ def _is_collective_timeout(e: BaseException) -> bool:
 
 
 def run_cli(cfg) -> int:
-    """Train on a resolved config; a user-facing fault becomes one ``error:`` line on stderr
-    and the exit code (2 for bad input or a bad run directory/disk; 3 when a peer rank
-    stopped answering). Returns 0 when the run finished, :data:`EXIT_INTERRUPTED` (75)
-    when a stop signal ended it at a checkpoint."""
+    """Train on a resolved config; a user-facing fault is one ``error:`` line and exit 2 (bad input,
+    run directory, disk) or 3 (a peer rank stopped answering). 0 when the run finished,
+    :data:`EXIT_INTERRUPTED` (75) when a stop signal ended it at a checkpoint.
+    """
     import errno
 
     from nemo_d3s.errors import ConfigError
@@ -172,11 +157,10 @@ def run_cli(cfg) -> int:
 
 
 def _after_stop(signum, _frame) -> None:
-    """The CLI's handler of SIGINT / SIGTERM outside the training loop's own: once a stop
-    signal made the run checkpoint, a second one arriving after the loop restored its
-    handler (while the run prints its last lines) used to end the process as an ordinary
-    Ctrl-C: "exit code 75" printed, 130 returned (issue 32). It is ignored then; before any
-    stop it acts as Python's default would."""
+    """The CLI's SIGINT / SIGTERM handler outside the loop's own: ignored once a run has stopped
+    at a checkpoint on a signal (while it prints its last lines and exits 75); before that,
+    Python's default.
+    """
     import signal
 
     from nemo_d3s.trainer.signals import STOPPING
@@ -190,9 +174,9 @@ def _after_stop(signum, _frame) -> None:
 
 
 def _resume_base(cfg, out: Path):
-    """``resume=true`` with ``out/config.yaml``: that run's config with this command line's
-    overrides on top (``trainer.resume_config``); a value of the file that the schema
-    refuses is one error line, exit 2."""
+    """``resume=true``: ``out/config.yaml`` with this command line's overrides on top
+    (``trainer.resume_config``); a file value the schema refuses is one error line, exit 2.
+    """
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
@@ -228,9 +212,9 @@ def _run(cfg) -> None:
 
 
 def _precheck_argv(argv) -> None:
-    """Hydra creates ``output_dir`` (and writes ``.hydra/`` into it, or into the current
-    folder for an empty path) before any of our code runs: check an ``output_dir=``
-    given on the command line first, so a bad one is one error line and nothing is written."""
+    """Check an ``output_dir=`` given on the command line before Hydra creates it, so a bad one is
+    one error line and nothing is written.
+    """
     from nemo_d3s.errors import ConfigError
     from nemo_d3s.trainer.faults import RunError
     from nemo_d3s.trainer.rundir import check_output_dir

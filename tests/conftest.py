@@ -7,6 +7,12 @@ that environment.
 """
 
 import importlib.util
+import sys
+from pathlib import Path
+
+# tests/ on the path: its helper modules (_limits: how long a test waits) import by name in
+# the test process and in the ranks and programs it starts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VLLM_TESTS = [
     "backends/test_vllm_engine.py",

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location(
@@ -131,7 +132,7 @@ def test_harness_on_the_smoke_experiment(tmp_path):
         "trainer.save_every=1",
         "trainer.export_hf=false",
     ]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 0, r.stdout + r.stderr
     table = json.loads((out / "table.json").read_text())
     assert set(table["variants"]) == {"grpo", "d3s"} and table["threshold"] is not None
@@ -143,10 +144,10 @@ def test_harness_on_the_smoke_experiment(tmp_path):
 
     # Rerun: both finished, nothing runs. Then drop one summary: that run resumes from its
     # final checkpoint (no step is trained twice) and the metrics keep their two rows.
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
     assert "2 already finished; 0 to run" in r.stdout
     (out / "runs" / "grpo_s0" / "summary.json").unlink()
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=WAIT_S)
     assert r.returncode == 0 and "1 to run" in r.stdout, r.stdout + r.stderr
     assert "resume=true" in (out / "logs" / "grpo_s0.log").read_text()
     assert len(cp.read_jsonl(out / "runs" / "grpo_s0" / "metrics.jsonl")) == 2

@@ -23,14 +23,15 @@ REPO = Path(__file__).resolve().parents[1]
 SLURM = REPO / "slurm"
 
 
-def _pins_module():
-    spec = importlib.util.spec_from_file_location("container_pins", SLURM / "container_pins.py")
+def _script_module(name):
+    spec = importlib.util.spec_from_file_location(name, SLURM / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-cp = _pins_module()
+cp = _script_module("container_pins")
+vb = _script_module("vllm_build")
 
 
 def _lock():
@@ -174,7 +175,7 @@ def test_the_dockerfile_keeps_the_base_torch_and_builds_vllm_against_it():
     assert "python slurm/container_pins.py --check-base" in text
     assert "PIP_CONSTRAINT=/opt/base-constraints.txt" in text  # the base's torch stack frozen
     assert "pip uninstall" not in text  # nothing of the base is replaced
-    assert "python use_existing_torch.py" in text and "--no-build-isolation ." in text
+    assert "python tools/use_existing_torch.py" in text and "--no-build-isolation ." in text
     assert "ARG VLLM_REF=v" + cp.read_pins()["vllm"][0] in text
     assert "pip install -r /tmp/pins-rest.txt" in text and "pip check" in text
     assert "check_stack(" in text  # nemo_d3s's own version check in the image
@@ -182,6 +183,133 @@ def test_the_dockerfile_keeps_the_base_torch_and_builds_vllm_against_it():
         "sys.version_info[:2] == (3, 12)" in text and cp.PYTHON == "3.12"
     )  # the platform the lock was read for
     assert f">= {cp.GLIBC}" in text and cp.PLATFORMS[0] == "manylinux_2_35_x86_64"
+
+
+def test_the_dockerfiles_vllm_build_matches_the_recorded_sdist():
+    r = subprocess.run(
+        [sys.executable, str(SLURM / "vllm_build.py")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip() == "the Dockerfile's vLLM build lines match the vLLM 0.33.0 sdist"
+    rec = vb.read_record()
+    assert rec["version"] == cp.read_pins()["vllm"][0]
+    assert rec["rust"]["frontend"] in rec["wheel"]["rust"]
+
+
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        (  # vLLM <= 0.32's layout
+            "python tools/use_existing_torch.py",
+            "python use_existing_torch.py",
+            "the build names use_existing_torch.py, which the vLLM 0.33.0 sdist lacks",
+        ),
+        (
+            "    && python tools/use_existing_torch.py \\\n",
+            "",
+            "tools/use_existing_torch.py must run before any requirement install",
+        ),
+        (
+            "-r requirements/build/cuda.txt -r requirements/build/rust.txt",
+            "-r requirements/build.txt",
+            "the build names requirements/build.txt, which the vLLM 0.33.0 sdist lacks",
+        ),
+        (
+            "-r requirements/build/cuda.txt -r requirements/build/rust.txt",
+            "-r requirements/build/rust.txt",
+            "lack cmake, jinja2, ninja, packaging of pyproject.toml's build-system",
+        ),
+        (
+            "VLLM_REQUIRE_RUST_FRONTEND=1 ",
+            "",
+            "VLLM_REQUIRE_RUST_FRONTEND=1 is not set",
+        ),
+        (
+            "VLLM_REQUIRE_RUST_FRONTEND=1 ",
+            "VLLM_REQUIRE_RUST_FRONTEND=1 VLLM_PRECOMPILED_WHEEL_LOCATION=/tmp/w.whl ",
+            "VLLM_PRECOMPILED_WHEEL_LOCATION brings in the wheel's kernels",
+        ),
+        (
+            'TORCH_CUDA_ARCH_LIST="${VLLM_CUDA_ARCHS}" ',
+            "",
+            "TORCH_CUDA_ARCH_LIST is not set on the build",
+        ),
+        (
+            'ARG VLLM_CUDA_ARCHS="9.0"',
+            'ARG VLLM_CUDA_ARCHS="7.0 9.0"',
+            "CUDA 13 does not support architecture 7.0",
+        ),
+        (
+            "ARG VLLM_REF=v0.33.0",
+            "ARG VLLM_REF=v0.32.0",
+            "the Dockerfile builds v0.32.0, the pin is vllm==0.33.0, the record is v0.33.0",
+        ),
+    ],
+)
+def test_a_vllm_build_line_the_sdist_does_not_support_is_named(old, new, message):
+    text = (SLURM / "Dockerfile").read_text()
+    assert old in text
+    problems = vb.check(text.replace(old, new), vb.read_record(), "0.33.0")
+    assert any(message in p for p in problems), problems
+
+
+def test_the_record_is_read_from_an_sdist_and_its_wheel(tmp_path):
+    """--record on a small sdist and wheel of the same shape: the facts the check uses."""
+    import io
+    import tarfile
+    import zipfile
+
+    files = {
+        "PKG-INFO": "Name: vllm\nVersion: 9.9.9\n",
+        "setup.py": 'PRECOMPILED_RUST_FRONTEND_PATH = ROOT_DIR / "vllm" / "vllm-rs"\n'
+        'def should_require_rust_frontend() -> bool:\n    v = os.getenv("REQ_RUST", "")\n',
+        "vllm/envs.py": '    "VLLM_USE_PRECOMPILED": lambda: (\n        os.environ.get("A")\n'
+        '        or bool(os.environ.get("B"))\n    ),\n',
+        "pyproject.toml": '[build-system]\nrequires = [\n    "cmake>=3",\n    "torch == 1",\n]\n',
+        "rust-toolchain.toml": '[toolchain]\nchannel = "1.95"\n',
+        "CMakeLists.txt": "if(CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 13.0)\n"
+        '  set(CUDA_SUPPORTED_ARCHS "9.0;10.0")\nelse()\n  set(CUDA_SUPPORTED_ARCHS "8.0")\n',
+        "requirements/build/cuda.txt": "# why\ncmake>=3\ntorch==1\n",
+        "tools/use_existing_torch.py": "",
+        "csrc/kernel.cu": "",
+    }
+    sdist = tmp_path / "vllm-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"vllm-9.9.9/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    wheel = tmp_path / "vllm-9.9.9-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/vllm-rs", b"\x7fELF")
+        z.writestr("vllm/_C.abi3.so", b"")
+    out = tmp_path / "rec.json"
+    assert vb.main(["--record", str(sdist), "--wheel", str(wheel), "--record-file", str(out)]) == 0
+    rec = vb.read_record(out)
+    assert rec["version"] == "9.9.9" and rec["wheel"]["rust"] == ["vllm/vllm-rs"]
+    assert "csrc/kernel.cu" not in rec["paths"] and "tools/use_existing_torch.py" in rec["paths"]
+    assert rec["build_requirements"] == {"requirements/build/cuda.txt": ["cmake>=3", "torch==1"]}
+    assert rec["build_system_requires"] == ["cmake>=3", "torch == 1"]
+    assert rec["rust"] == {
+        "frontend": "vllm/vllm-rs",
+        "require_switch": "REQ_RUST",
+        "toolchain": "1.95",
+    }
+    assert rec["precompiled_kernel_switches"] == ["A", "B"]
+    assert rec["cuda_supported_archs"] == {"13.0": ["9.0", "10.0"], "0": ["8.0"]}
+
+
+def test_an_unreadable_record_is_one_error_line(tmp_path):
+    bad = tmp_path / "rec.json"
+    bad.write_text('{"version": ')
+    r = subprocess.run(
+        [sys.executable, str(SLURM / "vllm_build.py"), "--record-file", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {bad}: cannot be read"), r.stderr
+    assert len(r.stderr.splitlines()) == 1
 
 
 def test_dockerfile_lint():

@@ -1,6 +1,6 @@
 """The figures of the README and docs/ are the committed records' (rendered by
-benchmarks/doc_numbers.py and benchmarks/doc_figures.py from benchmarks/results/, the code's
-constants and the tests' assertions), and the main job's record script works."""
+tests/doc_claims/ from benchmarks/results/, the code's constants and the tests' assertions),
+and the main job's record script works."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests" / "doc_claims"))
 import doc_numbers  # noqa: E402
+import doc_records  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 
 def test_every_quoted_figure_is_the_records():
@@ -26,7 +28,7 @@ def test_every_quoted_figure_is_the_records():
 def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
     """The check is not vacuous: one changed number in a record, and the text no longer has it."""
     results = tmp_path / "results"
-    shutil.copytree(doc_numbers.RESULTS, results)
+    shutil.copytree(doc_records.RESULTS, results)
     table = json.loads((results / "evidence" / "table.json").read_text())
     table["variants"]["d3s"]["eval_final"][0] += 0.01
     (results / "evidence" / "table.json").write_text(json.dumps(table))
@@ -47,9 +49,7 @@ def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
     row["update_tokens"] = 255.0
     check[1] = json.dumps(row)
     (results / "reward_check" / "metrics.jsonl").write_text("\n".join(check) + "\n")
-    monkeypatch.setattr(doc_numbers, "RESULTS", results)
-    monkeypatch.setattr(doc_numbers, "EVIDENCE", results / "evidence")
-    monkeypatch.setattr(doc_numbers.doc_figures, "RESULTS", results)
+    monkeypatch.setattr(doc_records, "RESULTS", results)
     missing = doc_numbers.check()
     assert any(t.startswith("Engine start 23 s") for t in missing.get("docs/scaling.md", []))
     assert any("tok=0.50]" in t for t in missing.get("README.md", [])), missing
@@ -84,7 +84,7 @@ def test_record_main_job_runs_and_measures(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rec = json.loads(out.read_text())

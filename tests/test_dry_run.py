@@ -41,6 +41,7 @@ from nemo_d3s.dry_run import (
     plan,
     render,
 )
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def _cli(args, **env):
         env=_env(**env),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
 
 
@@ -225,8 +226,22 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained
 
 
-def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
-    r = _cli(
+def _run_in_process(overrides, monkeypatch, capsys, **env):
+    """The dry run as the CLI runs it after Hydra (train.run_cli), in this process:
+    (exit code, stdout, stderr)."""
+    from nemo_d3s.train import run_cli
+
+    for k in [k for k in os.environ if k.startswith("SLURM_")] + ["NNODES", "GPUS_PER_NODE"]:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    rc = run_cli(_compose(overrides))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_70b_at_tp1_does_not_fit_and_says_why(tmp_path, monkeypatch, capsys):
+    rc, out, err = _run_in_process(
         [
             "experiment=llama3_70b",
             "trainer.dry_run=true",
@@ -235,28 +250,33 @@ def test_cli_70b_at_tp1_does_not_fit_and_says_why(tmp_path):
             "model.params.pipeline_model_parallel_size=1",
             "rollout.tensor_parallel_size=1",
         ],  # one engine per rank: one GPU each
+        monkeypatch,
+        capsys,
         NNODES="8",
         GPUS_PER_NODE="8",
     )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "verdict: DOES NOT FIT in 80 GB per GPU" in r.stdout
+    assert rc == 1, out + err
+    assert "verdict: DOES NOT FIT in 80 GB per GPU" in out
     # The reason: the whole model's state on one GPU (bf16 weights 141 GB, fp32 grads 282 GB).
-    assert "problem: the training state alone needs 436.6 GB per GPU" in r.stdout
-    assert "weights 141.1 + grads 282.2" in r.stdout and "largest term: grads" in r.stdout
+    assert "problem: the training state alone needs 436.6 GB per GPU" in out
+    assert "weights 141.1 + grads 282.2" in out and "largest term: grads" in out
     report = json.loads((tmp_path / "dry_run.json").read_text())
     assert report["fits"] is False and report["worst"]["largest_term"] == "grads"
 
 
-def test_cli_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path):
+def test_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path, monkeypatch, capsys):
     # NNODES overrides the recipe's 8 nodes: 1 node x the recipe's 8 GPUs.
-    r = _cli(
-        ["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"], NNODES="1"
+    rc, out, err = _run_in_process(
+        ["experiment=llama3_70b", "trainer.dry_run=true", f"output_dir={tmp_path}"],
+        monkeypatch,
+        capsys,
+        NNODES="1",
     )
-    assert r.returncode == 2, r.stdout + r.stderr
+    assert rc == 2, out + err
     assert (
         "error: world size 8 is not divisible by tensor_model_parallel_size x "
         "pipeline_model_parallel_size = 16 (world = NNODES=1 x trainer.gpus_per_node=8"
-    ) in r.stderr
+    ) in err
     assert not (tmp_path / "dry_run.json").exists()
 
 
@@ -519,14 +539,57 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
     # NCCL: world, DP, DP-with-CP, TP and PP communicators (untied: no embedding group), each
     # 2 receive buffers x 32 channels x 4 MiB = 256 MiB
     assert t["nccl"] == 5 * 2 * 32 * 4 * 2**20 and t["cuda_context"] == CUDA_CONTEXT_BYTES
+    # NVLS on the 8-GPU node: 16 channels x 2 x 1 MiB per rank of each group on the node:
+    # world 8, DP 2 (ranks 0, 2), DP-with-CP 2, TP 2, PP 2 (ranks 0, 4)
+    assert t["nvls"] == 16 * 2 * 2**20 * (8 + 2 + 2 + 2 + 2)
     resident = t["weights"] + t["grads"] + t["optimizer"] + t["hf_replica"]
-    resident += t["cuda_context"] + t["nccl"]
+    resident += t["cuda_context"] + t["nccl"] + t["nvls"]
     assert t["fragmentation"] == int(0.1 * t["activations"])  # no logits on stage 0
     assert x["train_peak_bytes"] == resident + t["activations"] + t["fragmentation"]
     assert x["generation_peak_bytes"] == resident + t["hf_kv_cache"]
     assert (
         "hf_replica" not in next(p for p in report["positions"] if p["tp_rank"] == 1)["terms_bytes"]
     )
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # what the sbatch scripts pass through
+    try:
+        off = plan(cfg, JobShape(1, 8, "test"))
+    finally:
+        del os.environ["NCCL_NVLS_ENABLE"]
+    y = next(p for p in off["positions"] if (p["tp_rank"], p["pp_rank"]) == (0, 0))
+    assert "nvls" not in y["terms_bytes"]
+    assert y["train_peak_bytes"] == x["train_peak_bytes"] - t["nvls"]
+
+
+@pytest.mark.parametrize("tp,pp,dp,gpus", [(2, 2, 2, 8), (4, 4, 4, 8), (8, 2, 4, 8), (1, 4, 2, 4)])
+@pytest.mark.parametrize("tp_pp_dp", [False, True])
+def test_node_ranks_of_groups_by_enumerating_the_ranks(tp, pp, dp, gpus, tp_pp_dp):
+    """The members of rank 0's groups on its node, from the closed form, against the ranks
+    enumerated in Megatron's order (rank = t + TP (d + DP p), or t + TP (p + PP d))."""
+    from nemo_d3s.dry_run.memory import node_ranks_of_groups
+
+    def rank(t, p, d):
+        return t + tp * (p + pp * d) if tp_pp_dp else t + tp * (d + dp * p)
+
+    def on_node(ranks):
+        return sum(1 for r in set(ranks) if r // gpus == 0)
+
+    got = node_ranks_of_groups(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        dp_stride=rank(0, 0, 1),
+        pp_stride=rank(0, 1, 0),
+        gpus_per_node=gpus,
+    )
+    want = {
+        "world": on_node(range(tp * pp * dp)),
+        "dp": on_node(rank(0, 0, d) for d in range(dp)),
+        "tp": on_node(rank(t, 0, 0) for t in range(tp)),
+        "pp": on_node(rank(0, p, 0) for p in range(pp)),
+        "embedding": on_node([rank(0, 0, 0), rank(0, pp - 1, 0)]) if pp > 1 else 1,
+    }
+    want["dp_with_cp"] = want["dp"]
+    assert got == want
 
 
 def test_megatron_lm_reference_equals_this_model_at_tp1():
@@ -573,9 +636,10 @@ def test_vllm_cache_too_small_for_one_sequence_does_not_fit(tmp_path):
 def test_vllm_gpus_count_what_stays_resident(tmp_path):
     """The 8B recipe (engines on GPUs 0-1, 2-3, ...: every GPU carries one engine worker):
     while the policy trains the sleeping engine keeps its CUDA context, TP communicator and
-    CUDA graphs; generation sees the training state + vLLM's share only, because the trainer
+    CUDA graphs; generation sees the training state + the awake engine (vLLM's share, its
+    context and communicator) only, because the trainer
     empties its CUDA cache before the engine wakes (with its cache kept: the train peak + vLLM,
-    91 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
+    93 GB, which does not fit); a refit holds the engine's weights + staging buffer + gathered
     tensors. CUDA graphs off: the graphs' pool is not counted; sleep off: vLLM's whole share
     stays while the policy trains."""
     from nemo_d3s.backends.vllm.memory import CUDA_GRAPH_BYTES, VLLM_COMM_BYTES, VLLM_CONTEXT_BYTES
@@ -592,8 +656,13 @@ def test_vllm_gpus_count_what_stays_resident(tmp_path):
     assert v["engine_gpus"] == {
         str(r): [f"node0:gpu{r}", f"node0:gpu{r + 1}"] for r in (0, 2, 4, 6)
     }
-    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + CUDA_GRAPH_BYTES
-    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "cuda_context", "nccl"))
+    engine_nvls = 16 * 2 * 2**20 * 2  # the engine's TP-2 communicator on NVLS
+    assert t["vllm_asleep"] == VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + engine_nvls + CUDA_GRAPH_BYTES
+    # awake: vLLM's share of the GPU + what its worker made before measuring it
+    assert t["vllm"] == int(
+        v["reserved_bytes"] + VLLM_CONTEXT_BYTES + VLLM_COMM_BYTES + engine_nvls
+    )
+    resident = sum(t[k] for k in ("weights", "grads", "optimizer", "cuda_context", "nccl", "nvls"))
     assert x["train_peak_bytes"] == pytest.approx(
         resident + t["activations"] + t["logits"] + t["fragmentation"] + t["vllm_asleep"], abs=8
     )
@@ -770,10 +839,10 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
     first = next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
     assert (
         round(first["terms_bytes"]["activations"] / GB, 1) == 13.0
-        and round(first["train_peak_bytes"] / GB, 1) == 58.2
+        and round(first["train_peak_bytes"] / GB, 1) == 58.9
     )
     assert (
-        round(report["worst"]["peak_bytes"] / GB, 1) == 77.0
+        round(report["worst"]["peak_bytes"] / GB, 1) == 78.9
         and report["vllm"]["kv_tokens"] >= 16384
     )
     no_sp = plan(
@@ -787,7 +856,7 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
         JobShape(8, 8, "test"),
     )
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
-    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 95.4
+    assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 96.1
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):

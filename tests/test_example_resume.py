@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "resume.sh"
@@ -56,7 +57,7 @@ def _run(tmp_path: Path, **env_extra: str) -> tuple[subprocess.CompletedProcess,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=WAIT_S,
     )
     return r, log.read_text() if log.exists() else ""
 
@@ -103,7 +104,7 @@ def test_example_resume_script_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "stopped (exit code 75)" in r.stdout and "resumed from" in r.stdout + r.stderr

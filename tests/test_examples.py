@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -43,7 +44,7 @@ def _env() -> dict:
     return env
 
 
-def _run(args, timeout=300, **kw) -> subprocess.CompletedProcess:
+def _run(args, timeout=WAIT_S, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         args, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, **kw
     )
@@ -158,7 +159,7 @@ def test_megatron_hooks_two_gloo_ranks():
                 "--nproc_per_node=2",
                 str(EXAMPLES / "megatron_hooks.py"),
             ],
-            timeout=240,
+            timeout=WAIT_S,
         )
     )
     assert (
@@ -183,7 +184,7 @@ def test_megatron_hooks_data_parallel_top_k():
                 "--tp",
                 "1",
             ],
-            timeout=240,
+            timeout=WAIT_S,
         )
     )
     assert "hook 2: global top-k over DP=2" in out
@@ -213,7 +214,7 @@ def test_trl_d3s_example_runs_and_logs_the_kept_shares(tmp_path):
     out = tmp_path / "run"
     args = ["--model", folder, "--preset", "d3s", "--max-steps", "2", "--output-dir", str(out)]
     args += ["--prompts-per-step", "2", "--num-generations", "4", "--max-completion-length", "8"]
-    _ok(_run([sys.executable, str(EXAMPLES / "trl_d3s.py"), *args], timeout=600))
+    _ok(_run([sys.executable, str(EXAMPLES / "trl_d3s.py"), *args], timeout=WAIT_S))
     rows = [json.loads(line) for line in (out / "d3s_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -373,7 +374,12 @@ def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_ch
     for k, v in env_change.items():
         env.pop(k) if v is None else env.__setitem__(k, v)
     r = subprocess.run(
-        ["bash", str(SLURM / script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        ["bash", str(SLURM / script)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
     )
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == message or r.stderr.strip().startswith(message), r.stderr
@@ -390,7 +396,7 @@ def test_convert_script_without_submit_dir_is_one_error_line(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=WAIT_S,
     )
     assert r.returncode == 2 and r.stderr.startswith("error: SLURM_SUBMIT_DIR is not set"), r.stderr
 
@@ -422,7 +428,7 @@ def test_convert_script_takes_config_and_tokenizer_from_the_checkpoint_or_the_ru
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
         assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
         assert (
@@ -448,13 +454,13 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + WAIT_S
         while len(_metric_steps(out_dir / "metrics.jsonl")) < 2:
             assert job.poll() is None, job.stdout.read()
             assert time.monotonic() < deadline, "no training step within 240 s"
             time.sleep(0.2)
         job.send_signal(signal.SIGUSR1)
-        first, _ = job.communicate(timeout=240)
+        first, _ = job.communicate(timeout=WAIT_S)
     finally:
         if job.poll() is None:
             job.kill()
@@ -475,7 +481,7 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
     # The requeued start: same job id and directory, resume=true picks the checkpoint up.
     log.write_text("")
     env["SLURM_RESTART_COUNT"] = "1"
-    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert (
         f"resumed from {out_dir}/checkpoints/{ckpts[0]} (step {stopped_at})"
@@ -543,7 +549,7 @@ def test_slurm_megatron_script_requeue_resume_and_convert(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     hf = out / f"hf-{ckpt.name}"
@@ -593,12 +599,13 @@ def _megatron_script(tmp_path: Path, overrides, **env_extra) -> tuple:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     log = tmp_path / "slurm_calls.log"
     return r, (log.read_text() if log.exists() else "")
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.distributed
 def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
     """3 ranks per node cannot hold TP 2: the dry run names the rule, no other step runs."""
@@ -617,6 +624,7 @@ def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
     )  # the dry run's step only: no node check, no torchrun
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.distributed
 def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_path):
     """A config-only folder (like the recipes' default model.name) passes the dry run; every
@@ -635,6 +643,7 @@ def test_slurm_megatron_script_model_without_weights_stops_before_torchrun(tmp_p
     )  # dry run + node check
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.distributed
 def test_slurm_megatron_script_vllm_run_without_vllm_stops_before_torchrun(tmp_path):
     """rollout=vllm (the recipes): every node must import vllm too."""

@@ -4,6 +4,7 @@ import re
 
 import pytest
 from pathlib import Path
+from _limits import WAIT_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,7 @@ def test_own_model_data_and_reward_commands_run_as_written(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
         assert r.returncode == 0, (args, r.stderr[-3000:])
         assert (out / "metrics.jsonl").is_file()
@@ -234,7 +235,7 @@ def test_conversion_commands_run_as_written_on_the_default_model(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "OK: max abs logit error" in r.stdout and "TP3 x PP1" in r.stdout

@@ -29,6 +29,7 @@ from nemo_d3s.selfcheck.report import (
     run_check,
     write_json,
 )
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +170,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
@@ -181,6 +182,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert cpu == {
         "env.versions",
         "collectives.gloo",
+        "cluster.gloo_across_nodes",
         "vocab_parallel.fp32_gloo",
         "gpt.local_spec",
         "gpt.long_sequence",
@@ -201,7 +203,9 @@ def test_the_cpu_form_end_to_end(tmp_path):
     # the tiny model's 2 layers leave out PP2 x VPP2 (it needs 4)
     assert checks["gpt.long_sequence"]["measured"]["layouts"] == ["tp2_sp", "pp2_tokens"]
     assert checks["gpt.long_sequence"]["measured"]["weights_err"] <= 1e-5
-    assert "10 passed, 0 failed" in proc.stdout
+    gloo = checks["cluster.gloo_across_nodes"]["measured"]
+    assert gloo["ranks"] == 2 and gloo["hosts"] == 1 and gloo["across_nodes"] is False
+    assert "11 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------- the CUDA checks' logic on the CPU
@@ -246,6 +250,55 @@ def test_peak_memory_is_compared_with_the_dry_runs_plan(tmp_path, tiny_dir):
     ctx.cache["rl"]["peak_reserved_bytes"] = 2**40
     with pytest.raises(CheckFailed, match="ratio="):
         check_peak_memory(ctx)
+
+
+@pytest.mark.parametrize("gpu,total_mib", [("H100 80GB", 81559), ("H200 141GB", 143771)])
+def test_the_vllm_memory_gate_passes_its_own_check_on_80_and_141_gb_gpus(
+    gpu, total_mib, tmp_path, tiny_dir
+):
+    """vllm.memory on described GPUs (CUDA's total = NVML's figure): an engine taking what
+    vLLM 0.33 takes there, ceil(total x utilization) (v1/worker/utils.py:716-726) plus a
+    worker context of 0.55 GB made before that budget is measured, passes; the gate's old
+    prediction (utilization x trainer.gpu_memory_gb's 80 GB) fails it on both GPUs, and an
+    engine holding twice its share fails."""
+    import math
+
+    from nemo_d3s.selfcheck.rl_checks import rl_overrides
+    from nemo_d3s.selfcheck.vllm_checks import (
+        ENGINE_MEMORY_TOLERANCE,
+        ENGINE_MEMORY_UTILIZATION,
+        judge_engine_memory,
+    )
+
+    ctx = _ctx(tmp_path)
+    ctx.model_dir = tiny_dir
+    gmu = ENGINE_MEMORY_UTILIZATION
+    overrides = rl_overrides(
+        ctx, str(tmp_path / "m"), extra=["rollout=vllm", f"rollout.gpu_memory_utilization={gmu}"]
+    )
+    total = total_mib * 2**20
+    taken = math.ceil(total * gmu) + 0.55e9
+    out = judge_engine_memory(overrides, ctx.world, total, taken)
+    assert 1 - ENGINE_MEMORY_TOLERANCE <= out["ratio"] <= 1 + ENGINE_MEMORY_TOLERANCE, out
+    assert out["gpu_total_gib"] == total_mib / 1024
+    assert taken / (gmu * 80e9) > 1 + ENGINE_MEMORY_TOLERANCE  # what the gate compared with
+    with pytest.raises(CheckFailed, match="ratio="):
+        judge_engine_memory(overrides, ctx.world, total, 2 * taken)
+
+
+def test_a_gloo_group_that_does_not_connect_names_gloo_socket_ifname(tmp_path, monkeypatch):
+    """cluster.gloo_across_nodes where gloo cannot connect across the nodes (its interface is
+    not one they reach each other on): the check fails naming GLOO_SOCKET_IFNAME."""
+    from nemo_d3s.selfcheck import comm_checks
+
+    def no_route(ctx, backend):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:144] connect: No route")
+
+    monkeypatch.setattr(comm_checks, "_group", no_route)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "docker0")
+    check = next(c for c in comm_checks.CHECKS if c.name == "cluster.gloo_across_nodes")
+    with pytest.raises(CheckFailed, match="GLOO_SOCKET_IFNAME=docker0: set it to the interface"):
+        check.fn(_ctx(tmp_path))
 
 
 def test_cuda_checks_that_need_the_rl_run_say_why_they_did_not_run(tmp_path):

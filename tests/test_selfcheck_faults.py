@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _limits import WAIT_S
 
 from nemo_d3s.selfcheck import cli
 
@@ -106,7 +107,7 @@ def test_an_interrupted_selfcheck_writes_what_finished_and_leaves_no_scratch(tmp
             break
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
     assert "error: the self-check was interrupted (SIGTERM)" in stderr
     doc = json.loads((out / "selfcheck.json").read_text())
@@ -129,7 +130,7 @@ def test_a_timeout_shorter_than_the_checks_still_writes_selfcheck_json(tmp_path)
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 1, r.stderr[-2000:]
     assert "error: the self-check ran out of time (--timeout 1 s)" in r.stderr

@@ -17,6 +17,7 @@ import torch
 
 from nemo_d3s.selfcheck import vllm_checks as V
 from nemo_d3s.selfcheck.report import FAILED, NO_CUDA, NOT_RUN, finalize, run_check
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ def test_a_failure_on_one_ranks_receiver_fails_the_check_everywhere_and_writes_t
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     checks = {c["name"]: c for c in json.loads((tmp_path / "selfcheck.json").read_text())["checks"]}

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_examples import REPO, SLURM, _SMOKE, _fake_slurm, _tiny_megatron  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +26,7 @@ def _run(tmp_path, script, overrides, **env_extra):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
     )
 
 

@@ -17,6 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 from nemo_d3s import versions
 from nemo_d3s.errors import RunError
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -164,7 +165,7 @@ def test_a_train_run_on_an_untested_torch_stops_before_any_model_loads(tmp_path)
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 2, r.stderr[-2000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
@@ -189,7 +190,7 @@ def test_convert_on_an_untested_megatron_core_writes_nothing(tmp_path):
         text=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 1, r.stderr[-2000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]

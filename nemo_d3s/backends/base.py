@@ -1,23 +1,10 @@
 """The seam between the backend-agnostic trainer and a model framework.
 
-- :class:`ParallelGroups` (``nemo_d3s.distributed.groups``): frozen record of the dp / tp /
-  pp / cp process groups and the device small collectives use. The POLICY builds it (HF:
-  the torchrun world is the DP group; Megatron: ``initialize_model_parallel``); the trainer
-  validates the config against ``groups.dp_size`` and shards prompts over ``groups.dp``.
-- :class:`Policy`: the model being trained. ``score`` = one no-grad pass giving named
-  log-probs + entropy [B, S]; ``train_step`` = one optimizer step over micro-batches,
-  collective over all ranks (an empty local batch still joins); checkpoint state; HF export.
-- :class:`RolloutEngine`: samples completions, one seed per prompt, and ``sync_weights(policy)``
-  after every optimizer step (a no-op when it shares the policy's weights, a refit for vLLM).
-  The policy holds it (``policy.rollout_engine``); the trainer never asks how it batches.
-- Loss contract: ``loss_fn(logprobs, rows)`` returns a :class:`LossOutput` whose ``loss`` is
-  the micro-batch's loss SUM and whose ``metric_tensors`` are detached sums; the policy
-  multiplies by the step normaliser (``distributed.StepNormalizer``: global denominator D,
-  DP averaging, a schedule's 1/num_microbatches) and reads the metrics once per step.
-
-Per-token tensors follow ``nemo_d3s.core``'s alignment contract: position t holds the
-quantity of token t computed from logits at t-1; position 0 holds 0. Every tensor a policy
-or engine returns lives on the CPU.
+A :class:`Policy` (builds its :class:`ParallelGroups`; scores, trains, checkpoints, exports)
+holds a :class:`RolloutEngine` (one seed per prompt; ``sync_weights`` after every optimizer
+step). ``loss_fn`` returns the micro-batch's loss SUM; the policy applies the step normaliser
+(``distributed.StepNormalizer``). Per-token tensors are token-aligned (position t: token t
+from logits at t-1; position 0 holds 0); every returned tensor lives on the CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +22,7 @@ from nemo_d3s.distributed.groups import ParallelGroups
 
 @dataclass
 class GenerationConfig:
-    """Sampling settings of one generate call; checked here, once, for every engine and for
-    the run config (``trainer.temperature`` etc. are judged by building one)."""
+    """Sampling settings of one generate call, validated once for every engine and config."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -75,8 +61,7 @@ class TokenBatch:
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
 
     def truncate(self, length: int) -> "TokenBatch":
-        """Cut every sequence to its first ``length`` positions (compaction after token
-        selection)."""
+        """Cut every sequence to its first ``length`` positions."""
         return TokenBatch(
             self.input_ids[:, :length],
             self.attention_mask[:, :length],
@@ -86,34 +71,27 @@ class TokenBatch:
 
 @dataclass
 class Rollouts:
-    """What ``generate`` returns: one row per (prompt, sample), prompts in order, samples
-    adjacent."""
+    """What ``generate`` returns: one row per (prompt, sample), prompt-major."""
 
     batch: TokenBatch
     prompt_index: torch.Tensor  # [B] long: which input prompt each row answers
     response_texts: List[str]
     finished: torch.Tensor  # [B] bool: stopped on EOS rather than on max_new_tokens
     stats: Dict[str, float] = field(default_factory=dict)
-    # [B, S] f32: the engine's log-prob of each sampled response token (token-aligned, 0
-    # elsewhere), when the engine reports it (vLLM does; compared with the trainer's old
-    # log-probs to measure the rollout/train mismatch). None when not reported.
+    # [B, S] f32 token-aligned engine log-probs of the sampled tokens (vLLM), or None
     sampling_logprobs: Optional[torch.Tensor] = None
 
 
 @dataclass
 class Scores:
-    """What ``Policy.score`` returns, token-aligned, on the CPU.
+    """What ``Policy.score`` returns: logprobs / entropy [B, S] f32, token-aligned, CPU.
 
-    logprobs [B, S] f32: log pi(token t | prefix); entropy [B, S] f32 or None: full-vocabulary
-    entropy of the next-token distribution at t-1 (computed without gathering a sharded
-    vocabulary). Positions that were not scored (prompt, padding, position 0) hold 0.
+    Unscored positions (prompt, padding, position 0) hold 0.
     """
 
     logprobs: torch.Tensor
     entropy: Optional[torch.Tensor] = None
-    # Positions the pass fed the model ("fed_tokens": rows x width summed over micro-batches,
-    # padding and dummy rows included) and the attended ones among them ("attended_tokens");
-    # empty when the policy does not count them.
+    # "fed_tokens" (rows x width, padding included) and "attended_tokens", when counted
     stats: Dict[str, float] = field(default_factory=dict)
 
 
@@ -124,30 +102,23 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], LossOutput]
 
 
 class GenerationInterrupted(Exception):
-    """Raised by ``RolloutEngine.generate`` when its ``should_stop`` hook said yes mid-way
-    (a stop signal): the partial rollouts are dropped, the step is redone on resume."""
+    """``generate`` stopped on ``should_stop``; the step is redone on resume."""
 
 
 class RolloutEngine(abc.ABC):
     """Samples completions for the trainer.
 
-    ``prompt_seeds`` True: ``generate`` honours one seed per prompt and prompt i's samples
-    depend only on prompt i, seeds[i] and the weights (not on the rest of the call), so any
-    batching and any rank layout give the same samples. An engine without it is wrapped at
-    build time (``trainer.build.rollout_engine``), never special-cased in the loop.
+    ``prompt_seeds``: prompt i's samples depend only on prompt i, seeds[i] and the weights,
+    so any batching or rank layout gives the same samples; an engine without it is wrapped
+    at build time (``trainer.build.rollout_engine``).
     """
 
     tokenizer: Any
     prompt_seeds: bool = True
-    # True when the engine samples with the policy's own forward (same weights, same
-    # numerics): a single on-policy update may then skip the old-log-prob pass (ratio 1).
-    # An engine with its own copy and kernels (vLLM) sets False: the trainer then always
-    # recomputes old log-probs and can compare them with ``Rollouts.sampling_logprobs``.
+    # True: samples with the policy's own forward, so one on-policy update may skip old
+    # log-probs (ratio 1); False (vLLM, own kernels): the trainer always recomputes them.
     on_policy: bool = True
-    # Asked between decode steps by engines that decode token by token (the HF samplers);
-    # True -> raise GenerationInterrupted. Set by the trainer to its stop-signal flag, so a
-    # SIGTERM is honoured within one token, not one step. An engine that cannot stop inside
-    # a call (vLLM) checks it only before starting.
+    # The trainer's stop flag, asked between decode steps (vLLM: before a call only)
     should_stop: Optional[Callable[[], bool]] = None
 
     def check_stop(self) -> None:
@@ -158,14 +129,12 @@ class RolloutEngine(abc.ABC):
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
     ) -> Rollouts:
-        """``n_samples`` completions of each prompt (one user message; the chat template is
-        the engine's business); rows prompt-major: [i * n, (i + 1) * n) answer prompts[i].
-        ``seeds``: one int per prompt. Returns a right-padded TokenBatch [B, S] on the CPU."""
+        """``n_samples`` completions per prompt (one seed each), rows [i * n, (i + 1) * n)
+        answering prompts[i], right-padded [B, S] on the CPU."""
 
     @abc.abstractmethod
     def sync_weights(self, policy: "Policy") -> None:
-        """Make the next ``generate`` sample from ``policy``'s current weights. Called by
-        the trainer after every optimizer step (on every rank: a sharded policy gathers)."""
+        """Make the next ``generate`` sample ``policy``'s weights; collective on every rank."""
 
     def alive(self) -> bool:
         """False once the engine's own processes have ended (a vLLM engine in another
@@ -179,28 +148,21 @@ class RolloutEngine(abc.ABC):
         return False
 
     def release(self) -> None:
-        """The trainer is about to need the memory the engine holds (scoring, the update, a
-        checkpoint, an export): an engine with its own copy of the weights may drop it (vLLM:
-        a level-2 sleep); its next ``generate`` refits when it must. Between two generations
-        of one weights version (rollouts, evaluation batches) the trainer does not call it,
-        so they cost no refit. Default: nothing to drop."""
+        """Drop the engine's own copy of the weights (vLLM: level-2 sleep) before the trainer
+        needs the memory; the next ``generate`` refits if needed. Default: no-op."""
 
 
 class Policy(abc.ABC):
     """The trained model, its optimizer and (optionally) a frozen reference model.
 
-    groups: the parallel layout it lives in (built by the policy); tokenizer: a Hugging Face
-    tokenizer; rollout_engine: the engine the trainer samples with; collective_export: True
-    when ``save_pretrained`` must be called on every rank (it gathers shards).
+    ``collective_export``: ``save_pretrained`` must run on every rank (it gathers shards).
     """
 
     groups: ParallelGroups
     tokenizer: Any
     rollout_engine: RolloutEngine
     collective_export: bool = False
-    # Bumped whenever the weights change (an optimizer step that updated them, a checkpoint
-    # load): an engine with its own copy refits only when the version it holds is another one,
-    # so extra generations of one version (evaluation batches) cost no refit.
+    # Bumped on every weight change; an engine refits only when its version differs
     weights_version: int = 0
 
     def weights_changed(self) -> None:
@@ -216,11 +178,10 @@ class Policy(abc.ABC):
         micro_batch_size: int = 8,
         micro_batch_tokens: int = 0,
     ) -> Scores:
-        """One no-grad pass over ``batch`` [B, S]: log-probs (+ entropy) of every response
-        token, identical on every rank of a model-parallel group. ``reference=True`` scores
-        with the frozen reference model (no entropy). Micro-batches: ``micro_batch_tokens``
-        > 0 = a token budget (``core.micro_batches.token_budget_micro_batches``), else
-        ``micro_batch_size`` consecutive rows."""
+        """No-grad log-probs (+ entropy) [B, S], identical on every model-parallel rank.
+
+        ``reference=True`` uses the frozen reference (no entropy); ``micro_batch_tokens`` > 0
+        is a token budget per micro-batch, else ``micro_batch_size`` rows."""
 
     @abc.abstractmethod
     def train_step(
@@ -232,20 +193,16 @@ class Policy(abc.ABC):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        """One optimizer step: forward + backward of ``batch`` (this rank's rows; may be
-        EMPTY, the rank still joins every collective) in micro-batches (as in :meth:`score`),
-        each ``loss_fn`` sum scaled by the step normaliser of the GLOBAL ``denominator``,
-        gradient reduction over ``groups.dp``, global-norm clipping, the update.
+        """One optimizer step over this rank's rows (may be EMPTY: it still joins every
+        collective); loss sums scaled by the GLOBAL ``denominator``, grads reduced over dp.
 
-        Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum"} plus the sums of
-        ``loss_fn``'s ``metric_tensors`` over this rank's micro-batches (host-copied once),
-        and "fed_tokens" / "attended_tokens" as in ``Scores.stats`` when the policy counts them.
+        Returns grad_norm, lr, skipped, n_micro_batches, loss_sum, the metric sums and the
+        token counts of ``Scores.stats``.
         """
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """Model + optimizer (+ LR scheduler) state for a checkpoint: tensors and plain
-        containers only (loaded back with ``torch.load(weights_only=True)``)."""
+        """Model + optimizer (+ scheduler) state: tensors and plain containers only."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: dict) -> None: ...
@@ -256,20 +213,14 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """The current weights under Hugging Face names, one (name, full tensor) at a time,
-        for a rollout engine's refit (a sharded policy gathers tensor by tensor, so no rank
-        holds the whole model twice). Collective on a sharded policy."""
+        """(HF name, full tensor) pairs, gathered one at a time; collective when sharded."""
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """``hf_weights`` for a rollout engine's refit (``backends.refit``): the same stream,
-        but each tensor left on the policy's device (no host copy: the refit moves it GPU to
-        GPU, or drops it on a rank that hosts no engine). Collective like ``hf_weights``."""
+        """``hf_weights`` left on the policy's device (no host copy), for ``backends.refit``."""
         return self.hf_weights()
 
     def rollout_engine_ranks(self, world_size: int) -> List[int]:
-        """Global ranks that build an engine other than the policy's own, out of
-        ``world_size`` (what :meth:`place_rollout_engine` does; the GPU placement is checked
-        on it before any engine starts): every rank by default."""
+        """Global ranks that :meth:`place_rollout_engine` builds an engine on (default all)."""
         return list(range(int(world_size)))
 
     @property
@@ -278,37 +229,29 @@ class Policy(abc.ABC):
         return None
 
     def place_rollout_engine(self, build: Callable[[], RolloutEngine]) -> RolloutEngine:
-        """Build an engine other than the policy's own (``rollout.engine=vllm``) where it
-        belongs: by default on every rank (each DP replica samples its own prompts). A
-        sharded policy builds it once per model-parallel group and hands the group's other
-        ranks its rollouts (``backends.megatron.engine.ModelParallelRollouts``)."""
+        """Build a separate engine (vLLM) where it belongs: every rank by default; a sharded
+        policy once per model-parallel group (``megatron.engine.ModelParallelRollouts``)."""
         return build()
 
     def save_checkpoint(self, folder: str) -> Union[bool, List[str]]:
-        """Collective. A policy whose state is sharded writes its own files into ``folder``
-        (every rank its part) and returns the files this rank wrote (paths relative to
-        ``folder``: each rank hashes what it wrote; files no rank names, rank 0 hashes),
-        or True (rank 0 then hashes them all); the default returns False and the trainer
-        saves ``state_dict()`` from rank 0 (replicated state, e.g. the HF backend)."""
+        """Collective. A sharded policy writes its files into ``folder`` and returns those
+        this rank wrote (relative; it hashes them) or True (rank 0 hashes all); False (the
+        default): the trainer saves ``state_dict()`` from rank 0."""
         return False
 
     def load_checkpoint(self, folder: str) -> bool:
-        """Collective. The counterpart of :meth:`save_checkpoint`: True when the policy
-        restored itself from ``folder``; False lets the trainer load ``state_dict()``."""
+        """Collective. True when the policy restored itself from ``folder``."""
         return False
 
     @property
     def context_length(self) -> Optional[int]:
-        """Longest sequence (prompt + response) the model takes; None = unknown, and the
-        trainer then does not check prompt lengths."""
+        """Longest sequence (prompt + response) the model takes; None = unknown."""
         return None
 
     def prompt_token_counts(self, texts: Sequence[str]) -> Optional[List[int]]:
-        """Tokens of each prompt as the rollout engine will feed it (chat template included);
-        None = cannot tell."""
+        """Tokens per prompt as the engine feeds it (chat template included); None = unknown."""
         return None
 
     def hf_source_dir(self) -> Optional[str]:
-        """A folder holding the model's config.json and tokenizer (an engine builds its own
-        copy from it), or None when the policy was built in memory."""
+        """Folder with the model's config.json and tokenizer, or None (built in memory)."""
         return None

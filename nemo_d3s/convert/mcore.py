@@ -1,28 +1,10 @@
-"""``nemo-d3s-convert hf-to-megatron-lm``: an HF folder (or any checkpoint this package reads)
--> a Megatron-LM / Megatron-Bridge / NeMo-RL save folder that megatron-core's
-``dist_checkpointing`` loads (``--load`` / ``pretrained_checkpoint`` / NeMo-RL's Megatron
-policy), and that every command here and ``model.name=`` read back (``formats/mcore_*``)::
-
-    OUT/latest_checkpointed_iteration.txt   "release"  (a converted model: no optimizer, RNG
-                                                        or iteration to resume; both loaders
-                                                        skip those for a release checkpoint)
-    OUT/release/  .metadata, __0_0.distcp, metadata.json   the model, TP1 global tensors under
-                                                        GPTModel's own keys (megatron-core's
-                                                        dist_checkpointing.save)
-                  common.pt                         {"args": Megatron-LM's namespace of the
-                                                        model, "iteration": 0,
-                                                        "checkpoint_version": 3.0} (megatron-core
-                                                        0.19: inside the DCP files instead,
-                                                        formats/mcore_config.py)
-                  run_config.yaml                   Megatron-Bridge: model: (GPTModelProvider
-                                                        fields), checkpoint: (nothing to resume)
-                  tokenizer/                        the HF tokenizer files
-                                                        (+ generation_config.json)
-    OUT/checksums.json                      this package's readers check it
-
-The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` x ``tp``, which
-must be what the loading run computes (Megatron-LM and Megatron-Bridge pad by the divisor
-times their TP size): the embedding's global shape is part of the checkpoint.
+"""``nemo-d3s-convert hf-to-megatron-lm``: any checkpoint this package reads -> a Megatron-LM /
+Megatron-Bridge / NeMo-RL save folder that megatron-core's ``dist_checkpointing`` loads:
+``latest_checkpointed_iteration.txt`` = "release" (nothing to resume), ``release/`` with the
+TP1 global tensors under GPTModel's keys, ``common.pt`` (Megatron-LM's ``args``; inside the
+DCP files from megatron-core 0.19), ``run_config.yaml`` (Megatron-Bridge), ``tokenizer/``, and
+``checksums.json``. The vocabulary is padded to ``make_vocab_size_divisible_by`` x ``tp``,
+which the loading run must compute too.
 """
 
 from __future__ import annotations
@@ -155,10 +137,10 @@ def hf_to_megatron_lm(
     progress: bool = True,
     verify_checksums: bool = True,
 ) -> Path:
-    """Write ``src`` (an HF folder, or any checkpoint ``open_checkpoint`` reads) as the
-    Megatron-LM / Megatron-Bridge save folder ``out`` (module docstring). ``dtype`` None keeps
-    the stored dtype; ``tp`` and ``make_vocab_size_divisible_by`` fix the vocabulary padding
-    the loading run must compute. Returns ``out``."""
+    """Write ``src`` (any checkpoint ``open_checkpoint`` reads) as the save folder ``out``;
+    ``dtype`` None keeps the stored dtype; ``tp`` and ``make_vocab_size_divisible_by`` fix the
+    vocabulary padding the loading run must compute. Returns ``out``.
+    """
     import yaml
 
     from nemo_d3s.backends.megatron.nemo2_writer import write_dist_checkpoint

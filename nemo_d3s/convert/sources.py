@@ -1,11 +1,6 @@
-"""What a conversion reads: a checkpoint opened and checked (:func:`open_checkpoint`: a
-Megatron checkpoint, training or converted, at any saved TP x PP, a NeMo 2 checkpoint, or a
-Megatron-LM / Megatron-Bridge one, told apart by ``formats.detect_format``), and the files
-that go with its weights (HF config, generation config, tokenizer: :class:`SideFiles`).
-
-Every file is untrusted input (safetensors, JSON and safe YAML only); anything wrong is a
-:class:`~nemo_d3s.errors.ConfigError` naming the file or tensor, raised before anything is
-written.
+"""What a conversion reads: a checkpoint of any supported kind opened and checked
+(:func:`open_checkpoint`) and the files that go with its weights (:class:`SideFiles`). Every
+file is untrusted; anything wrong is a ConfigError naming the file or tensor.
 """
 
 from __future__ import annotations
@@ -115,11 +110,10 @@ def _nemo_side_files(folder: Path) -> SideFiles:
 
 @dataclass
 class CheckpointSource:
-    """A checkpoint opened for reading and checked: a Megatron checkpoint (``kind``
-    "megatron": training or converted, any saved TP x PP) or a NeMo 2 checkpoint ("nemo2").
-    ``reader()`` gives HF-named rows (``formats.weights.read_local``'s reader protocol) through the
-    weight table; ``side`` is config.json / generation config / tokenizer (None until
-    :func:`with_side_files` is asked for them)."""
+    """A checkpoint opened and checked (``kind`` "megatron", any saved TP x PP, or "nemo2");
+    ``reader()`` gives HF-named rows through the weight table; ``side`` is its side files (None
+    until :func:`with_side_files`).
+    """
 
     kind: str
     folder: Path
@@ -221,9 +215,9 @@ _DESCRIPTION_FIELDS_IGNORED = (
 def _open_mcore(
     path: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True
 ) -> CheckpointSource:
-    """A Megatron-LM / Megatron-Bridge checkpoint (a save folder or one iteration's): the
-    model from ``--hf-config`` when given (checked against the checkpoint's own description
-    where it has a complete one), else from that description (``formats.mcore_config``)."""
+    """A Megatron-LM / Megatron-Bridge checkpoint: the model from ``--hf-config`` when given
+    (checked against the checkpoint's own complete description), else from that description.
+    """
     check_checksums(path, verify=verify_checksums, skip_hint=SKIP_HINT)  # nemo_d3s-written only
     it = resolve_iteration(path)
     config_source = None
@@ -295,12 +289,10 @@ def open_checkpoint(
     *,
     verify_checksums: bool = True,
 ) -> CheckpointSource:
-    """Open and check a checkpoint: a Megatron one (a training ``step_XXXXXX`` folder, a
-    converted folder, or its ``megatron/``; config.json from ``hf_config`` when given, else
-    from the checkpoint folder, where training checkpoints written since issue 26 keep the
-    model's config.json and tokenizer) or a NeMo 2 one (config from ``context/model.yaml``).
-    A folder's files are checked against its checksums.json first (training and converted
-    checkpoints carry one) unless ``verify_checksums`` is False."""
+    """Open and check a Megatron checkpoint (training ``step_XXXXXX``, converted, or its
+    ``megatron/``; config.json from ``hf_config``, else the checkpoint folder) or a NeMo 2 one
+    (``context/model.yaml``), after its checksums.json unless ``verify_checksums`` is False.
+    """
     p = Path(path).expanduser()
     kind = detect_format(p).kind
     if kind == NEMO2:

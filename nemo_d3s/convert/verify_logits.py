@@ -94,10 +94,10 @@ def verify(
     prompts: Sequence[str] = VERIFY_PROMPTS,
     verify_checksums: bool = True,
 ) -> VerifyResult:
-    """Compare the logits of transformers on the HF folder ``hf`` with those of the
-    checkpoint converted in memory (config from ``hf_config``, the checkpoint folder, or
-    ``hf``), both computed in ``dtype``. One model is in memory at a time. The HF folder's
-    safetensors files are checked whole first, the checkpoint against its checksums.json."""
+    """Logits of transformers on ``hf`` against the checkpoint converted in memory (config from
+    ``hf_config``, the checkpoint folder or ``hf``), both in ``dtype``, one model in memory at a
+    time; the safetensors files and the checkpoint's checksums are checked first.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf_dir = resolve_hf(hf)

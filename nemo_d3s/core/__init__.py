@@ -1,21 +1,6 @@
-"""Pure tensor math of D3S / PODS: no torch.distributed, no Megatron, no I/O.
-
-Modules (each lists its public names in ``__all__``; all of them are re-exported here):
-
-- ``advantages``       group-relative advantages on full groups (ADVANTAGE_ESTIMATORS)
-- ``sample_selection`` rollout down-sampling, max-variance subsets (SAMPLE_SELECTORS)
-- ``schedules``        (N, K) over training progress (SCHEDULES, DynamicSchedule)
-- ``token_selection``  |A| x H token scores and top-K% masks (TOKEN_SELECTORS)
-- ``entropy``          chunked full-vocabulary entropy and log-probs
-- ``losses``           GRPO / GSPO policy losses with global denominators (POLICY_LOSSES);
-                       ``loss_config`` (LossConfig, denominators), ``loss_parts`` (their pieces)
-- ``micro_batches``    rows -> micro-batches: fixed row counts or a token budget
-- ``presets``          D3SConfig and the papers' named PRESETS
-- ``d3s``              the two-stage D3SSelector (re-exports D3SConfig, PRESETS)
-- ``registry``, ``checks``  extension-point registry and input validation
-
-Importing this package imports torch and these modules only (tested).
-"""
+"""Pure tensor math of D3S / PODS (advantages, sample and token selection, schedules, entropy,
+losses, micro-batches, presets, the two-stage selector): no torch.distributed, no Megatron, no I/O.
+Re-exports every module's ``__all__``; importing it imports torch and these modules only."""
 
 from nemo_d3s.core import (
     advantages,

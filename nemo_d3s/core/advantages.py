@@ -1,29 +1,13 @@
-"""Group-relative advantages for outcome rewards (GRPO family).
+"""Group-relative advantages for outcome rewards (GRPO family), over the rollouts of each prompt.
 
-Every rollout ``i`` belongs to the group ``g(i)`` of rollouts sampled for the same prompt.
-With ``mean_g``, ``std_g`` the mean and standard deviation of the rewards of group ``g``:
+``grpo``: A_i = (r_i - mean_g) / (std_g + eps); ``dr_grpo``: A_i = r_i - mean_g; ``rloo``:
+A_i = r_i - mean of the other rollouts = G / (G - 1) (r_i - mean_g).
 
-- ``grpo``:    A_i = (r_i - mean_g) / (std_g + eps)       (GRPO; std unbiased or biased)
-- ``dr_grpo``: A_i = r_i - mean_g                         (Dr. GRPO: no std division)
-- ``rloo``:    A_i = r_i - mean of the OTHER rollouts     (RLOO leave-one-out baseline)
-                   = G / (G - 1) * (r_i - mean_g)
-
-Conventions shared by all estimators:
-
-- Group ids are arbitrary integers (not contiguous, not sorted); groups may differ in size.
-- A group whose rewards are all equal carries no learning signal: its advantages are
-  exactly 0 (not "0 up to rounding", so ``A != 0`` is a reliable test downstream) and it is
-  reported as degenerate. A group of one rollout (G = 1) is degenerate too: its std and its
-  leave-one-out baseline are undefined.
-- Arithmetic is float64 (rewards like 0.1 summed over large groups otherwise leave a
-  rounding residue that survives the std division); the result is float32.
-- Vectorised, with no Python loop over groups: samples are gathered into one
-  [n_groups_of_size_G, G] matrix per DISTINCT group size (:func:`group_buckets`; one matrix
-  when all groups have the same size) and reduced along rows. Row reductions are
-  deterministic on every device, unlike ``index_add_``/``scatter_add_`` whose CUDA atomics
-  make float sums differ run to run, and selection downstream must not flip on such noise.
-  Memory: O(B + n_groups).
-"""
+Group ids are arbitrary integers; groups may differ in size. An all-equal group (G = 1 included) is
+degenerate and gets exactly 0, so ``A != 0`` is a reliable test downstream. Arithmetic is float64
+(rounding residues of 0.1-like rewards survive the std division), output float32. Groups are reduced
+row-wise in one [R, G] matrix per distinct size, never with CUDA-atomic ``index_add_``, so the
+result is deterministic. Memory O(B + n_groups)."""
 
 from __future__ import annotations
 
@@ -117,12 +101,8 @@ def _check_rewards_and_groups(rewards: torch.Tensor, group_ids: torch.Tensor) ->
 
 
 def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Map arbitrary integer group ids to dense indices.
-
-    group_ids [B] integer -> (index [B] long in 0..n_groups-1, n_groups). Groups are numbered
-    in order of FIRST APPEARANCE in ``group_ids`` (not by id value), so the numbering is the
-    same whatever ids a data loader happens to use, and deterministic.
-    """
+    """group_ids [B] integer -> (index [B] long in 0..n_groups-1, n_groups), numbered in order of
+    first appearance, so the numbering does not depend on the id values."""
     check_group_ids(group_ids)
     uniq, inverse = torch.unique(group_ids, return_inverse=True)  # sorted by id value
     n_groups = int(uniq.numel())
@@ -145,15 +125,9 @@ def group_sizes(index: torch.Tensor, n_groups: int) -> torch.Tensor:
 def group_buckets(
     index: torch.Tensor, n_groups: int
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Dense per-size layout of the groups, for row-wise (batched) group computations.
-
-    index [B] long (from :func:`group_index`) -> one ``(G, groups [R] long, layout [R, G] long)``
-    per distinct group size G, ascending in G: ``groups`` are the dense indices of the R
-    groups of that size (ascending) and ``layout[i]`` the sample indices of ``groups[i]``,
-    ascending, so a lower column is a lower sample index. Every sample appears exactly once
-    over all layouts. The Python loop runs over distinct SIZES (at most sqrt(2B) of them;
-    one in the usual equal-G batch), never over groups. Memory O(B).
-    """
+    """index [B] -> one ``(G, groups [R], layout [R, G])`` per distinct group size, ascending: the
+    dense ids of the R groups of size G and their sample indices, ascending (a lower column is a
+    lower sample). Loops over sizes (at most sqrt(2B)), never groups. Memory O(B)."""
     b = index.numel()
     device = index.device
     sizes = group_sizes(index, n_groups)
@@ -175,12 +149,8 @@ def group_buckets(
 
 
 def degenerate_groups(rewards: torch.Tensor, index: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """[n_groups] bool: True where the group's rewards are all equal (includes G = 1).
-
-    Uses exact equality of max and min: rewards are usually discrete (0/1, format bonuses),
-    and a tolerance would misclassify genuinely different continuous rewards. (amax/amin do
-    not depend on reduction order, so the scatter is deterministic.)
-    """
+    """[n_groups] bool: the group's rewards are all equal (G = 1 included). Exact max == min: a
+    tolerance would misclassify genuinely different continuous rewards."""
     r = rewards.to(torch.float64)
     hi = torch.full((n_groups,), -math.inf, dtype=torch.float64, device=r.device)
     lo = torch.full((n_groups,), math.inf, dtype=torch.float64, device=r.device)
@@ -197,8 +167,7 @@ def degenerate_groups(rewards: torch.Tensor, index: torch.Tensor, n_groups: int)
 def _row_advantages(
     x: torch.Tensor, kind: str, eps: float, unbiased: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, G] f64 rewards of R groups of size G -> (advantages [R, G] f64, degenerate [R]
-    bool)."""
+    """x [R, G] f64 -> (advantages [R, G] f64, degenerate [R] bool)."""
     g = x.shape[1]
     degenerate = x.amax(dim=1) == x.amin(dim=1)  # includes G = 1
     centered = x - x.mean(dim=1, keepdim=True)
@@ -227,11 +196,8 @@ def grouped_advantages(
     eps: float,
     unbiased: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The shared kernel of all estimators (also used by PODS on the kept subset).
-
-    rewards [B] (any real dtype), index [B] long dense -> (advantages [B] f64, degenerate [n_groups]
-    bool).
-    """
+    """The kernel of all estimators (PODS re-uses it on the kept subset): rewards [B], index [B] ->
+    (advantages [B] f64, degenerate [n_groups] bool)."""
     r = rewards.to(torch.float64)
     adv = torch.zeros_like(r)
     degenerate = torch.zeros(n_groups, dtype=torch.bool, device=r.device)
@@ -261,11 +227,7 @@ def _run_estimator(
 def grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6, unbiased: bool = True
 ) -> torch.Tensor:
-    """GRPO: A = (r - mean_g) / (std_g + eps).
-
-    rewards [B] real, group_ids [B] integer -> advantages [B] f32. ``unbiased`` selects the
-    (G-1) (True) or G (False) std denominator. All-equal and single-rollout groups give 0.
-    """
+    """GRPO: (r - mean_g) / (std_g + eps), std over G - 1 when ``unbiased``; [B] -> [B] f32."""
     return _run_estimator("grpo", rewards, group_ids, eps, unbiased)
 
 
@@ -273,8 +235,7 @@ def grpo_advantages(
 def dr_grpo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6, unbiased: bool = True
 ) -> torch.Tensor:
-    """Dr. GRPO: A = r - mean_g. ``eps`` and ``unbiased`` are accepted for the common
-    signature and unused. rewards [B], group_ids [B] -> advantages [B] f32."""
+    """Dr. GRPO: r - mean_g (``eps``, ``unbiased`` unused); [B] -> [B] f32."""
     return _run_estimator("dr_grpo", rewards, group_ids, eps, unbiased)
 
 
@@ -282,8 +243,7 @@ def dr_grpo_advantages(
 def rloo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, *, eps: float = 1e-6, unbiased: bool = True
 ) -> torch.Tensor:
-    """RLOO: A_i = r_i - mean_{j in g, j != i} r_j. ``eps`` and ``unbiased`` unused.
-    rewards [B], group_ids [B] -> advantages [B] f32; G = 1 -> 0 (there are no others)."""
+    """RLOO: r_i minus the mean of the group's other rewards (0 when G = 1); [B] -> [B] f32."""
     return _run_estimator("rloo", rewards, group_ids, eps, unbiased)
 
 
@@ -294,11 +254,8 @@ def rloo_advantages(
 
 @dataclass
 class AdvantageResult:
-    """Advantages of one batch plus the group bookkeeping every later stage needs.
-
-    advantages [B] f32; group_index [B] long (0..n_groups-1, order of first appearance);
-    degenerate_groups [n_groups] bool (all rewards equal, incl. G = 1 -> advantages 0).
-    """
+    """advantages [B] f32; group_index [B] long (first-appearance order); degenerate_groups
+    [n_groups] bool."""
 
     advantages: torch.Tensor
     group_index: torch.Tensor
@@ -315,12 +272,8 @@ def compute_advantages(
     eps: float = 1e-6,
     unbiased: bool = True,
 ) -> AdvantageResult:
-    """Advantages over FULL groups (before any down-sampling), with degenerate-group report.
-
-    rewards [B] real, group_ids [B] integer (arbitrary, unsorted ids; unequal group sizes
-    allowed) -> :class:`AdvantageResult`. ``estimator`` is a name in
-    :data:`ADVANTAGE_ESTIMATORS`. No collectives; memory O(B + n_groups).
-    """
+    """Advantages over the FULL groups (before down-sampling): rewards [B], group_ids [B] ->
+    :class:`AdvantageResult`; ``estimator`` names an ``ADVANTAGE_ESTIMATORS`` entry."""
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     _check_rewards_and_groups(rewards, group_ids)
     check_eps(eps)

@@ -1,8 +1,5 @@
-"""Input validation shared by the core functions.
-
-Every check raises ``ValueError`` naming the argument and the offending value, so a wrong
-input never turns into a silently wrong answer.
-"""
+"""Input validation shared by the core functions: each check raises ValueError naming the argument
+and the offending value."""
 
 from __future__ import annotations
 

@@ -1,43 +1,14 @@
-"""One object that applies a whole D3S / PODS configuration to a batch of rollouts.
+"""One object that applies a D3S / PODS configuration to a batch of rollouts, in two stages (entropy
+is only computed for the samples that survive the first).
 
-Two stages, because entropy is only needed (and only computed) for the samples that
-survive sample selection:
+1. ``select_samples``: advantages on the FULL groups, then a sample rule keeps N per prompt
+   (``d3s_cross``: from the pooled batch). Only ``pods`` re-normalises advantages.
+2. ``select_tokens``: score the kept rows' eligible tokens by |A| x H, keep the top K.
 
-1. ``select_samples(rewards, group_ids, progress)``: group advantages on the FULL groups
-   (before any down-sampling), then a sample selection rule keeps N rollouts per prompt
-   (per-group rules) or N x prompts from the pooled batch (``d3s_cross``). Only the
-   ``pods`` rule re-normalises the kept rows' advantages on the kept subset; the D3S rules
-   never do (the kept set's Var(A) >= 1 is the point of D3S).
-2. ``select_tokens(stage, entropy, response_mask, progress)``: score the kept samples'
-   eligible tokens by |A| x H and keep the top K fraction, i.e. exactly
-   ``ceil(K x eligible)`` tokens for scope ``batch`` (per row for scope ``sample``).
-
-``apply(rewards, group_ids, entropy, response_mask, progress)`` runs both stages on a batch
-whose entropy is known for every row; it equals calling the two stages one after the other.
-
-N and K follow a :class:`DynamicSchedule` of training progress p in [0, 1].
-
-The configuration and the named presets live in :mod:`nemo_d3s.core.presets`
-(``D3SConfig``, ``PRESETS``; re-exported here).
-
-All-degenerate batches
-----------------------
-When every group's rewards are all equal, every advantage is exactly 0 and no kept sample
-carries a policy gradient. The selector still returns well-formed stages (selection is
-deterministic: ties go to the lower index), flags the batch with
-``SampleStage.all_degenerate`` and ``stage.metrics["all_degenerate"] = 1.0``, and the
-CALLER skips the update and counts the skip (the trainer reports ``skip_all_equal``). The
-selector does not short-cut the token stage itself, so a DP-global subclass still runs its
-collectives on every rank in the same order.
-
-Metrics (floats, this process's batch): stage 1 gives ``kept_sample_ratio``,
-``kept_adv_var`` (Var(A) of the kept set, unbiased when ``cfg.unbiased``) and
-``adv_var_all`` (the same over the whole batch, before selection),
-``share_nonzero_adv`` (share of kept samples with A != 0), ``kept_adv_abs_mean``, the
-batch's ``reward_mean`` / ``reward_std`` (unbiased) / ``reward_max``, group counts and
-``all_degenerate``; stage 2 gives ``kept_token_ratio``, ``mean_entropy_kept``,
-``samples_without_tokens`` (kept samples that had eligible tokens but got none) and counts.
-"""
+N and K follow a :class:`DynamicSchedule` of progress p in [0, 1]. When every group's rewards are
+equal (all advantages 0) both stages still run (a DP-global subclass keeps its collectives in step)
+and flag ``all_degenerate``; the caller skips the update. Metrics are floats of this process's
+batch."""
 
 from __future__ import annotations
 
@@ -64,12 +35,9 @@ __all__ = ["D3SConfig", "PRESETS", "D3SSelector", "SampleStage", "TokenStage"]
 
 @dataclass
 class SampleStage:
-    """Result of stage 1. Row order of everything downstream is ``kept_rows``.
-
-    sample_keep [B] bool; kept_rows [B_kept] long (ascending); advantages [B] f32 (after
-    PODS re-normalisation when that rule is used; otherwise the full-group advantages).
-    n_keep: N per prompt as used (1.0 for the "all" rule).
-    """
+    """Result of stage 1: sample_keep [B] bool; kept_rows [B_kept] long ascending (the row order of
+    everything downstream); advantages [B] f32 (PODS-renormalised under ``pods``); n_keep = N used
+    (1.0 for rule "all")."""
 
     sample_keep: torch.Tensor
     kept_rows: torch.Tensor
@@ -80,9 +48,9 @@ class SampleStage:
     metrics: Dict[str, float]
 
     def rows(self, index) -> "SampleStage":
-        """This stage on the rows ``index`` of its batch (a slice or a [B_sub] index into [B]):
-        a process's share of a selection made over the whole batch. ``kept_rows`` counts within
-        the share; the advantage result, N and metrics stay the whole batch's."""
+        """This stage on the rows ``index`` (a slice or [B_sub] index): a process's share of a
+        whole-batch selection; ``kept_rows`` counts within the share, advantages, N and metrics stay
+        the whole batch's."""
         keep = self.sample_keep[index]
         return SampleStage(
             sample_keep=keep,
@@ -101,17 +69,15 @@ class SampleStage:
 
     @property
     def all_degenerate(self) -> bool:
-        """Every group had equal rewards: no sample carries gradient; the caller skips the
-        update (see the module docstring)."""
+        """Every group had equal rewards: no sample carries gradient; the caller skips."""
         r = self.advantage_result
         return r.n_degenerate == r.n_groups
 
 
 @dataclass
 class TokenStage:
-    """token_keep [B_kept, S] bool, aligned with ``SampleStage.kept_rows``; k_frac = K used
-    (1.0 for token scope "all"; raised above the schedule's ``metrics["k_frac_schedule"]``
-    by ``D3SConfig.min_kept_tokens``)."""
+    """token_keep [B_kept, S] bool in ``kept_rows`` order; k_frac = K used (1.0 for scope "all";
+    raised above ``metrics["k_frac_schedule"]`` by ``min_kept_tokens``)."""
 
     token_keep: torch.Tensor
     k_frac: float
@@ -119,12 +85,8 @@ class TokenStage:
 
 
 class D3SSelector:
-    """Single-process selector. ``nemo_d3s.distributed`` provides the DP-global variant
-    with the same methods; both delegate the math to the core functions.
-
-    ``cfg``: a :class:`D3SConfig`, or a mapping of its fields (e.g. an OmegaConf DictConfig).
-    No collectives; memory O(B x S) for the token stage.
-    """
+    """Single-process selector (``nemo_d3s.distributed`` holds the DP-global variant); ``cfg``: a
+    :class:`D3SConfig` or a mapping of its fields. No collectives; memory O(B x S)."""
 
     def __init__(self, cfg: Union[D3SConfig, Mapping]) -> None:
         if isinstance(cfg, Mapping):
@@ -141,8 +103,7 @@ class D3SSelector:
         return bool(TOKEN_SELECTORS.prop(self.cfg.token_scope, "needs_entropy"))
 
     def n_keep_at(self, progress: float) -> Count:
-        """N per prompt at ``progress`` (validated, in [0, 1]); 1.0 (= all) for a rule that
-        keeps every rollout."""
+        """N per prompt at ``progress`` in [0, 1]; 1.0 for a rule that keeps every rollout."""
         n_keep = self.cfg.schedule.at(progress)[0]
         return 1.0 if SAMPLE_SELECTORS.prop(self.cfg.sample_rule, "keeps_all") else n_keep
 
@@ -166,8 +127,8 @@ class D3SSelector:
     def select_samples(
         self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float
     ) -> SampleStage:
-        """rewards [B] f32, group_ids [B] long -> SampleStage. Advantages are computed on the
-        full groups first, then the rule selects (see the module docstring)."""
+        """rewards [B] f32, group_ids [B] long -> SampleStage (full-group advantages, then the
+        rule)."""
         n_keep = self.n_keep_at(progress)  # validates progress first
         adv = self.advantages(rewards, group_ids)
         sel = select_samples(
@@ -236,14 +197,9 @@ class D3SSelector:
         response_mask: torch.Tensor,
         progress: float,
     ) -> TokenStage:
-        """entropy [B_kept, S] float (old policy, token-aligned; may be None when the scope is
-        "all"), response_mask [B_kept, S] bool (loss-eligible tokens of the kept rows, in
-        ``stage.kept_rows`` order) -> TokenStage.
-
-        A batch with no eligible token at all (e.g. only empty responses, or no kept row on
-        this process) gives an all-False mask, not an error: the caller sees
-        ``n_kept_tokens == 0`` and skips.
-        """
+        """entropy [B_kept, S] (old policy, token-aligned; None for scope "all"), response_mask
+        [B_kept, S] bool in ``kept_rows`` order -> TokenStage. No eligible token gives an all-False
+        mask (``n_kept_tokens == 0``, the caller skips), not an error."""
         if not isinstance(response_mask, torch.Tensor):
             raise ValueError(
                 "response_mask must be a torch.Tensor [B_kept, S], got "
@@ -288,16 +244,13 @@ class D3SSelector:
         return TokenStage(token_keep, k_frac, metrics)
 
     def top_k(self, scores: torch.Tensor, eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
-        """The token-selection step: scores, eligible [B_kept, S] -> token_keep [B_kept, S]
-        bool. The distributed selector overrides it with a DP-global threshold.
-
-        Calls the registered scope function directly: unlike ``select_tokens`` it returns an
-        all-False mask for an empty pool instead of raising (see :meth:`select_tokens`)."""
+        """scores, eligible [B_kept, S] -> token_keep [B_kept, S]; the DP-global selector overrides
+        it. An empty pool gives an all-False mask."""
         return TOKEN_SELECTORS.get(self.cfg.token_scope)(scores, eligible, k_frac)
 
     def _token_metrics(self, token_keep, response_mask, entropy) -> Dict[str, float]:
-        """Counts and entropy means of the token stage. The sums are one float64 vector so
-        the DP-global selector reduces them with one all-reduce (:meth:`reduce_sums`)."""
+        """Counts and entropy means of the token stage; the sums form one float64 vector, one
+        all-reduce in the DP-global selector (:meth:`reduce_sums`)."""
         has_eligible = response_mask.any(dim=1)
         keys = [
             "n_eligible_tokens",
@@ -330,8 +283,8 @@ class D3SSelector:
         return metrics
 
     def reduce_sums(self, sums: torch.Tensor) -> torch.Tensor:
-        """[n] float64 sums of this process's batch -> the batch's sums (identity here; the
-        DP-global selector sums them over its data-parallel group)."""
+        """[n] float64 sums of this process's batch -> the batch's sums (identity here; summed over
+        the DP group in the DP-global selector)."""
         return sums
 
     def apply(
@@ -342,10 +295,9 @@ class D3SSelector:
         response_mask: torch.Tensor,
         progress: float,
     ) -> Tuple[SampleStage, TokenStage]:
-        """Both stages on a batch whose per-token entropy is known for ALL rows:
-        rewards, group_ids [B]; entropy (or None when the scope is "all"), response_mask
-        [B, S]. Returns (SampleStage, TokenStage); the token masks cover the kept rows only,
-        in ``kept_rows`` order. Same result as select_samples then select_tokens."""
+        """Both stages on a batch with entropy known for every row: rewards, group_ids [B], entropy
+        and response_mask [B, S] -> (SampleStage, TokenStage), as select_samples then
+        select_tokens."""
         if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
             shape = (
                 tuple(response_mask.shape)

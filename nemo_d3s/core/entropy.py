@@ -1,29 +1,11 @@
-"""Per-token entropy and log-probabilities from full-vocabulary logits.
+"""Per-token entropy and log-probabilities from full-vocabulary logits [B, S, V]: the single-process
+reference that ``nemo_d3s.distributed``'s vocab-sharded version is tested against.
 
-This is the single-process reference: ``nemo_d3s.distributed`` computes the same two
-quantities from vocab-sharded logits ``[B, S, V/TP]`` and is tested against this module.
-
-For the logits ``z`` (length V) of one position and its target token ``y``::
-
-    m   = max_v z_v
-    lse = m + log sum_v exp(z_v - m)              (log-partition, overflow-free)
-    log p(y) = z_y - lse
-    H   = lse - sum_v softmax(z)_v z_v
-        = log s - sum_v e_v (z_v - m) / s          with e_v = exp(z_v - m), s = sum_v e_v
-
-The second form of H is the first with m subtracted inside and outside the expectation;
-it avoids the cancellation of ``lse - E[z]`` when logits carry a large common offset.
-Logits of -inf (masked vocabulary entries) are allowed: they get probability 0 and add 0
-to the entropy. NaN, +inf, or a position whose logits are all -inf is an error.
-
-Memory: the work is done in chunks of ``chunk_size`` flattened tokens, each upcast to fp32
-on its own, so the extra memory is a few ``chunk_size x V`` fp32 buffers regardless of
-B x S (the logits themselves are never copied whole, even when they are a non-contiguous
-slice such as ``logits[:, :-1]``). The backward pass is written out (d log p(y)/dz =
-onehot(y) - softmax(z)) and recomputes the softmax per chunk from the saved ``lse`` [B, S],
-so no fp32 copy of the logits is kept for autograd; it allocates the gradient (the size
-and dtype of the logits) plus the same chunk workspace.
-"""
+With m = max z, e = exp(z - m), s = sum e: log p(y) = (z_y - m) - log s and H = log s - sum e
+(z - m) / s (no cancellation under a large common logit offset). -inf logits get probability 0; NaN,
++inf or an all -inf row is an error. Work runs in fp32 (fp64 for fp64 logits) chunks of
+``chunk_size`` tokens (extra memory a few chunk x V buffers, logits never copied whole); the
+backward (onehot(y) - softmax) recomputes the softmax per chunk from the saved lse [B, S]."""
 
 from __future__ import annotations
 
@@ -38,8 +20,7 @@ __all__ = ["entropy_and_logprobs", "align_to_tokens"]
 
 
 def flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
-    """[B, S, V] -> [B*S, V] as a view when the strides allow it, else None (no copy).
-    Shared with ``nemo_d3s.distributed.vocab_parallel``."""
+    """[B, S, V] -> [B*S, V] view when the strides allow it, else None (no copy)."""
     B, S, V = logits.shape
     try:
         return logits.view(B * S, V)
@@ -65,9 +46,8 @@ def token_block(
     t1: int,
     width: Optional[int] = None,
 ) -> torch.Tensor:
-    """Flattened tokens [t0, t1) of logits [B, S, V], vocabulary columns [0, width) (all
-    when None), as a [t1 - t0, width] tensor in the logits' dtype: a view when ``flat``
-    (from :func:`flat_view`) exists, otherwise a copy of this block only. Callers never
+    """Flattened tokens [t0, t1), vocabulary columns [0, width) (all when None) of logits [B, S, V]
+    -> [t1 - t0, width]: a view via ``flat`` when it exists, else a copy of the block. Callers never
     modify it in place."""
     cols = slice(None) if width is None else slice(0, width)
     if flat is not None:
@@ -90,10 +70,9 @@ def check_logits_and_targets(
     vocab: str = "V",
     allow_empty_vocab: bool = False,
 ) -> None:
-    """ValueError naming the argument unless logits is a floating-point [B, S, <vocab>]
-    tensor (a non-empty last dimension unless ``allow_empty_vocab``), target_ids an integer
-    [B, S] tensor on the same device and chunk_size an int >= 1. Ranges of target ids are
-    the caller's to check (only it knows the vocabulary)."""
+    """ValueError naming the argument unless logits is a floating-point [B, S, V] tensor (V > 0
+    unless ``allow_empty_vocab``), target_ids an integer [B, S] on its device and chunk_size an int
+    >= 1. Target ranges are the caller's to check."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be a 3-D tensor [B, S, {vocab}], got {shape}")
@@ -122,10 +101,8 @@ def check_logits_and_targets(
 
 
 def check_reduced_finite(lse: torch.Tensor, entropy: torch.Tensor, S: int) -> None:
-    """Raise naming the first position whose log-partition or entropy is not finite (NaN or
-    +inf logits, or a row of only -inf). lse, entropy [B*S] flat; one host sync. Used by
-    this kernel and the vocab-parallel one (whose reduced values are identical on all TP
-    ranks, so all of them raise together)."""
+    """Raise naming the first position whose lse or entropy [B*S] is not finite (one host sync). TP
+    ranks hold identical reduced values, so all raise together."""
     ok = torch.isfinite(lse) & torch.isfinite(entropy)
     if lse.numel() and not bool(ok.all()):
         bad = int((~ok).nonzero()[0, 0])
@@ -136,13 +113,9 @@ def check_reduced_finite(lse: torch.Tensor, entropy: torch.Tensor, S: int) -> No
 
 
 def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """z [n, V] (fp32 or fp64) -> (m [n] row max, log s [n], entropy [n]) in z's dtype, with
-    lse = m + log s. Kept apart: log p(y) = (z_y - m) - log s loses nothing to a large common
-    logit offset, while z_y - (m + log s) rounds m + log s at the offset's magnitude (4.8e-4
-    at an offset of 1e4 in fp32).
-
-    Memory: two [n, V] buffers (u and e, both reused in place) besides z.
-    """
+    """z [n, V] -> (row max m, log s, entropy) [n], with lse = m + log s kept apart: adding them
+    first would round log p at the offset's magnitude (4.8e-4 at 1e4 in fp32). Two [n, V]
+    buffers."""
     m = z.amax(dim=1, keepdim=True)
     u = z - m  # <= 0; -inf for masked vocabulary entries
     e = torch.exp(u)
@@ -157,8 +130,8 @@ def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 class _EntropyLogProb(torch.autograd.Function):
-    """(logits [B, S, V], target_ids [B, S] long, chunk_size) -> (logprobs [B, S],
-    entropy [B, S]) in the compute dtype. Gradient flows to logits through logprobs only."""
+    """(logits [B, S, V], target_ids [B, S], chunk_size) -> (logprobs, entropy) [B, S]; gradient
+    flows through logprobs only."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int):
@@ -212,20 +185,13 @@ class _EntropyLogProb(torch.autograd.Function):
 def entropy_and_logprobs(
     logits: torch.Tensor, target_ids: torch.Tensor, *, chunk_size: int = 1024
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Entropy of softmax(logits) and log-probability of ``target_ids``, per position.
+    """logits [B, S, V] (any float dtype, any strides), target_ids [B, S] in
+    [0, V) -> (entropy [B, S] f32 without grad, logprobs [B, S] f32 differentiable); fp64 in, fp64
+    out.
 
-    logits [B, S, V] (bf16, fp16, fp32 or fp64; any strides); target_ids [B, S] integer in
-    [0, V) -> (entropy [B, S] f32, never requires grad; logprobs [B, S] f32, differentiable
-    w.r.t. ``logits``). fp64 logits give fp64 outputs (used for exact gradient checks).
-    Position s is scored from the logits at s: the caller shifts (``logits[:, :-1]`` with
-    ``ids[:, 1:]``, then :func:`align_to_tokens`).
-
-    Accumulation is fp32 (each chunk is upcast before exp/sum), also for bf16 logits.
-    Memory: a few ``chunk_size x V`` fp32 buffers extra; backward allocates the logits'
-    gradient (same size and dtype) plus the same workspace. Saved for backward: ``lse``
-    [B, S] f32 and a reference to ``logits`` (do not modify them in place before backward).
-    No collectives.
-    """
+    Position s is scored from the logits at s: the caller shifts, then :func:`align_to_tokens`.
+    Saves lse [B, S] and a reference to ``logits`` (do not modify it before backward). No
+    collectives."""
     check_logits_and_targets(logits, target_ids, chunk_size)
     B, S, V = logits.shape
     if target_ids.numel():
@@ -238,12 +204,8 @@ def entropy_and_logprobs(
 
 
 def align_to_tokens(x: torch.Tensor) -> torch.Tensor:
-    """Shift a logit-position quantity to token positions.
-
-    x [B, S-1] (entry s computed from the logits at s, i.e. about token s + 1) -> [B, S]
-    with a zero at position 0 and ``out[:, t] = x[:, t - 1]``. Same dtype and device;
-    differentiable.
-    """
+    """x [B, S-1] (entry s about token s + 1) -> [B, S] with out[:, 0] = 0 and out[:, t] =
+    x[:, t - 1]; differentiable."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a 2-D tensor [B, S-1], got {shape}")

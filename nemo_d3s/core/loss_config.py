@@ -1,9 +1,6 @@
-"""Loss configuration, the global denominator and metric reduction, shared by every
-policy loss in :mod:`nemo_d3s.core.losses` (whose docstring defines the aggregations).
-
-Pure torch, no collectives: callers sum :func:`loss_denominator` shares and metric sums
-over micro-batches and ranks themselves.
-"""
+"""Loss configuration, the global denominator and metric reduction shared by the losses of
+:mod:`nemo_d3s.core.losses` (whose docstring defines the aggregations). No collectives: callers sum
+denominator shares and metric sums over micro-batches and ranks."""
 
 from __future__ import annotations
 
@@ -44,17 +41,12 @@ METRIC_NORMALISERS: Dict[str, str] = {
 
 @dataclass
 class LossConfig:
-    """Clip ranges, dual clip, KL weight and aggregation (see the module docstring).
+    """Clip ranges [1 - eps_low, 1 + eps_high], dual clip c > 1 (None: off), k3 KL weight and
+    aggregation (one of ``AGGREGATIONS``).
 
-    clip_eps_low, clip_eps_high >= 0: ratio clipped to [1 - eps_low, 1 + eps_high].
-    dual_clip_c: None (off) or c > 1, applied to tokens/sequences with A < 0.
-    kl_coef >= 0: weight of the k3 KL to the reference (needs ref_logprobs when > 0).
-    aggregation: one of ``AGGREGATIONS``.
-    check_inputs: run the data-dependent input checks (finite log-probs/advantages on the
-        mask, ``norm_mask`` covering ``loss_mask``). Each costs a device-to-host sync, so a
-        trainer that validated its step's tensors once turns them off for the micro-batch
-        loop; shape, dtype and device checks always run (they need no sync).
-    """
+    ``check_inputs``: run the data-dependent checks (finite inputs on the mask, ``norm_mask``
+    covering ``loss_mask``); each costs a host sync, so a trainer that checked the step once turns
+    them off in the micro-batch loop. Shape, dtype and device checks always run."""
 
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
@@ -81,14 +73,9 @@ class LossConfig:
 
 
 class LossOutput:
-    """loss: scalar tensor (differentiable w.r.t. logprobs); metric_tensors: additive 0-d
-    float64 tensors, detached, on the loss's device (see the module docstring; reduce by
-    summing, then :func:`finalize_metrics`); ``metrics``: the same as floats.
-
-    ``metrics`` copies every value to the host in ONE transfer the first time it is read;
-    a training loop sums ``metric_tensors`` over its micro-batches instead and reads them
-    once per optimizer step, so the micro-batch loop never waits for the device.
-    """
+    """loss: differentiable scalar; metric_tensors: additive detached 0-d float64 tensors on the
+    loss's device (sum them, then :func:`finalize_metrics`); ``metrics``: the same as floats, copied
+    to the host in one transfer on first read, so a loop sums ``metric_tensors`` instead."""
 
     __slots__ = ("loss", "metric_tensors", "_floats")
 
@@ -128,14 +115,9 @@ class LossOutput:
 def loss_denominator(
     loss_mask: torch.Tensor, aggregation: str, *, norm_mask: Optional[torch.Tensor] = None
 ) -> float:
-    """This micro-batch's share of the loss denominator (the caller sums it over all
-    micro-batches of the optimizer step and all DP ranks).
-
-    loss_mask [B, S] bool -> float: the number of masked tokens for ``token_mean``; the
-    number of rows with at least one masked token for ``seq_mean_*``. With ``norm_mask``
-    [B, S] bool the same counts are taken on ``norm_mask`` instead ("normalise by all
-    response tokens"). No collectives.
-    """
+    """This micro-batch's share of the loss denominator (summed by the caller over the step's
+    micro-batches and DP ranks): loss_mask [B, S] -> float, masked tokens for ``token_mean``, rows
+    with a masked token for ``seq_mean_*``; counted on ``norm_mask`` when given."""
     check_mask_2d("loss_mask", loss_mask)
     if aggregation not in AGGREGATIONS:
         raise ValueError(
@@ -152,12 +134,8 @@ def loss_denominator(
 
 
 def finalize_metrics(metrics: Mapping[str, float]) -> Dict[str, float]:
-    """Turn summed metrics (over micro-batches / ranks) into means.
-
-    Each ``<name>_sum`` listed in ``METRIC_NORMALISERS`` becomes ``<name>`` = sum / count
-    (0.0 when the count is 0); every other entry (counts, pg_loss, kl_loss, ...) is passed
-    through. E.g. ``clip_frac_low_sum`` -> ``clip_frac_low``, ``approx_kl_sum`` -> ``approx_kl``.
-    """
+    """Summed metrics -> means: each ``<name>_sum`` in ``METRIC_NORMALISERS`` becomes ``<name>`` =
+    sum / count (0.0 for a 0 count); other entries pass through."""
     out: Dict[str, float] = {}
     for key, value in metrics.items():
         count_key = METRIC_NORMALISERS.get(key)

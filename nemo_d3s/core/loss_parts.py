@@ -1,9 +1,6 @@
-"""The pieces every policy loss of :mod:`nemo_d3s.core.losses` shares (whose docstring
-defines the losses, the aggregations and the metrics): the checked inputs with everything
-outside ``loss_mask`` made inert (:func:`prepare_inputs` -> :class:`MaskedInputs`), the
-clipped surrogate, the k3 KL estimator, and :func:`finish` (the KL term, the division by the
-global denominator, the additive metrics). Pure torch, no collectives.
-"""
+"""The pieces every policy loss of :mod:`nemo_d3s.core.losses` shares: checked inputs with
+everything off ``loss_mask`` made inert, the clipped surrogate, the k3 KL estimator and
+:func:`finish` (KL term, global denominator, additive metrics). Pure torch."""
 
 from __future__ import annotations
 
@@ -28,11 +25,9 @@ __all__ = ["LossInputs", "MaskedInputs", "clipped_surrogate", "finish", "k3", "p
 
 @dataclass(frozen=True)
 class LossInputs:
-    """What every policy loss is given (one record, the registry's protocol): logprobs
-    [B, S] (with grad), old_logprobs [B, S], advantages [B] or [B, S], loss_mask [B, S] bool;
-    ``cfg``; the step's global ``denominator``; ref_logprobs [B, S] for the KL term and
-    norm_mask [B, S] bool for ``seq_mean_token_mean``'s row normaliser, or None. Checked by
-    :func:`prepare_inputs`, which each loss calls first."""
+    """What every policy loss is given: logprobs [B, S] (with grad), old_logprobs [B, S], advantages
+    [B] or [B, S], loss_mask [B, S] bool, ``cfg``, the step's global ``denominator``, and optional
+    ref_logprobs [B, S] (KL) and norm_mask [B, S] bool (row normaliser)."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -46,8 +41,8 @@ class LossInputs:
 
 @dataclass
 class MaskedInputs:
-    """Validated inputs, in the compute dtype, with everything outside the mask replaced by
-    neutral values (so NaN/-inf padding cannot leak into the loss or the gradient)."""
+    """Validated inputs in the compute dtype, neutral values off the mask (NaN/-inf padding cannot
+    reach the loss or gradient)."""
 
     logprobs: torch.Tensor  # [B, S]; 0 off-mask, gradient gated by the mask
     old_logprobs: torch.Tensor  # [B, S]; 0 off-mask
@@ -80,9 +75,8 @@ def _check_denominator(denominator) -> float:
 
 
 def prepare_inputs(inputs: LossInputs) -> MaskedInputs:
-    """Check ``inputs`` (shapes, dtypes, devices, the denominator; finiteness on the mask
-    when ``cfg.check_inputs``) -> the compute-dtype tensors with everything off the mask
-    made inert, and the aggregation weights."""
+    """Check ``inputs`` -> compute-dtype tensors made inert off the mask, and the aggregation
+    weights."""
     logprobs, old_logprobs, advantages = inputs.logprobs, inputs.old_logprobs, inputs.advantages
     loss_mask, cfg, denominator = inputs.loss_mask, inputs.cfg, inputs.denominator
     ref_logprobs, norm_mask = inputs.ref_logprobs, inputs.norm_mask
@@ -175,10 +169,8 @@ def finish(
     ratio_value: torch.Tensor,
     adv: torch.Tensor,
 ) -> LossOutput:
-    """Add the KL term, divide by the denominator, and collect additive metrics.
-
-    ratio_value, adv [B, S]: the ratio and advantage each masked token was clipped with.
-    """
+    """Add the KL term, divide by the denominator, collect additive metrics; ratio_value, adv
+    [B, S]: what each masked token was clipped with."""
     mask_f = x.mask.to(pg_sum.dtype)
     kl_weighted = torch.zeros((), dtype=pg_sum.dtype, device=pg_sum.device)
     ref_kl_sum = None

@@ -1,83 +1,21 @@
-"""Policy-gradient losses over per-token tensors: GRPO, GSPO and GSPO-token.
+"""Policy-gradient losses over token-aligned [B, S] tensors: GRPO, GSPO and GSPO-token.
 
-All inputs are token-aligned ``[B, S]`` tensors (position t holds the quantity of token t);
-``loss_mask`` [B, S] bool marks the tokens that get a gradient (after D3S token selection:
-``token_keep``). Positions outside ``loss_mask`` are never read: they may hold anything,
-NaN and -inf included, without affecting the loss or its gradient.
+``loss_mask`` [B, S] bool marks the tokens with a gradient; positions off it are never read
+(NaN/-inf there change nothing). With r = exp(logprobs - old_logprobs) and
+clip(r) = clamp(r, 1 - eps_low, 1 + eps_high), a unit's loss is l(r, A) = max(-r A, -clip(r) A),
+dual-clipped to min(l, -c A) where A < 0 (c > 1). ``grpo``: l(r_it, A_it) per token. ``gspo``
+(arXiv 2507.18071): s_i = exp(mean over row i's masked tokens of the log-ratio), L_i = l(s_i, A_i),
+one advantage per sequence. ``gspo_token``: ratio value s_i, gradient through token t only;
+equals ``gspo`` in value and gradient when A is per sequence. KL (``kl_coef`` > 0): k3,
+exp(ref - logp) - (ref - logp) - 1 per masked token, weighted like the policy term.
 
-Notation (per token t of sequence i, r = pi / pi_old):
-
-    r_it   = exp(logprobs - old_logprobs)
-    clip(r) = clamp(r, 1 - eps_low, 1 + eps_high)       (asymmetric: DAPO "clip-higher")
-    l(r, A) = max(-r A, -clip(r) A)                      (PPO/GRPO clipped surrogate, to minimise)
-    dual clip (c > 1, only where A < 0):  l = min(l, -c A)   (Ye et al. 2020, dual-clip PPO)
-
-Losses (``POLICY_LOSSES``)
---------------------------
-``grpo``        per token: l(r_it, A_it).
-``gspo``        per sequence: s_i = exp(mean over the masked tokens of i of (logprobs -
-                old_logprobs)) (GSPO, arXiv 2507.18071), L_i = l(s_i, A_i). The mean runs over
-                ``loss_mask`` only, so with D3S token selection the sequence ratio is taken
-                over the selected tokens. Needs one advantage per sequence: ``[B]``, or
-                ``[B, S]`` constant over each row's masked tokens.
-``gspo_token``  GSPO-token: per token, ratio value ``sg[s_i] x pi_t / sg[pi_t]`` (= s_i), so
-                the VALUE is GSPO's sequence ratio while the gradient flows only through
-                token t itself, and only on masked tokens; loss l(that, A_it) per token
-                (per-token advantages allowed). With one advantage per sequence its value
-                and gradient equal ``gspo``'s under every aggregation.
-
-KL to a reference (``kl_coef`` > 0, needs ``ref_logprobs``): the k3 estimator per masked
-token, ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, unbiased for KL(pi || ref) under
-samples from pi), times ``kl_coef``, aggregated with the same weights as the policy term.
-
-Aggregation and normalisation
------------------------------
-Every loss is ``sum over units / denominator``; the denominator is a GLOBAL count supplied
-by the caller (:func:`loss_denominator` on each micro-batch, summed over micro-batches and
-data-parallel ranks, once per optimizer step). A unit's weight depends only on its own
-row, so splitting a batch by rows into micro-batches (or ranks) and summing the losses
-gives exactly the full-batch loss and gradient.
-
-With per-token losses l_it, weights w_it and m_it = loss_mask:
-
-``token_mean``           sum_it m_it l_it / D,   D = global number of masked tokens.
-``seq_mean_token_mean``  sum_i (sum_t m_it l_it / n_i) / D,   D = global number of
-                         sequences; n_i = tokens of row i in ``norm_mask`` if given, else in
-                         ``loss_mask``. This is the choice the papers leave open: n_i from
-                         ``loss_mask`` normalises by the SELECTED tokens (the gradient scale
-                         does not depend on K); ``norm_mask=response_mask`` normalises by ALL
-                         response tokens (unselected tokens count as zeros).
-``seq_mean_token_sum``   sum_i sum_t m_it l_it / D,   D = global number of sequences.
-
-GSPO's loss is per sequence. It is aggregated as if each masked token of sequence i
-carried the value L_i (what ``gspo_token`` computes), i.e. sequence i weighs
-``sum_t w_it``: ``token_mean`` weights L_i by its number of masked tokens n_i;
-``seq_mean_token_mean`` gives each sequence weight 1 (``n_i / n_norm_i`` with a
-``norm_mask``), which is the GSPO paper's objective; ``seq_mean_token_sum`` weights L_i by
-n_i. The rule keeps ``gspo`` and ``gspo_token`` equal in value for every aggregation.
-
-For ``token_mean`` the "selected vs all tokens" choice lives only in the denominator
-(count ``norm_mask`` tokens: ``loss_denominator(..., norm_mask=response_mask)``);
-``norm_mask`` is ignored by ``token_mean`` and ``seq_mean_token_sum``.
-
-Metrics (``LossOutput.metrics``) are additive so callers can sum them over micro-batches
-and ranks before :func:`finalize_metrics` turns ``*_sum`` entries into means:
-
-    token_count, seq_count                 masked tokens / sequences with one
-    pg_loss, kl_loss                       the two parts of ``loss`` (already / denominator)
-    clip_frac_low_sum                      tokens with A < 0 and ratio < 1 - eps_low
-    clip_frac_high_sum                     tokens with A > 0 and ratio > 1 + eps_high
-    dual_clip_frac_sum                     tokens with A < 0 and ratio > c (dual clip binding)
-    ratio_sum                              sum of the ratio value per token
-    approx_kl_sum                          k3 of old vs new policy per token:
-                                           exp(d) - d - 1, d = logprobs - old_logprobs
-    ref_kl_sum                             k3 to the reference per token (when given)
-
-All ``*_sum`` are over masked tokens (normaliser ``token_count``); for ``gspo`` the ratio
-of a token is its sequence's s_i, so the fractions are token-weighted sequence fractions.
-
-Computation is in fp32 (fp64 when ``logprobs`` is fp64). Pure torch, no collectives.
-"""
+Every loss is a sum over rows divided by a global ``denominator`` (:func:`loss_denominator`
+summed over micro-batches and DP ranks), so row splits give the full-batch loss and gradient:
+``token_mean`` sum m l / tokens; ``seq_mean_token_mean`` sum_i (sum_t m l / n_i) / sequences,
+n_i counted on ``norm_mask`` (all response tokens) if given, else on ``loss_mask``;
+``seq_mean_token_sum`` sum m l / sequences. GSPO's L_i counts once per masked token (the
+paper's objective under ``seq_mean_token_mean``). Metrics are additive ``*_sum`` over masked
+tokens (:func:`finalize_metrics`). fp32 (fp64 for fp64 logprobs); no collectives."""
 
 from __future__ import annotations
 
@@ -139,12 +77,8 @@ POLICY_LOSSES: Registry = Registry(
 
 @POLICY_LOSSES.register("grpo")
 def grpo_loss(inputs: LossInputs) -> LossOutput:
-    """GRPO token-level clipped surrogate (optionally dual-clipped) + k3 KL.
-
-    logprobs [B, S] (with grad), old_logprobs [B, S], advantages [B] or [B, S], loss_mask
-    [B, S] bool, ref_logprobs [B, S] or None, norm_mask [B, S] bool or None
-    -> LossOutput(loss = sum_it w_it l(r_it, A_it) / denominator (+ KL)).
-    """
+    """GRPO token-level clipped surrogate (optionally dual-clipped) + k3 KL; [B, S] inputs,
+    advantages [B] or [B, S] -> LossOutput."""
     x, cfg = prepare_inputs(inputs), inputs.cfg
     ratio = torch.exp(x.logprobs - x.old_logprobs)
     per_token = clipped_surrogate(ratio, x.advantages, cfg)
@@ -153,15 +87,14 @@ def grpo_loss(inputs: LossInputs) -> LossOutput:
 
 
 def _sequence_log_ratio(x: MaskedInputs) -> torch.Tensor:
-    """[B]: mean over each row's masked tokens of (logprobs - old_logprobs); 0 for a row
-    without masked tokens (its weight is 0 anyway)."""
+    """[B]: mean log-ratio over each row's masked tokens; 0 for a row without any."""
     n = x.mask.sum(dim=1).clamp(min=1).to(x.logprobs.dtype)
     return (x.logprobs - x.old_logprobs).sum(dim=1) / n
 
 
 def _sequence_advantages(x: MaskedInputs, advantages: torch.Tensor) -> torch.Tensor:
-    """[B] advantage per sequence: the [B] input, or a [B, S] input that must be constant on
-    each row's masked tokens (GSPO's sequence loss has one advantage per sequence)."""
+    """[B] advantage per sequence: the [B] input, or a [B, S] input constant on each row's masked
+    tokens (ValueError otherwise)."""
     has = x.mask.any(dim=1)
     if advantages.dim() == 2:
         if x.mask.shape[1] == 0:
@@ -188,11 +121,8 @@ def _sequence_advantages(x: MaskedInputs, advantages: torch.Tensor) -> torch.Ten
 
 @POLICY_LOSSES.register("gspo", per_sequence_advantage=True)
 def gspo_loss(inputs: LossInputs) -> LossOutput:
-    """GSPO: sequence ratio s_i = exp(mean_{t in loss_mask} (logp - old_logp)), clipped per
-    sequence; L_i = l(s_i, A_i) weighted by sum_t w_it (see module docstring) + k3 KL.
-
-    Shapes as :func:`grpo_loss`; advantages [B], or [B, S] constant on each row's mask.
-    """
+    """GSPO: clipped sequence ratio s_i, L_i = l(s_i, A_i) weighted by the row's masked tokens + k3
+    KL; advantages [B] or [B, S] constant per row."""
     x, cfg = prepare_inputs(inputs), inputs.cfg
     seq_adv = _sequence_advantages(x, inputs.advantages)  # [B]
     seq_ratio = torch.exp(_sequence_log_ratio(x))  # [B]
@@ -206,11 +136,8 @@ def gspo_loss(inputs: LossInputs) -> LossOutput:
 
 @POLICY_LOSSES.register("gspo_token")
 def gspo_token_loss(inputs: LossInputs) -> LossOutput:
-    """GSPO-token: per-token ratio sg[s_i] x pi_t / sg[pi_t] (value s_i, gradient only through
-    token t, only on masked tokens), per-token advantages allowed; l(., A_it) per token.
-
-    Shapes as :func:`grpo_loss`.
-    """
+    """GSPO-token: per-token ratio sg[s_i] x pi_t / sg[pi_t] (value s_i, gradient through token t
+    only), per-token advantages allowed."""
     x, cfg = prepare_inputs(inputs), inputs.cfg
     seq_ratio = torch.exp(_sequence_log_ratio(x)).detach()  # [B]
     ratio = seq_ratio.unsqueeze(1) * torch.exp(x.logprobs - x.logprobs.detach())
@@ -231,9 +158,8 @@ def policy_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     norm_mask: Optional[torch.Tensor] = None,
 ) -> LossOutput:
-    """``POLICY_LOSSES.get(name)(...)``. Defaults: ``cfg=LossConfig()``; ``denominator`` =
-    this batch's own :func:`loss_denominator` (right for a single full batch only; pass
-    the global count when the batch is split)."""
+    """``POLICY_LOSSES.get(name)(...)``; ``denominator`` defaults to this batch's own count, right
+    only when the batch is not split."""
     cfg = LossConfig() if cfg is None else cfg
     fn = POLICY_LOSSES.get(name)
     if denominator is None:

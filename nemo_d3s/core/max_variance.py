@@ -1,10 +1,6 @@
-"""Exact max-variance subset selection (the PODS lemma), batched over rows.
-
-Choosing m of n values to maximise their variance: with the values sorted, some optimal
-subset is the k largest plus the m - k smallest for some k in 0..m (PODS, arXiv
-2504.13818). Scanning k with float64 prefix sums of v and v^2 costs O(n log n) (the sort).
-Pure torch, deterministic (stable sorts only), no collectives.
-"""
+"""Exact max-variance subset selection (the PODS lemma, arXiv 2504.13818), batched over rows: with
+values sorted, some optimal m-subset is the k largest plus the m - k smallest. Float64 prefix sums,
+O(n log n); deterministic (stable sorts), no collectives."""
 
 from __future__ import annotations
 
@@ -21,27 +17,13 @@ _F64_EPS = torch.finfo(torch.float64).eps
 
 
 def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
-    """Row-wise exact max-variance subsets: values [R, n] real, 1 <= m <= n -> keep [R, n] bool
-    with exactly m True per row, maximising the variance of each row's kept values.
+    """values [R, n], 1 <= m <= n -> keep [R, n] bool, m True per row, maximising each row's kept
+    variance. O(R n log n) time, O(R n) float64 memory.
 
-    Batched over rows (one sort and two cumsums for all R rows); O(R n log n) time, O(R n)
-    float64 memory. Unbiased or population variance does not matter: m is fixed, so both
-    rank subsets identically.
-
-    Method: with a row sorted ascending, candidate k (0..m) takes the k largest and the
-    m - k smallest values. With P1, P2 the prefix sums of v and v^2 the candidate's sum of
-    squared deviations is ``SS_k = sq_k - sum_k^2 / m``. Values are shifted by the row median
-    first (variance is shift-invariant) so the subtraction does not cancel catastrophically.
-
-    Tie-breaking (deterministic):
-
-    1. Among candidates k whose SS_k is within ``max(1e-10 * best, 4 n eps64 * total)`` of the
-       best (``total`` = sum of squared shifted values, the scale of the prefix-sum rounding
-       error) the SMALLEST k wins, i.e. the subset richest in LOW values. Mathematically tied
-       candidates (e.g. binary rewards) therefore do not flip on rounding noise.
-    2. Among equal values, the LOWER index is kept first, whether the value sits in the top
-       or the bottom part (or both, when a run of equal values straddles them).
-    """
+    Candidate k scores SS_k = sq_k - sum_k^2 / m on values shifted by the row median (no
+    catastrophic cancellation). Ties: among candidates within ``max(1e-10 best, 4 n eps64 total)``
+    of the best the smallest k wins (tied binary rewards do not flip on rounding); among equal
+    values the lower index is kept first."""
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D [R, n], got shape {tuple(values.shape)}")
     n_rows, n = values.shape
@@ -100,9 +82,8 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def max_variance_subset(values: torch.Tensor, m: int) -> torch.Tensor:
-    """Indices of the m values with the largest variance: values [n] real -> LongTensor [m],
-    ascending. Exact, O(n log n); tie-breaking as in :func:`max_variance_mask` (smallest
-    number of top values among equally good subsets; lower index among equal values)."""
+    """values [n] -> LongTensor [m] ascending: the m values of largest variance; ties as
+    :func:`max_variance_mask`."""
     if not isinstance(values, torch.Tensor):
         raise ValueError(f"values must be a torch.Tensor, got {type(values).__name__}")
     if values.dim() != 1:

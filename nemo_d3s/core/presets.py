@@ -1,7 +1,5 @@
-"""D3S / PODS configurations: :class:`D3SConfig` (what the selector does) and the named
-presets of the papers, ``PRESETS`` (the selector itself: :mod:`nemo_d3s.core.d3s`).
-
-Presets (papers' names):
+"""D3S / PODS configurations: :class:`D3SConfig` and the papers' named ``PRESETS``, the one home of
+these values (the training config's ``d3s`` group and its defaults are built from it).
 
 =========  ============  ==========  ==========================================
 preset     sample rule   tokens      schedule
@@ -16,24 +14,10 @@ d3s        d3s_cross     batch       linear N 1/8 -> 1/2 of G, K 5% -> 20%,
 d3s_i      d3s_intra     batch       as d3s, intra-group selection
 =========  ============  ==========  ==========================================
 
-``PRESETS`` is the one home of these values: the training config's ``d3s`` group
-(``d3s=pods``) and its schema defaults are built from it (``nemo_d3s.config``). PODS's own
-trainers average per-sequence token means; a d3s preset sets no loss keys, so PODS's loss
-is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``. D3S-I at N = 1 per group keeps
-the rollout with the largest |advantage|.
-
-The floor of 256 kept tokens per step (``min_kept_tokens``; 0 is the papers' rule) is the
-project's default for the two full methods: on the CPU evidence runs (docs/evidence.md "Does D3S
-help here?") the papers' K of 5% of a 64-rollout batch kept ~10 tokens a step and D3S trailed GRPO,
-while with the floor it matched GRPO per step. At the papers' batch sizes K x eligible is thousands
-of tokens and the floor never binds.
-
-N is per prompt and expressed as a fraction of the group size G so the presets work at
-any G. The D3S paper reports N 8 -> 32 without stating G; 1/8 -> 1/2 reads it as
-G = 64 (our assumption). PODS reports n about 4 m, hence 1/4 for the fixed-N presets.
-Absolute counts are accepted too (``schedule.n_init=8``). With sample rule ``all`` N is 1
-(everything) whatever the schedule says; with token scope ``all`` K is 1.
-"""
+N is a fraction of G so presets work at any G: the D3S paper's N 8 -> 32 read as G = 64
+(an assumption), PODS's n ~ 4 m as 1/4. The 256-token floor (``min_kept_tokens``; 0 is the papers'
+rule) binds only on small batches, where 5% kept ~10 tokens a step (docs/evidence.md). PODS's loss
+is ``d3s=pods algorithm.aggregation=seq_mean_token_mean``."""
 
 from __future__ import annotations
 
@@ -68,15 +52,9 @@ def _check_nonneg(name: str, value: Any) -> None:
 
 @dataclass
 class D3SConfig:
-    """What the selector does. ``schedule`` gives N (per prompt: an int count or a
-    fraction of G) and K (fraction of eligible tokens) as functions of progress.
-
-    Works as a structured config (``OmegaConf.structured(D3SConfig)``, or as a field of a
-    larger Hydra schema); ``OmegaConf.to_object`` gives back a validated instance, and
-    :class:`D3SSelector` also accepts the DictConfig (any mapping) directly.
-    Names are checked against the registries at construction (unknown -> ValueError
-    listing the known names).
-    """
+    """What the selector does: rules, scope and a ``schedule`` of N (int count or fraction of G) and
+    K over progress. Usable as a structured Hydra config; names are checked against the registries
+    at construction (ValueError listing the known ones)."""
 
     advantage: str = "grpo"  # ADVANTAGE_ESTIMATORS
     sample_rule: str = "all"  # SAMPLE_SELECTORS

@@ -1,13 +1,6 @@
-"""One registry per extension point, one call signature per registry.
-
-A registry maps a name to a callable. Each registry has a ``protocol``: a ``typing.Protocol``
-whose ``__call__`` is the signature every entry follows. :meth:`Registry.register` checks an
-entry against it (it must take the protocol's positional arguments in order and its keyword
-arguments by name, and need nothing else), so an entry with the wrong signature fails where
-it is registered, naming what is wrong, not in the middle of a training step. Looking up an
-unknown name raises a ``ValueError`` that lists the known names, so a typo in a Hydra override
-fails at start-up with a useful message.
-"""
+"""One registry per extension point, one call signature (a ``typing.Protocol``) per registry. An
+entry with the wrong signature fails when registered, naming what is wrong; an unknown name raises a
+ValueError listing the known names."""
 
 from __future__ import annotations
 
@@ -29,12 +22,9 @@ def _protocol_signature(protocol: type) -> inspect.Signature:
 
 
 def signature_mismatch(fn: Callable, protocol: type) -> Optional[str]:
-    """None when ``fn`` can be called as ``protocol.__call__`` says; else what is wrong.
-
-    The protocol's positional parameters must be taken positionally, in order (names free),
-    its keyword-only ones by name (or ``**kwargs``), its ``**kwargs`` by ``**kwargs`` or by
-    name (``fn`` may name the keywords it accepts and refuse others, as a task's constructor
-    does); every parameter ``fn`` requires must be one the protocol passes."""
+    """None when ``fn`` can be called as ``protocol.__call__`` says, else what is wrong: positional
+    parameters in order (names free), keyword-only ones by name or ``**kwargs``, and nothing
+    required that the protocol does not pass."""
     if not callable(fn):
         return f"is not callable ({type(fn).__name__})"
     try:
@@ -74,15 +64,9 @@ def signature_mismatch(fn: Callable, protocol: type) -> Optional[str]:
 
 
 class Registry(Generic[T]):
-    """A named table of implementations of one extension point.
-
-    ``kind`` names the extension point in error messages (e.g. "sample selection rule").
-    ``protocol``: a ``typing.Protocol`` whose ``__call__`` every entry follows, checked at
-    :meth:`register`; ``signature`` is its text (for messages and docs).
-    ``defaults`` are the properties every entry has (e.g. ``needs_entropy=True``); an entry
-    overrides them at registration, and callers ask ``prop(name, key)`` instead of comparing
-    names, so a new entry says what it needs in one place.
-    """
+    """A named table of implementations of one extension point. ``kind`` names it in errors;
+    ``defaults`` are the properties every entry has, overridden at registration and read with
+    ``prop(name, key)``, so callers never compare names."""
 
     def __init__(self, kind: str, protocol: type, **defaults: Any) -> None:
         if not callable(getattr(protocol, "__call__", None)):
@@ -96,9 +80,8 @@ class Registry(Generic[T]):
         self._props: Dict[str, Dict[str, Any]] = {}
 
     def register(self, name: str, **props: Any) -> Callable[[T], T]:
-        """Decorator: ``@REGISTRY.register("name", prop=value)``. Registering a name twice,
-        a property the registry does not declare, or a callable that does not follow the
-        registry's protocol is an error (TypeError for the last, naming the mismatch)."""
+        """Decorator ``@REGISTRY.register("name", prop=value)``; a duplicate name, an undeclared
+        property or a signature mismatch (TypeError) is an error."""
         unknown = sorted(set(props) - set(self.defaults))
         if unknown:
             raise ValueError(

@@ -1,33 +1,11 @@
 """Rollout-level down-sampling: which of the B rollouts of a batch get a gradient.
 
-What N means
-------------
-``n_keep`` (N) counts rollouts kept PER PROMPT (per group):
-
-- an ``int`` >= 1 is a count; a group with fewer rollouts than N is kept whole;
-- a ``float`` in (0, 1] is a fraction of the group size G, turned into a count by
-  :func:`resolve_n_keep` (round half up, at least 1, at most G).
-
-Per-group rules (``random``, ``max_reward``, ``pods``, ``d3s_intra``) keep
-``resolve_n_keep(N, G_g)`` rollouts of every group g. The cross-group rule ``d3s_cross``
-pools the whole batch and keeps ``sum_g resolve_n_keep(N, G_g)`` rollouts from the pool:
-exactly as many as the intra-group rule would keep, i.e. N x n_groups when every group has
-at least N rollouts, and never more than B. Kept rollouts of one prompt may then range from
-0 to G.
-
-Max-variance selection
-----------------------
-Choosing m of n values to maximise their variance is solved exactly by the lemma of PODS
-(arXiv 2504.13818): with the values sorted, some optimal subset is the k largest plus the
-m - k smallest for some k in 0..m. Scanning k with float64 prefix sums of v and v^2 costs
-O(n log n) (the sort). See :func:`max_variance_subset`.
-
-Determinism: the same inputs give the same indices (no atomics, stable sorts only). Ties are
-broken as documented on :func:`max_variance_mask`; everywhere else ties go to the lower index.
-
-This module is pure torch: no collectives. The distributed selector in
-``nemo_d3s.distributed`` gathers what it needs and calls these functions.
-"""
+N (``n_keep``) counts rollouts per prompt: an int >= 1, or a float in (0, 1] of the group size
+(:func:`resolve_n_keep`). Per-group rules keep ``resolve_n_keep(N, G_g)`` of every group;
+``d3s_cross`` keeps ``sum_g resolve_n_keep(N, G_g)`` (<= B) from the pooled batch. Max-variance
+subsets use the PODS lemma (arXiv 2504.13818): some optimal m-subset of sorted values is the k
+largest plus the m - k smallest (:func:`max_variance_subset`). Deterministic (stable sorts, no
+atomics; ties to the lower index). Pure torch: ``nemo_d3s.distributed`` gathers, then calls it."""
 
 from __future__ import annotations
 
@@ -90,9 +68,8 @@ SAMPLE_SELECTORS: Registry = Registry(
 
 @dataclass
 class SampleSelection:
-    """sample_keep [B] bool (True = the rollout is trained on); advantages [B] f32, equal to
-    the input advantages except for ``pods``, which re-normalises the KEPT rows on the kept
-    subset (dropped rows keep their input value; they carry no gradient anyway)."""
+    """sample_keep [B] bool; advantages [B] f32, the input's except under ``pods``, which
+    re-normalises the kept rows on the kept subset."""
 
     sample_keep: torch.Tensor
     advantages: torch.Tensor
@@ -125,11 +102,8 @@ def _check_n_keep(n_keep: Count) -> None:
 
 
 def resolve_n_keep(n_keep: Count, group_size: int) -> int:
-    """Rollouts to keep from a group of ``group_size``.
-
-    ``n_keep`` int >= 1: a count, capped at ``group_size`` (a small group is kept whole).
-    ``n_keep`` float in (0, 1]: a fraction of ``group_size``, rounded half up, at least 1.
-    """
+    """Rollouts to keep from a group of ``group_size``: an int count (capped at the group size), or
+    a float fraction rounded half up, at least 1."""
     _check_n_keep(n_keep)
     if (
         isinstance(group_size, bool)
@@ -159,10 +133,8 @@ def _n_keep_per_group(n_keep: Count, sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _rank_within_group(order: torch.Tensor, index: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Position of every sample in its group when samples are visited in ``order``.
-
-    order [B] long (a permutation), index [B] long dense group index -> rank [B] long.
-    """
+    """order [B] (a permutation), index [B] dense group index -> rank [B]: each sample's position in
+    its group when visited in ``order``."""
     # A stable sort by group on top of ``order`` keeps ``order``'s ranking inside each group.
     by_group = order[torch.sort(index[order], stable=True).indices]
     sizes = group_sizes(index, n_groups)
@@ -176,8 +148,8 @@ _M1_TIE_RTOL = 1e-6  # relative: far above float32 advantages' rounding of the g
 
 
 def _farthest_from_mean(values: torch.Tensor) -> torch.Tensor:
-    """values [R, n] -> [R] long: per row, the column farthest from the row's mean (lower
-    column on ties). The pick for N = 1, where every single value has variance 0."""
+    """values [R, n] -> [R] long: per row, the column farthest from the row's mean (lower on ties);
+    the N = 1 pick."""
     vals = values.to(torch.float64)
     dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
     # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is 0 only
@@ -191,18 +163,10 @@ def _grouped_max_variance(
 ) -> torch.Tensor:
     """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
 
-    Groups of equal size are stacked into one [R, G] matrix and solved by one batched
-    :func:`max_variance_mask` call (the usual case: every prompt has G rollouts). Unequal
-    sizes cost one call per DISTINCT size (:func:`group_buckets`), never one per group.
-    Layout columns are in ascending sample index, so the lower-index tie-break carries over.
-
-    N = 1 (D3S-I's schedule starts at G/8 = 1 of 8): one value has no variance, so every
-    choice ties and :func:`max_variance_mask`'s tie-break would keep each group's LOWEST
-    value, i.e. train on negative advantages only (a D3S-I run collapsed that way: greedy
-    eval 0.31 -> 0.00 in 5 steps). The project's reading: keep the value farthest from its
-    group's mean (the largest |advantage|; lower index on ties), the single rollout whose
-    advantage is largest in size, of either sign.
-    """
+    Equal-size groups are solved as one batched [R, G] :func:`max_variance_mask` (one call per
+    distinct size). For N = 1 every choice has variance 0 and the tie-break would always keep the
+    lowest value (negative advantages only), so the value farthest from its group's mean is kept
+    instead."""
     keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
     for g_size, _, layout in group_buckets(index, n_groups):
         m = resolve_n_keep(n_keep, g_size)
@@ -220,8 +184,8 @@ def _grouped_max_variance(
 def _grouped_top(
     score: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count
 ) -> torch.Tensor:
-    """Keep the resolve_n_keep(N, G) highest ``score`` of every group; ties by lower index.
-    score [B] -> keep [B] bool."""
+    """score [B] -> keep [B]: the ``resolve_n_keep(N, G)`` highest of every group, ties to the lower
+    index."""
     # Stable descending sort = highest first, lower index first among equal scores.
     order = torch.sort(score, descending=True, stable=True).indices
     rank = _rank_within_group(order, index, n_groups)
@@ -235,11 +199,9 @@ def _grouped_top(
 
 @dataclass(frozen=True)
 class SelectionInputs:
-    """What every sample selection rule is given, checked when built: rewards [B] real,
-    advantages [B] real (computed on the full groups), group_ids [B] integer, n_keep = N per
-    prompt (int count or float fraction of G); ``generator`` (random rules), ``eps`` and
-    ``unbiased`` (rules that re-normalise advantages). ``index`` [B] long and ``n_groups``:
-    the dense group numbering (``advantages.group_index``)."""
+    """What every sample rule is given, checked when built: rewards, advantages (full groups),
+    group_ids [B]; N; ``generator``, ``eps``, ``unbiased`` for the rules that use them; the dense
+    ``index`` [B] and ``n_groups``."""
 
     rewards: torch.Tensor
     advantages: torch.Tensor
@@ -279,17 +241,14 @@ def _result(keep: torch.Tensor, advantages: torch.Tensor) -> SampleSelection:
 
 @SAMPLE_SELECTORS.register("all", keeps_all=True)
 def select_all(x: SelectionInputs) -> SampleSelection:
-    """Plain GRPO: keep every rollout. [B] inputs -> SampleSelection; n_keep is validated but
-    has no effect."""
+    """Plain GRPO: keep every rollout (N validated, unused)."""
     return _result(torch.ones_like(x.rewards, dtype=torch.bool), x.advantages)
 
 
 @SAMPLE_SELECTORS.register("random", pooled=True)
 def select_random(x: SelectionInputs) -> SampleSelection:
-    """Uniformly random N of each group, without replacement (PODS's "random" = GRPO on m
-    rollouts). [B] inputs -> SampleSelection. Draws B uniforms from ``generator`` (on the
-    generator's device, then moved), so a seeded generator gives the same subset on any
-    device; ``None`` uses torch's global RNG."""
+    """Uniformly random N of each group, without replacement. Draws B uniforms on the generator's
+    device, so a seeded generator gives the same subset on any device."""
     gen = x.generator
     gen_device = gen.device if gen is not None else torch.device("cpu")
     u = torch.rand(x.rewards.numel(), generator=gen, device=gen_device, dtype=torch.float64)
@@ -301,19 +260,16 @@ def select_random(x: SelectionInputs) -> SampleSelection:
 
 @SAMPLE_SELECTORS.register("max_reward")
 def select_max_reward(x: SelectionInputs) -> SampleSelection:
-    """The N highest rewards of each group, ties by lower index (PODS's max-reward
-    baseline). [B] inputs -> SampleSelection."""
+    """The N highest rewards of each group, ties by lower index (PODS's baseline)."""
     keep = _grouped_top(x.rewards.to(torch.float64), x.index, x.n_groups, x.n_keep)
     return _result(keep, x.advantages)
 
 
 @SAMPLE_SELECTORS.register("pods")
 def select_pods(x: SelectionInputs) -> SampleSelection:
-    """PODS max-variance down-sampling: per group, the N rollouts whose REWARDS have maximal
-    variance; then the kept rows' advantages are re-normalised on the kept subset,
-    a = (r - mean_S) / (std_S + eps), with ``eps`` defaulting to the paper's 1e-4
-    (:data:`PODS_EPS`) and the unbiased std (the official code's). An all-equal subset, or a
-    subset of one rollout, gets 0. [B] inputs -> SampleSelection."""
+    """PODS: per group, the N rollouts whose rewards have maximal variance; kept advantages
+    re-normalised on the kept subset, (r - mean_S) / (std_S + eps), eps default 1e-4 and unbiased
+    std as the paper's code; a constant or single-rollout subset gets 0."""
     eps = PODS_EPS if x.eps is None else x.eps
     check_eps(eps)
     keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
@@ -329,22 +285,17 @@ def select_pods(x: SelectionInputs) -> SampleSelection:
 
 @SAMPLE_SELECTORS.register("d3s_intra")
 def select_d3s_intra(x: SelectionInputs) -> SampleSelection:
-    """D3S-I: per group, the N rollouts whose (full-group) ADVANTAGES have maximal variance;
-    advantages are NOT re-normalised. [B] inputs -> SampleSelection."""
+    """D3S-I: per group, the N rollouts whose full-group advantages have maximal variance; no
+    re-normalisation."""
     keep = _grouped_max_variance(x.advantages, x.index, x.n_groups, x.n_keep)
     return _result(keep, x.advantages)
 
 
 @SAMPLE_SELECTORS.register("d3s_cross", pooled=True)
 def select_d3s_cross(x: SelectionInputs) -> SampleSelection:
-    """D3S (cross-group): pool the advantages of the whole batch and keep the
-    ``sum_g resolve_n_keep(N, G_g)`` (= N x n_groups for groups of >= N rollouts; <= B)
-    with maximal variance; advantages are NOT re-normalised. [B] inputs -> SampleSelection.
-    One sort of B values.
-
-    A pool that keeps one rollout in all (one prompt, N = 1) has no variance to maximise
-    either; as for the per-group rules, the rollout farthest from the pool's mean (the
-    largest |A|) is kept, not the tie-break's minimum."""
+    """D3S: the ``sum_g resolve_n_keep(N, G_g)`` pooled advantages of maximal variance
+    (one sort of B values); no re-normalisation. A pool keeping one rollout keeps the largest
+    |A|."""
     adv = x.advantages
     m_total = int(_n_keep_per_group(x.n_keep, group_sizes(x.index, x.n_groups)).sum())
     if m_total == 1 and adv.numel() > 1:
@@ -363,13 +314,8 @@ def select_samples(
     n_keep: Count,
     **kw,
 ) -> SampleSelection:
-    """Apply the sample selection rule ``rule`` (a name in :data:`SAMPLE_SELECTORS`).
-
-    rewards [B] real, advantages [B] real (computed on the full groups), group_ids [B]
-    integer, n_keep = N per prompt (int count or float fraction of G). Keyword arguments
-    (``generator``, ``eps``, ``unbiased``) go to the rule, in its :class:`SelectionInputs`.
-    No collectives.
-    """
+    """Apply the ``SAMPLE_SELECTORS`` rule ``rule``: rewards, advantages (full groups), group_ids
+    [B], N -> SampleSelection; keywords go to the rule's :class:`SelectionInputs`."""
     fn = SAMPLE_SELECTORS.get(rule)
     return fn(SelectionInputs(rewards, advantages, group_ids, n_keep, **kw))
 
@@ -402,9 +348,8 @@ def _check_kept(
 def kept_advantage_variance(
     advantages: torch.Tensor, sample_keep: torch.Tensor, unbiased: bool = True
 ) -> float:
-    """Variance of the kept advantages (the quantity D3S maximises; >= 1 for the paper's
-    bound). advantages [B], sample_keep [B] bool -> float (float64 arithmetic).
-    Needs >= 2 kept samples for the unbiased estimator, >= 1 for the population one."""
+    """Variance (float64) of the kept advantages, which D3S maximises; advantages [B], sample_keep
+    [B] -> float. Needs >= 2 kept samples when unbiased, >= 1 otherwise."""
     need = 2 if unbiased else 1
     estimator = "unbiased" if unbiased else "population"
     kept = _check_kept(
@@ -414,8 +359,7 @@ def kept_advantage_variance(
 
 
 def share_nonzero_advantage(advantages: torch.Tensor, sample_keep: torch.Tensor) -> float:
-    """Fraction of kept samples whose advantage is non-zero (degenerate groups give exact
-    zeros). advantages [B], sample_keep [B] bool -> float in [0, 1]; needs >= 1 kept sample."""
+    """Fraction of kept samples with a non-zero advantage; needs >= 1 kept sample."""
     kept = _check_kept(
         advantages, sample_keep, 1, "the share of non-zero advantages needs at least 1"
     )

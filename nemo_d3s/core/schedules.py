@@ -1,11 +1,7 @@
-"""Schedules of (N, K) over training progress p in [0, 1].
-
-D3S (arXiv 2509.22115) interpolates linearly: (N, K) = (1 - p)(N_init, K_init) + p(N_final,
-K_final), reporting N 8 -> 32 and K 5% -> 20%. Every schedule here is a pure function
-``fn(progress, start, end, **kw) -> float`` with fn(0) = start (``step`` excepted when a
-milestone sits at 0) and fn(1) = end (``constant`` excepted: it is always ``start``), so a
-run resumed at the same progress gets the same (N, K).
-"""
+"""Schedules of (N, K) over training progress p in [0, 1]: pure functions
+``fn(progress, start, end, **kw)`` with fn(0) = start and fn(1) = end (``constant`` is always
+``start``; ``step`` may jump at 0), so a resumed run gets the same (N, K). D3S (arXiv 2509.22115)
+interpolates linearly."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ Count = Union[int, float]
 
 
 class ScheduleShape(Protocol):
-    """A schedule: progress p in [0, 1], the values at p = 0 and p = 1 (and the shape's own
-    keyword arguments) -> the value at p."""
+    """A schedule: progress p, the values at p = 0 and p = 1, the shape's keywords -> value."""
 
     def __call__(self, progress: float, start: float, end: float, **kw: Any) -> float: ...
 
@@ -104,13 +99,8 @@ def step(
     milestones: Sequence[float] = (0.5,),
     **kw: Any,
 ) -> float:
-    """Piecewise constant: ``start`` until the first milestone, then a jump at every
-    milestone (reached when progress >= milestone).
-
-    The jumps are equal steps from start to end: after i of M milestones the value is
-    start + (end - start) * i / M, so it is ``end`` from the last milestone on.
-    milestones: non-empty, non-decreasing floats in [0, 1].
-    """
+    """Piecewise constant: after i of M milestones (reached at progress >= milestone) the value is
+    start + (end - start) i / M. milestones: non-empty, non-decreasing, in [0, 1]."""
     _no_kwargs("step", kw)
     p = _check_progress(progress)
     start, end = _check_endpoint("start", start), _check_endpoint("end", end)
@@ -136,15 +126,9 @@ def schedule_value(kind: str, progress: float, start: float, end: float, **kw: A
 
 @dataclass
 class DynamicSchedule:
-    """(N, K) as a function of training progress p in [0, 1].
-
-    N (rollouts kept per prompt) is an int count when ``n_init`` and ``n_final`` are both
-    ints (the interpolated value is rounded half up, so it stays a count >= 1), or a float
-    fraction of the group size in (0, 1] when both are floats; mixing the two is an error
-    because it is almost always a config typo. K (fraction of eligible tokens kept) is a
-    float in (0, 1]. ``kwargs`` go to the schedule function (e.g. ``milestones`` for "step")
-    and apply to N and K alike.
-    """
+    """(N, K) as a function of progress. N is an int count (interpolation rounded half up) when
+    ``n_init`` and ``n_final`` are ints, a fraction of G when both are floats; mixing them is an
+    error (a config typo). K is a fraction in (0, 1]. ``kwargs`` go to the shape, for N and K."""
 
     kind: str = "linear"
     n_init: Count = 1.0

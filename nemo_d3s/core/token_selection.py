@@ -1,48 +1,12 @@
 """Token-level down-sampling (D3S stage 2): which response tokens of the kept rollouts get a
 gradient.
 
-Score
------
-Every loss-eligible token t of kept sample i is scored ``|A_i,t| x H_i,t`` (D3S, arXiv
-2509.22115), where H is the full-vocabulary entropy of the (old) policy's next-token
-distribution at that token (token-aligned, see ``core.entropy.align_to_tokens``). With
-outcome rewards ``A_i,t = A_i``, so ``|A|`` only changes the ranking when tokens of
-different samples compete (scope ``batch``).
-
-How many
---------
-A fraction K in (0, 1] of the eligible tokens is kept: exactly ``ceil(K x n_eligible)``
-(:func:`n_tokens_to_keep`), so any K > 0 keeps at least one token of a non-empty pool.
-
-A floor of M tokens per optimizer step (``D3SConfig.min_kept_tokens``) raises K to
-:func:`k_frac_with_floor` ``= max(K, min(1, M / n_eligible))`` before any scope applies it,
-with ``n_eligible`` the whole step's count (all DP ranks). The scopes keep their one
-signature, and ``batch`` keeps exactly ``max(ceil(K x n), min(M, n))`` tokens.
-
-Scopes (``TOKEN_SELECTORS``)
-----------------------------
-``all``     every eligible token (K is validated but not used): plain GRPO/PODS.
-``batch``   one pool of everything passed in; top ``ceil(K x eligible.sum())``. This is the
-            paper's formula when the caller passes the whole batch. The DP-global variant
-            (one threshold over all ranks) lives in ``nemo_d3s.distributed``.
-``sample``  per row: top ``ceil(K x eligible_in_row)`` of each row. Every row with an eligible
-            token keeps at least one.
-
-Ties and determinism
---------------------
-Higher score first; equal scores go to the lower flattened index (row-major ``b x S + s``;
-within a row that is the lower position). Implemented with a *stable* descending sort over
-the eligible scores listed in ascending index order (``torch.topk`` makes no stability
-promise). The same inputs give the same mask on every device and rank.
-
-Compaction
-----------
-Tokens outside ``token_keep`` carry no gradient, so the update can skip them:
-:func:`rows_with_kept_tokens` lists the rows worth running at all, and :func:`kept_lengths`
-gives where each row can be cut (nothing after its last kept token matters to a causal model).
-
-Pure torch, no collectives.
-"""
+Each eligible token is scored ``|A_i,t| x H_i,t`` (H: old-policy entropy, token-aligned) and a
+fraction K in (0, 1] of the eligible tokens is kept: exactly ``ceil(K x n_eligible)``
+(:func:`n_tokens_to_keep`), per scope (``TOKEN_SELECTORS``): ``all`` (every token), ``batch`` (one
+pool; the DP-global variant is in ``nemo_d3s.distributed``), ``sample`` (per row). Ties go to the
+lower row-major index (a stable sort: ``torch.topk`` promises no order), so every device and rank
+gets the same mask. Pure torch, no collectives."""
 
 from __future__ import annotations
 
@@ -118,8 +82,8 @@ def _check_k_frac(k_frac) -> None:
 
 def check_scores(scores: torch.Tensor, eligible: torch.Tensor, *, finite: bool = True) -> None:
     """ValueError naming the argument unless eligible is a [B, S] bool mask and scores a
-    floating-point [B, S] tensor on its device, finite on eligible positions (``finite=False``
-    leaves that to the caller, e.g. a distributed selector that must fail on all ranks alike)."""
+    floating-point [B, S] tensor on its device, finite where eligible (``finite=False`` leaves that
+    to a caller that must fail on all ranks alike)."""
     check_mask_2d("eligible", eligible)
     if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
         got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
@@ -134,12 +98,10 @@ def check_scores(scores: torch.Tensor, eligible: torch.Tensor, *, finite: bool =
 
 
 def n_tokens_to_keep(n_eligible: int, k_frac: float) -> int:
-    """``ceil(k_frac x n_eligible)`` (0 when nothing is eligible). ``n_eligible``: an int
-    (or a one-element integer tensor, e.g. a count all-reduced over ranks).
+    """``ceil(k_frac x n_eligible)``; n_eligible an int or a one-element integer tensor.
 
-    Exact for the decimal K a user types: a product within a relative 1e-12 above an
-    integer is taken as that integer (``n_tokens_to_keep(30, 0.1) == 3``, not 4).
-    """
+    A product within a relative 1e-12 above an integer is that integer, so the decimal K a user
+    types is exact (``n_tokens_to_keep(30, 0.1) == 3``)."""
     if (
         isinstance(n_eligible, torch.Tensor)
         and n_eligible.numel() == 1
@@ -161,16 +123,12 @@ def n_tokens_to_keep(n_eligible: int, k_frac: float) -> int:
 
 
 def k_frac_with_floor(k_frac: float, n_eligible: int, min_tokens: int) -> float:
-    """K raised so that a pool of ``n_eligible`` tokens keeps at least ``min_tokens`` of them
-    (all of them when it holds fewer): ``max(K, min(1, min_tokens / n_eligible))``.
+    """``max(K, min(1, min_tokens / n_eligible))``: K raised so that a pool keeps at least
+    ``min_tokens`` tokens (all when it holds fewer).
 
-    ``n_eligible`` is the count of the whole pool the scope draws from (for ``batch`` under
-    data parallelism: all ranks' count, so every rank gets the same K). ``min_tokens = 0``
-    or an empty pool returns K unchanged. Exact for scope ``batch``:
-    ``n_tokens_to_keep(n, k_frac_with_floor(K, n, M)) == max(ceil(K x n), min(M, n))``
-    (tested for every n, M <= 2000), because :func:`n_tokens_to_keep` absorbs the rounding of
-    ``(M / n) x n``.
-    """
+    ``n_eligible`` counts the scope's whole pool (all DP ranks for ``batch``, so every rank gets the
+    same K). For ``batch``, ``n_tokens_to_keep(n, k_frac_with_floor(K, n, M)) == max(ceil(K x n),
+    min(M, n))`` exactly."""
     _check_k_frac(k_frac)
     for name, v in (("n_eligible", n_eligible), ("min_tokens", min_tokens)):
         check_count(name, v)
@@ -180,11 +138,8 @@ def k_frac_with_floor(k_frac: float, n_eligible: int, min_tokens: int) -> float:
 
 
 def n_tokens_to_keep_per_row(n_eligible: torch.Tensor, k_frac: float) -> torch.Tensor:
-    """Vectorised :func:`n_tokens_to_keep`: n_eligible [B] integer -> [B] long, same device.
-
-    Computed in float64 with the same operations as the scalar version, so the two agree
-    exactly (tested) for every count below 2^53.
-    """
+    """Vectorised :func:`n_tokens_to_keep`: n_eligible [B] integer -> [B] long; float64 with the
+    scalar's operations, so both agree exactly below 2^53."""
     _check_k_frac(k_frac)
     if n_eligible.is_floating_point() or n_eligible.dtype == torch.bool:
         raise ValueError(f"n_eligible must be an integer tensor, got dtype {n_eligible.dtype}")
@@ -201,13 +156,9 @@ def n_tokens_to_keep_per_row(n_eligible: torch.Tensor, k_frac: float) -> torch.T
 def token_scores(
     advantages: torch.Tensor, entropy: torch.Tensor, eligible: torch.Tensor
 ) -> torch.Tensor:
-    """D3S token scores ``|A| x H``.
-
-    advantages [B] (broadcast over S) or [B, S]; entropy [B, S] (token-aligned); eligible
-    [B, S] bool -> scores [B, S] f32, exactly 0 where not eligible (whatever ``A`` or ``H``
-    hold there, NaN included: padding positions are never read).
-    Raises ValueError on NaN/inf in advantages or entropy at eligible positions.
-    """
+    """D3S token scores ``|A| x H``: advantages [B] or [B, S], entropy [B, S], eligible [B, S] bool
+    -> [B, S] f32, exactly 0 off ``eligible`` (NaN there is never read). ValueError on NaN/inf at
+    eligible positions."""
     check_mask_2d("eligible", eligible)
     for name, t in (("advantages", advantages), ("entropy", entropy)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -229,12 +180,8 @@ def token_scores(
 
 
 def top_k_mask(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``min(k, eligible.sum())`` highest-scoring eligible tokens of the whole tensor.
-
-    scores [B, S] float (finite where eligible); eligible [B, S] bool; k int >= 0
-    -> bool [B, S]. Ties: lower flattened index (b x S + s) first.
-    Memory/time: one stable sort over the eligible scores (O(n log n), n = eligible.sum()).
-    """
+    """The ``min(k, eligible.sum())`` highest-scoring eligible tokens: [B, S] -> bool [B, S]; ties
+    to the lower flattened index. One stable sort, O(n log n)."""
     check_scores(scores, eligible)
     check_count("k", k)
     return _top_k_flat(scores, eligible, int(k))
@@ -257,12 +204,8 @@ def _top_k_flat(scores: torch.Tensor, eligible: torch.Tensor, k: int) -> torch.T
 def _top_k_per_row(
     scores: torch.Tensor, eligible: torch.Tensor, k_row: torch.Tensor
 ) -> torch.Tensor:
-    """Top ``k_row[b]`` eligible tokens of each row b, no Python loop over rows.
-
-    scores [B, S], eligible [B, S] bool, k_row [B] long (<= eligible count of the row)
-    -> bool [B, S]. One stable descending sort per row; rank of each position compared
-    with the row's k. Ties: lower position first.
-    """
+    """Top ``k_row[b]`` eligible tokens of each row (k_row [B] long) -> bool [B, S]; one batched
+    stable sort, ties to the lower position."""
     B, S = eligible.shape
     if B == 0 or S == 0:
         return torch.zeros_like(eligible)
@@ -306,15 +249,9 @@ def top_k_per_sample(scores: torch.Tensor, eligible: torch.Tensor, k_frac: float
 
 @dataclass
 class TokenSelection:
-    """Result of :func:`select_tokens`.
-
-    token_keep [B, S] bool (subset of ``eligible``); n_eligible = eligible.sum();
-    n_kept = token_keep.sum();
-    samples_without_tokens: rows that HAD at least one eligible token but kept none (only
-        possible with scope ``batch``: its budget went to other rows). Rows with no eligible
-        token at all are not counted here but in
-    samples_without_eligible: rows with no eligible token (e.g. an empty response).
-    """
+    """Result of :func:`select_tokens`: token_keep [B, S] bool (within ``eligible``) and counts.
+    ``samples_without_tokens``: rows with eligible tokens that kept none (scope ``batch`` only);
+    ``samples_without_eligible``: rows with no eligible token."""
 
     token_keep: torch.Tensor
     n_eligible: int
@@ -326,16 +263,11 @@ class TokenSelection:
 def select_tokens(
     scores: torch.Tensor, eligible: torch.Tensor, k_frac: float, scope: str = "batch"
 ) -> TokenSelection:
-    """Apply the token selection scope ``scope`` (a ``TOKEN_SELECTORS`` name).
+    """Apply the ``TOKEN_SELECTORS`` scope ``scope``: scores, eligible [B, S] -> TokenSelection.
 
-    scores [B, S] float (finite on eligible positions, e.g. from :func:`token_scores`);
-    eligible [B, S] bool (loss-eligible tokens of the kept samples); k_frac in (0, 1].
-
-    Raises ValueError when ``eligible`` selects no token at all: there is nothing to train
-    on, and the caller must skip the batch explicitly rather than run an update whose loss
-    denominator is 0. (The registered scope functions themselves return an all-False mask
-    in that case, so shard-local callers can use them.)
-    """
+    ValueError when ``eligible`` holds no token: the caller must skip the batch rather than divide
+    by a zero denominator (the scope functions themselves return an all-False mask, for shard-local
+    callers)."""
     selector = TOKEN_SELECTORS.get(scope)
     check_scores(scores, eligible)
     _check_k_frac(k_frac)
@@ -360,16 +292,16 @@ def select_tokens(
 
 
 def rows_with_kept_tokens(token_keep: torch.Tensor) -> torch.Tensor:
-    """token_keep [B, S] bool -> LongTensor [U] of the rows with at least one kept token,
-    ascending. Rows not listed contribute nothing to the loss and can be dropped."""
+    """token_keep [B, S] -> [U] long, ascending: the rows with a kept token (the others contribute
+    nothing to the loss)."""
     check_mask_2d("token_keep", token_keep)
     return token_keep.any(dim=1).nonzero().squeeze(1)
 
 
 def kept_lengths(token_keep: torch.Tensor) -> torch.Tensor:
-    """token_keep [B, S] bool -> [B] long: 1 + position of the row's last kept token, 0 for a
-    row with none. A causal model's log-prob at position t depends only on positions <= t,
-    so cutting each row to this length changes no kept token's loss or gradient."""
+    """token_keep [B, S] -> [B] long: 1 + position of the row's last kept token (0 if none). A
+    causal model's loss at t reads positions <= t only, so cutting rows there changes no kept
+    token's loss or gradient."""
     check_mask_2d("token_keep", token_keep)
     B, S = token_keep.shape
     if S == 0:

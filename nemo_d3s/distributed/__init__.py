@@ -1,9 +1,6 @@
-"""The D3S/PODS math over explicit process groups (the layers: docs/architecture.md).
-
-Every function takes its process group(s) as arguments (callers get them from
-``megatron.core.parallel_state``); ``None`` or a one-rank group falls back to the core
-single-process function. Nothing here imports Megatron.
-"""
+"""The D3S/PODS math over explicit process groups (callers take them from
+``megatron.core.parallel_state``); None or a one-rank group falls back to the core function. Nothing
+here imports Megatron."""
 
 from nemo_d3s.distributed.launch import run_on_gloo_ranks
 from nemo_d3s.distributed.normalizers import (

@@ -1,13 +1,7 @@
-"""Agreeing on short texts across a process group, without pickle.
-
-:func:`all_gather_texts` hands every member each member's text (or None) in group-rank
-order: how ranks that each checked a share of something (a checkpoint's files) agree on
-what they found, so that every rank raises the same error or goes on together.
-
-Collectives: one all-gather of one int64 per rank (the lengths) and one all-gather of
-``max length`` bytes per rank, on the group's device (CPU for gloo, CUDA for NCCL), in the
-group's timeout (``trainer.dist_timeout_minutes``). Memory: world x the longest text.
-"""
+"""Agreeing on short texts across a process group without pickle: ranks that each checked a share of
+something (a checkpoint's files) see every rank's findings, so all raise the same error or go on
+together. Collectives: an all-gather of one int64 and one of max-length bytes, on the group's
+device. Memory: world x the longest text."""
 
 from __future__ import annotations
 
@@ -34,8 +28,7 @@ def _decode(raw: bytes) -> Optional[str]:
 def all_gather_texts(
     text: Optional[str], group: Optional[dist.ProcessGroup] = None
 ) -> List[Optional[str]]:
-    """[text of member 0, text of member 1, ...] on every member of ``group``; None: one
-    process (``[text]``). Byte tensors travel, not pickled objects."""
+    """Every member's text (or None) in group-rank order; None group: ``[text]``."""
     if is_single(group):
         return [text]
     raw = _encode(text)

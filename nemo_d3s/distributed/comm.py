@@ -1,10 +1,6 @@
-"""Small collective helpers shared by the distributed modules.
-
-Every helper takes the process group explicitly. ``group=None`` means "no group": one
-process, every collective is the identity (it does NOT mean torch's default world group;
-callers that want the world pass ``torch.distributed.group.WORLD``). Tensors travel on the
-device of their inputs, so the same code runs on gloo (CPU) and NCCL (GPU).
-"""
+"""Small collective helpers shared by the distributed modules. Every helper takes its group
+explicitly; ``group=None`` means one process (every collective the identity), NOT torch's world
+group. Tensors travel on their inputs' device, so gloo and NCCL run the same code."""
 
 from __future__ import annotations
 
@@ -27,8 +23,8 @@ __all__ = [
 
 
 def is_single(group: Optional[dist.ProcessGroup]) -> bool:
-    """True when ``group`` is None, torch.distributed is not initialised, or the group has
-    one member: the caller should use the single-process (core) function."""
+    """True when ``group`` is None, torch.distributed is not initialised, or the group has one
+    member (use the core function)."""
     if group is None or not dist.is_available() or not dist.is_initialized():
         return True
     return dist.get_world_size(group) == 1
@@ -45,12 +41,8 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def device_for_backend(backend: str) -> torch.device:
-    """Where a small collective tensor must live for a group of backend ``backend``.
-
-    ``"gloo"`` -> CPU; ``"nccl"`` -> the current CUDA device; a device-mapped backend such as
-    ``"cpu:gloo,cuda:nccl"`` -> CPU, because it carries CPU tensors itself and counters need
-    no host-device copy. Anything else (mpi, ucc) -> CPU.
-    """
+    """Where a small collective tensor lives for ``backend``: the current CUDA device for "nccl";
+    CPU for gloo, device-mapped backends ("cpu:gloo,cuda:nccl") and anything else."""
     name = str(backend).lower()
     if ":" in name:
         mapped = dict(part.split(":", 1) for part in name.split(","))
@@ -63,24 +55,21 @@ def device_for_backend(backend: str) -> torch.device:
 
 
 def collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    """Where a buffer for ``group``'s collectives must live when no input tensor says so
-    (see :func:`device_for_backend`); CPU for no group."""
+    """Where a buffer for ``group``'s collectives lives when no input says so; CPU for no group."""
     if is_single(group):
         return torch.device("cpu")
     return device_for_backend(dist.get_backend(group))
 
 
 def global_rank_of(group: dist.ProcessGroup, rank_in_group: int) -> int:
-    """Global rank of member ``rank_in_group`` of ``group`` (torch's ``src`` arguments are
-    global ranks)."""
+    """Global rank of member ``rank_in_group`` (torch's ``src`` arguments are global ranks)."""
     return dist.get_global_rank(group, rank_in_group)
 
 
 def all_gather_counts(
     n: int, group: Optional[dist.ProcessGroup], device: torch.device
 ) -> torch.Tensor:
-    """Every member's integer ``n``: -> LongTensor [world] in group-rank order.
-    One all-gather of one int64 per rank."""
+    """Every member's int ``n`` -> LongTensor [world] in rank order; one all-gather of one int64."""
     mine = torch.tensor([int(n)], dtype=torch.long, device=device)
     if is_single(group):
         return mine
@@ -92,13 +81,9 @@ def all_gather_counts(
 def all_gather_varlen(
     x: torch.Tensor, group: Optional[dist.ProcessGroup], counts: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate every member's ``x`` [n_r, *rest] in group-rank order.
-
-    Ranks may hold different n_r (zero included); ``rest`` and dtype must agree. Returns
-    (gathered [sum_r n_r, *rest], counts [world] long). Collectives: one all-gather of the
-    counts (skipped when ``counts`` is passed) and one all-gather of ``x`` padded to
-    ``max_r n_r`` rows. Memory: world x max_r n_r x rest.
-    """
+    """Every member's ``x`` [n_r, *rest] (n_r may differ, 0 included) concatenated in rank order ->
+    (gathered [sum n_r, *rest], counts [world]). Collectives: an all-gather of the counts
+    (unless passed) and one of ``x`` padded to max_r n_r rows."""
     if is_single(group):
         return x, torch.tensor([x.shape[0]], dtype=torch.long, device=x.device)
     if counts is None:

@@ -1,18 +1,9 @@
 """The parallel layout a run trains in, and the small collectives the trainer needs.
 
-:class:`ParallelGroups` is a frozen record of the process groups (data, tensor, pipeline,
-context parallel) and of the device that small collective tensors must live on. The policy
-builds it (the HF backend from the torchrun world; a Megatron backend from
-``megatron.core.parallel_state`` after ``initialize_model_parallel``) and the trainer only
-reads it: prompts are sharded, selections pooled and metrics reduced over ``dp``.
-
-Small collectives (counters, per-sample rewards) are methods of the record, so every one of
-them puts its tensor on ``device`` (CPU for gloo, the current CUDA device for NCCL, which
-rejects CPU tensors) and hands back CPU values. Gradient reduction belongs to the policy.
-
-``None`` for a group means "one member" (as everywhere in ``nemo_d3s.distributed``): the
-record of a one-process run has every group None and every reduction is the identity.
-"""
+:class:`ParallelGroups` is a frozen record of the dp / tp / pp / cp groups and of the device small
+collective tensors live on (CPU for gloo, the current CUDA device for NCCL); the policy builds it,
+the trainer only reads it. Its reductions hand back CPU values; gradient reduction belongs to the
+policy. A None group has one member: a one-process run is every group None."""
 
 from __future__ import annotations
 
@@ -31,16 +22,10 @@ __all__ = ["ParallelGroups", "device_for_backend", "init_world", "shard_range"]
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This process's place in the parallel layout (in the spirit of Megatron's process-group
-    collection and torchtitan's ParallelDims).
-
-    dp: the data-parallel group (ranks holding different samples; Megatron's excludes the
-        TP/PP/CP peers, which hold the same samples); tp / pp / cp: model-parallel groups,
-        None when that dimension is 1; device: where small collective tensors live;
-        global_rank: rank in the world (only global rank 0 writes files);
-        owns_world: this record's builder initialised torch.distributed and destroys it in
-        :meth:`shutdown`.
-    """
+    """This process's place in the parallel layout. dp: ranks holding different samples (TP / PP /
+    CP peers hold the same ones); tp / pp / cp: None when that dimension is 1; device: where small
+    collective tensors live; global_rank (only 0 writes files); owns_world: :meth:`shutdown`
+    destroys the process group this record's builder initialised."""
 
     dp: Optional[dist.ProcessGroup] = None
     tp: Optional[dist.ProcessGroup] = None
@@ -82,11 +67,9 @@ class ParallelGroups:
 
     # ------------------------------------------------------------------ small collectives
     def sum(self, values: Dict[str, float], *, keys_may_differ: bool = False) -> Dict[str, float]:
-        """Sum a dict of scalars over ``dp``: one float64 all-reduce of [len(values)] on
-        ``device``. Every rank passes the same keys (packed in sorted-key order), unless
-        ``keys_may_differ``: then the union of the ranks' keys is gathered first (one small
-        object all-gather) and a missing key counts as 0 (e.g. loss metrics of a rank that
-        trained on no rows)."""
+        """Sum a dict of scalars over ``dp``: one float64 all-reduce of [len(values)]. Every rank
+        passes the same keys unless ``keys_may_differ``: then the key union is gathered first (one
+        small object all-gather) and a missing key counts as 0."""
         if not self.data_parallel:
             return {k: float(v) for k, v in values.items()}
         if keys_may_differ:
@@ -101,9 +84,8 @@ class ParallelGroups:
         return dict(zip(keys, t.cpu().tolist()))
 
     def max(self, value: float) -> float:
-        """Max of one float over every rank of the layout (dp, then tp, pp, cp: e.g. "did
-        any rank receive a stop signal"; a stop must be agreed by a rank's model-parallel
-        peers too, or the ones that go on wait for it in their next collective)."""
+        """Max of one float over every group of the layout (dp, tp, pp, cp): a stop signal must
+        reach a rank's model-parallel peers too, or they wait for it in their next collective."""
         groups = [g for g in (self.dp, self.tp, self.pp, self.cp) if g is not None]
         if not groups:
             return float(value)
@@ -123,14 +105,10 @@ class ParallelGroups:
 
 
 def init_world(device: str = "cpu", timeout_minutes: Optional[float] = None) -> ParallelGroups:
-    """Join the default process group when launched by torchrun (``WORLD_SIZE > 1``) and
-    return the record of a pure data-parallel layout over the whole world.
-
-    gloo when the model lives on the CPU, NCCL on CUDA (after ``torch.cuda.set_device``
-    from ``LOCAL_RANK``). ``timeout_minutes``: how long a collective waits for a stopped
-    peer before failing (torch's default is 30 minutes). One process: every group None.
-    A process group that already exists (a test harness, a notebook) is reused, not owned.
-    """
+    """Join the default process group under torchrun (``WORLD_SIZE > 1``) -> the record of a pure
+    data-parallel layout: gloo on CPU, NCCL on CUDA (device from ``LOCAL_RANK``), collectives
+    waiting ``timeout_minutes`` for a stopped peer. An existing process group is reused, not owned;
+    one process: every group None."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cuda = str(device).startswith("cuda")
     if world <= 1 and not (dist.is_available() and dist.is_initialized()):
@@ -153,8 +131,8 @@ def init_world(device: str = "cpu", timeout_minutes: Optional[float] = None) -> 
 
 
 def shard_range(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Contiguous slice [lo, hi) of ``n`` items for ``rank``; requires n % world_size == 0
-    so that every rank holds the same number of prompt groups."""
+    """Contiguous slice [lo, hi) of ``n`` items for ``rank``; n % world_size must be 0 (every rank
+    holds as many prompt groups)."""
     if n % world_size:
         raise ValueError(f"cannot shard {n} prompts evenly over {world_size} ranks")
     per = n // world_size

@@ -1,25 +1,11 @@
-"""Run a function on N gloo ranks on one machine's CPU and bring the results back.
+"""Run a function on N gloo ranks on one machine's CPU and bring the results back (tests that
+compare N ranks with one process, laptop trials, benchmarks).
 
-For trying the distributed pieces on a laptop, for tests that compare N ranks with one
-process, and for benchmarks:
-
-    results = run_on_gloo_ranks(fn, 4, x)       # [fn(0, x), fn(1, x), fn(2, x), fn(3, x)]
-
-Each rank joins a gloo process group (TCP store on a free localhost port), runs
-``rank_setup(rank, *setup_args)`` when given (e.g. Megatron's
-``initialize_model_parallel``; it may return a teardown callable), calls ``fn(rank, *args)``
-and saves the result with ``torch.save`` to a private temporary directory; the parent reads it
-back with ``torch.load(weights_only=True)``, whose restricted unpickler accepts only tensors,
-numbers, strings and their lists/tuples/dicts (no code runs on load). An exception in any rank
-is re-raised in the parent with the child's traceback and the other ranks are killed, so a
-rank stuck in a collective cannot hang the caller; so is a timeout.
-
-``fn`` and ``rank_setup`` must be module-level functions; a rank loads them from their
-defining file (not by module name), which works for scripts, test files under any pytest
-import mode, and installed modules alike. Start method: "forkserver" by default; preload
-heavy imports into the fork server with ``multiprocessing.set_forkserver_preload`` so
-each rank forks with them loaded instead of importing them again.
-"""
+Each rank joins a gloo group, runs ``rank_setup(rank, *setup_args)`` (it may return a teardown),
+then ``fn(rank, *args)``; results come back through ``torch.load(weights_only=True)``
+(no code runs on load). An exception or a timeout in any rank is re-raised in the parent with the
+child's traceback and the other ranks are killed. ``fn`` and ``rank_setup`` must be module-level
+(loaded from their defining file); start method "forkserver"."""
 
 from __future__ import annotations
 
@@ -94,13 +80,9 @@ def run_on_gloo_ranks(
     timeout: float = 90.0,
     start_method: str = "forkserver",
 ) -> List[Any]:
-    """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; return every rank's result in
-    rank order. Results are tensors (on the CPU), numbers, strings, None, and lists, tuples
-    and dicts of them: what ``torch.load(weights_only=True)`` reads back.
-
-    threads: torch threads per rank (ranks share the machine's cores).
-    timeout: seconds for the whole run, also the process group's collective timeout.
-    """
+    """``[fn(0, *args), ..., fn(world_size - 1, *args)]`` on gloo ranks. Results: CPU tensors,
+    numbers, strings, None and containers of them. threads: torch threads per rank; timeout: seconds
+    for the whole run, also the group's collective timeout."""
     import torch
     import torch.multiprocessing as tmp
 

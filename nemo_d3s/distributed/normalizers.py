@@ -1,29 +1,13 @@
-"""Global loss denominators and the per-micro-batch loss scale for Megatron's schedule + DDP.
+"""Global loss denominators and the per-micro-batch loss scale for Megatron's schedule and DDP.
 
-The loss of one optimizer step is ``sum over all kept units / D`` with D a GLOBAL count
-(kept tokens for ``token_mean``, kept sequences for ``seq_mean_*``), counted once per step
-before the micro-batch loop. Then the gradient does not depend on how the batch is split
-over micro-batches, DP ranks, TP or CP.
+A step's loss is sum over kept units / D, D a global count taken once per step, so the gradient does
+not depend on the micro-batch, DP, TP or CP split. DP counts are summed over the DP group
+(Megatron's, without CP); TP ranks hold the same tokens and are never summed; CP ranks sum token
+counts and OR row presence before counting sequences.
 
-Who counts what:
-
-- DP ranks hold different samples: their counts are summed (all-reduce over the DP group).
-- TP ranks hold the SAME tokens (only the hidden/vocab dimension is split): never summed
-  over TP. Megatron's DP group already excludes TP (and PP) peers, so pass
-  ``parallel_state.get_data_parallel_group()`` (without context parallelism).
-- CP ranks hold different slices of the same sequences: their token counts are summed over
-  ``cp_group``; a sequence appears on every CP rank of its replica, so sequences are counted
-  once (row presence is OR-ed over CP before counting).
-
-Scaling for the schedule. Megatron's ``forward_step`` multiplies what the loss function
-returns (the 2-tuple ``(loss, logs)`` form) by ``cp_size`` and divides it by
-``num_microbatches``; backward runs per micro-batch, so gradients are summed over them; the
-DDP wrapper then AVERAGES gradients over the dp x cp ranks. If every micro-batch returns
-``local_sum x f`` the final gradient is ``grad(sum_all local_sum) x f / (num_microbatches
-x dp_size)``, so ``f = dp_size x num_microbatches / D`` gives ``grad(sum_all / D)`` exactly
-(the cp factors cancel). For a plain loop that sums micro-batch losses without dividing,
-``f = dp_size / D``. Equivalently, hand the core losses ``denominator = D / f``.
-"""
+Megatron's ``forward_step`` scales a 2-tuple loss by cp_size / num_microbatches and DDP averages
+over dp x cp, so returning ``local_sum x f`` with ``f = dp_size x num_microbatches / D`` gives
+``grad(sum / D)`` (``f = dp_size / D`` for a loop that sums)."""
 
 from __future__ import annotations
 
@@ -61,21 +45,14 @@ def global_loss_denominator(
     cp_group: Optional[dist.ProcessGroup] = None,
     norm_masks: Optional[Masks] = None,
 ) -> float:
-    """The loss denominator D of one optimizer step over all ranks.
+    """The step's loss denominator D over all ranks: a float, identical everywhere; 0.0 when nothing
+    is kept (skip the step).
 
-    loss_masks: this rank's [B, S] bool mask(s) of the step (one tensor, or one per
-    micro-batch; S may differ between them), True = the token gets a gradient;
-    aggregation: ``token_mean`` (D = tokens) or ``seq_mean_*`` (D = sequences with a
-    token); norm_masks: count these instead ("normalise by all response tokens"), as in
-    ``core.losses.loss_denominator``. Under CP each mask is this CP rank's slice of the
-    sequences (rows aligned across the CP group).
-
-    Collectives: seq_mean_* with a CP group: one all-reduce MAX of [sum B] uint8-as-int32
-    over ``cp_group``; then one all-reduce SUM of one float64 over ``dp_group`` (and, for
-    token_mean with CP, one over ``cp_group``), each on its group's collective device
-    (``comm.collective_device``: CUDA for NCCL, whatever device the masks are on). Returns a float,
-    identical on all ranks; 0.0 when nothing is kept anywhere (skip the step).
-    """
+    loss_masks: this rank's [B, S] bool mask(s) (one per micro-batch allowed); D = tokens for
+    ``token_mean``, sequences with a token for ``seq_mean_*``; norm_masks are counted instead when
+    given. Under CP the masks are this rank's slices. Collectives: with CP and seq_mean_* an
+    all-reduce MAX of [sum B] int32 on ``cp_group``; one all-reduce SUM of one float64 on
+    ``dp_group`` (and one on ``cp_group`` for token_mean), on each group's collective device."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(
             f"aggregation must be one of {', '.join(AGGREGATIONS)}; got {aggregation!r}"
@@ -118,15 +95,10 @@ def global_loss_denominator(
 
 @dataclass(frozen=True)
 class StepNormalizer:
-    """Turns per-micro-batch loss SUMS into contributions whose gradient, after the
-    schedule and DDP, is the gradient of the full-batch mean.
-
-    denominator: global D of the step; dp_size: ranks DDP averages over, not counting CP
-    (Megatron: ``get_data_parallel_world_size()``); num_microbatches: THIS rank's micro-
-    batches in the step; megatron_schedule: True when the schedule divides each returned
-    loss by ``num_microbatches`` (Megatron's 2-tuple loss-function form); False for a
-    plain loop that sums micro-batch losses.
-    """
+    """Turns micro-batch loss SUMS into contributions whose gradient after the schedule and DDP is
+    that of the full-batch mean. dp_size: ranks DDP averages over, without CP; num_microbatches:
+    this rank's; megatron_schedule: the schedule divides each loss by num_microbatches (False for a
+    plain summing loop)."""
 
     denominator: float
     dp_size: int = 1
@@ -164,8 +136,8 @@ def step_normalizer(
     norm_masks: Optional[Masks] = None,
     megatron_schedule: bool = True,
 ) -> StepNormalizer:
-    """:func:`global_loss_denominator` + :class:`StepNormalizer` with ``dp_size`` taken
-    from ``dp_group``. Same collectives as :func:`global_loss_denominator`."""
+    """:func:`global_loss_denominator` + :class:`StepNormalizer` (``dp_size`` from ``dp_group``);
+    same collectives."""
     d = global_loss_denominator(
         loss_masks, aggregation, dp_group, cp_group=cp_group, norm_masks=norm_masks
     )

@@ -1,33 +1,12 @@
-"""Pipeline parallelism: per-token results are born on the last stage and needed elsewhere.
+"""Pipeline parallelism: per-token results are born on the last stage (the only one with logits) and
+every stage needs what decides the update.
 
-Only the last pipeline stage has logits, so entropy and old log-probs are computed there,
-inside the loss function Megatron's schedule calls on that stage. Everything that decides
-what is trained (token selection, compaction of sequences, loss denominators) must then be
-known to every stage of the pipeline: the first stage cuts its inputs to the kept rows and
-lengths, the last stage needs the masks and the global denominator for the loss. The flow:
-
-1. old-policy pass (forward only), per micro-batch: :func:`logprob_loss_func` on the last
-   stage runs the vocab-parallel entropy / log-prob (no vocabulary gather) and stores
-   ``[B_i, S_i]`` results in a :class:`PerTokenStore`;
-2. :func:`broadcast_per_token` sends all micro-batches' results from the last stage to
-   every stage of the PP group in ONE broadcast (shapes are known to all ranks from the
-   data, so nothing but the values travels);
-3. every stage now holds identical [B, S] entropy / old log-probs, so each runs the same
-   deterministic selection (``distributed.topk``, ``distributed.normalizers``) on its own
-   DP group and gets the same token masks and denominator as the last stage, with no
-   further PP traffic (the DP group of stage p holds the same data replicas as the DP
-   group of the last stage). :func:`broadcast_from_last_stage` covers anything else a
-   caller prefers to compute on the last stage only (bool masks travel as uint8);
-4. training pass, per micro-batch: :func:`train_loss_func` on the last stage computes the
-   differentiable vocab-parallel log-probs and the caller's loss SUM (the trainer's policy
-   loss), scaled by the step's :class:`~nemo_d3s.distributed.normalizers.StepNormalizer`
-   so that Megatron's micro-batch averaging and DDP's gradient averaging give the
-   full-batch gradient. The Megatron backend's ``schedule.score`` / ``schedule.train_step``
-   run steps 1 and 4 with these functions.
-
-Nothing here imports Megatron: groups come in as arguments, and the loss function follows
-the schedule's contract (called with the stage output, returns ``(loss, logs)``).
-"""
+:func:`logprob_loss_func` computes entropy / old log-probs in the old-policy pass on the last stage;
+:func:`broadcast_per_token` sends all micro-batches' results to every stage in one broadcast, so
+every stage runs the same deterministic selection and denominators on its own DP group with no
+further PP traffic; :func:`train_loss_func` computes the training loss SUM scaled by the step's
+``StepNormalizer``. No Megatron import: groups come in as arguments and the loss functions follow
+the schedule's contract (``(loss, logs)``)."""
 
 from __future__ import annotations
 
@@ -80,13 +59,9 @@ def broadcast_from_last_stage(
     pp_group: Optional[dist.ProcessGroup],
     device: Optional[torch.device] = None,
 ) -> torch.Tensor:
-    """The last stage's ``tensor`` on every stage.
-
-    On the last stage ``tensor`` must have ``shape`` and ``dtype``; elsewhere it is ignored
-    (pass None) and a buffer is allocated on ``device`` (default: the current CUDA device
-    for NCCL, CPU for gloo). One broadcast of prod(shape) elements on
-    ``pp_group``. ``pp_group=None`` or one stage: returns ``tensor``.
-    """
+    """The last stage's ``tensor`` (``shape``, ``dtype``) on every stage; elsewhere pass None and a
+    buffer is allocated on ``device`` (default: CUDA for NCCL, CPU for gloo). One broadcast on
+    ``pp_group``; None or one stage returns ``tensor``."""
     if is_single(pp_group):
         return tensor
     wire = _WIRE_DTYPE.get(dtype, dtype)
@@ -139,17 +114,13 @@ def logprob_loss_func(
     chunk_size: int = 1024,
     seq_first: bool = False,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
-    """A loss function for Megatron's forward-only old-policy pass (one per micro-batch).
+    """Loss function for Megatron's forward-only old-policy pass (one per micro-batch): called on
+    the last stage with logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]), it appends
+    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store`` and returns a zero loss.
 
-    ``forward_step_func`` returns ``(output, logprob_loss_func(store, ids, tp_group))``;
-    the schedule calls it on the last stage with the logits ``[B, S, V/TP]`` (or
-    ``[S, B, V/TP]`` with ``seq_first``). target_ids [B, S]: with ``token_aligned=False``
-    position s is scored from the logits at s (the caller shifted); with
-    ``token_aligned=True`` they are the input ids and the results follow the package's
-    token alignment (position t from logits at t - 1, position 0 holds 0). Appends
-    ``{"entropy", "logprobs"}`` [B, S] f32 to ``store``; returns a zero loss.
-    Collectives: those of ``vocab_parallel_entropy_and_logprobs`` on ``tp_group``.
-    """
+    target_ids [B, S]: shifted by the caller, or input ids with ``token_aligned=True`` (position t
+    from logits at t - 1, position 0 holds 0). Collectives: the vocab-parallel ones on
+    ``tp_group``."""
 
     def loss_func(logits: torch.Tensor):
         with torch.no_grad():
@@ -184,23 +155,15 @@ def train_loss_func(
     chunk_size: int = 1024,
     seq_first: bool = False,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
-    """The training-pass loss function for one micro-batch on the last stage: the one the
-    Megatron backend's ``schedule.train_step`` hands to Megatron's schedule.
+    """The training-pass loss function for one micro-batch on the last stage.
 
-    input_ids [b, L] (b may exceed n: dummy rows after the real ones); attended [n, L]
-    (bool or float: True where a token is attended); rows [n]: the real rows' indices,
-    passed on to ``loss_fn``. The returned function takes the logits [b, L, V/TP]
-    (``seq_first``: [L, b, V/TP]) and computes differentiable vocab-parallel log-probs,
-    token-aligned (position t from the logits at t - 1, position 0 holds 0), of the n real
-    rows, zero where not attended, widened or cut to ``width`` (default L); then
-    ``loss_fn(logprobs [n, width] f32, rows)`` -> the micro-batch's loss SUM (a tensor, or
-    an object with ``loss`` and ``metric_tensors``, e.g. ``core.loss_config.LossOutput``).
-    It returns ``(loss_sum x normalizer.loss_scale, {})`` as Megatron's schedule expects
-    (2-tuple form: the schedule divides by num_microbatches, which the normalizer
-    compensates). ``on_sum(name, detached tensor)`` receives "loss_sum" and every metric.
-    n = 0 (a rank with no rows joins the collectives): a zero loss with zero gradient.
-    Collectives: the vocab-parallel forward on ``tp_group``.
-    """
+    input_ids [b, L] (b >= n: dummy rows last); attended [n, L]; rows [n]: the real rows. The
+    returned function turns logits [b, L, V/TP] (``seq_first``: [L, b, V/TP]) into differentiable
+    token-aligned log-probs of the n real rows, zero where not attended, cut or widened to
+    ``width``; ``loss_fn(logprobs [n, width] f32, rows)`` gives the loss SUM (or an object with
+    ``loss`` and ``metric_tensors``). Returns ``(sum x normalizer.loss_scale, {})``; ``on_sum``
+    receives "loss_sum" and every metric. n = 0 gives a zero loss with zero gradient (the rank still
+    joins the collectives). Collectives: the vocab-parallel forward on ``tp_group``."""
     n = len(rows)
 
     def loss_func(logits: torch.Tensor):
@@ -237,14 +200,10 @@ def broadcast_per_token(
     names: Sequence[str] = ("entropy", "logprobs"),
     device: Optional[torch.device] = None,
 ) -> List[Dict[str, torch.Tensor]]:
-    """Every micro-batch's per-token results, from the last stage to all stages.
-
-    store: the last stage's :class:`PerTokenStore` (ignored elsewhere, may be None);
-    shapes: [(B_i, S_i)] of the micro-batches, known to every rank from the data.
-    -> one dict {name: [B_i, S_i] f32} per micro-batch, identical on every stage.
-    Collectives: ONE broadcast of ``len(names) x sum_i B_i S_i`` floats on ``pp_group``.
-    Memory: that flat buffer plus the returned views into it.
-    """
+    """Every micro-batch's per-token results, from the last stage's ``store`` (None elsewhere) to
+    all stages: shapes [(B_i, S_i)] known everywhere -> one {name: [B_i, S_i] f32} per micro-batch.
+    ONE broadcast of ``len(names) x sum_i B_i S_i`` floats on ``pp_group``; the results are views
+    into that buffer."""
     sizes = [int(b) * int(s) for b, s in shapes]
     total = sum(sizes) * len(names)
     last = is_last_stage(pp_group)

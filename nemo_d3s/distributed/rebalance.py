@@ -1,24 +1,11 @@
-"""Move kept rollouts between data-parallel ranks so every rank trains on about as many tokens.
+"""Move kept rollouts between data-parallel ranks so every rank trains on about as many tokens (a
+step takes as long as its most loaded rank).
 
-After DP-global sample selection a rank may keep many long rollouts and another none: the
-step then takes as long as the most loaded rank, and a rank with nothing to run breaks
-schedules that expect at least one micro-batch. The plan:
-
-1. every rank all-gathers (tokens, keep) of its samples; the kept samples, in global order
-   (rank-major, then row), are numbered j = 0..n-1;
-2. deterministic greedy longest-first bin packing (LPT): visit samples by tokens descending
-   (ties: lower j first) and give each to the rank with the smallest (tokens, samples,
-   rank) so far. The first ``world`` samples therefore go to distinct ranks: when
-   n >= world no rank is empty; LPT's makespan is at most 4/3 of the optimum;
-3. when 0 < n < world, each rank left empty receives a zero-weight copy of sample 0 (it
-   keeps the schedule running and contributes no gradient once its loss mask is zeroed).
-   With n = 0 nothing moves (the caller skips the step).
-
-The plan is computed identically on every rank from the gathered counts, so it can be
-applied with one ``all_to_all`` (every tensor of a sample packed into one byte row).
-A sample's loss contribution does not depend on which rank computes it, as long as the loss
-denominator is global (see ``normalizers``), so rebalancing leaves the gradient unchanged.
-"""
+Every rank all-gathers (tokens, keep) and computes the same greedy longest-first (LPT) plan: kept
+samples by tokens descending go to the rank with the least (tokens, samples, rank), so no rank is
+empty when n >= world; when 0 < n < world an empty rank gets a zero-weight copy of sample 0 so its
+schedule runs. One ``all_to_all`` applies the plan. With a global loss denominator a sample's
+contribution does not depend on its rank: the gradient is unchanged."""
 
 from __future__ import annotations
 
@@ -51,13 +38,9 @@ def imbalance(tokens_per_rank: torch.Tensor) -> float:
 
 @dataclass
 class RebalancePlan:
-    """Which kept sample goes to which rank; identical on every rank.
-
-    Kept samples j = 0..n-1 in global order. owner [n], source_row [n] (row on the owner),
-    tokens [n], dest [n]: long tensors. pad_source [world] long: -1, or the j copied to that
-    rank as a zero-weight pad. rows_per_rank [world] long: B_r of the batch the plan was made
-    from. tokens_before / tokens_after [world] long and their max/mean imbalance.
-    """
+    """Which kept sample (j = 0..n-1, global order) goes to which rank; identical on every rank.
+    owner, source_row, tokens, dest [n] long; pad_source [world] (-1 or the j copied as a pad);
+    rows_per_rank [world]; tokens before / after [world] and their imbalance."""
 
     world_size: int
     owner: torch.Tensor
@@ -109,8 +92,8 @@ def plan_from_tokens(
     world_size: int,
     rows_per_rank: torch.Tensor,
 ) -> RebalancePlan:
-    """Pure (no collective) LPT plan: tokens, owner, source_row [n] long of the kept
-    samples in global order -> RebalancePlan. O(n log n + n log world)."""
+    """LPT plan, no collective: tokens, owner, source_row [n] of the kept samples -> RebalancePlan.
+    O(n log n + n log world)."""
     n = int(tokens.numel())
     t = tokens.tolist()
     dest = [0] * n
@@ -143,13 +126,9 @@ def plan_rebalance(
     sample_keep: Optional[torch.Tensor],
     dp_group: Optional[dist.ProcessGroup],
 ) -> RebalancePlan:
-    """Plan the move of this step's kept samples, identically on every rank.
-
-    n_tokens [B_r] integer (the load measure of each local sample, e.g. its sequence length
-    for compute balance or its kept-token count); sample_keep [B_r] bool or None (= all).
-    Collectives on ``dp_group``: one all-gather of one int64, one all-gather of
-    [max_r B_r, 2] int64. Memory O(world x max_r B_r).
-    """
+    """Plan this step's move identically on every rank: n_tokens [B_r] (each sample's load),
+    sample_keep [B_r] bool or None (all). Collectives on ``dp_group``: an all-gather of one int64
+    and one of [max_r B_r, 2] int64."""
     if (
         not isinstance(n_tokens, torch.Tensor)
         or n_tokens.dim() != 1
@@ -181,8 +160,8 @@ def plan_rebalance(
 
 @dataclass
 class RebalancedBatch:
-    """tensors: name -> [m, ...] rows this rank now trains on (ascending j); weight [m] f32
-    (0 for a pad copy); sample_index [m] long: j of each row; is_pad [m] bool."""
+    """tensors: name -> [m, ...] rows this rank trains on (ascending j); weight [m] f32
+    (0 for a pad); sample_index [m] (j); is_pad [m] bool."""
 
     tensors: Dict[str, torch.Tensor]
     weight: torch.Tensor
@@ -207,16 +186,11 @@ def apply_rebalance(
     *,
     zero_on_pad: Sequence[str] = (),
 ) -> RebalancedBatch:
-    """Send every kept sample to its planned rank.
-
-    tensors: name -> [B_r, ...] (the rows the plan was made from, kept or not; same names,
-    trailing shapes and dtypes on every rank, e.g. input ids and masks padded to a common
-    S). Returns this rank's RebalancedBatch; rows of the names in ``zero_on_pad`` (e.g. the
-    loss mask) are zeroed for pad copies. Collectives: one all-gather of the tensors'
-    metadata (a mismatch raises on every rank) and ONE all_to_all (``all_to_all_single`` with
-    uneven splits) of all tensors packed as bytes per row (works for bool/bf16 on gloo).
-    Memory: one packed copy of the local rows plus the received rows.
-    """
+    """Send every kept sample to its planned rank: tensors name -> [B_r, ...] (same names, trailing
+    shapes and dtypes on every rank) -> this rank's RebalancedBatch, ``zero_on_pad`` rows zeroed for
+    pads. Collectives: an all-gather of metadata (a mismatch raises on every rank) and ONE
+    ``all_to_all_single`` of rows packed as bytes. Memory: one packed copy of the local rows plus
+    the received ones."""
     me = group_rank(dp_group)
     names = sorted(tensors)
     meta = [(n, tuple(tensors[n].shape), str(tensors[n].dtype)) for n in names]

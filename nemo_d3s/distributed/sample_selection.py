@@ -1,16 +1,9 @@
 """Rollout selection over the whole data-parallel batch (D3S cross-group, PODS, ...).
 
-Each DP rank holds WHOLE groups (all G rollouts of its prompts), so group advantages are
-computed locally; but the cross-group rule pools the advantages of the whole optimizer-step
-batch, i.e. of all ranks. So every rank all-gathers the per-sample (reward, advantage,
-group) triples, runs the same deterministic core selection on the concatenation (rank
-order), and keeps its own slice. The result is bit-identical to
-``core.sample_selection.select_samples`` on the concatenated batch, on every rank.
-
-Group identity: groups never span ranks (the precondition above), so a group is identified
-by (rank, group id): ids may repeat across ranks (e.g. local 0..n-1 on every rank) without
-merging groups. Group numbering follows first appearance in rank order, as in the core.
-"""
+Each DP rank holds whole groups, so advantages are local; a cross-group rule pools all ranks, so
+every rank all-gathers (reward, advantage, group) and runs the same core selection on the rank-order
+concatenation, bit-identical to ``core.select_samples`` on that batch. A group is (rank, group id):
+ids may repeat across ranks."""
 
 from __future__ import annotations
 
@@ -32,13 +25,9 @@ Count = Union[int, float]
 
 @dataclass
 class GlobalSampleSelection:
-    """This rank's part of a DP-global selection.
-
-    sample_keep [B_r] bool and advantages [B_r] f32 (as ``core.SampleSelection``, for the
-    local rows); n_kept: local count; n_kept_global; global_sample_keep [B_total] bool
-    (identical on every rank, rank-major order); counts [world] long: B_r of every rank;
-    offset: index of this rank's first row in the global order.
-    """
+    """This rank's part of a DP-global selection: sample_keep [B_r] bool and advantages [B_r] f32 of
+    the local rows, n_kept and n_kept_global; global_sample_keep [B_total] bool (rank-major, the
+    same on every rank); counts [world] (B_r); offset of this rank's first row."""
 
     sample_keep: torch.Tensor
     advantages: torch.Tensor
@@ -65,14 +54,10 @@ def gather_batch_groups(
     group_ids: torch.Tensor,
     dp_group: Optional[dist.ProcessGroup],
 ):
-    """All ranks' (rewards, advantages, group index) concatenated in rank order.
-
-    rewards, advantages [B_r] float, group_ids [B_r] integer (B_r may differ, 0 allowed)
-    -> (rewards [B_total], advantages [B_total], group_index [B_total] long dense, numbered
-    by first appearance in rank order, counts [world] long). Dtypes of rewards/advantages
-    are preserved. Collectives: one all-gather of one int64 and one all-gather of a
-    [max_r B_r, 3] float64 buffer (integers < 2^53 travel exactly in float64).
-    """
+    """All ranks' rewards, advantages [B_r] and group_ids [B_r] in rank order -> (rewards,
+    advantages [B_total] in their dtypes, dense group_index [B_total] by first appearance, counts
+    [world]). B_r may differ (0 allowed). Collectives: an all-gather of one int64 and one of a
+    [max_r B_r, 3] float64 buffer (integers < 2^53 exact)."""
     if group_ids.numel():
         local_index, _ = group_index(group_ids)
     else:  # a rank without samples still joins the collectives
@@ -108,16 +93,10 @@ def global_select_samples(
 ) -> GlobalSampleSelection:
     """Apply sample rule ``rule`` to the whole DP batch; return this rank's part.
 
-    rewards [B_r] float, advantages [B_r] float (computed on this rank's full groups),
-    group_ids [B_r] integer; n_keep: N per prompt (as in the core). Ranks may hold
-    different B_r, including 0. ``generator`` (rule "random" only) must be seeded
-    identically on all ranks: it draws B_total uniforms for the pooled batch.
-
-    Collectives on ``dp_group``: see :func:`gather_batch_groups` (two all-gathers); then
-    the core selection runs redundantly on every rank over B_total samples (O(B_total log
-    B_total)). Memory: O(world x max_r B_r). ``dp_group=None`` or one rank: the core
-    selection on the local batch (same result type).
-    """
+    rewards, advantages (this rank's full groups) and group_ids [B_r]; B_r may differ, 0 included.
+    ``generator`` ("random") must be seeded alike on all ranks. Collectives: those of
+    :func:`gather_batch_groups`; then O(B_total log B_total) on every rank, memory
+    O(world x max_r B_r). ``dp_group=None`` or one rank: the core selection."""
     if not isinstance(rewards, torch.Tensor) or rewards.dim() != 1:
         raise ValueError(
             "rewards must be a 1-D tensor [B], got "

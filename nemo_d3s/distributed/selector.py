@@ -1,23 +1,11 @@
-"""The DP-global D3S selector: ``core.d3s.D3SSelector`` with both selections spanning ranks.
+"""The DP-global D3S selector: ``core.d3s.D3SSelector`` with both selections spanning the
+data-parallel ranks (``dp_group=None``: the core selector's result).
 
-The trainer uses this one class with one process or many (with ``dp_group=None`` every
-collective is the identity and the result is the core selector's).
-
-- ``select_samples``: every rank all-gathers the (reward, group) pairs of the data-parallel
-  batch (:func:`gather_batch_groups`) and runs the CORE selector on the whole batch, then
-  keeps its own rows. There is one body of selection code, so a run on any number of ranks
-  takes exactly the one-process selection (advantages on full groups, PODS's
-  re-normalisation with its own epsilon, the "random" rule's draws), and the stage's
-  metrics are those of the whole batch.
-- ``top_k`` for a scope that spans the batch keeps the top K% of the whole DP batch
-  (:func:`select_tokens_global`, ``global_exact`` by default; ``local`` and
-  ``gather_quantile`` for comparison with ms-swift / TRL). Per-row scopes need no collective.
-- token-stage metrics are summed over the DP group (one all-reduce of a few float64).
-
-Tensors go to ``device`` (the group's collective device: CPU for gloo, CUDA for NCCL) for
-the collectives and come back on the CPU. Run with the same config on every rank of
-``dp_group``; every call is collective.
-"""
+``select_samples`` all-gathers the batch's (reward, group) pairs and runs the core selector on the
+whole batch, so any number of ranks takes exactly the one-process selection and metrics; ``top_k``
+keeps the top K% of the whole DP batch for a batch-spanning scope (``global_exact`` by default;
+``local`` / ``gather_quantile`` as ms-swift / TRL); token metrics are summed over DP. Every call is
+collective: same config on every rank."""
 
 from __future__ import annotations
 
@@ -36,12 +24,9 @@ __all__ = ["DistributedD3SSelector"]
 
 
 class DistributedD3SSelector(D3SSelector):
-    """``D3SSelector`` over the data-parallel group ``dp_group`` (None = one process).
-
-    batch_scope: how a batch-spanning token scope is realised across ranks (a name in
-    ``DISTRIBUTED_TOKEN_SCOPES``: ``global_exact`` | ``local`` | ``gather_quantile``).
-    device: where collective tensors live; default: the group's collective device.
-    """
+    """``D3SSelector`` over ``dp_group`` (None: one process). batch_scope: a
+    ``DISTRIBUTED_TOKEN_SCOPES`` name; device: where collective tensors live (default: the group's
+    collective device)."""
 
     def __init__(
         self,
@@ -64,13 +49,9 @@ class DistributedD3SSelector(D3SSelector):
     def select_samples(
         self, rewards: torch.Tensor, group_ids: torch.Tensor, progress: float
     ) -> SampleStage:
-        """rewards [B_r] f32, group_ids [B_r] long (this rank's whole groups) -> SampleStage of
-        this rank's rows, with the whole batch's ``advantage_result`` and metrics.
-
-        Collectives on ``dp_group``: one all-gather of one int64 and one of [max_r B_r, 3]
-        float64. The core selection then runs on B_total rows on every rank (O(B_total log
-        B_total), microseconds at RL batch sizes).
-        """
+        """rewards [B_r] f32, group_ids [B_r] long (whole groups) -> SampleStage of this rank's rows
+        with the whole batch's advantages and metrics. Collectives on ``dp_group``: an all-gather of
+        one int64 and one of [max_r B_r, 3] float64."""
         if self.single:
             return super().select_samples(rewards, group_ids, progress)
         self.n_keep_at(progress)  # validate progress before any collective

@@ -1,45 +1,19 @@
-"""Token top-K% over data-parallel ranks: exact global threshold, and the two scopes peers use.
+"""Token top-K% over data-parallel ranks: the exact global threshold and the scopes peers use.
 
-The D3S token rule keeps the top K% of the |A| x H scores of the whole optimizer-step batch,
-which is spread over the DP ranks. Three scopes, selected by ``scope``:
+``global_exact``     exactly ceil(K x N_eligible_global) tokens, the set one process keeps
+                     on the concatenated batch (ties: rank, then row-major index); only
+                     counts travel (radix selection), never scores.
+``local``            top ceil(K x N_local) of this call's tokens, no collective (ms-swift).
+``gather_quantile``  all-gather every score, keep score >= quantile(1 - K) (TRL's
+                     ``get_high_entropy_mask``); the count is only about K x N.
 
-``global_exact``     Exactly ``k = ceil(K x N_eligible_global)`` tokens over all ranks, the
-                     same set a single process would keep on the concatenated batch (rank
-                     order, then row-major index). Only counts travel, never the scores:
-                     a radix selection on the float bits (below).
-``local``            Top ``ceil(K x N_eligible_local)`` of what this call is given, no
-                     collective: what ms-swift does (per rank and micro-batch). Keeps a
-                     different set than ``global_exact`` whenever the ranks' score
-                     distributions differ.
-``gather_quantile``  What TRL's ``get_high_entropy_mask`` does: all-gather every eligible
-                     score, threshold ``t = quantile(scores, 1 - K)`` (linear
-                     interpolation), keep ``score >= t``. The count is only approximately
-                     K x N (interpolation, ties), and it moves every score to every rank.
-                     ``torch.quantile`` refuses more than 2^24 elements; above that the
-                     same linearly interpolated quantile is computed from two ``kthvalue``
-                     order statistics (positions in float64), see :func:`quantile_linear`.
-
-Radix selection (``global_exact``)
-----------------------------------
-Scores are cast to float32 (-0.0 folded into +0.0) and mapped to uint32-valued int64 keys
-whose integer order is the float order: ``key = bits + 2^31`` for non-negative floats,
-``key = ~bits`` (the bitwise complement of the sign-extended int32) for negative ones.
-The k-th largest key is then found digit by digit, most significant first
-(``bits_per_round`` = 8: 4 rounds of 256 buckets; 16: 2 rounds of 65536): every rank
-histograms the digit of its still-matching eligible keys, one all-reduce SUM makes the
-histogram global, and every rank picks the same bucket holding the k-th largest. After the
-last round the threshold key T is exact. Everything strictly above T is kept; of the keys
-equal to T, the first ``k - #(> T)`` in global order (group rank, then flattened index)
-are kept, using an exclusive prefix over an all-gather of the per-rank tie counts. If a
-round's chosen bucket holds exactly the keys still needed, the selection stops early
-(no tie step). All ranks derive every decision from the same reduced counts, so a rank
-with no eligible token takes part in every collective and cannot hang the others.
-
-Collectives (global_exact): <= 32 / bits_per_round all-reduces of 2^bits_per_round + 1
-int64 (the extra slot reports a non-finite score anywhere, so every rank raises the same
-error), plus at most one all-gather of one int64. Memory: O(local eligible tokens) int64
-keys; no score leaves its rank.
-"""
+Radix selection: float32 scores map to order-preserving uint32 keys; the k-th largest key is found
+digit by digit (``bits_per_round`` 8 or 16), one all-reduce SUM of a bucket histogram per round;
+keys equal to the threshold are kept in global order via one all-gather of tie counts. Every rank
+derives each decision from the same reduced counts, so a rank with no eligible token still joins
+every collective. Collectives: <= 32 / bits_per_round all-reduces of 2^bits + 1 int64 (the extra
+slot flags a non-finite score on any rank), at most one all-gather of one int64. Memory
+O(local eligible) int64 keys."""
 
 from __future__ import annotations
 
@@ -77,9 +51,8 @@ TORCH_QUANTILE_MAX = 1 << 24
 
 @dataclass
 class GlobalTokenSelection:
-    """token_keep [B, S] bool (this rank's part); local counts n_eligible / n_kept; global
-    counts over the group (None for scope ``local``, which runs no collective);
-    threshold: the score threshold when the scope has one (``gather_quantile``)."""
+    """token_keep [B, S] bool (this rank's part); local and global counts (global None for
+    ``local``); threshold: the score threshold for ``gather_quantile``."""
 
     token_keep: torch.Tensor
     n_eligible: int
@@ -100,9 +73,8 @@ def _check_k(k) -> None:
 
 
 def float_order_keys(x: torch.Tensor) -> torch.Tensor:
-    """Order-preserving integer keys of float scores: x [...] float -> int64 [...] in
-    [0, 2^32), with ``a < b`` (as float32) iff ``key(a) < key(b)`` and -0.0 == +0.0.
-    NaN gets a key too (above +inf or below -inf by its sign bit); callers exclude it."""
+    """x [...] float -> int64 [...] in [0, 2^32) with a < b (as float32) iff key(a) < key(b); -0.0
+    == +0.0; NaN gets a key by its sign bit, callers exclude it."""
     # float32 is the dtype of token scores; + 0.0 turns -0.0 into +0.0 (IEEE round-to-nearest).
     bits = (x.to(torch.float32) + 0.0).view(torch.int32).to(torch.int64)
     return torch.where(bits >= 0, bits + (1 << 31), torch.bitwise_not(bits))
@@ -111,13 +83,9 @@ def float_order_keys(x: torch.Tensor) -> torch.Tensor:
 def _radix_select(
     keys: torch.Tensor, k_or_frac, group, bits_per_round: int, bad_input: bool
 ) -> Tuple[int, int, int, int, int]:
-    """Find the k-th largest of all ranks' ``keys`` (1-D int64, eligible only).
-
-    ``k_or_frac``: an int k, or ("frac", K) to resolve k = ceil(K x N_global) from the first
-    histogram. Returns (k, n_global, prefix, shift, remaining): the kept set is every key
-    whose bits above ``shift`` exceed ``prefix >> shift``, plus ``remaining`` keys whose
-    bits above ``shift`` equal it (the tie step; 0 when selection stopped early).
-    """
+    """The k-th largest of all ranks' eligible ``keys`` [n] int64; ``k_or_frac``: k, or ("frac", K)
+    resolved from the first histogram. Returns (k, n_global, prefix, shift, remaining): keep keys
+    above ``prefix`` at ``shift`` plus ``remaining`` equal ones."""
     n_buckets = 1 << bits_per_round
     device = keys.device
     cand = keys
@@ -194,15 +162,9 @@ def global_top_k_mask(
     *,
     bits_per_round: int = 8,
 ) -> torch.Tensor:
-    """Exactly ``min(k, total eligible)`` True over all ranks of ``group``, only where
-    eligible, highest score first, ties by (group rank, flattened index b x S + s).
-
-    scores [B, S] float (compared as float32; finite where eligible); eligible [B, S] bool;
-    k: the same int >= 0 on every rank -> bool [B, S] (this rank's part). B and S may differ
-    between ranks, and a rank may have no eligible token (it still joins every collective).
-    Collectives and memory: see the module docstring (radix selection, counts only).
-    ``group=None`` or one rank: :func:`nemo_d3s.core.token_selection.top_k_mask`.
-    """
+    """Exactly ``min(k, total eligible)`` tokens over all ranks of ``group``, highest score first,
+    ties by (rank, b x S + s): scores, eligible [B, S], the same k everywhere -> bool [B, S]. B and
+    S may differ between ranks. ``group=None`` or one rank: ``core.top_k_mask``."""
     # Non-finite scores are reported through the collective so every rank raises alike.
     check_scores(scores, eligible, finite=False)
     _check_k(k)
@@ -215,10 +177,9 @@ def global_top_k_mask(
 
 
 def quantile_linear(values: torch.Tensor, q: float) -> torch.Tensor:
-    """The q-quantile of a 1-D tensor with linear interpolation (``torch.quantile``'s
-    default), for any size: ``torch.quantile`` up to 2^24 elements (its limit), above that
-    two ``kthvalue`` order statistics (O(n) each, no full sort) at positions computed in
-    float64. Returns a 0-d tensor in ``values``' dtype."""
+    """The q-quantile of a 1-D tensor, linear interpolation (``torch.quantile``'s), for any size:
+    two ``kthvalue`` order statistics above ``torch.quantile``'s 2^24-element limit. Returns a 0-d
+    tensor in ``values``' dtype."""
     n = values.numel()
     if n <= TORCH_QUANTILE_MAX:
         return torch.quantile(values, q)
@@ -257,8 +218,7 @@ def _gather_quantile(scores, eligible, k_frac, group) -> GlobalTokenSelection:
 
 
 class DistributedTokenScope(Protocol):
-    """A DP-batch token scope: this rank's scores [B, S] and eligible [B, S] bool, K, the
-    DP group (collective over it) -> GlobalTokenSelection."""
+    """A DP-batch token scope: scores, eligible [B, S], K, DP group -> GlobalTokenSelection."""
 
     def __call__(
         self,
@@ -313,14 +273,9 @@ def select_tokens_global(
     scope: str = "global_exact",
     bits_per_round: int = 8,
 ) -> GlobalTokenSelection:
-    """Keep the top ``k_frac`` of the eligible tokens, with the pool defined by ``scope``
-    (``global_exact`` | ``local`` | ``gather_quantile``; see the module docstring).
-
-    scores [B, S] float, e.g. ``core.token_selection.token_scores``; eligible [B, S] bool;
-    k_frac in (0, 1], the same on every rank -> GlobalTokenSelection (token_keep [B, S]).
-    Every rank of ``group`` must call it with the same scope (``local`` runs no collective).
-    No eligible token anywhere gives an all-False mask (the caller skips the update).
-    """
+    """Keep the top ``k_frac`` of the eligible tokens in the pool ``scope`` defines: scores,
+    eligible [B, S], the same K on every rank -> GlobalTokenSelection. Every rank of ``group`` calls
+    it with the same scope. No eligible token anywhere: an all-False mask."""
     from nemo_d3s.core.checks import check_fraction
 
     # Non-finite scores are reported through the collective so every rank raises alike.

@@ -1,28 +1,11 @@
-"""Per-token entropy and target log-probability from vocab-sharded logits.
+"""Per-token entropy and target log-probability from vocab-sharded logits [B, S, V/TP].
 
-Tensor parallelism (Megatron's output ``ColumnParallelLinear``) leaves every TP rank with a
-contiguous slice of the vocabulary: logits ``[B, S, V_r]`` for global ids
-``[start_r, start_r + V_r)``, ranks in TP order, ``sum_r V_r = V_padded``. For one position
-with logits z (over the whole vocabulary) and target y::
-
-    M     = max_v z_v                                   all-reduce MAX
-    s     = sum_v exp(z_v - M)                          all-reduce SUM  \
-    t     = sum_v exp(z_v - M) (z_v - M)                all-reduce SUM   } one [3, N] SUM
-    u_y   = z_y - M   (only the owner of y adds it)     all-reduce SUM  /
-    log p(y) = u_y - log s
-    H        = log s - t / s        (= lse - E_p[z]; M cancels, so no large-offset cancellation)
-
-so the vocabulary is never gathered: the collectives carry O(N) floats, N = B x S.
-
-Gradient: d log p(y) / d z_v = 1[v = y] - softmax(z)_v. Each rank's slice of that needs only
-its own logits and the GLOBAL log-partition lse = M + log s, which is saved from the
-forward, so the backward runs no collective at all.
-
-Padded vocabularies (Megatron pads V to a multiple of ``make_vocab_size_divisible_by x TP``):
-pass ``vocab_size`` = the real V and the columns with global id >= V are left out of the
-softmax (their logits are whatever the padded weight rows produce) and get zero gradient.
-Shards may have different widths (uneven split, or a shard made only of padding).
-"""
+Each TP rank holds a contiguous vocabulary slice (TP order; widths may differ). With M the max logit
+(all-reduce MAX), s = sum exp(z - M), t = sum exp(z - M)(z - M) and the target's u_y = z_y - M (one
+all-reduce SUM of [3, N]): log p(y) = u_y - log s, H = log s - t / s. The vocabulary is never
+gathered; the backward (onehot(y) - softmax) needs only local logits and the saved global lse, so it
+runs no collective. Padded vocabularies: columns with id >= ``vocab_size`` are left out of the
+softmax and get zero gradient."""
 
 from __future__ import annotations
 
@@ -53,11 +36,8 @@ _SHIFT_FLOOR = -1.0e4
 def vocab_shard_range(
     local_width: int, tp_group: Optional[dist.ProcessGroup], device=None
 ) -> Tuple[int, int, int]:
-    """(start, width, total) of this rank's vocabulary slice, from every rank's width.
-
-    One all-gather of one int64 on ``tp_group``, on ``device`` (default: the group's
-    collective device, CUDA for NCCL). Works for uneven shards.
-    """
+    """(start, width, total) of this rank's vocabulary slice; one all-gather of one int64 on
+    ``tp_group``; uneven shards allowed."""
     widths = all_gather_counts(
         local_width, tp_group, collective_device(tp_group) if device is None else device
     )
@@ -66,8 +46,8 @@ def vocab_shard_range(
 
 
 class _VocabParallelEntropyLogProb(torch.autograd.Function):
-    """(logits [B, S, V_r], target_ids [B, S] long, group, start, n_valid, chunk) ->
-    (logprobs [B, S], entropy [B, S]); gradient to the local logits through logprobs only."""
+    """(logits [B, S, V_r], target_ids, group, start, n_valid, chunk) -> (logprobs, entropy) [B, S];
+    gradient through logprobs only."""
 
     @staticmethod
     def forward(ctx, logits, target_ids, tp_group, vocab_start, n_valid, chunk_size):
@@ -147,31 +127,18 @@ def vocab_parallel_entropy_and_logprobs(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Entropy of the full-vocabulary softmax and log-prob of ``target_ids``, per position,
-    from this TP rank's vocabulary shard.
+    """Full-vocabulary entropy and log-prob of ``target_ids`` per position, from this TP rank's
+    vocabulary shard.
 
-    logits [B, S, V/TP] (bf16, fp16, fp32 or fp64; any strides): this rank's contiguous
-    vocabulary slice, slices in TP-rank order (widths may differ between ranks);
-    target_ids [B, S] integer global vocabulary ids in [0, vocab_size), identical on all TP
-    ranks; vocab_size: the real vocabulary size when the sharded vocabulary is padded
-    (default: the sum of the shard widths, i.e. no padding).
-    -> (entropy [B, S] f32, never requires grad; logprobs [B, S] f32, differentiable w.r.t.
-    ``logits``; fp64 logits give fp64). Position s is scored from the logits at s (the
-    caller shifts, see ``core.entropy.align_to_tokens``). Identical results on every TP rank.
+    logits [B, S, V/TP] (any float dtype and strides); target_ids [B, S] global ids in
+    [0, vocab_size), the same on all TP ranks; vocab_size: the real V when padded -> (entropy [B, S]
+    f32 without grad, logprobs [B, S] f32 differentiable; fp64 in, fp64 out), identical on every TP
+    rank. Position s is scored from the logits at s (the caller shifts).
 
-    Collectives on ``tp_group`` (forward): one all-gather of one int64 (shard widths), one
-    all-reduce MAX of N floats, one all-reduce SUM of 3 x N floats (N = B x S), independent
-    of ``chunk_size``. Backward: none.
-
-    Memory: tokens are processed ``chunk_size`` at a time, so beyond the O(N) per-token
-    vectors the extra memory is a few ``chunk_size x V/TP`` fp32 buffers; the logits are
-    never copied whole nor gathered. Saved for backward: a reference to ``logits`` (do not
-    modify them in place before backward) and ``lse``/targets [N]. Backward allocates the
-    logits' gradient (same shape and dtype) plus the same chunk workspace.
-
-    ``tp_group=None`` or a group of one rank falls back to
-    :func:`nemo_d3s.core.entropy.entropy_and_logprobs` on ``logits[..., :vocab_size]``.
-    """
+    Collectives on ``tp_group``, forward only: one all-gather of one int64, one all-reduce MAX of N
+    floats, one all-reduce SUM of 3 x N floats (N = B x S). Memory: a few ``chunk_size x V/TP`` fp32
+    buffers; saves a reference to ``logits`` (do not modify it before backward). ``tp_group=None``
+    or one rank: ``core.entropy.entropy_and_logprobs``."""
     # An empty local shard is legal (padded or uneven vocab splits).
     check_logits_and_targets(logits, target_ids, chunk_size, vocab="V/TP", allow_empty_vocab=True)
     if vocab_size is not None and (

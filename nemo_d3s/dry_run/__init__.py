@@ -1,23 +1,10 @@
 """``trainer.dry_run=true``: prove a Megatron layout on a laptop before queueing for it.
 
-``python -m nemo_d3s.train experiment=llama3_70b trainer.dry_run=true`` (the recipe states its
-cluster shape; ``NNODES`` and ``GPUS_PER_NODE`` plan another) resolves the config, checks every
-divisibility rule of the layout, builds this model's stage for each distinct (TP, PP) position on
-the meta device (no memory, no weights: ``model.name`` may be a folder holding only
-``config.json``), and prints, per GPU, the memory the run will need against
-``trainer.gpu_memory_gb``, with a verdict and the largest term named. It writes
-``output_dir/dry_run.json`` and returns 0 (fits), 1 (does not fit) or raises
-:class:`~nemo_d3s.errors.ConfigError` (the layout cannot run at all: exit 2 from the CLI).
-Nothing is trained, no process group is created, no weight is read. The plan is for CUDA
-(``model.dtype=auto`` is bf16 there), wherever the dry run itself runs.
-
-The job's shape: ``NNODES`` x ``GPUS_PER_NODE`` (what ``slurm/train_megatron.sbatch`` exports),
-else ``SLURM_JOB_NUM_NODES`` x ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` x
-``trainer.gpus_per_node``, else 1 x 8.
-
-Parts: ``shape.py`` (the job's shape, the model folder, the checked layout), ``plan.py``
-(config -> layout -> per-GPU terms), ``memory.py`` (the memory model: what a GPU holds, as
-formulas), ``report.py`` (the cross-checks, the verdict, the report and its table).
+The config is resolved, every divisibility rule checked and each distinct (TP, PP) stage built
+on the meta device (``model.name`` may hold only ``config.json``); the per-GPU memory the run
+needs on CUDA is printed against ``trainer.gpu_memory_gb`` and written to
+``output_dir/dry_run.json``. Returns 0 (fits) or 1, or raises ConfigError (the layout cannot
+run). Nothing is trained, no process group is created, no weight is read.
 """
 
 from __future__ import annotations
@@ -65,9 +52,9 @@ __all__ = [
 
 
 def dry_run(cfg: Any) -> int:
-    """Run the dry run for a resolved config: print the table, write
-    ``output_dir/dry_run.json``; 0 when it fits, 1 when it does not (ConfigError when the
-    layout cannot run at all)."""
+    """Print the plan's table and write ``output_dir/dry_run.json``; 0 when it fits, 1 when not
+    (ConfigError when the layout cannot run at all).
+    """
     from nemo_d3s.trainer.rundir import check_output_dir
 
     out = check_output_dir(str(cfg.output_dir))

@@ -1,84 +1,31 @@
 """The dry run's memory model: what one GPU of a Megatron layout holds, as formulas of the
-model's shape and the step's workload (pure arithmetic: no torch, no config).
+model's shape and the step's workload (pure arithmetic). Bytes per GPU at (TP rank, PP stage);
+P = the position's parameters (padded vocabulary included), N = the model's, d = dtype bytes.
 
-Memory model, per GPU at (TP rank, PP stage), bytes (P = this position's parameters incl.
-vocabulary padding, d = bytes of the model dtype: 2 for bf16; DP = data-parallel size):
+- weights d P; grads 4 P (fp32 reduce); optimizer 12 P / DP (distributed optimizer: fp32 main
+  weights + 2 moments; 8 P / DP for fp32 weights). Plain AdamW: grads d P, optimizer 12 P.
+- activations: :func:`layer_activation_bytes` x the stage's L / PP layers x the micro-batches
+  1F1B keeps in flight (``min(PP - stage, micro-batches)``) x the interleaving factor; full
+  recompute keeps each layer's input [s, b, h] plus one layer's full set.
+- logits (last stage): :func:`logits_bytes`. reference: d P when ``algorithm.kl_coef > 0``.
+- hf_replica d N and hf_kv_cache (``rollout.engine=hf``, first GPU of each TP x PP group).
+- cuda_context ``CUDA_CONTEXT_BYTES``, nccl :func:`nccl_bytes`, fragmentation
+  ``FRAGMENTATION_SHARE`` of activations + logits (assumed figures: ``ASSUMPTIONS``).
+- on GPUs carrying a vLLM worker: vllm = ``gpu_memory_utilization`` x the physical GPU
+  (:func:`physical_gpu_bytes`) while generating, its KV cache what weights and profiled
+  activations leave; vllm_asleep = what level-2 sleep keeps (all with ``rollout.sleep=false``);
+  refit = staging buffer, gathered bucket and the engine's copy.
 
-- weights: d P. grads: 4 P (Megatron DDP reduces in fp32: ``grad_reduce_in_fp32=True``).
-- optimizer: Megatron's distributed optimizer shards fp32 main weights + Adam's two moments
-  over DP: 12 P / DP (8 P / DP for fp32 weights, which are their own main copy). Together
-  with the two lines above this is megatron-core's ``6 + 12/DP`` bytes per parameter.
-  With ``model.params.distributed_optimizer=false`` (plain AdamW over each rank's shards):
-  grads d P, not sharded over DP, and fp32 main weights + moments 12 P (8 P for fp32
-  weights; ``main_weights.MainWeightsAdamW``).
-- activations (flash attention, no dropout: what the backend builds), per layer and
-  micro-batch of b rows x s tokens (b s = ``trainer.micro_batch_tokens`` when set, or one
-  row of s when that is longer: ``sequence.tokens_per_micro_batch``), stored for the
-  backward:
-  ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (h hidden, a heads, g KV heads, d_h head
-  dim, F FFN width): two RMSNorm inputs and two normed linear inputs [s, b, h] replicated
-  over TP; per TP shard q, k, v [s, b, d_h (a + 2 g)], the attention output [s, b, d_h a],
-  the SwiGLU input [s, b, 2 F] and output [s, b, F]. This is Korthikanti et al. (2022,
-  Table 2, ``sbh (10 + 24/t)`` with selective recompute) re-derived for GQA + SwiGLU without
-  dropout masks (-2 sbh) and with the gated FFN's wider fc1 output. 1F1B keeps up to
-  ``min(PP - stage, micro-batches)`` micro-batches in flight, each holding the stage's
-  L / PP layers, so the first stage holds about L layers' worth. With
-  ``model.gradient_checkpointing=true`` (Megatron full recompute, one layer at a time) only
-  each layer's input ``2 s b h`` is kept, plus one layer's full set while it is recomputed.
-  With ``model.params.sequence_parallel=true`` (TP > 1) the replicated ``4 h`` term and the
-  recompute's kept inputs are split over TP (``backends/megatron/sequence_parallel.py``);
-  interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1) multiplies the in-flight
-  activations by ``1 + (PP - 1) / (PP VPP)`` (``sequence.interleaving_factor``).
-- context parallelism: when one row of s tokens per micro-batch with full recompute and
-  sequence parallelism still does not fit beside the resident state, the plan reports the
-  position (``context_parallel_needed``): only context parallelism would split it further,
-  which megatron-core runs only with Transformer Engine's attention (refused here).
-- logits (last stage): the [b, s, V_pad / TP] logits of one micro-batch in the model dtype,
-  kept for the backward, plus their gradient, plus GPTModel's batch-first copy (3 d bytes per
-  element), or the scoring pass's ``logprob_micro_batch_size`` rows and their copy (2 d bytes
-  per element), whichever is larger, plus the vocab-parallel kernel's fp32 chunk workspace
-  (3 buffers of ``entropy_chunk_size x V_pad / TP``).
-- reference: d P when ``algorithm.kl_coef > 0`` (a frozen copy of the stage).
-- hf_replica (``rollout.engine=hf`` only, on the first GPU of each TP x PP group): the HF
-  sampler's full copy of the model, d N; hf_kv_cache: its KV cache for the rows it
-  generates at once (all of its group's rollouts, or ``generation_batch_size``).
-- cuda_context: the trainer process's CUDA context and library workspaces,
-  ``CUDA_CONTEXT_BYTES`` (assumed; the same figure as a vLLM worker's context).
-- nccl: the buffers of each NCCL communicator the trainer rank uses (:func:`nccl_bytes`):
-  two receive buffers of ``NCCL_BUFFSIZE`` (NCCL's default, 4 MiB) per channel (ring and
-  tree), over ``NCCL_CHANNELS`` channels, per communicator: the world (barriers, small
-  sums), DP and Megatron's DP-with-CP group (the distributed optimizer's reduce-scatter),
-  TP, PP (1F1B's point-to-point) and the embedding group (PP > 1, tied embeddings) where
-  those have more than one rank. NVLink SHARP and user-buffer registration are not modelled.
-- fragmentation: what the caching allocator reserves and cannot reuse, a share
-  (``FRAGMENTATION_SHARE``, assumed) of the training step's transient allocations
-  (activations + logits), held in the training peak only (the trainer empties its cache
-  before an engine wakes). The self-check's ``gpu.peak_memory`` records the reserved and
-  allocated peaks on a GPU.
-- vllm (``rollout.engine=vllm``, colocated; ``backends/vllm/placement.py`` and
-  ``backends/vllm/memory.py``): one engine per TP x PP copy, started on the copy's first
-  rank, on that rank's GPU and the next vLLM-TP - 1 GPUs of its node (a layout where two
-  engines would share a GPU is an error). Only the positions whose GPU carries an engine
-  worker get these terms: vllm = ``gpu_memory_utilization`` x the GPU's PHYSICAL memory
-  (vLLM 0.33 ``v1/worker/utils.py:724-726``: ``total_memory x gpu_memory_utilization``, the
-  total from ``torch.accelerator.get_memory_info``, ``utils/mem_utils.py:143``; not
-  ``trainer.gpu_memory_gb``: :func:`physical_gpu_bytes`) while it generates (its weights
-  d N / vLLM-TP, its profiled activations and the KV cache); vllm_asleep = what it keeps
-  while the policy trains (level-2 sleep: CUDA context, TP communicator, CUDA graphs; all of
-  vllm when ``rollout.sleep=false``); refit = the trainer's staging buffer, the bucket's
-  gathered tensors and the next gather's TP shards, and the engine's copy of the bucket out
-  of the staging buffer (its receiver copies, so it never keeps a view into a buffer the
-  trainer refills), while the engine's weights are awake for a refit. KV budget per GPU =
-  utilization x physical GPU - vLLM weights - vLLM activations (``8192`` batched tokens
-  profiled); vLLM refuses to start when it cannot hold one ``max_model_len`` sequence.
+- nvls :func:`nvls_bytes`: NVLink SHARP's buffers per communicator with 2+ ranks on a node
+  (NCCL ``src/transport/nvls.cc`` ``ncclNvlsBufferSetup``), unless ``NCCL_NVLS_ENABLE=0``.
+- vllm also counts the context and TP communicator its worker makes before measuring the GPU
+  (``backends/vllm/memory.awake_engine_bytes``).
 
-Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context +
-nccl): training = resident + activations + logits + fragmentation + vllm_asleep;
-generation = resident + hf_kv_cache or vllm
-(every trainer rank on an engine's GPUs empties its CUDA cache before the engine wakes, so
-the last update's activations are not still reserved); refit = resident + vllm_asleep +
-refit + vLLM's weights. The verdict compares the largest with ``trainer.gpu_memory_gb``
-(decimal GB).
+Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context + nccl
++ nvls): training = resident + activations + logits + fragmentation + vllm_asleep;
+generation = resident + hf_kv_cache or vllm (the trainer empties its cache before an engine
+wakes); refit = resident + vllm_asleep + refit + vLLM weights. The largest is compared with
+``trainer.gpu_memory_gb`` (decimal GB).
 """
 
 from __future__ import annotations
@@ -96,6 +43,9 @@ __all__ = [
     "NCCL_BUFFSIZE",
     "NCCL_CHANNELS",
     "nccl_bytes",
+    "nvls_bytes",
+    "nccl_communicators",
+    "node_ranks_of_groups",
     "physical_gpu_bytes",
     "VLLM_PROFILE_TOKENS",
     "RESIDENT",
@@ -114,13 +64,24 @@ __all__ = [
 GB = 10**9
 # Which memory terms are held when: all the time, while the policy trains, while the engine
 # generates.
-RESIDENT = ("weights", "grads", "optimizer", "reference", "hf_replica", "cuda_context", "nccl")
+RESIDENT = (
+    "weights",
+    "grads",
+    "optimizer",
+    "reference",
+    "hf_replica",
+    "cuda_context",
+    "nccl",
+    "nvls",
+)
 TRAINING = ("activations", "logits", "fragmentation")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
 NCCL_CHANNELS = 32  # channels NCCL opens on an NVLink / NVSwitch node at most (assumed)
 FRAGMENTATION_SHARE = 0.10  # of the training step's transient allocations (assumed)
+NVLS_CHANNELS = 16  # NCCL_NVLS_NCHANNELS on an H100 / H200 NVSwitch node (assumed: its default)
+NVLS_BUFFER = 8 * 128 * 2**10  # NCCL_STEPS x NCCL_NVLS_CHUNKSIZE (128 KiB, NCCL's default)
 # What NVML reports (nvidia-smi) for GPUs sold by a round decimal size: the memory vLLM's
 # gpu_memory_utilization is a share of. thundergolfer.com/blog/nvidia-gpu-memory-capacity
 # (H100 80GB: 81,559 MiB = 85.52 GB; H200 141GB: 143,771 MiB; A100 40GB: 40,960 MiB; an
@@ -130,6 +91,8 @@ ASSUMPTIONS = {
     "cuda_context_bytes": CUDA_CONTEXT_BYTES,
     "nccl_buffsize_bytes": NCCL_BUFFSIZE,
     "nccl_channels": NCCL_CHANNELS,
+    "nvls_channels": NVLS_CHANNELS,
+    "nvls_buffer_bytes": NVLS_BUFFER,
     "fragmentation_share_of_training_transients": FRAGMENTATION_SHARE,
     "physical_mib_of_nominal_gb": {str(k): v for k, v in PHYSICAL_MIB.items()},
 }
@@ -168,27 +131,57 @@ class Workload:
 
 
 def physical_gpu_bytes(gpu_memory_gb: float) -> int:
-    """The GPU's physical memory for ``trainer.gpu_memory_gb``: NVML's total for the products
-    sold as that many GB (``PHYSICAL_MIB``), else the figure itself (decimal GB). CUDA's
-    total (what vLLM reads) can be a few hundred MiB below NVML's; the self-check records it."""
+    """The physical memory of a ``gpu_memory_gb`` GPU: NVML's total for products sold as that size
+    (``PHYSICAL_MIB``), else the figure (decimal GB). vLLM's share is of this total (vLLM 0.33
+    ``v1/worker/utils.py:724-726``, total from ``utils/mem_utils.py:143``), not the nominal size.
+    """
     mib = PHYSICAL_MIB.get(float(gpu_memory_gb))
     return mib * 2**20 if mib is not None else int(float(gpu_memory_gb) * GB)
 
 
 def nccl_communicators(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> Dict[str, int]:
-    """{group: 1} for each NCCL communicator a trainer rank uses (module docstring)."""
+    """{group: 1} for each NCCL communicator of more than one rank a trainer rank uses: world, DP,
+    DP-with-CP (the distributed optimizer's), TP, PP and the tied-embedding group.
+    """
     used = {"world": tp * pp * dp > 1, "dp": dp > 1, "dp_with_cp": dp > 1, "tp": tp > 1}
     used.update(pp=pp > 1, embedding=pp > 1 and tied_embeddings)
     return {k: 1 for k, v in used.items() if v}
 
 
 def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
-    """GPU memory of the trainer rank's NCCL communicators: per communicator and channel, two
-    receive buffers of ``NCCL_BUFFSIZE`` (the ring's and the tree's connection; a buffer
-    lives on the receiving rank), over ``NCCL_CHANNELS`` channels: 2 x 32 x 4 MiB = 256 MiB
-    per communicator."""
+    """GPU memory of the trainer rank's NCCL communicators: two receive buffers (ring, tree) of
+    ``NCCL_BUFFSIZE`` per channel over ``NCCL_CHANNELS`` channels: 256 MiB per communicator.
+    """
     n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
     return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
+
+
+def node_ranks_of_groups(
+    *, tp: int, pp: int, dp: int, dp_stride: int, pp_stride: int, gpus_per_node: int
+) -> Dict[str, int]:
+    """How many ranks of each of rank 0's communicators share its node (every node is laid
+    out alike): a group of n ranks ``stride`` apart has min(n, ceil(G / stride)) on a node
+    of G GPUs; the embedding group is the first and last stage."""
+    g = int(gpus_per_node)
+
+    def on_node(n: int, stride: int) -> int:
+        return min(n, -(-g // stride))
+
+    dp_local = on_node(dp, dp_stride)
+    return {
+        "world": min(tp * pp * dp, g),
+        "dp": dp_local,
+        "dp_with_cp": dp_local,
+        "tp": on_node(tp, 1),
+        "pp": on_node(pp, pp_stride),
+        "embedding": 2 if pp > 1 and (pp - 1) * pp_stride < g else 1,
+    }
+
+
+def nvls_bytes(node_ranks: Dict[str, int]) -> int:
+    """NVLink SHARP's buffers on one rank for the communicators ``{name: ranks on the
+    node}`` (module docstring); a group with one rank on the node uses none."""
+    return sum(NVLS_CHANNELS * 2 * NVLS_BUFFER * k for k in node_ranks.values() if k >= 2)
 
 
 def layer_activation_bytes(
@@ -204,8 +197,12 @@ def layer_activation_bytes(
     dtype_bytes: int = 2,
     sequence_parallel: bool = False,
 ) -> float:
-    """Bytes one transformer layer stores for the backward (module docstring); under
-    sequence parallelism the replicated ``4 h`` term is split over TP too."""
+    """Bytes one transformer layer stores for the backward (flash attention, no dropout):
+    ``s b d [4 h + (2 d_h (a + g) + 3 F) / TP]`` (a heads, g KV heads, d_h head dim, F FFN): norm
+    and linear inputs [s, b, h] replicated over TP (split under sequence parallelism), per TP shard
+    q, k, v, the attention output and the SwiGLU input and output. Korthikanti et al. 2022
+    (Table 2) re-derived for GQA + SwiGLU without dropout masks.
+    """
     per_token = (
         4 * h * replicated_share(tp, sequence_parallel)
         + (2 * head_dim * (heads + kv_heads) + 3 * ffn) / tp
@@ -247,11 +244,10 @@ def activation_bytes(spec, w: Workload, *, tp: int, pp: int, stage: int) -> Tupl
 
 
 def logits_bytes(padded_vocab: int, w: Workload, *, tp: int) -> Tuple[float, str]:
-    """(bytes, which pass) of the last stage's logits: training (logits + gradient) or
-    scoring (logits only), whichever is larger, each plus the copy GPTModel makes when it
-    returns them batch-first (``logits.transpose(0, 1).contiguous()``, megatron-core 0.16.1
-    ``models/gpt/gpt_model.py:712``: both layouts exist at once, and again for the gradient),
-    plus the kernel's chunk workspace."""
+    """(bytes, which pass) of the last stage's logits [b, s, V_pad / TP]: training (logits and
+    gradient) or scoring, the larger, each plus GPTModel's batch-first copy (megatron-core 0.16.1
+    ``models/gpt/gpt_model.py:712``: both layouts exist at once), plus the kernel's workspace.
+    """
     v = padded_vocab / tp
     train = 3 * w.dtype_bytes * w.train_tokens * v
     score = 2 * w.dtype_bytes * w.score_tokens * v
@@ -327,15 +323,11 @@ def megatron_lm_reference(
     sequence_parallel: bool = False,
 ) -> Dict[str, float]:
     """Megatron-LM's theoretical memory (``megatron/training/theoretical_memory_usage.py``,
-    distributed optimizer), restated here for comparison:
-    the most loaded shard (a stage's layers + one embedding, over TP; both embeddings when
-    untied at PP 1) at ``6 + 12/DP`` bytes per parameter, and the first stage's activations
-    ``s b h (10 + 24/t)`` per layer (``34 s b h / t`` with sequence parallelism) for all L
-    layers (1F1B's PP micro-batches of L/PP layers)
-    scaled by ``min(1, micro-batches / PP)``, plus the embedding's input and output for PP
-    micro-batches, plus (PP 1 only) the logits and final norm output in 2 bytes, all x 1.05.
-    It ignores q/k/v biases, GQA and the SwiGLU width in the activations (its own TODO) and
-    does not model full recompute."""
+    distributed optimizer) for comparison: the most loaded shard at ``6 + 12/DP`` bytes per
+    parameter and the first stage's activations ``s b h (10 + 24/t)`` per layer (``34 s b h / t``
+    with SP), scaled and padded as that file does. It ignores q/k/v biases, GQA, the SwiGLU
+    width and full recompute.
+    """
     h, F, L = spec.hidden_size, spec.ffn_hidden_size, spec.num_layers
     q_size = spec.head_dim * spec.num_heads
     attn = 2 * h * h * (1 + spec.kv_heads / spec.num_heads) * (q_size / h)

@@ -1,28 +1,15 @@
-"""The dry run's plan: the run config -> the layout it asks for -> what each GPU holds
-(``memory.py``) -> a verdict, as a JSON-able dict (``report.render`` prints it).
-
-The backend's own config translation and option check decide what the layout is
-(``trainer.build.checked_backend_config``: the same path ``MegatronBackend`` is built
-through), so an option the backend refuses is refused here too. Then, in order:
-:func:`_setup` (the layout and its divisibility rules), :func:`_workload` (what a step asks
-of a GPU), :func:`_vllm` (the colocated engines), :func:`_position` (the memory terms of one
-(TP, PP) position), and ``report.report``: the table against megatron-core's own build
-(``_cross_checks``) and the verdict (``_verdict``: fits or not, and why).
-
-Cross-checks (recorded in the JSON): the parameters of every (TP, PP) position come from
-the weight table (``formats.weights.local_shape``); each distinct position is also BUILT with
-megatron-core on the meta device (``backends/megatron/param_counts.py``: a fake process
-group of the job's world size, so Megatron's parallel state is that of the position) and its
-parameter count compared;
-the positions' real (unpadded, tied embedding once, TP-replicated norms once) parameters
-sum to the HF model's count; and megatron-core's theoretical memory formula (Megatron-LM
-``theoretical_memory_usage``: ``6 + 12/DP`` bytes per parameter on the most loaded shard,
-``s b h (10 + 24/t)`` activation bytes per layer) is reported beside this model.
+"""The dry run's plan: the run config -> the layout (through
+``trainer.build.checked_backend_config``, so the backend's refusals apply) -> each GPU's memory
+terms (``memory.py``) -> a verdict, as a JSON-able dict. Cross-checks: each position's
+parameters from the weight table against megatron-core's meta-device build
+(``backends/megatron/param_counts.py``), their sum against the HF model's, and Megatron-LM's
+theoretical memory reported beside the model.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from nemo_d3s.core.checks import is_real
@@ -37,6 +24,7 @@ from nemo_d3s.backends.megatron.parallel import (
     rank_order,
 )
 from nemo_d3s.backends.vllm.memory import (
+    awake_engine_bytes,
     engine_plan,
     engine_positions,
     generation_idle,
@@ -56,6 +44,9 @@ from nemo_d3s.dry_run.memory import (
     logits_bytes,
     minimal_training_bytes,
     nccl_bytes,
+    nccl_communicators,
+    node_ranks_of_groups,
+    nvls_bytes,
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
@@ -115,6 +106,7 @@ def _setup(cfg: Any, shape: JobShape) -> Setup:
         vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
         engine=str(cfg.rollout.engine),
         vllm_tp=int(cfg.rollout.tensor_parallel_size),
+        nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
     )
 
 
@@ -182,9 +174,9 @@ def _workload(s: Setup) -> Workload:
 def _vllm_placement(
     shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str
 ) -> Dict[str, Any]:
-    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``: one
-    engine per TP x PP copy on its first rank, that rank's GPU and the next vLLM-TP - 1 of
-    its node); ConfigError when two engines would share a GPU or one runs past its node."""
+    """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``); ConfigError
+    when two engines would share a GPU or one runs past its node.
+    """
     try:
         return engine_plan(
             first_ranks_of_model_copies(tp, pp, dp, order),
@@ -247,9 +239,11 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
     }
     graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
     largest = v_dtype * spec.hidden_size * max(spec.vocab_size, spec.ffn_hidden_size)
+    nvls = nvls_bytes({"tp": vllm_tp}) if s.nvls else 0  # the engine's TP group, one node
     terms.update(
         cuda_graphs=graphs,
-        asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs),
+        awake_bytes=awake_engine_bytes(gmu * gpu, vllm_tp, nvls_bytes=nvls),
+        asleep_bytes=sleeping_engine_bytes(vllm_tp, cuda_graphs=graphs, nvls_bytes=nvls),
         refit_bytes=refit_bytes(
             engine_weight_bytes=weights,
             tp=s.tp,
@@ -335,15 +329,26 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     on_engine_gpu = s.engine == "vllm" and [t, p] in vllm_terms["engine_positions"]
     if on_engine_gpu:  # this GPU carries an engine worker (backends/vllm/memory.py)
         rb = vllm_terms["refit_bytes"]
-        terms["vllm"] = vllm_terms["reserved_bytes"]
-        terms["vllm_asleep"] = (
-            vllm_terms["asleep_bytes"] if vllm_terms["sleep"] else vllm_terms["reserved_bytes"]
-        )
+        terms["vllm"] = vllm_terms["awake_bytes"]
+        terms["vllm_asleep"] = vllm_terms["asleep_bytes" if vllm_terms["sleep"] else "awake_bytes"]
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
     terms["nccl"] = nccl_bytes(
         tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
     )
+    if s.nvls:
+        used = nccl_communicators(
+            tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+        )
+        node = node_ranks_of_groups(
+            tp=s.tp,
+            pp=s.pp,
+            dp=s.dp,
+            dp_stride=s.tp if s.order == DEFAULT_ORDER else s.tp * s.pp,
+            pp_stride=s.tp * s.dp if s.order == DEFAULT_ORDER else s.tp,
+            gpus_per_node=s.shape.gpus_per_node,
+        )
+        terms["nvls"] = nvls_bytes({k: v for k, v in node.items() if k in used})
     terms["fragmentation"] = FRAGMENTATION_SHARE * (act + terms.get("logits", 0.0))
     resident = sum(v for k, v in terms.items() if k in RESIDENT)
     # the trainer empties its CUDA cache before the engine wakes: generation sees the resident state
@@ -358,7 +363,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         else 0.0
     )
     peak = max(train_peak, gen_peak, refit_peak)
-    counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl")}
+    counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl", "nvls")}
     cp_need = context_parallel_need(
         resident,
         minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),

@@ -1,8 +1,7 @@
-"""The dry run's report: :func:`report` assembles it from the plan's parts (a JSON-able
-dict: the model, the layout, every (TP, PP) position's terms, the cross-checks against
-megatron-core's own build and Megatron-LM's formula, the verdict) and :func:`render` prints
-it as text: one row per pipeline stage and set of TP ranks with equal numbers (GB = 1e9
-bytes), the vLLM engines, the cross-checks and the verdict."""
+"""The dry run's report: :func:`report` assembles the plan's parts, cross-checks and verdict into
+a JSON-able dict; :func:`render` prints it (one row per stage and set of equal TP ranks, GB =
+1e9 bytes).
+"""
 
 from __future__ import annotations
 
@@ -197,6 +196,7 @@ _COLUMNS = (
     "hf_kv_cache",
     "cuda_context",
     "nccl",
+    "nvls",
     "fragmentation",
     "vllm",
     "vllm_asleep",

@@ -1,23 +1,7 @@
-"""The dry run's sequence-length terms: how many tokens one micro-batch feeds, how sequence
-parallelism splits the stored activations, and when a layout would need context
-parallelism (which this project cannot run).
-
-- :func:`tokens_per_micro_batch`: ``micro_batch x seq_len`` with fixed micro-batches; with
-  a token budget (``trainer.micro_batch_tokens``) at most the budget, or one row of
-  ``seq_len`` when a single row is longer (``core.micro_batches``).
-- :func:`micro_batches_per_step`: the upper bound on micro-batches per DP rank and optimizer
-  step (every row at ``seq_len``), which caps 1F1B's micro-batches in flight.
-- :func:`interleaving_factor`: the first stage's extra in-flight activations under
-  interleaved 1F1B (``virtual_pipeline_model_parallel_size`` > 1).
-- :func:`replicated_share`: the share of the per-token activations that TP leaves
-  replicated (norm inputs, the residual stream) which each rank keeps: 1, or 1 / TP under
-  sequence parallelism (Korthikanti et al. 2022, Table 2: ``sbh (10 + 24/t)`` becomes
-  ``34 sbh / t``; here the ``4 h`` replicated term becomes ``4 h / t``).
-- :func:`context_parallel_need`: whether the smallest training footprint the backend can
-  run (one row of ``seq_len`` tokens per micro-batch, full recompute, sequence parallelism
-  at TP > 1) still exceeds a GPU: then only context parallelism (splitting the sequence
-  across GPUs for the attention too) would fit it, and megatron-core runs that only through
-  Transformer Engine's attention (``CONTEXT_PARALLEL_REFUSAL``).
+"""The dry run's sequence-length terms: tokens per micro-batch, micro-batches per step (which
+cap 1F1B's in-flight count), interleaved 1F1B's extra activations, sequence parallelism's
+share of the replicated activations, and when only context parallelism (which megatron-core
+runs only with Transformer Engine's attention) would make a layout fit.
 """
 
 from __future__ import annotations
@@ -54,10 +38,9 @@ def micro_batches_per_step(
 
 
 def interleaving_factor(pp: int, vpp: int) -> float:
-    """How much more activation memory the first stage holds under interleaved 1F1B than
-    under 1F1B: ``1 + (PP - 1) / (PP VPP)`` (Megatron-LM's ``theoretical_memory_usage``,
-    the interleaved schedule's memory penalty; Narayanan et al. 2021, sec. 2.2); 1 without
-    a virtual pipeline."""
+    """First-stage activation memory of interleaved 1F1B relative to 1F1B: ``1 + (PP - 1) / (PP
+    VPP)`` (Megatron-LM's ``theoretical_memory_usage``; Narayanan et al. 2021, sec. 2.2).
+    """
     return 1.0 + (pp - 1) / (pp * vpp) if vpp > 1 and pp > 1 else 1.0
 
 

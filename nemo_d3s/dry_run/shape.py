@@ -1,6 +1,6 @@
-"""What the dry run plans for: the job's shape (nodes x GPUs per node, from the environment,
-Slurm or the recipe), the model folder, and :class:`Setup`, the checked layout that
-``plan.py`` builds and ``report.py`` reports."""
+"""What the dry run plans for: the job's shape, the model folder, and :class:`Setup`, the
+checked layout ``plan.py`` builds.
+"""
 
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def job_shape(
     nodes: Optional[int] = None,
     gpus_per_node: Optional[int] = None,
 ) -> JobShape:
-    """Nodes x GPUs per node: ``NNODES`` / ``GPUS_PER_NODE``, else Slurm's
-    ``SLURM_JOB_NUM_NODES`` / ``SLURM_GPUS_ON_NODE``, else the recipe's ``trainer.nodes`` /
-    ``trainer.gpus_per_node`` (passed as ``nodes`` / ``gpus_per_node``), else 1 x 8."""
+    """Nodes x GPUs per node: ``NNODES`` / ``GPUS_PER_NODE``, else ``SLURM_JOB_NUM_NODES`` /
+    ``SLURM_GPUS_ON_NODE``, else ``nodes`` / ``gpus_per_node`` (the recipe's), else 1 x 8.
+    """
     env = os.environ if env is None else env
 
     def pick(*names: str, default: int) -> Tuple[int, str]:
@@ -67,10 +67,9 @@ def job_shape(
 
 
 def model_folder(name: str) -> Path:
-    """``model.name`` as a folder: as given (relative to the working directory), else
-    relative to the folder holding the ``nemo_d3s`` package (the recipes' shipped
-    ``nemo_d3s/recipes/<name>`` from any working directory), else the backend's own
-    resolution (the embedded short names)."""
+    """``model.name`` as a folder: as given, else relative to the folder holding ``nemo_d3s`` (the
+    shipped ``nemo_d3s/recipes/<name>``), else the backend's own resolution (short names).
+    """
     p = Path(name).expanduser()
     if p.is_dir():
         return p.resolve()
@@ -99,3 +98,4 @@ class Setup:
     vocab: int  # the padded vocabulary
     engine: str  # rollout.engine
     vllm_tp: int
+    nvls: bool = True  # NCCL uses NVLink SHARP (NCCL_NVLS_ENABLE is not 0)

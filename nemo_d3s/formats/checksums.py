@@ -1,24 +1,7 @@
-"""``checksums.json``: its one check, shared across the ranks present.
-
-Training checkpoints (``trainer/checkpoint.py``), converted Megatron checkpoints
-(``nemo-d3s-convert hf-to-megatron``) and NeMo 2 checkpoints written by
-``nemo-d3s-convert megatron-to-nemo`` carry ``checksums.json`` (size + SHA-256 of every
-file, ``files.write_checksums``; a training checkpoint's ranks each hash the files they
-wrote, right after writing them, and rank 0 merges the digests). The converter's commands
-and the Megatron backend check it here. A folder without one: :func:`missing_checksums`,
-the one policy everywhere (the trainer calls such a checkpoint of its own unusable too):
-refused when the folder is of a kind this project always writes with checksums (a Megatron
-shard checkpoint, a training checkpoint; the file was deleted or lost in a copy), read with
-a warning when it is a NeMo 2 folder (NeMo writes none); the documented switches
-``--no-verify-checksums`` and ``model.params.verify_checksums=false`` skip the check.
-
-One routine, one policy (:func:`verify_checksums`): the listed files are split into
-``world`` shares of about equal bytes (:func:`checksum_shares`, the same split on every
-rank), each rank reads its share only (about 1 GB/s per core: a 70B checkpoint with its
-optimizer state is ~1 TB, so its 64 ranks read ~16 GB each instead of one rank reading it
-all while the others wait), and the ranks' findings are all-gathered (``gather``, from
-``distributed.agree.all_gather_texts``), so every rank returns the same first problem (in
-rank order) and raises the same error. One process is the one-rank case. No pickle.
+"""``checksums.json`` (size + SHA-256 of every file): its one check, shared across the ranks.
+:func:`verify_checksums` splits the files into ``world`` shares of about equal bytes, each
+rank hashes its own, the findings are all-gathered, so every rank returns the same first
+problem. :func:`missing_checksums` is the one policy for a folder without the file.
 """
 
 from __future__ import annotations
@@ -71,10 +54,9 @@ def checksum_entries(folder: str | Path) -> Tuple[List[Entry], Optional[str]]:
 
 
 def checksum_shares(entries: List[Entry], world: int) -> List[List[Entry]]:
-    """``entries`` split into ``world`` shares of about equal bytes: largest file first, each
-    to the share with the fewest bytes so far (ties: the lower rank). A pure function of the
-    entries, so every rank computes the same split. The largest share is at most the fair
-    share plus one file."""
+    """``entries`` in ``world`` shares of about equal bytes (largest file first to the lightest
+    share, ties to the lower rank): the same split on every rank, max <= fair share + one file.
+    """
     shares: List[List[Entry]] = [[] for _ in range(world)]
     load = [0] * world
     for e in sorted(entries, key=lambda e: (-e[1], e[0])):
@@ -108,11 +90,10 @@ def verify_checksums(
     gather: Optional[Gather] = None,
     found: Optional[str] = None,
 ) -> Optional[str]:
-    """None when every file ``folder/checksums.json`` lists exists with its size and
-    SHA-256; else the first problem, in a few words naming the file, the same on every rank.
-    Collective over the ``world`` ranks ``gather`` reaches (None: one process): this rank
-    reads share ``rank`` of :func:`checksum_shares` only. ``found``: a problem this rank
-    already found (nothing is read then; the ranks still agree)."""
+    """None when every file ``folder/checksums.json`` lists matches its size and SHA-256, else the
+    first problem (naming the file), the same on every rank. Collective over ``gather`` (None: one
+    process); this rank reads share ``rank`` only. ``found``: a problem already found (no reads).
+    """
     if found is None:
         entries, found = checksum_entries(folder)
         if found is None:
@@ -139,10 +120,9 @@ def check_checksums(
     world: int = 1,
     gather: Optional[Gather] = None,
 ) -> None:
-    """ConfigError naming ``folder`` and its first bad file when a file does not match
-    ``folder/checksums.json`` (missing, truncated, a flipped bit), raised on every rank
-    (:func:`verify_checksums`); ``skip_hint`` says how to skip the check (the caller's
-    option). Without the file: :func:`missing_checksums`."""
+    """ConfigError on every rank naming ``folder`` and its first bad file; ``skip_hint`` says how to
+    skip the check. Without the file: :func:`missing_checksums`.
+    """
     if not verify:
         return
     if not has_checksums(folder):
@@ -154,11 +134,10 @@ def check_checksums(
 
 
 def missing_checksums(folder: str | Path, skip_hint: str) -> None:
-    """The one policy for a checkpoint folder without ``checksums.json`` (issue 32: the
-    converter and the Megatron backend used such a folder without a word while the
-    trainer called it unusable). A kind this project always writes with one (a Megatron
-    shard checkpoint ``megatron/layout.json``, a training checkpoint): ConfigError naming
-    the folder and ``skip_hint``. Another (a NeMo 2 folder NeMo wrote): a warning."""
+    """A folder without ``checksums.json``: ConfigError naming it and ``skip_hint`` when this
+    project always writes one there (``megatron/layout.json``, a training checkpoint); else
+    (NeMo 2) a warning.
+    """
     folder = Path(folder)
     ours = (folder / SHARDS_SUBDIR / LAYOUT_FILE).is_file() or (
         folder / "trainer_state.json"

@@ -1,12 +1,6 @@
-"""torch DCP's index of a megatron-core ``dist_checkpointing`` (torch_dist) folder, read
-without running pickled code: ``.metadata`` (a pickle) through an unpickler that builds only
-the DCP / megatron metadata classes, torch.Size and dtypes (:class:`_MetadataUnpickler`;
-anything else is refused); the global shape, dtype and byte ranges of every tensor chunk and
-every byte item (a megatron-core ShardedObject) in ``__*.distcp`` (:class:`DcpIndex`).
-
-Shared by the NeMo 2 reader (``nemo2.py``) and the Megatron-LM / Megatron-Bridge readers
-(``mcore_dist.py`` for the weights, ``mcore_config.py`` for megatron-core 0.19's common
-state); it imports no other ``formats`` module, so both can use it.
+"""torch DCP's index of a torch_dist folder, read without running pickled code: ``.metadata``
+through a restricted unpickler, then each tensor chunk's and byte item's shape, dtype and
+byte range in ``__*.distcp`` (:class:`DcpIndex`). Imports no other ``formats`` module.
 """
 
 from __future__ import annotations
@@ -28,12 +22,10 @@ __all__ = ["DcpIndex"]
 
 # ============================================================================ weights/.metadata
 class _TensorProperties(Record):
-    """DCP pickles TensorProperties as a tuple (``__getstate__``) of 5 items, (dtype, layout,
-    requires_grad, memory_format, pin_memory), up to torch 2.14 (torch 2.13:
-    torch/distributed/checkpoint/metadata.py:57-75), and of 6 from torch 2.15, which appends
-    ``strides`` (a tuple of ints or None; torch 2.15 metadata.py:57 and :59-78; its own
-    ``__setstate__``, :80-101, reads both). Both are read: the dtype is what the reader needs
-    (the chunks are ``torch.save``'d tensors with their own strides)."""
+    """DCP pickles TensorProperties as a 5-tuple up to torch 2.14 (torch 2.13:
+    torch/distributed/checkpoint/metadata.py:57-75) and a 6-tuple with ``strides`` from torch 2.15
+    (metadata.py:57, :59-78, :80-101); both are read, only the dtype is used.
+    """
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, tuple) and len(state) in (5, 6):
@@ -50,9 +42,9 @@ class _TensorProperties(Record):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP ``.metadata`` without running pickled code: torch.Size, dtypes, layouts and the
-    DCP / megatron metadata dataclasses (rebuilt as :class:`Record`); anything else is
-    refused."""
+    """DCP ``.metadata`` building only torch.Size, dtypes, layouts and the DCP / megatron metadata
+    dataclasses (as :class:`Record`); anything else is refused.
+    """
 
     _RECORDS = {
         "torch.distributed.checkpoint.metadata": {

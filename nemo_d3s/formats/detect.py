@@ -1,21 +1,8 @@
-"""The one answer to "what is in this folder?": a Hugging Face model, a Megatron sharded
-checkpoint (a training ``step_XXXXXX`` folder or a converted one), a NeMo 2 checkpoint or a
-Megatron-LM / Megatron-Bridge / NeMo-RL checkpoint (megatron-core ``dist_checkpointing``).
-
-The Megatron backend, the converter and the dry run ask :func:`detect_format`; none of them
-looks for marker files itself. The markers (files only, nothing is opened):
-
-- NeMo 2: ``weights/metadata.json`` and a ``context/`` folder (``nemo2.py``).
-- Megatron: ``megatron/layout.json`` (``shards.py``), or the ``megatron/`` folder itself.
-- Megatron-LM / Megatron-Bridge: ``latest_checkpointed_iteration.txt`` (a save folder), or
-  ``metadata.json`` + ``.metadata`` (one ``iter_XXXXXXX/``; megatron-core <= 0.18 adds
-  ``common.pt``, 0.19 writes none: ``mcore_config.common_state``): ``mcore_config.py`` finds
-  the checkpoint a save folder's tracker names.
-- Hugging Face: ``config.json`` with ``model.safetensors`` or ``model.safetensors.index.json``.
-
-A folder holding only ``config.json`` (what the dry run plans from) is none of these: its
-:class:`~nemo_d3s.formats.spec.ModelSpec` is still read from ``config.json``
-(``ModelSpec.from_folder``).
+"""The one answer to "what is in this folder?" (markers only, nothing opened): NeMo 2
+(``weights/metadata.json`` + ``context/``), Megatron (``megatron/layout.json``), Megatron-LM /
+Megatron-Bridge (``latest_checkpointed_iteration.txt``, or ``metadata.json`` + ``.metadata``)
+or Hugging Face (``config.json`` + ``model.safetensors[.index.json]``). A folder with only
+``config.json`` is none of these (``ModelSpec.from_folder`` still reads it).
 """
 
 from __future__ import annotations
@@ -45,10 +32,9 @@ LAYOUT_FILE = "layout.json"
 
 @dataclass(frozen=True)
 class FolderFormat:
-    """``kind``: HF, MEGATRON, NEMO2 or MEGATRON_LM, or None (none of them). ``folder``: the
-    checkpoint folder (the parent when ``megatron/`` itself was given; MEGATRON_LM: the folder
-    given, a save folder or one iteration's); ``shards``: its ``megatron/`` folder (MEGATRON
-    only)."""
+    """``kind``: HF, MEGATRON, NEMO2, MEGATRON_LM or None. ``folder``: the checkpoint folder (the
+    parent when ``megatron/`` was given); ``shards``: its ``megatron/`` folder (MEGATRON only).
+    """
 
     kind: Optional[str]
     folder: Path

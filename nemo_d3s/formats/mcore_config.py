@@ -1,31 +1,11 @@
-"""What a Megatron-LM / Megatron-Bridge / NeMo-RL checkpoint says about its model: the
-checkpoint folder megatron-core's ``dist_checkpointing`` (torch_dist) wrote, found from the
-save folder's tracker, and the model's HF ``config.json`` dict. The weights are read by
-``mcore_dist.py`` (``nemo2.Nemo2Reader`` with the model's own keys).
-
-A save folder::
-
-    SAVE/latest_checkpointed_iteration.txt   "N" (iteration) or "release"
-    SAVE/iter_000000N/  (SAVE/release/)      one checkpoint:
-        metadata.json                        {"sharded_backend": "torch_dist", ...}
-        .metadata, __R_I.distcp              torch DCP: the sharded tensors (model, optimizer)
-        common.pt                            torch.save of the rest: Megatron-LM's ``args``
-                                             (megatron-core 0.19: a DCP byte item instead,
-                                             :func:`common_state`)
-        run_config.yaml                      Megatron-Bridge: the run's ConfigContainer
-        tokenizer/                           Megatron-Bridge (save_tokenizer_assets)
-
-Where the architecture comes from (:func:`checkpoint_hf_config`), in this order, and the
-answer says which: ``--hf-config DIR`` when given (its config.json; checked against the
-checkpoint's own description where there is one); Megatron-Bridge's ``run_config.yaml``
-``model:`` section (the model provider: megatron-core ``TransformerConfig`` fields plus
-``vocab_size`` (unpadded), ``seq_length``, ``share_embeddings_and_output_weights``,
-``rotary_base``), read with ``yaml.safe_load``; Megatron-LM's ``args`` in the common state
-(:func:`common_state`), read by ``pickle_records.read_common_pt`` (no pickled code runs).
-Both map through ``nemo2_context.hf_config_from_transformer_config``; Megatron names no
-model family, so ``qk_layernorm`` means Qwen3, ``add_qkv_bias`` Qwen2, else Llama.
-Megatron-LM keeps the real vocabulary size only when run with ``--vocab-size``; otherwise
-``--hf-config`` is needed (the error says so).
+"""What a Megatron-LM / Megatron-Bridge / NeMo-RL save folder says about its model: the
+checkpoint its tracker (``latest_checkpointed_iteration.txt``) names (``iter_000000N/`` or
+``release/``: ``metadata.json``, torch DCP files, ``common.pt`` up to megatron-core 0.18 or a
+DCP byte item from 0.19) and the model's HF config dict. The architecture comes from
+``--hf-config`` when given, else Megatron-Bridge's ``run_config.yaml`` ``model:``, else
+Megatron-LM's ``args`` in the common state (no pickled code runs), mapped by
+``nemo2_context.hf_config_from_transformer_config``; without ``--vocab-size`` in the args,
+``--hf-config`` is needed.
 """
 
 from __future__ import annotations
@@ -137,9 +117,9 @@ COMMON_STATE = "common_state/shard_0_1"
 
 
 def common_state(folder: Path) -> Tuple[Dict[str, Any], str]:
-    """(the non-sharded state dict of the checkpoint folder ``folder``, where it was read:
-    ``'<folder>/common.pt'`` or ``'<folder>/.metadata' common_state``), per the two layouts
-    above. ConfigError naming the file when neither holds a readable dict."""
+    """(the checkpoint folder's non-sharded state dict, where it was read: ``common.pt`` or the
+    ``.metadata`` byte item); ConfigError naming the file when neither holds a readable dict.
+    """
     if (folder / COMMON_PT).is_file():
         where = f"{str(folder / COMMON_PT)!r}"
         data = read_common_pt(folder / COMMON_PT)
@@ -186,9 +166,9 @@ def _from_args(args: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def checkpoint_hf_config(folder: Path) -> Tuple[Dict[str, Any], str]:
-    """(HF config dict, where it came from) for the checkpoint folder ``folder``
-    (:func:`resolve_iteration`'s answer): Megatron-Bridge's run_config.yaml, else
-    Megatron-LM's args (module docstring)."""
+    """(HF config dict, its source) for the checkpoint folder ``folder``: Megatron-Bridge's
+    run_config.yaml, else Megatron-LM's args.
+    """
     run_config = folder / RUN_CONFIG
     if run_config.is_file():
         model = _yaml_model_section(run_config)

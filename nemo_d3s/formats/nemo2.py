@@ -1,33 +1,10 @@
-"""NeMo 2 checkpoints: ``DIR/weights/`` (a megatron-core ``dist_checkpointing`` checkpoint in
-the ``torch_dist`` format) + ``DIR/context/`` (``model.yaml``: the model config as NeMo's
-fiddle YAML; ``nemo_tokenizer/``: the HF tokenizer files; ``artifacts/``: the generation
-config). What NeMo users have after SFT (``llm.import_ckpt`` writes the same layout).
-
-The Megatron backend starts training from such a folder (``model.name=<NeMo 2 folder>``:
-:func:`open_nemo2_weights` for the weights, :func:`write_side_folder` for config and
-tokenizer); ``nemo-d3s-convert`` reads and writes them.
-
-Reading needs neither NeMo nor megatron-core, and runs no pickle from the checkpoint:
-
-- ``context/model.yaml`` is read with ``yaml.safe_load`` and mapped to an HF config dict
-  (``nemo2_context.hf_config_from_nemo``; Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2).
-- ``weights/.metadata`` (torch DCP's index, a pickle) is read with an unpickler that builds
-  only the DCP/megatron metadata classes, torch.Size and dtypes (``dcp_index._MetadataUnpickler``);
-  anything else is refused. Tensors are ``torch.load(weights_only=True)`` of their byte
-  ranges in ``__*.distcp``, as torch's own reader does; ``common.pt`` is never read.
-- The tensors are the global (TP1) Megatron tensors under NeMo's names
-  (``module.decoder.layers.self_attention.linear_qkv.weight`` ...), every per-layer tensor
-  stacked on a leading layer axis and stored one chunk per layer (per TP shard). They go
-  through the weight table as a TP1 x PP1 transformer-engine layout, so
-  :class:`Nemo2Reader` is a ``shards.ShardedReader`` whose shard tensors come from the
-  DCP chunks of one layer at a time.
-
-Writing (``backends/megatron/nemo2_writer.write_nemo2``, in the backend because it needs
-megatron-core) uses megatron-core's own ``dist_checkpointing.save`` with
-NeMo's key names (one ShardedTensor per layer, the ``_extra_state`` objects NeMo's modules
-expect) and copies ``context/`` from a NeMo checkpoint of the same model, which is what NeMo
-reads the model back with. It holds the whole model in memory (megatron-core's saver takes
-the full state dict), unlike the HF export.
+"""NeMo 2 checkpoints: ``DIR/weights/`` (megatron-core torch_dist) + ``DIR/context/``
+(``model.yaml``, ``nemo_tokenizer/``, ``artifacts/``), read without NeMo, megatron-core or
+running pickle: ``model.yaml`` by ``yaml.safe_load``, ``.metadata`` by the restricted
+unpickler of ``dcp_index``, tensors by ``torch.load(weights_only=True)`` of their byte ranges;
+``common.pt`` is never read. The tensors are global TP1 tensors, per-layer ones stacked on a
+leading layer axis, so :class:`Nemo2Reader` is a ``shards.ShardedReader`` over a TP1 x PP1
+transformer-engine layout. The writer needs megatron-core: ``backends/megatron/nemo2_writer``.
 """
 
 from __future__ import annotations
@@ -58,10 +35,9 @@ NEMO_PREFIX = "module."
 
 
 def nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:
-    """A TP1 (transformer-engine names) local parameter -> (DCP fqn, layer index or None):
-    megatron-core's ``TransformerBlock.sharded_state_dict`` stacks a homogeneous block's
-    layers on a leading axis under one key (``decoder.layers.<rest>``). ``prefix``: NeMo's
-    "module.", or "" for Megatron-LM / Megatron-Bridge (the model's own keys)."""
+    """A TP1 (transformer-engine names) local parameter -> (DCP fqn, layer index or None); layers
+    are stacked under ``decoder.layers.<rest>``. ``prefix``: "module." (NeMo) or "" (Megatron-LM).
+    """
     parts = local.split(".")
     if parts[:2] == ["decoder", "layers"]:
         return prefix + "decoder.layers." + ".".join(parts[3:]), int(parts[2])
@@ -75,10 +51,10 @@ _LOCAL_SPEC_NAMES = {
 
 
 class Nemo2Reader(ShardedReader):
-    """``shards.ShardedReader`` over a megatron-core torch_dist checkpoint (NeMo 2's
-    ``weights/``, a Megatron-LM / Megatron-Bridge ``iter_XXXXXXX/``): a TP1 x PP1
-    transformer-engine layout whose local tensors are read from the DCP chunks of one layer.
-    ``prefix``: the keys' prefix; ``config_name``: where the model's shape came from (errors)."""
+    """``shards.ShardedReader`` over a torch_dist checkpoint (NeMo 2 ``weights/``, a Megatron-LM
+    ``iter_XXXXXXX/``), reading one layer's DCP chunks at a time. ``prefix``: the keys' prefix;
+    ``config_name``: where the shape came from (for errors).
+    """
 
     def __init__(
         self,
@@ -148,9 +124,9 @@ def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torc
 def open_dcp_weights(
     weights: Path, spec: ModelSpec, prefix: str, config_name: str
 ) -> Tuple[Nemo2Reader, torch.dtype]:
-    """The GPT weights of the torch_dist folder ``weights`` under keys ``prefix`` + the
-    model's own names, checked against ``spec`` (from ``config_name``); the padded
-    vocabulary is the stored embedding's rows. Returns (reader, stored dtype)."""
+    """(reader, stored dtype) of the torch_dist folder ``weights`` (keys ``prefix`` + model names),
+    checked against ``spec``; the padded vocabulary is the stored embedding's rows.
+    """
     index = DcpIndex(weights)
     emb = prefix + "embedding.word_embeddings.weight"
     if emb not in index.tensors:
@@ -168,9 +144,9 @@ def open_dcp_weights(
 
 
 def write_side_folder(folder: Path, dst: Path) -> Path:
-    """What the Megatron backend reads besides the weights, for a NeMo 2 training start, as
-    an HF-style folder ``dst``: config.json (from context/model.yaml), the tokenizer files of
-    context/nemo_tokenizer/ and context/artifacts/generation_config.json when present."""
+    """The HF-style folder ``dst`` a NeMo 2 training start reads besides the weights: config.json
+    (from context/model.yaml), the tokenizer files and generation_config.json when present.
+    """
     hint = "convert it with nemo-d3s-convert megatron-to-hf --hf-config DIR first"
     cfg, gen, files = nemo2_side_files(Path(folder), hint=hint)  # the converter's rule
     dst.mkdir(parents=True, exist_ok=True)

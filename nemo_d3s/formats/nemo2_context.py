@@ -1,13 +1,6 @@
-"""A NeMo 2 checkpoint's ``context/model.yaml`` (NeMo's fiddle YAML of the model config) as
-the Hugging Face ``config.json`` dict it corresponds to.
-
-Read with ``yaml.safe_load`` (no code runs); Llama / Llama 3.1 RoPE scaling, Mistral, Qwen2
-and Qwen3 configs are mapped, anything else is a ConfigError naming the file and field
-(:func:`hf_config_from_transformer_config`, the mapping of a megatron-core config, also
-reads Megatron-Bridge's ``run_config.yaml`` model section and Megatron-LM's args). The
-dict is checked against the weight table by ``spec.ModelSpec.from_hf_dict`` (which
-``ModelSpec.from_folder`` does for a NeMo 2 folder); this module does not import the spec, so
-the spec can read a NeMo 2 folder without an import cycle.
+"""A NeMo 2 ``context/model.yaml`` (fiddle YAML, read with ``yaml.safe_load``) as the HF
+``config.json`` dict it describes (Llama, Llama 3.1 RoPE, Mistral, Qwen2, Qwen3); anything
+else is a ConfigError naming file and field. Does not import ``spec`` (no import cycle).
 """
 
 from __future__ import annotations
@@ -53,9 +46,9 @@ _ARCHS = {
 
 
 def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
-    """The HF ``config.json`` dict of the model in ``folder/context/model.yaml``; a
-    ConfigError naming the file and field for a model NeMo describes in a way the mapping
-    does not cover (the table's own checks: ``ModelSpec.from_hf_dict``)."""
+    """The HF ``config.json`` dict of ``folder/context/model.yaml``; ConfigError naming the file
+    and field when the mapping does not cover it.
+    """
     path = Path(folder) / "context" / "model.yaml"
     c = _yaml(path)["config"]
     where = f"{str(path)!r}"
@@ -83,13 +76,10 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
 def hf_config_from_transformer_config(
     c: Dict[str, Any], where: str, kind: Optional[str] = None
 ) -> Dict[str, Any]:
-    """A megatron-core ``TransformerConfig``-shaped mapping (NeMo 2's ``model.yaml`` config,
-    Megatron-Bridge's ``run_config.yaml`` model section, Megatron-LM's args translated by
-    ``mcore_config``) -> the HF ``config.json`` dict. ``kind``: "llama", "mistral", "qwen2"
-    or "qwen3" when the source names it; None infers it from the fields (``qk_layernorm``:
-    Qwen3, ``add_qkv_bias``: Qwen2, else Llama: Megatron holds no model family, and a
-    Mistral without sliding window is a Llama to the weight table). ``where`` names the
-    source in errors."""
+    """A megatron-core ``TransformerConfig``-shaped mapping (NeMo 2, Megatron-Bridge, Megatron-LM
+    args) -> the HF ``config.json`` dict. ``kind`` None infers the family (``qk_layernorm``:
+    Qwen3, ``add_qkv_bias``: Qwen2, else Llama); ``where`` names the source in errors.
+    """
     if c.get("num_moe_experts"):
         raise ConfigError(
             f"{where}: num_moe_experts={c['num_moe_experts']!r}: MoE is not supported"

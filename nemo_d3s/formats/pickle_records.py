@@ -1,14 +1,6 @@
-"""Pickles a checkpoint holds, read without running them: every class the pickle names is
-either one of a few harmless real types (``torch.Size``, dtypes, ``OrderedDict``, ``set``)
-or rebuilt as an inert :class:`Record` that only stores what it is given; nothing is
-imported, no callable from the file is ever called.
-
-Two readers share it: ``dcp_index._MetadataUnpickler`` (torch DCP's ``.metadata`` index of NeMo 2
-and Megatron-LM / Megatron-Bridge checkpoints, which also refuses every class outside DCP's
-and megatron-core's metadata records) and :func:`read_common_pt` (the non-sharded part of a
-megatron-core ``dist_checkpointing`` save, where Megatron-LM keeps its ``args`` namespace: a
-``torch.save`` zip whose tensors are not read, in ``common.pt`` up to megatron-core 0.18 and
-a DCP byte item from 0.19, ``mcore_config.common_state``).
+"""Pickles a checkpoint holds, read without running them: a class is one of a few harmless
+types (``torch.Size``, dtypes, ``OrderedDict``, ``set``) or an inert :class:`Record`; nothing
+is imported or called. Used by ``dcp_index`` and :func:`read_common_pt`.
 """
 
 from __future__ import annotations
@@ -100,13 +92,10 @@ class _CommonUnpickler(pickle.Unpickler):
 
 
 def read_common_pt(path: Path, raw: Optional[bytes] = None, what: str = "common.pt") -> Any:
-    """What megatron-core's ``dist_checkpointing.save`` wrote with ``torch.save`` (a zip:
-    ``<name>/data.pkl`` plus tensor storages), read through :class:`_CommonUnpickler`:
-    argparse namespaces and enums come back as :class:`Record` (``vars(record)`` holds the
-    fields), tensors as stubs. ``path``: the file (``raw``: its bytes when the zip is one byte
-    item inside it, megatron-core >= 0.19's ``common_state``: ``mcore_config.common_state``),
-    named with ``what`` in errors. ConfigError naming the file for anything else (the legacy
-    non-zip format, a class outside the allow-list, garbage)."""
+    """A megatron-core ``torch.save`` zip (``path``, or ``raw``: a DCP byte item) read inertly:
+    namespaces and enums as :class:`Record`, tensors as stubs. ConfigError naming ``what`` for a
+    non-zip file, a class outside the allow-list or garbage.
+    """
     bad = f"{str(path)!r}: not a readable megatron-core {what}"
     try:
         with zipfile.ZipFile(path if raw is None else io.BytesIO(raw)) as z:

@@ -1,9 +1,6 @@
-"""safetensors files written tensor by tensor (:class:`StreamingSafetensors`), so that a
-converter holds one parameter group in memory, not the model; torch only (the file format
-is written by hand: 8-byte header length, JSON header, raw little-endian data). And the
-same format checked before a file is used (:func:`check_safetensors`): a truncated or
-garbled file is one ConfigError naming it and what is wrong, instead of the safetensors
-library's unnamed ``SafetensorError`` or transformers' traceback.
+"""safetensors files written tensor by tensor (:class:`StreamingSafetensors`), so a converter
+holds one parameter group, not the model, and checked before use (:func:`check_safetensors`:
+a truncated or garbled file is one ConfigError naming it). torch only.
 """
 
 from __future__ import annotations
@@ -44,14 +41,12 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 class StreamingSafetensors:
-    """One safetensors file written tensor by tensor: the header is planned from the
-    (name, shape, dtype) entries before any tensor exists, and each tensor's bytes go to its
-    planned offset when it arrives, so the writer never holds more than the tensor it is
-    given. The file is what ``safetensors.torch.save_file`` writes (8-byte header length,
-    JSON header padded to 8 bytes, contiguous data; larger element types first so every
-    tensor is aligned) and loads with ``safe_open``/transformers. Used as a context manager:
-    leaving it normally checks that every planned tensor arrived (else RuntimeError); leaving
-    it with an error just closes the file, which the caller discards."""
+    """One safetensors file written tensor by tensor: the header is planned from (name, shape,
+    dtype) entries, each tensor's bytes go to its planned offset, so only the given tensor is
+    held. The layout of ``safetensors.torch.save_file`` (8-byte length, JSON header
+    padded to 8, larger element types first). A context manager: a normal exit checks every
+    planned tensor arrived (else RuntimeError).
+    """
 
     def __init__(
         self,
@@ -120,9 +115,9 @@ Entry = Tuple[str, Tuple[int, ...], torch.dtype]
 def plan_hf_files(
     entries: Sequence[Entry], shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> List[Tuple[str, List[Entry]]]:
-    """(file name, its entries): ``entries`` in order, split into files of at most
-    ``shard_bytes`` (a larger tensor gets a file of its own), named as transformers names
-    them (``model.safetensors``, or ``model-0000i-of-0000n.safetensors``)."""
+    """(file name, entries) with ``entries`` in order, files of at most ``shard_bytes`` (a larger
+    tensor alone), named as transformers names them.
+    """
     if shard_bytes < 1:
         raise ValueError(f"max shard size {shard_bytes} must be >= 1 byte")
     groups: List[List[Entry]] = [[]]
@@ -147,12 +142,10 @@ def write_hf_weights(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     on_tensor: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Dict[str, str]:
-    """The safetensors files (+ ``model.safetensors.index.json`` when there are several) of
-    a Hugging Face folder, in the existing ``folder``: every planned file is open while
-    ``tensors`` (name, tensor) arrive, in any order, each written at its planned offset
-    (:class:`StreamingSafetensors`), so one tensor is in memory at a time. A name that is
-    not planned, or a planned one that never arrives, is an error. Returns {name: file};
-    ``on_tensor`` sees each tensor after it is written (progress)."""
+    """An HF folder's safetensors files (+ index when several) in ``folder``, from (name, tensor)
+    pairs arriving in any order, one tensor in memory at a time. An unplanned or missing name is
+    an error. Returns {name: file}; ``on_tensor`` sees each written tensor.
+    """
     files = plan_hf_files(entries, shard_bytes)
     where = {e[0]: fname for fname, group in files for e in group}
     with contextlib.ExitStack() as stack:
@@ -198,9 +191,9 @@ _MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 
 def check_safetensors(path: str | os.PathLike) -> None:
-    """``path`` is a whole safetensors file: its header parses and its tensors' byte ranges
-    cover the data exactly (header and file size only: no tensor is read). ConfigError
-    naming the file and what is wrong (truncated by an interrupted copy, garbled, ...)."""
+    """ConfigError naming ``path`` and the problem unless its header parses and its byte ranges
+    cover the data exactly (no tensor is read).
+    """
     path = Path(path)
     where = repr(str(path))
     try:

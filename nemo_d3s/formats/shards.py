@@ -1,32 +1,11 @@
-"""The Megatron backend's sharded checkpoint files: safetensors per (TP, PP) position,
-loadable at any other TP x PP layout through the weight table. Files only (torch +
-safetensors, no process group): which rank writes what, and the running policy's optimizer
-state, are the backend's (``backends/megatron/checkpoint.py``); the converter writes and
-reads the same files.
-
-Layout of ``<step dir>/megatron/``::
-
-    layout.json                  {"format": 1, "tp", "pp", "padded_vocab", "te", "spec": ModelSpec}
-    tp{t:02d}_pp{p:02d}.safetensors   written by one DP rank of that position: the stage's
-                                 parameters under Megatron's local names, the Adam moments
-                                 as "optim.exp_avg.<name>" / "optim.exp_avg_sq.<name>" (Megatron's
-                                 distributed optimizer: gathered over DP, fp32, plus its fp32
-                                 main weights "optim.main.<name>" for bf16 models), the
-                                 frozen reference as "ref.<name>"; metadata: optimizer step,
-                                 LR-scheduler step, main_params (plain strings)
-
-Why not ``megatron.core.dist_checkpointing``: its formats are read back with pickle (the
-torch_dist ``.metadata`` file and ``common.pt``), and every file a run reads back here is
-untrusted input. safetensors holds tensors and strings only. The trainer's checkpoint
-manager adds atomicity (temporary folder + rename) and a SHA-256 per file on top.
-
-Resharding: a rank of another layout rebuilds each of its local tensors from the HF-named
-rows it covers (``weights.local_parts``), reading the saved TP shards of the stage that
-holds them and reassembling the HF tensor (``weights.assemble_hf``). AdamW's moments have
-their parameter's shape, so they reshard the same way: a checkpoint written at TP2 x PP2
-resumes at TP1 x PP1 with model AND optimizer state, with either optimizer (plain AdamW or
-Megatron's distributed optimizer, whose DP ranges are cut out of the full tensors: the
-backend's ``backends/megatron/checkpoint.load_policy``).
+"""The Megatron backend's sharded checkpoint files, loadable at any TP x PP through the weight
+table; files only (which rank writes what is the backend's). ``<step dir>/megatron/`` holds
+``layout.json`` ({"format": 1, "tp", "pp", "padded_vocab", "te", "spec"}) and
+``tp{t:02d}_pp{p:02d}.safetensors``: the stage's parameters under Megatron's local names,
+"optim.exp_avg.", "optim.exp_avg_sq." (fp32, gathered over DP), "optim.main." and "ref."
+families, optimizer / scheduler steps as metadata. safetensors, not ``dist_checkpointing``,
+because that reads back with pickle. Moments have their parameter's shape, so model and
+optimizer state reshard alike (``weights.local_parts`` / ``weights.assemble_hf``).
 """
 
 from __future__ import annotations
@@ -35,13 +14,13 @@ import json
 from dataclasses import MISSING, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
-from nemo_d3s.formats.safetensors_stream import check_safetensors
+from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import (
     Layout,
@@ -59,8 +38,9 @@ __all__ = [
     "write_layout",
     "read_layout",
     "ShardedReader",
-    "save_shard",
+    "open_shard",
     "read_local_from_checkpoint",
+    "read_range_from_checkpoint",
     "shard_metadata",
     "check_shards",
     "ST_DTYPES",
@@ -122,25 +102,24 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
 
 
-def save_shard(
-    folder: Path, layout: Layout, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]
-) -> None:
-    """Write one (tp, pp) shard file of ``tensors`` with its metadata into ``folder``."""
-    from safetensors.torch import save_file
-
-    save_file(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        str(folder / shard_file(layout.tp_rank, layout.pp_rank)),
-        metadata=metadata,
+def open_shard(
+    folder: Path,
+    layout: Layout,
+    entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
+    metadata: Dict[str, str],
+) -> StreamingSafetensors:
+    """The (tp, pp) shard file of ``layout`` in ``folder``, written tensor by tensor: its
+    header from ``entries`` (name, shape, dtype), each tensor as it comes (``write``)."""
+    return StreamingSafetensors(
+        folder / shard_file(layout.tp_rank, layout.pp_rank), entries, metadata
     )
 
 
 class ShardedReader:
-    """HF-named row ranges out of a saved sharded checkpoint (any layout), duck-typing
-    ``weights.SafetensorsReader`` so :func:`weights.read_local` builds a local tensor of the
-    CURRENT layout from it. ``prefix`` selects the saved family ("" = parameters,
-    "optim.exp_avg." = first moments, ...). Files are opened lazily and only the shards of
-    the stage that holds a requested tensor are read."""
+    """HF-named row ranges out of a saved sharded checkpoint of any layout (duck-types
+    ``weights.SafetensorsReader``); ``prefix`` picks the family ("" parameters, "optim.exp_avg."
+    ...). Only the shards of the stage holding a requested tensor are read.
+    """
 
     def __init__(self, folder: Path, spec: ModelSpec, saved: Layout, prefix: str = "") -> None:
         self.folder, self.spec, self.saved, self.prefix = folder, spec, saved, prefix
@@ -156,6 +135,13 @@ class ShardedReader:
         self._full = lru_cache(maxsize=1)(self._assemble)
 
     def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
+        return self._read(tp_rank, stage, key)[0]
+
+    def _read(
+        self, tp_rank: int, stage: int, key: str, rows: Optional[Tuple[int, int]] = None
+    ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+        """(tensor ``key`` of a saved shard, or only its dim-0 ``rows`` through safetensors'
+        lazy slice; its saved shape)."""
         from safetensors import safe_open
 
         path = self.folder / shard_file(tp_rank, stage)
@@ -164,7 +150,9 @@ class ShardedReader:
         with safe_open(str(path), framework="pt") as f:
             if key not in f.keys():
                 raise ConfigError(f"{str(path)!r} holds no tensor {key!r}")
-            return f.get_tensor(key)
+            part = f.get_slice(key)
+            shape = tuple(int(n) for n in part.get_shape())
+            return (f.get_tensor(key) if rows is None else part[rows[0] : rows[1]]), shape
 
     def _assemble(self, stage: int, local: str) -> Dict[str, torch.Tensor]:
         st = self.saved.at(0, stage)
@@ -178,6 +166,13 @@ class ShardedReader:
     def same_layout_tensor(self, layout: Layout, key: str) -> torch.Tensor:
         return self._tensor(layout.tp_rank, layout.pp_rank, key)
 
+    def same_layout_rows(
+        self, layout: Layout, key: str, lo: int, hi: int
+    ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
+        """Rows [lo, hi) (dim 0) of ``key`` in ``layout``'s own shard, and the saved shape:
+        only those rows' bytes are read."""
+        return self._read(layout.tp_rank, layout.pp_rank, key, (lo, hi))
+
 
 def read_local_from_checkpoint(
     name: str, spec: ModelSpec, layout: Layout, reader: ShardedReader, dtype: torch.dtype
@@ -188,6 +183,35 @@ def read_local_from_checkpoint(
     if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
         return reader.same_layout_tensor(layout, reader.prefix + name).to(dtype)
     return read_local(name, spec, layout, reader, dtype)
+
+
+def read_range_from_checkpoint(
+    name: str,
+    spec: ModelSpec,
+    layout: Layout,
+    reader: ShardedReader,
+    dtype: torch.dtype,
+    shape: Tuple[int, ...],
+    start: int,
+    end: int,
+) -> torch.Tensor:
+    """``[start, end)`` of the flattened local tensor ``name`` (of ``shape``): a distributed
+    optimizer's DP range. At the saved layout only the rows that hold the range are read
+    (1/DP of the tensor's bytes per DP rank); at another layout the local tensor is rebuilt
+    whole first (resharding reads what it reassembles). ValueError on a shape mismatch."""
+    row = 1
+    for n in shape[1:]:
+        row *= int(n)
+    lo, hi = start // row, -(-end // row)
+    s = reader.saved
+    if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
+        rows, saved = reader.same_layout_rows(layout, reader.prefix + name, lo, hi)
+    else:
+        full = read_local(name, spec, layout, reader, dtype)
+        rows, saved = full[lo:hi], tuple(full.shape)
+    if saved != tuple(shape):
+        raise ValueError(f"{reader.prefix}{name}: checkpoint shape {saved} != model {tuple(shape)}")
+    return rows.to(dtype).reshape(-1)[start - lo * row : end - lo * row].clone()
 
 
 def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
@@ -202,9 +226,9 @@ def shard_metadata(folder: Path, layout: Layout) -> Optional[Dict[str, str]]:
 
 
 def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.dtype]:
-    """Every shard file of the saved layout exists and holds every parameter of its
-    position with the shape the table gives for config.json (header reads only). Returns
-    the parameters' stored dtype (None when mixed)."""
+    """Every shard file of the saved layout exists and holds each parameter with the table's shape
+    (headers only). Returns the stored dtype (None when mixed).
+    """
     from safetensors import safe_open
 
     dtypes = set()

@@ -1,9 +1,6 @@
-"""What goes with a model's weights: its HF ``config.json``, ``generation_config.json`` and
-tokenizer files. One tokenizer rule for every reader (the converter's outputs and the
-Megatron backend's NeMo 2 training start): ``tokenizer_config.json`` and one of
-``tokenizer.json`` / ``tokenizer.model`` / ``vocab.json`` must be there, or transformers'
-``AutoTokenizer`` has nothing to load; the other known tokenizer files go along when present.
-A NeMo 2 checkpoint keeps them in ``context/``: :func:`nemo2_side_files`.
+"""What goes with a model's weights: HF ``config.json``, ``generation_config.json`` and
+tokenizer files. One tokenizer rule for every reader: ``tokenizer_config.json`` and one of
+``tokenizer.json`` / ``tokenizer.model`` / ``vocab.json``, other known files when present.
 """
 
 from __future__ import annotations

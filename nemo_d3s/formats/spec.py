@@ -1,20 +1,8 @@
-"""A Hugging Face ``config.json`` -> the shape of a megatron-core ``GPTModel``.
-
-:class:`ModelSpec` is the one description of the model that the Megatron backend (the
-model builder: ``TransformerConfig`` + ``GPTModel`` arguments), the weight table
-(``weights.py``: names and shapes, vocabulary padding), the converter and the dry run's
-layout checks use. It is read from ``config.json`` only (JSON, never code:
-``trust_remote_code`` models are refused), or from a NeMo 2 checkpoint's
-``context/model.yaml`` (``nemo2_context.py``), so a folder that holds just a config is
-enough to plan a layout (the dry run of the Slurm recipes). Plain Python: no torch.
-
-Supported: ``LlamaForCausalLM`` (Llama 2/3/3.1, SmolLM2), ``MistralForCausalLM`` (GQA, no
-sliding window), ``Qwen2ForCausalLM`` (q/k/v bias; Qwen2.5 and Qwen2.5-Math) and
-``Qwen3ForCausalLM`` (dense Qwen3: RMS norm of every query and key head, no q/k/v bias,
-tied or untied embeddings; Megatron's ``qk_layernorm``). Anything
-the mapping would get silently wrong (another architecture, a sliding window, MLP biases,
-an activation other than SiLU, a RoPE scaling Megatron does not implement) is a
-:class:`~nemo_d3s.errors.ConfigError` naming the field, raised at start-up.
+"""A Hugging Face ``config.json`` (or NeMo 2 ``context/model.yaml``) -> :class:`ModelSpec`, the
+one description of the model the Megatron backend, the weight table, the converter and the
+dry run use. JSON only (``trust_remote_code`` is refused); plain Python, no torch. Supports
+Llama, Mistral (no sliding window), Qwen2 and dense Qwen3; anything the mapping would get
+silently wrong is a ConfigError naming the field.
 """
 
 from __future__ import annotations
@@ -60,15 +48,11 @@ _LLAMA3_FIXED = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What a decoder-only HF model is, in the terms the Megatron backend needs.
+    """A decoder-only HF model in the Megatron backend's terms.
 
-    vocab_size: the REAL vocabulary (the embedding is padded beyond it, see
-    :func:`padded_vocab_size`); kv_heads: key/value heads (GQA query groups); head_dim:
-    per-head width (Megatron's ``kv_channels``); qkv_bias: q/k/v projections carry a bias;
-    rope_scaling_factor: Llama 3.x frequency scaling (None = none); torch_dtype: the dtype
-    the checkpoint was saved in (export writes the training dtype); qk_norm: an RMS norm
-    [head_dim] on every query head and one on every key head (Qwen3; Megatron's
-    ``qk_layernorm``).
+    vocab_size: the real vocabulary (:func:`padded_vocab_size` pads beyond it); kv_heads: GQA
+    query groups; head_dim: Megatron's ``kv_channels``; rope_scaling_factor: Llama 3.x (None:
+    none); torch_dtype: the saved dtype; qk_norm: RMS norm [head_dim] per query / key head (Qwen3).
     """
 
     architecture: str
@@ -266,10 +250,9 @@ def read_hf_config(folder: str | Path) -> Dict[str, Any]:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: the embedding rows rounded up to a multiple of
-    ``divisible_by x TP`` so every TP rank holds an equal, aligned vocabulary shard. The rows
-    past ``vocab_size`` are never sampled, scored or exported (the vocab-parallel kernel
-    leaves them out of the softmax)."""
+    """Vocabulary rounded up to a multiple of ``divisible_by x TP`` (equal, aligned TP shards);
+    rows past ``vocab_size`` are never sampled, scored or exported.
+    """
     m = divisible_by * tp
     return -(-vocab_size // m) * m
 
@@ -277,10 +260,9 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 def check_layout(
     spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1, vpp: int = 1
 ) -> int:
-    """Every divisibility rule of a TP x PP (x CP, x VPP virtual stages per pipeline rank)
-    layout for ``spec`` on ``world`` ranks; returns DP. ConfigError with the numbers
-    otherwise. Pure arithmetic, so every rank raises the same error before any collective.
-    The Megatron backend and the dry run both call it: each rule is written here once."""
+    """DP of a TP x PP (x CP, x VPP) layout of ``spec`` on ``world`` ranks; ConfigError with the
+    numbers for any broken divisibility rule (pure arithmetic: every rank raises alike).
+    """
     for name, v in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),

@@ -1,43 +1,19 @@
 """The one table of names and shapes between Hugging Face Llama/Qwen2/Qwen3 weights and the
-TP x PP shards of a megatron-core ``GPTModel`` (torch + safetensors only: no process group,
-no Megatron import; the adapter between the two namings, as torchtitan's state-dict
-adapter is, kept apart from the training code).
+TP x PP shards of a megatron-core ``GPTModel``; load, export, refit, resharding and the
+converter all go through :func:`local_parts`. A local parameter of rank (tp_rank, pp_rank) is
+the concatenation along one dim of row ranges of HF tensors (and zero rows for vocabulary
+padding): :func:`read_local` reads only this rank's rows, :func:`assemble_hf` inverts it.
 
-The Megatron backend's load, export (``save_pretrained``) and rollout-engine refit, the
-checkpoint resharding and the converter all go through :func:`local_parts`: a local
-parameter of the rank at (tp_rank, pp_rank) is the concatenation, along one dimension, of
-row ranges of HF tensors (and of zero rows for the padded vocabulary). Reading it forwards
-loads a shard straight from safetensors (only this rank's rows are read from disk);
-reading it backwards puts TP shards back into whole HF tensors. In the adapter's terms:
-from-HF is :func:`read_local` (one local tensor from any reader of HF-named rows: HF files,
-a saved checkpoint of another layout, a NeMo 2 checkpoint), to-HF is :func:`assemble_hf`
-(one local parameter's TP shards -> its HF tensors).
-
-Megatron's layouts, per layer (H hidden, d head_dim, G kv heads = query groups, q = heads/G):
-
-- ``self_attention.linear_qkv.weight`` [(q + 2) d G / TP, H]: per query group g, the q
-  query heads of g, then k_g, then v_g; TP rank r holds groups [r G/TP, (r+1) G/TP).
-  (Same for the bias [(q + 2) d G / TP].)
-- ``self_attention.linear_proj.weight`` [H, q d G / TP]: o_proj's columns, split over TP.
-- ``mlp.linear_fc1.weight`` [2 F / TP, H]: [gate rows of rank r; up rows of rank r].
-- ``mlp.linear_fc2.weight`` [H, F / TP]: down_proj's columns.
-- ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` [d] (Qwen3's ``q_norm`` /
-  ``k_norm``, megatron-core's ``qk_layernorm``): one RMS-norm weight shared by every query
-  (key) head, replicated on every TP rank although each rank normalises only its own
-  heads, so its gradient is a partial sum per TP rank (summed over TP:
-  ``backends/megatron/sequence_parallel.allreduce_tp_partial_grads``). The refit streams them
-  under transformers' names, which vLLM's Qwen3 loads as they are
-  (``vllm/model_executor/models/qwen3.py`` at 002456df: ``Qwen3Attention`` holds
-  ``q_norm`` / ``k_norm = RMSNorm(head_dim)`` beside the packed ``qkv_proj``;
-  ``Qwen3ForCausalLM.load_weights`` is an ``AutoWeightsLoader``, ``lm_head.`` skipped when tied).
-- layer norms: replicated on every TP rank; with the transformer-engine layer spec they are
-  fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
-- ``embedding.word_embeddings.weight`` / ``output_layer.weight`` [Vp / TP, H]: vocabulary rows
-  [r Vp/TP, (r+1) Vp/TP) of the PADDED vocabulary Vp; rows >= the real V are zeros, never
-  exported. Tied embeddings: the first stage's embedding is THE weight; with PP > 1 the last
-  stage holds a copy as ``output_layer.weight`` (kept equal by the tied-gradient sum).
-
-Layers are numbered per stage in Megatron (0 .. L/PP - 1) and globally in HF.
+Per layer (H hidden, d head_dim, G query groups, q = heads/G, F ffn):
+``linear_qkv.weight`` [(q + 2) d G / TP, H] per group g: q query heads, k_g, v_g (bias alike);
+``linear_proj.weight`` [H, q d G / TP]; ``linear_fc1.weight`` [2 F / TP, H] = [gate_r; up_r];
+``linear_fc2.weight`` [H, F / TP]; ``q_layernorm`` / ``k_layernorm`` [d] (Qwen3 ``q_norm`` /
+``k_norm``): replicated over TP, gradient a TP partial sum, refit under transformers' names
+(vllm/model_executor/models/qwen3.py at 002456df: ``Qwen3Attention.q_norm``); layer norms
+replicated (fused into the next linear with transformer-engine); embedding / output layer
+[Vp / TP, H] over the padded vocabulary Vp, rows >= V zero and never exported; tied: the first
+stage's embedding is the weight, the last stage's ``output_layer`` a copy. Layers are numbered
+per stage in Megatron, globally in HF.
 """
 
 from __future__ import annotations
@@ -91,9 +67,9 @@ class Layout:
 
 @dataclass(frozen=True)
 class Part:
-    """Rows [lo, hi) along the local tensor's concatenation dim taken from HF tensor
-    ``hf_name`` (rows [lo, hi) of it along the same dim); ``hf_name`` None: hi - lo zero rows
-    (vocabulary padding)."""
+    """Rows [lo, hi) along the local tensor's concatenation dim from HF tensor ``hf_name`` (same
+    rows of it); ``hf_name`` None: hi - lo zero rows (vocabulary padding).
+    """
 
     hf_name: Optional[str]
     lo: int
@@ -115,9 +91,9 @@ def _has_output_layer(spec: ModelSpec, layout: Layout) -> bool:
 
 
 def _qkv_extras(p: str, spec: ModelSpec) -> List[str]:
-    """What follows ``linear_qkv.weight`` in a layer's ``named_parameters``: its bias, then
-    the q / k norms (megatron-core's ``SelfAttention`` builds linear_qkv, q_layernorm,
-    k_layernorm in that order)."""
+    """What follows ``linear_qkv.weight`` in a layer's ``named_parameters``: bias, q / k norms
+    (megatron-core's ``SelfAttention`` builds them in that order).
+    """
     out = [p + "self_attention.linear_qkv.bias"] if spec.qkv_bias else []
     if spec.qk_norm:
         out += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
@@ -281,14 +257,9 @@ def hf_names(spec: ModelSpec) -> List[str]:
 
 # ---------------------------------------------------------------------------- reading HF files
 class SafetensorsReader:
-    """Row ranges of the tensors of an HF folder (``model.safetensors`` or an indexed set of
-    shards), read lazily: only the requested rows come off disk, so a rank loads its shard
-    of a 70B model without holding the whole model.
-
-    Every file is untrusted input: safetensors only (no pickle), the index is plain JSON, a
-    tensor that is missing or has another shape than ``spec`` says is a ConfigError naming
-    the tensor and the file ("a checkpoint from another model"), raised before any weight
-    is written.
+    """Lazy row ranges of an HF folder's tensors (one file or an indexed set): only the requested
+    rows come off disk. A missing tensor or one of another shape than ``spec`` is a ConfigError
+    naming tensor and file, raised before any weight is written.
     """
 
     def __init__(self, folder: str | os.PathLike, spec: ModelSpec) -> None:
@@ -374,9 +345,9 @@ def read_local(
 def assemble_hf(
     name: str, shards: Sequence[torch.Tensor], spec: ModelSpec, layout: Layout
 ) -> Dict[str, torch.Tensor]:
-    """The inverse of :func:`local_parts` for one local parameter: its TP shards (index =
-    TP rank, all of stage ``layout.pp_rank``) -> {HF name: full tensor}. Replicated
-    parameters take TP rank 0's copy; padding rows are dropped."""
+    """Inverse of :func:`local_parts` for one parameter: its TP shards (index = TP rank, stage
+    ``layout.pp_rank``) -> {HF name: full tensor}; replicated ones from TP rank 0, padding dropped.
+    """
     out: Dict[str, torch.Tensor] = {}
     for r, shard in enumerate(shards):
         dim, parts = local_parts(name, spec, layout.at(r))

@@ -1,9 +1,6 @@
-"""What every self-check module shares: the :class:`Check` record, the per-rank
-:class:`Context`, the tiny model the self-check builds, and small helpers.
-
-A check is a function ``fn(ctx) -> {measured numbers}`` that every rank calls at the same
-point (checks may run collectives on the world); it raises ``report.NotRun`` when it cannot
-run here and ``report.CheckFailed`` when what it measured is out of bounds.
+"""What the check modules share: :class:`Check`, the per-rank :class:`Context`, the tiny model,
+helpers. A check is ``fn(ctx) -> {measured numbers}``, called by every rank at the same point
+(it may run collectives on the world); it raises ``report.NotRun`` or ``report.CheckFailed``.
 """
 
 from __future__ import annotations
@@ -42,15 +39,11 @@ class Check:
 
 @dataclass
 class Context:
-    """rank / world / local_rank: this process in the job; cuda: CUDA is available (then
-    ``device`` is ``cuda:local_rank``, else CPU); model_dir: the HF folder the model checks
-    load (the tiny one, or ``--model``); tiny: model_dir is the self-check's own tiny model;
-    work_dir: scratch folder seen by every rank (checkpoints, the RL run); cache: what one
-    check leaves for a later one (the RL run's memory peak and step time).
-
-    A check must not raise on one rank while others still have collectives of it to run
-    (they would wait for the process group's timeout): collect the problems and raise after
-    the last collective, or call :meth:`agree`."""
+    """This rank in the job (rank, world, local_rank, cuda, ``device``), the model folder the checks
+    load (``tiny``: the self-check's own), ``work_dir`` (seen by every rank) and ``cache`` (what a
+    check leaves for a later one). A check must not raise on one rank while others still have its
+    collectives to run: raise after the last collective, or call :meth:`agree`.
+    """
 
     rank: int
     world: int

@@ -1,19 +1,9 @@
 """``nemo-d3s-selfcheck`` / ``python -m nemo_d3s.selfcheck``: run every check, print the
 table, write ``--out/selfcheck.json``, exit 1 when a check failed.
 
-How it finds its ranks:
-
-- under torchrun / srun (``WORLD_SIZE`` set): joins that world (NCCL on CUDA, after
-  ``CUDA_DEVICE_MAX_CONNECTIONS`` and ``torch.cuda.set_device(LOCAL_RANK)``; gloo on CPU);
-  every rank runs every check, rank 0 prints and writes;
-- one process on a machine without CUDA: spawns ``--ranks`` gloo ranks (default 2) on this
-  machine's CPU, so the multi-rank checks (collectives, TP2 against TP1) run for real;
-- one process with CUDA: a one-rank world on this GPU (the multi-rank checks say "not run";
-  ``torchrun --nproc_per_node=<GPUs> -m nemo_d3s.selfcheck`` runs them).
-
-``--out`` must be on a file system every rank sees (a scratch folder ``.selfcheck_work`` is
-made there and removed at the end). ``--model``: a Hugging Face folder (Llama / Mistral /
-Qwen2) instead of the tiny model the self-check builds.
+Under torchrun / srun it joins that world (NCCL on CUDA, gloo on CPU); one process without
+CUDA spawns ``--ranks`` gloo ranks; one process with CUDA is a one-rank world (multi-rank
+checks not run). ``--out`` must be on a file system every rank sees.
 """
 
 from __future__ import annotations
@@ -234,8 +224,7 @@ def _seconds(text: str) -> float:
 
 
 def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every bad argument or surrounding as one argparse error (exit 2), before any rank
-    starts (issue 32: each was a traceback, or a machine failure in the table)."""
+    """Every bad argument or surrounding as one argparse error (exit 2), before any rank starts."""
     if args.ranks < 1:
         p.error("--ranks must be >= 1")
     if args.only is not None:

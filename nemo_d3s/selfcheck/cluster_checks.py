@@ -1,21 +1,9 @@
-"""The cluster's preconditions for a colocated run (CUDA only; no CPU twin: they are facts
-about the GPUs and the driver).
-
-- ``cluster.shared_gpu``: the trainer and its vLLM engine are two processes on one GPU (the
-  engine's workers start in their own processes, ``backends/vllm/engine.py``). A GPU in
-  compute mode ``Exclusive_Process`` accepts one process's CUDA context and refuses the
-  next ("CUDA-capable device(s) is/are busy or unavailable"), ``Prohibited`` accepts none:
-  the run dies when the engine starts, after the model loaded. The check reads the mode
-  (``nvidia-smi --query-gpu=pci.bus_id,compute_mode``) and proves it: while this rank holds
-  its CUDA context, a child process creates one on the same GPU and allocates 1 MiB there.
-- ``cluster.driver``: the driver's CUDA version (``cuDriverGetVersion`` of ``libcuda``: 1000
-  major + 10 minor, the newest CUDA it runs) against the CUDA runtime torch was built with
-  (``torch.version.cuda``). An older major fails (the runtime does not start); an older
-  minor of the same major is reported (CUDA's minor-version compatibility runs it, except
-  PTX that needs the newer JIT; a container's ``cuda-compat`` package lifts it).
-
-The decisions (:func:`compute_mode_problem`, :func:`driver_problem`) are pure functions,
-tested on the CPU.
+"""The cluster's preconditions for a colocated run (CUDA only: facts about GPUs and driver).
+``cluster.shared_gpu``: the GPU's compute mode lets the vLLM engine's process share the
+trainer's GPU (read from nvidia-smi, then proved by a child allocating 1 MiB there).
+``cluster.driver``: the driver's CUDA version (``cuDriverGetVersion``) against
+``torch.version.cuda``: an older major fails, an older minor is a note. The decisions are
+pure functions, tested on CPU.
 """
 
 from __future__ import annotations
@@ -50,9 +38,9 @@ def cuda_version(v: int) -> Tuple[int, int]:
 
 
 def driver_problem(driver: int, runtime: str) -> Tuple[Optional[str], Optional[str]]:
-    """(failure, note) for a driver supporting CUDA ``driver`` (``cuDriverGetVersion``) and
-    torch built with CUDA ``runtime`` ("12.8"): an older major fails; an older minor of the
-    same major is a note (minor-version compatibility)."""
+    """(failure, note) for driver CUDA ``driver`` (``cuDriverGetVersion``) and torch's ``runtime``
+    ("12.8"): an older major fails, an older minor of the same major is a note.
+    """
     want = tuple(int(x) for x in runtime.split(".")[:2])
     have = cuda_version(driver)
     if have[0] < want[0]:

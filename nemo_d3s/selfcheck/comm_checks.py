@@ -1,17 +1,11 @@
-"""The project's own collective helpers and the vocab-parallel kernel, on gloo (CPU tensors)
-and on NCCL (CUDA tensors), against single-process references computed on every rank.
-
-- ``collectives.gloo`` / ``collectives.nccl``: over the whole world, on the group's
-  collective device (``comm.collective_device``): the scalar all-reduce the trainer uses
-  (``ParallelGroups.sum``), the all-gather of counts, the exact global top-K mask (radix
-  selection, unequal shapes per rank) against ``core.token_selection.top_k_mask`` on the
-  concatenation, and the broadcast from the last pipeline stage; exact equality, plus the
-  mean latency of one scalar all-reduce.
-- ``vocab_parallel.fp32_gloo`` / ``vocab_parallel.bf16_nccl``: entropy, log-probs and the
-  log-probs' gradient from vocabulary shards split unevenly over the world, with a padded
-  vocabulary, against ``core.entropy`` on the full fp32 logits in one process. Bounds: fp32
-  1e-5 (summation order only); bf16 inputs 1e-3 (the kernel accumulates in fp32 from the same
-  bf16 values the reference upcasts), their bf16 gradient 8e-3 (two bf16 steps at 1.0).
+"""The project's collective helpers and the vocab-parallel kernel on gloo and NCCL, against
+single-process references on every rank. ``collectives.*``: scalar all-reduce, count
+all-gather, exact global top-K mask, last-stage broadcast; exact equality (plus all-reduce
+latency). ``cluster.gloo_across_nodes``: a gloo group over every rank of the job, as the
+model-parallel gloo twin is built (it connects across nodes only where gloo binds a shared
+interface: ``GLOO_SOCKET_IFNAME``). ``vocab_parallel.*``: entropy, log-probs and their
+gradient from uneven padded vocabulary shards against ``core.entropy`` on full fp32 logits;
+bounds fp32 1e-5, bf16 1e-3, bf16 gradient 8e-3.
 """
 
 from __future__ import annotations
@@ -152,9 +146,36 @@ def _vocab_parallel(
     return out
 
 
+def _gloo_across_nodes(ctx: Context) -> Dict[str, Any]:
+    import os
+    import socket
+
+    from nemo_d3s.distributed.agree import all_gather_texts
+
+    need_world(ctx, 2, "a gloo group across the job's ranks")
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    try:
+        group = _group(ctx, "gloo")
+        hosts = all_gather_texts(socket.gethostname(), group)
+        total = torch.tensor([float(ctx.rank + 1)])
+        dist.all_reduce(total, group=group)
+    except RuntimeError as e:
+        raise CheckFailed(
+            f"a gloo group over the job's ranks did not connect ({e}); GLOO_SOCKET_IFNAME="
+            f"{ifname or '(unset)'}: set it to the interface the nodes reach each other on "
+            "(slurm/network_env.sh)"
+        ) from None
+    out = {"ranks": ctx.world, "hosts": len(set(hosts)), "gloo_socket_ifname": ifname}
+    out["across_nodes"] = out["hosts"] > 1
+    if float(total) != ctx.world * (ctx.world + 1) / 2:
+        raise CheckFailed(f"gloo all-reduce SUM of 1..{ctx.world} gave {float(total)}", out)
+    return out
+
+
 CHECKS = [
     Check("collectives.gloo", False, lambda ctx: _collectives(ctx, "gloo")),
     Check("collectives.nccl", True, lambda ctx: _collectives(ctx, "nccl")),
+    Check("cluster.gloo_across_nodes", False, _gloo_across_nodes),
     Check(
         "vocab_parallel.fp32_gloo",
         False,

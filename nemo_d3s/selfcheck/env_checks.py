@@ -1,10 +1,5 @@
-"""Environment checks: what is installed, and the GPUs this rank sees.
-
-``env.versions`` (every machine) reports torch, CUDA, NCCL, Transformer Engine, Apex,
-vLLM, megatron-core and transformers versions (``not installed`` where absent) and fails only
-when megatron-core or transformers do not import (nothing else can run then).
-``env.gpus`` (CUDA) reports each visible GPU's name, memory and compute capability and
-fails when this rank's GPU has less than 1 GB free.
+"""``env.versions`` reports the library versions and fails only when megatron-core or
+transformers do not import; ``env.gpus`` (CUDA) reports each GPU and fails under 1 GB free.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""CUDA-only checks that need the trainer's RL run (``rl.megatron_step``) or vLLM.
-
-- ``gpu.vllm``: the same RL run with ``rollout=vllm`` (engine start, generation, a weight
-  refit after the first optimizer step, generation again): passes when both steps trained and
-  the mean |trainer - engine| log-prob of the sampled tokens after the refit
-  (``rollout_logprob_mismatch_abs``) is within 0.05 nats (both in bf16 on the same weights:
-  kernel differences only; a refit that did not land shows as a larger gap once the
-  weights moved). Not run when vLLM is not installed.
-- ``gpu.peak_memory``: this rank's peak of CUDA memory reserved by torch's allocator during the
-  RL run against the dry run's prediction for the same config and world
-  (``dry_run.plan``, its worst GPU): the ratio; fails above 1 (the dry run under-predicted).
-  Also the peak allocated, and the share of the reserved peak the allocator held unused
-  (what the dry run's ``fragmentation`` term assumes). For the tiny model the dry run's
-  CUDA-context and NCCL terms dominate, so the ratio is small; with ``--model`` it measures
-  the memory model.
-- ``gpu.step_time``: the RL run's last step time (the first step includes warm-up), passes
-  when finite.
+"""CUDA-only checks on the trainer's RL run (``rl.megatron_step``) or vLLM. ``gpu.vllm``: the
+run with ``rollout=vllm``; passes when both steps trained and the post-refit
+``rollout_logprob_mismatch_abs`` is within 0.05 nats. ``gpu.peak_memory``: the reserved peak
+over the dry run's prediction, fails above 1 (also the allocated peak and the unused share).
+``gpu.step_time``: the last step time, passes when finite.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""A small GPT through the Megatron backend: forward (log-probs and entropy), backward and
-one optimizer step, at TP1 x PP1 and at the parallel layouts the world allows, compared.
-
-- ``gpt.local_spec``: megatron-core's local spec, fp32, on this machine's device (gloo on
-  the CPU, NCCL on CUDA), plain AdamW. TP1 x PP1 (DP = world) against TP2, PP2 (1F1B, the
-  stages' point-to-point sends) and TP2 x PP2 as the world allows (:func:`layouts`), the
-  same rows on every rank: log-probs within 1e-4, grad norms within rel 1e-4, weights after
-  the step within 1e-5 (fp32; the tests' tolerances for the same comparison).
-- ``gpt.long_sequence``: the long-response options of the same step, fp32 local spec,
-  against TP1 x PP1 with fixed micro-batches, within the same bounds: sequence parallelism
-  at TP2 (the sequence gathers / reduce-scatters and the layer-norm gradient sum over TP),
-  length-aware micro-batches at PP2 (megatron-core's variable_seq_lengths shape exchange)
-  and, when the model's layers divide by 4, interleaved 1F1B at PP2 x VPP2, as the world
-  allows (:func:`long_sequence_layouts`).
-- ``gpt.te_spec_sp`` (CUDA): ``gpt.te_spec`` with sequence parallelism on (TE's fused norms
-  marked ``sequence_parallel``, their gradient summed over TP by finalize_model_grads).
-- ``gpt.te_spec`` (CUDA): the Transformer Engine spec in bf16 with Megatron's distributed
-  optimizer (the CUDA defaults) at TP2 (TP1 on one GPU) against the fp32 local spec at TP1:
-  mean |log-prob difference| within 0.05 and max within 0.5, grad norm within rel 0.1, and
-  every weight tensor moved by the step. The bounds are bf16's (the tiny model's logits reach
-  ~10, bf16 keeps 8 bits): they catch a wrong weight mapping or kernel (errors of nats), not
-  rounding.
-
-The batch: 4 rows of 16 byte tokens (prompts of 3-6 tokens), the same on every rank, one
-GRPO step with every response token kept; the denominator counts the tokens over DP, so
-every layout takes the same gradient.
+"""A small GPT through the Megatron backend: one GRPO step (4 rows of 16 tokens, every response
+token kept) at TP1 x PP1 against the parallel layouts the world allows.
+``gpt.local_spec`` (fp32; TP2, PP2, TP2 x PP2) and ``gpt.long_sequence`` (sequence
+parallelism, token-budget micro-batches, PP2 x VPP2): log-probs within 1e-4, grad norm within
+rel 1e-4, weights after the step within 1e-5. ``gpt.te_spec`` / ``gpt.te_spec_sp`` (CUDA, bf16,
+distributed optimizer) against the fp32 local spec: mean |log-prob diff| <= 0.05, max <= 0.5,
+grad norm within rel 0.1, every weight moved (bf16's bounds: they catch mapping errors).
 """
 
 from __future__ import annotations
@@ -72,9 +53,10 @@ def step_batch(rows: int = 4, width: int = 16, seed: int = 3):
 def one_step(
     pol, micro_batch_tokens: int = 0
 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float], Dict[str, torch.Tensor]]:
-    """(log-probs [B, S], entropy [B, S], train metrics, HF-named weights after the step)
-    of one GRPO step on :func:`step_batch` (collective over the backend's world); micro-batches
-    of 2 rows, or packed to ``micro_batch_tokens`` when > 0."""
+    """(log-probs [B, S], entropy [B, S], train metrics, HF-named weights after the step) of one
+    GRPO step on :func:`step_batch`; collective over the backend's world. Micro-batches of 2 rows,
+    or packed to ``micro_batch_tokens`` when > 0.
+    """
     from nemo_d3s.core.losses import LossConfig, loss_denominator
     from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
 
@@ -198,9 +180,9 @@ def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[s
 
 
 def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
-    """The TE spec in bf16 at ``tp`` (default ``ctx.tp``) with the backend ``params`` (``pp``,
-    recompute, ...; Megatron's distributed optimizer unless ``distributed_optimizer=False``)
-    against the fp32 local spec at TP1 x PP1 (bounds: the module docstring)."""
+    """The TE spec in bf16 at ``tp`` (default ``ctx.tp``) with backend ``params`` against the fp32
+    local spec at TP1 x PP1, within ``gpt.te_spec``'s bounds.
+    """
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
     tp = ctx.tp if tp is None else tp

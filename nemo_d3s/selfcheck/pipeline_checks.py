@@ -1,26 +1,8 @@
-"""The pipeline paths of the 70B set-up, on CUDA and through their CPU twins.
-
-The 70B recipes train with the Transformer Engine spec in bf16, Megatron's distributed
-optimizer, pipeline parallelism, sequence parallelism and full activation recompute; the
-interleaved pipeline needs a model whose layers divide by PP x VPP, which the self-check's
-2-layer model does not. These checks reach both, each with the same comparison as
-``gpt.local_spec`` / ``gpt.te_spec`` (``model_checks``: one GRPO step, log-probs, grad norm,
-weights after the step, against TP1 x PP1):
-
-- ``gpt.pp_recompute`` (CPU twin, any device): fp32 local spec with full recompute at PP2
-  (and TP2 x PP2 with sequence parallelism on a multiple of 4 ranks) against TP1 x PP1
-  without recompute, within ``gpt.local_spec``'s bounds (fp32: recompute changes no number).
-- ``gpt.te_spec_pp_recompute`` (CUDA): the same layout in bf16 with the TE spec and the
-  distributed optimizer against the fp32 local spec at TP1, within ``gpt.te_spec``'s bounds.
-- ``gpt.interleaved_pipeline`` (CPU twin): the interleaved 1F1B schedule at PP2 x VPP2 on a
-  4-layer model (the tiny model built again with 4 layers; ``--model`` when its layers divide
-  by 4) against TP1 x PP1, fp32 local spec, ``gpt.local_spec``'s bounds.
-- ``gpt.te_spec_interleaved`` (CUDA): PP2 x VPP2 with the TE spec, bf16, distributed
-  optimizer (one DDP bucket per chunk) on the same 4-layer model, ``gpt.te_spec``'s bounds.
-- ``gpt.bf16_plain_adamw`` (CUDA): ``gpt.te_spec`` with ``distributed_optimizer=false``:
-  plain AdamW on fp32 main weights, gradients accumulated and all-reduced in fp32
-  (``main_weights``: ``main_grad``); its CPU twin is the gloo test of the DP all-reduce
-  (``tests/backends/megatron/test_main_weights.py``).
+"""The pipeline paths of the 70B set-up (TE spec, bf16, distributed optimizer, PP, SP, full
+recompute, interleaved 1F1B), each compared with TP1 x PP1 as in ``model_checks``:
+``gpt.pp_recompute`` and ``gpt.interleaved_pipeline`` (CPU twins, fp32, a 4-layer model for
+PP2 x VPP2) within ``gpt.local_spec``'s bounds; ``gpt.te_spec_pp_recompute``,
+``gpt.te_spec_interleaved`` and ``gpt.bf16_plain_adamw`` (CUDA) within ``gpt.te_spec``'s.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The CPU twin of the vLLM refit checks (``vllm_checks``) over the gloo ranks, no vLLM needed.
-
-- ``refit.staged_tp_pp``: the Megatron policy at TP 2 (an engine of TP 2: both ranks stage
-  for a worker each) and at PP 2 (an engine on stage 0: the refit gathers across pipeline
-  stages and only stage 0 stages), refitted through the shared-memory staging buffer
-  (``backends/staging.py``, the CPU twin of CUDA IPC: the same sender code) in buckets of a
-  quarter of one layer, into a receiver that reads each bucket like vLLM's worker
-  (``staging.StagedBucketReader``, one per engine worker) and keeps a layer's tensors until
-  the layer is complete, like vLLM's layer-wise reload. Every worker's tensors equal the
-  trainer's (``hf_weights``) bit for bit.
-
-Fault point ``selfcheck.refit_sink`` (``NEMO_D3S_FAULT=selfcheck.refit_sink@<n>=enospc``,
-``NEMO_D3S_FAULT_RANK``): the receiver fails at its n-th bucket; the refit's agreement makes
-every rank fail the check at that bucket (``WeightRefit.agree``) and the self-check goes on.
+"""The CPU twin of the vLLM refit checks over the gloo ranks. ``refit.staged_tp_pp``: the
+Megatron policy at TP 2 and at PP 2 refitted through the shared-memory staging buffer in
+quarter-layer buckets into a layer-wise receiver; every worker's tensors equal the trainer's
+bit for bit. ``NEMO_D3S_FAULT=selfcheck.refit_sink@<n>=enospc`` fails the n-th bucket, and
+the refit's agreement fails the check on every rank.
 """
 
 from __future__ import annotations
@@ -26,10 +17,10 @@ __all__ = ["CHECKS", "LayerwiseReceiver"]
 
 
 class LayerwiseReceiver:
-    """An engine stand-in on the refit's src rank: ``workers`` readers (keys of slots
-    0..workers-1, as vLLM's TP workers), each keeping what it read for a layer until the layer
-    is complete (then storing it), as vLLM 0.33's layer-wise reload keeps the tensors handed
-    to a layer's weight loaders (``reload/layerwise.py:185, 217-218``)."""
+    """An engine stand-in on the refit's src rank: ``workers`` readers (slots 0..workers-1), each
+    holding a layer's tensors until the layer is complete, as vLLM 0.33's layer-wise reload does
+    (``reload/layerwise.py:185, 217-218``).
+    """
 
     def __init__(self, names: List[str], workers: int) -> None:
         from nemo_d3s.backends.staging import StagedBucketReader, shm_key

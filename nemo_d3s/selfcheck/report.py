@@ -1,15 +1,7 @@
 """The self-check's results: one record per check, how ranks' records combine, the table,
-``selfcheck.json`` and the exit code.
-
-A check ends in one of three states: ``passed``, ``failed`` (with the reason) or ``not run``
-(with the reason: no CUDA, vLLM not installed, one rank only, ...). Rules that hold
-whatever a check's code does (:func:`finalize`):
-
-- a check that needs CUDA is never ``passed`` on a machine without CUDA: it is reported
-  ``not run: no CUDA`` (a check function that returned anyway is overruled, not trusted);
-- a check failed on any rank is failed; a check not run on every rank is not run;
-- the exit code is 1 when any check failed, else 0 (``not run`` is not a failure: the
-  table says what was not shown).
+``selfcheck.json`` and the exit code. Rules (:func:`finalize`): a CUDA check is never passed
+without CUDA; failed on any rank is failed; not run is not run on every rank; exit 1 when
+any check failed.
 """
 
 from __future__ import annotations
@@ -57,10 +49,10 @@ class CheckFailed(Exception):
 
 @dataclass
 class CheckResult:
-    """name: dotted check name; needs_cuda: the check proves a CUDA path; status: PASSED,
-    FAILED or NOT_RUN; reason: why it failed or did not run ("" when passed); measured: the
-    numbers it measured (JSON scalars, short strings); seconds: its wall time on this rank;
-    rank: the rank whose record this is (after :func:`combine`: the deciding rank)."""
+    """One check on one rank: status PASSED, FAILED or NOT_RUN with ``reason``; ``measured`` (JSON
+    scalars, short strings); ``seconds`` on this rank; ``rank`` (after :func:`combine`: the
+    deciding rank).
+    """
 
     name: str
     needs_cuda: bool
@@ -99,10 +91,9 @@ def run_check(
     rank: int = 0,
     what: str = "",
 ) -> CheckResult:
-    """Run one check on this rank. ``fn()`` returns the measured numbers (passed), raises
-    :class:`NotRun` or :class:`CheckFailed`; any other exception is a failure named by its
-    type and message. Without CUDA a CUDA check is not called at all (its record says what
-    it would check: ``measured["would_check"] = what``)."""
+    """Run one check on this rank: ``fn()``'s numbers pass; NotRun / CheckFailed as raised; any
+    other exception fails with its type and message. Without CUDA a CUDA check is not called.
+    """
     if needs_cuda and not cuda:
         would = {"would_check": what} if what else {}
         return CheckResult(name, needs_cuda, NOT_RUN, NO_CUDA, would, rank=rank)
@@ -122,9 +113,9 @@ def run_check(
 
 
 def combine(per_rank: Sequence[Sequence[CheckResult]]) -> List[CheckResult]:
-    """Every rank's records of the same checks (same order) -> one record per check: the
-    first failing rank's (reason prefixed with its rank when there are several ranks), else
-    rank 0's when any rank passed, else (not run everywhere) rank 0's."""
+    """Every rank's records (same order) -> one per check: the first failing rank's (reason
+    prefixed with its rank), else the first passing rank's, else (not run everywhere) rank 0's.
+    """
     if not per_rank:
         return []
     names = [r.name for r in per_rank[0]]

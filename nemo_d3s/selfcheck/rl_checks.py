@@ -1,16 +1,8 @@
-"""The trainer end to end on the Megatron backend, and its checkpoints.
-
-- ``rl.megatron_step``: ``nemo_d3s.trainer.loop.train`` on the smoke experiment with
-  ``model.backend=megatron`` at TP2 over the world (TP1 on one rank), two steps (generate
-  with the backend's HF engine, reward, D3S selection, update) and a checkpoint after the
-  second (each rank hashing its own files, the digests gathered over the job's backend):
-  passes when an optimizer step was taken, the loss and grad norm are finite and the
-  checkpoint verifies (each rank its share); reports the last step's time, reward and
-  kept tokens. Its CUDA memory peak and step time feed ``gpu.*`` (``ctx.cache["rl"]``).
-- ``checkpoint.roundtrip``: one GRPO step, then the backend's sharded checkpoint saved,
-  loaded into a fresh backend of the same layout and (at TP2) of TP1, and converted to a
-  Hugging Face folder by ``convert.megatron_to_hf``: every tensor equal to the live weights
-  (bit for bit: the same dtype, rows copied, nothing recomputed).
+"""The trainer end to end on the Megatron backend, and its checkpoints. ``rl.megatron_step``:
+two smoke steps at TP2 (TP1 on one rank) and a checkpoint; passes when an optimizer step was
+taken, loss and grad norm are finite and the checkpoint verifies; feeds ``gpu.*``.
+``checkpoint.roundtrip``: the sharded checkpoint saved, loaded at the same layout and TP1,
+and converted to HF: every tensor equal to the live weights, bit for bit.
 """
 
 from __future__ import annotations

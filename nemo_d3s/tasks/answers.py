@@ -1,12 +1,7 @@
-"""Pulling the final answer out of a free-form model response.
-
-Priority: the last ``\\boxed{...}``, else the text after the last "Answer:" tag, else a
-fallback that depends on what kind of answer the task expects:
-
-- ``"number"``: the last number inside the chosen segment, or in the whole response;
-- ``"math"``: the chosen segment as written (math-verify compares it), or the last number;
-- ``"text"``: the chosen segment, or the last non-empty line.
-"""
+"""Pulling the final answer out of a free-form model response: the last ``\\boxed{...}``, else the
+text after the last "Answer:" tag, else by the expected kind: ``"number"`` the last number,
+``"math"`` the segment as written (math-verify compares it) or the last number, ``"text"`` the last
+non-empty line."""
 
 from __future__ import annotations
 

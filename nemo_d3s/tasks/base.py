@@ -1,8 +1,5 @@
-"""What a task is: prompts with a verifiable answer, and an exact reward.
-
-Every task is built by a factory registered in ``TASKS`` (one signature:
-``factory(**options) -> Task``), so a Hydra override like ``task.name=chain_sum`` picks it.
-"""
+"""What a task is: prompts with a verifiable answer and an exact reward, built by a factory
+registered in ``TASKS`` (``factory(**options) -> Task``; ``task.name=chain_sum`` picks one)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,8 @@ log = logging.getLogger("nemo_d3s.tasks")
 
 @dataclass
 class Problem:
-    """One prompt. ``prompt`` is the plain user message (the backend applies the chat
-    template); ``answer`` is the reference answer as text; ``meta`` is task-specific."""
+    """One prompt: ``prompt`` the plain user message (the backend applies the chat template),
+    ``answer`` the reference as text, ``meta`` task-specific."""
 
     prompt: str
     answer: str
@@ -29,11 +26,8 @@ class Problem:
 
 
 class Task(abc.ABC):
-    """A source of training problems, a fixed held-out eval set, and an exact verifier.
-
-    Contract: ``eval_set()`` returns the same problems on every call and every machine
-    (fixed seed), and ``sample_train`` never returns an eval problem.
-    """
+    """Training problems, a held-out eval set and an exact verifier. ``eval_set()`` is the same on
+    every call and machine; ``sample_train`` never returns an eval problem."""
 
     name: str = "task"
     # The range every reward of this task lies in (its contract); rewards outside it are
@@ -53,14 +47,13 @@ class Task(abc.ABC):
         """Score of one response in [0, 1] (1 = verified correct)."""
 
     def finite_problems(self) -> Optional[Dict[str, List[Problem]]]:
-        """Every problem of a task backed by a finite dataset, by split ("train", "eval"),
-        so they can be checked when the task loads (prompt lengths); None for a task that
-        generates its problems (only its eval set and a sample can be checked)."""
+        """Every problem by split ("train", "eval") for a task backed by a finite dataset (checked
+        at load: prompt lengths); None for a generated task."""
         return None
 
     def drop_problems(self, drop: Callable[[Problem], bool]) -> Dict[str, int]:
-        """Remove the problems for which ``drop`` is true from every split; returns how many
-        were removed per split. Only tasks with :meth:`finite_problems` support it."""
+        """Remove the problems ``drop`` selects from every split; returns how many per split (tasks
+        with :meth:`finite_problems` only)."""
         raise NotImplementedError(f"task {self.name!r} cannot drop problems")
 
 
@@ -74,9 +67,8 @@ TASKS: Registry = Registry("task", TaskFactory)
 
 
 def make_task(name: str, **options) -> Task:
-    """Build the registered task ``name`` (unknown names list the known ones). The built-in
-    tasks are registered by ``nemo_d3s/tasks/__init__.py``, which Python has run before this
-    module (a package's ``__init__`` is imported before its modules)."""
+    """Build the registered task ``name`` (an unknown name lists the known ones); the built-ins are
+    registered by ``nemo_d3s/tasks/__init__.py``."""
     return TASKS.get(name)(**options)
 
 
@@ -90,12 +82,9 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
 
 
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
-    """``task.reward`` that never raises: an exception or a non-finite value gives reward 0
-    and a one-line error description (the trainer counts them); else (reward, None).
-
-    A finite reward outside ``task.reward_range`` is kept as it is (the task decides what
-    it means) but counted in ``out_of_range_rewards(task)``; the first one is logged as a
-    warning with the value and the declared range."""
+    """``task.reward`` that never raises: an exception or a non-finite value ->
+    (0, a one-line error), else (reward, None). A finite reward outside ``task.reward_range`` is
+    kept but counted in ``out_of_range_rewards(task)``, the first logged as a warning."""
     try:
         value = float(task.reward(problem, text))
     except Exception as exc:  # a verifier bug must not kill a multi-hour run

@@ -1,26 +1,12 @@
-"""GSM8K / MATH-style datasets from local JSONL, JSON or Parquet files (GPU runs).
+"""GSM8K / MATH-style datasets from local JSONL, JSON or Parquet files.
 
-Each row needs a question and a reference answer (field names configurable). Reference
-answers are parsed by ``answer_format``:
-
-- ``"gsm8k"``: the text after the last "####" (GSM8K's "...reasoning... #### 1,234");
-- ``"boxed"``: the last ``\\boxed{...}`` (MATH's worked "solution" field);
-- ``"plain"``: the field as written;
-- ``"auto"`` (default): gsm8k if "####" occurs, else boxed if ``\\boxed`` occurs, else plain.
-
-Rewards: the response's answer (boxed / "Answer:" / last number) checked with
-``verify_math`` (numeric, then math-verify symbolic equality). References the verifier can
-never match (words, see ``verifier.reference_is_checkable``) are found when a file loads: a
-file with no checkable reference is refused, naming its first rows; otherwise the rows are
-counted (``MathDatasetTask.unusable_references``, in the run's ``summary.json``) and named
-in a warning, since they train with reward 0 on every rollout.
-
-Or your own reward function instead of the verifier: ``reward_fn="my_rewards.py:score"`` (a
-file, relative to the working directory) or ``"my_package.rewards:score"`` (a module on the
-Python path), called as ``score(response: str, answer: str) -> float`` with the reference
-answer parsed as above (``answer_format="plain"``: the field as written); the references are
-then the function's business and are not checked.
-"""
+Each row has a question and a reference answer, parsed by ``answer_format``: ``"gsm8k"``
+(after the last "####"), ``"boxed"`` (the last ``\\boxed{...}``), ``"plain"``, or ``"auto"`` (gsm8k,
+else boxed, else plain). Rewards check the response's answer with ``verify_math``; a file with no
+reference the verifier can match is refused, otherwise such rows are counted
+(``unusable_references``, in ``summary.json``) and named in a warning. ``reward_fn="file.py:score"``
+or ``"package.module:score"`` replaces the verifier: ``score(response: str, answer: str) -> float``,
+references then unchecked."""
 
 from __future__ import annotations
 
@@ -42,8 +28,8 @@ ANSWER_FORMATS = ("auto", "gsm8k", "boxed", "plain")
 
 
 def read_rows(path: str) -> List[Dict[str, Any]]:
-    """Rows of a .jsonl/.json/.parquet file as dicts. A missing path, a folder, bytes that
-    are not UTF-8 or bad JSON -> FileNotFoundError / ValueError naming the file (and line)."""
+    """Rows of a .jsonl/.json/.parquet file as dicts; FileNotFoundError / ValueError naming the file
+    (and line) for a missing path, a folder, non-UTF-8 bytes or bad JSON."""
     if path is None or str(path).strip() in ("", "???"):
         raise ValueError("no dataset file given")
     p = Path(path).expanduser()
@@ -90,8 +76,8 @@ def read_rows(path: str) -> List[Dict[str, Any]]:
 
 
 def read_numbered_rows(path: str) -> List[tuple]:
-    """(where, row) pairs: ``where`` is "line N" (the physical line, blank lines counted, as
-    the decoding errors say) for a .jsonl file and "row N" for .json / .parquet."""
+    """(where, row) pairs: "line N" (physical line, blank lines counted) for .jsonl, "row N" for
+    .json / .parquet."""
     p = Path(path).expanduser()
     if p.suffix.lower() in (".json", ".parquet") or not p.is_file():
         return [(f"row {i}", row) for i, row in enumerate(read_rows(path), start=1)]
@@ -139,8 +125,8 @@ def load_problems(
     answer_format: str = "auto",
     prompt_suffix: str = BOXED_SUFFIX,
 ) -> List[Problem]:
-    """Every row of ``path`` as a Problem. A row with no question or no parseable answer
-    -> ValueError naming the file and the (1-based) row number."""
+    """Every row of ``path`` as a Problem; ValueError naming the file and 1-based row for one
+    without a question or a parseable answer."""
     problems = []
     for where, row in read_numbered_rows(path):
         if not isinstance(row, dict):
@@ -165,9 +151,8 @@ def load_problems(
 
 
 class MathDatasetTask(Task):
-    """Problems from files; the eval set is ``eval_path`` (first ``n_eval`` rows, all when
-    None), or, without one, ``n_eval`` (default 500) rows held out of ``train_path`` by a
-    fixed ``seed`` shuffle and never used for training."""
+    """Problems from files; the eval set is ``eval_path``'s first ``n_eval`` rows, or without it
+    ``n_eval`` (default 500) rows of ``train_path`` held out by a fixed ``seed`` shuffle."""
 
     def __init__(
         self,
@@ -259,9 +244,8 @@ class MathDatasetTask(Task):
 
 
 def load_reward_fn(spec: str) -> Callable[[str, str], float]:
-    """``"file.py:name"`` (a path, relative to the working directory) or ``"module:name"``
-    (imported from the Python path; ``python -m`` puts the working directory on it) -> the
-    callable. Errors name ``task.params.reward_fn``."""
+    """``"file.py:name"`` (relative to the working directory) or ``"module:name"`` -> the callable;
+    errors name ``task.params.reward_fn``."""
     import importlib
     import importlib.util
 
@@ -311,8 +295,7 @@ def load_reward_fn(spec: str) -> Callable[[str, str], float]:
 
 
 def check_reward_signature(fn: Callable, key: str) -> None:
-    """ValueError at start-up when ``fn`` cannot be called as ``fn(response, answer)`` (it
-    would fail on every rollout, each failure counted, until the run stops)."""
+    """ValueError at start-up when ``fn`` cannot be called as ``fn(response, answer)``."""
     import inspect
 
     try:
@@ -375,8 +358,8 @@ def _load_named(key: str, path: str, read: Dict[str, Any]) -> List[Problem]:
 
 
 def _check_references(key: str, path: str, problems: List[Problem], answer_field: str) -> int:
-    """Refuse a file none of whose references the verifier can check; warn about (and
-    return the number of) the rows it cannot check."""
+    """Refuse a file with no reference the verifier can check; warn about (and count) the rows it
+    cannot."""
     bad = [p for p in problems if not reference_is_checkable(p.answer)]
     if not bad:
         return 0
@@ -405,8 +388,8 @@ def _check_references(key: str, path: str, problems: List[Problem], answer_field
 
 @TASKS.register("math_file")
 def math_file_task(train_path: str, **options) -> MathDatasetTask:
-    """Any GSM8K/MATH-style file:
-    ``make_task("math_file", train_path=..., answer_field="solution")``."""
+    """Any GSM8K/MATH-style file: ``make_task("math_file", train_path=...,
+    answer_field="solution")``."""
     return MathDatasetTask(train_path, **options)
 
 

@@ -1,16 +1,9 @@
 """Procedural tasks from the ``reasoning-gym`` package (CPU-friendly, unlimited data).
 
-reasoning-gym builds entry ``idx`` of a dataset from ``Random(seed + idx)``. Training
-draws indices from ``[0, train_size)`` of the dataset seeded ``seed``; the eval set is
-entries ``[0, n_eval)`` of the dataset seeded ``seed + train_size``, so the two never share
-an RNG stream. Small difficulty settings have few distinct questions, so training draws
-whose question text is in the eval set are also rejected (held out by content).
-
-Rewards are exact by default: the answer is extracted from the response (``\\boxed{}``,
-"Answer:", last number) and the dataset's own ``score_answer`` must give full marks.
-reasoning-gym's partial credit (e.g. 0.01 for any wrong answer) is available with
-``partial_credit=True``.
-"""
+Entry ``idx`` comes from ``Random(seed + idx)``: training draws from ``[0, train_size)`` of the
+dataset seeded ``seed``, the eval set is ``[0, n_eval)`` of the one seeded ``seed + train_size``,
+and training draws whose question is in the eval set are rejected too. Rewards are exact
+(``score_answer`` must give full marks) unless ``partial_credit=True``."""
 
 from __future__ import annotations
 
@@ -26,12 +19,9 @@ _MAX_REJECTION_ROUNDS = 1000
 
 
 class ReasoningGymTask(Task):
-    """Generic adapter over ``reasoning_gym.create_dataset(dataset, size=, seed=, **config)``.
-
-    answer_kind: "number" (extract the last number, normalised) or "text" (the tagged
-        segment as written, e.g. a countdown expression); see nemo_d3s.tasks.answers.
-    prompt_suffix: appended to the question; asks for a parseable final answer.
-    """
+    """Adapter over ``reasoning_gym.create_dataset(dataset, size=, seed=, **config)``. answer_kind:
+    "number" (last number, normalised) or "text" (the tagged segment as written); prompt_suffix asks
+    for a parseable final answer."""
 
     def __init__(
         self,
@@ -127,8 +117,8 @@ class ReasoningGymTask(Task):
 
 @TASKS.register("reasoning_gym")
 def reasoning_gym_task(dataset: str, **options) -> ReasoningGymTask:
-    """Any reasoning-gym dataset:
-    ``make_task("reasoning_gym", dataset="leg_counting", config={...})``."""
+    """Any reasoning-gym dataset: ``make_task("reasoning_gym", dataset="leg_counting",
+    config={...})``."""
     return ReasoningGymTask(dataset, **options)
 
 
@@ -154,7 +144,7 @@ def _preset(
 
 # Easy presets: two single-digit terms, where the base SmolLM2-135M-Instruct is right some
 # of the time, so GRPO groups have reward variance from the start. Measured at
-# temperature 1.0 on 64 eval problems: chain_sum 2 terms 14%; with 2-3 terms it was 5%;
+# temperature 1.0 on 64 eval problems: chain_sum 2 terms 14% (2-3 terms: 5%);
 # basic_arithmetic 1 digit 11% (1-2 digits: 9%). These settings allow
 # only 200 distinct questions, so the held-out eval set defaults to 64 of them (the other
 # 136 remain for training).

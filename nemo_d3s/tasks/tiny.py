@@ -1,14 +1,7 @@
-"""A deterministic toy task for CI runs on a random tiny model.
-
-The reward is a property of the response text alone, so even a randomly initialised
-model gets rewards with variance inside a GRPO group, and training visibly raises it:
-
-- ``mode="fraction"``: fraction of the response's characters that are in ``targets``;
-- ``mode="contains"``: 1 if any target character occurs, else 0.
-
-A random byte-level model emits a target byte with probability len(targets)/256 per
-token, so with 5 targets "contains" over 32 tokens is 1 about half the time.
-"""
+"""A deterministic toy task for CI runs on a random tiny model: the reward depends on the response
+text alone (``mode="fraction"``: share of characters in ``targets``; ``"contains"``: 1 if any
+occurs), so even a random model has reward variance inside a group (5 targets over 32 random bytes:
+"contains" is 1 about half the time)."""
 
 from __future__ import annotations
 

@@ -16,11 +16,8 @@ _WORD = re.compile(r"[A-Za-z]{2,}")
 
 
 def _as_fraction(s: str) -> Optional[Fraction]:
-    """A plain number ("1,000", "-2.5", "3/4", "50%") as an exact Fraction, else None.
-
-    A trailing % is dropped, not divided by 100: datasets write the answer to "what
-    percent..." as 50, and models write 50%; math-verify reads it the same way.
-    """
+    """A plain number ("1,000", "-2.5", "3/4", "50%") as an exact Fraction, else None. A trailing %
+    is dropped, not divided: datasets answer "what percent" with 50, models write 50%."""
     t = s.strip().replace(",", "").replace(" ", "").removesuffix("%").removesuffix("\\%")
     try:
         return Fraction(t)
@@ -56,12 +53,8 @@ def _math_verify(pred: str, gold: str) -> Optional[bool]:
 
 
 def verify_math(pred: Optional[str], gold: str) -> bool:
-    """Is the extracted answer ``pred`` equal to the reference ``gold``?
-
-    Order: exact plain-number comparison (fast, no sympy); then math-verify (fractions,
-    LaTeX, symbolic equality); then, if math-verify cannot parse a side, the last numbers
-    of both compared numerically.
-    """
+    """Is the extracted answer ``pred`` equal to the reference ``gold``? Plain numbers exactly, then
+    math-verify (LaTeX, symbolic), then the last numbers of both if a side does not parse."""
     if pred is None or not str(pred).strip():
         return False
     pred, gold = clean_segment(str(pred)), clean_segment(str(gold))
@@ -76,12 +69,10 @@ def verify_math(pred: Optional[str], gold: str) -> bool:
 
 
 def reference_is_checkable(gold: str) -> bool:
-    """Can :func:`verify_math` ever score a response correct against this reference? Yes
-    for a reference with a number in it (compared numerically, symbolically, or by its last
-    number) or a symbolic expression (``x``, ``\\pi``, ``\\infty``, a choice letter); no for
-    words (``seventy-two``, ``yes``, ``\\text{Monday}``): math-verify reads them as products
-    of one-letter symbols that no answer equals, so every rollout of such a row gets reward
-    0. Cheap (no sympy): a dataset is checked row by row when it loads."""
+    """Can :func:`verify_math` ever score a response correct against this reference? Yes with a
+    number or a symbolic expression (``x``, ``\\pi``, a choice letter); no for words
+    (``seventy-two``, ``\\text{Monday}``), which math-verify reads as products of symbols no answer
+    equals. Cheap (no sympy)."""
     g = clean_segment(str(gold))
     if not g:
         return False

@@ -1,30 +1,9 @@
-"""Which model framework runs the policy: a name -> (backend class, config dataclass) table,
-imported lazily.
-
-Lazy so that the HF backend's transformers import (and later Megatron's) happens only for
-the backend a run uses. A backend is a :class:`~nemo_d3s.backends.base.Policy` class
-built as ``cls(config)``: it creates its own parallel layout (``policy.groups``; Megatron
-runs ``initialize_model_parallel`` there), so the trainer validates the config against the
-real data-parallel size only after building it. The training loop does not change.
-
-Building: the trainer hands over the COMMON settings below (derived from the run config)
-plus ``model.params`` (backend-specific). A common setting the backend's config dataclass
-does not declare is not used by that backend: it is logged as a notice naming the setting
-(never dropped silently); a ``model.params`` key it does not declare is an error that
-names the key. Values are merged into the dataclass with OmegaConf, so nested dataclasses
-(e.g. the HF backend's ``tiny`` model shape) and types are checked too.
-
-Common settings: model, dtype, device, seed, lr, weight_decay, adam_betas, grad_clip,
-warmup_steps, scheduler, total_steps, use_reference, gradient_checkpointing,
-dist_timeout_minutes.
-
-A backend may also be named in the config as ``model.backend=pkg.module:Class``; such a
-class declares its config dataclass as the class attribute ``config_class``.
-
-A backend class may declare ``check_config(config)`` (a static method raising ValueError
-naming the key): the options it refuses, checked by :func:`checked_config` before anything
-is built. :func:`build_backend` and the dry run both go through :func:`checked_config`, so
-a check the backend adds is in the dry run's plan too.
+"""Which model framework runs the policy: name -> (Policy class, config dataclass), imported
+lazily so only the backend a run uses is imported; ``pkg.module:Class`` names a class with a
+``config_class`` attribute. The config is built from the common settings (``COMMON_SOURCES``)
+plus ``model.params``: a common setting the dataclass lacks is logged, an unknown
+``model.params`` key is an error. A class may declare ``check_config(config)`` (ValueError
+naming the key); the build and the dry run both go through :func:`checked_config`.
 """
 
 from __future__ import annotations
@@ -79,8 +58,8 @@ def resolve_backend(name: str) -> Tuple[type, type]:
 
 
 # Each common setting's one source in the run config: a model.params key of the same name
-# would override it silently (issue 32: +model.params.lr=0.5 trained at 0.5 while trainer.lr
-# said otherwise), so it is refused, naming the key to set instead.
+# would override it silently (``+model.params.lr`` against ``trainer.lr``), so it is refused,
+# naming the key to set instead.
 COMMON_SOURCES: Dict[str, str] = {
     "model": "model.name",
     "dtype": "model.dtype",
@@ -137,9 +116,9 @@ def backend_config(cfg_cls: type, common: Mapping[str, Any], params: Mapping[str
 def checked_config(
     name: str, common: Mapping[str, Any], params: Mapping[str, Any]
 ) -> Tuple[type, Any]:
-    """(backend class, its config) for ``name``: the config dataclass built from common
-    settings + ``model.params`` and passed through the class's own ``check_config`` (when it
-    has one). ValueError naming the key otherwise. Nothing is built."""
+    """(backend class, its config) for ``name``, built and passed through the class's
+    ``check_config``; ValueError naming the key otherwise. Nothing is built.
+    """
     cls, cfg_cls = resolve_backend(name)
     config = backend_config(cfg_cls, common, params)
     check = getattr(cls, "check_config", None)

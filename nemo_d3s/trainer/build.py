@@ -1,9 +1,5 @@
-"""Config -> objects: the policy (which builds the parallel layout), its rollout engine,
-the selector, the loss config, the generation config.
-
-Kept apart from the loop so a notebook can build the same pieces (``build_selector(cfg,
-groups)``) without running anything. ``cfg`` is a resolved
-:class:`nemo_d3s.config.TrainConfig` (DictConfig or dataclass).
+"""Config -> objects: the policy (which builds the parallel layout), its rollout engine, the
+selector, the loss and generation configs; apart from the loop so a notebook can build them.
 """
 
 from __future__ import annotations
@@ -60,9 +56,9 @@ def d3s_config(cfg: Any) -> D3SConfig:
 
 
 def build_selector(cfg: Any, groups: ParallelGroups) -> DistributedD3SSelector:
-    """The DP-global selector over ``groups.dp`` (with one process its collectives are the
-    identity), so cross-group selection and the token top-K threshold span all ranks and a
-    2-rank run selects what a 1-rank run selects on the same global batch."""
+    """The DP-global selector over ``groups.dp``: selection and the token top-K threshold span all
+    ranks, so a 2-rank run selects what a 1-rank run does on the same global batch.
+    """
     return DistributedD3SSelector(
         d3s_config(cfg), groups.dp, batch_scope=cfg.d3s.dp_batch_scope, device=groups.device
     )
@@ -91,12 +87,11 @@ def generation_config(cfg: Any) -> GenerationConfig:
 
 
 def check_runtime(cfg: Any) -> None:
-    """What this machine must provide for the run (after ``config.validate``, before any model
-    loads): vLLM for ``rollout.engine=vllm``, a CUDA build of torch that sees a GPU for
-    ``model.device=cuda``. Not part of ``config.validate``: the dry run plans GPU jobs on
-    machines without either. First of all, the software the run uses lies inside the tested
-    ranges (``nemo_d3s.versions``: torch; megatron-core and Transformer Engine for the
-    Megatron backend; vLLM for vLLM rollouts), or NEMO_D3S_ALLOW_UNTESTED=1."""
+    """What this machine must provide (after ``config.validate``, before any model loads): software
+    inside the tested ranges (``nemo_d3s.versions``, or NEMO_D3S_ALLOW_UNTESTED=1), vLLM for
+    ``rollout.engine=vllm``, a CUDA torch that sees a GPU for ``model.device=cuda``. Kept out of
+    ``config.validate`` because the dry run plans GPU jobs on machines without them.
+    """
     engine = cfg.rollout.engine
     uses = ["torch"]
     if str(cfg.model.backend) == "megatron":
@@ -150,9 +145,9 @@ def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
 
 
 def checked_backend_config(cfg: Any) -> Any:
-    """The typed config of the backend ``model.backend`` names, checked by the backend's own
-    option check, without building anything: what :func:`backend_from_config` builds from
-    (the dry run plans with it)."""
+    """The typed, checked config of ``model.backend`` without building anything (the dry run plans
+    with it).
+    """
     try:
         return checked_config(str(cfg.model.backend), *backend_settings(cfg))[1]
     except ValueError as e:  # unknown backend / model.params key / bad backend option
@@ -173,10 +168,9 @@ def _optional_float(v: Any):
 
 
 def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
-    """The engine ``rollout.engine`` names (hf: the policy's own), wrapped once when it
-    cannot take one seed per prompt:
-    ``trainer.generate_per_prompt`` picks one call per prompt (layout-independent samples)
-    or one batched call per rank (faster; see ``backends.wrappers``)."""
+    """The engine ``rollout.engine`` names (hf: the policy's own), wrapped per
+    ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
+    """
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
     if engine.prompt_seeds:
         return engine

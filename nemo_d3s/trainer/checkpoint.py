@@ -1,42 +1,12 @@
 """Atomic, checksummed checkpoints of the whole run state, the last N kept.
 
-Layout of ``DIR/checkpoints/step_XXXXXX/`` (XXXXXX = optimizer-loop steps completed)::
-
-    backend.pt          model + optimizer (+ LR scheduler) from ``backend.state_dict()``
-                        (rank 0), unless ``backend.save_checkpoint(dir)`` wrote its own
-                        files from every rank (sharded Megatron state: ``megatron/``)
-    rng_rank{r}.pt      python ``random``, numpy, torch (+ CUDA) generator states of global
-                        rank r, as tensors and plain numbers (no pickled objects)
-    trainer_state.json  step, cumulative counters
-    checksums.json      size + SHA-256 of every other file (written last)
-
-Everything read back is untrusted input: tensors are loaded with
-``torch.load(weights_only=True)`` (a pickled object other than tensors and plain
-containers is refused, never run), and every file must match ``checksums.json``.
-:meth:`CheckpointManager.load_latest` takes the newest checkpoint that verifies; a
-corrupt, truncated, empty or incomplete newer one is skipped with a warning that says what
-was wrong, and no usable checkpoint at all is a :class:`~nemo_d3s.trainer.faults.RunError`.
-
-Hashing is spread over the ranks (a 70B checkpoint with its optimizer state is ~1 TB:
-one rank hashing it at ~1 GB/s takes ~17 minutes while the others wait). Saving: each rank
-hashes the files it wrote, right after writing them (``Policy.save_checkpoint`` names
-them; rank 0 hashes the files no rank named: its own), and the digests are all-gathered to
-rank 0, which writes ``checksums.json``. Verifying: ``formats.checksums.verify_checksums``,
-each rank reading a share of about equal bytes, the findings all-gathered, so every rank
-takes the same checkpoint or raises the same error. The waits on that work (the gathers,
-the barriers) run in the world group's timeout, ``trainer.dist_timeout_minutes``, on work
-that is one rank's share: its own files (the shard of its TP x PP position) and 1/world of
-the bytes to verify. A rank that fails to write says so in the gather, and every rank
-raises (none is left waiting for it).
-
-Atomicity (why): a run killed mid-save must never leave a directory that looks complete.
-Everything is written into ``.tmp_step_XXXXXX`` and renamed into place by rank 0 after the
-gather; only ``step_*`` directories are considered. Older ``step_*`` beyond ``keep_last``
-are deleted after the rename. A write that fails (a full disk) removes the temporary
-directory and raises a RunError; the earlier checkpoints are untouched.
-
-Data order needs no saved state: prompts and generation seeds are pure functions of
-(seed, step) (see ``trainer.data``), and so is the (N, K) schedule position.
+``DIR/checkpoints/step_XXXXXX/`` holds ``backend.pt`` (rank 0; or the backend's own sharded
+files), ``rng_rank{r}.pt`` (generator states as tensors), ``trainer_state.json`` and
+``checksums.json`` (size + SHA-256 of every other file, written last). Each rank hashes what it
+wrote and verifies ~1/world of the bytes; the findings are all-gathered, so every rank loads the
+same checkpoint or raises the same RunError (waits: ``trainer.dist_timeout_minutes``). Loads
+use ``weights_only=True``. Written into ``.tmp_step_XXXXXX`` and renamed by rank 0, so a killed
+save never looks complete. Data order needs no saved state.
 """
 
 from __future__ import annotations
@@ -225,16 +195,11 @@ def _structure(path: Path) -> Optional[str]:
 
 
 def verify_checkpoint(path: Path, *, shared: bool = False) -> Optional[str]:
-    """None when ``path`` is a complete checkpoint whose files match ``checksums.json``;
-    else what is wrong, in a few words. ``shared``: collective over the job, each rank
-    hashing its share (``formats.checksums.verify_checksums``), the same answer on every
-    rank; else this process reads every file."""
+    """None when ``path`` is a complete checkpoint matching ``checksums.json``, else what is wrong.
+    ``shared``: collective over the job (each rank hashes its share, same answer everywhere).
+    """
     rank, world, gather = job_world() if shared else (0, 1, None)
     return verify_checksums(path, rank=rank, world=world, gather=gather, found=_structure(path))
-
-
-def _write_checksums(path: Path) -> None:
-    write_checksums(path)
 
 
 def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
@@ -382,10 +347,10 @@ class CheckpointManager:
             shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:
-        """Restore the newest checkpoint that verifies (see the module docstring); None when
-        there is no ``step_*`` directory at all. Collective: rank 0's list of checkpoints
-        is broadcast, every rank verifies its share of each in turn (the findings
-        all-gathered) and every rank loads the checkpoint they agreed on."""
+        """Restore the newest checkpoint that verifies (older ones after a warning); None when
+        there is no ``step_*`` directory. Collective: rank 0's list is broadcast, every rank
+        verifies its share, then all load the agreed checkpoint.
+        """
         names = broadcast_world(
             [p.name for p in checkpoint_dirs(self.root)] if self.dp.is_main else None
         )

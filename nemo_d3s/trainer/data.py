@@ -1,14 +1,8 @@
 """Prompts for each step, layout-independent seeds, and batching of per-prompt rollouts.
 
-Reproducibility and data parallelism rest on two rules:
-
-1. The global prompt list of step ``s`` is a pure function of (seed, s): every rank draws
-   the same list and keeps its contiguous slice, so the union over ranks is the
-   one-process batch and a resumed run sees the same data order without saving a sampler.
-2. The generation seed of a prompt is a pure function of (seed, s, global prompt index),
-   and a prompt's G samples depend only on that seed (one ``generate`` call per prompt, or
-   one batched call on an engine that takes per-prompt seeds), so a prompt gets the same
-   completions whichever rank (and whichever neighbours) it has.
+The step's global prompt list is a pure function of (seed, step); each rank keeps a contiguous
+slice. A prompt's generation seed is a pure function of (seed, step, global index), and its G
+samples depend only on it, so a prompt gets the same completions on any rank and on resume.
 """
 
 from __future__ import annotations
@@ -35,12 +29,8 @@ def derive_seed(*parts: Any) -> int:
 
 @dataclass
 class PromptBatch:
-    """This rank's prompts for one step.
-
-    problems      [P_local] task problems (opaque to the trainer, handed back to the reward)
-    prompts       [P_local] prompt texts as the backend's ``generate`` takes them
-    global_index  [P_local] long: position in the step's global prompt list (= group id)
-    seeds         [P_local] generation seed per prompt
+    """This rank's P_local prompts for one step: ``problems`` (opaque, handed to the reward),
+    ``prompts`` (texts), ``global_index`` [P_local] long (= group id), ``seeds``.
     """
 
     problems: List[Any]
@@ -79,9 +69,7 @@ class PromptSource:
 def generate_groups(
     engine: RolloutEngine, batch: PromptBatch, n_samples: int, gen: GenerationConfig
 ) -> Rollouts:
-    """G completions per prompt, each prompt sampled from its own seed (rule 2 above; an
-    engine that cannot take per-prompt seeds was wrapped at build time, see
-    ``backends.wrappers``). Returns [P_local * G] rows, prompt-major."""
+    """G completions per prompt, each from its own seed: [P_local * G] rows, prompt-major."""
     out = engine.generate(batch.prompts, n_samples, gen, list(batch.seeds))
     if len(out.batch) != len(batch) * n_samples:
         raise RuntimeError(

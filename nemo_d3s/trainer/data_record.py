@@ -1,8 +1,7 @@
-"""What data a run read: ``DIR/data_files.json`` records each file the task's parameters
-name (every ``task.params.*_path`` and the ``reward_fn`` file): its path, size and SHA-256.
-Written when a run starts fresh; ``resume=true`` compares the files with it before anything
-changes, so a dataset edited between a run and its resume is refused instead of silently
-training the rest of the run on other data (issue 32). Rank 0 runs these."""
+"""``DIR/data_files.json``: path, size and SHA-256 of each file the task reads
+(``task.params.*_path``, the ``reward_fn`` file), written by a fresh run; ``resume=true``
+refuses a file changed since. Rank 0 runs these.
+"""
 
 from __future__ import annotations
 
@@ -58,9 +57,9 @@ def write_data_record(cfg: Any, out: Path) -> None:
 
 
 def check_data_record(cfg: Any, out: Path) -> None:
-    """ConfigError (a warning with ``trainer.allow_config_change=true``) when a file the
-    run read is gone, moved or changed since; nothing to compare for a run without the
-    record (written by an older version)."""
+    """ConfigError (a warning with ``trainer.allow_config_change``) when a recorded file is gone or
+    changed; nothing to compare when the run has no record.
+    """
     path = out / DATA_RECORD
     if not path.is_file():
         return

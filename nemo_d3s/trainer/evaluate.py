@@ -1,8 +1,5 @@
-"""Held-out evaluation: greedy decoding on a fixed problem set, mean reward over all ranks.
-
-Greedy so the number moves only when the policy does (no sampling noise between two
-evaluations of the same weights). The set is split into contiguous per-rank slices and the
-sums are all-reduced, so the result does not depend on the number of ranks.
+"""Held-out evaluation: greedy decoding (no sampling noise) on a fixed problem set, split into
+contiguous per-rank slices; the mean reward over all ranks does not depend on their number.
 """
 
 from __future__ import annotations
@@ -32,13 +29,13 @@ def evaluate(
     on_batch: Optional[Callable[[int, int], None]] = None,
     wait: Optional[GenerationWait] = None,
 ) -> Dict[str, Any]:
-    """Returns eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors,
-    time_eval and (rank 0) ``samples``: the first ``n_show`` (prompt, completion, reward).
+    """eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors, time_eval and (rank 0)
+    the first ``n_show`` (prompt, completion, reward) as ``samples``.
 
-    ``should_stop``: asked before every batch; after each batch's generation every rank
-    agrees (``wait``: ``backends/engine_wait.py``) whether any has a stop pending or had its
-    generation cut short; then ``{"stopped": True}``: no row from a partial evaluation.
-    ``on_batch(done, total)``: called after each batch."""
+    ``should_stop`` is asked before each batch; after each batch's generation the ranks agree
+    (``wait``: ``backends/engine_wait.py``) whether any has a stop pending or a cut generation:
+    then ``{"stopped": True}``, no partial row. ``on_batch(done, total)`` after each batch.
+    """
     t0 = time.perf_counter()
     n = len(problems)
     lo, hi = groups.dp_rank * n // groups.dp_size, (groups.dp_rank + 1) * n // groups.dp_size

@@ -1,11 +1,7 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-:class:`~nemo_d3s.errors.RunError` is a problem with the run's files or surroundings (a busy or
-unwritable output directory, a corrupt checkpoint, a full disk, a verifier that always fails). The
-command line prints it as one ``error:`` line and exits with code 2, like a
-:class:`~nemo_d3s.errors.ConfigError`.
-
-Fault injection: :func:`~nemo_d3s.fault_points.fault_point` (re-exported here).
+:class:`~nemo_d3s.errors.RunError` (the run's files or surroundings) prints one ``error:`` line
+and exits 2. Fault injection: :func:`~nemo_d3s.fault_points.fault_point`, re-exported here.
 """
 
 from __future__ import annotations
@@ -27,9 +23,9 @@ def first_line(exc: BaseException) -> str:
 
 
 def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any:
-    """Run ``fn`` on global rank 0 only; if it raises one of ``errors`` (default: RunError
-    and ConfigError) every rank raises the same error, so no rank is left waiting in a
-    collective. Returns ``fn``'s result on rank 0 and None elsewhere."""
+    """Run ``fn`` on global rank 0 only; when it raises one of ``errors`` (default RunError,
+    ConfigError) every rank raises it. Returns ``fn``'s result on rank 0, None elsewhere.
+    """
     errors = errors or (RunError, ConfigError)
     result, failure = None, None
     if groups.is_main:

@@ -1,23 +1,9 @@
 """The training run: set-up, the step loop, evaluation, checkpoints, signals, export.
 
-Run directory layout (the same for every run)::
-
-    DIR/config.yaml                  the resolved config
-    DIR/train.log                    the run's log: every step's line, every evaluation (runlog.py)
-    DIR/metrics.jsonl                one JSON object per step
-    DIR/eval.jsonl                   one JSON object per evaluation
-    DIR/checkpoints/step_XXXXXX/     the last ``trainer.keep_last`` checkpoints
-    DIR/hf_export/                   the final policy as a Hugging Face folder
-    DIR/interrupted.json             only after a stop signal: where the run stopped
-    DIR/tensorboard/                 when tensorboard is installed
-
-Preemption (``signals.py``): SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) set a flag; the current
-step (or evaluation batch) finishes, a checkpoint is written, rank 0 writes ``DIR/interrupted.json``
-(step, signal, checkpoint; removed when the next run starts) and the run returns with
-``state.extra["interrupted"]`` (the command line then exits 75, ``train.EXIT_INTERRUPTED``); a
-second signal stops at once (exit 128 + signal). ``resume=true`` continues from the latest
-checkpoint with the same model, optimizer, RNG streams, schedule position and data order, so an
-interrupted + resumed run logs the same metrics as an uninterrupted one.
+Writes ``DIR/config.yaml``, ``train.log``, ``metrics.jsonl``, ``eval.jsonl``,
+``checkpoints/step_XXXXXX/``, ``hf_export/`` and, after a stop signal, ``interrupted.json``
+(the command line then exits 75). ``resume=true`` continues with the same model, optimizer,
+RNG streams, schedule and data order, so an interrupted + resumed run logs the same metrics.
 """
 
 from __future__ import annotations
@@ -79,10 +65,10 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 
 class Trainer:
-    """Builds everything from a resolved config and runs it. ``cfg``: DictConfig of
-    :class:`nemo_d3s.config.TrainConfig`. ``runlog``: the handler that holds the log records
-    made before the run folder is taken (:func:`train` installs it before the model load);
-    without one, ``run`` installs its own."""
+    """Builds everything from a resolved :class:`nemo_d3s.config.TrainConfig` and runs it.
+    ``runlog``: the handler holding the records made before the run folder is taken (else
+    ``run`` installs its own).
+    """
 
     def __init__(self, cfg: Any, runlog: Optional[RunLog] = None) -> None:
         self.runlog = runlog
@@ -143,10 +129,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up helpers
     def _start_state(self) -> TrainerState:
-        """Fresh state, or the newest usable checkpoint's when ``resume=true`` (files cut back
-        to it). Never overwrites another run's records: a fresh run refuses a directory with
-        checkpoints or records; ``resume=true`` without a checkpoint moves old records into
-        ``previous-<n>/``; a resumed run must keep the experiment's config."""
+        """Fresh state, or the newest usable checkpoint's with ``resume=true`` (records cut back to
+        it). A fresh run refuses a folder with another run's records; a resume without a
+        checkpoint moves them into ``previous-<n>/``.
+        """
         self._resumed_from = None
         ckpts = checkpoint_dirs(self.out / "checkpoints")
         if not self.cfg.resume:
@@ -283,9 +269,9 @@ class Trainer:
             self.logger.close()
 
     def _train(self, state: TrainerState) -> TrainerState:
-        """The step loop: an evaluation due at the start, then steps until ``trainer.steps``,
-        each followed by its records, evaluation and checkpoint when due; a stop signal ends
-        it at a checkpoint. Then the export and ``summary.json``."""
+        """The step loop until ``trainer.steps`` (records, evaluation and checkpoint when due; a
+        stop signal ends it at a checkpoint), then the export and ``summary.json``.
+        """
         T = int(self.t.steps)
         t_start, wall_before = time.perf_counter(), state.wall_time_total
         oor_before = int(state.extra.get("reward_out_of_range", 0))  # over resumed segments
@@ -315,8 +301,8 @@ class Trainer:
             stop = eval_stopped or self.groups.max(1.0 if self._stop_requested() else 0.0) > 0
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
-            # save_every=0: no checkpoint on schedule, not even the last (issue 35: the
-            # documented "no checkpoints" wrote a 1.6 GB final one); a stop signal still does.
+            # save_every=0: no checkpoint on schedule, not even the last ("no checkpoints" as
+            # documented); a stop signal still writes one.
             every = int(self.t.save_every)
             if every and (done or state.step % every == 0):
                 # the save may need the memory the engine holds
@@ -386,9 +372,9 @@ class Trainer:
         return state
 
     def _export(self, state: TrainerState) -> None:
-        """``DIR/hf_export``. A write that fails (a full disk) is one RunError on every rank,
-        raised after ``summary.json`` is written: the run itself finished and its last
-        checkpoint is complete (``files.atomic_folder`` left no half-written export)."""
+        """``DIR/hf_export``; a failed write is one RunError on every rank, raised after
+        ``summary.json`` is written (the last checkpoint is complete).
+        """
         folder = self.out / "hf_export"
         failure = None
         # A sharded policy sets collective_export = True and gathers inside save_pretrained.
@@ -424,9 +410,9 @@ def seed_everything(seed: int) -> None:
 
 
 def train(cfg: Any) -> TrainerState:
-    """Run training for a resolved config: seed the process, build the Trainer, run it, and
-    tear down the process group the policy created. Rank 0 speaks for the job; other ranks
-    log warnings only."""
+    """Seed the process, build the Trainer, run it and tear down the policy's process group. Rank 0
+    speaks for the job; other ranks log warnings only.
+    """
     seed_everything(int(cfg.seed))
     check_output_dir(
         str(cfg.output_dir), create=False

@@ -1,19 +1,8 @@
-"""Where metrics go: JSONL files (always), TensorBoard (when installed), a tqdm bar, and
-``train.log`` (``runlog.py``): each step's summary line and each evaluation's result (with its
-time) are log lines there whether the terminal shows the bar or the lines.
-
-Only rank 0 writes. ``metrics.jsonl`` gets one JSON object per step, ``eval.jsonl`` one
-per evaluation. Keys starting with ``time_`` or ``wall_`` are timings; everything else is
-a pure function of the config and seed (the resume test compares those).
-
-On resume the files are cut back to the checkpoint's step, so rows of steps that were run
-after the last checkpoint (and will be run again) do not appear twice.
-
-Every record is written whole or not at all: one ``write`` of the complete line on an
-``O_APPEND`` descriptor; a failed write (a full disk) is cut back to the last whole line
-and raised as a RunError. A line that is not valid JSON (a torn write from an older
-version, a hand edit) never hides the rows after it: readers skip it with a warning that
-names the line, and rewriting a file keeps it in ``<name>.garbled``.
+"""Where metrics go: ``metrics.jsonl`` / ``eval.jsonl`` (rank 0), TensorBoard when installed, a
+tqdm bar and ``train.log``. Keys starting with ``time_`` or ``wall_`` are timings; the rest are
+pure functions of config and seed. On resume the files are cut back to the checkpoint's step.
+A record is written whole or not at all; readers skip a line that is not JSON with a warning
+(rewriting keeps it in ``<name>.garbled``).
 """
 
 from __future__ import annotations
@@ -112,10 +101,10 @@ def _step_of(row: Dict[str, Any]) -> int:
 
 
 class JsonlAppender:
-    """Appends whole lines to a JSONL file: one ``os.write`` per record on an O_APPEND
-    descriptor; a failed or short write is cut back to the previous end of file and raised
-    as a RunError naming the file. A partial last line left by an older writer is moved to
-    ``<name>.garbled`` when the file is opened."""
+    """Appends whole lines to a JSONL file (one ``os.write`` per record, O_APPEND); a failed write
+    is cut back and raised as a RunError naming the file. A partial last line found on open is
+    moved to ``<name>.garbled``.
+    """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -252,9 +241,7 @@ class MetricsLogger:
         )
 
     def eval_progress(self, done: int, total: int) -> None:
-        """Evaluation batches done of ``total`` (rank 0): a second bar on the terminal while
-        the progress bar is on; nothing in the log (its line is the result's, with the
-        evaluation's time)."""
+        """Evaluation batches done of ``total`` (rank 0): a second bar while the bar is on."""
         if self.bar is None:
             return
         if self._eval_bar is None:
@@ -280,9 +267,7 @@ class MetricsLogger:
 
     @contextlib.contextmanager
     def clock_paused(self) -> Iterator[None]:
-        """The progress bar's clock stands still while the block runs (evaluations): its
-        elapsed time, s/step and ETA count training steps only, the last step's figure
-        included (the final evaluation used to show up in it)."""
+        """Stop the bar's clock while the block runs, so its rate and ETA count training only."""
         t0 = time.time()  # tqdm's clock (tqdm/std.py: ``self._time = time``)
         try:
             yield

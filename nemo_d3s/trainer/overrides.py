@@ -1,11 +1,6 @@
-"""Command-line override keys checked against the schema before Hydra sees them.
-
-Hydra answers a mistyped key (``trainer.lrr=0.1``) with its own advice to append it as
-``+trainer.lrr`` (which the typed schema then refuses too) and exit code 1. Here a key that
-walks off the schema (:class:`nemo_d3s.config.TrainConfig`'s dataclasses) is one line with
-the nearest real key and exit code 2 (issue 32). Keys under a free mapping (``model.params``,
-``task.params``), ``+``/``~`` keys, group selections (``model=megatron``) and Hydra's own
-(``hydra.*``) are left to Hydra.
+"""Command-line override keys checked against the schema before Hydra sees them: a key off
+:class:`nemo_d3s.config.TrainConfig` is one line naming the nearest key, exit code 2. Free
+mappings (``model.params``), ``+``/``~`` keys, group selections and ``hydra.*`` go to Hydra.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``nemo-d3s-plot RUN_DIR [RUN_DIR ...] -o reward.png``: reward curves of one or more runs.
 
-Three panels side by side, one line per run (labelled by its folder name or ``--label``):
-reward vs step, vs cumulative update tokens (the compute D3S saves), and vs wall time.
-Training reward (rollout mean, smoothed by ``--smooth`` steps) is drawn solid; held-out
-evaluation reward (``eval.jsonl``) is drawn with markers when a run has it.
+Reward vs step, vs cumulative update tokens and vs wall time, one line per run; training
+reward solid (smoothed), evaluation reward (``eval.jsonl``) with markers.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""Prompt length against the model's context, checked once when the task loads.
-
-A prompt that does not fit (with the tokens a rollout or an evaluation adds) would train on
-a silently cut context or blow up memory steps later. Checked at start: every problem of a
-task backed by a finite dataset (``Task.finite_problems``), else the eval set and the
-first training draw. ``task.long_prompts=error`` (default) stops with an error naming the
-split and row; ``skip`` drops them (file-backed tasks) and logs the count.
-
-The policy provides the numbers (``Policy.context_length``, ``Policy.prompt_token_counts``);
-a policy that reports neither (the base class defaults) is not checked (logged).
+"""Prompt length (plus the tokens a rollout or evaluation adds) against the model's context,
+checked when the task loads: every problem of a finite dataset, else the eval set and the
+first draw. ``task.long_prompts=error`` names the split and row; ``skip`` drops them. A policy
+reporting no ``context_length`` is not checked.
 """
 
 from __future__ import annotations

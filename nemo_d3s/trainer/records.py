@@ -1,7 +1,7 @@
-"""What the run records and watches beside the metrics rows: the running totals a step adds
-to the state, the checks on the rewards (a reward function that fails on every call for
-``trainer.max_failed_reward_steps`` steps stops the run; a reward that never moves is warned
-about once), ``summary.json`` at the end and ``interrupted.json`` after a stop signal."""
+"""What a run records beside the metrics rows: running totals, the reward checks (failures for
+``trainer.max_failed_reward_steps`` steps stop the run; a constant reward is warned about),
+``summary.json`` and ``interrupted.json``.
+"""
 
 from __future__ import annotations
 
@@ -69,9 +69,9 @@ def check_reward_failures(
 
 
 def check_constant_reward(state: TrainerState, m: Dict[str, float], *, is_main: bool) -> None:
-    """Warn once when every rollout of every group got the same reward for
-    ``CONSTANT_REWARD_STEPS`` steps in a row: nothing is learned, and a reward that never
-    moves usually means the verifier cannot read the references or the answers."""
+    """Warn once when every rollout got the same reward for ``CONSTANT_REWARD_STEPS`` steps in a
+    row (usually a verifier that cannot read the answers).
+    """
     same = m.get("reward_std", 1.0) == 0.0 and m.get("reward_max") == m.get("reward_mean")
     run = int(state.extra.get("constant_reward_steps", 0)) + 1 if same else 0
     state.extra["constant_reward_steps"] = run

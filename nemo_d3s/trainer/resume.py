@@ -1,6 +1,6 @@
-"""Starting a run in a directory: what a fresh run refuses, what ``resume=true`` moves aside
-or checks (the resumed config must be the same experiment), and ``config.yaml`` itself.
-Rank 0 runs these (``faults.agree_on_main`` spreads its verdict to the other ranks)."""
+"""Starting a run in a directory: what a fresh run refuses, what ``resume=true`` moves aside or
+checks, and ``config.yaml``. Rank 0 runs these (``faults.agree_on_main``).
+"""
 
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ RESUME_SAFE = (
     "rollout.cpu_kv_cache_gb",
     "rollout.refit_bucket_mb",
     # The Megatron layout: checkpoints are resharded on load to any TP x PP (x VPP), with
-    # either optimizer (docs/scaling.md; backends/megatron/checkpoint.py). Issue 32: a
-    # resume at another layout was refused as a changed experiment.
+    # either optimizer (docs/scaling.md; backends/megatron/checkpoint.py), so a resume at
+    # another layout is the same experiment.
     "model.params.tensor_model_parallel_size",
     "model.params.pipeline_model_parallel_size",
     "model.params.virtual_pipeline_model_parallel_size",
@@ -76,11 +76,9 @@ def resume_safe(key: str) -> bool:
 
 
 def read_run_config(out: Path) -> Tuple[Optional[dict], Optional[str]]:
-    """``out/config.yaml`` (untrusted: written by an earlier run, maybe cut short or edited)
-    as a resolved plain mapping: ``(mapping, None)``; ``(None, None)`` when there is no such
-    file; ``(None, why)`` when it cannot be read, parsed or resolved, or is not a mapping.
-    The one reader of a run's config for the fresh-run refusal, the resume check and the
-    resumed config's base (``resume_config.resume_base``); each says what the error means."""
+    """``out/config.yaml`` (untrusted) as a resolved plain mapping: ``(mapping, None)``,
+    ``(None, None)`` when absent, ``(None, why)`` when unreadable or not a mapping.
+    """
     path = out / "config.yaml"
     if not path.is_file():
         return None, None
@@ -162,7 +160,7 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     # would let any change through unseen, so it counts as unreadable.
     # Only keys every config has (the schema's) tell a cut-short file: keys under a free
     # mapping (task.params, model.params) come and go with the task or a "+" override,
-    # and are a changed experiment, listed below (issue 32: they read as "cut short").
+    # and are a changed experiment, listed below (not a "cut short" file).
     from nemo_d3s.trainer.overrides import schema_keys
 
     fixed = set(schema_keys())
@@ -206,9 +204,9 @@ def check_resume_config(cfg: Any, out: Path) -> None:
 
 
 def write_config(cfg: Any, out: Path, *, resumed: bool) -> None:
-    """DIR/config.yaml. A resumed run keeps the original and, when its config differs
-    (only in keys allowed to differ, or with trainer.allow_config_change=true), writes
-    ``config.resumed-<n>.yaml`` beside it."""
+    """DIR/config.yaml; a resumed run keeps it and writes a differing config (allowed keys, or
+    ``trainer.allow_config_change``) to ``config.resumed-<n>.yaml``.
+    """
     path = out / "config.yaml"
     new = OmegaConf.to_container(cfg, resolve=True)
     text = OmegaConf.to_yaml(OmegaConf.create(new))

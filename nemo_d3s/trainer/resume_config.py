@@ -1,34 +1,8 @@
-"""``resume=true``: the config a resumed run uses is the run's own ``config.yaml`` with the
-overrides of the current command line applied on top (issue 35).
-
-``python -m nemo_d3s.train output_dir=X resume=true`` continues run X as it was started,
-whatever overrides started it (``experiment=smoke d3s=pods ...``): Hydra composes the config
-of the current command line, and :func:`resume_base` replaces every leaf that command line
-does not *touch* by the value in ``X/config.yaml``. What the command line touches:
-
-- ``key=value`` (also ``+key``, ``++key``, ``~key``): that key and everything under it;
-- ``group=option`` for a group whose option has its own package (``d3s=pods``,
-  ``model=tiny``, ``group@pkg=option``): every leaf under that package (``d3s.*``), so
-  naming the default option (``d3s=d3s``) still counts as choosing it;
-- ``group=option`` for a ``# @package _global_`` option (``experiment=smoke``): the leaves
-  its file sets and the packages of the groups its defaults list overrides;
-- and, whatever the rule above misses (interpolations, nested defaults): every leaf whose
-  value differs between the composed config and the config of an empty command line.
-
-The result then goes through the usual resume checks (``resume.check_resume_config``):
-the ``RESUME_SAFE`` keys (``trainer.steps`` ...) may change, any other changed key is
-refused naming it (or allowed with ``trainer.allow_config_change=true``). A full repeat of
-the original command line gives the original config, as before.
-
-``config.yaml`` is untrusted input: when it cannot be read, or is not a mapping, the
-composed config is returned unchanged and the resume check reports the file as it always
-did; a value that does not fit the schema is a :class:`ConfigError` naming the file and key
-(a warning and the composed value with ``trainer.allow_config_change=true``). A schema key
-the file lacks keeps the composed value, so the check still calls the file cut short.
-
-Every rank of a torchrun job computes this from the same file before the process group
-exists (rank 0 changes ``config.yaml`` only after the group's rendezvous), and
-:func:`agree_on_config` then checks that every rank runs the same config.
+"""``resume=true``: a resumed run's config is the run's ``config.yaml`` with the overrides the
+current command line touches applied on top (:func:`touched_keys`), then the usual resume
+checks (``resume.check_resume_config``). ``config.yaml`` is untrusted: unreadable or not a
+mapping leaves the composed config; a value outside the schema is a ConfigError naming file and
+key. Every rank computes this from the same file; :func:`agree_on_config` checks they agree.
 """
 
 from __future__ import annotations
@@ -107,8 +81,11 @@ def _global_option_keys(conf: Path, group: str, option: str) -> List[str]:
 
 
 def touched_keys(overrides: Sequence[str], conf: Path) -> Set[str]:
-    """Dotted keys the command-line ``overrides`` set (the rule in the module docstring,
-    without the comparison of composed configs)."""
+    """Dotted keys the ``overrides`` touch: ``key=value`` (and ``+``/``++``/``~``) and all under it;
+    ``group=option`` with a package (``d3s=pods``): every leaf under that package; a
+    ``_global_`` option (``experiment=smoke``): the keys its file sets and the groups its defaults
+    override. :func:`resume_base` adds leaves that differ from an empty command line's config.
+    """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out = set(_ALWAYS_TOUCHED)
@@ -162,10 +139,9 @@ def _merge(o: Any, n: Any, touched: Set[str], path: str, o_has: bool, n_has: boo
 
 
 def _apply(node: DictConfig, eff: dict, new: dict, fixed: Set[str], path: str, report) -> None:
-    """Change ``node`` (the composed config) so that its plain form equals ``eff``, except
-    that a schema key is never removed (it keeps the composed value) and a key outside the
-    schema is added only under a free mapping (``model.params``): the resume check then
-    lists one the file has elsewhere as a changed experiment (written by another version)."""
+    """Make ``node`` equal ``eff`` in plain form, never removing a schema key and adding a
+    non-schema key only under a free mapping (``model.params``); the resume check lists others.
+    """
     for k in list(new):
         key = f"{path}.{k}" if path else str(k)
         if k not in eff and not (key in fixed or _below(fixed, key)):
@@ -193,9 +169,9 @@ def resume_base(
     compose_neutral: Callable[[], Any],
     conf: Path,
 ) -> DictConfig:
-    """``cfg`` (composed from ``overrides`` and resolved) with every leaf the overrides do not
-    touch taken from ``out/config.yaml`` (the module docstring); ``cfg`` itself when
-    ``resume`` is false, the file is missing or cannot be read as a mapping."""
+    """``cfg`` with every leaf the overrides do not touch taken from ``out/config.yaml``; ``cfg``
+    itself when ``resume`` is false or the file is missing or not a mapping.
+    """
     from nemo_d3s.trainer.overrides import schema_keys
 
     path = out / "config.yaml"
@@ -236,9 +212,9 @@ def resume_base(
 
 
 def config_digest(cfg: Any) -> str:
-    """SHA-256 of the resolved config as canonical JSON (key order does not matter), without
-    ``output_dir``: a default ``outputs/${now:...}`` may resolve a second apart on two ranks,
-    and rank 0's is the one written to."""
+    """SHA-256 of the resolved config as canonical JSON, without ``output_dir`` (a ``${now:...}``
+    default may resolve a second apart on two ranks).
+    """
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
     plain = {k: v for k, v in plain.items() if k != "output_dir"}
     text = json.dumps(plain, sort_keys=True, default=str)
@@ -246,10 +222,9 @@ def config_digest(cfg: Any) -> str:
 
 
 def agree_on_config(cfg: Any, gather: Optional[Callable[[str], List[Optional[str]]]]) -> None:
-    """Every rank runs the same config: ``gather`` (an all-gather of one text per rank, in
-    rank order; None for one process) of each rank's :func:`config_digest`, and a
-    ConfigError on every rank naming the ranks that differ from rank 0. Collectives: one
-    all-gather of 64 bytes per rank."""
+    """ConfigError on every rank naming the ranks whose :func:`config_digest` differs from rank 0's.
+    ``gather``: all-gather of one text per rank (None for one process); 64 bytes per rank.
+    """
     if gather is None:
         return
     digests = gather(config_digest(cfg))

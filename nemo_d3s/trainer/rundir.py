@@ -1,17 +1,6 @@
-"""The run directory: is it usable, is another run using it, does it hold another run's records.
-
-- :func:`check_output_dir` runs before anything is written: ``output_dir`` must be a
-  non-empty path that is (or can be made) a writable directory. Each failure is one
-  :class:`~nemo_d3s.config.ConfigError` / :class:`~nemo_d3s.trainer.faults.RunError`
-  naming the path.
-- :class:`RunDirLock` is an exclusive ``flock`` on ``DIR/.nemo_d3s.lock`` held by global
-  rank 0 for the whole run (``files.FileLock``, the lock every output folder writer takes). The
-  kernel releases it when the process dies (kill -9 included), so ``resume=true`` after a crash just
-  works, and a second run started in the same directory stops with a message naming the holder
-  instead of both writing.
-- :func:`records` lists the files of a previous run (metrics, eval, summary, export);
-  :func:`move_aside` moves them into ``DIR/previous-<n>/`` so that nothing a user may want
-  is ever truncated to nothing.
+"""The run directory: usable, not used by another run, free of another run's records.
+:class:`RunDirLock` is held by global rank 0 for the whole run (the kernel drops it when the
+process dies); :func:`move_aside` moves earlier records into ``DIR/previous-<n>/``.
 """
 
 from __future__ import annotations
@@ -44,7 +33,7 @@ LOCK_NAME = ".nemo_d3s.lock"
 # What a run writes that is worth keeping (config.yaml is written again at every start).
 RECORDS = ("metrics.jsonl", "eval.jsonl", "summary.json", "hf_export")
 # Every name a run (and Hydra's job logging) writes at the top of its folder; anything else
-# there is a user's, and a run never writes beside it (issue 32: output_dir=conf replaced
+# there is a user's, and a run never writes beside it (``output_dir=conf`` would replace
 # the project's own conf/config.yaml).
 RUN_NAMES = frozenset(
     {
@@ -138,9 +127,9 @@ def _is_run_config(path: Path) -> bool:
 
 
 def refuse_foreign(run_dir: Path) -> None:
-    """ConfigError unless ``run_dir`` is new, empty or an earlier run's folder: a run
-    writes config.yaml, train.log, metrics... at its top and would overwrite or append to
-    a user's files of those names."""
+    """ConfigError unless ``run_dir`` is new, empty or an earlier run's folder (a run would
+    overwrite a user's config.yaml, train.log, ...).
+    """
     found = foreign_entries(run_dir)
     if found:
         listing = ", ".join(found[:4]) + (" ..." if len(found) > 4 else "")
@@ -164,9 +153,9 @@ def _existing_parent(p: Path) -> Optional[Path]:
 
 
 class RunDirLock:
-    """Exclusive advisory lock on a run directory (see the module docstring): a
-    ``files.FileLock`` on ``DIR/.nemo_d3s.lock`` (kept after release) whose refusal is a
-    RunError naming the holder."""
+    """Exclusive ``files.FileLock`` on ``DIR/.nemo_d3s.lock``; a refusal is a RunError naming the
+    holder.
+    """
 
     def __init__(self, run_dir: str | os.PathLike) -> None:
         self.path = Path(run_dir) / LOCK_NAME

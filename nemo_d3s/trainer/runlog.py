@@ -1,20 +1,8 @@
-"""``DIR/train.log``: the run's own log, with every line the terminal showed and every step's
-summary line, whatever the progress bar does.
-
-What it holds: every record that reaches the root logger at the run's level
-(``logging.level`` for the ``nemo_d3s`` loggers, warnings of the libraries), in Hydra's
-format (``[time][logger][LEVEL] - message``), plus the lines the progress bar stands in for on
-the terminal (each step's summary line, written here through :func:`file_only`, never to the
-terminal). The trainer writes it, not Hydra's job logging (``conf/hydra/job_logging/
-console.yaml`` keeps Hydra's to the terminal): it is then in ``output_dir`` in every mode
-(a plain run, a multirun sweep that sets ``output_dir`` or not, a script that calls
-``trainer.loop.train``), and torchrun's ranks do not interleave lines in one file.
-
-Ranks: rank 0 writes ``train.log``; rank r > 0 writes its warnings and errors to
-``train.rank<r>.log``, created only when it has one. Lines are appended: a resumed run
-continues the file. Records made before the run has taken its folder (the model load) are
-held in memory (at most :data:`EARLY_RECORDS`) and written once it has, so a run that
-refuses the folder (another run's records) writes nothing into it.
+"""``DIR/train.log``: every record the root logger takes at the run's level plus each step's
+summary line (:func:`file_only`), written by the trainer (not Hydra) so it is in
+``output_dir`` in every mode. Rank 0 writes ``train.log``; rank r > 0 its warnings to
+``train.rank<r>.log``. Appended on resume. Records made before the folder is taken are held
+in memory (:data:`EARLY_RECORDS`), so a run that refuses the folder writes nothing into it.
 """
 
 from __future__ import annotations
@@ -74,9 +62,9 @@ class RunLog(logging.Handler):
 
 
 def _needs_last_resort(handler: RunLog, record: logging.LogRecord) -> bool:
-    """Without a RunLog, a warning that no handler takes goes to stderr (Python's
-    ``logging.lastResort``: a script that calls ``train`` without configuring logging); a
-    RunLog on the root logger must not silence it. The first RunLog passes it on."""
+    """Whether to pass on to ``logging.lastResort``: a RunLog must not silence an unhandled
+    warning of a script that configured no logging. Only the first RunLog does.
+    """
     last = logging.lastResort
     if last is None or record.levelno < last.level or getattr(record, "run_log_only", False):
         return False

@@ -1,10 +1,8 @@
-"""Stop signals of a run: SIGTERM, SIGUSR1 or a first Ctrl-C (SIGINT) ask the run to stop
-after the current step (or evaluation batch), at a checkpoint; a second signal stops at once
-(exit 128 + signal, without a checkpoint: :class:`StopNow`). ``STOPPING`` records the
-signals the runs of this process received: ``train.py``'s own handler, active again after a
-run restores the previous ones, ignores a later signal once a run has checkpointed on one
-(issue 32: it ended the process as an ordinary Ctrl-C, 130, after "exit code 75" was
-printed)."""
+"""Stop signals: SIGTERM, SIGUSR1 or a first Ctrl-C stop the run after the current step (or
+evaluation batch) at a checkpoint; a second stops at once (:class:`StopNow`, exit 128 +
+signal). ``STOPPING`` records signals received, so ``train.py``'s handler ignores a later
+signal once a run has checkpointed on one.
+"""
 
 from __future__ import annotations
 
@@ -24,9 +22,9 @@ class StopNow(SystemExit):
 
 
 class StopSignals:
-    """``name``: the first stop signal received (None: none yet). :meth:`install` sets the
-    handlers for the run; :meth:`restore` puts the previous ones back when it ends.
-    ``on_first``: called on the first signal (the trainer cuts a running reward call)."""
+    """``name``: the first stop signal (None: none yet). ``install`` / ``restore`` the handlers;
+    ``on_first``: called on the first signal.
+    """
 
     def __init__(self, on_first: Optional[Callable[[], None]] = None) -> None:
         self.name: Optional[str] = None

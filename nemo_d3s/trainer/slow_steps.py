@@ -1,13 +1,6 @@
-"""The slow-step warning: a step far slower than the run's own first steps while the machine's
-load average is above its CPU count means other work competes for the cores and torch's
-threads oversubscribe them (a 22 s step took 800-980 s on a shared 2-core machine). The run
-says so once, with the numbers it saw and the fix (``OMP_NUM_THREADS``).
-
-The rule is :func:`should_warn`, a pure function of the step times and the load;
-:class:`SlowStepWatch` keeps the times and reads the machine (only for a step that is slow
-already). The baseline is this process's first steps: a resumed run, perhaps on another
-machine, measures its own. Settings: ``logging.slow_step_factor`` (0 turns it off) and
-``logging.slow_step_baseline``.
+"""The slow-step warning: a step ``logging.slow_step_factor`` x slower than the median of this
+process's first ``logging.slow_step_baseline`` steps while the load average exceeds the CPU
+count means oversubscribed cores; the run says so once, naming ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -23,9 +16,7 @@ __all__ = ["Machine", "SlowStepWatch", "read_machine", "should_warn", "suggested
 
 @dataclass(frozen=True)
 class Machine:
-    """What the warning names: the 1-minute load average (machine-wide, this run's threads
-    included), the machine's CPUs, the CPUs this process may run on (its affinity mask) and
-    torch's intra-op threads."""
+    """Load average (1 min), the machine's CPUs, this process's affinity CPUs, torch's threads."""
 
     load_1min: float
     cpu_count: int
@@ -53,10 +44,9 @@ def should_warn(
     factor: float,
     already_warned: bool,
 ) -> bool:
-    """True when the last of ``step_times`` (seconds, in step order) is at least ``factor``
-    x the median of the first ``baseline_steps`` and the load average is above the machine's
-    CPU count; never before the baseline is complete, never when ``factor`` is 0, never
-    twice (``already_warned``)."""
+    """True when the last step time is >= ``factor`` x the baseline median and the load exceeds the
+    CPU count; never before the baseline is complete, with ``factor`` 0, or twice.
+    """
     if already_warned or factor <= 0 or len(step_times) <= baseline_steps:
         return False
     base = statistics.median(step_times[:baseline_steps])

@@ -1,9 +1,6 @@
-"""Per-step metrics, always global (over all data-parallel ranks).
-
-The selector's stages already carry whole-batch metrics (the DP-global selector runs the
-selection on the gathered batch and sums its token counts over ranks), so this module only
-adds what the selector does not see: token counts of the rollouts and of the update, and
-the policy's loss sums. Each function makes at most one small all-reduce.
+"""Per-step metrics, global over all data-parallel ranks, for what the selector's own metrics
+do not cover: rollout and update token counts, the policy's loss sums. Each function makes at
+most one small all-reduce.
 """
 
 from __future__ import annotations
@@ -139,11 +136,9 @@ def _padding_share(prefix: str, fed: float, attended: float) -> Dict[str, float]
 def padding_metrics(
     groups: ParallelGroups, prefix: str, stats: Dict[str, float]
 ) -> Dict[str, float]:
-    """``<prefix>_fed_tokens`` (positions the pass fed the model, all ranks) and
-    ``<prefix>_padding_share`` = 1 - attended / fed, from a policy's ``Scores.stats``
-    (one all-reduce, on every rank: a rank whose share of the batch is empty may report no
-    counts, and skipping the collective there would pair it with the next one elsewhere);
-    {} when no rank's policy counts them."""
+    """``<prefix>_fed_tokens`` and ``<prefix>_padding_share`` (1 - attended / fed) from the
+    policies' ``Scores.stats``; {} when no rank counts them. One all-reduce, on every rank.
+    """
     t = groups.sum(
         {
             "fed": float(stats.get("fed_tokens", 0.0)),
@@ -162,13 +157,11 @@ def mismatch_metrics(
     sampling_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> Dict[str, float]:
-    """How far the rollout engine's numerics are from the trainer's, on the response tokens.
+    """Engine vs trainer numerics on the response tokens of the whole DP batch.
 
-    old_logprobs (trainer, before the update), sampling_logprobs (engine), response_mask:
-    [B_kept, S]. With d = old - sampling per token (the log of pi_train / pi_engine for a
-    token the engine sampled): ``rollout_logprob_mismatch_kl`` = mean k3 = exp(d) - d - 1, an
-    unbiased estimate of KL(pi_engine || pi_train); ``..._abs`` = mean |d|; ``..._max_ratio``
-    = max exp(d) (the largest importance weight before truncation). Whole DP batch.
+    Inputs [B_kept, S]; d = old - sampling log-prob: ``rollout_logprob_mismatch_kl`` = mean
+    exp(d) - d - 1 (unbiased KL(pi_engine || pi_train)), ``..._abs`` = mean |d|,
+    ``..._max_ratio`` = max exp(d).
     """
     d = (old_logprobs - sampling_logprobs).to(torch.float64)[response_mask]
     t = groups.sum(

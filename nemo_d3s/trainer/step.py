@@ -1,12 +1,6 @@
-"""One GRPO/D3S training step, backend-agnostic.
-
-    rollout -> reward -> group advantages -> sample selection -> old log-probs + entropy
-    (one pass, kept samples only) -> token selection -> compaction -> (reference log-probs)
-    -> policy update -> metrics
-
-Every quantity that decides what is trained (degenerate batch, kept tokens, loss
-denominators) is agreed on by all data-parallel ranks, so either all ranks update or all
-skip, and a 2-rank run takes the same decisions as a 1-rank run on the same global batch.
+"""One GRPO/D3S training step: rollout -> reward -> advantages -> sample selection -> old
+log-probs + entropy -> token selection -> compaction -> update -> metrics. Every decision
+(degenerate batch, kept tokens, denominators) is agreed by all DP ranks.
 """
 
 from __future__ import annotations
@@ -44,9 +38,9 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 
 class StepInterrupted(Exception):
-    """A stop signal cut a step's generation short (on some rank): nothing of the step was
-    applied, so the loop checkpoints the state before it and ``resume=true`` redoes it
-    (its prompts and seeds are functions of (seed, step), so it generates the same rollouts)."""
+    """A stop signal cut generation short on some rank: nothing was applied, so the loop
+    checkpoints the state before the step and a resume redoes it.
+    """
 
 
 @dataclass

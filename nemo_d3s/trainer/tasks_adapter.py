@@ -1,17 +1,9 @@
-"""The trainer's view of a task: prompts in, rewards out, failures counted not fatal.
+"""The trainer's view of a task: prompts in, rewards out, failures counted, not fatal.
 
-A reward function that raises or returns a non-finite value must not crash a long run nor
-poison the advantages (NaN would spread through the whole group): the sample gets reward
-0, the failure is counted in the step's ``reward_errors`` metric, and the first few are
-logged with the exception text.
-
-A call that does not return within ``trainer.reward_timeout_s`` is cut short (SIGALRM,
-on the main thread) and counted the same way. After a stop signal the step's reward calls
-get ``STOP_GRACE_S`` more seconds; one still running then is interrupted
-(:class:`RewardStopped`: the step is abandoned and redone on resume). A
-reward function that raises ``SystemExit`` (``sys.exit``) or ``KeyboardInterrupt`` is a
-bug of the function, not a stop: one error line naming it (it used to end the run with
-exit 0 and nothing written, or a traceback).
+A reward call that raises, returns a non-finite value or outlives ``trainer.reward_timeout_s``
+(SIGALRM, main thread) gives reward 0 and counts in ``reward_errors``. After a stop signal the
+step's calls get ``STOP_GRACE_S`` more seconds, then raise :class:`RewardStopped` (the step is
+redone on resume). ``SystemExit`` / ``KeyboardInterrupt`` from a reward function is an error.
 """
 
 from __future__ import annotations
@@ -47,9 +39,7 @@ class _RewardTimeout(BaseException):
 
 
 class TaskAdapter:
-    """Wraps a :class:`nemo_d3s.tasks.base.Task` (``sample_train(n, rng)``, ``eval_set()``,
-    ``reward(problem, text)``; problems carry a plain-text ``prompt``). ``timeout_s``: the
-    limit of one reward call (0 = none)."""
+    """Wraps a :class:`nemo_d3s.tasks.base.Task`; ``timeout_s``: reward call limit (0: none)."""
 
     def __init__(self, task: Any, timeout_s: float = 0.0) -> None:
         self.task = task
@@ -113,10 +103,9 @@ class TaskAdapter:
         return value, error is not None
 
     def request_stop(self) -> None:
-        """A stop signal arrived (the trainer's handler calls this): the reward calls of
-        this step get :data:`STOP_GRACE_S` more seconds, so that a quick verifier finishes
-        the step as usual; a call still running then (or one starting after) raises
-        :class:`RewardStopped`. Re-arms the timer of a call in progress."""
+        """A stop signal arrived: reward calls get :data:`STOP_GRACE_S` more seconds, then (or when
+        starting later) raise :class:`RewardStopped`. Re-arms the timer of a call in progress.
+        """
         if self.stop_at is not None:
             return
         self.stop_at = time.monotonic() + STOP_GRACE_S
@@ -184,9 +173,9 @@ class TaskAdapter:
 
 
 def build_task(name: str, params: dict) -> Any:
-    """Construct the task ``name`` from the tasks registry (``task.name`` / ``task.params``).
-    An option the task does not take, an unknown task, or a bad data row (e.g. one without
-    an answer) becomes a :class:`ConfigError` carrying the task's message."""
+    """The task ``task.name`` with ``task.params``; an unknown task or option, or a bad data row,
+    is a :class:`ConfigError` carrying the task's message.
+    """
     from nemo_d3s.errors import ConfigError
     from nemo_d3s.tasks.base import make_task
 

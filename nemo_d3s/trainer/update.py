@@ -1,24 +1,10 @@
 """The policy update after selection: compaction, the loss closure, mini-batches.
 
-Compaction (why): after token selection most response tokens carry no gradient. Rows with
-no kept token are dropped, and every row is cut after its last kept token (attention
-beyond it is switched off and the batch is truncated to the longest remaining row), so
-the backward pass processes only what can carry a gradient. ``update_tokens`` is the sum
-of the attention mask over the compacted batch: the tokens the update actually runs.
-
-Normalisation (why): the loss callback returns SUMS; the denominator D of a mini-batch is
-counted once per optimizer step over ALL data-parallel ranks (each rank's share, counted
-before compaction, summed with one all-reduce) and handed to ``policy.train_step``, which
-applies the step normaliser (``distributed.StepNormalizer``). Micro-batch and rank
-contributions then add up to the full-batch loss, so the gradient does not depend on
-micro-batch size or on the number of ranks.
-
-Load balance (why): cross-group selection can leave one rank with most of the kept rows
-and another with none, and the step waits for the most loaded rank. With ``rebalance``
-(on by default under data parallelism) each mini-batch's rows are redistributed over the
-DP ranks by longest-first bin packing on their token counts (``distributed.rebalance``)
-before the update; a rank left without a row gets a zero-weight copy. A row's loss does not
-depend on the rank that computes it, so the step is the same up to summation order.
+Compaction drops rows with no kept token and cuts each row after its last kept token, so the
+backward pass runs only what carries a gradient. The loss callback returns sums; each
+mini-batch's denominator is counted once per optimizer step over all DP ranks (before
+compaction), so the gradient does not depend on micro-batch size or rank count. With
+``rebalance`` each mini-batch's rows are redistributed over DP by longest-first bin packing.
 """
 
 from __future__ import annotations
@@ -50,21 +36,17 @@ class UpdateBatch:
     """What the update sees, all aligned on U compacted rows.
 
     batch         TokenBatch [U, S_u] (cut after the last kept token per row)
-    old_logprobs  [U, S_u] f32, token-aligned; None = the policy being updated IS the
-                  rollout policy (one on-policy optimizer step), so the loss uses the
-                  detached current log-probs (ratio 1, same gradient) and saves a forward
+    old_logprobs  [U, S_u] f32; None = on-policy (the loss uses the detached current log-probs)
     advantages    [U] f32
     token_keep    [U, S_u] bool (the loss mask)
     minibatch     [U] long: mini-batch id of each row
     ref_logprobs  [U, S_u] f32 or None (KL to the frozen reference)
-    denominators  [num_mini_batches] f64: this rank's share of each mini-batch's loss
-                  denominator, counted BEFORE compaction (see ``minibatch_denominators``);
-                  ``compact`` fills it, and ``update_policy`` requires it
-    norm_mask     [U, S_u] bool or None: the tokens seq_mean_token_mean normalises each row
-                  by when that is not the kept tokens (``normalize_by=eligible``)
+    denominators  [num_mini_batches] f64: this rank's share of each denominator, counted
+                  before compaction (``minibatch_denominators``); required by ``update_policy``
+    norm_mask     [U, S_u] bool or None: the per-row normaliser of seq_mean_token_mean when
+                  that is not the kept tokens (``normalize_by=eligible``)
     is_weight     [U, S_u] f32 or None: truncated importance weights min(pi_old / pi_engine,
-                  cap) of each token (``algorithm.tis_cap`` with a vLLM engine); they scale
-                  the advantage, per token, or per row for a per-sequence loss (GSPO)
+                  ``algorithm.tis_cap``) scaling the advantage (per row for GSPO)
     """
 
     batch: TokenBatch
@@ -107,9 +89,8 @@ def minibatch_denominators(
 ) -> torch.Tensor:
     """[num_mini_batches] f64: this rank's share of each mini-batch's loss denominator.
 
-    token_keep, norm_mask [B_kept, S] bool, minibatch [B_kept] long, on the sample-selected
-    rows before compaction, so ``norm_mask`` (e.g. the response mask) still counts the rows
-    and tail tokens that compaction drops. The caller all-reduces the shares over DP.
+    Inputs [B_kept, S] / [B_kept] are the rows before compaction, so ``norm_mask`` still counts
+    the rows and tails compaction drops. The caller all-reduces the shares over DP.
     """
     out = torch.zeros(num_mini_batches, dtype=torch.float64)
     for mb in range(num_mini_batches):
@@ -132,13 +113,10 @@ def compact(
     normalize_by: str = "kept",
     is_weight: Optional[torch.Tensor] = None,
 ) -> UpdateBatch:
-    """Inputs aligned on the B_kept sample-selected rows ([B_kept, S] / [B_kept]) -> U <= B_kept
-    rows that hold at least one kept token, each cut after its last kept token.
+    """[B_kept, S] inputs -> U <= B_kept rows holding a kept token, each cut after its last one.
 
-    ``normalize_by="eligible"`` counts the denominators on every response token of the
-    B_kept rows; with ``seq_mean_token_mean`` each row's own normaliser is its response
-    length too, so rows are then not cut (their tail is part of the normaliser) and
-    ``norm_mask`` carries the response mask.
+    With ``normalize_by="eligible"`` and ``seq_mean_token_mean`` a row's tail is part of its
+    normaliser, so rows are not cut and ``norm_mask`` carries the response mask.
     """
     if normalize_by not in NORMALIZE_BY:
         raise ValueError(
@@ -175,11 +153,8 @@ def compact(
 
 
 def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
-    """The ``LossFn`` handed to ``policy.train_step`` for one mini-batch ``upd``.
-
-    The policy calls it with (logprobs [b, s] with grad, idx [b] into ``upd``'s rows) and
-    gets the LossOutput of the core loss with ``denominator=1``: the micro-batch's loss SUM
-    and its detached metric sums (no host sync; the policy applies the step normaliser).
+    """The ``LossFn`` for one mini-batch: (logprobs [b, s] with grad, idx [b] into ``upd``'s rows)
+    -> the core loss with ``denominator=1`` (loss sum and detached metric sums, no host sync).
     """
     loss = POLICY_LOSSES.get(loss_name)
     per_sequence = bool(POLICY_LOSSES.prop(loss_name, "per_sequence_advantage"))
@@ -213,14 +188,10 @@ def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch
 def rebalance_rows(
     upd: UpdateBatch, groups: ParallelGroups
 ) -> tuple[UpdateBatch, Dict[str, float]]:
-    """Redistribute ``upd``'s rows (one mini-batch on this rank) over ``groups.dp`` so every
-    rank runs about the same number of attended tokens. Returns this rank's new rows and
-    {"dp_imbalance_before", "dp_imbalance_after"} (max/mean tokens per rank, identical on all
-    ranks). A rank that would be empty while others are not gets a zero-weight copy of one
-    row (its loss mask zeroed), so it contributes exactly nothing.
-
-    Collectives on ``groups.dp``: one all-reduce (the common width), the plan's two
-    all-gathers, one all-gather of the tensors' metadata and one all_to_all of the rows.
+    """Redistribute one mini-batch's rows over ``groups.dp`` so every rank runs about the same
+    attended tokens; returns this rank's rows and ``dp_imbalance_before/after`` (max/mean, same on
+    all ranks). An otherwise empty rank gets a zero-weight copy of one row. Collectives on
+    ``groups.dp``: one all-reduce, three all-gathers, one all_to_all.
     """
     width = int(groups.max(float(upd.batch.input_ids.shape[1])))
     dev = groups.device
@@ -274,14 +245,12 @@ def update_policy(
 ) -> Dict[str, float]:
     """One optimizer step per mini-batch that holds a kept token on some rank.
 
-    Returns this rank's summed loss metrics (``loss``, ``pg_loss``, ``kl_loss`` already
-    divided by their mini-batch's global denominator, so their sum over ranks is the loss
-    of the step), the sum of the policy's ``grad_norm`` reports (identical on all ranks), the
-    last ``lr``, ``update_tokens_local`` (loss-carrying tokens this rank ran: the papers'
-    count), ``update_compute_tokens_local`` (their rows' attended tokens: the compute), the
-    policy's ``fed_tokens`` / ``attended_tokens`` sums (micro-batch padding) and, with
-    ``rebalance``, the mean ``dp_imbalance_before/after`` over the mini-batches.
-    Collectives: one small all-reduce per mini-batch (+ rebalancing + the policy's own).
+    Returns this rank's loss metrics (already divided by the global denominators, so they sum
+    over ranks to the step's loss), the summed ``grad_norm``, the last ``lr``,
+    ``update_tokens_local`` (loss-carrying tokens), ``update_compute_tokens_local`` (their rows'
+    attended tokens), ``fed_tokens`` / ``attended_tokens`` and, with ``rebalance``, the mean
+    ``dp_imbalance_before/after``. Collectives: one small all-reduce per mini-batch (+ the
+    rebalancing's and the policy's own).
     """
     if upd.denominators is None:
         raise ValueError("UpdateBatch.denominators is missing: build the batch with compact()")

@@ -8,6 +8,7 @@ import torch
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.hf import HFBackend, HFBackendConfig
 from nemo_d3s.distributed.launch import run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -79,7 +80,7 @@ def test_dp_gradients_equal_single_process_full_batch():
     )["grad_norm"]
 
     # One launch runs every split (starting ranks dominates the test's time).
-    per_rank = run_on_gloo_ranks(_rank, 2, list(SPLITS.values()), expected, timeout=300)
+    per_rank = run_on_gloo_ranks(_rank, 2, list(SPLITS.values()), expected, timeout=WAIT_S)
     for k, name in enumerate(SPLITS):
         results = [per_rank[r][k] for r in range(2)]
         assert all(r["ok"] for r in results), (
@@ -118,7 +119,9 @@ def test_bf16_gradients_are_averaged_in_fp32():
     want_bf16 = (bf16.float().sum(0) / 3).to(torch.bfloat16)
     in_bf16 = (bf16[0] + bf16[1] + bf16[2]) / 3  # what a bf16 all-reduce computes
     assert not torch.equal(in_bf16, want_bf16)  # so the test below can fail
-    for got_bf16, got_fp32 in run_on_gloo_ranks(_average_rank, 3, list(bf16), list(fp32)):
+    for got_bf16, got_fp32 in run_on_gloo_ranks(
+        _average_rank, 3, list(bf16), list(fp32), timeout=WAIT_S
+    ):
         assert got_bf16.dtype == torch.bfloat16 and torch.equal(got_bf16, want_bf16)
         # fp32: gloo adds in its own order; 3 values of size ~1 round by at most ~4e-7
         torch.testing.assert_close(got_fp32, fp32.sum(0) / 3, rtol=0, atol=1e-6)

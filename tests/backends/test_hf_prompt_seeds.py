@@ -129,7 +129,7 @@ def test_hf_generate_sampler_is_seeded_per_call_and_layout_dependent():
     b = HFBackend(
         HFBackendConfig(model="tiny-random", device="cpu", autocast=None, sampler="hf_generate")
     )
-    assert not b.supports_prompt_seeds
+    assert not b.rollout_engine.prompt_seeds
     cfg = CFGS[0]
     x, y = b.generate(PROMPTS, 2, cfg, seed=3), b.generate(PROMPTS, 2, cfg, seed=3)
     assert torch.equal(x.batch.input_ids, y.batch.input_ids) and len(x.batch) == 8

@@ -13,6 +13,7 @@ from nemo_d3s.backends.hf.loading import (
     ensure_tiny_folder,
     load_model_and_tokenizer,
 )
+from _limits import WAIT_S  # noqa: E402
 
 
 def test_tiny_folder_holds_the_in_memory_tiny_model_and_is_written_once(tmp_path):
@@ -96,6 +97,6 @@ def test_a_rank_that_finds_the_tiny_folder_being_built_waits_for_it(tmp_path):
     assert "error" not in result, result  # it used to die here: FolderBusy
     assert t.is_alive() and not out.exists()  # waiting, not building beside the holder
     held.release()
-    t.join(timeout=120)
+    t.join(timeout=WAIT_S)
     assert result.get("folder") == out and (out / "nemo_d3s_tiny_random.json").is_file(), result
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no lock file left

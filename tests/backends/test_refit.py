@@ -19,6 +19,7 @@ import torch
 from nemo_d3s.backends import refit as R
 from nemo_d3s.backends import staging as S
 from nemo_d3s.distributed import run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 BUCKET = 2000  # bytes: smaller than one "layer" below (3 x 768 B), larger than each tensor
 
@@ -176,7 +177,7 @@ def test_staged_protocol_gathers_the_engine_workers_handles_and_other_ranks_stag
     """3 ranks of one model copy; the engine (on rank 0) has two workers, ranks 0 and 1 stage
     for them (their GPUs; here their shared-memory slots); rank 2 (another stage's GPU) only
     serves the source: it stages nothing."""
-    r0, r1, r2 = run_on_gloo_ranks(_rank_body, 3, [True, True, False], timeout=120)
+    r0, r1, r2 = run_on_gloo_ranks(_rank_body, 3, [True, True, False], timeout=WAIT_S)
     assert r0["equal"]
     buckets = [c for c in r0["calls"] if c not in ("begin", "end")]
     assert r0["calls"][0] == "begin" and r0["calls"][-1] == "end" and len(buckets) >= 5
@@ -274,6 +275,6 @@ def test_a_failure_on_the_engines_rank_raises_on_every_rank_of_the_refit():
     """The engine's rank fails at its third bucket: it raises its error and the other rank
     raises too, at the same point (it used to wait in the next barrier until the group's
     timeout, paired with whatever collective the failed rank ran next)."""
-    r0, r1 = run_on_gloo_ranks(_failing_rank_body, 2, timeout=120)
+    r0, r1 = run_on_gloo_ranks(_failing_rank_body, 2, timeout=WAIT_S)
     assert r0 == "OSError: the engine died"
     assert r1.startswith("RuntimeError: refit failed on another rank of the group")

@@ -105,7 +105,9 @@ def test_on_a_gpu_the_engine_starts_on_its_gpus_with_dummy_weights_graphs_and_bf
     k = llm.kwargs
     assert k["load_format"] == "dummy" and k["enforce_eager"] is False and k["dtype"] == "bfloat16"
     assert k["enable_sleep_mode"] is True and k["tensor_parallel_size"] == 2
-    assert llm.calls == [("sleep", 2)] and engine.stale  # level 2: nothing copied to host memory
+    assert llm.calls == [("sleep", 2)] and engine.needs_refit(
+        policy
+    )  # level 2: nothing copied to host memory
     assert engine.held_version is None
     assert engine.transport == "cuda_ipc"  # TP 2: worker processes, weights through CUDA IPC
 
@@ -125,7 +127,9 @@ def test_on_the_cpu_build_eager_policy_dtype_no_sleep(fake, monkeypatch):
     llm = FakeLLM.instances[-1]
     assert llm.kwargs["enforce_eager"] is True and llm.kwargs["dtype"] == "float32"
     assert "enable_sleep_mode" not in llm.kwargs and llm.calls == []
-    assert engine.stale and engine.held_version is None  # no weights version loaded yet
+    assert (
+        engine.needs_refit(policy) and engine.held_version is None
+    )  # no weights version loaded yet
     assert engine.transport == "direct"  # one process, one worker: tensors handed over as they are
 
 
@@ -140,7 +144,8 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     llm.calls.clear()
     engine.sync_weights(policy)
     assert llm.calls[:2] == [("wake_up", ("weights",)), ("rpc", "refit_begin")]
-    assert llm.calls[-2:] == [("rpc", "refit_end"), ("reset_prefix_cache",)] and not engine.stale
+    assert llm.calls[-2:] == [("rpc", "refit_end"), ("reset_prefix_cache",)]
+    assert not engine.needs_refit(policy)
     assert freed == [
         "cuda:0"
     ]  # before the weights woke (the refit frees on every rank: test_refit.py)
@@ -148,13 +153,14 @@ def test_refit_wakes_weights_generation_wakes_the_kv_cache_and_a_dropped_model_i
     ro = engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
     assert ro.batch.input_ids.shape[0] == 4
     # awake after generating: another generation of these weights costs no refit
-    assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2)] and not engine.stale
+    assert llm.calls == [("wake_up", ("kv_cache",)), ("generate", 2)]
+    assert not engine.needs_refit(policy)
     engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
     assert llm.calls[-1] == ("generate", 1) and ("rpc", "refit_begin") not in llm.calls
     # the trainer needs the memory: level-2 sleep; the sleep dropped the weights, so the next
     # generation refits first (a skipped update keeps the version, but not the weights)
     engine.release()
-    assert llm.calls[-1] == ("sleep", 2) and engine.stale
+    assert llm.calls[-1] == ("sleep", 2) and engine.needs_refit(policy)
     llm.calls.clear()
     engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
     assert llm.calls[0] == ("wake_up", ("weights",)) and ("rpc", "refit_end") in llm.calls
@@ -205,7 +211,9 @@ def test_one_refit_per_weights_version_however_many_evaluation_batches(fake, mon
         res = evaluate(engine, _Task(), list(range(5)), _Groups(), max_new_tokens=4, batch_size=2)
         assert res["eval_n"] == 5
     assert sum(c[0] == "generate" for c in llm.calls) == 3 * (1 + 3)  # rollouts + 3 batches
-    assert llm.calls.count(("rpc", "refit_begin")) == engine.refits == 1 + 3
+    # every refit began and finished: one per weights version
+    assert llm.calls.count(("rpc", "refit_begin")) == llm.calls.count(("rpc", "refit_end")) == 1 + 3
+    assert engine.held_version == policy.weights_version == 3
     assert llm.calls.count(("sleep", 2)) == (1 + 3 if gpu else 0)  # built asleep, then per step
 
 

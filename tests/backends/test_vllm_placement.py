@@ -107,6 +107,23 @@ def test_the_engine_starts_with_its_own_gpus_and_the_trainer_keeps_its_view(monk
     assert vengine.own_gpus(2) == "5,7"
 
 
+def test_the_engines_processes_do_not_inherit_one_cuda_connection(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's, set in the trainer) does not reach a process
+    started while vLLM starts (its workers spawn there); the trainer keeps it afterwards."""
+    import os
+    import subprocess
+    import sys
+
+    from nemo_d3s.backends.vllm.launch import engine_env
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    probe = "import os; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset'))"
+    with engine_env(None):
+        child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert child.stdout.strip() == "unset", child.stdout + child.stderr
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
 def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
     """``engines.check_gpu_placement`` before any engine starts, on every rank alike: a
     replicated policy on 16 ranks (8 per node) builds 16 engines; TP 2 would overlap."""

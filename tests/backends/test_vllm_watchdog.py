@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
+from _limits import WAIT_S  # noqa: E402
 
 
 def _stand_in(procs):
@@ -38,10 +40,10 @@ def test_a_killed_engine_process_wakes_the_waiting_call_and_every_utility_future
     proc = _process(time.sleep, 60)
     llm, client = _stand_in([proc])
     dog = EngineWatchdog(llm)
-    assert dog.watching and dog.death is None
+    assert dog.thread.is_alive() and dog.death is None
     client.utility_results[2].set_result("done before")  # a finished call stays as it was
     os.kill(proc.pid, signal.SIGKILL)
-    err = client.outputs_queue.get(timeout=60)  # what get_output() was blocked on
+    err = client.outputs_queue.get(timeout=WAIT_S)  # what get_output() was blocked on
     assert isinstance(err, RuntimeError)
     assert dog.death == str(err)
     assert f"EngineCore_DP0 (pid {proc.pid})" in dog.death and "exit code -9" in dog.death
@@ -63,8 +65,8 @@ def test_an_engine_that_ends_without_a_fault_wakes_the_calls_and_is_no_death(how
         dog = EngineWatchdog(llm)
         if how == "sigterm":
             os.kill(proc.pid, signal.SIGTERM)
-        err = client.outputs_queue.get(timeout=60)
-        dog.thread.join(timeout=60)
+        err = client.outputs_queue.get(timeout=WAIT_S)
+        dog.thread.join(timeout=WAIT_S)
     assert dog.death is None and not caplog.records
     assert isinstance(err, RuntimeError) and str(err) == dog.ended
     assert f"EngineCore_DP0 (pid {proc.pid})" in dog.ended
@@ -84,14 +86,16 @@ def test_an_engine_closed_first_ends_silently(caplog):
         dog = EngineWatchdog(llm)
         dog.close()
         os.kill(proc.pid, signal.SIGKILL)
-        proc.join(timeout=60)
-        dog.thread.join(timeout=60)  # it has seen the process end and decided
+        proc.join(timeout=WAIT_S)
+        dog.thread.join(timeout=WAIT_S)  # it has seen the process end and decided
     assert proc.exitcode is not None and not dog.thread.is_alive()
     assert dog.death is None and dog.ended is None and client.outputs_queue.empty()
     assert not caplog.records and not any(f.done() for f in client.utility_results.values())
 
 
 def test_a_client_without_the_expected_attributes_is_not_watched(caplog):
+    before = set(threading.enumerate())
     with caplog.at_level(logging.INFO, logger="nemo_d3s.vllm"):
         dog = EngineWatchdog(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=object())))
-    assert not dog.watching and "not watched" in caplog.text
+    assert "not watched" in caplog.text and dog.death is None
+    assert set(threading.enumerate()) <= before  # no watching thread started

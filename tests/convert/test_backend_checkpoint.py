@@ -33,6 +33,7 @@ from _launch import run_ranks  # noqa: E402  (tests/distributed, put on the path
 
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify  # noqa: E402
 from nemo_d3s.errors import ConfigError  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -110,7 +111,9 @@ def test_tp2_pp2_training_checkpoint_converts_on_one_process(tmp_path):
     src = tiny(tmp_path / "src", "llama")
     converted = hf_to_megatron(src, tmp_path / "converted", tp=1, pp=1, progress=False)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
-    results = run_ranks(_rank_train_and_save, 4, str(converted), str(ckpt), tp=2, pp=2, timeout=300)
+    results = run_ranks(
+        _rank_train_and_save, 4, str(converted), str(ckpt), tp=2, pp=2, timeout=WAIT_S
+    )
     source = hf_tensors(src)
     start, trained, logprobs, entropy = results[0]
     assert sorted(start) == sorted(source)
@@ -157,7 +160,7 @@ def test_backend_starts_from_a_tp2_pp2_conversion_on_one_rank(tmp_path):
     src = tiny(tmp_path / "src", "qwen2")  # tied embeddings, q/k/v bias
     converted = hf_to_megatron(src, tmp_path / "converted", tp=2, pp=2, progress=False)
     weights, logprobs, entropy = run_ranks(
-        _rank_start_from, 1, str(converted), tp=1, pp=1, timeout=240
+        _rank_start_from, 1, str(converted), tp=1, pp=1, timeout=WAIT_S
     )[0]
     source = hf_tensors(src)
     assert sorted(weights) == sorted(source)
@@ -187,15 +190,15 @@ def test_backend_refuses_a_flipped_bit_or_a_truncated_shard(tmp_path):
     # two ranks share the reading (checksum_shares puts the one shard in one rank's share,
     # the small files in the other's) and the all-gathered finding makes both refuse alike;
     # a corrupt file in each rank's share in turn: tests/trainer/test_checkpoint_shared.py
-    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=240)
+    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=WAIT_S)
     assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
     assert "megatron/tp00_pp00.safetensors does not match its SHA-256 checksum" in errors[0]
     assert "model.params.verify_checksums=false" in errors[0]
     assert (
-        run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None
+        run_ranks(_rank_start_error, 1, str(converted), False, timeout=WAIT_S)[0] is None
     )  # the switch skips it
     shard.write_bytes(bytes(data[:-100]))  # an interrupted copy
-    err = run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0]
+    err = run_ranks(_rank_start_error, 1, str(converted), False, timeout=WAIT_S)[0]
     assert err is not None and f"{str(shard)!r} is truncated" in err
 
 
@@ -205,7 +208,7 @@ def test_backend_refuses_a_converted_checkpoint_without_checksums_json(tmp_path)
     src = tiny(tmp_path / "src", "llama")
     converted = hf_to_megatron(src, tmp_path / "converted", tp=1, pp=1, progress=False)
     (converted / "checksums.json").unlink()
-    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=240)
+    errors = run_ranks(_rank_start_error, 2, str(converted), True, timeout=WAIT_S)
     assert errors[0] == errors[1] and errors[0] is not None and str(converted) in errors[0]
     assert "has no checksums.json" in errors[0] and "verify_checksums=false" in errors[0]
-    assert run_ranks(_rank_start_error, 1, str(converted), False, timeout=240)[0] is None
+    assert run_ranks(_rank_start_error, 1, str(converted), False, timeout=WAIT_S)[0] is None

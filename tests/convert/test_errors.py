@@ -366,13 +366,13 @@ def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch
 
 def test_training_checkpoint_checksums_are_checked(tmp_path, made):
     """A step_XXXXXX folder with checksums.json (what the trainer writes) must match it."""
-    from nemo_d3s.trainer.checkpoint import _write_checksums
+    from nemo_d3s.files import write_checksums
 
     src, ck = made
     step = tmp_path / "step_000003"
     shutil.copytree(ck / "megatron", step / "megatron")
     (step / "trainer_state.json").write_text(json.dumps({"step": 3}))
-    _write_checksums(step)
+    write_checksums(step)
     shard = step / "megatron" / "tp00_pp00.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

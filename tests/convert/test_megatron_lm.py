@@ -33,6 +33,7 @@ from _launch import run_ranks  # noqa: E402
 from nemo_d3s.convert import megatron_to_hf  # noqa: E402
 from nemo_d3s.convert.mcore import hf_to_megatron_lm  # noqa: E402
 from nemo_d3s.errors import ConfigError  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -138,7 +139,7 @@ def _save_folder(tmp_path, src, tp, pp, *, bridge):
     cfg = json.loads((src / "config.json").read_text())
     padded = 128 * tp * -(-cfg["vocab_size"] // (128 * tp))
     args = None if bridge else _megatron_lm_args(cfg, tp, pp, padded)
-    run_ranks(_rank_save, tp * pp, str(src), str(it), args, tp=tp, pp=pp, timeout=300)
+    run_ranks(_rank_save, tp * pp, str(src), str(it), args, tp=tp, pp=pp, timeout=WAIT_S)
     if bridge:  # what Megatron-Bridge adds: the provider's fields, the tokenizer assets
         model = {
             "_target_": "megatron.bridge.models.gpt_provider.GPTModelProvider",
@@ -209,7 +210,7 @@ def test_megatron_core_is_the_judge(case, tmp_path):
     out = hf_to_megatron_lm(back, tmp_path / "again", tp=lt, progress=False)
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     results = run_ranks(
-        _rank_load, lt * lp, str(src), str(out / "release"), tp=lt, pp=lp, timeout=300
+        _rank_load, lt * lp, str(src), str(out / "release"), tp=lt, pp=lp, timeout=WAIT_S
     )
     for bad, compared in results:
         assert compared > 0 and bad == [], bad
@@ -233,7 +234,7 @@ def test_a_save_folder_starts_the_backend(tmp_path):
 
     src = tiny(tmp_path / "src", "qwen3")
     save = hf_to_megatron_lm(src, tmp_path / "save", tp=2, progress=False)
-    lp, ids = run_ranks(_rank_scores, 2, str(save), tp=2, pp=1, timeout=300)[0]
+    lp, ids = run_ranks(_rank_scores, 2, str(save), tp=2, pp=1, timeout=WAIT_S)[0]
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     with torch.no_grad():
         logits = model(input_ids=ids).logits

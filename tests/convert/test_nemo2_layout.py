@@ -35,6 +35,7 @@ from _launch import run_ranks  # noqa: E402
 from nemo_d3s.config import ConfigError  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
 from nemo_d3s.formats.nemo2 import DcpIndex  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,8 @@ def test_megatron_to_nemo_to_hf_is_bit_exact(arch, written, tmp_path):
     )  # NeMo's divisor 4
     raw = (nemo / "weights" / ".metadata").read_bytes()
     assert b"module.decoder.layers.mlp.linear_fc2._extra_state/shard_3_4" in raw
+    qk_state = b"module.decoder.layers.self_attention.k_layernorm._extra_state/shard_3_4"
+    assert (qk_state in raw) == (arch == "qwen3")  # TE's RMSNorm carries one
     back = megatron_to_hf(nemo, tmp_path / "back", progress=False)
     assert_same_tensors(src, back)
     cfg, want = (
@@ -125,7 +128,7 @@ def test_nemo2_as_a_training_start(written, tmp_path):
     for f in sorted(os.listdir(from_hf / "megatron")):
         if f.endswith(".safetensors"):
             assert_same_tensors_file(from_hf / "megatron" / f, from_nemo / "megatron" / f)
-    lp, ids = run_ranks(_rank_scores, 1, str(from_nemo), tp=1, pp=1, timeout=240)[0]
+    lp, ids = run_ranks(_rank_scores, 1, str(from_nemo), tp=1, pp=1, timeout=WAIT_S)[0]
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
@@ -143,7 +146,7 @@ def test_nemo2_as_a_training_start(written, tmp_path):
     # model.name=<the NeMo 2 folder> itself, at TP2 on 2 ranks: the same scores; its HF
     # export holds the source tensors and loads in transformers
     direct = run_ranks(
-        _rank_scores_and_export, 2, str(nemo), str(tmp_path / "export"), tp=2, pp=1, timeout=240
+        _rank_scores_and_export, 2, str(nemo), str(tmp_path / "export"), tp=2, pp=1, timeout=WAIT_S
     )
     for lp2, side_removed in direct:
         assert float((lp2 - want).abs().max()) <= 1e-4
@@ -215,14 +218,20 @@ def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
     nemo = tmp_path / "nemo"
     (nemo / "weights").mkdir(parents=True)
     run_ranks(
-        _rank_save_sharded_state_dict, 4, str(src), str(nemo / "weights"), tp=2, pp=2, timeout=300
+        _rank_save_sharded_state_dict,
+        4,
+        str(src),
+        str(nemo / "weights"),
+        tp=2,
+        pp=2,
+        timeout=WAIT_S,
     )
     shutil.copytree(nemo_context(src, tmp_path / "ctx") / "context", nemo / "context")
     index = DcpIndex(nemo / "weights")
     fc1 = "module.decoder.layers.mlp.linear_fc1.weight"
     assert len(index.chunks[fc1]) == 4 * 2 * 2  # per layer: gate and up halves of both TP ranks
     assert_same_tensors(src, megatron_to_hf(nemo, tmp_path / "back", progress=False))
-    lp, ids = run_ranks(_rank_scores, 1, str(nemo), tp=1, pp=1, timeout=240)[0]
+    lp, ids = run_ranks(_rank_scores, 1, str(nemo), tp=1, pp=1, timeout=WAIT_S)[0]
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     with torch.no_grad():
         want = align_to_tokens(

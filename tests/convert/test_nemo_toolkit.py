@@ -32,6 +32,7 @@ from _launch import run_ranks  # noqa: E402
 from _nemo_env import nemo_python  # noqa: E402
 
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, megatron_to_nemo, verify  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = [pytest.mark.nemo, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ def _nemo(*args):
         capture_output=True,
         text=True,
         env=env,
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -97,7 +98,7 @@ def test_nemo_toolkit_imports_loads_and_exports(arch, tmp_path):
             entropy_and_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[1]
         )
     for folder in (nemo, start):
-        lp = run_ranks(_rank_scores, 2, str(folder), ids, tp=2, pp=1, timeout=300)[0]
+        lp = run_ranks(_rank_scores, 2, str(folder), ids, tp=2, pp=1, timeout=WAIT_S)[0]
         assert float((lp - want).abs().max()) <= 1e-4, folder
     # (c) nemo_d3s writes a NeMo 2 checkpoint (from a TP2 x PP2 Megatron one); NeMo loads it
     ck = hf_to_megatron(src, tmp_path / "ck", tp=2, pp=2, progress=False)

@@ -25,6 +25,7 @@ import traceback
 from typing import Any, Callable, List
 
 from nemo_d3s.distributed.launch import free_port, run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 __all__ = ["free_port", "run_ranks"]
 
@@ -53,7 +54,7 @@ def run_ranks(
     pp: int = 1,
     cp: int = 1,
     megatron: bool = True,
-    timeout: float = 90.0,
+    timeout: float = WAIT_S,
 ) -> List[Any]:
     """Run ``fn(rank, *args)`` on ``world_size`` gloo ranks; return every rank's result.
 

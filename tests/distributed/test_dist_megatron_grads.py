@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from _launch import run_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -250,7 +251,7 @@ def _reference(agg):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_ranks(_rank_grads, 4, tp=2, timeout=120)
+    return run_ranks(_rank_grads, 4, tp=2, timeout=WAIT_S)
 
 
 def test_token_masks_match_single_process(results):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _launch import run_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -137,7 +138,7 @@ def test_tp2_pp2_broadcast():
 
 
 def test_tp2_pp2_dp2_broadcast_and_selection():
-    _check(run_ranks(_rank_pipeline, 8, tp=2, pp=2, timeout=180), dp_size=2)
+    _check(run_ranks(_rank_pipeline, 8, tp=2, pp=2, timeout=WAIT_S), dp_size=2)
 
 
 def test_single_stage_is_identity():

@@ -13,6 +13,7 @@ import pytest
 import torch.distributed
 
 from _launch import run_ranks
+from _limits import WAIT_S
 
 from nemo_d3s.distributed.generation_wait import GenerationWait, Outcome, generation_limit_s
 
@@ -48,7 +49,7 @@ def _outcomes(rank):
 
 
 def test_every_rank_waits_out_a_long_generation_and_learns_every_outcome():
-    results = run_ranks(_outcomes, 3, megatron=False, timeout=240)
+    results = run_ranks(_outcomes, 3, megatron=False, timeout=WAIT_S)
     for rank, (out, left) in enumerate(results):
         assert [Outcome(*o) for _, o in out] == [
             Outcome(),
@@ -87,7 +88,7 @@ def _stalled(rank, how):
 
 @pytest.mark.parametrize("how", ["dead", "hung", "fails"])
 def test_a_rank_that_stops_answering_or_fails_fails_the_others(how):
-    results = run_ranks(_stalled, 3, how, megatron=False, timeout=240)
+    results = run_ranks(_stalled, 3, how, megatron=False, timeout=WAIT_S)
     others = [results[0], results[2]]
     if how == "dead":
         # the last rank still generating shows no life: the group's timeout, not the limit

@@ -41,6 +41,7 @@ import tempfile
 import zlib
 from pathlib import Path
 from typing import Dict, List, Sequence
+from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -127,7 +128,7 @@ def _env() -> Dict[str, str]:
     return env
 
 
-def run_layout(name: str, model: Path, out: Path, timeout: float = 900) -> List[dict]:
+def run_layout(name: str, model: Path, out: Path, timeout: float = WAIT_S) -> List[dict]:
     """Run the golden smoke run at layout ``name``; its metric rows, without timing keys."""
     from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 

@@ -36,8 +36,13 @@ def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
     from datasets import Dataset
     from trl import GRPOConfig
 
+    from _trl_record import SelectionRecorder  # beside this file (the script's own folder)
+
     from nemo_d3s.core.presets import D3SConfig
     from nemo_d3s.integrations.trl import D3SGRPOTrainer
+
+    class Recorder(SelectionRecorder, D3SGRPOTrainer):
+        pass
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = GRPOConfig(
@@ -52,7 +57,7 @@ def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
         bf16=False,
     )
     cfg = D3SConfig.from_preset(preset, min_kept_tokens=0)
-    trainer = D3SGRPOTrainer(
+    trainer = Recorder(
         model=model_dir,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
         args=args,

@@ -21,10 +21,12 @@ def main(model_dir: str, out_dir: str) -> None:
     from datasets import Dataset
     from trl import GRPOConfig
 
+    from _trl_record import SelectionRecorder  # beside this file (the script's own folder)
+
     from nemo_d3s.core.presets import D3SConfig
     from nemo_d3s.integrations.trl import D3SGRPOTrainer
 
-    class Recorder(D3SGRPOTrainer):
+    class Recorder(SelectionRecorder, D3SGRPOTrainer):
         def _compute_loss(self, model, inputs):
             tool = inputs["tool_mask"]
             self.micro.append(

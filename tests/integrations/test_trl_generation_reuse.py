@@ -46,6 +46,10 @@ from nemo_d3s.backends.hf.loading import ensure_tiny_folder  # noqa: E402
 from nemo_d3s.core.presets import D3SConfig  # noqa: E402
 from nemo_d3s.errors import ConfigError  # noqa: E402
 from nemo_d3s.integrations.trl import D3SGRPOTrainer  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trl_record import SelectionRecorder  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
@@ -88,7 +92,7 @@ class PlainRec(_Recorder, GRPOTrainer):
     pass
 
 
-class PlugRec(_Recorder, D3SGRPOTrainer):
+class PlugRec(_Recorder, SelectionRecorder, D3SGRPOTrainer):
     pass
 
 
@@ -296,7 +300,7 @@ def test_two_processes_pad_each_to_its_own_micro_batches(folder, tmp_path):
         cmd + [str(script), folder, str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
         env=env,
     )
     assert res.returncode == 0, res.stderr[-3000:]
@@ -319,21 +323,49 @@ def test_two_processes_pad_each_to_its_own_micro_batches(folder, tmp_path):
     assert any(r["gens"][g]["cut_rows"] > r["gens"][g]["kept_local"] for r in ranks for g in (0, 1))
 
 
-def test_losses_that_padding_would_bias_are_refused(folder, tmp_path):
-    def build(d3s="d3s", spg=2, **config):
-        return _trainer(D3SGRPOTrainer, folder, tmp_path, spg, spg, 1, 2, config, 8, d3s=d3s)
+# TRL 1.16's loss types by normaliser (grpo_trainer.py l.3153-3180): each micro-batch's own
+# rows or tokens, or the recounted num_items_in_batch
+MEAN_OVER_MICRO_BATCH = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
+OVER_NUM_ITEMS = ("dapo", "cispo", "vespo")
 
-    for loss in ("grpo", "bnpo", "dr_grpo"):
+
+def _build(folder, tmp_path, d3s="d3s", spg=2, **config):
+    return _trainer(D3SGRPOTrainer, folder, tmp_path, spg, spg, 1, 2, config, 8, d3s=d3s)
+
+
+def test_losses_that_padding_would_bias_are_refused(folder, tmp_path):
+    for loss in MEAN_OVER_MICRO_BATCH:
         with pytest.raises(
             ConfigError,
             match=f"loss_type='{loss}' with steps_per_generation=2, 1 process.*loss_type='dapo'",
         ):
-            build(loss_type=loss)
+            _build(folder, tmp_path, loss_type=loss)
     with pytest.raises(ConfigError, match="entropy_coef=0.1 with steps_per_generation=2.*"):
-        build(entropy_coef=0.1)
-    build(loss_type="cispo")  # divided by the recounted num_items_in_batch
-    build(d3s="grpo", loss_type="grpo")  # nothing cut, nothing padded
-    build(d3s="d3s", spg=1, loss_type="grpo")  # one micro-batch on one process
+        _build(folder, tmp_path, entropy_coef=0.1)
+    for loss in OVER_NUM_ITEMS:
+        _build(folder, tmp_path, loss_type=loss)  # divided by the recounted num_items_in_batch
+    _build(folder, tmp_path, d3s="grpo", loss_type="grpo")  # nothing cut, nothing padded
+    _build(folder, tmp_path, spg=1, loss_type="grpo")  # one micro-batch on one process
+
+
+def test_several_processes_with_one_micro_batch_each_refuse_those_losses(
+    folder, tmp_path, monkeypatch
+):
+    """steps_per_generation=1 on 2 processes: each process holds its own number of kept rows
+    (padded), so a per-micro-batch mean weighs the processes' rollouts unequally. The
+    process count is accelerate's (patched to 2 here: the trainer asks nothing else)."""
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
+    for loss in MEAN_OVER_MICRO_BATCH:
+        with pytest.raises(
+            ConfigError, match=f"loss_type='{loss}' with steps_per_generation=1, 2 process"
+        ):
+            _build(folder, tmp_path, spg=1, loss_type=loss)
+    with pytest.raises(ConfigError, match="entropy_coef=0.1 with steps_per_generation=1, 2 proc"):
+        _build(folder, tmp_path, spg=1, entropy_coef=0.1)
+    _build(folder, tmp_path, spg=1, loss_type="dapo")
+    _build(folder, tmp_path, spg=1, d3s="grpo", loss_type="grpo")  # nothing cut, nothing padded
 
 
 class _GradsAndWeights(_Grads):

@@ -34,11 +34,19 @@ from nemo_d3s.core.sample_selection import select_samples  # noqa: E402
 from nemo_d3s.core.token_selection import k_frac_with_floor, token_scores, top_k_batch  # noqa: E402
 from nemo_d3s.integrations.trl import D3SGRPOTrainer  # noqa: E402
 from nemo_d3s.integrations.trl.selection import trl_group_ids  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trl_record import SelectionRecorder  # noqa: E402
 
 pytestmark = pytest.mark.trl
 
 G = 4
 PROMPTS = [f"count to {i}" for i in range(4)]
+
+
+class PlugRec(SelectionRecorder, D3SGRPOTrainer):
+    pass
 
 
 def _reward(completions, **kw):
@@ -119,7 +127,7 @@ def _logits(model, ids, attn):
 def test_d3s_keeps_the_cores_rows_and_tokens_and_trains_on_them_only(folder, tmp_path, floor):
     plain = _trainer(GRPOTrainer, folder, tmp_path / "plain")
     cfg = D3SConfig.from_preset("d3s", **({} if floor is None else {"min_kept_tokens": floor}))
-    plug = _trainer(D3SGRPOTrainer, folder, tmp_path / "plug", d3s=cfg)
+    plug = _trainer(PlugRec, folder, tmp_path / "plug", d3s=cfg)
     plug.state.max_steps, plug.state.global_step = 5, 2  # progress 1/2: N = 5/16 G, K = 12.5%
     full = _generate(plain)
     cut = _generate(plug)
@@ -219,7 +227,7 @@ def _run_ranks(folder, out, nproc, preset, step):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += ["--standalone", str(script), folder, str(out), preset, str(step)]  # a free port
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=WAIT_S, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return [json.loads((out / f"rank{r}_of{nproc}.json").read_text()) for r in range(nproc)]
 

@@ -19,6 +19,7 @@ from nemo_d3s.integrations.trl.selection import (
     trl_group_ids,
 )
 from nemo_d3s.versions import ALLOW_ENV, check_stack
+from _limits import WAIT_S  # noqa: E402
 
 
 def _trl_advantages(rewards: torch.Tensor, g: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ def test_two_ranks_select_what_one_process_selects(preset):
     one = _select(
         TRLD3SSelector(D3SConfig.from_preset(preset, min_kept_tokens=0), None), slice(0, 8)
     )
-    two = run_on_gloo_ranks(_rank, 2, preset, timeout=120)
+    two = run_on_gloo_ranks(_rank, 2, preset, timeout=WAIT_S)
     assert two[0]["all"] == two[1]["all"] == one["all"]
     assert two[0]["rows"] + two[1]["rows"] == one["rows"]
     assert two[0]["tokens"] + two[1]["tokens"] == one["tokens"]

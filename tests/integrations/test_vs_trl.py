@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import vs_trl  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 
 def _arm(root: Path, name: str, seed: int, evals, step_time: float, tokens: float, finished=True):
@@ -119,12 +120,12 @@ def test_the_race_runs_at_two_steps_on_the_tiny_model(tmp_path):
     script = str(REPO / "benchmarks" / "vs_trl.py")
     r = subprocess.run(
         [sys.executable, script, "run", "--out", str(out), "--model", folder, *small],
-        capture_output=True, text=True, timeout=900, env=env,
+        capture_output=True, text=True, timeout=WAIT_S, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run(
         [sys.executable, script, "report", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True, text=True, timeout=WAIT_S, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "vs_trl.json").read_text())

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nemo_d3s.distributed import run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -112,7 +113,7 @@ def _slow_save_and_resume(rank: int, out: str):
 
 
 def test_each_rank_hashes_its_own_files_and_its_share_within_the_timeout(tmp_path):
-    res = run_on_gloo_ranks(_slow_save_and_resume, WORLD, str(tmp_path), timeout=240)
+    res = run_on_gloo_ranks(_slow_save_and_resume, WORLD, str(tmp_path), timeout=WAIT_S)
     listed = res[0]["listed"]
     assert len(listed) == 14  # 8 shards + 4 rng + trainer_state.json + config.json
     for r, x in enumerate(res):
@@ -169,7 +170,7 @@ def _corrupt_each_share(rank: int, out: str):
 
 
 def test_a_corrupt_file_in_any_ranks_share_gives_every_rank_the_same_error(tmp_path):
-    res = run_on_gloo_ranks(_corrupt_each_share, WORLD, str(tmp_path), timeout=240)
+    res = run_on_gloo_ranks(_corrupt_each_share, WORLD, str(tmp_path), timeout=WAIT_S)
     for target in range(WORLD):
         bad, msg = res[0]["found"][target]
         assert msg == f"{bad} does not match its SHA-256 checksum (corrupt)", target

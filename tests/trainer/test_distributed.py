@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 
 from .conftest import REPO, cli_env, run_inprocess
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -59,7 +60,7 @@ def _torchrun_plan(tmp_path, plan):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
 
 
@@ -128,12 +129,14 @@ def _compare(tmp_path, cases, extra=()):
     return plan
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
 def test_two_ranks_match_one_process_for_every_preset(tmp_path, algorithm):
     cases = [(p, [f"d3s={p}", f"algorithm={algorithm}"]) for p in PRESETS]
     _compare(tmp_path, cases)
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_padding_metrics_are_global_under_dp(tmp_path):
     """Issue 32 (a mutant that survived): the padding metrics were left out of the layout
     comparison, so rank-local counts passed. With one row per micro-batch (scoring and

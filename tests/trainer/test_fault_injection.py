@@ -22,6 +22,7 @@ from nemo_d3s.trainer.checkpoint import checkpoint_dirs, verify_checkpoint
 from nemo_d3s.trainer.metrics import read_jsonl
 
 from .conftest import REPO, cli_env, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 STEPS = 60  # enough that no attempt below reaches the end: every one is a kill
 RUN = [
@@ -89,7 +90,7 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
                     break
                 time.sleep(0.002)
             proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=300)
+        proc.wait(timeout=WAIT_S)
         log.append((spec or f"kill {delay[1]:.2f}s after {delay[0]} rows", proc.returncode))
         # every attempt must die by the kill (a run that finished or failed tested nothing)
         assert proc.returncode == -signal.SIGKILL, (
@@ -107,7 +108,7 @@ def test_kill_9_at_random_moments_then_resume_matches_an_uninterrupted_run(tmp_p
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rows, ref_rows = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(ref_dir / "metrics.jsonl")

@@ -34,6 +34,7 @@ from nemo_d3s.trainer.metrics import JsonlAppender, MetricsLogger, read_jsonl, t
 from nemo_d3s.trainer.rundir import RunDirLock
 
 from .conftest import FAST, REPO, cli_env, compose, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 # Three steps, a checkpoint after each, all kept: a resume can fall back two steps.
 STEPS3 = [*FAST, "trainer.steps=3", "trainer.save_every=1", "trainer.keep_last=3"]
@@ -146,10 +147,10 @@ def test_pickle_payload_in_checkpoint_is_refused_and_not_run(tmp_path, target, c
 
 
 def _rewrite_checksums(ckpt: Path) -> None:
-    from nemo_d3s.trainer.checkpoint import _write_checksums
+    from nemo_d3s.files import write_checksums
 
     (ckpt / CHECKSUMS).unlink()
-    _write_checksums(ckpt)
+    write_checksums(ckpt)
 
 
 def test_rng_state_is_stored_without_pickled_objects(tmp_path):
@@ -749,7 +750,7 @@ def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
     finally:  # never leave a stopped process behind
         for pid in (
@@ -813,7 +814,7 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
             env=env,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=WAIT_S,
         )
 
     ref = torchrun([f"output_dir={tmp_path / 'ref'}"], cli_env())

@@ -30,6 +30,7 @@ from .test_distributed import _assert_same_run, _assert_same_weights
 
 sys.path.insert(0, str(REPO / "tests" / "backends" / "megatron"))
 from _tiny_hf import make_tiny_hf  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -74,7 +75,7 @@ def _torchrun(nproc, overrides, env=None, **kw):
     )
 
 
-def _finish(proc, timeout=900):
+def _finish(proc, timeout=WAIT_S):
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-4000:]
     return out
@@ -154,7 +155,7 @@ def test_kill_and_resume_gives_the_uninterrupted_run(folder, tmp_path):
     base = [*RUN, f"model.name={folder}", *_megatron(2, 2)]
     _finish(_torchrun(4, [*base, f"output_dir={full}"]))
     proc = _torchrun(4, [*base, f"output_dir={cut}"], start_new_session=True)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + WAIT_S
     while not any((cut / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
         if proc.poll() is not None:
             break
@@ -186,7 +187,7 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
     out = tmp_path / "msmoke"
     fresh = {"NEMO_D3S_CACHE": str(tmp_path / "empty-cache")}
     log = _finish(
-        _torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"], env=fresh), timeout=600
+        _torchrun(2, ["experiment=megatron_smoke", f"output_dir={out}"], env=fresh), timeout=WAIT_S
     )
     ckpts = sorted((out / "checkpoints").iterdir())
     assert [c.name for c in ckpts] == ["step_000004"], ckpts  # keep_last=1
@@ -215,7 +216,7 @@ def test_megatron_smoke_experiment_then_convert_to_hf(tmp_path):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     exported, converted = (
@@ -242,7 +243,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
         env={**cli_env(), **fresh},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from" in r.stderr + r.stdout

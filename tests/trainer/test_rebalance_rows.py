@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nemo_d3s.distributed.launch import run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -60,7 +61,7 @@ def _rank(rank, n_rows):
 
 
 def test_rows_move_whole_and_empty_rank_gets_work():
-    res = run_on_gloo_ranks(_rank, 2, 5, timeout=120)
+    res = run_on_gloo_ranks(_rank, 2, 5, timeout=WAIT_S)
     ids = sorted(res[0]["ids"] + res[1]["ids"])
     assert ids == [100, 200, 300, 400, 500]  # each row on exactly one rank
     assert res[0]["ids"] and res[1]["ids"]
@@ -76,6 +77,6 @@ def test_rows_move_whole_and_empty_rank_gets_work():
 
 
 def test_a_single_row_leaves_a_zero_weight_pad():
-    res = run_on_gloo_ranks(_rank, 2, 1, timeout=120)
+    res = run_on_gloo_ranks(_rank, 2, 1, timeout=WAIT_S)
     assert res[0]["ids"] == [100] and res[1]["ids"] == [100]  # rank 1 runs a copy ...
     assert res[0]["kept"] == [6] and res[1]["kept"] == [0]  # ... that carries no loss token

@@ -24,6 +24,7 @@ from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.train import EXIT_INTERRUPTED
 
 from .conftest import REPO, cli, cli_env, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 RUN = [
     "experiment=smoke",
@@ -76,7 +77,7 @@ def test_checkpoint_manager_atomic_prune_and_restore(tmp_path):
     assert not torch.equal(torch.rand(2), expected)
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = WAIT_S) -> None:
     t0 = time.time()
     while not path.exists():
         if proc.poll() is not None:
@@ -101,6 +102,7 @@ def _popen(args, log: Path):
     )
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_inprocess(ref_dir, RUN[1:])  # the uninterrupted reference (same arithmetic: 1 thread)
@@ -137,7 +139,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
     while not read_jsonl(run_dir / "metrics.jsonl"):
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == EXIT_INTERRUPTED == 75, err[-3000:]
     latest = latest_checkpoint(run_dir / "checkpoints")
     assert latest is not None, err[-3000:]
@@ -153,6 +155,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_the_interrupted_code(tmp_path
     assert marker == {"step": state["step"], "signal": "SIGTERM", "checkpoint": str(latest)}
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_path):
     """SIGTERM arrives while step 3's rollouts are being decoded (fault point engine.decode,
     passed before every token): the run drops the partial rollouts, checkpoints the state
@@ -170,7 +173,7 @@ def test_sigterm_during_generation_stops_within_a_token_and_resumes_exactly(tmp_
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
     assert r.returncode == EXIT_INTERRUPTED, r.stderr[-3000:]
     assert (run_dir / "interrupted.json").is_file()

@@ -26,6 +26,7 @@ from nemo_d3s.trainer.resume_config import (
 )
 
 from .conftest import FAST, cli, compose, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 ORIGINAL = ["experiment=smoke", "d3s=pods", "trainer.lr=0.5", "+model.params.extra=1"]
 
@@ -64,6 +65,31 @@ def test_merge_untouched_hand_worked():
     }
     # a touched subtree is new's whole (k gone); a touched key new lacks is dropped
     assert merge_untouched(old, new, {"b.p", "c"}) == {"a": 1, "b": {"x": 1, "y": 2, "p": {"q": 2}}}
+
+
+def test_a_touched_key_covers_its_subtree_not_the_keys_it_is_a_string_prefix_of(tmp_path):
+    """``trainer.lr`` touched: ``trainer.lr_schedule`` (whose name starts with it) is still the
+    run's; a key path is compared part by part, not as a string prefix."""
+    old = {"t": {"lr": 1, "lr_schedule": "cosine", "lr_x": {"y": 1}}}
+    new = {"t": {"lr": 2, "lr_schedule": "constant", "lr_x": {"y": 2}}}
+    assert merge_untouched(old, new, {"t.lr"}) == {
+        "t": {"lr": 2, "lr_schedule": "cosine", "lr_x": {"y": 1}}
+    }
+    # nor is an untouched key below one whose name is a string prefix of a touched key
+    assert merge_untouched({"t": {"lr": 1}}, {"t": {"lr": {"y": 2}}}, {"t.lr_x"}) == {
+        "t": {"lr": 1}
+    }
+    # the whole path: a run started with a cosine schedule, resumed with another lr
+    old = _start(tmp_path, ["experiment=smoke", "trainer.lr_schedule=cosine"])
+    new = _resume(tmp_path, ["trainer.lr=0.002"])
+    assert new["trainer"]["lr_schedule"] == "cosine"
+    assert _changes(old, new) == {
+        "resume": (False, True),
+        "trainer.lr": (old["trainer"]["lr"], 0.002),
+    }
+    with pytest.raises(ConfigError, match=r"changes the experiment \(trainer\.lr:") as e:
+        check_resume_config(OmegaConf.create(new), tmp_path)
+    assert "lr_schedule" not in str(e.value)
 
 
 def test_touched_keys_of_keys_groups_and_global_options():
@@ -184,24 +210,25 @@ START = [
 def started(tmp_path_factory):
     """A run started with overrides (experiment=smoke d3s=pods ...): 2 steps, a checkpoint."""
     out = tmp_path_factory.mktemp("started") / "run"
-    r = cli([*START, f"output_dir={out}"], timeout=300)
+    r = cli([*START, f"output_dir={out}"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert [p.name for p in checkpoint_dirs(out / "checkpoints")] == ["step_000002"]
     return out
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_cli_resume_with_output_dir_alone_continues_the_run(started, tmp_path):
     alone, full = tmp_path / "alone", tmp_path / "full"
     shutil.copytree(started, alone)
     shutil.copytree(started, full)
-    r = cli([f"output_dir={alone}", "resume=true", "trainer.steps=4"], timeout=300)
+    r = cli([f"output_dir={alone}", "resume=true", "trainer.steps=4"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {alone}/checkpoints/step_000002 (step 2)" in r.stdout + r.stderr
     resumed = OmegaConf.load(alone / "config.resumed-1.yaml")
     assert resumed.d3s.preset == "pods" and resumed.model.name == "tiny-random"
     assert resumed.trainer.steps == 4
     # the same as resuming with the original command line repeated
-    r = cli([*START, f"output_dir={full}", "resume=true", "trainer.steps=4"], timeout=300)
+    r = cli([*START, f"output_dir={full}", "resume=true", "trainer.steps=4"], timeout=WAIT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_jsonl(alone / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -211,7 +238,7 @@ def test_cli_resume_with_output_dir_alone_continues_the_run(started, tmp_path):
 def test_cli_resume_with_a_conflicting_override_is_refused_naming_the_keys(started, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(started, run)
-    r = cli([f"output_dir={run}", "resume=true", "d3s=grpo"], timeout=300)
+    r = cli([f"output_dir={run}", "resume=true", "d3s=grpo"], timeout=WAIT_S)
     assert r.returncode == 2, r.stderr[-3000:]
     err = r.stderr.strip().splitlines()[-1]
     assert err.startswith("error: resume=true with a config that changes the experiment (")
@@ -261,7 +288,7 @@ def test_torchrun_resume_from_the_folder_alone(tmp_path):
         return subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc_per_node=2", "-m", "nemo_d3s.train", *args],
-            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=400,
+            cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=WAIT_S,
         )  # fmt: skip
 
     out = tmp_path / "run"

@@ -17,6 +17,7 @@ from nemo_d3s.config import ConfigError
 from nemo_d3s.train import run_cli
 
 from .conftest import FAST, REPO, cli_env, compose
+from _limits import WAIT_S  # noqa: E402
 
 DATA = REPO / "examples" / "data" / "sums.jsonl"
 
@@ -119,7 +120,7 @@ def test_a_first_sigterm_during_a_hung_reward_call_checkpoints_promptly(tmp_path
             time.sleep(0.1)
         assert (tmp_path / "in_reward").exists(), proc.communicate(timeout=5)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)  # before: still hung after minutes
+        _, err = proc.communicate(timeout=WAIT_S)  # before: still hung after minutes
     finally:
         if proc.poll() is None:
             proc.kill()

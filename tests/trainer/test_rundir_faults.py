@@ -13,6 +13,7 @@ import pytest
 from nemo_d3s.config import ConfigError
 
 from .conftest import FAST, cli_env, run_inprocess
+from _limits import WAIT_S  # noqa: E402
 
 
 def _cli(tmp_path, *args):
@@ -22,7 +23,7 @@ def _cli(tmp_path, *args):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=WAIT_S,
     )
 
 

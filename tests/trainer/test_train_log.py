@@ -12,6 +12,7 @@ import pytest
 from nemo_d3s.trainer.metrics import read_jsonl
 
 from .conftest import FAST, cli, run_inprocess
+from _limits import WAIT_S  # noqa: E402
 
 STEP_LINE = re.compile(r"\] - step (\d+): reward=\S+ smp=\S+ tok=\S+ time=\S+ s$")
 EVAL_LINE = re.compile(r"\] - eval step (\d+): reward ([0-9.]+) over (\d+) problems in \S+ s$")
@@ -81,18 +82,19 @@ def test_the_slow_step_warning_goes_to_train_log_once(tmp_path, monkeypatch):
     assert "[WARNING] - TEST-SLOW-STEP warning" in text
 
 
+@pytest.mark.slow  # a whole program run (or several): the slow tier
 def test_multirun_jobs_each_keep_their_log_in_their_output_dir(tmp_path):
     """A sweep with the progress bar on (the default main job's setting): each job's
     train.log is in its own output_dir, both when Hydra picks it and when the sweep sets it."""
     args = ["-m", "experiment=smoke", *RUN, "logging.progress_bar=true", "seed=0,1"]
-    res = cli([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=600)
+    res = cli([*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=WAIT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     for job in ("0", "1"):
         _check_log(tmp_path / "sweep" / job, 3)
     runs = tmp_path / "runs"
     res = cli(
         [*args, f"hydra.sweep.dir={tmp_path / 'sweep2'}", f"output_dir={runs}/s$" + "{seed}"],
-        timeout=600,
+        timeout=WAIT_S,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     for seed in ("0", "1"):

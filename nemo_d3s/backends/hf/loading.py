@@ -1,9 +1,5 @@
-"""Building a policy model and tokenizer from local files only (never the Hub).
-
-``resolve_model_path`` maps a model name to a folder; ``load_model_and_tokenizer`` builds
-the (model, tokenizer) pair from a config, including the random "tiny-random" Llama used
-by CI, whose byte-level tokenizer is built in memory.
-"""
+"""Building a policy model and tokenizer from local files only (never the Hub), including
+the random "tiny-random" Llama with its in-memory byte-level tokenizer."""
 
 from __future__ import annotations
 
@@ -34,10 +30,8 @@ _CHATML = (
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """ "smollm2-135m-instruct" -> the converted cache folder (converted on first use);
-    an existing directory -> itself; a ``.gguf`` file -> a Hugging Face folder de-quantised
-    from it once into the cache (:func:`gguf_model_dir`); anything else ->
-    FileNotFoundError naming the path."""
+    """The folder of a model name, directory or ``.gguf`` file (converted once into the
+    cache); FileNotFoundError naming anything else."""
     if name_or_path == DEFAULT_MODEL_NAME:
         return ensure_default_model()
     path = Path(name_or_path).expanduser()
@@ -185,12 +179,9 @@ def _tiny_model_and_tokenizer(spec: TinyModelSpec, seed: int, dtype: torch.dtype
 
 
 def ensure_tiny_folder(spec: TinyModelSpec, seed: int, cache: Optional[Path] = None) -> Path:
-    """The "tiny-random" model written once as a Hugging Face folder (safetensors, config,
-    tokenizer) under ``$NEMO_D3S_CACHE/tiny-random/<spec and seed>``, for the backends that
-    build from files (Megatron) and for a smoke run's checkpoint conversion. About 0.1 MB
-    at the default shape. The same spec and seed give the same weights, so every rank of a
-    torchrun job asks for it: :func:`~nemo_d3s.files.build_once` lets the first build it
-    and the others wait for that folder (they died of the folder lock before)."""
+    """The "tiny-random" model as an HF folder under ``$NEMO_D3S_CACHE/tiny-random/<spec and
+    seed>`` (same spec and seed, same weights), built once by the first rank that asks
+    (:func:`~nemo_d3s.files.build_once`) while the others wait."""
     import dataclasses
     import hashlib
     import json
@@ -263,10 +254,8 @@ def load_model_and_tokenizer(
 
 @torch.no_grad()
 def copy_hf_weights(model: torch.nn.Module, weights, *, tie_word_embeddings: bool) -> None:
-    """Copy (Hugging Face name, tensor) pairs into ``model``'s parameters one tensor at a
-    time (no second copy of the model). A tied ``lm_head`` is filled by the embedding.
-    KeyError naming the first name the model does not have, or the parameters that no
-    tensor filled."""
+    """Copy (HF name, tensor) pairs into ``model`` one at a time (a tied ``lm_head`` from the
+    embedding); KeyError naming an unknown name or the parameters left unfilled."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen = set()
     for name, t in weights:

@@ -1,15 +1,6 @@
-"""Decoding loops of the HF backend: a seeded KV-cache sampler and ``model.generate``.
-
-``decode_seeded`` (the default, ``HFBackendConfig.sampler="seeded"``) draws every row from
-a private generator seeded by (prompt seed, sample index), so a prompt's samples do not
-depend on which other prompts share the batch. That is what lets a data-parallel run
-sample the same completions as a one-process run with the same global batch.
-``decode_hf_generate`` (``sampler="hf_generate"``) calls ``model.generate`` under one
-seed for the whole call: transformers' own sampling (and its logits processors), but the
-samples then depend on the batch layout.
-
-Both take left-padded prompt rows and return ``(responses, finished)``: each row's
-response token ids up to and including the first stop token, and whether one was hit.
+"""Decoding loops of the HF backend: ``decode_seeded`` (a private generator per (prompt seed,
+sample index): layout-independent) and ``decode_hf_generate`` (one seed per call). Both take
+left-padded prompts and return (responses up to and including the first stop token, finished).
 """
 
 from __future__ import annotations
@@ -80,10 +71,8 @@ def sample_next(
 
 
 def kv_cache_name(model) -> str:
-    """The forward keyword (and output field) that carries the KV cache: transformers 5
-    renamed ``past_key_values`` to ``cache`` and warns on every use of the old name
-    (transformers/utils/generic.py, ``_BCCacheNameMeta`` and the ``past_key_values``
-    property); transformers 4.x (the ``nemo`` extra pins 4.57) knows only the old one."""
+    """The KV-cache keyword: ``cache`` in transformers 5 (which warns on the old name,
+    utils/generic.py ``_BCCacheNameMeta``), ``past_key_values`` in 4.x."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
@@ -99,13 +88,10 @@ def decode_seeded(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     check_stop: Callable[[], None] = lambda: None,
 ) -> Tuple[List[List[int]], List[bool]]:
-    """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``.
-    ``check_stop()`` runs before every token (it raises to abandon the call).
-
-    Prompts are left-padded and position ids count only real tokens, so a row sees the same
-    positions as it would alone. Rows that stopped are fed pad (masked out of nothing that
-    matters: their outputs are discarded) until every row stops or ``max_new_tokens``.
-    Memory: the KV cache [layers, b, kv_heads, P + T, head_dim] and one [b, V] logits row.
+    """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``;
+    ``check_stop()`` runs before every token. Position ids count real tokens only, so a row
+    sees the positions it would alone. Memory: the KV cache [layers, b, kv_heads, P + T,
+    head_dim] and one [b, V] logits row.
     """
     T, b = cfg.max_new_tokens, len(prompt_rows)
     if T > 0:

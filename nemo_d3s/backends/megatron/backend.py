@@ -1,23 +1,9 @@
 """``MegatronBackend``: the policy as a megatron-core ``GPTModel`` sharded over TP x PP x DP.
 
-Built from a local HF folder (Llama / Mistral / Qwen2 / Qwen3), a converted Megatron
-checkpoint, a NeMo 2 checkpoint or a Megatron-LM / Megatron-Bridge checkpoint (told apart by
-``formats.detect_format``): ``formats.spec.ModelSpec`` ->
-``TransformerConfig`` -> this rank's stage (or its chunks of a virtual pipeline,
-``model.virtual_layouts``), loaded straight from safetensors rows or
-checkpoint shards through the weight table (``formats/weights.py``). Scoring and training
-run through Megatron's schedules (``schedule.score`` / ``schedule.train_step``: no
-pipelining at PP 1, 1F1B at PP > 1, interleaved 1F1B with VPP > 1, the fused
-vocab-parallel log-prob/entropy kernel on the last stage, the trainer's loss sums scaled by
-the step normaliser). Rollouts come from one
-engine per model-parallel group (``engine.py``). Checkpoints are sharded safetensors,
-reshardable (``formats/shards.py``; the optimizer state and who writes what:
-``checkpoint.py``).
-
-Set-up order (why): every check that can fail on bad input (options, config.json, the
-layout's divisibility, the safetensors headers) runs before the first collective, so every
-rank raises the same clear error instead of some ranks waiting in a collective. The steps
-themselves are in ``prepare.py``; the engine placement is in ``engine.py``.
+Loads an HF, converted, NeMo 2 or Megatron-LM checkpoint through the weight table; steps run
+through ``schedule.py``, rollouts through one engine per model-parallel group, checkpoints
+are reshardable safetensors. Every check that can fail on bad input runs before the first
+collective, so all ranks raise the same error rather than some hanging.
 """
 
 from __future__ import annotations
@@ -73,9 +59,8 @@ log = logging.getLogger("nemo_d3s.megatron")
 
 
 class MegatronBackend(Policy):
-    """Policy on megatron-core's GPTModel; see the module docstring. ``groups`` is always
-    built here (Megatron's ``initialize_model_parallel`` on the job's process group; an
-    existing Megatron layout of the same TP/PP is reused, e.g. by a test harness)."""
+    """Policy on megatron-core's GPTModel; builds its groups (an existing Megatron layout of
+    the same TP/PP is reused)."""
 
     collective_export = True
     # The options this backend refuses, checked before anything is built; build_backend and
@@ -174,9 +159,8 @@ class MegatronBackend(Policy):
 
     @property
     def rollout_engine(self) -> ModelParallelRollouts:
-        """The seeded HF sampler on a transformers replica, built on first use (collective:
-        every rank of the job asks at the same point, as the trainer's build does), so a run
-        with ``rollout.engine=vllm`` never holds the replica."""
+        """The seeded HF sampler on a transformers replica, built on first use (collective),
+        so a vLLM run never holds the replica."""
         if self._own_engine is None:
             self._own_engine = self.place_rollout_engine(replica_engine(self))
             self._own_engine.sync_weights(self)  # the replica starts from these weights
@@ -184,9 +168,7 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ set-up
     def _build_chunks(self, config) -> List[torch.nn.Module]:
-        """This rank's GPTModel stage, or one chunk per virtual stage of an interleaved
-        pipeline (``self.stage_layouts``; the first chunk of stage 0 embeds, the last chunk
-        of the last stage has the output layer). Uninitialised weights."""
+        """This rank's stage, or one chunk per virtual stage; uninitialised weights."""
         p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
         return [
             build_stage(
@@ -202,11 +184,8 @@ class MegatronBackend(Policy):
         ]
 
     def _build_reference(self, config):
-        """The frozen initial policy for the KL term: a second stage (or set of chunks) of
-        the same layout with the policy's current parameters copied in. Not
-        ``copy.deepcopy(self.model)``: megatron-core modules hold ProcessGroup handles (its
-        TP linears, the embedding), which cannot be copied. Memory: one more copy of this
-        rank's stage, no gradients."""
+        """The frozen initial policy for the KL term: a rebuilt stage with the parameters
+        copied in (megatron-core modules hold ProcessGroups, which deepcopy cannot copy)."""
         refs = self._build_chunks(config)
         mine = self.model if isinstance(self.model, list) else [self.model]
         with torch.no_grad():
@@ -241,9 +220,7 @@ class MegatronBackend(Policy):
     mp_group = staticmethod(model_parallel_group)
 
     def mp_gloo_group(self):
-        """The gloo twin of this rank's model-parallel group, made with Megatron's groups
-        (``parallel.make_model_parallel_gloo_twin``: through the store, before any engine
-        builds, no NCCL call); Megatron's group is NCCL on CUDA."""
+        """The gloo twin of this rank's model-parallel group (Megatron's is NCCL on CUDA)."""
         from nemo_d3s.backends.megatron.parallel import model_parallel_gloo_group
 
         group = model_parallel_gloo_group()
@@ -323,11 +300,8 @@ class MegatronBackend(Policy):
         return self.path
 
     def save_pretrained(self, path: str) -> None:
-        """Collective (every rank calls it; DP replicas other than the first skip the
-        gathers): the whole model streamed to global rank 0 tensor by tensor and written as
-        safetensors shards (vocabulary padding removed) + the source config.json,
-        generation config and tokenizer, through ``files.atomic_folder`` (a hidden sibling
-        renamed into place)."""
+        """Collective: the model streamed to rank 0 tensor by tensor and written as an HF
+        folder (vocabulary padding removed) through ``atomic_folder``."""
         if self.groups.dp_rank != 0:
             return
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
@@ -343,9 +317,8 @@ class MegatronBackend(Policy):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """This rank's shard (model, plain-AdamW moments, reference) under local names; the
-        distributed optimizer's state is gathered by :meth:`save_checkpoint` instead. With a
-        virtual pipeline, chunk i's names carry the prefix ``chunk<i>.``."""
+        """This rank's shard under local names (chunk i prefixed ``chunk<i>.``); not the
+        distributed optimizer's state."""
         n = len(ckpt.policy_stages(self))
         if n == 1:
             return ckpt.policy_tensors(self)
@@ -354,16 +327,14 @@ class MegatronBackend(Policy):
         }
 
     def save_checkpoint(self, folder: str) -> List[str]:
-        """Collective (``checkpoint.save_policy``: the shard files this rank wrote); rank 0
-        adds config + tokenizer (``write_model_files``: hashed by rank 0 as its own)."""
+        """Collective: the shard files this rank wrote (rank 0 adds config + tokenizer)."""
         wrote = ckpt.save_policy(self, folder)
         if self.groups.is_main:
             ckpt.write_model_files(self, Path(folder))
         return wrote
 
     def load_checkpoint(self, folder: str) -> bool:
-        """A checkpoint written at any TP x PP layout, with either optimizer; see
-        ``checkpoint.load_policy``."""
+        """A checkpoint written at any TP x PP layout, with either optimizer."""
         ckpt.load_policy(self, folder)
         self.weights_changed()
         if self._own_engine is not None:  # (the trainer refits any other engine after a resume)

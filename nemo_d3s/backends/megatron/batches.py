@@ -1,9 +1,5 @@
-"""Micro-batches of the Megatron backend's schedules: which rows, how many, how wide.
-
-A rank's batch is ``TokenBatch`` [B, S], right-padded. :func:`plan_micro_batches` cuts it
-into :class:`MicroBatch` es (fixed row counts or a token budget, ``core.micro_batches``);
-:func:`model_inputs` builds one micro-batch's model inputs [b, L]. Pure CPU bookkeeping: no
-collective, no Megatron import.
+"""Micro-batches of the Megatron backend's schedules: which rows of a right-padded [B, S]
+batch, how many, how wide. Pure CPU bookkeeping: no collective, no Megatron import.
 """
 
 from __future__ import annotations
@@ -28,12 +24,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch as the schedule sees it.
-
-    rows [n] long (CPU): the batch rows it carries (n <= b; n = 0 for the zero-weight
-    micro-batch of an empty batch); b: rows fed to the model (n real + b - n dummy rows);
-    width L: positions fed to the model (the real rows cut or zero-padded to L).
-    """
+    """rows [n] long (CPU) fed as b >= n rows (dummy rows after them) of ``width`` L."""
 
     rows: torch.Tensor
     b: int
@@ -65,19 +56,12 @@ def plan_micro_batches(
     multiple_of: int = 1,
     max_tokens: int = 0,
 ) -> List[MicroBatch]:
-    """Split a right-padded [B, S] bool mask (CPU) into micro-batches of <= ``micro_batch_size``
-    consecutive rows, or, with ``max_tokens`` > 0, of rows packed to that token budget.
+    """Micro-batches of <= ``micro_batch_size`` consecutive rows of a right-padded [B, S]
+    mask, or (``max_tokens`` > 0) rows packed to b x L <= that budget, longest first.
 
-    Fixed rows, uniform=False (PP = 1): each micro-batch is cut to its longest attended row.
-    Fixed rows, uniform=True (PP > 1): every micro-batch has ``micro_batch_size`` rows (dummy
-    rows fill the last one) and the width of the batch's longest row (one shape per call).
-    Token budget (``core.micro_batches.token_budget_micro_batches`` on the rounded row
-    widths, at any PP): b x L <= ``max_tokens`` per micro-batch (one oversize row alone),
-    rows longest first, no dummy rows; at PP > 1 the shapes differ between micro-batches and
-    :func:`_schedule` turns on megatron-core's ``variable_seq_lengths`` p2p shape exchange.
-    Widths are at least 2 (one scored position) and rounded up to ``multiple_of`` (TP when
-    sequence parallelism splits the sequence). B = 0 gives one zero-weight micro-batch of one
-    dummy row, so a rank without data still runs every collective of the step.
+    ``uniform`` (PP > 1, fixed rows): one shape per call, dummy rows fill the last one.
+    Widths >= 2, rounded up to ``multiple_of``. B = 0 gives one zero-weight dummy-row
+    micro-batch, so a rank without data still joins every collective.
     """
     if (
         isinstance(micro_batch_size, bool)
@@ -109,12 +93,9 @@ def plan_micro_batches(
 def pad_for_interleaving(
     mbs: List[MicroBatch], pp: int, *, one_shape: bool = False
 ) -> List[MicroBatch]:
-    """Micro-batches for megatron-core's interleaved 1F1B, which needs their number M >= PP
-    with M % PP = 0 (groups of PP contiguous micro-batches per virtual stage: schedules.py
-    ``microbatch_group_size_per_vp_stage``, default PP, checked at lines 993-1010 of
-    megatron-core 0.16.1): zero-weight micro-batches (no rows; dummy rows of the first
-    micro-batch's shape, so no new shape is sent) are appended. ``one_shape``: every
-    micro-batch widened to the largest rows x width of the plan (dummy rows, padding)."""
+    """Append zero-weight micro-batches (the first one's shape) up to a multiple of PP, as
+    interleaved 1F1B needs (megatron-core 0.16.1 schedules.py:993-1010); ``one_shape``:
+    widen all to the plan's largest rows x width."""
     if one_shape:
         b, width = max(m.b for m in mbs), max(m.width for m in mbs)
         mbs = [MicroBatch(m.rows, b, width) for m in mbs]
@@ -125,10 +106,8 @@ def pad_for_interleaving(
 
 
 def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
-    """(input_ids [b, L] long, position_ids [b, L] long, attention_mask, attended [n, L] bool)
-    on ``device``. attention_mask: Megatron's convention (True = masked), the causal [1, 1, L, L]
-    mask on CPU (megatron-core builds its default causal mask on "cuda"), None on CUDA (the
-    attention kernels build it); right padding needs nothing more."""
+    """(input_ids, position_ids [b, L] long, mask, attended [n, L] bool) on ``device``; mask:
+    causal [1, 1, L, L] (True = masked) on CPU, None on CUDA (the kernels build it)."""
     ids = fit_width(batch.input_ids[mb.rows], mb.width)
     if mb.b > ids.shape[0]:  # dummy rows: token 0, never read back
         ids = torch.cat([ids, ids.new_zeros(mb.b - ids.shape[0], mb.width)])
@@ -145,8 +124,7 @@ def model_inputs(batch: TokenBatch, mb: MicroBatch, device: torch.device):
 
 
 def token_counts(batch: TokenBatch, mbs: List[MicroBatch]) -> Dict[str, float]:
-    """{"fed_tokens": sum of b x L over the plan (dummy rows and padding included),
-    "attended_tokens": the batch's real tokens} (the padding share's two counts)."""
+    """fed_tokens (b x L summed, padding included) and attended_tokens (real tokens)."""
     return {
         "fed_tokens": float(sum(m.b * m.width for m in mbs)),
         "attended_tokens": float(batch.attention_mask.sum()),

@@ -29,7 +29,8 @@ from nemo_d3s.formats.shards import (
     ShardedReader,
     read_layout,
     read_local_from_checkpoint,
-    save_shard,
+    open_shard,
+    read_range_from_checkpoint,
     shard_file,
     shard_metadata,
     write_layout,
@@ -85,8 +86,8 @@ def policy_tensors(pol: Any, stage: int = 0) -> Dict[str, torch.Tensor]:
 
 def writer_dp_rank(layout: Layout, dp_size: int) -> int:
     """The DP rank that writes the shard of ``layout``'s (TP, PP) position: rotated over the
-    positions so the writers (which hold the stage's gathered optimizer state in host
-    memory) spread over the DP replicas' nodes instead of all sitting in replica 0."""
+    positions so the writers (each receiving its stage's gathered optimizer state and
+    writing its file) spread over the DP replicas' nodes instead of all sitting in replica 0."""
     return (layout.tp_rank + layout.tp * layout.pp_rank) % dp_size
 
 
@@ -116,9 +117,9 @@ def save_policy(pol: Any, folder: str) -> List[str]:
     )
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
-        gathered: Dict[str, torch.Tensor] = {}
+        gathered = iter(())
         if megatron_opt:
-            gathered = ostate.gather_states(
+            gathered = ostate.iter_gathered_states(
                 pol.optimizer,
                 model.named_parameters(),
                 pol.groups.dp,
@@ -126,14 +127,31 @@ def save_policy(pol: Any, folder: str) -> List[str]:
                 step=step,
                 dst=writer,
             )
-        if pol.groups.dp_rank == writer:
-            meta = {
-                "optimizer_step": str(step),
-                "scheduler_step": str(pol.scheduler.step_count),
-                "main_params": str(int(with_main and (bool(gathered) or not megatron_opt))),
-            }
-            save_shard(root, layout, {**policy_tensors(pol, i), **gathered}, meta)
-            wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
+        if pol.groups.dp_rank != writer:
+            for _ in gathered:  # this rank's part of each reduce
+                pass
+            continue
+        own = policy_tensors(pol, i)
+        planned = (
+            ostate.gathered_entries(model.named_parameters(), with_main=with_main, step=step)
+            if megatron_opt
+            else []
+        )
+        meta = {
+            "optimizer_step": str(step),
+            "scheduler_step": str(pol.scheduler.step_count),
+            "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
+        }
+        entries = [(k, tuple(v.shape), v.dtype) for k, v in own.items()] + planned
+        # streamed: each tensor goes to the file as it is moved to the host or gathered, so
+        # the writer never holds its stage's state in host memory (70B at TP 4 x PP 4: 4.5B
+        # parameters x (2 + 12) bytes = 64 GB per shard)
+        with open_shard(root, layout, entries, meta) as f:
+            for k, v in own.items():
+                f.write(k, v)
+            for k, v in gathered:
+                f.write(k, v)
+        wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
     return wrote
 
 
@@ -172,7 +190,8 @@ def load_policy(pol: Any, folder: str) -> None:
 
     # Megatron's distributed optimizer keeps fp32 moments and main weights whatever the
     # model's dtype, and only this DP rank's range of each (local_ranges): only that range is
-    # kept (on the CPU; scatter_states moves it), so staging costs 1/DP of the stage's state.
+    # read (the rows holding it, at the saved layout) and kept (on the CPU; scatter_states
+    # moves it), so each DP rank reads and stages 1/DP of the stage's optimizer state.
     # The plain AdamW keeps full moments in the parameter's dtype, or in fp32 with fp32 main
     # weights (MainWeightsAdamW: a bf16 / fp16 model).
     ranges = ostate.local_ranges(pol.optimizer) if megatron_opt else {}
@@ -190,17 +209,19 @@ def load_policy(pol: Any, folder: str) -> None:
                 if p not in ranges:
                     continue
                 a, b = ranges[p]
-                cut = (
-                    {k: read(f"optim.{k}.", name, p, torch.float32) for k in ostate.MOMENTS}
-                    if opt_step > 0
-                    else {}
-                )
+
+                def share(prefix: str) -> torch.Tensor:
+                    return read_range_from_checkpoint(
+                        name, pol.spec, layout, readers[prefix], torch.float32, p.shape, a, b
+                    )
+
+                cut = {k: share(f"optim.{k}.") for k in ostate.MOMENTS} if opt_step > 0 else {}
                 cut["main"] = (
-                    read("optim.main.", name, p, torch.float32)
+                    share("optim.main.")
                     if with_main and opt_step > 0
-                    else t.float()
+                    else t.float().reshape(-1)[a:b].clone()
                 )
-                mom[name] = {k: v.reshape(-1)[a:b].clone() for k, v in cut.items()}
+                mom[name] = cut
             elif main_weights and main_weight_of(pol.optimizer, p) is not None:
                 main = (
                     read("optim.main.", name, p, torch.float32)

@@ -35,61 +35,19 @@ CONTEXT_PARALLEL_REFUSAL = (
 class MegatronBackendConfig(PolicySettings):
     """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
 
-    model: a local Hugging Face folder (Llama / Mistral / Qwen2 / Qwen3 config.json +
-        safetensors), a folder converted by ``nemo-d3s-convert hf-to-megatron``, a NeMo 2
-        checkpoint (``weights/`` + ``context/``), a Megatron-LM / Megatron-Bridge save folder
-        (or one ``iter_XXXXXXX/``), or the embedded "smollm2-135m-instruct".
-    dtype: parameter dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32",
-        "bfloat16". On CUDA, bf16 parameters train through Megatron's distributed optimizer
-        with fp32 main weights and optimizer state; the plain path (``distributed_optimizer
-        =false``) keeps fp32 main weights and moments too (``main_weights.MainWeightsAdamW``),
-        unsharded; fp32 parameters are their own main weights.
-    device: "auto" (CUDA when available), "cpu" or "cuda".
-    tensor_model_parallel_size / pipeline_model_parallel_size: Megatron's TP and PP; DP =
-        world size / (TP x PP). TP must divide the attention heads, the key/value heads and
-        the FFN width; PP must divide the layers.
-    sequence_parallel: Megatron's sequence parallelism at TP > 1 (activations outside the
-        tensor-parallel matmuls split along the sequence over TP; no effect at TP 1); see
-        ``sequence_parallel.py``.
-    virtual_pipeline_model_parallel_size: > 1 (with PP > 1; layers divisible by PP x VPP):
-        megatron-core's interleaved 1F1B, that many model chunks per stage
-        (``model.virtual_layouts``). None / 1: plain 1F1B.
-    context_parallel_size, sequence_packing: accepted so a recipe can state them; only
-        1 / false run and anything else is refused at start-up by name: megatron-core runs
-        context parallelism and packed (THD) rows only through Transformer Engine's
-        attention (:data:`CONTEXT_PARALLEL_REFUSAL` says what to use instead; the dry run
-        reports a layout that would need them).
-    use_tp_pp_dp_mapping: Megatron-LM's option of that name: global ranks are laid out
-        tp-cp-ep-pp-dp instead of Megatron's default tp-cp-ep-dp-pp, so each TP x PP model
-        copy sits on consecutive ranks (whole nodes when TP x PP is a multiple of the GPUs
-        per node). The rollout engine of each copy starts on the copy's first rank: at TP4 x
-        PP4 on 8-GPU nodes each copy then holds two whole nodes and the engines start one per
-        even node, instead of two per node on the first two nodes (the 70B recipe uses it).
-        The math is the same in either order; only the groups' members change.
-    make_vocab_size_divisible_by: the embedding is padded to a multiple of this x TP
-        (Megatron's rule); padded rows are never scored, sampled or exported.
-    distributed_optimizer: true: Megatron's DistributedDataParallel + distributed optimizer
-        (fp32 main params and Adam state sharded over DP). false: plain AdamW over each
-        rank's shards with an explicit DP gradient all-reduce (optimizer state not sharded
-        over DP). Both take the HF backend's update math (AdamW, decay on every parameter,
-        clipping on the global norm). null (default): true on CUDA, false on CPU; true on
-        CPU runs Megatron's classes on gloo through ``cpu_compat`` (how the tests check that
-        path). A checkpoint written with either resumes with either, at any layout.
-    verify_checksums: a converted or NeMo 2 checkpoint given as ``model`` that carries
-        ``checksums.json`` is checked against it before use (every file read once; a
-        mismatch is an error naming the file); false skips the check.
-    transformer_impl: Megatron-LM's ``--transformer-impl``: "transformer_engine" (default)
-        builds the Transformer Engine layer spec on CUDA, and a TE that does not import is
-        a start-up error naming the import error; "local" asks for megatron-core's own
-        modules by name (unfused attention). The CPU always takes the local spec.
-    entropy_chunk_size: rows of the [b L, V/TP] logits the fused vocab-parallel
-        entropy/log-prob kernel handles at once (bounds its workspace).
-    The shared settings (:class:`~nemo_d3s.backends.settings.PolicySettings`): the same
-        optimizer and LR schedule as the HF backend, clipping on the global norm across
-        TP x PP x DP; gradient_checkpointing = Megatron's full recompute, one layer at a
-        time; the HF engine's sampling settings (``rollout.engine=hf``: it samples from a
-        full copy of the weights on the first rank of each model-parallel group and sends
-        the rollouts to the group's other ranks; seeded sampler only).
+    model: an HF folder, a converted Megatron folder, a NeMo 2 or Megatron-LM / Bridge save,
+        or the embedded "smollm2-135m-instruct". dtype: "auto" = fp32 on CPU, bf16 on CUDA
+        (bf16 parameters always train on fp32 main weights and moments).
+    TP must divide the heads, KV heads and FFN width; PP the layers; VPP > 1 (PP > 1) runs
+        interleaved 1F1B. context_parallel_size / sequence_packing: only 1 / false run
+        (:data:`CONTEXT_PARALLEL_REFUSAL`).
+    use_tp_pp_dp_mapping: ranks laid out tp-cp-ep-pp-dp, so each model copy (and its
+        engine) sits on consecutive ranks; the math is unchanged.
+    distributed_optimizer: Megatron's DDP + distributed optimizer (None: CUDA only) or
+        plain AdamW over this rank's shards; checkpoints resume across both and any layout.
+    transformer_impl: "transformer_engine" (an import failure is an error) or "local"; the
+        CPU always takes the local spec. entropy_chunk_size: rows of the [b L, V/TP]
+        logits the vocab-parallel kernel takes at once.
     """
 
     model: str = DEFAULT_MODEL_NAME
@@ -108,9 +66,7 @@ class MegatronBackendConfig(PolicySettings):
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
-    """Refuse what the backend cannot run: Megatron options it accepts by name but does not
-    implement yet, a dtype or sampler it does not take. ValueError naming the key; the
-    backend, ``trainer.backend_registry.checked_config`` and the dry run call it."""
+    """ValueError naming the key of an option, dtype or sampler the backend cannot run."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     if vpp is not None and not is_count(vpp, 1):
         raise ValueError(

@@ -1,53 +1,11 @@
 """Running megatron-core (0.15, 0.16, 0.19) on CPU / gloo ranks: the backend's one set of patches.
 
-megatron-core assumes CUDA in a few places on the GPTModel forward/backward path (local
-layer spec, ``use_cpu_initialization=True``, with or without sequence parallelism), at any
-TP x PP on gloo. :func:`apply_cpu_compat` redirects exactly those places to the CPU; everything else
-(``initialize_model_parallel``, the tensor-parallel layers, the vocab-parallel embedding and
-output layer, the schedules' control flow) runs on gloo/CPU unchanged.
-
-WHEN TO CALL IT: only in a process whose Megatron model lives on the CPU; the backend calls
-it when its device is "cpu". NEVER apply it in a process that runs (or will run) Megatron on
-CUDA, i.e. never on a CUDA training job: the patches are process-wide for megatron-core and
-send its "cuda" allocations, its RNG tracker and its p2p synchronisation to the CPU. No
-patch touches ``torch`` itself (only the megatron modules' view of it, megatron's RNG
-helpers and one method of ``LanguageModule``), so a CPU-only process on a
-machine that has GPUs (a gloo test rank) may use it too; the CUDA path of the backend is
-untouched as long as this is not called.
-
-The patches (each one's WHY is at its code):
-
-1. The module-level ``torch`` of the megatron modules listed in :data:`_TORCH_PROXIED` is
-   replaced by a proxy: ``torch.cuda.current_device()`` returns ``"cpu"``,
-   ``torch.cuda.synchronize()`` does nothing, ``torch.cuda.current_stream()`` is a stream
-   whose waits do nothing, and ``zeros/ones/empty/tensor`` map ``device="cuda"`` to the CPU;
-   every other name is torch's own object.
-2. ``LanguageModule.setup_embeddings_and_output_layer`` runs with ``Tensor.cuda`` as the
-   identity (for the length of that call only).
-3. ``CudaRNGStatesTracker.add`` / ``.fork`` keep and swap CPU generator states, and
-   ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` (activation
-   recompute) save and restore nothing.
-4. Megatron's DistributedDataParallel and distributed optimizer (the GPU path, run on gloo
-   by ``model.params.distributed_optimizer=true``): their buffers and flags go through the
-   proxy of 1, and ``Tensor.type()`` names CPU tensors as CUDA ones during
-   ``DistributedOptimizer.__init__`` and the clipping call only (its dtype grouping and an
-   assertion compare those names).
-
-Not patched, because the backend does not take those paths on CPU (documented so nobody
-relies on them): ``transformer.utils.get_default_causal_mask`` (``device="cuda"``; the
-schedule passes an explicit causal mask on CPU), ``distribute_saved_activations``,
-``use_cpu_initialization=False`` (GPU init under the RNG tracker), inference KV caches and CUDA
-graphs, ``config.enable_autocast`` (``torch.autocast("cuda")``), and Transformer Engine specs.
-
-Where the megatron-core lines differ (0.15 / 0.16 and 0.19: ``nemo_d3s/versions.py``), this
-module is the one place that says so:
-
-- 0.19 ``_ParamAndGradBucketGroup.start_grad_sync`` (megatron/core/distributed/
-  param_and_grad_buffer.py:632 in 0.19.2) takes ``torch.cuda.current_stream()`` on every
-  gradient reduction, to wait for CUDA-graph replay events (``_cudagraph_wgrad_ready_event``,
-  set on parameters only by CUDA graphs); 0.16 has no such call. The proxy of 1 covers it.
-
-Seeding: :func:`seed_model_parallel` (CPU after :func:`apply_cpu_compat`, or CUDA).
+Redirects the few CUDA assumptions of the GPTModel path (local spec, CPU init, any TP x PP,
+sequence parallelism, DDP + distributed optimizer) to the CPU; the rest runs unchanged.
+Process-wide for megatron-core, so NEVER apply it in a process that runs Megatron on CUDA;
+``torch`` itself is not patched, only megatron's view of it. Unsupported on CPU: default
+causal masks, ``distribute_saved_activations``, GPU init, KV caches, CUDA graphs, autocast
+and Transformer Engine specs.
 """
 
 from __future__ import annotations
@@ -113,9 +71,7 @@ _APPLIED = False
 
 
 class _CpuStream:
-    """``torch.cuda.current_stream()`` of a CPU process: CPU ops and gloo's ``wait()`` are
-    synchronous, so there is nothing to order and every wait is a no-op. (megatron-core 0.19
-    waits on it only for events that CUDA graphs set, which a CPU model never has.)"""
+    """``torch.cuda.current_stream()`` on CPU: ops and gloo waits are synchronous, so no-ops."""
 
     def wait_event(self, event: Any) -> None:
         return None
@@ -183,11 +139,8 @@ def _proxy_torch() -> None:
 
 
 def _patch_tied_embedding_copy() -> None:
-    """LanguageModule.setup_embeddings_and_output_layer (tied embeddings at PP > 1) does
-    ``weight.data = weight.data.cuda()`` before all-reducing the first and last stage's
-    copies: on CPU that raises (no CUDA build) or moves the copy off the CPU model. The
-    ``.cuda()`` is a Tensor method, so no module proxy reaches it: ``Tensor.cuda`` is the
-    identity while this one method runs, and only then."""
+    """``Tensor.cuda`` is the identity inside ``setup_embeddings_and_output_layer`` (tied
+    embeddings at PP > 1 call ``weight.data.cuda()``, a method no module proxy reaches)."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     original = LanguageModule.setup_embeddings_and_output_layer
@@ -208,23 +161,12 @@ def _patch_tied_embedding_copy() -> None:
 
 
 def _patch_rng() -> None:
-    """Megatron's RNG bookkeeping (``tensor_parallel.random``) is CUDA-only:
+    """CPU twin of Megatron's CUDA-only RNG bookkeeping (``tensor_parallel.random``).
 
-    - ``CudaRNGStatesTracker.add`` / ``.fork`` save and restore CUDA generator states
-      (``torch.cuda.get_rng_state``, ``_set_cuda_rng_state``); ``fork`` wraps the attention
-      dropout of DotProductAttention.forward (local spec) on every forward. The CPU versions
-      keep one CPU generator state per name and swap torch's default CPU generator inside
-      ``fork``, so dropout in tensor-parallel regions draws from the per-TP-rank stream, as
-      on GPU. A ``fork`` of a name never added (no :func:`seed_model_parallel`) runs on the
-      current CPU stream instead of raising: with use_cpu_initialization nothing else needs
-      the tracker.
-    - ``CheckpointFunction`` (full activation recompute, the backend's
-      gradient_checkpointing) saves the CUDA generator with ``_get_cuda_rng_state``
-      (``torch.cuda.random.get_rng_state``) next to the CPU one and the tracker's states, and
-      restores all three before recomputing. A CPU model draws from no CUDA generator, so
-      the module's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` save an empty state and
-      restore nothing; the CPU state and the tracker states (CPU, above) still make the
-      recomputed dropout masks equal the first ones.
+    The tracker keeps one CPU generator state per name and swaps it in inside ``fork``, so
+    TP-region dropout draws per-TP-rank streams (an unseeded name uses the current stream).
+    Activation recompute saves / restores an empty CUDA state; the CPU and tracker states
+    still replay equal dropout masks.
     """
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -270,11 +212,8 @@ def _patch_rng() -> None:
 
 @contextlib.contextmanager
 def _cuda_type_names():
-    """``Tensor.type()`` (no arguments) names a CPU tensor as its CUDA twin
-    ("torch.cuda.FloatTensor") while the block runs. The distributed optimizer sorts
-    parameters into fp32 / fp16 / bf16 groups by those names and raises on anything else,
-    and the clipping helper asserts them; both are string tests on a Tensor method, which no
-    module proxy reaches. ``Tensor.type(dtype)`` (a cast) is untouched."""
+    """``Tensor.type()`` names CPU tensors "torch.cuda.*" inside the block (the distributed
+    optimizer groups and the clipping helper asserts by those names); casts are untouched."""
     original = torch.Tensor.type
 
     def type_(tensor, *args: Any, **kwargs: Any):
@@ -291,9 +230,7 @@ def _cuda_type_names():
 
 
 def _patch_distributed_optimizer() -> None:
-    """DistributedOptimizer.__init__ and the clipping function the optimizers call
-    (``optimizer.clip_grad_by_total_norm_fp32``) run inside :func:`_cuda_type_names`, for
-    the length of those calls only."""
+    """Run DistributedOptimizer.__init__ and the clipping call inside :func:`_cuda_type_names`."""
     from megatron.core.optimizer import distrib_optimizer, optimizer
 
     cls = distrib_optimizer.DistributedOptimizer
@@ -314,10 +251,8 @@ def _patch_distributed_optimizer() -> None:
 
 
 def apply_cpu_compat() -> None:
-    """Make megatron-core (0.15, 0.16, 0.19) run on CPU / gloo in this process (idempotent).
-
-    Call it only when the Megatron model lives on the CPU, before building the model, and
-    never in a process that runs Megatron on CUDA (see the module docstring)."""
+    """Make megatron-core run on CPU / gloo in this process (idempotent); before building
+    the model, never in a process that runs Megatron on CUDA."""
     global _APPLIED
     if _APPLIED:
         return
@@ -334,13 +269,9 @@ def is_applied() -> bool:
 
 
 def seed_model_parallel(seed: int) -> None:
-    """Seed torch and Megatron's RNG tracker the way Megatron's training loop does:
-    ``torch.manual_seed(seed)`` then ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``
-    (the data-parallel state ``seed``, the tensor-parallel state ``seed + 2718 + tp_rank``,
-    the expert state). Call it after the model-parallel groups exist and before building
-    the model. On CUDA this is Megatron's own recipe. On CPU it needs
-    :func:`apply_cpu_compat` first: the tracker then holds CPU generator states (the
-    ``torch.cuda.manual_seed`` inside is a no-op on a CPU-only build)."""
+    """Seed torch and Megatron's RNG tracker as Megatron's training loop does (TP state
+    ``seed + 2718 + tp_rank``); after the groups exist, before building the model. A
+    CPU-only build needs :func:`apply_cpu_compat` first."""
     if not torch.cuda.is_available() and not _APPLIED:
         raise RuntimeError("seed_model_parallel on a CPU-only build needs apply_cpu_compat() first")
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

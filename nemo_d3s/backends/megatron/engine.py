@@ -1,17 +1,9 @@
 """Rollouts for a sharded policy: one engine per model-parallel group.
 
-Every rank of one TP x PP group must train on the same rollouts. The engine lives on the
-group's first rank (TP rank 0, PP stage 0) only; the other ranks receive its rollouts with
-one object broadcast over a gloo twin of the model-parallel group
-(:class:`ModelParallelRollouts`), so the group generates once. Refits are collective
-(``policy.refit_weights()`` gathers over TP and PP), so every rank of the group runs the
-weight iterator; ``backends/refit.py`` moves the tensors into the engine (the ranks on the
-engine's GPUs stage them for CUDA IPC, the others drop them).
-
-:class:`ReplicaEngine` is the CPU/test engine: the HF backend's seeded, layout-independent
-sampler on a transformers copy of the policy (built from the same HF folder, then refitted
-from the Megatron weights), so a Megatron run and an HF run with the same seed sample the
-same rollouts. vLLM slots in as the inner engine in place of it.
+The engine lives on the group's first rank; the others get its rollouts by one object
+broadcast over the group's gloo twin. Refits are collective (every rank runs the weight
+iterator). :class:`ReplicaEngine` runs the HF backend's seeded sampler on a transformers copy,
+so Megatron and HF runs with one seed sample the same rollouts.
 """
 
 from __future__ import annotations
@@ -48,9 +40,8 @@ __all__ = [
 
 
 class ReplicaEngine(RolloutEngine):
-    """The HF backend's sampler (``backends.hf.engine.HFRolloutEngine``) on a full
-    transformers copy of the policy. ``sync_weights`` copies ``policy.hf_weights()`` into it
-    name by name (tensor by tensor: never a second full copy in flight)."""
+    """The HF backend's sampler on a full transformers copy of the policy, refitted tensor by
+    tensor."""
 
     def __init__(self, replica: SamplerModel) -> None:
         self.replica = replica
@@ -79,28 +70,16 @@ class ReplicaEngine(RolloutEngine):
 
 
 class ModelParallelRollouts(RolloutEngine):
-    """One engine per model-parallel group: ``inner`` exists on the group's first rank
-    (``src``, a global rank) and is None elsewhere. ``group``: a gloo group of the
-    model-parallel ranks (``parallel.make_model_parallel_gloo_twin``): every wait for the engine
-    happens on the host, never inside an NCCL collective spinning on the GPUs vLLM uses.
+    """One engine per model-parallel group: ``inner`` on global rank ``src``, None elsewhere.
 
-    generate: every rank frees its cached CUDA blocks and waits for the others (the engine
-    then wakes into that memory); ``src`` samples while the others wait for it on the store
-    with a liveness check (``backends/engine_wait.py``: not one collective limited by the
-    group's timeout, which a long generation exceeds); one ``broadcast_object_list`` of the
-    Rollouts (tensors on the CPU) over ``group`` (in-memory objects between the job's own
-    ranks, never a file). An engine that does not hold the policy's weights version (a
-    sleep dropped them) is refitted first, by the whole group; a refit or generation cut by
-    a stop signal is GenerationInterrupted on every rank of the group.
-    sync_weights: ``refit`` set (an engine with its own copy, vLLM): when the engine's rank
-    says it holds another weights version (one refit per version), the group runs one
-    :class:`~nemo_d3s.backends.refit.WeightRefit` (every rank iterates the collective
-    ``policy.refit_weights()``; ranks on the engine's GPUs, or on the CPU build its first
-    ``workers`` ranks, stage buckets: CUDA IPC / shared memory); otherwise ``src`` hands the
-    stream to ``inner`` and the others serve the gathers.
-    release: the engine's rank lets its engine drop its memory (``RolloutEngine.release``).
-    refit: dict(transport, bucket_bytes, dtype, hosts_engine_gpu) agreed at placement
-    (:func:`place_engine`).
+    ``group`` is gloo, so every wait for the engine is on the host, never in an NCCL
+    collective spinning on the engine's GPUs. generate: ranks other than ``src`` wait for it on
+    the store with a liveness check (``backends/engine_wait.py``; no collective's timeout caps
+    a long generation), then one ``broadcast_object_list`` of the Rollouts over ``group``; an
+    engine without the policy's weights version is refitted first by the whole group; a refit
+    or generation cut by a stop signal raises GenerationInterrupted on every rank of the group.
+    ``refit``: transport, bucket_bytes, dtype and hosts_engine_gpu agreed by
+    :func:`place_engine` (None: ``src`` refits its engine alone).
     """
 
     def __init__(
@@ -177,8 +156,7 @@ class ModelParallelRollouts(RolloutEngine):
         return self.inner is not None and self.inner.stopped
 
     def sync_weights(self, policy: Policy) -> None:
-        """One refit per weights version: the engine's rank says whether it holds another
-        version (or none), and the whole group refits or none of it does."""
+        """One refit per weights version, decided by the engine's rank for the whole group."""
         if self.refit is None or is_single(self.group):
             if self.is_src:
                 self.inner.sync_weights(policy)
@@ -216,8 +194,7 @@ def make_replica(
     cfg: Any,
     eos_ids_fn: Callable[[Any], List[int]],
 ) -> SamplerModel:
-    """A transformers model of the HF folder ``path`` (local files only), dropout off, in
-    eval mode, for :class:`ReplicaEngine` (its weights are overwritten by the first refit)."""
+    """A transformers model of ``path`` (local files, dropout off, eval) for a replica."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from nemo_d3s.backends.hf.loading import zero_dropout_config
@@ -245,8 +222,7 @@ def make_replica(
 
 
 def own_gpu_entry() -> Optional[str]:
-    """This rank's GPU as its entry in the node's visible devices (what an engine's
-    ``CUDA_VISIBLE_DEVICES`` lists: ``vllm.placement``); None without CUDA."""
+    """This rank's GPU as an entry of the node's visible devices; None without CUDA."""
     if not torch.cuda.is_available():
         return None
     from nemo_d3s.backends.vllm.placement import local_gpus
@@ -267,13 +243,8 @@ def model_parallel_group() -> Tuple[Any, int]:
 def place_engine(
     policy: Any, build: Callable[[], RolloutEngine], gloo_group: Callable[[], Any]
 ) -> ModelParallelRollouts:
-    """``build()`` on the first rank of each model-parallel group only (a vLLM engine per
-    TP x PP group, not per rank); the group's other ranks receive its rollouts. The engine's
-    rank tells the group how refits travel (transport, bucket size, dtype) and on which
-    node and GPUs the engine runs (a rank on one of them stages refit buckets there). An
-    engine that fails to start raises on every rank of the group (none is left waiting).
-    ``policy``: the Megatron backend (its tokenizer and device); ``gloo_group()``: the
-    group's gloo twin (collective on first use)."""
+    """``build()`` on the first rank of each model-parallel group, which tells the group how
+    refits travel and where the engine runs; a failed start raises on every rank."""
     mp, src = model_parallel_group()
     inner, failure = None, None
     if dist.get_rank() == src:
@@ -325,8 +296,7 @@ def place_engine(
 
 
 def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:
-    """The build of the seeded HF sampler on a transformers replica of the Megatron backend
-    ``policy`` (for :func:`place_engine`); the replica's EOS ids become the policy's."""
+    """Builder of a :class:`ReplicaEngine` for ``policy``; its EOS ids become the policy's."""
 
     def build() -> ReplicaEngine:
         replica = make_replica(

@@ -1,15 +1,6 @@
-"""Build this rank's ``GPTModel`` stage from a :class:`ModelSpec`, load it from HF
-safetensors, and stream the whole model back out under HF names.
-
-- :func:`transformer_config` / :func:`build_stage`: the megatron-core model of this rank's
-  (TP, PP) position; the Transformer Engine layer spec on CUDA (a TE that does not import is
-  an error, :func:`use_transformer_engine`, unless ``transformer_impl=local``), megatron-core's
-  local spec on the CPU or when asked for by name.
-- :func:`load_stage_from_hf`: every local parameter read from its HF rows
-  (``formats.weights.local_parts``), nothing else from disk.
-- :func:`iter_hf_weights`: collective generator of (HF name, full tensor) for export and
-  rollout-engine refits: one local parameter at a time is all-gathered over TP on its stage
-  and broadcast over PP, so no rank holds more than one full tensor group at once.
+"""Build this rank's ``GPTModel`` stage from a :class:`ModelSpec` (TE spec on CUDA, local on
+CPU), load its rows from HF safetensors, and stream the model back out under HF names (one
+parameter at a time gathered over TP and broadcast over PP).
 """
 
 from __future__ import annotations
@@ -51,12 +42,8 @@ __all__ = [
 def transformer_engine_error() -> Optional[str]:
     """Why megatron-core cannot build its Transformer Engine layer spec here, or None.
 
-    Checked in the order megatron-core needs them: ``transformer_engine.pytorch`` itself (a
-    missing wheel, or one that fails to load its CUDA libraries: any exception, not only
-    ImportError), then megatron-core's own view, ``gpt_layer_specs.HAVE_TE`` (megatron-core
-    0.16.1 ``models/gpt/gpt_layer_specs.py:42-50`` imports ``transformer_engine``,
-    ``TEFusedMLP``/``TENorm`` and ``TESpecProvider`` and sets HAVE_TE=False on an ImportError,
-    a TE version its extension does not support included)."""
+    Any exception importing TE counts; then megatron-core's own ``HAVE_TE`` (0.16.1
+    ``models/gpt/gpt_layer_specs.py:42-50`` clears it on an ImportError)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
     except Exception as e:
@@ -79,13 +66,8 @@ def transformer_engine_error() -> Optional[str]:
 
 
 def use_transformer_engine(impl: str, device: torch.device) -> bool:
-    """Whether this rank's stage takes the Transformer Engine layer spec.
-
-    ``impl`` is ``model.params.transformer_impl``: "transformer_engine" (the default; on
-    CUDA it must import, else a ``ConfigError`` naming the import error: silently falling back
-    to the local spec would run unfused attention, [b, heads, S, S] scores per layer, and
-    with Apex but not TE crash in Apex's LayerNorm-only FusedLayerNorm) or "local"
-    (megatron-core's own modules, by name). On the CPU the local spec is the only one."""
+    """Whether this rank's stage takes the Transformer Engine layer spec; ConfigError when
+    "transformer_engine" is asked on CUDA and TE does not import (no silent unfused fallback)."""
     if impl not in TRANSFORMER_IMPLS:
         raise ConfigError(
             f"model.params.transformer_impl={impl!r}: expected one of "
@@ -116,9 +98,8 @@ def transformer_config(
     recompute: bool = False,
     vpp: int = 1,
 ):
-    """The ``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp`` virtual chunks per stage)
-    (dropout 0: RL log-prob ratios need the same function in the scoring and the training
-    pass)."""
+    """``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp``); dropout 0, so scoring and
+    training compute the same function."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -177,11 +158,8 @@ def build_stage(
     max_sequence_length: Optional[int] = None,
     vp_stage: Optional[int] = None,
 ):
-    """This rank's GPTModel stage (uninitialised weights: load them next). ``layout.te``:
-    the Transformer Engine spec (decide it with :func:`use_transformer_engine`), else the
-    local spec with torch norms throughout (under sequence parallelism the SP-capable ones
-    of ``sequence_parallel.local_block_spec``). With a virtual pipeline: chunk ``vp_stage``
-    of this rank, ``layout`` its virtual stage (:func:`virtual_layouts`)."""
+    """This rank's GPTModel stage (or chunk ``vp_stage``), weights uninitialised; the TE spec
+    when ``layout.te``, else the local spec with torch norms."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -251,11 +229,8 @@ def build_stage(
 
 
 def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layout) -> None:
-    """Megatron sets ``tensor_model_parallel`` / ``partition_dim`` on its sharded weights
-    only inside its random init, which ``perform_initialization=False`` skips; the gradient
-    norm (TP duplicates counted once) and Megatron's optimizer read them. Set them from the
-    weight table: every parameter split over TP (embedding, output layer, QKV, proj, fc1,
-    fc2, QKV bias) is parallel, norms are duplicates."""
+    """Set ``tensor_model_parallel`` / ``partition_dim`` from the weight table: Megatron sets
+    them only in the random init we skip, and the grad norm and its optimizer read them."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, p in model.named_parameters():
@@ -279,8 +254,7 @@ def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layou
 def load_stage_from_hf(
     model: torch.nn.Module, spec: ModelSpec, layout: Layout, reader: SafetensorsReader
 ) -> None:
-    """Copy this stage's rows of the HF tensors into ``model`` (its shapes are checked
-    against the table first, so a mismatch fails before any weight is written)."""
+    """Copy this stage's rows of the HF tensors into ``model``; shapes checked before writing."""
     params = dict(model.named_parameters())
     for name, p in params.items():
         if tuple(p.shape) != local_shape(name, spec, layout):
@@ -298,11 +272,8 @@ def _stage_src(groups: ParallelGroups, stage: int) -> int:
 
 
 def virtual_layouts(layout: Layout, vpp: int) -> List[Layout]:
-    """The layouts of this rank's ``vpp`` model chunks: chunk v of stage p holds the layers of
-    virtual stage v PP + p of a PP x VPP pipeline (megatron-core's interleaved assignment,
-    ``transformer_layer.get_transformer_layer_offset``: offset = (v PP + p) L / (PP VPP)),
-    so the weight table, loading, export and checkpoints treat a chunk as that stage of a
-    TP x (PP VPP) layout. [layout] when vpp = 1."""
+    """Layouts of this rank's ``vpp`` chunks: chunk v of stage p is virtual stage v PP + p of
+    a TP x (PP VPP) layout (megatron-core's ``get_transformer_layer_offset``)."""
     if vpp <= 1:
         return [layout]
     virtual = Layout(layout.tp, layout.pp * vpp, layout.tp_rank, 0, layout.padded_vocab, layout.te)
@@ -319,16 +290,9 @@ def iter_hf_weights(
     to_cpu: bool = True,
     vpp: int = 1,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every tensor of the HF model, in stage order, on EVERY
-    rank of this rank's TP x PP group (collective over it; DP replicas run their own copy).
-    ``model``: this rank's stage, or its ``vpp`` chunks (a list) with a virtual pipeline:
-    virtual stage s is chunk s // PP of stage s % PP.
-
-    Per local parameter of stage s: all-gather of its [local shape] over ``groups.tp`` on
-    stage s (TP > 1), reassembly (``formats.weights.assemble_hf``: q/k/v, gate/up, vocabulary
-    padding dropped), then one broadcast per HF tensor over ``groups.pp`` from stage s
-    (PP > 1). Tied embeddings come once, from the first stage. Memory: one local
-    parameter's TP shards + its HF tensors at a time.
+    """(HF name, full tensor) of the whole model on EVERY rank of the TP x PP group
+    (collective over it). Per parameter: an all-gather over ``groups.tp`` on its stage, then
+    one broadcast per HF tensor over ``groups.pp``. Memory: one parameter's shards at a time.
     """
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     params = [dict(c.named_parameters()) for c in chunks]

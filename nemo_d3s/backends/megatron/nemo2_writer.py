@@ -6,7 +6,7 @@ Megatron-Bridge (``nemo-d3s-convert hf-to-megatron-lm``; layout and reader:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -14,7 +14,7 @@ from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.nemo2 import NEMO_PREFIX, nemo_key
 from nemo_d3s.formats.weights import Layout, local_names
 
-__all__ = ["write_nemo2", "write_dist_checkpoint"]
+__all__ = ["write_nemo2", "write_dist_checkpoint", "te_extra_state_modules"]
 
 
 class _TorchOnCpu:
@@ -120,10 +120,14 @@ def write_dist_checkpoint(
             sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(
                 fqn, t, (0, layer, L), replica_id=0, prepend_axis_num=1
             )
+    per_layer, once = te_extra_state_modules(spec, nemo=prefix == NEMO_PREFIX)
     for layer in range(L):
-        for mod in _TE_MODULES if prefix != NEMO_PREFIX else _TE_MODULES[:4]:
+        for mod in per_layer:
             key = f"{prefix}decoder.layers.{mod}._extra_state"
             sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
+    for mod in once:  # outside the layer stack: megatron-core's offsets (1,), (0,)
+        key = f"{prefix}{mod}._extra_state"
+        sharded[key] = ShardedObject(key, None, (1,), (0,), replica_id=0)
     state: Dict[str, Any] = {model_key: sharded} if model_key else sharded
     state.update(common or {})
     folder.mkdir(parents=True)
@@ -143,12 +147,24 @@ def write_dist_checkpoint(
         teardown()
 
 
-# The TE spec's modules with an ``_extra_state`` (TransformerEngineBaseModule: fp8 metadata)
-# per layer; NeMo's writer keeps its first four (what NeMo's checkpoints hold).
-_TE_MODULES = (
-    "self_attention.linear_proj",
-    "self_attention.linear_qkv",
-    "mlp.linear_fc1",
-    "mlp.linear_fc2",
-    "self_attention.core_attention",
-)
+def te_extra_state_modules(spec: ModelSpec, *, nemo: bool) -> Tuple[List[str], List[str]]:
+    """The TE spec's modules that carry an ``_extra_state`` (TE's fp8 metadata): (per layer,
+    under ``decoder.layers.``; once, from the model's root). Every Transformer Engine module
+    of megatron-core's ``get_gpt_layer_with_transformer_engine_spec`` has one: the linears and
+    the attention (TransformerEngineBaseModule), and TENorm, which is TE's RMSNorm, a fusible
+    op with its own ``get_extra_state`` (TE ``pytorch/module/rmsnorm.py``: ``RMSNorm(_RMSNormOp)``;
+    ``pytorch/ops/op.py`` ``BasicOperation.get_extra_state``): the q / k norms where the model
+    has them and ``decoder.final_layernorm`` (``transformer_block.py``: ``LayerNormImpl =
+    TENorm`` under TE). ``nemo``: NeMo 2's checkpoints hold no ``core_attention`` or final-norm
+    state (the q / k norms' it does)."""
+    per_layer = [
+        "self_attention.linear_proj",
+        "self_attention.linear_qkv",
+        "mlp.linear_fc1",
+        "mlp.linear_fc2",
+    ]
+    if not nemo:
+        per_layer.append("self_attention.core_attention")
+    if spec.qk_norm:
+        per_layer += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
+    return per_layer, [] if nemo else ["decoder.final_layernorm"]

@@ -1,12 +1,6 @@
-"""The Megatron backend's optimizers and the gradient handling of the plain one.
-
-- :func:`build_optimizer`: plain ``torch.optim.AdamW`` over this rank's shards (the CPU
-  default), or Megatron's ``DistributedDataParallel`` + distributed optimizer (the CUDA
-  default; the tests run it on gloo through ``cpu_compat``).
-- The plain path's gradient steps, called by ``schedule.train_step``: :func:`finalize_grads`
-  (DP average, tied-embedding sum), :func:`global_grad_norm`, :func:`clip_grads_`.
-- The distributed optimizer's state <-> the backend's sharded checkpoint tensors:
-  ``optimizer_state.py``.
+"""The Megatron backend's optimizers (plain AdamW over this rank's shards, or Megatron's DDP +
+distributed optimizer) and the plain path's gradient steps: DP average, tied-embedding sum,
+global norm over TP x PP, clipping.
 """
 
 from __future__ import annotations
@@ -39,8 +33,7 @@ Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 
 # ---------------------------------------------------------------------------- model chunks
 def model_chunks(model: Model) -> List[torch.nn.Module]:
-    """This rank's model chunks: one stage, or the virtual stages of an interleaved pipeline
-    (the schedule checks their number against Megatron's virtual pipeline size)."""
+    """This rank's model chunks: one stage, or the virtual stages of an interleaved pipeline."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
         raise ValueError("got no model chunks")
@@ -68,17 +61,10 @@ def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
 
 
 def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
-    """What Megatron's ``finalize_model_grads`` does for its DDP, for the plain path's
-    gradients (:func:`main_weights.grad_of`: the fp32 ``main_grad`` of a bf16 / fp16
-    parameter under ``MainWeightsAdamW``, as Megatron's ``grad_reduce_in_fp32``; ``.grad``
-    of an fp32 one): missing gradients become zeros; gradients are AVERAGED over
-    ``groups.dp`` (one flat all-reduce SUM per dtype, then / dp_size, as Megatron's DDP does
-    when the loss is not per-token); with PP > 1 and tied embeddings, the word-embedding
-    gradient of the first stage and the output-layer gradient of the last stage (the two
-    copies of one weight) are summed over Megatron's embedding group, so both copies take
-    the same update. No sequence parallelism (its layer-norm all-reduce is not done here).
-
-    Memory: one flat copy of the gradients of one dtype during the all-reduce.
+    """Megatron's ``finalize_model_grads`` for the plain path's grads (``grad_of``): missing
+    ones become zeros, all are AVERAGED over ``groups.dp`` (one flat all-reduce per dtype),
+    and tied embeddings' two copies summed over the embedding group (PP > 1). SP's norm
+    all-reduce is not done here. Memory: one flat copy of one dtype's grads.
     """
     chunks = model_chunks(chunks)
     params = local_params(chunks)
@@ -110,9 +96,8 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
 
 
 def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
-    """Megatron's rule: a parameter's gradient counts once in the global norm. TP-duplicated
-    parameters (layer norms, row-parallel biases) count on TP rank 0 only; the last stage's
-    copy of tied embeddings (``shared``) does not count (the first stage's does)."""
+    """Megatron's rule: each gradient counts once in the global norm (TP duplicates on TP
+    rank 0, tied embeddings on the first stage)."""
     from megatron.core.transformer.module import param_is_not_shared
 
     if not param_is_not_shared(p):
@@ -126,11 +111,8 @@ def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
 
 
 def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
-    """L2 norm of the whole model's gradient (0-d f64 tensor on ``groups.device``), identical
-    on every rank. Expects gradients already reduced over DP (:func:`finalize_grads`), so DP
-    replicas hold the same values and only the model-parallel shards are summed: squared
-    norms (fp32 per tensor, summed in fp64) are all-reduced over ``groups.tp`` then
-    ``groups.pp`` (= the TP x PP grid). No host sync."""
+    """L2 norm of the whole model's DP-reduced gradient (0-d f64 on ``groups.device``), the
+    same on every rank: squared norms all-reduced over ``groups.tp`` then ``groups.pp``."""
     chunks = model_chunks(chunks)
     grads = [
         g
@@ -154,8 +136,7 @@ def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
 
 
 def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
-    """Scale every local gradient by min(1, max_norm / (total_norm + 1e-6)) (torch's and
-    Megatron's formula); returns the factor. ``max_norm`` <= 0 or None: no clipping."""
+    """Scale local grads by min(1, max_norm / (total_norm + 1e-6)); returns the factor."""
     if not max_norm or max_norm <= 0 or not math.isfinite(total_norm):
         return 1.0
     coeff = float(max_norm) / (total_norm + 1.0e-6)
@@ -186,30 +167,13 @@ def build_optimizer(
     grad_clip: float = 0.0,
     distributed_optimizer: Optional[bool] = None,
 ) -> Tuple[List[torch.nn.Module], Any]:
-    """(model chunks, optimizer) for :func:`train_step`. ``distributed_optimizer``: None
-    picks by the device the model lives on (CUDA: Megatron's; CPU: plain AdamW); False
-    takes the plain path on CUDA too; True takes Megatron's on CPU too (gloo, with
-    ``cpu_compat`` applied: how the tests run the GPU path's logic).
+    """(model chunks, optimizer) for ``schedule.train_step``; ``distributed_optimizer`` None
+    picks Megatron's on CUDA, plain AdamW on CPU (Megatron's on CPU needs ``cpu_compat``).
 
-    Plain: the chunks unchanged and ``torch.optim.AdamW`` over this rank's parameters
-    (``main_weights.MainWeightsAdamW``, AdamW on fp32 main copies, when they are bf16/fp16)
-    (the
-    same elementwise update as AdamW on the whole model: TP-duplicated parameters and the
-    two copies of tied embeddings get identical gradients, so they stay identical);
-    :func:`train_step` all-reduces the gradients over DP. Weight decay applies to every
-    parameter, as in the HF backend.
-
-    Megatron's (run on gloo/CPU by the tests; not yet on a GPU): every chunk wrapped in
-    Megatron's ``DistributedDataParallel`` (fp32 gradient buffers, distributed optimizer)
-    and ``get_megatron_optimizer`` (Adam with decoupled weight decay, ``clip_grad`` =
-    ``grad_clip``, bf16/fp16 from the model config, fp32 main params and state); the model
-    config gets ``finalize_model_grads_func`` (DP reduce-scatter, tied-embedding all-reduce)
-    and ``no_sync_func`` so the schedule drives the gradient reduction. Weight decay applies
-    to every parameter here too: megatron-core 0.16 marks biases and norms ``wd_mult=0``, but
-    only its ``OptimizerParamScheduler`` applies that, and the backend's LR schedule sets the
-    learning rate only (the HF backend's update math). For bf16/fp16 the
-    chunks must already be in their training dtype (``Float16Module``-wrapped, as Megatron's
-    ``get_model`` does); that is the model builder's job.
+    Plain: AdamW over this rank's params (``MainWeightsAdamW`` for bf16/fp16). Megatron's:
+    every chunk in its DDP (fp32 grad buffers) with ``finalize_model_grads_func`` and
+    ``no_sync_func`` set so the schedule reduces. Both decay every parameter, as the HF
+    backend (megatron-core's ``wd_mult=0`` takes effect only in its own LR scheduler).
     """
     chunks = list(model_chunks(model))
     device = device_of(chunks[0])

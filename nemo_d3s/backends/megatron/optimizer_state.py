@@ -1,36 +1,15 @@
-"""The optimizer state of the Megatron backend's checkpoints: Adam's step count (either
-optimizer), and the distributed optimizer's state <-> the backend's sharded checkpoint
-tensors (:func:`gather_states`, :func:`scatter_states`).
-
-Megatron's ``DistributedOptimizer`` keeps, per model parameter ``p`` (this rank's TP/PP
-shard), only a contiguous range of ``p.view(-1)`` on each DP rank: the fp32 main weights
-and Adam's ``exp_avg`` / ``exp_avg_sq`` of that range (``_get_model_param_range_map(p)
-["param"]``). The backend's checkpoint stores per-parameter tensors of the local TP/PP
-shard (the same keys the plain-AdamW path writes: ``optim.exp_avg.<name>``,
-``optim.exp_avg_sq.<name>``, plus ``optim.main.<name>`` when the model's dtype is not
-fp32), so a checkpoint written with either optimizer resumes with either, at any layout.
-
-:func:`gather_states` assembles the full tensors on DP rank 0 (every DP rank contributes
-its range, zeros elsewhere, summed with one ``reduce`` per tensor over the DP group; the
-ranges of the DP ranks are disjoint and cover ``p``, so the sum is exact).
-:func:`scatter_states` copies each rank's range back out of full tensors that every DP
-rank read from the checkpoint (no collective).
-
-Memory: one full fp32 copy of the parameter being gathered (x3 for its main weights and
-two moments) on top of the optimizer's own state; on DP rank 0 the gathered tensors of
-the whole stage, moved to the CPU as they complete (the checkpoint writer holds the
-stage's tensors anyway).
-
-Uses megatron-core's ``DistributedOptimizer`` internals (``model_param_group_index_map``,
-``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``,
-``_init_optimizer_states_with_dummy_values``; present in 0.15.3, 0.16.1 and 0.19.2, the
-versions nemo_d3s/versions.py allows); the tests pin their meaning by a save / resume round
-trip at DP2 against a run that never stopped.
+"""Optimizer state of the Megatron backend's checkpoints: Adam's step count, and the
+distributed optimizer's per-DP-rank ranges of ``p.view(-1)`` <-> the per-parameter tensors
+the plain path writes (``optim.exp_avg.<name>``, ``optim.exp_avg_sq.<name>``,
+``optim.main.<name>``), so either optimizer resumes the other's checkpoint at any layout.
+Saving gathers one full tensor at a time (the writer streams it to the shard file before the
+next); resuming at the saved layout reads only each DP rank's range.
+Uses ``DistributedOptimizer`` internals present in megatron-core 0.15.3, 0.16.1 and 0.19.2.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,7 +18,8 @@ __all__ = [
     "MOMENTS",
     "agreed_step",
     "distributed_optimizers",
-    "gather_states",
+    "gathered_entries",
+    "iter_gathered_states",
     "local_ranges",
     "optimizer_step",
     "scatter_states",
@@ -49,14 +29,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def distributed_optimizers(optimizer: Any) -> List[Any]:
-    """The ``DistributedOptimizer`` objects behind ``optimizer`` (a ChainedOptimizer holds
-    one per (dtype, ...) group)."""
+    """The ``DistributedOptimizer`` objects behind ``optimizer`` (one, or a chain's)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def _owners(optimizer: Any) -> Dict[torch.nn.Parameter, Any]:
-    """model parameter -> the DistributedOptimizer that holds a range of it on THIS rank
-    (a parameter outside this rank's buffer range is absent)."""
+    """model parameter -> the DistributedOptimizer holding a range of it on THIS rank."""
     out = {}
     for dopt in distributed_optimizers(optimizer):
         for p in dopt.model_param_group_index_map:
@@ -65,9 +43,8 @@ def _owners(optimizer: Any) -> Dict[torch.nn.Parameter, Any]:
 
 
 def optimizer_step(optimizer: Any) -> int:
-    """Adam's step count on this rank (0 before the first step), for the plain AdamW or
-    Megatron's optimizer: torch's Adam keeps it per parameter, Transformer Engine's FusedAdam
-    (Megatron's choice on GPU) per param group."""
+    """Adam's step count on this rank (0 before the first step), per parameter (torch) or
+    per param group (TE's FusedAdam)."""
     for opt in distributed_optimizers(optimizer):
         inner = getattr(opt, "optimizer", opt)  # a Megatron optimizer wraps a torch-style one
         for st in inner.state.values():
@@ -80,8 +57,8 @@ def optimizer_step(optimizer: Any) -> int:
 
 
 def agreed_step(optimizer: Any, dp_group: Optional[dist.ProcessGroup]) -> int:
-    """:func:`optimizer_step`, the same on every DP rank (a rank whose buffer range holds only
-    padding has no state to read it from). One all-reduce (MAX) over ``dp_group``."""
+    """:func:`optimizer_step` agreed by a MAX all-reduce over ``dp_group`` (a padding-only
+    rank has no state)."""
     step = optimizer_step(optimizer)
     if dp_group is None or dist.get_world_size(dp_group) == 1:
         return step
@@ -99,8 +76,7 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
-    """model parameter -> [start, end) of ``p.view(-1)`` whose main weights and moments THIS
-    DP rank holds (parameters it holds nothing of are absent)."""
+    """model parameter -> [start, end) of ``p.view(-1)`` this DP rank holds the state of."""
     out = {}
     for p, dopt in _owners(optimizer).items():
         r = dopt._get_model_param_range_map(p)["param"]
@@ -108,8 +84,23 @@ def local_ranges(optimizer: Any) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
     return out
 
 
+def gathered_entries(
+    named_params: Iterable[Tuple[str, torch.nn.Parameter]], *, with_main: bool, step: int
+) -> List[Tuple[str, Tuple[int, ...], torch.dtype]]:
+    """(key, shape, dtype) of what :func:`iter_gathered_states` yields for these parameters,
+    known before any collective (a streamed file's header)."""
+    if step <= 0:
+        return []
+    keys = (*MOMENTS, "main") if with_main else MOMENTS
+    return [
+        (f"optim.{k}.{name}", tuple(p.shape), torch.float32)
+        for name, p in named_params
+        for k in keys
+    ]
+
+
 @torch.no_grad()
-def gather_states(
+def iter_gathered_states(
     optimizer: Any,
     named_params: Iterable[Tuple[str, torch.nn.Parameter]],
     dp_group: Optional[dist.ProcessGroup],
@@ -117,23 +108,18 @@ def gather_states(
     with_main: bool,
     step: int,
     dst: int = 0,
-) -> Dict[str, torch.Tensor]:
-    """Collective over ``dp_group`` (every DP rank calls it with the same parameters in the
-    same order and the same ``step``, e.g. :func:`agreed_step`). Returns, on the DP rank
-    ``dst`` (a rank of ``dp_group``), ``optim.exp_avg.<name>`` / ``optim.exp_avg_sq.<name>``
-    (and ``optim.main.<name>`` with ``with_main``) as fp32 CPU tensors of ``p``'s shape; {}
-    on the other DP ranks and when ``step`` is 0 (no moments exist yet).
-
-    Collectives: ``len(params) x (2 or 3)`` reduces of ``p.numel()`` fp32 elements over DP.
-    Memory on ``dst``: the stage's gathered tensors (the checkpoint writer needs them all)."""
+) -> Iterator[Tuple[str, Optional[torch.Tensor]]]:
+    """Yields ``(optim.<moment>.<name>, t)`` per parameter in :func:`gathered_entries`' order:
+    ``t`` the full fp32 CPU tensor on DP rank ``dst``, None elsewhere; nothing at ``step`` 0.
+    Collective over ``dp_group``: every rank iterates to the end (same params, order, ``step``);
+    one SUM reduce per tensor of disjoint zero-padded ranges. Memory: one full tensor at a time."""
     if step <= 0:
-        return {}
+        return
     owners = _owners(optimizer)
     dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
     root = dist.get_global_rank(dp_group, dst) if dp_group is not None else 0
     is_root = dp_group is None or dist.get_rank(dp_group) == dst
     keys = (*MOMENTS, "main") if with_main else MOMENTS
-    out: Dict[str, torch.Tensor] = {}
     for name, p in named_params:
         dopt = owners.get(p)
         mine: Dict[str, Any] = {}
@@ -148,9 +134,7 @@ def gather_states(
                 full[r.start : r.end] = t.detach().reshape(-1).float()
             if dp_size > 1:
                 dist.reduce(full, dst=root, group=dp_group)
-            if is_root:
-                out[f"optim.{k}.{name}"] = full.view(p.shape).cpu()
-    return out
+            yield f"optim.{k}.{name}", full.view(p.shape).cpu() if is_root else None
 
 
 @torch.no_grad()
@@ -160,17 +144,10 @@ def scatter_states(
     ranged: Dict[str, Dict[str, torch.Tensor]],
     step: int,
 ) -> None:
-    """Set this rank's main weights and (``step`` > 0) Adam moments and step count.
-    ``ranged[name]`` holds, for each parameter this rank has a range of (:func:`local_ranges`),
-    that range of the flattened ``"exp_avg"`` / ``"exp_avg_sq"`` and optionally ``"main"``
-    (fp32 main weights; default: the parameter's own values, so call this AFTER the model
-    parameters hold the checkpoint's). No collective.
-
-    The main weights are always set: a bf16 model's fp32 copies would otherwise keep the
-    weights the model was built with, and the next step would copy them back over the
-    loaded ones. Before the first step the inner optimizer has no state to copy into: it is
-    created by Megatron's dummy-value step first, which moves the main weights (weight
-    decay); they are overwritten right after."""
+    """Set this rank's main weights and (``step`` > 0) moments and step count from
+    ``ranged[name]`` (this rank's range of each; "main" defaults to the parameter, so call it
+    after loading the model). No collective. Main weights are always set, else the next
+    step copies the built weights back over the loaded ones."""
     owners = _owners(optimizer)
     plan = []  # read everything (main weights from the parameters too) before the dummy step
     for name, p in named_params:

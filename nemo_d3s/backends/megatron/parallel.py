@@ -54,13 +54,9 @@ def first_ranks_of_model_copies(tp: int, pp: int, dp: int, order: str = DEFAULT_
 
 
 def set_cuda_connections() -> None:
-    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the user set it (one hardware work queue:
-    kernels start in the order they are queued, which Megatron's tensor-parallel layers rely
-    on to overlap their all-gathers and reduce-scatters with compute: megatron-core 0.16.1
-    ``tensor_parallel/layers.py:526-558``). The CUDA driver reads it when a context is
-    created, so call this before anything touches CUDA (``torch.cuda.set_device``, the first
-    CUDA tensor). Called too late (CUDA already initialised, the variable unset), it warns:
-    the value cannot reach the existing context."""
+    """``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless set: one work queue, the kernel order TP
+    overlap relies on (megatron-core 0.16.1 ``tensor_parallel/layers.py:526-558``). Call it
+    before CUDA initialises; later it only warns."""
     import torch
 
     if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:
@@ -88,14 +84,9 @@ def initialize_megatron_groups(
     vpp: Optional[int] = None,
     timeout_minutes: Optional[float] = None,
 ) -> Callable[[], None]:
-    """Build Megatron's TP/PP/CP/DP groups (DP = world / (tp pp cp)) on the process group
-    that exists, ranks laid out in ``order``, with a virtual pipeline of ``vpp`` chunks per
-    stage when vpp > 1 (interleaved 1F1B), and the gloo twin of the model-parallel group
-    (:func:`model_parallel_gloo_group`); returns the teardown (``destroy_model_parallel``).
-    ``timeout_minutes`` (``trainer.dist_timeout_minutes``): every group waits that long
-    (Megatron's ``distributed_timeout_minutes``, the twin's ``timeout``, and
-    ``distributed.timeouts.apply_timeout`` for the gloo groups Megatron creates without
-    one). ``rank`` is unused (the ``rank_setup`` signature)."""
+    """Build Megatron's groups in ``order`` (``vpp`` chunks per stage) and the model-parallel
+    gloo twin, every group waiting ``timeout_minutes``; returns the teardown. ``rank`` is
+    unused (the ``rank_setup`` signature)."""
     set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
@@ -139,12 +130,8 @@ def model_parallel_groups(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER)
 def make_model_parallel_gloo_twin(
     tp: int, pp: int, order: str = DEFAULT_ORDER, timeout_minutes: Optional[float] = None
 ):
-    """Create the gloo twin of every model-parallel group (collective over the world: every
-    rank creates every group, in the same order, through the store; no NCCL call) and keep
-    this rank's (:func:`model_parallel_gloo_group`). The ranks of a model copy wait on it
-    for their rollout engine (host-side waits, never an NCCL collective spinning on the
-    GPUs vLLM generates on). Built right after Megatron's groups, before any engine.
-    Checked against Megatron's own model-parallel group (a local read)."""
+    """Create the gloo twin of every model-parallel group (collective over the world, no NCCL
+    call) and keep this rank's: engine waits then stay on the host, off the engine's GPUs."""
     global _MP_GLOO
     import torch.distributed as dist
     from megatron.core import parallel_state as ps

@@ -1,12 +1,6 @@
-"""What :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` sets up before and around
-its first collective: the dtype, the model folder, the weights reader (HF safetensors, a
-Megatron checkpoint, a NeMo 2 or a Megatron-LM / Megatron-Bridge checkpoint, checked by
-their headers), Megatron's process
-groups, the RNG tracker's seed, the weights copied into the built chunks, and the LR schedule.
-
-Order matters (why the backend calls them as it does): every check that can fail on bad
-input runs before the first collective, so every rank raises the same clear error instead of
-some ranks waiting in a collective.
+"""The set-up steps of :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend`: dtype,
+model folder, weights reader (headers only), process groups, seeding, weight loading, LR
+schedule. The checks that can fail on bad input run before the first collective.
 """
 
 from __future__ import annotations
@@ -107,15 +101,9 @@ def model_folder(cfg: MegatronBackendConfig) -> str:
 
 
 def open_weights(path: str, spec: ModelSpec, owner: Any) -> Tuple[Any, str, FolderFormat]:
-    """(reader, HF-style folder, format) of the weights at ``path``: an HF folder
-    (safetensors), a Megatron checkpoint folder written by ``nemo-d3s-convert hf-to-megatron``
-    (config.json + tokenizer + megatron/ shards, any TP/PP layout), a NeMo 2 checkpoint
-    (weights/ + context/) or a Megatron-LM / Megatron-Bridge one (a save folder or one
-    iter_XXXXXXX/: the NeMo 2 reader under the model's own keys). Headers only, no
-    collective: every rank fails alike. A NeMo 2 or Megatron-LM / Megatron-Bridge
-    checkpoint's config and tokenizer are written as an HF-style folder of this process,
-    removed with ``owner``: it stands in for the HF folder everywhere else (tokenizer,
-    rollout replica, vLLM, the export's config.json)."""
+    """(reader, HF-style folder, format) of the weights at ``path`` (HF, converted Megatron,
+    NeMo 2 or Megatron-LM / Bridge); headers only, no collective. A NeMo 2 or Megatron-LM
+    checkpoint's config and tokenizer go into an HF-style folder removed with ``owner``."""
     fmt = detect_format(path)
     if fmt.kind == NEMO2:
         reader, _ = open_nemo2_weights(Path(path), spec)

@@ -1,39 +1,10 @@
-"""Scoring and training steps of the Megatron backend, through megatron-core's own schedules.
+"""Scoring and training steps of the Megatron backend, through megatron-core's own schedules
+(no pipelining, 1F1B, or interleaved 1F1B over a virtual pipeline's chunks).
 
-Both passes run ``megatron.core.pipeline_parallel.get_forward_backward_func()`` over
-micro-batches: no pipelining for PP = 1, 1F1B (``forward_backward_pipelining_without_
-interleaving``) for PP > 1, interleaved 1F1B when ``model`` is a list of a virtual pipeline's
-chunks (``..._with_interleaving``: micro-batches padded to a multiple of PP). Only the last pipeline
-stage has logits; the loss function the schedule calls there computes token log-probs (and entropy)
-from this TP rank's vocabulary shard with the fused vocab-parallel kernel (``nemo_d3s.distributed.
-vocab_parallel_entropy_and_logprobs``): the vocabulary is never gathered, and padded vocabulary
-columns (global id >= the real ``vocab_size``) are left out of the softmax, which is the same as
-masking them to -inf before it, and get zero gradient.
-
-Shapes (the package's contract, docs/architecture.md): a rank's batch is ``TokenBatch`` [B, S],
-right-padded; one micro-batch is [b, L] with L <= S its longest attended row (PP = 1) or the step's
-longest row (PP > 1: 1F1B sends [L, b, hidden] activations between stages, so every micro-batch of a
-call must have the same shape; the last micro-batch is filled up with dummy rows whose outputs are
-dropped). The model returns [b, L, V/TP] logits on the last stage. Per-token results are
-token-aligned: position t holds the quantity of token t computed from the logits at t - 1; position
-0, padding and positions past L hold 0.
-
-Precondition (the seam's contract): every rank of one model-parallel group (its TP x PP
-peers) calls these functions with the SAME batch; DP ranks hold different batches (possibly
-empty).
-
-- :func:`score`: forward-only pass -> ``Scores`` [B, S] f32 on the CPU, identical on every
-  rank of the model-parallel group (one broadcast from the last stage over PP).
-- :func:`train_step`: forward + backward of every micro-batch, the trainer's ``LossFn``
-  (a SUM) scaled by :class:`~nemo_d3s.distributed.StepNormalizer` so that the schedule's
-  1/num_microbatches and the DP gradient averaging are undone exactly; the DP gradient
-  reduction; global-norm clipping over TP x PP x DP; one optimizer step.
-- The optimizer :func:`train_step` expects comes from ``optimizer.build_optimizer``: plain
-  AdamW over this rank's shards (gradients averaged over DP here, through
-  ``optimizer.finalize_grads``), or Megatron's DDP + distributed optimizer.
-
-Collectives per call are listed in each docstring. Nothing here knows about D3S: selection,
-denominators and loss closures come from the trainer.
+Every rank of one model-parallel group (TP x PP peers) passes the SAME ``TokenBatch`` [B, S];
+a micro-batch is [b, L] (PP > 1: one L per call). The last stage turns its [b, L, V/TP] logits
+into token-aligned log-probs (+ entropy) with the vocab-parallel kernel, never gathering V;
+padded vocabulary columns are left out of the softmax.
 """
 
 from __future__ import annotations
@@ -113,9 +84,8 @@ def _plan(
     micro_batch_size: int,
     micro_batch_tokens: int,
 ) -> List[MicroBatch]:
-    """The call's micro-batches (:func:`batches.plan_micro_batches`), checked against the
-    layout; with model chunks (interleaved 1F1B) padded with zero-weight micro-batches to a
-    multiple of PP (:func:`batches.pad_for_interleaving`)."""
+    """The call's micro-batches, checked against the layout; with model chunks padded with
+    zero-weight micro-batches to a multiple of PP."""
     config = getattr(unwrap_model(chunks[0]), "config", None)
     _check_layout(groups, config, len(chunks))
     multiple = groups.tp_size if getattr(config, "sequence_parallel", False) else 1
@@ -143,11 +113,8 @@ def _schedule(
     *,
     forward_only: bool,
 ) -> None:
-    """One call of Megatron's forward/backward function over ``micro_batches``.
-
-    ``inputs(i)`` -> (ids, pos, mask, ...) of micro-batch i; ``loss_for(i, inputs)`` -> the
-    loss function the schedule applies to micro-batch i's output on the last stage.
-    """
+    """One call of Megatron's forward/backward function; ``loss_for(i, inputs(i))`` is the
+    last stage's loss function for micro-batch i."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -162,16 +129,10 @@ def _schedule(
     # interleaved 1F1B: one data iterator per model chunk; each chunk runs every micro-batch
     # in order (megatron-core 0.16.1 schedules.py:912-916 asserts the list)
     data = [iter(range(n)) for _ in chunks] if len(chunks) > 1 else iter(range(n))
-    # Micro-batches of different [L, b] (a token budget): 1F1B's P2PCommunicator then sends
-    # each activation's shape before it (megatron-core 0.16.1 pipeline_parallel/
-    # p2p_communication.py:301 ``config.variable_seq_lengths`` -> _communicate_shapes);
-    # otherwise it allocates every receive buffer at [seq_length, micro_batch_size, hidden].
-    # Set for this call only (the flag costs one extra p2p of 3 ints per transfer).
-    # Interleaved 1F1B at PP 2 sends an activation and a gradient to the same peer in one
-    # step; batched p2p (batch_isend_irecv: send_prev, recv_prev, send_next, recv_next on
-    # both ranks, p2p_communication.py:18-50) would match the first send with the first
-    # receive, i.e. a gradient with an activation. The unbatched path (_p2p_ops, lines
-    # 53-121) keeps the two directions on two communicators: use it there.
+    # Micro-batches of different [L, b]: 1F1B must send each shape first, else it allocates
+    # receives at [seq_length, mbs, hidden] (megatron-core 0.16.1 p2p_communication.py:301).
+    # Interleaved PP 2: batched p2p would pair a gradient with an activation
+    # (p2p_communication.py:18-50); the unbatched _p2p_ops (lines 53-121) keeps them apart.
     config = get_model_config(chunks[0])
     variable = len({(m.b, m.width) for m in micro_batches}) > 1
     pp2_interleaved = len(chunks) > 1 and _pp_size() == 2
@@ -211,27 +172,12 @@ def score(
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
 ) -> Scores:
-    """No-grad log-probs (+ entropy) of ``batch`` through Megatron's forward-only schedule.
+    """No-grad ``Scores`` [B, S] f32 on the CPU, identical on every TP x PP rank; 0 where
+    not attended. B = 0 returns empty tensors without a collective.
 
-    model: this rank's GPTModel stage (or a one-element list of it; DDP-wrapped is fine);
-    batch: [B, S] right-padded, the SAME on every rank of the model-parallel group (B may be
-    0: returns empty tensors, no collective); vocab_size: the real vocabulary size when the
-    model's vocabulary is padded (default: unpadded). Micro-batches of ``micro_batch_size``
-    rows, or packed to ``micro_batch_tokens`` positions when > 0 (see
-    :func:`plan_micro_batches`); ``Scores.stats`` counts the fed and attended positions.
-
-    -> ``Scores(logprobs [B, S] f32, entropy [B, S] f32 or None)`` on the CPU, token-aligned
-    (position t: token t scored from the logits at t - 1), 0 at position 0 and wherever
-    ``attention_mask`` is False; identical on every rank of the TP x PP group.
-
-    On the last stage, per micro-batch: logits [b, L, V/TP] -> the vocab-parallel kernel
-    (collectives on ``groups.tp``: one all-gather of one int64, one all-reduce MAX of b L
-    floats, one all-reduce SUM of 3 b L floats) -> [b, L] entropy and log-probs kept in a
-    :class:`PerTokenStore`. Then ONE broadcast of 2 x sum_i b_i L_i floats over ``groups.pp``
-    (PP > 1). 1F1B sends [L, b, hidden] activations between stages (p2p on the PP group).
-
-    Memory on the last stage: Megatron's [b, L, V/TP] logits of one micro-batch (plus the
-    kernel's chunk_size x V/TP workspace), and the [B, L] results; never V on one rank.
+    ``vocab_size``: the real vocabulary when the model's is padded. Collectives: the kernel's
+    three on ``groups.tp`` per micro-batch, one broadcast over ``groups.pp``. Memory on the
+    last stage: one micro-batch's [b, L, V/TP] logits + a chunk_size x V/TP workspace.
     """
     chunks = model_chunks(model)
     B, S = batch.input_ids.shape
@@ -301,46 +247,16 @@ def train_step(
     chunk_size: int = 1024,
     micro_batch_tokens: int = 0,
 ) -> Dict[str, float]:
-    """One optimizer step over ``batch`` (this rank's rows, [B, S]; B may be 0) through
-    Megatron's forward/backward function; collective over every rank of the job.
+    """One optimizer step over this rank's ``batch`` [B, S] (B may be 0: a zero-weight dummy
+    micro-batch joins every collective); collective over every rank of the job.
 
-    loss_fn(logprobs [n, S] f32 with grad on the model device, token-aligned and 0 where not
-    attended; rows [n] long CPU into ``batch``) -> ``LossOutput`` (or a bare tensor): the
-    micro-batch's loss SUM and detached metric sums. It runs on the LAST pipeline stage only.
-    denominator: the step's GLOBAL denominator D (> 0). Each micro-batch returns
-    ``loss_sum x StepNormalizer(D, dp_size, num_microbatches, megatron_schedule=True).
-    loss_scale`` to the schedule, which divides it by num_microbatches; gradients are then
-    averaged over DP, so the result is exactly grad(sum over all ranks' sums / D) whatever
-    the micro-batch size and the TP/PP/DP layout. An empty batch runs one zero-weight
-    micro-batch (a dummy row, loss x 0) so the rank joins every collective.
-
-    After the schedule, CPU path (``optimizer`` a torch optimizer over this rank's shards):
-    :func:`finalize_grads` (DP average, tied-embedding sum across stages), with sequence
-    parallelism the layer-norm gradient sum over TP
-    (``sequence_parallel.allreduce_tp_partial_grads``: layer norms under SP, Qwen3's q/k norms),
-    :func:`global_grad_norm` over TP x PP (DP replicas agree), :func:`clip_grads_` with
-    ``grad_clip``, ``optimizer.step()`` (skipped when the norm is not finite, identically
-    on all ranks), ``lr_scheduler.step()``. Megatron path (``optimizer`` a Megatron optimizer
-    from :func:`build_optimizer`): the schedule's ``finalize_model_grads_func``
-    reduces the grads in Megatron's DDP buffers and ``optimizer.step()`` clips with its own
-    ``clip_grad`` and steps.
-
-    Micro-batches: ``micro_batch_size`` rows, or packed to ``micro_batch_tokens`` positions
-    when > 0 (:func:`plan_micro_batches`); the normaliser makes the gradient the same.
-
-    Returns {"grad_norm" (before clipping), "lr" (used by this step), "skipped",
-    "n_micro_batches" (this rank's real ones), "loss_sum", <loss_fn metric sums>,
-    "fed_tokens", "attended_tokens" (see :func:`batches.token_counts`)} as floats,
-    identical on the ranks of one model-parallel group; the metric sums are this rank's
-    (the caller sums them over DP). Host syncs: one for the norm and one copy of the metric
-    sums on the last stage, then one small object broadcast over PP.
-
-    Collectives: the vocab-parallel kernel on ``groups.tp`` per micro-batch (forward only;
-    its backward has none) plus Megatron's TP layers; p2p activations/gradients on the PP
-    group (1F1B); one all-reduce per gradient dtype over ``groups.dp``; with PP > 1 and tied
-    embeddings one over the embedding group; two scalar all-reduces (TP, PP) for the norm.
-    Memory: Megatron's activations of the in-flight micro-batches (PP: up to PP of them on
-    the first stage), the [b, L, V/TP] logits and their gradient on the last stage.
+    ``loss_fn`` runs on the last stage and returns a loss SUM; scaled by
+    ``StepNormalizer(denominator, dp, n_micro, megatron_schedule=True)`` the gradient is
+    grad(global sum / D) for any micro-batching and layout. Torch optimizer: grads finalised
+    here (DP average, tied embeddings, TP partial grads), clipped on the TP x PP norm, step
+    skipped on every rank if it is not finite; Megatron optimizer: its DDP and ``step``.
+    Returns the ``Policy.train_step`` floats, same on a model-parallel group; metric sums
+    are this rank's.
     """
     chunks = model_chunks(model)
     inner = unwrap_model(chunks[0])

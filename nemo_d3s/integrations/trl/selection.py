@@ -1,23 +1,11 @@
-"""D3S on TRL's generation batch: the glue between TRL's batch dict and the project's
-selector. Pure torch + ``nemo_d3s.core`` / ``nemo_d3s.distributed``; nothing here imports
-TRL, so it is tested in the main environment too.
+"""D3S on TRL's generation batch: the glue between TRL's batch dict and the project's selector;
+imports no TRL (tested in the main environment too).
 
-How TRL (1.16) lays out one generation batch (file:line in ``trainer.py``'s docstring):
-
-- the batch is process-major: process p holds global rows ``[p B_p, (p + 1) B_p)``;
-- the G rollouts of a prompt are G consecutive global rows (TRL's advantages are
-  ``rewards.view(-1, G)``), and a group may span processes (TRL's ``RepeatSampler`` spreads
-  a prompt's rollouts over processes on purpose);
-- every process holds the rewards of the whole batch (TRL gathers them before computing
-  advantages), and its own slice of the advantages.
-
-So the sample stage is the DP-global selection of :class:`DistributedD3SSelector` (gather,
-then ONE core selection over the whole batch on every process, then each keeps its slice),
-with TRL's groups and TRL's advantages in place of the per-rank groups and the project's
-estimator: :class:`TRLD3SSelector`. The token stage is the distributed selector's own
-(|A| x H scores, the ``min_kept_tokens`` floor over the whole step, the exact DP-global
-top-K over ``dp_group``).
-"""
+TRL 1.16's batch is process-major (process p holds global rows [p B_p, (p + 1) B_p)), a prompt's G
+rollouts are consecutive global rows and may span processes, and every process holds the whole
+batch's rewards. So the sample stage runs one core selection over the whole batch on every process
+with TRL's groups and advantages (:class:`TRLD3SSelector`); the token stage is
+``DistributedD3SSelector``'s (exact DP-global top-K)."""
 
 from __future__ import annotations
 
@@ -78,15 +66,9 @@ def trl_group_ids(n_total: int, num_generations: int) -> torch.Tensor:
 
 
 class TRLD3SSelector(DistributedD3SSelector):
-    """The DP-global selector over TRL's batch: TRL's (global) groups and advantages.
-
-    ``select_whole`` runs the core selector (``D3SSelector.select_samples``: the rule, its
-    N per group, PODS's re-normalisation, the metrics) on the whole step's batch, the same
-    on every process, and returns this process's rows; the advantage values are TRL's (its
-    ``scale_rewards`` and multi-reward aggregation stand), the group bookkeeping (which
-    groups are degenerate) is the core's. ``select_tokens`` is inherited: collective on
-    ``dp_group`` (call it on every process, in the same order).
-    """
+    """The DP-global selector over TRL's batch: the advantage values are TRL's (its
+    ``scale_rewards`` and reward weights stand), the rule, N, PODS re-normalisation, degenerate
+    groups and metrics the core's. ``select_tokens`` is collective on ``dp_group``."""
 
     _given: Optional[torch.Tensor] = None
 
@@ -98,9 +80,8 @@ class TRLD3SSelector(DistributedD3SSelector):
         rows: slice,
         progress: float,
     ) -> Tuple[SampleStage, torch.Tensor]:
-        """rewards, advantages [B_total] f32 (the whole batch, identical on every process),
-        ``rows``: this process's slice -> (this process's SampleStage, the whole batch's
-        sample_keep [B_total] bool). No collective: TRL has gathered both already."""
+        """rewards, advantages [B_total] f32 (the same on every process), ``rows``: this process's
+        slice -> (its SampleStage, the whole batch's sample_keep [B_total]). No collective."""
         if rewards.shape != advantages.shape or rewards.dim() != 1:
             raise ValueError(
                 f"rewards {tuple(rewards.shape)} and advantages {tuple(advantages.shape)} must be "
@@ -138,23 +119,14 @@ def kept_batch(
     min_rows: int,
     trim_columns: bool,
 ) -> Tuple[Dict[str, object], int]:
-    """TRL's generation batch cut to the kept rollouts, with D3S's token mask.
+    """TRL's generation batch cut to the kept rollouts, with D3S's token mask: kept_rows [B_kept]
+    ascending, token_keep [B_kept, C] -> (new batch, placeholder rows).
 
-    batch: TRL's dict ([B, P] prompt tensors, [B, C] completion tensors, [B] advantages,
-    the scalar ``num_items_in_batch``); kept_rows [B_kept] long (ascending); token_keep
-    [B_kept, C] bool. Returns (new batch, number of placeholder rows).
-
-    - The rows are ``kept_rows``, padded up to a multiple of ``min_rows`` (TRL splits the
-      batch into ``steps_per_generation`` equal micro-batches, and every process must run
-      as many forward/backward passes as the others): a placeholder is a copy of row 0 with
-      an all-zero loss mask, so it adds nothing to a loss sum.
-    - ``tool_mask`` (TRL's loss-only mask: ``mask = completion_mask * tool_mask`` in
-      ``_compute_loss``; it never enters the attention mask) becomes the token selection
-      (times the old tool mask). ``num_items_in_batch`` is left to the caller (a collective).
-    - With ``trim_columns`` the completion columns after the last kept row's last token are
-      dropped (right padding: causal attention makes earlier positions independent of them).
-    A key outside ``PER_ROW_KEYS`` / ``SCALAR_KEYS`` (TRL's multimodal inputs) -> ConfigError.
-    """
+    Rows are padded to a multiple of ``min_rows`` with copies of row 0 whose loss mask is zero
+    (every process runs as many micro-batches). The token selection multiplies ``tool_mask``
+    (TRL's loss-only mask); ``num_items_in_batch`` is the caller's (a collective). ``trim_columns``
+    drops completion columns after the last kept token (causal attention). A key outside
+    ``PER_ROW_KEYS`` / ``SCALAR_KEYS`` (multimodal inputs) -> ConfigError."""
     unknown = sorted(k for k in batch if k not in PER_ROW_KEYS + SCALAR_KEYS)
     if unknown:
         raise ConfigError(
@@ -193,8 +165,8 @@ def kept_batch(
 def step_shares(
     n_total: int, n_kept_global: int, eligible_all: float, kept_tokens: float
 ) -> Dict[str, float]:
-    """The shares D3S reports per step: kept rollouts / rollouts, kept tokens / the loss
-    tokens of the whole batch (what plain GRPO would update on)."""
+    """The per-step shares: kept rollouts / rollouts, kept tokens / the whole batch's loss
+    tokens."""
     return {
         "kept_sample_share": n_kept_global / max(n_total, 1),
         "kept_token_share": kept_tokens / max(eligible_all, 1.0),

@@ -1,66 +1,36 @@
 """``D3SGRPOTrainer``: TRL's ``GRPOTrainer`` with D3S / PODS down-sampling in its step.
 
-Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py`` of the wheel; the range is
-pinned in ``nemo_d3s/versions.py``, checked at construction):
+Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py``; range in ``nemo_d3s/versions.py``):
 
-- ``_calculate_rewards`` (l.1579) returns the rewards of the WHOLE batch, gathered over
-  processes (l.1681); the override keeps them for the selection.
-- ``_generate_and_score_completions`` (l.2324) returns this process's generation batch: the
-  keys of ``selection.PER_ROW_KEYS`` (``output``, l.2898) with TRL's advantages, computed on
-  the gathered batch with groups ``rewards.view(-1, G)`` (l.2765) and sliced per process
-  (l.2813). The override runs D3S on it:
-  1. sample stage: the advantages are all-gathered (``accelerator.gather``) and every process
-     runs the same core selection over the whole batch (``selection.TRLD3SSelector``);
-  2. token stage (token-scoring presets): one no-grad pass over the KEPT rows only through
-     TRL's own ``_get_per_token_logps_and_entropies(compute_entropy=True)`` (l.1419; TRL's
-     fused LM head gives the entropy, l.1501), then |A| x H top-K over the whole step's kept
-     tokens on every process (``DistributedD3SSelector.select_tokens``: exact DP-global);
-  3. the batch is cut to the kept rows (``selection.kept_batch``): the unselected rollouts
-     are gone from the update's forward and backward. The token selection travels as
-     ``tool_mask``, which ``_compute_loss`` folds into its loss mask only (l.3027), and
-     ``num_items_in_batch`` (TRL's global token count, l.2498, the ``dapo`` / ``cispo``
-     denominator at l.3170) is recounted on the kept tokens: the loss is TRL's own, on the
-     D3S subset.
-- ``_prepare_inputs`` (l.1522) then shuffles and splits the cut batch into
-  ``steps_per_generation`` micro-batches (``split_tensor_dict``, l.1544, drops a remainder):
-  ``kept_batch`` pads each process to a multiple of it with zero-loss placeholder rows.
-  It generates (so D3S selects) once every ``steps_per_generation * num_iterations``
-  micro-steps (l.1538) and buffers the CUT micro-batches, which the further iterations reuse
-  (l.1546); ``old_per_token_logps`` (computed at generation time on the whole batch when
-  ``gradient_accumulation_steps`` is not a multiple of that, or with vLLM, l.2643) is cut
-  to the kept rows like every other key, so the iterations' ratios are the kept rollouts'.
+- ``_calculate_rewards`` (l.1579) returns the whole batch's rewards, gathered over processes
+  (l.1681); the override keeps them.
+- ``_generate_and_score_completions`` (l.2324) returns this process's batch (``output``, l.2898)
+  with TRL's advantages over groups ``rewards.view(-1, G)`` (l.2765), sliced per process (l.2813).
+  The override gathers the advantages and runs one core sample selection over the whole batch on
+  every process, scores the kept rows' tokens with TRL's own
+  ``_get_per_token_logps_and_entropies(compute_entropy=True)`` (l.1419, l.1501) for the DP-global
+  |A| x H top-K, and cuts the batch to the kept rows. The token selection travels as ``tool_mask``,
+  which only the loss mask reads (l.3027); ``num_items_in_batch`` (l.2498, the ``dapo`` / ``cispo``
+  denominator, l.3170) is recounted on the kept tokens.
+- ``_prepare_inputs`` (l.1522) splits the cut batch into ``steps_per_generation`` micro-batches
+  (``split_tensor_dict`` drops a remainder, l.1544), so ``kept_batch`` pads each process to a
+  multiple with zero-loss rows; generation (and D3S) runs once per ``steps_per_generation *
+  num_iterations`` micro-steps (l.1538) and the buffered cut batches are reused (l.1546),
+  ``old_per_token_logps`` (l.2643) cut like every key.
 
-With preset ``grpo`` the batch is returned untouched (the equality test against plain
-``GRPOTrainer`` checks loss and gradients). Evaluation batches are never cut.
+Preset ``grpo`` returns the batch untouched; evaluation batches are never cut. ``dapo``, ``cispo``
+and ``vespo`` divide by ``num_items_in_batch`` (l.3168), so placeholders add 0; ``grpo``, ``sapo``,
+``bnpo``, ``dr_grpo``, ``luspo`` (l.3153-3180) and the entropy bonus (l.3189) average per
+micro-batch, which unequal kept rows skew: refused when a preset drops rollouts with
+``steps_per_generation > 1`` or several processes.
 
-Loss types: ``dapo`` (TRL's default), ``cispo`` and ``vespo`` divide by
-``num_items_in_batch`` (l.3168), recounted on the kept tokens, so a placeholder adds exactly
-0 (``tests/integrations/test_trl_generation_reuse.py``: with ``steps_per_generation`` 2 the
-step's gradient is that of one pass over the kept rows alone). ``grpo``, ``sapo``,
-``bnpo``, ``dr_grpo`` and ``luspo`` (l.3153-3180), and the entropy bonus (l.3189), average
-over each micro-batch's own rows or tokens: once D3S leaves the processes or micro-batches
-holding unequal numbers of kept rows (padded with placeholders), those means weigh the kept
-rollouts unequally and placeholders dilute them. With a preset that drops rollouts and
-``steps_per_generation > 1`` or several processes they are refused
-at construction (one ConfigError line); one process, one micro-batch keeps them.
-
-vLLM generation (``use_vllm=True``, server or colocate) has NOT been run with the plugin
-(the CPU vLLM here, 0.32 in its own venv, is outside TRL 1.16's 0.22-0.31). Reading TRL
-1.16: vLLM only replaces
-the token generator, inside ``_generate_single_turn`` (l.1767) under
-``_generate_and_score_completions``; the rewards still come from ``_calculate_rewards``
-(l.2753) and the advantages from the same body (l.2765), so both hooks run unchanged.
-Server mode gathers every process's prompts, generates G per unique prompt
-(``all_prompts[::num_generations]``) and hands each process its slice back; colocate mode
-generates each process's own prompts (gathered over the vLLM tensor-parallel group and
-sliced back; ``trl/generation/vllm_generation.py`` l.593-657, l.661-747): the process-major
-layout with G consecutive rollouts per prompt holds in both.
-vLLM adds ``sampling_per_token_logps``, the always-computed ``old_per_token_logps`` and
-``importance_sampling_ratio`` ([B, C] or [B, 1], l.2660-2707) to the batch; ``kept_batch``
-cuts and trims all three (``tests/integrations/test_trl_generation_reuse.py`` runs TRL's
-own vLLM branch with a stand-in for the engine's ``generate``). D3S's entropy pass uses the
-training model, as does TRL's ``old_per_token_logps`` pass.
-"""
+vLLM generation is not run with the plugin (the CPU vLLM 0.32 here is outside TRL 1.16's 0.22-0.31).
+By TRL's source it only replaces the generator in ``_generate_single_turn`` (l.1767); rewards
+(l.2753) and advantages (l.2765) come from the hooked body, and server and colocate mode both keep
+the process-major layout with G consecutive rollouts per prompt
+(``trl/generation/vllm_generation.py`` l.593-657, l.661-747). ``kept_batch`` cuts vLLM's
+``sampling_per_token_logps``, ``old_per_token_logps`` and ``importance_sampling_ratio``
+(l.2660-2707). The entropy pass uses the training model, as TRL's old-logp pass does."""
 
 from __future__ import annotations
 
@@ -86,8 +56,8 @@ MICRO_BATCH_MEAN_LOSSES = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 
 def resolve_d3s(d3s: Union[str, D3SConfig, Mapping, None]) -> D3SConfig:
-    """A preset name (``PRESETS``: the Hydra ``d3s=`` options), a D3SConfig, or a mapping of
-    its fields -> D3SConfig. An unknown name -> ConfigError listing the presets."""
+    """A preset name (the Hydra ``d3s=`` options), a D3SConfig or a mapping of its fields ->
+    D3SConfig; ConfigError listing the presets for an unknown name."""
     if d3s is None:
         d3s = "d3s"
     if isinstance(d3s, str):
@@ -114,16 +84,9 @@ def _dp_group() -> Optional[dist.ProcessGroup]:
 
 
 class D3SGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer(..., d3s="d3s")``: every argument of TRL's trainer, plus ``d3s`` (a preset
-    name of ``nemo_d3s.core.presets.PRESETS``, a ``D3SConfig`` or a mapping of its fields).
-
-    The schedule's progress is ``global_step / (max_steps - 1)``, as in
-    ``python -m nemo_d3s.train``. Logged per step (TRL's logs, ``trainer_state.json``):
-    ``d3s/kept_sample_share``, ``d3s/kept_token_share`` (kept tokens / the loss tokens of
-    the whole batch), ``d3s/update_tokens``, ``d3s/n_keep``, ``d3s/k_frac``,
-    ``d3s/kept_adv_var``, ``d3s/adv_var_all``, ``d3s/placeholder_rows``.
-    ``last_selection`` holds the last step's inputs and selections (for tests and logs).
-    """
+    """``GRPOTrainer(..., d3s="d3s")``: TRL's arguments plus ``d3s`` (preset name, ``D3SConfig`` or
+    mapping). Progress is ``global_step / (max_steps - 1)``, as in ``nemo_d3s.train``; logs the
+    ``d3s/*`` shares, N, K, advantage variances and placeholder rows per step."""
 
     def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
         # one line, or a warning under NEMO_D3S_ALLOW_UNTESTED=1 (nemo_d3s/versions.py)
@@ -134,7 +97,6 @@ class D3SGRPOTrainer(GRPOTrainer):
         self._d3s_keeps_all = bool(SAMPLE_SELECTORS.prop(cfg.sample_rule, "keeps_all"))
         self._d3s_selector: Optional[TRLD3SSelector] = None
         self._d3s_rewards: Optional[torch.Tensor] = None
-        self.last_selection: Dict[str, Any] = {}
         if self.top_entropy_quantile < 1.0 and TRLD3SSelector(cfg, None).needs_entropy:
             raise ConfigError(
                 f"top_entropy_quantile={self.top_entropy_quantile}: TRL's entropy mask and D3S's "
@@ -143,8 +105,8 @@ class D3SGRPOTrainer(GRPOTrainer):
         self._refuse_uneven_means()
 
     def _refuse_uneven_means(self) -> None:
-        """A preset that drops rollouts leaves processes / micro-batches with unequal kept rows
-        (``kept_batch`` pads them with zero-loss rows): refuse the means over those."""
+        """ConfigError for a per-micro-batch mean (loss type or entropy bonus) that a preset
+        dropping rollouts would skew (``kept_batch`` pads with zero-loss rows)."""
         spg, procs = int(self.args.steps_per_generation), int(self.accelerator.num_processes)
         if self._d3s_keeps_all or (spg == 1 and procs == 1):
             return
@@ -192,8 +154,8 @@ class D3SGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _d3s_entropy(self, output: Mapping[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """[B_kept, C] f32 on the CPU: the old policy's entropy of the kept rows' completion
-        tokens (TRL's fused LM head), one no-grad pass over those rows only."""
+        """[B_kept, C] f32 on the CPU: old-policy entropy of the kept rows' completion tokens, one
+        no-grad pass over those rows."""
         if rows.numel() == 0:
             return torch.zeros(0, output["completion_ids"].shape[1])
         dev_rows = rows.to(output["completion_ids"].device)
@@ -231,16 +193,6 @@ class D3SGRPOTrainer(GRPOTrainer):
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
         )
         eligible_all, kept_all = sel.reduce_sums(counts).tolist()
-        self.last_selection = {
-            "rewards": rewards_all,
-            "advantages": advantages_all,
-            "sample_keep_global": keep_all,
-            "stage": stage,
-            "tokens": tokens,
-            "entropy": entropy,
-            "response_mask": response,
-            "progress": progress,
-        }
         if self._d3s_keeps_all and not sel.needs_entropy:
             cut, n_pad = output, 0  # grpo: TRL's batch untouched
         else:

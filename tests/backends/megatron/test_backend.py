@@ -31,6 +31,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 from _tiny_hf import B, tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -211,7 +212,7 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
         tp=tp,
         pp=pp,
         megatron=not kw,
-        timeout=240,
+        timeout=WAIT_S,
     )
     order = rank_order(kw.get("use_tp_pp_dp_mapping", False))
     assert (
@@ -274,7 +275,7 @@ def test_rollouts_and_export_match_the_hf_backend(folders, tmp_path):
     hf = HFBackend(HFBackendConfig(model=folder, device="cpu"))
     want = hf.rollout_engine.generate(["hi there", "abc"], 3, gen, [1, 2])
     got = run_ranks(
-        _rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=240
+        _rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=WAIT_S
     )
     for res in got:  # both pipeline stages hold the same rollouts
         assert torch.equal(res["input_ids"], want.batch.input_ids)
@@ -310,7 +311,7 @@ def test_an_interleaved_pipelines_refit_gives_the_engine_the_trained_weights(fol
 
     folder = folders["llama"]
     start = load_file(os.path.join(folder, "model.safetensors"))
-    results = run_ranks(_rank_vpp_refit, 2, folder, megatron=False, timeout=240)
+    results = run_ranks(_rank_vpp_refit, 2, folder, megatron=False, timeout=WAIT_S)
     replica, exported = results[0]
     assert sorted(replica) == sorted(exported) and len(replica) >= len(start)
     for k in exported:
@@ -365,7 +366,7 @@ def _rank_resume(rank, folder, ckpt, tp, pp, kw=None):
 
 def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path):
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    saved = run_ranks(_rank_save, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
+    saved = run_ranks(_rank_save, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=WAIT_S)
     want, lr = saved[0]
     assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
         "layout.json",
@@ -374,14 +375,16 @@ def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path)
         "tp01_pp00.safetensors",
         "tp01_pp01.safetensors",
     ]
-    same = run_ranks(_rank_resume, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=240)
+    same = run_ranks(_rank_resume, 4, folder, ckpt, 2, 2, tp=2, pp=2, timeout=WAIT_S)
     for got, got_lr in same:
         assert got_lr == lr
         for k in want:
             assert torch.equal(got[k], want[k]), k
-    ((other, other_lr),) = run_ranks(_rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=240)
+    ((other, other_lr),) = run_ranks(
+        _rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=WAIT_S
+    )
     assert other_lr == lr
-    fresh, _ = run_ranks(_rank_fresh_two_steps, 1, folder, tp=1, pp=1, timeout=240)[0]
+    fresh, _ = run_ranks(_rank_fresh_two_steps, 1, folder, tp=1, pp=1, timeout=WAIT_S)[0]
     moved = 0
     for k in want:
         torch.testing.assert_close(other[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
@@ -395,18 +398,18 @@ def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(f
     chunks, model + AdamW moments + LR step."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
     vpp = {"virtual_pipeline_model_parallel_size": 2}
-    want, lr = run_ranks(_rank_save, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240)[0]
+    want, lr = run_ranks(_rank_save, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=WAIT_S)[0]
     assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
         "layout.json",
         *(f"tp00_pp0{s}.safetensors" for s in range(4)),
     ]
     for got, got_lr in run_ranks(
-        _rank_resume, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=240
+        _rank_resume, 2, folder, ckpt, 1, 2, vpp, megatron=False, timeout=WAIT_S
     ):
         assert got_lr == lr and all(torch.equal(got[k], want[k]) for k in want)
     for (tp, pp), world in (((1, 1), 1), ((1, 2), 2)):
         got, got_lr = run_ranks(
-            _rank_resume, world, folder, ckpt, tp, pp, tp=tp, pp=pp, timeout=240
+            _rank_resume, world, folder, ckpt, tp, pp, tp=tp, pp=pp, timeout=WAIT_S
         )[0]
         assert got_lr == lr
         for k in want:
@@ -424,7 +427,7 @@ def test_virtual_pipeline_checkpoint_converts_to_the_exported_weights(folders, t
     from nemo_d3s.files import write_checksums
 
     folder, ckpt = folders["qwen2"], str(tmp_path / "ckpt")
-    exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=240)[0]
+    exported = run_ranks(_rank_save_export, 2, folder, ckpt, megatron=False, timeout=WAIT_S)[0]
     write_checksums(ckpt)  # as the trainer does after the backend's save (required to read it)
     out = megatron_to_hf(ckpt, tmp_path / "hf", hf_config=folder, progress=False)
     got = {
@@ -459,8 +462,8 @@ def _rank_fresh_two_steps(rank, folder):
 
 def test_checkpoint_of_another_model_is_refused_before_loading(folders, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    run_ranks(_rank_save_only, 1, folders["llama"], ckpt, tp=1, pp=1, timeout=240)
-    err = run_ranks(_rank_load_other, 1, folders["qwen2"], ckpt, tp=1, pp=1, timeout=240)[0]
+    run_ranks(_rank_save_only, 1, folders["llama"], ckpt, tp=1, pp=1, timeout=WAIT_S)
+    err = run_ranks(_rank_load_other, 1, folders["qwen2"], ckpt, tp=1, pp=1, timeout=WAIT_S)[0]
     assert "checkpoint of another model" in err
 
 

@@ -22,6 +22,7 @@ sys.path.insert(
     0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "distributed")
 )
 from _launch import run_ranks  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 SEQ, MICRO, N_MICRO = 6, 2, 2
 PROXIED = (
@@ -225,7 +226,7 @@ def _rank_seeding(rank):
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.distributed
 def test_apply_is_idempotent_and_leaves_torch_alone():
-    (res,) = run_ranks(_rank_idempotent, 1, timeout=120)
+    (res,) = run_ranks(_rank_idempotent, 1, timeout=WAIT_S)
     assert res == {
         "applied_before": False,
         "same_after_second_apply": True,
@@ -242,7 +243,7 @@ def test_apply_is_idempotent_and_leaves_torch_alone():
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["pp2", "tp2"])
 def test_gpt_forward_backward_on_cpu(tp, pp):
-    results = run_ranks(_rank_forward_backward, 2, tp=tp, pp=pp, timeout=120)
+    results = run_ranks(_rank_forward_backward, 2, tp=tp, pp=pp, timeout=WAIT_S)
     for res in results:
         assert res["devices"] == {"cpu"}
         assert res["torch_untouched"]
@@ -259,7 +260,7 @@ def test_gpt_forward_backward_on_cpu(tp, pp):
 
 @pytest.mark.distributed
 def test_activation_recompute_replays_dropout():
-    for grads in run_ranks(_rank_recompute, 2, tp=2, timeout=120):
+    for grads in run_ranks(_rank_recompute, 2, tp=2, timeout=WAIT_S):
         assert grads[None].keys() == grads["full"].keys()
         for name, g in grads[None].items():
             torch.testing.assert_close(
@@ -269,7 +270,7 @@ def test_activation_recompute_replays_dropout():
 
 @pytest.mark.distributed
 def test_seed_model_parallel_gives_per_tp_rank_streams():
-    results = run_ranks(_rank_seeding, 2, tp=2, timeout=120)
+    results = run_ranks(_rank_seeding, 2, tp=2, timeout=WAIT_S)
     for res in results:
         assert res.get("raises_before_apply", torch.cuda.is_available())
         assert res["outside_is_seed"] and res["fork_leaves_outer_stream"] and res["reproducible"]

@@ -20,6 +20,7 @@ weights and LR schedule. Checked:
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -31,6 +32,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 from _tiny_hf import B, tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -159,7 +161,7 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
                 0,
                 tp=tp,
                 pp=pp,
-                timeout=240,
+                timeout=WAIT_S,
             ),
         )
     (_, dist_res), (_, plain_res) = runs[True], runs[False]
@@ -190,7 +192,7 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
 def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
     """bf16 with either optimizer keeps fp32 main weights (the plain one: MainWeightsAdamW)."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    want = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, ckpt, None, 1, 1, timeout=240)
+    want = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, ckpt, None, 1, 1, timeout=WAIT_S)
     assert _metadata(ckpt)["main_params"] == ("1" if dtype == "bfloat16" else "0")
     if dtype == "bfloat16":  # the fp32 main weights are not the bf16 parameters
         from safetensors.torch import load_file
@@ -198,32 +200,131 @@ def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
         shard = load_file(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"))
         mains = [k for k in shard if k.startswith("optim.main.")]
         assert mains and any(not torch.equal(shard[k].bfloat16().float(), shard[k]) for k in mains)
-    got = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, None, ckpt, 1, 0, timeout=240)
+    got = run_ranks(_rank_run, 2, folder, 1, 1, dopt, dtype, None, ckpt, 1, 0, timeout=WAIT_S)
     for w, g in zip(want, got):
         assert g[1][-1] == w[1][-1] and g[3] == w[3]
         for k in w[2]:
             assert torch.equal(g[2][k], w[2][k]), (dtype, k)
 
 
+def _rank_load_counting(rank, folder, ckpt):
+    """Load ``ckpt`` at DP 2 counting the bytes each read through the checkpoint reader
+    returns, by family: {"params": n, "optim": n}; and this rank's range elements x 4 bytes
+    x the optimizer families it restores."""
+    from nemo_d3s.backends.megatron import optimizer_state as ostate
+    from nemo_d3s.formats.shards import ShardedReader
+
+    counted = {"params": 0, "optim": 0}
+    read = ShardedReader._read
+
+    def counting(self, tp_rank, stage, key, rows=None):
+        t, shape = read(self, tp_rank, stage, key, rows)
+        counted["optim" if key.startswith("optim.") else "params"] += t.numel() * t.element_size()
+        return t, shape
+
+    ShardedReader._read = counting
+    try:
+        pol = _backend(folder, 1, 1, True, "bfloat16")
+        pol.load_checkpoint(ckpt)
+    finally:
+        ShardedReader._read = read
+    share = sum(b - a for a, b in ostate.local_ranges(pol.optimizer).values())
+    return counted, share * 4 * 3  # fp32 exp_avg, exp_avg_sq, main weights
+
+
+def test_each_dp_rank_reads_only_its_share_of_the_optimizer_state(folders, tmp_path):
+    """Resume at DP 2 with Megatron's distributed optimizer: each rank reads the rows that
+    hold its own range of every moment and main weight (its share, up to one row at each
+    end of a range), not the whole state; together the two ranks read it about once. The
+    parameters are read whole on every rank (each holds the whole model copy)."""
+    from safetensors import safe_open
+
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    run_ranks(_rank_run, 2, folder, 1, 1, True, "bfloat16", ckpt, None, 1, 0, timeout=240)
+    with safe_open(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"), "pt") as f:
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    optim_bytes = sum(4 * math.prod(s) for k, s in sizes.items() if k.startswith("optim."))
+    widest_row = max(4 * math.prod(s[1:]) for k, s in sizes.items() if k.startswith("optim."))
+    n_tensors = sum(1 for k in sizes if k.startswith("optim."))
+    results = run_ranks(_rank_load_counting, 2, folder, ckpt, timeout=240)
+    for counted, share in results:
+        assert share <= counted["optim"] <= share + 2 * n_tensors * widest_row, (counted, share)
+        assert counted["optim"] < 0.6 * optim_bytes
+    assert sum(c["optim"] for c, _ in results) <= optim_bytes + 4 * n_tensors * widest_row
+    assert sum(s for _, s in results) == optim_bytes  # the ranges cover the state once
+
+
+def _rank_save_counting(rank, folder, ckpt):
+    """One step at DP 2 (distributed optimizer, bf16), then a save that counts, on the writing
+    rank, the gathered bytes alive (yielded by the gather, not yet written to the file) at
+    every moment: its peak, the largest gathered tensor and the bytes the file received."""
+    from nemo_d3s.backends.megatron import optimizer_state as ostate
+    from nemo_d3s.formats.safetensors_stream import StreamingSafetensors
+
+    pol = _backend(folder, 1, 1, True, "bfloat16")
+    _steps(pol, 1)
+    alive = {"bytes": 0, "peak": 0, "largest": 0, "written": 0}
+    gather, write = ostate.iter_gathered_states, StreamingSafetensors.write
+
+    def counting_gather(*a, **k):
+        for key, t in gather(*a, **k):
+            if t is not None:
+                n = t.numel() * t.element_size()
+                alive["bytes"] += n
+                alive["peak"] = max(alive["peak"], alive["bytes"])
+                alive["largest"] = max(alive["largest"], n)
+            yield key, t
+
+    def counting_write(self, name, t):
+        write(self, name, t)
+        alive["written"] += t.numel() * t.element_size()
+        if name.startswith("optim."):
+            alive["bytes"] -= t.numel() * t.element_size()
+
+    ostate.iter_gathered_states, StreamingSafetensors.write = counting_gather, counting_write
+    try:
+        pol.save_checkpoint(ckpt)
+    finally:
+        ostate.iter_gathered_states, StreamingSafetensors.write = gather, write
+    return alive
+
+
+def test_the_writer_streams_the_gathered_optimizer_state(folders, tmp_path):
+    """The shard writer holds one gathered tensor at a time: each goes to the file before the
+    next is gathered (peak = the largest tensor, not the stage's state); the file holds
+    every byte, and a resume from it equals a run that never stopped (the test above)."""
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    counts = run_ranks(_rank_save_counting, 2, folder, ckpt, timeout=240)
+    (writer,) = [c for c in counts if c["written"]]  # TP 1 x PP 1: one shard, one writer
+    assert writer["largest"] > 0 and writer["peak"] == writer["largest"], writer
+    moments = _moments(ckpt)
+    gathered = sum(v.numel() * 4 for v in moments.values())
+    assert writer["peak"] * 4 < gathered  # far below holding the stage's gathered state
+    shard = os.path.join(ckpt, "megatron", "tp00_pp00.safetensors")
+    with open(shard, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    assert os.path.getsize(shard) == 8 + header + writer["written"]  # every tensor's bytes
+
+
 def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
     folder = folders["llama"]
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")
     plain = run_ranks(
-        _rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=240
+        _rank_run, 2, folder, 1, 1, False, "float32", plain_ckpt, None, 1, 1, timeout=WAIT_S
     )[0]
     dist = run_ranks(
-        _rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=240
+        _rank_run, 2, folder, 1, 1, True, "float32", dist_ckpt, None, 1, 1, timeout=WAIT_S
     )[0]
     # plain checkpoint -> distributed optimizer, same layout
     resumed = run_ranks(
-        _rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=240
+        _rank_run, 2, folder, 1, 1, True, "float32", None, plain_ckpt, 1, 0, timeout=WAIT_S
     )[0]
     # distributed-optimizer checkpoint -> plain AdamW in one process (DP1: all rows)
     (one,) = run_ranks(
-        _rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=240
+        _rank_run, 1, folder, 1, 1, False, "float32", None, dist_ckpt, 1, 0, timeout=WAIT_S
     )
     # the same second step from the checkpoint's weights but a fresh optimizer: must differ
-    (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=240)
+    (fresh,) = run_ranks(_rank_fresh_optimizer, 1, folder, dist_ckpt, timeout=WAIT_S)
     moved = 0
     for k in plain[2]:
         torch.testing.assert_close(
@@ -268,9 +369,9 @@ def test_a_step_zero_checkpoint_sets_the_fp32_main_weights(folders, tmp_path):
     when the checkpoint holds no optimizer state (step 0): else the first step copies the
     weights the model was built with back over the loaded ones."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "save", timeout=240)
+    run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "save", timeout=WAIT_S)
     assert _metadata(ckpt)["optimizer_step"] == "0"
-    before, after = run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "load", timeout=240)[0]
+    before, after = run_ranks(_rank_step0_checkpoint, 2, folder, ckpt, "load", timeout=WAIT_S)[0]
     for k in before:  # one step of lr 1e-2 Adam moves a weight by ~1e-2, never back by 0.25
         assert float((after[k] - before[k]).abs().max()) < 0.05, k
 
@@ -338,7 +439,10 @@ def test_per_group_step_counts_and_ranges_hand_worked():
     assert torch.equal(st["exp_avg"], torch.tensor([1.0, 2.0, 3.0])) and torch.equal(
         st["exp_avg_sq"], ranged["w"]["exp_avg_sq"]
     )
-    got = optim.gather_states(chained, [("w", w)], None, with_main=True, step=7)
+    got = dict(optim.iter_gathered_states(chained, [("w", w)], None, with_main=True, step=7))
+    assert list(got) == [
+        k for k, _, _ in optim.gathered_entries([("w", w)], with_main=True, step=7)
+    ]
     assert torch.equal(got["optim.exp_avg.w"], torch.tensor([[0.0, 0.0, 1.0], [2.0, 3.0, 0.0]]))
     assert torch.equal(got["optim.main.w"], torch.tensor([[0.0, 0.0, 2.0], [3.0, 4.0, 0.0]]))
-    assert optim.gather_states(chained, [("w", w)], None, with_main=False, step=0) == {}
+    assert not list(optim.iter_gathered_states(chained, [("w", w)], None, with_main=False, step=0))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_d3s.distributed import run_on_gloo_ranks
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -74,7 +75,7 @@ def _body(rank: int):
 
 
 def test_every_group_takes_the_configured_timeout_and_the_twin_needs_no_collective():
-    res = run_on_gloo_ranks(_body, 4, timeout=180)
+    res = run_on_gloo_ranks(_body, 4, timeout=WAIT_S)
     for r, x in enumerate(res):
         assert x["backend"] == "gloo" and x["pp"]
         assert x["ranks"] == x["megatron"] == ([0, 2] if r % 2 == 0 else [1, 3])

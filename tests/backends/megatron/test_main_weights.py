@@ -10,6 +10,7 @@ import torch
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW
 from nemo_d3s.backends.megatron.optimizer import build_optimizer
 from nemo_d3s.backends.megatron.optimizer_state import optimizer_step
+from _limits import WAIT_S  # noqa: E402
 
 LR, STEPS = 1e-3, 20
 
@@ -103,7 +104,7 @@ def _dp_reduced_grad(rank: int):
 def test_dp_reduced_gradient_of_bf16_parameters_is_the_fp32_sum():
     from nemo_d3s.distributed import run_on_gloo_ranks
 
-    res = run_on_gloo_ranks(_dp_reduced_grad, 2, timeout=120)
+    res = run_on_gloo_ranks(_dp_reduced_grad, 2, timeout=WAIT_S)
     for x in res:
         torch.testing.assert_close(x["reduced"].float(), x["reference"], rtol=1e-6, atol=1e-9)
         assert x["reduced"].dtype == torch.float32 and x["grad"] is None

@@ -16,6 +16,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
 from _tiny_hf import tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -90,7 +91,7 @@ def test_reference_policy_is_a_frozen_copy(folders, tp, pp, vpp):
         tp=tp,
         pp=pp,
         megatron=vpp is None,
-        timeout=180,
+        timeout=WAIT_S,
     )
     for res in results:
         assert res["shared"] == [] and not res["ref_requires_grad"]

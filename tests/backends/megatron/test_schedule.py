@@ -35,6 +35,7 @@ from _launch import run_ranks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _tiny_hf import tiny_batch  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 V_REAL, V_PAD = 37, 40
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 32, 48, 4, 2, 4
@@ -355,7 +356,7 @@ def _rank_reference(rank, tied):
 # ---------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def reference():
-    return {tied: run_ranks(_rank_reference, 1, tied, timeout=120)[0] for tied in (True, False)}
+    return {tied: run_ranks(_rank_reference, 1, tied, timeout=WAIT_S)[0] for tied in (True, False)}
 
 
 def _initial_full_weights(ref_weights):
@@ -408,7 +409,9 @@ LAYOUTS = {
 def test_layout_matches_one_process(layout, reference):
     tp, pp, world, tied, dp_rows, mbs, *extra = LAYOUTS[layout]
     tokens = extra[0] if extra else 0
-    results = run_ranks(_rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=120)
+    results = run_ranks(
+        _rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=WAIT_S
+    )
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
     by_replica = {}

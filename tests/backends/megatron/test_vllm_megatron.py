@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
+from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=WAIT_S,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
@@ -101,7 +102,7 @@ def _trainer_at_pp2(folder, out, extra=(), fault=None):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=WAIT_S,
     )
 
 

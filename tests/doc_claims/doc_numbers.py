@@ -2,7 +2,7 @@
 records, so the text cannot drift from them (``tests/test_doc_numbers.py`` checks that each
 rendered line occurs in its document).
 
-    python benchmarks/doc_numbers.py          # print each claim and whether its document has it
+    python tests/doc_claims/doc_numbers.py    # print each claim and whether its document has it
 
 Records read (all committed under ``benchmarks/results/``):
 
@@ -26,15 +26,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Dict, List, Tuple
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from compare_presets import load_run, mean_ci, paired_difference  # noqa: E402
-import doc_figures  # noqa: E402
-from doc_figures import asserted, readme_selfcheck  # noqa: E402
+import doc_figures
+from doc_figures import readme_selfcheck
+from doc_records import BENCHMARKS, REPO, asserted, results
 
-REPO = HERE.parent
-RESULTS = HERE / "results"
-EVIDENCE = RESULTS / "evidence"
+sys.path.insert(0, str(BENCHMARKS))  # the evidence harness wrote the tables: its reader
+from compare_presets import load_run, mean_ci, paired_difference  # noqa: E402
+
 README, EVIDENCE_DOC = "README.md", "docs/evidence.md"
 
 # The main table's rows, in the document's order.
@@ -65,9 +63,9 @@ def _json(path: Path) -> dict:
 
 def _runs(name: str, seeds=range(5)) -> List[dict]:
     return [
-        {**load_run(EVIDENCE / "runs" / f"{name}_s{s}"), "seed": s}
+        {**load_run(results() / "evidence" / "runs" / f"{name}_s{s}"), "seed": s}
         for s in seeds
-        if (EVIDENCE / "runs" / f"{name}_s{s}" / "summary.json").is_file()
+        if (results() / "evidence" / "runs" / f"{name}_s{s}" / "summary.json").is_file()
     ]
 
 
@@ -136,7 +134,11 @@ def eligible_range() -> Tuple[int, int, int, int]:
     rollouts, updates where the floor of 256 was what K came to, all updates)."""
     rows = []
     for s in range(5):
-        for line in (EVIDENCE / "runs" / f"d3s_s{s}" / "metrics.jsonl").read_text().splitlines():
+        for line in (
+            (results() / "evidence" / "runs" / f"d3s_s{s}" / "metrics.jsonl")
+            .read_text()
+            .splitlines()
+        ):
             r = json.loads(line)
             if not r.get("skipped"):
                 rows.append(r)
@@ -172,7 +174,7 @@ def _minus(x: float, digits: int = 3) -> str:
 def readme_main_job() -> List[str]:
     """The main job's settings, duration, progress-bar example and eval line: its record folder
     (``cpu_default/``: config.yaml, metrics.jsonl, eval.jsonl, summary.json)."""
-    rec = RESULTS / "cpu_default"
+    rec = results() / "cpu_default"
     cfg, summary = _yaml(rec / "config.yaml"), _json(rec / "summary.json")
     mem = _json(rec / "memory_disk.json")
     t, sch = cfg["trainer"], cfg["d3s"]["schedule"]
@@ -215,9 +217,9 @@ def readme_main_job() -> List[str]:
 
 def readme_evidence_setting() -> List[str]:
     """The headline's and "Does D3S help here?"'s setting: the evidence runs' config and table."""
-    table = _json(EVIDENCE / "table.json")
-    tv = _json(EVIDENCE / "timing" / "table.json")["variants"]
-    cfg = _yaml(EVIDENCE / "runs" / "d3s_s0" / "config.yaml")
+    table = _json(results() / "evidence" / "table.json")
+    tv = _json(results() / "evidence" / "timing" / "table.json")["variants"]
+    cfg = _yaml(results() / "evidence" / "runs" / "d3s_s0" / "config.yaml")
     seeds = [v["seeds"] for v in table["variants"].values() if v["seeds"] > 1]
     v = table["variants"]
     return [
@@ -234,17 +236,17 @@ def readme_evidence_setting() -> List[str]:
 
 
 def _token_signal() -> dict:
-    return _json(RESULTS / "bench_token_signal.json")
+    return _json(results() / "bench_token_signal.json")
 
 
 def evidence_prose() -> List[str]:
     """docs/evidence.md's set-up, timing table and "What this shows", from the records."""
-    table = _json(EVIDENCE / "table.json")
+    table = _json(results() / "evidence" / "table.json")
     v = table["variants"]
-    timing = _json(EVIDENCE / "timing" / "table.json")
+    timing = _json(results() / "evidence" / "timing" / "table.json")
     tv = timing["variants"]
-    mem = _json(RESULTS / "cpu_default" / "memory_disk.json")
-    cfg = _yaml(EVIDENCE / "runs" / "d3s_s0" / "config.yaml")
+    mem = _json(results() / "cpu_default" / "memory_disk.json")
+    cfg = _yaml(results() / "evidence" / "runs" / "d3s_s0" / "config.yaml")
     t = cfg["trainer"]
     sig = _token_signal()
     ss = sig["summary"]
@@ -265,7 +267,7 @@ def evidence_prose() -> List[str]:
     ]
 
     def own(name, s):
-        rows = _rows(EVIDENCE / "runs" / f"{name}_s{s}" / "metrics.jsonl")
+        rows = _rows(results() / "evidence" / "runs" / f"{name}_s{s}" / "metrics.jsonl")
         return sum(r["time_step"] for r in rows)
 
     for name in ("grpo", "d3s", "d1s_cross"):
@@ -395,10 +397,10 @@ def evidence_prose() -> List[str]:
 def claims() -> List[Tuple[str, str]]:
     """(document, text it must contain), every text rendered from a record."""
     out: List[Tuple[str, str]] = []
-    main = _json(RESULTS / "cpu_default" / "main_job.json")
-    mem = _json(RESULTS / "cpu_default" / "memory_disk.json")
-    table = _json(EVIDENCE / "table.json")
-    timing = _json(EVIDENCE / "timing" / "table.json")
+    main = _json(results() / "cpu_default" / "main_job.json")
+    mem = _json(results() / "cpu_default" / "memory_disk.json")
+    table = _json(results() / "evidence" / "table.json")
+    timing = _json(results() / "evidence" / "timing" / "table.json")
     sps = main["s_per_step"]
     ev = main["eval"]
     d3s_step = table["variants"]["d3s"]["step_time"][0]
@@ -456,7 +458,7 @@ def claims() -> List[Tuple[str, str]]:
     )
     m0 = tvar["d3s_m0"]["eval_final_minus_reference"]["mean"]
     finals = [r["curve"][-1]["eval"] for r in _runs("d3s")]
-    timing_v = _json(EVIDENCE / "timing" / "table.json")["variants"]
+    timing_v = _json(results() / "evidence" / "timing" / "table.json")["variants"]
     out += [
         (
             README,

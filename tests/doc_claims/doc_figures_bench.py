@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import List
 
-from doc_figures import GIB, MIB, median, record, sci
+from doc_records import GIB, MIB, median, record, sci
 
 
 def benchmarks_readme() -> List[str]:
