@@ -9,15 +9,37 @@
 # uninterrupted run. The script waits up to WAIT_S seconds (default 600) for the first
 # checkpoint; it exits 0 when the resumed run finishes, non-zero with an `error:` line when
 # the first run ends without a checkpoint, none appears in time, or the run does not stop
-# with 75. With Slurm, ask for the signal ahead of the time limit:
-# `#SBATCH --signal=B:USR1@300` (slurm/README.md).
+# with 75; OUT must be new or empty (2 otherwise). A SIGTERM or Ctrl-C to this script goes to
+# the run, which checkpoints; the script waits for it and exits with its code. With Slurm, ask
+# for the signal ahead of the time limit: `#SBATCH --signal=B:USR1@300` (slurm/README.md).
 set -euo pipefail
 OUT=${1:-outputs/resume_demo}
 WAIT_S=${WAIT_S:-600}
+if [[ -n "$(ls -A "$OUT" 2>/dev/null)" ]]; then
+  echo "error: $OUT holds files already (an earlier run?); this script starts a new run:" \
+    "name a new folder, or continue that run with: python -m nemo_d3s.train" \
+    "output_dir=$OUT resume=true" >&2
+  exit 2
+fi
 
+# The run in its own process group: a Ctrl-C reaches this script alone, which passes it on
+# once (twice would stop the run without a checkpoint).
+set -m
 python -m nemo_d3s.train experiment=smoke trainer.steps=40 trainer.save_every=5 \
   output_dir="$OUT" &
 PID=$!
+SENT=""
+stop() {
+  trap - TERM INT
+  [[ -n "$SENT" ]] || kill -"$1" "$PID" 2>/dev/null || true
+  rc=0
+  wait "$PID" || rc=$?
+  echo "SIG$1: the run stopped with exit code $rc; continue it with: python -m nemo_d3s.train" \
+    "output_dir=$OUT resume=true" >&2
+  exit "$rc"
+}
+trap 'stop TERM' TERM
+trap 'stop INT' INT
 # A checkpoint folder is renamed to step_* only once complete (trainer/checkpoint.py).
 waited=0
 until compgen -G "$OUT/checkpoints/step_*" >/dev/null; do
@@ -39,6 +61,7 @@ until compgen -G "$OUT/checkpoints/step_*" >/dev/null; do
   waited=$((waited + 1))
 done
 echo "checkpoint $(compgen -G "$OUT/checkpoints/step_*" | head -n 1) written; sending SIGTERM"
+SENT=TERM
 kill -TERM "$PID"
 rc=0
 wait "$PID" || rc=$?
@@ -47,4 +70,5 @@ if ((rc != 75)); then
   exit $((rc == 0 ? 1 : rc))
 fi
 echo "stopped (exit code 75); resuming from $OUT"
+trap - TERM INT
 exec python -m nemo_d3s.train output_dir="$OUT" resume=true

@@ -16,6 +16,7 @@ from nemo_d3s.config_section import Section, known
 from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
 from nemo_d3s.core.losses import POLICY_LOSSES
+from nemo_d3s.core.off_policy import IS_LEVELS, IS_MODES
 
 __all__ = [
     "AlgorithmConfig",
@@ -43,9 +44,14 @@ class AlgorithmConfig(Section):
     # response tokens of the sample-selected rollouts (unselected tokens count as zeros).
     normalize_by: str = "kept"
     advantage: str = "grpo"  # core.advantages.ADVANTAGE_ESTIMATORS: grpo | dr_grpo | rloo
-    # Truncated importance sampling against the rollout engine's own log-probs (vLLM): each
-    # token's loss is weighted by min(pi_train_old / pi_engine, tis_cap). null = off.
+    # Importance sampling against the log-probs the engine sampled with (vLLM's numerics; the
+    # stale weights of rollout.max_staleness > 0): c caps the ratio r = pi_train_old /
+    # pi_engine (null = no correction). is_correction: truncate (weight min(r, c)) | mask
+    # (weight r; tokens with r outside [1/c, c] leave the loss); is_level: token | sequence
+    # (the row's geometric-mean ratio on all its tokens). core/off_policy.py.
     tis_cap: Optional[float] = None
+    is_correction: str = "truncate"
+    is_level: str = "token"
 
     def loss_config(self, check_inputs: bool = True) -> LossConfig:
         """The core :class:`LossConfig` of these settings (it judges them: one rule each)."""
@@ -70,6 +76,10 @@ class AlgorithmConfig(Section):
             "tis_cap",
             "the importance-weight cap must be >= 1 (or null for off)",
         )
+        self._check(
+            self.is_correction in IS_MODES, "is_correction", f"known: {', '.join(IS_MODES)}"
+        )
+        self._check(self.is_level in IS_LEVELS, "is_level", f"known: {', '.join(IS_LEVELS)}")
 
 
 @dataclass
@@ -105,9 +115,24 @@ class RolloutConfig(Section, VLLMEngineConfig):
 
     KEY: ClassVar[str] = "rollout"
     engine: str = "hf"
+    # k: step t trains on rollouts generated with the weights after step t - k, generated
+    # while earlier steps train (trainer/pipeline.py); 0 = synchronous, the latest weights
+    max_staleness: int = 0
+    # GPUs for the vLLM engines apart from the training GPUs (non-colocated; 0: each engine on
+    # its model copy's GPUs). Planned by the dry run (dry_run/overlap.py); the trainer starts
+    # engines on its own ranks' GPUs only and refuses it (trainer.build.check_runtime).
+    generation_gpus: int = 0
 
     def validate(self) -> None:
         known(f"{self.KEY}.engine", self.engine, ROLLOUT_ENGINES)
+        self._check(is_count(self.max_staleness, 0), "max_staleness", "must be an integer >= 0")
+        gen = self.generation_gpus
+        self._check(is_count(gen, 0), "generation_gpus", "must be an integer >= 0")
+        self._check(
+            not gen or (self.engine == "vllm" and gen % int(self.tensor_parallel_size) == 0),
+            "generation_gpus",
+            "needs rollout.engine=vllm and a multiple of rollout.tensor_parallel_size",
+        )
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 
@@ -149,6 +174,11 @@ class TaskConfig(Section):
         self._check(self.long_prompts in ("error", "skip"), "long_prompts", "known: error, skip")
 
 
+# The longest reward time limit (seconds, about 31 years): the in-process timer (setitimer) is
+# refused beyond the platform's time_t (2**31 s where it is 32-bit).
+MAX_TIMEOUT_S = 1e9
+
+
 @dataclass
 class TrainerConfig(Section):
     """Loop sizes, optimisation, evaluation and checkpoint cadence (``conf/trainer/``)."""
@@ -187,6 +217,11 @@ class TrainerConfig(Section):
     # gradient (global denominators). logprob_micro_batch_tokens null = micro_batch_tokens.
     micro_batch_tokens: int = 0
     logprob_micro_batch_tokens: Optional[int] = None
+    # Rows packed end to end into micro-batches of micro_batch_tokens (or micro_batch_size
+    # rows' worth) tokens, attention kept within each row: no padding; same gradient. null =
+    # the backend's default: on where attention takes packed rows without a dense mask
+    # (CUDA: Megatron with Transformer Engine, HF with flash attention), off on CPU.
+    pack_sequences: Optional[bool] = None
     # evaluation (greedy decoding on task.eval_size held-out problems)
     eval_every: int = 10  # 0 = only at the end
     eval_at_start: bool = True
@@ -208,10 +243,14 @@ class TrainerConfig(Section):
     # failed (a broken verifier); 0 = never stop.
     max_failed_reward_steps: int = 3
     # Seconds one reward call may take; a call that has not returned by then gets reward 0
-    # and counts as failed (reward_errors). 0 = no limit. After a stop signal (SIGTERM,
-    # Ctrl-C) the step's reward calls get 2 s more, then the running one is interrupted
-    # and the step redone on resume=true.
+    # and counts as failed (reward_errors): its worker process is killed and replaced. 0 = no
+    # limit. After a stop signal (SIGTERM, Ctrl-C) the step's reward calls get 2 s more, then
+    # the running ones are cut and the step redone on resume=true.
     reward_timeout_s: float = 60.0
+    # Processes that score the rewards (each with its own copy of the task); 0 = the trainer
+    # process itself, where the time limit is a SIGALRM that a call stuck in C code or
+    # catching everything outlives, and a reward that exits or forks takes the run with it.
+    reward_workers: int = 2
     # How long a collective waits for a stopped or dead peer rank before this rank exits
     # with an error: torch's and Megatron's default, 30 minutes (a checkpoint or a refit of
     # a 70B model is one collective wait). A generation is not: ranks wait for the others'
@@ -261,6 +300,7 @@ class TrainerConfig(Section):
             "top_k",
             "max_failed_reward_steps",
             "micro_batch_tokens",
+            "reward_workers",
         ):
             self._check(is_count(getattr(self, name), 0), name, "must be an integer >= 0")
         lmt = self.logprob_micro_batch_tokens
@@ -307,9 +347,10 @@ class TrainerConfig(Section):
             "must be > 0 (minutes)",
         )
         self._check(
-            is_number(self.reward_timeout_s) and self.reward_timeout_s >= 0,
+            is_number(self.reward_timeout_s) and 0 <= self.reward_timeout_s <= MAX_TIMEOUT_S,
             "reward_timeout_s",
-            "must be >= 0 (seconds; 0 = no limit)",
+            f"must be in [0, {MAX_TIMEOUT_S:g}] (seconds; 0 = no limit; a timer beyond "
+            "a 32-bit time_t is refused by the platform)",
         )
         self._check(
             is_number(self.gpu_memory_gb) and self.gpu_memory_gb > 0, "gpu_memory_gb", "must be > 0"

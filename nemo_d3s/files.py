@@ -30,7 +30,9 @@ from nemo_d3s.files_staging import (  # the flushing helpers are re-exported
     changes,
     host_tag,
     keep_unpublished,
+    looks_like_write_failure,
     snapshot,
+    space_note,
     staging_folders,
     sweep_stale,
 )
@@ -52,6 +54,8 @@ __all__ = [
     "atomic_folder",
     "atomic_write_text",
     "build_once",
+    "looks_like_write_failure",  # files_staging's, re-exported
+    "space_note",  # files_staging's, re-exported
 ]
 
 log = logging.getLogger("nemo_d3s.files")

@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Tuple
 
 __all__ = [
     "atomic_write_text",
+    "looks_like_write_failure",
+    "space_note",
     "changes",
     "fsync_folder",
     "fsync_tree",
@@ -186,3 +188,42 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
         raise
     fsync_path(str(path.parent), folder=True)
     return path
+
+
+def looks_like_write_failure(e: BaseException) -> bool:
+    """An exception a failed write raises: OSError, torch's zip writer's RuntimeErrors (and
+    torch.distributed.checkpoint's CheckpointException carrying them), or the safetensors
+    library's error wrapping an I/O error (a full disk, a file-size limit)."""
+    if isinstance(e, OSError):
+        return True
+    kinds = ("SafetensorError", "CheckpointException")
+    return (isinstance(e, RuntimeError) or type(e).__name__ in kinds) and any(
+        s in str(e)
+        for s in (
+            "unexpected pos",
+            "PytorchStreamWriter",
+            "file write failed",
+            "No space left",
+            "File too large",
+            "IoError",
+        )
+    )
+
+
+def space_note(path: str | os.PathLike) -> str:
+    """What a failed write under ``path`` may have run out of: the free space there and, when
+    this process has one, its file-size limit (``ulimit -f``; writes past it fail however much
+    space is free)."""
+    try:
+        free = f"{shutil.disk_usage(path).free / 2**20:.0f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return free
+    if limit == resource.RLIM_INFINITY:
+        return free
+    return f"this process's file-size limit (ulimit -f) is {limit} bytes; {free}"

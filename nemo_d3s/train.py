@@ -82,6 +82,7 @@ _ENV_ERRNOS = {
     "EISDIR",
     "EEXIST",
     "ENAMETOOLONG",
+    "EFBIG",
 }
 
 
@@ -133,6 +134,10 @@ def run_cli(cfg) -> int:
         if errno.errorcode.get(e.errno or -1) not in _ENV_ERRNOS:
             raise
         where = f" ({e.filename})" if e.filename else ""
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            from nemo_d3s.trainer.checkpoint import space_note
+
+            where += f"; {space_note(os.path.dirname(str(e.filename or cfg.output_dir)) or '.')}"
         print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except RuntimeError as e:
@@ -173,22 +178,28 @@ def _after_stop(signum, _frame) -> None:
     os.kill(os.getpid(), signum)
 
 
+# ~key deletions held back from Hydra under resume=true (main), applied to the run's config.
+_HELD: list = []
+
+
 def _resume_base(cfg, out: Path):
-    """``resume=true``: ``out/config.yaml`` with this command line's overrides on top
-    (``trainer.resume_config``); a file value the schema refuses is one error line, exit 2.
+    """``resume=true``: the run's own config with this command line's overrides on top
+    (``trainer.run_start.resolve_config``); a refusal is one error line, exit 2.
     """
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
 
     from nemo_d3s.errors import ConfigError
-    from nemo_d3s.trainer.resume_config import resume_base
+    from nemo_d3s.trainer.run_start import resolve_config
 
     try:
-        overrides = list(HydraConfig.get().overrides.task)
+        overrides = list(HydraConfig.get().overrides.task) + _HELD
     except ValueError:  # not under hydra.main
         overrides = []
     try:
-        return resume_base(cfg, overrides, out, lambda: compose("config", overrides=[]), conf_dir())
+        return resolve_config(
+            cfg, overrides, out, lambda: compose("config", overrides=[]), conf_dir()
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -217,7 +228,7 @@ def _precheck_argv(argv) -> None:
     """
     from nemo_d3s.errors import ConfigError
     from nemo_d3s.trainer.faults import RunError
-    from nemo_d3s.trainer.rundir import check_output_dir
+    from nemo_d3s.trainer.run_start import check_output_dir
 
     if any(
         a in ("-m", "--multirun") or a.startswith(("--cfg", "-c", "--help", "-h", "--info"))
@@ -240,10 +251,13 @@ def main() -> None:
     from nemo_d3s.config import register_configs
 
     register_configs()
+    from nemo_d3s.trainer.overrides import expand_home, resume_deletions, unknown_key_error
+
+    sys.argv[1:] = expand_home(sys.argv[1:])  # model.name=~/models/x: as the user means it
     _precheck_argv(sys.argv[1:])
-    from nemo_d3s.trainer.overrides import unknown_key_error
 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
+    sys.argv[1:], _HELD[:] = resume_deletions(sys.argv[1:], groups)  # the run's keys, not Hydra's
     bad = unknown_key_error(sys.argv[1:], groups)
     if bad:  # Hydra's answer is "+key" advice and exit 1
         print(f"error: {bad}", file=sys.stderr)

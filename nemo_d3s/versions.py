@@ -139,7 +139,15 @@ def check_stack(
         "; ".join(bad)
         + f" (nemo_d3s/versions.py). Install a tested version, or set {ALLOW_ENV}=1 to try anyway"
     )
-    if os.environ.get(ALLOW_ENV, "") not in ("", "0"):
+    value = os.environ.get(ALLOW_ENV, "")
+    if value.strip().lower() in _TRUE:
         log.warning("untested software: %s", line)
         return bad
+    if value.strip():
+        line += f" ({ALLOW_ENV}={value!r} keeps the check: only 1, true, yes or on lift it)"
     raise RunError(line)
+
+
+# The values of NEMO_D3S_ALLOW_UNTESTED that lift the check (any case); false, no, off, 0 and
+# anything else keep it.
+_TRUE = ("1", "true", "yes", "on")

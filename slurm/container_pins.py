@@ -158,7 +158,40 @@ def read_lock(path: Path = LOCK) -> dict:
     )
     if not ok:
         raise PinsError(f"{path}: not a lock (no pins / requires tables); {hint}")
+    bad = _bad_row(lock)
+    if bad:
+        raise PinsError(f"{path}: not a lock ({bad}); {hint}")
     return lock
+
+
+def _strs(x, n=None) -> bool:
+    return isinstance(x, list) and all(isinstance(v, str) for v in x) and n in (None, len(x))
+
+
+def _str_map(x) -> bool:
+    return isinstance(x, dict) and all(isinstance(v, str) for v in x.values())
+
+
+# The shape of each table's rows, as --refresh writes them, and the words that name it.
+_ROWS = {
+    "pins": (lambda v: isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+             and _strs(v[1]), "[version, [extras]]"),
+    "requires": (_strs, "a list of requirement lines"),
+    "shared": (lambda v: isinstance(v, dict) and isinstance(v.get("version"), str)
+               and _str_map(v.get("specifiers")), "{version, specifiers}"),
+    "base": (lambda v: isinstance(v, dict) and isinstance(v.get("range"), str)
+             and _strs(v.get("releases")), "{range, releases}"),
+    "resolved": (_str_map, "{distribution: version}"),
+}  # fmt: skip
+
+
+def _bad_row(lock: dict) -> str:
+    """The first row of a table that is not of the shape --refresh writes ("" when none)."""
+    for table, (ok, shape) in _ROWS.items():
+        for key, row in lock.get(table, {}).items():
+            if not ok(row):
+                return f"{table}[{key!r}] is {json.dumps(row)[:60]}, not {shape}"
+    return ""
 
 
 def project_requirements(pyproject: Path = PYPROJECT) -> List[Tuple[str, str]]:

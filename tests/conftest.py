@@ -26,6 +26,7 @@ VLLM_TESTS = [
 TRL_TESTS = [
     "integrations/test_trl_plugin.py",
     "integrations/test_trl_generation_reuse.py",
+    "integrations/test_trl_compaction.py",
 ]
 
 collect_ignore = [] if importlib.util.find_spec("vllm") else list(VLLM_TESTS)

@@ -365,6 +365,28 @@ def test_a_pin_with_a_marker_a_second_pin_or_a_malformed_one_is_one_error_line(
     assert len(r.stderr.splitlines()) == 1 and "agree" not in r.stdout
 
 
+@pytest.mark.parametrize(
+    "table, key, row",
+    [
+        ("pins", "transformers", "5.20.2"),
+        ("requires", "vllm", "regex"),
+        ("shared", "numpy", {"version": 2}),
+        ("base", "torch", {"range": ">=2.14"}),
+        ("resolved", "torch==2.14.0", ["torch"]),
+    ],
+)
+def test_a_lock_with_rows_of_the_wrong_shape_is_one_error_line(tmp_path, table, key, row):
+    """A row edited by hand into another shape (a string for a list) was a traceback."""
+    lock = json.loads((SLURM / "container-lock.json").read_text())
+    lock[table][key] = row
+    path = tmp_path / "lock.json"
+    path.write_text(json.dumps(lock))
+    r = _pins_cli("--lock", str(path))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith(f"error: {path}: not a lock ({table}[{key!r}] is "), r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+
+
 @pytest.mark.parametrize("lock_text", [None, '{"pins": {"torch": ', "[]"])
 def test_a_missing_or_truncated_lock_is_one_error_line_naming_it(tmp_path, lock_text):
     lock = tmp_path / "lock.json"

@@ -54,6 +54,12 @@ RECIPES = {
     "qwen3_32b": (4, 32_762_123_264, "32.8B", (8, 1, 4)),
 }
 
+# recipe -> (nodes, total, active, (TP, PP, DP, EP), fits at its gpu_memory_gb)
+MOE_RECIPES = {
+    "qwen3_30b_a3b": (1, 30_532_122_624, 3_353_032_704, (4, 1, 2, 8), True),
+    "qwen3_235b_a22b": (8, 235_093_634_560, 22_190_763_520, (4, 2, 8, 32), False),
+}
+
 
 def _compose(overrides):
     from nemo_d3s.train import compose_config
@@ -296,7 +302,10 @@ def test_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path, monke
             "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
             "rollout.max_model_len (2048)",
         ),
-        (["+model.params.context_parallel_size=2"], "only through Transformer Engine's attention"),
+        (
+            ["+model.params.context_parallel_size=2"],
+            "context_parallel_size=2: a rollout engine other than the policy's own",
+        ),
         (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
         (
             [
@@ -358,12 +367,17 @@ def test_job_shape_from_the_environment():
         job_shape({}, nodes=0)
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES) + ["llama3_70b_long"])
+# recipes on the 70B layout of another kind (long rows; the engines apart, overlapped)
+VARIANTS = ("llama3_70b_long", "llama3_70b_async")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES) + list(VARIANTS) + sorted(MOE_RECIPES))
 def test_every_recipe_states_the_cluster_shape_it_is_planned_for(name):
     cfg = _compose([f"experiment={name}", "output_dir=x"])
-    nodes, layout = (
-        (8, (4, 4, 4)) if name == "llama3_70b_long" else (RECIPES[name][0], RECIPES[name][3])
-    )
+    if name in MOE_RECIPES:
+        nodes, layout = MOE_RECIPES[name][0], MOE_RECIPES[name][3][:3]
+    else:
+        nodes, layout = (8, (4, 4, 4)) if name in VARIANTS else (RECIPES[name][0], RECIPES[name][3])
     assert (cfg.trainer.nodes, cfg.trainer.gpus_per_node) == (nodes, 8)
     tp, pp, dp = layout
     assert tp * pp * dp == cfg.trainer.nodes * cfg.trainer.gpus_per_node
@@ -374,7 +388,7 @@ def test_every_planned_recipe_file_is_in_the_shape_test():
     state its shape too: it is listed above."""
     conf = REPO / "conf" / "experiment"
     planned = {f.stem for f in conf.glob("*.yaml") if "trainer.dry_run=true" in f.read_text()}
-    assert planned == set(RECIPES) | {"llama3_70b_long"}, planned
+    assert planned == set(RECIPES) | set(VARIANTS) | set(MOE_RECIPES), planned
 
 
 # ----------------------------------------------------------------------------- formulas by hand
@@ -562,13 +576,16 @@ def test_memory_terms_of_a_tiny_plan_by_hand(tmp_path):
 
 @pytest.mark.parametrize("tp,pp,dp,gpus", [(2, 2, 2, 8), (4, 4, 4, 8), (8, 2, 4, 8), (1, 4, 2, 4)])
 @pytest.mark.parametrize("tp_pp_dp", [False, True])
-def test_node_ranks_of_groups_by_enumerating_the_ranks(tp, pp, dp, gpus, tp_pp_dp):
+@pytest.mark.parametrize("cp", [1, 2])
+def test_node_ranks_of_groups_by_enumerating_the_ranks(tp, pp, dp, gpus, tp_pp_dp, cp):
     """The members of rank 0's groups on its node, from the closed form, against the ranks
-    enumerated in Megatron's order (rank = t + TP (d + DP p), or t + TP (p + PP d))."""
+    enumerated in Megatron's order (rank = t + TP (c + CP (d + DP p)), or
+    t + TP (c + CP (p + PP d)))."""
     from nemo_d3s.dry_run.memory import node_ranks_of_groups
 
-    def rank(t, p, d):
-        return t + tp * (p + pp * d) if tp_pp_dp else t + tp * (d + dp * p)
+    def rank(t, p, d, c=0):
+        tc = t + tp * c
+        return tc + tp * cp * (p + pp * d) if tp_pp_dp else tc + tp * cp * (d + dp * p)
 
     def on_node(ranks):
         return sum(1 for r in set(ranks) if r // gpus == 0)
@@ -577,18 +594,20 @@ def test_node_ranks_of_groups_by_enumerating_the_ranks(tp, pp, dp, gpus, tp_pp_d
         tp=tp,
         pp=pp,
         dp=dp,
+        cp=cp,
         dp_stride=rank(0, 0, 1),
         pp_stride=rank(0, 1, 0),
         gpus_per_node=gpus,
     )
     want = {
-        "world": on_node(range(tp * pp * dp)),
+        "world": on_node(range(tp * pp * dp * cp)),
         "dp": on_node(rank(0, 0, d) for d in range(dp)),
+        "dp_with_cp": on_node(rank(0, 0, d, c) for d in range(dp) for c in range(cp)),
         "tp": on_node(rank(t, 0, 0) for t in range(tp)),
         "pp": on_node(rank(0, p, 0) for p in range(pp)),
+        "cp": on_node(rank(0, 0, 0, c) for c in range(cp)),
         "embedding": on_node([rank(0, 0, 0), rank(0, pp - 1, 0)]) if pp > 1 else 1,
     }
-    want["dp_with_cp"] = want["dp"]
     assert got == want
 
 
@@ -800,8 +819,8 @@ def test_plan_counts_sequence_parallel_activations(tmp_path):
 
 def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
     """Rows of 131k tokens on the 70B recipe: one row per micro-batch with SP and full
-    recompute still exceeds 80 GB on the first stage; the dry run says context parallelism
-    would be needed and that it runs only with Transformer Engine's attention."""
+    recompute still exceeds 80 GB on the first stage; the dry run says to split the rows
+    with context parallelism."""
     cfg = _compose(
         [
             "experiment=llama3_70b",
@@ -815,8 +834,33 @@ def test_plan_reports_when_only_context_parallelism_would_fit(tmp_path):
     need = report["context_parallel_needed"]
     assert need and need[0]["position"] == "(TP 0, PP 0)" and need[0]["seq_len"] == 130024
     assert any(
-        "Transformer Engine's attention" in p and "130024 tokens" in p for p in report["problems"]
+        "model.params.context_parallel_size" in p and "130024 tokens" in p
+        for p in report["problems"]
     )
+
+
+def test_context_parallelism_divides_each_gpus_tokens(tmp_path):
+    """The long-response recipe at CP 2 (rollout=hf: the engines are the policy's own): DP
+    halves, each GPU holds half of every micro-batch's tokens (activations and logits
+    halve), the distributed optimizer still shards over DP x CP = 16, a CP communicator is
+    added."""
+    base = ["experiment=llama3_70b_long", f"output_dir={tmp_path}", "rollout=hf"]
+    one = plan(_compose(base), JobShape(8, 8, "test"))
+    two = plan(_compose([*base, "+model.params.context_parallel_size=2"]), JobShape(8, 8, "test"))
+    assert (one["layout"]["dp"], two["layout"]["dp"], two["layout"]["cp"]) == (4, 2, 2)
+    first = [
+        next(x for x in r["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))["terms_bytes"]
+        for r in (one, two)
+    ]
+    assert first[1]["activations"] * 2 == first[0]["activations"]
+    assert first[1]["optimizer"] == first[0]["optimizer"]
+    assert first[1]["nccl"] - first[0]["nccl"] == 2 * 32 * 4 * 2**20  # one communicator more
+    last = [
+        next(x for x in r["positions"] if x["pp_rank"] == 3)["terms_bytes"]["logits"]
+        for r in (one, two)
+    ]
+    assert 0.5 < last[1] / last[0] < 0.55  # halved, but for the kernel's fixed workspace
+    assert "TP 4 x PP 4 x CP 2 x DP 2" in render(two)
 
 
 def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
@@ -880,3 +924,69 @@ def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):
             _compose([*base, "+model.params.virtual_pipeline_model_parallel_size=3"]),
             JobShape(1, 8, "test"),
         )
+
+
+# ----------------------------------------------------------------------------- MoE recipes
+
+
+@pytest.mark.parametrize("name", sorted(MOE_RECIPES))
+def test_moe_recipe_dry_runs_count_experts_and_give_a_verdict(name, tmp_path):
+    """Total vs active parameters (the published 30.5B / 3.3B and 235B / 22B), experts
+    counted over their EP x PP grid (the shards still sum to the model), megatron-core's
+    meta build of the MoE stage agreeing with the table, the expert optimizer state and
+    dispatcher buffers in the plan, and the verdict: Qwen3-30B-A3B fits one node of 141 GB
+    GPUs and not of 80 GB ones; Qwen3-235B-A22B does not fit because one vLLM engine per
+    model copy holds all the experts."""
+    nodes, total, active, (tp, pp, dp, ep), fits = MOE_RECIPES[name]
+    cfg = _compose([f"experiment={name}", f"output_dir={tmp_path}"])
+    report = plan(cfg, JobShape(nodes, 8, "test"))
+    print(render(report))
+    moe = report["moe"]
+    assert (report["total_params"], moe["total_params"], moe["active_params"]) == (
+        total,
+        total,
+        active,
+    )
+    assert round(total / 1e9, 1) == {"qwen3_30b_a3b": 30.5, "qwen3_235b_a22b": 235.1}[name]
+    lay = report["layout"]
+    assert (lay["tp"], lay["pp"], lay["dp"], moe["ep"], moe["etp"]) == (tp, pp, dp, ep, 1)
+    assert moe["expert_dp"] == nodes * 8 // (ep * pp) == 1
+    assert "counts" in report["checks"]["meta_build"]
+    assert report["checks"]["shards_sum_params"] == total
+    busiest = max(report["positions"], key=lambda x: x["expert_params"])
+    # 128 experts of 3 H F' parameters per layer, E / EP per GPU, L / PP layers per stage
+    spec = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / name)
+    per_gpu = 128 // ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size * spec.num_layers // pp
+    assert busiest["expert_params"] == moe["expert_params_per_gpu"] == per_gpu
+    # plain AdamW on bf16: fp32 main weights + 2 moments, 12 bytes, not sharded
+    assert moe["expert_optimizer_bytes_per_gpu"] == 12 * per_gpu
+    assert 0 < moe["dispatch_buffer_bytes"] == busiest["terms_bytes"]["moe_dispatch"]
+    assert report["fits"] is fits
+    text = render(report)
+    assert ("verdict: FITS" in text) is fits and f"EP {ep} x ETP 1" in text
+    if not fits:
+        assert any("does not hold its weights" in p for p in report["problems"])
+    else:
+        small = plan(
+            _compose([f"experiment={name}", f"output_dir={tmp_path}", "trainer.gpu_memory_gb=80"]),
+            JobShape(nodes, 8, "test"),
+        )
+        assert not small["fits"]
+
+
+def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
+    base = ["experiment=qwen3_30b_a3b", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match="num_experts=128 is not divisible by expert_model"):
+        plan(_compose([*base, "model.params.expert_model_parallel_size=3"]), JobShape(3, 8, "t"))
+    with pytest.raises(ConfigError, match="distributed optimizer"):
+        plan(_compose([*base, "model.params.distributed_optimizer=true"]), JobShape(1, 8, "t"))
+    with pytest.raises(ConfigError, match="sequence_parallel=true"):
+        plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
+    # experts with context parallelism: refused before start, whatever EP (untested together)
+    for ep in (1, 2):
+        cp = [
+            f"model.params.expert_model_parallel_size={ep}",
+            "+model.params.context_parallel_size=2",
+        ]
+        with pytest.raises(ConfigError, match="context_parallel_size=2: experts"):
+            plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))

@@ -151,3 +151,44 @@ def test_the_idle_gpus_while_generating_are_the_dry_runs(name, tmp_path):
     copy = layout["tp"] * layout["pp"]
     assert [int(x) for x in m.groups()] == [v["gpus_idle_in_generation"], nodes * gpus, copy]
     assert v["engines"] == nodes * gpus // copy
+
+
+def test_the_overlapped_70b_step_is_the_dry_runs(tmp_path):
+    """The paragraph on ``llama3_70b_async``: its training peak, the step model's seconds and
+    GPU-seconds for the engines apart (synchronous, k = 1) and ``llama3_70b``'s colocated step."""
+    text = " ".join(DOC.read_text().split())
+    m = re.search(
+        r"No training GPU carries an engine: ([\d.]+) GB peak\. .*?generation ([\d.]+) s, "
+        r"training ([\d.]+) s, a step of ([\d.]+) s synchronous or ([\d.]+) s overlapped on "
+        r"(\d+) GPUs, ([\d,]+) or ([\d,]+) GPU-seconds; `llama3_70b`'s colocated synchronous "
+        r"step is ([\d.]+) s on (\d+) GPUs \(([\d,]+) GPU-seconds: its engines at 0\.4 of a GPU "
+        r"hold (\d+) of the (\d+) rollouts each, (\d+) waves\)",
+        text,
+    )
+    assert m, "the paragraph on llama3_70b_async is gone"
+    got = [float(x.replace(",", "")) for x in m.groups()]
+    apart = plan(
+        compose_config(["experiment=llama3_70b_async", f"output_dir={tmp_path}"]),
+        JobShape(8, 8, "test"),
+    )
+    sync, k1 = apart["step_model"]["layouts"]
+    coloc_report, _ = _plan_busiest("llama3_70b", tmp_path)
+    (coloc,) = coloc_report["step_model"]["layouts"]
+    v = coloc_report["vllm"]
+    want = [
+        round(apart["worst"]["peak_bytes"] / GB, 1),
+        round(sync["generation_s"], 1),
+        round(sync["training_s"], 1),
+        round(sync["step_s"], 1),
+        round(k1["step_s"], 1),
+        sync["gpus"],
+        round(sync["gpu_seconds"]),
+        round(k1["gpu_seconds"]),
+        round(coloc["step_s"], 1),
+        coloc["gpus"],
+        round(coloc["gpu_seconds"]),
+        v["full_sequences"],
+        v["rows_per_engine_step"],
+        -(-v["rows_per_engine_step"] // v["full_sequences"]),
+    ]
+    assert got == want

@@ -186,6 +186,8 @@ def test_the_cpu_form_end_to_end(tmp_path):
         "vocab_parallel.fp32_gloo",
         "gpt.local_spec",
         "gpt.long_sequence",
+        "gpt.packed_cp",
+        "moe.local_spec",
         "gpt.pp_recompute",
         "gpt.interleaved_pipeline",
         "rl.megatron_step",
@@ -203,9 +205,13 @@ def test_the_cpu_form_end_to_end(tmp_path):
     # the tiny model's 2 layers leave out PP2 x VPP2 (it needs 4)
     assert checks["gpt.long_sequence"]["measured"]["layouts"] == ["tp2_sp", "pp2_tokens"]
     assert checks["gpt.long_sequence"]["measured"]["weights_err"] <= 1e-5
+    assert checks["gpt.packed_cp"]["measured"]["layouts"] == ["packed", "cp2", "cp2_packed"]
+    assert checks["gpt.packed_cp"]["measured"]["logprob_err"] <= 1e-4
+    assert checks["moe.local_spec"]["measured"]["dispatchers"] == ["alltoall", "allgather"]
+    assert checks["moe.local_spec"]["measured"]["weights_err"] <= 1e-5
     gloo = checks["cluster.gloo_across_nodes"]["measured"]
     assert gloo["ranks"] == 2 and gloo["hosts"] == 1 and gloo["across_nodes"] is False
-    assert "11 passed, 0 failed" in proc.stdout
+    assert "13 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------- the CUDA checks' logic on the CPU
@@ -403,3 +409,21 @@ def test_the_cpu_twins_of_the_70b_pipeline_paths_pass_on_gloo(tmp_path, monkeypa
     inter = checks["gpt.interleaved_pipeline"]["measured"]
     assert inter["layers"] == 4 and inter["layouts"] == ["pp2_vpp2"]
     assert inter["logprob_err"] <= 1e-4 and inter["weights_err"] <= 1e-5
+
+
+def test_the_cpu_twin_of_the_moe_path_passes_on_gloo(tmp_path, monkeypatch):
+    """moe.local_spec: a tiny Qwen3-MoE at EP 2 (both dispatchers) against EP 1 on 2
+    spawned gloo ranks; its CUDA twin (TE grouped GEMM, all-to-all over NCCL) says why not."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    code = cli.main(
+        ["--out", str(tmp_path), "--ranks", "2", "--only", "moe.local_spec,moe.te_grouped_gemm"]
+    )
+    doc = json.loads((tmp_path / "selfcheck.json").read_text())
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert code == 0 and checks["moe.local_spec"]["status"] == PASSED, checks
+    m = checks["moe.local_spec"]["measured"]
+    assert m["dispatchers"] == ["alltoall", "allgather"] and m["weights_err"] <= 1e-5
+    assert (checks["moe.te_grouped_gemm"]["status"], checks["moe.te_grouped_gemm"]["reason"]) == (
+        NOT_RUN,
+        NO_CUDA,
+    )

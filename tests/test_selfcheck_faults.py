@@ -66,6 +66,36 @@ def test_a_stray_world_size_is_one_error_line(tmp_path, capsys, monkeypatch):
     assert e.value.code == 2 and "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT" in err
 
 
+def test_a_whole_stray_torchrun_environment_is_one_error_line_after_a_bounded_wait(
+    tmp_path, capsys, monkeypatch
+):
+    """WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT all left set, no peer: it waited the
+    whole --timeout (15 minutes by default), then a DistStoreError traceback."""
+    import socket
+
+    with socket.socket() as s:  # a free port: nobody else is there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    code = cli.main(["--out", str(tmp_path), "--only", "env", "--timeout", "3"])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert f"rank 0 of WORLD_SIZE=2 found no peer at 127.0.0.1:{port} within 3 s" in lines[0]
+    assert "Traceback" not in err and not (tmp_path / "selfcheck.json").exists()
+
+
+def test_selfcheck_json_taken_by_a_folder_is_one_error_line(tmp_path, capsys):
+    """The checks ran, then writing the results was an IsADirectoryError traceback."""
+    (tmp_path / "selfcheck.json").mkdir()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--out", str(tmp_path), "--only", "env"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "selfcheck.json' is a folder, where the self-check" in err
+
+
 @pytest.mark.parametrize("text", ["{not json", '["a list"]', '{"hidden_size": 8}'])
 def test_model_with_a_garbage_config_json_blames_the_folder(tmp_path, capsys, text):
     """It read as a machine failure (every model check failed in the table)."""

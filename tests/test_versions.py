@@ -196,3 +196,19 @@ def test_convert_on_an_untested_megatron_core_writes_nothing(tmp_path):
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "megatron-core 0.18.0 is installed, tested:" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["false", "False", "no", "off", "0", "", "maybe"])
+def test_only_a_true_like_override_lifts_the_check(monkeypatch, value):
+    """NEMO_D3S_ALLOW_UNTESTED=false lifted the check like =1 (any value but "" and "0")."""
+    monkeypatch.setenv(versions.ALLOW_ENV, value)
+    with pytest.raises(RunError) as e:
+        versions.check_stack(["megatron-core"], {"megatron-core": "0.18.0"})
+    if value:
+        assert f"NEMO_D3S_ALLOW_UNTESTED={value!r} keeps the check" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "on"])
+def test_a_true_like_override_warns(monkeypatch, value):
+    monkeypatch.setenv(versions.ALLOW_ENV, value)
+    assert versions.check_stack(["megatron-core"], {"megatron-core": "0.18.0"})

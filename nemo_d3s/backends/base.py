@@ -120,6 +120,11 @@ class RolloutEngine(abc.ABC):
     on_policy: bool = True
     # The trainer's stop flag, asked between decode steps (vLLM: before a call only)
     should_stop: Optional[Callable[[], bool]] = None
+    # True: samples from its own copy of the weights, changed by ``sync_weights`` only (so it
+    # can generate while the policy trains); False: from the policy's own model
+    own_weights: bool = False
+    # False after :meth:`pin_weights`: ``generate`` never refits by itself
+    refit_on_generate: bool = True
 
     def check_stop(self) -> None:
         if self.should_stop is not None and self.should_stop():
@@ -150,6 +155,18 @@ class RolloutEngine(abc.ABC):
     def release(self) -> None:
         """Drop the engine's own copy of the weights (vLLM: level-2 sleep) before the trainer
         needs the memory; the next ``generate`` refits if needed. Default: no-op."""
+
+    def pin_weights(self) -> None:
+        """From now on only ``sync_weights`` loads weights (a generation overlapped with
+        training must not load the weights the trainer is changing) and ``generate`` returns
+        the behaviour log-probs (``sampling_logprobs``) where it can."""
+        self.refit_on_generate = False
+
+    def held_weights(self) -> Optional[Iterator[Tuple[str, torch.Tensor]]]:
+        """(HF name, tensor) of the engine's own copy, for a checkpoint that must regenerate
+        a batch of these weights; empty where the group's engine lives on another rank; None
+        where they cannot be read back (vLLM: its own processes)."""
+        return None
 
 
 class Policy(abc.ABC):
@@ -227,6 +244,15 @@ class Policy(abc.ABC):
     def weights_dtype(self) -> Optional[torch.dtype]:
         """The dtype ``hf_weights`` yields (None: ask the first tensor)."""
         return None
+
+    def weights_copy_engine(self) -> RolloutEngine:
+        """An engine with its own copy of the weights (``own_weights``) for generation
+        overlapped with training. Default: ``rollout_engine``, which must hold one."""
+        if not self.rollout_engine.own_weights:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no rollout engine with its own weights copy"
+            )
+        return self.rollout_engine
 
     def place_rollout_engine(self, build: Callable[[], RolloutEngine]) -> RolloutEngine:
         """Build a separate engine (vLLM) where it belongs: every rank by default; a sharded

@@ -23,6 +23,7 @@ class PolicySettings:
     use_chat_template: wrap each prompt as one user turn with the tokenizer's chat template.
     dist_timeout_minutes: how long a collective waits for a peer rank before the process
     group fails (None = torch's default, 30 minutes), when the backend creates the group.
+    pack_sequences: rows packed end to end (``core.packing``); None = the backend's default.
     """
 
     dtype: str = "auto"
@@ -44,3 +45,4 @@ class PolicySettings:
     stop_tokens: Tuple[str, ...] = ("<|im_start|>", "<|endoftext|>")
     use_chat_template: bool = True
     dist_timeout_minutes: Optional[float] = None
+    pack_sequences: Optional[bool] = None

@@ -83,8 +83,19 @@ class _Wrapper(RolloutEngine):
     def sync_weights(self, policy: Policy) -> None:
         self.inner.sync_weights(policy)
 
+    @property
+    def own_weights(self) -> bool:
+        return self.inner.own_weights
+
     def release(self) -> None:
         self.inner.release()
+
+    def pin_weights(self) -> None:
+        self.refit_on_generate = False
+        self.inner.pin_weights()
+
+    def held_weights(self):
+        return self.inner.held_weights()
 
     def alive(self) -> bool:
         return self.inner.alive()

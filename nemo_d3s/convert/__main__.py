@@ -118,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--pp", type=int, default=1, help="pipeline-parallel size of the shards (default 1)"
     )
     p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size of the expert shards (default 1)"
+    )
+    p.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size of the expert shards (default: --tp)",
+    )
+    p.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="cast the weights (default: keep)"
     )
     p.add_argument(
@@ -281,21 +290,25 @@ def _run(args: argparse.Namespace) -> int:
     from nemo_d3s.versions import check_stack
 
     try:
-        # torch reads and writes every format; megatron-core writes NeMo 2
-        check_stack(["torch"] + (["megatron-core"] if args.command == "megatron-to-nemo" else []))
+        # torch reads and writes every format; megatron-core writes NeMo 2 and Megatron-LM's
+        # torch_dist (its dist_checkpointing)
+        mcore = args.command in ("megatron-to-nemo", "hf-to-megatron-lm")
+        check_stack(["torch"] + (["megatron-core"] if mcore else []))
         if args.command == "hf-to-megatron":
             out = core.hf_to_megatron(
                 args.hf,
                 args.out,
                 tp=args.tp,
                 pp=args.pp,
+                ep=args.ep,
+                etp=args.etp,
                 dtype=args.dtype,
                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                 overwrite=args.overwrite,
                 progress=not args.quiet,
                 verify_checksums=args.verify_checksums,
             )
-            print(f"wrote {out} (TP{args.tp} x PP{args.pp})")
+            print(f"wrote {out} (TP{args.tp} x PP{args.pp} x EP{args.ep})")
         elif args.command == "megatron-to-hf":
             out = core.megatron_to_hf(
                 args.ckpt,

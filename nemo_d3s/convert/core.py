@@ -1,12 +1,15 @@
 """Checkpoint conversion between Hugging Face folders, the Megatron backend's sharded checkpoints
-and NeMo 2, on the one weight table (``formats/weights.py``) the backend loads and exports
-through. Tensors stream one local parameter group at a time into safetensors files planned up
-front, so peak memory is near the largest group (the embedding), not the model. Every file read
-is untrusted (safetensors, JSON, safe YAML); a bad input is a ConfigError naming the file or
-tensor before anything is written, and output goes through ``files.atomic_folder``.
+(a mixture of experts' expert files at any EP x ETP too) and NeMo 2, on the one weight table
+(``formats/weights.py``) the backend loads and exports through. Tensors stream one local
+parameter group at a time into safetensors files planned up front, so peak memory is near the
+largest group (the embedding), not the model. Every file read is untrusted (safetensors, JSON,
+safe YAML); a bad input is a ConfigError naming the file or tensor before anything is written,
+and output goes through ``files.atomic_folder``.
 """
 
 from __future__ import annotations
+
+import errno
 
 import os
 import shutil
@@ -28,8 +31,15 @@ from nemo_d3s.convert.sources import (
     with_side_files,
     open_checkpoint,
 )
-from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import FolderBusy, FolderNotEmpty, atomic_folder, write_checksums
+from nemo_d3s.errors import ConfigError, RunError
+from nemo_d3s.files import (
+    FolderBusy,
+    FolderNotEmpty,
+    atomic_folder,
+    looks_like_write_failure,
+    space_note,
+    write_checksums,
+)
 from nemo_d3s.formats.detect import MEGATRON, MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo, nemo_make_vocab_size_divisible_by
 from nemo_d3s.formats.safetensors_stream import (
@@ -38,14 +48,13 @@ from nemo_d3s.formats.safetensors_stream import (
     nbytes,
     write_hf_weights,
 )
-from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_file, write_layout
+from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_plan, write_layout
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import (
     Layout,
     SafetensorsReader,
     hf_names,
     hf_shape,
-    local_names,
     local_parts,
     local_shape,
     read_local,
@@ -82,7 +91,18 @@ def staged_output(
         raise ConfigError(f"--out {str(dest)!r} is not empty; pass --overwrite to replace it")
     try:
         with atomic_folder(dest, replace=overwrite) as tmp:
-            yield tmp
+            try:
+                yield tmp
+            # a full disk or a file-size limit, however it surfaces (torch.distributed.checkpoint's
+            # CheckpointException is a BaseException)
+            except BaseException as e:
+                if not _out_of_room(e):
+                    raise
+                last = [x.strip() for x in str(e).splitlines() if x.strip()] or [repr(e)]
+                raise RunError(
+                    f"could not write --out {str(dest)!r}: {last[-1]} "
+                    f"({space_note(dest.parent)}); nothing was written"
+                ) from None
     except FolderBusy as e:
         raise ConfigError(
             f"--out {str(dest)!r} is being written by another conversion ({e.holder}); wait for it "
@@ -92,6 +112,13 @@ def staged_output(
         raise ConfigError(
             f"--out {str(dest)!r} is not empty; pass --overwrite to replace it"
         ) from None
+
+
+def _out_of_room(e: BaseException) -> bool:
+    """A write that failed for want of space or of file size (not a read, not a bug)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    return looks_like_write_failure(e)
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -136,6 +163,8 @@ def hf_to_megatron(
     *,
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
     dtype: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
     overwrite: bool = False,
@@ -143,12 +172,16 @@ def hf_to_megatron(
     verify_checksums: bool = True,
 ) -> Path:
     """Convert ``hf`` (an HF folder, or a NeMo 2 / Megatron-LM checkpoint) into the Megatron folder
-    ``out``: config, tokenizer, ``megatron/`` TP x PP shards (no optimizer state) and
-    ``checksums.json``. ``dtype`` None keeps each tensor's stored dtype. Returns ``out``.
+    ``out``: config, tokenizer, ``megatron/`` TP x PP shards (a mixture of experts' also EP x
+    ETP x PP expert files; ``etp`` None = TP; no optimizer state) and ``checksums.json``.
+    ``dtype`` None keeps each tensor's stored dtype. Returns ``out``.
     """
+    etp = tp if etp is None else etp
     for name, v in (
         ("tp", tp),
         ("pp", pp),
+        ("ep", ep),
+        ("etp", etp),
         ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
     ):
         if not is_count(v, 1):
@@ -178,33 +211,28 @@ def hf_to_megatron(
         dtype_of = lambda name, lay: want or _source_dtype(reader, name, spec, lay)  # noqa: E731
         close = reader.close
     try:
-        check_layout(spec, tp=tp, pp=pp, world=tp * pp)
+        world = max(tp, etp * ep) * pp  # the smallest world of this layout
+        check_layout(spec, tp=tp, pp=pp, world=world, ep=ep, etp=etp)
         layout = Layout(
             tp=tp,
             pp=pp,
             padded_vocab=padded_vocab_size(spec.vocab_size, tp, make_vocab_size_divisible_by),
+            ep=ep,
+            etp=etp,
         )
-        plan = []  # (layout of the file, [(local name, shape, dtype)])
-        for p in range(pp):
-            for t in range(tp):
-                lay = layout.at(t, p)
-                plan.append(
-                    (
-                        lay,
-                        [
-                            (n, local_shape(n, spec, lay), dtype_of(n, lay))
-                            for n in local_names(spec, lay)
-                        ],
-                    )
-                )
-        total = sum(nbytes(s, d) for _, entries in plan for _, s, d in entries)
+        plan = [  # (file, its position's layout, [(local name, shape, dtype)])
+            (fname, lay, [(n, local_shape(n, spec, lay), dtype_of(n, lay)) for n in names])
+            for fname, lay, names in shard_plan(spec, layout)
+        ]
+        total = sum(nbytes(s, d) for _, _, entries in plan for _, s, d in entries)
         with staged_output(out, overwrite=overwrite, sources=[src]) as tmp:
             root = tmp / SUBDIR
             root.mkdir()
-            with progress_bar(total, f"hf-to-megatron TP{tp} x PP{pp}", progress) as bar:
-                for lay, entries in plan:
+            what = f"TP{tp} x PP{pp}" + (f" x EP{ep} x ETP{etp}" if spec.num_experts else "")
+            with progress_bar(total, f"hf-to-megatron {what}", progress) as bar:
+                for fname, lay, entries in plan:
                     with StreamingSafetensors(
-                        root / shard_file(lay.tp_rank, lay.pp_rank),
+                        root / fname,
                         entries,
                         {"format": "pt", "written_by": "nemo-d3s-convert hf-to-megatron"},
                     ) as w:

@@ -29,7 +29,7 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import write_checksums
 from nemo_d3s.formats.detect import HF, TRACKER, detect_format
 from nemo_d3s.formats.mcore_config import RUN_CONFIG
-from nemo_d3s.formats.spec import ModelSpec, padded_vocab_size
+from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import SafetensorsReader, hf_names, hf_shape
 
 __all__ = ["hf_to_megatron_lm", "megatron_lm_args", "bridge_model_section"]
@@ -169,6 +169,10 @@ def hf_to_megatron_lm(
         spec, side, sources = ck.spec, ck.side, [ck.folder]
         stored = {ck.dtype} if ck.dtype is not None else {torch.float32, torch.bfloat16}
         tensors = ck.iter_hf
+    try:  # the heads must split evenly over the loading run's TP ranks
+        check_layout(spec, tp=tp, pp=1, world=tp)
+    except ConfigError as e:
+        raise ConfigError(f"--tp {tp}: {e}") from None
     want = parse_dtype(dtype) or (stored.pop() if len(stored) == 1 else None)
     if want is None:
         raise ConfigError(f"{str(p)!r} stores parameters in several dtypes; pass --dtype")

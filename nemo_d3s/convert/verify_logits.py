@@ -23,7 +23,7 @@ from nemo_d3s.convert.sources import (
     open_checkpoint,
 )
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.detect import NEMO2, detect_format
+from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.safetensors_stream import check_safetensors_folder
 from nemo_d3s.formats.spec import ModelSpec
 
@@ -105,9 +105,9 @@ def verify(
     check_safetensors_folder(hf_dir)
     path = Path(ckpt_path).expanduser()
     cfg_dir = hf_config
-    if (
-        cfg_dir is None and detect_format(path).kind != NEMO2
-    ):  # a training checkpoint: the HF folder's config
+    # a Megatron training or converted checkpoint: its own config.json, else the HF folder's
+    # (NeMo 2 and Megatron-LM / Megatron-Bridge saves describe their model themselves)
+    if cfg_dir is None and detect_format(path).kind not in (NEMO2, MEGATRON_LM):
         folder = find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
     src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nemo_d3s.core.entropy import align_to_tokens
+from nemo_d3s.core.packing import PackedMicroBatch
+from nemo_d3s.distributed.context_parallel import ContextParallel
 from nemo_d3s.distributed.comm import (
     collective_device,
     global_rank_of,
@@ -90,10 +92,21 @@ class PerTokenStore:
         self.micro_batches.clear()
 
 
-def _token_logprobs(logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size):
-    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked."""
+def _token_logprobs(
+    logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp=None
+):
+    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked
+    (with ``cp``: each local position scores its successor, then gathered over CP)."""
     if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
         logits = logits.transpose(0, 1)
+    if cp is not None:  # the logits at t score token t + 1, wherever t + 1 lives
+        pos = cp.positions().to(ids.device)
+        nxt = ids.index_select(1, (pos + 1).clamp(max=ids.shape[1] - 1))
+        entropy, logprobs = vocab_parallel_entropy_and_logprobs(
+            logits, nxt, tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+        )
+        entropy, logprobs = cp.gather(entropy, 1), cp.gather(logprobs, 1)
+        return align_to_tokens(entropy[:, :-1]), align_to_tokens(logprobs[:, :-1])
     if token_aligned:  # token t is scored by the logits at t - 1; position 0 gets 0
         entropy, logprobs = vocab_parallel_entropy_and_logprobs(
             logits[:, :-1], ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
@@ -113,19 +126,21 @@ def logprob_loss_func(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     seq_first: bool = False,
+    cp: Optional[ContextParallel] = None,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """Loss function for Megatron's forward-only old-policy pass (one per micro-batch): called on
     the last stage with logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]), it appends
     ``{"entropy", "logprobs"}`` [B, S] f32 to ``store`` and returns a zero loss.
 
     target_ids [B, S]: shifted by the caller, or input ids with ``token_aligned=True`` (position t
-    from logits at t - 1, position 0 holds 0). Collectives: the vocab-parallel ones on
+    from logits at t - 1, position 0 holds 0). ``cp``: the logits are this CP rank's positions;
+    whole rows are stored (all-gathers over CP). Collectives: the vocab-parallel ones on
     ``tp_group``."""
 
     def loss_func(logits: torch.Tensor):
         with torch.no_grad():
             entropy, logprobs = _token_logprobs(
-                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size
+                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp
             )
         store.micro_batches.append({"entropy": entropy.float(), "logprobs": logprobs.float()})
         return logits.new_zeros((), dtype=torch.float32), {}
@@ -154,6 +169,8 @@ def train_loss_func(
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
     seq_first: bool = False,
+    pack: Optional[PackedMicroBatch] = None,
+    cp: Optional[ContextParallel] = None,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """The training-pass loss function for one micro-batch on the last stage.
 
@@ -163,22 +180,29 @@ def train_loss_func(
     ``width``; ``loss_fn(logprobs [n, width] f32, rows)`` gives the loss SUM (or an object with
     ``loss`` and ``metric_tensors``). Returns ``(sum x normalizer.loss_scale, {})``; ``on_sum``
     receives "loss_sum" and every metric. n = 0 gives a zero loss with zero gradient (the rank still
-    joins the collectives). Collectives: the vocab-parallel forward on ``tp_group``."""
+    joins the collectives). ``pack``: input_ids [1, L] hold the rows, unpacked per row
+    (``attended`` unused). ``cp``: the logits are this CP rank's positions, the log-probs
+    gathered over CP and the loss x 1 / CP (the gather's backward and forward_step multiply by
+    CP, the DP x CP average divides once). Collectives: the vocab-parallel forward on
+    ``tp_group``; with ``cp`` an all-gather (backward: an all-reduce)."""
     n = len(rows)
+    cp_scale = 1.0 / cp.size if cp is not None else 1.0
 
     def loss_func(logits: torch.Tensor):
-        if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
-            logits = logits.transpose(0, 1)
-        _, lp = vocab_parallel_entropy_and_logprobs(
-            logits[:, :-1], input_ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+        _, lp = _token_logprobs(
+            logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size, cp
         )
         if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
             loss = lp.sum() * 0.0
             if on_sum is not None:
                 on_sum("loss_sum", loss)
             return loss, {}
-        lp = align_to_tokens(lp)[:n].float() * attended
-        out = loss_fn(fit_width(lp, lp.shape[1] if width is None else width), rows)
+        w = lp.shape[1] if width is None else width
+        if pack is None:
+            lp = fit_width(lp[:n].float() * attended, w)
+        else:
+            lp = pack.unpack(lp[0].float(), w)
+        out = loss_fn(lp, rows)
         loss, metrics = (
             (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)
         )
@@ -187,7 +211,7 @@ def train_loss_func(
             for k, v in metrics.items():
                 on_sum(k, v)
         # A new tensor: the schedule divides what it gets IN PLACE by num_microbatches.
-        return loss * normalizer.loss_scale, {}
+        return loss * (normalizer.loss_scale * cp_scale), {}
 
     return loss_func
 

@@ -55,7 +55,7 @@ def dry_run(cfg: Any) -> int:
     """Print the plan's table and write ``output_dir/dry_run.json``; 0 when it fits, 1 when not
     (ConfigError when the layout cannot run at all).
     """
-    from nemo_d3s.trainer.rundir import check_output_dir
+    from nemo_d3s.trainer.run_start import check_output_dir
 
     out = check_output_dir(str(cfg.output_dir))
     report = plan(cfg)

@@ -15,14 +15,17 @@ P = the position's parameters (padded vocabulary included), N = the model's, d =
   (:func:`physical_gpu_bytes`) while generating, its KV cache what weights and profiled
   activations leave; vllm_asleep = what level-2 sleep keeps (all with ``rollout.sleep=false``);
   refit = staging buffer, gathered bucket and the engine's copy.
-
+- context parallelism: each GPU holds 1 / CP of a micro-batch's tokens (activations and
+  logits / CP), the optimizer shards over DP x CP, one more communicator; a position that
+  fits not even one row with SP and recompute is reported (``context_parallel_needed``).
 - nvls :func:`nvls_bytes`: NVLink SHARP's buffers per communicator with 2+ ranks on a node
   (NCCL ``src/transport/nvls.cc`` ``ncclNvlsBufferSetup``), unless ``NCCL_NVLS_ENABLE=0``.
 - vllm also counts the context and TP communicator its worker makes before measuring the GPU
   (``backends/vllm/memory.awake_engine_bytes``).
 
 Peaks (resident = weights + grads + optimizer + reference + hf_replica + cuda_context + nccl
-+ nvls): training = resident + activations + logits + fragmentation + vllm_asleep;
++ nvls): training = resident + activations + logits + fragmentation (+ moe_dispatch:
+``dry_run/moe.py``) + vllm_asleep;
 generation = resident + hf_kv_cache or vllm (the trainer empties its cache before an engine
 wakes); refit = resident + vllm_asleep + refit + vLLM weights. The largest is compared with
 ``trainer.gpu_memory_gb`` (decimal GB).
@@ -74,7 +77,7 @@ RESIDENT = (
     "nccl",
     "nvls",
 )
-TRAINING = ("activations", "logits", "fragmentation")
+TRAINING = ("activations", "logits", "fragmentation", "moe_dispatch")
 GENERATION = ("hf_kv_cache", "vllm")
 CUDA_CONTEXT_BYTES = int(0.6 * GB)  # CUDA context + cuBLAS / cuDNN workspaces (assumed)
 NCCL_BUFFSIZE = 4 * 2**20  # NCCL's default NCCL_BUFFSIZE (NCCL user guide, environment variables)
@@ -117,17 +120,21 @@ class Workload:
     micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0: micro_batch rows)
     logprob_micro_batch_tokens: int = 0  # the scoring pass's budget (resolved)
     vpp: int = 1  # model.params.virtual_pipeline_model_parallel_size (interleaved 1F1B)
+    cp: int = 1  # model.params.context_parallel_size: each rank holds 1 / CP of the tokens
 
     @property
     def train_tokens(self) -> int:
-        """Most tokens one training micro-batch feeds (``dry_run.sequence``)."""
-        return tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+        """Most tokens one training micro-batch feeds one GPU (``dry_run.sequence``; its CP
+        share)."""
+        t = tokens_per_micro_batch(self.micro_batch, self.seq_len, self.micro_batch_tokens)
+        return -(-t // self.cp)
 
     @property
     def score_tokens(self) -> int:
-        return tokens_per_micro_batch(
+        t = tokens_per_micro_batch(
             self.logprob_micro_batch, self.seq_len, self.logprob_micro_batch_tokens
         )
+        return -(-t // self.cp)
 
 
 def physical_gpu_bytes(gpu_memory_gb: float) -> int:
@@ -139,41 +146,56 @@ def physical_gpu_bytes(gpu_memory_gb: float) -> int:
     return mib * 2**20 if mib is not None else int(float(gpu_memory_gb) * GB)
 
 
-def nccl_communicators(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> Dict[str, int]:
+def nccl_communicators(
+    *, tp: int, pp: int, dp: int, tied_embeddings: bool, cp: int = 1
+) -> Dict[str, int]:
     """{group: 1} for each NCCL communicator of more than one rank a trainer rank uses: world, DP,
-    DP-with-CP (the distributed optimizer's), TP, PP and the tied-embedding group.
+    DP-with-CP (the distributed optimizer's), TP, PP, CP and the tied-embedding group.
     """
-    used = {"world": tp * pp * dp > 1, "dp": dp > 1, "dp_with_cp": dp > 1, "tp": tp > 1}
-    used.update(pp=pp > 1, embedding=pp > 1 and tied_embeddings)
+    used = {"world": tp * pp * dp * cp > 1, "dp": dp > 1, "dp_with_cp": dp * cp > 1}
+    used.update(tp=tp > 1, pp=pp > 1, cp=cp > 1, embedding=pp > 1 and tied_embeddings)
     return {k: 1 for k, v in used.items() if v}
 
 
-def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool) -> int:
+def nccl_bytes(*, tp: int, pp: int, dp: int, tied_embeddings: bool, cp: int = 1) -> int:
     """GPU memory of the trainer rank's NCCL communicators: two receive buffers (ring, tree) of
     ``NCCL_BUFFSIZE`` per channel over ``NCCL_CHANNELS`` channels: 256 MiB per communicator.
     """
-    n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings))
+    n = len(nccl_communicators(tp=tp, pp=pp, dp=dp, tied_embeddings=tied_embeddings, cp=cp))
     return n * 2 * NCCL_CHANNELS * NCCL_BUFFSIZE
 
 
 def node_ranks_of_groups(
-    *, tp: int, pp: int, dp: int, dp_stride: int, pp_stride: int, gpus_per_node: int
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    dp_stride: int,
+    pp_stride: int,
+    gpus_per_node: int,
+    cp: int = 1,
 ) -> Dict[str, int]:
     """How many ranks of each of rank 0's communicators share its node (every node is laid
     out alike): a group of n ranks ``stride`` apart has min(n, ceil(G / stride)) on a node
-    of G GPUs; the embedding group is the first and last stage."""
+    of G GPUs (CP's stride is TP in both of Megatron's orders); the embedding group is the
+    first and last stage."""
     g = int(gpus_per_node)
 
     def on_node(n: int, stride: int) -> int:
         return min(n, -(-g // stride))
 
     dp_local = on_node(dp, dp_stride)
+    # DP x CP: the ranks tp c + dp_stride d (c < CP, d < DP; dp_stride >= tp CP) below G
+    dp_cp_local = sum(
+        min(cp, -(-(g - d * dp_stride) // tp)) for d in range(dp) if d * dp_stride < g
+    )
     return {
-        "world": min(tp * pp * dp, g),
+        "world": min(tp * pp * dp * cp, g),
         "dp": dp_local,
-        "dp_with_cp": dp_local,
+        "dp_with_cp": dp_cp_local,
         "tp": on_node(tp, 1),
         "pp": on_node(pp, pp_stride),
+        "cp": on_node(cp, tp),
         "embedding": 2 if pp > 1 and (pp - 1) * pp_stride < g else 1,
     }
 

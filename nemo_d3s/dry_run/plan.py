@@ -1,18 +1,15 @@
-"""The dry run's plan: the run config -> the layout (through
-``trainer.build.checked_backend_config``, so the backend's refusals apply) -> each GPU's memory
-terms (``memory.py``) -> a verdict, as a JSON-able dict. Cross-checks: each position's
-parameters from the weight table against megatron-core's meta-device build
-(``backends/megatron/param_counts.py``), their sum against the HF model's, and Megatron-LM's
-theoretical memory reported beside the model.
+"""The dry run's plan: run config -> layout (``trainer.build.checked_backend_config``, so the
+backend's refusals apply) -> each GPU's memory terms (``memory.py``) -> a verdict, as a
+JSON-able dict. Cross-checks: each position's parameters from the weight table against
+megatron-core's meta-device build (``param_counts.py``) and their sum against the HF model's;
+Megatron-LM's theoretical memory reported beside.
 """
 
 from __future__ import annotations
 
-import logging
-import os
+from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
-from nemo_d3s.core.checks import is_real
 from nemo_d3s.backends.megatron.param_counts import (
     local_param_count,
     real_param_count,
@@ -21,7 +18,6 @@ from nemo_d3s.backends.megatron.param_counts import (
 from nemo_d3s.backends.megatron.parallel import (
     DEFAULT_ORDER,
     first_ranks_of_model_copies,
-    rank_order,
 )
 from nemo_d3s.backends.vllm.memory import (
     awake_engine_bytes,
@@ -29,6 +25,7 @@ from nemo_d3s.backends.vllm.memory import (
     engine_positions,
     generation_idle,
     refit_bytes,
+    separate_plan,
     sleeping_engine_bytes,
 )
 from nemo_d3s.dry_run.memory import (
@@ -50,74 +47,31 @@ from nemo_d3s.dry_run.memory import (
     physical_gpu_bytes,
     vllm_activation_bytes,
 )
+from nemo_d3s.dry_run.moe import (
+    activation_spec,
+    dispatch_bytes,
+    expert_dp,
+    expert_params,
+    moe_summary,
+)
+from nemo_d3s.dry_run.overlap import step_model
 from nemo_d3s.dry_run.report import report
 from nemo_d3s.dry_run.sequence import context_parallel_need, micro_batches_per_step
-from nemo_d3s.dry_run.shape import JobShape, Setup, job_shape, model_folder
+from nemo_d3s.dry_run.shape import JobShape, Setup, checked_setup, job_shape
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import Layout
 
 __all__ = ["plan"]
 
 
-# ----------------------------------------------------------------------------- the layout
-def _setup(cfg: Any, shape: JobShape) -> Setup:
-    """Validate the run config, translate it to the backend's config (the trainer's own
-    path) and check every divisibility rule of the layout on the job's world size."""
-    from nemo_d3s.config import validate, validate_layout
-    from nemo_d3s.trainer.build import checked_backend_config
-
-    validate(cfg)
-    logging.getLogger("megatron").setLevel(
-        logging.WARNING
-    )  # its import-time notices are not the plan
-    if str(cfg.model.backend) != "megatron":
-        raise ConfigError(
-            f"model.backend={cfg.model.backend!r}: trainer.dry_run plans Megatron layouts; use "
-            "model=megatron (slurm/README.md says which models fit the HF backend)"
-        )
-    gpu_gb = cfg.trainer.gpu_memory_gb
-    if not (is_real(gpu_gb) and gpu_gb > 0):
-        raise ConfigError(f"trainer.gpu_memory_gb={gpu_gb!r}: must be > 0 (GB of one GPU)")
-    mcfg = checked_backend_config(cfg)
-    folder = model_folder(str(cfg.model.name))
-    spec = ModelSpec.from_folder(folder)
-    tp, pp = int(mcfg.tensor_model_parallel_size), int(mcfg.pipeline_model_parallel_size)
-    vpp = int(mcfg.virtual_pipeline_model_parallel_size or 1)
-    try:
-        dp = check_layout(spec, tp=tp, pp=pp, world=shape.world, vpp=vpp)
-    except ConfigError as e:
-        raise ConfigError(
-            f"{e} (world = {shape.source}; set NNODES and GPUS_PER_NODE, or trainer.nodes "
-            "and trainer.gpus_per_node, to the job's shape)"
-        ) from None
-    validate_layout(cfg, dp)
-    return Setup(
-        cfg=cfg,
-        mcfg=mcfg,
-        spec=spec,
-        folder=folder,
-        shape=shape,
-        gpu=float(gpu_gb) * GB,
-        tp=tp,
-        pp=pp,
-        dp=dp,
-        order=rank_order(bool(mcfg.use_tp_pp_dp_mapping)),
-        vocab=padded_vocab_size(spec.vocab_size, tp, int(mcfg.make_vocab_size_divisible_by)),
-        engine=str(cfg.rollout.engine),
-        vllm_tp=int(cfg.rollout.tensor_parallel_size),
-        nvls=os.environ.get("NCCL_NVLS_ENABLE", "").strip() != "0",
-    )
-
-
-def _dtype_bytes(dtype: str) -> int:
-    # The plan is for CUDA, where "auto" is bfloat16 (MegatronBackend).
-    return {"auto": 2, "bfloat16": 2, "float32": 4}[dtype]
+# The plan is for CUDA, where "auto" is bfloat16 (MegatronBackend).
+_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}
 
 
 def _workload(s: Setup) -> Workload:
     """What one training step asks of a GPU (one engine per DP rank)."""
-    cfg, spec, mcfg, dp, engines = s.cfg, s.spec, s.mcfg, s.dp, s.dp
+    cfg, spec, mcfg, dp = s.cfg, s.spec, s.mcfg, s.dp
+    engines = s.generation_gpus // s.vllm_tp if s.generation_gpus else dp
     t = cfg.trainer
     ctx = int(spec.max_position_embeddings)
     vllm = str(cfg.rollout.engine) == "vllm"
@@ -162,12 +116,13 @@ def _workload(s: Setup) -> Workload:
         ),
         rows_per_engine=-(-rows // engines),
         recompute=bool(mcfg.gradient_checkpointing),
-        dtype_bytes=_dtype_bytes(str(mcfg.dtype)),
+        dtype_bytes=_DTYPE_BYTES[str(mcfg.dtype)],
         chunk=int(mcfg.entropy_chunk_size),
         sequence_parallel=bool(mcfg.sequence_parallel) and s.tp > 1,
         micro_batch_tokens=budget,
         logprob_micro_batch_tokens=lp_budget,
         vpp=int(mcfg.virtual_pipeline_model_parallel_size or 1),
+        cp=s.cp,
     )
 
 
@@ -203,6 +158,10 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
             f"rollout.tensor_parallel_size={s.vllm_tp}: exceeds the "
             f"{s.shape.gpus_per_node} GPUs of a node (the in-process engine spans one node)"
         )
+    if s.generation_gpus:  # engines on GPUs of their own: none on a training GPU
+        return separate_plan(
+            s.generation_gpus, gpus_per_node=s.shape.gpus_per_node, tensor_parallel_size=s.vllm_tp
+        )
     return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
 
 
@@ -216,7 +175,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         str(cfg.rollout.dtype)
     ]
     weights = v_dtype * spec.num_params / vllm_tp
-    act = vllm_activation_bytes(spec, vllm_tp, v_dtype)
+    act = vllm_activation_bytes(activation_spec(spec), vllm_tp, v_dtype)
     kv = gmu * gpu - weights - act
     per_tok = kv_bytes_per_token(spec, vllm_tp, v_dtype)
     tokens = max(0, int(kv // per_tok))
@@ -234,7 +193,8 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         "longest_rollout": w.gen_len,
         "full_sequences": tokens // w.gen_len,
         "rows_per_engine_step": w.rows_per_engine,
-        "sleep": bool(cfg.rollout.sleep),
+        # generating while the policy trains (max_staleness > 0), the engine never sleeps
+        "sleep": bool(cfg.rollout.sleep) and not int(cfg.rollout.max_staleness),
         **placement,
     }
     graphs = cfg.rollout.enforce_eager is not True  # null: CUDA graphs on a GPU
@@ -250,7 +210,9 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             largest_tensor_bytes=largest,
             bucket_bytes=int(float(cfg.rollout.refit_bucket_mb) * 2**20),
         ),
-        engine_positions=[
+        engine_positions=[]
+        if s.generation_gpus
+        else [
             list(x)
             for x in engine_positions(
                 s.tp,
@@ -261,7 +223,9 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
         ],
     )
     terms.update(
-        generation_idle(
+        {}
+        if s.generation_gpus  # the step model says what the training GPUs wait for
+        else generation_idle(
             gpus_total=s.shape.nodes * s.shape.gpus_per_node,
             gpus_with_engine=int(placement["gpus_with_engine"]),
             copy_gpus=s.tp * s.pp,
@@ -283,6 +247,12 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             f"max_model_len={terms['max_model_len']} (vLLM refuses to start; set "
             "rollout.max_model_len to the longest rollout)"
         )
+    if s.generation_gpus and terms["awake_bytes"] > s.gpu:  # an engine GPU apart holds it alone
+        problems.append(
+            f"vLLM: an engine GPU apart needs {terms['awake_bytes'] / GB:.1f} GB awake "
+            f"(rollout.gpu_memory_utilization={gmu} + context + TP communicator) > "
+            f"trainer.gpu_memory_gb={s.gpu / GB:g}"
+        )
     return terms, problems
 
 
@@ -293,7 +263,7 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
     if (
         s.mcfg.distributed_optimizer is not False
     ):  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
-        return True, 4, (12 if d < 4 else 8) / s.dp
+        return True, 4, (12 if d < 4 else 8) / (s.dp * s.cp)  # sharded over DP x CP
     # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
     # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
     return False, d, (12 if d < 4 else 8)
@@ -302,20 +272,25 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
 def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
     """The memory terms, peaks and verdict of the GPU at (TP rank t, PP stage p)."""
     spec, d = s.spec, w.dtype_bytes
-    _, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
+    distributed, grad_per_param, opt_per_param = _optimizer_bytes(s, w)
     layout = Layout(tp=s.tp, pp=s.pp, tp_rank=t, pp_rank=p, padded_vocab=s.vocab, te=False)
-    n = local_param_count(spec, layout)
+    layout = replace(layout, ep=s.ep, etp=s.etp)  # (every EP / ETP rank holds as many)
+    n, n_expert = local_param_count(spec, layout), expert_params(s, layout)
+    # the distributed optimizer shards expert state over the expert-DP group, not DP
+    expert_opt = opt_per_param * n_expert * (s.dp / expert_dp(s) if distributed else 1)
     terms: Dict[str, float] = {
         "weights": d * n,
         "grads": grad_per_param * n,
-        "optimizer": opt_per_param * n,
+        "optimizer": opt_per_param * (n - n_expert) + expert_opt,
     }
     if float(s.cfg.algorithm.kl_coef) > 0:
         terms["reference"] = d * n
     if s.engine == "hf" and t == 0 and p == 0:
         terms["hf_replica"] = d * spec.num_params
-    act, in_flight = activation_bytes(spec, w, tp=s.tp, pp=s.pp, stage=p)
+    act, in_flight = activation_bytes(activation_spec(spec), w, tp=s.tp, pp=s.pp, stage=p)
     terms["activations"] = act
+    if spec.num_experts:
+        terms["moe_dispatch"] = dispatch_bytes(spec, w, tp=s.tp, pp=s.pp)
     logit_note = None
     if p == s.pp - 1:
         terms["logits"], logit_note = logits_bytes(s.vocab, w, tp=s.tp)
@@ -334,18 +309,20 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         terms["refit"] = sum(rb.values()) - rb["engine_weights"]
     terms["cuda_context"] = CUDA_CONTEXT_BYTES
     terms["nccl"] = nccl_bytes(
-        tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+        tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, tied_embeddings=bool(spec.tie_word_embeddings)
     )
     if s.nvls:
         used = nccl_communicators(
-            tp=s.tp, pp=s.pp, dp=s.dp, tied_embeddings=bool(spec.tie_word_embeddings)
+            tp=s.tp, pp=s.pp, dp=s.dp, cp=s.cp, tied_embeddings=bool(spec.tie_word_embeddings)
         )
+        tc = s.tp * s.cp  # Megatron's orders tp-cp-dp-pp and tp-cp-pp-dp
         node = node_ranks_of_groups(
             tp=s.tp,
             pp=s.pp,
             dp=s.dp,
-            dp_stride=s.tp if s.order == DEFAULT_ORDER else s.tp * s.pp,
-            pp_stride=s.tp * s.dp if s.order == DEFAULT_ORDER else s.tp,
+            cp=s.cp,
+            dp_stride=tc if s.order == DEFAULT_ORDER else tc * s.pp,
+            pp_stride=tc * s.dp if s.order == DEFAULT_ORDER else tc,
             gpus_per_node=s.shape.gpus_per_node,
         )
         terms["nvls"] = nvls_bytes({k: v for k, v in node.items() if k in used})
@@ -366,7 +343,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     counted = {k: v for k, v in terms.items() if k not in ("cuda_context", "nccl", "nvls")}
     cp_need = context_parallel_need(
         resident,
-        minimal_training_bytes(spec, w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
+        minimal_training_bytes(activation_spec(spec), w, s.vocab, tp=s.tp, pp=s.pp, stage=p),
         s.gpu,
         seq_len=w.seq_len,
         position=f"(TP {t}, PP {p})",
@@ -376,6 +353,8 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
         "pp_rank": p,
         "params": n,
         "real_params": real_param_count(spec, layout),
+        "expert_params": n_expert,
+        "expert_optimizer_bytes": int(expert_opt),
         "layers": spec.num_layers // s.pp,
         "in_flight_micro_batches": in_flight,
         "terms_bytes": {k: int(v) for k, v in terms.items()},
@@ -408,7 +387,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
 # ----------------------------------------------------------------------------- the plan
 def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     """The dry run's report (a JSON-able dict); ConfigError when the layout cannot run."""
-    s = _setup(
+    s = checked_setup(
         cfg, shape or job_shape(nodes=cfg.trainer.nodes, gpus_per_node=cfg.trainer.gpus_per_node)
     )
     placement = _check_vllm_layout(s)
@@ -416,4 +395,17 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
     vllm_terms, problems = _vllm(s, w, placement) if placement is not None else ({}, [])
     positions = [_position(s, w, t, p, vllm_terms) for t, p in stage_positions(s.tp, s.pp)]
     distributed_opt, _, _ = _optimizer_bytes(s, w)
-    return report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    out = report(s, w, positions, vllm_terms, problems, distributed_opt=distributed_opt)
+    if s.spec.num_experts:
+        out["moe"] = moe_summary(s, positions, distributed_opt)
+    if vllm_terms:
+        out["step_model"] = step_model(
+            s.cfg,
+            world=s.shape.world,
+            dp=s.dp,
+            v=vllm_terms,
+            params=s.spec.num_params,
+            seq_len=w.seq_len,
+            recompute=w.recompute,
+        )
+    return out

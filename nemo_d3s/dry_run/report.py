@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-from nemo_d3s.backends.megatron.param_counts import meta_param_counts
+from nemo_d3s.backends.megatron.param_counts import expert_real_param_count, meta_param_counts
+from nemo_d3s.formats.weights import Layout
 from nemo_d3s.backends.megatron.parallel import DEFAULT_ORDER
 from nemo_d3s.dry_run.memory import (
     ASSUMPTIONS,
@@ -25,13 +26,24 @@ def _cross_checks(s: Setup, positions: List[Dict[str, Any]]) -> Tuple[int, Dict[
     """(the positions' real parameters, which must sum to the HF model's; megatron-core's
     meta-device build, whose counts must be the table's). RuntimeError when either fails."""
     shards_sum = sum(x["real_params"] for x in positions)
+    if s.spec.num_experts:  # the experts, counted once over their EP x ETP x PP grid
+        grid = Layout(tp=s.tp, pp=s.pp, padded_vocab=s.vocab, ep=s.ep, etp=s.etp)
+        shards_sum += expert_real_param_count(s.spec, grid)
     if shards_sum != s.spec.num_params:
         raise RuntimeError(
             f"the per-position shards sum to {shards_sum} parameters, the model has "
             f"{s.spec.num_params}"
         )
+    # (CP replicates each position's parameters: the world without it builds the same ones)
     meta = meta_param_counts(
-        s.spec, tp=s.tp, pp=s.pp, world=s.shape.world, padded_vocab=s.vocab, order=s.order
+        s.spec,
+        tp=s.tp,
+        pp=s.pp,
+        world=s.shape.world // s.cp,
+        padded_vocab=s.vocab,
+        order=s.order,
+        ep=s.ep,
+        etp=s.etp,
     )
     for key, n in meta.get("counts", {}).items():
         t, p = (int(x) for x in key.split(","))
@@ -157,6 +169,7 @@ def report(
             "tp": s.tp,
             "pp": s.pp,
             "dp": s.dp,
+            "cp": s.cp,
             "rank_order": s.order,
             "optimizer": "distributed" if distributed_opt else "plain AdamW",
             "rollout_engine": s.engine,
@@ -198,6 +211,7 @@ _COLUMNS = (
     "nccl",
     "nvls",
     "fragmentation",
+    "moe_dispatch",
     "vllm",
     "vllm_asleep",
     "refit",
@@ -218,7 +232,9 @@ def render(report: Dict[str, Any]) -> str:
     lines = [
         f"dry run: {m['architecture']} {_count(m['total_params'])} params ({m['folder']})",
         f"layout: {lay['nodes']} node(s) x {lay['gpus_per_node']} GPUs = {lay['world']} "
-        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}{order_text}; "
+        f"({lay['world_from']}); TP {lay['tp']} x PP {lay['pp']}"
+        + (f" x CP {lay['cp']}" if lay.get("cp", 1) > 1 else "")
+        + f" x DP {lay['dp']}{order_text}; "
         f"rollout={lay['rollout_engine']}"
         + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
     ]
@@ -278,6 +294,18 @@ def render(report: Dict[str, Any]) -> str:
                 f"{v['idle_gpu_seconds_per_step_min']:,.0f} "
                 f"(decode floor {v['generation_floor_s']:.0f} s)"
             )
+    sm = report.get("step_model")
+    if sm:
+        lines.append(
+            "step, floor model (dry_run/overlap.py: decode at HBM bandwidth, training at peak "
+            f"FLOP/s, kept rollouts {sm['kept_sample_share']:.0%} at full length):"
+        )
+        for x in sm["layouts"]:
+            lines.append(
+                f"  {x['layout']}: {x['gpus']} GPUs, generate {x['generation_s']:,.1f} s, "
+                f"train {x['training_s']:,.1f} s, step {x['step_s']:,.1f} s = "
+                f"{x['gpu_seconds']:,.0f} GPU-s"
+            )
     meta = report["checks"]["meta_build"]
     if "counts" in meta:
         built = ", ".join("(TP {}, PP {})".format(*k.split(",")) for k in meta["built"])
@@ -290,6 +318,16 @@ def render(report: Dict[str, Any]) -> str:
         lines.append(
             f"checks: meta-device build skipped ({meta['skipped']}); shards sum to "
             f"{report['checks']['shards_sum_params']:,} = the HF model's count"
+        )
+    moe = report.get("moe")
+    if moe:
+        lines.append(
+            f"MoE: {moe['experts']} experts (top-{moe['topk']}), EP {moe['ep']} x ETP "
+            f"{moe['etp']}, expert DP {moe['expert_dp']}, {moe['dispatcher']} dispatcher; "
+            f"{_count(moe['total_params'])} total / {_count(moe['active_params'])} active "
+            f"params; per GPU {_count(moe['expert_params_per_gpu'])} expert params, expert "
+            f"optimizer state {moe['expert_optimizer_bytes_per_gpu'] / GB:.1f} GB, dispatcher "
+            f"buffers {moe['dispatch_buffer_bytes'] / GB:.2f} GB"
         )
     wk = report["worst"]
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"

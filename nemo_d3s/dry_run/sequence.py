@@ -1,7 +1,7 @@
 """The dry run's sequence-length terms: tokens per micro-batch, micro-batches per step (which
 cap 1F1B's in-flight count), interleaved 1F1B's extra activations, sequence parallelism's
-share of the replicated activations, and when only context parallelism (which megatron-core
-runs only with Transformer Engine's attention) would make a layout fit.
+share of the replicated activations, and when only (more) context parallelism would make a
+layout fit.
 """
 
 from __future__ import annotations
@@ -9,15 +9,12 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 __all__ = [
-    "CONTEXT_PARALLEL_REFUSAL",
     "context_parallel_need",
     "interleaving_factor",
     "micro_batches_per_step",
     "replicated_share",
     "tokens_per_micro_batch",
 ]
-
-from nemo_d3s.backends.megatron.config import CONTEXT_PARALLEL_REFUSAL
 
 
 def tokens_per_micro_batch(rows: int, seq_len: int, budget: int = 0) -> int:
@@ -68,8 +65,8 @@ def context_parallel_need(
         "minimal_training_peak_bytes": int(need),
         "message": (
             f"{position}: even one row of {seq_len} tokens per micro-batch with sequence "
-            f"parallelism and full recompute needs {need / 1e9:.1f} GB; only context "
-            f"parallelism would split it further, and {CONTEXT_PARALLEL_REFUSAL}, or "
-            "shorten the sequences"
+            f"parallelism and full recompute needs {need / 1e9:.1f} GB; split the sequences "
+            "over more GPUs with model.params.context_parallel_size (each then holds 1 / CP "
+            "of a row), or shorten them"
         ),
     }

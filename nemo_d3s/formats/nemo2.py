@@ -109,7 +109,7 @@ class Nemo2Reader(ShardedReader):
             )
         return dtypes.pop()
 
-    def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
+    def _tensor(self, layout: Layout, key: str) -> torch.Tensor:
         fqn, layer = self.fqn(key)
         if fqn not in self.index.tensors:
             raise ConfigError(f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r}")

@@ -1,11 +1,13 @@
-"""The Megatron backend's sharded checkpoint files, loadable at any TP x PP through the weight
-table; files only (which rank writes what is the backend's). ``<step dir>/megatron/`` holds
-``layout.json`` ({"format": 1, "tp", "pp", "padded_vocab", "te", "spec"}) and
+"""The Megatron backend's sharded checkpoint files, loadable at any TP x PP (x EP) through the
+weight table; files only (which rank writes what is the backend's). ``<step dir>/megatron/``
+holds ``layout.json`` ({"format": 1, "tp", "pp", "padded_vocab", "te", "ep", "etp", "spec"}),
 ``tp{t:02d}_pp{p:02d}.safetensors``: the stage's parameters under Megatron's local names,
 "optim.exp_avg.", "optim.exp_avg_sq." (fp32, gathered over DP), "optim.main." and "ref."
-families, optimizer / scheduler steps as metadata. safetensors, not ``dist_checkpointing``,
-because that reads back with pickle. Moments have their parameter's shape, so model and
-optimizer state reshard alike (``weights.local_parts`` / ``weights.assemble_hf``).
+families, optimizer / scheduler steps as metadata; and, for a mixture of experts,
+``ep{e:02d}_etp{t:02d}_pp{p:02d}.safetensors``: the expert parameters (``moe.is_expert_param``)
+of that expert position, the same families. safetensors, not ``dist_checkpointing``, because
+that reads back with pickle. Moments have their parameter's shape, so model and optimizer
+state reshard alike (``weights.local_parts`` / ``weights.assemble_hf``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 from dataclasses import MISSING, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,6 +24,7 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.formats.weights import (
     Layout,
     assemble_hf,
@@ -29,12 +32,16 @@ from nemo_d3s.formats.weights import (
     local_parts,
     local_shape,
     read_local,
+    split_size,
 )
 
 __all__ = [
     "FORMAT",
     "SUBDIR",
     "shard_file",
+    "expert_shard_file",
+    "file_of",
+    "shard_plan",
     "write_layout",
     "read_layout",
     "ShardedReader",
@@ -57,8 +64,39 @@ def shard_file(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
 
 
+def expert_shard_file(ep_rank: int, etp_rank: int, pp_rank: int) -> str:
+    """The file name of the experts of the (ep_rank, etp_rank, pp_rank) expert position."""
+    return f"ep{ep_rank:02d}_etp{etp_rank:02d}_pp{pp_rank:02d}.safetensors"
+
+
+def file_of(name: str, layout: Layout) -> str:
+    """The shard file holding local tensor ``name`` (any family prefix) of ``layout``'s rank."""
+    if is_expert_param(name):
+        return expert_shard_file(layout.ep_rank, layout.etp_rank, layout.pp_rank)
+    return shard_file(layout.tp_rank, layout.pp_rank)
+
+
+def shard_plan(spec: ModelSpec, layout: Layout) -> List[Tuple[str, Layout, List[str]]]:
+    """Every file of a checkpoint at ``layout``'s sizes: (file name, the layout of its
+    position, the local parameter names it holds), dense files per (TP, PP) and, for a
+    mixture of experts, expert files per (EP, ETP, PP)."""
+    plan = []
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            lay = layout.at(t, p, ep_rank=0, etp_rank=0)
+            names = [n for n in local_names(spec, lay) if not is_expert_param(n)]
+            plan.append((shard_file(t, p), lay, names))
+        for e in range(layout.ep if spec.num_experts else 0):
+            for t in range(layout.etp):
+                lay = layout.at(0, p, ep_rank=e, etp_rank=t)
+                names = [n for n in local_names(spec, lay) if is_expert_param(n)]
+                plan.append((expert_shard_file(e, t, p), lay, names))
+    return plan
+
+
 def write_layout(folder: Path, spec: ModelSpec, layout: Layout) -> None:
-    """Write ``folder``'s layout.json: format, TP, PP, padded vocabulary, TE names, the spec."""
+    """Write ``folder``'s layout.json: format, TP, PP, padded vocabulary, TE names, EP and
+    ETP, the spec."""
     (folder / LAYOUT_FILE).write_text(
         json.dumps(
             {
@@ -67,6 +105,8 @@ def write_layout(folder: Path, spec: ModelSpec, layout: Layout) -> None:
                 "pp": layout.pp,
                 "padded_vocab": layout.padded_vocab,
                 "te": layout.te,
+                "ep": layout.ep,
+                "etp": layout.etp,
                 "spec": spec.to_dict(),
             },
             indent=1,
@@ -84,6 +124,7 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
         if raw.get("format") != FORMAT:
             raise ValueError(f"format {raw.get('format')!r} (this version reads {FORMAT})")
         tp, pp, pv = int(raw["tp"]), int(raw["pp"]), int(raw["padded_vocab"])
+        ep, etp = int(raw.get("ep", 1)), int(raw.get("etp", 1))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(
             f"{str(path)!r}: not a nemo_d3s Megatron checkpoint layout ({e})"
@@ -99,7 +140,7 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
             f"{str(path)!r} is a checkpoint of another model: {k}={got[k]!r} there, "
             f"{mine[k]!r} here"
         )
-    return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)))
+    return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)), ep=ep, etp=etp)
 
 
 def open_shard(
@@ -107,11 +148,13 @@ def open_shard(
     layout: Layout,
     entries: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]],
     metadata: Dict[str, str],
+    file: Optional[str] = None,
 ) -> StreamingSafetensors:
-    """The (tp, pp) shard file of ``layout`` in ``folder``, written tensor by tensor: its
-    header from ``entries`` (name, shape, dtype), each tensor as it comes (``write``)."""
+    """Shard file ``file`` (default: the (tp, pp) one of ``layout``) in ``folder``, written
+    tensor by tensor: its header from ``entries`` (name, shape, dtype), each tensor as it comes
+    (``write``)."""
     return StreamingSafetensors(
-        folder / shard_file(layout.tp_rank, layout.pp_rank), entries, metadata
+        folder / (file or shard_file(layout.tp_rank, layout.pp_rank)), entries, metadata
     )
 
 
@@ -123,28 +166,31 @@ class ShardedReader:
 
     def __init__(self, folder: Path, spec: ModelSpec, saved: Layout, prefix: str = "") -> None:
         self.folder, self.spec, self.saved, self.prefix = folder, spec, saved, prefix
-        self._where: Dict[str, Tuple[int, str]] = {}
+        self._where: Dict[str, Tuple[int, int, str]] = {}
         for stage in range(saved.pp):
-            st = saved.at(0, stage)
-            for local in local_names(spec, st):
-                if local == "output_layer.weight" and spec.tie_word_embeddings:
-                    continue
-                for part in local_parts(local, spec, st)[1]:
-                    if part.hf_name is not None:
-                        self._where.setdefault(part.hf_name, (stage, local))
+            for e in range(saved.ep if spec.num_experts else 1):
+                st = saved.at(0, stage, ep_rank=e, etp_rank=0)
+                for local in local_names(spec, st):
+                    if local == "output_layer.weight" and spec.tie_word_embeddings:
+                        continue
+                    if e and not is_expert_param(local):
+                        continue  # dense tensors: the same on every EP rank
+                    for part in local_parts(local, spec, st)[1]:
+                        if part.hf_name is not None:
+                            self._where.setdefault(part.hf_name, (stage, e, local))
         self._full = lru_cache(maxsize=1)(self._assemble)
 
-    def _tensor(self, tp_rank: int, stage: int, key: str) -> torch.Tensor:
-        return self._read(tp_rank, stage, key)[0]
+    def _tensor(self, layout: Layout, key: str) -> torch.Tensor:
+        return self._read(layout, key)[0]
 
     def _read(
-        self, tp_rank: int, stage: int, key: str, rows: Optional[Tuple[int, int]] = None
+        self, layout: Layout, key: str, rows: Optional[Tuple[int, int]] = None
     ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
-        """(tensor ``key`` of a saved shard, or only its dim-0 ``rows`` through safetensors'
-        lazy slice; its saved shape)."""
+        """(tensor ``key`` of ``layout``'s saved shard, dense or expert, or only its dim-0
+        ``rows`` through safetensors' lazy slice; its saved shape)."""
         from safetensors import safe_open
 
-        path = self.folder / shard_file(tp_rank, stage)
+        path = self.folder / file_of(key, layout)
         if not path.is_file():
             raise ConfigError(f"{str(path)!r} is missing from the checkpoint")
         with safe_open(str(path), framework="pt") as f:
@@ -154,24 +200,26 @@ class ShardedReader:
             shape = tuple(int(n) for n in part.get_shape())
             return (f.get_tensor(key) if rows is None else part[rows[0] : rows[1]]), shape
 
-    def _assemble(self, stage: int, local: str) -> Dict[str, torch.Tensor]:
-        st = self.saved.at(0, stage)
-        shards = [self._tensor(r, stage, self.prefix + local) for r in range(self.saved.tp)]
+    def _assemble(self, stage: int, ep_rank: int, local: str) -> Dict[str, torch.Tensor]:
+        st = self.saved.at(0, stage, ep_rank=ep_rank, etp_rank=0)
+        shards = [
+            self._tensor(st.split_rank(local, r), self.prefix + local)
+            for r in range(split_size(local, self.saved))
+        ]
         return assemble_hf(local, shards, self.spec, st)
 
     def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
-        stage, local = self._where[name]
-        return self._full(stage, local)[name].narrow(dim, lo, hi - lo)
+        return self._full(*self._where[name])[name].narrow(dim, lo, hi - lo)
 
     def same_layout_tensor(self, layout: Layout, key: str) -> torch.Tensor:
-        return self._tensor(layout.tp_rank, layout.pp_rank, key)
+        return self._tensor(layout, key)
 
     def same_layout_rows(
         self, layout: Layout, key: str, lo: int, hi: int
     ) -> Tuple[torch.Tensor, Tuple[int, ...]]:
         """Rows [lo, hi) (dim 0) of ``key`` in ``layout``'s own shard, and the saved shape:
         only those rows' bytes are read."""
-        return self._read(layout.tp_rank, layout.pp_rank, key, (lo, hi))
+        return self._read(layout, key, (lo, hi))
 
 
 def read_local_from_checkpoint(
@@ -179,10 +227,22 @@ def read_local_from_checkpoint(
 ) -> torch.Tensor:
     """Local tensor ``name`` of ``layout`` from the checkpoint: the saved shard itself when
     the layouts agree (bit-exact, padding rows included), else rebuilt through the table."""
-    s = reader.saved
-    if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
+    if _saved_as(name, reader.saved, layout):
         return reader.same_layout_tensor(layout, reader.prefix + name).to(dtype)
     return read_local(name, spec, layout, reader, dtype)
+
+
+def _saved_as(name: str, saved: Layout, layout: Layout) -> bool:
+    """Whether local tensor ``name`` of ``layout`` is stored as is in the ``saved`` layout's
+    files (same TP, PP, padded vocabulary, TE names; same EP and ETP for an expert)."""
+    s = saved
+    same = (s.tp, s.pp, s.padded_vocab, s.te) == (
+        layout.tp,
+        layout.pp,
+        layout.padded_vocab,
+        layout.te,
+    )
+    return same and (not is_expert_param(name) or (s.ep, s.etp) == (layout.ep, layout.etp))
 
 
 def read_range_from_checkpoint(
@@ -203,8 +263,7 @@ def read_range_from_checkpoint(
     for n in shape[1:]:
         row *= int(n)
     lo, hi = start // row, -(-end // row)
-    s = reader.saved
-    if (s.tp, s.pp, s.padded_vocab, s.te) == (layout.tp, layout.pp, layout.padded_vocab, layout.te):
+    if _saved_as(name, reader.saved, layout):
         rows, saved = reader.same_layout_rows(layout, reader.prefix + name, lo, hi)
     else:
         full = read_local(name, spec, layout, reader, dtype)
@@ -232,39 +291,37 @@ def check_shards(root: Path, spec: ModelSpec, saved: Layout) -> Optional[torch.d
     from safetensors import safe_open
 
     dtypes = set()
-    for p in range(saved.pp):
-        for t in range(saved.tp):
-            lay = saved.at(t, p)
-            path = root / shard_file(t, p)
-            if not path.is_file():
+    for fname, lay, names in shard_plan(spec, saved):
+        path = root / fname
+        if not path.is_file():
+            raise ConfigError(
+                f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x "
+                f"PP{saved.pp}" + (f" x EP{saved.ep} x ETP{saved.etp}" if saved.ep > 1 else "")
+            )
+        check_safetensors(path)  # truncated or garbled: one line naming the file
+        try:
+            f = safe_open(str(path), framework="pt")
+        except Exception as e:
+            raise ConfigError(f"{str(path)!r} is not a safetensors file ({e})") from None
+        keys = set(f.keys())
+        for name in names:
+            if name not in keys:
                 raise ConfigError(
-                    f"{str(path)!r} is missing: {root / LAYOUT_FILE} says TP{saved.tp} x "
-                    f"PP{saved.pp}"
+                    f"{str(path)!r} holds no tensor {name!r} (a checkpoint of another model or "
+                    "layer spec?)"
                 )
-            check_safetensors(path)  # truncated or garbled: one line naming the file
-            try:
-                f = safe_open(str(path), framework="pt")
-            except Exception as e:
-                raise ConfigError(f"{str(path)!r} is not a safetensors file ({e})") from None
-            keys = set(f.keys())
-            for name in local_names(spec, lay):
-                if name not in keys:
-                    raise ConfigError(
-                        f"{str(path)!r} holds no tensor {name!r} (a checkpoint of another model or "
-                        "layer spec?)"
-                    )
-                sl = f.get_slice(name)
-                got, want = tuple(sl.get_shape()), local_shape(name, spec, lay)
-                if got != want:
-                    raise ConfigError(
-                        f"{str(path)!r}: tensor {name!r} has shape {list(got)}, config.json gives "
-                        f"{list(want)} at TP{saved.tp} rank {t} (a checkpoint of another model?)"
-                    )
-                dt = sl.get_dtype()
-                if dt not in ST_DTYPES:
-                    raise ConfigError(
-                        f"{str(path)!r}: tensor {name!r} is {dt}; expected F32, BF16 or F16"
-                    )
-                dtypes.add(ST_DTYPES[dt])
-            del f
+            sl = f.get_slice(name)
+            got, want = tuple(sl.get_shape()), local_shape(name, spec, lay)
+            if got != want:
+                raise ConfigError(
+                    f"{str(path)!r}: tensor {name!r} has shape {list(got)}, config.json gives "
+                    f"{list(want)} in that layout (a checkpoint of another model?)"
+                )
+            dt = sl.get_dtype()
+            if dt not in ST_DTYPES:
+                raise ConfigError(
+                    f"{str(path)!r}: tensor {name!r} is {dt}; expected F32, BF16 or F16"
+                )
+            dtypes.add(ST_DTYPES[dt])
+        del f
     return dtypes.pop() if len(dtypes) == 1 else None

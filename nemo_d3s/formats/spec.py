@@ -15,12 +15,14 @@ from typing import Any, Dict, Optional
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
+from nemo_d3s.formats.moe import moe_fields
 from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
 
 __all__ = [
     "ModelSpec",
     "SUPPORTED_ARCHITECTURES",
     "QK_NORM_ARCHITECTURES",
+    "check_expert_layout",
     "check_layout",
     "padded_vocab_size",
     "read_hf_config",
@@ -32,10 +34,12 @@ SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
     "Qwen3ForCausalLM": False,
+    "Qwen3MoeForCausalLM": False,
+    "MixtralForCausalLM": False,
 }
 # architectures whose attention normalises every query and key head (RMS norm over
 # head_dim, one weight per width shared by the heads) before RoPE: Megatron's qk_layernorm.
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM",)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
 # Megatron implements Llama 3.x RoPE scaling with these fixed constants
 # (RotaryEmbedding._apply_scaling); only the factor is a GPTModel argument.
@@ -53,6 +57,9 @@ class ModelSpec:
     vocab_size: the real vocabulary (:func:`padded_vocab_size` pads beyond it); kv_heads: GQA
     query groups; head_dim: Megatron's ``kv_channels``; rope_scaling_factor: Llama 3.x (None:
     none); torch_dtype: the saved dtype; qk_norm: RMS norm [head_dim] per query / key head (Qwen3).
+    Mixture of experts (``formats/moe.py``; 0 experts = dense): num_experts,
+    moe_ffn_hidden_size (one expert's width), moe_topk (experts per token), moe_pre_softmax
+    (top-k of the softmax over all experts, not renormalised).
     """
 
     architecture: str
@@ -72,6 +79,10 @@ class ModelSpec:
     qkv_bias: bool
     torch_dtype: str = "float32"
     qk_norm: bool = False
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    moe_pre_softmax: bool = False
 
     @classmethod
     def from_hf_dict(cls, cfg: Dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -115,7 +126,7 @@ class ModelSpec:
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         sliding = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         if sliding is not None:
             raise ConfigError(
@@ -162,6 +173,7 @@ class ModelSpec:
             qkv_bias=qkv_bias,
             torch_dtype=dtype,
             qk_norm=arch in QK_NORM_ARCHITECTURES,
+            **moe_fields(cfg, arch, source, need),
         )
 
     @classmethod
@@ -191,9 +203,23 @@ class ModelSpec:
             attn += d * (self.num_heads + 2 * self.kv_heads)
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * h * self.ffn_hidden_size + 2 * h
+        layer = attn + self._mlp_params(self.num_experts) + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + h
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token goes through: :attr:`num_params` with ``moe_topk`` of the
+        experts (the router counted whole); = num_params for a dense model."""
+        unused = self._mlp_params(self.num_experts) - self._mlp_params(self.moe_topk)
+        return self.num_params - self.num_layers * unused
+
+    def _mlp_params(self, experts: int) -> int:
+        """One layer's MLP with ``experts`` experts (+ the router) or the dense MLP."""
+        h = self.hidden_size
+        if not self.num_experts:
+            return 3 * h * self.ffn_hidden_size
+        return self.num_experts * h + experts * 3 * h * self.moe_ffn_hidden_size
 
 
 def _rope(cfg: Dict[str, Any], source: str):
@@ -258,10 +284,20 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
 
 
 def check_layout(
-    spec: ModelSpec, *, tp: int, pp: int, world: int, cp: int = 1, vpp: int = 1
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    world: int,
+    cp: int = 1,
+    vpp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    pp_last: bool = True,
 ) -> int:
-    """DP of a TP x PP (x CP, x VPP) layout of ``spec`` on ``world`` ranks; ConfigError with the
-    numbers for any broken divisibility rule (pure arithmetic: every rank raises alike).
+    """DP of a TP x PP (x CP, x VPP, x EP with ETP: ``check_expert_layout``) layout of ``spec``
+    on ``world`` ranks; ConfigError with the numbers for any broken divisibility rule (pure
+    arithmetic: every rank raises alike).
     """
     for name, v in (
         ("tensor_model_parallel_size", tp),
@@ -288,7 +324,7 @@ def check_layout(
             f"tensor_model_parallel_size={tp} (replicating key/value heads across TP ranks "
             "is not supported)"
         )
-    if spec.ffn_hidden_size % tp:
+    if not spec.num_experts and spec.ffn_hidden_size % tp:
         raise ConfigError(
             f"intermediate_size={spec.ffn_hidden_size} is not divisible by "
             f"tensor_model_parallel_size={tp}"
@@ -304,4 +340,54 @@ def check_layout(
             "pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = "
             f"{pp * vpp}"
         )
-    return world // (tp * pp * cp)
+    dp = world // (tp * pp * cp)
+    check_expert_layout(spec, tp=tp, pp=pp, world=world, dp=dp, ep=ep, etp=etp, pp_last=pp_last)
+    return dp
+
+
+def check_expert_layout(
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pp: int,
+    world: int,
+    dp: int,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    pp_last: bool = True,
+) -> None:
+    """The rules megatron-core 0.16.1 enforces on an expert layout, stated before start:
+    EP > 1 needs experts (transformer_config.py:1048), EP must divide them, ETP (None: TP,
+    model_parallel_config.py:413-414) the expert width, ETP x EP x PP the world
+    (parallel_state.py:788-795), and with a rank order that does not end in PP the expert
+    data-parallel size must equal DP (parallel_state.py:808-812)."""
+    etp = tp if etp is None else etp
+    for name, v in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"model.params.{name}={v!r} must be an integer >= 1")
+    if not spec.num_experts:
+        if ep > 1:
+            raise ConfigError(
+                f"model.params.expert_model_parallel_size={ep}: {spec.architecture} has no experts"
+            )
+        return
+    if spec.num_experts % ep:
+        raise ConfigError(
+            f"num_experts={spec.num_experts} is not divisible by expert_model_parallel_size={ep}"
+        )
+    if spec.moe_ffn_hidden_size % etp:
+        raise ConfigError(
+            f"moe_intermediate_size={spec.moe_ffn_hidden_size} is not divisible by "
+            f"expert_tensor_parallel_size={etp}"
+        )
+    if world % (etp * ep * pp):
+        raise ConfigError(
+            f"world size {world} is not divisible by expert_tensor_parallel_size x "
+            f"expert_model_parallel_size x pipeline_model_parallel_size = {etp * ep * pp}"
+        )
+    if not pp_last and pp > 1 and world // (etp * ep * pp) != dp:
+        raise ConfigError(
+            f"use_tp_pp_dp_mapping with pipeline_model_parallel_size={pp}: megatron-core needs "
+            f"expert_tensor_parallel_size x expert_model_parallel_size = {etp * ep} to equal "
+            f"tensor_model_parallel_size = {tp} (the same data-parallel size for experts)"
+        )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -28,6 +28,13 @@ import torch
 
 from nemo_d3s.formats.safetensors_stream import check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.moe import (
+    is_expert_param,
+    moe_hf_names,
+    moe_hf_shape,
+    moe_local_names,
+    moe_local_parts,
+)
 from nemo_d3s.errors import ConfigError
 
 __all__ = [
@@ -40,12 +47,14 @@ __all__ = [
     "hf_shape",
     "SafetensorsReader",
     "assemble_hf",
+    "split_size",
 ]
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Where a rank sits: TP/PP sizes and ranks, the padded vocabulary, the layer spec."""
+    """Where a rank sits: TP/PP sizes and ranks, the padded vocabulary, the layer spec, and
+    for experts (``formats/moe.py``) the EP and expert-TP sizes and ranks."""
 
     tp: int = 1
     pp: int = 1
@@ -53,16 +62,38 @@ class Layout:
     pp_rank: int = 0
     padded_vocab: int = 0
     te: bool = False  # transformer-engine spec: norms fused into the following linear
+    ep: int = 1
+    ep_rank: int = 0
+    etp: int = 1
+    etp_rank: int = 0
 
-    def at(self, tp_rank: int, pp_rank: Optional[int] = None) -> "Layout":
-        return Layout(
-            self.tp,
-            self.pp,
-            tp_rank,
-            self.pp_rank if pp_rank is None else pp_rank,
-            self.padded_vocab,
-            self.te,
+    def at(
+        self,
+        tp_rank: int,
+        pp_rank: Optional[int] = None,
+        *,
+        ep_rank: Optional[int] = None,
+        etp_rank: Optional[int] = None,
+    ) -> "Layout":
+        return replace(
+            self,
+            tp_rank=tp_rank,
+            pp_rank=self.pp_rank if pp_rank is None else pp_rank,
+            ep_rank=self.ep_rank if ep_rank is None else ep_rank,
+            etp_rank=self.etp_rank if etp_rank is None else etp_rank,
         )
+
+    def split_rank(self, name: str, r: int) -> "Layout":
+        """This layout at rank ``r`` of the group that splits parameter ``name``: ETP for an
+        expert's, TP for any other."""
+        if is_expert_param(name):
+            return self.at(self.tp_rank, etp_rank=r)
+        return self.at(r)
+
+
+def split_size(name: str, layout: Layout) -> int:
+    """How many ranks split parameter ``name``: ETP for an expert's, TP for any other."""
+    return layout.etp if is_expert_param(name) else layout.tp
 
 
 @dataclass(frozen=True)
@@ -114,6 +145,9 @@ def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
                 p + "self_attention.linear_qkv.weight",
             ]
             names += _qkv_extras(p, spec)
+            if spec.num_experts:  # megatron-core's TE spec does not fuse the MoE's norm
+                names += [p + "pre_mlp_layernorm.weight"] + moe_local_names(spec, layout, p)
+                continue
             names += [
                 p + "mlp.linear_fc1.layer_norm_weight",
                 p + "mlp.linear_fc1.weight",
@@ -126,11 +160,11 @@ def local_names(spec: ModelSpec, layout: Layout) -> List[str]:
                 p + "self_attention.linear_qkv.weight",
             ]
             names += _qkv_extras(p, spec)
-            names += [
-                p + "pre_mlp_layernorm.weight",
-                p + "mlp.linear_fc1.weight",
-                p + "mlp.linear_fc2.weight",
-            ]
+            names.append(p + "pre_mlp_layernorm.weight")
+            if spec.num_experts:
+                names += moe_local_names(spec, layout, p)
+                continue
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     if layout.pp_rank == layout.pp - 1:
         names.append("decoder.final_layernorm.weight")
         if _has_output_layer(spec, layout):
@@ -182,6 +216,9 @@ def local_parts(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, List[P
         return 0, out
     if rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         return 0, [Part(hf + f"self_attn.{rest.split('.')[1][0]}_norm.weight", 0, d)]
+    moe = moe_local_parts(rest, hf, spec, layout)
+    if moe is not None:
+        return moe[0], [Part(*row) for row in moe[1]]
     if rest == "self_attention.linear_proj.weight":
         w = q * d * G // tp
         return 1, [Part(hf + "self_attn.o_proj.weight", r * w, (r + 1) * w)]
@@ -202,6 +239,9 @@ def hf_shape(hf_name: str, spec: ModelSpec) -> Tuple[int, ...]:
     H, d, F, V = spec.hidden_size, spec.head_dim, spec.ffn_hidden_size, spec.vocab_size
     last = hf_name.rsplit(".", 2)
     key = ".".join(last[-2:])
+    moe = moe_hf_shape(hf_name, spec)
+    if moe is not None:
+        return moe
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return (V, H)
     if hf_name == "model.norm.weight" or key in (
@@ -248,7 +288,10 @@ def hf_names(spec: ModelSpec) -> List[str]:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if spec.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        if spec.num_experts:
+            names += moe_hf_names(spec, i)
+        else:
+            names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
     names.append("model.norm.weight")
     if not spec.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -346,11 +389,12 @@ def assemble_hf(
     name: str, shards: Sequence[torch.Tensor], spec: ModelSpec, layout: Layout
 ) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`local_parts` for one parameter: its TP shards (index = TP rank, stage
-    ``layout.pp_rank``) -> {HF name: full tensor}; replicated ones from TP rank 0, padding dropped.
+    ``layout.pp_rank``; an expert's: ETP rank) -> {HF name: full tensor}; replicated ones from
+    rank 0, padding dropped.
     """
     out: Dict[str, torch.Tensor] = {}
     for r, shard in enumerate(shards):
-        dim, parts = local_parts(name, spec, layout.at(r))
+        dim, parts = local_parts(name, spec, layout.split_rank(name, r))
         if (
             r > 0
             and len(parts) == 1
@@ -376,8 +420,8 @@ def iter_stage_hf(
     for n in names:
         _, parts = local_parts(n, spec, layout)
         seen: List[str] = []
-        for r in range(layout.tp):
-            for p in local_parts(n, spec, layout.at(r))[1]:
+        for r in range(split_size(n, layout)):
+            for p in local_parts(n, spec, layout.split_rank(n, r))[1]:
                 if p.hf_name is not None and p.hf_name not in seen:
                     seen.append(p.hf_name)
         yield n, seen

@@ -34,6 +34,7 @@ def all_checks():
         env_checks,
         gpu_checks,
         model_checks,
+        moe_checks,
         pipeline_checks,
         refit_checks,
         rl_checks,
@@ -46,6 +47,7 @@ def all_checks():
         *cluster_checks.CHECKS,
         *comm_checks.CHECKS,
         *model_checks.CHECKS,
+        *moe_checks.CHECKS,
         *pipeline_checks.CHECKS,
         *rl_checks.CHECKS,
         *refit_checks.CHECKS,
@@ -138,9 +140,19 @@ def _join_world(opts: Dict[str, Any]) -> List[List[Dict[str, Any]]]:
         if cuda:
             set_cuda_connections()  # before CUDA initialises
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(
-            "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=opts["timeout"])
-        )
+        try:
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=opts["timeout"])
+            )
+        except dist.DistStoreError as e:  # a rank of a world whose peers never came
+            world = os.environ.get("WORLD_SIZE")
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise _NoPeers(
+                f"rank {os.environ.get('RANK')} of WORLD_SIZE={world} found no peer at {where} "
+                f"within {opts['timeout']:g} s (--timeout; {str(e).splitlines()[0]}): a torchrun "
+                "environment left set in this shell? unset WORLD_SIZE, RANK, MASTER_ADDR and "
+                "MASTER_PORT to check this machine alone, or start every rank"
+            ) from None
     try:
         mine = run_rank(dist.get_rank(), opts)
         everyone: List[Any] = [None] * dist.get_world_size()
@@ -255,6 +267,11 @@ def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         p.error(f"--out {args.out!r} is a file; name a folder (it gets selfcheck.json)")
+    if (out / "selfcheck.json").exists() and not (out / "selfcheck.json").is_file():
+        p.error(
+            f"--out {args.out!r}: {str(out / 'selfcheck.json')!r} is a folder, where the "
+            "self-check writes its results; remove it or choose another --out"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=out)
@@ -269,6 +286,10 @@ def _check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
                 f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(lacking)} not (not "
                 "started by torchrun?); unset WORLD_SIZE to run here, or start it with torchrun"
             )
+
+
+class _NoPeers(Exception):
+    """The torchrun environment names a world whose other ranks never joined."""
 
 
 class _Stopped(BaseException):
@@ -353,6 +374,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             per_rank = run_on_gloo_ranks(_spawned_rank, args.ranks, opts, timeout=args.timeout)
         else:
             mode, per_rank = "one process", _one_process(opts)
+    except _NoPeers as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except TimeoutError:
         cut, code = f"the self-check ran out of time (--timeout {args.timeout:g} s)", 1
     except KeyboardInterrupt:

@@ -1,10 +1,12 @@
 """A small GPT through the Megatron backend: one GRPO step (4 rows of 16 tokens, every response
 token kept) at TP1 x PP1 against the parallel layouts the world allows.
-``gpt.local_spec`` (fp32; TP2, PP2, TP2 x PP2) and ``gpt.long_sequence`` (sequence
-parallelism, token-budget micro-batches, PP2 x VPP2): log-probs within 1e-4, grad norm within
-rel 1e-4, weights after the step within 1e-5. ``gpt.te_spec`` / ``gpt.te_spec_sp`` (CUDA, bf16,
-distributed optimizer) against the fp32 local spec: mean |log-prob diff| <= 0.05, max <= 0.5,
-grad norm within rel 0.1, every weight moved (bf16's bounds: they catch mapping errors).
+``gpt.local_spec`` (fp32; TP2, PP2, TP2 x PP2), ``gpt.long_sequence`` (sequence parallelism,
+token-budget micro-batches, PP2 x VPP2) and ``gpt.packed_cp`` (packed rows, CP2 on rows and
+packs: the CPU twin of ``gpt.te_thd`` / ``gpt.te_cp``): log-probs within 1e-4, grad norm within
+rel 1e-4, weights after the step within 1e-5. ``gpt.te_spec`` / ``gpt.te_spec_sp`` /
+``gpt.te_thd`` / ``gpt.te_cp`` (CUDA, bf16, distributed optimizer; SP, TE's THD attention, CP2
+over NCCL) against the fp32 local spec: mean |log-prob diff| <= 0.05, max <= 0.5, grad norm
+within rel 0.1, every weight moved (bf16's bounds: they catch mapping errors).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from nemo_d3s.selfcheck.base import (
 )
 from nemo_d3s.selfcheck.report import CheckFailed
 
-__all__ = ["CHECKS", "one_step", "step_batch"]
+__all__ = ["CHECKS", "bf16_bounds", "fp32_bounds", "one_step", "step_batch"]
 
 LR = 1e-2
 
@@ -169,6 +171,13 @@ def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[s
             abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12),
         )
         err["weights_err"] = max(err["weights_err"], _weights_err(w1, w))
+    fp32_bounds(err, out)
+    return out
+
+
+def fp32_bounds(err: Dict[str, float], out: Dict[str, Any]) -> None:
+    """The fp32 layout comparison's bounds (the tests' for the same comparison): log-probs
+    and entropies 1e-4, grad norm rel 1e-4, weights after the step 1e-5."""
     for name, bound in (
         ("logprob_err", 1e-4),
         ("entropy_err", 1e-4),
@@ -176,7 +185,6 @@ def compare_layouts(ctx: Context, variants: Dict[str, Dict[str, Any]]) -> Dict[s
         ("weights_err", 1e-5),
     ):
         within(name, err[name], bound, out)
-    return out
 
 
 def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str, Any]:
@@ -197,6 +205,14 @@ def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str,
         ctx, tp, dtype="bfloat16", transformer_impl="transformer_engine", **params
     )
     out: Dict[str, Any] = {"tp": tp, "dtype": "bfloat16", **params}
+    bf16_bounds(lp, lp_ref, m, m_ref, w, before, out)
+    return out
+
+
+def bf16_bounds(lp, lp_ref, m, m_ref, w, before, out: Dict[str, Any]) -> None:
+    """A bf16 step against the fp32 reference (the module docstring's bounds): log-probs
+    ``lp`` vs ``lp_ref``, grad norms of the metrics ``m`` vs ``m_ref``, and every weight of
+    ``w`` moved from ``before``."""
     diff = (lp - lp_ref).abs()
     within("logprob_mean_err", float(diff.mean()), 0.05, out)
     within("logprob_max_err", float(diff.max()), 0.5, out)
@@ -212,7 +228,6 @@ def check_te_spec(ctx: Context, tp: Optional[int] = None, **params) -> Dict[str,
         raise CheckFailed(
             f"{len(still)} weight tensors did not move in the step (e.g. {still[0]})", out
         )
-    return out
 
 
 def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
@@ -220,9 +235,46 @@ def check_te_spec_sp(ctx: Context) -> Dict[str, Any]:
     return check_te_spec(ctx, sequence_parallel=True)
 
 
+def packed_cp_layouts(ctx: Context) -> Dict[str, Dict[str, Any]]:
+    """name -> ``_run`` arguments: packed rows (THD) at TP1; context parallelism 2 on rows
+    and on packs when the world is even."""
+    out: Dict[str, Dict[str, Any]] = {"packed": dict(tp=1, pack_sequences=True)}
+    if ctx.world % 2 == 0:
+        out["cp2"] = dict(tp=1, context_parallel_size=2)
+        out["cp2_packed"] = dict(tp=1, context_parallel_size=2, pack_sequences=True)
+    return out
+
+
+def check_packed_cp(ctx: Context) -> Dict[str, Any]:
+    return compare_layouts(ctx, packed_cp_layouts(ctx))
+
+
+def check_te_thd(ctx: Context) -> Dict[str, Any]:
+    return check_te_spec(ctx, pack_sequences=True)
+
+
+def check_te_cp(ctx: Context) -> Dict[str, Any]:
+    need_world(ctx, 2, "context parallelism 2")
+    return check_te_spec(ctx, tp=1, context_parallel_size=2)  # packed (TE's default): THD + CP
+
+
 CHECKS = [
     Check("gpt.local_spec", False, check_local_spec),
     Check("gpt.long_sequence", False, check_long_sequence),
+    Check("gpt.packed_cp", False, check_packed_cp),
+    Check(
+        "gpt.te_thd",
+        True,
+        check_te_thd,
+        "gpt.te_spec with packed rows: PackedSeqParams (THD) through TE's attention",
+    ),
+    Check(
+        "gpt.te_cp",
+        True,
+        check_te_cp,
+        "gpt.te_spec at CP 2 over NCCL: TE's context-parallel attention, log-probs gathered "
+        "over CP, gradients averaged over DP x CP",
+    ),
     Check(
         "gpt.te_spec",
         True,

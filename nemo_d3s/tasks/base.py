@@ -14,6 +14,11 @@ from nemo_d3s.core.registry import Registry
 
 log = logging.getLogger("nemo_d3s.tasks")
 
+# Why a reward call failed (reward 0, counted per step as reward_failed_<reason>): it raised
+# (SystemExit included, in a worker), returned NaN/inf, outlived trainer.reward_timeout_s, ended
+# its worker process, or left processes running.
+REWARD_FAILURES = ("raised", "non_finite", "timeout", "died", "forked")
+
 
 @dataclass
 class Problem:
@@ -81,28 +86,42 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
     raise ValueError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
 
 
+def checked_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str], str]:
+    """``task.reward`` that never raises an Exception: (reward, None, "") or, for an exception
+    or a non-finite value, (0, the reason "raised" / "non_finite", a one-line error)."""
+    try:
+        value = float(task.reward(problem, text))
+    except Exception as exc:  # a verifier bug must not kill a multi-hour run
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return 0.0, "raised", f"{type(exc).__name__}: {first}"
+    if not math.isfinite(value):
+        return 0.0, "non_finite", f"non-finite reward {value!r}"
+    return value, None, ""
+
+
+def note_reward_range(task: Task, value: float) -> None:
+    """Count a reward outside ``task.reward_range`` in ``out_of_range_rewards(task)``; the first
+    is logged as a warning."""
+    lo, hi = getattr(task, "reward_range", (0.0, 1.0))
+    if not lo <= value <= hi and _count_out_of_range(task) == 1:
+        log.warning(
+            "task %s: reward %r is outside the task's declared range [%s, %s]; further "
+            "ones are counted (reward_out_of_range_total in summary.json)",
+            getattr(task, "name", task),
+            value,
+            lo,
+            hi,
+        )
+
+
 def safe_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str]]:
     """``task.reward`` that never raises: an exception or a non-finite value ->
     (0, a one-line error), else (reward, None). A finite reward outside ``task.reward_range`` is
     kept but counted in ``out_of_range_rewards(task)``, the first logged as a warning."""
-    try:
-        value = float(task.reward(problem, text))
-    except Exception as exc:  # a verifier bug must not kill a multi-hour run
-        return 0.0, f"{type(exc).__name__}: {exc}"
-    if not math.isfinite(value):
-        return 0.0, f"non-finite reward {value!r}"
-    lo, hi = getattr(task, "reward_range", (0.0, 1.0))
-    if not lo <= value <= hi:
-        n = _count_out_of_range(task)
-        if n == 1:
-            log.warning(
-                "task %s: reward %r is outside the task's declared range [%s, %s]; further "
-                "ones are counted (reward_out_of_range_total in summary.json)",
-                getattr(task, "name", task),
-                value,
-                lo,
-                hi,
-            )
+    value, reason, error = checked_reward(task, problem, text)
+    if reason is not None:
+        return value, error
+    note_reward_range(task, value)
     return value, None
 
 

@@ -19,6 +19,7 @@ from typing import Any, Callable, Dict, List, Optional
 from nemo_d3s.tasks.answers import extract_answer, extract_boxed
 from nemo_d3s.core.checks import check_count
 from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
+from nemo_d3s.tasks.dataset_checks import drop_overlap, warn_conflicting_answers
 from nemo_d3s.tasks.verifier import reference_is_checkable, verify_math
 
 log = logging.getLogger("nemo_d3s.tasks")
@@ -132,7 +133,12 @@ def load_problems(
         if not isinstance(row, dict):
             raise ValueError(f"{path}: {where} is a {type(row).__name__}, expected an object")
         question = row.get(question_field)
-        if question is None or not str(question).strip():
+        if question is not None and not isinstance(question, str):
+            raise ValueError(
+                f"{path}: {where}: field {question_field!r} holds a {type(question).__name__} "
+                f"({str(question)[:40]!r}), not the question's text"
+            )
+        if question is None or not question.strip():
             raise ValueError(f"{path}: {where} has no question in field {question_field!r}")
         answer = parse_reference(row.get(answer_field), answer_format)
         if answer is None:
@@ -182,6 +188,7 @@ class MathDatasetTask(Task):
                 "(task.params.train_path=/data/train.jsonl)"
             )
         train = _load_named("task.params.train_path", train_path, read)
+        warn_conflicting_answers("task.params.train_path", train)
         # The verifier's checkability of the references; a reward function of the user's judges them
         # itself.
         check = (lambda *a: 0) if self._reward_fn is not None else _check_references
@@ -189,6 +196,7 @@ class MathDatasetTask(Task):
         if eval_path is not None:
             _refuse_same_file(train_path, eval_path)
             evals = _load_named("task.params.eval_path", eval_path, read)
+            train = drop_overlap(train, evals, train_path, eval_path)
             self.unusable_references += check(
                 "task.params.eval_path", eval_path, evals, answer_field
             )

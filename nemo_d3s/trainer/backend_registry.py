@@ -75,6 +75,7 @@ COMMON_SOURCES: Dict[str, str] = {
     "use_reference": "algorithm.kl_coef (> 0 keeps a reference model)",
     "gradient_checkpointing": "model.gradient_checkpointing",
     "dist_timeout_minutes": "trainer.dist_timeout_minutes",
+    "pack_sequences": "trainer.pack_sequences",
 }
 
 

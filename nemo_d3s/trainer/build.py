@@ -99,6 +99,12 @@ def check_runtime(cfg: Any) -> None:
     if engine == "vllm":
         uses.append("vllm")
     check_stack(uses)
+    if int(cfg.rollout.generation_gpus):
+        raise ConfigError(
+            f"rollout.generation_gpus={cfg.rollout.generation_gpus}: engines on GPUs apart from "
+            "the training GPUs are planned by the dry run (trainer.dry_run=true) only; the "
+            "trainer starts each engine on its own ranks' GPUs (rollout.generation_gpus=0)"
+        )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 
@@ -140,6 +146,7 @@ def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         "use_reference": float(cfg.algorithm.kl_coef) > 0,
         "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
         "dist_timeout_minutes": _optional_float(getattr(t, "dist_timeout_minutes", None)),
+        "pack_sequences": getattr(t, "pack_sequences", None),
     }
     return common, plain(cfg.model.params) or {}
 
@@ -168,10 +175,13 @@ def _optional_float(v: Any):
 
 
 def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
-    """The engine ``rollout.engine`` names (hf: the policy's own), wrapped per
+    """The engine ``rollout.engine`` names (hf: the policy's own; with ``rollout.max_staleness``
+    > 0 one with its own weights copy, ``Policy.weights_copy_engine``), wrapped per
     ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
     """
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
+    if int(cfg.rollout.max_staleness) > 0 and not engine.own_weights:
+        engine = policy.weights_copy_engine()
     if engine.prompt_seeds:
         return engine
     return (

@@ -1,7 +1,8 @@
 """Atomic, checksummed checkpoints of the whole run state, the last N kept.
 
 ``DIR/checkpoints/step_XXXXXX/`` holds ``backend.pt`` (rank 0; or the backend's own sharded
-files), ``rng_rank{r}.pt`` (generator states as tensors), ``trainer_state.json`` and
+files), ``rng_rank{r}.pt`` (generator states as tensors), ``trainer_state.json``,
+``run_record.json`` (the config the run trained with and the data files it read) and
 ``checksums.json`` (size + SHA-256 of every other file, written last). Each rank hashes what it
 wrote and verifies ~1/world of the bytes; the findings are all-gathered, so every rank loads the
 same checkpoint or raises the same RunError (waits: ``trainer.dist_timeout_minutes``). Loads
@@ -19,7 +20,7 @@ import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -27,18 +28,29 @@ import torch
 from nemo_d3s.backends.base import Policy
 from nemo_d3s.distributed.agree import all_gather_texts
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.files import CHECKSUMS, file_digests, fsync_folder, fsync_tree, write_checksums
+from nemo_d3s.files import (
+    CHECKSUMS,
+    file_digests,
+    fsync_folder,
+    fsync_tree,
+    looks_like_write_failure,
+    space_note,
+    write_checksums,
+)
 from nemo_d3s.formats.checksums import Gather, verify_checksums
 from nemo_d3s.trainer.faults import RunError, broadcast_world, fault_point, first_line
 
 __all__ = [
     "CHECKSUMS",
+    "RUN_RECORD",
     "TrainerState",
     "CheckpointManager",
     "latest_checkpoint",
     "checkpoint_dirs",
     "verify_checkpoint",
     "safe_load",
+    "looks_like_write_failure",  # files', re-exported (with space_note) for the entry point
+    "space_note",
     "capture_rng",
     "restore_rng",
 ]
@@ -46,6 +58,7 @@ __all__ = [
 log = logging.getLogger("nemo_d3s.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+RUN_RECORD = "run_record.json"
 _RNG_FORMAT = 2
 
 
@@ -225,16 +238,9 @@ def _shape_mismatches(current: Any, loaded: Any, prefix: str = "") -> List[str]:
     return out
 
 
-def _free(root: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(root).free / 2**20:.0f} MiB free there"
-    except OSError:
-        return "free space unknown"
-
-
 def _write_failure(what: str, root: Path, e: BaseException) -> RunError:
     return RunError(
-        f"could not write {what} under {str(root)!r}: {first_line(e)} ({_free(root)}); "
+        f"could not write {what} under {str(root)!r}: {first_line(e)} ({space_note(root)}); "
         "earlier checkpoints are untouched, resume=true continues from the last one"
     )
 
@@ -243,40 +249,35 @@ def export_failure(folder: Path, e: BaseException) -> str:
     """The one line for a failed write of the run's HF export (the run itself finished)."""
     return (
         f"could not write the Hugging Face export {str(folder)!r}: {first_line(e)} "
-        f"({_free(folder.parent)}); the run finished and its last checkpoint and "
+        f"({space_note(folder.parent)}); the run finished and its last checkpoint and "
         "summary.json are written: free some space and run again with resume=true to "
         "write the export"
-    )
-
-
-def looks_like_write_failure(e: BaseException) -> bool:
-    """An exception a failed write raises: OSError, torch's zip writer's RuntimeErrors, or
-    the safetensors library's error wrapping an I/O error (a full disk)."""
-    if isinstance(e, OSError):
-        return True
-    msg = str(e)
-    return (isinstance(e, RuntimeError) or type(e).__name__ == "SafetensorError") and any(
-        s in msg
-        for s in (
-            "unexpected pos",
-            "PytorchStreamWriter",
-            "file write failed",
-            "No space left",
-            "IoError",
-        )
     )
 
 
 class CheckpointManager:
     """The run's checkpoints: collective save, keep-last pruning, the latest to resume from."""
 
-    def __init__(self, output_dir: str, dp: ParallelGroups, keep_last: int) -> None:
+    def __init__(
+        self,
+        output_dir: str,
+        dp: ParallelGroups,
+        keep_last: int,
+        record: Optional[Dict[str, Any]] = None,
+    ) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.dp = dp
         self.keep_last = keep_last
+        self.record = record  # rank 0 writes it into every checkpoint as RUN_RECORD
 
-    def save(self, backend: Policy, state: TrainerState) -> Path:
-        """Collective: every rank calls it. Returns the final directory."""
+    def save(
+        self,
+        backend: Policy,
+        state: TrainerState,
+        extra_files: Optional[Callable[[Path], List[str]]] = None,
+    ) -> Path:
+        """Collective: every rank calls it. Returns the final directory. ``extra_files(folder)``
+        writes this rank's further files and returns their names, hashed with the rest."""
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
         _, _, gather = job_world()
@@ -287,7 +288,7 @@ class CheckpointManager:
                 tmp.mkdir(parents=True)
             self.dp.barrier()
             fault_point("checkpoint.tmp_created")
-            mine = self._write_own(backend, state, tmp)
+            mine = self._write_own(backend, state, tmp, extra_files)
         except Exception as e:
             mine = e
         # every rank's digests (or its failure), gathered: the wait for the slowest writer
@@ -325,7 +326,9 @@ class CheckpointManager:
         self.dp.barrier()
         return final
 
-    def _write_own(self, backend: Policy, state: TrainerState, tmp: Path) -> Dict[str, Any]:
+    def _write_own(
+        self, backend: Policy, state: TrainerState, tmp: Path, extra_files=None
+    ) -> Dict[str, Any]:
         """This rank's files of the checkpoint in ``tmp``, hashed right after writing:
         {"digests": {relative path: {"size", "sha256"}}}."""
         wrote = backend.save_checkpoint(str(tmp))
@@ -334,12 +337,17 @@ class CheckpointManager:
             torch.save(backend.state_dict(), tmp / "backend.pt")
             mine.append("backend.pt")
         fault_point("checkpoint.backend_written")
+        if extra_files is not None:
+            mine += [str(f) for f in extra_files(tmp)]
         rng = f"rng_rank{self.dp.global_rank}.pt"
         torch.save(capture_rng(), tmp / rng)
         mine.append(rng)
         if self.dp.is_main:
             (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
             mine.append("trainer_state.json")
+            if self.record is not None:
+                (tmp / RUN_RECORD).write_text(json.dumps(self.record, indent=1))
+                mine.append(RUN_RECORD)
         return {"digests": file_digests(tmp, mine)}
 
     def _prune(self) -> None:

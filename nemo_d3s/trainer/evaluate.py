@@ -64,15 +64,15 @@ def evaluate(
         if ro is None:
             continue
         length += float(ro.batch.response_mask.sum())
-        for p, text in zip(chunk, ro.response_texts):
-            try:
-                r, failed = task.reward_one(p, text)
-            except RewardStopped:
-                if should_stop is None:
-                    raise
-                break  # the stop flag is set: the next agreement stops every rank
-            total += r
-            errors += failed
+        try:
+            rewards, failures = task.score(chunk, ro.response_texts, 1)
+        except RewardStopped:
+            if should_stop is None:
+                raise
+            continue  # the stop flag is set: the next agreement stops every rank
+        total += float(rewards.sum())
+        errors += sum(failures.values())
+        for p, text, r in zip(chunk, ro.response_texts, rewards.tolist()):
             if len(shown) < n_show:
                 shown.append({"prompt": task.prompt_text(p), "completion": text, "reward": r})
     if on_batch is not None and n_batches:

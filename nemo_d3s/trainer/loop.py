@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from nemo_d3s.config import ConfigError, validate, validate_layout
+from nemo_d3s.config import validate, validate_layout
 from nemo_d3s.distributed.generation_wait import GenerationWait
 from nemo_d3s.trainer.build import (
     backend_from_config,
@@ -33,30 +33,24 @@ from nemo_d3s.trainer.checkpoint import (
     CheckpointManager,
     TrainerState,
     job_world,
-    checkpoint_dirs,
     export_failure,
     looks_like_write_failure,
 )
+from nemo_d3s.backends.base import GenerationInterrupted
 from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.evaluate import evaluate
-from nemo_d3s.trainer.faults import RunError, broadcast_world, agree_on_main, fault_point
-from nemo_d3s.trainer.metrics import MetricsLogger, truncate_jsonl
+from nemo_d3s.trainer.faults import RunError, broadcast_world, fault_point
+from nemo_d3s.trainer.metrics import MetricsLogger
+from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.prompt_check import check_prompt_lengths
-from nemo_d3s.trainer.data_record import check_data_record, write_data_record
-from nemo_d3s.trainer.resume import (
-    check_resume_config,
-    move_records_aside,
-    refuse_records,
-    write_config,
-)
-from nemo_d3s.trainer.records import INTERRUPTED_MARKER
-from nemo_d3s.trainer.resume_config import agree_on_config
-from nemo_d3s.trainer.rundir import RunDirLock, check_output_dir
+from nemo_d3s.trainer.run_start import RunStart, agree_on_config, check_output_dir
+from nemo_d3s.trainer.launcher import watch_launcher
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
+from nemo_d3s.trainer.stats import budget_metrics
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
-from nemo_d3s.trainer.tasks_adapter import TaskAdapter, build_task
+from nemo_d3s.trainer.tasks_adapter import task_adapter
 from nemo_d3s.tasks.base import out_of_range_rewards
 
 __all__ = ["Trainer", "train"]
@@ -77,6 +71,21 @@ class Trainer:
         self.cfg = cfg
         self.t = cfg.trainer
         self.out = Path(cfg.output_dir)
+        # The reward workers start first (from this thread: they die with it), importing and
+        # building their task while the model loads.
+        self.task = task_adapter(
+            cfg.task.name,
+            plain(cfg.task.params) or {},
+            float(cfg.trainer.reward_timeout_s),
+            int(cfg.trainer.reward_workers),
+        )
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.task.close()
+            raise
+
+    def _build(self, cfg: Any) -> None:
         # a first stop signal also cuts a reward call that runs on (or hangs) short
         self.stop = StopSignals(on_first=lambda: self.task.request_stop())
         # The policy builds the parallel layout (HF: the torchrun world; Megatron: its
@@ -85,10 +94,6 @@ class Trainer:
         self.groups = self.policy.groups
         validate_layout(cfg, self.groups.dp_size)
         agree_on_config(cfg, job_world()[2])  # resume=true: each rank merged config.yaml itself
-        self.task = TaskAdapter(
-            build_task(cfg.task.name, plain(cfg.task.params) or {}),
-            timeout_s=float(cfg.trainer.reward_timeout_s),
-        )
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
@@ -98,14 +103,24 @@ class Trainer:
             "trainer", None, 60.0 * float(self.t.dist_timeout_minutes)
         )
         self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
+        prompts = PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups)
+        self.rollouts = GenerationPipeline(
+            self.engine,
+            prompts,
+            generation_config(cfg),
+            int(self.t.num_generations),
+            int(cfg.rollout.max_staleness),
+            self.groups,
+            int(self.t.steps),
+            stop_requested=self._stop_requested,
+        )
+        self.start = RunStart(cfg, self.groups, self.ckpt)  # fresh, resume or refuse, and why
         self.ctx = StepContext(
             policy=self.policy,
             engine=self.engine,
             selector=build_selector(cfg, self.groups),
             task=self.task,
-            prompts=PromptSource(
-                self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups
-            ),
+            prompts=prompts,
             gen=generation_config(cfg),
             num_generations=int(self.t.num_generations),
             loss_name=cfg.algorithm.loss,
@@ -120,62 +135,15 @@ class Trainer:
                 else self.t.logprob_micro_batch_tokens
             ),
             groups=self.groups,
+            rollouts=self.rollouts,
             normalize_by=str(cfg.algorithm.normalize_by),
             rebalance=bool(self.t.dp_rebalance) and self.groups.data_parallel,
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
+            is_correction=str(cfg.algorithm.is_correction),
+            is_level=str(cfg.algorithm.is_level),
             stop_requested=self._stop_requested,
             engine_wait=self.engine_wait,
         )
-
-    # ------------------------------------------------------------------ set-up helpers
-    def _start_state(self) -> TrainerState:
-        """Fresh state, or the newest usable checkpoint's with ``resume=true`` (records cut back to
-        it). A fresh run refuses a folder with another run's records; a resume without a
-        checkpoint moves them into ``previous-<n>/``.
-        """
-        self._resumed_from = None
-        ckpts = checkpoint_dirs(self.out / "checkpoints")
-        if not self.cfg.resume:
-            if ckpts:
-                raise ConfigError(
-                    f"output_dir={str(self.out)!r} already holds checkpoints ({ckpts[0].name}); "
-                    "pass resume=true to continue that run or choose another output_dir"
-                )
-            agree_on_main(self.groups, lambda: refuse_records(self.out, self.cfg))
-            return self._start_state_fresh()
-        if not ckpts:
-            agree_on_main(self.groups, lambda: move_records_aside(self.out))
-            # Not an error: the sbatch scripts pass resume=true on a job's first start too.
-            log.warning(
-                "resume=true but output_dir=%s holds no checkpoint (nothing in %s): this is "
-                "a fresh run from step 0, not a continuation",
-                str(self.out),
-                self.out / "checkpoints",
-            )
-            return self._start_state_fresh()
-        agree_on_main(  # before anything is changed
-            self.groups,
-            lambda: (
-                check_resume_config(self.cfg, self.out),
-                check_data_record(self.cfg, self.out),
-            ),
-        )
-        latest, state = self.ckpt.load_latest(self.policy)
-        self.engine.sync_weights(
-            self.policy
-        )  # an engine with its own copy samples from the loaded weights
-        if self.groups.is_main:
-            for name in ("metrics.jsonl", "eval.jsonl"):
-                truncate_jsonl(self.out / name, state.step)
-        log.info("resumed from %s (step %d)", latest, state.step)
-        self._resumed_from = latest
-        return state
-
-    def _start_state_fresh(self) -> TrainerState:
-        if self.groups.is_main:  # empty files only: records were refused or moved aside above
-            for name in ("metrics.jsonl", "eval.jsonl"):
-                truncate_jsonl(self.out / name, -1)
-        return TrainerState()
 
     def _stop_requested(self) -> bool:
         """A stop signal reached this process, or the engine's processes first (they ended
@@ -220,37 +188,28 @@ class Trainer:
         # Checks that write nothing come first: prompt lengths against the model's context.
         if check_prompt_lengths(self.cfg, self.policy, self.task.task):
             self.eval_problems = self.task.eval_set(int(self.cfg.task.eval_size))
-        self._lock: Optional[RunDirLock] = None
         own_log = self.runlog is None
         if own_log:
             self.runlog = RunLog()
         try:
-            agree_on_main(self.groups, self._take_run_dir)  # one run per directory, all the run
+            self.start.take()  # one run per directory, all the run
             return self._run_locked()
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            self.task.close()
+            self.start.release()
             if own_log:
                 self.runlog.close()
 
-    def _take_run_dir(self) -> None:
-        check_output_dir(str(self.out))
-        self._lock = RunDirLock(self.out).acquire()
-
     def _run_locked(self) -> TrainerState:
-        state = self._start_state()  # first: it refuses to overwrite another run's directory
+        state = self.start.begin(self.policy)  # first: it refuses another run's directory
+        if self.start.resumed_from is not None:
+            self.engine.sync_weights(self.policy)  # an engine with its own copy of the weights
         # the folder is this run's now: train.log gets the records held since start-up
         self.runlog.open(self.out, rank=self.groups.global_rank)
         self.slow = SlowStepWatch(
             factor=float(self.cfg.logging.slow_step_factor),
             baseline_steps=int(self.cfg.logging.slow_step_baseline),
         )
-        if self.groups.is_main:
-            write_config(self.cfg, self.out, resumed=self._resumed_from is not None)
-            if self._resumed_from is None:
-                write_data_record(self.cfg, self.out)
-            (self.out / INTERRUPTED_MARKER).unlink(missing_ok=True)  # an earlier segment's
-        self.groups.barrier()
         T = int(self.t.steps)
         self.logger = MetricsLogger(
             str(self.out),
@@ -265,6 +224,7 @@ class Trainer:
         try:
             return self._train(state)
         finally:
+            self.rollouts.close()
             self.stop.restore()
             self.logger.close()
 
@@ -281,9 +241,11 @@ class Trainer:
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
                 return self._interrupted(state, pending_eval=True)
+        pending, held = self.rollouts.load_pending(self.start.resumed_from)
+        self.rollouts.start(state.step, pending, held, self.policy)
         while state.step < T:
             progress = state.step / max(1, T - 1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 m = run_step(self.ctx, state.step, progress)
             except StepInterrupted:
@@ -291,12 +253,15 @@ class Trainer:
             state.step += 1
             records.accumulate(state, m)
             state.wall_time_total = wall_before + time.perf_counter() - t_start
+            m["time_cpu_step"] = time.process_time() - c0
             self._record_step(state, m, progress, t0, oor_before)
             fault_point("loop.step_done")
             done = state.step == T
-            eval_stopped = False
-            if done or (self.t.eval_every and state.step % self.t.eval_every == 0):
-                eval_stopped = self._evaluate(state) is None
+            due = done or bool(self.t.eval_every and state.step % self.t.eval_every == 0)
+            try:
+                eval_stopped = self._publish(state, evaluate=due)
+            except GenerationInterrupted:  # a stop signal (agreed) while rollouts were due
+                return self._interrupted(state, pending_eval=due)
             # (an evaluation stopped on one rank stopped on every rank: evaluate agrees)
             stop = eval_stopped or self.groups.max(1.0 if self._stop_requested() else 0.0) > 0
             if stop and (eval_stopped or not done):
@@ -305,13 +270,26 @@ class Trainer:
             # documented); a stop signal still writes one.
             every = int(self.t.save_every)
             if every and (done or state.step % every == 0):
-                # the save may need the memory the engine holds
-                release_engine(self.engine, stopping=stop)
-                self.ckpt.save(self.policy, state)
+                # the save may need the memory the engine holds (with k > 0 the pipeline's
+                # worker is generating on it)
+                if self.rollouts.synchronous:
+                    release_engine(self.engine, stopping=stop)
+                self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         if self.t.export_hf:
             self._export(state)
         self._summary(state)
         return state
+
+    def _publish(self, state: TrainerState, *, evaluate: bool) -> bool:
+        """Weights version ``state.step`` to the rollouts (``pipeline.publish``), evaluated
+        where the engine holds it if ``evaluate``; whether a stop signal cut that short."""
+        rows: list = []
+        self.rollouts.publish(
+            state.step,
+            self.policy,
+            lambda: rows.append(self._evaluate(state)) if evaluate else None,
+        )
+        return bool(rows) and rows[0] is None
 
     def _record_step(
         self, state: TrainerState, m: Dict[str, float], progress: float, t0: float, oor: int
@@ -322,13 +300,15 @@ class Trainer:
             "step": state.step,
             "progress": progress,
             **m,
+            **budget_metrics(m),
             **records.totals(state),
             "time_step": time.perf_counter() - t0,
             "wall_time": state.wall_time_total,
         }
         self.logger.log_step(row)
         if self.groups.is_main:  # rank 0 watches its machine (every rank shares the step time)
-            slow = self.slow.observe(state.step, row["time_step"])
+            parts = {k[5:]: v for k, v in m.items() if k.startswith("time_")}
+            slow = self.slow.observe(state.step, row["time_step"], parts)
             if slow:
                 log.warning(slow)
         if m.get("skipped"):
@@ -350,9 +330,12 @@ class Trainer:
         # The engine is released first (an engine that ignores the signal, as SIGUSR1 under
         # the sbatch script, is awake after a generation and its memory is the save's) and
         # then not called again: no refit, no generation (trainer/step.py). One that the job's
-        # signal took down holds nothing (step.release_engine).
-        release_engine(self.engine, stopping=True)
-        path = self.ckpt.save(self.policy, state)
+        # signal took down holds nothing (step.release_engine). With k > 0 the pipeline's
+        # worker owns the engine and stops on the signal (pipeline.py).
+        if self.rollouts.synchronous:
+            release_engine(self.engine, stopping=True)
+        path = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
+        self.stop.saved = True  # a second signal from here on would only lose the exit code 75
         state.extra.pop("pending_eval", None)
         why = self.stop.name or (
             "the rollout engine's stop (its processes ended)" if self.engine.stopped else None
@@ -418,6 +401,7 @@ def train(cfg: Any) -> TrainerState:
         str(cfg.output_dir), create=False
     )  # before the model load: a bad path fails fast
     runlog = RunLog()  # holds the start-up's records until the run has taken its folder
+    watch = watch_launcher()  # torchrun's agent gone: stop as on SIGTERM
     try:
         trainer = Trainer(cfg, runlog)
         logging.getLogger("nemo_d3s").setLevel(
@@ -428,4 +412,6 @@ def train(cfg: Any) -> TrainerState:
         finally:
             trainer.groups.shutdown()
     finally:
+        if watch is not None:
+            watch.set()
         runlog.close()

@@ -217,6 +217,13 @@ class MetricsLogger:
             row.get("kept_token_ratio", float("nan")),
             row.get("time_step", float("nan")),
         )
+        if "time_generation" in row:  # the two budgets: rollouts generated, rollouts trained
+            line += " (generated {:.0f} in {:.1f} s, trained {:.0f} in {:.1f} s)".format(
+                row.get("n_samples", float("nan")),
+                row["time_generation"],
+                row.get("n_kept_samples", 0.0),
+                row.get("time_training", float("nan")),
+            )
         if self.bar is not None:  # the bar shows the step on the terminal, train.log its line
             self.bar.update(1)
             self.bar.set_postfix(

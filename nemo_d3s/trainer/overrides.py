@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
+import re
 import typing
 from typing import List, Optional, Sequence
 
-__all__ = ["schema_keys", "unknown_key_error"]
+__all__ = ["expand_home", "resume_deletions", "schema_keys", "unknown_key_error"]
 
 
 def _fields(cls: type) -> dict:
@@ -65,3 +67,39 @@ def unknown_key_error(argv: Sequence[str], groups: Sequence[str]) -> Optional[st
             hint = f"did you mean {near[0]}?" if near else "see conf/ and nemo_d3s/config.py"
             return f"{key}: no such setting; {hint} (from the command line: {a!r})"
     return None
+
+
+_HOME_PATH = re.compile(r"^~[\w.-]*(/|$)")
+
+
+def expand_home(argv: Sequence[str]) -> List[str]:
+    """``key=~/path`` with ``~`` expanded (quoted values too): the shell does not expand it after
+    ``key=``, and Hydra's override grammar refuses a value starting with it."""
+    out = []
+    for a in argv:
+        key, eq, value = a.partition("=")
+        quote = value[:1] if len(value) > 1 and value[:1] in "'\"" and value[-1] == value[0] else ""
+        inner = value[1:-1] if quote else value
+        if eq and not a.startswith("-") and _HOME_PATH.match(inner):
+            a = f"{key}={quote}{os.path.expanduser(inner)}{quote}"
+        out.append(a)
+    return out
+
+
+def resume_deletions(argv: Sequence[str], groups: Sequence[str]) -> tuple:
+    """(argv for Hydra, the ``~key`` deletions it must not see): under ``resume=true`` a deletion
+    is of a key of the run's own config, which the composed default may lack (Hydra: "Could
+    not delete from config"); the resumed config applies it (``run_start.resolve_config``)."""
+    resume = any(
+        a.partition("=")[0] == "resume" and a.partition("=")[2].lower() == "true" for a in argv
+    )
+    if not resume:
+        return list(argv), []
+    keep, held = [], []
+    for a in argv:
+        key = a.partition("=")[0]
+        if a.startswith("~") and "=" not in a and key[1:] not in groups and "/" not in key:
+            held.append(a)
+        else:
+            keep.append(a)
+    return keep, held

@@ -30,6 +30,7 @@ class StopSignals:
         self.name: Optional[str] = None
         self._previous: Dict[int, Any] = {}
         self.on_first = on_first
+        self.saved = False  # the stop's checkpoint is written: later signals change nothing
 
     @property
     def requested(self) -> bool:
@@ -37,6 +38,9 @@ class StopSignals:
 
     def _handler(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
+        if self.saved:
+            print(f"{name}: already stopping; the checkpoint is written", file=sys.stderr)
+            return
         if self.name is not None:
             print(
                 f"second {name}: stopping now, without a checkpoint "

@@ -5,35 +5,43 @@ most one small all-reduce.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import math
+from typing import Any, Dict, Optional
 
 import torch
 
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.core.losses import finalize_metrics
+from nemo_d3s.core.off_policy import ImportanceWeights
 from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.distributed.quantiles import global_quantiles
+from nemo_d3s.tasks.base import REWARD_FAILURES
 
 __all__ = [
+    "budget_metrics",
     "mismatch_metrics",
     "padding_metrics",
     "rollout_metrics",
     "selection_metrics",
     "token_metrics",
-    "truncated_is_weights",
+    "importance_metrics",
     "update_metrics",
 ]
 
 
 def rollout_metrics(
-    groups: ParallelGroups, stage: Any, ro: Rollouts, n_errors: int
+    groups: ParallelGroups, stage: Any, ro: Rollouts, failures: Dict[str, int]
 ) -> Dict[str, float]:
-    """Rewards and group counts from the SampleStage (whole batch); lengths summed over ranks."""
+    """Rewards and group counts from the SampleStage (whole batch); lengths and failed reward
+    calls (``failures``: by reason) summed over ranks; a reason's count only when not 0."""
     s = stage.metrics
+    by_reason = {f"reward_failed_{r}": float(failures.get(r, 0)) for r in REWARD_FAILURES}
     t = groups.sum(
         {
             "rollout_tokens": float(ro.batch.response_mask.sum()),
             "finished": float(ro.finished.sum()),
-            "reward_errors": float(n_errors),
+            "reward_errors": float(sum(failures.values())),
+            **by_reason,
         }
     )
     n = s["n_samples"]
@@ -49,6 +57,7 @@ def rollout_metrics(
         "finished_frac": t["finished"] / max(n, 1.0),
         "rollout_tokens": t["rollout_tokens"],
         "reward_errors": t["reward_errors"],
+        **{k: t[k] for k in by_reason if t[k]},
     }
 
 
@@ -182,13 +191,47 @@ def mismatch_metrics(
     }
 
 
-def truncated_is_weights(
-    old_logprobs: torch.Tensor,
-    sampling_logprobs: torch.Tensor,
+# (name, q) of the importance ratio's quantiles in the step's metrics
+IS_QUANTILES = (("min", 0.0), ("p01", 0.01), ("p50", 0.5), ("p99", 0.99), ("max", 1.0))
+
+
+def importance_metrics(
+    groups: ParallelGroups,
+    iw: ImportanceWeights,
     response_mask: torch.Tensor,
-    cap: float,
-) -> torch.Tensor:
-    """[B, S] f32: min(pi_train_old / pi_engine, cap) on response tokens, 1 elsewhere
-    (truncated importance sampling for the engine/trainer mismatch, as verl's TIS)."""
-    w = torch.exp((old_logprobs - sampling_logprobs).float()).clamp(max=float(cap))
-    return torch.where(response_mask, w, torch.ones_like(w))
+    token_keep: torch.Tensor,
+    cap: Optional[float],
+    mode: str,
+) -> Dict[str, float]:
+    """``is_ratio_<q>``: quantiles of the importance ratio (core/off_policy.py, at its level)
+    over the kept samples' response tokens [B_kept, S], exact over DP; with a correction
+    (``cap``) the share of the selected tokens (``token_keep``) it truncated
+    (``is_truncated_share``) or dropped (``is_masked_share``). Collectives: 4 small
+    all-reduces for the quantiles, one for the shares."""
+    log_r = iw.log_ratio[response_mask]
+    values = global_quantiles(log_r, [q for _, q in IS_QUANTILES], groups.dp, groups.device)
+    out = {}
+    if not math.isnan(values[0]):
+        out = {f"is_ratio_{n}": math.exp(v) for (n, _), v in zip(IS_QUANTILES, values)}
+    if cap is not None:
+        if mode == "mask":
+            hit = token_keep & ~iw.keep
+        else:
+            hit = token_keep & (iw.log_ratio > math.log(float(cap)))
+        t = groups.sum({"hit": float(hit.sum()), "n": float(token_keep.sum())})
+        name = "is_masked_share" if mode == "mask" else "is_truncated_share"
+        out[name] = t["hit"] / max(t["n"], 1.0)
+    return out
+
+
+def budget_metrics(m: Dict[str, float]) -> Dict[str, float]:
+    """Where a step's time went, from its metrics ``m``: ``time_generation``, the engine's
+    seconds on the step's rollouts (inside the step when synchronous, beside earlier steps
+    otherwise), and ``time_training``, the update budget's seconds (old-policy and reference
+    scoring, the update). With ``n_samples`` generated and ``n_kept_samples`` trained, the
+    PODS regime's two budgets."""
+    train = sum(float(m.get(k, 0.0)) for k in ("time_logprob", "time_reference", "time_update"))
+    return {
+        "time_generation": float(m.get("time_generation", m.get("time_rollout", 0.0))),
+        "time_training": train,
+    }

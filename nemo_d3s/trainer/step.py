@@ -15,18 +15,20 @@ from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
 from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
+from nemo_d3s.core.off_policy import importance_weights
 from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
-from nemo_d3s.trainer.data import PromptSource, generate_groups
+from nemo_d3s.trainer.data import PromptSource
 from nemo_d3s.trainer.faults import fault_point, first_line
+from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
+    importance_metrics,
     mismatch_metrics,
     padding_metrics,
     rollout_metrics,
     selection_metrics,
     token_metrics,
-    truncated_is_weights,
     update_metrics,
 )
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
@@ -60,11 +62,14 @@ class StepContext:
     micro_batch_size: int
     logprob_micro_batch_size: int
     groups: ParallelGroups
+    rollouts: GenerationPipeline  # the step's batch: generated now (k = 0) or ahead
     micro_batch_tokens: int = 0  # trainer.micro_batch_tokens (0 = micro_batch_size rows)
     logprob_micro_batch_tokens: int = 0  # the scoring passes' budget (resolved: never null)
     normalize_by: str = "kept"  # algorithm.normalize_by: kept | eligible
     rebalance: bool = False  # trainer.dp_rebalance
     tis_cap: Optional[float] = None  # algorithm.tis_cap
+    is_correction: str = "truncate"  # algorithm.is_correction
+    is_level: str = "token"  # algorithm.is_level
     timings: Dict[str, float] = field(default_factory=dict)
     # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
     stop_requested: Optional[Callable[[], bool]] = None
@@ -76,9 +81,12 @@ class StepContext:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        """``time_<name>``: wall seconds; ``time_cpu_<name>``: this process's CPU seconds (all
+        its threads), which a loaded machine inflates far less."""
+        t0, c0 = time.perf_counter(), time.process_time()
         yield
         self.timings[f"time_{name}"] = time.perf_counter() - t0
+        self.timings[f"time_cpu_{name}"] = time.process_time() - c0
 
 
 def _check_step_inputs(upd) -> None:
@@ -149,11 +157,12 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         # stop signal took down returns its rollouts aborted: GenerationInterrupted) or a
         # stop signal is pending, before the step's first collective over the rollouts; a
         # rank waits for the others' generations with a liveness check (engine_wait.py).
+        # With k > 0 the batch is the pipeline's, generated beside earlier steps.
         limit = generation_limit_s(ctx.engine_wait.base_s, len(prompts) * G, ctx.gen.max_new_tokens)
         ro, agreed = agreed_generation(
             ctx.engine_wait,
             ctx.engine.alive,
-            lambda: generate_groups(ctx.engine, prompts, G, ctx.gen),
+            lambda: ctx.rollouts.take(step, prompts),
             stopping=ctx.stopping(),
             limit_s=limit,
         )
@@ -162,12 +171,14 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             raise StepInterrupted(step)
         # scoring and the update need the memory: an engine with its own weights drops them
         # now (not after every generation: evaluation batches reuse them), after a stop
-        # signal too (an engine that ignores SIGUSR1, as the sbatch script's, stays awake)
-        release_engine(ctx.engine, stopping=agreed.stopping or ctx.stopping())
+        # signal too (an engine that ignores SIGUSR1, as the sbatch script's, stays awake);
+        # with k > 0 it is generating the next batches
+        if ctx.rollouts.synchronous:
+            release_engine(ctx.engine, stopping=agreed.stopping or ctx.stopping())
     interrupted = 0.0
     with ctx.timed("reward"):
         try:
-            rewards, n_errors = ctx.task.score(prompts.problems, ro.response_texts, G)
+            rewards, failures = ctx.task.score(prompts.problems, ro.response_texts, G)
         except RewardStopped:  # a stop signal cut a (slow or hung) reward call short
             rewards, interrupted = None, 1.0
         # Agreed like the generation's: a rank whose reward call was cut short stops them all.
@@ -176,8 +187,9 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     group_ids = prompts.global_index.repeat_interleave(G)  # [B] global prompt index = group id
 
     stage = ctx.selector.select_samples(rewards, group_ids, progress)
-    m = rollout_metrics(ctx.groups, stage, ro, n_errors)
+    m = rollout_metrics(ctx.groups, stage, ro, failures)
     m.update(selection_metrics(stage))
+    m.update(ctx.rollouts.step_metrics(step))
     if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
 
@@ -185,7 +197,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
     # The old-policy pass is skipped only for one on-policy update without token scores,
     # where the current log-probs (ratio 1) are the old ones.
-    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.engine.on_policy:
+    if ctx.selector.needs_entropy or ctx.num_mini_batches > 1 or not ctx.rollouts.on_policy:
         with ctx.timed("logprob"):
             scores = ctx.policy.score(
                 kept,
@@ -200,15 +212,21 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
         return {**m, "skipped": 1.0, "skip_no_tokens": 1.0, **ctx.timings}
     minibatch = group_ids[stage.kept_rows] % ctx.num_mini_batches  # layout-independent split
-    is_weight = None
+    is_weight, token_keep = None, tok.token_keep
     if ro.sampling_logprobs is not None and old_lp is not None:
+        # the behaviour policy's log-probs against the trainer's at the current weights
         sampling = ro.sampling_logprobs[stage.kept_rows]
         m.update(mismatch_metrics(ctx.groups, old_lp, sampling, kept.response_mask))
-        if ctx.tis_cap is not None:
-            is_weight = truncated_is_weights(old_lp, sampling, kept.response_mask, ctx.tis_cap)
+        cap, mode = ctx.tis_cap, ctx.is_correction
+        iw = importance_weights(
+            old_lp, sampling, kept.response_mask, cap or 1.0, mode=mode, level=ctx.is_level
+        )
+        m.update(importance_metrics(ctx.groups, iw, kept.response_mask, token_keep, cap, mode))
+        if cap is not None:
+            is_weight, token_keep = iw.weight, token_keep & iw.keep
     upd = compact(
         kept,
-        tok.token_keep,
+        token_keep,
         old_lp,
         stage.kept_advantages,
         minibatch,
@@ -240,6 +258,8 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             micro_batch_tokens=ctx.micro_batch_tokens,
         )
     fault_point("step.updated")
-    _refit_after_update(ctx)
+    if ctx.rollouts.synchronous:
+        _refit_after_update(ctx)
+    # (k > 0: the loop gives the engine the new weights between steps, pipeline.publish)
     m.update(update_metrics(ctx.groups, upd, report))
     return {**m, "skipped": 0.0, **ctx.timings}

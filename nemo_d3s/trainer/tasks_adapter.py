@@ -1,9 +1,13 @@
 """The trainer's view of a task: prompts in, rewards out, failures counted, not fatal.
 
-A reward call that raises, returns a non-finite value or outlives ``trainer.reward_timeout_s``
-(SIGALRM, main thread) gives reward 0 and counts in ``reward_errors``. After a stop signal the
-step's calls get ``STOP_GRACE_S`` more seconds, then raise :class:`RewardStopped` (the step is
-redone on resume). ``SystemExit`` / ``KeyboardInterrupt`` from a reward function is an error.
+Rewards are scored by ``trainer.reward_workers`` worker processes (``reward_pool.py``): a call
+that raises, returns a non-finite value, outlives ``trainer.reward_timeout_s`` (its worker is
+killed), ends its process or leaves processes behind gives reward 0 and counts in
+``reward_errors`` (and ``reward_failed_<reason>``). With ``reward_workers=0`` they run in this
+process, the time limit a SIGALRM (main thread; a call stuck in one C call or swallowing the
+alarm outlives it), and ``SystemExit`` / ``KeyboardInterrupt`` from a reward is an error. After a
+stop signal the step's calls get ``STOP_GRACE_S`` more seconds, then raise
+:class:`RewardStopped` (the step is redone on resume).
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from nemo_d3s.tasks.base import note_reward_range
+from nemo_d3s.trainer.reward_pool import RewardPool, worker_spec
 from nemo_d3s.trainer.signals import StopNow
 
-__all__ = ["RewardStopped", "TaskAdapter", "build_task"]
+__all__ = ["RewardStopped", "TaskAdapter", "build_task", "task_adapter"]
 
 log = logging.getLogger("nemo_d3s.trainer")
 
@@ -39,15 +45,24 @@ class _RewardTimeout(BaseException):
 
 
 class TaskAdapter:
-    """Wraps a :class:`nemo_d3s.tasks.base.Task`; ``timeout_s``: reward call limit (0: none)."""
+    """Wraps a :class:`nemo_d3s.tasks.base.Task`; ``timeout_s``: reward call limit (0: none);
+    ``pool``: the workers that score its rewards (None: this process does)."""
 
-    def __init__(self, task: Any, timeout_s: float = 0.0) -> None:
+    def __init__(
+        self, task: Any, timeout_s: float = 0.0, pool: Optional[RewardPool] = None
+    ) -> None:
         self.task = task
+        self.pool = pool
         self.n_logged = 0
         self.timeout_s = float(timeout_s)
         self.in_reward = False
         self.stop_at: Optional[float] = None  # monotonic time a stop cuts reward calls
         self._timed, self._deadline = False, None
+
+    def close(self) -> None:
+        """End the reward workers, if any (the run's end)."""
+        if self.pool is not None:
+            self.pool.close()
 
     @property
     def name(self) -> str:
@@ -77,18 +92,17 @@ class TaskAdapter:
     def prompt_text(problem: Any) -> str:
         return problem.prompt
 
-    def reward_one(self, problem: Any, completion: str) -> Tuple[float, bool]:
-        """(reward, failed). ``failed`` when the reward function raised or returned NaN/inf
-        (the reward is then 0, see ``tasks.base.safe_reward``)."""
+    def _in_process(self, problem: Any, completion: str) -> Tuple[float, Optional[str], str]:
+        """One call in this process under the SIGALRM limit: (reward, reason, error)."""
         from nemo_d3s.errors import ConfigError
-        from nemo_d3s.tasks.base import safe_reward
+        from nemo_d3s.tasks.base import checked_reward
 
         try:
             with self._time_limit():
-                value, error = safe_reward(self.task, problem, completion)
+                return checked_reward(self.task, problem, completion)
         except _RewardTimeout:
-            value = 0.0
-            error = f"no answer within {self.timeout_s:g} s (trainer.reward_timeout_s)"
+            msg = f"no answer within {self.timeout_s:g} s (trainer.reward_timeout_s)"
+            return 0.0, "timeout", msg
         except (StopNow, RewardStopped):
             raise
         except (SystemExit, KeyboardInterrupt) as e:
@@ -96,11 +110,9 @@ class TaskAdapter:
             raise ConfigError(
                 f"task {self.name!r}: the reward function raised {what}, which would end the run "
                 "without a summary; a reward function must return a number (raise an Exception "
-                "for a failed call: it is counted in reward_errors)"
+                "for a failed call: it is counted in reward_errors), or leave "
+                "trainer.reward_workers > 0 to run it in worker processes"
             ) from None
-        if error is not None:
-            self._log(error)
-        return value, error is not None
 
     def request_stop(self) -> None:
         """A stop signal arrived: reward calls get :data:`STOP_GRACE_S` more seconds, then (or when
@@ -109,7 +121,7 @@ class TaskAdapter:
         if self.stop_at is not None:
             return
         self.stop_at = time.monotonic() + STOP_GRACE_S
-        if self.in_reward and self._timed:
+        if self.in_reward and self._timed:  # (a pool's wait reads stop_at every tick)
             signal.setitimer(signal.ITIMER_REAL, min(self._remaining(), STOP_GRACE_S))
 
     def _remaining(self) -> float:
@@ -148,19 +160,29 @@ class TaskAdapter:
 
     def score(
         self, problems: Sequence[Any], completions: Sequence[str], n_samples: int
-    ) -> Tuple[torch.Tensor, int]:
-        """Rewards [len(problems) * n_samples] f32 for prompt-major completions, and the
-        number of failed reward calls."""
+    ) -> Tuple[torch.Tensor, Dict[str, int]]:
+        """Rewards [len(problems) * n_samples] f32 for prompt-major completions, and the failed
+        calls counted by reason (``tasks.base.REWARD_FAILURES``)."""
         if len(completions) != len(problems) * n_samples:
             raise ValueError(
                 f"{len(completions)} completions for {len(problems)} problems x {n_samples} samples"
             )
-        out, errors = [], 0
-        for i, text in enumerate(completions):
-            r, failed = self.reward_one(problems[i // n_samples], text)
-            out.append(r)
-            errors += failed
-        return torch.tensor(out, dtype=torch.float32), errors
+        items = [(problems[i // n_samples], t) for i, t in enumerate(completions)]
+        if self.pool is None:
+            results = [self._in_process(p, t) for p, t in items]
+        else:
+            results = self.pool.score(items, lambda: self.stop_at)
+            if results is None:
+                raise RewardStopped()
+        out, failures = [], {}
+        for value, reason, error in results:
+            out.append(value)
+            if reason is None:
+                note_reward_range(self.task, value)
+            else:
+                failures[reason] = failures.get(reason, 0) + 1
+                self._log(error)
+        return torch.tensor(out, dtype=torch.float32), failures
 
     def _log(self, msg: str) -> None:
         if self.n_logged < _MAX_LOGGED:
@@ -170,6 +192,18 @@ class TaskAdapter:
             self.n_logged += 1
             if self.n_logged == _MAX_LOGGED:
                 log.warning("task %s: further reward failures are only counted", self.name)
+
+
+def task_adapter(name: str, params: dict, timeout_s: float, workers: int) -> TaskAdapter:
+    """The task ``name`` built here (prompts, evaluation set) and, with ``workers`` > 0, that
+    many reward worker processes started on it (each builds its own copy)."""
+    from nemo_d3s.tasks.base import TASKS
+
+    task = build_task(name, params)
+    pool = None
+    if workers > 0:
+        pool = RewardPool(worker_spec(name, params, TASKS.get(name)), workers, timeout_s)
+    return TaskAdapter(task, timeout_s=timeout_s, pool=pool)
 
 
 def build_task(name: str, params: dict) -> Any:

@@ -171,8 +171,8 @@ class _Task:
     def prompt_text(self, p):
         return str(p)
 
-    def reward_one(self, p, text):
-        return 1.0, False
+    def score(self, problems, texts, n):
+        return torch.ones(len(texts)), {}
 
 
 class _Groups:

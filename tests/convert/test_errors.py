@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import tiny  # noqa: E402
 
 from nemo_d3s.config import ConfigError  # noqa: E402
+from nemo_d3s.errors import RunError  # noqa: E402
 from nemo_d3s.convert import hf_to_megatron, megatron_to_hf, verify  # noqa: E402
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors  # noqa: E402
 from nemo_d3s.convert.__main__ import main  # noqa: E402
@@ -353,13 +354,13 @@ def test_interrupt_or_error_mid_write_leaves_nothing(tmp_path, made, monkeypatch
         hf_to_megatron(src, tmp_path / "ck", tp=2, progress=False)
     _nothing_written(tmp_path, [])  # not even the parent folder "a" made for the output
     monkeypatch.setattr(StreamingSafetensors, "write", real)
-    # a full disk: the write fails with OSError
+    # a full disk: the write fails with OSError, reported as one RunError line
     monkeypatch.setattr(
         StreamingSafetensors,
         "write",
         lambda self, n, t: (_ for _ in ()).throw(OSError(28, "No space left on device")),
     )
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RunError, match=r"could not write --out .*No space left.*nothing was"):
         megatron_to_hf(ck, tmp_path / "hf", progress=False)
     _nothing_written(tmp_path, [])
 

@@ -390,3 +390,98 @@ def test_the_command_line_both_ways(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "architecture from" in err and "run_config.yaml' (Megatron-Bridge) model" in err
     assert_same_tensors(src, tmp_path / "h")
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused_before_writing(tmp_path, capsys):
+    """--tp 3 on a model with 4 heads wrote a save folder no Megatron-LM run could load."""
+    import json
+
+    from nemo_d3s.convert.__main__ import main
+
+    src = tiny(tmp_path / "src", "llama")
+    heads = json.loads((src / "config.json").read_text())["num_attention_heads"]
+    tp = heads + 1
+    out = tmp_path / "m"
+    assert main(["hf-to-megatron-lm", "--hf", str(src), "--out", str(out), "--tp", str(tp)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: --tp {tp}: num_attention_heads={heads} is not divisible by" in err
+    assert not out.exists()
+
+
+def test_hf_to_megatron_lm_checks_megatron_cores_version(tmp_path):
+    """It writes through megatron-core's dist checkpointing, as megatron-to-nemo does, yet ran
+    on any megatron-core."""
+    import subprocess
+
+    code = (
+        "import importlib.metadata as md, sys\n"
+        "real = md.version\n"
+        "md.version = lambda n: '0.18.0' if n == 'megatron-core' else real(n)\n"
+        "from nemo_d3s.convert.__main__ import main\n"
+        f"sys.exit(main(['hf-to-megatron-lm', '--hf', {str(tmp_path / 'hf')!r}, '--out', "
+        f"{str(tmp_path / 'out')!r}]))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(HERE))
+    env = {**os.environ, "PYTHONPATH": repo}
+    env.pop("NEMO_D3S_ALLOW_UNTESTED", None)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=WAIT_S
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "megatron-core 0.18.0 is installed, tested:" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_while_writing_a_megatron_lm_save_is_one_error_line(tmp_path):
+    """torch.distributed.checkpoint's CheckpointException (a BaseException) came out as a
+    traceback, after megatron-core's own log line; a file-size limit stands in for the full
+    disk (the same failed write), and the line names it instead of only the free space."""
+    import subprocess
+
+    src = tiny(tmp_path / "src", "llama")
+    script = tmp_path / "limited.py"
+    script.write_text(
+        "import resource, signal, sys\n"
+        "if __name__ == '__main__':\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n"
+        "    from nemo_d3s.convert.__main__ import main\n"
+        "    sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "m"
+    repo = os.path.dirname(os.path.dirname(HERE))
+    r = subprocess.run(
+        [sys.executable, str(script), "hf-to-megatron-lm", "--hf", str(src), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": repo},
+        timeout=WAIT_S,
+    )
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: could not write --out '{out}': "), lines
+    assert (
+        "file-size limit (ulimit -f) is 20000 bytes" in lines[0]
+        and "nothing was written" in lines[0]
+    )
+    assert (
+        not out.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".m")] == []
+    )
+
+
+def test_verify_reads_a_megatron_lm_save(tmp_path, capsys):
+    """``verify --ckpt <Megatron-LM save>`` said "is not a Megatron checkpoint: no
+    megatron/layout.json": it looked for the shard layout of this project's checkpoints before
+    reading the save (megatron-to-hf reads it); now it compares its logits."""
+    from nemo_d3s.convert.__main__ import main
+
+    src = tiny(tmp_path / "src", "llama")
+    assert (
+        main(["hf-to-megatron-lm", "--hf", str(src), "--out", str(tmp_path / "m"), "--quiet"]) == 0
+    )
+    capsys.readouterr()
+    assert main(["verify", "--hf", str(src), "--ckpt", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr()
+    assert "OK: max abs logit error" in out.out and "Megatron-LM torch_dist" in out.out
+    assert "not a Megatron checkpoint" not in out.err

@@ -195,12 +195,45 @@ def benchmarks_readme() -> List[str]:
         f"and {max(p['rss_end_bytes_median'] for p in pp) / GIB:.1f} GiB after a step",
         f"({hf0['param_bytes'] / MIB:.0f} MiB in fp32)",
     ]
-    m = record("bench_microbatch.json")["methods"]
-    for name, label in (("fixed", "fixed, 4 rows"), ("budget", "budget 4096 tokens")):
+    r = record("bench_microbatch.json")
+    m = r["methods"]
+    for name, label in (
+        ("fixed", "fixed, 4 rows"),
+        ("budget", "budget 4096 tokens"),
+        ("packed", "packed, 4096 tokens"),
+    ):
         x = m[name]
         out.append(
             f"| {label} | {x['fed_tokens']:.0f} | {x['padding_share']:.1%} | "
             f"{x['micro_batches']:.0f} | {x['score_s_median']:.3f} | "
             f"{x['train_step_s_median']:.3f} | {x['grad_norm']:.5f} |"
         )
+    plans, long = r["megatron_plans"], r["long_recipe_plans"]
+    out.append(
+        "PP 1 "
+        + " -> ".join(f"{plans[f'pp1_{k}']['fed_tokens']}" for k in ("fixed", "budget", "packed"))
+        + " fed tokens; PP 2 "
+        + " -> ".join(f"{plans[f'pp2_{k}']['fed_tokens']}" for k in ("fixed", "budget", "packed"))
+    )
+    lb, lp = long["pp2_budget"]["padding_share"], long["pp2_packed"]["padding_share"]
+    out.append(
+        f"{long['rows']} rows of {long['real_tokens']:.0f} tokens: budget {lb:.1%}, packed {lp:.1%}"
+    )
+    cp = {k: max(v["alloc_peak_bytes_per_rank"]) / GIB for k, v in r["context_parallel"].items()}
+    out.append(
+        f"{cp['cp1']:.1f} GiB at CP 1, {cp['cp2']:.1f} GiB per rank at CP 2 (packed: "
+        f"{cp['cp1_packed']:.1f} -> {cp['cp2_packed']:.1f} GiB)"
+    )
+    rw = {e["label"]: e["by_workers"] for e in record("bench_rewards.json")["entries"]}
+
+    def rate(label, w):
+        r = rw[label][w]
+        return f"{r['step_rewards_per_s']:.0f} rewards/s for a step's calls and " + (
+            f"{r['eval_rewards_per_s']:.0f} for an evaluation's"
+        )
+
+    out.append(f"trainer process) {rate('before', '0')}")
+    for w in ("0", "2"):
+        r = rw["after"][w]
+        out.append(f"{r['step_rewards_per_s']:.0f} / {r['eval_rewards_per_s']:.0f}")
     return out

@@ -4,14 +4,18 @@ text (``tests/golden/<layout>.jsonl``), so that a change that moves numbers is c
 
 Layouts (the same tiny Llama folder, the same 3-step D3S smoke run):
 
-=========  =====  ===================================================
-name       ranks  backend / layout
-=========  =====  ===================================================
-single     1      HF backend, one process (the CPU default's path)
-dp2        2      HF backend, torchrun, data parallel
-tp2        2      Megatron backend, TP2 (gloo)
-tp2_pp2    4      Megatron backend, TP2 x PP2 (gloo)
-=========  =====  ===================================================
+==========  =====  ===================================================
+name        ranks  backend / layout
+==========  =====  ===================================================
+single      1      HF backend, one process (the CPU default's path)
+dp2         2      HF backend, torchrun, data parallel
+packed      1      HF backend, one process, packed sequences
+dp2_packed  2      HF backend, torchrun, data parallel, packed sequences
+tp2         2      Megatron backend, TP2 (gloo)
+tp2_pp2     4      Megatron backend, TP2 x PP2 (gloo)
+tp2_packed  2      Megatron backend, TP2, packed sequences (THD, the local attention)
+cp2         2      Megatron backend, context parallel 2 (K/V gathered over CP)
+==========  =====  ===================================================
 
 The model is a tiny random Llama whose every tensor is drawn here from a generator seeded by
 the tensor's name, so the golden numbers do not depend on transformers' initialiser (which
@@ -71,8 +75,12 @@ def _megatron(tp: int, pp: int) -> List[str]:
 LAYOUTS: Dict[str, tuple] = {
     "single": (1, []),
     "dp2": (2, []),
+    "packed": (1, ["trainer.pack_sequences=true"]),
+    "dp2_packed": (2, ["trainer.pack_sequences=true"]),
     "tp2": (2, _megatron(2, 1)),
     "tp2_pp2": (4, _megatron(2, 2)),
+    "tp2_packed": (2, [*_megatron(2, 1), "trainer.pack_sequences=true"]),
+    "cp2": (2, [*_megatron(1, 1), "+model.params.context_parallel_size=2"]),
 }
 # Differ between layouts by design (how the DP ranks' loads were balanced).
 LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after"}

@@ -41,8 +41,19 @@ def test_dp2_matches_golden(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_packed_matches_golden(model, tmp_path):
+    _check("packed", model, tmp_path)
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["tp2", "tp2_pp2"])
+def test_dp2_packed_matches_golden(model, tmp_path):
+    _check("dp2_packed", model, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["tp2", "tp2_pp2", "tp2_packed", "cp2"])
 def test_megatron_layouts_match_golden(name, model, tmp_path):
     _check(name, model, tmp_path)
 

@@ -5,8 +5,9 @@ their own environment, .ci/run; without trl the file is not collected, tests/con
   ``GRPOTrainer``'s on the same batch (same model, same seeds);
 - a D3S preset: TRL's advantages are the selection's, the kept rows and tokens equal
   ``nemo_d3s.core``'s selection on those advantages and TRL's entropies, the entropies are
-  the model's (computed here from its logits), the training forward sees the kept rows only,
-  and the gradient is that of -(1/N_kept) sum_{kept tokens} A log p, written out here;
+  the model's (computed here from its logits), the training forward sees the kept rows holding
+  a kept token, up to the last kept column (compacted), and the gradient is that of
+  -(1/N_kept) sum_{kept tokens} A log p, written out here;
 - 2 processes (torchrun, gloo) keep the same rows and tokens as 1.
 """
 
@@ -174,13 +175,15 @@ def test_d3s_keeps_the_cores_rows_and_tokens_and_trains_on_them_only(folder, tmp
     # -(1/N) sum_{kept tokens} A log p (on-policy: ratio 1, no clipping, beta 0)
     seen = []
     hook = plug.model.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+        lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
     )
     try:
         _, grads = _loss_and_grads(plug, cut)
     finally:
         hook.remove()
-    assert seen == [rows.numel()]
+    # compacted: the rows holding a kept token, up to the last kept column
+    last = int(token_keep.any(0).nonzero().max()) + 1
+    assert seen == [(int(token_keep.any(1).sum()), cut["prompt_ids"].shape[1] + last)]
     plug.model.zero_grad(set_to_none=True)
     ids_c = torch.cat([cut["prompt_ids"], cut["completion_ids"]], 1)
     attn_c = torch.cat([cut["prompt_mask"], cut["completion_mask"]], 1)

@@ -14,6 +14,7 @@ from nemo_d3s.distributed.launch import run_on_gloo_ranks
 from nemo_d3s.errors import ConfigError, RunError
 from nemo_d3s.integrations.trl.selection import (
     TRLD3SSelector,
+    compact_rows,
     kept_batch,
     step_shares,
     trl_group_ids,
@@ -169,6 +170,34 @@ def test_kept_batch_pads_with_zero_loss_rows_and_refuses_unknown_keys():
     batch["pixel_values"] = torch.zeros(4, 3)
     with pytest.raises(ConfigError, match="pixel_values"):
         kept_batch(batch, torch.tensor([0]), keep[:1], min_rows=1, trim_columns=True)
+
+
+def test_compact_rows_cuts_after_the_last_loss_token():
+    batch = _batch()
+    # loss tokens: row 0 col 1, row 2 col 2; rows 1 and 3 have none (row 1 has completion)
+    batch["tool_mask"] = torch.tensor(
+        [[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
+    )
+    batch["old_per_token_logps"] = torch.arange(20.0).view(4, 5)
+    batch["importance_sampling_ratio"] = torch.ones(4, 5)
+    out, before, after = compact_rows(batch, drop_rows=True)
+    assert out["advantages"].tolist() == [0.0, 2.0]  # rows 0 and 2
+    assert out["completion_ids"].tolist() == [[0, 1, 2], [200, 201, 202]]
+    assert out["old_per_token_logps"].tolist() == [[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]
+    assert out["importance_sampling_ratio"].shape == (2, 3)
+    assert out["prompt_ids"].shape == (2, 3)  # the prompt side is never cut
+    assert out["num_items_in_batch"] is batch["num_items_in_batch"]
+    assert (before, after) == (4 * (3 + 5), 2 * (3 + 3))
+    # rows kept where the loss counts them; the width rounded up to a multiple
+    out, _, after = compact_rows(batch, drop_rows=False, multiple=4)
+    assert out["completion_ids"].shape == (4, 4) and after == 4 * (3 + 4)
+    # vespo: a per-token ratio keeps its columns up to the last completion token (row 2's 4th)
+    out, _, _ = compact_rows(batch, drop_rows=True, ratio_columns=False)
+    assert out["completion_ids"].shape == (2, 4)
+    # no loss token at all: row 0 stays, one column, so the backward still runs
+    batch["tool_mask"] = torch.zeros(4, 5, dtype=torch.long)
+    out, _, after = compact_rows(batch, drop_rows=True)
+    assert out["completion_ids"].tolist() == [[0]] and after == 1 * (3 + 1)
 
 
 def test_step_shares():

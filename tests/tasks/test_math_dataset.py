@@ -83,8 +83,8 @@ def test_custom_fields_math_style(tmp_path):
         {"problem": "x plus one?", "solution": "$\\boxed{x+1}$"},
     ]
     path = tmp_path / "math.json"
-    path.write_text(json.dumps(rows))
-    (tmp_path / "math_eval.json").write_text(json.dumps(rows))  # eval_path == train_path: refused
+    path.write_text(json.dumps([{"problem": "Two halves?", "solution": "$\\boxed{1}$"}]))
+    (tmp_path / "math_eval.json").write_text(json.dumps(rows))
     task = make_task(
         "math_file",
         train_path=str(path),

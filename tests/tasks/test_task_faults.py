@@ -167,3 +167,49 @@ def test_eval_path_equal_to_train_path_is_refused(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=r"task.params.eval_path=.* is task.params.train_path"):
             make_task("math_file", train_path=str(data), eval_path=other)
     assert len(make_task("math_file", train_path=str(data), n_eval=2).eval_set()) == 2
+
+
+def _rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_an_eval_file_with_the_training_questions_is_refused_or_left_out_of_training(
+    tmp_path, caplog
+):
+    """A copy of the training file as eval_path (another name, the same questions) trained
+    and evaluated on the same rows without a word; a partly overlapping one too."""
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    train = _rows(tmp_path / "train.jsonl", rows)
+    copy = _rows(tmp_path / "copy.jsonl", list(reversed(rows)))
+    with pytest.raises(ValueError, match=r"copy.jsonl' holds every question of .*train.jsonl"):
+        MathDatasetTask(train, copy, answer_format="plain")
+    some = _rows(tmp_path / "some.jsonl", rows[:2] + [{"question": "Other?", "answer": "7"}])
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        task = MathDatasetTask(train, some, answer_format="plain")
+    split = task.finite_problems()
+    assert len(split["train"]) == 4 and len(split["eval"]) == 3
+    assert not {p.prompt for p in split["train"]} & {p.prompt for p in split["eval"]}
+    assert "2 of 6 questions are in task.params.eval_path too (line 1, line 2)" in caplog.text
+
+
+def test_a_question_with_two_reference_answers_is_warned(tmp_path, caplog):
+    rows = [
+        {"question": "What is 2 + 2?", "answer": "4"},
+        {"question": "What is 3 + 3?", "answer": "6"},
+        {"question": "What is 2 + 2?", "answer": "5"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        MathDatasetTask(_rows(tmp_path / "t.jsonl", rows), answer_format="plain", n_eval=1)
+    assert "1 question(s) appear with different reference answers (line 1: '4' vs line 3: '5')" in (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize("question", [12, ["a"], {"text": "a"}, True])
+def test_a_question_that_is_not_text_is_refused_naming_the_row(tmp_path, question):
+    """A number or a list as the question became its str() (a prompt of "12") without a word."""
+    rows = [{"question": "What is 1 + 1?", "answer": "2"}, {"question": question, "answer": "3"}]
+    path = _rows(tmp_path / "t.jsonl", rows)
+    with pytest.raises(ValueError, match=r"t.jsonl: line 2: field 'question' holds a .*not the"):
+        MathDatasetTask(path, answer_format="plain", n_eval=1)

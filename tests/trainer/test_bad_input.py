@@ -10,35 +10,10 @@ import pytest
 import torch
 
 from nemo_d3s.config import ConfigError
-from nemo_d3s.tasks.base import TASKS
-from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.trainer.loop import Trainer
 
+from . import _tasks  # noqa: F401  (registers test_constant, test_flaky)
 from .conftest import FAST, cli, compose, run_inprocess
-
-
-class _ConstantTask(TinyCharTask):
-    """Every response gets the same reward: every group is degenerate."""
-
-    def reward(self, problem, response_text):
-        return 1.0
-
-
-class _FlakyTask(TinyCharTask):
-    """The reward raises for some responses and is NaN for others (by first character)."""
-
-    def reward(self, problem, response_text):
-        code = ord(response_text[0]) if response_text else 0
-        if code % 3 == 0:
-            raise RuntimeError("verifier exploded")
-        if code % 3 == 1:
-            return float("nan")
-        return super().reward(problem, response_text)
-
-
-for _name, _cls in (("test_constant", _ConstantTask), ("test_flaky", _FlakyTask)):
-    if _name not in TASKS:
-        TASKS.register(_name)(_cls)
 
 
 def test_all_equal_batch_skips_the_update_but_advances(tmp_path):

@@ -146,3 +146,11 @@ def test_registry_properties_replace_name_comparisons():
         reg.prop("b", "colour")
     with pytest.raises(ValueError, match="unknown thing 'c'"):
         reg.prop("c", "needs_x")
+
+
+@pytest.mark.parametrize("value, want", [("true", True), ("false", False), ("null", None)])
+def test_pack_sequences_reaches_the_backend_config(tmp_path, value, want):
+    from nemo_d3s.trainer.build import checked_backend_config
+
+    over = ["experiment=smoke", f"output_dir={tmp_path}", f"trainer.pack_sequences={value}"]
+    assert checked_backend_config(compose(over)).pack_sequences is want

@@ -10,6 +10,7 @@ from nemo_d3s.config import ConfigError
 from nemo_d3s.trainer.build import checked_backend_config
 
 from .conftest import compose
+from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -39,7 +40,9 @@ def test_context_parallel_size_below_one_says_must_be_1(tmp_path, cp):
         ["experiment=megatron_smoke", f"output_dir={tmp_path}"]
         + [f"+model.params.context_parallel_size={cp}"]
     )
-    with pytest.raises(ConfigError, match=rf"context_parallel_size={cp}: must be 1") as e:
+    with pytest.raises(
+        ConfigError, match=rf"context_parallel_size={cp}: must be an integer >= 1"
+    ) as e:
         checked_backend_config(cfg)
     assert "Transformer Engine" not in str(e.value)
 
@@ -63,10 +66,51 @@ def test_every_key_of_every_experiment_passes_the_key_check():
 
     from nemo_d3s.train import conf_dir
     from nemo_d3s.trainer.overrides import unknown_key_error
-    from nemo_d3s.trainer.resume import leaf_keys
+    from nemo_d3s.trainer.run_start.config_file import leaf_keys
 
     groups = [p.name for p in conf_dir().iterdir() if p.is_dir()]
     for path in sorted(glob.glob(str(conf_dir() / "experiment" / "*.yaml"))):
         name = os.path.basename(path)[:-5]
         keys = leaf_keys(OmegaConf.to_container(compose([f"experiment={name}"]), resolve=False))
         assert not [k for k in keys if unknown_key_error([f"{k}=1"], groups)], name
+
+
+def test_a_home_path_on_the_command_line_is_expanded():
+    """The README's ``model.name=~/models/qwen-0.5b`` failed as written: the shell leaves ``~``
+    after ``key=`` and Hydra's grammar refuses it (LexerNoViableAltException)."""
+    import os
+
+    from nemo_d3s.trainer.overrides import expand_home
+
+    home = os.path.expanduser("~")
+    assert expand_home(["model.name=~/models/q", "output_dir='~/runs/a'", "x=~", "-m"]) == [
+        f"model.name={home}/models/q",
+        f"output_dir='{home}/runs/a'",
+        f"x={home}",
+        "-m",
+    ]
+    kept = ["~model.params.tiny", "a=b~/c", "d=~~", "e="]
+    assert expand_home(kept) == kept
+
+
+@pytest.mark.slow
+def test_the_readmes_own_model_command_runs_with_a_home_path(tmp_path):
+    """``python -m nemo_d3s.train output_dir=~/run ...`` with HOME pointing here: the run
+    writes under HOME, and no folder named ``~`` appears where it was started."""
+    import subprocess
+    import sys
+
+    from .conftest import FAST, cli_env
+
+    env = {**cli_env(), "HOME": str(tmp_path)}
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.train", "experiment=smoke", *FAST, "trainer.steps=1"]
+        + ["output_dir=~/run"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "~").exists()

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import signal
 import stat
 import subprocess
@@ -21,43 +22,31 @@ import pytest
 import torch
 
 from nemo_d3s.config import ConfigError
-from nemo_d3s.files import apply_umask, current_umask
+from nemo_d3s.files import apply_umask, current_umask, write_checksums
 from nemo_d3s.tasks.base import TASKS
 from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.train import _is_collective_timeout, run_cli
 from nemo_d3s.trainer import metrics as metrics_mod
-from nemo_d3s.trainer import rundir as rundir_mod
-from nemo_d3s.trainer.checkpoint import CHECKSUMS, checkpoint_dirs, verify_checkpoint
+from nemo_d3s.trainer.run_start import folder as rundir_mod
+from nemo_d3s.trainer.checkpoint import CHECKSUMS, RUN_RECORD, checkpoint_dirs, verify_checkpoint
 from nemo_d3s.trainer.faults import RunError
 from nemo_d3s.trainer.loop import Trainer
 from nemo_d3s.trainer.metrics import JsonlAppender, MetricsLogger, read_jsonl, truncate_jsonl
-from nemo_d3s.trainer.rundir import RunDirLock
+from nemo_d3s.trainer.run_start.folder import RunDirLock
 
+from . import _tasks  # noqa: F401  (registers the misbehaving test tasks)
 from .conftest import FAST, REPO, cli_env, compose, run_inprocess, without_timing
 from _limits import WAIT_S  # noqa: E402
+
+IN_PROCESS = "trainer.reward_workers=0"
 
 # Three steps, a checkpoint after each, all kept: a resume can fall back two steps.
 STEPS3 = [*FAST, "trainer.steps=3", "trainer.save_every=1", "trainer.keep_last=3"]
 
 
 # ------------------------------------------------------------------ test tasks
-class _HugeReward(TinyCharTask):
-    def reward(self, problem, response_text):
-        return 1e30 if len(response_text) % 2 else 0.0
-
-
-class _BrokenVerifier(TinyCharTask):
-    def reward(self, problem, response_text):
-        raise RuntimeError("verifier service unreachable")
-
-
-class _ZeroReward(TinyCharTask):
-    """A verifier that never matches (as with references it cannot read): reward 0 always."""
-
-    def reward(self, problem, response_text):
-        return 0.0
-
-
+# Tasks whose rewards signal the trainer itself: they run with trainer.reward_workers=0
+# (IN_PROCESS), as a reward in a worker process signals only its worker.
 class _SignalDuringEval(TinyCharTask):
     """Sends ``signum`` to this process at the first reward of the first evaluation."""
 
@@ -87,9 +76,6 @@ class _SigintTwice(_SigintOnce):
 
 
 for _name, _cls in (
-    ("fault_huge_reward", _HugeReward),
-    ("fault_broken_verifier", _BrokenVerifier),
-    ("fault_zero_reward", _ZeroReward),
     ("fault_signal_eval", _SignalDuringEval),
     ("fault_sigint_once", _SigintOnce),
     ("fault_sigint_twice", _SigintTwice),
@@ -189,7 +175,7 @@ def test_second_run_in_a_locked_directory_is_refused(tmp_path, capsys):
 
 def test_lock_is_released_when_its_holder_is_killed(tmp_path):
     code = (
-        "import sys, time; from nemo_d3s.trainer.rundir import RunDirLock; "
+        "import sys, time; from nemo_d3s.trainer.run_start.folder import RunDirLock; "
         f"RunDirLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)"
     )
     proc = subprocess.Popen(
@@ -347,6 +333,39 @@ def test_output_dir_that_is_a_file_or_empty_is_an_error_line_before_hydra_writes
     assert not (tmp_path / ".hydra").exists() and not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize("exists", [False, True])
+def test_no_room_for_data_is_an_error_line_before_hydra_writes(tmp_path, exists):
+    """A full disk: the start's probe created an empty file (which needs no data block), so
+    Hydra's .hydra/ write was the first to fail, as a traceback. The probe writes real bytes
+    now; a file-size limit of 1 KiB stands in for the full disk (the same failed write)."""
+    out = tmp_path / "run"
+    if exists:
+        out.mkdir()
+    script = tmp_path / "limited.py"
+    script.write_text(
+        "import resource, signal, sys\n"
+        "if __name__ == '__main__':\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+        "    from nemo_d3s.train import main\n"
+        "    sys.argv[0] = 'nemo-d3s-train'\n"
+        "    main()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), "experiment=smoke", f"output_dir={out}"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: output_dir='{out}' "), lines
+    assert "File too large" in lines[0] and "file-size limit (ulimit -f) is 1024 bytes" in lines[0]
+    assert not (out / ".hydra").exists() and not (tmp_path / ".hydra").exists()
+
+
 def test_unwritable_output_dir_is_an_error_line(tmp_path, capsys, monkeypatch):
     def read_only(p):
         raise OSError(errno.EROFS, "Read-only file system")
@@ -408,31 +427,53 @@ def test_resume_with_a_different_model_shape_is_one_error_line(tmp_path, capsys)
     assert len(err.strip().splitlines()) == 1
 
 
-def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(tmp_path, capsys):
+def _without_run_record(run_dir):
+    """The run's checkpoints as an earlier version wrote them: no run_record.json."""
+    for ck in checkpoint_dirs(run_dir / "checkpoints"):
+        (ck / RUN_RECORD).unlink()
+        write_checksums(ck)
+
+
+def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(
+    tmp_path, capsys, caplog
+):
+    """With checkpoints of an earlier version (no config of their own) the garbled file is
+    refused; a checkpoint's run record stands in for it (a warning names the file)."""
     run_dir = tmp_path / "run"
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
     (run_dir / "config.yaml").write_text("seed: [0\ntrainer: {steps: \x07")
+    saved = tmp_path / "saved"
+    shutil.copytree(run_dir, saved)
+    _without_run_record(run_dir)
     before = _snapshot(run_dir)
     code, err = _cli_code(capsys, [*FAST, f"output_dir={run_dir}", "resume=true"])
     assert code == 2 and "config.yaml" in err and "cannot be read" in err
     assert _snapshot(run_dir) == before
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        state, _ = run_inprocess(saved, [*FAST, "trainer.steps=2", "resume=true"])
+    assert state.step == 2 and "config.yaml cannot be read" in caplog.text
 
 
 @pytest.mark.parametrize("cut", ["emptied", "cut_short"])
 def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(
     tmp_path, capsys, caplog, cut
 ):
-    """Only the keys the old file still holds used to be compared: a changed seed went through."""
+    """Only the keys the old file still holds used to be compared: a changed seed went through.
+    With the checkpoint's own config it is compared against that; without one (an earlier
+    version's checkpoint) the file is reported as cut short."""
     run_dir = tmp_path / "run"
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
     text = (run_dir / "config.yaml").read_text()
     (run_dir / "config.yaml").write_text(
         "" if cut == "emptied" else text[: text.index("\nseed:")] + "\n"
     )
+    argv = [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"]
     before = _snapshot(run_dir)
-    code, err = _cli_code(
-        capsys, [*FAST, f"output_dir={run_dir}", "resume=true", "trainer.steps=2", "seed=7"]
-    )
+    code, err = _cli_code(capsys, argv)
+    assert code == 2 and "changes the experiment (seed: 0 -> 7)" in err and RUN_RECORD in err
+    _without_run_record(run_dir)
+    before = _snapshot(run_dir)
+    code, err = _cli_code(capsys, argv)
     assert code == 2 and "config.yaml' lacks" in err and "emptied, cut short" in err, err
     assert "seed" in err or "..." in err
     assert _snapshot(run_dir) == before
@@ -592,7 +633,7 @@ def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     run_inprocess(ref_dir, [*args, "task.name=tiny"])
     _SignalDuringEval.sent = False
-    state, rows = run_inprocess(run_dir, [*args, "task.name=fault_signal_eval"])
+    state, rows = run_inprocess(run_dir, [*args, "task.name=fault_signal_eval", IN_PROCESS])
     assert state.extra.get("interrupted") and state.step == 1
     assert read_jsonl(run_dir / "eval.jsonl") == []  # the evaluation was abandoned within a batch
     ckpt = json.loads((run_dir / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
@@ -612,14 +653,16 @@ def test_first_sigint_checkpoints_like_sigterm_second_stops_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     _SigintOnce.sent = 0
     state, rows = run_inprocess(
-        tmp_path / "a", [*FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
+        tmp_path / "a", [*FAST, "trainer.steps=4", "task.name=fault_sigint_once", IN_PROCESS]
     )
     assert state.extra.get("interrupted") and state.step == 1 and len(rows) == 1
     assert (tmp_path / "a" / "checkpoints" / "step_000001").is_dir()
     assert signal.getsignal(signal.SIGINT) == before
     _SigintTwice.sent = 0
     with pytest.raises(SystemExit) as e:
-        run_inprocess(tmp_path / "b", [*FAST, "trainer.steps=4", "task.name=fault_sigint_twice"])
+        run_inprocess(
+            tmp_path / "b", [*FAST, "trainer.steps=4", "task.name=fault_sigint_twice", IN_PROCESS]
+        )
     assert e.value.code == 128 + signal.SIGINT
     assert checkpoint_dirs(tmp_path / "b" / "checkpoints") == []
     assert signal.getsignal(signal.SIGINT) == before
@@ -631,8 +674,6 @@ def test_a_second_sigint_after_the_checkpoint_keeps_the_interrupted_exit_code(
     """Issue 32: a second quick Ctrl-C that arrived once the loop had checkpointed and
     restored its handler (here: while the metrics file closes) was Python's ordinary
     KeyboardInterrupt: "exit code 75" printed, 130 returned. It is ignored now."""
-    from nemo_d3s import train as train_mod
-
     real_close = MetricsLogger.close
 
     def close_then_sigint(self):
@@ -640,20 +681,48 @@ def test_a_second_sigint_after_the_checkpoint_keeps_the_interrupted_exit_code(
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(MetricsLogger, "close", close_then_sigint)
+    code, err = _cli_exit_after_one_sigint(tmp_path, capsys)
+    assert code == 75
+    assert "exit code 75: interrupted" in err
+
+
+def _cli_exit_after_one_sigint(tmp_path, capsys):
+    """(exit code, stderr) of the CLI's run (train.py ``_run``) whose task sends one SIGINT,
+    the signal handlers restored after it."""
+    from nemo_d3s import train as train_mod
+
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     _SigintOnce.sent = 0
-    cfg = compose(
-        ["experiment=smoke", *FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
-        + [f"output_dir={tmp_path}"]
-    )
+    argv = ["experiment=smoke", *FAST, "trainer.steps=4", "task.name=fault_sigint_once"]
+    cfg = compose([*argv, IN_PROCESS, f"output_dir={tmp_path}"])
     try:
         with pytest.raises(SystemExit) as e:
             train_mod._run(cfg)
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
-    assert e.value.code == 75
-    assert "exit code 75: interrupted" in capsys.readouterr().err
+    return e.value.code, capsys.readouterr().err
+
+
+def test_a_second_sigint_once_the_stop_checkpoint_is_written_keeps_exit_code_75(
+    tmp_path, monkeypatch, capsys
+):
+    """A second Ctrl-C while the run shut down after its stop checkpoint (the loop's handler
+    still installed: here while interrupted.json is written) stopped it "without a
+    checkpoint" with 130, although the checkpoint was there."""
+    from nemo_d3s.trainer import records
+
+    real = records.write_interrupted_marker
+
+    def marker_then_sigint(out, marker):
+        real(out, marker)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(records, "write_interrupted_marker", marker_then_sigint)
+    code, err = _cli_exit_after_one_sigint(tmp_path, capsys)
+    assert code == 75, err
+    assert "SIGINT: already stopping; the checkpoint is written" in err
+    assert "without a checkpoint" not in err
 
 
 def test_process_group_timeout_is_configurable_and_reported(tmp_path):

@@ -93,6 +93,10 @@ def test_metrics_jsonl_content(tmp_path):
         assert REQUIRED <= r.keys(), REQUIRED - r.keys()
         assert 0 <= r["kept_token_ratio"] <= 1 and 0 < r["kept_sample_ratio"] <= 1
         assert r["update_tokens"] > 0
+        # CPU seconds beside wall seconds: the step's covers its phases' (one thread here)
+        phases = ("rollout", "reward", "logprob", "update")
+        assert all(r[f"time_cpu_{p}"] > 0 for p in phases), r
+        assert sum(r[f"time_cpu_{p}"] for p in phases) <= r["time_cpu_step"]
     # schedule follows progress: (N, K) grow from the initial to the final values
     assert [r["progress"] for r in rows] == [0.0, 0.5, 1.0]
     assert rows[0]["k_frac"] == pytest.approx(0.05) and rows[-1]["k_frac"] == pytest.approx(0.2)

@@ -108,8 +108,20 @@ LONG = [
 
 @pytest.mark.parametrize(
     "tp,pp,nproc,dopt,options",
-    [(2, 2, 4, False, []), (1, 1, 2, False, []), (1, 1, 2, True, []), (2, 2, 4, False, LONG)],
-    ids=["tp2pp2", "tp1dp2", "tp1dp2_distributed_optimizer", "tp2pp2_sp_vpp2_tokens"],
+    [
+        (2, 2, 4, False, []),
+        (1, 1, 2, False, []),
+        (1, 1, 2, True, []),
+        (2, 2, 4, False, LONG),
+        (2, 2, 4, False, [*LONG, "trainer.pack_sequences=true"]),
+    ],
+    ids=[
+        "tp2pp2",
+        "tp1dp2",
+        "tp1dp2_distributed_optimizer",
+        "tp2pp2_sp_vpp2_tokens",
+        "tp2pp2_sp_vpp2_packed",
+    ],
 )
 def test_megatron_torchrun_matches_the_hf_backend(
     folder, hf_run, tmp_path, tp, pp, nproc, dopt, options
@@ -235,7 +247,7 @@ def test_a_tp2_checkpoint_resumes_at_tp1(tmp_path):
     out = tmp_path / "run"
     fresh = {"NEMO_D3S_CACHE": str(tmp_path / "cache")}
     short = ["experiment=megatron_smoke", f"output_dir={out}", "trainer.export_hf=false"]
-    _finish(_torchrun(2, [*short, "trainer.steps=2", "trainer.save_every=1"], env=fresh), 600)
+    _finish(_torchrun(2, [*short, "trainer.steps=2", "trainer.save_every=1"], env=fresh), WAIT_S)
     r = subprocess.run(
         [sys.executable, "-m", "nemo_d3s.train", *short, "trainer.steps=3", "resume=true"]
         + ["model.params.tensor_model_parallel_size=1", "trainer.save_every=1"],

@@ -11,7 +11,8 @@ import torch
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.losses import LossConfig, policy_loss
 from nemo_d3s.distributed.groups import ParallelGroups
-from nemo_d3s.trainer.stats import mismatch_metrics, truncated_is_weights
+from nemo_d3s.core.off_policy import importance_weights
+from nemo_d3s.trainer.stats import importance_metrics, mismatch_metrics
 from nemo_d3s.trainer.update import compact, make_loss_fn
 
 
@@ -31,10 +32,27 @@ def test_truncated_weights_hand_worked():
     old = torch.tensor([[0.0, 0.0, -3.0, 0.0]])
     samp = torch.tensor([[9.0, -2.0, -1.0, 0.0]])
     mask = torch.tensor([[False, True, True, True]])
-    w = truncated_is_weights(old, samp, mask, cap=2.0)
+    w = importance_weights(old, samp, mask, 2.0).weight
     assert w.tolist()[0] == pytest.approx(
         [1.0, 2.0, math.exp(-2.0), 1.0]
     )  # e^2 capped at 2; off-mask 1
+
+
+def test_importance_metrics_hand_worked():
+    """Ratios e^-1, 1, e^1, e^2 on the response; cap 2: the selected tokens with r > 2 are
+    truncated (e^1 and e^2: one of the three selected), or masked (outside [1/2, 2])."""
+    old = torch.tensor([[0.0, -1.0, 0.0, 1.0, 2.0]])
+    samp = torch.zeros(1, 5)
+    resp = torch.tensor([[False, True, True, True, True]])
+    sel = torch.tensor([[False, True, True, False, True]])
+    for mode, name in (("truncate", "is_truncated_share"), ("mask", "is_masked_share")):
+        iw = importance_weights(old, samp, resp, 2.0, mode=mode)
+        m = importance_metrics(ParallelGroups(), iw, resp, sel, 2.0, mode)
+        assert m["is_ratio_min"] == pytest.approx(math.exp(-1.0))
+        assert m["is_ratio_p50"] == pytest.approx(1.0)  # lower median of 4: the 2nd
+        assert m["is_ratio_max"] == pytest.approx(math.exp(2.0))
+        want = 1 / 3 if mode == "truncate" else 2 / 3  # mask: e^-1 < 1/2 and e^2 > 2
+        assert m[name] == pytest.approx(want)
 
 
 @pytest.mark.parametrize("loss_name", ["grpo", "gspo_token", "gspo"])

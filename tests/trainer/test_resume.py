@@ -227,6 +227,7 @@ def test_sigusr1_checkpoints_after_the_current_step_in_process(tmp_path):
         tmp_path,
         [
             "task.name=test_sigusr1",
+            "trainer.reward_workers=0",  # the reward signals the trainer itself
             "trainer.steps=5",
             "trainer.save_every=0",
             "trainer.eval_at_start=false",

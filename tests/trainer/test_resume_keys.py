@@ -12,16 +12,23 @@ from omegaconf import OmegaConf
 
 from nemo_d3s.config import ConfigError
 from nemo_d3s.trainer.overrides import schema_keys
-from nemo_d3s.trainer.resume import (
-    check_resume_config,
+from nemo_d3s.trainer.run_start.config_file import (
+    compare_config,
     leaf_keys,
     read_run_config,
     refuse_records,
     resume_safe,
 )
-from nemo_d3s.trainer.resume_config import resume_base
+from nemo_d3s.trainer.run_start.config_merge import resolve_config
+from nemo_d3s.trainer.run_start.decision import trusted_run_config
 
 from .conftest import REPO, compose
+
+
+def check_resume_config(cfg, folder):
+    """The resume's config check as the start runs it: against the config the run trusts."""
+    compare_config(cfg, *trusted_run_config(folder))
+
 
 # What may change on resume without making another experiment (resources, cadence,
 # logging, the parallel layout); written out here, not read from the code under test.
@@ -46,6 +53,7 @@ EXPECTED_SAFE = {
     "trainer.allow_config_change",
     "trainer.max_failed_reward_steps",
     "trainer.dist_timeout_minutes",
+    "trainer.reward_workers",
     "trainer.dry_run",
     "trainer.gpu_memory_gb",
     "task.max_eval_size",
@@ -149,7 +157,9 @@ UNREADABLE = {
 @pytest.mark.parametrize("kind", sorted(UNREADABLE))
 def test_one_reader_of_config_yaml_for_the_three_uses(tmp_path, original, kind):
     """read_run_config is the only reader: the fresh-run refusal, the resume check and the
-    resumed config's base all see the same verdict on the same file."""
+    resumed config's base all see the same verdict on the same file. Without a checkpoint
+    there is nothing to continue (the composed config stands); with checkpoints that carry no
+    config of their own, the resume is refused naming the file."""
     text, why_part = UNREADABLE[kind]
     assert read_run_config(tmp_path) == (None, None)  # no file
     (tmp_path / "config.yaml").write_text(text)
@@ -158,10 +168,14 @@ def test_one_reader_of_config_yaml_for_the_three_uses(tmp_path, original, kind):
     cfg = OmegaConf.create({**original, "resume": True})
     with pytest.raises(ConfigError, match=r"config.yaml' cannot be read .* a fresh run would"):
         refuse_records(tmp_path, cfg)
-    with pytest.raises(ConfigError, match=r"config.yaml': the original run's config cannot"):
-        check_resume_config(cfg, tmp_path)
-    base = resume_base(cfg, [], tmp_path, lambda: cfg, REPO / "conf")
-    assert base is cfg  # the resume check, not the base, names the file
+    assert resolve_config(cfg, [], tmp_path, lambda: cfg, REPO / "conf") is cfg
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    for check in (
+        lambda: check_resume_config(cfg, tmp_path),
+        lambda: resolve_config(cfg, [], tmp_path, lambda: cfg, REPO / "conf"),
+    ):
+        with pytest.raises(ConfigError, match=r"config.yaml' cannot be read .* carry no config"):
+            check()
 
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(original)))
     assert read_run_config(tmp_path) == (original, None)

@@ -16,17 +16,25 @@ from nemo_d3s.config import ConfigError
 from nemo_d3s.train import conf_dir
 from nemo_d3s.trainer.checkpoint import checkpoint_dirs
 from nemo_d3s.trainer.metrics import read_jsonl
-from nemo_d3s.trainer.resume import check_resume_config, diff_values
-from nemo_d3s.trainer.resume_config import (
+from nemo_d3s.trainer.run_start.config_file import compare_config, diff_values
+from nemo_d3s.trainer.run_start.config_merge import (
     agree_on_config,
     config_digest,
     merge_untouched,
-    resume_base,
+    resolve_config,
     touched_keys,
 )
+from nemo_d3s.trainer.overrides import resume_deletions
+from nemo_d3s.trainer.run_start.decision import trusted_run_config
 
 from .conftest import FAST, cli, compose, run_inprocess, without_timing
 from _limits import WAIT_S  # noqa: E402
+
+
+def check_resume_config(cfg, folder):
+    """The resume's config check as the start runs it: against the config the run trusts."""
+    compare_config(cfg, *trusted_run_config(folder))
+
 
 ORIGINAL = ["experiment=smoke", "d3s=pods", "trainer.lr=0.5", "+model.params.extra=1"]
 
@@ -44,10 +52,13 @@ def _start(tmp_path, argv=ORIGINAL):
 
 
 def _resume(tmp_path, argv):
+    """The resumed config as train.main builds it: ``~key`` deletions held back from Hydra."""
     argv = [f"output_dir={tmp_path}", "resume=true", *argv]
-    cfg = compose(argv)
+    hydra_argv, held = resume_deletions(argv, [p.name for p in conf_dir().iterdir() if p.is_dir()])
+    cfg = compose(hydra_argv)
     OmegaConf.resolve(cfg)
-    return _plain(resume_base(cfg, argv, tmp_path, lambda: compose([]), conf_dir()))
+    overrides = hydra_argv + held
+    return _plain(resolve_config(cfg, overrides, tmp_path, lambda: compose([]), conf_dir()))
 
 
 def _changes(old, new):
@@ -148,7 +159,7 @@ def test_an_unreadable_config_yaml_leaves_the_composed_config(tmp_path, text):
     argv = [f"output_dir={tmp_path}", "resume=true", "experiment=smoke"]
     cfg = compose(argv)
     before = _plain(cfg)
-    assert _plain(resume_base(cfg, argv, tmp_path, lambda: compose([]), conf_dir())) == before
+    assert _plain(resolve_config(cfg, argv, tmp_path, lambda: compose([]), conf_dir())) == before
 
 
 def test_a_value_the_schema_refuses_names_the_file_and_key(tmp_path, caplog):

@@ -49,23 +49,34 @@ def test_a_reward_function_that_exits_or_raises_keyboardinterrupt_is_one_error_l
     tmp_path, capsys, body, what
 ):
     """sys.exit(0) in the function ended the run with exit 0, nothing trained, no summary
-    and no message; KeyboardInterrupt was a traceback."""
-    code = run_cli(_cfg(tmp_path, body))
+    and no message; KeyboardInterrupt was a traceback. In the trainer process
+    (reward_workers=0) it is one error line; in a worker it costs the call only."""
+    code = run_cli(_cfg(tmp_path, body, "trainer.reward_workers=0"))
     err = capsys.readouterr().err
     assert code == 2, err
     line = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and f"the reward function raised {what}" in line[0], err
     assert "Traceback" not in err
+    cfg = _cfg(tmp_path, body, "trainer.steps=1", "trainer.max_failed_reward_steps=0")
+    cfg.output_dir = str(tmp_path / "workers")
+    assert run_cli(cfg) == 0
+    rows = [
+        json.loads(x) for x in (tmp_path / "workers" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows[0]["reward_errors"] == rows[0]["reward_failed_raised"] == rows[0]["n_samples"]
 
 
-def test_a_reward_call_that_never_returns_times_out_and_counts_as_failed(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_call_that_never_returns_times_out_and_counts_as_failed(tmp_path, workers):
     """No progress, no timeout before; now each call is cut at trainer.reward_timeout_s and
-    counts in reward_errors (the run then stops after max_failed_reward_steps)."""
+    counts in reward_errors (the run then stops after max_failed_reward_steps); in a worker
+    process the worker is killed and replaced."""
     body = "import time\ndef score(r, a):\n    while True:\n        time.sleep(0.01)\n"
     cfg = _cfg(
         tmp_path,
         body,
-        "trainer.reward_timeout_s=0.05",
+        f"trainer.reward_workers={workers}",
+        "trainer.reward_timeout_s=0.5",
         "trainer.steps=1",
         "trainer.prompts_per_step=2",
         "trainer.num_generations=2",
@@ -76,13 +87,24 @@ def test_a_reward_call_that_never_returns_times_out_and_counts_as_failed(tmp_pat
     assert run_cli(cfg) == 0
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["reward_errors"] == 4  # 2 prompts x 2 generations, each cut short
+    assert rows[0]["reward_failed_timeout"] == 4
 
 
-def test_reward_timeout_is_a_checked_setting():
-    with pytest.raises(ConfigError, match=r"trainer.reward_timeout_s.*>= 0"):
-        from nemo_d3s.config import validate
+@pytest.mark.parametrize("value", ["-1", "1e20", "nan"])
+def test_reward_timeout_is_a_checked_setting(value, capsys):
+    """-1 was refused; 1e20 passed and the first reward call was an OverflowError traceback
+    (setitimer: timestamp out of range for platform time_t)."""
+    from nemo_d3s.config import validate
 
-        validate(compose(["experiment=smoke", "trainer.reward_timeout_s=-1"]))
+    with pytest.raises(ConfigError, match=r"trainer.reward_timeout_s.*must be in \[0, 1e\+09\]"):
+        validate(compose(["experiment=smoke", f"trainer.reward_timeout_s={value}"]))
+
+
+def test_reward_workers_is_a_checked_setting():
+    from nemo_d3s.config import validate
+
+    with pytest.raises(ConfigError, match=r"trainer.reward_workers.*integer >= 0"):
+        validate(compose(["experiment=smoke", "trainer.reward_workers=-1"]))
 
 
 def test_a_first_sigterm_during_a_hung_reward_call_checkpoints_promptly(tmp_path):

@@ -48,9 +48,9 @@ def _machine(load=9.8, cpus=2, usable=2, threads=2):
 def test_the_watch_warns_once_with_the_numbers_it_saw_and_the_fix():
     reads = []
 
-    def read():
+    def read():  # quiet while the baseline is taken, then 9.8 on 2 CPUs
         reads.append(1)
-        return _machine()
+        return _machine(load=1.0 if len(reads) <= 3 else 9.8)
 
     w = SlowStepWatch(factor=3.0, baseline_steps=3, read_machine=read)
     said = [w.observe(s, t) for s, t in enumerate([20.0, 22.0, 24.0, 23.0, 812.0, 980.0], 1)]
@@ -68,12 +68,46 @@ def test_the_watch_warns_once_with_the_numbers_it_saw_and_the_fix():
         "logging.slow_step_factor=0",
     ):
         assert part in msg, (part, msg)
-    # the load is read only for a step that is slow already, and never after the warning
-    assert len(reads) == 1
+    # the load is read for each baseline step, then only for a step that is slow already,
+    # and never after the warning
+    assert len(reads) == 4
+
+
+def test_a_machine_overloaded_from_the_first_step_warns_at_once():
+    """Under load 8-30 the main job's first two steps took 724 s and 2,371 s: its baseline was
+    slow too, so no later step was ever 3x slower and the warning never came."""
+    w = SlowStepWatch(factor=3.0, baseline_steps=3, read_machine=lambda: _machine(load=9.8))
+    msg = w.observe(1, 724.0)
+    assert msg is not None and "step 1 took 724.0 s" in msg and "from the start" in msg
+    assert "OMP_NUM_THREADS=1" in msg
+    assert w.observe(2, 2371.0) is None  # once
+    # torch's threads leave CPUs free: the load is not this run's to fix
+    w = SlowStepWatch(factor=3.0, baseline_steps=3, read_machine=lambda: _machine(threads=1))
+    assert [w.observe(s, 724.0) for s in (1, 2, 3)] == [None] * 3
+
+
+def test_a_step_slowed_by_its_rewards_says_so_and_advises_no_threads():
+    """The warning blamed other work and the threads when the step's time went into rewards."""
+    w = SlowStepWatch(factor=3.0, baseline_steps=2, read_machine=lambda: _machine(threads=1))
+    for s in (1, 2):
+        assert w.observe(s, 20.0, {"rollout": 15.0, "reward": 1.0}) is None
+    msg = w.observe(3, 200.0, {"rollout": 16.0, "reward": 180.0})
+    assert "180.0 s of it went into rewards (1.0 s in the first steps)" in msg
+    assert "OMP_NUM_THREADS" not in msg and "other work competes" not in msg
+
+
+def test_no_thread_count_the_run_already_uses_is_advised():
+    """9 of 16 CPUs held by others, torch at 1 thread: "OMP_NUM_THREADS=1" was advised, the
+    count the run already used."""
+    w = SlowStepWatch(factor=3.0, baseline_steps=1, read_machine=lambda: _machine(17.0, 16, 16, 1))
+    w.observe(1, 10.0)
+    msg = w.observe(2, 40.0)
+    assert "OMP_NUM_THREADS" not in msg and "already uses 1 thread(s)" in msg
+    assert "quieter machine" in msg
 
 
 def test_the_watch_keeps_watching_while_the_load_is_low():
-    loads = iter([1.0, 9.0])
+    loads = iter([1.0, 1.0, 9.0])
     w = SlowStepWatch(factor=3.0, baseline_steps=1, read_machine=lambda: _machine(next(loads)))
     assert w.observe(1, 10.0) is None
     assert w.observe(2, 40.0) is None  # slow, but the machine is not overloaded: no warning

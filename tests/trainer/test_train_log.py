@@ -14,7 +14,10 @@ from nemo_d3s.trainer.metrics import read_jsonl
 from .conftest import FAST, cli, run_inprocess
 from _limits import WAIT_S  # noqa: E402
 
-STEP_LINE = re.compile(r"\] - step (\d+): reward=\S+ smp=\S+ tok=\S+ time=\S+ s$")
+STEP_LINE = re.compile(
+    r"\] - step (\d+): reward=\S+ smp=\S+ tok=\S+ time=\S+ s "
+    r"\(generated (\d+) in \S+ s, trained (\d+) in \S+ s\)$"
+)
 EVAL_LINE = re.compile(r"\] - eval step (\d+): reward ([0-9.]+) over (\d+) problems in \S+ s$")
 
 # 3 steps, an evaluation at the start, after step 2 and at the end (step 3)
@@ -28,7 +31,11 @@ def _lines(path: Path, pattern: re.Pattern) -> list:
 def _check_log(out: Path, steps: int) -> None:
     log = out / "train.log"
     assert log.is_file(), f"no train.log in {out}: {sorted(p.name for p in out.iterdir())}"
-    assert [int(s) for (s,) in _lines(log, STEP_LINE)] == list(range(1, steps + 1))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [tuple(int(x) for x in g) for g in _lines(log, STEP_LINE)] == [
+        (r["step"], r["n_samples"], r["n_kept_samples"]) for r in rows
+    ]
+    assert [int(g[0]) for g in _lines(log, STEP_LINE)] == list(range(1, steps + 1))
     evals = read_jsonl(out / "eval.jsonl")
     assert evals, "the run evaluated"
     got = [(int(s), float(r), int(n)) for s, r, n in _lines(log, EVAL_LINE)]
@@ -50,7 +57,7 @@ def test_a_resumed_run_appends_to_train_log(tmp_path):
     run_inprocess(tmp_path, [*RUN, "trainer.save_every=2", "resume=true"])
     log = tmp_path / "train.log"
     assert log.read_text().startswith(first)  # nothing written is lost
-    assert [int(s) for (s,) in _lines(log, STEP_LINE)] == [1, 2, 3]
+    assert [int(g[0]) for g in _lines(log, STEP_LINE)] == [1, 2, 3]
 
 
 def test_a_refused_run_writes_nothing_into_the_other_runs_log(tmp_path):
@@ -70,13 +77,20 @@ def test_the_slow_step_warning_goes_to_train_log_once(tmp_path, monkeypatch):
 
     seen = []
 
-    def observe(self, step, seconds):
-        seen.append((step, seconds))
+    def observe(self, step, seconds, parts=None):
+        seen.append((step, seconds, parts))
         return "TEST-SLOW-STEP warning" if step == 2 else None
 
     monkeypatch.setattr(slow_steps.SlowStepWatch, "observe", observe)
     _, rows = run_inprocess(tmp_path, [*RUN, "logging.progress_bar=true"])
-    assert seen == [(r["step"], r["time_step"]) for r in rows]
+    assert [(step, t) for step, t, _ in seen] == [(r["step"], r["time_step"]) for r in rows]
+    # the step's phases, as its row names them (the watch tells reward time from the rest)
+    for (_, _, parts), r in zip(seen, rows):
+        assert "reward" in parts and "rollout" in parts, parts
+        # (time_generation / time_training are the PODS budgets, sums over phases:
+        # stats.budget_metrics)
+        budgets = {"time_step", "time_generation", "time_training"}
+        assert set(parts) == {k[5:] for k in r if k.startswith("time_") and k not in budgets}
     text = (tmp_path / "train.log").read_text()
     assert text.count("TEST-SLOW-STEP warning") == 1
     assert "[WARNING] - TEST-SLOW-STEP warning" in text
@@ -129,7 +143,7 @@ def test_the_run_log_keeps_the_start_up_records_and_splits_the_ranks(tmp_path):
     rank1 = (tmp_path / "train.rank1.log").read_text().splitlines()
     assert [ln.split("] - ", 1)[1] for ln in rank1] == ["a warning"]
     # a run's folder with other ranks' logs is still a run's folder (resume takes it)
-    from nemo_d3s.trainer.rundir import foreign_entries
+    from nemo_d3s.trainer.run_start.folder import foreign_entries
 
     assert foreign_entries(tmp_path) == []
 

@@ -15,9 +15,18 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from nemo_d3s.backends.base import GenerationConfig, LossFn, Policy, Rollouts, Scores, TokenBatch
+from nemo_d3s.backends.base import (
+    GenerationConfig,
+    LossFn,
+    Policy,
+    RolloutEngine,
+    Rollouts,
+    Scores,
+    TokenBatch,
+)
 from nemo_d3s.backends.hf.config import HFBackendConfig
-from nemo_d3s.backends.hf.engine import HFRolloutEngine
+from nemo_d3s.backends.hf.engine import HFRolloutEngine, ReplicaEngine, SamplerModel
+from nemo_d3s.backends.hf.packed import VARLEN_ATTENTION, pack_batch, packed_logprobs
 from nemo_d3s.backends.hf.loading import (
     TINY_RANDOM,
     load_model_and_tokenizer,
@@ -57,6 +66,12 @@ class HFBackend(Policy):
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
         self.model, self.tokenizer = load_model_and_tokenizer(cfg, self.device)
+        # packed rows by default only where attention takes them as varlen (no [T, T] mask)
+        self.pack = (
+            bool(cfg.pack_sequences)
+            if cfg.pack_sequences is not None
+            else self.device.type == "cuda" and cfg.attn_implementation in VARLEN_ATTENTION
+        )
         if cfg.gradient_checkpointing:
             # transformers 5 renamed the method; 4.x only has the old name.
             kwargs = {"use_reentrant": False}
@@ -116,6 +131,39 @@ class HFBackend(Policy):
         ent = F.pad(ent.float(), pad) * attn if with_entropy else None
         return lp, ent
 
+    def _forward(
+        self,
+        model,
+        batch,
+        micro_batch_size,
+        micro_batch_tokens,
+        with_entropy,
+        *,
+        skip_unscored: bool,
+    ):
+        """(rows, logprobs [n, W], entropy [n, W] or None, positions fed) per micro-batch,
+        W <= S: packs, else rows cut to their longest (``skip_unscored``: none shorter
+        than 2)."""
+        if self.pack:
+            for pack in pack_batch(batch, micro_batch_size, micro_batch_tokens):
+                lp, ent = packed_logprobs(
+                    model, batch, pack, self.device, with_entropy, self._autocast
+                )
+                yield pack.rows, lp, ent, pack.width
+            return
+        for rows in self._plan(batch, micro_batch_size, micro_batch_tokens):
+            mb = batch.select(rows)
+            L = real_length(mb.attention_mask)
+            if L < 2 and skip_unscored:
+                continue  # nothing to score: position 0 is 0 by contract
+            L = max(L, 1)
+            ids, attn = (
+                mb.input_ids[:, :L].to(self.device),
+                mb.attention_mask[:, :L].to(self.device),
+            )
+            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
+            yield rows, lp, ent, len(rows) * L
+
     # ------------------------------------------------------------------ generation
     def generate(
         self,
@@ -126,6 +174,25 @@ class HFBackend(Policy):
     ) -> Rollouts:
         """``self.rollout_engine.generate``; an int seed s means per-prompt seeds s, s+1, ..."""
         return self.rollout_engine.generate(prompts, n_samples, cfg, seed)
+
+    def weights_copy_engine(self) -> RolloutEngine:
+        """The seeded sampler on a copy of the model (and of the tokenizer, which is not
+        thread-safe), refitted by ``sync_weights``: it generates while this model trains."""
+        model = copy.deepcopy(self.model).eval()
+        model.requires_grad_(False)
+        for p in model.parameters():
+            p.grad = None
+        replica = SamplerModel(
+            model,
+            copy.deepcopy(self.tokenizer),
+            self.cfg,
+            self.pad_id,
+            list(self.eos_ids),
+            self.device,
+            bool(self.use_chat_template),
+            autocast=self._autocast,
+        )
+        return ReplicaEngine(replica)
 
     # ------------------------------------------------------------------ scoring
     @staticmethod
@@ -151,7 +218,6 @@ class HFBackend(Policy):
         first response token, position 0 and padding hold 0."""
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
-        plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         model = self.ref_model if reference else self.model
         with_entropy = with_entropy and not reference
         B, S = batch.input_ids.shape
@@ -160,20 +226,14 @@ class HFBackend(Policy):
         was_training = model.training
         model.eval()
         fed = 0
-        for rows in plan:
-            mb = batch.select(rows)
-            L = real_length(mb.attention_mask)
-            if L < 2:
-                continue  # nothing to score: position 0 is 0 by contract
-            fed += len(rows) * L
-            ids, attn = (
-                mb.input_ids[:, :L].to(self.device),
-                mb.attention_mask[:, :L].to(self.device),
-            )
-            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
-            logprobs[rows, :L] = lp.float().cpu()
+        for rows, lp, ent, fed_mb in self._forward(
+            model, batch, micro_batch_size, micro_batch_tokens, with_entropy, skip_unscored=True
+        ):
+            fed += fed_mb
+            W = lp.shape[1]
+            logprobs[rows, :W] = lp.float().cpu()
             if with_entropy:
-                entropy[rows, :L] = ent.float().cpu()
+                entropy[rows, :W] = ent.float().cpu()
         model.train(was_training)
         stats = {
             "fed_tokens": float(fed),
@@ -197,28 +257,19 @@ class HFBackend(Policy):
         Returns this rank's sums as 0-d tensors, no host sync. Collectives: one fp32 (at
         least) all-reduce per gradient dtype over ``groups.dp``, holding one flat gradient copy.
         """
-        plan = self._plan(batch, micro_batch_size, micro_batch_tokens)
         self.model.train()
         B, S = batch.input_ids.shape
-        n_mb = len(plan)
         scale = StepNormalizer(
-            float(denominator), self.groups.dp_size, max(n_mb, 1), megatron_schedule=False
+            float(denominator), self.groups.dp_size, 1, megatron_schedule=False
         ).loss_scale
         sums: Dict[str, torch.Tensor] = {}
-        fed = 0
-        for rows in plan:
-            mb = batch.select(rows)
-            L = max(real_length(mb.attention_mask), 1)
-            fed += len(rows) * L
-            ids, attn = (
-                mb.input_ids[:, :L].to(self.device),
-                mb.attention_mask[:, :L].to(self.device),
-            )
-            lp, _ = self._token_logprobs(
-                self.model, ids, attn, mb.response_mask[:, :L], with_entropy=False
-            )
+        fed = n_mb = 0
+        for rows, lp, _, fed_mb in self._forward(
+            self.model, batch, micro_batch_size, micro_batch_tokens, False, skip_unscored=False
+        ):
+            fed, n_mb = fed + fed_mb, n_mb + 1
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.
-            lp = F.pad(lp.float(), (0, S - L))
+            lp = F.pad(lp.float(), (0, S - lp.shape[1]))
             out = loss_fn(lp, rows)
             loss, metrics = (
                 (out, {}) if isinstance(out, torch.Tensor) else (out.loss, out.metric_tensors)

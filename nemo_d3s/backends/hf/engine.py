@@ -1,5 +1,6 @@
-"""The HF backend's rollout engine: samples from the policy's own transformers model, sharing
-its weights, so ``sync_weights`` only checks it is still that policy.
+"""The HF backend's rollout engines: :class:`HFRolloutEngine` samples from the policy's own
+transformers model, sharing its weights, so ``sync_weights`` only checks it is still that
+policy; :class:`ReplicaEngine` runs the same sampler on a copy refitted tensor by tensor.
 """
 
 from __future__ import annotations
@@ -7,15 +8,15 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, ContextManager, List, Sequence, Union
+from typing import Any, Callable, ContextManager, Iterator, List, Sequence, Tuple, Union
 
 import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
-from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch
+from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch, token_aligned
 from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
 
-__all__ = ["HFRolloutEngine", "SamplerModel"]
+__all__ = ["HFRolloutEngine", "ReplicaEngine", "SamplerModel"]
 
 
 @dataclass
@@ -30,9 +31,10 @@ class SamplerModel:
     eos_ids: List[int]
     device: torch.device
     use_chat_template: bool
+    autocast: Callable[[], ContextManager] = contextlib.nullcontext
 
     def _autocast(self) -> ContextManager:
-        return contextlib.nullcontext()
+        return self.autocast()
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -44,6 +46,7 @@ class HFRolloutEngine(RolloutEngine):
         self.policy = policy
         self.tokenizer = policy.tokenizer
         self.prompt_seeds = policy.cfg.sampler == "seeded"
+        self.return_logprobs = False  # the seeded sampler's sampling_logprobs (behaviour)
 
     def sync_weights(self, policy: Policy) -> None:
         """Nothing to copy: the engine samples from ``policy.model`` itself."""
@@ -84,6 +87,7 @@ class HFRolloutEngine(RolloutEngine):
             cfg=cfg, pad_id=p.pad_id, eos_ids=p.eos_ids, device=p.device, autocast=p._autocast
         )
         responses, finished = [], []
+        logprobs = [] if self.return_logprobs and self.prompt_seeds else None
         was_training = p.model.training
         p.model.eval()
         start = time.perf_counter()
@@ -97,7 +101,12 @@ class HFRolloutEngine(RolloutEngine):
                         for r in range(lo, lo + len(rows))
                     ]
                     r, f = decode_seeded(
-                        p.model, rows, row_seeds, check_stop=self.check_stop, **common
+                        p.model,
+                        rows,
+                        row_seeds,
+                        check_stop=self.check_stop,
+                        logprobs=logprobs,
+                        **common,
                     )
                 else:
                     r, f = decode_hf_generate(p.model, rows, per_prompt[0] + lo, **common)
@@ -117,4 +126,50 @@ class HFRolloutEngine(RolloutEngine):
             "finished_frac": sum(finished) / len(finished),
         }
         prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
-        return Rollouts(batch, prompt_index, texts, torch.tensor(finished, dtype=torch.bool), stats)
+        sampling = None
+        if logprobs is not None:
+            sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
+        finished_t = torch.tensor(finished, dtype=torch.bool)
+        return Rollouts(batch, prompt_index, texts, finished_t, stats, sampling_logprobs=sampling)
+
+
+class ReplicaEngine(RolloutEngine):
+    """The HF sampler on its own transformers copy of the policy, refitted tensor by tensor."""
+
+    own_weights = True
+
+    def __init__(self, replica: SamplerModel) -> None:
+        self.replica = replica
+        self.tokenizer = replica.tokenizer
+        self._inner = HFRolloutEngine(replica)
+        self.prompt_seeds = self._inner.prompt_seeds
+
+    def sync_weights(self, policy: Policy) -> None:
+        from nemo_d3s.backends.hf.loading import copy_hf_weights
+
+        model = self.replica.model
+        try:
+            with torch.no_grad():
+                copy_hf_weights(
+                    model,
+                    policy.refit_weights(),
+                    tie_word_embeddings=bool(model.config.tie_word_embeddings),
+                )
+        except KeyError as e:
+            raise KeyError(f"rollout replica refit: {e.args[0]}") from None
+
+    def pin_weights(self) -> None:
+        """Also returns the behaviour log-probs (``sampling_logprobs``) from now on: rollouts
+        of pinned weights are off-policy, corrected against them."""
+        self.refit_on_generate = False
+        self._inner.return_logprobs = True
+
+    def held_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The copy's parameters (a tied ``lm_head`` once, as the embedding)."""
+        return ((n, p.detach()) for n, p in self.replica.model.named_parameters())
+
+    def generate(
+        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
+    ) -> Rollouts:
+        self._inner.should_stop = self.should_stop
+        return self._inner.generate(prompts, n_samples, cfg, seeds)

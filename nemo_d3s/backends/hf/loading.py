@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from nemo_d3s.formats.moe import fused_target
 from nemo_d3s.formats.side_files import TOKENIZER_MODEL
 from nemo_d3s.backends.hf.config import HFBackendConfig, TinyModelSpec
 from nemo_d3s.backends.hf.gguf_convert import (
@@ -253,12 +254,31 @@ def load_model_and_tokenizer(
 
 
 @torch.no_grad()
+def _copy_into_fused_experts(params: Dict[str, torch.Tensor], name: str, t: torch.Tensor) -> str:
+    """Copy one expert's checkpoint tensor into transformers 5's fused expert parameter
+    (``formats.moe.fused_target``); returns that parameter's name."""
+    target, expert, half = fused_target(name)
+    if target not in params:
+        raise KeyError(f"no parameter {target!r} for {name!r}")
+    p = params[target]
+    if expert is not None:
+        p = p[expert]
+    if half is not None:
+        p = p.narrow(0, half * t.shape[0], t.shape[0])
+    p.copy_(t)
+    return target
+
+
+@torch.no_grad()
 def copy_hf_weights(model: torch.nn.Module, weights, *, tie_word_embeddings: bool) -> None:
     """Copy (HF name, tensor) pairs into ``model`` one at a time (a tied ``lm_head`` from the
     embedding); KeyError naming an unknown name or the parameters left unfilled."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen = set()
     for name, t in weights:
+        if name not in params and fused_target(name) is not None:
+            seen.add(_copy_into_fused_experts(params, name, t))
+            continue
         if name not in params:
             raise KeyError(f"{type(model).__name__} has no parameter {name!r}")
         params[name].copy_(t)

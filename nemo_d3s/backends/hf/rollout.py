@@ -85,6 +85,17 @@ def right_padded_batch(
     return TokenBatch(ids, attn, resp)
 
 
+def token_aligned(
+    prompt_ids: Sequence[Sequence[int]], values: Sequence[Sequence[float]], width: int
+) -> torch.Tensor:
+    """[B, width] f32: row i's response values at the positions of its response tokens (after
+    its prompt), 0 elsewhere: the layout of ``right_padded_batch``."""
+    out = torch.zeros((len(prompt_ids), width), dtype=torch.float32)
+    for i, (p, v) in enumerate(zip(prompt_ids, values)):
+        out[i, len(p) : len(p) + len(v)] = torch.tensor(list(v), dtype=torch.float32)
+    return out
+
+
 def real_length(attention_mask: torch.Tensor) -> int:
     """1 + the last column holding a real token in any row of a right-padded [b, S] mask
     (0 when empty): columns after it only carry padding and can be skipped."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Callable, ContextManager, List, Sequence, Tuple, Union
+from typing import Callable, ContextManager, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -87,11 +87,13 @@ def decode_seeded(
     device: torch.device,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     check_stop: Callable[[], None] = lambda: None,
+    logprobs: Optional[List[List[float]]] = None,
 ) -> Tuple[List[List[int]], List[bool]]:
     """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``;
     ``check_stop()`` runs before every token. Position ids count real tokens only, so a row
-    sees the positions it would alone. Memory: the KV cache [layers, b, kv_heads, P + T,
-    head_dim] and one [b, V] logits row.
+    sees the positions it would alone. ``logprobs``: a list that gets each row's sampled
+    tokens' log-probs (log-softmax of the raw logits, as the trainer scores them). Memory: the
+    KV cache [layers, b, kv_heads, P + T, head_dim] and one [b, V] logits row.
     """
     T, b = cfg.max_new_tokens, len(prompt_rows)
     if T > 0:
@@ -107,6 +109,7 @@ def decode_seeded(
     ids, mask = ids.to(device), mask.to(device)
     eos = torch.tensor(list(eos_ids), device=device)
     out = torch.full((b, T), pad_id, dtype=torch.long, device=device)
+    lp = torch.zeros((b, T), dtype=torch.float32, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     past, step_ids = None, ids
@@ -124,9 +127,12 @@ def decode_seeded(
                 **{cache_kw: past},
             )
         past = getattr(res, cache_kw)
-        nxt = sample_next(res.logits[:, -1, :], uniforms[:, t], cfg)
+        last = res.logits[:, -1, :]
+        nxt = sample_next(last, uniforms[:, t], cfg)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, t] = nxt
+        if logprobs is not None:
+            lp[:, t] = torch.log_softmax(last.float(), dim=-1).gather(1, nxt[:, None])[:, 0]
         lengths += (~done).long()
         done = done | torch.isin(nxt, eos)
         if bool(done.all()):
@@ -134,6 +140,9 @@ def decode_seeded(
         step_ids = nxt.unsqueeze(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
     out, n, finished = out.cpu(), lengths.cpu().tolist(), done.cpu().tolist()
+    if logprobs is not None:
+        lp = lp.cpu()
+        logprobs += [lp[i, : n[i]].tolist() for i in range(b)]
     return [out[i, : n[i]].tolist() for i in range(b)], finished
 
 

@@ -22,12 +22,22 @@ from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
+from nemo_d3s.backends.megatron.config import (
+    CP_ENGINE_REFUSAL,
+    MegatronBackendConfig,
+    check_options,
+)
 from nemo_d3s.backends.megatron.engine import (
     ModelParallelRollouts,
     model_parallel_group,
     place_engine,
     replica_engine,
+)
+from nemo_d3s.backends.megatron.moe import (
+    check_moe_layout,
+    expert_layout,
+    moe_config_kwargs,
+    router_loss_metrics,
 )
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.megatron.prepare import (
@@ -47,6 +57,7 @@ from nemo_d3s.backends.megatron.model import (
     use_transformer_engine,
     virtual_layouts,
 )
+from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.safetensors_stream import write_hf_weights
@@ -78,6 +89,9 @@ class MegatronBackend(Policy):
         # On CUDA a Transformer Engine that does not import is an error unless
         # transformer_impl=local: decided here, before any collective, alike on every rank.
         self.te = use_transformer_engine(cfg.transformer_impl, self.device)
+        # packed (THD) rows: TE's varlen attention on CUDA; on CPU only when asked (the local
+        # attention masks a dense [T, T] block-diagonal: local_attention.py)
+        self.pack = self.te if cfg.pack_sequences is None else bool(cfg.pack_sequences)
         if self.device.type != "cuda":
             from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
 
@@ -86,11 +100,31 @@ class MegatronBackend(Policy):
         self.spec = ModelSpec.from_folder(self.path)
         tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
         self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
-        check_layout(self.spec, tp=tp, pp=pp, world=world_size(), vpp=self.vpp)
+        ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size
+        cp = int(cfg.context_parallel_size)
+        check_layout(
+            self.spec,
+            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, cp=cp, ep=ep, etp=etp),
+            pp_last=not cfg.use_tp_pp_dp_mapping,
+        )
+        if self.spec.num_experts and cfg.pack_sequences is None:
+            self.pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
+        check_moe_layout(
+            self.spec,
+            tp=tp,
+            cp=cp,
+            packed=self.pack,
+            sequence_parallel=cfg.sequence_parallel,
+            distributed_optimizer=optim.uses_distributed_optimizer(
+                cfg.distributed_optimizer, self.device
+            ),
+        )
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)
         self.groups = (
-            groups if groups is not None else init_groups(cfg, self.device, tp, pp, self.vpp)
+            groups
+            if groups is not None
+            else init_groups(cfg, self.device, tp, pp, self.vpp, cp=cp, ep=ep, etp=etp)
         )
         # converted / NeMo 2 checkpoints carry checksums.json
         ckpt.verify_shared(fmt, cfg.verify_checksums)
@@ -106,6 +140,7 @@ class MegatronBackend(Policy):
                 self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by
             ),
             te=self.te,
+            **expert_layout(self.spec),
         )
         config = transformer_config(
             self.spec,
@@ -116,6 +151,17 @@ class MegatronBackend(Policy):
             recompute=cfg.gradient_checkpointing,
             sequence_parallel=cfg.sequence_parallel,
             vpp=self.vpp,
+            cp=cp,
+            moe=moe_config_kwargs(
+                self.spec,
+                ep=ep,
+                etp=etp,
+                dispatcher=cfg.moe_token_dispatcher_type,
+                router_dtype=cfg.moe_router_dtype,
+                grouped_gemm=self.te,
+                aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                z_loss_coeff=cfg.moe_z_loss_coeff,
+            ),
         )
         # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
         # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
@@ -162,7 +208,7 @@ class MegatronBackend(Policy):
         """The seeded HF sampler on a transformers replica, built on first use (collective),
         so a vLLM run never holds the replica."""
         if self._own_engine is None:
-            self._own_engine = self.place_rollout_engine(replica_engine(self))
+            self._own_engine = place_engine(self, replica_engine(self), self.mp_gloo_group)
             self._own_engine.sync_weights(self)  # the replica starts from these weights
         return self._own_engine
 
@@ -202,10 +248,9 @@ class MegatronBackend(Policy):
 
     def rollout_engine_ranks(self, world_size: int) -> List[int]:
         """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
-        tp, pp = self.layout.tp, self.layout.pp
-        return first_ranks_of_model_copies(
-            tp, pp, int(world_size) // (tp * pp), rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
-        )
+        tp, pp, cp = self.layout.tp, self.layout.pp, self.groups.cp_size
+        order = rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
+        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp * cp), order, cp)
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
@@ -214,7 +259,14 @@ class MegatronBackend(Policy):
         )
 
     def place_rollout_engine(self, build) -> ModelParallelRollouts:
-        """One engine per model-parallel group (``engine.place_engine``)."""
+        """One engine per model-parallel group (``engine.place_engine``). Under context
+        parallelism each CP rank's TP x PP group would start its own engine on its own GPUs
+        and sample on its own: refused (the policy's seeded HF engine samples the same
+        rollouts in every group and runs)."""
+        if self.groups.cp_size > 1:
+            raise ConfigError(
+                f"model.params.context_parallel_size={self.groups.cp_size}: {CP_ENGINE_REFUSAL}"
+            )
         return place_engine(self, build, self.mp_gloo_group)
 
     mp_group = staticmethod(model_parallel_group)
@@ -253,6 +305,8 @@ class MegatronBackend(Policy):
             vocab_size=self.spec.vocab_size,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
 
     def train_step(
@@ -277,7 +331,12 @@ class MegatronBackend(Policy):
             lr_scheduler=self.scheduler,
             chunk_size=self.cfg.entropy_chunk_size,
             micro_batch_tokens=micro_batch_tokens,
+            pack=self.pack,
+            width_quantum=self.cfg.width_quantum,
         )
+        if self.spec.num_experts:
+            n = int(metrics.get("n_micro_batches", 1))
+            metrics.update(router_loss_metrics(self.groups, self.spec.num_layers, n))
         if not metrics.get("skipped"):
             self.weights_changed()
         return metrics
@@ -302,8 +361,8 @@ class MegatronBackend(Policy):
     def save_pretrained(self, path: str) -> None:
         """Collective: the model streamed to rank 0 tensor by tensor and written as an HF
         folder (vocabulary padding removed) through ``atomic_folder``."""
-        if self.groups.dp_rank != 0:
-            return
+        if self.groups.dp_rank != 0 and not self.spec.num_experts:
+            return  # (experts are spread over DP replicas: every rank serves the gathers)
         writer = dist.get_rank() == 0 if dist.is_initialized() else True
         weights = self.hf_weights()
         if not writer:

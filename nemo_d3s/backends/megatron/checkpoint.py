@@ -2,12 +2,14 @@
 (``formats/shards.py``: the files and the resharding table they are read through).
 
 What the backend adds to the files: which DP rank of each (TP, PP) position writes its
-shard (:func:`writer_dp_rank`; with a virtual pipeline each chunk is saved as its virtual
-stage of a TP x (PP VPP) layout, :func:`policy_stages`), the optimizer state (plain AdamW's moments,
-or Megatron's distributed optimizer's DP-sharded state gathered to the writer and scattered back on
-load; for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
-come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every rank calls
-:func:`save_policy` / :func:`load_policy`.
+shard (:func:`writer_dp_rank`; of a mixture of experts, which expert-DP rank of each
+(EP, ETP, PP) position writes its expert file, :func:`expert_writer`; with a virtual
+pipeline each chunk is saved as its virtual stage of a TP x (PP VPP) layout,
+:func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
+distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
+for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
+come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every
+rank calls :func:`save_policy` / :func:`load_policy`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+
+from nemo_d3s.distributed.comm import group_rank
 
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron import optimizer_state as ostate
@@ -28,6 +32,7 @@ from nemo_d3s.formats.shards import (
     SUBDIR,
     ShardedReader,
     read_layout,
+    file_of,
     read_local_from_checkpoint,
     open_shard,
     read_range_from_checkpoint,
@@ -35,12 +40,16 @@ from nemo_d3s.formats.shards import (
     shard_metadata,
     write_layout,
 )
+from nemo_d3s.backends.megatron.moe import ExpertGroups
+from nemo_d3s.distributed.comm import group_size
+from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.formats.weights import Layout
 
 __all__ = [
     "policy_stages",
     "policy_tensors",
     "writer_dp_rank",
+    "expert_writer",
     "save_policy",
     "load_policy",
     "write_model_files",
@@ -92,11 +101,12 @@ def writer_dp_rank(layout: Layout, dp_size: int) -> int:
 
 
 def save_policy(pol: Any, folder: str) -> List[str]:
-    """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`) writes its
-    shard file (with Megatron's distributed optimizer, after gathering the optimizer state's
-    DP ranges to it); global rank 0 writes layout.json. Returns the files this rank wrote
-    (relative to ``folder``: each rank hashes its own). The trainer adds atomicity and
-    checksums."""
+    """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`; its CP
+    rank 0) writes its shard file (with Megatron's distributed optimizer, after gathering
+    the optimizer state's DP (x CP) ranges to it), one expert-DP rank of each (EP, ETP, PP)
+    position its expert file (:func:`expert_writer`); global rank 0 writes layout.json.
+    Returns the files this rank wrote (relative to ``folder``: each rank hashes its own). The
+    trainer adds atomicity and checksums."""
     root = Path(folder) / SUBDIR
     stages = policy_stages(pol)
     wrote: List[str] = []
@@ -115,6 +125,15 @@ def save_policy(pol: Any, folder: str) -> List[str]:
         if megatron_opt
         else ostate.optimizer_step(pol.optimizer)
     )
+    # CP ranks hold the same shards: the writer is CP rank 0 of its DP rank; the distributed
+    # optimizer shards over DP x CP (Megatron's DP-CP group, CP varying fastest in it)
+    cp = pol.groups.cp_size
+    shards = pol.groups.dp
+    if cp > 1:
+        from megatron.core import parallel_state as ps
+
+        shards = ps.get_data_parallel_group(with_context_parallel=True)
+    first_cp = group_rank(pol.groups.cp) == 0
     for i, (model, _, layout) in enumerate(stages):
         writer = writer_dp_rank(layout, pol.groups.dp_size)
         gathered = iter(())
@@ -122,15 +141,11 @@ def save_policy(pol: Any, folder: str) -> List[str]:
             gathered = ostate.iter_gathered_states(
                 pol.optimizer,
                 model.named_parameters(),
-                pol.groups.dp,
+                shards,
                 with_main=with_main,
                 step=step,
-                dst=writer,
+                dst=writer * cp,
             )
-        if pol.groups.dp_rank != writer:
-            for _ in gathered:  # this rank's part of each reduce
-                pass
-            continue
         own = policy_tensors(pol, i)
         planned = (
             ostate.gathered_entries(model.named_parameters(), with_main=with_main, step=step)
@@ -142,17 +157,49 @@ def save_policy(pol: Any, folder: str) -> List[str]:
             "scheduler_step": str(pol.scheduler.step_count),
             "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
         }
-        entries = [(k, tuple(v.shape), v.dtype) for k, v in own.items()] + planned
-        # streamed: each tensor goes to the file as it is moved to the host or gathered, so
-        # the writer never holds its stage's state in host memory (70B at TP 4 x PP 4: 4.5B
-        # parameters x (2 + 12) bytes = 64 GB per shard)
-        with open_shard(root, layout, entries, meta) as f:
-            for k, v in own.items():
-                f.write(k, v)
-            for k, v in gathered:
-                f.write(k, v)
-        wrote.append(f"{SUBDIR}/{shard_file(layout.tp_rank, layout.pp_rank)}")
+        if pol.spec.num_experts and first_cp and expert_writer(layout):
+            # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered
+            experts = {k: v for k, v in own.items() if is_expert_param(k)}
+            wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, experts, meta)}")
+        if pol.groups.dp_rank != writer or not first_cp:
+            for _ in gathered:  # this rank's part of each reduce
+                pass
+            continue
+        dense = {k: v for k, v in own.items() if not is_expert_param(k)}
+        wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, dense, meta, planned, gathered)}")
     return wrote
+
+
+def _write_streamed(
+    root: Path,
+    layout: Layout,
+    own: Dict[str, torch.Tensor],
+    meta: Dict[str, str],
+    planned: Sequence[Tuple[str, Tuple[int, ...], torch.dtype]] = (),
+    gathered: Iterable[Tuple[str, Optional[torch.Tensor]]] = (),
+) -> str:
+    """Write ``own`` then ``gathered`` (announced by ``planned``) to the shard file of
+    ``own``'s tensors (dense or expert) at ``layout``; returns its name. Streamed, tensor by
+    tensor: the writer never holds its stage's state in host memory (70B at TP 4 x PP 4: 4.5B
+    parameters x (2 + 12) bytes = 64 GB per shard)."""
+    name = file_of(next(iter(own)), layout)
+    entries = [(k, tuple(v.shape), v.dtype) for k, v in own.items()] + list(planned)
+    with open_shard(root, layout, entries, meta, file=name) as f:
+        for k, v in own.items():
+            f.write(k, v)
+        for k, v in gathered:
+            f.write(k, v)
+    return name
+
+
+def expert_writer(layout: Layout) -> bool:
+    """Whether this rank writes the expert file of its (EP, ETP, PP) position: one
+    expert-data-parallel rank per position, rotated over the positions as the dense
+    writers are (:func:`writer_dp_rank`)."""
+    groups = ExpertGroups.current()
+    size = group_size(groups.edp)
+    position = layout.etp_rank + layout.etp * (layout.ep_rank + layout.ep * layout.pp_rank)
+    return group_rank(groups.edp) == position % size
 
 
 @torch.no_grad()

@@ -10,24 +10,29 @@ from nemo_d3s.core.checks import is_count
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
-__all__ = ["DTYPES", "MegatronBackendConfig", "TRANSFORMER_IMPLS", "check_options"]
+__all__ = [
+    "CP_ENGINE_REFUSAL",
+    "DISPATCHERS",
+    "DTYPES",
+    "MegatronBackendConfig",
+    "ROUTER_DTYPES",
+    "TRANSFORMER_IMPLS",
+    "check_options",
+]
 
 DTYPES = ("float32", "bfloat16")  # parameter dtypes besides "auto"
 # Megatron-LM's --transformer-impl names (its "inference_optimized" is not offered).
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# megatron-core's token dispatchers that run on gloo and NCCL alike ("flex" needs DeepEP).
+DISPATCHERS = ("alltoall", "allgather")
+ROUTER_DTYPES = ("fp32", "fp64")  # Megatron-LM's --moe-router-dtype; None: the model's
 
 
-# Why context parallelism and packed sequences are refused (the backend's error and the dry
-# run's report). megatron-core 0.16.1's local attention (transformer/dot_product_attention.py)
-# asserts context_parallel_size == 1 (line 57) and packed_seq_params is None (line 153):
-# both run only in Transformer Engine's TEDotProductAttention.
-CONTEXT_PARALLEL_REFUSAL = (
-    "megatron-core runs context parallelism and packed (THD) sequences only through "
-    "Transformer Engine's attention (TEDotProductAttention with PackedSeqParams), which "
-    "this backend does not build; use model.params.sequence_parallel=true with "
-    "tensor_model_parallel_size > 1, model.gradient_checkpointing=true, "
-    "trainer.micro_batch_tokens (length-aware micro-batches) or more pipeline stages "
-    "instead"
+# Context parallelism with an engine other than the policy's own: every CP rank's TP x PP
+# group would start its own engine (backend.place_rollout_engine and the dry run refuse it).
+CP_ENGINE_REFUSAL = (
+    "a rollout engine other than the policy's own (rollout.engine=hf) is not shared across "
+    "the CP ranks of a model copy yet; use rollout=hf, or context_parallel_size=1"
 )
 
 
@@ -39,15 +44,27 @@ class MegatronBackendConfig(PolicySettings):
         or the embedded "smollm2-135m-instruct". dtype: "auto" = fp32 on CPU, bf16 on CUDA
         (bf16 parameters always train on fp32 main weights and moments).
     TP must divide the heads, KV heads and FFN width; PP the layers; VPP > 1 (PP > 1) runs
-        interleaved 1F1B. context_parallel_size / sequence_packing: only 1 / false run
-        (:data:`CONTEXT_PARALLEL_REFUSAL`).
+        interleaved 1F1B. context_parallel_size: CP, DP = world / (TP x PP x CP), each row
+        cut into 2 x CP chunks (``core.context_parallel``); rollouts from the policy's own
+        engine only (:data:`CP_ENGINE_REFUSAL`). sequence_packing: refused, naming
+        ``trainer.pack_sequences``.
     use_tp_pp_dp_mapping: ranks laid out tp-cp-ep-pp-dp, so each model copy (and its
         engine) sits on consecutive ranks; the math is unchanged.
     distributed_optimizer: Megatron's DDP + distributed optimizer (None: CUDA only) or
         plain AdamW over this rank's shards; checkpoints resume across both and any layout.
     transformer_impl: "transformer_engine" (an import failure is an error) or "local"; the
         CPU always takes the local spec. entropy_chunk_size: rows of the [b L, V/TP]
-        logits the vocab-parallel kernel takes at once.
+        logits the vocab-parallel kernel takes at once. width_quantum: micro-batch widths
+        are multiples of it (0: exact), bounding the shapes a run feeds.
+    expert_model_parallel_size / expert_tensor_parallel_size: Megatron's EP (carved out of
+        DP) and ETP (None: TP), mixture-of-experts models only (``formats.spec`` checks them).
+        moe_token_dispatcher_type: "alltoall" or "allgather"; moe_router_dtype: "fp32",
+        "fp64" or None (the model's).
+    moe_aux_loss_coeff / moe_z_loss_coeff: the router's load-balancing and z losses, logged
+        per step when > 0. RL default 0: the policy gradient alone moves the router, as in
+        NeMo-RL's Megatron GRPO configs (``moe_router_load_balancing_type: "none"``: an aux
+        loss made the log-prob error diverge; examples/configs/grpo_math_1B_megatron.yaml)
+        and verl's Megatron-Bridge Qwen3-MoE ("none" for RL).
     """
 
     model: str = DEFAULT_MODEL_NAME
@@ -56,13 +73,20 @@ class MegatronBackendConfig(PolicySettings):
     virtual_pipeline_model_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
-    sequence_packing: bool = False  # packed (THD) rows: refused, see CONTEXT_PARALLEL_REFUSAL
+    sequence_packing: bool = False  # refused: trainer.pack_sequences sets it
     use_tp_pp_dp_mapping: bool = False
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
+    width_quantum: int = 128
     distributed_optimizer: Optional[bool] = None
     verify_checksums: bool = True
     transformer_impl: str = "transformer_engine"
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_dtype: Optional[str] = "fp32"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:
@@ -78,18 +102,19 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             "pipeline_model_parallel_size > 1"
         )
     cp = cfg.context_parallel_size
-    if not is_count(cp, 1):  # not a TE question
+    if not is_count(cp, 1):
         raise ValueError(
-            f"model.params.context_parallel_size={cp!r}: must be 1 (a parallel size is an "
-            "integer >= 1, and this backend runs without context parallelism)"
-        )
-    if cfg.context_parallel_size != 1:
-        raise ValueError(
-            f"model.params.context_parallel_size={cfg.context_parallel_size}: "
-            f"{CONTEXT_PARALLEL_REFUSAL}"
+            f"model.params.context_parallel_size={cp!r}: must be an integer >= 1 (a parallel size)"
         )
     if cfg.sequence_packing:
-        raise ValueError(f"model.params.sequence_packing=true: {CONTEXT_PARALLEL_REFUSAL}")
+        raise ValueError(
+            "model.params.sequence_packing=true: packed (THD) sequences are set by "
+            "trainer.pack_sequences (one source per setting)"
+        )
+    if not is_count(cfg.width_quantum, 0):
+        raise ValueError(
+            f"model.params.width_quantum={cfg.width_quantum!r}: an integer >= 0 (0 = exact widths)"
+        )
     if cfg.dtype not in ("auto", *DTYPES):
         raise ValueError(
             f"model.dtype={cfg.dtype!r}: the Megatron backend takes auto, float32 or bfloat16"
@@ -104,6 +129,20 @@ def check_options(cfg: MegatronBackendConfig) -> None:
             f"model.params.transformer_impl={cfg.transformer_impl!r}: expected one of "
             f"{', '.join(TRANSFORMER_IMPLS)}"
         )
+    if cfg.moe_token_dispatcher_type not in DISPATCHERS:
+        raise ValueError(
+            f"model.params.moe_token_dispatcher_type={cfg.moe_token_dispatcher_type!r}: "
+            f"expected one of {', '.join(DISPATCHERS)}"
+        )
+    if cfg.moe_router_dtype is not None and cfg.moe_router_dtype not in ROUTER_DTYPES:
+        raise ValueError(
+            f"model.params.moe_router_dtype={cfg.moe_router_dtype!r}: expected one of "
+            f"{', '.join(ROUTER_DTYPES)} or null"
+        )
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        v = getattr(cfg, key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"model.params.{key}={v!r}: a number >= 0")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(
             f"model.params.make_vocab_size_divisible_by={cfg.make_vocab_size_divisible_by} "

@@ -1,11 +1,12 @@
 """Running megatron-core (0.15, 0.16, 0.19) on CPU / gloo ranks: the backend's one set of patches.
 
 Redirects the few CUDA assumptions of the GPTModel path (local spec, CPU init, any TP x PP,
-sequence parallelism, DDP + distributed optimizer) to the CPU; the rest runs unchanged.
-Process-wide for megatron-core, so NEVER apply it in a process that runs Megatron on CUDA;
-``torch`` itself is not patched, only megatron's view of it. Unsupported on CPU: default
-causal masks, ``distribute_saved_activations``, GPU init, KV caches, CUDA graphs, autocast
-and Transformer Engine specs.
+sequence parallelism, DDP + distributed optimizer, RoPE's per-CP-rank cut, MoE router and
+dispatchers) to the CPU; the rest runs unchanged (MoE's other CUDA calls:
+``cpu_compat_moe.py``). Process-wide for megatron-core, so NEVER apply it in a process that
+runs Megatron on CUDA; ``torch`` itself is not patched, only megatron's view of it.
+Unsupported on CPU: default causal masks, ``distribute_saved_activations``, GPU init, KV
+caches, CUDA graphs, autocast and Transformer Engine specs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ import functools
 from typing import Any
 
 import torch
+
+from nemo_d3s.backends.megatron.cpu_compat_moe import (
+    MOE_TORCH_PROXIED,
+    CpuDistributed,
+    patch_dtoh_copies,
+    patch_router_gemm,
+)
 
 __all__ = ["apply_cpu_compat", "is_applied", "seed_model_parallel"]
 
@@ -65,6 +73,8 @@ _TORCH_PROXIED = {
     "megatron.core.tensor_parallel.layers": (
         "LinearWithGradAccumulationAndAsyncCommunication.backward"
     ),
+    # Mixture-of-experts layers: see :data:`MOE_TORCH_PROXIED`.
+    **MOE_TORCH_PROXIED,
 }
 
 _APPLIED = False
@@ -82,6 +92,9 @@ class _CpuStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, event: Any = None) -> "_CpuStream":
+        return self  # an event whose synchronize() has nothing to wait for
+
 
 class _CpuCuda:
     """``torch.cuda`` as the proxied megatron modules see it."""
@@ -93,6 +106,14 @@ class _CpuCuda:
     @staticmethod
     def current_device() -> str:
         return "cpu"
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> _CpuStream:  # noqa: N802 (torch's name)
+        return _CpuStream()
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     @staticmethod
     def synchronize(*args: Any, **kwargs: Any) -> None:
@@ -117,6 +138,7 @@ class CpuTorch:
     ``torch.cuda.current_device/synchronize`` go to the CPU; all else is torch itself."""
 
     cuda = _CpuCuda()
+    distributed = CpuDistributed()
     zeros = staticmethod(_on_cpu(torch.zeros))
     ones = staticmethod(_on_cpu(torch.ones))
     empty = staticmethod(_on_cpu(torch.empty))
@@ -250,6 +272,25 @@ def _patch_distributed_optimizer() -> None:
     optimizer.clip_grad_by_total_norm_fp32 = scoped(optimizer.clip_grad_by_total_norm_fp32)
 
 
+def _patch_rope_cp_cut() -> None:
+    """RoPE's table cut to this CP rank's two chunks without pinned memory and ``.cuda()``
+    (``get_pos_emb_on_this_cp_rank``, megatron-core 0.16.1 / 0.19.2 rope_utils.py:48-69), in
+    every rotary module that imported it by name."""
+    import importlib
+
+    from nemo_d3s.core.context_parallel import zigzag_positions
+
+    def cut(pos_emb: torch.Tensor, seq_dim: int, cp_group: Any) -> torch.Tensor:
+        S = pos_emb.shape[seq_dim]
+        mine = zigzag_positions(torch.tensor([0, S]), cp_group.size(), cp_group.rank())
+        return pos_emb.index_select(seq_dim, mine.to(pos_emb.device))
+
+    for name in ("rotary_pos_embedding", "yarn_rotary_pos_embedding", "rope_utils"):
+        module = importlib.import_module(f"megatron.core.models.common.embeddings.{name}")
+        if hasattr(module, "get_pos_emb_on_this_cp_rank"):
+            module.get_pos_emb_on_this_cp_rank = cut
+
+
 def apply_cpu_compat() -> None:
     """Make megatron-core run on CPU / gloo in this process (idempotent); before building
     the model, never in a process that runs Megatron on CUDA."""
@@ -260,6 +301,9 @@ def apply_cpu_compat() -> None:
     _patch_tied_embedding_copy()
     _patch_rng()
     _patch_distributed_optimizer()
+    _patch_rope_cp_cut()
+    patch_router_gemm()
+    patch_dtoh_copies()
     _APPLIED = True
 
 

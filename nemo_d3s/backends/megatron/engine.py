@@ -2,8 +2,8 @@
 
 The engine lives on the group's first rank; the others get its rollouts by one object
 broadcast over the group's gloo twin. Refits are collective (every rank runs the weight
-iterator). :class:`ReplicaEngine` runs the HF backend's seeded sampler on a transformers copy,
-so Megatron and HF runs with one seed sample the same rollouts.
+iterator). ``ReplicaEngine`` (``backends/hf/engine.py``) runs the HF backend's seeded sampler on
+a transformers copy, so Megatron and HF runs with one seed sample the same rollouts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nemo_d3s.backends.base import (
     RolloutEngine,
     Rollouts,
 )
-from nemo_d3s.backends.hf.engine import HFRolloutEngine, SamplerModel
+from nemo_d3s.backends.hf.engine import ReplicaEngine, SamplerModel
 from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
@@ -37,36 +37,6 @@ __all__ = [
     "place_engine",
     "replica_engine",
 ]
-
-
-class ReplicaEngine(RolloutEngine):
-    """The HF backend's sampler on a full transformers copy of the policy, refitted tensor by
-    tensor."""
-
-    def __init__(self, replica: SamplerModel) -> None:
-        self.replica = replica
-        self.tokenizer = replica.tokenizer
-        self._inner = HFRolloutEngine(replica)
-        self.prompt_seeds = self._inner.prompt_seeds
-
-    def sync_weights(self, policy: Policy) -> None:
-        from nemo_d3s.backends.hf.loading import copy_hf_weights
-
-        model = self.replica.model
-        try:
-            copy_hf_weights(
-                model,
-                policy.refit_weights(),
-                tie_word_embeddings=bool(model.config.tie_word_embeddings),
-            )
-        except KeyError as e:
-            raise KeyError(f"rollout replica refit: {e.args[0]}") from None
-
-    def generate(
-        self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
-    ) -> Rollouts:
-        self._inner.should_stop = self.should_stop
-        return self._inner.generate(prompts, n_samples, cfg, seeds)
 
 
 class ModelParallelRollouts(RolloutEngine):
@@ -96,6 +66,7 @@ class ModelParallelRollouts(RolloutEngine):
         device: Optional[torch.device] = None,
     ) -> None:
         self.inner, self.tokenizer, self.group, self.src = inner, tokenizer, group, src
+        self.own_weights = True  # a replica or vLLM on every layout
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
         self.policy, self.refit, self.device = policy, refit, device
@@ -116,14 +87,15 @@ class ModelParallelRollouts(RolloutEngine):
     ) -> Rollouts:
         if is_single(self.group):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
-        if self.refit is not None:
-            try:  # a refit only when the engine holds another version
-                self.sync_weights(self.policy)
-            except Exception as e:
-                if self.stopped or (self.should_stop is not None and self.should_stop()):
-                    raise GenerationInterrupted(f"the refit stopped with the job: {e}") from e
-                raise
-        release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
+        if self.refit_on_generate:
+            if self.refit is not None:
+                try:  # a refit only when the engine holds another version
+                    self.sync_weights(self.policy)
+                except Exception as e:
+                    if self.stopped or (self.should_stop is not None and self.should_stop()):
+                        raise GenerationInterrupted(f"the refit stopped with the job: {e}") from e
+                    raise
+            release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
         call = (
             (lambda: self.inner.generate(prompts, n_samples, cfg, seeds)) if self.is_src else None
@@ -147,6 +119,14 @@ class ModelParallelRollouts(RolloutEngine):
     def release(self) -> None:
         if self.inner is not None:
             self.inner.release()
+
+    def pin_weights(self) -> None:
+        self.refit_on_generate = False
+        if self.inner is not None:
+            self.inner.pin_weights()
+
+    def held_weights(self):
+        return self.inner.held_weights() if self.inner is not None else iter(())
 
     def alive(self) -> bool:
         return self.inner is None or self.inner.alive()

@@ -5,6 +5,7 @@ parameter at a time gathered over TP and broadcast over PP).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -24,6 +25,8 @@ from nemo_d3s.formats.weights import (
     read_local,
 )
 from nemo_d3s.backends.megatron.config import TRANSFORMER_IMPLS
+from nemo_d3s.backends.megatron.moe import ExpertGroups, iter_expert_hf
+from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.distributed.comm import global_rank_of, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
 
@@ -97,9 +100,12 @@ def transformer_config(
     sequence_parallel: bool = False,
     recompute: bool = False,
     vpp: int = 1,
+    cp: int = 1,
+    moe: Optional[Dict[str, object]] = None,
 ):
-    """``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp``); dropout 0, so scoring and
-    training compute the same function."""
+    """``TransformerConfig`` of ``spec`` at TP x PP (x ``vpp``, x ``cp`` context parallel);
+    dropout 0, so scoring and training compute the same function; ``moe``: its MoE fields
+    (``moe.moe_config_kwargs``)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -130,6 +136,7 @@ def transformer_config(
         pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel and tp > 1,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        context_parallel_size=cp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -140,6 +147,7 @@ def transformer_config(
         use_cpu_initialization=not cuda,
         attention_softmax_in_fp32=True,
     )
+    kwargs.update(moe or {})
     if recompute:
         kwargs.update(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -176,8 +184,11 @@ def build_stage(
     # RMSNorm) :348, used :405-410); each is built over hidden_size=kv_channels
     # (transformer/attention.py:1280-1298) and applied per head before RoPE
     # (attention.py:1477-1481), as transformers' Qwen3Attention does (q_norm / k_norm).
+    experts = spec.num_experts or None  # MoELayer in every layer (grouped GEMM with TE)
     if layout.te:
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=bool(experts), qk_layernorm=spec.qk_norm
+        )
     elif config.sequence_parallel:  # WrappedTorchNorm refuses SP: see sequence_parallel.py
         from nemo_d3s.backends.megatron.sequence_parallel import local_block_spec
 
@@ -195,11 +206,17 @@ def build_stage(
         layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
         layer_spec = TransformerBlockSubmodules(
             layer_specs=[
-                get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm)
+                get_gpt_layer_local_spec(
+                    num_experts=experts, normalization="RMSNorm", qk_layernorm=spec.qk_norm
+                )
             ]
             * layers,
             layer_norm=WrappedTorchNorm,
         )
+    if not layout.te:  # packed (THD) rows on the local spec: local_attention.py
+        from nemo_d3s.backends.megatron.local_attention import with_packed_attention
+
+        layer_spec = with_packed_attention(layer_spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -230,13 +247,14 @@ def build_stage(
 
 def _mark_tensor_parallel(model: torch.nn.Module, spec: ModelSpec, layout: Layout) -> None:
     """Set ``tensor_model_parallel`` / ``partition_dim`` from the weight table: Megatron sets
-    them only in the random init we skip, and the grad norm and its optimizer read them."""
+    them only in the random init we skip, and the grad norm and its optimizer read them. Every
+    expert weight is parallel (its ETP split may be 1); norms and the router are duplicates."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     for name, p in model.named_parameters():
         dim, parts = local_parts(name, spec, layout)
         full = hf_shape(parts[0].hf_name, spec)[dim] if parts[0].hf_name else None
-        replicated = (
+        replicated = not is_expert_param(name) and (
             len(parts) == 1
             and parts[0].lo == 0
             and parts[0].rows == full
@@ -276,7 +294,7 @@ def virtual_layouts(layout: Layout, vpp: int) -> List[Layout]:
     a TP x (PP VPP) layout (megatron-core's ``get_transformer_layer_offset``)."""
     if vpp <= 1:
         return [layout]
-    virtual = Layout(layout.tp, layout.pp * vpp, layout.tp_rank, 0, layout.padded_vocab, layout.te)
+    virtual = replace(layout, pp=layout.pp * vpp, pp_rank=0)
     return [virtual.at(layout.tp_rank, v * layout.pp + layout.pp_rank) for v in range(vpp)]
 
 
@@ -298,13 +316,21 @@ def iter_hf_weights(
     params = [dict(c.named_parameters()) for c in chunks]
     first = next(iter(params[0].values()))
     device, dtype = first.device, first.dtype
-    virtual = Layout(layout.tp, layout.pp * vpp, layout.tp_rank, 0, layout.padded_vocab, layout.te)
+    virtual = replace(layout, pp=layout.pp * vpp, pp_rank=0)
+    experts = ExpertGroups.current() if spec.num_experts else ExpertGroups()
     for stage in range(virtual.pp):
         st = virtual.at(layout.tp_rank, stage)
         owner = stage % layout.pp  # the pipeline rank holding virtual stage ``stage``
         for local, produced in iter_stage_hf(local_names(spec, st), spec, st):
             if local == "output_layer.weight" and spec.tie_word_embeddings:
                 continue  # the last stage's copy of the tied embedding
+            if is_expert_param(local):
+                mine = params[stage // layout.pp][local] if owner == layout.pp_rank else None
+                for h, x in iter_expert_hf(
+                    local, mine, spec, st, experts, groups.pp, owner, device=device, dtype=dtype
+                ):
+                    yield h, (x.cpu() if to_cpu else x)
+                continue
             full: Optional[Dict[str, torch.Tensor]] = None
             if owner == layout.pp_rank:
                 t = params[stage // layout.pp][local].detach().contiguous()

@@ -5,6 +5,8 @@ Megatron-Bridge (``nemo-d3s-convert hf-to-megatron-lm``; layout and reader:
 
 from __future__ import annotations
 
+import logging
+
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -132,6 +134,11 @@ def write_dist_checkpoint(
     state.update(common or {})
     folder.mkdir(parents=True)
     teardown = _one_process_group()
+    # A failed write is logged by the writer ("Local process 0 encountered an error: ...",
+    # megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:321-326) and then
+    # raised: the caller reports it once.
+    quiet = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    level, quiet.level = quiet.level, logging.CRITICAL
     try:
         with _TorchOnCpu():
             dist_checkpointing.save(
@@ -144,6 +151,7 @@ def write_dist_checkpoint(
                 },
             )
     finally:
+        quiet.level = level
         teardown()
 
 

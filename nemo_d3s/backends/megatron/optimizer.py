@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.megatron.main_weights import MainWeightsAdamW, grad_of, needs_main_weights
+from nemo_d3s.backends.megatron.moe import ExpertGroups
 from nemo_d3s.distributed.comm import group_rank, is_single
+from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.distributed.groups import ParallelGroups
 
 __all__ = [
@@ -20,12 +22,14 @@ __all__ = [
     "build_optimizer",
     "clip_grads_",
     "device_of",
+    "expert_param_ids",
     "finalize_grads",
     "global_grad_norm",
     "is_megatron_optimizer",
     "local_params",
     "model_chunks",
     "unwrap_model",
+    "uses_distributed_optimizer",
 ]
 
 Model = Union[torch.nn.Module, Sequence[torch.nn.Module]]
@@ -62,25 +66,29 @@ def local_params(chunks: List[torch.nn.Module]) -> List[torch.nn.Parameter]:
 
 def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     """Megatron's ``finalize_model_grads`` for the plain path's grads (``grad_of``): missing
-    ones become zeros, all are AVERAGED over ``groups.dp`` (one flat all-reduce per dtype),
-    and tied embeddings' two copies summed over the embedding group (PP > 1). SP's norm
-    all-reduce is not done here. Memory: one flat copy of one dtype's grads.
+    ones become zeros, all are AVERAGED over ``groups.dp`` (x CP: Megatron's DP-CP group; one
+    flat all-reduce per dtype), and tied embeddings' two copies summed over the embedding
+    group (PP > 1). SP's norm all-reduce is not done here. Memory: one flat copy of one
+    dtype's grads.
     """
     chunks = model_chunks(chunks)
     params = local_params(chunks)
+    experts = expert_param_ids(chunks)
     grads = [grad_of(p, zeros=True) for p in params]
-    if groups.data_parallel:
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=groups.dp)
-            flat /= groups.dp_size
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+    group, size = groups.dp, groups.dp_size
+    if groups.cp_size > 1:  # CP ranks hold other positions of the same rows: DP x CP
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        size = dist.get_world_size(group)
+    dense = [g for p, g in zip(params, grads) if id(p) not in experts]
+    _average(dense, group, size)
+    if experts:
+        # An expert's gradient holds every DP rank's tokens routed to it: summed over the
+        # ranks holding the same expert shard, divided by DP as the dense ones (megatron-core
+        # 0.16.1 distributed/distributed_data_parallel.py:285-288; experts refuse CP > 1).
+        expert_grads = [g for p, g in zip(params, grads) if id(p) in experts]
+        _average(expert_grads, ExpertGroups.current().edp, groups.dp_size)
     inner = unwrap_model(chunks[0])
     if groups.pp_size > 1 and getattr(inner, "share_embeddings_and_output_weights", False):
         from megatron.core import parallel_state as ps
@@ -93,6 +101,29 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
             )
             weight = owner.shared_embedding_or_output_weight()
             dist.all_reduce(grad_of(weight), op=dist.ReduceOp.SUM, group=ps.get_embedding_group())
+
+
+def _average(grads: List[torch.Tensor], group, divisor: int) -> None:
+    """Sum ``grads`` over ``group`` (one flat all-reduce per dtype) and divide by ``divisor``."""
+    if divisor == 1 and is_single(group):
+        return
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        if not is_single(group):
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat /= divisor
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def expert_param_ids(chunks: List[torch.nn.Module]) -> set:
+    """``id()`` of every expert parameter of ``chunks`` (``formats.moe.is_expert_param``)."""
+    return {id(p) for c in chunks for n, p in c.named_parameters() if is_expert_param(n)}
 
 
 def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
@@ -112,27 +143,33 @@ def _counts_for_norm(p: torch.nn.Parameter, groups: ParallelGroups) -> bool:
 
 def global_grad_norm(chunks: Model, groups: ParallelGroups) -> torch.Tensor:
     """L2 norm of the whole model's DP-reduced gradient (0-d f64 on ``groups.device``), the
-    same on every rank: squared norms all-reduced over ``groups.tp`` then ``groups.pp``."""
+    same on every rank: squared norms all-reduced over ``groups.tp`` then ``groups.pp``, the
+    experts' over their ETP x EP x PP grid, added (one norm, as megatron-core clips)."""
     chunks = model_chunks(chunks)
-    grads = [
-        g
-        for p in local_params(chunks)
-        if (g := grad_of(p)) is not None and _counts_for_norm(p, groups)
-    ]
-    if grads:
-        sq = (
-            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
-            .double()
-            .pow(2)
-            .sum()
-        )
-    else:
-        sq = torch.zeros((), dtype=torch.float64)
-    sq = sq.to(groups.device).reshape(1)
+    experts = expert_param_ids(chunks)
+    params = [p for p in local_params(chunks) if grad_of(p) is not None]
+    dense = [grad_of(p) for p in params if id(p) not in experts and _counts_for_norm(p, groups)]
+    sq = _square_sum(dense, groups.device)
     for g in (groups.tp, groups.pp):
         if not is_single(g):
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=g)
+    if experts:
+        emp = ExpertGroups.current().emp
+        # every expert shard is marked tensor-parallel (model._mark_tensor_parallel), so
+        # each counts once over the ETP x EP x PP grid
+        esq = _square_sum([grad_of(p) for p in params if id(p) in experts], groups.device)
+        if not is_single(emp):
+            dist.all_reduce(esq, op=dist.ReduceOp.SUM, group=emp)
+        sq = sq + esq
     return sq.sqrt()[0]
+
+
+def _square_sum(grads: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[1] f64 on ``device``: the sum of the squared L2 norms of ``grads`` (fp32 each)."""
+    if not grads:
+        return torch.zeros(1, dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    return norms.double().pow(2).sum().to(device).reshape(1)
 
 
 def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
@@ -157,6 +194,11 @@ def is_megatron_optimizer(optimizer) -> bool:
     return isinstance(optimizer, MegatronOptimizer)
 
 
+def uses_distributed_optimizer(setting: Optional[bool], device: torch.device) -> bool:
+    """``model.params.distributed_optimizer`` resolved: None means on CUDA only."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
 def build_optimizer(
     model: Model,
     *,
@@ -177,9 +219,7 @@ def build_optimizer(
     """
     chunks = list(model_chunks(model))
     device = device_of(chunks[0])
-    if distributed_optimizer is None:
-        distributed_optimizer = device.type == "cuda"
-    if not distributed_optimizer:
+    if not uses_distributed_optimizer(distributed_optimizer, device):
         params = local_params(chunks)
         adamw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         if needs_main_weights(

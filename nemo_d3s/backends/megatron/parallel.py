@@ -37,20 +37,31 @@ def global_rank_of(
     pp: int,
     dp: int,
     order: str = DEFAULT_ORDER,
+    cp_rank: int = 0,
+    cp: int = 1,
 ) -> int:
-    """The global rank Megatron gives a (TP, PP, DP) position (no CP / EP)."""
+    """The global rank Megatron gives a (TP, CP, PP, DP) position (no EP): CP varies right
+    after TP in both orders."""
+    inner = tp_rank + tp * cp_rank
     if order == DEFAULT_ORDER:
-        return tp_rank + tp * (dp_rank + dp * pp_rank)
+        return inner + tp * cp * (dp_rank + dp * pp_rank)
     if order == TP_PP_DP_ORDER:
-        return tp_rank + tp * (pp_rank + pp * dp_rank)
+        return inner + tp * cp * (pp_rank + pp * dp_rank)
     raise ValueError(f"rank order {order!r}: only {DEFAULT_ORDER} and {TP_PP_DP_ORDER}")
 
 
-def first_ranks_of_model_copies(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> List[int]:
-    """Global rank of (TP rank 0, stage 0) of each DP replica's TP x PP copy, replica order
-    (where the rollout engines start): tp-cp-ep-dp-pp interleaves the replicas' first stages
-    (stride TP), tp-cp-ep-pp-dp keeps each copy on consecutive ranks (stride TP x PP)."""
-    return [global_rank_of(0, 0, k, tp=tp, pp=pp, dp=dp, order=order) for k in range(dp)]
+def first_ranks_of_model_copies(
+    tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER, cp: int = 1
+) -> List[int]:
+    """Global rank of (TP rank 0, stage 0) of each TP x PP model-parallel group, DP replica
+    then CP rank order (where the rollout engines start): tp-cp-ep-dp-pp interleaves the
+    replicas' first stages (stride TP CP), tp-cp-ep-pp-dp keeps each copy on consecutive
+    ranks (stride TP CP PP)."""
+    return [
+        global_rank_of(0, 0, k, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp)
+        for k in range(dp)
+        for c in range(cp)
+    ]
 
 
 def set_cuda_connections() -> None:
@@ -83,10 +94,13 @@ def initialize_megatron_groups(
     order: str = DEFAULT_ORDER,
     vpp: Optional[int] = None,
     timeout_minutes: Optional[float] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> Callable[[], None]:
-    """Build Megatron's groups in ``order`` (``vpp`` chunks per stage) and the model-parallel
-    gloo twin, every group waiting ``timeout_minutes``; returns the teardown. ``rank`` is
-    unused (the ``rank_setup`` signature)."""
+    """Build Megatron's groups in ``order`` (``vpp`` chunks per stage, experts at ``ep`` x
+    ``etp``, None: TP) and the model-parallel gloo twin, every group waiting
+    ``timeout_minutes``; returns the teardown. ``rank`` is unused (the ``rank_setup``
+    signature)."""
     set_cuda_connections()  # (a no-op when the backend or the launcher set it first)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     from megatron.core import parallel_state as ps
@@ -100,10 +114,11 @@ def initialize_megatron_groups(
         context_parallel_size=cp,
         order=order,
         virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         **extra,
     )
-    if cp == 1:  # (the backend runs no context parallelism; the twin's groups assume none)
-        make_model_parallel_gloo_twin(tp, pp, order, timeout_minutes)
+    make_model_parallel_gloo_twin(tp, pp, order, timeout_minutes, cp=cp)
     apply_timeout(as_timedelta(timeout_minutes))
 
     def teardown() -> None:
@@ -114,21 +129,29 @@ def initialize_megatron_groups(
     return teardown
 
 
-def model_parallel_groups(tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER) -> List[List[int]]:
-    """The global ranks of every model-parallel (TP x PP) group, one per DP rank, sorted: a
-    pure function of the layout (no collective). CP = EP = 1."""
+def model_parallel_groups(
+    tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER, cp: int = 1
+) -> List[List[int]]:
+    """The global ranks of every model-parallel (TP x PP) group, one per (DP, CP) rank,
+    sorted: a pure function of the layout (no collective). EP = 1."""
     return [
         sorted(
-            global_rank_of(t, p, d, tp=tp, pp=pp, dp=dp, order=order)
+            global_rank_of(t, p, d, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp)
             for p in range(pp)
             for t in range(tp)
         )
         for d in range(dp)
+        for c in range(cp)
     ]
 
 
 def make_model_parallel_gloo_twin(
-    tp: int, pp: int, order: str = DEFAULT_ORDER, timeout_minutes: Optional[float] = None
+    tp: int,
+    pp: int,
+    order: str = DEFAULT_ORDER,
+    timeout_minutes: Optional[float] = None,
+    *,
+    cp: int = 1,
 ):
     """Create the gloo twin of every model-parallel group (collective over the world, no NCCL
     call) and keep this rank's: engine waits then stay on the host, off the engine's GPUs."""
@@ -139,12 +162,12 @@ def make_model_parallel_gloo_twin(
     from nemo_d3s.distributed.timeouts import as_timedelta
 
     world = dist.get_world_size()
-    groups = model_parallel_groups(tp, pp, world // (tp * pp), order)
+    groups = model_parallel_groups(tp, pp, world // (tp * pp * cp), order, cp)
     mine = sorted(dist.get_process_group_ranks(ps.get_model_parallel_group()))
     if mine not in groups:
         raise RuntimeError(
-            f"Megatron's model-parallel group {mine} is not one of {groups} (layout {tp}x{pp}, "
-            f"order {order})"
+            f"Megatron's model-parallel group {mine} is not one of {groups} (layout "
+            f"{tp}x{pp}, CP {cp}, order {order})"
         )
     timeout = as_timedelta(timeout_minutes)
     _MP_GLOO, _ = dist.new_subgroups_by_enumeration(

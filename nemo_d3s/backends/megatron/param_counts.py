@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Dict, Iterator, List, Tuple
+from dataclasses import replace
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from nemo_d3s.formats.moe import is_expert_param
 
 from nemo_d3s.backends.megatron.parallel import (
     DEFAULT_ORDER,
@@ -15,7 +18,13 @@ from nemo_d3s.backends.megatron.parallel import (
     global_rank_of,
 )
 
-__all__ = ["stage_positions", "local_param_count", "real_param_count", "meta_param_counts"]
+__all__ = [
+    "expert_real_param_count",
+    "stage_positions",
+    "local_param_count",
+    "real_param_count",
+    "meta_param_counts",
+]
 
 
 def stage_positions(tp: int, pp: int) -> List[Tuple[int, int]]:
@@ -23,23 +32,42 @@ def stage_positions(tp: int, pp: int) -> List[Tuple[int, int]]:
     return [(t, p) for p in range(pp) for t in range(tp)]
 
 
-def local_param_count(spec, layout) -> int:
-    """Parameters of one position's stage (vocabulary padding included), from the table."""
+def local_param_count(spec, layout, experts: Optional[bool] = None) -> int:
+    """Parameters of one position's stage (vocabulary padding included), from the table;
+    ``experts`` True / False: only the expert / the dense ones (``moe.is_expert_param``)."""
     from nemo_d3s.formats.weights import local_names, local_shape
 
-    return sum(math.prod(local_shape(n, spec, layout)) for n in local_names(spec, layout))
+    return sum(
+        math.prod(local_shape(n, spec, layout))
+        for n in local_names(spec, layout)
+        if experts is None or is_expert_param(n) == experts
+    )
+
+
+def expert_real_param_count(spec, layout) -> int:
+    """The expert parameters of the HF model on the whole EP x ETP x PP grid of ``layout``
+    (each expert shard once): with the dense positions' real counts, ``spec.num_params``."""
+    return sum(
+        local_param_count(spec, layout.at(0, p, ep_rank=e, etp_rank=t), experts=True)
+        for p in range(layout.pp)
+        for e in range(layout.ep)
+        for t in range(layout.etp)
+    )
 
 
 def real_param_count(spec, layout) -> int:
     """This position's share of the HF model: padding rows dropped, the tied output layer
     (the last stage's copy of the embedding) and TP-replicated tensors (norms) on TP ranks
-    > 0 not counted; summed over all positions this is ``spec.num_params``."""
+    > 0 not counted, experts not counted (:func:`expert_real_param_count`); summed over all
+    positions this is ``spec.num_params`` less the experts."""
     from nemo_d3s.formats.weights import hf_shape, local_names, local_parts, local_shape
 
     total = 0
     for name in local_names(spec, layout):
         if name == "output_layer.weight" and spec.tie_word_embeddings:
             continue
+        if is_expert_param(name):
+            continue  # counted over the expert grid: expert_real_param_count
         dim, parts = local_parts(name, spec, layout)
         whole = (
             len(parts) == 1
@@ -60,7 +88,9 @@ def real_param_count(spec, layout) -> int:
 
 
 @contextlib.contextmanager
-def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator[Any]:
+def _fake_world(
+    rank: int, world: int, tp: int, pp: int, order: str, ep: int = 1, etp: Optional[int] = None
+) -> Iterator[Any]:
     """Megatron's parallel state of global ``rank`` in a ``world``-rank job, in this one
     process: torch's fake process-group backend (collectives are no-ops) under megatron's
     ``initialize_model_parallel`` (no gloo side groups). Torn down on exit."""
@@ -77,6 +107,8 @@ def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator
             pipeline_model_parallel_size=pp,
             create_gloo_process_groups=False,
             order=order,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         )
         try:
             yield ps
@@ -87,7 +119,15 @@ def _fake_world(rank: int, world: int, tp: int, pp: int, order: str) -> Iterator
 
 
 def meta_param_counts(
-    spec, *, tp: int, pp: int, world: int, padded_vocab: int, order: str = DEFAULT_ORDER
+    spec,
+    *,
+    tp: int,
+    pp: int,
+    world: int,
+    padded_vocab: int,
+    order: str = DEFAULT_ORDER,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Build each distinct position's GPTModel stage on the meta device under a fake
     process group of ``world`` ranks and count its parameters. Returns {"counts":
@@ -104,6 +144,7 @@ def meta_param_counts(
     except Exception as e:  # an internal torch module: absent from some builds
         return {"skipped": f"torch's fake process group is not available ({type(e).__name__}: {e})"}
     from nemo_d3s.backends.megatron.model import build_stage, transformer_config
+    from nemo_d3s.backends.megatron.moe import expert_layout, moe_config_kwargs
     from nemo_d3s.formats.weights import Layout
 
     dp = world // (tp * pp)
@@ -118,7 +159,7 @@ def meta_param_counts(
         warnings.simplefilter("ignore")
         for t, p in wanted:
             rank = global_rank_of(t, p, 0, tp=tp, pp=pp, dp=dp, order=order)  # DP replica 0
-            with _fake_world(rank, world, tp, pp, order) as ps:
+            with _fake_world(rank, world, tp, pp, order, ep, etp) as ps:
                 got = (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
                 if got != (t, p):
                     raise RuntimeError(
@@ -128,8 +169,19 @@ def meta_param_counts(
                 layout = Layout(
                     tp=tp, pp=pp, tp_rank=t, pp_rank=p, padded_vocab=padded_vocab, te=False
                 )
+                layout = replace(layout, **expert_layout(spec))
+                # the allgather dispatcher: the parameters are the same, and the all-to-all
+                # one builds a CUDA stream at construction (no CUDA here)
+                moe = moe_config_kwargs(
+                    spec,
+                    ep=ep,
+                    etp=etp,
+                    dispatcher="allgather",
+                    router_dtype="fp32",
+                    grouped_gemm=False,
+                )
                 config = transformer_config(
-                    spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta
+                    spec, tp=tp, pp=pp, params_dtype=torch.bfloat16, device=meta, moe=moe
                 )
                 # Tied embeddings at PP > 1: megatron moves the last stage's copy with
                 # Tensor.cuda() before its all-reduce; on meta tensors that is the identity.
@@ -150,7 +202,7 @@ def meta_param_counts(
                 del model
         # Where the rollout engines start: the first rank of the last DP replica's TP x PP group.
         last = first_ranks_of_model_copies(tp, pp, dp, order)[-1]
-        with _fake_world(last, world, tp, pp, order) as ps:
+        with _fake_world(last, world, tp, pp, order, ep, etp) as ps:
             first = dist.get_global_rank(ps.get_model_parallel_group(), 0)
             if first != last:
                 raise RuntimeError(

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import weakref
 from pathlib import Path
-from typing import Any, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -155,12 +155,20 @@ def seed_model_rng(device: torch.device, seed: int) -> None:
 
 
 def init_groups(
-    cfg: MegatronBackendConfig, device: torch.device, tp: int, pp: int, vpp: int
+    cfg: MegatronBackendConfig,
+    device: torch.device,
+    tp: int,
+    pp: int,
+    vpp: int,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
 ) -> ParallelGroups:
-    """Megatron's ``initialize_model_parallel`` on the job's process group (collective); an
-    existing Megatron layout of the same TP x PP x VPP is reused (e.g. by a test harness).
-    The world, Megatron's groups and the gloo twin of the model-parallel group all wait
-    ``cfg.dist_timeout_minutes`` (``distributed.timeouts``); the twin is made from the layout
+    """Megatron's ``initialize_model_parallel`` on the job's process group (collective),
+    experts at ``ep`` x ``etp`` (None: TP); an existing Megatron layout of the same TP x PP x
+    VPP x CP x EP is reused (e.g. by a test harness). The world, Megatron's groups and the
+    gloo twin of the model-parallel group all wait ``cfg.dist_timeout_minutes``
+    (``distributed.timeouts``); the twin is made from the layout
     (``parallel.make_model_parallel_gloo_twin``), with no NCCL collective."""
     from megatron.core import parallel_state as ps
 
@@ -192,28 +200,35 @@ def init_groups(
             ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
             ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            ps.get_context_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
         )
-        if have != (tp, pp, vpp):
+        if have != (tp, pp, vpp, cp, ep):
             raise ValueError(
-                f"Megatron is already initialised at TP x PP x VPP = {have}, not {(tp, pp, vpp)}"
+                f"Megatron is already initialised at TP x PP x VPP x CP x EP = {have}, not "
+                f"{(tp, pp, vpp, cp, ep)}"
             )
         if par.model_parallel_gloo_group() is None:  # initialised by other code
-            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes)
+            par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes, cp=cp)
         apply_timeout(timeout)
     else:
         par.initialize_megatron_groups(
             world.global_rank,
             tp,
             pp,
+            cp,
             order=order,
             vpp=vpp,
             timeout_minutes=cfg.dist_timeout_minutes,
+            ep=ep,
+            etp=etp,
         )
     single = lambda g: None if dist.get_world_size(g) == 1 else g  # noqa: E731
     return ParallelGroups(
         dp=single(ps.get_data_parallel_group()),
         tp=single(ps.get_tensor_model_parallel_group()),
         pp=single(ps.get_pipeline_model_parallel_group()),
+        cp=single(ps.get_context_parallel_group()),
         device=world.device,
         global_rank=world.global_rank,
         owns_world=world.owns_world,

@@ -46,7 +46,10 @@ def local_block_spec(config, *, pp_rank: int, vp_stage: Optional[int] = None):
     )
 
     qk = bool(getattr(config, "qk_layernorm", False))
-    layer = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk))
+    experts = getattr(config, "num_moe_experts", None)
+    layer = copy.deepcopy(
+        get_gpt_layer_local_spec(num_experts=experts, normalization="RMSNorm", qk_layernorm=qk)
+    )
     layer.submodules.input_layernorm = RMSNorm
     layer.submodules.pre_mlp_layernorm = RMSNorm
     if qk:  # WrappedTorchNorm refuses SP for the q/k norms too

@@ -26,7 +26,12 @@ from nemo_d3s.backends.base import (
     RolloutEngine,
     Rollouts,
 )
-from nemo_d3s.backends.hf.rollout import cut_at_eos, encode_prompts, right_padded_batch
+from nemo_d3s.backends.hf.rollout import (
+    cut_at_eos,
+    encode_prompts,
+    right_padded_batch,
+    token_aligned,
+)
 from nemo_d3s.backends.refit import (
     DEFAULT_BUCKET_BYTES,
     TensorMeta,
@@ -80,6 +85,7 @@ class VLLMEngine(RolloutEngine):
 
     prompt_seeds = True
     on_policy = False  # its numerics differ from the trainer's: old log-probs are recomputed
+    own_weights = True
 
     def __init__(
         self, policy: Policy, cfg: VLLMEngineConfig, *, refit_follows: bool = False
@@ -300,7 +306,8 @@ class VLLMEngine(RolloutEngine):
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
         try:
-            self.sync_weights(self.policy)  # a refit only when it holds another version (or none)
+            if self.refit_on_generate:  # a refit only when it holds another version (or none)
+                self.sync_weights(self.policy)
             self.wake(["weights", "kv_cache"])
             # awake until the trainer's release(): more generations of this version cost no refit
             fault_point("vllm.generate")
@@ -322,9 +329,7 @@ class VLLMEngine(RolloutEngine):
                 logprobs.append(_sampled_logprobs(comp.logprobs, resp))
                 texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
         batch = right_padded_batch(prompt_ids, responses, self.pad_id)
-        sampling = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        for i, (p, lp) in enumerate(zip(prompt_ids, logprobs)):
-            sampling[i, len(p) : len(p) + len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
         n_tokens = sum(len(r) for r in responses)
         stats = {
             "gen_tokens": float(n_tokens),

@@ -24,6 +24,7 @@ __all__ = [
     "HBM_BYTES_PER_S",
     "engine_positions",
     "engine_plan",
+    "separate_plan",
     "generation_idle",
     "sleeping_engine_bytes",
     "refit_bytes",
@@ -54,6 +55,23 @@ def engine_plan(
         engine_ranks, gpus_per_node=gpus_per_node, tensor_parallel_size=tensor_parallel_size
     )
     return dict(placement_summary(placed, gpus_per_node))
+
+
+def separate_plan(gpus: int, *, gpus_per_node: int, tensor_parallel_size: int) -> Dict[str, object]:
+    """``engine_plan``'s record for engines on ``gpus`` GPUs of their own (whole nodes first)."""
+    tp = int(tensor_parallel_size)
+    per_node = int(gpus_per_node) // tp
+    engines = int(gpus) // tp
+    nodes = -(-engines // max(per_node, 1))
+    counts = {str(n): min(per_node, engines - n * per_node) for n in range(nodes)}
+    return {
+        "engines": engines,
+        "engines_per_node": counts,
+        "engine_gpus": {},
+        "shards_per_gpu": 1,
+        "gpus_with_engine": int(gpus),
+        "separate_gpus": int(gpus),
+    }
 
 
 def engine_positions(

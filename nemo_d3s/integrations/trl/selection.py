@@ -23,9 +23,11 @@ __all__ = [
     "PER_ROW_KEYS",
     "PER_TOKEN_KEYS",
     "SCALAR_KEYS",
+    "ROW_COUNTING_LOSSES",
     "TRLD3SSelector",
     "trl_group_ids",
     "kept_batch",
+    "compact_rows",
     "step_shares",
 ]
 
@@ -53,6 +55,9 @@ PER_TOKEN_KEYS = (
     "tool_mask",
 )
 SCALAR_KEYS = ("num_items_in_batch",)
+# TRL 1.16's loss types whose value counts a micro-batch's rows (grpo_trainer.py l.3153-3180:
+# a mean over rows, or rows x max_completion_length): compaction keeps their rows.
+ROW_COUNTING_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 
 
 def trl_group_ids(n_total: int, num_generations: int) -> torch.Tensor:
@@ -160,6 +165,55 @@ def kept_batch(
         if ratio is not None and ratio.dim() == 2 and ratio.shape[1] > 1:
             out["importance_sampling_ratio"] = ratio[:, :width]
     return out, n_pad
+
+
+def compact_rows(
+    batch: Mapping[str, object],
+    *,
+    drop_rows: bool,
+    ratio_columns: bool = True,
+    multiple: Optional[int] = None,
+) -> Tuple[Dict[str, object], int, int]:
+    """One micro-batch of a cut batch, cut after its last loss token (``completion_mask`` x
+    ``tool_mask``) -> (batch, forward tokens before, after); tokens = rows x (P + C) columns.
+
+    ``drop_rows`` drops the rows without a loss token (row 0 stays when none has one, so the
+    backward runs); the completion columns after the remaining rows' last loss token go, the
+    width rounded up to ``multiple``. A causal LM scores position t from positions <= t, so no
+    loss token's log-prob or gradient changes. ``ratio_columns=False`` keeps a per-token
+    ``importance_sampling_ratio``'s columns up to the last completion token (vespo sums its
+    log over the whole row, grpo_trainer.py l.2992)."""
+    completion = batch["completion_mask"]
+    loss = completion if batch.get("tool_mask") is None else completion * batch["tool_mask"]
+    n, c = loss.shape
+    has_loss = loss.bool().any(dim=1)
+    if not drop_rows:
+        rows = None
+    elif bool(has_loss.any()):
+        rows = has_loss.nonzero().flatten()
+    else:
+        rows = torch.zeros(1, dtype=torch.long, device=loss.device)
+    kept = loss if rows is None else loss[rows]
+    width = _trim_width(kept.bool())
+    ratio = batch.get("importance_sampling_ratio")
+    if not ratio_columns and ratio is not None and ratio.dim() == 2 and ratio.shape[1] > 1:
+        width = max(width, _trim_width((completion if rows is None else completion[rows]).bool()))
+    if multiple:
+        width = -(-width // multiple) * multiple
+    width = min(width, c)
+    out: Dict[str, object] = {}
+    for key, value in batch.items():
+        if key in SCALAR_KEYS or value is None:
+            out[key] = value
+            continue
+        if rows is not None:
+            value = value[rows]
+        per_token = key in PER_TOKEN_KEYS or key == "importance_sampling_ratio"
+        if per_token and value.dim() == 2 and value.shape[1] > 1:
+            value = value[:, :width]
+        out[key] = value
+    p = int(batch["prompt_ids"].shape[1])
+    return out, n * (p + c), int(out["completion_ids"].shape[0]) * (p + width)
 
 
 def step_shares(

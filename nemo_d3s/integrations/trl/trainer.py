@@ -17,6 +17,10 @@ Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py``; range in ``nemo_d3s/
   multiple with zero-loss rows; generation (and D3S) runs once per ``steps_per_generation *
   num_iterations`` micro-steps (l.1538) and the buffered cut batches are reused (l.1546),
   ``old_per_token_logps`` (l.2643) cut like every key.
+- ``_compute_loss`` (l.3020) gets each training micro-batch compacted (``compact_rows``): rows
+  without a kept token dropped, except for the loss types that count rows (grpo, sapo, dr_grpo,
+  luspo); completion columns after the last kept token dropped (vespo with a per-token vLLM
+  ratio keeps them to the last completion token). Not with an MoE router loss.
 
 Preset ``grpo`` returns the batch untouched; evaluation batches are never cut. ``dapo``, ``cispo``
 and ``vespo`` divide by ``num_items_in_batch`` (l.3168), so placeholders add 0; ``grpo``, ``sapo``,
@@ -45,7 +49,13 @@ from trl import GRPOTrainer
 from nemo_d3s.core.presets import PRESETS, D3SConfig
 from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.integrations.trl.selection import TRLD3SSelector, kept_batch, step_shares
+from nemo_d3s.integrations.trl.selection import (
+    ROW_COUNTING_LOSSES,
+    TRLD3SSelector,
+    compact_rows,
+    kept_batch,
+    step_shares,
+)
 from nemo_d3s.versions import check_stack
 
 __all__ = ["D3SGRPOTrainer", "resolve_d3s"]
@@ -85,16 +95,26 @@ def _dp_group() -> Optional[dist.ProcessGroup]:
 
 class D3SGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer(..., d3s="d3s")``: TRL's arguments plus ``d3s`` (preset name, ``D3SConfig`` or
-    mapping). Progress is ``global_step / (max_steps - 1)``, as in ``nemo_d3s.train``; logs the
-    ``d3s/*`` shares, N, K, advantage variances and placeholder rows per step."""
+    mapping) and ``compact`` (cut each micro-batch after its last kept token before the loss's
+    forward: ``compact_rows``). Progress is ``global_step / (max_steps - 1)``, as in
+    ``nemo_d3s.train``; logs the ``d3s/*`` shares, N, K, advantage variances, placeholder rows and
+    ``d3s/forward_token_share`` (the loss forward's tokens after compaction / before)."""
 
-    def __init__(self, *args: Any, d3s: Union[str, D3SConfig, Mapping, None] = "d3s", **kwargs):
+    def __init__(
+        self,
+        *args: Any,
+        d3s: Union[str, D3SConfig, Mapping, None] = "d3s",
+        compact: bool = True,
+        **kwargs,
+    ):
         # one line, or a warning under NEMO_D3S_ALLOW_UNTESTED=1 (nemo_d3s/versions.py)
         check_stack(["trl"], {"trl": trl.__version__})
         self.d3s_config = resolve_d3s(d3s)
         super().__init__(*args, **kwargs)
         cfg = self.d3s_config
         self._d3s_keeps_all = bool(SAMPLE_SELECTORS.prop(cfg.sample_rule, "keeps_all"))
+        # The MoE router's auxiliary loss averages over every attended token: not compacted.
+        self.d3s_compact = bool(compact) and not self.aux_loss_enabled
         self._d3s_selector: Optional[TRLD3SSelector] = None
         self._d3s_rewards: Optional[torch.Tensor] = None
         if self.top_entropy_quantile < 1.0 and TRLD3SSelector(cfg, None).needs_entropy:
@@ -152,6 +172,24 @@ class D3SGRPOTrainer(GRPOTrainer):
             return output
         return self._d3s_cut(output)
 
+    def _compute_loss(self, model, inputs):
+        cut = self.model.training and "tool_mask" in inputs and self._d3s_cuts
+        if not (cut and self.d3s_compact):
+            return super()._compute_loss(model, inputs)
+        compacted, before, after = compact_rows(
+            inputs,
+            drop_rows=self.loss_type not in ROW_COUNTING_LOSSES,
+            ratio_columns=self.loss_type != "vespo",
+            multiple=self.pad_to_multiple_of,
+        )
+        self._metrics["train"]["d3s/forward_token_share"].append(after / max(before, 1))
+        return super()._compute_loss(model, compacted)
+
+    @property
+    def _d3s_cuts(self) -> bool:
+        """Whether the preset cuts TRL's batch (``grpo`` hands it on untouched)."""
+        return not (self._d3s_keeps_all and not self.d3s_selector.needs_entropy)
+
     @torch.no_grad()
     def _d3s_entropy(self, output: Mapping[str, Any], rows: torch.Tensor) -> torch.Tensor:
         """[B_kept, C] f32 on the CPU: old-policy entropy of the kept rows' completion tokens, one
@@ -193,7 +231,7 @@ class D3SGRPOTrainer(GRPOTrainer):
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
         )
         eligible_all, kept_all = sel.reduce_sums(counts).tolist()
-        if self._d3s_keeps_all and not sel.needs_entropy:
+        if not self._d3s_cuts:
             cut, n_pad = output, 0  # grpo: TRL's batch untouched
         else:
             batch = dict(output)

@@ -24,6 +24,7 @@ def make_tiny_hf(
     heads: int = 4,
     kv_heads: int = 2,
     seed: int = 0,
+    experts: int = 4,
 ) -> Path:
     from transformers import (
         LlamaConfig,
@@ -60,6 +61,8 @@ def make_tiny_hf(
     elif arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
         cfg = Qwen3Config(**common, head_dim=16, use_sliding_window=False, attention_bias=False)
         cls = Qwen3ForCausalLM
+    elif arch in MOE:
+        cfg, cls = _moe_config(arch, common, experts)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -73,6 +76,31 @@ def make_tiny_hf(
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     return folder
+
+
+MOE = ("qwen3_moe", "qwen3_moe_norm", "mixtral")
+
+
+def _moe_config(arch: str, common: dict, experts: int):
+    """A mixture-of-experts config over ``common``: Qwen3-MoE (top-2 of ``experts``, expert
+    width 24 != the dense 48, head_dim 16; "qwen3_moe_norm" renormalises the top-k
+    probabilities, "qwen3_moe" does not) or Mixtral (top-2, expert width = intermediate)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if arch == "mixtral":
+        return MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=2), (
+            MixtralForCausalLM
+        )
+    cfg = Qwen3MoeConfig(
+        **common,
+        head_dim=16,
+        moe_intermediate_size=24,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=arch == "qwen3_moe_norm",
+        use_sliding_window=False,
+    )
+    return cfg, Qwen3MoeForCausalLM
 
 
 # The backend tests' batch: 6 rows x 12 tokens of unequal lengths, prompts of 2-5 tokens.

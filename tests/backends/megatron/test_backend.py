@@ -130,6 +130,9 @@ def _rank_layout(rank, folder, tp, pp, dp_rows, ref_lp, kw):
         "entropy": sc.entropy,
         "rank": dist.get_rank(),
         "sequence_parallel": unwrap_model(pol.chunks[0]).config.sequence_parallel,
+        "pack": pol.pack,
+        "fed": sc.stats["fed_tokens"],
+        "cp": ps.get_context_parallel_rank(),
         "chunks": len(pol.chunks),
         "position": (
             ps.get_tensor_model_parallel_rank(),
@@ -186,18 +189,53 @@ LAYOUTS = {
 
 
 QWEN3_LAYOUTS = ["tp1pp1", "tp2pp2", "tp2pp2_sp", "tp2_sp_distributed_optimizer"]
+# packed (THD) rows, micro_batch_size 2: packs of up to 2 x the longest row, attention within
+# each row (local_attention.py), one width per call at PP > 1; one model family each
+PACKED = {
+    ("llama", "pp2vpp2_packed_distributed_optimizer"): (
+        1,
+        2,
+        2,
+        ALL,
+        {"virtual_pipeline_model_parallel_size": 2, "distributed_optimizer": True},
+    ),
+    ("qwen2", "dp2_packed"): (1, 1, 2, [[0, 1, 2, 3], [4, 5]], {}),
+    ("qwen3", "tp2pp2_sp_packed"): (2, 2, 4, ALL, {"sequence_parallel": True}),
+}
+# context parallelism 2: rows (widths a multiple of 4) or packs, each CP rank holding 2 of 4
+# chunks of every sequence; the engines are the policy's own (one per CP rank's TP x PP group)
+CP = {
+    ("llama", "cp2"): (1, 1, 2, ALL, {}),
+    ("qwen2", "cp2dp2_packed_distributed_optimizer"): (
+        1,
+        1,
+        4,
+        [[0, 1, 2, 3], [4, 5]],
+        {"pack_sequences": True, "distributed_optimizer": True},
+    ),
+    ("qwen3", "tp2cp2_sp"): (2, 1, 4, ALL, {"sequence_parallel": True}),
+}
 
 
 @pytest.mark.parametrize(
     "arch,layout",
     [(a, lay) for a in ("llama", "qwen2") for lay in LAYOUTS]
-    + [("qwen3", lay) for lay in QWEN3_LAYOUTS],
+    + [("qwen3", lay) for lay in QWEN3_LAYOUTS]
+    + list(PACKED)
+    + list(CP),
 )
 def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, reference):
     from nemo_d3s.backends.megatron.parallel import global_rank_of, rank_order
 
-    tp, pp, world, dp_rows, *kw = LAYOUTS[layout]
+    packed = PACKED.get((arch, layout))
+    if packed is not None:
+        packed[-1]["pack_sequences"] = True
+    if (arch, layout) in CP:
+        packed = CP[arch, layout]
+        packed[-1]["context_parallel_size"] = 2
+    tp, pp, world, dp_rows, *kw = packed or LAYOUTS[layout]
     kw = kw[0] if kw else {}
+    cp = kw.get("context_parallel_size", 1)
     ref = reference[arch]
     # With options the backend builds Megatron's groups itself; else the harness does.
     results = run_ranks(
@@ -217,7 +255,9 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
     order = rank_order(kw.get("use_tp_pp_dp_mapping", False))
     assert (
         [
-            global_rank_of(*r["position"], tp=tp, pp=pp, dp=len(dp_rows), order=order)
+            global_rank_of(
+                *r["position"], tp=tp, pp=pp, dp=len(dp_rows), order=order, cp_rank=r["cp"], cp=cp
+            )
             for r in results
         ]
         == [r["rank"] for r in results]
@@ -226,6 +266,8 @@ def test_layout_matches_transformers_and_the_hf_backend(arch, layout, folders, r
     first = {}
     for res in results:
         assert res["sequence_parallel"] == kw.get("sequence_parallel", False)
+        assert res["pack"] == kw.get("pack_sequences", False)
+        assert res["fed"] % 128 == 0  # every width a multiple of model.params.width_quantum
         assert res["chunks"] == kw.get("virtual_pipeline_model_parallel_size", 1)
         f = first.setdefault(res["dp"], res)
         assert torch.equal(res["logprobs"], f["logprobs"]) and torch.equal(
@@ -390,6 +432,28 @@ def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path)
         torch.testing.assert_close(other[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
         moved += int(not torch.equal(want[k], fresh[k]))
     assert moved  # the comparison would catch a reset optimizer: a fresh second step differs
+
+
+def test_context_parallel_checkpoint_resumes_bit_exactly_and_at_cp1(folders, tmp_path):
+    """A CP2 x DP2 checkpoint with Megatron's distributed optimizer (its state sharded over
+    DP x CP, gathered to the CP rank 0 writer) is a TP1 x PP1 one: it resumes bit-exactly at
+    CP2 x DP2 and, at CP 1 on one process with plain AdamW, to optimizer tolerance."""
+    folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
+    kw = {"context_parallel_size": 2, "distributed_optimizer": True, "pack_sequences": True}
+    saved = run_ranks(_rank_save, 4, folder, ckpt, 1, 1, kw, megatron=False, timeout=WAIT_S)
+    want, lr = saved[0]
+    assert sorted(os.listdir(os.path.join(ckpt, "megatron"))) == [
+        "layout.json",
+        "tp00_pp00.safetensors",
+    ]
+    for got, got_lr in run_ranks(
+        _rank_resume, 4, folder, ckpt, 1, 1, kw, megatron=False, timeout=WAIT_S
+    ):
+        assert got_lr == lr and all(torch.equal(got[k], want[k]) for k in want)
+    got, got_lr = run_ranks(_rank_resume, 1, folder, ckpt, 1, 1, tp=1, pp=1, timeout=WAIT_S)[0]
+    assert got_lr == lr
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path):

@@ -217,8 +217,8 @@ def _rank_load_counting(rank, folder, ckpt):
     counted = {"params": 0, "optim": 0}
     read = ShardedReader._read
 
-    def counting(self, tp_rank, stage, key, rows=None):
-        t, shape = read(self, tp_rank, stage, key, rows)
+    def counting(self, layout, key, rows=None):
+        t, shape = read(self, layout, key, rows)
         counted["optim" if key.startswith("optim.") else "params"] += t.numel() * t.element_size()
         return t, shape
 
@@ -240,13 +240,13 @@ def test_each_dp_rank_reads_only_its_share_of_the_optimizer_state(folders, tmp_p
     from safetensors import safe_open
 
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    run_ranks(_rank_run, 2, folder, 1, 1, True, "bfloat16", ckpt, None, 1, 0, timeout=240)
+    run_ranks(_rank_run, 2, folder, 1, 1, True, "bfloat16", ckpt, None, 1, 0, timeout=WAIT_S)
     with safe_open(os.path.join(ckpt, "megatron", "tp00_pp00.safetensors"), "pt") as f:
         sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
     optim_bytes = sum(4 * math.prod(s) for k, s in sizes.items() if k.startswith("optim."))
     widest_row = max(4 * math.prod(s[1:]) for k, s in sizes.items() if k.startswith("optim."))
     n_tensors = sum(1 for k in sizes if k.startswith("optim."))
-    results = run_ranks(_rank_load_counting, 2, folder, ckpt, timeout=240)
+    results = run_ranks(_rank_load_counting, 2, folder, ckpt, timeout=WAIT_S)
     for counted, share in results:
         assert share <= counted["optim"] <= share + 2 * n_tensors * widest_row, (counted, share)
         assert counted["optim"] < 0.6 * optim_bytes
@@ -294,7 +294,7 @@ def test_the_writer_streams_the_gathered_optimizer_state(folders, tmp_path):
     next is gathered (peak = the largest tensor, not the stage's state); the file holds
     every byte, and a resume from it equals a run that never stopped (the test above)."""
     folder, ckpt = folders["llama"], str(tmp_path / "ckpt")
-    counts = run_ranks(_rank_save_counting, 2, folder, ckpt, timeout=240)
+    counts = run_ranks(_rank_save_counting, 2, folder, ckpt, timeout=WAIT_S)
     (writer,) = [c for c in counts if c["written"]]  # TP 1 x PP 1: one shard, one writer
     assert writer["largest"] > 0 and writer["peak"] == writer["largest"], writer
     moments = _moments(ckpt)

@@ -85,6 +85,7 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
         attention_dropout=dropout,
         sequence_parallel=sp,
         virtual_pipeline_model_parallel_size=None if vp_stage is None else _vpp(),
+        context_parallel_size=ps.get_context_parallel_world_size(),
     )
     pp, p = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
     v, vpp = (0, 1) if vp_stage is None else (vp_stage, _vpp())
@@ -94,9 +95,11 @@ def tiny_gpt(tied: bool, dropout: float = 0.0, sp: bool = False, vp_stage=None):
         spec = local_block_spec(cfg, pp_rank=ps.get_pipeline_model_parallel_rank())
     else:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    from nemo_d3s.backends.megatron.local_attention import with_packed_attention
+
     return GPTModel(
         config=cfg,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=with_packed_attention(spec),  # as the backend's build_stage
         vocab_size=V_PAD,
         max_sequence_length=64,
         pre_process=p == 0 and v == 0,
@@ -258,15 +261,17 @@ def _groups():
         dp=g(ps.get_data_parallel_group(), ps.get_data_parallel_world_size()),
         tp=g(ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()),
         pp=g(ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()),
+        cp=g(ps.get_context_parallel_group(), ps.get_context_parallel_world_size()),
         device=torch.device("cpu"),
         global_rank=dist.get_rank(),
     )
 
 
-def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
+def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1, pack=False):
     """score + train_step on this rank's rows (``dp_rows[dp_rank]``) of the global batch,
     micro-batches of ``mbs`` rows, or packed to ``tokens`` positions when > 0; ``sp``:
-    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B)."""
+    sequence parallelism; ``vpp``: chunks of a virtual pipeline (interleaved 1F1B); ``pack``:
+    rows packed end to end (THD)."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.optimizer import build_optimizer
@@ -286,6 +291,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
         with_entropy=True,
         vocab_size=V_REAL,
         micro_batch_tokens=tokens,
+        pack=pack,
     )
     out["score_stats"] = sc.stats
     out["logprobs"], out["entropy"] = sc.logprobs, sc.entropy
@@ -313,6 +319,7 @@ def _rank_layout(rank, tied, dp_rows, mbs, tokens=0, sp=False, vpp=1):
                 grad_clip=GRAD_CLIP,
                 vocab_size=V_REAL,
                 micro_batch_tokens=tokens,
+                pack=pack,
             )
             out[agg, kind] = (metrics, _gather_full_weights(model, tied))
     return out
@@ -401,6 +408,26 @@ LAYOUTS = {
     "pp2vpp2": (1, 2, 2, True, ALL_ROWS, MBS, 0, False, 2),
     "tp2pp2vpp2_untied": (2, 2, 4, False, ALL_ROWS, MBS, 0, False, 2),
     "pp2vpp2_tokens_sp": (2, 2, 4, True, ALL_ROWS, MBS, 20, True, 2),
+    # packed rows (THD): budget 20 needs 3 packs, the rows spread over them as [0, 1] (17),
+    # [5, 3] (14), [2, 4] (17), each row attending within itself; one width (17) per call at
+    # any PP, no dummy rows
+    "tp2_packed": (2, 1, 2, True, ALL_ROWS, MBS, 20, False, 1, True),
+    "tp2pp2_packed": (2, 2, 4, False, ALL_ROWS, MBS, 20, False, 1, True),
+    "pp2vpp2_packed": (1, 2, 2, True, ALL_ROWS, MBS, 20, False, 2, True),
+    "tp2_sp_packed": (2, 1, 2, True, ALL_ROWS, MBS, 20, True, 1, True),  # width 18
+    # no budget: packs of MBS rows of the longest row (20 positions); an empty DP rank
+    # feeds one zero-weight pack
+    "dp2_packed_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS, 0, False, 1, True),
+    "tp2dp2_packed": (2, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 16, False, 1, True),
+    # context parallelism 2: every row (width 12, a multiple of 2 x CP) or pack slot (a
+    # multiple of 4) cut into 4 chunks, rank r holding chunks r and 3 - r; K/V gathered over
+    # CP by the local attention, log-probs by the loss function; gradients averaged over
+    # DP x CP. With rows and packs, at TP 2 (+ SP), PP 2 and DP 2
+    "cp2": (1, 1, 2, True, ALL_ROWS, MBS, 0, False, 1, False, 2),
+    "cp2_packed": (1, 1, 2, True, ALL_ROWS, MBS, 20, False, 1, True, 2),
+    "tp2cp2_sp_packed": (2, 1, 4, True, ALL_ROWS, MBS, 20, True, 1, True, 2),
+    "pp2cp2": (1, 2, 4, False, ALL_ROWS, MBS, 0, False, 1, False, 2),
+    "dp2cp2_packed": (1, 1, 4, True, [[0, 1, 2, 3], [4, 5]], MBS, 0, False, 1, True, 2),
 }
 
 
@@ -409,8 +436,9 @@ LAYOUTS = {
 def test_layout_matches_one_process(layout, reference):
     tp, pp, world, tied, dp_rows, mbs, *extra = LAYOUTS[layout]
     tokens = extra[0] if extra else 0
+    cp = extra[4] if len(extra) > 4 else 1
     results = run_ranks(
-        _rank_layout, world, tied, dp_rows, mbs, *extra, tp=tp, pp=pp, timeout=WAIT_S
+        _rank_layout, world, tied, dp_rows, mbs, *extra[:4], tp=tp, pp=pp, cp=cp, timeout=WAIT_S
     )
     ref = reference[tied]
     # every rank of one model-parallel group (same DP rank) returns IDENTICAL scores and metrics
@@ -451,9 +479,25 @@ def test_layout_matches_one_process(layout, reference):
     # a token budget feeds fewer positions than fixed micro-batches of the same rows (not
     # with interleaving at PP 2, where every micro-batch takes one shape: batches.py)
     vpp = extra[2] if len(extra) > 2 else 1
-    if tokens and not (vpp > 1 and pp == 2):
-        from nemo_d3s.backends.megatron.schedule import plan_micro_batches
+    from nemo_d3s.backends.megatron.batches import pad_for_interleaving, plan_micro_batches
 
+    if len(extra) > 3 and extra[3]:  # packed: never more than fixed rows, less overall
+        fewer = []
+        for res in (r for r in results if len(r["rows"])):
+            mask = _data()[0].attention_mask[res["rows"]]
+            cp = extra[4] if len(extra) > 4 else 1  # (CP: widths a multiple of 2 x CP)
+            plan = plan_micro_batches(
+                mask, mbs, uniform=pp > 1, multiple_of=2 * cp if cp > 1 else 1
+            )
+            if vpp > 1:  # both plans padded to a multiple of PP micro-batches
+                plan = pad_for_interleaving(plan, pp, one_shape=pp == 2)
+            fixed = sum(m.b * m.width for m in plan)
+            fed = res["score_stats"]["fed_tokens"]
+            assert res["score_stats"]["attended_tokens"] == float(mask.sum())
+            assert fed <= fixed, (layout, fed, fixed)
+            fewer.append(fed < fixed)
+        assert any(fewer), layout
+    elif tokens and not (vpp > 1 and pp == 2):
         for res in results:
             mask = _data()[0].attention_mask[res["rows"]]
             fixed = sum(m.b * m.width for m in plan_micro_batches(mask, mbs, uniform=pp > 1))
@@ -502,11 +546,18 @@ def test_plan_cuts_each_micro_batch_to_its_longest_row():
     plan = plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False)
     assert [m.rows.tolist() for m in plan] == [[0, 1], [2, 3], [4]]
     assert [(m.b, m.width) for m in plan] == [(2, 5), (2, 2), (1, 9)]
-    # sequence parallelism: widths rounded up to a multiple of TP
+    # sequence parallelism: widths rounded up to a multiple of TP; with a width quantum to a
+    # multiple of both
     assert [
         m.width
         for m in plan_micro_batches(_mask([3, 5, 2, 1, 9], 10), 2, uniform=False, multiple_of=4)
     ] == [8, 4, 12]
+    assert [
+        m.width
+        for m in plan_micro_batches(
+            _mask([3, 5, 2, 1, 9], 10), 2, uniform=False, multiple_of=4, quantum=6
+        )
+    ] == [12, 12, 12]
 
 
 def test_plan_for_pipelines_has_one_shape():
@@ -542,6 +593,43 @@ def test_interleaved_plans_are_padded_to_a_multiple_of_pp():
     assert len(pad_for_interleaving(plan[:1], 2)) == 2 and len(pad_for_interleaving(plan, 3)) == 3
     # PP 2: one shape for all (the largest rows x width)
     assert {(m.b, m.width) for m in pad_for_interleaving(plan, 2, one_shape=True)} == {(2, 9)}
+
+
+def test_packed_plan_hand_worked():
+    from nemo_d3s.backends.megatron.batches import model_inputs, pad_for_interleaving, plan_packed
+    from nemo_d3s.backends.base import TokenBatch
+
+    # lengths 3, 5, 2, 1, 9, budget 10, longest first: 9 opens A (1 left), 5 opens B (5 left),
+    # 3 and 2 fill B, 1 fills A
+    mask = _mask([3, 5, 2, 1, 9], 10)
+    plan = plan_packed(mask, 2, 10)
+    assert [m.rows.tolist() for m in plan] == [[4, 3], [1, 0, 2]]
+    assert [m.pack.cu_seqlens.tolist() for m in plan] == [[0, 9, 10], [0, 5, 8, 10]]
+    assert [(m.b, m.width) for m in plan] == [(1, 10), (1, 10)]
+    # sequence parallelism at TP 4: widths to a multiple of 4, the last slot takes the padding
+    sp = plan_packed(mask, 2, 10, multiple_of=4)
+    assert [m.pack.cu_seqlens.tolist() for m in sp] == [[0, 9, 12], [0, 5, 8, 12]]
+    # no budget: 2 rows of the longest row's width (18): first-fit needs 2 packs, [9 5 3 1]
+    # and [2]; spread over 2 they are [9 1] and [5 3 2], 10 each
+    no_budget = plan_packed(mask, 2, 0)
+    assert [m.rows.tolist() for m in no_budget] == [[4, 3], [1, 0, 2]]
+    # one width per call: [5] and [3 1] of budget 6 are both fed at 5; with a quantum of 8 at 8
+    assert [m.width for m in plan_packed(_mask([3, 5, 1], 6), 1, 6)] == [5, 5]
+    assert [m.width for m in plan_packed(_mask([3, 5, 1], 6), 1, 6, quantum=8)] == [8, 8]
+    ids = torch.arange(50).view(5, 10)
+    x = model_inputs(TokenBatch(ids, mask, mask), sp[1], torch.device("cpu"))
+    assert x[0].tolist() == [[10, 11, 12, 13, 14, 0, 1, 2, 20, 21, 0, 0]]
+    assert x[1].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]]
+    assert x[2] is None and x[3] is None and x[4] is sp[1].pack
+    # interleaving pads with a zero-weight pack of the same width; PP 2 widens all to one
+    padded = pad_for_interleaving(sp[:1], 2)
+    assert padded[1].rows.numel() == 0 and padded[1].pack.cu_seqlens.tolist() == [0, 12]
+    two = [plan_packed(_mask([3], 3), 1, 6)[0], sp[0]]  # widths 3 and 12
+    wide = pad_for_interleaving(two, 2, one_shape=True)
+    assert [m.pack.width for m in wide] == [12, 12]
+    assert wide[0].pack.cu_seqlens.tolist() == [0, 12]
+    (empty,) = plan_packed(torch.zeros(0, 4, dtype=torch.bool), 2, 0)
+    assert empty.rows.numel() == 0 and empty.pack.cu_seqlens.tolist() == [0, 2]
 
 
 def test_plan_of_an_empty_batch_is_one_zero_weight_micro_batch():

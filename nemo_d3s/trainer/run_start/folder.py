@@ -5,6 +5,7 @@ process dies); :func:`move_aside` moves earlier records into ``DIR/previous-<n>/
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -14,15 +15,17 @@ from pathlib import Path
 from typing import List, Optional
 
 from nemo_d3s.errors import ConfigError
-from nemo_d3s.files import FileLock, FolderBusy
+from nemo_d3s.files import FileLock, FolderBusy, space_note
 from nemo_d3s.trainer.faults import RunError, fault_point
 
 __all__ = [
     "LOCK_NAME",
     "RECORDS",
+    "RUN_CONFIG_KEYS",
     "RunDirLock",
     "check_output_dir",
     "foreign_entries",
+    "is_run_config",
     "records",
     "move_aside",
 ]
@@ -58,7 +61,8 @@ _RUN_NAME = re.compile(
     r"^(previous-\d+|config\.resumed-\d+\.yaml|\.hf_export\..+|\.write_probe_.+"
     r"|train\.rank\d+\.log)$"
 )
-_RUN_CONFIG_KEYS = ("output_dir", "model", "trainer", "task")
+# What every run's config holds at its top level (a file without them is not a run's).
+RUN_CONFIG_KEYS = ("output_dir", "model", "trainer", "task")
 
 
 def check_output_dir(path: str, *, create: bool = True) -> Path:
@@ -85,17 +89,33 @@ def check_output_dir(path: str, *, create: bool = True) -> Path:
                 raise RunError(
                     f"output_dir={str(p)!r} cannot be created: {str(parent)!r} is not writable"
                 )
+            if parent is not None:  # room for what Hydra and the run's start write there
+                try:
+                    _probe_write(parent)
+                except OSError as e:
+                    raise _not_writable(
+                        p, e, f"in {str(parent)!r}, where it would be made"
+                    ) from None
             return p
         try:
             p.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RunError(f"output_dir={str(p)!r} cannot be created: {e.strerror or e}") from None
     refuse_foreign(p)
-    try:  # os.access does not see every read-only mount; a real file does
+    try:  # os.access does not see every read-only mount or a full disk; real bytes do
         _probe_write(p)
     except OSError as e:
-        raise RunError(f"output_dir={str(p)!r} is not writable: {e.strerror or e}") from None
+        raise _not_writable(p, e) from None
     return p
+
+
+def _not_writable(p: Path, e: OSError, where: str = "") -> RunError:
+    room = e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    notes = [n for n in (where, space_note(p if p.exists() else p.parent) if room else "") if n]
+    return RunError(
+        f"output_dir={str(p)!r} is not writable: {e.strerror or e}"
+        + (f" ({'; '.join(notes)})" if notes else "")
+    )
 
 
 def foreign_entries(run_dir: str | os.PathLike) -> List[str]:
@@ -123,7 +143,12 @@ def _is_run_config(path: Path) -> bool:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
-    return isinstance(raw, dict) and all(k in raw for k in _RUN_CONFIG_KEYS)
+    return is_run_config(raw)
+
+
+def is_run_config(raw: object) -> bool:
+    """A mapping with the keys every run's config has (``output_dir``, ``model``, ...)."""
+    return isinstance(raw, dict) and all(k in raw for k in RUN_CONFIG_KEYS)
 
 
 def refuse_foreign(run_dir: Path) -> None:
@@ -139,10 +164,22 @@ def refuse_foreign(run_dir: Path) -> None:
         )
 
 
+# What the probe writes: more than Hydra's .hydra/ files and the run's first records.
+_PROBE_BYTES = 64 * 1024
+
+
 def _probe_write(p: Path) -> None:
+    """Write, flush and remove a file of ``_PROBE_BYTES`` in ``p`` (an empty file would pass
+    on a full disk)."""
     fd, probe = tempfile.mkstemp(prefix=".write_probe_", dir=p)
-    os.close(fd)
-    os.unlink(probe)
+    try:
+        left = memoryview(bytes(_PROBE_BYTES))
+        while left:  # a write cut short at a limit returns a short count; the next one fails
+            left = left[os.write(fd, left) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
 
 
 def _existing_parent(p: Path) -> Optional[Path]:

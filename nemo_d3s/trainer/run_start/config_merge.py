@@ -1,8 +1,8 @@
-"""``resume=true``: a resumed run's config is the run's ``config.yaml`` with the overrides the
-current command line touches applied on top (:func:`touched_keys`), then the usual resume
-checks (``resume.check_resume_config``). ``config.yaml`` is untrusted: unreadable or not a
-mapping leaves the composed config; a value outside the schema is a ConfigError naming file and
-key. Every rank computes this from the same file; :func:`agree_on_config` checks they agree.
+"""``resume=true``: a resumed run's config is the run's own (``decision.trusted_run_config``: the
+newest checkpoint's run record, else ``config.yaml``) with the overrides the current command
+line touches applied on top (:func:`touched_keys`), then the start's checks (``decision``). A
+value outside the schema is a ConfigError naming file and key. Every rank computes this from
+the same files; :func:`agree_on_config` checks they agree.
 """
 
 from __future__ import annotations
@@ -11,15 +11,17 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from contextlib import nullcontext as _nothing
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Set
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
-from nemo_d3s.trainer.resume import diff_values, leaf_keys, read_run_config
+from nemo_d3s.trainer.run_start.config_file import diff_values, leaf_keys
+from nemo_d3s.trainer.run_start.decision import trusted_run_config
 
-__all__ = ["agree_on_config", "merge_untouched", "resume_base", "touched_keys"]
+__all__ = ["agree_on_config", "merge_untouched", "resolve_config", "touched_keys"]
 
 log = logging.getLogger("nemo_d3s.train")
 
@@ -84,7 +86,7 @@ def touched_keys(overrides: Sequence[str], conf: Path) -> Set[str]:
     """Dotted keys the ``overrides`` touch: ``key=value`` (and ``+``/``++``/``~``) and all under it;
     ``group=option`` with a package (``d3s=pods``): every leaf under that package; a
     ``_global_`` option (``experiment=smoke``): the keys its file sets and the groups its defaults
-    override. :func:`resume_base` adds leaves that differ from an empty command line's config.
+    override. :func:`resolve_config` adds leaves that differ from an empty command line's config.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -162,24 +164,24 @@ def _apply(node: DictConfig, eff: dict, new: dict, fixed: Set[str], path: str, r
                 report(key, e, exc)
 
 
-def resume_base(
+def resolve_config(
     cfg: DictConfig,
     overrides: Sequence[str],
     out: Path,
     compose_neutral: Callable[[], Any],
     conf: Path,
 ) -> DictConfig:
-    """``cfg`` with every leaf the overrides do not touch taken from ``out/config.yaml``; ``cfg``
-    itself when ``resume`` is false or the file is missing or not a mapping.
+    """``cfg`` with every leaf the overrides do not touch taken from the run's own config;
+    ``cfg`` itself when ``resume`` is false or ``out`` holds no run (no checkpoint, no readable
+    ``config.yaml``). A ConfigError when it holds checkpoints and no config to trust.
     """
     from nemo_d3s.trainer.overrides import schema_keys
 
-    path = out / "config.yaml"
     if not bool(cfg.get("resume", False)):
         return cfg
-    old, _ = read_run_config(out)
+    old, path = trusted_run_config(out)
     if old is None:
-        return cfg  # absent or unreadable: the resume check names the file and the way out
+        return cfg  # nothing to continue: a fresh start (the start says so)
     new = OmegaConf.to_container(cfg, resolve=True)
     touched = touched_keys(overrides, conf)
     try:
@@ -193,7 +195,7 @@ def resume_base(
     allow = bool(cfg.trainer.allow_config_change)
 
     def report(key: str, value: Any, exc: Exception) -> None:
-        what = f"{str(path)!r}: {key}={value!r} does not fit the run's schema ({first_line(exc)})"
+        what = f"{path}: {key}={value!r} does not fit the run's schema ({first_line(exc)})"
         if not allow:
             raise ConfigError(
                 f"{what}; restore the file, or pass trainer.allow_config_change=true to "
@@ -201,7 +203,15 @@ def resume_base(
             )
         log.warning("%s; using this command's value (trainer.allow_config_change=true)", what)
 
-    _apply(cfg, eff, new, set(schema_keys()), "", report)
+    fixed = set(schema_keys())
+    for d in (o[1:] for o in overrides if o.startswith("~") and "=" not in o):
+        if d in fixed or _below(fixed, d):
+            raise ConfigError(f"~{d}: a setting of the run's schema cannot be deleted; set it")
+        if not (_has_key(old, d) or _has_key(new, d)):
+            raise ConfigError(f"~{d}: the run's config ({path}) has no such key")
+        _drop(cfg, d)  # held back from Hydra (train.main): it may be the run's key alone
+        _drop(new, d)
+    _apply(cfg, eff, new, fixed, "", report)
     given = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _ALWAYS_TOUCHED]
     log.info(
         "resume=true: the run's own config (%s) with this command's overrides: %s",
@@ -209,6 +219,24 @@ def resume_base(
         " ".join(given) or "none",
     )
     return cfg
+
+
+def _drop(node: Any, dotted: str) -> None:
+    """Delete ``dotted`` from a dict or DictConfig when there."""
+    *parents, last = dotted.split(".")
+    for part in parents:
+        node = node.get(part) if isinstance(node, (dict, DictConfig)) else None
+    if isinstance(node, (dict, DictConfig)) and last in node:
+        with open_dict(node) if isinstance(node, DictConfig) else _nothing():
+            del node[last]
+
+
+def _has_key(d: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
 
 
 def config_digest(cfg: Any) -> str:

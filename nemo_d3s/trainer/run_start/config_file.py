@@ -1,5 +1,6 @@
-"""Starting a run in a directory: what a fresh run refuses, what ``resume=true`` moves aside or
-checks, and ``config.yaml``. Rank 0 runs these (``faults.agree_on_main``).
+"""The run's config on disk: ``config.yaml`` read, compared and written; what a fresh run
+refuses, what ``resume=true`` without a checkpoint moves aside. Rank 0 runs these
+(``faults.agree_on_main``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from omegaconf import OmegaConf
 from nemo_d3s.files import atomic_write_text
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.trainer.faults import first_line
-from nemo_d3s.trainer.rundir import move_aside, records
+from nemo_d3s.trainer.run_start.folder import move_aside, records
 
 __all__ = [
     "RESUME_SAFE",
-    "check_resume_config",
+    "compare_config",
     "diff_values",
     "leaf_keys",
     "move_records_aside",
@@ -49,6 +50,7 @@ RESUME_SAFE = (
     "trainer.allow_config_change",
     "trainer.max_failed_reward_steps",
     "trainer.dist_timeout_minutes",
+    "trainer.reward_workers",
     "trainer.dry_run",
     "trainer.gpu_memory_gb",
     "task.max_eval_size",
@@ -72,6 +74,7 @@ RESUME_SAFE = (
 
 
 def resume_safe(key: str) -> bool:
+    """May a resumed run change ``key`` (a dotted config key) and stay the same experiment?"""
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE)
 
 
@@ -136,38 +139,22 @@ def move_records_aside(out: Path) -> None:
         )
 
 
-def check_resume_config(cfg: Any, out: Path) -> None:
-    """Rank 0, before anything is changed: the resumed config must be the same experiment
-    as the original ``config.yaml`` (see ``RESUME_SAFE``)."""
-    path = out / "config.yaml"
+def compare_config(cfg: Any, old: dict, where: str) -> None:
+    """The resumed ``cfg`` must be the experiment ``old`` describes (read from ``where``): a
+    ConfigError naming the changed keys, or with ``trainer.allow_config_change`` a warning (see
+    ``RESUME_SAFE``). A file lacking schema keys counts as cut short, not as a change."""
     allow = bool(cfg.trainer.allow_config_change)
-    old, why = read_run_config(out)
-    if why is not None:
-        if allow:
-            log.warning(
-                "%s cannot be read (%s); continuing (trainer.allow_config_change=true)", path, why
-            )
-            return
-        raise ConfigError(
-            f"{str(path)!r}: the original run's config cannot be read ({why}); "
-            "restore it, or pass trainer.allow_config_change=true to resume without the check"
-        )
-    if old is None:
-        log.warning("%s is missing: cannot check that the resumed run uses the same config", path)
-        return
     new = OmegaConf.to_container(cfg, resolve=True)
-    # An emptied or cut-short file holds fewer keys; comparing only the keys it still has
-    # would let any change through unseen, so it counts as unreadable.
     # Only keys every config has (the schema's) tell a cut-short file: keys under a free
-    # mapping (task.params, model.params) come and go with the task or a "+" override,
-    # and are a changed experiment, listed below (not a "cut short" file).
+    # mapping (task.params, model.params) come and go with the task or a "+" override, and
+    # are a changed experiment, listed below.
     from nemo_d3s.trainer.overrides import schema_keys
 
     fixed = set(schema_keys())
     lacking = [k for k in leaf_keys(new) if k in fixed and not resume_safe(k) and not _has(old, k)]
     if lacking:
         what = (
-            f"{str(path)!r} lacks {len(lacking)} key(s) of the run's config "
+            f"{where} lacks {len(lacking)} key(s) of the run's config "
             f"({', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}): emptied, cut "
             "short or written by another version"
         )
@@ -189,7 +176,7 @@ def check_resume_config(cfg: Any, out: Path) -> None:
     if changed and not allow:
         raise ConfigError(
             f"resume=true with a config that changes the experiment ({listing}); resume "
-            f"with the original values (see {path}), or pass "
+            f"with the original values (see {where}), or pass "
             "trainer.allow_config_change=true to continue anyway"
         )
     if changed:

@@ -1,0 +1,199 @@
+"""Mixture-of-experts rows of the model description and of the HF <-> Megatron weight table.
+
+Architectures (HF names per decoder layer i; E experts of width F' each, H hidden):
+
+- ``Qwen3MoeForCausalLM``: router ``model.layers.i.mlp.gate.weight`` [E, H], expert e
+  ``mlp.experts.e.{gate,up,down}_proj.weight`` ([F', H], [F', H], [H, F']); softmax over
+  the E router logits, top-k, renormalised over the k when ``norm_topk_prob``.
+- ``MixtralForCausalLM``: router ``block_sparse_moe.gate.weight``, expert e
+  ``block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down); top-k renormalised.
+
+Megatron's MoE layer (megatron-core ``MoELayer``) per layer j of a stage, EP ranks holding
+E / EP consecutive experts each (EP rank p: experts [p E/EP, (p+1) E/EP)), every expert's
+FFN split over ETP ranks like a dense MLP over TP:
+
+- ``mlp.router.weight`` [E, H]: replicated on every rank (a dense parameter);
+- local spec (``SequentialMLP``): ``mlp.experts.local_experts.k.linear_fc1.weight``
+  [2 F'/ETP, H] (gate rows of ETP rank r, then its up rows) and ``...linear_fc2.weight``
+  [H, F'/ETP] for local expert k = global expert p E/EP + k;
+- Transformer Engine spec (``TEGroupedMLP``, grouped GEMM): ``mlp.experts.linear_fc1.weightk``
+  and ``mlp.experts.linear_fc2.weightk``, the same shapes.
+
+Plain Python: no torch, no Megatron.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from nemo_d3s.errors import ConfigError
+
+__all__ = [
+    "MOE_ARCHITECTURES",
+    "ROUTER_SCORE",
+    "expert_count",
+    "fused_target",
+    "is_expert_param",
+    "moe_fields",
+    "moe_hf_names",
+    "moe_hf_shape",
+    "moe_local_names",
+    "moe_local_parts",
+]
+
+# architecture -> (the layer's MoE block, the gate / up / down names of an expert)
+MOE_ARCHITECTURES: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
+    "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+# Both architectures score experts with a softmax over the router logits.
+ROUTER_SCORE = "softmax"
+
+Rows = List[Tuple[str, int, int]]  # (HF name, lo, hi) along the concatenation dim
+
+
+def moe_fields(cfg: Dict[str, Any], arch: str, source: str, need: Callable) -> Dict[str, Any]:
+    """The ModelSpec MoE fields of an HF config (``need(key)``: a positive integer or a
+    ConfigError): ``num_experts``, ``moe_ffn_hidden_size``, ``moe_topk``,
+    ``moe_pre_softmax`` (top-k probabilities not renormalised: Qwen3-MoE's
+    ``norm_topk_prob=false``). {} for a dense architecture. Refuses what the table would map
+    wrongly: dense layers between MoE ones, router jitter."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+    experts, topk = need(key), need("num_experts_per_tok")
+    if topk > experts:
+        raise ConfigError(f"{source}: num_experts_per_tok={topk} > {key}={experts}")
+    if arch == "Qwen3MoeForCausalLM":
+        if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+            raise ConfigError(
+                f"{source}: mlp_only_layers={cfg.get('mlp_only_layers')!r} / "
+                f"decoder_sparse_step={cfg.get('decoder_sparse_step')!r}: dense layers "
+                "between MoE layers are not supported (every layer MoE only)"
+            )
+        return dict(
+            num_experts=experts,
+            moe_ffn_hidden_size=need("moe_intermediate_size"),
+            moe_topk=topk,
+            moe_pre_softmax=not cfg.get("norm_topk_prob", False),
+        )
+    jitter = cfg.get("router_jitter_noise") or 0.0
+    if jitter:
+        raise ConfigError(
+            f"{source}: router_jitter_noise={jitter!r}: transformers multiplies the router "
+            "input by noise while training; only 0 is supported"
+        )
+    return dict(
+        num_experts=experts,
+        moe_ffn_hidden_size=need("intermediate_size"),
+        moe_topk=topk,
+        moe_pre_softmax=False,
+    )
+
+
+def expert_count(spec: Any, ep: int) -> int:
+    """Experts per EP rank (the layout check has made E divisible by EP)."""
+    return spec.num_experts // ep
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether Megatron parameter ``name`` is an expert's (split over EP x ETP, reduced
+    over the expert-data-parallel group) rather than a dense one."""
+    return ".mlp.experts." in name
+
+
+def moe_local_names(spec: Any, layout: Any, prefix: str) -> List[str]:
+    """The MoE block's parameter names of one layer (``prefix`` = "decoder.layers.j."), in
+    ``named_parameters`` order: the router, then the local experts."""
+    n = expert_count(spec, layout.ep)
+    names = [prefix + "mlp.router.weight"]
+    if layout.te:
+        return names + [
+            prefix + f"mlp.experts.linear_fc{i}.weight{k}" for i in (1, 2) for k in range(n)
+        ]
+    return names + [
+        prefix + f"mlp.experts.local_experts.{k}.linear_fc{i}.weight"
+        for k in range(n)
+        for i in (1, 2)
+    ]
+
+
+def _expert_of(rest: str) -> Optional[Tuple[int, int]]:
+    """(local expert k, fc 1 or 2) of a layer-relative expert name, or None."""
+    parts = rest.split(".")
+    if parts[:3] == ["mlp", "experts", "local_experts"] and len(parts) == 6:
+        return int(parts[3]), int(parts[4][-1])
+    if parts[:2] == ["mlp", "experts"] and len(parts) == 4 and parts[3].startswith("weight"):
+        return int(parts[3][len("weight") :]), int(parts[2][-1])
+    return None
+
+
+def moe_local_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tuple[int, Rows]]:
+    """(concatenation dim, HF rows) of layer-relative name ``rest`` of layer ``hf``
+    ("model.layers.i.") at ``layout``, or None when ``rest`` is not a MoE parameter."""
+    if not spec.num_experts:
+        return None
+    block, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
+    if rest == "mlp.router.weight":
+        return 0, [(hf + f"{block}.gate.weight", 0, spec.num_experts)]
+    which = _expert_of(rest)
+    if which is None:
+        return None
+    k, fc = which
+    e = layout.ep_rank * expert_count(spec, layout.ep) + k
+    f = spec.moe_ffn_hidden_size // layout.etp
+    lo, hi = layout.etp_rank * f, (layout.etp_rank + 1) * f
+    pre = hf + f"{block}.experts.{e}."
+    if fc == 1:
+        return 0, [(pre + f"{gate}.weight", lo, hi), (pre + f"{up}.weight", lo, hi)]
+    return 1, [(pre + f"{down}.weight", lo, hi)]
+
+
+def moe_hf_names(spec: Any, layer: int) -> List[str]:
+    """The MoE block's HF tensors of layer ``layer``, in transformers' order."""
+    block, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
+    p = f"model.layers.{layer}.{block}."
+    names = [p + "gate.weight"]
+    for e in range(spec.num_experts):
+        names += [p + f"experts.{e}.{x}.weight" for x in (gate, up, down)]
+    return names
+
+
+def moe_hf_shape(hf_name: str, spec: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of a MoE HF tensor of ``spec``; None for any other tensor."""
+    if not spec.num_experts:
+        return None
+    block, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
+    H, F = spec.hidden_size, spec.moe_ffn_hidden_size
+    if hf_name.endswith(f".{block}.gate.weight"):
+        return (spec.num_experts, H)
+    if f".{block}.experts." not in hf_name:
+        return None
+    leaf = hf_name.rsplit(".", 2)[-2]
+    if leaf in (gate, up):
+        return (F, H)
+    if leaf == down:
+        return (H, F)
+    return None
+
+
+def fused_target(name: str) -> Optional[Tuple[str, Optional[int], Optional[int]]]:
+    """Where checkpoint tensor ``name`` lives in transformers 5's in-memory MoE modules, which
+    fuse the experts (``mlp.experts.gate_up_proj`` [E, 2F', H]: gate rows then up rows;
+    ``mlp.experts.down_proj`` [E, H, F']) and call every router ``mlp.gate``: (parameter
+    name, expert or None, 0 gate / 1 up half or None); None for a tensor of no MoE block."""
+    for block, (gate, up, down) in MOE_ARCHITECTURES.values():
+        layer, sep, rest = name.partition(f".{block}.")
+        if not sep:
+            continue
+        if rest == "gate.weight":
+            return f"{layer}.mlp.gate.weight", None, None
+        parts = rest.split(".")
+        if len(parts) != 4 or parts[0] != "experts" or parts[3] != "weight":
+            return None
+        e, leaf = int(parts[1]), parts[2]
+        if leaf == down:
+            return f"{layer}.mlp.experts.down_proj", e, None
+        if leaf in (gate, up):
+            return f"{layer}.mlp.experts.gate_up_proj", e, int(leaf == up)
+    return None

@@ -1,0 +1,142 @@
+"""A tiny mixture of experts through the Megatron backend: the GRPO step of
+``model_checks.one_step`` at expert parallelism, compared with EP 1.
+
+- ``moe.local_spec``: a random Qwen3-MoE (4 experts, top-2; written to the work folder by
+  rank 0), megatron-core's local spec (``SequentialMLP`` experts), fp32, on this machine's
+  device (gloo on the CPU, NCCL on CUDA): EP 1 against EP = 2 with the all-to-all and the
+  all-gather dispatchers (an even world): log-probs and entropies within 1e-4, grad norm
+  within rel 1e-4, weights after the step within 1e-5.
+- ``moe.te_grouped_gemm`` (CUDA): the Transformer Engine spec with grouped-GEMM experts
+  (``TEGroupedMLP``) in bf16, the all-to-all dispatcher over NCCL at EP = 2 (an even world),
+  against the fp32 local spec at EP 1, with ``gpt.te_spec``'s bf16 bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+
+from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backend
+from nemo_d3s.selfcheck.model_checks import LR, bf16_bounds, fp32_bounds, one_step
+from nemo_d3s.selfcheck.report import CheckFailed
+
+__all__ = ["CHECKS", "build_tiny_moe"]
+
+
+def build_tiny_moe(folder: Path, seed: int = 0) -> Path:
+    """A random Qwen3-MoE (2 layers, 4 experts of width 32, top-2, renormalised) with the
+    byte-level tokenizer, in ``folder`` (HF layout)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from nemo_d3s.backends.hf.loading import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    cfg = Qwen3MoeConfig(
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3MoeForCausalLM(cfg)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    return folder
+
+
+def _moe_ctx(ctx: Context) -> Context:
+    """``ctx`` with the tiny MoE as its model (written by rank 0, then a barrier)."""
+    folder = ctx.work_dir / "tiny_moe"
+    if ctx.rank == 0 and not (folder / "config.json").is_file():
+        build_tiny_moe(folder)
+    ctx.barrier()
+    return replace(ctx, model_dir=folder)
+
+
+def _step(ctx: Context, **params):
+    with megatron_backend(ctx, lr=LR, adam_eps=1e-3, grad_clip=0.0, **params) as pol:
+        before = {k: v.detach().float().cpu().clone() for k, v in pol.hf_weights()}
+        return before, one_step(pol)
+
+
+def _ep(ctx: Context) -> int:
+    return 2 if ctx.world % 2 == 0 else 1
+
+
+def check_local_spec(ctx: Context) -> Dict[str, Any]:
+    mctx = _moe_ctx(ctx)
+    kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
+    _, (lp1, ent1, m1, w1) = _step(mctx, **kw)
+    out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_ep1": m1["grad_norm"]}
+    if _ep(ctx) == 1:
+        out["note"] = "an odd world: EP 1 only (forward, backward, step ran)"
+        if not torch.isfinite(lp1).all() or not m1["grad_norm"] > 0:
+            raise CheckFailed("non-finite log-probs or zero gradient", out)
+        return out
+    err = dict.fromkeys(("logprob_err", "entropy_err", "grad_norm_rel_err", "weights_err"), 0.0)
+    out["dispatchers"] = ["alltoall", "allgather"]
+    for dispatcher in out["dispatchers"]:
+        _, (lp, ent, m, w) = _step(
+            mctx, **kw, expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher
+        )
+        err["logprob_err"] = max(err["logprob_err"], max_abs_diff(lp1, lp))
+        err["entropy_err"] = max(err["entropy_err"], max_abs_diff(ent1, ent))
+        rel = abs(m1["grad_norm"] - m["grad_norm"]) / max(m1["grad_norm"], 1e-12)
+        err["grad_norm_rel_err"] = max(err["grad_norm_rel_err"], rel)
+        err["weights_err"] = max(err["weights_err"], max(max_abs_diff(w1[k], w[k]) for k in w1))
+    fp32_bounds(err, out)
+    return out
+
+
+def check_te_grouped_gemm(ctx: Context) -> Dict[str, Any]:
+    from nemo_d3s.backends.megatron.model import transformer_engine_error
+
+    err = transformer_engine_error()
+    if err is not None:
+        raise CheckFailed(f"Transformer Engine: {err}")
+    mctx = _moe_ctx(ctx)
+    _, (lp_ref, _, m_ref, _) = _step(
+        mctx, dtype="float32", transformer_impl="local", distributed_optimizer=False
+    )
+    ep = _ep(ctx)
+    before, (lp, _, m, w) = _step(
+        mctx,
+        dtype="bfloat16",
+        transformer_impl="transformer_engine",
+        distributed_optimizer=False,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type="alltoall",
+    )
+    out: Dict[str, Any] = {"ep": ep, "dtype": "bfloat16", "dispatcher": "alltoall"}
+    bf16_bounds(lp, lp_ref, m, m_ref, w, before, out)
+    return out
+
+
+CHECKS = [
+    Check("moe.local_spec", False, check_local_spec),
+    Check(
+        "moe.te_grouped_gemm",
+        True,
+        check_te_grouped_gemm,
+        "a tiny Qwen3-MoE on the Transformer Engine spec (grouped-GEMM experts), bf16, the "
+        "all-to-all dispatcher over NCCL at EP 2, against the fp32 local spec at EP 1",
+    ),
+]

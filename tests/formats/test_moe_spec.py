@@ -1,0 +1,122 @@
+"""The mixture-of-experts rows of ``ModelSpec`` and of the layout check: Qwen3-MoE and
+Mixtral configs as transformers 5 writes them, what is refused (dense layers between MoE
+ones, router jitter, an EP the experts or the world do not divide), and the total vs active
+parameter counts against transformers' own models."""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_d3s.errors import ConfigError
+from nemo_d3s.formats.spec import ModelSpec, check_layout
+
+QWEN3_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+MIXTRAL = dict(
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    router_jitter_noise=0.0,
+)
+
+
+def test_qwen3_moe_and_mixtral_fields():
+    q = ModelSpec.from_hf_dict(QWEN3_MOE)
+    assert (q.num_experts, q.moe_ffn_hidden_size, q.moe_topk, q.moe_pre_softmax) == (
+        8,
+        24,
+        2,
+        False,
+    )
+    assert q.qk_norm and not q.qkv_bias
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts
+    alt = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    assert ModelSpec.from_hf_dict(
+        {**alt, "num_local_experts": 8, "norm_topk_prob": False}
+    ).moe_pre_softmax
+    m = ModelSpec.from_hf_dict(MIXTRAL)
+    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_topk, m.moe_pre_softmax) == (
+        4,
+        40,
+        2,
+        False,
+    )
+    assert not m.qk_norm
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        ({**QWEN3_MOE, "mlp_only_layers": [1]}, "dense layers between MoE layers"),
+        ({**QWEN3_MOE, "decoder_sparse_step": 2}, "dense layers between MoE layers"),
+        ({**QWEN3_MOE, "num_experts_per_tok": 9}, "num_experts_per_tok=9 > num_experts=8"),
+        ({**MIXTRAL, "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ],
+)
+def test_what_the_table_would_map_wrongly_is_refused(cfg, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelSpec.from_hf_dict(cfg)
+
+
+def test_expert_layouts_megatron_would_refuse_are_one_error():
+    q = ModelSpec.from_hf_dict(QWEN3_MOE)
+    assert check_layout(q, tp=1, pp=1, world=4, ep=4) == 4
+    assert check_layout(q, tp=2, pp=1, world=4, ep=2) == 2  # ETP = TP: 2 x 2 x 1 fits 4
+    with pytest.raises(
+        ConfigError, match="num_experts=8 is not divisible by expert_model_parallel_size=3"
+    ):
+        check_layout(q, tp=1, pp=1, world=3, ep=3)
+    with pytest.raises(
+        ConfigError, match="world size 4 is not divisible by expert_tensor_parallel_size x"
+    ):
+        check_layout(q, tp=2, pp=1, world=4, ep=4)  # ETP 2 x EP 4 = 8
+    with pytest.raises(ConfigError, match="moe_intermediate_size=24 is not divisible"):
+        check_layout(q, tp=1, pp=1, world=16, ep=1, etp=16)
+    with pytest.raises(ConfigError, match="use_tp_pp_dp_mapping"):
+        check_layout(q, tp=2, pp=2, world=8, ep=2, etp=2, pp_last=False)
+    dense = ModelSpec.from_hf_dict({**MIXTRAL, "architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ConfigError, match="has no experts"):
+        check_layout(dense, tp=1, pp=1, world=2, ep=2)
+
+
+@pytest.mark.parametrize("cfg", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+def test_total_and_active_parameters_match_transformers(cfg):
+    """Total = transformers' parameter count; active = total less the (E - k) experts a
+    token does not use in each layer, counted by hand from the expert tensors' shapes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ModelSpec.from_hf_dict(cfg)
+    fields = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))
+    total = sum(p.numel() for p in model.parameters())
+    assert spec.num_params == total
+    per_expert = sum(p[0].numel() for n, p in model.named_parameters() if "experts" in n)
+    per_expert //= spec.num_layers
+    unused = spec.num_layers * (spec.num_experts - spec.moe_topk) * per_expert
+    assert spec.active_params == total - unused < total

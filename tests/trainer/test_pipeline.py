@@ -1,0 +1,295 @@
+"""The generation pipeline (trainer/pipeline.py) driven by a stand-in engine: batch t is
+generated with weights version max(0, t - k) whatever the engine's timing, one refit per
+version, the trainer waits only for what the bound needs, a stop signal waits for no
+generation, a failed or stopped worker is an error naming it; the rollouts generated ahead
+survive a checkpoint file (trainer/rollout_store.py) and nothing else is read back."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, RolloutEngine, Rollouts
+from nemo_d3s.backends.base import TokenBatch
+from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.errors import RunError
+from nemo_d3s.trainer.data import PromptBatch
+from nemo_d3s.trainer.pipeline import WORKER_NAME, GenerationPipeline
+from nemo_d3s.trainer.rollout_store import load_rollouts, save_rollouts
+from _limits import WAIT_S  # noqa: E402
+
+
+class _Prompts:
+    """``PromptSource``'s interface: step j's one prompt carries j as its seed."""
+
+    lo, hi = 0, 1
+
+    def for_step(self, j):
+        return PromptBatch([j], [f"p{j}"], torch.tensor([0]), [j])
+
+
+class _Policy:
+    weights_version = 0
+
+
+def _rollouts(step: int, version: int, n: int) -> Rollouts:
+    ids = torch.tensor([[step, version, 7]] * n)
+    resp = torch.tensor([[False, True, True]] * n)
+    return Rollouts(
+        TokenBatch(ids, torch.ones_like(resp), resp),
+        torch.zeros(n, dtype=torch.long),
+        [f"v{version} é"] * n,
+        torch.ones(n, dtype=torch.bool),
+        sampling_logprobs=torch.full((n, 3), -0.5),
+    )
+
+
+class _Engine(RolloutEngine):
+    """Holds one weights version (set by ``sync_weights``); ``delay(step)`` seconds per batch;
+    ``block``: step -> Event the generation of that step waits for (asking ``check_stop``)."""
+
+    own_weights = True
+
+    def __init__(self, delay=lambda step: 0.0, block=None, fail_at=None, readable=True):
+        self.tokenizer = None
+        self.own_weights_readable = readable
+        self.held, self.refits, self.delay = 0, [], delay
+        self.block, self.fail_at = block or {}, fail_at
+        self.generated = []  # (step, version) in generation order
+
+    def sync_weights(self, policy):
+        self.held = policy.weights_version
+        self.refits.append(policy.weights_version)
+
+    def held_weights(self):
+        if not self.own_weights_readable:
+            return None
+        return iter([("w", torch.tensor([float(self.held)]))])
+
+    def generate(self, prompts, n_samples, cfg, seeds):
+        step = int(seeds[0])
+        self.check_stop()
+        if step == self.fail_at:
+            raise ValueError("the engine broke")
+        event = self.block.get(step)
+        while event is not None and not event.wait(0.01):
+            self.check_stop()
+        time.sleep(self.delay(step))
+        self.generated.append((step, self.held))
+        return _rollouts(step, self.held, n_samples)
+
+
+def _pipeline(engine, k, steps, stop=lambda: False):
+    return GenerationPipeline(
+        engine, _Prompts(), GenerationConfig(), 2, k, ParallelGroups(), steps, stop_requested=stop
+    )
+
+
+def _drive(pipe, steps, start=0, pending=None, train=lambda t: None, held=None):
+    """The loop's calls: start, then take (in the step), the update, publish (after it)."""
+    policy = _Policy()
+    policy.weights_version = start
+    pipe.start(start, pending or {}, held, policy)
+    seen = []
+    for t in range(start, steps):
+        ro = pipe.take(t, _Prompts().for_step(t))
+        seen.append((t, int(ro.batch.input_ids[0, 1]), pipe.step_metrics(t)["rollout_staleness"]))
+        train(t)
+        policy.weights_version = t + 1
+        pipe.publish(t + 1, policy)
+    pipe.close()
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_batch_t_comes_from_version_t_minus_k_whatever_the_timing(k):
+    for seed in range(3):  # engines and trainers of other speeds: the same schedule
+        rng = random.Random(seed)
+        delays = {t: rng.choice([0.0, 0.002, 0.01]) for t in range(8)}
+        engine = _Engine(delay=lambda t: delays[t])
+        seen = _drive(_pipeline(engine, k, 8), 8, train=lambda t: time.sleep(rng.random() / 200))
+        assert seen == [(t, max(0, t - k), float(min(t, k))) for t in range(8)]
+        assert engine.generated == [(t, max(0, t - k)) for t in range(8)]
+        assert engine.refits == list(range(1, 9))  # one refit per version, the last for eval
+
+
+def test_a_resumed_pipeline_takes_the_saved_batches_and_generates_the_rest_on_schedule():
+    engine = _Engine()
+    engine.held = 3
+    pending = {3: (_rollouts(3, 2, 2), 2)}  # generated with version 2 before the stop
+    seen = _drive(_pipeline(engine, 1, 6), 6, start=3, pending=pending)
+    assert seen == [(3, 2, 1.0), (4, 3, 1.0), (5, 4, 1.0)]
+    assert engine.generated == [(4, 3), (5, 4)]  # batch 3 is not generated again
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_a_stop_after_an_update_keeps_the_weights_the_cut_batch_was_due_from(tmp_path, readable):
+    """k = 1: step 1 updated (weights 2) while batch 2 (version 1) was generating; the stop cut
+    it short. The checkpoint keeps the engine's weights of version 1 and the resumed pipeline
+    generates batch 2 from them, as the uninterrupted run did. An engine that cannot give its
+    weights back (vLLM) resumes with version 2 instead, saying so."""
+    gate, stop = threading.Event(), threading.Event()
+    engine = _Engine(block={2: gate}, readable=readable)
+    pipe = _pipeline(engine, 1, 5, stop=stop.is_set)
+    policy = _Policy()
+    pipe.start(0, {}, None, policy)
+    for t in (0, 1):
+        pipe.take(t, None)
+        policy.weights_version = t + 1
+        if t == 0:
+            pipe.publish(1, policy)
+    stop.set()  # during step 1's update; the boundary before step 2 waits for nothing
+    with pytest.raises(GenerationInterrupted):
+        pipe.publish(2, policy)
+    names = pipe.pending_writer(2)(tmp_path)
+    pipe.close()
+    assert names == ["rollouts_rank0.safetensors"] + (
+        ["engine_weights_rank0.safetensors"] if readable else []
+    )
+    resumed = _Engine(readable=readable)
+    resumed.held = 2  # the trainer refitted the checkpoint's weights
+    pending, held = _pipeline(resumed, 1, 5).load_pending(tmp_path)
+    assert pending == {} and (held.version == 1 if readable else held is None)
+    seen = _drive(_pipeline(resumed, 1, 5), 5, start=2, held=held)
+    if readable:
+        assert seen == [(2, 1, 1.0), (3, 2, 1.0), (4, 3, 1.0)]  # the uninterrupted schedule
+        assert resumed.refits == [1, 2, 3, 4, 5]
+    else:
+        assert seen[0] == (2, 2, 0.0) and seen[1:] == [(3, 2, 1.0), (4, 3, 1.0)]
+
+
+def test_the_trainer_waits_only_for_the_batch_the_bound_needs():
+    """k = 1: batch 0 is taken while batch 1 is still being generated; the boundary before
+    step 1 returns only once batch 1 exists (it is the one step 1 trains on)."""
+    gate = threading.Event()
+    engine = _Engine(block={1: gate})
+    pipe = _pipeline(engine, 1, 3)
+    pipe.start(0)
+    pipe.take(0, None)  # would never return if it waited for batch 1
+    assert (1, 0) not in engine.generated
+    timer = threading.Timer(0.05, gate.set)
+    timer.start()
+    policy = _Policy()
+    policy.weights_version = 1
+    pipe.publish(1, policy)
+    assert (1, 0) in engine.generated and engine.refits == [1]
+    pipe.close()
+
+
+def test_a_stop_signal_waits_for_no_generation_and_closing_cuts_the_worker_short():
+    gate, stop = threading.Event(), threading.Event()
+    engine = _Engine(block={1: gate})  # batch 1 never finishes on its own
+    pipe = _pipeline(engine, 1, 4, stop=stop.is_set)
+    pipe.start(0)
+    pipe.take(0, None)
+    stop.set()
+    raised = []
+
+    def boundary():
+        try:
+            pipe.publish(1, _Policy())
+        except GenerationInterrupted as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=boundary)
+    waiter.start()
+    waiter.join(timeout=WAIT_S)  # a wait for batch 1 would last forever
+    assert raised and engine.refits == []  # no refit after the stop
+    pipe.close()  # the engine's should_stop now says yes: the worker ends
+    assert not any(t.name == WORKER_NAME for t in threading.enumerate())
+
+
+def test_a_failed_worker_is_an_error_naming_it_not_a_wait():
+    pipe = _pipeline(_Engine(fail_at=1), 1, 4)
+    pipe.start(0)
+    pipe.take(0, None)
+    with pytest.raises(RuntimeError, match=f"{WORKER_NAME} failed on the batch of step 1.*broke"):
+        pipe.publish(1, _Policy())
+    pipe.close()
+
+
+def test_a_worker_that_is_gone_is_an_error_not_a_wait():
+    pipe = _pipeline(_Engine(), 1, 2)
+    pipe.start(0)
+    pipe.take(0, None)
+    pipe.publish(1, _Policy())  # batch 1 generated; nothing more is released
+    pipe.close()  # the worker ends
+    with pytest.raises(RuntimeError, match=f"{WORKER_NAME} is not running.*step 2"):
+        pipe.take(2, None)
+
+
+def test_k0_generates_inside_the_step_and_reports_nothing_new():
+    engine = _Engine()
+    pipe = _pipeline(engine, 0, 2)
+    pipe.start(0)
+    ro = pipe.take(0, _Prompts().for_step(0))
+    assert int(ro.batch.input_ids[0, 0]) == 0 and pipe.step_metrics(0) == {}
+    calls = []
+    pipe.publish(1, _Policy(), lambda: calls.append(1))
+    assert calls == [1] and engine.refits == []  # the synchronous step refits itself
+    assert pipe.pending_writer(1) is None and pipe.on_policy
+
+
+def test_an_engine_sampling_the_policys_own_weights_is_refused():
+    engine = _Engine()
+    engine.own_weights = False
+    with pytest.raises(ValueError, match="own copy of the weights"):
+        _pipeline(engine, 1, 2)
+
+
+def test_pending_rollouts_round_trip_through_a_checkpoint_file(tmp_path):
+    gate = threading.Event()
+    engine = _Engine(block={3: gate})
+    pipe = _pipeline(engine, 2, 6)
+    pipe.start(0)
+    pipe.take(0, None)
+    policy = _Policy()
+    policy.weights_version = 1
+    pipe.publish(1, policy)  # batches 1 and 2 exist; 3 is held back
+    names = pipe.pending_writer(1)(tmp_path)
+    gate.set()
+    pipe.close()
+    back, held = pipe.load_pending(tmp_path)
+    assert names == ["rollouts_rank0.safetensors"] and sorted(back) == [1, 2] and held is None
+    for j in (1, 2):
+        ro, version = back[j]
+        want = _rollouts(j, 0, 2)
+        assert version == 0 and ro.response_texts == want.response_texts
+        for a, b in [
+            (ro.batch.input_ids, want.batch.input_ids),
+            (ro.batch.response_mask, want.batch.response_mask),
+            (ro.sampling_logprobs, want.sampling_logprobs),
+            (ro.finished, want.finished),
+        ]:
+            assert torch.equal(a, b)
+
+
+def test_a_rollouts_file_is_untrusted(tmp_path):
+    path = tmp_path / "r.safetensors"
+    save_rollouts(path, {4: (_rollouts(4, 3, 2), 3)}, (0, 1))
+    assert sorted(load_rollouts(path, (0, 1))) == [4]
+    with pytest.raises(RunError, match="written for prompts \\[0, 1\\].*holds \\(2, 4\\)"):
+        load_rollouts(path, (2, 4))
+    raw = bytearray(path.read_bytes())
+    path.write_bytes(bytes(raw[: len(raw) // 2]))
+    with pytest.raises(RunError, match="not a rollouts file"):
+        load_rollouts(path, (0, 1))
+    from safetensors.torch import save_file
+
+    bad = _rollouts(4, 3, 2)
+    save_rollouts(path, {4: (bad, 3)}, (0, 1))
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    tensors["4.text_lengths"] = torch.tensor([1, 10**6])
+    meta = {"format": "nemo_d3s.rollouts.v1", "batches": '[{"step": 4, "version": 3}]'}
+    save_file(tensors, str(path), metadata={**meta, "prompts": "[0, 1]"})
+    with pytest.raises(RunError, match="text sizes"):
+        load_rollouts(path, (0, 1))
+    save_file(tensors, str(path), metadata={**meta, "format": "x", "prompts": "[0, 1]"})
+    with pytest.raises(RunError, match="format 'x'"):
+        load_rollouts(path, (0, 1))
