@@ -351,7 +351,11 @@ class CheckpointManager:
         return {"digests": file_digests(tmp, mine)}
 
     def _prune(self) -> None:
+        # renamed out of the step_* names first (atomic): a kill -9 inside rmtree must not
+        # leave a half-deleted step_* directory that a resume would try to load
         for p in checkpoint_dirs(self.root)[self.keep_last :]:
+            os.replace(p, self.root / f".pruned_{p.name}")
+        for p in self.root.glob(".pruned_step_*"):  # this prune's and a killed one's
             shutil.rmtree(p, ignore_errors=True)
 
     def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:

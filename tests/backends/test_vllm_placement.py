@@ -25,6 +25,14 @@ RECIPES = {
     "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(4)}),
     # TP 8 x PP 1: one copy per node, its TP-8 engine on the node's 8 GPUs
     "qwen3_32b": (4, {8 * k: (k, list(range(8))) for k in range(4)}),
+    # MoE, TP 4 x PP 1 on one node: two copies (ranks 0-3, 4-7), a TP-4 engine on each's GPUs
+    "qwen3_30b_a3b": (1, {0: (0, [0, 1, 2, 3]), 4: (0, [4, 5, 6, 7])}),
+    # MoE, TP 4 x PP 2, default order (tp, dp, pp): DP 8, copies' first stages on ranks 0, 4,
+    # .., 28 (nodes 0-3), a TP-4 engine each; the second stages' 32 GPUs carry none
+    "qwen3_235b_a22b": (
+        8,
+        {4 * k: (k // 2, list(range(4 * (k % 2), 4 * (k % 2) + 4))) for k in range(8)},
+    ),
 }
 
 
@@ -153,6 +161,7 @@ def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
     class Megatron:  # TP 2 x PP 1 copies: engines at 0, 2, 4, ...: a TP-2 engine each fits
         layout = types.SimpleNamespace(tp=2, pp=1)
         cfg = types.SimpleNamespace(use_tp_pp_dp_mapping=False)
+        groups = types.SimpleNamespace(cp_size=1)
         rollout_engine_ranks = MegatronBackend.rollout_engine_ranks
 
     assert Megatron().rollout_engine_ranks(16) == list(range(0, 16, 2))
@@ -183,6 +192,8 @@ IDLE = {
     "llama3_70b_long": 32,
     "qwen25_72b": 32,
     "qwen3_32b": 0,
+    "qwen3_30b_a3b": 0,
+    "qwen3_235b_a22b": 32,
 }
 
 
@@ -203,7 +214,9 @@ def test_the_dry_run_states_every_recipes_idle_gpus_in_generation_and_why(name, 
     assert v["generation_floor_s"] > 0
     lines = [x for x in render(plan(cfg, JobShape(nodes, 8, "test"))).splitlines() if "idle" in x]
     if IDLE[name]:
-        assert "a copy spans 16 GPUs (TP x PP) and its engine 8" in v["idle_why"]
+        p = cfg.model.params
+        copy = int(p.tensor_model_parallel_size) * int(p.pipeline_model_parallel_size)
+        assert f"a copy spans {copy} GPUs (TP x PP) and its engine {tp}" in v["idle_why"]
         assert lines and f"{IDLE[name]} GPUs idle while generating (50%)" in lines[0]
     else:
         assert v["idle_why"] == "every GPU carries an engine shard" and not lines

@@ -176,6 +176,29 @@ def test_a_deletion_on_resume_is_of_the_runs_own_key(tmp_path):
             resolve_config(cfg, [*hydra_argv, bad], out, lambda: compose([]), conf_dir())
 
 
+def test_a_deletion_under_resume_on_a_fresh_folder_applies_to_the_composed_config(tmp_path):
+    """``resume=true`` on a folder without a run (the sbatch scripts' first start): the held
+    ``~key`` deletions apply to the composed config, and a key it lacks is refused."""
+    from nemo_d3s.train import conf_dir as conf
+    from nemo_d3s.trainer.overrides import resume_deletions
+
+    out = tmp_path / "fresh"
+    groups = [p.name for p in conf().iterdir() if p.is_dir()]
+    argv = ["experiment=smoke", f"output_dir={out}", "resume=true", "~model.params.tiny"]
+    hydra_argv, held = resume_deletions(argv, groups)
+    cfg = compose(hydra_argv)
+    OmegaConf.resolve(cfg)
+    assert "tiny" in cfg.model.params
+    cfg = resolve_config(cfg, hydra_argv + held, out, lambda: compose([]), conf_dir())
+    assert "tiny" not in cfg.model.params and cfg.model.name == "tiny-random"
+    cfg = compose(hydra_argv)
+    OmegaConf.resolve(cfg)
+    with pytest.raises(ConfigError, match="no such key"):
+        resolve_config(
+            cfg, [*hydra_argv, "~model.params.nope"], out, lambda: compose([]), conf_dir()
+        )
+
+
 def test_a_deletion_on_resume_from_the_command_line_is_one_error_line(tmp_path):
     from .conftest import cli
 

@@ -44,7 +44,9 @@ def test_three_steps_with_vllm_rollouts(tmp_path):
     # rollouts (and so the rewards) of step 3 are the same as in the uninterrupted run.
     import shutil
 
+    # a run killed after step 2's checkpoint: a finished run (summary.json) is not rewound
     shutil.rmtree(out / "checkpoints" / "step_000003")
+    (out / "summary.json").unlink()
     state2, rows2 = run_inprocess(
         out, [*FAST, "trainer.steps=3", "trainer.save_every=1", *VLLM, "resume=true"]
     )
@@ -156,7 +158,9 @@ def test_vllm_rollouts_overlapped_with_training_and_resumed(tmp_path):
     trained = [r for r in rows if not r["skipped"]]
     assert trained and all(math.isfinite(r["loss"]) for r in trained)
     assert all(r["is_ratio_min"] <= r["is_ratio_p50"] <= r["is_ratio_max"] for r in trained)
+    # a run killed after step 2's checkpoint: a finished run (summary.json) is not rewound
     shutil.rmtree(out / "checkpoints" / "step_000003")
+    (out / "summary.json").unlink()
     _, rows2 = run_inprocess(out, [*args, "resume=true"])
     assert without_timing(rows2) == without_timing(rows)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_d3s.core.checks import is_count
+from nemo_d3s.core.checks import is_count, is_number
 from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
@@ -141,7 +141,7 @@ def check_options(cfg: MegatronBackendConfig) -> None:
         )
     for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
         v = getattr(cfg, key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+        if not (is_number(v) and v >= 0):
             raise ValueError(f"model.params.{key}={v!r}: a number >= 0")
     if cfg.make_vocab_size_divisible_by < 1:
         raise ValueError(

@@ -180,8 +180,15 @@ def resolve_config(
     if not bool(cfg.get("resume", False)):
         return cfg
     old, path = trusted_run_config(out)
-    if old is None:
-        return cfg  # nothing to continue: a fresh start (the start says so)
+    deletions = [o[1:] for o in overrides if o.startswith("~") and "=" not in o]
+    if old is None:  # nothing to continue: a fresh start (the start says so), where the ~key
+        # deletions held back from Hydra (train.main) are of the composed config's keys
+        plain = OmegaConf.to_container(cfg, resolve=False)
+        for d in deletions:
+            if not _has_key(plain, d):
+                raise ConfigError(f"~{d}: the config has no such key")
+            _drop(cfg, d)
+        return cfg
     new = OmegaConf.to_container(cfg, resolve=True)
     touched = touched_keys(overrides, conf)
     try:
@@ -204,7 +211,7 @@ def resolve_config(
         log.warning("%s; using this command's value (trainer.allow_config_change=true)", what)
 
     fixed = set(schema_keys())
-    for d in (o[1:] for o in overrides if o.startswith("~") and "=" not in o):
+    for d in deletions:
         if d in fixed or _below(fixed, d):
             raise ConfigError(f"~{d}: a setting of the run's schema cannot be deleted; set it")
         if not (_has_key(old, d) or _has_key(new, d)):
