@@ -70,8 +70,10 @@ class ModelParallelRollouts(RolloutEngine):
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
         self.policy, self.refit, self.device = policy, refit, device
-        base_s = max((t.total_seconds() for t in group_timeout(group).values()), default=0.0)
-        self.wait = None if is_single(group) else GenerationWait.of_group(f"mp{src}", group, base_s)
+        self.wait = None  # one process per model copy (TP = PP = 1; None): nobody to wait for
+        if not is_single(group):
+            base_s = max(t.total_seconds() for t in group_timeout(group).values())
+            self.wait = GenerationWait.of_group(f"mp{src}", group, base_s)
 
     @property
     def is_src(self) -> bool:
