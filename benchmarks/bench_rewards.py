@@ -7,7 +7,8 @@ the three kinds a policy writes: the right answer, a wrong one, a ramble without
 ``--workers 0,2`` measures those reward-worker counts side by side in one process, their rounds
 interleaved (0: the trainer process scores; code from before the workers knows only that).
 Entries accumulate in ``results/bench_rewards.json`` under ``--label`` with the commit, the
-machine and its load average.
+machine and its load average; ``results/bench_rewards.png`` plots every entry
+(``--plot-only`` redraws it from the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_rewards.py --label after --workers 0,2
     git archive 5557931 nemo_d3s conf | tar -x -C /tmp/before    # the code before the workers
@@ -118,23 +119,63 @@ def run(args) -> dict:
     }
 
 
+def plot(data: dict, path: str) -> None:
+    """Rewards per second of each entry and worker count, a step's calls beside an
+    evaluation's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [
+        (f"{e['label']}\n{w} workers", r)
+        for e in data["entries"]
+        for w, r in sorted(e["by_workers"].items())
+    ]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(bars), 3.6))
+    x = range(len(bars))
+    for i, (kind, name) in enumerate((("step", "a step's calls"), ("eval", "an evaluation's"))):
+        ax.bar(
+            [j + (i - 0.5) * 0.38 for j in x],
+            [r[f"{kind}_rewards_per_s"] for _, r in bars],
+            0.38,
+            label=name,
+        )
+    ax.set(
+        title="default task: rewards per second (median over rounds)",
+        xticks=list(x),
+        xticklabels=[name for name, _ in bars],
+        ylabel="rewards / s",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--label", required=True)
+    ap.add_argument("--label", help="the entry's name (required unless --plot-only)")
     ap.add_argument("--workers", default="0,2", help="worker counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--eval", type=int, default=256)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from the JSON")
     args = ap.parse_args()
-    row = run(args)
     path = os.path.join(C.results_dir(), f"{NAME}.json")
     old = {"entries": []}
     if os.path.isfile(path):
         with open(path) as f:
             old = json.load(f)
+    if args.plot_only:
+        plot(old, C.png_path(NAME))
+        return
+    if not args.label:
+        ap.error("--label is required (the entry's name in the JSON)")
+    row = run(args)
     old["entries"] = [e for e in old["entries"] if e["label"] != args.label] + [row]
     C.write_json(NAME, old)
+    plot(old, C.png_path(NAME))
     for w, r in row["by_workers"].items():
         print(
             f"{args.label}, {w} workers: {r['step_rewards_per_s']:.0f} rewards/s (step), "

@@ -193,7 +193,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def looks_like_write_failure(e: BaseException) -> bool:
     """An exception a failed write raises: OSError, torch's zip writer's RuntimeErrors (and
     torch.distributed.checkpoint's CheckpointException carrying them), or the safetensors
-    library's error wrapping an I/O error (a full disk, a file-size limit)."""
+    library's error wrapping an I/O error (a full disk, a file-size limit). megatron-core
+    0.19.2's writer keeps only the text of the OSError its worker raised ("An error is caught
+    while starting worker 0, error: <class 'OSError'>", filesystem_async.py:330)."""
     if isinstance(e, OSError):
         return True
     kinds = ("SafetensorError", "CheckpointException")
@@ -206,6 +208,7 @@ def looks_like_write_failure(e: BaseException) -> bool:
             "No space left",
             "File too large",
             "IoError",
+            "<class 'OSError'>",
         )
     )
 

@@ -10,9 +10,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 # tests/ on the path: its helper modules (_limits: how long a test waits) import by name in
 # the test process and in the ranks and programs it starts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _shares import load_seconds, parse_share, split  # noqa: E402
 
 VLLM_TESTS = [
     "backends/test_vllm_engine.py",
@@ -34,12 +38,38 @@ if not importlib.util.find_spec("trl"):
     collect_ignore += TRL_TESTS
 
 
-def pytest_collection_modifyitems(config, items):
-    """Without trl, tests marked ``trl`` outside TRL_TESTS (an example's run in
-    tests/test_examples.py) are deselected, not skipped: the main run does not claim them."""
-    if importlib.util.find_spec("trl"):
-        return
-    drop = [item for item in items if item.get_closest_marker("trl") is not None]
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow-share",
+        metavar="I/K",
+        default=None,
+        help="of the tests marked slow, run only share I (0-based) of K shares of about equal "
+        "recorded time (tests/slow_seconds.json); CI runs one share per commit (docs/ci.md)",
+    )
+
+
+def _deselect(config, items, drop) -> None:
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = [item for item in items if item.get_closest_marker("trl") is None]
+        gone = {id(item) for item in drop}
+        items[:] = [item for item in items if id(item) not in gone]
+
+
+@pytest.hookimpl(trylast=True)  # after -m: a share splits the slow tests this run selected
+def pytest_collection_modifyitems(config, items):
+    """Without trl, tests marked ``trl`` outside TRL_TESTS (an example's run in
+    tests/test_examples.py) are deselected, not skipped: the main run does not claim them.
+    With ``--slow-share I/K``, the slow tests outside share I are deselected."""
+    if not importlib.util.find_spec("trl"):
+        _deselect(config, items, [it for it in items if it.get_closest_marker("trl") is not None])
+    text = config.getoption("slow_share")
+    if text is None:
+        return
+    try:
+        i, k = parse_share(text)
+        seconds = load_seconds()
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+    slow = [it for it in items if it.get_closest_marker("slow") is not None]
+    owner = split((it.nodeid for it in slow), seconds, k)
+    _deselect(config, items, [it for it in slow if owner[it.nodeid] != i])

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "doc_claims"))
 import doc_numbers  # noqa: E402
@@ -60,6 +62,7 @@ def test_a_record_that_changes_is_caught(tmp_path, monkeypatch):
     assert any("**21 s per step**" in t for t in missing.get("README.md", [])), missing
 
 
+@pytest.mark.slow  # whole programs (docs/ci.md)
 def test_record_main_job_runs_and_measures(tmp_path):
     out = tmp_path / "rec.json"
     env = dict(

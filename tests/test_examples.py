@@ -457,7 +457,7 @@ def _requeue_and_resume(tmp_path: Path, script: str, overrides, job_id: str, ste
         deadline = time.monotonic() + WAIT_S
         while len(_metric_steps(out_dir / "metrics.jsonl")) < 2:
             assert job.poll() is None, job.stdout.read()
-            assert time.monotonic() < deadline, "no training step within 240 s"
+            assert time.monotonic() < deadline, f"no training step within {WAIT_S} s"
             time.sleep(0.2)
         job.send_signal(signal.SIGUSR1)
         first, _ = job.communicate(timeout=WAIT_S)

@@ -290,3 +290,25 @@ def test_the_run_records_are_written_through_atomic_write_text(tmp_path, monkeyp
     records.summary(TrainerState(step=2), tmp_path, task=None)
     records.write_interrupted_marker(tmp_path, {"step": 2})
     assert written == ["summary.json", records.INTERRUPTED_MARKER]
+
+
+@pytest.mark.parametrize(
+    "error, failed_write",
+    [
+        (OSError(28, "No space left on device"), True),
+        (RuntimeError("[enforce fail at inline_container.cc] PytorchStreamWriter failed"), True),
+        # megatron-core 0.19.2's DCP writer keeps only the text of its worker's OSError
+        # (dist_checkpointing/strategies/filesystem_async.py:330)
+        (
+            RuntimeError(
+                "Worker failure: An error is caught while starting worker 0, error: "
+                "<class 'OSError'>"
+            ),
+            True,
+        ),
+        (RuntimeError("Worker failure: An error is caught ..., error: <class 'KeyError'>"), False),
+        (ValueError("No space left"), False),  # not an error type a write raises
+    ],
+)
+def test_which_errors_are_failed_writes(error, failed_write):
+    assert files_staging.looks_like_write_failure(error) is failed_write

@@ -16,6 +16,7 @@ from nemo_d3s.tasks.base import TASKS, Problem, Task, as_rng
 
 ANSWER_SUFFIX = "\n\nEnd your reply with a final line of the form 'Answer: <your answer>'."
 _MAX_REJECTION_ROUNDS = 1000
+_MISSES_BEFORE_EXHAUSTED = 2000
 
 
 class ReasoningGymTask(Task):
@@ -62,14 +63,20 @@ class ReasoningGymTask(Task):
 
     def _distinct_eval(self, n_eval: int) -> List[Problem]:
         # Repeated questions would weight some problems twice in eval accuracy.
-        out, seen = [], set()
+        # A task with fewer distinct questions than n_eval is found out after a run of draws
+        # with nothing new (ten times the questions seen, at least _MISSES_BEFORE_EXHAUSTED),
+        # not after n_eval x _MAX_REJECTION_ROUNDS draws (a minute for n_eval=1000).
+        out, seen, misses = [], set(), 0
         for idx in range(n_eval * _MAX_REJECTION_ROUNDS):
-            if len(out) == n_eval:
+            if len(out) == n_eval or misses > max(_MISSES_BEFORE_EXHAUSTED, 10 * len(seen)):
                 break
             problem = self._problem(self._eval_ds, idx, "eval")
             if problem.meta["question"] not in seen:
                 seen.add(problem.meta["question"])
                 out.append(problem)
+                misses = 0
+            else:
+                misses += 1
         if len(out) < n_eval:
             raise ValueError(
                 f"task {self.name!r}: n_eval={n_eval} exceeds the {len(out)} distinct "

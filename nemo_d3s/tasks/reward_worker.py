@@ -127,16 +127,17 @@ def main(in_fd: int, out_fd: int) -> None:
         first = (str(e).strip().splitlines() or [""])[0]
         outbox.send_bytes(json.dumps({"failed": f"{type(e).__name__}: {first}"}).encode())
         return
-    outbox.send_bytes(json.dumps({"ready": os.getpid()}).encode())
-    while True:
-        try:
-            msg = inbox.recv()
-        except EOFError:
-            return
-        _, batch, items = msg
-        for i, problem, text in items:
-            value, reason, error = _score(task, problem, text)
-            outbox.send_bytes(json.dumps([batch, i, value, reason, error]).encode())
+    try:
+        outbox.send_bytes(json.dumps({"ready": os.getpid()}).encode())
+        while True:
+            _, batch, items = inbox.recv()
+            for i, problem, text in items:
+                value, reason, error = _score(task, problem, text)
+                outbox.send_bytes(json.dumps([batch, i, value, reason, error]).encode())
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        # the trainer closed the pool or ended (a stop, a kill) while this one was starting
+        # or scoring: nothing more to say, and no traceback on the job's stderr
+        return
 
 
 if __name__ == "__main__":

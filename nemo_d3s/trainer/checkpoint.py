@@ -311,8 +311,13 @@ class CheckpointManager:
                 # Flushed before the rename publishes it, as files.atomic_folder does: a
                 # crash cannot leave a complete-looking checkpoint with unwritten files.
                 fsync_tree(tmp)
-                if final.exists():
-                    shutil.rmtree(final)
+                if final.exists():  # a step saved again: its old copy goes aside first
+                    # (atomic) and _prune deletes it: a kill -9 inside a deletion must not
+                    # leave a half-deleted step_* that looks like a checkpoint
+                    aside = self.root / f".pruned_{final.name}"
+                    if aside.exists():
+                        shutil.rmtree(aside)
+                    os.replace(final, aside)
                 os.replace(tmp, final)
                 fsync_folder(self.root)
                 fault_point("checkpoint.renamed")

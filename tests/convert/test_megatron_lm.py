@@ -459,7 +459,9 @@ def test_a_full_disk_while_writing_a_megatron_lm_save_is_one_error_line(tmp_path
         timeout=WAIT_S,
     )
     assert r.returncode == 1, r.stderr[-3000:]
-    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    # (not counted: torch's own warning on importing a CUDA build without a GPU, as the py312
+    # leg's torch 2.15 from PyPI does, torch/utils/cpp_extension.py:183)
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "No CUDA runtime is found" not in x]
     assert len(lines) == 1 and lines[0].startswith(f"error: could not write --out '{out}': "), lines
     assert (
         "file-size limit (ulimit -f) is 20000 bytes" in lines[0]

@@ -177,6 +177,7 @@ def test_pods_keeps_fewer_than_it_generates():
         vs_trl.parse_args(["run", "--out", "x", "--generate", "4", "--keep", "4"])
 
 
+@pytest.mark.slow
 @pytest.mark.trl
 def test_the_race_runs_every_arm_alone_on_the_tiny_model(tmp_path):
     from nemo_d3s.backends.hf.config import TinyModelSpec

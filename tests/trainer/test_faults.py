@@ -791,15 +791,12 @@ def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
     """2 ranks; rank 1 SIGSTOPs itself after step 2 (stopped, not dead). Rank 0 must leave
     its collective after trainer.dist_timeout_minutes (here 6 s) with one error line and
     exit code 3, instead of waiting torch's default 30 minutes."""
-    import time
-
     env = cli_env()
     env.update(
         NEMO_D3S_FAULT="loop.step_done@2=stop",
         NEMO_D3S_FAULT_RANK="1",
         NEMO_D3S_FAULT_PIDFILE=str(tmp_path / "stopped.pids"),
     )
-    t0 = time.time()
     try:
         r = subprocess.run(
             [
@@ -835,7 +832,9 @@ def test_a_stopped_rank_makes_the_other_exit_after_the_timeout(tmp_path):
     assert (
         "error: a collective timed out after 0.1 minutes (trainer.dist_timeout_minutes)" in out
     ), out[-3000:]
-    assert "exitcode  : 3" in out and time.time() - t0 < 150
+    # (no clock in the verdict: the run ending inside WAIT_S, 20 minutes, is what tells it from
+    # torch's default 30; a loaded machine only makes it slower)
+    assert "exitcode  : 3" in out
 
 
 def test_a_filesystem_without_locks_runs_with_a_warning(tmp_path, monkeypatch, caplog):

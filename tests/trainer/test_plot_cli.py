@@ -47,6 +47,7 @@ def test_plot_without_metrics_is_an_error(tmp_path):
     assert e.value.code == 2
 
 
+@pytest.mark.slow  # whole programs (docs/ci.md)
 def test_multirun_sweep_gives_each_job_its_own_directory(tmp_path):
     sweep = tmp_path / "sweep"
     r = cli(
@@ -68,6 +69,7 @@ def test_multirun_sweep_gives_each_job_its_own_directory(tmp_path):
         assert f"preset: {preset}" in (sweep / str(job) / "config.yaml").read_text()
 
 
+@pytest.mark.slow  # whole programs (docs/ci.md)
 def test_multirun_sweep_with_interpolated_output_dir(tmp_path):
     r = cli(
         [

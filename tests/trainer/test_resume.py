@@ -77,6 +77,42 @@ def test_checkpoint_manager_atomic_prune_and_restore(tmp_path):
     assert not torch.equal(torch.rand(2), expected)
 
 
+def test_a_kill_while_deleting_an_old_copy_leaves_the_new_checkpoint_whole(tmp_path, monkeypatch):
+    """A step saved twice (a stop signal's save after the scheduled one) and a kill -9 while
+    the old copy is deleted: the deletion only ever touches a copy moved aside, so the
+    published step_* is the new, complete checkpoint (it was rmtree'd in place: half of it
+    could be gone under its final name)."""
+    import shutil
+
+    from nemo_d3s.formats.checksums import verify_checksums
+    from nemo_d3s.trainer import checkpoint
+
+    be = _StateBackend()
+    mgr = CheckpointManager(str(tmp_path), DPInfo(), keep_last=2)
+    mgr.save(be, TrainerState(step=2))
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # deletes one file, then the process "dies"
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if files:
+            files[0].unlink()
+        raise KeyboardInterrupt
+
+    be.w += 1
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(be, TrainerState(step=2, update_tokens_total=5.0))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", real_rmtree)
+    final = tmp_path / "checkpoints" / "step_000002"
+    verify_checksums(final)
+    assert latest_checkpoint(tmp_path / "checkpoints") == final
+    fresh = _StateBackend()
+    assert mgr.load(final, fresh).update_tokens_total == 5.0
+    assert torch.equal(fresh.w, torch.ones(3))
+    mgr.save(be, TrainerState(step=3))  # the next save's prune removes what was left aside
+    assert not list((tmp_path / "checkpoints").glob(".pruned_*"))
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = WAIT_S) -> None:
     t0 = time.time()
     while not path.exists():

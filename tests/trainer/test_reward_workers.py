@@ -253,3 +253,32 @@ def test_the_worker_ignores_stop_signals_and_dies_with_the_trainer(tmp_path):
             break
         time.sleep(0.1)
     assert not _alive(worker)
+
+
+def test_a_worker_whose_trainer_stopped_listening_ends_without_a_traceback():
+    """The pool closed (a stop, the run's end) while a worker was starting: its first message
+    met a closed pipe and printed a BrokenPipeError traceback on the job's stderr."""
+    import os
+
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    os.close(out_r)  # nobody reads the worker's answers any more
+    spec = {"sys_path": sys.path, "cwd": str(REPO), "module": "nemo_d3s.tasks.tiny"}
+    spec.update(name="tiny", params={})
+    from multiprocessing.connection import Connection
+
+    inbox = Connection(in_w, readable=False)
+    inbox.send(("init", spec))
+    r = subprocess.run(
+        [sys.executable, "-m", "nemo_d3s.tasks.reward_worker", str(in_r), str(out_w)],
+        pass_fds=(in_r, out_w),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        timeout=WAIT_S,
+    )
+    inbox.close()
+    os.close(in_r)
+    os.close(out_w)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

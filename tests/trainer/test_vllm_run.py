@@ -53,6 +53,7 @@ def test_three_steps_with_vllm_rollouts(tmp_path):
     assert without_timing(rows2) == without_timing(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_two_data_parallel_ranks_with_vllm_match_one_process(tmp_path):
     """torchrun --nproc_per_node=2 with rollout=vllm: each DP rank samples its own prompts
@@ -94,6 +95,7 @@ def test_two_data_parallel_ranks_with_vllm_match_one_process(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_job_checkpoints_first_and_resumes(tmp_path):
     """Fix 4 of issue 30: pre-emption with the engine in its own process (as in every
     multi-rank job). SIGTERM goes to the trainer's whole process group, vLLM's EngineCore and
@@ -144,6 +146,7 @@ def test_sigterm_to_the_whole_job_checkpoints_first_and_resumes(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_vllm_rollouts_overlapped_with_training_and_resumed(tmp_path):
     """rollout.max_staleness=1 with vLLM: the engine generates the next batch in the worker
     thread while the trainer updates (refitted once per version between steps); staleness 0
@@ -165,6 +168,7 @@ def test_vllm_rollouts_overlapped_with_training_and_resumed(tmp_path):
     assert without_timing(rows2) == without_timing(rows)
 
 
+@pytest.mark.slow
 def test_a_killed_engine_process_fails_the_overlapped_generation_naming_it(monkeypatch):
     """The engine in its own process, SIGKILLed while the worker thread generates the batch
     the next boundary needs: the trainer's wait ends in an error naming the worker thread and

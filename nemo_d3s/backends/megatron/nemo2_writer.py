@@ -135,10 +135,17 @@ def write_dist_checkpoint(
     folder.mkdir(parents=True)
     teardown = _one_process_group()
     # A failed write is logged by the writer ("Local process 0 encountered an error: ...",
-    # megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:321-326) and then
-    # raised: the caller reports it once.
-    quiet = logging.getLogger("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    level, quiet.level = quiet.level, logging.CRITICAL
+    # megatron-core 0.16.1 dist_checkpointing/strategies/filesystem_async.py:321-326; 0.19.2
+    # :330) and then raised: the caller reports it once. 0.19.2's synchronous save goes
+    # through the async one it deprecates and warns of that (strategies/torch.py:725-751):
+    # nothing a user can act on.
+    quiet = [
+        logging.getLogger(f"megatron.core.dist_checkpointing.strategies.{name}")
+        for name in ("filesystem_async", "torch")
+    ]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     try:
         with _TorchOnCpu():
             dist_checkpointing.save(
@@ -151,7 +158,8 @@ def write_dist_checkpoint(
                 },
             )
     finally:
-        quiet.level = level
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
         teardown()
 
 

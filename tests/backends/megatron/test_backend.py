@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
+from _grpo_loss import denominator as _denominator, grpo_loss_fn as _loss_fn  # noqa: E402
 from _tiny_hf import B, tiny_batch  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
@@ -39,26 +40,6 @@ AGGS = ["token_mean", "seq_mean_token_mean"]
 OPT = dict(lr=1e-2, adam_eps=1e-3, weight_decay=0.01, grad_clip=0.5)
 MBS = 2
 _data = tiny_batch
-
-
-def _loss_fn(batch, old_lp, adv, keep, agg):
-    from nemo_d3s.core.losses import LossConfig
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
-
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=old_lp,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
-    )
-    return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
-
-
-def _denominator(keep, agg) -> float:
-    from nemo_d3s.core.losses import loss_denominator
-
-    return float(loss_denominator(keep, agg))
 
 
 def _megatron(folder, tp=1, pp=1, **kw):

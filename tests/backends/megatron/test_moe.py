@@ -22,6 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "..", "distributed"))
 from _launch import run_ranks  # noqa: E402
+from _grpo_loss import denominator, grpo_loss_fn  # noqa: E402
 from _tiny_hf import B, make_tiny_hf, tiny_batch  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
@@ -40,26 +41,6 @@ def moe_folders(tmp_path_factory):
         a: str(make_tiny_hf(root / a, a, layers=2))
         for a in ("qwen3_moe", "qwen3_moe_norm", "mixtral")
     }
-
-
-def _loss_fn(batch, old_lp, adv, keep):
-    from nemo_d3s.core.losses import LossConfig
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
-
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=old_lp,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
-    )
-    return make_loss_fn("grpo", LossConfig(aggregation=AGG, check_inputs=False), upd)
-
-
-def _denominator(keep) -> float:
-    from nemo_d3s.core.losses import loss_denominator
-
-    return float(loss_denominator(keep, AGG))
 
 
 def _per_expert(state, arch):
@@ -110,7 +91,7 @@ def _reference(folder, arch):
     hf = HFBackend(HFBackendConfig(model=folder, device="cpu", autocast=None, **OPT))
     old_lp = out["logprobs"] + noise
     metrics = hf.train_step(
-        batch, _loss_fn(batch, old_lp, adv, keep), MBS, denominator=_denominator(keep)
+        batch, grpo_loss_fn(batch, old_lp, adv, keep, AGG), MBS, denominator=denominator(keep, AGG)
     )
     state = {k: v.detach().clone() for k, v in hf.hf_weights()}
     out["train"] = (metrics, _per_expert(state, arch))
@@ -137,9 +118,9 @@ def _rank_layout(rank, folder, kw, dp_rows, ref_lp):
     old_lp = ref_lp + noise
     metrics = pol.train_step(
         local,
-        _loss_fn(local, old_lp[rows], adv[rows], keep[rows]),
+        grpo_loss_fn(local, old_lp[rows], adv[rows], keep[rows], AGG),
         MBS,
-        denominator=_denominator(keep),
+        denominator=denominator(keep, AGG),
     )
     return {
         "rows": rows,
@@ -217,7 +198,10 @@ def _steps(pol, n):
     for _ in range(n):
         lp = pol.score(batch, with_entropy=False, micro_batch_size=MBS).logprobs
         pol.train_step(
-            batch, _loss_fn(batch, lp + noise, adv, keep), MBS, denominator=_denominator(keep)
+            batch,
+            grpo_loss_fn(batch, lp + noise, adv, keep, AGG),
+            MBS,
+            denominator=denominator(keep, AGG),
         )
 
 
@@ -291,9 +275,9 @@ def _rank_empty(rank, folder):
     sc = pol.score(local, with_entropy=False, micro_batch_size=MBS)
     metrics = pol.train_step(
         local,
-        _loss_fn(local, (sc.logprobs + noise[rows]), adv[rows], keep[rows]),
+        grpo_loss_fn(local, (sc.logprobs + noise[rows]), adv[rows], keep[rows], AGG),
         MBS,
-        denominator=_denominator(keep),
+        denominator=denominator(keep, AGG),
     )
     return sc.logprobs, metrics["grad_norm"]
 
@@ -326,9 +310,9 @@ def _rank_router_losses(rank, folder, ep, coeff):
     lp = pol.score(local, with_entropy=False, micro_batch_size=1).logprobs
     metrics = pol.train_step(
         local,
-        _loss_fn(local, lp + noise[rows], adv[rows], keep[rows]),
+        grpo_loss_fn(local, lp + noise[rows], adv[rows], keep[rows], AGG),
         1,
-        denominator=_denominator(keep),
+        denominator=denominator(keep, AGG),
     )
     return {k: v for k, v in metrics.items() if k.startswith("moe_")}, dict(pol.hf_weights())
 

@@ -34,6 +34,7 @@ sys.path.insert(
 from _launch import run_ranks  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _grpo_loss import denominator as _denominator, grpo_loss_fn as _loss_fn  # noqa: E402
 from _tiny_hf import tiny_batch  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
@@ -218,26 +219,6 @@ def _data():
     """The global batch: TokenBatch [B, S], advantages [B], old-log-prob noise [B, S], and
     token_keep [B, S] where rows 2 and 3 (micro-batch 1 at MBS 2) have no kept token."""
     return tiny_batch(LENGTHS, PROMPT, width=S, vocab=V_REAL, seed=11)
-
-
-def _denominator(keep, agg) -> float:
-    from nemo_d3s.core.losses import loss_denominator
-
-    return float(loss_denominator(keep, agg))
-
-
-def _loss_fn(batch, old_lp, adv, keep, agg):
-    from nemo_d3s.core.losses import LossConfig
-    from nemo_d3s.trainer.update import UpdateBatch, make_loss_fn
-
-    upd = UpdateBatch(
-        batch=batch,
-        old_logprobs=old_lp,
-        advantages=adv,
-        token_keep=keep,
-        minibatch=torch.zeros(len(batch), dtype=torch.long),
-    )
-    return make_loss_fn("grpo", LossConfig(aggregation=agg, check_inputs=False), upd)
 
 
 def _optimizer(kind, params):
