@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
+from _vllm_rows import assert_same_rows  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
 
@@ -135,24 +136,6 @@ def test_sigterm_on_the_engines_rank_during_a_refit_from_two_stages_stops_both_a
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
     again = _trainer_at_pp2(folder, out, ["resume=true"])
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
-    _assert_same_rows(
+    assert_same_rows(
         read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
     )
-
-
-def _assert_same_rows(got, want):
-    """Every metric equal but the distance of the engine's own log-probs to the trainer's: an
-    engine refitted from the checkpoint samples the same tokens as the one refitted after the
-    update, with log-probs that differ in float32 rounding (1e-7 on a mean of 2e-6 at PP 2;
-    the one-process twins in tests/trainer/test_vllm_stop.py match exactly)."""
-    from nemo_d3s.trainer.metrics import is_timing_key
-
-    assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
-        for k in set(g) | set(w):
-            if is_timing_key(k):
-                continue
-            if k.startswith("rollout_logprob_mismatch"):
-                assert abs(g[k] - w[k]) <= 1e-6, (g["step"], k, g[k], w[k])
-            else:
-                assert g.get(k) == w.get(k), (g["step"], k, g.get(k), w.get(k))
