@@ -95,6 +95,9 @@ def test_sigterm_to_the_job_with_the_engine_at_each_moment_checkpoints_and_resum
     log = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == EXIT_INTERRUPTED, log
     assert "Traceback" not in r.stderr, log
+    # the engine's own processes wrote to their file in the run directory (their traceback
+    # dump on a stop, had they one, is there)
+    assert "EngineCore" in (out / "vllm_engine.log").read_text()
     marker = json.loads((out / "interrupted.json").read_text())
     assert marker["step"] == step and marker["signal"] == "SIGTERM", marker
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{step:06d}"]

@@ -39,7 +39,7 @@ from nemo_d3s.backends.refit import (
     release_cached_cuda_memory,
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.backends.vllm.launch import engine_env, in_multi_rank_job, own_gpus
+from nemo_d3s.backends.vllm.launch import engine_env, engine_output, in_multi_rank_job, own_gpus
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
 from nemo_d3s.fault_points import fault_point
 
@@ -143,14 +143,19 @@ class VLLMEngine(RolloutEngine):
             int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
         )
         self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
+        # the engine's processes write to their own file (launch.engine_output); in-process,
+        # vLLM's lines are this process's own
+        self.log_file = None if self._in_process() else cfg.log_file
         try:
-            with engine_env(self.visible_devices):
+            with engine_env(self.visible_devices), engine_output(self.log_file):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
             raise RuntimeError(
                 f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
-                f"{kwargs}: {e}"
+                f"{kwargs}: {e}{self._log_note}"
             ) from e
+        if self.log_file:
+            log.info("the vLLM engine's processes write to %s", self.log_file)
         # an engine process that dies mid-call is reported, not waited on (watchdog.py)
         self.watchdog = None if self._in_process() else EngineWatchdog(self.llm)
         self._SamplingParams = vllm.SamplingParams
@@ -269,7 +274,8 @@ class VLLMEngine(RolloutEngine):
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])
             raise RuntimeError(
-                f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): {e}"
+                f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): "
+                f"{e}{self._log_note}"
             ) from e
 
     # ------------------------------------------------------------------ sampling
@@ -351,14 +357,22 @@ class VLLMEngine(RolloutEngine):
         sentence for a process that died of a fault, else ``e``."""
         if self.watchdog is not None:
             self.watchdog.settle()
+        where = self._log_note
         if self.stopped or (self.should_stop is not None and self.should_stop()):
-            return GenerationInterrupted(f"the engine stopped with the job: {e}")
+            return GenerationInterrupted(f"the engine stopped with the job: {e}{where}")
         if self.watchdog is not None and self.watchdog.death:
             return RuntimeError(
                 f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
-                "continues from the last checkpoint)"
+                f"continues from the last checkpoint){where}"
             )
+        if where and not isinstance(e, (ValueError, TypeError)):  # not a request vLLM refused
+            return RuntimeError(f"{type(e).__name__}: {e}{where}")
         return e
+
+    @property
+    def _log_note(self) -> str:
+        """Where an engine error's own traceback is (the engine's processes' log), or ''."""
+        return f" (the engine's own log: {self.log_file})" if self.log_file else ""
 
     def close(self) -> None:
         if self.watchdog is not None:
