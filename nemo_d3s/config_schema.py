@@ -252,8 +252,11 @@ class TrainerConfig(Section):
     # catching everything outlives, and a reward that exits or forks takes the run with it.
     reward_workers: int = 2
     # How long a collective waits for a stopped or dead peer rank before this rank exits
-    # with an error (torch's default would be 30 minutes).
-    dist_timeout_minutes: float = 10.0
+    # with an error: torch's and Megatron's default, 30 minutes (a checkpoint or a refit of
+    # a 70B model is one collective wait). A generation is not: ranks wait for the others'
+    # engines with a liveness check, up to this plus the generation's size at a floor rate
+    # (distributed/generation_wait.py).
+    dist_timeout_minutes: float = 30.0
     # Plan instead of train (nemo_d3s.dry_run): check the Megatron layout and print per-GPU
     # memory against gpu_memory_gb (decimal GB of one GPU); no weights, no process group.
     dry_run: bool = False

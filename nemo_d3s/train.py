@@ -87,6 +87,10 @@ _ENV_ERRNOS = {
 
 
 def _is_collective_timeout(e: BaseException) -> bool:
+    from nemo_d3s.distributed.generation_wait import GenerationTimeout
+
+    if isinstance(e, GenerationTimeout):  # the wait for the others' generations
+        return True
     msg = str(e).lower()
     return ("timed out" in msg or "timeout" in msg) and any(
         w in msg

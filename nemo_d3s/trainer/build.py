@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 from typing import Any, Dict, Tuple
 
 import torch
@@ -174,12 +175,29 @@ def _optional_float(v: Any):
     return None if v is None else float(v)
 
 
+def engine_settings(cfg: Any) -> dict:
+    """``rollout``'s settings with ``log_file`` resolved: null -> ``vllm_engine.log`` in the run
+    directory (``vllm_engine_rank<R>.log`` on a rank R > 0: one engine per model-parallel
+    group), "-" -> None (the terminal)."""
+    import torch.distributed as dist
+
+    settings = plain(cfg.rollout)
+    log_file = settings.get("log_file")
+    if log_file is None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        name = "vllm_engine.log" if rank == 0 else f"vllm_engine_rank{rank}.log"
+        settings["log_file"] = str(Path(str(cfg.output_dir)) / name)
+    elif log_file == "-":
+        settings["log_file"] = None
+    return settings
+
+
 def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
     """The engine ``rollout.engine`` names (hf: the policy's own; with ``rollout.max_staleness``
     > 0 one with its own weights copy, ``Policy.weights_copy_engine``), wrapped per
     ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
     """
-    engine = build_rollout_engine(str(cfg.rollout.engine), policy, plain(cfg.rollout))
+    engine = build_rollout_engine(str(cfg.rollout.engine), policy, engine_settings(cfg))
     if int(cfg.rollout.max_staleness) > 0 and not engine.own_weights:
         engine = policy.weights_copy_engine()
     if engine.prompt_seeds:

@@ -8,6 +8,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, RolloutEngine
+from nemo_d3s.backends.engine_wait import agreed_generation
+from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 
@@ -25,12 +27,14 @@ def evaluate(
     n_show: int = 0,
     should_stop: Optional[Callable[[], bool]] = None,
     on_batch: Optional[Callable[[int, int], None]] = None,
+    wait: Optional[GenerationWait] = None,
 ) -> Dict[str, Any]:
     """eval_reward_mean, eval_n, eval_response_len_mean, eval_reward_errors, time_eval and (rank 0)
     the first ``n_show`` (prompt, completion, reward) as ``samples``.
 
-    ``should_stop`` is asked before each batch (agreed over DP); yes returns ``{"stopped": True}``.
-    ``on_batch(done, total)`` is called after each batch.
+    ``should_stop`` is asked before each batch; after each batch's generation the ranks agree
+    (``wait``: ``backends/engine_wait.py``) whether any has a stop pending or a cut generation:
+    then ``{"stopped": True}``, no partial row. ``on_batch(done, total)`` after each batch.
     """
     t0 = time.perf_counter()
     n = len(problems)
@@ -40,21 +44,24 @@ def evaluate(
     total, errors, length, shown = 0.0, 0, 0.0, []
     largest = -(-n // groups.dp_size)  # the biggest rank slice: every rank runs as many batches
     n_batches = -(-largest // batch_size)
+    wait = wait or GenerationWait("eval", 1, 0, 0)
+    stopping = should_stop or (lambda: False)
+    limit = generation_limit_s(wait.base_s, batch_size, max_new_tokens)
     for start in range(0, largest, batch_size):
         if on_batch is not None:  # batches done so far (0 first: the bar shows at once)
             on_batch(start // batch_size, n_batches)
-        if should_stop is not None and groups.max(1.0 if should_stop() else 0.0) > 0:
-            return {"stopped": True}
         chunk = mine[start : start + batch_size]
-        if not chunk:
-            continue
-        try:
-            ro = engine.generate([task.prompt_text(p) for p in chunk], 1, gen, [0] * len(chunk))
-        except GenerationInterrupted:
-            if should_stop is None:
-                raise
-            # the stop flag is set on this rank: the next agreement (top of the loop or
-            # after it) stops every rank at the same collective
+        texts = [task.prompt_text(p) for p in chunk]
+        call = (lambda: engine.generate(texts, 1, gen, [0] * len(texts))) if chunk else None
+        stop = stopping()
+        ro, agreed = agreed_generation(
+            wait, engine.alive, None if stop else call, stopping=stop, limit_s=limit
+        )
+        if agreed.interrupted and should_stop is None:
+            raise GenerationInterrupted("the generation of an evaluation batch was cut short")
+        if agreed.stopping or agreed.interrupted:
+            return {"stopped": True}
+        if ro is None:
             continue
         length += float(ro.batch.response_mask.sum())
         try:

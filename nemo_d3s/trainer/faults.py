@@ -1,73 +1,17 @@
 """Faults a run reports to its user, and named fault-injection points for the tests.
 
-``NEMO_D3S_FAULT=<point>[@<n>][=<action>][,...]`` acts the n-th time (default 1) the process
-passes :func:`fault_point` ``<point>``. Actions: ``kill`` (default), ``stop`` (SIGSTOP; pid
-appended to ``$NEMO_D3S_FAULT_PIDFILE``), ``term``, ``termgroup`` (SIGTERM to the process group,
-then 3 s), ``enospc``, ``sleep<seconds>``. ``NEMO_D3S_FAULT_RANK=<r>`` limits them to ``RANK`` r.
-Unset, a point costs one dictionary lookup.
+:class:`~nemo_d3s.errors.RunError` (the run's files or surroundings) prints one ``error:`` line
+and exits 2. Fault injection: :func:`~nemo_d3s.fault_points.fault_point`, re-exported here.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import signal
-import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 from nemo_d3s.errors import ConfigError, RunError  # RunError re-exported: its home before errors.py
+from nemo_d3s.fault_points import fault_point  # re-exported: the trainer's points use it
 
 __all__ = ["RunError", "fault_point", "agree_on_main", "first_line"]
-
-
-_ENV = "NEMO_D3S_FAULT"
-_hits: Dict[str, int] = {}
-
-
-def _specs() -> Dict[str, Tuple[int, str]]:
-    raw = os.environ.get(_ENV, "")
-    out: Dict[str, Tuple[int, str]] = {}
-    for part in filter(None, (p.strip() for p in raw.split(","))):
-        spec, _, action = part.partition("=")
-        name, _, nth = spec.partition("@")
-        out[name] = (int(nth) if nth else 1, action or "kill")
-    return out
-
-
-def fault_point(name: str) -> None:
-    """A place where a test may inject a fault (see the module docstring)."""
-    if _ENV not in os.environ:
-        return
-    spec = _specs().get(name)
-    if spec is None:
-        return
-    only = os.environ.get("NEMO_D3S_FAULT_RANK")
-    if only is not None and os.environ.get("RANK", "0") != only:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    nth, action = spec
-    if _hits[name] != nth:
-        return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)  # SIGKILL is delivered asynchronously
-    elif action == "stop":
-        pidfile = os.environ.get("NEMO_D3S_FAULT_PIDFILE")
-        if pidfile:
-            with open(pidfile, "a") as f:
-                f.write(f"{os.getpid()}\n")
-        os.kill(os.getpid(), signal.SIGSTOP)
-    elif action == "term":
-        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the handler before the next bytecode
-    elif action == "termgroup":
-        os.killpg(os.getpgid(0), signal.SIGTERM)
-        time.sleep(3)
-    elif action == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    elif action.startswith("sleep"):
-        time.sleep(float(action[5:] or 1))
-    else:
-        raise ValueError(f"{_ENV}: unknown action {action!r} for point {name!r}")
 
 
 def first_line(exc: BaseException) -> str:

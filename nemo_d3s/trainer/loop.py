@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from nemo_d3s.config import validate, validate_layout
+from nemo_d3s.distributed.generation_wait import GenerationWait
 from nemo_d3s.trainer.build import (
     backend_from_config,
     check_runtime,
@@ -48,7 +49,7 @@ from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals
 from nemo_d3s.trainer.stats import budget_metrics
-from nemo_d3s.trainer.step import StepContext, StepInterrupted, run_step
+from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
 from nemo_d3s.trainer.tasks_adapter import task_adapter
 from nemo_d3s.tasks.base import out_of_range_rewards
 
@@ -96,6 +97,11 @@ class Trainer:
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
         self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
+        # every rank waits for the others' generations with a liveness check, not inside one
+        # collective limited by the groups' timeout (distributed/generation_wait.py)
+        self.engine_wait = GenerationWait.of_group(
+            "trainer", None, 60.0 * float(self.t.dist_timeout_minutes)
+        )
         self.ckpt = CheckpointManager(str(self.out), self.groups, int(self.t.keep_last))
         prompts = PromptSource(self.task, int(self.t.prompts_per_step), int(cfg.seed), self.groups)
         self.rollouts = GenerationPipeline(
@@ -106,7 +112,7 @@ class Trainer:
             int(cfg.rollout.max_staleness),
             self.groups,
             int(self.t.steps),
-            stop_requested=lambda: self.stop.requested,
+            stop_requested=self._stop_requested,
         )
         self.start = RunStart(cfg, self.groups, self.ckpt)  # fresh, resume or refuse, and why
         self.ctx = StepContext(
@@ -135,13 +141,19 @@ class Trainer:
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
             is_correction=str(cfg.algorithm.is_correction),
             is_level=str(cfg.algorithm.is_level),
-            stop_requested=lambda: self.stop.requested,
+            stop_requested=self._stop_requested,
+            engine_wait=self.engine_wait,
         )
+
+    def _stop_requested(self) -> bool:
+        """A stop signal reached this process, or the engine's processes first (they ended
+        without a fault: nothing more can be generated, the run checkpoints and exits 75)."""
+        return self.stop.requested or self.engine.stopped
 
     def _generation_should_stop(self) -> bool:
         """The engine asks between decode steps: a stop signal is honoured within a token."""
         fault_point("engine.decode")
-        return self.stop.requested
+        return self._stop_requested()
 
     # ------------------------------------------------------------------ the run
     def _evaluate(self, state: TrainerState) -> Optional[Dict[str, Any]]:
@@ -155,8 +167,9 @@ class Trainer:
                 max_new_tokens=int(self.t.eval_max_new_tokens or self.t.max_new_tokens),
                 batch_size=int(self.t.eval_batch_size),
                 n_show=int(self.cfg.logging.log_samples),
-                should_stop=lambda: self.stop.requested,
+                should_stop=self._stop_requested,
                 on_batch=self.logger.eval_progress,
+                wait=self.engine_wait,
             )
         if res.get("stopped"):
             self.logger.close_eval_progress()
@@ -249,17 +262,18 @@ class Trainer:
                 eval_stopped = self._publish(state, evaluate=due)
             except GenerationInterrupted:  # a stop signal (agreed) while rollouts were due
                 return self._interrupted(state, pending_eval=due)
-            stop = self.groups.max(1.0 if self.stop.requested else 0.0) > 0
+            # (an evaluation stopped on one rank stopped on every rank: evaluate agrees)
+            stop = eval_stopped or self.groups.max(1.0 if self._stop_requested() else 0.0) > 0
             if stop and (eval_stopped or not done):
                 return self._interrupted(state, pending_eval=eval_stopped)
             # save_every=0: no checkpoint on schedule, not even the last ("no checkpoints" as
             # documented); a stop signal still writes one.
             every = int(self.t.save_every)
             if every and (done or state.step % every == 0):
-                # (after a stop signal the engine is not called: step.py; with k > 0 it is
-                # generating)
-                if not stop and self.rollouts.synchronous:
-                    self.engine.release()  # the save may need the memory the engine holds
+                # the save may need the memory the engine holds (with k > 0 the pipeline's
+                # worker is generating on it)
+                if self.rollouts.synchronous:
+                    release_engine(self.engine, stopping=stop)
                 self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         if self.t.export_hf:
             self._export(state)
@@ -313,20 +327,28 @@ class Trainer:
         return; ``resume=true`` continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
-        # the checkpoint comes first; the engine, which the job's signal may have stopped, is
-        # not called again (no refit, no generation, no sleep: trainer/step.py)
+        # The engine is released first (an engine that ignores the signal, as SIGUSR1 under
+        # the sbatch script, is awake after a generation and its memory is the save's) and
+        # then not called again: no refit, no generation (trainer/step.py). One that the job's
+        # signal took down holds nothing (step.release_engine). With k > 0 the pipeline's
+        # worker owns the engine and stops on the signal (pipeline.py).
+        if self.rollouts.synchronous:
+            release_engine(self.engine, stopping=True)
         path = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         self.stop.saved = True  # a second signal from here on would only lose the exit code 75
         state.extra.pop("pending_eval", None)
+        why = self.stop.name or (
+            "the rollout engine's stop (its processes ended)" if self.engine.stopped else None
+        )
         if self.groups.is_main:
             marker = {
                 "step": state.step,
-                "signal": self.stop.name or "another rank's",
+                "signal": why or "another rank's",
                 "checkpoint": str(path),
             }
             records.write_interrupted_marker(self.out, marker)
         self.logger.write(
-            f"received {self.stop.name or 'a stop signal on another rank'}: checkpoint "
+            f"received {why or 'a stop signal on another rank'}: checkpoint "
             f"{path} written at step {state.step}; continue with resume=true"
         )
         state.extra["interrupted"] = True

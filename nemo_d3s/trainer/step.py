@@ -5,19 +5,22 @@ log-probs + entropy -> token selection -> compaction -> update -> metrics. Every
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, Optional
 
-from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
+from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine
+from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.core.checks import check_finite
 from nemo_d3s.core.losses import LossConfig
 from nemo_d3s.core.off_policy import importance_weights
+from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource
-from nemo_d3s.trainer.faults import fault_point
+from nemo_d3s.trainer.faults import fault_point, first_line
 from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
     importance_metrics,
@@ -31,7 +34,9 @@ from nemo_d3s.trainer.stats import (
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
-__all__ = ["StepContext", "StepInterrupted", "run_step"]
+__all__ = ["StepContext", "StepInterrupted", "release_engine", "run_step"]
+
+log = logging.getLogger("nemo_d3s.trainer")
 
 
 class StepInterrupted(Exception):
@@ -68,6 +73,8 @@ class StepContext:
     timings: Dict[str, float] = field(default_factory=dict)
     # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
     stop_requested: Optional[Callable[[], bool]] = None
+    # every rank's wait for the generations of all (one process: waits for nobody)
+    engine_wait: GenerationWait = field(default_factory=lambda: GenerationWait("steps", 1, 0, 0))
 
     def stopping(self) -> bool:
         return self.stop_requested is not None and bool(self.stop_requested())
@@ -92,6 +99,53 @@ def _check_step_inputs(upd) -> None:
             check_finite(f"{name} (on the selected tokens)", t, upd.token_keep)
 
 
+def release_engine(engine: RolloutEngine, *, stopping: bool) -> None:
+    """``engine.release()`` before the trainer needs the memory; after a stop signal, only
+    while the engine's processes live, and a failure is logged: the checkpoint comes first."""
+    if not stopping:
+        engine.release()
+        return
+    if not engine.alive():
+        return
+    try:
+        engine.release()
+    except Exception as e:
+        log.warning(
+            "after the stop signal the rollout engine could not be released (%s); the "
+            "checkpoint is written anyway",
+            first_line(e),
+        )
+
+
+def _refit_after_update(ctx: StepContext) -> None:
+    """The refit after the update, none after a stop signal on any rank (agreed first: a
+    model-parallel group refits together): the checkpoint comes first, the engine may be going
+    down with the job (vLLM's EngineCore shuts down on SIGTERM and SIGINT, vllm 0.33
+    ``v1/engine/core.py:1522-1543``) and the resumed run refits from the checkpoint. A refit
+    the signal cuts short is the same stop (the update is applied: the loop checkpoints it);
+    one that fails without a stop fails every rank."""
+    if ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
+        return
+    failure = None
+    with ctx.timed("weight_sync"):
+        try:
+            ctx.engine.sync_weights(ctx.policy)
+        except Exception as e:  # raised below unless a stop signal explains it
+            failure = e
+    outcome = ctx.engine_wait.agree(
+        stopping=ctx.stopping(),
+        interrupted=False,
+        failed=failure is not None,
+        limit_s=ctx.engine_wait.base_s,
+    )
+    if outcome.failed and not outcome.stopping:
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"the refit failed on {outcome.failed} other rank(s)")
+    if failure is not None:
+        log.warning("the refit stopped with the job (%s)", first_line(failure))
+
+
 def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     """Train on the prompts of ``step`` (0-based) at schedule position ``progress`` in [0, 1].
     Returns global (all-rank) metrics; ``skipped`` = 1 when no update was possible."""
@@ -99,21 +153,29 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     G = ctx.num_generations
     prompts = ctx.prompts.for_step(step)
     with ctx.timed("rollout"):
-        try:
-            ro, interrupted = ctx.rollouts.take(step, prompts), 0.0
-        except GenerationInterrupted:
-            ro, interrupted = None, 1.0
-        # Every rank learns whether any rank's generation was cut short by a stop signal (2)
-        # or a stop signal is pending (1) (one scalar all-reduce), before the step's first
-        # collective over the rollouts.
-        agreed = ctx.groups.max(2.0 * interrupted or (1.0 if ctx.stopping() else 0.0))
-        if agreed >= 2:
+        # Every rank learns whether any rank's generation was cut short (an engine that a
+        # stop signal took down returns its rollouts aborted: GenerationInterrupted) or a
+        # stop signal is pending, before the step's first collective over the rollouts; a
+        # rank waits for the others' generations with a liveness check (engine_wait.py).
+        # With k > 0 the batch is the pipeline's, generated beside earlier steps.
+        limit = generation_limit_s(ctx.engine_wait.base_s, len(prompts) * G, ctx.gen.max_new_tokens)
+        ro, agreed = agreed_generation(
+            ctx.engine_wait,
+            ctx.engine.alive,
+            lambda: ctx.rollouts.take(step, prompts),
+            stopping=ctx.stopping(),
+            limit_s=limit,
+        )
+        fault_point("step.generated")
+        if agreed.interrupted:
             raise StepInterrupted(step)
-        # (after a stop signal the engine is not touched again: see below)
-        if agreed < 1 and ctx.rollouts.synchronous:  # (else it generates the next batches)
-            # scoring and the update need the memory: an engine with its own weights drops
-            # them now (not after every generation: evaluation batches reuse them)
-            ctx.engine.release()
+        # scoring and the update need the memory: an engine with its own weights drops them
+        # now (not after every generation: evaluation batches reuse them), after a stop
+        # signal too (an engine that ignores SIGUSR1, as the sbatch script's, stays awake);
+        # with k > 0 it is generating the next batches
+        if ctx.rollouts.synchronous:
+            release_engine(ctx.engine, stopping=agreed.stopping or ctx.stopping())
+    interrupted = 0.0
     with ctx.timed("reward"):
         try:
             rewards, failures = ctx.task.score(prompts.problems, ro.response_texts, G)
@@ -196,18 +258,8 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             micro_batch_tokens=ctx.micro_batch_tokens,
         )
     fault_point("step.updated")
-    if not ctx.rollouts.synchronous:
-        pass  # the loop gives the engine the new weights between steps (pipeline.publish)
-    elif ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
-        # A stop signal: the checkpoint comes first, and the engine is not called again. Its
-        # processes get the job's signal too (Slurm signals every process of the step, a
-        # terminal the whole process group) and shut down on it (vLLM's EngineCore on SIGTERM
-        # and SIGINT, vllm 0.33 ``v1/engine/core.py:1522-1543``; SIGUSR1's default action
-        # ends a process); a call into an engine that is gone can wait forever. The resumed
-        # run refits from the checkpoint (``Trainer._start_state``).
-        pass
-    else:
-        with ctx.timed("weight_sync"):
-            ctx.engine.sync_weights(ctx.policy)
+    if ctx.rollouts.synchronous:
+        _refit_after_update(ctx)
+    # (k > 0: the loop gives the engine the new weights between steps, pipeline.publish)
     m.update(update_metrics(ctx.groups, upd, report))
     return {**m, "skipped": 0.0, **ctx.timings}

@@ -325,3 +325,25 @@ def test_an_engine_process_killed_mid_call_is_an_error_not_a_wait(monkeypatch):
     assert err is not None, outcome
     assert "EngineCore" in str(err) and "exit code -9" in str(err) and "SIGKILL" in str(err)
     engine.close()
+
+
+def test_sigterm_to_the_engine_mid_call_returns_no_rollout_and_stops_the_engine(monkeypatch):
+    """The job's SIGTERM reaching the engine's own process (as Slurm signals every process of
+    the step) while it generates: vLLM's engine core aborts every request in flight and
+    ``LLM.generate`` returns them as finished, ``finish_reason`` "abort", cut short; the
+    trainer trained on them. Now the call raises GenerationInterrupted (no rollout is
+    returned), the engine counts as stopped once its process ended (without a fault) and a
+    release after it calls nothing (an engine that answers no more held a call forever).
+    The self-check's ``vllm.watchdog`` runs the same function on a GPU."""
+    from nemo_d3s.backends.vllm import VLLMEngine, VLLMEngineConfig
+    from nemo_d3s.selfcheck.vllm_stop_checks import sigterm_mid_call
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    engine = VLLMEngine(_policy(), VLLMEngineConfig(dtype="float32"))
+    try:
+        problems, out = sigterm_mid_call(engine)
+    finally:
+        engine.close()
+    assert problems == [], (problems, out)
+    assert out["watching"] and out["aborted"] and out["exit_code"] in (0, -15), out
+    assert engine.stopped and not engine.alive() and engine.held_version is None

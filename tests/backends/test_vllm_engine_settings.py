@@ -223,3 +223,136 @@ def test_bad_refit_bucket_and_eager_settings_are_refused():
     with pytest.raises(ValueError, match="enforce_eager='yes'"):
         VLLMEngineConfig(enforce_eager="yes")
     assert VLLMEngineConfig(enforce_eager=None, refit_bucket_mb=0.5).refit_bucket_mb == 0.5
+
+
+def _ended(death=None):
+    """A watchdog that saw the engine's processes end (``death``: the end was a fault)."""
+    end = "the vLLM engine process EngineCore_DP0 (pid 7) ended during the run with exit code 0"
+    return types.SimpleNamespace(ended=end, death=death, settle=lambda: None, close=lambda: None)
+
+
+@pytest.mark.parametrize("reason", ["abort", "error"])
+def test_rollouts_the_engine_aborted_or_failed_are_never_returned(fake, monkeypatch, reason):
+    """vLLM's engine core, on SIGTERM, sends every request in flight back finished with
+    finish_reason "abort" and ``LLM.generate`` returns them among the finished ones: the step
+    trained on the cut rollouts. Now none is returned (GenerationInterrupted: the trainer
+    checkpoints the step before); an "error" finish is the engine's failure."""
+    policy, _ = fake
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig())
+    llm = FakeLLM.instances[-1]
+
+    def cut(requests, params, use_tqdm=False):
+        done = types.SimpleNamespace(token_ids=[5, 2], finish_reason="stop", logprobs=None)
+        cut = types.SimpleNamespace(token_ids=[5], finish_reason=reason, logprobs=None)
+        return [types.SimpleNamespace(outputs=[done, cut]) for _ in params]
+
+    llm.generate = cut
+    want = E.GenerationInterrupted if reason == "abort" else RuntimeError
+    with pytest.raises(want, match=f"{'aborted' if reason == 'abort' else 'failed on'} 2 of 4"):
+        engine.generate(["a", "b"], 2, GenerationConfig(max_new_tokens=4), [1, 2])
+
+
+@pytest.mark.parametrize("where", ["generate", "refit"])
+@pytest.mark.parametrize("why", ["trainer", "engine", "none"])
+def test_a_call_a_stop_signal_cut_short_is_an_interruption(fake, monkeypatch, where, why):
+    """The job's SIGTERM reaches the engine's processes, which shut down: the generation or
+    the refit before it raises. With a stop signal in the trainer (``should_stop``) or an
+    engine whose processes ended without a fault (``stopped``), that is GenerationInterrupted;
+    otherwise the error itself."""
+    policy, _ = fake
+    _gpu(monkeypatch, current=0)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
+    llm = FakeLLM.instances[-1]
+    signal = {"set": False}
+    engine.should_stop = lambda: signal["set"]
+
+    def going_down(*args, **kwargs):
+        signal["set"] = why == "trainer"
+        if why == "engine":
+            engine.watchdog = _ended()
+        raise RuntimeError("EngineDeadError")
+
+    setattr(llm, "generate" if where == "generate" else "collective_rpc", going_down)
+    call = lambda: engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])  # noqa: E731
+    if why == "none":
+        with pytest.raises(RuntimeError, match="EngineDeadError"):
+            call()
+    else:
+        with pytest.raises(E.GenerationInterrupted, match="stopped with the job"):
+            call()
+        assert engine.stopped == (why == "engine") and engine.alive() == (why != "engine")
+
+
+def test_after_a_stop_signal_the_engine_is_released_unless_its_processes_ended(
+    fake, monkeypatch, caplog
+):
+    """``trainer.step.release_engine(stopping=True)``: an engine that outlived the signal (it
+    ignores SIGUSR1, as under the sbatch script; or it runs in the trainer's process) sleeps
+    before scoring, the update and the save; one whose processes ended is not called; a
+    sleep that fails because the engine is going down is logged and the run goes on to its
+    checkpoint."""
+    import logging
+
+    from nemo_d3s.trainer.step import release_engine
+
+    policy, _ = fake
+    _gpu(monkeypatch, current=0)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
+    llm = FakeLLM.instances[-1]
+    engine.sync_weights(policy)
+    engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])  # awake
+    llm.calls.clear()
+    release_engine(engine, stopping=True)
+    assert llm.calls == [("sleep", 2)] and engine.held_version is None
+    engine.sync_weights(policy)
+    engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
+    llm.calls.clear()
+
+    def going_down(level=1):
+        raise RuntimeError("the vLLM engine process EngineCore_DP0 ended during the run")
+
+    llm.sleep = going_down
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        release_engine(engine, stopping=True)
+    assert "could not be released" in caplog.text and "EngineCore_DP0" in caplog.text
+    with pytest.raises(RuntimeError, match="EngineCore_DP0"):
+        release_engine(engine, stopping=False)  # without a stop signal it is an error
+    engine.watchdog = _ended()
+    llm.sleep = lambda level=1: llm.calls.append(("sleep", level))
+    release_engine(engine, stopping=True)
+    engine.release()
+    assert llm.calls == [] and not engine.alive() and engine.stopped
+
+
+@pytest.mark.parametrize("trainer_stop", [True, False])
+def test_an_evaluation_whose_batch_the_engine_aborted_logs_no_row(fake, monkeypatch, trainer_stop):
+    """The second evaluation batch comes back aborted (the engine's processes got the job's
+    SIGTERM): the evaluation used to skip the batch and log a row over the rest. Now it stops
+    (``{"stopped": True}``: the loop checkpoints with the evaluation still to do), or, called
+    without a stop hook, raises."""
+    from nemo_d3s.trainer.evaluate import evaluate
+
+    policy, _ = fake
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig())
+    llm = FakeLLM.instances[-1]
+    real, calls = llm.generate, []
+
+    def second_aborted(requests, params, use_tqdm=False):
+        calls.append(len(requests))
+        out = real(requests, params)
+        if len(calls) == 2:
+            cut = types.SimpleNamespace(token_ids=[5], finish_reason="abort", logprobs=None)
+            for o in out:
+                o.outputs = [cut] * len(o.outputs)
+        return out
+
+    llm.generate = second_aborted
+    kw = dict(max_new_tokens=4, batch_size=2)
+    if trainer_stop:
+        res = evaluate(engine, _Task(), list(range(6)), _Groups(), should_stop=lambda: False, **kw)
+        assert res == {"stopped": True} and calls == [2, 2]  # no third batch
+    else:
+        with pytest.raises(E.GenerationInterrupted, match="cut short"):
+            evaluate(engine, _Task(), list(range(6)), _Groups(), **kw)

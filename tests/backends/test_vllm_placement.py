@@ -132,6 +132,69 @@ def test_the_engines_processes_do_not_inherit_one_cuda_connection(monkeypatch):
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
+def test_the_engines_processes_write_to_their_log_file_for_their_whole_life(tmp_path, capfd):
+    """A process started while vLLM starts (its engine core) writes its stdout and stderr to
+    the engine's log, also after the trainer's own streams are back (the traceback vLLM dumps
+    when a stop signal ends it lands there, not beside the trainer's one line); lines already
+    in the file stay."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from nemo_d3s.backends.vllm.launch import engine_output
+
+    log = tmp_path / "run" / "vllm_engine.log"
+    log.parent.mkdir()
+    log.write_text("an earlier engine's line\n")
+    child_code = (
+        "import sys, time; print('child out', flush=True); print('child err', file=sys.stderr, "
+        "flush=True); sys.stdin.readline(); print('Traceback (late)', file=sys.stderr)"
+    )
+    with engine_output(str(log)):
+        child = subprocess.Popen([sys.executable, "-c", child_code], stdin=subprocess.PIPE)
+        os.write(1, b"the trainer while vLLM starts\n")  # (vLLM's start-up lines here)
+    print("the trainer afterwards", flush=True)
+    os.write(2, b"trainer stderr afterwards\n")
+    child.communicate(b"go\n", timeout=60)
+    for _ in range(50):  # the child's last write is flushed at its exit
+        if "late" in log.read_text():
+            break
+        time.sleep(0.1)
+    text = log.read_text()
+    assert text.startswith("an earlier engine's line\n"), text
+    for line in ("child out", "child err", "Traceback (late)", "the trainer while vLLM starts"):
+        assert line in text, text
+    assert "afterwards" not in text, text
+    seen = capfd.readouterr()
+    assert "the trainer afterwards" in seen.out and "trainer stderr afterwards" in seen.err
+    assert "child" not in seen.out + seen.err and "Traceback" not in seen.err
+
+
+def test_the_engine_log_file_is_resolved_in_the_run_directory(tmp_path, monkeypatch):
+    """``rollout.log_file``: null -> vllm_engine.log in the run directory (a rank's own name
+    past rank 0), "-" -> the terminal (None), a path as given; an empty one is refused."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from nemo_d3s.backends.vllm.config import VLLMEngineConfig
+    from nemo_d3s.trainer.build import engine_settings
+
+    def cfg(log_file):
+        return OmegaConf.create(
+            {"output_dir": str(tmp_path), "rollout": {"engine": "vllm", "log_file": log_file}}
+        )
+
+    assert engine_settings(cfg(None))["log_file"] == str(tmp_path / "vllm_engine.log")
+    assert engine_settings(cfg("-"))["log_file"] is None
+    assert engine_settings(cfg("/x/e.log"))["log_file"] == "/x/e.log"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda g=None: 3)
+    assert engine_settings(cfg(None))["log_file"] == str(tmp_path / "vllm_engine_rank3.log")
+    with pytest.raises(ValueError, match="log_file='': must be a file path"):
+        VLLMEngineConfig(log_file="")
+
+
 def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
     """``engines.check_gpu_placement`` before any engine starts, on every rank alike: a
     replicated policy on 16 ranks (8 per node) builds 16 engines; TP 2 would overlap."""

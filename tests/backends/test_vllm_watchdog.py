@@ -53,24 +53,44 @@ def test_a_killed_engine_process_wakes_the_waiting_call_and_every_utility_future
     assert client.utility_results[2].result() == "done before"
 
 
-@pytest.mark.parametrize("how", ["exit0", "sigterm", "closed"])
-def test_an_engine_that_ends_on_purpose_is_no_fault(how, caplog):
-    """vLLM's own shutdown (exit 0), a job's stop signal (SIGTERM: the trainer's stop path
-    handles it) and an engine closed first report nothing."""
+@pytest.mark.parametrize("how", ["exit0", "sigterm"])
+def test_an_engine_that_ends_without_a_fault_wakes_the_calls_and_is_no_death(how, caplog):
+    """vLLM's engine core on a job's stop signal (SIGTERM: it aborts its requests and exits,
+    answering no call sent after it) ends with 0 or SIGTERM's code: no fault (``death`` stays
+    None, nothing logged), but every waiting call is woken (a release or refit after the
+    job's signal used to wait forever) and ``ended`` names the process."""
     proc = _process(time.sleep, 0 if how == "exit0" else 60)
     llm, client = _stand_in([proc])
     with caplog.at_level(logging.ERROR, logger="nemo_d3s.vllm"):
         dog = EngineWatchdog(llm)
-        if how == "closed":
-            dog.close()
-            os.kill(proc.pid, signal.SIGKILL)
-        elif how == "sigterm":
+        if how == "sigterm":
             os.kill(proc.pid, signal.SIGTERM)
+        err = client.outputs_queue.get(timeout=WAIT_S)
+        dog.thread.join(timeout=WAIT_S)
+    assert dog.death is None and not caplog.records
+    assert isinstance(err, RuntimeError) and str(err) == dog.ended
+    assert f"EngineCore_DP0 (pid {proc.pid})" in dog.ended
+    assert ("exit code -15" in dog.ended) == (how == "sigterm")
+    for f in client.utility_results.values():
+        with pytest.raises(RuntimeError, match="ended during the run"):
+            f.result(timeout=5)
+    dog.settle(timeout=5)  # the process has ended and the verdict is recorded: no wait
+
+
+def test_an_engine_closed_first_ends_silently(caplog):
+    """``close()`` before the engine's shutdown: its processes' end is neither recorded nor
+    woken on (nothing waits on an engine closed on purpose)."""
+    proc = _process(time.sleep, 60)
+    llm, client = _stand_in([proc])
+    with caplog.at_level(logging.ERROR, logger="nemo_d3s.vllm"):
+        dog = EngineWatchdog(llm)
+        dog.close()
+        os.kill(proc.pid, signal.SIGKILL)
         proc.join(timeout=WAIT_S)
         dog.thread.join(timeout=WAIT_S)  # it has seen the process end and decided
     assert proc.exitcode is not None and not dog.thread.is_alive()
-    assert dog.death is None and client.outputs_queue.empty() and not caplog.records
-    assert not any(f.done() for f in client.utility_results.values())
+    assert dog.death is None and dog.ended is None and client.outputs_queue.empty()
+    assert not caplog.records and not any(f.done() for f in client.utility_results.values())
 
 
 def test_a_client_without_the_expected_attributes_is_not_watched(caplog):

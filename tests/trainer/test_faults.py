@@ -732,10 +732,10 @@ def test_process_group_timeout_is_configurable_and_reported(tmp_path):
     with pytest.raises(ConfigError, match="trainer.dist_timeout_minutes"):
         Trainer(cfg)
     cfg = compose(["experiment=smoke", f"output_dir={tmp_path}"])
-    assert cfg.trainer.dist_timeout_minutes == 10.0
+    assert cfg.trainer.dist_timeout_minutes == 30.0  # torch's and Megatron's default
     from nemo_d3s.trainer.build import backend_from_config
 
-    assert backend_from_config(cfg).cfg.dist_timeout_minutes == 10.0  # reaches init_world
+    assert backend_from_config(cfg).cfg.dist_timeout_minutes == 30.0  # reaches init_world
     assert _is_collective_timeout(
         RuntimeError(
             "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "

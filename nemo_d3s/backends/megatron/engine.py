@@ -24,8 +24,11 @@ from nemo_d3s.backends.base import (
 )
 from nemo_d3s.backends.hf.engine import ReplicaEngine, SamplerModel
 from nemo_d3s.backends.hf.rollout import stop_token_ids
+from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed.comm import is_single
+from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
+from nemo_d3s.distributed.timeouts import group_timeout
 
 __all__ = [
     "ModelParallelRollouts",
@@ -40,8 +43,13 @@ class ModelParallelRollouts(RolloutEngine):
     """One engine per model-parallel group: ``inner`` on global rank ``src``, None elsewhere.
 
     ``group`` is gloo, so every wait for the engine is on the host, never in an NCCL
-    collective spinning on the engine's GPUs. ``refit``: transport, bucket_bytes, dtype and
-    hosts_engine_gpu agreed by :func:`place_engine` (None: ``src`` refits its engine alone).
+    collective spinning on the engine's GPUs. generate: ranks other than ``src`` wait for it on
+    the store with a liveness check (``backends/engine_wait.py``; no collective's timeout caps
+    a long generation), then one ``broadcast_object_list`` of the Rollouts over ``group``; an
+    engine without the policy's weights version is refitted first by the whole group; a refit
+    or generation cut by a stop signal raises GenerationInterrupted on every rank of the group.
+    ``refit``: transport, bucket_bytes, dtype and hosts_engine_gpu agreed by
+    :func:`place_engine` (None: ``src`` refits its engine alone).
     """
 
     def __init__(
@@ -62,6 +70,10 @@ class ModelParallelRollouts(RolloutEngine):
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
         self.policy, self.refit, self.device = policy, refit, device
+        self.wait = None  # one process per model copy (TP = PP = 1; None): nobody to wait for
+        if not is_single(group):
+            base_s = max(t.total_seconds() for t in group_timeout(group).values())
+            self.wait = GenerationWait.of_group(f"mp{src}", group, base_s)
 
     @property
     def is_src(self) -> bool:
@@ -79,19 +91,22 @@ class ModelParallelRollouts(RolloutEngine):
             return self.inner.generate(prompts, n_samples, cfg, seeds)
         if self.refit_on_generate:
             if self.refit is not None:
-                self.sync_weights(self.policy)  # only when the engine holds another version
+                try:  # a refit only when the engine holds another version
+                    self.sync_weights(self.policy)
+                except Exception as e:
+                    if self.stopped or (self.should_stop is not None and self.should_stop()):
+                        raise GenerationInterrupted(f"the refit stopped with the job: {e}") from e
+                    raise
             release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
-        out: Any = None
-        if self.is_src:
-            try:
-                out = self.inner.generate(prompts, n_samples, cfg, seeds)
-            except GenerationInterrupted:
-                out = "interrupted"  # the group's other ranks stop with it
-        out = self._from_src(out)
-        if isinstance(out, str):
+        call = (
+            (lambda: self.inner.generate(prompts, n_samples, cfg, seeds)) if self.is_src else None
+        )
+        limit = generation_limit_s(self.wait.base_s, len(prompts) * n_samples, cfg.max_new_tokens)
+        out, outcome = agreed_generation(self.wait, self.alive, call, stopping=False, limit_s=limit)
+        if outcome.interrupted:  # the group's other ranks stop with the engine's
             raise GenerationInterrupted("stop requested during generation (on the engine's rank)")
-        return out
+        return self._from_src(out)
 
     @property
     def should_stop(self):
@@ -114,6 +129,13 @@ class ModelParallelRollouts(RolloutEngine):
 
     def held_weights(self):
         return self.inner.held_weights() if self.inner is not None else iter(())
+
+    def alive(self) -> bool:
+        return self.inner is None or self.inner.alive()
+
+    @property
+    def stopped(self) -> bool:
+        return self.inner is not None and self.inner.stopped
 
     def sync_weights(self, policy: Policy) -> None:
         """One refit per weights version, decided by the engine's rank for the whole group."""

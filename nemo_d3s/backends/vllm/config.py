@@ -23,6 +23,9 @@ class VLLMEngineConfig:
         the weights back). max_model_len: prompt + response limit (None = the model's).
         cpu_kv_cache_gb: the CPU build's KV-cache size (``VLLM_CPU_KVCACHE_SPACE``).
         refit_bucket_mb: MiB of weights moved per refit bucket (the staging buffer on each GPU).
+        log_file: where the engine's own processes write their output (a multi-process
+        engine): null = ``vllm_engine.log`` in the run directory (``vllm_engine_rank<R>.log``
+        on rank R > 0), "-" = the job's terminal. Its errors are named in the trainer's.
     """
 
     gpu_memory_utilization: float = 0.5
@@ -33,6 +36,7 @@ class VLLMEngineConfig:
     max_model_len: Optional[int] = None
     cpu_kv_cache_gb: int = 2
     refit_bucket_mb: float = 512
+    log_file: Optional[str] = None
 
     def __post_init__(self) -> None:
         # The run config's rollout section is judged here too (RolloutConfig builds one).
@@ -56,6 +60,11 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"enforce_eager={self.enforce_eager!r}: must be true, false or null (CUDA "
                 "graphs on a GPU)"
+            )
+        if self.log_file is not None and not (isinstance(self.log_file, str) and self.log_file):
+            raise ValueError(
+                f"log_file={self.log_file!r}: must be a file path, '-' (the terminal) or null "
+                "(vllm_engine.log in the run directory)"
             )
         b = self.refit_bucket_mb
         if not (is_number(b) and b > 0):

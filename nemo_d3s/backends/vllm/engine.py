@@ -39,8 +39,9 @@ from nemo_d3s.backends.refit import (
     release_cached_cuda_memory,
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
-from nemo_d3s.backends.vllm.launch import engine_env, in_multi_rank_job, own_gpus
+from nemo_d3s.backends.vllm.launch import engine_env, engine_output, in_multi_rank_job, own_gpus
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
+from nemo_d3s.fault_points import fault_point
 
 __all__ = ["VLLMEngine", "VLLMEngineConfig", "import_vllm"]
 
@@ -142,14 +143,19 @@ class VLLMEngine(RolloutEngine):
             int(cfg.refit_bucket_mb * 2**20) if cfg.refit_bucket_mb else DEFAULT_BUCKET_BYTES
         )
         self.visible_devices = own_gpus(int(cfg.tensor_parallel_size))
+        # the engine's processes write to their own file (launch.engine_output); in-process,
+        # vLLM's lines are this process's own
+        self.log_file = None if self._in_process() else cfg.log_file
         try:
-            with engine_env(self.visible_devices):
+            with engine_env(self.visible_devices), engine_output(self.log_file):
                 self.llm = vllm.LLM(**kwargs)
         except Exception as e:  # vLLM raises many types; the user needs the model and the settings
             raise RuntimeError(
                 f"vLLM could not load the model from {source} on GPUs {self.visible_devices} with "
-                f"{kwargs}: {e}"
+                f"{kwargs}: {e}{self._log_note}"
             ) from e
+        if self.log_file:
+            log.info("the vLLM engine's processes write to %s", self.log_file)
         # an engine process that dies mid-call is reported, not waited on (watchdog.py)
         self.watchdog = None if self._in_process() else EngineWatchdog(self.llm)
         self._SamplingParams = vllm.SamplingParams
@@ -182,11 +188,19 @@ class VLLMEngine(RolloutEngine):
         return dtype
 
     # ------------------------------------------------------------------ memory
+    def alive(self) -> bool:
+        return self.watchdog is None or self.watchdog.ended is None
+
+    @property
+    def stopped(self) -> bool:
+        return self.watchdog is not None and bool(self.watchdog.ended) and not self.watchdog.death
+
     def release(self) -> None:
-        """With ``rollout.sleep``: drop weights and KV cache (the CPU build forgets its version)."""
+        """With ``rollout.sleep``: drop weights and KV cache (the CPU build forgets its version);
+        an engine whose processes ended holds nothing: no call."""
         if not self.cfg.sleep:
             return
-        if self.on_gpu and not self._asleep:
+        if self.on_gpu and not self._asleep and self.alive():
             # nothing copied to host memory (vllm 0.33 entrypoints/llm.py:839-862)
             self.llm.sleep(level=2)
             self._asleep, self._awake_tags = True, set()
@@ -255,14 +269,13 @@ class VLLMEngine(RolloutEngine):
             refit.push(weights)
             self.held_version = None if version is None else int(version)
         except Exception as e:
-            if refit.is_src:
-                with contextlib.suppress(
-                    Exception
-                ):  # put the layers back in place (no half-loaded model)
+            if refit.is_src:  # put the layers back in place (no half-loaded model)
+                with contextlib.suppress(Exception):
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])
             raise RuntimeError(
-                f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): {e}"
+                f"vLLM weight sync failed after {len(sent)} tensors (last: {sent[-1:]}): "
+                f"{e}{self._log_note}"
             ) from e
 
     # ------------------------------------------------------------------ sampling
@@ -298,23 +311,16 @@ class VLLMEngine(RolloutEngine):
         encoded = encode_prompts(self.tokenizer, prompts, self.use_chat_template)
         requests = [{"prompt_token_ids": ids} for ids in encoded]
         params = [self._params(cfg, n_samples, s) for s in seeds]
-        if self.refit_on_generate:  # only when it holds another version (or none)
-            self.sync_weights(self.policy)
-        self.wake(["weights", "kv_cache"])
-        # awake until the trainer's release(): more generations of this version cost no refit
         try:
+            if self.refit_on_generate:  # a refit only when it holds another version (or none)
+                self.sync_weights(self.policy)
+            self.wake(["weights", "kv_cache"])
+            # awake until the trainer's release(): more generations of this version cost no refit
+            fault_point("vllm.generate")
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         except Exception as e:
-            if self.should_stop is not None and self.should_stop():
-                # the job's stop signal reached the engine's processes too and they went down
-                # (v1/engine/core.py:1522-1543): the trainer checkpoints without the engine
-                raise GenerationInterrupted(f"the engine stopped with the job: {e}") from e
-            if self.watchdog is not None and self.watchdog.death:
-                raise RuntimeError(
-                    f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
-                    "continues from the last checkpoint)"
-                ) from e
-            raise
+            raise self._call_failed(e) from e
+        _check_finished(outputs)
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:
@@ -345,12 +351,51 @@ class VLLMEngine(RolloutEngine):
             sampling_logprobs=sampling,
         )
 
+    def _call_failed(self, e: Exception) -> Exception:
+        """A refit, wake or generation that raised: GenerationInterrupted under a stop signal
+        (the trainer's, or the engine's processes ended without a fault), the watchdog's
+        sentence for a process that died of a fault, else ``e``."""
+        if self.watchdog is not None:
+            self.watchdog.settle()
+        where = self._log_note
+        if self.stopped or (self.should_stop is not None and self.should_stop()):
+            return GenerationInterrupted(f"the engine stopped with the job: {e}{where}")
+        if self.watchdog is not None and self.watchdog.death:
+            return RuntimeError(
+                f"{self.watchdog.death}; this step's rollouts are lost (resume=true "
+                f"continues from the last checkpoint){where}"
+            )
+        if where and not isinstance(e, (ValueError, TypeError)):  # not a request vLLM refused
+            return RuntimeError(f"{type(e).__name__}: {e}{where}")
+        return e
+
+    @property
+    def _log_note(self) -> str:
+        """Where an engine error's own traceback is (the engine's processes' log), or ''."""
+        return f" (the engine's own log: {self.log_file})" if self.log_file else ""
+
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def _check_finished(outputs: Sequence[Any]) -> None:
+    """Refuse cut rollouts: on SIGTERM vLLM's engine core sends every request in flight back
+    finished with ``finish_reason`` "abort" (vllm 0.33 ``v1/engine/core.py:1703-1735``,
+    ``v1/request.py:407``) and ``LLM.generate`` returns them (``entrypoints/common/
+    offline.py:610-616``): GenerationInterrupted. "error" (the engine failed): RuntimeError."""
+    reasons = [c.finish_reason for out in outputs for c in out.outputs]
+    aborted, failed = reasons.count("abort"), reasons.count("error")
+    if aborted:
+        raise GenerationInterrupted(
+            f"the vLLM engine aborted {aborted} of {len(reasons)} rollouts (finish_reason "
+            "'abort': its processes got a stop signal); none is used"
+        )
+    if failed:
+        raise RuntimeError(f"the vLLM engine failed on {failed} of {len(reasons)} rollouts")
 
 
 def _sampled_logprobs(

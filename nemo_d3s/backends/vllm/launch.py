@@ -11,7 +11,7 @@ import torch
 
 from nemo_d3s.backends.vllm.placement import engine_devices
 
-__all__ = ["own_gpus"]
+__all__ = ["engine_output", "own_gpus"]
 
 
 # torchrun's rendezvous variables; vLLM's workers read them to join a process group.
@@ -91,3 +91,38 @@ def engine_env(visible_devices: Optional[str]):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def engine_output(log_file: Optional[str]):
+    """While vLLM starts its processes: this process's stdout and stderr (file descriptors 1
+    and 2) point at ``log_file`` (appended), so the engine's processes, which inherit them,
+    write there for the rest of their lives; restored on exit. None: no change (the job's
+    terminal).
+
+    Why: a stop signal reaches the engine's processes too (Slurm signals every process of the
+    step), and vLLM's engine core then dumps its worker's death as two tracebacks (vllm 0.33
+    ``v1/engine/core.py:1512``, and multiprocessing's own) beside the trainer's one-line
+    "stopped at step N". The trainer names the file when the engine fails. What this process
+    itself prints while the engine starts (vLLM's start-up lines) goes to the file as well."""
+    if log_file is None:
+        yield
+        return
+    import sys
+
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)

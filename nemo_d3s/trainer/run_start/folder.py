@@ -59,7 +59,7 @@ RUN_NAMES = frozenset(
 )
 _RUN_NAME = re.compile(
     r"^(previous-\d+|config\.resumed-\d+\.yaml|\.hf_export\..+|\.write_probe_.+"
-    r"|train\.rank\d+\.log)$"
+    r"|train\.rank\d+\.log|vllm_engine(_rank\d+)?\.log)$"
 )
 # What every run's config holds at its top level (a file without them is not a run's).
 RUN_CONFIG_KEYS = ("output_dir", "model", "trainer", "task")

@@ -82,3 +82,12 @@ def test_every_group_takes_the_configured_timeout_and_the_twin_needs_no_collecti
         assert x["got"] == f"rollouts of {r % 2}"
         assert x["n_groups"] > 10  # Megatron's groups, their gloo twins, ours
         assert x["timeouts"] == [MINUTES * 60.0]
+
+
+def test_one_process_per_model_copy_has_no_group_to_wait_for():
+    """TP = PP = 1 (DP only): the model-parallel group is None, and the engine wrapper asked
+    that None for its timeouts (an AttributeError at start-up of every such Megatron run)."""
+    from nemo_d3s.backends.megatron.engine import ModelParallelRollouts
+
+    rollouts = ModelParallelRollouts(None, None, None, 0, prompt_seeds=True)
+    assert rollouts.wait is None and rollouts.is_src

