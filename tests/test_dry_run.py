@@ -369,7 +369,7 @@ def test_job_shape_from_the_environment():
 
 
 # recipes on the 70B layout of another kind (long rows; the engines apart, overlapped)
-VARIANTS = ("llama3_70b_long", "llama3_70b_async")
+VARIANTS = ("llama3_70b_long", "llama3_70b_32k", "llama3_70b_async")
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES) + list(VARIANTS) + sorted(MOE_RECIPES))
@@ -902,6 +902,120 @@ def test_long_response_70b_recipe_fits_only_with_sequence_parallelism(tmp_path):
     )
     assert not no_sp["fits"] and no_sp["worst"]["largest_term"] == "activations"
     assert round(no_sp["worst"]["peak_bytes"] / GB, 1) == 96.1
+
+
+def _busiest_stage0(report):
+    return next(x for x in report["positions"] if (x["tp_rank"], x["pp_rank"]) == (0, 0))
+
+
+def test_long_recipe_plans_without_context_parallelism_for_the_reasons_its_file_gives(
+    tmp_path, monkeypatch, capsys
+):
+    """experiment=llama3_70b_long keeps CP 1 (its comment): the peak is generation, the
+    resident state beside vLLM's share, which CP does not lower; CP 2 halves stage 0's
+    activations but makes a copy 32 GPUs (half the engines, twice the step model's
+    generation); TP 4 x PP 2 x CP 2 keeps the engines but not the memory; and rollout=vllm
+    under CP is refused."""
+    from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
+    from nemo_d3s.dry_run.memory import RESIDENT
+    from nemo_d3s.dry_run.overlap import step_model
+
+    rc, out, err = _run_in_process(
+        ["experiment=llama3_70b_long", "trainer.dry_run=true", f"output_dir={tmp_path}"],
+        monkeypatch,
+        capsys,
+    )
+    assert rc == 0, out + err
+    assert "TP 4 x PP 4 x DP 4 (ranks tp-cp-ep-pp-dp)" in out and " x CP " not in out
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    assert report["layout"]["cp"] == 1 and report["workload"]["cp"] == 1
+    worst, first = report["worst"], _busiest_stage0(report)
+    assert worst["phase"] == "generation" and round(worst["peak_bytes"] / GB, 1) == 78.9
+    t = first["terms_bytes"]
+    resident = sum(v for k, v in t.items() if k in RESIDENT)
+    assert (round(resident / GB, 1), round(t["vllm"] / GB, 1)) == (43.3, 35.6)
+    assert round(t["activations"] / GB, 1) == 13.0
+
+    cfg = ["experiment=llama3_70b_long", f"output_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=re.escape(CP_ENGINE_REFUSAL)):
+        plan(_compose([*cfg, "+model.params.context_parallel_size=2"]), JobShape(8, 8, "test"))
+
+    # the training side of CP 2, planned with the policy's own engine (the HF replica's terms
+    # aside): stage 0's activations halve
+    hf = [*cfg, "rollout=hf", "+model.params.context_parallel_size=2"]
+    cp2 = plan(_compose(hf), JobShape(8, 8, "test"))
+    assert (cp2["layout"]["dp"], cp2["layout"]["cp"]) == (2, 2)
+    cp2_first = next(x for x in cp2["positions"] if (x["tp_rank"], x["pp_rank"]) == (1, 0))
+    assert round(cp2_first["terms_bytes"]["activations"] / GB, 1) == 6.5
+    # ... and half the copies: 2 engines of 256 rollouts in 12 waves of 23, not 4 in 6
+    cfg_long = _compose(cfg)
+    gen = [
+        step_model(
+            cfg_long,
+            world=64,
+            dp=dp,
+            v=report["vllm"],
+            params=report["total_params"],
+            seq_len=16384,
+            recompute=True,
+        )["layouts"][0]["generation_s"]
+        for dp in (4, 2)
+    ]
+    assert [round(g) for g in gen] == [485, 970] and gen[1] == pytest.approx(2 * gen[0])
+    # TP 4 x PP 2 x CP 2 x DP 4 keeps 4 copies but 8.8B parameters on a GPU: 68.9 GB resident,
+    # with the engine's 35.6 GB over 80
+    pp2 = plan(
+        _compose([*hf, "model.params.pipeline_model_parallel_size=2"]), JobShape(8, 8, "test")
+    )
+    x = next(x for x in pp2["positions"] if (x["tp_rank"], x["pp_rank"]) == (1, 0))
+    pp2_resident = sum(v for k, v in x["terms_bytes"].items() if k in RESIDENT)
+    assert round(x["params"] / 1e9, 1) == 8.8 and round(pp2_resident / GB, 1) == 68.9
+    assert round((pp2_resident + t["vllm"]) / GB, 1) == 104.5 > 80
+
+
+def test_32k_recipe_fits_on_the_long_recipes_layout(tmp_path, monkeypatch, capsys):
+    """experiment=llama3_70b_32k (rows of 32768 tokens, responses of 31744) fits 80 GB on 8 x 8
+    GPUs without CP, with the numbers its comment gives: one 32k row fills the long recipe's
+    32768-token micro-batch (the same 13.0 GB on stage 0, 58.9 GB training peak), generation
+    peaks at 78.9 GB with 11 full-length sequences in the KV cache, 16 prompts a step keep the
+    step model's generation at 1,003 s; on 16 nodes 72.1 GB and the same GPU-seconds."""
+    rc, out, err = _run_in_process(
+        ["experiment=llama3_70b_32k", "trainer.dry_run=true", f"output_dir={tmp_path}"],
+        monkeypatch,
+        capsys,
+    )
+    assert rc == 0, out + err
+    assert "verdict: FITS in 80 GB per GPU: peak 78.9 GB at (TP 0, PP 0) in generation" in out
+    report = json.loads((tmp_path / "dry_run.json").read_text())
+    lay, w = report["layout"], report["workload"]
+    assert (lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay["world"]) == (4, 4, 1, 4, 64)
+    assert (w["seq_len"], w["gen_len"], w["micro_batch_tokens"]) == (32768, 32768, 32768)
+    assert report["fits"] and report["context_parallel_needed"] == []
+    first = _busiest_stage0(report)
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0
+    assert round(first["train_peak_bytes"] / GB, 1) == 58.9
+    last = next(x for x in report["positions"] if x["pp_rank"] == 3)
+    assert round(last["terms_bytes"]["logits"] / GB, 1) == 8.8
+    v = report["vllm"]
+    assert (v["max_model_len"], v["kv_tokens"], v["full_sequences"]) == (32768, 388052, 11)
+    assert v["engines"] == 4 and v["rows_per_engine_step"] == 64
+    sm = report["step_model"]["layouts"][0]
+    assert (round(sm["generation_s"]), round(sm["training_s"]), round(sm["gpu_seconds"])) == (
+        1003,
+        29,
+        66051,
+    )
+
+    rc, out, err = _run_in_process(
+        ["experiment=llama3_70b_32k", "trainer.dry_run=true", f"output_dir={tmp_path / 'n16'}"],
+        monkeypatch,
+        capsys,
+        NNODES="16",
+    )
+    assert rc == 0, out + err
+    wide = json.loads((tmp_path / "n16" / "dry_run.json").read_text())
+    assert wide["vllm"]["engines"] == 8 and round(wide["worst"]["peak_bytes"] / GB, 1) == 72.1
+    assert round(wide["step_model"]["layouts"][0]["gpu_seconds"]) == 66051
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):

@@ -57,6 +57,7 @@ def test_the_table_lists_every_vllm_recipe():
         "llama3_70b",
         "qwen25_72b",
         "llama3_70b_long",
+        "llama3_70b_32k",
         "qwen3_32b",
     }
 

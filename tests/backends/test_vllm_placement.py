@@ -19,8 +19,10 @@ RECIPES = {
     # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on
     # the first
     "llama3_70b": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
-    # the long-response recipe: the same layout and engines as llama3_70b
+    # the long-response recipes (rows of 16k, 32k tokens): the same layout and engines as
+    # llama3_70b
     "llama3_70b_long": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
+    "llama3_70b_32k": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
     # TP 8 x PP 2, default order: copies' first stages on nodes 0-3
     "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(4)}),
     # TP 8 x PP 1: one copy per node, its TP-8 engine on the node's 8 GPUs
@@ -253,6 +255,7 @@ IDLE = {
     "qwen25_math_7b": 0,
     "llama3_70b": 32,
     "llama3_70b_long": 32,
+    "llama3_70b_32k": 32,
     "qwen25_72b": 32,
     "qwen3_32b": 0,
     "qwen3_30b_a3b": 0,

@@ -50,14 +50,14 @@ def readme_stack() -> List[str]:
     recipes = sorted(
         p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml") if "nodes:" in p.read_text()
     )
-    words = {6: "six", 7: "seven", 8: "eight", 5: "five"}
+    words = {6: "six", 7: "seven", 8: "eight", 5: "five", 9: "nine"}
     listed = (
-        "eight recipes (`experiment=llama3_8b | qwen25_math_7b | llama3_70b | llama3_70b_long | "
+        "nine recipes (`experiment=llama3_8b | qwen25_math_7b | llama3_70b | llama3_70b_long | "
     )
-    listed += "qwen25_72b | qwen3_32b | qwen3_30b_a3b | qwen3_235b_a22b`)"
+    listed += "llama3_70b_32k | qwen25_72b | qwen3_32b | qwen3_30b_a3b | qwen3_235b_a22b`)"
     names = sorted(listed.split("=", 1)[1].rstrip("`)").split(" | "))
     return [
-        listed if names == recipes and words.get(len(recipes)) == "eight" else f"recipes {recipes}",
+        listed if names == recipes and words.get(len(recipes)) == "nine" else f"recipes {recipes}",
         f"Which versions: torch {torch[0]} to {torch[1]};",
         f"vLLM {vllm[0]} to {vllm[1]}.",
         f"tested on trl {trl[0]},",
