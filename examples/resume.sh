@@ -23,14 +23,13 @@ if [[ -n "$(ls -A "$OUT" 2>/dev/null)" ]]; then
 fi
 
 # The run in its own process group: a Ctrl-C reaches this script alone, which passes it on
-# once (twice would stop the run without a checkpoint).
-set -m
-python -m nemo_d3s.train experiment=smoke trainer.steps=40 trainer.save_every=5 \
-  output_dir="$OUT" &
-PID=$!
+# once (twice would stop the run without a checkpoint). The traps come first: a signal that
+# arrives while the run starts is passed on too, not lost.
+PID=""
 SENT=""
 stop() {
   trap - TERM INT
+  if [[ -z "$PID" ]]; then exit $((128 + $(kill -l "$1"))); fi
   [[ -n "$SENT" ]] || kill -"$1" "$PID" 2>/dev/null || true
   rc=0
   wait "$PID" || rc=$?
@@ -40,6 +39,10 @@ stop() {
 }
 trap 'stop TERM' TERM
 trap 'stop INT' INT
+set -m
+python -m nemo_d3s.train experiment=smoke trainer.steps=40 trainer.save_every=5 \
+  output_dir="$OUT" &
+PID=$!
 # A checkpoint folder is renamed to step_* only once complete (trainer/checkpoint.py).
 waited=0
 until compgen -G "$OUT/checkpoints/step_*" >/dev/null; do

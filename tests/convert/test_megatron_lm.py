@@ -183,6 +183,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 @pytest.mark.parametrize("case", list(CASES))
 def test_megatron_core_is_the_judge(case, tmp_path):
     from nemo_d3s.formats.detect import MEGATRON_LM, detect_format
@@ -433,6 +434,7 @@ def test_hf_to_megatron_lm_checks_megatron_cores_version(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_a_full_disk_while_writing_a_megatron_lm_save_is_one_error_line(tmp_path):
     """torch.distributed.checkpoint's CheckpointException (a BaseException) came out as a
     traceback, after megatron-core's own log line; a file-size limit stands in for the full

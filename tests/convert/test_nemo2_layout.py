@@ -206,6 +206,7 @@ def _rank_save_sharded_state_dict(rank, folder, weights):
         dist_checkpointing.save(pol.model.sharded_state_dict(prefix="module."), weights)
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_nemo2_written_at_tp2_pp2_by_megatron_core(arch, tmp_path):
     """A NeMo 2 checkpoint whose weights megatron-core wrote from 4 TP2 x PP2 ranks (what a

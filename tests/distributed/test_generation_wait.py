@@ -45,6 +45,9 @@ def _outcomes(rank):
         out.append((result, (outcome.stopping, outcome.interrupted, outcome.failed)))
     store = wait.store
     left = [store.check([f"{wait.prefix}/0/{k}"]) for k in ("flags", "arrived", "open")]
+    # rank 0 hosts the store: a rank still polling it (a waiter's last read after the open
+    # key appeared) fails if rank 0 has already returned and its process ended
+    torch.distributed.barrier()
     return out, left
 
 

@@ -35,6 +35,7 @@ def test_single_process_matches_golden(model, tmp_path):
     _check("single", model, tmp_path)
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 @pytest.mark.distributed
 def test_dp2_matches_golden(model, tmp_path):
     _check("dp2", model, tmp_path)

@@ -415,6 +415,7 @@ def test_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path)
     assert moved  # the comparison would catch a reset optimizer: a fresh second step differs
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_context_parallel_checkpoint_resumes_bit_exactly_and_at_cp1(folders, tmp_path):
     """A CP2 x DP2 checkpoint with Megatron's distributed optimizer (its state sharded over
     DP x CP, gathered to the CP rank 0 writer) is a TP1 x PP1 one: it resumes bit-exactly at
@@ -437,6 +438,7 @@ def test_context_parallel_checkpoint_resumes_bit_exactly_and_at_cp1(folders, tmp
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_virtual_pipeline_checkpoint_resumes_bit_exactly_and_in_another_layout(folders, tmp_path):
     """A PP2 x VPP2 checkpoint is a TP1 x PP4 one (a chunk saved as its virtual stage): it
     resumes bit-exactly at PP2 x VPP2 and, resharded, at TP1 x PP1 and at PP2 without

@@ -130,7 +130,11 @@ def _metadata(ckpt, shard="tp00_pp00.safetensors"):
 LAYOUTS = {"dp2": ("llama", 1, 1, 2), "pp2dp2": ("qwen2", 1, 2, 4)}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    # pp2dp2, a 4-rank run of 20-30 s: the slow tier (docs/ci.md); dp2 every run
+    [pytest.param(k, marks=pytest.mark.slow) if k == "pp2dp2" else k for k in LAYOUTS],
+)
 def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
     arch, tp, pp, world = LAYOUTS[layout]
     runs = {}
@@ -223,6 +227,7 @@ def _rank_load_counting(rank, folder, ckpt):
     return counted, share * 4 * 3  # fp32 exp_avg, exp_avg_sq, main weights
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_each_dp_rank_reads_only_its_share_of_the_optimizer_state(folders, tmp_path):
     """Resume at DP 2 with Megatron's distributed optimizer: each rank reads the rows that
     hold its own range of every moment and main weight (its share, up to one row at each
@@ -297,6 +302,7 @@ def test_the_writer_streams_the_gathered_optimizer_state(folders, tmp_path):
     assert os.path.getsize(shard) == 8 + header + writer["written"]  # every tensor's bytes
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_checkpoints_move_between_the_two_optimizers(folders, tmp_path):
     folder = folders["llama"]
     plain_ckpt, dist_ckpt = str(tmp_path / "plain"), str(tmp_path / "dist")

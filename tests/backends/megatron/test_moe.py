@@ -238,6 +238,7 @@ def _rank_resume(rank, folder, ckpt, ep):
     return loaded, dict(pol.hf_weights())
 
 
+@pytest.mark.slow  # a multi-rank equality run of 20-60 s: the slow tier (docs/ci.md)
 def test_ep2_checkpoint_resumes_bit_exactly_at_ep1_and_ep4(moe_folders, tmp_path):
     """Saved at EP 2 (expert files ep00 / ep01): the model loads bit for bit at EP 2, EP 1
     and EP 4, and the next step (Adam moments resharded with the experts) matches the
