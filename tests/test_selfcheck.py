@@ -258,6 +258,54 @@ def test_peak_memory_is_compared_with_the_dry_runs_plan(tmp_path, tiny_dir):
         check_peak_memory(ctx)
 
 
+def test_without_transformer_engine_the_rl_run_takes_the_local_spec_and_says_so(
+    tmp_path, tiny_dir, monkeypatch
+):
+    """On the first GPU run (an H200 without TE) the missing library failed the TE checks and
+    then, through the default spec, the RL run and the checkpoint round trip too. Now: on CUDA
+    without TE those two take the local spec and name the reason; with TE (or on CPU) the
+    default stays."""
+    from nemo_d3s.backends.megatron import model as mmodel
+    from nemo_d3s.selfcheck.base import run_transformer_impl
+    from nemo_d3s.selfcheck.rl_checks import rl_overrides
+    from nemo_d3s.train import compose_config
+
+    ctx = _ctx(tmp_path)
+    ctx.model_dir = tiny_dir
+    monkeypatch.setattr(
+        mmodel, "transformer_engine_error", lambda: "import transformer_engine.pytorch failed: X"
+    )
+    impl, why = run_transformer_impl(ctx)
+    assert impl == "local" and "Transformer Engine absent" in why
+    cfg = compose_config(rl_overrides(ctx, str(tmp_path / "rl")))
+    assert cfg.model.params.transformer_impl == "local"
+    monkeypatch.setattr(mmodel, "transformer_engine_error", lambda: None)
+    assert run_transformer_impl(ctx) == ("transformer_engine", None)
+    cfg = compose_config(rl_overrides(ctx, str(tmp_path / "rl")))
+    assert cfg.model.params.transformer_impl == "transformer_engine"
+    monkeypatch.setattr(mmodel, "transformer_engine_error", lambda: "absent")
+    ctx.cuda = False
+    assert run_transformer_impl(ctx) == ("transformer_engine", None)
+
+
+def test_an_rl_run_without_an_update_says_when_every_reward_was_equal(tmp_path, monkeypatch):
+    """rl.megatron_step on a model that earns one reward everywhere (random weights at a real
+    width, seen on an H200): the failure says why there was no optimizer step."""
+    from nemo_d3s.selfcheck import rl_checks
+    from nemo_d3s.trainer import checkpoint
+
+    ctx = _ctx(tmp_path)
+    last = {"optimizer_steps": 0, "skip_all_equal": 1.0, "skipped": 1.0}
+    monkeypatch.setattr(rl_checks, "run_rl", lambda c, name: {"last": dict(last), "rows": 2})
+    monkeypatch.setattr(checkpoint, "checkpoint_dirs", lambda folder: [tmp_path / "step_2"])
+    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda folder, shared: None)
+    with pytest.raises(CheckFailed, match="every group's rewards were equal"):
+        rl_checks.check_rl_step(ctx)
+    last.pop("skip_all_equal")
+    with pytest.raises(CheckFailed, match="no optimizer step was taken$"):
+        rl_checks.check_rl_step(ctx)
+
+
 @pytest.mark.parametrize("gpu,total_mib", [("H100 80GB", 81559), ("H200 141GB", 143771)])
 def test_the_vllm_memory_gate_passes_its_own_check_on_80_and_141_gb_gpus(
     gpu, total_mib, tmp_path, tiny_dir

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,21 @@ def within(name: str, value: float, bound: float, measured: Dict[str, Any]) -> N
     measured[f"{name}_bound"] = bound
     if not value <= bound:  # NaN fails too
         raise CheckFailed(f"{name}={value:.3g} > {bound:.3g}", measured)
+
+
+def run_transformer_impl(ctx: Context) -> Tuple[str, Optional[str]]:
+    """The layer spec of the checks that test the trainer rather than the spec (the RL run, the
+    checkpoint round trip) and why: ``transformer_engine`` where TE imports or on CPU (where the
+    backend uses the local spec anyway); on CUDA without TE, ``local`` with the reason, so one
+    missing library is the TE checks' failure and not every later check's as well."""
+    if not ctx.cuda:
+        return "transformer_engine", None
+    from nemo_d3s.backends.megatron.model import transformer_engine_error
+
+    err = transformer_engine_error()
+    if err is None:
+        return "transformer_engine", None
+    return "local", f"local spec: Transformer Engine absent (gpt.te_spec: {err.split(':')[0]})"
 
 
 @contextlib.contextmanager

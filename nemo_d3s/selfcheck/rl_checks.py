@@ -2,7 +2,8 @@
 two smoke steps at TP2 (TP1 on one rank) and a checkpoint; passes when an optimizer step was
 taken, loss and grad norm are finite and the checkpoint verifies; feeds ``gpu.*``.
 ``checkpoint.roundtrip``: the sharded checkpoint saved, loaded at the same layout and TP1,
-and converted to HF: every tensor equal to the live weights, bit for bit.
+and converted to HF: every tensor equal to the live weights, bit for bit. On CUDA without
+Transformer Engine both use the local spec and say so (the TE checks report the absence).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from nemo_d3s.selfcheck.base import Check, Context, megatron_backend
+from nemo_d3s.selfcheck.base import Check, Context, megatron_backend, run_transformer_impl
 from nemo_d3s.selfcheck.model_checks import one_step
 from nemo_d3s.selfcheck.report import CheckFailed
 
@@ -38,6 +39,7 @@ def rl_overrides(ctx: Context, out_dir: str, *, steps: int = 2, extra: List[str]
         "task.eval_size=4",
         "logging.level=WARNING",
         f"output_dir={out_dir}",
+        f"++model.params.transformer_impl={run_transformer_impl(ctx)[0]}",
         *extra,
     ]
 
@@ -81,7 +83,10 @@ def check_rl_step(ctx: Context) -> Dict[str, Any]:
     res = run_rl(ctx, "rl")
     ctx.cache["rl"] = res
     last = res["last"]
-    out = {"tp": ctx.tp, "ranks": ctx.world, "steps": res["rows"]}
+    impl, why = run_transformer_impl(ctx)
+    out = {"tp": ctx.tp, "ranks": ctx.world, "steps": res["rows"], "transformer_impl": impl}
+    if why:
+        out["note"] = why
     for k in ("optimizer_steps", "loss", "grad_norm", "reward_mean", "kept_tokens", "time_step"):
         if k in last:
             out[k] = last[k]
@@ -95,7 +100,14 @@ def check_rl_step(ctx: Context) -> Dict[str, Any]:
     if why is not None:
         raise CheckFailed(f"the run's checkpoint: {why}", out)
     if not last.get("optimizer_steps", 0) > 0:
-        raise CheckFailed("no optimizer step was taken", out)
+        why = "no optimizer step was taken"
+        if last.get("skip_all_equal"):  # seen with random weights at a real width on an H200
+            why += (
+                ": every group's rewards were equal (the model earned the same reward on every"
+                " rollout of the smoke task), so there was no gradient; a model that scores"
+                " unevenly there, or the tiny model (no --model), checks the update"
+            )
+        raise CheckFailed(why, out)
     bad = [k for k in ("loss", "grad_norm") if k in last and not math.isfinite(float(last[k]))]
     if bad:
         raise CheckFailed(f"non-finite {bad}", out)
@@ -125,7 +137,10 @@ def check_checkpoint(ctx: Context) -> Dict[str, Any]:
         for f in (folder, hf_out):
             shutil.rmtree(f, ignore_errors=True)
     ctx.barrier()
-    with megatron_backend(ctx, tensor_model_parallel_size=ctx.tp, lr=1e-2) as pol:
+    impl = run_transformer_impl(ctx)[0]
+    with megatron_backend(
+        ctx, tensor_model_parallel_size=ctx.tp, lr=1e-2, transformer_impl=impl
+    ) as pol:
         one_step(pol)
         live = {k: v.detach().cpu().clone() for k, v in pol.hf_weights()}
         pol.save_checkpoint(str(folder))
@@ -133,7 +148,7 @@ def check_checkpoint(ctx: Context) -> Dict[str, Any]:
     layouts = [ctx.tp] + ([1] if ctx.tp > 1 else [])
     problems: List[str] = []
     for tp in layouts:
-        with megatron_backend(ctx, tensor_model_parallel_size=tp) as pol:
+        with megatron_backend(ctx, tensor_model_parallel_size=tp, transformer_impl=impl) as pol:
             pol.load_checkpoint(str(folder))
             loaded = {k: v.detach().cpu().clone() for k, v in pol.hf_weights()}
             problems += _differences(live, loaded, f"loaded at TP{tp}")

@@ -31,6 +31,37 @@ def readme_selfcheck() -> List[str]:
     ]
 
 
+def gpu_h200() -> List[Tuple[str, str]]:
+    """The first GPU run's figures (README, benchmarks/README.md), from its records."""
+    from doc_records import record
+
+    sc = record("gpu_h200/selfcheck_one_gpu.json")["checks"]
+    count = {k: sum(r["status"] == k for r in sc) for k in ("passed", "failed", "not run")}
+    te = [r["name"] for r in sc if r["status"] == "failed" and "Transformer Engine" in r["reason"]]
+    assert len(te) == count["failed"], te  # every failure of that run was the missing TE
+    mem = next(r["measured"] for r in sc if r["name"] == "gpu.peak_memory")
+    ent = record("gpu_h200/entropy_cuda.json")
+    r = ent["results"]
+    c, p = r["chunked"], r["plain"]
+    bench = "benchmarks/README.md"
+    return [
+        (README, f"({count['passed']} passed; the {count['failed']} Transformer Engine"),
+        (README, f"checks failed for the missing library; {count['not run']} need 2+ GPUs"),
+        (README, f"({mem['measured_gib']:.2f} GiB measured, {mem['predicted_gib']:.2f} planned)"),
+        (
+            bench,
+            f"chunked {c['seconds_fwd_bwd'] * 1e3:.1f} ms and {c['peak_gib_above_logits']:.2f} GiB",
+        ),
+        (bench, f"above the {ent['logits_gib']:.2f} GiB of"),
+        (
+            bench,
+            f"plain {p['seconds_fwd_bwd'] * 1e3:.1f} ms and {p['peak_gib_above_logits']:.1f} GiB",
+        ),
+        (bench, f"{c['seconds_fwd_bwd'] / p['seconds_fwd_bwd']:.1f}x the time"),
+        (bench, f"{p['peak_gib_above_logits'] / c['peak_gib_above_logits']:.0f}x less memory"),
+    ]
+
+
 def _span(spec: str) -> Tuple[str, str]:
     """ ">=2.13,<2.16" -> ("2.13", "2.15"): a range of minor releases as the text reads it."""
     lo, hi = (p.lstrip("<>=") for p in spec.split(","))
@@ -389,6 +420,7 @@ def claims() -> List[Tuple[str, str]]:
     out += defaults()
     out += [("docs/design-choices.md", text) for text in design_choices()]
     out += [("benchmarks/README.md", text) for text in benchmarks_readme()]
+    out += gpu_h200()
     arch = "docs/architecture.md"
     out.append(
         (arch, asserted("tests/test_architecture.py", "MAX_LINES = 455", "longer than 455 lines"))

@@ -234,6 +234,14 @@ def build_stage(
         **({} if vp_stage is None else {"vp_stage": vp_stage}),
     )
     model.to(device)
+    # The local spec's torch norms are built without a dtype (megatron-core 0.16.1
+    # transformer/torch_norm.py:51, 0.19.2 :69: norm_cls(normalized_shape, eps)), so they stay
+    # fp32 in a bf16 model; the TE spec builds every parameter in params_dtype and Megatron-LM
+    # casts the whole model (Float16Module: module.bfloat16(), 0.19.2 transformer/module.py:464).
+    # Seen on an H200: the HF export refused the fp32 norm weights of a bf16 run.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != config.params_dtype:
+            p.data = p.data.to(config.params_dtype)
     _mark_tensor_parallel(model, spec, layout)
     names = [n for n, _ in model.named_parameters()]
     want = local_names(spec, layout)

@@ -558,3 +558,30 @@ def test_bad_folders_fail_at_start_up(folders, tmp_path, monkeypatch):
     (other / "config.json").write_text(cfg)
     with pytest.raises(ConfigError, match="has shape .* another model"):
         _megatron(str(other))
+
+
+def test_a_bf16_model_on_the_local_spec_is_bf16_throughout_and_exports(folders, tmp_path):
+    """megatron-core's local spec builds its norms in fp32 whatever params_dtype says; the
+    backend casts them as Megatron-LM's Float16Module does. Seen on an H200 (the first CUDA
+    run): a bf16 run trained, then its HF export refused the fp32 norm weights. The CPU twin:
+    one rank, bf16, local spec; every parameter bf16, the export bit-equal to the source
+    weights in bf16 (norms included)."""
+    from safetensors.torch import load_file
+
+    folder = folders["qwen3"]  # q/k norms too
+    export = tmp_path / "export"
+    (dtypes,) = run_ranks(_rank_bf16_export, 1, folder, str(export), timeout=WAIT_S)
+    assert dtypes == {"torch.bfloat16"}
+    src = load_file(os.path.join(folder, "model.safetensors"))
+    out = load_file(str(export / "model.safetensors"))
+    assert any("norm" in k for k in out) and sorted(out) == sorted(src)
+    for k in src:
+        assert out[k].dtype == torch.bfloat16, k
+        assert torch.equal(out[k], src[k].bfloat16()), k
+
+
+def _rank_bf16_export(rank, folder, export):
+    pol = _megatron(folder, 1, 1, dtype="bfloat16")
+    dtypes = {str(p.dtype) for p in pol.model.parameters()}
+    pol.save_pretrained(export)
+    return dtypes
