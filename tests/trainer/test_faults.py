@@ -110,7 +110,9 @@ class _Payload:
         return (Path.touch, (self.marker,))
 
 
-@pytest.mark.parametrize("target", ["backend.pt", "rng_rank0.pt"])
+@pytest.mark.parametrize(
+    "target", ["backend.pt", pytest.param("rng_rank0.pt", marks=pytest.mark.slow)]
+)
 def test_pickle_payload_in_checkpoint_is_refused_and_not_run(tmp_path, target, caplog):
     run_dir, marker = tmp_path / "run", tmp_path / "PWNED"
     _, rows = run_inprocess(run_dir, STEPS3)
@@ -280,7 +282,15 @@ _CORRUPTIONS = {
 }
 
 
-@pytest.mark.parametrize("kind", sorted(_CORRUPTIONS))
+# each corruption is a whole run (~11 s): the checksum's two failures every run, the other two
+# in the slow tier (CI's budget, docs/ci.md)
+@pytest.mark.parametrize(
+    "kind",
+    [
+        k if k in ("bit_flip", "truncated") else pytest.param(k, marks=pytest.mark.slow)
+        for k in sorted(_CORRUPTIONS)
+    ],
+)
 def test_corrupt_latest_checkpoint_falls_back_to_the_newest_good_one(tmp_path, kind, caplog):
     run_dir = tmp_path / "run"
     _, rows = run_inprocess(run_dir, STEPS3)
@@ -454,7 +464,7 @@ def test_garbled_config_yaml_on_resume_is_an_error_line_and_nothing_is_touched(
     assert state.step == 2 and "config.yaml cannot be read" in caplog.text
 
 
-@pytest.mark.parametrize("cut", ["emptied", "cut_short"])
+@pytest.mark.parametrize("cut", ["emptied", pytest.param("cut_short", marks=pytest.mark.slow)])
 def test_config_yaml_emptied_or_cut_short_on_resume_is_refused_like_an_unreadable_one(
     tmp_path, capsys, caplog, cut
 ):

@@ -181,7 +181,12 @@ def test_matches_plain_adamw_and_gathers_its_moments(layout, folders, tmp_path):
 
 @pytest.mark.parametrize(
     "dopt,dtype",
-    [(True, "float32"), (True, "bfloat16"), (False, "bfloat16")],
+    # the distributed optimizer in bf16 (fp32 main weights) every run, the two others slow
+    [
+        pytest.param(True, "float32", marks=pytest.mark.slow),
+        (True, "bfloat16"),
+        pytest.param(False, "bfloat16", marks=pytest.mark.slow),
+    ],
     ids=["distributed-fp32", "distributed-bf16", "plain-bf16"],
 )
 def test_resume_is_bit_exact(dopt, dtype, folders, tmp_path):
