@@ -303,9 +303,10 @@ def test_layout_that_cannot_run_is_an_error_naming_the_job_shape(tmp_path, monke
             "task.max_prompt_tokens=1024 + 2048 new tokens = 3072 exceeds "
             "rollout.max_model_len (2048)",
         ),
-        (
+        (  # each CP rank's TP-4 group has an engine (cp_rollouts.py): TP-8 engines overlap
             ["+model.params.context_parallel_size=2"],
-            "context_parallel_size=2: a rollout engine other than the policy's own",
+            "rollout.tensor_parallel_size=8: the engine of local rank 4 needs GPUs 4..11, "
+            "the node has 8",
         ),
         (["+model.params.sequence_packing=true"], "packed (THD) sequences"),
         (
@@ -913,12 +914,11 @@ def test_long_recipe_plans_without_context_parallelism_for_the_reasons_its_file_
 ):
     """experiment=llama3_70b_long keeps CP 1 (its comment): the peak is generation, the
     resident state beside vLLM's share, which CP does not lower; CP 2 halves stage 0's
-    activations but makes a copy 32 GPUs (half the engines, twice the step model's
-    generation); TP 4 x PP 2 x CP 2 keeps the engines but not the memory; and rollout=vllm
-    under CP is refused."""
-    from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
+    activations, but with vLLM each CP rank's TP x PP group has its own engine
+    (cp_rollouts.py), the groups 4 GPUs apart: the recipe's TP-8 engines would overlap, and
+    TP-4 engines (as many as at CP 1: world / (TP x PP)) hold 70B's weights with no room for a
+    KV cache; TP 4 x PP 2 x CP 2 does not fit the memory."""
     from nemo_d3s.dry_run.memory import RESIDENT
-    from nemo_d3s.dry_run.overlap import step_model
 
     rc, out, err = _run_in_process(
         ["experiment=llama3_70b_long", "trainer.dry_run=true", f"output_dir={tmp_path}"],
@@ -937,31 +937,21 @@ def test_long_recipe_plans_without_context_parallelism_for_the_reasons_its_file_
     assert round(t["activations"] / GB, 1) == 13.0
 
     cfg = ["experiment=llama3_70b_long", f"output_dir={tmp_path}"]
-    with pytest.raises(ConfigError, match=re.escape(CP_ENGINE_REFUSAL)):
-        plan(_compose([*cfg, "+model.params.context_parallel_size=2"]), JobShape(8, 8, "test"))
+    cp2 = [*cfg, "+model.params.context_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"the engine of local rank 4 needs GPUs 4\.\.11"):
+        plan(_compose(cp2), JobShape(8, 8, "test"))
+    tp4 = plan(_compose([*cp2, "rollout.tensor_parallel_size=4"]), JobShape(8, 8, "test"))
+    v4 = tp4["vllm"]
+    assert (v4["engines"], v4["kv_tokens"], tp4["fits"]) == (4, 0, False)
+    assert round(v4["weights_bytes"] / GB, 1) == 35.3
 
     # the training side of CP 2, planned with the policy's own engine (the HF replica's terms
     # aside): stage 0's activations halve
     hf = [*cfg, "rollout=hf", "+model.params.context_parallel_size=2"]
-    cp2 = plan(_compose(hf), JobShape(8, 8, "test"))
-    assert (cp2["layout"]["dp"], cp2["layout"]["cp"]) == (2, 2)
-    cp2_first = next(x for x in cp2["positions"] if (x["tp_rank"], x["pp_rank"]) == (1, 0))
+    hf_cp2 = plan(_compose(hf), JobShape(8, 8, "test"))
+    assert (hf_cp2["layout"]["dp"], hf_cp2["layout"]["cp"]) == (2, 2)
+    cp2_first = next(x for x in hf_cp2["positions"] if (x["tp_rank"], x["pp_rank"]) == (1, 0))
     assert round(cp2_first["terms_bytes"]["activations"] / GB, 1) == 6.5
-    # ... and half the copies: 2 engines of 256 rollouts in 12 waves of 23, not 4 in 6
-    cfg_long = _compose(cfg)
-    gen = [
-        step_model(
-            cfg_long,
-            world=64,
-            dp=dp,
-            v=report["vllm"],
-            params=report["total_params"],
-            seq_len=16384,
-            recompute=True,
-        )["layouts"][0]["generation_s"]
-        for dp in (4, 2)
-    ]
-    assert [round(g) for g in gen] == [485, 970] and gen[1] == pytest.approx(2 * gen[0])
     # TP 4 x PP 2 x CP 2 x DP 4 keeps 4 copies but 8.8B parameters on a GPU: 68.9 GB resident,
     # with the engine's 35.6 GB over 80
     pp2 = plan(

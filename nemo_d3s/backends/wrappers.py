@@ -20,7 +20,7 @@ import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts, TokenBatch
 
-__all__ = ["OneSeedPerCall", "PerPromptCalls", "concat_rollouts", "pad_token_id"]
+__all__ = ["EngineWrapper", "OneSeedPerCall", "PerPromptCalls", "concat_rollouts", "pad_token_id"]
 
 
 def _pad_to(t: torch.Tensor, length: int, value: Any) -> torch.Tensor:
@@ -60,6 +60,8 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
 
 
 def pad_token_id(tokenizer: Any) -> int:
+    """The id rows are right-padded with: the tokenizer's pad id, else its EOS id, else 0
+    (padding is always masked out)."""
     for attr in ("pad_token_id", "eos_token_id"):
         v = getattr(tokenizer, attr, None)
         if isinstance(v, int):
@@ -67,7 +69,9 @@ def pad_token_id(tokenizer: Any) -> int:
     return 0
 
 
-class _Wrapper(RolloutEngine):
+class EngineWrapper(RolloutEngine):
+    """A rollout engine around another: all but ``generate`` is the inner engine's."""
+
     def __init__(self, inner: RolloutEngine) -> None:
         self.inner = inner
         self.tokenizer = inner.tokenizer
@@ -105,7 +109,7 @@ class _Wrapper(RolloutEngine):
         return self.inner.stopped
 
 
-class PerPromptCalls(_Wrapper):
+class PerPromptCalls(EngineWrapper):
     """One ``inner.generate`` call per prompt, seeded with that prompt's seed."""
 
     prompt_seeds = True
@@ -127,7 +131,7 @@ class PerPromptCalls(_Wrapper):
         return concat_rollouts(parts, pad_token_id(self.tokenizer))
 
 
-class OneSeedPerCall(_Wrapper):
+class OneSeedPerCall(EngineWrapper):
     """One batched ``inner.generate`` call seeded by the first prompt's seed (the samples
     then depend on which prompts share the call: not layout-independent)."""
 

@@ -48,7 +48,8 @@ def step_model(
     cfg: Any, *, world: int, dp: int, v: Dict[str, Any], params: int, seq_len: int, recompute: bool
 ) -> Dict[str, Any]:
     """The layouts' rows (``gpus``, ``generation_s``, ``training_s``, ``step_s``,
-    ``gpu_seconds``): engines on the ``world`` training GPUs (one per model copy, ``dp``), or
+    ``gpu_seconds``): engines on the ``world`` training GPUs (one per model-parallel group,
+    ``dp``: DP x CP), or
     with ``rollout.generation_gpus`` > 0 on those GPUs apart, synchronous and with k = 1.
     ``v``: the dry run's vLLM terms (one engine GPU's weights, KV capacity)."""
     t = cfg.trainer

@@ -69,9 +69,10 @@ _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}
 
 
 def _workload(s: Setup) -> Workload:
-    """What one training step asks of a GPU (one engine per DP rank)."""
+    """What one training step asks of a GPU (one engine per TP x PP group: DP x CP of them,
+    the CP ranks of a copy sharing its prompts)."""
     cfg, spec, mcfg, dp = s.cfg, s.spec, s.mcfg, s.dp
-    engines = s.generation_gpus // s.vllm_tp if s.generation_gpus else dp
+    engines = s.generation_gpus // s.vllm_tp if s.generation_gpus else dp * s.cp
     t = cfg.trainer
     ctx = int(spec.max_position_embeddings)
     vllm = str(cfg.rollout.engine) == "vllm"
@@ -127,20 +128,21 @@ def _workload(s: Setup) -> Workload:
 
 
 def _vllm_placement(
-    shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str
+    shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str, cp: int = 1
 ) -> Dict[str, Any]:
     """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``); ConfigError
     when two engines would share a GPU or one runs past its node.
     """
     try:
         return engine_plan(
-            first_ranks_of_model_copies(tp, pp, dp, order),
+            first_ranks_of_model_copies(tp, pp, dp, order, cp),
             nodes=shape.nodes,
             gpus_per_node=shape.gpus_per_node,
             tensor_parallel_size=vllm_tp,
         )
     except ValueError as e:
-        raise ConfigError(f"{e} (TP {tp} x PP {pp} x DP {dp}, ranks {order})") from None
+        cps = f" x CP {cp}" if cp > 1 else ""
+        raise ConfigError(f"{e} (TP {tp} x PP {pp}{cps} x DP {dp}, ranks {order})") from None
 
 
 # --------------------------------------------------------------------------- the parts of the plan
@@ -162,7 +164,9 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
         return separate_plan(
             s.generation_gpus, gpus_per_node=s.shape.gpus_per_node, tensor_parallel_size=s.vllm_tp
         )
-    return _vllm_placement(s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order)
+    return _vllm_placement(
+        s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order, cp=s.cp
+    )
 
 
 def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
@@ -218,7 +222,8 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
                 s.tp,
                 s.pp,
                 vllm_tp,
-                stage_stride_ranks=s.tp if s.order != DEFAULT_ORDER else s.tp * s.dp,
+                # Megatron's orders: tp-cp-ep-pp-dp (stages TP x CP apart), tp-cp-ep-dp-pp
+                stage_stride_ranks=s.tp * s.cp * (1 if s.order != DEFAULT_ORDER else s.dp),
             )
         ],
     )
@@ -402,7 +407,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         out["step_model"] = step_model(
             s.cfg,
             world=s.shape.world,
-            dp=s.dp,
+            dp=s.dp * s.cp,  # one engine per model-parallel group: the CP ranks share a copy's
             v=vllm_terms,
             params=s.spec.num_params,
             seq_len=w.seq_len,

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Tuple
 
-from nemo_d3s.backends.megatron.config import CP_ENGINE_REFUSAL
 from nemo_d3s.backends.megatron.parallel import rank_order
 from nemo_d3s.core.checks import is_count, is_real
 from nemo_d3s.dry_run.memory import GB
@@ -136,8 +135,6 @@ def checked_setup(cfg: Any, shape: JobShape) -> Setup:
     ep = int(mcfg.expert_model_parallel_size)
     etp = int(mcfg.expert_tensor_parallel_size or tp)
     cp = int(mcfg.context_parallel_size)
-    if cp > 1 and str(cfg.rollout.engine) != "hf":
-        raise ConfigError(f"model.params.context_parallel_size={cp}: {CP_ENGINE_REFUSAL}")
     try:
         dp = check_layout(
             spec,

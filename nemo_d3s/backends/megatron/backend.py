@@ -15,7 +15,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from nemo_d3s.backends.base import LossFn, Policy, Scores, TokenBatch
+from nemo_d3s.backends.base import LossFn, Policy, RolloutEngine, Scores, TokenBatch
 from nemo_d3s.backends.hf.loading import load_tokenizer, resolve_device
 from nemo_d3s.backends.hf.rollout import encode_prompts
 from nemo_d3s.backends.lr import lr_multiplier
@@ -23,12 +23,10 @@ from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron import optimizer as optim
 from nemo_d3s.backends.megatron.config import (
-    CP_ENGINE_REFUSAL,
     MegatronBackendConfig,
     check_options,
 )
 from nemo_d3s.backends.megatron.engine import (
-    ModelParallelRollouts,
     model_parallel_group,
     place_engine,
     replica_engine,
@@ -40,6 +38,7 @@ from nemo_d3s.backends.megatron.moe import (
     router_loss_metrics,
 )
 from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.wrappers import pad_token_id
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
     init_groups,
@@ -57,7 +56,6 @@ from nemo_d3s.backends.megatron.model import (
     use_transformer_engine,
     virtual_layouts,
 )
-from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import atomic_folder
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.safetensors_stream import write_hf_weights
@@ -201,14 +199,15 @@ class MegatronBackend(Policy):
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
-        self._own_engine: Optional[ModelParallelRollouts] = None
+        self._own_engine: Optional[RolloutEngine] = None
 
     @property
-    def rollout_engine(self) -> ModelParallelRollouts:
+    def rollout_engine(self) -> RolloutEngine:
         """The seeded HF sampler on a transformers replica, built on first use (collective),
-        so a vLLM run never holds the replica."""
+        so a vLLM run never holds the replica; at CP > 1 the copy's CP ranks share the prompts
+        (``cp_rollouts.py``)."""
         if self._own_engine is None:
-            self._own_engine = place_engine(self, replica_engine(self), self.mp_gloo_group)
+            self._own_engine = self.place_rollout_engine(replica_engine(self))
             self._own_engine.sync_weights(self)  # the replica starts from these weights
         return self._own_engine
 
@@ -258,16 +257,23 @@ class MegatronBackend(Policy):
             self.model, self.spec, self.layout, self.groups, to_cpu=False, vpp=self.vpp
         )
 
-    def place_rollout_engine(self, build) -> ModelParallelRollouts:
-        """One engine per model-parallel group (``engine.place_engine``). Under context
-        parallelism each CP rank's TP x PP group would start its own engine on its own GPUs
-        and sample on its own: refused (the policy's seeded HF engine samples the same
-        rollouts in every group and runs)."""
+    def place_rollout_engine(self, build) -> RolloutEngine:
+        """One engine per model-parallel group (``engine.place_engine``); under context
+        parallelism the CP ranks' groups of a copy each generate a block of its prompts and
+        gather them (``cp_rollouts.ContextParallelRollouts``)."""
+        engine = place_engine(self, build, self.mp_gloo_group)
         if self.groups.cp_size > 1:
-            raise ConfigError(
-                f"model.params.context_parallel_size={self.groups.cp_size}: {CP_ENGINE_REFUSAL}"
-            )
-        return place_engine(self, build, self.mp_gloo_group)
+            from nemo_d3s.backends.megatron.cp_rollouts import ContextParallelRollouts
+            from nemo_d3s.backends.megatron.parallel import context_parallel_gloo_group
+
+            group = context_parallel_gloo_group()
+            if group is None:
+                raise RuntimeError(
+                    "no gloo twin of the context-parallel group: build Megatron's groups with "
+                    "parallel.initialize_megatron_groups (or make_model_parallel_gloo_twin)"
+                )
+            engine = ContextParallelRollouts(engine, group, pad_token_id(self.tokenizer))
+        return engine
 
     mp_group = staticmethod(model_parallel_group)
 

@@ -11,7 +11,6 @@ from nemo_d3s.backends.hf.gguf_convert import DEFAULT_MODEL_NAME
 from nemo_d3s.backends.settings import PolicySettings
 
 __all__ = [
-    "CP_ENGINE_REFUSAL",
     "DISPATCHERS",
     "DTYPES",
     "MegatronBackendConfig",
@@ -28,14 +27,6 @@ DISPATCHERS = ("alltoall", "allgather")
 ROUTER_DTYPES = ("fp32", "fp64")  # Megatron-LM's --moe-router-dtype; None: the model's
 
 
-# Context parallelism with an engine other than the policy's own: every CP rank's TP x PP
-# group would start its own engine (backend.place_rollout_engine and the dry run refuse it).
-CP_ENGINE_REFUSAL = (
-    "a rollout engine other than the policy's own (rollout.engine=hf) is not shared across "
-    "the CP ranks of a model copy yet; use rollout=hf, or context_parallel_size=1"
-)
-
-
 @dataclass
 class MegatronBackendConfig(PolicySettings):
     """Everything :class:`~nemo_d3s.backends.megatron.backend.MegatronBackend` needs.
@@ -45,9 +36,9 @@ class MegatronBackendConfig(PolicySettings):
         (bf16 parameters always train on fp32 main weights and moments).
     TP must divide the heads, KV heads and FFN width; PP the layers; VPP > 1 (PP > 1) runs
         interleaved 1F1B. context_parallel_size: CP, DP = world / (TP x PP x CP), each row
-        cut into 2 x CP chunks (``core.context_parallel``); rollouts from the policy's own
-        engine only (:data:`CP_ENGINE_REFUSAL`). sequence_packing: refused, naming
-        ``trainer.pack_sequences``.
+        cut into 2 x CP chunks (``core.context_parallel``); each CP rank's TP x PP group has an
+        engine and generates a block of the copy's prompts (``cp_rollouts.py``).
+        sequence_packing: refused, naming ``trainer.pack_sequences``.
     use_tp_pp_dp_mapping: ranks laid out tp-cp-ep-pp-dp, so each model copy (and its
         engine) sits on consecutive ranks; the math is unchanged.
     distributed_optimizer: Megatron's DDP + distributed optimizer (None: CUDA only) or

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -14,6 +14,8 @@ __all__ = [
     "first_ranks_of_model_copies",
     "global_rank_of",
     "initialize_megatron_groups",
+    "context_parallel_gloo_group",
+    "context_parallel_groups",
     "model_parallel_gloo_group",
     "rank_order",
     "set_cuda_connections",
@@ -84,6 +86,7 @@ def set_cuda_connections() -> None:
 
 
 _MP_GLOO = None  # this rank's gloo twin of Megatron's model-parallel group
+_CP_GLOO = None  # ... and of its context-parallel group (CP > 1)
 
 
 def initialize_megatron_groups(
@@ -122,11 +125,30 @@ def initialize_megatron_groups(
     apply_timeout(as_timedelta(timeout_minutes))
 
     def teardown() -> None:
-        global _MP_GLOO
-        _MP_GLOO = None
+        global _MP_GLOO, _CP_GLOO
+        _MP_GLOO = _CP_GLOO = None
         ps.destroy_model_parallel()
 
     return teardown
+
+
+def _rank_groups(
+    tp: int, pp: int, dp: int, order: str, cp: int, *, varying: str
+) -> List[List[int]]:
+    """Every rank's global number grouped by the coordinates other than ``varying`` ("mp":
+    TP and stage vary within a group; "cp": the CP rank does), each group sorted, the groups
+    in (DP, CP) / (DP, stage, TP) order."""
+    groups: Dict[Tuple[int, ...], List[int]] = {}
+    for d in range(dp):
+        for c in range(cp):
+            for p in range(pp):
+                for t in range(tp):
+                    key = (d, c) if varying == "mp" else (d, p, t)
+                    rank = global_rank_of(
+                        t, p, d, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp
+                    )
+                    groups.setdefault(key, []).append(rank)
+    return [sorted(groups[k]) for k in sorted(groups)]
 
 
 def model_parallel_groups(
@@ -134,15 +156,15 @@ def model_parallel_groups(
 ) -> List[List[int]]:
     """The global ranks of every model-parallel (TP x PP) group, one per (DP, CP) rank,
     sorted: a pure function of the layout (no collective). EP = 1."""
-    return [
-        sorted(
-            global_rank_of(t, p, d, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp)
-            for p in range(pp)
-            for t in range(tp)
-        )
-        for d in range(dp)
-        for c in range(cp)
-    ]
+    return _rank_groups(tp, pp, dp, order, cp, varying="mp")
+
+
+def context_parallel_groups(
+    tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER, cp: int = 1
+) -> List[List[int]]:
+    """The global ranks of every context-parallel group (the CP ranks of one TP rank, stage
+    and DP replica): a pure function of the layout. EP = 1."""
+    return _rank_groups(tp, pp, dp, order, cp, varying="cp")
 
 
 def make_model_parallel_gloo_twin(
@@ -154,26 +176,42 @@ def make_model_parallel_gloo_twin(
     cp: int = 1,
 ):
     """Create the gloo twin of every model-parallel group (collective over the world, no NCCL
-    call) and keep this rank's: engine waits then stay on the host, off the engine's GPUs."""
-    global _MP_GLOO
+    call) and keep this rank's: engine waits then stay on the host, off the engine's GPUs.
+    At CP > 1 also the context-parallel groups' twins (:func:`context_parallel_gloo_group`)."""
+    global _MP_GLOO, _CP_GLOO
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.distributed.timeouts import as_timedelta
 
-    world = dist.get_world_size()
-    groups = model_parallel_groups(tp, pp, world // (tp * pp * cp), order, cp)
-    mine = sorted(dist.get_process_group_ranks(ps.get_model_parallel_group()))
-    if mine not in groups:
-        raise RuntimeError(
-            f"Megatron's model-parallel group {mine} is not one of {groups} (layout "
-            f"{tp}x{pp}, CP {cp}, order {order})"
-        )
+    dp = dist.get_world_size() // (tp * pp * cp)
     timeout = as_timedelta(timeout_minutes)
-    _MP_GLOO, _ = dist.new_subgroups_by_enumeration(
-        groups, backend="gloo", **({"timeout": timeout} if timeout else {})
-    )
+
+    def twin(what: str, groups: List[List[int]], megatron_group):
+        mine = sorted(dist.get_process_group_ranks(megatron_group))
+        if mine not in groups:
+            raise RuntimeError(
+                f"Megatron's {what} group {mine} is not one of {groups} (layout {tp}x{pp}, "
+                f"CP {cp}, order {order})"
+            )
+        group, _ = dist.new_subgroups_by_enumeration(
+            groups, backend="gloo", **({"timeout": timeout} if timeout else {})
+        )
+        return group
+
+    mp = model_parallel_groups(tp, pp, dp, order, cp)
+    _MP_GLOO = twin("model-parallel", mp, ps.get_model_parallel_group())
+    _CP_GLOO = None
+    if cp > 1:  # the CP ranks of a copy share its prompts' generation (cp_rollouts.py)
+        groups = context_parallel_groups(tp, pp, dp, order, cp)
+        _CP_GLOO = twin("context-parallel", groups, ps.get_context_parallel_group())
     return _MP_GLOO
+
+
+def context_parallel_gloo_group():
+    """This rank's gloo twin of the context-parallel group (None at CP 1 or before
+    :func:`make_model_parallel_gloo_twin`)."""
+    return _CP_GLOO
 
 
 def model_parallel_gloo_group():

