@@ -963,29 +963,32 @@ def test_long_recipe_plans_without_context_parallelism_for_the_reasons_its_file_
     assert round((pp2_resident + t["vllm"]) / GB, 1) == 104.5 > 80
 
 
-def test_32k_recipe_fits_on_the_long_recipes_layout(tmp_path, monkeypatch, capsys):
+def test_32k_recipe_fits_with_context_parallelism(tmp_path, monkeypatch, capsys):
     """experiment=llama3_70b_32k (rows of 32768 tokens, responses of 31744) fits 80 GB on 8 x 8
-    GPUs without CP, with the numbers its comment gives: one 32k row fills the long recipe's
-    32768-token micro-batch (the same 13.0 GB on stage 0, 58.9 GB training peak), generation
-    peaks at 78.9 GB with 11 full-length sequences in the KV cache, 16 prompts a step keep the
-    step model's generation at 1,003 s; on 16 nodes 72.1 GB and the same GPU-seconds."""
+    GPUs at TP 8 x PP 2 x CP 2, with the numbers its comment gives: each row over two CP ranks
+    (3.2 GB of activations on stage 0, 47.4 GB training peak; the long recipe's CP-1 layout
+    would hold 13.0 and 58.9), four TP-8 engines (one per CP rank's group, as many as at
+    CP 1), generation peaking at 78.0 GB with 11 full-length sequences in the KV cache, 16
+    prompts a step keeping the step model's generation at 1,003 s; on 16 nodes 71.4 GB and
+    the same GPU-seconds."""
     rc, out, err = _run_in_process(
         ["experiment=llama3_70b_32k", "trainer.dry_run=true", f"output_dir={tmp_path}"],
         monkeypatch,
         capsys,
     )
     assert rc == 0, out + err
-    assert "verdict: FITS in 80 GB per GPU: peak 78.9 GB at (TP 0, PP 0) in generation" in out
+    assert "verdict: FITS in 80 GB per GPU: peak 78.0 GB at (TP 0, PP 0) in generation" in out
+    assert "TP 8 x PP 2 x CP 2 x DP 2" in out
     report = json.loads((tmp_path / "dry_run.json").read_text())
     lay, w = report["layout"], report["workload"]
-    assert (lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay["world"]) == (4, 4, 1, 4, 64)
+    assert (lay["tp"], lay["pp"], lay["cp"], lay["dp"], lay["world"]) == (8, 2, 2, 2, 64)
     assert (w["seq_len"], w["gen_len"], w["micro_batch_tokens"]) == (32768, 32768, 32768)
     assert report["fits"] and report["context_parallel_needed"] == []
     first = _busiest_stage0(report)
-    assert round(first["terms_bytes"]["activations"] / GB, 1) == 13.0
-    assert round(first["train_peak_bytes"] / GB, 1) == 58.9
-    last = next(x for x in report["positions"] if x["pp_rank"] == 3)
-    assert round(last["terms_bytes"]["logits"] / GB, 1) == 8.8
+    assert round(first["terms_bytes"]["activations"] / GB, 1) == 3.2
+    assert round(first["train_peak_bytes"] / GB, 1) == 47.4
+    last = next(x for x in report["positions"] if x["pp_rank"] == 1)
+    assert round(last["terms_bytes"]["logits"] / GB, 1) == 2.3
     v = report["vllm"]
     assert (v["max_model_len"], v["kv_tokens"], v["full_sequences"]) == (32768, 388052, 11)
     assert v["engines"] == 4 and v["rows_per_engine_step"] == 64
@@ -1004,7 +1007,7 @@ def test_32k_recipe_fits_on_the_long_recipes_layout(tmp_path, monkeypatch, capsy
     )
     assert rc == 0, out + err
     wide = json.loads((tmp_path / "n16" / "dry_run.json").read_text())
-    assert wide["vllm"]["engines"] == 8 and round(wide["worst"]["peak_bytes"] / GB, 1) == 72.1
+    assert wide["vllm"]["engines"] == 8 and round(wide["worst"]["peak_bytes"] / GB, 1) == 71.4
     assert round(wide["step_model"]["layouts"][0]["gpu_seconds"]) == 66051
 
 
