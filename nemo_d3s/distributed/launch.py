@@ -55,8 +55,13 @@ def _child(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(int(threads))
+    # a client of the parent's store: no rank binds a port the parent picked earlier, which
+    # another process may have taken meanwhile (seen under CI: EADDRINUSE at rank 0's bind)
+    store = dist.TCPStore(
+        "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+    )
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
     )
     teardown = None
     try:
@@ -84,11 +89,22 @@ def run_on_gloo_ranks(
     numbers, strings, None and containers of them. threads: torch threads per rank; timeout: seconds
     for the whole run, also the group's collective timeout."""
     import torch
+    import torch.distributed as dist
     import torch.multiprocessing as tmp
 
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     fn_ref, setup_ref = _ref(fn), _ref(rank_setup)
+    # The ranks' store lives here, on a port the OS gives it at the bind (port 0): nothing
+    # can take it between choosing and binding, and it outlives every rank's last read.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
     with tempfile.TemporaryDirectory(prefix="nemo_d3s_ranks_") as out_dir:
         ctx = tmp.start_processes(
             _child,
@@ -97,7 +113,7 @@ def run_on_gloo_ranks(
                 setup_ref,
                 tuple(setup_args),
                 world_size,
-                free_port(),
+                store.port,
                 threads,
                 out_dir,
                 timeout,

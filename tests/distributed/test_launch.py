@@ -88,3 +88,19 @@ def test_results_are_read_back_without_running_code():
         TypeError, match=r"_return_opaque: rank 0.s result is not plain data.*Fraction"
     ):
         run_on_gloo_ranks(_return_opaque, 2)
+
+
+def test_a_port_taken_after_it_was_chosen_does_not_stop_the_ranks(monkeypatch):
+    """Seen under CI: the launcher chose a free port, another process took it, and rank 0's
+    store failed to bind (EADDRINUSE). The ranks now join a store the launcher binds itself
+    (port 0): with the old way's port held by someone else, the run still works."""
+    import socket
+
+    from nemo_d3s.distributed import launch
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
+        out = run_on_gloo_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
+    assert [r["sum"] for r in out] == [1.0, 1.0]
