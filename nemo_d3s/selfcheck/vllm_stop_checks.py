@@ -88,7 +88,12 @@ def sigterm_mid_call(v: Any) -> tuple:
     if worker.is_alive():
         return ["the generation still waits on the engine that shut down"], out
     out["aborted"] = isinstance(err, GenerationInterrupted) and "aborted" in str(err)
-    if not out["aborted"]:  # (the requests were in flight: vLLM aborts them)
+    # or the engine core ended on the signal mid-step before it could abort the requests
+    # (seen on a loaded 2-core machine): interrupted too, and no rollout came back either way
+    out["engine_stopped"] = isinstance(
+        err, GenerationInterrupted
+    ) and "stopped with the job" in str(err)
+    if not (out["aborted"] or out["engine_stopped"]) or "rollouts" in result:
         problems.append(f"the call ended with {err!r} (rollouts: {'rollouts' in result})")
     if not connection.wait([core.sentinel], timeout=300):
         return problems + ["the engine core did not end"], out

@@ -345,5 +345,6 @@ def test_sigterm_to_the_engine_mid_call_returns_no_rollout_and_stops_the_engine(
     finally:
         engine.close()
     assert problems == [], (problems, out)
-    assert out["watching"] and out["aborted"] and out["exit_code"] in (0, -15), out
+    assert out["watching"] and out["exit_code"] in (0, -15), out
+    assert out["aborted"] or out["engine_stopped"], out  # (which: the signal's timing)
     assert engine.stopped and not engine.alive() and engine.held_version is None
