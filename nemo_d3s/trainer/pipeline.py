@@ -29,7 +29,7 @@ from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Poli
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
-from nemo_d3s.trainer.faults import fault_point
+from nemo_d3s.trainer.faults import fault_point, first_line
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
     load_rollouts,
@@ -189,7 +189,10 @@ class GenerationPipeline:
             between()
             return
         last = min(version + self.k, self.total_steps) - 1
-        status, failure = 0.0, None
+        # a stop signal pending here skips the refit, as after a synchronous step's update: the
+        # checkpoint comes first and holds every batch generated so far (the resumed run
+        # refits from it)
+        status, failure = (1.0 if self.stop_requested() else 0.0), None
         try:
             self._waited[version] = self._waited.get(version, 0.0) + self._wait(last)
         except GenerationInterrupted:
@@ -203,11 +206,32 @@ class GenerationPipeline:
             raise RuntimeError("the rollout worker failed on another rank (its log says why)")
         if agreed >= 1:
             raise GenerationInterrupted("stop requested while waiting for rollouts")
-        self.engine.sync_weights(policy)  # the worker is idle: nothing released is left
+        self._refit(policy)  # the worker is idle: nothing released is left
         with self._cv:
             self._version = int(version)
         between()
         self._release(version + self.k, min(version + self.k, self.total_steps - 1))
+
+    def _refit(self, policy: Policy) -> None:
+        """The boundary's refit, its outcome agreed by every rank (a model-parallel group
+        refits together). A refit a stop signal cuts short (an RPC into an engine going down
+        with the job raises) is GenerationInterrupted on every rank: the update is applied and
+        the loop checkpoints it; one that fails without a stop fails every rank."""
+        failure = None
+        try:
+            self.engine.sync_weights(policy)
+        except Exception as e:  # raised below unless a stop signal explains it
+            failure = e
+        stopping = self.groups.max(1.0 if self.stop_requested() else 0.0) > 0
+        failed = self.groups.max(0.0 if failure is None else 1.0) > 0
+        if failed and not stopping:
+            if failure is not None:
+                raise failure
+            raise RuntimeError("the refit failed on another rank (its log says why)")
+        if failure is not None:
+            log.warning("the refit stopped with the job (%s)", first_line(failure))
+        if stopping:
+            raise GenerationInterrupted("stop requested during the refit")
 
     def step_metrics(self, step: int) -> Dict[str, float]:
         """``rollout_staleness`` of step ``step``'s batch and the pipeline's timings: the

