@@ -70,24 +70,6 @@ REFERENCE = "hf"
 # ---------------------------------------------------------------------------- rank body
 
 
-def _data(cfg):
-    """(TokenBatch [B, S], advantages [B], old-log-prob noise [B, S], token keep [B, S])."""
-    import torch
-
-    from nemo_d3s.backends.base import TokenBatch
-
-    B, S, P = cfg["B"], cfg["S"], cfg["prompt"]
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([S - (7 * i) % min(50, S - P) for i in range(B)])
-    pos = torch.arange(S)
-    attn = pos < lengths.unsqueeze(1)
-    resp = attn & (pos >= P)
-    ids = torch.randint(0, cfg["vocab_ids"], (B, S), generator=g) * attn
-    adv = torch.randn(B, generator=g)
-    noise = 0.01 * torch.randn(B, S, generator=g)
-    return TokenBatch(ids, attn, resp), adv, noise, resp.clone()
-
-
 def _loss_fn(batch, old_lp, adv, keep):
     from nemo_d3s.trainer.update import one_minibatch_loss_fn
 
@@ -129,7 +111,7 @@ def _rank(rank, name, cfg):
     build_s = time.perf_counter() - t0
     st = C._proc_status()
     peak = st["VmHWM"]  # before the first RssPeak resets it
-    batch, adv, noise, keep = _data(cfg)
+    batch, adv, noise, keep = C.grpo_batch(cfg["B"], cfg["S"], cfg["prompt"], cfg["vocab_ids"])
     M = cfg["micro_batch_size"]
 
     gc.collect()

@@ -387,6 +387,25 @@ def rotate(items: Sequence[Any], r: int) -> List[Any]:
     return items[r:] + items[:r]
 
 
+def grpo_batch(B: int, S: int, prompt: int, vocab_ids: int):
+    """(TokenBatch [B, S], advantages [B], old-log-prob noise [B, S], token keep [B, S]): row i
+    is S - (7 i mod min(50, S - prompt)) tokens long, a ``prompt``-token prompt then the
+    response, random ids below ``vocab_ids``; every response token kept."""
+    import torch
+
+    from nemo_d3s.backends.base import TokenBatch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([S - (7 * i) % min(50, S - prompt) for i in range(B)])
+    pos = torch.arange(S)
+    attn = pos < lengths.unsqueeze(1)
+    resp = attn & (pos >= prompt)
+    ids = torch.randint(0, vocab_ids, (B, S), generator=g) * attn
+    adv = torch.randn(B, generator=g)
+    noise = 0.01 * torch.randn(B, S, generator=g)
+    return TokenBatch(ids, attn, resp), adv, noise, resp.clone()
+
+
 # ---------------------------------------------------------------------------- rank launcher
 
 

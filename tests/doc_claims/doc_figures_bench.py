@@ -236,4 +236,38 @@ def benchmarks_readme() -> List[str]:
     for w in ("0", "2"):
         r = rw["after"][w]
         out.append(f"{r['step_rewards_per_s']:.0f} / {r['eval_rewards_per_s']:.0f}")
+    moe = moe_ep()
+    out += [
+        f"bench_moe_ep.py # {moe['MINUTES']} on 2 cores",
+        *(moe[k] for k in ("STEP", "SHARE", "MEMORY", "DIFF")),
+    ]
     return out
+
+
+def moe_ep() -> dict:
+    """benchmarks/README.md's and docs/scaling.md's expert-parallelism figures, by placeholder."""
+    rec = record("bench_moe_ep.json")
+    s = rec["summary"]
+
+    def step(name):
+        return s[name]["rl_step_s"]
+
+    def share(name):
+        return f"{s[name]['train_step']['dispatcher_share']:.0%}"
+
+    ep1, a2a, ag = "ep1", "ep2_alltoall", "ep2_allgather"
+    return {
+        "MINUTES": f"{rec['elapsed_s'] / 60:.1f} min",
+        "STEP": f"an RL step takes {step(ep1):.2f} s at EP 1, {step(a2a):.2f} s "
+        f"({s[a2a]['rl_step_vs_ep1']:.2f}x) at EP 2 with the all-to-all dispatcher and "
+        f"{step(ag):.2f} s ({s[ag]['rl_step_vs_ep1']:.2f}x) with the all-gather one",
+        "SHARE": f"the dispatcher's share of train_step {share(ep1)} / {share(a2a)} / {share(ag)}",
+        "MEMORY": f"expert parameters {s[ep1]['expert_param_bytes_per_rank'] / MIB:.1f} MiB "
+        f"per rank at EP 1 and {s[a2a]['expert_param_bytes_per_rank'] / MIB:.1f} MiB at EP 2, "
+        f"peak RSS per rank {s[ep1]['rss_peak_bytes_per_rank'] / MIB:.0f} / "
+        f"{s[a2a]['rss_peak_bytes_per_rank'] / MIB:.0f} / "
+        f"{s[ag]['rss_peak_bytes_per_rank'] / MIB:.0f} MiB",
+        "DIFF": "bit for bit"
+        if max(s[n]["logprob_max_abs_diff_vs_ep1"] for n in (a2a, ag)) == 0
+        else "max |difference| " + sci(max(s[n]["logprob_max_abs_diff_vs_ep1"] for n in (a2a, ag))),
+    }
