@@ -114,6 +114,17 @@ _OUT = re.compile(
 _DOCS = ["README.md", "docs/*.md", "examples/README.md", "benchmarks/README.md", "conf/README.md"]
 
 
+def test_conf_readme_lists_every_experiment():
+    row = next(
+        line
+        for line in (ROOT / "conf" / "README.md").read_text().splitlines()
+        if line.startswith("| `experiment` |")
+    )
+    listed = set(re.findall(r"`([a-z0-9_]+)`", row.split("|")[2]))
+    presets = {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
+    assert presets <= listed, f"conf/README.md's experiment row lacks {sorted(presets - listed)}"
+
+
 def test_documented_commands_write_under_runs_or_outside_the_repository():
     """Every output path of a documented shell command (`--out`, `output_dir=`, `-o`,
     `--local-dir`, a sweep dir) is under `runs/` (git-ignored) or outside the repository, so

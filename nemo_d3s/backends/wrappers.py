@@ -14,7 +14,7 @@ is wrapped once, at build time:
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 
@@ -30,6 +30,23 @@ def _pad_to(t: torch.Tensor, length: int, value: Any) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
+def joined_stats(parts: Sequence[tuple]) -> Dict[str, float]:
+    """The engine stats of parts generated apart, as one call's: counts and seconds add up,
+    a ``*_mean`` or ``*_frac`` is weighted by each part's rows, ``gen_tokens_per_s`` is the
+    joined tokens over the joined seconds. ``parts``: (rows, stats) pairs."""
+    rows = sum(n for n, _ in parts) or 1
+    out: Dict[str, float] = {}
+    for n, stats in parts:
+        for k, v in stats.items():
+            share = n / rows if k.endswith(("_mean", "_frac")) else 1.0
+            out[k] = out.get(k, 0.0) + share * float(v)
+    if "gen_tokens_per_s" in out:
+        out["gen_tokens_per_s"] = out.get("gen_tokens", 0.0) / max(
+            out.get("gen_seconds", 0.0), 1e-9
+        )
+    return out
+
+
 def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     """Stack per-prompt Rollouts (each right-padded to its own S) into one, right-padded
     to the longest; ``prompt_index`` is renumbered to the position of the part."""
@@ -42,10 +59,7 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     prompt_index = torch.cat(
         [torch.full((len(p.batch),), i, dtype=torch.long) for i, p in enumerate(parts)]
     )
-    stats: dict = {}
-    for p in parts:
-        for k, v in p.stats.items():
-            stats[k] = stats.get(k, 0.0) + float(v)
+    stats = joined_stats([(len(p.batch), p.stats) for p in parts])
     sampling = None
     if all(p.sampling_logprobs is not None for p in parts):
         sampling = torch.cat([_pad_to(p.sampling_logprobs, length, 0.0) for p in parts])

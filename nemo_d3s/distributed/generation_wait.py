@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch.distributed as dist
 
+from nemo_d3s.distributed.timeouts import group_timeout
+
 __all__ = ["MIN_TOKENS_PER_S", "GenerationTimeout", "GenerationWait", "Outcome"]
 
 # The slowest aggregate decode rate (new tokens per second over a generation's rows) a live
@@ -81,10 +83,17 @@ class GenerationWait:
             self.prefix = f"nemo_d3s/wait/{name}/{n}"
 
     @classmethod
-    def of_group(cls, name: str, group: Optional[Any], base_s: float) -> "GenerationWait":
-        """The wait of the members of ``group`` (None: the world; one process: no store)."""
+    def of_group(
+        cls, name: str, group: Optional[Any], base_s: Optional[float] = None
+    ) -> "GenerationWait":
+        """The wait of the members of ``group`` (None: the world; one process: no store);
+        ``base_s`` None: the group's own collective timeout (the longest of its backends')."""
         if not (dist.is_available() and dist.is_initialized()):
-            return cls(name, 1, 0, base_s)
+            return cls(name, 1, 0, 0.0 if base_s is None else base_s)
+        if base_s is None:
+            if group is None:
+                raise ValueError("GenerationWait.of_group: the world's wait needs base_s")
+            base_s = max(t.total_seconds() for t in group_timeout(group).values())
         members = dist.get_world_size(group)
         # torch 2.13 distributed_c10d.py:1433 _get_default_store: the rendezvous' store
         store = dist.distributed_c10d._get_default_store() if members > 1 else None

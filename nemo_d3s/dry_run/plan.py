@@ -237,6 +237,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             vllm_tp=vllm_tp,
             weight_bytes_per_gpu=weights,
             decode_steps=int(cfg.trainer.max_new_tokens),
+            cp=s.cp,
         )
     )
     problems: List[str] = []

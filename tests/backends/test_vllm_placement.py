@@ -282,7 +282,8 @@ def test_the_dry_run_states_every_recipes_idle_gpus_in_generation_and_why(name, 
     if IDLE[name]:
         p = cfg.model.params
         copy = int(p.tensor_model_parallel_size) * int(p.pipeline_model_parallel_size)
-        assert f"a copy spans {copy} GPUs (TP x PP) and its engine {tp}" in v["idle_why"]
+        unit = "a copy" if int(p.get("context_parallel_size", 1)) == 1 else "a group"
+        assert f"{unit} spans {copy} GPUs (TP x PP) and its engine {tp}" in v["idle_why"]
         assert lines and f"{IDLE[name]} GPUs idle while generating (50%)" in lines[0]
     else:
         assert v["idle_why"] == "every GPU carries an engine shard" and not lines
@@ -305,3 +306,16 @@ def test_idle_gpu_seconds_hand_worked():
     assert g["gpus_idle_in_generation"] == 32 and g["idle_share_in_generation"] == 0.5
     assert g["generation_floor_s"] == pytest.approx(1.0)
     assert g["idle_gpu_seconds_per_step_min"] == pytest.approx(32.0)
+
+
+def test_the_idle_reason_names_the_cp_ranks_groups_at_context_parallelism():
+    """At CP 2 each CP rank's TP x PP group of a copy has its own engine (cp_rollouts.py): the
+    reason speaks of those groups, not of the copy (TP x PP x CP GPUs)."""
+    from nemo_d3s.backends.vllm.memory import generation_idle
+
+    kw = dict(gpus_total=128, gpus_with_engine=64, copy_gpus=16, vllm_tp=8)
+    kw.update(weight_bytes_per_gpu=1e9, decode_steps=10)
+    one, two = generation_idle(**kw)["idle_why"], generation_idle(**kw, cp=2)["idle_why"]
+    assert one.startswith("one engine per model copy: a copy spans 16 GPUs")
+    assert two.startswith("one engine per context-parallel rank's TP x PP group (2 per model")
+    assert "8 GPUs of each CP rank's group wait" in two

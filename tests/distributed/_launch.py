@@ -24,10 +24,10 @@ import multiprocessing
 import traceback
 from typing import Any, Callable, List
 
-from nemo_d3s.distributed.launch import free_port, run_on_gloo_ranks
+from nemo_d3s.distributed.launch import run_on_gloo_ranks
 from _limits import WAIT_S  # noqa: E402
 
-__all__ = ["free_port", "run_ranks"]
+__all__ = ["run_ranks"]
 
 _PRELOAD = [
     "torch",

@@ -115,3 +115,20 @@ def test_one_process_waits_for_nobody_and_the_limit_grows_with_the_generation():
     # 128 rollouts x 15360 new tokens (the 70B long recipe's engine) at the floor rate
     assert generation_limit_s(1800, 128, 15360) == 1800 + 128 * 15360 / 80
     assert Outcome.of(3 + (2 << 20) + (1 << 40)) == Outcome(True, True, 1)
+
+
+def _group_wait(rank):
+    import datetime
+
+    group = torch.distributed.new_group([0, 1], timeout=datetime.timedelta(seconds=123))
+    try:
+        GenerationWait.of_group("w", None)  # the world's wait: no group to read a timeout of
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return GenerationWait.of_group("g", group).base_s, refused
+
+
+def test_a_groups_wait_defaults_to_that_groups_own_timeout():
+    for base_s, refused in run_ranks(_group_wait, 2, megatron=False, timeout=WAIT_S):
+        assert base_s == 123.0 and "needs base_s" in refused

@@ -28,7 +28,6 @@ from nemo_d3s.backends.base import (
 from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.wrappers import EngineWrapper, concat_rollouts
 from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
-from nemo_d3s.distributed.timeouts import group_timeout
 
 __all__ = ["ContextParallelRollouts", "join_blocks", "prompt_blocks"]
 
@@ -51,9 +50,8 @@ class ContextParallelRollouts(EngineWrapper):
         super().__init__(inner)
         self.group, self.pad_id = group, int(pad_id)
         self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        base_s = max(t.total_seconds() for t in group_timeout(group).values())
         first = dist.get_global_rank(group, 0)
-        self.wait = GenerationWait.of_group(f"cp{first}", group, base_s)
+        self.wait = GenerationWait.of_group(f"cp{first}", group)
 
     # what an engine says of itself is the inner engine's
     prompt_seeds = property(lambda self: self.inner.prompt_seeds)

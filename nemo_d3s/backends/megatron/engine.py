@@ -28,7 +28,6 @@ from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed.comm import is_single
 from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
-from nemo_d3s.distributed.timeouts import group_timeout
 
 __all__ = [
     "ModelParallelRollouts",
@@ -72,8 +71,7 @@ class ModelParallelRollouts(RolloutEngine):
         self.policy, self.refit, self.device = policy, refit, device
         self.wait = None  # one process per model copy (TP = PP = 1; None): nobody to wait for
         if not is_single(group):
-            base_s = max(t.total_seconds() for t in group_timeout(group).values())
-            self.wait = GenerationWait.of_group(f"mp{src}", group, base_s)
+            self.wait = GenerationWait.of_group(f"mp{src}", group)
 
     @property
     def is_src(self) -> bool:

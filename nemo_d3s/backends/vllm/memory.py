@@ -138,19 +138,28 @@ def generation_idle(
     vllm_tp: int,
     weight_bytes_per_gpu: float,
     decode_steps: int,
+    cp: int = 1,
 ) -> Dict[str, object]:
     """The GPUs without an engine, which wait while the engines generate, and why, with a
     floor on the wait: each decode step reads an engine GPU's weights once at
-    :data:`HBM_BYTES_PER_S`."""
+    :data:`HBM_BYTES_PER_S`. ``copy_gpus``: TP x PP, the GPUs an engine is refitted from (at
+    context parallelism ``cp`` > 1, each CP rank's group of a copy has its own engine)."""
     idle = int(gpus_total) - int(gpus_with_engine)
     floor_s = int(decode_steps) * float(weight_bytes_per_gpu) / HBM_BYTES_PER_S
     if idle <= 0:
         why = "every GPU carries an engine shard"
     else:
+        unit = "copy" if int(cp) == 1 else "CP rank's group"
+        head = (
+            "one engine per model copy: a copy"
+            if int(cp) == 1
+            else f"one engine per context-parallel rank's TP x PP group ({cp} per model copy): "
+            "a group"
+        )
         why = (
-            f"one engine per model copy: a copy spans {copy_gpus} GPUs (TP x PP) and its engine "
-            f"{vllm_tp} (an engine spans at most one node and is refitted from its own copy's "
-            f"ranks), so {copy_gpus - vllm_tp} GPUs of each copy wait while it generates"
+            f"{head} spans {copy_gpus} GPUs (TP x PP) and its engine {vllm_tp} (an engine spans "
+            f"at most one node and is refitted from its own {unit}'s ranks), so "
+            f"{copy_gpus - vllm_tp} GPUs of each {unit} wait while it generates"
         )
     return {
         "gpus_idle_in_generation": idle,
