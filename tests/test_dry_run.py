@@ -1090,11 +1090,7 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
         plan(_compose([*base, "model.params.distributed_optimizer=true"]), JobShape(1, 8, "t"))
     with pytest.raises(ConfigError, match="sequence_parallel=true"):
         plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
-    # experts with context parallelism: refused before start, whatever EP (untested together)
-    for ep in (1, 2):
-        cp = [
-            f"model.params.expert_model_parallel_size={ep}",
-            "+model.params.context_parallel_size=2",
-        ]
-        with pytest.raises(ConfigError, match="context_parallel_size=2: experts"):
-            plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))
+    # experts with context parallelism are planned (EP carved out of DP x CP; tested on gloo)
+    cp = ["model.params.expert_model_parallel_size=2", "+model.params.context_parallel_size=2"]
+    layout = plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))["layout"]
+    assert (layout["tp"], layout["cp"], layout["dp"]) == (4, 2, 2)

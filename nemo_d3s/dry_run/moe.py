@@ -45,7 +45,6 @@ def check_planned_moe(spec: Any, mcfg: Any) -> None:
     check_moe_layout(
         spec,
         tp=int(mcfg.tensor_model_parallel_size),
-        cp=int(mcfg.context_parallel_size),
         sequence_parallel=bool(mcfg.sequence_parallel),
         distributed_optimizer=mcfg.distributed_optimizer is not False,
     )

@@ -26,7 +26,14 @@ from _tiny_hf import make_tiny_hf  # noqa: E402
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp_path):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["+model.params.context_parallel_size=2"]],
+    ids=["dp2ep2", "cp2ep2"],
+)
+def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp_path, extra):
+    """(``cp2ep2``: the two ranks are one model copy at context parallelism 2, each CP rank's
+    engine samples half the prompts, the experts split over the CP ranks)"""
     from nemo_d3s.convert import megatron_to_hf
 
     folder = str(make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe", layers=2))
@@ -43,11 +50,12 @@ def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp
                 f"model.name={folder}",
                 "model.backend=megatron",
                 "+model.params.expert_model_parallel_size=2",
+                *extra,
                 f"output_dir={out}",
             ],
         )
     )
-    _assert_same_run(hf_rows, read_jsonl(out / "metrics.jsonl"), "ep2")
+    _assert_same_run(hf_rows, read_jsonl(out / "metrics.jsonl"), f"ep2 {extra}")
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
     assert sorted(os.listdir(ckpt / "megatron")) == [
         "ep00_etp00_pp00.safetensors",

@@ -110,7 +110,6 @@ class MegatronBackend(Policy):
         check_moe_layout(
             self.spec,
             tp=tp,
-            cp=cp,
             packed=self.pack,
             sequence_parallel=cfg.sequence_parallel,
             distributed_optimizer=optim.uses_distributed_optimizer(

@@ -157,8 +157,10 @@ def save_policy(pol: Any, folder: str) -> List[str]:
             "scheduler_step": str(pol.scheduler.step_count),
             "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
         }
-        if pol.spec.num_experts and first_cp and expert_writer(layout):
-            # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered
+        if pol.spec.num_experts and expert_writer(layout):
+            # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered;
+            # EP is carved out of DP x CP, so another CP rank may hold other experts: one
+            # expert-data-parallel rank per position writes, whatever its CP rank
             experts = {k: v for k, v in own.items() if is_expert_param(k)}
             wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, experts, meta)}")
         if pol.groups.dp_rank != writer or not first_cp:

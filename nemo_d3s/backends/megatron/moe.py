@@ -45,7 +45,6 @@ def check_moe_layout(
     tp: int,
     sequence_parallel: bool,
     distributed_optimizer: bool,
-    cp: int = 1,
     packed: bool = False,
 ) -> None:
     """What megatron-core's MoE layer refuses only in its first training forward, refused
@@ -53,20 +52,14 @@ def check_moe_layout(
     transformer/moe/moe_layer.py:379-383; its dispatchers take [S/TP, b, H] inputs). And
     what this backend does not do yet for experts: Megatron's distributed optimizer (its
     expert state is sharded over the expert-data-parallel group, which the checkpoint's
-    gather and scatter do not follow), experts with context parallelism (untested: EP's
-    dispatch and the expert checkpoint files are checked at CP = 1 only) and packed
-    sequences (``align_micro_batches`` pads and widens rows, not packs)."""
+    gather and scatter do not follow) and packed sequences (``align_micro_batches`` pads and
+    widens rows, not packs). Experts with context parallelism are allowed: EP is carved out
+    of DP x CP as in megatron-core, each CP rank's tokens go to their experts' ranks."""
     if spec.num_experts and packed:
         raise ConfigError(
             f"{spec.architecture} (mixture of experts) with trainer.pack_sequences=true: "
             "expert layers' micro-batch plans are of padded rows; set "
             "trainer.pack_sequences=false"
-        )
-    if spec.num_experts and cp > 1:
-        raise ConfigError(
-            f"{spec.architecture} (mixture of experts) with context_parallel_size={cp}: "
-            "experts (any expert_model_parallel_size) are not tested with context "
-            "parallelism on this backend; set model.params.context_parallel_size=1"
         )
     if spec.num_experts and distributed_optimizer:
         raise ConfigError(

@@ -84,11 +84,12 @@ def finalize_grads(chunks: Model, groups: ParallelGroups) -> None:
     dense = [g for p, g in zip(params, grads) if id(p) not in experts]
     _average(dense, group, size)
     if experts:
-        # An expert's gradient holds every DP rank's tokens routed to it: summed over the
-        # ranks holding the same expert shard, divided by DP as the dense ones (megatron-core
-        # 0.16.1 distributed/distributed_data_parallel.py:285-288; experts refuse CP > 1).
+        # An expert's gradient holds every DP (x CP) rank's tokens routed to it: summed over
+        # the ranks holding the same expert shard, divided by DP x CP as the dense ones
+        # (megatron-core 0.16.1 distributed/distributed_data_parallel.py:284-287: both scaled
+        # by 1 / dp_cp_group.size()).
         expert_grads = [g for p, g in zip(params, grads) if id(p) in experts]
-        _average(expert_grads, ExpertGroups.current().edp, groups.dp_size)
+        _average(expert_grads, ExpertGroups.current().edp, size)
     inner = unwrap_model(chunks[0])
     if groups.pp_size > 1 and getattr(inner, "share_embeddings_and_output_weights", False):
         from megatron.core import parallel_state as ps

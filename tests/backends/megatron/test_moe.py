@@ -146,6 +146,11 @@ LAYOUTS = {
         HALVES,
     ),
     "pp2ep2": (4, {**EP2, "pipeline_model_parallel_size": 2}, HALVES),
+    # EP over the two context-parallel ranks of one copy (DP 1): each holds half of every
+    # row's tokens and sends them to their experts' rank
+    "cp2ep2": (2, {**EP2, "context_parallel_size": 2}, [list(range(B))]),
+    # EP carved out of DP x CP: two expert-data-parallel ranks per expert shard
+    "dp2cp2ep2": (4, {**EP2, "context_parallel_size": 2}, HALVES),
 }
 CASES = [("qwen3_moe", lay) for lay in LAYOUTS] + [
     ("qwen3_moe_norm", "ep2_alltoall"),
@@ -215,7 +220,7 @@ def _steps(pol, n):
         )
 
 
-def _policy(folder, ep):
+def _policy(folder, ep, cp=1):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
@@ -223,6 +228,7 @@ def _policy(folder, ep):
         model=folder,
         device="cpu",
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         scheduler="linear",
         total_steps=10,
         warmup_steps=1,
@@ -231,8 +237,8 @@ def _policy(folder, ep):
     return MegatronBackend(cfg)
 
 
-def _rank_save(rank, folder, ckpt, ep):
-    pol = _policy(folder, ep)
+def _rank_save(rank, folder, ckpt, ep, cp=1):
+    pol = _policy(folder, ep, cp)
     _steps(pol, 1)
     pol.save_checkpoint(ckpt)
     saved = dict(pol.hf_weights())
@@ -240,8 +246,8 @@ def _rank_save(rank, folder, ckpt, ep):
     return saved, dict(pol.hf_weights())
 
 
-def _rank_resume(rank, folder, ckpt, ep):
-    pol = _policy(folder, ep)
+def _rank_resume(rank, folder, ckpt, ep, cp=1):
+    pol = _policy(folder, ep, cp)
     pol.load_checkpoint(ckpt)
     loaded = dict(pol.hf_weights())
     _steps(pol, 1)
@@ -271,6 +277,37 @@ def test_ep2_checkpoint_resumes_bit_exactly_at_ep1_and_ep4(moe_folders, tmp_path
             assert any(".experts." in k for k in moved)
             for k in after:
                 if ep == 2:
+                    assert torch.equal(stepped[k], after[k]), k
+                else:
+                    torch.testing.assert_close(stepped[k], after[k], rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # a multi-rank equality run: the slow tier (docs/ci.md)
+def test_a_cp2_ep2_checkpoint_holds_every_expert_file_and_resumes_bit_exactly(
+    moe_folders, tmp_path
+):
+    """Saved at CP 2 x EP 2 (one model copy over two ranks, its experts split over the CP
+    ranks: one expert file each): the model loads bit for bit at EP 1 in one process and at
+    CP 2 x EP 2, and the next step matches the uninterrupted run's (bit for bit at CP 2 x EP 2,
+    1e-5 in one process)."""
+    folder, ckpt = moe_folders["qwen3_moe"], str(tmp_path / "ckpt")
+    (saved, after), (saved1, _) = run_ranks(
+        _rank_save, 2, folder, ckpt, 2, 2, megatron=False, timeout=WAIT_S
+    )
+    assert all(torch.equal(saved[k], saved1[k]) for k in saved)  # one copy: the same weights
+    assert {"ep00_etp00_pp00.safetensors", "ep01_etp00_pp00.safetensors"} <= set(
+        os.listdir(os.path.join(ckpt, "megatron"))
+    )
+    assert any(".experts." in k and not torch.equal(after[k], saved[k]) for k in after)
+    for world, ep, cp in ((1, 1, 1), (2, 2, 2)):
+        results = run_ranks(
+            _rank_resume, world, folder, ckpt, ep, cp, megatron=False, timeout=WAIT_S
+        )
+        for loaded, stepped in results:
+            assert sorted(loaded) == sorted(saved)
+            assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+            for k in after:
+                if cp == 2:  # the saved layout: bit for bit
                     assert torch.equal(stepped[k], after[k]), k
                 else:
                     torch.testing.assert_close(stepped[k], after[k], rtol=0, atol=1e-5)
@@ -348,7 +385,7 @@ def test_router_losses_are_logged_and_enter_the_gradient_alike_at_ep1_and_ep2(mo
             torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
 
 
-def test_experts_refuse_packed_rows_and_context_parallelism_before_start():
+def test_experts_refuse_packed_rows_before_start():
     from types import SimpleNamespace
 
     from nemo_d3s.backends.megatron.moe import check_moe_layout
@@ -359,7 +396,5 @@ def test_experts_refuse_packed_rows_and_context_parallelism_before_start():
     kw = dict(tp=1, sequence_parallel=False, distributed_optimizer=False)
     with pytest.raises(ConfigError, match="pack_sequences=false"):
         check_moe_layout(moe, packed=True, **kw)
-    with pytest.raises(ConfigError, match="context_parallel_size=2: experts"):
-        check_moe_layout(moe, cp=2, **kw)
-    check_moe_layout(moe, **kw)  # rows at CP 1: the tested layout
-    check_moe_layout(dense, cp=2, packed=True, **kw)  # a dense model packs and runs CP
+    check_moe_layout(moe, **kw)  # rows: the tested layout (any CP: the cp2ep2 case above)
+    check_moe_layout(dense, packed=True, **kw)  # a dense model packs
