@@ -40,7 +40,7 @@ def moe_folders(tmp_path_factory):
     return {
         a: str(make_tiny_hf(root / a, a, layers=2))
         for a in ("qwen3_moe", "qwen3_moe_norm", "mixtral")
-    }
+    } | {"qwen3_moe_4l": str(make_tiny_hf(root / "q4", "qwen3_moe", layers=4))}
 
 
 def _per_expert(state, arch):
@@ -103,7 +103,7 @@ def moe_reference(moe_folders):
     return {a: _reference(f, a) for a, f in moe_folders.items()}
 
 
-def _rank_layout(rank, folder, kw, dp_rows, ref_lp):
+def _rank_layout(rank, folder, kw, dp_rows, ref_lp, tokens=0):
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.backends.megatron.backend import MegatronBackend
@@ -114,13 +114,14 @@ def _rank_layout(rank, folder, kw, dp_rows, ref_lp):
     dp = ps.get_data_parallel_rank()
     rows = torch.tensor(dp_rows[dp], dtype=torch.long)
     local = batch.select(rows)
-    sc = pol.score(local, with_entropy=True, micro_batch_size=MBS)
+    sc = pol.score(local, with_entropy=True, micro_batch_size=MBS, micro_batch_tokens=tokens)
     old_lp = ref_lp + noise
     metrics = pol.train_step(
         local,
         grpo_loss_fn(local, old_lp[rows], adv[rows], keep[rows], AGG),
         MBS,
         denominator=denominator(keep, AGG),
+        micro_batch_tokens=tokens,
     )
     return {
         "rows": rows,
@@ -151,8 +152,19 @@ LAYOUTS = {
     "cp2ep2": (2, {**EP2, "context_parallel_size": 2}, [list(range(B))]),
     # EP carved out of DP x CP: two expert-data-parallel ranks per expert shard
     "dp2cp2ep2": (4, {**EP2, "context_parallel_size": 2}, HALVES),
+    # an interleaved pipeline (2 stages x 2 chunks of the 4-layer model) with experts
+    "pp2vpp2ep2": (
+        4,
+        {**EP2, "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+        HALVES,
+    ),
 }
-CASES = [("qwen3_moe", lay) for lay in LAYOUTS] + [
+# token budgets (trainer.micro_batch_tokens): 16 tokens a micro-batch, so the two DP ranks'
+# plans differ in count and shape (4 rows against 2) and the MoE plans are aligned
+TOKENS = {"ep2_tokens": "ep2_alltoall", "ep2_tokens_allgather": "ep2_allgather"}
+LAYOUTS.update({name: LAYOUTS[base] for name, base in TOKENS.items()})
+FOUR_LAYERS = {"pp2vpp2ep2"}
+CASES = [("qwen3_moe_4l" if lay in FOUR_LAYERS else "qwen3_moe", lay) for lay in LAYOUTS] + [
     ("qwen3_moe_norm", "ep2_alltoall"),
     ("mixtral", "ep1"),
     ("mixtral", "ep2_alltoall"),
@@ -183,13 +195,18 @@ def test_moe_layout_matches_transformers_and_the_hf_backend(
         kw,
         dp_rows,
         ref["logprobs"],
+        16 if layout in TOKENS else 0,
         megatron=False,
         timeout=WAIT_S,
     )
     ep = kw.get("expert_model_parallel_size", 1)
     ref_metrics, ref_weights = ref["train"]
     for res in results:
-        layers = 2 // kw.get("pipeline_model_parallel_size", 1)  # of 2, on this stage
+        # layers of the first model chunk: the model's over PP x VPP
+        chunks = kw.get("pipeline_model_parallel_size", 1) * kw.get(
+            "virtual_pipeline_model_parallel_size", 1
+        )
+        layers = (4 if arch == "qwen3_moe_4l" else 2) // chunks
         assert res["ep"][0] == ep and res["local_experts"] == layers * 4 // ep
         rows = res["rows"]
         for key in ("logprobs", "entropy"):
