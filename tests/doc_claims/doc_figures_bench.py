@@ -271,3 +271,18 @@ def moe_ep() -> dict:
         if max(s[n]["logprob_max_abs_diff_vs_ep1"] for n in (a2a, ag)) == 0
         else "max |difference| " + sci(max(s[n]["logprob_max_abs_diff_vs_ep1"] for n in (a2a, ag))),
     }
+
+
+def async_overlap() -> str:
+    """README's sentence on generation overlapped with training, from its record."""
+    rec = record("bench_async_overlap.json")
+    (k0,) = [r for r in rec["runs"] if r["max_staleness"] == 0]
+    (k1,) = [r for r in rec["runs"] if r["max_staleness"] == 1]
+    return (
+        f"k = 1 took {1 / k1['steps_per_s']:.0f} s a step against {1 / k0['steps_per_s']:.0f} s "
+        f"at k = 0 ({rec['speedup_by_seed'][0]:.2f}x the steps per second): run side by side on "
+        f"two cores, generation went from {k0['generation_s']:.0f} to {k1['generation_s']:.0f} s "
+        f"and the update from {k0['training_s']:.0f} to {k1['training_s']:.0f} s; the trainer "
+        f"waited {k1['wait_for_rollouts_s']:.1f} s a step for rollouts and "
+        f"{k1['overlap_share']:.0%} of generation overlapped the update"
+    )

@@ -15,11 +15,13 @@ tp2         2      Megatron backend, TP2 (gloo)
 tp2_pp2     4      Megatron backend, TP2 x PP2 (gloo)
 tp2_packed  2      Megatron backend, TP2, packed sequences (THD, the local attention)
 cp2         2      Megatron backend, context parallel 2 (K/V gathered over CP)
+ep2         2      Megatron backend, DP 2 x EP 2 (the tiny Qwen3-MoE, all-to-all)
 ==========  =====  ===================================================
 
-The model is a tiny random Llama whose every tensor is drawn here from a generator seeded by
-the tensor's name, so the golden numbers do not depend on transformers' initialiser (which
-may change between releases) or on the module order.
+The model is a tiny random Llama (``ep2``: a tiny random Qwen3-MoE, 4 experts, top-2) whose
+every tensor is drawn here from a generator seeded by the tensor's name, so the golden numbers
+do not depend on transformers' initialiser (which may change between releases) or on the
+module order.
 
 Regenerate after a change that is MEANT to move numbers (say so in the commit)::
 
@@ -45,6 +47,9 @@ import tempfile
 import zlib
 from pathlib import Path
 from typing import Dict, List, Sequence
+
+# tests/ holds _limits: on the path under pytest, not when this file runs as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _limits import WAIT_S  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,25 +86,40 @@ LAYOUTS: Dict[str, tuple] = {
     "tp2_pp2": (4, _megatron(2, 2)),
     "tp2_packed": (2, [*_megatron(2, 1), "trainer.pack_sequences=true"]),
     "cp2": (2, [*_megatron(1, 1), "+model.params.context_parallel_size=2"]),
+    "ep2": (2, [*_megatron(1, 1), "+model.params.expert_model_parallel_size=2"]),
 }
+# layouts of the mixture-of-experts model (make_model(..., moe=True)); the rest: the Llama
+MOE_LAYOUTS = {"ep2"}
 # Differ between layouts by design (how the DP ranks' loads were balanced).
 LAYOUT_KEYS = {"dp_imbalance_before", "dp_imbalance_after"}
 REL, ABS = 1e-4, 1e-6
 
 
-def make_model(folder: Path) -> Path:
+def make_model(folder: Path, moe: bool = False) -> Path:
     """A tiny Llama (vocab 300, hidden 32, 4 layers, 4 heads / 2 kv heads, untied) with the
-    byte-level tokenizer; weights ~ N(0, 0.2), norms ~ 1 + N(0, 0.1), each tensor from a
-    generator seeded by crc32 of its name."""
+    byte-level tokenizer; ``moe``: a Qwen3-MoE of the same sizes (head_dim 8, 4 experts of
+    width 24, top-2, renormalised). Weights ~ N(0, 0.2), norms ~ 1 + N(0, 0.1), each tensor
+    from a generator seeded by crc32 of its name."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
 
     folder = Path(folder)
     tok = byte_level_tokenizer()
-    cfg = LlamaConfig(
+    config, cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    extra = dict(
+        head_dim=8,
+        moe_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        use_sliding_window=False,
+    )
+    cfg = config(
+        **(extra if moe else {}),
         vocab_size=300,
         hidden_size=32,
         intermediate_size=48,
@@ -113,11 +133,17 @@ def make_model(folder: Path) -> Path:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,
     )
-    model = LlamaForCausalLM(cfg)
+    model = cls(cfg)
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
+    # the names and shapes the checkpoint holds (transformers 5 keeps a MoE's experts fused
+    # in memory and writes them one tensor per expert)
+    saved = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as shard:
+            saved.update({k: shard.get_tensor(k) for k in shard.keys()})
     tensors = {}
-    for name, p in model.state_dict().items():
+    for name, p in sorted(saved.items()):
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         tensors[name] = (
@@ -211,9 +237,9 @@ def compare(golden: Sequence[dict], fresh: Sequence[dict], what: str) -> List[st
 
 def write(names: Sequence[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp) / "model")
+        models = {moe: make_model(Path(tmp) / f"model{int(moe)}", moe) for moe in (False, True)}
         for name in names:
-            rows = run_layout(name, model, Path(tmp) / name)
+            rows = run_layout(name, models[name in MOE_LAYOUTS], Path(tmp) / name)
             golden_path(name).write_text(
                 "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows)
             )
