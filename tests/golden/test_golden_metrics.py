@@ -60,9 +60,10 @@ def test_megatron_layouts_match_golden(name, model, tmp_path):
 
 
 def test_golden_layouts_agree_with_each_other():
-    """The golden files are one run at four layouts: layout invariance, written down."""
+    """The Llama's golden files are one run at every layout: layout invariance, written down
+    (the mixture-of-experts model's, another model, are left out)."""
     ref = golden.read_golden("single")
-    for name in golden.LAYOUTS:
+    for name in set(golden.LAYOUTS) - golden.MOE_LAYOUTS:
         assert golden.compare(ref, golden.read_golden(name), name) == []
 
 
