@@ -143,14 +143,43 @@ def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
     """What the 70B recipe's comment says: at TP 4 x PP 4 in Megatron's default rank order the
     engines of the four TP x PP copies start at ranks 0, 4, 8, 12, two per node on nodes 0-1,
     where a TP-8 engine from local rank 4 would need GPUs 4..11: the layout cannot run (an
-    error naming it); in tp-pp-dp order one engine per even node, on GPUs 0-7 (fits)."""
+    error naming it); in tp-pp-dp order each copy holds two nodes, and its two engines
+    (``rollout_engines_per_copy: 2``) start on each node's GPU 0 (fits; no GPU idle while they
+    generate). One engine per copy: one per even node, the odd nodes' 32 GPUs idle."""
     report = plan(
         _compose(["experiment=llama3_70b", f"output_dir={tmp_path}"]), JobShape(8, 8, "test")
     )
     assert report["fits"] and report["layout"]["rank_order"] == "tp-cp-ep-pp-dp"
-    assert report["vllm"]["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
-    assert report["vllm"]["shards_per_gpu"] == 1
-    assert report["vllm"]["engine_gpus"]["16"] == [f"node2:gpu{g}" for g in range(8)]
+    v = report["vllm"]
+    assert v["engines_per_node"] == {str(n): 1 for n in range(8)}
+    assert v["shards_per_gpu"] == 1 and v["gpus_with_engine"] == 64
+    assert v["engine_gpus"]["16"] == [f"node2:gpu{g}" for g in range(8)]
+    assert v["engine_gpus"]["24"] == [f"node3:gpu{g}" for g in range(8)]
+    assert v["gpus_idle_in_generation"] == 0 and v["rows_per_engine_step"] == 1024 // 8
+    # every stage's GPU 0 carries an engine shard (stages 2-3 are the second node)
+    on_engine = {
+        (p["tp_rank"], p["pp_rank"]) for p in report["positions"] if "vllm" in p["terms_bytes"]
+    }
+    assert on_engine == {(t, s) for t in range(4) for s in range(4)}
+    one = plan(
+        _compose(
+            [
+                "experiment=llama3_70b",
+                f"output_dir={tmp_path}",
+                "model.params.rollout_engines_per_copy=1",
+            ]
+        ),
+        JobShape(8, 8, "test"),
+    )
+    v1 = one["vllm"]
+    assert v1["engines_per_node"] == {"0": 1, "2": 1, "4": 1, "6": 1}
+    assert v1["gpus_idle_in_generation"] == 32 and "rollout_engines_per_copy=2" in v1["idle_why"]
+    on_engine = {
+        (p["tp_rank"], p["pp_rank"]) for p in one["positions"] if "vllm" in p["terms_bytes"]
+    }
+    assert on_engine == {(t, s) for t in range(4) for s in range(2)}
+    gen_one, gen_two = (r["step_model"]["layouts"][0]["generation_s"] for r in (one, report))
+    assert gen_two < 0.7 * gen_one  # 256 rollouts an engine in 3 waves of 126 -> 128 in 2
     with pytest.raises(ConfigError, match="the engine of local rank 4 needs GPUs 4..11"):
         plan(
             _compose(
@@ -228,8 +257,8 @@ def test_cli_dry_run_of_the_70b_recipe_writes_its_plan(tmp_path):
     for x in report["positions"]:
         assert {"tp_rank", "pp_rank", "params", "terms_bytes", "peak_bytes", "fits"} <= set(x)
         assert {"weights", "grads", "optimizer", "activations"} <= set(x["terms_bytes"])
-        # the TP-8 engine of a copy runs on its ranks 0-7: stages 0 and 1 (TP 4 each) of node 2k
-        assert ("vllm" in x["terms_bytes"]) == (x["pp_rank"] < 2), x
+        # a copy's two TP-8 engines run on its ranks 0-7 and 8-15: every stage carries a shard
+        assert "vllm" in x["terms_bytes"], x
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing was trained
 
 
@@ -256,6 +285,7 @@ def test_70b_at_tp1_does_not_fit_and_says_why(tmp_path, monkeypatch, capsys):
             "model.params.tensor_model_parallel_size=1",
             "model.params.pipeline_model_parallel_size=1",
             "rollout.tensor_parallel_size=1",
+            "model.params.rollout_engines_per_copy=1",
         ],  # one engine per rank: one GPU each
         monkeypatch,
         capsys,
@@ -942,7 +972,7 @@ def test_long_recipe_plans_without_context_parallelism_for_the_reasons_its_file_
         plan(_compose(cp2), JobShape(8, 8, "test"))
     tp4 = plan(_compose([*cp2, "rollout.tensor_parallel_size=4"]), JobShape(8, 8, "test"))
     v4 = tp4["vllm"]
-    assert (v4["engines"], v4["kv_tokens"], tp4["fits"]) == (4, 0, False)
+    assert (v4["engines"], v4["kv_tokens"], tp4["fits"]) == (8, 0, False)  # 2 per CP group
     assert round(v4["weights_bytes"] / GB, 1) == 35.3
 
     # the training side of CP 2, planned with the policy's own engine (the HF replica's terms
@@ -967,17 +997,17 @@ def test_32k_recipe_fits_with_context_parallelism(tmp_path, monkeypatch, capsys)
     """experiment=llama3_70b_32k (rows of 32768 tokens, responses of 31744) fits 80 GB on 8 x 8
     GPUs at TP 8 x PP 2 x CP 2, with the numbers its comment gives: each row over two CP ranks
     (3.2 GB of activations on stage 0, 47.4 GB training peak; the long recipe's CP-1 layout
-    would hold 13.0 and 58.9), four TP-8 engines (one per CP rank's group, as many as at
-    CP 1), generation peaking at 78.0 GB with 11 full-length sequences in the KV cache, 16
-    prompts a step keeping the step model's generation at 1,003 s; on 16 nodes 71.4 GB and
-    the same GPU-seconds."""
+    would hold 13.0 and 58.9), eight TP-8 engines (two per CP rank's group, one per node, as
+    at CP 1), generation peaking at 78.0 GB with 11 full-length sequences in the KV cache, 16
+    prompts a step keeping the step model's generation at 501 s; on 16 nodes 71.4 GB and
+    16 rollouts per engine in 2 waves."""
     rc, out, err = _run_in_process(
         ["experiment=llama3_70b_32k", "trainer.dry_run=true", f"output_dir={tmp_path}"],
         monkeypatch,
         capsys,
     )
     assert rc == 0, out + err
-    assert "verdict: FITS in 80 GB per GPU: peak 78.0 GB at (TP 0, PP 0) in generation" in out
+    assert "verdict: FITS in 80 GB per GPU: peak 78.0 GB at (TP 0, PP 1) in generation" in out
     assert "TP 8 x PP 2 x CP 2 x DP 2" in out
     report = json.loads((tmp_path / "dry_run.json").read_text())
     lay, w = report["layout"], report["workload"]
@@ -991,12 +1021,12 @@ def test_32k_recipe_fits_with_context_parallelism(tmp_path, monkeypatch, capsys)
     assert round(last["terms_bytes"]["logits"] / GB, 1) == 2.3
     v = report["vllm"]
     assert (v["max_model_len"], v["kv_tokens"], v["full_sequences"]) == (32768, 388052, 11)
-    assert v["engines"] == 4 and v["rows_per_engine_step"] == 64
+    assert v["engines"] == 8 and v["rows_per_engine_step"] == 32
     sm = report["step_model"]["layouts"][0]
     assert (round(sm["generation_s"]), round(sm["training_s"]), round(sm["gpu_seconds"])) == (
-        1003,
+        501,
         29,
-        66051,
+        33961,
     )
 
     rc, out, err = _run_in_process(
@@ -1007,8 +1037,9 @@ def test_32k_recipe_fits_with_context_parallelism(tmp_path, monkeypatch, capsys)
     )
     assert rc == 0, out + err
     wide = json.loads((tmp_path / "n16" / "dry_run.json").read_text())
-    assert wide["vllm"]["engines"] == 8 and round(wide["worst"]["peak_bytes"] / GB, 1) == 71.4
-    assert round(wide["step_model"]["layouts"][0]["gpu_seconds"]) == 66051
+    assert wide["vllm"]["engines"] == 16 and round(wide["worst"]["peak_bytes"] / GB, 1) == 71.4
+    assert wide["vllm"]["rows_per_engine_step"] == 16  # 11 + 5: two waves, no longer halved
+    assert round(wide["step_model"]["layouts"][0]["gpu_seconds"]) == 44658
 
 
 def test_plan_counts_the_interleaved_schedules_extra_activations(tmp_path):

@@ -137,21 +137,24 @@ def test_the_long_recipe_without_sequence_parallelism_is_the_dry_runs(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama3_70b", "qwen25_72b"])
 def test_the_idle_gpus_while_generating_are_the_dry_runs(name, tmp_path):
-    """ "the 70B/72B recipes leave X of Y GPUs without an engine while generating (one engine
-    per Z-GPU model copy)"."""
+    """ "they leave X of Y GPUs without an engine while generating (E engines per Z-GPU model
+    copy)", and with one engine per copy "would leave X1 of Y GPUs waiting"."""
     text = " ".join(DOC.read_text().split())
     m = re.search(
-        r"the 70B/72B recipes leave (\d+) of (\d+) GPUs without an engine while generating "
-        r"\(one engine per (\d+)-GPU model copy\)",
+        r"they leave (\d+) of (\d+) GPUs without an engine while generating "
+        r"\((\d+) engines per (\d+)-GPU model copy\)",
         text,
     )
-    assert m, "the sentence on the GPUs without an engine is gone"
+    m1 = re.search(r"would leave (\d+) of (\d+) GPUs waiting while generating", text)
+    assert m and m1, "the sentences on the GPUs without an engine are gone"
     nodes, gpus = ROWS[name][:2]
     report, _ = _plan_busiest(name, tmp_path)
     v, layout = report["vllm"], report["layout"]
-    copy = layout["tp"] * layout["pp"]
-    assert [int(x) for x in m.groups()] == [v["gpus_idle_in_generation"], nodes * gpus, copy]
-    assert v["engines"] == nodes * gpus // copy
+    copy, per = layout["tp"] * layout["pp"], int(report["layout"]["rollout_engines_per_copy"])
+    assert [int(x) for x in m.groups()] == [v["gpus_idle_in_generation"], nodes * gpus, per, copy]
+    assert v["engines"] == nodes * gpus // copy * per
+    one, _ = _plan_busiest(name, tmp_path, "model.params.rollout_engines_per_copy=1")
+    assert [int(x) for x in m1.groups()] == [one["vllm"]["gpus_idle_in_generation"], nodes * gpus]
 
 
 def test_the_overlapped_70b_step_is_the_dry_runs(tmp_path):

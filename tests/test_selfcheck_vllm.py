@@ -105,6 +105,7 @@ def test_without_cuda_every_vllm_cuda_check_says_what_it_would_check():
         "vllm.refit_buckets",
         "vllm.refit_tp2",
         "vllm.refit_pipeline",
+        "vllm.engines_per_copy",
         "vllm.memory",
     }
     for r in finalize(records, cuda=False):

@@ -17,12 +17,13 @@ from nemo_d3s.backends.megatron.param_counts import (
 )
 from nemo_d3s.backends.megatron.parallel import (
     DEFAULT_ORDER,
-    first_ranks_of_model_copies,
+    engine_ranks_of_model_copies,
 )
 from nemo_d3s.backends.vllm.memory import (
     awake_engine_bytes,
     engine_plan,
     engine_positions,
+    engine_starts,
     generation_idle,
     refit_bytes,
     separate_plan,
@@ -69,10 +70,12 @@ _DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float32": 4}
 
 
 def _workload(s: Setup) -> Workload:
-    """What one training step asks of a GPU (one engine per TP x PP group: DP x CP of them,
-    the CP ranks of a copy sharing its prompts)."""
+    """What one training step asks of a GPU (``rollout_engines_per_copy`` engines per TP x PP
+    group: DP x CP x that many, sharing the prompts)."""
     cfg, spec, mcfg, dp = s.cfg, s.spec, s.mcfg, s.dp
-    engines = s.generation_gpus // s.vllm_tp if s.generation_gpus else dp * s.cp
+    engines = (
+        s.generation_gpus // s.vllm_tp if s.generation_gpus else dp * s.cp * s.engines_per_copy
+    )
     t = cfg.trainer
     ctx = int(spec.max_position_embeddings)
     vllm = str(cfg.rollout.engine) == "vllm"
@@ -128,21 +131,30 @@ def _workload(s: Setup) -> Workload:
 
 
 def _vllm_placement(
-    shape: JobShape, *, tp: int, pp: int, dp: int, vllm_tp: int, order: str, cp: int = 1
+    shape: JobShape,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    vllm_tp: int,
+    order: str,
+    cp: int = 1,
+    engines_per_copy: int = 1,
 ) -> Dict[str, Any]:
     """The engines' GPUs as the runtime places them (``backends/vllm/placement.py``); ConfigError
     when two engines would share a GPU or one runs past its node.
     """
     try:
         return engine_plan(
-            first_ranks_of_model_copies(tp, pp, dp, order, cp),
+            engine_ranks_of_model_copies(tp, pp, dp, order, cp, engines_per_copy),
             nodes=shape.nodes,
             gpus_per_node=shape.gpus_per_node,
             tensor_parallel_size=vllm_tp,
         )
     except ValueError as e:
         cps = f" x CP {cp}" if cp > 1 else ""
-        raise ConfigError(f"{e} (TP {tp} x PP {pp}{cps} x DP {dp}, ranks {order})") from None
+        per = f", {engines_per_copy} engines per copy" if engines_per_copy > 1 else ""
+        raise ConfigError(f"{e} (TP {tp} x PP {pp}{cps} x DP {dp}, ranks {order}{per})") from None
 
 
 # --------------------------------------------------------------------------- the parts of the plan
@@ -165,7 +177,14 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
             s.generation_gpus, gpus_per_node=s.shape.gpus_per_node, tensor_parallel_size=s.vllm_tp
         )
     return _vllm_placement(
-        s.shape, tp=s.tp, pp=s.pp, dp=s.dp, vllm_tp=s.vllm_tp, order=s.order, cp=s.cp
+        s.shape,
+        tp=s.tp,
+        pp=s.pp,
+        dp=s.dp,
+        vllm_tp=s.vllm_tp,
+        order=s.order,
+        cp=s.cp,
+        engines_per_copy=s.engines_per_copy,
     )
 
 
@@ -224,6 +243,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
                 vllm_tp,
                 # Megatron's orders: tp-cp-ep-pp-dp (stages TP x CP apart), tp-cp-ep-dp-pp
                 stage_stride_ranks=s.tp * s.cp * (1 if s.order != DEFAULT_ORDER else s.dp),
+                engines_per_copy=s.engines_per_copy,
             )
         ],
     )
@@ -238,6 +258,7 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
             weight_bytes_per_gpu=weights,
             decode_steps=int(cfg.trainer.max_new_tokens),
             cp=s.cp,
+            engines_per_copy=s.engines_per_copy,
         )
     )
     problems: List[str] = []
@@ -291,7 +312,7 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     }
     if float(s.cfg.algorithm.kl_coef) > 0:
         terms["reference"] = d * n
-    if s.engine == "hf" and t == 0 and p == 0:
+    if s.engine == "hf" and (t, p) in engine_starts(s.tp, s.pp, s.engines_per_copy):
         terms["hf_replica"] = d * spec.num_params
     act, in_flight = activation_bytes(activation_spec(spec), w, tp=s.tp, pp=s.pp, stage=p)
     terms["activations"] = act
@@ -408,7 +429,7 @@ def plan(cfg: Any, shape: Optional[JobShape] = None) -> Dict[str, Any]:
         out["step_model"] = step_model(
             s.cfg,
             world=s.shape.world,
-            dp=s.dp * s.cp,  # one engine per model-parallel group: the CP ranks share a copy's
+            dp=s.dp * s.cp * s.engines_per_copy,  # the engines: E per TP x PP group
             v=vllm_terms,
             params=s.spec.num_params,
             seq_len=w.seq_len,

@@ -174,6 +174,7 @@ def report(
             "optimizer": "distributed" if distributed_opt else "plain AdamW",
             "rollout_engine": s.engine,
             "vllm_tp": s.vllm_tp if s.engine == "vllm" else None,
+            "rollout_engines_per_copy": s.engines_per_copy,
             "dtype_bytes": w.dtype_bytes,
             "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // s.dp,
         },
@@ -236,7 +237,12 @@ def render(report: Dict[str, Any]) -> str:
         + (f" x CP {lay['cp']}" if lay.get("cp", 1) > 1 else "")
         + f" x DP {lay['dp']}{order_text}; "
         f"rollout={lay['rollout_engine']}"
-        + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else ""),
+        + (f" (vLLM TP {lay['vllm_tp']})" if lay["vllm_tp"] else "")
+        + (
+            f", {lay['rollout_engines_per_copy']} engines per model copy"
+            if lay.get("rollout_engines_per_copy", 1) > 1
+            else ""
+        ),
     ]
     w = report["workload"]
     micro = (

@@ -108,6 +108,11 @@ class Setup:
     etp: int = 1  # expert tensor parallelism
     nvls: bool = True  # NCCL uses NVLink SHARP (NCCL_NVLS_ENABLE is not 0)
 
+    @property
+    def engines_per_copy(self) -> int:
+        """Rollout engines per TP x PP group (``model.params.rollout_engines_per_copy``)."""
+        return int(getattr(self.mcfg, "rollout_engines_per_copy", 1))
+
 
 def checked_setup(cfg: Any, shape: JobShape) -> Setup:
     """Validate the run config, translate it to the backend's config (the trainer's own

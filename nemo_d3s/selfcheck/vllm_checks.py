@@ -215,6 +215,21 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
         return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
+def check_engines_per_copy(ctx: Context) -> Dict[str, Any]:
+    """Two engines per model copy (``rollout_engines_per_copy=2``, the 70B recipes' engine per
+    node): at PP 2 one on each stage's rank, both refitted from both stages."""
+    need_vllm()
+    need_world(ctx, 2, "two engines per PP-2 copy, one on each stage's GPU")
+    with megatron_backend(
+        ctx,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        rollout_engines_per_copy=2,
+        lr=1e-2,
+    ) as pol:
+        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
+
+
 # How much more than the dry run counts the awake engine may take: the dry run assumes the
 # worker's CUDA context and TP communicator (backends/vllm/memory.py VLLM_CONTEXT_BYTES,
 # VLLM_COMM_BYTES), whose real sizes vary with the driver, NCCL and the GPU by a few hundred MB:
@@ -352,6 +367,14 @@ CHECKS = [
         True,
         check_refit_pipeline,
         "a refit gathered across two pipeline stages into the engine on stage 0: bit for bit",
+    ),
+    Check(
+        "vllm.engines_per_copy",
+        True,
+        check_engines_per_copy,
+        "two vLLM engines per PP-2 model copy (model.params.rollout_engines_per_copy=2), one on "
+        "each stage's GPU, each refitted from both stages over CUDA IPC: bit for bit, after a "
+        "step too (one refit each)",
     ),
     Check(
         "vllm.memory",

@@ -9,22 +9,27 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.parallel import (
+    engine_ranks_of_model_copies,
+    first_ranks_of_model_copies,
+    rank_order,
+)
 from nemo_d3s.backends.vllm.placement import engine_devices, engine_placement
 
 # recipe -> (nodes, expected {engine rank: (node, local GPUs)})
 RECIPES = {
     "llama3_8b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
     "qwen25_math_7b": (1, {0: (0, [0, 1]), 2: (0, [2, 3]), 4: (0, [4, 5]), 6: (0, [6, 7])}),
-    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its TP-8 engine on
-    # the first
-    "llama3_70b": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
-    # the long-response recipes (rows of 16k, 32k tokens): the same layout and engines as
-    # llama3_70b
-    "llama3_70b_long": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
-    "llama3_70b_32k": (8, {16 * k: (2 * k, list(range(8))) for k in range(4)}),
-    # TP 8 x PP 2, default order: copies' first stages on nodes 0-3
-    "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(4)}),
+    # TP 4 x PP 4, tp-pp-dp order: each copy on 16 consecutive ranks (2 nodes), its two TP-8
+    # engines (rollout_engines_per_copy 2) on the first rank of each half: every node's GPUs
+    "llama3_70b": (8, {8 * k: (k, list(range(8))) for k in range(8)}),
+    # the long-response recipe (rows of 16k tokens): the same layout and engines as llama3_70b;
+    # the 32k one (TP 8 x PP 2 x CP 2): each CP rank's group on two nodes, an engine on each
+    "llama3_70b_long": (8, {8 * k: (k, list(range(8))) for k in range(8)}),
+    "llama3_70b_32k": (8, {8 * k: (k, list(range(8))) for k in range(8)}),
+    # TP 8 x PP 2, default order: copies' first stages on nodes 0-3, second stages on 4-7, an
+    # engine on each
+    "qwen25_72b": (8, {8 * k: (k, list(range(8))) for k in range(8)}),
     # TP 8 x PP 1: one copy per node, its TP-8 engine on the node's 8 GPUs
     "qwen3_32b": (4, {8 * k: (k, list(range(8))) for k in range(4)}),
     # MoE, TP 4 x PP 1 on one node: two copies (ranks 0-3, 4-7), a TP-4 engine on each's GPUs
@@ -47,10 +52,10 @@ def _compose(overrides):
 def _placement(cfg, nodes: int, gpus_per_node: int = 8):
     p = cfg.model.params
     tp, pp = int(p.tensor_model_parallel_size), int(p.pipeline_model_parallel_size)
-    dp = nodes * gpus_per_node // (tp * pp)
-    ranks = first_ranks_of_model_copies(
-        tp, pp, dp, rank_order(bool(p.get("use_tp_pp_dp_mapping", False)))
-    )
+    cp = int(p.get("context_parallel_size", 1))
+    dp = nodes * gpus_per_node // (tp * pp * cp)
+    order = rank_order(bool(p.get("use_tp_pp_dp_mapping", False)))
+    ranks = engine_ranks_of_model_copies(tp, pp, dp, order, cp, int(p.rollout_engines_per_copy))
     placed = engine_placement(
         ranks,
         gpus_per_node=gpus_per_node,
@@ -225,7 +230,7 @@ def test_the_runtime_refuses_engines_that_would_share_a_gpu(monkeypatch):
 
     class Megatron:  # TP 2 x PP 1 copies: engines at 0, 2, 4, ...: a TP-2 engine each fits
         layout = types.SimpleNamespace(tp=2, pp=1)
-        cfg = types.SimpleNamespace(use_tp_pp_dp_mapping=False)
+        cfg = types.SimpleNamespace(use_tp_pp_dp_mapping=False, rollout_engines_per_copy=1)
         groups = types.SimpleNamespace(cp_size=1)
         rollout_engine_ranks = MegatronBackend.rollout_engine_ranks
 
@@ -253,10 +258,10 @@ def test_every_vllm_recipe_is_in_the_placement_table(tmp_path):
 IDLE = {
     "llama3_8b": 0,
     "qwen25_math_7b": 0,
-    "llama3_70b": 32,
-    "llama3_70b_long": 32,
-    "llama3_70b_32k": 32,
-    "qwen25_72b": 32,
+    "llama3_70b": 0,
+    "llama3_70b_long": 0,
+    "llama3_70b_32k": 0,
+    "qwen25_72b": 0,
     "qwen3_32b": 0,
     "qwen3_30b_a3b": 0,
     "qwen3_235b_a22b": 32,
@@ -265,10 +270,10 @@ IDLE = {
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_the_dry_run_states_every_recipes_idle_gpus_in_generation_and_why(name, tmp_path):
-    """Issue 30, fix 5: one engine per model copy leaves a 16-GPU copy's second node without
-    one (70B: TP 4 x PP 4; 72B: TP 8 x PP 2): 32 of 64 GPUs wait while the engines generate.
-    The dry run states how many, why, and the idle GPU-seconds per step (idle GPUs x the
-    generation time, at least its decode floor)."""
+    """Issue 30, fix 5: where engines leave GPUs without one (235B: a TP-4 engine per 8-GPU
+    copy), the dry run states how many, why, and the idle GPU-seconds per step (idle GPUs x
+    the generation time, at least its decode floor). The 70B/72B recipes' 16-GPU copies have
+    an engine on each node (issue 41, item 8): none idle."""
     from nemo_d3s.dry_run import JobShape, plan, render
 
     nodes, want = RECIPES[name]

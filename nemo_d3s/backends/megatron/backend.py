@@ -37,7 +37,7 @@ from nemo_d3s.backends.megatron.moe import (
     moe_config_kwargs,
     router_loss_metrics,
 )
-from nemo_d3s.backends.megatron.parallel import first_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.parallel import engine_ranks_of_model_copies, rank_order
 from nemo_d3s.backends.wrappers import pad_token_id
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
@@ -245,10 +245,14 @@ class MegatronBackend(Policy):
         return self.dtype
 
     def rollout_engine_ranks(self, world_size: int) -> List[int]:
-        """The first rank of each TP x PP copy (``place_rollout_engine`` builds there)."""
+        """The first rank of each TP x PP group's engine blocks (``place_rollout_engine``
+        builds there; one block per group unless ``rollout_engines_per_copy``)."""
         tp, pp, cp = self.layout.tp, self.layout.pp, self.groups.cp_size
         order = rank_order(bool(self.cfg.use_tp_pp_dp_mapping))
-        return first_ranks_of_model_copies(tp, pp, int(world_size) // (tp * pp * cp), order, cp)
+        dp = int(world_size) // (tp * pp * cp)
+        return engine_ranks_of_model_copies(
+            tp, pp, dp, order, cp, int(self.cfg.rollout_engines_per_copy)
+        )
 
     def refit_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """``hf_weights`` left on the GPU (no host copy on any rank; ``backends.refit``)."""
@@ -257,10 +261,11 @@ class MegatronBackend(Policy):
         )
 
     def place_rollout_engine(self, build) -> RolloutEngine:
-        """One engine per model-parallel group (``engine.place_engine``); under context
-        parallelism the CP ranks' groups of a copy each generate a block of its prompts and
-        gather them (``cp_rollouts.ContextParallelRollouts``)."""
-        engine = place_engine(self, build, self.mp_gloo_group)
+        """``rollout_engines_per_copy`` engines per model-parallel group (``engine.place_engine``);
+        under context parallelism the CP ranks' groups of a copy each generate a block of its
+        prompts and gather them (``cp_rollouts.ContextParallelRollouts``)."""
+        engines = int(self.cfg.rollout_engines_per_copy)
+        engine = place_engine(self, build, self.mp_gloo_group, engines)
         if self.groups.cp_size > 1:
             from nemo_d3s.backends.megatron.cp_rollouts import ContextParallelRollouts
             from nemo_d3s.backends.megatron.parallel import context_parallel_gloo_group

@@ -41,6 +41,12 @@ class MegatronBackendConfig(PolicySettings):
         sequence_packing: refused, naming ``trainer.pack_sequences``.
     use_tp_pp_dp_mapping: ranks laid out tp-cp-ep-pp-dp, so each model copy (and its
         engine) sits on consecutive ranks; the math is unchanged.
+    rollout_engines_per_copy: E rollout engines per TP x PP group (default 1): the group's
+        ranks, ascending, cut into E blocks, an engine on each block's first rank generating a
+        contiguous 1/E of the group's prompts (seeded per prompt: the rollouts one engine
+        would sample); every engine is refitted from the whole group, one after another. For a
+        copy over two nodes (70B at TP 4 x PP 4, vLLM TP 8): 2 puts an engine on each node, so
+        no GPU waits while the engines generate.
     distributed_optimizer: Megatron's DDP + distributed optimizer (None: CUDA only) or
         plain AdamW over this rank's shards; checkpoints resume across both and any layout.
     transformer_impl: "transformer_engine" (an import failure is an error) or "local"; the
@@ -66,6 +72,7 @@ class MegatronBackendConfig(PolicySettings):
     sequence_parallel: bool = False
     sequence_packing: bool = False  # refused: trainer.pack_sequences sets it
     use_tp_pp_dp_mapping: bool = False
+    rollout_engines_per_copy: int = 1
     make_vocab_size_divisible_by: int = 128
     entropy_chunk_size: int = 1024
     width_quantum: int = 128
@@ -96,6 +103,13 @@ def check_options(cfg: MegatronBackendConfig) -> None:
     if not is_count(cp, 1):
         raise ValueError(
             f"model.params.context_parallel_size={cp!r}: must be an integer >= 1 (a parallel size)"
+        )
+    e = cfg.rollout_engines_per_copy
+    mp = int(cfg.tensor_model_parallel_size) * int(cfg.pipeline_model_parallel_size)
+    if not is_count(e, 1) or mp % e:
+        raise ValueError(
+            f"model.params.rollout_engines_per_copy={e!r}: an integer >= 1 dividing TP x PP "
+            f"= {mp} (each engine starts on the first rank of its block of the group)"
         )
     if cfg.sequence_packing:
         raise ValueError(

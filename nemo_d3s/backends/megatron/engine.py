@@ -1,16 +1,18 @@
-"""Rollouts for a sharded policy: one engine per model-parallel group.
+"""Rollouts for a sharded policy: one engine (or a few) per model-parallel group.
 
-The engine lives on the group's first rank; the others get its rollouts by one object
-broadcast over the group's gloo twin. Refits are collective (every rank runs the weight
-iterator). ``ReplicaEngine`` (``backends/hf/engine.py``) runs the HF backend's seeded sampler on
-a transformers copy, so Megatron and HF runs with one seed sample the same rollouts.
+An engine lives on the first rank of each block of the group (``parallel.engine_blocks``; one
+block by default); the others get its rollouts by one object broadcast (several engines: one
+gather) over the group's gloo twin, each engine having generated a contiguous block of the
+prompts. Refits are collective (every rank runs the weight iterator, once per engine).
+``ReplicaEngine`` (``backends/hf/engine.py``) runs the HF backend's seeded sampler on a
+transformers copy, so Megatron and HF runs with one seed sample the same rollouts.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,8 @@ from nemo_d3s.backends.base import (
 from nemo_d3s.backends.hf.engine import ReplicaEngine, SamplerModel
 from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.engine_wait import agreed_generation
+from nemo_d3s.backends.megatron.cp_rollouts import join_blocks, prompt_blocks
+from nemo_d3s.backends.megatron.parallel import engine_blocks
 from nemo_d3s.backends.refit import WeightRefit, release_cached_cuda_memory
 from nemo_d3s.distributed.comm import is_single
 from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
@@ -32,6 +36,7 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limi
 __all__ = [
     "ModelParallelRollouts",
     "ReplicaEngine",
+    "gather_from",
     "model_parallel_group",
     "place_engine",
     "replica_engine",
@@ -39,16 +44,20 @@ __all__ = [
 
 
 class ModelParallelRollouts(RolloutEngine):
-    """One engine per model-parallel group: ``inner`` on global rank ``src``, None elsewhere.
+    """The engines of one model-parallel group: ``inner`` on the global ranks ``srcs`` (an int:
+    one engine), None elsewhere.
 
-    ``group`` is gloo, so every wait for the engine is on the host, never in an NCCL
-    collective spinning on the engine's GPUs. generate: ranks other than ``src`` wait for it on
-    the store with a liveness check (``backends/engine_wait.py``; no collective's timeout caps
-    a long generation), then one ``broadcast_object_list`` of the Rollouts over ``group``; an
-    engine without the policy's weights version is refitted first by the whole group; a refit
-    or generation cut by a stop signal raises GenerationInterrupted on every rank of the group.
-    ``refit``: transport, bucket_bytes, dtype and hosts_engine_gpu agreed by
-    :func:`place_engine` (None: ``src`` refits its engine alone).
+    ``group`` is gloo, so every wait for an engine is on the host, never in an NCCL
+    collective spinning on the engine's GPUs. generate: engine e generates block e of the
+    prompts (``cp_rollouts.prompt_blocks``: contiguous, in order) while the other ranks wait
+    on the store with a liveness check (``backends/engine_wait.py``; no collective's timeout
+    caps a long generation), then one ``broadcast_object_list`` (one engine) or
+    ``all_gather_object`` (several) over ``group`` gives every rank all the rollouts in prompt
+    order; engines without the policy's weights version are refitted first by the whole
+    group, one engine after another; a refit or generation cut by a stop signal raises
+    GenerationInterrupted on every rank of the group. ``refit``: transport, bucket_bytes and
+    dtype agreed by :func:`place_engine`, with ``hosts_engine_gpu`` one flag per engine (None:
+    each engine's rank refits it alone).
     """
 
     def __init__(
@@ -56,7 +65,7 @@ class ModelParallelRollouts(RolloutEngine):
         inner: Optional[RolloutEngine],
         tokenizer: Any,
         group,
-        src: int,
+        srcs: Union[int, Sequence[int]],
         *,
         prompt_seeds: bool,
         on_policy: bool = True,
@@ -64,23 +73,28 @@ class ModelParallelRollouts(RolloutEngine):
         refit: Optional[dict] = None,
         device: Optional[torch.device] = None,
     ) -> None:
-        self.inner, self.tokenizer, self.group, self.src = inner, tokenizer, group, src
+        self.inner, self.tokenizer, self.group = inner, tokenizer, group
+        self.srcs = [int(srcs)] if isinstance(srcs, int) else [int(r) for r in srcs]
         self.own_weights = True  # a replica or vLLM on every layout
         self._should_stop = None
         self.prompt_seeds, self.on_policy = prompt_seeds, on_policy
         self.policy, self.refit, self.device = policy, refit, device
         self.wait = None  # one process per model copy (TP = PP = 1; None): nobody to wait for
         if not is_single(group):
-            self.wait = GenerationWait.of_group(f"mp{src}", group)
+            self.wait = GenerationWait.of_group(f"mp{self.srcs[0]}", group)
 
     @property
     def is_src(self) -> bool:
-        return is_single(self.group) or dist.get_rank() == self.src
+        """This rank holds an engine."""
+        return is_single(self.group) or dist.get_rank() in self.srcs
 
-    def _from_src(self, value: Any) -> Any:
-        box: List[Any] = [value if self.is_src else None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
+    def _from_srcs(self, value: Any) -> List[Any]:
+        """Each engine rank's ``value``, in engine order, on every rank of the group."""
+        if len(self.srcs) == 1:
+            box: List[Any] = [value if self.is_src else None]
+            dist.broadcast_object_list(box, src=self.srcs[0], group=self.group)
+            return box
+        return gather_from(self.group, self.srcs, value if self.is_src else None)
 
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
@@ -97,14 +111,24 @@ class ModelParallelRollouts(RolloutEngine):
                     raise
             release_cached_cuda_memory(self.device)  # this rank's GPU may carry an engine worker
         dist.barrier(group=self.group)
-        call = (
-            (lambda: self.inner.generate(prompts, n_samples, cfg, seeds)) if self.is_src else None
-        )
-        limit = generation_limit_s(self.wait.base_s, len(prompts) * n_samples, cfg.max_new_tokens)
+        blocks = prompt_blocks(len(prompts), len(self.srcs))
+        mine = blocks[self.srcs.index(dist.get_rank())] if self.is_src else range(0)
+        call = None
+        if self.is_src and (len(mine) or len(self.srcs) == 1):
+
+            def call() -> Rollouts:
+                sub = [prompts[i] for i in mine]
+                return self.inner.generate(sub, n_samples, cfg, [seeds[i] for i in mine])
+
+        rows = max(len(b) for b in blocks) * n_samples
+        limit = generation_limit_s(self.wait.base_s, rows, cfg.max_new_tokens)
         out, outcome = agreed_generation(self.wait, self.alive, call, stopping=False, limit_s=limit)
         if outcome.interrupted:  # the group's other ranks stop with the engine's
-            raise GenerationInterrupted("stop requested during generation (on the engine's rank)")
-        return self._from_src(out)
+            raise GenerationInterrupted("stop requested during generation (on an engine's rank)")
+        parts = self._from_srcs(out)
+        if len(self.srcs) == 1:
+            return parts[0]
+        return join_blocks(parts, blocks, int(self.tokenizer.pad_token_id))
 
     @property
     def should_stop(self):
@@ -136,33 +160,48 @@ class ModelParallelRollouts(RolloutEngine):
         return self.inner is not None and self.inner.stopped
 
     def sync_weights(self, policy: Policy) -> None:
-        """One refit per weights version, decided by the engine's rank for the whole group."""
-        if self.refit is None or is_single(self.group):
-            if self.is_src:
-                self.inner.sync_weights(policy)
-            else:
-                for (
-                    _
-                ) in policy.refit_weights():  # serve the gathers; the tensors are not needed here
-                    pass
+        """One refit per weights version and engine, decided by the engines' ranks for the
+        whole group; with several engines, one after another (each a full pass of the
+        collective weight iterator)."""
+        if is_single(self.group):
+            self.inner.sync_weights(policy)
             return
-        if not self._from_src(self.is_src and self.inner.needs_refit(policy)):
+        me = dist.get_rank()
+        if self.refit is None:
+            for src in self.srcs:
+                if me == src:
+                    self.inner.sync_weights(policy)
+                else:  # serve the gathers; the tensors are not needed here
+                    for _ in policy.refit_weights():
+                        pass
             return
+        needs = self._from_srcs(self.is_src and self.inner.needs_refit(policy))
         r = self.refit
-        refit = WeightRefit(
-            self.inner if self.is_src else None,
-            transport=r["transport"],
-            group=self.group,
-            src=self.src,
-            hosts_engine_gpu=r["hosts_engine_gpu"],
-            bucket_bytes=r["bucket_bytes"],
-            dtype=getattr(torch, r["dtype"]),
-            device=self.device,
-        )
-        if self.is_src:
-            self.inner.run_refit(refit, policy.refit_weights(), policy.weights_version)
-        else:
-            refit.push(policy.refit_weights())
+        for src, need, hosts in zip(self.srcs, needs, r["hosts_engine_gpu"]):
+            if not need:
+                continue
+            refit = WeightRefit(
+                self.inner if me == src else None,
+                transport=r["transport"],
+                group=self.group,
+                src=src,
+                hosts_engine_gpu=hosts,
+                bucket_bytes=r["bucket_bytes"],
+                dtype=getattr(torch, r["dtype"]),
+                device=self.device,
+            )
+            if me == src:
+                self.inner.run_refit(refit, policy.refit_weights(), policy.weights_version)
+            else:
+                refit.push(policy.refit_weights())
+
+
+def gather_from(group: Any, srcs: Sequence[int], value: Any) -> List[Any]:
+    """The ``value`` of each global rank in ``srcs``, in that order, on every rank of
+    ``group`` (one ``all_gather_object``: other ranks send what they pass, None)."""
+    everyone: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, value, group=group)
+    return [everyone[dist.get_group_rank(group, r)] for r in srcs]
 
 
 def make_replica(
@@ -221,13 +260,23 @@ def model_parallel_group() -> Tuple[Any, int]:
 
 
 def place_engine(
-    policy: Any, build: Callable[[], RolloutEngine], gloo_group: Callable[[], Any]
+    policy: Any,
+    build: Callable[[], RolloutEngine],
+    gloo_group: Callable[[], Any],
+    engines: int = 1,
 ) -> ModelParallelRollouts:
-    """``build()`` on the first rank of each model-parallel group, which tells the group how
-    refits travel and where the engine runs; a failed start raises on every rank."""
-    mp, src = model_parallel_group()
+    """``build()`` on the first rank of each of the model-parallel group's ``engines`` blocks
+    (``parallel.engine_blocks``), which tell the group how refits travel and where each engine
+    runs; a failed start raises on every rank."""
+    mp, first = model_parallel_group()
+    group = gloo_group() if mp is not None else None
+    if group is None and int(engines) != 1:
+        raise ValueError(f"{engines} engines per model copy: this copy is one rank")
+    srcs = [first]
+    if int(engines) > 1:
+        srcs = [b[0] for b in engine_blocks(dist.get_process_group_ranks(group), engines)]
     inner, failure = None, None
-    if dist.get_rank() == src:
+    if group is None or dist.get_rank() in srcs:
         try:
             inner = build()
         except Exception as e:
@@ -242,37 +291,47 @@ def place_engine(
             "gpus": (inner.visible_devices or "").split(","),
             "workers": int(inner.cfg.tensor_parallel_size),
         }
-    flags: List[Any] = [(inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None]
+    mine: Any = (inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None
     if failure is not None:
-        flags = [f"{type(failure).__name__}: {failure}"]
-    group = gloo_group() if mp is not None else None
+        mine = f"{type(failure).__name__}: {failure}"
+    flags = [mine]
     if group is not None:
-        dist.broadcast_object_list(flags, src=src, group=group)
+        if len(srcs) == 1:
+            dist.broadcast_object_list(flags, src=srcs[0], group=group)
+        else:
+            flags = gather_from(group, srcs, mine)
     if failure is not None:
         raise failure
-    if isinstance(flags[0], str):
-        raise RuntimeError(f"the rollout engine failed to start on rank {src}: {flags[0]}")
+    for src, f in zip(srcs, flags):
+        if isinstance(f, str):
+            raise RuntimeError(f"the rollout engine failed to start on rank {src}: {f}")
     prompt_seeds, on_policy, refit = flags[0]
     if refit is not None:
-        same_host = refit.pop("host") == socket.gethostname()
-        gpus, workers = refit.pop("gpus"), refit.pop("workers")
-        if refit["transport"] == "shm":  # the CPU twin: rank src + i stages for worker i
-            refit["hosts_engine_gpu"] = same_host and 0 <= dist.get_rank() - src < workers
-        else:
-            refit["hosts_engine_gpu"] = (
-                policy.device.type == "cuda" and same_host and own_gpu_entry() in gpus
-            )
+        refit = {k: refit[k] for k in ("transport", "bucket_bytes", "dtype")}
+        refit["hosts_engine_gpu"] = [
+            _hosts_engine_gpu(policy, s, f[2]) for s, f in zip(srcs, flags)
+        ]
     return ModelParallelRollouts(
         inner,
         policy.tokenizer,
         group,
-        src,
+        srcs,
         prompt_seeds=prompt_seeds,
         on_policy=on_policy,
         policy=policy,
         refit=refit,
         device=policy.device,
     )
+
+
+def _hosts_engine_gpu(policy: Any, src: int, refit: dict) -> bool:
+    """Whether this rank stages refits for a worker of the engine on rank ``src`` (``refit``:
+    that engine's transport, host, GPUs and worker count)."""
+    if refit["host"] != socket.gethostname():
+        return False
+    if refit["transport"] == "shm":  # the CPU twin: rank src + i stages for worker i
+        return 0 <= dist.get_rank() - src < int(refit["workers"])
+    return policy.device.type == "cuda" and own_gpu_entry() in refit["gpus"]
 
 
 def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:

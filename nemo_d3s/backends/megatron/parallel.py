@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "DEFAULT_ORDER",
     "TP_PP_DP_ORDER",
+    "engine_blocks",
+    "engine_ranks_of_model_copies",
     "first_ranks_of_model_copies",
     "global_rank_of",
     "initialize_megatron_groups",
@@ -64,6 +66,43 @@ def first_ranks_of_model_copies(
         for k in range(dp)
         for c in range(cp)
     ]
+
+
+def engine_blocks(ranks: Sequence[int], engines: int) -> List[List[int]]:
+    """A model-parallel group's ranks (any order) cut into ``engines`` blocks of consecutive
+    ranks in ascending order; each block's first rank builds an engine. ValueError when
+    ``engines`` does not divide the group."""
+    ordered, n, e = sorted(int(r) for r in ranks), len(ranks), int(engines)
+    if e < 1 or n % e:
+        raise ValueError(
+            f"model.params.rollout_engines_per_copy={engines}: must divide the {n} ranks of a "
+            "TP x PP group"
+        )
+    size = n // e
+    return [ordered[i * size : (i + 1) * size] for i in range(e)]
+
+
+def engine_ranks_of_model_copies(
+    tp: int,
+    pp: int,
+    dp: int,
+    order: str = DEFAULT_ORDER,
+    cp: int = 1,
+    engines_per_copy: int = 1,
+) -> List[int]:
+    """Where the rollout engines start: per TP x PP group (DP replica, then CP rank order),
+    the first rank of each of its ``engines_per_copy`` blocks (:func:`engine_blocks`); one
+    engine per group is :func:`first_ranks_of_model_copies`."""
+    out = []
+    for k in range(dp):
+        for c in range(cp):
+            group = [
+                global_rank_of(t, p, k, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp)
+                for t in range(tp)
+                for p in range(pp)
+            ]
+            out += [b[0] for b in engine_blocks(group, engines_per_copy)]
+    return out
 
 
 def set_cuda_connections() -> None:

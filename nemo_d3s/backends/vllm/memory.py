@@ -23,6 +23,7 @@ __all__ = [
     "VLLM_CONTEXT_BYTES",
     "HBM_BYTES_PER_S",
     "engine_positions",
+    "engine_starts",
     "engine_plan",
     "separate_plan",
     "generation_idle",
@@ -74,17 +75,26 @@ def separate_plan(gpus: int, *, gpus_per_node: int, tensor_parallel_size: int) -
     }
 
 
+def engine_starts(tp: int, pp: int, engines_per_copy: int = 1) -> List[Tuple[int, int]]:
+    """(TP rank, PP stage) of each engine's first rank in a model copy: the copy's ranks in
+    ascending order run stage by stage, TP rank within (both of Megatron's orders), cut into
+    ``engines_per_copy`` blocks (``megatron.parallel.engine_blocks``)."""
+    block = int(tp) * int(pp) // int(engines_per_copy)
+    return [((e * block) % tp, (e * block) // tp) for e in range(int(engines_per_copy))]
+
+
 def engine_positions(
-    tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int
+    tp: int, pp: int, vllm_tp: int, *, stage_stride_ranks: int, engines_per_copy: int = 1
 ) -> List[Tuple[int, int]]:
-    """(TP rank, PP stage) positions of a model copy whose GPU carries an engine worker (the
-    next ``vllm_tp`` ranks from (0, 0)); ``stage_stride_ranks``: ranks between stages."""
+    """(TP rank, PP stage) positions of a model copy whose GPU carries an engine worker: the
+    next ``vllm_tp`` ranks from each of :func:`engine_starts` (past the start's stage only
+    where stages are consecutive ranks); ``stage_stride_ranks``: ranks between stages."""
     out = []
-    for j in range(int(vllm_tp)):
-        if j < tp:
-            out.append((j, 0))
-        elif stage_stride_ranks == tp:
-            out.append((j % tp, j // tp))
+    for t0, p0 in engine_starts(tp, pp, engines_per_copy):
+        for j in range(int(vllm_tp)):
+            t, p = (t0 + j) % tp, p0 + (t0 + j) // tp
+            if p == p0 or stage_stride_ranks == tp:
+                out.append((t, p))
     return [(t, p) for t, p in out if p < pp]
 
 
@@ -139,27 +149,34 @@ def generation_idle(
     weight_bytes_per_gpu: float,
     decode_steps: int,
     cp: int = 1,
+    engines_per_copy: int = 1,
 ) -> Dict[str, object]:
     """The GPUs without an engine, which wait while the engines generate, and why, with a
     floor on the wait: each decode step reads an engine GPU's weights once at
     :data:`HBM_BYTES_PER_S`. ``copy_gpus``: TP x PP, the GPUs an engine is refitted from (at
-    context parallelism ``cp`` > 1, each CP rank's group of a copy has its own engine)."""
+    context parallelism ``cp`` > 1, each CP rank's group of a copy has its own engines;
+    ``engines_per_copy`` engines per group, each starting a block of its GPUs)."""
     idle = int(gpus_total) - int(gpus_with_engine)
     floor_s = int(decode_steps) * float(weight_bytes_per_gpu) / HBM_BYTES_PER_S
+    e = int(engines_per_copy)
     if idle <= 0:
         why = "every GPU carries an engine shard"
     else:
         unit = "copy" if int(cp) == 1 else "CP rank's group"
+        engines = "one engine" if e == 1 else f"{e} engines"
         head = (
-            "one engine per model copy: a copy"
+            f"{engines} per model copy: a copy"
             if int(cp) == 1
-            else f"one engine per context-parallel rank's TP x PP group ({cp} per model copy): "
+            else f"{engines} per context-parallel rank's TP x PP group ({cp} per model copy): "
             "a group"
         )
+        where = "" if e == 1 else f", each from the first rank of its 1/{e} of the {unit}"
+        waiting = copy_gpus - e * min(vllm_tp, copy_gpus // e)
         why = (
-            f"{head} spans {copy_gpus} GPUs (TP x PP) and its engine {vllm_tp} (an engine spans "
-            f"at most one node and is refitted from its own {unit}'s ranks), so "
-            f"{copy_gpus - vllm_tp} GPUs of each {unit} wait while it generates"
+            f"{head} spans {copy_gpus} GPUs (TP x PP) and {'its engine' if e == 1 else 'each'} "
+            f"{vllm_tp} (an engine spans at most one node{where} and is refitted from its own "
+            f"{unit}'s ranks), so {waiting} GPUs of each {unit} wait while it generates "
+            f"(model.params.rollout_engines_per_copy={e * 2} would start more engines)"
         )
     return {
         "gpus_idle_in_generation": idle,

