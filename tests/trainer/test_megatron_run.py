@@ -114,6 +114,7 @@ LONG = [
         (1, 1, 2, True, []),
         (2, 2, 4, False, LONG),
         (2, 2, 4, False, [*LONG, "trainer.pack_sequences=true"]),
+        (2, 2, 4, False, ["+model.params.rollout_engines_per_copy=2"]),
     ],
     ids=[
         "tp2pp2",
@@ -121,13 +122,16 @@ LONG = [
         "tp1dp2_distributed_optimizer",
         "tp2pp2_sp_vpp2_tokens",
         "tp2pp2_sp_vpp2_packed",
+        "tp2pp2_two_engines",
     ],
 )
 def test_megatron_torchrun_matches_the_hf_backend(
     folder, hf_run, tmp_path, tp, pp, nproc, dopt, options
 ):
     """(the CPU default is the plain AdamW path; ``distributed_optimizer=true`` runs Megatron's
-    DDP + distributed optimizer, the CUDA default, on gloo)"""
+    DDP + distributed optimizer, the CUDA default, on gloo; ``two_engines``: an engine on each
+    half of the TP 2 x PP 2 copy, ranks 0 and 2, each generating half the prompts and
+    evaluation problems, each refitted after every step)"""
     out = tmp_path / "megatron"
     extra = ["+model.params.distributed_optimizer=true"] if dopt else []
     log = _finish(
@@ -149,7 +153,8 @@ def test_megatron_torchrun_matches_the_hf_backend(
     )
     _assert_same_weights(hf_run, out, f"tp{tp}pp{pp}")
     ckpt = sorted((out / "checkpoints").iterdir())[-1]
-    stages = pp * (2 if options else 1)  # a virtual pipeline saves each chunk as its virtual stage
+    vpp = any("virtual_pipeline" in o for o in options)
+    stages = pp * (2 if vpp else 1)  # a virtual pipeline saves each chunk as its virtual stage
     assert sorted(os.listdir(ckpt / "megatron")) == sorted(
         ["layout.json"]
         + [f"tp{t:02d}_pp{p:02d}.safetensors" for t in range(tp) for p in range(stages)]
