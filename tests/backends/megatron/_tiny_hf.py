@@ -25,6 +25,7 @@ def make_tiny_hf(
     kv_heads: int = 2,
     seed: int = 0,
     experts: int = 4,
+    head_dim: int = 16,
 ) -> Path:
     from transformers import (
         LlamaConfig,
@@ -59,10 +60,12 @@ def make_tiny_hf(
     elif arch == "qwen2":
         cfg, cls = Qwen2Config(**common, use_sliding_window=False), Qwen2ForCausalLM
     elif arch == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
-        cfg = Qwen3Config(**common, head_dim=16, use_sliding_window=False, attention_bias=False)
+        cfg = Qwen3Config(
+            **common, head_dim=head_dim, use_sliding_window=False, attention_bias=False
+        )
         cls = Qwen3ForCausalLM
     elif arch in MOE:
-        cfg, cls = _moe_config(arch, common, experts)
+        cfg, cls = _moe_config(arch, common, experts, head_dim)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -81,9 +84,9 @@ def make_tiny_hf(
 MOE = ("qwen3_moe", "qwen3_moe_norm", "mixtral")
 
 
-def _moe_config(arch: str, common: dict, experts: int):
+def _moe_config(arch: str, common: dict, experts: int, head_dim: int = 16):
     """A mixture-of-experts config over ``common``: Qwen3-MoE (top-2 of ``experts``, expert
-    width 24 != the dense 48, head_dim 16; "qwen3_moe_norm" renormalises the top-k
+    width 24 != the dense 48, ``head_dim`` (16); "qwen3_moe_norm" renormalises the top-k
     probabilities, "qwen3_moe" does not) or Mixtral (top-2, expert width = intermediate)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -93,7 +96,7 @@ def _moe_config(arch: str, common: dict, experts: int):
         )
     cfg = Qwen3MoeConfig(
         **common,
-        head_dim=16,
+        head_dim=head_dim,
         moe_intermediate_size=24,
         num_experts=experts,
         num_experts_per_tok=2,

@@ -1,6 +1,6 @@
 """Rank body of test_vllm_megatron.py, run under torchrun (the launch a user has):
 python -m torch.distributed.run --standalone --nproc_per_node=2 _vllm_megatron_ranks.py FOLDER
-OUT_DIR TP PP [CP [ENGINES_PER_COPY]]. Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
+OUT_DIR TP PP [CP [ENGINES_PER_COPY [EP]]]. Each rank writes OUT_DIR/rank{r}.pt (tensors only)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ def main() -> None:
     folder, out_dir, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cp = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     engines = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    ep = int(sys.argv[7]) if len(sys.argv) > 7 else 1
     dist.init_process_group("gloo")
     pol = MegatronBackend(
         MegatronBackendConfig(
@@ -29,6 +30,7 @@ def main() -> None:
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
             rollout_engines_per_copy=engines,
+            expert_model_parallel_size=ep,
             lr=5e-2,
             grad_clip=0.0,
         )

