@@ -6,12 +6,15 @@ and exits 2. Fault injection: :func:`~nemo_d3s.fault_points.fault_point`, re-exp
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import logging
+from typing import Any, Callable, Optional, Tuple
 
 from nemo_d3s.errors import ConfigError, RunError  # RunError re-exported: its home before errors.py
 from nemo_d3s.fault_points import fault_point  # re-exported: the trainer's points use it
 
-__all__ = ["RunError", "fault_point", "agree_on_main", "first_line"]
+__all__ = ["RunError", "fault_point", "agree_on_main", "agreed_refit", "first_line"]
+
+log = logging.getLogger("nemo_d3s.trainer")
 
 
 def first_line(exc: BaseException) -> str:
@@ -20,6 +23,27 @@ def first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(exc).__name__
+
+
+def agreed_refit(sync: Callable[[], None], agree: Callable[[bool], Tuple[bool, bool]]) -> bool:
+    """``sync()`` (a refit), then ``agree(failed here)`` -> (a stop signal pending on some
+    rank, the refit failed on some rank), collective over the ranks that refit together. A
+    failure without a stop raises on every rank (this rank's own exception where it failed);
+    a failure a stop explains (an RPC into an engine going down with the job) is logged.
+    Returns whether a stop is pending: the caller checkpoints the update either way."""
+    failure = None
+    try:
+        sync()
+    except Exception as e:  # raised below unless a stop signal explains it
+        failure = e
+    stopping, failed = agree(failure is not None)
+    if failed and not stopping:
+        if failure is not None:
+            raise failure
+        raise RuntimeError("the refit failed on another rank (its log says why)")
+    if failure is not None:
+        log.warning("the refit stopped with the job (%s)", first_line(failure))
+    return stopping
 
 
 def agree_on_main(groups: Any, fn: Callable[[], Any], errors: tuple = ()) -> Any:

@@ -29,7 +29,7 @@ from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Poli
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
-from nemo_d3s.trainer.faults import fault_point, first_line
+from nemo_d3s.trainer.faults import agreed_refit, fault_point
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
     load_rollouts,
@@ -217,20 +217,12 @@ class GenerationPipeline:
         refits together). A refit a stop signal cuts short (an RPC into an engine going down
         with the job raises) is GenerationInterrupted on every rank: the update is applied and
         the loop checkpoints it; one that fails without a stop fails every rank."""
-        failure = None
-        try:
-            self.engine.sync_weights(policy)
-        except Exception as e:  # raised below unless a stop signal explains it
-            failure = e
-        stopping = self.groups.max(1.0 if self.stop_requested() else 0.0) > 0
-        failed = self.groups.max(0.0 if failure is None else 1.0) > 0
-        if failed and not stopping:
-            if failure is not None:
-                raise failure
-            raise RuntimeError("the refit failed on another rank (its log says why)")
-        if failure is not None:
-            log.warning("the refit stopped with the job (%s)", first_line(failure))
-        if stopping:
+
+        def agree(failed: bool):
+            g = self.groups
+            return g.max(float(self.stop_requested())) > 0, g.max(float(failed)) > 0
+
+        if agreed_refit(lambda: self.engine.sync_weights(policy), agree):
             raise GenerationInterrupted("stop requested during the refit")
 
     def step_metrics(self, step: int) -> Dict[str, float]:

@@ -20,7 +20,7 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limi
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource
-from nemo_d3s.trainer.faults import fault_point, first_line
+from nemo_d3s.trainer.faults import agreed_refit, fault_point, first_line
 from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
     importance_metrics,
@@ -126,24 +126,16 @@ def _refit_after_update(ctx: StepContext) -> None:
     one that fails without a stop fails every rank."""
     if ctx.groups.max(1.0 if ctx.stopping() else 0.0) > 0:
         return
-    failure = None
+
+    def agree(failed: bool):  # on the job's store: a rank may wait for a long refit
+        wait = ctx.engine_wait
+        o = wait.agree(
+            stopping=ctx.stopping(), interrupted=False, failed=failed, limit_s=wait.base_s
+        )
+        return o.stopping, o.failed > 0
+
     with ctx.timed("weight_sync"):
-        try:
-            ctx.engine.sync_weights(ctx.policy)
-        except Exception as e:  # raised below unless a stop signal explains it
-            failure = e
-    outcome = ctx.engine_wait.agree(
-        stopping=ctx.stopping(),
-        interrupted=False,
-        failed=failure is not None,
-        limit_s=ctx.engine_wait.base_s,
-    )
-    if outcome.failed and not outcome.stopping:
-        if failure is not None:
-            raise failure
-        raise RuntimeError(f"the refit failed on {outcome.failed} other rank(s)")
-    if failure is not None:
-        log.warning("the refit stopped with the job (%s)", first_line(failure))
+        agreed_refit(lambda: ctx.engine.sync_weights(ctx.policy), agree)
 
 
 def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
