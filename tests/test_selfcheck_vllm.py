@@ -74,6 +74,28 @@ def _tp2_shards(want):
     return [w0, w1]
 
 
+def test_engine_view_stacks_experts_into_vllms_fused_layout():
+    """Two experts of width 1 (hidden 2): w13[e] = [gate_e; up_e] (2 x 2), w2[e] = down_e
+    (2 x 1); the router and dense tensors keep their names, no per-expert name is left."""
+    t = {"model.layers.0.mlp.gate.weight": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+    for e in range(2):
+        p = f"model.layers.0.mlp.experts.{e}."
+        t[p + "gate_proj.weight"] = torch.tensor([[10.0 * e + 1, 10.0 * e + 2]])
+        t[p + "up_proj.weight"] = torch.tensor([[10.0 * e + 3, 10.0 * e + 4]])
+        t[p + "down_proj.weight"] = torch.tensor([[10.0 * e + 5], [10.0 * e + 6]])
+    v = V.engine_view(t, tied=False)
+    assert sorted(v) == [
+        "model.layers.0.mlp.experts.w13_weight",
+        "model.layers.0.mlp.experts.w2_weight",
+        "model.layers.0.mlp.gate.weight",
+    ]
+    assert v["model.layers.0.mlp.experts.w13_weight"].tolist() == [
+        [[1, 2], [3, 4]],
+        [[11, 12], [13, 14]],
+    ]
+    assert v["model.layers.0.mlp.experts.w2_weight"].tolist() == [[[5], [6]], [[15], [16]]]
+
+
 def test_compare_engine_weights_whole_and_sharded_and_catches_a_swapped_tensor():
     t = _trainer()
     want = V.engine_view(t, tied=False)
@@ -106,6 +128,7 @@ def test_without_cuda_every_vllm_cuda_check_says_what_it_would_check():
         "vllm.refit_tp2",
         "vllm.refit_pipeline",
         "vllm.engines_per_copy",
+        "vllm.refit_moe",
         "vllm.memory",
     }
     for r in finalize(records, cuda=False):

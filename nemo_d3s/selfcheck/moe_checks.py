@@ -23,12 +23,13 @@ from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backe
 from nemo_d3s.selfcheck.model_checks import LR, bf16_bounds, fp32_bounds, one_step
 from nemo_d3s.selfcheck.report import CheckFailed
 
-__all__ = ["CHECKS", "build_tiny_moe"]
+__all__ = ["CHECKS", "build_tiny_moe", "moe_context"]
 
 
-def build_tiny_moe(folder: Path, seed: int = 0) -> Path:
-    """A random Qwen3-MoE (2 layers, 4 experts of width 32, top-2, renormalised) with the
-    byte-level tokenizer, in ``folder`` (HF layout)."""
+def build_tiny_moe(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
+    """A random Qwen3-MoE (2 layers, 4 experts of width 32, top-2, renormalised; ``head_dim``
+    16, or 64 where vLLM's attention kernels need it) with the byte-level tokenizer, in
+    ``folder`` (HF layout)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from nemo_d3s.backends.hf.loading import byte_level_tokenizer
@@ -48,7 +49,7 @@ def build_tiny_moe(folder: Path, seed: int = 0) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=256,
         initializer_range=0.2,
         tie_word_embeddings=False,
@@ -62,11 +63,11 @@ def build_tiny_moe(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def _moe_ctx(ctx: Context) -> Context:
+def moe_context(ctx: Context, head_dim: int = 16) -> Context:
     """``ctx`` with the tiny MoE as its model (written by rank 0, then a barrier)."""
-    folder = ctx.work_dir / "tiny_moe"
+    folder = ctx.work_dir / ("tiny_moe" if head_dim == 16 else f"tiny_moe_hd{head_dim}")
     if ctx.rank == 0 and not (folder / "config.json").is_file():
-        build_tiny_moe(folder)
+        build_tiny_moe(folder, head_dim=head_dim)
     ctx.barrier()
     return replace(ctx, model_dir=folder)
 
@@ -82,7 +83,7 @@ def _ep(ctx: Context) -> int:
 
 
 def check_local_spec(ctx: Context) -> Dict[str, Any]:
-    mctx = _moe_ctx(ctx)
+    mctx = moe_context(ctx)
     kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
     _, (lp1, ent1, m1, w1) = _step(mctx, **kw)
     out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_ep1": m1["grad_norm"]}
@@ -112,7 +113,7 @@ def check_te_grouped_gemm(ctx: Context) -> Dict[str, Any]:
     err = transformer_engine_error()
     if err is not None:
         raise CheckFailed(f"Transformer Engine: {err}")
-    mctx = _moe_ctx(ctx)
+    mctx = moe_context(ctx)
     _, (lp_ref, _, m_ref, _) = _step(
         mctx, dtype="float32", transformer_impl="local", distributed_optimizer=False
     )

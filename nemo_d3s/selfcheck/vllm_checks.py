@@ -11,6 +11,7 @@ A failure on one rank fails every rank (``place_rollout_engine``, ``WeightRefit.
 from __future__ import annotations
 
 import contextlib
+import re
 import importlib.util
 import os
 from typing import Any, Dict, Iterator, List, Sequence
@@ -36,11 +37,16 @@ _VOCAB = ("embed_tokens.weight", "lm_head.weight")
 
 def engine_view(trainer: Dict[str, torch.Tensor], tied: bool) -> Dict[str, torch.Tensor]:
     """The trainer's HF tensors under vLLM's Llama names: q/k/v and gate/up fused in that
-    order (vLLM's ``stacked_params_mapping``), a tied lm_head left out (it is the embedding)."""
-    out: Dict[str, torch.Tensor] = {}
+    order (vLLM's ``stacked_params_mapping``), a tied lm_head left out (it is the embedding);
+    a mixture of experts' ``mlp.experts.<e>.{gate,up,down}_proj.weight`` as vLLM's fused
+    ``mlp.experts.w13_weight`` [E, 2F, H] (gate rows, then up) and ``w2_weight`` [E, H, F]
+    (``FusedMoE``'s w1 / w3 / w2 shards)."""
+    out: Dict[str, torch.Tensor] = _fused_experts(trainer)
     parts_of = {p: (parts, fused) for parts, fused in _FUSED for p in parts}
     for name, t in trainer.items():
         if tied and name == "lm_head.weight":
+            continue
+        if _EXPERT.match(name):
             continue
         hit = next((p for p in parts_of if f".{p}." in name), None)
         if hit is None:
@@ -50,6 +56,26 @@ def engine_view(trainer: Dict[str, torch.Tensor], tied: bool) -> Dict[str, torch
             out[name.replace(hit, fused)] = torch.cat(
                 [trainer[name.replace(hit, p)] for p in parts]
             )
+    return out
+
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _fused_experts(trainer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Each MoE layer's experts stacked in vLLM's fused layout (see :func:`engine_view`)."""
+    layers: Dict[str, Dict[int, Dict[str, torch.Tensor]]] = {}
+    for name, t in trainer.items():
+        m = _EXPERT.match(name)
+        if m:
+            layers.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    out = {}
+    for prefix, experts in layers.items():
+        order = [experts[e] for e in sorted(experts)]
+        out[f"{prefix}.w13_weight"] = torch.stack(
+            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in order]
+        )
+        out[f"{prefix}.w2_weight"] = torch.stack([x["down_proj"] for x in order])
     return out
 
 
@@ -230,6 +256,24 @@ def check_engines_per_copy(ctx: Context) -> Dict[str, Any]:
         return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
+def check_refit_moe(ctx: Context) -> Dict[str, Any]:
+    """A Qwen3-MoE (head_dim 64) refitted into vLLM's fused experts through vLLM's own
+    weight-update path (the kernel already built), at EP 2 in an even world."""
+    from nemo_d3s.selfcheck.moe_checks import moe_context
+
+    need_vllm()
+    mctx = moe_context(ctx, head_dim=64)
+    ep = 2 if ctx.world % 2 == 0 else 1
+    with megatron_backend(
+        mctx,
+        transformer_impl="local",
+        distributed_optimizer=False,
+        expert_model_parallel_size=ep,
+        lr=1e-2,
+    ) as pol:
+        return {"ep": ep, **_refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})}
+
+
 # How much more than the dry run counts the awake engine may take: the dry run assumes the
 # worker's CUDA context and TP communicator (backends/vllm/memory.py VLLM_CONTEXT_BYTES,
 # VLLM_COMM_BYTES), whose real sizes vary with the driver, NCCL and the GPU by a few hundred MB:
@@ -375,6 +419,14 @@ CHECKS = [
         "two vLLM engines per PP-2 model copy (model.params.rollout_engines_per_copy=2), one on "
         "each stage's GPU, each refitted from both stages over CUDA IPC: bit for bit, after a "
         "step too (one refit each)",
+    ),
+    Check(
+        "vllm.refit_moe",
+        True,
+        check_refit_moe,
+        "a Qwen3-MoE (4 experts, top-2) at EP 2 refitted into vLLM's fused experts "
+        "(w13 = gate and up rows, w2 = down) through vLLM's weight-update path: bit for bit, "
+        "after a step too",
     ),
     Check(
         "vllm.memory",

