@@ -23,7 +23,7 @@ from nemo_d3s.selfcheck.base import Check, Context, max_abs_diff, megatron_backe
 from nemo_d3s.selfcheck.model_checks import LR, bf16_bounds, fp32_bounds, one_step
 from nemo_d3s.selfcheck.report import CheckFailed
 
-__all__ = ["CHECKS", "build_tiny_moe", "moe_context"]
+__all__ = ["CHECKS", "build_tiny_moe", "ep_size", "moe_context"]
 
 
 def build_tiny_moe(folder: Path, seed: int = 0, head_dim: int = 16) -> Path:
@@ -78,7 +78,8 @@ def _step(ctx: Context, **params):
         return before, one_step(pol)
 
 
-def _ep(ctx: Context) -> int:
+def ep_size(ctx: Context) -> int:
+    """EP 2 in an even world, else 1."""
     return 2 if ctx.world % 2 == 0 else 1
 
 
@@ -87,7 +88,7 @@ def check_local_spec(ctx: Context) -> Dict[str, Any]:
     kw = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
     _, (lp1, ent1, m1, w1) = _step(mctx, **kw)
     out: Dict[str, Any] = {"ranks": ctx.world, "grad_norm_ep1": m1["grad_norm"]}
-    if _ep(ctx) == 1:
+    if ep_size(ctx) == 1:
         out["note"] = "an odd world: EP 1 only (forward, backward, step ran)"
         if not torch.isfinite(lp1).all() or not m1["grad_norm"] > 0:
             raise CheckFailed("non-finite log-probs or zero gradient", out)
@@ -117,7 +118,7 @@ def check_te_grouped_gemm(ctx: Context) -> Dict[str, Any]:
     _, (lp_ref, _, m_ref, _) = _step(
         mctx, dtype="float32", transformer_impl="local", distributed_optimizer=False
     )
-    ep = _ep(ctx)
+    ep = ep_size(ctx)
     before, (lp, _, m, w) = _step(
         mctx,
         dtype="bfloat16",

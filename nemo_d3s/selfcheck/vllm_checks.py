@@ -259,11 +259,11 @@ def check_engines_per_copy(ctx: Context) -> Dict[str, Any]:
 def check_refit_moe(ctx: Context) -> Dict[str, Any]:
     """A Qwen3-MoE (head_dim 64) refitted into vLLM's fused experts through vLLM's own
     weight-update path (the kernel already built), at EP 2 in an even world."""
-    from nemo_d3s.selfcheck.moe_checks import moe_context
+    from nemo_d3s.selfcheck.moe_checks import ep_size, moe_context
 
     need_vllm()
     mctx = moe_context(ctx, head_dim=64)
-    ep = 2 if ctx.world % 2 == 0 else 1
+    ep = ep_size(ctx)
     with megatron_backend(
         mctx,
         transformer_impl="local",

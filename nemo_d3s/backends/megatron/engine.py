@@ -36,7 +36,7 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limi
 __all__ = [
     "ModelParallelRollouts",
     "ReplicaEngine",
-    "gather_from",
+    "from_srcs",
     "model_parallel_group",
     "place_engine",
     "replica_engine",
@@ -90,11 +90,7 @@ class ModelParallelRollouts(RolloutEngine):
 
     def _from_srcs(self, value: Any) -> List[Any]:
         """Each engine rank's ``value``, in engine order, on every rank of the group."""
-        if len(self.srcs) == 1:
-            box: List[Any] = [value if self.is_src else None]
-            dist.broadcast_object_list(box, src=self.srcs[0], group=self.group)
-            return box
-        return gather_from(self.group, self.srcs, value if self.is_src else None)
+        return from_srcs(self.group, self.srcs, value if self.is_src else None)
 
     def generate(
         self, prompts: List[str], n_samples: int, cfg: GenerationConfig, seeds: Sequence[int]
@@ -196,9 +192,14 @@ class ModelParallelRollouts(RolloutEngine):
                 refit.push(policy.refit_weights())
 
 
-def gather_from(group: Any, srcs: Sequence[int], value: Any) -> List[Any]:
+def from_srcs(group: Any, srcs: Sequence[int], value: Any) -> List[Any]:
     """The ``value`` of each global rank in ``srcs``, in that order, on every rank of
-    ``group`` (one ``all_gather_object``: other ranks send what they pass, None)."""
+    ``group``: one ``broadcast_object_list`` from a single rank, else one
+    ``all_gather_object`` (the other ranks send what they pass, None)."""
+    if len(srcs) == 1:
+        box: List[Any] = [value]
+        dist.broadcast_object_list(box, src=srcs[0], group=group)
+        return box
     everyone: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
     return [everyone[dist.get_group_rank(group, r)] for r in srcs]
@@ -294,12 +295,7 @@ def place_engine(
     mine: Any = (inner.prompt_seeds, inner.on_policy, refit) if inner is not None else None
     if failure is not None:
         mine = f"{type(failure).__name__}: {failure}"
-    flags = [mine]
-    if group is not None:
-        if len(srcs) == 1:
-            dist.broadcast_object_list(flags, src=srcs[0], group=group)
-        else:
-            flags = gather_from(group, srcs, mine)
+    flags = [mine] if group is None else from_srcs(group, srcs, mine)
     if failure is not None:
         raise failure
     for src, f in zip(srcs, flags):
