@@ -1117,8 +1117,20 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
     base = ["experiment=qwen3_30b_a3b", f"output_dir={tmp_path}"]
     with pytest.raises(ConfigError, match="num_experts=128 is not divisible by expert_model"):
         plan(_compose([*base, "model.params.expert_model_parallel_size=3"]), JobShape(3, 8, "t"))
-    with pytest.raises(ConfigError, match="distributed optimizer"):
-        plan(_compose([*base, "model.params.distributed_optimizer=true"]), JobShape(1, 8, "t"))
+    # Megatron's distributed optimizer is planned with experts: at EP 4 on 8 GPUs (expert DP
+    # 2) it halves the expert optimizer state the plain AdamW keeps whole
+    ep4 = [*base, "model.params.expert_model_parallel_size=4"]
+    moe = {
+        d: plan(_compose([*ep4, f"model.params.distributed_optimizer={d}"]), JobShape(1, 8, "t"))[
+            "moe"
+        ]
+        for d in ("true", "false")
+    }
+    assert moe["true"]["expert_optimizer_sharded_over"] == "expert DP"
+    assert moe["false"]["expert_optimizer_sharded_over"] == "nothing"
+    assert moe["true"]["expert_optimizer_bytes_per_gpu"] == pytest.approx(
+        moe["false"]["expert_optimizer_bytes_per_gpu"] / 2, rel=1e-6
+    )
     with pytest.raises(ConfigError, match="sequence_parallel=true"):
         plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
     # experts with context parallelism are planned (EP carved out of DP x CP; tested on gloo)

@@ -40,13 +40,11 @@ DISPATCH_COPIES = 4  # routed-token copies of one layer alive at once (module do
 
 
 def check_planned_moe(spec: Any, mcfg: Any) -> None:
-    """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``
-    on CUDA, where ``distributed_optimizer`` null means on."""
+    """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``."""
     check_moe_layout(
         spec,
         tp=int(mcfg.tensor_model_parallel_size),
         sequence_parallel=bool(mcfg.sequence_parallel),
-        distributed_optimizer=mcfg.distributed_optimizer is not False,
     )
 
 

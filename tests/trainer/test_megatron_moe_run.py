@@ -28,12 +28,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["+model.params.context_parallel_size=2"]],
-    ids=["dp2ep2", "cp2ep2"],
+    [
+        [],
+        ["+model.params.context_parallel_size=2"],
+        ["+model.params.distributed_optimizer=true"],
+    ],
+    ids=["dp2ep2", "cp2ep2", "dp2ep2_distributed_optimizer"],
 )
 def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp_path, extra):
     """(``cp2ep2``: the two ranks are one model copy at context parallelism 2, each CP rank's
-    engine samples half the prompts, the experts split over the CP ranks)"""
+    engine samples half the prompts, the experts split over the CP ranks;
+    ``dp2ep2_distributed_optimizer``: Megatron's distributed optimizer, the expert state in
+    the expert files)"""
     from nemo_d3s.convert import megatron_to_hf
 
     folder = str(make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe", layers=2))

@@ -112,9 +112,6 @@ class MegatronBackend(Policy):
             tp=tp,
             packed=self.pack,
             sequence_parallel=cfg.sequence_parallel,
-            distributed_optimizer=optim.uses_distributed_optimizer(
-                cfg.distributed_optimizer, self.device
-            ),
         )
         # Checked before any collective (headers only): every rank fails alike.
         reader, self.path, fmt = open_weights(self.path, self.spec, self)

@@ -135,34 +135,33 @@ def save_policy(pol: Any, folder: str) -> List[str]:
         shards = ps.get_data_parallel_group(with_context_parallel=True)
     first_cp = group_rank(pol.groups.cp) == 0
     for i, (model, _, layout) in enumerate(stages):
-        writer = writer_dp_rank(layout, pol.groups.dp_size)
-        gathered = iter(())
-        if megatron_opt:
-            gathered = ostate.iter_gathered_states(
-                pol.optimizer,
-                model.named_parameters(),
-                shards,
-                with_main=with_main,
-                step=step,
-                dst=writer * cp,
-            )
-        own = policy_tensors(pol, i)
-        planned = (
-            ostate.gathered_entries(model.named_parameters(), with_main=with_main, step=step)
-            if megatron_opt
-            else []
-        )
         meta = {
             "optimizer_step": str(step),
             "scheduler_step": str(pol.scheduler.step_count),
-            "main_params": str(int(with_main and (bool(planned) or not megatron_opt))),
+            "main_params": str(int(with_main and (step > 0 or not megatron_opt))),
         }
-        if pol.spec.num_experts and expert_writer(layout):
-            # experts run with the plain AdamW only (moe.check_moe_layout): nothing gathered;
-            # EP is carved out of DP x CP, so another CP rank may hold other experts: one
-            # expert-data-parallel rank per position writes, whatever its CP rank
+        own = policy_tensors(pol, i)
+        params = list(model.named_parameters())
+        if pol.spec.num_experts:
+            # first every rank's expert gathers (over its expert-DP group), then the dense
+            # ones (over DP x CP): one order on every rank, so no group waits on another
             experts = {k: v for k, v in own.items() if is_expert_param(k)}
-            wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, experts, meta)}")
+            expert_params = [(n, p) for n, p in params if is_expert_param(n)]
+            params = [(n, p) for n, p in params if not is_expert_param(n)]
+            edp, writes = ExpertGroups.current().edp, expert_writer(layout)
+            planned, gathered = _optimizer_states(
+                pol, expert_params, edp, expert_writer_rank(layout), with_main, step, megatron_opt
+            )
+            if writes:
+                name = _write_streamed(root, layout, experts, meta, planned, gathered)
+                wrote.append(f"{SUBDIR}/{name}")
+            else:
+                for _ in gathered:  # this rank's part of each reduce
+                    pass
+        writer = writer_dp_rank(layout, pol.groups.dp_size)
+        planned, gathered = _optimizer_states(
+            pol, params, shards, writer * cp, with_main, step, megatron_opt
+        )
         if pol.groups.dp_rank != writer or not first_cp:
             for _ in gathered:  # this rank's part of each reduce
                 pass
@@ -170,6 +169,28 @@ def save_policy(pol: Any, folder: str) -> List[str]:
         dense = {k: v for k, v in own.items() if not is_expert_param(k)}
         wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, dense, meta, planned, gathered)}")
     return wrote
+
+
+def _optimizer_states(
+    pol: Any,
+    params: List[Tuple[str, torch.nn.Parameter]],
+    group: Optional[Any],
+    dst: int,
+    with_main: bool,
+    step: int,
+    megatron_opt: bool,
+) -> Tuple[List[Tuple[str, Tuple[int, ...], torch.dtype]], Iterable]:
+    """(what the file announces, the gathered tensors) of the distributed optimizer's state
+    of ``params``, sharded over ``group`` and gathered to its rank ``dst``; nothing for the
+    plain AdamW (its moments are in ``policy_tensors``). The gather is lazy: a collective
+    over ``group`` per tensor as it is consumed."""
+    if not megatron_opt:
+        return [], iter(())
+    planned = ostate.gathered_entries(params, with_main=with_main, step=step)
+    gathered = ostate.iter_gathered_states(
+        pol.optimizer, params, group, with_main=with_main, step=step, dst=dst
+    )
+    return planned, gathered
 
 
 def _write_streamed(
@@ -194,14 +215,19 @@ def _write_streamed(
     return name
 
 
+def expert_writer_rank(layout: Layout) -> int:
+    """The expert-data-parallel rank that writes the expert file of ``layout``'s (EP, ETP, PP)
+    position (receiving its gathered optimizer state), rotated over the positions as the
+    dense writers are (:func:`writer_dp_rank`)."""
+    size = group_size(ExpertGroups.current().edp)
+    return (layout.etp_rank + layout.etp * (layout.ep_rank + layout.ep * layout.pp_rank)) % size
+
+
 def expert_writer(layout: Layout) -> bool:
-    """Whether this rank writes the expert file of its (EP, ETP, PP) position: one
-    expert-data-parallel rank per position, rotated over the positions as the dense
-    writers are (:func:`writer_dp_rank`)."""
-    groups = ExpertGroups.current()
-    size = group_size(groups.edp)
-    position = layout.etp_rank + layout.etp * (layout.ep_rank + layout.ep * layout.pp_rank)
-    return group_rank(groups.edp) == position % size
+    """Whether this rank writes the expert file of its (EP, ETP, PP) position (one
+    expert-data-parallel rank per position, whatever its CP rank: EP is carved out of
+    DP x CP, so another CP rank may hold other experts)."""
+    return group_rank(ExpertGroups.current().edp) == expert_writer_rank(layout)
 
 
 @torch.no_grad()

@@ -44,28 +44,22 @@ def check_moe_layout(
     *,
     tp: int,
     sequence_parallel: bool,
-    distributed_optimizer: bool,
     packed: bool = False,
 ) -> None:
     """What megatron-core's MoE layer refuses only in its first training forward, refused
     before start: tensor parallelism without sequence parallelism (0.16.1
     transformer/moe/moe_layer.py:379-383; its dispatchers take [S/TP, b, H] inputs). And
-    what this backend does not do yet for experts: Megatron's distributed optimizer (its
-    expert state is sharded over the expert-data-parallel group, which the checkpoint's
-    gather and scatter do not follow) and packed sequences (``align_micro_batches`` pads and
-    widens rows, not packs). Experts with context parallelism are allowed: EP is carved out
-    of DP x CP as in megatron-core, each CP rank's tokens go to their experts' ranks."""
+    what this backend does not do yet for experts: packed sequences (``align_micro_batches``
+    pads and widens rows, not packs). Experts with context parallelism are allowed: EP is
+    carved out of DP x CP as in megatron-core, each CP rank's tokens go to their experts'
+    ranks. So is Megatron's distributed optimizer: megatron-core shards the expert state over
+    the expert-data-parallel group (the expert optimizer of ``get_megatron_optimizer``), and
+    ``checkpoint.save_policy`` gathers it over that group."""
     if spec.num_experts and packed:
         raise ConfigError(
             f"{spec.architecture} (mixture of experts) with trainer.pack_sequences=true: "
             "expert layers' micro-batch plans are of padded rows; set "
             "trainer.pack_sequences=false"
-        )
-    if spec.num_experts and distributed_optimizer:
-        raise ConfigError(
-            f"{spec.architecture} (mixture of experts) with Megatron's distributed optimizer: "
-            "its expert state is not checkpointed yet; set "
-            "model.params.distributed_optimizer=false (AdamW over each rank's shards)"
         )
     if spec.num_experts and tp > 1 and not sequence_parallel:
         raise ConfigError(

@@ -108,6 +108,7 @@ def _rank_layout(rank, folder, kw, dp_rows, ref_lp, tokens=0):
 
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
+    from nemo_d3s.backends.megatron.optimizer import is_megatron_optimizer
 
     batch, adv, noise, keep = tiny_batch()
     pol = MegatronBackend(MegatronBackendConfig(model=folder, device="cpu", **{**OPT, **kw}))
@@ -132,6 +133,7 @@ def _rank_layout(rank, folder, kw, dp_rows, ref_lp, tokens=0):
             1 for n, _ in pol.chunks[0].named_parameters() if n.endswith("linear_fc1.weight")
         ),
         "train": (metrics, dict(pol.hf_weights())),
+        "megatron_optimizer": is_megatron_optimizer(pol.optimizer),
     }
 
 
@@ -159,6 +161,15 @@ LAYOUTS = {
         HALVES,
     ),
 }
+# Megatron's distributed optimizer: dense state sharded over DP, expert state over expert DP
+# (EP 2 in a world of 4: two expert-DP ranks per expert shard)
+DOPT = dict(distributed_optimizer=True)
+LAYOUTS.update(
+    {
+        "ep2_dopt": (2, {**EP2, **DOPT}, HALVES),
+        "dp4ep2_dopt": (4, {**EP2, **DOPT}, [[0, 1], [2, 3], [4], [5]]),
+    }
+)
 # token budgets (trainer.micro_batch_tokens): 16 tokens a micro-batch, so the two DP ranks'
 # plans differ in count and shape (4 rows against 2) and the MoE plans are aligned
 TOKENS = {"ep2_tokens": "ep2_alltoall", "ep2_tokens_allgather": "ep2_allgather"}
@@ -208,6 +219,7 @@ def test_moe_layout_matches_transformers_and_the_hf_backend(
         )
         layers = (4 if arch == "qwen3_moe_4l" else 2) // chunks
         assert res["ep"][0] == ep and res["local_experts"] == layers * 4 // ep
+        assert res["megatron_optimizer"] == kw.get("distributed_optimizer", False)
         rows = res["rows"]
         for key in ("logprobs", "entropy"):
             err = (res[key] - ref[key][rows]).abs().max()
@@ -237,7 +249,7 @@ def _steps(pol, n):
         )
 
 
-def _policy(folder, ep, cp=1):
+def _policy(folder, ep, cp=1, dopt=False):
     from nemo_d3s.backends.megatron.backend import MegatronBackend
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
@@ -246,6 +258,7 @@ def _policy(folder, ep, cp=1):
         device="cpu",
         expert_model_parallel_size=ep,
         context_parallel_size=cp,
+        distributed_optimizer=dopt,
         scheduler="linear",
         total_steps=10,
         warmup_steps=1,
@@ -254,8 +267,8 @@ def _policy(folder, ep, cp=1):
     return MegatronBackend(cfg)
 
 
-def _rank_save(rank, folder, ckpt, ep, cp=1):
-    pol = _policy(folder, ep, cp)
+def _rank_save(rank, folder, ckpt, ep, cp=1, dopt=False):
+    pol = _policy(folder, ep, cp, dopt)
     _steps(pol, 1)
     pol.save_checkpoint(ckpt)
     saved = dict(pol.hf_weights())
@@ -263,8 +276,8 @@ def _rank_save(rank, folder, ckpt, ep, cp=1):
     return saved, dict(pol.hf_weights())
 
 
-def _rank_resume(rank, folder, ckpt, ep, cp=1):
-    pol = _policy(folder, ep, cp)
+def _rank_resume(rank, folder, ckpt, ep, cp=1, dopt=False):
+    pol = _policy(folder, ep, cp, dopt)
     pol.load_checkpoint(ckpt)
     loaded = dict(pol.hf_weights())
     _steps(pol, 1)
@@ -325,6 +338,45 @@ def test_a_cp2_ep2_checkpoint_holds_every_expert_file_and_resumes_bit_exactly(
             assert all(torch.equal(loaded[k], saved[k]) for k in saved)
             for k in after:
                 if cp == 2:  # the saved layout: bit for bit
+                    assert torch.equal(stepped[k], after[k]), k
+                else:
+                    torch.testing.assert_close(stepped[k], after[k], rtol=0, atol=1e-5)
+
+
+def test_distributed_optimizer_checkpoint_of_experts_resumes_at_other_layouts(
+    moe_folders, tmp_path
+):
+    """Megatron's distributed optimizer with experts, saved at DP 4 x EP 2 (dense state
+    sharded over the four DP ranks, expert state over the two expert-DP ranks of each expert
+    shard, each gathered to its file's writer): the model loads bit for bit and the next step
+    (Adam moments and step count from the file) matches the uninterrupted run bit for bit at
+    the saved layout; at EP 2 in a world of 2 (expert state unsharded) and at EP 1 with the
+    plain AdamW, within 1e-5. The expert files hold the moments of every expert."""
+    from safetensors import safe_open
+
+    folder, ckpt = moe_folders["qwen3_moe"], str(tmp_path / "ckpt")
+    runs = run_ranks(_rank_save, 4, folder, ckpt, 2, 1, True, megatron=False, timeout=WAIT_S)
+    saved, after = runs[0]
+    root = os.path.join(ckpt, "megatron")
+    for e in (0, 1):
+        with safe_open(os.path.join(root, f"ep0{e}_etp00_pp00.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        experts = {k for k in keys if not k.startswith("optim.")}
+        assert experts and all(".mlp.experts." in k for k in experts)
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert {f"optim.{k}.{n}" for n in experts} <= keys
+    with safe_open(os.path.join(root, "tp00_pp00.safetensors"), "pt") as f:
+        assert not any(".mlp.experts." in k for k in f.keys())
+        assert f.get_tensor("optim.exp_avg_sq.decoder.final_layernorm.weight").abs().max() > 0
+    for world, ep, dopt in ((4, 2, True), (2, 2, True), (1, 1, False)):
+        results = run_ranks(
+            _rank_resume, world, folder, ckpt, ep, 1, dopt, megatron=False, timeout=WAIT_S
+        )
+        for loaded, stepped in results:
+            assert sorted(loaded) == sorted(saved)
+            assert all(torch.equal(loaded[k], saved[k]) for k in saved), world
+            for k in after:
+                if world == 4:
                     assert torch.equal(stepped[k], after[k]), k
                 else:
                     torch.testing.assert_close(stepped[k], after[k], rtol=0, atol=1e-5)
@@ -410,7 +462,7 @@ def test_experts_refuse_packed_rows_before_start():
 
     moe = SimpleNamespace(num_experts=4, architecture="Qwen3MoeForCausalLM")
     dense = SimpleNamespace(num_experts=0, architecture="LlamaForCausalLM")
-    kw = dict(tp=1, sequence_parallel=False, distributed_optimizer=False)
+    kw = dict(tp=1, sequence_parallel=False)
     with pytest.raises(ConfigError, match="pack_sequences=false"):
         check_moe_layout(moe, packed=True, **kw)
     check_moe_layout(moe, **kw)  # rows: the tested layout (any CP: the cp2ep2 case above)
