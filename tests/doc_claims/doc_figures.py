@@ -44,7 +44,15 @@ def gpu_h200() -> List[Tuple[str, str]]:
     r = ent["results"]
     c, p = r["chunked"], r["plain"]
     bench = "benchmarks/README.md"
+    s2 = record("gpu_h200/session2/summary.json")
+    sc2 = s2["selfcheck"]
+    k1 = [s2["smoke_k1_cuda"][b] for b in ("hf", "meg")]
+    assert all(run["second_run_differing_values"] == 0 for run in k1)
+    assert all(run["rollout_staleness"][1:] == [1.0] * (run["steps"] - 1) for run in k1)
+    assert s2["moe_megatron_cuda_ep1"]["alltoall_vs_allgather_differing_values"] == 0
     return [
+        (README, f"self-check again ({sc2['passed']} passed, the same {sc2['failed']} Transformer"),
+        (README, f"Engine failures, {sc2['not run']} not run)"),
         (README, f"({count['passed']} passed; the {count['failed']} Transformer Engine"),
         (README, f"checks failed for the missing library; {count['not run']} need 2+ GPUs"),
         (README, f"({mem['measured_gib']:.2f} GiB measured, {mem['predicted_gib']:.2f} planned)"),
