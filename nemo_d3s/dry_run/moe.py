@@ -60,10 +60,11 @@ def expert_params(s: Any, layout: Any) -> int:
 
 def activation_spec(spec: Any) -> Any:
     """``spec`` as the activation model sees it: a MoE layer's MLP as a dense one of width
-    k F' (the experts a token goes through)."""
+    k F' + Fs (the experts a token goes through, and a shared expert where there is one)."""
     if not spec.num_experts:
         return spec
-    return replace(spec, ffn_hidden_size=spec.moe_topk * spec.moe_ffn_hidden_size)
+    width = spec.moe_topk * spec.moe_ffn_hidden_size + spec.moe_shared_ffn_hidden_size
+    return replace(spec, ffn_hidden_size=width)
 
 
 def dispatch_bytes(spec: Any, w: Workload, *, tp: int, pp: int) -> float:

@@ -7,6 +7,9 @@ Architectures (HF names per decoder layer i; E experts of width F' each, H hidde
   the E router logits, top-k, renormalised over the k when ``norm_topk_prob``.
 - ``MixtralForCausalLM``: router ``block_sparse_moe.gate.weight``, expert e
   ``block_sparse_moe.experts.e.{w1,w3,w2}.weight`` (gate, up, down); top-k renormalised.
+- ``Qwen2MoeForCausalLM``: Qwen3-MoE's router and experts, and a shared expert every token
+  goes through, ``mlp.shared_expert.{gate,up,down}_proj.weight`` ([Fs, H], [Fs, H], [H, Fs]),
+  its output scaled by ``sigmoid(mlp.shared_expert_gate.weight @ x)`` ([1, H]).
 
 Megatron's MoE layer (megatron-core ``MoELayer``) per layer j of a stage, EP ranks holding
 E / EP consecutive experts each (EP rank p: experts [p E/EP, (p+1) E/EP)), every expert's
@@ -17,7 +20,11 @@ FFN split over ETP ranks like a dense MLP over TP:
   [2 F'/ETP, H] (gate rows of ETP rank r, then its up rows) and ``...linear_fc2.weight``
   [H, F'/ETP] for local expert k = global expert p E/EP + k;
 - Transformer Engine spec (``TEGroupedMLP``, grouped GEMM): ``mlp.experts.linear_fc1.weightk``
-  and ``mlp.experts.linear_fc2.weightk``, the same shapes.
+  and ``mlp.experts.linear_fc2.weightk``, the same shapes;
+- a shared expert (megatron-core ``SharedExpertMLP``, a dense parameter split over TP like the
+  dense MLP): ``mlp.shared_experts.linear_fc1.weight`` [2 Fs/TP, H] (gate rows of TP rank r,
+  then its up rows), ``...linear_fc2.weight`` [H, Fs/TP] and the gate ``...gate_weight``
+  [1, H] (replicated; megatron-core's ``moe_shared_expert_gate``: the same sigmoid).
 
 Plain Python: no torch, no Megatron.
 """
@@ -45,8 +52,9 @@ __all__ = [
 MOE_ARCHITECTURES: Dict[str, Tuple[str, Tuple[str, str, str]]] = {
     "Qwen3MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "MixtralForCausalLM": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen2MoeForCausalLM": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
-# Both architectures score experts with a softmax over the router logits.
+# Every architecture scores experts with a softmax over the router logits.
 ROUTER_SCORE = "softmax"
 
 Rows = List[Tuple[str, int, int]]  # (HF name, lo, hi) along the concatenation dim
@@ -55,16 +63,17 @@ Rows = List[Tuple[str, int, int]]  # (HF name, lo, hi) along the concatenation d
 def moe_fields(cfg: Dict[str, Any], arch: str, source: str, need: Callable) -> Dict[str, Any]:
     """The ModelSpec MoE fields of an HF config (``need(key)``: a positive integer or a
     ConfigError): ``num_experts``, ``moe_ffn_hidden_size``, ``moe_topk``,
-    ``moe_pre_softmax`` (top-k probabilities not renormalised: Qwen3-MoE's
-    ``norm_topk_prob=false``). {} for a dense architecture. Refuses what the table would map
-    wrongly: dense layers between MoE ones, router jitter."""
+    ``moe_pre_softmax`` (top-k probabilities not renormalised: Qwen3-MoE's and Qwen2-MoE's
+    ``norm_topk_prob=false``), ``moe_shared_ffn_hidden_size`` (Qwen2-MoE's shared expert).
+    {} for a dense architecture. Refuses what the table would map wrongly: dense layers
+    between MoE ones, router jitter."""
     if arch not in MOE_ARCHITECTURES:
         return {}
     key = "num_experts" if "num_experts" in cfg else "num_local_experts"
     experts, topk = need(key), need("num_experts_per_tok")
     if topk > experts:
         raise ConfigError(f"{source}: num_experts_per_tok={topk} > {key}={experts}")
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise ConfigError(
                 f"{source}: mlp_only_layers={cfg.get('mlp_only_layers')!r} / "
@@ -76,6 +85,11 @@ def moe_fields(cfg: Dict[str, Any], arch: str, source: str, need: Callable) -> D
             moe_ffn_hidden_size=need("moe_intermediate_size"),
             moe_topk=topk,
             moe_pre_softmax=not cfg.get("norm_topk_prob", False),
+            **(
+                {"moe_shared_ffn_hidden_size": need("shared_expert_intermediate_size")}
+                if arch == "Qwen2MoeForCausalLM"
+                else {}
+            ),
         )
     jitter = cfg.get("router_jitter_noise") or 0.0
     if jitter:
@@ -108,14 +122,48 @@ def moe_local_names(spec: Any, layout: Any, prefix: str) -> List[str]:
     n = expert_count(spec, layout.ep)
     names = [prefix + "mlp.router.weight"]
     if layout.te:
-        return names + [
-            prefix + f"mlp.experts.linear_fc{i}.weight{k}" for i in (1, 2) for k in range(n)
+        names += [prefix + f"mlp.experts.linear_fc{i}.weight{k}" for i in (1, 2) for k in range(n)]
+    else:
+        names += [
+            prefix + f"mlp.experts.local_experts.{k}.linear_fc{i}.weight"
+            for k in range(n)
+            for i in (1, 2)
         ]
-    return names + [
-        prefix + f"mlp.experts.local_experts.{k}.linear_fc{i}.weight"
-        for k in range(n)
-        for i in (1, 2)
-    ]
+    if spec.moe_shared_ffn_hidden_size:  # built after the experts (MoELayer.__init__)
+        names += [prefix + f"mlp.shared_experts.{x}" for x in SHARED_LOCAL]
+    return names
+
+
+# A shared expert's parameters, in ``named_parameters`` order (MLP's, then SharedExpertMLP's
+# gate), and its HF tensors in transformers' order.
+SHARED_LOCAL = ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")
+SHARED_HF = (
+    "shared_expert.gate_proj.weight",
+    "shared_expert.up_proj.weight",
+    "shared_expert.down_proj.weight",
+    "shared_expert_gate.weight",
+)
+
+
+def _shared_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tuple[int, Rows]]:
+    """(concatenation dim, HF rows) of a shared-expert parameter, split over TP as the dense
+    MLP is (the gate replicated); None for any other name."""
+    if not rest.startswith("mlp.shared_experts."):
+        return None
+    leaf = rest[len("mlp.shared_experts.") :]
+    p = hf + "mlp."
+    if leaf == "gate_weight":
+        return 0, [(p + "shared_expert_gate.weight", 0, 1)]
+    f = spec.moe_shared_ffn_hidden_size // layout.tp
+    lo, hi = layout.tp_rank * f, (layout.tp_rank + 1) * f
+    if leaf == "linear_fc1.weight":
+        return 0, [
+            (p + "shared_expert.gate_proj.weight", lo, hi),
+            (p + "shared_expert.up_proj.weight", lo, hi),
+        ]
+    if leaf == "linear_fc2.weight":
+        return 1, [(p + "shared_expert.down_proj.weight", lo, hi)]
+    return None
 
 
 def _expert_of(rest: str) -> Optional[Tuple[int, int]]:
@@ -136,6 +184,10 @@ def moe_local_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tupl
     block, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
     if rest == "mlp.router.weight":
         return 0, [(hf + f"{block}.gate.weight", 0, spec.num_experts)]
+    if spec.moe_shared_ffn_hidden_size:
+        shared = _shared_parts(rest, hf, spec, layout)
+        if shared is not None:
+            return shared
     which = _expert_of(rest)
     if which is None:
         return None
@@ -156,6 +208,8 @@ def moe_hf_names(spec: Any, layer: int) -> List[str]:
     names = [p + "gate.weight"]
     for e in range(spec.num_experts):
         names += [p + f"experts.{e}.{x}.weight" for x in (gate, up, down)]
+    if spec.moe_shared_ffn_hidden_size:
+        names += [p + x for x in SHARED_HF]
     return names
 
 
@@ -164,9 +218,13 @@ def moe_hf_shape(hf_name: str, spec: Any) -> Optional[Tuple[int, ...]]:
     if not spec.num_experts:
         return None
     block, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
-    H, F = spec.hidden_size, spec.moe_ffn_hidden_size
+    H, F, Fs = spec.hidden_size, spec.moe_ffn_hidden_size, spec.moe_shared_ffn_hidden_size
     if hf_name.endswith(f".{block}.gate.weight"):
         return (spec.num_experts, H)
+    if Fs and f".{block}.shared_expert" in hf_name:
+        leaf = hf_name.rsplit(".", 2)[-2]
+        shapes = {"gate_proj": (Fs, H), "up_proj": (Fs, H), "down_proj": (H, Fs)}
+        return shapes.get(leaf, (1, H) if leaf == "shared_expert_gate" else None)
     if f".{block}.experts." not in hf_name:
         return None
     leaf = hf_name.rsplit(".", 2)[-2]

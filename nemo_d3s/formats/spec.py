@@ -36,6 +36,7 @@ SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
     "Qwen3ForCausalLM": False,
     "Qwen3MoeForCausalLM": False,
     "MixtralForCausalLM": False,
+    "Qwen2MoeForCausalLM": False,  # its config's qkv_bias (default true)
 }
 # architectures whose attention normalises every query and key head (RMS norm over
 # head_dim, one weight per width shared by the heads) before RoPE: Megatron's qk_layernorm.
@@ -59,7 +60,9 @@ class ModelSpec:
     none); torch_dtype: the saved dtype; qk_norm: RMS norm [head_dim] per query / key head (Qwen3).
     Mixture of experts (``formats/moe.py``; 0 experts = dense): num_experts,
     moe_ffn_hidden_size (one expert's width), moe_topk (experts per token), moe_pre_softmax
-    (top-k of the softmax over all experts, not renormalised).
+    (top-k of the softmax over all experts, not renormalised), moe_shared_ffn_hidden_size
+    (the width of a shared expert every token goes through, scaled by a sigmoid gate:
+    Qwen2-MoE; 0 = none).
     """
 
     architecture: str
@@ -83,6 +86,7 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
     moe_topk: int = 0
     moe_pre_softmax: bool = False
+    moe_shared_ffn_hidden_size: int = 0
 
     @classmethod
     def from_hf_dict(cls, cfg: Dict[str, Any], source: str = "config.json") -> "ModelSpec":
@@ -126,7 +130,12 @@ class ModelSpec:
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         sliding = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in (
+            "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM",
+            "Qwen3MoeForCausalLM",
+            "Qwen2MoeForCausalLM",
+        ):
             sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
         if sliding is not None:
             raise ConfigError(
@@ -149,6 +158,8 @@ class ModelSpec:
                 f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
             )
         qkv_bias = SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False))
+        if arch == "Qwen2MoeForCausalLM":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
         theta, factor = _rope(cfg, source)
         dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -219,7 +230,10 @@ class ModelSpec:
         h = self.hidden_size
         if not self.num_experts:
             return 3 * h * self.ffn_hidden_size
-        return self.num_experts * h + experts * 3 * h * self.moe_ffn_hidden_size
+        shared = (
+            3 * h * self.moe_shared_ffn_hidden_size + h if self.moe_shared_ffn_hidden_size else 0
+        )
+        return self.num_experts * h + experts * 3 * h * self.moe_ffn_hidden_size + shared
 
 
 def _rope(cfg: Dict[str, Any], source: str):

@@ -1,8 +1,8 @@
-"""Mixture-of-experts checkpoints through the converter: a tiny random Qwen3-MoE and a tiny
-Mixtral (transformers' own classes, 4 experts) convert HF -> Megatron at EP 2 (and TP 2 x
-EP 2 x ETP 1, PP 2 x EP 4) -> HF bit for bit, in float32 and bfloat16; the expert files hold
-what the weight table says; ``verify`` passes on the EP 2 checkpoint; an EP the experts do
-not divide is refused before anything is written."""
+"""Mixture-of-experts checkpoints through the converter: a tiny random Qwen3-MoE, a tiny Mixtral
+and a tiny Qwen2-MoE (a shared expert; transformers' own classes, 4 experts) convert HF ->
+Megatron at EP 2 (and TP 2 x EP 2 x ETP 1, PP 2 x EP 4) -> HF bit for bit, in float32 and
+bfloat16; the expert files hold what the weight table says; ``verify`` passes on the EP 2
+checkpoint; an EP the experts do not divide is refused before anything is written."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ LAYOUTS = {  # name: (tp, pp, ep, etp)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_round_trip_is_bit_exact(tmp_path, arch, dtype, layout):
     tp, pp, ep, etp = LAYOUTS[layout]
@@ -76,7 +76,7 @@ def test_expert_files_hold_the_experts_of_their_rank(tmp_path):
                 assert torch.equal(got[m + "linear_fc2.weight"], hf[x + "down_proj.weight"])
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_verify_passes_on_an_ep2_checkpoint(tmp_path, arch):
     from nemo_d3s.convert.verify_logits import verify
 

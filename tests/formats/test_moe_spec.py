@@ -46,6 +46,32 @@ MIXTRAL = dict(
 )
 
 
+QWEN2_MOE = {  # Qwen3-MoE's fields less head_dim, with a shared expert and q/k/v biases
+    **{k: v for k, v in QWEN3_MOE.items() if k != "head_dim"},
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "shared_expert_intermediate_size": 40,
+    "norm_topk_prob": False,
+    "qkv_bias": True,
+}
+
+
+def test_qwen2_moe_fields():
+    """The shared expert's width, q/k/v biases from ``qkv_bias`` (no q/k norms), the
+    unnormalised top-k, and the dense layers between MoE ones refused as for Qwen3-MoE."""
+    q = ModelSpec.from_hf_dict(QWEN2_MOE)
+    assert (q.num_experts, q.moe_ffn_hidden_size, q.moe_shared_ffn_hidden_size) == (8, 24, 40)
+    assert q.moe_pre_softmax and q.qkv_bias and not q.qk_norm
+    assert not ModelSpec.from_hf_dict({**QWEN2_MOE, "qkv_bias": False}).qkv_bias
+    assert ModelSpec.from_hf_dict(QWEN3_MOE).moe_shared_ffn_hidden_size == 0
+    with pytest.raises(ConfigError, match="dense layers"):
+        ModelSpec.from_hf_dict({**QWEN2_MOE, "decoder_sparse_step": 2})
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
+        ModelSpec.from_hf_dict(
+            {k: v for k, v in QWEN2_MOE.items() if k != "shared_expert_intermediate_size"}
+        )
+
+
 def test_qwen3_moe_and_mixtral_fields():
     q = ModelSpec.from_hf_dict(QWEN3_MOE)
     assert (q.num_experts, q.moe_ffn_hidden_size, q.moe_topk, q.moe_pre_softmax) == (
@@ -105,10 +131,13 @@ def test_expert_layouts_megatron_would_refuse_are_one_error():
         check_layout(dense, tp=1, pp=1, world=2, ep=2)
 
 
-@pytest.mark.parametrize("cfg", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "cfg", [QWEN3_MOE, MIXTRAL, QWEN2_MOE], ids=["qwen3_moe", "mixtral", "qwen2_moe"]
+)
 def test_total_and_active_parameters_match_transformers(cfg):
     """Total = transformers' parameter count; active = total less the (E - k) experts a
-    token does not use in each layer, counted by hand from the expert tensors' shapes."""
+    token does not use in each layer, counted by hand from the expert tensors' shapes (a
+    shared expert is active: not among them)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = ModelSpec.from_hf_dict(cfg)
@@ -116,7 +145,7 @@ def test_total_and_active_parameters_match_transformers(cfg):
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(cfg["model_type"], **fields))
     total = sum(p.numel() for p in model.parameters())
     assert spec.num_params == total
-    per_expert = sum(p[0].numel() for n, p in model.named_parameters() if "experts" in n)
+    per_expert = sum(p[0].numel() for n, p in model.named_parameters() if ".experts." in n)
     per_expert //= spec.num_layers
     unused = spec.num_layers * (spec.num_experts - spec.moe_topk) * per_expert
     assert spec.active_params == total - unused < total

@@ -27,22 +27,23 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.parametrize(
-    "extra",
+    "arch,extra",
     [
-        [],
-        ["+model.params.context_parallel_size=2"],
-        ["+model.params.distributed_optimizer=true"],
+        ("qwen3_moe", []),
+        ("qwen3_moe", ["+model.params.context_parallel_size=2"]),
+        ("qwen3_moe", ["+model.params.distributed_optimizer=true"]),
+        ("qwen2_moe", []),
     ],
-    ids=["dp2ep2", "cp2ep2", "dp2ep2_distributed_optimizer"],
+    ids=["dp2ep2", "cp2ep2", "dp2ep2_distributed_optimizer", "dp2ep2_qwen2_moe"],
 )
-def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp_path, extra):
+def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp_path, arch, extra):
     """(``cp2ep2``: the two ranks are one model copy at context parallelism 2, each CP rank's
     engine samples half the prompts, the experts split over the CP ranks;
     ``dp2ep2_distributed_optimizer``: Megatron's distributed optimizer, the expert state in
-    the expert files)"""
+    the expert files; ``dp2ep2_qwen2_moe``: a shared expert beside the routed ones)"""
     from nemo_d3s.convert import megatron_to_hf
 
-    folder = str(make_tiny_hf(tmp_path / "qwen3_moe", "qwen3_moe", layers=2))
+    folder = str(make_tiny_hf(tmp_path / arch, arch, layers=2))
     hf_out = tmp_path / "hf"
     run_inprocess(hf_out, [*RUN, f"model.name={folder}"])
     hf_rows = read_jsonl(hf_out / "metrics.jsonl")

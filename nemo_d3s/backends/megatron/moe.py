@@ -105,6 +105,9 @@ def moe_config_kwargs(
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
+        # Qwen2-MoE's shared expert: sigmoid(gate_weight . x) * SwiGLU(x), as transformers
+        moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(spec.moe_shared_ffn_hidden_size),
     )
 
 

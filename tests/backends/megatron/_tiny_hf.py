@@ -81,15 +81,30 @@ def make_tiny_hf(
     return folder
 
 
-MOE = ("qwen3_moe", "qwen3_moe_norm", "mixtral")
+MOE = ("qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe")
 
 
 def _moe_config(arch: str, common: dict, experts: int, head_dim: int = 16):
     """A mixture-of-experts config over ``common``: Qwen3-MoE (top-2 of ``experts``, expert
     width 24 != the dense 48, ``head_dim`` (16); "qwen3_moe_norm" renormalises the top-k
-    probabilities, "qwen3_moe" does not) or Mixtral (top-2, expert width = intermediate)."""
+    probabilities, "qwen3_moe" does not), Mixtral (top-2, expert width = intermediate) or
+    Qwen2-MoE (Qwen3-MoE's experts without q/k norms, q/k/v biases, and a shared expert of
+    width 40 behind its sigmoid gate)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    if arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        cfg = Qwen2MoeConfig(
+            **common,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            use_sliding_window=False,
+        )
+        return cfg, Qwen2MoeForCausalLM
     if arch == "mixtral":
         return MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=2), (
             MixtralForCausalLM

@@ -1,14 +1,13 @@
 """Mixture-of-experts models on the Megatron backend (megatron-core's MoELayer with
 SequentialMLP experts on gloo ranks) against transformers and the HF backend.
 
-Tiny random Qwen3-MoE (top-2 of 4 experts, with and without renormalised top-k
-probabilities) and Mixtral folders (``_tiny_hf.py``). At EP 1, EP 2 (both dispatchers),
-TP 2 x EP 2 (sequence parallel) and PP 2 x EP 2, each with DP 2 where the world allows:
-log-probs and entropies equal a transformers forward (max abs error <= 1e-4, the dense
-tests' tolerance); one train step gives the HF backend's gradient norm (rel 1e-4) and
-updated weights (atol 1e-5), so the EP 2 gradients equal the EP 1 ones through the same
-reference; ``hf_weights`` of a fresh model gives back the input tensors bit for bit.
-"""
+Tiny random Qwen3-MoE (top-2 of 4 experts, with and without renormalised top-k probabilities),
+Mixtral and Qwen2-MoE (a gated shared expert) folders (``_tiny_hf.py``). At EP 1, EP 2 (both
+dispatchers), TP 2 x EP 2 (sequence parallel) and PP 2 x EP 2, each with DP 2 where the world
+allows: log-probs and entropies equal a transformers forward (max abs error <= 1e-4, the dense
+tests' tolerance); one train step gives the HF backend's gradient norm (rel 1e-4) and updated
+weights (atol 1e-5), so the EP 2 gradients equal the EP 1 ones through the same reference;
+``hf_weights`` of a fresh model gives back the input tensors bit for bit."""
 
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ def moe_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
     return {
         a: str(make_tiny_hf(root / a, a, layers=2))
-        for a in ("qwen3_moe", "qwen3_moe_norm", "mixtral")
+        for a in ("qwen3_moe", "qwen3_moe_norm", "mixtral", "qwen2_moe")
     } | {"qwen3_moe_4l": str(make_tiny_hf(root / "q4", "qwen3_moe", layers=4))}
 
 
@@ -56,7 +55,7 @@ def _per_expert(state, arch):
     out = {}
     for k, v in state.items():
         layer, _, leaf = k.partition(".mlp.")
-        if not leaf:
+        if not leaf or leaf.startswith("shared_expert"):  # Qwen2-MoE's shared expert: unfused
             out[k] = v
         elif leaf == "gate.weight":
             out[f"{layer}.{block}.gate.weight"] = v
@@ -130,7 +129,9 @@ def _rank_layout(rank, folder, kw, dp_rows, ref_lp, tokens=0):
         "entropy": sc.entropy,
         "ep": (ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()),
         "local_experts": sum(
-            1 for n, _ in pol.chunks[0].named_parameters() if n.endswith("linear_fc1.weight")
+            1
+            for n, _ in pol.chunks[0].named_parameters()
+            if ".mlp.experts." in n and n.endswith("linear_fc1.weight")
         ),
         "train": (metrics, dict(pol.hf_weights())),
         "megatron_optimizer": is_megatron_optimizer(pol.optimizer),
@@ -180,6 +181,10 @@ CASES = [("qwen3_moe_4l" if lay in FOUR_LAYERS else "qwen3_moe", lay) for lay in
     ("mixtral", "ep1"),
     ("mixtral", "ep2_alltoall"),
     ("mixtral", "tp2ep2_sp"),
+    # Qwen2-MoE: a shared expert (split over TP like the dense MLP) behind a sigmoid gate
+    ("qwen2_moe", "ep1"),
+    ("qwen2_moe", "ep2_alltoall"),
+    ("qwen2_moe", "tp2ep2_sp"),
 ]
 
 
