@@ -58,14 +58,11 @@ def first_ranks_of_model_copies(
     tp: int, pp: int, dp: int, order: str = DEFAULT_ORDER, cp: int = 1
 ) -> List[int]:
     """Global rank of (TP rank 0, stage 0) of each TP x PP model-parallel group, DP replica
-    then CP rank order (where the rollout engines start): tp-cp-ep-dp-pp interleaves the
-    replicas' first stages (stride TP CP), tp-cp-ep-pp-dp keeps each copy on consecutive
-    ranks (stride TP CP PP)."""
-    return [
-        global_rank_of(0, 0, k, tp=tp, pp=pp, dp=dp, order=order, cp_rank=c, cp=cp)
-        for k in range(dp)
-        for c in range(cp)
-    ]
+    then CP rank order (where one rollout engine per group starts): tp-cp-ep-dp-pp interleaves
+    the replicas' first stages (stride TP CP), tp-cp-ep-pp-dp keeps each copy on consecutive
+    ranks (stride TP CP PP). In both orders it is the group's lowest rank: one block of
+    :func:`engine_ranks_of_model_copies`."""
+    return engine_ranks_of_model_copies(tp, pp, dp, order, cp, engines_per_copy=1)
 
 
 def engine_blocks(ranks: Sequence[int], engines: int) -> List[List[int]]:

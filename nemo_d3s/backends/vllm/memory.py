@@ -79,8 +79,10 @@ def engine_starts(tp: int, pp: int, engines_per_copy: int = 1) -> List[Tuple[int
     """(TP rank, PP stage) of each engine's first rank in a model copy: the copy's ranks in
     ascending order run stage by stage, TP rank within (both of Megatron's orders), cut into
     ``engines_per_copy`` blocks (``megatron.parallel.engine_blocks``)."""
-    block = int(tp) * int(pp) // int(engines_per_copy)
-    return [((e * block) % tp, (e * block) // tp) for e in range(int(engines_per_copy))]
+    from nemo_d3s.backends.megatron.parallel import engine_blocks
+
+    blocks = engine_blocks(range(int(tp) * int(pp)), engines_per_copy)
+    return [(b[0] % tp, b[0] // tp) for b in blocks]
 
 
 def engine_positions(
