@@ -394,6 +394,11 @@ def check_expert_layout(
             f"moe_intermediate_size={spec.moe_ffn_hidden_size} is not divisible by "
             f"expert_tensor_parallel_size={etp}"
         )
+    if spec.moe_shared_ffn_hidden_size % tp:  # the shared expert splits like the dense MLP
+        raise ConfigError(
+            f"shared_expert_intermediate_size={spec.moe_shared_ffn_hidden_size} is not "
+            f"divisible by tensor_model_parallel_size={tp}"
+        )
     if world % (etp * ep * pp):
         raise ConfigError(
             f"world size {world} is not divisible by expert_tensor_parallel_size x "

@@ -70,6 +70,10 @@ def test_qwen2_moe_fields():
         ModelSpec.from_hf_dict(
             {k: v for k, v in QWEN2_MOE.items() if k != "shared_expert_intermediate_size"}
         )
+    check_layout(q, tp=2, pp=1, world=2, ep=1)  # the shared expert splits over TP: 40 / 2
+    odd = ModelSpec.from_hf_dict({**QWEN2_MOE, "shared_expert_intermediate_size": 41})
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size=41 is not divisible"):
+        check_layout(odd, tp=2, pp=1, world=2, ep=1, etp=1)
 
 
 def test_qwen3_moe_and_mixtral_fields():

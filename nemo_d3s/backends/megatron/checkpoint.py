@@ -6,7 +6,8 @@ shard (:func:`writer_dp_rank`; of a mixture of experts, which expert-DP rank of 
 (EP, ETP, PP) position writes its expert file, :func:`expert_writer`; with a virtual
 pipeline each chunk is saved as its virtual stage of a TP x (PP VPP) layout,
 :func:`policy_stages`), the optimizer state (plain AdamW's moments, or Megatron's
-distributed optimizer's DP-sharded state gathered to the writer and scattered back on load;
+distributed optimizer's DP-sharded state, and its expert state sharded over expert DP,
+gathered to the writer and scattered back on load;
 for a bf16 model either optimizer's fp32 main weights, "optim.main.<name>": the plain path's
 come from ``main_weights.MainWeightsAdamW``) and the LR-scheduler step. Collective: every
 rank calls :func:`save_policy` / :func:`load_policy`.
@@ -104,7 +105,8 @@ def save_policy(pol: Any, folder: str) -> List[str]:
     """Collective. One DP rank of each (TP, PP) position (:func:`writer_dp_rank`; its CP
     rank 0) writes its shard file (with Megatron's distributed optimizer, after gathering
     the optimizer state's DP (x CP) ranges to it), one expert-DP rank of each (EP, ETP, PP)
-    position its expert file (:func:`expert_writer`); global rank 0 writes layout.json.
+    position its expert file (:func:`expert_writer`; the experts' optimizer state gathered
+    over the expert-DP group to it); global rank 0 writes layout.json.
     Returns the files this rank wrote (relative to ``folder``: each rank hashes its own). The
     trainer adds atomicity and checksums."""
     root = Path(folder) / SUBDIR
