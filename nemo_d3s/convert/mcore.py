@@ -169,6 +169,13 @@ def hf_to_megatron_lm(
         spec, side, sources = ck.spec, ck.side, [ck.folder]
         stored = {ck.dtype} if ck.dtype is not None else {torch.float32, torch.bfloat16}
         tensors = ck.iter_hf
+    if spec.num_experts:  # before anything is written
+        raise ConfigError(
+            f"{spec.architecture} is a mixture of experts: hf-to-megatron-lm does not write "
+            "expert tensors yet (megatron-core keeps them under decoder.layers.mlp.experts."
+            "experts.* with an expert axis, and the args need the MoE fields); hf-to-megatron "
+            "writes this project's sharded format, which the Megatron backend trains from"
+        )
     try:  # the heads must split evenly over the loading run's TP ranks
         check_layout(spec, tp=tp, pp=1, world=tp)
     except ConfigError as e:
