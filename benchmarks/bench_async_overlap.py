@@ -9,7 +9,8 @@ Each (seed, arm) is one ``python -m nemo_d3s.train`` of the default experiment (
 basic_arithmetic_2d, 8 prompts x 8 rollouts x 48 tokens, 30 steps, evaluations every 10),
 arms interleaved seed by seed so machine load falls on both alike; the load average is
 sampled around each run. A run already finished in ``--out`` is read, not run again.
-Writes ``benchmarks/results/bench_async_overlap.{json,png}``.
+Writes ``benchmarks/results/bench_async_overlap.{json,png}`` (``--rollout vllm``:
+``bench_async_overlap_vllm.{json,png}``).
 
     python benchmarks/bench_async_overlap.py [--seeds 0,1,2] [--steps 30] [--rollout hf] [--quick]
 """
@@ -133,8 +134,10 @@ def main() -> None:
         b["steps_per_s"] / s["steps_per_s"] for s, b in zip(by[0], by[1]) if s["seed"] == b["seed"]
     ]
     print("k=1 / k=0 steps/s by seed:", ", ".join(f"{x:.2f}x" for x in speedups))
+    # one record per engine (the seeded sampler keeps the plain name the docs quote)
+    record = NAME if a.rollout == "hf" else f"{NAME}_{a.rollout}"
     write_json(
-        NAME,
+        record,
         {
             "machine": machine_info(),
             "config": {**vars(a), "seeds": seeds},
@@ -168,7 +171,7 @@ def main() -> None:
     )
     fig.suptitle(f"CPU main job, rollout={a.rollout}: synchronous vs generation overlapped")
     fig.tight_layout()
-    fig.savefig(png_path(NAME, a.quick), dpi=120)
+    fig.savefig(png_path(record, a.quick), dpi=120)
 
 
 if __name__ == "__main__":
