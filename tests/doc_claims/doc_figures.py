@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import List, Tuple
 
-from doc_figures_bench import async_overlap, benchmarks_readme, moe_ep
+from doc_figures_bench import async_overlap, async_overlap_vllm, benchmarks_readme, moe_ep
 from doc_records import GB, GIB, MIB, REPO, asserted, median, record, results
 
 SCALING, EVIDENCE_DOC, README = "docs/scaling.md", "docs/evidence.md", "README.md"
@@ -429,6 +429,7 @@ def claims() -> List[Tuple[str, str]]:
     out += [("docs/design-choices.md", text) for text in design_choices()]
     out += [("benchmarks/README.md", text) for text in benchmarks_readme()]
     out += [(SCALING, moe_ep()["STEP"]), (README, moe_ep()["STEP"]), (README, async_overlap())]
+    out += [(README, async_overlap_vllm())]
     out += gpu_h200()
     arch = "docs/architecture.md"
     out.append(

@@ -273,6 +273,24 @@ def moe_ep() -> dict:
     }
 
 
+def async_overlap_vllm() -> str:
+    """README's sentence on the vLLM record of overlapped generation (one seed, 30 steps)."""
+    rec = record("bench_async_overlap_vllm.json")
+    (k0,) = [r for r in rec["runs"] if r["max_staleness"] == 0]
+    (k1,) = [r for r in rec["runs"] if r["max_staleness"] == 1]
+    e0, e1 = k0["eval_reward"], k1["eval_reward"]
+    return (
+        f"{1 / k1['steps_per_s']:.1f} s a step against {1 / k0['steps_per_s']:.1f} s "
+        f"({rec['speedup_by_seed'][0]:.2f}x the steps per second; generation "
+        f"{k0['generation_s']:.1f} -> {k1['generation_s']:.1f} s, update "
+        f"{k0['training_s']:.1f} -> {k1['training_s']:.1f} s, "
+        f"{k1['overlap_share']:.0%} of generation overlapped, a wait of "
+        f"{k1['wait_for_rollouts_s']:.1f} s), held-out reward at steps 10 / 20 / 30 "
+        f"{e0['10']:.3f} / {e0['20']:.3f} / {e0['30']:.3f} at k = 0 and "
+        f"{e1['10']:.3f} / {e1['20']:.3f} / {e1['30']:.3f} at k = 1"
+    )
+
+
 def async_overlap() -> str:
     """README's sentence on generation overlapped with training, from its record."""
     rec = record("bench_async_overlap.json")
