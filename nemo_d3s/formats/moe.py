@@ -46,6 +46,7 @@ __all__ = [
     "moe_hf_shape",
     "moe_local_names",
     "moe_local_parts",
+    "swiglu_rows",
 ]
 
 # architecture -> (the layer's MoE block, the gate / up / down names of an expert)
@@ -145,6 +146,22 @@ SHARED_HF = (
 )
 
 
+def swiglu_rows(
+    pre: str, names: Tuple[str, str, str], width: int, split: int, rank: int, fc: int
+) -> Tuple[int, Rows]:
+    """(concatenation dim, HF rows) of a SwiGLU MLP's ``linear_fc1`` (``fc`` 1: rank
+    ``rank``'s rows of the gate, then of the up projection) or ``linear_fc2`` (``fc`` 2: its
+    columns of the down projection), the ``width`` split over ``split`` ranks; ``names``:
+    the (gate, up, down) HF names after ``pre``. The dense MLP (over TP), each expert (over
+    ETP) and a shared expert (over TP) split this way."""
+    gate, up, down = names
+    f = width // split
+    lo, hi = rank * f, (rank + 1) * f
+    if fc == 1:
+        return 0, [(pre + f"{gate}.weight", lo, hi), (pre + f"{up}.weight", lo, hi)]
+    return 1, [(pre + f"{down}.weight", lo, hi)]
+
+
 def _shared_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tuple[int, Rows]]:
     """(concatenation dim, HF rows) of a shared-expert parameter, split over TP as the dense
     MLP is (the gate replicated); None for any other name."""
@@ -154,16 +171,11 @@ def _shared_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tuple[
     p = hf + "mlp."
     if leaf == "gate_weight":
         return 0, [(p + "shared_expert_gate.weight", 0, 1)]
-    f = spec.moe_shared_ffn_hidden_size // layout.tp
-    lo, hi = layout.tp_rank * f, (layout.tp_rank + 1) * f
-    if leaf == "linear_fc1.weight":
-        return 0, [
-            (p + "shared_expert.gate_proj.weight", lo, hi),
-            (p + "shared_expert.up_proj.weight", lo, hi),
-        ]
-    if leaf == "linear_fc2.weight":
-        return 1, [(p + "shared_expert.down_proj.weight", lo, hi)]
-    return None
+    fc = {"linear_fc1.weight": 1, "linear_fc2.weight": 2}.get(leaf)
+    if fc is None:
+        return None
+    names = tuple(f"shared_expert.{x}" for x in ("gate_proj", "up_proj", "down_proj"))
+    return swiglu_rows(p, names, spec.moe_shared_ffn_hidden_size, layout.tp, layout.tp_rank, fc)
 
 
 def _expert_of(rest: str) -> Optional[Tuple[int, int]]:
@@ -193,12 +205,10 @@ def moe_local_parts(rest: str, hf: str, spec: Any, layout: Any) -> Optional[Tupl
         return None
     k, fc = which
     e = layout.ep_rank * expert_count(spec, layout.ep) + k
-    f = spec.moe_ffn_hidden_size // layout.etp
-    lo, hi = layout.etp_rank * f, (layout.etp_rank + 1) * f
     pre = hf + f"{block}.experts.{e}."
-    if fc == 1:
-        return 0, [(pre + f"{gate}.weight", lo, hi), (pre + f"{up}.weight", lo, hi)]
-    return 1, [(pre + f"{down}.weight", lo, hi)]
+    return swiglu_rows(
+        pre, (gate, up, down), spec.moe_ffn_hidden_size, layout.etp, layout.etp_rank, fc
+    )
 
 
 def moe_hf_names(spec: Any, layer: int) -> List[str]:
@@ -223,8 +233,13 @@ def moe_hf_shape(hf_name: str, spec: Any) -> Optional[Tuple[int, ...]]:
         return (spec.num_experts, H)
     if Fs and f".{block}.shared_expert" in hf_name:
         leaf = hf_name.rsplit(".", 2)[-2]
-        shapes = {"gate_proj": (Fs, H), "up_proj": (Fs, H), "down_proj": (H, Fs)}
-        return shapes.get(leaf, (1, H) if leaf == "shared_expert_gate" else None)
+        shapes = {
+            "gate_proj": (Fs, H),
+            "up_proj": (Fs, H),
+            "down_proj": (H, Fs),
+            "shared_expert_gate": (1, H),
+        }
+        return shapes.get(leaf)
     if f".{block}.experts." not in hf_name:
         return None
     leaf = hf_name.rsplit(".", 2)[-2]

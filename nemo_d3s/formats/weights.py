@@ -34,6 +34,7 @@ from nemo_d3s.formats.moe import (
     moe_hf_shape,
     moe_local_names,
     moe_local_parts,
+    swiglu_rows,
 )
 from nemo_d3s.errors import ConfigError
 
@@ -222,15 +223,10 @@ def local_parts(name: str, spec: ModelSpec, layout: Layout) -> Tuple[int, List[P
     if rest == "self_attention.linear_proj.weight":
         w = q * d * G // tp
         return 1, [Part(hf + "self_attn.o_proj.weight", r * w, (r + 1) * w)]
-    if rest == "mlp.linear_fc1.weight":
-        f = F // tp
-        return 0, [
-            Part(hf + "mlp.gate_proj.weight", r * f, (r + 1) * f),
-            Part(hf + "mlp.up_proj.weight", r * f, (r + 1) * f),
-        ]
-    if rest == "mlp.linear_fc2.weight":
-        f = F // tp
-        return 1, [Part(hf + "mlp.down_proj.weight", r * f, (r + 1) * f)]
+    fc = {"mlp.linear_fc1.weight": 1, "mlp.linear_fc2.weight": 2}.get(rest)
+    if fc is not None:
+        dim, rows = swiglu_rows(hf + "mlp.", ("gate_proj", "up_proj", "down_proj"), F, tp, r, fc)
+        return dim, [Part(*row) for row in rows]
     raise KeyError(f"no Hugging Face counterpart for Megatron parameter {name!r}")
 
 
