@@ -1,10 +1,12 @@
 """``nemo-d3s-convert hf-to-megatron-lm``: any checkpoint this package reads -> a Megatron-LM /
 Megatron-Bridge / NeMo-RL save folder that megatron-core's ``dist_checkpointing`` loads:
 ``latest_checkpointed_iteration.txt`` = "release" (nothing to resume), ``release/`` with the
-TP1 global tensors under GPTModel's keys, ``common.pt`` (Megatron-LM's ``args``; inside the
-DCP files from megatron-core 0.19), ``run_config.yaml`` (Megatron-Bridge), ``tokenizer/``, and
-``checksums.json``. The vocabulary is padded to ``make_vocab_size_divisible_by`` x ``tp``,
-which the loading run must compute too.
+TP1 global tensors under GPTModel's keys (a mixture of experts' under
+``decoder.layers.mlp.experts.experts.*`` [layers, experts, ...], which the TE spec's grouped
+GEMM and the local spec's SequentialMLP both load at any EP), ``common.pt`` (Megatron-LM's
+``args``; inside the DCP files from megatron-core 0.19), ``run_config.yaml``
+(Megatron-Bridge), ``tokenizer/``, and ``checksums.json``. The vocabulary is padded to
+``make_vocab_size_divisible_by`` x ``tp``, which the loading run must compute too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import write_checksums
 from nemo_d3s.formats.detect import HF, TRACKER, detect_format
 from nemo_d3s.formats.mcore_config import RUN_CONFIG
+from nemo_d3s.formats.moe import ROUTER_SCORE
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import SafetensorsReader, hf_names, hf_shape
 
@@ -68,7 +71,28 @@ def _fields(spec: ModelSpec, padded: int, divisor: int, tp: int, dtype: torch.dt
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
         "_padded": padded,
+        **_moe_fields(spec),
     }
+
+
+def _moe_fields(spec: ModelSpec) -> Dict[str, Any]:
+    """The MoE fields of TransformerConfig (the backend's own, ``backends/megatron/moe.py``):
+    every layer MoE, softmax scores, top-k renormalised unless ``moe_router_pre_softmax``, the
+    TE spec's grouped GEMM (its checkpoint keys are SequentialMLP's, so either spec loads)."""
+    if not spec.num_experts:
+        return {}
+    f = {
+        "num_moe_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_topk": spec.moe_topk,
+        "moe_router_score_function": ROUTER_SCORE,
+        "moe_router_pre_softmax": spec.moe_pre_softmax,
+        "moe_grouped_gemm": True,
+    }
+    if spec.moe_shared_ffn_hidden_size:
+        f["moe_shared_expert_intermediate_size"] = spec.moe_shared_ffn_hidden_size
+        f["moe_shared_expert_gate"] = True
+    return f
 
 
 def megatron_lm_args(f: Dict[str, Any], dtype: torch.dtype) -> argparse.Namespace:
@@ -112,7 +136,14 @@ def megatron_lm_args(f: Dict[str, Any], dtype: torch.dtype) -> argparse.Namespac
         no_save_optim=True,
         no_save_rng=True,
         iteration=0,
+        # Megatron-LM names TransformerConfig's num_moe_experts --num-experts; the other MoE
+        # arguments carry the field's own name (arguments.py; core_transformer_config_from_args)
+        **{("num_experts" if k == "num_moe_experts" else k): v for k, v in _moe_args(f).items()},
     )
+
+
+def _moe_args(f: Dict[str, Any]) -> Dict[str, Any]:
+    return {k: v for k, v in f.items() if k.startswith(("moe_", "num_moe_"))}
 
 
 def bridge_model_section(f: Dict[str, Any], dtype: torch.dtype) -> Dict[str, Any]:
@@ -169,13 +200,6 @@ def hf_to_megatron_lm(
         spec, side, sources = ck.spec, ck.side, [ck.folder]
         stored = {ck.dtype} if ck.dtype is not None else {torch.float32, torch.bfloat16}
         tensors = ck.iter_hf
-    if spec.num_experts:  # before anything is written
-        raise ConfigError(
-            f"{spec.architecture} is a mixture of experts: hf-to-megatron-lm does not write "
-            "expert tensors yet (megatron-core keeps them under decoder.layers.mlp.experts."
-            "experts.* with an expert axis, and the args need the MoE fields); hf-to-megatron "
-            "writes this project's sharded format, which the Megatron backend trains from"
-        )
     try:  # the heads must split evenly over the loading run's TP ranks
         check_layout(spec, tp=tp, pp=1, world=tp)
     except ConfigError as e:

@@ -10,7 +10,7 @@ import json
 import math
 import pickle
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -161,16 +161,17 @@ class DcpIndex:
             raise ConfigError(f"{str(path)!r}: {fqn!r} is cut short ({len(raw)} of {length} B)")
         return raw, path
 
-    def read(self, fqn: str, layer: Optional[int] = None) -> torch.Tensor:
-        """The global tensor ``fqn`` (``layer``: only that index of the leading layer axis),
-        assembled from its chunks; each chunk is checked against the index."""
+    def read(self, fqn: str, at: Tuple[int, ...] = ()) -> torch.Tensor:
+        """The global tensor ``fqn``, or its slice ``t[at]`` on the leading axes (``(layer,)``
+        of a stacked layer tensor, ``(layer, expert)`` of an expert's), assembled from the
+        chunks that cover it; each chunk is checked against the index."""
         shape, dtype = self.tensors[fqn]
-        want = shape[1:] if layer is not None else shape
+        if len(at) > len(shape) or any(not 0 <= i < n for i, n in zip(at, shape)):
+            raise ConfigError(f"{str(self.weights)!r}: {fqn!r} {list(shape)} has no index {at}")
+        want = shape[len(at) :]
         out = torch.empty(want, dtype=dtype)
         filled = 0
         for offsets, rel, start, length in self.chunks.get(fqn, []):
-            if layer is not None and offsets[0] != layer:
-                continue
             path = self.weights / rel
             try:
                 with open(path, "rb") as f:
@@ -185,23 +186,28 @@ class DcpIndex:
                 not isinstance(t, torch.Tensor)
                 or t.dtype != dtype
                 or t.dim() != len(shape)
+                or len(offsets) != len(shape)
                 or any(o + s > g for o, s, g in zip(offsets, t.shape, shape))
             ):
                 raise ConfigError(
                     f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit "
                     f"{list(shape)} {dtype}"
                 )
-            if layer is not None:
-                t, offsets = t[0], offsets[1:]
+            # a chunk may span several layers (or experts): keep it only where it covers ``at``
+            if not all(o <= i < o + s for i, o, s in zip(at, offsets, t.shape)):
+                continue
+            for i, o in zip(at, offsets):
+                t = t[i - o]
+            offsets = offsets[len(at) :]
             region = out
             for d, (o, s) in enumerate(zip(offsets, t.shape)):
                 region = region.narrow(d, o, s)
             region.copy_(t)
             filled += t.numel()
         if filled != math.prod(want):
+            where = "" if not at else f" at {list(at)}"
             raise ConfigError(
-                f"{str(self.weights)!r}: the chunks of "
-                f"{fqn!r}{'' if layer is None else f' layer {layer}'} cover {filled} of "
+                f"{str(self.weights)!r}: the chunks of {fqn!r}{where} cover {filled} of "
                 f"{math.prod(want)} elements"
             )
         return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 
@@ -34,19 +34,41 @@ __all__ = [
 NEMO_PREFIX = "module."
 
 
-def nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Optional[int]]:
-    """A TP1 (transformer-engine names) local parameter -> (DCP fqn, layer index or None); layers
-    are stacked under ``decoder.layers.<rest>``. ``prefix``: "module." (NeMo) or "" (Megatron-LM).
+def nemo_key(local: str, prefix: str = NEMO_PREFIX) -> Tuple[str, Tuple[int, ...]]:
+    """A TP1 (transformer-engine names) local parameter -> (DCP fqn, its index on the stacked
+    leading axes): layers are stacked under ``decoder.layers.<rest>`` (index (layer,)); an
+    expert's weight, ``mlp.experts.linear_fc<i>.weight<k>`` (TEGroupedMLP) or
+    ``mlp.experts.local_experts.<k>.linear_fc<i>.weight`` (SequentialMLP), under
+    ``decoder.layers.mlp.experts.experts.linear_fc<i>.weight`` [L, E, ...] (index (layer, k)):
+    both classes' ``sharded_state_dict`` map local expert k of EP rank p to global expert
+    p E/EP + k on the axis after the layer's (megatron-core 0.16.1
+    ``transformer/moe/experts.py`` TEGroupedMLP.sharded_state_dict :768-806, SequentialMLP's
+    :935-975; TE's grouped linear ``extensions/transformer_engine.py`` :1738-1790). Anything
+    else: (fqn, ()). ``prefix``: "module." (NeMo) or "" (Megatron-LM).
     """
     parts = local.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        return prefix + "decoder.layers." + ".".join(parts[3:]), int(parts[2])
-    return prefix + local, None
+    if parts[:2] != ["decoder", "layers"]:
+        return prefix + local, ()
+    layer, rest = int(parts[2]), parts[3:]
+    if rest[:2] == ["mlp", "experts"]:
+        if len(rest) == 4 and rest[3].startswith("weight"):  # the TE spec's grouped GEMM
+            fc, k = rest[2], int(rest[3][len("weight") :])
+        elif len(rest) == 6 and rest[2] == "local_experts":
+            fc, k = rest[4], int(rest[3])
+        else:
+            raise ValueError(f"{local!r} is no expert weight megatron-core names")
+        return f"{prefix}decoder.layers.mlp.experts.experts.{fc}.weight", (layer, k)
+    return prefix + "decoder.layers." + ".".join(rest), (layer,)
 
 
+# A TE name -> where a checkpoint saved with another spec keeps it: the local spec's own names;
+# a MoE layer's unfused pre-MLP norm, which the TE spec saves as ``pre_mlp_layernorm.weight``
+# and the local spec, through its ``sharded_state_dict_keys_map`` (megatron-core 0.16.1
+# models/gpt/gpt_layer_specs.py :416-419, dense or not), as ``mlp.linear_fc1.layer_norm_weight``.
 _LOCAL_SPEC_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 
 
@@ -68,30 +90,30 @@ class Nemo2Reader(ShardedReader):
         self.index, self.prefix_key, self.config_name = index, prefix, config_name
         super().__init__(folder, spec, Layout(1, 1, 0, 0, padded_vocab, te=True))
 
-    def fqn(self, local: str) -> Tuple[str, Optional[int]]:
-        fqn, layer = nemo_key(local, self.prefix_key)
+    def fqn(self, local: str) -> Tuple[str, Tuple[int, ...]]:
+        fqn, at = nemo_key(local, self.prefix_key)
         if fqn not in self.index.tensors:  # a checkpoint saved with the local spec's own names
             for te, plain in _LOCAL_SPEC_NAMES.items():
                 alt = fqn.replace(te, plain)
                 if alt in self.index.tensors:
-                    return alt, layer
-        return fqn, layer
+                    return alt, at
+        return fqn, at
 
     def check(self) -> torch.dtype:
         """Every tensor the table needs is indexed with the shape config says; returns the
         stored dtype."""
         dtypes = set()
         for local in local_names(self.spec, self.saved):
-            fqn, layer = self.fqn(local)
+            fqn, at = self.fqn(local)
             if fqn not in self.index.tensors:
                 raise ConfigError(
                     f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r} (not a "
                     f"{self.spec.architecture} checkpoint?)"
                 )
             shape, dtype = self.index.tensors[fqn]
-            want = local_shape(local, self.spec, self.saved)
-            if layer is not None:
-                want = (self.spec.num_layers,) + want
+            # the stacked axes: layers, then (an expert's) experts
+            stacked = (self.spec.num_layers, self.spec.num_experts)[: len(at)]
+            want = stacked + local_shape(local, self.spec, self.saved)
             if shape != want:
                 raise ConfigError(
                     f"{str(self.index.weights / '.metadata')!r}: tensor {fqn!r} has shape "
@@ -110,10 +132,10 @@ class Nemo2Reader(ShardedReader):
         return dtypes.pop()
 
     def _tensor(self, layout: Layout, key: str) -> torch.Tensor:
-        fqn, layer = self.fqn(key)
+        fqn, at = self.fqn(key)
         if fqn not in self.index.tensors:
             raise ConfigError(f"{str(self.index.weights / '.metadata')!r} holds no tensor {fqn!r}")
-        return self.index.read(fqn, layer)
+        return self.index.read(fqn, at)
 
 
 def open_nemo2_weights(folder: Path, spec: ModelSpec) -> Tuple[Nemo2Reader, torch.dtype]:

@@ -1,6 +1,7 @@
 """A NeMo 2 ``context/model.yaml`` (fiddle YAML, read with ``yaml.safe_load``) as the HF
-``config.json`` dict it describes (Llama, Llama 3.1 RoPE, Mistral, Qwen2, Qwen3); anything
-else is a ConfigError naming file and field. Does not import ``spec`` (no import cycle).
+``config.json`` dict it describes (Llama, Llama 3.1 RoPE, Mistral, Qwen2, Qwen3; from a
+Megatron-LM / Megatron-Bridge description also Qwen3-MoE, Mixtral and Qwen2-MoE); anything else
+is a ConfigError naming file and field. Does not import ``spec`` (no import cycle).
 """
 
 from __future__ import annotations
@@ -42,7 +43,59 @@ _ARCHS = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    # mixtures of experts (Megatron-LM / Megatron-Bridge: told apart by their fields)
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
 }
+_DENSE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _moe_config(c: Dict[str, Any], where: str, model_type: str, need) -> Dict[str, Any]:
+    """The HF config's MoE keys of a TransformerConfig-shaped mapping whose MoE layers the weight
+    table maps (``formats/moe.py``): every layer MoE, softmax router scores, no expert bias,
+    grouping or top-k scaling; Mixtral renormalises its top-k, a Qwen2-MoE's shared expert has
+    its sigmoid gate. Anything else is a ConfigError naming the field."""
+    for key, ok in (
+        ("moe_router_score_function", lambda v: v in (None, "softmax")),
+        ("moe_layer_freq", lambda v: v in (None, 1, [1] * int(c.get("num_layers") or 0))),
+        ("moe_router_enable_expert_bias", lambda v: not v),
+        ("moe_router_num_groups", lambda v: v in (None, 0, 1)),
+        ("moe_router_topk_scaling_factor", lambda v: v in (None, 1, 1.0)),
+        ("moe_router_pre_softmax", lambda v: not (v and model_type == "mixtral")),
+        ("moe_shared_expert_gate", lambda v: v or model_type != "qwen2_moe"),
+        ("moe_shared_expert_intermediate_size", lambda v: not v or model_type == "qwen2_moe"),
+        ("multi_latent_attention", lambda v: not v),
+    ):
+        if not ok(c.get(key)):
+            raise ConfigError(
+                f"{where}: {key}={c.get(key)!r} is not supported for {_ARCHS[model_type][0]} "
+                "(the weight table maps softmax-routed experts in every layer: Qwen3-MoE, "
+                "Mixtral, Qwen2-MoE with its gated shared expert)"
+            )
+    experts, topk = need("num_moe_experts"), need("moe_router_topk")
+    width = c.get("moe_ffn_hidden_size") or need("ffn_hidden_size")
+    renormalise = not c.get("moe_router_pre_softmax", False)
+    if model_type == "mixtral":
+        return {
+            "num_local_experts": experts,
+            "num_experts_per_tok": topk,
+            "intermediate_size": width,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
+    out = {
+        "num_experts": experts,
+        "num_experts_per_tok": topk,
+        "moe_intermediate_size": width,
+        "norm_topk_prob": renormalise,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+    }
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = need("moe_shared_expert_intermediate_size")
+    return out
 
 
 def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
@@ -55,10 +108,15 @@ def hf_config_from_nemo(folder: str | os.PathLike) -> Dict[str, Any]:
     target = _target(c)
     module, _, cls = target.rpartition(".")
     kind = module.rsplit(".", 1)[-1]
-    if kind not in _ARCHS or "Llama4" in cls:
+    if kind not in _DENSE or "Llama4" in cls:
         raise ConfigError(
             f"{where}: config._target_={target!r} is not supported; NeMo 2 Llama, Mistral, "
             "Qwen2 and Qwen3 configs are"
+        )
+    if c.get("num_moe_experts"):
+        raise ConfigError(
+            f"{where}: num_moe_experts={c['num_moe_experts']!r}: NeMo 2 mixture-of-experts "
+            "checkpoints are not read (Megatron-LM / Megatron-Bridge ones are)"
         )
     cfg = hf_config_from_transformer_config(c, where, kind)
     gen = Path(folder) / "context" / "artifacts" / "generation_config.json"
@@ -78,20 +136,26 @@ def hf_config_from_transformer_config(
 ) -> Dict[str, Any]:
     """A megatron-core ``TransformerConfig``-shaped mapping (NeMo 2, Megatron-Bridge, Megatron-LM
     args) -> the HF ``config.json`` dict. ``kind`` None infers the family (``qk_layernorm``:
-    Qwen3, ``add_qkv_bias``: Qwen2, else Llama); ``where`` names the source in errors.
+    Qwen3, ``add_qkv_bias``: Qwen2, else Llama; with ``num_moe_experts``: Qwen3-MoE with q/k
+    norms, Qwen2-MoE with a shared expert, else Mixtral); ``where`` names the source in errors.
     """
-    if c.get("num_moe_experts"):
-        raise ConfigError(
-            f"{where}: num_moe_experts={c['num_moe_experts']!r}: MoE is not supported"
+    moe = bool(c.get("num_moe_experts"))
+    if kind is None and moe:
+        kind = (
+            "qwen3_moe"
+            if c.get("qk_layernorm")
+            else "qwen2_moe"
+            if c.get("moe_shared_expert_intermediate_size")
+            else "mixtral"
         )
-    if kind is None:
+    elif kind is None:
         kind = "qwen3" if c.get("qk_layernorm") else "qwen2" if c.get("add_qkv_bias") else "llama"
     checks = {
         "normalization": "RMSNorm",
         "gated_linear_unit": True,
         "position_embedding_type": "rope",
         "add_bias_linear": False,
-        "qk_layernorm": kind == "qwen3",
+        "qk_layernorm": kind in ("qwen3", "qwen3_moe"),
     }
     for key, want in checks.items():
         if key in c and c[key] != want:
@@ -140,16 +204,24 @@ def hf_config_from_transformer_config(
         "torch_dtype": dtype,
         "initializer_range": float(c.get("init_method_std", 0.02)),
     }
+    if moe:
+        cfg.update(_moe_config(c, where, model_type, need))
     if model_type == "qwen2":
         if c.get("add_qkv_bias") is False:
             raise ConfigError(
                 f"{where}: add_qkv_bias=false: a Qwen2 without q/k/v bias is not supported"
             )
         cfg["use_sliding_window"] = False
-    elif model_type == "qwen3":
+    elif model_type in ("qwen3", "qwen3_moe"):
         if c.get("add_qkv_bias"):
             raise ConfigError(f"{where}: add_qkv_bias=true: a Qwen3 has no q/k/v bias")
         cfg.update(use_sliding_window=False, attention_bias=False)
+    elif model_type == "qwen2_moe":
+        cfg.update(use_sliding_window=False, qkv_bias=bool(c.get("add_qkv_bias", True)))
+    elif model_type == "mixtral":
+        if c.get("add_qkv_bias"):
+            raise ConfigError(f"{where}: add_qkv_bias=true: a Mixtral has no q/k/v bias")
+        cfg["sliding_window"] = None
     else:
         cfg["attention_bias"] = bool(c.get("add_qkv_bias", False))
         cfg["mlp_bias"] = False

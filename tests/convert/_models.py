@@ -4,6 +4,7 @@ every layout) in float32 or bfloat16, and helpers to compare HF folders tensor b
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -109,3 +110,38 @@ def nemo_context(hf_folder, dst) -> Path:
         hf_folder / "generation_config.json", ctx / "artifacts" / "generation_config.json"
     )
     return dst
+
+
+def megatron_lm_args_for(cfg, tp, pp, padded):
+    """The args Megatron-LM's arguments.py would have for this HF config (its own names),
+    with one of megatron-core's enums, as a real run's namespace holds."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        group_query_attention=True,
+        num_query_groups=cfg["num_key_value_heads"],
+        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        norm_epsilon=cfg["rms_norm_eps"],
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=cfg["architectures"] == ["Qwen3ForCausalLM"],
+        position_embedding_type="rope",
+        rotary_base=int(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
+        rotary_percent=1.0,
+        max_position_embeddings=cfg["max_position_embeddings"],
+        vocab_size=cfg["vocab_size"],
+        padded_vocab_size=padded,
+        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        bf16=False,
+        attention_backend=AttnBackend.auto,
+        tokenizer_type="HuggingFaceTokenizer",
+    )

@@ -27,7 +27,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from _models import assert_same_tensors, hf_tensors, tiny  # noqa: E402
+from _models import assert_same_tensors, hf_tensors, megatron_lm_args_for, tiny  # noqa: E402
 from _launch import run_ranks  # noqa: E402
 
 from nemo_d3s.convert import megatron_to_hf  # noqa: E402
@@ -49,41 +49,6 @@ def _backend(folder, tp, pp):
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
         )
-    )
-
-
-def _megatron_lm_args(cfg, tp, pp, padded):
-    """The args Megatron-LM's arguments.py would have for this HF config (its own names),
-    with one of megatron-core's enums, as a real run's namespace holds."""
-    from megatron.core.transformer.enums import AttnBackend
-
-    return argparse.Namespace(
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"],
-        group_query_attention=True,
-        num_query_groups=cfg["num_key_value_heads"],
-        kv_channels=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        norm_epsilon=cfg["rms_norm_eps"],
-        normalization="RMSNorm",
-        swiglu=True,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        qk_layernorm=cfg["architectures"] == ["Qwen3ForCausalLM"],
-        position_embedding_type="rope",
-        rotary_base=int(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]),
-        rotary_percent=1.0,
-        max_position_embeddings=cfg["max_position_embeddings"],
-        vocab_size=cfg["vocab_size"],
-        padded_vocab_size=padded,
-        untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings", False),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        params_dtype=torch.float32,
-        bf16=False,
-        attention_backend=AttnBackend.auto,
-        tokenizer_type="HuggingFaceTokenizer",
     )
 
 
@@ -138,7 +103,7 @@ def _save_folder(tmp_path, src, tp, pp, *, bridge):
     it.mkdir(parents=True)
     cfg = json.loads((src / "config.json").read_text())
     padded = 128 * tp * -(-cfg["vocab_size"] // (128 * tp))
-    args = None if bridge else _megatron_lm_args(cfg, tp, pp, padded)
+    args = None if bridge else megatron_lm_args_for(cfg, tp, pp, padded)
     run_ranks(_rank_save, tp * pp, str(src), str(it), args, tp=tp, pp=pp, timeout=WAIT_S)
     if bridge:  # what Megatron-Bridge adds: the provider's fields, the tokenizer assets
         model = {

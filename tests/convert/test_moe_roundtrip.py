@@ -95,16 +95,3 @@ def test_an_ep_the_experts_do_not_divide_is_refused_before_writing(tmp_path):
     assert not (tmp_path / "ck").exists()
     with pytest.raises(ConfigError, match="has no experts"):
         hf_to_megatron(tiny(tmp_path / "dense", "llama"), tmp_path / "ck", ep=2, progress=False)
-
-
-def test_the_megatron_lm_format_refuses_experts_before_writing(tmp_path):
-    """hf-to-megatron-lm wrote a MoE model's experts under keys megatron-core does not use
-    (``mlp.experts.linear_fc1.weight<k>`` stacked by layer, not ``mlp.experts.experts.*`` with
-    an expert axis) and args without the MoE fields: a save its own reader then refused. It is
-    one error naming the model, and nothing is written."""
-    from nemo_d3s.convert.mcore import hf_to_megatron_lm
-
-    src = tiny(tmp_path / "src", "qwen3_moe")
-    with pytest.raises(ConfigError, match="mixture of experts: hf-to-megatron-lm does not"):
-        hf_to_megatron_lm(src, tmp_path / "out", progress=False)
-    assert not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """A Megatron-LM / Megatron-Bridge folder written by ``hf-to-megatron-lm`` holds every key of
-the state dict megatron-core's Transformer Engine spec loads (Llama; Qwen3 with q / k norms),
-``_extra_state`` objects included, so a strict load with the TE spec finds nothing missing.
+the state dict megatron-core's Transformer Engine spec loads (Llama; Qwen3 with q / k norms;
+Qwen3-MoE and Qwen2-MoE with the grouped-GEMM experts), ``_extra_state`` objects included,
+so a strict load with the TE spec finds nothing missing.
 
 Transformer Engine does not import here, so the expected keys are computed from megatron-core's
 own spec: ``get_gpt_layer_with_transformer_engine_spec`` with megatron-core's TE wrapper
@@ -39,7 +40,13 @@ TE_STATE = {
     "TERowParallelLinear": ("weight", "_extra_state"),
     "TEDotProductAttention": ("_extra_state",),
     "TENorm": ("weight", "_extra_state"),
+    # TEGroupedMLP's grouped GEMMs: weight<k> and one extra state per local expert, saved under
+    # the MLP's ``experts.`` prefix with an expert axis (megatron-core 0.16.1
+    # extensions/transformer_engine.py :1738-1790; transformer/moe/experts.py :768-806)
+    "TEColumnParallelGroupedLinear": ("weight", "_extra_state"),
+    "TERowParallelGroupedLinear": ("weight", "_extra_state"),
 }
+GROUPED = ("TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear")
 
 
 @pytest.fixture
@@ -55,7 +62,14 @@ def te_layer_spec(monkeypatch):
     monkeypatch.setattr(mutils, "_te_version", Version("2.9.0"), raising=False)
     monkeypatch.setattr(specs, "TESpecProvider", TESpecProvider, raising=False)
     monkeypatch.setattr(specs, "TENorm", ext.TENorm, raising=False)
-    names = {id(v): k for k, v in vars(ext).items() if k in TE_STATE}
+    # without TE the grouped linears are None and the MoE spec falls back to the legacy
+    # GroupedMLP: stand-ins put TEGroupedMLP in the tree, as with TE >= 1.9
+    import megatron.core.extensions.transformer_engine_spec_provider as provider
+
+    for cls in GROUPED:
+        monkeypatch.setattr(provider, cls, type(cls, (), {}), raising=False)
+    names = {id(v): k for k, v in vars(ext).items() if k in TE_STATE and v is not None}
+    names.update({id(getattr(provider, cls)): cls for cls in GROUPED})
     return specs.get_gpt_layer_with_transformer_engine_spec, names
 
 
@@ -94,14 +108,27 @@ def te_spec_keys(spec: ModelSpec, layer_spec_fn, names):
     if not spec.tie_word_embeddings:
         tensors.add("output_layer.weight")
     objects = {"decoder.final_layernorm._extra_state/shard_0_1"}
-    slots = _te_slots(layer_spec_fn(qk_layernorm=spec.qk_norm), names)
+    moe = dict(num_experts=spec.num_experts, moe_grouped_gemm=True) if spec.num_experts else {}
+    slots = _te_slots(layer_spec_fn(qk_layernorm=spec.qk_norm, **moe), names)
+    E = spec.num_experts
     for path, cls in slots:
+        if path.startswith("mlp.shared_experts.") and not spec.moe_shared_ffn_hidden_size:
+            continue  # MoELayer builds it only for a shared width (0.16.1 moe_layer.py:105)
+        grouped = cls in GROUPED  # mlp.experts.linear_fc<i> -> mlp.experts.experts.linear_fc<i>
+        prefix = f"mlp.experts.experts.{path.split('.')[-2]}." if grouped else path
+        shards = [f"{i}.{e}_{L}.{E}" for i in range(L) for e in range(E)] if grouped else None
         for item in TE_STATE[cls]:
-            key = f"decoder.layers.{path}{item}"
+            key = f"decoder.layers.{prefix}{item}"
             if item == "_extra_state":
-                objects |= {f"{key}/shard_{i}_{L}" for i in range(L)}
+                objects |= {f"{key}/shard_{x}" for x in shards or (f"{i}_{L}" for i in range(L))}
             else:
                 tensors.add(key)
+    if spec.num_experts:  # built by MoELayer / SharedExpertMLP themselves, not by the spec
+        tensors.add("decoder.layers.mlp.router.weight")
+        if spec.moe_shared_ffn_hidden_size:
+            tensors.add("decoder.layers.mlp.shared_experts.gate_weight")
+    if spec.qkv_bias:  # TE's fused linear keeps its bias beside the weight
+        tensors.add("decoder.layers.self_attention.linear_qkv.bias")
     return tensors, objects, dict(slots)
 
 
@@ -123,3 +150,25 @@ def test_the_megatron_lm_writer_holds_every_key_of_the_te_spec(arch, te_layer_sp
     assert set(index.tensors) == tensors  # and no tensor the TE model would not load
     qk = {f"decoder.layers.self_attention.{n}_layernorm._extra_state/shard_1_4" for n in "qk"}
     assert qk <= objects if arch == "qwen3" else not qk & objects
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_the_megatron_lm_writer_holds_every_key_of_the_te_moe_spec(arch, te_layer_spec, tmp_path):
+    """The TE spec's MoE layer: an unfused TENorm before it, TEGroupedMLP's grouped GEMMs (one
+    extra state per layer and expert), SharedExpertMLP's TE linears for Qwen2-MoE."""
+    src = tiny(tmp_path / "src", arch)
+    spec = ModelSpec.from_folder(src)
+    tensors, objects, slots = te_spec_keys(spec, *te_layer_spec)
+    assert slots["pre_mlp_layernorm."] == "TENorm"
+    assert slots["mlp.experts.linear_fc1."] == "TEColumnParallelGroupedLinear"
+    assert slots["mlp.experts.linear_fc2."] == "TERowParallelGroupedLinear"
+    assert slots["mlp.shared_experts.linear_fc1."] == "TEColumnParallelLinear"
+    shared = "decoder.layers.mlp.shared_experts.linear_fc1.weight"
+    assert (shared in tensors) == (arch == "qwen2_moe")
+    assert "mlp.linear_fc1." not in slots
+    out = hf_to_megatron_lm(src, tmp_path / "out", progress=False)
+    index = DcpIndex(out / "release")
+    assert tensors - set(index.tensors) == set()
+    assert objects - set(index.objects) == set()
+    assert set(index.tensors) == tensors
+    assert "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_3.3_4.4" in objects

@@ -54,7 +54,11 @@ def test_the_family_comes_from_the_fields():
 @pytest.mark.parametrize(
     "change,field",
     [
-        ({"num_moe_experts": 8}, "num_moe_experts"),
+        (
+            {"num_moe_experts": 8, "moe_router_topk": 2, "moe_router_score_function": "sigmoid"},
+            "moe_router_score_function",
+        ),
+        ({"num_moe_experts": 8}, "moe_router_topk"),
         ({"normalization": "LayerNorm"}, "normalization"),
         ({"gated_linear_unit": False}, "gated_linear_unit"),
         ({"activation_func": {"_target_": "torch.nn.functional.gelu"}}, "activation_func"),
@@ -66,6 +70,52 @@ def test_the_family_comes_from_the_fields():
 def test_what_the_table_cannot_map_names_the_field(change, field):
     with pytest.raises(ConfigError, match=f"run_config.yaml.*{field}"):
         hf_config_from_transformer_config({**QWEN3, **change}, "'run_config.yaml' model")
+
+
+def test_a_qwen3_moe_provider_is_the_hf_model():
+    """Megatron-Bridge's Qwen3-30B-A3B fields (its Qwen3MoEModelProvider: every layer MoE, 128
+    experts of width 768, top-8 renormalised, q/k norms) describe the model of its HF
+    config.json (the recipe's copy); Mixtral and Qwen2-MoE are told apart by their fields."""
+    import json
+    from importlib.resources import files
+
+    hf = json.loads(files("nemo_d3s.recipes").joinpath("qwen3_30b_a3b/config.json").read_text())
+    bridge = {
+        **QWEN3,
+        "num_layers": 48,
+        "hidden_size": 2048,
+        "ffn_hidden_size": 6144,
+        "num_attention_heads": 32,
+        "num_query_groups": 4,
+        "layernorm_epsilon": 1e-6,
+        "num_moe_experts": 128,
+        "moe_ffn_hidden_size": 768,
+        "moe_router_topk": 8,
+        "moe_router_pre_softmax": False,
+        "moe_router_score_function": "softmax",
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_grouped_gemm": True,
+        "moe_layer_freq": 1,
+    }
+    mine = ModelSpec.from_hf_dict(hf_config_from_transformer_config(bridge, "rc"), "rc")
+    theirs = ModelSpec.from_hf_dict(hf, "config.json")
+    assert mine.to_dict() == theirs.to_dict()
+    assert mine.num_params == theirs.num_params > 30e9
+    mixtral = {**bridge, "qk_layernorm": False, "moe_ffn_hidden_size": 14336}
+    assert hf_config_from_transformer_config(mixtral, "rc")["architectures"] == [
+        "MixtralForCausalLM"
+    ]
+    with pytest.raises(ConfigError, match="moe_router_pre_softmax=True is not supported for Mix"):
+        hf_config_from_transformer_config({**mixtral, "moe_router_pre_softmax": True}, "rc")
+    qwen2 = {**mixtral, "add_qkv_bias": True, "moe_shared_expert_intermediate_size": 5632}
+    with pytest.raises(ConfigError, match="moe_shared_expert_gate=None is not supported"):
+        hf_config_from_transformer_config(qwen2, "rc")
+    cfg = hf_config_from_transformer_config({**qwen2, "moe_shared_expert_gate": True}, "rc")
+    assert (cfg["architectures"], cfg["shared_expert_intermediate_size"]) == (
+        ["Qwen2MoeForCausalLM"],
+        5632,
+    )
+    assert ModelSpec.from_hf_dict(cfg, "rc").moe_shared_ffn_hidden_size == 5632
 
 
 def test_megatron_lm_args_translate_to_the_same_model():

@@ -16,7 +16,12 @@ from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.nemo2 import NEMO_PREFIX, nemo_key
 from nemo_d3s.formats.weights import Layout, local_names
 
-__all__ = ["write_nemo2", "write_dist_checkpoint", "te_extra_state_modules"]
+__all__ = [
+    "write_nemo2",
+    "write_dist_checkpoint",
+    "te_extra_state_modules",
+    "te_expert_extra_state_modules",
+]
 
 
 class _TorchOnCpu:
@@ -113,20 +118,27 @@ def write_dist_checkpoint(
     L = spec.num_layers
     sharded: Dict[str, Any] = {}
     dtype = full["model.embed_tokens.weight"].dtype
+    stacked = (L, spec.num_experts)  # the leading axes: layers, then an expert's experts
     for local in local_names(spec, layout):
         t = read_local(local, spec, layout, _Dict(), dtype)
-        fqn, layer = nemo_key(local, prefix)
-        if layer is None:
-            sharded[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
-        else:
-            sharded[f"{fqn}#{layer}"] = ShardedTensor.from_rank_offsets(
-                fqn, t, (0, layer, L), replica_id=0, prepend_axis_num=1
-            )
+        fqn, at = nemo_key(local, prefix)
+        axes = [(d, i, n) for d, (i, n) in enumerate(zip(at, stacked))]
+        sharded[f"{fqn}#{at}"] = ShardedTensor.from_rank_offsets(
+            fqn, t, *axes, replica_id=0, prepend_axis_num=len(at)
+        )
     per_layer, once = te_extra_state_modules(spec, nemo=prefix == NEMO_PREFIX)
     for layer in range(L):
         for mod in per_layer:
             key = f"{prefix}decoder.layers.{mod}._extra_state"
             sharded[f"{key}#{layer}"] = ShardedObject(key, None, (L,), (layer,), replica_id=0)
+        # TE's grouped linears keep one per expert on the expert axis (megatron-core 0.16.1
+        # extensions/transformer_engine.py :1751-1783: offsets (layer, global expert))
+        for mod in te_expert_extra_state_modules(spec):
+            key = f"{prefix}decoder.layers.{mod}._extra_state"
+            for e in range(spec.num_experts):
+                sharded[f"{key}#{layer}.{e}"] = ShardedObject(
+                    key, None, stacked, (layer, e), replica_id=0
+                )
     for mod in once:  # outside the layer stack: megatron-core's offsets (1,), (0,)
         key = f"{prefix}{mod}._extra_state"
         sharded[key] = ShardedObject(key, None, (1,), (0,), replica_id=0)
@@ -173,14 +185,24 @@ def te_extra_state_modules(spec: ModelSpec, *, nemo: bool) -> Tuple[List[str], L
     has them and ``decoder.final_layernorm`` (``transformer_block.py``: ``LayerNormImpl =
     TENorm`` under TE). ``nemo``: NeMo 2's checkpoints hold no ``core_attention`` or final-norm
     state (the q / k norms' it does)."""
-    per_layer = [
-        "self_attention.linear_proj",
-        "self_attention.linear_qkv",
-        "mlp.linear_fc1",
-        "mlp.linear_fc2",
-    ]
+    per_layer = ["self_attention.linear_proj", "self_attention.linear_qkv"]
+    if spec.num_experts:  # MoELayer: an unfused TENorm before it; the router keeps none
+        per_layer.append("pre_mlp_layernorm")
+        if spec.moe_shared_ffn_hidden_size:  # SharedExpertMLP: TE column / row linears
+            per_layer += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+    else:
+        per_layer += ["mlp.linear_fc1", "mlp.linear_fc2"]
     if not nemo:
         per_layer.append("self_attention.core_attention")
     if spec.qk_norm:
         per_layer += ["self_attention.q_layernorm", "self_attention.k_layernorm"]
     return per_layer, [] if nemo else ["decoder.final_layernorm"]
+
+
+def te_expert_extra_state_modules(spec: ModelSpec) -> List[str]:
+    """The TE spec's grouped expert linears (``TEGroupedMLP``'s ``TEColumnParallelGroupedLinear``
+    and ``TERowParallelGroupedLinear``, megatron-core ``moe_module_specs``), whose
+    ``_extra_state`` is stored once per layer and expert under ``decoder.layers.``."""
+    if not spec.num_experts:
+        return []
+    return ["mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"]
