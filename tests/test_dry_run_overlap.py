@@ -77,6 +77,9 @@ def test_the_async_70b_recipe_plans_engines_apart_and_the_overlapped_step():
     assert math.isclose(sync["step_s"], gen + train) and math.isclose(k1["step_s"], max(gen, train))
     assert k1["gpu_seconds"] < sync["gpu_seconds"] and sync["gpus"] == 96
     assert "engines on 32 GPUs apart, k = 1 (overlapped)" in render(report)
+    # the layout line counts the engines apart, not the colocated recipe's 2 per model copy
+    layout = render(report).splitlines()[1]
+    assert layout.endswith("rollout=vllm (vLLM TP 8), engines on 32 GPUs apart"), layout
     recipe = (REPO / "conf" / "experiment" / "llama3_70b_async.yaml").read_text()
     recipe = " ".join(recipe.replace("#", "").split())
     m = re.search(

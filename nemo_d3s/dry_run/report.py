@@ -174,7 +174,9 @@ def report(
             "optimizer": "distributed" if distributed_opt else "plain AdamW",
             "rollout_engine": s.engine,
             "vllm_tp": s.vllm_tp if s.engine == "vllm" else None,
-            "rollout_engines_per_copy": s.engines_per_copy,
+            # engines on GPUs apart are not the model copies': their count is the GPUs'
+            "rollout_engines_per_copy": 1 if s.generation_gpus else s.engines_per_copy,
+            "rollout_generation_gpus": s.generation_gpus,
             "dtype_bytes": w.dtype_bytes,
             "prompts_per_dp_rank": int(cfg.trainer.prompts_per_step) // s.dp,
         },
@@ -241,6 +243,11 @@ def render(report: Dict[str, Any]) -> str:
         + (
             f", {lay['rollout_engines_per_copy']} engines per model copy"
             if lay.get("rollout_engines_per_copy", 1) > 1
+            else ""
+        )
+        + (
+            f", engines on {lay['rollout_generation_gpus']} GPUs apart"
+            if lay.get("rollout_generation_gpus")
             else ""
         ),
     ]
