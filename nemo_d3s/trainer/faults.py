@@ -7,7 +7,7 @@ and exits 2. Fault injection: :func:`~nemo_d3s.fault_points.fault_point`, re-exp
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, Union
 
 from nemo_d3s.errors import ConfigError, RunError  # RunError re-exported: its home before errors.py
 from nemo_d3s.fault_points import fault_point  # re-exported: the trainer's points use it
@@ -25,12 +25,16 @@ def first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def agreed_refit(sync: Callable[[], None], agree: Callable[[bool], Tuple[bool, bool]]) -> bool:
+def agreed_refit(
+    sync: Callable[[], None], agree: Callable[[bool], Tuple[bool, Union[int, bool]]]
+) -> bool:
     """``sync()`` (a refit), then ``agree(failed here)`` -> (a stop signal pending on some
-    rank, the refit failed on some rank), collective over the ranks that refit together. A
-    failure without a stop raises on every rank (this rank's own exception where it failed);
-    a failure a stop explains (an RPC into an engine going down with the job) is logged.
-    Returns whether a stop is pending: the caller checkpoints the update either way."""
+    rank, on how many ranks the refit failed: a count, or a bool where the agreement counts
+    nothing), collective over the ranks that refit together.
+    A failure without a stop raises on every rank (this rank's own exception where it failed,
+    the count elsewhere); a failure a stop explains (an RPC into an engine going down with the
+    job) is logged. Returns whether a stop is pending: the caller checkpoints the update
+    either way."""
     failure = None
     try:
         sync()
@@ -40,7 +44,8 @@ def agreed_refit(sync: Callable[[], None], agree: Callable[[bool], Tuple[bool, b
     if failed and not stopping:
         if failure is not None:
             raise failure
-        raise RuntimeError("the refit failed on another rank (its log says why)")
+        where = "another rank" if isinstance(failed, bool) else f"{failed} rank(s)"
+        raise RuntimeError(f"the refit failed on {where} (its log says why)")
     if failure is not None:
         log.warning("the refit stopped with the job (%s)", first_line(failure))
     return stopping

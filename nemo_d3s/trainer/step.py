@@ -132,7 +132,7 @@ def _refit_after_update(ctx: StepContext) -> None:
         o = wait.agree(
             stopping=ctx.stopping(), interrupted=False, failed=failed, limit_s=wait.base_s
         )
-        return o.stopping, o.failed > 0
+        return o.stopping, o.failed
 
     with ctx.timed("weight_sync"):
         agreed_refit(lambda: ctx.engine.sync_weights(ctx.policy), agree)

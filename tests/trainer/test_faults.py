@@ -914,3 +914,24 @@ def test_sigterm_on_one_rank_during_generation_stops_both_and_resumes_exactly(tm
     assert without_timing(read_jsonl(tmp_path / "run" / "metrics.jsonl")) == without_timing(
         read_jsonl(tmp_path / "ref" / "metrics.jsonl")
     )
+
+
+def test_a_refit_failed_elsewhere_names_how_many_ranks_failed(caplog):
+    """agreed_refit: the rank whose refit failed raises its own error; the others say on how
+    many ranks it failed (the step's agreement counts them) or "another rank" (a bool); a
+    failure a stop signal explains is a warning, and the stop is returned."""
+    from nemo_d3s.trainer.faults import agreed_refit
+
+    def boom():
+        raise ValueError("vLLM refused a tensor")
+
+    with pytest.raises(ValueError, match="vLLM refused"):
+        agreed_refit(boom, lambda failed: (False, 1 if failed else 0))
+    with pytest.raises(RuntimeError, match=r"the refit failed on 2 rank\(s\)"):
+        agreed_refit(lambda: None, lambda failed: (False, 2))
+    with pytest.raises(RuntimeError, match="the refit failed on another rank"):
+        agreed_refit(lambda: None, lambda failed: (False, True))
+    assert agreed_refit(lambda: None, lambda failed: (False, 0)) is False
+    with caplog.at_level(logging.WARNING):
+        assert agreed_refit(boom, lambda failed: (True, 1)) is True
+    assert "the refit stopped with the job (vLLM refused a tensor)" in caplog.text
