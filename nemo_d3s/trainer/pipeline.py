@@ -18,12 +18,13 @@ failed worker) before its first collective. The batches generated ahead go into 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.backends.base import Rollouts
@@ -46,6 +47,28 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 WORKER_NAME = "nemo_d3s-rollout-worker"
 POLL_S = 0.05  # how often a waiting trainer looks at the stop flag and the worker's liveness
+
+
+def worker_stream(torch) -> Callable[[], ContextManager]:
+    """The worker's generation context: on a CUDA process a stream of its own, so an engine
+    that generates on the trainer's GPU (the HF sampler's replica) runs beside the update's
+    kernels instead of queueing behind them on the default stream (torch's current stream is
+    per thread, a new thread starting on the default stream: torch 2.13
+    ``c10/cuda/CUDAStream.cpp:168`` ``thread_local ... current_streams``), first waiting for
+    the default stream, where the trainer's refit
+    wrote the weights it reads; the rollouts come back to the CPU (a host sync on that stream)
+    before the trainer refits again. The CPU twin: nothing to switch."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return contextlib.nullcontext
+    stream = torch.cuda.Stream()
+
+    @contextlib.contextmanager
+    def on_side():
+        stream.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(stream):
+            yield
+
+    return on_side
 
 
 @dataclass
@@ -333,6 +356,7 @@ class GenerationPipeline:
         # cores) and runs it after a torch op has set 1: "Check failed: thread_num (2 vs. 1)".
         torch.get_num_threads()
         idle_since = time.perf_counter()
+        side = worker_stream(torch)
         while True:
             with self._cv:
                 while not self._closed and not self._queue:
@@ -344,7 +368,8 @@ class GenerationPipeline:
             t0 = time.perf_counter()
             try:
                 fault_point("pipeline.generate")
-                ro = generate_groups(self.engine, prompts, self.n, self.gen)
+                with side():
+                    ro = generate_groups(self.engine, prompts, self.n, self.gen)
             except GenerationInterrupted:
                 with self._cv:
                     self._interrupted = True

@@ -373,3 +373,54 @@ def test_the_worker_threads_openmp_team_is_the_trainers_before_it_generates(monk
     finally:
         torch.set_num_threads(n)
     assert seen == [1, 1, 1], (seen, os.cpu_count())
+
+
+def test_the_worker_generates_on_a_stream_of_its_own_after_the_refits_writes():
+    """worker_stream: on a CPU process nothing to switch; on a CUDA one (a stand-in for
+    torch.cuda recording the calls) the worker's stream first waits for the default stream
+    (the refit's copies), then is current while the engine generates, and only then."""
+    import contextlib
+
+    from nemo_d3s.trainer.pipeline import worker_stream
+
+    assert worker_stream(torch) is contextlib.nullcontext  # this machine: no CUDA
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append(("wait", other))
+
+    class Cuda:
+        @staticmethod
+        def Stream():
+            return Stream()
+
+        @staticmethod
+        def is_available():
+            return True
+
+        @staticmethod
+        def is_initialized():
+            return True
+
+        @staticmethod
+        def default_stream():
+            return "default"
+
+        @staticmethod
+        @contextlib.contextmanager
+        def stream(s):
+            calls.append(("enter", type(s).__name__))
+            yield
+            calls.append(("exit", type(s).__name__))
+
+    class FakeTorch:
+        cuda = Cuda
+
+    side = worker_stream(FakeTorch)
+    with side():
+        calls.append(("generate",))
+    with side():
+        calls.append(("generate",))
+    one = [("wait", "default"), ("enter", "Stream"), ("generate",), ("exit", "Stream")]
+    assert calls == one + one
