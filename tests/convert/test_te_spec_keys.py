@@ -70,6 +70,11 @@ def te_layer_spec(monkeypatch):
         monkeypatch.setattr(provider, cls, type(cls, (), {}), raising=False)
     names = {id(v): k for k, v in vars(ext).items() if k in TE_STATE and v is not None}
     names.update({id(getattr(provider, cls)): cls for cls in GROUPED})
+    # megatron-core 0.19 builds a MoE layer's pre-MLP norm as TENorm(has_residual=True) through
+    # an adapter class (transformer_engine_spec_provider.py:29-33, :69): TENorm's state
+    residual = getattr(provider, "_TENormWithResidual", None)
+    if residual is not None:
+        names[id(residual)] = "TENorm"
     return specs.get_gpt_layer_with_transformer_engine_spec, names
 
 
