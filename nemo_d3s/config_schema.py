@@ -17,6 +17,7 @@ from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossConfig
 from nemo_d3s.core.losses import POLICY_LOSSES
 from nemo_d3s.core.off_policy import IS_LEVELS, IS_MODES
+from nemo_d3s.core.routing import ROUTER_REPLAY
 
 __all__ = [
     "AlgorithmConfig",
@@ -52,6 +53,10 @@ class AlgorithmConfig(Section):
     tis_cap: Optional[float] = None
     is_correction: str = "truncate"
     is_level: str = "token"
+    # A mixture of experts' routing in the trainer's forwards: "none" (its own router) |
+    # "rollout" (the experts the engine routed each token to: rollout routing replay, R3 of
+    # arXiv 2510.11370; the metric rollout_routing_mismatch says how often they differ)
+    router_replay: str = "none"
 
     def loss_config(self, check_inputs: bool = True) -> LossConfig:
         """The core :class:`LossConfig` of these settings (it judges them: one rule each)."""
@@ -80,6 +85,8 @@ class AlgorithmConfig(Section):
             self.is_correction in IS_MODES, "is_correction", f"known: {', '.join(IS_MODES)}"
         )
         self._check(self.is_level in IS_LEVELS, "is_level", f"known: {', '.join(IS_LEVELS)}")
+        replay = ", ".join(ROUTER_REPLAY)
+        self._check(self.router_replay in ROUTER_REPLAY, "router_replay", f"known: {replay}")
 
 
 @dataclass

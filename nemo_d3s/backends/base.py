@@ -48,17 +48,25 @@ class TokenBatch:
     input_ids      [B, S] long   prompt + response (+ padding)
     attention_mask [B, S] bool   real tokens (prompt and response)
     response_mask  [B, S] bool   response tokens that can carry loss (incl. EOS when generated)
+    routed_experts [B, S, L, K] int16 or None: a mixture of experts' routing to replay in
+                   every forward of the batch (``algorithm.router_replay=rollout``: the
+                   engine's; -1 where the router chooses itself); a backend that cannot
+                   replay refuses a batch carrying one
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
+    routed_experts: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, rows: torch.Tensor) -> "TokenBatch":
-        return TokenBatch(self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows])
+        routed = None if self.routed_experts is None else self.routed_experts[rows]
+        return TokenBatch(
+            self.input_ids[rows], self.attention_mask[rows], self.response_mask[rows], routed
+        )
 
     def truncate(self, length: int) -> "TokenBatch":
         """Cut every sequence to its first ``length`` positions."""
@@ -66,6 +74,7 @@ class TokenBatch:
             self.input_ids[:, :length],
             self.attention_mask[:, :length],
             self.response_mask[:, :length],
+            None if self.routed_experts is None else self.routed_experts[:, :length],
         )
 
 
@@ -80,6 +89,10 @@ class Rollouts:
     stats: Dict[str, float] = field(default_factory=dict)
     # [B, S] f32 token-aligned engine log-probs of the sampled tokens (vLLM), or None
     sampling_logprobs: Optional[torch.Tensor] = None
+    # [B, S, L, K] int16: the experts each of the L MoE layers routed token t's input to in the
+    # engine (the seeded sampler), -1 where it fed none (padding, a last token); None: a dense
+    # model, or an engine that does not return its routing
+    routed_experts: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -93,6 +106,9 @@ class Scores:
     entropy: Optional[torch.Tensor] = None
     # "fed_tokens" (rows x width, padding included) and "attended_tokens", when counted
     stats: Dict[str, float] = field(default_factory=dict)
+    # [B, S, L, K] int16: the trainer's own routing of every real token of a mixture of
+    # experts (-1 elsewhere), where the backend records it (HF); else None
+    routed_experts: Optional[torch.Tensor] = None
 
 
 # loss_fn(logprobs [b, s] f32 with grad on the model device, rows [b] long (CPU) into the

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts, TokenBatch
+from nemo_d3s.core.routing import NO_EXPERT
 
 __all__ = ["EngineWrapper", "OneSeedPerCall", "PerPromptCalls", "concat_rollouts", "pad_token_id"]
 
@@ -26,7 +27,7 @@ __all__ = ["EngineWrapper", "OneSeedPerCall", "PerPromptCalls", "concat_rollouts
 def _pad_to(t: torch.Tensor, length: int, value: Any) -> torch.Tensor:
     if t.shape[1] == length:
         return t
-    pad = t.new_full((t.shape[0], length - t.shape[1]), value)
+    pad = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
     return torch.cat([t, pad], dim=1)
 
 
@@ -60,9 +61,11 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
         [torch.full((len(p.batch),), i, dtype=torch.long) for i, p in enumerate(parts)]
     )
     stats = joined_stats([(len(p.batch), p.stats) for p in parts])
-    sampling = None
+    sampling = routed = None
     if all(p.sampling_logprobs is not None for p in parts):
         sampling = torch.cat([_pad_to(p.sampling_logprobs, length, 0.0) for p in parts])
+    if all(p.routed_experts is not None for p in parts):
+        routed = torch.cat([_pad_to(p.routed_experts, length, NO_EXPERT) for p in parts])
     return Rollouts(
         batch=batch,
         prompt_index=prompt_index,
@@ -70,6 +73,7 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
         finished=torch.cat([p.finished for p in parts]),
         stats=stats,
         sampling_logprobs=sampling,
+        routed_experts=routed,
     )
 
 

@@ -106,6 +106,14 @@ def check_runtime(cfg: Any) -> None:
             "the training GPUs are planned by the dry run (trainer.dry_run=true) only; the "
             "trainer starts each engine on its own ranks' GPUs (rollout.generation_gpus=0)"
         )
+    replay = str(getattr(cfg.algorithm, "router_replay", "none"))
+    if replay != "none" and (str(cfg.model.backend) != "hf" or engine != "hf"):
+        raise ConfigError(
+            f"algorithm.router_replay={replay!r} replays the routing the seeded sampler records, "
+            "in the HF backend's forwards (model.backend=hf, rollout=hf); not built yet: the "
+            "Megatron backend (megatron-core's RouterReplay), vLLM's routed experts (they "
+            "need its Model Runner V2)"
+        )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 

@@ -141,6 +141,7 @@ class Trainer:
             tis_cap=None if cfg.algorithm.tis_cap is None else float(cfg.algorithm.tis_cap),
             is_correction=str(cfg.algorithm.is_correction),
             is_level=str(cfg.algorithm.is_level),
+            router_replay=str(cfg.algorithm.router_replay) == "rollout",
             stop_requested=self._stop_requested,
             engine_wait=self.engine_wait,
         )

@@ -15,6 +15,7 @@ import torch
 
 from nemo_d3s.backends.base import Rollouts, TokenBatch
 from nemo_d3s.errors import RunError
+from nemo_d3s.core.routing import NO_EXPERT
 
 __all__ = [
     "HeldWeights",
@@ -77,6 +78,8 @@ def save_rollouts(
         }
         if ro.sampling_logprobs is not None:
             parts["sampling_logprobs"] = ro.sampling_logprobs.float()
+        if ro.routed_experts is not None:
+            parts["routed_experts"] = ro.routed_experts.to(torch.int16)
         for name, t in parts.items():
             tensors[f"{int(step)}.{name}"] = t.contiguous().cpu()
         index.append({"step": int(step), "version": int(version)})
@@ -118,8 +121,11 @@ def _batch(tensors: Dict[str, torch.Tensor], step: int, path: Path) -> Rollouts:
     shape = tuple(ids.shape)
     masks = [get(n, torch.bool, 2) for n in ("attention_mask", "response_mask")]
     sampling = get("sampling_logprobs", torch.float32, 2, optional=True)
-    for t in [*masks] + ([sampling] if sampling is not None else []):
-        _check(tuple(t.shape) == shape, path, f"step {step}: [B, S] tensors differ in shape")
+    routed = get("routed_experts", torch.int16, 4, optional=True)
+    for t in [*masks] + [x for x in (sampling, routed) if x is not None]:
+        _check(tuple(t.shape[:2]) == shape, path, f"step {step}: [B, S] tensors differ in shape")
+    if routed is not None:
+        _check(bool((routed >= NO_EXPERT).all()), path, f"step {step}: routed_experts < -1")
     index, finished = get("prompt_index", torch.long, 1), get("finished", torch.bool, 1)
     raw, lengths = get("text_bytes", torch.uint8, 1), get("text_lengths", torch.long, 1)
     B = shape[0]
@@ -134,7 +140,9 @@ def _batch(tensors: Dict[str, torch.Tensor], step: int, path: Path) -> Rollouts:
             _check(False, path, f"step {step}: a response text is not UTF-8")
         at += n
     batch = TokenBatch(ids, masks[0], masks[1])
-    return Rollouts(batch, index, texts, finished, {}, sampling_logprobs=sampling)
+    return Rollouts(
+        batch, index, texts, finished, {}, sampling_logprobs=sampling, routed_experts=routed
+    )
 
 
 def load_rollouts(path: Path, prompts: Tuple[int, int]) -> Dict[int, Tuple[Rollouts, int]]:

@@ -13,6 +13,7 @@ import torch
 from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.core.losses import finalize_metrics
 from nemo_d3s.core.off_policy import ImportanceWeights
+from nemo_d3s.core.routing import routing_mismatch_counts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.quantiles import global_quantiles
 from nemo_d3s.tasks.base import REWARD_FAILURES
@@ -189,6 +190,21 @@ def mismatch_metrics(
         if t["n"]
         else 1.0,
     }
+
+
+def routing_metrics(
+    groups: ParallelGroups,
+    engine_experts: torch.Tensor,
+    trainer_experts: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> Dict[str, float]:
+    """Engine vs trainer routing of a mixture of experts on the response tokens of the whole DP
+    batch (``core.routing``): ``rollout_routing_mismatch`` = the share of the response tokens
+    both routed (the engine feeds back every sampled token but the last) whose set of experts
+    differs in some layer. Inputs [B_kept, S, L, K] and [B_kept, S]."""
+    differ, total = routing_mismatch_counts(engine_experts, trainer_experts, response_mask)
+    t = groups.sum({"differ": float(differ), "total": float(total)})
+    return {"rollout_routing_mismatch": t["differ"] / max(t["total"], 1.0)}
 
 
 # (name, q) of the importance ratio's quantiles in the step's metrics

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, Optional
@@ -20,13 +21,14 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limi
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.selector import DistributedD3SSelector
 from nemo_d3s.trainer.data import PromptSource
-from nemo_d3s.trainer.faults import agreed_refit, fault_point, first_line
+from nemo_d3s.trainer.faults import RunError, agreed_refit, fault_point, first_line
 from nemo_d3s.trainer.pipeline import GenerationPipeline
 from nemo_d3s.trainer.stats import (
     importance_metrics,
     mismatch_metrics,
     padding_metrics,
     rollout_metrics,
+    routing_metrics,
     selection_metrics,
     token_metrics,
     update_metrics,
@@ -70,6 +72,7 @@ class StepContext:
     tis_cap: Optional[float] = None  # algorithm.tis_cap
     is_correction: str = "truncate"  # algorithm.is_correction
     is_level: str = "token"  # algorithm.is_level
+    router_replay: bool = False  # algorithm.router_replay=rollout: the engine's routing
     timings: Dict[str, float] = field(default_factory=dict)
     # the trainer's stop-signal flag (this rank's; the step agrees on it over all ranks)
     stop_requested: Optional[Callable[[], bool]] = None
@@ -186,6 +189,13 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
 
     kept = ro.batch.select(stage.kept_rows)
+    if ctx.router_replay:  # every forward of these rows routes as the engine did
+        if ro.routed_experts is None:
+            raise RunError(
+                "algorithm.router_replay=rollout: the engine returned no routing (a dense "
+                "model, or a sampler that does not record it: rollout.sampler=seeded does)"
+            )
+        kept = dataclasses.replace(kept, routed_experts=ro.routed_experts[stage.kept_rows])
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed
     # The old-policy pass is skipped only for one on-policy update without token scores,
     # where the current log-probs (ratio 1) are the old ones.
@@ -199,6 +209,13 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
             )
         old_lp, entropy = scores.logprobs, scores.entropy
         m.update(padding_metrics(ctx.groups, "logprob", scores.stats))
+        if ro.routed_experts is not None and scores.routed_experts is not None:
+            engine_experts = ro.routed_experts[stage.kept_rows]
+            m.update(
+                routing_metrics(
+                    ctx.groups, engine_experts, scores.routed_experts, kept.response_mask
+                )
+            )
     tok = ctx.selector.select_tokens(stage, entropy, kept.response_mask, progress)
     m.update(token_metrics(ctx.groups, tok, kept, scored=old_lp is not None))
     if tok.metrics["n_kept_tokens"] == 0:  # whole-batch count: every rank agrees
@@ -230,7 +247,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):
             upd.ref_logprobs = ctx.policy.score(
-                upd.batch,
+                dataclasses.replace(upd.batch, routed_experts=None),  # its own routing
                 with_entropy=False,
                 reference=True,
                 micro_batch_size=ctx.logprob_micro_batch_size,

@@ -18,6 +18,7 @@ from nemo_d3s.backends.base import Policy, TokenBatch
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossOutput
 from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, LossInputs, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
+from nemo_d3s.core.routing import NO_EXPERT
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.distributed.rebalance import apply_rebalance, plan_rebalance
 
@@ -140,7 +141,9 @@ def compact(
     width = int(lengths.max()) if rows.numel() else 0
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [U, width]
     sub = sub.truncate(width)
-    cut = TokenBatch(sub.input_ids, sub.attention_mask & within, sub.response_mask & within)
+    cut = TokenBatch(
+        sub.input_ids, sub.attention_mask & within, sub.response_mask & within, sub.routed_experts
+    )
     return UpdateBatch(
         batch=cut,
         old_logprobs=None if old_logprobs is None else old_logprobs[rows, :width],
@@ -206,7 +209,8 @@ def one_minibatch_loss_fn(
 def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch.Tensor]:
     if t is None or t.shape[1] == width:
         return t
-    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
+    return torch.cat([t, pad], dim=1)
 
 
 def rebalance_rows(
@@ -237,12 +241,16 @@ def rebalance_rows(
         t = getattr(upd, name)
         if t is not None:
             tensors[name] = _pad_width(t, width, False if t.dtype == torch.bool else 0)
+    if upd.batch.routed_experts is not None:
+        tensors["routed_experts"] = _pad_width(upd.batch.routed_experts, width, NO_EXPERT)
     moved = apply_rebalance(
         plan, {k: v.to(dev) for k, v in tensors.items()}, groups.dp, zero_on_pad=["token_keep"]
     )
     t = {k: v.cpu() for k, v in moved.tensors.items()}
     out = UpdateBatch(
-        batch=TokenBatch(t["input_ids"], t["attention_mask"], t["response_mask"]),
+        batch=TokenBatch(
+            t["input_ids"], t["attention_mask"], t["response_mask"], t.get("routed_experts")
+        ),
         old_logprobs=t.get("old_logprobs"),
         advantages=t["advantages"].to(upd.advantages.dtype),
         token_keep=t["token_keep"],

@@ -1,6 +1,7 @@
 """trainer.update.rebalance_rows on 2 gloo ranks: every kept row ends up on exactly one rank
-with all its tensors, an empty rank gets work (or a zero-weight pad when there is only one
-row), and the token imbalance does not grow."""
+with all its tensors (a mixture of experts' routing to replay included), an empty rank gets
+work (or a zero-weight pad when there is only one row), and the token imbalance does not
+grow."""
 
 from __future__ import annotations
 
@@ -27,8 +28,11 @@ def _rows(rank, n_rows):
     resp = attn.clone()
     resp[:, 0] = False
     keep = resp.clone()
+    # [n, S, L=2, K=2]: row i routes every token to experts (i, i + 1) in both layers
+    routed = torch.stack([torch.arange(n), torch.arange(n) + 1], -1).to(torch.int16)
+    routed = routed[:, None, None, :].expand(n, S, 2, 2).clone()
     return UpdateBatch(
-        batch=TokenBatch(ids, attn, resp),
+        batch=TokenBatch(ids, attn, resp, routed),
         old_logprobs=-ids.float() / 1000,
         advantages=torch.arange(n).float(),
         token_keep=keep,
@@ -56,6 +60,11 @@ def _rank(rank, n_rows):
                 (-out.batch.input_ids.float() / 1000) * out.batch.attention_mask,
             )
         ),
+        "routing_ok": bool(
+            (
+                out.batch.routed_experts[:, :, :, 0] == out.batch.input_ids[:, :, None] // 100 - 1
+            ).all()
+        ),
         "stats": stats,
     }
 
@@ -68,7 +77,7 @@ def test_rows_move_whole_and_empty_rank_gets_work():
     for r in res:
         for i, adv in zip(r["ids"], r["adv"]):
             assert adv == i // 100 - 1  # the advantage travelled with its row
-        assert r["old_ok"]
+        assert r["old_ok"] and r["routing_ok"]
         assert r["kept"] == [t - 1 for t in r["tokens"]]  # loss masks intact
     assert res[0]["stats"] == res[1]["stats"]
     # 23 tokens: LPT gives {7, 5} and {6, 3, 2} -> max 12 of mean 11.5

@@ -35,9 +35,11 @@ from nemo_d3s.backends.hf.loading import (
     resolve_model_path,
 )
 from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, stop_token_ids
+from nemo_d3s.backends.hf.routing import RouterHooks, check_replay, empty_routing, unpack_routing
 from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.core.entropy import entropy_and_logprobs
 from nemo_d3s.core.micro_batches import plan_rows, row_lengths
+from nemo_d3s.core.routing import NO_EXPERT
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.files import atomic_folder
@@ -66,6 +68,7 @@ class HFBackend(Policy):
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
         self.model, self.tokenizer = load_model_and_tokenizer(cfg, self.device)
+        self.router_hooks = RouterHooks(self.model)  # a mixture of experts' routing
         # packed rows by default only where attention takes them as varlen (no [T, T] mask)
         self.pack = (
             bool(cfg.pack_sequences)
@@ -140,16 +143,25 @@ class HFBackend(Policy):
         with_entropy,
         *,
         skip_unscored: bool,
+        hooks: Optional[RouterHooks] = None,
     ):
-        """(rows, logprobs [n, W], entropy [n, W] or None, positions fed) per micro-batch,
-        W <= S: packs, else rows cut to their longest (``skip_unscored``: none shorter
-        than 2)."""
+        """(rows, logprobs [n, W], entropy [n, W] or None, positions fed, routing) per
+        micro-batch, W <= S: packs, else rows cut to their longest (``skip_unscored``: none
+        shorter than 2); routing [n, W, L, K]: the routers' own choice for the rows' real
+        tokens (``NO_EXPERT`` elsewhere) when ``hooks`` are given, else None. A batch carrying
+        ``routed_experts`` is routed by them (``hooks`` required)."""
+        replay = batch.routed_experts
+        if replay is not None and hooks is None:
+            raise ValueError("a batch with routed_experts needs the router hooks")
         if self.pack:
             for pack in pack_batch(batch, micro_batch_size, micro_batch_tokens):
-                lp, ent = packed_logprobs(
-                    model, batch, pack, self.device, with_entropy, self._autocast
-                )
-                yield pack.rows, lp, ent, pack.width
+                target = None if replay is None else pack.pack(replay, NO_EXPERT).unsqueeze(0)
+                with hooks.forward(1, pack.width, target) if hooks else contextlib.nullcontext():
+                    lp, ent = packed_logprobs(
+                        model, batch, pack, self.device, with_entropy, self._autocast
+                    )
+                routing = unpack_routing(pack, hooks.pop()[1][0], lp.shape[1]) if hooks else None
+                yield pack.rows, lp, ent, pack.width, routing
             return
         for rows in self._plan(batch, micro_batch_size, micro_batch_tokens):
             mb = batch.select(rows)
@@ -161,8 +173,16 @@ class HFBackend(Policy):
                 mb.input_ids[:, :L].to(self.device),
                 mb.attention_mask[:, :L].to(self.device),
             )
-            lp, ent = self._token_logprobs(model, ids, attn, mb.response_mask[:, :L], with_entropy)
-            yield rows, lp, ent, len(rows) * L
+            target = None if replay is None else mb.routed_experts[:, :L]
+            with hooks.forward(*ids.shape, target) if hooks else contextlib.nullcontext():
+                lp, ent = self._token_logprobs(
+                    model, ids, attn, mb.response_mask[:, :L], with_entropy
+                )
+            routing = None
+            if hooks:  # padding was routed too: NO_EXPERT there
+                routing = hooks.pop()[1].cpu().to(torch.int16)
+                routing[~mb.attention_mask[:, :L]] = NO_EXPERT
+            yield rows, lp, ent, len(rows) * L, routing
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -226,20 +246,34 @@ class HFBackend(Policy):
         was_training = model.training
         model.eval()
         fed = 0
-        for rows, lp, ent, fed_mb in self._forward(
-            model, batch, micro_batch_size, micro_batch_tokens, with_entropy, skip_unscored=True
+        check_replay(batch, self.router_hooks, reference)
+        hooks = self.router_hooks if self.router_hooks.is_moe and not reference else None
+        routed = None
+        if hooks:  # the trainer's own routing, for the engine's to be compared with
+            L, K = len(hooks.routers), int(self.model.config.num_experts_per_tok)
+            routed = empty_routing(B, S, L, K)
+        for rows, lp, ent, fed_mb, routing in self._forward(
+            model,
+            batch,
+            micro_batch_size,
+            micro_batch_tokens,
+            with_entropy,
+            skip_unscored=True,
+            hooks=hooks,
         ):
             fed += fed_mb
             W = lp.shape[1]
             logprobs[rows, :W] = lp.float().cpu()
             if with_entropy:
                 entropy[rows, :W] = ent.float().cpu()
+            if routing is not None:
+                routed[rows, : routing.shape[1]] = routing
         model.train(was_training)
         stats = {
             "fed_tokens": float(fed),
             "attended_tokens": float(batch.attention_mask.sum()) if fed else 0.0,
         }
-        return Scores(logprobs, entropy, stats)
+        return Scores(logprobs, entropy, stats, routed_experts=routed)
 
     # ------------------------------------------------------------------ training
     def accumulate_gradients(
@@ -264,8 +298,16 @@ class HFBackend(Policy):
         ).loss_scale
         sums: Dict[str, torch.Tensor] = {}
         fed = n_mb = 0
-        for rows, lp, _, fed_mb in self._forward(
-            self.model, batch, micro_batch_size, micro_batch_tokens, False, skip_unscored=False
+        check_replay(batch, self.router_hooks, False)
+        hooks = self.router_hooks if batch.routed_experts is not None else None
+        for rows, lp, _, fed_mb, _ in self._forward(
+            self.model,
+            batch,
+            micro_batch_size,
+            micro_batch_tokens,
+            False,
+            skip_unscored=False,
+            hooks=hooks,
         ):
             fed, n_mb = fed + fed_mb, n_mb + 1
             # Give loss_fn the full width S so it can index its own [B, S] tensors by rows.

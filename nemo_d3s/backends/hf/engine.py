@@ -14,6 +14,7 @@ import torch
 
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts
 from nemo_d3s.backends.hf.rollout import encode_prompts, right_padded_batch, token_aligned
+from nemo_d3s.backends.hf.routing import empty_routing
 from nemo_d3s.backends.hf.sampling import decode_hf_generate, decode_seeded, prompt_seeds, row_seed
 
 __all__ = ["HFRolloutEngine", "ReplicaEngine", "SamplerModel"]
@@ -88,6 +89,7 @@ class HFRolloutEngine(RolloutEngine):
         )
         responses, finished = [], []
         logprobs = [] if self.return_logprobs and self.prompt_seeds else None
+        routing = [] if self.prompt_seeds else None  # filled for a mixture of experts
         was_training = p.model.training
         p.model.eval()
         start = time.perf_counter()
@@ -106,6 +108,7 @@ class HFRolloutEngine(RolloutEngine):
                         row_seeds,
                         check_stop=self.check_stop,
                         logprobs=logprobs,
+                        routing=routing,
                         **common,
                     )
                 else:
@@ -130,7 +133,21 @@ class HFRolloutEngine(RolloutEngine):
         if logprobs is not None:
             sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
         finished_t = torch.tensor(finished, dtype=torch.bool)
-        return Rollouts(batch, prompt_index, texts, finished_t, stats, sampling_logprobs=sampling)
+        routed = None
+        if routing and routing[0] is not None:  # rows laid out as right_padded_batch's
+            L, K = routing[0].shape[1:]
+            routed = empty_routing(len(routing), batch.input_ids.shape[1], L, K)
+            for i, row in enumerate(routing):
+                routed[i, : len(row)] = row
+        return Rollouts(
+            batch,
+            prompt_index,
+            texts,
+            finished_t,
+            stats,
+            sampling_logprobs=sampling,
+            routed_experts=routed,
+        )
 
 
 class ReplicaEngine(RolloutEngine):

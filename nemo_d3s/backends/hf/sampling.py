@@ -13,6 +13,7 @@ import torch
 
 from nemo_d3s.backends.base import GenerationConfig
 from nemo_d3s.backends.hf.rollout import cut_at_eos, left_pad
+from nemo_d3s.backends.hf.routing import RouterHooks, empty_routing
 
 _MASK63 = (1 << 63) - 1
 
@@ -88,12 +89,17 @@ def decode_seeded(
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     check_stop: Callable[[], None] = lambda: None,
     logprobs: Optional[List[List[float]]] = None,
+    routing: Optional[List[torch.Tensor]] = None,
 ) -> Tuple[List[List[int]], List[bool]]:
     """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``;
     ``check_stop()`` runs before every token. Position ids count real tokens only, so a row
     sees the positions it would alone. ``logprobs``: a list that gets each row's sampled
-    tokens' log-probs (log-softmax of the raw logits, as the trainer scores them). Memory: the
-    KV cache [layers, b, kv_heads, P + T, head_dim] and one [b, V] logits row.
+    tokens' log-probs (log-softmax of the raw logits, as the trainer scores them).
+    ``routing`` (a mixture of experts): a list that gets each row's routing [p_i + n_i, L, K]
+    int16 over its prompt and response tokens (``backends/hf/routing.py``): the experts of
+    every token the sampler fed, ``NO_EXPERT`` for a last token it never fed back. Memory:
+    the KV cache [layers, b, kv_heads, P + T, head_dim], one [b, V] logits row and (routing)
+    [b, P + T, L, K] int16.
     """
     T, b = cfg.max_new_tokens, len(prompt_rows)
     if T > 0:
@@ -114,10 +120,14 @@ def decode_seeded(
     lengths = torch.zeros(b, dtype=torch.long, device=device)
     past, step_ids = None, ids
     cache_kw = kv_cache_name(model)
+    hooks = RouterHooks(model) if routing is not None else None
+    if hooks is not None and not hooks.is_moe:
+        hooks = None
     for t in range(T):
         check_stop()
         position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1] :]
-        with autocast():
+        recording = hooks.record(*step_ids.shape) if hooks else contextlib.nullcontext()
+        with autocast(), recording:
             res = model(
                 input_ids=step_ids,
                 attention_mask=mask,
@@ -140,10 +150,32 @@ def decode_seeded(
         step_ids = nxt.unsqueeze(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
     out, n, finished = out.cpu(), lengths.cpu().tolist(), done.cpu().tolist()
+    if routing is not None:
+        routing += _row_routing(hooks, prompt_rows, n, ids.shape[1])
     if logprobs is not None:
         lp = lp.cpu()
         logprobs += [lp[i, : n[i]].tolist() for i in range(b)]
     return [out[i, : n[i]].tolist() for i in range(b)], finished
+
+
+def _row_routing(
+    hooks: Optional[RouterHooks], prompt_rows: List[List[int]], n: List[int], P: int
+) -> List[Optional[torch.Tensor]]:
+    """Each row's routing [p_i + n_i, L, K] int16 from the decode's records: the prefill's
+    [b, P, L, K] (prompts left-padded to P), then one [b, 1, L, K] per fed token (call j
+    feeds response token j - 1); None per row for a dense model."""
+    if hooks is None or not hooks.recorded:
+        return [None] * len(prompt_rows)
+    rec = torch.cat(hooks.recorded, dim=1).cpu()
+    fed = rec.shape[1] - P  # response tokens fed back
+    rows = []
+    for i, prompt in enumerate(prompt_rows):
+        p, m = len(prompt), min(n[i], fed)
+        row = empty_routing(1, p + n[i], rec.shape[2], rec.shape[3])[0]
+        row[:p] = rec[i, P - p : P]
+        row[p : p + m] = rec[i, P : P + m]
+        rows.append(row)
+    return rows
 
 
 @torch.no_grad()

@@ -67,6 +67,13 @@ __all__ = ["MegatronBackend"]
 log = logging.getLogger("nemo_d3s.megatron")
 
 
+def _no_replay(batch: TokenBatch) -> None:
+    """Router replay is not built here yet (megatron-core's RouterReplay needs the routing in
+    each micro-batch's token order: sequence-first, SP and CP chunks, packed rows)."""
+    if batch.routed_experts is not None:
+        raise ValueError("the Megatron backend does not replay a routing (routed_experts) yet")
+
+
 class MegatronBackend(Policy):
     """Policy on megatron-core's GPTModel; builds its groups (an existing Megatron layout of
     the same TP/PP is reused)."""
@@ -302,6 +309,7 @@ class MegatronBackend(Policy):
     ) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
+        _no_replay(batch)
         model = self.ref_model if reference else self.model
         return schedule.score(
             model,
@@ -325,6 +333,7 @@ class MegatronBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
+        _no_replay(batch)
         metrics = schedule.train_step(
             self.chunks,
             self.optimizer,
