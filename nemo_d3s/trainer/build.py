@@ -114,6 +114,13 @@ def check_runtime(cfg: Any) -> None:
             "Megatron backend (megatron-core's RouterReplay), vLLM's routed experts (they "
             "need its Model Runner V2)"
         )
+    if replay != "none" and bool(cfg.model.gradient_checkpointing):
+        # the backward's recomputed forward would route by itself: the hooks that replay are
+        # gone by then (megatron-core replays there too: REPLAY_BACKWARD)
+        raise ConfigError(
+            f"algorithm.router_replay={replay!r} with model.gradient_checkpointing=true is not "
+            "built yet: the recomputed forward would not replay the routing"
+        )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 

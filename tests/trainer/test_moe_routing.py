@@ -212,6 +212,11 @@ def test_router_replay_is_refused_where_it_is_not_built(moe_folder, tmp_path):
         cfg = compose(["experiment=smoke", "algorithm.router_replay=rollout", *extra])
         with pytest.raises(ConfigError, match="router_replay='rollout' replays the routing"):
             check_runtime(cfg)
+    cfg = compose(
+        ["experiment=smoke", "algorithm.router_replay=rollout", "model.gradient_checkpointing=true"]
+    )
+    with pytest.raises(ConfigError, match="gradient_checkpointing=true is not built yet"):
+        check_runtime(cfg)
     from nemo_d3s.config import validate
 
     with pytest.raises(ConfigError, match="algorithm.router_replay.*known: none, rollout"):

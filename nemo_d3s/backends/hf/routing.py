@@ -44,7 +44,6 @@ class RouterHooks:
         self._layers: List[torch.Tensor] = []
         self._own: List[torch.Tensor] = []
         self._target: Optional[torch.Tensor] = None
-        self._shape = (0, 0)
 
     @property
     def is_moe(self) -> bool:
@@ -83,7 +82,7 @@ class RouterHooks:
     @contextlib.contextmanager
     def _hooked(self, b: int, s: int, target: Optional[torch.Tensor]) -> Iterator[None]:
         handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
-        self._layers, self._own, self._target, self._shape = [], [], target, (b, s)
+        self._layers, self._own, self._target = [], [], target
         try:
             yield
             if len(self._layers) != len(self.routers):
