@@ -8,7 +8,10 @@ it did not wait through), over seeds.
 Each (seed, arm) is one ``python -m nemo_d3s.train`` of the default experiment (SmolLM2-135M,
 basic_arithmetic_2d, 8 prompts x 8 rollouts x 48 tokens, 30 steps, evaluations every 10),
 arms interleaved seed by seed so machine load falls on both alike; the load average is
-sampled around each run. A run already finished in ``--out`` is read, not run again.
+sampled around each run. A run already finished in ``--out`` is read, not run again; so is a
+seed whose two arms the record already holds at the same steps, engine and overrides (the
+record grows by seeds over sessions on machines that keep no run folders: each seed's two arms
+still ran back to back on one machine, whose description each run carries).
 Writes ``benchmarks/results/bench_async_overlap.{json,png}`` (``--rollout vllm``:
 ``bench_async_overlap_vllm.{json,png}``).
 
@@ -92,6 +95,30 @@ def run(a, seed: int, k: int, out: str) -> dict:
     }
 
 
+def _recorded_seeds(record: str, a) -> dict:
+    """{seed: its two runs} of the existing record made at the same steps, engine and overrides;
+    a run without its own machine description gets the record's."""
+    path = os.path.join(REPO, "benchmarks", "results", f"{record}.json")
+    try:
+        old = json.load(open(path))
+        cfg = old["config"]
+        same = (cfg["steps"], cfg["rollout"], cfg.get("overrides", [])) == (
+            a.steps,
+            a.rollout,
+            a.overrides,
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    if not same:
+        return {}
+    by_seed: dict = {}
+    for r in old.get("runs", []):
+        by_seed.setdefault(r["seed"], []).append({"machine": old.get("machine"), **r})
+    return {
+        s: sorted(rs, key=lambda r: r["max_staleness"]) for s, rs in by_seed.items() if len(rs) == 2
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", default="0,1,2")
@@ -105,11 +132,18 @@ def main() -> None:
     if a.quick:
         seeds, a.steps = seeds[:1], 3
         a.overrides += ["task.eval_size=8", "trainer.max_new_tokens=16"]
+    record = NAME if a.rollout == "hf" else f"{NAME}_{a.rollout}"
+    kept = {} if a.quick else _recorded_seeds(record, a)
     runs = []
     for seed in seeds:
+        if seed in kept:
+            runs += kept[seed]
+            print(f"seed {seed}: both arms read from the record", flush=True)
+            continue
+        here = machine_info()
         for k in (0, 1):
             out = os.path.join(a.out, a.rollout, f"seed{seed}_k{k}")
-            runs.append(run(a, seed, k, out))
+            runs.append({**run(a, seed, k, out), "machine": here})
             print(json.dumps(runs[-1]), flush=True)
     by = {k: [r for r in runs if r["max_staleness"] == k] for k in (0, 1)}
     rows = []
@@ -135,7 +169,6 @@ def main() -> None:
     ]
     print("k=1 / k=0 steps/s by seed:", ", ".join(f"{x:.2f}x" for x in speedups))
     # one record per engine (the seeded sampler keeps the plain name the docs quote)
-    record = NAME if a.rollout == "hf" else f"{NAME}_{a.rollout}"
     write_json(
         record,
         {
