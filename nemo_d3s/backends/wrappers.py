@@ -21,10 +21,18 @@ import torch
 from nemo_d3s.backends.base import GenerationConfig, Policy, RolloutEngine, Rollouts, TokenBatch
 from nemo_d3s.core.routing import NO_EXPERT
 
-__all__ = ["EngineWrapper", "OneSeedPerCall", "PerPromptCalls", "concat_rollouts", "pad_token_id"]
+__all__ = [
+    "EngineWrapper",
+    "OneSeedPerCall",
+    "PerPromptCalls",
+    "concat_rollouts",
+    "pad_columns",
+    "pad_token_id",
+]
 
 
-def _pad_to(t: torch.Tensor, length: int, value: Any) -> torch.Tensor:
+def pad_columns(t: torch.Tensor, length: int, value: Any) -> torch.Tensor:
+    """[B, S, ...] -> [B, length, ...] (length >= S): ``value`` in the new columns."""
     if t.shape[1] == length:
         return t
     pad = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), value)
@@ -53,9 +61,11 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     to the longest; ``prompt_index`` is renumbered to the position of the part."""
     length = max(p.batch.input_ids.shape[1] for p in parts)
     batch = TokenBatch(
-        input_ids=torch.cat([_pad_to(p.batch.input_ids, length, pad_id) for p in parts]),
-        attention_mask=torch.cat([_pad_to(p.batch.attention_mask, length, False) for p in parts]),
-        response_mask=torch.cat([_pad_to(p.batch.response_mask, length, False) for p in parts]),
+        input_ids=torch.cat([pad_columns(p.batch.input_ids, length, pad_id) for p in parts]),
+        attention_mask=torch.cat(
+            [pad_columns(p.batch.attention_mask, length, False) for p in parts]
+        ),
+        response_mask=torch.cat([pad_columns(p.batch.response_mask, length, False) for p in parts]),
     )
     prompt_index = torch.cat(
         [torch.full((len(p.batch),), i, dtype=torch.long) for i, p in enumerate(parts)]
@@ -63,9 +73,9 @@ def concat_rollouts(parts: Sequence[Rollouts], pad_id: int) -> Rollouts:
     stats = joined_stats([(len(p.batch), p.stats) for p in parts])
     sampling = routed = None
     if all(p.sampling_logprobs is not None for p in parts):
-        sampling = torch.cat([_pad_to(p.sampling_logprobs, length, 0.0) for p in parts])
+        sampling = torch.cat([pad_columns(p.sampling_logprobs, length, 0.0) for p in parts])
     if all(p.routed_experts is not None for p in parts):
-        routed = torch.cat([_pad_to(p.routed_experts, length, NO_EXPERT) for p in parts])
+        routed = torch.cat([pad_columns(p.routed_experts, length, NO_EXPERT) for p in parts])
     return Rollouts(
         batch=batch,
         prompt_index=prompt_index,

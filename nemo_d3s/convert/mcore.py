@@ -31,7 +31,7 @@ from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import write_checksums
 from nemo_d3s.formats.detect import HF, TRACKER, detect_format
 from nemo_d3s.formats.mcore_config import RUN_CONFIG
-from nemo_d3s.formats.moe import ROUTER_SCORE
+from nemo_d3s.formats.moe import moe_transformer_fields
 from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
 from nemo_d3s.formats.weights import SafetensorsReader, hf_names, hf_shape
 
@@ -79,20 +79,12 @@ def _moe_fields(spec: ModelSpec) -> Dict[str, Any]:
     """The MoE fields of TransformerConfig (the backend's own, ``backends/megatron/moe.py``):
     every layer MoE, softmax scores, top-k renormalised unless ``moe_router_pre_softmax``, the
     TE spec's grouped GEMM (its checkpoint keys are SequentialMLP's, so either spec loads)."""
-    if not spec.num_experts:
+    f = moe_transformer_fields(spec)
+    if not f:
         return {}
-    f = {
-        "num_moe_experts": spec.num_experts,
-        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
-        "moe_router_topk": spec.moe_topk,
-        "moe_router_score_function": ROUTER_SCORE,
-        "moe_router_pre_softmax": spec.moe_pre_softmax,
-        "moe_grouped_gemm": True,
-    }
-    if spec.moe_shared_ffn_hidden_size:
-        f["moe_shared_expert_intermediate_size"] = spec.moe_shared_ffn_hidden_size
-        f["moe_shared_expert_gate"] = True
-    return f
+    if not spec.moe_shared_ffn_hidden_size:  # no shared expert: its fields stay unwritten
+        del f["moe_shared_expert_intermediate_size"], f["moe_shared_expert_gate"]
+    return {**f, "moe_grouped_gemm": True}
 
 
 def megatron_lm_args(f: Dict[str, Any], dtype: torch.dtype) -> argparse.Namespace:

@@ -46,6 +46,7 @@ __all__ = [
     "moe_hf_shape",
     "moe_local_names",
     "moe_local_parts",
+    "moe_transformer_fields",
     "swiglu_rows",
 ]
 
@@ -103,6 +104,25 @@ def moe_fields(cfg: Dict[str, Any], arch: str, source: str, need: Callable) -> D
         moe_ffn_hidden_size=need("intermediate_size"),
         moe_topk=topk,
         moe_pre_softmax=False,
+    )
+
+
+def moe_transformer_fields(spec: Any) -> Dict[str, Any]:
+    """The megatron-core ``TransformerConfig`` fields that describe ``spec``'s MoE layers ({} when
+    dense): E experts of width F', softmax scores, top-k renormalised unless
+    ``moe_router_pre_softmax``, Qwen2-MoE's shared expert behind its sigmoid gate (None / False
+    without one). What the Megatron backend builds and what ``hf-to-megatron-lm`` records."""
+    if not spec.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_topk,
+        moe_router_score_function=ROUTER_SCORE,
+        moe_router_pre_softmax=spec.moe_pre_softmax,
+        # Qwen2-MoE's shared expert: sigmoid(gate_weight . x) * SwiGLU(x), as transformers
+        moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
+        moe_shared_expert_gate=bool(spec.moe_shared_ffn_hidden_size),
     )
 
 

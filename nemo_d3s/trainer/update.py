@@ -15,6 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from nemo_d3s.backends.base import Policy, TokenBatch
+from nemo_d3s.backends.wrappers import pad_columns
 from nemo_d3s.core.loss_config import NORMALIZE_BY, LossOutput
 from nemo_d3s.core.losses import POLICY_LOSSES, LossConfig, LossInputs, loss_denominator
 from nemo_d3s.core.token_selection import kept_lengths, rows_with_kept_tokens
@@ -206,13 +207,6 @@ def one_minibatch_loss_fn(
     return make_loss_fn(loss_name, LossConfig(aggregation=aggregation, check_inputs=False), upd)
 
 
-def _pad_width(t: Optional[torch.Tensor], width: int, value=0) -> Optional[torch.Tensor]:
-    if t is None or t.shape[1] == width:
-        return t
-    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
-    return torch.cat([t, pad], dim=1)
-
-
 def rebalance_rows(
     upd: UpdateBatch, groups: ParallelGroups
 ) -> tuple[UpdateBatch, Dict[str, float]]:
@@ -230,19 +224,19 @@ def rebalance_rows(
         "dp_imbalance_after": plan.imbalance_after,
     }
     tensors = {
-        "input_ids": _pad_width(upd.batch.input_ids, width),
-        "attention_mask": _pad_width(upd.batch.attention_mask, width, False),
-        "response_mask": _pad_width(upd.batch.response_mask, width, False),
-        "token_keep": _pad_width(upd.token_keep, width, False),
+        "input_ids": pad_columns(upd.batch.input_ids, width, 0),
+        "attention_mask": pad_columns(upd.batch.attention_mask, width, False),
+        "response_mask": pad_columns(upd.batch.response_mask, width, False),
+        "token_keep": pad_columns(upd.token_keep, width, False),
         "advantages": upd.advantages.to(torch.float32),
         "minibatch": upd.minibatch,
     }
     for name in ("old_logprobs", "ref_logprobs", "norm_mask", "is_weight"):
         t = getattr(upd, name)
         if t is not None:
-            tensors[name] = _pad_width(t, width, False if t.dtype == torch.bool else 0)
+            tensors[name] = pad_columns(t, width, False if t.dtype == torch.bool else 0)
     if upd.batch.routed_experts is not None:
-        tensors["routed_experts"] = _pad_width(upd.batch.routed_experts, width, NO_EXPERT)
+        tensors["routed_experts"] = pad_columns(upd.batch.routed_experts, width, NO_EXPERT)
     moved = apply_rebalance(
         plan, {k: v.to(dev) for k, v in tensors.items()}, groups.dp, zero_on_pad=["token_keep"]
     )

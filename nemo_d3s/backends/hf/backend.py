@@ -180,7 +180,7 @@ class HFBackend(Policy):
                 )
             routing = None
             if hooks:  # padding was routed too: NO_EXPERT there
-                routing = hooks.pop()[1].cpu().to(torch.int16)
+                routing = hooks.pop()[1].cpu()
                 routing[~mb.attention_mask[:, :L]] = NO_EXPERT
             yield rows, lp, ent, len(rows) * L, routing
 

@@ -121,8 +121,7 @@ def decode_seeded(
     past, step_ids = None, ids
     cache_kw = kv_cache_name(model)
     hooks = RouterHooks(model) if routing is not None else None
-    if hooks is not None and not hooks.is_moe:
-        hooks = None
+    hooks = hooks if hooks is not None and hooks.is_moe else None  # a dense model: no routers
     for t in range(T):
         check_stop()
         position_ids = (mask.cumsum(dim=-1) - 1).clamp_(min=0)[:, -step_ids.shape[1] :]

@@ -23,7 +23,7 @@ from nemo_d3s.backends.megatron.batches import MicroBatch
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.distributed.comm import global_rank_of, group_rank, group_size, is_single
-from nemo_d3s.formats.moe import ROUTER_SCORE
+from nemo_d3s.formats.moe import moe_transformer_fields
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import Layout, assemble_hf, hf_shape, iter_stage_hf
 
@@ -93,11 +93,7 @@ def moe_config_kwargs(
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=float(aux_loss_coeff),
         moe_z_loss_coeff=float(z_loss_coeff) if z_loss_coeff > 0 else None,
-        num_moe_experts=spec.num_experts,
-        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-        moe_router_topk=spec.moe_topk,
-        moe_router_score_function=ROUTER_SCORE,
-        moe_router_pre_softmax=spec.moe_pre_softmax,
+        **moe_transformer_fields(spec),
         moe_router_dtype=router_dtype,
         moe_token_dispatcher_type=dispatcher,
         moe_expert_capacity_factor=None,
@@ -105,9 +101,6 @@ def moe_config_kwargs(
         moe_permute_fusion=False,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
-        # Qwen2-MoE's shared expert: sigmoid(gate_weight . x) * SwiGLU(x), as transformers
-        moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size or None,
-        moe_shared_expert_gate=bool(spec.moe_shared_ffn_hidden_size),
     )
 
 
