@@ -1,5 +1,6 @@
 """The gloo rank launcher itself: results in rank order, a failing rank's error reaches
-the caller, a hanging rank is killed at the timeout, set-up runs before the function."""
+the caller, a hanging rank is killed at the timeout, set-up runs before the function, a run
+whose gloo mesh failed to connect starts again once."""
 
 import pytest
 import torch
@@ -104,3 +105,30 @@ def test_a_port_taken_after_it_was_chosen_does_not_stop_the_ranks(monkeypatch):
         monkeypatch.setattr(launch, "free_port", lambda: taken.getsockname()[1])
         out = run_on_gloo_ranks(_sum_of_ranks, 2, 1.0, timeout=60)
     assert [r["sum"] for r in out] == [1.0, 1.0]
+
+
+def _mesh_fails_once(rank, folder, message):
+    """Rank 1 raises ``message`` on the first attempt (a marker file counts the attempts)."""
+    import os
+
+    marker = os.path.join(folder, f"attempt{rank}")
+    attempts = int(open(marker).read()) + 1 if os.path.exists(marker) else 1
+    with open(marker, "w") as f:
+        f.write(str(attempts))
+    if rank == 1 and attempts == 1:
+        raise RuntimeError(message)
+    return attempts
+
+
+def test_a_gloo_mesh_that_fails_to_connect_is_started_again_once(tmp_path):
+    mesh = "[enforce fail at gloo/transport/tcp/pair.cc] connectFullMesh: Connection closed by peer"
+    with pytest.warns(UserWarning, match="failed to connect, starting them again"):
+        out = run_on_gloo_ranks(_mesh_fails_once, 2, str(tmp_path), mesh, start_method="spawn")
+    assert out == [2, 2]  # the second attempt's results
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(Exception, match="some other failure"):  # not retried
+        run_on_gloo_ranks(
+            _mesh_fails_once, 2, str(other), "some other failure", start_method="spawn"
+        )
+    assert (other / "attempt1").read_text() == "1"
