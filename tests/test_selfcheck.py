@@ -188,6 +188,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
         "gpt.long_sequence",
         "gpt.packed_cp",
         "moe.local_spec",
+        "moe.router_replay",
         "gpt.pp_recompute",
         "gpt.interleaved_pipeline",
         "rl.megatron_step",
@@ -211,7 +212,7 @@ def test_the_cpu_form_end_to_end(tmp_path):
     assert checks["moe.local_spec"]["measured"]["weights_err"] <= 1e-5
     gloo = checks["cluster.gloo_across_nodes"]["measured"]
     assert gloo["ranks"] == 2 and gloo["hosts"] == 1 and gloo["across_nodes"] is False
-    assert "13 passed, 0 failed" in proc.stdout
+    assert "14 passed, 0 failed" in proc.stdout
 
 
 # ---------------------------------------------------------------- the CUDA checks' logic on the CPU
@@ -461,16 +462,20 @@ def test_the_cpu_twins_of_the_70b_pipeline_paths_pass_on_gloo(tmp_path, monkeypa
 
 def test_the_cpu_twin_of_the_moe_path_passes_on_gloo(tmp_path, monkeypatch):
     """moe.local_spec: a tiny Qwen3-MoE at EP 2 (both dispatchers) against EP 1 on 2
-    spawned gloo ranks; its CUDA twin (TE grouped GEMM, all-to-all over NCCL) says why not."""
+    spawned gloo ranks; moe.router_replay: its routing recorded and replayed at EP 2; the CUDA
+    twin (TE grouped GEMM, all-to-all over NCCL) says why not."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    code = cli.main(
-        ["--out", str(tmp_path), "--ranks", "2", "--only", "moe.local_spec,moe.te_grouped_gemm"]
-    )
+    only = "moe.local_spec,moe.router_replay,moe.te_grouped_gemm"
+    code = cli.main(["--out", str(tmp_path), "--ranks", "2", "--only", only])
     doc = json.loads((tmp_path / "selfcheck.json").read_text())
     checks = {c["name"]: c for c in doc["checks"]}
     assert code == 0 and checks["moe.local_spec"]["status"] == PASSED, checks
     m = checks["moe.local_spec"]["measured"]
     assert m["dispatchers"] == ["alltoall", "allgather"] and m["weights_err"] <= 1e-5
+    r = checks["moe.router_replay"]
+    assert r["status"] == PASSED and r["measured"]["ep"] == 2, r
+    assert r["measured"]["own_replay_logprob_err"] <= 1e-6
+    assert r["measured"]["other_replay_logprob_change"] > 1e-3
     assert (checks["moe.te_grouped_gemm"]["status"], checks["moe.te_grouped_gemm"]["reason"]) == (
         NOT_RUN,
         NO_CUDA,

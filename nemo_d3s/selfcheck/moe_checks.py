@@ -6,6 +6,11 @@
   device (gloo on the CPU, NCCL on CUDA): EP 1 against EP = 2 with the all-to-all and the
   all-gather dispatchers (an even world): log-probs and entropies within 1e-4, grad norm
   within rel 1e-4, weights after the step within 1e-5.
+- ``moe.router_replay``: the same model at EP = 2 (an even world; else 1), fp32 local spec,
+  on this machine's device: the scoring pass records the routers' own routing (joined over
+  the ranks: one all-reduce MAX per parallel group, NCCL on CUDA), replaying it gives the
+  same log-probs (1e-6), replaying another routing (each expert + 1 mod E) moves them
+  (> 1e-3), and a train step replaying it has a finite gradient.
 - ``moe.te_grouped_gemm`` (CUDA): the Transformer Engine spec with grouped-GEMM experts
   (``TEGroupedMLP``) in bf16, the all-to-all dispatcher over NCCL at EP = 2 (an even world),
   against the fp32 local spec at EP 1, with ``gpt.te_spec``'s bf16 bounds.
@@ -108,6 +113,49 @@ def check_local_spec(ctx: Context) -> Dict[str, Any]:
     return out
 
 
+def check_router_replay(ctx: Context) -> Dict[str, Any]:
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
+
+    from nemo_d3s.selfcheck.model_checks import step_batch
+
+    mctx = moe_context(ctx)
+    ep = ep_size(ctx)
+    batch, adv, noise = step_batch()
+    params = dict(dtype="float32", transformer_impl="local", distributed_optimizer=False)
+    params.update(expert_model_parallel_size=ep, moe_record_routing=True)
+    with megatron_backend(mctx, lr=LR, adam_eps=1e-3, grad_clip=0.0, **params) as pol:
+        plain = pol.score(batch, with_entropy=False, micro_batch_size=2)
+        own = plain.routed_experts
+        if own is None or not bool((own[batch.attention_mask] >= 0).all()):
+            raise CheckFailed("the scoring pass recorded no routing for some real token")
+        same = pol.score(replace(batch, routed_experts=own), with_entropy=False, micro_batch_size=2)
+        experts = int(pol.spec.num_experts)
+        other = torch.where(own >= 0, (own + 1) % experts, own).to(torch.int16)
+        moved = pol.score(
+            replace(batch, routed_experts=other), with_entropy=False, micro_batch_size=2
+        )
+        resp = batch.response_mask
+        out: Dict[str, Any] = {
+            "ep": ep,
+            "own_replay_logprob_err": max_abs_diff(plain.logprobs[resp], same.logprobs[resp]),
+            "other_replay_logprob_change": max_abs_diff(plain.logprobs[resp], moved.logprobs[resp]),
+        }
+        loss_fn = one_minibatch_loss_fn(batch, moved.logprobs + noise, adv, resp)
+        denominator = float(loss_denominator(resp, "token_mean")) * pol.groups.dp_size
+        m = pol.train_step(
+            replace(batch, routed_experts=other), loss_fn, 2, denominator=denominator
+        )
+        out["grad_norm"] = m["grad_norm"]
+    if out["own_replay_logprob_err"] > 1e-6 or out["other_replay_logprob_change"] <= 1e-3:
+        raise CheckFailed(
+            "replaying the recorded routing changed the log-probs, or another did not", out
+        )
+    if not (m["grad_norm"] > 0 and m["grad_norm"] < float("inf")):
+        raise CheckFailed("a replayed train step gave no finite gradient", out)
+    return out
+
+
 def check_te_grouped_gemm(ctx: Context) -> Dict[str, Any]:
     from nemo_d3s.backends.megatron.model import transformer_engine_error
 
@@ -134,6 +182,7 @@ def check_te_grouped_gemm(ctx: Context) -> Dict[str, Any]:
 
 CHECKS = [
     Check("moe.local_spec", False, check_local_spec),
+    Check("moe.router_replay", False, check_router_replay),
     Check(
         "moe.te_grouped_gemm",
         True,

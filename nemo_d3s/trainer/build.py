@@ -107,19 +107,20 @@ def check_runtime(cfg: Any) -> None:
             "trainer starts each engine on its own ranks' GPUs (rollout.generation_gpus=0)"
         )
     replay = str(getattr(cfg.algorithm, "router_replay", "none"))
-    if replay != "none" and (str(cfg.model.backend) != "hf" or engine != "hf"):
+    backend = str(cfg.model.backend)
+    if replay != "none" and engine != "hf":
         raise ConfigError(
-            f"algorithm.router_replay={replay!r} replays the routing the seeded sampler records, "
-            "in the HF backend's forwards (model.backend=hf, rollout=hf); not built yet: the "
-            "Megatron backend (megatron-core's RouterReplay), vLLM's routed experts (they "
-            "need its Model Runner V2)"
+            f"algorithm.router_replay={replay!r} replays the routing the seeded sampler records "
+            "(rollout=hf), in either backend's forwards; not built yet: vLLM's routed experts "
+            "(they need its Model Runner V2)"
         )
-    if replay != "none" and bool(cfg.model.gradient_checkpointing):
+    if replay != "none" and bool(cfg.model.gradient_checkpointing) and backend == "hf":
         # the backward's recomputed forward would route by itself: the hooks that replay are
-        # gone by then (megatron-core replays there too: REPLAY_BACKWARD)
+        # gone by then (the Megatron backend keeps each target for it: megatron/routing.py)
         raise ConfigError(
             f"algorithm.router_replay={replay!r} with model.gradient_checkpointing=true is not "
-            "built yet: the recomputed forward would not replay the routing"
+            "built yet on the HF backend: the recomputed forward would not replay the routing "
+            "(model.backend=megatron replays it)"
         )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT

@@ -72,3 +72,30 @@ def test_megatron_smoke_at_ep2_trains_checkpoints_and_matches_the_hf_backend(tmp
     ]
     back = megatron_to_hf(ckpt, tmp_path / "back", progress=False)
     assert_same_tensors(out / "hf_export", back)
+
+
+def test_megatron_router_replay_at_ep2_logs_the_run_of_the_hf_backend(tmp_path):
+    """``algorithm.router_replay=rollout`` one step stale (``rollout.max_staleness=1``: the
+    engine's routing differs from the trainer's): the two-rank Megatron run at EP 2 replays the
+    seeded sampler's routing as the HF backend does in one process, so both log the same run
+    (the routing mismatch, recorded by megatron-core's routers, included)."""
+    folder = str(make_tiny_hf(tmp_path / "q3", "qwen3_moe", layers=2))
+    both = [*RUN, f"model.name={folder}", "algorithm.router_replay=rollout"]
+    both += ["rollout.max_staleness=1", "trainer.steps=4", "trainer.save_every=0"]
+    hf_out = tmp_path / "hf"
+    run_inprocess(hf_out, both)
+    hf_rows = read_jsonl(hf_out / "metrics.jsonl")
+    assert any(r.get("rollout_routing_mismatch", 0.0) > 0 for r in hf_rows), "vacuous"
+    out = tmp_path / "megatron"
+    _finish(
+        _torchrun(
+            2,
+            [
+                *both,
+                "model.backend=megatron",
+                "+model.params.expert_model_parallel_size=2",
+                f"output_dir={out}",
+            ],
+        )
+    )
+    _assert_same_run(hf_rows, read_jsonl(out / "metrics.jsonl"), "ep2 router replay")

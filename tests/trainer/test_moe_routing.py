@@ -10,7 +10,8 @@ sampler (the CPU twin of vLLM's routed experts):
   the batch's ``routed_experts`` say (equal to a forward under ``RouterHooks.replay``; rows cut
   to their micro-batch or packed into one), compaction
   carries them, and at k = 1 the engine/trainer log-prob gap of the first stale step shrinks
-  (the steps before are the same run); the Megatron backend and vLLM are refused at start;
+  (the steps before are the same run); vLLM is refused at start (the Megatron backend replays:
+  ``tests/backends/megatron/test_moe_replay.py``);
 - a stored routing that is not a routing is refused naming the file.
 """
 
@@ -208,15 +209,18 @@ def test_router_replay_is_refused_where_it_is_not_built(moe_folder, tmp_path):
 
     from .conftest import compose
 
-    for extra in (["model.backend=megatron"], ["rollout=vllm"]):
-        cfg = compose(["experiment=smoke", "algorithm.router_replay=rollout", *extra])
-        with pytest.raises(ConfigError, match="router_replay='rollout' replays the routing"):
-            check_runtime(cfg)
-    cfg = compose(
-        ["experiment=smoke", "algorithm.router_replay=rollout", "model.gradient_checkpointing=true"]
-    )
-    with pytest.raises(ConfigError, match="gradient_checkpointing=true is not built yet"):
+    cfg = compose(["experiment=smoke", "algorithm.router_replay=rollout", "rollout=vllm"])
+    with pytest.raises(ConfigError, match="router_replay='rollout' replays the routing"):
         check_runtime(cfg)
+    # the Megatron backend replays it (tests/backends/megatron/test_moe_replay.py)
+    check_runtime(
+        compose(["experiment=smoke", "algorithm.router_replay=rollout", "model.backend=megatron"])
+    )
+    checkpointing = ["algorithm.router_replay=rollout", "model.gradient_checkpointing=true"]
+    cfg = compose(["experiment=smoke", *checkpointing])
+    with pytest.raises(ConfigError, match="gradient_checkpointing=true is not built yet on the HF"):
+        check_runtime(cfg)
+    check_runtime(compose(["experiment=smoke", *checkpointing, "model.backend=megatron"]))
     from nemo_d3s.config import validate
 
     with pytest.raises(ConfigError, match="algorithm.router_replay.*known: none, rollout"):

@@ -38,6 +38,7 @@ from nemo_d3s.backends.megatron.moe import (
     router_loss_metrics,
 )
 from nemo_d3s.backends.megatron.parallel import engine_ranks_of_model_copies, rank_order
+from nemo_d3s.backends.megatron.routing import RouterTaps
 from nemo_d3s.backends.wrappers import pad_token_id
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
@@ -65,13 +66,6 @@ from nemo_d3s.distributed.groups import ParallelGroups
 __all__ = ["MegatronBackend"]
 
 log = logging.getLogger("nemo_d3s.megatron")
-
-
-def _no_replay(batch: TokenBatch) -> None:
-    """Router replay is not built here yet (megatron-core's RouterReplay needs the routing in
-    each micro-batch's token order: sequence-first, SP and CP chunks, packed rows)."""
-    if batch.routed_experts is not None:
-        raise ValueError("the Megatron backend does not replay a routing (routed_experts) yet")
 
 
 class MegatronBackend(Policy):
@@ -183,6 +177,13 @@ class MegatronBackend(Policy):
             distributed_optimizer=cfg.distributed_optimizer,
         )
         self.chunks = chunks
+        # the policy's MoE routers record their routing and replay a given one (routing.py);
+        # the reference's keep their own
+        self.router_taps = (
+            RouterTaps(chunks, self.spec.num_layers, self.spec.moe_topk, self.spec.num_experts)
+            if self.spec.num_experts
+            else None
+        )
         if self.groups.is_main:
             log.info(
                 "optimizer: %s",
@@ -309,7 +310,8 @@ class MegatronBackend(Policy):
     ) -> Scores:
         if reference and self.ref_model is None:
             raise ValueError("reference=True but the backend was built with use_reference=False")
-        _no_replay(batch)
+        if reference and batch.routed_experts is not None:
+            raise ValueError("router replay: the reference model routes by itself")
         model = self.ref_model if reference else self.model
         return schedule.score(
             model,
@@ -322,7 +324,20 @@ class MegatronBackend(Policy):
             micro_batch_tokens=micro_batch_tokens,
             pack=self.pack,
             width_quantum=self.cfg.width_quantum,
+            taps=None if reference else self.router_taps,
+            record_routing=not reference and self.records_routing,
         )
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether the policy's scores carry its own routing (``Scores.routed_experts``, for
+        ``rollout_routing_mismatch``): ``moe_record_routing``, or (None) when this backend's
+        own seeded sampler generates, the one engine that returns a routing to compare."""
+        if not self.spec.num_experts:
+            return False
+        if self.cfg.moe_record_routing is None:
+            return self._own_engine is not None
+        return bool(self.cfg.moe_record_routing)
 
     def train_step(
         self,
@@ -333,7 +348,6 @@ class MegatronBackend(Policy):
         denominator: float,
         micro_batch_tokens: int = 0,
     ) -> Dict[str, float]:
-        _no_replay(batch)
         metrics = schedule.train_step(
             self.chunks,
             self.optimizer,
@@ -349,6 +363,7 @@ class MegatronBackend(Policy):
             micro_batch_tokens=micro_batch_tokens,
             pack=self.pack,
             width_quantum=self.cfg.width_quantum,
+            taps=self.router_taps,
         )
         if self.spec.num_experts:
             n = int(metrics.get("n_micro_batches", 1))

@@ -62,6 +62,11 @@ class MegatronBackendConfig(PolicySettings):
         NeMo-RL's Megatron GRPO configs (``moe_router_load_balancing_type: "none"``: an aux
         loss made the log-prob error diverge; examples/configs/grpo_math_1B_megatron.yaml)
         and verl's Megatron-Bridge Qwen3-MoE ("none" for RL).
+    moe_record_routing: the policy's scoring pass returns its routers' own choice, to log
+        ``rollout_routing_mismatch`` against the engine's (one all-reduce of [B, S, L, K] int32
+        over each of TP, CP and PP per scoring pass); None: when this backend's seeded sampler
+        generates (vLLM returns no routing yet). A routing to replay
+        (``algorithm.router_replay=rollout``) is replayed either way.
     """
 
     model: str = DEFAULT_MODEL_NAME
@@ -85,6 +90,7 @@ class MegatronBackendConfig(PolicySettings):
     moe_router_dtype: Optional[str] = "fp32"
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: float = 0.0
+    moe_record_routing: Optional[bool] = None
 
 
 def check_options(cfg: MegatronBackendConfig) -> None:

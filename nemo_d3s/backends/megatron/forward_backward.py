@@ -5,7 +5,8 @@ positions, a pack's PackedSeqParams) and the p2p settings (:func:`run_schedule`)
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -104,6 +105,9 @@ def run_schedule(
     *,
     forward_only: bool,
     cp_group=None,
+    around: Optional[
+        Callable[[int, torch.nn.Module, Optional[ContextParallel]], ContextManager]
+    ] = None,
 ) -> None:
     """One call of Megatron's forward/backward function over ``micro_batches``.
 
@@ -111,7 +115,8 @@ def run_schedule(
     inputs, cp)`` -> the loss function the schedule applies to micro-batch i's output on the
     last stage. ``cp_group`` (CP > 1): the model gets this CP rank's positions of each
     sequence (``distributed.ContextParallel``), no mask (the attention builds it), and the
-    loss function the gather back.
+    loss function the gather back. ``around(i, chunk, cp)``: a context around micro-batch i's
+    forward of a chunk (``routing.RouterTaps``: a MoE routing replayed and recorded).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
@@ -125,7 +130,8 @@ def run_schedule(
             cp = ContextParallel(cp_group, bounds)
             ids, pos, mask = cp.local(ids, 1), cp.local(pos, 1), None
         packed = None if x[4] is None else packed_seq_params(x[4], ids.device)
-        out = model(ids, pos, mask, packed_seq_params=packed)
+        with around(i, model, cp) if around is not None else contextlib.nullcontext():
+            out = model(ids, pos, mask, packed_seq_params=packed)
         return out, loss_for(i, x, cp)
 
     first = micro_batches[0]

@@ -10,6 +10,7 @@ padded vocabulary columns are left out of the softmax.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Dict, Optional
 
@@ -36,6 +37,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     unwrap_model,
 )
 from nemo_d3s.backends.megatron.moe import couples_data_parallel
+from nemo_d3s.backends.megatron.routing import RouterTaps, combine_recorded
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -65,6 +67,8 @@ def score(
     micro_batch_tokens: int = 0,
     pack: bool = False,
     width_quantum: int = 0,
+    taps: Optional[RouterTaps] = None,
+    record_routing: bool = False,
 ) -> Scores:
     """No-grad ``Scores`` [B, S] f32 on the CPU, identical on every TP x PP rank; 0 where
     not attended. B = 0 returns empty tensors without a collective, unless a MoE layer's
@@ -74,18 +78,29 @@ def score(
     of rows; widths are multiples of ``width_quantum``. Collectives: the kernel's three on
     ``groups.tp`` per micro-batch, one broadcast over ``groups.pp``. Memory on the last
     stage: one micro-batch's [b, L, V/TP] logits + a chunk_size x V/TP workspace.
+
+    A mixture of experts (``taps``, ``routing.RouterTaps``): ``batch.routed_experts`` is
+    replayed; ``record_routing`` returns the routers' own choice as ``Scores.routed_experts``
+    [B, S, L, K] int16 (``routing.combine_recorded``: one all-reduce of it in int32 over each
+    of TP, CP and PP).
     """
     chunks = model_chunks(model)
     B, S = batch.input_ids.shape
     logprobs = torch.zeros((B, S), dtype=torch.float32)
     entropy = torch.zeros((B, S), dtype=torch.float32) if with_entropy else None
+    record = taps is not None and taps.is_moe and record_routing
     if B == 0 and not couples_data_parallel(chunks, groups):
-        return Scores(logprobs, entropy)  # the model-parallel group's batch is empty
+        # the model-parallel group's batch is empty
+        routed = (
+            torch.zeros((0, S, taps.num_layers, taps.topk), dtype=torch.int16) if record else None
+        )
+        return Scores(logprobs, entropy, routed_experts=routed)
     device = device_of(chunks[0])
     mbs = plan_call(
         batch, groups, chunks, micro_batch_size, micro_batch_tokens, pack, width_quantum
     )
     store = PerTokenStore()
+    routing = _routing_call(taps, batch, mbs, groups, chunks, record, training=False)
 
     def inputs(i: int):
         return model_inputs(batch, mbs[i], device)
@@ -105,10 +120,18 @@ def score(
     for c in chunks:
         c.eval()
     try:
-        run_schedule(chunks, mbs, inputs, loss_for, forward_only=True, cp_group=groups.cp)
+        with routing as around:
+            run_schedule(
+                chunks, mbs, inputs, loss_for, forward_only=True, cp_group=groups.cp, around=around
+            )
+            own = taps.recorded() if record else None
     finally:
         for c, t in zip(chunks, was_training):
             c.train(t)
+    routed = None
+    if own is not None:  # real tokens only, as the HF backend records (NO_EXPERT = -1)
+        routed = combine_recorded(own, groups, device)
+        routed[~batch.attention_mask.bool()] = -1
     last = is_last_stage(groups.pp)
     results = broadcast_per_token(
         store if last else None, [(m.b, m.width) for m in mbs], groups.pp, device=device
@@ -122,7 +145,28 @@ def score(
             x = res[name].float().cpu()
             x = x[:n, :w] if mb.pack is None else mb.pack.unpack(x[0], w)
             out[mb.rows, :w] = x * keep
-    return Scores(logprobs, entropy, token_counts(batch, mbs))
+    return Scores(logprobs, entropy, token_counts(batch, mbs), routed_experts=routed)
+
+
+def _routing_call(taps, batch: TokenBatch, mbs, groups, chunks, record: bool, training: bool):
+    """``taps.call`` for this schedule call (a context yielding ``run_schedule``'s ``around``);
+    a routing to replay with no MoE routers to take it is a ValueError. Under full activation
+    recomputation (``gradient_checkpointing``: every layer, ``model.transformer_config``) a
+    training call keeps each replayed target for the backward's recomputed forward."""
+    if taps is None or not taps.is_moe:
+        if batch.routed_experts is not None:
+            raise ValueError("router replay: a dense model (or the reference) routes nothing")
+        return contextlib.nullcontext()
+    config = unwrap_model(chunks[0]).config
+    sp = bool(getattr(config, "sequence_parallel", False))
+    granularity = getattr(config, "recompute_granularity", None)
+    if batch.routed_experts is not None and granularity not in (None, "full"):
+        raise ValueError(
+            f"router replay with recompute_granularity={granularity!r} is not built (full "
+            "recomputation replays each layer's routing in the backward)"
+        )
+    recompute = training and granularity == "full"
+    return taps.call(batch, mbs, groups, sequence_parallel=sp, record=record, recompute=recompute)
 
 
 # ---------------------------------------------------------------------------- training
@@ -155,6 +199,7 @@ def train_step(
     micro_batch_tokens: int = 0,
     pack: bool = False,
     width_quantum: int = 0,
+    taps: Optional[RouterTaps] = None,
 ) -> Dict[str, float]:
     """One optimizer step over this rank's ``batch`` [B, S] (B may be 0: a zero-weight dummy
     micro-batch joins every collective); collective over every rank of the job.
@@ -165,7 +210,8 @@ def train_step(
     optimizer: grads finalised here (DP (x CP) average, tied embeddings, TP partial grads),
     clipped on the TP x PP norm, step skipped on every rank if it is not finite; Megatron
     optimizer: its DDP and ``step``. Returns the ``Policy.train_step`` floats, same on a
-    model-parallel group; metric sums are this rank's.
+    model-parallel group; metric sums are this rank's. A mixture of experts (``taps``):
+    ``batch.routed_experts`` is replayed in every forward.
     """
     chunks = model_chunks(model)
     inner = unwrap_model(chunks[0])
@@ -218,7 +264,10 @@ def train_step(
             if getattr(p, "main_grad", None) is not None:  # (main_weights: fp32 accumulation)
                 p.main_grad = None
 
-    run_schedule(chunks, mbs, inputs, loss_for, forward_only=False, cp_group=groups.cp)
+    with _routing_call(taps, batch, mbs, groups, chunks, False, training=True) as around:
+        run_schedule(
+            chunks, mbs, inputs, loss_for, forward_only=False, cp_group=groups.cp, around=around
+        )
 
     lr = float(optimizer.param_groups[0]["lr"])
     last = is_last_stage(groups.pp)
