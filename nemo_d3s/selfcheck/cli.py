@@ -39,6 +39,7 @@ def all_checks():
         refit_checks,
         rl_checks,
         vllm_checks,
+        vllm_routing_checks,
         vllm_stop_checks,
     )
 
@@ -53,6 +54,7 @@ def all_checks():
         *refit_checks.CHECKS,
         *gpu_checks.CHECKS,
         *vllm_checks.CHECKS,
+        *vllm_routing_checks.CHECKS,
         *vllm_stop_checks.CHECKS,
     ]
 

@@ -108,12 +108,13 @@ def check_runtime(cfg: Any) -> None:
         )
     replay = str(getattr(cfg.algorithm, "router_replay", "none"))
     backend = str(cfg.model.backend)
-    if replay != "none" and engine != "hf":
+    if replay != "none" and engine not in ("hf", "vllm"):
         raise ConfigError(
-            f"algorithm.router_replay={replay!r} replays the routing the seeded sampler records "
-            "(rollout=hf), in either backend's forwards; not built yet: vLLM's routed experts "
-            "(they need its Model Runner V2)"
+            f"algorithm.router_replay={replay!r} replays the routing an engine returns: the "
+            f"seeded sampler's (rollout=hf) or vLLM's on a GPU, not rollout.engine={engine!r}'s"
         )
+    if engine == "vllm":
+        _check_vllm_routing(cfg.rollout.routed_experts, replay)
     if replay != "none" and bool(cfg.model.gradient_checkpointing) and backend == "hf":
         # the backward's recomputed forward would route by itself: the hooks that replay are
         # gone by then (the Megatron backend keeps each target for it: megatron/routing.py)
@@ -142,6 +143,25 @@ def check_runtime(cfg: Any) -> None:
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); "
                 "run on a GPU node, or use model.device=cpu"
             )
+
+
+def _check_vllm_routing(setting: Any, replay: str) -> None:
+    """``rollout.routed_experts`` and router replay with vLLM: its routing comes from a GPU only
+    (``backends/vllm/routing.py``)."""
+    from nemo_d3s.backends.vllm.routing import CPU_BUILD_REFUSES
+
+    if replay != "none" and setting is False:
+        raise ConfigError(
+            f"algorithm.router_replay={replay!r} with rollout.routed_experts=false: the engine "
+            "would return no routing to replay"
+        )
+    wants = "rollout.routed_experts=true" if setting is True else None
+    if replay != "none":
+        wants = f"algorithm.router_replay={replay!r} with rollout=vllm"
+    if wants and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{wants} needs a GPU: {CPU_BUILD_REFUSES} (rollout=hf records the routing on the CPU)"
+        )
 
 
 def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
@@ -214,6 +234,14 @@ def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
     ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
     """
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, engine_settings(cfg))
+    if str(cfg.rollout.engine) == "vllm" and hasattr(policy, "engine_routing"):
+        from nemo_d3s.backends.vllm.routing import returns_routing
+
+        # every rank, an engine's or not, decides alike: the same settings, the same devices
+        # (a dense model records nothing whatever this says: MegatronBackend.records_routing)
+        policy.engine_routing = returns_routing(
+            cfg.rollout.routed_experts, True, torch.cuda.is_available()
+        )
     if int(cfg.rollout.max_staleness) > 0 and not engine.own_weights:
         engine = policy.weights_copy_engine()
     if engine.prompt_seeds:

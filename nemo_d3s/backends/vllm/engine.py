@@ -40,6 +40,7 @@ from nemo_d3s.backends.refit import (
 )
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.backends.vllm.launch import engine_env, engine_output, in_multi_rank_job, own_gpus
+from nemo_d3s.backends.vllm.routing import moe_shape, returns_routing, routing_rows
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
 from nemo_d3s.fault_points import fault_point
 
@@ -128,6 +129,14 @@ class VLLMEngine(RolloutEngine):
             kwargs["load_format"] = "dummy"
         if cfg.max_model_len:
             kwargs["max_model_len"] = int(cfg.max_model_len)
+        # each token's experts (backends/vllm/routing.py); vLLM requires prefix caching for them
+        self.moe_shape = moe_shape(source)
+        self.returns_routing = returns_routing(
+            cfg.routed_experts, self.moe_shape is not None, self.on_gpu
+        )
+        if self.returns_routing:
+            kwargs["enable_return_routed_experts"] = True
+            kwargs["enable_prefix_caching"] = True
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
@@ -324,6 +333,7 @@ class VLLMEngine(RolloutEngine):
             raise self._call_failed(e) from e
         _check_finished(outputs)
         prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
+        routed, generated = [], []
         for ids, out in zip(encoded, outputs):
             if len(out.outputs) != n_samples:
                 raise RuntimeError(
@@ -336,8 +346,20 @@ class VLLMEngine(RolloutEngine):
                 finished.append(hit or comp.finish_reason == "stop")
                 logprobs.append(_sampled_logprobs(comp.logprobs, resp))
                 texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
+                routed.append(getattr(comp, "routed_experts", None))
+                generated.append(len(comp.token_ids))
         batch = right_padded_batch(prompt_ids, responses, self.pad_id)
         sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
+        routing = None
+        if self.returns_routing:
+            routing = routing_rows(
+                routed,
+                [len(p) for p in prompt_ids],
+                generated,
+                [len(r) for r in responses],
+                batch.input_ids.shape[1],
+                self.moe_shape,
+            )
         n_tokens = sum(len(r) for r in responses)
         stats = {
             "gen_tokens": float(n_tokens),
@@ -351,6 +373,7 @@ class VLLMEngine(RolloutEngine):
             torch.tensor(finished, dtype=torch.bool),
             stats,
             sampling_logprobs=sampling,
+            routed_experts=routing,
         )
 
     def _call_failed(self, e: Exception) -> Exception:
