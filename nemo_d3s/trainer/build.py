@@ -107,7 +107,6 @@ def check_runtime(cfg: Any) -> None:
             "trainer starts each engine on its own ranks' GPUs (rollout.generation_gpus=0)"
         )
     replay = str(getattr(cfg.algorithm, "router_replay", "none"))
-    backend = str(cfg.model.backend)
     if replay != "none" and engine not in ("hf", "vllm"):
         raise ConfigError(
             f"algorithm.router_replay={replay!r} replays the routing an engine returns: the "
@@ -115,14 +114,6 @@ def check_runtime(cfg: Any) -> None:
         )
     if engine == "vllm":
         _check_vllm_routing(cfg.rollout.routed_experts, replay)
-    if replay != "none" and bool(cfg.model.gradient_checkpointing) and backend == "hf":
-        # the backward's recomputed forward would route by itself: the hooks that replay are
-        # gone by then (the Megatron backend keeps each target for it: megatron/routing.py)
-        raise ConfigError(
-            f"algorithm.router_replay={replay!r} with model.gradient_checkpointing=true is not "
-            "built yet on the HF backend: the recomputed forward would not replay the routing "
-            "(model.backend=megatron replays it)"
-        )
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         from nemo_d3s.backends.vllm.engine import VLLM_INSTALL_HINT
 

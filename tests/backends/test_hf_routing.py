@@ -121,3 +121,74 @@ def test_a_routing_of_the_wrong_shape_is_refused_and_a_dense_model_has_no_router
             model(input_ids=ids)
     dense = AutoModelForCausalLM.from_pretrained(str(make_tiny_hf(tmp_path / "llama", "llama")))
     assert not RouterHooks(dense).is_moe
+
+
+def _checkpointing(model):
+    """Gradient checkpointing as the HF backend turns it on (transformers 5 renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def _grads(model, hooks, ids, target):
+    model.zero_grad()
+    with hooks.replay(target):
+        logits = model(input_ids=ids).logits
+    logits.logsumexp(-1).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_under_gradient_checkpointing_the_recomputed_forward_replays_the_routing(tmp_path, arch):
+    """The backward recomputes each layer's forward after the replay's context closed: kept per
+    layer (``recompute=True``) the gradients equal those without checkpointing; without them
+    the recomputed forward routes by itself (the failure this fixes)."""
+    import copy
+
+    from torch.utils.checkpoint import CheckpointError
+
+    plain = _model(tmp_path, arch).train()
+    ids = _ids(seed=2)
+    hooks = RouterHooks(plain)
+    with torch.no_grad(), hooks.record(*ids.shape):
+        plain(input_ids=ids)
+    E = len(moe_routers(plain)[0].weight)
+    other = (hooks.recorded[0] + 1) % E
+    want = _grads(plain, RouterHooks(plain), ids, other)
+
+    def checkpointed(recompute):
+        model = _model(tmp_path, arch).train()
+        _checkpointing(model)
+        return model, RouterHooks(model, recompute=recompute)
+
+    model, kept = checkpointed(True)
+    got = _grads(model, kept, ids, other)
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert not any(kept._kept)
+    # a copy of the model (the frozen reference is one) carries the hooks but routes by itself
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(ref(input_ids=ids).logits, plain(input_ids=ids).logits)
+    # without them: torch's checkpoint sees the recomputed forward save fewer tensors (no
+    # replayed scores) and refuses the backward
+    model, lost = checkpointed(False)
+    with pytest.raises(CheckpointError, match="different number of tensors was saved"):
+        _grads(model, lost, ids, other)
+
+
+def test_a_kept_routing_left_unused_is_an_error(tmp_path):
+    model = _checkpointing(_model(tmp_path, "qwen3_moe").train())
+    hooks = RouterHooks(model, recompute=True)
+    ids = _ids()
+    target = torch.zeros(2, 7, 4, 2, dtype=torch.long)
+    target[..., 1] = 1
+    with hooks.replay(target):
+        model(input_ids=ids)  # no backward: the kept routings are never recomputed
+    with pytest.raises(RuntimeError, match="4 layer routings kept for a recomputed forward"):
+        with hooks.replay(target):
+            pass

@@ -169,6 +169,16 @@ def test_the_backend_replays_a_batchs_routing_in_scoring_and_training(moe_folder
         pol.accumulate_gradients(b, loss_fn, 8, denominator=1.0)
         grads[name] = pol.model.model.layers[0].mlp.gate.weight.grad.clone()
     assert not torch.allclose(grads["plain"], grads["replay"])
+    # under gradient checkpointing the backward's recomputed forward replays the routing too
+    ckpt = _backend(moe_folder, gradient_checkpointing=True)  # the same weights, from the folder
+    ckpt.accumulate_gradients(upd.batch, loss_fn, 8, denominator=1.0)
+    for layer in range(2):
+        got = ckpt.model.model.layers[layer].mlp.gate.weight.grad
+        pol.model.zero_grad()
+        pol.accumulate_gradients(upd.batch, loss_fn, 8, denominator=1.0)
+        want = pol.model.model.layers[layer].mlp.gate.weight.grad
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not any(ckpt.router_hooks._kept)  # every kept routing was used by the backward
     with pytest.raises(ValueError, match="reference model routes by itself"):
         pol.score(batch, with_entropy=False, reference=True)
 
@@ -227,11 +237,36 @@ def test_router_replay_is_refused_where_it_is_not_built(moe_folder, tmp_path, mo
         compose(["experiment=smoke", "algorithm.router_replay=rollout", "model.backend=megatron"])
     )
     checkpointing = ["algorithm.router_replay=rollout", "model.gradient_checkpointing=true"]
-    cfg = compose(["experiment=smoke", *checkpointing])
-    with pytest.raises(ConfigError, match="gradient_checkpointing=true is not built yet on the HF"):
-        check_runtime(cfg)
-    check_runtime(compose(["experiment=smoke", *checkpointing, "model.backend=megatron"]))
+    for backend in ("hf", "megatron"):  # both keep the routing for the recomputed forward
+        check_runtime(compose(["experiment=smoke", *checkpointing, f"model.backend={backend}"]))
     from nemo_d3s.config import validate
 
     with pytest.raises(ConfigError, match="algorithm.router_replay.*known: none, rollout"):
         validate(compose(["experiment=smoke", "algorithm.router_replay=r3", "output_dir=x"]))
+
+
+def test_router_replay_under_gradient_checkpointing_trains_as_without(moe_folder, tmp_path):
+    """A one-step-stale run replaying the engine's routing, with and without gradient
+    checkpointing: the same rollouts and the same losses (float32 sums re-blocked by the
+    recomputation aside), no kept routing left over (that would raise)."""
+    runs = {}
+    for ckpt in ("false", "true"):
+        _, runs[ckpt] = run_inprocess(
+            tmp_path / ckpt,
+            [
+                *RUN,
+                "trainer.steps=4",
+                f"model.name={moe_folder}",
+                "rollout.max_staleness=1",
+                "algorithm.router_replay=rollout",
+                f"model.gradient_checkpointing={ckpt}",
+            ],
+        )
+    plain, ckpt = runs["false"], runs["true"]
+    assert [r["step"] for r in plain] == [r["step"] for r in ckpt]
+    assert any("loss" in r for r in plain)
+    for a, b in zip(plain, ckpt):
+        assert a["reward_mean"] == b["reward_mean"]
+        assert ("loss" in a) == ("loss" in b)
+        if "loss" in a:
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)

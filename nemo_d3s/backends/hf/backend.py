@@ -68,7 +68,9 @@ class HFBackend(Policy):
         self.device = resolve_device(cfg.device)
         self.autocast_dtype = resolve_autocast(cfg.autocast, self.device)
         self.model, self.tokenizer = load_model_and_tokenizer(cfg, self.device)
-        self.router_hooks = RouterHooks(self.model)  # a mixture of experts' routing
+        # a mixture of experts' routing; kept for the backward's recomputed forward under
+        # gradient checkpointing (routing.py)
+        self.router_hooks = RouterHooks(self.model, recompute=bool(cfg.gradient_checkpointing))
         # packed rows by default only where attention takes them as varlen (no [T, T] mask)
         self.pack = (
             bool(cfg.pack_sequences)

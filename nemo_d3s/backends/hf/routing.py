@@ -12,12 +12,21 @@ routers: transformers 5's ``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter`` and
   over the K where the router renormalises: Mixtral always, Qwen3-MoE / Qwen2-MoE with
   ``norm_topk_prob``), so the forward uses the engine's routing and the router's gradient
   flows through the scores it gives the replayed experts.
+
+Under gradient checkpointing (``RouterHooks(model, recompute=True)``) the backward runs each
+layer's forward again, after the replay's context has closed: the hooks then stay on the routers
+for the model's life and every layer keeps the routing it replayed in a grad-enabled forward,
+first in first out, for the recomputed forward to route by (what megatron-core's replay does,
+``backends/megatron/routing.py``). Outside a context and with nothing kept the hooks change
+nothing; they act only on the routers of the model they were made for (a deep copy of the model,
+the frozen reference, carries copies of them).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -37,13 +46,22 @@ def moe_routers(model: torch.nn.Module) -> List[torch.nn.Module]:
 class RouterHooks:
     """Record or replay the routing of ``model``'s MoE layers (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, recompute: bool = False) -> None:
         self.routers = moe_routers(model)
         self.recorded: List[torch.Tensor] = []  # per forward: [b, s, L, K] int16, as routed
         self.recorded_own: List[torch.Tensor] = []  # the routers' own choice (replay aside)
         self._layers: List[torch.Tensor] = []
         self._own: List[torch.Tensor] = []
         self._target: Optional[torch.Tensor] = None
+        self._active = False
+        # per layer, the [b s, K] routings replayed with grad on, for the backward's recompute
+        self.recompute = recompute
+        self._kept: List[Deque[torch.Tensor]] = [collections.deque() for _ in self.routers]
+        self._handles = []
+        if recompute:
+            self._handles = [
+                r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)
+            ]
 
     @property
     def is_moe(self) -> bool:
@@ -54,9 +72,21 @@ class RouterHooks:
             getattr(router, "norm_topk_prob", False)
         )
 
+    def _replayed(self, router, logits, scores, target):
+        probs = torch.softmax(logits.float(), dim=-1)
+        return replay_topk_scores(probs, target, self._renormalises(router)).to(scores.dtype)
+
     def _hook(self, layer: int):
         def hook(router, args, output):
+            if router is not self.routers[layer]:
+                return None  # a copy of the model (the reference): not ours to route
             logits, scores, experts = output
+            if not self._active:  # the backward's recomputed forward, or any other forward
+                kept = self._kept[layer]
+                if not (kept and torch.is_grad_enabled()):
+                    return None
+                target = kept.popleft()
+                return logits, self._replayed(router, logits, scores, target), target
             self._own.append(experts.detach())
             if self._target is not None:
                 target = self._target[..., layer, :].reshape(-1, experts.shape[-1])
@@ -69,11 +99,10 @@ class RouterHooks:
                 # positions with nothing recorded keep the router's own choice
                 own = target < 0
                 target = torch.where(own, experts, target)
-                probs = torch.softmax(logits.float(), dim=-1)
-                scores = replay_topk_scores(probs, target, self._renormalises(router)).to(
-                    scores.dtype
-                )
+                scores = self._replayed(router, logits, scores, target)
                 experts = target
+                if self.recompute and torch.is_grad_enabled():
+                    self._kept[layer].append(target)
             self._layers.append(experts.detach())
             return logits, scores, experts
 
@@ -81,8 +110,17 @@ class RouterHooks:
 
     @contextlib.contextmanager
     def _hooked(self, b: int, s: int, target: Optional[torch.Tensor]) -> Iterator[None]:
-        handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
-        self._layers, self._own, self._target = [], [], target
+        left = sum(len(k) for k in self._kept)
+        if left:
+            self._kept = [collections.deque() for _ in self.routers]
+            raise RuntimeError(
+                f"router replay: {left} layer routings kept for a recomputed forward were not "
+                "used (a backward that did not recompute, or a forward that ran twice)"
+            )
+        handles = []
+        if not self.recompute:
+            handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self._layers, self._own, self._target, self._active = [], [], target, True
         try:
             yield
             if len(self._layers) != len(self.routers):
@@ -101,7 +139,7 @@ class RouterHooks:
         finally:
             for h in handles:
                 h.remove()
-            self._layers, self._own, self._target = [], [], None
+            self._layers, self._own, self._target, self._active = [], [], None, False
 
     def pop(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """The last forward's (routing used, the routers' own choice), [b, s, L, K] each."""
