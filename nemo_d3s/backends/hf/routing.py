@@ -57,11 +57,9 @@ class RouterHooks:
         # per layer, the [b s, K] routings replayed with grad on, for the backward's recompute
         self.recompute = recompute
         self._kept: List[Deque[torch.Tensor]] = [collections.deque() for _ in self.routers]
-        self._handles = []
-        if recompute:
-            self._handles = [
-                r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)
-            ]
+        if recompute:  # for the model's life: the backward recomputes after the context closed
+            for i, r in enumerate(self.routers):
+                r.register_forward_hook(self._hook(i))
 
     @property
     def is_moe(self) -> bool:

@@ -64,8 +64,9 @@ class MegatronBackendConfig(PolicySettings):
         and verl's Megatron-Bridge Qwen3-MoE ("none" for RL).
     moe_record_routing: the policy's scoring pass returns its routers' own choice, to log
         ``rollout_routing_mismatch`` against the engine's (one all-reduce of [B, S, L, K] int32
-        over each of TP, CP and PP per scoring pass); None: when this backend's seeded sampler
-        generates (vLLM returns no routing yet). A routing to replay
+        over each of TP, CP and PP per scoring pass); None: when an engine that returns a
+        routing generates (this backend's seeded sampler, or vLLM with
+        ``rollout.routed_experts`` on a GPU). A routing to replay
         (``algorithm.router_replay=rollout``) is replayed either way.
     """
 

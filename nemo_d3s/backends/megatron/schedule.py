@@ -38,6 +38,7 @@ from nemo_d3s.backends.megatron.optimizer import (
 )
 from nemo_d3s.backends.megatron.moe import couples_data_parallel
 from nemo_d3s.backends.megatron.routing import RouterTaps, combine_recorded
+from nemo_d3s.core.routing import NO_EXPERT
 from nemo_d3s.backends.megatron.sequence_parallel import allreduce_tp_partial_grads
 from nemo_d3s.distributed.comm import global_rank_of, group_size, is_single
 from nemo_d3s.distributed.groups import ParallelGroups
@@ -129,9 +130,9 @@ def score(
         for c, t in zip(chunks, was_training):
             c.train(t)
     routed = None
-    if own is not None:  # real tokens only, as the HF backend records (NO_EXPERT = -1)
+    if own is not None:  # real tokens only, as the HF backend records
         routed = combine_recorded(own, groups, device)
-        routed[~batch.attention_mask.bool()] = -1
+        routed[~batch.attention_mask.bool()] = NO_EXPERT
     last = is_last_stage(groups.pp)
     results = broadcast_per_token(
         store if last else None, [(m.b, m.width) for m in mbs], groups.pp, device=device
