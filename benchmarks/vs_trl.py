@@ -23,7 +23,9 @@ Arms run one after another, never two at once (a lock refuses a second ``run`` o
 seconds (``getrusage`` of the finished process), ``load.jsonl`` the load average every 30 s. Each
 arm evaluates greedily on ``--eval-size`` held-out problems at step 0, every ``--eval-every``
 steps and at its last. A finished arm (``done.json``) is not run again; a failed one is, from
-the start. ``vs_trl_arms.py`` says what an arm records.
+the start. ``vs_trl_arms.py`` says what an arm records. A file ``STOP`` in the race folder ends
+``run`` cleanly before its next arm (and is removed, so the next ``run`` goes on): a long race
+can be paused without losing the arm in progress.
 
 ``report`` (``vs_trl_report.py``): the threshold is the reference's mean over its last
 ``--threshold-evals`` evals (per seed); time to it is read on the CPU and on the wall axis
@@ -239,23 +241,41 @@ def run(ns) -> int:
         sampler.start()
         failed = 0
         try:
-            for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
-                ref = root / "runs" / f"{REFERENCE}_s{seed}"
-                if not _finished(ref):
-                    failed += launch(REFERENCE, ns, seed, root, env, None) != 0
-                budget = budget_of(ref)
-                for name in (n for n in names if n != REFERENCE):
-                    if _finished(root / "runs" / f"{name}_s{seed}"):
-                        continue
+            for name, seed in race_order(ns.first_seed, ns.seeds, names):
+                if _finished(root / "runs" / f"{name}_s{seed}"):
+                    continue
+                budget = None
+                if name != REFERENCE:
+                    budget = budget_of(root / "runs" / f"{REFERENCE}_s{seed}")
                     if budget is None:
                         print(f"{name} seed {seed}: no budget (the reference did not finish)")
                         failed += 1
                         continue
-                    failed += launch(name, ns, seed, root, env, budget) != 0
+                if stop_requested(root, name, seed):
+                    break
+                failed += launch(name, ns, seed, root, env, budget) != 0
         finally:
             stop.set()
             sampler.join()
     return 1 if failed else 0
+
+
+def race_order(first_seed: int, seeds: int, names: Sequence[str]):
+    """(arm, seed) in the order they run: per seed, the reference (it sets the seed's budget)
+    and then the other arms of ``names``."""
+    for seed in range(first_seed, first_seed + seeds):
+        yield REFERENCE, seed
+        yield from ((n, seed) for n in names if n != REFERENCE)
+
+
+def stop_requested(root: Path, name: str, seed: int) -> bool:
+    """True (and ``root/STOP`` removed) when the user asked ``run`` to end before the next arm."""
+    stop = root / "STOP"
+    if not stop.exists():
+        return False
+    stop.unlink()
+    print(f"stopped before {name} seed {seed}: {stop} existed (run again to go on)")
+    return True
 
 
 def _sample_load(path: Path, stop: threading.Event, every_s: float = 30.0) -> None:

@@ -172,6 +172,35 @@ def test_a_second_run_on_one_folder_is_refused(tmp_path):
         pass
 
 
+def test_a_stop_file_ends_the_race_between_arms(tmp_path, monkeypatch):
+    """``STOP`` in the folder: ``run`` ends before its next arm, removes the file, and a later
+    ``run`` goes on from there (the arm in progress is never cut)."""
+    launched = []
+
+    def fake_launch(name, ns, seed, root, env, budget):
+        launched.append((name, seed, budget))
+        d = root / "runs" / f"{name}_s{seed}"
+        d.mkdir(parents=True)
+        (d / "steps.jsonl").write_text(json.dumps({"step": 1, "cpu_s": 7.0}) + "\n")
+        (d / "done.json").write_text("{}")
+        if name == "trl_d3s":
+            (root / "STOP").write_text("")  # asked while trl_d3s ran
+        return 0
+
+    monkeypatch.setattr(vs_trl, "launch", fake_launch)
+    monkeypatch.setattr(vs_trl, "_model", lambda ns: "/x/tiny")
+    argv = ["run", "--out", str(tmp_path), "--seeds", "2", "--arms", "trl_grpo,trl_d3s,nd3s_d3s"]
+    assert vs_trl.main(argv) == 0
+    assert launched == [(REFERENCE, 0, None), ("trl_d3s", 0, 7.0)]
+    assert not (tmp_path / "STOP").exists() and not (tmp_path / "run.lock").exists()
+    assert vs_trl.main(argv) == 0  # goes on, seed by seed, until seed 1's trl_d3s asks again
+    assert launched[2:] == [("nd3s_d3s", 0, 7.0), (REFERENCE, 1, None), ("trl_d3s", 1, 7.0)]
+    assert not (tmp_path / "STOP").exists()
+    assert vs_trl.main(argv) == 0
+    assert launched[5:] == [("nd3s_d3s", 1, 7.0)]
+    assert vs_trl.main(argv) == 0 and len(launched) == 6  # every arm finished: nothing to run
+
+
 def test_pods_keeps_fewer_than_it_generates():
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["run", "--out", "x", "--generate", "4", "--keep", "4"])
