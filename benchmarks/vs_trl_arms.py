@@ -441,15 +441,19 @@ class BudgetSpent(Exception):
 
 def run_nd3s_arm(ns, out: Path) -> None:
     """``python -m nemo_d3s.train`` with the arm's overrides, its ``run_step`` wrapped to time
-    the step, hold the schedule to ``--steps`` and stop at the budget (then evaluate, as the
-    trainer does at its last step)."""
+    the step, hold the schedule to ``--steps`` and stop at the budget. The step that spends the
+    budget evaluates (as the trainer does at its last step) before it returns, while the
+    trainer's engine and reward pool are still open: ``trainer.run`` closes them on its way out
+    (a post-run eval met "the reward pool is closed" in the first race). Its time is the
+    eval's, not the step's."""
     from nemo_d3s.train import compose_config
     from nemo_d3s.trainer import loop
     from nemo_d3s.trainer.evaluate import evaluate
 
     cfg = compose_config(nd3s_overrides(ns.name, ns, ns.model, out))
-    rec, budget, horizon = Records(out), ns.budget_cpu_s, int(ns.steps)
+    rec, budget, horizon, cap = Records(out), ns.budget_cpu_s, int(ns.steps), cap_steps(ns)
     inner = loop.run_step
+    last_eval: List[tuple] = []  # (reward mean, n, seconds) of the budget's last step
 
     def run_step(ctx, step, progress):
         if spent(budget, rec.cpu_total):
@@ -484,6 +488,18 @@ def run_nd3s_arm(ns, out: Path) -> None:
             progress=p,
             skipped=m.get("skipped", 0.0),
         )
+        if spent(budget, rec.cpu_total) and rec.steps % int(ns.eval_every) and rec.steps < cap:
+            # the trainer evaluates at multiples of eval_every and at its last step (the cap)
+            # only; the run stops before the next
+            res = evaluate(
+                trainer.engine,
+                trainer.task,
+                trainer.eval_problems,
+                trainer.groups,
+                max_new_tokens=int(ns.eval_max_new_tokens),
+                batch_size=int(ns.eval_batch_size),
+            )
+            last_eval.append((res["eval_reward_mean"], res["eval_n"], res["time_eval"]))
         return m
 
     write_settings(out, ns.name, ns, overrides=nd3s_overrides(ns.name, ns, ns.model, out))
@@ -495,20 +511,10 @@ def run_nd3s_arm(ns, out: Path) -> None:
         stopped = "steps" if budget is None else "cap"
     except BudgetSpent:
         stopped = "budget"
-        if rec.steps % int(ns.eval_every):  # the trainer evaluated at multiples only
-            res = evaluate(
-                trainer.engine,
-                trainer.task,
-                trainer.eval_problems,
-                trainer.groups,
-                max_new_tokens=int(ns.eval_max_new_tokens),
-                batch_size=int(ns.eval_batch_size),
-            )
-            last_eval = (res["eval_reward_mean"], res["eval_n"], res["time_eval"])
     finally:
         trainer.groups.shutdown()
     for row in read_rows(out / "trainer" / "eval.jsonl"):
         rec.eval(row["step"], row["eval_reward_mean"], row["eval_n"], row["time_eval"])
-    if stopped == "budget" and rec.steps % int(ns.eval_every):
-        rec.eval(rec.steps, *last_eval)
+    for reward, n, seconds in last_eval:
+        rec.eval(rec.steps, reward, n, seconds)
     rec.done(stopped)

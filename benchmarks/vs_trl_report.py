@@ -246,10 +246,16 @@ def render(summary: dict) -> str:
     if rows:
         over = summary["overlaps"]
         first, last = _utc(min(r["start"] for r in rows)), _utc(max(r["end"] for r in rows))
+        failed = [f"`{r['arm']}` seed {r['seed']}" for r in rows if r["exit"] != 0]
         lines.append(
             f"Arms ran one at a time: {len(rows)} arm runs from {first} to {last} UTC, "
             + ("none overlapping" if not over else f"OVERLAPPING: {'; '.join(over)}")
-            + " (start and end of each in `arms.jsonl`)."
+            + " (start and end of each in `arms.jsonl`)"
+            + (
+                f"; {len(failed)} failed and ran again from the start: {', '.join(failed)}."
+                if failed
+                else "."
+            )
         )
     load = summary["load"]
     if load["samples"]:

@@ -131,6 +131,16 @@ def test_summary_budget_threshold_and_render(tmp_path):
     (root / "arms.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     over = report.render(report.summarize(root))
     assert "OVERLAPPING: trl_grpo s0 / trl_d3s s0" in over
+    assert "failed and ran again" not in over
+    failed = {**rows[2], "start": -20.0, "end": -10.0, "exit": 1}  # nd3s_grpo's first try
+    rows = [failed, *rows[:1], {**rows[1], "start": 10.0}, *rows[2:]]
+    (root / "arms.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    again = report.render(report.summarize(root))
+    assert (
+        "5 arm runs from 1969-12-31 23:59 to 1970-01-01 00:00 UTC, none overlapping (start and "
+        "end of each in `arms.jsonl`); 1 failed and ran again from the start: `nd3s_grpo` seed 0."
+        in again
+    )
     doc = tmp_path / "doc.md"
     doc.write_text(f"# x\n\n{report.BEGIN}\nOLD-SECTION\n{report.END}\n\ntail\n")
     report.replace_section(doc, body)
@@ -204,6 +214,30 @@ def test_a_stop_file_ends_the_race_between_arms(tmp_path, monkeypatch):
 def test_pods_keeps_fewer_than_it_generates():
     with pytest.raises(SystemExit):
         vs_trl.parse_args(["run", "--out", "x", "--generate", "4", "--keep", "4"])
+
+
+@pytest.mark.slow
+def test_a_trainer_arm_stopped_by_its_budget_between_evals_evaluates_its_last_step(tmp_path):
+    """The budget spent after step 1 with evals every 2 steps: the arm evaluates step 1 before
+    the trainer shuts down (a post-run eval met a closed reward pool in the first race)."""
+    from nemo_d3s.backends.hf.config import TinyModelSpec
+    from nemo_d3s.backends.hf.loading import ensure_tiny_folder
+
+    folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
+    out = tmp_path / "arm"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    small = ["--steps", "2", "--eval-every", "2", "--prompts-per-step", "2"]
+    small += ["--num-generations", "2", "--max-new-tokens", "4", "--eval-max-new-tokens", "4"]
+    small += ["--eval-size", "2", "--eval-batch-size", "2", "--max-steps-factor", "2"]
+    r = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "arm", "--name", "nd3s_grpo",
+         "--model", folder, "--seed", "0", "--out", str(out), "--budget-cpu-s", "1e-9", *small],
+        capture_output=True, text=True, timeout=WAIT_S, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = read_rows(out / "done.json")[0]
+    assert (done["stopped"], done["steps"]) == ("budget", 1)
+    assert [e["step"] for e in read_rows(out / "eval.jsonl")] == [0, 1]
 
 
 @pytest.mark.slow
