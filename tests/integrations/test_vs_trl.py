@@ -216,19 +216,28 @@ def test_pods_keeps_fewer_than_it_generates():
         vs_trl.parse_args(["run", "--out", "x", "--generate", "4", "--keep", "4"])
 
 
-@pytest.mark.slow
-def test_a_trainer_arm_stopped_by_its_budget_between_evals_evaluates_its_last_step(tmp_path):
-    """The budget spent after step 1 with evals every 2 steps: the arm evaluates step 1 before
-    the trainer shuts down (a post-run eval met a closed reward pool in the first race)."""
+# the tiny race's batch and evals (prompts x rollouts, new tokens, eval problems)
+_TINY = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4"]
+_TINY += ["--eval-max-new-tokens", "4", "--eval-size", "2", "--eval-batch-size", "2"]
+
+
+def _tiny_model_and_env(tmp_path: Path):
+    """(the tiny random model's folder, an environment whose Python finds this checkout)."""
     from nemo_d3s.backends.hf.config import TinyModelSpec
     from nemo_d3s.backends.hf.loading import ensure_tiny_folder
 
     folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
-    out = tmp_path / "arm"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    small = ["--steps", "2", "--eval-every", "2", "--prompts-per-step", "2"]
-    small += ["--num-generations", "2", "--max-new-tokens", "4", "--eval-max-new-tokens", "4"]
-    small += ["--eval-size", "2", "--eval-batch-size", "2", "--max-steps-factor", "2"]
+    return folder, env
+
+
+@pytest.mark.slow
+def test_a_trainer_arm_stopped_by_its_budget_between_evals_evaluates_its_last_step(tmp_path):
+    """The budget spent after step 1 with evals every 2 steps: the arm evaluates step 1 before
+    the trainer shuts down (a post-run eval met a closed reward pool in the first race)."""
+    folder, env = _tiny_model_and_env(tmp_path)
+    out = tmp_path / "arm"
+    small = ["--steps", "2", "--eval-every", "2", *_TINY, "--max-steps-factor", "2"]
     r = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "arm", "--name", "nd3s_grpo",
          "--model", folder, "--seed", "0", "--out", str(out), "--budget-cpu-s", "1e-9", *small],
@@ -243,15 +252,9 @@ def test_a_trainer_arm_stopped_by_its_budget_between_evals_evaluates_its_last_st
 @pytest.mark.slow
 @pytest.mark.trl
 def test_the_race_runs_every_arm_alone_on_the_tiny_model(tmp_path):
-    from nemo_d3s.backends.hf.config import TinyModelSpec
-    from nemo_d3s.backends.hf.loading import ensure_tiny_folder
-
-    folder = str(ensure_tiny_folder(TinyModelSpec(), 0, cache=tmp_path / "cache"))
+    folder, env = _tiny_model_and_env(tmp_path)
     out = tmp_path / "race"
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    small = ["--steps", "2", "--eval-every", "1", "--prompts-per-step", "2"]
-    small += ["--num-generations", "2", "--max-new-tokens", "4", "--eval-max-new-tokens", "4"]
-    small += ["--eval-size", "2", "--eval-batch-size", "2", "--seeds", "1"]
+    small = ["--steps", "2", "--eval-every", "1", *_TINY, "--seeds", "1"]
     small += ["--generate", "4", "--keep", "2", "--max-steps-factor", "1.5"]
     # both trainers' GRPO and D3S and the PODS arm: every code path of the runner and the
     # report; the other arms differ only in settings (tested above)
