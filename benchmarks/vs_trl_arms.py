@@ -446,7 +446,7 @@ def run_nd3s_arm(ns, out: Path) -> None:
     trainer's engine and reward pool are still open: ``trainer.run`` closes them on its way out
     (a post-run eval met "the reward pool is closed" in the first race). Its time is the
     eval's, not the step's."""
-    from nemo_d3s.train import compose_config
+    from nemo_d3s.train import EXIT_INTERRUPTED, compose_config
     from nemo_d3s.trainer import loop
     from nemo_d3s.trainer.evaluate import evaluate
 
@@ -507,7 +507,10 @@ def run_nd3s_arm(ns, out: Path) -> None:
     loop.seed_everything(int(cfg.seed))
     trainer = loop.Trainer(cfg)
     try:
-        trainer.run()
+        if trainer.run().extra.get("interrupted"):
+            # a stop signal ended the trainer at a checkpoint: not a finished arm (no
+            # done.json, so the next `run` runs it again); the trainer's own exit code
+            raise SystemExit(EXIT_INTERRUPTED)
         stopped = "steps" if budget is None else "cap"
     except BudgetSpent:
         stopped = "budget"

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,6 +249,33 @@ def test_a_trainer_arm_stopped_by_its_budget_between_evals_evaluates_its_last_st
     done = read_rows(out / "done.json")[0]
     assert (done["stopped"], done["steps"]) == ("budget", 1)
     assert [e["step"] for e in read_rows(out / "eval.jsonl")] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_trainer_arm_stopped_by_a_signal_is_not_finished(tmp_path):
+    """SIGTERM ends the trainer at a checkpoint (its clean stop): the arm exits 75 and writes
+    no done.json, so the next ``run`` runs it again (the first race's killed arm was recorded
+    as finished with 0 steps)."""
+    folder, env = _tiny_model_and_env(tmp_path)
+    out = tmp_path / "arm"
+    small = ["--steps", "500", "--eval-every", "500", *_TINY]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "vs_trl.py"), "arm", "--name", "nd3s_grpo",
+         "--model", folder, "--seed", "0", "--out", str(out), *small],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (out / "steps.jsonl").is_file() and proc.poll() is None:
+            assert time.monotonic() < deadline, "the arm never finished a step"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=WAIT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    assert not (out / "done.json").exists()
+    assert 0 < len(read_rows(out / "steps.jsonl")) < 500
 
 
 @pytest.mark.slow
