@@ -140,6 +140,11 @@ class RolloutConfig(Section, VLLMEngineConfig):
             "generation_gpus",
             "needs rollout.engine=vllm and a multiple of rollout.tensor_parallel_size",
         )
+        self._check(
+            self.expert_parallel is not True or self.engine == "vllm",
+            "expert_parallel",
+            "is vLLM's (rollout=vllm); the seeded sampler runs the policy's own layout",
+        )
         vllm_keys = {f.name: getattr(self, f.name) for f in fields(VLLMEngineConfig)}
         self._built(lambda: VLLMEngineConfig(**vllm_keys))
 

@@ -1105,6 +1105,17 @@ def test_moe_recipe_dry_runs_count_experts_and_give_a_verdict(name, tmp_path):
     assert ("verdict: FITS" in text) is fits and f"EP {ep} x ETP 1" in text
     if not fits:
         assert any("does not hold its weights" in p for p in report["problems"])
+        # whole experts over the engine's TP (128 divisible by it): the same bytes, still no room
+        ep_engine = plan(
+            _compose(
+                [f"experiment={name}", f"output_dir={tmp_path}", "rollout.expert_parallel=true"]
+            ),
+            JobShape(nodes, 8, "test"),
+        )
+        assert ep_engine["vllm"]["weights_bytes"] == pytest.approx(
+            report["vllm"]["weights_bytes"], rel=1e-12
+        )
+        assert not ep_engine["fits"]
     else:
         small = plan(
             _compose([f"experiment={name}", f"output_dir={tmp_path}", "trainer.gpu_memory_gb=80"]),

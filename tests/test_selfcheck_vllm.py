@@ -130,6 +130,7 @@ def test_without_cuda_every_vllm_cuda_check_says_what_it_would_check():
         "vllm.refit_pipeline",
         "vllm.engines_per_copy",
         "vllm.refit_moe",
+        "vllm.refit_moe_ep",
         "vllm.routed_experts",
         "vllm.memory",
     }

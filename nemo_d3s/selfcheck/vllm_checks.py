@@ -14,7 +14,7 @@ import contextlib
 import re
 import importlib.util
 import os
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -79,18 +79,25 @@ def _fused_experts(trainer: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+_FUSED_EXPERTS = (".experts.w13_weight", ".experts.w2_weight")
+
+
 def compare_engine_weights(
     want: Dict[str, torch.Tensor], workers: Sequence[Dict[str, torch.Tensor]]
 ) -> List[str]:
     """Problems (empty: bit-for-bit equal) between the trainer's tensors and each engine worker's
     (TP rank order): a whole tensor must be equal, the padded vocabulary must give it back in its
-    first rows, any other TP split must hold exactly the tensor's values (the same multiset).
+    first rows, fused experts placed whole over the workers (``rollout.expert_parallel``: each
+    holds [E_r, ., .] of [E, ., .]) must be the experts in order (vLLM's linear placement), any
+    other TP split must hold exactly the tensor's values (the same multiset).
     """
     problems = []
     for name, full in want.items():
         shards = [w[name] for w in workers]
         if all(s.shape == full.shape for s in shards):
             ok = all(torch.equal(s, full) for s in shards)
+        elif name.endswith(_FUSED_EXPERTS) and sum(s.shape[0] for s in shards) == full.shape[0]:
+            ok = torch.equal(torch.cat(shards), full)
         elif name.endswith(_VOCAB):
             rows = torch.cat(shards)[: full.shape[0]]
             ok = rows.shape == full.shape and torch.equal(rows, full)
@@ -154,9 +161,12 @@ def _rpcs_sent(engine: Any) -> Iterator[List[tuple]]:
         llm.collective_rpc = send
 
 
-def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
+def _engine_problems(
+    engine: Any, pol: Any, tied: bool, experts_per_worker: Optional[int] = None
+) -> List[str]:
     """Collective over the policy's group (``hf_weights`` gathers): the engine's weights
-    against the trainer's, on the rank that holds the engine."""
+    against the trainer's, on the rank that holds the engine; with ``experts_per_worker``,
+    also that each worker's fused experts hold that many (expert parallelism took effect)."""
     trainer = {n: t.detach().cpu().clone() for n, t in pol.hf_weights()}
     v = vllm_engine(engine)
     if v is None:
@@ -173,7 +183,15 @@ def _engine_problems(engine: Any, pol: Any, tied: bool) -> List[str]:
         ]
     except Exception as e:
         return [f"reading the engine's weights: {type(e).__name__}: {e}"]
-    return compare_engine_weights(want, workers)
+    problems = compare_engine_weights(want, workers)
+    if experts_per_worker is not None:
+        held = [w[n].shape[0] for w in workers for n in sorted(w) if n.endswith(_FUSED_EXPERTS)]
+        if not held or any(e != experts_per_worker for e in held):
+            problems.append(
+                f"the workers' fused experts hold {sorted(set(held))} experts each, expected "
+                f"{experts_per_worker} (expert parallelism)"
+            )
+    return problems
 
 
 def close_engine(engine: Any) -> None:
@@ -189,8 +207,11 @@ def close_engine(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, Any]:
-    """Build the engine (refitted at once), compare; one optimizer step, refit, compare."""
+def _refit_check(
+    ctx: Context, pol: Any, settings: Dict[str, Any], experts_per_worker: Optional[int] = None
+) -> Dict[str, Any]:
+    """Build the engine (refitted at once), compare; one optimizer step, refit, compare
+    (:func:`_engine_problems`)."""
     from nemo_d3s.backends.engines import build_rollout_engine
     from nemo_d3s.selfcheck.model_checks import one_step
 
@@ -200,12 +221,14 @@ def _refit_check(ctx: Context, pol: Any, settings: Dict[str, Any]) -> Dict[str, 
     with engine_in_its_own_process():
         engine = build_rollout_engine("vllm", pol, settings)
     try:
-        problems = [f"after the first refit: {p}" for p in _engine_problems(engine, pol, tied)]
+        first = _engine_problems(engine, pol, tied, experts_per_worker)
+        problems = [f"after the first refit: {p}" for p in first]
         one_step(pol)
         v = vllm_engine(engine)
         with _rpcs_sent(v) as sent:
             engine.sync_weights(pol)
-        problems += [f"after a step: {p}" for p in _engine_problems(engine, pol, tied)]
+        later = _engine_problems(engine, pol, tied, experts_per_worker)
+        problems += [f"after a step: {p}" for p in later]
         out = {
             "bucket_bytes": int(settings["refit_bucket_mb"] * 2**20),
             "layer_bytes": layer,
@@ -272,6 +295,28 @@ def check_refit_moe(ctx: Context) -> Dict[str, Any]:
         lr=1e-2,
     ) as pol:
         return {"ep": ep, **_refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})}
+
+
+def check_refit_moe_ep(ctx: Context) -> Dict[str, Any]:
+    """The same Qwen3-MoE refitted into a vLLM engine of TP 2 with ``rollout.expert_parallel``
+    from a TP-2 trainer (sequence parallel, experts sliced over ETP 2): each worker holds two of
+    the four experts whole (linear placement) and keeps only those of the experts every worker
+    receives (vLLM's weight loader skips the others)."""
+    from nemo_d3s.selfcheck.moe_checks import moe_context
+
+    need_vllm()
+    need_world(ctx, 2, "a vLLM engine of TP 2 with its experts split over its two GPUs")
+    with megatron_backend(
+        moe_context(ctx, head_dim=64),
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        transformer_impl="local",
+        distributed_optimizer=False,
+        lr=1e-2,
+    ) as pol:
+        settings = {"tensor_parallel_size": 2, "expert_parallel": True}
+        settings["gpu_memory_utilization"] = 0.3
+        return _refit_check(ctx, pol, settings, experts_per_worker=2)
 
 
 # How much more than the dry run counts the awake engine may take: the dry run assumes the
@@ -427,6 +472,14 @@ CHECKS = [
         "a Qwen3-MoE (4 experts, top-2) at EP 2 refitted into vLLM's fused experts "
         "(w13 = gate and up rows, w2 = down) through vLLM's weight-update path: bit for bit, "
         "after a step too",
+    ),
+    Check(
+        "vllm.refit_moe_ep",
+        True,
+        check_refit_moe_ep,
+        "that Qwen3-MoE refitted into a vLLM engine of TP 2 with rollout.expert_parallel=true: "
+        "each worker's fused experts == its half of the trainer's experts, in order, bit for "
+        "bit, after a step too",
     ),
     Check(
         "vllm.memory",

