@@ -201,6 +201,12 @@ class Policy(abc.ABC):
     def weights_changed(self) -> None:
         self.weights_version = int(self.weights_version) + 1
 
+    def engine_returns_routing(self, returns: bool) -> None:
+        """Told by the trainer on every rank, once the rollout engine is built, whether it
+        returns each token's experts (vLLM with ``rollout.routed_experts``), so a policy that
+        records its own routing only when there is one to compare with can do so; a policy
+        whose own engine decides (the HF backend) has nothing to do."""
+
     @abc.abstractmethod
     def score(
         self,

@@ -50,7 +50,7 @@ def check_routed_experts(ctx: Context) -> Dict[str, Any]:
             ro = engine.generate(prompts, 2, GenerationConfig(max_new_tokens=24), [1, 2, 3])
         finally:
             close_engine(engine)
-        pol.engine_routing = True  # what the trainer sets with this engine
+        pol.engine_returns_routing(True)  # what the trainer tells it with this engine
         scores = pol.score(ro.batch, with_entropy=False, micro_batch_size=2)
     mask = ro.batch.attention_mask
     last = torch.zeros_like(mask)

@@ -229,13 +229,13 @@ def rollout_engine(policy: Policy, cfg: Any) -> RolloutEngine:
     ``trainer.generate_per_prompt`` when it cannot take one seed per prompt (``backends.wrappers``).
     """
     engine = build_rollout_engine(str(cfg.rollout.engine), policy, engine_settings(cfg))
-    if str(cfg.rollout.engine) == "vllm" and hasattr(policy, "engine_routing"):
+    if str(cfg.rollout.engine) == "vllm":
         from nemo_d3s.backends.vllm.routing import returns_routing
 
         # every rank, an engine's or not, decides alike: the same settings, the same devices
         # (a dense model records nothing whatever this says: MegatronBackend.records_routing)
-        policy.engine_routing = returns_routing(
-            cfg.rollout.routed_experts, True, torch.cuda.is_available()
+        policy.engine_returns_routing(
+            returns_routing(cfg.rollout.routed_experts, True, torch.cuda.is_available())
         )
     if int(cfg.rollout.max_staleness) > 0 and not engine.own_weights:
         engine = policy.weights_copy_engine()

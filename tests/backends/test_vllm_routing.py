@@ -204,6 +204,7 @@ def test_the_trainer_tells_a_megatron_policy_to_record_when_vllm_returns_routing
             f"output_dir={tmp_path}",
         ]
     )
-    policy = types.SimpleNamespace(engine_routing=False)
+    told = []
+    policy = types.SimpleNamespace(engine_returns_routing=told.append)
     assert build.rollout_engine(policy, cfg) is stub
-    assert policy.engine_routing is want
+    assert told == [want]

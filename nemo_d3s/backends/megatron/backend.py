@@ -204,8 +204,8 @@ class MegatronBackend(Policy):
         self.use_chat_template = cfg.use_chat_template
         self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
         self._own_engine: Optional[RolloutEngine] = None
-        # set by the trainer on every rank when its engine returns each token's experts
-        # (trainer/build.rollout_engine): the scores then record the policy's own to compare
+        # whether an engine apart from this backend returns each token's experts
+        # (engine_returns_routing): the scores then record the policy's own to compare
         self.engine_routing = False
 
     @property
@@ -331,12 +331,15 @@ class MegatronBackend(Policy):
             record_routing=not reference and self.records_routing,
         )
 
+    def engine_returns_routing(self, returns: bool) -> None:
+        self.engine_routing = bool(returns)
+
     @property
     def records_routing(self) -> bool:
         """Whether the policy's scores carry its own routing (``Scores.routed_experts``, for
         ``rollout_routing_mismatch``): ``moe_record_routing``, or (None) when an engine that
         returns a routing to compare generates: this backend's own seeded sampler, or one the
-        trainer marked so (``engine_routing``: vLLM with ``rollout.routed_experts`` on)."""
+        trainer marked so (:meth:`engine_returns_routing`: vLLM with ``rollout.routed_experts``)."""
         if not self.spec.num_experts:
             return False
         if self.cfg.moe_record_routing is None:

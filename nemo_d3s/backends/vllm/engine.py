@@ -417,7 +417,8 @@ CPU_BUILD_NO_EP = (
 
 
 def check_expert_parallel(asked: bool, moe: bool, on_gpu: bool, source: Any) -> None:
-    """``rollout.expert_parallel``: vLLM's ``enable_expert_parallel`` (EP = the engine's TP).
+    """``rollout.expert_parallel``: vLLM's ``enable_expert_parallel`` (EP = the engine's TP; an
+    ``EngineArgs`` field ``LLM`` takes as a keyword, vllm 0.32 ``engine/arg_utils.py:548``).
 
     What it changes is where the experts live, not how the refit loads them: every worker
     receives every expert and vLLM's ``FusedMoE.weight_loader`` keeps only its own (an expert
