@@ -423,10 +423,11 @@ def check_expert_parallel(asked: bool, moe: bool, on_gpu: bool, source: Any) -> 
     What it changes is where the experts live, not how the refit loads them: every worker
     receives every expert and vLLM's ``FusedMoE.weight_loader`` keeps only its own (an expert
     another rank holds maps to local id -1 and is skipped, vllm 0.32
-    ``layers/fused_moe/routed_experts.py:703-709``); the layer-wise reload counts only the
-    elements actually copied, so a layer is finished once its local experts have arrived
-    (``model_loader/reload/meta.py:194-210``). Linear placement: worker r holds experts
-    [r E/EP, (r + 1) E/EP) (``fused_moe/expert_map_manager.py``, ``determine_expert_map``).
+    ``layers/fused_moe/routed_experts.py:703-709``, 0.33 :728-737); the layer-wise reload
+    counts only the elements actually copied, so a layer is finished once its local experts
+    have arrived (``model_loader/reload/meta.py:180-210`` in both). Linear placement: worker r
+    holds experts [r E/EP, (r + 1) E/EP) (``fused_moe/expert_map_manager.py:22``,
+    ``determine_expert_map``; E mod EP extra experts go one each to the first ranks).
     ValueError for a dense model, RuntimeError without CUDA (:data:`CPU_BUILD_NO_EP`)."""
     if not asked:
         return
