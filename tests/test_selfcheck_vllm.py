@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nemo_d3s.selfcheck import vllm_checks as V
-from nemo_d3s.selfcheck import vllm_routing_checks
+from nemo_d3s.selfcheck import vllm_moe_checks, vllm_routing_checks
 from nemo_d3s.selfcheck.report import FAILED, NO_CUDA, NOT_RUN, finalize, run_check
 from _limits import WAIT_S  # noqa: E402
 
@@ -121,7 +121,7 @@ def test_compare_engine_weights_whole_and_sharded_and_catches_a_swapped_tensor()
 def test_without_cuda_every_vllm_cuda_check_says_what_it_would_check():
     records = [
         run_check(c.name, c.needs_cuda, lambda: {"x": 1}, cuda=False, what=c.what)
-        for c in (*V.CHECKS, *vllm_routing_checks.CHECKS)
+        for c in (*V.CHECKS, *vllm_moe_checks.CHECKS, *vllm_routing_checks.CHECKS)
         if c.needs_cuda
     ]
     assert {r.name for r in records} == {

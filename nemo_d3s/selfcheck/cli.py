@@ -39,6 +39,7 @@ def all_checks():
         refit_checks,
         rl_checks,
         vllm_checks,
+        vllm_moe_checks,
         vllm_routing_checks,
         vllm_stop_checks,
     )
@@ -54,6 +55,7 @@ def all_checks():
         *refit_checks.CHECKS,
         *gpu_checks.CHECKS,
         *vllm_checks.CHECKS,
+        *vllm_moe_checks.CHECKS,
         *vllm_routing_checks.CHECKS,
         *vllm_stop_checks.CHECKS,
     ]

@@ -207,7 +207,7 @@ def close_engine(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _refit_check(
+def refit_check(
     ctx: Context, pol: Any, settings: Dict[str, Any], experts_per_worker: Optional[int] = None
 ) -> Dict[str, Any]:
     """Build the engine (refitted at once), compare; one optimizer step, refit, compare
@@ -244,7 +244,7 @@ def _refit_check(
 def check_refit_buckets(ctx: Context) -> Dict[str, Any]:
     need_vllm()
     with megatron_backend(ctx, tensor_model_parallel_size=1, lr=1e-2) as pol:
-        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
+        return refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
@@ -252,7 +252,7 @@ def check_refit_tp2(ctx: Context) -> Dict[str, Any]:
     need_world(ctx, 2, "a vLLM engine of TP 2 refitted from two trainer ranks")
     with megatron_backend(ctx, tensor_model_parallel_size=2, lr=1e-2) as pol:
         settings = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.3}
-        return _refit_check(ctx, pol, settings)
+        return refit_check(ctx, pol, settings)
 
 
 def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
@@ -261,7 +261,7 @@ def check_refit_pipeline(ctx: Context) -> Dict[str, Any]:
     with megatron_backend(
         ctx, tensor_model_parallel_size=1, pipeline_model_parallel_size=2, lr=1e-2
     ) as pol:
-        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
+        return refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 def check_engines_per_copy(ctx: Context) -> Dict[str, Any]:
@@ -276,47 +276,7 @@ def check_engines_per_copy(ctx: Context) -> Dict[str, Any]:
         rollout_engines_per_copy=2,
         lr=1e-2,
     ) as pol:
-        return _refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
-
-
-def check_refit_moe(ctx: Context) -> Dict[str, Any]:
-    """A Qwen3-MoE (head_dim 64) refitted into vLLM's fused experts through vLLM's own
-    weight-update path (the kernel already built), at EP 2 in an even world."""
-    from nemo_d3s.selfcheck.moe_checks import ep_size, moe_context
-
-    need_vllm()
-    mctx = moe_context(ctx, head_dim=64)
-    ep = ep_size(ctx)
-    with megatron_backend(
-        mctx,
-        transformer_impl="local",
-        distributed_optimizer=False,
-        expert_model_parallel_size=ep,
-        lr=1e-2,
-    ) as pol:
-        return {"ep": ep, **_refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})}
-
-
-def check_refit_moe_ep(ctx: Context) -> Dict[str, Any]:
-    """The same Qwen3-MoE refitted into a vLLM engine of TP 2 with ``rollout.expert_parallel``
-    from a TP-2 trainer (sequence parallel, experts sliced over ETP 2): each worker holds two of
-    the four experts whole (linear placement) and keeps only those of the experts every worker
-    receives (vLLM's weight loader skips the others)."""
-    from nemo_d3s.selfcheck.moe_checks import moe_context
-
-    need_vllm()
-    need_world(ctx, 2, "a vLLM engine of TP 2 with its experts split over its two GPUs")
-    with megatron_backend(
-        moe_context(ctx, head_dim=64),
-        tensor_model_parallel_size=2,
-        sequence_parallel=True,
-        transformer_impl="local",
-        distributed_optimizer=False,
-        lr=1e-2,
-    ) as pol:
-        settings = {"tensor_parallel_size": 2, "expert_parallel": True}
-        settings["gpu_memory_utilization"] = 0.3
-        return _refit_check(ctx, pol, settings, experts_per_worker=2)
+        return refit_check(ctx, pol, {"gpu_memory_utilization": 0.3})
 
 
 # How much more than the dry run counts the awake engine may take: the dry run assumes the
@@ -464,22 +424,6 @@ CHECKS = [
         "two vLLM engines per PP-2 model copy (model.params.rollout_engines_per_copy=2), one on "
         "each stage's GPU, each refitted from both stages over CUDA IPC: bit for bit, after a "
         "step too (one refit each)",
-    ),
-    Check(
-        "vllm.refit_moe",
-        True,
-        check_refit_moe,
-        "a Qwen3-MoE (4 experts, top-2) at EP 2 refitted into vLLM's fused experts "
-        "(w13 = gate and up rows, w2 = down) through vLLM's weight-update path: bit for bit, "
-        "after a step too",
-    ),
-    Check(
-        "vllm.refit_moe_ep",
-        True,
-        check_refit_moe_ep,
-        "that Qwen3-MoE refitted into a vLLM engine of TP 2 with rollout.expert_parallel=true: "
-        "each worker's fused experts == its half of the trainer's experts, in order, bit for "
-        "bit, after a step too",
     ),
     Check(
         "vllm.memory",

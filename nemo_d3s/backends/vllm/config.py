@@ -34,7 +34,8 @@ class VLLMEngineConfig:
     expert_parallel: a mixture of experts' experts placed whole over the engine's
         ``tensor_parallel_size`` GPUs (vLLM's ``enable_expert_parallel``: EP = the engine's TP,
         linear placement, attention still TP) instead of each expert sliced over them; needs
-        a GPU (``backends/vllm/engine.py`` says why) and a MoE model. The refit is unchanged.
+        a GPU (``backends/vllm/expert_parallel.py`` says why) and a MoE model. The refit is the
+        same.
     """
 
     gpu_memory_utilization: float = 0.5
