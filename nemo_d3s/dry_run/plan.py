@@ -7,7 +7,6 @@ Megatron-LM's theoretical memory reported beside.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,6 +21,7 @@ from nemo_d3s.backends.megatron.parallel import (
 )
 from nemo_d3s.backends.vllm.memory import (
     awake_engine_bytes,
+    engine_params_per_gpu,
     engine_plan,
     engine_positions,
     engine_starts,
@@ -187,22 +187,6 @@ def _check_vllm_layout(s: Setup) -> Optional[Dict[str, Any]]:
         cp=s.cp,
         engines_per_copy=s.engines_per_copy,
     )
-
-
-def engine_params_per_gpu(spec: Any, vllm_tp: int, expert_parallel: bool) -> float:
-    """Parameters on one GPU of a vLLM engine of TP ``vllm_tp``: every tensor sliced over TP,
-    or with ``expert_parallel`` the routed experts placed whole, ceil(E / TP) of them on the
-    busiest GPU (vLLM's linear placement gives the first E mod TP ranks one more), each
-    gated expert 3 H F per layer; the rest sliced over TP. ConfigError for a dense model."""
-    if not expert_parallel:
-        return spec.num_params / vllm_tp
-    E = int(spec.num_experts or 0)
-    if not E:
-        raise ConfigError(
-            "rollout.expert_parallel=true: the model is not a mixture of experts; leave it false"
-        )
-    experts = spec.num_layers * E * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
-    return (spec.num_params - experts) / vllm_tp + experts * math.ceil(E / vllm_tp) / E
 
 
 def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:

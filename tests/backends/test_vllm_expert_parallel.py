@@ -67,7 +67,7 @@ def _spec(E=6, L=2, H=8, F=4, dense=1000):
 
 
 def test_the_dry_runs_engine_weights_per_gpu_by_hand():
-    from nemo_d3s.dry_run.plan import engine_params_per_gpu
+    from nemo_d3s.backends.vllm.memory import engine_params_per_gpu
 
     s = _spec()  # 6 experts of 2 x 3 x 8 x 4 = 192 parameters each over both layers: 1152
     assert engine_params_per_gpu(s, 4, False) == (1000 + 1152) / 4

@@ -11,9 +11,11 @@ bucket copy.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import math
+from typing import Any, Dict, List, Sequence, Tuple
 
 from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
+from nemo_d3s.errors import ConfigError
 
 __all__ = [
     "CUDA_GRAPH_BYTES",
@@ -24,6 +26,7 @@ __all__ = [
     "HBM_BYTES_PER_S",
     "engine_positions",
     "engine_starts",
+    "engine_params_per_gpu",
     "engine_plan",
     "separate_plan",
     "generation_idle",
@@ -187,3 +190,19 @@ def generation_idle(
         "idle_gpu_seconds_per_step_min": idle * floor_s,
         "idle_why": why,
     }
+
+
+def engine_params_per_gpu(spec: Any, vllm_tp: int, expert_parallel: bool) -> float:
+    """Parameters on one GPU of a vLLM engine of TP ``vllm_tp``: every tensor sliced over TP,
+    or with ``expert_parallel`` the routed experts placed whole, ceil(E / TP) of them on the
+    busiest GPU (vLLM's linear placement gives the first E mod TP ranks one more), each
+    gated expert 3 H F per layer; the rest sliced over TP. ConfigError for a dense model."""
+    if not expert_parallel:
+        return spec.num_params / vllm_tp
+    E = int(spec.num_experts or 0)
+    if not E:
+        raise ConfigError(
+            "rollout.expert_parallel=true: the model is not a mixture of experts; leave it false"
+        )
+    experts = spec.num_layers * E * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
+    return (spec.num_params - experts) / vllm_tp + experts * math.ceil(E / vllm_tp) / E
