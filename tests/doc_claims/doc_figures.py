@@ -178,7 +178,10 @@ def readme_packing() -> List[str]:
     m, plans = r["methods"], r["megatron_plans"]
     cp = {k: max(v["alloc_peak_bytes_per_rank"]) / GIB for k, v in r["context_parallel"].items()}
     return [
-        f"padding {m['budget']['padding_share']:.0%} -> {plans['pp2_packed']['padding_share']:.1%}",
+        # the Megatron backend's token budgets -> packs, then the HF backend's (exact widths)
+        f"padding {plans['pp2_budget']['padding_share']:.1%} -> "
+        f"{plans['pp2_packed']['padding_share']:.1%} of its tokens (token budgets to packs; the "
+        f"HF backend's {m['budget']['padding_share']:.0%} -> {m['packed']['padding_share']:.0%})",
         f"{cp['cp1']:.1f} GiB -> {cp['cp2']:.1f} GiB",
     ]
 

@@ -195,11 +195,13 @@ def readme_main_job() -> List[str]:
         "rollouts",
         f"(the same files as the export) takes {mem['disk_bytes']['hf_export'] / 1e9:.1f} GB more",
     ]
-    # The progress bar at step 11: its clock restarts after the first evaluation (the wall time
-    # of step 1 less that step's own time), and later evaluations count.
+    # The progress bar at step 11: its clock starts with step 1 (the wall time of step 1 less
+    # that step's own time) and stands still during every evaluation (Logger.clock_paused), so
+    # the evaluation after step 10 is taken out.
     n, total = 11, t["steps"]
     start = rows[1]["wall_time"] - rows[1]["time_step"]
-    elapsed = rows[n]["wall_time"] - start
+    paused = sum(e["time_eval"] for e in evals if 1 <= e["step"] < n)
+    elapsed = rows[n]["wall_time"] - start - paused
     rate = elapsed / n
     r = rows[n]
     out.append(
