@@ -321,7 +321,7 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 fsync_folder(self.root)
                 fault_point("checkpoint.renamed")
-                self._prune()
+                self._prune(state.step)
         except Exception as e:
             if not looks_like_write_failure(e):
                 raise
@@ -355,10 +355,15 @@ class CheckpointManager:
                 mine.append(RUN_RECORD)
         return {"digests": file_digests(tmp, mine)}
 
-    def _prune(self) -> None:
-        # renamed out of the step_* names first (atomic): a kill -9 inside rmtree must not
-        # leave a half-deleted step_* directory that a resume would try to load
-        for p in checkpoint_dirs(self.root)[self.keep_last :]:
+    def _prune(self, step: int) -> None:
+        # A step_* past the one just saved is of a rewound history: the resume found it
+        # unusable and fell back. It goes, and the newest keep_last of the rest stay;
+        # counting it among them would delete the good ones it stands in front of.
+        # Renamed out of the step_* names first (atomic): a kill -9 inside rmtree must not
+        # leave a half-deleted step_* directory that a resume would try to load.
+        dirs = checkpoint_dirs(self.root)
+        later = [p for p in dirs if int(_STEP_DIR.match(p.name).group(1)) > step]
+        for p in later + [p for p in dirs if p not in later][self.keep_last :]:
             os.replace(p, self.root / f".pruned_{p.name}")
         for p in self.root.glob(".pruned_step_*"):  # this prune's and a killed one's
             shutil.rmtree(p, ignore_errors=True)

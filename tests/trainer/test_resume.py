@@ -77,6 +77,28 @@ def test_checkpoint_manager_atomic_prune_and_restore(tmp_path):
     assert not torch.equal(torch.rand(2), expected)
 
 
+def test_a_save_after_falling_back_keeps_the_good_checkpoints_not_the_corrupt_newer_one(tmp_path):
+    # keep_last=1: pruning by step number alone kept the corrupt step 20 and deleted the step 12
+    # just written and the step 10 the run came from: the next resume had nothing to load
+    be = _StateBackend()
+    mgr = CheckpointManager(str(tmp_path), DPInfo(), keep_last=3)
+    for step in (10, 20):
+        mgr.save(be, TrainerState(step=step))
+    bad = tmp_path / "checkpoints" / "step_000020" / "backend.pt"
+    bad.write_bytes(bad.read_bytes()[:-1] + b"x")
+    mgr.keep_last = 1
+    path, state = mgr.load_latest(_StateBackend())
+    assert path.name == "step_000010" and state.step == 10
+    mgr.save(be, TrainerState(step=12))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000012"]
+    assert mgr.load_latest(_StateBackend())[1].step == 12
+    mgr.keep_last = 2  # the rewound history's steps count no more once passed
+    mgr.save(be, TrainerState(step=25))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_000012", "step_000025"]
+
+
 def test_a_kill_while_deleting_an_old_copy_leaves_the_new_checkpoint_whole(tmp_path, monkeypatch):
     """A step saved twice (a stop signal's save after the scheduled one) and a kill -9 while
     the old copy is deleted: the deletion only ever touches a copy moved aside, so the
