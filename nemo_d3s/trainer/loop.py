@@ -237,8 +237,8 @@ class Trainer:
         t_start, wall_before = time.perf_counter(), state.wall_time_total
         oor_before = int(state.extra.get("reward_out_of_range", 0))  # over resumed segments
         pending = state.extra.pop("pending_eval", None)
-        if state.step == 0 and self.t.eval_at_start:
-            pending = 0
+        if state.step == 0 and self.t.eval_at_start and self.start.resumed_from is None:
+            pending = 0  # (a resume from step 0 evaluates again only if the checkpoint says so)
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
                 return self._interrupted(state, pending_eval=True)

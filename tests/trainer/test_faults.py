@@ -660,6 +660,64 @@ def test_stop_signal_is_honoured_inside_an_evaluation(tmp_path):
     assert without_timing(rows) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
 
 
+def _first_run_step_fails(monkeypatch, exc):
+    """The loop's first ``run_step`` call of the next run raises ``exc(step)``."""
+    from nemo_d3s.trainer import loop as loop_mod
+
+    real, calls = loop_mod.run_step, []
+
+    def failing(ctx, step, progress):
+        if not calls:
+            calls.append(step)
+            raise exc(step)
+        return real(ctx, step, progress)
+
+    monkeypatch.setattr(loop_mod, "run_step", failing)
+    return lambda: monkeypatch.setattr(loop_mod, "run_step", real)
+
+
+def test_a_stop_in_the_first_step_does_not_evaluate_step_0_twice_on_resume(tmp_path, monkeypatch):
+    """The start-of-run evaluation wrote its row, then a stop in step 1's generation saved
+    step_000000: the resume ran the start-of-run evaluation again, a second step-0 row."""
+    from nemo_d3s.trainer.step import StepInterrupted
+
+    args = [*FAST, "trainer.eval_at_start=true", "trainer.eval_every=2"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref_dir, args)
+    restore = _first_run_step_fails(monkeypatch, StepInterrupted)
+    state, _ = run_inprocess(run_dir, args)
+    assert state.extra.get("interrupted") and state.step == 0
+    assert checkpoint_dirs(run_dir / "checkpoints")[0].name == "step_000000"
+    restore()
+    run_inprocess(run_dir, [*args, "resume=true"])
+    assert [e["step"] for e in read_jsonl(run_dir / "eval.jsonl")] == [0, 2]
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
+
+
+def test_a_crash_after_a_resumed_evaluation_does_not_leave_its_row_twice(tmp_path, monkeypatch):
+    """A checkpoint with a pending evaluation, resumed: the evaluation ran and wrote its row,
+    then the run crashed before its next checkpoint. The next resume evaluates that step
+    again; its earlier row must go, not stay beside the new one."""
+    args = [*FAST, "trainer.steps=2", "task.eval_size=8", "trainer.eval_every=1"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref_dir, [*args, "task.name=tiny"])
+    _SignalDuringEval.sent = False
+    run_inprocess(run_dir, [*args, "task.name=fault_signal_eval", IN_PROCESS])
+    resume = [*args, "task.name=tiny", "resume=true", "trainer.allow_config_change=true"]
+    restore = _first_run_step_fails(monkeypatch, RuntimeError)
+    with pytest.raises(RuntimeError):
+        run_inprocess(run_dir, resume)
+    assert [e["step"] for e in read_jsonl(run_dir / "eval.jsonl")] == [1]  # written, then a crash
+    restore()
+    state, _ = run_inprocess(run_dir, resume)
+    assert state.step == 2
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
+
+
 # ------------------------------------------------------------------ hang
 def test_first_sigint_checkpoints_like_sigterm_second_stops_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)

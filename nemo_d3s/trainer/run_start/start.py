@@ -76,7 +76,10 @@ class RunStart:
             state = self._load(policy)
         if self.groups.is_main:
             for name in _RECORDS:  # fresh: empty files (records were refused or moved aside)
-                truncate_jsonl(self.out / name, state.step if d.kind == RESUME else -1)
+                keep = state.step if d.kind == RESUME else -1
+                if name == "eval.jsonl" and state.extra.get("pending_eval") == state.step:
+                    keep -= 1  # the loop evaluates this step again: its earlier row goes
+                truncate_jsonl(self.out / name, keep)
             write_config(self.cfg, self.out, resumed=d.kind == RESUME)
             if d.kind != RESUME or not (self.out / DATA_RECORD).is_file():
                 write_data_record(files, self.out)
