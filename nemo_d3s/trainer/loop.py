@@ -239,11 +239,18 @@ class Trainer:
         pending = state.extra.pop("pending_eval", None)
         if state.step == 0 and self.t.eval_at_start and self.start.resumed_from is None:
             pending = 0  # (a resume from step 0 evaluates again only if the checkpoint says so)
+        # Until the first step trains, a resumed run's checkpoint is still its state: a stop
+        # here keeps it as it is (saving it again from a pipeline not started yet would drop
+        # the batches generated ahead it holds).
+        loaded = self.start.resumed_from
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
-                return self._interrupted(state, pending_eval=True)
-        pending, held = self.rollouts.load_pending(self.start.resumed_from)
-        self.rollouts.start(state.step, pending, held, self.policy)
+                return self._interrupted(state, pending_eval=True, saved=loaded)
+        pending, held = self.rollouts.load_pending(loaded)
+        try:
+            self.rollouts.start(state.step, pending, held, self.policy)
+        except GenerationInterrupted:  # a stop during the refit of a resumed boundary
+            return self._interrupted(state, pending_eval=False, saved=loaded)
         while state.step < T:
             progress = state.step / max(1, T - 1)
             t0, c0 = time.perf_counter(), time.process_time()
@@ -323,9 +330,12 @@ class Trainer:
         records.check_constant_reward(state, m, is_main=self.groups.is_main)
         state.extra["reward_out_of_range"] = oor + out_of_range_rewards(self.task.task)
 
-    def _interrupted(self, state: TrainerState, *, pending_eval: bool) -> TrainerState:
-        """A stop signal: checkpoint now (with the evaluation it cut short still to do) and
-        return; ``resume=true`` continues exactly here."""
+    def _interrupted(
+        self, state: TrainerState, *, pending_eval: bool, saved: Optional[Path] = None
+    ) -> TrainerState:
+        """A stop signal: checkpoint now (with the evaluation it cut short still to do), or
+        keep ``saved``, a checkpoint of this very state, and return; ``resume=true``
+        continues exactly here."""
         if pending_eval:
             state.extra["pending_eval"] = state.step
         # The engine is released first (an engine that ignores the signal, as SIGUSR1 under
@@ -335,7 +345,9 @@ class Trainer:
         # worker owns the engine and stops on the signal (pipeline.py).
         if self.rollouts.synchronous:
             release_engine(self.engine, stopping=True)
-        path = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
+        if saved is None:
+            saved = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
+        path = saved
         self.stop.saved = True  # a second signal from here on would only lose the exit code 75
         state.extra.pop("pending_eval", None)
         why = self.stop.name or (

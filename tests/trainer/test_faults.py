@@ -718,6 +718,70 @@ def test_a_crash_after_a_resumed_evaluation_does_not_leave_its_row_twice(tmp_pat
     )
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_stop_during_the_resumed_pending_evaluation_keeps_the_checkpoint_as_it_was(tmp_path, k):
+    """The resume's pending evaluation stopped again: the checkpoint it came from is still
+    the run's state and stays untouched. It used to be saved again from a pipeline not
+    started yet: at k = 1 without the batch generated ahead, so the next resume generated it
+    with newer weights than an uninterrupted run's."""
+    args = [*FAST, "trainer.steps=3", "task.eval_size=8", "trainer.eval_every=1"]
+    args += [f"rollout.max_staleness={k}"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    run_inprocess(ref_dir, [*args, "task.name=tiny"])
+    _SignalDuringEval.sent = False
+    run_inprocess(run_dir, [*args, "task.name=fault_signal_eval", IN_PROCESS])
+    ckpt = checkpoint_dirs(run_dir / "checkpoints")[0]
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    if k:
+        assert any(n.startswith("rollouts_rank") for n in before)
+    _SignalDuringEval.sent = False
+    resume = ["resume=true", "trainer.allow_config_change=true"]
+    state, _ = run_inprocess(run_dir, [*args, "task.name=fault_signal_eval", IN_PROCESS, *resume])
+    assert state.extra.get("interrupted") and state.step == ckpt_step(ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    assert checkpoint_dirs(run_dir / "checkpoints") == [ckpt]
+    state, rows = run_inprocess(run_dir, [*args, "task.name=tiny", *resume])
+    assert state.step == 3
+    assert without_timing(rows) == without_timing(read_jsonl(ref_dir / "metrics.jsonl"))
+    assert without_timing(read_jsonl(run_dir / "eval.jsonl")) == without_timing(
+        read_jsonl(ref_dir / "eval.jsonl")
+    )
+
+
+def test_a_stop_during_the_resumed_boundarys_refit_is_a_clean_stop(tmp_path, monkeypatch):
+    """``GenerationPipeline.start`` refits the engine at a boundary a stop cut short (k > 0,
+    weights kept); a second stop there raised out of the loop: a traceback, exit 1, no
+    ``interrupted.json``. Now it stops as anywhere else, its checkpoint kept as it was."""
+    from nemo_d3s.backends.base import GenerationInterrupted
+    from nemo_d3s.trainer.pipeline import GenerationPipeline
+    from nemo_d3s.trainer.step import StepInterrupted
+
+    args = [*FAST, "trainer.steps=2", "trainer.save_every=1"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    _, ref_rows = run_inprocess(ref_dir, args)
+    restore = _first_run_step_fails(monkeypatch, StepInterrupted)
+    run_inprocess(run_dir, args)
+    restore()
+    ckpt = checkpoint_dirs(run_dir / "checkpoints")[0]
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+
+    def stopped(self, *a, **kw):
+        raise GenerationInterrupted("stop requested during the refit")
+
+    with monkeypatch.context() as m:
+        m.setattr(GenerationPipeline, "start", stopped)
+        state, _ = run_inprocess(run_dir, [*args, "resume=true"])
+    assert state.extra.get("interrupted") and state.step == 0
+    assert json.loads((run_dir / "interrupted.json").read_text())["checkpoint"] == str(ckpt)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before
+    state, rows = run_inprocess(run_dir, [*args, "resume=true"])
+    assert state.step == 2 and without_timing(rows) == without_timing(ref_rows)
+
+
+def ckpt_step(ckpt: Path) -> int:
+    return json.loads((ckpt / "trainer_state.json").read_text())["step"]
+
+
 # ------------------------------------------------------------------ hang
 def test_first_sigint_checkpoints_like_sigterm_second_stops_at_once(tmp_path):
     before = signal.getsignal(signal.SIGINT)
