@@ -15,14 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from nemo_d3s.backends.base import Policy
@@ -32,6 +30,7 @@ from nemo_d3s.files import (
     CHECKSUMS,
     file_digests,
     fsync_folder,
+    fsync_path,
     fsync_tree,
     looks_like_write_failure,
     space_note,
@@ -39,6 +38,7 @@ from nemo_d3s.files import (
 )
 from nemo_d3s.formats.checksums import Gather, verify_checksums
 from nemo_d3s.trainer.faults import RunError, broadcast_world, fault_point, first_line
+from nemo_d3s.trainer.rng_state import capture_rng, restore_rng, safe_load
 
 __all__ = [
     "CHECKSUMS",
@@ -59,7 +59,6 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 RUN_RECORD = "run_record.json"
-_RNG_FORMAT = 2
 
 
 @dataclass
@@ -73,66 +72,6 @@ class TrainerState:
     reward_errors_total: int = 0
     wall_time_total: float = 0.0  # summed over run segments (resumes)
     extra: Dict[str, Any] = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------ RNG streams, pickle-free
-def capture_rng() -> Dict[str, Any]:
-    """This process's generator states as tensors and plain numbers (loadable with
-    ``torch.load(weights_only=True)``)."""
-    py_version, py_state, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state()
-    state: Dict[str, Any] = {
-        "format": _RNG_FORMAT,
-        "python": {
-            "version": int(py_version),
-            "state": torch.tensor(py_state, dtype=torch.int64),
-            "gauss_next": None if py_gauss is None else float(py_gauss),
-        },
-        "numpy": {
-            "name": str(np_name),
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
-
-
-def restore_rng(state: Dict[str, Any]) -> None:
-    if not isinstance(state, dict) or state.get("format") != _RNG_FORMAT:
-        raise ValueError("RNG state in an unknown format (written by another version?)")
-    py = state["python"]
-    random.setstate(
-        (int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"])
-    )
-    npy = state["numpy"]
-    np.random.set_state(
-        (
-            npy["name"],
-            npy["keys"].numpy().astype(np.uint32),
-            int(npy["pos"]),
-            int(npy["has_gauss"]),
-            float(npy["cached_gaussian"]),
-        )
-    )
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def safe_load(path: Path) -> Any:
-    """``torch.load`` of an untrusted file: tensors and plain containers only. Anything else
-    (a pickled object, a code payload) is refused with a RunError naming the file."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # UnpicklingError, a truncated zip, ...
-        raise RunError(
-            f"refusing to load {str(path)!r}: not a plain tensor file ({first_line(e)})"
-        ) from None
 
 
 # ------------------------------------------------------------------ finding and verifying
@@ -166,10 +105,26 @@ def _read_state(path: Path) -> TrainerState:
     raw = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
     if not isinstance(raw, dict):
         raise ValueError("not a JSON object")
-    state = TrainerState(**raw)
-    if not isinstance(state.step, int) or state.step < 0:
+    state = TrainerState(**raw)  # an unknown key: TypeError
+    for name, kind in _STATE_TYPES.items():
+        value = getattr(state, name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(f"{name}={value!r}")
+    if state.step < 0:
         raise ValueError(f"step={state.step!r}")
     return state
+
+
+# what each TrainerState field must be when read back (a number where a float is kept)
+_STATE_TYPES = {
+    "step": int,
+    "update_tokens_total": (int, float),
+    "rollout_tokens_total": (int, float),
+    "skipped_steps": int,
+    "reward_errors_total": int,
+    "wall_time_total": (int, float),
+    "extra": dict,
+}
 
 
 def job_world() -> Tuple[int, int, Optional[Gather]]:
@@ -281,16 +236,25 @@ class CheckpointManager:
         final = self.root / step_dir_name(state.step)
         tmp = self.root / f".tmp_{step_dir_name(state.step)}"
         _, _, gather = job_world()
+        mine: Any = None
         try:
             if self.dp.is_main:
                 if tmp.exists():
                     shutil.rmtree(tmp)  # left over from a run killed while saving
                 tmp.mkdir(parents=True)
-            self.dp.barrier()
-            fault_point("checkpoint.tmp_created")
-            mine = self._write_own(backend, state, tmp, extra_files)
         except Exception as e:
             mine = e
+        # Rank 0's folder (or why it has none) reaches every rank before any writes into it:
+        # a barrier rank 0 skipped after a failure would have met the other ranks' gather.
+        made = broadcast_world(None if mine is None else first_line(mine))
+        if made is not None and mine is None:
+            mine = OSError(f"rank 0 could not create {tmp}: {made}")
+        if mine is None:
+            try:
+                fault_point("checkpoint.tmp_created")
+                mine = self._write_own(backend, state, tmp, extra_files)
+            except Exception as e:
+                mine = e
         # every rank's digests (or its failure), gathered: the wait for the slowest writer
         texts = [json.dumps({"error": first_line(mine)} if isinstance(mine, Exception) else mine)]
         texts = gather(texts[0]) if gather is not None else texts
@@ -353,6 +317,12 @@ class CheckpointManager:
             if self.record is not None:
                 (tmp / RUN_RECORD).write_text(json.dumps(self.record, indent=1))
                 mine.append(RUN_RECORD)
+        # Each rank flushes what it wrote: on a parallel filesystem rank 0's fsync_tree does
+        # not reach the dirty pages of another node's client, and the rename publishes them.
+        for rel in mine:
+            fsync_path(str(tmp / rel), folder=False)
+        for folder in {(tmp / rel).parent for rel in mine}:
+            fsync_path(str(folder), folder=True)
         return {"digests": file_digests(tmp, mine)}
 
     def _prune(self, step: int) -> None:
@@ -368,11 +338,28 @@ class CheckpointManager:
         for p in self.root.glob(".pruned_step_*"):  # this prune's and a killed one's
             shutil.rmtree(p, ignore_errors=True)
 
+    def _recover_resave(self) -> None:
+        """A step saved again moves its old copy aside, then renames the new one in: a kill
+        between the two renames leaves ``.pruned_step_N`` and ``.tmp_step_N`` and no
+        ``step_N``. The new copy goes in if it was complete (its checksums are written last),
+        else the old one goes back; the load verifies either."""
+        for tmp in self.root.glob(".tmp_step_*"):
+            final = self.root / tmp.name[len(".tmp_") :]
+            aside = self.root / f".pruned_{final.name}"
+            if final.exists() or not aside.is_dir() or not _STEP_DIR.match(final.name):
+                continue
+            back = tmp if (tmp / CHECKSUMS).is_file() else aside
+            os.replace(back, final)
+            fsync_folder(self.root)
+            log.warning("%s was cut short between its renames: %s restored", final.name, back.name)
+
     def load_latest(self, backend: Policy) -> Optional[Tuple[Path, TrainerState]]:
         """Restore the newest checkpoint that verifies (older ones after a warning); None when
         there is no ``step_*`` directory. Collective: rank 0's list is broadcast, every rank
         verifies its share, then all load the agreed checkpoint.
         """
+        if self.dp.is_main:
+            self._recover_resave()
         names = broadcast_world(
             [p.name for p in checkpoint_dirs(self.root)] if self.dp.is_main else None
         )
@@ -418,7 +405,7 @@ class CheckpointManager:
                 backend.load_state_dict(loaded)
         except RunError:
             raise
-        except (RuntimeError, KeyError, ValueError) as e:
+        except Exception as e:  # (checksums match: a foreign or crafted file, no traceback)
             raise RunError(
                 f"checkpoint {str(path)!r} does not fit this model/optimizer: {first_line(e)}"
             ) from None
@@ -426,7 +413,7 @@ class CheckpointManager:
         if rng_file.is_file():
             try:
                 restore_rng(safe_load(rng_file))
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
+            except Exception as e:  # wrong types, sizes or keys of a generator state
                 raise RunError(f"{str(rng_file)!r}: {first_line(e)}") from None
         else:
             log.warning(

@@ -282,6 +282,7 @@ class Trainer:
                 # worker is generating on it)
                 if self.rollouts.synchronous:
                     release_engine(self.engine, stopping=stop)
+                self.logger.sync()
                 self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         if self.t.export_hf:
             self._export(state)
@@ -346,6 +347,7 @@ class Trainer:
         if self.rollouts.synchronous:
             release_engine(self.engine, stopping=True)
         if saved is None:
+            self.logger.sync()
             saved = self.ckpt.save(self.policy, state, self.rollouts.pending_writer(state.step))
         path = saved
         self.stop.saved = True  # a second signal from here on would only lose the exit code 75

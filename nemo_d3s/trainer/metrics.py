@@ -129,6 +129,11 @@ class JsonlAppender:
                 "lines, resume=true continues from the last checkpoint"
             ) from None
 
+    def sync(self) -> None:
+        """Flush the lines written so far to the disk."""
+        if self.fd is not None:
+            os.fsync(self.fd)
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -235,6 +240,13 @@ class MetricsLogger:
             file_only(log, line)
         else:  # a log file (Slurm): the bar's fields and the step's time, one line per step
             log.info(line)
+
+    def sync(self) -> None:
+        """The rows so far on the disk: before a checkpoint is published, as a resume
+        continues after its step and never writes the rows up to it again."""
+        if self.enabled:
+            self._metrics.sync()
+            self._eval.sync()
 
     def log_eval(self, row: Dict[str, Any]) -> None:
         if not self.enabled:

@@ -180,3 +180,68 @@ def test_a_corrupt_file_in_any_ranks_share_gives_every_rank_the_same_error(tmp_p
     err = res[0]["error"]
     assert err is not None and f"step_000001: {res[0]['bad']} has 0 bytes" in err
     assert all(x["error"] == err for x in res)
+
+
+def _rank0_cannot_create_the_folder(rank: int, out: str):
+    import errno
+
+    from nemo_d3s.errors import RunError
+    from nemo_d3s.trainer.checkpoint import CheckpointManager, TrainerState
+
+    _setup(rank, slow=False)  # the world's short timeout: a mismatched collective fails fast
+    mgr = CheckpointManager(out, _groups(rank), keep_last=2)
+    if rank == 0:
+        (Path(out) / "checkpoints").mkdir(parents=True)
+        real = Path.mkdir
+
+        def full(self, *a, **kw):
+            if self.name.startswith(".tmp_step_"):
+                raise OSError(errno.ENOSPC, "No space left on device", str(self))
+            return real(self, *a, **kw)
+
+        Path.mkdir = full
+    try:
+        mgr.save(_ShardedPolicy(rank), TrainerState(step=1))
+    except RunError as e:
+        return str(e)
+    return "saved"
+
+
+def test_rank_0_failing_to_create_the_folder_is_one_clear_error_on_every_rank(tmp_path):
+    """Rank 0's rmtree / mkdir failed before the barrier the others waited in: it went on to
+    the digests' all-gather, so the ranks met in different collectives (a wait until the
+    timeout, or gloo pairing a barrier with a gather). Now every rank learns of it first."""
+    res = run_on_gloo_ranks(_rank0_cannot_create_the_folder, WORLD, str(tmp_path), timeout=WAIT_S)
+    for r, msg in enumerate(res):
+        assert msg.startswith("could not write checkpoint step_000001"), (r, msg)
+        assert "No space left on device" in msg, (r, msg)
+    assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def _fsynced_files(rank: int, out: str):
+    from nemo_d3s.trainer import checkpoint as ckpt_mod
+
+    _setup(rank, slow=False)
+    flushed, real = [], ckpt_mod.fsync_path
+
+    def recording(path, *, folder):
+        if not folder:
+            flushed.append(_rel(path))
+        return real(path, folder=folder)
+
+    ckpt_mod.fsync_path = recording
+    mgr = ckpt_mod.CheckpointManager(out, _groups(rank), keep_last=2)
+    mgr.save(_ShardedPolicy(rank), ckpt_mod.TrainerState(step=1))
+    return sorted(flushed)
+
+
+def test_each_rank_flushes_the_files_it_wrote_before_the_checkpoint_is_published(tmp_path):
+    """Only rank 0 flushed the folder (fsync_tree) before the rename that publishes it; on a
+    parallel filesystem that does not reach the pages another node's client holds, so a
+    crash of that node after the rename left a published checkpoint failing its checksums."""
+    res = run_on_gloo_ranks(_fsynced_files, WORLD, str(tmp_path), timeout=WAIT_S)
+    for r, flushed in enumerate(res):
+        own = [f"rng_rank{r}.pt", f"shards/rank{r}_0.bin", f"shards/rank{r}_1.bin"]
+        if r == 0:
+            own += ["trainer_state.json"]
+        assert flushed == sorted(own), (r, flushed)

@@ -99,6 +99,42 @@ def test_a_save_after_falling_back_keeps_the_good_checkpoints_not_the_corrupt_ne
     assert names == ["step_000012", "step_000025"]
 
 
+@pytest.mark.parametrize("case", ["backend_types", "rng_size", "state_types"])
+def test_a_checkpoint_whose_checksums_match_but_contents_do_not_fit_is_an_error_naming_it(
+    tmp_path, case
+):
+    """Checksums that match (a crafted or foreign checkpoint) and contents of the wrong kind:
+    one RunError naming the file, not a traceback from deep in the load (an AttributeError,
+    torch's RuntimeError on a generator state of the wrong size, a counter that is a string)."""
+    from nemo_d3s.errors import RunError
+    from nemo_d3s.files import write_checksums
+    from nemo_d3s.trainer.checkpoint import CHECKSUMS, verify_checkpoint
+
+    mgr = CheckpointManager(str(tmp_path), DPInfo(), keep_last=2)
+    ckpt = mgr.save(_StateBackend(), TrainerState(step=1))
+    if case == "backend_types":
+        torch.save({"w": [1.0, 2.0, 3.0]}, ckpt / "backend.pt")  # a list, not a tensor
+    elif case == "rng_size":
+        rng = torch.load(ckpt / "rng_rank0.pt", weights_only=True)
+        rng["torch"] = rng["torch"][:100]
+        torch.save(rng, ckpt / "rng_rank0.pt")
+    else:
+        raw = json.loads((ckpt / "trainer_state.json").read_text())
+        raw["skipped_steps"] = "3"
+        (ckpt / "trainer_state.json").write_text(json.dumps(raw))
+    (ckpt / CHECKSUMS).unlink()
+    write_checksums(ckpt)
+    if case == "state_types":
+        assert "skipped_steps='3'" in verify_checkpoint(ckpt)
+        with pytest.raises(RunError, match="no usable checkpoint.*skipped_steps"):
+            mgr.load_latest(_StateBackend())
+        return
+    name = "backend.pt" if case == "backend_types" else "rng_rank0.pt"
+    with pytest.raises(RunError, match=f"step_000001.*{name}|{name}|does not fit") as e:
+        mgr.load(ckpt, _StateBackend())
+    assert str(ckpt) in str(e.value)
+
+
 def test_a_kill_while_deleting_an_old_copy_leaves_the_new_checkpoint_whole(tmp_path, monkeypatch):
     """A step saved twice (a stop signal's save after the scheduled one) and a kill -9 while
     the old copy is deleted: the deletion only ever touches a copy moved aside, so the
@@ -133,6 +169,70 @@ def test_a_kill_while_deleting_an_old_copy_leaves_the_new_checkpoint_whole(tmp_p
     assert torch.equal(fresh.w, torch.ones(3))
     mgr.save(be, TrainerState(step=3))  # the next save's prune removes what was left aside
     assert not list((tmp_path / "checkpoints").glob(".pruned_*"))
+
+
+@pytest.mark.parametrize("written", [True, False])
+def test_a_kill_between_the_renames_of_a_step_saved_again_loses_neither_copy(
+    tmp_path, monkeypatch, written
+):
+    """The old copy of a step saved again went aside, then the kill came before the new copy
+    was renamed in: no step_N, and nothing brought either copy back (the resume fell back to
+    an older checkpoint or started afresh). The load now takes the new copy when its
+    checksums were written (the last file), else the old one."""
+    from nemo_d3s.trainer import checkpoint
+    from nemo_d3s.trainer.checkpoint import CHECKSUMS
+
+    be = _StateBackend()
+    mgr = CheckpointManager(str(tmp_path), DPInfo(), keep_last=2)
+    mgr.save(be, TrainerState(step=2))
+    real = checkpoint.os.replace
+
+    def killed_before_the_second(src, dst):
+        if Path(src).name.startswith(".tmp_"):
+            raise KeyboardInterrupt
+        return real(src, dst)
+
+    be.w += 1
+    monkeypatch.setattr(checkpoint.os, "replace", killed_before_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(be, TrainerState(step=2, update_tokens_total=5.0))
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert not (root / "step_000002").exists() and (root / ".pruned_step_000002").is_dir()
+    if not written:  # a new copy without its checksums (the last file) is not complete
+        (root / ".tmp_step_000002" / CHECKSUMS).unlink()
+    fresh = _StateBackend()
+    path, state = mgr.load_latest(fresh)
+    assert path.name == "step_000002"
+    assert state.update_tokens_total == (5.0 if written else 0.0)
+    assert torch.equal(fresh.w, torch.full((3,), 1.0 if written else 0.0))
+
+
+def test_the_records_are_on_disk_before_each_checkpoint_is_published(tmp_path, monkeypatch):
+    """metrics.jsonl and eval.jsonl were written without a flush: a crash of the node after a
+    checkpoint's rename could drop rows up to its step, which the resume never writes again."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("publish", Path(dst).name))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    run_inprocess(tmp_path, ["trainer.steps=2", "trainer.save_every=1", "trainer.eval_every=1"])
+    monkeypatch.undo()
+    published = [i for i, e in enumerate(events) if e[0] == "publish" and e[1].startswith("step_")]
+    assert len(published) == 2
+    start = 0
+    for i in published:
+        flushed = {Path(p).name for kind, p in events[start:i] if kind == "fsync"}
+        assert {"metrics.jsonl", "eval.jsonl"} <= flushed, events[start:i]
+        start = i
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = WAIT_S) -> None:
