@@ -322,6 +322,17 @@ class TrainerConfig(Section):
             "must be an integer >= 0 or null",
         )
         self._built(self.generation)
+        # Scoring and the update take softmax(logits / temperature) over the whole vocabulary
+        # (backends' logit_temperature); a truncated sampler draws from another distribution,
+        # off-policy by an amount no importance ratio here corrects.
+        for name, plain_value in (("top_p", 1.0), ("top_k", 0)):
+            self._check(
+                getattr(self, name) == plain_value,
+                name,
+                f"the update scores rollouts over the whole vocabulary at the temperature; "
+                f"sampling from a truncated distribution is not supported: leave "
+                f"{self.KEY}.{name}={plain_value}",
+            )
         self._check(is_number(self.lr) and self.lr > 0, "lr", "learning rate must be > 0")
         self._check(
             is_number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0"

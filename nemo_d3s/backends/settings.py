@@ -24,6 +24,8 @@ class PolicySettings:
     dist_timeout_minutes: how long a collective waits for a peer rank before the process
     group fails (None = torch's default, 30 minutes), when the backend creates the group.
     pack_sequences: rows packed end to end (``core.packing``); None = the backend's default.
+    logit_temperature: the rollouts' sampling temperature T; scoring and the update take
+    log-probs and entropy of softmax(logits / T), the distribution the rollouts came from.
     """
 
     dtype: str = "auto"
@@ -46,3 +48,4 @@ class PolicySettings:
     use_chat_template: bool = True
     dist_timeout_minutes: Optional[float] = None
     pack_sequences: Optional[bool] = None
+    logit_temperature: float = 1.0

@@ -9,6 +9,7 @@ backward (onehot(y) - softmax) recomputes the softmax per chunk from the saved l
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Iterator, Optional, Tuple
 
@@ -16,7 +17,7 @@ import torch
 
 from nemo_d3s.core.checks import check_same_device, check_shape
 
-__all__ = ["entropy_and_logprobs", "align_to_tokens"]
+__all__ = ["entropy_and_logprobs", "align_to_tokens", "check_temperature", "at_temperature"]
 
 
 def flat_view(logits: torch.Tensor) -> Optional[torch.Tensor]:
@@ -100,6 +101,23 @@ def check_logits_and_targets(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
 
 
+def check_temperature(temperature: float) -> float:
+    """``temperature`` as a float; ValueError unless it is a finite number > 0."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not math.isfinite(temperature)
+        or temperature <= 0
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def at_temperature(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z / T as a new tensor (``z`` itself at T = 1: bit for bit the untempered path)."""
+    return z if temperature == 1.0 else z / temperature
+
+
 def check_reduced_finite(lse: torch.Tensor, entropy: torch.Tensor, S: int) -> None:
     """Raise naming the first position whose lse or entropy [B*S] is not finite (one host sync). TP
     ranks hold identical reduced values, so all raise together."""
@@ -130,11 +148,11 @@ def _lse_entropy(z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 class _EntropyLogProb(torch.autograd.Function):
-    """(logits [B, S, V], target_ids [B, S], chunk_size) -> (logprobs, entropy) [B, S]; gradient
-    flows through logprobs only."""
+    """(logits [B, S, V], target_ids [B, S], chunk_size, T) -> (logprobs, entropy) [B, S] of
+    softmax(logits / T); gradient flows through logprobs only."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int):
+    def forward(ctx, logits: torch.Tensor, target_ids: torch.Tensor, chunk_size: int, T: float):
         B, S, V = logits.shape
         n = B * S
         flat = flat_view(logits)
@@ -145,16 +163,15 @@ class _EntropyLogProb(torch.autograd.Function):
         entropy = torch.empty(n, dtype=dtype, device=logits.device)
         logprobs = torch.empty(n, dtype=dtype, device=logits.device)
         for t0, t1 in token_chunks(n, chunk_size):
-            z = token_block(logits, flat, t0, t1).to(
-                dtype
-            )  # may alias fp32 logits: no in-place ops
+            # may alias fp32 logits: no in-place ops
+            z = at_temperature(token_block(logits, flat, t0, t1).to(dtype), T)
             m_c, log_s_c, ent_c = _lse_entropy(z)
             row_max[t0:t1], log_s[t0:t1], entropy[t0:t1] = m_c, log_s_c, ent_c
             logprobs[t0:t1] = (z.gather(1, targets[t0:t1].unsqueeze(1)).squeeze(1) - m_c) - log_s_c
         # One host sync for the whole call rather than one per chunk.
         check_reduced_finite(row_max + log_s, entropy, S)
         ctx.save_for_backward(logits, targets, row_max, log_s)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.temperature = chunk_size, T
         logprobs, entropy = logprobs.view(B, S), entropy.view(B, S)
         # Must mark the tensor objects actually returned (the views), not their bases.
         ctx.mark_non_differentiable(entropy)
@@ -165,41 +182,49 @@ class _EntropyLogProb(torch.autograd.Function):
     def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
         logits, targets, row_max, log_s = ctx.saved_tensors
         if grad_logprobs is None or not ctx.needs_input_grad[0]:
-            return None, None, None
+            return None, None, None, None
         B, S, V = logits.shape
         n = B * S
         flat = flat_view(logits)
-        g_out = grad_logprobs.reshape(n).to(log_s.dtype)
+        T = ctx.temperature
+        # d/dlogits = (1/T) d/dz with z = logits / T: the 1/T goes into the incoming gradient
+        g_out = at_temperature(grad_logprobs.reshape(n).to(log_s.dtype), T)
         grad = torch.empty((n, V), dtype=logits.dtype, device=logits.device)
         for t0, t1 in token_chunks(n, ctx.chunk_size):
-            z = token_block(logits, flat, t0, t1).to(log_s.dtype)
+            z = at_temperature(token_block(logits, flat, t0, t1).to(log_s.dtype), T)
             g = g_out[t0:t1].unsqueeze(1)
             # d log p(y) / dz = onehot(y) - softmax(z); softmax recomputed from the saved row
             # max and log s, offset-free like the forward.
             gz = torch.exp((z - row_max[t0:t1].unsqueeze(1)) - log_s[t0:t1].unsqueeze(1)) * (-g)
             gz.scatter_add_(1, targets[t0:t1].unsqueeze(1), g)
             grad[t0:t1] = gz.to(logits.dtype)
-        return grad.view(B, S, V), None, None
+        return grad.view(B, S, V), None, None, None
 
 
 def entropy_and_logprobs(
-    logits: torch.Tensor, target_ids: torch.Tensor, *, chunk_size: int = 1024
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """logits [B, S, V] (any float dtype, any strides), target_ids [B, S] in
     [0, V) -> (entropy [B, S] f32 without grad, logprobs [B, S] f32 differentiable); fp64 in, fp64
-    out.
+    out. Of softmax(logits / ``temperature``): the distribution a sampler at that temperature
+    draws from (each chunk divided as it is read: no tempered copy of the logits).
 
     Position s is scored from the logits at s: the caller shifts, then :func:`align_to_tokens`.
     Saves lse [B, S] and a reference to ``logits`` (do not modify it before backward). No
     collectives."""
     check_logits_and_targets(logits, target_ids, chunk_size)
+    T = check_temperature(temperature)
     B, S, V = logits.shape
     if target_ids.numel():
         lo, hi = int(target_ids.min()), int(target_ids.max())
         if lo < 0 or hi >= V:
             bad = lo if lo < 0 else hi
             raise ValueError(f"target_ids must be in [0, {V}) (the vocabulary size V), found {bad}")
-    logprobs, entropy = _EntropyLogProb.apply(logits, target_ids.to(torch.long), int(chunk_size))
+    logprobs, entropy = _EntropyLogProb.apply(logits, target_ids.to(torch.long), int(chunk_size), T)
     return entropy, logprobs
 
 

@@ -93,28 +93,26 @@ class PerTokenStore:
 
 
 def _token_logprobs(
-    logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp=None
+    logits, ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp=None, T=1.0
 ):
-    """Vocab-parallel (entropy, logprobs) of one micro-batch; token-aligned [B, S] when asked
-    (with ``cp``: each local position scores its successor, then gathered over CP)."""
+    """Vocab-parallel (entropy, logprobs) of one micro-batch at temperature ``T``; token-aligned
+    [B, S] when asked (with ``cp``: each local position scores its successor, then gathered
+    over CP)."""
+    kw = dict(vocab_size=vocab_size, chunk_size=chunk_size, temperature=T)
     if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
         logits = logits.transpose(0, 1)
     if cp is not None:  # the logits at t score token t + 1, wherever t + 1 lives
         pos = cp.positions().to(ids.device)
         nxt = ids.index_select(1, (pos + 1).clamp(max=ids.shape[1] - 1))
-        entropy, logprobs = vocab_parallel_entropy_and_logprobs(
-            logits, nxt, tp_group, vocab_size=vocab_size, chunk_size=chunk_size
-        )
+        entropy, logprobs = vocab_parallel_entropy_and_logprobs(logits, nxt, tp_group, **kw)
         entropy, logprobs = cp.gather(entropy, 1), cp.gather(logprobs, 1)
         return align_to_tokens(entropy[:, :-1]), align_to_tokens(logprobs[:, :-1])
     if token_aligned:  # token t is scored by the logits at t - 1; position 0 gets 0
         entropy, logprobs = vocab_parallel_entropy_and_logprobs(
-            logits[:, :-1], ids[:, 1:], tp_group, vocab_size=vocab_size, chunk_size=chunk_size
+            logits[:, :-1], ids[:, 1:], tp_group, **kw
         )
         return align_to_tokens(entropy), align_to_tokens(logprobs)
-    return vocab_parallel_entropy_and_logprobs(
-        logits, ids, tp_group, vocab_size=vocab_size, chunk_size=chunk_size
-    )
+    return vocab_parallel_entropy_and_logprobs(logits, ids, tp_group, **kw)
 
 
 def logprob_loss_func(
@@ -127,6 +125,7 @@ def logprob_loss_func(
     chunk_size: int = 1024,
     seq_first: bool = False,
     cp: Optional[ContextParallel] = None,
+    temperature: float = 1.0,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """Loss function for Megatron's forward-only old-policy pass (one per micro-batch): called on
     the last stage with logits [B, S, V/TP] (``seq_first``: [S, B, V/TP]), it appends
@@ -134,13 +133,21 @@ def logprob_loss_func(
 
     target_ids [B, S]: shifted by the caller, or input ids with ``token_aligned=True`` (position t
     from logits at t - 1, position 0 holds 0). ``cp``: the logits are this CP rank's positions;
-    whole rows are stored (all-gathers over CP). Collectives: the vocab-parallel ones on
-    ``tp_group``."""
+    whole rows are stored (all-gathers over CP). ``temperature``: of softmax(logits / T), the
+    rollouts' sampling distribution. Collectives: the vocab-parallel ones on ``tp_group``."""
 
     def loss_func(logits: torch.Tensor):
         with torch.no_grad():
             entropy, logprobs = _token_logprobs(
-                logits, target_ids, tp_group, token_aligned, seq_first, vocab_size, chunk_size, cp
+                logits,
+                target_ids,
+                tp_group,
+                token_aligned,
+                seq_first,
+                vocab_size,
+                chunk_size,
+                cp,
+                temperature,
             )
         store.micro_batches.append({"entropy": entropy.float(), "logprobs": logprobs.float()})
         return logits.new_zeros((), dtype=torch.float32), {}
@@ -171,6 +178,7 @@ def train_loss_func(
     seq_first: bool = False,
     pack: Optional[PackedMicroBatch] = None,
     cp: Optional[ContextParallel] = None,
+    temperature: float = 1.0,
 ) -> Callable[[torch.Tensor], Tuple[torch.Tensor, dict]]:
     """The training-pass loss function for one micro-batch on the last stage.
 
@@ -190,7 +198,7 @@ def train_loss_func(
 
     def loss_func(logits: torch.Tensor):
         _, lp = _token_logprobs(
-            logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size, cp
+            logits, input_ids, tp_group, True, seq_first, vocab_size, chunk_size, cp, temperature
         )
         if n == 0:  # zero-weight micro-batch: gradient 0, every collective still runs
             loss = lp.sum() * 0.0

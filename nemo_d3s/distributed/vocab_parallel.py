@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.core.entropy import (
+    at_temperature,
     check_logits_and_targets,
     check_reduced_finite,
+    check_temperature,
     compute_dtype,
     flat_view,
     token_block,
@@ -46,11 +48,11 @@ def vocab_shard_range(
 
 
 class _VocabParallelEntropyLogProb(torch.autograd.Function):
-    """(logits [B, S, V_r], target_ids, group, start, n_valid, chunk) -> (logprobs, entropy) [B, S];
-    gradient through logprobs only."""
+    """(logits [B, S, V_r], target_ids, group, start, n_valid, chunk, T) -> (logprobs, entropy)
+    [B, S] of softmax(logits / T); gradient through logprobs only."""
 
     @staticmethod
-    def forward(ctx, logits, target_ids, tp_group, vocab_start, n_valid, chunk_size):
+    def forward(ctx, logits, target_ids, tp_group, vocab_start, n_valid, chunk_size, T):
         B, S, _ = logits.shape
         n = B * S
         dtype = compute_dtype(logits)
@@ -65,14 +67,16 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
         m = torch.full((n,), float("-inf"), dtype=dtype, device=device)
         if n_valid > 0:
             for t0, t1 in token_chunks(n, chunk_size):
-                m[t0:t1] = token_block(logits, flat, t0, t1, n_valid).amax(dim=1).to(dtype)
+                block = token_block(logits, flat, t0, t1, n_valid).amax(dim=1).to(dtype)
+                m[t0:t1] = at_temperature(block, T)  # max(z / T) = max(z) / T for T > 0
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
 
         # Pass 2: the three partial sums against the global max, one SUM for all of them.
         stats = torch.zeros((3, n), dtype=dtype, device=device)
         if n_valid > 0:
             for t0, t1 in token_chunks(n, chunk_size):
-                z = token_block(logits, flat, t0, t1, n_valid).to(dtype)  # may alias fp32 logits
+                # may alias fp32 logits: no in-place ops on z
+                z = at_temperature(token_block(logits, flat, t0, t1, n_valid).to(dtype), T)
                 u = z - m[t0:t1].unsqueeze(1)
                 u_target = u.gather(1, local_idx[t0:t1]).squeeze(1)  # before the floor: exact
                 u.clamp_(min=_SHIFT_FLOOR)
@@ -89,7 +93,7 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
         check_reduced_finite(lse, entropy, S)
         ctx.save_for_backward(logits, local_idx, owned, lse)
         ctx.n_valid = n_valid
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.temperature = chunk_size, T
         logprobs, entropy = logprobs.view(B, S), entropy.view(B, S)
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -99,24 +103,26 @@ class _VocabParallelEntropyLogProb(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         logits, local_idx, owned, lse = ctx.saved_tensors
         if grad_logprobs is None or not ctx.needs_input_grad[0]:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         B, S, V_r = logits.shape
         n = B * S
         n_valid = ctx.n_valid
         flat = flat_view(logits)
-        g_out = grad_logprobs.reshape(n).to(lse.dtype)
+        T = ctx.temperature
+        # d/dlogits = (1/T) d/dz with z = logits / T: the 1/T goes into the incoming gradient
+        g_out = at_temperature(grad_logprobs.reshape(n).to(lse.dtype), T)
         g_target = torch.where(owned, g_out, torch.zeros_like(g_out)).unsqueeze(1)
         # Padding columns are outside the softmax: their gradient is exactly zero.
         alloc = torch.empty if n_valid == V_r else torch.zeros
         grad = alloc((n, V_r), dtype=logits.dtype, device=logits.device)
         if n_valid > 0:
             for t0, t1 in token_chunks(n, ctx.chunk_size):
-                z = token_block(logits, flat, t0, t1, n_valid).to(lse.dtype)
+                z = at_temperature(token_block(logits, flat, t0, t1, n_valid).to(lse.dtype), T)
                 # onehot(y) - softmax(z), with softmax from the saved GLOBAL log-partition.
                 gz = (z - lse[t0:t1].unsqueeze(1)).exp_().mul_(-g_out[t0:t1].unsqueeze(1))
                 gz.scatter_add_(1, local_idx[t0:t1], g_target[t0:t1])
                 grad[t0:t1, :n_valid] = gz.to(logits.dtype)
-        return grad.view(B, S, V_r), None, None, None, None, None
+        return grad.view(B, S, V_r), None, None, None, None, None, None
 
 
 def vocab_parallel_entropy_and_logprobs(
@@ -126,6 +132,7 @@ def vocab_parallel_entropy_and_logprobs(
     *,
     vocab_size: Optional[int] = None,
     chunk_size: int = 1024,
+    temperature: float = 1.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Full-vocabulary entropy and log-prob of ``target_ids`` per position, from this TP rank's
     vocabulary shard.
@@ -138,9 +145,11 @@ def vocab_parallel_entropy_and_logprobs(
     Collectives on ``tp_group``, forward only: one all-gather of one int64, one all-reduce MAX of N
     floats, one all-reduce SUM of 3 x N floats (N = B x S). Memory: a few ``chunk_size x V/TP`` fp32
     buffers; saves a reference to ``logits`` (do not modify it before backward). ``tp_group=None``
-    or one rank: ``core.entropy.entropy_and_logprobs``."""
+    or one rank: ``core.entropy.entropy_and_logprobs``. Of softmax(logits / ``temperature``),
+    each chunk divided as it is read."""
     # An empty local shard is legal (padded or uneven vocab splits).
     check_logits_and_targets(logits, target_ids, chunk_size, vocab="V/TP", allow_empty_vocab=True)
+    T = check_temperature(temperature)
     if vocab_size is not None and (
         isinstance(vocab_size, bool)
         or not isinstance(vocab_size, numbers.Integral)
@@ -158,7 +167,9 @@ def vocab_parallel_entropy_and_logprobs(
                 f"vocab_size ({vocab_size}) exceeds the logits' vocabulary dimension ({V})"
             )
         real = V if vocab_size is None else vocab_size
-        return entropy_and_logprobs(logits[..., :real], target_ids, chunk_size=chunk_size)
+        return entropy_and_logprobs(
+            logits[..., :real], target_ids, chunk_size=chunk_size, temperature=T
+        )
 
     start, width, total = vocab_shard_range(logits.shape[2], tp_group, logits.device)
     if vocab_size is None:
@@ -174,6 +185,6 @@ def vocab_parallel_entropy_and_logprobs(
             )
     n_valid = max(0, min(width, vocab_size - start))
     logprobs, entropy = _VocabParallelEntropyLogProb.apply(
-        logits, target_ids.to(torch.long), tp_group, start, n_valid, int(chunk_size)
+        logits, target_ids.to(torch.long), tp_group, start, n_valid, int(chunk_size), T
     )
     return entropy, logprobs

@@ -179,6 +179,7 @@ def backend_settings(cfg: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         "gradient_checkpointing": bool(cfg.model.gradient_checkpointing),
         "dist_timeout_minutes": _optional_float(getattr(t, "dist_timeout_minutes", None)),
         "pack_sequences": getattr(t, "pack_sequences", None),
+        "logit_temperature": float(t.temperature),
     }
     return common, plain(cfg.model.params) or {}
 

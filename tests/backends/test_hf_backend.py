@@ -112,12 +112,13 @@ def test_greedy_generation_is_identical_across_samples(backend):
     assert len(set(r.response_texts)) == 1
 
 
-def naive_logprobs_entropy(model, batch: TokenBatch):
-    """Obvious reference: one full forward, log_softmax, gather, shift by one."""
+def naive_logprobs_entropy(model, batch: TokenBatch, temperature: float = 1.0):
+    """Obvious reference: one full forward, log_softmax (of logits / T), gather, shift by one."""
     with torch.no_grad():
         logits = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
         ).logits.double()
+    logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     lp = logp[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)[:, :-1]
@@ -142,6 +143,34 @@ def test_score_matches_naive_forward(backend):
     assert first > 1 and (lp[:, :first] == 0).all() and (ent[:, :first] == 0).all()
     lp1, none = _logprobs(backend, r.batch, with_entropy=False, micro_batch_size=1)
     assert none is None and torch.allclose(lp1[resp], lp[resp], atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_rollouts_sampled_at_a_temperature_are_scored_at_it(packed):
+    """The sampler draws from softmax(logits / T); scoring and the update took log-probs of
+    softmax(logits) whatever T was, so every importance ratio and the entropy of token
+    selection were of a distribution the rollouts did not come from."""
+    T = 0.5
+    b = make_backend(logit_temperature=T, pack_sequences=packed, autocast=None)
+    b.rollout_engine.return_logprobs = True  # the sampler's own (behaviour) log-probs
+    r = b.generate(PROMPTS, 2, GenerationConfig(max_new_tokens=10, temperature=T), seed=3)
+    resp = r.batch.response_mask
+    lp, ent = _logprobs(b, r.batch, with_entropy=True, micro_batch_size=4)
+    ref_lp, ref_ent = naive_logprobs_entropy(b.model, r.batch, temperature=T)
+    assert torch.allclose(lp.double()[resp], ref_lp[resp], atol=1e-4)
+    assert torch.allclose(ent.double()[resp], ref_ent[resp], atol=1e-4)
+    assert torch.allclose(lp[resp], r.sampling_logprobs[resp], atol=1e-4)
+    untempered, _ = naive_logprobs_entropy(b.model, r.batch)
+    assert (untempered[resp] - ref_lp[resp]).abs().max() > 0.05  # T = 0.5 is not T = 1 here
+    # the update's log-probs are the same tempered ones: ratio 1 at the weights sampled
+    seen = torch.zeros_like(lp)
+
+    def loss(logprobs, rows):
+        seen[rows, : logprobs.shape[1]] = logprobs.detach()
+        return logprobs.sum() * 0.0
+
+    b.train_step(r.batch, loss, micro_batch_size=4, denominator=1.0)
+    assert torch.allclose(seen[resp], lp[resp], atol=1e-5)
 
 
 def test_reference_model_is_a_frozen_copy():

@@ -46,6 +46,45 @@ def test_two_token_hand_case():
     assert logprobs.item() == pytest.approx(math.log(0.75), abs=1e-12)
 
 
+def test_two_token_hand_case_at_a_temperature():
+    # logits [0, ln 3] at T = 0.5 -> z = [0, 2 ln 3] -> p = [1/10, 9/10]; the gradient of
+    # log p(1) in the logits is (onehot - p) / T = [-0.2, 0.2]
+    logits = torch.tensor([[[0.0, math.log(3.0)]]], dtype=torch.float64, requires_grad=True)
+    entropy, logprobs = entropy_and_logprobs(logits, torch.tensor([[1]]), temperature=0.5)
+    assert entropy.item() == pytest.approx(-(0.1 * math.log(0.1) + 0.9 * math.log(0.9)))
+    assert logprobs.item() == pytest.approx(math.log(0.9), abs=1e-12)
+    logprobs.sum().backward()
+    assert logits.grad.flatten().tolist() == pytest.approx([-0.2, 0.2], abs=1e-12)
+
+
+@pytest.mark.parametrize("T", [0.3, 1.0, 2.5])
+def test_tempered_values_and_gradient_match_the_naive_reference(T):
+    logits, ids = _case(B=2, S=6, V=41)
+    upstream = torch.randn(2, 6, generator=torch.Generator().manual_seed(1))
+    x = logits.clone().requires_grad_(True)
+    ent, lp = entropy_and_logprobs(x, ids, chunk_size=5, temperature=T)
+    (lp * upstream).sum().backward()
+    y = logits.double().requires_grad_(True)
+    ref_ent, ref_lp = _naive(y / T, ids)
+    (ref_lp * upstream.double()).sum().backward()
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), y.grad, rtol=1e-5, atol=1e-6)
+    if T == 1.0:  # the default path, bit for bit
+        assert torch.equal(lp, entropy_and_logprobs(logits, ids, chunk_size=5)[1])
+    x64 = logits[:1, :2, :5].double().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda z: entropy_and_logprobs(z, ids[:1, :2] % 5, temperature=T)[1], (x64,)
+    )
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), True, "1"])
+def test_a_temperature_that_is_no_positive_number_is_refused(bad):
+    logits, ids = _case()
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
+        entropy_and_logprobs(logits, ids, temperature=bad)
+
+
 def test_minus_inf_logits_are_probability_zero():
     # a masked vocabulary entry must act as if absent: same as the V = 2 case above
     logits = torch.tensor([[[0.0, -math.inf, math.log(3.0)]]], requires_grad=True)

@@ -41,6 +41,7 @@ V_REAL, V_PAD, H, F, S = 13, 16, 8, 12, 7
 K_FRAC = 0.4
 SPLITS = {0: [2, 3], 1: [1, 1, 1]}  # rows per micro-batch on DP rank 0 (5 rows) and 1 (3 rows)
 AGGS = ["token_mean", "seq_mean_token_mean"]
+T = 0.8  # the rollouts' sampling temperature: every pass scores softmax(logits / T)
 
 
 def _init(seed, std=0.4):
@@ -133,7 +134,7 @@ def _rank_grads(rank):
     def fwd_old(it, m):
         x = next(it)
         return m(x), logprob_loss_func(
-            store, x, tp, token_aligned=True, vocab_size=V_REAL, chunk_size=3
+            store, x, tp, token_aligned=True, vocab_size=V_REAL, chunk_size=3, temperature=T
         )
 
     forward_backward_no_pipelining(
@@ -174,7 +175,7 @@ def _rank_grads(rank):
             r = next(it)
             attended = torch.ones_like(ids[r], dtype=torch.bool)  # no padding in these rows
             return m(ids[r]), train_loss_func(
-                ids[r], attended, r, loss_sum, norm, tp, vocab_size=V_REAL
+                ids[r], attended, r, loss_sum, norm, tp, vocab_size=V_REAL, temperature=T
             )
 
         # 4. training pass: the schedule sums micro-batch gradients (after dividing by M)
@@ -230,12 +231,12 @@ def _reference(agg):
         return (h + a @ w["fc2.weight"].T + w["fc2.bias"]) @ w["head.weight"].T
 
     with torch.no_grad():
-        ent, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL], ids[:, 1:])
+        ent, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL] / T, ids[:, 1:])
     entropy, old_lp = align_to_tokens(ent), align_to_tokens(lp) + noise
     token_keep = select_tokens(
         token_scores(adv, entropy, response_mask), response_mask, K_FRAC, "batch"
     ).token_keep
-    _, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL], ids[:, 1:])
+    _, lp = entropy_and_logprobs(logits_of(ids)[:, :-1, :V_REAL] / T, ids[:, 1:])
     denom = loss_denominator(token_keep, agg)
     policy_loss(
         "grpo",

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 
 V_PAD, V_REAL = 10, 9
 SHAPES = [(2, 5), (3, 4)]
+TEMPERATURES = [1.0, 0.7]  # per micro-batch: scored as softmax(logits / T)
 
 
 def _micro_batch(dp_rank, i):
@@ -59,9 +60,9 @@ def _rank_pipeline(rank):
         for i in range(len(SHAPES)):
             logits, targets, _ = _micro_batch(dp_rank, i)
             shard = logits[..., tp_rank * V_PAD // 2 : (tp_rank + 1) * V_PAD // 2]
-            loss, logs = logprob_loss_func(store, targets, tp, vocab_size=V_REAL)(
-                shard.transpose(0, 1).contiguous().transpose(0, 1)
-            )
+            loss, logs = logprob_loss_func(
+                store, targets, tp, vocab_size=V_REAL, temperature=TEMPERATURES[i]
+            )(shard.transpose(0, 1).contiguous().transpose(0, 1))
             assert float(loss) == 0.0 and logs == {}
     per_mb = broadcast_per_token(store, SHAPES, pp)
     entropy = [mb["entropy"] for mb in per_mb]
@@ -99,7 +100,7 @@ def _check(results, dp_size):
         ent, elig = [], []
         for i in range(len(SHAPES)):
             logits, targets, eligible = _micro_batch(d, i)
-            e, lp = entropy_and_logprobs(logits[..., :V_REAL], targets)
+            e, lp = entropy_and_logprobs(logits[..., :V_REAL], targets, temperature=TEMPERATURES[i])
             for r in (r for r in results if r["dp"] == d):
                 torch.testing.assert_close(r["entropy"][i], e, rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(r["logprobs"][i], lp, rtol=1e-5, atol=1e-6)

@@ -45,7 +45,13 @@ def _case_list():
             False,
         ),  # last: 2 valid + 1 pad
         "tp4_bf16": ("tp4", (4, 4, 4, 4), 16, torch.bfloat16, True, False),
+        "tempered_uneven": ("tp2", (5, 3), 6, torch.float32, False, False),
+        "tp4_tempered_neg_inf": ("tp4", (3, 4, 2, 3), 11, torch.float32, True, True),
     }
+
+
+# the sampler's temperature of a case (1 where not named): softmax(logits / T) is scored
+TEMPERATURE = {"tempered_uneven": 0.6, "tp4_tempered_neg_inf": 1.7}
 
 
 def _data(name, dp_rank):
@@ -92,7 +98,12 @@ def _rank_vocab(rank):
         shard = shard.detach().requires_grad_(True)
         before = shard.detach().clone()
         ent, lp = vocab_parallel_entropy_and_logprobs(
-            shard, targets, group, vocab_size=vocab, chunk_size=4
+            shard,
+            targets,
+            group,
+            vocab_size=vocab,
+            chunk_size=4,
+            temperature=TEMPERATURE.get(name, 1.0),
         )
         # The kernel works in place on its own buffers only: the caller's shard is untouched.
         assert torch.equal(shard.detach(), before), name
@@ -139,7 +150,10 @@ def test_matches_full_vocab_reference(vocab_results):
         for rank, res in enumerate(vocab_results):
             dp_rank, tp_rank, ent, lp, grad = res[name]
             full, targets, w = _data(name, dp_rank)
-            ref_ent, ref_lp, ref_grad = _reference(full, targets, vocab, w)
+            T = TEMPERATURE.get(name, 1.0)
+            # of z = logits / T; the chain rule's 1/T takes the gradient back to the logits
+            ref_ent, ref_lp, ref_grad = _reference(full / T, targets, vocab, w)
+            ref_grad = ref_grad / T
             torch.testing.assert_close(
                 ent.double(), ref_ent, rtol=1e-5, atol=1e-5, msg=f"{name} entropy rank {rank}"
             )
@@ -155,7 +169,9 @@ def test_matches_full_vocab_reference(vocab_results):
             )
             torch.testing.assert_close(grad, ref_shard, **tol, msg=f"{name} grad rank {rank}")
             # The core single-process function on the same (unpadded) values agrees too.
-            core_ent, core_lp = entropy_and_logprobs(full[..., :vocab].to(dtype), targets)
+            core_ent, core_lp = entropy_and_logprobs(
+                full[..., :vocab].to(dtype), targets, temperature=T
+            )
             torch.testing.assert_close(ent, core_ent, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lp, core_lp, rtol=1e-5, atol=1e-5)
 

@@ -24,7 +24,7 @@ from nemo_d3s.config import (
     validate,
 )
 from nemo_d3s.core.d3s import PRESETS, D3SConfig
-from nemo_d3s.trainer.build import d3s_config
+from nemo_d3s.trainer.build import checked_backend_config, d3s_config
 
 from .conftest import REPO, cli, compose
 
@@ -184,6 +184,20 @@ def test_sampling_settings_are_judged_once_by_the_generation_config():
             .split("def generate", 1)[1]
             .split("\n    def ")[0]
         )
+
+
+@pytest.mark.parametrize("override", ["trainer.top_p=0.9", "trainer.top_k=40"])
+def test_a_truncated_sampler_is_refused_as_its_rollouts_would_be_scored_untruncated(override):
+    assert "sampling from a truncated distribution is not supported" in _error([override])
+
+
+def test_the_backends_score_at_the_rollouts_temperature():
+    from nemo_d3s.trainer.build import backend_settings
+
+    common, _ = backend_settings(compose(["trainer.temperature=0.7", "output_dir=x"]))
+    assert common["logit_temperature"] == 0.7
+    cfg = compose(["trainer.temperature=0.7", "output_dir=x", "model.backend=megatron"])
+    assert checked_backend_config(cfg).logit_temperature == 0.7
 
 
 @pytest.mark.parametrize(

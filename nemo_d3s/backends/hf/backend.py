@@ -130,7 +130,9 @@ class HFBackend(Policy):
                 use_cache=False,
                 logits_to_keep=L - first + 1,
             ).logits
-        ent, lp = entropy_and_logprobs(logits[:, :-1], ids[:, first:])
+        ent, lp = entropy_and_logprobs(
+            logits[:, :-1], ids[:, first:], temperature=self.cfg.logit_temperature
+        )
         pad = (first, 0)
         lp = F.pad(lp.float(), pad) * attn
         ent = F.pad(ent.float(), pad) * attn if with_entropy else None
@@ -156,11 +158,12 @@ class HFBackend(Policy):
         if replay is not None and hooks is None:
             raise ValueError("a batch with routed_experts needs the router hooks")
         if self.pack:
+            T = self.cfg.logit_temperature  # the rollouts' sampling temperature
             for pack in pack_batch(batch, micro_batch_size, micro_batch_tokens):
                 target = None if replay is None else pack.pack(replay, NO_EXPERT).unsqueeze(0)
                 with hooks.forward(1, pack.width, target) if hooks else contextlib.nullcontext():
                     lp, ent = packed_logprobs(
-                        model, batch, pack, self.device, with_entropy, self._autocast
+                        model, batch, pack, self.device, with_entropy, self._autocast, T
                     )
                 routing = unpack_routing(pack, hooks.pop()[1][0], lp.shape[1]) if hooks else None
                 yield pack.rows, lp, ent, pack.width, routing

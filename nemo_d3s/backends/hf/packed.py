@@ -38,6 +38,7 @@ def packed_logprobs(
     device,
     with_entropy: bool,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    temperature: float = 1.0,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(logprobs, entropy or None) [n, S] f32 of a pack's rows, token-aligned, from each
     row's first response token on (0 elsewhere); the LM head runs at those K positions
@@ -54,7 +55,7 @@ def packed_logprobs(
             use_cache=False,
             logits_to_keep=(p - 1).to(device),
         ).logits
-    ent, lp = entropy_and_logprobs(logits, ids[p.to(device)].unsqueeze(0))
+    ent, lp = entropy_and_logprobs(logits, ids[p.to(device)].unsqueeze(0), temperature=temperature)
     n = len(pack.rows)
     rc = (r.to(device), c.to(device))
     logprobs = torch.zeros(n, S, device=device).index_put(rc, lp[0].float())

@@ -141,7 +141,9 @@ def decode_seeded(
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, t] = nxt
         if logprobs is not None:
-            lp[:, t] = torch.log_softmax(last.float(), dim=-1).gather(1, nxt[:, None])[:, 0]
+            # of the distribution sampled (at the temperature), as the trainer scores it
+            tempered = last.float() / cfg.temperature if cfg.do_sample else last.float()
+            lp[:, t] = torch.log_softmax(tempered, dim=-1).gather(1, nxt[:, None])[:, 0]
         lengths += (~done).long()
         done = done | torch.isin(nxt, eos)
         if bool(done.all()):

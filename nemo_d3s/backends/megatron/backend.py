@@ -329,6 +329,7 @@ class MegatronBackend(Policy):
             width_quantum=self.cfg.width_quantum,
             taps=None if reference else self.router_taps,
             record_routing=not reference and self.records_routing,
+            temperature=self.cfg.logit_temperature,
         )
 
     def engine_returns_routing(self, returns: bool) -> None:
@@ -371,6 +372,7 @@ class MegatronBackend(Policy):
             pack=self.pack,
             width_quantum=self.cfg.width_quantum,
             taps=self.router_taps,
+            temperature=self.cfg.logit_temperature,
         )
         if self.spec.num_experts:
             n = int(metrics.get("n_micro_batches", 1))

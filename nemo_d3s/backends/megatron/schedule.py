@@ -70,6 +70,7 @@ def score(
     width_quantum: int = 0,
     taps: Optional[RouterTaps] = None,
     record_routing: bool = False,
+    temperature: float = 1.0,
 ) -> Scores:
     """No-grad ``Scores`` [B, S] f32 on the CPU, identical on every TP x PP rank; 0 where
     not attended. B = 0 returns empty tensors without a collective, unless a MoE layer's
@@ -115,6 +116,7 @@ def score(
             vocab_size=vocab_size,
             chunk_size=chunk_size,
             cp=cp,
+            temperature=temperature,
         )
 
     was_training = [c.training for c in chunks]
@@ -201,6 +203,7 @@ def train_step(
     pack: bool = False,
     width_quantum: int = 0,
     taps: Optional[RouterTaps] = None,
+    temperature: float = 1.0,
 ) -> Dict[str, float]:
     """One optimizer step over this rank's ``batch`` [B, S] (B may be 0: a zero-weight dummy
     micro-batch joins every collective); collective over every rank of the job.
@@ -251,6 +254,7 @@ def train_step(
             chunk_size=chunk_size,
             pack=x[4],
             cp=cp,
+            temperature=temperature,
         )
 
     for c in chunks:

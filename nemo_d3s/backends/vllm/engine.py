@@ -122,6 +122,11 @@ class VLLMEngine(RolloutEngine):
             tensor_parallel_size=int(cfg.tensor_parallel_size),
             seed=0,
             worker_extension_cls="nemo_d3s.backends.vllm.worker_ext.WeightLoaderExtension",
+            # the sampled tokens' log-probs after the temperature (the distribution sampled,
+            # as the trainer scores it); vLLM's default is of the raw logits (vllm 0.32
+            # v1/sample/sampler.py l.86-105, ops/topk_topp_sampler.py l.278: the same
+            # log_softmax in fp32, after the division, at any temperature)
+            logprobs_mode="processed_logprobs",
         )
         if refit_follows or not _holds_hf_weights(source):
             # Random weights, no checkpoint read: the refit that follows the engine's
