@@ -62,6 +62,24 @@ def test_generation_shapes_finish_and_logprobs(pair):
     assert bool((ro.sampling_logprobs[~m] == 0).all())
 
 
+def test_at_a_temperature_the_engines_logprobs_are_the_tempered_ones_the_trainer_scores(pair):
+    """vLLM returned log-probs of the raw logits (its default logprobs_mode) whatever the
+    temperature: the behaviour policy's log-probs were of another distribution than the one
+    sampled and than the trainer's (scored at the temperature)."""
+    policy, engine = pair
+    T = 0.5
+    ro = engine.generate(PROMPTS, 3, GenerationConfig(max_new_tokens=10, temperature=T), [4, 5, 6])
+    m = ro.batch.response_mask
+    policy.cfg.logit_temperature = T
+    try:
+        tempered = policy.score(ro.batch, with_entropy=False).logprobs
+    finally:
+        policy.cfg.logit_temperature = 1.0
+    untempered = policy.score(ro.batch, with_entropy=False).logprobs
+    assert (tempered - ro.sampling_logprobs)[m].abs().max() < 1e-4
+    assert (untempered - ro.sampling_logprobs)[m].abs().max() > 1e-2
+
+
 def test_per_prompt_seeds_do_not_depend_on_the_batch(pair):
     _, engine = pair
     cfg = GenerationConfig(max_new_tokens=8)
