@@ -162,8 +162,9 @@ def run_cli(cfg) -> int:
 
 
 def _after_stop(signum, _frame) -> None:
-    """The CLI's SIGINT / SIGTERM handler outside the loop's own: ignored once a run has stopped
-    at a checkpoint on a signal (while it prints its last lines and exits 75); before that,
+    """The CLI's stop-signal handler once the loop's own are gone (``StartupStops`` hands it
+    those the process was not started ignoring): ignored once a run has stopped at a
+    checkpoint on a signal (while it prints its last lines and exits 75); before that,
     Python's default.
     """
     import signal
@@ -205,13 +206,19 @@ def _resume_base(cfg, out: Path):
         sys.exit(2)
 
 
-def _run(cfg) -> None:
-    import signal
+def _catch_stops() -> None:
+    """A stop signal before the loop's handlers (a start-up of many minutes) is recorded and
+    carried over to them (``trainer.signals.StartupStops``); the loop installs its own over
+    this one, then restores it."""
+    from nemo_d3s.trainer.signals import StartupStops
 
+    StartupStops.arm(_after_stop)
+
+
+def _run(cfg) -> None:
     from omegaconf import OmegaConf, open_dict
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _after_stop)  # the loop installs its own over it, then restores it
+    _catch_stops()  # (already by main; again for callers of _run)
     out = _job_output_dir(cfg)
     with open_dict(cfg):
         cfg.output_dir = out
@@ -246,6 +253,7 @@ def _precheck_argv(argv) -> None:
 
 
 def main() -> None:
+    _catch_stops()  # first: the imports and Hydra's composition take seconds
     import hydra
 
     from nemo_d3s.config import register_configs

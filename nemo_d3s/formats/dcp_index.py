@@ -170,7 +170,9 @@ class DcpIndex:
             raise ConfigError(f"{str(self.weights)!r}: {fqn!r} {list(shape)} has no index {at}")
         want = shape[len(at) :]
         out = torch.empty(want, dtype=dtype)
-        filled = 0
+        # per element, not a count: overlapping chunks could reach the total with parts of
+        # ``out`` never written, its uninitialised memory then loaded as weights
+        filled = torch.zeros(want, dtype=torch.bool)
         for offsets, rel, start, length in self.chunks.get(fqn, []):
             path = self.weights / rel
             try:
@@ -193,21 +195,31 @@ class DcpIndex:
                     f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} does not fit "
                     f"{list(shape)} {dtype}"
                 )
+            # narrow() counts a negative start from the end: the chunk would land elsewhere
+            if any(o < 0 for o in offsets):
+                raise ConfigError(
+                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} has a negative offset"
+                )
             # a chunk may span several layers (or experts): keep it only where it covers ``at``
             if not all(o <= i < o + s for i, o, s in zip(at, offsets, t.shape)):
                 continue
             for i, o in zip(at, offsets):
                 t = t[i - o]
-            offsets = offsets[len(at) :]
-            region = out
-            for d, (o, s) in enumerate(zip(offsets, t.shape)):
-                region = region.narrow(d, o, s)
+            region, mark = out, filled
+            for d, (o, s) in enumerate(zip(offsets[len(at) :], t.shape)):
+                region, mark = region.narrow(d, o, s), mark.narrow(d, o, s)
+            if bool(mark.any()):
+                raise ConfigError(
+                    f"{str(path)!r}: chunk of {fqn!r} at {list(offsets)} overlaps another "
+                    "chunk of it"
+                )
             region.copy_(t)
-            filled += t.numel()
-        if filled != math.prod(want):
+            mark.fill_(True)
+        covered = int(filled.sum())
+        if covered != math.prod(want):
             where = "" if not at else f" at {list(at)}"
             raise ConfigError(
-                f"{str(self.weights)!r}: the chunks of {fqn!r}{where} cover {filled} of "
+                f"{str(self.weights)!r}: the chunks of {fqn!r}{where} cover {covered} of "
                 f"{math.prod(want)} elements"
             )
         return out

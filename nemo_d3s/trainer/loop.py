@@ -47,7 +47,7 @@ from nemo_d3s.trainer.run_start import RunStart, agree_on_config, check_output_d
 from nemo_d3s.trainer.launcher import watch_launcher
 from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
-from nemo_d3s.trainer.signals import StopSignals
+from nemo_d3s.trainer.signals import StopSignals, children_ignore_as_started
 from nemo_d3s.trainer.stats import budget_metrics
 from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
 from nemo_d3s.trainer.tasks_adapter import task_adapter
@@ -95,7 +95,8 @@ class Trainer:
         validate_layout(cfg, self.groups.dp_size)
         agree_on_config(cfg, job_world()[2])  # resume=true: each rank merged config.yaml itself
         self.eval_problems = self.task.eval_set(int(cfg.task.eval_size))
-        self.engine = rollout_engine(self.policy, cfg)
+        with children_ignore_as_started():  # its processes stay deaf to sbatch's SIGUSR1
+            self.engine = rollout_engine(self.policy, cfg)
         self.engine.should_stop = self._generation_should_stop
         # every rank waits for the others' generations with a liveness check, not inside one
         # collective limited by the groups' timeout (distributed/generation_wait.py)
