@@ -241,8 +241,8 @@ class Trainer:
         if state.step == 0 and self.t.eval_at_start and self.start.resumed_from is None:
             pending = 0  # (a resume from step 0 evaluates again only if the checkpoint says so)
         # Until the first step trains, a resumed run's checkpoint is still its state: a stop
-        # here keeps it as it is (saving it again from a pipeline not started yet would drop
-        # the batches generated ahead it holds).
+        # keeps it as it is (no second save in a pre-emption's grace time; saving it again
+        # from a pipeline not started yet would drop the batches generated ahead it holds).
         loaded = self.start.resumed_from
         if pending is not None and pending == state.step:
             if self._evaluate(state) is None:
@@ -257,8 +257,9 @@ class Trainer:
             t0, c0 = time.perf_counter(), time.process_time()
             try:
                 m = run_step(self.ctx, state.step, progress)
-            except StepInterrupted:
-                return self._interrupted(state, pending_eval=False)
+            except StepInterrupted:  # before a resumed run's first update: its checkpoint
+                return self._interrupted(state, pending_eval=False, saved=loaded)
+            loaded = None  # an update since: a stop saves again
             state.step += 1
             records.accumulate(state, m)
             state.wall_time_total = wall_before + time.perf_counter() - t_start

@@ -778,6 +778,27 @@ def test_a_stop_during_the_resumed_boundarys_refit_is_a_clean_stop(tmp_path, mon
     assert state.step == 2 and without_timing(rows) == without_timing(ref_rows)
 
 
+def test_a_stop_before_a_resumed_runs_first_update_keeps_its_checkpoint(tmp_path, monkeypatch):
+    """A stop in the first step of a resumed run (or in its start-up: trainer/signals.py
+    carries it to that step) saved the checkpoint it had just loaded again: a whole save of
+    the same state inside a pre-emption's grace time."""
+    from nemo_d3s.trainer.step import StepInterrupted
+
+    args = [*FAST, "trainer.steps=2", "trainer.save_every=1"]
+    run_dir = tmp_path / "run"
+    restore = _first_run_step_fails(monkeypatch, StepInterrupted)
+    run_inprocess(run_dir, args)
+    restore()
+    ckpt = checkpoint_dirs(run_dir / "checkpoints")[0]
+    stamp = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    restore = _first_run_step_fails(monkeypatch, StepInterrupted)
+    state, _ = run_inprocess(run_dir, [*args, "resume=true"])
+    restore()
+    assert state.extra.get("interrupted") and state.step == 0
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == stamp
+    assert json.loads((run_dir / "interrupted.json").read_text())["checkpoint"] == str(ckpt)
+
+
 def ckpt_step(ckpt: Path) -> int:
     return json.loads((ckpt / "trainer_state.json").read_text())["step"]
 
