@@ -31,8 +31,10 @@ from nemo_d3s.backends.base import Rollouts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
 from nemo_d3s.trainer.faults import agreed_refit, fault_point
+from nemo_d3s.errors import RunError
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
+    OtherLayout,
     load_rollouts,
     optional_held_weights,
     rollouts_file,
@@ -305,12 +307,41 @@ class GenerationPipeline:
         self, folder: Optional[Path]
     ) -> Tuple[Dict[int, Tuple[Rollouts, int]], Optional[HeldWeights]]:
         """This rank's batches and engine weights from checkpoint ``folder`` (nothing for
-        k = 0, no folder or no files)."""
+        k = 0, no folder or no files). Collective, one agreement: files of another
+        data-parallel layout (a resume at another TP / PP / DP) are dropped on every rank, and
+        ``start`` generates those batches again (warned); an unusable file raises on every rank
+        (it used to raise on its own rank only, and the others waited in ``start``)."""
         if self.synchronous or folder is None:
             return {}, None
-        path = Path(folder) / rollouts_file(self.groups.global_rank)
-        batches = load_rollouts(path, (self.prompts.lo, self.prompts.hi)) if path.is_file() else {}
-        return batches, optional_held_weights(Path(folder) / weights_file(self.groups.global_rank))
+        rank, status, failure = self.groups.global_rank, 0.0, None
+        try:
+            path = Path(folder) / rollouts_file(rank)
+            lo_hi = (self.prompts.lo, self.prompts.hi)
+            batches = load_rollouts(path, lo_hi) if path.is_file() else {}
+            held = optional_held_weights(Path(folder) / weights_file(rank))
+        except OtherLayout as e:
+            status, failure = 1.0, e
+        except RunError as e:
+            status, failure = 2.0, e
+        agreed = self.groups.max(status)
+        if agreed >= 2:
+            raise (
+                failure
+                if status >= 2
+                else RunError(
+                    f"the rollouts {folder} keeps for another rank are unusable (its log says why)"
+                )
+            )
+        if agreed >= 1:
+            if self.groups.is_main:
+                log.warning(
+                    "the rollouts %s keeps were generated at another data-parallel layout "
+                    "(%s): they are generated again",
+                    folder,
+                    failure or "on another rank",
+                )
+            return {}, None
+        return batches, held
 
     # ------------------------------------------------------------------ the worker's side
     def _release(self, first: int, last: int) -> None:

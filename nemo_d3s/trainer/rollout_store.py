@@ -19,6 +19,7 @@ from nemo_d3s.core.routing import NO_EXPERT
 
 __all__ = [
     "HeldWeights",
+    "OtherLayout",
     "load_held_weights",
     "load_rollouts",
     "optional_held_weights",
@@ -87,9 +88,18 @@ def save_rollouts(
     save_file(tensors, str(path), metadata=meta)
 
 
-def _check(ok: bool, path: Path, why: str) -> None:
+class OtherLayout(RunError):
+    """A rollouts file written by a rank that held another slice of the prompts (the run
+    resumed at another data-parallel layout)."""
+
+
+def _check(ok: bool, path: Path, why: str, error: type = RunError) -> None:
+    # (its checkpoint's checksums cover it: deleting it would make the checkpoint unusable)
     if not ok:
-        raise RunError(f"{str(path)!r}: {why}; remove the file to regenerate these rollouts")
+        raise error(
+            f"{str(path)!r}: {why}; move its checkpoint folder out of checkpoints/ to resume "
+            "from the one before"
+        )
 
 
 def _read(path: Path, fmt: str, what: str) -> Tuple[Dict[str, str], Dict[str, torch.Tensor]]:
@@ -154,7 +164,12 @@ def load_rollouts(path: Path, prompts: Tuple[int, int]) -> Dict[int, Tuple[Rollo
         held = json.loads(meta.get("prompts", ""))
     except ValueError:
         _check(False, path, "unreadable metadata")
-    _check(held == list(prompts), path, f"written for prompts {held}, this rank holds {prompts}")
+    _check(
+        held == list(prompts),
+        path,
+        f"written for prompts {held}, this rank holds {prompts}",
+        OtherLayout,
+    )
     _check(isinstance(index, list), path, "the batch index is not a list")
     out: Dict[int, Tuple[Rollouts, int]] = {}
     for entry in index:

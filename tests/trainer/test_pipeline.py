@@ -350,6 +350,46 @@ def test_a_rollouts_file_is_untrusted(tmp_path):
         load_rollouts(path, (0, 1))
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["mine_other_slice", "another_ranks_other_slice", "mine_unusable", "another_ranks_unusable"],
+)
+def test_the_ranks_agree_on_the_rollouts_a_checkpoint_keeps(tmp_path, case, caplog):
+    """A resume at another data-parallel layout: a rank's file holds another slice of the
+    prompts. It raised on that rank only ("remove the file", which its checksums forbid)
+    while the others went on into ``start``'s collective and waited. Now every rank learns of
+    it: another layout's batches are generated again (warned), an unusable file fails all."""
+    import logging
+
+    save_rollouts(tmp_path / "rollouts_rank0.safetensors", {1: (_rollouts(1, 0, 2), 0)}, (0, 1))
+    if case == "mine_other_slice":
+        save_rollouts(tmp_path / "rollouts_rank0.safetensors", {1: (_rollouts(1, 0, 2), 0)}, (0, 2))
+    if case == "mine_unusable":
+        (tmp_path / "rollouts_rank0.safetensors").write_bytes(b"garbage")
+    others = {"another_ranks_other_slice": 1.0, "another_ranks_unusable": 2.0}.get(case, 0.0)
+    pipe = _pipeline(_Engine(), 2, 6)
+    agreed = []
+
+    class _Groups:  # rank 0 of a job whose other ranks found ``others``
+        global_rank, is_main = 0, True
+
+        def max(self, x):
+            agreed.append(x)
+            return max(x, others)
+
+    pipe.groups = _Groups()
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        if case.endswith("unusable"):
+            want = "not a rollouts file" if case == "mine_unusable" else "for another rank"
+            with pytest.raises(RunError, match=want):
+                pipe.load_pending(tmp_path)
+        else:
+            assert pipe.load_pending(tmp_path) == ({}, None)
+            assert "another data-parallel layout" in caplog.text
+    assert len(agreed) == 1  # every rank meets in the one agreement, whatever it found
+    assert pipe.load_pending(None) == ({}, None)
+
+
 def test_the_worker_threads_openmp_team_is_the_trainers_before_it_generates(monkeypatch):
     """The thread's OpenMP team size when the engine is called equals torch's (1 here, set in
     the trainer's thread), not the library default of a new thread (every CPU): vLLM's CPU
