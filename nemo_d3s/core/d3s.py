@@ -140,6 +140,7 @@ class D3SSelector:
             generator=self._generator(progress),
             eps=self.cfg.renorm_eps,
             unbiased=self.cfg.unbiased,
+            advantage=self.cfg.advantage,
         )
         return self._stage(rewards, sel.sample_keep, sel.advantages, adv, n_keep, progress)
 

@@ -17,10 +17,10 @@ from typing import Optional, Protocol, Union
 import torch
 
 from nemo_d3s.core.advantages import (
+    ADVANTAGE_ESTIMATORS,
     check_eps,
     check_group_ids,
     check_rewards,
-    grouped_advantages,
     group_buckets,
     group_index,
     group_sizes,
@@ -200,8 +200,9 @@ def _grouped_top(
 @dataclass(frozen=True)
 class SelectionInputs:
     """What every sample rule is given, checked when built: rewards, advantages (full groups),
-    group_ids [B]; N; ``generator``, ``eps``, ``unbiased`` for the rules that use them; the dense
-    ``index`` [B] and ``n_groups``."""
+    group_ids [B]; N; ``generator``, ``eps``, ``unbiased``, ``advantage`` (the estimator PODS
+    re-normalises the kept subset with) for the rules that use them; the dense ``index`` [B]
+    and ``n_groups``."""
 
     rewards: torch.Tensor
     advantages: torch.Tensor
@@ -210,6 +211,7 @@ class SelectionInputs:
     generator: Optional[torch.Generator] = None
     eps: Optional[float] = None
     unbiased: bool = True
+    advantage: str = "grpo"
     index: torch.Tensor = field(init=False, repr=False)
     n_groups: int = field(init=False)
 
@@ -268,16 +270,16 @@ def select_max_reward(x: SelectionInputs) -> SampleSelection:
 @SAMPLE_SELECTORS.register("pods")
 def select_pods(x: SelectionInputs) -> SampleSelection:
     """PODS: per group, the N rollouts whose rewards have maximal variance; kept advantages
-    re-normalised on the kept subset, (r - mean_S) / (std_S + eps), eps default 1e-4 and unbiased
-    std as the paper's code; a constant or single-rollout subset gets 0."""
+    re-computed on the kept subset with the run's estimator (``advantage``; GRPO's
+    (r - mean_S) / (std_S + eps) as the paper), eps default 1e-4 and unbiased std as the
+    paper's code; a constant or single-rollout subset gets 0."""
     eps = PODS_EPS if x.eps is None else x.eps
     check_eps(eps)
     keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
     kept = keep.nonzero().flatten()
     # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
-    sub_adv, _ = grouped_advantages(
-        x.rewards[kept], x.index[kept], x.n_groups, "grpo", float(eps), bool(x.unbiased)
-    )
+    estimator = ADVANTAGE_ESTIMATORS.get(x.advantage)
+    sub_adv = estimator(x.rewards[kept], x.index[kept], eps=float(eps), unbiased=bool(x.unbiased))
     out = x.advantages.to(torch.float32).clone()
     out[kept] = sub_adv.to(torch.float32)
     return SampleSelection(sample_keep=keep, advantages=out, n_kept=int(kept.numel()))

@@ -90,6 +90,7 @@ def global_select_samples(
     generator: Optional[torch.Generator] = None,
     eps: Optional[float] = None,
     unbiased: bool = True,
+    advantage: str = "grpo",
 ) -> GlobalSampleSelection:
     """Apply sample rule ``rule`` to the whole DP batch; return this rank's part.
 
@@ -105,7 +106,7 @@ def global_select_samples(
     check_shape("advantages", advantages, rewards.shape, "rewards")
     check_shape("group_ids", group_ids, rewards.shape, "rewards")
     check_same_device(rewards=rewards, advantages=advantages, group_ids=group_ids)
-    kw = dict(generator=generator, eps=eps, unbiased=unbiased)
+    kw = dict(generator=generator, eps=eps, unbiased=unbiased, advantage=advantage)
     if is_single(dp_group):
         sel = select_samples(rule, rewards, advantages, group_ids, n_keep, **kw)
         counts = torch.tensor([rewards.numel()], dtype=torch.long)

@@ -184,6 +184,18 @@ def test_pods_renormalises_on_the_kept_subset(batch, progress):
     assert torch.equal(tok.token_keep, mask[stage.kept_rows])
 
 
+def test_pods_renormalises_with_the_configured_estimator(batch):
+    """d3s.advantage reached the full-group advantages only; PODS re-normalised its kept
+    subset with GRPO's whatever was configured."""
+    rewards, group_ids, _, mask = batch
+    stage, _ = selector("pods", advantage="dr_grpo").apply(rewards, group_ids, None, mask, 0.0)
+    for rows in group_rows(group_ids).values():
+        kept = rows[stage.sample_keep[rows]]
+        mean = float(rewards[kept].double().mean())
+        for i in kept.tolist():
+            assert stage.advantages[i].item() == pytest.approx(float(rewards[i]) - mean, abs=1e-6)
+
+
 @pytest.mark.parametrize("name", ("d1s", "d3s_i"))
 @pytest.mark.parametrize("progress", PROGRESS)
 def test_intra_group_presets_keep_n_per_prompt(batch, name, progress):

@@ -372,6 +372,14 @@ def test_pods_hand_worked_renormalisation():
     # a kept subset of one rollout has no spread -> 0
     one = select_samples("pods", r, adv, g, 1)
     assert one.n_kept == 1 and one.advantages[one.sample_keep].item() == 0.0
+    # the run's estimator on the kept subset (it was GRPO's whatever was configured):
+    # Dr. GRPO r - mean_S = -0.5, 0.5; RLOO r_i - (the other's) = -1, 1
+    dr = select_samples("pods", r, adv, g, 2, advantage="dr_grpo")
+    assert dr.advantages[:2].tolist() == [-0.5, 0.5]
+    rloo = select_samples("pods", r, adv, g, 2, advantage="rloo")
+    assert rloo.advantages[:2].tolist() == [-1.0, 1.0]
+    with pytest.raises(ValueError, match="advantage estimator"):
+        select_samples("pods", r, adv, g, 2, advantage="nope")
 
 
 def test_one_per_group_keeps_the_largest_advantage_of_either_sign():
