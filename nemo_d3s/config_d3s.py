@@ -34,7 +34,8 @@ class ScheduleConfig(Section):
     n_final: Count = 1.0
     k_init: float = 1.0
     k_final: float = 1.0
-    milestones: List[float] = field(default_factory=list)  # only for kind=step
+    # kind=step only: the progress values where (N, K) steps; empty = the core default (0.5)
+    milestones: List[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, s: DynamicSchedule) -> "ScheduleConfig":
@@ -56,6 +57,8 @@ class ScheduleConfig(Section):
         self._check(
             all(is_number(m) and 0 <= m <= 1 for m in ms), "milestones", "progress values in [0, 1]"
         )
+        # (it was dropped without a word for another kind)
+        self._check(not ms or self.kind == "step", "milestones", "only kind=step has milestones")
         self._built(self.to_core)
 
 

@@ -186,6 +186,14 @@ def test_sampling_settings_are_judged_once_by_the_generation_config():
         )
 
 
+def test_milestones_of_a_schedule_that_has_none_are_refused_not_dropped():
+    msg = _error(["d3s.schedule.kind=linear", "d3s.schedule.milestones=[0.3]"])
+    assert "d3s.schedule.milestones" in msg and "only kind=step" in msg
+    ok = compose(["d3s.schedule.kind=step", "d3s.schedule.milestones=[0.3]", "output_dir=x"])
+    validate(ok)  # and an empty list at kind=step is the core's default, 0.5
+    validate(compose(["d3s.schedule.kind=step", "output_dir=x"]))
+
+
 @pytest.mark.parametrize("override", ["trainer.top_p=0.9", "trainer.top_k=40"])
 def test_a_truncated_sampler_is_refused_as_its_rollouts_would_be_scored_untruncated(override):
     assert "sampling from a truncated distribution is not supported" in _error([override])
