@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from nemo_d3s.backends.base import Policy
+from nemo_d3s.core.checks import is_count, is_number
 from nemo_d3s.distributed.agree import all_gather_texts
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.files import (
@@ -106,24 +107,21 @@ def _read_state(path: Path) -> TrainerState:
     if not isinstance(raw, dict):
         raise ValueError("not a JSON object")
     state = TrainerState(**raw)  # an unknown key: TypeError
-    for name, kind in _STATE_TYPES.items():
-        value = getattr(state, name)
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ValueError(f"{name}={value!r}")
-    if state.step < 0:
-        raise ValueError(f"step={state.step!r}")
+    for name, ok in _STATE_CHECKS.items():
+        if not ok(getattr(state, name)):
+            raise ValueError(f"{name}={getattr(state, name)!r}")
     return state
 
 
 # what each TrainerState field must be when read back (a number where a float is kept)
-_STATE_TYPES = {
-    "step": int,
-    "update_tokens_total": (int, float),
-    "rollout_tokens_total": (int, float),
-    "skipped_steps": int,
-    "reward_errors_total": int,
-    "wall_time_total": (int, float),
-    "extra": dict,
+_STATE_CHECKS: Dict[str, Callable[[Any], bool]] = {
+    "step": is_count,
+    "update_tokens_total": is_number,
+    "rollout_tokens_total": is_number,
+    "skipped_steps": is_count,
+    "reward_errors_total": is_count,
+    "wall_time_total": is_number,
+    "extra": lambda v: isinstance(v, dict),
 }
 
 
