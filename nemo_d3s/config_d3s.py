@@ -100,6 +100,9 @@ class D3SSection(Section):
     # token_scope=batch under data parallelism: global_exact (the top K% of the whole DP
     # batch), local (per rank, like most frameworks) or gather_quantile (approximate).
     dp_batch_scope: str = "global_exact"
+    # keep | drop the tokens of kept rollouts whose advantage is 0 from the token pool
+    # (core.presets.D3SConfig.zero_advantage_tokens)
+    zero_advantage_tokens: str = "keep"
 
     @classmethod
     def from_preset(cls, name: str) -> "D3SSection":
@@ -118,6 +121,7 @@ class D3SSection(Section):
             eps=self.eps,
             unbiased=self.unbiased,
             min_kept_tokens=self.min_kept_tokens,
+            zero_advantage_tokens=self.zero_advantage_tokens,
             seed=seed,
         )
 

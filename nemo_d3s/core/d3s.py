@@ -230,17 +230,20 @@ class D3SSelector:
             check_shape("entropy", entropy, response_mask.shape, "response_mask")
             check_same_device(entropy=entropy, response_mask=response_mask)
         k_schedule = k_frac
+        eligible = response_mask
+        if self.cfg.zero_advantage_tokens == "drop":  # rows that carry no policy gradient
+            eligible = response_mask & (stage.kept_advantages != 0).unsqueeze(1)
         if not self.needs_entropy:
-            token_keep = response_mask.clone()
+            token_keep = eligible.clone()
         else:
             if self.cfg.min_kept_tokens:
                 # The floor is per optimizer step: count the eligible tokens of every rank
                 # (the same K on all of them), whatever pool the scope then draws from.
-                n_step = int(self.reduce_sums(response_mask.sum().to(torch.float64).reshape(1))[0])
+                n_step = int(self.reduce_sums(eligible.sum().to(torch.float64).reshape(1))[0])
                 k_frac = k_frac_with_floor(k_frac, n_step, int(self.cfg.min_kept_tokens))
             scores = self.token_scores(stage, entropy, response_mask)
-            token_keep = self.top_k(scores, response_mask, k_frac)
-        metrics = self._token_metrics(token_keep, response_mask, entropy)
+            token_keep = self.top_k(scores, eligible, k_frac)
+        metrics = self._token_metrics(token_keep, eligible, entropy)
         metrics["k_frac_schedule"] = float(k_schedule)
         return TokenStage(token_keep, k_frac, metrics)
 

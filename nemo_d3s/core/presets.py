@@ -73,6 +73,13 @@ class D3SConfig:
     # handful of tokens. 0 = off (the papers' rule). Inert once K x eligible >= M, e.g. at
     # the papers' batch sizes; see ``token_selection.k_frac_with_floor``.
     min_kept_tokens: int = 0
+    # The tokens of kept rollouts whose advantage is 0 (an all-equal group under intra-group
+    # selection; a pool with fewer non-zero advantages than N under cross-group): "keep" them
+    # in the token pool (the papers' rule: they score 0, so they are kept last) or "drop"
+    # them, so they neither fill K nor count in the ``kept`` loss normaliser (with
+    # ``normalize_by=kept`` the gradient scale then does not depend on K) nor cost an update
+    # pass. Their KL term goes with them.
+    zero_advantage_tokens: str = "keep"
 
     def __post_init__(self) -> None:
         if isinstance(self.schedule, Mapping):  # plain dict / DictConfig from a config file
@@ -95,6 +102,9 @@ class D3SConfig:
             raise ValueError(f"unbiased must be a bool, got {self.unbiased!r}")
         if not is_integer(self.seed):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        zat = self.zero_advantage_tokens
+        if zat not in ("keep", "drop"):
+            raise ValueError(f"zero_advantage_tokens must be 'keep' or 'drop', got {zat!r}")
         m = self.min_kept_tokens
         if not is_count(m):
             raise ValueError(f"min_kept_tokens must be an int >= 0 (0 = no floor), got {m!r}")

@@ -184,6 +184,39 @@ def test_pods_renormalises_on_the_kept_subset(batch, progress):
     assert torch.equal(tok.token_keep, mask[stage.kept_rows])
 
 
+@pytest.mark.parametrize("zat", ["keep", "drop"])
+def test_tokens_of_zero_advantage_rollouts_are_kept_or_dropped_as_configured(zat):
+    """Hand-worked: 4 prompts x G = 4, rewards [1,0,0,0 | 0,0,0,0 | 1,1,1,1 | 0,0,0,0], D3S-I
+    keeps N = 2 of each group: rows 0, 1 (A != 0) and two of each all-equal group (A = 0);
+    10 response tokens a row, entropy 1, batch scope, K = 0.75. "keep": 60 of the 80 tokens,
+    only rows 0 and 1's 20 with a gradient, so the kept normaliser is 60; "drop": the pool is
+    those 20, 15 kept, and every kept token carries a gradient."""
+    rewards = torch.tensor([1.0, 0, 0, 0] + [0.0] * 4 + [1.0] * 4 + [0.0] * 4)
+    group_ids = torch.arange(4).repeat_interleave(4)
+    sel = D3SSelector(
+        D3SConfig(
+            sample_rule="d3s_intra",
+            token_scope="batch",
+            schedule=DynamicSchedule("constant", 0.5, 0.5, 0.75, 0.75),
+            zero_advantage_tokens=zat,
+        )
+    )
+    stage = sel.select_samples(rewards, group_ids, 0.0)
+    assert stage.kept_rows.tolist()[:2] == [0, 1] and len(stage.kept_rows) == 8
+    mask = torch.zeros(8, 12, dtype=torch.bool)
+    mask[:, 2:] = True
+    tok = sel.select_tokens(stage, torch.ones(8, 12), mask, 0.0)
+    informative = (stage.kept_advantages != 0).unsqueeze(1) & tok.token_keep
+    if zat == "keep":
+        assert int(tok.token_keep.sum()) == 60 and int(informative.sum()) == 20
+        assert tok.metrics["n_eligible_tokens"] == 80
+    else:
+        assert int(tok.token_keep.sum()) == 15 and torch.equal(informative, tok.token_keep)
+        assert tok.metrics["n_eligible_tokens"] == 20
+    with pytest.raises(ValueError, match="zero_advantage_tokens"):
+        D3SConfig(zero_advantage_tokens="maybe")
+
+
 def test_pods_renormalises_with_the_configured_estimator(batch):
     """d3s.advantage reached the full-group advantages only; PODS re-normalised its kept
     subset with GRPO's whatever was configured."""

@@ -63,6 +63,7 @@ def test_default_and_smoke_configs_validate():
         ("d3s.schedule.kind=exp", "d3s.schedule.kind"),
         ("d3s.min_kept_tokens=-1", "d3s.min_kept_tokens"),
         ("d3s.dp_batch_scope=approx", "d3s.dp_batch_scope"),
+        ("d3s.zero_advantage_tokens=maybe", "d3s.zero_advantage_tokens"),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):
@@ -184,6 +185,12 @@ def test_sampling_settings_are_judged_once_by_the_generation_config():
             .split("def generate", 1)[1]
             .split("\n    def ")[0]
         )
+
+
+def test_zero_advantage_tokens_reaches_the_selector():
+    cfg = compose(["d3s=d3s", "d3s.zero_advantage_tokens=drop", "output_dir=x"])
+    validate(cfg)
+    assert d3s_config(cfg).zero_advantage_tokens == "drop"
 
 
 def test_milestones_of_a_schedule_that_has_none_are_refused_not_dropped():
