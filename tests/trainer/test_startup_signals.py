@@ -135,6 +135,10 @@ def test_every_stop_signal_of_the_start_up_is_carried_over_to_the_loops_handlers
     before = {s: signal.getsignal(s) for s in STOPS}
     after = []
     try:
+        # a process started with none of them ignored (an xdist worker starts ignoring
+        # SIGINT, which the start-up's handler would then ignore again after the run)
+        for s in STOPS:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
         startup = StartupStops.arm(lambda s, frame: after.append(s))
         os.kill(os.getpid(), signum)
         stop = StopSignals()
