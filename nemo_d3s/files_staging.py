@@ -13,7 +13,7 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Container, Dict, List, Optional, Tuple
 
 __all__ = [
     "atomic_write_text",
@@ -160,14 +160,16 @@ def fsync_folder(path: str | os.PathLike) -> None:
     fsync_path(str(path), folder=True)
 
 
-def fsync_tree(root: str | os.PathLike) -> None:
+def fsync_tree(root: str | os.PathLike, flushed: Container[str] = ()) -> None:
     """Flush every file and folder under ``root`` (and ``root``), so a rename publishing ``root``
-    cannot survive a crash its contents do not."""
+    cannot survive a crash its contents do not; ``flushed``: files (paths relative to ``root``,
+    "/"-separated) their writers flushed already."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
-                fsync_path(p, folder=False)
+            if os.path.relpath(p, root).replace(os.sep, "/") in flushed or os.path.islink(p):
+                continue
+            fsync_path(p, folder=False)
         fsync_path(dirpath, folder=True)
 
 

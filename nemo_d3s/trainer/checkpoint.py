@@ -271,8 +271,9 @@ class CheckpointManager:
                 write_checksums(tmp, merged)  # last: covers every file; hashes unnamed ones
                 fault_point("checkpoint.before_rename")
                 # Flushed before the rename publishes it, as files.atomic_folder does: a
-                # crash cannot leave a complete-looking checkpoint with unwritten files.
-                fsync_tree(tmp)
+                # crash cannot leave a complete-looking checkpoint with unwritten files (the
+                # files the ranks named, each flushed by its writer in _write_own, not again)
+                fsync_tree(tmp, flushed=merged)
                 if final.exists():  # a step saved again: its old copy goes aside first
                     # (atomic) and _prune deletes it: a kill -9 inside a deletion must not
                     # leave a half-deleted step_* that looks like a checkpoint

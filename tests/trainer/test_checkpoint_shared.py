@@ -219,20 +219,25 @@ def test_rank_0_failing_to_create_the_folder_is_one_clear_error_on_every_rank(tm
 
 
 def _fsynced_files(rank: int, out: str):
+    from nemo_d3s import files_staging
     from nemo_d3s.trainer import checkpoint as ckpt_mod
 
     _setup(rank, slow=False)
-    flushed, real = [], ckpt_mod.fsync_path
+    flushed, tree, real = [], [], ckpt_mod.fsync_path
 
-    def recording(path, *, folder):
-        if not folder:
-            flushed.append(_rel(path))
-        return real(path, folder=folder)
+    def recording(into):
+        def fsync(path, *, folder):
+            if not folder:
+                into.append(_rel(path))
+            return real(path, folder=folder)
 
-    ckpt_mod.fsync_path = recording
+        return fsync
+
+    ckpt_mod.fsync_path = recording(flushed)  # each rank's own files
+    files_staging.fsync_path = recording(tree)  # rank 0's pass over the folder before the rename
     mgr = ckpt_mod.CheckpointManager(out, _groups(rank), keep_last=2)
     mgr.save(_ShardedPolicy(rank), ckpt_mod.TrainerState(step=1))
-    return sorted(flushed)
+    return sorted(flushed), sorted(tree)
 
 
 def test_each_rank_flushes_the_files_it_wrote_before_the_checkpoint_is_published(tmp_path):
@@ -240,8 +245,11 @@ def test_each_rank_flushes_the_files_it_wrote_before_the_checkpoint_is_published
     parallel filesystem that does not reach the pages another node's client holds, so a
     crash of that node after the rename left a published checkpoint failing its checksums."""
     res = run_on_gloo_ranks(_fsynced_files, WORLD, str(tmp_path), timeout=WAIT_S)
-    for r, flushed in enumerate(res):
+    for r, (flushed, tree) in enumerate(res):
         own = [f"rng_rank{r}.pt", f"shards/rank{r}_0.bin", f"shards/rank{r}_1.bin"]
         if r == 0:
             own += ["trainer_state.json"]
         assert flushed == sorted(own), (r, flushed)
+        # rank 0 then flushes what nobody named (the policy's config.json, the checksums
+        # written last), not again every file its writer flushed
+        assert tree == (["checksums.json", "config.json"] if r == 0 else []), (r, tree)
