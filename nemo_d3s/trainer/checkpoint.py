@@ -48,6 +48,7 @@ __all__ = [
     "CheckpointManager",
     "latest_checkpoint",
     "checkpoint_dirs",
+    "step_of",
     "verify_checkpoint",
     "safe_load",
     "looks_like_write_failure",  # files', re-exported (with space_note) for the entry point
@@ -85,12 +86,13 @@ def checkpoint_dirs(ckpt_root: str | os.PathLike) -> List[Path]:
     root = Path(ckpt_root)
     if not root.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and p.is_dir()
-    ]
+    found = [(step_of(p), p) for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def step_of(path: Path) -> int:
+    """The step of a ``step_*`` directory (its name)."""
+    return int(_STEP_DIR.match(path.name).group(1))
 
 
 def latest_checkpoint(ckpt_root: str | os.PathLike) -> Optional[Path]:
@@ -331,7 +333,7 @@ class CheckpointManager:
         # Renamed out of the step_* names first (atomic): a kill -9 inside rmtree must not
         # leave a half-deleted step_* directory that a resume would try to load.
         dirs = checkpoint_dirs(self.root)
-        later = [p for p in dirs if int(_STEP_DIR.match(p.name).group(1)) > step]
+        later = [p for p in dirs if step_of(p) > step]
         for p in later + [p for p in dirs if p not in later][self.keep_last :]:
             os.replace(p, self.root / f".pruned_{p.name}")
         for p in self.root.glob(".pruned_step_*"):  # this prune's and a killed one's

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.files import CHECKSUMS
-from nemo_d3s.trainer.checkpoint import RUN_RECORD, checkpoint_dirs
+from nemo_d3s.trainer.checkpoint import RUN_RECORD, checkpoint_dirs, step_of
 from nemo_d3s.trainer.faults import first_line
 from nemo_d3s.trainer.run_start.config_file import compare_config, read_run_config, refuse_records
 from nemo_d3s.trainer.run_start.data_record import (
@@ -173,7 +173,7 @@ def _refuse_rewind(out: Path, newest: Path) -> None:
         steps = json.loads(path.read_text(encoding="utf-8")).get("steps")
     except (OSError, ValueError, AttributeError):
         return  # absent or unreadable: the run did not finish (or it cannot be told)
-    at = int(newest.name.split("_")[1])
+    at = step_of(newest)
     if isinstance(steps, int) and steps > at:
         raise ConfigError(
             f"output_dir={str(out)!r} holds a finished run (summary.json: {steps} steps) "
