@@ -35,6 +35,7 @@ from nemo_d3s.errors import RunError
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
     OtherLayout,
+    held_weights_fit,
     load_rollouts,
     optional_held_weights,
     rollouts_file,
@@ -309,22 +310,28 @@ class GenerationPipeline:
         """This rank's batches and engine weights from checkpoint ``folder`` (nothing for
         k = 0, no folder or no files). Collective, one agreement: files of another
         data-parallel layout (a resume at another TP / PP / DP) are dropped on every rank, and
-        ``start`` generates those batches again (warned); an unusable file raises on every rank
-        (it used to raise on its own rank only, and the others waited in ``start``)."""
+        ``start`` generates those batches again (warned); engine weights that do not fit an
+        engine here (a resume at another TP / PP or engine count: ``held_weights_fit``) are
+        dropped on every rank (warned); an unusable file raises on every rank (it used to raise
+        on its own rank only, and the others waited in ``start``)."""
         if self.synchronous or folder is None:
             return {}, None
-        rank, status, failure = self.groups.global_rank, 0.0, None
+        rank, status, failure, unfit = self.groups.global_rank, 0.0, None, None
         try:
             path = Path(folder) / rollouts_file(rank)
             lo_hi = (self.prompts.lo, self.prompts.hi)
             batches = load_rollouts(path, lo_hi) if path.is_file() else {}
-            held = optional_held_weights(Path(folder) / weights_file(rank))
+            held_path = Path(folder) / weights_file(rank)
+            held = optional_held_weights(held_path)
+            if held is not None:
+                unfit = held_weights_fit(held, self.engine.held_weights())
         except OtherLayout as e:
             status, failure = 1.0, e
         except RunError as e:
             status, failure = 2.0, e
-        agreed = self.groups.max(status)
-        if agreed >= 2:
+        # one agreement: 2 * status + (this rank's held weights do not fit its engine)
+        agreed = self.groups.max(2.0 * status + (1.0 if unfit else 0.0))
+        if agreed >= 4:
             raise (
                 failure
                 if status >= 2
@@ -332,7 +339,7 @@ class GenerationPipeline:
                     f"the rollouts {folder} keeps for another rank are unusable (its log says why)"
                 )
             )
-        if agreed >= 1:
+        if agreed >= 2:
             if self.groups.is_main:
                 log.warning(
                     "the rollouts %s keeps were generated at another data-parallel layout "
@@ -341,6 +348,15 @@ class GenerationPipeline:
                     failure or "on another rank",
                 )
             return {}, None
+        if agreed >= 1:  # the batches stand; those due from the held weights are generated anew
+            if self.groups.is_main:
+                log.warning(
+                    "the engine weights %s keeps do not fit this layout's engines (%s): the "
+                    "batches due from them are generated with the resumed step's weights",
+                    folder,
+                    f"{held_path}: {unfit}" if unfit else "on another rank",
+                )
+            return batches, None
         return batches, held
 
     # ------------------------------------------------------------------ the worker's side

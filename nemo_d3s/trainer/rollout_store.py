@@ -20,6 +20,7 @@ from nemo_d3s.core.routing import NO_EXPERT
 __all__ = [
     "HeldWeights",
     "OtherLayout",
+    "held_weights_fit",
     "load_held_weights",
     "load_rollouts",
     "optional_held_weights",
@@ -209,3 +210,23 @@ def load_held_weights(path: Path) -> HeldWeights:
 def optional_held_weights(path: Path) -> Optional[HeldWeights]:
     """:func:`load_held_weights` of ``path``, None when there is no such file."""
     return load_held_weights(path) if path.is_file() else None
+
+
+def held_weights_fit(
+    held: HeldWeights, own: Optional[Iterable[Tuple[str, torch.Tensor]]]
+) -> Optional[str]:
+    """Why the weights a checkpoint kept for this rank do not fit the engine here (None: they
+    fit). ``own``: the engine's ``held_weights()`` now. A rank whose engine lived elsewhere
+    wrote an empty file; after a resume at another TP / PP or engine count
+    (``parallel.engine_blocks``) an engine rank could read such a file, or another copy's, and
+    refit from nothing. ``own`` None (vLLM: cannot read its weights back) is compared by
+    emptiness only; the engine checks the names of a refit."""
+    if own is None:
+        return None if held.tensors else "an empty file for this rank's engine"
+    shapes = {str(n): tuple(t.shape) for n, t in own}
+    if shapes == {n: tuple(t.shape) for n, t in held.tensors.items()}:
+        return None
+    if not shapes or not held.tensors:
+        here = "an engine" if shapes else "no engine"
+        return f"{len(held.tensors)} weights where this rank holds {here}"
+    return f"{len(held.tensors)} weights that are not the {len(shapes)} of this rank's engine"

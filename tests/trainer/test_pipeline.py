@@ -19,7 +19,8 @@ from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.errors import RunError
 from nemo_d3s.trainer.data import PromptBatch
 from nemo_d3s.trainer.pipeline import WORKER_NAME, GenerationPipeline
-from nemo_d3s.trainer.rollout_store import load_rollouts, save_rollouts
+from nemo_d3s.trainer.rollout_store import HeldWeights, held_weights_fit, load_rollouts
+from nemo_d3s.trainer.rollout_store import save_held_weights, save_rollouts
 from _limits import WAIT_S  # noqa: E402
 
 
@@ -366,7 +367,8 @@ def test_the_ranks_agree_on_the_rollouts_a_checkpoint_keeps(tmp_path, case, capl
         save_rollouts(tmp_path / "rollouts_rank0.safetensors", {1: (_rollouts(1, 0, 2), 0)}, (0, 2))
     if case == "mine_unusable":
         (tmp_path / "rollouts_rank0.safetensors").write_bytes(b"garbage")
-    others = {"another_ranks_other_slice": 1.0, "another_ranks_unusable": 2.0}.get(case, 0.0)
+    # what another rank sends into the agreement: 2 * (1 another slice, 2 unusable)
+    others = {"another_ranks_other_slice": 2.0, "another_ranks_unusable": 4.0}.get(case, 0.0)
     pipe = _pipeline(_Engine(), 2, 6)
     agreed = []
 
@@ -464,3 +466,59 @@ def test_the_worker_generates_on_a_stream_of_its_own_after_the_refits_writes():
         calls.append(("generate",))
     one = [("wait", "default"), ("enter", "Stream"), ("generate",), ("exit", "Stream")]
     assert calls == one + one
+
+
+def test_held_weights_fit_the_engine_here_by_names_and_shapes():
+    held = HeldWeights({"a": torch.zeros(2, 3), "b": torch.zeros(4)}, 5)
+    same = [("b", torch.ones(4)), ("a", torch.ones(2, 3))]
+    assert held_weights_fit(held, iter(same)) is None
+    assert held_weights_fit(HeldWeights({}, 5), iter(())) is None  # no engine then, none now
+    assert (
+        held_weights_fit(HeldWeights({}, 5), iter(same))
+        == "0 weights where this rank holds an engine"
+    )
+    assert held_weights_fit(held, iter(())) == "2 weights where this rank holds no engine"
+    other = [("a", torch.ones(3, 2)), ("b", torch.ones(4))]
+    assert "not the 2 of this rank's engine" in held_weights_fit(held, iter(other))
+    assert "not the 1 of" in held_weights_fit(held, iter(same[:1]))
+    assert held_weights_fit(held, None) is None  # vLLM: the refit checks the names
+    assert held_weights_fit(HeldWeights({}, 5), None) == "an empty file for this rank's engine"
+
+
+@pytest.mark.parametrize("case", ["fits", "mine_empty", "mine_other_shapes", "another_ranks"])
+def test_engine_weights_of_another_engine_placement_are_dropped_on_every_rank(
+    tmp_path, case, caplog
+):
+    """A resume at another TP / PP or engine count at the same DP: the ranks' rollouts still
+    hold their prompts, but a rank that holds an engine now may read the empty weights file a
+    rank without one wrote (or another model's), and refitted from it. Every rank now drops
+    the held weights when one rank's do not fit its engine; the batches stand."""
+    import logging
+
+    save_rollouts(tmp_path / "rollouts_rank0.safetensors", {1: (_rollouts(1, 0, 2), 0)}, (0, 1))
+    weights = {"fits": [("w", torch.zeros(1))], "mine_empty": [], "another_ranks": []}
+    weights = weights.get(case, [("w", torch.zeros(2, 2))])
+    if case == "another_ranks":  # this rank's file fits; another rank's did not
+        weights = [("w", torch.zeros(1))]
+    save_held_weights(tmp_path / "engine_weights_rank0.safetensors", weights, 0)
+    others = 1.0 if case == "another_ranks" else 0.0
+    pipe = _pipeline(_Engine(), 2, 6)
+    agreed = []
+
+    class _Groups:
+        global_rank, is_main = 0, True
+
+        def max(self, x):
+            agreed.append(x)
+            return max(x, others)
+
+    pipe.groups = _Groups()
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        batches, held = pipe.load_pending(tmp_path)
+    assert sorted(batches) == [1] and len(agreed) == 1
+    if case == "fits":
+        assert held is not None and held.version == 0 and "do not fit" not in caplog.text
+        return
+    assert held is None and "do not fit this layout's engines" in caplog.text
+    want = {"mine_empty": "0 weights where", "mine_other_shapes": "not the 1 of"}
+    assert want.get(case, "on another rank") in caplog.text
