@@ -351,6 +351,22 @@ def test_a_rollouts_file_is_untrusted(tmp_path):
         load_rollouts(path, (0, 1))
 
 
+def _rank0_among(others: float):
+    """(A pipeline on rank 0 of a job whose other ranks send ``others`` into each agreement,
+    the values rank 0 sent)."""
+    pipe, agreed = _pipeline(_Engine(), 2, 6), []
+
+    class _Groups:
+        global_rank, is_main = 0, True
+
+        def max(self, x):
+            agreed.append(x)
+            return max(x, others)
+
+    pipe.groups = _Groups()
+    return pipe, agreed
+
+
 @pytest.mark.parametrize(
     "case",
     ["mine_other_slice", "another_ranks_other_slice", "mine_unusable", "another_ranks_unusable"],
@@ -369,17 +385,7 @@ def test_the_ranks_agree_on_the_rollouts_a_checkpoint_keeps(tmp_path, case, capl
         (tmp_path / "rollouts_rank0.safetensors").write_bytes(b"garbage")
     # what another rank sends into the agreement: 2 * (1 another slice, 2 unusable)
     others = {"another_ranks_other_slice": 2.0, "another_ranks_unusable": 4.0}.get(case, 0.0)
-    pipe = _pipeline(_Engine(), 2, 6)
-    agreed = []
-
-    class _Groups:  # rank 0 of a job whose other ranks found ``others``
-        global_rank, is_main = 0, True
-
-        def max(self, x):
-            agreed.append(x)
-            return max(x, others)
-
-    pipe.groups = _Groups()
+    pipe, agreed = _rank0_among(others)
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
         if case.endswith("unusable"):
             want = "not a rollouts file" if case == "mine_unusable" else "for another rank"
@@ -502,17 +508,7 @@ def test_engine_weights_of_another_engine_placement_are_dropped_on_every_rank(
         weights = [("w", torch.zeros(1))]
     save_held_weights(tmp_path / "engine_weights_rank0.safetensors", weights, 0)
     others = 1.0 if case == "another_ranks" else 0.0
-    pipe = _pipeline(_Engine(), 2, 6)
-    agreed = []
-
-    class _Groups:
-        global_rank, is_main = 0, True
-
-        def max(self, x):
-            agreed.append(x)
-            return max(x, others)
-
-    pipe.groups = _Groups()
+    pipe, agreed = _rank0_among(others)
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
         batches, held = pipe.load_pending(tmp_path)
     assert sorted(batches) == [1] and len(agreed) == 1
