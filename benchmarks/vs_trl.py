@@ -199,26 +199,36 @@ def launch(name: str, ns, seed: int, root: Path, env: dict, budget: Optional[flo
 
 
 class RaceLock:
-    """``run.lock`` in the race folder, taken exclusively: two ``run`` calls on one folder would
-    run arms at the same time."""
+    """``run.lock`` in the race folder, held with ``flock`` while a ``run`` goes on: two
+    ``run`` calls on one folder would run arms at the same time. The kernel releases the lock
+    when its process ends, however it ends (a kill, a restarted machine), so a stale file never
+    blocks the next ``run``; the file stays (unlinking it would let two runs lock two files)."""
 
     def __init__(self, root: Path) -> None:
         self.path = root / "run.lock"
+        self.fd: Optional[int] = None
 
     def __enter__(self) -> "RaceLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
             raise SystemExit(
-                f"error: {self.path} exists: another `run` is using this folder (pid "
-                f"{self.path.read_text().strip() or '?'}); if none is, remove the file"
+                f"error: another `run` is using this folder (pid {holder}, holding {self.path})"
             ) from None
+        os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
-        os.close(fd)
+        self.fd = fd
         return self
 
     def __exit__(self, *exc) -> None:
-        self.path.unlink(missing_ok=True)
+        if self.fd is not None:
+            os.close(self.fd)  # releases the lock
+            self.fd = None
 
 
 def run(ns) -> int:

@@ -184,6 +184,42 @@ def test_a_second_run_on_one_folder_is_refused(tmp_path):
         pass
 
 
+def test_a_lock_left_by_a_run_that_died_does_not_block_the_next(tmp_path):
+    """A ``run`` killed (or its machine restarted) leaves ``run.lock`` behind; the next one
+    used to refuse until the file was removed by hand. A lock held by a live process still
+    refuses, naming its pid."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    (tmp_path / "run.lock").write_text(dead.stdout.strip())
+    with vs_trl.RaceLock(tmp_path):
+        assert (tmp_path / "run.lock").read_text() == str(os.getpid())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(tmp_path / "run.lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SystemExit, match=f"pid {holder.pid},"):
+            with vs_trl.RaceLock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with vs_trl.RaceLock(tmp_path):  # the holder was killed: the kernel released its lock
+        pass
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.write(fd, str(os.getpid()).encode())
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
 def test_a_stop_file_ends_the_race_between_arms(tmp_path, monkeypatch):
     """``STOP`` in the folder: ``run`` ends before its next arm, removes the file, and a later
     ``run`` goes on from there (the arm in progress is never cut)."""
@@ -204,7 +240,9 @@ def test_a_stop_file_ends_the_race_between_arms(tmp_path, monkeypatch):
     argv = ["run", "--out", str(tmp_path), "--seeds", "2", "--arms", "trl_grpo,trl_d3s,nd3s_d3s"]
     assert vs_trl.main(argv) == 0
     assert launched == [(REFERENCE, 0, None), ("trl_d3s", 0, 7.0)]
-    assert not (tmp_path / "STOP").exists() and not (tmp_path / "run.lock").exists()
+    assert not (tmp_path / "STOP").exists()
+    with vs_trl.RaceLock(tmp_path):  # released
+        pass
     assert vs_trl.main(argv) == 0  # goes on, seed by seed, until seed 1's trl_d3s asks again
     assert launched[2:] == [("nd3s_d3s", 0, 7.0), (REFERENCE, 1, None), ("trl_d3s", 1, 7.0)]
     assert not (tmp_path / "STOP").exists()
@@ -295,7 +333,8 @@ def test_the_race_runs_every_arm_alone_on_the_tiny_model(tmp_path):
         capture_output=True, text=True, timeout=WAIT_S, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    assert not (out / "run.lock").exists()
+    with vs_trl.RaceLock(out):  # released
+        pass
     rows = read_rows(out / "arms.jsonl")
     assert [row["arm"] for row in rows] == smoke  # the reference first, one run each
     assert all(row["exit"] == 0 and row["cpu_s"] > 0 for row in rows)
