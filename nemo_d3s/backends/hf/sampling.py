@@ -50,7 +50,21 @@ def sample_next(
     """
     if not cfg.do_sample:
         return logits.argmax(dim=-1)
-    logits = logits.float() / cfg.temperature
+    return draw_tempered(tempered_logits(logits, cfg), uniforms, cfg)
+
+
+def tempered_logits(logits: torch.Tensor, cfg: GenerationConfig) -> torch.Tensor:
+    """logits [b, V] -> float32 [b, V] of the distribution sampled: divided by the
+    temperature when sampling, as they are (greedy decoding: the raw logits)."""
+    logits = logits.float()
+    return logits / cfg.temperature if cfg.do_sample and cfg.temperature != 1.0 else logits
+
+
+def draw_tempered(
+    logits: torch.Tensor, uniforms: torch.Tensor, cfg: GenerationConfig
+) -> torch.Tensor:
+    """:func:`sample_next` of logits already tempered (:func:`tempered_logits`); ``logits``
+    is not written to."""
     order = None
     if cfg.top_k > 0 or cfg.top_p < 1.0:
         # Stable sort: equal logits keep vocabulary order, so ties break by the lower id.
@@ -94,7 +108,8 @@ def decode_seeded(
     """Decode b rows with a KV cache, row i drawing its uniforms from ``seeds[i]``;
     ``check_stop()`` runs before every token. Position ids count real tokens only, so a row
     sees the positions it would alone. ``logprobs``: a list that gets each row's sampled
-    tokens' log-probs (log-softmax of the raw logits, as the trainer scores them).
+    tokens' log-probs (log-softmax of the logits divided by the temperature when sampling, as
+    the trainer scores them: ``PolicySettings.logit_temperature``).
     ``routing`` (a mixture of experts): a list that gets each row's routing [p_i + n_i, L, K]
     int16 over its prompt and response tokens (``backends/hf/routing.py``): the experts of
     every token the sampler fed, ``NO_EXPERT`` for a last token it never fed back. Memory:
@@ -136,13 +151,13 @@ def decode_seeded(
                 **{cache_kw: past},
             )
         past = getattr(res, cache_kw)
-        last = res.logits[:, -1, :]
-        nxt = sample_next(last, uniforms[:, t], cfg)
+        # divided by the temperature once: the draw and its log-prob read the same [b, V]
+        tempered = tempered_logits(res.logits[:, -1, :], cfg)
+        nxt = draw_tempered(tempered, uniforms[:, t], cfg) if cfg.do_sample else tempered.argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
         out[:, t] = nxt
         if logprobs is not None:
             # of the distribution sampled (at the temperature), as the trainer scores it
-            tempered = last.float() / cfg.temperature if cfg.do_sample else last.float()
             lp[:, t] = torch.log_softmax(tempered, dim=-1).gather(1, nxt[:, None])[:, 0]
         lengths += (~done).long()
         done = done | torch.isin(nxt, eos)
