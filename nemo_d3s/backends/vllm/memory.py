@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Sequence, Tuple
 
+from nemo_d3s.backends.vllm.expert_parallel import dense_model_refusal
 from nemo_d3s.backends.vllm.placement import engine_placement, placement_summary
 from nemo_d3s.errors import ConfigError
 
@@ -192,17 +193,18 @@ def generation_idle(
     }
 
 
-def engine_params_per_gpu(spec: Any, vllm_tp: int, expert_parallel: bool) -> float:
+def engine_params_per_gpu(
+    spec: Any, vllm_tp: int, expert_parallel: bool, source: Any = "the model"
+) -> float:
     """Parameters on one GPU of a vLLM engine of TP ``vllm_tp``: every tensor sliced over TP,
     or with ``expert_parallel`` the routed experts placed whole, ceil(E / TP) of them on the
     busiest GPU (vLLM's linear placement gives the first E mod TP ranks one more), each
-    gated expert 3 H F per layer; the rest sliced over TP. ConfigError for a dense model."""
+    gated expert 3 H F per layer; the rest sliced over TP. ConfigError for a dense model
+    (``source`` names it)."""
     if not expert_parallel:
         return spec.num_params / vllm_tp
     E = int(spec.num_experts or 0)
     if not E:
-        raise ConfigError(
-            "rollout.expert_parallel=true: the model is not a mixture of experts; leave it false"
-        )
+        raise ConfigError(dense_model_refusal(source))
     experts = spec.num_layers * E * 3 * spec.hidden_size * spec.moe_ffn_hidden_size
     return (spec.num_params - experts) / vllm_tp + experts * math.ceil(E / vllm_tp) / E
