@@ -28,6 +28,10 @@ from typing import Any, List, Optional, Tuple
 
 from nemo_d3s.tasks.base import checked_reward
 
+# The signals a job or a terminal stops the trainer with: the trainer's to act on, never the
+# worker's (reward_pool starts a worker with them blocked until it ignores them).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
 __all__ = ["main", "reap_children"]
 
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
@@ -115,8 +119,11 @@ def main(in_fd: int, out_fd: int) -> None:
     if os.getppid() != parent:  # the trainer died before the line above
         os._exit(1)
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGHUP"):
-        signal.signal(getattr(signal, name), lambda *_: None)  # default again after an exec
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: None)  # default again after an exec
+    # the trainer started this process with them blocked: one sent before the line above
+    # (a job's SIGTERM during the interpreter's start) is pending, delivered now to a no-op
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     inbox, outbox = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
     try:
         kind, spec = inbox.recv()

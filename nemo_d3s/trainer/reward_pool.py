@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from nemo_d3s.errors import ConfigError, RunError
+from nemo_d3s.tasks.reward_worker import STOP_SIGNALS
 
 __all__ = ["RewardPool", "worker_spec"]
 
@@ -62,6 +63,12 @@ class _Worker:
         env = dict(os.environ)  # the same nemo_d3s as this process, wherever it came from
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        # Started with the stop signals blocked (a mask survives fork and exec; the worker
+        # unblocks them once it ignores them): a job's SIGTERM or SIGUSR1 to every process
+        # while the interpreter starts would otherwise kill it, and a worker dying before it is
+        # ready fails the run. Blocked in this thread only: one sent to the trainer meanwhile
+        # is delivered to another of its threads or on return, not lost.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nemo_d3s.tasks.reward_worker", str(in_r), str(out_w)],
@@ -71,6 +78,7 @@ class _Worker:
                 env=env,
             )
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(in_r)
             os.close(out_w)
         self.inbox = Connection(in_w, readable=False)

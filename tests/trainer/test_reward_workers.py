@@ -255,6 +255,28 @@ def test_the_worker_ignores_stop_signals_and_dies_with_the_trainer(tmp_path):
     assert not _alive(worker)
 
 
+def test_a_stop_signal_while_a_worker_starts_neither_kills_it_nor_fails_the_run():
+    """Slurm signals every process of the job (proctrack/cgroup), the workers too. One that
+    reached a worker before it ignored stop signals (its interpreter starting, ~50 ms) killed
+    it, and a worker dying before it is ready is a RunError ("killed by SIGUSR1 while building
+    task"): the pre-emption signal failed the run instead of checkpointing it."""
+    import os
+
+    adapter = task_adapter("tiny", {}, 0, 1)
+    try:
+        worker = adapter.pool.workers[0].proc.pid
+        for sig in (signal.SIGUSR1, signal.SIGTERM):  # at once: the worker is still starting
+            os.kill(worker, sig)
+        rewards, failures = adapter.score(adapter.task.sample_train(1, 0), ["a", "b"], 2)
+        assert failures == {} and len(rewards) == 2
+        assert adapter.pool.workers[0].proc.pid == worker and _alive(worker)  # never replaced
+        blocked = Path(f"/proc/{worker}/status").read_text().split("SigBlk:")[1].split()[0]
+        assert int(blocked, 16) == 0  # unblocked once it ignores them (and so its children)
+    finally:
+        adapter.close()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == set()  # the trainer's mask restored
+
+
 def test_a_worker_whose_trainer_stopped_listening_ends_without_a_traceback():
     """The pool closed (a stop, the run's end) while a worker was starting: its first message
     met a closed pipe and printed a BrokenPipeError traceback on the job's stderr."""
