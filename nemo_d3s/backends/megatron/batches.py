@@ -115,7 +115,10 @@ def plan_packed(
 ) -> List[MicroBatch]:
     """Packs (``core.packing``) of a right-padded [B, S] mask under ``max_tokens``, or (0)
     ``micro_batch_size`` longest rows', slots multiples of ``seq_multiple``; one width per
-    call (the fullest pack, >= 2, to :func:`width_multiple`). B = 0: one zero-weight pack."""
+    call (the fullest pack within the budget, >= 2, to :func:`width_multiple`), but a row
+    longer than the budget is a pack at its own width: widened to it, every pack fed its
+    padding as part of its last slot (quadratic attention over it; one 32k row among 2k rows
+    at a budget of 8k tripled the positions fed). B = 0: one zero-weight pack."""
     m = width_multiple(multiple_of, quantum)
     B = attention_mask.shape[0]
     if B == 0:
@@ -125,8 +128,9 @@ def plan_packed(
     lengths = row_lengths(attention_mask)
     budget = max_tokens or micro_batch_size * max(int(lengths.max()), 1)
     packs = pack_micro_batches(lengths, budget, seq_multiple=seq_multiple)
-    w = _round_up(max(max(p.width for p in packs), 2), m)
-    return [MicroBatch(p.rows, 1, w, p.widen(w)) for p in packs]
+    w = _round_up(max(max((p.width for p in packs if p.width <= budget), default=0), 2), m)
+    widths = [max(w, _round_up(p.width, m)) for p in packs]
+    return [MicroBatch(p.rows, 1, width, p.widen(width)) for p, width in zip(packs, widths)]
 
 
 def pad_for_interleaving(

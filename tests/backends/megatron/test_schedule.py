@@ -396,6 +396,8 @@ LAYOUTS = {
     "tp2pp2_packed": (2, 2, 4, False, ALL_ROWS, MBS, 20, False, 1, True),
     "pp2vpp2_packed": (1, 2, 2, True, ALL_ROWS, MBS, 20, False, 2, True),
     "tp2_sp_packed": (2, 1, 2, True, ALL_ROWS, MBS, 20, True, 1, True),  # width 18
+    # budget 9: the rows of 10 run alone at width 10, the others at 9: two shapes at PP 2
+    "tp2pp2_packed_over_budget": (2, 2, 4, False, ALL_ROWS, MBS, 9, False, 1, True),
     # no budget: packs of MBS rows of the longest row (20 positions); an empty DP rank
     # feeds one zero-weight pack
     "dp2_packed_empty_rank": (1, 1, 2, True, [list(range(B)), []], MBS, 0, False, 1, True),
@@ -597,6 +599,14 @@ def test_packed_plan_hand_worked():
     # one width per call: [5] and [3 1] of budget 6 are both fed at 5; with a quantum of 8 at 8
     assert [m.width for m in plan_packed(_mask([3, 5, 1], 6), 1, 6)] == [5, 5]
     assert [m.width for m in plan_packed(_mask([3, 5, 1], 6), 1, 6, quantum=8)] == [8, 8]
+    # a row longer than the budget runs alone at its own width; the others keep the shared
+    # width of the fullest pack within the budget (they were all widened to 32, the padding
+    # attended as part of their last slot)
+    over = plan_packed(_mask([32, 4, 4, 4, 4, 4, 4], 32), 1, 8)
+    assert [m.rows.tolist() for m in over] == [[0], [1, 4], [2, 5], [3, 6]]
+    assert [m.width for m in over] == [32, 8, 8, 8]
+    assert [m.pack.max_seqlen for m in over] == [32, 4, 4, 4]
+    assert [m.width for m in plan_packed(_mask([12, 3, 2], 12), 1, 8, quantum=4)] == [12, 8]
     ids = torch.arange(50).view(5, 10)
     x = model_inputs(TokenBatch(ids, mask, mask), sp[1], torch.device("cpu"))
     assert x[0].tolist() == [[10, 11, 12, 13, 14, 0, 1, 2, 20, 21, 0, 0]]
