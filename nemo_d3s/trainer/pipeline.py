@@ -52,22 +52,35 @@ WORKER_NAME = "nemo_d3s-rollout-worker"
 POLL_S = 0.05  # how often a waiting trainer looks at the stop flag and the worker's liveness
 
 
-def worker_stream(torch) -> Callable[[], ContextManager]:
-    """The worker's generation context: on a CUDA process a stream of its own, so an engine
-    that generates on the trainer's GPU (the HF sampler's replica) runs beside the update's
-    kernels instead of queueing behind them on the default stream (torch's current stream is
-    per thread, a new thread starting on the default stream: torch 2.13
-    ``c10/cuda/CUDAStream.cpp:168`` ``thread_local ... current_streams``), first waiting for
-    the default stream, where the trainer's refit
-    wrote the weights it reads; the rollouts come back to the CPU (a host sync on that stream)
-    before the trainer refits again. The CPU twin: nothing to switch."""
+def trainer_device(torch) -> Optional[int]:
+    """The CUDA device the calling (trainer) thread uses, None on a CPU process: the worker
+    thread must select it itself (the CUDA runtime's current device is per host thread, a new
+    one starting on device 0; torch's pin-memory thread sets its own the same way, torch 2.13
+    ``utils/data/_utils/pin_memory.py:24``)."""
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return int(torch.cuda.current_device())
+
+
+def worker_stream(torch, device: Optional[int]) -> Callable[[], ContextManager]:
+    """The worker's generation context, set up on the worker thread: on a CUDA process
+    (``device``: :func:`trainer_device`) that thread's current device is the trainer's (else
+    rank r's worker made a context and a stream on GPU 0, and its engine's wake emptied GPU
+    0's cache instead of its own) and a stream of its own on it, so an engine that generates
+    on the trainer's GPU (the HF sampler's replica) runs beside the update's kernels instead
+    of queueing behind them on the default stream (torch's current stream is per thread, a
+    new thread starting on the default stream: torch 2.13 ``c10/cuda/CUDAStream.cpp:168``
+    ``thread_local ... current_streams``), first waiting for the default stream, where the
+    trainer's refit wrote the weights it reads; the rollouts come back to the CPU (a host
+    sync on that stream) before the trainer refits again. The CPU twin: nothing to switch."""
+    if device is None:
         return contextlib.nullcontext
-    stream = torch.cuda.Stream()
+    torch.cuda.set_device(device)
+    stream = torch.cuda.Stream(device=device)
 
     @contextlib.contextmanager
     def on_side():
-        stream.wait_stream(torch.cuda.default_stream())
+        stream.wait_stream(torch.cuda.default_stream(device))
         with torch.cuda.stream(stream):
             yield
 
@@ -182,7 +195,12 @@ class GenerationPipeline:
         # closing the pipeline cuts a generation short (within a token for the HF sampler)
         self.engine.should_stop = lambda: self._closed or (inner_stop is not None and inner_stop())
         self.engine.pin_weights()
-        self._thread = threading.Thread(target=self._work, name=WORKER_NAME, daemon=True)
+        import torch
+
+        device = trainer_device(torch)
+        self._thread = threading.Thread(
+            target=self._work, args=(device,), name=WORKER_NAME, daemon=True
+        )
         self._thread.start()
         if need == 1:  # the boundary the stop cut short, with the weights of step - 1 again
             if held is not None and due:
@@ -392,9 +410,10 @@ class GenerationPipeline:
         self._waited_on[step] = self._waited_on.get(step, 0.0) + waited
         return waited
 
-    def _work(self) -> None:
+    def _work(self, device: Optional[int]) -> None:
         """The worker thread: the released batches in step order, each with the version the
-        engine holds when it starts (the trainer refits only while nothing is released)."""
+        engine holds when it starts (the trainer refits only while nothing is released), on
+        the trainer's CUDA ``device`` (None: a CPU process)."""
         import torch
 
         # A new thread's OpenMP team size is the library default until torch's first parallel
@@ -403,7 +422,7 @@ class GenerationPipeline:
         # cores) and runs it after a torch op has set 1: "Check failed: thread_num (2 vs. 1)".
         torch.get_num_threads()
         idle_since = time.perf_counter()
-        side = worker_stream(torch)
+        side = worker_stream(torch, device)
         while True:
             with self._cv:
                 while not self._closed and not self._queue:

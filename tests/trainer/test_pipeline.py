@@ -6,6 +6,7 @@ survive a checkpoint file (trainer/rollout_store.py) and nothing else is read ba
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -423,55 +424,95 @@ def test_the_worker_threads_openmp_team_is_the_trainers_before_it_generates(monk
     assert seen == [1, 1, 1], (seen, os.cpu_count())
 
 
-def test_the_worker_generates_on_a_stream_of_its_own_after_the_refits_writes():
-    """worker_stream: on a CPU process nothing to switch; on a CUDA one (a stand-in for
-    torch.cuda recording the calls) the worker's stream first waits for the default stream
-    (the refit's copies), then is current while the engine generates, and only then."""
-    import contextlib
+class _FakeCuda:
+    """torch.cuda as the worker sees it: a current device per thread (0 in a new one, as the
+    CUDA runtime's), streams on a device; ``calls`` records (thread name, call)."""
 
-    from nemo_d3s.trainer.pipeline import worker_stream
+    def __init__(self):
+        self.calls, self.local = [], threading.local()
 
-    assert worker_stream(torch) is contextlib.nullcontext  # this machine: no CUDA
-    calls = []
+    def _note(self, *call):
+        self.calls.append((threading.current_thread().name, *call))
 
-    class Stream:
-        def wait_stream(self, other):
-            calls.append(("wait", other))
+    def is_available(self):
+        return True
 
-    class Cuda:
-        @staticmethod
-        def Stream():
-            return Stream()
+    def is_initialized(self):
+        return True
 
-        @staticmethod
-        def is_available():
-            return True
+    def current_device(self):
+        return getattr(self.local, "device", 0)
 
-        @staticmethod
-        def is_initialized():
-            return True
+    def set_device(self, device):
+        self._note("set_device", device)
+        self.local.device = device
 
-        @staticmethod
-        def default_stream():
-            return "default"
+    def Stream(self, device=None):
+        cuda = self
+        device = self.current_device() if device is None else device
+        self._note("Stream", device)
 
-        @staticmethod
-        @contextlib.contextmanager
-        def stream(s):
-            calls.append(("enter", type(s).__name__))
-            yield
-            calls.append(("exit", type(s).__name__))
+        class Stream:
+            def wait_stream(self, other):
+                cuda._note("wait", other)
 
-    class FakeTorch:
-        cuda = Cuda
+        return Stream()
 
-    side = worker_stream(FakeTorch)
-    with side():
-        calls.append(("generate",))
-    with side():
-        calls.append(("generate",))
-    one = [("wait", "default"), ("enter", "Stream"), ("generate",), ("exit", "Stream")]
-    assert calls == one + one
+    def default_stream(self, device=None):
+        return f"default:{self.current_device() if device is None else device}"
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        self._note("enter")
+        yield
+        self._note("exit")
+
+
+def test_the_worker_generates_on_the_trainers_gpu_on_a_stream_of_its_own():
+    """worker_stream: on a CPU process nothing to switch. On a CUDA one (a stand-in for
+    torch.cuda with a current device per thread) the worker thread first selects the
+    trainer's device (rank r's worker made a stream, a context and its engine's cache release
+    on GPU 0), its stream on that device first waits for that device's default stream (the
+    refit's copies), then is current while the engine generates, and only then."""
+    from types import SimpleNamespace
+
+    from nemo_d3s.trainer.pipeline import trainer_device, worker_stream
+
+    assert trainer_device(torch) is None  # this machine: no CUDA
+    assert worker_stream(torch, None) is contextlib.nullcontext
+    cuda = _FakeCuda()
+    fake = SimpleNamespace(cuda=cuda)
+    cuda.set_device(3)  # the trainer's thread: LOCAL_RANK 3
+    device, seen = trainer_device(fake), []
+
+    def worker():
+        side = worker_stream(fake, device)
+        for _ in range(2):
+            with side():
+                seen.append(cuda.current_device())
+
+    thread = threading.Thread(target=worker, name="w")
+    thread.start()
+    thread.join()
+    one = [("w", "wait", "default:3"), ("w", "enter"), ("w", "exit")]
+    assert cuda.calls[1:] == [("w", "set_device", 3), ("w", "Stream", 3), *one, *one]
+    assert seen == [3, 3]
+
+
+def test_the_pipeline_hands_its_worker_the_trainers_device(monkeypatch):
+    import nemo_d3s.trainer.pipeline as pipeline
+
+    got = []
+    monkeypatch.setattr(pipeline, "trainer_device", lambda torch: 5)
+    monkeypatch.setattr(
+        pipeline,
+        "worker_stream",
+        lambda torch, device: (
+            got.append((threading.current_thread().name, device)) or contextlib.nullcontext
+        ),
+    )
+    _drive(_pipeline(_Engine(), 1, 2), 2)
+    assert got == [(WORKER_NAME, 5)]
 
 
 def test_held_weights_fit_the_engine_here_by_names_and_shapes():
