@@ -18,13 +18,12 @@ failed worker) before its first collective. The batches generated ahead go into 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.backends.base import Rollouts
@@ -32,6 +31,7 @@ from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
 from nemo_d3s.trainer.faults import agreed_refit, fault_point
 from nemo_d3s.errors import RunError
+from nemo_d3s.trainer.worker_cuda import trainer_device, worker_stream
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
     OtherLayout,
@@ -50,41 +50,6 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 WORKER_NAME = "nemo_d3s-rollout-worker"
 POLL_S = 0.05  # how often a waiting trainer looks at the stop flag and the worker's liveness
-
-
-def trainer_device(torch) -> Optional[int]:
-    """The CUDA device the calling (trainer) thread uses, None on a CPU process: the worker
-    thread must select it itself (the CUDA runtime's current device is per host thread, a new
-    one starting on device 0; torch's pin-memory thread sets its own the same way, torch 2.13
-    ``utils/data/_utils/pin_memory.py:24``)."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return None
-    return int(torch.cuda.current_device())
-
-
-def worker_stream(torch, device: Optional[int]) -> Callable[[], ContextManager]:
-    """The worker's generation context, set up on the worker thread: on a CUDA process
-    (``device``: :func:`trainer_device`) that thread's current device is the trainer's (else
-    rank r's worker made a context and a stream on GPU 0, and its engine's wake emptied GPU
-    0's cache instead of its own) and a stream of its own on it, so an engine that generates
-    on the trainer's GPU (the HF sampler's replica) runs beside the update's kernels instead
-    of queueing behind them on the default stream (torch's current stream is per thread, a
-    new thread starting on the default stream: torch 2.13 ``c10/cuda/CUDAStream.cpp:168``
-    ``thread_local ... current_streams``), first waiting for the default stream, where the
-    trainer's refit wrote the weights it reads; the rollouts come back to the CPU (a host
-    sync on that stream) before the trainer refits again. The CPU twin: nothing to switch."""
-    if device is None:
-        return contextlib.nullcontext
-    torch.cuda.set_device(device)
-    stream = torch.cuda.Stream(device=device)
-
-    @contextlib.contextmanager
-    def on_side():
-        stream.wait_stream(torch.cuda.default_stream(device))
-        with torch.cuda.stream(stream):
-            yield
-
-    return on_side
 
 
 @dataclass

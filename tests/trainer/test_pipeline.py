@@ -476,7 +476,7 @@ def test_the_worker_generates_on_the_trainers_gpu_on_a_stream_of_its_own():
     refit's copies), then is current while the engine generates, and only then."""
     from types import SimpleNamespace
 
-    from nemo_d3s.trainer.pipeline import trainer_device, worker_stream
+    from nemo_d3s.trainer.worker_cuda import trainer_device, worker_stream
 
     assert trainer_device(torch) is None  # this machine: no CUDA
     assert worker_stream(torch, None) is contextlib.nullcontext
