@@ -87,6 +87,20 @@ class TrainConfig(Section):
                 "cannot keep more rollouts per prompt than are generated "
                 f"(trainer.num_generations={g})",
             )
+        stale = int(self.rollout.max_staleness)
+        require(
+            not (
+                stale > 0
+                and self.rollout.engine == "hf"
+                and self.model.params.get("sampler") == "hf_generate"
+            ),
+            "rollout.max_staleness",
+            stale,
+            "trains on rollouts of older weights, corrected by their behaviour log-probs, "
+            "which model.params.sampler=hf_generate (transformers' generate, one seed per call "
+            "and the process's RNG, from the rollout thread) does not return: use the seeded "
+            "sampler (the default) or rollout=vllm",
+        )
         validate_layout(self, world_size)
 
 

@@ -201,6 +201,16 @@ def test_milestones_of_a_schedule_that_has_none_are_refused_not_dropped():
     validate(compose(["d3s.schedule.kind=step", "output_dir=x"]))
 
 
+def test_stale_rollouts_need_a_sampler_that_returns_their_log_probs():
+    """hf_generate returns no behaviour log-probs: with rollout.max_staleness > 0 the
+    off-policy correction (algorithm.tis_cap) silently did nothing, and its one-seed-per-call
+    RNG is the process's, drawn from the rollout thread while the trainer runs."""
+    stale = ["rollout.max_staleness=1", "+model.params.sampler=hf_generate"]
+    assert _error(stale).startswith("rollout.max_staleness=1: trains on rollouts of older")
+    validate(compose([*stale[1:], "output_dir=x"]))  # synchronous: its own sampler, fine
+    validate(compose(["rollout.max_staleness=1", "+model.params.sampler=seeded", "output_dir=x"]))
+
+
 @pytest.mark.parametrize("override", ["trainer.top_p=0.9", "trainer.top_k=40"])
 def test_a_truncated_sampler_is_refused_as_its_rollouts_would_be_scored_untruncated(override):
     assert "sampling from a truncated distribution is not supported" in _error([override])
