@@ -49,7 +49,7 @@ from nemo_d3s.formats.safetensors_stream import (
     write_hf_weights,
 )
 from nemo_d3s.formats.shards import SUBDIR, ST_DTYPES, shard_plan, write_layout
-from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
+from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size, smallest_world
 from nemo_d3s.formats.weights import (
     Layout,
     SafetensorsReader,
@@ -211,8 +211,7 @@ def hf_to_megatron(
         dtype_of = lambda name, lay: want or _source_dtype(reader, name, spec, lay)  # noqa: E731
         close = reader.close
     try:
-        world = max(tp, etp * ep) * pp  # the smallest world of this layout
-        check_layout(spec, tp=tp, pp=pp, world=world, ep=ep, etp=etp)
+        check_layout(spec, tp=tp, pp=pp, world=smallest_world(tp, pp, ep, etp), ep=ep, etp=etp)
         layout = Layout(
             tp=tp,
             pp=pp,

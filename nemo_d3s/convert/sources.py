@@ -39,7 +39,7 @@ from nemo_d3s.formats.side_files import (
     tokenizer_files,
 )
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
-from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config
+from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config, smallest_world
 from nemo_d3s.formats.weights import hf_names, hf_shape
 
 __all__ = ["DTYPES", "GENERATION_CONFIG", "SideFiles", "CheckpointSource", "open_checkpoint"]
@@ -333,7 +333,10 @@ def open_checkpoint(
             f"{saved.padded_vocab} is not a layout of this model"
         )
     try:
-        check_layout(spec, tp=saved.tp, pp=saved.pp, world=saved.tp * saved.pp)
+        world = smallest_world(saved.tp, saved.pp, saved.ep, saved.etp)
+        check_layout(
+            spec, tp=saved.tp, pp=saved.pp, world=world, ep=saved.ep, etp=saved.etp
+        )  # the expert sizes too: an EP of 0 indexed no expert file, then a bare KeyError
     except ConfigError as e:
         raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: {e}") from None
     dtype = check_shards(root, spec, saved)

@@ -297,6 +297,15 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // m) * m
 
 
+def smallest_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The fewest ranks a TP x PP layout with EP x ETP experts (ETP None: TP) runs on: TP x PP
+    and ETP x EP x PP must both divide it (``check_layout``), so lcm(TP, ETP x EP) x PP (not
+    the max: TP 2 with EP 3 needs 6 ranks, not 3). Sizes < 1 give 1 here: ``check_layout``
+    names them."""
+    etp = tp if etp is None else etp
+    return math.lcm(max(int(tp), 1), max(int(etp) * int(ep), 1)) * max(int(pp), 1)
+
+
 def check_layout(
     spec: ModelSpec,
     *,

@@ -95,3 +95,30 @@ def test_an_ep_the_experts_do_not_divide_is_refused_before_writing(tmp_path):
     assert not (tmp_path / "ck").exists()
     with pytest.raises(ConfigError, match="has no experts"):
         hf_to_megatron(tiny(tmp_path / "dense", "llama"), tmp_path / "ck", ep=2, progress=False)
+
+
+def test_the_smallest_world_of_an_expert_layout_is_an_lcm_not_a_max(tmp_path):
+    """TP 2 with EP 3 x ETP 1 needs 6 ranks (TP x PP and ETP x EP x PP both divide the
+    world): the converter checked the layout at max(2, 3) = 3 ranks and refused a valid one."""
+    from nemo_d3s.formats.spec import ModelSpec, check_layout, smallest_world
+
+    assert smallest_world(2, 1, 3, 1) == 6 and smallest_world(4, 1, 6, 1) == 12
+    assert smallest_world(2, 2, 4, 1) == 8 and smallest_world(2, 3) == 6  # ETP = TP: TP x PP
+    cfg = json.loads((tiny(tmp_path / "src", "qwen2_moe") / "config.json").read_text())
+    spec = ModelSpec.from_hf_dict({**cfg, "num_experts": 6})
+    assert check_layout(spec, tp=2, pp=1, world=smallest_world(2, 1, 3, 1), ep=3, etp=1) == 3
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        check_layout(spec, tp=2, pp=1, world=max(2, 3), ep=3, etp=1)
+
+
+@pytest.mark.parametrize("field,value", [("ep", 0), ("etp", -1), ("ep", 3)])
+def test_expert_sizes_in_layout_json_are_checked(tmp_path, field, value):
+    """A layout.json whose expert sizes are not a layout of the model (0: no expert file
+    indexed, then a bare KeyError at another EP) is one error naming the file."""
+    src = tiny(tmp_path / "src", "qwen3_moe")
+    ck = hf_to_megatron(src, tmp_path / "ck", ep=2, progress=False)
+    path = ck / "megatron" / "layout.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(ConfigError, match="layout.json"):
+        megatron_to_hf(ck, tmp_path / "back", progress=False, verify_checksums=False)
+    assert not (tmp_path / "back").exists()
