@@ -38,6 +38,14 @@ def test_rows_by_hand():
         dtype=torch.int16,
     )
     assert out.dtype == torch.int16 and torch.equal(out, want)
+    # vLLM's own dtypes: uint8 up to 256 experts, uint16 past them (torch has no uint16 min)
+    for dtype in (np.uint8, np.uint16, np.int64):
+        typed = routing_rows(
+            [r0.astype(dtype), r1.astype(dtype)], [2, 3], [3, 3], [3, 1], 6, (1, 2)
+        )
+        assert torch.equal(typed, want), dtype
+    big = np.full((4, 1, 2), 300, dtype=np.uint16)  # expert 300 of a 384-expert model
+    assert int(routing_rows([big], [2], [3], [3], width=6, shape=(1, 2))[0, 0, 0, 0]) == 300
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,9 @@ def routing_rows(
                 f"vLLM returned no routed experts for row {i} (enable_return_routed_experts is "
                 "on: a vLLM that ignores it?)"
             )
-        t = torch.as_tensor(arr)
+        # vLLM hands the narrowest unsigned type (uint8, uint16 past 256 experts: 0.33
+        # ``routed_experts_capturer.py:69``); torch has no min / max of uint16
+        t = torch.as_tensor(arr).to(torch.int32)
         if t.dim() != 3 or tuple(t.shape[1:]) != (L, K) or t.shape[0] != p + g - 1:
             raise RuntimeError(
                 f"vLLM's routed experts of row {i} have shape {tuple(t.shape)}, expected "
