@@ -46,6 +46,7 @@ __all__ = [
     "moe_hf_shape",
     "moe_local_names",
     "moe_local_parts",
+    "check_megatron_router",
     "moe_transformer_fields",
     "swiglu_rows",
 ]
@@ -107,6 +108,21 @@ def moe_fields(cfg: Dict[str, Any], arch: str, source: str, need: Callable) -> D
     )
 
 
+def check_megatron_router(spec: Any) -> None:
+    """ConfigError for a router megatron-core cannot build: top-1 with the selected score
+    renormalised (Qwen3-MoE / Qwen2-MoE ``norm_topk_prob=true``, Mixtral at k = 1: a weight of
+    1, no router gradient), which megatron-core refuses ("Please use --moe-router-pre-softmax
+    when topk is 1", 0.16.1 ``transformer/transformer_config.py:1633-1641``). The top-1 with
+    the full softmax's score megatron-core wants is another forward (the expert's output
+    scaled by p < 1), so it is not mapped there silently."""
+    if spec.num_experts and spec.moe_topk == 1 and not spec.moe_pre_softmax:
+        raise ConfigError(
+            f"{spec.architecture}: num_experts_per_tok=1 with the routing weight renormalised "
+            "(norm_topk_prob=true, or Mixtral) is refused by megatron-core (it wants the "
+            "softmax score of all experts at top-1); use the HF backend (model.backend=hf)"
+        )
+
+
 def moe_transformer_fields(spec: Any) -> Dict[str, Any]:
     """The megatron-core ``TransformerConfig`` fields that describe ``spec``'s MoE layers ({} when
     dense): E experts of width F', softmax scores, top-k renormalised unless
@@ -114,6 +130,7 @@ def moe_transformer_fields(spec: Any) -> Dict[str, Any]:
     without one). What the Megatron backend builds and what ``hf-to-megatron-lm`` records."""
     if not spec.num_experts:
         return {}
+    check_megatron_router(spec)
     return dict(
         num_moe_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,

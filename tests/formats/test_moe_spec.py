@@ -153,3 +153,49 @@ def test_total_and_active_parameters_match_transformers(cfg):
     per_expert //= spec.num_layers
     unused = spec.num_layers * (spec.num_experts - spec.moe_topk) * per_expert
     assert spec.active_params == total - unused < total
+
+
+@pytest.mark.parametrize(
+    "cfg, refused",
+    [
+        ({**QWEN3_MOE, "num_experts_per_tok": 1}, True),  # norm_topk_prob: a weight of 1
+        ({**QWEN3_MOE, "num_experts_per_tok": 1, "norm_topk_prob": False}, False),
+        ({**MIXTRAL, "num_experts_per_tok": 1}, True),  # Mixtral always renormalises
+        (QWEN3_MOE, False),
+    ],
+)
+def test_a_top1_renormalised_router_is_refused_before_megatron_core_does(cfg, refused):
+    """megatron-core raises "Please use --moe-router-pre-softmax when topk is 1" when the model
+    is built (0.16.1 transformer_config.py:1633-1641); the mapping passed every earlier
+    check, and hf-to-megatron-lm wrote args Megatron-LM refuses. Refused first now, with the
+    backend that runs such a model."""
+    from nemo_d3s.backends.megatron.moe import check_moe_layout
+    from nemo_d3s.formats.moe import moe_transformer_fields
+
+    spec = ModelSpec.from_hf_dict(cfg)
+    if not refused:
+        check_moe_layout(spec, tp=1, sequence_parallel=False)
+        assert moe_transformer_fields(spec)["moe_router_topk"] == spec.moe_topk
+        return
+    for call in (
+        lambda: check_moe_layout(spec, tp=1, sequence_parallel=False),
+        lambda: moe_transformer_fields(spec),
+    ):
+        with pytest.raises(ConfigError, match="num_experts_per_tok=1 with the routing weight"):
+            call()
+    ModelSpec.from_hf_dict(cfg)  # the spec itself stands: the HF backend runs it
+
+
+def test_the_refused_router_is_the_one_megatron_core_refuses():
+    """The rule above against megatron-core's own TransformerConfig check."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_moe_experts=8)
+    base.update(moe_router_score_function="softmax", moe_ffn_hidden_size=24)
+    for pre, ok in ((False, False), (True, True)):
+        try:
+            TransformerConfig(**base, moe_router_topk=1, moe_router_pre_softmax=pre)
+        except ValueError as e:
+            assert not ok and "pre-softmax when topk is 1" in str(e)
+        else:
+            assert ok

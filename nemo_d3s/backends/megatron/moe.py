@@ -23,7 +23,7 @@ from nemo_d3s.backends.megatron.batches import MicroBatch
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.distributed.comm import global_rank_of, group_rank, group_size, is_single
-from nemo_d3s.formats.moe import moe_transformer_fields
+from nemo_d3s.formats.moe import check_megatron_router, moe_transformer_fields
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.weights import Layout, assemble_hf, hf_shape, iter_stage_hf
 
@@ -55,6 +55,7 @@ def check_moe_layout(
     ranks. So is Megatron's distributed optimizer: megatron-core shards the expert state over
     the expert-data-parallel group (the expert optimizer of ``get_megatron_optimizer``), and
     ``checkpoint.save_policy`` gathers it over that group."""
+    check_megatron_router(spec)
     if spec.num_experts and packed:
         raise ConfigError(
             f"{spec.architecture} (mixture of experts) with trainer.pack_sequences=true: "
