@@ -26,7 +26,8 @@ from nemo_d3s.backends.base import (
 )
 from nemo_d3s.backends.hf.config import HFBackendConfig
 from nemo_d3s.backends.hf.engine import HFRolloutEngine, ReplicaEngine, SamplerModel
-from nemo_d3s.backends.hf.packed import VARLEN_ATTENTION, pack_batch, packed_logprobs
+from nemo_d3s.backends.hf.forward import micro_batch_forward
+from nemo_d3s.backends.hf.packed import VARLEN_ATTENTION
 from nemo_d3s.backends.hf.loading import (
     TINY_RANDOM,
     load_model_and_tokenizer,
@@ -34,12 +35,9 @@ from nemo_d3s.backends.hf.loading import (
     resolve_device,
     resolve_model_path,
 )
-from nemo_d3s.backends.hf.rollout import encode_prompts, real_length, stop_token_ids
-from nemo_d3s.backends.hf.routing import RouterHooks, check_replay, empty_routing, unpack_routing
+from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
+from nemo_d3s.backends.hf.routing import RouterHooks, check_replay, empty_routing
 from nemo_d3s.backends.lr import lr_multiplier
-from nemo_d3s.core.entropy import entropy_and_logprobs
-from nemo_d3s.core.micro_batches import plan_rows, row_lengths
-from nemo_d3s.core.routing import NO_EXPERT
 from nemo_d3s.distributed.groups import ParallelGroups, init_world
 from nemo_d3s.distributed.normalizers import StepNormalizer
 from nemo_d3s.files import atomic_folder
@@ -111,83 +109,21 @@ class HFBackend(Policy):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _token_logprobs(
-        self, model, ids: torch.Tensor, attn: torch.Tensor, resp: torch.Tensor, with_entropy: bool
-    ):
-        """(logprobs, entropy or None) [b, L] f32, token-aligned, 0 where attn is False.
-
-        ids, attn on device; resp on the CPU (read without a device sync). Only positions
-        from the first response token on are scored (``logits_to_keep``), so the memory is
-        [b, L - first + 1, V] logits, not the prompt's.
-        """
-        L = ids.shape[1]
-        has_resp = resp.any(dim=0)
-        first = max(int(has_resp.int().argmax()), 1) if bool(has_resp.any()) else 1
-        with self._autocast():
-            logits = model(
-                input_ids=ids,
-                attention_mask=attn.long(),
-                use_cache=False,
-                logits_to_keep=L - first + 1,
-            ).logits
-        ent, lp = entropy_and_logprobs(
-            logits[:, :-1], ids[:, first:], temperature=self.cfg.logit_temperature
+    def _forward(self, model, batch, micro_batch_size, micro_batch_tokens, with_entropy, **kw):
+        """:func:`forward.micro_batch_forward` with this policy's device, autocast, scoring
+        temperature and packing."""
+        return micro_batch_forward(
+            model,
+            batch,
+            micro_batch_size,
+            micro_batch_tokens,
+            with_entropy,
+            device=self.device,
+            autocast=self._autocast,
+            temperature=self.cfg.logit_temperature,
+            pack=self.pack,
+            **kw,
         )
-        pad = (first, 0)
-        lp = F.pad(lp.float(), pad) * attn
-        ent = F.pad(ent.float(), pad) * attn if with_entropy else None
-        return lp, ent
-
-    def _forward(
-        self,
-        model,
-        batch,
-        micro_batch_size,
-        micro_batch_tokens,
-        with_entropy,
-        *,
-        skip_unscored: bool,
-        hooks: Optional[RouterHooks] = None,
-    ):
-        """(rows, logprobs [n, W], entropy [n, W] or None, positions fed, routing) per
-        micro-batch, W <= S: packs, else rows cut to their longest (``skip_unscored``: none
-        shorter than 2); routing [n, W, L, K]: the routers' own choice for the rows' real
-        tokens (``NO_EXPERT`` elsewhere) when ``hooks`` are given, else None. A batch carrying
-        ``routed_experts`` is routed by them (``hooks`` required)."""
-        replay = batch.routed_experts
-        if replay is not None and hooks is None:
-            raise ValueError("a batch with routed_experts needs the router hooks")
-        if self.pack:
-            T = self.cfg.logit_temperature  # the rollouts' sampling temperature
-            for pack in pack_batch(batch, micro_batch_size, micro_batch_tokens):
-                target = None if replay is None else pack.pack(replay, NO_EXPERT).unsqueeze(0)
-                with hooks.forward(1, pack.width, target) if hooks else contextlib.nullcontext():
-                    lp, ent = packed_logprobs(
-                        model, batch, pack, self.device, with_entropy, self._autocast, T
-                    )
-                routing = unpack_routing(pack, hooks.pop()[1][0], lp.shape[1]) if hooks else None
-                yield pack.rows, lp, ent, pack.width, routing
-            return
-        for rows in self._plan(batch, micro_batch_size, micro_batch_tokens):
-            mb = batch.select(rows)
-            L = real_length(mb.attention_mask)
-            if L < 2 and skip_unscored:
-                continue  # nothing to score: position 0 is 0 by contract
-            L = max(L, 1)
-            ids, attn = (
-                mb.input_ids[:, :L].to(self.device),
-                mb.attention_mask[:, :L].to(self.device),
-            )
-            target = None if replay is None else mb.routed_experts[:, :L]
-            with hooks.forward(*ids.shape, target) if hooks else contextlib.nullcontext():
-                lp, ent = self._token_logprobs(
-                    model, ids, attn, mb.response_mask[:, :L], with_entropy
-                )
-            routing = None
-            if hooks:  # padding was routed too: NO_EXPERT there
-                routing = hooks.pop()[1].cpu()
-                routing[~mb.attention_mask[:, :L]] = NO_EXPERT
-            yield rows, lp, ent, len(rows) * L, routing
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -220,15 +156,6 @@ class HFBackend(Policy):
         return ReplicaEngine(replica)
 
     # ------------------------------------------------------------------ scoring
-    @staticmethod
-    def _plan(
-        batch: TokenBatch, micro_batch_size: int, micro_batch_tokens: int
-    ) -> List[torch.Tensor]:
-        """Row index tensors of the micro-batches (``core.micro_batches.plan_rows``)."""
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        return plan_rows(row_lengths(batch.attention_mask), micro_batch_size, micro_batch_tokens)
-
     @torch.no_grad()
     def score(
         self,
