@@ -114,6 +114,7 @@ class Trainer:
             self.groups,
             int(self.t.steps),
             stop_requested=self._stop_requested,
+            wait=self.engine_wait,  # the step boundaries' waits too (k >= 1)
         )
         self.start = RunStart(cfg, self.groups, self.ckpt)  # fresh, resume or refuse, and why
         self.ctx = StepContext(

@@ -12,8 +12,10 @@ last of version v - 1), refits version v on its own thread while the worker is i
 per version), runs what needs the idle engine (the evaluation), then releases batch v + k, which
 the worker generates while step v trains; k = 1 waits for the batch step v trains on, a larger k
 adds staleness but no overlap. Every rank agrees on each boundary's outcome (a stop signal, a
-failed worker) before its first collective. The batches generated ahead go into a checkpoint
-(:meth:`GenerationPipeline.pending_writer`).
+failed worker) before its first collective, on the job's store as the synchronous step does
+(``backends/engine_wait.py``): a rank whose batch came first waits for the others' with a
+liveness check, not inside a collective limited by the groups' timeout. The batches generated
+ahead go into a checkpoint (:meth:`GenerationPipeline.pending_writer`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from nemo_d3s.backends.base import GenerationConfig, GenerationInterrupted, Policy, RolloutEngine
 from nemo_d3s.backends.base import Rollouts
+from nemo_d3s.backends.engine_wait import agreed_generation
+from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limit_s
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
 from nemo_d3s.trainer.faults import agreed_refit, fault_point
@@ -68,6 +72,8 @@ class GenerationPipeline:
 
     Call order: :meth:`start`, then per step :meth:`take` (inside the step) and
     :meth:`publish` (after it), :meth:`close` at the end; every method on the trainer's thread.
+    ``wait``: the trainer's wait for the ranks' generations (None: one over every process of
+    the job, the world's timeout as its base; one process: waits for nobody).
     """
 
     def __init__(
@@ -80,10 +86,11 @@ class GenerationPipeline:
         groups: ParallelGroups,
         total_steps: int,
         stop_requested: Callable[[], bool] = lambda: False,
+        wait: Optional[GenerationWait] = None,
     ) -> None:
         self.engine, self.prompts, self.gen, self.n = engine, prompts, gen, int(n_samples)
         self.k, self.groups, self.total_steps = int(max_staleness), groups, int(total_steps)
-        self.stop_requested = stop_requested
+        self.stop_requested, self.wait = stop_requested, wait or _job_wait(groups)
         if self.k and not engine.own_weights:
             raise ValueError(
                 f"rollout.max_staleness={self.k} needs an engine with its own copy of the "
@@ -201,25 +208,32 @@ class GenerationPipeline:
         # a stop signal pending here skips the refit, as after a synchronous step's update: the
         # checkpoint comes first and holds every batch generated so far (the resumed run
         # refits from it)
-        status, failure = (1.0 if self.stop_requested() else 0.0), None
-        try:
-            self._waited[version] = self._waited.get(version, 0.0) + self._wait(last)
-        except GenerationInterrupted:
-            status = 1.0
-        except RuntimeError as e:
-            status, failure = 2.0, e
-        agreed = self.groups.max(status)
-        if failure is not None:
-            raise failure
-        if agreed >= 2:
-            raise RuntimeError("the rollout worker failed on another rank (its log says why)")
-        if agreed >= 1:
-            raise GenerationInterrupted("stop requested while waiting for rollouts")
+        self._agreed_wait(version, last)
         self._refit(policy)  # the worker is idle: nothing released is left
         with self._cv:
             self._version = int(version)
         between()
         self._release(version + self.k, min(version + self.k, self.total_steps - 1))
+
+    def _agreed_wait(self, version: int, last: int) -> None:
+        """Wait for batch ``last`` while this rank beats, then learn every rank's outcome
+        (``agreed_generation``, the synchronous step's), within the limit for batches
+        ``version`` .. ``last``: every rank's same bound, however far its own worker got.
+        GenerationInterrupted on every rank after a stop signal (pending, or cutting the wait
+        short) on any; a failed worker raises on every rank; GenerationTimeout where a rank
+        neither finishes nor beats, or never finishes."""
+        rows = (self.prompts.hi - self.prompts.lo) * self.n * max(0, last - version + 1)
+        limit = generation_limit_s(self.wait.base_s, rows, self.gen.max_new_tokens)
+        waited, agreed = agreed_generation(
+            self.wait,
+            self.engine.alive,
+            lambda: self._wait(last),
+            stopping=self.stop_requested(),
+            limit_s=limit,
+        )
+        self._waited[version] = self._waited.get(version, 0.0) + (waited or 0.0)
+        if agreed.stopping or agreed.interrupted:
+            raise GenerationInterrupted("stop requested while waiting for rollouts")
 
     def _refit(self, policy: Policy) -> None:
         """The boundary's refit, its outcome agreed by every rank (a model-parallel group
@@ -417,3 +431,13 @@ class GenerationPipeline:
                 self._generated.add(step)
                 self._cv.notify_all()
             idle_since = done
+
+
+def _job_wait(groups: ParallelGroups) -> GenerationWait:
+    """A wait over every process of the job (``groups`` spans them), the world group's
+    timeout as its base; one process (no group): waits for nobody."""
+    import torch.distributed as dist
+
+    if all(g is None for g in (groups.dp, groups.tp, groups.pp, groups.cp)):
+        return GenerationWait("pipeline", 1, 0, 0.0)
+    return GenerationWait.of_group("pipeline", dist.group.WORLD)

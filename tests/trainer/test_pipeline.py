@@ -559,3 +559,73 @@ def test_engine_weights_of_another_engine_placement_are_dropped_on_every_rank(
     assert held is None and "do not fit this layout's engines" in caplog.text
     want = {"mine_empty": "0 weights where", "mine_other_shapes": "not the 1 of"}
     assert want.get(case, "on another rank") in caplog.text
+
+
+# ------------------------------------------------------------------ the boundary on 2 ranks
+TIMEOUT_S, SLOW_S = 3.0, 8.0  # trainer.dist_timeout_minutes=0.05; rank 1's batch 1 takes SLOW_S
+
+
+def _two_ranks_at_k1(rank: int, how: str, max_new_tokens: int):
+    """k = 1, 3 steps on a gloo rank whose collectives wait TIMEOUT_S for a peer; on rank 1
+    only, batch 1 takes SLOW_S (``slow``), or the worker fails on it (``fails``), or a stop
+    signal arrives during step 0 (``stop``). The batches' (step, version), or the error."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from nemo_d3s.distributed.timeouts import apply_timeout
+
+    apply_timeout(datetime.timedelta(seconds=TIMEOUT_S))
+    groups = ParallelGroups(dp=dist.group.WORLD, global_rank=rank)
+    mine = rank == 1
+    stop = threading.Event()
+    engine = _Engine(
+        delay=lambda t: SLOW_S if (mine and how == "slow" and t == 1) else 0.0,
+        fail_at=1 if (mine and how == "fails") else None,
+    )
+    gen = GenerationConfig(max_new_tokens=max_new_tokens)
+    pipe = GenerationPipeline(engine, _Prompts(), gen, 2, 1, groups, 3, stop_requested=stop.is_set)
+    try:
+        seen = _drive(pipe, 3, train=lambda t: stop.set() if (mine and how == "stop") else None)
+        return [(t, version) for t, version, _ in seen]
+    except Exception as e:
+        pipe.close()
+        return f"{type(e).__name__}: {e}"
+
+
+def _at_k1(how: str, max_new_tokens: int = 4096):
+    from nemo_d3s.distributed.launch import run_on_gloo_ranks
+
+    return run_on_gloo_ranks(_two_ranks_at_k1, 2, how, max_new_tokens, threads=1, timeout=WAIT_S)
+
+
+@pytest.mark.distributed
+def test_a_rank_whose_batch_came_first_waits_out_a_longer_one_past_the_groups_timeout():
+    """The 70B long recipe at k = 1: replica A's batch done 31 minutes before replica B's. A
+    waited inside the boundary's collective (``groups.max``), limited by
+    trainer.dist_timeout_minutes (30): the gloo / NCCL timeout ended the job without a
+    checkpoint. Now A waits on the job's store while B beats, as the synchronous step does."""
+    assert _at_k1("slow") == [[(0, 0), (1, 0), (2, 1)]] * 2
+
+
+@pytest.mark.distributed
+def test_an_engine_that_never_finishes_at_the_boundary_is_a_generation_timeout():
+    """Rank 1 beats but its batch outlasts the limit for 2 rows of 16 new tokens (TIMEOUT_S +
+    0.4 s): rank 0 says so (k = 0's GenerationTimeout) instead of a collective's timeout;
+    rank 1, finished at last, finds rank 0 gone in its next collective (torchrun ends a job
+    at its first failed rank)."""
+    first, second = _at_k1("slow", max_new_tokens=16)
+    assert first.startswith("GenerationTimeout: ") and "still generating after" in first
+    assert isinstance(second, str), second  # an error, not the batches
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["stop", "fails"])
+def test_a_stop_or_a_failed_worker_on_one_rank_reaches_every_rank_at_the_boundary(how):
+    first, second = _at_k1(how)
+    if how == "stop":
+        want = "GenerationInterrupted: stop requested while waiting for rollouts"
+        assert first == second == want
+    else:
+        assert f"{WORKER_NAME} failed on the batch of step 1" in second and "broke" in second
+        assert first.startswith("RuntimeError: ") and "failed on" in first and "other rank" in first
