@@ -188,7 +188,10 @@ class GenerationPipeline:
         GenerationInterrupted after a stop signal, RuntimeError naming a failed worker."""
         if self.synchronous:
             return generate_groups(self.engine, prompts, self.n, self.gen)
-        self._waited[step] = self._waited.get(step, 0.0) + self._wait(step)
+        # agreed as at a boundary: the first k batches after a start were awaited by nobody
+        # else, and the step's first collective would wait for a slower rank's batch 0 within
+        # the groups' timeout (a batch a boundary awaited is here already: no wait)
+        self._agreed_wait(step, step, stopping=False)
         with self._cv:
             batch = self._batches.pop(step)
         self._taken = {step: batch}
@@ -208,27 +211,28 @@ class GenerationPipeline:
         # a stop signal pending here skips the refit, as after a synchronous step's update: the
         # checkpoint comes first and holds every batch generated so far (the resumed run
         # refits from it)
-        self._agreed_wait(version, last)
+        self._agreed_wait(version, last, stopping=self.stop_requested())
         self._refit(policy)  # the worker is idle: nothing released is left
         with self._cv:
             self._version = int(version)
         between()
         self._release(version + self.k, min(version + self.k, self.total_steps - 1))
 
-    def _agreed_wait(self, version: int, last: int) -> None:
+    def _agreed_wait(self, version: int, last: int, *, stopping: bool) -> None:
         """Wait for batch ``last`` while this rank beats, then learn every rank's outcome
         (``agreed_generation``, the synchronous step's), within the limit for batches
-        ``version`` .. ``last``: every rank's same bound, however far its own worker got.
-        GenerationInterrupted on every rank after a stop signal (pending, or cutting the wait
-        short) on any; a failed worker raises on every rank; GenerationTimeout where a rank
-        neither finishes nor beats, or never finishes."""
+        ``version`` .. ``last``: every rank's same bound, however far its own worker got; the
+        seconds waited go to ``version``'s. GenerationInterrupted on every rank after a stop
+        signal on any (``stopping``: one pending, or one cutting the wait short); a failed
+        worker raises on every rank; GenerationTimeout where a rank neither finishes nor beats,
+        or never finishes."""
         rows = (self.prompts.hi - self.prompts.lo) * self.n * max(0, last - version + 1)
         limit = generation_limit_s(self.wait.base_s, rows, self.gen.max_new_tokens)
         waited, agreed = agreed_generation(
             self.wait,
             self.engine.alive,
             lambda: self._wait(last),
-            stopping=self.stop_requested(),
+            stopping=stopping,
             limit_s=limit,
         )
         self._waited[version] = self._waited.get(version, 0.0) + (waited or 0.0)

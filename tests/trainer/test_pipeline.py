@@ -579,14 +579,21 @@ def _two_ranks_at_k1(rank: int, how: str, max_new_tokens: int):
     groups = ParallelGroups(dp=dist.group.WORLD, global_rank=rank)
     mine = rank == 1
     stop = threading.Event()
+    slow = {"slow": 1, "slow_first": 0}.get(how) if mine else None
     engine = _Engine(
-        delay=lambda t: SLOW_S if (mine and how == "slow" and t == 1) else 0.0,
+        delay=lambda t: SLOW_S if t == slow else 0.0,
         fail_at=1 if (mine and how == "fails") else None,
     )
     gen = GenerationConfig(max_new_tokens=max_new_tokens)
     pipe = GenerationPipeline(engine, _Prompts(), gen, 2, 1, groups, 3, stop_requested=stop.is_set)
+
+    def train(t):  # the step's first collective (scoring's), then a stop signal on rank 1
+        groups.max(0.0)
+        if mine and how == "stop":
+            stop.set()
+
     try:
-        seen = _drive(pipe, 3, train=lambda t: stop.set() if (mine and how == "stop") else None)
+        seen = _drive(pipe, 3, train=train)
         return [(t, version) for t, version, _ in seen]
     except Exception as e:
         pipe.close()
@@ -606,6 +613,14 @@ def test_a_rank_whose_batch_came_first_waits_out_a_longer_one_past_the_groups_ti
     trainer.dist_timeout_minutes (30): the gloo / NCCL timeout ended the job without a
     checkpoint. Now A waits on the job's store while B beats, as the synchronous step does."""
     assert _at_k1("slow") == [[(0, 0), (1, 0), (2, 1)]] * 2
+
+
+@pytest.mark.distributed
+def test_the_first_batch_after_a_start_is_awaited_on_the_store_too():
+    """Batch 0 (the first k after a start or a resume) is awaited by no boundary: rank 0 took
+    its own at once and waited for rank 1's inside the step's first collective, within the
+    groups' timeout. ``take`` now agrees on the store as a boundary does."""
+    assert _at_k1("slow_first") == [[(0, 0), (1, 0), (2, 1)]] * 2
 
 
 @pytest.mark.distributed
