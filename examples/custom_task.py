@@ -52,6 +52,10 @@ def main(out_dir: str) -> None:
             "task.name=parity",
             "task.eval_size=8",
             "trainer.steps=6",
+            # rewards in this process: reward worker processes import the module that
+            # registered the task, and this script is __main__ (move the task into a module
+            # of your own to keep the workers and their time limit)
+            "trainer.reward_workers=0",
             f"output_dir={out_dir}",
         ]
     )

@@ -194,7 +194,8 @@ def test_megatron_hooks_data_parallel_top_k():
 
 def test_examples_have_docstring_with_command():
     for path in (
-        EXAMPLES / n for n in ("select_batch.py", "custom_loss_loop.py", "megatron_hooks.py")
+        EXAMPLES / n
+        for n in ("select_batch.py", "custom_loss_loop.py", "megatron_hooks.py", "custom_task.py")
     ):
         text = path.read_text()
         assert text.startswith('"""'), f"{path.name}: no module docstring"
@@ -202,6 +203,18 @@ def test_examples_have_docstring_with_command():
         assert f"examples/{path.name}" in doc, (
             f"{path.name}: docstring does not show the command to run it"
         )
+
+
+@pytest.mark.slow  # a whole program run: the slow tier
+def test_custom_task_example_trains_on_its_own_task(tmp_path):
+    """README's "train on one from Python": the task registered in the script (__main__),
+    which a reward worker process cannot import: the example stopped at start-up with a
+    ConfigError once rewards moved to worker processes, and no test ran it."""
+    out = _ok(_run([sys.executable, str(EXAMPLES / "custom_task.py"), str(tmp_path / "run")]))
+    assert "trained 6 steps" in out
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert "name: parity" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 @pytest.mark.trl
@@ -385,6 +398,26 @@ def test_slurm_script_bad_environment_is_one_error_line(tmp_path, script, env_ch
     assert r.returncode == 2, r.stdout + r.stderr
     assert r.stderr.strip() == message or r.stderr.strip().startswith(message), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "unbound variable" not in r.stderr
+    assert not (tmp_path / "slurm_calls.log").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["train_dp.sbatch", "train_megatron.sbatch"])
+@pytest.mark.parametrize("override", ["output_dir=/x", "+output_dir=/x", "++output_dir=/x"])
+def test_slurm_script_refuses_an_output_dir_override(tmp_path, script, override):
+    """The scripts read their run folder back (the dry run's plan, the stop marker of a
+    requeue) from OUTPUT_DIR; an output_dir= override (which wins for the trainer) made the
+    Megatron script look for the plan elsewhere and fail as a layout error, and the DP script
+    miss the stop marker and not requeue."""
+    env = _fake_slurm(tmp_path, "4648")
+    r = subprocess.run(
+        ["bash", str(SLURM / script), "experiment=smoke", override],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.strip() == (
+        f"error: {override}: set the run folder with OUTPUT_DIR=... (an environment variable "
+        "of this script), not an output_dir= override"
+    )
     assert not (tmp_path / "slurm_calls.log").exists() and not (tmp_path / "run").exists()
 
 
@@ -623,6 +656,50 @@ def test_slurm_megatron_script_bad_layout_stops_before_torchrun(tmp_path):
     assert (
         calls.count("srun --kill-on-bad-exit") == 1
     )  # the dry run's step only: no node check, no torchrun
+
+
+_FAKE_TORCHRUN_PYTHON = r"""#!/bin/bash
+# the interpreter, except that torchrun only says it would start (the node checks came first)
+if [[ "$1 $2" == "-m torch.distributed.run" ]]; then
+    echo "torchrun $*" >> "$FAKE_SLURM_LOG"
+    exit 0
+fi
+exec {python} "$@"
+"""
+
+
+@pytest.mark.slow  # a whole program run (or several): the slow tier
+@pytest.mark.distributed
+def test_slurm_megatron_script_takes_a_megatron_lm_save_without_output_dir_set(tmp_path):
+    """As the README submits it: OUTPUT_DIR not set (the script's default run folder), and a
+    Megatron-LM save as model.name. The script did not export OUTPUT_DIR, so the dry-run
+    step looked for /dry_run.json and the job stopped as "this layout cannot run"; and every
+    node's check wanted a config.json, which a Megatron-LM save does not have."""
+    sys.path.insert(0, str(REPO / "tests" / "convert"))
+    from _models import tiny
+
+    from nemo_d3s.convert.mcore import hf_to_megatron_lm
+
+    save = hf_to_megatron_lm(tiny(tmp_path / "hf", "llama"), tmp_path / "mlm", progress=False)
+    python = tmp_path / "python"
+    python.write_text(_FAKE_TORCHRUN_PYTHON.format(python=sys.executable))
+    python.chmod(0o755)
+    job = str(50000 + os.getpid() % 10000)  # numeric, as Slurm's; unique per test process
+    run_dir = REPO / "outputs" / f"slurm-{job}"
+    env = _fake_slurm(tmp_path, job, PYTHON=str(python))
+    env.pop("OUTPUT_DIR")
+    overrides = [*_SMOKE, "model.backend=megatron", "~model.params.tiny", f"model.name={save}"]
+    try:
+        r = subprocess.run(
+            ["bash", str(SLURM / "train_megatron.sbatch"), *overrides],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=WAIT_S,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert (run_dir / "dry_run.json").is_file() and "verdict: FITS" in r.stdout
+        calls = (tmp_path / "slurm_calls.log").read_text()
+        assert "torchrun -m torch.distributed.run" in calls and f"output_dir={run_dir}" in calls
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.mark.slow  # a whole program run (or several): the slow tier

@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hf-config",
         default=None,
-        help="config.json folder for a training checkpoint (default: --hf)",
+        help="config.json folder for a training checkpoint (default: the checkpoint's own "
+        "config.json, else --hf)",
     )
     p.add_argument(
         "--atol",

@@ -193,7 +193,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         if ro.routed_experts is None:
             raise RunError(
                 "algorithm.router_replay=rollout: the engine returned no routing (a dense "
-                "model, or a sampler that does not record it: rollout.sampler=seeded does)"
+                "model, or a sampler that does not record it: model.params.sampler=seeded does)"
             )
         kept = dataclasses.replace(kept, routed_experts=ro.routed_experts[stage.kept_rows])
     old_lp = entropy = None  # one on-policy update without token scores: no extra pass needed

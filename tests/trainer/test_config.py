@@ -302,3 +302,23 @@ def test_megatron_smoke_experiment_is_tiny_tp2_and_keeps_one_checkpoint():
     assert (cfg.model.backend, cfg.model.name) == ("megatron", "tiny-random")
     assert cfg.model.params.tensor_model_parallel_size == 2 and cfg.trainer.keep_last == 1
     validate(cfg, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "base, override",
+    [
+        (["model=megatron"], "transformer_impl=local"),
+        (["experiment=qwen25_72b"], "use_tp_pp_dp_mapping=true"),
+        (["experiment=qwen3_235b_a22b"], "distributed_optimizer=false"),
+        ([], "sampler=hf_generate"),
+        (["experiment=llama3_70b_32k"], "context_parallel_size=4"),
+    ],
+)
+def test_the_backend_overrides_the_docs_and_errors_advise_compose(base, override):
+    """The TE error, pyproject.toml, docs/scaling.md and the recipes' comments advised
+    ``model.params.X=v`` for keys the composed config does not list: Hydra refused it ("To
+    append to your config use +..."), and ``+`` fails where a recipe sets the key; ``++``
+    works in both cases."""
+    key, value = override.split("=")
+    cfg = compose([*base, f"++model.params.{override}", "output_dir=x"])
+    assert str(cfg.model.params[key]).lower() == value

@@ -84,7 +84,7 @@ def use_transformer_engine(impl: str, device: torch.device) -> bool:
             "model.params.transformer_impl=transformer_engine (the default on CUDA) needs "
             f"Transformer Engine: {err}. Install the gpu extra (pip install "
             "'nemo_d3s[gpu]', or use slurm/Dockerfile), or set "
-            "model.params.transformer_impl=local for megatron-core's local spec (unfused "
+            "++model.params.transformer_impl=local for megatron-core's local spec (unfused "
             "attention: much slower and [b, heads, S, S] attention scores per layer)"
         )
     return True
