@@ -31,7 +31,8 @@ can be paused without losing the arm in progress.
 ``--threshold-evals`` evals (per seed); time to it is read on the CPU and on the wall axis
 (training only), interpolated between evals, and counts only within the seed's budget; the
 docs/evidence.md section between ``<!-- vs_trl:begin -->`` and ``<!-- vs_trl:end -->`` is
-regenerated from ``vs_trl.json`` alone (``--doc``).
+regenerated from ``vs_trl.json`` alone (``--doc``; refused while runs of the race have no
+``done.json``, unless ``--partial``: the section then says it is partial and which are missing).
 
 ``compaction``: ``trl_compaction.py``'s side-by-side measurement of the plugin's compaction,
 written into the race folder (the report renders it).
@@ -113,6 +114,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     rep.add_argument("--threshold-evals", type=int, default=2)
     rep.add_argument("--record", default=None, help="copy the summary and records here")
     rep.add_argument("--doc", default=None, help="regenerate this file's vs_trl section")
+    rep.add_argument(
+        "--partial", action="store_true", help="--doc even though runs of the race are missing"
+    )
     cmp_ = sub.add_parser("compaction", help="trl_compaction.py into --out/compaction.json")
     cmp_.add_argument("--out", required=True)
     cmp_.add_argument("--model", default=None)
@@ -305,6 +309,15 @@ def report(ns) -> int:
         print(f"error: --out {root}: no config.json (run `vs_trl.py run` first)", file=sys.stderr)
         return 2
     summary = summarize(root, threshold_evals=ns.threshold_evals)
+    missing = [f"{m['arm']} seed {m['seed']} ({m['state']})" for m in summary["missing"]]
+    if ns.doc and missing and not ns.partial:
+        print(
+            f"error: --doc: the race is incomplete, {len(missing)} of {summary['expected_runs']} "
+            f"runs have no done.json ({', '.join(missing)}); --partial writes it anyway, "
+            "saying so",
+            file=sys.stderr,
+        )
+        return 2
     (root / "vs_trl.json").write_text(json.dumps(summary, indent=1))
     plot(summary, root / "vs_trl.png")
     if ns.record:

@@ -11,6 +11,28 @@ Every arm writes the same records into its folder, read by ``vs_trl_report.py``:
   ``--steps``; ``budget``: its CPU seconds spent; ``cap``: ``--max-steps-factor`` x ``--steps``
   steps run first), ``steps``, ``cpu_s``.
 
+How an arm stops: a TRL arm checks the budget at each step's end (``spent``, on the steps' CPU
+seconds summed as ``steps.jsonl`` holds them) and says ``budget`` when that step spent it, else
+``cap`` when TRL's ``max_steps`` (the cap) ended the run. A trainer arm checks at the start of
+the next step (``BudgetSpent``), so when its cap step is the one that spent the budget the
+trainer ends first and ``done.json`` says ``cap``. ``ended_under_budget`` is the exact reading
+(the report's): an arm with a budget that finished with fewer CPU seconds than the budget was
+stopped by the cap.
+
+How the two trainers differ beyond their settings (the report says it too):
+
+- this trainer skips the optimizer step of a batch whose rewards are all tied (every advantage
+  0) or of which nothing was kept (the step's ``skipped`` is 1, its ``update_tokens`` 0), so
+  such a step costs about its generation alone (~11 CPU s at the race's settings against
+  20-37 s for a step that updates); TRL runs its forward, backward and AdamW step on every
+  batch, and on a zero gradient AdamW's momentum still moves the weights;
+- ``update_tokens`` counts every completion token for TRL's plain GRPO (``completions/
+  mean_length`` x rollouts: it has no selection) and the loss-carrying tokens for the plugin
+  (``d3s/update_tokens``) and for this trainer (0 on a skipped step);
+- every arm evaluates every ``--eval-every`` steps, so a cheaper arm is evaluated more often in
+  CPU seconds than the reference: a first crossing between noisy evals favours it (the
+  report's "held to budget" column reads the curve from the crossing to the budget instead).
+
 The phases: in TRL, ``generation`` is ``_generate_and_score_completions`` less ``reward``
 (``_calculate_rewards``) and ``selection`` (the plugin's cut, its entropy pass included);
 ``update`` is the rest of the step (TRL's forward, backward and optimizer step). In this trainer,
@@ -202,6 +224,12 @@ class Records:
 
 def spent(budget: Optional[float], cpu: float) -> bool:
     return budget is not None and cpu >= budget
+
+
+def ended_under_budget(budget: Optional[float], cpu: float) -> bool:
+    """A finished arm with a budget that spent less than it: the cap stopped it (``cpu``: its
+    steps' CPU seconds summed in order, as the arm summed them for ``spent``)."""
+    return budget is not None and not spent(budget, cpu)
 
 
 def progress_at(step: int, horizon: int) -> float:

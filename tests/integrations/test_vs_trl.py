@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,22 +21,28 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import vs_trl  # noqa: E402
 import vs_trl_report as report  # noqa: E402
+from compare_presets import mean_ci  # noqa: E402
 from vs_trl_arms import ARMS, PHASES, REFERENCE, read_rows  # noqa: E402
 from _limits import WAIT_S  # noqa: E402
 
 
 def _arm(
-    root: Path, name: str, seed: int, evals, cpu: float, wall: float, tokens=10.0, stop="budget"
-):
-    """An arm's records: len(steps) = the last eval's step, each step ``cpu`` / ``wall`` s."""
+    root: Path, name: str, seed: int, evals, cpu: float, wall: float, tokens=10.0, stop="budget",
+    **extra,
+):  # fmt: skip
+    """An arm's records: len(steps) = the last eval's step, each step ``cpu`` / ``wall`` s;
+    ``extra`` goes into every step row except ``code``, which goes into ``settings.json``."""
     d = root / "runs" / f"{name}_s{seed}"
     d.mkdir(parents=True)
     n = max(s for s, _ in evals)
     split = {k: [wall / 4, cpu / 4] for k in PHASES}
+    if "code" in extra:
+        (d / "settings.json").write_text(json.dumps({"arm": name, "code": extra.pop("code")}))
     steps = [
         {"step": s, "t": 0.0, "wall_s": wall, "cpu_s": cpu, "split": split, "update_tokens": tokens}
         for s in range(1, n + 1)
     ]
+    steps = [{**r, **extra} for r in steps]
     (d / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
     rows = [{"step": s, "eval_reward_mean": r, "eval_n": 4, "time_eval": 1.0} for s, r in evals]
     (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -107,24 +114,37 @@ def test_summary_budget_threshold_and_render(tmp_path):
     assert grpo["per_seed"][0]["time_to_threshold_cpu"] is None and grpo["reached"] == 0
     assert grpo["per_seed"][0]["eval_at_budget"] == pytest.approx(0.2 + 16 / 24 * 0.25)
     assert grpo["time_to_threshold_cpu_censored"][0] == pytest.approx(40.0)  # the budget
+    assert grpo["time_to_threshold_wall_censored"][0] == pytest.approx(40.0)  # wall at the budget
     assert a["nd3s_d3s"]["per_seed"][0]["time_to_threshold_cpu"] == 0.0
     assert a["nd3s_pods"]["runs"] == 0
     body = report.render(json.loads(json.dumps(s)))  # what the record holds
     assert body == report.render(s)
     assert "4 arm runs from 1970-01-01 00:00 to 1970-01-01 00:00 UTC, none overlapping" in body
     assert "seed 0: 40 CPU s, 0.400 (steps 2, 4)" in body
-    assert "| `trl_d3s` | 1 | 8.0 (budget) | 5.0 | 40.0 | 10 | 0.700 | 15 | 120 | 1 of 1 |" in body
-    assert "| `nd3s_grpo` | 1 | 8.0 (budget) | 6.0 | 6.0 | 10 | 0.367 | - | - | 0 of 1 |" in body
-    assert "| `trl_grpo` | 2.5 | 2.5 | 2.5 | 2.5 | 25% |" in body
+    assert (
+        "| `trl_d3s` | 1 | 8.0 (budget) | 5.0 | 40.0 | - | 0.700 | 15 | 120 | 1 of 1 | 1 of 1 |"
+        in body
+    )
+    # not reached: the censored time is the budget (and the wall seconds at it)
+    assert (
+        "| `nd3s_grpo` | 1 | 8.0 (budget) | 6.0 | 6.0 | - | 0.367 | 40 | 40 | 0 of 1 | 0 of 1 |"
+        in body
+    )
+    assert "| `trl_grpo` | 2.5 | 2.5 | 2.5 | 2.5 | 25% | 100 | never (TRL) |" in body
+    assert "| `nd3s_grpo` | 1.5 | 1.5 | 1.5 | 1.5 | 25% | 10 | 0 of 8 |" in body
+    assert "PARTIAL" not in body and "WARNING" not in body
+    assert "unrecorded: `trl_grpo` s0, `trl_d3s` s0, `nd3s_grpo` s0, `nd3s_d3s` s0." in body
     assert "the update is 25% of the CPU seconds" in body and "at most 1.33x cheaper" in body
     assert (
         "- `trl_d3s` vs `trl_grpo`, seed by seed: cheaper per step on 1 of 1; reaches the "
-        "threshold sooner on 1 of 1; higher eval at the budget on 1 of 1." in body
+        "threshold sooner on 1 of 1; holds it to the budget on 1 of 1 (`trl_grpo`: 1); higher "
+        "eval at the budget on 1 of 1." in body
     )
     assert "Where `trl_d3s` does not win" not in body
     assert (
         "- `nd3s_d3s` vs `nd3s_grpo`, seed by seed: cheaper per step on 0 of 1; reaches the "
-        "threshold sooner on 1 of 1; higher eval at the budget on 1 of 1.\n"
+        "threshold sooner on 1 of 1; holds it to the budget on 1 of 1 (`nd3s_grpo`: 0); higher "
+        "eval at the budget on 1 of 1.\n"
         "  Where `nd3s_d3s` does not win: seed 0: 20.0 vs 6.0 CPU s/step." in body
     )
     assert "`nd3s_pods` vs" not in body  # no run, no verdict
@@ -148,6 +168,131 @@ def test_summary_budget_threshold_and_render(tmp_path):
     report.replace_section(doc, body)
     text = doc.read_text()
     assert "OLD-SECTION" not in text and body in text and text.endswith("\ntail\n")
+
+
+def _three_seeds(root: Path) -> None:
+    """Three seeds with the reference of ``_race`` (budget 40, threshold 0.4 each)."""
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({**CONFIG, "seeds": 3}))
+    for seed in range(3):
+        _arm(root, REFERENCE, seed, [(0, 0.1), (2, 0.3), (4, 0.5)], 10.0, 20.0, stop="steps")
+
+
+def test_time_to_threshold_is_the_censored_mean_when_some_seeds_do_not_reach_it(tmp_path):
+    """1 of 3 seeds reaches the threshold: the time column is the mean over the 3 seeds with
+    the budget for the 2 that did not (a lower bound), not the reaching seed's 15 CPU s."""
+    root = tmp_path / "race"
+    _three_seeds(root)
+    _arm(root, "trl_d3s", 0, [(0, 0.1), (2, 0.2), (4, 0.6), (8, 0.7)], 5.0, 40.0)  # 15 CPU s
+    for seed in (1, 2):
+        _arm(root, "trl_d3s", seed, [(0, 0.1), (4, 0.2), (8, 0.3)], 5.0, 40.0)  # never
+    a = report.summarize(root)["arms"]["trl_d3s"]
+    assert (a["reached"], a["runs"]) == (1, 3)
+    m, h = mean_ci([15.0, 40.0, 40.0])
+    assert a["time_to_threshold_cpu_censored"] == (pytest.approx(m), pytest.approx(h))
+    assert a["time_to_threshold_cpu"][0] == 15.0  # the reaching seed alone: kept, not shown
+    wall, wh = mean_ci([120.0, 320.0, 320.0])  # its crossing; 8 steps of 40 wall s, twice
+    assert a["time_to_threshold_wall_censored"] == (pytest.approx(wall), pytest.approx(wh))
+    body = report.render(report.summarize(root))
+    assert f"| {m:.0f} ± {h:.0f} | {wall:.0f} ± {wh:.0f} | 1 of 3 | 1 of 3 |" in body
+    assert "| 15 |" not in body
+
+
+def test_an_arm_the_cap_stopped_under_the_budget_is_flagged_not_failed(tmp_path):
+    """6 steps of 5 CPU s (30 of a 40 s budget), stopped by the cap: it did not fail to reach
+    the threshold within the budget, it stopped looking; its last eval stands in for the eval
+    at the budget, marked, and the verdicts leave what it cannot decide open. A trainer arm
+    whose cap step also spent the budget says ``cap`` in done.json: it is read as the budget."""
+    root = tmp_path / "race"
+    _race(root)
+    shutil.rmtree(root / "runs" / "nd3s_d3s_s0")
+    _arm(root, "nd3s_d3s", 0, [(0, 0.1), (2, 0.2), (6, 0.3)], 5.0, 5.0, stop="cap")
+    _arm(root, "nd3s_d3s_floor", 0, [(0, 0.1), (2, 0.2)], 20.0, 20.0, stop="cap")  # 40 of 40
+    s = report.summarize(root)
+    capped = s["arms"]["nd3s_d3s"]["per_seed"][0]
+    assert capped["capped"] and capped["eval_at_budget"] is None
+    assert capped["time_to_threshold_cpu"] is None
+    assert capped["time_to_threshold_cpu_censored"] == 30.0  # what it spent, not the budget
+    assert not s["arms"]["nd3s_d3s_floor"]["per_seed"][0]["capped"]
+    body = report.render(s)
+    row = "| `nd3s_d3s` | 1 | 6.0 (cap†) | 5.0 | 5.0 | - | 0.300† | 30† | 30† | 0 of 1 "
+    assert row + "(1 capped†) | 0 of 1 |" in body
+    assert "| `nd3s_d3s_floor` | 1 | 2.0 (budget) |" in body
+    assert (
+        "† Stopped by the cap before spending the budget: `nd3s_d3s` seed 0 at 6 steps, 30 of "
+        "40 CPU s; its eval at the budget is its eval at its last step" in body
+    )
+    assert (
+        "- `nd3s_d3s` vs `nd3s_grpo`, seed by seed: cheaper per step on 1 of 1; reaches the "
+        "threshold sooner on 0 of 1; holds it to the budget on 0 of 1 (`nd3s_grpo`: 0); higher "
+        "eval at the budget on 0 of 1.\n"
+        "  Left open†: seed 0: who reaches the threshold first (a run stopped by the cap); seed "
+        "0: the eval at the budget (at the last steps: 0.300 vs 0.450†)." in body
+    )
+    assert "not reached within the budget" not in body.split("`nd3s_d3s` vs")[1]
+    # one that reached it at 24 CPU s where the capped run looked for 30: a loss, said so
+    (root / "runs" / "nd3s_grpo_s0" / "eval.jsonl").write_text(
+        "".join(
+            json.dumps({"step": st, "eval_reward_mean": r, "eval_n": 4, "time_eval": 1.0}) + "\n"
+            for st, r in [(0, 0.1), (4, 0.4), (8, 0.45)]
+        )
+    )
+    assert (
+        "Where `nd3s_d3s` does not win: seed 0: threshold not reached in the 30 CPU s it ran "
+        "before the cap†, `nd3s_grpo` at 24." in report.render(report.summarize(root))
+    )
+
+
+def test_shared_machine_code_versions_and_missing_runs_are_said(tmp_path):
+    root = tmp_path / "race"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({**CONFIG, "seeds": 2}))
+    a, b = {"commit": "a" * 40, "dirty": False, "diff_sha256": None}, {"commit": "b" * 40}
+    b.update(dirty=True, diff_sha256="c" * 64)
+    evals = [(0, 0.1), (2, 0.3), (4, 0.5)]
+    _arm(root, REFERENCE, 0, evals, 10.0, 20.0, stop="steps", load1=1.1, code=a)
+    _arm(root, "trl_d3s", 0, evals, 10.0, 20.0, load1=1.3, code=b)
+    _arm(root, REFERENCE, 1, evals, 10.0, 20.0, stop="steps", load1=1.0)  # an old record
+    (root / "runs" / "trl_d3s_s1").mkdir()  # cut (no done.json)
+    (root / "runs" / "trl_d3s_s0.try1").mkdir()  # a kept try: not read
+    rows = [{"arm": "nd3s_grpo", "seed": 1, "start": 0.0, "end": 1.0, "exit": 1, "cpu_s": 1.0}]
+    (root / "arms.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    s = report.summarize(root)
+    assert s["arms"]["trl_d3s"]["runs"] == 1 and s["expected_runs"] == 4
+    assert s["missing"] == [{"arm": "trl_d3s", "seed": 1, "state": "started, not finished"}]
+    body = report.render(s)
+    assert "| `trl_d3s` | 1 | 4.0 (budget) | 10.0 | 20.0 | 1.30 |" in body  # mean load1
+    assert (
+        "WARNING: run on a shared machine (mean load over its steps above 1 + 0.1 x 2 CPUs = 1.2;"
+        " an arm alone loads about one core): `trl_d3s` seed 0 (1.30);" in body
+    )
+    assert "`trl_grpo` seed 0 (1.10)" not in body
+    assert (
+        "`aaaaaaaaaa`: `trl_grpo` s0; `bbbbbbbbbb` + uncommitted changes (diff cccccccc): "
+        "`trl_d3s` s0; unrecorded: `trl_grpo` s1." in body
+    )
+    assert "WARNING: the runs ran 2 different versions of the code." in body
+    assert "WARNING: some runs' code is unrecorded" in body
+    assert body.startswith("Regenerated by") and (
+        "\n\nPARTIAL: 1 of the 4 runs this race asks for have no record yet, so what follows "
+        "covers only the finished ones: `trl_d3s` seed 1 (started, not finished).\n" in body
+    )
+    (root / "config.json").write_text(json.dumps({**CONFIG, "seeds": 2, "arms": "nd3s_grpo"}))
+    missing = report.summarize(root)["missing"]
+    assert missing == [
+        {"arm": "nd3s_grpo", "seed": 0, "state": "not run yet"},
+        {"arm": "nd3s_grpo", "seed": 1, "state": "failed, exit 1"},
+    ]
+    # report --doc refuses an incomplete race unless --partial, which says it is partial
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# x\n\n{report.BEGIN}\nOLD-SECTION\n{report.END}\n")
+    argv = ["report", "--out", str(root), "--doc", str(doc)]
+    assert vs_trl.main(argv) == 2 and "OLD-SECTION" in doc.read_text()
+    assert vs_trl.main([*argv, "--partial"]) == 0
+    text = doc.read_text()
+    assert "OLD-SECTION" not in text and "PARTIAL: 2 of the 4 runs this race asks for" in text
+    assert "`nd3s_grpo` seed 0 (not run yet), `nd3s_grpo` seed 1 (failed, exit 1)." in text
+    assert "1 failed and did not finish since: `nd3s_grpo` seed 1." in text
 
 
 def test_the_evidence_section_is_the_record():
