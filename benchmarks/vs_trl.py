@@ -23,7 +23,11 @@ Arms run one after another, never two at once (a lock refuses a second ``run`` o
 seconds (``getrusage`` of the finished process), ``load.jsonl`` the load average every 30 s. Each
 arm evaluates greedily on ``--eval-size`` held-out problems at step 0, every ``--eval-every``
 steps and at its last. A finished arm (``done.json``) is not run again; a failed one is, from
-the start. ``vs_trl_arms.py`` says what an arm records. A file ``STOP`` in the race folder ends
+the start; its folder and log are kept as ``<arm>_s<seed>.try<k>`` (the report does not read
+them). The runner adds ``code`` to each arm's ``settings.json``: the commit of the checkout it
+runs from and whether (and how: a hash of ``git diff HEAD`` and the untracked files' names)
+its files differed.
+``vs_trl_arms.py`` says what an arm records. A file ``STOP`` in the race folder ends
 ``run`` cleanly before its next arm (and is removed, so the next ``run`` goes on): a long race
 can be paused without losing the arm in progress.
 
@@ -41,6 +45,7 @@ written into the race folder (the report renders it).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -180,26 +185,77 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def keep_try(root: Path, name: str, seed: int) -> Optional[int]:
+    """Move an earlier try of ``name`` / ``seed`` that did not finish (a failed or cut run's
+    folder without ``done.json``, its log) aside as ``<arm>_s<seed>.try<k>`` (the folder) and
+    ``<arm>_s<seed>.try<k>.log``, k the first number free for both; the number, or None when
+    there was nothing to keep."""
+    base = f"{name}_s{seed}"
+    run, log = root / "runs" / base, root / "logs" / f"{base}.log"
+    if not run.exists() and not log.exists():
+        return None
+    k = 1
+    while (root / "runs" / f"{base}.try{k}").exists() or (
+        root / "logs" / f"{base}.try{k}.log"
+    ).exists():
+        k += 1
+    if run.exists():
+        run.rename(root / "runs" / f"{base}.try{k}")
+    if log.exists():
+        log.rename(root / "logs" / f"{base}.try{k}.log")
+    return k
+
+
+def code_version(repo: Path = REPO) -> Optional[dict]:
+    """``{commit, dirty, diff_sha256, untracked}`` of the checkout ``repo``: ``git rev-parse
+    HEAD``, and when tracked files differ from it or files git does not ignore are untracked, a
+    hash of ``git diff HEAD`` and those files' names; None when git cannot say."""
+    git = dict(cwd=repo, capture_output=True, check=True, timeout=120)
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], **git).stdout.decode().strip()
+        diff = subprocess.run(["git", "diff", "HEAD"], **git).stdout
+        others = ["git", "ls-files", "--others", "--exclude-standard", "-z"]
+        untracked = subprocess.run(others, **git).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    dirty = bool(diff or untracked)
+    digest = hashlib.sha256(diff + b"\0" + untracked).hexdigest() if dirty else None
+    n = len([f for f in untracked.split(b"\0") if f])
+    return {"commit": head, "dirty": dirty, "diff_sha256": digest, "untracked": n}
+
+
+def _record_code(out: Path, code: Optional[dict]) -> None:
+    """Add ``code`` to the arm's ``settings.json`` (the arm writes that file when it starts)."""
+    path = out / "settings.json"
+    if path.is_file():
+        path.write_text(json.dumps({**json.loads(path.read_text()), "code": code}, indent=1))
+
+
 def launch(name: str, ns, seed: int, root: Path, env: dict, budget: Optional[float]) -> int:
     """Run one arm to its end (alone) and append its start, end, exit status and CPU seconds
-    to ``arms.jsonl``."""
+    to ``arms.jsonl``; an earlier unfinished try is kept aside (``keep_try``), and the code
+    the arm ran is added to its ``settings.json``."""
     out = root / "runs" / f"{name}_s{seed}"
-    if out.exists():
-        shutil.rmtree(out)  # a run cut short starts again
+    kept = keep_try(root, name, seed)
+    if kept is not None:
+        print(f"{name} seed {seed}: an earlier try kept as {out.name}.try{kept}")
     cmd = arm_command(name, ns, seed, out, budget)
+    code = code_version()
     with (root / "logs" / f"{name}_s{seed}.log").open("w") as log:
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         cpu0, start = _children_cpu(), time.time()
-        code = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log).wait()
+        exit_ = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=log).wait()
         end, cpu = time.time(), _children_cpu() - cpu0
-    row = {"arm": name, "seed": seed, "start": start, "end": end, "exit": code, "cpu_s": cpu}
-    row["budget_cpu_s"] = budget
+    _record_code(out, code)
+    commit = None if code is None else code["commit"]
+    row = {"arm": name, "seed": seed, "start": start, "end": end, "exit": exit_, "cpu_s": cpu}
+    row.update(budget_cpu_s=budget, commit=commit)
     with (root / "arms.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")
-    if code != 0:
-        print(f"{name} seed {seed}: exit {code} (log: {log.name})", file=sys.stderr)
-    return code
+    if exit_ != 0:
+        print(f"{name} seed {seed}: exit {exit_} (log: {log.name})", file=sys.stderr)
+    return exit_
 
 
 class RaceLock:

@@ -7,9 +7,9 @@ Every arm writes the same records into its folder, read by ``vs_trl_report.py``:
   ``split`` {phase: [wall_s, cpu_s]} over generation / reward / selection / update (they sum to
   the step), ``update_tokens`` (loss-carrying), ``progress`` (the D3S schedule's), ``load1``;
 - ``eval.jsonl``: ``step``, ``eval_reward_mean``, ``eval_n``, ``time_eval``;
-- ``settings.json`` (what ran) and, last, ``done.json``: ``stopped`` (``steps``: the reference's
-  ``--steps``; ``budget``: its CPU seconds spent; ``cap``: ``--max-steps-factor`` x ``--steps``
-  steps run first), ``steps``, ``cpu_s``.
+- ``settings.json`` (what ran; ``vs_trl.py run`` adds ``code``, the commit it ran) and, last,
+  ``done.json``: ``stopped`` (``steps``: the reference's ``--steps``; ``budget``: its CPU seconds
+  spent; ``cap``: ``--max-steps-factor`` x ``--steps`` steps run first), ``steps``, ``cpu_s``.
 
 How an arm stops: a TRL arm checks the budget at each step's end (``spent``, on the steps' CPU
 seconds summed as ``steps.jsonl`` holds them) and says ``budget`` when that step spent it, else

@@ -295,6 +295,74 @@ def test_shared_machine_code_versions_and_missing_runs_are_said(tmp_path):
     assert "1 failed and did not finish since: `nd3s_grpo` seed 1." in text
 
 
+def _fake_arm(script: str):
+    """An ``arm_command`` stand-in: a Python process running ``script`` with the run folder."""
+
+    def command(name, ns, seed, out, budget):
+        return [sys.executable, "-c", script, str(out)]
+
+    return command
+
+
+_WRITES_SETTINGS = """
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+(out / "settings.json").write_text(json.dumps({"arm": "trl_d3s"}, indent=1))
+(out / "steps.jsonl").write_text("")
+print("partial output")
+sys.exit(FAIL)
+"""
+
+
+def test_a_failed_or_cut_try_is_kept_and_the_code_is_recorded(tmp_path, monkeypatch):
+    """A folder without done.json (a run cut, as the live race leaves one) and its log are
+    moved to ``<arm>_s<seed>.try<k>`` instead of deleted, try after try; the code the arm ran
+    goes into its settings.json and arms.jsonl."""
+    root = tmp_path / "race"
+    (root / "logs").mkdir(parents=True)
+    (root / "runs" / "trl_d3s_s0").mkdir(parents=True)
+    (root / "runs" / "trl_d3s_s0" / "steps.jsonl").write_text('{"step": 1}\n')  # cut
+    (root / "logs" / "trl_d3s_s0.log").write_text("the cut run's log\n")
+    code = {"commit": "f" * 40, "dirty": False, "diff_sha256": None, "untracked": 0}
+    monkeypatch.setattr(vs_trl, "code_version", lambda: code)
+    monkeypatch.setattr(vs_trl, "arm_command", _fake_arm(_WRITES_SETTINGS.replace("FAIL", "1")))
+    assert vs_trl.launch("trl_d3s", None, 0, root, dict(os.environ), 40.0) == 1
+    kept = root / "runs" / "trl_d3s_s0.try1"
+    assert (kept / "steps.jsonl").read_text() == '{"step": 1}\n'
+    assert (root / "logs" / "trl_d3s_s0.try1.log").read_text() == "the cut run's log\n"
+    assert vs_trl.launch("trl_d3s", None, 0, root, dict(os.environ), 40.0) == 1  # failed again
+    assert "partial output" in (root / "logs" / "trl_d3s_s0.try2.log").read_text()
+    assert json.loads((root / "runs" / "trl_d3s_s0.try2" / "settings.json").read_text())["code"]
+    monkeypatch.setattr(vs_trl, "arm_command", _fake_arm(_WRITES_SETTINGS.replace("FAIL", "0")))
+    assert vs_trl.launch("trl_d3s", None, 0, root, dict(os.environ), 40.0) == 0
+    settings = json.loads((root / "runs" / "trl_d3s_s0" / "settings.json").read_text())
+    assert settings == {"arm": "trl_d3s", "code": code}
+    runs = ["trl_d3s_s0", "trl_d3s_s0.try1", "trl_d3s_s0.try2", "trl_d3s_s0.try3"]
+    assert sorted(p.name for p in (root / "runs").iterdir()) == runs  # the cut one, 2 failed
+    assert "partial output" in (root / "logs" / "trl_d3s_s0.try3.log").read_text()
+    assert [r["commit"] for r in read_rows(root / "arms.jsonl")] == ["f" * 40] * 3
+
+
+def test_the_code_version_names_the_commit_and_uncommitted_changes(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    clean = vs_trl.code_version(tmp_path)
+    assert clean == {"commit": head.stdout.strip(), "dirty": False, "diff_sha256": None,
+                     "untracked": 0}  # fmt: skip
+    (tmp_path / "a.py").write_text("x = 2\n")
+    edited = vs_trl.code_version(tmp_path)
+    assert edited["dirty"] and len(edited["diff_sha256"]) == 64
+    (tmp_path / "b.py").write_text("")
+    both = vs_trl.code_version(tmp_path)
+    assert both["untracked"] == 1 and both["diff_sha256"] != edited["diff_sha256"]
+    assert vs_trl.code_version(tmp_path / "nowhere") is None
+
+
 def test_the_evidence_section_is_the_record():
     """docs/evidence.md's vs_trl section is what `vs_trl.py report --doc` renders from the
     committed record, or, with no record, says plainly that the race has not been run."""
