@@ -17,7 +17,12 @@ rollouts with its own RNG.
 
 ``run``: per seed, the reference (``trl_grpo``) runs ``--steps`` steps first; its training CPU
 seconds (evaluation left out) are the seed's budget, and every other arm then runs until it has
-spent that budget (a cheaper arm takes more steps; at most ``--max-steps-factor`` x ``--steps``).
+spent that budget (a cheaper arm takes more steps; at most ``--max-steps-factor`` x ``--steps``,
+a guard against a runaway arm set well above any arm's step-cost ratio: the cheapest step is a
+skipped update, about its generation alone, ~11 CPU s against the reference's ~54 at the race's
+settings, a ratio of ~5; the default is 10). A later ``run`` on a race folder may raise the
+cap (never lower it) as long as no finished run stopped at it before spending its budget (such
+a run would have been cut where a later one is not); ``config.json`` records the change.
 Arms run one after another, never two at once (a lock refuses a second ``run`` on the same
 ``--out``), one thread each; ``arms.jsonl`` records each arm's start, end, exit status and CPU
 seconds (``getrusage`` of the finished process), ``load.jsonl`` the load average every 30 s. Each
@@ -61,7 +66,7 @@ from typing import List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from vs_trl_arms import ARMS, REFERENCE, read_rows, run_arm  # noqa: E402
+from vs_trl_arms import ARMS, REFERENCE, ended_under_budget, read_rows, run_arm  # noqa: E402
 from vs_trl_report import BEGIN, END, render, replace_section, summarize, plot  # noqa: E402
 
 __all__ = ["ARMS", "BEGIN", "END", "main", "render", "replace_section", "summarize"]
@@ -81,6 +86,7 @@ SHARED = (
     "keep",
     "max_steps_factor",
 )
+DEFAULT_MAX_STEPS_FACTOR = 10.0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -96,7 +102,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--generate", type=int, default=16, help="PODS: rollouts generated a prompt")
     p.add_argument("--keep", type=int, default=4, help="PODS: rollouts kept a prompt")
-    p.add_argument("--max-steps-factor", type=float, default=3.0)
+    p.add_argument(
+        "--max-steps-factor",
+        type=float,
+        default=DEFAULT_MAX_STEPS_FACTOR,
+        help="an arm other than the reference stops at this x --steps steps if the budget has "
+        "not stopped it first",
+    )
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -159,6 +171,9 @@ def merge_race(path: Path, config: dict) -> dict:
         return config
     old = json.loads(path.read_text())
     differ = sorted(k for k in (*SHARED, "model") if old.get(k) != config.get(k))
+    if differ == ["max_steps_factor"]:
+        config = {**config, **raise_cap(path.parent, old, float(config["max_steps_factor"]))}
+        differ = []
     if differ:
         raise SystemExit(
             f"error: {path} is a race with other settings ({', '.join(differ)}): "
@@ -170,7 +185,43 @@ def merge_race(path: Path, config: dict) -> dict:
     )
     arms = set(str(old["arms"]).split(",")) | set(str(config["arms"]).split(","))
     arms_run = ",".join(a for a in ARMS if a in arms)  # every call's arms, in ARMS order
-    return {**config, "first_seed": first, "seeds": last - first, "arms": arms_run}
+    kept = {k: old[k] for k in ("max_steps_factor_changes",) if k in old and k not in config}
+    return {**kept, **config, "first_seed": first, "seeds": last - first, "arms": arms_run}
+
+
+def raise_cap(root: Path, old: dict, factor: float) -> dict:
+    """``config.json``'s fields for a ``--max-steps-factor`` other than the race's: a higher one
+    is taken when no finished run stopped at the old cap before spending its budget (raising
+    it changes nothing for a run the budget stopped); a lower one, or one such run, is refused
+    (SystemExit), since the finished runs would then have run under another cap than the rest."""
+    was = float(old["max_steps_factor"])
+    if factor < was:
+        raise SystemExit(
+            f"error: {root / 'config.json'}: --max-steps-factor {factor:g} is below the race's "
+            f"{was:g}; a cap is only ever raised (use --max-steps-factor {was:g})"
+        )
+    finished, capped = [], []
+    for d in sorted((root / "runs").glob("*_s*")):
+        name, _, seed = d.name.rpartition("_s")
+        if not seed.isdigit() or not (d / "done.json").is_file():
+            continue  # a try kept aside, or a run that did not finish: it runs again
+        finished.append(d.name)
+        cpu = sum(float(r["cpu_s"]) for r in read_rows(d / "steps.jsonl"))
+        budget = None if name == REFERENCE else budget_of(root / "runs" / f"{REFERENCE}_s{seed}")
+        if ended_under_budget(budget, cpu):
+            capped.append(f"{d.name} ({cpu:.0f} of {budget:.0f} CPU s)")
+    if capped:
+        raise SystemExit(
+            f"error: {root / 'config.json'}: --max-steps-factor {factor:g} would raise the race's "
+            f"cap of {was:g}, but {', '.join(capped)} stopped at it before spending the budget: "
+            f"keep --max-steps-factor {was:g}, or use another --out"
+        )
+    change = {"from": was, "to": factor, "t": time.time(), "finished": finished}
+    print(
+        f"raising the race's --max-steps-factor from {was:g} to {factor:g}: none of its "
+        f"{len(finished)} finished runs stopped at the cap; recorded in config.json"
+    )
+    return {"max_steps_factor_changes": [*old.get("max_steps_factor_changes", []), change]}
 
 
 def budget_of(run: Path) -> Optional[float]:

@@ -16,8 +16,8 @@ seconds summed as ``steps.jsonl`` holds them) and says ``budget`` when that step
 ``cap`` when TRL's ``max_steps`` (the cap) ended the run. A trainer arm checks at the start of
 the next step (``BudgetSpent``), so when its cap step is the one that spent the budget the
 trainer ends first and ``done.json`` says ``cap``. ``ended_under_budget`` is the exact reading
-(the report's): an arm with a budget that finished with fewer CPU seconds than the budget was
-stopped by the cap.
+(the report's and the runner's): an arm with a budget that finished with fewer CPU seconds than
+the budget was stopped by the cap.
 
 How the two trainers differ beyond their settings (the report says it too):
 

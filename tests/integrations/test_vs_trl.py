@@ -295,6 +295,49 @@ def test_shared_machine_code_versions_and_missing_runs_are_said(tmp_path):
     assert "1 failed and did not finish since: `nd3s_grpo` seed 1." in text
 
 
+def test_the_cap_is_raised_on_a_running_race_only_when_no_finished_run_stopped_at_it(
+    tmp_path, monkeypatch
+):
+    """The race's config.json pins its settings; a higher --max-steps-factor is taken (and
+    recorded) while every finished run spent its budget first; a lower one, or one with a
+    finished run the cap stopped, is refused."""
+    root = tmp_path / "race"
+    _race(root)  # its runs stopped by the budget (the reference by its steps)
+    launched = []
+
+    def fake_launch(name, ns, seed, root, env, budget):
+        launched.append((name, seed, ns.max_steps_factor))
+        _arm(root, name, seed, [(0, 0.1), (4, 0.5)], 10.0, 10.0)
+        return 0
+
+    monkeypatch.setattr(vs_trl, "launch", fake_launch)
+    monkeypatch.setattr(vs_trl, "_model", lambda ns: "/x/tiny")
+    shared = ["--steps", "4", "--eval-every", "2", "--prompts-per-step", "2", "--generate", "8"]
+    shared += ["--num-generations", "4", "--max-new-tokens", "8", "--eval-max-new-tokens", "8"]
+    shared += ["--eval-size", "4", "--eval-batch-size", "4", "--keep", "2"]
+    argv = ["run", "--out", str(root), *shared, "--seeds", "2", "--arms", "trl_grpo,trl_d3s"]
+    with pytest.raises(SystemExit, match="below the race's 3; a cap is only ever raised"):
+        vs_trl.main([*argv, "--max-steps-factor", "2"])
+    assert vs_trl.main([*argv, "--max-steps-factor", "10"]) == 0
+    assert launched == [(REFERENCE, 1, 10.0), ("trl_d3s", 1, 10.0)]
+    config = json.loads((root / "config.json").read_text())
+    assert config["max_steps_factor"] == 10.0
+    (change,) = config["max_steps_factor_changes"]
+    assert (change["from"], change["to"]) == (3.0, 10.0)
+    assert change["finished"] == ["nd3s_d3s_s0", "nd3s_grpo_s0", "trl_d3s_s0", "trl_grpo_s0"]
+    assert vs_trl.main(argv) == 0 and len(launched) == 2  # the default (10) is the race's now
+    body = report.render(report.summarize(root))
+    assert "was raised from 3 to 10 x at" in body and "after 4 finished runs" in body
+    # a finished run the cap stopped under its budget: no raise
+    config["max_steps_factor_changes"] = []
+    (root / "config.json").write_text(json.dumps({**config, "max_steps_factor": 3.0}))
+    shutil.rmtree(root / "runs" / "trl_d3s_s1")
+    _arm(root, "trl_d3s", 1, [(0, 0.1), (2, 0.2)], 5.0, 5.0, stop="cap")  # 10 of 40 CPU s
+    with pytest.raises(SystemExit, match=r"trl_d3s_s1 \(10 of 40 CPU s\) stopped at it"):
+        vs_trl.main([*argv, "--max-steps-factor", "10"])
+    assert vs_trl.main([*argv, "--max-steps-factor", "3"]) == 0  # the race's cap: goes on
+
+
 def _fake_arm(script: str):
     """An ``arm_command`` stand-in: a Python process running ``script`` with the run folder."""
 
