@@ -374,8 +374,8 @@ class MegatronBackend(Policy):
             taps=self.router_taps,
             temperature=self.cfg.logit_temperature,
         )
-        if self.spec.num_experts:
-            n = int(metrics.get("n_micro_batches", 1))
+        if self.spec.num_experts:  # the step's micro-batches with router losses, over DP
+            n = self.router_taps.loss_micro_batches
             metrics.update(router_loss_metrics(self.groups, self.spec.num_layers, n))
         if not metrics.get("skipped"):
             self.weights_changed()

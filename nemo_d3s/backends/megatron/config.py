@@ -57,11 +57,12 @@ class MegatronBackendConfig(PolicySettings):
         DP) and ETP (None: TP), mixture-of-experts models only (``formats.spec`` checks them).
         moe_token_dispatcher_type: "alltoall" or "allgather"; moe_router_dtype: "fp32",
         "fp64" or None (the model's).
-    moe_aux_loss_coeff / moe_z_loss_coeff: the router's load-balancing and z losses, logged
-        per step when > 0. RL default 0: the policy gradient alone moves the router, as in
-        NeMo-RL's Megatron GRPO configs (``moe_router_load_balancing_type: "none"``: an aux
-        loss made the log-prob error diverge; examples/configs/grpo_math_1B_megatron.yaml)
-        and verl's Megatron-Bridge Qwen3-MoE ("none" for RL).
+    moe_aux_loss_coeff / moe_z_loss_coeff: the router's load-balancing and z losses over the
+        real tokens (``router_losses``), logged per step when > 0. RL default 0: the policy
+        gradient alone moves the router, as in NeMo-RL's Megatron GRPO configs
+        (``moe_router_load_balancing_type: "none"``: an aux loss made the log-prob error
+        diverge; examples/configs/grpo_math_1B_megatron.yaml) and verl's Megatron-Bridge
+        Qwen3-MoE ("none" for RL).
     moe_record_routing: the policy's scoring pass returns its routers' own choice, to log
         ``rollout_routing_mismatch`` against the engine's (one all-reduce of [B, S, L, K] int32
         over each of TP, CP and PP per scoring pass); None: when an engine that returns a

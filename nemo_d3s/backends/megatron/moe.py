@@ -86,8 +86,8 @@ def moe_config_kwargs(
     Dropless (``moe_expert_capacity_factor=None``): every token reaches its k experts, so
     a token's experts depend on that token's hidden state alone (what D3S's compaction
     relies on). Router losses only when their coefficients are > 0: megatron-core's
-    per-micro-batch load-balancing loss (``"aux_loss"``) and z loss, their gradients scaled
-    by 1 / micro-batches and averaged over DP (0.16.1 pipeline_parallel/schedules.py:289-292)."""
+    per-micro-batch load-balancing loss (``"aux_loss"``) and z loss over the real tokens,
+    averaged over the step's micro-batches that hold one (``router_losses``)."""
     if not spec.num_experts:
         return {}
     return dict(
@@ -233,10 +233,15 @@ def router_loss_metrics(
     groups: ParallelGroups, num_layers: int, micro_batches: int
 ) -> Dict[str, float]:
     """The step's router losses from megatron-core's per-layer tracker (each layer's loss
-    over the coefficient, summed over this rank's micro-batches: 0.16.1
+    over the coefficient in use, summed over this rank's micro-batches: 0.16.1
     transformer/moe/router.py:448-455, :505-507), as ``moe_<name>``: the mean over layers and
-    micro-batches, divided by DP so that the trainer's sum over DP ranks is their mean. The
-    tracker is cleared. Collective over ``groups.pp`` (each stage tracks its own layers)."""
+    over the step's ``micro_batches`` (those with a real token, over DP:
+    ``routing.RouterTaps.loss_micro_batches``; the others compute no loss,
+    ``router_losses``), this rank's share of it, so that the trainer's sum over DP ranks is
+    the mean. Each TP x CP rank tracks its tokens' part, summed over them (megatron-core's
+    own reduction of the load-balancing loss, moe_utils.py:941-942; the z loss's parts as
+    ``router_losses.RouterPadding`` weights them). The tracker is cleared. Collective over
+    ``groups.pp``, ``groups.tp`` and ``groups.cp``."""
     from megatron.core.transformer.moe.moe_utils import (
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
@@ -248,9 +253,9 @@ def router_loss_metrics(
         if name not in tracker:
             continue
         total = tracker[name]["values"].detach().double().sum().reshape(1).to(groups.device)
-        if not is_single(groups.pp):
-            dist.all_reduce(total, group=groups.pp)
-        mean = float(total[0]) / (num_layers * max(micro_batches, 1))
-        out[f"moe_{name}"] = mean / groups.dp_size
+        for g in (groups.pp, groups.tp, groups.cp):
+            if not is_single(g):
+                dist.all_reduce(total, group=g)
+        out[f"moe_{name}"] = float(total[0]) / (num_layers * max(micro_batches, 1))
     clear_aux_losses_tracker()
     return out

@@ -21,6 +21,10 @@ r s/TP .. (r + 1) s/TP, ``tensor_parallel/mappings.py:71-75``; the router views 
 logits as [s b, E], ``transformer/moe/router.py:559-560``). :func:`router_positions`
 maps each of those tokens to its position in the step's [B, S] batch, so the same map takes a
 [B, S, L, K] routing to the router (replay) and the router's record back (recording).
+
+Router losses (``moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` > 0) take the same map: in a
+training call each router gets its micro-batch's padding mask in its own token order
+(``router_losses``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.megatron.batches import MicroBatch
+from nemo_d3s.backends.megatron.router_losses import (
+    RouterPadding,
+    loss_micro_batches,
+    loss_padding,
+    losses_on,
+    scaled_coefficients,
+)
 from nemo_d3s.core.routing import NO_EXPERT
 from nemo_d3s.distributed.comm import group_rank, is_single
 from nemo_d3s.distributed.context_parallel import ContextParallel
@@ -82,6 +93,7 @@ class RouterTap:
         # recompute: the backward re-runs each checkpointed layer once, micro-batches in their
         # forward order), taken first in, first out when no target is set
         self.recompute: List[torch.Tensor] = []
+        self.padding = RouterPadding()  # its router's padding mask for the router losses
 
     def get_replay_topk(
         self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
@@ -122,6 +134,10 @@ class RouterTaps:
 
         self.num_layers, self.topk, self.num_experts = int(num_layers), int(topk), int(num_experts)
         self.by_chunk: Dict[int, List[RouterTap]] = {}
+        self.routers: List[torch.nn.Module] = []
+        # the last training call's micro-batches with a real token, over DP
+        # (``moe.router_loss_metrics`` divides the logged losses by it)
+        self.loss_micro_batches = 0
         for chunk in chunks:
             taps = []
             for m in chunk.modules():
@@ -131,7 +147,10 @@ class RouterTaps:
                     # layer_number: 1-based over the whole model (PP / VPP offset included)
                     tap = RouterTap(int(m.layer_number) - 1)
                     m.router_replay = tap
+                    m.register_forward_pre_hook(tap.padding.before, with_kwargs=True)
+                    m.register_forward_hook(tap.padding.after)
                     taps.append(tap)
+                    self.routers.append(m)
             self.by_chunk[id(unwrap_model(chunk))] = taps
         self._target: Optional[torch.Tensor] = None
         self._record: Optional[torch.Tensor] = None
@@ -151,18 +170,29 @@ class RouterTaps:
         sequence_parallel: bool,
         record: bool,
         recompute: bool = False,
+        training: bool = False,
     ):
         """One schedule call over ``batch`` (a ``TokenBatch``) in micro-batches ``mbs``: yields
         the ``around(i, chunk, cp)`` of ``forward_backward.run_schedule`` (None when there is
-        nothing to replay or record). Replays ``batch.routed_experts``; ``record``: see
+        nothing to replay, record or mask). Replays ``batch.routed_experts``; ``record``: see
         :meth:`recorded` inside the block; ``recompute`` (a training call under full activation
-        recomputation): each replayed target is kept for the backward's recomputed forward.
+        recomputation): each replayed target and padding mask is kept for the backward's
+        recomputed forward. ``training`` with router losses on: each router gets its padding
+        mask, the coefficients are scaled to a mean over the step's real micro-batches and
+        :attr:`loss_micro_batches` counts them (``router_losses``; one all-reduce over DP).
         """
-        if batch.routed_experts is None and not record:
+        losses = training and any(losses_on(r) for r in self.routers)
+        if batch.routed_experts is None and not record and not losses:
             yield None
             return
         B, S = batch.input_ids.shape
         tp_rank, tp_size = group_rank(groups.tp), groups.tp_size
+        attended = batch.attention_mask.reshape(-1).bool()
+        factor = 1.0
+        if losses:
+            tokens, n = loss_micro_batches(batch.attention_mask, mbs, groups)
+            factor = len(mbs) * groups.dp_size / n if n else 1.0
+            self.loss_micro_batches = n
 
         def around(i: int, chunk: torch.nn.Module, cp: Optional[ContextParallel]):
             positions = router_positions(
@@ -173,10 +203,12 @@ class RouterTaps:
                 tp_size=tp_size,
                 sequence_parallel=sequence_parallel,
             )
-            return self.around(chunk, positions, recompute)
+            padding = (loss_padding(positions, attended), tokens[i]) if losses else None
+            return self.around(chunk, positions, recompute, padding)
 
         with self.routing(batch.routed_experts, (B, S), record):
-            yield around
+            with scaled_coefficients(self.routers if losses else [], factor):
+                yield around
 
     @contextlib.contextmanager
     def routing(self, batch_routing: Optional[torch.Tensor], shape: Tuple[int, int], record: bool):
@@ -210,16 +242,22 @@ class RouterTaps:
         )
         try:
             yield self
-            left = sum(len(t.recompute) for taps in self.by_chunk.values() for t in taps)
-            if left:  # a replayed layer's backward did not recompute it: the FIFO would drift
+            left = sum(
+                len(t.recompute) + len(t.padding.recompute)
+                for taps in self.by_chunk.values()
+                for t in taps
+            )
+            if left:  # a kept layer's backward did not recompute it: the FIFO would drift
                 raise RuntimeError(
-                    f"router replay: {left} replayed layer forwards were never recomputed"
+                    f"router replay / losses: {left} layer forwards kept for their "
+                    "recomputation were never recomputed"
                 )
         finally:
             self._target = None
             for taps in self.by_chunk.values():
                 for t in taps:
                     t.target, t.own, t.recompute = None, None, []
+                    t.padding.reset()
 
     def recorded(self) -> torch.Tensor:
         """This rank's record of the call [B, S, L, K] int16 (``routing(record=True)``)."""
@@ -227,10 +265,16 @@ class RouterTaps:
 
     @contextlib.contextmanager
     def around(
-        self, chunk: torch.nn.Module, positions: torch.Tensor, recompute: bool = False
+        self,
+        chunk: torch.nn.Module,
+        positions: torch.Tensor,
+        recompute: bool = False,
+        padding: Optional[Tuple[torch.Tensor, int]] = None,
     ) -> Iterator[None]:
         """Micro-batch forward of ``chunk`` whose routers see the batch positions ``positions``
-        [N] (:func:`router_positions`); ``recompute``: see :meth:`call`."""
+        [N] (:func:`router_positions`); ``recompute``: see :meth:`call`; ``padding``: (the
+        routers' padding mask [N] bool, the micro-batch's real tokens) for the router
+        losses."""
         from nemo_d3s.backends.megatron.optimizer import unwrap_model
 
         taps = self.by_chunk.get(id(unwrap_model(chunk)), [])
@@ -244,11 +288,16 @@ class RouterTaps:
                 t.target = target[:, t.layer]
                 if recompute:
                     t.recompute.append(t.target)
+        if padding is not None and taps:
+            mask = padding[0].to(next(chunk.parameters()).device)
+            for t in taps:
+                t.padding.set(mask, padding[1], recompute)
         try:
             yield
         finally:
             for t in taps:
                 t.target = None
+                t.padding.given = None
         if self._record is not None and taps:
             own = torch.stack([t.own for t in taps], dim=1).cpu().to(torch.int16)  # [N, l, K]
             layers = torch.tensor([t.layer for t in taps])

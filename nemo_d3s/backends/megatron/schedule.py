@@ -155,7 +155,8 @@ def _routing_call(taps, batch: TokenBatch, mbs, groups, chunks, record: bool, tr
     """``taps.call`` for this schedule call (a context yielding ``run_schedule``'s ``around``);
     a routing to replay with no MoE routers to take it is a ValueError. Under full activation
     recomputation (``gradient_checkpointing``: every layer, ``model.transformer_config``) a
-    training call keeps each replayed target for the backward's recomputed forward."""
+    training call keeps each replayed target for the backward's recomputed forward. A training
+    call with router losses on masks their padding (``router_losses``)."""
     if taps is None or not taps.is_moe:
         if batch.routed_experts is not None:
             raise ValueError("router replay: a dense model (or the reference) routes nothing")
@@ -169,7 +170,15 @@ def _routing_call(taps, batch: TokenBatch, mbs, groups, chunks, record: bool, tr
             "recomputation replays each layer's routing in the backward)"
         )
     recompute = training and granularity == "full"
-    return taps.call(batch, mbs, groups, sequence_parallel=sp, record=record, recompute=recompute)
+    return taps.call(
+        batch,
+        mbs,
+        groups,
+        sequence_parallel=sp,
+        record=record,
+        recompute=recompute,
+        training=training,
+    )
 
 
 # ---------------------------------------------------------------------------- training
