@@ -465,7 +465,9 @@ def test_experts_refuse_packed_rows_before_start():
     from nemo_d3s.backends.megatron.moe import check_moe_layout
     from nemo_d3s.errors import ConfigError
 
-    moe = SimpleNamespace(num_experts=4, architecture="Qwen3MoeForCausalLM")
+    moe = SimpleNamespace(
+        num_experts=4, architecture="Qwen3MoeForCausalLM", moe_topk=2, moe_pre_softmax=False
+    )
     dense = SimpleNamespace(num_experts=0, architecture="LlamaForCausalLM")
     kw = dict(tp=1, sequence_parallel=False)
     with pytest.raises(ConfigError, match="pack_sequences=false"):
