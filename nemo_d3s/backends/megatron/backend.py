@@ -8,7 +8,6 @@ collective, so all ranks raise the same error rather than some hanging.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -16,56 +15,23 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, RolloutEngine, Scores, TokenBatch
-from nemo_d3s.backends.hf.loading import load_tokenizer, resolve_device
+from nemo_d3s.backends.hf.loading import load_tokenizer
 from nemo_d3s.backends.hf.rollout import encode_prompts
-from nemo_d3s.backends.lr import lr_multiplier
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
-from nemo_d3s.backends.megatron import optimizer as optim
-from nemo_d3s.backends.megatron.config import (
-    MegatronBackendConfig,
-    check_options,
-)
-from nemo_d3s.backends.megatron.engine import (
-    model_parallel_group,
-    place_engine,
-    replica_engine,
-)
-from nemo_d3s.backends.megatron.moe import (
-    check_moe_layout,
-    expert_layout,
-    moe_config_kwargs,
-    router_loss_metrics,
-)
+from nemo_d3s.backends.megatron.build import build_policy
+from nemo_d3s.backends.megatron.config import MegatronBackendConfig, check_options
+from nemo_d3s.backends.megatron.engine import model_parallel_group, place_engine, replica_engine
+from nemo_d3s.backends.megatron.model import iter_hf_weights
+from nemo_d3s.backends.megatron.moe import router_loss_metrics
 from nemo_d3s.backends.megatron.parallel import engine_ranks_of_model_copies, rank_order
-from nemo_d3s.backends.megatron.routing import RouterTaps
 from nemo_d3s.backends.wrappers import pad_token_id
-from nemo_d3s.backends.megatron.prepare import (
-    LRSchedule,
-    init_groups,
-    load_chunks,
-    model_dtype,
-    model_folder,
-    open_weights,
-    seed_model_rng,
-    world_size,
-)
-from nemo_d3s.backends.megatron.model import (
-    build_stage,
-    iter_hf_weights,
-    transformer_config,
-    use_transformer_engine,
-    virtual_layouts,
-)
-from nemo_d3s.files import atomic_folder
-from nemo_d3s.formats.spec import ModelSpec, check_layout, padded_vocab_size
-from nemo_d3s.formats.safetensors_stream import write_hf_weights
-from nemo_d3s.formats.weights import Layout, hf_names, hf_shape
 from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.files import atomic_folder
+from nemo_d3s.formats.safetensors_stream import write_hf_weights
+from nemo_d3s.formats.weights import hf_names, hf_shape
 
 __all__ = ["MegatronBackend"]
-
-log = logging.getLogger("nemo_d3s.megatron")
 
 
 class MegatronBackend(Policy):
@@ -83,120 +49,10 @@ class MegatronBackend(Policy):
 
         set_cuda_connections()  # before CUDA initialises (init_world's torch.cuda.set_device)
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        self.dtype = model_dtype(cfg, self.device)
-        # On CUDA a Transformer Engine that does not import is an error unless
-        # transformer_impl=local: decided here, before any collective, alike on every rank.
-        self.te = use_transformer_engine(cfg.transformer_impl, self.device)
-        # packed (THD) rows: TE's varlen attention on CUDA; on CPU only when asked (the local
-        # attention masks a dense [T, T] block-diagonal: local_attention.py)
-        self.pack = self.te if cfg.pack_sequences is None else bool(cfg.pack_sequences)
-        if self.device.type != "cuda":
-            from nemo_d3s.backends.megatron.cpu_compat import apply_cpu_compat
-
-            apply_cpu_compat()
-        self.path = model_folder(cfg)
-        self.spec = ModelSpec.from_folder(self.path)
-        tp, pp = int(cfg.tensor_model_parallel_size), int(cfg.pipeline_model_parallel_size)
-        self.vpp = int(cfg.virtual_pipeline_model_parallel_size or 1)
-        ep, etp = cfg.expert_model_parallel_size, cfg.expert_tensor_parallel_size
-        cp = int(cfg.context_parallel_size)
-        check_layout(
-            self.spec,
-            **dict(tp=tp, pp=pp, world=world_size(), vpp=self.vpp, cp=cp, ep=ep, etp=etp),
-            pp_last=not cfg.use_tp_pp_dp_mapping,
-        )
-        if self.spec.num_experts and cfg.pack_sequences is None:
-            self.pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
-        check_moe_layout(
-            self.spec,
-            tp=tp,
-            packed=self.pack,
-            sequence_parallel=cfg.sequence_parallel,
-        )
-        # Checked before any collective (headers only): every rank fails alike.
-        reader, self.path, fmt = open_weights(self.path, self.spec, self)
-        self.groups = (
-            groups
-            if groups is not None
-            else init_groups(cfg, self.device, tp, pp, self.vpp, cp=cp, ep=ep, etp=etp)
-        )
-        # converted / NeMo 2 checkpoints carry checksums.json
-        ckpt.verify_shared(fmt, cfg.verify_checksums)
-        from megatron.core import parallel_state as ps
-
-        seed_model_rng(self.device, cfg.seed)
-        self.layout = Layout(
-            tp=tp,
-            pp=pp,
-            tp_rank=ps.get_tensor_model_parallel_rank(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(),
-            padded_vocab=padded_vocab_size(
-                self.spec.vocab_size, tp, cfg.make_vocab_size_divisible_by
-            ),
-            te=self.te,
-            **expert_layout(self.spec),
-        )
-        config = transformer_config(
-            self.spec,
-            tp=tp,
-            pp=pp,
-            params_dtype=self.dtype,
-            device=self.device,
-            recompute=cfg.gradient_checkpointing,
-            sequence_parallel=cfg.sequence_parallel,
-            vpp=self.vpp,
-            cp=cp,
-            moe=moe_config_kwargs(
-                self.spec,
-                ep=ep,
-                etp=etp,
-                dispatcher=cfg.moe_token_dispatcher_type,
-                router_dtype=cfg.moe_router_dtype,
-                grouped_gemm=self.te,
-                aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                z_loss_coeff=cfg.moe_z_loss_coeff,
-            ),
-        )
-        # One model chunk per virtual stage (interleaved 1F1B), else this rank's stage:
-        # ``stage_layouts`` are their layouts in the weight table (model.virtual_layouts).
-        self.stage_layouts = virtual_layouts(self.layout, self.vpp)
-        chunks = self._build_chunks(config)
-        load_chunks(chunks, self.stage_layouts, self.spec, reader)
-        self.model = chunks if self.vpp > 1 else chunks[0]
-        self.ref_model = None
-        if cfg.use_reference:
-            self.ref_model = self._build_reference(config)
-        chunks, self.optimizer = optim.build_optimizer(
-            self.model,
-            lr=cfg.lr,
-            betas=tuple(cfg.adam_betas),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
-            distributed_optimizer=cfg.distributed_optimizer,
-        )
-        self.chunks = chunks
-        # the policy's MoE routers record their routing and replay a given one (routing.py);
-        # the reference's keep their own
-        self.router_taps = (
-            RouterTaps(chunks, self.spec.num_layers, self.spec.moe_topk, self.spec.num_experts)
-            if self.spec.num_experts
-            else None
-        )
-        if self.groups.is_main:
-            log.info(
-                "optimizer: %s",
-                "Megatron DDP + distributed optimizer (fp32 main weights and Adam state "
-                f"sharded over DP={self.groups.dp_size})"
-                if optim.is_megatron_optimizer(self.optimizer)
-                else "plain AdamW over each rank's shards, gradients all-reduced over DP",
-            )
-        self.scheduler = LRSchedule(
-            self.optimizer,
-            cfg.lr,
-            lr_multiplier(cfg.scheduler, cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio),
-        )
+        # device, dtype, te, pack, path, spec, vpp, groups, layout, stage_layouts, model,
+        # ref_model, chunks, optimizer, router_taps, scheduler: build.PolicyParts says each
+        parts = build_policy(cfg, groups, owner=self)
+        self.__dict__.update(vars(parts))
 
         self.tokenizer = load_tokenizer(self.path)
         if self.tokenizer.pad_token_id is None:
@@ -217,36 +73,6 @@ class MegatronBackend(Policy):
             self._own_engine = self.place_rollout_engine(replica_engine(self))
             self._own_engine.sync_weights(self)  # the replica starts from these weights
         return self._own_engine
-
-    # ------------------------------------------------------------------ set-up
-    def _build_chunks(self, config) -> List[torch.nn.Module]:
-        """This rank's stage, or one chunk per virtual stage; uninitialised weights."""
-        p, pp, last = self.layout.pp_rank, self.layout.pp, self.vpp - 1
-        return [
-            build_stage(
-                self.spec,
-                config,
-                lay,
-                pre_process=p == 0 and v == 0,
-                post_process=p == pp - 1 and v == last,
-                device=self.device,
-                vp_stage=v if self.vpp > 1 else None,
-            )
-            for v, lay in enumerate(self.stage_layouts)
-        ]
-
-    def _build_reference(self, config):
-        """The frozen initial policy for the KL term: a rebuilt stage with the parameters
-        copied in (megatron-core modules hold ProcessGroups, which deepcopy cannot copy)."""
-        refs = self._build_chunks(config)
-        mine = self.model if isinstance(self.model, list) else [self.model]
-        with torch.no_grad():
-            for ref, chunk in zip(refs, mine):
-                params = dict(chunk.named_parameters())
-                for name, q in ref.named_parameters():
-                    q.copy_(params[name])
-        refs = [r.eval().requires_grad_(False) for r in refs]
-        return refs if self.vpp > 1 else refs[0]
 
     @property
     def weights_dtype(self) -> torch.dtype:

@@ -102,6 +102,7 @@ def test_cuda_connections_is_set_before_cuda_can_start(monkeypatch, folders):
     """The backend sets CUDA_DEVICE_MAX_CONNECTIONS before it resolves its device (and so
     before init_world's torch.cuda.set_device); a value the user set is kept."""
     import nemo_d3s.backends.megatron.backend as backend
+    import nemo_d3s.backends.megatron.build as build
     from nemo_d3s.backends.megatron.config import MegatronBackendConfig
 
     class Stop(Exception):
@@ -113,7 +114,7 @@ def test_cuda_connections_is_set_before_cuda_can_start(monkeypatch, folders):
         seen.append(__import__("os").environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
         raise Stop
 
-    monkeypatch.setattr(backend, "resolve_device", resolve_device)
+    monkeypatch.setattr(build, "resolve_device", resolve_device)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     with pytest.raises(Stop):
         backend.MegatronBackend(MegatronBackendConfig(model=folders["llama"], device="cpu"))
