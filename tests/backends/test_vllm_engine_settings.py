@@ -356,3 +356,28 @@ def test_an_evaluation_whose_batch_the_engine_aborted_logs_no_row(fake, monkeypa
     else:
         with pytest.raises(E.GenerationInterrupted, match="cut short"):
             evaluate(engine, _Task(), list(range(6)), _Groups(), **kw)
+
+
+def test_after_a_refit_that_failed_part_way_generate_refuses_until_one_completes(fake, monkeypatch):
+    """vLLM finishes a layer sent in part with the rest uninitialised (its layer-wise reload):
+    an engine whose refit failed part-way must not generate from that mix."""
+    policy, _ = fake
+    _gpu(monkeypatch, current=0)
+    engine = E.VLLMEngine(policy, VLLMEngineConfig(), refit_follows=True)
+    engine.refit_on_generate = False  # refitted by its caller (a sharded policy's engines)
+
+    class HalfSent(Policy):
+        weights_version = 1
+
+        def refit_weights(self):
+            yield "w", torch.ones(4)
+            raise OSError("the trainer's shard file vanished")
+
+    with pytest.raises(RuntimeError, match="weight sync failed .*vanished"):
+        engine.sync_weights(HalfSent(policy.folder))
+    assert engine.partial_weights and engine.needs_refit(policy)
+    with pytest.raises(RuntimeError, match="failed part-way.*sync_weights must complete"):
+        engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
+    engine.sync_weights(policy)
+    ro = engine.generate(["a"], 1, GenerationConfig(max_new_tokens=4), [1])
+    assert ro.batch.input_ids.shape[0] == 1 and not engine.partial_weights

@@ -179,6 +179,7 @@ class VLLMEngine(RolloutEngine):
         self._SamplingParams = vllm.SamplingParams
         self._asleep, self._awake_tags = False, set()
         self.held_version: Optional[int] = None  # the policy's weights version it holds
+        self.partial_weights = False  # a refit failed part-way: generate refuses until one ends
         # No refit here: ``build_rollout_engine`` refits every engine right after placing it
         # (collective on a sharded policy, whose other ranks are not inside this constructor).
         self.release()
@@ -288,8 +289,12 @@ class VLLMEngine(RolloutEngine):
         try:
             refit.push(weights)
             self.held_version = None if version is None else int(version)
+            self.partial_weights = False
         except Exception as e:
-            if refit.is_src and self.alive():  # put the layers back (no half-loaded model)
+            self.partial_weights = True
+            # A layer sent in part (q, k of a qkv_proj) is finished with the rest uninitialised
+            # (vllm reload/layerwise.py finalize_layerwise_processing): see generate.
+            if refit.is_src and self.alive():
                 with contextlib.suppress(Exception):
                     self._rpc("refit_end")
             sent = getattr(self, "_sent", [])
@@ -334,6 +339,9 @@ class VLLMEngine(RolloutEngine):
         try:
             if self.refit_on_generate:  # a refit only when it holds another version (or none)
                 self.sync_weights(self.policy)
+            if self.partial_weights:
+                msg = "the last weight sync failed part-way: some layers hold a mix of weights"
+                raise RuntimeError(f"vLLM: {msg}; sync_weights must complete before generate")
             self.wake(["weights", "kv_cache"])
             # awake until the trainer's release(): more generations of this version cost no refit
             fault_point("vllm.generate")
