@@ -5,7 +5,9 @@ picks the torchrun world up (gloo on the CPU). Every rank builds ``D3SGRPOTraine
 same tiny model and cuts ITS slice of one fixed synthetic generation batch (8 rollouts, 2
 prompts x G = 4; process p holds global rows [p B, (p + 1) B) as in TRL), through the
 plugin's own ``_d3s_cut`` (the all-gather of the advantages, the entropy pass over the kept
-rows, the DP-global token top-K). Each rank writes what it kept as JSON.
+rows, the DP-global token top-K), then runs the plugin's loss on the cut batch (compaction,
+TRL's ``dapo`` loss and its per-row metric gathers, which need equal rows on every process).
+Each rank writes what it kept, the rows its loss ran on and the loss as JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
 
     from nemo_d3s.core.presets import D3SConfig
     from nemo_d3s.integrations.trl import D3SGRPOTrainer
+
+    import nemo_d3s.integrations.trl.trainer as plugin
+
+    loss_rows = []
+
+    def compact_rows(*args, **kwargs):
+        out = compact(*args, **kwargs)
+        loss_rows.append(int(out[0]["completion_ids"].shape[0]))
+        return out
+
+    compact, plugin.compact_rows = plugin.compact_rows, compact_rows
 
     class Recorder(SelectionRecorder, D3SGRPOTrainer):
         pass
@@ -80,6 +93,8 @@ def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
     trainer.state.max_steps, trainer.state.global_step = 3, int(step)
     trainer.model.train()
     cut = trainer._d3s_cut(output)
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer._compute_loss(trainer.model, cut)
     sel = trainer.last_selection
     rows = (sel["stage"].kept_rows + rank * b).tolist()
     record = {
@@ -92,6 +107,8 @@ def main(model_dir: str, out_dir: str, preset: str, step: str) -> None:
         "num_items_in_batch": float(cut["num_items_in_batch"]),
         "cut_rows": int(cut["completion_ids"].shape[0]),
         "cut_loss_tokens": int((cut["completion_mask"] * cut["tool_mask"]).sum()),
+        "loss_rows": loss_rows,
+        "loss": float(loss),
     }
     with open(os.path.join(out_dir, f"rank{rank}_of{world}.json"), "w") as f:
         json.dump(record, f)

@@ -222,6 +222,28 @@ def test_settings_the_plugin_cannot_honour_are_one_line_errors(folder, tmp_path)
     _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2}, d3s="pods")
     with pytest.raises(ConfigError, match="d3s='nope': unknown preset; known: d1s, d1s_cross"):
         _trainer(D3SGRPOTrainer, folder, tmp_path, d3s="nope")
+    # PODS re-normalises the kept rewards with its own estimator: TRL's must be the same one
+    none = {"scale_rewards": "none"}
+    with pytest.raises(
+        ConfigError, match="advantage='grpo', which is not TRL's scale_rewards='none'.*dr_grpo"
+    ):
+        _trainer(D3SGRPOTrainer, folder, tmp_path, config=none, d3s="pods")
+    _trainer(D3SGRPOTrainer, folder, tmp_path, config=none, d3s={"sample_rule": "pods", **DR})
+    with pytest.raises(ConfigError, match="scale_rewards='batch'.*use scale_rewards='group'"):
+        _trainer(D3SGRPOTrainer, folder, tmp_path, config={"scale_rewards": "batch"}, d3s="pods")
+    with pytest.raises(ConfigError, match="multi_objective_aggregation='normalize_then_sum'"):
+        _trainer(
+            D3SGRPOTrainer,
+            folder,
+            tmp_path,
+            config={"multi_objective_aggregation": "normalize_then_sum"},
+            d3s="pods",
+        )
+    # the other rules keep TRL's advantages, whatever their scaling
+    _trainer(D3SGRPOTrainer, folder, tmp_path, config={"scale_rewards": "batch"}, d3s="d3s")
+
+
+DR = {"advantage": "dr_grpo"}
 
 
 def _run_ranks(folder, out, nproc, preset, step):
@@ -248,6 +270,12 @@ def test_two_processes_keep_what_one_keeps(folder, tmp_path, preset, step):
     assert two[0]["num_items_in_batch"] == one["num_items_in_batch"] > 0
     assert two[0]["cut_loss_tokens"] + two[1]["cut_loss_tokens"] == one["cut_loss_tokens"]
     assert 0 < len(one["rows"]) < 8
-    if step == 0:  # N = G/8: both kept rollouts are rank 1's; rank 0 runs one zero-loss row
-        assert two[0]["rows"] == [] and two[0]["cut_rows"] == 1
-        assert two[0]["cut_loss_tokens"] == 0
+    # every process's cut batch and compacted loss batch hold as many rows (TRL gathers per-row
+    # metrics in its loss: unequal rows aborted gloo, l.3280-3282), and the dapo loss is the
+    # same: each process's share is over num_items_in_batch / processes, so their mean is one's
+    assert two[0]["cut_rows"] == two[1]["cut_rows"]
+    assert two[0]["loss_rows"] == two[1]["loss_rows"]
+    assert (two[0]["loss"] + two[1]["loss"]) / 2 == pytest.approx(one["loss"], rel=1e-5)
+    if step == 0:  # N = G/8: both kept rollouts are rank 1's; rank 0 runs zero-loss rows only
+        assert two[0]["rows"] == [] and len(two[1]["rows"]) == 2
+        assert two[0]["cut_rows"] == 2 and two[0]["cut_loss_tokens"] == 0

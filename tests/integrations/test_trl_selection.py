@@ -15,7 +15,9 @@ from nemo_d3s.errors import ConfigError, RunError
 from nemo_d3s.integrations.trl.selection import (
     TRLD3SSelector,
     compact_rows,
+    compacted_rows,
     kept_batch,
+    neutral_unscorable,
     step_shares,
     trl_group_ids,
 )
@@ -74,6 +76,29 @@ def test_whole_batch_selection_equals_the_core(preset):
     )
     assert torch.equal(keep_all, ref.sample_keep)
     torch.testing.assert_close(stage.advantages, ref.advantages)
+
+
+def test_unscorable_rollouts_stand_at_their_groups_mean_and_keep_advantage_zero():
+    nan = float("nan")
+    rewards = torch.tensor([1.0, 1.0, 1.0, nan, 0.0, 1.0, nan, 4.0, nan, nan, nan, nan])
+    filled, unscorable = neutral_unscorable(rewards, 4)
+    # hand-worked: group 1's scored mean is (0 + 1 + 4) / 3 = 5/3; group 2 is scored nowhere
+    want = [1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 5 / 3, 4.0, 0.0, 0.0, 0.0, 0.0]
+    assert filled.tolist() == pytest.approx(want)
+    assert unscorable.tolist() == [False] * 3 + [True] + [False] * 2 + [True, False] + [True] * 4
+    same, none = neutral_unscorable(REWARDS, 4)
+    assert same is REWARDS and not none.any()
+    # PODS keeps 3 of group 1 by reward variance. At 5/3: {0, 1, 4} (variance 13/3) beats
+    # {0, 5/3, 4} (4.04). As a 0 the unscorable one was an extreme: {0, 0, 4} (16/3) kept it,
+    # with a non-zero re-normalised advantage
+    adv = _trl_advantages(filled, 4)
+    adv[unscorable] = 0.0  # TRL's
+    pods = D3SConfig.from_preset("pods", schedule={"n_init": 0.75, "n_final": 0.75})
+    stage, keep = TRLD3SSelector(pods, None).select_whole(rewards, adv, 4, slice(0, 12), 0.0)
+    assert keep[4:8].tolist() == [True, True, False, True]
+    assert stage.advantages[unscorable].tolist() == [0.0] * 6
+    # group 0 (1, 1, 1 and an unscorable) is all-equal for D3S as it is for TRL
+    assert stage.advantage_result.n_degenerate == 2  # groups 0 and 2
 
 
 def test_token_stage_equals_the_core_top_k():
@@ -167,6 +192,12 @@ def test_kept_batch_pads_with_zero_loss_rows_and_refuses_unknown_keys():
         trim_columns=True,
     )
     assert n_pad == 2 and empty["tool_mask"].sum() == 0
+    # another process kept 5: every process pads to the same rows (a multiple of min_rows)
+    out, n_pad = kept_batch(
+        batch, torch.tensor([0, 1, 2]), keep, min_rows=2, trim_columns=False, rows_over_processes=5
+    )
+    assert n_pad == 3 and out["prompt_ids"].shape[0] == 6
+    assert out["tool_mask"][3:].sum() == 0 and out["prompt_ids"][3:, 0].tolist() == [0, 0, 0]
     batch["pixel_values"] = torch.zeros(4, 3)
     with pytest.raises(ConfigError, match="pixel_values"):
         kept_batch(batch, torch.tensor([0]), keep[:1], min_rows=1, trim_columns=True)
@@ -198,6 +229,29 @@ def test_compact_rows_cuts_after_the_last_loss_token():
     batch["tool_mask"] = torch.zeros(4, 5, dtype=torch.long)
     out, _, after = compact_rows(batch, drop_rows=True)
     assert out["completion_ids"].tolist() == [[0]] and after == 1 * (3 + 1)
+    assert compacted_rows(batch, drop_rows=True) == 1
+    assert compacted_rows(batch, drop_rows=False) == 4
+
+
+def test_compact_rows_pads_to_the_rows_another_process_keeps():
+    batch = _batch()
+    batch["tool_mask"] = torch.tensor(
+        [[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
+    )
+    assert compacted_rows(batch, drop_rows=True) == 2
+    out, before, after = compact_rows(batch, drop_rows=True, min_rows=3)
+    # rows 0 and 2, then a copy of row 0 that carries no loss token
+    assert out["advantages"].tolist() == [0.0, 2.0, 0.0]
+    assert out["tool_mask"].tolist() == [[0, 1, 0], [1, 0, 1], [0, 0, 0]]
+    assert out["completion_mask"][2].tolist() == out["completion_mask"][0].tolist()
+    assert (before, after) == (4 * (3 + 5), 3 * (3 + 3))
+    # enough rows already, or rows not dropped: nothing added
+    assert compact_rows(batch, drop_rows=True, min_rows=2)[0]["advantages"].tolist() == [0.0, 2.0]
+    assert compact_rows(batch, drop_rows=False, min_rows=9)[0]["completion_ids"].shape[0] == 4
+    # no tool mask: the copies get one, zero on them alone
+    del batch["tool_mask"]
+    out, _, _ = compact_rows(batch, drop_rows=True, min_rows=5)
+    assert out["tool_mask"].sum(1).tolist()[-1] == 0 and out["completion_ids"].shape[0] == 5
 
 
 def test_step_shares():

@@ -26,8 +26,10 @@ __all__ = [
     "ROW_COUNTING_LOSSES",
     "TRLD3SSelector",
     "trl_group_ids",
+    "neutral_unscorable",
     "kept_batch",
     "compact_rows",
+    "compacted_rows",
     "step_shares",
 ]
 
@@ -72,8 +74,10 @@ def trl_group_ids(n_total: int, num_generations: int) -> torch.Tensor:
 
 class TRLD3SSelector(DistributedD3SSelector):
     """The DP-global selector over TRL's batch: the advantage values are TRL's (its
-    ``scale_rewards`` and reward weights stand), the rule, N, PODS re-normalisation, degenerate
-    groups and metrics the core's. ``select_tokens`` is collective on ``dp_group``."""
+    ``scale_rewards`` and reward weights stand), the rule, N, degenerate groups and metrics the
+    core's. PODS re-normalises the kept rollouts' rewards (TRL's weighted sum) with the core's
+    ``advantage`` estimator instead: ``D3SGRPOTrainer`` refuses TRL settings it would not match.
+    ``select_tokens`` is collective on ``dp_group``."""
 
     _given: Optional[torch.Tensor] = None
 
@@ -93,14 +97,14 @@ class TRLD3SSelector(DistributedD3SSelector):
                 "the same [B_total]"
             )
         groups = trl_group_ids(rewards.numel(), num_generations)
-        # An unscorable rollout (every reward function returned None) has reward NaN in TRL
-        # and advantage 0; reward 0 here keeps the core's finite-input checks.
-        rewards = torch.nan_to_num(rewards.detach().float().cpu(), nan=0.0)
+        rewards, unscorable = neutral_unscorable(rewards.detach().float().cpu(), num_generations)
         self._given = advantages.detach().float().cpu()
         try:
             whole = D3SSelector.select_samples(self, rewards, groups, progress)
         finally:
             self._given = None
+        # TRL's rule for an unscorable rollout, also where PODS re-normalised a kept one
+        whole.advantages[unscorable] = 0.0
         return whole.rows(rows), whole.sample_keep
 
     def advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor) -> AdvantageResult:
@@ -108,6 +112,24 @@ class TRLD3SSelector(DistributedD3SSelector):
         if self._given is None:
             return base
         return dataclasses.replace(base, advantages=self._given)
+
+
+def neutral_unscorable(
+    rewards: torch.Tensor, num_generations: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """rewards [B_total] with NaN (TRL's unscorable rollouts: every reward function returned
+    None) -> (rewards with each NaN set to its group's mean over the scored rollouts, 0 for a
+    group scored nowhere; the NaN mask [B_total]). TRL leaves such a rollout out of its group's
+    baseline and gives it advantage 0 (grpo_trainer.py l.2756-2807); the group mean keeps it
+    from widening the group's reward spread, so it neither turns an all-equal group into a
+    kept one nor reads as an extreme to PODS' max-variance rule (a reward of 0 did both)."""
+    unscorable = torch.isnan(rewards)
+    if not bool(unscorable.any()):
+        return rewards, unscorable
+    grouped = rewards.view(-1, int(num_generations))
+    means = torch.nan_to_num(torch.nanmean(grouped, dim=1, keepdim=True), nan=0.0)
+    filled = torch.where(torch.isnan(grouped), means.expand_as(grouped), grouped)
+    return filled.reshape(-1), unscorable
 
 
 def _trim_width(mask: torch.Tensor) -> int:
@@ -123,12 +145,16 @@ def kept_batch(
     *,
     min_rows: int,
     trim_columns: bool,
+    rows_over_processes: int = 0,
 ) -> Tuple[Dict[str, object], int]:
     """TRL's generation batch cut to the kept rollouts, with D3S's token mask: kept_rows [B_kept]
     ascending, token_keep [B_kept, C] -> (new batch, placeholder rows).
 
-    Rows are padded to a multiple of ``min_rows`` with copies of row 0 whose loss mask is zero
-    (every process runs as many micro-batches). The token selection multiplies ``tool_mask``
+    Rows are padded with copies of row 0 whose loss mask is zero to the first multiple of
+    ``min_rows`` that holds ``max(B_kept, rows_over_processes)`` (the most rows any process
+    kept): every process then runs as many micro-batches, each of as many rows, which TRL's
+    per-row metric gathers need (grpo_trainer.py l.3280-3282: equal shapes on every process).
+    The token selection multiplies ``tool_mask``
     (TRL's loss-only mask); ``num_items_in_batch`` is the caller's (a collective). ``trim_columns``
     drops completion columns after the last kept token (causal attention). A key outside
     ``PER_ROW_KEYS`` / ``SCALAR_KEYS`` (multimodal inputs) -> ConfigError."""
@@ -141,7 +167,8 @@ def kept_batch(
     n_kept = int(kept_rows.numel())
     if token_keep.shape[0] != n_kept:
         raise ValueError(f"token_keep has {token_keep.shape[0]} rows, {n_kept} rollouts were kept")
-    n_rows = max(min_rows, -(-n_kept // min_rows) * min_rows)
+    most = max(n_kept, int(rows_over_processes))
+    n_rows = max(min_rows, -(-most // min_rows) * min_rows)
     n_pad = n_rows - n_kept
     device = batch["completion_ids"].device
     rows = torch.cat([kept_rows, kept_rows.new_zeros(n_pad)]).to(device)
@@ -167,12 +194,27 @@ def kept_batch(
     return out, n_pad
 
 
+def _loss_mask(batch: Mapping[str, object]) -> torch.Tensor:
+    """[B, C]: the tokens TRL's loss counts (``completion_mask`` x ``tool_mask``)."""
+    completion = batch["completion_mask"]
+    return completion if batch.get("tool_mask") is None else completion * batch["tool_mask"]
+
+
+def compacted_rows(batch: Mapping[str, object], *, drop_rows: bool) -> int:
+    """The rows ``compact_rows(batch, drop_rows=drop_rows)`` keeps before any padding."""
+    loss = _loss_mask(batch)
+    if not drop_rows:
+        return int(loss.shape[0])
+    return max(1, int(loss.bool().any(dim=1).sum()))
+
+
 def compact_rows(
     batch: Mapping[str, object],
     *,
     drop_rows: bool,
     ratio_columns: bool = True,
     multiple: Optional[int] = None,
+    min_rows: int = 0,
 ) -> Tuple[Dict[str, object], int, int]:
     """One micro-batch of a cut batch, cut after its last loss token (``completion_mask`` x
     ``tool_mask``) -> (batch, forward tokens before, after); tokens = rows x (P + C) columns.
@@ -182,9 +224,11 @@ def compact_rows(
     width rounded up to ``multiple``. A causal LM scores position t from positions <= t, so no
     loss token's log-prob or gradient changes. ``ratio_columns=False`` keeps a per-token
     ``importance_sampling_ratio``'s columns up to the last completion token (vespo sums its
-    log over the whole row, grpo_trainer.py l.2992)."""
+    log over the whole row, grpo_trainer.py l.2992). ``min_rows``: fewer kept rows are padded
+    with zero-loss copies of the first (with several processes, the most any process keeps:
+    TRL gathers per-row metrics, which needs equal rows everywhere, l.3280-3282)."""
     completion = batch["completion_mask"]
-    loss = completion if batch.get("tool_mask") is None else completion * batch["tool_mask"]
+    loss = _loss_mask(batch)
     n, c = loss.shape
     has_loss = loss.bool().any(dim=1)
     if not drop_rows:
@@ -193,6 +237,7 @@ def compact_rows(
         rows = has_loss.nonzero().flatten()
     else:
         rows = torch.zeros(1, dtype=torch.long, device=loss.device)
+    n_pad = 0 if rows is None else max(0, int(min_rows) - int(rows.numel()))
     kept = loss if rows is None else loss[rows]
     width = _trim_width(kept.bool())
     ratio = batch.get("importance_sampling_ratio")
@@ -212,8 +257,28 @@ def compact_rows(
         if per_token and value.dim() == 2 and value.shape[1] > 1:
             value = value[:, :width]
         out[key] = value
+    if n_pad:
+        out = _pad_rows(out, n_pad)
     p = int(batch["prompt_ids"].shape[1])
     return out, n * (p + c), int(out["completion_ids"].shape[0]) * (p + width)
+
+
+def _pad_rows(batch: Dict[str, object], n_pad: int) -> Dict[str, object]:
+    """``batch`` with ``n_pad`` copies of its row 0 appended, their ``tool_mask`` zero (no
+    loss token: TRL's loss and its per-token metrics add nothing for them)."""
+    n = int(batch["completion_ids"].shape[0])
+    rows = torch.cat([torch.arange(n), torch.zeros(n_pad, dtype=torch.long)])
+    rows = rows.to(batch["completion_ids"].device)
+    out: Dict[str, object] = {
+        k: v if k in SCALAR_KEYS or v is None else v[rows] for k, v in batch.items()
+    }
+    tool = out.get("tool_mask")
+    if tool is None:
+        tool = torch.ones_like(out["completion_mask"])
+    tool = tool.clone()
+    tool[n:] = 0
+    out["tool_mask"] = tool
+    return out
 
 
 def step_shares(

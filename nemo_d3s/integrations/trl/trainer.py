@@ -14,13 +14,16 @@ Where it hooks TRL 1.16.0 (``trl/trainer/grpo_trainer.py``; range in ``nemo_d3s/
   denominator, l.3170) is recounted on the kept tokens.
 - ``_prepare_inputs`` (l.1522) splits the cut batch into ``steps_per_generation`` micro-batches
   (``split_tensor_dict`` drops a remainder, l.1544), so ``kept_batch`` pads each process to a
-  multiple with zero-loss rows; generation (and D3S) runs once per ``steps_per_generation *
-  num_iterations`` micro-steps (l.1538) and the buffered cut batches are reused (l.1546),
-  ``old_per_token_logps`` (l.2643) cut like every key.
+  multiple with zero-loss rows, to the same rows on every process (the most any kept): TRL
+  gathers per-row metrics in the loss (l.3280-3282), whose shapes must agree; generation
+  (and D3S) runs once per ``steps_per_generation * num_iterations`` micro-steps (l.1538) and
+  the buffered cut batches are reused (l.1546), ``old_per_token_logps`` (l.2643) cut like
+  every key.
 - ``_compute_loss`` (l.3020) gets each training micro-batch compacted (``compact_rows``): rows
   without a kept token dropped, except for the loss types that count rows (grpo, sapo, dr_grpo,
-  luspo); completion columns after the last kept token dropped (vespo with a per-token vLLM
-  ratio keeps them to the last completion token). Not with an MoE router loss.
+  luspo), and padded back with zero-loss rows to the most any process keeps; completion
+  columns after the last kept token dropped (vespo with a per-token vLLM ratio keeps them to
+  the last completion token). Not with an MoE router loss.
 
 Preset ``grpo`` returns the batch untouched; evaluation batches are never cut. ``dapo``, ``cispo``
 and ``vespo`` divide by ``num_items_in_batch`` (l.3168), so placeholders add 0; ``grpo``, ``sapo``,
@@ -34,7 +37,8 @@ By TRL's source it only replaces the generator in ``_generate_single_turn`` (l.1
 the process-major layout with G consecutive rollouts per prompt
 (``trl/generation/vllm_generation.py`` l.593-657, l.661-747). ``kept_batch`` cuts vLLM's
 ``sampling_per_token_logps``, ``old_per_token_logps`` and ``importance_sampling_ratio``
-(l.2660-2707). The entropy pass uses the training model, as TRL's old-logp pass does."""
+(l.2660-2707). The entropy pass uses the training model, as TRL's old-logp pass does, over as
+many rows on every process (sharded models all-gather their parameters in each forward)."""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from nemo_d3s.integrations.trl.selection import (
     ROW_COUNTING_LOSSES,
     TRLD3SSelector,
     compact_rows,
+    compacted_rows,
     kept_batch,
     step_shares,
 )
@@ -123,6 +128,7 @@ class D3SGRPOTrainer(GRPOTrainer):
                 "|A| x H token selection would both cut tokens; set top_entropy_quantile=1.0"
             )
         self._refuse_uneven_means()
+        self._refuse_pods_mismatch()
 
     def _refuse_uneven_means(self) -> None:
         """ConfigError for a per-micro-batch mean (loss type or entropy bonus) that a preset
@@ -143,6 +149,32 @@ class D3SGRPOTrainer(GRPOTrainer):
                 "each micro-batch, which D3S leaves holding unequal kept rollouts; set "
                 "entropy_coef=0.0 and use_adaptive_entropy=False, or steps_per_generation=1 on "
                 "one process"
+            )
+
+    def _refuse_pods_mismatch(self) -> None:
+        """ConfigError for TRL advantage settings PODS would silently replace: PODS
+        re-normalises the kept rollouts' summed rewards with the preset's ``advantage``
+        estimator, which is TRL's ``scale_rewards="group"`` (``grpo``, both with std + 1e-4 at
+        PODS' eps) or ``"none"`` (``dr_grpo``) under ``sum_then_normalize`` only."""
+        cfg = self.d3s_config
+        if cfg.sample_rule != "pods":
+            return
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ConfigError(
+                f"d3s pods with multi_objective_aggregation={self.multi_objective_aggregation!r}: "
+                "PODS re-normalises the kept rollouts' weighted reward sum, which is "
+                "'sum_then_normalize'; use that, or another preset"
+            )
+        matches = {"group": "grpo", "none": "dr_grpo"}
+        want = matches.get(self.scale_rewards)
+        if want != cfg.advantage:
+            fix = (
+                f"d3s={{..., 'advantage': '{want}'}}" if want else "scale_rewards='group' or 'none'"
+            )
+            raise ConfigError(
+                f"d3s pods re-normalises the kept rollouts' rewards with advantage="
+                f"{cfg.advantage!r}, which is not TRL's scale_rewards={self.scale_rewards!r} "
+                f"(group: 'grpo', none: 'dr_grpo'); use {fix}"
             )
 
     @property
@@ -176,11 +208,15 @@ class D3SGRPOTrainer(GRPOTrainer):
         cut = self.model.training and "tool_mask" in inputs and self._d3s_cuts
         if not (cut and self.d3s_compact):
             return super()._compute_loss(model, inputs)
+        drop = self.loss_type not in ROW_COUNTING_LOSSES
+        # every process's micro-batch keeps as many rows (TRL gathers per-row metrics)
+        most = self._most_over_processes(compacted_rows(inputs, drop_rows=drop)) if drop else 0
         compacted, before, after = compact_rows(
             inputs,
-            drop_rows=self.loss_type not in ROW_COUNTING_LOSSES,
+            drop_rows=drop,
             ratio_columns=self.loss_type != "vespo",
             multiple=self.pad_to_multiple_of,
+            min_rows=most,
         )
         self._metrics["train"]["d3s/forward_token_share"].append(after / max(before, 1))
         return super()._compute_loss(model, compacted)
@@ -190,12 +226,26 @@ class D3SGRPOTrainer(GRPOTrainer):
         """Whether the preset cuts TRL's batch (``grpo`` hands it on untouched)."""
         return not (self._d3s_keeps_all and not self.d3s_selector.needs_entropy)
 
+    def _most_over_processes(self, n: int) -> int:
+        """The largest ``n`` over TRL's processes (one all-gather; ``n`` itself on one)."""
+        if self.accelerator.num_processes == 1:
+            return int(n)
+        counts = self.accelerator.gather(torch.tensor([int(n)], device=self.accelerator.device))
+        return int(counts.max())
+
     @torch.no_grad()
-    def _d3s_entropy(self, output: Mapping[str, Any], rows: torch.Tensor) -> torch.Tensor:
+    def _d3s_entropy(
+        self, output: Mapping[str, Any], rows: torch.Tensor, forward_rows: int
+    ) -> torch.Tensor:
         """[B_kept, C] f32 on the CPU: old-policy entropy of the kept rows' completion tokens, one
-        no-grad pass over those rows."""
-        if rows.numel() == 0:
+        no-grad pass over those rows padded with copies of row 0 to ``forward_rows`` (the most
+        any process kept): every process runs as many forwards, which sharded training
+        (FSDP, ZeRO-3: a parameter all-gather per forward) needs; the copies' values are
+        dropped."""
+        if forward_rows == 0:
             return torch.zeros(0, output["completion_ids"].shape[1])
+        n = int(rows.numel())
+        rows = torch.cat([rows, rows.new_zeros(forward_rows - n)])
         dev_rows = rows.to(output["completion_ids"].device)
         ids = torch.cat([output["prompt_ids"][dev_rows], output["completion_ids"][dev_rows]], 1)
         attn = torch.cat([output["prompt_mask"][dev_rows], output["completion_mask"][dev_rows]], 1)
@@ -207,7 +257,7 @@ class D3SGRPOTrainer(GRPOTrainer):
             batch_size=self.args.per_device_train_batch_size,
             compute_entropy=True,
         )
-        return entropy.detach().float().cpu()
+        return entropy[:n].detach().float().cpu()
 
     def _d3s_cut(self, output: Dict[str, Any]) -> Dict[str, Any]:
         sel = self.d3s_selector
@@ -225,7 +275,8 @@ class D3SGRPOTrainer(GRPOTrainer):
             response = response & output["tool_mask"].bool()
         response = response.cpu()
         rows = stage.kept_rows
-        entropy = self._d3s_entropy(output, rows) if sel.needs_entropy else None
+        most = self._most_over_processes(rows.numel())  # the kept rows' passes, alike everywhere
+        entropy = self._d3s_entropy(output, rows, most) if sel.needs_entropy else None
         tokens = sel.select_tokens(stage, entropy, response[rows], progress)
         counts = torch.tensor(
             [float(response.sum()), float(tokens.token_keep.sum())], dtype=torch.float64
@@ -242,6 +293,7 @@ class D3SGRPOTrainer(GRPOTrainer):
                 tokens.token_keep,
                 min_rows=int(self.args.steps_per_generation),
                 trim_columns=self.pad_to_multiple_of is None,
+                rows_over_processes=most,
             )
             loss_mask = cut["completion_mask"] * cut["tool_mask"]
             cut["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
