@@ -14,10 +14,23 @@ from typing import Any, Dict, Optional
 from nemo_d3s.errors import ConfigError
 
 __all__ = [
+    "LLAMA3_FIXED",
     "hf_config_from_nemo",
     "hf_config_from_transformer_config",
     "nemo_make_vocab_size_divisible_by",
 ]
+
+
+# Megatron implements Llama 3.x RoPE scaling with these fixed constants (megatron-core
+# 0.16.1 models/common/embeddings/rotary_pos_embedding.py:92-98, RotaryEmbedding._apply_scaling
+# defaults); only the factor is a GPTModel argument. transformers 5.x's LlamaConfig refuses a
+# llama3 rope_scaling without low_freq_factor / high_freq_factor, so an HF config written from
+# megatron-core's flag states them all.
+LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _yaml(path: Path) -> Dict[str, Any]:
@@ -237,6 +250,7 @@ def hf_config_from_transformer_config(
         cfg["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": float(c.get("rope_scaling_factor", 8.0)),
+            **LLAMA3_FIXED,
         }
     return cfg
 
