@@ -119,6 +119,11 @@ class ModelSpec:
             raise ConfigError(
                 f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)"
             )
+        if cfg.get("quantization_config") is not None:  # FP8 / int weights: scales not mapped
+            raise ConfigError(
+                f"{source}: quantization_config is set: quantized checkpoints are not supported "
+                "(use the model's bfloat16 / float32 release)"
+            )
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         sliding = cfg.get("sliding_window")

@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_d3s.formats.safetensors_stream import check_safetensors
+from nemo_d3s.formats.safetensors_stream import ST_NAME, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.moe import (
     is_expert_param,
@@ -349,12 +349,19 @@ class SafetensorsReader:
                     f"{str(self.folder)!r}: tensor {name!r} is missing (not a "
                     f"{self.spec.architecture} with this config.json?)"
                 )
-            got = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
-            want = hf_shape(name, self.spec)
+            sl = self._handle(self.files[name]).get_slice(name)
+            got, want = tuple(sl.get_shape()), hf_shape(name, self.spec)
             if got != want:
                 raise ConfigError(
                     f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, "
                     f"config.json says {list(want)} (a checkpoint from another model?)"
+                )
+            # an FP8 / integer tensor would be cast to the run's dtype as garbage (its scales
+            # live in other tensors the table never reads)
+            if sl.get_dtype() not in ST_NAME.values():
+                raise ConfigError(
+                    f"{str(self.files[name])!r}: tensor {name!r} is {sl.get_dtype()}; "
+                    f"expected {', '.join(ST_NAME.values())} (quantized weights are not read)"
                 )
 
     def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:

@@ -1,0 +1,68 @@
+"""Input files the converter and the Megatron backend read back, damaged or of a kind the
+weight table does not map, by hand: each is one ConfigError naming the file and the field or
+tensor, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nemo_d3s.convert import hf_to_megatron  # noqa: E402
+from nemo_d3s.errors import ConfigError  # noqa: E402
+
+
+def _refused(parent, match, fn, *args, **kw):
+    before = sorted(os.listdir(parent))
+    with pytest.raises(ConfigError, match=match):
+        fn(*args, **kw)
+    assert sorted(os.listdir(parent)) == before
+
+
+def _hf_copy(src, dst) -> Path:
+    shutil.copytree(src, dst)
+    return Path(dst)
+
+
+def test_fp8_weights_and_quantization_config_are_refused(tmp_path, made):
+    """An FP8 checkpoint (F8_E4M3 weights, their weight_scale_inv beside them) would be cast
+    to the run's dtype as garbage: the tensor's dtype and the config's quantization_config
+    are each refused, naming file and tensor / field. With --dtype given (no stored dtype to
+    keep) the header check is the only one the tensor meets."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = made
+    fp8 = _hf_copy(src, tmp_path / "fp8")
+    path = fp8 / "model.safetensors"
+    t = load_file(str(path))
+    name = "model.layers.0.mlp.gate_proj.weight"
+    t[name] = t[name].to(torch.float8_e4m3fn)
+    t[name + "_scale_inv"] = torch.ones(1, 1)
+    save_file(t, str(path), metadata={"format": "pt"})
+    _refused(
+        tmp_path,
+        rf"fp8/model.safetensors'.*{name}' is F8_E4M3; expected F32, BF16, F16",
+        hf_to_megatron,
+        fp8,
+        tmp_path / "out",
+        dtype="bfloat16",
+        progress=False,
+    )
+    quant = _hf_copy(src, tmp_path / "quant")
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    _refused(
+        tmp_path,
+        r"quant/config.json: quantization_config is set",
+        hf_to_megatron,
+        quant,
+        tmp_path / "out",
+        progress=False,
+    )
