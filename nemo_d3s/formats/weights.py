@@ -343,13 +343,22 @@ class SafetensorsReader:
 
     def check(self) -> None:
         """Every tensor ``spec`` needs exists with the right shape (header reads only)."""
+        held: Dict[Path, set] = {}
         for name in hf_names(self.spec):
             if name not in self.files:
                 raise ConfigError(
                     f"{str(self.folder)!r}: tensor {name!r} is missing (not a "
                     f"{self.spec.architecture} with this config.json?)"
                 )
-            sl = self._handle(self.files[name]).get_slice(name)
+            handle = self._handle(self.files[name])
+            if self.files[name] not in held:  # a set per file: a MoE has ~10^5 tensors
+                held[self.files[name]] = set(handle.keys())
+            if name not in held[self.files[name]]:  # else safetensors' error, naming no file
+                raise ConfigError(
+                    f"{str(self.folder / 'model.safetensors.index.json')!r} maps tensor "
+                    f"{name!r} to {str(self.files[name])!r}, which does not hold it"
+                )
+            sl = handle.get_slice(name)
             got, want = tuple(sl.get_shape()), hf_shape(name, self.spec)
             if got != want:
                 raise ConfigError(

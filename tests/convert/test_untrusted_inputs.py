@@ -66,3 +66,30 @@ def test_fp8_weights_and_quantization_config_are_refused(tmp_path, made):
         tmp_path / "out",
         progress=False,
     )
+
+
+def test_an_index_naming_the_wrong_shard_names_index_and_shard(tmp_path, made):
+    """model.safetensors.index.json mapping a tensor to a shard that does not hold it: one
+    line naming both files (safetensors' own error named neither)."""
+    from safetensors.torch import load_file, save_file
+
+    src, _ = made
+    split = _hf_copy(src, tmp_path / "split")
+    t = load_file(str(split / "model.safetensors"))
+    (split / "model.safetensors").unlink()
+    names = sorted(t)
+    half = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    for f, keys in half.items():
+        save_file({k: t[k] for k in keys}, str(split / f), metadata={"format": "pt"})
+    weight_map = {k: f for f, keys in half.items() for k in keys}
+    wrong = half["b.safetensors"][0]
+    weight_map[wrong] = "a.safetensors"
+    (split / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    _refused(
+        tmp_path,
+        rf"index.json' maps tensor '{wrong}' to '.*split/a.safetensors', which does not hold it",
+        hf_to_megatron,
+        split,
+        tmp_path / "out",
+        progress=False,
+    )
