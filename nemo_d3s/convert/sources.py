@@ -39,7 +39,7 @@ from nemo_d3s.formats.side_files import (
     tokenizer_files,
 )
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
-from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config, smallest_world
+from nemo_d3s.formats.spec import ModelSpec, read_hf_config
 from nemo_d3s.formats.weights import hf_names, hf_shape
 
 __all__ = ["DTYPES", "GENERATION_CONFIG", "SideFiles", "CheckpointSource", "open_checkpoint"]
@@ -320,25 +320,7 @@ def open_checkpoint(
             "folder the run started from (model.name in the run's config.yaml)"
         )
     spec = ModelSpec.from_folder(config_dir)
-    saved = read_layout(root, spec)
-    if (
-        saved.tp < 1
-        or saved.pp < 1
-        or spec.num_layers % saved.pp
-        or saved.padded_vocab < spec.vocab_size
-        or saved.padded_vocab % saved.tp
-    ):
-        raise ConfigError(
-            f"{str(root / LAYOUT_FILE)!r}: TP{saved.tp} x PP{saved.pp} with padded vocabulary "
-            f"{saved.padded_vocab} is not a layout of this model"
-        )
-    try:
-        world = smallest_world(saved.tp, saved.pp, saved.ep, saved.etp)
-        check_layout(
-            spec, tp=saved.tp, pp=saved.pp, world=world, ep=saved.ep, etp=saved.etp
-        )  # the expert sizes too: an EP of 0 indexed no expert file, then a bare KeyError
-    except ConfigError as e:
-        raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: {e}") from None
+    saved = read_layout(root, spec)  # with its sizes checked against the model
     dtype = check_shards(root, spec, saved)
     return CheckpointSource(
         MEGATRON,

@@ -93,3 +93,44 @@ def test_an_index_naming_the_wrong_shard_names_index_and_shard(tmp_path, made):
         tmp_path / "out",
         progress=False,
     )
+
+
+def _cut_vocab_rows(megatron, rows):
+    """Every shard's embedding / output layer cut to ``rows`` rows: shards that agree with a
+    layout.json whose padded vocabulary is ``rows`` x TP."""
+    from safetensors.torch import load_file, save_file
+
+    for f in sorted(megatron.glob("tp*.safetensors")):
+        t = load_file(str(f))
+        for k in t:
+            if k.endswith(("word_embeddings.weight", "output_layer.weight")):
+                t[k] = t[k][:rows].contiguous()
+        save_file(t, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"padded_vocab": 256}, r"TP2 x PP2 with padded vocabulary 256 is not a layout"),
+        ({"tp": 0}, r"TP0 x PP2 with padded vocabulary \d+ is not a layout"),
+        ({"pp": 0}, r"TP2 x PP0 with padded vocabulary \d+ is not a layout"),
+    ],
+)
+def test_layout_json_sizes_are_checked_by_every_reader(tmp_path, made, change, match):
+    """layout.json sizes that are not a layout of the model: the Megatron backend's load
+    (prepare.open_weights) checked only its model fields, so a padded vocabulary short of the
+    real one (256 < 300, shards that agree with it) left embedding rows 256.. unwritten
+    (assemble_hf's new_empty), TP 0 divided by zero and PP 0 listed no shard to check."""
+    from nemo_d3s.backends.megatron.prepare import open_weights
+    from nemo_d3s.formats.spec import ModelSpec
+
+    src, ck = made
+    bad = Path(shutil.copytree(ck, tmp_path / "bad"))
+    layout = bad / "megatron" / "layout.json"
+    raw = json.loads(layout.read_text())
+    layout.write_text(json.dumps({**raw, **change}))
+    if "padded_vocab" in change:
+        _cut_vocab_rows(bad / "megatron", change["padded_vocab"] // raw["tp"])
+    spec = ModelSpec.from_folder(src)
+    with pytest.raises(ConfigError, match=rf"bad/megatron/layout.json'.*{match}"):
+        open_weights(str(bad), spec, object())
