@@ -64,6 +64,19 @@ _ARCHS = {
 _DENSE = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# Fields that change the maths of a layer the weight table maps as plain Llama attention /
+# RMSNorm / RoPE; their value the HF config cannot state is refused, never dropped. megatron-core
+# 0.16.1 transformer_config.py:155 (layernorm_zero_centered_gamma: weight + 1), :192
+# (rotary_interleaved), :196 (window_size, sliding-window attention; NeMo's MistralConfig7B
+# sets [4096, 0]); seq_len_interpolation_factor is GPTModel's linear RoPE position scaling.
+_MATHS_FIELDS = (
+    ("window_size", lambda v: v in (None, [-1, -1], (-1, -1)), "full causal attention only"),
+    ("layernorm_zero_centered_gamma", lambda v: not v, "RMSNorm weights as stored"),
+    ("rotary_interleaved", lambda v: not v, "RoPE on the two halves of each head"),
+    ("seq_len_interpolation_factor", lambda v: v in (None, 1, 1.0), "no RoPE interpolation"),
+)
+
+
 def _moe_config(c: Dict[str, Any], where: str, model_type: str, need) -> Dict[str, Any]:
     """The HF config's MoE keys of a TransformerConfig-shaped mapping whose MoE layers the weight
     table maps (``formats/moe.py``): every layer MoE, softmax router scores, no expert bias,
@@ -181,6 +194,9 @@ def hf_config_from_transformer_config(
             f"{where}: qk_l2_norm / multi_latent_attention / attention_output_gate are not "
             "supported"
         )
+    for key, ok, supported in _MATHS_FIELDS:
+        if not ok(c.get(key)):
+            raise ConfigError(f"{where}: {key}={c[key]!r} is not supported ({supported})")
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":
         raise ConfigError(
