@@ -23,6 +23,7 @@ import torch
 from nemo_d3s.core.checks import is_count
 from nemo_d3s.convert.sources import (
     DTYPES,
+    NEMO2_FIELDS_IGNORED,
     CheckpointSource,
     parse_dtype,
     folder_side_files,
@@ -327,6 +328,7 @@ def megatron_to_nemo(
         ModelSpec.from_hf_dict(cfg, str(ctx / "context" / "model.yaml")),
         f"{str(src.folder)!r}",
         f"{str(ctx / 'context')!r}",
+        ignore=tuple(set(src.ignored) | set(NEMO2_FIELDS_IGNORED)),  # the context's seq_length
     )
     want = parse_dtype(dtype) or DTYPES[cfg["torch_dtype"]]
     padded = padded_vocab_size(src.spec.vocab_size, 1, nemo_make_vocab_size_divisible_by(ctx))

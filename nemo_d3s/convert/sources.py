@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -39,10 +39,17 @@ from nemo_d3s.formats.side_files import (
     tokenizer_files,
 )
 from nemo_d3s.formats.shards import ShardedReader, check_shards, read_layout
-from nemo_d3s.formats.spec import ModelSpec, check_layout, read_hf_config, smallest_world
+from nemo_d3s.formats.spec import ModelSpec, read_hf_config
 from nemo_d3s.formats.weights import hf_names, hf_shape
 
-__all__ = ["DTYPES", "GENERATION_CONFIG", "SideFiles", "CheckpointSource", "open_checkpoint"]
+__all__ = [
+    "DTYPES",
+    "GENERATION_CONFIG",
+    "NEMO2_FIELDS_IGNORED",
+    "SideFiles",
+    "CheckpointSource",
+    "open_checkpoint",
+]
 
 DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -125,6 +132,8 @@ class CheckpointSource:
     side: Optional[SideFiles] = None
     origin: str = ""  # where the model's architecture came from, in words
     weights: Optional[Path] = None  # MEGATRON_LM: the iteration folder read
+    # spec fields its source does not state as the model (check_same_model skips them)
+    ignored: Tuple[str, ...] = ("torch_dtype",)
 
     def reader(self):
         return self._reader()
@@ -179,16 +188,27 @@ def find_root(path: Path) -> FolderFormat:
 def _open_nemo2(
     folder: Path, hf_config: Optional[str | os.PathLike], verify_checksums: bool = True
 ) -> CheckpointSource:
+    """A NeMo 2 checkpoint: the model from context/model.yaml. Its seq_length, the training
+    sequence length (fine-tuning recipes set it, 2048 by default), stands in for
+    max_position_embeddings, which NeMo 2 does not record: with ``hf_config`` (checked to
+    be the same model, that field aside) the model's own max_position_embeddings is taken
+    from there; without, the exported config.json says seq_length."""
     check_checksums(folder, verify=verify_checksums, skip_hint=SKIP_HINT)
     cfg = hf_config_from_nemo(folder)
     spec = ModelSpec.from_hf_dict(cfg, str(folder / "context" / "model.yaml"))
-    config_source = None
+    config_source, ignored = None, NEMO2_FIELDS_IGNORED
     if hf_config is not None:  # its config must describe the same model
         config_source = resolve_hf(hf_config)
         other = ModelSpec.from_folder(config_source)
         check_same_model(
-            other, spec, str(config_source / "config.json"), str(folder / "context" / "model.yaml")
+            other,
+            spec,
+            str(config_source / "config.json"),
+            str(folder / "context" / "model.yaml"),
+            ignore=NEMO2_FIELDS_IGNORED,
         )
+        spec = replace(spec, max_position_embeddings=other.max_position_embeddings)
+        ignored = ("torch_dtype",)
     _, dtype = open_nemo2_weights(folder, spec)
     return CheckpointSource(
         NEMO2,
@@ -198,18 +218,17 @@ def _open_nemo2(
         dtype,
         lambda: open_nemo2_weights(folder, spec)[0],
         config_source,
+        ignored=ignored,
     )
 
 
+# NeMo 2's model.yaml holds no max_position_embeddings: the seq_length read as it is the
+# training sequence length, which fine-tuning changes; and the dtype.
+NEMO2_FIELDS_IGNORED = ("max_position_embeddings", "torch_dtype")
 # What a checkpoint's own description may leave out or state otherwise without being another
 # model: the family name (Megatron holds none: a Mistral reads as a Llama), the training
 # sequence length Megatron-LM / Megatron-Bridge record as seq_length, the dtype.
-_DESCRIPTION_FIELDS_IGNORED = (
-    "architecture",
-    "model_type",
-    "max_position_embeddings",
-    "torch_dtype",
-)
+_DESCRIPTION_FIELDS_IGNORED = ("architecture", "model_type") + NEMO2_FIELDS_IGNORED
 
 
 def _open_mcore(
@@ -230,15 +249,13 @@ def _open_mcore(
         except ConfigError:  # no complete description (Megatron-LM without --vocab-size)
             own = None
         if own is not None:
-            theirs = ModelSpec.from_hf_dict(own, where).to_dict()
-            for k, v in spec.to_dict().items():
-                if k not in _DESCRIPTION_FIELDS_IGNORED and theirs[k] != v:
-                    raise ConfigError(
-                        f"{origin} and {where} are different models: {k}={v!r} vs {theirs[k]!r}"
-                    )
+            theirs = ModelSpec.from_hf_dict(own, where)
+            check_same_model(spec, theirs, origin, where, ignore=_DESCRIPTION_FIELDS_IGNORED)
+        ignored: Tuple[str, ...] = ("torch_dtype",)
     else:
         cfg, origin = checkpoint_hf_config(it)
         spec = ModelSpec.from_hf_dict(cfg, origin)
+        ignored = _DESCRIPTION_FIELDS_IGNORED
     _, dtype = open_mcore_weights(it, spec, origin)
     return CheckpointSource(
         MEGATRON_LM,
@@ -250,6 +267,7 @@ def _open_mcore(
         config_source,
         origin=origin,
         weights=it,
+        ignored=ignored,
     )
 
 
@@ -272,10 +290,19 @@ def _mcore_side_files(it: Path) -> SideFiles:
     return SideFiles(cfg, None, gen, _tokenizer_files(tok, role="checkpoint tokenizer/"))
 
 
-def check_same_model(a: ModelSpec, b: ModelSpec, where_a: str, where_b: str) -> None:
-    """ConfigError naming the first field (dtype aside) in which two model specs differ."""
+def check_same_model(
+    a: ModelSpec,
+    b: ModelSpec,
+    where_a: str,
+    where_b: str,
+    *,
+    ignore: Sequence[str] = ("torch_dtype",),
+) -> None:
+    """ConfigError naming the first field (those in ``ignore`` aside: the dtype, and what a
+    checkpoint's own description does not state as the model, ``CheckpointSource.ignored``)
+    in which two model specs differ."""
     da, db = a.to_dict(), b.to_dict()
-    diff = [k for k in da if k != "torch_dtype" and da[k] != db[k]]
+    diff = [k for k in da if k not in ignore and da[k] != db[k]]
     if diff:
         raise ConfigError(
             f"{where_a} and {where_b} are different models: {diff[0]}={da[diff[0]]!r} vs "
@@ -320,25 +347,7 @@ def open_checkpoint(
             "folder the run started from (model.name in the run's config.yaml)"
         )
     spec = ModelSpec.from_folder(config_dir)
-    saved = read_layout(root, spec)
-    if (
-        saved.tp < 1
-        or saved.pp < 1
-        or spec.num_layers % saved.pp
-        or saved.padded_vocab < spec.vocab_size
-        or saved.padded_vocab % saved.tp
-    ):
-        raise ConfigError(
-            f"{str(root / LAYOUT_FILE)!r}: TP{saved.tp} x PP{saved.pp} with padded vocabulary "
-            f"{saved.padded_vocab} is not a layout of this model"
-        )
-    try:
-        world = smallest_world(saved.tp, saved.pp, saved.ep, saved.etp)
-        check_layout(
-            spec, tp=saved.tp, pp=saved.pp, world=world, ep=saved.ep, etp=saved.etp
-        )  # the expert sizes too: an EP of 0 indexed no expert file, then a bare KeyError
-    except ConfigError as e:
-        raise ConfigError(f"{str(root / LAYOUT_FILE)!r}: {e}") from None
+    saved = read_layout(root, spec)  # with its sizes checked against the model
     dtype = check_shards(root, spec, saved)
     return CheckpointSource(
         MEGATRON,

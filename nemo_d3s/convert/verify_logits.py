@@ -111,7 +111,7 @@ def verify(
         folder = find_root(path).folder
         cfg_dir = folder if (folder / "config.json").is_file() else hf_dir
     src = open_checkpoint(path, cfg_dir, verify_checksums=verify_checksums)
-    check_same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}")
+    check_same_model(spec, src.spec, f"{str(hf_dir)!r}", f"{str(src.folder)!r}", ignore=src.ignored)
     compute = parse_dtype(dtype) or torch.float32
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     ids = []

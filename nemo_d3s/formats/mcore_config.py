@@ -109,6 +109,11 @@ _ARGS = {
     "moe_shared_expert_gate": "moe_shared_expert_gate",
     "multi_latent_attention": "multi_latent_attention",
     "init_method_std": "init_method_std",
+    # refused when set (nemo2_context._MATHS_FIELDS): read so they are not dropped
+    "window_size": "window_size",
+    "apply_layernorm_1p": "layernorm_zero_centered_gamma",
+    "rotary_interleaved": "rotary_interleaved",
+    "rotary_seq_len_interpolation_factor": "seq_len_interpolation_factor",
 }
 
 

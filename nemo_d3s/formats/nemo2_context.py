@@ -14,10 +14,23 @@ from typing import Any, Dict, Optional
 from nemo_d3s.errors import ConfigError
 
 __all__ = [
+    "LLAMA3_FIXED",
     "hf_config_from_nemo",
     "hf_config_from_transformer_config",
     "nemo_make_vocab_size_divisible_by",
 ]
+
+
+# Megatron implements Llama 3.x RoPE scaling with these fixed constants (megatron-core
+# 0.16.1 models/common/embeddings/rotary_pos_embedding.py:92-98, RotaryEmbedding._apply_scaling
+# defaults); only the factor is a GPTModel argument. transformers 5.x's LlamaConfig refuses a
+# llama3 rope_scaling without low_freq_factor / high_freq_factor, so an HF config written from
+# megatron-core's flag states them all.
+LLAMA3_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _yaml(path: Path) -> Dict[str, Any]:
@@ -49,6 +62,19 @@ _ARCHS = {
     "mixtral": ("MixtralForCausalLM", "mixtral"),
 }
 _DENSE = ("llama", "mistral", "qwen2", "qwen3")
+
+
+# Fields that change the maths of a layer the weight table maps as plain Llama attention /
+# RMSNorm / RoPE; their value the HF config cannot state is refused, never dropped. megatron-core
+# 0.16.1 transformer_config.py:155 (layernorm_zero_centered_gamma: weight + 1), :192
+# (rotary_interleaved), :196 (window_size, sliding-window attention; NeMo's MistralConfig7B
+# sets [4096, 0]); seq_len_interpolation_factor is GPTModel's linear RoPE position scaling.
+_MATHS_FIELDS = (
+    ("window_size", lambda v: v in (None, [-1, -1], (-1, -1)), "full causal attention only"),
+    ("layernorm_zero_centered_gamma", lambda v: not v, "RMSNorm weights as stored"),
+    ("rotary_interleaved", lambda v: not v, "RoPE on the two halves of each head"),
+    ("seq_len_interpolation_factor", lambda v: v in (None, 1, 1.0), "no RoPE interpolation"),
+)
 
 
 def _moe_config(c: Dict[str, Any], where: str, model_type: str, need) -> Dict[str, Any]:
@@ -168,6 +194,9 @@ def hf_config_from_transformer_config(
             f"{where}: qk_l2_norm / multi_latent_attention / attention_output_gate are not "
             "supported"
         )
+    for key, ok, supported in _MATHS_FIELDS:
+        if not ok(c.get(key)):
+            raise ConfigError(f"{where}: {key}={c[key]!r} is not supported ({supported})")
     act = _target(c.get("activation_func", {"_target_": "torch.nn.functional.silu"}))
     if act != "torch.nn.functional.silu":
         raise ConfigError(
@@ -237,6 +266,7 @@ def hf_config_from_transformer_config(
         cfg["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": float(c.get("rope_scaling_factor", 8.0)),
+            **LLAMA3_FIXED,
         }
     return cfg
 

@@ -23,7 +23,7 @@ import torch
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import LAYOUT_FILE, SHARDS_SUBDIR
 from nemo_d3s.formats.safetensors_stream import StreamingSafetensors, check_safetensors
-from nemo_d3s.formats.spec import ModelSpec
+from nemo_d3s.formats.spec import ModelSpec, check_layout, smallest_world
 from nemo_d3s.formats.moe import is_expert_param
 from nemo_d3s.formats.weights import (
     Layout,
@@ -115,8 +115,11 @@ def write_layout(folder: Path, spec: ModelSpec, layout: Layout) -> None:
 
 
 def read_layout(folder: Path, spec: ModelSpec) -> Layout:
-    """The saved layout; ConfigError when the checkpoint is of another model (any field of
-    the model shape differs; the dtype may)."""
+    """The saved layout; ConfigError naming layout.json when the checkpoint is of another
+    model (any field of the model shape differs; the dtype may) or its sizes are not a layout
+    of ``spec`` (TP / PP / EP < 1, a padded vocabulary short of the real one, which would
+    leave rows of the exported embedding unwritten, or not split by TP; any rule
+    ``check_layout`` states). Every reader of the files calls this, so all check alike."""
     path = folder / LAYOUT_FILE
     try:
         raw = json.loads(path.read_text())
@@ -140,6 +143,16 @@ def read_layout(folder: Path, spec: ModelSpec) -> Layout:
             f"{str(path)!r} is a checkpoint of another model: {k}={got[k]!r} there, "
             f"{mine[k]!r} here"
         )
+    if tp < 1 or pp < 1 or spec.num_layers % pp or pv < spec.vocab_size or pv % tp:
+        raise ConfigError(
+            f"{str(path)!r}: TP{tp} x PP{pp} with padded vocabulary {pv} is not a layout of "
+            f"this model ({spec.num_layers} layers, vocabulary {spec.vocab_size})"
+        )
+    try:  # the expert sizes too: an EP of 0 indexes no expert file, then a bare KeyError
+        world = smallest_world(tp, pp, ep, etp)
+        check_layout(spec, tp=tp, pp=pp, world=world, ep=ep, etp=etp)
+    except ConfigError as e:
+        raise ConfigError(f"{str(path)!r}: {e}") from None
     return Layout(tp, pp, 0, 0, pv, bool(raw.get("te", False)), ep=ep, etp=etp)
 
 

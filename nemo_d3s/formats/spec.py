@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 from nemo_d3s.errors import ConfigError
 from nemo_d3s.formats.detect import MEGATRON_LM, NEMO2, detect_format
 from nemo_d3s.formats.moe import moe_fields
-from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
+from nemo_d3s.formats.nemo2_context import LLAMA3_FIXED, hf_config_from_nemo
 
 __all__ = [
     "ModelSpec",
@@ -41,14 +41,6 @@ SUPPORTED_ARCHITECTURES: Dict[str, bool] = {
 # architectures whose attention normalises every query and key head (RMS norm over
 # head_dim, one weight per width shared by the heads) before RoPE: Megatron's qk_layernorm.
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-
-# Megatron implements Llama 3.x RoPE scaling with these fixed constants
-# (RotaryEmbedding._apply_scaling); only the factor is a GPTModel argument.
-_LLAMA3_FIXED = {
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 
 @dataclass(frozen=True)
@@ -126,6 +118,11 @@ class ModelSpec:
         if act != "silu":
             raise ConfigError(
                 f"{source}: hidden_act={act!r} is not supported (SwiGLU with silu only)"
+            )
+        if cfg.get("quantization_config") is not None:  # FP8 / int weights: scales not mapped
+            raise ConfigError(
+                f"{source}: quantization_config is set: quantized checkpoints are not supported "
+                "(use the model's bfloat16 / float32 release)"
             )
         if cfg.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
@@ -261,7 +258,7 @@ def _rope(cfg: Dict[str, Any], source: str):
         raise ConfigError(
             f"{source}: {where}.rope_type={kind!r} is not supported (default or llama3)"
         )
-    for key, want in _LLAMA3_FIXED.items():
+    for key, want in LLAMA3_FIXED.items():
         if float(scaling.get(key, want)) != want:
             raise ConfigError(
                 f"{source}: {where}.{key}={scaling.get(key)!r}: megatron-core's llama3 "

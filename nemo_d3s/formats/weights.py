@@ -26,7 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from nemo_d3s.formats.safetensors_stream import check_safetensors
+from nemo_d3s.formats.safetensors_stream import ST_NAME, check_safetensors
 from nemo_d3s.formats.spec import ModelSpec
 from nemo_d3s.formats.moe import (
     is_expert_param,
@@ -343,18 +343,34 @@ class SafetensorsReader:
 
     def check(self) -> None:
         """Every tensor ``spec`` needs exists with the right shape (header reads only)."""
+        held: Dict[Path, set] = {}
         for name in hf_names(self.spec):
             if name not in self.files:
                 raise ConfigError(
                     f"{str(self.folder)!r}: tensor {name!r} is missing (not a "
                     f"{self.spec.architecture} with this config.json?)"
                 )
-            got = tuple(self._handle(self.files[name]).get_slice(name).get_shape())
-            want = hf_shape(name, self.spec)
+            handle = self._handle(self.files[name])
+            if self.files[name] not in held:  # a set per file: a MoE has ~10^5 tensors
+                held[self.files[name]] = set(handle.keys())
+            if name not in held[self.files[name]]:  # else safetensors' error, naming no file
+                raise ConfigError(
+                    f"{str(self.folder / 'model.safetensors.index.json')!r} maps tensor "
+                    f"{name!r} to {str(self.files[name])!r}, which does not hold it"
+                )
+            sl = handle.get_slice(name)
+            got, want = tuple(sl.get_shape()), hf_shape(name, self.spec)
             if got != want:
                 raise ConfigError(
                     f"{str(self.files[name])!r}: tensor {name!r} has shape {list(got)}, "
                     f"config.json says {list(want)} (a checkpoint from another model?)"
+                )
+            # an FP8 / integer tensor would be cast to the run's dtype as garbage (its scales
+            # live in other tensors the table never reads)
+            if sl.get_dtype() not in ST_NAME.values():
+                raise ConfigError(
+                    f"{str(self.files[name])!r}: tensor {name!r} is {sl.get_dtype()}; "
+                    f"expected {', '.join(ST_NAME.values())} (quantized weights are not read)"
                 )
 
     def rows(self, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:

@@ -289,6 +289,37 @@ def test_a_flipped_bit_in_a_nemo2_output_is_caught(written, tmp_path):
     )  # the documented switch
 
 
+def test_a_fine_tuned_seq_length_is_not_another_model(written, tmp_path):
+    """NeMo 2 records no max_position_embeddings: seq_length (set by fine-tuning recipes, 2048
+    by default) stands in for it. A checkpoint fine-tuned at seq_length 64 is the HF model
+    (max_position_embeddings 256) for --hf-config, verify and --nemo-context, and its export
+    with --hf-config keeps the HF config's 256; without, the config says 64."""
+    import yaml
+
+    src, nemo = written["llama"]
+    tuned = _bare_copy(nemo, tmp_path / "tuned")
+    doc = yaml.safe_load((tuned / "context" / "model.yaml").read_text())
+    doc["config"]["seq_length"] = 64
+    (tuned / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
+    out = megatron_to_hf(tuned, tmp_path / "with", hf_config=src, progress=False)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 256
+    out = megatron_to_hf(tuned, tmp_path / "without", progress=False)
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 64
+    assert verify(src, tuned).ok
+    megatron_to_nemo(nemo, tmp_path / "ctx", nemo_context=tuned, progress=False)
+    doc["config"]["ffn_hidden_size"] = 64  # another model is still one
+    (tuned / "context" / "model.yaml").write_text(yaml.safe_dump(doc))
+    _refused(
+        tmp_path,
+        "different models: ffn_hidden_size=48 vs 64",
+        megatron_to_nemo,
+        nemo,
+        tmp_path / "out",
+        nemo_context=tuned,
+        progress=False,
+    )
+
+
 def test_bad_nemo2_input(written, tmp_path, monkeypatch):
     import yaml
 

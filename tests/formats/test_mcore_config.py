@@ -149,3 +149,64 @@ def test_megatron_lm_args_translate_to_the_same_model():
         {**args, "group_query_attention": False, "untie_embeddings_and_output_weights": False}
     )
     assert "num_query_groups" not in tied_mha and tied_mha["share_embeddings_and_output_weights"]
+
+
+@pytest.mark.parametrize("source", ["run_config", "args"])
+def test_megatron_cores_rope_scaling_flag_gives_a_config_transformers_loads(source, tmp_path):
+    """megatron-core's ``rope_scaling`` (Megatron-LM ``--use-rope-scaling``, the run_config.yaml
+    hf-to-megatron-lm writes) is llama3 scaling with fixed constants; transformers 5.x's
+    LlamaConfig refuses a llama3 rope_scaling that does not state them (KeyError)."""
+    import json
+
+    import yaml
+    from transformers import AutoConfig
+
+    from nemo_d3s.formats.mcore_config import checkpoint_hf_config
+
+    llama = {**QWEN3, "qk_layernorm": False, "rope_scaling": True, "rope_scaling_factor": 8.0}
+    if source == "run_config":
+        llama["params_dtype"] = "torch.bfloat16"
+        (tmp_path / "run_config.yaml").write_text(yaml.safe_dump({"model": llama}))
+        cfg = checkpoint_hf_config(tmp_path)[0]
+    else:
+        args = {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "swiglu": True}
+        cfg = hf_config_from_transformer_config(
+            {**_from_args(args), **{k: v for k, v in llama.items() if k != "rope_scaling"}}, "a"
+        )
+    loaded = AutoConfig.for_model(**json.loads(json.dumps(cfg)))
+    scaling = getattr(loaded, "rope_parameters", None) or loaded.rope_scaling
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == 8.0
+    assert (scaling["low_freq_factor"], scaling["high_freq_factor"]) == (1.0, 4.0)
+    assert scaling["original_max_position_embeddings"] == 8192
+    assert ModelSpec.from_hf_dict(cfg, "rc").rope_scaling_factor == 8.0
+
+
+@pytest.mark.parametrize(
+    "nemo_field,arg,value",
+    [
+        ("window_size", "window_size", [4096, 0]),  # NeMo's MistralConfig7B
+        ("layernorm_zero_centered_gamma", "apply_layernorm_1p", True),
+        ("rotary_interleaved", "rotary_interleaved", True),
+        ("seq_len_interpolation_factor", "rotary_seq_len_interpolation_factor", 4),
+    ],
+)
+def test_fields_that_change_the_maths_are_refused_not_dropped(tmp_path, nemo_field, arg, value):
+    """Sliding-window attention, zero-centred norm weights, interleaved or interpolated RoPE:
+    a NeMo 2 model.yaml or Megatron-LM args setting one describe another model than the HF
+    config they would map to; one line naming the file and the field. Unset / the full-window
+    value [-1, -1] read as before."""
+    import yaml
+
+    from nemo_d3s.formats.nemo2_context import hf_config_from_nemo
+
+    nemo = {**QWEN3, "_target_": "nemo.collections.llm.gpt.model.qwen3.Qwen3Config"}
+    (tmp_path / "context").mkdir()
+    model_yaml = tmp_path / "context" / "model.yaml"
+    model_yaml.write_text(yaml.safe_dump({"config": {**nemo, nemo_field: value}}))
+    with pytest.raises(ConfigError, match=rf"model.yaml'.*{nemo_field}=.* is not supported"):
+        hf_config_from_nemo(tmp_path)
+    args = {"swiglu": True, "num_layers": 2, arg: value}
+    with pytest.raises(ConfigError, match=rf"^'common.pt' args: {nemo_field}="):
+        hf_config_from_transformer_config({**QWEN3, **_from_args(args)}, "'common.pt' args")
+    model_yaml.write_text(yaml.safe_dump({"config": {**nemo, "window_size": [-1, -1]}}))
+    assert hf_config_from_nemo(tmp_path)["architectures"] == ["Qwen3ForCausalLM"]
