@@ -36,7 +36,14 @@ from nemo_d3s.trainer.stats import (
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
-__all__ = ["StepContext", "StepInterrupted", "release_engine", "run_step"]
+__all__ = ["SKIP_REASONS", "StepContext", "StepInterrupted", "release_engine", "run_step"]
+
+# A skipped step's flag -> the reason the loop's note gives.
+SKIP_REASONS = {
+    "skip_all_equal": "every group had equal rewards",
+    "skip_zero_advantage": "every kept advantage was 0",
+    "skip_no_tokens": "no token was kept",
+}
 
 log = logging.getLogger("nemo_d3s.trainer")
 
@@ -187,6 +194,8 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     m.update(ctx.rollouts.step_metrics(step))
     if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
+    if stage.all_kept_zero:  # (every rank) an update would be the KL term alone
+        return {**m, "skipped": 1.0, "skip_zero_advantage": 1.0, **ctx.timings}
 
     kept = ro.batch.select(stage.kept_rows)
     if ctx.router_replay:  # every forward of these rows routes as the engine did

@@ -123,6 +123,12 @@ class D3SGRPOTrainer(GRPOTrainer):
                 "|A| x H token selection would both cut tokens; set top_entropy_quantile=1.0"
             )
         self._refuse_uneven_means()
+        try:  # pods keeping one rollout per prompt: every kept advantage is 0
+            cfg.check_group_size(int(self.num_generations))
+        except ValueError as e:
+            raise ConfigError(
+                f"d3s.schedule.{e} (num_generations={self.num_generations})"
+            ) from None
 
     def _refuse_uneven_means(self) -> None:
         """ConfigError for a per-micro-batch mean (loss type or entropy bonus) that a preset
