@@ -43,6 +43,7 @@ SKIP_REASONS = {
     "skip_all_equal": "every group had equal rewards",
     "skip_zero_advantage": "every kept advantage was 0",
     "skip_no_tokens": "no token was kept",
+    "skipped_nonfinite": "the gradient norm was not finite",
 }
 
 log = logging.getLogger("nemo_d3s.trainer")
@@ -280,4 +281,6 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         _refit_after_update(ctx)
     # (k > 0: the loop gives the engine the new weights between steps, pipeline.publish)
     m.update(update_metrics(ctx.groups, upd, report))
-    return {**m, "skipped": 0.0, **ctx.timings}
+    # every mini-batch's gradient was non-finite: no weight moved (agreed: the norm is global)
+    applied = m["optimizer_steps"] > 0
+    return {**m, "skipped": 0.0 if applied else 1.0, **ctx.timings}

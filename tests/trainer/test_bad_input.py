@@ -48,6 +48,19 @@ def test_pods_keeping_one_rollout_per_prompt_skips_the_update(tmp_path, monkeypa
     assert "update skipped (every kept advantage was 0)" in log
 
 
+def test_updates_with_a_non_finite_gradient_are_not_counted_as_trained(tmp_path, monkeypatch):
+    """Every gradient norm non-finite: the backend applies nothing, so the rows say skipped
+    (skipped_nonfinite 1, 0 optimizer steps) and no token counts as trained."""
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(math.nan))
+    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_varied"])
+    assert state.skipped_steps == 2 and state.update_tokens_total == 0
+    for r in rows:
+        assert r["skipped"] == 1 and r["skipped_nonfinite"] == 1 and r["optimizer_steps"] == 0
+        assert r["update_tokens"] == 0 and r["update_tokens_total"] == 0
+    log = (tmp_path / "train.log").read_text()
+    assert "update skipped (the gradient norm was not finite)" in log
+
+
 def test_failing_reward_is_counted_and_does_not_poison_the_batch(tmp_path):
     state, rows = run_inprocess(
         tmp_path, [*FAST, "task.name=test_flaky", "trainer.max_new_tokens=4"]
