@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import json
 import logging
+import math
 
 import pytest
+import torch
 
-from nemo_d3s.tasks.base import Problem, out_of_range_rewards, safe_reward
+from nemo_d3s.tasks.base import Problem, checked_reward, out_of_range_rewards, safe_reward
 from nemo_d3s.tasks.math_dataset import MathDatasetTask, read_rows
 from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.tasks.verifier import reference_is_checkable
@@ -73,6 +75,34 @@ def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(cap
     plain = TinyCharTask()
     safe_reward(plain, p, "a")
     assert out_of_range_rewards(plain) == 0
+
+
+@pytest.mark.parametrize(
+    "value, kept",
+    [
+        (3.4028234663852886e38, True),  # float32's largest
+        (-3.4028235e38, True),  # rounds to it
+        (3.4028235677973366e38, False),  # 2^128 - 2^103: the tie, rounded to even = inf
+        (3.5e38, False),  # finite in Python, inf as float32
+        (-1e39, False),
+        (1e300, False),
+    ],
+)
+def test_a_reward_beyond_float32_is_a_non_finite_failure(value, kept):
+    """The trainer holds rewards as float32: 3.5e38 would become inf there and stop the run
+    in check_rewards; it fails like a NaN reward instead (0, counted as non_finite)."""
+
+    class Huge(TinyCharTask):
+        def reward(self, problem, response_text):
+            return value
+
+    got = checked_reward(Huge(), Problem("q", "a"), "x")
+    if kept:
+        assert got == (value, None, "")
+        assert math.isfinite(torch.tensor(value, dtype=torch.float32).item())
+    else:
+        assert got[:2] == (0.0, "non_finite") and "float32" in got[2]
+        assert math.isinf(torch.tensor(value, dtype=torch.float32).item())
 
 
 def test_a_task_with_slots_is_counted_and_warned_once_too(caplog):
