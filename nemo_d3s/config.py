@@ -87,6 +87,10 @@ class TrainConfig(Section):
                 "cannot keep more rollouts per prompt than are generated "
                 f"(trainer.num_generations={g})",
             )
+        try:  # pods keeping one rollout per prompt: every kept advantage is 0
+            self.d3s.to_core().check_group_size(g)
+        except ValueError as e:
+            raise ConfigError(f"d3s.schedule.{e} (trainer.num_generations={g})") from None
         stale = int(self.rollout.max_staleness)
         require(
             not (

@@ -1,7 +1,7 @@
 """``python -m nemo_d3s.train`` / ``nemo-d3s-train``: the Hydra entry point of training.
 
     python -m nemo_d3s.train                                  # SmolLM2-135M, D3S, CPU
-    python -m nemo_d3s.train experiment=smoke d3s=pods trainer.steps=50
+    python -m nemo_d3s.train experiment=smoke d3s=d1s trainer.steps=50
     python -m nemo_d3s.train output_dir=/tmp/smoke resume=true trainer.steps=8  # continue it
     torchrun --nproc_per_node=2 -m nemo_d3s.train experiment=smoke output_dir=/tmp/dp2
 

@@ -305,6 +305,9 @@ def test_an_rl_run_without_an_update_says_when_every_reward_was_equal(tmp_path, 
     last.pop("skip_all_equal")
     with pytest.raises(CheckFailed, match="no optimizer step was taken$"):
         rl_checks.check_rl_step(ctx)
+    last["skipped_nonfinite"] = 1.0  # once counted as a step, with grad_norm inf
+    with pytest.raises(CheckFailed, match="taken: the gradient norm was not finite$"):
+        rl_checks.check_rl_step(ctx)
 
 
 @pytest.mark.parametrize("gpu,total_mib", [("H100 80GB", 81559), ("H200 141GB", 143771)])

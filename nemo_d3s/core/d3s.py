@@ -73,6 +73,14 @@ class SampleStage:
         r = self.advantage_result
         return r.n_degenerate == r.n_groups
 
+    @property
+    def all_kept_zero(self) -> bool:
+        """Every kept advantage of the whole batch is 0 (``pods`` keeping one rollout of a group
+        re-normalises it to 0): no token carries a policy gradient; the caller skips. Read from the
+        whole batch's metrics, so every rank of a DP-global selection agrees, as on
+        :attr:`all_degenerate`."""
+        return self.metrics["share_nonzero_adv"] == 0.0
+
 
 @dataclass
 class TokenStage:

@@ -31,7 +31,7 @@ from typing import Any, Dict, Optional, Union
 
 from nemo_d3s.core.checks import is_count, is_integer
 from nemo_d3s.core.advantages import ADVANTAGE_ESTIMATORS
-from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS
+from nemo_d3s.core.sample_selection import SAMPLE_SELECTORS, resolve_n_keep
 from nemo_d3s.core.schedules import DynamicSchedule
 from nemo_d3s.core.token_selection import TOKEN_SELECTORS
 
@@ -108,6 +108,26 @@ class D3SConfig:
         m = self.min_kept_tokens
         if not is_count(m):
             raise ValueError(f"min_kept_tokens must be an int >= 0 (0 = no floor), got {m!r}")
+
+    def check_group_size(self, group_size: int) -> None:
+        """ValueError, naming the schedule's endpoint, when a rule that re-normalises on the kept
+        subset (``pods``) would keep fewer than 2 of ``group_size`` rollouts per prompt: one
+        rollout's re-normalised advantage is 0, so such a step learns nothing. N stays between its
+        values at p = 0 and p = 1 (every schedule interpolates or steps between them; ``constant``
+        keeps n_init) and ``resolve_n_keep`` is monotone in N, so checking both ends covers the
+        run."""
+        if not SAMPLE_SELECTORS.prop(self.sample_rule, "renormalises"):
+            return
+        for name, p in (("n_init", 0.0), ("n_final", 1.0)):
+            n = self.schedule.at(p)[0]
+            m = resolve_n_keep(n, group_size)
+            if m < 2:
+                raise ValueError(
+                    f"{name}={n!r} keeps {m} of the {group_size} rollouts per prompt, and "
+                    f"sample_rule={self.sample_rule!r} re-normalises the kept advantages, which "
+                    "for one rollout is 0: nothing would be learned; keep at least 2 (an int "
+                    "count >= 2, a fraction with N x G >= 1.5, or more generations per prompt)"
+                )
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "D3SConfig":

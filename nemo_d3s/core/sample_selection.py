@@ -63,6 +63,9 @@ SAMPLE_SELECTORS: Registry = Registry(
     # on positions in it), so under data parallelism it must see the whole DP batch.
     keeps_all=False,
     pooled=False,
+    # renormalises: the rule recomputes the kept rollouts' advantages on the kept subset, so
+    # a group keeping one rollout gives it advantage 0 (no policy gradient).
+    renormalises=False,
 )
 
 
@@ -267,7 +270,7 @@ def select_max_reward(x: SelectionInputs) -> SampleSelection:
     return _result(keep, x.advantages)
 
 
-@SAMPLE_SELECTORS.register("pods")
+@SAMPLE_SELECTORS.register("pods", renormalises=True)
 def select_pods(x: SelectionInputs) -> SampleSelection:
     """PODS: per group, the N rollouts whose rewards have maximal variance; kept advantages
     re-computed on the kept subset with the run's estimator (``advantage``; GRPO's

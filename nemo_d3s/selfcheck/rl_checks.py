@@ -107,6 +107,8 @@ def check_rl_step(ctx: Context) -> Dict[str, Any]:
                 " rollout of the smoke task), so there was no gradient; a model that scores"
                 " unevenly there, or the tiny model (no --model), checks the update"
             )
+        elif last.get("skipped_nonfinite"):  # the backend applied no update
+            why += ": the gradient norm was not finite"
         raise CheckFailed(why, out)
     bad = [k for k in ("loss", "grad_norm") if k in last and not math.isfinite(float(last[k]))]
     if bad:

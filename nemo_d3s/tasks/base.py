@@ -86,9 +86,20 @@ def as_rng(rng: Union[random.Random, int, None]) -> random.Random:
     raise ValueError(f"rng must be a random.Random or an int seed, got {type(rng).__name__}")
 
 
+# float32 rounds |x| >= 2^128 - 2^103 to inf: its largest value (2 - 2^-23) x 2^127 plus half
+# a unit in the last place, where the tie goes to the even neighbour, 2^128 = inf.
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def _finite_in_float32(value: float) -> bool:
+    """The reward survives the trainer's float32 rewards tensor (3.5e38 would be inf)."""
+    return abs(value) < _FLOAT32_OVERFLOW
+
+
 def checked_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Optional[str], str]:
     """``task.reward`` that never raises an Exception: (reward, None, "") or, for an exception
-    or a non-finite value, (0, the reason "raised" / "non_finite", a one-line error)."""
+    or a value that is not finite (in float32, as the trainer holds rewards: 1e39 would be
+    inf there), (0, the reason "raised" / "non_finite", a one-line error)."""
     try:
         value = float(task.reward(problem, text))
     except Exception as exc:  # a verifier bug must not kill a multi-hour run
@@ -96,6 +107,8 @@ def checked_reward(task: Task, problem: Problem, text: str) -> Tuple[float, Opti
         return 0.0, "raised", f"{type(exc).__name__}: {first}"
     if not math.isfinite(value):
         return 0.0, "non_finite", f"non-finite reward {value!r}"
+    if not _finite_in_float32(value):
+        return 0.0, "non_finite", f"reward {value!r} is beyond float32's range (+-3.4e38)"
     return value, None, ""
 
 

@@ -4,7 +4,7 @@ file that repeats training questions, and a question given two different referen
 from __future__ import annotations
 
 import logging
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from nemo_d3s.tasks.base import Problem
 
@@ -18,15 +18,22 @@ def _where(p: Problem) -> str:
 
 
 def drop_overlap(
-    train: List[Problem], evals: List[Problem], train_path: str, eval_path: str
+    train: List[Problem], evals: List[Problem], train_path: str, eval_path: Optional[str]
 ) -> List[Problem]:
     """``train`` without the questions ``evals`` holds (an evaluation on rows it trains on
     measures memorisation), with a warning naming them; a ValueError when every training
-    question is an evaluation question (the same data in another file)."""
+    question is an evaluation question (the same data in another file). ``eval_path`` None:
+    ``evals`` are rows held out of the training file itself, which may repeat a question."""
     held = {p.prompt for p in evals}
     kept = [p for p in train if p.prompt not in held]
     if len(kept) == len(train):
         return train
+    if not kept and eval_path is None:
+        raise ValueError(
+            f"task.params.train_path={str(train_path)!r}: every training question is also "
+            f"among the {len(evals)} rows held out for evaluation (the file repeats its "
+            "questions); lower task.params.n_eval or give task.params.eval_path"
+        )
     if not kept:
         raise ValueError(
             f"task.params.eval_path={str(eval_path)!r} holds every question of "
@@ -36,10 +43,11 @@ def drop_overlap(
         )
     dropped = [p for p in train if p.prompt in held]
     log.warning(
-        "task.params.train_path: %d of %d questions are in task.params.eval_path too (%s%s); "
+        "task.params.train_path: %d of %d questions are in %s too (%s%s); "
         "left out of training so that the evaluation scores unseen questions",
         len(dropped),
         len(train),
+        "task.params.eval_path" if eval_path is not None else "the rows held out for evaluation",
         ", ".join(_where(p) for p in dropped[:3]),
         " ..." if len(dropped) > 3 else "",
     )

@@ -158,7 +158,9 @@ def load_problems(
 
 class MathDatasetTask(Task):
     """Problems from files; the eval set is ``eval_path``'s first ``n_eval`` rows, or without it
-    ``n_eval`` (default 500) rows of ``train_path`` held out by a fixed ``seed`` shuffle."""
+    ``n_eval`` (default 500) rows of ``train_path`` held out by a fixed ``seed`` shuffle. Either
+    way a training row whose question the eval set holds is left out of training (a warning
+    counts them): a file may repeat a question."""
 
     def __init__(
         self,
@@ -214,7 +216,8 @@ class MathDatasetTask(Task):
             held = sorted(order[:n_eval])
             held_set = set(held)
             self._eval = [train[i] for i in held]
-            self._train = [p for i, p in enumerate(train) if i not in held_set]
+            rest = [p for i, p in enumerate(train) if i not in held_set]
+            self._train = drop_overlap(rest, self._eval, train_path, None)
 
     def finite_problems(self) -> Dict[str, List[Problem]]:
         return {"train": list(self._train), "eval": list(self._eval)}
@@ -227,6 +230,12 @@ class MathDatasetTask(Task):
             raise ValueError(
                 f"task {self.name!r}: no training rows left after dropping the ones that "
                 "are too long"
+            )
+        if before["eval"] and not self._eval:  # it would log eval_reward_mean 0.0 of 0 rows
+            raise ValueError(
+                f"task {self.name!r}: no evaluation rows left after dropping the "
+                f"{before['eval']} that are too long; shorten them or raise "
+                "task.max_prompt_tokens"
             )
         return {
             "train": before["train"] - len(self._train),

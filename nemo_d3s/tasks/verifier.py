@@ -11,6 +11,10 @@ from typing import Optional
 from nemo_d3s.tasks.answers import clean_segment, last_number, normalize_number
 
 _REL_TOL = 1e-6
+# The relative tolerance's absolute ceiling: 1e-6 of a large answer (12000000 -> 12) would
+# accept a neighbouring integer or a different cent, while a decimal rendering of a fraction
+# (0.333333 for 1/3: 3.3e-7 off) needs far less.
+_ABS_TOL_MAX = 1e-4
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 _WORD = re.compile(r"[A-Za-z]{2,}")
 
@@ -26,11 +30,16 @@ def _as_fraction(s: str) -> Optional[Fraction]:
 
 
 def numbers_equal(a: str, b: str) -> Optional[bool]:
-    """True/False when both are plain numbers (relative tolerance 1e-6), else None."""
+    """True/False when both are plain numbers, else None. Two integers ("1,000", "12.0") must be
+    equal exactly; otherwise |a - b| <= min(1e-6 x max(1, |a|, |b|), 1e-4): a rounded decimal of
+    a fraction matches it (0.333333 and 1/3 are 3.3e-7 apart), numbers a unit, a cent or a
+    thousandth apart never do, however large."""
     fa, fb = _as_fraction(a), _as_fraction(b)
     if fa is None or fb is None:
         return None
-    return abs(fa - fb) <= _REL_TOL * max(1, abs(fa), abs(fb))
+    if fa.denominator == 1 and fb.denominator == 1:
+        return fa == fb
+    return abs(fa - fb) <= min(_REL_TOL * max(1, abs(fa), abs(fb)), _ABS_TOL_MAX)
 
 
 def _math_verify(pred: str, gold: str) -> Optional[bool]:

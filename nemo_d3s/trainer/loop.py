@@ -49,7 +49,13 @@ from nemo_d3s.trainer.runlog import RunLog
 from nemo_d3s.trainer.slow_steps import SlowStepWatch
 from nemo_d3s.trainer.signals import StopSignals, children_ignore_as_started
 from nemo_d3s.trainer.stats import budget_metrics
-from nemo_d3s.trainer.step import StepContext, StepInterrupted, release_engine, run_step
+from nemo_d3s.trainer.step import (
+    SKIP_REASONS,
+    StepContext,
+    StepInterrupted,
+    release_engine,
+    run_step,
+)
 from nemo_d3s.trainer.tasks_adapter import task_adapter
 from nemo_d3s.tasks.base import out_of_range_rewards
 
@@ -324,9 +330,7 @@ class Trainer:
             if slow:
                 log.warning(slow)
         if m.get("skipped"):
-            why = (
-                "every group had equal rewards" if m.get("skip_all_equal") else "no token was kept"
-            )
+            why = next(w for k, w in SKIP_REASONS.items() if m.get(k))
             self.logger.write(f"step {state.step}: update skipped ({why}); schedule advances")
         n_rollouts = int(self.t.prompts_per_step) * int(self.t.num_generations)
         max_failed = int(self.t.max_failed_reward_steps)

@@ -102,6 +102,7 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     # Loss-side sums add across ranks; grad_norm/lr/imbalance are identical on every rank.
     same_everywhere = {
         "optimizer_steps",
+        "skipped_nonfinite",
         "grad_norm",
         "lr",
         "dp_imbalance_before",
@@ -122,6 +123,8 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
         "grad_norm": report.get("grad_norm", 0.0) / steps,
         "lr": report.get("lr", 0.0),
     }
+    if report.get("skipped_nonfinite"):  # only when some were: the usual row keeps its keys
+        out["skipped_nonfinite"] = report["skipped_nonfinite"]
     for k in ("dp_imbalance_before", "dp_imbalance_after"):
         if k in report:
             out[k] = report[k]

@@ -36,7 +36,15 @@ from nemo_d3s.trainer.stats import (
 from nemo_d3s.trainer.tasks_adapter import RewardStopped, TaskAdapter
 from nemo_d3s.trainer.update import compact, update_policy
 
-__all__ = ["StepContext", "StepInterrupted", "release_engine", "run_step"]
+__all__ = ["SKIP_REASONS", "StepContext", "StepInterrupted", "release_engine", "run_step"]
+
+# A skipped step's flag -> the reason the loop's note gives.
+SKIP_REASONS = {
+    "skip_all_equal": "every group had equal rewards",
+    "skip_zero_advantage": "every kept advantage was 0",
+    "skip_no_tokens": "no token was kept",
+    "skipped_nonfinite": "the gradient norm was not finite",
+}
 
 log = logging.getLogger("nemo_d3s.trainer")
 
@@ -187,6 +195,8 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
     m.update(ctx.rollouts.step_metrics(step))
     if stage.all_degenerate:  # every group all-equal (on every rank): nothing to learn from
         return {**m, "skipped": 1.0, "skip_all_equal": 1.0, **ctx.timings}
+    if stage.all_kept_zero:  # (every rank) an update would be the KL term alone
+        return {**m, "skipped": 1.0, "skip_zero_advantage": 1.0, **ctx.timings}
 
     kept = ro.batch.select(stage.kept_rows)
     if ctx.router_replay:  # every forward of these rows routes as the engine did
@@ -271,4 +281,6 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         _refit_after_update(ctx)
     # (k > 0: the loop gives the engine the new weights between steps, pipeline.publish)
     m.update(update_metrics(ctx.groups, upd, report))
-    return {**m, "skipped": 0.0, **ctx.timings}
+    # every mini-batch's gradient was non-finite: no weight moved (agreed: the norm is global)
+    applied = m["optimizer_steps"] > 0
+    return {**m, "skipped": 0.0 if applied else 1.0, **ctx.timings}

@@ -271,17 +271,20 @@ def update_policy(
 ) -> Dict[str, float]:
     """One optimizer step per mini-batch that holds a kept token on some rank.
 
-    Returns this rank's loss metrics (already divided by the global denominators, so they sum
-    over ranks to the step's loss), the summed ``grad_norm``, the last ``lr``,
+    Returns ``optimizer_steps`` (applied ones) and ``skipped_nonfinite`` (mini-batches whose
+    gradient norm was not finite: the backend applied nothing, the same on every rank); of the
+    applied steps only: this rank's loss metrics (already divided by the global denominators,
+    so they sum over ranks to the step's loss), the summed ``grad_norm``,
     ``update_tokens_local`` (loss-carrying tokens), ``update_compute_tokens_local`` (their rows'
-    attended tokens), ``fed_tokens`` / ``attended_tokens`` and, with ``rebalance``, the mean
-    ``dp_imbalance_before/after``. Collectives: one small all-reduce per mini-batch (+ the
-    rebalancing's and the policy's own).
+    attended tokens), ``fed_tokens`` / ``attended_tokens``; the last ``lr`` and, with
+    ``rebalance``, the mean ``dp_imbalance_before/after``. Collectives: one small all-reduce
+    per mini-batch (+ the rebalancing's and the policy's own).
     """
     if upd.denominators is None:
         raise ValueError("UpdateBatch.denominators is missing: build the batch with compact()")
     totals: Dict[str, float] = {
         "optimizer_steps": 0.0,
+        "skipped_nonfinite": 0.0,
         "grad_norm": 0.0,
         "lr": 0.0,
         "update_tokens_local": 0.0,
@@ -305,9 +308,14 @@ def update_policy(
             denominator=denominator,
             micro_batch_tokens=micro_batch_tokens,
         )
+        totals["lr"] = float(report.get("lr", 0.0))
+        if report.get("skipped"):
+            # A non-finite gradient: no weight moved, so its tokens and losses are not counted
+            # as trained (update_tokens_total, tokens to a threshold).
+            totals["skipped_nonfinite"] += 1
+            continue
         totals["optimizer_steps"] += 1
         totals["grad_norm"] += float(report.get("grad_norm", 0.0))
-        totals["lr"] = float(report.get("lr", 0.0))
         if len(sub):
             real = sub.token_keep.any(1)  # not a zero-weight pad copy
             totals["update_tokens_local"] += float(sub.token_keep.sum())
@@ -318,7 +326,7 @@ def update_policy(
                 # loss and its two parts are divided by this mini-batch's global denominator
                 scale = 1.0 / denominator if name in ("loss", "pg_loss", "kl_loss") else 1.0
                 totals[name] = totals.get(name, 0.0) + v * scale
-    steps = max(totals["optimizer_steps"], 1.0)
+    steps = max(totals["optimizer_steps"] + totals["skipped_nonfinite"], 1.0)  # rebalanced ones
     for k, v in imbalance.items():
         totals[k] = v / steps
     return totals

@@ -219,7 +219,10 @@ def test_settings_the_plugin_cannot_honour_are_one_line_errors(folder, tmp_path)
     ):
         _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2})
     # TRL's own entropy mask stays available where D3S does not score tokens
-    _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2}, d3s="pods")
+    _trainer(D3SGRPOTrainer, folder, tmp_path, config={"top_entropy_quantile": 0.2}, d3s="d1s")
+    # pods' N = 1/4 of G = 4 keeps one rollout a prompt: its re-normalised advantage is 0
+    with pytest.raises(ConfigError, match=r"^d3s\.schedule\.n_init=0\.25 keeps 1 of the 4 .*=4\)$"):
+        _trainer(D3SGRPOTrainer, folder, tmp_path, d3s="pods")
     with pytest.raises(ConfigError, match="d3s='nope': unknown preset; known: d1s, d1s_cross"):
         _trainer(D3SGRPOTrainer, folder, tmp_path, d3s="nope")
     # PODS re-normalises the kept rewards with its own estimator: TRL's must be the same one

@@ -102,6 +102,28 @@ def test_numbers_equal_only_decides_plain_numbers():
     assert numbers_equal("x", "1") is None
 
 
+@pytest.mark.parametrize(
+    "a, b, equal",
+    [
+        # integers exactly: 1e-6 x 1000001 = 1.000001 >= 1 accepted the neighbour
+        ("1000001", "1000000", False),
+        ("12000001", "12000000", False),
+        ("1,000,000", "1000000.0", True),
+        # rounded decimals of a fraction: |1/3 - 0.333333| = 1/3e6 = 3.3e-7 <= 1e-6
+        ("0.333333", "1/3", True),
+        ("2/3", "0.666667", True),
+        ("1000000.333333", "3000001/3", True),  # 3.3e-7 <= min(1.000000333, 1e-4)
+        # 1e-6 x 123456.79 = 0.12 would accept the other cent; the 1e-4 ceiling does not
+        ("123456.78", "123456.79", False),
+        ("1000000.5", "1000001", False),
+        ("0.3333", "1/3", False),  # 3.3e-5 > 1e-6
+    ],
+)
+def test_numbers_equal_hand_worked(a, b, equal):
+    assert numbers_equal(a, b) is equal and numbers_equal(b, a) is equal
+    assert verify_math(a, b) is equal
+
+
 def test_verify_math_off_the_main_thread():
     # math-verify's signal-based timeout cannot run in worker threads; we must still verify.
     out = []

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import json
 import logging
+import math
 
 import pytest
+import torch
 
-from nemo_d3s.tasks.base import Problem, out_of_range_rewards, safe_reward
+from nemo_d3s.tasks.base import Problem, checked_reward, out_of_range_rewards, safe_reward
 from nemo_d3s.tasks.math_dataset import MathDatasetTask, read_rows
 from nemo_d3s.tasks.tiny import TinyCharTask
 from nemo_d3s.tasks.verifier import reference_is_checkable
@@ -59,6 +61,48 @@ def test_math_task_drops_problems_from_both_splits(tmp_path):
     assert rows == {1, 3, 5, 7, 9}
 
 
+def test_an_eval_split_emptied_by_dropping_long_prompts_is_refused(tmp_path):
+    """task.long_prompts=skip dropping every held-out row logged eval_reward_mean 0.0 over
+    eval_n 0; it is one line instead."""
+    data = tmp_path / "t.jsonl"
+    data.write_text(
+        "".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}) + "\n" for i in range(10))
+    )
+    task = MathDatasetTask(str(data), n_eval=3)
+    held = {id(p) for p in task.eval_set()}
+    with pytest.raises(ValueError, match=r"no evaluation rows left after dropping the 3 ") as e:
+        task.drop_problems(lambda p: id(p) in held)
+    assert "\n" not in str(e.value)
+
+
+def test_a_question_repeated_in_the_training_file_is_not_both_held_out_and_trained(
+    tmp_path, caplog
+):
+    """Without eval_path the eval rows are held out by index: a question on two rows could sit
+    in both splits. 5 questions, each on two rows, 3 rows held out: an odd count, so some
+    question's twin row was left in training."""
+    data = tmp_path / "t.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"question": f"{i // 2}+1?", "answer": str(i // 2 + 1)}) + "\n"
+            for i in range(10)
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.tasks"):
+        task = MathDatasetTask(str(data), n_eval=3)
+    held = {p.prompt for p in task.eval_set()}
+    train = task.finite_problems()["train"]
+    assert len(task.eval_set()) == 3 and not held & {p.prompt for p in train}
+    # every row whose question is not held out stays: 2 rows per such question
+    assert len(train) == 2 * (5 - len(held))
+    assert "in the rows held out for evaluation too" in caplog.text
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n" * 1)
+    same.write_text(same.read_text() * 4)
+    with pytest.raises(ValueError, match=r"every training question is also among the 1 rows"):
+        MathDatasetTask(str(same), n_eval=1)
+
+
 def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(caplog):
     class Loud(TinyCharTask):
         def reward(self, problem, response_text):
@@ -73,6 +117,34 @@ def test_rewards_outside_the_declared_range_are_kept_counted_and_warned_once(cap
     plain = TinyCharTask()
     safe_reward(plain, p, "a")
     assert out_of_range_rewards(plain) == 0
+
+
+@pytest.mark.parametrize(
+    "value, kept",
+    [
+        (3.4028234663852886e38, True),  # float32's largest
+        (-3.4028235e38, True),  # rounds to it
+        (3.4028235677973366e38, False),  # 2^128 - 2^103: the tie, rounded to even = inf
+        (3.5e38, False),  # finite in Python, inf as float32
+        (-1e39, False),
+        (1e300, False),
+    ],
+)
+def test_a_reward_beyond_float32_is_a_non_finite_failure(value, kept):
+    """The trainer holds rewards as float32: 3.5e38 would become inf there and stop the run
+    in check_rewards; it fails like a NaN reward instead (0, counted as non_finite)."""
+
+    class Huge(TinyCharTask):
+        def reward(self, problem, response_text):
+            return value
+
+    got = checked_reward(Huge(), Problem("q", "a"), "x")
+    if kept:
+        assert got == (value, None, "")
+        assert math.isfinite(torch.tensor(value, dtype=torch.float32).item())
+    else:
+        assert got[:2] == (0.0, "non_finite") and "float32" in got[2]
+        assert math.isinf(torch.tensor(value, dtype=torch.float32).item())
 
 
 def test_a_task_with_slots_is_counted_and_warned_once_too(caplog):

@@ -32,6 +32,13 @@ class ConstantTask(TinyCharTask):
         return 1.0
 
 
+class VariedTask(TinyCharTask):
+    """A reward that differs between almost any two responses: no group is degenerate."""
+
+    def reward(self, problem, response_text):
+        return (31 * len(response_text) + sum(map(ord, response_text))) % 97 / 97
+
+
 class FlakyTask(TinyCharTask):
     """The reward raises for some responses and is NaN for others (by first character)."""
 
@@ -50,6 +57,7 @@ for _name, _cls in (
     ("fault_zero_reward", ZeroReward),
     ("test_constant", ConstantTask),
     ("test_flaky", FlakyTask),
+    ("test_varied", VariedTask),
 ):
     if _name not in TASKS:
         TASKS.register(_name)(_cls)

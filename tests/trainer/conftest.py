@@ -12,6 +12,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# PODS on the smoke run's G = 4: its preset's N = 1/4 would keep one rollout a prompt, whose
+# re-normalised advantage is 0, which the config refuses; 1/2 keeps 2.
+PODS_SMOKE = ["d3s=pods", "d3s.schedule.n_init=0.5", "d3s.schedule.n_final=0.5"]
+
 # Fast settings on top of experiment=smoke: no eval at start, a short eval at the end.
 FAST = [
     "trainer.steps=2",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nemo_d3s.config import ConfigError
+from nemo_d3s.core.presets import D3SConfig
 from nemo_d3s.trainer.loop import Trainer
 
 from . import _tasks  # noqa: F401  (registers test_constant, test_flaky)
@@ -28,6 +29,36 @@ def test_all_equal_batch_skips_the_update_but_advances(tmp_path):
     assert [r["progress"] for r in rows] == [0.0, 1.0]  # the schedule still advances
     assert rows[-1]["skipped_steps_total"] == 2
     assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+
+
+def test_pods_keeping_one_rollout_per_prompt_skips_the_update(tmp_path, monkeypatch):
+    """PODS keeping N = 1/4 of G = 4 = 1 rollout a prompt (the config refuses it; here that
+    check is bypassed, as a caller of the selector could): the kept rollout's advantage
+    re-normalised on itself is (r - r) / (0 + 1e-4) = 0 in every group, while the groups
+    themselves are not all-equal. The step skips instead of taking a KL-only optimizer step."""
+    monkeypatch.setattr(D3SConfig, "check_group_size", lambda self, group_size: None)
+    over = [*FAST, "task.name=test_varied", "d3s=pods", "algorithm.kl_coef=0.1"]
+    state, rows = run_inprocess(tmp_path, over)
+    assert state.step == 2 and state.skipped_steps == 2
+    for r in rows:
+        assert r["skipped"] == 1 and r["skip_zero_advantage"] == 1 and "skip_all_equal" not in r
+        assert r["n_kept_samples"] == r["n_prompts"] and r["share_nonzero_adv"] == 0.0
+        assert "update_tokens" not in r and "loss" not in r  # no update happened
+    log = (tmp_path / "train.log").read_text()
+    assert "update skipped (every kept advantage was 0)" in log
+
+
+def test_updates_with_a_non_finite_gradient_are_not_counted_as_trained(tmp_path, monkeypatch):
+    """Every gradient norm non-finite: the backend applies nothing, so the rows say skipped
+    (skipped_nonfinite 1, 0 optimizer steps) and no token counts as trained."""
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(math.nan))
+    state, rows = run_inprocess(tmp_path, [*FAST, "task.name=test_varied"])
+    assert state.skipped_steps == 2 and state.update_tokens_total == 0
+    for r in rows:
+        assert r["skipped"] == 1 and r["skipped_nonfinite"] == 1 and r["optimizer_steps"] == 0
+        assert r["update_tokens"] == 0 and r["update_tokens_total"] == 0
+    log = (tmp_path / "train.log").read_text()
+    assert "update skipped (the gradient norm was not finite)" in log
 
 
 def test_failing_reward_is_counted_and_does_not_poison_the_batch(tmp_path):

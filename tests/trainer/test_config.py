@@ -80,6 +80,28 @@ def test_n_larger_than_g():
     assert "d3s.schedule.n_init=8" in msg and "num_generations=4" in msg
 
 
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        # pods' N = 1/4 of G: 0.25 x 4 = 1 (rounded half up) for the whole run
+        (["trainer.num_generations=4"], "d3s.schedule.n_init=0.25 keeps 1 of the 4"),
+        # linear 0.5 -> 0.25 at G = 5: 2.5 -> 3 at p = 0, 1.25 -> 1 at p = 1
+        (
+            ["trainer.num_generations=5", "d3s.schedule.kind=linear", "d3s.schedule.n_init=0.5"],
+            "d3s.schedule.n_final=0.25 keeps 1 of the 5",
+        ),
+        (["d3s.schedule.n_init=1", "d3s.schedule.n_final=1"], "d3s.schedule.n_init=1 keeps 1 of"),
+    ],
+)
+def test_pods_keeping_one_rollout_per_prompt_is_refused(overrides, key):
+    """PODS re-normalises on the kept subset: one rollout's advantage is (r - r) / eps = 0."""
+    msg = _error(["d3s=pods", *overrides])
+    assert msg.startswith(key) and "nothing would be learned" in msg, msg
+    assert "\n" not in msg
+    # 0.25 x 6 = 1.5 -> 2 kept: accepted
+    validate(compose(["d3s=pods", "trainer.num_generations=6", "output_dir=x"]))
+
+
 def test_mixed_int_float_n_is_rejected():
     assert "d3s.schedule" in _error(["d3s.schedule.n_final=2"])
 

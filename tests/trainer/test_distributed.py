@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from nemo_d3s.trainer.metrics import is_timing_key, read_jsonl
 
-from .conftest import REPO, cli_env, run_inprocess
+from .conftest import PODS_SMOKE, REPO, cli_env, run_inprocess
 from _limits import WAIT_S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -132,7 +132,10 @@ def _compare(tmp_path, cases, extra=()):
 @pytest.mark.slow  # a whole program run (or several): the slow tier
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
 def test_two_ranks_match_one_process_for_every_preset(tmp_path, algorithm):
-    cases = [(p, [f"d3s={p}", f"algorithm={algorithm}"]) for p in PRESETS]
+    cases = [
+        (p, [*(PODS_SMOKE if p == "pods" else [f"d3s={p}"]), f"algorithm={algorithm}"])
+        for p in PRESETS
+    ]
     _compare(tmp_path, cases)
 
 

@@ -76,6 +76,9 @@ def test_multirun_sweep_with_interpolated_output_dir(tmp_path):
             "-m",
             "d3s=grpo,pods",
             "experiment=smoke",
+            # pods keeps 2 of G = 4 (its 1/4 keeps 1, refused); grpo ignores N
+            "d3s.schedule.n_init=0.5",
+            "d3s.schedule.n_final=0.5",
             "trainer.steps=1",
             "trainer.eval_at_start=false",
             "trainer.export_hf=false",

@@ -27,7 +27,7 @@ from nemo_d3s.trainer.run_start.config_merge import (
 from nemo_d3s.trainer.overrides import resume_deletions
 from nemo_d3s.trainer.run_start.decision import trusted_run_config
 
-from .conftest import FAST, cli, compose, run_inprocess, without_timing
+from .conftest import FAST, PODS_SMOKE, cli, compose, run_inprocess, without_timing
 from _limits import WAIT_S  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def check_resume_config(cfg, folder):
     compare_config(cfg, *trusted_run_config(folder))
 
 
-ORIGINAL = ["experiment=smoke", "d3s=pods", "trainer.lr=0.5", "+model.params.extra=1"]
+ORIGINAL = ["experiment=smoke", *PODS_SMOKE, "trainer.lr=0.5", "+model.params.extra=1"]
 
 
 def _plain(cfg):
@@ -207,7 +207,7 @@ def test_every_rank_must_run_the_same_config():
 # ------------------------------------------------------------------ the command line
 
 START = [
-    *ORIGINAL[:2],
+    *ORIGINAL[:4],
     "trainer.steps=2",
     "trainer.save_every=2",
     "trainer.eval_at_start=false",

@@ -22,7 +22,7 @@ from nemo_d3s.trainer.metrics import read_jsonl
 from nemo_d3s.trainer.run_start import decide, resolve_config, trusted_run_config
 from nemo_d3s.trainer.run_start.decision import run_record
 
-from .conftest import FAST, compose
+from .conftest import FAST, PODS_SMOKE, compose
 
 
 def _cfg(out: Path, argv, resume=False):
@@ -51,7 +51,7 @@ def _fake_run(out: Path, argv, steps=(1,), record=True) -> dict:
     return plain
 
 
-PODS = ["experiment=smoke", "d3s=pods", "trainer.steps=30"]
+PODS = ["experiment=smoke", *PODS_SMOKE, "trainer.steps=30"]
 
 
 @pytest.mark.parametrize("damage", ["missing", "garbled"])
@@ -135,7 +135,7 @@ def test_a_resume_trains_from_the_checkpoints_config_end_to_end(tmp_path, capsys
     """A real run: 2 steps of pods (a checkpoint each), config.yaml deleted, then
     ``output_dir=X resume=true trainer.steps=3``: it continues as pods from step 2."""
     out = tmp_path / "run"
-    argv = ["experiment=smoke", *FAST, "d3s=pods", "trainer.save_every=1", "seed=3"]
+    argv = ["experiment=smoke", *FAST, *PODS_SMOKE, "trainer.save_every=1", "seed=3"]
     assert run_cli(_cfg(out, argv)) == 0
     (out / "config.yaml").unlink()
     cfg = _cfg(out, ["trainer.steps=3"], resume=True)

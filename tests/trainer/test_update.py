@@ -3,6 +3,7 @@ globally normalised loss against a slow full-batch reference."""
 
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.losses import LossConfig, policy_loss, loss_denominator
 from nemo_d3s.distributed.groups import ParallelGroups
+from nemo_d3s.trainer.stats import update_metrics
 from nemo_d3s.trainer.update import UpdateBatch, compact, minibatch_denominators, update_policy
 
 ONE = ParallelGroups()  # one process
@@ -157,18 +159,18 @@ def test_loss_is_micro_batch_invariant_and_matches_full_batch(loss_name, aggrega
         assert report["update_compute_tokens_local"] == U * S  # attended tokens (the compute)
 
 
-def test_mini_batches_each_get_their_own_optimizer_step():
-    U, S = 4, 3
+def _all_kept(advantages: torch.Tensor, minibatch: torch.Tensor, n_mb: int, S: int = 3):
+    """U = len(advantages) rows of S tokens, every token kept; row u's ids start at 100 u."""
+    U = advantages.numel()
     ids = (torch.arange(U) * 100).unsqueeze(1).expand(U, S).clone()
     keep = torch.ones(U, S, dtype=torch.bool)
-    upd = _upd(
-        TokenBatch(ids, keep.clone(), keep.clone()),
-        torch.zeros(U, S),
-        torch.ones(U),
-        keep,
-        torch.tensor([0, 1, 0, 2]),
-        n_mb=4,
-    )
+    batch = TokenBatch(ids, keep.clone(), keep.clone())
+    return _upd(batch, torch.zeros(U, S), advantages, keep, minibatch, n_mb=n_mb)
+
+
+def test_mini_batches_each_get_their_own_optimizer_step():
+    U, S = 4, 3
+    upd = _all_kept(torch.ones(U), torch.tensor([0, 1, 0, 2]), 4, S)
     be = _FakeBackend(torch.zeros(U, S))
     report = update_policy(
         be,
@@ -181,6 +183,34 @@ def test_mini_batches_each_get_their_own_optimizer_step():
     )
     assert report["optimizer_steps"] == 3  # mini-batch 3 is empty everywhere: no step
     assert len(be.losses) == 3
+
+
+class _NonFiniteSecondStep(_FakeBackend):
+    """Its second optimizer step meets a non-finite gradient norm and applies nothing, as the
+    backends report it (``skipped`` = 1)."""
+
+    def train_step(self, batch, loss_fn, micro_batch_size, **kw) -> Dict[str, float]:
+        report = super().train_step(batch, loss_fn, micro_batch_size, **kw)
+        if len(self.losses) == 2:
+            report.update(grad_norm=float("inf"), skipped=1.0)
+        return report
+
+
+def test_a_step_with_a_non_finite_gradient_is_not_counted_as_trained():
+    """Mini-batch 0 (rows 0, 2: 2 x 3 kept tokens) is applied, mini-batch 1 (rows 1, 3) is
+    skipped by the backend: 1 optimizer step, 6 update tokens, grad_norm of the applied one."""
+    U, S = 4, 3
+    upd = _all_kept(torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([0, 1, 0, 1]), 2, S)
+    be = _NonFiniteSecondStep(torch.zeros(U, S))
+    kw = dict(loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=2, micro_batch_size=8)
+    report = update_policy(be, upd, groups=ONE, **kw)
+    assert len(be.losses) == 2  # both were tried
+    assert report["optimizer_steps"] == 1 and report["skipped_nonfinite"] == 1
+    assert report["update_tokens_local"] == 6 and report["update_compute_tokens_local"] == 6
+    assert math.isfinite(report["grad_norm"])
+    row = update_metrics(ONE, upd, report)
+    assert row["update_tokens"] == 6 and row["skipped_nonfinite"] == 1
+    assert row["optimizer_steps"] == 1
 
 
 def test_without_old_logprobs_the_current_policy_is_the_baseline():

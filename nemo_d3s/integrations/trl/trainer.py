@@ -129,6 +129,12 @@ class D3SGRPOTrainer(GRPOTrainer):
             )
         self._refuse_uneven_means()
         self._refuse_pods_mismatch()
+        try:  # pods keeping one rollout per prompt: every kept advantage is 0
+            cfg.check_group_size(int(self.num_generations))
+        except ValueError as e:
+            raise ConfigError(
+                f"d3s.schedule.{e} (num_generations={self.num_generations})"
+            ) from None
 
     def _refuse_uneven_means(self) -> None:
         """ConfigError for a per-micro-batch mean (loss type or entropy bonus) that a preset
