@@ -186,6 +186,23 @@ def clip_grads_(chunks: Model, max_norm: float, total_norm: float) -> float:
 
 
 # ---------------------------------------------------------------------------- optimizers
+def megatron_grads_finite(chunks: List[torch.nn.Module], groups: ParallelGroups) -> bool:
+    """Whether every gradient in the Megatron DDP buffers is finite on every rank of the layout.
+    Megatron's optimizer looks for inf / NaN only under a loss scaler, which bf16 and fp32 runs
+    have none of (0.16.1 optimizer/__init__.py:427-443; optimizer.py:524-557, ``prepare_grads``
+    returns False unchecked) and its clip leaves a NaN norm unclipped: a non-finite gradient
+    went into Adam. One flag per parameter (one host sync), then ``groups.max`` (dp, tp, pp, cp):
+    the rank whose reduced shard holds an inf tells the others."""
+    flags = [
+        torch.isfinite(p.main_grad).all()
+        for c in chunks
+        for p in c.parameters()
+        if getattr(p, "main_grad", None) is not None
+    ]
+    bad = float(not bool(torch.stack(flags).all())) if flags else 0.0
+    return groups.max(bad) == 0.0
+
+
 def is_megatron_optimizer(optimizer) -> bool:
     """Whether ``optimizer`` is megatron-core's (distributed or not), not the plain path's."""
     try:

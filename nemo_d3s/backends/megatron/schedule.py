@@ -33,6 +33,7 @@ from nemo_d3s.backends.megatron.optimizer import (
     global_grad_norm,
     is_megatron_optimizer,
     local_params,
+    megatron_grads_finite,
     model_chunks,
     unwrap_model,
 )
@@ -222,9 +223,10 @@ def train_step(
     gradient is grad(global sum / D) for any micro-batching, packing and layout. Torch
     optimizer: grads finalised here (DP (x CP) average, tied embeddings, TP partial grads),
     clipped on the TP x PP norm, step skipped on every rank if it is not finite; Megatron
-    optimizer: its DDP and ``step``. Returns the ``Policy.train_step`` floats, same on a
-    model-parallel group; metric sums are this rank's. A mixture of experts (``taps``):
-    ``batch.routed_experts`` is replayed in every forward.
+    optimizer: its DDP and ``step``, skipped on every rank when a gradient is not finite.
+    Returns the ``Policy.train_step`` floats, same on a model-parallel group; metric sums are
+    this rank's. A mixture of experts (``taps``): ``batch.routed_experts`` is replayed in every
+    forward.
     """
     chunks = model_chunks(model)
     inner = unwrap_model(chunks[0])
@@ -293,9 +295,11 @@ def train_step(
     metrics = _broadcast_metrics(local, groups)
 
     if megatron_opt:
-        ok, norm, _ = optimizer.step()
-        if norm is None:
-            norm = optimizer.get_grad_norm()
+        ok, norm = False, None
+        if megatron_grads_finite(chunks, groups):  # (its step would apply them)
+            ok, norm, _ = optimizer.step()
+            if norm is None:
+                norm = optimizer.get_grad_norm()
         grad_norm = float(norm) if norm is not None else float("nan")
         skipped = not ok
     else:

@@ -448,3 +448,50 @@ def test_per_group_step_counts_and_ranges_hand_worked():
     assert torch.equal(got["optim.exp_avg.w"], torch.tensor([[0.0, 0.0, 1.0], [2.0, 3.0, 0.0]]))
     assert torch.equal(got["optim.main.w"], torch.tensor([[0.0, 0.0, 2.0], [3.0, 4.0, 0.0]]))
     assert not list(optim.iter_gathered_states(chained, [("w", w)], None, with_main=False, step=0))
+
+
+def _rank_nonfinite(rank, folder, dopt, dtype):
+    """A step whose gradient is NaN on DP rank 1 only, then a finite one: each step's
+    ``skipped`` and LR schedule steps, and the HF-named weights before, after the first and after the second."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_d3s.core.losses import loss_denominator
+    from nemo_d3s.trainer.update import one_minibatch_loss_fn
+
+    pol = _backend(folder, 1, 1, dopt, dtype)
+    batch, adv, noise, keep = tiny_batch()
+    rows = torch.tensor(DP_ROWS[ps.get_data_parallel_rank()])
+    local = batch.select(rows)
+    denominator = float(loss_denominator(keep, "token_mean"))
+
+    def weights():
+        return {k: v.detach().float().clone() for k, v in pol.hf_weights()}
+
+    out = {"w0": weights()}
+    for step, poison in ((1, rank == 1), (2, False)):
+        lp = pol.score(local, with_entropy=False, micro_batch_size=MBS).logprobs
+        a = adv[rows] * (float("nan") if poison else 1.0)
+        loss_fn = one_minibatch_loss_fn(local, lp + noise[rows], a, keep[rows])
+        m = pol.train_step(local, loss_fn, MBS, denominator=denominator)
+        out[f"skipped{step}"] = m["skipped"]
+        out[f"lr_steps{step}"] = pol.scheduler.step_count
+        out[f"w{step}"] = weights()
+    return out
+
+
+@pytest.mark.parametrize("dopt,dtype", [(True, "bfloat16"), (False, "bfloat16")])
+def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(dopt, dtype, folders):
+    """Megatron's optimizer checks for inf / NaN only under a loss scaler, which bf16 runs
+    have none of: its step put one rank's NaN gradient into every weight (reported as taken).
+    Now both optimizers skip the step on every rank, weights and LR unchanged, and the next
+    finite step trains."""
+    runs = run_ranks(_rank_nonfinite, 2, folders["llama"], dopt, dtype, timeout=WAIT_S)
+    for r in runs:
+        assert r["skipped1"] == 1.0 and r["skipped2"] == 0.0
+        assert (r["lr_steps1"], r["lr_steps2"]) == (0, 1)  # the LR schedule waited
+        for k, w in r["w0"].items():
+            assert torch.equal(r["w1"][k], w), k
+            assert torch.isfinite(r["w2"][k]).all(), k
+        assert any(not torch.equal(r["w2"][k], w) for k, w in r["w0"].items())
+    for k in runs[0]["w2"]:
+        assert torch.equal(runs[0]["w2"][k], runs[1]["w2"][k]), k
