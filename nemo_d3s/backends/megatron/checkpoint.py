@@ -108,14 +108,20 @@ def save_policy(pol: Any, folder: str) -> List[str]:
     position its expert file (:func:`expert_writer`; the experts' optimizer state gathered
     over the expert-DP group to it); global rank 0 writes layout.json.
     Returns the files this rank wrote (relative to ``folder``: each rank hashes its own). The
-    trainer adds atomicity and checksums."""
+    trainer adds atomicity and checksums. A write that fails (OSError: a full disk) is raised
+    once this rank has served every collective of the save: the others are in them, and the
+    trainer then agrees on the outcome (a writer that stopped mid-gather hung the job)."""
     root = Path(folder) / SUBDIR
     stages = policy_stages(pol)
     wrote: List[str] = []
+    errors: List[OSError] = []
     if pol.groups.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        write_layout(root, pol.spec, stages[0][2].at(0, 0))  # a virtual pipeline: TP x (PP VPP)
-        wrote.append(f"{SUBDIR}/{LAYOUT_FILE}")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            write_layout(root, pol.spec, stages[0][2].at(0, 0))  # a virtual pipeline: TP x (PP VPP)
+            wrote.append(f"{SUBDIR}/{LAYOUT_FILE}")
+        except OSError as e:
+            errors.append(e)
     pol.groups.barrier()
     megatron_opt = optim.is_megatron_optimizer(pol.optimizer)
     # fp32 main weights ARE the parameters at fp32; else both optimizers keep their own
@@ -155,8 +161,8 @@ def save_policy(pol: Any, folder: str) -> List[str]:
                 pol, expert_params, edp, expert_writer_rank(layout), with_main, step, megatron_opt
             )
             if writes:
-                name = _write_streamed(root, layout, experts, meta, planned, gathered)
-                wrote.append(f"{SUBDIR}/{name}")
+                name = _write_or_serve(errors, root, layout, experts, meta, planned, gathered)
+                wrote += [f"{SUBDIR}/{name}"] if name else []
             else:
                 for _ in gathered:  # this rank's part of each reduce
                     pass
@@ -169,8 +175,26 @@ def save_policy(pol: Any, folder: str) -> List[str]:
                 pass
             continue
         dense = {k: v for k, v in own.items() if not is_expert_param(k)}
-        wrote.append(f"{SUBDIR}/{_write_streamed(root, layout, dense, meta, planned, gathered)}")
+        name = _write_or_serve(errors, root, layout, dense, meta, planned, gathered)
+        wrote += [f"{SUBDIR}/{name}"] if name else []
+    if errors:
+        raise errors[0]
     return wrote
+
+
+def _write_or_serve(
+    errors: List[OSError], root: Path, layout: Layout, own, meta, planned, gathered
+):
+    """:func:`_write_streamed`'s file name, or None after an OSError, kept in ``errors``, once
+    the rest of ``gathered`` is consumed: each item is a reduce the other ranks are in."""
+    rest = iter(gathered)
+    try:
+        return _write_streamed(root, layout, own, meta, planned, rest)
+    except OSError as e:
+        errors.append(e)
+        for _ in rest:
+            pass
+        return None
 
 
 def _optimizer_states(

@@ -452,7 +452,8 @@ def test_per_group_step_counts_and_ranges_hand_worked():
 
 def _rank_nonfinite(rank, folder, dopt, dtype):
     """A step whose gradient is NaN on DP rank 1 only, then a finite one: each step's
-    ``skipped`` and LR schedule steps, and the HF-named weights before, after the first and after the second."""
+    ``skipped`` and LR schedule steps, and the HF-named weights before, after the first and
+    after the second."""
     from megatron.core import parallel_state as ps
 
     from nemo_d3s.core.losses import loss_denominator
@@ -495,3 +496,49 @@ def test_a_non_finite_gradient_on_one_rank_is_skipped_on_every_rank(dopt, dtype,
         assert any(not torch.equal(r["w2"][k], w) for k, w in r["w0"].items())
     for k in runs[0]["w2"]:
         assert torch.equal(runs[0]["w2"][k], runs[1]["w2"][k]), k
+
+
+def _rank_full_disk(rank, folder, ckpt):
+    """The distributed-optimizer save with the writer's disk full at its first optimizer
+    tensor, then a step: whether this rank's save raised, and the step's grad norm."""
+    import contextlib
+
+    import nemo_d3s.backends.megatron.checkpoint as ck
+
+    real = ck.open_shard
+
+    @contextlib.contextmanager
+    def full_disk(*args, **kwargs):
+        with real(*args, **kwargs) as f:
+
+            class Writer:
+                def write(self, key, value):
+                    if key.startswith("optim."):
+                        raise OSError(28, "No space left on device")
+                    f.write(key, value)
+
+            yield Writer()
+
+    pol = _backend(folder, 1, 1, True, "float32")
+    _steps(pol, 1)  # an optimizer state to gather
+    ck.open_shard = full_disk
+    try:
+        pol.save_checkpoint(ckpt)
+        raised = None
+    except OSError as e:
+        raised = str(e)
+    finally:
+        ck.open_shard = real
+    return {"raised": raised, "norms": _steps(pol, 1)}
+
+
+def test_a_full_disk_in_the_writers_gather_is_its_error_not_a_hang(folders, tmp_path):
+    """The writer of a shard stopped reading the optimizer state's gather at its write error,
+    while the other DP ranks sat in the reduces still to come: the job hung until the
+    collective timeout. Now it serves them, then raises (the trainer agrees on the outcome),
+    and the ranks go on in step."""
+    runs = run_ranks(_rank_full_disk, 2, folders["llama"], str(tmp_path / "ckpt"), timeout=WAIT_S)
+    raised = [r["raised"] for r in runs]
+    assert sum(x is not None for x in raised) == 1  # the writer alone
+    assert "No space left on device" in next(x for x in raised if x)
+    assert runs[0]["norms"] == runs[1]["norms"] and math.isfinite(runs[0]["norms"][0])
