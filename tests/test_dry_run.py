@@ -194,8 +194,9 @@ def test_70b_recipe_needs_the_tp_pp_dp_rank_order(tmp_path):
 
 
 def test_plain_adamw_is_planned_unsharded(tmp_path):
-    """distributed_optimizer=false: bf16 grads and fp32 main weights + both Adam moments on
-    every DP rank (2 P + 12 P bytes: MainWeightsAdamW) instead of fp32 grads + 12 P / DP."""
+    """distributed_optimizer=false: fp32 grads (MainWeightsAdamW's main_grad) and fp32 main
+    weights + both Adam moments on every DP rank (4 P + 12 P bytes) instead of 4 P + 12 P / DP
+    (a plan of 2-byte gradients chose the plain path where it costs more)."""
     base = ["experiment=llama3_8b", f"output_dir={tmp_path}"]
     dist_plan = plan(_compose(base), JobShape(1, 8, "test"))
     plain = plan(
@@ -209,7 +210,7 @@ def test_plain_adamw_is_planned_unsharded(tmp_path):
     for a, b in zip(dist_plan["positions"], plain["positions"]):
         n = a["params"]
         assert a["terms_bytes"]["grads"] == 4 * n and a["terms_bytes"]["optimizer"] == 12 * n / dp
-        assert b["terms_bytes"]["grads"] == 2 * n and b["terms_bytes"]["optimizer"] == 12 * n
+        assert b["terms_bytes"]["grads"] == 4 * n and b["terms_bytes"]["optimizer"] == 12 * n
 
 
 def test_first_ranks_of_model_copies_hand_worked():
@@ -1097,7 +1098,7 @@ def test_moe_recipe_dry_runs_count_experts_and_give_a_verdict(name, tmp_path):
     spec = ModelSpec.from_folder(REPO / "nemo_d3s" / "recipes" / name)
     per_gpu = 128 // ep * 3 * spec.hidden_size * spec.moe_ffn_hidden_size * spec.num_layers // pp
     assert busiest["expert_params"] == moe["expert_params_per_gpu"] == per_gpu
-    # plain AdamW on bf16: fp32 main weights + 2 moments, 12 bytes, not sharded
+    # fp32 main weights + 2 moments, 12 bytes, over expert DP (1 here: not sharded)
     assert moe["expert_optimizer_bytes_per_gpu"] == 12 * per_gpu
     assert 0 < moe["dispatch_buffer_bytes"] == busiest["terms_bytes"]["moe_dispatch"]
     assert report["fits"] is fits
@@ -1132,7 +1133,7 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
     # 2) it halves the expert optimizer state the plain AdamW keeps whole
     ep4 = [*base, "model.params.expert_model_parallel_size=4"]
     moe = {
-        d: plan(_compose([*ep4, f"model.params.distributed_optimizer={d}"]), JobShape(1, 8, "t"))[
+        d: plan(_compose([*ep4, f"++model.params.distributed_optimizer={d}"]), JobShape(1, 8, "t"))[
             "moe"
         ]
         for d in ("true", "false")
@@ -1146,8 +1147,15 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
         plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
     # experts with context parallelism are planned (EP carved out of DP x CP; tested on gloo)
     cp = ["model.params.expert_model_parallel_size=2", "+model.params.context_parallel_size=2"]
-    layout = plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))["layout"]
+    cp_plan = plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))
+    layout, moe = cp_plan["layout"], cp_plan["moe"]
     assert (layout["tp"], layout["cp"], layout["dp"]) == (4, 2, 2)
+    # its expert state is sharded over expert DP = 16 / (ETP 1 x EP 2 x PP 1) = 8, which holds
+    # the CP ranks: 12 bytes / 8 a parameter (it was divided by CP once more)
+    assert moe["expert_dp"] == 8
+    assert moe["expert_optimizer_bytes_per_gpu"] == pytest.approx(
+        12 * moe["expert_params_per_gpu"] / 8, rel=1e-9
+    )
 
 
 def test_expert_parallel_engines_for_a_dense_model_are_refused_naming_its_config(tmp_path):

@@ -3,7 +3,8 @@ model's shape and the step's workload (pure arithmetic). Bytes per GPU at (TP ra
 P = the position's parameters (padded vocabulary included), N = the model's, d = dtype bytes.
 
 - weights d P; grads 4 P (fp32 reduce); optimizer 12 P / DP (distributed optimizer: fp32 main
-  weights + 2 moments; 8 P / DP for fp32 weights). Plain AdamW: grads d P, optimizer 12 P.
+  weights + 2 moments; 8 P / DP for fp32 weights; a MoE's expert state 12 P_e / expert DP).
+  Plain AdamW: grads 4 P (fp32 main_grad), optimizer 12 P.
 - activations: :func:`layer_activation_bytes` x the stage's L / PP layers x the micro-batches
   1F1B keeps in flight (``min(PP - stage, micro-batches)``) x the interleaving factor; full
   recompute keeps each layer's input [s, b, h] plus one layer's full set.

@@ -293,9 +293,11 @@ def _optimizer_bytes(s: Setup, w: Workload) -> Tuple[bool, float, float]:
         s.mcfg.distributed_optimizer is not False
     ):  # fp32 grads; fp32 main weights (unless fp32 already) + 2 moments over DP
         return True, 4, (12 if d < 4 else 8) / (s.dp * s.cp)  # sharded over DP x CP
-    # plain AdamW over each rank's shards: grads in the parameter dtype; fp32 main weights (unless
-    # fp32 already) + 2 fp32 moments (main_weights.MainWeightsAdamW), not sharded over DP
-    return False, d, (12 if d < 4 else 8)
+    # plain AdamW over each rank's shards: fp32 grads (MainWeightsAdamW accumulates a bf16
+    # gradient into an fp32 main_grad; the DP average sums them in buckets of
+    # optimizer.AVERAGE_BUCKET_BYTES); fp32 main weights (unless fp32 already) + 2 fp32
+    # moments, not sharded over DP
+    return False, 4, (12 if d < 4 else 8)
 
 
 def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any]) -> Dict[str, Any]:
@@ -305,8 +307,9 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     layout = Layout(tp=s.tp, pp=s.pp, tp_rank=t, pp_rank=p, padded_vocab=s.vocab, te=False)
     layout = replace(layout, ep=s.ep, etp=s.etp)  # (every EP / ETP rank holds as many)
     n, n_expert = local_param_count(spec, layout), expert_params(s, layout)
-    # the distributed optimizer shards expert state over the expert-DP group, not DP
-    expert_opt = opt_per_param * n_expert * (s.dp / expert_dp(s) if distributed else 1)
+    # the distributed optimizer shards expert state over the expert-DP group (world / (ETP x
+    # EP x PP), CP ranks included), not DP x CP
+    expert_opt = opt_per_param * n_expert * (s.dp * s.cp / expert_dp(s) if distributed else 1)
     terms: Dict[str, float] = {
         "weights": d * n,
         "grads": grad_per_param * n,
