@@ -523,7 +523,7 @@ def test_resume_refuses_a_changed_experiment_and_keeps_the_original_config(tmp_p
     run_inprocess(run_dir, [*FAST, "trainer.steps=1"])
     original = (run_dir / "config.yaml").read_text()
     before = _snapshot(run_dir)
-    for change, key in (("seed=1", "seed: 0 -> 1"), ("d3s=pods", "d3s.preset: 'd3s' -> 'pods'")):
+    for change, key in (("seed=1", "seed: 0 -> 1"), ("d3s=d1s", "d3s.preset: 'd3s' -> 'd1s'")):
         with pytest.raises(ConfigError, match="changes the experiment") as e:
             run_inprocess(run_dir, [*FAST, "resume=true", change])
         assert key in str(e.value)
