@@ -163,7 +163,7 @@ class D3SGRPOTrainer(GRPOTrainer):
         estimator, which is TRL's ``scale_rewards="group"`` (``grpo``, both with std + 1e-4 at
         PODS' eps) or ``"none"`` (``dr_grpo``) under ``sum_then_normalize`` only."""
         cfg = self.d3s_config
-        if cfg.sample_rule != "pods":
+        if not SAMPLE_SELECTORS.prop(cfg.sample_rule, "renormalises"):
             return
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ConfigError(
@@ -281,7 +281,9 @@ class D3SGRPOTrainer(GRPOTrainer):
             response = response & output["tool_mask"].bool()
         response = response.cpu()
         rows = stage.kept_rows
-        most = self._most_over_processes(rows.numel())  # the kept rows' passes, alike everywhere
+        # the most rows a process kept, from the whole batch's selection every process holds
+        # (process p's rows are [p B, (p + 1) B)): its passes and cut batch, alike everywhere
+        most = int(keep_all.view(-1, b_local).sum(dim=1).max())
         entropy = self._d3s_entropy(output, rows, most) if sel.needs_entropy else None
         tokens = sel.select_tokens(stage, entropy, response[rows], progress)
         counts = torch.tensor(
