@@ -108,10 +108,12 @@ def _token_logprobs(
         entropy, logprobs = cp.gather(entropy, 1), cp.gather(logprobs, 1)
         return align_to_tokens(entropy[:, :-1]), align_to_tokens(logprobs[:, :-1])
     if token_aligned:  # token t is scored by the logits at t - 1; position 0 gets 0
-        entropy, logprobs = vocab_parallel_entropy_and_logprobs(
-            logits[:, :-1], ids[:, 1:], tp_group, **kw
-        )
-        return align_to_tokens(entropy), align_to_tokens(logprobs)
+        # Every position is scored (the last against a stand-in id) and the last COLUMN of the
+        # [B, S] results dropped: scoring the view logits[:, :-1] would make the backward hold a
+        # second [B, S, V/TP] gradient (a slice's backward zero-fills the full shape, then copies).
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+        entropy, logprobs = vocab_parallel_entropy_and_logprobs(logits, nxt, tp_group, **kw)
+        return align_to_tokens(entropy[:, :-1]), align_to_tokens(logprobs[:, :-1])
     return vocab_parallel_entropy_and_logprobs(logits, ids, tp_group, **kw)
 
 
