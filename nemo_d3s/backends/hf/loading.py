@@ -91,6 +91,19 @@ def load_tokenizer(folder: str):
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
+def folder_generation_config(folder: str):
+    """The generation config a model loaded from ``folder`` carries (local files only):
+    ``generation_config.json``, else the one transformers derives from ``config.json``. Its EOS
+    id(s) end responses on every engine alike (:func:`rollout.stop_token_ids`)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    if (Path(folder) / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return GenerationConfig.from_model_config(
+        AutoConfig.from_pretrained(folder, local_files_only=True)
+    )
+
+
 def resolve_autocast(autocast: Optional[str], device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype for forwards, or None for none."""
     if autocast == "auto":

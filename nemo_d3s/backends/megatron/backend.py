@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_d3s.backends.base import LossFn, Policy, RolloutEngine, Scores, TokenBatch
-from nemo_d3s.backends.hf.loading import load_tokenizer
-from nemo_d3s.backends.hf.rollout import encode_prompts
+from nemo_d3s.backends.hf.loading import folder_generation_config, load_tokenizer
+from nemo_d3s.backends.hf.rollout import encode_prompts, stop_token_ids
 from nemo_d3s.backends.megatron import checkpoint as ckpt
 from nemo_d3s.backends.megatron import schedule
 from nemo_d3s.backends.megatron.build import build_policy
@@ -58,7 +58,11 @@ class MegatronBackend(Policy):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token  # padding is always masked out
         self.use_chat_template = cfg.use_chat_template
-        self.eos_ids = [int(self.tokenizer.eos_token_id)]  # the engine's rank refines it
+        # as the HF backend's: the tokenizer's EOS, the generation config's and stop_tokens;
+        # every engine (the replica, vLLM) stops at these
+        self.eos_ids = stop_token_ids(
+            self.tokenizer, folder_generation_config(self.path), cfg.stop_tokens
+        )
         self._own_engine: Optional[RolloutEngine] = None
         # whether an engine apart from this backend returns each token's experts
         # (engine_returns_routing): the scores then record the policy's own to compare

@@ -25,7 +25,6 @@ from nemo_d3s.backends.base import (
     Rollouts,
 )
 from nemo_d3s.backends.hf.engine import ReplicaEngine, SamplerModel
-from nemo_d3s.backends.hf.rollout import stop_token_ids
 from nemo_d3s.backends.engine_wait import agreed_generation
 from nemo_d3s.backends.megatron.cp_rollouts import join_blocks, prompt_blocks
 from nemo_d3s.backends.megatron.parallel import engine_blocks
@@ -212,22 +211,17 @@ def make_replica(
     dtype: torch.dtype,
     device: torch.device,
     cfg: Any,
-    eos_ids_fn: Callable[[Any], List[int]],
+    eos_ids: List[int],
 ) -> SamplerModel:
     """A transformers model of ``path`` (local files, dropout off, eval) for a replica."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nemo_d3s.backends.hf.loading import zero_dropout_config
+    from nemo_d3s.backends.hf.loading import folder_generation_config, zero_dropout_config
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     zero_dropout_config(config)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    try:  # EOS ids as the HF backend sees them (generation_config.json may list several)
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except OSError:
-        pass  # no generation_config.json: the one derived from config.json stands
+    model.generation_config = folder_generation_config(path)  # as from_pretrained sets it
     model.to(device).eval()
     model.requires_grad_(False)
     return SamplerModel(
@@ -235,7 +229,7 @@ def make_replica(
         tokenizer,
         cfg,
         int(tokenizer.pad_token_id),
-        eos_ids_fn(model),
+        list(eos_ids),
         device,
         bool(cfg.use_chat_template),
     )
@@ -331,7 +325,7 @@ def _hosts_engine_gpu(policy: Any, src: int, refit: dict) -> bool:
 
 
 def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:
-    """Builder of a :class:`ReplicaEngine` for ``policy``; its EOS ids become the policy's."""
+    """Builder of a :class:`ReplicaEngine` for ``policy``, ending responses at its EOS ids."""
 
     def build() -> ReplicaEngine:
         replica = make_replica(
@@ -340,11 +334,8 @@ def replica_engine(policy: Any) -> Callable[[], ReplicaEngine]:
             dtype=policy.dtype,
             device=policy.device,
             cfg=policy.cfg,
-            eos_ids_fn=lambda m: stop_token_ids(
-                policy.tokenizer, m.generation_config, policy.cfg.stop_tokens
-            ),
+            eos_ids=policy.eos_ids,
         )
-        policy.eos_ids = replica.eos_ids
         return ReplicaEngine(replica)
 
     return build

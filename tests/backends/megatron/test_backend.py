@@ -20,7 +20,9 @@ a per-TP-rank partial sum), vocabulary 300 padded to 384 / 512 by the layout. Ch
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -303,14 +305,22 @@ def test_rollouts_and_export_match_the_hf_backend(folders, tmp_path):
     from nemo_d3s.backends.hf.backend import HFBackend
     from nemo_d3s.backends.hf.config import HFBackendConfig
 
-    folder = folders["qwen2"]
+    # a generation config listing a second EOS id: every engine must stop there, as the HF
+    # backend's does; the Megatron backend's own stop set (what a vLLM engine is handed) said
+    # only the tokenizer's EOS until a replica was built
+    folder = str(tmp_path / "qwen2")
+    shutil.copytree(folders["qwen2"], folder)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [258, 101]}, f)
     gen = GenerationConfig(max_new_tokens=8)
     hf = HFBackend(HFBackendConfig(model=folder, device="cpu"))
+    assert 101 in hf.eos_ids
     want = hf.rollout_engine.generate(["hi there", "abc"], 3, gen, [1, 2])
     got = run_ranks(
         _rank_rollouts_export, 2, folder, str(tmp_path / "export"), tp=1, pp=2, timeout=WAIT_S
     )
     for res in got:  # both pipeline stages hold the same rollouts
+        assert res["eos_ids"] == hf.eos_ids
         assert torch.equal(res["input_ids"], want.batch.input_ids)
         assert res["response_texts"] == want.response_texts
     src = load_file(os.path.join(folder, "model.safetensors"))
@@ -328,11 +338,12 @@ def _rank_rollouts_export(rank, folder, export):
     from nemo_d3s.backends.base import GenerationConfig
 
     pol = _megatron(folder, 1, 2)
+    eos_ids = list(pol.eos_ids)  # before any engine is built
     r = pol.rollout_engine.generate(
         ["hi there", "abc"], 3, GenerationConfig(max_new_tokens=8), [1, 2]
     )
     pol.save_pretrained(export)
-    return {"input_ids": r.batch.input_ids, "response_texts": r.response_texts}
+    return {"input_ids": r.batch.input_ids, "response_texts": r.response_texts, "eos_ids": eos_ids}
 
 
 def test_an_interleaved_pipelines_refit_gives_the_engine_the_trained_weights(folders):
