@@ -26,12 +26,7 @@ from nemo_d3s.backends.base import (
     RolloutEngine,
     Rollouts,
 )
-from nemo_d3s.backends.hf.rollout import (
-    cut_at_eos,
-    encode_prompts,
-    right_padded_batch,
-    token_aligned,
-)
+from nemo_d3s.backends.hf.rollout import encode_prompts
 from nemo_d3s.backends.refit import (
     DEFAULT_BUCKET_BYTES,
     TensorMeta,
@@ -41,7 +36,8 @@ from nemo_d3s.backends.refit import (
 from nemo_d3s.backends.vllm.config import VLLMEngineConfig
 from nemo_d3s.backends.vllm.expert_parallel import check_expert_parallel
 from nemo_d3s.backends.vllm.launch import engine_env, engine_output, in_multi_rank_job, own_gpus
-from nemo_d3s.backends.vllm.routing import moe_shape, returns_routing, routing_rows
+from nemo_d3s.backends.vllm.outputs import rollouts_from_outputs
+from nemo_d3s.backends.vllm.routing import moe_shape, returns_routing
 from nemo_d3s.backends.vllm.watchdog import EngineWatchdog
 from nemo_d3s.fault_points import fault_point
 
@@ -348,49 +344,14 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate(requests, params, use_tqdm=False)
         except Exception as e:
             raise self._call_failed(e) from e
-        _check_finished(outputs)
-        prompt_ids, responses, finished, logprobs, texts = [], [], [], [], []
-        routed, generated = [], []
-        for ids, out in zip(encoded, outputs):
-            if len(out.outputs) != n_samples:
-                raise RuntimeError(
-                    f"vLLM returned {len(out.outputs)} samples for a prompt, expected {n_samples}"
-                )
-            for comp in out.outputs:
-                resp, hit = cut_at_eos(list(comp.token_ids), self.eos_ids)
-                prompt_ids.append(ids)
-                responses.append(resp)
-                finished.append(hit or comp.finish_reason == "stop")
-                logprobs.append(_sampled_logprobs(comp.logprobs, resp))
-                texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
-                routed.append(getattr(comp, "routed_experts", None))
-                generated.append(len(comp.token_ids))
-        batch = right_padded_batch(prompt_ids, responses, self.pad_id)
-        sampling = token_aligned(prompt_ids, logprobs, batch.input_ids.shape[1])
-        routing = None
-        if self.returns_routing:
-            routing = routing_rows(
-                routed,
-                [len(p) for p in prompt_ids],
-                generated,
-                [len(r) for r in responses],
-                batch.input_ids.shape[1],
-                self.moe_shape,
-            )
-        n_tokens = sum(len(r) for r in responses)
-        stats = {
-            "gen_tokens": float(n_tokens),
-            "response_len_mean": n_tokens / max(len(responses), 1),
-        }
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(n_samples)
-        return Rollouts(
-            batch,
-            prompt_index,
-            texts,
-            torch.tensor(finished, dtype=torch.bool),
-            stats,
-            sampling_logprobs=sampling,
-            routed_experts=routing,
+        return rollouts_from_outputs(
+            outputs,
+            encoded,
+            n_samples,
+            tokenizer=self.tokenizer,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+            moe_shape=self.moe_shape if self.returns_routing else None,
         )
 
     def _call_failed(self, e: Exception) -> Exception:
@@ -422,32 +383,3 @@ class VLLMEngine(RolloutEngine):
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
-
-
-def _check_finished(outputs: Sequence[Any]) -> None:
-    """Refuse cut rollouts: on SIGTERM vLLM's engine core sends every request in flight back
-    finished with ``finish_reason`` "abort" (vllm 0.33 ``v1/engine/core.py:1703-1735``,
-    ``v1/request.py:407``) and ``LLM.generate`` returns them (``entrypoints/common/
-    offline.py:610-616``): GenerationInterrupted. "error" (the engine failed): RuntimeError."""
-    reasons = [c.finish_reason for out in outputs for c in out.outputs]
-    aborted, failed = reasons.count("abort"), reasons.count("error")
-    if aborted:
-        raise GenerationInterrupted(
-            f"the vLLM engine aborted {aborted} of {len(reasons)} rollouts (finish_reason "
-            "'abort': its processes got a stop signal); none is used"
-        )
-    if failed:
-        raise RuntimeError(f"the vLLM engine failed on {failed} of {len(reasons)} rollouts")
-
-
-def _sampled_logprobs(
-    entries: Optional[Iterable[Dict[int, Any]]], tokens: Sequence[int]
-) -> List[float]:
-    """vLLM's per-position {token_id: Logprob} dicts -> the sampled tokens' log-probs."""
-    if entries is None:
-        return [0.0] * len(tokens)
-    out = []
-    for tok, entry in zip(tokens, entries):
-        lp = entry.get(tok) if entry else None
-        out.append(float(lp.logprob) if lp is not None else 0.0)
-    return out
