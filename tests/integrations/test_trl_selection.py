@@ -15,7 +15,6 @@ from nemo_d3s.errors import ConfigError, RunError
 from nemo_d3s.integrations.trl.selection import (
     TRLD3SSelector,
     compact_rows,
-    compacted_rows,
     kept_batch,
     neutral_unscorable,
     step_shares,
@@ -227,10 +226,10 @@ def test_compact_rows_cuts_after_the_last_loss_token():
     assert out["completion_ids"].shape == (2, 4)
     # no loss token at all: row 0 stays, one column, so the backward still runs
     batch["tool_mask"] = torch.zeros(4, 5, dtype=torch.long)
-    out, _, after = compact_rows(batch, drop_rows=True)
+    asked = []
+    out, _, after = compact_rows(batch, drop_rows=True, equal_rows=lambda n: asked.append(n) or n)
     assert out["completion_ids"].tolist() == [[0]] and after == 1 * (3 + 1)
-    assert compacted_rows(batch, drop_rows=True) == 1
-    assert compacted_rows(batch, drop_rows=False) == 4
+    assert asked == [1]  # the kept count other processes are told: row 0
 
 
 def test_compact_rows_pads_to_the_rows_another_process_keeps():
@@ -238,19 +237,25 @@ def test_compact_rows_pads_to_the_rows_another_process_keeps():
     batch["tool_mask"] = torch.tensor(
         [[0, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
     )
-    assert compacted_rows(batch, drop_rows=True) == 2
-    out, before, after = compact_rows(batch, drop_rows=True, min_rows=3)
+    asked = []
+    out, before, after = compact_rows(
+        batch, drop_rows=True, equal_rows=lambda n: asked.append(n) or 3
+    )
+    assert asked == [2]  # this process keeps 2 rows; another keeps 3
     # rows 0 and 2, then a copy of row 0 that carries no loss token
     assert out["advantages"].tolist() == [0.0, 2.0, 0.0]
     assert out["tool_mask"].tolist() == [[0, 1, 0], [1, 0, 1], [0, 0, 0]]
     assert out["completion_mask"][2].tolist() == out["completion_mask"][0].tolist()
     assert (before, after) == (4 * (3 + 5), 3 * (3 + 3))
     # enough rows already, or rows not dropped: nothing added
-    assert compact_rows(batch, drop_rows=True, min_rows=2)[0]["advantages"].tolist() == [0.0, 2.0]
-    assert compact_rows(batch, drop_rows=False, min_rows=9)[0]["completion_ids"].shape[0] == 4
+    kept = compact_rows(batch, drop_rows=True, equal_rows=lambda n: n)[0]
+    assert kept["advantages"].tolist() == [0.0, 2.0]
+    # rows not dropped: every process holds its whole micro-batch, nobody is asked
+    out = compact_rows(batch, drop_rows=False, equal_rows=lambda n: asked.append(n) or 9)[0]
+    assert out["completion_ids"].shape[0] == 4 and asked == [2]
     # no tool mask: the copies get one, zero on them alone
     del batch["tool_mask"]
-    out, _, _ = compact_rows(batch, drop_rows=True, min_rows=5)
+    out, _, _ = compact_rows(batch, drop_rows=True, equal_rows=lambda n: 5)
     assert out["tool_mask"].sum(1).tolist()[-1] == 0 and out["completion_ids"].shape[0] == 5
 
 

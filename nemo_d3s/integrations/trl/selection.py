@@ -10,7 +10,7 @@ with TRL's groups and advantages (:class:`TRLD3SSelector`); the token stage is
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,6 @@ __all__ = [
     "neutral_unscorable",
     "kept_batch",
     "compact_rows",
-    "compacted_rows",
     "step_shares",
 ]
 
@@ -200,21 +199,13 @@ def _loss_mask(batch: Mapping[str, object]) -> torch.Tensor:
     return completion if batch.get("tool_mask") is None else completion * batch["tool_mask"]
 
 
-def compacted_rows(batch: Mapping[str, object], *, drop_rows: bool) -> int:
-    """The rows ``compact_rows(batch, drop_rows=drop_rows)`` keeps before any padding."""
-    loss = _loss_mask(batch)
-    if not drop_rows:
-        return int(loss.shape[0])
-    return max(1, int(loss.bool().any(dim=1).sum()))
-
-
 def compact_rows(
     batch: Mapping[str, object],
     *,
     drop_rows: bool,
     ratio_columns: bool = True,
     multiple: Optional[int] = None,
-    min_rows: int = 0,
+    equal_rows: Optional[Callable[[int], int]] = None,
 ) -> Tuple[Dict[str, object], int, int]:
     """One micro-batch of a cut batch, cut after its last loss token (``completion_mask`` x
     ``tool_mask``) -> (batch, forward tokens before, after); tokens = rows x (P + C) columns.
@@ -224,9 +215,10 @@ def compact_rows(
     width rounded up to ``multiple``. A causal LM scores position t from positions <= t, so no
     loss token's log-prob or gradient changes. ``ratio_columns=False`` keeps a per-token
     ``importance_sampling_ratio``'s columns up to the last completion token (vespo sums its
-    log over the whole row, grpo_trainer.py l.2992). ``min_rows``: fewer kept rows are padded
-    with zero-loss copies of the first (with several processes, the most any process keeps:
-    TRL gathers per-row metrics, which needs equal rows everywhere, l.3280-3282)."""
+    log over the whole row, grpo_trainer.py l.2992). ``equal_rows(kept)`` (with ``drop_rows``):
+    the rows to hold, >= kept, the rest zero-loss copies of the first (with several processes,
+    the most any process keeps: TRL gathers per-row metrics, which needs equal rows
+    everywhere, l.3280-3282)."""
     completion = batch["completion_mask"]
     loss = _loss_mask(batch)
     n, c = loss.shape
@@ -237,7 +229,9 @@ def compact_rows(
         rows = has_loss.nonzero().flatten()
     else:
         rows = torch.zeros(1, dtype=torch.long, device=loss.device)
-    n_pad = 0 if rows is None else max(0, int(min_rows) - int(rows.numel()))
+    n_pad = 0
+    if rows is not None and equal_rows is not None:
+        n_pad = max(0, int(equal_rows(int(rows.numel()))) - int(rows.numel()))
     kept = loss if rows is None else loss[rows]
     width = _trim_width(kept.bool())
     ratio = batch.get("importance_sampling_ratio")

@@ -57,7 +57,6 @@ from nemo_d3s.integrations.trl.selection import (
     ROW_COUNTING_LOSSES,
     TRLD3SSelector,
     compact_rows,
-    compacted_rows,
     kept_batch,
     step_shares,
 )
@@ -214,15 +213,13 @@ class D3SGRPOTrainer(GRPOTrainer):
         cut = self.model.training and "tool_mask" in inputs and self._d3s_cuts
         if not (cut and self.d3s_compact):
             return super()._compute_loss(model, inputs)
-        drop = self.loss_type not in ROW_COUNTING_LOSSES
-        # every process's micro-batch keeps as many rows (TRL gathers per-row metrics)
-        most = self._most_over_processes(compacted_rows(inputs, drop_rows=drop)) if drop else 0
         compacted, before, after = compact_rows(
             inputs,
-            drop_rows=drop,
+            drop_rows=self.loss_type not in ROW_COUNTING_LOSSES,
             ratio_columns=self.loss_type != "vespo",
             multiple=self.pad_to_multiple_of,
-            min_rows=most,
+            # every process's micro-batch holds as many rows (TRL gathers per-row metrics)
+            equal_rows=self._most_over_processes,
         )
         self._metrics["train"]["d3s/forward_token_share"].append(after / max(before, 1))
         return super()._compute_loss(model, compacted)
