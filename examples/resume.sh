@@ -11,7 +11,7 @@
 # the first run ends without a checkpoint, none appears in time, or the run does not stop
 # with 75; OUT must be new or empty (2 otherwise). A SIGTERM or Ctrl-C to this script goes to
 # the run, which checkpoints; the script waits for it and exits with its code. With Slurm, ask
-# for the signal ahead of the time limit: `#SBATCH --signal=B:USR1@300` (slurm/README.md).
+# for the signal ahead of the time limit: `#SBATCH --signal=B:USR1@600` (slurm/README.md).
 set -euo pipefail
 OUT=${1:-outputs/resume_demo}
 WAIT_S=${WAIT_S:-600}
