@@ -2,8 +2,10 @@
 
 A step's loss is sum over kept units / D, D a global count taken once per step, so the gradient does
 not depend on the micro-batch, DP, TP or CP split. DP counts are summed over the DP group
-(Megatron's, without CP); TP ranks hold the same tokens and are never summed; CP ranks sum token
-counts and OR row presence before counting sequences.
+(Megatron's, without CP); TP ranks hold the same tokens and are never summed. ``cp_group`` is for
+masks split over CP (each rank a slice of every row): CP ranks then sum token counts and OR row
+presence before counting sequences. The Megatron backend's CP ranks hold whole rows (each
+computes its own positions inside the model), so it counts over DP alone and passes none.
 
 Megatron's ``forward_step`` scales a 2-tuple loss by cp_size / num_microbatches and DDP averages
 over dp x cp, so returning ``local_sum x f`` with ``f = dp_size x num_microbatches / D`` gives

@@ -98,6 +98,10 @@ def _token_logprobs(
     """Vocab-parallel (entropy, logprobs) of one micro-batch at temperature ``T``; token-aligned
     [B, S] when asked (with ``cp``: each local position scores its successor, then gathered
     over CP)."""
+    if cp is not None and not token_aligned:  # CP scores position t from t - 1 itself
+        raise ValueError(
+            "cp needs token_aligned=True (input ids, not targets shifted by the caller)"
+        )
     kw = dict(vocab_size=vocab_size, chunk_size=chunk_size, temperature=T)
     if seq_first:  # Megatron's [S, B, V/TP]: a transposed view, never a copy of the logits
         logits = logits.transpose(0, 1)
@@ -134,9 +138,10 @@ def logprob_loss_func(
     ``{"entropy", "logprobs"}`` [B, S] f32 to ``store`` and returns a zero loss.
 
     target_ids [B, S]: shifted by the caller, or input ids with ``token_aligned=True`` (position t
-    from logits at t - 1, position 0 holds 0). ``cp``: the logits are this CP rank's positions;
-    whole rows are stored (all-gathers over CP). ``temperature``: of softmax(logits / T), the
-    rollouts' sampling distribution. Collectives: the vocab-parallel ones on ``tp_group``."""
+    from logits at t - 1, position 0 holds 0). ``cp`` (needs ``token_aligned``): the logits are
+    this CP rank's positions; whole rows are stored (all-gathers over CP). ``temperature``: of
+    softmax(logits / T), the rollouts' sampling distribution. Collectives: the vocab-parallel
+    ones on ``tp_group``."""
 
     def loss_func(logits: torch.Tensor):
         with torch.no_grad():

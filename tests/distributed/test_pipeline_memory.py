@@ -88,3 +88,13 @@ def test_backward_allocates_one_logits_gradient(seq_first):
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=0)
     torch.testing.assert_close(got, ref.grad, rtol=0, atol=0)
     assert bool((got[:, -1] == 0).all())  # the last position scores nothing
+
+
+def test_context_parallel_scoring_refuses_targets_shifted_by_the_caller():
+    """The CP path scores position t from the logits at t - 1 itself: targets already shifted
+    would be shifted twice (token t + 2 scored at t), so they are refused."""
+    from nemo_d3s.distributed.pipeline import PerTokenStore, logprob_loss_func
+
+    fn = logprob_loss_func(PerTokenStore(), torch.zeros(1, 4, dtype=torch.long), None, cp=object())
+    with pytest.raises(ValueError, match="token_aligned"):
+        fn(torch.zeros(1, 4, V))
