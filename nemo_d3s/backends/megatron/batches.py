@@ -116,9 +116,10 @@ def plan_packed(
     """Packs (``core.packing``) of a right-padded [B, S] mask under ``max_tokens``, or (0)
     ``micro_batch_size`` longest rows', slots multiples of ``seq_multiple``; one width per
     call (the fullest pack within the budget, >= 2, to :func:`width_multiple`), but a row
-    longer than the budget is a pack at its own width: widened to it, every pack fed its
-    padding as part of its last slot (quadratic attention over it; one 32k row among 2k rows
-    at a budget of 8k tripled the positions fed). B = 0: one zero-weight pack."""
+    longer than the budget is a pack at its own width, and only that pack is that wide (had
+    every pack been widened to it, each would feed the padding as part of its last slot, with
+    quadratic attention over it: one 32k row among 2k rows at a budget of 8k tripled the
+    positions fed). B = 0: one zero-weight pack."""
     m = width_multiple(multiple_of, quantum)
     B = attention_mask.shape[0]
     if B == 0:
