@@ -1145,6 +1145,14 @@ def test_moe_layouts_megatron_refuses_are_refused_by_the_dry_run(tmp_path):
     )
     with pytest.raises(ConfigError, match="sequence_parallel=true"):
         plan(_compose([*base, "model.params.sequence_parallel=false"]), JobShape(1, 8, "t"))
+    # what the backend refuses at start-up is refused by the plan: packed MoE rows, and EP 1
+    # with ETP != TP under the distributed optimizer (experts reduced as dense weights)
+    with pytest.raises(ConfigError, match="pack_sequences=true"):
+        plan(_compose([*base, "trainer.pack_sequences=true"]), JobShape(1, 8, "t"))
+    ep1 = [*base, "model.params.expert_model_parallel_size=1"]
+    with pytest.raises(ConfigError, match="expert_tensor_parallel_size=1 != tensor_model"):
+        plan(_compose(ep1), JobShape(1, 8, "t"))
+    plan(_compose([*ep1, "++model.params.distributed_optimizer=false"]), JobShape(1, 8, "t"))
     # experts with context parallelism are planned (EP carved out of DP x CP; tested on gloo)
     cp = ["model.params.expert_model_parallel_size=2", "+model.params.context_parallel_size=2"]
     cp_plan = plan(_compose([*base, "rollout=hf", *cp]), JobShape(2, 8, "t"))
@@ -1168,3 +1176,37 @@ def test_expert_parallel_engines_for_a_dense_model_are_refused_naming_its_config
     assert str(e.value).startswith(
         f"rollout.expert_parallel=true: {folder / 'config.json'} is not a mixture of experts"
     )
+
+
+def test_dispatcher_buffers_count_the_expert_tp_gather():
+    """Hand-worked: 2 rows x 8 tokens at TP 2 with sequence parallelism = T 8 tokens a rank, top-k
+    2, hidden 4, bf16, full recompute (one layer). alltoall: the routed rows T k = 16 permuted and
+    received over EP, then gathered over ETP 4 (the experts' input and output, 64 each):
+    16 + 16 + 64 + 64 = 160 rows. allgather at EP 2: the tokens gathered over ETP x EP (64 rows)
+    and their unpermuted sum (64), the local experts' input and output (ETP T k = 64 each): 256
+    rows. Each row 4 x 2 bytes. At ETP 1 the all-to-all count is the old four copies of T k."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from nemo_d3s.dry_run.memory import Workload
+    from nemo_d3s.dry_run.moe import dispatch_bytes
+
+    spec = SimpleNamespace(num_experts=8, moe_topk=2, hidden_size=4, num_layers=6)
+    w = Workload(
+        seq_len=8,
+        gen_len=8,
+        micro_batch=2,
+        logprob_micro_batch=2,
+        micro_batches=1,
+        rows_per_engine=1,
+        recompute=True,
+        dtype_bytes=2,
+        chunk=8,
+        sequence_parallel=True,
+    )
+    assert w.train_tokens * 0.5 == 8
+    assert dispatch_bytes(spec, w, tp=2, pp=1, ep=2, etp=4) == 160 * 8
+    assert dispatch_bytes(spec, w, tp=2, pp=1, ep=2, etp=4, dispatcher="allgather") == 256 * 8
+    assert dispatch_bytes(spec, w, tp=2, pp=1, ep=2, etp=1) == 4 * 16 * 8
+    no_recompute = replace(w, recompute=False)  # every layer of the stage: 6 layers over PP 2
+    assert dispatch_bytes(spec, no_recompute, tp=2, pp=2, ep=2, etp=4) == 3 * 160 * 8

@@ -8,13 +8,16 @@ token dispatcher adds, and the report's MoE section (total vs active parameters)
 - Activations: a token passes through k experts of width F', so a MoE layer's MLP stores
   what a dense MLP of width k F' would (:func:`activation_spec`); the router's [T, E]
   logits are small beside it.
-- Dispatcher buffers (:func:`dispatch_bytes`): megatron-core's all-to-all dispatcher holds a
-  layer's routed tokens four times at once, [T k, H] each: permuted, received over EP,
-  the experts' output, and sent back before unpermuting (0.16.1
-  transformer/moe/token_dispatcher.py ``token_dispatch`` / ``token_combine``), T = the
-  tokens of one micro-batch on this rank (T / TP under sequence parallelism), assuming
-  balanced routing; one layer at a time under full recompute, every layer of the stage
-  without.
+- Dispatcher buffers (:func:`dispatch_bytes`), T = the tokens of one micro-batch on this rank
+  (T / TP under sequence parallelism), balanced routing, one layer at a time under full
+  recompute, every layer of the stage without (megatron-core 0.16.1
+  ``transformer/moe/token_dispatcher.py``):
+  - ``alltoall``: the routed tokens [T k, H] permuted and received over EP, then all-gathered
+    over the expert TP group (ETP T k: the experts' input, l.696-701) and the experts' output
+    (ETP T k) reduce-scattered back (l.779): (2 + 2 ETP) T k rows of H;
+  - ``allgather``: the tokens all-gathered over ETP x EP (l.274-276) and their unpermuted sum
+    before the reduce-scatter back (l.338-339), 2 ETP EP T rows, and the local experts' input
+    and output, ETP T k each: (2 ETP EP + 2 ETP k) T rows of H.
 """
 
 from __future__ import annotations
@@ -36,15 +39,18 @@ __all__ = [
     "moe_summary",
 ]
 
-DISPATCH_COPIES = 4  # routed-token copies of one layer alive at once (module docstring)
-
 
 def check_planned_moe(spec: Any, mcfg: Any) -> None:
-    """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``."""
+    """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``, on
+    CUDA (where ``distributed_optimizer=null`` means Megatron's)."""
     check_moe_layout(
         spec,
         tp=int(mcfg.tensor_model_parallel_size),
         sequence_parallel=bool(mcfg.sequence_parallel),
+        packed=bool(mcfg.pack_sequences),
+        ep=int(mcfg.expert_model_parallel_size),
+        etp=mcfg.expert_tensor_parallel_size,
+        distributed_optimizer=mcfg.distributed_optimizer is not False,
     )
 
 
@@ -67,12 +73,26 @@ def activation_spec(spec: Any) -> Any:
     return replace(spec, ffn_hidden_size=width)
 
 
-def dispatch_bytes(spec: Any, w: Workload, *, tp: int, pp: int) -> float:
+def dispatch_bytes(
+    spec: Any,
+    w: Workload,
+    *,
+    tp: int,
+    pp: int,
+    ep: int = 1,
+    etp: int = 1,
+    dispatcher: str = "alltoall",
+) -> float:
     """The dispatcher's routed-token buffers on one GPU (module docstring)."""
     if not spec.num_experts:
         return 0.0
     tokens = w.train_tokens * replicated_share(tp, w.sequence_parallel)
-    layer = DISPATCH_COPIES * tokens * spec.moe_topk * spec.hidden_size * w.dtype_bytes
+    k = spec.moe_topk
+    if dispatcher == "allgather":
+        rows = (2 * etp * ep + 2 * etp * k) * tokens
+    else:
+        rows = (2 + 2 * etp) * k * tokens
+    layer = rows * spec.hidden_size * w.dtype_bytes
     return layer if w.recompute else layer * spec.num_layers // pp
 
 

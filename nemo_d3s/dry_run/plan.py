@@ -322,7 +322,15 @@ def _position(s: Setup, w: Workload, t: int, p: int, vllm_terms: Dict[str, Any])
     act, in_flight = activation_bytes(activation_spec(spec), w, tp=s.tp, pp=s.pp, stage=p)
     terms["activations"] = act
     if spec.num_experts:
-        terms["moe_dispatch"] = dispatch_bytes(spec, w, tp=s.tp, pp=s.pp)
+        terms["moe_dispatch"] = dispatch_bytes(
+            spec,
+            w,
+            tp=s.tp,
+            pp=s.pp,
+            ep=s.ep,
+            etp=s.etp,
+            dispatcher=str(s.mcfg.moe_token_dispatcher_type),
+        )
     logit_note = None
     if p == s.pp - 1:
         terms["logits"], logit_note = logits_bytes(s.vocab, w, tp=s.tp)

@@ -128,11 +128,11 @@ def update_metrics(groups: ParallelGroups, upd: Any, report: Dict[str, float]) -
     for k in ("dp_imbalance_before", "dp_imbalance_after"):
         if k in report:
             out[k] = report[k]
-    # loss / pg_loss / kl_loss are per-optimizer-step values (already divided by the global
-    # denominator); report their mean over the step's mini-batches.
-    for key in ("loss", "pg_loss", "kl_loss"):
-        if key in t:
-            t[key] = t[key] / steps
+    # loss / pg_loss / kl_loss (already divided by the global denominator) and the router
+    # losses (moe_*) are per-optimizer-step values; report their mean over the step's
+    # mini-batches.
+    for key in [k for k in t if k in ("loss", "pg_loss", "kl_loss") or k.startswith("moe_")]:
+        t[key] = t[key] / steps
     if "fed_tokens" in t:
         out.update(_padding_share("update", t.pop("fed_tokens"), t.pop("attended_tokens", 0.0)))
     out.update(finalize_metrics(t))

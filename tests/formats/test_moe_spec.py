@@ -199,3 +199,26 @@ def test_the_refused_router_is_the_one_megatron_core_refuses():
             assert not ok and "pre-softmax when topk is 1" in str(e)
         else:
             assert ok
+
+
+def test_expert_weights_megatron_core_would_reduce_as_dense_are_refused():
+    """At EP 1 megatron-core marks expert weights ``allreduce`` like dense ones (0.16.1
+    ``tensor_parallel/layers.py:829,886``), so Megatron's DDP and distributed optimizer reduce
+    and shard them over DP x CP, not the expert-data-parallel group: right only when ETP = TP.
+    The plain optimizer reduces experts over their own group and stays allowed."""
+    from nemo_d3s.backends.megatron.moe import check_moe_layout
+
+    q = ModelSpec.from_hf_dict(QWEN3_MOE)
+    layouts = [(2, 1, 1), (1, 1, 2)]  # (tp, ep, etp): ETP below and above TP at EP 1
+    for tp, ep, etp in layouts:
+        with pytest.raises(ConfigError, match=f"expert_tensor_parallel_size={etp} != tensor"):
+            check_moe_layout(
+                q, tp=tp, sequence_parallel=True, ep=ep, etp=etp, distributed_optimizer=True
+            )
+        check_moe_layout(
+            q, tp=tp, sequence_parallel=True, ep=ep, etp=etp, distributed_optimizer=False
+        )
+    for tp, ep, etp in [(2, 1, None), (2, 1, 2), (2, 2, 1), (4, 8, 1)]:  # ETP = TP, or EP > 1
+        check_moe_layout(
+            q, tp=tp, sequence_parallel=True, ep=ep, etp=etp, distributed_optimizer=True
+        )

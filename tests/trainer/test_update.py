@@ -213,6 +213,26 @@ def test_a_step_with_a_non_finite_gradient_is_not_counted_as_trained():
     assert row["optimizer_steps"] == 1
 
 
+class _RouterLosses(_FakeBackend):
+    """A MoE backend: each optimizer step reports its router losses' mean over the step (as
+    ``megatron.moe.router_loss_metrics`` does), 0.25 and 0.5 on the two steps."""
+
+    def train_step(self, batch, loss_fn, micro_batch_size, **kw) -> Dict[str, float]:
+        report = super().train_step(batch, loss_fn, micro_batch_size, **kw)
+        report.update(moe_load_balancing_loss=0.25 * len(self.losses), moe_z_loss=0.125)
+        return report
+
+
+def test_router_losses_are_the_mean_over_the_steps_optimizer_steps():
+    """They were summed over the mini-batches (0.75 and 0.25 for 2), unlike the loss."""
+    upd = _all_kept(torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.tensor([0, 1, 0, 1]), 2, 3)
+    kw = dict(loss_name="grpo", loss_cfg=LossConfig(), num_mini_batches=2, micro_batch_size=8)
+    report = update_policy(_RouterLosses(torch.zeros(4, 3)), upd, groups=ONE, **kw)
+    row = update_metrics(ONE, upd, report)
+    assert row["optimizer_steps"] == 2
+    assert row["moe_load_balancing_loss"] == 0.375 and row["moe_z_loss"] == 0.125
+
+
 def test_without_old_logprobs_the_current_policy_is_the_baseline():
     """old_logprobs=None (one on-policy step) == passing the current log-probs explicitly."""
     torch.manual_seed(1)

@@ -108,7 +108,15 @@ def build_policy(
     )
     if spec.num_experts and cfg.pack_sequences is None:
         pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
-    check_moe_layout(spec, tp=tp, packed=pack, sequence_parallel=cfg.sequence_parallel)
+    check_moe_layout(
+        spec,
+        tp=tp,
+        packed=pack,
+        sequence_parallel=cfg.sequence_parallel,
+        ep=ep,
+        etp=etp,
+        distributed_optimizer=optim.uses_distributed_optimizer(cfg.distributed_optimizer, device),
+    )
     # Checked before any collective (headers only): every rank fails alike.
     reader, path, fmt = open_weights(path, spec, owner)
     if groups is None:

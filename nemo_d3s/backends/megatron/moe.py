@@ -45,6 +45,9 @@ def check_moe_layout(
     tp: int,
     sequence_parallel: bool,
     packed: bool = False,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    distributed_optimizer: bool = False,
 ) -> None:
     """What megatron-core's MoE layer refuses only in its first training forward, refused
     before start: tensor parallelism without sequence parallelism (0.16.1
@@ -54,8 +57,23 @@ def check_moe_layout(
     carved out of DP x CP as in megatron-core, each CP rank's tokens go to their experts'
     ranks. So is Megatron's distributed optimizer: megatron-core shards the expert state over
     the expert-data-parallel group (the expert optimizer of ``get_megatron_optimizer``), and
-    ``checkpoint.save_policy`` gathers it over that group."""
+    ``checkpoint.save_policy`` gathers it over that group, except at EP 1 with an expert width
+    ETP (None: TP) other than TP, refused with it: megatron-core marks expert weights
+    ``allreduce`` (dense) unless EP > 1 (0.16.1 ``tensor_parallel/layers.py:829,886``,
+    ``transformer/moe/experts.py:89,203-204``), so its DDP reduces them over DP x CP
+    (``distributed/distributed_data_parallel.py:122``) and its optimizer shards them there
+    (``optimizer/__init__.py:165``), not over the expert-data-parallel group: TP 2 with ETP 1
+    lets the TP ranks' expert copies drift apart; ETP 2 over TP 1 averages different shards."""
     check_megatron_router(spec)
+    etp = tp if etp is None else etp
+    if spec.num_experts and distributed_optimizer and ep == 1 and etp != tp:
+        raise ConfigError(
+            f"{spec.architecture} (mixture of experts) at expert_model_parallel_size=1 with "
+            f"expert_tensor_parallel_size={etp} != tensor_model_parallel_size={tp} and the "
+            "distributed optimizer: megatron-core then reduces and shards the experts as dense "
+            "weights, over the wrong ranks; set model.params.expert_tensor_parallel_size to "
+            f"{tp}, expert_model_parallel_size > 1, or model.params.distributed_optimizer=false"
+        )
     if spec.num_experts and packed:
         raise ConfigError(
             f"{spec.architecture} (mixture of experts) with trainer.pack_sequences=true: "
