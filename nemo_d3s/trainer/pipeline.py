@@ -136,11 +136,13 @@ class GenerationPipeline:
         step + k - 1 come from ``pending`` (a resumed run's) or are generated now: a batch of
         version ``step`` - 1 from ``held`` (the weights a stop cut it short on; then ``policy``
         is refitted as at a boundary), else with version ``step``, the schedule's on a fresh
-        start and a warned deviation after a resume without them. Collective (one agreement)."""
+        start and a warned deviation after a resume without them. Collective (three all-reduces:
+        ``_agreed_pending``, then the need)."""
         if self.synchronous:
             return
         self._version = int(step)
         ahead = range(step, min(step + self.k, self.total_steps))
+        pending = self._agreed_pending(ahead, pending)
         missing = [j for j in ahead if j not in pending]
         due = {self.version_of(j) for j in missing} - {step}
         # 0: nothing missing but what the engine's weights give; 1: the rest from ``held``;
@@ -182,6 +184,25 @@ class GenerationPipeline:
             self.publish(step, policy)
         else:
             self._release(step, min(step + self.k, self.total_steps - 1))
+
+    def _agreed_pending(
+        self, ahead: range, pending: Mapping[int, Tuple[Rollouts, int]]
+    ) -> Mapping[int, Tuple[Rollouts, int]]:
+        """``pending`` when every rank holds the same batches of ``ahead``, else none (warned): a
+        model-parallel engine pairs its ranks' generations by order, so ranks releasing
+        different batches (a resume at another TP, whose new ranks have no file) trained one
+        rank's rollouts at another's step, then waited for each other. Two all-reduces (max)
+        of one float over every group."""
+        held = float(sum(1 << i for i, j in enumerate(ahead) if j in pending))
+        if self.groups.max(held) == -self.groups.max(-held):
+            return pending
+        if self.groups.is_main:
+            log.warning(
+                "the ranks resumed with different saved rollouts of steps %s (a resume at "
+                "another layout): every rank generates them again, with the resumed weights",
+                list(ahead),
+            )
+        return {}
 
     def take(self, step: int, prompts: PromptBatch) -> Rollouts:
         """Step ``step``'s rollouts (k = 0: generated now from ``prompts``). Raises

@@ -399,6 +399,37 @@ def test_the_ranks_agree_on_the_rollouts_a_checkpoint_keeps(tmp_path, case, capl
     assert pipe.load_pending(None) == ({}, None)
 
 
+@pytest.mark.parametrize("other_holds", [(3, 4), (4,), ()])
+def test_ranks_resumed_with_different_saved_batches_generate_them_all_again(other_holds, caplog):
+    """k = 2 resumed at step 3 where another rank holds other saved batches (a resume at another
+    TP: its new rank has no file). Each rank released only the batches it lacked, and a
+    model-parallel engine pairs its ranks' generations by order: one rank trained another's
+    rollouts at its step, then the ranks waited for each other. Now they agree first: the
+    batches stand only when every rank holds the same ones."""
+    import logging
+
+    pipe = _pipeline(_Engine(), 2, 6)
+    pending = {3: (_rollouts(3, 1, 2), 1), 4: (_rollouts(4, 2, 2), 2)}
+    mine, theirs = 0b11, float(sum(1 << (j - 3) for j in other_holds))
+    others, sent = iter([theirs, -theirs]), []
+
+    class _Groups:
+        global_rank, is_main = 0, True
+
+        def max(self, x):
+            sent.append(x)
+            return max(x, next(others))
+
+    pipe.groups = _Groups()
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        got = pipe._agreed_pending(range(3, 5), pending)
+    assert sent == [mine, -mine]  # every rank meets in both, whatever it holds
+    if other_holds == (3, 4):
+        assert got is pending and not caplog.text
+    else:
+        assert got == {} and "different saved rollouts of steps [3, 4]" in caplog.text
+
+
 def test_the_worker_threads_openmp_team_is_the_trainers_before_it_generates(monkeypatch):
     """The thread's OpenMP team size when the engine is called equals torch's (1 here, set in
     the trainer's thread), not the library default of a new thread (every CPU): vLLM's CPU
