@@ -302,11 +302,13 @@ class Trainer:
         """Weights version ``state.step`` to the rollouts (``pipeline.publish``), evaluated
         where the engine holds it if ``evaluate``; whether a stop signal cut that short."""
         rows: list = []
-        self.rollouts.publish(
-            state.step,
-            self.policy,
-            lambda: rows.append(self._evaluate(state)) if evaluate else None,
-        )
+
+        def between() -> bool:
+            if evaluate:
+                rows.append(self._evaluate(state))
+            return bool(rows) and rows[0] is None  # a stop signal cut the evaluation short
+
+        self.rollouts.publish(state.step, self.policy, between)
         return bool(rows) and rows[0] is None
 
     def _record_step(

@@ -34,14 +34,10 @@ from nemo_d3s.distributed.generation_wait import GenerationWait, generation_limi
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.data import PromptBatch, PromptSource, generate_groups
 from nemo_d3s.trainer.faults import agreed_refit, fault_point
-from nemo_d3s.errors import RunError
 from nemo_d3s.trainer.worker_cuda import trainer_device, worker_stream
+from nemo_d3s.trainer.pipeline_resume import agreed_pending, load_pending
 from nemo_d3s.trainer.rollout_store import (
     HeldWeights,
-    OtherLayout,
-    held_weights_fit,
-    load_rollouts,
-    optional_held_weights,
     rollouts_file,
     save_held_weights,
     save_rollouts,
@@ -54,6 +50,12 @@ log = logging.getLogger("nemo_d3s.trainer")
 
 WORKER_NAME = "nemo_d3s-rollout-worker"
 POLL_S = 0.05  # how often a waiting trainer looks at the stop flag and the worker's liveness
+# How long ``close`` waits for a generation in flight that the engine cannot cut short (vLLM's
+# generate runs to its end): after a stop signal the checkpoint is written and what is left of
+# the signal's lead is the exit's and the requeue's; otherwise (the end of a run) nothing is
+# in flight.
+CLOSE_WAIT_S = 60.0
+CLOSE_WAIT_STOPPING_S = 5.0
 
 
 @dataclass
@@ -137,12 +139,12 @@ class GenerationPipeline:
         version ``step`` - 1 from ``held`` (the weights a stop cut it short on; then ``policy``
         is refitted as at a boundary), else with version ``step``, the schedule's on a fresh
         start and a warned deviation after a resume without them. Collective (three all-reduces:
-        ``_agreed_pending``, then the need)."""
+        ``pipeline_resume.agreed_pending``, then the need)."""
         if self.synchronous:
             return
         self._version = int(step)
         ahead = range(step, min(step + self.k, self.total_steps))
-        pending = self._agreed_pending(ahead, pending)
+        pending = agreed_pending(ahead, pending, self.groups)
         missing = [j for j in ahead if j not in pending]
         due = {self.version_of(j) for j in missing} - {step}
         # 0: nothing missing but what the engine's weights give; 1: the rest from ``held``;
@@ -185,25 +187,6 @@ class GenerationPipeline:
         else:
             self._release(step, min(step + self.k, self.total_steps - 1))
 
-    def _agreed_pending(
-        self, ahead: range, pending: Mapping[int, Tuple[Rollouts, int]]
-    ) -> Mapping[int, Tuple[Rollouts, int]]:
-        """``pending`` when every rank holds the same batches of ``ahead``, else none (warned): a
-        model-parallel engine pairs its ranks' generations by order, so ranks releasing
-        different batches (a resume at another TP, whose new ranks have no file) trained one
-        rank's rollouts at another's step, then waited for each other. Two all-reduces (max)
-        of one float over every group."""
-        held = float(sum(1 << i for i, j in enumerate(ahead) if j in pending))
-        if self.groups.max(held) == -self.groups.max(-held):
-            return pending
-        if self.groups.is_main:
-            log.warning(
-                "the ranks resumed with different saved rollouts of steps %s (a resume at "
-                "another layout): every rank generates them again, with the resumed weights",
-                list(ahead),
-            )
-        return {}
-
     def take(self, step: int, prompts: PromptBatch) -> Rollouts:
         """Step ``step``'s rollouts (k = 0: generated now from ``prompts``). Raises
         GenerationInterrupted after a stop signal, RuntimeError naming a failed worker."""
@@ -219,12 +202,13 @@ class GenerationPipeline:
         return batch.rollouts
 
     def publish(
-        self, version: int, policy: Policy, between: Callable[[], None] = lambda: None
+        self, version: int, policy: Policy, between: Callable[[], Optional[bool]] = lambda: None
     ) -> None:
         """The trainer's weights are ``version`` now; ``between()`` runs while the engine holds
-        them and generates nothing (the evaluation). k = 0: the step refitted, only
-        ``between()``. Collective: GenerationInterrupted on every rank after a stop signal on
-        any, RuntimeError on every rank after a failed worker on any."""
+        them and generates nothing (the evaluation; True: a stop signal cut it short, and no
+        generation starts after it, nor after a stop signal here). k = 0: the step refitted,
+        only ``between()``. Collective: GenerationInterrupted on every rank after a stop
+        signal on any, RuntimeError on every rank after a failed worker on any."""
         if self.synchronous:
             between()
             return
@@ -236,7 +220,8 @@ class GenerationPipeline:
         self._refit(policy)  # the worker is idle: nothing released is left
         with self._cv:
             self._version = int(version)
-        between()
+        if between() or self.stop_requested():  # the run stops: its checkpoint comes next
+            return
         self._release(version + self.k, min(version + self.k, self.total_steps - 1))
 
     def _agreed_wait(self, version: int, last: int, *, stopping: bool) -> None:
@@ -293,12 +278,22 @@ class GenerationPipeline:
         return out
 
     def close(self) -> None:
-        """Stop the worker (a generation in flight is cut short, not waited for)."""
+        """Stop the worker: a generation in flight is cut short where the engine can (the HF
+        sampler, within a token); one it cannot (vLLM) is waited for at most
+        ``CLOSE_WAIT_STOPPING_S`` after a stop signal (``CLOSE_WAIT_S`` otherwise), then left to
+        end with the process (warned)."""
         with self._cv:
             self._closed = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=60.0)
+            wait_s = CLOSE_WAIT_STOPPING_S if self.stop_requested() else CLOSE_WAIT_S
+            self._thread.join(timeout=wait_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "the rollout worker is still inside a generation %.0f s after the pipeline "
+                    "closed (its engine cannot cut it short); it ends with the process",
+                    wait_s,
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def pending_writer(self, step: int) -> Optional[Callable[[Path], List[str]]]:
@@ -329,57 +324,11 @@ class GenerationPipeline:
     def load_pending(
         self, folder: Optional[Path]
     ) -> Tuple[Dict[int, Tuple[Rollouts, int]], Optional[HeldWeights]]:
-        """This rank's batches and engine weights from checkpoint ``folder`` (nothing for
-        k = 0, no folder or no files). Collective, one agreement: files of another
-        data-parallel layout (a resume at another TP / PP / DP) are dropped on every rank, and
-        ``start`` generates those batches again (warned); engine weights that do not fit an
-        engine here (a resume at another TP / PP or engine count: ``held_weights_fit``) are
-        dropped on every rank (warned); an unusable file raises on every rank (it used to raise
-        on its own rank only, and the others waited in ``start``)."""
+        """This rank's batches and engine weights from checkpoint ``folder``, agreed over the
+        job (``pipeline_resume.load_pending``); nothing for k = 0 or no folder."""
         if self.synchronous or folder is None:
             return {}, None
-        rank, status, failure, unfit = self.groups.global_rank, 0.0, None, None
-        try:
-            path = Path(folder) / rollouts_file(rank)
-            lo_hi = (self.prompts.lo, self.prompts.hi)
-            batches = load_rollouts(path, lo_hi) if path.is_file() else {}
-            held_path = Path(folder) / weights_file(rank)
-            held = optional_held_weights(held_path)
-            if held is not None:
-                unfit = held_weights_fit(held, self.engine.held_weights())
-        except OtherLayout as e:
-            status, failure = 1.0, e
-        except RunError as e:
-            status, failure = 2.0, e
-        # one agreement: 2 * status + (this rank's held weights do not fit its engine)
-        agreed = self.groups.max(2.0 * status + (1.0 if unfit else 0.0))
-        if agreed >= 4:
-            raise (
-                failure
-                if status >= 2
-                else RunError(
-                    f"the rollouts {folder} keeps for another rank are unusable (its log says why)"
-                )
-            )
-        if agreed >= 2:
-            if self.groups.is_main:
-                log.warning(
-                    "the rollouts %s keeps were generated at another data-parallel layout "
-                    "(%s): they are generated again",
-                    folder,
-                    failure or "on another rank",
-                )
-            return {}, None
-        if agreed >= 1:  # the batches stand; those due from the held weights are generated anew
-            if self.groups.is_main:
-                log.warning(
-                    "the engine weights %s keeps do not fit this layout's engines (%s): the "
-                    "batches due from them are generated with the resumed step's weights",
-                    folder,
-                    f"{held_path}: {unfit}" if unfit else "on another rank",
-                )
-            return batches, None
-        return batches, held
+        return load_pending(folder, self.groups, (self.prompts.lo, self.prompts.hi), self.engine)
 
     # ------------------------------------------------------------------ the worker's side
     def _release(self, first: int, last: int) -> None:

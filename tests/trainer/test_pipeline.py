@@ -205,6 +205,59 @@ def test_a_stop_signal_waits_for_no_generation_and_closing_cuts_the_worker_short
     assert not any(t.name == WORKER_NAME for t in threading.enumerate())
 
 
+class _Uncuttable(_Engine):
+    """vLLM's generate: once running it ends on its own time, whatever ``should_stop`` says;
+    batch 1 runs until ``gate`` is set."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+    def generate(self, prompts, n_samples, cfg, seeds):
+        if int(seeds[0]) == 1:
+            self.gate.wait()
+        return super().generate(prompts, n_samples, cfg, seeds)
+
+
+def test_after_a_stop_closing_leaves_a_generation_the_engine_cannot_cut_short(monkeypatch, caplog):
+    """The worker was joined for up to 60 s, after a stop signal too (SIGUSR1 under the sbatch
+    script, whose vLLM engine ignores it): half of the signal's lead spent after the
+    checkpoint, with the time limit's kill, and no requeue, behind it. After a stop the wait
+    is CLOSE_WAIT_STOPPING_S, then the worker is left to end with the process, warned."""
+    import logging
+
+    from nemo_d3s.trainer import pipeline as P
+
+    monkeypatch.setattr(P, "CLOSE_WAIT_S", WAIT_S)  # the end of a run: no limit in this test
+    monkeypatch.setattr(P, "CLOSE_WAIT_STOPPING_S", 0.05)
+    gate, stop = threading.Event(), threading.Event()
+    pipe = _pipeline(_Uncuttable(gate), 1, 4, stop=stop.is_set)
+    pipe.start(0)
+    pipe.take(0, None)  # batch 1 is generating
+    stop.set()
+    with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
+        pipe.close()
+    assert pipe._thread.is_alive() and "still inside a generation" in caplog.text
+    gate.set()
+    pipe._thread.join(timeout=WAIT_S)
+    assert not pipe._thread.is_alive()
+
+
+@pytest.mark.parametrize("eval_stopped", [True, False])
+def test_no_generation_starts_after_an_evaluation_a_stop_signal_cut_short(eval_stopped):
+    """publish released the next batch after ``between()`` whatever it said: a rank that learnt
+    of the stop through the evaluation's agreement (its own flag unset) generated during the
+    stop's checkpoint."""
+    pipe = _pipeline(_Engine(), 1, 4)
+    pipe.start(0)
+    pipe.take(0, None)
+    released = []
+    pipe._release = lambda first, last: released.append((first, last))
+    pipe.publish(1, _Policy(), between=lambda: eval_stopped)
+    assert released == ([] if eval_stopped else [(2, 2)])
+    pipe.close()
+
+
 class _RefitFails(_Engine):
     """The boundary's refit raises (an RPC into an engine going down with the job), after
     ``on_refit()`` ran (a stop signal arriving meanwhile, or not)."""
@@ -408,7 +461,8 @@ def test_ranks_resumed_with_different_saved_batches_generate_them_all_again(othe
     batches stand only when every rank holds the same ones."""
     import logging
 
-    pipe = _pipeline(_Engine(), 2, 6)
+    from nemo_d3s.trainer.pipeline_resume import agreed_pending
+
     pending = {3: (_rollouts(3, 1, 2), 1), 4: (_rollouts(4, 2, 2), 2)}
     mine, theirs = 0b11, float(sum(1 << (j - 3) for j in other_holds))
     others, sent = iter([theirs, -theirs]), []
@@ -420,9 +474,8 @@ def test_ranks_resumed_with_different_saved_batches_generate_them_all_again(othe
             sent.append(x)
             return max(x, next(others))
 
-    pipe.groups = _Groups()
     with caplog.at_level(logging.WARNING, logger="nemo_d3s.trainer"):
-        got = pipe._agreed_pending(range(3, 5), pending)
+        got = agreed_pending(range(3, 5), pending, _Groups())
     assert sent == [mine, -mine]  # every rank meets in both, whatever it holds
     if other_holds == (3, 4):
         assert got is pending and not caplog.text
