@@ -166,7 +166,7 @@ def init_groups(
 ) -> ParallelGroups:
     """Megatron's ``initialize_model_parallel`` on the job's process group (collective),
     experts at ``ep`` x ``etp`` (None: TP); an existing Megatron layout of the same TP x PP x
-    VPP x CP x EP is reused (e.g. by a test harness). The world, Megatron's groups and the
+    VPP x CP x EP x ETP is reused (e.g. by a test harness). The world, Megatron's groups and the
     gloo twin of the model-parallel group all wait ``cfg.dist_timeout_minutes``
     (``distributed.timeouts``); the twin is made from the layout
     (``parallel.make_model_parallel_gloo_twin``), with no NCCL collective."""
@@ -202,11 +202,13 @@ def init_groups(
             ps.get_virtual_pipeline_model_parallel_world_size() or 1,
             ps.get_context_parallel_world_size(),
             ps.get_expert_model_parallel_world_size(),
+            ps.get_expert_tensor_parallel_world_size(),
         )
-        if have != (tp, pp, vpp, cp, ep):
+        want = (tp, pp, vpp, cp, ep, tp if etp is None else etp)
+        if have != want:
             raise ValueError(
-                f"Megatron is already initialised at TP x PP x VPP x CP x EP = {have}, not "
-                f"{(tp, pp, vpp, cp, ep)}"
+                f"Megatron is already initialised at TP x PP x VPP x CP x EP x ETP = {have}, "
+                f"not {want}"
             )
         if par.model_parallel_gloo_group() is None:  # initialised by other code
             par.make_model_parallel_gloo_twin(tp, pp, order, cfg.dist_timeout_minutes, cp=cp)

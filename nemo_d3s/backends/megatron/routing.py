@@ -112,7 +112,9 @@ class RouterTap:
                 f"router replay: MoE layer {self.layer} routes {tuple(own.shape)} tokens x "
                 f"top-k, the replayed routing holds {tuple(given.shape)}"
             )
-        target = torch.where(given < 0, own, given)
+        # a token without the whole replayed top-k routes itself: mixing a partial row with its
+        # own choice could name one expert twice ([5, -1] with its own [3, 5] -> [5, 5])
+        target = torch.where((given < 0).any(dim=1, keepdim=True), own, given)
         return scores.gather(1, target), target
 
 

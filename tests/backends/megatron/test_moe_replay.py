@@ -136,6 +136,11 @@ def test_a_tap_routes_by_the_target_and_keeps_its_own_choice_where_none_is_given
         probs, torch.stack([scores[0, [0, 3]], scores[1, [0, 2]], scores[2, [1, 0]]])
     )
     assert tap.own.tolist() == [[1, 2], [0, 2], [3, 2]]
+    # a row with part of its top-k: its own choice whole, never an expert twice (merging
+    # [2, -1] with its own [0, 2] gave [2, 2])
+    tap.target = torch.tensor([[0, 3], [2, NO_EXPERT], [NO_EXPERT, 0]])
+    _, experts = tap.get_replay_topk(scores, 2, None, None, topk)
+    assert experts.tolist() == [[0, 3], [0, 2], [3, 2]]
     tap.target = torch.zeros(2, 2, dtype=torch.long)
     with pytest.raises(ValueError, match="MoE layer 0 routes"):
         tap.get_replay_topk(scores, 2, None, None, topk)
