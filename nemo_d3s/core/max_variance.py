@@ -14,6 +14,7 @@ __all__ = ["max_variance_mask", "max_variance_subset"]
 # Relative tolerance for "this k ties the best variance"; see max_variance_mask.
 _VARIANCE_RTOL = 1e-10
 _F64_EPS = torch.finfo(torch.float64).eps
+_M1_TIE_RTOL = 1e-6  # relative: far above float32 advantages' rounding of the group mean
 
 
 def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
@@ -21,9 +22,17 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
     variance. O(R n log n) time, O(R n) float64 memory.
 
     Candidate k scores SS_k = sq_k - sum_k^2 / m on values shifted by the row median (no
-    catastrophic cancellation). Ties: among candidates within ``max(1e-10 best, 4 n eps64 total)``
-    of the best the smallest k wins (tied binary rewards do not flip on rounding); among equal
-    values the lower index is kept first."""
+    catastrophic cancellation). Ties, candidates within ``max(1e-10 best, 4 n eps64 total)`` of
+    the best (so tied binary rewards do not flip on rounding): the one whose kept sum is closest
+    to m x the row's mean, i.e. whose kept advantages sum closest to 0 (with 0/1 rewards at odd
+    m the extra value comes from the row's majority; the smallest k alone always took it from
+    the bottom, so a D3S-I step kept more negative advantages than positive, group after
+    group); a tie of those too (a row balanced around its mean) takes the side of the row's
+    first value (above its mean: the largest such k, else the smallest), a fair coin for
+    i.i.d. rollouts that depends on the row alone. Among equal values the lower index is kept
+    first. m = 1 has no variance to maximise (every value ties): the value farthest from the
+    row's mean is kept (the largest |advantage|, of either sign; lower index on ties), where
+    the smallest k kept the lowest (negative advantages only: a ``d3s_i`` run collapsed)."""
     if values.dim() != 2:
         raise ValueError(f"values must be 2-D [R, n], got shape {tuple(values.shape)}")
     n_rows, n = values.shape
@@ -37,6 +46,10 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
         return torch.zeros((0, n), dtype=torch.bool, device=device)
     if m == n:
         return torch.ones((n_rows, n), dtype=torch.bool, device=device)
+    if m == 1:
+        keep = torch.zeros((n_rows, n), dtype=torch.bool, device=device)
+        keep.scatter_(1, _farthest_from_mean(values).unsqueeze(1), True)
+        return keep
 
     v = values.to(torch.float64)
     # Stable ascending sort: within a run of equal values, lower original index comes first.
@@ -59,8 +72,17 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
     noise = 4.0 * n * _F64_EPS * p2[:, n : n + 1]
     tol = torch.maximum(_VARIANCE_RTOL * best.abs(), noise)
     near_best = ss_k >= best - tol
-    # argmax over a bool row returns the first True: the smallest qualifying k.
-    k_star = near_best.to(torch.uint8).argmax(dim=1, keepdim=True)  # [R, 1]
+    # the tied candidates' distance from a kept set centred like the row, to rounding
+    off = (sum_k - p1[:, n : n + 1] * (m / n)).abs()
+    off = torch.where(near_best, off, torch.full_like(off, float("inf")))
+    off_tol = 8.0 * n * _F64_EPS * shifted.abs().sum(dim=1, keepdim=True)
+    centred = off <= off.min(dim=1, keepdim=True).values + off_tol  # [R, m+1]
+    # argmax over a bool row returns the first True: the smallest qualifying k; over the
+    # flipped row, the largest.
+    k_small = centred.to(torch.uint8).argmax(dim=1, keepdim=True)  # [R, 1]
+    k_large = m - centred.flip(1).to(torch.uint8).argmax(dim=1, keepdim=True)
+    first_above = v[:, :1] * n > v.sum(dim=1, keepdim=True)  # the row's first value
+    k_star = torch.where(first_above, k_large, k_small)
 
     pos = torch.arange(n, device=device).expand(n_rows, -1)
     chosen_sorted = (pos < (m - k_star)) | (pos >= (n - k_star))
@@ -79,6 +101,17 @@ def max_variance_mask(values: torch.Tensor, m: int) -> torch.Tensor:
     keep = torch.zeros((n_rows, n), dtype=torch.bool, device=device)
     keep.scatter_(1, perm, chosen_sorted)
     return keep
+
+
+def _farthest_from_mean(values: torch.Tensor) -> torch.Tensor:
+    """values [R, n] -> [R] long: per row, the column farthest from the row's mean (lower on
+    ties)."""
+    vals = values.to(torch.float64)
+    dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
+    # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is 0 only
+    # up to rounding) tie, and the lower index wins.
+    near = dev >= dev.amax(dim=1, keepdim=True) * (1 - _M1_TIE_RTOL)
+    return near.to(torch.int8).argmax(dim=1)  # the first True
 
 
 def max_variance_subset(values: torch.Tensor, m: int) -> torch.Tensor:

@@ -147,38 +147,18 @@ def _rank_within_group(order: torch.Tensor, index: torch.Tensor, n_groups: int) 
     return rank
 
 
-_M1_TIE_RTOL = 1e-6  # relative: far above float32 advantages' rounding of the group mean
-
-
-def _farthest_from_mean(values: torch.Tensor) -> torch.Tensor:
-    """values [R, n] -> [R] long: per row, the column farthest from the row's mean (lower on ties);
-    the N = 1 pick."""
-    vals = values.to(torch.float64)
-    dev = (vals - vals.mean(dim=1, keepdim=True)).abs()
-    # Deviations equal up to rounding (2 of 4 successes: +-0.87 around a mean that is 0 only
-    # up to rounding) tie, and the lower index wins.
-    near = dev >= dev.amax(dim=1, keepdim=True) * (1 - _M1_TIE_RTOL)
-    return near.to(torch.int8).argmax(dim=1)  # the first True
-
-
 def _grouped_max_variance(
     values: torch.Tensor, index: torch.Tensor, n_groups: int, n_keep: Count
 ) -> torch.Tensor:
     """Per-group max-variance selection: values [B], index [B] -> keep [B] bool.
 
     Equal-size groups are solved as one batched [R, G] :func:`max_variance_mask` (one call per
-    distinct size). For N = 1 every choice has variance 0 and the tie-break would always keep the
-    lowest value (negative advantages only), so the value farthest from its group's mean is kept
-    instead."""
+    distinct size; N = 1 keeps the value farthest from its group's mean)."""
     keep = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
     for g_size, _, layout in group_buckets(index, n_groups):
         m = resolve_n_keep(n_keep, g_size)
         if m >= g_size:
             keep[layout.flatten()] = True  # a group of <= N rollouts is kept whole
-        elif m == 1:
-            keep[layout.gather(1, _farthest_from_mean(values[layout]).unsqueeze(1)).flatten()] = (
-                True
-            )
         else:
             keep[layout[max_variance_mask(values[layout], m)]] = True
     return keep
@@ -303,11 +283,7 @@ def select_d3s_cross(x: SelectionInputs) -> SampleSelection:
     |A|."""
     adv = x.advantages
     m_total = int(_n_keep_per_group(x.n_keep, group_sizes(x.index, x.n_groups)).sum())
-    if m_total == 1 and adv.numel() > 1:
-        keep = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
-        keep[_farthest_from_mean(adv.unsqueeze(0))[0]] = True
-    else:
-        keep = max_variance_mask(adv.unsqueeze(0), m_total)[0]
+    keep = max_variance_mask(adv.unsqueeze(0), m_total)[0]
     return _result(keep, adv)
 
 

@@ -248,18 +248,30 @@ def ref_pool_max_variance(values, m):
     """Independent of the production selector: rows of the exact max-variance m-subset of a
     pool. Candidates are the lemma's (k largest + m - k smallest of the sorted pool, equal
     values in index order); each candidate's sum of squared deviations is computed in exact
-    rational arithmetic, so mathematical ties are exact; among tied candidates the smallest
-    k (the documented rule), and within a run of equal values the lowest indices."""
+    rational arithmetic, so mathematical ties are exact; among tied candidates (the documented
+    rule) those whose sum is closest to m x the pool's mean, then the side of the pool's first
+    value (above the mean: the largest k, else the smallest); m = 1 keeps the value farthest
+    from the mean (lower index on ties); within a run of equal values the lowest indices."""
+    if m == 1 and len(values) > 1:
+        mean = Fraction(sum(Fraction(v) for v in values)) / len(values)
+        dev = [abs(Fraction(v) - mean) for v in values]
+        return [dev.index(max(dev))]
     order = sorted(range(len(values)), key=lambda i: (values[i], i))
     exact = [Fraction(values[i]) for i in order]
+    pool_mean = sum(exact) / len(exact)
 
     def ss(k):
         part = exact[: m - k] + exact[len(exact) - k :]
         mean = sum(part) / m
         return sum((x - mean) ** 2 for x in part)
 
+    def off(k):
+        return abs(sum(exact[: m - k] + exact[len(exact) - k :]) - m * pool_mean)
+
     scores = [ss(k) for k in range(m + 1)]
-    k = scores.index(max(scores))
+    tied = [k for k in range(m + 1) if scores[k] == max(scores)]
+    centred = [k for k in tied if off(k) == min(off(j) for j in tied)]
+    k = centred[-1] if Fraction(values[0]) > pool_mean else centred[0]
     kept_values = sorted(values[i] for i in order[: m - k] + order[len(order) - k :])
     rows = []
     for v in sorted(set(kept_values)):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nemo_d3s.core.advantages import compute_advantages
@@ -94,24 +94,46 @@ def test_ties_prefer_lower_indices(values, m_frac):
 
 def _two_valued_reference(values, m):
     """Independent of the lemma: every m-subset's sum of squared deviations in exact
-    rational arithmetic (Fraction of each float), the best ones, and among them the
-    documented tie rule for two-valued rows: the most LOW values, then the lowest indices
-    of each value."""
+    rational arithmetic (Fraction of each float), the best ones, among them those whose sum is
+    closest to m x the mean, and among those the documented rule for two-valued rows: the side
+    of the first value (above the mean: the most HIGH values, else the most LOW), then the
+    lowest indices of each value."""
     from fractions import Fraction
 
     exact = [Fraction(v) for v in values]
+    mean_all = sum(exact) / len(exact)
 
     def ss(c):
         mean = sum(exact[i] for i in c) / m
         return sum((exact[i] - mean) ** 2 for i in c)
 
+    def off(c):
+        return abs(sum(exact[i] for i in c) - m * mean_all)
+
     combos = list(itertools.combinations(range(len(values)), m))
     best = max(ss(c) for c in combos)
+    tied = [c for c in combos if ss(c) == best]
+    centred = [c for c in tied if off(c) == min(off(c) for c in tied)]
     low = min(values)
-    lows = max(sum(values[i] == low for i in c) for c in combos if ss(c) == best)
+    counts = [sum(values[i] == low for i in c) for c in centred]
+    lows = min(counts) if exact[0] > mean_all else max(counts)
     low_idx = [i for i, v in enumerate(values) if v == low][:lows]
     high_idx = [i for i, v in enumerate(values) if v != low][: m - lows]
     return sorted(low_idx + high_idx)
+
+
+@given(values=st.lists(st.integers(-3, 3), min_size=2, max_size=10), m_frac=st.floats(0.0, 1.0))
+def test_the_choice_has_no_sign_preference(values, m_frac):
+    """Negated values keep the negated values: no tie is broken toward the bottom (the smallest
+    k did that, and a D3S-I step at odd N kept more negative advantages than positive). Small
+    integers: exact in float64. A first value exactly at the mean is the one asymmetric case
+    (it takes the smallest k either way)."""
+    n = len(values)
+    m = max(1, min(n, round(m_frac * n)))
+    assume(values[0] * n != sum(values))
+    kept = sorted(values[i] for i in max_variance_subset(_t(values), m).tolist())
+    negated = max_variance_subset(_t([-x for x in values]), m).tolist()
+    assert kept == sorted(values[i] for i in negated)
 
 
 @pytest.mark.parametrize(
@@ -123,12 +145,12 @@ def _two_valued_reference(values, m):
     ],
 )
 @pytest.mark.parametrize("scale", ["shifted", "normalised"])
-def test_tied_subsets_keep_the_low_values_through_rounding(rewards, m, scale):
+def test_tied_subsets_follow_the_documented_rule_through_rounding(rewards, m, scale):
     """Binary rewards, half of each, m odd: taking (m+1)/2 lows or (m+1)/2 highs is an exact
-    tie, but with values like 0.1 + 0.3 r or group-normalised advantages the float64 prefix
-    sums put the highs' candidate ahead by an ulp or so. The rounding tolerance keeps the
-    documented rule (the subset richest in low values); comparing with ``>= best`` alone
-    keeps the highs and fails here."""
+    tie (in variance and in distance from the mean), but with values like 0.1 + 0.3 r or
+    group-normalised advantages the float64 prefix sums put one candidate ahead by an ulp or
+    so. The rounding tolerances keep the documented rule (the side of the first value);
+    comparing with ``>= best`` alone picks by rounding and fails here."""
     r = _t(rewards)
     values = (0.1 + 0.3 * r) if scale == "shifted" else (r - r.mean()) / r.std()
     values = values.tolist()
@@ -147,13 +169,17 @@ def test_float32_and_int_inputs():
     "values, m, expected",
     [
         ([0, 1, 0, 1], 2, [0, 1]),  # one of each; lowest index of each value
-        ([0, 1, 0, 1], 3, [0, 1, 2]),  # k=1 and k=2 tie -> smallest k: two 0s + one 1
-        ([1, 0, 1, 0], 3, [0, 1, 3]),
+        ([0, 1, 0, 1], 3, [0, 1, 2]),  # k=1 and k=2 tie, both 1/2 off the mean x 3, the
+        # first value a 0 -> two 0s + one 1
+        ([1, 0, 1, 0], 3, [0, 1, 2]),  # the same tie, the first value a 1: two 1s + one 0
         ([1, 1, 1, 1], 2, [0, 1]),  # all equal: every subset ties -> lowest indices
-        ([5, 1, 3, 2, 4], 3, [0, 1, 3]),  # {1,2,5} and {1,4,5} tie (SS 78/9) -> fewer top values
+        ([5, 1, 3, 2, 4], 3, [0, 1, 4]),  # {1,2,5} and {1,4,5} tie (SS 78/9, sums 9 -+ 1)
+        # -> the first value's side: 5 is above the mean, {1,4,5}
+        ([1, 1, 1, 1, 1, 1, 0, 0], 3, [0, 1, 6]),  # 6 of 8 succeed: the extra from the majority
+        ([0, 0, 0, 0, 0, 0, 1, 1], 3, [0, 1, 6]),  # 2 of 8: the extra from the majority
         ([0, 5, 5, 5, 10], 4, [0, 1, 2, 4]),  # run of 5s straddles the split: lowest-index 5s
         ([7, 0, 0, 7, 7], 2, [0, 1]),  # the top pick from a tied run is its lowest index
-        ([3, 1, 1], 1, [1]),  # m = 1: every subset has variance 0 -> the smallest value
+        ([3, 1, 1], 1, [0]),  # m = 1: every subset has variance 0 -> the farthest from the mean
         ([2.0, -1.0, 0.5, 4.0], 4, [0, 1, 2, 3]),
         ([0.1, 0.9, 0.5, 0.45, 0.55], 2, [0, 1]),
     ],
