@@ -416,6 +416,7 @@ def report(ns) -> int:
         print(f"error: --out {root}: no config.json (run `vs_trl.py run` first)", file=sys.stderr)
         return 2
     summary = summarize(root, threshold_evals=ns.threshold_evals)
+    summary["record"] = ns.record or str(root)
     missing = [f"{m['arm']} seed {m['seed']} ({m['state']})" for m in summary["missing"]]
     if ns.doc and missing and not ns.partial:
         print(
@@ -433,11 +434,31 @@ def report(ns) -> int:
         for f in (*RECORD_FILES, "compaction.json"):
             if (root / f).is_file():
                 shutil.copy(root / f, rec / f)
+        copy_runs(root, rec)
     body = render(summary)
     if ns.doc:
         replace_section(Path(ns.doc), body)
     print(body)
     return 0
+
+
+RUN_FILES = ("done.json", "settings.json", "steps.jsonl", "eval.jsonl")
+
+
+def copy_runs(root: Path, rec: Path) -> None:
+    """Every run's (kept and set aside) settings, steps, evals and log into the record, so the
+    report can be made again from the record alone."""
+    for d in sorted((root / "runs").glob("*_s*")):
+        if rec.resolve() == root.resolve() or not d.is_dir():
+            return
+        (rec / "runs" / d.name).mkdir(parents=True, exist_ok=True)
+        for f in RUN_FILES:
+            if (d / f).is_file():
+                shutil.copy(d / f, rec / "runs" / d.name / f)
+        log = root / "logs" / f"{d.name}.log"
+        if log.is_file():
+            (rec / "logs").mkdir(exist_ok=True)
+            shutil.copy(log, rec / "logs" / log.name)
 
 
 def compaction(ns) -> int:

@@ -89,7 +89,12 @@ ARMS: Dict[str, Arm] = {
         "nd3s", "d3s", {"min_kept_tokens": 0}, what="D3S, the paper's schedule, floor off"
     ),
     "nd3s_d3s_floor": Arm("nd3s", "d3s", what="D3S, the paper's schedule, 256-token floor on"),
-    "nd3s_pods": Arm("nd3s", "pods", pods=True, what="PODS: generate --generate, keep --keep"),
+    "nd3s_pods": Arm(
+        "nd3s",
+        "pods",
+        pods=True,
+        what="PODS: generate --generate, keep --keep, loss averaged per sequence",
+    ),
     "nd3s_d3s_i": Arm("nd3s", "d3s_i", {"min_kept_tokens": 0}, what="D3S-I, floor off"),
 }
 

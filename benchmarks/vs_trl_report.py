@@ -224,6 +224,13 @@ def summarize(root: Path, threshold_evals: int = 2) -> dict:
         arms[name] = {"what": ARMS[name].what, "per_seed": per_seed, **_aggregate(per_seed)}
     rows = read_rows(root / "arms.jsonl")
     loads = [r["load1"] for r in read_rows(root / "load.jsonl")]
+    # folders set aside (``<arm>_s<seed>.<why>``: a cut or failed try, or a finished run
+    # replaced by a rerun), named so that the report discloses what it does not read
+    aside = [
+        {"run": d.name, "finished": (d / "done.json").is_file()}
+        for d in sorted((root / "runs").glob("*_s*.*"))
+        if d.is_dir() and not RUN_NAME.match(d.name)
+    ]
     ref = arms[REFERENCE]
     summary = {
         "config": config,
@@ -234,6 +241,7 @@ def summarize(root: Path, threshold_evals: int = 2) -> dict:
         "overlaps": overlaps(rows),
         "expected_runs": len(expected_runs(config)),
         "missing": missing_runs(root, config, rows),
+        "set_aside": aside,
         "load": {"samples": len(loads), "mean": _mean(loads), "max": max(loads, default=None)},
         "reference_split": {
             k: _mean([r["split_cpu"][k] for r in ref["per_seed"].values()]) for k in PHASES

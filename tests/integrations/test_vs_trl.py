@@ -170,6 +170,32 @@ def test_summary_budget_threshold_and_render(tmp_path):
     assert "OLD-SECTION" not in text and body in text and text.endswith("\ntail\n")
 
 
+def test_the_record_holds_every_run_and_renders_alone(tmp_path):
+    """``report --record`` copied the summary, config and arm rows but no run's settings, steps
+    or evals, so the record could not be rendered again; it copies them now (runs set aside
+    too, which the report names), and the record renders as the race folder does."""
+    root = tmp_path / "race"
+    _race(root)
+    aside = root / "runs" / "nd3s_d3s_s0.try1"
+    aside.mkdir()
+    (aside / "steps.jsonl").write_text('{"step": 1}\n')  # a cut try
+    (root / "logs").mkdir()
+    (root / "logs" / "trl_d3s_s0.log").write_text("its log\n")
+    rec = tmp_path / "record"
+    argv = ["report", "--out", str(root), "--record", str(rec)]
+    assert vs_trl.report(vs_trl.parse_args(argv)) == 0
+    assert (rec / "runs" / "trl_d3s_s0" / "eval.jsonl").read_text() == (
+        root / "runs" / "trl_d3s_s0" / "eval.jsonl"
+    ).read_text()
+    assert (rec / "logs" / "trl_d3s_s0.log").read_text() == "its log\n"
+    from_race = json.loads((root / "vs_trl.json").read_text())
+    again = {**report.summarize(rec), "record": from_race["record"]}
+    assert report.render(again) == report.render(from_race)
+    body = report.render(again)
+    assert "Runs set aside and not read: `nd3s_d3s_s0.try1` (cut or failed)." in body
+    assert "4 arm runs (with those set aside below that the runner lived to record)" in body
+
+
 def _three_seeds(root: Path) -> None:
     """Three seeds with the reference of ``_race`` (budget 40, threshold 0.4 each)."""
     root.mkdir()
