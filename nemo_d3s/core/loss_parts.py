@@ -27,7 +27,8 @@ __all__ = ["LossInputs", "MaskedInputs", "clipped_surrogate", "finish", "k3", "p
 class LossInputs:
     """What every policy loss is given: logprobs [B, S] (with grad), old_logprobs [B, S], advantages
     [B] or [B, S], loss_mask [B, S] bool, ``cfg``, the step's global ``denominator``, and optional
-    ref_logprobs [B, S] (KL) and norm_mask [B, S] bool (row normaliser)."""
+    ref_logprobs [B, S] (KL), norm_mask [B, S] bool (row normaliser) and ratio_mask [B, S] bool
+    (the tokens a sequence ratio is the mean over, for a loss that asks: the whole response)."""
 
     logprobs: torch.Tensor
     old_logprobs: torch.Tensor
@@ -37,6 +38,7 @@ class LossInputs:
     denominator: float
     ref_logprobs: Optional[torch.Tensor] = None
     norm_mask: Optional[torch.Tensor] = None
+    ratio_mask: Optional[torch.Tensor] = None
 
 
 @dataclass

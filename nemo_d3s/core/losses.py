@@ -5,8 +5,11 @@
 clip(r) = clamp(r, 1 - eps_low, 1 + eps_high), a unit's loss is l(r, A) = max(-r A, -clip(r) A),
 dual-clipped to min(l, -c A) where A < 0 (c > 1). ``grpo``: l(r_it, A_it) per token. ``gspo``
 (arXiv 2507.18071): s_i = exp(mean over row i's masked tokens of the log-ratio), L_i = l(s_i, A_i),
-one advantage per sequence. ``gspo_token``: ratio value s_i, gradient through token t only;
-equals ``gspo`` in value and gradient when A is per sequence. KL (``kl_coef`` > 0): k3,
+one advantage per sequence. ``gspo_token`` (the paper's GSPO-token under token masks): per-token
+ratio sg[s_i] x pi_t / sg[pi_t], s_i over row i's whole response (``ratio_mask``) where ``gspo``
+takes it over the kept tokens, the gradient through the kept tokens only; per-token advantages
+allowed; equal to ``gspo`` when every response token is kept and A is per sequence. KL
+(``kl_coef`` > 0): k3,
 exp(ref - logp) - (ref - logp) - 1 per masked token, weighted like the policy term.
 
 Every loss is a sum over rows divided by a global ``denominator`` (:func:`loss_denominator`
@@ -24,6 +27,7 @@ from typing import Optional, Protocol
 
 import torch
 
+from nemo_d3s.core.checks import check_finite, check_mask_2d, check_shape
 from nemo_d3s.core.loss_parts import (
     LossInputs,
     MaskedInputs,
@@ -70,6 +74,9 @@ POLICY_LOSSES: Registry = Registry(
     # per_sequence_advantage: the loss takes one advantage per sequence ([B], or [B, S]
     # constant on each row's masked tokens), so per-token reweighting must be per row.
     per_sequence_advantage=False,
+    # ratio_over_response: the loss reads every response token's log-ratio (``ratio_mask``),
+    # so the update keeps whole rows, not cut after their last kept token.
+    ratio_over_response=False,
 )
 
 # ---------------------------------------------------------------------------- losses
@@ -134,12 +141,31 @@ def gspo_loss(inputs: LossInputs) -> LossOutput:
     )
 
 
-@POLICY_LOSSES.register("gspo_token")
+def _response_log_ratio(inputs: LossInputs, x: MaskedInputs) -> torch.Tensor:
+    """[B], no gradient: mean log-ratio over each row's ``ratio_mask`` tokens (the whole
+    response); over the loss mask without one."""
+    mask = inputs.ratio_mask
+    if mask is None:
+        return _sequence_log_ratio(x).detach()
+    check_mask_2d("ratio_mask", mask)
+    check_shape("ratio_mask", mask, tuple(x.mask.shape), "loss_mask")
+    if inputs.cfg.check_inputs and bool((x.mask & ~mask).any()):
+        raise ValueError("ratio_mask must cover loss_mask: a loss token is outside ratio_mask")
+    with torch.no_grad():
+        diff = inputs.logprobs.to(x.logprobs.dtype) - inputs.old_logprobs.to(x.logprobs.dtype)
+        if inputs.cfg.check_inputs:
+            check_finite("log-ratio (on ratio_mask positions)", diff, mask)
+        diff = torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device))
+        return diff.sum(dim=1) / mask.sum(dim=1).clamp(min=1).to(diff.dtype)
+
+
+@POLICY_LOSSES.register("gspo_token", ratio_over_response=True)
 def gspo_token_loss(inputs: LossInputs) -> LossOutput:
-    """GSPO-token: per-token ratio sg[s_i] x pi_t / sg[pi_t] (value s_i, gradient through token t
-    only), per-token advantages allowed."""
+    """GSPO-token: per-token ratio sg[s_i] x pi_t / sg[pi_t] (value s_i over the row's
+    ``ratio_mask``, the whole response; gradient through kept token t only), per-token
+    advantages allowed."""
     x, cfg = prepare_inputs(inputs), inputs.cfg
-    seq_ratio = torch.exp(_sequence_log_ratio(x)).detach()  # [B]
+    seq_ratio = torch.exp(_response_log_ratio(inputs, x))  # [B], no gradient
     ratio = seq_ratio.unsqueeze(1) * torch.exp(x.logprobs - x.logprobs.detach())
     per_token = clipped_surrogate(ratio, x.advantages, cfg)
     pg_sum = (x.weights * per_token).sum()
@@ -157,6 +183,7 @@ def policy_loss(
     denominator: Optional[float] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     norm_mask: Optional[torch.Tensor] = None,
+    ratio_mask: Optional[torch.Tensor] = None,
 ) -> LossOutput:
     """``POLICY_LOSSES.get(name)(...)``; ``denominator`` defaults to this batch's own count, right
     only when the batch is not split."""
@@ -168,6 +195,14 @@ def policy_loss(
         denominator = loss_denominator(loss_mask, cfg.aggregation)
     return fn(
         LossInputs(
-            logprobs, old_logprobs, advantages, loss_mask, cfg, denominator, ref_logprobs, norm_mask
+            logprobs,
+            old_logprobs,
+            advantages,
+            loss_mask,
+            cfg,
+            denominator,
+            ref_logprobs,
+            norm_mask,
+            ratio_mask,
         )
     )

@@ -253,6 +253,7 @@ def run_step(ctx: StepContext, step: int, progress: float) -> Dict[str, float]:
         aggregation=ctx.loss_cfg.aggregation,
         normalize_by=ctx.normalize_by,
         is_weight=is_weight,
+        loss_name=ctx.loss_name,
     )
     if ctx.loss_cfg.kl_coef > 0:
         with ctx.timed("reference"):

@@ -50,6 +50,8 @@ class UpdateBatch:
                   that is not the kept tokens (``normalize_by=eligible``)
     is_weight     [U, S_u] f32 or None: truncated importance weights min(pi_old / pi_engine,
                   ``algorithm.tis_cap``) scaling the advantage (per row for GSPO)
+    whole_rows    rows hold their whole response, not cut after the last kept token (a loss
+                  whose sequence ratio reads every response token: ``gspo_token``)
     """
 
     batch: TokenBatch
@@ -61,6 +63,7 @@ class UpdateBatch:
     denominators: Optional[torch.Tensor] = None
     norm_mask: Optional[torch.Tensor] = None
     is_weight: Optional[torch.Tensor] = None
+    whole_rows: bool = False
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -80,6 +83,7 @@ class UpdateBatch:
             denominators=self.denominators,
             norm_mask=None if self.norm_mask is None else self.norm_mask[rows, :width],
             is_weight=None if self.is_weight is None else self.is_weight[rows, :width],
+            whole_rows=self.whole_rows,
         )
 
 
@@ -115,11 +119,13 @@ def compact(
     aggregation: str = "token_mean",
     normalize_by: str = "kept",
     is_weight: Optional[torch.Tensor] = None,
+    loss_name: str = "grpo",
 ) -> UpdateBatch:
     """[B_kept, S] inputs -> U <= B_kept rows holding a kept token, each cut after its last one.
 
     With ``normalize_by="eligible"`` and ``seq_mean_token_mean`` a row's tail is part of its
-    normaliser, so rows are not cut and ``norm_mask`` carries the response mask.
+    normaliser, so rows are not cut and ``norm_mask`` carries the response mask; nor for a loss
+    whose sequence ratio reads the whole response (``loss_name``'s ``ratio_over_response``).
     """
     if normalize_by not in NORMALIZE_BY:
         raise ValueError(
@@ -134,11 +140,12 @@ def compact(
         norm_mask=batch.response_mask if eligible else None,
     )
     row_norm = eligible and aggregation == "seq_mean_token_mean"
+    whole = row_norm or bool(POLICY_LOSSES.prop(loss_name, "ratio_over_response"))
     rows = rows_with_kept_tokens(token_keep)
     keep = token_keep[rows]
     sub = batch.select(rows)
-    # [U] = 1 + index of the last kept token (or of the last response token for row_norm)
-    lengths = kept_lengths(sub.response_mask if row_norm else keep)
+    # [U] = 1 + index of the last kept token (or of the last response token for whole rows)
+    lengths = kept_lengths(sub.response_mask if whole else keep)
     width = int(lengths.max()) if rows.numel() else 0
     within = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [U, width]
     sub = sub.truncate(width)
@@ -154,6 +161,7 @@ def compact(
         denominators=denominators,
         norm_mask=cut.response_mask if row_norm else None,
         is_weight=None if is_weight is None else is_weight[rows, :width],
+        whole_rows=whole,
     )
 
 
@@ -163,6 +171,12 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
     """
     loss = POLICY_LOSSES.get(loss_name)
     per_sequence = bool(POLICY_LOSSES.prop(loss_name, "per_sequence_advantage"))
+    over_response = bool(POLICY_LOSSES.prop(loss_name, "ratio_over_response"))
+    if over_response and not upd.whole_rows:
+        raise ValueError(
+            f"loss {loss_name!r} reads every response token's log-ratio: build the batch with "
+            f"compact(..., loss_name={loss_name!r}), which keeps whole rows"
+        )
 
     def loss_fn(logprobs: torch.Tensor, idx: torch.Tensor) -> LossOutput:
         r = idx.to(upd.advantages.device)
@@ -179,7 +193,8 @@ def make_loss_fn(loss_name: str, loss_cfg: LossConfig, upd: UpdateBatch):
                 adv = adv.unsqueeze(1) * w
         norm = None if upd.norm_mask is None else upd.norm_mask[r, :s].to(dev)
         keep = upd.token_keep[r, :s].to(dev)
-        return loss(LossInputs(logprobs, old, adv.to(dev), keep, loss_cfg, 1.0, ref, norm))
+        ratio = upd.batch.response_mask[r, :s].to(dev) if over_response else None
+        return loss(LossInputs(logprobs, old, adv.to(dev), keep, loss_cfg, 1.0, ref, norm, ratio))
 
     return loss_fn
 
@@ -203,6 +218,7 @@ def one_minibatch_loss_fn(
         advantages=advantages,
         token_keep=token_keep,
         minibatch=torch.zeros(len(batch), dtype=torch.long),
+        whole_rows=True,
     )
     return make_loss_fn(loss_name, LossConfig(aggregation=aggregation, check_inputs=False), upd)
 
@@ -253,6 +269,7 @@ def rebalance_rows(
         denominators=upd.denominators,
         norm_mask=t.get("norm_mask"),
         is_weight=t.get("is_weight"),
+        whole_rows=upd.whole_rows,
     )
     return (out.select(torch.arange(len(out))) if len(out) else out), stats
 

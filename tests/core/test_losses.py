@@ -194,6 +194,40 @@ def test_gspo_token_per_token_advantages_by_hand():
         policy_loss("gspo", lp, old, adv, mask, denominator=3.0)
 
 
+def test_gspo_token_takes_its_ratio_over_the_whole_response_and_its_gradient_from_kept_tokens():
+    """papers.md's two readings of GSPO under token masks: ``gspo`` takes s_i over the kept
+    tokens; ``gspo_token`` over the whole response (``ratio_mask``), the gradient still through
+    the kept tokens only. One row: log-ratios [0.3, 0.1, -0.1, -0.3], tokens 0 and 1 kept, A = 1.
+    gspo: s = e^{(0.3 + 0.1) / 2} = e^0.2 > 1.2, clipped: value -1.2 a token, no gradient.
+    gspo_token: s = e^{0 / 4} = 1, inside the clip: value -1 a token, gradient -s A / 2 = -1/2
+    on each kept token, 0 on the others. Before, both read the kept tokens and were equal."""
+    lp = _lp([[0.3, 0.1, -0.1, -0.3]])
+    old = torch.zeros(1, 4, dtype=F64)
+    keep = torch.tensor([[1, 1, 0, 0]], dtype=torch.bool)
+    response = torch.ones(1, 4, dtype=torch.bool)
+    adv = torch.tensor([1.0], dtype=F64)
+    seq, g_seq = _run("gspo", lp, old, adv, keep, LossConfig(), 2.0)
+    assert seq.loss.item() == pytest.approx(-1.2, abs=1e-12) and (g_seq == 0).all()
+    tok, g_tok = _run("gspo_token", lp, old, adv, keep, LossConfig(), 2.0, ratio_mask=response)
+    assert tok.loss.item() == pytest.approx(-1.0, abs=1e-12)
+    assert torch.allclose(g_tok, torch.tensor([[-0.5, -0.5, 0.0, 0.0]], dtype=F64), atol=1e-12)
+    # NaN log-probs off the response change nothing; a ratio mask short of the loss mask is refused
+    lp_nan = _lp([[0.3, 0.1, -0.1, float("nan")]])
+    out, _ = _run(
+        "gspo_token",
+        lp_nan,
+        old,
+        adv,
+        keep,
+        LossConfig(),
+        2.0,
+        ratio_mask=response & torch.tensor([[1, 1, 1, 0]], dtype=torch.bool),
+    )
+    assert math.isfinite(out.loss.item())
+    with pytest.raises(ValueError, match="ratio_mask must cover loss_mask"):
+        policy_loss("gspo_token", lp, old, adv, keep, denominator=2.0, ratio_mask=~keep)
+
+
 def test_gspo_token_clipped_sequence_has_no_gradient():
     lp = _lp([[0.3, 0.3]])  # s = e^0.3 > 1.2
     out, grad = _run(

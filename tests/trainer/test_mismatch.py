@@ -72,6 +72,7 @@ def test_weights_scale_the_advantage_in_the_loss(loss_name):
         adv,
         torch.zeros(B, dtype=torch.long),
         is_weight=w,
+        loss_name=loss_name,
     )
     lp = (old + 0.1 * torch.randn(B, S)).requires_grad_(True)
     got = make_loss_fn(loss_name, LossConfig(), upd)(lp, torch.arange(B)).loss
@@ -79,7 +80,10 @@ def test_weights_scale_the_advantage_in_the_loss(loss_name):
         scaled = adv * (w * keep).sum(1) / keep.sum(1)
     else:
         scaled = adv.unsqueeze(1) * w
-    want = policy_loss(loss_name, lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0).loss
+    ratio = mask if loss_name == "gspo_token" else None  # its ratio: the response
+    want = policy_loss(
+        loss_name, lp, old, scaled, keep, cfg=LossConfig(), denominator=1.0, ratio_mask=ratio
+    ).loss
     assert torch.allclose(got, want)
     plain = make_loss_fn(
         loss_name,
@@ -90,6 +94,7 @@ def test_weights_scale_the_advantage_in_the_loss(loss_name):
             old,
             adv,
             torch.zeros(B, dtype=torch.long),
+            loss_name=loss_name,
         ),
     )
     assert not torch.allclose(plain(lp, torch.arange(B)).loss, got)  # the weights did something

@@ -13,13 +13,20 @@ from nemo_d3s.backends.base import TokenBatch
 from nemo_d3s.core.losses import LossConfig, policy_loss, loss_denominator
 from nemo_d3s.distributed.groups import ParallelGroups
 from nemo_d3s.trainer.stats import update_metrics
-from nemo_d3s.trainer.update import UpdateBatch, compact, minibatch_denominators, update_policy
+from nemo_d3s.trainer.update import (
+    UpdateBatch,
+    compact,
+    make_loss_fn,
+    minibatch_denominators,
+    update_policy,
+)
 
 ONE = ParallelGroups()  # one process
 
 
 def _upd(batch, old, adv, keep, minibatch, n_mb=1, aggregation="token_mean") -> UpdateBatch:
-    """An UpdateBatch built by hand, with its denominators counted as compact() counts them."""
+    """An UpdateBatch built by hand, with its denominators counted as compact() counts them;
+    its rows are not cut (``whole_rows``)."""
     return UpdateBatch(
         batch,
         old,
@@ -27,6 +34,7 @@ def _upd(batch, old, adv, keep, minibatch, n_mb=1, aggregation="token_mean") -> 
         keep,
         minibatch,
         denominators=minibatch_denominators(keep, minibatch, n_mb, aggregation),
+        whole_rows=True,
     )
 
 
@@ -300,6 +308,7 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(
         cfg=cfg,
         denominator=loss_denominator(keep, aggregation, norm_mask=norm),
         norm_mask=norm,
+        ratio_mask=resp if loss_name == "gspo_token" else None,  # its ratio: the response
     )
     ref.loss.backward()
     upd = compact(
@@ -310,7 +319,12 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(
         mb,
         aggregation=aggregation,
         normalize_by=normalize_by,
+        loss_name=loss_name,
     )
+    if loss_name == "gspo_token":  # whole rows: the ratio reads every response token
+        assert upd.whole_rows and bool(
+            (upd.batch.response_mask.sum(1) == resp[[0, *range(2, B)]].sum(1)).all()
+        )
     assert len(upd) == B - 1
     be = _FakeBackend(table)
     update_policy(
@@ -326,6 +340,21 @@ def test_compaction_then_update_equals_the_uncompacted_full_batch_loss(
     torch.testing.assert_close(be.param.grad, ref_param.grad, rtol=1e-5, atol=1e-7)
     if normalize_by == "eligible" and aggregation != "token_mean":
         assert upd.denominators.item() == B  # every sample-selected row counts, kept tokens or not
+
+
+def test_a_loss_reading_the_whole_response_refuses_rows_cut_after_their_last_kept_token():
+    batch = _batch()
+    keep = batch.response_mask.clone()
+    keep[:, 4:] = False
+    upd = compact(batch, keep, None, torch.ones(4), torch.zeros(4, dtype=torch.long))
+    assert not upd.whole_rows and upd.batch.input_ids.shape[1] == 4  # cut after column 3
+    with pytest.raises(ValueError, match="keeps whole rows"):
+        make_loss_fn("gspo_token", LossConfig(), upd)
+    whole = compact(
+        batch, keep, None, torch.ones(4), torch.zeros(4, dtype=torch.long), loss_name="gspo_token"
+    )
+    assert whole.whole_rows and whole.batch.input_ids.shape[1] == 6
+    make_loss_fn("gspo_token", LossConfig(), whole)
 
 
 def test_eligible_normaliser_gives_smaller_steps_than_kept():
