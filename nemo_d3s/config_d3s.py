@@ -5,7 +5,7 @@ field changed on top, the (N, K) schedule as a subsection. Defaults are the ``d3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Union
+from typing import Any, ClassVar, Dict, List, Optional, Union
 
 from nemo_d3s.core.checks import is_number
 from nemo_d3s.config_section import Section, known
@@ -94,6 +94,9 @@ class D3SSection(Section):
     )
     eps: float = _DEFAULT["eps"]
     unbiased: bool = _DEFAULT["unbiased"]
+    # the offset of a re-normalising rule's (pods, pods_random, pods_max_reward) advantages on
+    # the kept subset; null: the PODS paper's 1e-4
+    renorm_eps: Optional[float] = None
     # At least this many tokens per optimizer step (K raised to M / eligible tokens when
     # K x eligible is smaller); 0 = no floor. core.presets.D3SConfig.min_kept_tokens.
     min_kept_tokens: int = _DEFAULT["min_kept_tokens"]
@@ -120,6 +123,7 @@ class D3SSection(Section):
             schedule=self.schedule.to_core(),
             eps=self.eps,
             unbiased=self.unbiased,
+            renorm_eps=self.renorm_eps,
             min_kept_tokens=self.min_kept_tokens,
             zero_advantage_tokens=self.zero_advantage_tokens,
             seed=seed,

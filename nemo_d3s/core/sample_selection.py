@@ -245,7 +245,8 @@ def select_random(x: SelectionInputs) -> SampleSelection:
 
 @SAMPLE_SELECTORS.register("max_reward")
 def select_max_reward(x: SelectionInputs) -> SampleSelection:
-    """The N highest rewards of each group, ties by lower index (PODS's baseline)."""
+    """The N highest rewards of each group, ties by lower index; full-group advantages (PODS's
+    max-reward baseline, which trains GRPO on the subset, is ``pods_max_reward``)."""
     keep = _grouped_top(x.rewards.to(torch.float64), x.index, x.n_groups, x.n_keep)
     return _result(keep, x.advantages)
 
@@ -256,9 +257,29 @@ def select_pods(x: SelectionInputs) -> SampleSelection:
     re-computed on the kept subset with the run's estimator (``advantage``; GRPO's
     (r - mean_S) / (std_S + eps) as the paper), eps default 1e-4 and unbiased std as the
     paper's code; a constant or single-rollout subset gets 0."""
+    keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
+    return _renormalised(x, keep)
+
+
+@SAMPLE_SELECTORS.register("pods_random", pooled=True, renormalises=True)
+def select_pods_random(x: SelectionInputs) -> SampleSelection:
+    """PODS's random baseline: ``random``'s subset, its advantages re-computed on it as
+    ``pods`` does (GRPO on N rollouts a prompt)."""
+    return _renormalised(x, select_random(x).sample_keep)
+
+
+@SAMPLE_SELECTORS.register("pods_max_reward", renormalises=True)
+def select_pods_max_reward(x: SelectionInputs) -> SampleSelection:
+    """PODS's max-reward baseline: ``max_reward``'s subset, its advantages re-computed on it as
+    ``pods`` does."""
+    return _renormalised(x, select_max_reward(x).sample_keep)
+
+
+def _renormalised(x: SelectionInputs, keep: torch.Tensor) -> SampleSelection:
+    """``keep`` [B] with the kept rollouts' advantages re-computed on the kept subset (the run's
+    estimator, eps default ``PODS_EPS``)."""
     eps = PODS_EPS if x.eps is None else x.eps
     check_eps(eps)
-    keep = _grouped_max_variance(x.rewards, x.index, x.n_groups, x.n_keep)
     kept = keep.nonzero().flatten()
     # Every group keeps >= 1 rollout, so the group numbering survives the restriction.
     estimator = ADVANTAGE_ESTIMATORS.get(x.advantage)

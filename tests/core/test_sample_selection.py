@@ -408,6 +408,38 @@ def test_pods_hand_worked_renormalisation():
         select_samples("pods", r, adv, g, 2, advantage="nope")
 
 
+def test_pods_baselines_train_grpo_on_their_subset():
+    """PODS's baselines (random, max-reward) are GRPO on the kept subset: ``max_reward`` keeps
+    the full-group advantages, ``pods_max_reward`` re-normalises them. Group [1, 1, 0, 0, 0, 0],
+    N = 2: max-reward keeps rows 0 and 1 (both successes): full-group advantages
+    (1 - 1/3) / (std_unbiased + 1e-6) = +1.29 each, a positive-only update; on the subset they
+    tie, so PODS's baseline trains nothing on this group."""
+    r = _t([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    g = torch.zeros(6, dtype=torch.long)
+    adv = compute_advantages(r, g).advantages
+    plain = select_samples("max_reward", r, adv, g, 2)
+    pods = select_samples("pods_max_reward", r, adv, g, 2)
+    assert plain.kept_rows.tolist() == pods.kept_rows.tolist() == [0, 1]
+    std = math.sqrt(sum((x - 1 / 3) ** 2 for x in r.tolist()) / 5)
+    want_full = torch.full((2,), (2 / 3) / (std + 1e-6), dtype=plain.advantages.dtype)
+    torch.testing.assert_close(plain.advantages[:2], want_full)
+    assert pods.advantages[:2].tolist() == [0.0, 0.0]
+    # random: the same subset as the plain rule for one seed, re-normalised on it as pods does
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    rand = select_samples("random", r, adv, g, 3, generator=gen())
+    both = select_samples("pods_random", r, adv, g, 3, generator=gen())
+    assert rand.kept_rows.tolist() == both.kept_rows.tolist()
+    sub = r[both.kept_rows]
+    want = (sub - sub.mean()) / (sub.std() + 1e-4)
+    torch.testing.assert_close(both.advantages[both.kept_rows], want.float())
+    # renorm_eps: the offset of the re-normalisation
+    no_eps = select_samples("pods_random", r, adv, g, 3, generator=gen(), eps=0.0)
+    if float(sub.std()) > 0:
+        torch.testing.assert_close(
+            no_eps.advantages[no_eps.kept_rows], ((sub - sub.mean()) / sub.std()).float()
+        )
+
+
 def test_one_per_group_keeps_the_largest_advantage_of_either_sign():
     """N = 1: a single value has no variance (every choice ties); the intra-group rules keep
     the rollout farthest from its group's mean, not the tie-break's lowest one, so a D3S-I
@@ -492,6 +524,8 @@ def test_registry_contents():
         "random",
         "max_reward",
         "pods",
+        "pods_random",
+        "pods_max_reward",
         "d3s_intra",
         "d3s_cross",
     }

@@ -215,6 +215,15 @@ def test_zero_advantage_tokens_reaches_the_selector():
     assert d3s_config(cfg).zero_advantage_tokens == "drop"
 
 
+def test_the_pods_renormalisation_offset_and_baselines_are_run_options():
+    cfg = compose(["d3s=pods", "d3s.renorm_eps=0.01", "output_dir=x"])
+    validate(cfg)
+    assert d3s_config(cfg).renorm_eps == 0.01
+    assert d3s_config(compose(["d3s=pods", "output_dir=x"])).renorm_eps is None  # 1e-4
+    validate(compose(["d3s=pods", "d3s.sample_rule=pods_max_reward", "output_dir=x"]))
+    assert "d3s.renorm_eps" in _error(["d3s=pods", "d3s.renorm_eps=-1"])
+
+
 def test_milestones_of_a_schedule_that_has_none_are_refused_not_dropped():
     msg = _error(["d3s.schedule.kind=linear", "d3s.schedule.milestones=[0.3]"])
     assert "d3s.schedule.milestones" in msg and "only kind=step" in msg
