@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Dict, List
 
-from nemo_d3s.backends.megatron.moe import check_moe_layout
+from nemo_d3s.backends.megatron.moe import check_moe_config
 from nemo_d3s.backends.megatron.param_counts import local_param_count
 from nemo_d3s.dry_run.memory import Workload
 from nemo_d3s.dry_run.sequence import replicated_share
@@ -43,13 +43,10 @@ __all__ = [
 def check_planned_moe(spec: Any, mcfg: Any) -> None:
     """The backend's MoE refusals (``moe.check_moe_layout``) for the backend config ``mcfg``, on
     CUDA (where ``distributed_optimizer=null`` means Megatron's)."""
-    check_moe_layout(
+    check_moe_config(
         spec,
-        tp=int(mcfg.tensor_model_parallel_size),
-        sequence_parallel=bool(mcfg.sequence_parallel),
+        mcfg,
         packed=bool(mcfg.pack_sequences),
-        ep=int(mcfg.expert_model_parallel_size),
-        etp=mcfg.expert_tensor_parallel_size,
         distributed_optimizer=mcfg.distributed_optimizer is not False,
     )
 

@@ -24,7 +24,7 @@ from nemo_d3s.backends.megatron.model import (
     use_transformer_engine,
     virtual_layouts,
 )
-from nemo_d3s.backends.megatron.moe import check_moe_layout, expert_layout, moe_config_kwargs
+from nemo_d3s.backends.megatron.moe import check_moe_config, expert_layout, moe_config_kwargs
 from nemo_d3s.backends.megatron.prepare import (
     LRSchedule,
     init_groups,
@@ -108,13 +108,10 @@ def build_policy(
     )
     if spec.num_experts and cfg.pack_sequences is None:
         pack = False  # MoE's DP-aligned plans are of rows (moe.align_micro_batches)
-    check_moe_layout(
+    check_moe_config(
         spec,
-        tp=tp,
+        cfg,
         packed=pack,
-        sequence_parallel=cfg.sequence_parallel,
-        ep=ep,
-        etp=etp,
         distributed_optimizer=optim.uses_distributed_optimizer(cfg.distributed_optimizer, device),
     )
     # Checked before any collective (headers only): every rank fails alike.

@@ -31,6 +31,7 @@ __all__ = [
     "ExpertGroups",
     "align_micro_batches",
     "couples_data_parallel",
+    "check_moe_config",
     "check_moe_layout",
     "expert_layout",
     "iter_expert_hf",
@@ -86,6 +87,20 @@ def check_moe_layout(
             "needs model.params.sequence_parallel=true (megatron-core's MoE layer trains "
             "only on sequence-parallel inputs)"
         )
+
+
+def check_moe_config(spec: ModelSpec, cfg, *, packed: bool, distributed_optimizer: bool) -> None:
+    """:func:`check_moe_layout` for the backend config ``cfg`` (its TP, sequence parallelism,
+    EP and ETP): the backend's start-up and the dry run's plan both call it."""
+    check_moe_layout(
+        spec,
+        tp=int(cfg.tensor_model_parallel_size),
+        sequence_parallel=bool(cfg.sequence_parallel),
+        packed=packed,
+        ep=int(cfg.expert_model_parallel_size),
+        etp=cfg.expert_tensor_parallel_size,
+        distributed_optimizer=distributed_optimizer,
+    )
 
 
 def moe_config_kwargs(
